@@ -1,0 +1,8 @@
+"""dfl-agent: serverless decentralized federated learning for edge devices.
+
+Layers (each depends only on those above it in this list):
+``learning`` -> ``algorithms`` -> ``transport``/``discovery`` -> ``runtime`` -> ``tools``.
+"""
+
+__version__ = "0.1.0"
+WIRE_VERSION = 1

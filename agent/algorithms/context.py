@@ -1,0 +1,116 @@
+"""What an algorithm sees of the world: :class:`Message` and :class:`NodeContext`.
+
+An algorithm is the behaviour of one node, written as async code against a
+``NodeContext``.  It never knows whether messages travel through MQTT or a Python
+queue, nor whether the clock is the wall clock or the simulator's virtual clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Awaitable, Callable, Mapping, Protocol, TypeVar, runtime_checkable
+
+import numpy as np
+
+T = TypeVar("T")
+
+BROADCAST = "*"
+
+
+@dataclasses.dataclass
+class Message:
+    """One protocol message between nodes.
+
+    Attributes:
+        kind: message type, e.g. ``"model"``; a short ``[a-z0-9_.-]`` string.
+        round: the sender's round number the message belongs to (>= 0).
+        tensors: named numpy arrays (C-contiguous; float16/32/64, int8/16/32/64,
+            uint8, bool). Travels as safetensors, never pickled.
+        meta: small JSON-serialisable dict (sample counts, architecture spec, ...).
+        sender: node id of the sender; filled in by the transport on receipt.
+        recipient: node id, or ``"*"`` for a broadcast.
+        msg_id: unique id (hex), set when encoded.
+        time: sender's wall-clock time (s since epoch) when encoded.
+        wire_bytes: bytes this message occupied on the wire (envelope and chunk
+            headers included), set by the transport on send and on receipt.
+    """
+
+    kind: str
+    round: int = 0
+    tensors: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    sender: str = ""
+    recipient: str = BROADCAST
+    msg_id: str = ""
+    time: float = 0.0
+    wire_bytes: int = 0
+
+
+class Clock(Protocol):
+    """Time source. ``now()`` is in seconds; monotonic within one run."""
+
+    def now(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+@runtime_checkable
+class NodeContext(Protocol):
+    """The interface between one node's algorithm and the runtime.
+
+    Implemented by :class:`agent.runtime.context.RuntimeContext` over either the
+    in-memory transport (simulator, tests) or MQTT (daemon).
+    """
+
+    node_id: str
+    rng: np.random.Generator
+    clock: Clock
+    data: Any  # agent.data.NodeData
+    model_spec: Mapping[str, Any]
+    config: Mapping[str, Any]
+
+    async def send(self, peer: str, message: Message) -> int:
+        """Send ``message`` to one peer; returns bytes put on the wire."""
+        ...
+
+    async def broadcast(self, message: Message) -> int:
+        """Publish ``message`` to every neighbour; returns bytes put on the wire."""
+        ...
+
+    async def receive(
+        self,
+        kind: str,
+        *,
+        round: int | None = None,
+        sender: str | None = None,
+        deadline: float | None = None,
+    ) -> Message | None:
+        """Next buffered message of ``kind`` (and ``round``/``sender`` when given).
+
+        Waits until one arrives or the clock reaches ``deadline`` (absolute time,
+        same scale as ``clock.now()``); returns ``None`` on timeout.  Messages of
+        other kinds or rounds stay buffered.
+        """
+        ...
+
+    def live_peers(self) -> list[str]:
+        """Ids of the peers currently believed alive (sorted, self excluded)."""
+        ...
+
+    async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run CPU/GPU-heavy ``fn`` (training) without blocking messaging.
+
+        The daemon runs it in a worker thread; the simulator inline.
+        """
+        ...
+
+    def reject(self, message: Message, reason: str) -> None:
+        """Drop a received message that the algorithm found invalid, and count it."""
+        ...
+
+    async def end_round(self, round: int, **info: Any) -> None:
+        """Tell the runtime a round finished (metrics, status, checkpoint)."""
+        ...
+
+
+AwaitableFactory = Callable[[], Awaitable[None]]

@@ -1,0 +1,164 @@
+"""The live peer table that every discovery source feeds.
+
+A peer is *live* while at least one source vouches for it: a static entry, an mDNS
+record that has not said goodbye, or an MQTT presence "online" that has not been
+replaced by "offline" (clean stop or last will), and, when a heartbeat timeout is
+set, it was heard from within that timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any, Callable
+
+SOURCES = ("static", "mdns", "presence")
+
+
+@dataclasses.dataclass
+class PeerInfo:
+    """What is known about one peer.
+
+    Attributes:
+        node_id: the peer's id.
+        federation: federation id it belongs to.
+        broker: ``"host:port"`` of the MQTT broker where its topics live ("" = unknown,
+            use the default broker).
+        profile, algorithm, model_hash, version: advertised descriptor fields.
+        address: network address it was seen at (mDNS), informational.
+        sources: which sources currently vouch for it.
+        last_seen: ``time.monotonic()`` of the last sign of life.
+    """
+
+    node_id: str
+    federation: str = ""
+    broker: str = ""
+    profile: str = ""
+    algorithm: str = ""
+    model_hash: str = ""
+    version: str = ""
+    address: str = ""
+    sources: set[str] = dataclasses.field(default_factory=set)
+    last_seen: float = 0.0
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def descriptor(self) -> dict[str, Any]:
+        """JSON-friendly view (for presence payloads, ``dflctl peers``)."""
+        d = dataclasses.asdict(self)
+        d["sources"] = sorted(self.sources)
+        return d
+
+
+Listener = Callable[[str, str, PeerInfo], None]  # (event: added|updated|removed, node_id, info)
+
+_FIELDS = ("federation", "broker", "profile", "algorithm", "model_hash", "version", "address")
+
+
+class PeerTable:
+    """Thread-safe table of peers (self excluded), fed by discovery sources.
+
+    Args:
+        self_id: this node's id (never added).
+        federation: only peers of this federation are accepted ("" accepts all).
+        heartbeat_timeout: seconds without a sign of life after which a peer that is
+            vouched for only by ``presence`` counts as not live (``None`` = never).
+        clock: monotonic time source (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        self_id: str,
+        federation: str = "",
+        heartbeat_timeout: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.self_id = self_id
+        self.federation = federation
+        self.heartbeat_timeout = heartbeat_timeout
+        self._clock = clock
+        self._peers: dict[str, PeerInfo] = {}
+        self._lock = threading.RLock()
+        self._listeners: list[Listener] = []
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(event, node_id, info)`` on added/updated/removed."""
+        self._listeners.append(listener)
+
+    def _emit(self, event: str, info: PeerInfo) -> None:
+        for listener in list(self._listeners):
+            listener(event, info.node_id, info)
+
+    def upsert(self, node_id: str, source: str, **fields: Any) -> PeerInfo | None:
+        """Record that ``source`` vouches for ``node_id`` with descriptor ``fields``.
+
+        Returns the updated entry, or ``None`` when ignored (self, other federation).
+        Raises:
+            ValueError: unknown ``source``.
+        """
+        if source not in SOURCES:
+            raise ValueError(f"unknown discovery source {source!r}")
+        fed = fields.get("federation", "")
+        if node_id == self.self_id or (self.federation and fed and fed != self.federation):
+            return None
+        with self._lock:
+            info = self._peers.get(node_id)
+            was_live = info is not None and self._is_live(info)
+            if info is None:
+                info = PeerInfo(node_id=node_id)
+                self._peers[node_id] = info
+            for key, value in fields.items():
+                if key in _FIELDS and value:
+                    setattr(info, key, str(value))
+                elif key not in _FIELDS and value is not None:
+                    info.extra[key] = value
+            info.sources.add(source)
+            info.last_seen = self._clock()
+        self._emit("updated" if was_live else "added", info)
+        return info
+
+    def touch(self, node_id: str) -> None:
+        """Record a sign of life (heartbeat, any message) from a known peer."""
+        with self._lock:
+            info = self._peers.get(node_id)
+            if info is not None:
+                info.last_seen = self._clock()
+
+    def withdraw(self, node_id: str, source: str) -> None:
+        """``source`` no longer vouches for ``node_id`` (goodbye, offline, last will)."""
+        with self._lock:
+            info = self._peers.get(node_id)
+            if info is None or source not in info.sources:
+                return
+            was_live = self._is_live(info)
+            info.sources.discard(source)
+            now_live = self._is_live(info)
+        if was_live and not now_live:
+            self._emit("removed", info)
+
+    def _is_live(self, info: PeerInfo) -> bool:
+        if not info.sources:
+            return False
+        if info.sources == {"presence"} and self.heartbeat_timeout is not None:
+            return self._clock() - info.last_seen <= self.heartbeat_timeout
+        return True
+
+    def get(self, node_id: str) -> PeerInfo | None:
+        with self._lock:
+            return self._peers.get(node_id)
+
+    def live_peers(self) -> list[str]:
+        """Sorted ids of live peers."""
+        with self._lock:
+            return sorted(n for n, i in self._peers.items() if self._is_live(i))
+
+    def all(self) -> list[PeerInfo]:
+        """Every peer ever seen (live or not), sorted by id."""
+        with self._lock:
+            return [self._peers[n] for n in sorted(self._peers)]
+
+    def broker_of(self, node_id: str) -> str:
+        """``"host:port"`` of the broker where ``node_id``'s topics live ("" = default)."""
+        with self._lock:
+            info = self._peers.get(node_id)
+            return info.broker if info else ""

@@ -1,0 +1,69 @@
+"""The transport interface shared by the in-memory and the MQTT implementations.
+
+A transport moves opaque *frames* (bytes, see :mod:`agent.transport.wire`) between
+nodes of one federation and reports peers' presence.  Decoding, validation and
+buffering of messages happen above it, in :class:`agent.runtime.context.RuntimeContext`,
+so both implementations behave the same for the algorithms.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import dataclasses
+from typing import Any, Callable
+
+#: Called for every complete frame received: ``on_frame(frame, wire_bytes)``.
+#: ``wire_bytes`` counts what the frame occupied on the wire (chunk headers included).
+FrameHandler = Callable[[bytes, int], None]
+#: Called when a peer's presence changes: ``on_presence(node_id, descriptor_or_None)``;
+#: ``None`` means the peer went offline (last will, clean shutdown).
+PresenceHandler = Callable[[str, "dict[str, Any] | None"], None]
+
+
+@dataclasses.dataclass
+class TransportStats:
+    """Counters of one transport (bytes are bytes on the wire, headers included)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    frames_sent: int = 0
+    frames_received: int = 0
+    dropped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "frames_sent": self.frames_sent,
+            "frames_received": self.frames_received,
+            "dropped": dict(self.dropped),
+        }
+
+
+class Transport(abc.ABC):
+    """Moves frames for one node (``node_id``) of one federation."""
+
+    node_id: str
+    federation: str
+    stats: TransportStats
+
+    @abc.abstractmethod
+    async def start(self, on_frame: FrameHandler, on_presence: PresenceHandler) -> None:
+        """Connect, announce presence ("online" + descriptor) and start delivering."""
+
+    @abc.abstractmethod
+    async def send(self, peer: str, frame: bytes) -> int:
+        """Deliver ``frame`` to ``peer``'s inbox (at-least-once). Returns wire bytes."""
+
+    @abc.abstractmethod
+    async def broadcast(self, frame: bytes) -> int:
+        """Publish ``frame`` on this node's broadcast channel. Returns wire bytes."""
+
+    @abc.abstractmethod
+    async def publish_status(self, status: dict[str, Any]) -> None:
+        """Publish this node's status (retained JSON on MQTT)."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Announce "offline" and disconnect cleanly. Idempotent."""

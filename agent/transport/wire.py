@@ -1,0 +1,268 @@
+"""Wire format v1: a versioned JSON envelope followed by tensors in safetensors.
+
+Frame layout (all integers big-endian)::
+
+    b"DFL" | version:u8 (=1) | header_len:u32 | header (UTF-8 JSON) | payload
+
+The header is the *envelope*::
+
+    {"v": 1, "fed": str, "sender": str, "recipient": str ("*" = broadcast),
+     "kind": str, "round": int, "msg_id": hex str, "time": float (unix s),
+     "payload_sha256": hex str, "payload_len": int,
+     "encoding": {"format": "safetensors" | "none",
+                  "tensors": {name: {"dtype": "float32", "shape": [..]}}},
+     "meta": {...}, "sig": null}
+
+The payload is a safetensors blob holding exactly the tensors the encoding names.
+A receiver needs nothing but the envelope to decode.  Nothing received is ever
+unpickled.  Every check failure raises :class:`WireError` with a short
+``reason`` used as a counter key (``malformed``, ``oversized``, ``version``,
+``wrong_federation``, ``wrong_recipient``, ``hash_mismatch``, ``bad_tensor``,
+``non_finite``).
+
+The ``sig`` field is reserved for Ed25519 signatures over the header and the
+payload hash (security issue); v1 frames carry ``null``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from agent import WIRE_VERSION
+from agent.algorithms.context import BROADCAST, Message
+
+MAGIC = b"DFL"
+_PREFIX = struct.Struct(">3sBI")
+PREFIX_LEN = _PREFIX.size
+MAX_HEADER_BYTES = 256 * 1024
+MAX_TENSORS = 4096
+DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+ALLOWED_DTYPES = {
+    "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool",
+}
+_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_KIND_RE = re.compile(r"^[a-z0-9_.\-]{1,32}$")
+
+
+class WireError(ValueError):
+    """A received frame failed a check. ``reason`` is a short counter key."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """Decoded and validated frame header (see module docstring)."""
+
+    version: int
+    federation: str
+    sender: str
+    recipient: str
+    kind: str
+    round: int
+    msg_id: str
+    time: float
+    payload_sha256: str
+    payload_len: int
+    encoding: dict[str, Any]
+    meta: dict[str, Any]
+    sig: str | None
+
+
+def valid_id(value: str) -> bool:
+    """True when ``value`` is a valid node or federation id (``[A-Za-z0-9_.-]{1,64}``)."""
+    return isinstance(value, str) and bool(_ID_RE.match(value))
+
+
+def _tensor_description(tensors: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
+    return {name: {"dtype": str(a.dtype), "shape": list(a.shape)} for name, a in tensors.items()}
+
+
+def encode(message: Message, *, federation: str, sender: str) -> bytes:
+    """Serialise ``message`` into one v1 frame.
+
+    Sets ``message.msg_id`` (if empty), ``message.time``, ``message.sender``.
+
+    Raises:
+        ValueError: a tensor has a dtype outside :data:`ALLOWED_DTYPES`, the kind or
+            an id is invalid, or ``meta`` is not JSON-serialisable.
+    """
+    if not _KIND_RE.match(message.kind):
+        raise ValueError(f"invalid message kind {message.kind!r}")
+    if not valid_id(federation) or not valid_id(sender):
+        raise ValueError("invalid federation or sender id")
+    if message.recipient != BROADCAST and not valid_id(message.recipient):
+        raise ValueError(f"invalid recipient {message.recipient!r}")
+    tensors: dict[str, np.ndarray] = {}
+    for name, arr in message.tensors.items():
+        a = np.asarray(arr)
+        if str(a.dtype) not in ALLOWED_DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {a.dtype} not allowed on the wire")
+        # safetensors 0.8 silently writes wrong values for non-contiguous arrays.
+        tensors[name] = np.ascontiguousarray(a)
+    payload = st_save(tensors) if tensors else b""
+    message.msg_id = message.msg_id or uuid.uuid4().hex
+    message.time = time.time()
+    message.sender = sender
+    header = {
+        "v": WIRE_VERSION,
+        "fed": federation,
+        "sender": sender,
+        "recipient": message.recipient,
+        "kind": message.kind,
+        "round": int(message.round),
+        "msg_id": message.msg_id,
+        "time": message.time,
+        "payload_sha256": hashlib.sha256(payload).hexdigest(),
+        "payload_len": len(payload),
+        "encoding": {
+            "format": "safetensors" if tensors else "none",
+            "tensors": _tensor_description(tensors),
+        },
+        "meta": message.meta,
+        "sig": None,
+    }
+    hbytes = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+    if len(hbytes) > MAX_HEADER_BYTES:
+        raise ValueError(f"envelope too large ({len(hbytes)} bytes)")
+    frame = _PREFIX.pack(MAGIC, WIRE_VERSION, len(hbytes)) + hbytes + payload
+    message.wire_bytes = len(frame)
+    return frame
+
+
+def _req(header: dict[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:
+    if key not in header:
+        raise WireError("malformed", f"envelope lacks {key!r}")
+    value = header[key]
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise WireError("malformed", f"envelope field {key!r} has type {type(value).__name__}")
+    return value
+
+
+def decode_envelope(frame: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Envelope:
+    """Parse and validate the header of ``frame`` without touching the payload.
+
+    Raises:
+        WireError: ``oversized``, ``malformed`` or ``version``.
+    """
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise WireError("malformed", "frame is not bytes")
+    if len(frame) > max_frame_bytes:
+        raise WireError("oversized", f"{len(frame)} > {max_frame_bytes} bytes")
+    if len(frame) < PREFIX_LEN:
+        raise WireError("malformed", "frame shorter than its prefix")
+    magic, version, hlen = _PREFIX.unpack_from(frame, 0)
+    if magic != MAGIC:
+        raise WireError("malformed", "bad magic")
+    if version != WIRE_VERSION:
+        raise WireError("version", f"unsupported wire version {version}")
+    if hlen > MAX_HEADER_BYTES or PREFIX_LEN + hlen > len(frame):
+        raise WireError("malformed", "header length out of range")
+    try:
+        header = json.loads(bytes(frame[PREFIX_LEN : PREFIX_LEN + hlen]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError("malformed", f"envelope is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise WireError("malformed", "envelope is not an object")
+    if _req(header, "v", int) != WIRE_VERSION:
+        raise WireError("version", f"envelope version {header['v']}")
+    fed = _req(header, "fed", str)
+    sender = _req(header, "sender", str)
+    recipient = _req(header, "recipient", str)
+    kind = _req(header, "kind", str)
+    rnd = _req(header, "round", int)
+    msg_id = _req(header, "msg_id", str)
+    t = _req(header, "time", (int, float))
+    digest = _req(header, "payload_sha256", str)
+    plen = _req(header, "payload_len", int)
+    encoding = _req(header, "encoding", dict)
+    meta = _req(header, "meta", dict)
+    sig = header.get("sig")
+    if not (valid_id(fed) and valid_id(sender) and (recipient == BROADCAST or valid_id(recipient))):
+        raise WireError("malformed", "invalid id in envelope")
+    if not _KIND_RE.match(kind) or rnd < 0 or not (0 < len(msg_id) <= 64):
+        raise WireError("malformed", "invalid kind, round or message id")
+    if plen != len(frame) - PREFIX_LEN - hlen:
+        raise WireError("malformed", f"payload length {len(frame) - PREFIX_LEN - hlen} != declared {plen}")
+    if sig is not None and not isinstance(sig, str):
+        raise WireError("malformed", "sig must be null or a string")
+    fmt = encoding.get("format")
+    desc = encoding.get("tensors", {})
+    if fmt not in ("safetensors", "none") or not isinstance(desc, dict) or len(desc) > MAX_TENSORS:
+        raise WireError("malformed", "unknown encoding")
+    for name, d in desc.items():
+        if (
+            not isinstance(d, dict)
+            or d.get("dtype") not in ALLOWED_DTYPES
+            or not isinstance(d.get("shape"), list)
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in d["shape"])
+        ):
+            raise WireError("malformed", f"bad tensor description for {name!r}")
+    return Envelope(
+        version=header["v"], federation=fed, sender=sender, recipient=recipient, kind=kind,
+        round=rnd, msg_id=msg_id, time=float(t), payload_sha256=digest, payload_len=plen,
+        encoding=encoding, meta=meta, sig=sig,
+    )
+
+
+def decode(
+    frame: bytes,
+    *,
+    federation: str | None = None,
+    recipient: str | None = None,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+) -> Message:
+    """Fully decode and validate ``frame`` into a :class:`Message`.
+
+    Args:
+        federation: when given, frames of any other federation are rejected.
+        recipient: when given (this node's id), frames addressed to another node
+            are rejected (broadcasts pass).
+
+    Raises:
+        WireError: any failed check (see module docstring for reasons).
+    """
+    env = decode_envelope(frame, max_frame_bytes=max_frame_bytes)
+    if federation is not None and env.federation != federation:
+        raise WireError("wrong_federation", f"{env.federation!r} != {federation!r}")
+    if recipient is not None and env.recipient not in (BROADCAST, recipient):
+        raise WireError("wrong_recipient", env.recipient)
+    payload = bytes(frame[len(frame) - env.payload_len :]) if env.payload_len else b""
+    if hashlib.sha256(payload).hexdigest() != env.payload_sha256:
+        raise WireError("hash_mismatch", "payload hash differs from envelope")
+    desc: dict[str, dict[str, Any]] = env.encoding.get("tensors", {})
+    tensors: dict[str, np.ndarray] = {}
+    if env.encoding.get("format") == "safetensors":
+        try:
+            tensors = st_load(payload)
+        except Exception as exc:  # safetensors raises its own error types
+            raise WireError("bad_tensor", f"payload is not safetensors: {exc}") from None
+    elif payload:
+        raise WireError("malformed", "payload present but encoding is 'none'")
+    if set(tensors) != set(desc):
+        raise WireError("bad_tensor", "tensor names differ from the envelope's encoding")
+    for name, arr in tensors.items():
+        d = desc[name]
+        if str(arr.dtype) != d["dtype"] or list(arr.shape) != d["shape"]:
+            raise WireError("bad_tensor", f"{name}: {arr.dtype}{list(arr.shape)} != {d['dtype']}{d['shape']}")
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise WireError("non_finite", f"{name} holds NaN or Inf")
+    return Message(
+        kind=env.kind, round=env.round, tensors=tensors, meta=env.meta, sender=env.sender,
+        recipient=env.recipient, msg_id=env.msg_id, time=env.time, wire_bytes=len(frame),
+    )
