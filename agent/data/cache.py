@@ -1,0 +1,110 @@
+"""The on-disk cache of converted datasets (plain ``.npz`` files).
+
+Location: the ``cache_dir`` argument, else the environment variable
+``DFL_CACHE_DIR``, else ``~/.cache/dfl-agent``.  Files are written atomically
+(temporary file in the same directory, ``fsync``, ``os.replace``), so a reader
+sees either the old complete file or the new complete one, and several
+processes converting at once are harmless (the last rename wins; all write the
+same content).  Cached files are always read with ``allow_pickle=False``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import zipfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["CACHE_ENV", "resolve_cache_dir", "atomic_savez", "read_npz"]
+
+CACHE_ENV = "DFL_CACHE_DIR"
+
+
+def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The cache directory to use (not created here).
+
+    Order: ``cache_dir`` argument, ``$DFL_CACHE_DIR``, ``~/.cache/dfl-agent``.
+    """
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "dfl-agent"
+
+
+def atomic_savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Write ``arrays`` as an uncompressed ``.npz`` at ``path``, atomically.
+
+    Creates the parent directory if needed.
+
+    Raises:
+        OSError: the directory cannot be created or written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:  # make the rename itself durable (best effort; not possible everywhere)
+        dfd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
+def read_npz(path: Path, keys: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
+    """Read every array (or just ``keys``) of an ``.npz`` with ``allow_pickle=False``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the file is not a readable npz, holds an object array, or
+            lacks one of ``keys`` (the message names the file and the key).
+    """
+    path = Path(path)
+    # We open the file ourselves: np.load leaks its handle when the zip is corrupt.
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be opened ({e})") from None
+    with f:
+        try:
+            z = np.load(f, allow_pickle=False)
+        except (ValueError, zipfile.BadZipFile, EOFError, OSError) as e:
+            raise ValueError(f"{path}: not a readable .npz file ({e})") from None
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise ValueError(f"{path}: is a single .npy array, not an .npz archive")
+        with z:
+            names = list(z.files) if keys is None else list(keys)
+            out: dict[str, np.ndarray] = {}
+            for k in names:
+                if k not in z.files:
+                    raise ValueError(f"{path}: missing array {k!r} (has {sorted(z.files)})")
+                try:
+                    out[k] = z[k]
+                except ValueError as e:  # object arrays need pickle: refused
+                    raise ValueError(f"{path}: array {k!r} cannot be read without "
+                                     f"pickle ({e})") from None
+                except (zipfile.BadZipFile, zlib.error, EOFError, OSError, KeyError) as e:
+                    raise ValueError(f"{path}: array {k!r} is unreadable ({e})") from None
+            return out
