@@ -1,0 +1,266 @@
+"""Splitting large frames into bounded chunks and reassembling them (pure, no I/O).
+
+MQTT brokers limit the size of one message (mosquitto ``max_packet_size``, memory of
+small device brokers), and paho does not honour the limit announced by the broker.
+The MQTT transport therefore passes every outgoing frame through :func:`split` and
+every incoming payload through a :class:`Reassembler`.
+
+Chunk layout (all integers big-endian)::
+
+    b"DFC" | version:u8 (=1) | transfer_id:16 bytes | index:u32 | count:u32
+           | total_len:u64 | sha256(whole frame):32 bytes | data
+
+The header is :data:`HEADER_LEN` (68) bytes.  ``index`` runs from 0 to ``count-1``,
+every chunk carries at least one byte of data, the data of all chunks concatenated
+in index order is the frame (``total_len`` bytes) whose SHA-256 is in every header.
+
+A frame that fits into one message is sent as it is (a plain frame, e.g. a wire
+frame starting with ``b"DFL"``) - except a frame that itself starts with the chunk
+magic ``b"DFC"``, which is always wrapped in chunks so the receiver cannot mistake it
+for one.  The receiver tells the two apart by the first three bytes.
+
+Errors are :class:`ChunkError` with a short ``reason`` used as a counter key:
+
+``bad_chunk``
+    truncated header, unknown version, impossible index/count/length, a header that
+    disagrees with earlier chunks of the same transfer, more data than declared.
+``oversized``
+    a declared total above ``max_frame_bytes`` (checked before anything is stored).
+``hash_mismatch``
+    all chunks arrived but the SHA-256 of the reassembled frame differs.
+``too_many_transfers``
+    a new transfer while ``max_transfers`` are pending, or a chunk that would make
+    the pending data exceed ``max_bytes``.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import os
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+#: First bytes of every chunk.
+CHUNK_MAGIC = b"DFC"
+#: Chunk format version.
+CHUNK_VERSION = 1
+_HEADER = struct.Struct(">3sB16sIIQ32s")
+#: Bytes of chunk header before the data.
+HEADER_LEN = _HEADER.size  # 68
+_MAX_U32 = 0xFFFFFFFF
+
+CHUNK_ERROR_REASONS = ("bad_chunk", "oversized", "hash_mismatch", "too_many_transfers")
+
+
+class ChunkError(ValueError):
+    """A received chunk was rejected. ``reason`` is one of :data:`CHUNK_ERROR_REASONS`."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+def is_chunk(payload: bytes) -> bool:
+    """True when ``payload`` starts with the chunk magic (it must then parse as a chunk)."""
+    return payload[:3] == CHUNK_MAGIC
+
+
+def split(frame: bytes, chunk_size: int, *, transfer_id: bytes | None = None) -> list[bytes]:
+    """Split ``frame`` into messages of at most ``chunk_size`` bytes each.
+
+    Args:
+        frame: the bytes to send (opaque).
+        chunk_size: maximum size in bytes of one message, chunk header included.
+        transfer_id: 16 bytes naming the transfer (default: random, ``os.urandom``).
+
+    Returns:
+        ``[frame]`` unchanged when ``len(frame) <= chunk_size`` (and the frame does not
+        start with :data:`CHUNK_MAGIC`), else the chunks in index order, each of
+        ``len <= chunk_size``; chunk ``i`` carries ``frame[i*d:(i+1)*d]`` with
+        ``d = chunk_size - HEADER_LEN``.
+
+    Raises:
+        ValueError: ``chunk_size <= HEADER_LEN + 1``, a bad ``transfer_id``, or a frame
+            that would need more than 2**32-1 chunks.
+    """
+    if not isinstance(chunk_size, int) or chunk_size <= HEADER_LEN + 1:
+        raise ValueError(f"chunk_size must be an int > {HEADER_LEN + 1}, got {chunk_size!r}")
+    frame = bytes(frame)
+    if len(frame) <= chunk_size and not is_chunk(frame):
+        return [frame]
+    if transfer_id is None:
+        transfer_id = os.urandom(16)
+    if len(transfer_id) != 16:
+        raise ValueError("transfer_id must be 16 bytes")
+    data_size = chunk_size - HEADER_LEN
+    total = len(frame)
+    count = max(1, -(-total // data_size))
+    if count > _MAX_U32:
+        raise ValueError(f"frame of {total} bytes needs too many chunks of {chunk_size} bytes")
+    digest = hashlib.sha256(frame).digest()
+    view = memoryview(frame)
+    chunks = []
+    for index in range(count):
+        header = _HEADER.pack(CHUNK_MAGIC, CHUNK_VERSION, transfer_id, index, count, total, digest)
+        chunks.append(header + view[index * data_size:(index + 1) * data_size])
+    return chunks
+
+
+@dataclass
+class _Transfer:
+    count: int
+    total: int
+    digest: bytes
+    parts: dict[int, bytes] = field(default_factory=dict)
+    held: int = 0  # data bytes stored
+    wire_bytes: int = 0  # message bytes of the distinct chunks received
+    last_seen: float = 0.0
+
+
+class Reassembler:
+    """Reassembles chunked frames from one stream of messages (one MQTT topic).
+
+    Args:
+        max_transfers: most transfers pending at once.
+        max_bytes: most data bytes held by all pending transfers together.
+        timeout: seconds without a new chunk after which :meth:`expire` drops a
+            pending transfer (an inactivity deadline, so slow links can still
+            deliver large frames).
+        max_frame_bytes: largest declared frame size accepted.
+        clock: monotonic time source in seconds (injectable for tests).
+
+    Memory: chunks are stored as they arrive (nothing is preallocated from a
+    declared size), at most ``max_bytes`` in all; a completed frame is joined once.
+    Not thread-safe: use one per thread or guard it with a lock.
+    """
+
+    #: how many completed transfer ids are remembered to ignore late duplicates
+    RECENT_COMPLETED = 1024
+
+    def __init__(
+        self,
+        max_transfers: int = 64,
+        max_bytes: int = 256 * 1024 * 1024,
+        timeout: float = 30.0,
+        max_frame_bytes: int = 64 * 1024 * 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if max_transfers < 1:
+            raise ValueError("max_transfers must be >= 1")
+        if max_bytes < 1:
+            raise ValueError("max_bytes must be >= 1")
+        if not timeout > 0:
+            raise ValueError("timeout must be > 0")
+        if max_frame_bytes < 1:
+            raise ValueError("max_frame_bytes must be >= 1")
+        self.max_transfers = max_transfers
+        self.max_bytes = max_bytes
+        self.timeout = float(timeout)
+        self.max_frame_bytes = max_frame_bytes
+        self._clock = clock
+        self._transfers: dict[bytes, _Transfer] = {}
+        self._held = 0
+        self._completed: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+
+    @property
+    def pending(self) -> int:
+        """Number of incomplete transfers held."""
+        return len(self._transfers)
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing is pending or remembered (the object may be discarded)."""
+        return not self._transfers and not self._completed
+
+    @property
+    def held_bytes(self) -> int:
+        """Data bytes held by incomplete transfers."""
+        return self._held
+
+    def feed(self, data: bytes) -> bytes | None:
+        """Take one received message; return a complete frame or ``None``.
+
+        A message that does not start with :data:`CHUNK_MAGIC` is a plain frame and
+        is returned as it is.  Duplicated chunks (QoS 1 redelivery), also of an
+        already completed transfer, are ignored.
+
+        Raises:
+            ChunkError: see the module docstring for the reasons.
+        """
+        result = self.feed_with_size(data)
+        return None if result is None else result[0]
+
+    def feed_with_size(self, data: bytes) -> tuple[bytes, int] | None:
+        """Like :meth:`feed`, but returns ``(frame, wire_bytes)`` where ``wire_bytes`` is
+        the total size of the distinct messages (headers included) the frame came in."""
+        data = bytes(data)
+        if not is_chunk(data):
+            return data, len(data)
+        if len(data) < HEADER_LEN + 1:
+            raise ChunkError("bad_chunk", f"chunk of {len(data)} bytes is shorter than its header + 1")
+        _, version, tid, index, count, total, digest = _HEADER.unpack_from(data)
+        if version != CHUNK_VERSION:
+            raise ChunkError("bad_chunk", f"unknown chunk version {version}")
+        if total > self.max_frame_bytes:
+            raise ChunkError("oversized", f"declared frame of {total} bytes > {self.max_frame_bytes}")
+        payload = data[HEADER_LEN:]
+        if count < 1 or index >= count or total < count or len(payload) > total:
+            raise ChunkError("bad_chunk", f"impossible chunk index={index} count={count} total={total}")
+        now = self._clock()
+        if tid in self._completed:
+            return None  # late duplicate of a delivered frame
+        transfer = self._transfers.get(tid)
+        if transfer is None:
+            if len(self._transfers) >= self.max_transfers:
+                raise ChunkError("too_many_transfers", f"{len(self._transfers)} transfers pending")
+            transfer = _Transfer(count=count, total=total, digest=digest, last_seen=now)
+            new = True
+        else:
+            new = False
+            if (transfer.count, transfer.total, transfer.digest) != (count, total, digest):
+                raise ChunkError("bad_chunk", "header disagrees with earlier chunks of the transfer")
+            if index in transfer.parts:
+                return None  # duplicate
+        if transfer.held + len(payload) > total:
+            raise ChunkError("bad_chunk", "more data than the declared total")
+        if self._held + len(payload) > self.max_bytes:
+            raise ChunkError("too_many_transfers", f"pending chunks would exceed {self.max_bytes} bytes")
+        if new:
+            self._transfers[tid] = transfer
+        transfer.parts[index] = payload
+        transfer.held += len(payload)
+        transfer.wire_bytes += len(data)
+        transfer.last_seen = now
+        self._held += len(payload)
+        if len(transfer.parts) < transfer.count:
+            return None
+        # complete
+        del self._transfers[tid]
+        self._held -= transfer.held
+        if transfer.held != transfer.total:
+            raise ChunkError("bad_chunk", f"chunks carry {transfer.held} bytes, declared {transfer.total}")
+        frame = b"".join(transfer.parts[i] for i in range(transfer.count))
+        transfer.parts.clear()
+        if hashlib.sha256(frame).digest() != transfer.digest:
+            raise ChunkError("hash_mismatch", "sha256 of the reassembled frame differs")
+        self._completed[tid] = now
+        while len(self._completed) > self.RECENT_COMPLETED:
+            self._completed.popitem(last=False)
+        return frame, transfer.wire_bytes
+
+    def expire(self) -> int:
+        """Drop transfers without a new chunk for ``timeout`` seconds; return how many."""
+        now = self._clock()
+        stale = [tid for tid, t in self._transfers.items() if now - t.last_seen > self.timeout]
+        for tid in stale:
+            self._held -= self._transfers.pop(tid).held
+        while self._completed:
+            tid, seen = next(iter(self._completed.items()))
+            if now - seen <= self.timeout:
+                break
+            self._completed.popitem(last=False)
+        return len(stale)

@@ -1,0 +1,802 @@
+"""The MQTT transport: frames, presence and status of one node over real brokers.
+
+Topic tree of a federation ``{fed}`` (``{id}`` = node id)::
+
+    dfl/{fed}/node/{id}/presence  retained JSON, QoS 1
+        online:  {"state": "online", "node_id": id, "descriptor": {...}, "time": unix s}
+        offline: {"state": "offline", "node_id": id, "time": unix s}
+                 (the MQTT last will, and published by ``stop()`` itself);
+        an empty retained payload (cleared) also means offline.
+    dfl/{fed}/node/{id}/status    retained JSON, QoS 1: the dict given to
+        ``publish_status`` plus "node_id", "time" (unix s) and "heartbeat" (a counter);
+        republished every ``heartbeat_interval`` seconds, so it is also the heartbeat.
+    dfl/{fed}/node/{id}/inbox     frames addressed to this node (QoS ``qos``, default 1).
+    dfl/{fed}/node/{id}/out       this node's broadcasts (QoS ``qos``); every node
+                                  subscribes to ``dfl/{fed}/node/+/out``, ignores its own.
+
+Payloads on ``inbox`` and ``out`` are either a whole frame (opaque bytes, normally a
+wire frame ``b"DFL"...``, see :mod:`agent.transport.wire`) or a chunk of one
+(``b"DFC"...``, see :mod:`agent.transport.chunking`): every outgoing frame goes
+through :func:`~agent.transport.chunking.split` with ``chunk_size`` and every
+incoming payload through one :class:`~agent.transport.chunking.Reassembler` per
+(broker, topic).
+
+Connections: one paho client per broker endpoint ("host:port").  The *home* broker
+(``broker``) carries this node's own topics, its last will, its inbox subscription.
+A frame for a peer goes to the peer's inbox on ``peers.broker_of(peer)`` (``""`` =
+home); such an extra broker gets its own client, created lazily (or as soon as the
+peer table names it), which subscribes there to ``+/out``, ``+/presence`` and
+``+/status`` so that the peers living there are heard too.  Use one spelling per
+broker in the directory: two spellings of one broker make two connections and
+duplicate deliveries.
+
+Threads: each paho client runs its network thread (``loop_start``), which also
+reassembles chunks; handlers (``on_frame``, ``on_presence``, ``on_heartbeat``) are
+always called on the asyncio loop that called :meth:`MqttTransport.start`, through
+``loop.call_soon_threadsafe``.  A maintenance thread expires incomplete transfers
+and publishes the heartbeat.  ``send``/``broadcast`` never block the loop on the
+network: paho queues the publishes and its thread writes them.
+
+Failures: paho reconnects with exponential backoff (1 s doubling to 30 s); on every
+(re)connect the transport subscribes again and republishes presence and status.
+Frames published while a broker is away are queued by paho (QoS >= 1, up to
+``max_pending_bytes`` per broker) and written after the reconnection; with QoS 0
+they are dropped.  If this node sees its own presence turn "offline" while it runs
+(the late last will of an earlier run of the same node id), it republishes "online".
+Nothing received raises: malformed payloads are counted and logged at warning.
+Incomplete transfers are held at most ``4 * max_frame_bytes`` per broker connection.
+
+Byte accounting: "wire bytes" are the MQTT *payload* bytes of all the messages a
+frame travelled in (chunk headers included, MQTT fixed header and topic excluded:
+add ``len(topic) + 4`` per message for a close estimate of the full packet).
+``stats.bytes_received`` counts every payload received on ``inbox``/``out``
+(also those then dropped); presence and status traffic is not counted.
+
+Drop counters (``stats.dropped``): the :class:`~agent.transport.chunking.ChunkError`
+reasons (``bad_chunk``, ``oversized``, ``hash_mismatch``, ``too_many_transfers``),
+``incomplete_transfer`` (expired), ``bad_presence``, ``bad_status``,
+``not_connected`` (QoS 0 publish while disconnected, or after ``stop()``),
+``queue_full`` (more than ``max_pending_bytes`` waiting to be written),
+``publish_error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import re
+import secrets
+import threading
+import time
+from typing import Any, Callable
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.subscribeoptions import SubscribeOptions
+
+from agent.transport.base import FrameHandler, PresenceHandler, Transport, TransportStats
+from agent.transport.chunking import HEADER_LEN, ChunkError, Reassembler, is_chunk, split
+
+log = logging.getLogger(__name__)
+
+TOPIC_ROOT = "dfl"
+PROTOCOLS = {"5": mqtt.MQTTv5, "3.1.1": mqtt.MQTTv311}
+#: most bytes of one MQTT payload paho accepts (MQTT limit minus room for the topic)
+MAX_CHUNK_SIZE = 256 * 1024 * 1024 - 64 * 1024
+#: frames larger than this are split and published off the event loop thread
+_OFFLOAD_BYTES = 1024 * 1024
+#: how long ``stop()`` waits for the offline message and queued frames to go out (s)
+STOP_FLUSH_TIMEOUT = 2.0
+
+HeartbeatHandler = Callable[[str, "dict[str, Any]"], None]
+
+_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def topic(federation: str, node_id: str, leaf: str) -> str:
+    """``dfl/{federation}/node/{node_id}/{leaf}`` (``node_id`` may be ``+``)."""
+    return f"{TOPIC_ROOT}/{federation}/node/{node_id}/{leaf}"
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """Split ``"host:port"`` (IPv6 as ``"[::1]:1883"``) into ``(host, port)``.
+
+    Raises:
+        ValueError: not of that form, or port outside 1..65535.
+    """
+    if not isinstance(endpoint, str) or ":" not in endpoint:
+        raise ValueError(f"broker endpoint must be 'host:port', got {endpoint!r}")
+    host, _, port_s = endpoint.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or not port_s.isdigit() or not 1 <= int(port_s) <= 65535:
+        raise ValueError(f"broker endpoint must be 'host:port', got {endpoint!r}")
+    return host, int(port_s)
+
+
+_paho_logger = logging.getLogger(__name__ + ".paho")
+
+
+def _paho_log(client, userdata, level, buf) -> None:
+    # paho reports every failed reconnection attempt at ERROR; our own messages say
+    # what matters (lost/reconnected broker), so paho's go to debug.
+    _paho_logger.debug("%s", buf)
+
+
+class _Conn:
+    """One paho client to one broker endpoint, with its readiness state."""
+
+    def __init__(self, endpoint: str, home: bool):
+        self.endpoint = endpoint
+        self.host, self.port = parse_endpoint(endpoint)
+        self.home = home
+        self.client: mqtt.Client | None = None
+        self.connected = False  # CONNACK success seen, no disconnect since
+        self.ready = threading.Event()  # connected and SUBACK for our subscriptions
+        self.ever_ready = False
+        self.sub_mid: int | None = None
+        self.error = ""  # last connection/subscription problem, for messages
+        self.fatal = ""  # subscription refused: start() fails at once
+        self.created = time.monotonic()
+        self.lock = threading.Lock()
+        self.pending: collections.deque[tuple[mqtt.MQTTMessageInfo, int]] = collections.deque()
+        self.pending_bytes = 0
+        # one Reassembler per topic heard on this connection, fed by paho's thread and
+        # expired by the maintenance thread, both under reasm_lock
+        self.reassemblers: dict[str, Reassembler] = {}
+        self.reasm_lock = threading.Lock()
+
+    def prune(self) -> int:
+        """Forget published messages at the head of the queue; return bytes still pending."""
+        with self.lock:
+            while self.pending:
+                info, size = self.pending[0]
+                try:
+                    done = info.is_published()
+                except (ValueError, RuntimeError):
+                    done = True  # failed: not pending any more
+                if not done:
+                    break
+                self.pending.popleft()
+                self.pending_bytes -= size
+            return self.pending_bytes
+
+    def track(self, info: mqtt.MQTTMessageInfo, size: int) -> None:
+        with self.lock:
+            self.pending.append((info, size))
+            self.pending_bytes += size
+
+
+class MqttTransport(Transport):
+    """Moves frames of node ``node_id`` of federation ``federation`` over MQTT.
+
+    Args:
+        node_id: this node's id (``[A-Za-z0-9_.-]{1,64}``, it is a topic level).
+        federation: federation id (same alphabet).
+        broker: home broker, ``"host:port"``.
+        peers: the peer directory; ``peers.broker_of(peer)`` names the broker of a
+            peer's topics ("" = home).  Its listener is used to connect early to
+            brokers it names (see ``connect_peer_brokers``).
+        descriptor: JSON-serialisable dict announced in the presence message.
+        protocol: ``"5"`` or ``"3.1.1"`` (amqtt speaks only 3.1.1).
+        chunk_size: largest MQTT payload sent, in bytes (chunk header included);
+            keep it at or under the broker's maximum packet size minus the topic.
+        max_frame_bytes: largest frame sent or accepted, in bytes.
+        reassembly_timeout: seconds without a new chunk after which an incomplete
+            transfer is dropped (counted as ``incomplete_transfer``).
+        keepalive: MQTT keepalive in seconds; the broker publishes the last will
+            after about 1.5 x keepalive of silence.
+        heartbeat_interval: seconds between republications of the status.
+        username, password: broker credentials (password needs a username).
+        qos: MQTT QoS of frames (0, 1 or 2); presence and status always use 1.
+        connect_timeout: seconds ``start`` waits for the home broker (and ``send``
+            for a newly created extra connection).
+        on_heartbeat: ``on_heartbeat(node_id, status_dict)`` for every status
+            message of another node (called on the event loop).
+        max_pending_bytes: most bytes of frames queued per broker connection and not
+            yet written (e.g. while disconnected); beyond, frames are dropped
+            (``queue_full``).
+        connect_peer_brokers: connect to every broker the peer table names as soon as
+            it names it (to hear the broadcasts there); otherwise only on first send.
+
+    Raises:
+        ValueError: an invalid argument (the message names it).
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        federation: str,
+        *,
+        broker: str,
+        peers: Any,
+        descriptor: dict[str, Any],
+        protocol: str = "5",
+        chunk_size: int = 256 * 1024,
+        max_frame_bytes: int = 64 * 1024 * 1024,
+        reassembly_timeout: float = 30.0,
+        keepalive: int = 10,
+        heartbeat_interval: float = 5.0,
+        username: str | None = None,
+        password: str | None = None,
+        qos: int = 1,
+        connect_timeout: float = 10.0,
+        on_heartbeat: HeartbeatHandler | None = None,
+        max_pending_bytes: int = 256 * 1024 * 1024,
+        connect_peer_brokers: bool = True,
+    ):
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name}: {why}")
+
+        if not isinstance(node_id, str) or not _ID_RE.match(node_id):
+            raise bad("node_id", f"must match [A-Za-z0-9_.-]{{1,64}}, got {node_id!r}")
+        if not isinstance(federation, str) or not _ID_RE.match(federation):
+            raise bad("federation", f"must match [A-Za-z0-9_.-]{{1,64}}, got {federation!r}")
+        try:
+            parse_endpoint(broker)
+        except ValueError as exc:
+            raise bad("broker", str(exc)) from None
+        if peers is None or not callable(getattr(peers, "broker_of", None)):
+            raise bad("peers", "must be a PeerTable (with broker_of)")
+        if not isinstance(descriptor, dict):
+            raise bad("descriptor", "must be a dict")
+        try:
+            json.dumps(descriptor)
+        except (TypeError, ValueError) as exc:
+            raise bad("descriptor", f"must be JSON-serialisable ({exc})") from None
+        if protocol not in PROTOCOLS:
+            raise bad("protocol", f"must be one of {sorted(PROTOCOLS)}, got {protocol!r}")
+        if not isinstance(chunk_size, int) or not HEADER_LEN + 1 < chunk_size <= MAX_CHUNK_SIZE:
+            raise bad("chunk_size", f"must be an int in {HEADER_LEN + 2}..{MAX_CHUNK_SIZE}, got {chunk_size!r}")
+        if not isinstance(max_frame_bytes, int) or max_frame_bytes < 1:
+            raise bad("max_frame_bytes", f"must be a positive int, got {max_frame_bytes!r}")
+        if not isinstance(reassembly_timeout, (int, float)) or not reassembly_timeout > 0:
+            raise bad("reassembly_timeout", f"must be > 0 seconds, got {reassembly_timeout!r}")
+        if not isinstance(keepalive, int) or not 1 <= keepalive <= 65535:
+            raise bad("keepalive", f"must be an int in 1..65535 seconds, got {keepalive!r}")
+        if not isinstance(heartbeat_interval, (int, float)) or not heartbeat_interval > 0:
+            raise bad("heartbeat_interval", f"must be > 0 seconds, got {heartbeat_interval!r}")
+        if username is not None and not isinstance(username, str):
+            raise bad("username", "must be a str or None")
+        if password is not None and (not isinstance(password, str) or username is None):
+            raise bad("password", "must be a str, and needs a username")
+        if qos not in (0, 1, 2):
+            raise bad("qos", f"must be 0, 1 or 2, got {qos!r}")
+        if not isinstance(connect_timeout, (int, float)) or not connect_timeout > 0:
+            raise bad("connect_timeout", f"must be > 0 seconds, got {connect_timeout!r}")
+        if on_heartbeat is not None and not callable(on_heartbeat):
+            raise bad("on_heartbeat", "must be callable or None")
+        if not isinstance(max_pending_bytes, int) or max_pending_bytes < chunk_size:
+            raise bad("max_pending_bytes", f"must be an int >= chunk_size, got {max_pending_bytes!r}")
+
+        self.node_id = node_id
+        self.federation = federation
+        self.broker = broker
+        self.peers = peers
+        self.descriptor = dict(descriptor)
+        self.protocol = protocol
+        self.chunk_size = chunk_size
+        self.max_frame_bytes = max_frame_bytes
+        self.reassembly_timeout = float(reassembly_timeout)
+        self.keepalive = keepalive
+        self.heartbeat_interval = float(heartbeat_interval)
+        self.username = username
+        self.password = password
+        self.qos = qos
+        self.connect_timeout = float(connect_timeout)
+        self.on_heartbeat = on_heartbeat
+        self.max_pending_bytes = max_pending_bytes
+        self.connect_peer_brokers = connect_peer_brokers
+
+        #: most bytes of incomplete transfers held per broker connection, all topics together
+        self._max_reassembly_bytes = 4 * max_frame_bytes
+        self.stats = TransportStats()
+        #: latest status dict of every other node heard (node id -> status)
+        self.statuses: dict[str, dict[str, Any]] = {}
+
+        self._lock = threading.RLock()
+        self._conns: dict[str, _Conn] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_frame: FrameHandler | None = None
+        self._on_presence: PresenceHandler | None = None
+        self._status: dict[str, Any] | None = None
+        self._heartbeat_seq = 0
+        self._last_status_pub = 0.0
+        self._started = False
+        self._stopping = False
+        self._stopped = False
+        self._maint_stop = threading.Event()
+        self._maint_thread: threading.Thread | None = None
+        self._bad_directory: set[str] = set()
+
+        self._t_presence = topic(federation, node_id, "presence")
+        self._t_status = topic(federation, node_id, "status")
+        self._t_inbox = topic(federation, node_id, "inbox")
+        self._t_out = topic(federation, node_id, "out")
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def connected(self) -> bool:
+        """True while the home connection is up and subscribed."""
+        conn = self._conns.get(self.broker)
+        return conn is not None and conn.ready.is_set()
+
+    def connections(self) -> dict[str, bool]:
+        """Broker endpoint -> whether that connection is up and subscribed."""
+        with self._lock:
+            return {ep: c.ready.is_set() for ep, c in self._conns.items()}
+
+    def _count(self, reason: str, n: int = 1) -> None:
+        with self._lock:
+            self.stats.dropped[reason] += n
+
+    # --------------------------------------------------------------- payloads
+
+    def _presence_payload(self, online: bool) -> bytes:
+        msg: dict[str, Any] = {"state": "online" if online else "offline", "node_id": self.node_id}
+        if online:
+            msg["descriptor"] = self.descriptor
+        msg["time"] = time.time()
+        return json.dumps(msg).encode()
+
+    def _status_payload(self) -> bytes:
+        with self._lock:
+            self._heartbeat_seq += 1
+            status = dict(self._status or {})
+            status.update(node_id=self.node_id, time=time.time(), heartbeat=self._heartbeat_seq)
+            self._last_status_pub = time.monotonic()
+        return json.dumps(status).encode()
+
+    # ----------------------------------------------------------- connections
+
+    def _subscriptions(self, conn: _Conn) -> list[tuple[str, Any]]:
+        fed = self.federation
+        topics = [(topic(fed, "+", "out"), self.qos, True),
+                  (topic(fed, "+", "presence"), 1, False),
+                  (topic(fed, "+", "status"), 1, False)]
+        if conn.home:
+            topics.insert(0, (self._t_inbox, self.qos, False))
+        if self.protocol == "5":
+            return [(t, SubscribeOptions(qos=q, noLocal=no_local)) for t, q, no_local in topics]
+        return [(t, q) for t, q, _ in topics]
+
+    def _get_conn(self, endpoint: str, home: bool = False) -> _Conn:
+        """The connection to ``endpoint``, created and started (non-blocking) if new."""
+        with self._lock:
+            conn = self._conns.get(endpoint)
+            if conn is not None:
+                return conn
+            if self._stopping:
+                raise RuntimeError("MqttTransport is stopping")
+            conn = _Conn(endpoint, home)
+            client_id = f"dfl-{self.federation}-{self.node_id}-{secrets.token_hex(4)}"
+            kwargs: dict[str, Any] = {}
+            if self.protocol == "3.1.1":
+                kwargs["clean_session"] = True
+            client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
+                                 protocol=PROTOCOLS[self.protocol], userdata=conn,
+                                 reconnect_on_failure=True, **kwargs)
+            client.on_log = _paho_log  # paho's own messages, at debug level only
+            client.reconnect_delay_set(min_delay=1, max_delay=30)
+            if self.username is not None:
+                client.username_pw_set(self.username, self.password)
+            if home:
+                client.will_set(self._t_presence, self._presence_payload(False), qos=1, retain=True)
+            client.on_connect = self._on_connect
+            client.on_connect_fail = self._on_connect_fail
+            client.on_disconnect = self._on_disconnect
+            client.on_subscribe = self._on_subscribe
+            client.on_message = self._on_message
+            conn.client = client
+            self._conns[endpoint] = conn
+            connect_kwargs: dict[str, Any] = {}
+            if self.protocol == "5":
+                connect_kwargs["clean_start"] = True
+            client.connect_async(conn.host, conn.port, keepalive=self.keepalive, **connect_kwargs)
+            client.loop_start()
+            log.info("%s: connecting to %sbroker %s (MQTT %s)", self.node_id,
+                     "home " if home else "", endpoint, self.protocol)
+            return conn
+
+    def _on_connect(self, client, conn: _Conn, flags, reason_code, properties) -> None:
+        try:
+            if reason_code.is_failure:
+                conn.error = f"broker refused the connection: {reason_code}"
+                log.warning("%s: %s: %s", self.node_id, conn.endpoint, conn.error)
+                return
+            conn.connected = True
+            conn.error = ""
+            rc, mid = client.subscribe(self._subscriptions(conn))
+            conn.sub_mid = mid
+            if conn.home and not self._stopping:
+                client.publish(self._t_presence, self._presence_payload(True), qos=1, retain=True)
+                if self._status is not None:
+                    client.publish(self._t_status, self._status_payload(), qos=1, retain=True)
+        except Exception:  # noqa: BLE001 - never kill paho's thread
+            log.exception("%s: error in on_connect", self.node_id)
+
+    def _on_connect_fail(self, client, conn: _Conn) -> None:
+        conn.error = conn.error or "connection failed (is the broker running?)"
+
+    def _on_disconnect(self, client, conn: _Conn, flags, reason_code, properties) -> None:
+        was = conn.connected
+        conn.connected = False
+        conn.ready.clear()
+        if was and not self._stopping:
+            log.warning("%s: lost broker %s (%s); reconnecting", self.node_id, conn.endpoint, reason_code)
+
+    def _on_subscribe(self, client, conn: _Conn, mid, reason_code_list, properties) -> None:
+        if mid != conn.sub_mid:
+            return
+        refused = [str(rc) for rc in reason_code_list if getattr(rc, "is_failure", False)]
+        if refused:
+            conn.fatal = f"broker refused subscriptions: {', '.join(refused)}"
+            log.error("%s: %s: %s", self.node_id, conn.endpoint, conn.fatal)
+            return
+        if not conn.ever_ready:
+            log.info("%s: connected to %s", self.node_id, conn.endpoint)
+        elif not self._stopping:
+            log.info("%s: reconnected to %s", self.node_id, conn.endpoint)
+        conn.ever_ready = True
+        conn.ready.set()
+
+    async def _wait_ready(self, conn: _Conn, deadline: float) -> bool:
+        delay = 0.002
+        while not conn.ready.is_set():
+            if conn.fatal:
+                raise ConnectionError(f"MQTT broker {conn.endpoint}: {conn.fatal}")
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return True
+
+    async def _close_conn(self, conn: _Conn) -> None:
+        client = conn.client
+        if client is None:
+            return
+        try:
+            client.disconnect()
+        except Exception:  # noqa: BLE001
+            pass
+        await asyncio.get_running_loop().run_in_executor(None, client.loop_stop)
+
+    # ------------------------------------------------------------- receiving
+
+    def _dispatch(self, fn: Callable[..., Any] | None, *args: Any) -> None:
+        loop = self._loop
+        if fn is None or loop is None or self._stopped:
+            return
+        try:
+            loop.call_soon_threadsafe(self._invoke, fn, args)
+        except RuntimeError:
+            pass  # loop closed
+
+    def _invoke(self, fn: Callable[..., Any], args: tuple) -> None:
+        if self._stopped:
+            return
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - a handler bug must not stop the transport
+            log.exception("%s: handler %r failed", self.node_id, fn)
+
+    def _on_message(self, client, conn: _Conn, msg) -> None:
+        try:
+            parts = msg.topic.split("/")
+            if len(parts) != 5 or parts[0] != TOPIC_ROOT or parts[1] != self.federation or parts[2] != "node":
+                return
+            sender, leaf = parts[3], parts[4]
+            payload = msg.payload
+            if leaf == "inbox":
+                if sender == self.node_id:
+                    self._handle_frame(conn, msg.topic, payload)
+            elif leaf == "out":
+                if sender != self.node_id:
+                    self._handle_frame(conn, msg.topic, payload)
+            elif leaf == "presence":
+                self._handle_presence(conn, sender, payload)
+            elif leaf == "status":
+                if sender != self.node_id:
+                    self._handle_status(sender, payload)
+        except Exception:  # noqa: BLE001 - never kill paho's thread
+            log.exception("%s: error handling a message on %s", self.node_id, getattr(msg, "topic", "?"))
+
+    def _handle_frame(self, conn: _Conn, topic_name: str, payload: bytes) -> None:
+        with self._lock:
+            self.stats.bytes_received += len(payload)
+        limit = self.max_frame_bytes + (HEADER_LEN if is_chunk(payload) else 0)
+        if len(payload) > limit:
+            self._count("oversized")
+            log.warning("%s: dropped a %d-byte payload on %s (oversized)", self.node_id, len(payload), topic_name)
+            return
+        with conn.reasm_lock:
+            if is_chunk(payload):
+                held = sum(r.held_bytes for r in conn.reassemblers.values())
+                if held + len(payload) > self._max_reassembly_bytes:
+                    self._count("too_many_transfers")
+                    log.warning("%s: dropped a chunk on %s: %d bytes of incomplete transfers held",
+                                self.node_id, topic_name, held)
+                    return
+            reassembler = conn.reassemblers.get(topic_name)
+            if reassembler is None:
+                reassembler = Reassembler(max_bytes=self._max_reassembly_bytes, timeout=self.reassembly_timeout,
+                                          max_frame_bytes=self.max_frame_bytes)
+                conn.reassemblers[topic_name] = reassembler
+            try:
+                result = reassembler.feed_with_size(payload)
+            except ChunkError as exc:
+                self._count(exc.reason)
+                log.warning("%s: dropped a chunk on %s: %s", self.node_id, topic_name, exc)
+                return
+        if result is None:
+            return
+        with self._lock:
+            self.stats.frames_received += 1
+        self._dispatch(self._on_frame, result[0], result[1])
+
+    def _handle_presence(self, conn: _Conn, node_id: str, payload: bytes) -> None:
+        descriptor: dict[str, Any] | None
+        if not payload:
+            descriptor = None
+        else:
+            try:
+                msg = json.loads(payload)
+                if not isinstance(msg, dict) or msg.get("node_id", node_id) != node_id:
+                    raise ValueError("not a presence object of this node")
+                state = msg.get("state")
+                if state == "online":
+                    descriptor = msg.get("descriptor", {})
+                    if not isinstance(descriptor, dict):
+                        raise ValueError("descriptor is not an object")
+                elif state == "offline":
+                    descriptor = None
+                else:
+                    raise ValueError(f"unknown state {state!r}")
+            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError included
+                self._count("bad_presence")
+                log.warning("%s: dropped presence of %r: %s", self.node_id, node_id, exc)
+                return
+        if node_id == self.node_id:
+            # A stale last will of an earlier run of this node: say we are online.
+            if descriptor is None and conn.home and self._started and not self._stopping:
+                conn.client.publish(self._t_presence, self._presence_payload(True), qos=1, retain=True)
+            return
+        self._dispatch(self._on_presence, node_id, descriptor)
+
+    def _handle_status(self, node_id: str, payload: bytes) -> None:
+        if not payload:
+            self.statuses.pop(node_id, None)
+            return
+        try:
+            status = json.loads(payload)
+            if not isinstance(status, dict):
+                raise ValueError("not an object")
+        except ValueError as exc:
+            self._count("bad_status")
+            log.warning("%s: dropped status of %r: %s", self.node_id, node_id, exc)
+            return
+        self.statuses[node_id] = status
+        self._dispatch(self.on_heartbeat, node_id, status)
+
+    # ------------------------------------------------------------ maintenance
+
+    def _maintenance(self) -> None:
+        period = max(0.05, min(1.0, self.heartbeat_interval, self.reassembly_timeout / 2))
+        while not self._maint_stop.wait(period):
+            try:
+                expired = 0
+                for conn in list(self._conns.values()):
+                    with conn.reasm_lock:
+                        for name, r in list(conn.reassemblers.items()):
+                            expired += r.expire()
+                            if r.idle:
+                                del conn.reassemblers[name]
+                    conn.prune()
+                if expired:
+                    self._count("incomplete_transfer", expired)
+                    log.warning("%s: dropped %d incomplete transfer(s)", self.node_id, expired)
+                if time.monotonic() - self._last_status_pub >= self.heartbeat_interval:
+                    self._publish_status_now()
+            except Exception:  # noqa: BLE001 - keep the heartbeat alive
+                log.exception("%s: maintenance failed", self.node_id)
+
+    def _publish_status_now(self) -> None:
+        conn = self._conns.get(self.broker)
+        if conn is None or conn.client is None or self._stopping:
+            return
+        if not conn.connected:
+            self._last_status_pub = time.monotonic()  # republished on reconnect anyway
+            return
+        conn.client.publish(self._t_status, self._status_payload(), qos=1, retain=True)
+
+    def _on_peer_event(self, event: str, node_id: str, info: Any) -> None:
+        if event == "removed" or not self._started or self._stopping or not self.connect_peer_brokers:
+            return
+        try:
+            self._endpoint_for(node_id, create=True)
+        except Exception:  # noqa: BLE001 - called from a discovery thread
+            log.debug("%s: could not connect to the broker of %r", self.node_id, node_id, exc_info=True)
+
+    def _endpoint_for(self, peer: str, create: bool = False) -> str:
+        endpoint = self.peers.broker_of(peer) or self.broker
+        if endpoint != self.broker:
+            try:
+                parse_endpoint(endpoint)
+            except ValueError:
+                if endpoint not in self._bad_directory:
+                    self._bad_directory.add(endpoint)
+                    log.warning("%s: bad broker %r for peer %r in the directory; using the home broker",
+                                self.node_id, endpoint, peer)
+                return self.broker
+            if create:
+                self._get_conn(endpoint)
+        return endpoint
+
+    # -------------------------------------------------------------- interface
+
+    async def start(self, on_frame: FrameHandler, on_presence: PresenceHandler) -> None:
+        """Connect to the home broker, subscribe, announce presence "online".
+
+        Returns once the home connection is up and its subscriptions acknowledged.
+        Handlers are then called on the running event loop.
+
+        Raises:
+            RuntimeError: already started.
+            ConnectionError: the home broker (named as host:port) did not accept the
+                connection and subscriptions within ``connect_timeout`` seconds.
+        """
+        if self._started or self._stopped:
+            raise RuntimeError("MqttTransport.start() called twice")
+        self._loop = asyncio.get_running_loop()
+        self._on_frame = on_frame
+        self._on_presence = on_presence
+        conn = self._get_conn(self.broker, home=True)
+        try:
+            ok = await self._wait_ready(conn, time.monotonic() + self.connect_timeout)
+        except ConnectionError:
+            await self._abort_start()
+            raise
+        if not ok:
+            why = conn.error or "no answer"
+            await self._abort_start()
+            raise ConnectionError(f"could not connect to MQTT broker {self.broker} "
+                                  f"within {self.connect_timeout:g} s: {why}")
+        self._started = True
+        self._last_status_pub = time.monotonic()
+        self._maint_thread = threading.Thread(target=self._maintenance, daemon=True,
+                                              name=f"dfl-mqtt-maint-{self.node_id}")
+        self._maint_thread.start()
+        if hasattr(self.peers, "add_listener"):
+            self.peers.add_listener(self._on_peer_event)
+        if self.connect_peer_brokers and hasattr(self.peers, "all"):
+            for info in self.peers.all():
+                self._endpoint_for(info.node_id, create=True)
+
+    async def _abort_start(self) -> None:
+        self._stopping = True
+        self._stopped = True
+        await asyncio.gather(*(self._close_conn(c) for c in list(self._conns.values())))
+
+    def _check_started(self) -> None:
+        if not self._started and not self._stopped:
+            raise RuntimeError("MqttTransport used before start()")
+
+    async def send(self, peer: str, frame: bytes) -> int:
+        """Publish ``frame`` to ``peer``'s inbox on the peer's broker (pooled connection).
+
+        Returns the wire bytes (payload bytes of all chunks), 0 when dropped (after
+        ``stop()``, QoS 0 while disconnected, queue full; counted in ``stats.dropped``).
+        A new connection to the peer's broker is awaited up to ``connect_timeout``;
+        with QoS >= 1 frames to a broker that is down are queued (``max_pending_bytes``).
+
+        Raises:
+            RuntimeError: before ``start()``.
+            ValueError: ``peer`` is not a valid node id, or the frame is larger than
+                ``max_frame_bytes``.
+        """
+        self._check_started()
+        if not isinstance(peer, str) or not _ID_RE.match(peer):
+            raise ValueError(f"peer: not a valid node id: {peer!r}")
+        if self._stopping:
+            self._count("not_connected")
+            return 0
+        conn = self._get_conn(self._endpoint_for(peer))
+        if not conn.ever_ready:
+            try:
+                await self._wait_ready(conn, conn.created + self.connect_timeout)
+            except ConnectionError as exc:
+                log.warning("%s: %s", self.node_id, exc)  # publish anyway: queued or refused
+        return await self._publish_frame(conn, topic(self.federation, peer, "inbox"), frame)
+
+    async def broadcast(self, frame: bytes) -> int:
+        """Publish ``frame`` on this node's ``out`` topic (home broker).
+
+        Returns and raises like :meth:`send`.
+        """
+        self._check_started()
+        if self._stopping:
+            self._count("not_connected")
+            return 0
+        return await self._publish_frame(self._conns[self.broker], self._t_out, frame)
+
+    async def _publish_frame(self, conn: _Conn, topic_name: str, frame: bytes) -> int:
+        if not isinstance(frame, (bytes, bytearray, memoryview)):
+            raise TypeError("frame must be bytes")
+        if len(frame) > self.max_frame_bytes:
+            raise ValueError(f"frame of {len(frame)} bytes exceeds max_frame_bytes={self.max_frame_bytes}")
+        if len(frame) > _OFFLOAD_BYTES:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(None, self._publish_chunks, conn, topic_name, frame)
+        return self._publish_chunks(conn, topic_name, frame)
+
+    def _publish_chunks(self, conn: _Conn, topic_name: str, frame: bytes) -> int:
+        if self.qos == 0 and not conn.connected:
+            self._count("not_connected")
+            return 0
+        chunks = split(frame, self.chunk_size)
+        size = sum(len(c) for c in chunks)
+        if conn.prune() + size > self.max_pending_bytes:
+            self._count("queue_full")
+            log.warning("%s: dropped a %d-byte frame for %s: more than %d bytes queued for %s",
+                        self.node_id, len(frame), topic_name, self.max_pending_bytes, conn.endpoint)
+            return 0
+        client = conn.client
+        for chunk in chunks:
+            info = client.publish(topic_name, chunk, qos=self.qos)
+            if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+                self._count("publish_error")
+                log.warning("%s: publish to %s failed: %s", self.node_id, topic_name, mqtt.error_string(info.rc))
+                return 0
+            conn.track(info, len(chunk))
+        with self._lock:
+            self.stats.bytes_sent += size
+            self.stats.frames_sent += 1
+        return size
+
+    async def publish_status(self, status: dict[str, Any]) -> None:
+        """Publish ``status`` (retained JSON) now; the heartbeat republishes it.
+
+        "node_id", "time" (unix s) and "heartbeat" (a counter) are added.
+
+        Raises:
+            RuntimeError: before ``start()``.
+            ValueError: ``status`` is not a JSON-serialisable dict.
+        """
+        self._check_started()
+        if not isinstance(status, dict):
+            raise ValueError("status must be a dict")
+        try:
+            json.dumps(status)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"status must be JSON-serialisable ({exc})") from None
+        with self._lock:
+            self._status = dict(status)
+        self._publish_status_now()
+
+    async def stop(self) -> None:
+        """Publish "offline" (retained), let it go out (up to ~2 s), disconnect all.
+
+        Idempotent; also safe after a failed ``start()``.
+        """
+        if self._stopped:
+            return
+        self._stopping = True
+        self._maint_stop.set()
+        home = self._conns.get(self.broker)
+        if home is not None and home.client is not None and home.connected:
+            info = home.client.publish(self._t_presence, self._presence_payload(False), qos=1, retain=True)
+            deadline = time.monotonic() + STOP_FLUSH_TIMEOUT
+            while time.monotonic() < deadline:
+                try:
+                    if info.is_published() and all(c.prune() == 0 or not c.connected for c in self._conns.values()):
+                        break
+                except (ValueError, RuntimeError):
+                    break
+                await asyncio.sleep(0.005)
+        self._stopped = True
+        await asyncio.gather(*(self._close_conn(c) for c in list(self._conns.values())))
+        if self._maint_thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._maint_thread.join)
+        log.info("%s: stopped (%s)", self.node_id, self.stats.as_dict())
