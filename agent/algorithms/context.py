@@ -47,7 +47,11 @@ class Message:
 
 
 class Clock(Protocol):
-    """Time source. ``now()`` is in seconds; monotonic within one run."""
+    """Time source. ``now()`` is in seconds; monotonic within one run.
+
+    In the daemon it is the event loop's monotonic clock; in the simulator the
+    loop's virtual clock, which jumps forward whenever every node is waiting.
+    """
 
     def now(self) -> float: ...
 
@@ -63,11 +67,13 @@ class NodeContext(Protocol):
     """
 
     node_id: str
-    rng: np.random.Generator
+    rng: np.random.Generator  # this node's seeded stream (batch order, selections)
     clock: Clock
-    data: Any  # agent.data.NodeData
-    model_spec: Mapping[str, Any]
-    config: Mapping[str, Any]
+    data: Any  # agent.data.NodeData: train_x/train_y/val_x/val_y, num_classes
+    model_spec: Mapping[str, Any]  # see agent.models
+    init_seed: int  # torch seed for this node's initial weights
+    train: Any  # agent.learning.training.TrainConfig
+    device: str  # torch device for compute ("cpu", "cuda:0")
 
     async def send(self, peer: str, message: Message) -> int:
         """Send ``message`` to one peer; returns bytes put on the wire."""

@@ -1,0 +1,134 @@
+"""Algorithm base class and registry.
+
+An algorithm is one node's behaviour, written against :class:`NodeContext` only.
+Subclasses set ``name``, an ``Options`` dataclass (validated from the config's
+``[algorithm.options]`` table) and implement :meth:`Algorithm.round` and
+:meth:`Algorithm.deployable_model`.  Register them with :func:`register`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, ClassVar, Mapping
+
+import torch
+from torch import nn
+
+from agent.algorithms.context import NodeContext
+from agent.models import build_model
+
+_REGISTRY: dict[str, type["Algorithm"]] = {}
+
+
+@dataclasses.dataclass
+class NoOptions:
+    """An algorithm without options."""
+
+
+class Algorithm:
+    """Base class of one node's learning behaviour.
+
+    Lifecycle: ``alg = Cls(ctx, options)``; ``await alg.setup()``; ``await alg.run(rounds)``.
+    """
+
+    name: ClassVar[str] = ""
+    Options: ClassVar[type] = NoOptions
+
+    def __init__(self, ctx: NodeContext, options: Any = None):
+        self.ctx = ctx
+        self.options = options if options is not None else self.Options()
+
+    # -- helpers -------------------------------------------------------------
+    def new_model(self, seed: int | None = None, spec: Mapping[str, Any] | None = None) -> nn.Module:
+        """Build a model from ``spec`` (default: the node's) with weights drawn from ``seed``
+        (default: ``ctx.init_seed``), without touching torch's global RNG state."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.ctx.init_seed if seed is None else seed)
+            return build_model(spec or self.ctx.model_spec).to(self.ctx.device)
+
+    # -- to implement ----------------------------------------------------------
+    async def setup(self) -> None:
+        """Create models and state. Called once before the first round."""
+
+    async def round(self, t: int) -> dict[str, Any]:
+        """Run round ``t`` (1-based). Returns info for metrics/status (JSON-friendly)."""
+        raise NotImplementedError
+
+    def deployable_model(self) -> nn.Module:
+        """The model this node would deploy now (evaluated as 'global accuracy')."""
+        raise NotImplementedError
+
+    def status(self) -> dict[str, Any]:
+        """Algorithm-specific state for the status topic (e.g. α, threshold state)."""
+        return {}
+
+    async def run(self, rounds: int, start_round: int = 1) -> None:
+        """Run rounds ``start_round..rounds``, reporting each to the runtime."""
+        for t in range(start_round, rounds + 1):
+            info = await self.round(t)
+            await self.ctx.end_round(t, **info)
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator adding ``cls`` to the registry under ``cls.name``.
+
+    Raises:
+        ValueError: empty or duplicate name.
+    """
+    if not cls.name or cls.name in _REGISTRY:
+        raise ValueError(f"algorithm name {cls.name!r} is empty or already registered")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_algorithm(name: str) -> type[Algorithm]:
+    """The registered class for ``name``.
+
+    Raises:
+        KeyError: unknown name (the message lists the known ones).
+    """
+    _load_builtin()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown algorithm {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def available() -> list[str]:
+    """Names of all registered algorithms."""
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def _load_builtin() -> None:
+    # Importing the modules registers them; kept lazy so the registry has no import cycle.
+    from agent.algorithms import fedavg, local  # noqa: F401
+
+
+def parse_options(cls: type[Algorithm], raw: Mapping[str, Any] | None, prefix: str = "algorithm.options") -> Any:
+    """Build ``cls.Options`` from a config table, checking names and types.
+
+    Raises:
+        ValueError: unknown key or wrong type, naming ``prefix.key``.
+    """
+    raw = dict(raw or {})
+    opts_cls = cls.Options
+    hints = typing.get_type_hints(opts_cls)
+    fields = {f.name for f in dataclasses.fields(opts_cls)}
+    for key in raw:
+        if key not in fields:
+            raise ValueError(f"{prefix}.{key}: unknown option for algorithm {cls.name!r} (known: {sorted(fields)})")
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        typ = hints[key]
+        if typ is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        base = typing.get_origin(typ) or typ
+        if isinstance(base, type) and not isinstance(value, base) or (base is not bool and isinstance(value, bool)):
+            raise ValueError(f"{prefix}.{key}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
+        kwargs[key] = value
+    try:
+        return opts_cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{prefix}: {exc}") from None

@@ -1,0 +1,30 @@
+"""``local``: every node trains alone, no communication — the floor every algorithm must beat."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from agent.algorithms.base import Algorithm, register
+from agent.learning.training import train_local
+
+
+@register
+class Local(Algorithm):
+    """Train the node's model on its own data each round; never send anything."""
+
+    name = "local"
+
+    async def setup(self) -> None:
+        self.model = self.new_model()
+
+    async def round(self, t: int) -> dict[str, Any]:
+        d = self.ctx.data
+        stats = await self.ctx.compute(
+            train_local, self.model, d.train_x, d.train_y, self.ctx.train, self.ctx.rng, self.ctx.device
+        )
+        return {"train_loss": stats["loss"], "neighbours": 0}
+
+    def deployable_model(self) -> nn.Module:
+        return self.model

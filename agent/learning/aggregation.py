@@ -1,0 +1,49 @@
+"""Aggregation rules over named parameter tensors."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+
+def weighted_average(
+    models: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]
+) -> dict[str, np.ndarray]:
+    """Weighted average of models, parameter by parameter.
+
+    FedAvg's rule (McMahan et al. 2017; Def-KT seed 004 Eq. 9 "FullAvg"):
+    ``w = Σ_k (n_k / Σ_j n_j) · w_k`` with ``n_k`` the weights (sample counts).
+    Floating tensors are averaged in float64 and cast back to their dtype;
+    non-floating tensors (counters) are taken from the first model.
+
+    Args:
+        models: K >= 1 mappings with identical names, shapes and dtypes.
+        weights: K non-negative numbers with a positive sum.
+
+    Raises:
+        ValueError: empty input, length mismatch, negative or all-zero weights,
+            or models whose names/shapes differ.
+    """
+    if not models or len(models) != len(weights):
+        raise ValueError(f"need as many weights as models (got {len(models)} models, {len(weights)} weights)")
+    w = np.asarray(weights, dtype=np.float64)
+    if (w < 0).any() or not np.isfinite(w).all() or w.sum() <= 0:
+        raise ValueError(f"weights must be finite, non-negative, with a positive sum: {weights}")
+    w = w / w.sum()
+    names = set(models[0])
+    out: dict[str, np.ndarray] = {}
+    for m in models[1:]:
+        if set(m) != names:
+            raise ValueError("models to average have different tensor names")
+    for name, first in models[0].items():
+        if any(m[name].shape != first.shape for m in models):
+            raise ValueError(f"models to average disagree on the shape of {name!r}")
+        if first.dtype.kind != "f":
+            out[name] = np.array(first, copy=True)
+            continue
+        acc = np.zeros(first.shape, dtype=np.float64)
+        for wk, m in zip(w, models):
+            acc += wk * m[name].astype(np.float64)
+        out[name] = acc.astype(first.dtype)
+    return out

@@ -1,0 +1,114 @@
+"""The local training loop and evaluation (pure: no I/O, explicit randomness).
+
+Losses are batch means (ALGORITHMS.md conventions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Local training hyper-parameters.
+
+    Attributes:
+        epochs: passes over the local training split per round.
+        batch_size: mini-batch size (samples).
+        lr: SGD learning rate.
+        momentum: SGD momentum (a fresh optimizer each call: no state travels).
+        weight_decay: L2 penalty coefficient.
+    """
+
+    epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        for key in ("epochs", "batch_size"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ValueError(f"training.{key} must be a positive integer, got {getattr(self, key)!r}")
+        if not self.lr > 0:
+            raise ValueError(f"training.lr must be > 0, got {self.lr!r}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"training.momentum must be in [0, 1), got {self.momentum!r}")
+        if self.weight_decay < 0:
+            raise ValueError(f"training.weight_decay must be >= 0, got {self.weight_decay!r}")
+
+
+def batches(n: int, batch_size: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """A seeded random permutation of ``range(n)`` cut into mini-batches (last may be short)."""
+    perm = rng.permutation(n)
+    return [perm[i : i + batch_size] for i in range(0, n, batch_size)]
+
+
+def train_local(
+    model: nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    cfg: TrainConfig,
+    rng: np.random.Generator,
+    device: str | torch.device = "cpu",
+) -> dict[str, float]:
+    """Train ``model`` in place with SGD on cross-entropy (batch mean).
+
+    Args:
+        model: maps ``(B, *input_shape)`` to logits ``(B, K)``.
+        x: float32 inputs ``(N, *input_shape)``.
+        y: int64 labels ``(N,)`` in ``[0, K)``.
+        rng: draws the batch order (reproducible from the node's seed).
+
+    Returns:
+        ``{"loss": mean training loss over batches, "samples": N * epochs}``.
+
+    Raises:
+        ValueError: ``x`` and ``y`` lengths differ or the split is empty.
+    """
+    if len(x) != len(y) or len(x) == 0:
+        raise ValueError(f"training data must be non-empty with matching lengths, got {len(x)} and {len(y)}")
+    model.to(device).train()
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
+    total, count = 0.0, 0
+    for _ in range(cfg.epochs):
+        for idx in batches(len(x), cfg.batch_size, rng):
+            bi = torch.from_numpy(idx)
+            xb, yb = xt[bi].to(device), yt[bi].to(device)
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            opt.step()
+            total += float(loss.detach())
+            count += 1
+    return {"loss": total / max(count, 1), "samples": float(len(x) * cfg.epochs)}
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 512, device: str | torch.device = "cpu"
+) -> dict[str, float]:
+    """Accuracy (fraction in 0..1) and mean cross-entropy of ``model`` on ``(x, y)``.
+
+    Returns ``{"accuracy": nan, "loss": nan}`` for an empty set.
+    """
+    if len(x) == 0:
+        return {"accuracy": float("nan"), "loss": float("nan")}
+    was_training = model.training
+    model.to(device).eval()
+    correct, loss_sum = 0, 0.0
+    for i in range(0, len(x), batch_size):
+        xb = torch.from_numpy(np.ascontiguousarray(x[i : i + batch_size], dtype=np.float32)).to(device)
+        yb = torch.from_numpy(np.ascontiguousarray(y[i : i + batch_size], dtype=np.int64)).to(device)
+        logits = model(xb)
+        loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
+        correct += int((logits.argmax(1) == yb).sum())
+    model.train(was_training)
+    return {"accuracy": correct / len(x), "loss": loss_sum / len(x)}

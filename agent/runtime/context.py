@@ -1,0 +1,243 @@
+"""``RuntimeContext``: the :class:`~agent.algorithms.context.NodeContext` over any transport.
+
+It encodes outgoing messages, and decodes, validates, de-duplicates and buffers
+incoming frames.  A frame that fails any check is dropped, logged and counted in
+``rejected`` (by reason); the node keeps running and its model is untouched.  The
+same class serves the simulator (memory transport, virtual-time loop, inline compute)
+and the daemon (MQTT, wall clock, compute in a worker thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import logging
+from typing import Any, Awaitable, Callable, Mapping, TypeVar
+
+import numpy as np
+
+from agent.algorithms.context import BROADCAST, Message
+from agent.discovery.peers import PeerTable
+from agent.transport import wire
+from agent.transport.base import Transport
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RoundHook = Callable[[int, dict[str, Any]], Awaitable[None]]
+
+
+class LoopClock:
+    """The running event loop's clock (monotonic wall time, or virtual time in the simulator)."""
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(0.0, seconds))
+
+
+class RuntimeContext:
+    """One node's :class:`NodeContext`.
+
+    Args:
+        node_id, federation: identities (wire ids).
+        transport: started by :meth:`start`.
+        peers: live peer table (fed by presence here, and by mDNS/static in the daemon).
+        data: the node's :class:`agent.data.NodeData`.
+        model_spec, train, init_seed, device: what algorithms need to build and train models.
+        rng: the node's seeded generator.
+        compute_in_thread: run :meth:`compute` in a worker thread (daemon) or inline (simulator).
+        max_frame_bytes: frames above this are rejected as ``oversized``.
+        max_queued_per_sender: buffered messages kept per sender; older ones are dropped
+            (counted as ``queue_full``) so no peer can exhaust memory.
+    """
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        federation: str,
+        transport: Transport,
+        peers: PeerTable,
+        data: Any,
+        model_spec: Mapping[str, Any],
+        train: Any,
+        init_seed: int,
+        rng: np.random.Generator,
+        device: str = "cpu",
+        compute_in_thread: bool = False,
+        max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+        max_queued_per_sender: int = 16,
+    ):
+        self.node_id = node_id
+        self.federation = federation
+        self.transport = transport
+        self.peers = peers
+        self.data = data
+        self.model_spec = dict(model_spec)
+        self.train = train
+        self.init_seed = init_seed
+        self.rng = rng
+        self.device = device
+        self.clock = LoopClock()
+        self.compute_in_thread = compute_in_thread
+        self.max_frame_bytes = max_frame_bytes
+        self.max_queued_per_sender = max_queued_per_sender
+        self.round_hook: RoundHook | None = None
+        self.current_round = 0
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self.bytes_sent_by_kind: collections.Counter[str] = collections.Counter()
+        self.bytes_received_by_kind: collections.Counter[str] = collections.Counter()
+        self._buffer: list[Message] = []
+        self._per_sender: collections.Counter[str] = collections.Counter()
+        self._seen_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._waiters: set[asyncio.Future[bool]] = set()
+        self._started = False
+
+    # -- lifecycle ----------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the transport and begin receiving."""
+        self._started = True
+        await self.transport.start(self._on_frame, self._on_presence)
+
+    async def stop(self) -> None:
+        await self.transport.stop()
+
+    # -- inbound ------------------------------------------------------------------
+    def _on_presence(self, node_id: str, descriptor: dict[str, Any] | None) -> None:
+        if descriptor is None:
+            self.peers.withdraw(node_id, "presence")
+        else:
+            fields = {k: v for k, v in descriptor.items() if isinstance(v, (str, int, float))}
+            fields.pop("node_id", None)
+            self.peers.upsert(node_id, "presence", **fields)
+        self._notify()
+
+    def _drop(self, reason: str, detail: str, sender: str = "?") -> None:
+        self.rejected[reason] += 1
+        log.warning("dropped message from %s: %s %s", sender, reason, detail)
+
+    def _on_frame(self, frame: bytes, wire_bytes: int) -> None:
+        try:
+            msg = wire.decode(
+                frame, federation=self.federation, recipient=self.node_id, max_frame_bytes=self.max_frame_bytes
+            )
+        except wire.WireError as exc:
+            self._drop(exc.reason, exc.detail)
+            return
+        except Exception as exc:  # never let bad input kill the node
+            self._drop("malformed", repr(exc))
+            return
+        if msg.sender == self.node_id:
+            return  # our own broadcast echoed back
+        if msg.msg_id in self._seen_ids:
+            self.rejected["duplicate"] += 1
+            return
+        self._seen_ids[msg.msg_id] = None
+        if len(self._seen_ids) > 4096:
+            self._seen_ids.popitem(last=False)
+        if msg.round < self.current_round - 1:
+            self._drop("stale", f"round {msg.round} < {self.current_round - 1}", msg.sender)
+            return
+        msg.wire_bytes = wire_bytes
+        self.bytes_received_by_kind[msg.kind] += wire_bytes
+        self.peers.touch(msg.sender)
+        if self._per_sender[msg.sender] >= self.max_queued_per_sender:
+            oldest = next(i for i, m in enumerate(self._buffer) if m.sender == msg.sender)
+            self._buffer.pop(oldest)
+            self._per_sender[msg.sender] -= 1
+            self.rejected["queue_full"] += 1
+        self._buffer.append(msg)
+        self._per_sender[msg.sender] += 1
+        self._notify()
+
+    def _notify(self) -> None:
+        for fut in list(self._waiters):
+            if not fut.done():
+                fut.set_result(True)
+
+    # -- NodeContext ----------------------------------------------------------------
+    async def send(self, peer: str, message: Message) -> int:
+        message.recipient = peer
+        frame = wire.encode(message, federation=self.federation, sender=self.node_id)
+        n = await self.transport.send(peer, frame)
+        self.bytes_sent_by_kind[message.kind] += n
+        return n
+
+    async def broadcast(self, message: Message) -> int:
+        message.recipient = BROADCAST
+        frame = wire.encode(message, federation=self.federation, sender=self.node_id)
+        n = await self.transport.broadcast(frame)
+        self.bytes_sent_by_kind[message.kind] += n
+        return n
+
+    def _take(self, kind: str, round: int | None, sender: str | None) -> Message | None:
+        for i, m in enumerate(self._buffer):
+            if m.kind == kind and (round is None or m.round == round) and (sender is None or m.sender == sender):
+                self._per_sender[m.sender] -= 1
+                return self._buffer.pop(i)
+        return None
+
+    async def receive(
+        self, kind: str, *, round: int | None = None, sender: str | None = None, deadline: float | None = None
+    ) -> Message | None:
+        assert self._started, "RuntimeContext.start() not called"
+        loop = asyncio.get_running_loop()
+        while True:
+            msg = self._take(kind, round, sender)
+            if msg is not None:
+                return msg
+            if deadline is not None and loop.time() >= deadline:
+                return None
+            # Wait for the next arrival or presence change, or the absolute deadline
+            # (call_at keeps the deadline exact, so virtual time lands on it).
+            fut: asyncio.Future[bool] = loop.create_future()
+            self._waiters.add(fut)
+            handle = None
+            if deadline is not None:
+                handle = loop.call_at(deadline, lambda f=fut: f.done() or f.set_result(False))
+            try:
+                await fut
+            finally:
+                self._waiters.discard(fut)
+                if handle is not None:
+                    handle.cancel()
+
+    def live_peers(self) -> list[str]:
+        return self.peers.live_peers()
+
+    async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if self.compute_in_thread:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(None, functools.partial(fn, *args, **kwargs))
+        return fn(*args, **kwargs)
+
+    def reject(self, message: Message, reason: str) -> None:
+        self._drop(reason.split(":", 1)[0], reason, message.sender)
+
+    async def end_round(self, round: int, **info: Any) -> None:
+        self.current_round = round + 1
+        # forget buffered messages of rounds that can no longer be used
+        keep = [m for m in self._buffer if m.round >= round]
+        for m in self._buffer:
+            if m.round < round:
+                self._per_sender[m.sender] -= 1
+        self._buffer = keep
+        if self.round_hook is not None:
+            await self.round_hook(round, info)
+
+    # -- reporting ------------------------------------------------------------------
+    def counters(self) -> dict[str, Any]:
+        """Byte and drop counters (transport + message level) as a JSON-friendly dict."""
+        s = self.transport.stats
+        dropped = collections.Counter(s.dropped)
+        dropped.update(self.rejected)
+        return {
+            "bytes_sent": s.bytes_sent,
+            "bytes_received": s.bytes_received,
+            "bytes_sent_by_kind": dict(self.bytes_sent_by_kind),
+            "bytes_received_by_kind": dict(self.bytes_received_by_kind),
+            "dropped": dict(dropped),
+        }

@@ -1,0 +1,128 @@
+"""Run reports: per-round metrics (JSON lines), ``summary.json`` and an accuracy plot.
+
+``summary.json`` contract (later issues and benchmarks rely on it)::
+
+    {"algorithm": str, "nodes": int, "rounds_completed": int,
+     "global_accuracy": {"mean": f, "std": f, "per_node": {node: f}},   # fractions 0..1
+     "local_accuracy":  {"mean": f, "std": f, "per_node": {node: f}},
+     "bytes_sent": int, "bytes_received": int, "wall_seconds": f,
+     # when a local-only baseline ran (the demo):
+     "local_only_global_accuracy": {"mean": f, "std": f, "per_node": {node: f}}, ...}
+
+Accuracies are those of each node's last completed round.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temp file, fsync, rename)."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+
+
+def _stats(per_node: Mapping[str, float]) -> dict[str, Any]:
+    vals = [v for v in per_node.values() if v is not None and not math.isnan(v)]
+    mean = sum(vals) / len(vals) if vals else float("nan")
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals)) if vals else float("nan")
+    return {"mean": mean, "std": std, "per_node": dict(per_node)}
+
+
+def summarize(
+    algorithm: str,
+    histories: Mapping[str, list[dict[str, Any]]],
+    *,
+    wall_seconds: float,
+    bytes_by_node: Mapping[str, tuple[int, int]] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Build the ``summary.json`` document from per-node round records.
+
+    Args:
+        histories: node id -> list of metrics records (as produced by ``Node``).
+        bytes_by_node: node id -> (sent, received); default: from the last records.
+    """
+    last = {n: h[-1] for n, h in histories.items() if h}
+    out: dict[str, Any] = {
+        "algorithm": algorithm,
+        "nodes": len(histories),
+        "rounds_completed": max((r["round"] for r in last.values()), default=0),
+        "rounds_per_node": {n: last[n]["round"] if n in last else 0 for n in histories},
+        "global_accuracy": _stats({n: r["global_accuracy"] for n, r in last.items()}),
+        "local_accuracy": _stats({n: r["local_accuracy"] for n, r in last.items()}),
+    }
+    if any("local_only_global_accuracy" in r for r in last.values()):
+        out["local_only_global_accuracy"] = _stats(
+            {n: r["local_only_global_accuracy"] for n, r in last.items() if "local_only_global_accuracy" in r}
+        )
+        out["local_only_local_accuracy"] = _stats(
+            {n: r["local_only_local_accuracy"] for n, r in last.items() if "local_only_local_accuracy" in r}
+        )
+    if bytes_by_node is None:
+        bytes_by_node = {n: (r["bytes_sent"], r["bytes_received"]) for n, r in last.items()}
+    out["bytes_sent"] = int(sum(s for s, _ in bytes_by_node.values()))
+    out["bytes_received"] = int(sum(r for _, r in bytes_by_node.values()))
+    out["bytes_per_node"] = {n: {"sent": s, "received": r} for n, (s, r) in bytes_by_node.items()}
+    out["wall_seconds"] = wall_seconds
+    if extra:
+        out.update(extra)
+    return out
+
+
+def write_jsonl(path: str | os.PathLike, records: Iterable[Mapping[str, Any]]) -> None:
+    """Write records as JSON lines (atomically)."""
+    atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Read JSON lines, skipping blank or truncated lines."""
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def plot_accuracy(histories: Mapping[str, list[dict[str, Any]]], path: str | os.PathLike, title: str = "") -> None:
+    """PNG plot of global test accuracy per round for each node (solid) and, when
+    present, of the local-only baseline (dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (node, hist) in enumerate(sorted(histories.items())):
+        if not hist:
+            continue
+        c = colors[i % len(colors)]
+        rounds = [r["round"] for r in hist]
+        ax.plot(rounds, [r["global_accuracy"] for r in hist], color=c, label=f"{node}")
+        if "local_only_global_accuracy" in hist[0]:
+            ax.plot(rounds, [r["local_only_global_accuracy"] for r in hist], color=c, linestyle="--", alpha=0.6)
+    ax.set_xlabel("round")
+    ax.set_ylabel("global test accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.set_title(title or "accuracy per round (dashed: same model trained alone)")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,149 @@
+"""``Node``: one algorithm instance wired to its context, with evaluation and metrics.
+
+After every round it evaluates the algorithm's deployable model on the global test
+set ("global accuracy") and on the node's validation split ("local accuracy"),
+optionally trains a local-only shadow model from the same initial weights (the
+baseline the federation must beat), appends a metrics record and publishes the
+node's status.  Used by the simulator and by the daemon alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from agent.algorithms.base import Algorithm
+from agent.learning.training import evaluate, train_local
+from agent.runtime.context import RuntimeContext
+
+log = logging.getLogger(__name__)
+
+MetricsSink = Callable[[dict[str, Any]], None]
+
+
+class Node:
+    """Runs one node's algorithm and reports on it.
+
+    Args:
+        ctx: the node's started-or-not :class:`RuntimeContext`.
+        algorithm: an instance bound to ``ctx``.
+        test_x, test_y: the global test set (float32 ``(N, *shape)``, int64 ``(N,)``).
+        baseline_local: also train a local-only copy each round and report its accuracy.
+        sink: called with each round's metrics record (JSON-friendly dict).
+        rounds: planned number of rounds (for status display).
+    """
+
+    def __init__(
+        self,
+        ctx: RuntimeContext,
+        algorithm: Algorithm,
+        test_x: np.ndarray,
+        test_y: np.ndarray,
+        *,
+        baseline_local: bool = False,
+        sink: MetricsSink | None = None,
+        rounds: int = 0,
+    ):
+        self.ctx = ctx
+        self.algorithm = algorithm
+        self.test_x, self.test_y = test_x, test_y
+        self.baseline_local = baseline_local
+        self.sink = sink
+        self.rounds = rounds
+        self.history: list[dict[str, Any]] = []
+        self.shadow = None
+        self._shadow_rng: np.random.Generator | None = None
+        self._round_started = 0.0
+        self._wall_started = time.time()
+        ctx.round_hook = self._on_round
+        self.state = "starting"
+
+    async def setup(self) -> None:
+        await self.algorithm.setup()
+        if self.baseline_local:
+            self.shadow = copy.deepcopy(self.algorithm.deployable_model())
+            self._shadow_rng = np.random.default_rng([self.ctx.init_seed, 0x5EED])
+
+    async def run(self, rounds: int, start_round: int = 1) -> None:
+        self.rounds = rounds
+        self.state = "running"
+        self._round_started = self.ctx.clock.now()
+        await self.publish_status()
+        await self.algorithm.run(rounds, start_round)
+        self.state = "finished"
+        await self.publish_status()
+
+    def _evaluate(self) -> dict[str, Any]:
+        d, dev = self.ctx.data, self.ctx.device
+        model = self.algorithm.deployable_model()
+        out = {
+            "global_accuracy": evaluate(model, self.test_x, self.test_y, device=dev)["accuracy"],
+            "local_accuracy": evaluate(model, d.val_x, d.val_y, device=dev)["accuracy"],
+        }
+        if self.shadow is not None:
+            assert self._shadow_rng is not None
+            train_local(self.shadow, d.train_x, d.train_y, self.ctx.train, self._shadow_rng, dev)
+            out["local_only_global_accuracy"] = evaluate(self.shadow, self.test_x, self.test_y, device=dev)["accuracy"]
+            out["local_only_local_accuracy"] = evaluate(self.shadow, d.val_x, d.val_y, device=dev)["accuracy"]
+        return out
+
+    async def _on_round(self, t: int, info: dict[str, Any]) -> None:
+        now = self.ctx.clock.now()
+        round_seconds = now - self._round_started
+        scores = await self.ctx.compute(self._evaluate)
+        counters = self.ctx.counters()
+        record = {
+            "node": self.ctx.node_id,
+            "round": t,
+            "time": now,
+            "round_seconds": round_seconds,
+            "wall": time.time() - self._wall_started,
+            **scores,
+            **{k: v for k, v in info.items() if isinstance(v, (int, float, str, list, bool))},
+            "bytes_sent": counters["bytes_sent"],
+            "bytes_received": counters["bytes_received"],
+            "dropped": sum(counters["dropped"].values()),
+            "live_peers": len(self.ctx.live_peers()),
+        }
+        self.history.append(record)
+        log.info(
+            "round %d done in %.1fs: global acc %.3f, local acc %.3f, %d neighbours",
+            t, round_seconds, record["global_accuracy"], record["local_accuracy"], record.get("neighbours", 0),
+        )
+        if self.sink is not None:
+            self.sink(record)
+        await self.publish_status()
+        self._round_started = self.ctx.clock.now()
+
+    def status(self) -> dict[str, Any]:
+        """The status document published on ``dfl/{fed}/node/{id}/status``."""
+        last = self.history[-1] if self.history else {}
+        counters = self.ctx.counters()
+        return {
+            "node_id": self.ctx.node_id,
+            "state": self.state,
+            "algorithm": self.algorithm.name,
+            "round": last.get("round", 0),
+            "rounds": self.rounds,
+            "role": "peer",
+            "global_accuracy": last.get("global_accuracy"),
+            "local_accuracy": last.get("local_accuracy"),
+            "local_only_global_accuracy": last.get("local_only_global_accuracy"),
+            "last_synchronization": last.get("time"),
+            "neighbours": last.get("neighbours"),
+            "live_peers": self.ctx.live_peers(),
+            "bytes_sent": counters["bytes_sent"],
+            "bytes_received": counters["bytes_received"],
+            "errors": counters["dropped"],
+            **self.algorithm.status(),
+        }
+
+    async def publish_status(self) -> None:
+        try:
+            await self.ctx.transport.publish_status(self.status())
+        except Exception as exc:  # status is best effort
+            log.warning("could not publish status: %s", exc)

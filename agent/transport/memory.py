@@ -1,0 +1,177 @@
+"""In-memory transport and a virtual-time event loop, for the simulator and tests.
+
+:class:`MemoryNetwork` connects any number of :class:`MemoryTransport` instances in
+one process.  Frames are the same bytes as on MQTT (so byte counts are real) and are
+delivered through the event loop (``call_later(latency)``), in a deterministic order.
+
+:class:`VirtualTimeLoop` is an asyncio event loop whose clock only moves when every
+task is waiting: the selector, instead of blocking for ``timeout`` seconds, advances
+the virtual clock by ``timeout``.  Every ``asyncio.sleep``/``wait_for`` deadline then
+costs no real time, and a run is reproducible.  Compute runs inline, taking no
+virtual time.  A state where every task waits without any deadline is a deadlock
+and raises :class:`SimulationDeadlock`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import selectors
+from typing import Any
+
+from agent.transport.base import FrameHandler, PresenceHandler, Transport, TransportStats
+
+
+class SimulationDeadlock(RuntimeError):
+    """Every task of a simulation waits for something with no deadline."""
+
+
+class _VirtualSelector(selectors.SelectSelector):
+    def __init__(self, loop: "VirtualTimeLoop"):
+        super().__init__()
+        self._vloop = loop
+
+    def select(self, timeout: float | None = None):  # type: ignore[override]
+        if timeout is None:
+            raise SimulationDeadlock("every task waits with no deadline (simulation deadlock)")
+        if timeout > 0:
+            # jump exactly to the earliest timer's due time (adding ``timeout`` would
+            # accumulate rounding error and could leave a deadline never quite reached)
+            scheduled = self._vloop._scheduled  # the loop's own timer heap
+            due = scheduled[0]._when if scheduled else self._vloop._vtime + timeout
+            self._vloop._vtime = max(self._vloop._vtime, due)
+        return []
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """Event loop with virtual time (seconds since the loop was created, starting at 0).
+
+    Only for code without real I/O or threads (the memory transport, inline compute).
+    """
+
+    def __init__(self) -> None:
+        self._vtime = 0.0
+        super().__init__(selector=_VirtualSelector(self))
+
+    def time(self) -> float:
+        return self._vtime
+
+
+def run_virtual(coro: Any) -> Any:
+    """Run ``coro`` to completion on a fresh :class:`VirtualTimeLoop` and close it."""
+    loop = VirtualTimeLoop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+class MemoryNetwork:
+    """A federation's in-process network: all attached nodes can reach each other.
+
+    Args:
+        latency: one-way delivery delay in (loop) seconds.
+    """
+
+    def __init__(self, latency: float = 0.0):
+        if latency < 0:
+            raise ValueError("latency must be >= 0")
+        self.latency = latency
+        self._nodes: dict[str, MemoryTransport] = {}
+
+    def transport(self, node_id: str, federation: str, descriptor: dict[str, Any] | None = None) -> "MemoryTransport":
+        """Create the transport of ``node_id`` (not yet started).
+
+        Raises:
+            ValueError: ``node_id`` already attached.
+        """
+        if node_id in self._nodes:
+            raise ValueError(f"node {node_id!r} already attached")
+        t = MemoryTransport(self, node_id, federation, descriptor or {})
+        self._nodes[node_id] = t
+        return t
+
+    def online(self) -> list[str]:
+        return sorted(n for n, t in self._nodes.items() if t.online)
+
+    def kill(self, node_id: str) -> None:
+        """Crash ``node_id``: it stops sending and receiving; peers see its last will."""
+        t = self._nodes[node_id]
+        if t.online:
+            t.online = False
+            self._announce(node_id, None)
+
+    def deliver_raw(self, node_id: str, frame: bytes) -> None:
+        """Inject raw bytes into ``node_id``'s inbox (for tests of bad input)."""
+        self._deliver(node_id, frame)
+
+    # -- internals -------------------------------------------------------------
+    def _announce(self, node_id: str, descriptor: dict[str, Any] | None) -> None:
+        for other_id, other in self._nodes.items():
+            if other_id != node_id and other.online and other.on_presence:
+                other.on_presence(node_id, descriptor)
+
+    def _deliver(self, node_id: str, frame: bytes) -> None:
+        loop = asyncio.get_running_loop()
+
+        def arrive() -> None:
+            t = self._nodes.get(node_id)
+            if t is not None and t.online and t.on_frame:
+                t.stats.bytes_received += len(frame)
+                t.stats.frames_received += 1
+                t.on_frame(frame, len(frame))
+
+        if self.latency:
+            loop.call_later(self.latency, arrive)
+        else:
+            loop.call_soon(arrive)
+
+
+class MemoryTransport(Transport):
+    """One node's endpoint on a :class:`MemoryNetwork` (same interface as MQTT)."""
+
+    def __init__(self, network: MemoryNetwork, node_id: str, federation: str, descriptor: dict[str, Any]):
+        self.network = network
+        self.node_id = node_id
+        self.federation = federation
+        self.descriptor = descriptor
+        self.stats = TransportStats()
+        self.online = False
+        self.on_frame: FrameHandler | None = None
+        self.on_presence: PresenceHandler | None = None
+        self.last_status: dict[str, Any] = {}
+
+    async def start(self, on_frame: FrameHandler, on_presence: PresenceHandler) -> None:
+        self.on_frame, self.on_presence = on_frame, on_presence
+        self.online = True
+        self.network._announce(self.node_id, self.descriptor)
+        for other_id, other in self.network._nodes.items():  # retained presence of those already there
+            if other_id != self.node_id and other.online:
+                on_presence(other_id, other.descriptor)
+
+    async def send(self, peer: str, frame: bytes) -> int:
+        if not self.online:
+            self.stats.dropped["not_connected"] += 1
+            return 0
+        self.stats.bytes_sent += len(frame)
+        self.stats.frames_sent += 1
+        self.network._deliver(peer, frame)
+        return len(frame)
+
+    async def broadcast(self, frame: bytes) -> int:
+        if not self.online:
+            self.stats.dropped["not_connected"] += 1
+            return 0
+        self.stats.bytes_sent += len(frame)
+        self.stats.frames_sent += 1
+        for other in self.network.online():
+            if other != self.node_id:
+                self.network._deliver(other, frame)
+        return len(frame)
+
+    async def publish_status(self, status: dict[str, Any]) -> None:
+        self.last_status = dict(status)
+
+    async def stop(self) -> None:
+        if self.online:
+            self.online = False
+            self.network._announce(self.node_id, None)

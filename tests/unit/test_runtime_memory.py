@@ -1,0 +1,170 @@
+"""RuntimeContext over the memory transport on the virtual-time loop: fedavg end to end,
+bad input rejected and counted, dead peers never stall a round past its deadline."""
+
+import asyncio
+import types
+
+import numpy as np
+import pytest
+
+from agent.algorithms.base import available, get_algorithm, parse_options
+from agent.algorithms.context import Message
+from agent.discovery.peers import PeerTable
+from agent.learning.params import model_to_numpy
+from agent.learning.training import TrainConfig
+from agent.runtime.context import RuntimeContext
+from agent.runtime.node import Node
+from agent.transport import wire
+from agent.transport.memory import MemoryNetwork, SimulationDeadlock, run_virtual
+
+SPEC = {"type": "mlp", "input_shape": [4], "hidden": [8], "num_classes": 2}
+
+
+def _data(seed, n=40):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64)
+    return types.SimpleNamespace(train_x=x[:32], train_y=y[:32], val_x=x[32:], val_y=y[32:], num_classes=2)
+
+
+def _federation(n, algorithm="fedavg", options=None, latency=0.0):
+    net = MemoryNetwork(latency=latency)
+    cls = get_algorithm(algorithm)
+    opts = parse_options(cls, options or {})
+    nodes = []
+    test = _data(99, 64)
+    for i in range(n):
+        nid = f"n{i}"
+        ctx = RuntimeContext(
+            node_id=nid, federation="f", transport=net.transport(nid, "f"), peers=PeerTable(nid, "f"),
+            data=_data(i), model_spec=SPEC, train=TrainConfig(batch_size=8, lr=0.1), init_seed=0,
+            rng=np.random.default_rng(i),
+        )
+        nodes.append(Node(ctx, cls(ctx, opts), test.train_x, test.train_y))
+    return net, nodes
+
+
+def _run(net, nodes, rounds, kill=None):
+    async def main():
+        for n in nodes:
+            await n.ctx.start()
+            await n.setup()
+        tasks = [asyncio.ensure_future(n.run(rounds)) for n in nodes]
+        if kill:
+            await asyncio.sleep(kill[1])
+            net.kill(nodes[kill[0]].ctx.node_id)
+            tasks[kill[0]].cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return asyncio.get_running_loop().time()
+
+    return run_virtual(main())
+
+
+def test_registry_has_foundation_algorithms():
+    assert {"fedavg", "local"} <= set(available())
+    with pytest.raises(KeyError, match="known"):
+        get_algorithm("nope")
+
+
+def test_parse_options_names_bad_key():
+    with pytest.raises(ValueError, match="algorithm.options.bogus"):
+        parse_options(get_algorithm("fedavg"), {"bogus": 1})
+    with pytest.raises(ValueError, match="round_timeout"):
+        parse_options(get_algorithm("fedavg"), {"round_timeout": "soon"})
+
+
+def test_fedavg_converges_to_consensus_and_is_deterministic():
+    results = []
+    for _ in range(2):
+        net, nodes = _federation(3)
+        _run(net, nodes, 3)
+        params = [model_to_numpy(n.algorithm.model) for n in nodes]
+        results.append(params)
+        assert all(len(n.history) == 3 for n in nodes)
+        assert all(n.history[-1]["neighbours"] == 2 for n in nodes)
+        # after averaging, all nodes hold the same model (same round, all neighbours)
+        for k in params[0]:
+            np.testing.assert_allclose(params[0][k], params[1][k], rtol=1e-5, atol=1e-6)
+    for k in results[0][0]:
+        np.testing.assert_array_equal(results[0][0][k], results[1][0][k])
+
+
+def test_local_sends_nothing():
+    net, nodes = _federation(2, "local")
+    _run(net, nodes, 2)
+    assert all(n.ctx.transport.stats.bytes_sent == 0 for n in nodes)
+
+
+def test_dead_peer_never_stalls_a_round_past_its_deadline():
+    net, nodes = _federation(3, options={"round_timeout": 20.0})
+    # kill n2 right away: the others must go on; each round waits at most 20 virtual s
+    end = _run(net, nodes, 3, kill=(2, 0.0))
+    for n in nodes[:2]:
+        assert len(n.history) == 3
+        assert all(r["round_seconds"] <= 20.0 + 1e-6 for r in n.history)
+    assert end < 3 * 20.0 + 1
+
+
+def test_peer_silent_but_present_costs_exactly_the_deadline():
+    net, nodes = _federation(2, options={"round_timeout": 5.0})
+
+    async def main():
+        for n in nodes:
+            await n.ctx.start()
+            await n.setup()
+        # n1 is online but never runs rounds
+        await nodes[0].run(2)
+        return asyncio.get_running_loop().time()
+
+    end = run_virtual(main())
+    assert nodes[0].history[-1]["missing"] == ["n1"]
+    assert 10.0 <= end <= 10.0 + 1e-6
+
+
+def test_bad_frames_are_rejected_counted_and_the_model_is_untouched():
+    net, nodes = _federation(2)
+    a, b = nodes
+
+    async def main():
+        for n in nodes:
+            await n.ctx.start()
+            await n.setup()
+        before = model_to_numpy(a.algorithm.model)
+        good = model_to_numpy(b.algorithm.model)
+        bad_frames = [
+            b"garbage",
+            wire.encode(Message("model", 1, good, meta={"samples": 3}), federation="f", sender="n1")[:50],
+            wire.encode(Message("model", 1, good, meta={"samples": 3}), federation="other", sender="n1"),
+            wire.encode(Message("model", 1, {k: v * np.nan for k, v in good.items()}, meta={"samples": 3}),
+                        federation="f", sender="n1"),
+        ]
+        a.ctx.max_frame_bytes = 10_000_000
+        big = wire.encode(Message("model", 1, {"x": np.zeros(3_000_000, np.float32)}), federation="f", sender="n1")
+        bad_frames.append(big)
+        for f in bad_frames:
+            net.deliver_raw("n0", f)
+        # wrong shapes pass the wire but fail the algorithm's check
+        wrong = {k: np.zeros((1,) + v.shape, v.dtype) for k, v in good.items()}
+        net.deliver_raw("n0", wire.encode(Message("model", 1, wrong, meta={"samples": 3}), federation="f", sender="n1"))
+        await asyncio.sleep(0.01)
+        after = model_to_numpy(a.algorithm.model)
+        for k in before:
+            np.testing.assert_array_equal(before[k], after[k])
+        await a.run(1)  # n1 never answers for real: the wrong-shape one is rejected, round times out
+        return a.ctx.counters()["dropped"]
+
+    dropped = run_virtual(main())
+    assert dropped["malformed"] == 2
+    assert dropped["wrong_federation"] == 1
+    assert dropped["non_finite"] == 1
+    assert dropped["oversized"] == 1
+    assert dropped["incompatible"] == 1
+    assert a.history[0]["neighbours"] == 0
+
+
+def test_virtual_deadlock_is_reported():
+    async def main():
+        await asyncio.get_running_loop().create_future()
+
+    with pytest.raises(SimulationDeadlock):
+        run_virtual(main())
