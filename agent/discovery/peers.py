@@ -1,9 +1,10 @@
 """The live peer table that every discovery source feeds.
 
 A peer is *live* while at least one source vouches for it: a static entry, an mDNS
-record that has not said goodbye, or an MQTT presence "online" that has not been
-replaced by "offline" (clean stop or last will), and, when a heartbeat timeout is
-set, it was heard from within that timeout.
+record that has not said goodbye, or an MQTT presence "online"; and it has not been
+declared offline by MQTT presence (clean stop or last will: a crashed peer sends no
+mDNS goodbye, and its records linger in caches for minutes); and, when a heartbeat
+timeout is set, it was heard from within that timeout.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class PeerInfo:
     address: str = ""
     sources: set[str] = dataclasses.field(default_factory=set)
     last_seen: float = 0.0
+    offline: bool = False
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def descriptor(self) -> dict[str, Any]:
@@ -61,8 +63,9 @@ class PeerTable:
     Args:
         self_id: this node's id (never added).
         federation: only peers of this federation are accepted ("" accepts all).
-        heartbeat_timeout: seconds without a sign of life after which a peer that is
-            vouched for only by ``presence`` counts as not live (``None`` = never).
+        heartbeat_timeout: seconds without a sign of life (presence, heartbeat, any
+            message, a discovery announcement) after which a peer counts as not live
+            (``None`` = never).
         clock: monotonic time source (injectable for tests).
     """
 
@@ -113,6 +116,8 @@ class PeerTable:
                 elif key not in _FIELDS and value is not None:
                     info.extra[key] = value
             info.sources.add(source)
+            if source == "presence":
+                info.offline = False
             info.last_seen = self._clock()
         self._emit("updated" if was_live else "added", info)
         return info
@@ -132,14 +137,16 @@ class PeerTable:
                 return
             was_live = self._is_live(info)
             info.sources.discard(source)
+            if source == "presence":
+                info.offline = True
             now_live = self._is_live(info)
         if was_live and not now_live:
             self._emit("removed", info)
 
     def _is_live(self, info: PeerInfo) -> bool:
-        if not info.sources:
+        if not info.sources or info.offline:
             return False
-        if info.sources == {"presence"} and self.heartbeat_timeout is not None:
+        if self.heartbeat_timeout is not None:
             return self._clock() - info.last_seen <= self.heartbeat_timeout
         return True
 

@@ -99,6 +99,20 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return out
 
 
+def _plot_means(ax, histories: Mapping[str, list[dict[str, Any]]]) -> None:
+    """Bold black lines: mean over nodes per round, federated (solid) and alone (dashed)."""
+    for key, style, label in (("global_accuracy", "-", "mean"), ("local_only_global_accuracy", "--", "mean, alone")):
+        by_round: dict[int, list[float]] = {}
+        for hist in histories.values():
+            for r in hist:
+                if key in r:
+                    by_round.setdefault(r["round"], []).append(r[key])
+        if by_round:
+            xs = sorted(by_round)
+            ax.plot(xs, [sum(by_round[x]) / len(by_round[x]) for x in xs], color="black", linestyle=style,
+                    linewidth=2.5, label=label)
+
+
 def plot_accuracy(histories: Mapping[str, list[dict[str, Any]]], path: str | os.PathLike, title: str = "") -> None:
     """PNG plot of global test accuracy per round for each node (solid) and, when
     present, of the local-only baseline (dashed)."""
@@ -117,6 +131,10 @@ def plot_accuracy(histories: Mapping[str, list[dict[str, Any]]], path: str | os.
         ax.plot(rounds, [r["global_accuracy"] for r in hist], color=c, label=f"{node}")
         if "local_only_global_accuracy" in hist[0]:
             ax.plot(rounds, [r["local_only_global_accuracy"] for r in hist], color=c, linestyle="--", alpha=0.6)
+    _plot_means(ax, histories)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("global test accuracy")
     ax.set_ylim(0, 1)

@@ -25,6 +25,11 @@ log = logging.getLogger(__name__)
 MetricsSink = Callable[[dict[str, Any]], None]
 
 
+def init_seed_for(seed: int, index: int, init: str) -> int:
+    """Torch seed of a node's initial weights: shared by all (``common``) or per node."""
+    return seed if init == "common" else seed * 100_003 + index + 1
+
+
 class Node:
     """Runs one node's algorithm and reports on it.
 

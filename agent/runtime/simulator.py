@@ -23,7 +23,7 @@ from agent.learning.training import TrainConfig
 from agent.models import default_spec, validate_spec
 from agent.runtime import metrics
 from agent.runtime.context import RuntimeContext
-from agent.runtime.node import Node
+from agent.runtime.node import Node, init_seed_for
 from agent.transport.memory import MemoryNetwork, run_virtual
 
 log = logging.getLogger(__name__)
@@ -80,11 +80,6 @@ class SimConfig:
 def node_name(i: int) -> str:
     """Canonical simulator node id for index ``i``."""
     return f"node{i:02d}"
-
-
-def init_seed_for(seed: int, index: int, init: str) -> int:
-    """Torch seed of a node's initial weights: shared (``common``) or per node."""
-    return seed if init == "common" else seed * 100_003 + index + 1
 
 
 def simulate(cfg: SimConfig) -> dict[str, Any]:

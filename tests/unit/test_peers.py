@@ -136,23 +136,23 @@ def test_listener_exactly_once_per_transition_with_several_listeners(table):
     assert r1.events == expected and r2.events == expected
 
 
-def test_heartbeat_timeout_for_presence_only_peers():
+def test_heartbeat_timeout_applies_to_every_source():
     clock = FakeClock()
     t = PeerTable("self", federation="fed", heartbeat_timeout=10.0, clock=clock)
     rec = Recorder()
     t.add_listener(rec)
     t.upsert("p", "presence", federation="fed")
     t.upsert("m", "mdns", federation="fed")
-    t.upsert("pm", "presence", federation="fed")
-    t.upsert("pm", "mdns", federation="fed")
-    assert t.live_peers() == ["m", "p", "pm"]
+    t.upsert("s", "static", federation="fed")
+    assert t.live_peers() == ["m", "p", "s"]
     clock.advance(10.0)
-    assert t.live_peers() == ["m", "p", "pm"]  # exactly at the timeout: still live
+    assert t.live_peers() == ["m", "p", "s"]  # exactly at the timeout: still live
+    t.touch("m")  # a heartbeat or any message
     clock.advance(0.5)
-    # presence-only peer timed out; peers vouched for by another source do not
-    assert t.live_peers() == ["m", "pm"]
+    # nobody heard from p and s for longer than the timeout; m was touched
+    assert t.live_peers() == ["m"]
     t.touch("p")
-    assert t.live_peers() == ["m", "p", "pm"]
+    assert t.live_peers() == ["m", "p"]
     clock.advance(11.0)
     assert "p" not in t.live_peers()
     # a fresh presence message revives it; it was not live, so this is "added"
@@ -160,6 +160,19 @@ def test_heartbeat_timeout_for_presence_only_peers():
     assert "p" in t.live_peers()
     assert rec.events[-1] == ("added", "p")
     assert t.get("p").last_seen == clock()
+
+
+def test_presence_offline_overrides_a_lingering_mdns_record():
+    """A crashed peer sends no mDNS goodbye; its last will (presence offline) must win."""
+    t = PeerTable("self", federation="fed")
+    t.upsert("x", "mdns", federation="fed")
+    t.upsert("x", "presence", federation="fed")
+    t.withdraw("x", "presence")  # last will
+    assert t.live_peers() == []
+    t.upsert("x", "mdns", federation="fed")  # cached record re-seen: still offline
+    assert t.live_peers() == []
+    t.upsert("x", "presence", federation="fed")  # back online
+    assert t.live_peers() == ["x"]
 
 
 def test_heartbeat_none_never_times_out():

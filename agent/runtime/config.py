@@ -1,0 +1,270 @@
+"""The daemon's configuration: a TOML file validated once into typed dataclasses.
+
+Every key is documented in the README's configuration reference.  An unknown key, a
+value of the wrong type or out of range stops start-up with a :class:`ConfigError`
+naming the key (``mqtt.chunk_size: must be >= 1024``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message starts with the offending key."""
+
+
+@dataclasses.dataclass
+class AlgorithmSection:
+    """``[algorithm]``: which algorithm this node runs and for how long."""
+
+    name: str = "fedavg"
+    rounds: int = 20
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class TrainingSection:
+    """``[training]``: local SGD and compute placement."""
+
+    epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    device: str = "cpu"
+    threads: int = 1
+
+
+@dataclasses.dataclass
+class DataSection:
+    """``[data]``: where this node's data comes from."""
+
+    dataset: str = "har"
+    path: Union[str, None] = None
+    partition: str = "by-user"
+    num_nodes: int = 1
+    node_index: int = 0
+    beta: float = 0.5
+    zeta: int = 2
+    cache_dir: Union[str, None] = None
+
+
+@dataclasses.dataclass
+class ModelSection:
+    """``[model]``: a size tier of the dataset's default model, or an explicit spec."""
+
+    size: str = "medium"
+    spec: Union[dict[str, Any], None] = None
+
+
+@dataclasses.dataclass
+class MqttSection:
+    """``[mqtt]``: the home broker and message limits."""
+
+    broker: str = "127.0.0.1:1883"
+    protocol: str = "5"
+    chunk_size: int = 256 * 1024
+    max_frame_bytes: int = 64 * 1024 * 1024
+    keepalive: int = 10
+    heartbeat_interval: float = 5.0
+    username: Union[str, None] = None
+    password: Union[str, None] = None
+
+
+@dataclasses.dataclass
+class DiscoverySection:
+    """``[discovery]``: how peers are found and when the first round starts."""
+
+    mdns: bool = True
+    interfaces: list[str] = dataclasses.field(default_factory=lambda: ["127.0.0.1"])
+    static_peers: list[Any] = dataclasses.field(default_factory=list)
+    min_peers: int = 0
+    start_timeout: float = 60.0
+    heartbeat_timeout: float = 30.0
+
+
+@dataclasses.dataclass
+class RuntimeSection:
+    """``[runtime]``: reporting and baselines."""
+
+    baseline_local: bool = False
+    metrics_file: Union[str, None] = None
+    log_level: str = "info"
+    init: str = "common"
+
+
+@dataclasses.dataclass
+class NodeConfig:
+    """The whole node configuration (top-level keys + sections)."""
+
+    federation: str = "default"
+    node_id: Union[str, None] = None
+    state_dir: str = "/var/lib/dfl-agent"
+    seed: int = 0
+    profile: str = "generic-x86"
+    algorithm: AlgorithmSection = dataclasses.field(default_factory=AlgorithmSection)
+    training: TrainingSection = dataclasses.field(default_factory=TrainingSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    mqtt: MqttSection = dataclasses.field(default_factory=MqttSection)
+    discovery: DiscoverySection = dataclasses.field(default_factory=DiscoverySection)
+    runtime: RuntimeSection = dataclasses.field(default_factory=RuntimeSection)
+
+
+def _check_type(value: Any, typ: Any, key: str) -> Any:
+    origin = typing.get_origin(typ)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(typ)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check_type(value, inner[0], key)
+    if dataclasses.is_dataclass(typ):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: must be a table")
+        return _from_dict(typ, value, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: must be a list, got {value!r}")
+        (item,) = typing.get_args(typ)
+        return [_check_type(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: must be a table, got {value!r}")
+        return dict(value)
+    if typ is Any:
+        return value
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, typ) or (typ is not bool and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}")
+    return value
+
+
+def _from_dict(cls: type, raw: Mapping[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            where = f"{prefix}.{key}" if prefix else key
+            raise ConfigError(f"{where}: unknown key (known: {', '.join(sorted(names))})")
+    kwargs = {
+        k: _check_type(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in raw.items()
+    }
+    return cls(**kwargs)
+
+
+def _validate(cfg: NodeConfig) -> None:
+    from agent.transport.wire import valid_id
+
+    def need(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key}: {why}")
+
+    need(valid_id(cfg.federation), "federation", "must match [A-Za-z0-9_.-]{1,64}")
+    need(cfg.node_id is None or valid_id(cfg.node_id), "node_id", "must match [A-Za-z0-9_.-]{1,64}")
+    need(cfg.algorithm.rounds >= 1, "algorithm.rounds", "must be >= 1")
+    t = cfg.training
+    need(t.epochs >= 1, "training.epochs", "must be >= 1")
+    need(t.batch_size >= 1, "training.batch_size", "must be >= 1")
+    need(t.lr > 0, "training.lr", "must be > 0")
+    need(0 <= t.momentum < 1, "training.momentum", "must be in [0, 1)")
+    need(t.weight_decay >= 0, "training.weight_decay", "must be >= 0")
+    need(t.threads >= 1, "training.threads", "must be >= 1")
+    need(t.device == "cpu" or t.device.startswith("cuda"), "training.device", "must be 'cpu' or 'cuda[:N]'")
+    d = cfg.data
+    need(d.num_nodes >= 1, "data.num_nodes", "must be >= 1")
+    need(0 <= d.node_index < d.num_nodes, "data.node_index", f"must be in [0, data.num_nodes={d.num_nodes})")
+    need(d.beta > 0, "data.beta", "must be > 0")
+    need(d.zeta >= 1, "data.zeta", "must be >= 1")
+    need(cfg.model.size in ("small", "medium", "large"), "model.size", "must be small, medium or large")
+    m = cfg.mqtt
+    need(m.protocol in ("5", "3.1.1"), "mqtt.protocol", "must be '5' or '3.1.1'")
+    need(m.chunk_size >= 1024, "mqtt.chunk_size", "must be >= 1024")
+    need(m.max_frame_bytes >= m.chunk_size, "mqtt.max_frame_bytes", "must be >= mqtt.chunk_size")
+    need(m.keepalive >= 1, "mqtt.keepalive", "must be >= 1")
+    need(m.heartbeat_interval > 0, "mqtt.heartbeat_interval", "must be > 0")
+    host, _, port = m.broker.rpartition(":")
+    need(bool(host) and port.isdigit() and 0 < int(port) < 65536, "mqtt.broker", "must be 'host:port'")
+    disc = cfg.discovery
+    need(not disc.mdns or bool(disc.interfaces), "discovery.interfaces",
+         "must list at least one interface address when mdns is on (e.g. ['127.0.0.1'])")
+    need(disc.min_peers >= 0, "discovery.min_peers", "must be >= 0")
+    need(disc.start_timeout > 0, "discovery.start_timeout", "must be > 0")
+    need(disc.heartbeat_timeout > 0, "discovery.heartbeat_timeout", "must be > 0")
+    need(cfg.runtime.init in ("common", "independent"), "runtime.init", "must be 'common' or 'independent'")
+    need(cfg.runtime.log_level.lower() in ("debug", "info", "warning", "error"), "runtime.log_level",
+         "must be debug, info, warning or error")
+
+
+def config_from_dict(raw: Mapping[str, Any]) -> NodeConfig:
+    """Validate a parsed configuration table.
+
+    Raises:
+        ConfigError: naming the first offending key.
+    """
+    try:
+        cfg = _from_dict(NodeConfig, raw)
+    except TypeError as exc:  # pragma: no cover - defensive
+        raise ConfigError(str(exc)) from None
+    _validate(cfg)
+    return cfg
+
+
+def load_config(path: str | os.PathLike[str]) -> NodeConfig:
+    """Read and validate a TOML configuration file.
+
+    Raises:
+        ConfigError: unreadable file, TOML syntax error, or an invalid key (named).
+    """
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: TOML syntax error: {exc}") from None
+    return config_from_dict(raw)
+
+
+def dump_toml(cfg: NodeConfig) -> str:
+    """Serialise ``cfg`` to TOML (simple writer for the types this config uses)."""
+
+    def val(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(val(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {val(x)}" for k, x in v.items()) + " }"
+        raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+    top, sections = [], []
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            lines = [f"[{f.name}]"]
+            for g in dataclasses.fields(v):
+                x = getattr(v, g.name)
+                if x is not None:
+                    lines.append(f"{g.name} = {val(x)}")
+            sections.append("\n".join(lines))
+        elif v is not None:
+            top.append(f"{f.name} = {val(v)}")
+    return "\n".join(top) + "\n\n" + "\n\n".join(sections) + "\n"

@@ -1,0 +1,231 @@
+"""``dfl-agent``: the per-device daemon.
+
+``dfl-agent run --config node.toml`` loads and validates the configuration, takes
+its persistent node id from the state directory, loads its data, connects to its
+MQTT broker (presence with a last will, status heartbeat), advertises itself and
+browses for peers over mDNS, waits for ``discovery.min_peers`` peers (bounded by
+``discovery.start_timeout``), then runs the configured algorithm for
+``algorithm.rounds`` rounds.  Training runs in a worker thread, so messaging,
+heartbeats and status go on meanwhile; every wait has a deadline.  SIGTERM/SIGINT
+stop it cleanly: mDNS goodbye, presence "offline".
+
+Exit codes: 0 finished, 2 bad configuration, 3 broker unreachable, 1 other error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agent import WIRE_VERSION, __version__
+from agent.runtime.config import ConfigError, NodeConfig, load_config
+
+log = logging.getLogger("agent.daemon")
+
+
+def node_id_from_state(state_dir: Path, configured: str | None) -> str:
+    """The node's persistent id: ``configured`` if given, else the one stored in
+    ``state_dir/node_id``, else a new random one (``n-`` + 8 hex) written atomically."""
+    if configured:
+        return configured
+    path = state_dir / "node_id"
+    if path.exists():
+        nid = path.read_text(encoding="utf-8").strip()
+        if nid:
+            return nid
+    nid = "n-" + secrets.token_hex(4)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(nid + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return nid
+
+
+class Agent:
+    """One running daemon: wires config, data, transport, discovery and the algorithm."""
+
+    def __init__(self, cfg: NodeConfig):
+        self.cfg = cfg
+        self.state_dir = Path(cfg.state_dir)
+        self.node_id = ""
+        self.node: Any = None
+        self.mdns: Any = None
+        self.ctx: Any = None
+
+    async def run(self, stop: asyncio.Event) -> int:
+        import torch
+
+        from agent.algorithms.base import get_algorithm, parse_options
+        from agent.data import load_dataset, node_data_for
+        from agent.discovery.mdns import MdnsDiscovery
+        from agent.discovery.peers import PeerTable
+        from agent.discovery.static import load_static_peers
+        from agent.learning.training import TrainConfig
+        from agent.models import default_spec, spec_hash, validate_spec
+        from agent.runtime.context import RuntimeContext
+        from agent.runtime.node import Node, init_seed_for
+        from agent.transport.mqtt import MqttTransport
+
+        cfg = self.cfg
+        torch.set_num_threads(cfg.training.threads)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.node_id = nid = node_id_from_state(self.state_dir, cfg.node_id)
+        fed = cfg.federation
+        algo_cls = get_algorithm(cfg.algorithm.name)
+        options = parse_options(algo_cls, cfg.algorithm.options)
+        d = cfg.data
+        bundle = load_dataset(d.dataset, path=d.path, cache_dir=d.cache_dir)
+        data = node_data_for(bundle, d.num_nodes, d.node_index, d.partition, seed=cfg.seed, beta=d.beta, zeta=d.zeta)
+        spec = validate_spec(cfg.model.spec) if cfg.model.spec else default_spec(
+            bundle.pool.input_shape, bundle.pool.num_classes, cfg.model.size
+        )
+        t = cfg.training
+        train = TrainConfig(epochs=t.epochs, batch_size=t.batch_size, lr=t.lr, momentum=t.momentum,
+                            weight_decay=t.weight_decay)
+        log.info("node %s of federation %s: %s, %d train / %d val samples (users %s), model %s",
+                 nid, fed, algo_cls.name, data.num_train, len(data.val_y), data.groups, spec["type"])
+
+        peers = PeerTable(nid, fed, heartbeat_timeout=cfg.discovery.heartbeat_timeout)
+        load_static_peers(peers, cfg.discovery.static_peers, fed)
+        descriptor = {
+            "broker": cfg.mqtt.broker, "profile": cfg.profile, "model_hash": spec_hash(spec),
+            "algorithm": algo_cls.name, "version": f"{__version__}/w{WIRE_VERSION}",
+        }
+        transport = MqttTransport(
+            nid, fed, broker=cfg.mqtt.broker, peers=peers, descriptor=descriptor, protocol=cfg.mqtt.protocol,
+            chunk_size=cfg.mqtt.chunk_size, max_frame_bytes=cfg.mqtt.max_frame_bytes,
+            keepalive=cfg.mqtt.keepalive, heartbeat_interval=cfg.mqtt.heartbeat_interval,
+            username=cfg.mqtt.username, password=cfg.mqtt.password,
+            on_heartbeat=lambda peer, status: peers.touch(peer),
+        )
+        self.ctx = ctx = RuntimeContext(
+            node_id=nid, federation=fed, transport=transport, peers=peers, data=data, model_spec=spec,
+            train=train, init_seed=init_seed_for(cfg.seed, d.node_index, cfg.runtime.init),
+            rng=np.random.default_rng([cfg.seed, d.node_index]), device=t.device, compute_in_thread=True,
+            max_frame_bytes=cfg.mqtt.max_frame_bytes,
+        )
+        metrics_path = Path(cfg.runtime.metrics_file or self.state_dir / "metrics.jsonl")
+        metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        metrics_file = open(metrics_path, "a", encoding="utf-8")
+
+        def sink(record: dict[str, Any]) -> None:
+            metrics_file.write(json.dumps(record, sort_keys=True, default=float) + "\n")
+            metrics_file.flush()
+
+        self.node = node = Node(ctx, algo_cls(ctx, options), bundle.test.x, bundle.test.y,
+                                baseline_local=cfg.runtime.baseline_local, sink=sink, rounds=cfg.algorithm.rounds)
+        try:
+            try:
+                await ctx.start()
+            except ConnectionError as exc:
+                log.error("%s", exc)
+                return 3
+            if cfg.discovery.mdns:
+                self.mdns = MdnsDiscovery(peers, node_id=nid, federation=fed, descriptor=descriptor,
+                                          interfaces=list(cfg.discovery.interfaces))
+                await self.mdns.start()
+            await node.setup()
+            await node.publish_status()
+            if not await self._wait_for_peers(stop):
+                return 0
+            run = asyncio.ensure_future(node.run(cfg.algorithm.rounds))
+            stopper = asyncio.ensure_future(stop.wait())
+            done, _ = await asyncio.wait({run, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if run in done:
+                stopper.cancel()
+                run.result()  # re-raise a crash of the algorithm
+                log.info("finished %d rounds", cfg.algorithm.rounds)
+            else:
+                log.info("stop requested; leaving the federation")
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
+                node.state = "stopped"
+                await node.publish_status()
+            return 0
+        finally:
+            if self.mdns is not None:
+                await self.mdns.stop()
+            await ctx.stop()
+            metrics_file.close()
+
+    async def _wait_for_peers(self, stop: asyncio.Event) -> bool:
+        """Wait until ``discovery.min_peers`` peers are live or ``start_timeout`` passes.
+
+        Returns False when a stop was requested meanwhile."""
+        want = self.cfg.discovery.min_peers
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.discovery.start_timeout
+        node = self.node
+        node.state = "waiting_for_peers"
+        while len(self.ctx.live_peers()) < want and loop.time() < deadline:
+            if stop.is_set():
+                return False
+            await asyncio.sleep(0.2)
+        live = self.ctx.live_peers()
+        if len(live) < want:
+            log.warning("only %d of %d peers after %.0fs; starting anyway", len(live), want,
+                        self.cfg.discovery.start_timeout)
+        log.info("peers: %s", ", ".join(live) or "none")
+        return not stop.is_set()
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("zeroconf", "paho", "matplotlib", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def run_agent(cfg: NodeConfig) -> int:
+    """Run the daemon until it finishes or gets SIGTERM/SIGINT. Returns the exit code."""
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        return await Agent(cfg).run(stop)
+
+    return asyncio.run(main())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``dfl-agent`` console script."""
+    p = argparse.ArgumentParser(prog="dfl-agent", description="Decentralized federated learning agent")
+    p.add_argument("--version", action="version", version=f"dfl-agent {__version__} (wire v{WIRE_VERSION})")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the agent")
+    r.add_argument("--config", required=True, help="node configuration (TOML)")
+    c = sub.add_parser("check-config", help="validate a configuration file and exit")
+    c.add_argument("--config", required=True)
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"dfl-agent: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if args.cmd == "check-config":
+        print("configuration OK")
+        return 0
+    _setup_logging(cfg.runtime.log_level)
+    try:
+        return run_agent(cfg)
+    except (ValueError, KeyError, FileNotFoundError, ImportError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""``dflctl demo``: a real federation of agent processes on this machine.
+
+Starts an MQTT broker on a free loopback port (mosquitto when installed, otherwise
+amqtt), writes one configuration per node, starts N ``dfl-agent`` processes (each
+holds one HAR user's recordings; they find each other by mDNS on 127.0.0.1), shows
+their progress live from the retained status topics, and finally writes the report
+folder: ``metrics.jsonl``, ``summary.json``, ``accuracy.png``, per-node logs.
+
+Exit code 0 when every agent that was not deliberately killed finished all rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from agent.runtime import metrics
+from agent.runtime.config import (
+    AlgorithmSection, DataSection, DiscoverySection, MqttSection, NodeConfig, RuntimeSection, TrainingSection,
+    dump_toml,
+)
+
+
+@dataclasses.dataclass
+class DemoOptions:
+    """Arguments of ``dflctl demo`` (see ``dflctl demo --help``)."""
+
+    nodes: int = 5
+    rounds: int = 20
+    algorithm: str = "fedavg"
+    out: str = "dfl-demo"
+    broker: str = "auto"
+    dataset: str = "har"
+    seed: int = 0
+    epochs: int = 1
+    round_timeout: float = 30.0
+    start_timeout: float = 90.0
+    kill: str | None = None  # "INDEX@ROUND"
+    live: bool | None = None  # None = when stdout is a terminal
+    protocol: str = "5"
+
+
+def _node_ids(opts: DemoOptions) -> list[str]:
+    if opts.dataset == "har":
+        from agent.data import load_dataset
+
+        users = sorted({int(u) for u in load_dataset("har").pool.groups})
+        if opts.nodes > len(users):
+            raise ValueError(f"--nodes {opts.nodes}: HAR has only {len(users)} users outside the test group")
+        return [f"user{u:02d}" for u in users[: opts.nodes]]
+    return [f"node{i:02d}" for i in range(opts.nodes)]
+
+
+def _config(opts: DemoOptions, fed: str, nid: str, index: int, broker: str, out: Path) -> NodeConfig:
+    node_dir = out / "nodes" / nid
+    return NodeConfig(
+        federation=fed, node_id=nid, state_dir=str(node_dir), seed=opts.seed, profile="generic-x86",
+        algorithm=AlgorithmSection(name=opts.algorithm, rounds=opts.rounds,
+                                   options={"round_timeout": opts.round_timeout} if opts.algorithm == "fedavg" else {}),
+        training=TrainingSection(epochs=opts.epochs, threads=1),
+        data=DataSection(dataset=opts.dataset, partition="by-user" if opts.dataset == "har" else "iid",
+                         num_nodes=opts.nodes, node_index=index),
+        mqtt=MqttSection(broker=broker, protocol=opts.protocol),
+        discovery=DiscoverySection(mdns=True, interfaces=["127.0.0.1"], min_peers=opts.nodes - 1,
+                                   start_timeout=opts.start_timeout, heartbeat_timeout=30.0),
+        runtime=RuntimeSection(baseline_local=True, metrics_file=str(node_dir / "metrics.jsonl")),
+    )
+
+
+def _table(statuses: dict[str, dict[str, Any]], presence: dict[str, dict[str, Any]], ids: list[str], rounds: int):
+    from rich.table import Table
+
+    t = Table(title=f"dfl-agent demo: {len(ids)} agents, {rounds} rounds (global test accuracy, held-out users)")
+    for col in ("node", "state", "round", "federated", "alone", "peers", "sent MB", "recv MB", "dropped"):
+        t.add_column(col, justify="right" if col not in ("node", "state") else "left")
+    for nid in ids:
+        s = statuses.get(nid, {})
+        online = presence.get(nid, {}).get("state", "-")
+        state = s.get("state", "starting") if online != "offline" else "offline"
+        acc = s.get("global_accuracy")
+        alone = s.get("local_only_global_accuracy")
+        t.add_row(
+            nid, state, f"{s.get('round', 0)}/{rounds}",
+            f"{acc:.3f}" if isinstance(acc, (int, float)) else "-",
+            f"{alone:.3f}" if isinstance(alone, (int, float)) else "-",
+            str(len(s.get("live_peers", []) or [])),
+            f"{s.get('bytes_sent', 0) / 1e6:.2f}", f"{s.get('bytes_received', 0) / 1e6:.2f}",
+            str(sum((s.get("errors") or {}).values())),
+        )
+    return t
+
+
+def run_demo(opts: DemoOptions) -> int:
+    """Run the demo; returns the process exit code (0 = the federation succeeded)."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from agent.transport.broker import start_broker
+    from tools.observer import Observer
+
+    console = Console()
+    started = time.time()
+    out = Path(opts.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    kill_index, kill_round = None, None
+    if opts.kill:
+        try:
+            a, b = opts.kill.split("@")
+            kill_index, kill_round = int(a), int(b)
+        except ValueError:
+            raise ValueError(f"--kill must be INDEX@ROUND, got {opts.kill!r}") from None
+        if not 0 <= kill_index < opts.nodes:
+            raise ValueError(f"--kill index must be in [0, {opts.nodes})")
+    ids = _node_ids(opts)
+    fed = "demo-" + secrets.token_hex(3)
+    live = sys.stdout.isatty() if opts.live is None else opts.live
+
+    with start_broker(opts.broker) as broker:
+        console.print(f"broker: {broker.kind} on {broker.endpoint}; federation {fed}; report folder {out}")
+        procs: dict[str, subprocess.Popen] = {}
+        logs = {}
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        for i, nid in enumerate(ids):
+            cfg = _config(opts, fed, nid, i, broker.endpoint, out.resolve())
+            path = out / "nodes" / nid / "node.toml"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(dump_toml(cfg), encoding="utf-8")
+            logs[nid] = open(out / "logs" / f"{nid}.log", "w", encoding="utf-8")
+            procs[nid] = subprocess.Popen(
+                [sys.executable, "-m", "agent.runtime.daemon", "run", "--config", str(path)],
+                stdout=logs[nid], stderr=subprocess.STDOUT, env=env,
+            )
+        observer = Observer(broker.endpoint, fed, protocol=opts.protocol).start()
+        budget = opts.start_timeout + 60 + opts.rounds * (opts.round_timeout + 60)
+        deadline = time.monotonic() + budget
+        killed: set[str] = set()
+        last_print: dict[str, int] = {}
+        try:
+            with Live(console=console, refresh_per_second=2, transient=False) if live else _Null() as view:
+                while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
+                    statuses, presence = observer.snapshot()
+                    if kill_index is not None and ids[kill_index] not in killed:
+                        victim = ids[kill_index]
+                        if statuses.get(victim, {}).get("round", 0) >= kill_round:
+                            procs[victim].send_signal(signal.SIGKILL)
+                            killed.add(victim)
+                            console.print(f"[bold red]killed {victim} (SIGKILL) after its round {kill_round}[/]")
+                    if live:
+                        view.update(_table(statuses, presence, ids, opts.rounds))
+                    else:
+                        for nid, s in sorted(statuses.items()):
+                            r = s.get("round", 0)
+                            if r and last_print.get(nid) != r:
+                                last_print[nid] = r
+                                console.print(
+                                    f"{nid} round {r}/{opts.rounds}: federated {s.get('global_accuracy', 0):.3f}, "
+                                    f"alone {s.get('local_only_global_accuracy') or 0:.3f}, peers {len(s.get('live_peers') or [])}"
+                                )
+                    time.sleep(0.5)
+        finally:
+            timed_out = [n for n, p in procs.items() if p.poll() is None]
+            for p in procs.values():
+                if p.poll() is None:
+                    p.terminate()
+            for p in procs.values():
+                try:
+                    p.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            observer.stop()
+            for f in logs.values():
+                f.close()
+
+    histories = {}
+    for nid in ids:
+        mpath = out / "nodes" / nid / "metrics.jsonl"
+        histories[nid] = metrics.read_jsonl(mpath) if mpath.exists() else []
+    records = [r for nid in ids for r in histories[nid]]
+    metrics.write_jsonl(out / "metrics.jsonl", records)
+    exit_codes = {nid: procs[nid].returncode for nid in ids}
+    survivors = [n for n in ids if n not in killed]
+    failed = [
+        n for n in survivors
+        if exit_codes[n] != 0 or not histories[n] or histories[n][-1]["round"] < opts.rounds or n in timed_out
+    ]
+    summary = metrics.summarize(
+        opts.algorithm, histories, wall_seconds=time.time() - started,
+        extra={
+            "dataset": opts.dataset, "partition": "by-user", "federation": fed, "broker": broker.kind,
+            "killed": sorted(killed), "failed": failed, "exit_codes": exit_codes,
+            "max_round_seconds": max((r["round_seconds"] for r in records), default=0.0),
+            "round_timeout": opts.round_timeout,
+        },
+    )
+    metrics.atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=float) + "\n")
+    if records:
+        metrics.plot_accuracy(histories, out / "accuracy.png",
+                              title=f"{opts.algorithm}: {len(ids)} agents on HAR (dashed: trained alone)")
+    _final_table(console, summary, histories, ids, killed)
+    if failed:
+        console.print(f"[bold red]federation failed: {', '.join(failed)} did not finish (see {out}/logs)[/]")
+        return 1
+    console.print(f"report: {out}/summary.json, {out}/metrics.jsonl, {out}/accuracy.png")
+    return 0
+
+
+class _Null:
+    def __enter__(self) -> "_Null":
+        return self
+
+    def __exit__(self, *a: object) -> None:
+        return None
+
+
+def _final_table(console, summary, histories, ids, killed) -> None:
+    from rich.table import Table
+
+    t = Table(title="final: global test accuracy on the held-out users")
+    for col in ("node", "rounds", "federated model", "same model trained alone", "sent MB", "received MB"):
+        t.add_column(col, justify="left" if col == "node" else "right")
+    for nid in ids:
+        h = histories[nid]
+        if not h:
+            t.add_row(nid, "0", "-", "-", "-", "-")
+            continue
+        last = h[-1]
+        t.add_row(
+            nid + (" (killed)" if nid in killed else ""), str(last["round"]),
+            f"{last['global_accuracy']:.3f}", f"{last.get('local_only_global_accuracy', float('nan')):.3f}",
+            f"{last['bytes_sent'] / 1e6:.2f}", f"{last['bytes_received'] / 1e6:.2f}",
+        )
+    g = summary["global_accuracy"]
+    lo = summary.get("local_only_global_accuracy", {"mean": float("nan")})
+    t.add_row("mean", str(summary["rounds_completed"]), f"{g['mean']:.3f}", f"{lo['mean']:.3f}",
+              f"{summary['bytes_sent'] / 1e6:.2f}", f"{summary['bytes_received'] / 1e6:.2f}")
+    console.print(t)
+    console.print(
+        f"federated {100 * g['mean']:.1f}% vs alone {100 * lo['mean']:.1f}%: "
+        f"{100 * (g['mean'] - lo['mean']):+.1f} points; longest round {summary['max_round_seconds']:.1f}s"
+    )

@@ -1,0 +1,201 @@
+"""``dflctl``: the dfl-agent command line.
+
+Commands:
+  demo       run a real federation of agent processes on this machine (the main job)
+  simulate   run N nodes of an algorithm in one process (paper reproductions, tests)
+  peers      list a federation's nodes from their retained MQTT presence
+  status     show a federation's (or one node's) retained status documents
+  algorithms list the registered algorithms
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from agent import __version__
+
+
+def _kv(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise SystemExit(f"dflctl: --option must be KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def cmd_simulate(a: argparse.Namespace) -> int:
+    from agent.learning.training import TrainConfig
+    from agent.runtime.simulator import SimConfig, simulate
+
+    cfg = SimConfig(
+        algorithm=a.algorithm, nodes=a.nodes, rounds=a.rounds, dataset=a.dataset, dataset_path=a.dataset_path,
+        partition=a.partition, beta=a.beta, zeta=a.zeta, seed=a.seed, out=a.out, options=_kv(a.option),
+        train=TrainConfig(epochs=a.epochs, batch_size=a.batch_size, lr=a.lr), model_size=a.model_size,
+        init=a.init, baseline_local=a.baseline_local,
+    )
+    s = simulate(cfg)
+    g, lo = s["global_accuracy"], s["local_accuracy"]
+    print(
+        f"{s['algorithm']}: {s['nodes']} nodes, {s['rounds_completed']} rounds on {a.dataset}/{a.partition} in "
+        f"{s['wall_seconds']:.1f}s; global accuracy {g['mean']:.4f} ± {g['std']:.4f}, "
+        f"local accuracy {lo['mean']:.4f} ± {lo['std']:.4f}; {s['bytes_sent'] / 1e6:.1f} MB sent"
+    )
+    if "local_only_global_accuracy" in s:
+        print(f"local-only baseline: global accuracy {s['local_only_global_accuracy']['mean']:.4f}")
+    if a.out:
+        print(f"report: {a.out}/summary.json")
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from tools.demo import DemoOptions, run_demo
+
+    return run_demo(DemoOptions(
+        nodes=a.nodes, rounds=a.rounds, algorithm=a.algorithm, out=a.out, broker=a.broker, seed=a.seed,
+        epochs=a.epochs, round_timeout=a.round_timeout, kill=a.kill, live=a.live, protocol=a.protocol,
+    ))
+
+
+def _observe(a: argparse.Namespace):
+    from tools.observer import Observer
+
+    broker, fed = a.broker, a.federation
+    if a.config:
+        from agent.runtime.config import load_config
+
+        cfg = load_config(a.config)
+        broker, fed = broker or cfg.mqtt.broker, fed or cfg.federation
+    obs = Observer(broker or "127.0.0.1:1883", fed or "default").start(timeout=a.timeout)
+    obs.settle()
+    statuses, presence = obs.snapshot()
+    obs.stop()
+    return statuses, presence
+
+
+def cmd_peers(a: argparse.Namespace) -> int:
+    statuses, presence = _observe(a)
+    rows = []
+    for nid in sorted(set(presence) | set(statuses)):
+        p, s = presence.get(nid, {}), statuses.get(nid, {})
+        d = p.get("descriptor", {}) or {}
+        rows.append({
+            "node_id": nid, "state": p.get("state", "unknown"), "broker": d.get("broker", ""),
+            "profile": d.get("profile", ""), "algorithm": d.get("algorithm", ""), "model": d.get("model_hash", ""),
+            "version": d.get("version", ""), "round": s.get("round"),
+            "last_seen_s": round(time.time() - float(s.get("time", p.get("time", 0)) or 0), 1),
+        })
+    if a.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="peers")
+    for col in ("node_id", "state", "broker", "profile", "algorithm", "model", "round", "last_seen_s"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(*(str(r[c]) for c in ("node_id", "state", "broker", "profile", "algorithm", "model", "round", "last_seen_s")))
+    Console().print(t)
+    return 0
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    statuses, _ = _observe(a)
+    if a.node:
+        if a.node not in statuses:
+            print(f"dflctl: no status for node {a.node!r}", file=sys.stderr)
+            return 1
+        statuses = {a.node: statuses[a.node]}
+    print(json.dumps(statuses, indent=2, sort_keys=True))
+    return 0
+
+
+def cmd_algorithms(a: argparse.Namespace) -> int:
+    from agent.algorithms.base import available
+
+    print("\n".join(available()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"dflctl {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("simulate", help="N nodes in one process over the memory transport")
+    s.add_argument("--algorithm", default="fedavg")
+    s.add_argument("--nodes", type=int, default=10)
+    s.add_argument("--rounds", type=int, default=20)
+    s.add_argument("--dataset", default="har", choices=["har", "digits", "idx", "npz"])
+    s.add_argument("--dataset-path", default=None, help="directory for --dataset idx|npz")
+    s.add_argument("--partition", default="by-user", choices=["iid", "dirichlet", "shards", "by-user"])
+    s.add_argument("--beta", type=float, default=0.5, help="Dirichlet concentration (label skew)")
+    s.add_argument("--zeta", type=int, default=2, help="shards (classes) per node")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--epochs", type=int, default=1)
+    s.add_argument("--batch-size", type=int, default=32)
+    s.add_argument("--lr", type=float, default=0.05)
+    s.add_argument("--model-size", default="medium", choices=["small", "medium", "large"])
+    s.add_argument("--init", default="common", choices=["common", "independent"])
+    s.add_argument("--baseline-local", action="store_true", help="also train a local-only copy per node")
+    s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="algorithm option (repeatable)")
+    s.add_argument("--out", default=None, help="report folder (summary.json, metrics.jsonl, accuracy.png)")
+    s.set_defaults(func=cmd_simulate)
+
+    d = sub.add_parser("demo", help="real agent processes + MQTT broker + mDNS on 127.0.0.1, HAR data")
+    d.add_argument("--nodes", type=int, default=5)
+    d.add_argument("--rounds", type=int, default=20)
+    d.add_argument("--algorithm", default="fedavg")
+    d.add_argument("--out", default="dfl-demo")
+    d.add_argument("--broker", default="auto", choices=["auto", "mosquitto", "amqtt"])
+    d.add_argument("--protocol", default="5", choices=["5", "3.1.1"])
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--epochs", type=int, default=1)
+    d.add_argument("--round-timeout", type=float, default=30.0, help="seconds a round waits for peers")
+    d.add_argument("--kill", default=None, metavar="INDEX@ROUND", help="SIGKILL agent INDEX after its round ROUND")
+    d.add_argument("--live", dest="live", action="store_true", default=None, help="live table (default on a terminal)")
+    d.add_argument("--no-live", dest="live", action="store_false")
+    d.set_defaults(func=cmd_demo)
+
+    for name, fn, helptext in (("peers", cmd_peers, "list nodes from retained presence"),
+                               ("status", cmd_status, "retained status documents")):
+        c = sub.add_parser(name, help=helptext)
+        c.add_argument("--broker", default=None, help="host:port (default: from --config, else 127.0.0.1:1883)")
+        c.add_argument("--federation", default=None)
+        c.add_argument("--config", default=None, help="read broker and federation from a node config")
+        c.add_argument("--timeout", type=float, default=5.0)
+        if name == "status":
+            c.add_argument("node", nargs="?", default=None)
+        else:
+            c.add_argument("--json", action="store_true")
+        c.set_defaults(func=fn)
+
+    al = sub.add_parser("algorithms", help="list registered algorithms")
+    al.set_defaults(func=cmd_algorithms)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``dflctl`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, KeyError, FileNotFoundError, ConnectionError, ImportError) as exc:
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"dflctl: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

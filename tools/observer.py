@@ -1,0 +1,89 @@
+"""A read-only MQTT observer of a federation: retained presence and status topics.
+
+Used by ``dflctl demo`` (live progress), ``dflctl status`` and ``dflctl peers``.  It
+announces nothing and publishes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from typing import Any
+
+import paho.mqtt.client as mqtt
+
+from agent.transport.mqtt import parse_endpoint
+
+
+class Observer:
+    """Subscribe to ``dfl/{federation}/node/+/{presence,status}`` on ``broker``.
+
+    Attributes:
+        statuses: node id -> latest status document (dict).
+        presence: node id -> latest presence document (``{"state": "online"|"offline", ...}``).
+
+    Raises:
+        ConnectionError: from :meth:`start` when the broker cannot be reached in ``timeout`` s.
+    """
+
+    def __init__(self, broker: str, federation: str, protocol: str = "5"):
+        self.host, self.port = parse_endpoint(broker)
+        self.federation = federation
+        self.statuses: dict[str, dict[str, Any]] = {}
+        self.presence: dict[str, dict[str, Any]] = {}
+        self.updated = time.monotonic()
+        self._lock = threading.Lock()
+        self._connected = threading.Event()
+        proto = mqtt.MQTTv5 if protocol == "5" else mqtt.MQTTv311
+        self._client = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2, client_id=f"dflctl-{uuid.uuid4().hex[:8]}", protocol=proto
+        )
+        self._client.on_connect = self._on_connect
+        self._client.on_message = self._on_message
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties=None) -> None:
+        base = f"dfl/{self.federation}/node/+/"
+        client.subscribe([(base + "status", 0), (base + "presence", 0)])
+        self._connected.set()
+
+    def _on_message(self, client, userdata, msg) -> None:
+        parts = msg.topic.split("/")
+        if len(parts) != 5:
+            return
+        node, leaf = parts[3], parts[4]
+        try:
+            doc = json.loads(msg.payload) if msg.payload else {"state": "offline"}
+        except (ValueError, UnicodeDecodeError):
+            return
+        if not isinstance(doc, dict):
+            return
+        with self._lock:
+            (self.statuses if leaf == "status" else self.presence)[node] = doc
+            self.updated = time.monotonic()
+
+    def start(self, timeout: float = 10.0) -> "Observer":
+        try:
+            self._client.connect(self.host, self.port, keepalive=30)
+        except OSError as exc:
+            raise ConnectionError(f"cannot reach MQTT broker {self.host}:{self.port}: {exc}") from None
+        self._client.loop_start()
+        if not self._connected.wait(timeout):
+            self.stop()
+            raise ConnectionError(f"no answer from MQTT broker {self.host}:{self.port} within {timeout:.0f}s")
+        return self
+
+    def settle(self, quiet: float = 0.5, limit: float = 3.0) -> None:
+        """Wait until no retained message arrived for ``quiet`` s (at most ``limit`` s)."""
+        end = time.monotonic() + limit
+        while time.monotonic() < end and time.monotonic() - self.updated < quiet:
+            time.sleep(0.05)
+
+    def snapshot(self) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+        with self._lock:
+            return dict(self.statuses), dict(self.presence)
+
+    def stop(self) -> None:
+        self._client.loop_stop()
+        self._client.disconnect()
