@@ -191,11 +191,13 @@ def run_demo(opts: DemoOptions) -> int:
         n for n in survivors
         if exit_codes[n] != 0 or not histories[n] or histories[n][-1]["round"] < opts.rounds or n in timed_out
     ]
+    # accuracy over the nodes that were meant to finish; bytes over everyone
     summary = metrics.summarize(
-        opts.algorithm, histories, wall_seconds=time.time() - started,
+        opts.algorithm, {n: histories[n] for n in survivors}, wall_seconds=time.time() - started,
+        bytes_by_node={n: (h[-1]["bytes_sent"], h[-1]["bytes_received"]) for n, h in histories.items() if h},
         extra={
             "dataset": opts.dataset, "partition": "by-user", "federation": fed, "broker": broker.kind,
-            "killed": sorted(killed), "failed": failed, "exit_codes": exit_codes,
+            "killed": sorted(killed), "failed": failed, "nodes_started": len(ids), "exit_codes": exit_codes,
             "max_round_seconds": max((r["round_seconds"] for r in records), default=0.0),
             "round_timeout": opts.round_timeout,
         },

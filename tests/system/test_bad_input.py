@@ -1,0 +1,80 @@
+"""Garbage, truncated, oversized and wrong-federation payloads published to a running
+agent's inbox are rejected and counted; the agent keeps running and finishes."""
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import paho.mqtt.client as mqtt
+import pytest
+
+from agent.algorithms.context import Message
+from agent.runtime.config import config_from_dict, dump_toml
+from agent.transport import wire
+from agent.transport.broker import start_broker
+from tests.system.conftest import needs_mosquitto
+from tools.observer import Observer
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+
+@needs_mosquitto
+def test_bad_payloads_are_counted_and_the_agent_keeps_running(tmp_path):
+    fed = "badinput"
+    with start_broker("mosquitto") as broker:
+        procs = []
+        for i in range(2):
+            cfg = config_from_dict({
+                "federation": fed, "node_id": f"a{i}", "state_dir": str(tmp_path / f"a{i}"),
+                "algorithm": {"rounds": 6, "options": {"round_timeout": 10.0}},
+                "data": {"num_nodes": 2, "node_index": i},
+                "mqtt": {"broker": broker.endpoint, "max_frame_bytes": 1 << 20, "chunk_size": 64 * 1024},
+                "discovery": {"min_peers": 1, "start_timeout": 60.0},
+            })
+            path = tmp_path / f"a{i}.toml"
+            path.write_text(dump_toml(cfg))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "agent.runtime.daemon", "run", "--config", str(path)],
+                stdout=open(tmp_path / f"a{i}.log", "w"), stderr=subprocess.STDOUT))
+        obs = Observer(broker.endpoint, fed).start()
+        deadline = time.monotonic() + 90
+        while obs.snapshot()[0].get("a0", {}).get("state") not in ("running",) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert obs.snapshot()[0]["a0"]["state"] == "running"
+
+        good = Message("model", 1, {"w": np.ones(4, np.float32)}, meta={"samples": 1})
+        valid = wire.encode(good, federation=fed, sender="intruder")
+        payloads = {
+            "garbage": b"\x00garbage\xff" * 10,
+            "truncated": valid[: len(valid) // 2],
+            "oversized": b"DFL\x01" + b"\x00" * (2 << 20),
+            "wrong_federation": wire.encode(Message("model", 1, {"w": np.ones(4, np.float32)}), federation="other",
+                                            sender="intruder"),
+            "non_finite": wire.encode(Message("model", 1, {"w": np.full(4, np.nan, np.float32)}), federation=fed,
+                                      sender="intruder"),
+            "wrong_shape": valid,  # decodes, but does not fit the model
+        }
+        pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="intruder")
+        pub.connect(broker.host, broker.port)
+        pub.loop_start()
+        for payload in payloads.values():
+            pub.publish(f"dfl/{fed}/node/a0/inbox", payload, qos=1).wait_for_publish(5)
+        pub.loop_stop()
+        pub.disconnect()
+
+        for p in procs:
+            assert p.wait(timeout=180) == 0, (tmp_path / "a0.log").read_text()[-3000:]
+        obs.settle()
+        status = obs.snapshot()[0]["a0"]
+        obs.stop()
+    assert status["state"] == "finished" and status["round"] == 6
+    errors = status["errors"]
+    assert errors.get("malformed", 0) >= 2  # garbage + truncated
+    assert errors.get("oversized", 0) >= 1
+    assert errors.get("wrong_federation", 0) == 1
+    assert errors.get("non_finite", 0) == 1
+    assert errors.get("incompatible", 0) + errors.get("stale", 0) >= 1
+    log = (tmp_path / "a0.log").read_text()
+    assert "Traceback" not in log
