@@ -14,7 +14,7 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
-from agent.transport.mqtt import parse_endpoint
+from agent.discovery.static import parse_endpoint
 
 
 class Observer:

@@ -196,8 +196,9 @@ def _validate(cfg: NodeConfig) -> None:
     need(m.max_frame_bytes >= m.chunk_size, "mqtt.max_frame_bytes", "must be >= mqtt.chunk_size")
     need(m.keepalive >= 1, "mqtt.keepalive", "must be >= 1")
     need(m.heartbeat_interval > 0, "mqtt.heartbeat_interval", "must be > 0")
-    host, _, port = m.broker.rpartition(":")
-    need(bool(host) and port.isdigit() and 0 < int(port) < 65536, "mqtt.broker", "must be 'host:port'")
+    from agent.discovery.static import valid_endpoint
+
+    need(valid_endpoint(m.broker), "mqtt.broker", "must be 'host:port' (IPv6: '[addr]:port')")
     disc = cfg.discovery
     need(not disc.mdns or bool(disc.interfaces), "discovery.interfaces",
          "must list at least one interface address when mdns is on (e.g. ['127.0.0.1'])")

@@ -75,6 +75,7 @@ from typing import Any, Callable
 import paho.mqtt.client as mqtt
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
+from agent.discovery.static import parse_endpoint
 from agent.transport.base import FrameHandler, PresenceHandler, Transport, TransportStats
 from agent.transport.chunking import HEADER_LEN, ChunkError, Reassembler, is_chunk, split
 
@@ -97,22 +98,6 @@ _ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 def topic(federation: str, node_id: str, leaf: str) -> str:
     """``dfl/{federation}/node/{node_id}/{leaf}`` (``node_id`` may be ``+``)."""
     return f"{TOPIC_ROOT}/{federation}/node/{node_id}/{leaf}"
-
-
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """Split ``"host:port"`` (IPv6 as ``"[::1]:1883"``) into ``(host, port)``.
-
-    Raises:
-        ValueError: not of that form, or port outside 1..65535.
-    """
-    if not isinstance(endpoint, str) or ":" not in endpoint:
-        raise ValueError(f"broker endpoint must be 'host:port', got {endpoint!r}")
-    host, _, port_s = endpoint.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not host or not port_s.isdigit() or not 1 <= int(port_s) <= 65535:
-        raise ValueError(f"broker endpoint must be 'host:port', got {endpoint!r}")
-    return host, int(port_s)
 
 
 _paho_logger = logging.getLogger(__name__ + ".paho")
