@@ -101,9 +101,27 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
+_BUILTIN_LOADED = False
+_NOT_ALGORITHMS = {"base", "context", "topology", "coordination"}
+
+
 def _load_builtin() -> None:
-    # Importing the modules registers them; kept lazy so the registry has no import cycle.
-    from agent.algorithms import fedavg, local  # noqa: F401
+    """Import every module of ``agent.algorithms`` once (importing registers them).
+
+    Kept lazy so the registry has no import cycle; a new algorithm is one new module.
+    """
+    global _BUILTIN_LOADED
+    if _BUILTIN_LOADED:
+        return
+    import importlib
+    import pkgutil
+
+    import agent.algorithms as pkg
+
+    for mod in sorted(m.name for m in pkgutil.iter_modules(pkg.__path__)):
+        if mod not in _NOT_ALGORITHMS and not mod.startswith("_"):
+            importlib.import_module(f"agent.algorithms.{mod}")
+    _BUILTIN_LOADED = True
 
 
 def parse_options(cls: type[Algorithm], raw: Mapping[str, Any] | None, prefix: str = "algorithm.options") -> Any:

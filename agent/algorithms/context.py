@@ -103,6 +103,11 @@ class NodeContext(Protocol):
         """Ids of the peers currently believed alive (sorted, self excluded)."""
         ...
 
+    def neighbours(self) -> list[str]:
+        """Live peers that are this node's neighbours in the configured communication
+        graph (all live peers when no graph is configured). Sorted, self excluded."""
+        ...
+
     async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run CPU/GPU-heavy ``fn`` (training) without blocking messaging.
 

@@ -43,10 +43,14 @@ class FedAvgOptions:
             raise ValueError(f"poll_interval must be > 0, got {self.poll_interval}")
 
 
-async def collect_round(ctx, kind: str, t: int, deadline: float, poll: float, template) -> tuple[dict, list[str]]:
-    """Receive round-``t`` messages of ``kind`` from every live peer until ``deadline``.
+async def collect_round(
+    ctx, kind: str, t: int, deadline: float, poll: float, template, extra_tensors: frozenset[str] = frozenset()
+) -> tuple[dict, list[str]]:
+    """Receive round-``t`` messages of ``kind`` from every live neighbour
+    (``ctx.neighbours()``) until ``deadline``; messages of non-neighbours are ignored.
 
-    Messages whose tensors do not match ``template`` (names/shapes/dtypes) or whose
+    Messages whose tensors do not match ``template`` (names/shapes/dtypes; names in
+    ``extra_tensors`` may come in addition and are not checked here) or whose
     ``meta["samples"]`` is not a positive number are rejected and counted.
 
     Returns:
@@ -54,15 +58,18 @@ async def collect_round(ctx, kind: str, t: int, deadline: float, poll: float, te
     """
     got: dict[str, Message] = {}
     while True:
-        missing = [p for p in ctx.live_peers() if p not in got]
+        neighbours = ctx.neighbours()
+        missing = [p for p in neighbours if p not in got]
         now = ctx.clock.now()
         if not missing or now >= deadline:
             return got, missing
         msg = await ctx.receive(kind, round=t, deadline=min(deadline, now + poll))
         if msg is None:
             continue
+        if msg.sender not in neighbours:
+            continue
         try:
-            check_compatible(msg.tensors, template)
+            check_compatible({k: v for k, v in msg.tensors.items() if k not in extra_tensors}, template)
         except IncompatibleUpdate as exc:
             ctx.reject(msg, f"incompatible: {exc}")
             continue

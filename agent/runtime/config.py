@@ -32,6 +32,7 @@ class AlgorithmSection:
     name: str = "fedavg"
     rounds: int = 20
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    neighbours: Union[list[str], None] = None
 
 
 @dataclasses.dataclass

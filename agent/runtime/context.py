@@ -52,6 +52,8 @@ class RuntimeContext:
         max_frame_bytes: frames above this are rejected as ``oversized``.
         max_queued_per_sender: buffered messages kept per sender; older ones are dropped
             (counted as ``queue_full``) so no peer can exhaust memory.
+        graph_neighbours: this node's neighbours in the configured communication graph
+            (``None``: every peer is a neighbour).
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class RuntimeContext:
         compute_in_thread: bool = False,
         max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
         max_queued_per_sender: int = 16,
+        graph_neighbours: list[str] | None = None,
     ):
         self.node_id = node_id
         self.federation = federation
@@ -85,6 +88,7 @@ class RuntimeContext:
         self.compute_in_thread = compute_in_thread
         self.max_frame_bytes = max_frame_bytes
         self.max_queued_per_sender = max_queued_per_sender
+        self.graph_neighbours = None if graph_neighbours is None else sorted(set(graph_neighbours) - {node_id})
         self.round_hook: RoundHook | None = None
         self.current_round = 0
         self.rejected: collections.Counter[str] = collections.Counter()
@@ -207,6 +211,13 @@ class RuntimeContext:
 
     def live_peers(self) -> list[str]:
         return self.peers.live_peers()
+
+    def neighbours(self) -> list[str]:
+        live = self.peers.live_peers()
+        if self.graph_neighbours is None:
+            return live
+        allowed = set(self.graph_neighbours)
+        return [p for p in live if p in allowed]
 
     async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if self.compute_in_thread:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from agent.algorithms.base import get_algorithm, parse_options
+from agent.algorithms.topology import build_topology
 from agent.data import load_dataset, make_node_data, partition
 from agent.discovery.peers import PeerTable
 from agent.learning.training import TrainConfig
@@ -46,6 +47,10 @@ class SimConfig:
         latency: one-way message delay in virtual seconds.
         kill: ``{node_index: round}``: crash that node when it starts that round (fault injection).
         baseline_local: also train and report a local-only copy per node.
+        model_specs: one model spec per node (heterogeneous federations); a shorter
+            list is cycled; ``None`` = every node gets ``model_spec`` / the default.
+        topology: communication graph name (see ``agent.algorithms.topology``) and its
+            ``topology_options``; ``full`` = everyone is a neighbour.
     """
 
     algorithm: str = "fedavg"
@@ -67,6 +72,9 @@ class SimConfig:
     kill: dict[int, int] = dataclasses.field(default_factory=dict)
     baseline_local: bool = False
     cache_dir: str | None = None
+    model_specs: list[dict[str, Any]] | None = None
+    topology: str = "full"
+    topology_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -96,6 +104,12 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
     spec = validate_spec(cfg.model_spec) if cfg.model_spec else default_spec(
         bundle.pool.input_shape, bundle.pool.num_classes, cfg.model_size
     )
+    if cfg.model_specs:
+        specs = [validate_spec(cfg.model_specs[i % len(cfg.model_specs)]) for i in range(cfg.nodes)]
+    else:
+        specs = [spec] * cfg.nodes
+    ids = [node_name(i) for i in range(cfg.nodes)]
+    graph = build_topology(cfg.topology, ids, cfg.seed, **cfg.topology_options)
     network = MemoryNetwork(latency=cfg.latency)
     federation = "sim"
     records: list[dict[str, Any]] = []
@@ -106,8 +120,9 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         transport = network.transport(nid, federation, {"algorithm": cfg.algorithm})
         ctx = RuntimeContext(
             node_id=nid, federation=federation, transport=transport, peers=PeerTable(nid, federation),
-            data=data, model_spec=spec, train=cfg.train, init_seed=init_seed_for(cfg.seed, i, cfg.init),
+            data=data, model_spec=specs[i], train=cfg.train, init_seed=init_seed_for(cfg.seed, i, cfg.init),
             rng=np.random.default_rng([cfg.seed, i]),
+            graph_neighbours=None if cfg.topology == "full" else graph[nid],
         )
         nodes.append(
             Node(ctx, algo_cls(ctx, options), bundle.test.x, bundle.test.y,
@@ -149,6 +164,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         bytes_by_node={n.ctx.node_id: (n.ctx.transport.stats.bytes_sent, n.ctx.transport.stats.bytes_received) for n in nodes},
         extra={
             "dataset": cfg.dataset, "partition": cfg.partition, "seed": cfg.seed, "model_spec": spec,
+            "model_specs": {nid: s for nid, s in zip(ids, specs)}, "topology": cfg.topology,
             "dropped": {n.ctx.node_id: n.ctx.counters()["dropped"] for n in nodes},
             "config": _jsonable(dataclasses.asdict(cfg)),
         },
