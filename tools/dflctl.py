@@ -32,6 +32,20 @@ def _kv(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def _model_specs(value: str | None) -> list[dict[str, Any]] | None:
+    """``--models``: a JSON list of model specs (one per node, cycled) or a JSON file."""
+    if not value:
+        return None
+    text = open(value, encoding="utf-8").read() if not value.lstrip().startswith("[") else value
+    try:
+        specs = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--models must be a JSON list of model specs or a file holding one: {exc}") from None
+    if not isinstance(specs, list) or not specs or not all(isinstance(x, dict) for x in specs):
+        raise ValueError("--models must be a non-empty JSON list of model spec objects")
+    return specs
+
+
 def cmd_simulate(a: argparse.Namespace) -> int:
     from agent.learning.training import TrainConfig
     from agent.runtime.simulator import SimConfig, simulate
@@ -40,7 +54,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         algorithm=a.algorithm, nodes=a.nodes, rounds=a.rounds, dataset=a.dataset, dataset_path=a.dataset_path,
         partition=a.partition, beta=a.beta, zeta=a.zeta, seed=a.seed, out=a.out, options=_kv(a.option),
         train=TrainConfig(epochs=a.epochs, batch_size=a.batch_size, lr=a.lr), model_size=a.model_size,
-        init=a.init, baseline_local=a.baseline_local,
+        init=a.init, baseline_local=a.baseline_local, topology=a.topology,
+        topology_options=_kv(a.topology_option), model_specs=_model_specs(a.models),
     )
     s = simulate(cfg)
     g, lo = s["global_accuracy"], s["local_accuracy"]
@@ -148,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--init", default="common", choices=["common", "independent"])
     s.add_argument("--baseline-local", action="store_true", help="also train a local-only copy per node")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="algorithm option (repeatable)")
+    s.add_argument("--topology", default="full", help="communication graph (full, ring, ...)")
+    s.add_argument("--topology-option", action="append", default=[], metavar="KEY=VALUE")
+    s.add_argument("--models", default=None, help="per-node model specs: JSON list (cycled over nodes) or a file")
     s.add_argument("--out", default=None, help="report folder (summary.json, metrics.jsonl, accuracy.png)")
     s.set_defaults(func=cmd_simulate)
 
