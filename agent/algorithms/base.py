@@ -59,6 +59,11 @@ class Algorithm:
         """The model this node would deploy now (evaluated as 'global accuracy')."""
         raise NotImplementedError
 
+    def evaluation_models(self) -> dict[str, nn.Module]:
+        """Further models to evaluate each round besides the deployable one (e.g.
+        DFML's regular model): ``{name: model}`` -> metrics ``{name}_global_accuracy``."""
+        return {}
+
     def status(self) -> dict[str, Any]:
         """Algorithm-specific state for the status topic (e.g. α, threshold state)."""
         return {}

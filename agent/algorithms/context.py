@@ -85,13 +85,14 @@ class NodeContext(Protocol):
 
     async def receive(
         self,
-        kind: str,
+        kind: str | tuple[str, ...],
         *,
         round: int | None = None,
         sender: str | None = None,
         deadline: float | None = None,
     ) -> Message | None:
-        """Next buffered message of ``kind`` (and ``round``/``sender`` when given).
+        """Next buffered message of ``kind`` (one kind, or any of a tuple of kinds; and
+        ``round``/``sender`` when given), oldest first.
 
         Waits until one arrives or the clock reaches ``deadline`` (absolute time,
         same scale as ``clock.now()``); returns ``None`` on timeout.  Messages of

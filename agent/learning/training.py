@@ -6,6 +6,7 @@ Losses are batch means (ALGORITHMS.md conventions).
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 import torch
@@ -56,14 +57,20 @@ def train_local(
     cfg: TrainConfig,
     rng: np.random.Generator,
     device: str | torch.device = "cpu",
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    regularizer: Callable[[nn.Module], torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """Train ``model`` in place with SGD on cross-entropy (batch mean).
+    """Train ``model`` in place with SGD on a batch-mean loss (default cross-entropy).
 
     Args:
         model: maps ``(B, *input_shape)`` to logits ``(B, K)``.
         x: float32 inputs ``(N, *input_shape)``.
         y: int64 labels ``(N,)`` in ``[0, K)``.
         rng: draws the batch order (reproducible from the node's seed).
+        loss_fn: ``loss_fn(logits (B, K), y (B,)) -> scalar``; default cross-entropy
+            (e.g. DFML's WSM, ``agent.learning.losses.weighted_softmax_ce``).
+        regularizer: ``regularizer(model) -> scalar`` added to every batch's loss
+            (e.g. FedProx's proximal term).
 
     Returns:
         ``{"loss": mean training loss over batches, "samples": N * epochs}``.
@@ -83,7 +90,9 @@ def train_local(
             bi = torch.from_numpy(idx)
             xb, yb = xt[bi].to(device), yt[bi].to(device)
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(xb), yb)
+            loss = (loss_fn or F.cross_entropy)(model(xb), yb)
+            if regularizer is not None:
+                loss = loss + regularizer(model)
             loss.backward()
             opt.step()
             total += float(loss.detach())

@@ -177,15 +177,16 @@ class RuntimeContext:
         self.bytes_sent_by_kind[message.kind] += n
         return n
 
-    def _take(self, kind: str, round: int | None, sender: str | None) -> Message | None:
+    def _take(self, kind: str | tuple[str, ...], round: int | None, sender: str | None) -> Message | None:
+        kinds = (kind,) if isinstance(kind, str) else kind
         for i, m in enumerate(self._buffer):
-            if m.kind == kind and (round is None or m.round == round) and (sender is None or m.sender == sender):
+            if m.kind in kinds and (round is None or m.round == round) and (sender is None or m.sender == sender):
                 self._per_sender[m.sender] -= 1
                 return self._buffer.pop(i)
         return None
 
     async def receive(
-        self, kind: str, *, round: int | None = None, sender: str | None = None, deadline: float | None = None
+        self, kind: str | tuple[str, ...], *, round: int | None = None, sender: str | None = None, deadline: float | None = None
     ) -> Message | None:
         assert self._started, "RuntimeContext.start() not called"
         loop = asyncio.get_running_loop()

@@ -89,6 +89,8 @@ class Node:
             "global_accuracy": evaluate(model, self.test_x, self.test_y, device=dev)["accuracy"],
             "local_accuracy": evaluate(model, d.val_x, d.val_y, device=dev)["accuracy"],
         }
+        for name, extra in self.algorithm.evaluation_models().items():
+            out[f"{name}_global_accuracy"] = evaluate(extra, self.test_x, self.test_y, device=dev)["accuracy"]
         if self.shadow is not None:
             assert self._shadow_rng is not None
             train_local(self.shadow, d.train_x, d.train_y, self.ctx.train, self._shadow_rng, dev)
