@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from agent import __version__
+from agent.models.families import FAMILIES
 
 
 def _kv(items: list[str]) -> dict[str, Any]:
@@ -55,7 +56,9 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         partition=a.partition, beta=a.beta, zeta=a.zeta, seed=a.seed, out=a.out, options=_kv(a.option),
         train=TrainConfig(epochs=a.epochs, batch_size=a.batch_size, lr=a.lr), model_size=a.model_size,
         init=a.init, baseline_local=a.baseline_local, topology=a.topology,
-        topology_options=_kv(a.topology_option), model_specs=_model_specs(a.models),
+        topology_options=_kv(a.topology_option),
+        model_family=a.models if a.models in FAMILIES else None, eval_every=a.eval_every,
+        model_specs=None if a.models in FAMILIES else _model_specs(a.models),
     )
     s = simulate(cfg)
     g, lo = s["global_accuracy"], s["local_accuracy"]
@@ -163,9 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--init", default="common", choices=["common", "independent"])
     s.add_argument("--baseline-local", action="store_true", help="also train a local-only copy per node")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="algorithm option (repeatable)")
+    s.add_argument("--eval-every", type=int, default=1, help="evaluate every N rounds (and the last)")
     s.add_argument("--topology", default="full", help="communication graph (full, ring, ...)")
     s.add_argument("--topology-option", action="append", default=[], metavar="KEY=VALUE")
-    s.add_argument("--models", default=None, help="per-node model specs: JSON list (cycled over nodes) or a file")
+    s.add_argument("--models", default=None,
+                   help="H0, H1 or H2 (DFML's architecture modes, spread over nodes), or per-node model specs: "
+                        "a JSON list (cycled over nodes) or a file holding one")
     s.add_argument("--out", default=None, help="report folder (summary.json, metrics.jsonl, accuracy.png)")
     s.set_defaults(func=cmd_simulate)
 

@@ -54,21 +54,19 @@ def summarize(
         bytes_by_node: node id -> (sent, received); default: from the last records.
     """
     last = {n: h[-1] for n, h in histories.items() if h}
+    scored = {n: [r for r in h if "global_accuracy" in r][-1] for n, h in histories.items()
+              if any("global_accuracy" in r for r in h)}
     out: dict[str, Any] = {
         "algorithm": algorithm,
         "nodes": len(histories),
         "rounds_completed": max((r["round"] for r in last.values()), default=0),
         "rounds_per_node": {n: last[n]["round"] if n in last else 0 for n in histories},
-        "global_accuracy": _stats({n: r["global_accuracy"] for n, r in last.items()}),
-        "local_accuracy": _stats({n: r["local_accuracy"] for n, r in last.items()}),
+        "global_accuracy": _stats({n: r["global_accuracy"] for n, r in scored.items()}),
+        "local_accuracy": _stats({n: r["local_accuracy"] for n, r in scored.items()}),
     }
-    if any("local_only_global_accuracy" in r for r in last.values()):
-        out["local_only_global_accuracy"] = _stats(
-            {n: r["local_only_global_accuracy"] for n, r in last.items() if "local_only_global_accuracy" in r}
-        )
-        out["local_only_local_accuracy"] = _stats(
-            {n: r["local_only_local_accuracy"] for n, r in last.items() if "local_only_local_accuracy" in r}
-        )
+    for key in ("local_only_global_accuracy", "local_only_local_accuracy", "regular_global_accuracy"):
+        if any(key in r for r in scored.values()):
+            out[key] = _stats({n: r[key] for n, r in scored.items() if key in r})
     if bytes_by_node is None:
         bytes_by_node = {n: (r["bytes_sent"], r["bytes_received"]) for n, r in last.items()}
     out["bytes_sent"] = int(sum(s for s, _ in bytes_by_node.values()))
@@ -127,9 +125,10 @@ def plot_accuracy(histories: Mapping[str, list[dict[str, Any]]], path: str | os.
         if not hist:
             continue
         c = colors[i % len(colors)]
+        hist = [r for r in hist if "global_accuracy" in r]
         rounds = [r["round"] for r in hist]
         ax.plot(rounds, [r["global_accuracy"] for r in hist], color=c, label=f"{node}")
-        if "local_only_global_accuracy" in hist[0]:
+        if hist and "local_only_global_accuracy" in hist[0]:
             ax.plot(rounds, [r["local_only_global_accuracy"] for r in hist], color=c, linestyle="--", alpha=0.6)
     _plot_means(ax, histories)
     from matplotlib.ticker import MaxNLocator

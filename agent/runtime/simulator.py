@@ -22,6 +22,7 @@ from agent.data import load_dataset, make_node_data, partition
 from agent.discovery.peers import PeerTable
 from agent.learning.training import TrainConfig
 from agent.models import default_spec, validate_spec
+from agent.models.families import family_specs
 from agent.runtime import metrics
 from agent.runtime.context import RuntimeContext
 from agent.runtime.node import Node, init_seed_for
@@ -49,6 +50,11 @@ class SimConfig:
         baseline_local: also train and report a local-only copy per node.
         model_specs: one model spec per node (heterogeneous federations); a shorter
             list is cycled; ``None`` = every node gets ``model_spec`` / the default.
+        eval_every: evaluate the nodes every this many rounds (always the first and last).
+        threads: torch intra-op threads for the whole run (1 avoids oversubscription
+            when other processes share the cores; restored afterwards).
+        model_family: an architecture mode of DFML's Table 10 (``H0``, ``H1``, ``H2``),
+            spread evenly over the nodes (overrides ``model_specs``).
         topology: communication graph name (see ``agent.algorithms.topology``) and its
             ``topology_options``; ``full`` = everyone is a neighbour.
     """
@@ -73,6 +79,9 @@ class SimConfig:
     baseline_local: bool = False
     cache_dir: str | None = None
     model_specs: list[dict[str, Any]] | None = None
+    model_family: str | None = None
+    threads: int = 1
+    eval_every: int = 1
     topology: str = "full"
     topology_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -104,7 +113,10 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
     spec = validate_spec(cfg.model_spec) if cfg.model_spec else default_spec(
         bundle.pool.input_shape, bundle.pool.num_classes, cfg.model_size
     )
-    if cfg.model_specs:
+    if cfg.model_family:
+        fam = family_specs(cfg.model_family, bundle.pool.input_shape, bundle.pool.num_classes)
+        specs = [fam[i % len(fam)] for i in range(cfg.nodes)]
+    elif cfg.model_specs:
         specs = [validate_spec(cfg.model_specs[i % len(cfg.model_specs)]) for i in range(cfg.nodes)]
     else:
         specs = [spec] * cfg.nodes
@@ -126,7 +138,8 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         )
         nodes.append(
             Node(ctx, algo_cls(ctx, options), bundle.test.x, bundle.test.y,
-                 baseline_local=cfg.baseline_local, sink=records.append, rounds=cfg.rounds)
+                 baseline_local=cfg.baseline_local, sink=records.append, rounds=cfg.rounds,
+                 eval_every=cfg.eval_every)
         )
 
     async def run_node(i: int, node: Node) -> None:
@@ -156,7 +169,14 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         for node in nodes:
             await node.ctx.stop()
 
-    run_virtual(main())
+    import torch
+
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        run_virtual(main())
+    finally:
+        torch.set_num_threads(previous_threads)
     wall = time.time() - started
     histories = {n.ctx.node_id: n.history for n in nodes}
     summary = metrics.summarize(

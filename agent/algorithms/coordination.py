@@ -1,0 +1,322 @@
+"""Rounds led by a rotating aggregator (token holder), without any server.
+
+This is the coordination of DFML (seed 000 Alg. 1, App. A.2), its decentralized
+FedAvg/FedProx baselines (Alg. 2) and the serverless FedD2S of ALGORITHMS.md.
+Subclasses of :class:`RotatingAggregator` only say what a participant contributes,
+how the aggregator aggregates and how a participant applies its update.
+
+Protocol of round t (message kinds are prefixed with the algorithm's name):
+
+1. The aggregator a draws the senders S (``sender_ratio`` of its live peers, itself
+   excluded) and the next aggregator (uniformly among its live peers), and sends
+   ``invite`` to each sender.  Round 1's aggregator is the lowest live node id.
+2. Each sender does its local update and replies ``model`` (or ``decline`` if it is
+   already busy with round t); a sender that does not answer by ``invite_timeout``
+   is left out of the round.  a does its own local update meanwhile.
+3. a aggregates and sends every sender its ``update``, applies its own, then
+   broadcasts ``done`` (round t, next aggregator, token state).  The ``done`` message
+   *is* the token: the node it names leads round t+1.
+4. Every node that sees ``done`` for a newer round records it (end of round t).
+
+Failover.  A node that sees no round complete for ``token_timeout`` seconds, and is
+the lowest id among the live nodes it knows, leads the next round itself with the
+latest token state it saw.  Two aggregators can then briefly coexist; the rule
+"a newer round wins, for the same round the lower aggregator id wins" resolves it:
+an aggregator that learns of a better ``done`` for its round before it has sent its
+updates abandons the round, and a node designated by a worse ``done`` does not lead.
+A participant applies an update only for a round newer than the last one it applied,
+so no round is ever applied twice by a node.  Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any
+
+from agent.algorithms.base import Algorithm
+from agent.algorithms.context import Message
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, Any]
+
+
+@dataclasses.dataclass
+class RotationOptions:
+    """Coordination options shared by every rotating-aggregator algorithm.
+
+    Attributes:
+        sender_ratio: fraction of the aggregator's live peers drawn as senders (seed: 50%).
+        invite_timeout: seconds the aggregator waits for the senders' models.
+        update_timeout: seconds a sender waits for its updated model after sending.
+        token_timeout: seconds without a completed round after which the lowest live
+            node leads the next round (failover).
+    """
+
+    sender_ratio: float = 0.5
+    invite_timeout: float = 60.0
+    update_timeout: float = 300.0
+    token_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.sender_ratio <= 1.0:
+            raise ValueError(f"sender_ratio must be in (0, 1], got {self.sender_ratio}")
+        for key in ("invite_timeout", "update_timeout", "token_timeout"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Done:
+    """A completed round as announced by its aggregator (the token)."""
+
+    round: int
+    aggregator: str
+    next: str
+    token: dict[str, Any]
+    info: dict[str, Any]
+
+    def beats(self, other: "Done | None") -> bool:
+        """Newer round wins; for the same round, the lower aggregator id wins."""
+        if other is None:
+            return True
+        return self.round > other.round or (self.round == other.round and self.aggregator < other.aggregator)
+
+
+class RotatingAggregator(Algorithm):
+    """Base class: one node's side of the rotating-aggregator protocol.
+
+    Subclasses implement :meth:`local_update`, :meth:`contribution`,
+    :meth:`check_contribution`, :meth:`aggregate` and :meth:`apply_update`, and may
+    override :meth:`initial_token` / :meth:`next_token` (schedule state that travels
+    with the token).
+    """
+
+    Options = RotationOptions
+    GRACE = 5.0  # s a sender still waits for its update after its aggregator's ``done``
+
+    def __init__(self, ctx: Any, options: Any = None):
+        super().__init__(ctx, options)
+        p = self.name
+        self.K_INVITE, self.K_MODEL, self.K_DECLINE = f"{p}.invite", f"{p}.model", f"{p}.decline"
+        self.K_UPDATE, self.K_DONE = f"{p}.update", f"{p}.done"
+        self.rounds = 0
+        self.completed = 0  # newest round known to be complete
+        self.applied = 0  # newest round whose update this node applied
+        self.best: Done | None = None
+        self.role = "peer"
+        self._participated: set[int] = set()
+        self._lead_next: tuple[int, dict[str, Any]] | None = None
+        self._last_progress = 0.0
+        self._reported = 0
+
+    # -- hooks for subclasses --------------------------------------------------------
+    def initial_token(self) -> dict[str, Any]:
+        """Token state for round 1 (e.g. DFML's α schedule)."""
+        return {}
+
+    def next_token(self, t: int, token: dict[str, Any]) -> dict[str, Any]:
+        """Token state to hand over after round ``t`` was led with ``token``."""
+        return token
+
+    async def local_update(self, t: int) -> dict[str, Any]:
+        """A participant's local training before it contributes (info for metrics)."""
+        raise NotImplementedError
+
+    def contribution(self, t: int) -> tuple[Tensors, dict[str, Any]]:
+        """What a participant sends to the aggregator: (tensors, JSON meta)."""
+        raise NotImplementedError
+
+    def check_contribution(self, msg: Message) -> None:
+        """Raise ``ValueError`` (e.g. IncompatibleUpdate) if a sender's model is unusable."""
+
+    async def aggregate(
+        self, t: int, token: dict[str, Any], contributions: dict[str, Message]
+    ) -> tuple[dict[str, tuple[Tensors, dict[str, Any]]], dict[str, Any]]:
+        """Aggregate the own state and ``contributions`` (sender -> message).
+
+        Returns ``({node_id: (tensors, meta)} for every sender and for this node, info)``.
+        """
+        raise NotImplementedError
+
+    def apply_update(self, t: int, tensors: Tensors, meta: dict[str, Any]) -> None:
+        """Apply the aggregator's update for round ``t`` (called at most once per round)."""
+        raise NotImplementedError
+
+    # -- the protocol ----------------------------------------------------------------
+    def _now(self) -> float:
+        return self.ctx.clock.now()
+
+    def _lowest_live(self) -> str:
+        return min([self.ctx.node_id, *self.ctx.live_peers()])
+
+    async def run(self, rounds: int, start_round: int = 1) -> None:
+        self.rounds = rounds
+        self.completed = max(self.completed, start_round - 1)
+        self._reported = max(self._reported, self.completed)
+        self._last_progress = self._now()
+        if self.completed == 0 and self._lowest_live() == self.ctx.node_id:
+            self._lead_next = (1, self.initial_token())
+        while self.completed < rounds:
+            if self._lead_next is not None:
+                t, token = self._lead_next
+                self._lead_next = None
+                if t == self.completed + 1:
+                    await self._lead(t, token)
+                continue
+            self.role = "peer"
+            msg = await self.ctx.receive(
+                (self.K_INVITE, self.K_DONE), deadline=self._last_progress + self.options.token_timeout
+            )
+            if msg is None:
+                self._on_token_timeout()
+            elif msg.kind == self.K_DONE:
+                await self._on_done(msg)
+            else:
+                await self._participate(msg)
+
+    def _on_token_timeout(self) -> None:
+        self._last_progress = self._now()
+        if self._lowest_live() == self.ctx.node_id:
+            token = self.best.token if self.best is not None else self.initial_token()
+            log.warning("%s: no round completed for %.0fs; leading round %d (failover); live %s",
+                        self.ctx.node_id, self.options.token_timeout, self.completed + 1, self.ctx.live_peers())
+            self._lead_next = (self.completed + 1, token)
+
+    def _parse_done(self, msg: Message) -> Done | None:
+        m = msg.meta
+        if not (isinstance(m.get("next"), str) and isinstance(m.get("token"), dict)):
+            self.ctx.reject(msg, "bad_meta: done")
+            return None
+        info = m.get("info") if isinstance(m.get("info"), dict) else {}
+        return Done(msg.round, msg.sender, m["next"], m["token"], info)
+
+    async def _on_done(self, msg: Message) -> None:
+        done = self._parse_done(msg)
+        if done is not None:
+            await self._record(done)
+
+    async def _record(self, done: Done) -> None:
+        if done.beats(self.best):
+            self.best = done
+        if done.round > self.completed:
+            self.completed = done.round
+            self._last_progress = self._now()
+        best = self.best
+        if best is not None and best.round == self.completed and best.next == self.ctx.node_id:
+            if self.completed < self.rounds and (self._lead_next is None or self._lead_next[0] <= self.completed):
+                self._lead_next = (self.completed + 1, best.token)
+        if self.completed > self._reported:
+            # a node that missed rounds (restart, lost messages) reports only the newest
+            self._reported = self.completed
+            info = {"aggregator": done.aggregator, "participated": done.round in self._participated,
+                    **{k: v for k, v in done.info.items() if isinstance(v, (int, float, str, bool))}}
+            await self.ctx.end_round(self.completed, **info)
+
+    def _beaten(self, aggregator: str, t: int) -> bool:
+        """True when ``aggregator``'s round ``t`` loses to the best ``done`` seen."""
+        b = self.best
+        return b is not None and (b.round > t or (b.round == t and b.aggregator < aggregator))
+
+    def _lost(self, t: int) -> bool:
+        return self._beaten(self.ctx.node_id, t)
+
+    async def _drain_done(self) -> None:
+        """Process every ``done`` already buffered (without waiting)."""
+        while True:
+            msg = await self.ctx.receive(self.K_DONE, deadline=self._now())
+            if msg is None:
+                return
+            await self._on_done(msg)
+
+    async def _participate(self, invite: Message) -> None:
+        t, agg = invite.round, invite.sender
+        if t <= self.completed or t <= self.applied or t in self._participated:
+            await self.ctx.send(agg, Message(self.K_DECLINE, t))
+            return
+        self._participated.add(t)
+        self.role = "sender"
+        await self.local_update(t)
+        tensors, meta = self.contribution(t)
+        await self.ctx.send(agg, Message(self.K_MODEL, t, tensors, meta))
+        deadline = self._now() + self.options.update_timeout
+        while True:
+            msg = await self.ctx.receive((self.K_UPDATE, self.K_DONE), deadline=deadline)
+            if msg is None:
+                log.warning("%s: no update from aggregator %s for round %d; going on", self.ctx.node_id, agg, t)
+                return
+            if msg.kind == self.K_DONE:
+                await self._on_done(msg)
+                if msg.sender == agg and msg.round == t:
+                    # our aggregator announced; its update to us (another topic) may trail it
+                    deadline = min(deadline, self._now() + self.GRACE)
+                elif self._beaten(agg, t):
+                    return  # our aggregator loses round t to another one: no update will come
+                continue
+            if msg.sender != agg or msg.round != t:
+                self.ctx.reject(msg, "unexpected: update")
+                continue
+            if t > self.applied:
+                try:
+                    self.apply_update(t, msg.tensors, msg.meta)
+                    self.applied = t
+                except ValueError as exc:
+                    self.ctx.reject(msg, f"incompatible: {exc}")
+            return
+
+    async def _lead(self, t: int, token: dict[str, Any]) -> None:
+        ctx = self.ctx
+        self.role = "aggregator"
+        self._participated.add(t)
+        live = ctx.live_peers()
+        k = min(len(live), max(1, math.ceil(self.options.sender_ratio * len(live)))) if live else 0
+        senders = sorted(ctx.rng.choice(live, size=k, replace=False).tolist()) if k else []
+        nxt = str(ctx.rng.choice(live)) if live else ctx.node_id
+        for s in senders:
+            await ctx.send(s, Message(self.K_INVITE, t))
+        await self.local_update(t)
+        contributions: dict[str, Message] = {}
+        pending = set(senders)
+        deadline = self._now() + self.options.invite_timeout
+        while pending:
+            msg = await ctx.receive((self.K_MODEL, self.K_DECLINE, self.K_DONE), deadline=deadline)
+            if msg is None:
+                break
+            if msg.kind == self.K_DONE:
+                await self._on_done(msg)
+                if self._lost(t):
+                    log.info("%s: round %d was completed elsewhere; abandoning it", ctx.node_id, t)
+                    return
+                continue
+            if msg.round != t or msg.sender not in pending:
+                continue  # late answer to an older round
+            pending.discard(msg.sender)
+            if msg.kind == self.K_MODEL:
+                try:
+                    self.check_contribution(msg)
+                except ValueError as exc:
+                    ctx.reject(msg, f"incompatible: {exc}")
+                    continue
+                contributions[msg.sender] = msg
+        updates, info = await self.aggregate(t, token, contributions)
+        await self._drain_done()
+        if self._lost(t):
+            log.info("%s: round %d was completed elsewhere; abandoning it", ctx.node_id, t)
+            return
+        for s in contributions:
+            tensors, meta = updates[s]
+            await ctx.send(s, Message(self.K_UPDATE, t, tensors, meta))
+        own_tensors, own_meta = updates[ctx.node_id]
+        if t > self.applied:
+            self.apply_update(t, own_tensors, own_meta)
+            self.applied = t
+        nxt_token = self.next_token(t, token)
+        info = {**info, "participants": len(contributions) + 1, "missing": sorted(pending)}
+        meta = {"next": nxt, "token": nxt_token, "info": {k: v for k, v in info.items() if k != "missing"}}
+        await ctx.broadcast(Message(self.K_DONE, t, meta=meta))
+        await self._record(Done(t, ctx.node_id, nxt, nxt_token, info))
+
+    def status(self) -> dict[str, Any]:
+        return {"role": self.role, "round_completed": self.completed, "applied": self.applied}

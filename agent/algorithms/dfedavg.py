@@ -1,0 +1,130 @@
+"""The seed's decentralized FedAvg and FedProx (seed 000 App. A.3.1–A.3.2, Algorithm 2).
+
+Same coordination and the same communication per round as DFML
+(:mod:`agent.algorithms.coordination`): the senders send their locally trained
+models to the round's aggregator, which averages *models of the same architecture
+only* (clusters keyed by the spec hash), weighted by sample count (Eq. 5), and sends
+each sender its cluster's average.  As in the seed, local training uses WSM unless
+``supervision = "ce"``.
+
+``dfedprox`` adds the proximal term μ/2 ‖w − w_start‖² to local training, with
+w_start the node's own model at the start of the round (the seed's decentralized
+form: each client treats its current model as the global one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from agent.algorithms.base import register
+from agent.algorithms.context import Message
+from agent.algorithms.coordination import RotatingAggregator, RotationOptions
+from agent.algorithms.dfml import check_model_message, class_proportions
+from agent.learning.aggregation import weighted_average
+from agent.learning.losses import weighted_softmax_ce
+from agent.learning.params import IncompatibleUpdate, load_numpy, model_to_numpy
+from agent.learning.training import train_local
+from agent.models import spec_hash, validate_spec
+
+
+@dataclasses.dataclass
+class DFedAvgOptions(RotationOptions):
+    """Options of ``dfedavg``: ``supervision`` = ``wsm`` (seed default) or ``ce``."""
+
+    supervision: str = "wsm"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.supervision not in ("wsm", "ce"):
+            raise ValueError(f"supervision must be 'wsm' or 'ce', got {self.supervision!r}")
+
+
+@dataclasses.dataclass
+class DFedProxOptions(DFedAvgOptions):
+    """Options of ``dfedprox``: ``mu`` is the proximal coefficient μ >= 0."""
+
+    mu: float = 0.01
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mu < 0:
+            raise ValueError(f"mu must be >= 0, got {self.mu}")
+
+
+@register
+class DFedAvg(RotatingAggregator):
+    """Cluster-wise decentralized FedAvg (seed 000 Alg. 2)."""
+
+    name = "dfedavg"
+    Options = DFedAvgOptions
+
+    async def setup(self) -> None:
+        self.spec = validate_spec(self.ctx.model_spec)
+        self.hash = spec_hash(self.spec)
+        self.model = self.new_model()
+        self.beta = class_proportions(self.ctx.data.train_y, self.ctx.data.num_classes)
+
+    def _regularizer(self):
+        return None
+
+    async def local_update(self, t: int) -> dict[str, Any]:
+        ctx, d = self.ctx, self.ctx.data
+        b = torch.as_tensor(self.beta)
+        loss_fn = None if self.options.supervision == "ce" else (lambda z, y: weighted_softmax_ce(z, y, b))
+        tc = dataclasses.replace(ctx.train, epochs=1)
+        stats = await ctx.compute(train_local, self.model, d.train_x, d.train_y, tc, ctx.rng, ctx.device,
+                                  loss_fn=loss_fn, regularizer=self._regularizer())
+        return {"train_loss": stats["loss"]}
+
+    def contribution(self, t: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        return model_to_numpy(self.model), {"spec": self.spec, "samples": int(len(self.ctx.data.train_y))}
+
+    def check_contribution(self, msg: Message) -> None:
+        check_model_message(msg.tensors, msg.meta.get("spec"))
+        samples = msg.meta.get("samples")
+        if not isinstance(samples, int) or isinstance(samples, bool) or samples <= 0:
+            raise IncompatibleUpdate(f"bad sample count {samples!r}")
+
+    async def aggregate(self, t: int, token: dict[str, Any], contributions: dict[str, Message]):
+        me = self.ctx.node_id
+        members: dict[str, list[tuple[str, dict[str, np.ndarray], int]]] = {}
+        members.setdefault(self.hash, []).append((me, model_to_numpy(self.model), int(len(self.ctx.data.train_y))))
+        for s in sorted(contributions):
+            m = contributions[s]
+            members.setdefault(spec_hash(m.meta["spec"]), []).append((s, m.tensors, m.meta["samples"]))
+        updates: dict[str, tuple[dict[str, np.ndarray], dict[str, Any]]] = {}
+        for group in members.values():  # Eq. 5 within each architecture cluster
+            avg = weighted_average([g[1] for g in group], [g[2] for g in group])
+            for node, _, _ in group:
+                updates[node] = (avg, {})
+        return updates, {"clusters": len(members)}
+
+    def apply_update(self, t: int, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        load_numpy(self.model, tensors)
+
+    def deployable_model(self) -> nn.Module:
+        return self.model
+
+
+@register
+class DFedProx(DFedAvg):
+    """Decentralized FedProx (seed 000 Alg. 2 with the proximal term)."""
+
+    name = "dfedprox"
+    Options = DFedProxOptions
+
+    def _regularizer(self):
+        mu = self.options.mu
+        if mu == 0:
+            return None
+        start = [p.detach().clone() for p in self.model.parameters()]
+
+        def prox(model: nn.Module) -> torch.Tensor:
+            return 0.5 * mu * sum(((p - s) ** 2).sum() for p, s in zip(model.parameters(), start))
+
+        return prox

@@ -1,0 +1,112 @@
+"""Weighted mutual learning at the DFML aggregator (seed 000 Eq. 1–3, Algorithm 1).
+
+For every mini-batch X_a of the aggregator's data, the logits z_n of *all*
+participants' models are computed first; then every model n takes one step on
+
+    L_n = (1 − α) · L_sup(z_n, y) + α · Σ_{q≠n} Φ_q / Σ_{u≠n} Φ_u · KL(p_q ‖ p_n)     (Eq. 1, 3)
+
+with p = softmax(z / τ), teachers p_q detached (ALGORITHMS.md), Φ the trainable
+parameter counts, and L_sup the WSM loss of Eq. 2 with β = the aggregator's class
+proportions (or plain CE for the ablation).  Because every teacher term is detached,
+L_n depends only on model n's parameters, so one backward pass over Σ_n L_n gives
+each model exactly the gradient of its own L_n.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from agent.learning.losses import cross_entropy, kl_divergence, weighted_softmax_ce
+from agent.learning.training import batches
+
+
+def kl_weights(phis: Sequence[int]) -> np.ndarray:
+    """``W[n, q] = Φ_q / Σ_{u≠n} Φ_u`` for q ≠ n, 0 on the diagonal (Eq. 3).
+
+    Raises:
+        ValueError: a non-positive Φ.
+    """
+    phi = np.asarray(phis, dtype=np.float64)
+    if (phi <= 0).any():
+        raise ValueError(f"parameter counts must be positive, got {list(phis)}")
+    w = np.tile(phi, (len(phi), 1))
+    np.fill_diagonal(w, 0.0)
+    denom = w.sum(axis=1, keepdims=True)
+    return np.divide(w, denom, out=np.zeros_like(w), where=denom > 0)
+
+
+def mutual_learning(
+    models: Sequence[nn.Module],
+    phis: Sequence[int],
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    alpha: float,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    rng: np.random.Generator,
+    momentum: float = 0.9,
+    weight_decay: float = 5e-4,
+    beta: np.ndarray | None = None,
+    temperature: float = 1.0,
+    device: str | torch.device = "cpu",
+) -> dict[str, float]:
+    """Run ``epochs`` (K) epochs of weighted mutual learning, updating every model in place.
+
+    Args:
+        models: the participants' models (the aggregator's own included), each mapping
+            ``(B, *input_shape)`` to logits ``(B, C)`` with the same C.
+        phis: Φ_n, trainable parameter counts, one per model.
+        x, y: the aggregator's training data, float32 ``(N, *input_shape)``, int64 ``(N,)``.
+        alpha: α⁽ᵗ⁾ in [0, 1] (Eq. 1).
+        beta: class proportions ``(C,)`` of the aggregator's data for WSM (Eq. 2);
+            ``None`` = plain cross-entropy.
+        rng: draws the batch order.
+
+    Returns:
+        ``{"loss": mean total loss per batch, "batches": count}``.
+
+    Raises:
+        ValueError: empty model list, length mismatch, α outside [0, 1].
+    """
+    if not models or len(models) != len(phis):
+        raise ValueError("need one Φ per model and at least one model")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    w = torch.as_tensor(kl_weights(phis), dtype=torch.float32)
+    opts = [
+        torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay) for m in models
+    ]
+    for m in models:
+        m.to(device).train()
+    beta_t = None if beta is None else torch.as_tensor(beta, dtype=torch.float32, device=device)
+    xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
+    total, count = 0.0, 0
+    for _ in range(epochs):
+        for idx in batches(len(x), batch_size, rng):
+            bi = torch.from_numpy(idx)
+            xb, yb = xt[bi].to(device), yt[bi].to(device)
+            logits = [m(xb) for m in models]  # all logits before any update
+            loss = torch.zeros((), device=device)
+            for n, zn in enumerate(logits):
+                sup = cross_entropy(zn, yb) if beta_t is None else weighted_softmax_ce(zn, yb, beta_t)
+                dist = torch.zeros((), device=device)
+                if alpha > 0:
+                    for q, zq in enumerate(logits):
+                        if q != n and w[n, q] > 0:
+                            dist = dist + w[n, q] * kl_divergence(zq, zn, temperature)
+                loss = loss + (1 - alpha) * sup + alpha * dist
+            for o in opts:
+                o.zero_grad(set_to_none=True)
+            loss.backward()
+            for o in opts:
+                o.step()
+            total += float(loss.detach())
+            count += 1
+    return {"loss": total / max(count, 1), "batches": float(count)}
