@@ -1,0 +1,79 @@
+"""``fullavg``: the FullAvg baseline of Def-KT (seed 004 Algorithm 2, Eq. 9).
+
+``scope = pair`` (default, the paper's Algorithm 2): the same rounds and pairs as
+``defkt`` (Q senders train M epochs and send their model), but the receiver fuses by
+the sample-count-weighted average of Eq. 9,
+``w ← N_s/(N_s+N_r)·w̃ + N_r/(N_s+N_r)·w``.  The communication per round is Q models,
+the same as Def-KT and Combo (§IV-B).  Runs in ``rounds`` or ``gossip`` mode
+(:mod:`agent.algorithms.pairing`).
+
+``scope = all`` (not in the paper): every node trains M epochs, broadcasts, and
+averages all live neighbours' models with Eq. 9's weights each round, i.e.
+decentralized FedAvg over the full graph (``agent.algorithms.fedavg`` pieces); it
+sends N models per round instead of Q, so compare it at equal bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from agent.algorithms.base import register
+from agent.algorithms.context import Message
+from agent.algorithms.fedavg import collect_round
+from agent.algorithms.pairing import PushAlgorithm, PushOptions
+from agent.learning.aggregation import weighted_average
+from agent.learning.params import load_numpy, model_to_numpy
+from agent.learning.training import train_local
+
+
+@dataclasses.dataclass
+class FullAvgOptions(PushOptions):
+    """Options of ``fullavg`` (see :class:`~agent.algorithms.pairing.PushOptions`).
+
+    Attributes:
+        scope: ``pair`` (paper, Algorithm 2) or ``all`` (every node averages every
+            live neighbour's model each round; ``rounds`` mode only; a round waits at
+            most ``round_timeout`` for the models).
+    """
+
+    scope: str = "pair"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.scope not in ("pair", "all"):
+            raise ValueError(f"scope must be 'pair' or 'all', got {self.scope!r}")
+        if self.scope == "all" and self.mode != "rounds":
+            raise ValueError("scope = 'all' runs in mode = 'rounds' only")
+
+
+@register
+class FullAvg(PushAlgorithm):
+    """FullAvg (seed 004 Algorithm 2); deployable model = the local model."""
+
+    name = "fullavg"
+    Options = FullAvgOptions
+
+    def fuse(self, incoming: dict, samples: float) -> dict[str, Any]:
+        """Eq. 9: ``w ← (N_s·w̃ + N_r·w) / (N_s + N_r)``, N = training-sample counts."""
+        avg = weighted_average([incoming, model_to_numpy(self.model)], [samples, self.samples])
+        load_numpy(self.model, avg)
+        return {}
+
+    async def round(self, t: int) -> dict[str, Any]:
+        if self.options.scope == "all":
+            return await self._average_all(t)
+        return await super().round(t)
+
+    async def _average_all(self, t: int) -> dict[str, Any]:
+        ctx, d = self.ctx, self.ctx.data
+        stats = await ctx.compute(train_local, self.model, d.train_x, d.train_y, self.sender_train, ctx.rng, ctx.device)
+        own = model_to_numpy(self.model)
+        await ctx.broadcast(Message(self.kind("model"), t, own, meta={"samples": self.samples}))
+        deadline = ctx.clock.now() + self.options.round_timeout
+        got, missing = await collect_round(ctx, self.kind("model"), t, deadline, self.options.poll_interval, own)
+        senders = sorted(got)
+        avg = weighted_average([own] + [got[s].tensors for s in senders],
+                               [self.samples] + [got[s].meta["samples"] for s in senders])
+        load_numpy(self.model, avg)
+        return {"role": "all", "train_loss": stats["loss"], "neighbours": len(senders), "missing": missing}
