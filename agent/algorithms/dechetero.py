@@ -1,0 +1,34 @@
+"""``dechetero``: decentralized FedAvg over a static graph with heterogeneous
+initialisation (DecHW seed 001 §V-A4 baseline, Eq. 3).
+
+Same protocol as :mod:`agent.algorithms.dechw` (Algorithm 1 of seed 001: aggregate
+the neighbours' previous-round models, train, send), with the aggregation
+
+    w_i⁽ᵗ⁾ = Σ_{j∈N_i∪{i}} τ_j w_j⁽ᵗ⁻¹⁾,   τ_j = |D_j| / Σ_{k∈N_i∪{i}} |D_k|     (Eq. 3)
+
+and no Hessian in the messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from agent.algorithms.base import register
+from agent.algorithms.context import Message
+from agent.algorithms.dechw import NeighbourhoodAlgorithm, NeighbourhoodOptions
+from agent.learning.aggregation import weighted_average
+
+
+@register
+class DecHetero(NeighbourhoodAlgorithm):
+    """Data-size weighted neighbourhood averaging (Eq. 3)."""
+
+    name = "dechetero"
+    Options = NeighbourhoodOptions
+
+    def aggregate(self, t: int, own: dict[str, np.ndarray], got: list[Message]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        models = [own] + [m.tensors for m in got]
+        samples = [self.samples] + [m.meta["samples"] for m in got]
+        return weighted_average(models, samples), {}

@@ -1,0 +1,279 @@
+"""``dechw``: Decentralized Hessian-Weighted aggregation (DecHW, seed 001).
+
+Every node holds one model (the deployable model) on a static communication graph
+and follows the paper's Algorithm 1 (App. C):
+
+- first round only (Alg. 1 lines 1-4): train the (independently initialised) model,
+  estimate Ĥ⁽⁰⁾ and send ``(w⁽⁰⁾, Ĥ⁽⁰⁾, |D_i|)`` to the neighbours as a round-0 message;
+- round t = 1, 2, ... (lines 6-11): collect the neighbours' round-(t-1) messages
+  until the round deadline, aggregate the neighbourhood N_i ∪ {i} parameter by
+  parameter with Eq. 6-8 (data-size fallback τ where Σ_j Ĥ_{j,n} < 1e-12), train
+  locally, accumulate Ĥ⁽ᵗ⁾ (Eq. 4-5), send ``(w⁽ᵗ⁾, Ĥ⁽ᵗ⁾, |D_i|)``.
+
+The θ-round cut-off (DecHW†, §V-B2, option ``theta``): Ĥ is computed and sent with
+the messages of rounds 0..θ-1 only, so aggregations 1..θ are Hessian-weighted and
+every later one uses τ (Eq. 3).  Messages from round θ on carry the model alone:
+about half the bytes of a DecHW message.
+
+Neighbourhood = ``ctx.neighbours()`` (the configured graph ∩ live peers, or all
+live peers without a graph); a round proceeds with whatever neighbour messages
+arrived before its deadline.  The module also holds :class:`NeighbourhoodAlgorithm`,
+the protocol shared with the baselines ``dechetero`` and ``cfa``, which differ only
+in the aggregation rule and send no Hessian.
+
+Message ``kind="model"``, ``round=t``: tensors = the model's ``state_dict`` (names as
+in the model) plus, for DecHW, ``"hessian/" + parameter name`` float32 arrays of
+the parameter's shape; ``meta = {"samples": |D_i|, "hessian": bool}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import numpy as np
+from torch import nn
+
+from agent.algorithms.base import Algorithm, register
+from agent.algorithms.context import Message
+from agent.algorithms.fedavg import collect_round
+from agent.learning import hessian as hess
+from agent.learning.aggregation import weighted_average
+from agent.learning.params import load_numpy, model_to_numpy
+from agent.learning.training import train_local
+
+MODEL_KIND = "model"
+HESSIAN_PREFIX = "hessian/"
+DELIVERIES = ("auto", "unicast", "broadcast")
+
+
+@dataclasses.dataclass
+class NeighbourhoodOptions:
+    """Options shared by ``dechw``, ``dechetero`` and ``cfa``.
+
+    Attributes:
+        round_timeout: seconds a round waits for the neighbours' previous-round
+            messages (the round deadline); the round then proceeds with what arrived.
+        poll_interval: seconds between re-checks of the neighbour set while waiting.
+        delivery: how a model reaches the neighbours: ``unicast`` (one message per
+            neighbour: bytes = degree × message), ``broadcast`` (one publish that every
+            peer receives; non-neighbours ignore it), or ``auto`` (default: broadcast
+            when the neighbours are all the live peers, unicast otherwise).
+    """
+
+    round_timeout: float = 30.0
+    poll_interval: float = 0.5
+    delivery: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.round_timeout > 0:
+            raise ValueError(f"round_timeout must be > 0, got {self.round_timeout}")
+        if not self.poll_interval > 0:
+            raise ValueError(f"poll_interval must be > 0, got {self.poll_interval}")
+        if self.delivery not in DELIVERIES:
+            raise ValueError(f"delivery must be one of {DELIVERIES}, got {self.delivery!r}")
+
+
+class NeighbourhoodAlgorithm(Algorithm):
+    """Algorithm 1 of seed 001 with a pluggable aggregation rule.
+
+    Subclasses implement :meth:`aggregate` and may override :meth:`after_training`
+    (extra tensors to send) and :meth:`extra_names` (the names those may have).
+    """
+
+    async def setup(self) -> None:
+        self.model = self.new_model()
+        self.samples = int(len(self.ctx.data.train_y))
+        self._bootstrapped = False
+
+    # -- hooks --------------------------------------------------------------------
+    def extra_names(self) -> frozenset[str]:
+        """Names of the tensors a message may carry besides the model's."""
+        return frozenset()
+
+    async def after_training(self, t: int) -> dict[str, np.ndarray]:
+        """Called after the local training of round ``t`` (0 = Alg. 1's initial
+        training); returns the extra tensors to send with the model."""
+        return {}
+
+    def aggregate(self, t: int, own: dict[str, np.ndarray], got: list[Message]) -> tuple[dict[str, np.ndarray], dict]:
+        """The aggregation of round ``t`` from the own model and the neighbours'
+        round-(t-1) messages (sorted by sender). Returns ``(tensors, info)``."""
+        raise NotImplementedError
+
+    # -- protocol -------------------------------------------------------------------
+    async def _train(self) -> dict[str, float]:
+        ctx, d = self.ctx, self.ctx.data
+        return await ctx.compute(train_local, self.model, d.train_x, d.train_y, ctx.train, ctx.rng, ctx.device)
+
+    async def _send(self, t: int, extra: Mapping[str, np.ndarray]) -> None:
+        ctx = self.ctx
+        tensors = {**model_to_numpy(self.model), **extra}
+        meta = {"samples": self.samples, "hessian": bool(extra)}
+        neighbours = ctx.neighbours()
+        mode = self.options.delivery
+        if mode == "auto":
+            mode = "broadcast" if set(neighbours) == set(ctx.live_peers()) else "unicast"
+        if mode == "broadcast":
+            await ctx.broadcast(Message(MODEL_KIND, t, tensors, meta=meta))
+        else:
+            for peer in neighbours:
+                await ctx.send(peer, Message(MODEL_KIND, t, tensors, meta=dict(meta)))
+
+    async def _train_and_send(self, t: int) -> dict[str, float]:
+        stats = await self._train()
+        await self._send(t, await self.after_training(t))
+        return stats
+
+    async def round(self, t: int) -> dict[str, Any]:
+        ctx = self.ctx
+        if not self._bootstrapped:  # Alg. 1 lines 2-4: train, Ĥ⁽⁰⁾, send (as round t-1)
+            self._bootstrapped = True
+            await self._train_and_send(t - 1)
+        own = model_to_numpy(self.model)
+        deadline = ctx.clock.now() + self.options.round_timeout
+        got, missing = await collect_round(
+            ctx, MODEL_KIND, t - 1, deadline, self.options.poll_interval, own, extra_tensors=self.extra_names()
+        )
+        msgs = [got[s] for s in sorted(got)]
+        tensors, info = self.aggregate(t, own, msgs)
+        load_numpy(self.model, tensors)
+        stats = await self._train_and_send(t)  # Alg. 1 lines 9-11
+        return {"train_loss": stats["loss"], "neighbours": len(msgs), "missing": missing, **info}
+
+    def deployable_model(self) -> nn.Module:
+        return self.model
+
+
+@dataclasses.dataclass
+class DecHWOptions(NeighbourhoodOptions):
+    """Options of ``dechw`` (defaults = ALGORITHMS.md "DecHW").
+
+    Attributes:
+        estimator: Hessian-diagonal estimator, ``batch_sq_grad`` (default) or
+            ``per_sample_sq_grad`` (see :mod:`agent.learning.hessian`).
+        hessian_batch_size: mini-batch size of the estimator (paper: 100).
+        norm: Eq. 4 normalisation, ``l2`` (global ℓ2 norm, default), ``per_layer_l2``
+            or ``none``.
+        accumulate: Eq. 5 accumulation, ``sum`` (Ĥ ← Ĥ + β·Ĥ_new, default) or ``ema``
+            (Ĥ ← (1-β)·Ĥ + β·Ĥ_new).
+        beta: β of Eq. 5 in [0, 1] (paper: 1).
+        theta: the DecHW† cut-off θ (rounds): Ĥ is computed and sent in rounds
+            0..θ-1 and aggregations after round θ use τ.  ``inf`` (default) = never stop;
+            0 = never use Ĥ (DecHetero with DecHW's code path).
+        fallback_eps: Eq. 8 threshold on Σ_j Ĥ_{j,n} (ALGORITHMS.md: 1e-12).
+    """
+
+    estimator: str = "batch_sq_grad"
+    hessian_batch_size: int = 100
+    norm: str = "l2"
+    accumulate: str = "sum"
+    beta: float = 1.0
+    theta: float = math.inf
+    fallback_eps: float = 1e-12
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.estimator not in hess.ESTIMATORS:
+            raise ValueError(f"estimator must be one of {sorted(hess.ESTIMATORS)}, got {self.estimator!r}")
+        if self.hessian_batch_size < 1:
+            raise ValueError(f"hessian_batch_size must be >= 1, got {self.hessian_batch_size}")
+        if self.norm not in hess.NORMS:
+            raise ValueError(f"norm must be one of {hess.NORMS}, got {self.norm!r}")
+        if self.accumulate not in hess.ACCUMULATIONS:
+            raise ValueError(f"accumulate must be one of {hess.ACCUMULATIONS}, got {self.accumulate!r}")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {self.beta}")
+        if not (self.theta >= 0 and (math.isinf(self.theta) or float(self.theta).is_integer())):
+            raise ValueError(f"theta must be a whole number of rounds >= 0 or inf, got {self.theta}")
+        if not self.fallback_eps >= 0:
+            raise ValueError(f"fallback_eps must be >= 0, got {self.fallback_eps}")
+
+
+@register
+class DecHW(NeighbourhoodAlgorithm):
+    """DecHW (seed 001 Alg. 1, Eq. 4-8), with the DecHW† cut-off ``theta``."""
+
+    name = "dechw"
+    Options = DecHWOptions
+
+    async def setup(self) -> None:
+        await super().setup()
+        self.hessian: dict[str, np.ndarray] | None = None  # accumulated Ĥ, float32, as sent
+        self.hessian_sent = False
+        names = [k for k, p in self.model.named_parameters() if p.requires_grad]
+        self._param_names = names
+        self._extra = frozenset(HESSIAN_PREFIX + k for k in names)
+
+    def extra_names(self) -> frozenset[str]:
+        return self._extra
+
+    def computes_hessian(self, t: int) -> bool:
+        """Whether round ``t``'s message carries Ĥ⁽ᵗ⁾ (rounds 0..θ-1)."""
+        return t < self.options.theta
+
+    def uses_hessian(self, t: int) -> bool:
+        """Whether round ``t``'s aggregation is Hessian-weighted (rounds 1..θ)."""
+        return t <= self.options.theta
+
+    async def after_training(self, t: int) -> dict[str, np.ndarray]:
+        """Alg. 1 lines 3 and 10: estimate H, normalise (Eq. 4), accumulate (Eq. 5)."""
+        o = self.options
+        if not self.computes_hessian(t):
+            self.hessian_sent = False
+            return {}
+        d = self.ctx.data
+        h = await self.ctx.compute(
+            hess.estimate, o.estimator, self.model, d.train_x, d.train_y,
+            batch_size=o.hessian_batch_size, device=self.ctx.device,
+        )
+        acc = hess.accumulate(self.hessian, hess.normalise(h, o.norm), beta=o.beta, mode=o.accumulate)
+        self.hessian = {k: v.astype(np.float32) for k, v in acc.items()}
+        self.hessian_sent = True
+        return {HESSIAN_PREFIX + k: v for k, v in self.hessian.items()}
+
+    def _hessian_of(self, msg: Message) -> dict[str, np.ndarray] | None:
+        """The neighbour's Ĥ from ``msg``, None if it sent none; rejects a malformed one."""
+        present = [k for k in msg.tensors if k.startswith(HESSIAN_PREFIX)]
+        if not present:
+            return None
+        if set(present) != self._extra:
+            raise ValueError("Hessian tensors do not cover exactly the model's parameters")
+        out = {}
+        for k in self._param_names:
+            a = msg.tensors[HESSIAN_PREFIX + k]
+            if a.shape != msg.tensors[k].shape or a.dtype != np.float32:
+                raise ValueError(f"Hessian of {k!r} is {a.dtype}{list(a.shape)}")
+            if (a < 0).any():
+                raise ValueError(f"Hessian of {k!r} has negative entries")
+            out[k] = a
+        return out
+
+    def aggregate(self, t: int, own: dict[str, np.ndarray], got: list[Message]) -> tuple[dict[str, np.ndarray], dict]:
+        """Eq. 6-8 over N_i ∪ {i} when this node and every received neighbour have Ĥ and
+        ``t <= θ``; otherwise Eq. 3 (τ) for the whole model."""
+        accepted: list[Message] = []
+        hessians: list[dict[str, np.ndarray] | None] = []
+        for msg in got:
+            try:
+                h = self._hessian_of(msg)
+            except ValueError as exc:
+                self.ctx.reject(msg, f"bad_hessian: {exc}")
+                continue
+            accepted.append(msg)
+            hessians.append(h)
+        models = [own] + [{k: v for k, v in m.tensors.items() if not k.startswith(HESSIAN_PREFIX)} for m in accepted]
+        samples = [self.samples] + [m.meta["samples"] for m in accepted]
+        use = self.uses_hessian(t) and self.hessian is not None and all(h is not None for h in hessians)
+        if use:
+            tensors, fallback = hess.hessian_weighted_average(
+                models, [self.hessian] + hessians, samples, eps=self.options.fallback_eps  # type: ignore[list-item]
+            )
+            return tensors, {"neighbours": len(accepted), "hessian_weighted": True, "fallback_fraction": fallback}
+        info = {"neighbours": len(accepted), "hessian_weighted": False, "fallback_fraction": 1.0}
+        return weighted_average(models, samples), info
+
+    def status(self) -> dict[str, Any]:
+        theta = self.options.theta
+        return {"hessian_sent": self.hessian_sent, "theta": None if math.isinf(theta) else int(theta)}
