@@ -24,7 +24,8 @@ from typing import Any
 
 from agent.runtime import metrics
 from agent.runtime.config import (
-    AlgorithmSection, DataSection, DiscoverySection, MqttSection, NodeConfig, RuntimeSection, TrainingSection,
+    AlgorithmSection, DataSection, DiscoverySection, ModelSection, MqttSection, NodeConfig, RuntimeSection,
+    TrainingSection,
     dump_toml,
 )
 
@@ -35,7 +36,8 @@ class DemoOptions:
 
     nodes: int = 5
     rounds: int = 20
-    algorithm: str = "fedavg"
+    algorithm: str = "dfml"
+    models: str | None = None  # H0/H1/H2; default H2 for the rotating-aggregator algorithms
     out: str = "dfl-demo"
     broker: str = "auto"
     dataset: str = "har"
@@ -59,12 +61,37 @@ def _node_ids(opts: DemoOptions) -> list[str]:
     return [f"node{i:02d}" for i in range(opts.nodes)]
 
 
-def _config(opts: DemoOptions, fed: str, nid: str, index: int, broker: str, out: Path) -> NodeConfig:
+ROTATING = ("dfml", "dfedavg", "dfedprox")
+
+
+def _algorithm_options(opts: DemoOptions) -> dict[str, Any]:
+    """Map ``--round-timeout`` onto each algorithm's deadlines."""
+    t = opts.round_timeout
+    if opts.algorithm == "fedavg":
+        return {"round_timeout": t}
+    if opts.algorithm in ROTATING:
+        return {"invite_timeout": t, "update_timeout": 4 * t, "token_timeout": 2 * t}
+    return {}
+
+
+def _model_specs(opts: DemoOptions) -> list[dict[str, Any]] | None:
+    family = opts.models or ("H2" if opts.algorithm in ROTATING else None)
+    if family is None:
+        return None
+    from agent.data import load_dataset
+    from agent.models.families import family_specs
+
+    pool = load_dataset(opts.dataset).pool
+    return family_specs(family, pool.input_shape, pool.num_classes)
+
+
+def _config(opts: DemoOptions, fed: str, nid: str, index: int, broker: str, out: Path,
+            specs: list[dict[str, Any]] | None = None) -> NodeConfig:
     node_dir = out / "nodes" / nid
     return NodeConfig(
         federation=fed, node_id=nid, state_dir=str(node_dir), seed=opts.seed, profile="generic-x86",
-        algorithm=AlgorithmSection(name=opts.algorithm, rounds=opts.rounds,
-                                   options={"round_timeout": opts.round_timeout} if opts.algorithm == "fedavg" else {}),
+        algorithm=AlgorithmSection(name=opts.algorithm, rounds=opts.rounds, options=_algorithm_options(opts)),
+        model=ModelSection(spec=specs[index % len(specs)] if specs else None),
         training=TrainingSection(epochs=opts.epochs, threads=1),
         data=DataSection(dataset=opts.dataset, partition="by-user" if opts.dataset == "har" else "iid",
                          num_nodes=opts.nodes, node_index=index),
@@ -120,16 +147,22 @@ def run_demo(opts: DemoOptions) -> int:
         if not 0 <= kill_index < opts.nodes:
             raise ValueError(f"--kill index must be in [0, {opts.nodes})")
     ids = _node_ids(opts)
+    specs = _model_specs(opts)
     fed = "demo-" + secrets.token_hex(3)
     live = sys.stdout.isatty() if opts.live is None else opts.live
 
     with start_broker(opts.broker) as broker:
-        console.print(f"broker: {broker.kind} on {broker.endpoint}; federation {fed}; report folder {out}")
+        console.print(f"broker: {broker.kind} on {broker.endpoint}; federation {fed}; {opts.algorithm}; "
+                      f"report folder {out}")
+        if specs:
+            console.print("models: " + ", ".join(
+                f"{nid}={s.get('channels') or s.get('widths') or s.get('hidden')}" for nid, s in
+                zip(ids, [specs[i % len(specs)] for i in range(len(ids))])))
         procs: dict[str, subprocess.Popen] = {}
         logs = {}
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         for i, nid in enumerate(ids):
-            cfg = _config(opts, fed, nid, i, broker.endpoint, out.resolve())
+            cfg = _config(opts, fed, nid, i, broker.endpoint, out.resolve(), specs)
             path = out / "nodes" / nid / "node.toml"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(dump_toml(cfg), encoding="utf-8")
@@ -200,12 +233,13 @@ def run_demo(opts: DemoOptions) -> int:
             "killed": sorted(killed), "failed": failed, "nodes_started": len(ids), "exit_codes": exit_codes,
             "max_round_seconds": max((r["round_seconds"] for r in records), default=0.0),
             "round_timeout": opts.round_timeout,
+            "model_specs": {nid: specs[i % len(specs)] for i, nid in enumerate(ids)} if specs else None,
         },
     )
     metrics.atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=float) + "\n")
     if records:
         metrics.plot_accuracy(histories, out / "accuracy.png",
-                              title=f"{opts.algorithm}: {len(ids)} agents on HAR (dashed: trained alone)")
+                              title=f"{opts.algorithm}: {len(ids)} agents on HAR (dashed: same model trained alone)")
     _final_table(console, summary, histories, ids, killed)
     if failed:
         console.print(f"[bold red]federation failed: {', '.join(failed)} did not finish (see {out}/logs)[/]")

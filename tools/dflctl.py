@@ -78,7 +78,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     from tools.demo import DemoOptions, run_demo
 
     return run_demo(DemoOptions(
-        nodes=a.nodes, rounds=a.rounds, algorithm=a.algorithm, out=a.out, broker=a.broker, seed=a.seed,
+        nodes=a.nodes, rounds=a.rounds, algorithm=a.algorithm, models=a.models, out=a.out, broker=a.broker, seed=a.seed,
         epochs=a.epochs, round_timeout=a.round_timeout, kill=a.kill, live=a.live, protocol=a.protocol,
     ))
 
@@ -178,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="real agent processes + MQTT broker + mDNS on 127.0.0.1, HAR data")
     d.add_argument("--nodes", type=int, default=5)
     d.add_argument("--rounds", type=int, default=20)
-    d.add_argument("--algorithm", default="fedavg")
+    d.add_argument("--algorithm", default="dfml")
+    d.add_argument("--models", default=None, choices=sorted(FAMILIES),
+                   help="architecture mode per agent (default H2 for dfml/dfedavg/dfedprox: 5 different CNNs)")
     d.add_argument("--out", default="dfl-demo")
     d.add_argument("--broker", default="auto", choices=["auto", "mosquitto", "amqtt"])
     d.add_argument("--protocol", default="5", choices=["5", "3.1.1"])

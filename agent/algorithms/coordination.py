@@ -68,6 +68,15 @@ class RotationOptions:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
 
 
+def _json_scalars(info: dict[str, Any]) -> dict[str, Any]:
+    """The finite JSON scalars of ``info`` (NaN/Inf would make the envelope invalid)."""
+    out: dict[str, Any] = {}
+    for k, v in info.items():
+        if isinstance(v, (str, bool, int)) or (isinstance(v, float) and math.isfinite(v)):
+            out[k] = v
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Done:
     """A completed round as announced by its aggregator (the token)."""
@@ -314,7 +323,7 @@ class RotatingAggregator(Algorithm):
             self.applied = t
         nxt_token = self.next_token(t, token)
         info = {**info, "participants": len(contributions) + 1, "missing": sorted(pending)}
-        meta = {"next": nxt, "token": nxt_token, "info": {k: v for k, v in info.items() if k != "missing"}}
+        meta = {"next": nxt, "token": nxt_token, "info": _json_scalars(info)}
         await ctx.broadcast(Message(self.K_DONE, t, meta=meta))
         await self._record(Done(t, ctx.node_id, nxt, nxt_token, info))
 

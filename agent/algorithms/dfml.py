@@ -187,6 +187,10 @@ class DFML(RotatingAggregator):
             batch_size=tc.batch_size, lr=tc.lr, rng=ctx.rng, momentum=tc.momentum, weight_decay=o.weight_decay,
             beta=None if o.supervision == "ce" else self.beta, temperature=o.temperature, device=ctx.device,
         )
+        if stats["diverged"]:
+            # every model was restored; participants keep their models, no peak update
+            skip = {"alpha": alpha, "skipped": True}
+            return {n: ({}, skip) for n in [*senders, ctx.node_id]}, {"alpha": alpha, "diverged": True}
         updates = {s: (model_to_numpy(m), {"alpha": alpha}) for s, m in zip(senders, models[1:])}
         updates[ctx.node_id] = ({}, {"alpha": alpha})  # own model was updated in place
         archs = len({spec_hash(contributions[s].meta["spec"]) for s in senders} | {spec_hash(self.spec)})
@@ -196,6 +200,8 @@ class DFML(RotatingAggregator):
         alpha = meta.get("alpha")
         if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0.0 <= alpha <= 1.0:
             raise IncompatibleUpdate(f"bad alpha {alpha!r}")
+        if meta.get("skipped"):
+            return  # the aggregator's mutual learning diverged: keep the model as it is
         if tensors:
             load_numpy(self.regular, tensors)
         self.last_alpha = float(alpha)

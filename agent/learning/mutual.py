@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from agent.learning.losses import cross_entropy, kl_divergence, weighted_softmax_ce
-from agent.learning.training import batches
+from agent.learning.training import batches, restore_if_diverged, snapshot
 
 
 def kl_weights(phis: Sequence[int]) -> np.ndarray:
@@ -69,7 +69,9 @@ def mutual_learning(
         rng: draws the batch order.
 
     Returns:
-        ``{"loss": mean total loss per batch, "batches": count}``.
+        ``{"loss": mean total loss per batch, "batches": count, "diverged": 0.0 | 1.0}``.
+        If any model's parameters became non-finite, *every* model is restored to its
+        state before the call and ``diverged`` is 1 (the round is then skipped).
 
     Raises:
         ValueError: empty model list, length mismatch, α outside [0, 1].
@@ -84,6 +86,7 @@ def mutual_learning(
     ]
     for m in models:
         m.to(device).train()
+    before = [snapshot(m) for m in models]
     beta_t = None if beta is None else torch.as_tensor(beta, dtype=torch.float32, device=device)
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
@@ -109,4 +112,8 @@ def mutual_learning(
                 o.step()
             total += float(loss.detach())
             count += 1
-    return {"loss": total / max(count, 1), "batches": float(count)}
+    diverged = any([restore_if_diverged(m, b) for m, b in zip(models, before)])
+    if diverged:
+        for m, b in zip(models, before):
+            m.load_state_dict(b)
+    return {"loss": total / max(count, 1), "batches": float(count), "diverged": float(diverged)}

@@ -73,7 +73,9 @@ def train_local(
             (e.g. FedProx's proximal term).
 
     Returns:
-        ``{"loss": mean training loss over batches, "samples": N * epochs}``.
+        ``{"loss": mean training loss over batches, "samples": N * epochs,
+        "diverged": 0.0 or 1.0}``.  When training produced non-finite parameters, the
+        model is restored to its state before the call and ``diverged`` is 1.
 
     Raises:
         ValueError: ``x`` and ``y`` lengths differ or the split is empty.
@@ -81,6 +83,7 @@ def train_local(
     if len(x) != len(y) or len(x) == 0:
         raise ValueError(f"training data must be non-empty with matching lengths, got {len(x)} and {len(y)}")
     model.to(device).train()
+    before = snapshot(model)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
@@ -97,7 +100,26 @@ def train_local(
             opt.step()
             total += float(loss.detach())
             count += 1
-    return {"loss": total / max(count, 1), "samples": float(len(x) * cfg.epochs)}
+    diverged = restore_if_diverged(model, before)
+    return {"loss": total / max(count, 1), "samples": float(len(x) * cfg.epochs), "diverged": float(diverged)}
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of ``model``'s state dict (to undo a diverged update)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def is_finite(model: nn.Module) -> bool:
+    """True when every floating tensor of ``model``'s state is finite."""
+    return all(bool(torch.isfinite(v).all()) for v in model.state_dict().values() if v.is_floating_point())
+
+
+def restore_if_diverged(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
+    """Restore ``before`` into ``model`` if its state became non-finite; returns whether it did."""
+    if is_finite(model):
+        return False
+    model.load_state_dict(before)
+    return True
 
 
 @torch.no_grad()

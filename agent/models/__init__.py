@@ -6,10 +6,11 @@ it with :func:`build_model`.  Three families:
 ``cnn1d``  1-D CNN for sensor windows (HAR), input ``(B, C, L)``::
 
     {"type": "cnn1d", "in_channels": 3, "length": 128, "channels": [16, 32, 64],
-     "kernel": 5, "num_classes": 6}
+     "kernel": 5, "num_classes": 6, "norm": "none"}
 
-    per width: Conv1d(k, pad k//2) -> ReLU -> MaxPool1d(2);  then global average
-    pool over time -> Linear(channels[-1], num_classes).
+    per width: Conv1d(k, pad k//2) -> ReLU -> MaxPool1d(2) [-> LayerNorm([w, l]) when
+    norm = "layer", as in the seeds' CNN family];  then global average pool over time
+    -> Linear(channels[-1], num_classes).
 
 ``mlp``  input ``(B, *input_shape)`` flattened::
 
@@ -70,12 +71,16 @@ def _int_list(spec: Mapping[str, Any], key: str, allow_empty: bool = False) -> l
 class CNN1d(nn.Module):
     """1-D CNN for multichannel time windows. Input ``(B, C, L)`` -> logits ``(B, K)``."""
 
-    def __init__(self, in_channels: int, length: int, channels: Sequence[int], kernel: int, num_classes: int):
+    def __init__(self, in_channels: int, length: int, channels: Sequence[int], kernel: int, num_classes: int,
+                 norm: str = "none"):
         super().__init__()
         layers: list[nn.Module] = []
-        c = in_channels
+        c, n = in_channels, length
         for w in channels:
+            n //= 2
             layers += [nn.Conv1d(c, w, kernel, padding=kernel // 2), nn.ReLU(), nn.MaxPool1d(2)]
+            if norm == "layer":
+                layers.append(nn.LayerNorm([w, n]))
             c = w
         self.features = nn.Sequential(*layers)
         self.classifier = nn.Linear(c, num_classes)
@@ -146,6 +151,11 @@ def validate_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
         out["length"] = _int(spec, "length", 1, 1 << 16)
         out["channels"] = _int_list(spec, "channels")
         out["kernel"] = _int({"kernel": spec.get("kernel", 5), "type": t}, "kernel", 1, 63)
+        norm = spec.get("norm", "none")
+        if norm not in ("none", "layer"):
+            raise SpecError(f"model spec key 'norm' must be 'none' or 'layer', got {norm!r}")
+        if norm != "none":
+            out["norm"] = norm
         if out["length"] < 2 ** len(out["channels"]):
             raise SpecError("model spec 'channels' has too many layers for 'length'")
     elif t == "mlp":
@@ -175,7 +185,8 @@ def build_model(spec: Mapping[str, Any]) -> nn.Module:
     """
     s = validate_spec(spec)
     if s["type"] == "cnn1d":
-        return CNN1d(s["in_channels"], s["length"], s["channels"], s["kernel"], s["num_classes"])
+        return CNN1d(s["in_channels"], s["length"], s["channels"], s["kernel"], s["num_classes"],
+                     s.get("norm", "none"))
     if s["type"] == "mlp":
         n = 1
         for d in s["input_shape"]:

@@ -6,7 +6,8 @@
 - ``H2`` nonrestrictive heterogeneous: CNNs of different depth and width:
   [32, 64, 128, 256], [32, 64, 128], [32, 64], [16, 32, 64], [8, 16, 32, 64].
 
-For sensor windows ``(C, L)`` the CNNs are ``cnn1d``; for images ``(C, H, H)`` the
+For sensor windows ``(C, L)`` the CNNs are ``cnn1d`` with a LayerNorm after each
+pooling (like the seeds' CNN family; without it the deeper members diverge); for images ``(C, H, H)`` the
 seeds' ``cnn`` family.  An 8×8 image (digits) allows at most 3 pooling layers, so
 deeper H2 members are cut to 3 layers there.  Models are spread evenly over nodes
 (node i gets member ``i mod len(family)``).
@@ -39,7 +40,7 @@ def family_specs(name: str, input_shape: Sequence[int], num_classes: int) -> lis
         if len(shape) == 2:
             depth = min(len(widths), max(1, shape[1].bit_length() - 1))
             spec = {"type": "cnn1d", "in_channels": shape[0], "length": shape[1], "channels": widths[:depth],
-                    "kernel": 5, "num_classes": num_classes}
+                    "kernel": 5, "num_classes": num_classes, "norm": "layer"}
         elif len(shape) == 3 and shape[1] == shape[2]:
             depth = min(len(widths), max(1, shape[1].bit_length() - 1))
             spec = {"type": "cnn", "in_channels": shape[0], "image_size": shape[1], "widths": widths[:depth],

@@ -50,6 +50,10 @@ def node_id_from_state(state_dir: Path, configured: str | None) -> str:
     return nid
 
 
+class StartupError(RuntimeError):
+    """The agent cannot start: unknown algorithm or option, unusable data or model spec."""
+
+
 class Agent:
     """One running daemon: wires config, data, transport, discovery and the algorithm."""
 
@@ -77,17 +81,23 @@ class Agent:
 
         cfg = self.cfg
         torch.set_num_threads(cfg.training.threads)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.node_id = nid = node_id_from_state(self.state_dir, cfg.node_id)
-        fed = cfg.federation
-        algo_cls = get_algorithm(cfg.algorithm.name)
-        options = parse_options(algo_cls, cfg.algorithm.options)
         d = cfg.data
-        bundle = load_dataset(d.dataset, path=d.path, cache_dir=d.cache_dir)
-        data = node_data_for(bundle, d.num_nodes, d.node_index, d.partition, seed=cfg.seed, beta=d.beta, zeta=d.zeta)
-        spec = validate_spec(cfg.model.spec) if cfg.model.spec else default_spec(
-            bundle.pool.input_shape, bundle.pool.num_classes, cfg.model.size
-        )
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self.node_id = nid = node_id_from_state(self.state_dir, cfg.node_id)
+            algo_cls = get_algorithm(cfg.algorithm.name)
+            options = parse_options(algo_cls, cfg.algorithm.options)
+            bundle = load_dataset(d.dataset, path=d.path, cache_dir=d.cache_dir)
+            data = node_data_for(bundle, d.num_nodes, d.node_index, d.partition, seed=cfg.seed, beta=d.beta,
+                                 zeta=d.zeta)
+            spec = validate_spec(cfg.model.spec) if cfg.model.spec else default_spec(
+                bundle.pool.input_shape, bundle.pool.num_classes, cfg.model.size
+            )
+            if spec["num_classes"] != bundle.pool.num_classes:
+                raise ValueError(f"model.spec has {spec['num_classes']} classes, the data {bundle.pool.num_classes}")
+        except (ValueError, KeyError, OSError, ImportError) as exc:
+            raise StartupError(str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)) from None
+        fed = cfg.federation
         t = cfg.training
         train = TrainConfig(epochs=t.epochs, batch_size=t.batch_size, lr=t.lr, momentum=t.momentum,
                             weight_decay=t.weight_decay)
@@ -222,9 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(cfg.runtime.log_level)
     try:
         return run_agent(cfg)
-    except (ValueError, KeyError, FileNotFoundError, ImportError) as exc:
+    except StartupError as exc:
         log.error("cannot start: %s", exc)
         return 2
+    except Exception:
+        log.exception("the agent stopped on an unexpected error")
+        return 1
 
 
 if __name__ == "__main__":

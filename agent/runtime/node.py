@@ -74,7 +74,9 @@ class Node:
     async def setup(self) -> None:
         await self.algorithm.setup()
         if self.baseline_local:
-            self.shadow = copy.deepcopy(self.algorithm.deployable_model())
+            # same architecture and initial weights as the deployable model, but trainable
+            # (a deployable model may be frozen, like DFML's peak model)
+            self.shadow = copy.deepcopy(self.algorithm.deployable_model()).requires_grad_(True)
             self._shadow_rng = np.random.default_rng([self.ctx.init_seed, 0x5EED])
 
     async def run(self, rounds: int, start_round: int = 1) -> None:

@@ -23,7 +23,7 @@ def _demo(tmp_path, *args, timeout=300):
 
 @needs_mosquitto
 def test_demo_completes_with_the_summary_contract(tmp_path):
-    r, out, s = _demo(tmp_path, "--nodes", "3", "--rounds", "3", "--broker", "mosquitto")
+    r, out, s = _demo(tmp_path, "--nodes", "3", "--rounds", "3", "--broker", "mosquitto", "--algorithm", "fedavg")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for key in ("algorithm", "nodes", "rounds_completed", "global_accuracy", "local_accuracy", "bytes_sent",
                 "bytes_received", "wall_seconds", "local_only_global_accuracy"):
@@ -40,7 +40,8 @@ def test_demo_completes_with_the_summary_contract(tmp_path):
 @needs_mosquitto
 def test_killing_an_agent_never_stalls_a_round_past_its_deadline(tmp_path):
     timeout = 15.0
-    r, out, s = _demo(tmp_path, "--nodes", "3", "--rounds", "5", "--kill", "2@2", "--round-timeout", str(timeout))
+    r, out, s = _demo(tmp_path, "--nodes", "3", "--rounds", "5", "--kill", "2@2", "--round-timeout", str(timeout),
+                      "--algorithm", "fedavg")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert len(s["killed"]) == 1
     survivors = [n for n in s["rounds_per_node"] if n not in s["killed"]]
@@ -50,6 +51,26 @@ def test_killing_an_agent_never_stalls_a_round_past_its_deadline(tmp_path):
 
 def test_demo_over_amqtt_with_mqtt_311(tmp_path):
     pytest.importorskip("amqtt")
-    r, out, s = _demo(tmp_path, "--nodes", "2", "--rounds", "2", "--broker", "amqtt", "--protocol", "3.1.1")
+    r, out, s = _demo(tmp_path, "--nodes", "2", "--rounds", "2", "--broker", "amqtt", "--protocol", "3.1.1",
+                      "--algorithm", "fedavg")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert s["rounds_completed"] == 2 and s["broker"] == "amqtt"
+
+
+@needs_mosquitto
+def test_default_demo_is_dfml_with_three_or_more_architectures(tmp_path):
+    r, out, s = _demo(tmp_path, "--nodes", "3", "--rounds", "4")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert s["algorithm"] == "dfml" and s["rounds_completed"] == 4 and not s["failed"]
+    assert len({json.dumps(v, sort_keys=True) for v in s["model_specs"].values()}) == 3
+
+
+@needs_mosquitto
+def test_dfml_demo_survives_a_killed_agent_within_two_token_timeouts(tmp_path):
+    timeout = 10.0  # invite timeout; token timeout = 2 x this
+    r, out, s = _demo(tmp_path, "--nodes", "4", "--rounds", "6", "--kill", "0@2", "--round-timeout", str(timeout))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    survivors = [n for n in s["rounds_per_node"] if n not in s["killed"]]
+    assert all(s["rounds_per_node"][n] == 6 for n in survivors)
+    # a round whose aggregator died completes within two token timeouts (plus compute)
+    assert s["max_round_seconds"] <= 2 * (2 * timeout) + 15.0
