@@ -81,6 +81,10 @@ class DFMLOptions(RotationOptions):
             (``additive``|``multiplicative``), period_step, period_factor: the schedule.
         temperature: KD temperature τ.
         weight_decay: SGD weight decay in local training and mutual learning (seed: 5e-4).
+        peak_top_k: also update the peak model in the last ``peak_top_k`` rounds of each
+            α cycle (the top-k α values), whatever α_n is.  1 = the strict peak rule of
+            Alg. 1 (default); the seed's appendix uses N/|S| under low participation,
+            so that nodes which were not drawn at the single α maximum still refresh.
     """
 
     mutual_epochs: int = 10
@@ -96,9 +100,12 @@ class DFMLOptions(RotationOptions):
     period_factor: float = 2.0
     temperature: float = 1.0
     weight_decay: float = 5e-4
+    peak_top_k: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.peak_top_k < 1:
+            raise ValueError(f"peak_top_k must be >= 1, got {self.peak_top_k}")
         if self.mutual_epochs < 1:
             raise ValueError(f"mutual_epochs must be >= 1, got {self.mutual_epochs}")
         if self.supervision not in ("wsm", "ce"):
@@ -174,6 +181,8 @@ class DFML(RotatingAggregator):
         ctx, d, o = self.ctx, self.ctx.data, self.options
         state = self._state(t, token)
         alpha = self.schedule.alpha(state, t)
+        # the last peak_top_k rounds of a cycle carry its top-k alpha values
+        top = o.alpha_mode == "cyclic" and (t - state.cycle_start) > state.period - o.peak_top_k
         senders = sorted(contributions)
         models: list[nn.Module] = [self.regular]
         for s in senders:
@@ -191,8 +200,9 @@ class DFML(RotatingAggregator):
             # every model was restored; participants keep their models, no peak update
             skip = {"alpha": alpha, "skipped": True}
             return {n: ({}, skip) for n in [*senders, ctx.node_id]}, {"alpha": alpha, "diverged": True}
-        updates = {s: (model_to_numpy(m), {"alpha": alpha}) for s, m in zip(senders, models[1:])}
-        updates[ctx.node_id] = ({}, {"alpha": alpha})  # own model was updated in place
+        meta = {"alpha": alpha, "top": bool(top and o.peak_top_k > 1)}
+        updates = {s: (model_to_numpy(m), meta) for s, m in zip(senders, models[1:])}
+        updates[ctx.node_id] = ({}, meta)  # own model was updated in place
         archs = len({spec_hash(contributions[s].meta["spec"]) for s in senders} | {spec_hash(self.spec)})
         return updates, {"alpha": alpha, "mutual_loss": stats["loss"], "architectures": archs}
 
@@ -205,7 +215,7 @@ class DFML(RotatingAggregator):
         if tensors:
             load_numpy(self.regular, tensors)
         self.last_alpha = float(alpha)
-        if alpha >= self.alpha_n - PEAK_EPS:  # peak rule (Alg. 1)
+        if alpha >= self.alpha_n - PEAK_EPS or meta.get("top") is True:  # peak rule (Alg. 1)
             self.peak.load_state_dict(self.regular.state_dict())
             self.alpha_n = float(alpha)
 

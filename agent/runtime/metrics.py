@@ -78,6 +78,35 @@ def summarize(
     return out
 
 
+CURVE_KEYS = ("global_accuracy", "local_accuracy", "regular_global_accuracy", "local_only_global_accuracy")
+
+
+def mean_curve(histories: Mapping[str, list[dict[str, Any]]]) -> dict[str, list[float]]:
+    """Per round (evaluated rounds only): the mean over nodes of each accuracy key and
+    the cumulative bytes sent by all nodes. ``{"round": [...], key: [...], "bytes_sent": [...]}``."""
+    rounds = sorted({r["round"] for h in histories.values() for r in h if "global_accuracy" in r})
+    out: dict[str, list[float]] = {"round": [float(x) for x in rounds]}
+    by_round: dict[int, list[dict[str, Any]]] = {}
+    for h in histories.values():
+        for r in h:
+            by_round.setdefault(r["round"], []).append(r)
+    for key in CURVE_KEYS:
+        vals = [[r[key] for r in by_round[x] if key in r] for x in rounds]
+        if any(vals):
+            out[key] = [sum(v) / len(v) if v else float("nan") for v in vals]
+    # bytes: each node's counter is cumulative; sum the latest value of every node up to the round
+    last: dict[str, float] = {}
+    sent = []
+    for x in rounds:
+        for n, h in histories.items():
+            for r in h:
+                if r["round"] <= x:
+                    last[n] = r["bytes_sent"]
+        sent.append(float(sum(last.values())))
+    out["bytes_sent"] = sent
+    return out
+
+
 def write_jsonl(path: str | os.PathLike, records: Iterable[Mapping[str, Any]]) -> None:
     """Write records as JSON lines (atomically)."""
     atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))

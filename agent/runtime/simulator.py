@@ -186,6 +186,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             "dataset": cfg.dataset, "partition": cfg.partition, "seed": cfg.seed, "model_spec": spec,
             "model_specs": {nid: s for nid, s in zip(ids, specs)}, "topology": cfg.topology,
             "dropped": {n.ctx.node_id: n.ctx.counters()["dropped"] for n in nodes},
+            "curve": metrics.mean_curve(histories),
             "config": _jsonable(dataclasses.asdict(cfg)),
         },
     )

@@ -1,0 +1,62 @@
+"""The seed's decentralized HeteroFL and FedRolex (seed 000 App. A.3.3, Algorithm 3).
+
+Same coordination and communication as DFML: senders train locally (WSM, Eq. 2) and
+send their width-scaled models to the round's aggregator, which takes the largest
+available model as W_g, averages every position over the participants holding it
+(Eq. 6; sub-model indices by Eq. 8 for HeteroFL, Eq. 9 for FedRolex) and returns each
+participant its slice.  Meant for DFML's H1 mode (one architecture at several widths);
+a model that is not a width-scaled member of the same family is rejected.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agent.algorithms.base import register
+from agent.algorithms.context import Message
+from agent.algorithms.dfedavg import DFedAvg
+from agent.learning.params import IncompatibleUpdate, model_to_numpy
+from agent.learning.partial import aggregate_partial, check_sub_model
+
+
+class _PartialTraining(DFedAvg):
+    scheme = ""
+
+    def check_contribution(self, msg: Message) -> None:
+        super().check_contribution(msg)
+        own = model_to_numpy(self.model)
+        try:  # one of the two must be a slice of the other
+            check_sub_model(msg.tensors, own)
+        except ValueError:
+            try:
+                check_sub_model(own, msg.tensors)
+            except ValueError as exc:
+                raise IncompatibleUpdate(str(exc)) from None
+
+    async def aggregate(self, t: int, token: dict[str, Any], contributions: dict[str, Message]):
+        me = self.ctx.node_id
+        order = [me, *sorted(contributions)]
+        states = [model_to_numpy(self.model)] + [contributions[s].tensors for s in order[1:]]
+        try:
+            new = await self.ctx.compute(aggregate_partial, states, self.scheme, t)
+        except ValueError:  # participants of different families: keep every model
+            new = states
+        widths = len({sum(a.size for a in st.values()) for st in states})
+        return {n: (st, {}) for n, st in zip(order, new)}, {"widths": widths}
+
+
+@register
+class HeteroFL(_PartialTraining):
+    """Decentralized HeteroFL: sub-models are the leading slices of W_g (Eq. 8)."""
+
+    name = "heterofl"
+    scheme = "heterofl"
+
+
+@register
+class FedRolex(_PartialTraining):
+    """Decentralized FedRolex: sub-models are windows rolling with the round (Eq. 9)."""
+
+    name = "fedrolex"
+    scheme = "fedrolex"
+
