@@ -155,6 +155,7 @@ class Node:
             "bytes_sent": counters["bytes_sent"],
             "bytes_received": counters["bytes_received"],
             "errors": counters["dropped"],
+            **{k: v for k, v in last.items() if k.endswith("_global_accuracy")},  # e.g. DFML's regular model
             **self.algorithm.status(),
         }
 
