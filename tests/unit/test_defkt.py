@@ -385,7 +385,6 @@ def test_combo_exchanges_halves_as_algorithm_3():
 
 def test_fullavg_pair_is_eq_9():
     net, nodes = _federation(2, algorithm="fullavg", options={"sender_keeps": "trained"})
-    sent = {}
 
     async def main():
         for n in nodes:
