@@ -220,10 +220,11 @@ def test_theta_zero_is_dechetero():
 
 
 def test_deterministic_for_a_seed():
-    a = simulate(_cfg(rounds=3, options={"estimator": "per_sample_sq_grad"}))
-    b = simulate(_cfg(rounds=3, options={"estimator": "per_sample_sq_grad"}))
+    kw = dict(nodes=4, rounds=2, topology="ring", topology_options={}, options={"estimator": "per_sample_sq_grad"})
+    a = simulate(_cfg(**kw))
+    b = simulate(_cfg(**kw))
     assert a["global_accuracy"]["per_node"] == b["global_accuracy"]["per_node"]
-    c = simulate(_cfg(rounds=3, seed=2, options={"estimator": "per_sample_sq_grad"}))
+    c = simulate(_cfg(seed=2, **kw))
     assert c["global_accuracy"]["per_node"] != a["global_accuracy"]["per_node"]
 
 
