@@ -72,6 +72,7 @@ class NodeContext(Protocol):
     data: Any  # agent.data.NodeData: train_x/train_y/val_x/val_y, num_classes
     model_spec: Mapping[str, Any]  # see agent.models
     init_seed: int  # torch seed for this node's initial weights
+    seed: int  # the federation's seed, the same on every node (shared schedules)
     train: Any  # agent.learning.training.TrainConfig
     device: str  # torch device for compute ("cpu", "cuda:0")
 

@@ -16,8 +16,7 @@ independent of who else is in the set), and consecutive ids form the pairs
 sender), Q pairs at most.  Nodes that agree on the live set agree on the pairs
 without exchanging a message; a node missing from one view only shifts the pairs
 ranked after it.  The schedule seed is the option ``schedule_seed``, by default the
-node's ``init_seed``, which is the federation seed whenever every node starts from
-the same weights (``init = common``, which the paper assumes).  Every model message
+federation's seed (``ctx.seed``, the same on every node whatever the initialisation).  Every model message
 carries a fingerprint of the seed and a receiver rejects (and counts,
 ``schedule_mismatch``) a model drawn from another seed, so a misconfiguration shows
 instead of silently never pairing.
@@ -136,7 +135,7 @@ class PairOptions:
             ``done`` messages; must exceed ``receive_timeout``.
         poll_interval: seconds between re-checks of the live-peer set while waiting.
         schedule_seed: seed of the pair schedule, the same on every node; -1 = the
-            node's ``init_seed`` (the federation seed under ``init = common``).
+            federation's seed (``ctx.seed``).
     """
 
     Q: int = 1
@@ -159,7 +158,7 @@ class PairOptions:
                 f"round_timeout ({self.round_timeout}) must exceed receive_timeout ({self.receive_timeout})"
             )
         if self.schedule_seed < -1:
-            raise ValueError(f"schedule_seed must be >= 0, or -1 for init_seed; got {self.schedule_seed}")
+            raise ValueError(f"schedule_seed must be >= 0, or -1 for the federation seed; got {self.schedule_seed}")
 
 
 @dataclasses.dataclass
@@ -219,7 +218,7 @@ class PairAlgorithm(Algorithm):
         self.model: nn.Module = self.new_model()
         self.samples = int(len(self.ctx.data.train_y))
         seed = self.options.schedule_seed
-        self.schedule_seed = int(self.ctx.init_seed if seed < 0 else seed)
+        self.schedule_seed = int(self.ctx.seed if seed < 0 else seed)
         self.fingerprint = seed_fingerprint(self.schedule_seed)
         self.sender_train = dataclasses.replace(self.ctx.train, epochs=self.options.M)
         self.stats: collections.Counter[str] = collections.Counter()

@@ -54,6 +54,7 @@ class RuntimeContext:
             (counted as ``queue_full``) so no peer can exhaust memory.
         graph_neighbours: this node's neighbours in the configured communication graph
             (``None``: every peer is a neighbour).
+        seed: the federation's seed (the same on every node), for shared schedules.
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class RuntimeContext:
         max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
         max_queued_per_sender: int = 16,
         graph_neighbours: list[str] | None = None,
+        seed: int = 0,
     ):
         self.node_id = node_id
         self.federation = federation
@@ -82,6 +84,7 @@ class RuntimeContext:
         self.model_spec = dict(model_spec)
         self.train = train
         self.init_seed = init_seed
+        self.seed = seed
         self.rng = rng
         self.device = device
         self.clock = LoopClock()

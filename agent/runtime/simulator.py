@@ -134,7 +134,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             node_id=nid, federation=federation, transport=transport, peers=PeerTable(nid, federation),
             data=data, model_spec=specs[i], train=cfg.train, init_seed=init_seed_for(cfg.seed, i, cfg.init),
             rng=np.random.default_rng([cfg.seed, i]),
-            graph_neighbours=None if cfg.topology == "full" else graph[nid],
+            graph_neighbours=None if cfg.topology == "full" else graph[nid], seed=cfg.seed,
         )
         nodes.append(
             Node(ctx, algo_cls(ctx, options), bundle.test.x, bundle.test.y,

@@ -417,3 +417,12 @@ def test_fullavg_all_sends_n_models_per_round_and_defkt_q():
     per_round_all = simulate(SimConfig(algorithm="fullavg", options={"scope": "all"}, **kw))["bytes_sent"] / 2
     per_round_pair = simulate(SimConfig(algorithm="defkt", **kw))["bytes_sent"] / 2
     assert 3.5 < per_round_all / per_round_pair < 4.5
+
+
+def test_schedule_uses_the_federation_seed_even_with_independent_initialisation():
+    from agent.runtime.simulator import SimConfig, simulate
+
+    s = simulate(SimConfig(algorithm="defkt", nodes=4, rounds=3, dataset="digits", partition="iid",
+                           init="independent", seed=2, train=TrainConfig(batch_size=64)))
+    assert s["rounds_completed"] == 3
+    assert all("schedule_mismatch" not in d for d in s["dropped"].values())
