@@ -74,3 +74,13 @@ def test_dfml_demo_survives_a_killed_agent_within_two_token_timeouts(tmp_path):
     assert all(s["rounds_per_node"][n] == 6 for n in survivors)
     # a round whose aggregator died completes within two token timeouts (plus compute)
     assert s["max_round_seconds"] <= 2 * (2 * timeout) + 15.0
+
+
+@needs_mosquitto
+@pytest.mark.parametrize("algorithm", ["dechw", "defkt", "heterofl"])
+def test_other_algorithms_run_on_real_agent_processes(tmp_path, algorithm):
+    extra = ["--models", "H1"] if algorithm == "heterofl" else []
+    r, out, s = _demo(tmp_path, "--nodes", "3", "--rounds", "3", "--algorithm", algorithm, *extra)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert s["algorithm"] == algorithm and s["rounds_completed"] == 3 and not s["failed"]
+    assert s["bytes_sent"] > 0
