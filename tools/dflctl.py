@@ -54,7 +54,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     cfg = SimConfig(
         algorithm=a.algorithm, nodes=a.nodes, rounds=a.rounds, dataset=a.dataset, dataset_path=a.dataset_path,
         partition=a.partition, beta=a.beta, zeta=a.zeta, seed=a.seed, out=a.out, options=_kv(a.option),
-        train=TrainConfig(epochs=a.epochs, batch_size=a.batch_size, lr=a.lr), model_size=a.model_size,
+        train=TrainConfig(epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, momentum=a.momentum),
+        model_size=a.model_size,
         init=a.init, baseline_local=a.baseline_local, topology=a.topology,
         topology_options=_kv(a.topology_option),
         model_family=a.models if a.models in FAMILIES else None, eval_every=a.eval_every,
@@ -162,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--epochs", type=int, default=1)
     s.add_argument("--batch-size", type=int, default=32)
     s.add_argument("--lr", type=float, default=0.05)
+    s.add_argument("--momentum", type=float, default=0.9)
     s.add_argument("--model-size", default="medium", choices=["small", "medium", "large"])
     s.add_argument("--init", default="common", choices=["common", "independent"])
     s.add_argument("--baseline-local", action="store_true", help="also train a local-only copy per node")
