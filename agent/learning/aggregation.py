@@ -7,6 +7,17 @@ from typing import Mapping, Sequence
 import numpy as np
 
 
+def check_same_layout(models: Sequence[Mapping[str, np.ndarray]]) -> None:
+    """Raise ``ValueError`` unless all models have the same tensor names and shapes."""
+    names = set(models[0])
+    for m in models[1:]:
+        if set(m) != names:
+            raise ValueError("models to average have different tensor names")
+    for name, first in models[0].items():
+        if any(m[name].shape != first.shape for m in models):
+            raise ValueError(f"models to average disagree on the shape of {name!r}")
+
+
 def weighted_average(
     models: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]
 ) -> dict[str, np.ndarray]:
@@ -31,14 +42,9 @@ def weighted_average(
     if (w < 0).any() or not np.isfinite(w).all() or w.sum() <= 0:
         raise ValueError(f"weights must be finite, non-negative, with a positive sum: {weights}")
     w = w / w.sum()
-    names = set(models[0])
+    check_same_layout(models)
     out: dict[str, np.ndarray] = {}
-    for m in models[1:]:
-        if set(m) != names:
-            raise ValueError("models to average have different tensor names")
     for name, first in models[0].items():
-        if any(m[name].shape != first.shape for m in models):
-            raise ValueError(f"models to average disagree on the shape of {name!r}")
         if first.dtype.kind != "f":
             out[name] = np.array(first, copy=True)
             continue

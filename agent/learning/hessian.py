@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from agent.learning.aggregation import check_same_layout
 from agent.learning.losses import cross_entropy
 
 HessianDiag = dict[str, np.ndarray]
@@ -297,18 +298,14 @@ def hessian_weighted_average(
         raise ValueError(f"need as many Hessians and sample counts as models "
                          f"(got {n} models, {len(hessians)} Hessians, {len(samples)} sample counts)")
     tau = data_size_weights(samples)
+    check_same_layout(models)
     names = set(models[0])
-    for m in models[1:]:
-        if set(m) != names:
-            raise ValueError("models to average have different tensor names")
     covered = set(names)
     for h in hessians:
         covered &= set(h)
     out: dict[str, np.ndarray] = {}
     fallback, total = 0, 0
     for name, first in models[0].items():
-        if any(m[name].shape != first.shape for m in models):
-            raise ValueError(f"models to average disagree on the shape of {name!r}")
         if first.dtype.kind != "f":
             out[name] = np.array(first, copy=True)
             continue
