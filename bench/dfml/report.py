@@ -87,6 +87,14 @@ def write_report(runs: Path, out: Path) -> None:
             prefix = "digits-noniid-H2-dfml" if (sup, mode) == ("wsm", "cyclic") else f"digits-noniid-H2-abl_{sup}_{mode}"
             lines.append(f"| {sup.upper()} | {mode}{' (α = 0.5)' if mode == 'fixed' else ''} | {_ms(_seeds(data, prefix))} "
                          f"| {_ms(_seeds(data, prefix, 'regular_global_accuracy'))} |")
+    long_dir = runs.parent / "long"
+    longs = {p.stem: json.loads(p.read_text()) for p in sorted(long_dir.glob("*.json"))} if long_dir.exists() else {}
+    if longs:
+        lines += ["", "Horizon check (`bench/dfml/long.py`): the same setting over 104 rounds (end of the fourth",
+                  "α cycle), seed 0, WSM:", "", "| α | DFML peak (%) | DFML regular (%) |", "|---|---|---|"]
+        for name, r in longs.items():
+            reg = _final(r, "regular_global_accuracy")
+            lines.append(f"| {name} | {100 * _final(r):.1f} | {'' if reg is None else f'{100 * reg:.1f}'} |")
     har = {a: data.get(f"har-byuser-H2-{a}-s0") for a in ("dfml", "dfedavg", "local")}
     if any(har.values()):
         lines += ["", "## HAR by user (10 nodes, one user each, 32 rounds, H2, seed 0)", "",
