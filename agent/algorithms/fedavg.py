@@ -47,7 +47,8 @@ async def collect_round(
     ctx, kind: str, t: int, deadline: float, poll: float, template, extra_tensors: frozenset[str] = frozenset()
 ) -> tuple[dict, list[str]]:
     """Receive round-``t`` messages of ``kind`` from every live neighbour
-    (``ctx.neighbours()``) until ``deadline``; messages of non-neighbours are ignored.
+    (``ctx.neighbours()``) until ``deadline``; messages of non-neighbours are rejected
+    and counted (``not_neighbour``).
 
     Messages whose tensors do not match ``template`` (names/shapes/dtypes; names in
     ``extra_tensors`` may come in addition and are not checked here) or whose
@@ -67,6 +68,7 @@ async def collect_round(
         if msg is None:
             continue
         if msg.sender not in neighbours:
+            ctx.reject(msg, "not_neighbour: sender is not a live neighbour")
             continue
         try:
             check_compatible({k: v for k, v in msg.tensors.items() if k not in extra_tensors}, template)
