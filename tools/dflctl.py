@@ -209,7 +209,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     al = sub.add_parser("algorithms", help="list registered algorithms")
     al.set_defaults(func=cmd_algorithms)
+    _register_extensions(sub)
     return p
+
+
+def _register_extensions(sub: Any) -> None:
+    """Add the commands of every ``tools/cli_*.py`` module.
+
+    Each such module defines ``register(sub)``, which adds its sub-commands to the
+    ``dflctl`` sub-parser collection ``sub`` (an ``argparse`` ``_SubParsersAction``)
+    and sets ``func`` on each, as the built-in commands above do. Modules are loaded
+    in name order; an ``ImportError`` in one (an optional dependency missing) hides
+    only its commands.
+    """
+    import importlib
+    import pkgutil
+
+    import tools
+
+    for mod in sorted(m.name for m in pkgutil.iter_modules(tools.__path__) if m.name.startswith("cli_")):
+        try:
+            module = importlib.import_module(f"tools.{mod}")
+        except ImportError as exc:  # pragma: no cover - depends on installed extras
+            print(f"dflctl: commands of tools.{mod} unavailable: {exc}", file=sys.stderr)
+            continue
+        module.register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
