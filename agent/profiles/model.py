@@ -1,0 +1,365 @@
+"""The device profile: a typed, validated description of one device class.
+
+A profile is a TOML file in ``device_profiles/`` (documented field by field in
+``device_profiles/README.md``).  It is read once into :class:`DeviceProfile`; an
+unknown key, a wrong type or an out-of-range value raises :class:`ProfileError`
+whose message starts with the dotted key (``limits.min_battery_percent: must be in
+[0, 100]``).  A node configuration may pin a profile by name and override single
+fields (``profile_overrides``); overrides are validated exactly like the file.
+
+Only the standard library is imported here (no torch), so the inference-only
+member can read profiles too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROLES = ("trainer", "sender", "receiver", "aggregator", "inference")
+"""What a node may do: ``trainer`` trains its own model each round; ``sender`` sends
+its model for others to fuse (DFML sender, Def-KT sender); ``receiver`` holds a second
+model while fusing (Def-KT receiver: two models); ``aggregator`` leads a rotating
+round (DFML: holds every participant's model and runs K epochs of mutual learning);
+``inference`` only serves predictions with the federation's model (ONNX)."""
+
+SIZES = ("small", "medium", "large")
+DEVICES = ("cpu", "cuda", "auto")
+_COMPRESSION = re.compile(r"^(none|[a-z][a-z0-9_]*(:[0-9.e-]+)?(\+[a-z][a-z0-9_]*(:[0-9.e-]+)?)*)$")
+_WINDOW = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)-([01]\d|2[0-4]):([0-5]\d)$")
+_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+
+
+class ProfileError(ValueError):
+    """An invalid profile or override; the message starts with the offending key."""
+
+
+@dataclasses.dataclass
+class MatchSection:
+    """``[match]``: when :func:`agent.profiles.detect.detect` picks this profile.
+
+    Every criterion that is set must hold; among the matching profiles the one with
+    the most criteria (the most specific) wins, ties broken by ``priority``.
+
+    Attributes:
+        auto: take part in detection at all (false: only by pinning the name).
+        arch: CPU architectures (``platform.machine()``, lower case), any of.
+        device_tree_model: substrings of ``/proc/device-tree/model``, any of.
+        tegra: ``/etc/nv_tegra_release`` must exist (true) or must not (false).
+        tegra_release: prefixes of its first field (``R32`` = L4T 32, Jetson Nano).
+        cuda: a CUDA device visible to torch (true) or none (false).
+        min_cuda_memory_mb: total memory of the largest CUDA device, MiB.
+        min_memory_mb: system memory, MiB.
+        torch: torch importable (false: the inference-only member).
+        priority: tie-breaker (higher wins).
+    """
+
+    auto: bool = True
+    arch: Union[list[str], None] = None
+    device_tree_model: Union[list[str], None] = None
+    tegra: Union[bool, None] = None
+    tegra_release: Union[list[str], None] = None
+    cuda: Union[bool, None] = None
+    min_cuda_memory_mb: Union[int, None] = None
+    min_memory_mb: Union[int, None] = None
+    torch: Union[bool, None] = None
+    priority: int = 0
+
+
+@dataclasses.dataclass
+class ComputeSection:
+    """``[compute]``: where and how hard this device computes.
+
+    Attributes:
+        device: ``cpu``, ``cuda`` (the first CUDA device; falls back to cpu with a
+            warning when none is visible) or ``auto`` (cuda when available).
+        threads: torch intra-op threads; 0 = every CPU core.
+        memory_budget_mb: memory the agent may use for models and training (MiB);
+            decides whether the device may aggregate (see the decision table).
+        mixed_precision: train with ``torch.autocast`` (float16 on CUDA; ignored on cpu).
+    """
+
+    device: str = "cpu"
+    threads: int = 1
+    memory_budget_mb: int = 1024
+    mixed_precision: bool = False
+
+
+@dataclasses.dataclass
+class ModelSection:
+    """``[model]``: the size tier this device trains (``small``, ``medium``, ``large``).
+
+    Federations that mix architectures (DFML) use it; parameter-averaging federations
+    use the federation's common model (see the decision table)."""
+
+    size: str = "medium"
+
+
+@dataclasses.dataclass
+class BehaviourSection:
+    """``[behaviour]``: what this device may do in a federation.
+
+    Attributes:
+        algorithms: algorithms it can run, in order of preference.
+        roles: subset of :data:`ROLES`.
+        compression: update compression spec, ``none`` or ``op[:arg](+op[:arg])*``
+            (e.g. ``topk:0.01+quant:8``); stored for the compression layer.
+    """
+
+    algorithms: list[str] = dataclasses.field(default_factory=lambda: ["dfml", "dechw", "defkt", "fedavg"])
+    roles: list[str] = dataclasses.field(default_factory=lambda: ["trainer", "sender", "receiver", "aggregator"])
+    compression: str = "none"
+
+
+@dataclasses.dataclass
+class TrainingSection:
+    """``[training]``: the local training defaults and schedule.
+
+    Attributes:
+        batch_size: mini-batch size.
+        epochs: local epochs per round.
+        windows: local-time windows ``"HH:MM-HH:MM"`` in which training is allowed
+            (a window may wrap midnight, ``"22:00-06:00"``); empty = always.
+    """
+
+    batch_size: int = 32
+    epochs: int = 1
+    windows: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class LimitsSection:
+    """``[limits]``: resource gating; a node trains only while all hold.
+
+    Attributes:
+        min_battery_percent: on battery (no external power) train only at or above
+            this charge (percent); 0 = no battery limit.
+        max_temperature_c: train only while every temperature sensor reads below
+            this (°C); 0 = no limit.
+        max_load_per_core: train only while the 1-minute load average divided by the
+            CPU count is below this; 0 = no limit.
+        poll_interval_s: how often a gated node re-checks (seconds).
+    """
+
+    min_battery_percent: float = 20.0
+    max_temperature_c: float = 85.0
+    max_load_per_core: float = 0.0
+    poll_interval_s: float = 5.0
+
+
+@dataclasses.dataclass
+class DeviceProfile:
+    """One device class (a ``device_profiles/*.toml`` file).
+
+    Attributes:
+        name: profile name (``[a-z0-9-]``), the file's stem.
+        description: one line for humans.
+        aliases: further names that pin this profile (``x86-cpu`` for ``generic-x86``).
+    """
+
+    name: str
+    description: str = ""
+    aliases: list[str] = dataclasses.field(default_factory=list)
+    match: MatchSection = dataclasses.field(default_factory=MatchSection)
+    compute: ComputeSection = dataclasses.field(default_factory=ComputeSection)
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    behaviour: BehaviourSection = dataclasses.field(default_factory=BehaviourSection)
+    training: TrainingSection = dataclasses.field(default_factory=TrainingSection)
+    limits: LimitsSection = dataclasses.field(default_factory=LimitsSection)
+
+    @property
+    def inference_only(self) -> bool:
+        """True when the profile only serves predictions (roles == ["inference"])."""
+        return self.behaviour.roles == ["inference"]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly view (``dflctl profile show --json``)."""
+        return dataclasses.asdict(self)
+
+
+# -- validation -------------------------------------------------------------------------
+def _check(value: Any, typ: Any, key: str) -> Any:
+    origin = typing.get_origin(typ)
+    if origin is Union:
+        if value is None:
+            return None
+        return _check(value, [a for a in typing.get_args(typ) if a is not type(None)][0], key)
+    if dataclasses.is_dataclass(typ):
+        if not isinstance(value, Mapping):
+            raise ProfileError(f"{key}: must be a table")
+        return _build(typ, value, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ProfileError(f"{key}: must be a list, got {value!r}")
+        (item,) = typing.get_args(typ)
+        return [_check(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, typ) or (typ is not bool and isinstance(value, bool)):
+        raise ProfileError(f"{key}: expected {typ.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for k in raw:
+        if k not in names:
+            where = f"{prefix}.{k}" if prefix else k
+            raise ProfileError(f"{where}: unknown key (known: {', '.join(names)})")
+    return cls(**{k: _check(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in raw.items()})
+
+
+def validate(p: DeviceProfile) -> DeviceProfile:
+    """Check ranges and vocabularies of a built profile; returns it.
+
+    Raises:
+        ProfileError: naming the first offending key.
+    """
+
+    def need(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            raise ProfileError(f"{key}: {why}")
+
+    need(bool(_NAME.match(p.name)), "name", "must match [a-z0-9][a-z0-9-]{0,63}")
+    for i, a in enumerate(p.aliases):
+        need(bool(_NAME.match(a)), f"aliases[{i}]", "must match [a-z0-9][a-z0-9-]{0,63}")
+    c = p.compute
+    need(c.device in DEVICES, "compute.device", f"must be one of {', '.join(DEVICES)}")
+    need(0 <= c.threads <= 1024, "compute.threads", "must be in [0, 1024] (0 = every core)")
+    need(c.memory_budget_mb >= 16, "compute.memory_budget_mb", "must be >= 16")
+    need(p.model.size in SIZES, "model.size", f"must be one of {', '.join(SIZES)}")
+    b = p.behaviour
+    need(bool(b.roles), "behaviour.roles", "must list at least one role")
+    for i, r in enumerate(b.roles):
+        need(r in ROLES, f"behaviour.roles[{i}]", f"unknown role {r!r} (known: {', '.join(ROLES)})")
+    need("inference" not in b.roles or b.roles == ["inference"], "behaviour.roles",
+         "'inference' cannot be combined with training roles")
+    need(bool(b.algorithms) or b.roles == ["inference"], "behaviour.algorithms", "must list at least one algorithm")
+    need(bool(_COMPRESSION.match(b.compression)), "behaviour.compression",
+         "must be 'none' or op[:arg](+op[:arg])*, e.g. 'topk:0.01+quant:8'")
+    t = p.training
+    need(1 <= t.batch_size <= 65536, "training.batch_size", "must be in [1, 65536]")
+    need(1 <= t.epochs <= 1000, "training.epochs", "must be in [1, 1000]")
+    for i, w in enumerate(t.windows):
+        need(bool(_WINDOW.match(w)), f"training.windows[{i}]", f"must be 'HH:MM-HH:MM', got {w!r}")
+    lim = p.limits
+    need(0 <= lim.min_battery_percent <= 100, "limits.min_battery_percent", "must be in [0, 100]")
+    need(0 <= lim.max_temperature_c <= 150, "limits.max_temperature_c", "must be in [0, 150] (0 = no limit)")
+    need(lim.max_load_per_core >= 0, "limits.max_load_per_core", "must be >= 0 (0 = no limit)")
+    need(lim.poll_interval_s > 0, "limits.poll_interval_s", "must be > 0")
+    m = p.match
+    need(m.min_memory_mb is None or m.min_memory_mb >= 0, "match.min_memory_mb", "must be >= 0")
+    need(m.min_cuda_memory_mb is None or m.min_cuda_memory_mb >= 0, "match.min_cuda_memory_mb", "must be >= 0")
+    return p
+
+
+def profile_from_dict(raw: Mapping[str, Any], prefix: str = "") -> DeviceProfile:
+    """Build and validate a profile from a parsed TOML table.
+
+    Raises:
+        ProfileError: naming the offending key (prefixed with ``prefix``).
+    """
+    if "name" not in raw:
+        raise ProfileError(f"{prefix}name: required")
+    try:
+        return validate(_build(DeviceProfile, raw, ""))
+    except ProfileError as exc:
+        raise ProfileError(f"{prefix}{exc}") from None
+
+
+def with_overrides(profile: DeviceProfile, overrides: Mapping[str, Any] | None,
+                   prefix: str = "profile_overrides.") -> DeviceProfile:
+    """``profile`` with single fields replaced, e.g. ``{"limits": {"min_battery_percent": 50}}``.
+
+    Raises:
+        ProfileError: an unknown or invalid field, named as ``prefix`` + dotted key.
+    """
+    if not overrides:
+        return profile
+    merged = profile.to_dict()
+    for section, table in overrides.items():
+        if section in ("name", "match") or section not in merged:
+            known = [k for k in merged if k not in ("name", "match")]
+            raise ProfileError(f"{prefix}{section}: cannot be overridden (known: {', '.join(known)})")
+        if isinstance(merged[section], dict):
+            if not isinstance(table, Mapping):
+                raise ProfileError(f"{prefix}{section}: must be a table")
+            merged[section] = {**merged[section], **table}
+        else:
+            merged[section] = table
+    try:
+        return validate(_build(DeviceProfile, merged, ""))
+    except ProfileError as exc:
+        raise ProfileError(f"{prefix}{exc}") from None
+
+
+# -- files ------------------------------------------------------------------------------
+def profiles_dir() -> Path:
+    """Where profile files live: ``$DFL_PROFILES_DIR``, else the repository's
+    ``device_profiles/`` next to the ``agent`` package, else ``/etc/dfl-agent/profiles``."""
+    env = os.environ.get("DFL_PROFILES_DIR")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve().parents[2] / "device_profiles"
+    return here if here.is_dir() else Path("/etc/dfl-agent/profiles")
+
+
+def load_profile_file(path: str | os.PathLike[str]) -> DeviceProfile:
+    """Read one profile file.
+
+    Raises:
+        ProfileError: unreadable, TOML syntax error, invalid field, or a ``name`` that
+            differs from the file's stem.
+    """
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ProfileError(f"cannot read profile {p}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{p}: TOML syntax error: {exc}") from None
+    prof = profile_from_dict(raw, prefix=f"{p.name}: ")
+    if prof.name != p.stem:
+        raise ProfileError(f"{p.name}: name: {prof.name!r} must equal the file name {p.stem!r}")
+    return prof
+
+
+def list_profiles(directory: str | os.PathLike[str] | None = None) -> list[DeviceProfile]:
+    """Every profile in ``directory`` (default :func:`profiles_dir`), sorted by name.
+
+    Raises:
+        ProfileError: an invalid file, or a name/alias used twice.
+    """
+    d = Path(directory) if directory is not None else profiles_dir()
+    out = [load_profile_file(f) for f in sorted(d.glob("*.toml"))]
+    seen: dict[str, str] = {}
+    for prof in out:
+        for n in [prof.name, *prof.aliases]:
+            if n in seen:
+                raise ProfileError(f"{prof.name}.toml: name {n!r} is also used by {seen[n]}")
+            seen[n] = prof.name
+    return out
+
+
+def get_profile(name: str, directory: str | os.PathLike[str] | None = None) -> DeviceProfile:
+    """The profile called ``name`` (or with ``name`` among its aliases).
+
+    Raises:
+        ProfileError: no such profile (the message lists the known ones).
+    """
+    profiles = list_profiles(directory)
+    for prof in profiles:
+        if name == prof.name or name in prof.aliases:
+            return prof
+    raise ProfileError(f"unknown device profile {name!r}; known: {', '.join(p.name for p in profiles)}")
