@@ -1,0 +1,5 @@
+import sys
+
+from agent.inference.cli import main
+
+sys.exit(main())

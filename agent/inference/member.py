@@ -1,0 +1,155 @@
+"""The inference-only member: a federation peer that never trains (no torch).
+
+It connects to its MQTT broker like any node (presence with the descriptor
+``{"profile": "inference-only", "algorithm": "inference"}``, retained status, last
+will), optionally advertises itself over mDNS, and waits for ``onnx.model`` messages
+that training peers send it (:class:`agent.inference.publisher.OnnxPublisher`): the
+sender's deployable model exported to ONNX whenever its accuracy improved.  Each
+accepted model is written atomically to ``state_dir/model.onnx``; when a window file
+is configured, the member predicts on it and writes ``state_dir/predictions.json``.
+Training peers exclude it from their rounds (it advertises algorithm ``inference``).
+
+Message ``kind="onnx.model"``: tensors ``{"onnx": uint8 (nbytes,)}``; meta
+``{"version": int, "source": node id, "round": int, "accuracy": float|None,
+"spec_hash": str}``.  A model that onnxruntime cannot load, or that is older (lower
+round) than the one held, is rejected and counted; the member keeps the old one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agent import WIRE_VERSION, __version__
+from agent.algorithms.context import Message
+from agent.discovery.peers import PeerTable
+from agent.inference.runtime import InferenceError, OnnxModel, load_windows, predictions_document
+from agent.runtime.context import RuntimeContext
+
+log = logging.getLogger(__name__)
+
+ONNX_KIND = "onnx.model"
+DESCRIPTOR = {"profile": "inference-only", "algorithm": "inference", "model_hash": ""}
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class InferenceMember:
+    """One inference-only node.
+
+    Args:
+        node_id, federation: wire ids.
+        transport: a started-or-not :class:`~agent.transport.base.Transport`
+            (e.g. ``MqttTransport`` with :data:`DESCRIPTOR`), or None to build an
+            MQTT one for ``broker``.
+        peers: its peer table (built when None).
+        state_dir: where ``model.onnx`` and ``predictions.json`` go.
+        windows: a ``.npz``/``.csv`` window file to predict on after each new model.
+        threads: onnxruntime threads.
+    """
+
+    def __init__(self, node_id: str, federation: str, *, state_dir: str | os.PathLike[str],
+                 transport: Any = None, peers: PeerTable | None = None, broker: str = "127.0.0.1:1883",
+                 windows: str | None = None, threads: int = 1, max_frame_bytes: int = 64 * 1024 * 1024,
+                 heartbeat_interval: float = 5.0, protocol: str = "5"):
+        self.node_id, self.federation = node_id, federation
+        self.state_dir = Path(state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.peers = peers or PeerTable(node_id, federation, heartbeat_timeout=30.0)
+        self.descriptor = {**DESCRIPTOR, "broker": broker, "version": f"{__version__}/w{WIRE_VERSION}"}
+        if transport is None:
+            from agent.transport.mqtt import MqttTransport
+
+            transport = MqttTransport(node_id, federation, broker=broker, peers=self.peers, descriptor=self.descriptor,
+                                      protocol=protocol, max_frame_bytes=max_frame_bytes,
+                                      heartbeat_interval=heartbeat_interval,
+                                      on_heartbeat=lambda peer, status: self.peers.touch(peer))
+        self.ctx = RuntimeContext(node_id=node_id, federation=federation, transport=transport, peers=self.peers,
+                                  data=None, model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0),
+                                  max_frame_bytes=max_frame_bytes)
+        self.windows = windows
+        self.threads = threads
+        self.model: OnnxModel | None = None
+        self.model_meta: dict[str, Any] = {}
+        self.predictions: dict[str, Any] | None = None
+        self.state = "waiting_for_model"
+        self.started = time.time()
+
+    async def start(self) -> None:
+        await self.ctx.start()
+        await self.publish_status()
+
+    async def stop(self) -> None:
+        self.state = "stopped"
+        await self.publish_status()
+        await self.ctx.stop()
+
+    def status(self) -> dict[str, Any]:
+        """The retained status document (``dflctl status``)."""
+        c = self.ctx.counters()
+        p = self.predictions or {}
+        return {
+            "node_id": self.node_id, "state": self.state, "algorithm": "inference", "role": "inference",
+            "profile": "inference-only", "round": self.model_meta.get("round", 0),
+            "model_version": self.model_meta.get("version"), "model_source": self.model_meta.get("source"),
+            "model_accuracy": self.model_meta.get("accuracy"), "predictions": p.get("n"),
+            "prediction_accuracy": p.get("accuracy"), "global_accuracy": None, "gated": None,
+            "bytes_sent": c["bytes_sent"], "bytes_received": c["bytes_received"], "errors": c["dropped"],
+            "live_peers": self.peers.live_peers(), "time": time.time(),
+        }
+
+    async def publish_status(self) -> None:
+        try:
+            await self.ctx.transport.publish_status(self.status())
+        except Exception as exc:  # noqa: BLE001 - status is best effort
+            log.warning("could not publish status: %s", exc)
+
+    def accept(self, msg: Message) -> bool:
+        """Validate and load one ``onnx.model`` message; returns whether it was taken."""
+        blob = msg.tensors.get("onnx")
+        if blob is None or blob.dtype != np.uint8 or blob.ndim != 1 or set(msg.tensors) != {"onnx"}:
+            self.ctx.reject(msg, "bad_model: want one uint8 tensor 'onnx'")
+            return False
+        rnd = msg.meta.get("round", 0)
+        if not isinstance(rnd, int) or rnd < self.model_meta.get("round", -1):
+            self.ctx.reject(msg, f"stale_model: round {rnd!r} older than the one held")
+            return False
+        try:
+            model = OnnxModel(blob.tobytes(), self.threads)
+        except InferenceError as exc:
+            self.ctx.reject(msg, f"bad_model: {exc}")
+            return False
+        self.model = model
+        self.model_meta = {"round": rnd, "version": msg.meta.get("version"), "source": msg.sender,
+                           "accuracy": msg.meta.get("accuracy"), "spec_hash": msg.meta.get("spec_hash", "")}
+        _atomic_write(self.state_dir / "model.onnx", blob.tobytes())
+        log.info("model v%s of round %s from %s (%d bytes)", self.model_meta["version"], rnd, msg.sender, blob.size)
+        self.state = "serving"
+        if self.windows:
+            try:
+                x, y = load_windows(self.windows, model.input_shape)
+                self.predictions = predictions_document(model, x, y, {"model": self.model_meta})
+                _atomic_write(self.state_dir / "predictions.json", json.dumps(self.predictions).encode())
+            except InferenceError as exc:
+                log.error("cannot predict: %s", exc)
+                self.predictions = {"error": str(exc)}
+        return True
+
+    async def run(self, stop: asyncio.Event, poll: float = 1.0) -> None:
+        """Receive models until ``stop`` is set."""
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            msg = await self.ctx.receive(ONNX_KIND, deadline=loop.time() + poll)
+            if msg is not None and self.accept(msg):
+                await self.publish_status()

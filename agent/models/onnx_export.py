@@ -1,0 +1,113 @@
+"""Export a deployable model to ONNX (for the inference-only member) and check it.
+
+``torch.onnx.export`` with the dynamo exporter (torch >= 2.9 default; needs
+``onnxscript``), one self-contained file (``external_data=False``), input ``x`` of
+shape ``(batch, *input_shape)`` with a dynamic batch axis, output ``logits`` of shape
+``(batch, num_classes)``.  The model's spec and the exporter's metadata travel in the
+ONNX ``metadata_props`` (``dfl.spec``, ``dfl.input_shape``, plus caller extras).
+
+Needs the ``onnx`` extra (onnx, onnxruntime, onnxscript).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+INPUT_NAME = "x"
+OUTPUT_NAME = "logits"
+
+
+class OnnxExportError(ValueError):
+    """The model could not be exported, or the export disagrees with torch."""
+
+
+def export_onnx(
+    model: nn.Module,
+    input_shape: Sequence[int],
+    *,
+    spec: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    path: str | os.PathLike[str] | None = None,
+) -> bytes:
+    """Export ``model`` (a copy, on cpu, eval mode) to ONNX bytes.
+
+    Args:
+        model: maps float32 ``(B, *input_shape)`` to logits ``(B, K)``.
+        input_shape: one sample's shape, e.g. ``(3, 128)`` for HAR windows.
+        spec: the model spec (stored as ``dfl.spec``).
+        metadata: further string-able metadata (``dfl.<key>``).
+        path: also write the bytes there (atomically: temp file + rename).
+
+    Raises:
+        OnnxExportError: the exporter failed (the message says why; ``onnxscript``
+            missing is the usual cause).
+    """
+    try:
+        import onnx
+    except ImportError as exc:
+        raise OnnxExportError(f"ONNX export needs the 'onnx' extra (pip install 'dfl-agent[onnx]'): {exc}") from None
+    m = copy.deepcopy(model).to("cpu").eval()
+    example = torch.zeros((2, *[int(s) for s in input_shape]), dtype=torch.float32)
+    batch = torch.export.Dim("batch", min=1, max=1 << 20)
+    quiet = io.StringIO()
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(quiet), torch.no_grad():
+            program = torch.onnx.export(
+                m, (example,), dynamo=True, external_data=False, input_names=[INPUT_NAME],
+                output_names=[OUTPUT_NAME], dynamic_shapes=({0: batch},), verbose=False,
+            )
+    except Exception as exc:  # noqa: BLE001 - the exporter raises many kinds
+        raise OnnxExportError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}") from None
+    if program is None:  # pragma: no cover - only the TorchScript exporter returns None
+        raise OnnxExportError("torch.onnx.export returned no program (dynamo exporter unavailable?)")
+    proto = program.model_proto
+    props = {"dfl.input_shape": json.dumps([int(s) for s in input_shape])}
+    if spec is not None:
+        props["dfl.spec"] = json.dumps(dict(spec), sort_keys=True)
+    for k, v in (metadata or {}).items():
+        props[f"dfl.{k}"] = v if isinstance(v, str) else json.dumps(v)
+    onnx.helper.set_model_props(proto, props)
+    data = proto.SerializeToString()
+    if path is not None:
+        p = Path(path)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, p)
+    return data
+
+
+def max_abs_difference(onnx_bytes: bytes, model: nn.Module, x: np.ndarray) -> float:
+    """max |onnxruntime(x) - model(x)| over the logits, for float32 ``x`` of ``(B, *shape)``."""
+    from agent.inference.runtime import OnnxModel
+
+    got = OnnxModel(onnx_bytes).predict_logits(x)
+    m = copy.deepcopy(model).to("cpu").eval()
+    with torch.no_grad():
+        want = m(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy()
+    return float(np.abs(got - want).max()) if len(x) else 0.0
+
+
+def export_checked(model: nn.Module, input_shape: Sequence[int], x: np.ndarray, *, atol: float = 1e-4,
+                   **kwargs: Any) -> bytes:
+    """:func:`export_onnx`, then check onnxruntime against torch on ``x``.
+
+    Raises:
+        OnnxExportError: export failed or the largest logit difference exceeds ``atol``.
+    """
+    data = export_onnx(model, input_shape, **kwargs)
+    diff = max_abs_difference(data, model, x)
+    if not diff <= atol:
+        raise OnnxExportError(f"ONNX and torch logits differ by {diff:.3g} > {atol:g}")
+    return data
