@@ -158,8 +158,14 @@ class RotatingAggregator(Algorithm):
     def _now(self) -> float:
         return self.ctx.clock.now()
 
+    def _may_aggregate(self, node: str) -> bool:
+        """Device profiles: a node without the aggregator role never leads (default: all may)."""
+        check = getattr(self.ctx, "may_aggregate", None)
+        return True if check is None else bool(check(node))
+
     def _lowest_live(self) -> str:
-        return min([self.ctx.node_id, *self.ctx.live_peers()])
+        nodes = [self.ctx.node_id, *self.ctx.live_peers()]
+        return min([n for n in nodes if self._may_aggregate(n)] or nodes)
 
     async def run(self, rounds: int, start_round: int = 1) -> None:
         self.rounds = rounds
@@ -282,7 +288,8 @@ class RotatingAggregator(Algorithm):
         live = ctx.live_peers()
         k = min(len(live), max(1, math.ceil(self.options.sender_ratio * len(live)))) if live else 0
         senders = sorted(ctx.rng.choice(live, size=k, replace=False).tolist()) if k else []
-        nxt = str(ctx.rng.choice(live)) if live else ctx.node_id
+        leaders = [p for p in live if self._may_aggregate(p)]
+        nxt = str(ctx.rng.choice(leaders)) if leaders else ctx.node_id
         for s in senders:
             await ctx.send(s, Message(self.K_INVITE, t))
         await self.local_update(t)

@@ -195,6 +195,7 @@ class DFML(RotatingAggregator):
             mutual_learning, models, phis, d.train_x, d.train_y, alpha=alpha, epochs=o.mutual_epochs,
             batch_size=tc.batch_size, lr=tc.lr, rng=ctx.rng, momentum=tc.momentum, weight_decay=o.weight_decay,
             beta=None if o.supervision == "ce" else self.beta, temperature=o.temperature, device=ctx.device,
+            mixed_precision=getattr(tc, "mixed_precision", False),
         )
         if stats["diverged"]:
             # every model was restored; participants keep their models, no peak update

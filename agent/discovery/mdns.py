@@ -19,6 +19,8 @@ What is advertised
     alg      algorithm name
     ver      agent version
     wire     wire format version (``"1"``)
+    roles    roles this node may take (device profile), comma-separated
+    comp     compression spec of its updates (device profile)
     ======== ==========================================================
 
     Each ``key=value`` string must fit a DNS character-string (255 bytes), and the
@@ -75,7 +77,7 @@ from agent.transport.wire import valid_id
 log = logging.getLogger(__name__)
 
 DEFAULT_SERVICE_TYPE = "_dfl._tcp.local."
-DESCRIPTOR_KEYS = ("broker", "profile", "model_hash", "algorithm", "version")
+DESCRIPTOR_KEYS = ("broker", "profile", "model_hash", "algorithm", "version", "roles", "compression")
 # descriptor key -> TXT key
 _TXT_KEYS = {
     "broker": "broker",
@@ -83,6 +85,8 @@ _TXT_KEYS = {
     "model_hash": "model",
     "algorithm": "alg",
     "version": "ver",
+    "roles": "roles",  # device profile behaviour (agent.profiles): comma-separated roles
+    "compression": "comp",  # and the compression spec
 }
 _SEPARATOR = "--"
 RESOLVE_TIMEOUT_S = 3.0
@@ -466,6 +470,8 @@ class MdnsDiscovery:
             "algorithm": txt.get("alg", ""),
             "model_hash": txt.get("model", ""),
             "version": txt.get("ver", ""),
+            "roles": txt.get("roles", ""),
+            "compression": txt.get("comp", ""),
             "address": address,
         }
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from agent.learning.losses import cross_entropy, kl_divergence, weighted_softmax_ce
-from agent.learning.training import batches, restore_if_diverged, snapshot
+from agent.learning.training import autocast_for, batches, restore_if_diverged, snapshot
 
 
 def kl_weights(phis: Sequence[int]) -> np.ndarray:
@@ -55,6 +55,7 @@ def mutual_learning(
     beta: np.ndarray | None = None,
     temperature: float = 1.0,
     device: str | torch.device = "cpu",
+    mixed_precision: bool = False,
 ) -> dict[str, float]:
     """Run ``epochs`` (K) epochs of weighted mutual learning, updating every model in place.
 
@@ -67,6 +68,7 @@ def mutual_learning(
         beta: class proportions ``(C,)`` of the aggregator's data for WSM (Eq. 2);
             ``None`` = plain cross-entropy.
         rng: draws the batch order.
+        mixed_precision: float16 autocast + gradient scaling on CUDA (off on cpu).
 
     Returns:
         ``{"loss": mean total loss per batch, "batches": count, "diverged": 0.0 | 1.0}``.
@@ -91,11 +93,14 @@ def mutual_learning(
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
     total, count = 0.0, 0
+    amp, kind, dtype = autocast_for(device, mixed_precision)
+    scaler = torch.amp.GradScaler(kind) if amp else None
     for _ in range(epochs):
         for idx in batches(len(x), batch_size, rng):
             bi = torch.from_numpy(idx)
             xb, yb = xt[bi].to(device), yt[bi].to(device)
-            logits = [m(xb) for m in models]  # all logits before any update
+            with torch.autocast(device_type=kind, dtype=dtype, enabled=amp):
+                logits = [m(xb).float() for m in models]  # all logits before any update
             loss = torch.zeros((), device=device)
             for n, zn in enumerate(logits):
                 sup = cross_entropy(zn, yb) if beta_t is None else weighted_softmax_ce(zn, yb, beta_t)
@@ -107,9 +112,15 @@ def mutual_learning(
                 loss = loss + (1 - alpha) * sup + alpha * dist
             for o in opts:
                 o.zero_grad(set_to_none=True)
-            loss.backward()
-            for o in opts:
-                o.step()
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                for o in opts:
+                    scaler.step(o)
+                scaler.update()
+            else:
+                loss.backward()
+                for o in opts:
+                    o.step()
             total += float(loss.detach())
             count += 1
     diverged = any([restore_if_diverged(m, b) for m, b in zip(models, before)])

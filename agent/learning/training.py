@@ -24,6 +24,8 @@ class TrainConfig:
         lr: SGD learning rate.
         momentum: SGD momentum (a fresh optimizer each call: no state travels).
         weight_decay: L2 penalty coefficient.
+        mixed_precision: on a CUDA device, run forward passes under ``torch.autocast``
+            (float16) with a gradient scaler; ignored on cpu (see :func:`autocast_for`).
     """
 
     epochs: int = 1
@@ -31,6 +33,7 @@ class TrainConfig:
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
+    mixed_precision: bool = False
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size"):
@@ -42,6 +45,15 @@ class TrainConfig:
             raise ValueError(f"training.momentum must be in [0, 1), got {self.momentum!r}")
         if self.weight_decay < 0:
             raise ValueError(f"training.weight_decay must be >= 0, got {self.weight_decay!r}")
+
+
+def autocast_for(device: str | torch.device, enabled: bool) -> tuple[bool, str, torch.dtype]:
+    """``(use autocast, device type, dtype)`` for mixed precision on ``device``.
+
+    Mixed precision runs on CUDA only (float16 autocast + ``torch.amp.GradScaler``); on
+    cpu it is off, so a profile that asks for it trains in float32 there."""
+    kind = torch.device(device).type
+    return (bool(enabled) and kind == "cuda", kind, torch.float16)
 
 
 def batches(n: int, batch_size: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -88,16 +100,24 @@ def train_local(
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
     total, count = 0.0, 0
+    amp, kind, dtype = autocast_for(device, getattr(cfg, "mixed_precision", False))
+    scaler = torch.amp.GradScaler(kind) if amp else None
     for _ in range(cfg.epochs):
         for idx in batches(len(x), cfg.batch_size, rng):
             bi = torch.from_numpy(idx)
             xb, yb = xt[bi].to(device), yt[bi].to(device)
             opt.zero_grad(set_to_none=True)
-            loss = (loss_fn or F.cross_entropy)(model(xb), yb)
+            with torch.autocast(device_type=kind, dtype=dtype, enabled=amp):
+                loss = (loss_fn or F.cross_entropy)(model(xb).float(), yb)
             if regularizer is not None:
                 loss = loss + regularizer(model)
-            loss.backward()
-            opt.step()
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
             total += float(loss.detach())
             count += 1
     diverged = restore_if_diverged(model, before)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 import types
 import typing
@@ -37,15 +38,18 @@ class AlgorithmSection:
 
 @dataclasses.dataclass
 class TrainingSection:
-    """``[training]``: local SGD and compute placement."""
+    """``[training]``: local SGD and compute placement.
+
+    ``batch_size``, ``device`` and ``threads`` left unset (None) come from the device
+    profile (``agent.profiles``); set here they override it."""
 
     epochs: int = 1
-    batch_size: int = 32
+    batch_size: Union[int, None] = None
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
-    device: str = "cpu"
-    threads: int = 1
+    device: Union[str, None] = None
+    threads: Union[int, None] = None
 
 
 @dataclasses.dataclass
@@ -64,9 +68,10 @@ class DataSection:
 
 @dataclasses.dataclass
 class ModelSection:
-    """``[model]``: a size tier of the dataset's default model, or an explicit spec."""
+    """``[model]``: a size tier of the dataset's default model, or an explicit spec
+    (``size`` unset: from the device profile and the decision table)."""
 
-    size: str = "medium"
+    size: Union[str, None] = None
     spec: Union[dict[str, Any], None] = None
 
 
@@ -115,6 +120,7 @@ class NodeConfig:
     state_dir: str = "/var/lib/dfl-agent"
     seed: int = 0
     profile: str = "generic-x86"
+    profile_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     algorithm: AlgorithmSection = dataclasses.field(default_factory=AlgorithmSection)
     training: TrainingSection = dataclasses.field(default_factory=TrainingSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
@@ -179,18 +185,21 @@ def _validate(cfg: NodeConfig) -> None:
     need(cfg.algorithm.rounds >= 1, "algorithm.rounds", "must be >= 1")
     t = cfg.training
     need(t.epochs >= 1, "training.epochs", "must be >= 1")
-    need(t.batch_size >= 1, "training.batch_size", "must be >= 1")
+    need(t.batch_size is None or t.batch_size >= 1, "training.batch_size", "must be >= 1")
     need(t.lr > 0, "training.lr", "must be > 0")
     need(0 <= t.momentum < 1, "training.momentum", "must be in [0, 1)")
     need(t.weight_decay >= 0, "training.weight_decay", "must be >= 0")
-    need(t.threads >= 1, "training.threads", "must be >= 1")
-    need(t.device == "cpu" or t.device.startswith("cuda"), "training.device", "must be 'cpu' or 'cuda[:N]'")
+    need(t.threads is None or t.threads >= 1, "training.threads", "must be >= 1")
+    need(t.device is None or t.device in ("cpu", "auto") or re.fullmatch(r"cuda(:\d+)?", t.device) is not None,
+         "training.device", "must be 'cpu', 'auto' or 'cuda[:N]'")
     d = cfg.data
     need(d.num_nodes >= 1, "data.num_nodes", "must be >= 1")
     need(0 <= d.node_index < d.num_nodes, "data.node_index", f"must be in [0, data.num_nodes={d.num_nodes})")
     need(d.beta > 0, "data.beta", "must be > 0")
     need(d.zeta >= 1, "data.zeta", "must be >= 1")
-    need(cfg.model.size in ("small", "medium", "large"), "model.size", "must be small, medium or large")
+    need(cfg.model.size is None or cfg.model.size in ("small", "medium", "large"), "model.size",
+         "must be small, medium or large")
+    _validate_profile(cfg)
     m = cfg.mqtt
     need(m.protocol in ("5", "3.1.1"), "mqtt.protocol", "must be '5' or '3.1.1'")
     need(m.chunk_size >= 1024, "mqtt.chunk_size", "must be >= 1024")
@@ -209,6 +218,20 @@ def _validate(cfg: NodeConfig) -> None:
     need(cfg.runtime.init in ("common", "independent"), "runtime.init", "must be 'common' or 'independent'")
     need(cfg.runtime.log_level.lower() in ("debug", "info", "warning", "error"), "runtime.log_level",
          "must be debug, info, warning or error")
+
+
+def _validate_profile(cfg: NodeConfig) -> None:
+    """``profile`` names a known profile (or ``auto``); ``profile_overrides`` are valid fields."""
+    from agent.profiles import AUTO, DeviceProfile, ProfileError, get_profile, with_overrides
+
+    try:
+        base = DeviceProfile(name="override-check") if cfg.profile == AUTO else get_profile(cfg.profile)
+    except ProfileError as exc:
+        raise ConfigError(f"profile: {exc}") from None
+    try:
+        with_overrides(base, cfg.profile_overrides)
+    except ProfileError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def config_from_dict(raw: Mapping[str, Any]) -> NodeConfig:

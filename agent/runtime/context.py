@@ -102,6 +102,16 @@ class RuntimeContext:
         self._seen_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._waiters: set[asyncio.Future[bool]] = set()
         self._started = False
+        # -- device profile (agent.profiles): behaviour, compatibility, resource gating --
+        self.behaviour: Any = None  # agent.profiles.Behaviour, when the daemon applied a profile
+        self.compression = "none"  # the profile's compression spec, for the compression layer
+        self.compatibility: Callable[[Any], str | None] | None = None  # peer info -> reason to exclude
+        self.excluded: dict[str, str] = {}  # peer -> why it is excluded (incompatible)
+        self.peer_gated: dict[str, str] = {}  # peer -> its gating reason (from its status)
+        self.gate: Callable[[], str | None] | None = None  # None = may train, else the reason
+        self.gate_poll = 5.0  # seconds between gate checks while gated
+        self.gated: str | None = None  # this node's current gating reason
+        self.gate_hook: Callable[[str | None], Awaitable[None]] | None = None  # on change
 
     # -- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -139,6 +149,9 @@ class RuntimeContext:
             return
         if msg.sender == self.node_id:
             return  # our own broadcast echoed back
+        if msg.sender in self.excluded and msg.kind != "onnx.model":
+            self._drop("incompatible_peer", self.excluded[msg.sender], msg.sender)
+            return
         if msg.msg_id in self._seen_ids:
             self.rejected["duplicate"] += 1
             return
@@ -214,16 +227,79 @@ class RuntimeContext:
                     handle.cancel()
 
     def live_peers(self) -> list[str]:
-        return self.peers.live_peers()
+        """Live peers that take part: incompatible peers (``compatibility``) and peers
+        that report themselves gated are left out."""
+        return [p for p in self.peers.live_peers() if self._participates(p)]
+
+    def _participates(self, peer: str) -> bool:
+        if self.peer_gated.get(peer):
+            return False
+        if self.compatibility is None:
+            return True
+        if peer in self.excluded:
+            return False
+        info = self.peers.get(peer)
+        reason = self.compatibility(info) if info is not None else None
+        if reason is None:
+            return True
+        self.excluded[peer] = reason
+        if not reason.startswith("inference-only"):
+            self.rejected["incompatible_peer"] += 1
+            log.warning("excluding peer %s: %s", peer, reason)
+        return False
+
+    def note_status(self, peer: str, status: Any) -> None:
+        """A peer's status document arrived (heartbeat): remember whether it is gated."""
+        if isinstance(status, dict):
+            gated = status.get("gated")
+            if isinstance(gated, str) and gated:
+                self.peer_gated[peer] = gated
+            else:
+                self.peer_gated.pop(peer, None)
+
+    def may_aggregate(self, peer: str) -> bool:
+        """Whether ``peer`` (or this node) may lead a rotating round: its advertised
+        roles include ``aggregator`` (no roles advertised = yes)."""
+        if peer == self.node_id:
+            return self.behaviour is None or "aggregator" in self.behaviour.roles
+        info = self.peers.get(peer)
+        roles = str(info.extra.get("roles", "")) if info is not None else ""
+        return not roles or "aggregator" in roles.split(",")
+
+    async def wait_until_allowed(self) -> None:
+        """Return when resource gating allows training; meanwhile report the reason.
+
+        Checks ``gate`` now and then every ``gate_poll`` seconds; each change of the
+        reason is logged and passed to ``gate_hook`` (the node republishes its status)."""
+        if self.gate is None:
+            return
+        while True:
+            reason = self.gate()
+            if reason != self.gated:
+                self.gated = reason
+                if reason:
+                    log.warning("%s: training paused: %s", self.node_id, reason)
+                else:
+                    log.info("%s: training resumed", self.node_id)
+                if self.gate_hook is not None:
+                    await self.gate_hook(reason)
+            if reason is None:
+                return
+            await self.clock.sleep(self.gate_poll)
 
     def neighbours(self) -> list[str]:
-        live = self.peers.live_peers()
+        live = self.live_peers()
         if self.graph_neighbours is None:
             return live
         allowed = set(self.graph_neighbours)
         return [p for p in live if p in allowed]
 
     async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        await self.wait_until_allowed()  # resource gating: no training while gated
+        return await self.compute_ungated(fn, *args, **kwargs)
+
+    async def compute_ungated(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """:meth:`compute` without resource gating (evaluation, ONNX export)."""
         if self.compute_in_thread:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(None, functools.partial(fn, *args, **kwargs))

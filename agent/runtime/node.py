@@ -70,6 +70,10 @@ class Node:
         self._wall_started = time.time()
         ctx.round_hook = self._on_round
         self.state = "starting"
+        # device profiles: a gated node republishes its status with the reason at once;
+        # after_round hooks get (round, metrics record), e.g. the ONNX publisher
+        ctx.gate_hook = self._on_gate
+        self.after_round: list[Callable[[int, dict[str, Any]], Any]] = []
 
     async def setup(self) -> None:
         await self.algorithm.setup()
@@ -108,7 +112,7 @@ class Node:
         now = self.ctx.clock.now()
         round_seconds = now - self._round_started
         due = t == 1 or t % self.eval_every == 0 or t >= self.rounds
-        scores = await self.ctx.compute(self._evaluate) if due else {}
+        scores = await self.ctx.compute_ungated(self._evaluate) if due else {}
         counters = self.ctx.counters()
         record = {
             "node": self.ctx.node_id,
@@ -131,6 +135,11 @@ class Node:
             )
         if self.sink is not None:
             self.sink(record)
+        for hook in self.after_round:
+            try:
+                await hook(t, record)
+            except Exception as exc:  # a hook never stops the round loop
+                log.error("after-round hook failed: %s", exc)
         await self.publish_status()
         self._round_started = self.ctx.clock.now()
 
@@ -157,7 +166,23 @@ class Node:
             "errors": counters["dropped"],
             **{k: v for k, v in last.items() if k.endswith("_global_accuracy")},  # e.g. DFML's regular model
             **self.algorithm.status(),
+            **self._profile_status(),
         }
+
+    def _profile_status(self) -> dict[str, Any]:
+        """Device-profile fields of the status: gating reason, behaviour, excluded peers."""
+        ctx, out = self.ctx, {}
+        out["gated"] = ctx.gated
+        if ctx.gated and self.state == "running":
+            out["state"] = "gated"
+        out["excluded_peers"] = {p: r for p, r in ctx.excluded.items() if not r.startswith("inference-only")}
+        if ctx.behaviour is not None:
+            b = ctx.behaviour
+            out.update(profile=b.profile, roles=b.roles, device=b.device, compression=b.compression)
+        return out
+
+    async def _on_gate(self, reason: str | None) -> None:
+        await self.publish_status()
 
     async def publish_status(self) -> None:
         try:
