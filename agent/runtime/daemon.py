@@ -57,8 +57,9 @@ class StartupError(RuntimeError):
 class Agent:
     """One running daemon: wires config, data, transport, discovery and the algorithm."""
 
-    def __init__(self, cfg: NodeConfig):
+    def __init__(self, cfg: NodeConfig, psutil_mod: Any = None):
         self.cfg = cfg
+        self.psutil = psutil_mod  # None = the real psutil (tests pass a stand-in for battery etc.)
         self.state_dir = Path(cfg.state_dir)
         self.node_id = ""
         self.node: Any = None
@@ -80,27 +81,31 @@ class Agent:
         from agent.transport.mqtt import MqttTransport
 
         cfg = self.cfg
-        torch.set_num_threads(cfg.training.threads)
         d = cfg.data
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
             self.node_id = nid = node_id_from_state(self.state_dir, cfg.node_id)
             algo_cls = get_algorithm(cfg.algorithm.name)
             options = parse_options(algo_cls, cfg.algorithm.options)
+            profile, behaviour = apply_profile(cfg, algo_cls.name)  # device profile + decision table
+            torch.set_num_threads(behaviour.threads)
             bundle = load_dataset(d.dataset, path=d.path, cache_dir=d.cache_dir)
             data = node_data_for(bundle, d.num_nodes, d.node_index, d.partition, seed=cfg.seed, beta=d.beta,
                                  zeta=d.zeta)
             spec = validate_spec(cfg.model.spec) if cfg.model.spec else default_spec(
-                bundle.pool.input_shape, bundle.pool.num_classes, cfg.model.size
+                bundle.pool.input_shape, bundle.pool.num_classes, behaviour.model_size or "medium"
             )
             if spec["num_classes"] != bundle.pool.num_classes:
                 raise ValueError(f"model.spec has {spec['num_classes']} classes, the data {bundle.pool.num_classes}")
-        except (ValueError, KeyError, OSError, ImportError) as exc:
+            behaviour = apply_profile(cfg, algo_cls.name, spec=spec)[1]  # aggregator memory check
+        except (ValueError, KeyError, OSError, ImportError, LookupError) as exc:
             raise StartupError(str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)) from None
+        for line in behaviour.reasons:
+            log.info("profile %s: %s", profile.name, line)
         fed = cfg.federation
         t = cfg.training
-        train = TrainConfig(epochs=t.epochs, batch_size=t.batch_size, lr=t.lr, momentum=t.momentum,
-                            weight_decay=t.weight_decay)
+        train = TrainConfig(epochs=t.epochs, batch_size=behaviour.batch_size, lr=t.lr, momentum=t.momentum,
+                            weight_decay=t.weight_decay, mixed_precision=behaviour.mixed_precision)
         log.info("node %s of federation %s: %s, %d train / %d val samples (users %s), model %s",
                  nid, fed, algo_cls.name, data.num_train, len(data.val_y), data.groups, spec["type"])
 
@@ -109,20 +114,27 @@ class Agent:
         descriptor = {
             "broker": cfg.mqtt.broker, "profile": cfg.profile, "model_hash": spec_hash(spec),
             "algorithm": algo_cls.name, "version": f"{__version__}/w{WIRE_VERSION}",
+            "roles": ",".join(behaviour.roles), "compression": behaviour.compression,
         }
         transport = MqttTransport(
             nid, fed, broker=cfg.mqtt.broker, peers=peers, descriptor=descriptor, protocol=cfg.mqtt.protocol,
             chunk_size=cfg.mqtt.chunk_size, max_frame_bytes=cfg.mqtt.max_frame_bytes,
             keepalive=cfg.mqtt.keepalive, heartbeat_interval=cfg.mqtt.heartbeat_interval,
             username=cfg.mqtt.username, password=cfg.mqtt.password,
-            on_heartbeat=lambda peer, status: peers.touch(peer),
+            on_heartbeat=lambda peer, status: (peers.touch(peer), self.ctx and self.ctx.note_status(peer, status)),
         )
         self.ctx = ctx = RuntimeContext(
             node_id=nid, federation=fed, transport=transport, peers=peers, data=data, model_spec=spec,
             train=train, init_seed=init_seed_for(cfg.seed, d.node_index, cfg.runtime.init),
-            rng=np.random.default_rng([cfg.seed, d.node_index]), device=t.device, compute_in_thread=True,
+            rng=np.random.default_rng([cfg.seed, d.node_index]), device=behaviour.device, compute_in_thread=True,
             max_frame_bytes=cfg.mqtt.max_frame_bytes, graph_neighbours=cfg.algorithm.neighbours, seed=cfg.seed,
         )
+        from agent.profiles import ResourceGate, peer_incompatibility
+
+        ctx.behaviour, ctx.compression = behaviour, behaviour.compression
+        ctx.compatibility = peer_incompatibility(algo_cls.name, spec_hash(spec))
+        ctx.gate = ResourceGate(profile.limits, profile.training.windows, psutil_mod=self.psutil)
+        ctx.gate_poll = profile.limits.poll_interval_s
         metrics_path = Path(cfg.runtime.metrics_file or self.state_dir / "metrics.jsonl")
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
         metrics_file = open(metrics_path, "a", encoding="utf-8")
@@ -133,6 +145,10 @@ class Agent:
 
         self.node = node = Node(ctx, algo_cls(ctx, options), bundle.test.x, bundle.test.y,
                                 baseline_local=cfg.runtime.baseline_local, sink=sink, rounds=cfg.algorithm.rounds)
+        if _onnx_available():  # send the deployable model to inference-only members
+            from agent.inference.publisher import OnnxPublisher
+
+            node.after_round.append(OnnxPublisher(ctx, node.algorithm, bundle.pool.input_shape, spec))
         try:
             try:
                 await ctx.start()
@@ -186,6 +202,41 @@ class Agent:
                         self.cfg.discovery.start_timeout)
         log.info("peers: %s", ", ".join(live) or "none")
         return not stop.is_set()
+
+
+def apply_profile(cfg: NodeConfig, algorithm: str, spec: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """The node's device profile (pinned or detected, with ``profile_overrides``) and
+    its behaviour from the decision table (``agent.profiles.behaviour``).
+
+    Raises:
+        ValueError: unknown profile, invalid override, the profile cannot run the
+            algorithm, or an inference-only profile (it runs ``dfl-infer``, not the agent).
+        LookupError: ``profile = "auto"`` and no profile matches this machine.
+    """
+    from agent.profiles import resolve_profile, select_behaviour
+
+    profile, detection = resolve_profile(cfg.profile, cfg.profile_overrides)
+    if detection is not None:
+        log.info("detected device profile %s", profile.name)
+    if profile.inference_only:
+        raise ValueError(f"profile {profile.name!r} is inference-only: run 'dfl-infer run', not the training agent")
+    params = None
+    if spec is not None:
+        from agent.models import build_model, count_trainable
+
+        params = count_trainable(build_model(spec))
+    t = cfg.training
+    return profile, select_behaviour(
+        profile, algorithm, config_model_size=cfg.model.size, config_model_spec=bool(cfg.model.spec),
+        config_threads=t.threads, config_batch_size=t.batch_size, config_device=t.device,
+        model_params=params, participants=max(2, cfg.discovery.min_peers + 1),
+    )
+
+
+def _onnx_available() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime", "onnxscript"))
 
 
 def _setup_logging(level: str) -> None:

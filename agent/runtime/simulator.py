@@ -21,10 +21,11 @@ from agent.algorithms.topology import build_topology
 from agent.data import load_dataset, make_node_data, partition
 from agent.discovery.peers import PeerTable
 from agent.learning.training import TrainConfig
-from agent.models import default_spec, validate_spec
+from agent.models import default_spec, spec_hash, validate_spec
 from agent.models.families import family_specs
 from agent.runtime import metrics
 from agent.runtime.context import RuntimeContext
+from agent.profiles import peer_incompatibility
 from agent.runtime.node import Node, init_seed_for
 from agent.transport.memory import MemoryNetwork, run_virtual
 
@@ -57,6 +58,12 @@ class SimConfig:
             spread evenly over the nodes (overrides ``model_specs``).
         topology: communication graph name (see ``agent.algorithms.topology``) and its
             ``topology_options``; ``full`` = everyone is a neighbour.
+        profiles: device profile names, one per node (cycled): each node's model size
+            tier (for algorithms that mix architectures, unless ``model_family`` /
+            ``model_specs`` / ``model_spec`` is given), roles (a node without the
+            aggregator role never leads a rotating round) and compression come from the
+            decision table (``agent.profiles.behaviour``); every node still computes on
+            this machine's cpu with ``train``.
     """
 
     algorithm: str = "fedavg"
@@ -84,6 +91,7 @@ class SimConfig:
     eval_every: int = 1
     topology: str = "full"
     topology_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    profiles: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -120,6 +128,10 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         specs = [validate_spec(cfg.model_specs[i % len(cfg.model_specs)]) for i in range(cfg.nodes)]
     else:
         specs = [spec] * cfg.nodes
+    behaviours = _profile_behaviours(cfg)
+    if behaviours and not (cfg.model_family or cfg.model_specs or cfg.model_spec):
+        specs = [default_spec(bundle.pool.input_shape, bundle.pool.num_classes, b.model_size or cfg.model_size)
+                 for b in behaviours]
     ids = [node_name(i) for i in range(cfg.nodes)]
     graph = build_topology(cfg.topology, ids, cfg.seed, **cfg.topology_options)
     network = MemoryNetwork(latency=cfg.latency)
@@ -129,13 +141,19 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
     for i in range(cfg.nodes):
         nid = node_name(i)
         data = make_node_data(bundle, parts[i], seed=cfg.seed)  # same split as the daemon (node_data_for)
-        transport = network.transport(nid, federation, {"algorithm": cfg.algorithm})
+        descriptor = {"algorithm": cfg.algorithm, "model_hash": spec_hash(specs[i])}
+        if behaviours:
+            descriptor.update(profile=behaviours[i].profile, roles=",".join(behaviours[i].roles))
+        transport = network.transport(nid, federation, descriptor)
         ctx = RuntimeContext(
             node_id=nid, federation=federation, transport=transport, peers=PeerTable(nid, federation),
             data=data, model_spec=specs[i], train=cfg.train, init_seed=init_seed_for(cfg.seed, i, cfg.init),
             rng=np.random.default_rng([cfg.seed, i]),
             graph_neighbours=None if cfg.topology == "full" else graph[nid], seed=cfg.seed,
         )
+        ctx.compatibility = peer_incompatibility(cfg.algorithm, spec_hash(specs[i]))
+        if behaviours:
+            ctx.behaviour, ctx.compression = behaviours[i], behaviours[i].compression
         nodes.append(
             Node(ctx, algo_cls(ctx, options), bundle.test.x, bundle.test.y,
                  baseline_local=cfg.baseline_local, sink=records.append, rounds=cfg.rounds,
@@ -187,6 +205,8 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             "model_specs": {nid: s for nid, s in zip(ids, specs)}, "topology": cfg.topology,
             "dropped": {n.ctx.node_id: n.ctx.counters()["dropped"] for n in nodes},
             "curve": metrics.mean_curve(histories),
+            "excluded": {n.ctx.node_id: dict(n.ctx.excluded) for n in nodes if n.ctx.excluded},
+            "profiles": {nid: b.profile for nid, b in zip(ids, behaviours)} if behaviours else None,
             "config": _jsonable(dataclasses.asdict(cfg)),
         },
     )
@@ -197,6 +217,26 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         metrics.atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=float) + "\n")
         metrics.plot_accuracy(histories, out / "accuracy.png", title=f"{cfg.algorithm} on {cfg.dataset}, {cfg.nodes} nodes")
     return summary
+
+
+def _profile_behaviours(cfg: SimConfig) -> list[Any] | None:
+    """Each node's behaviour from ``cfg.profiles`` (cycled), or None without profiles.
+
+    Raises:
+        ValueError: unknown profile, or a profile that cannot run the algorithm.
+    """
+    if not cfg.profiles:
+        return None
+    from agent.profiles import get_profile, select_behaviour
+
+    out = []
+    for i in range(cfg.nodes):
+        prof = get_profile(cfg.profiles[i % len(cfg.profiles)])
+        if prof.inference_only:
+            raise ValueError(f"profile {prof.name!r} is inference-only: it cannot be a simulated training node")
+        out.append(select_behaviour(prof, cfg.algorithm, config_device="cpu", config_threads=cfg.threads,
+                                    config_batch_size=cfg.train.batch_size))
+    return out
 
 
 class _Killed(Exception):
