@@ -48,6 +48,7 @@ class DemoOptions:
     kill: str | None = None  # "INDEX@ROUND"
     live: bool | None = None  # None = when stdout is a terminal
     protocol: str = "5"
+    profiles: str | None = None  # comma-separated device profiles, one per agent (cycled)
 
 
 def _node_ids(opts: DemoOptions) -> list[str]:
@@ -74,7 +75,20 @@ def _algorithm_options(opts: DemoOptions) -> dict[str, Any]:
     return {}
 
 
+def _profiles(opts: DemoOptions) -> list[str]:
+    """``--profiles a,b,c`` (validated), or none."""
+    names = [p.strip() for p in (opts.profiles or "").split(",") if p.strip()]
+    if names:
+        from agent.profiles import get_profile
+
+        for n in names:
+            get_profile(n)  # ProfileError (a ValueError) names an unknown one
+    return names
+
+
 def _model_specs(opts: DemoOptions) -> list[dict[str, Any]] | None:
+    if opts.profiles and not opts.models:
+        return None  # each agent's model comes from its profile (decision table)
     family = opts.models or ("H2" if opts.algorithm in ROTATING else None)
     if family is None:
         return None
@@ -89,7 +103,8 @@ def _config(opts: DemoOptions, fed: str, nid: str, index: int, broker: str, out:
             specs: list[dict[str, Any]] | None = None) -> NodeConfig:
     node_dir = out / "nodes" / nid
     return NodeConfig(
-        federation=fed, node_id=nid, state_dir=str(node_dir), seed=opts.seed, profile="generic-x86",
+        federation=fed, node_id=nid, state_dir=str(node_dir), seed=opts.seed,
+        profile=(_profiles(opts) or ["generic-x86"])[index % len(_profiles(opts) or ["generic-x86"])],
         algorithm=AlgorithmSection(name=opts.algorithm, rounds=opts.rounds, options=_algorithm_options(opts)),
         model=ModelSection(spec=specs[index % len(specs)] if specs else None),
         training=TrainingSection(epochs=opts.epochs, threads=1),
@@ -147,6 +162,7 @@ def run_demo(opts: DemoOptions) -> int:
         if not 0 <= kill_index < opts.nodes:
             raise ValueError(f"--kill index must be in [0, {opts.nodes})")
     ids = _node_ids(opts)
+    profiles = _profiles(opts)
     specs = _model_specs(opts)
     fed = "demo-" + secrets.token_hex(3)
     live = sys.stdout.isatty() if opts.live is None else opts.live
@@ -154,6 +170,8 @@ def run_demo(opts: DemoOptions) -> int:
     with start_broker(opts.broker) as broker:
         console.print(f"broker: {broker.kind} on {broker.endpoint}; federation {fed}; {opts.algorithm}; "
                       f"report folder {out}")
+        if profiles:
+            console.print("profiles: " + ", ".join(f"{nid}={profiles[i % len(profiles)]}" for i, nid in enumerate(ids)))
         if specs:
             console.print("models: " + ", ".join(
                 f"{nid}={s.get('channels') or s.get('widths') or s.get('hidden')}" for nid, s in
@@ -234,6 +252,7 @@ def run_demo(opts: DemoOptions) -> int:
             "max_round_seconds": max((r["round_seconds"] for r in records), default=0.0),
             "round_timeout": opts.round_timeout,
             "model_specs": {nid: specs[i % len(specs)] for i, nid in enumerate(ids)} if specs else None,
+            "profiles": {nid: profiles[i % len(profiles)] for i, nid in enumerate(ids)} if profiles else None,
         },
     )
     metrics.atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=float) + "\n")

@@ -60,6 +60,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         topology_options=_kv(a.topology_option),
         model_family=a.models if a.models in FAMILIES else None, eval_every=a.eval_every,
         model_specs=None if a.models in FAMILIES else _model_specs(a.models),
+        profiles=[p for p in (a.profiles or "").split(",") if p] or None,
     )
     s = simulate(cfg)
     g, lo = s["global_accuracy"], s["local_accuracy"]
@@ -81,6 +82,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return run_demo(DemoOptions(
         nodes=a.nodes, rounds=a.rounds, algorithm=a.algorithm, models=a.models, out=a.out, broker=a.broker, seed=a.seed,
         epochs=a.epochs, round_timeout=a.round_timeout, kill=a.kill, live=a.live, protocol=a.protocol,
+        profiles=a.profiles,
     ))
 
 
@@ -102,6 +104,10 @@ def _observe(a: argparse.Namespace):
 
 def cmd_peers(a: argparse.Namespace) -> int:
     statuses, presence = _observe(a)
+    excluded_by: dict[str, list[str]] = {}  # device profiles: who excludes whom, and why
+    for nid, st in statuses.items():
+        for peer, why in (st.get("excluded_peers") or {}).items():
+            excluded_by.setdefault(peer, []).append(f"excluded by {nid}: {why}")
     rows = []
     for nid in sorted(set(presence) | set(statuses)):
         p, s = presence.get(nid, {}), statuses.get(nid, {})
@@ -111,6 +117,8 @@ def cmd_peers(a: argparse.Namespace) -> int:
             "profile": d.get("profile", ""), "algorithm": d.get("algorithm", ""), "model": d.get("model_hash", ""),
             "version": d.get("version", ""), "round": s.get("round"),
             "last_seen_s": round(time.time() - float(s.get("time", p.get("time", 0)) or 0), 1),
+            "gated": s.get("gated"), "excluded_by": excluded_by.get(nid, []),
+            "note": "; ".join(([f"gated: {s['gated']}"] if s.get("gated") else []) + excluded_by.get(nid, [])),
         })
     if a.json:
         print(json.dumps(rows, indent=2))
@@ -119,10 +127,11 @@ def cmd_peers(a: argparse.Namespace) -> int:
     from rich.table import Table
 
     t = Table(title="peers")
-    for col in ("node_id", "state", "broker", "profile", "algorithm", "model", "round", "last_seen_s"):
+    cols = ("node_id", "state", "broker", "profile", "algorithm", "model", "round", "last_seen_s", "note")
+    for col in cols:
         t.add_column(col)
     for r in rows:
-        t.add_row(*(str(r[c]) for c in ("node_id", "state", "broker", "profile", "algorithm", "model", "round", "last_seen_s")))
+        t.add_row(*(str(r[c]) for c in cols))
     Console().print(t)
     return 0
 
@@ -175,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="H0, H1 or H2 (DFML's architecture modes, spread over nodes), or per-node model specs: "
                         "a JSON list (cycled over nodes) or a file holding one")
     s.add_argument("--out", default=None, help="report folder (summary.json, metrics.jsonl, accuracy.png)")
+    s.add_argument("--profiles", default=None, metavar="A,B,C",
+                   help="device profiles per node (cycled): model size, roles, compression (dflctl profile list)")
     s.set_defaults(func=cmd_simulate)
 
     d = sub.add_parser("demo", help="real agent processes + MQTT broker + mDNS on 127.0.0.1, HAR data")
@@ -192,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--kill", default=None, metavar="INDEX@ROUND", help="SIGKILL agent INDEX after its round ROUND")
     d.add_argument("--live", dest="live", action="store_true", default=None, help="live table (default on a terminal)")
     d.add_argument("--no-live", dest="live", action="store_false")
+    d.add_argument("--profiles", default=None, metavar="A,B,C",
+                   help="device profile per agent (cycled), e.g. raspberry-pi-4,jetson-orin-nano,x86-cpu")
     d.set_defaults(func=cmd_demo)
 
     for name, fn, helptext in (("peers", cmd_peers, "list nodes from retained presence"),
