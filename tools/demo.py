@@ -105,6 +105,8 @@ def _config(opts: DemoOptions, fed: str, nid: str, index: int, broker: str, out:
     return NodeConfig(
         federation=fed, node_id=nid, state_dir=str(node_dir), seed=opts.seed,
         profile=(_profiles(opts) or ["generic-x86"])[index % len(_profiles(opts) or ["generic-x86"])],
+        # every agent shares this one machine: its load and the clock would gate them all
+        profile_overrides={"limits": {"max_load_per_core": 0}, "training": {"windows": []}},
         algorithm=AlgorithmSection(name=opts.algorithm, rounds=opts.rounds, options=_algorithm_options(opts)),
         model=ModelSection(spec=specs[index % len(specs)] if specs else None),
         training=TrainingSection(epochs=opts.epochs, threads=1),

@@ -275,8 +275,10 @@ class RuntimeContext:
             return
         while True:
             reason = self.gate()
-            if reason != self.gated:
-                self.gated = reason
+            kind = (reason or "").split(" ", 1)[0]  # battery / temperature / load / outside
+            changed = kind != (self.gated or "").split(" ", 1)[0]
+            self.gated = reason
+            if changed:  # log and republish when the cause changes, not every reading
                 if reason:
                     log.warning("%s: training paused: %s", self.node_id, reason)
                 else:
