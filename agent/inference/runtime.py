@@ -147,6 +147,7 @@ def predictions_document(model: OnnxModel, x: np.ndarray, y: np.ndarray | None, 
     doc: dict[str, Any] = {
         "n": int(len(x)), "labels": out["label"].tolist(),
         "probabilities": np.round(out["probability"], 6).tolist(),
+        "logits": out["logits"].astype(float).tolist(),
         **(extra or {}),
     }
     if y is not None and len(y) == len(x) and len(x):
