@@ -1,0 +1,162 @@
+"""Device profiles on real daemons over mosquitto: a battery below its threshold stops
+training within one round while the node stays visible in ``dflctl peers`` with the
+reason; a DecHW peer with another architecture is reported and excluded; the
+torch-free inference member receives the model as ONNX and matches torch within 1e-4."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from agent.runtime.config import (
+    AlgorithmSection, DataSection, DiscoverySection, ModelSection, MqttSection, NodeConfig, RuntimeSection,
+    TrainingSection,
+)
+from agent.runtime.daemon import Agent
+from tests.unit.test_profiles import FakePsutil
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def node_cfg(tmp_path, fed, broker, nid, index, ids, algorithm, rounds, **kw):
+    return NodeConfig(
+        federation=fed, node_id=nid, state_dir=str(tmp_path / nid), seed=0, profile=kw.get("profile", "generic-x86"),
+        profile_overrides=kw.get("overrides", {}),
+        algorithm=AlgorithmSection(name=algorithm, rounds=rounds, options={"round_timeout": 8.0}),
+        training=TrainingSection(threads=1, batch_size=64),
+        model=ModelSection(size=kw.get("size", "small")),
+        data=DataSection(dataset="digits", partition="iid", num_nodes=len(ids), node_index=index),
+        mqtt=MqttSection(broker=broker, heartbeat_interval=0.5),
+        discovery=DiscoverySection(mdns=False, static_peers=[p for p in ids if p != nid], min_peers=len(ids) - 1,
+                                   start_timeout=20.0, heartbeat_timeout=30.0),
+        runtime=RuntimeSection(log_level="warning"),
+    )
+
+
+def peers_json(broker, fed):
+    r = subprocess.run([sys.executable, "-m", "tools.dflctl", "peers", "--broker", broker, "--federation", fed,
+                        "--json", "--timeout", "3"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return {row["node_id"]: row for row in json.loads(r.stdout)}
+
+
+def test_battery_gating_on_daemons(mosquitto_broker, federation, tmp_path):
+    broker = mosquitto_broker.endpoint
+    ids = ["a", "b"]
+    battery = FakePsutil(battery=(90, False))
+    agents = [Agent(node_cfg(tmp_path, federation, broker, n, i, ids, "fedavg", 8), psutil_mod=battery if n == "b"
+                    else FakePsutil()) for i, n in enumerate(ids)]
+    seen = {}
+
+    async def main():
+        stop = asyncio.Event()
+        runs = [asyncio.ensure_future(a.run(stop)) for a in agents]
+        b = agents[1]
+        while b.node is None or len(b.node.history) < 2:
+            await asyncio.sleep(0.1)
+        battery.battery = (10, False)  # unplugged and drained, at the end of b's round 2
+        drained_at = len(b.node.history)
+        while b.ctx.gated is None:
+            await asyncio.sleep(0.1)
+        a_round = len(agents[0].node.history)
+        while len(agents[0].node.history) < a_round + 2:  # a trains on without b
+            await asyncio.sleep(0.1)
+        seen["b_rounds"], seen["drained_at"] = len(b.node.history), drained_at
+        seen["a_live"] = agents[0].ctx.live_peers()
+        seen["peers"] = await asyncio.to_thread(peers_json, broker, federation)
+        stop.set()
+        await asyncio.gather(*runs)
+
+    asyncio.run(main())
+    assert seen["b_rounds"] <= seen["drained_at"] + 1  # training stopped within one round
+    b = seen["peers"]["b"]
+    assert b["state"] == "online" and b["gated"].startswith("battery 10% < 20%")
+    assert "gated: battery" in b["note"]
+    assert seen["a_live"] == []  # a leaves the gated peer out of its rounds
+
+
+def test_dechw_excludes_peer_with_other_architecture(mosquitto_broker, federation, tmp_path):
+    broker = mosquitto_broker.endpoint
+    ids = ["a", "b", "c"]
+    cfgs = [node_cfg(tmp_path, federation, broker, n, i, ids, "dechw", 3, size="large" if n == "c" else "small")
+            for i, n in enumerate(ids)]
+    agents = [Agent(c, psutil_mod=FakePsutil()) for c in cfgs]
+
+    async def main():
+        stop = asyncio.Event()
+        await asyncio.gather(*(a.run(stop) for a in agents))
+        return await asyncio.to_thread(peers_json, broker, federation)
+
+    peers = asyncio.run(main())
+    a, c = agents[0], agents[2]
+    assert "c" in a.ctx.excluded and "dechw averages parameters" in a.ctx.excluded["c"]
+    assert a.ctx.counters()["dropped"].get("incompatible_peer", 0) >= 1
+    assert set(c.ctx.excluded) == {"a", "b"}
+    assert all(r["neighbours"] == 1 for r in a.node.history)  # only b: c excluded, no time-outs on it
+    assert len(a.node.history) == 3 and len(c.node.history) == 3  # nobody crashed
+    assert any("excluded by a" in n for n in peers["c"]["excluded_by"])
+
+
+def test_inference_member_without_torch_gets_onnx_model(mosquitto_broker, federation, tmp_path):
+    pytest.importorskip("onnxscript")
+    import torch
+
+    from agent.discovery.peers import PeerTable
+    from agent.inference.publisher import OnnxPublisher
+    from agent.models import build_model
+    from agent.runtime.context import RuntimeContext
+    from agent.transport.mqtt import MqttTransport
+
+    broker = mosquitto_broker.endpoint
+    spec = {"type": "cnn1d", "in_channels": 3, "length": 32, "channels": [4, 8], "kernel": 5, "num_classes": 4}
+    torch.manual_seed(3)
+    model = build_model(spec).eval()
+    x = np.random.default_rng(2).normal(size=(20, 3, 32)).astype(np.float32)
+    np.savez(tmp_path / "windows.npz", x=x)
+    with torch.no_grad():
+        want = model(torch.from_numpy(x)).numpy()
+    code = ("import sys; sys.modules['torch'] = None; from agent.inference.cli import main; "
+            f"sys.exit(main(['run', '--broker', {broker!r}, '--federation', {federation!r}, '--node-id', 'inf', "
+            f"'--state-dir', {str(tmp_path / 'inf')!r}, '--windows', {str(tmp_path / 'windows.npz')!r}, "
+            "'--log-level', 'warning']))")
+    member = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+
+    class Holder:
+        def deployable_model(self):
+            return model
+
+    async def main():
+        peers = PeerTable("t", federation)
+        tr = MqttTransport("t", federation, broker=broker, peers=peers, descriptor={"algorithm": "fedavg"})
+        ctx = RuntimeContext(node_id="t", federation=federation, transport=tr, peers=peers, data=None,
+                             model_spec=spec, train=None, init_seed=0, rng=np.random.default_rng(0))
+        await ctx.start()
+        try:
+            deadline = time.monotonic() + 60
+            while "inf" not in peers.live_peers() and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            pub = OnnxPublisher(ctx, Holder(), (3, 32), spec)
+            assert pub.members() == ["inf"]
+            await pub(1, {"local_accuracy": 0.5})
+            out = tmp_path / "inf" / "predictions.json"
+            while not out.exists() and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            return json.loads(out.read_text())
+        finally:
+            await ctx.stop()
+
+    try:
+        doc = asyncio.run(main())
+    finally:
+        member.terminate()
+        _, err = member.communicate(timeout=20)
+    assert member.returncode == 0, err
+    assert np.abs(np.asarray(doc["logits"]) - want).max() <= 1e-4
+    assert doc["model"]["source"] == "t" and doc["model"]["version"] == 1
+    assert (tmp_path / "inf" / "model.onnx").exists()
