@@ -196,6 +196,13 @@ class Agent:
             if stop.is_set():
                 return False
             await asyncio.sleep(0.2)
+        # device profiles: give live peers a moment (<= 3 s) to announce their descriptor
+        # (presence), so incompatible ones are excluded before round 1, not after a timeout
+        settle = min(deadline, loop.time() + 3.0)
+        while loop.time() < settle and not stop.is_set() and any(
+            not getattr(self.ctx.peers.get(p), "algorithm", "") for p in self.ctx.peers.live_peers()
+        ):
+            await asyncio.sleep(0.1)
         live = self.ctx.live_peers()
         if len(live) < want:
             log.warning("only %d of %d peers after %.0fs; starting anyway", len(live), want,

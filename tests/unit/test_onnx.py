@@ -72,10 +72,9 @@ def test_windows_from_csv_and_npz_and_errors(exported, tmp_path):
         OnnxModel(b"not onnx")
 
 
-def test_export_of_every_model_type():
-    for spec, shape in (({"type": "mlp", "input_shape": [1, 8, 8], "hidden": [16], "num_classes": 10}, (1, 8, 8)),
-                        ({"type": "cnn", "in_channels": 1, "image_size": 8, "widths": [4], "kernel": 5,
-                          "num_classes": 10}, (1, 8, 8))):
+def test_export_of_the_image_cnn():
+    for spec, shape in (({"type": "cnn", "in_channels": 1, "image_size": 8, "widths": [4], "kernel": 5,
+                          "num_classes": 10}, (1, 8, 8)),):
         torch.manual_seed(1)
         m = build_model(spec)
         x = np.random.default_rng(1).normal(size=(5, *shape)).astype(np.float32)
