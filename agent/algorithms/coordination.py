@@ -248,7 +248,8 @@ class RotatingAggregator(Algorithm):
 
     async def _participate(self, invite: Message) -> None:
         t, agg = invite.round, invite.sender
-        if t <= self.completed or t <= self.applied or t in self._participated:
+        gate = getattr(self.ctx, "gate", None)  # device profiles: a gated node declines at once
+        if t <= self.completed or t <= self.applied or t in self._participated or (gate is not None and gate()):
             await self.ctx.send(agg, Message(self.K_DECLINE, t))
             return
         self._participated.add(t)
