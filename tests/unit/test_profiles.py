@@ -355,3 +355,22 @@ def test_cli_profile_detect_json(capsys):
     assert main(["profile", "show", "jetson-orin-nano", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["compute"]["device"] == "cuda"
     assert main(["profile", "list"]) == 0
+
+
+def test_sensor_gateway_sends_but_never_aggregates(tmp_path):
+    """DFML with two sensor gateways and one x86 node: every round is led by the x86
+    node (round 1 would otherwise go to the lowest id, node00, a gateway)."""
+    import json
+
+    from agent.learning.training import TrainConfig
+    from agent.runtime.simulator import SimConfig, simulate
+
+    s = simulate(SimConfig(algorithm="dfml", nodes=3, rounds=2, dataset="digits", partition="iid",
+                           profiles=["sensor-gateway", "x86-cpu"], options={"mutual_epochs": 1},
+                           train=TrainConfig(batch_size=64), eval_every=10, out=str(tmp_path)))
+    assert s["profiles"] == {"node00": "sensor-gateway", "node01": "generic-x86", "node02": "sensor-gateway"}
+    assert s["rounds_completed"] == 2
+    sizes = {n: spec["hidden"] for n, spec in s["model_specs"].items()}
+    assert sizes["node00"] != sizes["node01"]  # small (gateway) vs medium (x86)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {r["aggregator"] for r in records} == {"node01"}
