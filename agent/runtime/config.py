@@ -82,6 +82,7 @@ class MqttSection:
     heartbeat_interval: float = 5.0
     username: Union[str, None] = None
     password: Union[str, None] = None
+    bridged: bool = False  # operations: site brokers joined by bridging; talk to the home broker only
 
 
 @dataclasses.dataclass

@@ -111,6 +111,8 @@ class Agent:
         log.info("node %s of federation %s: %s, %d train / %d val samples (users %s), model %s",
                  nid, fed, algo_cls.name, data.num_train, len(data.val_y), data.groups, spec["type"])
 
+        if cfg.mqtt.bridged:  # operations: multi-site, brokers joined by bridging
+            from agent.discovery.bridged import HomeRoutedPeerTable as PeerTable  # noqa: N814
         self.peers = peers = PeerTable(nid, fed, heartbeat_timeout=cfg.discovery.heartbeat_timeout)
         load_static_peers(peers, cfg.discovery.static_peers, fed)
         descriptor = {
