@@ -121,3 +121,29 @@ def test_peer_and_status_rows_tolerate_missing_fields():
     st = {r["node_id"]: r for r in status_rows(statuses, now=now)}
     assert st["a"]["sync_state"] == {"alpha_n": 0.5} and st["a"]["errors"] == 2 and st["a"]["accuracy"] == 0.8
     assert st["d"]["round"] is None
+
+
+def test_watch_json_and_status_views(mosquitto_broker, federation, capsys):
+    import paho.mqtt.client as mqtt
+
+    pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"fake-{federation}")
+    pub.connect(mosquitto_broker.host, mosquitto_broker.port)
+    pub.loop_start()
+    base = f"dfl/{federation}/node/n1"
+    pub.publish(f"{base}/presence", json.dumps({"state": "online", "node_id": "n1", "time": 1e9,
+                                                "descriptor": {"broker": "h:1", "algorithm": "dfml"}}),
+                qos=1, retain=True).wait_for_publish(5)
+    pub.publish(f"{base}/status", json.dumps({"round": 4, "role": "sender", "alpha_n": 0.3, "state": "running"}),
+                qos=1, retain=True).wait_for_publish(5)
+    pub.loop_stop()
+    pub.disconnect()
+    args = ["--broker", mosquitto_broker.endpoint, "--federation", federation]
+    assert dflctl(["watch", "--json", "--count", "2", "--interval", "0.1", *args]) == 0
+    docs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(docs) == 2 and docs[0]["peers"][0]["node_id"] == "n1"
+    assert docs[0]["status"][0]["sync_state"] == {"alpha_n": 0.3}
+    assert dflctl(["status", "--json", *args, "n1"]) == 0
+    assert json.loads(capsys.readouterr().out)["n1"]["round"] == 4
+    assert dflctl(["status", *args]) == 0  # the table
+    assert "n1" in capsys.readouterr().out
+    assert dflctl(["watch", "--count", "1", "--interval", "0", *args]) == 0  # the live view, once
