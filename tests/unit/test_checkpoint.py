@@ -105,7 +105,7 @@ def _federation(name, n, bundle, spec, tmp_path):
     nodes = []
     for i in range(n):
         nid = f"n{i}"
-        data = node_data_for(bundle, n, i, "iid", seed=0)
+        data = node_data_for(bundle, 8, i, "iid", seed=0)  # 1/8 of the data each: fast
         ctx = RuntimeContext(node_id=nid, federation="f", transport=net.transport(nid, "f", {}),
                              peers=PeerTable(nid, "f"), data=data, model_spec=spec, train=train, init_seed=7,
                              rng=np.random.default_rng([0, i]), seed=0)
@@ -113,11 +113,17 @@ def _federation(name, n, bundle, spec, tmp_path):
     return nodes
 
 
-@pytest.mark.parametrize("name", sorted(OPTIONS))
+def _all_algorithms():
+    from agent.algorithms.base import available
+
+    return available()
+
+
+@pytest.mark.parametrize("name", _all_algorithms())  # every registered algorithm, new ones included
 def test_algorithm_state_restores_bit_identical(tmp_path, name):
     bundle = load_dataset("digits")
     spec = default_spec(bundle.pool.input_shape, bundle.pool.num_classes, "small")
-    nodes = _federation(name, 3, bundle, spec, tmp_path)
+    nodes = _federation(name, 2, bundle, spec, tmp_path)
     saved = {}
 
     def attach(node):
@@ -149,7 +155,7 @@ def test_algorithm_state_restores_bit_identical(tmp_path, name):
     before_rng = node.ctx.rng.bit_generator.state
 
     # a fresh process: same config, new objects, restore from disk
-    fresh = _federation(name, 3, bundle, spec, tmp_path)[0]
+    fresh = _federation(name, 2, bundle, spec, tmp_path)[0]
     run_virtual(fresh.setup())
     restorer = NodeCheckpointer(CheckpointStore(tmp_path / "n0"), fresh.algorithm, fresh.ctx, spec_hash(spec))
     assert restorer.restore() == 2
@@ -161,7 +167,7 @@ def test_algorithm_state_restores_bit_identical(tmp_path, name):
     assert restorer.restored_digest == state_digest(before_t, before_m)
     assert fresh.ctx.rng.bit_generator.state == before_rng
     assert np.array_equal(fresh.ctx.persistent_state["ef/n1/w"], np.full(3, 0.5, np.float32))
-    assert {p.node_id for p in fresh.ctx.peers.all()} >= {"n1", "n2"}  # the directory came back
+    assert {p.node_id for p in fresh.ctx.peers.all()} >= {"n1"}  # the directory came back
     assert fresh.ctx.peers.live_peers() == []  # ... but liveness comes from discovery
 
 
