@@ -159,11 +159,16 @@ def cmd_install_service(a: argparse.Namespace) -> int:
         return 0
     for path, (content, mode) in plan.files.items():
         p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.tmp")
-        tmp.write_text(content, encoding="utf-8")
-        os.chmod(tmp, mode)
-        os.replace(tmp, p)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = p.with_name(f".{p.name}.tmp")
+            tmp.write_text(content, encoding="utf-8")
+            os.chmod(tmp, mode)
+            os.replace(tmp, p)
+        except OSError as exc:
+            print(f"dflctl: cannot write {p}: {exc.strerror} (run as root, or stage with --root DIR)",
+                  file=sys.stderr)
+            return 1
     for cmd in plan.commands:
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
