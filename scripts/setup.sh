@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 EXTRAS="har,broker,digits"
-[[ "${1:-}" == "--test" ]] && EXTRAS="$EXTRAS,test,onnx"
+[[ "${1:-}" == "--test" ]] && EXTRAS="$EXTRAS,test,onnx,metrics"
 PY="${PYTHON:-python3}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 

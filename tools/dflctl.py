@@ -102,37 +102,107 @@ def _observe(a: argparse.Namespace):
     return statuses, presence
 
 
-def cmd_peers(a: argparse.Namespace) -> int:
-    statuses, presence = _observe(a)
+# -- peers / status (operations, issue 10): every field optional, missing ones shown empty --
+
+PEER_COLUMNS = ("node_id", "state", "address", "profile", "algorithm", "model", "round", "last_seen_s",
+                "compatibility")
+STATUS_COLUMNS = ("node_id", "state", "round", "role", "sync_state", "last_sync_s", "accuracy", "bytes_sent",
+                  "bytes_received", "errors")
+
+
+def _age(t: Any, now: float) -> float | None:
+    return round(now - float(t), 1) if isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0 else None
+
+
+def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | None = None,
+              stale_after: float = 30.0) -> list[dict[str, Any]]:
+    """One row per node seen in retained presence or status.
+
+    ``state``: ``online``/``offline`` from presence (the last will sets offline), or
+    ``stale`` when online but no status heartbeat for ``stale_after`` s.  ``address``
+    is the advertised address or else the node's broker.  ``compatibility`` is shown
+    when the node's descriptor or status carries it."""
+    now = time.time() if now is None else now
     excluded_by: dict[str, list[str]] = {}  # device profiles: who excludes whom, and why
     for nid, st in statuses.items():
-        for peer, why in (st.get("excluded_peers") or {}).items():
+        for peer, why in ((st or {}).get("excluded_peers") or {}).items():
             excluded_by.setdefault(peer, []).append(f"excluded by {nid}: {why}")
     rows = []
     for nid in sorted(set(presence) | set(statuses)):
-        p, s = presence.get(nid, {}), statuses.get(nid, {})
+        p, s = presence.get(nid, {}) or {}, statuses.get(nid, {}) or {}
         d = p.get("descriptor", {}) or {}
+        seen = max([x for x in (s.get("time"), p.get("time")) if isinstance(x, (int, float))], default=0)
+        state = p.get("state", "unknown")
+        last = _age(seen, now)
+        if state == "online" and last is not None and last > stale_after:
+            state = "stale"
+        compat = d.get("compatibility", s.get("compatibility", ""))
+        compat = compat if isinstance(compat, str) else json.dumps(compat, sort_keys=True)
+        note = "; ".join(([f"gated: {s['gated']}"] if s.get("gated") else []) + excluded_by.get(nid, []))
         rows.append({
-            "node_id": nid, "state": p.get("state", "unknown"), "broker": d.get("broker", ""),
-            "profile": d.get("profile", ""), "algorithm": d.get("algorithm", ""), "model": d.get("model_hash", ""),
-            "version": d.get("version", ""), "round": s.get("round"),
-            "last_seen_s": round(time.time() - float(s.get("time", p.get("time", 0)) or 0), 1),
-            "gated": s.get("gated"), "excluded_by": excluded_by.get(nid, []),
-            "note": "; ".join(([f"gated: {s['gated']}"] if s.get("gated") else []) + excluded_by.get(nid, [])),
+            "node_id": nid, "state": state, "address": d.get("address") or d.get("broker", ""),
+            "broker": d.get("broker", ""), "profile": d.get("profile", "") or s.get("profile", ""),
+            "algorithm": d.get("algorithm", "") or s.get("algorithm", ""), "model": d.get("model_hash", ""),
+            "version": d.get("version", ""), "round": s.get("round"), "last_seen_s": last,
+            "compatibility": "; ".join(x for x in (compat, note) if x),
+            "gated": s.get("gated"), "excluded_by": excluded_by.get(nid, []), "note": note,
         })
+    return rows
+
+
+def status_rows(statuses: dict[str, Any], now: float | None = None) -> list[dict[str, Any]]:
+    """One summary row per status document: round, role, α or threshold state, last
+    synchronization, accuracy, bytes and errors (missing fields are None)."""
+    now = time.time() if now is None else now
+    rows = []
+    for nid in sorted(statuses):
+        s = statuses[nid] or {}
+        sync = {k: s[k] for k in ("alpha_n", "alpha_last", "threshold", "theta", "hessian_sent") if k in s}
+        errors = s.get("errors") if isinstance(s.get("errors"), dict) else {}
+        rows.append({
+            "node_id": nid, "state": s.get("state"), "round": s.get("round"), "rounds": s.get("rounds"),
+            "role": s.get("role"), "sync_state": sync, "last_sync_s": _age(s.get("last_synchronization"), now)
+            if isinstance(s.get("last_synchronization"), (int, float)) and s.get("last_synchronization", 0) > 1e9
+            else s.get("last_synchronization"),
+            "accuracy": s.get("global_accuracy"), "local_accuracy": s.get("local_accuracy"),
+            "bytes_sent": s.get("bytes_sent"), "bytes_received": s.get("bytes_received"),
+            "errors": sum(v for v in errors.values() if isinstance(v, (int, float))), "errors_by_reason": errors,
+        })
+    return rows
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 1000 else f"{v:.0f}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={_fmt(x)}" for k, x in v.items())
+    return str(v)
+
+
+def render_table(title: str, rows: list[dict[str, Any]], columns: tuple[str, ...]) -> Any:
+    """A rich Table of ``rows`` (used by peers, status and watch)."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in columns:
+        t.add_column(col)
+    for r in rows:
+        style = "red" if r.get("state") in ("offline", "stale") else None
+        t.add_row(*(_fmt(r.get(c)) for c in columns), style=style)
+    return t
+
+
+def cmd_peers(a: argparse.Namespace) -> int:
+    statuses, presence = _observe(a)
+    rows = peer_rows(statuses, presence, stale_after=a.stale_after)
     if a.json:
         print(json.dumps(rows, indent=2))
         return 0
     from rich.console import Console
-    from rich.table import Table
 
-    t = Table(title="peers")
-    cols = ("node_id", "state", "broker", "profile", "algorithm", "model", "round", "last_seen_s", "note")
-    for col in cols:
-        t.add_column(col)
-    for r in rows:
-        t.add_row(*(str(r[c]) for c in cols))
-    Console().print(t)
+    Console().print(render_table("peers", rows, PEER_COLUMNS))
     return 0
 
 
@@ -143,7 +213,16 @@ def cmd_status(a: argparse.Namespace) -> int:
             print(f"dflctl: no status for node {a.node!r}", file=sys.stderr)
             return 1
         statuses = {a.node: statuses[a.node]}
-    print(json.dumps(statuses, indent=2, sort_keys=True))
+    if a.json:
+        print(json.dumps(statuses, indent=2, sort_keys=True))
+        return 0
+    from rich.console import Console
+
+    con = Console()
+    con.print(render_table("status", status_rows(statuses), STATUS_COLUMNS))
+    if a.node:  # one node: every field of its status document
+        for k, v in sorted(statuses[a.node].items()):
+            con.print(f"  {k}: {_fmt(v) if not isinstance(v, (list, dict)) else json.dumps(v, sort_keys=True)}")
     return 0
 
 
@@ -217,7 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "status":
             c.add_argument("node", nargs="?", default=None)
         else:
-            c.add_argument("--json", action="store_true")
+            c.add_argument("--stale-after", type=float, default=30.0,
+                           help="an online node without a status heartbeat for this many s shows as stale")
+        c.add_argument("--json", action="store_true", help="machine-readable output")
         c.set_defaults(func=fn)
 
     al = sub.add_parser("algorithms", help="list registered algorithms")

@@ -60,6 +60,9 @@ class Observer:
         if not isinstance(doc, dict):
             return
         with self._lock:
+            if leaf == "presence" and "descriptor" not in doc and node in self.presence:
+                # keep what the node advertised while online (address, profile) after it leaves
+                doc = {**doc, "descriptor": self.presence[node].get("descriptor")}
             (self.statuses if leaf == "status" else self.presence)[node] = doc
             self.updated = time.monotonic()
 

@@ -12,6 +12,7 @@ import dataclasses
 import typing
 from typing import Any, ClassVar, Mapping
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -34,6 +35,9 @@ class Algorithm:
 
     name: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
+    #: JSON-friendly attributes saved in checkpoints by the default :meth:`state_dict`
+    #: (scalars, lists, dicts), e.g. DFML's ``alpha_n``.
+    checkpoint_attrs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: NodeContext, options: Any = None):
         self.ctx = ctx
@@ -67,6 +71,86 @@ class Algorithm:
     def status(self) -> dict[str, Any]:
         """Algorithm-specific state for the status topic (e.g. α, threshold state)."""
         return {}
+
+    # -- checkpoints (agent.runtime.checkpoint) ---------------------------------------
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """This node's learning state for a crash-safe checkpoint: ``(tensors, meta)``.
+
+        The default covers every ``nn.Module`` attribute (``model``; DFML's ``regular``
+        and ``peak``; ...) as ``"{attr}.{state_dict key}"`` arrays, every
+        ``torch.optim.Optimizer`` attribute (tensor state as ``"{attr}.state.{i}.{key}"``,
+        the rest in ``meta``), and the attributes named in :attr:`checkpoint_attrs`
+        (JSON values) in ``meta``.  Subclasses with richer state (schedules, Hessian
+        accumulators, the token) extend both and call ``super()``.  Transient protocol
+        state (buffered messages, a round in progress) is deliberately not saved: a
+        restarted node re-joins at the next round.
+
+        Returns:
+            tensors: name -> contiguous numpy array (any shape/dtype safetensors takes).
+            meta: JSON-serialisable dict.
+        """
+        tensors: dict[str, np.ndarray] = {}
+        meta: dict[str, Any] = {}
+        for attr, value in sorted(vars(self).items()):
+            if isinstance(value, nn.Module):
+                for k, v in value.state_dict().items():
+                    tensors[f"{attr}.{k}"] = np.ascontiguousarray(v.detach().cpu().numpy()).copy()
+            elif isinstance(value, torch.optim.Optimizer):
+                sd = value.state_dict()
+                other: dict[str, Any] = {}
+                for idx, st in sd["state"].items():
+                    for key, v in st.items():
+                        if torch.is_tensor(v):
+                            tensors[f"{attr}.state.{idx}.{key}"] = np.ascontiguousarray(v.detach().cpu().numpy()).copy()
+                        else:
+                            other[f"{idx}.{key}"] = v
+                meta[f"{attr}.optimizer"] = {"param_groups": sd["param_groups"], "other": other}
+        for attr in self.checkpoint_attrs:
+            if hasattr(self, attr):
+                meta[attr] = getattr(self, attr)
+        return tensors, meta
+
+    def load_state_dict(self, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (bit-identical tensors).
+
+        Raises:
+            ValueError: names, shapes or optimizer layout that do not fit this node's
+                models (a checkpoint of another model or algorithm).
+        """
+        used: set[str] = set()
+        for attr, value in sorted(vars(self).items()):
+            if isinstance(value, nn.Module):
+                prefix = f"{attr}."
+                sd = {k[len(prefix):]: torch.from_numpy(np.array(v)) for k, v in tensors.items() if k.startswith(prefix)}
+                try:
+                    value.load_state_dict(sd, strict=True)
+                except RuntimeError as exc:
+                    raise ValueError(f"checkpoint does not fit {attr}: {exc}") from None
+                used.update(prefix + k for k in sd)
+            elif isinstance(value, torch.optim.Optimizer):
+                saved = meta.get(f"{attr}.optimizer")
+                if not isinstance(saved, Mapping):
+                    raise ValueError(f"checkpoint has no state for optimizer {attr}")
+                prefix = f"{attr}.state."
+                state: dict[int, dict[str, Any]] = {}
+                for k, v in tensors.items():
+                    if k.startswith(prefix):
+                        idx, key = k[len(prefix):].split(".", 1)
+                        state.setdefault(int(idx), {})[key] = torch.from_numpy(np.array(v))
+                        used.add(k)
+                for k, v in dict(saved.get("other", {})).items():
+                    idx, key = k.split(".", 1)
+                    state.setdefault(int(idx), {})[key] = v
+                try:
+                    value.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+                except (RuntimeError, KeyError, TypeError) as exc:
+                    raise ValueError(f"checkpoint does not fit optimizer {attr}: {exc}") from None
+        for attr in self.checkpoint_attrs:
+            if attr in meta:
+                setattr(self, attr, meta[attr])
+        unknown = sorted(set(tensors) - used)
+        if unknown:  # a subclass pops the tensors it restores itself before calling this
+            raise ValueError(f"checkpoint has tensors this node does not know: {unknown[:5]}")
 
     async def run(self, rounds: int, start_round: int = 1) -> None:
         """Run rounds ``start_round..rounds``, reporting each to the runtime."""

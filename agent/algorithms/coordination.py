@@ -337,3 +337,28 @@ class RotatingAggregator(Algorithm):
 
     def status(self) -> dict[str, Any]:
         return {"role": self.role, "round_completed": self.completed, "applied": self.applied}
+
+    # -- checkpoints -----------------------------------------------------------------
+    def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Models (base class) plus the rotation state: newest completed and applied
+        round, and the best ``done`` seen (its token carries e.g. DFML's α schedule,
+        needed to lead a failover round after a restart)."""
+        tensors, meta = super().state_dict()
+        b = self.best
+        meta["rotation"] = {
+            "completed": self.completed, "applied": self.applied,
+            "best": None if b is None else {"round": b.round, "aggregator": b.aggregator, "next": b.next,
+                                            "token": b.token, "info": _json_scalars(b.info)},
+        }
+        return tensors, meta
+
+    def load_state_dict(self, tensors: Any, meta: Any) -> None:
+        super().load_state_dict(tensors, meta)
+        rot = meta.get("rotation")
+        if not isinstance(rot, dict):
+            raise ValueError("checkpoint has no rotation state")
+        self.completed = self._reported = int(rot["completed"])
+        self.applied = int(rot["applied"])
+        b = rot.get("best")
+        self.best = None if b is None else Done(int(b["round"]), str(b["aggregator"]), str(b["next"]),
+                                                dict(b["token"]), dict(b["info"]))

@@ -277,3 +277,27 @@ class DecHW(NeighbourhoodAlgorithm):
     def status(self) -> dict[str, Any]:
         theta = self.options.theta
         return {"hessian_sent": self.hessian_sent, "theta": None if math.isinf(theta) else int(theta)}
+
+    # -- checkpoints -------------------------------------------------------------------
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The model (base class) plus the accumulated Hessian diagonal Ĥ (Eq. 5) as
+        ``"hessian.{param}"`` float32 arrays."""
+        tensors, meta = super().state_dict()
+        if self.hessian is not None:
+            for k, v in self.hessian.items():
+                tensors[f"hessian.{k}"] = np.ascontiguousarray(v)
+        meta["hessian"] = self.hessian is not None
+        meta["hessian_sent"] = self.hessian_sent
+        return tensors, meta
+
+    def load_state_dict(self, tensors: Any, meta: Any) -> None:
+        rest = {k: v for k, v in tensors.items() if not k.startswith("hessian.")}
+        h = {k[len("hessian."):]: np.array(v, dtype=np.float32) for k, v in tensors.items() if k.startswith("hessian.")}
+        super().load_state_dict(rest, meta)
+        if meta.get("hessian"):
+            if set(h) != set(self._param_names):
+                raise ValueError("checkpoint's Hessian does not cover exactly the model's parameters")
+            self.hessian = h
+        else:
+            self.hessian = None
+        self.hessian_sent = bool(meta.get("hessian_sent", False))

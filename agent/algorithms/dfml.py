@@ -128,6 +128,8 @@ class DFML(RotatingAggregator):
 
     name = "dfml"
     Options = DFMLOptions
+    #: checkpointed besides the regular and peak models and the rotation/token state
+    checkpoint_attrs = ("alpha_n", "last_alpha")
 
     async def setup(self) -> None:
         d = self.ctx.data

@@ -229,6 +229,17 @@ class PairAlgorithm(Algorithm):
     def status(self) -> dict[str, Any]:
         return {"pair_stats": dict(self.stats)}
 
+    def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The local model (base class: ``self.model``, whichever w̃ it now is) and the
+        pair statistics."""
+        tensors, meta = super().state_dict()
+        meta["pair_stats"] = dict(self.stats)
+        return tensors, meta
+
+    def load_state_dict(self, tensors: Any, meta: Any) -> None:
+        super().load_state_dict(tensors, meta)
+        self.stats = collections.Counter({str(k): int(v) for k, v in dict(meta.get("pair_stats", {})).items()})
+
     # -- schedule ---------------------------------------------------------------------------
     def schedule(self, t: int) -> list[tuple[str, str]]:
         """Round ``t``'s pairs in this node's current view of the live nodes."""

@@ -87,6 +87,7 @@ class MqttSection:
     heartbeat_interval: float = 5.0
     username: Union[str, None] = None
     password: Union[str, None] = None
+    bridged: bool = False  # operations: site brokers joined by bridging; talk to the home broker only
 
 
 @dataclasses.dataclass
@@ -109,6 +110,12 @@ class RuntimeSection:
     metrics_file: Union[str, None] = None
     log_level: str = "info"
     init: str = "common"
+    # -- operations (issue 10) --
+    checkpoint: bool = True
+    checkpoint_keep: int = 2
+    log_format: str = "auto"
+    prometheus_port: int = 0
+    prometheus_address: str = "127.0.0.1"
 
 
 @dataclasses.dataclass
@@ -218,6 +225,9 @@ def _validate(cfg: NodeConfig) -> None:
     need(cfg.runtime.init in ("common", "independent"), "runtime.init", "must be 'common' or 'independent'")
     need(cfg.runtime.log_level.lower() in ("debug", "info", "warning", "error"), "runtime.log_level",
          "must be debug, info, warning or error")
+    need(cfg.runtime.checkpoint_keep >= 1, "runtime.checkpoint_keep", "must be >= 1 (2 keeps a fallback)")
+    need(cfg.runtime.log_format in ("auto", "text", "journal"), "runtime.log_format", "must be auto, text or journal")
+    need(0 <= cfg.runtime.prometheus_port <= 65535, "runtime.prometheus_port", "must be in [0, 65535] (0 = off)")
 
 
 def _validate_profile(cfg: NodeConfig) -> None:

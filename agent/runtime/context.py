@@ -95,6 +95,10 @@ class RuntimeContext:
         self.round_hook: RoundHook | None = None
         self.current_round = 0
         self.rejected: collections.Counter[str] = collections.Counter()
+        #: state that survives restarts (issue 10): name -> numpy array, saved in every
+        #: checkpoint and restored before the first round (e.g. error-feedback residuals
+        #: of compressed updates, "ef/{peer}/{tensor}"); see agent.runtime.checkpoint.
+        self.persistent_state: dict[str, Any] = {}
         self.bytes_sent_by_kind: collections.Counter[str] = collections.Counter()
         self.bytes_received_by_kind: collections.Counter[str] = collections.Counter()
         self._buffer: list[Message] = []

@@ -57,7 +57,7 @@ class StartupError(RuntimeError):
 class Agent:
     """One running daemon: wires config, data, transport, discovery and the algorithm."""
 
-    def __init__(self, cfg: NodeConfig, psutil_mod: Any = None):
+    def __init__(self, cfg: NodeConfig, config_path: str | None = None, psutil_mod: Any = None):
         self.cfg = cfg
         self.psutil = psutil_mod  # None = the real psutil (tests pass a stand-in for battery etc.)
         self.state_dir = Path(cfg.state_dir)
@@ -65,6 +65,13 @@ class Agent:
         self.node: Any = None
         self.mdns: Any = None
         self.ctx: Any = None
+        # -- operations (issue 10): systemd notification, checkpoints, SIGHUP reload
+        from agent.runtime.systemd import Notifier
+
+        self.config_path = config_path
+        self.notifier = Notifier()
+        self.checkpointer: Any = None
+        self.peers: Any = None
 
     async def run(self, stop: asyncio.Event) -> int:
         import torch
@@ -109,7 +116,9 @@ class Agent:
         log.info("node %s of federation %s: %s, %d train / %d val samples (users %s), model %s",
                  nid, fed, algo_cls.name, data.num_train, len(data.val_y), data.groups, spec["type"])
 
-        peers = PeerTable(nid, fed, heartbeat_timeout=cfg.discovery.heartbeat_timeout)
+        if cfg.mqtt.bridged:  # operations: multi-site, brokers joined by bridging
+            from agent.discovery.bridged import HomeRoutedPeerTable as PeerTable  # noqa: N814
+        self.peers = peers = PeerTable(nid, fed, heartbeat_timeout=cfg.discovery.heartbeat_timeout)
         load_static_peers(peers, cfg.discovery.static_peers, fed)
         descriptor = {
             "broker": cfg.mqtt.broker, "profile": cfg.profile, "model_hash": spec_hash(spec),
@@ -149,6 +158,8 @@ class Agent:
             from agent.inference.publisher import OnnxPublisher
 
             node.after_round.append(OnnxPublisher(ctx, node.algorithm, bundle.pool.input_shape, spec))
+        watchdog: Any = None
+        exporter: Any = None
         try:
             try:
                 await ctx.start()
@@ -160,10 +171,18 @@ class Agent:
                                           interfaces=list(cfg.discovery.interfaces))
                 await self.mdns.start()
             await node.setup()
+            start_round = self._resume(spec_hash(spec))  # operations: crash-safe state
             await node.publish_status()
+            watchdog = self._start_systemd()
+            exporter = self._start_prometheus()
+            if start_round > cfg.algorithm.rounds:
+                log.info("the checkpoint says all %d rounds are done; nothing to run", cfg.algorithm.rounds)
+                node.state = "finished"
+                await node.publish_status()
+                return 0
             if not await self._wait_for_peers(stop):
                 return 0
-            run = asyncio.ensure_future(node.run(cfg.algorithm.rounds))
+            run = asyncio.ensure_future(node.run(cfg.algorithm.rounds, start_round))
             stopper = asyncio.ensure_future(stop.wait())
             done, _ = await asyncio.wait({run, stopper}, return_when=asyncio.FIRST_COMPLETED)
             if run in done:
@@ -178,10 +197,116 @@ class Agent:
                 await node.publish_status()
             return 0
         finally:
+            self.notifier.stopping()
+            if watchdog is not None:
+                watchdog.cancel()
+            if exporter is not None:
+                exporter.stop()
             if self.mdns is not None:
                 await self.mdns.stop()
             await ctx.stop()
             metrics_file.close()
+
+    # -- operations (issue 10) ------------------------------------------------------------
+    def _resume(self, model_hash: str) -> int:
+        """Restore the newest usable checkpoint (``{state_dir}/checkpoints``) and hook
+        a checkpoint after every round.  Returns the first round to run."""
+        from agent.runtime.checkpoint import CheckpointStore, NodeCheckpointer
+
+        if not self.cfg.runtime.checkpoint:
+            return 1
+        store = CheckpointStore(self.state_dir / "checkpoints", keep=self.cfg.runtime.checkpoint_keep)
+        self.checkpointer = ck = NodeCheckpointer(store, self.node.algorithm, self.ctx, model_hash)
+        restored = ck.restore()
+        if restored:
+            self.node.history.append({"node": self.node_id, "round": restored, "time": self.ctx.clock.now(),
+                                      "resumed": True})
+            log.info("resuming at round %d (restored state digest %s)", restored + 1, ck.restored_digest)
+        self.node.checkpoint = ck.save_async
+        return restored + 1
+
+    def status_line(self) -> str:
+        """One line for ``systemctl status`` (STATUS=): round, role, peers."""
+        st = self.node.status() if self.node is not None else {}
+        return (f"{st.get('state', 'starting')}: round {st.get('round', 0)}/{st.get('rounds', 0)}, "
+                f"role {st.get('role', 'peer')}, {len(st.get('live_peers', []))} peers")
+
+    def _start_systemd(self) -> "asyncio.Task[None] | None":
+        """READY=1 with a STATUS, then WATCHDOG pings from the event loop."""
+        from agent.runtime.systemd import watchdog_loop
+
+        n = self.notifier
+        n.ready(self.status_line())
+        interval = n.watchdog_interval()
+        if not n.enabled:
+            return None
+        return asyncio.ensure_future(watchdog_loop(n, interval or 5.0, self.status_line)) if interval else \
+            asyncio.ensure_future(_status_loop(n, self.status_line))
+
+    def _start_prometheus(self) -> Any:
+        port = self.cfg.runtime.prometheus_port
+        if not port:
+            return None
+        from agent.runtime.prometheus import PrometheusExporter
+
+        try:
+            return PrometheusExporter(self.node, port, self.cfg.runtime.prometheus_address,
+                                      checkpoint_round=lambda: getattr(self.checkpointer, "last_saved", 0)).start()
+        except (ImportError, OSError) as exc:
+            log.error("Prometheus endpoint disabled: %s", exc)
+            return None
+
+    def reload(self) -> list[str]:
+        """SIGHUP: re-read the configuration file and apply what can change while
+        running — ``runtime.log_level``, ``discovery.static_peers`` (new ones added,
+        removed ones withdrawn) and ``discovery.heartbeat_timeout``.  Other changes are
+        logged as needing a restart.  A bad file changes nothing.  Returns the keys applied."""
+        import dataclasses
+
+        from agent.discovery.static import load_static_peers, parse_peer
+
+        if not self.config_path:
+            return []
+        self.notifier.reloading()
+        try:
+            new = load_config(self.config_path)
+        except ConfigError as exc:
+            log.error("reload: configuration error, keeping the running one: %s", exc)
+            self.notifier.ready(self.status_line())
+            return []
+        old, applied = self.cfg, []
+        if new.runtime.log_level != old.runtime.log_level:
+            logging.getLogger().setLevel(getattr(logging, new.runtime.log_level.upper()))
+            applied.append("runtime.log_level")
+        if self.peers is not None and new.discovery.static_peers != old.discovery.static_peers:
+            try:
+                keep = {parse_peer(e)["node_id"] for e in new.discovery.static_peers}
+                load_static_peers(self.peers, new.discovery.static_peers, self.cfg.federation)
+                for e in old.discovery.static_peers:
+                    if parse_peer(e)["node_id"] not in keep:
+                        self.peers.withdraw(parse_peer(e)["node_id"], "static")
+                applied.append("discovery.static_peers")
+            except ValueError as exc:
+                log.error("reload: discovery.static_peers: %s", exc)
+        if self.peers is not None and new.discovery.heartbeat_timeout != old.discovery.heartbeat_timeout:
+            self.peers.heartbeat_timeout = new.discovery.heartbeat_timeout
+            applied.append("discovery.heartbeat_timeout")
+        def flat(c: NodeConfig) -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            for f in dataclasses.fields(c):
+                v = getattr(c, f.name)
+                items = dataclasses.asdict(v).items() if dataclasses.is_dataclass(v) else [(None, v)]
+                out.update({f"{f.name}.{k}" if k else f.name: x for k, x in items})
+            return out
+
+        a, b = flat(old), flat(new)
+        later = [k for k in b if a.get(k) != b[k] and k not in applied]
+        for sec in ("runtime", "discovery"):
+            setattr(self.cfg, sec, getattr(new, sec))
+        log.info("reloaded %s: applied %s%s", self.config_path, ", ".join(applied) or "nothing",
+                 f"; needs a restart: {', '.join(later)}" if later else "")
+        self.notifier.ready(self.status_line())
+        return applied
 
     async def _wait_for_peers(self, stop: asyncio.Event) -> bool:
         """Wait until ``discovery.min_peers`` peers are live or ``start_timeout`` passes.
@@ -246,25 +371,44 @@ def _onnx_available() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime", "onnxscript"))
 
 
-def _setup_logging(level: str) -> None:
+async def _status_loop(notifier: Any, status: Any, interval: float = 5.0) -> None:
+    """STATUS= updates for systemd when no watchdog is configured."""
+    last = None
+    while True:
+        text = status()
+        if text != last:
+            notifier.status(text)
+            last = text
+        await asyncio.sleep(interval)
+
+
+def _setup_logging(level: str, fmt: str = "auto") -> None:
+    from agent.runtime.systemd import JournalFormatter, under_journald
+
     logging.basicConfig(
         level=getattr(logging, level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if fmt == "journal" or (fmt == "auto" and under_journald()):  # operations: journald priorities
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JournalFormatter())
     for noisy in ("zeroconf", "paho", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def run_agent(cfg: NodeConfig) -> int:
-    """Run the daemon until it finishes or gets SIGTERM/SIGINT. Returns the exit code."""
+def run_agent(cfg: NodeConfig, config_path: str | None = None) -> int:
+    """Run the daemon until it finishes or gets SIGTERM/SIGINT (SIGHUP reloads the
+    configuration from ``config_path``). Returns the exit code."""
 
     async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        return await Agent(cfg).run(stop)
+        agent = Agent(cfg, config_path)
+        loop.add_signal_handler(signal.SIGHUP, agent.reload)
+        return await agent.run(stop)
 
     return asyncio.run(main())
 
@@ -287,9 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "check-config":
         print("configuration OK")
         return 0
-    _setup_logging(cfg.runtime.log_level)
+    _setup_logging(cfg.runtime.log_level, cfg.runtime.log_format)
     try:
-        return run_agent(cfg)
+        return run_agent(cfg, args.config)
     except StartupError as exc:
         log.error("cannot start: %s", exc)
         return 2

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 
@@ -74,6 +74,10 @@ class Node:
         # after_round hooks get (round, metrics record), e.g. the ONNX publisher
         ctx.gate_hook = self._on_gate
         self.after_round: list[Callable[[int, dict[str, Any]], Any]] = []
+        # -- operations (issue 10): called with t after each round's record, before the
+        # status is published; the daemon saves a crash-safe checkpoint here.
+        self.checkpoint: Callable[[int], Awaitable[None]] | None = None
+        self.checkpoint_errors = 0
 
     async def setup(self) -> None:
         await self.algorithm.setup()
@@ -140,6 +144,12 @@ class Node:
                 await hook(t, record)
             except Exception as exc:  # a hook never stops the round loop
                 log.error("after-round hook failed: %s", exc)
+        if self.checkpoint is not None:  # operations: crash-safe state after every round
+            try:
+                await self.checkpoint(t)
+            except Exception as exc:  # a full disk must not stop the federation
+                self.checkpoint_errors += 1
+                log.error("checkpoint of round %d failed: %s", t, exc)
         await self.publish_status()
         self._round_started = self.ctx.clock.now()
 

@@ -1,0 +1,103 @@
+"""Optional Prometheus endpoint of the daemon (``runtime.prometheus_port``).
+
+Needs the ``metrics`` extra (``prometheus_client``).  The values are read from the
+running :class:`~agent.runtime.node.Node` at scrape time by a custom collector, so
+nothing has to be updated on the learning path and a scrape always sees one
+consistent view.  Metrics (all labelled by nothing but what is listed):
+
+- ``dfl_node_info{node,federation,algorithm}`` = 1
+- ``dfl_round`` (gauge): last completed round; ``dfl_rounds_planned`` (gauge)
+- ``dfl_bytes_sent_total``, ``dfl_bytes_received_total`` (counters, bytes on the wire)
+- ``dfl_accuracy{split="global"|"local"}`` (gauge, fraction in [0, 1]) of the
+  deployable model at the last evaluated round
+- ``dfl_dropped_messages_total{reason}`` (counter): messages dropped by reason
+- ``dfl_peers_live`` (gauge): peers currently live
+- ``dfl_checkpoint_round`` (gauge), ``dfl_checkpoint_errors_total`` (counter)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable
+
+log = logging.getLogger(__name__)
+
+
+class NodeCollector:
+    """A ``prometheus_client`` collector over a node's status.
+
+    Args:
+        node: object with ``status() -> dict`` and ``ctx`` (``node_id``, ``federation``,
+            ``counters()``, ``live_peers()``).
+        checkpoint_round: returns the round of the last checkpoint written (0 = none).
+    """
+
+    def __init__(self, node: Any, checkpoint_round: Callable[[], int] | None = None):
+        self.node = node
+        self.checkpoint_round = checkpoint_round or (lambda: 0)
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+        node, ctx = self.node, self.node.ctx
+        st = node.status()
+        counters = ctx.counters()
+        yield InfoMetricFamily("dfl_node", "this node", value={
+            "node": str(ctx.node_id), "federation": str(getattr(ctx, "federation", "")),
+            "algorithm": str(st.get("algorithm", "")), "state": str(st.get("state", ""))})
+        yield GaugeMetricFamily("dfl_round", "last completed round", value=float(st.get("round") or 0))
+        yield GaugeMetricFamily("dfl_rounds_planned", "rounds planned", value=float(st.get("rounds") or 0))
+        yield CounterMetricFamily("dfl_bytes_sent", "bytes sent on the wire", value=float(counters["bytes_sent"]))
+        yield CounterMetricFamily("dfl_bytes_received", "bytes received on the wire",
+                                  value=float(counters["bytes_received"]))
+        acc = GaugeMetricFamily("dfl_accuracy", "accuracy of the deployable model (fraction)", labels=["split"])
+        for split in ("global", "local"):
+            v = st.get(f"{split}_accuracy")
+            if isinstance(v, (int, float)):
+                acc.add_metric([split], float(v))
+        yield acc
+        dropped = CounterMetricFamily("dfl_dropped_messages", "messages dropped, by reason", labels=["reason"])
+        for reason, n in sorted(dict(counters.get("dropped", {})).items()):
+            dropped.add_metric([str(reason)], float(n))
+        yield dropped
+        yield GaugeMetricFamily("dfl_peers_live", "live peers", value=float(len(ctx.live_peers())))
+        yield GaugeMetricFamily("dfl_checkpoint_round", "round of the last checkpoint written",
+                                value=float(self.checkpoint_round()))
+        yield CounterMetricFamily("dfl_checkpoint_errors", "failed checkpoint writes",
+                                  value=float(getattr(node, "checkpoint_errors", 0)))
+
+
+class PrometheusExporter:
+    """Serves ``/metrics`` for one node on ``address:port`` (own registry, own thread).
+
+    Raises:
+        ImportError: ``prometheus_client`` is not installed (``pip install 'dfl-agent[metrics]'``).
+        OSError: the port is taken.
+    """
+
+    def __init__(self, node: Any, port: int, address: str = "127.0.0.1",
+                 checkpoint_round: Callable[[], int] | None = None):
+        try:
+            from prometheus_client import CollectorRegistry
+        except ImportError:
+            raise ImportError("runtime.prometheus_port needs prometheus_client: pip install 'dfl-agent[metrics]'") from None
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(NodeCollector(node, checkpoint_round))
+        self.port, self.address = port, address
+        self._server: Any = None
+
+    def start(self) -> "PrometheusExporter":
+        from prometheus_client import start_http_server
+
+        result = start_http_server(self.port, addr=self.address, registry=self.registry)
+        self._server = result[0] if isinstance(result, tuple) else None
+        if self._server is not None:
+            self.port = self._server.server_address[1]
+        log.info("Prometheus metrics on http://%s:%d/metrics", self.address, self.port)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

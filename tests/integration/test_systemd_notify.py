@@ -1,0 +1,146 @@
+"""sd_notify over a real NOTIFY_SOCKET datagram socket: READY, STATUS, WATCHDOG from a
+real agent process (and RELOADING on SIGHUP, STOPPING at the end); watchdog pings
+stop while the event loop is blocked."""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from agent.runtime.config import config_from_dict, dump_toml
+from agent.runtime.systemd import JournalFormatter, Notifier, watchdog_loop
+
+pytestmark = pytest.mark.integration
+
+
+class NotifySocket:
+    """What systemd does: a bound AF_UNIX datagram socket; records (time, message)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.1)
+        self.messages: list[tuple[float, str]] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        while not self._stop:
+            try:
+                data = self.sock.recv(4096)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            self.messages.append((time.monotonic(), data.decode()))
+
+    def having(self, key):
+        return [(t, m) for t, m in list(self.messages) if any(line.startswith(key) for line in m.split("\n"))]
+
+    def wait_for(self, key, timeout):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.having(key):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def close(self):
+        self._stop = True
+        self.sock.close()
+
+
+def test_watchdog_pings_stop_while_the_loop_is_blocked(tmp_path):
+    sink = NotifySocket(tmp_path / "n.sock")
+    n = Notifier(sink.path, env={"WATCHDOG_USEC": "100000"})
+    assert n.watchdog_interval() == pytest.approx(0.05)
+    marks = {}
+
+    async def main():
+        task = asyncio.ensure_future(watchdog_loop(n, 0.05, lambda: "running"))
+        await asyncio.sleep(0.5)
+        marks["block_start"] = time.monotonic()
+        time.sleep(1.0)  # the event loop is stuck (a blocking call on the loop)
+        marks["block_end"] = time.monotonic()
+        await asyncio.sleep(0.5)
+        task.cancel()
+
+    asyncio.run(main())
+    time.sleep(0.2)
+    sink.close()
+    pings = [t for t, _ in sink.having("WATCHDOG=1")]
+    before = [t for t in pings if t < marks["block_start"]]
+    during = [t for t in pings if marks["block_start"] + 0.02 < t < marks["block_end"]]
+    after = [t for t in pings if t > marks["block_end"]]
+    assert len(before) >= 4 and len(after) >= 3
+    assert during == []  # no ping while the loop was blocked: systemd would restart us
+    assert sink.having("STATUS=running")
+
+
+def test_notifier_without_socket_is_a_noop_and_abstract_names_work(tmp_path):
+    assert Notifier(env={}).ready() is False
+    assert Notifier(env={"WATCHDOG_USEC": "1000000", "WATCHDOG_PID": "1"}).watchdog_interval() is None
+    name = f"dfl-test-{os.getpid()}-{time.monotonic_ns()}"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    srv.bind(b"\0" + name.encode())
+    srv.settimeout(2)
+    assert Notifier("@" + name).status("hello\nworld")
+    assert srv.recv(100) == b"STATUS=hello world"
+    srv.close()
+
+
+def test_journal_formatter_priorities():
+    import logging
+
+    rec = logging.LogRecord("agent.daemon", logging.WARNING, __file__, 1, "peer %s lost\nagain", ("a",), None)
+    assert JournalFormatter().format(rec) == "<4>agent.daemon: peer a lost | again"
+
+
+@pytest.mark.slow
+def test_agent_process_notifies_ready_status_watchdog_and_reloads(tmp_path, mosquitto_broker, federation):
+    sink = NotifySocket(tmp_path / "notify.sock")
+    cfg = config_from_dict({
+        "federation": federation, "node_id": "sd0", "state_dir": str(tmp_path / "state"),
+        "algorithm": {"name": "local", "rounds": 3},
+        "data": {"dataset": "digits", "partition": "iid"},
+        "model": {"size": "small"},
+        "mqtt": {"broker": mosquitto_broker.endpoint},
+        "discovery": {"mdns": False},
+    })
+    path = tmp_path / "node.toml"
+    path.write_text(dump_toml(cfg))
+    env = {**os.environ, "NOTIFY_SOCKET": sink.path, "WATCHDOG_USEC": "400000"}
+    log = open(tmp_path / "agent.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "agent.runtime.daemon", "run", "--config", str(path)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        assert sink.wait_for("READY=1", 90), (tmp_path / "agent.log").read_text()[-2000:]
+        path.write_text(dump_toml(cfg).replace('log_level = "info"', 'log_level = "debug"'))
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=120) == 0, (tmp_path / "agent.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sink.close()
+    text = (tmp_path / "agent.log").read_text()
+    assert sink.having("WATCHDOG=1"), sink.messages
+    statuses = [m for _, m in sink.having("STATUS=")]
+    assert any("round" in m and "peers" in m for m in statuses), statuses
+    assert sink.having("STOPPING=1")
+    # SIGHUP: RELOADING=1, then READY=1 again; the new log level is applied
+    if sink.having("RELOADING=1"):
+        assert "applied runtime.log_level" in text
+        assert len(sink.having("READY=1")) >= 2
+    else:  # the 3 rounds finished before the signal arrived: nothing to check
+        assert "finished 3 rounds" in text
+    # checkpoints after every round
+    assert sorted(p.name for p in (tmp_path / "state" / "checkpoints").glob("*.json")) == [
+        "round-00000002.json", "round-00000003.json"]

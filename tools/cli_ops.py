@@ -1,0 +1,399 @@
+"""Operator commands of ``dflctl`` (issue 10: operations).
+
+- ``install-service``: install the systemd units, the sysusers.d user, the node
+  configuration and the resource limits of the device profile (``--dry-run`` shows the
+  plan and writes nothing; ``--root DIR`` installs into a staging tree).
+- ``watch``: a live table of a federation's nodes (presence + status).
+- ``doctor``: checks a device can run the agent — configuration, broker reachable,
+  mDNS on the chosen interface, clock, disk, permissions, checkpoint readable.
+
+Each takes ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+UNIT_DIR = "etc/systemd/system"
+SYSUSERS_DIR = "etc/sysusers.d"
+CONFIG_DIR = "etc/dfl-agent"
+SERVICE_USER = "dfl-agent"
+
+
+def _source_dir() -> Path:
+    """The shipped ``systemd/`` folder (repository checkout or installed tree)."""
+    here = Path(__file__).resolve().parent.parent / "systemd"
+    if here.is_dir():
+        return here
+    raise FileNotFoundError("cannot find the systemd/ unit files next to the tools package")
+
+
+def default_exec() -> str:
+    """The ``dfl-agent`` executable of this installation (next to the Python running us)."""
+    cand = Path(sys.executable).parent / "dfl-agent"
+    if cand.exists():
+        return str(cand)
+    found = shutil.which("dfl-agent")
+    return found or "/usr/local/bin/dfl-agent"
+
+
+def profile_resources(profile: str | None) -> dict[str, str]:
+    """``MemoryMax``/``CPUQuota`` from a device-profile TOML (``[resources]`` keys
+    ``memory_max`` like ``"1G"``, ``cpu_quota`` like ``"150%"``); {} when none given."""
+    if not profile:
+        return {}
+    import tomllib
+
+    path = Path(profile)
+    if not path.exists():
+        path = Path(__file__).resolve().parent.parent / "device_profiles" / f"{profile}.toml"
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"--profile {profile}: {exc}") from None
+    res = raw.get("resources", {}) if isinstance(raw.get("resources"), dict) else {}
+    out = {}
+    for key, unit_key in (("memory_max", "MemoryMax"), ("cpu_quota", "CPUQuota")):
+        if key in res:
+            value = res[key]
+            if unit_key == "CPUQuota" and isinstance(value, (int, float)):
+                value = f"{int(value)}%"
+            out[unit_key] = str(value)
+    return out
+
+
+@dataclasses.dataclass
+class Plan:
+    """What ``install-service`` does: files (path -> (content, mode)) then commands."""
+
+    files: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    commands: list[list[str]] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def build_plan(a: argparse.Namespace) -> Plan:
+    """Render every file ``install-service`` writes (no side effects).
+
+    Raises:
+        ValueError: bad instance name, config or profile.
+    """
+    from agent.runtime.config import ConfigError, dump_toml, load_config
+    from agent.transport.wire import valid_id
+
+    src = _source_dir()
+    root = Path(a.root or "/")
+    inst = a.instance
+    if inst is not None and not valid_id(inst):
+        raise ValueError(f"--instance {inst!r}: must match [A-Za-z0-9_.-]{{1,64}}")
+    unit_name = f"dfl-agent@{inst}.service" if inst else "dfl-agent.service"
+    template = "dfl-agent@.service" if inst else "dfl-agent.service"
+    unit_text = (src / template).read_text(encoding="utf-8")
+    exe = a.exec_path or default_exec()
+    unit_text = unit_text.replace("/usr/local/bin/dfl-agent", exe)
+    plan = Plan()
+    plan.files[str(root / UNIT_DIR / template)] = (unit_text, 0o644)
+    plan.files[str(root / SYSUSERS_DIR / "dfl-agent.conf")] = (
+        (src / "sysusers.d" / "dfl-agent.conf").read_text(encoding="utf-8"), 0o644)
+    res = profile_resources(a.profile)
+    if res:
+        dropin = "[Service]\n" + "".join(f"{k}={v}\n" for k, v in res.items())
+        plan.files[str(root / UNIT_DIR / f"{template}.d" / "50-resources.conf")] = (
+            "# resource limits from the device profile (dflctl install-service)\n" + dropin, 0o644)
+    state = f"/var/lib/dfl-agent/{inst}" if inst else "/var/lib/dfl-agent"
+    logs = f"/var/log/dfl-agent/{inst}" if inst else "/var/log/dfl-agent"
+    cfg_path = root / CONFIG_DIR / (f"{inst}.toml" if inst else "node.toml")
+    if a.config:
+        try:
+            cfg = load_config(a.config)
+        except ConfigError as exc:
+            raise ValueError(f"--config: {exc}") from None
+        cfg.state_dir = state
+        if not cfg.runtime.metrics_file:
+            cfg.runtime.metrics_file = f"{logs}/metrics.jsonl"
+        if inst and cfg.federation == "default":
+            cfg.federation = inst
+        if cfg_path.exists() and not a.force:
+            plan.notes.append(f"{cfg_path} exists; kept (--force replaces it)")
+        else:
+            plan.files[str(cfg_path)] = ("# installed by dflctl install-service\n" + dump_toml(cfg), 0o640)
+    elif not cfg_path.exists():
+        plan.notes.append(f"no --config: write {cfg_path} yourself before starting the service")
+    if a.root in (None, "/"):
+        plan.commands.append(["systemd-sysusers", str(root / SYSUSERS_DIR / "dfl-agent.conf")])
+        if a.config:
+            plan.commands.append(["chown", f"root:{SERVICE_USER}", str(cfg_path)])
+        plan.commands.append(["systemctl", "daemon-reload"])
+        if not a.no_start:
+            plan.commands.append(["systemctl", "enable", "--now", unit_name])
+    else:
+        plan.notes.append("--root given: files staged only, no systemctl/systemd-sysusers")
+    return plan
+
+
+def cmd_install_service(a: argparse.Namespace) -> int:
+    plan = build_plan(a)
+    if a.json:
+        print(json.dumps({"dry_run": a.dry_run, "files": {p: {"mode": oct(m), "content": c}
+                                                         for p, (c, m) in plan.files.items()},
+                          "commands": plan.commands, "notes": plan.notes}, indent=2))
+    else:
+        for path, (content, mode) in plan.files.items():
+            print(f"{'would write' if a.dry_run else 'write'} {path} (mode {oct(mode)})")
+            if a.dry_run and a.verbose:
+                print("    " + content.replace("\n", "\n    "))
+        for cmd in plan.commands:
+            print(f"{'would run' if a.dry_run else 'run'}: {' '.join(cmd)}")
+        for note in plan.notes:
+            print(f"note: {note}")
+    if a.dry_run:
+        return 0
+    for path, (content, mode) in plan.files.items():
+        p = Path(path)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = p.with_name(f".{p.name}.tmp")
+            tmp.write_text(content, encoding="utf-8")
+            os.chmod(tmp, mode)
+            os.replace(tmp, p)
+        except OSError as exc:
+            print(f"dflctl: cannot write {p}: {exc.strerror} (run as root, or stage with --root DIR)",
+                  file=sys.stderr)
+            return 1
+    for cmd in plan.commands:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            print(f"dflctl: {' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+# -- watch -----------------------------------------------------------------------------
+
+def _observer(a: argparse.Namespace):
+    from tools.observer import Observer
+
+    broker, fed = a.broker, a.federation
+    if a.config:
+        from agent.runtime.config import load_config
+
+        cfg = load_config(a.config)
+        broker, fed = broker or cfg.mqtt.broker, fed or cfg.federation
+    return Observer(broker or "127.0.0.1:1883", fed or "default").start(timeout=a.timeout)
+
+
+def cmd_watch(a: argparse.Namespace) -> int:
+    from tools.dflctl import PEER_COLUMNS, STATUS_COLUMNS, peer_rows, render_table, status_rows
+
+    obs = _observer(a)
+    obs.settle()
+    n = 0
+    try:
+        if a.json:
+            while a.count is None or n < a.count:
+                statuses, presence = obs.snapshot()
+                print(json.dumps({"time": time.time(), "peers": peer_rows(statuses, presence),
+                                  "status": status_rows(statuses)}), flush=True)
+                n += 1
+                if a.count is None or n < a.count:
+                    time.sleep(a.interval)
+            return 0
+        from rich.console import Group
+        from rich.live import Live
+
+        def view():
+            statuses, presence = obs.snapshot()
+            return Group(render_table(f"peers ({time.strftime('%H:%M:%S')})", peer_rows(statuses, presence),
+                                      PEER_COLUMNS),
+                         render_table("status", status_rows(statuses), STATUS_COLUMNS))
+
+        with Live(view(), refresh_per_second=4) as live:
+            while a.count is None or n < a.count:
+                live.update(view())
+                n += 1
+                if a.count is None or n < a.count:
+                    time.sleep(a.interval)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        obs.stop()
+
+
+# -- doctor ----------------------------------------------------------------------------
+
+def _check(name: str, status: str, detail: str) -> dict[str, str]:
+    return {"check": name, "status": status, "detail": detail}
+
+
+def check_broker(endpoint: str, timeout: float = 5.0) -> dict[str, str]:
+    """MQTT CONNECT/CONNACK with the broker (a TCP port alone is not enough)."""
+    from tools.observer import Observer
+
+    t0 = time.monotonic()
+    try:
+        Observer(endpoint, "doctor").start(timeout=timeout).stop()
+    except (ConnectionError, ValueError) as exc:
+        return _check("broker", "fail", str(exc))
+    return _check("broker", "ok", f"{endpoint} answered in {1000 * (time.monotonic() - t0):.0f} ms")
+
+
+def check_mdns(interface: str, timeout: float = 3.0) -> dict[str, str]:
+    """Announce a test service on ``interface`` with one zeroconf instance and resolve
+    it with a second one: multicast must go out and come back on that interface."""
+    import uuid
+
+    from zeroconf import ServiceInfo, Zeroconf
+
+    stype = "_dfl-doctor._tcp.local."
+    name = f"doctor-{uuid.uuid4().hex[:8]}.{stype}"
+    try:
+        addr = socket.inet_aton(interface)
+    except OSError:
+        return _check("mdns", "fail", f"interface {interface!r} must be an IPv4 address")
+    a = b = None
+    try:
+        a = Zeroconf(interfaces=[interface])
+        b = Zeroconf(interfaces=[interface])
+        a.register_service(ServiceInfo(stype, name, addresses=[addr], port=9, properties={"doctor": "1"}))
+        info = b.get_service_info(stype, name, timeout=int(timeout * 1000))
+    except OSError as exc:
+        return _check("mdns", "fail", f"on {interface}: {exc}")
+    finally:
+        for zc in (a, b):
+            if zc is not None:
+                zc.close()
+    if info is None:
+        return _check("mdns", "fail", f"a service announced on {interface} was not resolved within {timeout:.0f}s "
+                                      "(multicast blocked? firewall on UDP 5353?)")
+    return _check("mdns", "ok", f"announce + resolve on {interface}")
+
+
+def check_clock() -> dict[str, str]:
+    """NTP synchronisation (timedatectl or systemd-timesyncd's flag); message
+    timestamps and certificate checks need a sane clock."""
+    if time.time() < 1_704_067_200:  # 2024-01-01
+        return _check("clock", "fail", f"system time {time.ctime()} is in the past: no RTC/NTP?")
+    if shutil.which("timedatectl"):
+        r = subprocess.run(["timedatectl", "show", "-p", "NTPSynchronized", "--value"], capture_output=True,
+                           text=True, timeout=5)
+        if r.returncode == 0 and r.stdout.strip() in ("yes", "no"):
+            return _check("clock", "ok" if r.stdout.strip() == "yes" else "warn",
+                          "NTP synchronized" if r.stdout.strip() == "yes" else "NTP not synchronized")
+    if Path("/run/systemd/timesync/synchronized").exists():
+        return _check("clock", "ok", "systemd-timesyncd synchronized")
+    return _check("clock", "warn", f"cannot tell whether the clock is synchronized (now {time.ctime()})")
+
+
+def check_disk(state_dir: str, warn_bytes: int = 1 << 30, fail_bytes: int = 200 << 20) -> dict[str, str]:
+    p = Path(state_dir)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    du = shutil.disk_usage(p)
+    text = f"{du.free / 2**30:.1f} GiB free of {du.total / 2**30:.1f} GiB at {p}"
+    return _check("disk", "fail" if du.free < fail_bytes else "warn" if du.free < warn_bytes else "ok", text)
+
+
+def check_permissions(state_dir: str, config: str | None, has_secret: bool) -> dict[str, str]:
+    p = Path(state_dir)
+    problems = []
+    if p.exists():
+        if not os.access(p, os.W_OK | os.X_OK):
+            problems.append(f"{p} is not writable by uid {os.getuid()}")
+    else:
+        parent = p.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not os.access(parent, os.W_OK):
+            problems.append(f"{p} does not exist and {parent} is not writable (systemd's StateDirectory= creates it)")
+    if config and has_secret and Path(config).stat().st_mode & 0o004:
+        problems.append(f"{config} holds an MQTT password and is world-readable (chmod 640)")
+    ok = f"{p} writable" if p.exists() else f"{p} can be created"
+    return _check("permissions", "fail" if problems else "ok", "; ".join(problems) or ok)
+
+
+def check_checkpoint(state_dir: str) -> dict[str, str]:
+    from agent.runtime.checkpoint import CheckpointStore
+
+    store = CheckpointStore(Path(state_dir) / "checkpoints")
+    rounds = store.rounds()
+    if not rounds:
+        return _check("checkpoint", "ok", "none yet (the node starts at round 1)")
+    ck = store.load_latest()
+    if ck is None:
+        return _check("checkpoint", "fail", f"no readable checkpoint among rounds {rounds}")
+    status = "ok" if ck.round == rounds[0] else "warn"
+    return _check("checkpoint", status, f"resumes after round {ck.round}"
+                  + ("" if status == "ok" else f" (round {rounds[0]} is unusable)"))
+
+
+def cmd_doctor(a: argparse.Namespace) -> int:
+    from agent.runtime.config import ConfigError, NodeConfig, load_config
+
+    results = []
+    cfg = NodeConfig()
+    if a.config:
+        try:
+            cfg = load_config(a.config)
+            results.append(_check("config", "ok", f"{a.config} is valid"))
+        except ConfigError as exc:
+            results.append(_check("config", "fail", str(exc)))
+    broker = a.broker or cfg.mqtt.broker
+    state_dir = a.state_dir or cfg.state_dir
+    results.append(check_broker(broker, a.timeout))
+    if cfg.discovery.mdns or a.interface:
+        for iface in ([a.interface] if a.interface else cfg.discovery.interfaces):
+            results.append(check_mdns(iface, a.timeout))
+    results.append(check_clock())
+    results.append(check_disk(state_dir))
+    results.append(check_permissions(state_dir, a.config, bool(cfg.mqtt.password)))
+    results.append(check_checkpoint(state_dir))
+    if a.json:
+        print(json.dumps(results, indent=2))
+    else:
+        mark = {"ok": "✓", "warn": "!", "fail": "✗"}
+        for r in results:
+            print(f"{mark[r['status']]} {r['check']:<12} {r['detail']}")
+    return 1 if any(r["status"] == "fail" for r in results) else 0
+
+
+def register(sub: Any) -> None:
+    """Add ``install-service``, ``watch`` and ``doctor`` to dflctl's sub-parsers."""
+    i = sub.add_parser("install-service", help="install the systemd units, user, config and limits")
+    i.add_argument("--config", default=None, help="node configuration to install (validated)")
+    i.add_argument("--instance", default=None, metavar="FED",
+                   help="install dfl-agent@FED (one of several federations on this device)")
+    i.add_argument("--profile", default=None, help="device profile (name or TOML) for MemoryMax/CPUQuota")
+    i.add_argument("--exec", dest="exec_path", default=None, help="dfl-agent executable (default: this one)")
+    i.add_argument("--root", default=None, help="install into this staging root instead of /")
+    i.add_argument("--no-start", action="store_true", help="do not enable and start the unit")
+    i.add_argument("--force", action="store_true", help="replace an existing node configuration")
+    i.add_argument("--dry-run", action="store_true", help="show what would be done, change nothing")
+    i.add_argument("--verbose", "-v", action="store_true", help="with --dry-run: print the files")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_install_service)
+
+    for name, fn, helptext in (("watch", cmd_watch, "live view of a federation's nodes"),
+                               ("doctor", cmd_doctor, "check broker, mDNS, clock, disk, permissions")):
+        c = sub.add_parser(name, help=helptext)
+        c.add_argument("--config", default=None, help="node configuration (broker, federation, interfaces)")
+        c.add_argument("--broker", default=None, help="host:port")
+        c.add_argument("--timeout", type=float, default=5.0)
+        c.add_argument("--json", action="store_true")
+        if name == "watch":
+            c.add_argument("--federation", default=None)
+            c.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+            c.add_argument("--count", type=int, default=None, help="stop after this many refreshes")
+        else:
+            c.add_argument("--interface", default=None, help="IPv4 address of the interface mDNS uses")
+            c.add_argument("--state-dir", default=None)
+        c.set_defaults(func=fn)
