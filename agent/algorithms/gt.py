@@ -25,6 +25,12 @@ a deadline): a peer whose vote (``vote_timeout``) or gradient (``sync_timeout``)
 arrived by the deadline is *dropped* from the group for the rest of the run, so one
 dead node cannot stall the others; a peer whose presence goes away is dropped at once.
 
+Requirements (the thesis's Initiator provides both, Alg. 1 lines 2-9): every actor starts
+from the same weights (``init = common``, the default), and the group is complete at the
+first epoch: it is fixed to the peers live then (in the daemon, set
+``discovery.min_peers`` to the group size − 1); later arrivals are rejected
+(``not_in_group``), since their reference model would differ from the group's.
+
 Communication: votes and synchronizations both count.  The round info and the status
 report messages and bytes sent and received of each kind (``Message.wire_bytes``: the
 encoded frame, envelope included; a broadcast counts once on the sending side).
