@@ -188,33 +188,58 @@ def cmd_table(a: argparse.Namespace) -> None:
                   f"bytes {r['bytes_sent']} ({r['wall_s']:.1f}s)", flush=True)
     name = a.name or f"table_{a.dataset}"
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1) + "\n")
-    lines = [f"# {a.dataset}: test loss / synchronizations (ours)", "",
-             f"command: `{' '.join(sys.argv)}`", ""]
+    doc = {"command": " ".join(sys.argv), "dataset": a.dataset, "seeds": seeds, "rows": rows}
+    (RESULTS / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    report(name)
+
+
+def _front_lines(rows: dict[str, list[dict[str, Any]]], seeds: list[int], key: str, unit: str) -> list[str]:
+    lines = []
+    for i, seed in enumerate(seeds):
+        g = rows["GT"][i]
+        base = {n: rs[i] for n, rs in rows.items() if n != "GT"}
+        dom = [n for n, r in base.items() if r["test_loss"] <= g["test_loss"] and r[key] <= g[key]
+               and (r["test_loss"] < g["test_loss"] or r[key] < g[key])]
+        front = front_loss([(r[key], r["test_loss"]) for r in base.values()], g[key])
+        where = "below" if g["test_loss"] < front else "on" if g["test_loss"] == front else "above"
+        amount = g[key] / 1e6 if key == "bytes_sent" else g[key]
+        lines.append(f"- seed {seed}: GT loss {g['test_loss']:.4f} at {amount:g} {unit}; baseline front there "
+                     f"{front:.4f} -> GT **{where}** the front; "
+                     + (f"dominated by {', '.join(dom)}" if dom else "not dominated by any baseline"))
+    return lines
+
+
+def report(name: str) -> None:
+    """Write ``results/<name>.md`` from ``results/<name>.json``."""
+    doc = json.loads((RESULTS / f"{name}.json").read_text())
+    rows, seeds, dataset = doc["rows"], doc["seeds"], doc["dataset"]
+    g0 = rows["GT"][0]
+    lines = [f"# {dataset}: test loss / synchronizations / bytes (ours)", "",
+             f"command: `{doc['command']}`", "",
+             f"setup: {json.dumps(g0['setup'])}; GT options {json.dumps(g0['options'])}", "",
+             "MB sent = bytes put on the wire by all actors together (a broadcast counts once; "
+             "envelopes and GT's votes included).", ""]
     head = "| exp | " + " | ".join(f"seed {s} loss | sync | MB sent" for s in seeds) + " |"
     lines += [head, "|" + "---|" * (1 + 3 * len(seeds))]
     for name_, rs in rows.items():
         cells = " | ".join(f"{_fmt(r['test_loss'])} | {r['syncs']} | {r['bytes_sent'] / 1e6:.3f}" for r in rs)
         lines.append(f"| {name_} | {cells} |")
-    if a.dataset == "iris" and seeds == [666, 667, 668, 669]:
+    if dataset == "iris" and seeds == [666, 667, 668, 669]:
         lines += ["", "Thesis Table 5.4 (same layout):", "", "| exp | " + " | ".join(
             f"seed {s} loss | sync" for s in seeds) + " |", "|" + "---|" * (1 + 2 * len(seeds))]
         for name_, vals in THESIS_IRIS.items():
             lines.append(f"| {name_} | " + " | ".join(f"{l:.4f} | {n}" for l, n in vals) + " |")
-    lines += ["", "Front check (GT vs baselines, per seed). *Dominated*: some baseline has loss <= GT's "
-              "and syncs <= GT's (one strictly; the thesis's unit-square criterion, Fig. 5.1). *Front*: "
-              "the baselines' loss interpolated linearly in the number of synchronizations at GT's "
-              "count (the best baseline loss at or below GT's count when GT lies outside their range); "
-              "GT is *below* it when its loss is lower.", ""]
-    for i, seed in enumerate(seeds):
-        g = rows["GT"][i]
-        dom = [n for n, rs in rows.items() if n != "GT" and rs[i]["test_loss"] <= g["test_loss"]
-               and rs[i]["syncs"] <= g["syncs"] and (rs[i]["test_loss"] < g["test_loss"] or rs[i]["syncs"] < g["syncs"])]
-        front = front_loss([(rs[i]["syncs"], rs[i]["test_loss"]) for n, rs in rows.items() if n != "GT"], g["syncs"])
-        where = "below" if g["test_loss"] < front else "on" if g["test_loss"] == front else "above"
-        lines.append(f"- seed {seed}: GT loss {g['test_loss']:.4f} with {g['syncs']} syncs; baseline front "
-                     f"there {front:.4f} -> GT {where} the front; "
-                     + (f"dominated by {', '.join(dom)}" if dom else "not dominated by any baseline"))
+    votes = [r["comm"].get("vote_messages_sent", 0) for r in rows["GT"]]
+    lines += ["", f"GT votes sent (all actors): {votes}; vote MB sent: "
+              f"{[round(r['comm'].get('vote_bytes_sent', 0) / 1e6, 3) for r in rows['GT']]}", ""]
+    lines += ["Front check (GT vs baselines, per seed). *Dominated*: some baseline has loss <= GT's "
+              "and cost <= GT's (one strictly; the thesis's unit-square criterion, Fig. 5.1). *Front*: "
+              "the lower envelope of the baselines' (cost, loss) points, interpolated linearly at GT's "
+              "cost (the best baseline at or below GT's cost when GT lies beyond their range); GT is "
+              "*below* it when its loss is lower.", "", "By synchronizations:", ""]
+    lines += _front_lines(rows, seeds, "syncs", "synchronizations")
+    lines += ["", "By bytes sent (votes included):", ""]
+    lines += _front_lines(rows, seeds, "bytes_sent", "MB")
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -226,17 +251,34 @@ def cmd_tune(a: argparse.Namespace) -> None:
     betas = [float(x) for x in a.betas.split(",")]
     alphas = [float(x) for x in a.alphas.split(",")]
     res = []
-    for b in betas:
-        for al in alphas:
-            opts = {"theta_rho": SETUPS[a.dataset]["theta_rho"], "theta_beta": b, "theta_alpha": al}
-            rs = [run_one(a.dataset, "gt", opts, s, **over) for s in seeds]
-            row = {"theta_beta": b, "theta_alpha": al, "val_loss": float(np.mean([r["val_loss"] for r in rs])),
-                   "syncs": float(np.mean([r["syncs"] for r in rs]))}
-            res.append(row)
-            print(row, flush=True)
+    rhos = [float(x) for x in a.rhos.split(",")] if a.rhos else [SETUPS[a.dataset]["theta_rho"]]
+    for rho in rhos:
+        for b in betas:
+            for al in alphas:
+                opts = {"theta_rho": rho, "theta_beta": b, "theta_alpha": al}
+                rs = [run_one(a.dataset, "gt", opts, s, **over) for s in seeds]
+                row = {"theta_rho": rho, "theta_beta": b, "theta_alpha": al,
+                       "val_loss": float(np.mean([r["val_loss"] for r in rs])),
+                       "syncs": float(np.mean([r["syncs"] for r in rs]))}
+                res.append(row)
+                print(row, flush=True)
+    chosen = pick(res)
+    print("chosen:", chosen, flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = a.name or f"tune_{a.dataset}"
-    (RESULTS / f"{name}.json").write_text(json.dumps({"command": " ".join(sys.argv), "grid": res}, indent=1) + "\n")
+    (RESULTS / f"{name}.json").write_text(
+        json.dumps({"command": " ".join(sys.argv), "grid": res, "chosen": chosen, "rule": PICK_RULE}, indent=1) + "\n")
+
+
+PICK_RULE = ("lowest mean validation loss over the tuning seeds; among configurations within 2 % of it, "
+             "the one with the fewest mean synchronizations")
+
+
+def pick(grid: list[dict[str, Any]]) -> dict[str, Any]:
+    """The θ_β, θ_α choice (:data:`PICK_RULE`); validation loss only, never the test split."""
+    best = min(r["val_loss"] for r in grid)
+    near = [r for r in grid if r["val_loss"] <= best * 1.02]
+    return min(near, key=lambda r: (r["syncs"], r["val_loss"]))
 
 
 def cmd_lr(a: argparse.Namespace) -> None:
@@ -268,9 +310,15 @@ def main() -> int:
         elif c == "lr":
             s.add_argument("--lrs", default="0.05,0.1,0.2")
         else:
-            s.add_argument("--betas", default="0.25,0.5,0.75,1.0")
-            s.add_argument("--alphas", default="0.8,0.9,0.95,1.0")
+            s.add_argument("--betas", default="0.25,0.5,1.0")
+            s.add_argument("--alphas", default="0.8,0.95,1.0")
+            s.add_argument("--rhos", default=None, help="θ_ρ values (default: the data set's)")
+    r = sub.add_parser("report", help="rewrite results/<name>.md from results/<name>.json")
+    r.add_argument("name")
     a = p.parse_args()
+    if a.cmd == "report":
+        report(a.name)
+        return 0
     {"table": cmd_table, "tune": cmd_tune, "lr": cmd_lr}[a.cmd](a)
     return 0
 
