@@ -167,7 +167,7 @@ class LockStepAlgorithm(Algorithm):
             self.group -= set(peers)
 
     def _count(self, prefix: str, sent: int, got: list[Message]) -> None:
-        self.comm[f"{prefix}_messages_sent"] += 1
+        self.comm[f"{prefix}_messages_sent"] += int(sent > 0)
         self.comm[f"{prefix}_bytes_sent"] += int(sent)
         self.comm[f"{prefix}_messages_received"] += len(got)
         self.comm[f"{prefix}_bytes_received"] += sum(int(m.wire_bytes) for m in got)

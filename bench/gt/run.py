@@ -180,7 +180,13 @@ def cmd_table(a: argparse.Namespace) -> None:
     gt_opts = json.loads(a.gt_options)
     over = json.loads(a.override)
     rows: dict[str, list[dict[str, Any]]] = {}
+    if a.merge:  # reuse the baselines of an earlier table (same data set and seeds)
+        prev = json.loads((RESULTS / f"{a.merge}.json").read_text())
+        assert prev["seeds"] == seeds and prev["dataset"] == a.dataset
+        rows = {n: rs for n, rs in prev["rows"].items() if n != "GT"}
     for name, (alg, opts) in variants(a.dataset, gt_opts).items():
+        if name in rows:
+            continue
         for seed in seeds:
             r = run_one(a.dataset, alg, opts, seed, **over)
             rows.setdefault(name, []).append(r)
@@ -307,6 +313,7 @@ def main() -> int:
         s.add_argument("--name", default=None)
         if c == "table":
             s.add_argument("--gt-options", default="{}", help="JSON gt options (θ_β, θ_α)")
+            s.add_argument("--merge", default=None, help="take the baselines from results/<name>.json")
         elif c == "lr":
             s.add_argument("--lrs", default="0.05,0.1,0.2")
         else:
