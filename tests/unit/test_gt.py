@@ -211,3 +211,14 @@ def test_dead_voter_never_stalls_the_others():
     assert end < 5.0 + 1e-9
     assert all(a.syncs >= 2 for a in algs[:2])
     _same_models(algs[:2])
+
+
+def test_iris_loader():
+    pytest.importorskip("sklearn")
+    from agent.data import load_dataset
+
+    b = load_dataset("iris")
+    assert b.pool.x.shape[1:] == (4,) and b.pool.x.dtype == np.float32
+    assert len(b.pool) == 135 and len(b.test) == 15  # 90 % / 10 %
+    assert sorted(np.unique(b.test.y).tolist()) == [0, 1, 2]  # stratified
+    assert np.array_equal(load_dataset("iris").test.x, b.test.x)
