@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--algorithm", default="fedavg")
     s.add_argument("--nodes", type=int, default=10)
     s.add_argument("--rounds", type=int, default=20)
-    s.add_argument("--dataset", default="har", choices=["har", "digits", "idx", "npz"])
+    s.add_argument("--dataset", default="har", choices=["har", "digits", "idx", "npz", "iris"])
     s.add_argument("--dataset-path", default=None, help="directory for --dataset idx|npz")
     s.add_argument("--partition", default="by-user", choices=["iid", "dirichlet", "shards", "by-user"])
     s.add_argument("--beta", type=float, default=0.5, help="Dirichlet concentration (label skew)")

@@ -38,6 +38,7 @@ from torch import nn
 from agent.algorithms.base import Algorithm, register
 from agent.algorithms.context import Message
 from agent.algorithms.fedavg import collect_round
+from agent.algorithms.market import SyncOptions, UpdateMarket, send_with_participation
 from agent.learning import hessian as hess
 from agent.learning.aggregation import weighted_average
 from agent.learning.params import load_numpy, model_to_numpy
@@ -49,8 +50,9 @@ DELIVERIES = ("auto", "unicast", "broadcast")
 
 
 @dataclasses.dataclass
-class NeighbourhoodOptions:
-    """Options shared by ``dechw``, ``dechetero`` and ``cfa``.
+class NeighbourhoodOptions(SyncOptions):
+    """Options shared by ``dechw``, ``dechetero`` and ``cfa`` (plus the synchronization
+    options of :class:`agent.algorithms.market.SyncOptions`: ``sync``, ``participation``, ...).
 
     Attributes:
         round_timeout: seconds a round waits for the neighbours' previous-round
@@ -67,6 +69,7 @@ class NeighbourhoodOptions:
     delivery: str = "auto"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.round_timeout > 0:
             raise ValueError(f"round_timeout must be > 0, got {self.round_timeout}")
         if not self.poll_interval > 0:
@@ -86,6 +89,7 @@ class NeighbourhoodAlgorithm(Algorithm):
         self.model = self.new_model()
         self.samples = int(len(self.ctx.data.train_y))
         self._bootstrapped = False
+        self.market = UpdateMarket.from_options(self.options)
 
     # -- hooks --------------------------------------------------------------------
     def extra_names(self) -> frozenset[str]:
@@ -112,6 +116,9 @@ class NeighbourhoodAlgorithm(Algorithm):
         tensors = {**model_to_numpy(self.model), **extra}
         meta = {"samples": self.samples, "hessian": bool(extra)}
         neighbours = ctx.neighbours()
+        if self.options.participation:  # partial device participation (seed 003 §3.6.4)
+            await send_with_participation(ctx, MODEL_KIND, t, tensors, meta, self.options.participation, neighbours)
+            return
         mode = self.options.delivery
         if mode == "auto":
             mode = "broadcast" if set(neighbours) == set(ctx.live_peers()) else "unicast"
@@ -134,16 +141,21 @@ class NeighbourhoodAlgorithm(Algorithm):
         own = model_to_numpy(self.model)
         deadline = ctx.clock.now() + self.options.round_timeout
         got, missing = await collect_round(
-            ctx, MODEL_KIND, t - 1, deadline, self.options.poll_interval, own, extra_tensors=self.extra_names()
+            ctx, MODEL_KIND, t - 1, deadline, self.options.poll_interval, own, extra_tensors=self.extra_names(),
+            market=self.market,
         )
         msgs = [got[s] for s in sorted(got)]
         tensors, info = self.aggregate(t, own, msgs)
         load_numpy(self.model, tensors)
         stats = await self._train_and_send(t)  # Alg. 1 lines 9-11
-        return {"train_loss": stats["loss"], "neighbours": len(msgs), "missing": missing, **info}
+        return {"train_loss": stats["loss"], "neighbours": len(msgs), "missing": missing, **info,
+                **self.market.last.info()}
 
     def deployable_model(self) -> nn.Module:
         return self.model
+
+    def status(self) -> dict[str, Any]:
+        return self.market.status()
 
 
 @dataclasses.dataclass
@@ -276,7 +288,7 @@ class DecHW(NeighbourhoodAlgorithm):
 
     def status(self) -> dict[str, Any]:
         theta = self.options.theta
-        return {"hessian_sent": self.hessian_sent, "theta": None if math.isinf(theta) else int(theta)}
+        return {**super().status(), "hessian_sent": self.hessian_sent, "theta": None if math.isinf(theta) else int(theta)}
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

@@ -16,6 +16,7 @@ from torch import nn
 
 from agent.algorithms.base import Algorithm, register
 from agent.algorithms.context import Message
+from agent.algorithms.market import SyncOptions, UpdateMarket, send_with_participation
 from agent.learning.aggregation import weighted_average
 from agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
 from agent.learning.training import train_local
@@ -24,8 +25,9 @@ MODEL_KIND = "model"
 
 
 @dataclasses.dataclass
-class FedAvgOptions:
-    """Options of ``fedavg``.
+class FedAvgOptions(SyncOptions):
+    """Options of ``fedavg`` (plus the synchronization options of
+    :class:`agent.algorithms.market.SyncOptions`: ``sync``, ``participation``, ...).
 
     Attributes:
         round_timeout: seconds a round waits for neighbours' models after sending its own.
@@ -37,18 +39,41 @@ class FedAvgOptions:
     poll_interval: float = 0.5
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.round_timeout > 0:
             raise ValueError(f"round_timeout must be > 0, got {self.round_timeout}")
         if not self.poll_interval > 0:
             raise ValueError(f"poll_interval must be > 0, got {self.poll_interval}")
 
 
+def update_problem(msg: Message, template, extra_tensors: frozenset[str] = frozenset()) -> str | None:
+    """Why ``msg`` is not a usable model update (``"reason: detail"``), or None.
+
+    Checks the tensors against ``template`` (names/shapes/dtypes; names in
+    ``extra_tensors`` may come in addition) and that ``meta["samples"]`` is a positive number.
+    """
+    try:
+        check_compatible({k: v for k, v in msg.tensors.items() if k not in extra_tensors}, template)
+    except IncompatibleUpdate as exc:
+        return f"incompatible: {exc}"
+    samples = msg.meta.get("samples")
+    if not isinstance(samples, (int, float)) or isinstance(samples, bool) or not samples > 0:
+        return "bad_meta: samples"
+    return None
+
+
 async def collect_round(
-    ctx, kind: str, t: int, deadline: float, poll: float, template, extra_tensors: frozenset[str] = frozenset()
+    ctx, kind: str, t: int, deadline: float, poll: float, template, extra_tensors: frozenset[str] = frozenset(),
+    market: UpdateMarket | None = None,
 ) -> tuple[dict, list[str]]:
     """Receive round-``t`` messages of ``kind`` from every live neighbour
     (``ctx.neighbours()``) until ``deadline``; messages of non-neighbours are rejected
     and counted (``not_neighbour``).
+
+    With a ``market`` (:mod:`agent.algorithms.market`), its synchronization strategy
+    decides when the round proceeds and which queued updates it takes; the newest
+    taken update of each sender is returned (empty partial-participation updates are
+    left out, and their senders are not missing).  Without one: ``one_from_each``.
 
     Messages whose tensors do not match ``template`` (names/shapes/dtypes; names in
     ``extra_tensors`` may come in addition and are not checked here) or whose
@@ -57,6 +82,12 @@ async def collect_round(
     Returns:
         ``({sender: message}, missing_peer_ids)``.
     """
+    if market is not None:
+        res = await market.collect(
+            ctx, kind, t, deadline=deadline, poll=poll,
+            validate=lambda m: update_problem(m, template, extra_tensors),
+        )
+        return res.latest(), res.missing
     got: dict[str, Message] = {}
     while True:
         neighbours = ctx.neighbours()
@@ -91,19 +122,29 @@ class FedAvg(Algorithm):
 
     async def setup(self) -> None:
         self.model = self.new_model()
+        self.market = UpdateMarket.from_options(self.options)
 
     async def round(self, t: int) -> dict[str, Any]:
         ctx, d = self.ctx, self.ctx.data
         stats = await ctx.compute(train_local, self.model, d.train_x, d.train_y, ctx.train, ctx.rng, ctx.device)
         own = model_to_numpy(self.model)
         n_own = int(len(d.train_y))
-        await ctx.broadcast(Message(MODEL_KIND, t, own, meta={"samples": n_own}))
+        if self.options.participation:  # partial device participation (seed 003 §3.6.4)
+            await send_with_participation(ctx, MODEL_KIND, t, own, {"samples": n_own}, self.options.participation)
+        else:
+            await ctx.broadcast(Message(MODEL_KIND, t, own, meta={"samples": n_own}))
         deadline = ctx.clock.now() + self.options.round_timeout
-        got, missing = await collect_round(ctx, MODEL_KIND, t, deadline, self.options.poll_interval, own)
+        got, missing = await collect_round(
+            ctx, MODEL_KIND, t, deadline, self.options.poll_interval, own, market=self.market
+        )
         senders = sorted(got)
         avg = weighted_average([own] + [got[s].tensors for s in senders], [n_own] + [got[s].meta["samples"] for s in senders])
         load_numpy(self.model, avg)
-        return {"train_loss": stats["loss"], "neighbours": len(senders), "missing": missing}
+        return {"train_loss": stats["loss"], "neighbours": len(senders), "missing": missing,
+                **self.market.last.info()}
 
     def deployable_model(self) -> nn.Module:
         return self.model
+
+    def status(self) -> dict[str, Any]:
+        return self.market.status()

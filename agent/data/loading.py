@@ -19,7 +19,7 @@ from agent.data.partition import partition
 
 __all__ = ["DATASETS", "load_dataset", "make_node_data", "node_data_for"]
 
-DATASETS: tuple[str, ...] = ("har", "digits", "idx", "npz")
+DATASETS: tuple[str, ...] = ("har", "digits", "idx", "npz", "iris")
 
 
 def load_dataset(name: str, *, path: str | os.PathLike[str] | None = None,
@@ -31,6 +31,7 @@ def load_dataset(name: str, *, path: str | os.PathLike[str] | None = None,
             ``har`` (UCI HAPT from the installed package, cached as npz in
             ``cache_dir``; see :mod:`agent.data.har`),
             ``digits`` (scikit-learn; :mod:`agent.data.digits`),
+            ``iris`` (scikit-learn; :mod:`agent.data.iris`),
             ``idx`` (MNIST-format files in directory ``path``;
             :mod:`agent.data.idx`),
             ``npz`` (device data directory ``path``; :mod:`agent.data.npzdir`).
@@ -58,6 +59,9 @@ def load_dataset(name: str, *, path: str | os.PathLike[str] | None = None,
     if name == "digits":
         from agent.data.digits import load_digits
         return load_digits()
+    if name == "iris":
+        from agent.data.iris import load_iris
+        return load_iris()
     if name == "idx":
         from agent.data.idx import load_idx
         return load_idx(path)  # type: ignore[arg-type]

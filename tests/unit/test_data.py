@@ -56,7 +56,7 @@ def test_public_api() -> None:
     assert set(data.__all__) == {"Dataset", "DatasetBundle", "NodeData", "load_dataset",
                                  "partition", "make_node_data", "node_data_for",
                                  "DATASETS", "PARTITIONS"}
-    assert DATASETS == ("har", "digits", "idx", "npz")
+    assert DATASETS == ("har", "digits", "idx", "npz", "iris")
     assert PARTITIONS == ("iid", "dirichlet", "shards", "by-user")
 
 

@@ -1,0 +1,362 @@
+"""The model update market and its synchronization strategies (seed 003, MoDeFL thesis §3.6.3).
+
+Received updates queue per sender (``putUpdate()``); a *synchronization strategy*
+decides when a round's aggregation may proceed and which queued updates it takes
+(``get()``, Fig. 3.3):
+
+==========================  ===========================================================
+``one_from_each``           one update from every neighbour (strictly synchronous)
+``available``               every update queued now, no waiting (asynchronous)
+``min_one_from_each``       every update queued, but at least one from each neighbour
+``one_from_min_percent``    one update from at least ⌈p·|neighbours|⌉ neighbours
+``min_k``                   every update queued, but at least k in total
+``one_from_each_t``         one from each neighbour, or whatever arrived by a timeout
+==========================  ===========================================================
+
+On real devices every strategy also has a *deadline* (ALGORITHMS.md): when it passes,
+the round proceeds with whatever the strategy can take, so no round waits forever
+for a dead peer.  Neighbours are re-read while waiting (``ctx.neighbours()`` or the
+caller's ``peers``): a peer whose presence went away stops being waited for, and
+``min_k`` never asks for more updates than there are live neighbours.
+
+Rounds: an update is *eligible* for target round t when
+``t − max_staleness <= update.round <= t``.  Updates of later rounds stay queued for
+their round; older ones are dropped (counted ``stale``).  With ``max_staleness = 0``
+(default) only round-t updates count, which is the lock-step behaviour of the
+averaging algorithms before the market existed.  A sender's queue keeps at most
+``max_queue`` updates (oldest dropped, counted ``overflow``).
+
+Partial device participation (§3.6.4): :func:`select_participants` draws k random
+neighbours that receive the model; the others receive an *empty update*
+(``meta["empty"] = True``, no tensors), which counts as "arrived" for the strategies
+but is not aggregated, so nobody waits for a model that was never sent.
+
+This module knows nothing about models: the caller validates updates
+(``validate(msg) -> reason | None``) and aggregates what :meth:`UpdateMarket.collect`
+returns.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from agent.algorithms.context import Message
+
+STRATEGIES = (
+    "one_from_each",
+    "available",
+    "min_one_from_each",
+    "one_from_min_percent",
+    "min_k",
+    "one_from_each_t",
+)
+
+EMPTY_KEY = "empty"
+
+
+def is_empty(msg: Message) -> bool:
+    """Whether ``msg`` is a partial-participation placeholder (no model in it)."""
+    return msg.meta.get(EMPTY_KEY) is True and not msg.tensors
+
+
+@dataclasses.dataclass
+class SyncOptions:
+    """Synchronization options shared by the averaging algorithms (``fedavg``, ``dechw``,
+    ``dechetero``, ``cfa``); the defaults reproduce their lock-step behaviour.
+
+    Attributes:
+        sync: the strategy (see the module table).
+        sync_k: k of ``min_k`` (>= 1; capped at the number of live neighbours).
+        sync_percent: p of ``one_from_min_percent`` in (0, 1] (⌈p·n⌉ neighbours).
+        sync_timeout: seconds ``one_from_each_t`` waits (the round deadline still
+            applies when it is shorter).
+        max_staleness: rounds an update may lag behind the round it is used in (0 = only
+            the current round's updates).
+        max_queue: updates kept per sender in the market (oldest dropped beyond it).
+        participation: partial device participation: send the model to this many random
+            neighbours, an empty update to the others (0 = all neighbours, default).
+    """
+
+    sync: str = "one_from_each"
+    sync_k: int = 1
+    sync_percent: float = 0.5
+    sync_timeout: float = 2.0
+    max_staleness: int = 0
+    max_queue: int = 16
+    participation: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sync not in STRATEGIES:
+            raise ValueError(f"sync must be one of {STRATEGIES}, got {self.sync!r}")
+        if self.sync_k < 1:
+            raise ValueError(f"sync_k must be >= 1, got {self.sync_k}")
+        if not 0.0 < self.sync_percent <= 1.0:
+            raise ValueError(f"sync_percent must be in (0, 1], got {self.sync_percent}")
+        if not self.sync_timeout > 0:
+            raise ValueError(f"sync_timeout must be > 0, got {self.sync_timeout}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.participation < 0:
+            raise ValueError(f"participation must be >= 0 (0 = all neighbours), got {self.participation}")
+
+
+@dataclasses.dataclass
+class CollectResult:
+    """What one :meth:`UpdateMarket.collect` call took.
+
+    Attributes:
+        taken: ``{sender: [updates, oldest first]}`` (empty updates included).
+        missing: neighbours that had no eligible update when the call returned.
+        deadline_hit: the strategy was not satisfied before the deadline.
+        waited: seconds (clock) the call waited.
+        messages: updates taken; ``bytes``: their wire bytes (envelopes included).
+    """
+
+    taken: dict[str, list[Message]]
+    missing: list[str]
+    deadline_hit: bool
+    waited: float
+    messages: int
+    bytes: int
+
+    def latest(self, include_empty: bool = False) -> dict[str, Message]:
+        """The newest taken update of every sender (empty ones left out unless asked)."""
+        out = {}
+        for sender, msgs in self.taken.items():
+            usable = [m for m in msgs if include_empty or not is_empty(m)]
+            if usable:
+                out[sender] = max(usable, key=lambda m: m.round)
+        return out
+
+    def info(self) -> dict[str, Any]:
+        """Round info for metrics (JSON-friendly)."""
+        return {
+            "sync_waited": self.waited,
+            "sync_deadline_hit": self.deadline_hit,
+            "updates_taken": self.messages,
+            "update_bytes_taken": self.bytes,
+        }
+
+
+class UpdateMarket:
+    """Per-sender update queues and one synchronization strategy (seed 003 §3.6.3).
+
+    Args:
+        strategy: one of :data:`STRATEGIES`.
+        k, percent, timeout: the strategy parameters (see :class:`SyncOptions`).
+        max_staleness, max_queue: see the module docstring.
+
+    Raises:
+        ValueError: unknown strategy or out-of-range parameter.
+    """
+
+    def __init__(
+        self,
+        strategy: str = "one_from_each",
+        *,
+        k: int = 1,
+        percent: float = 0.5,
+        timeout: float = 2.0,
+        max_staleness: int = 0,
+        max_queue: int = 16,
+    ):
+        SyncOptions(strategy, k, percent, timeout, max_staleness, max_queue)  # validation
+        self.strategy = strategy
+        self.k = k
+        self.percent = percent
+        self.timeout = timeout
+        self.max_staleness = max_staleness
+        self.max_queue = max_queue
+        self.queues: dict[str, collections.deque[Message]] = collections.defaultdict(collections.deque)
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.last: CollectResult | None = None
+
+    @classmethod
+    def from_options(cls, o: SyncOptions) -> "UpdateMarket":
+        """The market an algorithm's :class:`SyncOptions` describe."""
+        return cls(o.sync, k=o.sync_k, percent=o.sync_percent, timeout=o.sync_timeout,
+                   max_staleness=o.max_staleness, max_queue=o.max_queue)
+
+    # -- putUpdate ------------------------------------------------------------------
+    def put(self, msg: Message) -> None:
+        """Queue a (validated) update under its sender; drops the oldest beyond ``max_queue``."""
+        q = self.queues[msg.sender]
+        q.append(msg)
+        self.stats["received"] += 1
+        self.stats["received_bytes"] += int(msg.wire_bytes)
+        while len(q) > self.max_queue:
+            q.popleft()
+            self.stats["overflow"] += 1
+
+    def _prune(self, t: int) -> None:
+        lo = t - self.max_staleness
+        for q in self.queues.values():
+            keep = [m for m in q if m.round >= lo]
+            self.stats["stale"] += len(q) - len(keep)
+            q.clear()
+            q.extend(keep)
+
+    def _eligible(self, sender: str, t: int) -> list[Message]:
+        return [m for m in self.queues.get(sender, ()) if m.round <= t]
+
+    # -- the strategies ------------------------------------------------------------------
+    def required(self, peers: list[str]) -> int:
+        """How many updates (``min_k``) or senders (the others) must be there before the
+        deadline; 0 for ``available``."""
+        n = len(peers)
+        if self.strategy == "available":
+            return 0
+        if self.strategy == "min_k":
+            return min(self.k, n)
+        if self.strategy == "one_from_min_percent":
+            return min(n, math.ceil(self.percent * n - 1e-9))
+        return n
+
+    def ready(self, t: int, peers: list[str]) -> bool:
+        """Whether the strategy may proceed now for target round ``t`` over ``peers``."""
+        counts = {p: len(self._eligible(p, t)) for p in peers}
+        need = self.required(peers)
+        if self.strategy == "min_k":
+            return sum(counts.values()) >= need
+        return sum(1 for c in counts.values() if c > 0) >= need
+
+    def take(self, t: int, peers: list[str]) -> dict[str, list[Message]]:
+        """``get()``: remove and return what the strategy takes now (does not wait).
+
+        ``one_from_each``/``one_from_each_t``/``one_from_min_percent`` take the oldest
+        eligible update of every neighbour that has one; ``available``,
+        ``min_one_from_each`` and ``min_k`` take all eligible updates.
+        """
+        one = self.strategy in ("one_from_each", "one_from_each_t", "one_from_min_percent")
+        out: dict[str, list[Message]] = {}
+        for p in peers:
+            el = self._eligible(p, t)
+            if not el:
+                continue
+            chosen = el[:1] if one else el
+            q = self.queues[p]
+            for m in chosen:
+                q.remove(m)
+            out[p] = chosen
+        return out
+
+    # -- collection from a NodeContext --------------------------------------------------
+    async def collect(
+        self,
+        ctx: Any,
+        kind: str | tuple[str, ...],
+        t: int,
+        *,
+        deadline: float,
+        poll: float = 0.5,
+        peers: Callable[[], Iterable[str]] | None = None,
+        validate: Callable[[Message], str | None] | None = None,
+        outsider_reason: str = "not_neighbour: sender is not a live neighbour",
+    ) -> CollectResult:
+        """Pull ``kind`` messages from ``ctx`` into the market until the strategy is
+        satisfied for round ``t`` or ``deadline`` (absolute clock time) passes, then take.
+
+        Args:
+            ctx: a :class:`~agent.algorithms.context.NodeContext`.
+            peers: who to wait for (re-read every ``poll`` seconds); default ``ctx.neighbours``.
+            validate: returns a rejection reason (``"reason: detail"``) for a bad update;
+                rejected updates are counted by ``ctx.reject`` and never queued.
+            outsider_reason: rejection reason for updates from senders not in ``peers``.
+
+        Returns:
+            :class:`CollectResult` (also kept in :attr:`last`).
+        """
+        clock = ctx.clock
+        start = clock.now()
+        peer_fn = peers or ctx.neighbours
+        if self.strategy == "one_from_each_t":
+            deadline = min(deadline, start + self.timeout)
+        self._prune(t)
+        while True:
+            current = sorted(peer_fn())
+            now = clock.now()
+            # drain what already arrived without waiting
+            while True:
+                msg = await ctx.receive(kind, deadline=now)
+                if msg is None:
+                    break
+                self._intake(ctx, msg, t, current, validate, outsider_reason)
+            satisfied = self.ready(t, current)
+            if satisfied or now >= deadline:
+                taken = self.take(t, current)
+                missing = [p for p in current if p not in taken]
+                msgs = [m for ms in taken.values() for m in ms]
+                res = CollectResult(
+                    taken, missing, not satisfied, now - start, len(msgs), sum(int(m.wire_bytes) for m in msgs)
+                )
+                self.stats["deadline_hit"] += int(not satisfied)
+                self.last = res
+                return res
+            msg = await ctx.receive(kind, deadline=min(deadline, now + poll))
+            if msg is not None:
+                self._intake(ctx, msg, t, current, validate, outsider_reason)
+
+    def _intake(self, ctx: Any, msg: Message, t: int, peers: list[str], validate, outsider_reason: str) -> None:
+        if msg.sender not in peers:
+            ctx.reject(msg, outsider_reason)
+            return
+        if msg.round < t - self.max_staleness:
+            self.stats["stale"] += 1
+            return
+        if validate is not None and not is_empty(msg):
+            problem = validate(msg)
+            if problem:
+                ctx.reject(msg, problem)
+                return
+        self.put(msg)
+
+    def status(self) -> dict[str, Any]:
+        """Market counters for the status topic."""
+        return {"sync": self.strategy, "market": dict(self.stats),
+                "queued": {p: len(q) for p, q in self.queues.items() if q}}
+
+
+def select_participants(neighbours: list[str], k: int, rng: np.random.Generator) -> list[str]:
+    """Partial device participation (seed 003 §3.6.4): ``k`` neighbours drawn uniformly
+    without replacement with the node's rng (all of them when ``k <= 0`` or ``k >= n``).
+
+    Returns:
+        The chosen ids, sorted.
+    """
+    if k <= 0 or k >= len(neighbours):
+        return sorted(neighbours)
+    idx = rng.choice(len(neighbours), size=k, replace=False)
+    return sorted(neighbours[int(i)] for i in idx)
+
+
+def empty_update(kind: str, t: int, meta: dict[str, Any] | None = None) -> Message:
+    """The placeholder a non-selected neighbour receives under partial participation."""
+    return Message(kind, t, {}, meta={**(meta or {}), EMPTY_KEY: True})
+
+
+async def send_with_participation(
+    ctx: Any, kind: str, t: int, tensors: dict[str, np.ndarray], meta: dict[str, Any], participation: int,
+    neighbours: list[str] | None = None,
+) -> dict[str, int]:
+    """Send a model update to ``participation`` random neighbours and an empty update to
+    the rest (unicast; seed 003 §3.6.4).
+
+    Returns:
+        ``{"participants": k, "pdp_bytes": bytes sent}``.
+    """
+    nbrs = sorted(ctx.neighbours() if neighbours is None else neighbours)
+    chosen = set(select_participants(nbrs, participation, ctx.rng))
+    sent = 0
+    for p in nbrs:
+        if p in chosen:
+            sent += await ctx.send(p, Message(kind, t, tensors, meta=dict(meta)))
+        else:
+            sent += await ctx.send(p, empty_update(kind, t, meta))
+    return {"participants": len(chosen), "pdp_bytes": sent}

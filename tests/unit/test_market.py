@@ -1,0 +1,195 @@
+"""The model update market (seed 003 §3.6.3): every synchronization strategy with a fast,
+a slow and a dead peer (silent but present, or crashed with its last will), on the
+memory transport with virtual time; the market wired into fedavg and dechetero;
+partial device participation."""
+
+import asyncio
+import types
+
+import numpy as np
+import pytest
+
+from agent.algorithms.base import get_algorithm, parse_options
+from agent.algorithms.context import Message
+from agent.algorithms.market import STRATEGIES, UpdateMarket, select_participants
+from agent.discovery.peers import PeerTable
+from agent.learning.training import TrainConfig
+from agent.runtime.context import RuntimeContext
+from agent.transport.memory import MemoryNetwork, run_virtual
+
+START, SLOW_AT, DEADLINE = 0.1, 3.0, 10.0
+
+
+def _ctx(net, nid):
+    return RuntimeContext(
+        node_id=nid, federation="f", transport=net.transport(nid, "f"), peers=PeerTable(nid, "f"), data=None,
+        model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0),
+    )
+
+
+def scenario(strategy, dead="silent", fast_msgs=1, **kw):
+    """``me`` collects round-1 updates; ``fast`` sends at 0, ``slow`` at 3 s, ``dead`` never
+    (``silent``: still present; ``killed``: crashed, presence withdrawn).  Deadline 10 s."""
+    net = MemoryNetwork()
+    ctxs = {nid: _ctx(net, nid) for nid in ("me", "fast", "slow", "dead")}
+
+    async def send(nid, delay, n):
+        await asyncio.sleep(delay)
+        for j in range(n):
+            await ctxs[nid].send("me", Message("model", 1, {"x": np.full(2, j, np.float32)}, meta={"samples": 1}))
+
+    async def main():
+        for c in ctxs.values():
+            await c.start()
+        if dead == "killed":
+            net.kill("dead")
+        senders = [asyncio.ensure_future(send("fast", 0.0, fast_msgs)), asyncio.ensure_future(send("slow", SLOW_AT, 1))]
+        await asyncio.sleep(START)
+        market = UpdateMarket(strategy, **kw)
+        res = await market.collect(ctxs["me"], "model", 1, deadline=START + DEADLINE, poll=0.5)
+        end = asyncio.get_running_loop().time()
+        await asyncio.gather(*senders)
+        return res, end
+
+    return run_virtual(main())
+
+
+def _counts(res):
+    return {s: len(m) for s, m in res.taken.items()}
+
+
+# (strategy, options, fast_msgs) -> expected (end time, taken counts, deadline hit) with a
+# silent dead peer, and with a crashed one
+CASES = [
+    ("one_from_each", {}, 1,
+     (START + DEADLINE, {"fast": 1, "slow": 1}, True), (SLOW_AT, {"fast": 1, "slow": 1}, False)),
+    ("available", {}, 1,
+     (START, {"fast": 1}, False), (START, {"fast": 1}, False)),
+    ("min_one_from_each", {}, 2,
+     (START + DEADLINE, {"fast": 2, "slow": 1}, True), (SLOW_AT, {"fast": 2, "slow": 1}, False)),
+    ("one_from_min_percent", {"percent": 0.6}, 2,  # ⌈0.6·3⌉ = 2 of 3, ⌈0.6·2⌉ = 2 of 2
+     (SLOW_AT, {"fast": 1, "slow": 1}, False), (SLOW_AT, {"fast": 1, "slow": 1}, False)),
+    ("one_from_min_percent", {"percent": 0.3}, 1,  # ⌈0.9⌉ = 1: the fast one suffices
+     (START, {"fast": 1}, False), (START, {"fast": 1}, False)),
+    ("min_k", {"k": 3}, 1,  # 3 updates from 3 peers: the dead one blocks until the deadline;
+     (START + DEADLINE, {"fast": 1, "slow": 1}, True),  # crashed: k is capped at the 2 live peers
+     (SLOW_AT, {"fast": 1, "slow": 1}, False)),
+    ("min_k", {"k": 2}, 2,
+     (START, {"fast": 2}, False), (START, {"fast": 2}, False)),
+    ("one_from_each_t", {"timeout": 5.0}, 1,
+     (START + 5.0, {"fast": 1, "slow": 1}, True), (SLOW_AT, {"fast": 1, "slow": 1}, False)),
+]
+
+
+@pytest.mark.parametrize("strategy,opts,fast_msgs,silent,killed", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_strategy_with_slow_and_dead_peer(strategy, opts, fast_msgs, silent, killed):
+    for dead, (t_end, counts, hit) in (("silent", silent), ("killed", killed)):
+        res, end = scenario(strategy, dead=dead, fast_msgs=fast_msgs, **opts)
+        assert end == pytest.approx(t_end), (dead, end)
+        assert _counts(res) == counts, dead
+        assert res.deadline_hit is hit, dead
+        assert end <= START + DEADLINE + 1e-9  # never past the deadline
+        if dead == "silent" and strategy != "available":
+            assert "dead" in res.missing
+
+
+def test_every_strategy_is_covered():
+    assert {c[0] for c in CASES} == set(STRATEGIES)
+
+
+def test_staleness_and_future_rounds():
+    m = UpdateMarket("min_one_from_each", max_staleness=1)
+    for r in (1, 2, 3, 4):
+        m.put(Message("model", r, sender="p"))
+    m._prune(3)  # round 1 is too old for target round 3 with staleness 1
+    taken = m.take(3, ["p"])
+    assert [x.round for x in taken["p"]] == [2, 3]  # round 4 stays queued for its round
+    assert [x.round for x in m.queues["p"]] == [4] and m.stats["stale"] == 1
+    q = UpdateMarket(max_queue=2)
+    for r in (1, 1, 1):
+        q.put(Message("model", r, sender="p"))
+    assert len(q.queues["p"]) == 2 and q.stats["overflow"] == 1
+
+
+def test_bad_options_name_the_key():
+    with pytest.raises(ValueError, match="sync must be one of"):
+        parse_options(get_algorithm("fedavg"), {"sync": "whenever"})
+    with pytest.raises(ValueError, match="sync_percent"):
+        parse_options(get_algorithm("cfa"), {"sync": "one_from_min_percent", "sync_percent": 1.5})
+    with pytest.raises(ValueError, match="participation"):
+        parse_options(get_algorithm("dechw"), {"participation": -1})
+
+
+def test_select_participants():
+    rng = np.random.default_rng(0)
+    chosen = select_participants(["a", "b", "c", "d"], 2, rng)
+    assert len(chosen) == 2 and set(chosen) <= {"a", "b", "c", "d"}
+    assert select_participants(["b", "a"], 0, rng) == ["a", "b"]
+
+
+# -- wired into the averaging algorithms ------------------------------------------------
+
+SPEC = {"type": "mlp", "input_shape": [4], "hidden": [8], "num_classes": 2}
+
+
+def _data(seed, n=24):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    return types.SimpleNamespace(train_x=x, train_y=y, val_x=x[:0], val_y=y[:0], num_classes=2)
+
+
+def _federation(n, algorithm, options, running=None, rounds=2):
+    net = MemoryNetwork()
+    cls = get_algorithm(algorithm)
+    opts = parse_options(cls, options)
+    algs = []
+    for i in range(n):
+        nid = f"n{i}"
+        ctx = RuntimeContext(
+            node_id=nid, federation="f", transport=net.transport(nid, "f"), peers=PeerTable(nid, "f"),
+            data=_data(i), model_spec=SPEC, train=TrainConfig(batch_size=8, lr=0.1), init_seed=0,
+            rng=np.random.default_rng(i),
+        )
+        algs.append(cls(ctx, opts))
+    infos = {a.ctx.node_id: [] for a in algs}
+    for a in algs:
+        async def hook(t, info, nid=a.ctx.node_id):
+            infos[nid].append(info)
+        a.ctx.round_hook = hook
+    running = list(range(n)) if running is None else running
+
+    async def main():
+        for a in algs:
+            await a.ctx.start()
+            await a.setup()
+        await asyncio.gather(*(algs[i].run(rounds) for i in running))
+        return asyncio.get_running_loop().time()
+
+    return algs, infos, run_virtual(main())
+
+
+def test_fedavg_one_from_each_t_waits_the_timeout_not_the_round_deadline():
+    algs, infos, end = _federation(3, "fedavg", {"sync": "one_from_each_t", "sync_timeout": 2.0,
+                                                 "round_timeout": 30.0}, running=[0, 1])
+    assert end == pytest.approx(4.0)  # 2 rounds x 2 s for the silent n2
+    assert infos["n0"][-1]["missing"] == ["n2"] and infos["n0"][-1]["neighbours"] == 1
+    assert infos["n0"][-1]["sync_deadline_hit"] is True
+
+
+def test_fedavg_partial_participation_sends_empty_updates():
+    algs, infos, end = _federation(4, "fedavg", {"participation": 1}, rounds=2)
+    assert end == 0.0  # empty updates count as arrived: nobody waits for the deadline
+    for a in algs:
+        assert all(i["missing"] == [] for i in infos[a.ctx.node_id])
+        assert all(i["updates_taken"] == 3 for i in infos[a.ctx.node_id])
+    # each node received 1..3 models in all over the run; on average exactly one per round
+    assert sum(i["neighbours"] for v in infos.values() for i in v) == 4 * 2
+
+
+def test_dechetero_with_min_k():
+    algs, infos, end = _federation(3, "dechetero", {"sync": "min_k", "sync_k": 1, "round_timeout": 9.0},
+                                   running=[0, 1], rounds=3)
+    assert end == 0.0  # one update suffices; the silent n2 is never waited for
+    assert all(i["neighbours"] == 1 for i in infos["n0"])
+    assert algs[0].status()["sync"] == "min_k"
