@@ -20,6 +20,7 @@ from agent.algorithms.base import get_algorithm, parse_options
 from agent.algorithms.topology import build_topology
 from agent.data import load_dataset, make_node_data, partition
 from agent.discovery.peers import PeerTable
+from agent.learning.compression import CompressionPolicy
 from agent.learning.training import TrainConfig
 from agent.models import default_spec, validate_spec
 from agent.models.families import family_specs
@@ -57,6 +58,11 @@ class SimConfig:
             spread evenly over the nodes (overrides ``model_specs``).
         topology: communication graph name (see ``agent.algorithms.topology``) and its
             ``topology_options``; ``full`` = everyone is a neighbour.
+        compression: compression spec of every node (``none``, ``fp16``, ``q8``,
+            ``topk:0.01+q8``, ... see :mod:`agent.learning.compression`), with
+            ``compression_kinds`` per message kind, ``error_feedback`` (residuals /
+            CHOCO copies; off only to compare) and CHOCO's ``consensus_step`` γ
+            (0 = automatic) and ``keyframe_every``.
     """
 
     algorithm: str = "fedavg"
@@ -84,6 +90,11 @@ class SimConfig:
     eval_every: int = 1
     topology: str = "full"
     topology_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    compression: str = "none"
+    compression_kinds: dict[str, str] = dataclasses.field(default_factory=dict)
+    error_feedback: bool = True
+    consensus_step: float = 0.0
+    keyframe_every: int = 0
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -121,6 +132,10 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
     else:
         specs = [spec] * cfg.nodes
     ids = [node_name(i) for i in range(cfg.nodes)]
+    policy = CompressionPolicy.from_config(
+        cfg.compression, cfg.compression_kinds, error_feedback=cfg.error_feedback,
+        consensus_step=cfg.consensus_step, keyframe_every=cfg.keyframe_every,
+    )
     graph = build_topology(cfg.topology, ids, cfg.seed, **cfg.topology_options)
     network = MemoryNetwork(latency=cfg.latency)
     federation = "sim"
@@ -135,6 +150,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             data=data, model_spec=specs[i], train=cfg.train, init_seed=init_seed_for(cfg.seed, i, cfg.init),
             rng=np.random.default_rng([cfg.seed, i]),
             graph_neighbours=None if cfg.topology == "full" else graph[nid], seed=cfg.seed,
+            compression=policy if policy.active else None,
         )
         nodes.append(
             Node(ctx, algo_cls(ctx, options), bundle.test.x, bundle.test.y,
@@ -187,6 +203,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             "model_specs": {nid: s for nid, s in zip(ids, specs)}, "topology": cfg.topology,
             "dropped": {n.ctx.node_id: n.ctx.counters()["dropped"] for n in nodes},
             "curve": metrics.mean_curve(histories),
+            **_byte_summary(nodes, policy),
             "config": _jsonable(dataclasses.asdict(cfg)),
         },
     )
@@ -197,6 +214,27 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         metrics.atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=float) + "\n")
         metrics.plot_accuracy(histories, out / "accuracy.png", title=f"{cfg.algorithm} on {cfg.dataset}, {cfg.nodes} nodes")
     return summary
+
+
+def _byte_summary(nodes: list[Node], policy: CompressionPolicy) -> dict[str, Any]:
+    """summary.json's compression and byte-accounting entries (issue 8)."""
+    by_kind: dict[str, int] = {}
+    f32 = sent = 0
+    for n in nodes:
+        acc = n.ctx.byte_accounting()
+        for k, v in acc["bytes_sent_by_kind"].items():
+            by_kind[k] = by_kind.get(k, 0) + v
+        f32 += acc["float32_bytes_sent"]
+        sent += sum(acc["bytes_sent_by_kind"].values())
+    return {
+        "compression": str(policy.default),
+        "compression_kinds": {k: str(v) for k, v in policy.kinds.items()},
+        "error_feedback": policy.error_feedback,
+        "bytes_sent_by_kind": by_kind,
+        "bytes_sent_by_kind_per_node": {n.ctx.node_id: n.ctx.byte_accounting()["bytes_sent_by_kind"] for n in nodes},
+        "float32_bytes_sent": f32,
+        "compression_ratio": f32 / sent if sent else 1.0,
+    }
 
 
 class _Killed(Exception):
