@@ -122,6 +122,7 @@ class Agent:
             train=train, init_seed=init_seed_for(cfg.seed, d.node_index, cfg.runtime.init),
             rng=np.random.default_rng([cfg.seed, d.node_index]), device=t.device, compute_in_thread=True,
             max_frame_bytes=cfg.mqtt.max_frame_bytes, graph_neighbours=cfg.algorithm.neighbours, seed=cfg.seed,
+            compression=cfg.compression.policy(),
         )
         metrics_path = Path(cfg.runtime.metrics_file or self.state_dir / "metrics.jsonl")
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
