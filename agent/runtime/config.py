@@ -284,6 +284,7 @@ def load_config(path: str | os.PathLike[str]) -> NodeConfig:
 
 def _toml_key(k: str) -> str:
     """A bare TOML key, or a quoted one (message kinds hold dots)."""
+    import json
     import re
 
     return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k)
