@@ -424,8 +424,8 @@ def compress_tensor(
 
     Returns:
         ``(entry, data, decoded)``: the description entry (JSON-friendly), the bytes,
-        and exactly what :func:`decompress_tensor` will return (float32 for float
-        inputs, same shape as ``x``).
+        and exactly what :func:`decompress_tensor` will return (same shape and dtype
+        as ``x``).
     """
     a = np.asarray(x)
     shape = [int(s) for s in a.shape]
@@ -484,7 +484,7 @@ def compress_tensor(
         full = np.zeros(n, np.float32)
         full[idx] = dec
         dec = full
-    return entry, data, dec.reshape(shape).astype(np.float32)
+    return entry, data, dec.reshape(shape).astype(a.dtype)
 
 
 def section_len(entry: Mapping[str, Any], coder: str, block: int = 0) -> int:
@@ -569,7 +569,7 @@ def decompress_tensor(entry: Mapping[str, Any], data: bytes, coder: str = "fp32"
         full = np.zeros(n, np.float32)
         full[idx] = vals
         vals = full
-    return vals.reshape(shape).astype(np.float32)
+    return vals.reshape(shape).astype(dtype)
 
 
 def compress_dict(
