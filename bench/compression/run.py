@@ -44,7 +44,7 @@ LONG_SPECS = [("none", True, 0.0), ("q8", True, 0.0), ("topk:0.01+q8", True, 0.0
               ("topk:0.1+q8", True, 0.0), ("topk:0.1+q8", False, 0.0), ("topk:0.1+q8", True, 1.0)]
 
 
-def grid(only: str | None = None) -> list[tuple[str, dict]]:
+def grid(only: str | None = None, seeds=SEEDS, algs=None, specs=None) -> list[tuple[str, dict]]:
     if only == "long":  # longer horizon for the sparsified streams (digits, fedavg, 100 rounds)
         return [(f"long-digits-fedavg-{tag(spec, ef)}{'-g%g' % g if g else ''}-s0",
                  dict(LONG, compression=spec, error_feedback=ef, consensus_step=g)) for spec, ef, g in LONG_SPECS]
@@ -52,19 +52,23 @@ def grid(only: str | None = None) -> list[tuple[str, dict]]:
     for ds, base in DATASETS.items():
         if only and ds != only:
             continue
-        for alg, specs in ALGS.items():
-            for spec, ef in specs:
-                for seed in SEEDS:
+        for alg, alg_specs in ALGS.items():
+            if algs and alg not in algs:
+                continue
+            for spec, ef in alg_specs:
+                if specs and spec not in specs:
+                    continue
+                for seed in seeds:
                     g.append((f"{ds}-{alg}-{tag(spec, ef)}-s{seed}",
                               dict(base, algorithm=alg, compression=spec, error_feedback=ef, seed=seed)))
     return g
 
 
-def run_all(only: str | None) -> None:
+def run_all(only: str | None, **filters) -> None:
     from agent.runtime.simulator import SimConfig, simulate
 
     RUNS.mkdir(parents=True, exist_ok=True)
-    for name, kw in grid(only):
+    for name, kw in grid(only, **filters):
         path = RUNS / f"{name}.json"
         if path.exists():
             continue
@@ -97,18 +101,23 @@ def report() -> None:
             if not rows or base is None:
                 continue
             lines += [f"## {ds} / {alg}", "",
-                      "| spec | error feedback | accuracy | Δ acc (pt) | MB sent | × fewer bytes | wall s |",
-                      "|---|---|---|---|---|---|---|"]
+                      "| spec | error feedback | seed | accuracy | Δ acc (pt) | MB sent | × fewer bytes | wall s |",
+                      "|---|---|---|---|---|---|---|---|"]
             fig, ax = plt.subplots(figsize=(6, 4))
             for n, r in rows:
                 cfg = r["config"]
+                b = runs.get(f"{ds}-{alg}-none-s{cfg['seed']}")
+                if b is None:
+                    continue
                 acc = r["global_accuracy"]["mean"]
-                ratio = base["bytes_sent"] / r["bytes_sent"]
+                ratio = b["bytes_sent"] / r["bytes_sent"]
                 sparse = "topk" in cfg["compression"]
                 lines.append(
                     f"| `{cfg['compression']}` | {('on' if cfg['error_feedback'] else 'off') if sparse else '—'} | "
-                    f"{acc:.4f} | {100 * (acc - base['global_accuracy']['mean']):+.2f} | "
+                    f"{cfg['seed']} | {acc:.4f} | {100 * (acc - b['global_accuracy']['mean']):+.2f} | "
                     f"{r['bytes_sent'] / 1e6:.3f} | {ratio:.2f} | {r['wall_seconds']:.0f} |")
+                if cfg["seed"] != 0:
+                    continue
                 c = r["curve"]
                 label = cfg["compression"] + ("" if cfg["error_feedback"] or not sparse else " no EF")
                 ax.plot([b / 1e6 for b in c["bytes_sent"]], c["global_accuracy"], marker=".", label=label)
@@ -160,9 +169,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--report", action="store_true", help="only rebuild results/report.md and the plots")
     ap.add_argument("--only", choices=list(DATASETS) + ["long"], help="run one dataset's grid, or the long-horizon runs")
+    ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="seeds (default: 0)")
+    ap.add_argument("--algs", nargs="+", default=None, help="only these algorithms")
+    ap.add_argument("--specs", nargs="+", default=None, help="only these specs")
     a = ap.parse_args(argv)
     if not a.report:
-        run_all(a.only)
+        run_all(a.only, seeds=tuple(a.seeds), algs=a.algs, specs=a.specs)
     report()
 
 
