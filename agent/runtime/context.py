@@ -206,8 +206,11 @@ class RuntimeContext:
         minus the bytes that replaced them (0 when nothing was compressed), so that
         ``wire bytes + reference`` is the message's float32 size.
         """
-        out = message
+        orig = out = message
         policy = self.compression
+        if message.encoding is not None and set(message.tensors) != {codec.BLOB}:
+            # a received (already decoded) message sent on: its description no longer applies
+            out = message = dataclasses.replace(message, encoding=None)
         if message.encoding is None and message.tensors and policy is not None:
             spec = policy.message_spec(message.kind)
             if not spec.is_identity:
@@ -219,8 +222,8 @@ class RuntimeContext:
                     wire_tensors, desc, _ = codec.encode_tensors(message.tensors, spec, self.compression_rng)
                 out = dataclasses.replace(message, tensors=wire_tensors, encoding=desc)
         frame = wire.encode(out, federation=self.federation, sender=self.node_id)
-        if out is not message:
-            message.msg_id, message.time, message.sender, message.wire_bytes = out.msg_id, out.time, out.sender, out.wire_bytes
+        if out is not orig:
+            orig.msg_id, orig.time, orig.sender, orig.wire_bytes = out.msg_id, out.time, out.sender, out.wire_bytes
         reference = 0
         if out.encoding is not None and codec.BLOB in out.tensors:
             reference = codec.float32_bytes_of(out.encoding) - int(np.asarray(out.tensors[codec.BLOB]).nbytes)
