@@ -24,6 +24,7 @@ from typing import Any
 
 from agent.runtime import metrics
 from agent.runtime.config import (
+    CompressionSection,
     AlgorithmSection, DataSection, DiscoverySection, ModelSection, MqttSection, NodeConfig, RuntimeSection,
     TrainingSection,
     dump_toml,
@@ -49,6 +50,8 @@ class DemoOptions:
     live: bool | None = None  # None = when stdout is a terminal
     protocol: str = "5"
     profiles: str | None = None  # comma-separated device profiles, one per agent (cycled)
+    compression: str = "none"  # spec of every agent (issue 8)
+    error_feedback: bool = True
 
 
 def _node_ids(opts: DemoOptions) -> list[str]:
@@ -116,6 +119,7 @@ def _config(opts: DemoOptions, fed: str, nid: str, index: int, broker: str, out:
         discovery=DiscoverySection(mdns=True, interfaces=["127.0.0.1"], min_peers=opts.nodes - 1,
                                    start_timeout=opts.start_timeout, heartbeat_timeout=30.0),
         runtime=RuntimeSection(baseline_local=True, metrics_file=str(node_dir / "metrics.jsonl")),
+        compression=CompressionSection(spec=opts.compression, error_feedback=opts.error_feedback),
     )
 
 

@@ -61,6 +61,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         model_family=a.models if a.models in FAMILIES else None, eval_every=a.eval_every,
         model_specs=None if a.models in FAMILIES else _model_specs(a.models),
         profiles=[p for p in (a.profiles or "").split(",") if p] or None,
+        compression=a.compression, error_feedback=a.error_feedback,
     )
     s = simulate(cfg)
     g, lo = s["global_accuracy"], s["local_accuracy"]
@@ -69,11 +70,30 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         f"{s['wall_seconds']:.1f}s; global accuracy {g['mean']:.4f} ± {g['std']:.4f}, "
         f"local accuracy {lo['mean']:.4f} ± {lo['std']:.4f}; {s['bytes_sent'] / 1e6:.1f} MB sent"
     )
+    if s.get("compression", "none") != "none":
+        print(f"compression {s['compression']}: {s['compression_ratio']:.1f}x fewer bytes than float32")
     if "local_only_global_accuracy" in s:
         print(f"local-only baseline: global accuracy {s['local_only_global_accuracy']['mean']:.4f}")
     if a.out:
         print(f"report: {a.out}/summary.json")
     return 0
+
+
+def _compression_args(p: argparse.ArgumentParser) -> None:
+    """``--compression SPEC`` and ``--no-error-feedback`` (issue 8)."""
+
+    def spec(text: str) -> str:
+        from agent.learning.compression import CompressionError, parse_spec
+
+        try:
+            return str(parse_spec(text))
+        except CompressionError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    p.add_argument("--compression", default="none", type=spec, metavar="SPEC",
+                   help="none, fp16, bf16, q8, q4, q2, topk:0.01+q8, randk:0.1+q8, ...+zstd (see README)")
+    p.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
+                   help="no residuals / CHOCO copies for sparsified streams (to compare)")
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -83,6 +103,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
         nodes=a.nodes, rounds=a.rounds, algorithm=a.algorithm, models=a.models, out=a.out, broker=a.broker, seed=a.seed,
         epochs=a.epochs, round_timeout=a.round_timeout, kill=a.kill, live=a.live, protocol=a.protocol,
         profiles=a.profiles,
+        compression=a.compression, error_feedback=a.error_feedback,
     ))
 
 
@@ -265,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=None, help="report folder (summary.json, metrics.jsonl, accuracy.png)")
     s.add_argument("--profiles", default=None, metavar="A,B,C",
                    help="device profiles per node (cycled): model size, roles, compression (dflctl profile list)")
+    _compression_args(s)
     s.set_defaults(func=cmd_simulate)
 
     d = sub.add_parser("demo", help="real agent processes + MQTT broker + mDNS on 127.0.0.1, HAR data")
@@ -284,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-live", dest="live", action="store_false")
     d.add_argument("--profiles", default=None, metavar="A,B,C",
                    help="device profile per agent (cycled), e.g. raspberry-pi-4,jetson-orin-nano,x86-cpu")
+    _compression_args(d)
     d.set_defaults(func=cmd_demo)
 
     for name, fn, helptext in (("peers", cmd_peers, "list nodes from retained presence"),

@@ -33,6 +33,10 @@ class Message:
         time: sender's wall-clock time (s since epoch) when encoded.
         wire_bytes: bytes this message occupied on the wire (envelope and chunk
             headers included), set by the transport on send and on receipt.
+        encoding: codec description when ``tensors`` are already compressed wire
+            tensors (see :mod:`agent.transport.codec`; the runtime sends them as they
+            are); ``None``: plain tensors.  On receipt: the sender's codec
+            description (``tensors`` are then already decoded), or ``None``.
     """
 
     kind: str
@@ -44,6 +48,7 @@ class Message:
     msg_id: str = ""
     time: float = 0.0
     wire_bytes: int = 0
+    encoding: dict[str, Any] | None = None  # compression (issue 8)
 
 
 class Clock(Protocol):

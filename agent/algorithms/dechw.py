@@ -37,6 +37,7 @@ from torch import nn
 
 from agent.algorithms.base import Algorithm, register
 from agent.algorithms.context import Message
+from agent.algorithms import gossip_compression as gc
 from agent.algorithms.fedavg import collect_round
 from agent.algorithms.market import SyncOptions, UpdateMarket, send_with_participation
 from agent.learning import hessian as hess
@@ -90,6 +91,10 @@ class NeighbourhoodAlgorithm(Algorithm):
         self.samples = int(len(self.ctx.data.train_y))
         self._bootstrapped = False
         self.market = UpdateMarket.from_options(self.options)
+        self.choco = gc.choco_for(self.ctx, MODEL_KIND)  # compressed gossip (issue 8), None = raw models
+        if self.choco is not None and self.options.participation:
+            raise ValueError("algorithm.options.participation: partial participation cannot be combined with "
+                             "compressed gossip (CHOCO needs every neighbour to receive every difference)")
 
     # -- hooks --------------------------------------------------------------------
     def extra_names(self) -> frozenset[str]:
@@ -122,11 +127,12 @@ class NeighbourhoodAlgorithm(Algorithm):
         mode = self.options.delivery
         if mode == "auto":
             mode = "broadcast" if set(neighbours) == set(ctx.live_peers()) else "unicast"
+        msg = gc.model_message(self.choco, MODEL_KIND, t, tensors, meta)  # once: CHOCO copies agree
         if mode == "broadcast":
-            await ctx.broadcast(Message(MODEL_KIND, t, tensors, meta=meta))
+            await ctx.broadcast(msg)
         else:
             for peer in neighbours:
-                await ctx.send(peer, Message(MODEL_KIND, t, tensors, meta=dict(meta)))
+                await ctx.send(peer, dataclasses.replace(msg, meta=dict(msg.meta), msg_id=""))
 
     async def _train_and_send(self, t: int) -> dict[str, float]:
         stats = await self._train()
@@ -144,9 +150,10 @@ class NeighbourhoodAlgorithm(Algorithm):
             ctx, MODEL_KIND, t - 1, deadline, self.options.poll_interval, own, extra_tensors=self.extra_names(),
             market=self.market,
         )
+        got = gc.received_copies(ctx, self.choco, got, nonnegative=(HESSIAN_PREFIX,))
         msgs = [got[s] for s in sorted(got)]
-        tensors, info = self.aggregate(t, own, msgs)
-        load_numpy(self.model, tensors)
+        tensors, info = self.aggregate(t, gc.own_for_mixing(self.choco, own), msgs)
+        load_numpy(self.model, gc.finish_mixing(self.choco, own, tensors))
         stats = await self._train_and_send(t)  # Alg. 1 lines 9-11
         return {"train_loss": stats["loss"], "neighbours": len(msgs), "missing": missing, **info,
                 **self.market.last.info()}

@@ -17,6 +17,7 @@ from torch import nn
 from agent.algorithms.base import Algorithm, register
 from agent.algorithms.context import Message
 from agent.algorithms.market import SyncOptions, UpdateMarket, send_with_participation
+from agent.algorithms import gossip_compression as gc
 from agent.learning.aggregation import weighted_average
 from agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
 from agent.learning.training import train_local
@@ -123,6 +124,10 @@ class FedAvg(Algorithm):
     async def setup(self) -> None:
         self.model = self.new_model()
         self.market = UpdateMarket.from_options(self.options)
+        self.choco = gc.choco_for(self.ctx, MODEL_KIND)  # compressed gossip (issue 8), None = raw models
+        if self.choco is not None and self.options.participation:
+            raise ValueError("algorithm.options.participation: partial participation cannot be combined with "
+                             "compressed gossip (CHOCO needs every neighbour to receive every difference)")
 
     async def round(self, t: int) -> dict[str, Any]:
         ctx, d = self.ctx, self.ctx.data
@@ -132,14 +137,16 @@ class FedAvg(Algorithm):
         if self.options.participation:  # partial device participation (seed 003 §3.6.4)
             await send_with_participation(ctx, MODEL_KIND, t, own, {"samples": n_own}, self.options.participation)
         else:
-            await ctx.broadcast(Message(MODEL_KIND, t, own, meta={"samples": n_own}))
+            await ctx.broadcast(gc.model_message(self.choco, MODEL_KIND, t, own, {"samples": n_own}))
         deadline = ctx.clock.now() + self.options.round_timeout
         got, missing = await collect_round(
             ctx, MODEL_KIND, t, deadline, self.options.poll_interval, own, market=self.market
         )
+        got = gc.received_copies(ctx, self.choco, got)
         senders = sorted(got)
-        avg = weighted_average([own] + [got[s].tensors for s in senders], [n_own] + [got[s].meta["samples"] for s in senders])
-        load_numpy(self.model, avg)
+        base = gc.own_for_mixing(self.choco, own)
+        avg = weighted_average([base] + [got[s].tensors for s in senders], [n_own] + [got[s].meta["samples"] for s in senders])
+        load_numpy(self.model, gc.finish_mixing(self.choco, own, avg))
         return {"train_loss": stats["loss"], "neighbours": len(senders), "missing": missing,
                 **self.market.last.info()}
 

@@ -50,7 +50,8 @@ class Behaviour:
         algorithm: algorithm name, or ``"inference"``.
         roles: roles it may take (subset of the profile's).
         model_size: size tier of the default model it trains; None = the federation's.
-        compression: compression spec string (``none``, ``topk:0.01+quant:8``, ...).
+        compression: compression spec string (``none``, ``q8``, ``topk:0.01+q8``, ...; see
+            :mod:`agent.learning.compression`).
         device: torch device string (``cpu``, ``cuda:0``).
         threads: torch intra-op threads (>= 1).
         batch_size, epochs: local training.
@@ -211,3 +212,27 @@ def peer_incompatibility(algorithm: str, model_hash: str) -> PeerCheck:
         return None
 
     return check
+
+
+#: Algorithms whose model gossip is compressed as CHOCO differences
+#: (:mod:`agent.algorithms.gossip_compression`): every neighbour must share one stream
+#: encoding, so a per-device profile compression does not apply to them.
+CHOCO_GOSSIP = frozenset({"fedavg", "dechw", "dechetero", "cfa"})
+
+
+def profile_compression_policy(behaviour: Behaviour | None, algorithm: str, *, error_feedback: bool = True) -> Any:
+    """The :class:`~agent.learning.compression.CompressionPolicy` a profile asks for, or None.
+
+    Used when the node (or simulation) configures no compression of its own.  None when
+    the profile says ``none`` or the algorithm is in :data:`CHOCO_GOSSIP` (its
+    federation-wide ``[compression]`` section decides there).
+
+    Raises:
+        agent.learning.compression.CompressionError: the profile's spec is invalid.
+    """
+    if behaviour is None or algorithm in CHOCO_GOSSIP:
+        return None
+    from agent.learning.compression import CompressionPolicy
+
+    policy = CompressionPolicy.from_config(behaviour.compression, error_feedback=error_feedback)
+    return policy if policy.active else None

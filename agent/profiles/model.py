@@ -35,7 +35,6 @@ round (DFML: holds every participant's model and runs K epochs of mutual learnin
 
 SIZES = ("small", "medium", "large")
 DEVICES = ("cpu", "cuda", "auto")
-_COMPRESSION = re.compile(r"^(none|[a-z][a-z0-9_]*(:[0-9.e-]+)?(\+[a-z][a-z0-9_]*(:[0-9.e-]+)?)*)$")
 _WINDOW = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)-([01]\d|2[0-4]):([0-5]\d)$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 
@@ -113,7 +112,7 @@ class BehaviourSection:
         algorithms: algorithms it can run, in order of preference.
         roles: subset of :data:`ROLES`.
         compression: update compression spec, ``none`` or ``op[:arg](+op[:arg])*``
-            (e.g. ``topk:0.01+quant:8``); stored for the compression layer.
+            (e.g. ``topk:0.01+q8``, grammar of :mod:`agent.learning.compression`).
     """
 
     algorithms: list[str] = dataclasses.field(default_factory=lambda: ["dfml", "dechw", "defkt", "fedavg"])
@@ -246,8 +245,14 @@ def validate(p: DeviceProfile) -> DeviceProfile:
     need("inference" not in b.roles or b.roles == ["inference"], "behaviour.roles",
          "'inference' cannot be combined with training roles")
     need(bool(b.algorithms) or b.roles == ["inference"], "behaviour.algorithms", "must list at least one algorithm")
-    need(bool(_COMPRESSION.match(b.compression)), "behaviour.compression",
-         "must be 'none' or op[:arg](+op[:arg])*, e.g. 'topk:0.01+quant:8'")
+    from agent.learning.compression import CompressionError, parse_spec
+
+    try:
+        parse_spec(b.compression)
+        ok, why = True, ""
+    except CompressionError as exc:
+        ok, why = False, str(exc)
+    need(ok, "behaviour.compression", f"must be a compression spec such as 'none', 'q8', 'topk:0.01+q8' ({why})")
     t = p.training
     need(1 <= t.batch_size <= 65536, "training.batch_size", "must be in [1, 65536]")
     need(1 <= t.epochs <= 1000, "training.epochs", "must be in [1, 1000]")

@@ -119,6 +119,36 @@ class RuntimeSection:
 
 
 @dataclasses.dataclass
+class CompressionSection:
+    """``[compression]``: compression of this node's messages (issue 8; grammar in
+    :mod:`agent.learning.compression`).
+
+    ``spec`` applies to every kind (averaging gossip compresses CHOCO differences with
+    it; whole-model exchanges use only its value and entropy coders); ``kinds`` maps a
+    message kind to a spec applied exactly as written (e.g. ``{"gt.grad" =
+    "topk:0.01+q8"}``).  ``error_feedback`` keeps residuals / CHOCO copies for
+    sparsified streams; ``consensus_step`` is CHOCO's γ (0 = automatic) and
+    ``keyframe_every`` how often a gossip stream resends its full copy (0 = first only).
+    """
+
+    spec: str = "none"
+    kinds: dict[str, str] = dataclasses.field(default_factory=dict)
+    error_feedback: bool = True
+    consensus_step: float = 0.0
+    keyframe_every: int = 0
+
+    def policy(self) -> Any:
+        """The :class:`~agent.learning.compression.CompressionPolicy` (None when off)."""
+        from agent.learning.compression import CompressionPolicy
+
+        p = CompressionPolicy.from_config(
+            self.spec, self.kinds, error_feedback=self.error_feedback,
+            consensus_step=self.consensus_step, keyframe_every=self.keyframe_every,
+        )
+        return p if p.active else None
+
+
+@dataclasses.dataclass
 class NodeConfig:
     """The whole node configuration (top-level keys + sections)."""
 
@@ -135,6 +165,7 @@ class NodeConfig:
     mqtt: MqttSection = dataclasses.field(default_factory=MqttSection)
     discovery: DiscoverySection = dataclasses.field(default_factory=DiscoverySection)
     runtime: RuntimeSection = dataclasses.field(default_factory=RuntimeSection)
+    compression: CompressionSection = dataclasses.field(default_factory=CompressionSection)
 
 
 def _check_type(value: Any, typ: Any, key: str) -> Any:
@@ -228,6 +259,16 @@ def _validate(cfg: NodeConfig) -> None:
     need(cfg.runtime.checkpoint_keep >= 1, "runtime.checkpoint_keep", "must be >= 1 (2 keeps a fallback)")
     need(cfg.runtime.log_format in ("auto", "text", "journal"), "runtime.log_format", "must be auto, text or journal")
     need(0 <= cfg.runtime.prometheus_port <= 65535, "runtime.prometheus_port", "must be in [0, 65535] (0 = off)")
+    from agent.learning.compression import CompressionError, parse_spec
+
+    c = cfg.compression
+    for key, spec in [("compression.spec", c.spec)] + [(f"compression.kinds.{k}", v) for k, v in c.kinds.items()]:
+        try:
+            parse_spec(spec)
+        except CompressionError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+    need(c.consensus_step >= 0, "compression.consensus_step", "must be >= 0 (0 = automatic)")
+    need(c.keyframe_every >= 0, "compression.keyframe_every", "must be >= 0")
 
 
 def _validate_profile(cfg: NodeConfig) -> None:
@@ -274,6 +315,14 @@ def load_config(path: str | os.PathLike[str]) -> NodeConfig:
     return config_from_dict(raw)
 
 
+def _toml_key(k: str) -> str:
+    """A bare TOML key, or a quoted one (message kinds hold dots)."""
+    import json
+    import re
+
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k)
+
+
 def dump_toml(cfg: NodeConfig) -> str:
     """Serialise ``cfg`` to TOML (simple writer for the types this config uses)."""
 
@@ -287,7 +336,7 @@ def dump_toml(cfg: NodeConfig) -> str:
         if isinstance(v, list):
             return "[" + ", ".join(val(x) for x in v) + "]"
         if isinstance(v, dict):
-            return "{ " + ", ".join(f"{k} = {val(x)}" for k, x in v.items()) + " }"
+            return "{ " + ", ".join(f"{_toml_key(k)} = {val(x)}" for k, x in v.items()) + " }"
         raise TypeError(f"cannot write {type(v).__name__} to TOML")
 
     top, sections = [], []

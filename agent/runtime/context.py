@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import functools
 import logging
 from typing import Any, Awaitable, Callable, Mapping, TypeVar
@@ -19,7 +20,9 @@ import numpy as np
 
 from agent.algorithms.context import BROADCAST, Message
 from agent.discovery.peers import PeerTable
-from agent.transport import wire
+from agent.learning.compression import CompressionPolicy
+from agent.learning.error_feedback import ErrorFeedback
+from agent.transport import codec, wire
 from agent.transport.base import Transport
 
 log = logging.getLogger(__name__)
@@ -55,6 +58,11 @@ class RuntimeContext:
         graph_neighbours: this node's neighbours in the configured communication graph
             (``None``: every peer is a neighbour).
         seed: the federation's seed (the same on every node), for shared schedules.
+        compression: which spec per message kind (``None``: none).  Plain messages are
+            compressed on send with ``compression.message_spec(kind)`` (with an error
+            feedback residual per stream for sparsified kinds); messages an algorithm
+            already encoded (``Message.encoding``, e.g. CHOCO gossip) go as they are.
+            Algorithms read it as ``ctx.compression``.
     """
 
     def __init__(
@@ -75,6 +83,7 @@ class RuntimeContext:
         max_queued_per_sender: int = 16,
         graph_neighbours: list[str] | None = None,
         seed: int = 0,
+        compression: CompressionPolicy | None = None,
     ):
         self.node_id = node_id
         self.federation = federation
@@ -108,7 +117,6 @@ class RuntimeContext:
         self._started = False
         # -- device profile (agent.profiles): behaviour, compatibility, resource gating --
         self.behaviour: Any = None  # agent.profiles.Behaviour, when the daemon applied a profile
-        self.compression = "none"  # the profile's compression spec, for the compression layer
         self.compatibility: Callable[[Any], str | None] | None = None  # peer info -> reason to exclude
         self.excluded: dict[str, str] = {}  # peer -> why it is excluded (incompatible)
         self.peer_gated: dict[str, str] = {}  # peer -> its gating reason (from its status)
@@ -116,6 +124,14 @@ class RuntimeContext:
         self.gate_poll = 5.0  # seconds between gate checks while gated
         self.gated: str | None = None  # this node's current gating reason
         self.gate_hook: Callable[[str | None], Awaitable[None]] | None = None  # on change
+        # -- compression and byte accounting (issue 8) --
+        self.compression = compression
+        self.compression_rng = np.random.default_rng([init_seed, 0xC0DEC])
+        self._error_feedback: dict[str, ErrorFeedback] = {}
+        self.float32_bytes_sent = 0  # what the sent messages would have taken with float32 tensors
+        self._round_sent: collections.Counter[str] = collections.Counter()
+        self._round_received: collections.Counter[str] = collections.Counter()
+        self.last_round_bytes: dict[str, Any] = {}
 
     # -- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -167,6 +183,7 @@ class RuntimeContext:
             return
         msg.wire_bytes = wire_bytes
         self.bytes_received_by_kind[msg.kind] += wire_bytes
+        self._round_received[msg.kind] += wire_bytes
         self.peers.touch(msg.sender)
         if self._per_sender[msg.sender] >= self.max_queued_per_sender:
             oldest = next(i for i, m in enumerate(self._buffer) if m.sender == msg.sender)
@@ -185,17 +202,65 @@ class RuntimeContext:
     # -- NodeContext ----------------------------------------------------------------
     async def send(self, peer: str, message: Message) -> int:
         message.recipient = peer
-        frame = wire.encode(message, federation=self.federation, sender=self.node_id)
+        frame, reference = self._encode(message)
         n = await self.transport.send(peer, frame)
-        self.bytes_sent_by_kind[message.kind] += n
+        self._account_sent(message.kind, n, reference)
         return n
 
     async def broadcast(self, message: Message) -> int:
         message.recipient = BROADCAST
-        frame = wire.encode(message, federation=self.federation, sender=self.node_id)
+        frame, reference = self._encode(message)
         n = await self.transport.broadcast(frame)
-        self.bytes_sent_by_kind[message.kind] += n
+        self._account_sent(message.kind, n, reference)
         return n
+
+    # -- compression and byte accounting (issue 8) ------------------------------------
+    def _encode(self, message: Message) -> tuple[bytes, int]:
+        """Compress (per ``self.compression``) and frame ``message``.
+
+        Returns ``(frame, reference)``: ``reference`` = bytes of the tensors as float32
+        minus the bytes that replaced them (0 when nothing was compressed), so that
+        ``wire bytes + reference`` is the message's float32 size.
+        """
+        orig = out = message
+        policy = self.compression
+        if message.encoding is not None and set(message.tensors) != {codec.BLOB}:
+            # a received (already decoded) message sent on: its description no longer applies
+            out = message = dataclasses.replace(message, encoding=None)
+        if message.encoding is None and message.tensors and policy is not None:
+            spec = policy.message_spec(message.kind)
+            if not spec.is_identity:
+                if spec.sparse and policy.error_feedback:
+                    ef = self._error_feedback.setdefault(message.kind, ErrorFeedback(spec))
+                    blob, desc, _ = ef.compress(message.recipient, message.tensors, self.compression_rng)
+                    wire_tensors = {codec.BLOB: blob}
+                else:
+                    wire_tensors, desc, _ = codec.encode_tensors(message.tensors, spec, self.compression_rng)
+                out = dataclasses.replace(message, tensors=wire_tensors, encoding=desc)
+        frame = wire.encode(out, federation=self.federation, sender=self.node_id)
+        if out is not orig:
+            orig.msg_id, orig.time, orig.sender, orig.wire_bytes = out.msg_id, out.time, out.sender, out.wire_bytes
+        reference = 0
+        if out.encoding is not None and codec.BLOB in out.tensors:
+            reference = codec.float32_bytes_of(out.encoding) - int(np.asarray(out.tensors[codec.BLOB]).nbytes)
+        return frame, reference
+
+    def _account_sent(self, kind: str, n: int, reference: int) -> None:
+        self.bytes_sent_by_kind[kind] += n
+        self._round_sent[kind] += n
+        self.float32_bytes_sent += n + reference if n else 0
+
+    def byte_accounting(self) -> dict[str, Any]:
+        """Bytes on the wire by kind (cumulative and for the last finished round) and
+        the compression ratio against the same messages with float32 tensors."""
+        sent = sum(self.bytes_sent_by_kind.values())
+        return {
+            "bytes_sent_by_kind": dict(self.bytes_sent_by_kind),
+            "bytes_received_by_kind": dict(self.bytes_received_by_kind),
+            "float32_bytes_sent": self.float32_bytes_sent,
+            "compression_ratio": (self.float32_bytes_sent / sent) if sent else 1.0,
+            **self.last_round_bytes,
+        }
 
     def _take(self, kind: str | tuple[str, ...], round: int | None, sender: str | None) -> Message | None:
         kinds = (kind,) if isinstance(kind, str) else kind
@@ -322,6 +387,14 @@ class RuntimeContext:
             if m.round < round:
                 self._per_sender[m.sender] -= 1
         self._buffer = keep
+        self.last_round_bytes = {
+            "round_bytes_sent": sum(self._round_sent.values()),
+            "round_bytes_received": sum(self._round_received.values()),
+            "round_bytes_sent_by_kind": dict(self._round_sent),
+            "round_bytes_received_by_kind": dict(self._round_received),
+        }
+        self._round_sent.clear()
+        self._round_received.clear()
         if self.round_hook is not None:
             await self.round_hook(round, info)
 
@@ -337,4 +410,6 @@ class RuntimeContext:
             "bytes_sent_by_kind": dict(self.bytes_sent_by_kind),
             "bytes_received_by_kind": dict(self.bytes_received_by_kind),
             "dropped": dict(dropped),
+            "float32_bytes_sent": self.float32_bytes_sent,
+            "compression_ratio": self.byte_accounting()["compression_ratio"],
         }

@@ -132,15 +132,19 @@ class Agent:
             username=cfg.mqtt.username, password=cfg.mqtt.password,
             on_heartbeat=lambda peer, status: (peers.touch(peer), self.ctx and self.ctx.note_status(peer, status)),
         )
+        from agent.profiles.behaviour import profile_compression_policy
+
         self.ctx = ctx = RuntimeContext(
             node_id=nid, federation=fed, transport=transport, peers=peers, data=data, model_spec=spec,
             train=train, init_seed=init_seed_for(cfg.seed, d.node_index, cfg.runtime.init),
             rng=np.random.default_rng([cfg.seed, d.node_index]), device=behaviour.device, compute_in_thread=True,
             max_frame_bytes=cfg.mqtt.max_frame_bytes, graph_neighbours=cfg.algorithm.neighbours, seed=cfg.seed,
+            compression=cfg.compression.policy() or profile_compression_policy(
+                behaviour, algo_cls.name, error_feedback=cfg.compression.error_feedback),
         )
         from agent.profiles import ResourceGate, peer_incompatibility
 
-        ctx.behaviour, ctx.compression = behaviour, behaviour.compression
+        ctx.behaviour = behaviour
         ctx.compatibility = peer_incompatibility(algo_cls.name, spec_hash(spec))
         ctx.gate = ResourceGate(profile.limits, profile.training.windows, psutil_mod=self.psutil)
         ctx.gate_poll = profile.limits.poll_interval_s

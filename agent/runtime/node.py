@@ -131,6 +131,7 @@ class Node:
             "dropped": sum(counters["dropped"].values()),
             "live_peers": len(self.ctx.live_peers()),
         }
+        record.update(self.ctx.byte_accounting())  # bytes by kind, this round's bytes, compression ratio (issue 8)
         self.history.append(record)
         if due:
             log.info(
@@ -174,6 +175,8 @@ class Node:
             "bytes_sent": counters["bytes_sent"],
             "bytes_received": counters["bytes_received"],
             "errors": counters["dropped"],
+            **{k: v for k, v in self.ctx.byte_accounting().items()
+               if k in ("bytes_sent_by_kind", "compression_ratio", "round_bytes_sent", "round_bytes_sent_by_kind")},
             **{k: v for k, v in last.items() if k.endswith("_global_accuracy")},  # e.g. DFML's regular model
             **self.algorithm.status(),
             **self._profile_status(),

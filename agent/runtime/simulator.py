@@ -20,6 +20,7 @@ from agent.algorithms.base import get_algorithm, parse_options
 from agent.algorithms.topology import build_topology
 from agent.data import load_dataset, make_node_data, partition
 from agent.discovery.peers import PeerTable
+from agent.learning.compression import CompressionPolicy
 from agent.learning.training import TrainConfig
 from agent.models import default_spec, spec_hash, validate_spec
 from agent.models.families import family_specs
@@ -64,6 +65,11 @@ class SimConfig:
             aggregator role never leads a rotating round) and compression come from the
             decision table (``agent.profiles.behaviour``); every node still computes on
             this machine's cpu with ``train``.
+        compression: compression spec of every node (``none``, ``fp16``, ``q8``,
+            ``topk:0.01+q8``, ... see :mod:`agent.learning.compression`), with
+            ``compression_kinds`` per message kind, ``error_feedback`` (residuals /
+            CHOCO copies; off only to compare) and CHOCO's ``consensus_step`` γ
+            (0 = automatic) and ``keyframe_every``.
     """
 
     algorithm: str = "fedavg"
@@ -92,6 +98,11 @@ class SimConfig:
     topology: str = "full"
     topology_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     profiles: list[str] | None = None
+    compression: str = "none"
+    compression_kinds: dict[str, str] = dataclasses.field(default_factory=dict)
+    error_feedback: bool = True
+    consensus_step: float = 0.0
+    keyframe_every: int = 0
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -133,6 +144,10 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         specs = [default_spec(bundle.pool.input_shape, bundle.pool.num_classes, b.model_size or cfg.model_size)
                  for b in behaviours]
     ids = [node_name(i) for i in range(cfg.nodes)]
+    policy = CompressionPolicy.from_config(
+        cfg.compression, cfg.compression_kinds, error_feedback=cfg.error_feedback,
+        consensus_step=cfg.consensus_step, keyframe_every=cfg.keyframe_every,
+    )
     graph = build_topology(cfg.topology, ids, cfg.seed, **cfg.topology_options)
     network = MemoryNetwork(latency=cfg.latency)
     federation = "sim"
@@ -150,10 +165,16 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             data=data, model_spec=specs[i], train=cfg.train, init_seed=init_seed_for(cfg.seed, i, cfg.init),
             rng=np.random.default_rng([cfg.seed, i]),
             graph_neighbours=None if cfg.topology == "full" else graph[nid], seed=cfg.seed,
+            compression=policy if policy.active else None,
         )
         ctx.compatibility = peer_incompatibility(cfg.algorithm, spec_hash(specs[i]))
         if behaviours:
-            ctx.behaviour, ctx.compression = behaviours[i], behaviours[i].compression
+            ctx.behaviour = behaviours[i]
+            if not policy.active:  # no simulation-wide compression: the profile's (whole-model exchanges)
+                from agent.profiles.behaviour import profile_compression_policy
+
+                ctx.compression = profile_compression_policy(behaviours[i], cfg.algorithm,
+                                                             error_feedback=cfg.error_feedback)
         nodes.append(
             Node(ctx, algo_cls(ctx, options), bundle.test.x, bundle.test.y,
                  baseline_local=cfg.baseline_local, sink=records.append, rounds=cfg.rounds,
@@ -207,6 +228,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             "curve": metrics.mean_curve(histories),
             "excluded": {n.ctx.node_id: dict(n.ctx.excluded) for n in nodes if n.ctx.excluded},
             "profiles": {nid: b.profile for nid, b in zip(ids, behaviours)} if behaviours else None,
+            **_byte_summary(nodes, policy),
             "config": _jsonable(dataclasses.asdict(cfg)),
         },
     )
@@ -237,6 +259,25 @@ def _profile_behaviours(cfg: SimConfig) -> list[Any] | None:
         out.append(select_behaviour(prof, cfg.algorithm, config_device="cpu", config_threads=cfg.threads,
                                     config_batch_size=cfg.train.batch_size))
     return out
+def _byte_summary(nodes: list[Node], policy: CompressionPolicy) -> dict[str, Any]:
+    """summary.json's compression and byte-accounting entries (issue 8)."""
+    by_kind: dict[str, int] = {}
+    f32 = sent = 0
+    for n in nodes:
+        acc = n.ctx.byte_accounting()
+        for k, v in acc["bytes_sent_by_kind"].items():
+            by_kind[k] = by_kind.get(k, 0) + v
+        f32 += acc["float32_bytes_sent"]
+        sent += sum(acc["bytes_sent_by_kind"].values())
+    return {
+        "compression": str(policy.default),
+        "compression_kinds": {k: str(v) for k, v in policy.kinds.items()},
+        "error_feedback": policy.error_feedback,
+        "bytes_sent_by_kind": by_kind,
+        "bytes_sent_by_kind_per_node": {n.ctx.node_id: n.ctx.byte_accounting()["bytes_sent_by_kind"] for n in nodes},
+        "float32_bytes_sent": f32,
+        "compression_ratio": f32 / sent if sent else 1.0,
+    }
 
 
 class _Killed(Exception):

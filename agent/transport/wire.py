@@ -10,7 +10,8 @@ The header is the *envelope*::
      "kind": str, "round": int, "msg_id": hex str, "time": float (unix s),
      "payload_sha256": hex str, "payload_len": int,
      "encoding": {"format": "safetensors" | "none",
-                  "tensors": {name: {"dtype": "float32", "shape": [..]}}},
+                  "tensors": {name: {"dtype": "float32", "shape": [..]}},
+                  "codec": {...}},   # optional: compressed tensors, see codec.py
      "meta": {...}, "sig": null}
 
 The payload is a safetensors blob holding exactly the tensors the encoding names.
@@ -18,7 +19,11 @@ A receiver needs nothing but the envelope to decode.  Nothing received is ever
 unpickled.  Every check failure raises :class:`WireError` with a short
 ``reason`` used as a counter key (``malformed``, ``oversized``, ``version``,
 ``wrong_federation``, ``wrong_recipient``, ``hash_mismatch``, ``bad_tensor``,
-``non_finite``).
+``non_finite``, ``bad_encoding``).
+
+Compression (issue 8): when ``encoding.codec`` is present the safetensors payload
+holds the compressed wire tensors of :mod:`agent.transport.codec`, and
+:func:`decode` returns the tensors rebuilt from that description alone.
 
 The ``sig`` field is reserved for Ed25519 signatures over the header and the
 payload hash (security issue); v1 frames carry ``null``.
@@ -41,6 +46,7 @@ from safetensors.numpy import save as st_save
 
 from agent import WIRE_VERSION
 from agent.algorithms.context import BROADCAST, Message
+from agent.transport import codec as _codec
 
 MAGIC = b"DFL"
 _PREFIX = struct.Struct(">3sBI")
@@ -133,6 +139,7 @@ def encode(message: Message, *, federation: str, sender: str) -> bytes:
         "encoding": {
             "format": "safetensors" if tensors else "none",
             "tensors": _tensor_description(tensors),
+            **({"codec": message.encoding} if message.encoding is not None else {}),
         },
         "meta": message.meta,
         "sig": None,
@@ -213,6 +220,8 @@ def decode_envelope(frame: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BY
             or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in d["shape"])
         ):
             raise WireError("malformed", f"bad tensor description for {name!r}")
+    if "codec" in encoding and not isinstance(encoding["codec"], dict):
+        raise WireError("malformed", "codec description must be an object")
     return Envelope(
         version=header["v"], federation=fed, sender=sender, recipient=recipient, kind=kind,
         round=rnd, msg_id=msg_id, time=float(t), payload_sha256=digest, payload_len=plen,
@@ -262,7 +271,17 @@ def decode(
             raise WireError("bad_tensor", f"{name}: {arr.dtype}{list(arr.shape)} != {d['dtype']}{d['shape']}")
         if arr.dtype.kind == "f" and not np.isfinite(arr).all():
             raise WireError("non_finite", f"{name} holds NaN or Inf")
+    codec_desc = env.encoding.get("codec")
+    if codec_desc is not None:
+        try:
+            tensors = _codec.decode_tensors(tensors, codec_desc)
+        except ValueError as exc:  # CompressionError and anything numpy raises on bad input
+            raise WireError("bad_encoding", str(exc)) from None
+        for name, arr in tensors.items():
+            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                raise WireError("non_finite", f"{name} holds NaN or Inf")
     return Message(
         kind=env.kind, round=env.round, tensors=tensors, meta=env.meta, sender=env.sender,
         recipient=env.recipient, msg_id=env.msg_id, time=env.time, wire_bytes=len(frame),
+        encoding=codec_desc,
     )

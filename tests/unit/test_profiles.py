@@ -176,7 +176,7 @@ def test_dfml_mixes_sizes_by_profile_and_averaging_uses_the_common_model():
 
 def test_roles_compression_and_errors():
     gw = select_behaviour(get_profile("sensor-gateway"), "dfml", cuda=FakeCuda())
-    assert "aggregator" not in gw.roles and gw.compression == "topk:0.01+quant:8"
+    assert "aggregator" not in gw.roles and gw.compression == "topk:0.01+q8"
     with pytest.raises(ProfileError, match="behaviour.algorithms"):
         select_behaviour(get_profile("sensor-gateway"), "dechw")
     tiny = with_overrides(get_profile("raspberry-pi-4"), {"compute": {"memory_budget_mb": 64}})
@@ -337,7 +337,7 @@ def test_daemon_applies_profile():
 
     cfg = config_from_dict({"profile": "raspberry-pi-4", "algorithm": {"name": "dfml"}})
     prof, beh = apply_profile(cfg, "dfml")
-    assert (beh.model_size, beh.threads, beh.batch_size, beh.compression) == ("small", 3, 32, "quant:8")
+    assert (beh.model_size, beh.threads, beh.batch_size, beh.compression) == ("small", 3, 32, "q8")
     cfg = config_from_dict({"profile": "raspberry-pi-4", "training": {"threads": 1, "batch_size": 8}})
     assert apply_profile(cfg, "fedavg")[1].threads == 1 and apply_profile(cfg, "fedavg")[1].batch_size == 8
     with pytest.raises(ValueError, match="inference-only"):

@@ -1,0 +1,228 @@
+"""Error feedback for compressed streams, and CHOCO-SGD's shared copies for gossip.
+
+Pure state machines over dicts of float32 arrays (no I/O); the operators are in
+:mod:`agent.learning.compression`.
+
+- :class:`ErrorFeedback`: one residual ``e`` per outgoing stream (per destination or
+  per broadcast, per message kind).  Stich, Cordonnier & Jaggi, "Sparsified SGD with
+  memory" (NeurIPS 2018), Alg. 1: send ``c = C(x + e)``, keep ``e ← x + e − c``.
+  Used for streams of deltas/gradients (e.g. GT's accumulated gradients).
+- :class:`ChocoGossip`: Koloskova, Stich & Jaggi, "Decentralized Stochastic
+  Optimization and Gossip Algorithms with Compressed Communication" (ICML 2019),
+  Alg. 2 (CHOCO-SGD).  Node ``i`` keeps a public copy ``x̂_j`` of itself and of every
+  neighbour ``j``; each round it sends ``q_i = Q(x_i − x̂_i)``, every holder adds
+  it, ``x̂_i ← x̂_i + q_i``, and the consensus step is
+  ``x_i ← x_i + γ Σ_j w_ij (x̂_j − x̂_i)`` (Alg. 2 line 8).  Written with the
+  algorithm's own mixing rule ``A`` (weighted average, Hessian weights, consensus):
+  ``x_i ← x_i + γ (A(x̂_i, x̂_j…) − x̂_i)``, which is exactly ``A`` on exact models
+  when ``Q`` is the identity and ``γ = 1``.  A node therefore never averages in a
+  lossy raw model: the copies are identical on both sides and the own exact
+  model is only moved by their differences.  The difference ``x_i − x̂_i`` keeps
+  whatever was not yet sent, so the copies are the error feedback (``error_feedback
+  = False`` sends ``Q(x_i − x_i^{prev})`` instead and loses what ``Q`` dropped:
+  the ablation).
+
+Copies start from a *keyframe*: the first message of a stream (and every
+``keyframe_every`` rounds) carries ``x_i`` value-coded but not sparsified, and both
+sides set ``x̂_i`` to its decoded value.  A message arriving out of sequence (a peer
+missed one) leaves that neighbour out until its next keyframe.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Mapping
+
+import numpy as np
+
+from agent.learning.compression import CompressionSpec, compress_dict, parse_spec
+
+Tensors = dict[str, np.ndarray]
+
+
+def _is_float(a: np.ndarray) -> bool:
+    return np.asarray(a).dtype.kind == "f"
+
+
+class ErrorFeedback:
+    """Residuals per stream (Stich et al. 2018, Alg. 1 "mem-SGD").
+
+    Args:
+        spec: the compression applied to every stream.
+    """
+
+    def __init__(self, spec: CompressionSpec | str):
+        self.spec = parse_spec(spec)
+        self.residuals: dict[Hashable, Tensors] = {}
+
+    def compress(
+        self, stream: Hashable, tensors: Mapping[str, np.ndarray], rng: np.random.Generator
+    ) -> tuple[np.ndarray, dict[str, Any], Tensors]:
+        """Compress ``tensors + e_stream``; keep the new residual.
+
+        Returns:
+            ``(blob, description, decoded)`` as :func:`compress_dict`; ``decoded`` is
+            what the receiver gets.  Residuals of tensors whose shape changed restart.
+        """
+        e = self.residuals.get(stream, {})
+        corrected = {}
+        for k, v in tensors.items():
+            if _is_float(v):
+                r = e.get(k)
+                corrected[k] = v.astype(np.float32) + r if r is not None and r.shape == v.shape else v.astype(np.float32)
+            else:
+                corrected[k] = v
+        blob, desc, decoded = compress_dict(corrected, self.spec, rng)
+        self.residuals[stream] = {
+            k: (corrected[k] - decoded[k]).astype(np.float32) for k in corrected if _is_float(corrected[k])
+        }
+        return blob, desc, decoded
+
+    def reset(self, stream: Hashable | None = None) -> None:
+        """Forget one stream's residual (or all)."""
+        if stream is None:
+            self.residuals.clear()
+        else:
+            self.residuals.pop(stream, None)
+
+
+def default_consensus_step(spec: CompressionSpec) -> float:
+    """CHOCO's γ when none is configured: 1 for dense specs (exact gossip is then
+    the algorithm's own rule), the kept fraction for sparsified ones (``topk:0.1``:
+    0.1; a count k: 0.05).  CHOCO needs γ of the order of the compression's
+    contraction δ = k/n (Koloskova et al. 2019, Thm. 2 takes γ ∝ δ²ω); measured on
+    pure gossip of 6 nodes (tests/unit/test_compression.py) γ = 1 diverges for
+    top-10% and top-1%, γ = k/n converges."""
+    if not spec.sparse:
+        return 1.0
+    return float(spec.k) if spec.k < 1 else 0.05
+
+
+class ChocoGossip:
+    """CHOCO-SGD copies for one node's averaging gossip (see module docstring).
+
+    Args:
+        spec: compression of the differences (e.g. ``topk:0.01+q8``); keyframes use
+            its value coder only.
+        rng: randomness of the compression.
+        error_feedback: ``True`` (CHOCO): differences against the shared copy;
+            ``False``: against the previous exact model (what was dropped is lost).
+        keyframe_every: resend a keyframe every this many messages (0: first only).
+        consensus_step: γ of Alg. 2 line 8 (0 = :func:`default_consensus_step`).
+
+    The message meta of a CHOCO stream is ``{"choco": [seq, key]}`` (key: 1 for a keyframe).
+    """
+
+    META = "choco"
+
+    def __init__(
+        self,
+        spec: CompressionSpec | str,
+        rng: np.random.Generator,
+        *,
+        error_feedback: bool = True,
+        keyframe_every: int = 0,
+        consensus_step: float = 0.0,
+    ):
+        self.spec = parse_spec(spec)
+        self.rng = rng
+        self.error_feedback = error_feedback
+        self.keyframe_every = max(0, int(keyframe_every))
+        if not consensus_step >= 0:
+            raise ValueError(f"consensus_step must be >= 0, got {consensus_step}")
+        self.gamma = consensus_step or default_consensus_step(self.spec)
+        self.own: Tensors | None = None  # x̂_i
+        self.previous: Tensors | None = None  # x_i at the last send (ablation without EF)
+        self.seq = 0
+        self.copies: dict[str, Tensors] = {}  # x̂_j
+        self.next_seq: dict[str, int] = {}
+        self.gaps = 0
+
+    # -- sending ------------------------------------------------------------------------
+    def outgoing(self, x: Mapping[str, np.ndarray]) -> tuple[np.ndarray, dict[str, Any], dict[str, Any]]:
+        """Encode this round's message from the exact model/state ``x`` and update x̂_i.
+
+        Returns:
+            ``(blob uint8, description, meta)``: the wire blob and description of
+            :func:`~agent.learning.compression.compress_dict`, and the meta entries
+            to add to the message.
+        """
+        key = self.own is None or set(self.own) != set(x) or (
+            self.keyframe_every > 0 and self.seq % self.keyframe_every == 0
+        )
+        if key:
+            blob, desc, decoded = compress_dict(x, self.spec.value_only(), self.rng)
+            self.own = {k: np.array(v, copy=True) for k, v in decoded.items()}
+        else:
+            assert self.own is not None
+            base = self.own if self.error_feedback else (self.previous or self.own)
+            diff = {k: (np.asarray(v, np.float32) - base[k]) if _is_float(v) else np.asarray(v) for k, v in x.items()}
+            blob, desc, decoded = compress_dict(diff, self.spec, self.rng)
+            self.own = _apply(self.own, decoded)
+        self.previous = {k: np.array(v, dtype=np.float32 if _is_float(v) else None, copy=True) for k, v in x.items()}
+        meta = {self.META: [self.seq, int(key)]}
+        self.seq += 1
+        return blob, desc, meta
+
+    # -- receiving --------------------------------------------------------------------
+    def incoming(self, sender: str, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> Tensors | None:
+        """Apply a neighbour's decoded message to its copy x̂_j.
+
+        Returns:
+            the updated copy restricted to the names in the message, or ``None`` when
+            the message is not part of a CHOCO stream or arrived out of sequence (the
+            neighbour is left out until its next keyframe; counted in ``gaps``).
+        """
+        info = meta.get(self.META)
+        if not (isinstance(info, list) and len(info) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in info)):
+            return None
+        seq, key = info[0], bool(info[1])
+        if key:
+            copy = {k: np.array(v, copy=True) for k, v in tensors.items()}
+        else:
+            copy = self.copies.get(sender)
+            if copy is None or self.next_seq.get(sender) != seq or not set(tensors) <= set(copy):
+                self.copies.pop(sender, None)
+                self.gaps += 1
+                return None
+            copy = _apply(copy, tensors)
+        self.copies[sender] = copy
+        self.next_seq[sender] = seq + 1
+        return {k: copy[k] for k in tensors}
+
+    def forget(self, sender: str) -> None:
+        """Drop a neighbour's copy (it left)."""
+        self.copies.pop(sender, None)
+        self.next_seq.pop(sender, None)
+
+    # -- consensus ------------------------------------------------------------------------
+    def own_copy(self, names: Any = None) -> Tensors:
+        """x̂_i (restricted to ``names``). Raises RuntimeError before the first send."""
+        if self.own is None:
+            raise RuntimeError("ChocoGossip.own_copy() before the first outgoing()")
+        return {k: self.own[k] for k in (names if names is not None else self.own)}
+
+    def mix(self, x: Mapping[str, np.ndarray], mixed_copies: Mapping[str, np.ndarray]) -> Tensors:
+        """Alg. 2 line 8 with the algorithm's mixing rule: ``x + γ (A(x̂) − x̂_i)``.
+
+        Args:
+            x: the exact own model.
+            mixed_copies: the algorithm's aggregation applied to ``[x̂_i] + [x̂_j …]``.
+
+        Non-float tensors (counters) take the mixed value.
+        """
+        own = self.own_copy()
+        out = {}
+        for k, v in x.items():
+            if _is_float(v) and k in mixed_copies and k in own:
+                out[k] = (np.asarray(v, np.float32) + self.gamma * (mixed_copies[k] - own[k])).astype(np.asarray(v).dtype)
+            else:
+                out[k] = np.asarray(mixed_copies.get(k, v))
+        return out
+
+
+def _apply(copy: Mapping[str, np.ndarray], q: Mapping[str, np.ndarray]) -> Tensors:
+    """x̂ + q for float tensors (non-float tensors are replaced)."""
+    out = dict(copy)
+    for k, v in q.items():
+        out[k] = (copy[k] + v).astype(np.float32) if _is_float(v) and k in copy else np.array(v, copy=True)
+    return out
