@@ -55,6 +55,11 @@ class RuntimeContext:
         graph_neighbours: this node's neighbours in the configured communication graph
             (``None``: every peer is a neighbour).
         seed: the federation's seed (the same on every node), for shared schedules.
+        security: an :class:`agent.security.SecurityGuard` (``None``: frames are
+            neither signed nor verified, as in the simulator).  With it, outgoing
+            frames are signed, incoming ones verified and replay-checked (rejections
+            counted as ``unsigned``, ``unknown_sender``, ``bad_signature``, ``replay``),
+            and only trusted peers are members when signatures are required.
     """
 
     def __init__(
@@ -75,6 +80,7 @@ class RuntimeContext:
         max_queued_per_sender: int = 16,
         graph_neighbours: list[str] | None = None,
         seed: int = 0,
+        security: Any = None,
     ):
         self.node_id = node_id
         self.federation = federation
@@ -102,6 +108,7 @@ class RuntimeContext:
         self._seen_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._waiters: set[asyncio.Future[bool]] = set()
         self._started = False
+        self.security = security
 
     # -- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -117,6 +124,8 @@ class RuntimeContext:
         if descriptor is None:
             self.peers.withdraw(node_id, "presence")
         else:
+            if self.security is not None and isinstance(descriptor.get("cert"), dict):
+                self.security.learn(node_id, descriptor["cert"])  # a hint; trust needs a valid certificate
             fields = {k: v for k, v in descriptor.items() if isinstance(v, (str, int, float))}
             fields.pop("node_id", None)
             self.peers.upsert(node_id, "presence", **fields)
@@ -139,6 +148,11 @@ class RuntimeContext:
             return
         if msg.sender == self.node_id:
             return  # our own broadcast echoed back
+        if self.security is not None:  # -- security: signature, trust and replay checks
+            reason = self.security.check(wire.raw_header(frame))
+            if reason is not None:
+                self._drop(reason, f"{msg.kind} round {msg.round}", msg.sender)
+                return
         if msg.msg_id in self._seen_ids:
             self.rejected["duplicate"] += 1
             return
@@ -168,17 +182,23 @@ class RuntimeContext:
     # -- NodeContext ----------------------------------------------------------------
     async def send(self, peer: str, message: Message) -> int:
         message.recipient = peer
-        frame = wire.encode(message, federation=self.federation, sender=self.node_id)
+        frame = wire.encode(message, federation=self.federation, sender=self.node_id, **self._signing())
         n = await self.transport.send(peer, frame)
         self.bytes_sent_by_kind[message.kind] += n
         return n
 
     async def broadcast(self, message: Message) -> int:
         message.recipient = BROADCAST
-        frame = wire.encode(message, federation=self.federation, sender=self.node_id)
+        frame = wire.encode(message, federation=self.federation, sender=self.node_id, **self._signing())
         n = await self.transport.broadcast(frame)
         self.bytes_sent_by_kind[message.kind] += n
         return n
+
+    def _signing(self) -> dict[str, Any]:
+        sec = self.security
+        if sec is None or sec.key is None:
+            return {}
+        return {"sign": sec.sign, "cert": sec.certificate}
 
     def _take(self, kind: str | tuple[str, ...], round: int | None, sender: str | None) -> Message | None:
         kinds = (kind,) if isinstance(kind, str) else kind
@@ -214,10 +234,13 @@ class RuntimeContext:
                     handle.cancel()
 
     def live_peers(self) -> list[str]:
-        return self.peers.live_peers()
+        live = self.peers.live_peers()
+        if self.security is not None:  # discovery is a hint: members need a trusted key
+            live = [p for p in live if self.security.is_member(p)]
+        return live
 
     def neighbours(self) -> list[str]:
-        live = self.peers.live_peers()
+        live = self.live_peers()
         if self.graph_neighbours is None:
             return live
         allowed = set(self.graph_neighbours)

@@ -54,6 +54,39 @@ class StartupError(RuntimeError):
     """The agent cannot start: unknown algorithm or option, unusable data or model spec."""
 
 
+def build_security(cfg: NodeConfig, state_dir: Path, node_id: str) -> Any:
+    """The node's :class:`agent.security.SecurityGuard` from ``[security]``.
+
+    Loads (or creates, mode 0600) the node key, reads the device certificate
+    (``security.certificate``, else ``state_dir/node_cert.json`` when present), and
+    builds the trust store from ``security.trusted_keys`` and ``security.federation_key``
+    (this node's own key is always trusted).
+
+    Raises:
+        StartupError: unreadable key or certificate, a certificate for another node.
+    """
+    from agent.security import SecurityError, SecurityGuard, TrustStore
+    from agent.security.keys import CERT_FILE, load_certificate, load_or_create_key, public_key_b64
+
+    sec = cfg.security
+    try:
+        key = load_or_create_key(state_dir, sec.key_file)
+        pinned = {k: str(v) for k, v in sec.trusted_keys.items()}
+        pinned.setdefault(node_id, public_key_b64(key))
+        trust = TrustStore(cfg.federation, pinned, sec.federation_key)
+        cert_path = sec.certificate or (state_dir / CERT_FILE if (state_dir / CERT_FILE).exists() else None)
+        cert = load_certificate(cert_path) if cert_path else None
+        if cert is not None and trust.federation_key is not None:
+            if trust.add_certificate(cert) != node_id:
+                raise SecurityError(f"certificate {cert_path} is for node {cert.get('node_id')!r}, not {node_id!r}")
+    except SecurityError as exc:
+        raise StartupError(f"security: {exc}") from None
+    log.info("node key %s (public %s); signatures %s", sec.key_file or state_dir / "node_key.pem",
+             public_key_b64(key), "required" if sec.require_signatures else "optional")
+    return SecurityGuard(node_id, key, trust, require_signatures=sec.require_signatures, certificate=cert,
+                         replay_window=sec.replay_window)
+
+
 class Agent:
     """One running daemon: wires config, data, transport, discovery and the algorithm."""
 
@@ -95,6 +128,7 @@ class Agent:
             )
             if spec["num_classes"] != bundle.pool.num_classes:
                 raise ValueError(f"model.spec has {spec['num_classes']} classes, the data {bundle.pool.num_classes}")
+            guard = build_security(cfg, self.state_dir, nid)  # -- security
         except (ValueError, KeyError, OSError, ImportError) as exc:
             raise StartupError(str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)) from None
         fed = cfg.federation
@@ -110,18 +144,24 @@ class Agent:
             "broker": cfg.mqtt.broker, "profile": cfg.profile, "model_hash": spec_hash(spec),
             "algorithm": algo_cls.name, "version": f"{__version__}/w{WIRE_VERSION}",
         }
+        mdns_descriptor = dict(descriptor)
+        if guard.certificate is not None:
+            descriptor["cert"] = guard.certificate  # presence carries the device certificate
         transport = MqttTransport(
             nid, fed, broker=cfg.mqtt.broker, peers=peers, descriptor=descriptor, protocol=cfg.mqtt.protocol,
             chunk_size=cfg.mqtt.chunk_size, max_frame_bytes=cfg.mqtt.max_frame_bytes,
             keepalive=cfg.mqtt.keepalive, heartbeat_interval=cfg.mqtt.heartbeat_interval,
             username=cfg.mqtt.username, password=cfg.mqtt.password,
             on_heartbeat=lambda peer, status: peers.touch(peer),
+            tls_ca=cfg.mqtt.tls_ca, tls_cert=cfg.mqtt.tls_cert, tls_key=cfg.mqtt.tls_key,
+            max_transfers=cfg.mqtt.max_transfers,
         )
         self.ctx = ctx = RuntimeContext(
             node_id=nid, federation=fed, transport=transport, peers=peers, data=data, model_spec=spec,
             train=train, init_seed=init_seed_for(cfg.seed, d.node_index, cfg.runtime.init),
             rng=np.random.default_rng([cfg.seed, d.node_index]), device=t.device, compute_in_thread=True,
             max_frame_bytes=cfg.mqtt.max_frame_bytes, graph_neighbours=cfg.algorithm.neighbours, seed=cfg.seed,
+            security=guard, max_queued_per_sender=cfg.security.max_queued_per_sender,
         )
         metrics_path = Path(cfg.runtime.metrics_file or self.state_dir / "metrics.jsonl")
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,7 +180,7 @@ class Agent:
                 log.error("%s", exc)
                 return 3
             if cfg.discovery.mdns:
-                self.mdns = MdnsDiscovery(peers, node_id=nid, federation=fed, descriptor=descriptor,
+                self.mdns = MdnsDiscovery(peers, node_id=nid, federation=fed, descriptor=mdns_descriptor,
                                           interfaces=list(cfg.discovery.interfaces))
                 await self.mdns.start()
             await node.setup()

@@ -1,0 +1,182 @@
+"""Keys, certificates, trust store, signed envelopes and replay protection."""
+
+import os
+import stat
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from agent.algorithms.context import Message
+from agent.runtime.config import ConfigError, config_from_dict
+from agent.security import SecurityError, SecurityGuard, TrustStore
+from agent.security.keys import (
+    issue_certificate, load_or_create_key, public_key_b64, verify_certificate,
+)
+from agent.transport import wire
+
+FED = "fedsec"
+
+
+def _msg(rnd=1, kind="model"):
+    return Message(kind, rnd, {"w": np.arange(4, dtype=np.float32)}, meta={"samples": 3})
+
+
+def _guard(node_id, key, trust, **kw):
+    return SecurityGuard(node_id, key, trust, **kw)
+
+
+def _signed(guard, rnd=1, kind="model", cert=None, msg=None):
+    m = msg or _msg(rnd, kind)
+    return wire.encode(m, federation=FED, sender=guard.node_id, sign=guard.sign, cert=cert)
+
+
+def _check(receiver, frame):
+    wire.decode(frame, federation=FED)
+    return receiver.check(wire.raw_header(frame))
+
+
+def test_key_created_once_with_0600(tmp_path):
+    k1 = load_or_create_key(tmp_path)
+    path = tmp_path / "node_key.pem"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    k2 = load_or_create_key(tmp_path)
+    assert public_key_b64(k1) == public_key_b64(k2)
+    os.chmod(path, 0o644)
+    load_or_create_key(tmp_path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    path.write_text("garbage")
+    with pytest.raises(SecurityError, match="cannot read private key"):
+        load_or_create_key(tmp_path)
+
+
+def test_certificate_roundtrip_and_tampering():
+    fed_key, dev = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    cert = issue_certificate(fed_key, FED, "dev1", public_key_b64(dev))
+    assert verify_certificate(cert, fed_key.public_key(), FED) == ("dev1", public_key_b64(dev))
+    with pytest.raises(SecurityError, match="federation"):
+        verify_certificate(cert, fed_key.public_key(), "other")
+    forged = dict(cert, node_id="dev2")
+    with pytest.raises(SecurityError, match="signature"):
+        verify_certificate(forged, fed_key.public_key(), FED)
+    with pytest.raises(SecurityError, match="signature"):
+        verify_certificate(cert, Ed25519PrivateKey.generate().public_key(), FED)
+    expired = issue_certificate(fed_key, FED, "dev1", public_key_b64(dev), valid_days=1, now=0.0)
+    with pytest.raises(SecurityError, match="expired"):
+        verify_certificate(expired, fed_key.public_key(), FED)
+
+
+def test_signed_envelope_accepted_once_then_replay():
+    ka, kb = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    trust = TrustStore(FED, {"a": public_key_b64(ka), "b": public_key_b64(kb)})
+    a = _guard("a", ka, trust)
+    b = _guard("b", kb, trust, require_signatures=True)
+    frame = _signed(a)
+    assert _check(b, frame) is None
+    assert _check(b, frame) == "replay"
+
+
+def test_rejection_reasons():
+    ka, kb, kx = (Ed25519PrivateKey.generate() for _ in range(3))
+    trust = TrustStore(FED, {"a": public_key_b64(ka), "b": public_key_b64(kb)})
+    b = _guard("b", kb, trust, require_signatures=True)
+    unsigned = wire.encode(_msg(), federation=FED, sender="a")
+    assert _check(b, unsigned) == "unsigned"
+    stranger = _guard("x", kx, TrustStore(FED, {}))
+    assert _check(b, _signed(stranger)) == "unknown_sender"
+    # a key that is not a's signs as "a"
+    impostor = _guard("a", kx, TrustStore(FED, {}))
+    assert _check(b, _signed(impostor)) == "bad_signature"
+    # tampered header: change the round after signing (re-encode header by hand)
+    good = _signed(_guard("a", ka, trust))
+    tampered = good.replace(b'"round":1', b'"round":2', 1)
+    assert _check(b, tampered) == "bad_signature"
+    garbage_sig = good.replace(b'"sig":"ed25519:', b'"sig":"ed25519:!', 1)
+    with pytest.raises(wire.WireError):  # header length changed: malformed before the guard
+        _check(b, garbage_sig)
+    # not required: unsigned and unknown pass, bad signatures of known senders still fail
+    lax = _guard("b", kb, trust)
+    assert _check(lax, unsigned) is None
+    assert _check(lax, _signed(stranger)) is None
+    assert _check(lax, _signed(impostor)) == "bad_signature"
+
+
+def test_time_window_and_monotonic_rounds():
+    ka, kb = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    trust = TrustStore(FED, {"a": public_key_b64(ka)})
+    now = [1000.0]
+    a = _guard("a", ka, trust)
+    b = _guard("b", kb, trust, require_signatures=True, replay_window=60, clock=lambda: now[0])
+
+    def at(t, rnd, kind="model"):
+        m = _msg(rnd, kind)
+        frame = _signed(a, msg=m)
+        # re-sign with a chosen send time
+        header = wire.raw_header(frame)
+        header["time"] = t
+        header["sig"] = a.sign(wire.signed_body(header))
+        return header
+
+    assert b.check(at(1000.0, 5)) is None
+    assert b.check(at(900.0, 6)) == "replay"  # outside the window
+    assert b.check(at(999.0, 4)) == "replay"  # lower round, sent earlier
+    assert b.check(at(999.0, 4, kind="other")) is None  # rounds are per kind
+    assert b.check(at(1001.0, 1)) is None  # restarted sender: lower round, later time
+    assert b.check(at(1002.0, 2)) is None
+
+
+def test_seen_ids_are_bounded():
+    ka, kb = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    trust = TrustStore(FED, {"a": public_key_b64(ka)})
+    a = _guard("a", ka, trust)
+    b = _guard("b", kb, trust, max_seen=8)
+    first = _signed(a, rnd=0)
+    assert _check(b, first) is None
+    for r in range(1, 20):
+        assert _check(b, _signed(a, rnd=r)) is None
+    assert len(b._seen) <= 8
+    assert _check(b, first) == "replay"  # forgotten id, but older than the floor
+
+
+def test_certificate_in_envelope_makes_a_member():
+    fed_key, ka, kb = (Ed25519PrivateKey.generate() for _ in range(3))
+    cert = issue_certificate(fed_key, FED, "a", public_key_b64(ka))
+    fed_pub = public_key_b64(fed_key)
+    trust_b = TrustStore(FED, {}, federation_key=fed_pub)
+    b = _guard("b", kb, trust_b, require_signatures=True)
+    assert not b.is_member("a")
+    a = _guard("a", ka, TrustStore(FED, {}), certificate=cert)
+    assert _check(b, _signed(a, cert=cert)) is None
+    assert b.is_member("a")
+    # a certificate for "a" does not let "c" in
+    c = _guard("c", ka, TrustStore(FED, {}))
+    assert _check(b, _signed(c, cert=cert)) == "unknown_sender"
+    # presence hint with a forged certificate is ignored
+    assert not b.learn("d", dict(cert, node_id="d"))
+    assert not b.is_member("d")
+
+
+def test_pinned_key_wins_over_certificate():
+    fed_key, ka, kx = (Ed25519PrivateKey.generate() for _ in range(3))
+    trust = TrustStore(FED, {"a": public_key_b64(ka)}, federation_key=public_key_b64(fed_key))
+    with pytest.raises(SecurityError, match="pinned"):
+        trust.add_certificate(issue_certificate(fed_key, FED, "a", public_key_b64(kx)))
+    assert trust.trusted()["a"] == public_key_b64(ka)
+
+
+def test_security_config_errors_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="^security.require_signatures"):
+        config_from_dict({"security": {"require_signatures": True}})
+    with pytest.raises(ConfigError, match="^security.trusted_keys.a"):
+        config_from_dict({"security": {"trusted_keys": {"a": "nope"}}})
+    with pytest.raises(ConfigError, match="^security.federation_key"):
+        config_from_dict({"security": {"federation_key": "AAAA"}})
+    with pytest.raises(ConfigError, match="^security.replay_window"):
+        config_from_dict({"security": {"replay_window": 0}})
+    with pytest.raises(ConfigError, match="^mqtt.tls_ca"):
+        config_from_dict({"mqtt": {"tls_ca": str(tmp_path / "missing.pem")}})
+    with pytest.raises(ConfigError, match="^security.bogus"):
+        config_from_dict({"security": {"bogus": 1}})
+    k = public_key_b64(Ed25519PrivateKey.generate())
+    cfg = config_from_dict({"security": {"require_signatures": True, "trusted_keys": {"a": k}}})
+    assert cfg.security.trusted_keys == {"a": k}
