@@ -25,7 +25,7 @@ from typing import Any
 from agent.runtime import metrics
 from agent.runtime.config import (
     AlgorithmSection, DataSection, DiscoverySection, ModelSection, MqttSection, NodeConfig, RuntimeSection,
-    TrainingSection,
+    SecuritySection, TrainingSection,
     dump_toml,
 )
 
@@ -86,9 +86,10 @@ def _model_specs(opts: DemoOptions) -> list[dict[str, Any]] | None:
 
 
 def _config(opts: DemoOptions, fed: str, nid: str, index: int, broker: str, out: Path,
-            specs: list[dict[str, Any]] | None = None) -> NodeConfig:
+            specs: list[dict[str, Any]] | None = None, federation_key: str | None = None) -> NodeConfig:
     node_dir = out / "nodes" / nid
     return NodeConfig(
+        security=SecuritySection(require_signatures=federation_key is not None, federation_key=federation_key),
         federation=fed, node_id=nid, state_dir=str(node_dir), seed=opts.seed, profile="generic-x86",
         algorithm=AlgorithmSection(name=opts.algorithm, rounds=opts.rounds, options=_algorithm_options(opts)),
         model=ModelSection(spec=specs[index % len(specs)] if specs else None),
@@ -161,8 +162,9 @@ def run_demo(opts: DemoOptions) -> int:
         procs: dict[str, subprocess.Popen] = {}
         logs = {}
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        fed_pub = _enroll(out, fed, ids)
         for i, nid in enumerate(ids):
-            cfg = _config(opts, fed, nid, i, broker.endpoint, out.resolve(), specs)
+            cfg = _config(opts, fed, nid, i, broker.endpoint, out.resolve(), specs, fed_pub)
             path = out / "nodes" / nid / "node.toml"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(dump_toml(cfg), encoding="utf-8")
@@ -246,6 +248,17 @@ def run_demo(opts: DemoOptions) -> int:
         return 1
     console.print(f"report: {out}/summary.json, {out}/metrics.jsonl, {out}/accuracy.png")
     return 0
+
+
+def _enroll(out: Path, fed: str, ids: list[str]) -> str:
+    """Signed demo: a federation key in the report folder, every agent enrolled (its key
+    created in its state directory, its certificate next to it). Returns the public key."""
+    from agent.security.keys import FEDERATION_KEY_FILE, enroll_local, load_or_create_key, public_key_b64
+
+    fed_key = load_or_create_key(out, str(out / FEDERATION_KEY_FILE))
+    for nid in ids:
+        enroll_local(fed_key, fed, nid, out / "nodes" / nid)
+    return public_key_b64(fed_key)
 
 
 class _Null:

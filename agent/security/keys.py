@@ -206,3 +206,20 @@ def load_certificate(path: str | os.PathLike[str]) -> dict[str, Any]:
 def save_certificate(cert: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Write a certificate (atomic, mode 0644: it is public)."""
     _atomic_write(Path(path), (json.dumps(cert, indent=1, sort_keys=True) + "\n").encode(), 0o644)
+
+
+FEDERATION_KEY_FILE = "federation_key.pem"
+
+
+def enroll_local(federation_key: Ed25519PrivateKey, federation: str, node_id: str,
+                 state_dir: str | os.PathLike[str], valid_days: float | None = None) -> dict[str, Any]:
+    """Enroll a node whose state directory is on this machine (demo, tests, ``dflctl``).
+
+    Creates the node's key in ``state_dir`` if it has none (as the daemon would on first
+    start), issues its certificate and writes it to ``state_dir/node_cert.json``, where
+    the daemon finds it.  Returns the certificate.
+    """
+    key = load_or_create_key(state_dir)
+    cert = issue_certificate(federation_key, federation, node_id, public_key_b64(key), valid_days=valid_days)
+    save_certificate(cert, Path(state_dir) / CERT_FILE)
+    return cert

@@ -180,3 +180,23 @@ def test_security_config_errors_name_the_key(tmp_path):
     k = public_key_b64(Ed25519PrivateKey.generate())
     cfg = config_from_dict({"security": {"require_signatures": True, "trusted_keys": {"a": k}}})
     assert cfg.security.trusted_keys == {"a": k}
+
+
+def test_dflctl_keys(tmp_path, capsys):
+    from tools.dflctl import main
+
+    fed_dir, state = tmp_path / "fed", tmp_path / "dev1"
+    assert main(["keys", "federation-init", "--dir", str(fed_dir)]) == 0
+    assert stat.S_IMODE((fed_dir / "federation_key.pem").stat().st_mode) == 0o600
+    assert main(["keys", "federation-init", "--dir", str(fed_dir)]) == 2  # no silent overwrite
+    assert main(["keys", "enroll", "dev1", "--federation", FED, "--dir", str(fed_dir), "--state-dir", str(state)]) == 0
+    assert (state / "node_key.pem").exists() and (state / "node_cert.json").exists()
+    passwd = (fed_dir / "mosquitto.passwd").read_text()
+    assert passwd.startswith("dev1:")
+    creds = (fed_dir / "credentials" / "dev1.toml").read_text()
+    assert 'username = "dev1"' in creds and "federation_key" in creds
+    cfg = config_from_dict(__import__("tomllib").loads(creds))  # the snippet is a valid configuration
+    assert cfg.mqtt.username == "dev1" and cfg.security.require_signatures
+    capsys.readouterr()
+    assert main(["keys", "show", "--state-dir", str(state), "--dir", str(fed_dir)]) == 0
+    assert "certificate: node dev1 federation fedsec: valid" in capsys.readouterr().out
