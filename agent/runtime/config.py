@@ -109,6 +109,7 @@ class RuntimeSection:
     metrics_file: Union[str, None] = None
     log_level: str = "info"
     init: str = "common"
+    rejoin: bool = False
 
 
 @dataclasses.dataclass

@@ -187,7 +187,11 @@ class Agent:
             await node.publish_status()
             if not await self._wait_for_peers(stop):
                 return 0
-            run = asyncio.ensure_future(node.run(cfg.algorithm.rounds))
+            start_round = self._rejoin_round() if cfg.runtime.rejoin else 1
+            if start_round > cfg.algorithm.rounds:
+                log.info("the federation already finished its %d rounds", cfg.algorithm.rounds)
+                return 0
+            run = asyncio.ensure_future(node.run(cfg.algorithm.rounds, start_round))
             stopper = asyncio.ensure_future(stop.wait())
             done, _ = await asyncio.wait({run, stopper}, return_when=asyncio.FIRST_COMPLETED)
             if run in done:
@@ -206,6 +210,24 @@ class Agent:
                 await self.mdns.stop()
             await ctx.stop()
             metrics_file.close()
+
+    def _rejoin_round(self) -> int:
+        """Fault tolerance (``runtime.rejoin``): the round to start at when (re)joining a
+        running federation - one after the highest round that a live, running peer's
+        fresh status reports (1 when none).  The model starts from its initialisation
+        (no checkpoint): the next aggregation brings it close to its neighbours'."""
+        import time as _time
+
+        live = set(self.ctx.live_peers())
+        limit = self.cfg.discovery.heartbeat_timeout
+        rounds = [
+            int(s.get("round") or 0) for nid, s in dict(self.ctx.transport.statuses).items()
+            if nid in live and s.get("state") == "running" and _time.time() - float(s.get("time") or 0) <= limit
+        ]
+        start = max(rounds, default=0) + 1
+        if start > 1:
+            log.info("rejoining the federation at round %d", start)
+        return start
 
     async def _wait_for_peers(self, stop: asyncio.Event) -> bool:
         """Wait until ``discovery.min_peers`` peers are live or ``start_timeout`` passes.
