@@ -156,7 +156,7 @@ def fuzz_chunks(n):
         st.tuples(st.integers(0, 1 << 32), st.integers(0, 1 << 32), st.integers(0, 1 << 64)).map(
             lambda t: struct.pack(">3sB16sIIQ32s", b"DFC", 1, os.urandom(16), t[0] % (1 << 32),
                                   t[1] % (1 << 32), t[2] % (1 << 64), b"\0" * 32) + b"x"),
-    ), max_size=30))
+    ), max_size=8))
     def run(msgs):
         r = Reassembler(max_transfers=4, max_bytes=64 * 1024, max_frame_bytes=MAX_FRAME)
         for m in msgs:

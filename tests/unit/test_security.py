@@ -200,3 +200,82 @@ def test_dflctl_keys(tmp_path, capsys):
     capsys.readouterr()
     assert main(["keys", "show", "--state-dir", str(state), "--dir", str(fed_dir)]) == 0
     assert "certificate: node dev1 federation fedsec: valid" in capsys.readouterr().out
+
+
+def _memory_federation(n, intruder):
+    """n fedavg nodes on the memory network, enrolled by a federation key, signatures
+    required; optionally an intruder that is present (presence "online") and injects
+    well-formed but unsigned or wrongly signed poisoned updates into n0's inbox."""
+    import asyncio
+    import types
+
+    from agent.algorithms.base import get_algorithm, parse_options
+    from agent.discovery.peers import PeerTable
+    from agent.learning.params import model_to_numpy
+    from agent.learning.training import TrainConfig
+    from agent.runtime.context import RuntimeContext
+    from agent.runtime.node import Node
+    from agent.transport.memory import MemoryNetwork, run_virtual
+
+    spec = {"type": "mlp", "input_shape": [4], "hidden": [8], "num_classes": 2}
+
+    def data(seed, k=40):
+        rng = np.random.default_rng(seed)
+        x = rng.normal(size=(k, 4)).astype(np.float32)
+        y = (x[:, 0] + x[:, 1] > 0).astype(np.int64)
+        return types.SimpleNamespace(train_x=x[:32], train_y=y[:32], val_x=x[32:], val_y=y[32:], num_classes=2)
+
+    fed_key = Ed25519PrivateKey.generate()
+    net = MemoryNetwork(latency=0.01)
+    cls = get_algorithm("fedavg")
+    opts = parse_options(cls, {"round_timeout": 5.0})
+    nodes = []
+    for i in range(n):
+        nid = f"n{i}"
+        key = Ed25519PrivateKey.generate()
+        cert = issue_certificate(fed_key, "f", nid, public_key_b64(key))
+        guard = SecurityGuard(nid, key, TrustStore("f", {}, federation_key=public_key_b64(fed_key)),
+                              require_signatures=True, certificate=cert)
+        ctx = RuntimeContext(
+            node_id=nid, federation="f", transport=net.transport(nid, "f", {"cert": cert}),
+            peers=PeerTable(nid, "f"), data=data(i), model_spec=spec, train=TrainConfig(batch_size=8, lr=0.1),
+            init_seed=0, rng=np.random.default_rng(i), security=guard,
+        )
+        nodes.append(Node(ctx, cls(ctx, opts), data(99).train_x, data(99).train_y))
+    mallory = net.transport("mallory", "f", {}) if intruder else None
+    impostor = SecurityGuard("n1", Ed25519PrivateKey.generate(), TrustStore("f"))
+
+    async def attack():
+        await mallory.start(lambda f, w: None, lambda n_, d: None)
+        for t in range(1, 4):  # all before round 1 ends: they would be used first if accepted
+            poison = {k: np.full_like(v, 1e3) for k, v in model_to_numpy(nodes[1].algorithm.model).items()}
+            for sign in (None, impostor.sign):
+                frame = wire.encode(Message("model", t, poison, meta={"samples": 1000}, recipient="n0"),
+                                    federation="f", sender="n1", sign=sign)
+                net.deliver_raw("n0", frame)
+
+    async def main():
+        for node in nodes:
+            await node.ctx.start()
+            await node.setup()
+        tasks = [node.run(3) for node in nodes] + ([attack()] if intruder else [])
+        await asyncio.gather(*tasks)
+
+    run_virtual(main())
+    return nodes
+
+
+def test_intruder_changes_no_model_in_a_signed_memory_federation():
+    import torch
+
+    torch.manual_seed(0)
+    clean = _memory_federation(3, intruder=False)
+    torch.manual_seed(0)
+    attacked = _memory_federation(3, intruder=True)
+    n0 = attacked[0]
+    assert n0.ctx.rejected["unsigned"] == 3 and n0.ctx.rejected["bad_signature"] == 3
+    assert "mallory" not in n0.ctx.live_peers()  # present, but not a member: never waited for
+    assert [r["neighbours"] for r in n0.history] == [2, 2, 2]
+    for a, c in zip(attacked, clean):
+        for (name, pa), pc in zip(a.algorithm.model.state_dict().items(), c.algorithm.model.state_dict().values()):
+            assert torch.equal(pa, pc), name
