@@ -149,7 +149,11 @@ class RuntimeContext:
         if msg.sender == self.node_id:
             return  # our own broadcast echoed back
         if self.security is not None:  # -- security: signature, trust and replay checks
-            reason = self.security.check(wire.raw_header(frame))
+            try:
+                reason = self.security.check(wire.raw_header(frame))
+            except Exception as exc:  # never let bad input kill the node
+                reason = "malformed"
+                log.debug("security check failed on %r", exc)
             if reason is not None:
                 self._drop(reason, f"{msg.kind} round {msg.round}", msg.sender)
                 return

@@ -20,7 +20,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from agent.algorithms.context import Message
+from agent.security import REJECT_REASONS, SecurityGuard, TrustStore
+from agent.security.keys import public_key_b64
 from agent.transport import chunking, wire
 from agent.transport.chunking import ChunkError, Reassembler
 
@@ -90,11 +94,25 @@ def _frame_from_header(h, payload: bytes) -> bytes:
     return struct.pack(">3sBI", b"DFL", 1, len(hb)) + hb + payload
 
 
+_GUARD_KEY = Ed25519PrivateKey.generate()
+#: a receiver that requires signatures and trusts "a" and certificates of a federation key
+_GUARD = SecurityGuard("r", _GUARD_KEY, TrustStore(FED, {"a": public_key_b64(_GUARD_KEY)},
+                                                   federation_key=public_key_b64(_GUARD_KEY)),
+                       require_signatures=True)
+
+
+_SIGNED = wire.encode(Message("model", 3, {"w": np.ones(3, np.float32)}, meta={"samples": 5}),
+                      federation=FED, sender="a", sign=_GUARD.sign, cert={"v": 1})
+
+
 def _decode_wire(frame: bytes) -> None:
     try:
         wire.decode(frame, federation=FED, max_frame_bytes=MAX_FRAME)
     except wire.WireError as exc:
         assert exc.reason and str(exc)
+        return
+    # the security checks see whatever header decoded: a reason or None, never an exception
+    assert _GUARD.check(wire.raw_header(frame)) in (None, *REJECT_REASONS)
 
 
 def _bounded(fn, *args):
@@ -115,6 +133,7 @@ def fuzz_envelope(n):
     @given(st.one_of(
         st.binary(max_size=512),
         mutations.map(lambda m: _mutate(_VALID, *m)),
+        mutations.map(lambda m: _mutate(_SIGNED, *m)),
         st.tuples(_header_variants(), st.binary(max_size=64)).map(lambda hp: _frame_from_header(*hp)),
     ))
     def run(frame):
