@@ -532,7 +532,7 @@ class MqttTransport(Transport):
                 # -- security: bounded chunks in flight per connection (all topics)
                 in_flight = sum(r.pending for r in conn.reassemblers.values())
                 mine = conn.reassemblers.get(topic_name)
-                if in_flight >= self.max_transfers and (mine is None or mine.pending == 0):
+                if in_flight >= self.max_transfers and (mine is None or not mine.holds(payload)):
                     self._count("too_many_transfers")
                     log.warning("%s: dropped a chunk on %s: %d transfers in flight",
                                 self.node_id, topic_name, in_flight)
