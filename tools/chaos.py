@@ -235,6 +235,10 @@ def run_chaos(o: ChaosOptions, log=print) -> dict[str, Any]:
                 except subprocess.TimeoutExpired:
                     p.kill()
     finally:
+        for p in procs.values():  # also on SIGTERM / Ctrl-C: leave no agent behind
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         if netns:
             netns.down()
     return _report(o, out, ids, procs, events, time.time() - started)
@@ -290,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             p.add_argument(flag, type=type(getattr(d, f.name)), default=getattr(d, f.name))
     o = ChaosOptions(**vars(p.parse_args(argv)))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up agents and broker
     if o.netem and not netns_available():
         print("--netem needs root, ip and tc", file=sys.stderr)
         return 2

@@ -214,15 +214,17 @@ class Agent:
     def _rejoin_round(self) -> int:
         """Fault tolerance (``runtime.rejoin``): the round to start at when (re)joining a
         running federation - one after the highest round that a live, running peer's
-        fresh status reports (1 when none).  The model starts from its initialisation
-        (no checkpoint): the next aggregation brings it close to its neighbours'."""
+        fresh status reports, or that a finished peer reports (1 when none).  The model
+        starts from its initialisation (no checkpoint): the next aggregation brings it
+        close to its neighbours'."""
         import time as _time
 
         live = set(self.ctx.live_peers())
         limit = self.cfg.discovery.heartbeat_timeout
         rounds = [
             int(s.get("round") or 0) for nid, s in dict(self.ctx.transport.statuses).items()
-            if nid in live and s.get("state") == "running" and _time.time() - float(s.get("time") or 0) <= limit
+            if s.get("state") == "finished"
+            or (nid in live and s.get("state") == "running" and _time.time() - float(s.get("time") or 0) <= limit)
         ]
         start = max(rounds, default=0) + 1
         if start > 1:
@@ -238,7 +240,11 @@ class Agent:
         deadline = loop.time() + self.cfg.discovery.start_timeout
         node = self.node
         node.state = "waiting_for_peers"
-        while len(self.ctx.live_peers()) < want and loop.time() < deadline:
+        def finished() -> bool:  # runtime.rejoin: a peer already finished, nobody to wait for
+            return self.cfg.runtime.rejoin and any(
+                s.get("state") == "finished" for s in dict(self.ctx.transport.statuses).values())
+
+        while len(self.ctx.live_peers()) < want and loop.time() < deadline and not finished():
             if stop.is_set():
                 return False
             await asyncio.sleep(0.2)
