@@ -58,6 +58,8 @@ class ChaosOptions:
     faults: bool = True
     seed: int = 0
     netem: str | None = None
+    #: run every agent in its own network namespace (implied by ``netem``)
+    netns: bool = False
     #: "time": kill_every, chaos_seconds, broker_restart_at are seconds; "rounds": they
     #: count rounds of the federation (the lowest round completed by a running agent),
     #: which keeps short CI runs independent of the machine's speed
@@ -110,6 +112,8 @@ class _Netns:
             self._ip("-n", ns, "addr", "add", f"10.77.0.{10 + i}/24", "dev", ns_end)
             self._ip("-n", ns, "link", "set", ns_end, "up")
             self._ip("-n", ns, "link", "set", "lo", "up")
+            if not self.netem:
+                continue
             # netem on both directions of the agent's link
             subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", ns_end, "root", "netem",
                             *self.netem.split()], check=True, capture_output=True)
@@ -123,8 +127,20 @@ class _Netns:
 
 
 def netns_available() -> bool:
-    """True when running as root with ``ip`` and ``tc`` (network namespaces possible)."""
-    return os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+    """True when network namespaces with ``tc netem`` work here: root, ``ip`` and ``tc``
+    installed, and a kernel with the netem qdisc (probed in a throw-away namespace;
+    containers often lack ``sch_netem``: "Specified qdisc kind is unknown")."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        return False
+    ns = f"dflprobe{secrets.token_hex(3)}"
+    try:
+        if subprocess.run(["ip", "netns", "add", ns], capture_output=True).returncode != 0:
+            return False
+        r = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "netem",
+                            "delay", "1ms"], capture_output=True)
+        return r.returncode == 0
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def run_chaos(o: ChaosOptions, log=print) -> dict[str, Any]:
@@ -142,7 +158,7 @@ def run_chaos(o: ChaosOptions, log=print) -> dict[str, Any]:
     fed = "chaos-" + secrets.token_hex(3)
     fed_key = Ed25519PrivateKey.generate()
     ids = [f"node{i:02d}" for i in range(o.nodes)]
-    netns = _Netns(o.nodes, o.netem) if o.netem else None
+    netns = _Netns(o.nodes, o.netem) if (o.netem or o.netns) else None
     if netns:
         netns.up()
     started = time.time()
@@ -198,14 +214,14 @@ def run_chaos(o: ChaosOptions, log=print) -> dict[str, Any]:
             while time.monotonic() < deadline:
                 now = time.monotonic()
                 prog = progress()
-                in_window = o.faults and prog < o.chaos_seconds
                 for nid, at in list(restarts.items()):
                     if now >= at:
                         launch(nid)
                         del restarts[nid]
                         events.append({"t": round(now - t0, 1), "event": "restart", "node": nid})
                         log(f"  t={now - t0:5.1f}s restart {nid}")
-                if in_window and prog >= next_kill:
+                # kills at kill_every, 2*kill_every, ... up to and including chaos_seconds
+                if o.faults and next_kill <= o.chaos_seconds and prog >= next_kill:
                     # never a node about to finish: a restart after the federation ended has no peers
                     running = [n for n, p in procs.items()
                                if p.poll() is None and n not in restarts and rounds_done(n) < o.rounds - 2]
@@ -289,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         flag = "--" + f.name.replace("_", "-")
         if f.name == "faults":
             p.add_argument("--no-faults", dest="faults", action="store_false")
+        elif f.name == "netns":
+            p.add_argument("--netns", action="store_true")
         elif f.name in ("broker_restart_at", "netem"):
             p.add_argument(flag, type=float if f.name == "broker_restart_at" else str, default=getattr(d, f.name))
         else:

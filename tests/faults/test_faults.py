@@ -30,7 +30,7 @@ def test_kill_restart_and_broker_restart(tmp_path):
 
 
 @needs_mosquitto
-@pytest.mark.skipif(not netns_available(), reason="network namespaces and tc netem need root")
+@pytest.mark.skipif(not netns_available(), reason="needs root, ip, tc and a kernel with sch_netem")
 def test_netem_loss_and_delay(tmp_path):
     o = ChaosOptions(out=str(tmp_path / "netem"), nodes=3, rounds=4, round_timeout=20.0, faults=False,
                      netem="delay 200ms loss 10%", start_timeout=120.0)
