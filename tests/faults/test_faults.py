@@ -18,8 +18,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(400
 
 @needs_mosquitto
 def test_kill_restart_and_broker_restart(tmp_path):
-    o = ChaosOptions(out=str(tmp_path / "chaos"), nodes=3, rounds=10, round_timeout=8.0, schedule="rounds",
-                     kill_every=2, chaos_seconds=6, broker_restart_at=4, restart_delay=1.0, seed=1,
+    # rounds take ~0.3 s: 100 of them leave time for the killed agent's restart (start-up:
+    # torch import, data) to rejoin; the broker restart comes when all three run again
+    o = ChaosOptions(out=str(tmp_path / "chaos"), nodes=3, rounds=100, round_timeout=8.0, schedule="rounds",
+                     kill_every=3, chaos_seconds=3, broker_restart_at=10, restart_delay=1.0, seed=1,
                      start_timeout=90.0)
     r = run_chaos(o, log=lambda *a: None)
     kills = [e for e in r["events"] if e["event"] == "kill"]
