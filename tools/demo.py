@@ -26,7 +26,7 @@ from agent.runtime import metrics
 from agent.runtime.config import (
     CompressionSection,
     AlgorithmSection, DataSection, DiscoverySection, ModelSection, MqttSection, NodeConfig, RuntimeSection,
-    TrainingSection,
+    SecuritySection, TrainingSection,
     dump_toml,
 )
 
@@ -103,9 +103,10 @@ def _model_specs(opts: DemoOptions) -> list[dict[str, Any]] | None:
 
 
 def _config(opts: DemoOptions, fed: str, nid: str, index: int, broker: str, out: Path,
-            specs: list[dict[str, Any]] | None = None) -> NodeConfig:
+            specs: list[dict[str, Any]] | None = None, federation_key: str | None = None) -> NodeConfig:
     node_dir = out / "nodes" / nid
     return NodeConfig(
+        security=SecuritySection(require_signatures=federation_key is not None, federation_key=federation_key),
         federation=fed, node_id=nid, state_dir=str(node_dir), seed=opts.seed,
         profile=(_profiles(opts) or ["generic-x86"])[index % len(_profiles(opts) or ["generic-x86"])],
         # every agent shares this one machine: its load and the clock would gate them all
@@ -185,8 +186,9 @@ def run_demo(opts: DemoOptions) -> int:
         procs: dict[str, subprocess.Popen] = {}
         logs = {}
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        fed_pub = _enroll(out, fed, ids)
         for i, nid in enumerate(ids):
-            cfg = _config(opts, fed, nid, i, broker.endpoint, out.resolve(), specs)
+            cfg = _config(opts, fed, nid, i, broker.endpoint, out.resolve(), specs, fed_pub)
             path = out / "nodes" / nid / "node.toml"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(dump_toml(cfg), encoding="utf-8")
@@ -271,6 +273,17 @@ def run_demo(opts: DemoOptions) -> int:
         return 1
     console.print(f"report: {out}/summary.json, {out}/metrics.jsonl, {out}/accuracy.png")
     return 0
+
+
+def _enroll(out: Path, fed: str, ids: list[str]) -> str:
+    """Signed demo: a federation key in the report folder, every agent enrolled (its key
+    created in its state directory, its certificate next to it). Returns the public key."""
+    from agent.security.keys import FEDERATION_KEY_FILE, enroll_local, load_or_create_key, public_key_b64
+
+    fed_key = load_or_create_key(out, str(out / FEDERATION_KEY_FILE))
+    for nid in ids:
+        enroll_local(fed_key, fed, nid, out / "nodes" / nid)
+    return public_key_b64(fed_key)
 
 
 class _Null:

@@ -23,6 +23,7 @@ from agent.algorithms.base import register
 from agent.algorithms.context import Message
 from agent.algorithms.dechw import NeighbourhoodAlgorithm, NeighbourhoodOptions
 from agent.learning.consensus import consensus_step
+from agent.learning.robust import clip_updates, robust_aggregate
 
 
 @dataclasses.dataclass
@@ -57,7 +58,15 @@ class CFA(NeighbourhoodAlgorithm):
     def aggregate(self, t: int, own: dict[str, np.ndarray], got: list[Message]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         if not got:
             return own, {"epsilon": 0.0}
+        o = self.options
+        if o.aggregation in ("median", "trimmed_mean"):  # robust rule replaces the consensus step
+            samples = [self.samples] + [m.meta["samples"] for m in got]
+            tensors, _ = robust_aggregate(own, [m.tensors for m in got], samples, o.aggregation, trim_ratio=o.trim_ratio)
+            return tensors, {"epsilon": 1.0}
+        models = [m.tensors for m in got]
+        if o.aggregation == "clip":
+            models = clip_updates(models, own, o.clip_norm)[0]
         sizes = np.array([m.meta["samples"] for m in got], dtype=np.float64)
         denom = sizes.sum() + (self.samples if self.options.weights == "neighbourhood" else 0.0)
         eps = self.options.epsilon or 1.0 / len(got)
-        return consensus_step(own, [m.tensors for m in got], list(sizes / denom), eps), {"epsilon": eps}
+        return consensus_step(own, models, list(sizes / denom), eps), {"epsilon": eps}

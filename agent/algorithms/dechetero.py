@@ -18,7 +18,7 @@ import numpy as np
 from agent.algorithms.base import register
 from agent.algorithms.context import Message
 from agent.algorithms.dechw import NeighbourhoodAlgorithm, NeighbourhoodOptions
-from agent.learning.aggregation import weighted_average
+from agent.learning.robust import robust_aggregate
 
 
 @register
@@ -29,6 +29,8 @@ class DecHetero(NeighbourhoodAlgorithm):
     Options = NeighbourhoodOptions
 
     def aggregate(self, t: int, own: dict[str, np.ndarray], got: list[Message]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        models = [own] + [m.tensors for m in got]
         samples = [self.samples] + [m.meta["samples"] for m in got]
-        return weighted_average(models, samples), {}
+        o = self.options  # aggregation "mean" = Eq. 3; others: agent.learning.robust
+        tensors, _ = robust_aggregate(own, [m.tensors for m in got], samples, o.aggregation,
+                                      clip_norm=o.clip_norm, trim_ratio=o.trim_ratio)
+        return tensors, {}

@@ -42,6 +42,8 @@ from agent.algorithms.fedavg import collect_round
 from agent.algorithms.market import SyncOptions, UpdateMarket, send_with_participation
 from agent.learning import hessian as hess
 from agent.learning.aggregation import weighted_average
+from agent.learning.robust import check_options as check_robust_options
+from agent.learning.robust import clip_updates, robust_aggregate
 from agent.learning.params import load_numpy, model_to_numpy
 from agent.learning.training import train_local
 
@@ -63,11 +65,23 @@ class NeighbourhoodOptions(SyncOptions):
             neighbour: bytes = degree × message), ``broadcast`` (one publish that every
             peer receives; non-neighbours ignore it), or ``auto`` (default: broadcast
             when the neighbours are all the live peers, unicast otherwise).
+        aggregation: ``mean`` (default, the paper's rule), or a robust rule against
+            poisoned updates (:mod:`agent.learning.robust`): ``clip`` (neighbours'
+            deviation from the own model clipped to ``clip_norm``), ``median``
+            (coordinate-wise), ``trimmed_mean`` (coordinate-wise, ``trim_ratio``).
+        clip_norm: L2 bound of ``clip``; 0 = median of the neighbours' deviation norms.
+        trim_ratio: fraction β trimmed at each end by ``trimmed_mean``, in [0, 0.5).
+            In ``dechw``, ``clip`` clips before the Hessian weighting; ``median`` and
+            ``trimmed_mean`` replace it.  In ``cfa``, ``clip`` clips before the consensus
+            step; ``median``/``trimmed_mean`` replace it by the robust aggregate of N_i ∪ {i}.
     """
 
     round_timeout: float = 30.0
     poll_interval: float = 0.5
     delivery: str = "auto"
+    aggregation: str = "mean"
+    clip_norm: float = 0.0
+    trim_ratio: float = 0.2
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -77,6 +91,7 @@ class NeighbourhoodOptions(SyncOptions):
             raise ValueError(f"poll_interval must be > 0, got {self.poll_interval}")
         if self.delivery not in DELIVERIES:
             raise ValueError(f"delivery must be one of {DELIVERIES}, got {self.delivery!r}")
+        check_robust_options(self.aggregation, self.clip_norm, self.trim_ratio)
 
 
 class NeighbourhoodAlgorithm(Algorithm):
@@ -284,6 +299,12 @@ class DecHW(NeighbourhoodAlgorithm):
             hessians.append(h)
         models = [own] + [{k: v for k, v in m.tensors.items() if not k.startswith(HESSIAN_PREFIX)} for m in accepted]
         samples = [self.samples] + [m.meta["samples"] for m in accepted]
+        o = self.options
+        if o.aggregation in ("median", "trimmed_mean"):  # robust rule replaces Eq. 6-8
+            tensors, _ = robust_aggregate(own, models[1:], samples, o.aggregation, trim_ratio=o.trim_ratio)
+            return tensors, {"neighbours": len(accepted), "hessian_weighted": False, "fallback_fraction": 1.0}
+        if o.aggregation == "clip":
+            models = [own] + clip_updates(models[1:], own, o.clip_norm)[0]
         use = self.uses_hessian(t) and self.hessian is not None and all(h is not None for h in hessians)
         if use:
             tensors, fallback = hess.hessian_weighted_average(

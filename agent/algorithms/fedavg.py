@@ -19,6 +19,8 @@ from agent.algorithms.context import Message
 from agent.algorithms.market import SyncOptions, UpdateMarket, send_with_participation
 from agent.algorithms import gossip_compression as gc
 from agent.learning.aggregation import weighted_average
+from agent.learning.robust import check_options as check_robust_options
+from agent.learning.robust import robust_aggregate
 from agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
 from agent.learning.training import train_local
 
@@ -34,10 +36,19 @@ class FedAvgOptions(SyncOptions):
         round_timeout: seconds a round waits for neighbours' models after sending its own.
         poll_interval: seconds between re-checks of the live-peer set while waiting
             (a peer that leaves stops being waited for).
+        aggregation: ``mean`` (default, the paper's rule), or a robust rule against
+            poisoned updates (:mod:`agent.learning.robust`): ``clip`` (neighbours'
+            deviation from the own model clipped to ``clip_norm``), ``median``
+            (coordinate-wise), ``trimmed_mean`` (coordinate-wise, ``trim_ratio``).
+        clip_norm: L2 bound of ``clip``; 0 = median of the neighbours' deviation norms.
+        trim_ratio: fraction β trimmed at each end by ``trimmed_mean``, in [0, 0.5).
     """
 
     round_timeout: float = 30.0
     poll_interval: float = 0.5
+    aggregation: str = "mean"
+    clip_norm: float = 0.0
+    trim_ratio: float = 0.2
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -45,6 +56,7 @@ class FedAvgOptions(SyncOptions):
             raise ValueError(f"round_timeout must be > 0, got {self.round_timeout}")
         if not self.poll_interval > 0:
             raise ValueError(f"poll_interval must be > 0, got {self.poll_interval}")
+        check_robust_options(self.aggregation, self.clip_norm, self.trim_ratio)
 
 
 def update_problem(msg: Message, template, extra_tensors: frozenset[str] = frozenset()) -> str | None:
@@ -145,7 +157,9 @@ class FedAvg(Algorithm):
         got = gc.received_copies(ctx, self.choco, got)
         senders = sorted(got)
         base = gc.own_for_mixing(self.choco, own)
-        avg = weighted_average([base] + [got[s].tensors for s in senders], [n_own] + [got[s].meta["samples"] for s in senders])
+        o = self.options
+        avg, _ = robust_aggregate(base, [got[s].tensors for s in senders], [n_own] + [got[s].meta["samples"] for s in senders],
+                                  o.aggregation, clip_norm=o.clip_norm, trim_ratio=o.trim_ratio)
         load_numpy(self.model, gc.finish_mixing(self.choco, own, avg))
         return {"train_loss": stats["loss"], "neighbours": len(senders), "missing": missing,
                 **self.market.last.info()}

@@ -88,6 +88,11 @@ class MqttSection:
     username: Union[str, None] = None
     password: Union[str, None] = None
     bridged: bool = False  # operations: site brokers joined by bridging; talk to the home broker only
+    # -- security: TLS (server verified against tls_ca; optional client certificate)
+    tls_ca: Union[str, None] = None
+    tls_cert: Union[str, None] = None
+    tls_key: Union[str, None] = None
+    max_transfers: int = 64
 
 
 @dataclasses.dataclass
@@ -116,6 +121,7 @@ class RuntimeSection:
     log_format: str = "auto"
     prometheus_port: int = 0
     prometheus_address: str = "127.0.0.1"
+    rejoin: bool = False
 
 
 @dataclasses.dataclass
@@ -149,6 +155,19 @@ class CompressionSection:
 
 
 @dataclasses.dataclass
+class SecuritySection:
+    """``[security]``: node key, federation trust and replay protection (see README "Security")."""
+
+    require_signatures: bool = False
+    key_file: Union[str, None] = None
+    certificate: Union[str, None] = None
+    federation_key: Union[str, None] = None
+    trusted_keys: dict[str, Any] = dataclasses.field(default_factory=dict)
+    replay_window: float = 300.0
+    max_queued_per_sender: int = 16
+
+
+@dataclasses.dataclass
 class NodeConfig:
     """The whole node configuration (top-level keys + sections)."""
 
@@ -166,6 +185,7 @@ class NodeConfig:
     discovery: DiscoverySection = dataclasses.field(default_factory=DiscoverySection)
     runtime: RuntimeSection = dataclasses.field(default_factory=RuntimeSection)
     compression: CompressionSection = dataclasses.field(default_factory=CompressionSection)
+    security: SecuritySection = dataclasses.field(default_factory=SecuritySection)
 
 
 def _check_type(value: Any, typ: Any, key: str) -> Any:
@@ -253,6 +273,33 @@ def _validate(cfg: NodeConfig) -> None:
     need(disc.min_peers >= 0, "discovery.min_peers", "must be >= 0")
     need(disc.start_timeout > 0, "discovery.start_timeout", "must be > 0")
     need(disc.heartbeat_timeout > 0, "discovery.heartbeat_timeout", "must be > 0")
+    # -- security
+    sec = cfg.security
+    need(sec.replay_window > 0, "security.replay_window", "must be > 0 seconds")
+    need(sec.max_queued_per_sender >= 1, "security.max_queued_per_sender", "must be >= 1")
+    need(m.max_transfers >= 1, "mqtt.max_transfers", "must be >= 1")
+    need(m.tls_cert is None or m.tls_ca is not None, "mqtt.tls_cert", "needs mqtt.tls_ca")
+    need((m.tls_cert is None) == (m.tls_key is None), "mqtt.tls_key", "mqtt.tls_cert and mqtt.tls_key go together")
+    for key in ("tls_ca", "tls_cert", "tls_key"):
+        path = getattr(m, key)
+        need(path is None or os.path.isfile(path), f"mqtt.{key}", f"file not found: {path}")
+    from agent.security.keys import SecurityError, parse_public_key
+
+    for nid, text in sec.trusted_keys.items():
+        need(valid_id(nid), f"security.trusted_keys.{nid}", "must be a valid node id")
+        try:
+            parse_public_key(text if isinstance(text, str) else "")
+        except SecurityError as exc:
+            raise ConfigError(f"security.trusted_keys.{nid}: {exc}") from None
+    if sec.federation_key is not None:
+        try:
+            parse_public_key(sec.federation_key)
+        except SecurityError as exc:
+            raise ConfigError(f"security.federation_key: {exc}") from None
+    need(not sec.require_signatures or bool(sec.trusted_keys) or sec.federation_key is not None,
+         "security.require_signatures", "needs security.federation_key or security.trusted_keys")
+    need(sec.certificate is None or os.path.isfile(sec.certificate), "security.certificate",
+         f"file not found: {sec.certificate}")
     need(cfg.runtime.init in ("common", "independent"), "runtime.init", "must be 'common' or 'independent'")
     need(cfg.runtime.log_level.lower() in ("debug", "info", "warning", "error"), "runtime.log_level",
          "must be debug, info, warning or error")

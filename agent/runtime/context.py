@@ -63,6 +63,11 @@ class RuntimeContext:
             feedback residual per stream for sparsified kinds); messages an algorithm
             already encoded (``Message.encoding``, e.g. CHOCO gossip) go as they are.
             Algorithms read it as ``ctx.compression``.
+        security: an :class:`agent.security.SecurityGuard` (``None``: frames are
+            neither signed nor verified, as in the simulator).  With it, outgoing
+            frames are signed, incoming ones verified and replay-checked (rejections
+            counted as ``unsigned``, ``unknown_sender``, ``bad_signature``, ``replay``),
+            and only trusted peers are members when signatures are required.
     """
 
     def __init__(
@@ -84,6 +89,7 @@ class RuntimeContext:
         graph_neighbours: list[str] | None = None,
         seed: int = 0,
         compression: CompressionPolicy | None = None,
+        security: Any = None,
     ):
         self.node_id = node_id
         self.federation = federation
@@ -132,6 +138,7 @@ class RuntimeContext:
         self._round_sent: collections.Counter[str] = collections.Counter()
         self._round_received: collections.Counter[str] = collections.Counter()
         self.last_round_bytes: dict[str, Any] = {}
+        self.security = security
 
     # -- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -147,6 +154,8 @@ class RuntimeContext:
         if descriptor is None:
             self.peers.withdraw(node_id, "presence")
         else:
+            if self.security is not None and isinstance(descriptor.get("cert"), dict):
+                self.security.learn(node_id, descriptor["cert"])  # a hint; trust needs a valid certificate
             fields = {k: v for k, v in descriptor.items() if isinstance(v, (str, int, float))}
             fields.pop("node_id", None)
             self.peers.upsert(node_id, "presence", **fields)
@@ -172,6 +181,15 @@ class RuntimeContext:
         if msg.sender in self.excluded and msg.kind != "onnx.model":
             self._drop("incompatible_peer", self.excluded[msg.sender], msg.sender)
             return
+        if self.security is not None:  # -- security: signature, trust and replay checks
+            try:
+                reason = self.security.check(wire.raw_header(frame))
+            except Exception as exc:  # never let bad input kill the node
+                reason = "malformed"
+                log.debug("security check failed on %r", exc)
+            if reason is not None:
+                self._drop(reason, f"{msg.kind} round {msg.round}", msg.sender)
+                return
         if msg.msg_id in self._seen_ids:
             self.rejected["duplicate"] += 1
             return
@@ -237,7 +255,7 @@ class RuntimeContext:
                 else:
                     wire_tensors, desc, _ = codec.encode_tensors(message.tensors, spec, self.compression_rng)
                 out = dataclasses.replace(message, tensors=wire_tensors, encoding=desc)
-        frame = wire.encode(out, federation=self.federation, sender=self.node_id)
+        frame = wire.encode(out, federation=self.federation, sender=self.node_id, **self._signing())
         if out is not orig:
             orig.msg_id, orig.time, orig.sender, orig.wire_bytes = out.msg_id, out.time, out.sender, out.wire_bytes
         reference = 0
@@ -261,6 +279,11 @@ class RuntimeContext:
             "compression_ratio": (self.float32_bytes_sent / sent) if sent else 1.0,
             **self.last_round_bytes,
         }
+    def _signing(self) -> dict[str, Any]:
+        sec = self.security
+        if sec is None or sec.key is None:
+            return {}
+        return {"sign": sec.sign, "cert": sec.certificate}
 
     def _take(self, kind: str | tuple[str, ...], round: int | None, sender: str | None) -> Message | None:
         kinds = (kind,) if isinstance(kind, str) else kind
@@ -298,7 +321,10 @@ class RuntimeContext:
     def live_peers(self) -> list[str]:
         """Live peers that take part: incompatible peers (``compatibility``) and peers
         that report themselves gated are left out."""
-        return [p for p in self.peers.live_peers() if self._participates(p)]
+        live = [p for p in self.peers.live_peers() if self._participates(p)]
+        if self.security is not None:  # discovery is a hint: members need a trusted key
+            live = [p for p in live if self.security.is_member(p)]
+        return live
 
     def _participates(self, peer: str) -> bool:
         if self.peer_gated.get(peer):

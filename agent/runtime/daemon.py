@@ -54,6 +54,39 @@ class StartupError(RuntimeError):
     """The agent cannot start: unknown algorithm or option, unusable data or model spec."""
 
 
+def build_security(cfg: NodeConfig, state_dir: Path, node_id: str) -> Any:
+    """The node's :class:`agent.security.SecurityGuard` from ``[security]``.
+
+    Loads (or creates, mode 0600) the node key, reads the device certificate
+    (``security.certificate``, else ``state_dir/node_cert.json`` when present), and
+    builds the trust store from ``security.trusted_keys`` and ``security.federation_key``
+    (this node's own key is always trusted).
+
+    Raises:
+        StartupError: unreadable key or certificate, a certificate for another node.
+    """
+    from agent.security import SecurityError, SecurityGuard, TrustStore
+    from agent.security.keys import CERT_FILE, load_certificate, load_or_create_key, public_key_b64
+
+    sec = cfg.security
+    try:
+        key = load_or_create_key(state_dir, sec.key_file)
+        pinned = {k: str(v) for k, v in sec.trusted_keys.items()}
+        pinned.setdefault(node_id, public_key_b64(key))
+        trust = TrustStore(cfg.federation, pinned, sec.federation_key)
+        cert_path = sec.certificate or (state_dir / CERT_FILE if (state_dir / CERT_FILE).exists() else None)
+        cert = load_certificate(cert_path) if cert_path else None
+        if cert is not None and trust.federation_key is not None:
+            if trust.add_certificate(cert) != node_id:
+                raise SecurityError(f"certificate {cert_path} is for node {cert.get('node_id')!r}, not {node_id!r}")
+    except SecurityError as exc:
+        raise StartupError(f"security: {exc}") from None
+    log.info("node key %s (public %s); signatures %s", sec.key_file or state_dir / "node_key.pem",
+             public_key_b64(key), "required" if sec.require_signatures else "optional")
+    return SecurityGuard(node_id, key, trust, require_signatures=sec.require_signatures, certificate=cert,
+                         replay_window=sec.replay_window)
+
+
 class Agent:
     """One running daemon: wires config, data, transport, discovery and the algorithm."""
 
@@ -105,6 +138,7 @@ class Agent:
             if spec["num_classes"] != bundle.pool.num_classes:
                 raise ValueError(f"model.spec has {spec['num_classes']} classes, the data {bundle.pool.num_classes}")
             behaviour = apply_profile(cfg, algo_cls.name, spec=spec)[1]  # aggregator memory check
+            guard = build_security(cfg, self.state_dir, nid)  # -- security
         except (ValueError, KeyError, OSError, ImportError, LookupError) as exc:
             raise StartupError(str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)) from None
         for line in behaviour.reasons:
@@ -125,12 +159,17 @@ class Agent:
             "algorithm": algo_cls.name, "version": f"{__version__}/w{WIRE_VERSION}",
             "roles": ",".join(behaviour.roles), "compression": behaviour.compression,
         }
+        mdns_descriptor = dict(descriptor)
+        if guard.certificate is not None:
+            descriptor["cert"] = guard.certificate  # presence carries the device certificate
         transport = MqttTransport(
             nid, fed, broker=cfg.mqtt.broker, peers=peers, descriptor=descriptor, protocol=cfg.mqtt.protocol,
             chunk_size=cfg.mqtt.chunk_size, max_frame_bytes=cfg.mqtt.max_frame_bytes,
             keepalive=cfg.mqtt.keepalive, heartbeat_interval=cfg.mqtt.heartbeat_interval,
             username=cfg.mqtt.username, password=cfg.mqtt.password,
             on_heartbeat=lambda peer, status: (peers.touch(peer), self.ctx and self.ctx.note_status(peer, status)),
+            tls_ca=cfg.mqtt.tls_ca, tls_cert=cfg.mqtt.tls_cert, tls_key=cfg.mqtt.tls_key,
+            max_transfers=cfg.mqtt.max_transfers,
         )
         from agent.profiles.behaviour import profile_compression_policy
 
@@ -141,6 +180,7 @@ class Agent:
             max_frame_bytes=cfg.mqtt.max_frame_bytes, graph_neighbours=cfg.algorithm.neighbours, seed=cfg.seed,
             compression=cfg.compression.policy() or profile_compression_policy(
                 behaviour, algo_cls.name, error_feedback=cfg.compression.error_feedback),
+            security=guard, max_queued_per_sender=cfg.security.max_queued_per_sender,
         )
         from agent.profiles import ResourceGate, peer_incompatibility
 
@@ -171,7 +211,7 @@ class Agent:
                 log.error("%s", exc)
                 return 3
             if cfg.discovery.mdns:
-                self.mdns = MdnsDiscovery(peers, node_id=nid, federation=fed, descriptor=descriptor,
+                self.mdns = MdnsDiscovery(peers, node_id=nid, federation=fed, descriptor=mdns_descriptor,
                                           interfaces=list(cfg.discovery.interfaces))
                 await self.mdns.start()
             await node.setup()
@@ -186,6 +226,11 @@ class Agent:
                 return 0
             if not await self._wait_for_peers(stop):
                 return 0
+            if cfg.runtime.rejoin:  # fault tolerance: no checkpoint, or behind the federation
+                start_round = max(start_round, self._rejoin_round())
+                if start_round > cfg.algorithm.rounds:
+                    log.info("the federation already finished its %d rounds", cfg.algorithm.rounds)
+                    return 0
             run = asyncio.ensure_future(node.run(cfg.algorithm.rounds, start_round))
             stopper = asyncio.ensure_future(stop.wait())
             done, _ = await asyncio.wait({run, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -312,6 +357,26 @@ class Agent:
         self.notifier.ready(self.status_line())
         return applied
 
+    def _rejoin_round(self) -> int:
+        """Fault tolerance (``runtime.rejoin``): the round to start at when (re)joining a
+        running federation - one after the highest round that a live, running peer's
+        fresh status reports, or that a finished peer reports (1 when none).  The model
+        starts from its initialisation (no checkpoint): the next aggregation brings it
+        close to its neighbours'."""
+        import time as _time
+
+        live = set(self.ctx.live_peers())
+        limit = self.cfg.discovery.heartbeat_timeout
+        rounds = [
+            int(s.get("round") or 0) for nid, s in dict(self.ctx.transport.statuses).items()
+            if s.get("state") == "finished"
+            or (nid in live and s.get("state") == "running" and _time.time() - float(s.get("time") or 0) <= limit)
+        ]
+        start = max(rounds, default=0) + 1
+        if start > 1:
+            log.info("rejoining the federation at round %d", start)
+        return start
+
     async def _wait_for_peers(self, stop: asyncio.Event) -> bool:
         """Wait until ``discovery.min_peers`` peers are live or ``start_timeout`` passes.
 
@@ -321,7 +386,11 @@ class Agent:
         deadline = loop.time() + self.cfg.discovery.start_timeout
         node = self.node
         node.state = "waiting_for_peers"
-        while len(self.ctx.live_peers()) < want and loop.time() < deadline:
+        def finished() -> bool:  # runtime.rejoin: a peer already finished, nobody to wait for
+            return self.cfg.runtime.rejoin and any(
+                s.get("state") == "finished" for s in dict(self.ctx.transport.statuses).values())
+
+        while len(self.ctx.live_peers()) < want and loop.time() < deadline and not finished():
             if stop.is_set():
                 return False
             await asyncio.sleep(0.2)

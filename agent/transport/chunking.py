@@ -176,6 +176,14 @@ class Reassembler:
         """True when nothing is pending or remembered (the object may be discarded)."""
         return not self._transfers and not self._completed
 
+    def holds(self, data: bytes) -> bool:
+        """True when ``data`` is a chunk of a transfer already pending here (or just
+        completed), i.e. feeding it cannot start a new transfer."""
+        if len(data) < HEADER_LEN or not is_chunk(data):
+            return False
+        tid = bytes(data[4:20])
+        return tid in self._transfers or tid in self._completed
+
     @property
     def held_bytes(self) -> int:
         """Data bytes held by incomplete transfers."""

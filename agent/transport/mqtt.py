@@ -44,7 +44,13 @@ Frames published while a broker is away are queued by paho (QoS >= 1, up to
 they are dropped.  If this node sees its own presence turn "offline" while it runs
 (the late last will of an earlier run of the same node id), it republishes "online".
 Nothing received raises: malformed payloads are counted and logged at warning.
-Incomplete transfers are held at most ``4 * max_frame_bytes`` per broker connection.
+Incomplete transfers are held at most ``4 * max_frame_bytes`` per broker connection,
+and at most ``max_transfers`` of them per connection (all topics together); a
+declared frame size is checked against ``max_frame_bytes`` before anything is stored.
+
+TLS: with ``tls_ca`` the connection uses TLS (``ssl.PROTOCOL_TLS_CLIENT``), the
+broker's certificate must chain to ``tls_ca`` and match the host name; ``tls_cert`` +
+``tls_key`` add a client certificate (for brokers with ``require_certificate``).
 
 Byte accounting: "wire bytes" are the MQTT *payload* bytes of all the messages a
 frame travelled in (chunk headers included, MQTT fixed header and topic excluded:
@@ -184,6 +190,10 @@ class MqttTransport(Transport):
             (``queue_full``).
         connect_peer_brokers: connect to every broker the peer table names as soon as
             it names it (to hear the broadcasts there); otherwise only on first send.
+        tls_ca: CA certificate file (PEM) that the broker's certificate must chain to;
+            ``None`` = plain TCP.
+        tls_cert, tls_key: client certificate and key (PEM), both or neither; need ``tls_ca``.
+        max_transfers: most incomplete chunked transfers held per broker connection.
 
     Raises:
         ValueError: an invalid argument (the message names it).
@@ -210,6 +220,10 @@ class MqttTransport(Transport):
         on_heartbeat: HeartbeatHandler | None = None,
         max_pending_bytes: int = 256 * 1024 * 1024,
         connect_peer_brokers: bool = True,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        max_transfers: int = 64,
     ):
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name}: {why}")
@@ -255,6 +269,12 @@ class MqttTransport(Transport):
         if not isinstance(max_pending_bytes, int) or max_pending_bytes < chunk_size:
             raise bad("max_pending_bytes", f"must be an int >= chunk_size, got {max_pending_bytes!r}")
 
+        if tls_cert is not None and (tls_ca is None or tls_key is None):
+            raise bad("tls_cert", "needs tls_ca and tls_key")
+        if not isinstance(max_transfers, int) or max_transfers < 1:
+            raise bad("max_transfers", f"must be a positive int, got {max_transfers!r}")
+        self.tls_ca, self.tls_cert, self.tls_key = tls_ca, tls_cert, tls_key
+        self.max_transfers = max_transfers
         self.node_id = node_id
         self.federation = federation
         self.broker = broker
@@ -367,6 +387,11 @@ class MqttTransport(Transport):
             client.reconnect_delay_set(min_delay=1, max_delay=30)
             if self.username is not None:
                 client.username_pw_set(self.username, self.password)
+            if self.tls_ca is not None:  # -- security: TLS with server verification
+                import ssl
+
+                client.tls_set(ca_certs=self.tls_ca, certfile=self.tls_cert, keyfile=self.tls_key,
+                               cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
             if home:
                 client.will_set(self._t_presence, self._presence_payload(False), qos=1, retain=True)
             client.on_connect = self._on_connect
@@ -504,9 +529,18 @@ class MqttTransport(Transport):
                     log.warning("%s: dropped a chunk on %s: %d bytes of incomplete transfers held",
                                 self.node_id, topic_name, held)
                     return
+                # -- security: bounded chunks in flight per connection (all topics)
+                in_flight = sum(r.pending for r in conn.reassemblers.values())
+                mine = conn.reassemblers.get(topic_name)
+                if in_flight >= self.max_transfers and (mine is None or not mine.holds(payload)):
+                    self._count("too_many_transfers")
+                    log.warning("%s: dropped a chunk on %s: %d transfers in flight",
+                                self.node_id, topic_name, in_flight)
+                    return
             reassembler = conn.reassemblers.get(topic_name)
             if reassembler is None:
-                reassembler = Reassembler(max_bytes=self._max_reassembly_bytes, timeout=self.reassembly_timeout,
+                reassembler = Reassembler(max_transfers=self.max_transfers,
+                                          max_bytes=self._max_reassembly_bytes, timeout=self.reassembly_timeout,
                                           max_frame_bytes=self.max_frame_bytes)
                 conn.reassemblers[topic_name] = reassembler
             try:

@@ -25,8 +25,12 @@ Compression (issue 8): when ``encoding.codec`` is present the safetensors payloa
 holds the compressed wire tensors of :mod:`agent.transport.codec`, and
 :func:`decode` returns the tensors rebuilt from that description alone.
 
-The ``sig`` field is reserved for Ed25519 signatures over the header and the
-payload hash (security issue); v1 frames carry ``null``.
+The ``sig`` field holds ``"ed25519:" + base64`` of the sender's Ed25519 signature
+over the canonical JSON (sorted keys, no spaces) of the header without ``sig`` -
+which includes ``payload_sha256``, so the payload is covered too - or ``null`` when
+the sender does not sign.  A signed header may carry ``cert``, the sender's device
+certificate (see :mod:`agent.security`).  Verification is the receiver's
+:class:`agent.security.SecurityGuard`'s job (:func:`raw_header` gives it the header).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import struct
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from safetensors.numpy import load as st_load
@@ -99,8 +103,13 @@ def _tensor_description(tensors: dict[str, np.ndarray]) -> dict[str, dict[str, A
     return {name: {"dtype": str(a.dtype), "shape": list(a.shape)} for name, a in tensors.items()}
 
 
-def encode(message: Message, *, federation: str, sender: str) -> bytes:
+def encode(message: Message, *, federation: str, sender: str,
+           sign: Callable[[bytes], str] | None = None, cert: dict[str, Any] | None = None) -> bytes:
     """Serialise ``message`` into one v1 frame.
+
+    ``sign`` (e.g. :meth:`agent.security.SecurityGuard.sign`) maps the canonical header
+    bytes to the ``sig`` string; ``cert`` (a device certificate) is put into the signed
+    header when given.
 
     Sets ``message.msg_id`` (if empty), ``message.time``, ``message.sender``.
 
@@ -144,12 +153,46 @@ def encode(message: Message, *, federation: str, sender: str) -> bytes:
         "meta": message.meta,
         "sig": None,
     }
+    # -- security: sign the header (sig excluded; it holds the payload hash) --
+    if sign is not None:
+        if cert is not None:
+            header["cert"] = cert
+        del header["sig"]
+        header["sig"] = sign(signed_body(header))
     hbytes = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
     if len(hbytes) > MAX_HEADER_BYTES:
         raise ValueError(f"envelope too large ({len(hbytes)} bytes)")
     frame = _PREFIX.pack(MAGIC, WIRE_VERSION, len(hbytes)) + hbytes + payload
     message.wire_bytes = len(frame)
     return frame
+
+
+def signed_body(header: dict[str, Any]) -> bytes:
+    """The bytes a signature covers: canonical JSON of ``header`` without ``sig``.
+
+    Raises:
+        ValueError: the header holds NaN/Inf or non-JSON values.
+    """
+    body = {k: v for k, v in header.items() if k != "sig"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def raw_header(frame: bytes) -> dict[str, Any]:
+    """The header of a frame that :func:`decode_envelope` accepted, as a plain dict.
+
+    Raises:
+        WireError: ``malformed`` (call :func:`decode_envelope` first for full checks).
+    """
+    if len(frame) < PREFIX_LEN:
+        raise WireError("malformed", "frame shorter than its prefix")
+    _, _, hlen = _PREFIX.unpack_from(frame, 0)
+    try:
+        header = json.loads(bytes(frame[PREFIX_LEN : PREFIX_LEN + hlen]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError("malformed", f"envelope is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise WireError("malformed", "envelope is not an object")
+    return header
 
 
 def _req(header: dict[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:

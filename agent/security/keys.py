@@ -1,0 +1,225 @@
+"""Ed25519 node keys and federation-signed device certificates (``cryptography``).
+
+Files in a node's state directory:
+
+``node_key.pem``
+    the node's private key, PKCS#8 PEM, unencrypted, mode 0600, created on first
+    start (:func:`load_or_create_key`), written atomically (temp file + rename), so a
+    crash never leaves a half-written key.
+``node_cert.json``
+    optional device certificate issued by ``dflctl keys enroll`` (see
+    :func:`issue_certificate`).
+
+Public keys travel as standard base64 of the 32 raw bytes (44 characters).
+
+Device certificate (JSON)::
+
+    {"v": 1, "fed": str, "node_id": str, "public_key": b64, "issued": unix s,
+     "expires": unix s | null, "sig": b64 Ed25519 signature of the federation key}
+
+The signature covers the canonical JSON (sorted keys, no spaces) of the certificate
+without ``sig``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+KEY_FILE = "node_key.pem"
+CERT_FILE = "node_cert.json"
+CERT_VERSION = 1
+#: largest certificate accepted (bytes of JSON), checked before parsing
+MAX_CERT_BYTES = 2048
+
+
+class SecurityError(ValueError):
+    """A key or certificate is unreadable or invalid (message says which and why)."""
+
+
+def public_key_b64(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
+    """Standard base64 of the 32 raw public-key bytes."""
+    pub = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
+    raw = pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return base64.b64encode(raw).decode()
+
+
+def parse_public_key(text: str) -> Ed25519PublicKey:
+    """Public key from base64 of its 32 raw bytes.
+
+    Raises:
+        SecurityError: not base64 or not 32 bytes.
+    """
+    try:
+        raw = base64.b64decode(text.strip(), validate=True)
+    except (binascii.Error, ValueError, AttributeError) as exc:
+        raise SecurityError(f"public key is not base64: {exc}") from None
+    if len(raw) != 32:
+        raise SecurityError(f"public key must be 32 bytes, got {len(raw)}")
+    return Ed25519PublicKey.from_public_bytes(raw)
+
+
+def fingerprint(public_b64: str) -> str:
+    """Short SHA-256 fingerprint (16 hex) of a base64 public key, for logs and ``keys show``."""
+    return hashlib.sha256(public_b64.encode()).hexdigest()[:16]
+
+
+def _atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def load_private_key(path: Path) -> Ed25519PrivateKey:
+    """Read a PEM Ed25519 private key.
+
+    Raises:
+        SecurityError: unreadable, not PEM or not Ed25519.
+    """
+    try:
+        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    except (OSError, ValueError, TypeError) as exc:
+        raise SecurityError(f"cannot read private key {path}: {exc}") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise SecurityError(f"{path}: not an Ed25519 key")
+    return key
+
+
+def save_private_key(key: Ed25519PrivateKey, path: Path) -> None:
+    """Write ``key`` as PKCS#8 PEM with mode 0600 (atomic)."""
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())
+    _atomic_write(Path(path), pem, 0o600)
+
+
+def load_or_create_key(state_dir: str | os.PathLike[str], key_file: str | None = None) -> Ed25519PrivateKey:
+    """The node's key: ``key_file`` (or ``state_dir/node_key.pem``), created on first use.
+
+    A new key is generated with ``Ed25519PrivateKey.generate()`` and written with mode
+    0600.  An existing file with group/other permissions is tightened to 0600.
+
+    Raises:
+        SecurityError: the file exists but is not a valid Ed25519 PEM key.
+    """
+    path = Path(key_file) if key_file else Path(state_dir) / KEY_FILE
+    if path.exists():
+        if path.stat().st_mode & 0o077:
+            os.chmod(path, 0o600)
+        return load_private_key(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = Ed25519PrivateKey.generate()
+    save_private_key(key, path)
+    return key
+
+
+def canonical(obj: dict[str, Any]) -> bytes:
+    """Canonical JSON bytes (sorted keys, no spaces, no NaN) - what signatures cover."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def issue_certificate(
+    federation_key: Ed25519PrivateKey, federation: str, node_id: str, public_b64: str,
+    *, valid_days: float | None = None, now: float | None = None,
+) -> dict[str, Any]:
+    """A device certificate binding ``node_id`` to ``public_b64`` in ``federation``.
+
+    Raises:
+        SecurityError: ``public_b64`` is not a valid public key.
+    """
+    parse_public_key(public_b64)
+    issued = time.time() if now is None else now
+    cert: dict[str, Any] = {
+        "v": CERT_VERSION, "fed": federation, "node_id": node_id, "public_key": public_b64,
+        "issued": issued, "expires": None if valid_days is None else issued + valid_days * 86400.0,
+    }
+    cert["sig"] = base64.b64encode(federation_key.sign(canonical(cert))).decode()
+    return cert
+
+
+def verify_certificate(cert: Any, federation_public: Ed25519PublicKey, federation: str,
+                       now: float | None = None) -> tuple[str, str]:
+    """Check a device certificate; return ``(node_id, public_key_b64)``.
+
+    Raises:
+        SecurityError: malformed, for another federation, expired, or a bad signature.
+    """
+    if not isinstance(cert, dict):
+        raise SecurityError("certificate is not an object")
+    fields = {"v", "fed", "node_id", "public_key", "issued", "expires", "sig"}
+    if set(cert) != fields or cert["v"] != CERT_VERSION:
+        raise SecurityError("certificate has unexpected fields or version")
+    if not all(isinstance(cert[k], str) for k in ("fed", "node_id", "public_key", "sig")):
+        raise SecurityError("certificate fields have wrong types")
+    if cert["fed"] != federation:
+        raise SecurityError(f"certificate is for federation {cert['fed']!r}, not {federation!r}")
+    exp = cert["expires"]
+    if exp is not None and (not isinstance(exp, (int, float)) or (time.time() if now is None else now) > exp):
+        raise SecurityError("certificate expired")
+    body = {k: v for k, v in cert.items() if k != "sig"}
+    try:
+        sig = base64.b64decode(cert["sig"], validate=True)
+        federation_public.verify(sig, canonical(body))
+    except (binascii.Error, ValueError, InvalidSignature):
+        raise SecurityError("certificate signature does not verify with the federation key") from None
+    parse_public_key(cert["public_key"])
+    return cert["node_id"], cert["public_key"]
+
+
+def load_certificate(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a certificate JSON file (not verified here).
+
+    Raises:
+        SecurityError: unreadable, too large or not JSON.
+    """
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise SecurityError(f"cannot read certificate {p}: {exc.strerror}") from None
+    if len(data) > MAX_CERT_BYTES:
+        raise SecurityError(f"certificate {p} is larger than {MAX_CERT_BYTES} bytes")
+    try:
+        cert = json.loads(data)
+    except ValueError as exc:
+        raise SecurityError(f"certificate {p} is not JSON: {exc}") from None
+    if not isinstance(cert, dict):
+        raise SecurityError(f"certificate {p} is not an object")
+    return cert
+
+
+def save_certificate(cert: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write a certificate (atomic, mode 0644: it is public)."""
+    _atomic_write(Path(path), (json.dumps(cert, indent=1, sort_keys=True) + "\n").encode(), 0o644)
+
+
+FEDERATION_KEY_FILE = "federation_key.pem"
+
+
+def enroll_local(federation_key: Ed25519PrivateKey, federation: str, node_id: str,
+                 state_dir: str | os.PathLike[str], valid_days: float | None = None) -> dict[str, Any]:
+    """Enroll a node whose state directory is on this machine (demo, tests, ``dflctl``).
+
+    Creates the node's key in ``state_dir`` if it has none (as the daemon would on first
+    start), issues its certificate and writes it to ``state_dir/node_cert.json``, where
+    the daemon finds it.  Returns the certificate.
+    """
+    key = load_or_create_key(state_dir)
+    cert = issue_certificate(federation_key, federation, node_id, public_key_b64(key), valid_days=valid_days)
+    save_certificate(cert, Path(state_dir) / CERT_FILE)
+    return cert

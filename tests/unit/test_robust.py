@@ -1,0 +1,68 @@
+"""Robust aggregation rules (norm clipping, coordinate-wise median, trimmed mean) and
+the ``aggregation`` option of the averaging algorithms."""
+
+import numpy as np
+import pytest
+
+from agent.algorithms.base import get_algorithm, parse_options
+from agent.learning.robust import (
+    clip_updates, coordinate_median, deviation_norm, robust_aggregate, trimmed_mean,
+)
+from agent.learning.training import TrainConfig
+from agent.runtime.simulator import SimConfig, simulate
+
+
+def _m(*vals, dtype=np.float32):
+    return {"w": np.array(vals, dtype), "n": np.array([len(vals)])}
+
+
+def test_median_and_trimmed_mean_ignore_one_outlier():
+    honest = [_m(1.0, 2.0), _m(1.2, 2.2), _m(0.8, 1.8), _m(1.1, 2.1)]
+    poisoned = honest + [_m(1e6, -1e6)]
+    med = coordinate_median(poisoned)
+    np.testing.assert_allclose(med["w"], [1.1, 2.0], rtol=1e-6)
+    assert med["w"].dtype == np.float32 and med["n"].tolist() == [2]
+    tm = trimmed_mean(poisoned, 0.2)  # b = 1: drop min and max per coordinate
+    np.testing.assert_allclose(tm["w"], [(1.0 + 1.2 + 1.1) / 3, (2.0 + 1.8 + 2.1) / 3], rtol=1e-6)
+    np.testing.assert_allclose(trimmed_mean(honest, 0.0)["w"], np.mean([h["w"] for h in honest], 0), rtol=1e-6)
+    # a plain weighted mean is dragged away
+    mean, _ = robust_aggregate(poisoned[0], poisoned[1:], [1] * 5, "mean")
+    assert abs(mean["w"][0]) > 1e4
+
+
+def test_clipping_bounds_the_deviation():
+    own = _m(0.0, 0.0)
+    others = [_m(3.0, 4.0), _m(0.3, 0.4), _m(30.0, 40.0)]
+    clipped, bound = clip_updates(others, own, 1.0)
+    assert bound == 1.0
+    assert [round(deviation_norm(c, own), 5) for c in clipped] == [1.0, 0.5, 1.0]
+    np.testing.assert_allclose(clipped[0]["w"], [0.6, 0.8], rtol=1e-6)
+    _, adaptive = clip_updates(others, own, 0.0)
+    assert adaptive == pytest.approx(5.0)  # median of 5, 0.5, 50
+    out, info = robust_aggregate(own, others, [1, 1, 1, 1], "clip", clip_norm=1.0)
+    assert info["clip_norm"] == 1.0 and np.linalg.norm(out["w"]) <= 1.0
+
+
+def test_errors_are_clear():
+    with pytest.raises(ValueError, match="aggregation must be one of"):
+        robust_aggregate(_m(1.0), [], [1], "krum")
+    with pytest.raises(ValueError, match="trim_ratio"):
+        trimmed_mean([_m(1.0)], 0.5)
+    with pytest.raises(ValueError, match="shape"):
+        coordinate_median([_m(1.0), _m(1.0, 2.0)])
+    with pytest.raises(ValueError, match="at least one"):
+        coordinate_median([])
+    with pytest.raises(ValueError, match="algorithm.options: aggregation"):
+        parse_options(get_algorithm("fedavg"), {"aggregation": "krum"})
+    with pytest.raises(ValueError, match="algorithm.options: trim_ratio"):
+        parse_options(get_algorithm("dechetero"), {"aggregation": "trimmed_mean", "trim_ratio": 0.7})
+
+
+@pytest.mark.parametrize("alg,rule", [("fedavg", "median"), ("dechetero", "trimmed_mean"), ("cfa", "clip"),
+                                      ("dechw", "median")])
+def test_algorithms_run_with_a_robust_rule(alg, rule):
+    opts = {"aggregation": rule}
+    s = simulate(SimConfig(algorithm=alg, nodes=5, rounds=2, dataset="digits", partition="iid", seed=0,
+                           options=opts, train=TrainConfig(epochs=1, batch_size=32, lr=0.05, momentum=0.5)))
+    assert s["rounds_completed"] == 2
+    assert 0.0 < s["global_accuracy"]["mean"] <= 1.0

@@ -1,0 +1,281 @@
+"""Keys, certificates, trust store, signed envelopes and replay protection."""
+
+import os
+import stat
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from agent.algorithms.context import Message
+from agent.runtime.config import ConfigError, config_from_dict
+from agent.security import SecurityError, SecurityGuard, TrustStore
+from agent.security.keys import (
+    issue_certificate, load_or_create_key, public_key_b64, verify_certificate,
+)
+from agent.transport import wire
+
+FED = "fedsec"
+
+
+def _msg(rnd=1, kind="model"):
+    return Message(kind, rnd, {"w": np.arange(4, dtype=np.float32)}, meta={"samples": 3})
+
+
+def _guard(node_id, key, trust, **kw):
+    return SecurityGuard(node_id, key, trust, **kw)
+
+
+def _signed(guard, rnd=1, kind="model", cert=None, msg=None):
+    m = msg or _msg(rnd, kind)
+    return wire.encode(m, federation=FED, sender=guard.node_id, sign=guard.sign, cert=cert)
+
+
+def _check(receiver, frame):
+    wire.decode(frame, federation=FED)
+    return receiver.check(wire.raw_header(frame))
+
+
+def test_key_created_once_with_0600(tmp_path):
+    k1 = load_or_create_key(tmp_path)
+    path = tmp_path / "node_key.pem"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    k2 = load_or_create_key(tmp_path)
+    assert public_key_b64(k1) == public_key_b64(k2)
+    os.chmod(path, 0o644)
+    load_or_create_key(tmp_path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    path.write_text("garbage")
+    with pytest.raises(SecurityError, match="cannot read private key"):
+        load_or_create_key(tmp_path)
+
+
+def test_certificate_roundtrip_and_tampering():
+    fed_key, dev = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    cert = issue_certificate(fed_key, FED, "dev1", public_key_b64(dev))
+    assert verify_certificate(cert, fed_key.public_key(), FED) == ("dev1", public_key_b64(dev))
+    with pytest.raises(SecurityError, match="federation"):
+        verify_certificate(cert, fed_key.public_key(), "other")
+    forged = dict(cert, node_id="dev2")
+    with pytest.raises(SecurityError, match="signature"):
+        verify_certificate(forged, fed_key.public_key(), FED)
+    with pytest.raises(SecurityError, match="signature"):
+        verify_certificate(cert, Ed25519PrivateKey.generate().public_key(), FED)
+    expired = issue_certificate(fed_key, FED, "dev1", public_key_b64(dev), valid_days=1, now=0.0)
+    with pytest.raises(SecurityError, match="expired"):
+        verify_certificate(expired, fed_key.public_key(), FED)
+
+
+def test_signed_envelope_accepted_once_then_replay():
+    ka, kb = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    trust = TrustStore(FED, {"a": public_key_b64(ka), "b": public_key_b64(kb)})
+    a = _guard("a", ka, trust)
+    b = _guard("b", kb, trust, require_signatures=True)
+    frame = _signed(a)
+    assert _check(b, frame) is None
+    assert _check(b, frame) == "replay"
+
+
+def test_rejection_reasons():
+    ka, kb, kx = (Ed25519PrivateKey.generate() for _ in range(3))
+    trust = TrustStore(FED, {"a": public_key_b64(ka), "b": public_key_b64(kb)})
+    b = _guard("b", kb, trust, require_signatures=True)
+    unsigned = wire.encode(_msg(), federation=FED, sender="a")
+    assert _check(b, unsigned) == "unsigned"
+    stranger = _guard("x", kx, TrustStore(FED, {}))
+    assert _check(b, _signed(stranger)) == "unknown_sender"
+    # a key that is not a's signs as "a"
+    impostor = _guard("a", kx, TrustStore(FED, {}))
+    assert _check(b, _signed(impostor)) == "bad_signature"
+    # tampered header: change the round after signing (re-encode header by hand)
+    good = _signed(_guard("a", ka, trust))
+    tampered = good.replace(b'"round":1', b'"round":2', 1)
+    assert _check(b, tampered) == "bad_signature"
+    garbage_sig = good.replace(b'"sig":"ed25519:', b'"sig":"ed25519:!', 1)
+    with pytest.raises(wire.WireError):  # header length changed: malformed before the guard
+        _check(b, garbage_sig)
+    # not required: unsigned and unknown pass, bad signatures of known senders still fail
+    lax = _guard("b", kb, trust)
+    assert _check(lax, unsigned) is None
+    assert _check(lax, _signed(stranger)) is None
+    assert _check(lax, _signed(impostor)) == "bad_signature"
+
+
+def test_time_window_and_monotonic_rounds():
+    ka, kb = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    trust = TrustStore(FED, {"a": public_key_b64(ka)})
+    now = [1000.0]
+    a = _guard("a", ka, trust)
+    b = _guard("b", kb, trust, require_signatures=True, replay_window=60, clock=lambda: now[0])
+
+    def at(t, rnd, kind="model"):
+        m = _msg(rnd, kind)
+        frame = _signed(a, msg=m)
+        # re-sign with a chosen send time
+        header = wire.raw_header(frame)
+        header["time"] = t
+        header["sig"] = a.sign(wire.signed_body(header))
+        return header
+
+    assert b.check(at(1000.0, 5)) is None
+    assert b.check(at(900.0, 6)) == "replay"  # outside the window
+    assert b.check(at(999.0, 4)) == "replay"  # lower round, sent earlier
+    assert b.check(at(999.0, 4, kind="other")) is None  # rounds are per kind
+    assert b.check(at(1001.0, 1)) is None  # restarted sender: lower round, later time
+    assert b.check(at(1002.0, 2)) is None
+
+
+def test_seen_ids_are_bounded():
+    ka, kb = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    trust = TrustStore(FED, {"a": public_key_b64(ka)})
+    a = _guard("a", ka, trust)
+    b = _guard("b", kb, trust, max_seen=8)
+    first = _signed(a, rnd=0)
+    assert _check(b, first) is None
+    for r in range(1, 20):
+        assert _check(b, _signed(a, rnd=r)) is None
+    assert len(b._seen) <= 8
+    assert _check(b, first) == "replay"  # forgotten id, but older than the floor
+
+
+def test_certificate_in_envelope_makes_a_member():
+    fed_key, ka, kb = (Ed25519PrivateKey.generate() for _ in range(3))
+    cert = issue_certificate(fed_key, FED, "a", public_key_b64(ka))
+    fed_pub = public_key_b64(fed_key)
+    trust_b = TrustStore(FED, {}, federation_key=fed_pub)
+    b = _guard("b", kb, trust_b, require_signatures=True)
+    assert not b.is_member("a")
+    a = _guard("a", ka, TrustStore(FED, {}), certificate=cert)
+    assert _check(b, _signed(a, cert=cert)) is None
+    assert b.is_member("a")
+    # a certificate for "a" does not let "c" in
+    c = _guard("c", ka, TrustStore(FED, {}))
+    assert _check(b, _signed(c, cert=cert)) == "unknown_sender"
+    # presence hint with a forged certificate is ignored
+    assert not b.learn("d", dict(cert, node_id="d"))
+    assert not b.is_member("d")
+
+
+def test_pinned_key_wins_over_certificate():
+    fed_key, ka, kx = (Ed25519PrivateKey.generate() for _ in range(3))
+    trust = TrustStore(FED, {"a": public_key_b64(ka)}, federation_key=public_key_b64(fed_key))
+    with pytest.raises(SecurityError, match="pinned"):
+        trust.add_certificate(issue_certificate(fed_key, FED, "a", public_key_b64(kx)))
+    assert trust.trusted()["a"] == public_key_b64(ka)
+
+
+def test_security_config_errors_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="^security.require_signatures"):
+        config_from_dict({"security": {"require_signatures": True}})
+    with pytest.raises(ConfigError, match="^security.trusted_keys.a"):
+        config_from_dict({"security": {"trusted_keys": {"a": "nope"}}})
+    with pytest.raises(ConfigError, match="^security.federation_key"):
+        config_from_dict({"security": {"federation_key": "AAAA"}})
+    with pytest.raises(ConfigError, match="^security.replay_window"):
+        config_from_dict({"security": {"replay_window": 0}})
+    with pytest.raises(ConfigError, match="^mqtt.tls_ca"):
+        config_from_dict({"mqtt": {"tls_ca": str(tmp_path / "missing.pem")}})
+    with pytest.raises(ConfigError, match="^security.bogus"):
+        config_from_dict({"security": {"bogus": 1}})
+    k = public_key_b64(Ed25519PrivateKey.generate())
+    cfg = config_from_dict({"security": {"require_signatures": True, "trusted_keys": {"a": k}}})
+    assert cfg.security.trusted_keys == {"a": k}
+
+
+def test_dflctl_keys(tmp_path, capsys):
+    from tools.dflctl import main
+
+    fed_dir, state = tmp_path / "fed", tmp_path / "dev1"
+    assert main(["keys", "federation-init", "--dir", str(fed_dir)]) == 0
+    assert stat.S_IMODE((fed_dir / "federation_key.pem").stat().st_mode) == 0o600
+    assert main(["keys", "federation-init", "--dir", str(fed_dir)]) == 2  # no silent overwrite
+    assert main(["keys", "enroll", "dev1", "--federation", FED, "--dir", str(fed_dir), "--state-dir", str(state)]) == 0
+    assert (state / "node_key.pem").exists() and (state / "node_cert.json").exists()
+    passwd = (fed_dir / "mosquitto.passwd").read_text()
+    assert passwd.startswith("dev1:")
+    creds = (fed_dir / "credentials" / "dev1.toml").read_text()
+    assert 'username = "dev1"' in creds and "federation_key" in creds
+    cfg = config_from_dict(__import__("tomllib").loads(creds))  # the snippet is a valid configuration
+    assert cfg.mqtt.username == "dev1" and cfg.security.require_signatures
+    capsys.readouterr()
+    assert main(["keys", "show", "--state-dir", str(state), "--dir", str(fed_dir)]) == 0
+    assert "certificate: node dev1 federation fedsec: valid" in capsys.readouterr().out
+
+
+def _memory_federation(n, intruder):
+    """n fedavg nodes on the memory network, enrolled by a federation key, signatures
+    required; optionally an intruder that is present (presence "online") and injects
+    well-formed but unsigned or wrongly signed poisoned updates into n0's inbox."""
+    import asyncio
+    import types
+
+    from agent.algorithms.base import get_algorithm, parse_options
+    from agent.discovery.peers import PeerTable
+    from agent.learning.params import model_to_numpy
+    from agent.learning.training import TrainConfig
+    from agent.runtime.context import RuntimeContext
+    from agent.runtime.node import Node
+    from agent.transport.memory import MemoryNetwork, run_virtual
+
+    spec = {"type": "mlp", "input_shape": [4], "hidden": [8], "num_classes": 2}
+
+    def data(seed, k=40):
+        rng = np.random.default_rng(seed)
+        x = rng.normal(size=(k, 4)).astype(np.float32)
+        y = (x[:, 0] + x[:, 1] > 0).astype(np.int64)
+        return types.SimpleNamespace(train_x=x[:32], train_y=y[:32], val_x=x[32:], val_y=y[32:], num_classes=2)
+
+    fed_key = Ed25519PrivateKey.generate()
+    net = MemoryNetwork(latency=0.01)
+    cls = get_algorithm("fedavg")
+    opts = parse_options(cls, {"round_timeout": 5.0})
+    nodes = []
+    for i in range(n):
+        nid = f"n{i}"
+        key = Ed25519PrivateKey.generate()
+        cert = issue_certificate(fed_key, "f", nid, public_key_b64(key))
+        guard = SecurityGuard(nid, key, TrustStore("f", {}, federation_key=public_key_b64(fed_key)),
+                              require_signatures=True, certificate=cert)
+        ctx = RuntimeContext(
+            node_id=nid, federation="f", transport=net.transport(nid, "f", {"cert": cert}),
+            peers=PeerTable(nid, "f"), data=data(i), model_spec=spec, train=TrainConfig(batch_size=8, lr=0.1),
+            init_seed=0, rng=np.random.default_rng(i), security=guard,
+        )
+        nodes.append(Node(ctx, cls(ctx, opts), data(99).train_x, data(99).train_y))
+    mallory = net.transport("mallory", "f", {}) if intruder else None
+    impostor = SecurityGuard("n1", Ed25519PrivateKey.generate(), TrustStore("f"))
+
+    async def attack():
+        await mallory.start(lambda f, w: None, lambda n_, d: None)
+        for t in range(1, 4):  # all before round 1 ends: they would be used first if accepted
+            poison = {k: np.full_like(v, 1e3) for k, v in model_to_numpy(nodes[1].algorithm.model).items()}
+            for sign in (None, impostor.sign):
+                frame = wire.encode(Message("model", t, poison, meta={"samples": 1000}, recipient="n0"),
+                                    federation="f", sender="n1", sign=sign)
+                net.deliver_raw("n0", frame)
+
+    async def main():
+        for node in nodes:
+            await node.ctx.start()
+            await node.setup()
+        tasks = [node.run(3) for node in nodes] + ([attack()] if intruder else [])
+        await asyncio.gather(*tasks)
+
+    run_virtual(main())
+    return nodes
+
+
+def test_intruder_changes_no_model_in_a_signed_memory_federation():
+    import torch
+
+    torch.manual_seed(0)
+    clean = _memory_federation(3, intruder=False)
+    torch.manual_seed(0)
+    attacked = _memory_federation(3, intruder=True)
+    n0 = attacked[0]
+    assert n0.ctx.rejected["unsigned"] == 3 and n0.ctx.rejected["bad_signature"] == 3
+    assert "mallory" not in n0.ctx.live_peers()  # present, but not a member: never waited for
+    assert [r["neighbours"] for r in n0.history] == [2, 2, 2]
+    for a, c in zip(attacked, clean):
+        for (name, pa), pc in zip(a.algorithm.model.state_dict().items(), c.algorithm.model.state_dict().values()):
+            assert torch.equal(pa, pc), name

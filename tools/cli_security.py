@@ -1,0 +1,154 @@
+"""``dflctl keys``: the federation key, device enrollment, key inspection.
+
+``dflctl keys federation-init --dir D``
+    creates ``D/federation_key.pem`` (Ed25519, mode 0600; keep it offline) and
+    prints its public key for every node's ``security.federation_key``.
+``dflctl keys enroll DEVICE --dir D --federation FED (--state-dir S | --public-key B64)``
+    signs a device certificate for DEVICE's public key (taken from, or created in, its
+    state directory S, or given as base64), writes it (``S/node_cert.json``, else
+    ``--out`` or ``D/certs/DEVICE.json``), and creates the device's broker credentials:
+    a random password added to ``D/mosquitto.passwd`` with ``mosquitto_passwd`` (hashed,
+    mosquitto's own format); without that tool the file gets ``DEVICE:PASSWORD`` lines in
+    clear, to be hashed with ``mosquitto_passwd -U`` on the broker host.  The device's
+    configuration snippet (``[mqtt]`` username/password, ``[security]``) goes to
+    ``D/credentials/DEVICE.toml`` (mode 0600).
+``dflctl keys show [--state-dir S] [--dir D]``
+    prints a node's public key, fingerprint and certificate (verified when the
+    federation key is known), and the federation's public key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from agent.security.keys import (
+    CERT_FILE, FEDERATION_KEY_FILE, KEY_FILE, SecurityError, enroll_local, fingerprint, issue_certificate,
+    load_certificate, load_or_create_key, load_private_key, parse_public_key, public_key_b64, save_certificate,
+    verify_certificate,
+)
+from agent.transport.wire import valid_id
+
+
+def _fed_key(d: Path):
+    path = d / FEDERATION_KEY_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no federation key (run 'dflctl keys federation-init --dir {d}')")
+    return load_private_key(path)
+
+
+def cmd_federation_init(a: argparse.Namespace) -> int:
+    d = Path(a.dir)
+    path = d / FEDERATION_KEY_FILE
+    if path.exists() and not a.force:
+        raise ValueError(f"{path} exists (use --force to replace it: every enrolled device must be re-enrolled)")
+    if path.exists():
+        path.unlink()
+    d.mkdir(parents=True, exist_ok=True)
+    key = load_or_create_key(d, str(path))
+    pub = public_key_b64(key)
+    (d / "federation_key.pub").write_text(pub + "\n")
+    print(f"federation key: {path} (keep it secret and offline)")
+    print(f"public key {pub} (fingerprint {fingerprint(pub)})")
+    print("\nfor every node's configuration:\n[security]\nrequire_signatures = true\n"
+          f'federation_key = "{pub}"')
+    return 0
+
+
+def add_mosquitto_password(passwd_file: Path, user: str, password: str) -> str:
+    """Add ``user`` to a mosquitto password file; returns ``"hashed"`` or ``"plain"``."""
+    tool = shutil.which("mosquitto_passwd")
+    passwd_file.parent.mkdir(parents=True, exist_ok=True)
+    if tool:
+        cmd = [tool, "-b"] + ([] if passwd_file.exists() else ["-c"]) + [str(passwd_file), user, password]
+        subprocess.run(cmd, check=True, capture_output=True)
+        os.chmod(passwd_file, 0o600)
+        return "hashed"
+    fd = os.open(passwd_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "a") as f:
+        f.write(f"{user}:{password}\n")
+    return "plain"
+
+
+def cmd_enroll(a: argparse.Namespace) -> int:
+    if not valid_id(a.device) or not valid_id(a.federation):
+        raise ValueError("DEVICE and --federation must match [A-Za-z0-9_.-]{1,64}")
+    d = Path(a.dir)
+    fed_key = _fed_key(d)
+    if a.state_dir:
+        cert = enroll_local(fed_key, a.federation, a.device, a.state_dir, valid_days=a.valid_days)
+        where = Path(a.state_dir) / CERT_FILE
+    elif a.public_key:
+        cert = issue_certificate(fed_key, a.federation, a.device, a.public_key.strip(), valid_days=a.valid_days)
+        where = Path(a.out) if a.out else d / "certs" / f"{a.device}.json"
+        where.parent.mkdir(parents=True, exist_ok=True)
+        save_certificate(cert, where)
+    else:
+        raise ValueError("give --state-dir (the device's state directory) or --public-key")
+    print(f"certificate for {a.device} ({fingerprint(cert['public_key'])}): {where}")
+    if not a.no_credentials:
+        password = secrets.token_urlsafe(18)
+        how = add_mosquitto_password(d / "mosquitto.passwd", a.device, password)
+        creds = d / "credentials" / f"{a.device}.toml"
+        creds.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(creds, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f'node_id = "{a.device}"\nfederation = "{a.federation}"\n\n[mqtt]\nusername = "{a.device}"\n'
+                    f'password = "{password}"\n\n[security]\nrequire_signatures = true\n'
+                    f'federation_key = "{public_key_b64(fed_key)}"\n')
+        print(f"broker user {a.device}: {d / 'mosquitto.passwd'} ({how}); device configuration snippet: {creds}")
+    return 0
+
+
+def cmd_show(a: argparse.Namespace) -> int:
+    fed_pub = None
+    if a.dir and (Path(a.dir) / FEDERATION_KEY_FILE).exists():
+        fed_pub = public_key_b64(_fed_key(Path(a.dir)))
+        print(f"federation public key {fed_pub} (fingerprint {fingerprint(fed_pub)})")
+    if a.state_dir:
+        s = Path(a.state_dir)
+        if not (s / KEY_FILE).exists():
+            print(f"{s / KEY_FILE}: no node key yet (created on the agent's first start)")
+        else:
+            pub = public_key_b64(load_private_key(s / KEY_FILE))
+            print(f"node public key {pub} (fingerprint {fingerprint(pub)})")
+        if (s / CERT_FILE).exists():
+            cert: dict[str, Any] = load_certificate(s / CERT_FILE)
+            state = "not verified (no --dir with the federation key)"
+            if fed_pub:
+                try:
+                    verify_certificate(cert, parse_public_key(fed_pub), str(cert.get("fed")))
+                    state = "valid"
+                except SecurityError as exc:
+                    state = f"INVALID: {exc}"
+            print(f"certificate: node {cert.get('node_id')} federation {cert.get('fed')}: {state}")
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add ``dflctl keys ...`` to the ``dflctl`` sub-parsers."""
+    k = sub.add_parser("keys", help="federation key, device enrollment, key inspection")
+    ks = k.add_subparsers(dest="keys_cmd", required=True)
+    fi = ks.add_parser("federation-init", help="create the federation signing key")
+    fi.add_argument("--dir", default="federation", help="folder for the federation key (default ./federation)")
+    fi.add_argument("--force", action="store_true", help="replace an existing key")
+    fi.set_defaults(func=cmd_federation_init)
+    en = ks.add_parser("enroll", help="sign a device certificate and create its broker credentials")
+    en.add_argument("device", help="the device's node id (also its broker user name)")
+    en.add_argument("--federation", required=True)
+    en.add_argument("--dir", default="federation", help="folder of the federation key")
+    en.add_argument("--state-dir", help="the device's state directory (key read or created there)")
+    en.add_argument("--public-key", help="the device's public key (base64), instead of --state-dir")
+    en.add_argument("--out", help="certificate file (with --public-key)")
+    en.add_argument("--valid-days", type=float, default=None, help="certificate lifetime (default: no expiry)")
+    en.add_argument("--no-credentials", action="store_true", help="do not create broker credentials")
+    en.set_defaults(func=cmd_enroll)
+    sh = ks.add_parser("show", help="show a node's key and certificate, and the federation key")
+    sh.add_argument("--state-dir")
+    sh.add_argument("--dir", help="folder of the federation key")
+    sh.set_defaults(func=cmd_show)
