@@ -38,11 +38,10 @@ from torch import nn
 from agent.algorithms.base import Algorithm, register
 from agent.algorithms.context import Message
 from agent.algorithms import gossip_compression as gc
-from agent.algorithms.fedavg import collect_round
-from agent.algorithms.market import SyncOptions, UpdateMarket, send_with_participation
+from agent.algorithms.fedavg import GossipOptions, collect_round
+from agent.algorithms.market import UpdateMarket, send_with_participation
 from agent.learning import hessian as hess
 from agent.learning.aggregation import weighted_average
-from agent.learning.robust import check_options as check_robust_options
 from agent.learning.robust import clip_updates, robust_aggregate
 from agent.learning.params import load_numpy, model_to_numpy
 from agent.learning.training import train_local
@@ -53,45 +52,32 @@ DELIVERIES = ("auto", "unicast", "broadcast")
 
 
 @dataclasses.dataclass
-class NeighbourhoodOptions(SyncOptions):
-    """Options shared by ``dechw``, ``dechetero`` and ``cfa`` (plus the synchronization
-    options of :class:`agent.algorithms.market.SyncOptions`: ``sync``, ``participation``, ...).
+class NeighbourhoodOptions(GossipOptions):
+    """Options shared by ``dechw``, ``dechetero`` and ``cfa``: those of
+    :class:`agent.algorithms.fedavg.GossipOptions` (round deadline, robust aggregation,
+    synchronization strategy) plus ``delivery``.
 
     Attributes:
-        round_timeout: seconds a round waits for the neighbours' previous-round
-            messages (the round deadline); the round then proceeds with what arrived.
-        poll_interval: seconds between re-checks of the neighbour set while waiting.
         delivery: how a model reaches the neighbours: ``unicast`` (one message per
             neighbour: bytes = degree × message), ``broadcast`` (one publish that every
             peer receives; non-neighbours ignore it), or ``auto`` (default: broadcast
             when the neighbours are all the live peers, unicast otherwise).
-        aggregation: ``mean`` (default, the paper's rule), or a robust rule against
-            poisoned updates (:mod:`agent.learning.robust`): ``clip`` (neighbours'
-            deviation from the own model clipped to ``clip_norm``), ``median``
-            (coordinate-wise), ``trimmed_mean`` (coordinate-wise, ``trim_ratio``).
-        clip_norm: L2 bound of ``clip``; 0 = median of the neighbours' deviation norms.
-        trim_ratio: fraction β trimmed at each end by ``trimmed_mean``, in [0, 0.5).
-            In ``dechw``, ``clip`` clips before the Hessian weighting; ``median`` and
-            ``trimmed_mean`` replace it.  In ``cfa``, ``clip`` clips before the consensus
-            step; ``median``/``trimmed_mean`` replace it by the robust aggregate of N_i ∪ {i}.
+
+    Robust ``aggregation`` here: in ``dechw``, ``clip`` clips before the Hessian
+    weighting; ``median`` and ``trimmed_mean`` replace it.  In ``cfa``, ``clip`` clips
+    before the consensus step; ``median``/``trimmed_mean`` replace it by the robust
+    aggregate of N_i ∪ {i}.
+
+    Raises:
+        ValueError: an unknown ``delivery``, or an invalid inherited option.
     """
 
-    round_timeout: float = 30.0
-    poll_interval: float = 0.5
     delivery: str = "auto"
-    aggregation: str = "mean"
-    clip_norm: float = 0.0
-    trim_ratio: float = 0.2
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.round_timeout > 0:
-            raise ValueError(f"round_timeout must be > 0, got {self.round_timeout}")
-        if not self.poll_interval > 0:
-            raise ValueError(f"poll_interval must be > 0, got {self.poll_interval}")
         if self.delivery not in DELIVERIES:
             raise ValueError(f"delivery must be one of {DELIVERIES}, got {self.delivery!r}")
-        check_robust_options(self.aggregation, self.clip_norm, self.trim_ratio)
 
 
 class NeighbourhoodAlgorithm(Algorithm):

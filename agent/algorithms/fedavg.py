@@ -18,7 +18,6 @@ from agent.algorithms.base import Algorithm, register
 from agent.algorithms.context import Message
 from agent.algorithms.market import SyncOptions, UpdateMarket, send_with_participation
 from agent.algorithms import gossip_compression as gc
-from agent.learning.aggregation import weighted_average
 from agent.learning.robust import check_options as check_robust_options
 from agent.learning.robust import robust_aggregate
 from agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
@@ -28,20 +27,25 @@ MODEL_KIND = "model"
 
 
 @dataclasses.dataclass
-class FedAvgOptions(SyncOptions):
-    """Options of ``fedavg`` (plus the synchronization options of
-    :class:`agent.algorithms.market.SyncOptions`: ``sync``, ``participation``, ...).
+class GossipOptions(SyncOptions):
+    """Options of every averaging gossip algorithm (``fedavg``, ``dechw``, ``dechetero``,
+    ``cfa``), plus the synchronization options of
+    :class:`agent.algorithms.market.SyncOptions` (``sync``, ``participation``, ...).
 
     Attributes:
-        round_timeout: seconds a round waits for neighbours' models after sending its own.
+        round_timeout: seconds a round waits for the neighbours' models (the round
+            deadline); the round then proceeds with what arrived.
         poll_interval: seconds between re-checks of the live-peer set while waiting
             (a peer that leaves stops being waited for).
-        aggregation: ``mean`` (default, the paper's rule), or a robust rule against
+        aggregation: ``mean`` (default, the papers' rule), or a robust rule against
             poisoned updates (:mod:`agent.learning.robust`): ``clip`` (neighbours'
             deviation from the own model clipped to ``clip_norm``), ``median``
             (coordinate-wise), ``trimmed_mean`` (coordinate-wise, ``trim_ratio``).
         clip_norm: L2 bound of ``clip``; 0 = median of the neighbours' deviation norms.
         trim_ratio: fraction β trimmed at each end by ``trimmed_mean``, in [0, 0.5).
+
+    Raises:
+        ValueError: a non-positive timeout or poll interval, or an invalid robust rule.
     """
 
     round_timeout: float = 30.0
@@ -57,6 +61,11 @@ class FedAvgOptions(SyncOptions):
         if not self.poll_interval > 0:
             raise ValueError(f"poll_interval must be > 0, got {self.poll_interval}")
         check_robust_options(self.aggregation, self.clip_norm, self.trim_ratio)
+
+
+@dataclasses.dataclass
+class FedAvgOptions(GossipOptions):
+    """Options of ``fedavg``: those of :class:`GossipOptions`."""
 
 
 def update_problem(msg: Message, template, extra_tensors: frozenset[str] = frozenset()) -> str | None:
