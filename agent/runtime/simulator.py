@@ -187,6 +187,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             "model_specs": {nid: s for nid, s in zip(ids, specs)}, "topology": cfg.topology,
             "dropped": {n.ctx.node_id: n.ctx.counters()["dropped"] for n in nodes},
             "curve": metrics.mean_curve(histories),
+            "user_accuracy": metrics.user_accuracy(histories),  # UA: personal models on own splits, last 10 rounds
             "config": _jsonable(dataclasses.asdict(cfg)),
         },
     )
