@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from agent.algorithms.base import register
+from agent.algorithms.base import Algorithm, register
 from agent.algorithms.context import Message
 from agent.algorithms.coordination import RotationOptions
 from agent.algorithms.fedd2s import GlobalModelRotation, global_init_seed
@@ -161,7 +161,54 @@ class FedPer(GlobalModelRotation):
         self._load_base(tensors)
 
     def deployable_model(self) -> nn.Module:
-        return self.model
+        """The personal model; with ``head_layers = 0`` (FedAvg) the newest *global* model this
+        node knows (what FedAvg deploys), so that UA is the global model on each node's split."""
+        if self.personal:
+            return self.model
+        g = self.current_global()
+        if getattr(self, "_view_src", None) is not g:
+            self._view = getattr(self, "_view", None) or self.new_model()
+            self._view.load_state_dict({k: torch.from_numpy(np.array(v, copy=True)) for k, v in g.items()})
+            self._view_src = g
+        return self._view
 
     def status(self) -> dict[str, Any]:
         return {**super().status(), "personal_tensors": len(self.personal), "model": self.spec}
+
+
+@dataclasses.dataclass
+class LocalAdamOptions:
+    """Options of ``local_adam``: ``local_epochs`` per round, Adam ``lr``, ``batch_size`` (0 = config's)."""
+
+    local_epochs: int = 1
+    lr: float = 0.01
+    batch_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.local_epochs < 1 or self.batch_size < 0 or not self.lr > 0:
+            raise ValueError("local_epochs >= 1, batch_size >= 0 and lr > 0 required")
+
+
+@register
+class LocalAdam(Algorithm):
+    """``local_adam``: local training only, every round, with the optimizer of seed 002's
+    baselines (Adam, lr 0.01) — the local floor for FedD2S/FedPer comparisons."""
+
+    name = "local_adam"
+    Options = LocalAdamOptions
+
+    async def setup(self) -> None:
+        self.model = self.new_model()
+
+    def _train(self) -> dict[str, float]:
+        d, o = self.ctx.data, self.options
+        return train_adam(self.model, d.train_x, d.train_y, epochs=o.local_epochs,
+                          batch_size=o.batch_size or self.ctx.train.batch_size, lr=o.lr, rng=self.ctx.rng,
+                          device=self.ctx.device)
+
+    async def round(self, t: int) -> dict[str, Any]:
+        stats = await self.ctx.compute(self._train)
+        return {"train_loss": stats["loss"], "neighbours": 0}
+
+    def deployable_model(self) -> nn.Module:
+        return self.model

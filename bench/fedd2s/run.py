@@ -1,0 +1,125 @@
+"""Benchmark of serverless FedD2S (seed 002) against FedPer, FedAvg and local training.
+
+Scaled to a shared 2-core CPU (see results/README.md for the exact scale): 20 nodes,
+participation ρ = 0.2, Dirichlet label skew α ∈ {0.1, 0.5, 1}, digits and HAR, the seed's
+M1 model C(8,16,32)+F(32,16,classes) (``convdense``; the 1-D variant for HAR).  Every run
+is one ``agent.runtime.simulator.simulate`` call; the metric is the user accuracy UA
+(each node's deployed model on its own held-out 20 % split, mean over the evaluated rounds
+among the last 10, then over nodes; ``summary.json["user_accuracy"]``).
+
+Methods (all on the same rotating-token protocol except ``local_adam``):
+
+- ``fedd2s``: Z_0 = 3/5/7 for α = 0.1/0.5/1 (seed), dropping set [C3, F1, F2, F3], Adam 0.01;
+- ``fedper``: base shared FedAvg-style, classifier (F3) personal, 1 local epoch, Adam 0.01;
+- ``fedavg``: ``fedper`` with ``head_layers = 0`` = FedAvg at ρ = 0.2 with Adam 0.01; its
+  deployed model is the global model, so UA = the global model on each node's split;
+- ``local``: ``local_adam``, every node trains 1 epoch per round alone (Adam 0.01).
+
+Parts (``--part``): ``main`` (the UA table), ``z0`` (Z_0 sensitivity, seed Fig. 7, digits
+only), or ``all``.  Results append to ``runs.jsonl`` (a finished run is skipped when
+re-run), then ``report.py`` writes ``results.md`` and the plots.
+
+Usage (from the repository root)::
+
+    nice -n 10 .venv/bin/python bench/fedd2s/run.py --part main
+    nice -n 10 .venv/bin/python bench/fedd2s/run.py --part z0
+    .venv/bin/python bench/fedd2s/report.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from agent.learning.training import TrainConfig  # noqa: E402
+from agent.runtime.simulator import SimConfig, simulate  # noqa: E402
+
+OUT = ROOT / "bench" / "fedd2s" / "results"
+Z0 = {0.1: 3, 0.5: 5, 1.0: 7}
+SCALE = {  # rounds, seeds per data set (CPU budget)
+    "digits": {"rounds": 60, "seeds": (0, 1, 2)},
+    "har": {"rounds": 40, "seeds": (0,)},
+}
+METHODS = {
+    "fedd2s": ("fedd2s", {}),
+    "fedper": ("fedper", {"head_layers": 1}),
+    "fedavg": ("fedper", {"head_layers": 0}),
+    "local": ("local_adam", {}),
+}
+
+
+def spec_for(dataset: str) -> dict[str, Any]:
+    shape, classes = ([1, 8, 8], 10) if dataset == "digits" else ([3, 128], 6)
+    return {"type": "convdense", "input_shape": shape, "conv": [8, 16, 32], "dense": [32, 16], "num_classes": classes}
+
+
+def run_one(dataset: str, alpha: float, seed: int, method: str, rounds: int, z0: int | None = None,
+            eval_every: int = 5) -> dict[str, Any]:
+    algo, opts = METHODS[method]
+    opts = dict(opts)
+    if algo == "fedd2s":
+        opts["z0"] = z0 if z0 is not None else Z0[alpha]
+    cfg = SimConfig(algorithm=algo, nodes=20, rounds=rounds, dataset=dataset, partition="dirichlet", beta=alpha,
+                    seed=seed, model_spec=spec_for(dataset), train=TrainConfig(batch_size=32), options=opts,
+                    eval_every=eval_every, threads=1)
+    t0 = time.time()
+    s = simulate(cfg)
+    ua = s["user_accuracy"]
+    return {
+        "dataset": dataset, "alpha": alpha, "seed": seed, "method": method, "algorithm": algo, "options": opts,
+        "rounds": rounds, "eval_every": eval_every, "ua": ua["mean"], "ua_std_nodes": ua["std"],
+        "ua_per_node": ua["per_node"], "histogram": ua["histogram"],
+        "global_accuracy": s["global_accuracy"]["mean"], "bytes_sent": s["bytes_sent"],
+        "bytes_per_round": s["bytes_sent"] / rounds, "curve_round": s["curve"]["round"],
+        "curve_local": s["curve"].get("local_accuracy"), "wall": time.time() - t0,
+    }
+
+
+def key(r: dict[str, Any]) -> tuple:
+    return (r["dataset"], r["alpha"], r["seed"], r["method"], r["rounds"], r["options"].get("z0"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=("main", "z0", "all"), default="main")
+    ap.add_argument("--datasets", default="digits,har")
+    ap.add_argument("--out", default=str(OUT))
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "runs.jsonl"
+    done = set()
+    if path.exists():
+        done = {key(json.loads(line)) for line in path.read_text().splitlines() if line.strip()}
+    plan: list[tuple] = []
+    if a.part in ("main", "all"):
+        for ds in a.datasets.split(","):
+            sc = SCALE[ds]
+            for seed in sc["seeds"]:
+                for alpha in (0.1, 0.5, 1.0):
+                    for m in METHODS:
+                        plan.append((ds, alpha, seed, m, sc["rounds"], Z0[alpha] if m == "fedd2s" else None))
+    if a.part in ("z0", "all"):
+        for alpha in (0.1, 0.5, 1.0):
+            for z0 in (1, 2, 3, 5, 7, 10, 100):
+                plan.append(("digits", alpha, 0, "fedd2s", SCALE["digits"]["rounds"], z0))
+    for ds, alpha, seed, m, rounds, z0 in plan:
+        if (ds, alpha, seed, m, rounds, z0) in done:
+            continue
+        r = run_one(ds, alpha, seed, m, rounds, z0)
+        done.add(key(r))
+        with open(path, "a") as f:
+            f.write(json.dumps(r) + "\n")
+        print(f"{ds} a={alpha} s={seed} {m:7s} z0={z0} UA={r['ua']:.3f} ±{r['ua_std_nodes']:.3f} "
+              f"B/round={r['bytes_per_round']:.0f} {r['wall']:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
