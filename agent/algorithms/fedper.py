@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from agent.algorithms.base import Algorithm, register
 from agent.algorithms.context import Message
 from agent.algorithms.coordination import RotationOptions
-from agent.algorithms.fedd2s import GlobalModelRotation, global_init_seed
+from agent.algorithms.fedd2s import GlobalModelRotation, draw_round, global_init_seed
 from agent.learning.aggregation import weighted_average
 from agent.learning.params import IncompatibleUpdate, check_compatible, model_to_numpy
 from agent.learning.training import batches, restore_if_diverged, snapshot
@@ -178,15 +178,21 @@ class FedPer(GlobalModelRotation):
 
 @dataclasses.dataclass
 class LocalAdamOptions:
-    """Options of ``local_adam``: ``local_epochs`` per round, Adam ``lr``, ``batch_size`` (0 = config's)."""
+    """Options of ``local_adam``: ``local_epochs`` per round, Adam ``lr``, ``batch_size`` (0 = config's),
+    ``participation``: train only in the rounds ``fedd2s``/``fedper`` would draw this node
+    (:func:`agent.algorithms.fedd2s.draw_round` with this ratio; 1.0 = every round) — local
+    training at the same compute as the federated methods."""
 
     local_epochs: int = 1
     lr: float = 0.01
     batch_size: int = 0
+    participation: float = 1.0
 
     def __post_init__(self) -> None:
         if self.local_epochs < 1 or self.batch_size < 0 or not self.lr > 0:
             raise ValueError("local_epochs >= 1, batch_size >= 0 and lr > 0 required")
+        if not 0 < self.participation <= 1:
+            raise ValueError(f"participation must be in (0, 1], got {self.participation}")
 
 
 @register
@@ -207,6 +213,11 @@ class LocalAdam(Algorithm):
                           device=self.ctx.device)
 
     async def round(self, t: int) -> dict[str, Any]:
+        me = self.ctx.node_id
+        if self.options.participation < 1:
+            drawn, _ = draw_round(self.ctx.seed, t, [me, *self.ctx.live_peers()], self.options.participation)
+            if me not in drawn:
+                return {"neighbours": 0, "trained": False}
         stats = await self.ctx.compute(self._train)
         return {"train_loss": stats["loss"], "neighbours": 0}
 

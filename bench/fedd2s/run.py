@@ -13,16 +13,19 @@ Methods (all on the same rotating-token protocol except ``local_adam``):
 - ``fedper``: base shared FedAvg-style, classifier (F3) personal, 1 local epoch, Adam 0.01;
 - ``fedavg``: ``fedper`` with ``head_layers = 0`` = FedAvg at ρ = 0.2 with Adam 0.01; its
   deployed model is the global model, so UA = the global model on each node's split;
-- ``local``: ``local_adam``, every node trains 1 epoch per round alone (Adam 0.01).
+- ``local``: ``local_adam``, every node trains 1 epoch per round alone (Adam 0.01);
+- ``local_rho``: ``local_adam`` training only in the rounds the node would be drawn
+  (ρ = 0.2, same draw as fedd2s): local training at the federated methods' compute.
 
 Parts (``--part``): ``main`` (the UA table), ``z0`` (Z_0 sensitivity, seed Fig. 7, digits
-only), or ``all``.  Results append to ``runs.jsonl`` (a finished run is skipped when
+only), ``epochs`` (4 passes per phase, the seed's E = 4, fedd2s vs fedper on digits), or ``all``.  Results append to ``runs.jsonl`` (a finished run is skipped when
 re-run), then ``report.py`` writes ``results.md`` and the plots.
 
 Usage (from the repository root)::
 
     nice -n 10 .venv/bin/python bench/fedd2s/run.py --part main
     nice -n 10 .venv/bin/python bench/fedd2s/run.py --part z0
+    nice -n 10 .venv/bin/python bench/fedd2s/run.py --part epochs
     .venv/bin/python bench/fedd2s/report.py
 """
 
@@ -44,14 +47,15 @@ from agent.runtime.simulator import SimConfig, simulate  # noqa: E402
 OUT = ROOT / "bench" / "fedd2s" / "results"
 Z0 = {0.1: 3, 0.5: 5, 1.0: 7}
 SCALE = {  # rounds, seeds per data set (CPU budget)
-    "digits": {"rounds": 60, "seeds": (0, 1, 2)},
-    "har": {"rounds": 40, "seeds": (0,)},
+    "digits": {"rounds": 60, "seeds": (0,)},
+    "har": {"rounds": 30, "seeds": (0,)},
 }
 METHODS = {
     "fedd2s": ("fedd2s", {}),
     "fedper": ("fedper", {"head_layers": 1}),
     "fedavg": ("fedper", {"head_layers": 0}),
     "local": ("local_adam", {}),
+    "local_rho": ("local_adam", {"participation": 0.2}),
 }
 
 
@@ -60,12 +64,22 @@ def spec_for(dataset: str) -> dict[str, Any]:
     return {"type": "convdense", "input_shape": shape, "conv": [8, 16, 32], "dense": [32, 16], "num_classes": classes}
 
 
-def run_one(dataset: str, alpha: float, seed: int, method: str, rounds: int, z0: int | None = None,
-            eval_every: int = 5) -> dict[str, Any]:
+def options_for(method: str, alpha: float, z0: int | None = None, epochs: int = 1) -> dict[str, Any]:
     algo, opts = METHODS[method]
     opts = dict(opts)
     if algo == "fedd2s":
         opts["z0"] = z0 if z0 is not None else Z0[alpha]
+        if epochs != 1:
+            opts.update(c2s_epochs=epochs, s2c_epochs=epochs)
+    elif epochs != 1:
+        opts["local_epochs"] = epochs
+    return opts
+
+
+def run_one(dataset: str, alpha: float, seed: int, method: str, rounds: int, z0: int | None = None,
+            eval_every: int = 5, epochs: int = 1) -> dict[str, Any]:
+    algo = METHODS[method][0]
+    opts = options_for(method, alpha, z0, epochs)
     cfg = SimConfig(algorithm=algo, nodes=20, rounds=rounds, dataset=dataset, partition="dirichlet", beta=alpha,
                     seed=seed, model_spec=spec_for(dataset), train=TrainConfig(batch_size=32), options=opts,
                     eval_every=eval_every, threads=1)
@@ -83,12 +97,12 @@ def run_one(dataset: str, alpha: float, seed: int, method: str, rounds: int, z0:
 
 
 def key(r: dict[str, Any]) -> tuple:
-    return (r["dataset"], r["alpha"], r["seed"], r["method"], r["rounds"], r["options"].get("z0"))
+    return (r["dataset"], r["alpha"], r["seed"], r["method"], r["rounds"], json.dumps(r["options"], sort_keys=True))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=("main", "z0", "all"), default="main")
+    ap.add_argument("--part", choices=("main", "z0", "epochs", "all"), default="main")
     ap.add_argument("--datasets", default="digits,har")
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args()
@@ -105,15 +119,20 @@ def main() -> None:
             for seed in sc["seeds"]:
                 for alpha in (0.1, 0.5, 1.0):
                     for m in METHODS:
-                        plan.append((ds, alpha, seed, m, sc["rounds"], Z0[alpha] if m == "fedd2s" else None))
+                        plan.append((ds, alpha, seed, m, sc["rounds"], None, 1))
     if a.part in ("z0", "all"):
-        for alpha in (0.1, 0.5, 1.0):
-            for z0 in (1, 2, 3, 5, 7, 10, 100):
-                plan.append(("digits", alpha, 0, "fedd2s", SCALE["digits"]["rounds"], z0))
-    for ds, alpha, seed, m, rounds, z0 in plan:
-        if (ds, alpha, seed, m, rounds, z0) in done:
+        for alpha in (0.1, 1.0):
+            for z0 in (1, 3, 7, 100):
+                plan.append(("digits", alpha, 0, "fedd2s", SCALE["digits"]["rounds"], z0, 1))
+    if a.part in ("epochs", "all"):  # the seed's E = 4 passes per phase / local epochs (fedd2s vs fedper)
+        for alpha in (0.1,):
+            for m in ("fedd2s", "fedper"):
+                plan.append(("digits", alpha, 0, m, SCALE["digits"]["rounds"], None, 4))
+    for ds, alpha, seed, m, rounds, z0, ep in plan:
+        k = (ds, alpha, seed, m, rounds, json.dumps(options_for(m, alpha, z0, ep), sort_keys=True))
+        if k in done:
             continue
-        r = run_one(ds, alpha, seed, m, rounds, z0)
+        r = run_one(ds, alpha, seed, m, rounds, z0, epochs=ep)
         done.add(key(r))
         with open(path, "a") as f:
             f.write(json.dumps(r) + "\n")
