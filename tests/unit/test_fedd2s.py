@@ -278,3 +278,14 @@ def test_user_accuracy_averages_the_last_rounds_then_the_nodes():
     ua = metrics.user_accuracy(hist, last=10)
     assert ua["per_node"]["a"] == pytest.approx(1.0) and ua["per_node"]["b"] == pytest.approx(0.5)
     assert ua["mean"] == pytest.approx(0.75) and ua["histogram"][9] == 1 and ua["histogram"][5] == 1
+
+
+def test_fedavg_mode_deploys_the_global_model_and_local_adam_trains_only_when_drawn():
+    _, nodes = _federation(4, "fedper", {"sender_ratio": 0.5, "head_layers": 0})
+    _run(nodes, 3)
+    views = [model_to_numpy(nd.algorithm.deployable_model()) for nd in nodes]
+    assert all(np.array_equal(v["blocks.5.0.weight"], views[0]["blocks.5.0.weight"]) for v in views)
+    _, nodes = _federation(5, "local_adam", {"participation": 0.4})
+    _run(nodes, 4)
+    trained = sum(1 for nd in nodes for r in nd.history if r.get("trained") is not False)
+    assert trained == 2 * 4  # ⌈0.4 · 5⌉ = 2 nodes train per round, the rounds fedd2s would draw them
