@@ -18,7 +18,7 @@ Methods (all on the same rotating-token protocol except ``local_adam``):
   (ρ = 0.2, same draw as fedd2s): local training at the federated methods' compute.
 
 Parts (``--part``): ``main`` (the UA table), ``z0`` (Z_0 sensitivity, seed Fig. 7, digits
-only), ``epochs`` (4 passes per phase, the seed's E = 4, fedd2s vs fedper on digits), or ``all``.  Results append to ``runs.jsonl`` (a finished run is skipped when
+only), ``reference`` (the centralized server at benchmark scale), ``epochs`` (4 passes per phase, the seed's E = 4, fedd2s vs fedper on digits), or ``all``.  Results append to ``runs.jsonl`` (a finished run is skipped when
 re-run), then ``report.py`` writes ``results.md`` and the plots.
 
 Usage (from the repository root)::
@@ -96,13 +96,27 @@ def run_one(dataset: str, alpha: float, seed: int, method: str, rounds: int, z0:
     }
 
 
+def reference(out: Path) -> None:
+    """The centralized reference (server fed the features) at benchmark scale: digits, α = 0.1,
+    seed 0 — its UA must equal the serverless run's; also the bytes the server receives."""
+    from agent.runtime.fedd2s_reference import simulate_reference
+
+    cfg = SimConfig(algorithm="fedd2s", nodes=20, rounds=SCALE["digits"]["rounds"], dataset="digits",
+                    partition="dirichlet", beta=0.1, seed=0, model_spec=spec_for("digits"),
+                    train=TrainConfig(batch_size=32), options=options_for("fedd2s", 0.1), eval_every=5, threads=1)
+    s = simulate_reference(cfg)
+    s["server_bytes_received_per_round"] = s["server_bytes_received"] / cfg.rounds
+    (out / "reference.json").write_text(json.dumps(s, indent=2) + "\n")
+    print(f"reference: UA={s['user_accuracy']['mean']:.4f} server rx/round={s['server_bytes_received_per_round']:.0f}")
+
+
 def key(r: dict[str, Any]) -> tuple:
     return (r["dataset"], r["alpha"], r["seed"], r["method"], r["rounds"], json.dumps(r["options"], sort_keys=True))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=("main", "z0", "epochs", "all"), default="main")
+    ap.add_argument("--part", choices=("main", "z0", "epochs", "reference", "all"), default="main")
     ap.add_argument("--datasets", default="digits,har")
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args()
@@ -128,6 +142,8 @@ def main() -> None:
         for alpha in (0.1,):
             for m in ("fedd2s", "fedper"):
                 plan.append(("digits", alpha, 0, m, SCALE["digits"]["rounds"], None, 4))
+    if a.part in ("reference", "all"):
+        reference(out)
     for ds, alpha, seed, m, rounds, z0, ep in plan:
         k = (ds, alpha, seed, m, rounds, json.dumps(options_for(m, alpha, z0, ep), sort_keys=True))
         if k in done:
