@@ -289,3 +289,34 @@ def test_fedavg_mode_deploys_the_global_model_and_local_adam_trains_only_when_dr
     _run(nodes, 4)
     trained = sum(1 for nd in nodes for r in nd.history if r.get("trained") is not False)
     assert trained == 2 * 4  # ⌈0.4 · 5⌉ = 2 nodes train per round, the rounds fedd2s would draw them
+
+
+def test_killing_the_token_holder_mid_round_the_others_go_on_from_the_last_global_model():
+    import asyncio
+
+    opts = {**OPTS, "token_timeout": 40.0, "invite_timeout": 10.0, "update_timeout": 20.0}
+    net, nodes = _federation(5, options=opts)
+    killed = {}
+    for node in nodes:
+        original = node.algorithm.aggregate
+
+        async def aggregate(t, token, contributions, _node=node, _orig=original):
+            if t == 3 and not killed:  # the round-3 holder dies after collecting the copies
+                killed["node"] = _node.ctx.node_id
+                killed["theta"] = _node.algorithm.current_global()
+                net.kill(_node.ctx.node_id)
+                raise asyncio.CancelledError
+            return await _orig(t, token, contributions)
+
+        node.algorithm.aggregate = aggregate
+
+    async def main():
+        for nd in nodes:
+            await nd.ctx.start()
+            await nd.setup()
+        await asyncio.gather(*(nd.run(5) for nd in nodes), return_exceptions=True)
+
+    run_virtual(main())
+    survivors = [nd for nd in nodes if nd.ctx.node_id != killed["node"]]
+    assert killed and all(nd.history[-1]["round"] == 5 for nd in survivors)
+    assert all(nd.algorithm.best.round == 5 and nd.algorithm.best.tensors for nd in survivors)
