@@ -18,7 +18,7 @@ Methods (all on the same rotating-token protocol except ``local_adam``):
   (ρ = 0.2, same draw as fedd2s): local training at the federated methods' compute.
 
 Parts (``--part``): ``main`` (the UA table), ``z0`` (Z_0 sensitivity, seed Fig. 7, digits
-only), ``reference`` (the centralized server at benchmark scale), ``epochs`` (4 passes per phase, the seed's E = 4, fedd2s vs fedper on digits), or ``all``.  Results append to ``runs.jsonl`` (a finished run is skipped when
+only), ``reference`` (the centralized server at benchmark scale), ``epochs`` (4 passes per phase, the seed's E = 4, fedd2s vs fedper, α = 0.1), or ``all``.  Results append to ``runs.jsonl`` (a finished run is skipped when
 re-run), then ``report.py`` writes ``results.md`` and the plots.
 
 Usage (from the repository root)::
@@ -139,9 +139,9 @@ def main() -> None:
             for z0 in (1, 3, 7, 100):
                 plan.append(("digits", alpha, 0, "fedd2s", SCALE["digits"]["rounds"], z0, 1))
     if a.part in ("epochs", "all"):  # the seed's E = 4 passes per phase / local epochs (fedd2s vs fedper)
-        for alpha in (0.1,):
+        for ds in ("digits", "har"):
             for m in ("fedd2s", "fedper"):
-                plan.append(("digits", alpha, 0, m, SCALE["digits"]["rounds"], None, 4))
+                plan.append((ds, 0.1, 0, m, SCALE[ds]["rounds"], None, 4))
     if a.part in ("reference", "all"):
         reference(out)
     for ds, alpha, seed, m, rounds, z0, ep in plan:
