@@ -26,6 +26,7 @@ Usage (from the repository root)::
     nice -n 10 .venv/bin/python bench/fedd2s/run.py --part main
     nice -n 10 .venv/bin/python bench/fedd2s/run.py --part z0
     nice -n 10 .venv/bin/python bench/fedd2s/run.py --part epochs
+    nice -n 10 .venv/bin/python bench/fedd2s/run.py --part epochs-seed1
     .venv/bin/python bench/fedd2s/report.py
 """
 
@@ -116,7 +117,7 @@ def key(r: dict[str, Any]) -> tuple:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=("main", "z0", "epochs", "reference", "all"), default="main")
+    ap.add_argument("--part", choices=("main", "z0", "epochs", "epochs-seed1", "reference", "all"), default="main")
     ap.add_argument("--datasets", default="digits,har")
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args()
@@ -142,6 +143,9 @@ def main() -> None:
         for ds in ("digits", "har"):
             for m in ("fedd2s", "fedper"):
                 plan.append((ds, 0.1, 0, m, SCALE[ds]["rounds"], None, 4))
+    if a.part in ("epochs-seed1", "all"):  # a second seed for the E = 4 comparison on HAR, α = 0.1
+        for m, ep in (("fedd2s", 4), ("fedper", 4), ("local", 1)):
+            plan.append(("har", 0.1, 1, m, SCALE["har"]["rounds"], None, ep))
     if a.part in ("reference", "all"):
         reference(out)
     for ds, alpha, seed, m, rounds, z0, ep in plan:
