@@ -49,7 +49,7 @@ OUT = ROOT / "bench" / "fedd2s" / "results"
 Z0 = {0.1: 3, 0.5: 5, 1.0: 7}
 SCALE = {  # rounds, seeds per data set (CPU budget)
     "digits": {"rounds": 60, "seeds": (0,)},
-    "har": {"rounds": 30, "seeds": (0,)},
+    "har": {"rounds": 30, "seeds": (0, 1)},
 }
 METHODS = {
     "fedd2s": ("fedd2s", {}),
