@@ -182,7 +182,8 @@ def _plots(main_runs: list[dict], z: list[dict]) -> None:
         for a in (0.1, 0.5, 1.0):
             pts = sorted((r["options"]["z0"], r["ua"]) for r in z if r["alpha"] == a)
             if pts:
-                ax.plot([str(p[0]) for p in pts], [100 * p[1] for p in pts], marker="o", label=f"α = {a}")
+                ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=f"α = {a}")
+        ax.set_xscale("log")
         ax.set_xlabel("Z0 (dropping rate, rounds of participation per layer)")
         ax.set_ylabel("UA (%)")
         ax.set_title("FedD2S Z0 sensitivity (digits, seed 0)")
