@@ -15,7 +15,7 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parent / "results"
 ORDER = ("fedd2s", "fedper", "fedavg", "local", "local_rho")
 Z0_DEFAULT = {0.1: 3, 0.5: 5, 1.0: 7}
-MAIN_SEEDS = {"digits": {0}, "har": {0, 1}}  # the seeds of the main table (run.py SCALE)
+MAIN_SEEDS = {"digits": {0, 1}, "har": {0, 1}}  # the seeds of the main table (run.py SCALE)
 
 
 def _ms(vals: list[float]) -> str:

@@ -48,7 +48,7 @@ from agent.runtime.simulator import SimConfig, simulate  # noqa: E402
 OUT = ROOT / "bench" / "fedd2s" / "results"
 Z0 = {0.1: 3, 0.5: 5, 1.0: 7}
 SCALE = {  # rounds, seeds per data set (CPU budget)
-    "digits": {"rounds": 60, "seeds": (0,)},
+    "digits": {"rounds": 60, "seeds": (0, 1)},
     "har": {"rounds": 30, "seeds": (0, 1)},
 }
 METHODS = {
