@@ -31,6 +31,7 @@ so no round is ever applied twice by a node.  Every wait has a deadline.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 from typing import Any
@@ -86,6 +87,7 @@ class Done:
     next: str
     token: dict[str, Any]
     info: dict[str, Any]
+    tensors: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)  # see token_tensors
 
     def beats(self, other: "Done | None") -> bool:
         """Newer round wins; for the same round, the lower aggregator id wins."""
@@ -100,7 +102,10 @@ class RotatingAggregator(Algorithm):
     Subclasses implement :meth:`local_update`, :meth:`contribution`,
     :meth:`check_contribution`, :meth:`aggregate` and :meth:`apply_update`, and may
     override :meth:`initial_token` / :meth:`next_token` (schedule state that travels
-    with the token).
+    with the token), :meth:`select` (who takes part), :meth:`invite_payload` /
+    :meth:`accept_invite` (what an invitation carries) and :meth:`token_tensors`
+    (tensors that travel with ``done``, e.g. FedD2S's global model).  The defaults are
+    DFML's behaviour.
     """
 
     Options = RotationOptions
@@ -130,6 +135,31 @@ class RotatingAggregator(Algorithm):
         """Token state to hand over after round ``t`` was led with ``token``."""
         return token
 
+    def select(self, t: int, token: dict[str, Any], live: list[str]) -> tuple[list[str], bool, str]:
+        """Who takes part in round ``t``: ``(senders (self excluded), whether this node takes
+        part itself, next aggregator)``.  Default (DFML): ``sender_ratio`` of the live peers
+        drawn with the node's rng, the aggregator always takes part, the next aggregator
+        uniform among the live peers that may aggregate (their profile's roles)."""
+        ctx = self.ctx
+        k = min(len(live), max(1, math.ceil(self.options.sender_ratio * len(live)))) if live else 0
+        senders = sorted(ctx.rng.choice(live, size=k, replace=False).tolist()) if k else []
+        leaders = [p for p in live if self._may_aggregate(p)]  # device profiles: aggregator role
+        nxt = str(ctx.rng.choice(leaders)) if leaders else ctx.node_id
+        return senders, True, nxt
+
+    def invite_payload(self, t: int, token: dict[str, Any]) -> tuple[Tensors, dict[str, Any]]:
+        """Tensors and meta the aggregator sends with each ``invite`` (default: none)."""
+        return {}, {}
+
+    def accept_invite(self, invite: Message) -> None:
+        """Read an ``invite`` before :meth:`local_update`; raise ``ValueError`` to decline it
+        (the invite is counted as rejected)."""
+
+    def token_tensors(self, t: int) -> Tensors:
+        """Tensors broadcast with round ``t``'s ``done`` (default: none); a node finds the
+        ones of the best ``done`` it saw in ``self.best.tensors``."""
+        return {}
+
     async def local_update(self, t: int) -> dict[str, Any]:
         """A participant's local training before it contributes (info for metrics)."""
         raise NotImplementedError
@@ -150,9 +180,15 @@ class RotatingAggregator(Algorithm):
         """
         raise NotImplementedError
 
-    def apply_update(self, t: int, tensors: Tensors, meta: dict[str, Any]) -> None:
-        """Apply the aggregator's update for round ``t`` (called at most once per round)."""
+    def apply_update(self, t: int, tensors: Tensors, meta: dict[str, Any]) -> Any:
+        """Apply the aggregator's update for round ``t`` (called at most once per round).
+        May be a coroutine function (e.g. FedD2S trains while applying)."""
         raise NotImplementedError
+
+    async def _apply(self, t: int, tensors: Tensors, meta: dict[str, Any]) -> None:
+        res = self.apply_update(t, tensors, meta)
+        if inspect.isawaitable(res):
+            await res
 
     # -- the protocol ----------------------------------------------------------------
     def _now(self) -> float:
@@ -206,7 +242,7 @@ class RotatingAggregator(Algorithm):
             self.ctx.reject(msg, "bad_meta: done")
             return None
         info = m.get("info") if isinstance(m.get("info"), dict) else {}
-        return Done(msg.round, msg.sender, m["next"], m["token"], info)
+        return Done(msg.round, msg.sender, m["next"], m["token"], info, dict(msg.tensors))
 
     async def _on_done(self, msg: Message) -> None:
         done = self._parse_done(msg)
@@ -252,6 +288,12 @@ class RotatingAggregator(Algorithm):
         if t <= self.completed or t <= self.applied or t in self._participated or (gate is not None and gate()):
             await self.ctx.send(agg, Message(self.K_DECLINE, t))
             return
+        try:
+            self.accept_invite(invite)
+        except ValueError as exc:
+            self.ctx.reject(invite, f"incompatible: {exc}")
+            await self.ctx.send(agg, Message(self.K_DECLINE, t))
+            return
         self._participated.add(t)
         self.role = "sender"
         await self.local_update(t)
@@ -276,7 +318,7 @@ class RotatingAggregator(Algorithm):
                 continue
             if t > self.applied:
                 try:
-                    self.apply_update(t, msg.tensors, msg.meta)
+                    await self._apply(t, msg.tensors, msg.meta)
                     self.applied = t
                 except ValueError as exc:
                     self.ctx.reject(msg, f"incompatible: {exc}")
@@ -285,15 +327,15 @@ class RotatingAggregator(Algorithm):
     async def _lead(self, t: int, token: dict[str, Any]) -> None:
         ctx = self.ctx
         self.role = "aggregator"
-        self._participated.add(t)
         live = ctx.live_peers()
-        k = min(len(live), max(1, math.ceil(self.options.sender_ratio * len(live)))) if live else 0
-        senders = sorted(ctx.rng.choice(live, size=k, replace=False).tolist()) if k else []
-        leaders = [p for p in live if self._may_aggregate(p)]
-        nxt = str(ctx.rng.choice(leaders)) if leaders else ctx.node_id
+        senders, self_too, nxt = self.select(t, token, live)
+        if self_too:
+            self._participated.add(t)
+        inv_tensors, inv_meta = self.invite_payload(t, token)
         for s in senders:
-            await ctx.send(s, Message(self.K_INVITE, t))
-        await self.local_update(t)
+            await ctx.send(s, Message(self.K_INVITE, t, inv_tensors, inv_meta))
+        if self_too:
+            await self.local_update(t)
         contributions: dict[str, Message] = {}
         pending = set(senders)
         deadline = self._now() + self.options.invite_timeout
@@ -325,15 +367,16 @@ class RotatingAggregator(Algorithm):
         for s in contributions:
             tensors, meta = updates[s]
             await ctx.send(s, Message(self.K_UPDATE, t, tensors, meta))
-        own_tensors, own_meta = updates[ctx.node_id]
-        if t > self.applied:
-            self.apply_update(t, own_tensors, own_meta)
+        if self_too and ctx.node_id in updates and t > self.applied:
+            own_tensors, own_meta = updates[ctx.node_id]
+            await self._apply(t, own_tensors, own_meta)
             self.applied = t
         nxt_token = self.next_token(t, token)
-        info = {**info, "participants": len(contributions) + 1, "missing": sorted(pending)}
+        info = {**info, "participants": len(contributions) + int(self_too), "missing": sorted(pending)}
         meta = {"next": nxt, "token": nxt_token, "info": _json_scalars(info)}
-        await ctx.broadcast(Message(self.K_DONE, t, meta=meta))
-        await self._record(Done(t, ctx.node_id, nxt, nxt_token, info))
+        tok_tensors = self.token_tensors(t)
+        await ctx.broadcast(Message(self.K_DONE, t, tok_tensors, meta=meta))
+        await self._record(Done(t, ctx.node_id, nxt, nxt_token, info, dict(tok_tensors)))
 
     def status(self) -> dict[str, Any]:
         return {"role": self.role, "round_completed": self.completed, "applied": self.applied}

@@ -142,6 +142,10 @@ def validate_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     """
     if not isinstance(spec, Mapping):
         raise SpecError(f"model spec must be a mapping, got {type(spec).__name__}")
+    if spec.get("type") == "convdense":  # FedD2S's 3-conv + 3-dense family (agent.models.convdense)
+        from agent.models.convdense import validate_convdense_spec
+
+        return validate_convdense_spec(spec)
     t = spec.get("type")
     if t not in MODEL_TYPES:
         raise SpecError(f"model spec 'type' must be one of {MODEL_TYPES}, got {t!r}")
@@ -184,6 +188,10 @@ def build_model(spec: Mapping[str, Any]) -> nn.Module:
         SpecError: invalid spec (see :func:`validate_spec`).
     """
     s = validate_spec(spec)
+    if s["type"] == "convdense":  # FedD2S's 3-conv + 3-dense family
+        from agent.models.convdense import ConvDense
+
+        return ConvDense(s["input_shape"], s["conv"], s["dense"], s["num_classes"], s["kernel"], s["pool"])
     if s["type"] == "cnn1d":
         return CNN1d(s["in_channels"], s["length"], s["channels"], s["kernel"], s["num_classes"],
                      s.get("norm", "none"))

@@ -172,3 +172,27 @@ def plot_accuracy(histories: Mapping[str, list[dict[str, Any]]], path: str | os.
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def user_accuracy(histories: Mapping[str, list[dict[str, Any]]], last: int = 10,
+                  key: str = "local_accuracy") -> dict[str, Any]:
+    """User-model accuracy UA (FedD2S seed 002 §IV-A): each node's deployable (personal)
+    model on its own held-out split (``local_accuracy``), averaged per node over the
+    evaluated rounds among the last ``last`` rounds, then over nodes.
+
+    Returns ``{"mean", "std" (over nodes), "per_node", "last_rounds", "histogram"}``;
+    ``histogram`` counts nodes per accuracy decile ``[0, .1), …, [.9, 1]`` (fairness, Fig. 4).
+    """
+    final = max((r["round"] for h in histories.values() for r in h), default=0)
+    per_node: dict[str, float] = {}
+    for n, h in histories.items():
+        vals = [r[key] for r in h if key in r and r["round"] > final - last and r[key] is not None
+                and not math.isnan(r[key])]
+        per_node[n] = sum(vals) / len(vals) if vals else float("nan")
+    out = _stats(per_node)
+    hist = [0] * 10
+    for v in per_node.values():
+        if not math.isnan(v):
+            hist[min(9, int(v * 10))] += 1
+    out.update({"last_rounds": last, "histogram": hist})
+    return out

@@ -229,6 +229,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             "excluded": {n.ctx.node_id: dict(n.ctx.excluded) for n in nodes if n.ctx.excluded},
             "profiles": {nid: b.profile for nid, b in zip(ids, behaviours)} if behaviours else None,
             **_byte_summary(nodes, policy),
+            "user_accuracy": metrics.user_accuracy(histories),  # UA: personal models on own splits, last 10 rounds
             "config": _jsonable(dataclasses.asdict(cfg)),
         },
     )

@@ -1,0 +1,271 @@
+"""``fedd2s``: FedD2S without a server (seed 002, Alg. 1, Eq. 6, 8–13; ALGORITHMS.md "FedD2S, serverless").
+
+Every node keeps its own *personal* model θ^n (its deployable model).  Knowledge is
+shared through a global model θ^g that travels with the token of the rotating-aggregator
+protocol (:mod:`agent.algorithms.coordination`, the same coordination and failover as
+DFML).  Round t, led by the token holder h:
+
+1. h draws the participants U^ρ (⌈ρN⌉ of the live nodes, itself included in the draw)
+   and the next holder from a generator seeded with (federation seed, t) — the token's
+   "rng state" is the round number, so a failover holder draws the same set — and sends
+   θ^g to each participant (``invite``).
+2. Participant n: Z_n ← Z_n + 1; l_n = max(l_min, L − ⌊(Z_n − 1)/Z_0⌋) (Eq. 6, clamped to
+   the shallowest layer of the dropping set); computes (H_1, H_{l_n}, Y) from its personal
+   model on its own data (eval mode, fixed batch order); runs client-to-server
+   distillation on a fresh copy θ^{g,n} of θ^g (Eq. 8–10, :func:`agent.learning.d2s.c2s_distill`)
+   and returns the copy (``model``).  No activation or label leaves the node: this is
+   the "parameter" variant of ALGORITHMS.md, which computes what the seed's server
+   computes from the features.
+3. h: θ^g ← unweighted mean of the copies (Eq. 11 over the participants, in node-id
+   order), sends θ^g to every participant (``update``); each runs server-to-client
+   distillation locally (Eq. 12–13, :func:`agent.learning.d2s.s2c_distill`) with
+   t^n = F(H_1^n; θ^g_{+1}) from the H_1 it computed in step 2.
+4. h broadcasts ``done`` with θ^g: whoever leads next (or takes over after a failure)
+   starts from it.
+
+Non-participants do nothing in a round.  The centralized reference (server fed the
+features, :mod:`agent.runtime.fedd2s_reference`) gives the same personal models for the
+same seed — a unit test checks it.
+
+Options beyond ALGORITHMS.md (defaults = the seed's values): ``z0`` (3/5/7 for Dirichlet
+α = 0.1/0.5/1), ``dropping_set``, ``lr`` (Adam, 0.01), ``c2s_epochs``/``s2c_epochs``
+(passes per distillation phase, 1), ``temperature`` (1), ``batch_size`` (0 = the
+training config's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+from agent.algorithms.base import register
+from agent.algorithms.context import Message
+from agent.algorithms.coordination import RotatingAggregator, RotationOptions
+from agent.learning import d2s
+from agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
+from agent.models import validate_spec
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, np.ndarray]
+GLOBAL_STREAM = 0xD25  # domain separator of the global-model seed and the per-round draw
+
+
+def global_init_seed(seed: int) -> int:
+    """Torch seed of the initial global model θ^g, the same on every node (from the federation seed)."""
+    return int(np.random.SeedSequence([int(seed), GLOBAL_STREAM]).generate_state(1)[0])
+
+
+def draw_round(seed: int, t: int, nodes: list[str], ratio: float) -> tuple[list[str], np.random.Generator]:
+    """Participants of round ``t``: ⌈ρN⌉ of ``nodes`` without replacement (seed 002 Alg. 1
+    line 2), from a generator seeded with (federation seed, t).
+
+    Returns ``(sorted participants, the generator)``; the caller draws the next holder from
+    the same generator afterwards.  The serverless holder and the centralized reference
+    both call this, so they draw the same participants.
+    """
+    nodes = sorted(nodes)
+    rng = np.random.default_rng([int(seed), GLOBAL_STREAM, int(t)])
+    k = d2s.ceil_count(ratio, len(nodes))
+    return sorted(rng.choice(nodes, size=k, replace=False).tolist()), rng
+
+
+class GlobalModelRotation(RotatingAggregator):
+    """Rotating-aggregator rounds that carry one global state θ^g with the token.
+
+    Shared by ``fedd2s`` (θ^g = the global model) and ``fedper`` (θ^g = the shared base).
+    The holder draws the participants with :func:`draw_round` (``sender_ratio`` = ρ over
+    all live nodes, itself included in the draw), sends θ^g with each invite, and
+    broadcasts the new θ^g with ``done``.
+    """
+
+    def initial_global(self) -> Tensors:
+        """θ^g before round 1 (the same on every node)."""
+        raise NotImplementedError
+
+    def current_global(self) -> Tensors:
+        """The newest θ^g this node knows: that of the best ``done`` seen, else the initial one."""
+        if self.best is not None and self.best.tensors:
+            try:
+                check_compatible(self.best.tensors, self._template)
+                return self.best.tensors
+            except IncompatibleUpdate as exc:
+                log.warning("%s: global state of round %d unusable (%s)", self.ctx.node_id, self.best.round, exc)
+        return self._initial
+
+    def _init_global(self) -> None:
+        self._initial = self.initial_global()
+        self._template = self._initial
+        self._theta_in: Tensors | None = None  # θ^g received for the round being worked on
+        self._theta_out: Tensors = {}  # θ^g produced by the round this node led
+
+    def select(self, t: int, token: dict[str, Any], live: list[str]) -> tuple[list[str], bool, str]:
+        me = self.ctx.node_id
+        participants, rng = draw_round(self.ctx.seed, t, [me, *live], self.options.sender_ratio)
+        leaders = [p for p in live if self._may_aggregate(p)]  # device profiles: aggregator role
+        nxt = str(rng.choice(leaders)) if leaders else me
+        self._theta_in = self.current_global()
+        return [p for p in participants if p != me], me in participants, nxt
+
+    def invite_payload(self, t: int, token: dict[str, Any]) -> tuple[Tensors, dict[str, Any]]:
+        assert self._theta_in is not None
+        return self._theta_in, {}
+
+    def accept_invite(self, invite: Message) -> None:
+        check_compatible(invite.tensors, self._template)
+        self._theta_in = invite.tensors
+
+    def check_contribution(self, msg: Message) -> None:
+        check_compatible(msg.tensors, self._template)
+
+    def token_tensors(self, t: int) -> Tensors:
+        return self._theta_out
+
+
+@dataclasses.dataclass
+class FedD2SOptions(RotationOptions):
+    """Options of ``fedd2s`` (defaults: ALGORITHMS.md / seed 002 §IV-A).
+
+    Attributes:
+        sender_ratio: ρ, the participation ratio over all live nodes (seed: 0.2).
+        z0: Z_0, rounds of participation a layer serves as distillation layer (Eq. 6);
+            the seed uses 3/5/7 for Dirichlet α = 0.1/0.5/1.
+        dropping_set: layer names (a suffix of the model's layers, e.g. C3, F1, F2, F3);
+            its shallowest layer is l_min, the floor of Eq. 6.
+        lr: Adam learning rate of both distillation phases (fresh state per phase).
+        c2s_epochs, s2c_epochs: passes over the local data per distillation phase.
+        temperature: τ of the soft labels (KL × τ²).
+        batch_size: mini-batch size of all phases; 0 = the training config's.
+    """
+
+    sender_ratio: float = 0.2
+    z0: int = 3
+    dropping_set: list = dataclasses.field(default_factory=lambda: ["C3", "F1", "F2", "F3"])
+    lr: float = 0.01
+    c2s_epochs: int = 1
+    s2c_epochs: int = 1
+    temperature: float = 1.0
+    batch_size: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.z0 < 1:
+            raise ValueError(f"z0 must be >= 1, got {self.z0}")
+        if not self.dropping_set or not all(isinstance(x, str) for x in self.dropping_set):
+            raise ValueError(f"dropping_set must be a non-empty list of layer names, got {self.dropping_set!r}")
+        if not self.lr > 0 or not self.temperature > 0:
+            raise ValueError("lr and temperature must be > 0")
+        if self.c2s_epochs < 1 or self.s2c_epochs < 1 or self.batch_size < 0:
+            raise ValueError("c2s_epochs and s2c_epochs must be >= 1, batch_size >= 0")
+
+
+def resolve_l_min(layer_names: list[str], dropping_set: list[str]) -> int:
+    """l_min (1-based) = the shallowest layer of ``dropping_set``, which must be a suffix of
+    ``layer_names`` (the seed's sets [F1,F2,F3], [F2,F3], [C3,F1,F2,F3], [C2,…,F3] all are).
+
+    Raises:
+        ValueError: unknown names or not a suffix (message names ``dropping_set``).
+    """
+    unknown = [n for n in dropping_set if n not in layer_names]
+    if unknown:
+        raise ValueError(f"algorithm.options.dropping_set: unknown layers {unknown}; the model has {layer_names}")
+    l_min = min(layer_names.index(n) for n in dropping_set) + 1
+    if sorted(set(dropping_set), key=layer_names.index) != layer_names[l_min - 1:]:
+        raise ValueError(f"algorithm.options.dropping_set must be a suffix of the layers {layer_names}, "
+                         f"got {dropping_set}")
+    return l_min
+
+
+@register
+class FedD2S(GlobalModelRotation):
+    """One FedD2S node: a personal model, a participation count Z_n; token holder in turn."""
+
+    name = "fedd2s"
+    Options = FedD2SOptions
+
+    async def setup(self) -> None:
+        ctx, o = self.ctx, self.options
+        self.spec = validate_spec(ctx.model_spec)
+        self.personal = self.new_model()
+        self.L = d2s.num_layers(self.personal)
+        self.l_min = resolve_l_min(list(self.personal.layer_names), list(o.dropping_set))
+        self.z = 0  # Z_n
+        self.l = self.L  # l_n of the last participation
+        self.batch_size = o.batch_size or ctx.train.batch_size
+        self._triplets: list = []
+        self._copy: Tensors = {}
+        self._init_global()
+
+    def initial_global(self) -> Tensors:
+        return model_to_numpy(self.new_model(seed=global_init_seed(self.ctx.seed)))
+
+    def _global_model(self, tensors: Tensors) -> nn.Module:
+        m = self.new_model(seed=0)
+        load_numpy(m, tensors)
+        return m
+
+    # -- participant: Eq. 6, local knowledge extraction, C2S (Eq. 8-10) ------------------
+    def _c2s(self, theta_g: Tensors) -> dict[str, Any]:
+        o, d = self.options, self.ctx.data
+        self.z += 1
+        self.l = d2s.distillation_layer(self.z, self.L, o.z0, self.l_min)
+        self._triplets = d2s.extract_features(self.personal, d.train_x, d.train_y, self.l, self.batch_size,
+                                              self.ctx.device)
+        g = self._global_model(theta_g).to(self.ctx.device)
+        stats = d2s.c2s_distill(g, self._triplets, self.l, lr=o.lr, epochs=o.c2s_epochs, temperature=o.temperature)
+        self._copy = model_to_numpy(g)
+        return {"c2s_kl": stats["kl"], "c2s_ce": stats["ce"], "l": self.l, "z": self.z}
+
+    async def local_update(self, t: int) -> dict[str, Any]:
+        assert self._theta_in is not None
+        return await self.ctx.compute(self._c2s, self._theta_in)
+
+    def contribution(self, t: int) -> tuple[Tensors, dict[str, Any]]:
+        return self._copy, {"l": self.l, "z": self.z, "samples": int(self.ctx.data.num_train)}
+
+    # -- holder: Eq. 11 ----------------------------------------------------------------
+    async def aggregate(self, t: int, token: dict[str, Any], contributions: dict[str, Message]):
+        me = self.ctx.node_id
+        own = t in self._participated and bool(self._copy)
+        states = {s: m.tensors for s, m in contributions.items()}
+        if own:
+            states[me] = self._copy
+        if not states:  # nobody answered: θ^g stays as it was
+            self._theta_out = self._theta_in or self.current_global()
+            return {}, {"aggregated": 0}
+        theta = d2s.average_states([states[s] for s in sorted(states)])
+        self._theta_out = theta
+        updates = {s: (theta, {}) for s in states}
+        ls = [m.meta.get("l") for m in contributions.values() if isinstance(m.meta.get("l"), int)]
+        if own:
+            ls.append(self.l)
+        return updates, {"aggregated": len(states), "mean_l": float(np.mean(ls)) if ls else float("nan")}
+
+    # -- participant: S2C (Eq. 12-13) ----------------------------------------------------
+    def _s2c(self, theta_g: Tensors) -> dict[str, Any]:
+        o, d = self.options, self.ctx.data
+        g = self._global_model(theta_g).to(self.ctx.device)
+        targets = d2s.global_soft_targets(g, [h1 for h1, _, _ in self._triplets])
+        stats = d2s.s2c_distill(self.personal, g, d.train_x, d.train_y, targets, self.l, self.batch_size,
+                                lr=o.lr, epochs=o.s2c_epochs, temperature=o.temperature, device=self.ctx.device)
+        self._triplets, self._copy = [], {}
+        return stats
+
+    async def apply_update(self, t: int, tensors: Tensors, meta: dict[str, Any]) -> None:
+        check_compatible(tensors, self._template)
+        if not self._triplets:
+            raise IncompatibleUpdate(f"update for round {t} without features of that round")
+        await self.ctx.compute(self._s2c, tensors)
+
+    # -- reporting -------------------------------------------------------------------
+    def deployable_model(self) -> nn.Module:
+        return self.personal
+
+    def status(self) -> dict[str, Any]:
+        return {**super().status(), "participations": self.z, "distillation_layer": self.l,
+                "layer_name": self.personal.layer_names[self.l - 1], "model": self.spec}
+

@@ -1,0 +1,225 @@
+"""``fedper``: FedPer (Arivazhagan et al. 2019; a baseline of seed 002 §IV-A) without a server.
+
+Each node's model = a shared *base* + a personal *head* (the last ``head_layers`` layers
+with parameters; seed 002: everything up to the flatten after C3 is shared, i.e. the
+dense layers are personal — set ``head_layers = 3`` for that; default 1 = the classifier
+only, the original FedPer).  Rounds use the same serverless coordination as ``fedd2s``
+(:class:`agent.algorithms.fedd2s.GlobalModelRotation`): the token holder draws ⌈ρN⌉
+participants, sends them the global base; each loads it under its own head, trains its
+whole model for ``local_epochs`` with Adam (lr 0.01, as the seed's baselines) and returns
+its base; the holder averages the bases weighted by sample count (FedAvg) and sends the
+average back, which each participant loads under its head.  ``head_layers = 0`` shares
+everything: FedAvg with partial participation on the same protocol.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from agent.algorithms.base import Algorithm, register
+from agent.algorithms.context import Message
+from agent.algorithms.coordination import RotationOptions
+from agent.algorithms.fedd2s import GlobalModelRotation, draw_round, global_init_seed
+from agent.learning.aggregation import weighted_average
+from agent.learning.params import IncompatibleUpdate, check_compatible, model_to_numpy
+from agent.learning.training import batches, restore_if_diverged, snapshot
+from agent.models import validate_spec
+
+Tensors = dict[str, np.ndarray]
+
+
+def personal_keys(model: nn.Module, head_layers: int) -> set[str]:
+    """State-dict names of the last ``head_layers`` modules that own parameters
+    (for a ``convdense`` model: the last ``head_layers`` layers of ``model.blocks``).
+
+    Raises:
+        ValueError: ``head_layers`` is negative or not smaller than the number of such modules.
+    """
+    blocks = getattr(model, "blocks", None)
+    if blocks is not None:
+        owners = [f"blocks.{i}." for i in range(len(blocks))]
+    else:
+        owners = [f"{n}." for n, m in model.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
+    if not 0 <= head_layers < len(owners):
+        raise ValueError(f"algorithm.options.head_layers must be in [0, {len(owners) - 1}], got {head_layers}")
+    personal = owners[len(owners) - head_layers:] if head_layers else []
+    return {k for k in model.state_dict() if any(k.startswith(p) for p in personal)}
+
+
+def train_adam(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,
+               rng: np.random.Generator, device: str | torch.device = "cpu") -> dict[str, float]:
+    """Cross-entropy training with a fresh Adam (the seed 002 baselines' optimizer), seeded
+    batch order; restores the model if it diverges.  Returns ``{"loss", "diverged"}``."""
+    model.to(device).train()
+    before = snapshot(model)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
+    total, count = 0.0, 0
+    for _ in range(epochs):
+        for idx in batches(len(x), batch_size, rng):
+            bi = torch.from_numpy(idx)
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(xt[bi].to(device)), yt[bi].to(device))
+            loss.backward()
+            opt.step()
+            total += float(loss.detach())
+            count += 1
+    diverged = restore_if_diverged(model, before)
+    return {"loss": total / max(count, 1), "diverged": float(diverged)}
+
+
+@dataclasses.dataclass
+class FedPerOptions(RotationOptions):
+    """Options of ``fedper``.
+
+    Attributes:
+        sender_ratio: ρ, participation ratio over all live nodes (seed 002: 0.2).
+        head_layers: personal layers at the end of the model (0 = share all: FedAvg).
+        local_epochs: local passes per participation.
+        lr: Adam learning rate (seed 002: 0.01 for all baselines).
+        batch_size: 0 = the training config's.
+    """
+
+    sender_ratio: float = 0.2
+    head_layers: int = 1
+    local_epochs: int = 1
+    lr: float = 0.01
+    batch_size: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.head_layers < 0 or self.local_epochs < 1 or self.batch_size < 0 or not self.lr > 0:
+            raise ValueError("head_layers >= 0, local_epochs >= 1, batch_size >= 0 and lr > 0 required")
+
+
+@register
+class FedPer(GlobalModelRotation):
+    """One FedPer node: base shared through the rotating token holder, head kept local."""
+
+    name = "fedper"
+    Options = FedPerOptions
+
+    async def setup(self) -> None:
+        self.spec = validate_spec(self.ctx.model_spec)
+        self.model = self.new_model()
+        self.personal = personal_keys(self.model, self.options.head_layers)
+        self.batch_size = self.options.batch_size or self.ctx.train.batch_size
+        self._init_global()
+
+    def _base(self, model: nn.Module) -> Tensors:
+        return {k: v for k, v in model_to_numpy(model).items() if k not in self.personal}
+
+    def initial_global(self) -> Tensors:
+        return self._base(self.new_model(seed=global_init_seed(self.ctx.seed)))
+
+    def _load_base(self, base: Tensors) -> None:
+        check_compatible(base, self._template)
+        self.model.load_state_dict({k: torch.from_numpy(np.array(v, copy=True)) for k, v in base.items()},
+                                   strict=False)
+
+    def _train(self) -> dict[str, float]:
+        d, o = self.ctx.data, self.options
+        return train_adam(self.model, d.train_x, d.train_y, epochs=o.local_epochs, batch_size=self.batch_size,
+                          lr=o.lr, rng=self.ctx.rng, device=self.ctx.device)
+
+    async def local_update(self, t: int) -> dict[str, Any]:
+        assert self._theta_in is not None
+        self._load_base(self._theta_in)
+        stats = await self.ctx.compute(self._train)
+        return {"train_loss": stats["loss"]}
+
+    def contribution(self, t: int) -> tuple[Tensors, dict[str, Any]]:
+        return self._base(self.model), {"samples": int(self.ctx.data.num_train)}
+
+    def check_contribution(self, msg: Message) -> None:
+        super().check_contribution(msg)
+        n = msg.meta.get("samples")
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise IncompatibleUpdate(f"bad sample count {n!r}")
+
+    async def aggregate(self, t: int, token: dict[str, Any], contributions: dict[str, Message]):
+        me = self.ctx.node_id
+        states = {s: (m.tensors, m.meta["samples"]) for s, m in contributions.items()}
+        if t in self._participated:
+            states[me] = (self._base(self.model), int(self.ctx.data.num_train))
+        if not states:
+            self._theta_out = self._theta_in or self.current_global()
+            return {}, {"aggregated": 0}
+        order = sorted(states)
+        avg = weighted_average([states[s][0] for s in order], [states[s][1] for s in order])
+        self._theta_out = avg
+        return {s: (avg, {}) for s in order}, {"aggregated": len(order)}
+
+    def apply_update(self, t: int, tensors: Tensors, meta: dict[str, Any]) -> None:
+        self._load_base(tensors)
+
+    def deployable_model(self) -> nn.Module:
+        """The personal model; with ``head_layers = 0`` (FedAvg) the newest *global* model this
+        node knows (what FedAvg deploys), so that UA is the global model on each node's split."""
+        if self.personal:
+            return self.model
+        g = self.current_global()
+        if getattr(self, "_view_src", None) is not g:
+            self._view = getattr(self, "_view", None) or self.new_model()
+            self._view.load_state_dict({k: torch.from_numpy(np.array(v, copy=True)) for k, v in g.items()})
+            self._view_src = g
+        return self._view
+
+    def status(self) -> dict[str, Any]:
+        return {**super().status(), "personal_tensors": len(self.personal), "model": self.spec}
+
+
+@dataclasses.dataclass
+class LocalAdamOptions:
+    """Options of ``local_adam``: ``local_epochs`` per round, Adam ``lr``, ``batch_size`` (0 = config's),
+    ``participation``: train only in the rounds ``fedd2s``/``fedper`` would draw this node
+    (:func:`agent.algorithms.fedd2s.draw_round` with this ratio; 1.0 = every round) — local
+    training at the same compute as the federated methods."""
+
+    local_epochs: int = 1
+    lr: float = 0.01
+    batch_size: int = 0
+    participation: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.local_epochs < 1 or self.batch_size < 0 or not self.lr > 0:
+            raise ValueError("local_epochs >= 1, batch_size >= 0 and lr > 0 required")
+        if not 0 < self.participation <= 1:
+            raise ValueError(f"participation must be in (0, 1], got {self.participation}")
+
+
+@register
+class LocalAdam(Algorithm):
+    """``local_adam``: local training only, every round, with the optimizer of seed 002's
+    baselines (Adam, lr 0.01) — the local floor for FedD2S/FedPer comparisons."""
+
+    name = "local_adam"
+    Options = LocalAdamOptions
+
+    async def setup(self) -> None:
+        self.model = self.new_model()
+
+    def _train(self) -> dict[str, float]:
+        d, o = self.ctx.data, self.options
+        return train_adam(self.model, d.train_x, d.train_y, epochs=o.local_epochs,
+                          batch_size=o.batch_size or self.ctx.train.batch_size, lr=o.lr, rng=self.ctx.rng,
+                          device=self.ctx.device)
+
+    async def round(self, t: int) -> dict[str, Any]:
+        me = self.ctx.node_id
+        if self.options.participation < 1:
+            drawn, _ = draw_round(self.ctx.seed, t, [me, *self.ctx.live_peers()], self.options.participation)
+            if me not in drawn:
+                return {"neighbours": 0, "trained": False}
+        stats = await self.ctx.compute(self._train)
+        return {"train_loss": stats["loss"], "neighbours": 0}
+
+    def deployable_model(self) -> nn.Module:
+        return self.model
