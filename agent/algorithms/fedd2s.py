@@ -186,6 +186,7 @@ class FedD2S(GlobalModelRotation):
 
     name = "fedd2s"
     Options = FedD2SOptions
+    checkpoint_attrs = ("z", "l")  # Z_n and l_n survive a restart (personal model: by default)
 
     async def setup(self) -> None:
         ctx, o = self.ctx, self.options

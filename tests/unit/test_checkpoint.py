@@ -97,6 +97,12 @@ OPTIONS = {
 }
 
 
+# algorithms that need a particular model type (the rest use the small default model)
+SPECS = {
+    "fedd2s": {"type": "convdense", "input_shape": [1, 8, 8], "conv": [4, 8, 8], "dense": [8, 8], "num_classes": 10},
+}
+
+
 def _federation(name, n, bundle, spec, tmp_path):
     cls = get_algorithm(name)
     opts = parse_options(cls, OPTIONS.get(name, {}))
@@ -122,7 +128,7 @@ def _all_algorithms():
 @pytest.mark.parametrize("name", _all_algorithms())  # every registered algorithm, new ones included
 def test_algorithm_state_restores_bit_identical(tmp_path, name):
     bundle = load_dataset("digits")
-    spec = default_spec(bundle.pool.input_shape, bundle.pool.num_classes, "small")
+    spec = SPECS.get(name) or default_spec(bundle.pool.input_shape, bundle.pool.num_classes, "small")
     nodes = _federation(name, 2, bundle, spec, tmp_path)
     saved = {}
 
