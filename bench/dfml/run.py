@@ -93,23 +93,23 @@ def _chosen() -> dict[str, float]:
     return {k: v["lr"] for k, v in json.loads(path.read_text())["chosen"].items()}
 
 
-def grid_runs() -> list[tuple[str, dict]]:
+def grid_runs(seeds=SEEDS[1:]) -> list[tuple[str, dict]]:
     chosen, sets, g = _chosen(), settings(), []
     for key, lr in chosen.items():
         setting, method = key.rsplit("/", 1)
         if setting.startswith("har"):
             continue  # HAR: seed 0 only (CPU budget)
-        for seed in SEEDS[1:]:
+        for seed in seeds:
             g.append((run_name(setting, method, lr, seed), dict(sets[setting], algorithm=method, seed=seed, lr=lr)))
     return g
 
 
-def ablation_runs() -> list[tuple[str, dict]]:
+def ablation_runs(seeds=SEEDS, variants=tuple(ABLATION)) -> list[tuple[str, dict]]:
     setting = "digits-noniid-H2"
     lr = _chosen()[f"{setting}/dfml"]
     kw = settings()[setting]
     return [(run_name(setting, "dfml", lr, seed, variant), dict(kw, algorithm="dfml", seed=seed, lr=lr, options=opts))
-            for seed in SEEDS for variant, opts in ABLATION.items()]
+            for seed in seeds for variant, opts in ABLATION.items() if variant in variants]
 
 
 def run_all(runs: list[tuple[str, dict]], only: str | None) -> None:
@@ -136,13 +136,17 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("stage", choices=("select", "grid", "ablation", "report"))
     p.add_argument("--only", help="only runs whose name contains this substring")
+    p.add_argument("--seeds", help="comma-separated seeds (grid: default 1,2; ablation: default 0,1,2)")
+    p.add_argument("--variants", help="comma-separated ablation variants (default: all of ABLATION)")
     a = p.parse_args()
+    seeds = tuple(int(x) for x in a.seeds.split(",")) if a.seeds else None
     if a.stage == "select":
         run_all(selection_runs(), a.only)
     elif a.stage == "grid":
-        run_all(grid_runs(), a.only)
+        run_all(grid_runs(seeds or SEEDS[1:]), a.only)
     elif a.stage == "ablation":
-        run_all(ablation_runs(), a.only)
+        run_all(ablation_runs(seeds or SEEDS, tuple(a.variants.split(",")) if a.variants else tuple(ABLATION)),
+                a.only)
     else:
         from bench.dfml.report import write_report
 
