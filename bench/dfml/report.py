@@ -123,6 +123,20 @@ def write_report(runs: Path, out: Path) -> None:
                          f"{cell(st, 'dfedavg')} | {cell(st, 'heterofl')} | {cell(st, 'fedrolex')} | "
                          f"{_ms(_gap(d, best))} |")
 
+    from bench.dfml.run import RESNET_LR, RESNET_SMALL
+
+    small = {m: R.get("digits-noniid-H1-resnet-small", m, 0, lr=RESNET_LR) for m in METHODS["H1-resnet"]}
+    if any(small.values()):
+        lines += ["", f"H1-resnet at a smaller scale: digits non-IID, {RESNET_SMALL['nodes']} nodes, "
+                  f"{RESNET_SMALL['rounds']} rounds (end of the first α cycle), seed 0, lr {RESNET_LR:g} for every "
+                  "method (not tuned: CPU budget; `run.py resnet`):", "",
+                  "| method | global (%) | regular (%) | validation (%) | wall (s) |", "|---|---|---|---|---|"]
+        for m, r in small.items():
+            if r:
+                reg = _final(r, "regular_global_accuracy")
+                lines.append(f"| {METHOD_NAMES[m]} | {100 * _final(r):.1f} | {'' if reg is None else f'{100 * reg:.1f}'}"
+                             f" | {100 * _final(r, 'local_accuracy'):.1f} | {r['summary']['wall_seconds']:.0f} |")
+
     lines += ["", "## Rounds DFML's peak models need to reach dfedavg's final accuracy (Table 8 shape)", "",
               "| data | mode | dfedavg final (%) | DFML rounds (per seed) | of |", "|---|---|---|---|---|"]
     for part in ("noniid", "iid"):

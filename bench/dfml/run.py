@@ -11,6 +11,7 @@ soon as it finishes and a rerun skips runs already there):
     .venv/bin/python bench/dfml/select_lr.py                  # choose lr on validation
     nice -n 10 .venv/bin/python bench/dfml/run.py grid       # seeds 1, 2 at the chosen lr
     nice -n 10 .venv/bin/python bench/dfml/run.py ablation   # Table 9 + α-schedule options
+    nice -n 10 .venv/bin/python bench/dfml/run.py resnet     # H1-resnet, small scale, untuned lr
     .venv/bin/python bench/dfml/run.py report                 # report.md and curves.png
 
 ``--only SUBSTRING`` restricts a stage to the runs whose name contains it (used to
@@ -112,6 +113,18 @@ def ablation_runs(seeds=SEEDS, variants=tuple(ABLATION)) -> list[tuple[str, dict
             for seed in seeds for variant, opts in ABLATION.items() if variant in variants]
 
 
+# H1-resnet at a smaller scale (the ResNet18 at full width is ~2.8 M parameters): 10 nodes, 11 rounds (end of
+# the first α cycle), seed 0, one untuned lr for every method (no selection: CPU budget)
+RESNET_SMALL = dict(dataset="digits", nodes=10, rounds=11, partition="dirichlet", beta=0.1, model_family="H1-resnet")
+RESNET_LR = 0.01
+
+
+def resnet_runs() -> list[tuple[str, dict]]:
+    return [(run_name("digits-noniid-H1-resnet-small", m, RESNET_LR, 0), dict(RESNET_SMALL, algorithm=m, seed=0,
+                                                                             lr=RESNET_LR))
+            for m in ("dfml", "heterofl", "fedrolex", "dfedavg")]
+
+
 def run_all(runs: list[tuple[str, dict]], only: str | None) -> None:
     from agent.learning.training import TrainConfig
     from agent.runtime.simulator import SimConfig, simulate
@@ -134,7 +147,7 @@ def run_all(runs: list[tuple[str, dict]], only: str | None) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("stage", choices=("select", "grid", "ablation", "report"))
+    p.add_argument("stage", choices=("select", "grid", "ablation", "resnet", "report"))
     p.add_argument("--only", help="only runs whose name contains this substring")
     p.add_argument("--seeds", help="comma-separated seeds (grid: default 1,2; ablation: default 0,1,2)")
     p.add_argument("--variants", help="comma-separated ablation variants (default: all of ABLATION)")
@@ -144,6 +157,8 @@ def main() -> int:
         run_all(selection_runs(), a.only)
     elif a.stage == "grid":
         run_all(grid_runs(seeds or SEEDS[1:]), a.only)
+    elif a.stage == "resnet":
+        run_all(resnet_runs(), a.only)
     elif a.stage == "ablation":
         run_all(ablation_runs(seeds or SEEDS, tuple(a.variants.split(",")) if a.variants else tuple(ABLATION)),
                 a.only)
