@@ -178,6 +178,9 @@ def write_report(runs: Path, out: Path) -> None:
                 reg = _final(r, "regular_global_accuracy")
                 lines.append(f"| {m} | {R.lr(har, m):g} | {100 * _final(r):.1f} | {'' if reg is None else f'{100 * reg:.1f}'}"
                              f" | {100 * _final(r, 'local_accuracy'):.1f} | {r['summary']['wall_seconds']:.0f} |")
+    notes = out / "notes.md"  # hand-written analysis, kept next to the generated tables
+    if notes.exists():
+        lines += ["", notes.read_text().rstrip()]
     lines += ["", *_acceptance(R)]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     _plots(R, out)
