@@ -24,6 +24,12 @@ it with :func:`build_model`.  Three families:
     per width: Conv2d(5x5, pad 2) -> ReLU -> MaxPool2d(2) -> LayerNorm([w, h, h]);
     then Flatten -> Linear(widths[-1]*h*h, num_classes).
 
+``resnet``  a small pre-activation ResNet for ``[C, L]`` or ``[C, H, W]`` inputs
+(seed 000 Table 10's ResNet member), see :mod:`agent.models.resnet`::
+
+    {"type": "resnet", "input_shape": [1, 8, 8], "widths": [32, 64, 128, 256],
+     "blocks": [2, 2, 2, 2], "num_classes": 10, "norm": "layer"}
+
 All models return logits of shape ``(B, num_classes)``.
 """
 
@@ -36,7 +42,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-MODEL_TYPES = ("cnn1d", "mlp", "cnn")
+MODEL_TYPES = ("cnn1d", "mlp", "cnn", "resnet")
 MAX_WIDTH = 4096
 MAX_LAYERS = 16
 
@@ -170,6 +176,10 @@ def validate_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
             raise SpecError(f"model spec key 'input_shape' must be a list of positive integers, got {shape!r}")
         out["input_shape"] = list(shape)
         out["hidden"] = _int_list(spec, "hidden", allow_empty=True)
+    elif t == "resnet":  # small pre-activation ResNet, see agent/models/resnet.py
+        from agent.models.resnet import validate_resnet
+
+        out.update(validate_resnet(spec, _int_list, SpecError))
     else:
         out["in_channels"] = _int(spec, "in_channels", 1, 1024)
         out["image_size"] = _int(spec, "image_size", 2, 4096)
@@ -200,6 +210,10 @@ def build_model(spec: Mapping[str, Any]) -> nn.Module:
         for d in s["input_shape"]:
             n *= d
         return MLP(n, s["hidden"], s["num_classes"])
+    if s["type"] == "resnet":
+        from agent.models.resnet import PreActResNet
+
+        return PreActResNet(s["input_shape"], s["widths"], s["blocks"], s["num_classes"], s["norm"])
     return CNN(s["in_channels"], s["image_size"], s["widths"], s["kernel"], s["num_classes"])
 
 

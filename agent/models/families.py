@@ -3,6 +3,10 @@
 - ``H0`` homogeneous: one CNN of widths [32, 64].
 - ``H1`` restrictive heterogeneous: one CNN at width rates 1, ½, ¼, ⅛, 1/16 of [64, 128]
   (the seed scales [128, 256]; we halve it for a 2-core CPU).
+- ``H1-resnet`` restrictive heterogeneous, ResNet type: a pre-activation ResNet18
+  (two blocks per stage) at width rates 1, ½, ¼, ⅛, 1/16 of [32, 64, 128, 256]
+  (the seed scales [64, 128, 256, 512]; halved like H1), for ``(C, L)`` and ``(C, H, W)``
+  inputs alike (:mod:`agent.models.resnet`).
 - ``H2`` nonrestrictive heterogeneous: CNNs of different depth and width:
   [32, 64, 128, 256], [32, 64, 128], [32, 64], [16, 32, 64], [8, 16, 32, 64].
 
@@ -22,6 +26,7 @@ from agent.models import validate_spec
 FAMILIES: dict[str, list[list[int]]] = {
     "H0": [[32, 64]],
     "H1": [[64, 128], [32, 64], [16, 32], [8, 16], [4, 8]],
+    "H1-resnet": [[32, 64, 128, 256], [16, 32, 64, 128], [8, 16, 32, 64], [4, 8, 16, 32], [2, 4, 8, 16]],
     "H2": [[32, 64, 128, 256], [32, 64, 128], [32, 64], [16, 32, 64], [8, 16, 32, 64]],
 }
 
@@ -35,6 +40,11 @@ def family_specs(name: str, input_shape: Sequence[int], num_classes: int) -> lis
     if name not in FAMILIES:
         raise ValueError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
     shape = list(input_shape)
+    if name == "H1-resnet":
+        if len(shape) not in (2, 3):
+            raise ValueError(f"model family {name} needs (C, L) windows or (C, H, W) images, got {tuple(shape)}")
+        return [validate_spec({"type": "resnet", "input_shape": shape, "widths": widths, "blocks": [2] * len(widths),
+                               "num_classes": num_classes, "norm": "layer"}) for widths in FAMILIES[name]]
     specs = []
     for widths in FAMILIES[name]:
         if len(shape) == 2:
