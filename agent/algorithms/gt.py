@@ -262,6 +262,9 @@ class GradientThresholding(LockStepAlgorithm):
         self.forecast: dict[str, np.ndarray] | None = None  # G̃
         self.rho = 0.0
         self.last_test: dict[str, Any] = {}
+        # verdicts of this actor's threshold tests: inside / projected / lateral, and how
+        # many tests had the lateral test skipped (zero_median = "skip_lateral")
+        self.test_counts: collections.Counter[str] = collections.Counter()
 
     def wants_sync(self, t: int, grad: dict[str, np.ndarray]) -> tuple[bool, dict[str, Any]]:
         o = self.options
@@ -270,6 +273,8 @@ class GradientThresholding(LockStepAlgorithm):
         k = t - self.last_sync
         self.rho = th.threshold_extent(k, o.theta_alpha)
         res = th.threshold_test(self.forecast, grad, self.rho, o.theta_rho, o.zero_median)
+        self.test_counts[res.reason or "inside"] += 1
+        self.test_counts["lateral_skipped"] += int(res.lateral_skipped)
         self.last_test = {"rho": self.rho, "vote": res.needs_sync, "vote_reason": res.reason,
                           "projected": res.projected, "projected_max": res.projected_max,
                           "lateral": None if res.lateral_skipped else res.lateral,
@@ -281,7 +286,8 @@ class GradientThresholding(LockStepAlgorithm):
         self.forecast = th.forecast_update(self.forecast, mean_grad, self.options.theta_beta)
 
     def status(self) -> dict[str, Any]:
-        return {**super().status(), "threshold": {k: v for k, v in self.last_test.items()}}
+        return {**super().status(), "threshold": {k: v for k, v in self.last_test.items()},
+                "threshold_tests": dict(self.test_counts)}
 
 
 @register
