@@ -250,6 +250,17 @@ def test_gt_runs_votes_and_ends_synchronized():
     assert st["syncs"] == a.syncs and st["group"] == ["a1", "a2"] and st["dropped"] == []
 
 
+def test_gt_skip_lateral_runs_and_counts_verdicts():
+    net, algs = _actors(3, "gt", {"zero_median": "skip_lateral"})
+    _run(net, algs, 6)
+    _same_models(algs)
+    st = algs[0].status()
+    counts = st["threshold_tests"]
+    assert sum(v for k, v in counts.items() if k in ("inside", "projected", "lateral")) == 5  # tested in epochs 2..6 (6 is forced, no vote)
+    assert 0 <= counts["lateral_skipped"] <= 5
+    assert "lateral_skipped" in st["threshold"]
+
+
 def test_local_steps_schedule():
     net, algs = _actors(2, "local-steps", {"tau": 2})
     _run(net, algs, 5)
