@@ -266,7 +266,7 @@ def report(name: str) -> None:
               f"{[round(r['comm'].get('vote_bytes_sent', 0) / 1e6, 3) for r in rows['GT']]}", ""]
     if any("tests_inside" in r["comm"] or "tests_lateral" in r["comm"] for r in rows["GT"]):
         verdicts = [{k[6:]: v for k, v in sorted(r["comm"].items()) if k.startswith("tests_")} for r in rows["GT"]]
-        lines += [f"GT threshold-test verdicts per seed (all actors, epochs with a vote): {verdicts}", ""]
+        lines += [f"GT threshold-test verdicts per seed (all actors, epochs 2 to the last; the last one is forced and sends no vote): {verdicts}", ""]
     lines += ["Front check (GT vs baselines, per seed). *Dominated*: some baseline has loss <= GT's "
               "and cost <= GT's (one strictly; the thesis's unit-square criterion, Fig. 5.1). *Front*: "
               "the lower envelope of the baselines' (cost, loss) points, interpolated linearly at GT's "
