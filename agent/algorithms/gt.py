@@ -265,6 +265,10 @@ class GradientThresholding(LockStepAlgorithm):
         # verdicts of this actor's threshold tests: inside / projected / lateral, and how
         # many tests had the lateral test skipped (zero_median = "skip_lateral")
         self.test_counts: collections.Counter[str] = collections.Counter()
+        # the test runs on floating tensors only: integer buffers (BatchNorm's
+        # num_batches_tracked) are not parameters, and their always-zero "gradient" would
+        # make a zero-median layer of its own under zero_median = "skip_lateral"
+        self.tested = [k for k, v in self.reference.items() if np.asarray(v).dtype.kind == "f"]
 
     def wants_sync(self, t: int, grad: dict[str, np.ndarray]) -> tuple[bool, dict[str, Any]]:
         o = self.options
@@ -272,7 +276,8 @@ class GradientThresholding(LockStepAlgorithm):
             return True, {"rho": None}
         k = t - self.last_sync
         self.rho = th.threshold_extent(k, o.theta_alpha)
-        res = th.threshold_test(self.forecast, grad, self.rho, o.theta_rho, o.zero_median)
+        res = th.threshold_test({k: self.forecast[k] for k in self.tested}, {k: grad[k] for k in self.tested},
+                                self.rho, o.theta_rho, o.zero_median)
         self.test_counts[res.reason or "inside"] += 1
         self.test_counts["lateral_skipped"] += int(res.lateral_skipped)
         self.last_test = {"rho": self.rho, "vote": res.needs_sync, "vote_reason": res.reason,
