@@ -84,11 +84,16 @@ class GTOptions(LockStepOptions):
         theta_rho: θ_ρ, lateral sensitivity of the threshold region (Eq. 5.2; thesis: 2 on Iris).
         theta_beta: θ_β ∈ [0, 1], EMA weight of the newest synchronized direction (Eq. 5.1).
         theta_alpha: θ_α ∈ (0, 1], per-epoch threshold decay.
+        zero_median: reading of Eq. 5.3 when a layer's median |G̃| is 0 (e.g. dead ReLU
+            units): ``"floor"`` keeps the lateral test (strict), ``"skip_lateral"`` drops it
+            for that test, as an unguarded float implementation of Alg. 2-3 does (NaN
+            bound); see :mod:`agent.learning.thresholding`.
     """
 
     theta_rho: float = 2.0
     theta_beta: float = 0.5
     theta_alpha: float = 0.95
+    zero_median: str = "floor"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -98,6 +103,8 @@ class GTOptions(LockStepOptions):
             raise ValueError(f"theta_beta must be in [0, 1], got {self.theta_beta}")
         if not 0.0 < self.theta_alpha <= 1.0:
             raise ValueError(f"theta_alpha must be in (0, 1], got {self.theta_alpha}")
+        if self.zero_median not in th.ZERO_MEDIAN_MODES:
+            raise ValueError(f"zero_median must be one of {', '.join(th.ZERO_MEDIAN_MODES)}, got {self.zero_median!r}")
 
 
 @dataclasses.dataclass
@@ -255,6 +262,13 @@ class GradientThresholding(LockStepAlgorithm):
         self.forecast: dict[str, np.ndarray] | None = None  # G̃
         self.rho = 0.0
         self.last_test: dict[str, Any] = {}
+        # verdicts of this actor's threshold tests: inside / projected / lateral, and how
+        # many tests had the lateral test skipped (zero_median = "skip_lateral")
+        self.test_counts: collections.Counter[str] = collections.Counter()
+        # the test runs on floating tensors only: integer buffers (BatchNorm's
+        # num_batches_tracked) are not parameters, and their always-zero "gradient" would
+        # make a zero-median layer of its own under zero_median = "skip_lateral"
+        self.tested = [k for k, v in self.reference.items() if np.asarray(v).dtype.kind == "f"]
 
     def wants_sync(self, t: int, grad: dict[str, np.ndarray]) -> tuple[bool, dict[str, Any]]:
         o = self.options
@@ -262,17 +276,23 @@ class GradientThresholding(LockStepAlgorithm):
             return True, {"rho": None}
         k = t - self.last_sync
         self.rho = th.threshold_extent(k, o.theta_alpha)
-        res = th.threshold_test(self.forecast, grad, self.rho, o.theta_rho)
+        res = th.threshold_test({k: self.forecast[k] for k in self.tested}, {k: grad[k] for k in self.tested},
+                                self.rho, o.theta_rho, o.zero_median)
+        self.test_counts[res.reason or "inside"] += 1
+        self.test_counts["lateral_skipped"] += int(res.lateral_skipped)
         self.last_test = {"rho": self.rho, "vote": res.needs_sync, "vote_reason": res.reason,
                           "projected": res.projected, "projected_max": res.projected_max,
-                          "lateral": res.lateral, "lateral_max": res.lateral_max}
+                          "lateral": None if res.lateral_skipped else res.lateral,
+                          "lateral_max": None if res.lateral_skipped else res.lateral_max,
+                          "lateral_skipped": res.lateral_skipped}
         return res.needs_sync, dict(self.last_test)
 
     def after_sync(self, mean_grad: dict[str, np.ndarray]) -> None:
         self.forecast = th.forecast_update(self.forecast, mean_grad, self.options.theta_beta)
 
     def status(self) -> dict[str, Any]:
-        return {**super().status(), "threshold": {k: v for k, v in self.last_test.items()}}
+        return {**super().status(), "threshold": {k: v for k, v in self.last_test.items()},
+                "threshold_tests": dict(self.test_counts)}
 
 
 @register

@@ -20,8 +20,18 @@ last synchronization, in gradient units (parameters / learning rate), i.e.
 Conventions fixed here (the thesis leaves them open):
 
 * ``‖x‖_W = sqrt(Σ_j W_j x_j²)`` (the usual weighted euclidean norm);
-* a layer whose median |G̃| is 0 would give infinite weights; the cap is floored at
-  ``eps_rel · max|G̃|`` (default 1e-12 relative; 1e-30 absolute when G̃ = 0);
+* a layer whose median |G̃| is 0 (at least half of its entries have a zero forecast, e.g.
+  the rows of dead ReLU units) makes Eq. 5.3 undefined: W = 1/|G̃| is infinite on the zero
+  entries and the median cap does not act on the others.  Two readings, chosen with
+  ``zero_median`` (:data:`ZERO_MEDIAN_MODES`):
+
+  - ``"floor"`` (default): the cap is floored at ``eps_rel · max|G̃|`` (default 1e-12
+    relative; 1e-30 absolute when G̃ = 0), so the weights stay finite and the lateral test
+    stays on, at its strictest (W = 1/|G̃_j| uncapped on the live entries);
+  - ``"skip_lateral"``: what an unguarded floating-point implementation of Alg. 2-3 does:
+    1/0 = inf, inf·0 = NaN, so ‖G̃‖_W and ‖G − proj(G)‖_W are NaN and the comparison
+    ``d_L > d_L^max`` (Alg. 2 line 11) is false: only the projected test (and the decay)
+    can call for a synchronization.  For reproducing the thesis's numbers (bench/gt);
 * a zero forecast (no synchronization yet) cannot define a region: the test answers
   "needs synchronization".
 """
@@ -36,7 +46,11 @@ import numpy as np
 
 Tensors = Mapping[str, np.ndarray]
 
+#: readings of Eq. 5.3 when a layer's median |G̃| is 0 (see the module docstring)
+ZERO_MEDIAN_MODES = ("floor", "skip_lateral")
+
 __all__ = [
+    "ZERO_MEDIAN_MODES",
     "ThresholdResult",
     "dot",
     "norm",
@@ -45,6 +59,7 @@ __all__ = [
     "threshold_extent",
     "threshold_test",
     "forecast_update",
+    "zero_median_layers",
     "accumulated_gradient",
     "apply_gradient",
     "mean_gradient",
@@ -125,6 +140,8 @@ class ThresholdResult:
         projected_max: ρ‖G̃‖₂ (line 3).
         lateral: ‖G − proj(G)‖_W (line 10).
         lateral_max: θ_ρ ρ ‖G̃‖_W (line 9).
+        lateral_skipped: the lateral test was not applied (``zero_median = "skip_lateral"``
+            and some layer's median |G̃| is 0); ``lateral`` and ``lateral_max`` are NaN then.
     """
 
     needs_sync: bool
@@ -133,29 +150,45 @@ class ThresholdResult:
     projected_max: float
     lateral: float
     lateral_max: float
+    lateral_skipped: bool = False
 
     def as_dict(self) -> dict[str, float | bool | str]:
         return dataclasses.asdict(self)
 
 
-def threshold_test(forecast: Tensors, accumulated: Tensors, rho: float, theta_rho: float) -> ThresholdResult:
+def zero_median_layers(forecast: Tensors) -> list[str]:
+    """Names of the layers whose median |G̃| is 0, where Eq. 5.3 is undefined (module docstring)."""
+    return [k for k, v in forecast.items() if np.size(v) and float(np.median(np.abs(np.asarray(v, np.float64)))) == 0.0]
+
+
+def threshold_test(forecast: Tensors, accumulated: Tensors, rho: float, theta_rho: float,
+                   zero_median: str = "floor") -> ThresholdResult:
     """``RequiresSynchronization`` (Alg. 2; region of Eq. 5.2, weights of Eq. 5.3).
+
+    The test is invariant to a common scale of G and G̃ (both thresholds scale with them:
+    ‖·‖₂ linearly, ‖·‖_W with the square root), so the unit of the gradients (divided by
+    the learning rate or not) does not change any verdict.
 
     Args:
         forecast: G̃ (named tensors).
         accumulated: G_i^Σ, same names and shapes.
         rho: threshold extent ρ > 0 (see :func:`threshold_extent`).
         theta_rho: lateral sensitivity θ_ρ > 0.
+        zero_median: reading of Eq. 5.3 for a layer with median |G̃| = 0, one of
+            :data:`ZERO_MEDIAN_MODES` (module docstring).
 
     Returns:
         :class:`ThresholdResult`; both distances are computed even when the first
         already fails (for the status and the thesis's Fig. 5.5/5.6 style plots).
 
     Raises:
-        ValueError: ρ or θ_ρ not positive.  KeyError/ValueError: layouts differ.
+        ValueError: ρ or θ_ρ not positive, unknown ``zero_median``.  KeyError/ValueError:
+            layouts differ.
     """
     if not rho > 0 or not theta_rho > 0:
         raise ValueError(f"rho and theta_rho must be > 0, got {rho}, {theta_rho}")
+    if zero_median not in ZERO_MEDIAN_MODES:
+        raise ValueError(f"zero_median must be one of {ZERO_MEDIAN_MODES}, got {zero_median!r}")
     f, g = _f64(forecast), _f64(accumulated)
     ff = dot(f, f)
     if not ff > 0:
@@ -164,6 +197,9 @@ def threshold_test(forecast: Tensors, accumulated: Tensors, rho: float, theta_rh
     f_norm = math.sqrt(ff)
     projected = abs(c - 1.0) * f_norm  # ‖c G̃ − G̃‖₂
     projected_max = rho * f_norm
+    if zero_median == "skip_lateral" and zero_median_layers(f):
+        reason = "projected" if projected > projected_max else ""
+        return ThresholdResult(bool(reason), reason, projected, projected_max, math.nan, math.nan, True)
     w = distance_weights(f)
     lateral = weighted_norm({k: g[k] - c * f[k] for k in f}, w)
     lateral_max = theta_rho * rho * weighted_norm(f, w)

@@ -31,6 +31,8 @@ import types
 from pathlib import Path
 from typing import Any
 
+import math
+
 import numpy as np
 import torch
 
@@ -38,6 +40,7 @@ from agent.algorithms.base import get_algorithm, parse_options
 from agent.data import load_dataset
 from agent.data.dataset import split_indices, stream_rng
 from agent.discovery.peers import PeerTable
+from agent.learning.params import model_to_numpy
 from agent.learning.training import TrainConfig, evaluate
 from agent.runtime.context import RuntimeContext
 from agent.transport.memory import MemoryNetwork, run_virtual
@@ -95,8 +98,27 @@ def prepare(dataset: str, seed: int, nodes: int, alpha: float):
     return train, parts, valset, bundle.test
 
 
+def keras_init(alg: Any, seed: int) -> None:
+    """Re-initialise an actor's model as Keras's Dense layers do by default (the thesis's
+    models are Keras models): Glorot-uniform weights U(±sqrt(6/(fan_in+fan_out))), zero
+    biases, drawn from ``seed`` (the same for every actor), and restart its reference M_R
+    there.  Only linear layers (the Iris MLP); other layers keep torch's initialisation."""
+    g = torch.Generator().manual_seed(int(seed))
+    for m in alg.model.modules():
+        if isinstance(m, torch.nn.Linear):
+            lim = math.sqrt(6.0 / (m.in_features + m.out_features))
+            with torch.no_grad():
+                m.weight.copy_(torch.rand(m.weight.shape, generator=g, dtype=m.weight.dtype) * 2 * lim - lim)
+                if m.bias is not None:
+                    m.bias.zero_()
+    alg.reference = model_to_numpy(alg.model)
+
+
 def run_one(dataset: str, algorithm: str, options: dict[str, Any], seed: int, **over: Any) -> dict[str, Any]:
-    """One federation run; returns losses, synchronizations and communication."""
+    """One federation run; returns losses, synchronizations and communication.
+
+    ``over`` overrides the data set's setup; ``init="keras"`` re-initialises the models
+    with :func:`keras_init` (default ``"torch"``: the model registry's initialisation)."""
     setup = {**SETUPS[dataset], **over}
     train, parts, valset, test = prepare(dataset, seed, setup["nodes"], setup["alpha"])
     cls = get_algorithm(algorithm)
@@ -118,6 +140,8 @@ def run_one(dataset: str, algorithm: str, options: dict[str, Any], seed: int, **
             await a.ctx.start()
         for a in algs:
             await a.setup()
+            if setup.get("init", "torch") == "keras":
+                keras_init(a, seed)
         await asyncio.gather(*(a.run(setup["epochs"]) for a in algs))
         for a in algs:
             await a.ctx.stop()
@@ -132,6 +156,8 @@ def run_one(dataset: str, algorithm: str, options: dict[str, Any], seed: int, **
     va = evaluate(models[0], valset.x, valset.y)
     comm: dict[str, int] = {}
     for a in algs:
+        for k, v in getattr(a, "test_counts", {}).items():
+            comm[f"tests_{k}"] = comm.get(f"tests_{k}", 0) + int(v)
         for k, v in a.comm.items():
             comm[k] = comm.get(k, 0) + int(v)
     return {
@@ -238,6 +264,9 @@ def report(name: str) -> None:
     votes = [r["comm"].get("vote_messages_sent", 0) for r in rows["GT"]]
     lines += ["", f"GT votes sent (all actors): {votes}; vote MB sent: "
               f"{[round(r['comm'].get('vote_bytes_sent', 0) / 1e6, 3) for r in rows['GT']]}", ""]
+    if any("tests_inside" in r["comm"] or "tests_lateral" in r["comm"] for r in rows["GT"]):
+        verdicts = [{k[6:]: v for k, v in sorted(r["comm"].items()) if k.startswith("tests_")} for r in rows["GT"]]
+        lines += [f"GT threshold-test verdicts per seed (all actors, epochs 2 to the last; the last one is forced and sends no vote): {verdicts}", ""]
     lines += ["Front check (GT vs baselines, per seed). *Dominated*: some baseline has loss <= GT's "
               "and cost <= GT's (one strictly; the thesis's unit-square criterion, Fig. 5.1). *Front*: "
               "the lower envelope of the baselines' (cost, loss) points, interpolated linearly at GT's "
@@ -261,9 +290,9 @@ def cmd_tune(a: argparse.Namespace) -> None:
     for rho in rhos:
         for b in betas:
             for al in alphas:
-                opts = {"theta_rho": rho, "theta_beta": b, "theta_alpha": al}
+                opts = {**json.loads(a.gt_options), "theta_rho": rho, "theta_beta": b, "theta_alpha": al}
                 rs = [run_one(a.dataset, "gt", opts, s, **over) for s in seeds]
-                row = {"theta_rho": rho, "theta_beta": b, "theta_alpha": al,
+                row = {**json.loads(a.gt_options), "theta_rho": rho, "theta_beta": b, "theta_alpha": al,
                        "val_loss": float(np.mean([r["val_loss"] for r in rs])),
                        "syncs": float(np.mean([r["syncs"] for r in rs]))}
                 res.append(row)
@@ -311,8 +340,9 @@ def main() -> int:
         s.add_argument("--seeds", default="666,667,668,669")
         s.add_argument("--override", default="{}", help="JSON overriding the data set's setup (e.g. epochs)")
         s.add_argument("--name", default=None)
+        if c in ("table", "tune"):
+            s.add_argument("--gt-options", default="{}", help="JSON gt options (θ_β, θ_α, zero_median)")
         if c == "table":
-            s.add_argument("--gt-options", default="{}", help="JSON gt options (θ_β, θ_α)")
             s.add_argument("--merge", default=None, help="take the baselines from results/<name>.json")
         elif c == "lr":
             s.add_argument("--lrs", default="0.05,0.1,0.2")

@@ -87,6 +87,70 @@ def test_decay_forces_a_synchronization():
     assert not any(th.threshold_test(F, g, th.threshold_extent(k, 1.0), 2.0).needs_sync for k in range(1, 8))
 
 
+def test_verdicts_do_not_depend_on_the_gradient_unit():
+    # G = (M_R − M)/η or M_R − M: a common scale of G and G̃ changes no verdict (issue 6:
+    # "is it a units mismatch?" - it cannot be, as long as G and G̃ share the unit)
+    f = {"w": np.array([1.0, 0.2, -0.3]), "b": np.array([0.5, 0.05])}
+    gs = [{"w": np.array([1.2, 0.9, -0.1]), "b": np.array([0.4, 0.0])},
+          {"w": np.array([2.9, 0.5, -0.9]), "b": np.array([1.6, 0.2])},
+          {"w": np.array([1.0, 0.25, -0.3]), "b": np.array([0.5, 0.06])}]
+    for g in gs:
+        base = th.threshold_test(f, g, 1.5, 2.0)
+        for s in (0.1, 10.0, 1e-3):
+            r = th.threshold_test({k: s * v for k, v in f.items()}, {k: s * v for k, v in g.items()}, 1.5, 2.0)
+            assert r.needs_sync == base.needs_sync and r.reason == base.reason
+            assert r.lateral / r.lateral_max == pytest.approx(base.lateral / base.lateral_max)
+            assert r.projected / r.projected_max == pytest.approx(base.projected / base.projected_max)
+
+
+# Iris, 4-8-3 MLP: with unscaled inputs most hidden ReLUs die, so most entries of the
+# forecast are exactly 0 and the layer median |G̃| is 0 (in every test of every Iris run
+# in bench/gt); Eq. 5.3 is undefined there.  Layer "h": 2 live units, 4 dead.
+DEAD_F = {"h": np.array([0.5, 0.01, 0.0, 0.0, 0.0, 0.0]), "o": np.array([0.3, -0.2, 0.1])}
+DEAD_G = {"h": np.array([0.5, 0.6, 0.0, 0.0, 0.0, 0.0]), "o": np.array([0.3, -0.2, 0.1])}
+
+
+def test_zero_layer_median_makes_the_floor_reading_strict():
+    assert th.zero_median_layers(DEAD_F) == ["h"]
+    # floor (default): W = 1/|G̃| uncapped on the live entries; a move of 0.59 on the
+    # entry whose forecast is 0.01 is weighted 100x and forces a synchronization
+    r = th.threshold_test(DEAD_F, DEAD_G, rho=2.0, theta_rho=2.0)
+    assert r.needs_sync and r.reason == "lateral" and not r.lateral_skipped
+    # the same move is inside once the layer has a non-zero median (the cap acts)
+    live_f = {**DEAD_F, "h": np.array([0.5, 0.01, 0.3, 0.2, 0.4, 0.3])}
+    live_g = {**DEAD_G, "h": np.array([0.5, 0.6, 0.3, 0.2, 0.4, 0.3])}
+    assert not th.threshold_test(live_f, live_g, rho=2.0, theta_rho=2.0).needs_sync
+
+
+def test_zero_layer_median_unguarded_reading_has_no_lateral_test():
+    # Alg. 3 and Alg. 2 lines 8-11 written literally in floating point: 1/0 = inf, inf·0 =
+    # NaN, and "d_L > NaN" is false - the lateral test never fires
+    with np.errstate(divide="ignore", invalid="ignore"):
+        w = {k: 1.0 / np.maximum(np.abs(v), np.median(np.abs(v))) for k, v in DEAD_F.items()}
+        c = th.dot(DEAD_G, DEAD_F) / th.dot(DEAD_F, DEAD_F)
+        d_max = 2.0 * 2.0 * math.sqrt(sum((w[k] * DEAD_F[k] ** 2).sum() for k in w))
+        d = math.sqrt(sum((w[k] * (DEAD_G[k] - c * DEAD_F[k]) ** 2).sum() for k in w))
+    assert math.isnan(d) and math.isnan(d_max) and not d > d_max
+    r = th.threshold_test(DEAD_F, DEAD_G, rho=2.0, theta_rho=2.0, zero_median="skip_lateral")
+    assert not r.needs_sync and r.lateral_skipped and math.isnan(r.lateral)
+    # the projected test still applies
+    far = {k: 4.0 * v for k, v in DEAD_G.items()}
+    assert th.threshold_test(DEAD_F, far, 2.0, 2.0, zero_median="skip_lateral").reason == "projected"
+    # layers with a non-zero median keep the lateral test under either reading
+    assert th.threshold_test(F | {"b": np.array([1.0])}, G(1.0, 4.2, b=1.0), 2.0, 2.0,
+                             zero_median="skip_lateral").reason == "lateral"
+    with pytest.raises(ValueError):
+        th.threshold_test(DEAD_F, DEAD_G, 2.0, 2.0, zero_median="nan")
+
+
+def test_gt_zero_median_option():
+    cls = get_algorithm("gt")
+    assert parse_options(cls, {"zero_median": "skip_lateral"}).zero_median == "skip_lateral"
+    assert parse_options(cls, {}).zero_median == "floor"
+    with pytest.raises(ValueError, match="zero_median"):
+        parse_options(cls, {"zero_median": "ignore"})
+
+
 def test_no_forecast_means_sync():
     r = th.threshold_test({"w": np.zeros(2)}, {"w": np.ones(2)}, 2.0, 2.0)
     assert r.needs_sync and r.reason == "no_forecast"
@@ -184,6 +248,17 @@ def test_gt_runs_votes_and_ends_synchronized():
     assert a.comm["sync_messages_sent"] == a.syncs and a.comm["sync_bytes_sent"] > 0
     st = a.status()
     assert st["syncs"] == a.syncs and st["group"] == ["a1", "a2"] and st["dropped"] == []
+
+
+def test_gt_skip_lateral_runs_and_counts_verdicts():
+    net, algs = _actors(3, "gt", {"zero_median": "skip_lateral"})
+    _run(net, algs, 6)
+    _same_models(algs)
+    st = algs[0].status()
+    counts = st["threshold_tests"]
+    assert sum(v for k, v in counts.items() if k in ("inside", "projected", "lateral")) == 5  # tested in epochs 2..6 (6 is forced, no vote)
+    assert 0 <= counts["lateral_skipped"] <= 5
+    assert "lateral_skipped" in st["threshold"]
 
 
 def test_local_steps_schedule():
