@@ -21,9 +21,17 @@ unpickled.  Every check failure raises :class:`WireError` with a short
 ``wrong_federation``, ``wrong_recipient``, ``hash_mismatch``, ``bad_tensor``,
 ``non_finite``, ``bad_encoding``).
 
-Compression (issue 8): when ``encoding.codec`` is present the safetensors payload
-holds the compressed wire tensors of :mod:`agent.transport.codec`, and
+Compression (issue 8): a compressed message has ``encoding = {"format": "codec",
+"codec": {...}}`` (no ``tensors`` table) and its payload is the codec blob of
+:mod:`agent.transport.codec` as is, without a safetensors header; in the codec table
+an entry that only holds a shape (``{"s": [..]}``) travels as the shape list.
 :func:`decode` returns the tensors rebuilt from that description alone.
+
+Compact envelope (issue 8): fields the receiver can infer are left out -
+``payload_len``/``payload_sha256`` when the payload is empty (absent = 0 bytes),
+``encoding`` when there are no tensors (absent = ``{"format": "none"}``), ``sig``
+when the sender does not sign (absent = ``null``).  Frames that carry them are
+still accepted.
 
 The ``sig`` field holds ``"ed25519:" + base64`` of the sender's Ed25519 signature
 over the canonical JSON (sorted keys, no spaces) of the header without ``sig`` -
