@@ -21,9 +21,17 @@ unpickled.  Every check failure raises :class:`WireError` with a short
 ``wrong_federation``, ``wrong_recipient``, ``hash_mismatch``, ``bad_tensor``,
 ``non_finite``, ``bad_encoding``).
 
-Compression (issue 8): when ``encoding.codec`` is present the safetensors payload
-holds the compressed wire tensors of :mod:`agent.transport.codec`, and
+Compression (issue 8): a compressed message has ``encoding = {"format": "codec",
+"codec": {...}}`` (no ``tensors`` table) and its payload is the codec blob of
+:mod:`agent.transport.codec` as is, without a safetensors header; in the codec table
+an entry that only holds a shape (``{"s": [..]}``) travels as the shape list.
 :func:`decode` returns the tensors rebuilt from that description alone.
+
+Compact envelope (issue 8): fields the receiver can infer are left out -
+``payload_len``/``payload_sha256`` when the payload is empty (absent = 0 bytes),
+``encoding`` when there are no tensors (absent = ``{"format": "none"}``), ``sig``
+when the sender does not sign (absent = ``null``).  Frames that carry them are
+still accepted.
 
 The ``sig`` field holds ``"ed25519:" + base64`` of the sender's Ed25519 signature
 over the canonical JSON (sorted keys, no spaces) of the header without ``sig`` -
@@ -103,6 +111,32 @@ def _tensor_description(tensors: dict[str, np.ndarray]) -> dict[str, dict[str, A
     return {name: {"dtype": str(a.dtype), "shape": list(a.shape)} for name, a in tensors.items()}
 
 
+_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+
+def _is_codec_blob(tensors: dict[str, np.ndarray]) -> bool:
+    """True for the wire tensors of :func:`agent.transport.codec.encode_tensors`."""
+    blob = tensors.get(_codec.BLOB)
+    return len(tensors) == 1 and blob is not None and blob.dtype == np.uint8 and blob.ndim == 1
+
+
+def _compact_codec(desc: dict[str, Any]) -> dict[str, Any]:
+    """Wire form of a codec description: a tensor entry that holds only its shape
+    (``{"s": [..]}``, the common case of dense float32 tensors) travels as the shape
+    list itself.  :func:`_expand_codec` is the inverse."""
+    table = desc.get("t")
+    if not isinstance(table, dict):
+        return desc
+    return {**desc, "t": {n: (e["s"] if isinstance(e, dict) and set(e) == {"s"} else e) for n, e in table.items()}}
+
+
+def _expand_codec(desc: dict[str, Any]) -> dict[str, Any]:
+    table = desc.get("t")
+    if not isinstance(table, dict):
+        return desc
+    return {**desc, "t": {n: ({"s": e} if isinstance(e, list) else e) for n, e in table.items()}}
+
+
 def encode(message: Message, *, federation: str, sender: str,
            sign: Callable[[bytes], str] | None = None, cert: dict[str, Any] | None = None) -> bytes:
     """Serialise ``message`` into one v1 frame.
@@ -130,7 +164,12 @@ def encode(message: Message, *, federation: str, sender: str,
             raise ValueError(f"tensor {name!r}: dtype {a.dtype} not allowed on the wire")
         # safetensors 0.8 silently writes wrong values for non-contiguous arrays.
         tensors[name] = np.ascontiguousarray(a)
-    payload = st_save(tensors) if tensors else b""
+    # -- compression (issue 8): a compressed message's blob is the payload as is --
+    raw_codec = message.encoding is not None and _is_codec_blob(tensors)
+    if raw_codec:
+        payload = tensors[_codec.BLOB].tobytes()
+    else:
+        payload = st_save(tensors) if tensors else b""
     message.msg_id = message.msg_id or uuid.uuid4().hex
     message.time = time.time()
     message.sender = sender
@@ -153,11 +192,18 @@ def encode(message: Message, *, federation: str, sender: str,
         "meta": message.meta,
         "sig": None,
     }
+    # -- compact envelope (issue 8): leave out what the receiver can infer --
+    if raw_codec:
+        header["encoding"] = {"format": "codec", "codec": _compact_codec(message.encoding)}
+    if not payload:
+        del header["payload_sha256"], header["payload_len"]
+        if not tensors and message.encoding is None:
+            del header["encoding"]
+    del header["sig"]
     # -- security: sign the header (sig excluded; it holds the payload hash) --
     if sign is not None:
         if cert is not None:
             header["cert"] = cert
-        del header["sig"]
         header["sig"] = sign(signed_body(header))
     hbytes = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
     if len(hbytes) > MAX_HEADER_BYTES:
@@ -238,9 +284,11 @@ def decode_envelope(frame: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BY
     rnd = _req(header, "round", int)
     msg_id = _req(header, "msg_id", str)
     t = _req(header, "time", (int, float))
-    digest = _req(header, "payload_sha256", str)
-    plen = _req(header, "payload_len", int)
-    encoding = _req(header, "encoding", dict)
+    # compact envelope (issue 8): an empty payload needs no length or hash, a message
+    # without tensors no encoding
+    plen = _req(header, "payload_len", int) if "payload_len" in header else 0
+    digest = _req(header, "payload_sha256", str) if plen or "payload_sha256" in header else _EMPTY_SHA256
+    encoding = _req(header, "encoding", dict) if "encoding" in header else {"format": "none"}
     meta = _req(header, "meta", dict)
     sig = header.get("sig")
     if not (valid_id(fed) and valid_id(sender) and (recipient == BROADCAST or valid_id(recipient))):
@@ -253,7 +301,9 @@ def decode_envelope(frame: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BY
         raise WireError("malformed", "sig must be null or a string")
     fmt = encoding.get("format")
     desc = encoding.get("tensors", {})
-    if fmt not in ("safetensors", "none") or not isinstance(desc, dict) or len(desc) > MAX_TENSORS:
+    if fmt == "codec" and "tensors" in encoding:
+        raise WireError("malformed", "a codec payload has no tensor table")
+    if fmt not in ("safetensors", "none", "codec") or not isinstance(desc, dict) or len(desc) > MAX_TENSORS:
         raise WireError("malformed", "unknown encoding")
     for name, d in desc.items():
         if (
@@ -263,7 +313,7 @@ def decode_envelope(frame: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BY
             or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in d["shape"])
         ):
             raise WireError("malformed", f"bad tensor description for {name!r}")
-    if "codec" in encoding and not isinstance(encoding["codec"], dict):
+    if ("codec" in encoding or fmt == "codec") and not isinstance(encoding.get("codec"), dict):
         raise WireError("malformed", "codec description must be an object")
     return Envelope(
         version=header["v"], federation=fed, sender=sender, recipient=recipient, kind=kind,
@@ -304,6 +354,9 @@ def decode(
             tensors = st_load(payload)
         except Exception as exc:  # safetensors raises its own error types
             raise WireError("bad_tensor", f"payload is not safetensors: {exc}") from None
+    elif env.encoding.get("format") == "codec":
+        tensors = {_codec.BLOB: np.frombuffer(payload, dtype=np.uint8).copy()}
+        desc = {_codec.BLOB: {"dtype": "uint8", "shape": [len(payload)]}}
     elif payload:
         raise WireError("malformed", "payload present but encoding is 'none'")
     if set(tensors) != set(desc):
@@ -317,6 +370,7 @@ def decode(
     codec_desc = env.encoding.get("codec")
     if codec_desc is not None:
         try:
+            codec_desc = _expand_codec(codec_desc)
             tensors = _codec.decode_tensors(tensors, codec_desc)
         except ValueError as exc:  # CompressionError and anything numpy raises on bad input
             raise WireError("bad_encoding", str(exc)) from None

@@ -1,5 +1,6 @@
 """Wire format v1: round trips and every rejection reason."""
 
+import hashlib
 import json
 import struct
 
@@ -143,3 +144,50 @@ def test_source_never_unpickles():
 
     src = inspect.getsource(wire)
     assert "pickle" not in src.replace("unpickled", "") and "torch.load" not in src
+
+
+# -- compact envelope (issue 8) -------------------------------------------------------
+def _q8_msg():
+    from agent.transport import codec
+
+    tensors = {"w": np.linspace(-1, 1, 300, dtype=np.float32).reshape(30, 10), "b": np.zeros(10, np.float32)}
+    wt, desc, decoded = codec.encode_tensors(tensors, "q8", np.random.default_rng(0))
+    return Message("model", 2, wt, meta={"samples": 5}, encoding=desc), decoded
+
+
+def test_compressed_blob_is_the_payload_and_round_trips():
+    msg, decoded = _q8_msg()
+    blob_len = msg.tensors["blob"].size
+    frame = wire.encode(msg, federation="f", sender="s")
+    header, payload = _split(frame)
+    assert header["encoding"]["format"] == "codec" and "tensors" not in header["encoding"]
+    assert len(payload) == blob_len == header["payload_len"]  # no safetensors header
+    assert header["encoding"]["codec"]["t"]["w"] == [30, 10]  # compact table entry
+    m = wire.decode(frame)
+    assert m.encoding["t"]["w"] == {"s": [30, 10]}  # expanded again for the receiver
+    for k in decoded:
+        np.testing.assert_array_equal(m.tensors[k], decoded[k])
+
+
+def test_compressed_payload_checks():
+    msg, _ = _q8_msg()
+    header, payload = _split(wire.encode(msg, federation="f", sender="s"))
+    assert _reason(_reframe(header, payload[:-1] + bytes([payload[-1] ^ 1]))) == "hash_mismatch"
+    short = payload[:-1]
+    bad = dict(header, payload_len=len(short), payload_sha256=hashlib.sha256(short).hexdigest())
+    assert _reason(_reframe(bad, short)) == "bad_encoding"  # table does not match the blob
+    no_codec = dict(header, encoding={"format": "codec"})
+    assert _reason(_reframe(no_codec, payload)) == "malformed"
+    with_table = dict(header, encoding={**header["encoding"], "tensors": {}})
+    assert _reason(_reframe(with_table, payload)) == "malformed"
+
+
+def test_control_message_envelope_is_compact():
+    frame = wire.encode(Message("vote", 1, meta={"ok": True}), federation="f", sender="s")
+    header, payload = _split(frame)
+    assert payload == b"" and not {"payload_len", "payload_sha256", "encoding", "sig"} & set(header)
+    assert wire.decode(frame).meta == {"ok": True}
+    # an empty payload with a declared hash must still match it
+    assert _reason(_reframe(dict(header, payload_sha256="0" * 64), b"")) == "hash_mismatch"
+    # bytes after an envelope that declares no payload are rejected
+    assert _reason(_reframe(header, b"x")) == "malformed"
