@@ -37,6 +37,7 @@ from typing import Any
 
 from agent.runtime import metrics
 from agent.runtime.config import config_from_dict, dump_toml
+from tools.demo import stop_processes
 
 
 @dataclasses.dataclass
@@ -242,14 +243,7 @@ def run_chaos(o: ChaosOptions, log=print) -> dict[str, Any]:
                 if not restarts and all(p.poll() is not None for p in procs.values()):
                     break
                 time.sleep(0.2)
-            for p in procs.values():
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs.values():
-                try:
-                    p.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_processes(procs.values())
     finally:
         for p in procs.values():  # also on SIGTERM / Ctrl-C: leave no agent behind
             if p.poll() is None:

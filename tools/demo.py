@@ -54,6 +54,20 @@ class DemoOptions:
     error_feedback: bool = True
 
 
+def stop_processes(procs: Any, timeout: float = 15.0) -> None:
+    """SIGTERM every still-running ``subprocess.Popen`` in ``procs``, wait up to
+    ``timeout`` s for each to leave the federation cleanly, then SIGKILL what is left."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def _node_ids(opts: DemoOptions) -> list[str]:
     if opts.dataset == "har":
         from agent.data import load_dataset
@@ -226,14 +240,7 @@ def run_demo(opts: DemoOptions) -> int:
                     time.sleep(0.5)
         finally:
             timed_out = [n for n, p in procs.items() if p.poll() is None]
-            for p in procs.values():
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs.values():
-                try:
-                    p.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_processes(procs.values())
             observer.stop()
             for f in logs.values():
                 f.close()

@@ -70,7 +70,8 @@ from torch import nn
 
 from agent.algorithms.base import Algorithm
 from agent.algorithms.context import Message
-from agent.learning.params import IncompatibleUpdate, check_compatible, model_to_numpy
+from agent.algorithms.fedavg import update_problem
+from agent.learning.params import model_to_numpy
 from agent.learning.training import train_local
 
 log = logging.getLogger(__name__)
@@ -301,14 +302,7 @@ class PairAlgorithm(Algorithm):
     def check_model_message(self, msg: Message, template: dict | None = None) -> str | None:
         """Validation of an incoming model: tensors fit ours, positive sample count,
         same schedule seed (rounds mode)."""
-        try:
-            check_compatible(msg.tensors, template if template is not None else model_to_numpy(self.model))
-        except IncompatibleUpdate as exc:
-            return f"incompatible: {exc}"
-        samples = msg.meta.get("samples")
-        if not isinstance(samples, (int, float)) or isinstance(samples, bool) or not samples > 0:
-            return "bad_meta: samples"
-        return None
+        return update_problem(msg, template if template is not None else model_to_numpy(self.model))
 
     def check_schedule(self, msg: Message) -> str | None:
         if msg.meta.get("schedule") != self.fingerprint:
