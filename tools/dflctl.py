@@ -54,7 +54,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     cfg = SimConfig(
         algorithm=a.algorithm, nodes=a.nodes, rounds=a.rounds, dataset=a.dataset, dataset_path=a.dataset_path,
         partition=a.partition, beta=a.beta, zeta=a.zeta, seed=a.seed, out=a.out, options=_kv(a.option),
-        train=TrainConfig(epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, momentum=a.momentum),
+        train=TrainConfig(epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, momentum=a.momentum, steps=a.steps),
         model_size=a.model_size,
         init=a.init, baseline_local=a.baseline_local, topology=a.topology,
         topology_options=_kv(a.topology_option),
@@ -270,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--zeta", type=int, default=2, help="shards (classes) per node")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--epochs", type=int, default=1)
+    s.add_argument("--steps", type=int, default=0,
+                   help="mini-batch steps per round instead of --epochs passes (0: use --epochs)")
     s.add_argument("--batch-size", type=int, default=32)
     s.add_argument("--lr", type=float, default=0.05)
     s.add_argument("--momentum", type=float, default=0.9)

@@ -20,6 +20,11 @@ class TrainConfig:
 
     Attributes:
         epochs: passes over the local training split per round.
+        steps: when > 0, each round runs exactly this many mini-batch steps instead of
+            ``epochs`` passes (batches drawn from fresh seeded permutations, so a round
+            may end mid-pass).  ``steps = 1`` is the one-SGD-step-per-gossip setting of
+            CHOCO-SGD (Koloskova et al. 2019, Alg. 1), where sparsified gossip needs many
+            cheap rounds rather than few long ones.
         batch_size: mini-batch size (samples).
         lr: SGD learning rate.
         momentum: SGD momentum (a fresh optimizer each call: no state travels).
@@ -31,6 +36,7 @@ class TrainConfig:
     epochs: int = 1
     batch_size: int = 32
     lr: float = 0.05
+    steps: int = 0
     momentum: float = 0.9
     weight_decay: float = 0.0
     mixed_precision: bool = False
@@ -39,6 +45,8 @@ class TrainConfig:
         for key in ("epochs", "batch_size"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ValueError(f"training.{key} must be a positive integer, got {getattr(self, key)!r}")
+        if not isinstance(self.steps, int) or self.steps < 0:
+            raise ValueError(f"training.steps must be an integer >= 0, got {self.steps!r}")
         if not self.lr > 0:
             raise ValueError(f"training.lr must be > 0, got {self.lr!r}")
         if not 0 <= self.momentum < 1:
@@ -60,6 +68,17 @@ def batches(n: int, batch_size: int, rng: np.random.Generator) -> list[np.ndarra
     """A seeded random permutation of ``range(n)`` cut into mini-batches (last may be short)."""
     perm = rng.permutation(n)
     return [perm[i : i + batch_size] for i in range(0, n, batch_size)]
+
+
+def round_batches(n: int, cfg: TrainConfig, rng: np.random.Generator) -> list[np.ndarray]:
+    """The mini-batch index arrays of one round: ``cfg.epochs`` passes, or exactly
+    ``cfg.steps`` batches when ``cfg.steps > 0`` (consecutive seeded permutations)."""
+    if cfg.steps <= 0:
+        return [idx for _ in range(cfg.epochs) for idx in batches(n, cfg.batch_size, rng)]
+    out: list[np.ndarray] = []
+    while len(out) < cfg.steps:
+        out.extend(batches(n, cfg.batch_size, rng))
+    return out[: cfg.steps]
 
 
 def train_local(
@@ -85,7 +104,7 @@ def train_local(
             (e.g. FedProx's proximal term).
 
     Returns:
-        ``{"loss": mean training loss over batches, "samples": N * epochs,
+        ``{"loss": mean training loss over batches, "samples": samples seen (N * epochs),
         "diverged": 0.0 or 1.0}``.  When training produced non-finite parameters, the
         model is restored to its state before the call and ``diverged`` is 1.
 
@@ -99,29 +118,29 @@ def train_local(
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
-    total, count = 0.0, 0
+    total, count, samples = 0.0, 0, 0
     amp, kind, dtype = autocast_for(device, getattr(cfg, "mixed_precision", False))
     scaler = torch.amp.GradScaler(kind) if amp else None
-    for _ in range(cfg.epochs):
-        for idx in batches(len(x), cfg.batch_size, rng):
-            bi = torch.from_numpy(idx)
-            xb, yb = xt[bi].to(device), yt[bi].to(device)
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(device_type=kind, dtype=dtype, enabled=amp):
-                loss = (loss_fn or F.cross_entropy)(model(xb).float(), yb)
-            if regularizer is not None:
-                loss = loss + regularizer(model)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
-            total += float(loss.detach())
-            count += 1
+    for idx in round_batches(len(x), cfg, rng):
+        bi = torch.from_numpy(idx)
+        xb, yb = xt[bi].to(device), yt[bi].to(device)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device_type=kind, dtype=dtype, enabled=amp):
+            loss = (loss_fn or F.cross_entropy)(model(xb).float(), yb)
+        if regularizer is not None:
+            loss = loss + regularizer(model)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        total += float(loss.detach())
+        count += 1
+        samples += len(idx)
     diverged = restore_if_diverged(model, before)
-    return {"loss": total / max(count, 1), "samples": float(len(x) * cfg.epochs), "diverged": float(diverged)}
+    return {"loss": total / max(count, 1), "samples": float(samples), "diverged": float(diverged)}
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -44,6 +44,7 @@ class TrainingSection:
     profile (``agent.profiles``); set here they override it."""
 
     epochs: int = 1
+    steps: int = 0
     batch_size: Union[int, None] = None
     lr: float = 0.05
     momentum: float = 0.9
@@ -243,6 +244,7 @@ def _validate(cfg: NodeConfig) -> None:
     need(cfg.algorithm.rounds >= 1, "algorithm.rounds", "must be >= 1")
     t = cfg.training
     need(t.epochs >= 1, "training.epochs", "must be >= 1")
+    need(isinstance(t.steps, int) and t.steps >= 0, "training.steps", "must be an integer >= 0 (0: use epochs)")
     need(t.batch_size is None or t.batch_size >= 1, "training.batch_size", "must be >= 1")
     need(t.lr > 0, "training.lr", "must be > 0")
     need(0 <= t.momentum < 1, "training.momentum", "must be in [0, 1)")

@@ -145,7 +145,8 @@ class Agent:
             log.info("profile %s: %s", profile.name, line)
         fed = cfg.federation
         t = cfg.training
-        train = TrainConfig(epochs=t.epochs, batch_size=behaviour.batch_size, lr=t.lr, momentum=t.momentum,
+        train = TrainConfig(epochs=t.epochs, steps=t.steps, batch_size=behaviour.batch_size, lr=t.lr,
+                            momentum=t.momentum,
                             weight_decay=t.weight_decay, mixed_precision=behaviour.mixed_precision)
         log.info("node %s of federation %s: %s, %d train / %d val samples (users %s), model %s",
                  nid, fed, algo_cls.name, data.num_train, len(data.val_y), data.groups, spec["type"])

@@ -98,15 +98,12 @@ def grid_runs(seeds=SEEDS[1:]) -> list[tuple[str, dict]]:
     chosen, sets, g = _chosen(), settings(), []
     for key, lr in chosen.items():
         setting, method = key.rsplit("/", 1)
-        if setting.startswith("har"):
-            continue  # HAR: seed 0 only (CPU budget)
         for seed in seeds:
             g.append((run_name(setting, method, lr, seed), dict(sets[setting], algorithm=method, seed=seed, lr=lr)))
     return g
 
 
-def ablation_runs(seeds=SEEDS, variants=tuple(ABLATION)) -> list[tuple[str, dict]]:
-    setting = "digits-noniid-H2"
+def ablation_runs(seeds=SEEDS, variants=tuple(ABLATION), setting: str = "digits-noniid-H2") -> list[tuple[str, dict]]:
     lr = _chosen()[f"{setting}/dfml"]
     kw = settings()[setting]
     return [(run_name(setting, "dfml", lr, seed, variant), dict(kw, algorithm="dfml", seed=seed, lr=lr, options=opts))
@@ -151,6 +148,7 @@ def main() -> int:
     p.add_argument("--only", help="only runs whose name contains this substring")
     p.add_argument("--seeds", help="comma-separated seeds (grid: default 1,2; ablation: default 0,1,2)")
     p.add_argument("--variants", help="comma-separated ablation variants (default: all of ABLATION)")
+    p.add_argument("--setting", default="digits-noniid-H2", help="ablation: the setting (default digits-noniid-H2)")
     a = p.parse_args()
     seeds = tuple(int(x) for x in a.seeds.split(",")) if a.seeds else None
     if a.stage == "select":
@@ -160,7 +158,8 @@ def main() -> int:
     elif a.stage == "resnet":
         run_all(resnet_runs(), a.only)
     elif a.stage == "ablation":
-        run_all(ablation_runs(seeds or SEEDS, tuple(a.variants.split(",")) if a.variants else tuple(ABLATION)),
+        run_all(ablation_runs(seeds or SEEDS, tuple(a.variants.split(",")) if a.variants else tuple(ABLATION),
+                              a.setting),
                 a.only)
     else:
         from bench.dfml.report import write_report

@@ -17,7 +17,9 @@ Methods (all on the same rotating-token protocol except ``local_adam``):
 - ``local_rho``: ``local_adam`` training only in the rounds the node would be drawn
   (ρ = 0.2, same draw as fedd2s): local training at the federated methods' compute.
 
-Parts (``--part``): ``main`` (the UA table), ``z0`` (Z_0 sensitivity, seed Fig. 7, digits
+Parts (``--part``): ``main`` (the UA table), ``main-e4`` (the same with the seed's E = 4
+passes per phase for fedd2s and 4 local epochs per participation for fedper, fedavg and
+local_rho; ``local`` keeps 1 epoch every round; seeds 0-2), ``z0`` (Z_0 sensitivity, seed Fig. 7, digits
 only), ``reference`` (the centralized server at benchmark scale), ``epochs`` (4 passes per phase, the seed's E = 4, fedd2s vs fedper, α = 0.1), or ``all``.  Results append to ``runs.jsonl`` (a finished run is skipped when
 re-run), then ``report.py`` writes ``results.md`` and the plots.
 
@@ -117,7 +119,9 @@ def key(r: dict[str, Any]) -> tuple:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=("main", "z0", "epochs", "epochs-seed1", "reference", "all"), default="main")
+    ap.add_argument("--part", choices=("main", "main-e4", "z0", "epochs", "epochs-seed1", "reference", "all"),
+                    default="main")
+    ap.add_argument("--seeds", default="0,1,2", help="main-e4: comma-separated seeds")
     ap.add_argument("--datasets", default="digits,har")
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args()
@@ -135,6 +139,12 @@ def main() -> None:
                 for alpha in (0.1, 0.5, 1.0):
                     for m in METHODS:
                         plan.append((ds, alpha, seed, m, sc["rounds"], None, 1))
+    if a.part in ("main-e4", "all"):  # the seed's Table 2 setting: E = 4 passes per phase / local epochs, 3 seeds
+        for ds in a.datasets.split(","):
+            for seed in (int(x) for x in a.seeds.split(",")):
+                for alpha in (0.1, 0.5, 1.0):
+                    for m in METHODS:
+                        plan.append((ds, alpha, seed, m, SCALE[ds]["rounds"], None, 1 if m == "local" else 4))
     if a.part in ("z0", "all"):
         for alpha in (0.1, 1.0):
             for z0 in (1, 3, 7, 100):

@@ -30,6 +30,7 @@ def test_dump_and_load_round_trip(tmp_path):
         ({"mqtt": {"protocol": "4"}}, "mqtt.protocol"),
         ({"training": {"lr": "fast"}}, "training.lr"),
         ({"training": {"epochs": 0}}, "training.epochs"),
+        ({"training": {"steps": -1}}, "training.steps"),
         ({"data": {"node_index": 5, "num_nodes": 2}}, "data.node_index"),
         ({"discovery": {"interfaces": []}}, "discovery.interfaces"),
         ({"discovery": {"mdns": "yes"}}, "discovery.mdns"),

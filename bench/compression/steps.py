@@ -1,0 +1,208 @@
+"""Sparsified gossip in its own regime: one SGD step per gossip round (CHOCO-SGD).
+
+The main grid (``run.py``) trains a whole epoch between two gossip rounds, 10–100 rounds in
+all; there, top-1 % CHOCO gossip cannot mix the models in time (−20 pt).  CHOCO-SGD
+(Koloskova et al. 2019, Alg. 1; seed 003 §3.6.4) gossips after *every* SGD step, so the
+compressed copies x̂ track models that move a little per round.  This benchmark runs that
+setting on the real simulator (``training.steps = 1``): 6 nodes, 2 000 rounds, SGD lr 0.1
+without momentum (a fresh optimizer per round carries none), batch 32; accuracy at equal
+rounds against float32 gossip of the same seed.
+
+γ (``consensus_step``) of a sparsified spec is chosen on *validation* data: seed 0 runs at
+each γ in ``GAMMAS``; the γ with the best mean validation accuracy (each node's held-out
+20 %, ``local_accuracy``) wins; the test split is not read.  The run without error feedback
+uses the same γ.  Seeds 0–2 then run at the chosen γ.
+
+Usage (from the repository root; each run is saved to results/steps/<name>.json, reruns skip it):
+    nice -n 10 .venv/bin/python bench/compression/steps.py gamma [--only SUBSTRING]
+    nice -n 10 .venv/bin/python bench/compression/steps.py grid  [--only SUBSTRING]
+    .venv/bin/python bench/compression/steps.py report          # results/steps.md, steps-*.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RUNS = HERE / "results" / "steps"
+ROUNDS = 2000
+SEEDS = (0, 1, 2)
+SETTINGS = {
+    "digits-fedavg": dict(dataset="digits", nodes=6, partition="dirichlet", beta=0.5, algorithm="fedavg"),
+    "har-fedavg": dict(dataset="har", nodes=6, partition="by-user", algorithm="fedavg"),
+    "digits-dechw": dict(dataset="digits", nodes=6, partition="dirichlet", beta=0.5, algorithm="dechw"),
+}
+SPECS = [("none", True), ("q8", True), ("topk:0.01+q8", True), ("topk:0.01+q8", False),
+         ("topk:0.1+q8", True), ("topk:0.1+q8", False)]
+GAMMAS = {"topk:0.01+q8": (0.03, 0.05), "topk:0.1+q8": (0.1, 0.2)}
+
+
+def tag(spec: str, ef: bool) -> str:
+    return spec.replace(":", "").replace("+", "_").replace(".", "") + ("" if ef else "-noEF")
+
+
+def name(setting: str, spec: str, ef: bool, gamma: float, seed: int) -> str:
+    return f"{setting}-{tag(spec, ef)}{'-g%g' % gamma if gamma else ''}-s{seed}"
+
+
+def run(setting: str, spec: str, ef: bool, gamma: float, seed: int) -> dict:
+    """One simulator run (skipped when its file exists); returns the saved record."""
+    from agent.learning.training import TrainConfig
+    from agent.runtime.simulator import SimConfig, simulate
+
+    path = RUNS / f"{name(setting, spec, ef, gamma, seed)}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    RUNS.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    s = simulate(SimConfig(rounds=ROUNDS, seed=seed, threads=1, eval_every=ROUNDS // 20, compression=spec,
+                           error_feedback=ef, consensus_step=gamma,
+                           train=TrainConfig(steps=1, lr=0.1, momentum=0.0, batch_size=32), **SETTINGS[setting]))
+    rec = {k: s[k] for k in ("global_accuracy", "local_accuracy", "bytes_sent", "compression_ratio", "curve",
+                             "rounds_completed", "float32_bytes_sent")}
+    for k in ("global_accuracy", "local_accuracy"):
+        rec[k] = {m: v for m, v in rec[k].items() if m != "per_node"}
+    rec.update(config=dict(SETTINGS[setting], setting=setting, compression=spec, error_feedback=ef,
+                           consensus_step=gamma, seed=seed, rounds=ROUNDS, steps=1, lr=0.1, momentum=0.0),
+               wall_seconds=time.time() - t0)
+    path.write_text(json.dumps(rec, indent=1) + "\n")
+    print(f"{path.stem}: test {rec['global_accuracy']['mean']:.4f} val {rec['local_accuracy']['mean']:.4f} "
+          f"ratio {rec['compression_ratio']:.1f} ({rec['wall_seconds']:.0f}s)", flush=True)
+    return rec
+
+
+def chosen_gamma(setting: str, spec: str) -> float | None:
+    """The γ with the best seed-0 validation accuracy, or None before all its runs exist."""
+    best = None
+    for g in GAMMAS[spec]:
+        p = RUNS / f"{name(setting, spec, True, g, 0)}.json"
+        if not p.exists():
+            return None
+        val = json.loads(p.read_text())["local_accuracy"]["mean"]
+        if best is None or val > best[0]:
+            best = (val, g)
+    return best[1] if best else None
+
+
+def stage_gamma(only: str | None) -> None:
+    for setting in SETTINGS:
+        for spec, gammas in GAMMAS.items():
+            for g in gammas:
+                if not only or only in name(setting, spec, True, g, 0):
+                    run(setting, spec, True, g, 0)
+
+
+def stage_grid(only: str | None) -> None:
+    for seed in SEEDS:
+        for setting in SETTINGS:
+            for spec, ef in SPECS:
+                g = chosen_gamma(setting, spec) if spec in GAMMAS else 0.0
+                if g is None:
+                    print(f"skip {setting} {spec}: run the gamma stage first", flush=True)
+                    continue
+                if not only or only in name(setting, spec, ef, g, seed):
+                    run(setting, spec, ef, g, seed)
+
+
+def _load() -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(RUNS.glob("*.json"))}
+
+
+def report() -> None:
+    import numpy as np
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = _load()
+    lines = ["# Sparsified gossip, one SGD step per round (CHOCO-SGD regime)", "",
+             f"6 nodes, {ROUNDS} rounds of one SGD step (lr 0.1, no momentum, batch 32) and one gossip exchange;",
+             "accuracy = mean global test accuracy over nodes after the last round; Δ and × fewer bytes are paired",
+             "with float32 (`none`) of the same setting and seed at equal rounds; mean ± std over seeds.",
+             "γ of a sparsified spec chosen on validation accuracy (seed 0), see the γ table.",
+             "Command: `nice -n 10 .venv/bin/python bench/compression/steps.py gamma && ... steps.py grid && "
+             "... steps.py report`.", ""]
+    for setting in SETTINGS:
+        rows = []
+        for spec, ef in SPECS:
+            g = chosen_gamma(setting, spec) if spec in GAMMAS else 0.0
+            if g is None:
+                continue
+            acc, delta, ratio, mb = [], [], [], []
+            for seed in SEEDS:
+                r = runs.get(name(setting, spec, ef, g, seed))
+                b = runs.get(name(setting, "none", True, 0.0, seed))
+                if r is None or b is None:
+                    continue
+                acc.append(100 * r["global_accuracy"]["mean"])
+                delta.append(100 * (r["global_accuracy"]["mean"] - b["global_accuracy"]["mean"]))
+                ratio.append(b["bytes_sent"] / r["bytes_sent"])
+                mb.append(r["bytes_sent"] / 1e6)
+            if acc:
+                rows.append((spec, ef, g, acc, delta, ratio, mb))
+        if not rows:
+            continue
+        lines += [f"## {setting}", "",
+                  "| spec | error feedback | γ | seeds | accuracy (%) | Δ acc (pt) | per seed Δ | × fewer bytes | MB sent |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for spec, ef, g, acc, delta, ratio, mb in rows:
+            sparse = "topk" in spec
+            lines.append(
+                f"| `{spec}` | {('on' if ef else 'off') if sparse else '—'} | {g or '—'} | {len(acc)} | "
+                f"{np.mean(acc):.2f} ± {np.std(acc):.2f} | {np.mean(delta):+.2f} ± {np.std(delta):.2f} | "
+                f"{', '.join('%+.2f' % d for d in delta)} | {np.mean(ratio):.1f} | {np.mean(mb):.2f} |")
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for spec, ef in SPECS:
+            g = chosen_gamma(setting, spec) if spec in GAMMAS else 0.0
+            r = runs.get(name(setting, spec, ef, g or 0.0, 0)) if g is not None else None
+            if r is None:
+                continue
+            c = r["curve"]
+            label = spec + ("" if ef or "topk" not in spec else " no EF")
+            ax.plot([b / 1e6 for b in c["bytes_sent"]], c["global_accuracy"], marker=".", label=label)
+        ax.set_xscale("log")
+        ax.set_xlabel("cumulative MB sent (all nodes)")
+        ax.set_ylabel("mean global accuracy")
+        ax.set_title(f"{setting}, 1 step per round, seed 0")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(HERE / "results" / f"steps-{setting}.png", dpi=90)
+        plt.close(fig)
+        lines += ["", f"![{setting}](steps-{setting}.png)", ""]
+    lines += ["## γ selection (seed 0, validation accuracy; test shown, not used)", "",
+              "| setting | spec | γ | validation (%) | test (%) | chosen |", "|---|---|---|---|---|---|"]
+    for setting in SETTINGS:
+        for spec, gammas in GAMMAS.items():
+            ch = chosen_gamma(setting, spec)
+            for g in gammas:
+                r = runs.get(name(setting, spec, True, g, 0))
+                if r is not None:
+                    lines.append(f"| {setting} | `{spec}` | {g} | {100 * r['local_accuracy']['mean']:.2f} | "
+                                 f"{100 * r['global_accuracy']['mean']:.2f} | {'yes' if g == ch else ''} |")
+    (HERE / "results" / "steps.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("stage", choices=("gamma", "grid", "report"))
+    ap.add_argument("--only", help="only runs whose name contains this substring")
+    a = ap.parse_args(argv)
+    if a.stage == "gamma":
+        stage_gamma(a.only)
+    elif a.stage == "grid":
+        stage_grid(a.only)
+    report()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parent.parent))
+    import torch
+
+    torch.set_num_threads(1)
+    main()

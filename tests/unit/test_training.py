@@ -1,0 +1,39 @@
+"""The local training loop: epochs vs a fixed number of steps per round."""
+
+import numpy as np
+import pytest
+import torch
+
+from agent.learning.training import TrainConfig, round_batches, train_local
+
+
+def test_round_batches_epochs_and_steps():
+    rng = np.random.default_rng(0)
+    epochs = round_batches(10, TrainConfig(epochs=2, batch_size=4), rng)
+    assert [len(b) for b in epochs] == [4, 4, 2, 4, 4, 2]
+    assert sorted(np.concatenate(epochs[:3]).tolist()) == list(range(10))
+    steps = round_batches(10, TrainConfig(steps=5, batch_size=4, epochs=3), rng)  # steps override epochs
+    assert [len(b) for b in steps] == [4, 4, 2, 4, 4]
+    one = round_batches(10, TrainConfig(steps=1, batch_size=32), rng)
+    assert len(one) == 1 and sorted(one[0].tolist()) == list(range(10))
+
+
+def test_train_local_counts_the_samples_of_its_steps():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    x = np.random.default_rng(1).normal(size=(20, 3)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    before = model.weight.detach().clone()
+    # 3 steps of a 20-sample split in batches of 8: 8 + 8 + 4
+    out = train_local(model, x, y, TrainConfig(steps=3, batch_size=8, lr=0.1, momentum=0.0), np.random.default_rng(0))
+    assert out["samples"] == 20.0 and out["diverged"] == 0.0
+    assert not torch.equal(before, model.weight)
+    out = train_local(model, x, y, TrainConfig(epochs=2, batch_size=8), np.random.default_rng(0))
+    assert out["samples"] == 40.0
+
+
+@pytest.mark.parametrize("bad", [{"steps": -1}, {"steps": 1.5}, {"epochs": 0}])
+def test_bad_train_config_names_the_key(bad):
+    key = next(iter(bad))
+    with pytest.raises(ValueError, match=f"training.{key}"):
+        TrainConfig(**bad)
