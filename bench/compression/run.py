@@ -83,12 +83,28 @@ def run_all(only: str | None, **filters) -> None:
               f"({time.time() - t0:.0f}s)", flush=True)
 
 
-def report() -> None:
+def plot_curves(series: list[tuple[str, dict]], title: str, path: Path) -> None:
+    """Accuracy against cumulative MB sent (log x), one line per ``(label, curve)``;
+    ``curve`` holds the simulator's ``bytes_sent`` and ``global_accuracy`` lists."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, c in series:
+        ax.plot([b / 1e6 for b in c["bytes_sent"]], c["global_accuracy"], marker=".", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("cumulative MB sent (all nodes)")
+    ax.set_ylabel("mean global accuracy")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def report() -> None:
     runs = {p.stem: json.loads(p.read_text()) for p in sorted(RUNS.glob("*.json"))}
     lines = ["# Compression benchmark results", "",
              "Accuracy = mean global test accuracy over nodes after the last round; bytes = all",
@@ -103,7 +119,7 @@ def report() -> None:
             lines += [f"## {ds} / {alg}", "",
                       "| spec | error feedback | seed | accuracy | Δ acc (pt) | MB sent | × fewer bytes | wall s |",
                       "|---|---|---|---|---|---|---|---|"]
-            fig, ax = plt.subplots(figsize=(6, 4))
+            series = []
             for n, r in rows:
                 cfg = r["config"]
                 b = runs.get(f"{ds}-{alg}-none-s{cfg['seed']}")
@@ -118,31 +134,23 @@ def report() -> None:
                     f"{r['bytes_sent'] / 1e6:.3f} | {ratio:.2f} | {r['wall_seconds']:.0f} |")
                 if cfg["seed"] != 0:
                     continue
-                c = r["curve"]
-                label = cfg["compression"] + ("" if cfg["error_feedback"] or not sparse else " no EF")
-                ax.plot([b / 1e6 for b in c["bytes_sent"]], c["global_accuracy"], marker=".", label=label)
-            ax.set_xscale("log")
-            ax.set_xlabel("cumulative MB sent (all nodes)")
-            ax.set_ylabel("mean global accuracy")
-            ax.set_title(f"{alg} on {ds}")
-            ax.legend(fontsize=7)
-            fig.tight_layout()
-            fig.savefig(HERE / "results" / f"{ds}-{alg}.png", dpi=90)
-            plt.close(fig)
+                series.append((cfg["compression"] + ("" if cfg["error_feedback"] or not sparse else " no EF"),
+                               r["curve"]))
+            plot_curves(series, f"{alg} on {ds}", HERE / "results" / f"{ds}-{alg}.png")
             lines += ["", f"![{ds} {alg}]({ds}-{alg}.png)", ""]
-    lines += _long_section(runs, plt)
+    lines += _long_section(runs)
     (HERE / "results" / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
-def _long_section(runs: dict, plt) -> list[str]:
+def _long_section(runs: dict) -> list[str]:
     rows = [(n, r) for n, r in runs.items() if n.startswith("long-")]
     base = runs.get("long-digits-fedavg-none-s0")
     if not rows or base is None:
         return []
     lines = ["## Longer horizon: digits / fedavg, 100 rounds", "",
              "| spec | error feedback | γ | accuracy | Δ acc (pt) | MB sent | × fewer bytes |", "|---|---|---|---|---|---|---|"]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    series = []
     for n, r in rows:
         cfg = r["config"]
         acc = r["global_accuracy"]["mean"]
@@ -153,15 +161,8 @@ def _long_section(runs: dict, plt) -> list[str]:
             f"{r['bytes_sent'] / 1e6:.3f} | {base['bytes_sent'] / r['bytes_sent']:.2f} |")
         label = cfg["compression"] + ("" if cfg["error_feedback"] or not sparse else " no EF") + (
             f" γ={cfg['consensus_step']}" if cfg.get("consensus_step") else "")
-        ax.plot([b / 1e6 for b in r["curve"]["bytes_sent"]], r["curve"]["global_accuracy"], marker=".", label=label)
-    ax.set_xscale("log")
-    ax.set_xlabel("cumulative MB sent (all nodes)")
-    ax.set_ylabel("mean global accuracy")
-    ax.set_title("fedavg on digits, 100 rounds")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(HERE / "results" / "long-digits-fedavg.png", dpi=90)
-    plt.close(fig)
+        series.append((label, r["curve"]))
+    plot_curves(series, "fedavg on digits, 100 rounds", HERE / "results" / "long-digits-fedavg.png")
     return lines + ["", "![long](long-digits-fedavg.png)", ""]
 
 

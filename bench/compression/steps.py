@@ -114,10 +114,8 @@ def _load() -> dict[str, dict]:
 
 def report() -> None:
     import numpy as np
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.compression.run import plot_curves
 
     runs = _load()
     lines = ["# Sparsified gossip, one SGD step per round (CHOCO-SGD regime)", "",
@@ -156,23 +154,13 @@ def report() -> None:
                 f"| `{spec}` | {('on' if ef else 'off') if sparse else '—'} | {g or '—'} | {len(acc)} | "
                 f"{np.mean(acc):.2f} ± {np.std(acc):.2f} | {np.mean(delta):+.2f} ± {np.std(delta):.2f} | "
                 f"{', '.join('%+.2f' % d for d in delta)} | {np.mean(ratio):.1f} | {np.mean(mb):.2f} |")
-        fig, ax = plt.subplots(figsize=(6, 4))
+        series = []
         for spec, ef in SPECS:
             g = chosen_gamma(setting, spec) if spec in GAMMAS else 0.0
             r = runs.get(name(setting, spec, ef, g or 0.0, 0)) if g is not None else None
-            if r is None:
-                continue
-            c = r["curve"]
-            label = spec + ("" if ef or "topk" not in spec else " no EF")
-            ax.plot([b / 1e6 for b in c["bytes_sent"]], c["global_accuracy"], marker=".", label=label)
-        ax.set_xscale("log")
-        ax.set_xlabel("cumulative MB sent (all nodes)")
-        ax.set_ylabel("mean global accuracy")
-        ax.set_title(f"{setting}, 1 step per round, seed 0")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(HERE / "results" / f"steps-{setting}.png", dpi=90)
-        plt.close(fig)
+            if r is not None:
+                series.append((spec + ("" if ef or "topk" not in spec else " no EF"), r["curve"]))
+        plot_curves(series, f"{setting}, 1 step per round, seed 0", HERE / "results" / f"steps-{setting}.png")
         lines += ["", f"![{setting}](steps-{setting}.png)", ""]
     lines += ["## γ selection (seed 0, validation accuracy; test shown, not used)", "",
               "| setting | spec | γ | validation (%) | test (%) | chosen |", "|---|---|---|---|---|---|"]
