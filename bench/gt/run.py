@@ -124,6 +124,12 @@ def run_one(dataset: str, algorithm: str, options: dict[str, Any], seed: int, **
     cls = get_algorithm(algorithm)
     opts = parse_options(cls, options)
     cfg = TrainConfig(epochs=1, batch_size=setup["batch"], lr=setup["lr"], momentum=0.0)
+    policy = None  # issue 8: compress the synchronized gradients (kind gt.sync), residuals per stream
+    if setup.get("sync_compression", "none") != "none":
+        from agent.learning.compression import CompressionPolicy
+
+        policy = CompressionPolicy.from_config("none", {"gt.sync": setup["sync_compression"]},
+                                               error_feedback=setup.get("error_feedback", True))
     net = MemoryNetwork()
     algs = []
     for i, idx in enumerate(parts):
@@ -132,7 +138,7 @@ def run_one(dataset: str, algorithm: str, options: dict[str, Any], seed: int, **
                                      val_y=valset.y[:0], num_classes=train.num_classes)
         ctx = RuntimeContext(node_id=nid, federation="gt", transport=net.transport(nid, "gt"),
                              peers=PeerTable(nid, "gt"), data=data, model_spec=setup["spec"], train=cfg,
-                             init_seed=seed, rng=np.random.default_rng([seed, i]), seed=seed)
+                             init_seed=seed, rng=np.random.default_rng([seed, i]), seed=seed, compression=policy)
         algs.append(cls(ctx, opts))
 
     async def main() -> None:
