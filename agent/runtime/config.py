@@ -132,7 +132,7 @@ class CompressionSection:
 
     ``spec`` applies to every kind (averaging gossip compresses CHOCO differences with
     it; whole-model exchanges use only its value and entropy coders); ``kinds`` maps a
-    message kind to a spec applied exactly as written (e.g. ``{"gt.grad" =
+    message kind to a spec applied exactly as written (e.g. ``{"gt.sync" =
     "topk:0.01+q8"}``).  ``error_feedback`` keeps residuals / CHOCO copies for
     sparsified streams; ``consensus_step`` is CHOCO's γ (0 = automatic) and
     ``keyframe_every`` how often a gossip stream resends its full copy (0 = first only).
