@@ -15,7 +15,7 @@ uses the same γ.  Seeds 0–2 then run at the chosen γ.
 
 Usage (from the repository root; each run is saved to results/steps/<name>.json, reruns skip it):
     nice -n 10 .venv/bin/python bench/compression/steps.py gamma [--only SUBSTRING]
-    nice -n 10 .venv/bin/python bench/compression/steps.py grid  [--only SUBSTRING]
+    nice -n 10 .venv/bin/python bench/compression/steps.py grid  [--only SUBSTRING] [--rounds 4000 --specs none,topk:0.01+q8]
     .venv/bin/python bench/compression/steps.py report          # results/steps.md, steps-*.png
 """
 
@@ -30,6 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RUNS = HERE / "results" / "steps"
 ROUNDS = 2000
+LONG = 4000  # the longer horizon (digits, fedavg): does the top-1 % gap keep closing?
 SEEDS = (0, 1, 2)
 SETTINGS = {
     "digits-fedavg": dict(dataset="digits", nodes=6, partition="dirichlet", beta=0.5, algorithm="fedavg"),
@@ -45,21 +46,22 @@ def tag(spec: str, ef: bool) -> str:
     return spec.replace(":", "").replace("+", "_").replace(".", "") + ("" if ef else "-noEF")
 
 
-def name(setting: str, spec: str, ef: bool, gamma: float, seed: int) -> str:
-    return f"{setting}-{tag(spec, ef)}{'-g%g' % gamma if gamma else ''}-s{seed}"
+def name(setting: str, spec: str, ef: bool, gamma: float, seed: int, rounds: int = ROUNDS) -> str:
+    horizon = "" if rounds == ROUNDS else f"-r{rounds}"
+    return f"{setting}-{tag(spec, ef)}{'-g%g' % gamma if gamma else ''}{horizon}-s{seed}"
 
 
-def run(setting: str, spec: str, ef: bool, gamma: float, seed: int) -> dict:
+def run(setting: str, spec: str, ef: bool, gamma: float, seed: int, rounds: int = ROUNDS) -> dict:
     """One simulator run (skipped when its file exists); returns the saved record."""
     from agent.learning.training import TrainConfig
     from agent.runtime.simulator import SimConfig, simulate
 
-    path = RUNS / f"{name(setting, spec, ef, gamma, seed)}.json"
+    path = RUNS / f"{name(setting, spec, ef, gamma, seed, rounds)}.json"
     if path.exists():
         return json.loads(path.read_text())
     RUNS.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    s = simulate(SimConfig(rounds=ROUNDS, seed=seed, threads=1, eval_every=ROUNDS // 20, compression=spec,
+    s = simulate(SimConfig(rounds=rounds, seed=seed, threads=1, eval_every=rounds // 20, compression=spec,
                            error_feedback=ef, consensus_step=gamma,
                            train=TrainConfig(steps=1, lr=0.1, momentum=0.0, batch_size=32), **SETTINGS[setting]))
     rec = {k: s[k] for k in ("global_accuracy", "local_accuracy", "bytes_sent", "compression_ratio", "curve",
@@ -67,7 +69,7 @@ def run(setting: str, spec: str, ef: bool, gamma: float, seed: int) -> dict:
     for k in ("global_accuracy", "local_accuracy"):
         rec[k] = {m: v for m, v in rec[k].items() if m != "per_node"}
     rec.update(config=dict(SETTINGS[setting], setting=setting, compression=spec, error_feedback=ef,
-                           consensus_step=gamma, seed=seed, rounds=ROUNDS, steps=1, lr=0.1, momentum=0.0),
+                           consensus_step=gamma, seed=seed, rounds=rounds, steps=1, lr=0.1, momentum=0.0),
                wall_seconds=time.time() - t0)
     path.write_text(json.dumps(rec, indent=1) + "\n")
     print(f"{path.stem}: test {rec['global_accuracy']['mean']:.4f} val {rec['local_accuracy']['mean']:.4f} "
@@ -96,16 +98,18 @@ def stage_gamma(only: str | None) -> None:
                     run(setting, spec, True, g, 0)
 
 
-def stage_grid(only: str | None) -> None:
+def stage_grid(only: str | None, rounds: int = ROUNDS, specs: list[str] | None = None) -> None:
     for seed in SEEDS:
         for setting in SETTINGS:
             for spec, ef in SPECS:
+                if specs and spec not in specs:
+                    continue
                 g = chosen_gamma(setting, spec) if spec in GAMMAS else 0.0
                 if g is None:
                     print(f"skip {setting} {spec}: run the gamma stage first", flush=True)
                     continue
-                if not only or only in name(setting, spec, ef, g, seed):
-                    run(setting, spec, ef, g, seed)
+                if not only or only in name(setting, spec, ef, g, seed, rounds):
+                    run(setting, spec, ef, g, seed, rounds)
 
 
 def _load() -> dict[str, dict]:
@@ -125,7 +129,7 @@ def report() -> None:
              "γ of a sparsified spec chosen on validation accuracy (seed 0), see the γ table.",
              "Command: `nice -n 10 .venv/bin/python bench/compression/steps.py gamma && ... steps.py grid && "
              "... steps.py report`.", ""]
-    for setting in SETTINGS:
+    for setting, rounds in [(s, r) for r in (ROUNDS, LONG) for s in SETTINGS]:
         rows = []
         for spec, ef in SPECS:
             g = chosen_gamma(setting, spec) if spec in GAMMAS else 0.0
@@ -133,8 +137,8 @@ def report() -> None:
                 continue
             acc, delta, ratio, mb = [], [], [], []
             for seed in SEEDS:
-                r = runs.get(name(setting, spec, ef, g, seed))
-                b = runs.get(name(setting, "none", True, 0.0, seed))
+                r = runs.get(name(setting, spec, ef, g, seed, rounds))
+                b = runs.get(name(setting, "none", True, 0.0, seed, rounds))
                 if r is None or b is None:
                     continue
                 acc.append(100 * r["global_accuracy"]["mean"])
@@ -145,8 +149,9 @@ def report() -> None:
                 rows.append((spec, ef, g, acc, delta, ratio, mb))
         if not rows:
             continue
-        lines += [f"## {setting}", "",
-                  "| spec | error feedback | γ | seeds | accuracy (%) | Δ acc (pt) | per seed Δ | × fewer bytes | MB sent |",
+        lines += [f"## {setting}, {rounds} rounds", "",
+                  "| spec | error feedback | γ | seeds | accuracy (%) | Δ acc (pt) | per seed Δ | × fewer bytes "
+                  "| MB sent |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for spec, ef, g, acc, delta, ratio, mb in rows:
             sparse = "topk" in spec
@@ -157,11 +162,12 @@ def report() -> None:
         series = []
         for spec, ef in SPECS:
             g = chosen_gamma(setting, spec) if spec in GAMMAS else 0.0
-            r = runs.get(name(setting, spec, ef, g or 0.0, 0)) if g is not None else None
+            r = runs.get(name(setting, spec, ef, g or 0.0, 0, rounds)) if g is not None else None
             if r is not None:
                 series.append((spec + ("" if ef or "topk" not in spec else " no EF"), r["curve"]))
-        plot_curves(series, f"{setting}, 1 step per round, seed 0", HERE / "results" / f"steps-{setting}.png")
-        lines += ["", f"![{setting}](steps-{setting}.png)", ""]
+        png = f"steps-{setting}{'' if rounds == ROUNDS else '-r%d' % rounds}.png"
+        plot_curves(series, f"{setting}, {rounds} rounds of 1 step, seed 0", HERE / "results" / png)
+        lines += ["", f"![{setting}]({png})", ""]
     lines += ["## γ selection (seed 0, validation accuracy; test shown, not used)", "",
               "| setting | spec | γ | validation (%) | test (%) | chosen |", "|---|---|---|---|---|---|"]
     for setting in SETTINGS:
@@ -180,11 +186,15 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("stage", choices=("gamma", "grid", "report"))
     ap.add_argument("--only", help="only runs whose name contains this substring")
+    ap.add_argument("--rounds", type=int, default=ROUNDS,
+                    help=f"grid: rounds per run (default {ROUNDS}; {LONG} for the longer horizon; γ comes from the "
+                    f"{ROUNDS}-round selection)")
+    ap.add_argument("--specs", help="grid: comma-separated specs (default: all)")
     a = ap.parse_args(argv)
     if a.stage == "gamma":
         stage_gamma(a.only)
     elif a.stage == "grid":
-        stage_grid(a.only)
+        stage_grid(a.only, a.rounds, a.specs.split(",") if a.specs else None)
     report()
 
 
