@@ -104,6 +104,8 @@ def stage_grid(only: str | None, rounds: int = ROUNDS, specs: list[str] | None =
             for spec, ef in SPECS:
                 if specs and spec not in specs:
                     continue
+                if only and not (only.startswith(setting) or setting.startswith(only)):
+                    continue  # another setting's run
                 g = chosen_gamma(setting, spec) if spec in GAMMAS else 0.0
                 if g is None:
                     print(f"skip {setting} {spec}: run the gamma stage first", flush=True)
