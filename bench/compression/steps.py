@@ -39,6 +39,7 @@ SETTINGS = {
 }
 SPECS = [("none", True), ("q8", True), ("topk:0.01+q8", True), ("topk:0.01+q8", False),
          ("topk:0.1+q8", True), ("topk:0.1+q8", False)]
+NO_EF_SEEDS = {"har-fedavg": (0,), "digits-dechw": (0,)}  # without error feedback: seeds (default SEEDS)
 GAMMAS = {"topk:0.01+q8": (0.03, 0.05), "topk:0.1+q8": (0.1, 0.2)}
 
 
@@ -106,6 +107,8 @@ def stage_grid(only: str | None, rounds: int = ROUNDS, specs: list[str] | None =
                     continue
                 if only and not (only.startswith(setting) or setting.startswith(only)):
                     continue  # another setting's run
+                if not ef and seed not in NO_EF_SEEDS.get(setting, SEEDS):
+                    continue  # CPU budget: the ablation without residuals runs on fewer seeds
                 g = chosen_gamma(setting, spec) if spec in GAMMAS else 0.0
                 if g is None:
                     print(f"skip {setting} {spec}: run the gamma stage first", flush=True)
