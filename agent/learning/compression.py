@@ -707,8 +707,9 @@ class CompressionPolicy:
         error_feedback: keep a residual per stream for sparsified streams
             (Stich et al. 2018; CHOCO's copies for gossip); off only to compare.
         keyframe_every: CHOCO streams resend their shared copy, value-coded, every
-            this many rounds (0 = only the first message), so a peer that missed a
-            message rejoins.
+            this many messages, so a peer that missed a message rejoins and the copy
+            error stays bounded (0 = automatic: first message only for dense specs,
+            every 100 for sparsified ones; < 0 = first message only).
         consensus_step: CHOCO's γ for sparsified gossip (0 = 1.0 for dense specs,
             see :mod:`agent.learning.error_feedback`).
     """

@@ -135,7 +135,8 @@ class CompressionSection:
     message kind to a spec applied exactly as written (e.g. ``{"gt.sync" =
     "topk:0.01+q8"}``).  ``error_feedback`` keeps residuals / CHOCO copies for
     sparsified streams; ``consensus_step`` is CHOCO's γ (0 = automatic) and
-    ``keyframe_every`` how often a gossip stream resends its full copy (0 = first only).
+    ``keyframe_every`` how often a gossip stream resends its full copy (0 = automatic:
+    first message only for dense specs, every 100 messages for sparsified ones; < 0 = first only).
     """
 
     spec: str = "none"
@@ -317,7 +318,8 @@ def _validate(cfg: NodeConfig) -> None:
         except CompressionError as exc:
             raise ConfigError(f"{key}: {exc}") from None
     need(c.consensus_step >= 0, "compression.consensus_step", "must be >= 0 (0 = automatic)")
-    need(c.keyframe_every >= 0, "compression.keyframe_every", "must be >= 0")
+    need(isinstance(c.keyframe_every, int), "compression.keyframe_every",
+         "must be an integer (0: automatic, < 0: first message only)")
 
 
 def _validate_profile(cfg: NodeConfig) -> None:

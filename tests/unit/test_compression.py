@@ -209,6 +209,20 @@ def test_choco_gap_waits_for_keyframe():
     np.testing.assert_array_equal(got["w"], a.own_copy()["w"])
 
 
+def test_sparsified_streams_resend_keyframes_by_default():
+    from agent.learning.error_feedback import SPARSE_KEYFRAME_EVERY
+
+    def keys(spec: str, every: int, n: int) -> list[int]:
+        a = ChocoGossip(spec, np.random.default_rng(0), keyframe_every=every)
+        return [i for i in range(n) if a.outgoing({"w": np.full(20, i, np.float32)})[2]["choco"][1]]
+
+    n = 2 * SPARSE_KEYFRAME_EVERY + 1
+    assert keys("topk:0.1+q8", 0, n) == [0, SPARSE_KEYFRAME_EVERY, 2 * SPARSE_KEYFRAME_EVERY]
+    assert keys("q8", 0, n) == [0]  # dense: the copies converge geometrically, first message only
+    assert keys("topk:0.1+q8", -1, n) == [0]  # explicitly first only
+    assert keys("topk:0.1+q8", 7, 15) == [0, 7, 14]
+
+
 # -- wire, runtime, config -----------------------------------------------------------------
 def test_envelope_describes_encoding():
     x = {"w": np.linspace(-1, 1, 1000, dtype=np.float32).reshape(10, 100), "n": np.array([7], np.int64)}
