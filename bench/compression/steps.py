@@ -62,6 +62,11 @@ def run(setting: str, spec: str, ef: bool, gamma: float, seed: int, rounds: int 
     from agent.learning.training import TrainConfig
     from agent.runtime.simulator import SimConfig, simulate
 
+    from agent.transport import wire
+
+    # these runs started before envelope headers were zstd-compressed: keep plain JSON
+    # headers so that every run of this benchmark counts bytes the same way
+    wire.COMPRESS_HEADERS = False
     path = RUNS / f"{name(setting, spec, ef, gamma, seed, rounds)}.json"
     if path.exists():
         return json.loads(path.read_text())

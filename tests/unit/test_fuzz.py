@@ -63,7 +63,7 @@ mutations = st.tuples(
 
 def _header_variants():
     """JSON headers with fields of random values (type confusion, huge shapes, ...)."""
-    base = json.loads(_VALID[wire.PREFIX_LEN: wire.PREFIX_LEN + struct.unpack(">I", _VALID[4:8])[0]])
+    base = wire.split_frame(_VALID)[0]
     anything = st.recursive(
         st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats() | st.text(max_size=20),
         lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
@@ -144,8 +144,7 @@ def fuzz_envelope(n):
 
 def fuzz_tensors(n):
     """Valid, correctly hashed envelopes around random or mutated safetensors payloads."""
-    payload = _VALID[wire.PREFIX_LEN + struct.unpack(">I", _VALID[4:8])[0]:]
-    header = json.loads(_VALID[wire.PREFIX_LEN: len(_VALID) - len(payload)])
+    header, payload = wire.split_frame(_VALID)
 
     @_settings(n)
     @given(st.one_of(

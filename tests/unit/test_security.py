@@ -76,6 +76,15 @@ def test_signed_envelope_accepted_once_then_replay():
     assert _check(b, frame) == "replay"
 
 
+def _reframe(header: dict, payload: bytes) -> bytes:
+    """A frame with ``header`` as plain JSON (what a forger re-encoding by hand sends)."""
+    import json
+    import struct
+
+    h = json.dumps(header).encode()
+    return struct.pack(">3sBI", b"DFL", 1, len(h)) + h + payload
+
+
 def test_rejection_reasons():
     ka, kb, kx = (Ed25519PrivateKey.generate() for _ in range(3))
     trust = TrustStore(FED, {"a": public_key_b64(ka), "b": public_key_b64(kb)})
@@ -89,11 +98,12 @@ def test_rejection_reasons():
     assert _check(b, _signed(impostor)) == "bad_signature"
     # tampered header: change the round after signing (re-encode header by hand)
     good = _signed(_guard("a", ka, trust))
-    tampered = good.replace(b'"round":1', b'"round":2', 1)
-    assert _check(b, tampered) == "bad_signature"
-    garbage_sig = good.replace(b'"sig":"ed25519:', b'"sig":"ed25519:!', 1)
-    with pytest.raises(wire.WireError):  # header length changed: malformed before the guard
-        _check(b, garbage_sig)
+    header, payload = wire.split_frame(good)
+    assert _check(b, _reframe(dict(header, round=2), payload)) == "bad_signature"
+    assert _check(b, _reframe(dict(header, sig=header["sig"].replace("ed25519:", "ed25519:!")), payload)) \
+        == "bad_signature"
+    with pytest.raises(wire.WireError):  # bytes cut out of the (compressed) header: malformed before the guard
+        _check(b, good[:20] + good[30:])
     # not required: unsigned and unknown pass, bad signatures of known senders still fail
     lax = _guard("b", kb, trust)
     assert _check(lax, unsigned) is None

@@ -58,8 +58,7 @@ def _reframe(header: dict, payload: bytes) -> bytes:
 
 
 def _split(frame):
-    hlen = struct.unpack_from(">3sBI", frame)[2]
-    return json.loads(frame[8 : 8 + hlen]), frame[8 + hlen :]
+    return wire.split_frame(frame)
 
 
 @pytest.mark.parametrize("garbage", [b"", b"x", b"hello world" * 10, bytes(range(256)), b"DFL\x01\xff\xff\xff\xff"])
@@ -191,3 +190,25 @@ def test_control_message_envelope_is_compact():
     assert _reason(_reframe(dict(header, payload_sha256="0" * 64), b"")) == "hash_mismatch"
     # bytes after an envelope that declares no payload are rejected
     assert _reason(_reframe(header, b"x")) == "malformed"
+
+
+def test_envelope_is_zstd_compressed_when_shorter_and_plain_json_still_accepted():
+    frame = wire.encode(_msg(), federation="f", sender="s")
+    assert frame[3] == 1 | wire.HEADER_ZSTD
+    header, payload = wire.split_frame(frame)
+    plain = _reframe(header, payload)
+    assert len(plain) > len(frame)
+    for f in (frame, plain):
+        got = wire.decode(f, federation="f")
+        np.testing.assert_array_equal(got.tensors["w"], _msg().tensors["w"])
+
+
+def test_compressed_envelope_bomb_and_garbage_are_malformed():
+    import zstandard
+
+    bomb = zstandard.ZstdCompressor().compress(b" " * (wire.MAX_HEADER_BYTES + 10))
+    frame = struct.pack(">3sBI", b"DFL", 1 | wire.HEADER_ZSTD, len(bomb)) + bomb
+    assert _reason(frame) == "malformed"
+    junk = b"not zstd at all"
+    assert _reason(struct.pack(">3sBI", b"DFL", 1 | wire.HEADER_ZSTD, len(junk)) + junk) == "malformed"
+    assert _reason(struct.pack(">3sBI", b"DFL", 2 | wire.HEADER_ZSTD, 2) + b"{}") == "version"
