@@ -56,7 +56,7 @@ def main() -> None:
                 f"| {method} | `{spec}` | {('on' if ef else 'off') if 'topk' in spec else '—'} | "
                 f"{statistics.fmean(acc):.2f} ± {statistics.pstdev(acc):.2f} | {statistics.fmean(delta):+.2f} | "
                 f"{statistics.fmean(r['test_loss'] for r in rs):.3f} | {statistics.fmean(r['syncs'] for r in rs):.1f} | "
-                f"{statistics.fmean(r['sync_bytes_sent'] for r in rs) / 1e3:.1f} | {statistics.fmean(ratio):.1f} | "
+                f"{statistics.fmean(r['sync_bytes_sent'] for r in rs) / 1e3:.1f} | {statistics.fmean(ratio):.2f} | "
                 f"{max(r['model_spread'] for r in rs):.3g} |")
     (HERE / "results" / "gt.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
