@@ -267,6 +267,8 @@ class DecHW(NeighbourhoodAlgorithm):
                 raise ValueError(f"Hessian of {k!r} is {a.dtype}{list(a.shape)}")
             if (a < 0).any():
                 raise ValueError(f"Hessian of {k!r} has negative entries")
+            if not np.isfinite(a).all():
+                raise ValueError(f"Hessian of {k!r} has non-finite entries")
             out[k] = a
         return out
 
@@ -292,12 +294,18 @@ class DecHW(NeighbourhoodAlgorithm):
         if o.aggregation == "clip":
             models = [own] + clip_updates(models[1:], own, o.clip_norm)[0]
         use = self.uses_hessian(t) and self.hessian is not None and all(h is not None for h in hessians)
+        info: dict[str, Any] = {"neighbours": len(accepted), "hessian_weighted": False, "fallback_fraction": 1.0}
         if use:
-            tensors, fallback = hess.hessian_weighted_average(
-                models, [self.hessian] + hessians, samples, eps=self.options.fallback_eps  # type: ignore[list-item]
-            )
-            return tensors, {"neighbours": len(accepted), "hessian_weighted": True, "fallback_fraction": fallback}
-        info = {"neighbours": len(accepted), "hessian_weighted": False, "fallback_fraction": 1.0}
+            try:
+                tensors, fallback = hess.hessian_weighted_average(
+                    models, [self.hessian] + hessians, samples, eps=self.options.fallback_eps  # type: ignore[list-item]
+                )
+            except ValueError as exc:
+                # e.g. the own Ĥ went non-finite with a diverging model: never crash the
+                # round, fall back to Eq. 3 (τ) for it and say why
+                info["hessian_error"] = str(exc)
+            else:
+                return tensors, {"neighbours": len(accepted), "hessian_weighted": True, "fallback_fraction": fallback}
         return weighted_average(models, samples), info
 
     def status(self) -> dict[str, Any]:

@@ -147,6 +147,29 @@ def test_malformed_hessian_is_rejected_and_aggregation_falls_back():
         np.testing.assert_allclose(out[k], own[k] + 0.75, rtol=1e-5)
 
 
+def test_non_finite_hessians_never_crash_the_round():
+    """A neighbour's non-finite Ĥ is rejected; a non-finite own Ĥ (a diverging model, e.g.
+    lossy compressed gossip without error feedback) falls back to τ for the round."""
+    from agent.learning.params import model_to_numpy
+
+    alg, rejected = _bare_dechw()
+    own = model_to_numpy(alg.model)
+    good_h = {HESSIAN_PREFIX + k: np.ones_like(v) for k, v in own.items()}
+    nan_h = dict(good_h)
+    first = next(iter(nan_h))
+    nan_h[first] = np.full_like(nan_h[first], np.nan)
+    nb = {k: v + 1 for k, v in own.items()}
+    alg.hessian = {k: np.ones_like(v) for k, v in own.items()}
+    out, info = alg.aggregate(1, own, [Message("model", 0, {**nb, **nan_h}, meta={"samples": 10}, sender="c")])
+    assert rejected == ["bad_hessian: Hessian of " + repr(first[len(HESSIAN_PREFIX):]) + " has non-finite entries"]
+    alg.hessian = {k: np.full_like(v, np.inf) for k, v in own.items()}
+    good = Message("model", 0, {**nb, **good_h}, meta={"samples": 10}, sender="b")
+    out, info = alg.aggregate(1, own, [good])
+    assert not info["hessian_weighted"] and "non-finite" in info["hessian_error"]
+    for k in own:  # τ with equal sizes: the plain mean
+        np.testing.assert_allclose(out[k], own[k] + 0.5, rtol=1e-6)
+
+
 # -- end to end in the simulator ----------------------------------------------------------
 
 
