@@ -617,6 +617,26 @@ def compress_dict(
     return np.frombuffer(raw, np.uint8).copy(), desc, decoded
 
 
+def zstd_inflate(data: bytes, limit: int) -> bytes:
+    """Inflate one zstd frame of at most ``limit`` bytes, safely for untrusted input.
+
+    The frame's declared content size is checked before anything is allocated
+    (zstandard allocates what a frame declares).
+
+    Raises:
+        CompressionError: not a zstd frame, corrupt, or larger than ``limit``.
+    """
+    import zstandard
+
+    try:
+        declared = zstandard.frame_content_size(data)
+        if declared > limit:
+            raise CompressionError(f"zstd frame declares {declared} bytes > {limit}")
+        return zstandard.ZstdDecompressor().decompress(data, max_output_size=max(limit, 1))
+    except (zstandard.ZstdError, MemoryError) as exc:
+        raise CompressionError(f"zstd: {exc}") from None
+
+
 def decompress_dict(
     blob: np.ndarray | bytes, desc: Mapping[str, Any], *, max_elements: int = DEFAULT_MAX_ELEMENTS
 ) -> dict[str, np.ndarray]:
@@ -668,12 +688,7 @@ def _decompress_dict(blob: Any, desc: Mapping[str, Any], max_elements: int) -> d
         if not isinstance(zl, int) or zl != expected:
             raise CompressionError("declared raw length differs from the tensor table")
         if z == "zstd":
-            import zstandard
-
-            try:
-                data = zstandard.ZstdDecompressor().decompress(data, max_output_size=zl)
-            except zstandard.ZstdError as exc:
-                raise CompressionError(f"zstd: {exc}") from None
+            data = zstd_inflate(data, zl)
         elif z == "lz4":
             import lz4.frame
 

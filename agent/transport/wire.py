@@ -65,6 +65,7 @@ from safetensors.numpy import save as st_save
 
 from agent import WIRE_VERSION
 from agent.algorithms.context import BROADCAST, Message
+from agent.learning.compression import CompressionError, zstd_inflate
 from agent.transport import codec as _codec
 
 MAGIC = b"DFL"
@@ -273,8 +274,8 @@ def _parse_header(frame: bytes, version: int, hlen: int) -> dict[str, Any]:
     raw = bytes(frame[PREFIX_LEN : PREFIX_LEN + hlen])
     if version & HEADER_ZSTD:
         try:
-            raw = zstandard.ZstdDecompressor().decompress(raw, max_output_size=MAX_HEADER_BYTES)
-        except zstandard.ZstdError as exc:
+            raw = zstd_inflate(raw, MAX_HEADER_BYTES)
+        except CompressionError as exc:
             raise WireError("malformed", f"compressed envelope does not inflate: {exc}") from None
         if len(raw) > MAX_HEADER_BYTES:
             raise WireError("malformed", "envelope too large")

@@ -361,3 +361,18 @@ def test_uncompressed_node_rejects_choco_differences():
     ctx = types.SimpleNamespace(reject=lambda msg, reason: rejected.append(reason))
     assert gc.received_copies(ctx, None, {"x": m}) == {}
     assert rejected[0].startswith("compressed_stream")
+
+
+def test_zstd_frame_that_declares_a_huge_size_is_refused_before_allocating():
+    from agent.learning.compression import CompressionError, zstd_inflate
+
+    liar = bytes([0x28, 0xB5, 0x2F, 0xFD, 0xE0]) + (1 << 62).to_bytes(8, "little") + bytes([0x11, 0, 0]) + b"{}"
+    with pytest.raises(CompressionError, match="declares"):
+        zstd_inflate(liar, 1000)
+    with pytest.raises(CompressionError):
+        zstd_inflate(b"not zstd", 1000)
+    import zstandard
+
+    assert zstd_inflate(zstandard.ZstdCompressor().compress(b"abc" * 10), 30) == b"abc" * 10
+    with pytest.raises(CompressionError):
+        zstd_inflate(zstandard.ZstdCompressor().compress(b"abc" * 10), 29)

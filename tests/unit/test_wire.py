@@ -209,6 +209,11 @@ def test_compressed_envelope_bomb_and_garbage_are_malformed():
     bomb = zstandard.ZstdCompressor().compress(b" " * (wire.MAX_HEADER_BYTES + 10))
     frame = struct.pack(">3sBI", b"DFL", 1 | wire.HEADER_ZSTD, len(bomb)) + bomb
     assert _reason(frame) == "malformed"
+    # a zstd frame that declares an enormous content size (found by the fuzzer: zstandard would
+    # try to allocate it): magic, descriptor (single segment, 8-byte size), size, one raw block
+    liar = bytes([0x28, 0xB5, 0x2F, 0xFD, 0xE0]) + (1 << 62).to_bytes(8, "little") + bytes([0x11, 0, 0]) + b"{}"
+    assert zstandard.frame_content_size(liar) == 1 << 62
+    assert _reason(struct.pack(">3sBI", b"DFL", 1 | wire.HEADER_ZSTD, len(liar)) + liar) == "malformed"
     junk = b"not zstd at all"
     assert _reason(struct.pack(">3sBI", b"DFL", 1 | wire.HEADER_ZSTD, len(junk)) + junk) == "malformed"
     assert _reason(struct.pack(">3sBI", b"DFL", 2 | wire.HEADER_ZSTD, 2) + b"{}") == "version"
