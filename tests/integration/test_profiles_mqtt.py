@@ -56,7 +56,10 @@ def test_battery_gating_on_daemons(mosquitto_broker, federation, tmp_path):
     broker = mosquitto_broker.endpoint
     ids = ["a", "b"]
     battery = FakePsutil(battery=(90, False))
-    agents = [Agent(node_cfg(tmp_path, federation, broker, n, i, ids, "fedavg", 8, timeout=3.0),
+    # rounds to spare: under load a may run ahead of b before b's gating shows (a test that waited
+    # for a round past a's last one hung until pytest-timeout); stop ends both runs early
+    rounds = 30
+    agents = [Agent(node_cfg(tmp_path, federation, broker, n, i, ids, "fedavg", rounds, timeout=3.0),
                     psutil_mod=battery if n == "b"
                     else FakePsutil()) for i, n in enumerate(ids)]
     seen = {}
@@ -72,8 +75,9 @@ def test_battery_gating_on_daemons(mosquitto_broker, federation, tmp_path):
         while b.ctx.gated is None:
             await asyncio.sleep(0.1)
         a_round = len(agents[0].node.history)
-        while len(agents[0].node.history) < a_round + 2:  # a trains on without b
+        while len(agents[0].node.history) < a_round + 2 and not runs[0].done():  # a trains on without b
             await asyncio.sleep(0.1)
+        seen["a_went_on"] = len(agents[0].node.history) >= min(a_round + 2, rounds)
         seen["b_rounds"], seen["drained_at"] = len(b.node.history), drained_at
         seen["a_live"] = agents[0].ctx.live_peers()
         seen["peers"] = await asyncio.to_thread(peers_json, broker, federation)
@@ -81,6 +85,7 @@ def test_battery_gating_on_daemons(mosquitto_broker, federation, tmp_path):
         await asyncio.gather(*runs)
 
     asyncio.run(main())
+    assert seen["a_went_on"]
     assert seen["b_rounds"] <= seen["drained_at"] + 1  # training stopped within one round
     b = seen["peers"]["b"]
     assert b["state"] == "online" and b["gated"].startswith("battery 10% < 20%")
