@@ -115,6 +115,15 @@ class NodeContext(Protocol):
         graph (all live peers when no graph is configured). Sorted, self excluded."""
         ...
 
+    def is_neighbour(self, peer: str) -> bool:
+        """Whether a message from ``peer`` counts as a neighbour's, live or not.
+
+        True for a known peer inside the configured graph (any peer when there is no
+        graph) that is a member and not excluded, even after it left: a peer that sent
+        its round-``t`` update and then went offline (its last round) still counted for
+        round ``t``, since it had used ours.  Self is never a neighbour."""
+        ...
+
     async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run CPU/GPU-heavy ``fn`` (training) without blocking messaging.
 

@@ -90,7 +90,8 @@ async def collect_round(
 ) -> tuple[dict, list[str]]:
     """Receive round-``t`` messages of ``kind`` from every live neighbour
     (``ctx.neighbours()``) until ``deadline``; messages of non-neighbours are rejected
-    and counted (``not_neighbour``).
+    and counted (``not_neighbour``).  An update that arrived from a neighbour which has
+    left since (``ctx.is_neighbour``: it sent its last round and went offline) counts.
 
     With a ``market`` (:mod:`agent.algorithms.market`), its synchronization strategy
     decides when the round proceeds and which queued updates it takes; the newest
@@ -111,28 +112,29 @@ async def collect_round(
         )
         return res.latest(), res.missing
     got: dict[str, Message] = {}
+
+    def intake(msg: Message) -> None:
+        if msg.sender not in neighbours and not ctx.is_neighbour(msg.sender):
+            ctx.reject(msg, "not_neighbour: sender is not a neighbour")
+            return
+        problem = update_problem(msg, template, extra_tensors)
+        if problem:
+            ctx.reject(msg, problem)
+            return
+        got[msg.sender] = msg
+
     while True:
         neighbours = ctx.neighbours()
-        missing = [p for p in neighbours if p not in got]
         now = ctx.clock.now()
+        # what already arrived counts, also from a neighbour that has left since
+        while (msg := await ctx.receive(kind, round=t, deadline=now)) is not None:
+            intake(msg)
+        missing = [p for p in neighbours if p not in got]
         if not missing or now >= deadline:
             return got, missing
         msg = await ctx.receive(kind, round=t, deadline=min(deadline, now + poll))
-        if msg is None:
-            continue
-        if msg.sender not in neighbours:
-            ctx.reject(msg, "not_neighbour: sender is not a live neighbour")
-            continue
-        try:
-            check_compatible({k: v for k, v in msg.tensors.items() if k not in extra_tensors}, template)
-        except IncompatibleUpdate as exc:
-            ctx.reject(msg, f"incompatible: {exc}")
-            continue
-        samples = msg.meta.get("samples")
-        if not isinstance(samples, (int, float)) or isinstance(samples, bool) or not samples > 0:
-            ctx.reject(msg, "bad_meta: samples")
-            continue
-        got[msg.sender] = msg
+        if msg is not None:
+            intake(msg)
 
 
 @register

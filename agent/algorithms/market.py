@@ -258,14 +258,16 @@ class UpdateMarket:
         poll: float = 0.5,
         peers: Callable[[], Iterable[str]] | None = None,
         validate: Callable[[Message], str | None] | None = None,
-        outsider_reason: str = "not_neighbour: sender is not a live neighbour",
+        outsider_reason: str = "not_neighbour: sender is not a neighbour",
     ) -> CollectResult:
         """Pull ``kind`` messages from ``ctx`` into the market until the strategy is
         satisfied for round ``t`` or ``deadline`` (absolute clock time) passes, then take.
 
         Args:
             ctx: a :class:`~agent.algorithms.context.NodeContext`.
-            peers: who to wait for (re-read every ``poll`` seconds); default ``ctx.neighbours``.
+            peers: who to wait for (re-read every ``poll`` seconds); default ``ctx.neighbours``,
+                and then updates that arrived from a neighbour which has left since
+                (``ctx.is_neighbour``) are taken too.
             validate: returns a rejection reason (``"reason: detail"``) for a bad update;
                 rejected updates are counted by ``ctx.reject`` and never queued.
             outsider_reason: rejection reason for updates from senders not in ``peers``.
@@ -276,6 +278,9 @@ class UpdateMarket:
         clock = ctx.clock
         start = clock.now()
         peer_fn = peers or ctx.neighbours
+        # with the default neighbourhood, an update from a neighbour that has left since
+        # it sent (its last round) is still taken; a caller's ``peers`` is strict
+        departed = (lambda p: False) if peers is not None else ctx.is_neighbour
         if self.strategy == "one_from_each_t":
             deadline = min(deadline, start + self.timeout)
         self._prune(t)
@@ -287,10 +292,11 @@ class UpdateMarket:
                 msg = await ctx.receive(kind, deadline=now)
                 if msg is None:
                     break
-                self._intake(ctx, msg, t, current, validate, outsider_reason)
+                self._intake(ctx, msg, t, current, validate, outsider_reason, departed)
             satisfied = self.ready(t, current)
             if satisfied or now >= deadline:
-                taken = self.take(t, current)
+                gone = [p for p in self.queues if p not in current and self._eligible(p, t) and departed(p)]
+                taken = self.take(t, current + gone)
                 missing = [p for p in current if p not in taken]
                 msgs = [m for ms in taken.values() for m in ms]
                 res = CollectResult(
@@ -301,10 +307,11 @@ class UpdateMarket:
                 return res
             msg = await ctx.receive(kind, deadline=min(deadline, now + poll))
             if msg is not None:
-                self._intake(ctx, msg, t, current, validate, outsider_reason)
+                self._intake(ctx, msg, t, current, validate, outsider_reason, departed)
 
-    def _intake(self, ctx: Any, msg: Message, t: int, peers: list[str], validate, outsider_reason: str) -> None:
-        if msg.sender not in peers:
+    def _intake(self, ctx: Any, msg: Message, t: int, peers: list[str], validate, outsider_reason: str,
+                departed: Callable[[str], bool]) -> None:
+        if msg.sender not in peers and not departed(msg.sender):
             ctx.reject(msg, outsider_reason)
             return
         if msg.round < t - self.max_staleness:

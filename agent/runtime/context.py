@@ -391,6 +391,13 @@ class RuntimeContext:
         allowed = set(self.graph_neighbours)
         return [p for p in live if p in allowed]
 
+    def is_neighbour(self, peer: str) -> bool:
+        if peer == self.node_id or peer in self.excluded or self.peers.get(peer) is None:
+            return False
+        if self.graph_neighbours is not None and peer not in self.graph_neighbours:
+            return False
+        return self.security is None or self.security.is_member(peer)
+
     async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         await self.wait_until_allowed()  # resource gating: no training while gated
         return await self.compute_ungated(fn, *args, **kwargs)

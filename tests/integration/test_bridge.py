@@ -95,7 +95,7 @@ def test_agents_on_two_bridged_brokers_learn_together(tmp_path, mosquitto_broker
     for a in agents:
         hist = [r for r in a.node.history if "neighbours" in r]
         assert [r["round"] for r in hist] == [1, 2, 3]
-        assert all(r["neighbours"] == 1 for r in hist), hist  # the other site's model arrived every round
+        assert all(r["neighbours"] == 1 for r in hist), [(a.node_id, r["round"], r["neighbours"], r.get("missing"), r.get("round_seconds")) for r in hist]  # the other site's model arrived every round
         assert set(a.ctx.transport.connections()) == {a.cfg.mqtt.broker}  # home broker only
         other = "bravo" if a.node_id == "alpha" else "alpha"
         assert a.peers.advertised_broker(other) == (site_b.endpoint if other == "bravo" else site_a.endpoint)

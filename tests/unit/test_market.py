@@ -93,6 +93,38 @@ def test_strategy_with_slow_and_dead_peer(strategy, opts, fast_msgs, silent, kil
             assert "dead" in res.missing
 
 
+@pytest.mark.parametrize("strategy", [None, *STRATEGIES])
+def test_update_of_a_neighbour_that_left_since_counts(strategy):
+    """``last`` sends its round-1 update and leaves (its last round, offline presence)
+    before ``me`` starts collecting: the update still counts, with the market (every
+    strategy) and without it; a sender outside the graph is still rejected."""
+    from agent.algorithms.fedavg import collect_round
+
+    net = MemoryNetwork()
+    ctxs = {nid: _ctx(net, nid) for nid in ("me", "last", "stay", "outsider")}
+    ctxs["me"].graph_neighbours = ["last", "stay"]
+    template = {"x": np.zeros(2, np.float32)}
+
+    async def main():
+        for c in ctxs.values():
+            await c.start()
+        for nid in ("last", "stay", "outsider"):
+            await ctxs[nid].send("me", Message("model", 1, {"x": np.ones(2, np.float32)}, meta={"samples": 1}))
+        await asyncio.sleep(0.05)
+        net.kill("last")
+        await asyncio.sleep(0.05)
+        assert ctxs["me"].neighbours() == ["stay"]
+        if strategy is None:
+            got, missing = await collect_round(ctxs["me"], "model", 1, 10.0, 0.5, template)
+            return set(got), missing
+        res = await UpdateMarket(strategy).collect(ctxs["me"], "model", 1, deadline=10.0, poll=0.5)
+        return set(res.taken), res.missing
+
+    got, missing = run_virtual(main())
+    assert got == {"last", "stay"} and missing == []
+    assert ctxs["me"].rejected["not_neighbour"] == 1  # the outsider
+
+
 def test_every_strategy_is_covered():
     assert {c[0] for c in CASES} == set(STRATEGIES)
 
