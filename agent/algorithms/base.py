@@ -152,11 +152,22 @@ class Algorithm:
         if unknown:  # a subclass pops the tensors it restores itself before calling this
             raise ValueError(f"checkpoint has tensors this node does not know: {unknown[:5]}")
 
+    def catches_up(self) -> bool:
+        """Whether a node that finds itself behind its neighbours may skip to their round
+        (lock-step algorithms, where a lagging node's updates are useless to the others;
+        see :meth:`NodeContext.catch_up_round`).  Default: no."""
+        return False
+
     async def run(self, rounds: int, start_round: int = 1) -> None:
-        """Run rounds ``start_round..rounds``, reporting each to the runtime."""
-        for t in range(start_round, rounds + 1):
+        """Run rounds ``start_round..rounds``, reporting each to the runtime.
+
+        When :meth:`catches_up`, the round after each one comes from
+        ``ctx.catch_up_round`` (the runtime's fault tolerance may skip ahead)."""
+        t = start_round
+        while t <= rounds:
             info = await self.round(t)
             await self.ctx.end_round(t, **info)
+            t = self.ctx.catch_up_round(t + 1) if self.catches_up() else t + 1
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:

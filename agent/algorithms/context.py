@@ -124,6 +124,15 @@ class NodeContext(Protocol):
         round ``t``, since it had used ours.  Self is never a neighbour."""
         ...
 
+    def catch_up_round(self, next_round: int) -> int:
+        """The round a lock-step algorithm runs next: ``next_round``, or, when the runtime
+        catches up (``runtime.rejoin`` on a device) and updates already received from
+        live neighbours show them past ``next_round`` without this node (it lagged: a
+        broker outage, a partition; a round-r update means its sender completed round
+        r - 1), one past the highest round they completed.  Never less than
+        ``next_round``.  The evidence is signed updates, not the unsigned status."""
+        ...
+
     async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run CPU/GPU-heavy ``fn`` (training) without blocking messaging.
 

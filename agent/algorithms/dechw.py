@@ -159,6 +159,11 @@ class NeighbourhoodAlgorithm(Algorithm):
         return {"train_loss": stats["loss"], "neighbours": len(msgs), "missing": missing, **info,
                 **self.market.last.info()}
 
+    def catches_up(self) -> bool:
+        """Lock-step gossip: with round-``t`` updates only (``max_staleness = 0``) a node
+        behind its neighbours gets nothing from them, so it skips to their round."""
+        return self.market.max_staleness == 0
+
     def deployable_model(self) -> nn.Module:
         return self.model
 

@@ -175,6 +175,11 @@ class FedAvg(Algorithm):
         return {"train_loss": stats["loss"], "neighbours": len(senders), "missing": missing,
                 **self.market.last.info()}
 
+    def catches_up(self) -> bool:
+        """Lock-step gossip: with round-``t`` updates only (``max_staleness = 0``) a node
+        behind its neighbours gets nothing from them, so it skips to their round."""
+        return self.market.max_staleness == 0
+
     def deployable_model(self) -> nn.Module:
         return self.model
 

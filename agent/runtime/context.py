@@ -126,6 +126,10 @@ class RuntimeContext:
         self.compatibility: Callable[[Any], str | None] | None = None  # peer info -> reason to exclude
         self.excluded: dict[str, str] = {}  # peer -> why it is excluded (incompatible)
         self.peer_gated: dict[str, str] = {}  # peer -> its gating reason (from its status)
+        #: fault tolerance (``runtime.rejoin``, set by the daemon): lock-step algorithms
+        #: skip ahead when buffered updates show the neighbours rounds ahead
+        self.catch_up = False
+        self.caught_up = 0  # rounds skipped to catch up with the neighbours
         self.gate: Callable[[], str | None] | None = None  # None = may train, else the reason
         self.gate_poll = 5.0  # seconds between gate checks while gated
         self.gated: str | None = None  # this node's current gating reason
@@ -390,6 +394,20 @@ class RuntimeContext:
             return live
         allowed = set(self.graph_neighbours)
         return [p for p in live if p in allowed]
+
+    def catch_up_round(self, next_round: int) -> int:
+        if not self.catch_up:
+            return next_round
+        # evidence: signed updates of later rounds already buffered from live neighbours
+        # (a round-r update shows that its sender completed round r - 1)
+        neighbours = set(self.neighbours())
+        ahead = max((m.round - 1 for m in self._buffer if m.sender in neighbours), default=0)
+        if ahead < next_round:
+            return next_round
+        self.caught_up += ahead + 1 - next_round
+        log.warning("%s: neighbours completed round %d without this node; skipping rounds %d-%d to rejoin them",
+                    self.node_id, ahead, next_round, ahead)
+        return ahead + 1
 
     def is_neighbour(self, peer: str) -> bool:
         if peer == self.node_id or peer in self.excluded or self.peers.get(peer) is None:

@@ -229,6 +229,7 @@ class Agent:
                 return 0
             if cfg.runtime.rejoin:  # fault tolerance: no checkpoint, or behind the federation
                 start_round = max(start_round, self._rejoin_round())
+                self.ctx.catch_up = True  # ... and, while running, behind its neighbours
                 if start_round > cfg.algorithm.rounds:
                     log.info("the federation already finished its %d rounds", cfg.algorithm.rounds)
                     return 0
@@ -364,19 +365,24 @@ class Agent:
         fresh status reports, or that a finished peer reports (1 when none).  The model
         starts from its initialisation (no checkpoint): the next aggregation brings it
         close to its neighbours'."""
-        import time as _time
-
-        live = set(self.ctx.live_peers())
-        limit = self.cfg.discovery.heartbeat_timeout
-        rounds = [
-            int(s.get("round") or 0) for nid, s in dict(self.ctx.transport.statuses).items()
-            if s.get("state") == "finished"
-            or (nid in live and s.get("state") == "running" and _time.time() - float(s.get("time") or 0) <= limit)
-        ]
-        start = max(rounds, default=0) + 1
+        start = self._peer_round(self.ctx.live_peers(), finished=True) + 1
         if start > 1:
             log.info("rejoining the federation at round %d", start)
         return start
+
+    def _peer_round(self, peers: list[str], finished: bool = False) -> int:
+        """The highest round that the fresh status of a running peer among ``peers``
+        reports completed (with ``finished``: or any finished peer's); 0 when none."""
+        import time as _time
+
+        live = set(peers)
+        limit = self.cfg.discovery.heartbeat_timeout
+        rounds = [
+            _as_round(s.get("round")) for nid, s in dict(self.ctx.transport.statuses).items()
+            if (finished and s.get("state") == "finished")
+            or (nid in live and s.get("state") == "running" and _time.time() - _as_float(s.get("time")) <= limit)
+        ]
+        return max(rounds, default=0)
 
     async def _wait_for_peers(self, stop: asyncio.Event) -> bool:
         """Wait until ``discovery.min_peers`` peers are live or ``start_timeout`` passes.
@@ -514,6 +520,21 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         log.exception("the agent stopped on an unexpected error")
         return 1
+
+
+def _as_round(value: Any) -> int:
+    """A peer status's round (0 when missing or malformed: statuses are untrusted)."""
+    try:
+        return max(0, int(value or 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _as_float(value: Any) -> float:
+    try:
+        return float(value or 0)
+    except (TypeError, ValueError):
+        return 0.0
 
 
 if __name__ == "__main__":

@@ -175,6 +175,7 @@ class Node:
             "bytes_sent": counters["bytes_sent"],
             "bytes_received": counters["bytes_received"],
             "errors": counters["dropped"],
+            "rounds_skipped": self.ctx.caught_up,  # catching up with the neighbours (runtime.rejoin)
             **{k: v for k, v in self.ctx.byte_accounting().items()
                if k in ("bytes_sent_by_kind", "compression_ratio", "round_bytes_sent", "round_bytes_sent_by_kind")},
             **{k: v for k, v in last.items() if k.endswith("_global_accuracy")},  # e.g. DFML's regular model

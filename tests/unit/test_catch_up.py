@@ -1,0 +1,85 @@
+"""Fault tolerance of lock-step rounds: a node that fell behind its neighbours (a broker
+outage, a partition) skips to their round when signed updates of later rounds show
+them ahead (``runtime.rejoin``); it never skips on a non-neighbour's or a departed
+peer's updates, nor when catching up is off."""
+
+import asyncio
+
+import numpy as np
+
+from agent.algorithms.base import Algorithm
+from agent.algorithms.context import Message
+from agent.discovery.peers import PeerTable
+from agent.runtime.context import RuntimeContext
+from agent.transport.memory import MemoryNetwork, run_virtual
+
+
+def _ctx(net, nid, graph=None):
+    return RuntimeContext(
+        node_id=nid, federation="f", transport=net.transport(nid, "f"), peers=PeerTable(nid, "f"), data=None,
+        model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0), graph_neighbours=graph,
+    )
+
+
+def _scenario(catch_up=True, kill=False, graph=None):
+    net = MemoryNetwork()
+    ctxs = {nid: _ctx(net, nid, graph if nid == "me" else None) for nid in ("me", "ahead", "far")}
+    ctxs["me"].catch_up = catch_up
+
+    async def main():
+        for c in ctxs.values():
+            await c.start()
+        for r in (33, 34):  # "ahead" completed round 33 and sent its round-34 update
+            await ctxs["ahead"].send("me", Message("model", r, {"x": np.ones(2, np.float32)}))
+        await ctxs["far"].send("me", Message("model", 90, {"x": np.ones(2, np.float32)}))
+        await asyncio.sleep(0.05)
+        if kill:
+            net.kill("ahead")
+            net.kill("far")
+            await asyncio.sleep(0.05)
+        return ctxs["me"].catch_up_round(16), ctxs["me"].catch_up_round(40)
+
+    return run_virtual(main()), ctxs["me"]
+
+
+def test_skips_to_one_past_the_neighbours_round():
+    (nxt, later), me = _scenario(graph=["ahead"])  # "far" is not a neighbour: ignored
+    assert nxt == 34 and later == 40
+    assert me.caught_up == 34 - 16
+
+
+def test_no_skip_when_off_or_the_evidence_left():
+    assert _scenario(catch_up=False)[0] == (16, 40)
+    assert _scenario(kill=True)[0] == (16, 40)
+
+
+class _Rounds(Algorithm):
+    name = ""
+
+    async def setup(self):
+        pass
+
+    async def round(self, t):
+        return {}
+
+    def catches_up(self):
+        return True
+
+
+class _Ctx:
+    def __init__(self, jumps):
+        self.jumps, self.ended = jumps, []
+
+    async def end_round(self, t, **info):
+        self.ended.append(t)
+
+    def catch_up_round(self, next_round):
+        return self.jumps.get(next_round, next_round)
+
+
+def test_run_follows_catch_up_round():
+    ctx = _Ctx({3: 7})
+    alg = _Rounds.__new__(_Rounds)
+    alg.ctx = ctx
+    asyncio.run(alg.run(9, start_round=1))
+    assert ctx.ended == [1, 2, 7, 8, 9]
