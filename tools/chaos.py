@@ -66,6 +66,9 @@ class ChaosOptions:
     #: which keeps short CI runs independent of the machine's speed
     schedule: str = "time"
     start_timeout: float = 180.0
+    #: give up after this many seconds (0: a budget from rounds and round_timeout); a
+    #: run that stops here reports ``completed = false`` with every node's state
+    max_seconds: float = 0.0
 
 
 def _config(o: ChaosOptions, fed: str, nid: str, i: int, broker: str, state: Path, fed_pub: str) -> dict[str, Any]:
@@ -193,7 +196,7 @@ def run_chaos(o: ChaosOptions, log=print) -> dict[str, Any]:
 
             for nid in ids:
                 launch(nid)
-            budget = o.start_timeout + o.rounds * (2 * o.round_timeout + 30) + o.chaos_seconds
+            budget = o.max_seconds or o.start_timeout + o.rounds * (2 * o.round_timeout + 30) + o.chaos_seconds
             deadline = time.monotonic() + budget
             while time.monotonic() < deadline and not all(rounds_done(n) >= 1 for n in ids):
                 if any(p.poll() is not None for p in procs.values()):

@@ -129,6 +129,7 @@ class RuntimeContext:
         #: fault tolerance (``runtime.rejoin``, set by the daemon): lock-step algorithms
         #: skip ahead when buffered updates show the neighbours rounds ahead
         self.catch_up = False
+        self.latest_round: dict[str, int] = {}  # peer -> highest round of an accepted message from it
         self.caught_up = 0  # rounds skipped to catch up with the neighbours
         self.gate: Callable[[], str | None] | None = None  # None = may train, else the reason
         self.gate_poll = 5.0  # seconds between gate checks while gated
@@ -204,6 +205,8 @@ class RuntimeContext:
             self._drop("stale", f"round {msg.round} < {self.current_round - 1}", msg.sender)
             return
         msg.wire_bytes = wire_bytes
+        if msg.round > self.latest_round.get(msg.sender, -1):
+            self.latest_round[msg.sender] = msg.round
         self.bytes_received_by_kind[msg.kind] += wire_bytes
         self._round_received[msg.kind] += wire_bytes
         self.peers.touch(msg.sender)
@@ -398,10 +401,9 @@ class RuntimeContext:
     def catch_up_round(self, next_round: int) -> int:
         if not self.catch_up:
             return next_round
-        # evidence: signed updates of later rounds already buffered from live neighbours
-        # (a round-r update shows that its sender completed round r - 1)
-        neighbours = set(self.neighbours())
-        ahead = max((m.round - 1 for m in self._buffer if m.sender in neighbours), default=0)
+        # evidence: signed updates of later rounds received from live neighbours (a
+        # round-r update shows that its sender completed round r - 1)
+        ahead = max((self.latest_round.get(p, 0) - 1 for p in self.neighbours()), default=0)
         if ahead < next_round:
             return next_round
         self.caught_up += ahead + 1 - next_round

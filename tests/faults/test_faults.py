@@ -22,7 +22,7 @@ def test_kill_restart_and_broker_restart(tmp_path):
     # torch import, data) to rejoin; the broker restart comes when all three run again
     o = ChaosOptions(out=str(tmp_path / "chaos"), nodes=3, rounds=100, round_timeout=8.0, schedule="rounds",
                      kill_every=3, chaos_seconds=3, broker_restart_at=10, restart_delay=1.0, seed=1,
-                     start_timeout=90.0)
+                     start_timeout=90.0, max_seconds=300.0)  # a stalled run fails with its report, not the pytest-timeout
     r = run_chaos(o, log=lambda *a: None)
     kills = [e for e in r["events"] if e["event"] == "kill"]
     assert kills and any(e["event"] == "broker_restart" for e in r["events"]), r["events"]

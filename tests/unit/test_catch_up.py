@@ -33,6 +33,9 @@ def _scenario(catch_up=True, kill=False, graph=None):
             await ctxs["ahead"].send("me", Message("model", r, {"x": np.ones(2, np.float32)}))
         await ctxs["far"].send("me", Message("model", 90, {"x": np.ones(2, np.float32)}))
         await asyncio.sleep(0.05)
+        me = ctxs["me"]
+        while (await me.receive("model", deadline=0.0)) is not None:  # a market took them: still evidence
+            pass
         if kill:
             net.kill("ahead")
             net.kill("far")
