@@ -46,10 +46,11 @@ class Runs:
         lr = lr if lr is not None else self.lr(setting, method)
         return None if lr is None else self.data.get(self.run_name(setting, method, lr, seed, variant))
 
-    def vals(self, setting: str, method: str, key: str = "global_accuracy", variant: str = "") -> dict[int, float]:
+    def vals(self, setting: str, method: str, key: str = "global_accuracy", variant: str = "",
+             lr: float | None = None) -> dict[int, float]:
         out = {}
         for s in self.seeds:
-            v = _final(self.get(setting, method, s, variant), key)
+            v = _final(self.get(setting, method, s, variant, lr), key)
             if v is not None:
                 out[s] = v
         return out
@@ -168,6 +169,21 @@ def write_report(runs: Path, out: Path) -> None:
                          f"{_ms(list(v.values()))} | "
                          f"{_ms(list(R.vals(st, 'dfml', 'regular_global_accuracy', variant).values()))} | "
                          f"{_ms(list(R.vals(st, 'dfml', 'local_accuracy', variant).values()))} |")
+
+    # sensitivity: the α schedule at the other lr that validation nearly tied (0.01 vs the chosen 0.001)
+    st, lr = "digits-noniid-H2", 0.01
+    if R.lr(st, "dfml") not in (None, lr) and R.vals(st, "dfml", variant="abl_wsm_fixed", lr=lr):
+        lines += ["", f"### Sensitivity: fixed vs cyclic α at lr {lr:g}, digits non-IID, H2",
+                  "", f"Validation accuracy nearly tied lr 0.01 and 0.001 for DFML here (see `lr_selection.md`); "
+                  f"command: `nice -n 10 .venv/bin/python bench/dfml/run.py ablation --lr {lr:g} --variants abl_wsm_fixed`.",
+                  "", "| variant | DFML peak (%) | per seed | DFML regular (%) | validation (%) |", "|---|---|---|---|---|"]
+        for label, variant in (("WSM, cyclic α (default)", ""), ("WSM, fixed α", "abl_wsm_fixed")):
+            v = R.vals(st, "dfml", variant=variant, lr=lr)
+            if v:
+                lines.append(f"| {label} | {_ms(list(v.values()))} | "
+                             f"{', '.join(f'{100 * x:.1f}' for x in v.values())} | "
+                             f"{_ms(list(R.vals(st, 'dfml', 'regular_global_accuracy', variant, lr).values()))} | "
+                             f"{_ms(list(R.vals(st, 'dfml', 'local_accuracy', variant, lr).values()))} |")
 
     har = "har-byuser-H2"
     if any(R.vals(har, m) for m in ("dfml", "dfedavg", "local")):

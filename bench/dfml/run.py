@@ -103,11 +103,15 @@ def grid_runs(seeds=SEEDS[1:]) -> list[tuple[str, dict]]:
     return g
 
 
-def ablation_runs(seeds=SEEDS, variants=tuple(ABLATION), setting: str = "digits-noniid-H2") -> list[tuple[str, dict]]:
-    lr = _chosen()[f"{setting}/dfml"]
+def ablation_runs(seeds=SEEDS, variants=tuple(ABLATION), setting: str = "digits-noniid-H2",
+                  lr: float | None = None) -> list[tuple[str, dict]]:
+    """The ablation's runs at DFML's chosen lr, or at ``lr`` (a sensitivity check; the
+    default variant, WSM with cyclic α, then runs at that lr too)."""
+    table = dict(ABLATION) if lr is None else {"": {}, **ABLATION}
+    lr = _chosen()[f"{setting}/dfml"] if lr is None else lr
     kw = settings()[setting]
     return [(run_name(setting, "dfml", lr, seed, variant), dict(kw, algorithm="dfml", seed=seed, lr=lr, options=opts))
-            for seed in seeds for variant, opts in ABLATION.items() if variant in variants]
+            for seed in seeds for variant, opts in table.items() if variant in variants or not variant]
 
 
 # H1-resnet at a smaller scale (the ResNet18 at full width is ~2.8 M parameters): 10 nodes, 11 rounds (end of
@@ -149,6 +153,7 @@ def main() -> int:
     p.add_argument("--seeds", help="comma-separated seeds (grid: default 1,2; ablation: default 0,1,2)")
     p.add_argument("--variants", help="comma-separated ablation variants (default: all of ABLATION)")
     p.add_argument("--setting", default="digits-noniid-H2", help="ablation: the setting (default digits-noniid-H2)")
+    p.add_argument("--lr", type=float, help="ablation: this lr instead of DFML's chosen one (sensitivity)")
     a = p.parse_args()
     seeds = tuple(int(x) for x in a.seeds.split(",")) if a.seeds else None
     if a.stage == "select":
@@ -159,7 +164,7 @@ def main() -> int:
         run_all(resnet_runs(), a.only)
     elif a.stage == "ablation":
         run_all(ablation_runs(seeds or SEEDS, tuple(a.variants.split(",")) if a.variants else tuple(ABLATION),
-                              a.setting),
+                              a.setting, a.lr),
                 a.only)
     else:
         from bench.dfml.report import write_report
