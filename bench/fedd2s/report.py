@@ -16,6 +16,7 @@ OUT = Path(__file__).resolve().parent / "results"
 ORDER = ("fedd2s", "fedper", "fedavg", "local", "local_rho")
 Z0_DEFAULT = {0.1: 3, 0.5: 5, 1.0: 7}
 MAIN_SEEDS = {"digits": {0, 1}, "har": {0, 1}}  # the seeds of the main table (run.py SCALE)
+MAIN_ROUNDS = {"digits": 60, "har": 30}  # the rounds of the main tables (run.py SCALE)
 
 
 def _ms(vals: list[float]) -> str:
@@ -99,12 +100,16 @@ def main() -> None:
              "(each node's deployed model on its own held-out 20 % split, mean over the evaluated rounds "
              "among the last 10 — rounds R−5 and R with `eval_every = 5` — then over the 20 nodes).", ""]
     lines += _ua_table(main_runs, "UA by method, E = 1")
-    e4 = [r for r in runs if _is_e4(r)]
+    e4_all = [r for r in runs if _is_e4(r)]
+    e4 = [r for r in e4_all if r["rounds"] == MAIN_ROUNDS[r["dataset"]]]
     full = {r["dataset"] for r in e4 if r["method"] == "fedd2s" and r["seed"] == 2}  # data sets run by main-e4
     e4 = [r for r in e4 if r["dataset"] in full]
     if e4:
         lines += _ua_table(e4, "UA by method, the seed's E = 4 (fedd2s: 4 passes per phase; fedper, fedavg, "
                            "local_rho: 4 local epochs per participation; local: 1 epoch every round)")
+    long = [r for r in e4_all if r["rounds"] == 100]
+    if long:
+        lines += _ua_table(long, "UA by method, E = 4, 100 rounds (`run.py --part main-e4 --alphas 0.1 --rounds 100`)")
     # -- fairness histogram
     lines += ["## Fairness: nodes per UA decile (α = 0.1, all seeds pooled)", "",
               "| data | method | " + " | ".join(f"{10 * i}–{10 * i + 10}" for i in range(10)) + " |",

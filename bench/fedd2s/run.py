@@ -26,6 +26,7 @@ re-run), then ``report.py`` writes ``results.md`` and the plots.
 Usage (from the repository root)::
 
     nice -n 10 .venv/bin/python bench/fedd2s/run.py --part main
+    nice -n 10 .venv/bin/python bench/fedd2s/run.py --part main-e4 --alphas 0.1 --rounds 100   # longer horizon
     nice -n 10 .venv/bin/python bench/fedd2s/run.py --part z0
     nice -n 10 .venv/bin/python bench/fedd2s/run.py --part epochs
     nice -n 10 .venv/bin/python bench/fedd2s/run.py --part epochs-seed1
@@ -123,6 +124,8 @@ def main() -> None:
                     default="main")
     ap.add_argument("--seeds", default="0,1,2", help="main-e4: comma-separated seeds")
     ap.add_argument("--datasets", default="digits,har")
+    ap.add_argument("--alphas", default="0.1,0.5,1", help="main-e4: comma-separated Dirichlet α")
+    ap.add_argument("--rounds", type=int, default=0, help="main-e4: rounds (0: the data set's SCALE)")
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args()
     out = Path(a.out)
@@ -142,9 +145,10 @@ def main() -> None:
     if a.part in ("main-e4", "all"):  # the seed's Table 2 setting: E = 4 passes per phase / local epochs, 3 seeds
         for ds in a.datasets.split(","):
             for seed in (int(x) for x in a.seeds.split(",")):
-                for alpha in (0.1, 0.5, 1.0):
+                for alpha in (float(x) for x in a.alphas.split(",")):
                     for m in METHODS:
-                        plan.append((ds, alpha, seed, m, SCALE[ds]["rounds"], None, 1 if m == "local" else 4))
+                        plan.append((ds, alpha, seed, m, a.rounds or SCALE[ds]["rounds"], None,
+                                     1 if m == "local" else 4))
     if a.part in ("z0", "all"):
         for alpha in (0.1, 1.0):
             for z0 in (1, 3, 7, 100):
