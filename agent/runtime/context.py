@@ -127,7 +127,7 @@ class RuntimeContext:
         self.excluded: dict[str, str] = {}  # peer -> why it is excluded (incompatible)
         self.peer_gated: dict[str, str] = {}  # peer -> its gating reason (from its status)
         #: fault tolerance (``runtime.rejoin``, set by the daemon): lock-step algorithms
-        #: skip ahead when buffered updates show the neighbours rounds ahead
+        #: skip ahead when updates received from the neighbours show them rounds ahead
         self.catch_up = False
         self.latest_round: dict[str, int] = {}  # peer -> highest round of an accepted message from it
         self.caught_up = 0  # rounds skipped to catch up with the neighbours

@@ -365,24 +365,19 @@ class Agent:
         fresh status reports, or that a finished peer reports (1 when none).  The model
         starts from its initialisation (no checkpoint): the next aggregation brings it
         close to its neighbours'."""
-        start = self._peer_round(self.ctx.live_peers(), finished=True) + 1
+        import time as _time
+
+        live = set(self.ctx.live_peers())
+        limit = self.cfg.discovery.heartbeat_timeout
+        rounds = [  # statuses are unsigned JSON: malformed values count as 0
+            _as_round(s.get("round")) for nid, s in dict(self.ctx.transport.statuses).items()
+            if s.get("state") == "finished"
+            or (nid in live and s.get("state") == "running" and _time.time() - _as_float(s.get("time")) <= limit)
+        ]
+        start = max(rounds, default=0) + 1
         if start > 1:
             log.info("rejoining the federation at round %d", start)
         return start
-
-    def _peer_round(self, peers: list[str], finished: bool = False) -> int:
-        """The highest round that the fresh status of a running peer among ``peers``
-        reports completed (with ``finished``: or any finished peer's); 0 when none."""
-        import time as _time
-
-        live = set(peers)
-        limit = self.cfg.discovery.heartbeat_timeout
-        rounds = [
-            _as_round(s.get("round")) for nid, s in dict(self.ctx.transport.statuses).items()
-            if (finished and s.get("state") == "finished")
-            or (nid in live and s.get("state") == "running" and _time.time() - _as_float(s.get("time")) <= limit)
-        ]
-        return max(rounds, default=0)
 
     async def _wait_for_peers(self, stop: asyncio.Event) -> bool:
         """Wait until ``discovery.min_peers`` peers are live or ``start_timeout`` passes.
