@@ -164,6 +164,8 @@ class RuntimeContext:
             fields = {k: v for k, v in descriptor.items() if isinstance(v, (str, int, float))}
             fields.pop("node_id", None)
             self.peers.upsert(node_id, "presence", **fields)
+            if node_id != self.node_id:
+                self._compatible(node_id)  # exclude an incompatible peer as soon as it is seen
         self._notify()
 
     def _drop(self, reason: str, detail: str, sender: str = "?") -> None:
@@ -336,6 +338,11 @@ class RuntimeContext:
     def _participates(self, peer: str) -> bool:
         if self.peer_gated.get(peer):
             return False
+        return self._compatible(peer)
+
+    def _compatible(self, peer: str) -> bool:
+        """Whether ``peer``'s advertised model can take part (``compatibility``);
+        an incompatible peer is excluded (and counted) the first time it is seen."""
         if self.compatibility is None:
             return True
         if peer in self.excluded:
@@ -412,7 +419,7 @@ class RuntimeContext:
         return ahead + 1
 
     def is_neighbour(self, peer: str) -> bool:
-        if peer == self.node_id or peer in self.excluded or self.peers.get(peer) is None:
+        if peer == self.node_id or self.peers.get(peer) is None or not self._compatible(peer):
             return False
         if self.graph_neighbours is not None and peer not in self.graph_neighbours:
             return False

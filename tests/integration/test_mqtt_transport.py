@@ -163,6 +163,8 @@ async def test_large_frame_is_chunked_within_limit(make, federation):
             frame = _frame(3_000_000)
             n = await a.t.send("B", frame)
             await wait_until(lambda: b.frames, timeout=15, what="3 MB frame")
+            # the spy is another subscriber: its copy of the last chunk may come later
+            await wait_until(lambda: sum(spy.sizes) >= n, timeout=5, what="spy saw every chunk")
             got, wire = b.frames[0]
             assert got == frame
             assert wire == n == sum(spy.sizes) == b.t.stats.bytes_received

@@ -125,6 +125,39 @@ def test_update_of_a_neighbour_that_left_since_counts(strategy):
     assert ctxs["me"].rejected["not_neighbour"] == 1  # the outsider
 
 
+@pytest.mark.parametrize("strategy", [None, "min_one_from_each"])
+def test_incompatible_peer_first_seen_during_collection_is_excluded(strategy):
+    """A peer whose incompatible model (``compatibility``) is first noticed when its
+    update arrives mid-collection is excluded then, not passed to aggregation."""
+    from agent.algorithms.fedavg import collect_round
+
+    net = MemoryNetwork()
+    ctxs = {nid: _ctx(net, nid) for nid in ("me", "ok", "big")}
+    ctxs["me"].compatibility = lambda info: "other architecture" if info.node_id == "big" else None
+    template = {"x": np.zeros(2, np.float32)}
+
+    async def collect():
+        if strategy is None:
+            return set((await collect_round(ctxs["me"], "model", 1, 10.0, 0.5, template))[0])
+        return set((await UpdateMarket(strategy).collect(ctxs["me"], "model", 1, deadline=10.0, poll=0.5)).taken)
+
+    async def main():
+        await ctxs["me"].start()
+        await ctxs["ok"].start()
+        task = asyncio.create_task(collect())  # "big" is not known yet when collection starts
+        await asyncio.sleep(0.1)
+        await ctxs["big"].start()
+        await ctxs["big"].send("me", Message("model", 1, {"x": np.ones(5, np.float32)}, meta={"samples": 1}))
+        await asyncio.sleep(0.1)
+        await ctxs["ok"].send("me", Message("model", 1, {"x": np.ones(2, np.float32)}, meta={"samples": 1}))
+        return await task
+
+    assert run_virtual(main()) == {"ok"}
+    me = ctxs["me"]
+    assert me.excluded == {"big": "other architecture"}
+    assert me.rejected["incompatible"] == 0
+
+
 def test_every_strategy_is_covered():
     assert {c[0] for c in CASES} == set(STRATEGIES)
 
