@@ -123,6 +123,7 @@ class RuntimeSection:
     prometheus_port: int = 0
     prometheus_address: str = "127.0.0.1"
     rejoin: bool = False
+    pause_when_disconnected: bool = True
 
 
 @dataclasses.dataclass

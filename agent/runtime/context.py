@@ -135,6 +135,11 @@ class RuntimeContext:
         self.gate_poll = 5.0  # seconds between gate checks while gated
         self.gated: str | None = None  # this node's current gating reason
         self.gate_hook: Callable[[str | None], Awaitable[None]] | None = None  # on change
+        #: ``runtime.pause_when_disconnected`` (set by the daemon): no training while the
+        #: transport has lost its broker, instead of running rounds alone
+        self.pause_when_disconnected = False
+        self.reconnect_poll = 0.5  # seconds between connection checks while paused
+        self.disconnected_seconds = 0.0  # time spent paused for a lost broker connection
         # -- compression and byte accounting (issue 8) --
         self.compression = compression
         self.compression_rng = np.random.default_rng([init_seed, 0xC0DEC])
@@ -379,7 +384,10 @@ class RuntimeContext:
         """Return when resource gating allows training; meanwhile report the reason.
 
         Checks ``gate`` now and then every ``gate_poll`` seconds; each change of the
-        reason is logged and passed to ``gate_hook`` (the node republishes its status)."""
+        reason is logged and passed to ``gate_hook`` (the node republishes its status).
+        First, with ``pause_when_disconnected``, waits for a lost broker connection to
+        come back (:meth:`wait_for_broker`)."""
+        await self.wait_for_broker()
         if self.gate is None:
             return
         while True:
@@ -397,6 +405,27 @@ class RuntimeContext:
             if reason is None:
                 return
             await self.clock.sleep(self.gate_poll)
+
+    async def wait_for_broker(self) -> None:
+        """With ``pause_when_disconnected``: return once the transport is connected.
+
+        A node cut off from its broker hears nothing from its peers; without the pause it
+        would train and close rounds alone until it reconnects (and then has to catch
+        up).  While paused, :attr:`gated` says why and :attr:`disconnected_seconds`
+        grows (status ``paused_disconnected_s``).  A transport without a ``connected``
+        attribute (the simulator's) never pauses."""
+        if not self.pause_when_disconnected or getattr(self.transport, "connected", True):
+            return
+        since = self.clock.now()
+        previous, self.gated = self.gated, "not connected to the MQTT broker"
+        log.warning("%s: training paused: not connected to the MQTT broker", self.node_id)
+        try:
+            while not getattr(self.transport, "connected", True):
+                await self.clock.sleep(self.reconnect_poll)
+        finally:
+            self.gated = previous
+            self.disconnected_seconds += self.clock.now() - since
+        log.info("%s: training resumed: connected again after %.1f s", self.node_id, self.clock.now() - since)
 
     def neighbours(self) -> list[str]:
         live = self.live_peers()

@@ -189,6 +189,7 @@ class Agent:
         ctx.compatibility = peer_incompatibility(algo_cls.name, spec_hash(spec))
         ctx.gate = ResourceGate(profile.limits, profile.training.windows, psutil_mod=self.psutil)
         ctx.gate_poll = profile.limits.poll_interval_s
+        ctx.pause_when_disconnected = cfg.runtime.pause_when_disconnected
         metrics_path = Path(cfg.runtime.metrics_file or self.state_dir / "metrics.jsonl")
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
         metrics_file = open(metrics_path, "a", encoding="utf-8")

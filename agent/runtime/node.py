@@ -176,6 +176,7 @@ class Node:
             "bytes_received": counters["bytes_received"],
             "errors": counters["dropped"],
             "rounds_skipped": self.ctx.caught_up,  # catching up with the neighbours (runtime.rejoin)
+            "paused_disconnected_s": round(self.ctx.disconnected_seconds, 1),  # runtime.pause_when_disconnected
             **{k: v for k, v in self.ctx.byte_accounting().items()
                if k in ("bytes_sent_by_kind", "compression_ratio", "round_bytes_sent", "round_bytes_sent_by_kind")},
             **{k: v for k, v in last.items() if k.endswith("_global_accuracy")},  # e.g. DFML's regular model

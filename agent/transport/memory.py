@@ -100,6 +100,17 @@ class MemoryNetwork:
             t.online = False
             self._announce(node_id, None)
 
+    def reconnect(self, node_id: str) -> None:
+        """Bring ``node_id`` back after :meth:`kill` (a connection that came back): it
+        announces itself again and learns who is online, as from retained presence."""
+        t = self._nodes[node_id]
+        if not t.online and t.on_frame is not None and t.on_presence is not None:
+            t.online = True
+            self._announce(node_id, t.descriptor)
+            for other_id, other in self._nodes.items():
+                if other_id != node_id and other.online:
+                    t.on_presence(other_id, other.descriptor)
+
     def deliver_raw(self, node_id: str, frame: bytes) -> None:
         """Inject raw bytes into ``node_id``'s inbox (for tests of bad input)."""
         self._deliver(node_id, frame)
@@ -139,6 +150,11 @@ class MemoryTransport(Transport):
         self.on_frame: FrameHandler | None = None
         self.on_presence: PresenceHandler | None = None
         self.last_status: dict[str, Any] = {}
+
+    @property
+    def connected(self) -> bool:
+        """Whether this endpoint is attached (not killed or stopped)."""
+        return self.online
 
     async def start(self, on_frame: FrameHandler, on_presence: PresenceHandler) -> None:
         self.on_frame, self.on_presence = on_frame, on_presence

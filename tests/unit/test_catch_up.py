@@ -93,3 +93,47 @@ def test_malformed_status_rounds_count_as_zero():
 
     assert [_as_round(v) for v in (7, "7", None, "x", [1], -3)] == [7, 7, 0, 0, 0, 0]
     assert [_as_float(v) for v in (1.5, "2", None, "x", {})] == [1.5, 2.0, 0.0, 0.0, 0.0]
+
+
+def test_training_pauses_while_disconnected_from_the_broker():
+    """``runtime.pause_when_disconnected``: a node that lost its broker does not train
+    (and so does not run rounds alone) until the connection is back; the pause is
+    reported as ``gated`` while it lasts and summed in ``disconnected_seconds``."""
+    net = MemoryNetwork()
+    ctxs = {nid: _ctx(net, nid) for nid in ("me", "peer")}
+    me = ctxs["me"]
+    me.pause_when_disconnected = True
+    trained: list[float] = []
+    seen: dict[str, object] = {}
+
+    async def main():
+        for c in ctxs.values():
+            await c.start()
+        await me.compute(lambda: trained.append(me.clock.now()))  # connected: no pause
+        net.kill("me")  # the broker connection drops
+        task = asyncio.ensure_future(me.compute(lambda: trained.append(me.clock.now())))
+        await asyncio.sleep(10.0)
+        seen["gated"], seen["done"] = me.gated, task.done()
+        net.reconnect("me")
+        await task
+        seen["peers"] = me.live_peers()
+
+    run_virtual(main())
+    assert seen["gated"] == "not connected to the MQTT broker" and seen["done"] is False
+    assert len(trained) == 2 and trained[1] >= 10.0
+    assert me.gated is None and 10.0 <= me.disconnected_seconds <= 10.0 + me.reconnect_poll
+    assert seen["peers"] == ["peer"]  # the peer is known again after reconnecting
+
+
+def test_no_pause_when_off():
+    net = MemoryNetwork()
+    me = _ctx(net, "me")
+    trained = []
+
+    async def main():
+        await me.start()
+        net.kill("me")
+        await me.compute(lambda: trained.append(1))
+
+    run_virtual(main())
+    assert trained == [1] and me.disconnected_seconds == 0.0
