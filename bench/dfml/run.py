@@ -52,6 +52,8 @@ ABLATION = {
     "abl_ce_fixed": {"supervision": "ce", "alpha_mode": "fixed"},
     "abl_ce_cyclic": {"supervision": "ce"},
     "abl_wsm_fixed": {"alpha_mode": "fixed"},
+    "abl_wsm_fixed0.9": {"alpha_mode": "fixed", "alpha_fixed": 0.9},  # fixed at cyclic α's maximum
+    "abl_wsm_fixed0.2": {"alpha_mode": "fixed", "alpha_fixed": 0.2},
     "amax1.0": {"alpha_max": 1.0},
     "amax0.8": {"alpha_max": 0.8},
     "shape_full": {"alpha_shape": "full"},
