@@ -412,8 +412,8 @@ class RuntimeContext:
         A node cut off from its broker hears nothing from its peers; without the pause it
         would train and close rounds alone until it reconnects (and then has to catch
         up).  While paused, :attr:`gated` says why and :attr:`disconnected_seconds`
-        grows (status ``paused_disconnected_s``).  A transport without a ``connected``
-        attribute (the simulator's) never pauses."""
+        grows (status ``paused_disconnected_s``).  The simulator leaves the option off;
+        a transport without a ``connected`` attribute never pauses."""
         if not self.pause_when_disconnected or getattr(self.transport, "connected", True):
             return
         since = self.clock.now()

@@ -122,7 +122,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=("main", "main-e4", "z0", "epochs", "epochs-seed1", "reference", "all"),
                     default="main")
-    ap.add_argument("--seeds", default="0,1,2", help="main-e4: comma-separated seeds")
+    ap.add_argument("--seeds", default="0,1,2", help="main-e4 and z0: comma-separated seeds")
     ap.add_argument("--datasets", default="digits,har")
     ap.add_argument("--alphas", default="0.1,0.5,1", help="main-e4: comma-separated Dirichlet α")
     ap.add_argument("--rounds", type=int, default=0, help="main-e4: rounds (0: the data set's SCALE)")
@@ -150,9 +150,10 @@ def main() -> None:
                         plan.append((ds, alpha, seed, m, a.rounds or SCALE[ds]["rounds"], None,
                                      1 if m == "local" else 4))
     if a.part in ("z0", "all"):
-        for alpha in (0.1, 1.0):
-            for z0 in (1, 3, 7, 100):
-                plan.append(("digits", alpha, 0, "fedd2s", SCALE["digits"]["rounds"], z0, 1))
+        for seed in (int(x) for x in a.seeds.split(",")):
+            for alpha in (0.1, 1.0):
+                for z0 in (1, 3, 7, 100):
+                    plan.append(("digits", alpha, seed, "fedd2s", SCALE["digits"]["rounds"], z0, 1))
     if a.part in ("epochs", "all"):  # the seed's E = 4 passes per phase / local epochs (fedd2s vs fedper)
         for ds in ("digits", "har"):
             for m in ("fedd2s", "fedper"):
