@@ -134,7 +134,7 @@ def main() -> None:
     # -- Z0 sensitivity
     z = [r for r in runs if r["dataset"] == "digits" and r["method"] == "fedd2s" and r["rounds"] == 60
          and "c2s_epochs" not in r["options"]]
-    z0s = sorted({r["options"]["z0"] for r in z if r["seed"] == 0})
+    z0s = sorted({r["options"]["z0"] for r in z if r["seed"] == 0 and r["alpha"] in (0.1, 1.0)})
     z = [r for r in z if r["options"]["z0"] in z0s and r["alpha"] in (0.1, 1.0)]
     if z0s:
         zseeds = sorted({r["seed"] for r in z})
