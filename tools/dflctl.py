@@ -173,7 +173,8 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
 
 def status_rows(statuses: dict[str, Any], now: float | None = None) -> list[dict[str, Any]]:
     """One summary row per status document: round, role, α or threshold state, last
-    synchronization, accuracy, bytes and errors (missing fields are None)."""
+    synchronization, accuracy, bytes, errors, and the fault counters ``rounds_skipped``
+    and ``paused_disconnected_s`` (missing fields are None)."""
     now = time.time() if now is None else now
     rows = []
     for nid in sorted(statuses):
@@ -188,6 +189,8 @@ def status_rows(statuses: dict[str, Any], now: float | None = None) -> list[dict
             "accuracy": s.get("global_accuracy"), "local_accuracy": s.get("local_accuracy"),
             "bytes_sent": s.get("bytes_sent"), "bytes_received": s.get("bytes_received"),
             "errors": sum(v for v in errors.values() if isinstance(v, (int, float))), "errors_by_reason": errors,
+            # fault tolerance: rounds skipped to catch up, seconds paused without a broker
+            "rounds_skipped": s.get("rounds_skipped"), "paused_disconnected_s": s.get("paused_disconnected_s"),
         })
     return rows
 

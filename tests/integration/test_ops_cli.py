@@ -112,7 +112,8 @@ def test_peer_and_status_rows_tolerate_missing_fields():
                                                                          "compatibility": "ok"}},
                 "b": {"state": "offline"}, "c": {"state": "online", "time": now - 100}}
     statuses = {"a": {"round": 3, "time": now - 2, "alpha_n": 0.5, "role": "aggregator", "global_accuracy": 0.8,
-                      "errors": {"malformed": 2}, "last_synchronization": 12.5},
+                      "errors": {"malformed": 2}, "last_synchronization": 12.5, "rounds_skipped": 4,
+                      "paused_disconnected_s": 1.5},
                 "d": {}}
     rows = {r["node_id"]: r for r in peer_rows(statuses, presence, now=now)}
     assert rows["a"]["state"] == "online" and rows["a"]["address"] == "h:1" and rows["a"]["compatibility"] == "ok"
@@ -120,7 +121,8 @@ def test_peer_and_status_rows_tolerate_missing_fields():
     assert rows["c"]["state"] == "stale" and rows["d"]["state"] == "unknown"
     st = {r["node_id"]: r for r in status_rows(statuses, now=now)}
     assert st["a"]["sync_state"] == {"alpha_n": 0.5} and st["a"]["errors"] == 2 and st["a"]["accuracy"] == 0.8
-    assert st["d"]["round"] is None
+    assert st["a"]["rounds_skipped"] == 4 and st["a"]["paused_disconnected_s"] == 1.5
+    assert st["d"]["round"] is None and st["d"]["rounds_skipped"] is None
 
 
 def test_watch_json_and_status_views(mosquitto_broker, federation, capsys):
