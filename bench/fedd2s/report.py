@@ -107,9 +107,14 @@ def main() -> None:
     if e4:
         lines += _ua_table(e4, "UA by method, the seed's E = 4 (fedd2s: 4 passes per phase; fedper, fedavg, "
                            "local_rho: 4 local epochs per participation; local: 1 epoch every round)")
-    long = [r for r in e4_all if r["rounds"] == 100]
+    long = [r for r in e4_all if r["rounds"] == 100 and r.get("nodes", 20) == 20]
     if long:
         lines += _ua_table(long, "UA by method, E = 4, 100 rounds (`run.py --part main-e4 --alphas 0.1 --rounds 100`)")
+    fifty = [r for r in e4_all if r["rounds"] == 100 and r.get("nodes", 20) == 50]
+    if fifty:
+        lines += _ua_table(fifty, "UA by method, 50 nodes (the seed's count; ~147 training windows per node), E = 4, "
+                           "100 rounds (`run.py --part main-e4 --datasets har --rounds 100 --nodes 50 "
+                           "--methods fedd2s,fedavg,local,fedper`)")
     # -- fairness histogram
     lines += ["## Fairness: nodes per UA decile (α = 0.1, all seeds pooled)", "",
               "| data | method | " + " | ".join(f"{10 * i}–{10 * i + 10}" for i in range(10)) + " |",
@@ -209,6 +214,7 @@ def _plots(main_runs: list[dict], z: list[dict]) -> None:
     plt.close(fig)
     if z:
         fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+        z0s = sorted({r["options"]["z0"] for r in z})
         for a in (0.1, 1.0):
             pts = [(v, [100 * r["ua"] for r in z if r["alpha"] == a and r["options"]["z0"] == v]) for v in z0s]
             pts = [(v, u) for v, u in pts if u]

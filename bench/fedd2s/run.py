@@ -81,10 +81,10 @@ def options_for(method: str, alpha: float, z0: int | None = None, epochs: int = 
 
 
 def run_one(dataset: str, alpha: float, seed: int, method: str, rounds: int, z0: int | None = None,
-            eval_every: int = 5, epochs: int = 1) -> dict[str, Any]:
+            eval_every: int = 5, epochs: int = 1, nodes: int = 20) -> dict[str, Any]:
     algo = METHODS[method][0]
     opts = options_for(method, alpha, z0, epochs)
-    cfg = SimConfig(algorithm=algo, nodes=20, rounds=rounds, dataset=dataset, partition="dirichlet", beta=alpha,
+    cfg = SimConfig(algorithm=algo, nodes=nodes, rounds=rounds, dataset=dataset, partition="dirichlet", beta=alpha,
                     seed=seed, model_spec=spec_for(dataset), train=TrainConfig(batch_size=32), options=opts,
                     eval_every=eval_every, threads=1)
     t0 = time.time()
@@ -92,7 +92,7 @@ def run_one(dataset: str, alpha: float, seed: int, method: str, rounds: int, z0:
     ua = s["user_accuracy"]
     return {
         "dataset": dataset, "alpha": alpha, "seed": seed, "method": method, "algorithm": algo, "options": opts,
-        "rounds": rounds, "eval_every": eval_every, "ua": ua["mean"], "ua_std_nodes": ua["std"],
+        "nodes": nodes, "rounds": rounds, "eval_every": eval_every, "ua": ua["mean"], "ua_std_nodes": ua["std"],
         "ua_per_node": ua["per_node"], "histogram": ua["histogram"],
         "global_accuracy": s["global_accuracy"]["mean"], "bytes_sent": s["bytes_sent"],
         "bytes_per_round": s["bytes_sent"] / rounds, "curve_round": s["curve"]["round"],
@@ -115,7 +115,9 @@ def reference(out: Path) -> None:
 
 
 def key(r: dict[str, Any]) -> tuple:
-    return (r["dataset"], r["alpha"], r["seed"], r["method"], r["rounds"], json.dumps(r["options"], sort_keys=True))
+    """A run's identity (records written before ``--nodes`` existed ran 20 nodes)."""
+    return (r["dataset"], r["alpha"], r["seed"], r["method"], r["rounds"], json.dumps(r["options"], sort_keys=True),
+            r.get("nodes", 20))
 
 
 def main() -> None:
@@ -126,6 +128,8 @@ def main() -> None:
     ap.add_argument("--datasets", default="digits,har")
     ap.add_argument("--alphas", default="0.1,0.5,1", help="main-e4: comma-separated Dirichlet α")
     ap.add_argument("--rounds", type=int, default=0, help="main-e4: rounds (0: the data set's SCALE)")
+    ap.add_argument("--nodes", type=int, default=20, help="main-e4: number of nodes (the seed runs 50)")
+    ap.add_argument("--methods", default=",".join(METHODS), help="main-e4: comma-separated methods")
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args()
     out = Path(a.out)
@@ -146,9 +150,9 @@ def main() -> None:
         for ds in a.datasets.split(","):
             for seed in (int(x) for x in a.seeds.split(",")):
                 for alpha in (float(x) for x in a.alphas.split(",")):
-                    for m in METHODS:
+                    for m in a.methods.split(","):
                         plan.append((ds, alpha, seed, m, a.rounds or SCALE[ds]["rounds"], None,
-                                     1 if m == "local" else 4))
+                                     1 if m == "local" else 4, a.nodes))
     if a.part in ("z0", "all"):
         for seed in (int(x) for x in a.seeds.split(",")):
             for alpha in (0.1, 1.0):
@@ -163,15 +167,16 @@ def main() -> None:
             plan.append(("har", 0.1, 1, m, SCALE["har"]["rounds"], None, ep))
     if a.part in ("reference", "all"):
         reference(out)
-    for ds, alpha, seed, m, rounds, z0, ep in plan:
-        k = (ds, alpha, seed, m, rounds, json.dumps(options_for(m, alpha, z0, ep), sort_keys=True))
+    for ds, alpha, seed, m, rounds, z0, ep, *n in plan:
+        nodes = n[0] if n else 20
+        k = (ds, alpha, seed, m, rounds, json.dumps(options_for(m, alpha, z0, ep), sort_keys=True), nodes)
         if k in done:
             continue
-        r = run_one(ds, alpha, seed, m, rounds, z0, epochs=ep)
+        r = run_one(ds, alpha, seed, m, rounds, z0, epochs=ep, nodes=nodes)
         done.add(key(r))
         with open(path, "a") as f:
             f.write(json.dumps(r) + "\n")
-        print(f"{ds} a={alpha} s={seed} {m:7s} z0={z0} UA={r['ua']:.3f} ±{r['ua_std_nodes']:.3f} "
+        print(f"{ds} n={nodes} a={alpha} s={seed} {m:7s} z0={z0} UA={r['ua']:.3f} ±{r['ua_std_nodes']:.3f} "
               f"B/round={r['bytes_per_round']:.0f} {r['wall']:.0f}s", flush=True)
 
 
