@@ -148,17 +148,18 @@ def write_report(runs: Path, out: Path) -> None:
 
     lines += ["", "## Rounds DFML's peak models need to reach dfedavg's final accuracy (Table 8 shape)", "",
               "| data | mode | dfedavg final (%) | DFML rounds (per seed) | of |", "|---|---|---|---|---|"]
-    for part in ("noniid", "iid"):
-        for fam in ("H2", "H0"):
-            st, per, fin = f"digits-{part}-{fam}", [], []
-            for s in R.seeds:
-                d, f = R.get(st, "dfml", s), R.get(st, "dfedavg", s)
-                if d and f:
-                    fin.append(_final(f))
-                    per.append(_rounds_to(d["summary"].get("curve", {}), _final(f)))
-            if per:
-                shown = ", ".join("never" if r is None else str(r) for r in per)
-                lines.append(f"| digits {part} | {fam} | {_ms(fin)} | {shown} | {ROUNDS} |")
+    table8 = [(f"digits-{part}-{fam}", f"digits {part}", fam) for part in ("noniid", "iid") for fam in ("H2", "H0")]
+    table8 += [("har-byuser-H2", "HAR by user", "H2"), ("har-noniid-H2", "HAR non-IID", "H2")]
+    for st, label, fam in table8:
+        per, fin = [], []
+        for s in R.seeds:
+            d, f = R.get(st, "dfml", s), R.get(st, "dfedavg", s)
+            if d and f:
+                fin.append(_final(f))
+                per.append(_rounds_to(d["summary"].get("curve", {}), _final(f)))
+        if per:
+            shown = ", ".join("never" if r is None else str(r) for r in per)
+            lines.append(f"| {label} | {fam} | {_ms(fin)} | {shown} | {ROUNDS} |")
 
     for st, title in (("digits-noniid-H2", "digits non-IID (Dirichlet β = 0.1), H2"),
                       ("digits-noniid-H0", "digits non-IID (Dirichlet β = 0.1), H0 (one CNN, as the seed's Table 9)"),
@@ -180,6 +181,31 @@ def write_report(runs: Path, out: Path) -> None:
                          f"{_ms(list(v.values()))} | "
                          f"{_ms(list(RA.vals(st, 'dfml', 'regular_global_accuracy', variant).values()))} | "
                          f"{_ms(list(RA.vals(st, 'dfml', 'local_accuracy', variant).values()))} |")
+
+    # horizon check: the HAR label-skew setting over three α cycles (63 rounds) instead of two
+    base, hz = "har-noniid-H2", "har-noniid-H2-r63"
+    hz_cells = [("DFML, WSM, cyclic α (default)", "dfml", ""), ("DFML, WSM, fixed α 0.5", "dfml", "abl_wsm_fixed"),
+                ("cluster-wise dfedavg", "dfedavg", "")]
+    if any(R.vals(hz, m, variant=v, lr=R.lr(base, m)) for _, m, v in hz_cells if R.lr(base, m) is not None):
+        lines += ["", "## Horizon check: HAR non-IID (Dirichlet β = 0.1, 20 nodes), H2, 63 rounds (three α cycles)",
+                  "", "Same setting and per-method lr as the 32-round rows; command: `nice -n 10 .venv/bin/python "
+                  "bench/dfml/run.py ablation --setting har-noniid-H2 --rounds 63 --variants abl_wsm_fixed,dfedavg`.",
+                  "", "| method | deployable (%) | per seed | regular (%) | per seed | at 32 rounds: deployable / regular |",
+                  "|---|---|---|---|---|---|"]
+        for label, m, v in hz_cells:
+            lr = R.lr(base, m)
+            d, r = R.vals(hz, m, variant=v, lr=lr), R.vals(hz, m, "regular_global_accuracy", v, lr)
+            if not d:
+                continue
+            d32, r32 = R.vals(base, m, variant=v), R.vals(base, m, "regular_global_accuracy", v)
+            lines.append(f"| {label} | {_ms(list(d.values()))} | {', '.join(f'{100 * x:.1f}' for x in d.values())} | "
+                         f"{_ms(list(r.values())) if r else '–'} | "
+                         f"{', '.join(f'{100 * x:.1f}' for x in r.values()) if r else '–'} | "
+                         f"{_ms(list(d32.values())) if d32 else '–'} / {_ms(list(r32.values())) if r32 else '–'} |")
+        gap = _gap(R.vals(hz, "dfml", lr=R.lr(base, "dfml")), R.vals(hz, "dfedavg", lr=R.lr(base, "dfedavg")))
+        if gap:
+            lines += ["", f"DFML − dfedavg at 63 rounds: {_ms(gap)} points (per seed "
+                      f"{', '.join(f'{100 * g:+.1f}' for g in gap)})."]
 
     # sensitivity: the α schedule at the other lr that validation nearly tied (0.01 vs the chosen 0.001)
     st, lr = "digits-noniid-H2", 0.01

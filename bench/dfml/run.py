@@ -11,6 +11,8 @@ soon as it finishes and a rerun skips runs already there):
     .venv/bin/python bench/dfml/select_lr.py                  # choose lr on validation
     nice -n 10 .venv/bin/python bench/dfml/run.py grid       # seeds 1, 2 at the chosen lr
     nice -n 10 .venv/bin/python bench/dfml/run.py ablation   # Table 9 + α-schedule options
+    # horizon check (three α cycles instead of two):
+    nice -n 10 .venv/bin/python bench/dfml/run.py ablation --setting har-noniid-H2 --rounds 63 --variants abl_wsm_fixed,dfedavg
     nice -n 10 .venv/bin/python bench/dfml/run.py resnet     # H1-resnet, small scale, untuned lr
     .venv/bin/python bench/dfml/run.py report                 # report.md and curves.png
 
@@ -109,14 +111,25 @@ def grid_runs(seeds=SEEDS[1:]) -> list[tuple[str, dict]]:
 
 
 def ablation_runs(seeds=SEEDS, variants=tuple(ABLATION), setting: str = "digits-noniid-H2",
-                  lr: float | None = None) -> list[tuple[str, dict]]:
+                  lr: float | None = None, rounds: int | None = None) -> list[tuple[str, dict]]:
     """The ablation's runs at DFML's chosen lr, or at ``lr`` (a sensitivity check; the
-    default variant, WSM with cyclic α, then runs at that lr too)."""
-    table = dict(ABLATION) if lr is None else {"": {}, **ABLATION}
-    lr = _chosen()[f"{setting}/dfml"] if lr is None else lr
+    default variant, WSM with cyclic α, then runs at that lr too), or over ``rounds``
+    rounds instead of ROUNDS (a horizon check, at the chosen lr; run names then carry the
+    setting as ``<setting>-r<rounds>`` and the default variant runs too; ``variants`` may
+    name ``dfedavg`` to run the cluster-wise baseline at its own chosen lr as well)."""
+    table = dict(ABLATION) if lr is None and rounds is None else {"": {}, **ABLATION}
     kw = settings()[setting]
-    return [(run_name(setting, "dfml", lr, seed, variant), dict(kw, algorithm="dfml", seed=seed, lr=lr, options=opts))
-            for seed in seeds for variant, opts in table.items() if variant in variants or not variant]
+    out = []
+    if rounds is not None:
+        kw = dict(kw, rounds=rounds)
+        if "dfedavg" in variants:
+            base_lr = _chosen()[f"{setting}/dfedavg"]
+            out += [(run_name(f"{setting}-r{rounds}", "dfedavg", base_lr, seed),
+                     dict(kw, algorithm="dfedavg", seed=seed, lr=base_lr)) for seed in seeds]
+    name = setting if rounds is None else f"{setting}-r{rounds}"
+    lr = _chosen()[f"{setting}/dfml"] if lr is None else lr
+    return out + [(run_name(name, "dfml", lr, seed, variant), dict(kw, algorithm="dfml", seed=seed, lr=lr, options=opts))
+                  for seed in seeds for variant, opts in table.items() if variant in variants or not variant]
 
 
 # H1-resnet at a smaller scale (the ResNet18 at full width is ~2.8 M parameters): 10 nodes, 11 rounds (end of
@@ -159,6 +172,7 @@ def main() -> int:
     p.add_argument("--variants", help="comma-separated ablation variants (default: all of ABLATION)")
     p.add_argument("--setting", default="digits-noniid-H2", help="ablation: the setting (default digits-noniid-H2)")
     p.add_argument("--lr", type=float, help="ablation: this lr instead of DFML's chosen one (sensitivity)")
+    p.add_argument("--rounds", type=int, help=f"ablation: this many rounds instead of {ROUNDS} (horizon check)")
     a = p.parse_args()
     seeds = tuple(int(x) for x in a.seeds.split(",")) if a.seeds else None
     if a.stage == "select":
@@ -169,7 +183,7 @@ def main() -> int:
         run_all(resnet_runs(), a.only)
     elif a.stage == "ablation":
         run_all(ablation_runs(seeds or SEEDS, tuple(a.variants.split(",")) if a.variants else tuple(ABLATION),
-                              a.setting, a.lr),
+                              a.setting, a.lr, a.rounds),
                 a.only)
     else:
         from bench.dfml.report import write_report
