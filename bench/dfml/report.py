@@ -291,34 +291,45 @@ def _acceptance(R: Runs, RA: Runs) -> list[str]:
 
 
 def _plots(R: Runs, out: Path) -> None:
+    """curves.png (digits non-IID, H2, 32 rounds) and, once the horizon runs exist,
+    curves_har_noniid.png (HAR label skew, H2, 63 rounds): regular vs peak models of seed 0
+    next to fixed α, and every method's global accuracy per round."""
+    _curve_figure(R, "digits-noniid-H2", "digits-noniid-H2", "digits non-IID, H2", out / "curves.png")
+    if R.get("har-noniid-H2-r63", "dfml", 0, lr=R.lr("har-noniid-H2", "dfml")):
+        _curve_figure(R, "har-noniid-H2", "har-noniid-H2-r63", "HAR non-IID, H2, 63 rounds",
+                      out / "curves_har_noniid.png", methods=("dfml", "dfedavg"))
+
+
+def _curve_figure(R: Runs, base: str, st: str, what: str, path: Path,
+                  methods: tuple[str, ...] = ("dfml", "dfedavg", "local")) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
-    st = "digits-noniid-H2"
-    run = R.get(st, "dfml", 0)
+    lr = R.lr(base, "dfml")
+    run = R.get(st, "dfml", 0, lr=lr)
     if run:
         c = run["summary"]["curve"]
         axes[0].plot(c["round"], c["regular_global_accuracy"], label="DFML regular models", alpha=0.8)
         axes[0].plot(c["round"], c["global_accuracy"], label="DFML peak models", linewidth=2)
-        fixed = R.get(st, "dfml", 0, "abl_wsm_fixed")
+        fixed = R.get(st, "dfml", 0, "abl_wsm_fixed", lr=lr)
         if fixed:
             axes[0].plot(fixed["summary"]["curve"]["round"], fixed["summary"]["curve"]["global_accuracy"], ":",
                          label="DFML fixed α = 0.5")
-        axes[0].set_title(f"regular vs peak models (digits non-IID, H2, seed 0, lr {R.lr(st, 'dfml'):g})")
-    for alg, style in (("dfml", "-"), ("dfedavg", "--"), ("local", ":")):
-        r = R.get(st, alg, 0)
+        axes[0].set_title(f"regular vs peak models ({what}, seed 0, lr {lr:g})")
+    for alg, style in zip(methods, ("-", "--", ":")):
+        r = R.get(st, alg, 0, lr=R.lr(base, alg))
         if r:
             c = r["summary"]["curve"]
-            axes[1].plot(c["round"], c["global_accuracy"], style, label=f"{alg} (lr {R.lr(st, alg):g})")
-    axes[1].set_title("global accuracy per round (digits non-IID, H2, seed 0)")
+            axes[1].plot(c["round"], c["global_accuracy"], style, label=f"{alg} (lr {R.lr(base, alg):g})")
+    axes[1].set_title(f"global accuracy per round ({what}, seed 0)")
     for ax in axes:
         ax.set_xlabel("round")
         ax.set_ylabel("mean global accuracy")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "curves.png")
+    fig.savefig(path)
     plt.close(fig)
