@@ -277,6 +277,16 @@ def _acceptance(R: Runs, RA: Runs) -> list[str]:
         order = " > ".join(f"{k} {100 * m:.1f}" for k, m in sorted(means.items(), key=lambda kv: -kv[1]))
         lines.append(f"- **Ablation ordering (WSM + cyclic α best in non-IID), {label}:** "
                      f"{'met' if best == 'WSM + cyclic' else 'not met'} on seeds {common}: {order}.")
+    base, hz = "har-noniid-H2", "har-noniid-H2-r63"
+    cyc = R.vals(hz, "dfml", lr=R.lr(base, "dfml"))
+    fix = R.vals(hz, "dfml", variant="abl_wsm_fixed", lr=R.lr(base, "dfml"))
+    common = sorted(set(cyc) & set(fix))
+    if common:
+        c, f = (statistics.mean(v[s] for s in common) for v in (cyc, fix))
+        lines.append(f"- Horizon check, HAR non-IID (label skew) at 63 rounds, seeds {common}: WSM + cyclic {100 * c:.1f}"
+                     f" {'>' if c > f else '<'} WSM + fixed {100 * f:.1f} (peak models; WSM + cyclic "
+                     f"{'ahead' if c > f else 'behind'} on {sum((cyc[s] > fix[s]) == (c > f) for s in common)} of "
+                     f"{len(common)} seeds).")
     lines += [
         "- **`dflctl simulate --algorithm dfml` and the demo run DFML with ≥ 3 architectures:** met "
         "(`tests/unit/test_dfml.py::test_dfml_in_the_simulator_with_the_h2_family`, "
