@@ -185,11 +185,11 @@ def write_report(runs: Path, out: Path) -> None:
     # horizon check: the HAR label-skew setting over three α cycles (63 rounds) instead of two
     base, hz = "har-noniid-H2", "har-noniid-H2-r63"
     hz_cells = [("DFML, WSM, cyclic α (default)", "dfml", ""), ("DFML, WSM, fixed α 0.5", "dfml", "abl_wsm_fixed"),
-                ("cluster-wise dfedavg", "dfedavg", "")]
+                ("DFML, WSM, cyclic α, `peak_top_k = 2`", "dfml", "top2"), ("cluster-wise dfedavg", "dfedavg", "")]
     if any(R.vals(hz, m, variant=v, lr=R.lr(base, m)) for _, m, v in hz_cells if R.lr(base, m) is not None):
         lines += ["", "## Horizon check: HAR non-IID (Dirichlet β = 0.1, 20 nodes), H2, 63 rounds (three α cycles)",
                   "", "Same setting and per-method lr as the 32-round rows; command: `nice -n 10 .venv/bin/python "
-                  "bench/dfml/run.py ablation --setting har-noniid-H2 --rounds 63 --variants abl_wsm_fixed,dfedavg`.",
+                  "bench/dfml/run.py ablation --setting har-noniid-H2 --rounds 63 --variants abl_wsm_fixed,dfedavg,top2`.",
                   "", "| method | deployable (%) | per seed | regular (%) | per seed | at 32 rounds: deployable / regular |",
                   "|---|---|---|---|---|---|"]
         for label, m, v in hz_cells:

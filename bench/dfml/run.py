@@ -12,7 +12,7 @@ soon as it finishes and a rerun skips runs already there):
     nice -n 10 .venv/bin/python bench/dfml/run.py grid       # seeds 1, 2 at the chosen lr
     nice -n 10 .venv/bin/python bench/dfml/run.py ablation   # Table 9 + α-schedule options
     # horizon check (three α cycles instead of two):
-    nice -n 10 .venv/bin/python bench/dfml/run.py ablation --setting har-noniid-H2 --rounds 63 --variants abl_wsm_fixed,dfedavg
+    nice -n 10 .venv/bin/python bench/dfml/run.py ablation --setting har-noniid-H2 --rounds 63 --variants abl_wsm_fixed,dfedavg,top2
     nice -n 10 .venv/bin/python bench/dfml/run.py resnet     # H1-resnet, small scale, untuned lr
     .venv/bin/python bench/dfml/run.py report                 # report.md and curves.png
 
@@ -60,7 +60,9 @@ ABLATION = {
     "amax0.8": {"alpha_max": 0.8},
     "shape_full": {"alpha_shape": "full"},
     "period_mult": {"period_growth": "multiplicative"},
-    "top2": {"peak_top_k": 2},
+    "top2": {"peak_top_k": 2},  # the seed's appendix rule N/|S| at 50 % senders
+    "full": {"sender_ratio": 1.0},  # every live peer sends: no node misses the α maximum
+    "full_fixed": {"sender_ratio": 1.0, "alpha_mode": "fixed"},
 }
 
 
