@@ -145,7 +145,7 @@ def main() -> None:
             for seed in sc["seeds"]:
                 for alpha in (0.1, 0.5, 1.0):
                     for m in METHODS:
-                        plan.append((ds, alpha, seed, m, sc["rounds"], None, 1))
+                        plan.append((ds, alpha, seed, m, sc["rounds"], None, 1, 20))
     if a.part in ("main-e4", "all"):  # the seed's Table 2 setting: E = 4 passes per phase / local epochs, 3 seeds
         for ds in a.datasets.split(","):
             for seed in (int(x) for x in a.seeds.split(",")):
@@ -157,18 +157,17 @@ def main() -> None:
         for seed in (int(x) for x in a.seeds.split(",")):
             for alpha in (0.1, 1.0):
                 for z0 in (1, 3, 7, 100):
-                    plan.append(("digits", alpha, seed, "fedd2s", SCALE["digits"]["rounds"], z0, 1))
+                    plan.append(("digits", alpha, seed, "fedd2s", SCALE["digits"]["rounds"], z0, 1, 20))
     if a.part in ("epochs", "all"):  # the seed's E = 4 passes per phase / local epochs (fedd2s vs fedper)
         for ds in ("digits", "har"):
             for m in ("fedd2s", "fedper"):
-                plan.append((ds, 0.1, 0, m, SCALE[ds]["rounds"], None, 4))
+                plan.append((ds, 0.1, 0, m, SCALE[ds]["rounds"], None, 4, 20))
     if a.part in ("epochs-seed1", "all"):  # a second seed for the E = 4 comparison on HAR, α = 0.1
         for m, ep in (("fedd2s", 4), ("fedper", 4), ("local", 1)):
-            plan.append(("har", 0.1, 1, m, SCALE["har"]["rounds"], None, ep))
+            plan.append(("har", 0.1, 1, m, SCALE["har"]["rounds"], None, ep, 20))
     if a.part in ("reference", "all"):
         reference(out)
-    for ds, alpha, seed, m, rounds, z0, ep, *n in plan:
-        nodes = n[0] if n else 20
+    for ds, alpha, seed, m, rounds, z0, ep, nodes in plan:
         k = (ds, alpha, seed, m, rounds, json.dumps(options_for(m, alpha, z0, ep), sort_keys=True), nodes)
         if k in done:
             continue
