@@ -8,7 +8,7 @@ PY=${PY:-.venv/bin/python}
 out=bench/results
 for alg in fedavg local; do
   /usr/bin/time -f "%e s wall, %M KB max RSS" -o "/tmp/bench_$alg.time" \
-    "$PY" -m tools.dflctl simulate --algorithm "$alg" --nodes 10 --rounds 20 --dataset har \
+    "$PY" -m dfl_agent.cli.dflctl simulate --algorithm "$alg" --nodes 10 --rounds 20 --dataset har \
       --partition by-user --seed 0 --out "/tmp/bench_sim_$alg"
   "$PY" - "$alg" <<'PY'
 import json, sys, platform, os

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up dfl-agent in ./.venv on a Debian/Ubuntu machine with Python >= 3.10.
 #
-#   scripts/setup.sh          # the agent, the demo (HAR data), amqtt fallback broker
-#   scripts/setup.sh --test   # ... plus the test dependencies and the onnx extra
+#   scripts/setup.sh          # a training node (torch), the demo (HAR data), amqtt fallback broker
+#   scripts/setup.sh --test   # ... plus the test, lint, onnx and metrics extras
 #
 # torch: kept if the venv already has one. Otherwise a CPU build, never CUDA packages
 # on a machine without an NVIDIA GPU: a local CPU wheel when pip's find-links has one,
@@ -12,8 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-EXTRAS="har,broker,digits"
-[[ "${1:-}" == "--test" ]] && EXTRAS="$EXTRAS,test,onnx,metrics"
+EXTRAS="train,plot,har,broker,digits"
+[[ "${1:-}" == "--test" ]] && EXTRAS="$EXTRAS,test,onnx,metrics,lint"
 PY="${PYTHON:-python3}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 
@@ -52,4 +52,4 @@ fi
 
 $VPY -m pip install -q numpy
 $VPY -m pip install -q -e ".[$EXTRAS]"
-$VPY -c 'import torch, agent; print(f"setup: dfl-agent {agent.__version__} with torch {torch.__version__} ready in .venv")'
+$VPY -c 'import torch, dfl_agent; print(f"setup: dfl-agent {dfl_agent.__version__} with torch {torch.__version__} ready in .venv")'

@@ -1,6 +1,6 @@
 """Fault injection on a real federation: agent processes, a real mosquitto, SIGKILL.
 
-``python -m tools.chaos --out DIR [options]`` starts N signed ``dfl-agent``
+``python -m dfl_agent.cli.chaos --out DIR [options]`` starts N signed ``dfl-agent``
 processes (fedavg by default, ``runtime.rejoin = true``, discovery by MQTT presence)
 on a local mosquitto and, during a chaos window, kills one random agent with SIGKILL
 every ``--kill-every`` seconds and restarts it ``--restart-delay`` seconds later
@@ -35,14 +35,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.runtime import metrics
-from agent.runtime.config import config_from_dict, dump_toml
-from tools.demo import stop_processes
+from dfl_agent.runtime import metrics
+from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.cli.demo import stop_processes
 
 
 @dataclasses.dataclass
 class ChaosOptions:
-    """See the module docstring and ``python -m tools.chaos --help``."""
+    """See the module docstring and ``python -m dfl_agent.cli.chaos --help``."""
 
     out: str = "chaos"
     nodes: int = 6
@@ -151,8 +151,8 @@ def run_chaos(o: ChaosOptions, log=print) -> dict[str, Any]:
     """Run one federation with (or without) faults; return and write ``chaos.json``."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from agent.security.keys import enroll_local, public_key_b64
-    from agent.transport.broker import start_broker
+    from dfl_agent.security.keys import enroll_local, public_key_b64
+    from dfl_agent.cli.broker import start_broker
 
     out = Path(o.out)
     if out.exists():
@@ -182,7 +182,7 @@ def run_chaos(o: ChaosOptions, log=print) -> dict[str, Any]:
                 paths[nid] = path
 
             def launch(nid: str) -> None:
-                cmd = [sys.executable, "-m", "agent.runtime.daemon", "run", "--config", str(paths[nid])]
+                cmd = [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(paths[nid])]
                 if netns:
                     cmd = ["ip", "netns", "exec", netns.names[ids.index(nid)], *cmd]
                 logf = open(out / "logs" / f"{nid}.log", "a")
@@ -296,7 +296,7 @@ def _report(o, out: Path, ids, procs, events, wall) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.chaos", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dfl_agent.cli.chaos", description=__doc__.split("\n\n")[0])
     d = ChaosOptions()
     for f in dataclasses.fields(ChaosOptions):
         flag = "--" + f.name.replace("_", "-")

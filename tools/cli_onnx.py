@@ -20,10 +20,10 @@ def cmd_export(a: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from agent.data import load_dataset
-    from agent.learning.training import TrainConfig, train_local
-    from agent.models import build_model, default_spec, validate_spec
-    from agent.models.onnx_export import export_checked
+    from dfl_agent.data import load_dataset
+    from dfl_agent.learning.training import TrainConfig, train_local
+    from dfl_agent.models import build_model, default_spec, validate_spec
+    from dfl_agent.models.onnx_export import export_checked
 
     if not a.onnx:
         raise ValueError("export: --onnx OUT.onnx is required (the only export format)")
@@ -44,7 +44,7 @@ def cmd_export(a: argparse.Namespace) -> int:
         source = f"trained {a.train_epochs} epoch(s) on the {a.dataset} pool"
     test_x = bundle.test.x[: a.check_windows]
     data = export_checked(model, shape, test_x, atol=1e-4, spec=spec, path=a.onnx)
-    from agent.models.onnx_export import max_abs_difference
+    from dfl_agent.models.onnx_export import max_abs_difference
 
     diff = max_abs_difference(data, model, test_x)
     if a.windows_out:
@@ -62,7 +62,7 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 
 def cmd_predict(a: argparse.Namespace) -> int:
-    from agent.inference.cli import predict_command
+    from dfl_agent.inference.cli import predict_command
 
     return predict_command(a.model, a.windows, as_json=a.json, label_column=a.label_column, threads=a.threads)
 

@@ -31,11 +31,10 @@ SERVICE_USER = "dfl-agent"
 
 
 def _source_dir() -> Path:
-    """The shipped ``systemd/`` folder (repository checkout or installed tree)."""
-    here = Path(__file__).resolve().parent.parent / "systemd"
-    if here.is_dir():
-        return here
-    raise FileNotFoundError("cannot find the systemd/ unit files next to the tools package")
+    """The shipped ``systemd/`` folder (installed package or repository checkout)."""
+    from dfl_agent.resources import resource_dir
+
+    return resource_dir("systemd")
 
 
 def default_exec() -> str:
@@ -56,7 +55,9 @@ def profile_resources(profile: str | None) -> dict[str, str]:
 
     path = Path(profile)
     if not path.exists():
-        path = Path(__file__).resolve().parent.parent / "device_profiles" / f"{profile}.toml"
+        from dfl_agent.profiles.model import profile_files
+
+        path = next((f for f in profile_files() if f.stem == profile), path)
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as exc:
@@ -87,8 +88,8 @@ def build_plan(a: argparse.Namespace) -> Plan:
     Raises:
         ValueError: bad instance name, config or profile.
     """
-    from agent.runtime.config import ConfigError, dump_toml, load_config
-    from agent.transport.wire import valid_id
+    from dfl_agent.runtime.config import ConfigError, dump_toml, load_config
+    from dfl_agent.transport.wire import valid_id
 
     src = _source_dir()
     root = Path(a.root or "/")
@@ -180,11 +181,11 @@ def cmd_install_service(a: argparse.Namespace) -> int:
 # -- watch -----------------------------------------------------------------------------
 
 def _observer(a: argparse.Namespace):
-    from tools.observer import Observer
+    from dfl_agent.cli.observer import Observer
 
     broker, fed = a.broker, a.federation
     if a.config:
-        from agent.runtime.config import load_config
+        from dfl_agent.runtime.config import load_config
 
         cfg = load_config(a.config)
         broker, fed = broker or cfg.mqtt.broker, fed or cfg.federation
@@ -192,7 +193,7 @@ def _observer(a: argparse.Namespace):
 
 
 def cmd_watch(a: argparse.Namespace) -> int:
-    from tools.dflctl import PEER_COLUMNS, STATUS_COLUMNS, peer_rows, render_table, status_rows
+    from dfl_agent.cli.dflctl import PEER_COLUMNS, STATUS_COLUMNS, peer_rows, render_table, status_rows
 
     obs = _observer(a)
     obs.settle()
@@ -237,7 +238,7 @@ def _check(name: str, status: str, detail: str) -> dict[str, str]:
 
 def check_broker(endpoint: str, timeout: float = 5.0) -> dict[str, str]:
     """MQTT CONNECT/CONNACK with the broker (a TCP port alone is not enough)."""
-    from tools.observer import Observer
+    from dfl_agent.cli.observer import Observer
 
     t0 = time.monotonic()
     try:
@@ -322,7 +323,7 @@ def check_permissions(state_dir: str, config: str | None, has_secret: bool) -> d
 
 
 def check_checkpoint(state_dir: str) -> dict[str, str]:
-    from agent.runtime.checkpoint import CheckpointStore
+    from dfl_agent.runtime.checkpoint import CheckpointStore
 
     store = CheckpointStore(Path(state_dir) / "checkpoints")
     rounds = store.rounds()
@@ -337,7 +338,7 @@ def check_checkpoint(state_dir: str) -> dict[str, str]:
 
 
 def cmd_doctor(a: argparse.Namespace) -> int:
-    from agent.runtime.config import ConfigError, NodeConfig, load_config
+    from dfl_agent.runtime.config import ConfigError, NodeConfig, load_config
 
     results = []
     cfg = NodeConfig()

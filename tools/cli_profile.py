@@ -17,8 +17,8 @@ from typing import Any
 
 
 def cmd_detect(a: argparse.Namespace) -> int:
-    from agent.profiles import ResourceGate, collect_facts, detect, list_profiles, select_behaviour
-    from agent.profiles.detect import DEVICE_TREE_MODEL, TEGRA_RELEASE
+    from dfl_agent.profiles import ResourceGate, collect_facts, detect, list_profiles, select_behaviour
+    from dfl_agent.profiles.detect import DEVICE_TREE_MODEL, TEGRA_RELEASE
 
     facts = collect_facts(device_tree_model=a.device_tree or DEVICE_TREE_MODEL,
                           tegra_release=a.tegra_release or TEGRA_RELEASE)
@@ -52,7 +52,7 @@ def cmd_detect(a: argparse.Namespace) -> int:
 
 
 def cmd_list(a: argparse.Namespace) -> int:
-    from agent.profiles import list_profiles
+    from dfl_agent.profiles import list_profiles
 
     profiles = list_profiles(a.profiles_dir)
     if a.json:
@@ -66,7 +66,7 @@ def cmd_list(a: argparse.Namespace) -> int:
 
 
 def cmd_show(a: argparse.Namespace) -> int:
-    from agent.profiles import get_profile
+    from dfl_agent.profiles import get_profile
 
     p = get_profile(a.name, a.profiles_dir)
     d = p.to_dict()

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.runtime import metrics
-from agent.runtime.config import (
+from dfl_agent.runtime import metrics
+from dfl_agent.runtime.config import (
     CompressionSection,
     AlgorithmSection, DataSection, DiscoverySection, ModelSection, MqttSection, NodeConfig, RuntimeSection,
     SecuritySection, TrainingSection,
@@ -70,7 +70,7 @@ def stop_processes(procs: Any, timeout: float = 15.0) -> None:
 
 def _node_ids(opts: DemoOptions) -> list[str]:
     if opts.dataset == "har":
-        from agent.data import load_dataset
+        from dfl_agent.data import load_dataset
 
         users = sorted({int(u) for u in load_dataset("har").pool.groups})
         if opts.nodes > len(users):
@@ -96,7 +96,7 @@ def _profiles(opts: DemoOptions) -> list[str]:
     """``--profiles a,b,c`` (validated), or none."""
     names = [p.strip() for p in (opts.profiles or "").split(",") if p.strip()]
     if names:
-        from agent.profiles import get_profile
+        from dfl_agent.profiles import get_profile
 
         for n in names:
             get_profile(n)  # ProfileError (a ValueError) names an unknown one
@@ -109,8 +109,8 @@ def _model_specs(opts: DemoOptions) -> list[dict[str, Any]] | None:
     family = opts.models or ("H2" if opts.algorithm in ROTATING else None)
     if family is None:
         return None
-    from agent.data import load_dataset
-    from agent.models.families import family_specs
+    from dfl_agent.data import load_dataset
+    from dfl_agent.models.families import family_specs
 
     pool = load_dataset(opts.dataset).pool
     return family_specs(family, pool.input_shape, pool.num_classes)
@@ -166,8 +166,8 @@ def run_demo(opts: DemoOptions) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from agent.transport.broker import start_broker
-    from tools.observer import Observer
+    from dfl_agent.cli.broker import start_broker
+    from dfl_agent.cli.observer import Observer
 
     console = Console()
     started = time.time()
@@ -208,7 +208,7 @@ def run_demo(opts: DemoOptions) -> int:
             path.write_text(dump_toml(cfg), encoding="utf-8")
             logs[nid] = open(out / "logs" / f"{nid}.log", "w", encoding="utf-8")
             procs[nid] = subprocess.Popen(
-                [sys.executable, "-m", "agent.runtime.daemon", "run", "--config", str(path)],
+                [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
                 stdout=logs[nid], stderr=subprocess.STDOUT, env=env,
             )
         observer = Observer(broker.endpoint, fed, protocol=opts.protocol).start()
@@ -285,7 +285,7 @@ def run_demo(opts: DemoOptions) -> int:
 def _enroll(out: Path, fed: str, ids: list[str]) -> str:
     """Signed demo: a federation key in the report folder, every agent enrolled (its key
     created in its state directory, its certificate next to it). Returns the public key."""
-    from agent.security.keys import FEDERATION_KEY_FILE, enroll_local, load_or_create_key, public_key_b64
+    from dfl_agent.security.keys import FEDERATION_KEY_FILE, enroll_local, load_or_create_key, public_key_b64
 
     fed_key = load_or_create_key(out, str(out / FEDERATION_KEY_FILE))
     for nid in ids:

@@ -16,8 +16,8 @@ import sys
 import time
 from typing import Any
 
-from agent import __version__
-from agent.models.families import FAMILIES
+from dfl_agent import __version__
+from dfl_agent.models.families import FAMILIES
 
 
 def _kv(items: list[str]) -> dict[str, Any]:
@@ -48,8 +48,8 @@ def _model_specs(value: str | None) -> list[dict[str, Any]] | None:
 
 
 def cmd_simulate(a: argparse.Namespace) -> int:
-    from agent.learning.training import TrainConfig
-    from agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.learning.training import TrainConfig
+    from dfl_agent.runtime.simulator import SimConfig, simulate
 
     cfg = SimConfig(
         algorithm=a.algorithm, nodes=a.nodes, rounds=a.rounds, dataset=a.dataset, dataset_path=a.dataset_path,
@@ -83,7 +83,7 @@ def _compression_args(p: argparse.ArgumentParser) -> None:
     """``--compression SPEC`` and ``--no-error-feedback`` (issue 8)."""
 
     def spec(text: str) -> str:
-        from agent.learning.compression import CompressionError, parse_spec
+        from dfl_agent.learning.compression import CompressionError, parse_spec
 
         try:
             return str(parse_spec(text))
@@ -97,7 +97,7 @@ def _compression_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from tools.demo import DemoOptions, run_demo
+    from dfl_agent.cli.demo import DemoOptions, run_demo
 
     return run_demo(DemoOptions(
         nodes=a.nodes, rounds=a.rounds, algorithm=a.algorithm, models=a.models, out=a.out, broker=a.broker, seed=a.seed,
@@ -108,11 +108,11 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def _observe(a: argparse.Namespace):
-    from tools.observer import Observer
+    from dfl_agent.cli.observer import Observer
 
     broker, fed = a.broker, a.federation
     if a.config:
-        from agent.runtime.config import load_config
+        from dfl_agent.runtime.config import load_config
 
         cfg = load_config(a.config)
         broker, fed = broker or cfg.mqtt.broker, fed or cfg.federation
@@ -251,7 +251,7 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 
 def cmd_algorithms(a: argparse.Namespace) -> int:
-    from agent.algorithms.base import available
+    from dfl_agent.algorithms.base import available
 
     print("\n".join(available()))
     return 0
@@ -347,13 +347,13 @@ def _register_extensions(sub: Any) -> None:
     import importlib
     import pkgutil
 
-    import tools
+    from dfl_agent import cli as cli_pkg
 
-    for mod in sorted(m.name for m in pkgutil.iter_modules(tools.__path__) if m.name.startswith("cli_")):
+    for mod in sorted(m.name for m in pkgutil.iter_modules(cli_pkg.__path__) if m.name.startswith("cli_")):
         try:
-            module = importlib.import_module(f"tools.{mod}")
+            module = importlib.import_module(f"dfl_agent.cli.{mod}")
         except ImportError as exc:  # pragma: no cover - depends on installed extras
-            print(f"dflctl: commands of tools.{mod} unavailable: {exc}", file=sys.stderr)
+            print(f"dflctl: commands of dfl_agent.cli.{mod} unavailable: {exc}", file=sys.stderr)
             continue
         module.register(sub)
 

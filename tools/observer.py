@@ -14,7 +14,7 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
-from agent.discovery.static import parse_endpoint
+from dfl_agent.discovery.static import parse_endpoint
 
 
 class Observer:

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from agent.algorithms.context import NodeContext
-from agent.models import build_model
+from dfl_agent.algorithms.context import NodeContext
+from dfl_agent.models import build_model
 
 _REGISTRY: dict[str, type["Algorithm"]] = {}
 
@@ -72,7 +72,7 @@ class Algorithm:
         """Algorithm-specific state for the status topic (e.g. α, threshold state)."""
         return {}
 
-    # -- checkpoints (agent.runtime.checkpoint) ---------------------------------------
+    # -- checkpoints (dfl_agent.runtime.checkpoint) ---------------------------------------
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """This node's learning state for a crash-safe checkpoint: ``(tensors, meta)``.
 
@@ -202,11 +202,11 @@ def available() -> list[str]:
 
 
 _BUILTIN_LOADED = False
-_NOT_ALGORITHMS = {"base", "context", "topology", "coordination"}
+_NOT_ALGORITHMS = {"base", "context", "topology", "coordination", "fedd2s_reference"}
 
 
 def _load_builtin() -> None:
-    """Import every module of ``agent.algorithms`` once (importing registers them).
+    """Import every module of ``dfl_agent.algorithms`` once (importing registers them).
 
     Kept lazy so the registry has no import cycle; a new algorithm is one new module.
     """
@@ -216,11 +216,11 @@ def _load_builtin() -> None:
     import importlib
     import pkgutil
 
-    import agent.algorithms as pkg
+    import dfl_agent.algorithms as pkg
 
     for mod in sorted(m.name for m in pkgutil.iter_modules(pkg.__path__)):
         if mod not in _NOT_ALGORITHMS and not mod.startswith("_"):
-            importlib.import_module(f"agent.algorithms.{mod}")
+            importlib.import_module(f"dfl_agent.algorithms.{mod}")
     _BUILTIN_LOADED = True
 
 

@@ -1,7 +1,7 @@
 """``cfa``: consensus-based federated averaging (Savazzi et al. 2019; DecHW seed 001
 §V-A4 baseline; rule fixed by ALGORITHMS.md).
 
-Same protocol as :mod:`agent.algorithms.dechw` (Algorithm 1 of seed 001: aggregate
+Same protocol as :mod:`dfl_agent.algorithms.dechw` (Algorithm 1 of seed 001: aggregate
 the neighbours' previous-round models, train, send), with the consensus step
 
     w_i ← w_i + ε Σ_{j∈N_i} τ_j (w_j − w_i),   ε = 1/|N_i| by default,
@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from agent.algorithms.base import register
-from agent.algorithms.context import Message
-from agent.algorithms.dechw import NeighbourhoodAlgorithm, NeighbourhoodOptions
-from agent.learning.consensus import consensus_step
-from agent.learning.robust import clip_updates, robust_aggregate
+from dfl_agent.algorithms.base import register
+from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.dechw import NeighbourhoodAlgorithm, NeighbourhoodOptions
+from dfl_agent.learning.consensus import consensus_step
+from dfl_agent.learning.robust import clip_updates, robust_aggregate
 
 
 @dataclasses.dataclass

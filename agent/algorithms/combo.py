@@ -1,8 +1,8 @@
 """``combo``: the Combo baseline of Def-KT (seed 004 Algorithm 3; Hu et al. 2019).
 
-Same rounds and pairs as ``defkt`` (:mod:`agent.algorithms.pairing`, rounds mode
+Same rounds and pairs as ``defkt`` (:mod:`dfl_agent.algorithms.pairing`, rounds mode
 only).  The flattened parameter vector is split into two halves
-(:func:`agent.learning.transfer.flatten_segment`).  In a pair (s → r):
+(:func:`dfl_agent.learning.transfer.flatten_segment`).  In a pair (s → r):
 
 - r sends the first half of its model w at the start of the round;
 - s trains M epochs (w̃) and sends the second half of w̃;
@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from agent.algorithms.base import register
-from agent.algorithms.context import Message
-from agent.algorithms.pairing import PairAlgorithm, PairOptions
-from agent.learning.params import load_numpy, model_to_numpy
-from agent.learning.transfer import average_segment, flatten_segment
+from dfl_agent.algorithms.base import register
+from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.pairing import PairAlgorithm, PairOptions
+from dfl_agent.learning.params import load_numpy, model_to_numpy
+from dfl_agent.learning.transfer import average_segment, flatten_segment
 
 
 @register

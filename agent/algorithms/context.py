@@ -34,7 +34,7 @@ class Message:
         wire_bytes: bytes this message occupied on the wire (envelope and chunk
             headers included), set by the transport on send and on receipt.
         encoding: codec description when ``tensors`` are already compressed wire
-            tensors (see :mod:`agent.transport.codec`; the runtime sends them as they
+            tensors (see :mod:`dfl_agent.transport.codec`; the runtime sends them as they
             are); ``None``: plain tensors.  On receipt: the sender's codec
             description (``tensors`` are then already decoded), or ``None``.
     """
@@ -67,18 +67,18 @@ class Clock(Protocol):
 class NodeContext(Protocol):
     """The interface between one node's algorithm and the runtime.
 
-    Implemented by :class:`agent.runtime.context.RuntimeContext` over either the
+    Implemented by :class:`dfl_agent.runtime.context.RuntimeContext` over either the
     in-memory transport (simulator, tests) or MQTT (daemon).
     """
 
     node_id: str
     rng: np.random.Generator  # this node's seeded stream (batch order, selections)
     clock: Clock
-    data: Any  # agent.data.NodeData: train_x/train_y/val_x/val_y, num_classes
-    model_spec: Mapping[str, Any]  # see agent.models
+    data: Any  # dfl_agent.data.NodeData: train_x/train_y/val_x/val_y, num_classes
+    model_spec: Mapping[str, Any]  # see dfl_agent.models
     init_seed: int  # torch seed for this node's initial weights
     seed: int  # the federation's seed, the same on every node (shared schedules)
-    train: Any  # agent.learning.training.TrainConfig
+    train: Any  # dfl_agent.learning.training.TrainConfig
     device: str  # torch device for compute ("cpu", "cuda:0")
 
     async def send(self, peer: str, message: Message) -> int:

@@ -36,8 +36,8 @@ import logging
 import math
 from typing import Any
 
-from agent.algorithms.base import Algorithm
-from agent.algorithms.context import Message
+from dfl_agent.algorithms.base import Algorithm
+from dfl_agent.algorithms.context import Message
 
 log = logging.getLogger(__name__)
 

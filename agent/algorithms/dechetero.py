@@ -1,7 +1,7 @@
 """``dechetero``: decentralized FedAvg over a static graph with heterogeneous
 initialisation (DecHW seed 001 §V-A4 baseline, Eq. 3).
 
-Same protocol as :mod:`agent.algorithms.dechw` (Algorithm 1 of seed 001: aggregate
+Same protocol as :mod:`dfl_agent.algorithms.dechw` (Algorithm 1 of seed 001: aggregate
 the neighbours' previous-round models, train, send), with the aggregation
 
     w_i⁽ᵗ⁾ = Σ_{j∈N_i∪{i}} τ_j w_j⁽ᵗ⁻¹⁾,   τ_j = |D_j| / Σ_{k∈N_i∪{i}} |D_k|     (Eq. 3)
@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from agent.algorithms.base import register
-from agent.algorithms.context import Message
-from agent.algorithms.dechw import NeighbourhoodAlgorithm, NeighbourhoodOptions
-from agent.learning.robust import robust_aggregate
+from dfl_agent.algorithms.base import register
+from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.dechw import NeighbourhoodAlgorithm, NeighbourhoodOptions
+from dfl_agent.learning.robust import robust_aggregate
 
 
 @register
@@ -30,7 +30,7 @@ class DecHetero(NeighbourhoodAlgorithm):
 
     def aggregate(self, t: int, own: dict[str, np.ndarray], got: list[Message]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         samples = [self.samples] + [m.meta["samples"] for m in got]
-        o = self.options  # aggregation "mean" = Eq. 3; others: agent.learning.robust
+        o = self.options  # aggregation "mean" = Eq. 3; others: dfl_agent.learning.robust
         tensors, _ = robust_aggregate(own, [m.tensors for m in got], samples, o.aggregation,
                                       clip_norm=o.clip_norm, trim_ratio=o.trim_ratio)
         return tensors, {}

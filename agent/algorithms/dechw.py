@@ -35,16 +35,16 @@ from typing import Any, Mapping
 import numpy as np
 from torch import nn
 
-from agent.algorithms.base import Algorithm, register
-from agent.algorithms.context import Message
-from agent.algorithms import gossip_compression as gc
-from agent.algorithms.fedavg import GossipOptions, collect_round
-from agent.algorithms.market import UpdateMarket, send_with_participation
-from agent.learning import hessian as hess
-from agent.learning.aggregation import weighted_average
-from agent.learning.robust import clip_updates, robust_aggregate
-from agent.learning.params import load_numpy, model_to_numpy
-from agent.learning.training import train_local
+from dfl_agent.algorithms.base import Algorithm, register
+from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms import gossip_compression as gc
+from dfl_agent.algorithms.fedavg import GossipOptions, collect_round
+from dfl_agent.algorithms.market import UpdateMarket, send_with_participation
+from dfl_agent.learning import hessian as hess
+from dfl_agent.learning.aggregation import weighted_average
+from dfl_agent.learning.robust import clip_updates, robust_aggregate
+from dfl_agent.learning.params import load_numpy, model_to_numpy
+from dfl_agent.learning.training import train_local
 
 MODEL_KIND = "model"
 HESSIAN_PREFIX = "hessian/"
@@ -54,7 +54,7 @@ DELIVERIES = ("auto", "unicast", "broadcast")
 @dataclasses.dataclass
 class NeighbourhoodOptions(GossipOptions):
     """Options shared by ``dechw``, ``dechetero`` and ``cfa``: those of
-    :class:`agent.algorithms.fedavg.GossipOptions` (round deadline, robust aggregation,
+    :class:`dfl_agent.algorithms.fedavg.GossipOptions` (round deadline, robust aggregation,
     synchronization strategy) plus ``delivery``.
 
     Attributes:
@@ -177,7 +177,7 @@ class DecHWOptions(NeighbourhoodOptions):
 
     Attributes:
         estimator: Hessian-diagonal estimator, ``batch_sq_grad`` (default) or
-            ``per_sample_sq_grad`` (see :mod:`agent.learning.hessian`).
+            ``per_sample_sq_grad`` (see :mod:`dfl_agent.learning.hessian`).
         hessian_batch_size: mini-batch size of the estimator (paper: 100).
         norm: Eq. 4 normalisation, ``l2`` (global ℓ2 norm, default), ``per_layer_l2``
             or ``none``.

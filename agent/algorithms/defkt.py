@@ -3,10 +3,10 @@
 Def-KT (Li, Li, Varshney; Algorithm 1).  Per round, Q senders train M local epochs
 (Eq. 1) and send their model w̃ to Q distinct receivers; each receiver runs E epochs
 of two-way mutual knowledge transfer between w̃ and its own model w on its own data
-(Eq. 2-8, :func:`agent.learning.transfer.mutual_transfer`) and stores w̃ after the
+(Eq. 2-8, :func:`dfl_agent.learning.transfer.mutual_transfer`) and stores w̃ after the
 transfer as its local model.  The sender keeps its trained w̃ (``sender_keeps``).
 
-Modes (see :mod:`agent.algorithms.pairing` for the protocols):
+Modes (see :mod:`dfl_agent.algorithms.pairing` for the protocols):
 
 - ``rounds``: the paper's rounds; the pairs come from a seeded schedule every node
   computes itself over the nodes it believes live, and each receiver's small
@@ -16,7 +16,7 @@ Modes (see :mod:`agent.algorithms.pairing` for the protocols):
   which queues (bounded) or declines; a declined or unanswered push goes to another
   peer.
 
-Options (``agent.algorithms.pairing.PushOptions`` plus): ``E`` transfer epochs
+Options (``dfl_agent.algorithms.pairing.PushOptions`` plus): ``E`` transfer epochs
 (default 1, the paper's), ``temperature`` of the KL terms (1 = the paper).
 """
 
@@ -26,15 +26,15 @@ import copy
 import dataclasses
 from typing import Any
 
-from agent.algorithms.base import register
-from agent.algorithms.pairing import PushAlgorithm, PushOptions
-from agent.learning.params import load_numpy
-from agent.learning.transfer import mutual_transfer
+from dfl_agent.algorithms.base import register
+from dfl_agent.algorithms.pairing import PushAlgorithm, PushOptions
+from dfl_agent.learning.params import load_numpy
+from dfl_agent.learning.transfer import mutual_transfer
 
 
 @dataclasses.dataclass
 class DefKTOptions(PushOptions):
-    """Options of ``defkt`` (see :class:`~agent.algorithms.pairing.PushOptions` for the rest).
+    """Options of ``defkt`` (see :class:`~dfl_agent.algorithms.pairing.PushOptions` for the rest).
 
     Attributes:
         E: passes of mutual knowledge transfer over the receiver's data (paper: 1).

@@ -1,7 +1,7 @@
 """The seed's decentralized FedAvg and FedProx (seed 000 App. A.3.1–A.3.2, Algorithm 2).
 
 Same coordination and the same communication per round as DFML
-(:mod:`agent.algorithms.coordination`): the senders send their locally trained
+(:mod:`dfl_agent.algorithms.coordination`): the senders send their locally trained
 models to the round's aggregator, which averages *models of the same architecture
 only* (clusters keyed by the spec hash), weighted by sample count (Eq. 5), and sends
 each sender its cluster's average.  As in the seed, local training uses WSM unless
@@ -21,15 +21,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from agent.algorithms.base import register
-from agent.algorithms.context import Message
-from agent.algorithms.coordination import RotatingAggregator, RotationOptions
-from agent.algorithms.dfml import check_model_message, class_proportions
-from agent.learning.aggregation import weighted_average
-from agent.learning.losses import weighted_softmax_ce
-from agent.learning.params import IncompatibleUpdate, load_numpy, model_to_numpy
-from agent.learning.training import train_local
-from agent.models import spec_hash, validate_spec
+from dfl_agent.algorithms.base import register
+from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.coordination import RotatingAggregator, RotationOptions
+from dfl_agent.algorithms.dfml import check_model_message, class_proportions
+from dfl_agent.learning.aggregation import weighted_average
+from dfl_agent.learning.losses import weighted_softmax_ce
+from dfl_agent.learning.params import IncompatibleUpdate, load_numpy, model_to_numpy
+from dfl_agent.learning.training import train_local
+from dfl_agent.models import spec_hash, validate_spec
 
 
 @dataclasses.dataclass

@@ -2,7 +2,7 @@
 
 Every node holds a regular model W_n, a frozen peak model Ŵ_n and α_n (initially 0);
 its deployable model is the peak model.  Rounds are led by a rotating aggregator
-(:mod:`agent.algorithms.coordination`):
+(:mod:`dfl_agent.algorithms.coordination`):
 
 - every participant first trains W_n for one epoch on its own data with WSM (Eq. 2,
   β = class proportions of its whole training split);
@@ -10,7 +10,7 @@ its deployable model is the peak model.  Rounds are led by a rotating aggregator
   rebuilds each model from its spec and runs K epochs (default 10) of weighted mutual
   learning over *its* data (Eq. 1 and 3, β = its class proportions): Φ-weighted KL,
   teachers detached, all logits of a batch before any update, its own model included;
-- α⁽ᵗ⁾ comes from the cyclic warm-restart schedule (:mod:`agent.learning.schedules`),
+- α⁽ᵗ⁾ comes from the cyclic warm-restart schedule (:mod:`dfl_agent.learning.schedules`),
   whose state travels with the token;
 - each participant replaces W_n by W_n⁺ and applies the peak rule: if α⁽ᵗ⁾ ≥ α_n − 1e-9
   then Ŵ_n ← W_n⁺ and α_n ← α⁽ᵗ⁾.
@@ -30,15 +30,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from agent.algorithms.base import register
-from agent.algorithms.context import Message
-from agent.algorithms.coordination import RotatingAggregator, RotationOptions
-from agent.learning.losses import weighted_softmax_ce
-from agent.learning.mutual import mutual_learning
-from agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
-from agent.learning.schedules import AlphaState, CyclicAlpha
-from agent.learning.training import train_local
-from agent.models import SpecError, build_model, count_trainable, spec_hash, validate_spec
+from dfl_agent.algorithms.base import register
+from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.coordination import RotatingAggregator, RotationOptions
+from dfl_agent.learning.losses import weighted_softmax_ce
+from dfl_agent.learning.mutual import mutual_learning
+from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
+from dfl_agent.learning.schedules import AlphaState, CyclicAlpha
+from dfl_agent.learning.training import train_local
+from dfl_agent.models import SpecError, build_model, count_trainable, spec_hash, validate_spec
 
 PEAK_EPS = 1e-9
 

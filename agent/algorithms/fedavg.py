@@ -14,14 +14,14 @@ from typing import Any
 
 from torch import nn
 
-from agent.algorithms.base import Algorithm, register
-from agent.algorithms.context import Message
-from agent.algorithms.market import SyncOptions, UpdateMarket, send_with_participation
-from agent.algorithms import gossip_compression as gc
-from agent.learning.robust import check_options as check_robust_options
-from agent.learning.robust import robust_aggregate
-from agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
-from agent.learning.training import train_local
+from dfl_agent.algorithms.base import Algorithm, register
+from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.market import SyncOptions, UpdateMarket, send_with_participation
+from dfl_agent.algorithms import gossip_compression as gc
+from dfl_agent.learning.robust import check_options as check_robust_options
+from dfl_agent.learning.robust import robust_aggregate
+from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
+from dfl_agent.learning.training import train_local
 
 MODEL_KIND = "model"
 
@@ -30,7 +30,7 @@ MODEL_KIND = "model"
 class GossipOptions(SyncOptions):
     """Options of every averaging gossip algorithm (``fedavg``, ``dechw``, ``dechetero``,
     ``cfa``), plus the synchronization options of
-    :class:`agent.algorithms.market.SyncOptions` (``sync``, ``participation``, ...).
+    :class:`dfl_agent.algorithms.market.SyncOptions` (``sync``, ``participation``, ...).
 
     Attributes:
         round_timeout: seconds a round waits for the neighbours' models (the round
@@ -38,7 +38,7 @@ class GossipOptions(SyncOptions):
         poll_interval: seconds between re-checks of the live-peer set while waiting
             (a peer that leaves stops being waited for).
         aggregation: ``mean`` (default, the papers' rule), or a robust rule against
-            poisoned updates (:mod:`agent.learning.robust`): ``clip`` (neighbours'
+            poisoned updates (:mod:`dfl_agent.learning.robust`): ``clip`` (neighbours'
             deviation from the own model clipped to ``clip_norm``), ``median``
             (coordinate-wise), ``trimmed_mean`` (coordinate-wise, ``trim_ratio``).
         clip_norm: L2 bound of ``clip``; 0 = median of the neighbours' deviation norms.
@@ -93,7 +93,7 @@ async def collect_round(
     and counted (``not_neighbour``).  An update that arrived from a neighbour which has
     left since (``ctx.is_neighbour``: it sent its last round and went offline) counts.
 
-    With a ``market`` (:mod:`agent.algorithms.market`), its synchronization strategy
+    With a ``market`` (:mod:`dfl_agent.algorithms.market`), its synchronization strategy
     decides when the round proceeds and which queued updates it takes; the newest
     taken update of each sender is returned (empty partial-participation updates are
     left out, and their senders are not missing).  Without one: ``one_from_each``.

@@ -2,7 +2,7 @@
 
 Every node keeps its own *personal* model θ^n (its deployable model).  Knowledge is
 shared through a global model θ^g that travels with the token of the rotating-aggregator
-protocol (:mod:`agent.algorithms.coordination`, the same coordination and failover as
+protocol (:mod:`dfl_agent.algorithms.coordination`, the same coordination and failover as
 DFML).  Round t, led by the token holder h:
 
 1. h draws the participants U^ρ (⌈ρN⌉ of the live nodes, itself included in the draw)
@@ -12,19 +12,19 @@ DFML).  Round t, led by the token holder h:
 2. Participant n: Z_n ← Z_n + 1; l_n = max(l_min, L − ⌊(Z_n − 1)/Z_0⌋) (Eq. 6, clamped to
    the shallowest layer of the dropping set); computes (H_1, H_{l_n}, Y) from its personal
    model on its own data (eval mode, fixed batch order); runs client-to-server
-   distillation on a fresh copy θ^{g,n} of θ^g (Eq. 8–10, :func:`agent.learning.d2s.c2s_distill`)
+   distillation on a fresh copy θ^{g,n} of θ^g (Eq. 8–10, :func:`dfl_agent.learning.d2s.c2s_distill`)
    and returns the copy (``model``).  No activation or label leaves the node: this is
    the "parameter" variant of ALGORITHMS.md, which computes what the seed's server
    computes from the features.
 3. h: θ^g ← unweighted mean of the copies (Eq. 11 over the participants, in node-id
    order), sends θ^g to every participant (``update``); each runs server-to-client
-   distillation locally (Eq. 12–13, :func:`agent.learning.d2s.s2c_distill`) with
+   distillation locally (Eq. 12–13, :func:`dfl_agent.learning.d2s.s2c_distill`) with
    t^n = F(H_1^n; θ^g_{+1}) from the H_1 it computed in step 2.
 4. h broadcasts ``done`` with θ^g: whoever leads next (or takes over after a failure)
    starts from it.
 
 Non-participants do nothing in a round.  The centralized reference (server fed the
-features, :mod:`agent.runtime.fedd2s_reference`) gives the same personal models for the
+features, :mod:`dfl_agent.algorithms.fedd2s_reference`) gives the same personal models for the
 same seed — a unit test checks it.
 
 Options beyond ALGORITHMS.md (defaults = the seed's values): ``z0`` (3/5/7 for Dirichlet
@@ -42,12 +42,12 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from agent.algorithms.base import register
-from agent.algorithms.context import Message
-from agent.algorithms.coordination import RotatingAggregator, RotationOptions
-from agent.learning import d2s
-from agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
-from agent.models import validate_spec
+from dfl_agent.algorithms.base import register
+from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.coordination import RotatingAggregator, RotationOptions
+from dfl_agent.learning import d2s
+from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
+from dfl_agent.models import validate_spec
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Each node's model = a shared *base* + a personal *head* (the last ``head_layers`
 with parameters; seed 002: everything up to the flatten after C3 is shared, i.e. the
 dense layers are personal — set ``head_layers = 3`` for that; default 1 = the classifier
 only, the original FedPer).  Rounds use the same serverless coordination as ``fedd2s``
-(:class:`agent.algorithms.fedd2s.GlobalModelRotation`): the token holder draws ⌈ρN⌉
+(:class:`dfl_agent.algorithms.fedd2s.GlobalModelRotation`): the token holder draws ⌈ρN⌉
 participants, sends them the global base; each loads it under its own head, trains its
 whole model for ``local_epochs`` with Adam (lr 0.01, as the seed's baselines) and returns
 its base; the holder averages the bases weighted by sample count (FedAvg) and sends the
@@ -22,14 +22,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from agent.algorithms.base import Algorithm, register
-from agent.algorithms.context import Message
-from agent.algorithms.coordination import RotationOptions
-from agent.algorithms.fedd2s import GlobalModelRotation, draw_round, global_init_seed
-from agent.learning.aggregation import weighted_average
-from agent.learning.params import IncompatibleUpdate, check_compatible, model_to_numpy
-from agent.learning.training import batches, restore_if_diverged, snapshot
-from agent.models import validate_spec
+from dfl_agent.algorithms.base import Algorithm, register
+from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.coordination import RotationOptions
+from dfl_agent.algorithms.fedd2s import GlobalModelRotation, draw_round, global_init_seed
+from dfl_agent.learning.aggregation import weighted_average
+from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, model_to_numpy
+from dfl_agent.learning.training import batches, restore_if_diverged, snapshot
+from dfl_agent.models import validate_spec
 
 Tensors = dict[str, np.ndarray]
 
@@ -180,7 +180,7 @@ class FedPer(GlobalModelRotation):
 class LocalAdamOptions:
     """Options of ``local_adam``: ``local_epochs`` per round, Adam ``lr``, ``batch_size`` (0 = config's),
     ``participation``: train only in the rounds ``fedd2s``/``fedper`` would draw this node
-    (:func:`agent.algorithms.fedd2s.draw_round` with this ratio; 1.0 = every round) — local
+    (:func:`dfl_agent.algorithms.fedd2s.draw_round` with this ratio; 1.0 = every round) — local
     training at the same compute as the federated methods."""
 
     local_epochs: int = 1

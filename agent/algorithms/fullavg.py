@@ -5,11 +5,11 @@
 the sample-count-weighted average of Eq. 9,
 ``w ← N_s/(N_s+N_r)·w̃ + N_r/(N_s+N_r)·w``.  The communication per round is Q models,
 the same as Def-KT and Combo (§IV-B).  Runs in ``rounds`` or ``gossip`` mode
-(:mod:`agent.algorithms.pairing`).
+(:mod:`dfl_agent.algorithms.pairing`).
 
 ``scope = all`` (not in the paper): every node trains M epochs, broadcasts, and
 averages all live neighbours' models with Eq. 9's weights each round, i.e.
-decentralized FedAvg over the full graph (``agent.algorithms.fedavg`` pieces); it
+decentralized FedAvg over the full graph (``dfl_agent.algorithms.fedavg`` pieces); it
 sends N models per round instead of Q, so compare it at equal bytes.
 """
 
@@ -18,18 +18,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from agent.algorithms.base import register
-from agent.algorithms.context import Message
-from agent.algorithms.fedavg import collect_round
-from agent.algorithms.pairing import PushAlgorithm, PushOptions
-from agent.learning.aggregation import weighted_average
-from agent.learning.params import load_numpy, model_to_numpy
-from agent.learning.training import train_local
+from dfl_agent.algorithms.base import register
+from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.fedavg import collect_round
+from dfl_agent.algorithms.pairing import PushAlgorithm, PushOptions
+from dfl_agent.learning.aggregation import weighted_average
+from dfl_agent.learning.params import load_numpy, model_to_numpy
+from dfl_agent.learning.training import train_local
 
 
 @dataclasses.dataclass
 class FullAvgOptions(PushOptions):
-    """Options of ``fullavg`` (see :class:`~agent.algorithms.pairing.PushOptions`).
+    """Options of ``fullavg`` (see :class:`~dfl_agent.algorithms.pairing.PushOptions`).
 
     Attributes:
         scope: ``pair`` (paper, Algorithm 2) or ``all`` (every node averages every

@@ -2,7 +2,7 @@
 
 The algorithms call three helpers around their unchanged aggregation rule:
 
-1. :func:`choco_for` at setup: a :class:`~agent.learning.error_feedback.ChocoGossip`
+1. :func:`choco_for` at setup: a :class:`~dfl_agent.learning.error_feedback.ChocoGossip`
    when the node's compression policy (``ctx.compression``) compresses this kind,
    else ``None`` (then nothing changes: raw float32 models as before);
 2. :func:`model_message` to send: with CHOCO, the message carries the compressed
@@ -15,7 +15,7 @@ The algorithms call three helpers around their unchanged aggregation rule:
 So no node ever averages in a lossy raw model (ALGORITHMS.md "Compression").
 
 Hook for gradient streams (e.g. GT's accumulated gradients, issue in parallel): use
-:class:`agent.learning.error_feedback.ErrorFeedback` with
+:class:`dfl_agent.learning.error_feedback.ErrorFeedback` with
 ``ctx.compression.stream_spec(kind)`` and send
 ``Message(kind, t, {WIRE_BLOB: blob}, encoding=desc)``; or just send plain tensors of
 a kind listed in the ``[compression.kinds]`` table and the runtime compresses them
@@ -29,9 +29,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from agent.algorithms.context import Message
-from agent.learning.compression import WIRE_BLOB
-from agent.learning.error_feedback import ChocoGossip
+from dfl_agent.algorithms.context import Message
+from dfl_agent.learning.compression import WIRE_BLOB
+from dfl_agent.learning.error_feedback import ChocoGossip
 
 Tensors = dict[str, np.ndarray]
 

@@ -4,7 +4,7 @@ Lock-step epochs over a fully connected group (every live peer).  Every actor i 
 the reference parameters M_R (the last synchronized model) and, each epoch t:
 
 1. trains one local epoch (``ctx.train``) and computes its accumulated gradient
-   G_i^Σ = (M_R − M_i)/η (Alg. 1; :func:`agent.learning.thresholding.accumulated_gradient`);
+   G_i^Σ = (M_R − M_i)/η (Alg. 1; :func:`dfl_agent.learning.thresholding.accumulated_gradient`);
 2. decides whether the group synchronizes:
 
    * ``gt``: tests Eq. 5.2 with the weights of Eq. 5.3 (Alg. 2-3) against the forecast
@@ -20,7 +20,7 @@ the reference parameters M_R (the last synchronized model) and, each epoch t:
    M_R ← M_R − ηḠ (line 5), every actor continues from M_R; ``gt`` updates G̃ with
    Eq. 5.1 (lines 6-10) and resets ρ (k = 0).
 
-Waiting uses the update market (:mod:`agent.algorithms.market`, ``one_from_each`` with
+Waiting uses the update market (:mod:`dfl_agent.algorithms.market`, ``one_from_each`` with
 a deadline): a peer whose vote (``vote_timeout``) or gradient (``sync_timeout``) has not
 arrived by the deadline is *dropped* from the group for the rest of the run, so one
 dead node cannot stall the others; a peer whose presence goes away is dropped at once.
@@ -45,12 +45,12 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from agent.algorithms.base import Algorithm, register
-from agent.algorithms.context import Message
-from agent.algorithms.market import UpdateMarket
-from agent.learning import thresholding as th
-from agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
-from agent.learning.training import train_local
+from dfl_agent.algorithms.base import Algorithm, register
+from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.market import UpdateMarket
+from dfl_agent.learning import thresholding as th
+from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
+from dfl_agent.learning.training import train_local
 
 VOTE_KIND = "gt.vote"
 SYNC_KIND = "gt.sync"
@@ -87,7 +87,7 @@ class GTOptions(LockStepOptions):
         zero_median: reading of Eq. 5.3 when a layer's median |G̃| is 0 (e.g. dead ReLU
             units): ``"floor"`` keeps the lateral test (strict), ``"skip_lateral"`` drops it
             for that test, as an unguarded float implementation of Alg. 2-3 does (NaN
-            bound); see :mod:`agent.learning.thresholding`.
+            bound); see :mod:`dfl_agent.learning.thresholding`.
     """
 
     theta_rho: float = 2.0

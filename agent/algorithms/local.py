@@ -6,8 +6,8 @@ from typing import Any
 
 from torch import nn
 
-from agent.algorithms.base import Algorithm, register
-from agent.learning.training import train_local
+from dfl_agent.algorithms.base import Algorithm, register
+from dfl_agent.learning.training import train_local
 
 
 @register

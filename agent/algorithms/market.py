@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from agent.algorithms.context import Message
+from dfl_agent.algorithms.context import Message
 
 STRATEGIES = (
     "one_from_each",
@@ -264,7 +264,7 @@ class UpdateMarket:
         satisfied for round ``t`` or ``deadline`` (absolute clock time) passes, then take.
 
         Args:
-            ctx: a :class:`~agent.algorithms.context.NodeContext`.
+            ctx: a :class:`~dfl_agent.algorithms.context.NodeContext`.
             peers: who to wait for (re-read every ``poll`` seconds); default ``ctx.neighbours``,
                 and then updates that arrived from a neighbour which has left since
                 (``ctx.is_neighbour``) are taken too.

@@ -68,11 +68,11 @@ from typing import Any, Sequence
 
 from torch import nn
 
-from agent.algorithms.base import Algorithm
-from agent.algorithms.context import Message
-from agent.algorithms.fedavg import update_problem
-from agent.learning.params import model_to_numpy
-from agent.learning.training import train_local
+from dfl_agent.algorithms.base import Algorithm
+from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.fedavg import update_problem
+from dfl_agent.learning.params import model_to_numpy
+from dfl_agent.learning.training import train_local
 
 log = logging.getLogger(__name__)
 

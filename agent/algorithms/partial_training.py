@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent.algorithms.base import register
-from agent.algorithms.context import Message
-from agent.algorithms.dfedavg import DFedAvg
-from agent.learning.params import IncompatibleUpdate, model_to_numpy
-from agent.learning.partial import aggregate_partial, check_sub_model
+from dfl_agent.algorithms.base import register
+from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.dfedavg import DFedAvg
+from dfl_agent.learning.params import IncompatibleUpdate, model_to_numpy
+from dfl_agent.learning.partial import aggregate_partial, check_sub_model
 
 
 class _PartialTraining(DFedAvg):

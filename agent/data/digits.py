@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from agent.data.dataset import Dataset, DatasetBundle, split_indices, stream_rng
+from dfl_agent.data.dataset import Dataset, DatasetBundle, split_indices, stream_rng
 
 __all__ = ["load_digits", "TEST_FRACTION", "SPLIT_SEED"]
 

@@ -33,7 +33,7 @@ Conversion (once, then cached)
     classifies its own raw accelerometer windows must apply the same transform.
 
 Cache file
-    ``<cache_dir>/har_v1.npz`` (see :mod:`agent.data.cache` for the
+    ``<cache_dir>/har_v1.npz`` (see :mod:`dfl_agent.data.cache` for the
     directory), written atomically and read with ``allow_pickle=False``.  Keys:
     ``format_version`` (int64 scalar), ``x_pool``/``x_test`` float32
     ``(N, 3, 128)`` standardised, ``y_pool``/``y_test`` int64 ``(N,)`` in 0..5,
@@ -54,8 +54,8 @@ from typing import Any
 
 import numpy as np
 
-from agent.data.cache import atomic_savez, read_npz, resolve_cache_dir
-from agent.data.dataset import Dataset, DatasetBundle
+from dfl_agent.data.cache import atomic_savez, read_npz, resolve_cache_dir
+from dfl_agent.data.dataset import Dataset, DatasetBundle
 
 __all__ = [
     "CACHE_FORMAT_VERSION",

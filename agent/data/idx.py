@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.data.dataset import Dataset, DatasetBundle
+from dfl_agent.data.dataset import Dataset, DatasetBundle
 
 __all__ = ["read_idx", "find_idx_file", "load_idx"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from agent.data.dataset import Dataset, DatasetBundle, split_indices, stream_rng
+from dfl_agent.data.dataset import Dataset, DatasetBundle, split_indices, stream_rng
 
 __all__ = ["load_iris", "TEST_FRACTION", "SPLIT_SEED"]
 

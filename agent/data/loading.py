@@ -14,8 +14,8 @@ import os
 
 import numpy as np
 
-from agent.data.dataset import DatasetBundle, NodeData, split_indices, stream_rng
-from agent.data.partition import partition
+from dfl_agent.data.dataset import DatasetBundle, NodeData, split_indices, stream_rng
+from dfl_agent.data.partition import partition
 
 __all__ = ["DATASETS", "load_dataset", "make_node_data", "node_data_for"]
 
@@ -29,12 +29,12 @@ def load_dataset(name: str, *, path: str | os.PathLike[str] | None = None,
     Args:
         name: one of :data:`DATASETS`:
             ``har`` (UCI HAPT from the installed package, cached as npz in
-            ``cache_dir``; see :mod:`agent.data.har`),
-            ``digits`` (scikit-learn; :mod:`agent.data.digits`),
-            ``iris`` (scikit-learn; :mod:`agent.data.iris`),
+            ``cache_dir``; see :mod:`dfl_agent.data.har`),
+            ``digits`` (scikit-learn; :mod:`dfl_agent.data.digits`),
+            ``iris`` (scikit-learn; :mod:`dfl_agent.data.iris`),
             ``idx`` (MNIST-format files in directory ``path``;
-            :mod:`agent.data.idx`),
-            ``npz`` (device data directory ``path``; :mod:`agent.data.npzdir`).
+            :mod:`dfl_agent.data.idx`),
+            ``npz`` (device data directory ``path``; :mod:`dfl_agent.data.npzdir`).
         path: data directory, required for ``idx`` and ``npz``, refused for
             the others.
         cache_dir: cache directory for ``har`` (default ``$DFL_CACHE_DIR`` or
@@ -54,18 +54,18 @@ def load_dataset(name: str, *, path: str | os.PathLike[str] | None = None,
         raise ValueError(f"dataset {name!r} takes no path (got {path!r}); "
                          "use 'idx' or 'npz' for data from a directory")
     if name == "har":
-        from agent.data.har import load_har
+        from dfl_agent.data.har import load_har
         return load_har(cache_dir)
     if name == "digits":
-        from agent.data.digits import load_digits
+        from dfl_agent.data.digits import load_digits
         return load_digits()
     if name == "iris":
-        from agent.data.iris import load_iris
+        from dfl_agent.data.iris import load_iris
         return load_iris()
     if name == "idx":
-        from agent.data.idx import load_idx
+        from dfl_agent.data.idx import load_idx
         return load_idx(path)  # type: ignore[arg-type]
-    from agent.data.npzdir import load_npz_dir
+    from dfl_agent.data.npzdir import load_npz_dir
     return load_npz_dir(path)  # type: ignore[arg-type]
 
 
@@ -75,7 +75,7 @@ def make_node_data(bundle: DatasetBundle, indices: np.ndarray, *, seed: int,
 
     The split is drawn from ``stream_rng(seed, "node-split")`` and is
     stratified when every class on the node has >= 2 samples (see
-    :func:`agent.data.dataset.split_indices`); ``val`` gets
+    :func:`dfl_agent.data.dataset.split_indices`); ``val`` gets
     ``round(val_fraction * n)`` samples (never all of them).
 
     Args:

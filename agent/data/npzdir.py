@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from agent.data.cache import read_npz
-from agent.data.dataset import Dataset, DatasetBundle, split_indices, stream_rng
+from dfl_agent.data.cache import read_npz
+from dfl_agent.data.dataset import Dataset, DatasetBundle, split_indices, stream_rng
 
 __all__ = ["load_npz_dir", "TEST_FRACTION", "SPLIT_SEED"]
 

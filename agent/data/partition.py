@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from agent.data.dataset import Dataset, stream_rng
+from dfl_agent.data.dataset import Dataset, stream_rng
 
 __all__ = ["PARTITIONS", "partition", "partition_iid", "partition_dirichlet",
            "partition_shards", "partition_by_user"]

@@ -13,7 +13,7 @@ reachable from every site.
 
 from __future__ import annotations
 
-from agent.discovery.peers import PeerTable
+from dfl_agent.discovery.peers import PeerTable
 
 
 class HomeRoutedPeerTable(PeerTable):

@@ -11,7 +11,7 @@ What is advertised
     ======== ==========================================================
     key      value
     ======== ==========================================================
-    id       node id (``agent.transport.wire.valid_id``)
+    id       node id (``dfl_agent.transport.wire.valid_id``)
     fed      federation id
     broker   ``host:port`` of the MQTT broker where this node's topics live ("" = default)
     profile  device profile name
@@ -69,10 +69,10 @@ from typing import Any
 from zeroconf import DNSQuestionType, IPVersion, NonUniqueNameException, ServiceStateChange
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
-from agent import WIRE_VERSION
-from agent.discovery.peers import PeerTable
-from agent.discovery.static import valid_endpoint
-from agent.transport.wire import valid_id
+from dfl_agent import WIRE_VERSION
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.discovery.static import valid_endpoint
+from dfl_agent.transport.wire import valid_id
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ _TXT_KEYS = {
     "model_hash": "model",
     "algorithm": "alg",
     "version": "ver",
-    "roles": "roles",  # device profile behaviour (agent.profiles): comma-separated roles
+    "roles": "roles",  # device profile behaviour (dfl_agent.profiles): comma-separated roles
     "compression": "comp",  # and the compression spec
 }
 _SEPARATOR = "--"

@@ -1,7 +1,7 @@
 """Static peer lists from configuration.
 
 A static entry vouches for a peer for as long as the daemon runs (source
-``"static"`` in the :class:`~agent.discovery.peers.PeerTable`).  Accepted forms::
+``"static"`` in the :class:`~dfl_agent.discovery.peers.PeerTable`).  Accepted forms::
 
     "node-b"                                  id only: its topics live on the default broker
     "node-b@192.168.1.20:1883"                id and the broker where its topics live
@@ -9,7 +9,7 @@ A static entry vouches for a peer for as long as the daemon runs (source
     {"id": "node-b", "broker": "host:1883",   dict form; broker, profile and algorithm
      "profile": "rpi4", "algorithm": "dfml"}  are optional
 
-Ids follow :func:`agent.transport.wire.valid_id`; a broker endpoint is
+Ids follow :func:`dfl_agent.transport.wire.valid_id`; a broker endpoint is
 ``host:port`` with a non-empty host (name or IP address) and ``1 <= port <= 65535``.
 """
 
@@ -19,8 +19,8 @@ import ipaddress
 import re
 from typing import Any
 
-from agent.discovery.peers import PeerTable
-from agent.transport.wire import valid_id
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.transport.wire import valid_id
 
 _HOST_RE = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*\.?$")
 _PORT_RE = re.compile(r"^[0-9]{1,5}$")

@@ -1,15 +1,15 @@
 """The inference-only member: serves predictions with the federation's model, without torch.
 
-- :mod:`agent.inference.runtime`: :class:`OnnxModel` (onnxruntime) and window loading
+- :mod:`dfl_agent.inference.runtime`: :class:`OnnxModel` (onnxruntime) and window loading
   (``.npz`` with ``x`` as in ``agent/data/FORMAT.md``, or CSV of flattened windows).
-- :mod:`agent.inference.member`: :class:`InferenceMember`: joins a federation over
+- :mod:`dfl_agent.inference.member`: :class:`InferenceMember`: joins a federation over
   MQTT, receives the current model as ONNX (message kind ``onnx.model``) from a
   training peer, predicts on its own windows, publishes presence and status.
-- :mod:`agent.inference.publisher`: the training side (imports torch lazily): exports
+- :mod:`dfl_agent.inference.publisher`: the training side (imports torch lazily): exports
   the deployable model when it improves and sends it to the inference members.
-- ``dfl-infer`` (:mod:`agent.inference.cli`): ``run`` (the member) and ``predict``.
+- ``dfl-infer`` (:mod:`dfl_agent.inference.cli`): ``run`` (the member) and ``predict``.
 
-Nothing in this package imports torch, except inside :mod:`agent.inference.publisher`'s
+Nothing in this package imports torch, except inside :mod:`dfl_agent.inference.publisher`'s
 functions, which only training nodes call.  Install on a torch-less device:
 ``pip install --no-deps dfl-agent`` then ``pip install numpy onnxruntime paho-mqtt
 safetensors psutil`` (the ``inference`` extra lists them).

@@ -1,5 +1,5 @@
 import sys
 
-from agent.inference.cli import main
+from dfl_agent.inference.cli import main
 
 sys.exit(main())

@@ -19,7 +19,7 @@ import signal
 import sys
 from typing import Any
 
-from agent.inference.runtime import InferenceError, OnnxModel, load_windows, predictions_document
+from dfl_agent.inference.runtime import InferenceError, OnnxModel, load_windows, predictions_document
 
 
 def predict_command(model: str, windows: str, *, as_json: bool, label_column: bool = False, threads: int = 1,
@@ -41,7 +41,7 @@ def predict_command(model: str, windows: str, *, as_json: bool, label_column: bo
 
 
 async def _run(a: argparse.Namespace) -> int:
-    from agent.inference.member import InferenceMember
+    from dfl_agent.inference.member import InferenceMember
 
     nid = a.node_id or "infer-" + secrets.token_hex(3)
     member = InferenceMember(nid, a.federation, state_dir=a.state_dir, broker=a.broker, windows=a.windows,
@@ -57,7 +57,7 @@ async def _run(a: argparse.Namespace) -> int:
         return 3
     mdns = None
     if a.mdns_interface:
-        from agent.discovery.mdns import MdnsDiscovery
+        from dfl_agent.discovery.mdns import MdnsDiscovery
 
         mdns = MdnsDiscovery(member.peers, node_id=nid, federation=a.federation, descriptor=member.descriptor,
                              interfaces=[a.mdns_interface])

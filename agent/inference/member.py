@@ -3,7 +3,7 @@
 It connects to its MQTT broker like any node (presence with the descriptor
 ``{"profile": "inference-only", "algorithm": "inference"}``, retained status, last
 will), optionally advertises itself over mDNS, and waits for ``onnx.model`` messages
-that training peers send it (:class:`agent.inference.publisher.OnnxPublisher`): the
+that training peers send it (:class:`dfl_agent.inference.publisher.OnnxPublisher`): the
 sender's deployable model exported to ONNX whenever its accuracy improved.  Each
 accepted model is written atomically to ``state_dir/model.onnx``; when a window file
 is configured, the member predicts on it and writes ``state_dir/predictions.json``.
@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from agent import WIRE_VERSION, __version__
-from agent.algorithms.context import Message
-from agent.discovery.peers import PeerTable
-from agent.inference.runtime import InferenceError, OnnxModel, load_windows, predictions_document
-from agent.runtime.context import RuntimeContext
+from dfl_agent import WIRE_VERSION, __version__
+from dfl_agent.algorithms.context import Message
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.inference.runtime import InferenceError, OnnxModel, load_windows, predictions_document
+from dfl_agent.runtime.context import RuntimeContext
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class InferenceMember:
 
     Args:
         node_id, federation: wire ids.
-        transport: a started-or-not :class:`~agent.transport.base.Transport`
+        transport: a started-or-not :class:`~dfl_agent.transport.base.Transport`
             (e.g. ``MqttTransport`` with :data:`DESCRIPTOR`), or None to build an
             MQTT one for ``broker``.
         peers: its peer table (built when None).
@@ -69,7 +69,7 @@ class InferenceMember:
         self.peers = peers or PeerTable(node_id, federation, heartbeat_timeout=30.0)
         self.descriptor = {**DESCRIPTOR, "broker": broker, "version": f"{__version__}/w{WIRE_VERSION}"}
         if transport is None:
-            from agent.transport.mqtt import MqttTransport
+            from dfl_agent.transport.mqtt import MqttTransport
 
             transport = MqttTransport(node_id, federation, broker=broker, peers=self.peers, descriptor=self.descriptor,
                                       protocol=protocol, max_frame_bytes=max_frame_bytes,

@@ -1,10 +1,10 @@
 """Training side of the inference-only member: export and send the deployable model.
 
-:class:`OnnxPublisher` is a :class:`~agent.runtime.node.Node` round hook.  After each
+:class:`OnnxPublisher` is a :class:`~dfl_agent.runtime.node.Node` round hook.  After each
 evaluated round it remembers whether the deployable model improved (local accuracy,
 on the node's own validation split); when inference members (peers advertising
 algorithm ``inference``) are live, it exports the model with
-:func:`agent.models.onnx_export.export_onnx` (only when it changed since the last
+:func:`dfl_agent.models.onnx_export.export_onnx` (only when it changed since the last
 export) and sends it to every member that does not hold this version yet.
 torch is imported only inside the methods.
 """
@@ -17,8 +17,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from agent.algorithms.context import Message
-from agent.inference.member import ONNX_KIND
+from dfl_agent.algorithms.context import Message
+from dfl_agent.inference.member import ONNX_KIND
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,8 @@ class OnnxPublisher:
         if not members or (self.data is None and not self.dirty):
             return
         if self.dirty:
-            from agent.models import spec_hash
-            from agent.models.onnx_export import OnnxExportError, export_onnx
+            from dfl_agent.models import spec_hash
+            from dfl_agent.models.onnx_export import OnnxExportError, export_onnx
 
             model = copy.deepcopy(self.algorithm.deployable_model()).to("cpu")
             try:

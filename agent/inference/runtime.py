@@ -25,7 +25,7 @@ class InferenceError(ValueError):
 
 
 class OnnxModel:
-    """An ONNX classifier from :func:`agent.models.onnx_export.export_onnx`.
+    """An ONNX classifier from :func:`dfl_agent.models.onnx_export.export_onnx`.
 
     Args:
         data: the ONNX bytes.

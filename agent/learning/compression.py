@@ -2,8 +2,8 @@
 
 Pure functions over numpy arrays, no I/O (seed 003 §3.6.4 "Communication
 Optimization"; ALGORITHMS.md "Compression").  The wire glue lives in
-:mod:`agent.transport.codec`; error feedback and CHOCO-SGD in
-:mod:`agent.learning.error_feedback`.
+:mod:`dfl_agent.transport.codec`; error feedback and CHOCO-SGD in
+:mod:`dfl_agent.learning.error_feedback`.
 
 Operators
 ---------
@@ -54,7 +54,7 @@ import numpy as np
 VALUE_CODERS = ("fp32", "fp16", "bf16", "q8", "q4", "q2")
 ENTROPY_CODERS = ("zstd", "lz4")
 FP16_MAX = 65504.0
-WIRE_BLOB = "blob"  # the one wire tensor of a compressed message (agent.transport.codec)
+WIRE_BLOB = "blob"  # the one wire tensor of a compressed message (dfl_agent.transport.codec)
 DEFAULT_MAX_ELEMENTS = 1 << 26  # decoded elements per message (256 MB of float32)
 _LOSSLESS_DTYPES = {
     "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool",
@@ -726,7 +726,7 @@ class CompressionPolicy:
             error stays bounded (0 = automatic: first message only for dense specs,
             every 100 for sparsified ones; < 0 = first message only).
         consensus_step: CHOCO's γ for sparsified gossip (0 = 1.0 for dense specs,
-            see :mod:`agent.learning.error_feedback`).
+            see :mod:`dfl_agent.learning.error_feedback`).
     """
 
     default: CompressionSpec = dataclasses.field(default_factory=CompressionSpec)

@@ -1,11 +1,11 @@
 """FedD2S distillation math (seed 002, Eq. 6 and Eq. 8–13), pure: no I/O, no messaging.
 
-Both the serverless algorithm (:mod:`agent.algorithms.fedd2s`) and the centralized
-reference (:mod:`agent.runtime.fedd2s_reference`) call exactly these functions, so the
+Both the serverless algorithm (:mod:`dfl_agent.algorithms.fedd2s`) and the centralized
+reference (:mod:`dfl_agent.algorithms.fedd2s_reference`) call exactly these functions, so the
 two differ only in *where* each one runs and what travels between the parties.
 
 Models are layered: ``model.blocks`` is a list of the L layers (see
-:mod:`agent.models.convdense`).  Layer indices are 1-based as in the seed:
+:mod:`dfl_agent.models.convdense`).  Layer indices are 1-based as in the seed:
 
 - H_l = F(X; θ_{-l}) = output of layers 1..l  (:func:`features`);
 - the *head* of layer l = layers l+1..L (:func:`head`).  The seed writes
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from agent.learning.losses import kl_divergence
+from dfl_agent.learning.losses import kl_divergence
 
 __all__ = [
     "num_layers", "distillation_layer", "features", "head", "fixed_batches", "extract_features",

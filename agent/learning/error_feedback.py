@@ -1,7 +1,7 @@
 """Error feedback for compressed streams, and CHOCO-SGD's shared copies for gossip.
 
 Pure state machines over dicts of float32 arrays (no I/O); the operators are in
-:mod:`agent.learning.compression`.
+:mod:`dfl_agent.learning.compression`.
 
 - :class:`ErrorFeedback`: one residual ``e`` per outgoing stream (per destination or
   per broadcast, per message kind).  Stich, Cordonnier & Jaggi, "Sparsified SGD with
@@ -40,7 +40,7 @@ from typing import Any, Hashable, Mapping
 
 import numpy as np
 
-from agent.learning.compression import CompressionSpec, compress_dict, parse_spec
+from dfl_agent.learning.compression import CompressionSpec, compress_dict, parse_spec
 
 Tensors = dict[str, np.ndarray]
 
@@ -162,7 +162,7 @@ class ChocoGossip:
 
         Returns:
             ``(blob uint8, description, meta)``: the wire blob and description of
-            :func:`~agent.learning.compression.compress_dict`, and the meta entries
+            :func:`~dfl_agent.learning.compression.compress_dict`, and the meta entries
             to add to the message.
         """
         key = self.own is None or set(self.own) != set(x) or (

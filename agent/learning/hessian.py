@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from agent.learning.aggregation import check_same_layout
-from agent.learning.losses import cross_entropy
+from dfl_agent.learning.aggregation import check_same_layout
+from dfl_agent.learning.losses import cross_entropy
 
 HessianDiag = dict[str, np.ndarray]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

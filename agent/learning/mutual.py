@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from agent.learning.losses import cross_entropy, kl_divergence, weighted_softmax_ce
-from agent.learning.training import autocast_for, batches, restore_if_diverged, snapshot
+from dfl_agent.learning.losses import cross_entropy, kl_divergence, weighted_softmax_ce
+from dfl_agent.learning.training import autocast_for, batches, restore_if_diverged, snapshot
 
 
 def kl_weights(phis: Sequence[int]) -> np.ndarray:

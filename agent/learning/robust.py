@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from agent.learning.aggregation import check_same_layout, weighted_average
+from dfl_agent.learning.aggregation import check_same_layout, weighted_average
 
 AGGREGATIONS = ("mean", "clip", "median", "trimmed_mean")
 
@@ -158,7 +158,7 @@ def robust_aggregate(
         others: the neighbours' models.
         weights: 1 + len(others) non-negative weights (sample counts), own first;
             used by ``mean`` and ``clip``; ``median`` and ``trimmed_mean`` are unweighted.
-        rule: ``mean`` (:func:`~agent.learning.aggregation.weighted_average`), ``clip``
+        rule: ``mean`` (:func:`~dfl_agent.learning.aggregation.weighted_average`), ``clip``
             (:func:`clip_updates` on ``others``, then the weighted average), ``median``
             (:func:`coordinate_median`), ``trimmed_mean`` (:func:`trimmed_mean`).
 

@@ -1,7 +1,7 @@
 """Gradient Thresholding geometry (seed 003, MoDeFL thesis ch. 5, §5.3.1, Alg. 2-4).
 
 Pure numpy over *named tensors* (``{layer name: array}``, one entry per model tensor,
-as :func:`agent.learning.params.model_to_numpy` returns).  Every gradient here is an
+as :func:`dfl_agent.learning.params.model_to_numpy` returns).  Every gradient here is an
 *accumulated* gradient G_i^Σ: the sum of the gradient steps an actor applied since the
 last synchronization, in gradient units (parameters / learning rate), i.e.
 ``G = (M_R − M_i) / η`` with M_R the reference (last synchronized) parameters.

@@ -99,7 +99,7 @@ def train_local(
         y: int64 labels ``(N,)`` in ``[0, K)``.
         rng: draws the batch order (reproducible from the node's seed).
         loss_fn: ``loss_fn(logits (B, K), y (B,)) -> scalar``; default cross-entropy
-            (e.g. DFML's WSM, ``agent.learning.losses.weighted_softmax_ce``).
+            (e.g. DFML's WSM, ``dfl_agent.learning.losses.weighted_softmax_ce``).
         regularizer: ``regularizer(model) -> scalar`` added to every batch's loss
             (e.g. FedProx's proximal term).
 

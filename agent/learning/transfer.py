@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from agent.learning.losses import cross_entropy, kl_divergence
-from agent.learning.training import TrainConfig, batches
+from dfl_agent.learning.losses import cross_entropy, kl_divergence
+from dfl_agent.learning.training import TrainConfig, batches
 
 
 def mutual_transfer(
@@ -48,7 +48,7 @@ def mutual_transfer(
     one SGD step each (``cfg.lr``, ``cfg.momentum``, ``cfg.weight_decay``; a fresh
     optimizer per model and per call: no optimizer state travels).  Losses are batch
     means; with temperature τ ≠ 1 the KL terms are on softened outputs and scaled by
-    τ² (:func:`agent.learning.losses.kl_divergence`).  ``cfg.epochs`` is ignored.
+    τ² (:func:`dfl_agent.learning.losses.kl_divergence`).  ``cfg.epochs`` is ignored.
 
     Both models are updated in place.  The caller decides what to keep: Def-KT's
     receiver stores ``incoming`` (w̃ after transfer) as its local model.

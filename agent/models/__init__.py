@@ -25,7 +25,7 @@ it with :func:`build_model`.  Three families:
     then Flatten -> Linear(widths[-1]*h*h, num_classes).
 
 ``resnet``  a small pre-activation ResNet for ``[C, L]`` or ``[C, H, W]`` inputs
-(seed 000 Table 10's ResNet member), see :mod:`agent.models.resnet`::
+(seed 000 Table 10's ResNet member), see :mod:`dfl_agent.models.resnet`::
 
     {"type": "resnet", "input_shape": [1, 8, 8], "widths": [32, 64, 128, 256],
      "blocks": [2, 2, 2, 2], "num_classes": 10, "norm": "layer"}
@@ -148,8 +148,8 @@ def validate_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     """
     if not isinstance(spec, Mapping):
         raise SpecError(f"model spec must be a mapping, got {type(spec).__name__}")
-    if spec.get("type") == "convdense":  # FedD2S's 3-conv + 3-dense family (agent.models.convdense)
-        from agent.models.convdense import validate_convdense_spec
+    if spec.get("type") == "convdense":  # FedD2S's 3-conv + 3-dense family (dfl_agent.models.convdense)
+        from dfl_agent.models.convdense import validate_convdense_spec
 
         return validate_convdense_spec(spec)
     t = spec.get("type")
@@ -177,7 +177,7 @@ def validate_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
         out["input_shape"] = list(shape)
         out["hidden"] = _int_list(spec, "hidden", allow_empty=True)
     elif t == "resnet":  # small pre-activation ResNet, see agent/models/resnet.py
-        from agent.models.resnet import validate_resnet
+        from dfl_agent.models.resnet import validate_resnet
 
         out.update(validate_resnet(spec, _int_list, SpecError))
     else:
@@ -199,7 +199,7 @@ def build_model(spec: Mapping[str, Any]) -> nn.Module:
     """
     s = validate_spec(spec)
     if s["type"] == "convdense":  # FedD2S's 3-conv + 3-dense family
-        from agent.models.convdense import ConvDense
+        from dfl_agent.models.convdense import ConvDense
 
         return ConvDense(s["input_shape"], s["conv"], s["dense"], s["num_classes"], s["kernel"], s["pool"])
     if s["type"] == "cnn1d":
@@ -211,7 +211,7 @@ def build_model(spec: Mapping[str, Any]) -> nn.Module:
             n *= d
         return MLP(n, s["hidden"], s["num_classes"])
     if s["type"] == "resnet":
-        from agent.models.resnet import PreActResNet
+        from dfl_agent.models.resnet import PreActResNet
 
         return PreActResNet(s["input_shape"], s["widths"], s["blocks"], s["num_classes"], s["norm"])
     return CNN(s["in_channels"], s["image_size"], s["widths"], s["kernel"], s["num_classes"])

@@ -34,7 +34,7 @@ MAX_WIDTH = 4096
 
 
 def _err(msg: str) -> Exception:
-    from agent.models import SpecError
+    from dfl_agent.models import SpecError
 
     return SpecError(msg)
 

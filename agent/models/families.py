@@ -6,7 +6,7 @@
 - ``H1-resnet`` restrictive heterogeneous, ResNet type: a pre-activation ResNet18
   (two blocks per stage) at width rates 1, ½, ¼, ⅛, 1/16 of [32, 64, 128, 256]
   (the seed scales [64, 128, 256, 512]; halved like H1), for ``(C, L)`` and ``(C, H, W)``
-  inputs alike (:mod:`agent.models.resnet`).
+  inputs alike (:mod:`dfl_agent.models.resnet`).
 - ``H2`` nonrestrictive heterogeneous: CNNs of different depth and width:
   [32, 64, 128, 256], [32, 64, 128], [32, 64], [16, 32, 64], [8, 16, 32, 64].
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from agent.models import validate_spec
+from dfl_agent.models import validate_spec
 
 FAMILIES: dict[str, list[list[int]]] = {
     "H0": [[32, 64]],

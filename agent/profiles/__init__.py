@@ -1,10 +1,10 @@
 """Device profiles: what a device is, how it is detected, what it does, when it trains.
 
-- :mod:`agent.profiles.model`: the typed, validated profile (``device_profiles/*.toml``).
-- :mod:`agent.profiles.detect`: machine facts and profile matching (``dflctl profile detect``).
-- :mod:`agent.profiles.behaviour`: the decision table (algorithm, roles, model, compression,
+- :mod:`dfl_agent.profiles.model`: the typed, validated profile (``device_profiles/*.toml``).
+- :mod:`dfl_agent.profiles.detect`: machine facts and profile matching (``dflctl profile detect``).
+- :mod:`dfl_agent.profiles.behaviour`: the decision table (algorithm, roles, model, compression,
   device) and the peer compatibility check.
-- :mod:`agent.profiles.gating`: resource gating (battery, temperature, load, time windows).
+- :mod:`dfl_agent.profiles.gating`: resource gating (battery, temperature, load, time windows).
 
 Nothing here imports torch at module level.
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from agent.profiles.behaviour import Behaviour, peer_incompatibility, resolve_device, select_behaviour
-from agent.profiles.detect import Detection, Facts, NoProfileMatches, collect_facts, detect
-from agent.profiles.gating import ResourceGate
-from agent.profiles.model import (
+from dfl_agent.profiles.behaviour import Behaviour, peer_incompatibility, resolve_device, select_behaviour
+from dfl_agent.profiles.detect import Detection, Facts, NoProfileMatches, collect_facts, detect
+from dfl_agent.profiles.gating import ResourceGate
+from dfl_agent.profiles.model import (
     DeviceProfile, ProfileError, get_profile, list_profiles, profile_from_dict, with_overrides,
 )
 

@@ -33,7 +33,7 @@ import dataclasses
 import os
 from typing import Any, Callable
 
-from agent.profiles.model import DeviceProfile, ProfileError
+from dfl_agent.profiles.model import DeviceProfile, ProfileError
 
 MIXES_ARCHITECTURES = frozenset({"dfml", "dfedavg", "dfedprox", "heterofl", "fedrolex", "local"})
 SAME_ARCHITECTURE = frozenset({"fedavg", "dechw", "dechetero", "cfa", "defkt", "fullavg", "combo"})
@@ -51,7 +51,7 @@ class Behaviour:
         roles: roles it may take (subset of the profile's).
         model_size: size tier of the default model it trains; None = the federation's.
         compression: compression spec string (``none``, ``q8``, ``topk:0.01+q8``, ...; see
-            :mod:`agent.learning.compression`).
+            :mod:`dfl_agent.learning.compression`).
         device: torch device string (``cpu``, ``cuda:0``).
         threads: torch intra-op threads (>= 1).
         batch_size, epochs: local training.
@@ -215,24 +215,24 @@ def peer_incompatibility(algorithm: str, model_hash: str) -> PeerCheck:
 
 
 #: Algorithms whose model gossip is compressed as CHOCO differences
-#: (:mod:`agent.algorithms.gossip_compression`): every neighbour must share one stream
+#: (:mod:`dfl_agent.algorithms.gossip_compression`): every neighbour must share one stream
 #: encoding, so a per-device profile compression does not apply to them.
 CHOCO_GOSSIP = frozenset({"fedavg", "dechw", "dechetero", "cfa"})
 
 
 def profile_compression_policy(behaviour: Behaviour | None, algorithm: str, *, error_feedback: bool = True) -> Any:
-    """The :class:`~agent.learning.compression.CompressionPolicy` a profile asks for, or None.
+    """The :class:`~dfl_agent.learning.compression.CompressionPolicy` a profile asks for, or None.
 
     Used when the node (or simulation) configures no compression of its own.  None when
     the profile says ``none`` or the algorithm is in :data:`CHOCO_GOSSIP` (its
     federation-wide ``[compression]`` section decides there).
 
     Raises:
-        agent.learning.compression.CompressionError: the profile's spec is invalid.
+        dfl_agent.learning.compression.CompressionError: the profile's spec is invalid.
     """
     if behaviour is None or algorithm in CHOCO_GOSSIP:
         return None
-    from agent.learning.compression import CompressionPolicy
+    from dfl_agent.learning.compression import CompressionPolicy
 
     policy = CompressionPolicy.from_config(behaviour.compression, error_feedback=error_feedback)
     return policy if policy.active else None

@@ -19,7 +19,7 @@ import platform
 from pathlib import Path
 from typing import Any, Sequence
 
-from agent.profiles.model import DeviceProfile, list_profiles
+from dfl_agent.profiles.model import DeviceProfile, list_profiles
 
 DEVICE_TREE_MODEL = "/proc/device-tree/model"
 TEGRA_RELEASE = "/etc/nv_tegra_release"

@@ -19,8 +19,8 @@ from __future__ import annotations
 import datetime
 from typing import Any, Callable, Sequence
 
-from agent.profiles.detect import sensor_readings
-from agent.profiles.model import LimitsSection
+from dfl_agent.profiles.detect import sensor_readings
+from dfl_agent.profiles.model import LimitsSection
 
 
 def _minutes(hhmm: str) -> int:

@@ -45,7 +45,7 @@ class ProfileError(ValueError):
 
 @dataclasses.dataclass
 class MatchSection:
-    """``[match]``: when :func:`agent.profiles.detect.detect` picks this profile.
+    """``[match]``: when :func:`dfl_agent.profiles.detect.detect` picks this profile.
 
     Every criterion that is set must hold; among the matching profiles the one with
     the most criteria (the most specific) wins, ties broken by ``priority``.
@@ -112,7 +112,7 @@ class BehaviourSection:
         algorithms: algorithms it can run, in order of preference.
         roles: subset of :data:`ROLES`.
         compression: update compression spec, ``none`` or ``op[:arg](+op[:arg])*``
-            (e.g. ``topk:0.01+q8``, grammar of :mod:`agent.learning.compression`).
+            (e.g. ``topk:0.01+q8``, grammar of :mod:`dfl_agent.learning.compression`).
     """
 
     algorithms: list[str] = dataclasses.field(default_factory=lambda: ["dfml", "dechw", "defkt", "fedavg"])
@@ -245,7 +245,7 @@ def validate(p: DeviceProfile) -> DeviceProfile:
     need("inference" not in b.roles or b.roles == ["inference"], "behaviour.roles",
          "'inference' cannot be combined with training roles")
     need(bool(b.algorithms) or b.roles == ["inference"], "behaviour.algorithms", "must list at least one algorithm")
-    from agent.learning.compression import CompressionError, parse_spec
+    from dfl_agent.learning.compression import CompressionError, parse_spec
 
     try:
         parse_spec(b.compression)
@@ -310,14 +310,22 @@ def with_overrides(profile: DeviceProfile, overrides: Mapping[str, Any] | None,
 
 
 # -- files ------------------------------------------------------------------------------
-def profiles_dir() -> Path:
-    """Where profile files live: ``$DFL_PROFILES_DIR``, else the repository's
-    ``device_profiles/`` next to the ``agent`` package, else ``/etc/dfl-agent/profiles``."""
-    env = os.environ.get("DFL_PROFILES_DIR")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve().parents[2] / "device_profiles"
-    return here if here.is_dir() else Path("/etc/dfl-agent/profiles")
+def profile_files(directory: str | os.PathLike[str] | None = None) -> list[Path]:
+    """The profile files to read, sorted by name.
+
+    With ``directory``, that folder's ``*.toml``. Otherwise the union over
+    :func:`dfl_agent.resources.profile_dirs` (``$DFL_PROFILES_DIR``,
+    ``/etc/dfl-agent/profiles``, the shipped profiles), where a file overrides the file of
+    the same name in a later folder."""
+    if directory is not None:
+        return sorted(Path(directory).glob("*.toml"))
+    from dfl_agent.resources import profile_dirs
+
+    chosen: dict[str, Path] = {}
+    for d in profile_dirs():
+        for f in sorted(Path(d).glob("*.toml")):
+            chosen.setdefault(f.name, f)
+    return [chosen[k] for k in sorted(chosen)]
 
 
 def load_profile_file(path: str | os.PathLike[str]) -> DeviceProfile:
@@ -341,13 +349,12 @@ def load_profile_file(path: str | os.PathLike[str]) -> DeviceProfile:
 
 
 def list_profiles(directory: str | os.PathLike[str] | None = None) -> list[DeviceProfile]:
-    """Every profile in ``directory`` (default :func:`profiles_dir`), sorted by name.
+    """Every profile in ``directory`` (default: see :func:`profile_files`), sorted by name.
 
     Raises:
         ProfileError: an invalid file, or a name/alias used twice.
     """
-    d = Path(directory) if directory is not None else profiles_dir()
-    out = [load_profile_file(f) for f in sorted(d.glob("*.toml"))]
+    out = [load_profile_file(f) for f in profile_files(directory)]
     seen: dict[str, str] = {}
     for prof in out:
         for n in [prof.name, *prof.aliases]:

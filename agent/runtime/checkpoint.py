@@ -276,7 +276,7 @@ class NodeCheckpointer:
 
     Args:
         store: the node's checkpoint folder.
-        algorithm: the node's :class:`~agent.algorithms.base.Algorithm` (after ``setup``).
+        algorithm: the node's :class:`~dfl_agent.algorithms.base.Algorithm` (after ``setup``).
         ctx: its context; reads ``node_id``, ``federation``, ``rng`` (numpy Generator),
             ``peers`` (the directory) and ``persistent_state`` (a dict of numpy arrays
             that other runtime components — error-feedback compression — keep across

@@ -41,7 +41,7 @@ class TrainingSection:
     """``[training]``: local SGD and compute placement.
 
     ``batch_size``, ``device`` and ``threads`` left unset (None) come from the device
-    profile (``agent.profiles``); set here they override it."""
+    profile (``dfl_agent.profiles``); set here they override it."""
 
     epochs: int = 1
     steps: int = 0
@@ -129,7 +129,7 @@ class RuntimeSection:
 @dataclasses.dataclass
 class CompressionSection:
     """``[compression]``: compression of this node's messages (issue 8; grammar in
-    :mod:`agent.learning.compression`).
+    :mod:`dfl_agent.learning.compression`).
 
     ``spec`` applies to every kind (averaging gossip compresses CHOCO differences with
     it; whole-model exchanges use only its value and entropy coders); ``kinds`` maps a
@@ -147,8 +147,8 @@ class CompressionSection:
     keyframe_every: int = 0
 
     def policy(self) -> Any:
-        """The :class:`~agent.learning.compression.CompressionPolicy` (None when off)."""
-        from agent.learning.compression import CompressionPolicy
+        """The :class:`~dfl_agent.learning.compression.CompressionPolicy` (None when off)."""
+        from dfl_agent.learning.compression import CompressionPolicy
 
         p = CompressionPolicy.from_config(
             self.spec, self.kinds, error_feedback=self.error_feedback,
@@ -235,7 +235,7 @@ def _from_dict(cls: type, raw: Mapping[str, Any], prefix: str = "") -> Any:
 
 
 def _validate(cfg: NodeConfig) -> None:
-    from agent.transport.wire import valid_id
+    from dfl_agent.transport.wire import valid_id
 
     def need(ok: bool, key: str, why: str) -> None:
         if not ok:
@@ -268,7 +268,7 @@ def _validate(cfg: NodeConfig) -> None:
     need(m.max_frame_bytes >= m.chunk_size, "mqtt.max_frame_bytes", "must be >= mqtt.chunk_size")
     need(m.keepalive >= 1, "mqtt.keepalive", "must be >= 1")
     need(m.heartbeat_interval > 0, "mqtt.heartbeat_interval", "must be > 0")
-    from agent.discovery.static import valid_endpoint
+    from dfl_agent.discovery.static import valid_endpoint
 
     need(valid_endpoint(m.broker), "mqtt.broker", "must be 'host:port' (IPv6: '[addr]:port')")
     disc = cfg.discovery
@@ -287,7 +287,7 @@ def _validate(cfg: NodeConfig) -> None:
     for key in ("tls_ca", "tls_cert", "tls_key"):
         path = getattr(m, key)
         need(path is None or os.path.isfile(path), f"mqtt.{key}", f"file not found: {path}")
-    from agent.security.keys import SecurityError, parse_public_key
+    from dfl_agent.security.keys import SecurityError, parse_public_key
 
     for nid, text in sec.trusted_keys.items():
         need(valid_id(nid), f"security.trusted_keys.{nid}", "must be a valid node id")
@@ -310,7 +310,7 @@ def _validate(cfg: NodeConfig) -> None:
     need(cfg.runtime.checkpoint_keep >= 1, "runtime.checkpoint_keep", "must be >= 1 (2 keeps a fallback)")
     need(cfg.runtime.log_format in ("auto", "text", "journal"), "runtime.log_format", "must be auto, text or journal")
     need(0 <= cfg.runtime.prometheus_port <= 65535, "runtime.prometheus_port", "must be in [0, 65535] (0 = off)")
-    from agent.learning.compression import CompressionError, parse_spec
+    from dfl_agent.learning.compression import CompressionError, parse_spec
 
     c = cfg.compression
     for key, spec in [("compression.spec", c.spec)] + [(f"compression.kinds.{k}", v) for k, v in c.kinds.items()]:
@@ -325,7 +325,7 @@ def _validate(cfg: NodeConfig) -> None:
 
 def _validate_profile(cfg: NodeConfig) -> None:
     """``profile`` names a known profile (or ``auto``); ``profile_overrides`` are valid fields."""
-    from agent.profiles import AUTO, DeviceProfile, ProfileError, get_profile, with_overrides
+    from dfl_agent.profiles import AUTO, DeviceProfile, ProfileError, get_profile, with_overrides
 
     try:
         base = DeviceProfile(name="override-check") if cfg.profile == AUTO else get_profile(cfg.profile)

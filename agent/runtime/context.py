@@ -1,4 +1,4 @@
-"""``RuntimeContext``: the :class:`~agent.algorithms.context.NodeContext` over any transport.
+"""``RuntimeContext``: the :class:`~dfl_agent.algorithms.context.NodeContext` over any transport.
 
 It encodes outgoing messages, and decodes, validates, de-duplicates and buffers
 incoming frames.  A frame that fails any check is dropped, logged and counted in
@@ -18,12 +18,12 @@ from typing import Any, Awaitable, Callable, Mapping, TypeVar
 
 import numpy as np
 
-from agent.algorithms.context import BROADCAST, Message
-from agent.discovery.peers import PeerTable
-from agent.learning.compression import CompressionPolicy
-from agent.learning.error_feedback import ErrorFeedback
-from agent.transport import codec, wire
-from agent.transport.base import Transport
+from dfl_agent.algorithms.context import BROADCAST, Message
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.learning.compression import CompressionPolicy
+from dfl_agent.learning.error_feedback import ErrorFeedback
+from dfl_agent.transport import codec, wire
+from dfl_agent.transport.base import Transport
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,7 +48,7 @@ class RuntimeContext:
         node_id, federation: identities (wire ids).
         transport: started by :meth:`start`.
         peers: live peer table (fed by presence here, and by mDNS/static in the daemon).
-        data: the node's :class:`agent.data.NodeData`.
+        data: the node's :class:`dfl_agent.data.NodeData`.
         model_spec, train, init_seed, device: what algorithms need to build and train models.
         rng: the node's seeded generator.
         compute_in_thread: run :meth:`compute` in a worker thread (daemon) or inline (simulator).
@@ -63,7 +63,7 @@ class RuntimeContext:
             feedback residual per stream for sparsified kinds); messages an algorithm
             already encoded (``Message.encoding``, e.g. CHOCO gossip) go as they are.
             Algorithms read it as ``ctx.compression``.
-        security: an :class:`agent.security.SecurityGuard` (``None``: frames are
+        security: an :class:`dfl_agent.security.SecurityGuard` (``None``: frames are
             neither signed nor verified, as in the simulator).  With it, outgoing
             frames are signed, incoming ones verified and replay-checked (rejections
             counted as ``unsigned``, ``unknown_sender``, ``bad_signature``, ``replay``),
@@ -112,7 +112,7 @@ class RuntimeContext:
         self.rejected: collections.Counter[str] = collections.Counter()
         #: state that survives restarts (issue 10): name -> numpy array, saved in every
         #: checkpoint and restored before the first round (e.g. error-feedback residuals
-        #: of compressed updates, "ef/{peer}/{tensor}"); see agent.runtime.checkpoint.
+        #: of compressed updates, "ef/{peer}/{tensor}"); see dfl_agent.runtime.checkpoint.
         self.persistent_state: dict[str, Any] = {}
         self.bytes_sent_by_kind: collections.Counter[str] = collections.Counter()
         self.bytes_received_by_kind: collections.Counter[str] = collections.Counter()
@@ -121,8 +121,8 @@ class RuntimeContext:
         self._seen_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._waiters: set[asyncio.Future[bool]] = set()
         self._started = False
-        # -- device profile (agent.profiles): behaviour, compatibility, resource gating --
-        self.behaviour: Any = None  # agent.profiles.Behaviour, when the daemon applied a profile
+        # -- device profile (dfl_agent.profiles): behaviour, compatibility, resource gating --
+        self.behaviour: Any = None  # dfl_agent.profiles.Behaviour, when the daemon applied a profile
         self.compatibility: Callable[[Any], str | None] | None = None  # peer info -> reason to exclude
         self.excluded: dict[str, str] = {}  # peer -> why it is excluded (incompatible)
         self.peer_gated: dict[str, str] = {}  # peer -> its gating reason (from its status)

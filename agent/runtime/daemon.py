@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from agent import WIRE_VERSION, __version__
-from agent.runtime.config import ConfigError, NodeConfig, load_config
+from dfl_agent import WIRE_VERSION, __version__
+from dfl_agent.runtime.config import ConfigError, NodeConfig, load_config
 
-log = logging.getLogger("agent.daemon")
+log = logging.getLogger("dfl_agent.daemon")
 
 
 def node_id_from_state(state_dir: Path, configured: str | None) -> str:
@@ -55,7 +55,7 @@ class StartupError(RuntimeError):
 
 
 def build_security(cfg: NodeConfig, state_dir: Path, node_id: str) -> Any:
-    """The node's :class:`agent.security.SecurityGuard` from ``[security]``.
+    """The node's :class:`dfl_agent.security.SecurityGuard` from ``[security]``.
 
     Loads (or creates, mode 0600) the node key, reads the device certificate
     (``security.certificate``, else ``state_dir/node_cert.json`` when present), and
@@ -65,8 +65,8 @@ def build_security(cfg: NodeConfig, state_dir: Path, node_id: str) -> Any:
     Raises:
         StartupError: unreadable key or certificate, a certificate for another node.
     """
-    from agent.security import SecurityError, SecurityGuard, TrustStore
-    from agent.security.keys import CERT_FILE, load_certificate, load_or_create_key, public_key_b64
+    from dfl_agent.security import SecurityError, SecurityGuard, TrustStore
+    from dfl_agent.security.keys import CERT_FILE, load_certificate, load_or_create_key, public_key_b64
 
     sec = cfg.security
     try:
@@ -99,7 +99,7 @@ class Agent:
         self.mdns: Any = None
         self.ctx: Any = None
         # -- operations (issue 10): systemd notification, checkpoints, SIGHUP reload
-        from agent.runtime.systemd import Notifier
+        from dfl_agent.runtime.systemd import Notifier
 
         self.config_path = config_path
         self.notifier = Notifier()
@@ -109,16 +109,16 @@ class Agent:
     async def run(self, stop: asyncio.Event) -> int:
         import torch
 
-        from agent.algorithms.base import get_algorithm, parse_options
-        from agent.data import load_dataset, node_data_for
-        from agent.discovery.mdns import MdnsDiscovery
-        from agent.discovery.peers import PeerTable
-        from agent.discovery.static import load_static_peers
-        from agent.learning.training import TrainConfig
-        from agent.models import default_spec, spec_hash, validate_spec
-        from agent.runtime.context import RuntimeContext
-        from agent.runtime.node import Node, init_seed_for
-        from agent.transport.mqtt import MqttTransport
+        from dfl_agent.algorithms.base import get_algorithm, parse_options
+        from dfl_agent.data import load_dataset, node_data_for
+        from dfl_agent.discovery.mdns import MdnsDiscovery
+        from dfl_agent.discovery.peers import PeerTable
+        from dfl_agent.discovery.static import load_static_peers
+        from dfl_agent.learning.training import TrainConfig
+        from dfl_agent.models import default_spec, spec_hash, validate_spec
+        from dfl_agent.runtime.context import RuntimeContext
+        from dfl_agent.runtime.node import Node, init_seed_for
+        from dfl_agent.transport.mqtt import MqttTransport
 
         cfg = self.cfg
         d = cfg.data
@@ -152,7 +152,7 @@ class Agent:
                  nid, fed, algo_cls.name, data.num_train, len(data.val_y), data.groups, spec["type"])
 
         if cfg.mqtt.bridged:  # operations: multi-site, brokers joined by bridging
-            from agent.discovery.bridged import HomeRoutedPeerTable as PeerTable  # noqa: N814
+            from dfl_agent.discovery.bridged import HomeRoutedPeerTable as PeerTable  # noqa: N814
         self.peers = peers = PeerTable(nid, fed, heartbeat_timeout=cfg.discovery.heartbeat_timeout)
         load_static_peers(peers, cfg.discovery.static_peers, fed)
         descriptor = {
@@ -172,7 +172,7 @@ class Agent:
             tls_ca=cfg.mqtt.tls_ca, tls_cert=cfg.mqtt.tls_cert, tls_key=cfg.mqtt.tls_key,
             max_transfers=cfg.mqtt.max_transfers,
         )
-        from agent.profiles.behaviour import profile_compression_policy
+        from dfl_agent.profiles.behaviour import profile_compression_policy
 
         self.ctx = ctx = RuntimeContext(
             node_id=nid, federation=fed, transport=transport, peers=peers, data=data, model_spec=spec,
@@ -183,7 +183,7 @@ class Agent:
                 behaviour, algo_cls.name, error_feedback=cfg.compression.error_feedback),
             security=guard, max_queued_per_sender=cfg.security.max_queued_per_sender,
         )
-        from agent.profiles import ResourceGate, peer_incompatibility
+        from dfl_agent.profiles import ResourceGate, peer_incompatibility
 
         ctx.behaviour = behaviour
         ctx.compatibility = peer_incompatibility(algo_cls.name, spec_hash(spec))
@@ -201,7 +201,7 @@ class Agent:
         self.node = node = Node(ctx, algo_cls(ctx, options), bundle.test.x, bundle.test.y,
                                 baseline_local=cfg.runtime.baseline_local, sink=sink, rounds=cfg.algorithm.rounds)
         if _onnx_available():  # send the deployable model to inference-only members
-            from agent.inference.publisher import OnnxPublisher
+            from dfl_agent.inference.publisher import OnnxPublisher
 
             node.after_round.append(OnnxPublisher(ctx, node.algorithm, bundle.pool.input_shape, spec))
         watchdog: Any = None
@@ -263,7 +263,7 @@ class Agent:
     def _resume(self, model_hash: str) -> int:
         """Restore the newest usable checkpoint (``{state_dir}/checkpoints``) and hook
         a checkpoint after every round.  Returns the first round to run."""
-        from agent.runtime.checkpoint import CheckpointStore, NodeCheckpointer
+        from dfl_agent.runtime.checkpoint import CheckpointStore, NodeCheckpointer
 
         if not self.cfg.runtime.checkpoint:
             return 1
@@ -285,7 +285,7 @@ class Agent:
 
     def _start_systemd(self) -> "asyncio.Task[None] | None":
         """READY=1 with a STATUS, then WATCHDOG pings from the event loop."""
-        from agent.runtime.systemd import watchdog_loop
+        from dfl_agent.runtime.systemd import watchdog_loop
 
         n = self.notifier
         n.ready(self.status_line())
@@ -299,7 +299,7 @@ class Agent:
         port = self.cfg.runtime.prometheus_port
         if not port:
             return None
-        from agent.runtime.prometheus import PrometheusExporter
+        from dfl_agent.runtime.prometheus import PrometheusExporter
 
         try:
             return PrometheusExporter(self.node, port, self.cfg.runtime.prometheus_address,
@@ -315,7 +315,7 @@ class Agent:
         logged as needing a restart.  A bad file changes nothing.  Returns the keys applied."""
         import dataclasses
 
-        from agent.discovery.static import load_static_peers, parse_peer
+        from dfl_agent.discovery.static import load_static_peers, parse_peer
 
         if not self.config_path:
             return []
@@ -414,14 +414,14 @@ class Agent:
 
 def apply_profile(cfg: NodeConfig, algorithm: str, spec: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """The node's device profile (pinned or detected, with ``profile_overrides``) and
-    its behaviour from the decision table (``agent.profiles.behaviour``).
+    its behaviour from the decision table (``dfl_agent.profiles.behaviour``).
 
     Raises:
         ValueError: unknown profile, invalid override, the profile cannot run the
             algorithm, or an inference-only profile (it runs ``dfl-infer``, not the agent).
         LookupError: ``profile = "auto"`` and no profile matches this machine.
     """
-    from agent.profiles import resolve_profile, select_behaviour
+    from dfl_agent.profiles import resolve_profile, select_behaviour
 
     profile, detection = resolve_profile(cfg.profile, cfg.profile_overrides)
     if detection is not None:
@@ -430,7 +430,7 @@ def apply_profile(cfg: NodeConfig, algorithm: str, spec: dict[str, Any] | None =
         raise ValueError(f"profile {profile.name!r} is inference-only: run 'dfl-infer run', not the training agent")
     params = None
     if spec is not None:
-        from agent.models import build_model, count_trainable
+        from dfl_agent.models import build_model, count_trainable
 
         params = count_trainable(build_model(spec))
     t = cfg.training
@@ -459,7 +459,7 @@ async def _status_loop(notifier: Any, status: Any, interval: float = 5.0) -> Non
 
 
 def _setup_logging(level: str, fmt: str = "auto") -> None:
-    from agent.runtime.systemd import JournalFormatter, under_journald
+    from dfl_agent.runtime.systemd import JournalFormatter, under_journald
 
     logging.basicConfig(
         level=getattr(logging, level.upper()),

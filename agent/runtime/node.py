@@ -16,9 +16,9 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from agent.algorithms.base import Algorithm
-from agent.learning.training import evaluate, train_local
-from agent.runtime.context import RuntimeContext
+from dfl_agent.algorithms.base import Algorithm
+from dfl_agent.learning.training import evaluate, train_local
+from dfl_agent.runtime.context import RuntimeContext
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Optional Prometheus endpoint of the daemon (``runtime.prometheus_port``).
 
 Needs the ``metrics`` extra (``prometheus_client``).  The values are read from the
-running :class:`~agent.runtime.node.Node` at scrape time by a custom collector, so
+running :class:`~dfl_agent.runtime.node.Node` at scrape time by a custom collector, so
 nothing has to be updated on the learning path and a scrape always sees one
 consistent view.  Metrics (all labelled by nothing but what is listed):
 

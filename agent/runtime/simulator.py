@@ -1,7 +1,7 @@
 """The simulator: N nodes of one algorithm in one process, one seed, a metrics folder.
 
-Nodes talk over :class:`~agent.transport.memory.MemoryNetwork` (the same wire frames
-as MQTT) on a :class:`~agent.transport.memory.VirtualTimeLoop`, so round deadlines
+Nodes talk over :class:`~dfl_agent.transport.memory.MemoryNetwork` (the same wire frames
+as MQTT) on a :class:`~dfl_agent.transport.memory.VirtualTimeLoop`, so round deadlines
 cost no real time and a run is a pure function of (config, seed).
 """
 
@@ -16,19 +16,19 @@ from typing import Any
 
 import numpy as np
 
-from agent.algorithms.base import get_algorithm, parse_options
-from agent.algorithms.topology import build_topology
-from agent.data import load_dataset, make_node_data, partition
-from agent.discovery.peers import PeerTable
-from agent.learning.compression import CompressionPolicy
-from agent.learning.training import TrainConfig
-from agent.models import default_spec, spec_hash, validate_spec
-from agent.models.families import family_specs
-from agent.runtime import metrics
-from agent.runtime.context import RuntimeContext
-from agent.profiles import peer_incompatibility
-from agent.runtime.node import Node, init_seed_for
-from agent.transport.memory import MemoryNetwork, run_virtual
+from dfl_agent.algorithms.base import get_algorithm, parse_options
+from dfl_agent.algorithms.topology import build_topology
+from dfl_agent.data import load_dataset, make_node_data, partition
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.learning.compression import CompressionPolicy
+from dfl_agent.learning.training import TrainConfig
+from dfl_agent.models import default_spec, spec_hash, validate_spec
+from dfl_agent.models.families import family_specs
+from dfl_agent.runtime import metrics
+from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.profiles import peer_incompatibility
+from dfl_agent.runtime.node import Node, init_seed_for
+from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +57,16 @@ class SimConfig:
             when other processes share the cores; restored afterwards).
         model_family: an architecture mode of DFML's Table 10 (``H0``, ``H1``, ``H2``),
             spread evenly over the nodes (overrides ``model_specs``).
-        topology: communication graph name (see ``agent.algorithms.topology``) and its
+        topology: communication graph name (see ``dfl_agent.algorithms.topology``) and its
             ``topology_options``; ``full`` = everyone is a neighbour.
         profiles: device profile names, one per node (cycled): each node's model size
             tier (for algorithms that mix architectures, unless ``model_family`` /
             ``model_specs`` / ``model_spec`` is given), roles (a node without the
             aggregator role never leads a rotating round) and compression come from the
-            decision table (``agent.profiles.behaviour``); every node still computes on
+            decision table (``dfl_agent.profiles.behaviour``); every node still computes on
             this machine's cpu with ``train``.
         compression: compression spec of every node (``none``, ``fp16``, ``q8``,
-            ``topk:0.01+q8``, ... see :mod:`agent.learning.compression`), with
+            ``topk:0.01+q8``, ... see :mod:`dfl_agent.learning.compression`), with
             ``compression_kinds`` per message kind, ``error_feedback`` (residuals /
             CHOCO copies; off only to compare) and CHOCO's ``consensus_step`` γ
             (0 = automatic) and ``keyframe_every``.
@@ -171,7 +171,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         if behaviours:
             ctx.behaviour = behaviours[i]
             if not policy.active:  # no simulation-wide compression: the profile's (whole-model exchanges)
-                from agent.profiles.behaviour import profile_compression_policy
+                from dfl_agent.profiles.behaviour import profile_compression_policy
 
                 ctx.compression = profile_compression_policy(behaviours[i], cfg.algorithm,
                                                              error_feedback=cfg.error_feedback)
@@ -250,7 +250,7 @@ def _profile_behaviours(cfg: SimConfig) -> list[Any] | None:
     """
     if not cfg.profiles:
         return None
-    from agent.profiles import get_profile, select_behaviour
+    from dfl_agent.profiles import get_profile, select_behaviour
 
     out = []
     for i in range(cfg.nodes):

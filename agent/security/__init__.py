@@ -1,11 +1,11 @@
 """Security: node keys, the federation trust store, signed envelopes and replay protection.
 
-* :mod:`agent.security.keys` - Ed25519 keys in the state directory, device certificates.
-* :mod:`agent.security.trust` - :class:`TrustStore` (who is a member) and
+* :mod:`dfl_agent.security.keys` - Ed25519 keys in the state directory, device certificates.
+* :mod:`dfl_agent.security.trust` - :class:`TrustStore` (who is a member) and
   :class:`SecurityGuard` (sign outgoing envelopes; verify and replay-check incoming ones).
 """
 
-from agent.security.keys import SecurityError
-from agent.security.trust import REJECT_REASONS, SecurityGuard, TrustStore
+from dfl_agent.security.keys import SecurityError
+from dfl_agent.security.trust import REJECT_REASONS, SecurityGuard, TrustStore
 
 __all__ = ["SecurityError", "SecurityGuard", "TrustStore", "REJECT_REASONS"]

@@ -25,7 +25,7 @@
     kind that was also sent earlier (a restarted sender - lower round, later time -
     is accepted).
 
-``wrong_federation`` is checked before, by :func:`agent.transport.wire.decode`.
+``wrong_federation`` is checked before, by :func:`dfl_agent.transport.wire.decode`.
 
 Memory: message ids are remembered for the replay window, at most ``max_seen`` of
 them; when that memory is full the oldest id is forgotten and messages sent before
@@ -45,7 +45,7 @@ from typing import Any, Callable, Mapping
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from agent.security.keys import SecurityError, canonical, parse_public_key, public_key_b64, verify_certificate
+from dfl_agent.security.keys import SecurityError, canonical, parse_public_key, public_key_b64, verify_certificate
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """The transport interface shared by the in-memory and the MQTT implementations.
 
-A transport moves opaque *frames* (bytes, see :mod:`agent.transport.wire`) between
+A transport moves opaque *frames* (bytes, see :mod:`dfl_agent.transport.wire`) between
 nodes of one federation and reports peers' presence.  Decoding, validation and
-buffering of messages happen above it, in :class:`agent.runtime.context.RuntimeContext`,
+buffering of messages happen above it, in :class:`dfl_agent.runtime.context.RuntimeContext`,
 so both implementations behave the same for the algorithms.
 """
 

@@ -2,9 +2,9 @@
 
 ``encode_tensors`` turns a dict of arrays into the wire tensors (one uint8 blob named
 :data:`BLOB`) and the description that goes into the envelope
-(``encoding.codec``, see :mod:`agent.transport.wire`); ``decode_tensors`` rebuilds
+(``encoding.codec``, see :mod:`dfl_agent.transport.wire`); ``decode_tensors`` rebuilds
 the arrays from the description alone, so a receiver needs no knowledge of the
-sender's configuration.  The operators are :mod:`agent.learning.compression`.
+sender's configuration.  The operators are :mod:`dfl_agent.learning.compression`.
 
 Description (JSON, in the envelope)::
 
@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from agent.learning.compression import (
+from dfl_agent.learning.compression import (
     DEFAULT_MAX_ELEMENTS,
     CompressionError,
     WIRE_BLOB,

@@ -18,7 +18,7 @@ import asyncio
 import selectors
 from typing import Any
 
-from agent.transport.base import FrameHandler, PresenceHandler, Transport, TransportStats
+from dfl_agent.transport.base import FrameHandler, PresenceHandler, Transport, TransportStats
 
 
 class SimulationDeadlock(RuntimeError):

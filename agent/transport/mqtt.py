@@ -15,10 +15,10 @@ Topic tree of a federation ``{fed}`` (``{id}`` = node id)::
                                   subscribes to ``dfl/{fed}/node/+/out``, ignores its own.
 
 Payloads on ``inbox`` and ``out`` are either a whole frame (opaque bytes, normally a
-wire frame ``b"DFL"...``, see :mod:`agent.transport.wire`) or a chunk of one
-(``b"DFC"...``, see :mod:`agent.transport.chunking`): every outgoing frame goes
-through :func:`~agent.transport.chunking.split` with ``chunk_size`` and every
-incoming payload through one :class:`~agent.transport.chunking.Reassembler` per
+wire frame ``b"DFL"...``, see :mod:`dfl_agent.transport.wire`) or a chunk of one
+(``b"DFC"...``, see :mod:`dfl_agent.transport.chunking`): every outgoing frame goes
+through :func:`~dfl_agent.transport.chunking.split` with ``chunk_size`` and every
+incoming payload through one :class:`~dfl_agent.transport.chunking.Reassembler` per
 (broker, topic).
 
 Connections: one paho client per broker endpoint ("host:port").  The *home* broker
@@ -58,7 +58,7 @@ add ``len(topic) + 4`` per message for a close estimate of the full packet).
 ``stats.bytes_received`` counts every payload received on ``inbox``/``out``
 (also those then dropped); presence and status traffic is not counted.
 
-Drop counters (``stats.dropped``): the :class:`~agent.transport.chunking.ChunkError`
+Drop counters (``stats.dropped``): the :class:`~dfl_agent.transport.chunking.ChunkError`
 reasons (``bad_chunk``, ``oversized``, ``hash_mismatch``, ``too_many_transfers``),
 ``incomplete_transfer`` (expired), ``bad_presence``, ``bad_status``,
 ``not_connected`` (QoS 0 publish while disconnected, or after ``stop()``),
@@ -81,9 +81,9 @@ from typing import Any, Callable
 import paho.mqtt.client as mqtt
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from agent.discovery.static import parse_endpoint
-from agent.transport.base import FrameHandler, PresenceHandler, Transport, TransportStats
-from agent.transport.chunking import HEADER_LEN, ChunkError, Reassembler, is_chunk, split
+from dfl_agent.discovery.static import parse_endpoint
+from dfl_agent.transport.base import FrameHandler, PresenceHandler, Transport, TransportStats
+from dfl_agent.transport.chunking import HEADER_LEN, ChunkError, Reassembler, is_chunk, split
 
 log = logging.getLogger(__name__)
 

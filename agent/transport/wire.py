@@ -29,7 +29,7 @@ unpickled.  Every check failure raises :class:`WireError` with a short
 
 Compression (issue 8): a compressed message has ``encoding = {"format": "codec",
 "codec": {...}}`` (no ``tensors`` table) and its payload is the codec blob of
-:mod:`agent.transport.codec` as is, without a safetensors header; in the codec table
+:mod:`dfl_agent.transport.codec` as is, without a safetensors header; in the codec table
 an entry that only holds a shape (``{"s": [..]}``) travels as the shape list.
 :func:`decode` returns the tensors rebuilt from that description alone.
 
@@ -43,8 +43,8 @@ The ``sig`` field holds ``"ed25519:" + base64`` of the sender's Ed25519 signatur
 over the canonical JSON (sorted keys, no spaces) of the header without ``sig`` -
 which includes ``payload_sha256``, so the payload is covered too - or ``null`` when
 the sender does not sign.  A signed header may carry ``cert``, the sender's device
-certificate (see :mod:`agent.security`).  Verification is the receiver's
-:class:`agent.security.SecurityGuard`'s job (:func:`raw_header` gives it the header).
+certificate (see :mod:`dfl_agent.security`).  Verification is the receiver's
+:class:`dfl_agent.security.SecurityGuard`'s job (:func:`raw_header` gives it the header).
 """
 
 from __future__ import annotations
@@ -63,10 +63,10 @@ import zstandard
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from agent import WIRE_VERSION
-from agent.algorithms.context import BROADCAST, Message
-from agent.learning.compression import CompressionError, zstd_inflate
-from agent.transport import codec as _codec
+from dfl_agent import WIRE_VERSION
+from dfl_agent.algorithms.context import BROADCAST, Message
+from dfl_agent.learning.compression import CompressionError, zstd_inflate
+from dfl_agent.transport import codec as _codec
 
 MAGIC = b"DFL"
 _PREFIX = struct.Struct(">3sBI")
@@ -130,7 +130,7 @@ _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
 def _is_codec_blob(tensors: dict[str, np.ndarray]) -> bool:
-    """True for the wire tensors of :func:`agent.transport.codec.encode_tensors`."""
+    """True for the wire tensors of :func:`dfl_agent.transport.codec.encode_tensors`."""
     blob = tensors.get(_codec.BLOB)
     return len(tensors) == 1 and blob is not None and blob.dtype == np.uint8 and blob.ndim == 1
 
@@ -156,7 +156,7 @@ def encode(message: Message, *, federation: str, sender: str,
            sign: Callable[[bytes], str] | None = None, cert: dict[str, Any] | None = None) -> bytes:
     """Serialise ``message`` into one v1 frame.
 
-    ``sign`` (e.g. :meth:`agent.security.SecurityGuard.sign`) maps the canonical header
+    ``sign`` (e.g. :meth:`dfl_agent.security.SecurityGuard.sign`) maps the canonical header
     bytes to the ``sig`` string; ``cert`` (a device certificate) is put into the signed
     header when given.
 

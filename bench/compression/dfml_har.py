@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 def main(argv: list[str]) -> None:
     import torch
 
-    from agent.learning.training import TrainConfig
-    from agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.learning.training import TrainConfig
+    from dfl_agent.runtime.simulator import SimConfig, simulate
 
     torch.set_num_threads(1)
     lr = float(argv[0])

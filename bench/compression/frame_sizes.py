@@ -13,10 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 
 def main() -> None:
-    from agent.algorithms.context import Message
-    from agent.learning.params import model_to_numpy
-    from agent.models import build_model, default_spec
-    from agent.transport import codec, wire
+    from dfl_agent.algorithms.context import Message
+    from dfl_agent.learning.params import model_to_numpy
+    from dfl_agent.models import build_model, default_spec
+    from dfl_agent.transport import codec, wire
 
     rng = np.random.default_rng(0)
     print("| dataset | model size | parameters | spec | frame bytes | × fewer than float32 | × fewer than `fp32` frame |")

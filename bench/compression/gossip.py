@@ -21,8 +21,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def run(spec: str, ef: bool, iters: int, n: int = 8, d: int = 17226, seed: int = 0):
-    from agent.learning.compression import decompress_dict
-    from agent.learning.error_feedback import ChocoGossip
+    from dfl_agent.learning.compression import decompress_dict
+    from dfl_agent.learning.error_feedback import ChocoGossip
 
     rng = np.random.default_rng(seed)
     xs = [{"w": rng.normal(size=d).astype(np.float32)} for _ in range(n)]

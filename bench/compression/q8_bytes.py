@@ -2,7 +2,7 @@
 
 Re-measures the q8 rows of the main grid (``run.py``: 6 nodes, digits Dirichlet β 0.5 for
 20 rounds, HAR by user for 10 rounds, seed 0, 1 local epoch) after envelope headers
-became zstd-compressed (``agent.transport.wire``); DFML on HAR at lr 0.01, the lr
+became zstd-compressed (``dfl_agent.transport.wire``); DFML on HAR at lr 0.01, the lr
 ``bench/dfml`` chose (see README "Why q8 lost on HAR/dfml"), the others at the grid's 0.05.
 
 Usage: nice -n 10 .venv/bin/python bench/compression/q8_bytes.py   (about 5 min; writes results/q8_bytes.md)
@@ -20,8 +20,8 @@ HERE = Path(__file__).resolve().parent
 def main() -> None:
     import torch
 
-    from agent.learning.training import TrainConfig
-    from agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.learning.training import TrainConfig
+    from dfl_agent.runtime.simulator import SimConfig, simulate
 
     torch.set_num_threads(1)
     sys.path.insert(0, str(HERE.parent.parent))

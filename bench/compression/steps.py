@@ -59,10 +59,10 @@ def name(setting: str, spec: str, ef: bool, gamma: float, seed: int, rounds: int
 
 def run(setting: str, spec: str, ef: bool, gamma: float, seed: int, rounds: int = ROUNDS) -> dict:
     """One simulator run (skipped when its file exists); returns the saved record."""
-    from agent.learning.training import TrainConfig
-    from agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.learning.training import TrainConfig
+    from dfl_agent.runtime.simulator import SimConfig, simulate
 
-    from agent.transport import wire
+    from dfl_agent.transport import wire
 
     # these runs started before envelope headers were zstd-compressed: keep plain JSON
     # headers so that every run of this benchmark counts bytes the same way

@@ -3,7 +3,7 @@
 Reproduces the *shape* of seed 001's Tables I, II and V and Fig. 4 at a scale that
 fits a small CPU machine: Erdős–Rényi p = 0.2 graphs, Dirichlet label skew
 α ∈ {1, 0.5, 0.2}, independent initialisations, datasets HAR and digits, several
-seeds.  Every run is one ``agent.runtime.simulator.simulate`` call.
+seeds.  Every run is one ``dfl_agent.runtime.simulator.simulate`` call.
 
 Writes (``--out``, default ``bench/dechw/results``):
 
@@ -42,9 +42,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from agent.learning.training import TrainConfig  # noqa: E402
-from agent.runtime.metrics import read_jsonl  # noqa: E402
-from agent.runtime.simulator import SimConfig, simulate  # noqa: E402
+from dfl_agent.learning.training import TrainConfig  # noqa: E402
+from dfl_agent.runtime.metrics import read_jsonl  # noqa: E402
+from dfl_agent.runtime.simulator import SimConfig, simulate  # noqa: E402
 
 METHODS = ("dechw", "dechetero", "cfa", "dechw_dagger")
 LABELS = {"dechw": "DecHW", "dechetero": "DecHetero", "cfa": "CFA", "dechw_dagger": "DecHW†"}
@@ -73,7 +73,7 @@ def har_dir(work: Path, pool_size: int, test_size: int) -> Path:
     """HAR as a device data directory (``npz`` loader) with stratified, fixed (seed 0)
     subsets of ``pool_size`` training-pool and ``test_size`` test samples (0 = all),
     to fit the compute budget: the simulator trains on the whole pool every round."""
-    from agent.data import load_dataset
+    from dfl_agent.data import load_dataset
 
     d = work / f"har_pool{pool_size}_test{test_size}"
     if (d / "train.npz").exists():

@@ -1,6 +1,6 @@
 """Def-KT benchmark (issue 5): Def-KT vs FullAvg vs Combo in the seed's setting at our scale.
 
-Runs the simulator (:func:`agent.runtime.simulator.simulate`, virtual time, one torch
+Runs the simulator (:func:`dfl_agent.runtime.simulator.simulate`, virtual time, one torch
 thread) one configuration at a time and appends one JSON line per run to
 ``<out>/runs.jsonl`` (resumable: runs already there are skipped).  Then
 ``bench/defkt/report.py`` turns that file into tables and plots.
@@ -38,9 +38,9 @@ from typing import Any, Iterator
 
 import torch
 
-from agent.learning.training import TrainConfig
-from agent.runtime.metrics import read_jsonl
-from agent.runtime.simulator import SimConfig, simulate
+from dfl_agent.learning.training import TrainConfig
+from dfl_agent.runtime.metrics import read_jsonl
+from dfl_agent.runtime.simulator import SimConfig, simulate
 
 SEEDS = (0, 1, 2)
 ALGORITHMS = ("defkt", "fullavg", "combo")

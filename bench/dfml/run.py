@@ -147,8 +147,8 @@ def resnet_runs() -> list[tuple[str, dict]]:
 
 
 def run_all(runs: list[tuple[str, dict]], only: str | None) -> None:
-    from agent.learning.training import TrainConfig
-    from agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.learning.training import TrainConfig
+    from dfl_agent.runtime.simulator import SimConfig, simulate
 
     RUNS.mkdir(parents=True, exist_ok=True)
     for name, kw in runs:

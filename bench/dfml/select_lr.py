@@ -6,7 +6,7 @@ For every setting (data set, partition, model family) and method, ``run.py selec
 seed 0 at each lr in ``LRS``.  The chosen lr maximises the **validation accuracy**: the
 mean over nodes, at the last round, of the deployable model's accuracy on the node's own
 held-out 20 % split of its local data (``summary.local_accuracy.mean``; split by
-``agent.data.loading.make_node_data``, disjoint from its training data and from the
+``dfl_agent.data.loading.make_node_data``, disjoint from its training data and from the
 shared test split).  Ties go to the first lr in ``LRS``.  The test accuracy is shown in
 the table for transparency only; the choice never reads it.
 

@@ -8,8 +8,8 @@ cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-/tmp/dfl-faults}
 COMMON="--nodes 6 --rounds ${ROUNDS:-90} --model-size medium --round-timeout 10 --seed 0"
-nice -n 10 $PY -m tools.chaos --out $OUT/reference $COMMON --no-faults
+nice -n 10 $PY -m dfl_agent.cli.chaos --out $OUT/reference $COMMON --no-faults
 cp $OUT/reference/chaos.json bench/faults/reference.json
-nice -n 10 $PY -m tools.chaos --out $OUT/chaos $COMMON --kill-every 30 --chaos-seconds 180 --broker-restart-at 90 \
+nice -n 10 $PY -m dfl_agent.cli.chaos --out $OUT/chaos $COMMON --kill-every 30 --chaos-seconds 180 --broker-restart-at 90 \
   || true
 cp $OUT/chaos/chaos.json bench/faults/chaos.json

@@ -3,7 +3,7 @@
 Scaled to a shared 2-core CPU (see results/README.md for the exact scale): 20 nodes,
 participation ρ = 0.2, Dirichlet label skew α ∈ {0.1, 0.5, 1}, digits and HAR, the seed's
 M1 model C(8,16,32)+F(32,16,classes) (``convdense``; the 1-D variant for HAR).  Every run
-is one ``agent.runtime.simulator.simulate`` call; the metric is the user accuracy UA
+is one ``dfl_agent.runtime.simulator.simulate`` call; the metric is the user accuracy UA
 (each node's deployed model on its own held-out 20 % split, mean over the evaluated rounds
 among the last 10, then over nodes; ``summary.json["user_accuracy"]``).
 
@@ -45,8 +45,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from agent.learning.training import TrainConfig  # noqa: E402
-from agent.runtime.simulator import SimConfig, simulate  # noqa: E402
+from dfl_agent.learning.training import TrainConfig  # noqa: E402
+from dfl_agent.runtime.simulator import SimConfig, simulate  # noqa: E402
 
 OUT = ROOT / "bench" / "fedd2s" / "results"
 Z0 = {0.1: 3, 0.5: 5, 1.0: 7}
@@ -103,7 +103,7 @@ def run_one(dataset: str, alpha: float, seed: int, method: str, rounds: int, z0:
 def reference(out: Path) -> None:
     """The centralized reference (server fed the features) at benchmark scale: digits, α = 0.1,
     seed 0 — its UA must equal the serverless run's; also the bytes the server receives."""
-    from agent.runtime.fedd2s_reference import simulate_reference
+    from dfl_agent.algorithms.fedd2s_reference import simulate_reference
 
     cfg = SimConfig(algorithm="fedd2s", nodes=20, rounds=SCALE["digits"]["rounds"], dataset="digits",
                     partition="dirichlet", beta=0.1, seed=0, model_spec=spec_for("digits"),

@@ -36,14 +36,14 @@ import math
 import numpy as np
 import torch
 
-from agent.algorithms.base import get_algorithm, parse_options
-from agent.data import load_dataset
-from agent.data.dataset import split_indices, stream_rng
-from agent.discovery.peers import PeerTable
-from agent.learning.params import model_to_numpy
-from agent.learning.training import TrainConfig, evaluate
-from agent.runtime.context import RuntimeContext
-from agent.transport.memory import MemoryNetwork, run_virtual
+from dfl_agent.algorithms.base import get_algorithm, parse_options
+from dfl_agent.data import load_dataset
+from dfl_agent.data.dataset import split_indices, stream_rng
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.learning.params import model_to_numpy
+from dfl_agent.learning.training import TrainConfig, evaluate
+from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -126,7 +126,7 @@ def run_one(dataset: str, algorithm: str, options: dict[str, Any], seed: int, **
     cfg = TrainConfig(epochs=1, batch_size=setup["batch"], lr=setup["lr"], momentum=0.0)
     policy = None  # issue 8: compress the synchronized gradients (kind gt.sync), residuals per stream
     if setup.get("sync_compression", "none") != "none":
-        from agent.learning.compression import CompressionPolicy
+        from dfl_agent.learning.compression import CompressionPolicy
 
         policy = CompressionPolicy.from_config("none", {"gt.sync": setup["sync_compression"]},
                                                error_feedback=setup.get("error_feedback", True))

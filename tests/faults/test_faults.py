@@ -11,7 +11,7 @@ runs and their report are in bench/faults/).
 import pytest
 
 from tests.system.conftest import needs_mosquitto
-from tools.chaos import ChaosOptions, netns_available, run_chaos
+from dfl_agent.cli.chaos import ChaosOptions, netns_available, run_chaos
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(400)]
 

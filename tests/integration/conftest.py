@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from agent.transport.broker import amqtt_available, mosquitto_path, start_broker
+from dfl_agent.cli.broker import amqtt_available, mosquitto_path, start_broker
 
 MOSQUITTO_MISSING = "mosquitto is not installed (apt install mosquitto)"
 AMQTT_MISSING = "amqtt is not installed (pip install 'dfl-agent[broker]')"

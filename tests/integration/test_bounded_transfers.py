@@ -8,9 +8,9 @@ import time
 import paho.mqtt.client as mqtt
 import pytest
 
-from agent.discovery.peers import PeerTable
-from agent.transport.chunking import split
-from agent.transport.mqtt import MqttTransport, topic
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.transport.chunking import split
+from dfl_agent.transport.mqtt import MqttTransport, topic
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.runtime.config import config_from_dict
-from agent.runtime.daemon import Agent
-from agent.transport.broker import BrokerHandle, free_port, mosquitto_path
-from tools.dflctl import peer_rows
-from tools.observer import Observer
+from dfl_agent.runtime.config import config_from_dict
+from dfl_agent.runtime.daemon import Agent
+from dfl_agent.cli.broker import BrokerHandle, free_port, mosquitto_path
+from dfl_agent.cli.dflctl import peer_rows
+from dfl_agent.cli.observer import Observer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow,
               pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed")]

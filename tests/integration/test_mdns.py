@@ -15,8 +15,8 @@ import pytest
 from zeroconf import IPVersion
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-from agent.discovery.mdns import MdnsDiscovery, MdnsNameConflict
-from agent.discovery.peers import PeerTable
+from dfl_agent.discovery.mdns import MdnsDiscovery, MdnsNameConflict
+from dfl_agent.discovery.peers import PeerTable
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 
-from agent.discovery.peers import PeerTable
-from agent.transport.broker import free_port
-from agent.transport.chunking import CHUNK_MAGIC, HEADER_LEN, split
-from agent.transport.mqtt import MqttTransport, topic
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.cli.broker import free_port
+from dfl_agent.transport.chunking import CHUNK_MAGIC, HEADER_LEN, split
+from dfl_agent.transport.mqtt import MqttTransport, topic
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -149,7 +149,7 @@ async def test_exchange_inbox_and_broadcast(request, make, federation, broker_fi
 
 
 async def test_large_frame_is_chunked_within_limit(make, federation):
-    from agent.transport.broker import mosquitto_path, start_broker
+    from dfl_agent.cli.broker import mosquitto_path, start_broker
 
     if mosquitto_path() is None:
         pytest.skip("mosquitto is not installed (apt install mosquitto)")
@@ -207,8 +207,8 @@ async def test_presence_status_and_clean_stop(request, broker_fixture, make, fed
 
 _CHILD = """
 import asyncio, sys
-from agent.discovery.peers import PeerTable
-from agent.transport.mqtt import MqttTransport
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.transport.mqtt import MqttTransport
 
 async def main():
     fed, endpoint, protocol = sys.argv[1:4]
@@ -399,7 +399,7 @@ async def test_two_brokers_connection_pool(mosquitto_broker, mosquitto_broker2, 
 def test_broker_handle(kind):
     import socket
 
-    from agent.transport.broker import amqtt_available, mosquitto_path, start_broker
+    from dfl_agent.cli.broker import amqtt_available, mosquitto_path, start_broker
 
     if kind == "mosquitto" and mosquitto_path() is None:
         pytest.skip("mosquitto is not installed")

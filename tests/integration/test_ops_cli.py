@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.runtime.config import config_from_dict, dump_toml
-from tools.dflctl import main as dflctl, peer_rows, status_rows
-from tools.cli_ops import default_exec
+from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.cli.dflctl import main as dflctl, peer_rows, status_rows
+from dfl_agent.cli.cli_ops import default_exec
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,7 +69,7 @@ def test_install_service_stages_user_config_and_dry_run_writes_nothing(tmp_path,
     root = _stage(tmp_path, "--instance", "greenhouse")
     cfg = root / "etc/dfl-agent/greenhouse.toml"
     assert cfg.stat().st_mode & 0o777 == 0o640  # holds the MQTT password
-    from agent.runtime.config import load_config
+    from dfl_agent.runtime.config import load_config
 
     installed = load_config(cfg)
     assert installed.state_dir == "/var/lib/dfl-agent/greenhouse"

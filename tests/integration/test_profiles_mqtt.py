@@ -14,11 +14,11 @@ import time
 import numpy as np
 import pytest
 
-from agent.runtime.config import (
+from dfl_agent.runtime.config import (
     AlgorithmSection, DataSection, DiscoverySection, ModelSection, MqttSection, NodeConfig, RuntimeSection,
     TrainingSection,
 )
-from agent.runtime.daemon import Agent
+from dfl_agent.runtime.daemon import Agent
 from tests.unit.test_profiles import FakePsutil
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -44,7 +44,7 @@ def peers_json(broker, fed):
     import contextlib
     import io
 
-    from tools.dflctl import main
+    from dfl_agent.cli.dflctl import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -120,11 +120,11 @@ def test_inference_member_without_torch_gets_onnx_model(mosquitto_broker, federa
     pytest.importorskip("onnxscript")
     import torch
 
-    from agent.discovery.peers import PeerTable
-    from agent.inference.publisher import OnnxPublisher
-    from agent.models import build_model
-    from agent.runtime.context import RuntimeContext
-    from agent.transport.mqtt import MqttTransport
+    from dfl_agent.discovery.peers import PeerTable
+    from dfl_agent.inference.publisher import OnnxPublisher
+    from dfl_agent.models import build_model
+    from dfl_agent.runtime.context import RuntimeContext
+    from dfl_agent.transport.mqtt import MqttTransport
 
     broker = mosquitto_broker.endpoint
     spec = {"type": "cnn1d", "in_channels": 3, "length": 32, "channels": [4, 8], "kernel": 5, "num_classes": 4}
@@ -134,7 +134,7 @@ def test_inference_member_without_torch_gets_onnx_model(mosquitto_broker, federa
     np.savez(tmp_path / "windows.npz", x=x)
     with torch.no_grad():
         want = model(torch.from_numpy(x)).numpy()
-    code = ("import sys; sys.modules['torch'] = None; from agent.inference.cli import main; "
+    code = ("import sys; sys.modules['torch'] = None; from dfl_agent.inference.cli import main; "
             f"sys.exit(main(['run', '--broker', {broker!r}, '--federation', {federation!r}, '--node-id', 'inf', "
             f"'--state-dir', {str(tmp_path / 'inf')!r}, '--windows', {str(tmp_path / 'windows.npz')!r}, "
             "'--log-level', 'warning']))")

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from agent.runtime.config import config_from_dict, dump_toml
-from agent.runtime.systemd import JournalFormatter, Notifier, watchdog_loop
+from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.systemd import JournalFormatter, Notifier, watchdog_loop
 
 pytestmark = pytest.mark.integration
 
@@ -100,8 +100,8 @@ def test_notifier_without_socket_is_a_noop_and_abstract_names_work(tmp_path):
 def test_journal_formatter_priorities():
     import logging
 
-    rec = logging.LogRecord("agent.daemon", logging.WARNING, __file__, 1, "peer %s lost\nagain", ("a",), None)
-    assert JournalFormatter().format(rec) == "<4>agent.daemon: peer a lost | again"
+    rec = logging.LogRecord("dfl_agent.daemon", logging.WARNING, __file__, 1, "peer %s lost\nagain", ("a",), None)
+    assert JournalFormatter().format(rec) == "<4>dfl_agent.daemon: peer a lost | again"
 
 
 @pytest.mark.slow
@@ -119,7 +119,7 @@ def test_agent_process_notifies_ready_status_watchdog_and_reloads(tmp_path, mosq
     path.write_text(dump_toml(cfg))
     env = {**os.environ, "NOTIFY_SOCKET": sink.path, "WATCHDOG_USEC": "400000"}
     log = open(tmp_path / "agent.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "agent.runtime.daemon", "run", "--config", str(path)],
+    proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         assert sink.wait_for("READY=1", 90), (tmp_path / "agent.log").read_text()[-2000:]

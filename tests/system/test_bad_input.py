@@ -10,12 +10,12 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 
-from agent.algorithms.context import Message
-from agent.runtime.config import config_from_dict, dump_toml
-from agent.transport import wire
-from agent.transport.broker import start_broker
+from dfl_agent.algorithms.context import Message
+from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.transport import wire
+from dfl_agent.cli.broker import start_broker
 from tests.system.conftest import needs_mosquitto
-from tools.observer import Observer
+from dfl_agent.cli.observer import Observer
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -36,7 +36,7 @@ def test_bad_payloads_are_counted_and_the_agent_keeps_running(tmp_path):
             path = tmp_path / f"a{i}.toml"
             path.write_text(dump_toml(cfg))
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "agent.runtime.daemon", "run", "--config", str(path)],
+                [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
                 stdout=open(tmp_path / f"a{i}.log", "w"), stderr=subprocess.STDOUT))
         obs = Observer(broker.endpoint, fed).start()
         deadline = time.monotonic() + 90

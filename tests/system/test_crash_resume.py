@@ -21,12 +21,12 @@ import time
 
 import pytest
 
-from agent.runtime.checkpoint import CheckpointStore
-from agent.runtime.config import config_from_dict, dump_toml
-from agent.transport.broker import start_broker
+from dfl_agent.runtime.checkpoint import CheckpointStore
+from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.cli.broker import start_broker
 from tests.system.conftest import needs_mosquitto
-from tools.dflctl import main as dflctl, peer_rows
-from tools.observer import Observer
+from dfl_agent.cli.dflctl import main as dflctl, peer_rows
+from dfl_agent.cli.observer import Observer
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -81,7 +81,7 @@ def test_sigkill_at_random_moments_never_corrupts_state_and_resumes(tmp_path, ca
         try:
             for k in range(KILLS):
                 log_path = tmp_path / f"run{k}.log"
-                proc = subprocess.Popen([sys.executable, "-m", "agent.runtime.daemon", "run", "--config", str(path)],
+                proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
                                         stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
                 try:
                     # the node connects: dflctl peers must list it online within 5 s
@@ -142,7 +142,7 @@ def test_sigkill_at_random_moments_never_corrupts_state_and_resumes(tmp_path, ca
 
 WRITER = """
 import sys, numpy as np
-from agent.runtime.checkpoint import CheckpointStore
+from dfl_agent.runtime.checkpoint import CheckpointStore
 store = CheckpointStore(sys.argv[1])
 ck = store.load_latest()
 t = ck.round if ck else 0

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 def _demo(tmp_path, *args, timeout=300):
     out = tmp_path / "report"
     r = subprocess.run(
-        [sys.executable, "-m", "tools.dflctl", "demo", "--no-live", "--out", str(out), *args],
+        [sys.executable, "-m", "dfl_agent.cli.dflctl", "demo", "--no-live", "--out", str(out), *args],
         capture_output=True, text=True, timeout=timeout,
     )
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else None

@@ -7,11 +7,11 @@ import asyncio
 
 import numpy as np
 
-from agent.algorithms.base import Algorithm
-from agent.algorithms.context import Message
-from agent.discovery.peers import PeerTable
-from agent.runtime.context import RuntimeContext
-from agent.transport.memory import MemoryNetwork, run_virtual
+from dfl_agent.algorithms.base import Algorithm
+from dfl_agent.algorithms.context import Message
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 
 def _ctx(net, nid, graph=None):
@@ -89,7 +89,7 @@ def test_run_follows_catch_up_round():
 
 
 def test_malformed_status_rounds_count_as_zero():
-    from agent.runtime.daemon import _as_float, _as_round
+    from dfl_agent.runtime.daemon import _as_float, _as_round
 
     assert [_as_round(v) for v in (7, "7", None, "x", [1], -3)] == [7, 7, 0, 0, 0, 0]
     assert [_as_float(v) for v in (1.5, "2", None, "x", {})] == [1.5, 2.0, 0.0, 0.0, 0.0]

@@ -7,15 +7,15 @@ import logging
 import numpy as np
 import pytest
 
-from agent.algorithms.base import get_algorithm, parse_options
-from agent.data import load_dataset, node_data_for
-from agent.discovery.peers import PeerTable
-from agent.learning.training import TrainConfig
-from agent.models import default_spec, spec_hash
-from agent.runtime.checkpoint import CheckpointStore, NodeCheckpointer, state_digest
-from agent.runtime.context import RuntimeContext
-from agent.runtime.node import Node
-from agent.transport.memory import MemoryNetwork, run_virtual
+from dfl_agent.algorithms.base import get_algorithm, parse_options
+from dfl_agent.data import load_dataset, node_data_for
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.learning.training import TrainConfig
+from dfl_agent.models import default_spec, spec_hash
+from dfl_agent.runtime.checkpoint import CheckpointStore, NodeCheckpointer, state_digest
+from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.runtime.node import Node
+from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 
 def _arrays(seed=0):
@@ -62,7 +62,7 @@ def test_corrupt_or_partial_checkpoint_falls_back_to_previous(tmp_path, damage, 
         doc = json.loads(j.read_text())
         doc["format"] = "something-else"
         j.write_text(json.dumps(doc))
-    with caplog.at_level(logging.WARNING, logger="agent.runtime.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dfl_agent.runtime.checkpoint"):
         ck = store.load_latest()
     assert ck is not None and ck.round == 1 and ck.meta == {"r": 1}
     assert np.array_equal(ck.tensors["model.w"], _arrays(1)["model.w"])
@@ -120,7 +120,7 @@ def _federation(name, n, bundle, spec, tmp_path):
 
 
 def _all_algorithms():
-    from agent.algorithms.base import available
+    from dfl_agent.algorithms.base import available
 
     return available()
 

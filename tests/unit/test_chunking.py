@@ -1,4 +1,4 @@
-"""Unit tests of agent.transport.chunking (split / Reassembler)."""
+"""Unit tests of dfl_agent.transport.chunking (split / Reassembler)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from agent.transport.chunking import (
+from dfl_agent.transport.chunking import (
     CHUNK_MAGIC,
     HEADER_LEN,
     ChunkError,

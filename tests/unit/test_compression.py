@@ -10,17 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from agent.algorithms.base import get_algorithm, parse_options
-from agent.algorithms.context import Message
-from agent.discovery.peers import PeerTable
-from agent.learning import compression as C
-from agent.learning.error_feedback import ChocoGossip, ErrorFeedback
-from agent.learning.training import TrainConfig
-from agent.runtime.config import ConfigError, config_from_dict, dump_toml
-from agent.runtime.context import RuntimeContext
-from agent.runtime.node import Node
-from agent.transport import codec, wire
-from agent.transport.memory import MemoryNetwork, run_virtual
+from dfl_agent.algorithms.base import get_algorithm, parse_options
+from dfl_agent.algorithms.context import Message
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.learning import compression as C
+from dfl_agent.learning.error_feedback import ChocoGossip, ErrorFeedback
+from dfl_agent.learning.training import TrainConfig
+from dfl_agent.runtime.config import ConfigError, config_from_dict, dump_toml
+from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.runtime.node import Node
+from dfl_agent.transport import codec, wire
+from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 FLOATS = hnp.arrays(
     np.float32,
@@ -210,7 +210,7 @@ def test_choco_gap_waits_for_keyframe():
 
 
 def test_sparsified_streams_resend_keyframes_by_default():
-    from agent.learning.error_feedback import SPARSE_KEYFRAME_EVERY
+    from dfl_agent.learning.error_feedback import SPARSE_KEYFRAME_EVERY
 
     def keys(spec: str, every: int, n: int) -> list[int]:
         a = ChocoGossip(spec, np.random.default_rng(0), keyframe_every=every)
@@ -352,7 +352,7 @@ def test_compressed_gossip_runs_and_saves_bytes(algorithm, spec, ratio):
 
 def test_uncompressed_node_rejects_choco_differences():
     """A node without compression never averages in a CHOCO difference as a model."""
-    from agent.algorithms import gossip_compression as gc
+    from dfl_agent.algorithms import gossip_compression as gc
 
     choco = ChocoGossip("q8", np.random.default_rng(0))
     m = gc.model_message(choco, "model", 0, {"w": np.ones(4, np.float32)}, {"samples": 1})
@@ -364,7 +364,7 @@ def test_uncompressed_node_rejects_choco_differences():
 
 
 def test_zstd_frame_that_declares_a_huge_size_is_refused_before_allocating():
-    from agent.learning.compression import CompressionError, zstd_inflate
+    from dfl_agent.learning.compression import CompressionError, zstd_inflate
 
     liar = bytes([0x28, 0xB5, 0x2F, 0xFD, 0xE0]) + (1 << 62).to_bytes(8, "little") + bytes([0x11, 0, 0]) + b"{}"
     with pytest.raises(CompressionError, match="declares"):

@@ -1,4 +1,4 @@
-"""Tests of agent.data: loaders (HAR, digits, idx, npz dir), partitioners, node splits."""
+"""Tests of dfl_agent.data: loaders (HAR, digits, idx, npz dir), partitioners, node splits."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import agent.data as data
-from agent.data import (
+import dfl_agent.data as data
+from dfl_agent.data import (
     DATASETS,
     PARTITIONS,
     Dataset,
@@ -23,9 +23,9 @@ from agent.data import (
     node_data_for,
     partition,
 )
-from agent.data import har
-from agent.data.cache import read_npz
-from agent.data.idx import read_idx
+from dfl_agent.data import har
+from dfl_agent.data.cache import read_npz
+from dfl_agent.data.idx import read_idx
 
 # ---------------------------------------------------------------- fixtures
 

@@ -6,14 +6,14 @@ import types
 import numpy as np
 import pytest
 
-from agent.algorithms.base import get_algorithm, parse_options
-from agent.algorithms.context import Message
-from agent.algorithms.dechw import HESSIAN_PREFIX
-from agent.learning.consensus import consensus_step
-from agent.learning.hessian import data_size_weights, hessian_weighted_average
-from agent.learning.training import TrainConfig
-from agent.runtime.metrics import read_jsonl
-from agent.runtime.simulator import SimConfig, simulate
+from dfl_agent.algorithms.base import get_algorithm, parse_options
+from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.dechw import HESSIAN_PREFIX
+from dfl_agent.learning.consensus import consensus_step
+from dfl_agent.learning.hessian import data_size_weights, hessian_weighted_average
+from dfl_agent.learning.training import TrainConfig
+from dfl_agent.runtime.metrics import read_jsonl
+from dfl_agent.runtime.simulator import SimConfig, simulate
 
 # -- Eq. 6-8 on hand-made tensors ---------------------------------------------------
 
@@ -122,7 +122,7 @@ def _bare_dechw():
 
 
 def test_malformed_hessian_is_rejected_and_aggregation_falls_back():
-    from agent.learning.params import model_to_numpy
+    from dfl_agent.learning.params import model_to_numpy
 
     alg, rejected = _bare_dechw()
     own = model_to_numpy(alg.model)
@@ -150,7 +150,7 @@ def test_malformed_hessian_is_rejected_and_aggregation_falls_back():
 def test_non_finite_hessians_never_crash_the_round():
     """A neighbour's non-finite Ĥ is rejected; a non-finite own Ĥ (a diverging model, e.g.
     lossy compressed gossip without error feedback) falls back to τ for the round."""
-    from agent.learning.params import model_to_numpy
+    from dfl_agent.learning.params import model_to_numpy
 
     alg, rejected = _bare_dechw()
     own = model_to_numpy(alg.model)
@@ -201,7 +201,7 @@ def test_end_to_end_in_simulator(tmp_path, alg):
     s = simulate(_cfg(tmp_path, algorithm=alg))
     assert s["rounds_completed"] == 4 and s["nodes"] == 6
     _, by_node = _per_round_bytes(tmp_path)
-    from agent.algorithms.topology import build_topology
+    from dfl_agent.algorithms.topology import build_topology
 
     graph = build_topology("erdos_renyi", sorted(by_node), seed=1, p=0.5)
     for node, recs in by_node.items():

@@ -11,16 +11,16 @@ import types
 import numpy as np
 import pytest
 
-from agent.algorithms.base import get_algorithm, parse_options
-from agent.algorithms.pairing import pair_schedule
-from agent.discovery.peers import PeerTable
-from agent.learning.params import load_numpy, model_to_numpy
-from agent.learning.training import TrainConfig, evaluate
-from agent.learning.transfer import flatten_segment, mutual_transfer
-from agent.runtime.context import RuntimeContext
-from agent.runtime.node import Node
-from agent.runtime.simulator import SimConfig, simulate
-from agent.transport.memory import MemoryNetwork, run_virtual
+from dfl_agent.algorithms.base import get_algorithm, parse_options
+from dfl_agent.algorithms.pairing import pair_schedule
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.learning.params import load_numpy, model_to_numpy
+from dfl_agent.learning.training import TrainConfig, evaluate
+from dfl_agent.learning.transfer import flatten_segment, mutual_transfer
+from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.runtime.node import Node
+from dfl_agent.runtime.simulator import SimConfig, simulate
+from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 SPEC = {"type": "mlp", "input_shape": [4], "hidden": [8], "num_classes": 2}
 
@@ -420,7 +420,7 @@ def test_fullavg_all_sends_n_models_per_round_and_defkt_q():
 
 
 def test_schedule_uses_the_federation_seed_even_with_independent_initialisation():
-    from agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.runtime.simulator import SimConfig, simulate
 
     s = simulate(SimConfig(algorithm="defkt", nodes=4, rounds=3, dataset="digits", partition="iid",
                            init="independent", seed=2, train=TrainConfig(batch_size=64)))

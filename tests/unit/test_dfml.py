@@ -9,19 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-from agent.algorithms.base import get_algorithm, parse_options
-from agent.algorithms.coordination import Done
-from agent.algorithms.dfml import check_model_message, class_proportions
-from agent.discovery.peers import PeerTable
-from agent.learning.losses import cross_entropy, kl_divergence, weighted_softmax_ce
-from agent.learning.mutual import kl_weights, mutual_learning
-from agent.learning.params import IncompatibleUpdate, model_to_numpy
-from agent.learning.schedules import AlphaState, CyclicAlpha
-from agent.learning.training import TrainConfig
-from agent.models import build_model
-from agent.runtime.context import RuntimeContext
-from agent.runtime.node import Node
-from agent.transport.memory import MemoryNetwork, run_virtual
+from dfl_agent.algorithms.base import get_algorithm, parse_options
+from dfl_agent.algorithms.coordination import Done
+from dfl_agent.algorithms.dfml import check_model_message, class_proportions
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.learning.losses import cross_entropy, kl_divergence, weighted_softmax_ce
+from dfl_agent.learning.mutual import kl_weights, mutual_learning
+from dfl_agent.learning.params import IncompatibleUpdate, model_to_numpy
+from dfl_agent.learning.schedules import AlphaState, CyclicAlpha
+from dfl_agent.learning.training import TrainConfig
+from dfl_agent.models import build_model
+from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.runtime.node import Node
+from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 SPECS = [
     {"type": "mlp", "input_shape": [4], "hidden": [16], "num_classes": 3},
@@ -264,7 +264,7 @@ def test_cluster_wise_baselines_average_only_identical_architectures(algorithm):
 
 
 def test_dfml_in_the_simulator_with_the_h2_family():
-    from agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.runtime.simulator import SimConfig, simulate
 
     # on 8x8 digits the two deepest H2 members are cut to 3 layers, so 4 nodes hold 3 architectures
     s = simulate(SimConfig(algorithm="dfml", nodes=4, rounds=2, dataset="digits", partition="iid",

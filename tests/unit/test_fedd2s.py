@@ -6,20 +6,20 @@ import numpy as np
 import pytest
 import torch
 
-from agent.algorithms.base import get_algorithm, parse_options
-from agent.algorithms.fedd2s import FedD2SOptions, draw_round, resolve_l_min
-from agent.algorithms.fedper import personal_keys
-from agent.data import NodeData
-from agent.discovery.peers import PeerTable
-from agent.learning import d2s
-from agent.learning.params import model_to_numpy
-from agent.learning.training import TrainConfig
-from agent.models import SpecError, build_model, validate_spec
-from agent.runtime import metrics
-from agent.runtime.context import RuntimeContext
-from agent.runtime.fedd2s_reference import run_reference
-from agent.runtime.node import Node
-from agent.transport.memory import MemoryNetwork, run_virtual
+from dfl_agent.algorithms.base import get_algorithm, parse_options
+from dfl_agent.algorithms.fedd2s import FedD2SOptions, draw_round, resolve_l_min
+from dfl_agent.algorithms.fedper import personal_keys
+from dfl_agent.data import NodeData
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.learning import d2s
+from dfl_agent.learning.params import model_to_numpy
+from dfl_agent.learning.training import TrainConfig
+from dfl_agent.models import SpecError, build_model, validate_spec
+from dfl_agent.runtime import metrics
+from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.algorithms.fedd2s_reference import run_reference
+from dfl_agent.runtime.node import Node
+from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 SPEC = {"type": "convdense", "input_shape": [1, 8, 8], "conv": [4, 8, 8], "dense": [8, 8], "num_classes": 4}
 
@@ -138,7 +138,7 @@ def test_s2c_kl_step_reaches_only_layers_up_to_l():
     personal, g = _model(1), _model(2)
     x, _ = _batch(6)
     t = d2s.head(g, d2s.features(personal, torch.from_numpy(x), 1), 1).detach()
-    from agent.learning.losses import kl_divergence
+    from dfl_agent.learning.losses import kl_divergence
 
     kl_divergence(t, d2s.head(g, d2s.features(personal, torch.from_numpy(x), 3), 3)).backward()
     grads = {n: p.grad for n, p in personal.named_parameters()}

@@ -22,11 +22,11 @@ from hypothesis import strategies as st
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from agent.algorithms.context import Message
-from agent.security import REJECT_REASONS, SecurityGuard, TrustStore
-from agent.security.keys import public_key_b64
-from agent.transport import chunking, wire
-from agent.transport.chunking import ChunkError, Reassembler
+from dfl_agent.algorithms.context import Message
+from dfl_agent.security import REJECT_REASONS, SecurityGuard, TrustStore
+from dfl_agent.security.keys import public_key_b64
+from dfl_agent.transport import chunking, wire
+from dfl_agent.transport.chunking import ChunkError, Reassembler
 
 FED = "fuzz"
 DEFAULT_EXAMPLES = int(os.environ.get("DFL_FUZZ_EXAMPLES", "200"))

@@ -9,13 +9,13 @@ import types
 import numpy as np
 import pytest
 
-from agent.algorithms.base import get_algorithm, parse_options
-from agent.discovery.peers import PeerTable
-from agent.learning import thresholding as th
-from agent.learning.params import model_to_numpy
-from agent.learning.training import TrainConfig
-from agent.runtime.context import RuntimeContext
-from agent.transport.memory import MemoryNetwork, run_virtual
+from dfl_agent.algorithms.base import get_algorithm, parse_options
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.learning import thresholding as th
+from dfl_agent.learning.params import model_to_numpy
+from dfl_agent.learning.training import TrainConfig
+from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 # forecast G̃: layer "w" = [1, 0] (median |G̃| = 0.5 -> W = [1, 2]), layer "b" = [0] (W = 1e12-capped)
 F = {"w": np.array([1.0, 0.0]), "b": np.array([0.0])}
@@ -290,7 +290,7 @@ def test_dead_voter_never_stalls_the_others():
 
 def test_iris_loader():
     pytest.importorskip("sklearn")
-    from agent.data import load_dataset
+    from dfl_agent.data import load_dataset
 
     b = load_dataset("iris")
     assert b.pool.x.shape[1:] == (4,) and b.pool.x.dtype == np.float32

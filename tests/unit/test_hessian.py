@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from agent.learning import hessian as H
+from dfl_agent.learning import hessian as H
 
 
 def _mse(out, y):

@@ -9,13 +9,13 @@ import types
 import numpy as np
 import pytest
 
-from agent.algorithms.base import get_algorithm, parse_options
-from agent.algorithms.context import Message
-from agent.algorithms.market import STRATEGIES, UpdateMarket, select_participants
-from agent.discovery.peers import PeerTable
-from agent.learning.training import TrainConfig
-from agent.runtime.context import RuntimeContext
-from agent.transport.memory import MemoryNetwork, run_virtual
+from dfl_agent.algorithms.base import get_algorithm, parse_options
+from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.market import STRATEGIES, UpdateMarket, select_participants
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.learning.training import TrainConfig
+from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 START, SLOW_AT, DEADLINE = 0.1, 3.0, 10.0
 
@@ -98,7 +98,7 @@ def test_update_of_a_neighbour_that_left_since_counts(strategy):
     """``last`` sends its round-1 update and leaves (its last round, offline presence)
     before ``me`` starts collecting: the update still counts, with the market (every
     strategy) and without it; a sender outside the graph is still rejected."""
-    from agent.algorithms.fedavg import collect_round
+    from dfl_agent.algorithms.fedavg import collect_round
 
     net = MemoryNetwork()
     ctxs = {nid: _ctx(net, nid) for nid in ("me", "last", "stay", "outsider")}
@@ -129,7 +129,7 @@ def test_update_of_a_neighbour_that_left_since_counts(strategy):
 def test_incompatible_peer_first_seen_during_collection_is_excluded(strategy):
     """A peer whose incompatible model (``compatibility``) is first noticed when its
     update arrives mid-collection is excluded then, not passed to aggregation."""
-    from agent.algorithms.fedavg import collect_round
+    from dfl_agent.algorithms.fedavg import collect_round
 
     net = MemoryNetwork()
     ctxs = {nid: _ctx(net, nid) for nid in ("me", "ok", "big")}

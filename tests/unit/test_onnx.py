@@ -15,9 +15,9 @@ pytest.importorskip("onnxscript")
 
 import torch  # noqa: E402
 
-from agent.inference.runtime import InferenceError, OnnxModel, load_windows  # noqa: E402
-from agent.models import build_model  # noqa: E402
-from agent.models.onnx_export import export_checked, export_onnx, max_abs_difference  # noqa: E402
+from dfl_agent.inference.runtime import InferenceError, OnnxModel, load_windows  # noqa: E402
+from dfl_agent.models import build_model  # noqa: E402
+from dfl_agent.models.onnx_export import export_checked, export_onnx, max_abs_difference  # noqa: E402
 
 SPEC = {"type": "cnn1d", "in_channels": 3, "length": 32, "channels": [4, 8], "kernel": 5, "num_classes": 4,
         "norm": "layer"}
@@ -84,7 +84,7 @@ def test_export_of_the_image_cnn():
 def test_torch_free_predict_matches_torch(exported):
     """The inference member's code path with torch unimportable: dfl-infer predict."""
     d, _, _, _, y, want = exported
-    code = (NO_TORCH + "from agent.inference.cli import main; "
+    code = (NO_TORCH + "from dfl_agent.inference.cli import main; "
             f"rc = main(['predict', '--model', {str(d / 'm.onnx')!r}, '--windows', {str(d / 'w.npz')!r}, '--json']); "
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]; sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -95,7 +95,7 @@ def test_torch_free_predict_matches_torch(exported):
 
 
 def test_dflctl_predict_and_bad_file(exported, capsys):
-    from tools.dflctl import main
+    from dfl_agent.cli.dflctl import main
 
     d = exported[0]
     assert main(["predict", "--model", str(d / "m.onnx"), "--windows", str(d / "w.npz")]) == 0

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from agent.learning.partial import aggregate_partial, check_sub_model, sub_indices
+from dfl_agent.learning.partial import aggregate_partial, check_sub_model, sub_indices
 
 
 def test_heterofl_takes_the_leading_slice():
@@ -53,8 +53,8 @@ def test_models_of_another_family_are_rejected():
 
 @pytest.mark.parametrize("algorithm", ["heterofl", "fedrolex"])
 def test_h1_federation_in_the_simulator(algorithm):
-    from agent.learning.training import TrainConfig
-    from agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.learning.training import TrainConfig
+    from dfl_agent.runtime.simulator import SimConfig, simulate
 
     s = simulate(SimConfig(algorithm=algorithm, nodes=5, rounds=3, dataset="digits", partition="iid",
                            model_family="H1", train=TrainConfig(batch_size=64)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.discovery.peers import PeerInfo, PeerTable
+from dfl_agent.discovery.peers import PeerInfo, PeerTable
 
 
 class FakeClock:

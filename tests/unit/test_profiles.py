@@ -10,13 +10,13 @@ import types
 import numpy as np
 import pytest
 
-from agent.profiles import (
+from dfl_agent.profiles import (
     ProfileError, ResourceGate, collect_facts, detect, get_profile, list_profiles, peer_incompatibility,
     resolve_device, select_behaviour, with_overrides,
 )
-from agent.profiles.detect import Facts
-from agent.profiles.gating import in_windows
-from agent.runtime.config import ConfigError, config_from_dict
+from dfl_agent.profiles.detect import Facts
+from dfl_agent.profiles.gating import in_windows
+from dfl_agent.runtime.config import ConfigError, config_from_dict
 
 # -- fakes at the hardware edge -----------------------------------------------------------
 
@@ -201,8 +201,8 @@ def test_cuda_device_selection_with_faked_cuda():
 def test_mixed_precision_is_cuda_only_and_cpu_training_unchanged():
     import torch
 
-    from agent.learning.training import TrainConfig, autocast_for, train_local
-    from agent.models import build_model
+    from dfl_agent.learning.training import TrainConfig, autocast_for, train_local
+    from dfl_agent.models import build_model
 
     assert autocast_for("cuda:0", True) == (True, "cuda", torch.float16)
     assert autocast_for("cpu", True)[0] is False
@@ -259,14 +259,14 @@ def test_battery_drop_stops_training_within_one_round_and_status_says_why():
     """Simulated federation (memory transport, virtual clock): node01's battery drops
     after its round 2; its next training waits, its status says 'gated: battery ...',
     node00 goes on alone; recharging resumes training."""
-    from agent.algorithms.base import get_algorithm, parse_options
-    from agent.data import load_dataset, make_node_data, partition
-    from agent.discovery.peers import PeerTable
-    from agent.learning.training import TrainConfig
-    from agent.models import default_spec
-    from agent.runtime.context import RuntimeContext
-    from agent.runtime.node import Node
-    from agent.transport.memory import MemoryNetwork, run_virtual
+    from dfl_agent.algorithms.base import get_algorithm, parse_options
+    from dfl_agent.data import load_dataset, make_node_data, partition
+    from dfl_agent.discovery.peers import PeerTable
+    from dfl_agent.learning.training import TrainConfig
+    from dfl_agent.models import default_spec
+    from dfl_agent.runtime.context import RuntimeContext
+    from dfl_agent.runtime.node import Node
+    from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
     bundle = load_dataset("digits")
     parts = partition(bundle.pool, 2, "iid", seed=0)
@@ -333,7 +333,7 @@ def test_config_pins_profiles_and_names_bad_keys():
 
 
 def test_daemon_applies_profile():
-    from agent.runtime.daemon import apply_profile
+    from dfl_agent.runtime.daemon import apply_profile
 
     cfg = config_from_dict({"profile": "raspberry-pi-4", "algorithm": {"name": "dfml"}})
     prof, beh = apply_profile(cfg, "dfml")
@@ -347,7 +347,7 @@ def test_daemon_applies_profile():
 def test_cli_profile_detect_json(capsys):
     import json
 
-    from tools.dflctl import main
+    from dfl_agent.cli.dflctl import main
 
     assert main(["profile", "detect", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -362,8 +362,8 @@ def test_sensor_gateway_sends_but_never_aggregates(tmp_path):
     node (round 1 would otherwise go to the lowest id, node00, a gateway)."""
     import json
 
-    from agent.learning.training import TrainConfig
-    from agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.learning.training import TrainConfig
+    from dfl_agent.runtime.simulator import SimConfig, simulate
 
     s = simulate(SimConfig(algorithm="dfml", nodes=3, rounds=2, dataset="digits", partition="iid",
                            profiles=["sensor-gateway", "x86-cpu"], options={"mutual_epochs": 1},

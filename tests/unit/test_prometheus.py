@@ -8,15 +8,15 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 
-from agent.algorithms.base import get_algorithm  # noqa: E402
-from agent.data import load_dataset, node_data_for  # noqa: E402
-from agent.discovery.peers import PeerTable  # noqa: E402
-from agent.learning.training import TrainConfig  # noqa: E402
-from agent.models import default_spec  # noqa: E402
-from agent.runtime.context import RuntimeContext  # noqa: E402
-from agent.runtime.node import Node  # noqa: E402
-from agent.runtime.prometheus import PrometheusExporter  # noqa: E402
-from agent.transport.memory import MemoryNetwork, run_virtual  # noqa: E402
+from dfl_agent.algorithms.base import get_algorithm  # noqa: E402
+from dfl_agent.data import load_dataset, node_data_for  # noqa: E402
+from dfl_agent.discovery.peers import PeerTable  # noqa: E402
+from dfl_agent.learning.training import TrainConfig  # noqa: E402
+from dfl_agent.models import default_spec  # noqa: E402
+from dfl_agent.runtime.context import RuntimeContext  # noqa: E402
+from dfl_agent.runtime.node import Node  # noqa: E402
+from dfl_agent.runtime.prometheus import PrometheusExporter  # noqa: E402
+from dfl_agent.transport.memory import MemoryNetwork, run_virtual  # noqa: E402
 
 
 def test_metrics_endpoint():

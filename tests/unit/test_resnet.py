@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from agent.learning.params import model_to_numpy
-from agent.learning.partial import aggregate_partial, check_sub_model
-from agent.learning.training import TrainConfig
-from agent.models import SpecError, build_model, count_trainable, spec_hash, validate_spec
-from agent.models.families import FAMILIES, family_specs
-from agent.models.resnet import scaled_widths
+from dfl_agent.learning.params import model_to_numpy
+from dfl_agent.learning.partial import aggregate_partial, check_sub_model
+from dfl_agent.learning.training import TrainConfig
+from dfl_agent.models import SpecError, build_model, count_trainable, spec_hash, validate_spec
+from dfl_agent.models.families import FAMILIES, family_specs
+from dfl_agent.models.resnet import scaled_widths
 
 RATES = (1, 1 / 2, 1 / 4, 1 / 8, 1 / 16)
 
@@ -101,7 +101,7 @@ def test_width_scaled_members_are_slices_of_the_largest():
 
 
 def test_dfml_mixes_the_resnet_widths_in_the_simulator():
-    from agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.runtime.simulator import SimConfig, simulate
 
     # 3 nodes hold the width rates 1/4, 1/8, 1/16 (the larger ones are covered above);
     # 2 rounds, K = 1 to keep it short

@@ -4,12 +4,12 @@ the ``aggregation`` option of the averaging algorithms."""
 import numpy as np
 import pytest
 
-from agent.algorithms.base import get_algorithm, parse_options
-from agent.learning.robust import (
+from dfl_agent.algorithms.base import get_algorithm, parse_options
+from dfl_agent.learning.robust import (
     clip_updates, coordinate_median, deviation_norm, robust_aggregate, trimmed_mean,
 )
-from agent.learning.training import TrainConfig
-from agent.runtime.simulator import SimConfig, simulate
+from dfl_agent.learning.training import TrainConfig
+from dfl_agent.runtime.simulator import SimConfig, simulate
 
 
 def _m(*vals, dtype=np.float32):

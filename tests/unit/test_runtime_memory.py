@@ -7,15 +7,15 @@ import types
 import numpy as np
 import pytest
 
-from agent.algorithms.base import available, get_algorithm, parse_options
-from agent.algorithms.context import Message
-from agent.discovery.peers import PeerTable
-from agent.learning.params import model_to_numpy
-from agent.learning.training import TrainConfig
-from agent.runtime.context import RuntimeContext
-from agent.runtime.node import Node
-from agent.transport import wire
-from agent.transport.memory import MemoryNetwork, SimulationDeadlock, run_virtual
+from dfl_agent.algorithms.base import available, get_algorithm, parse_options
+from dfl_agent.algorithms.context import Message
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.learning.params import model_to_numpy
+from dfl_agent.learning.training import TrainConfig
+from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.runtime.node import Node
+from dfl_agent.transport import wire
+from dfl_agent.transport.memory import MemoryNetwork, SimulationDeadlock, run_virtual
 
 SPEC = {"type": "mlp", "input_shape": [4], "hidden": [8], "num_classes": 2}
 

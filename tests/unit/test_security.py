@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from agent.algorithms.context import Message
-from agent.runtime.config import ConfigError, config_from_dict
-from agent.security import SecurityError, SecurityGuard, TrustStore
-from agent.security.keys import (
+from dfl_agent.algorithms.context import Message
+from dfl_agent.runtime.config import ConfigError, config_from_dict
+from dfl_agent.security import SecurityError, SecurityGuard, TrustStore
+from dfl_agent.security.keys import (
     issue_certificate, load_or_create_key, public_key_b64, verify_certificate,
 )
-from agent.transport import wire
+from dfl_agent.transport import wire
 
 FED = "fedsec"
 
@@ -193,7 +193,7 @@ def test_security_config_errors_name_the_key(tmp_path):
 
 
 def test_dflctl_keys(tmp_path, capsys):
-    from tools.dflctl import main
+    from dfl_agent.cli.dflctl import main
 
     fed_dir, state = tmp_path / "fed", tmp_path / "dev1"
     assert main(["keys", "federation-init", "--dir", str(fed_dir)]) == 0
@@ -219,13 +219,13 @@ def _memory_federation(n, intruder):
     import asyncio
     import types
 
-    from agent.algorithms.base import get_algorithm, parse_options
-    from agent.discovery.peers import PeerTable
-    from agent.learning.params import model_to_numpy
-    from agent.learning.training import TrainConfig
-    from agent.runtime.context import RuntimeContext
-    from agent.runtime.node import Node
-    from agent.transport.memory import MemoryNetwork, run_virtual
+    from dfl_agent.algorithms.base import get_algorithm, parse_options
+    from dfl_agent.discovery.peers import PeerTable
+    from dfl_agent.learning.params import model_to_numpy
+    from dfl_agent.learning.training import TrainConfig
+    from dfl_agent.runtime.context import RuntimeContext
+    from dfl_agent.runtime.node import Node
+    from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
     spec = {"type": "mlp", "input_shape": [4], "hidden": [8], "num_classes": 2}
 

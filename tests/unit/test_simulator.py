@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from agent.learning.training import TrainConfig
-from agent.runtime.simulator import SimConfig, simulate
+from dfl_agent.learning.training import TrainConfig
+from dfl_agent.runtime.simulator import SimConfig, simulate
 
 KEYS = {"algorithm", "nodes", "rounds_completed", "global_accuracy", "local_accuracy", "bytes_sent",
         "bytes_received", "wall_seconds"}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent.discovery.peers import PeerTable
-from agent.discovery.static import load_static_peers, parse_endpoint, parse_peer
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.discovery.static import load_static_peers, parse_endpoint, parse_peer
 
 
 @pytest.mark.parametrize(

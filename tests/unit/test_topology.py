@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from agent.algorithms.topology import TOPOLOGIES, build_topology, graph_is_connected, read_adjacency
+from dfl_agent.algorithms.topology import TOPOLOGIES, build_topology, graph_is_connected, read_adjacency
 
 IDS = [f"node{i:02d}" for i in range(50)]
 

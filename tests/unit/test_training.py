@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from agent.learning.training import TrainConfig, round_batches, train_local
+from dfl_agent.learning.training import TrainConfig, round_batches, train_local
 
 
 def test_round_batches_epochs_and_steps():

@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from agent.learning.params import model_to_numpy
-from agent.learning.training import TrainConfig, batches
-from agent.learning.transfer import average_segment, flatten_segment, mutual_transfer, split_point
-from agent.models import build_model
+from dfl_agent.learning.params import model_to_numpy
+from dfl_agent.learning.training import TrainConfig, batches
+from dfl_agent.learning.transfer import average_segment, flatten_segment, mutual_transfer, split_point
+from dfl_agent.models import build_model
 
 SPEC = {"type": "mlp", "input_shape": [4], "hidden": [6], "num_classes": 3}
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.algorithms.context import Message
-from agent.transport import wire
+from dfl_agent.algorithms.context import Message
+from dfl_agent.transport import wire
 
 
 def _msg(**kw):
@@ -147,7 +147,7 @@ def test_source_never_unpickles():
 
 # -- compact envelope (issue 8) -------------------------------------------------------
 def _q8_msg():
-    from agent.transport import codec
+    from dfl_agent.transport import codec
 
     tensors = {"w": np.linspace(-1, 1, 300, dtype=np.float32).reshape(30, 10), "b": np.zeros(10, np.float32)}
     wt, desc, decoded = codec.encode_tensors(tensors, "q8", np.random.default_rng(0))

@@ -8,7 +8,7 @@ block ends, and at interpreter exit (``atexit``).
 * mosquitto (MQTT 5 and 3.1.1): a temporary configuration file with one listener on
   ``host:port``, anonymous access, no persistence, log to the process's stderr,
   which is captured into a temporary file (:attr:`BrokerHandle.log_path`).
-* amqtt (MQTT 3.1.1 only): ``python -m agent.transport.broker --amqtt --host H --port N``
+* amqtt (MQTT 3.1.1 only): ``python -m dfl_agent.cli.broker --amqtt --host H --port N``
   runs :class:`amqtt.broker.Broker` on ``H:N`` (this module's command line entry);
   the child exits by itself when its parent process disappears.
 
@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 
 KINDS = ("auto", "mosquitto", "amqtt")
 _MOSQUITTO_FALLBACK = "/usr/sbin/mosquitto"
-_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 _live: set["BrokerHandle"] = set()
 _live_lock = threading.Lock()
@@ -100,7 +99,7 @@ class BrokerHandle:
 
     @property
     def endpoint(self) -> str:
-        """``"host:port"`` for :class:`~agent.transport.mqtt.MqttTransport`."""
+        """``"host:port"`` for :class:`~dfl_agent.transport.mqtt.MqttTransport`."""
         return f"{self.host}:{self.port}"
 
     @property
@@ -127,7 +126,7 @@ class BrokerHandle:
                 lines.append(f"max_packet_size {self.max_packet_size}")
             conf.write_text("\n".join(lines) + "\n")
             return [exe, "-c", str(conf)]
-        return [sys.executable, "-m", "agent.transport.broker", "--amqtt",
+        return [sys.executable, "-m", "dfl_agent.cli.broker", "--amqtt",
                 "--host", self.host, "--port", str(self.port), "--parent-pid", str(os.getpid())]
 
     def log_tail(self, lines: int = 20) -> str:
@@ -148,7 +147,6 @@ class BrokerHandle:
             return self
         cmd = self._command()
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
         self._log_file = open(self.log_path, "ab")
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log_file,
                                       stderr=subprocess.STDOUT, env=env)
@@ -269,7 +267,7 @@ def _stop_all() -> None:
 
 
 # ---------------------------------------------------------------------------
-# amqtt child process entry: python -m agent.transport.broker --amqtt --port N
+# amqtt child process entry: python -m dfl_agent.cli.broker --amqtt --port N
 
 
 def amqtt_config(host: str, port: int) -> dict:
@@ -306,7 +304,7 @@ async def _serve_amqtt(host: str, port: int, parent_pid: int | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: ``python -m agent.transport.broker [--amqtt|--mosquitto] [--port N]``."""
+    """Command line: ``python -m dfl_agent.cli.broker [--amqtt|--mosquitto] [--port N]``."""
     import asyncio
 
     parser = argparse.ArgumentParser(description="run a local MQTT broker")

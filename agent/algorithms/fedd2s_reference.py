@@ -2,9 +2,9 @@
 sent to the server.
 
 This is the paper as printed (with ALGORITHMS.md's decisions), used to check that the
-serverless ``fedd2s`` (:mod:`agent.algorithms.fedd2s`) computes the same thing:
+serverless ``fedd2s`` (:mod:`dfl_agent.algorithms.fedd2s`) computes the same thing:
 
-- each round the *server* draws ⌈ρN⌉ clients (:func:`agent.algorithms.fedd2s.draw_round`,
+- each round the *server* draws ⌈ρN⌉ clients (:func:`dfl_agent.algorithms.fedd2s.draw_round`,
   the same generator as the serverless token holder);
 - each selected *client* sets l_n by Eq. 6 and transmits its triplets (H_1, H_{l_n}, Y)
   — activations and labels — to the server (Alg. 1 lines 5–10);
@@ -31,12 +31,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from agent.algorithms.fedd2s import FedD2SOptions, draw_round, global_init_seed, resolve_l_min
-from agent.data import NodeData
-from agent.learning import d2s
-from agent.learning.params import model_to_numpy
-from agent.learning.training import evaluate
-from agent.models import build_model
+from dfl_agent.algorithms.fedd2s import FedD2SOptions, draw_round, global_init_seed, resolve_l_min
+from dfl_agent.data import NodeData
+from dfl_agent.learning import d2s
+from dfl_agent.learning.params import model_to_numpy
+from dfl_agent.learning.training import evaluate
+from dfl_agent.models import build_model
 
 
 def _build(spec: Mapping[str, Any], seed: int) -> nn.Module:
@@ -142,15 +142,15 @@ def run_reference(datas: Mapping[str, NodeData], spec: Mapping[str, Any], option
 
 
 def simulate_reference(cfg: Any) -> dict[str, Any]:
-    """The reference on a :class:`agent.runtime.simulator.SimConfig` (same data, seeds and
+    """The reference on a :class:`dfl_agent.runtime.simulator.SimConfig` (same data, seeds and
     model as ``simulate(cfg)`` with ``algorithm = "fedd2s"``); returns a small summary with
-    ``user_accuracy`` (see :func:`agent.runtime.metrics.user_accuracy`)."""
-    from agent.algorithms.base import get_algorithm, parse_options
-    from agent.data import load_dataset, make_node_data, partition
-    from agent.models import validate_spec
-    from agent.runtime import metrics
-    from agent.runtime.node import init_seed_for
-    from agent.runtime.simulator import node_name
+    ``user_accuracy`` (see :func:`dfl_agent.runtime.metrics.user_accuracy`)."""
+    from dfl_agent.algorithms.base import get_algorithm, parse_options
+    from dfl_agent.data import load_dataset, make_node_data, partition
+    from dfl_agent.models import validate_spec
+    from dfl_agent.runtime import metrics
+    from dfl_agent.runtime.node import init_seed_for
+    from dfl_agent.runtime.simulator import node_name
 
     started = time.time()
     options = parse_options(get_algorithm("fedd2s"), cfg.options)
