@@ -380,7 +380,7 @@ def register(sub: Any) -> None:
     i.add_argument("--force", action="store_true", help="replace an existing node configuration")
     i.add_argument("--dry-run", action="store_true", help="show what would be done, change nothing")
     i.add_argument("--verbose", "-v", action="store_true", help="with --dry-run: print the files")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("--json", action="store_true", help="the plan as one JSON document (schema_version 1)")
     i.set_defaults(func=cmd_install_service)
 
     for name, fn, helptext in (("watch", cmd_watch, "live view of a federation's nodes"),
@@ -388,13 +388,13 @@ def register(sub: Any) -> None:
         c = sub.add_parser(name, help=helptext)
         c.add_argument("--config", default=None, help="node configuration (broker, federation, interfaces)")
         c.add_argument("--broker", default=None, help="host:port")
-        c.add_argument("--timeout", type=float, default=5.0)
-        c.add_argument("--json", action="store_true")
+        c.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
+        c.add_argument("--json", action="store_true", help="machine-readable output (schema_version 1)")
         if name == "watch":
-            c.add_argument("--federation", default=None)
+            c.add_argument("--federation", default=None, help="federation name (default: from --config, else 'default')")
             c.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
             c.add_argument("--count", type=int, default=None, help="stop after this many refreshes")
         else:
             c.add_argument("--interface", default=None, help="IPv4 address of the interface mDNS uses")
-            c.add_argument("--state-dir", default=None)
+            c.add_argument("--state-dir", default=None, help="the node's state directory (default: from --config, else /var/lib/dfl-agent)")
         c.set_defaults(func=fn)

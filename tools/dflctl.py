@@ -1,11 +1,7 @@
 """``dflctl``: the dfl-agent command line.
 
-Commands:
-  demo       run a real federation of agent processes on this machine (the main job)
-  simulate   run N nodes of an algorithm in one process (paper reproductions, tests)
-  peers      list a federation's nodes from their retained MQTT presence
-  status     show a federation's (or one node's) retained status documents
-  algorithms list the registered algorithms
+Every command is listed below; ``dflctl COMMAND --help`` shows its options.
+Exit codes: 0 ok, 1 a failed check, 2 usage or configuration error, 3 broker unreachable.
 """
 
 from __future__ import annotations
@@ -14,10 +10,14 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from dfl_agent import __version__
-from dfl_agent.models.families import FAMILIES
+
+# the architecture modes of dfl_agent.models.families.FAMILIES, named here so that building the
+# parser does not import torch (tests/unit/test_cli_startup.py checks they agree)
+FAMILY_NAMES = ("H0", "H1", "H1-resnet", "H2")
 
 
 def _kv(items: list[str]) -> dict[str, Any]:
@@ -37,7 +37,7 @@ def _model_specs(value: str | None) -> list[dict[str, Any]] | None:
     """``--models``: a JSON list of model specs (one per node, cycled) or a JSON file."""
     if not value:
         return None
-    text = open(value, encoding="utf-8").read() if not value.lstrip().startswith("[") else value
+    text = Path(value).read_text(encoding="utf-8") if not value.lstrip().startswith("[") else value
     try:
         specs = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -58,8 +58,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         model_size=a.model_size,
         init=a.init, baseline_local=a.baseline_local, topology=a.topology,
         topology_options=_kv(a.topology_option),
-        model_family=a.models if a.models in FAMILIES else None, eval_every=a.eval_every,
-        model_specs=None if a.models in FAMILIES else _model_specs(a.models),
+        model_family=a.models if a.models in FAMILY_NAMES else None, eval_every=a.eval_every,
+        model_specs=None if a.models in FAMILY_NAMES else _model_specs(a.models),
         profiles=[p for p in (a.profiles or "").split(",") if p] or None,
         compression=a.compression, error_feedback=a.error_feedback,
     )
@@ -260,31 +260,31 @@ def cmd_algorithms(a: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"dflctl {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
 
     s = sub.add_parser("simulate", help="N nodes in one process over the memory transport")
-    s.add_argument("--algorithm", default="fedavg")
-    s.add_argument("--nodes", type=int, default=10)
-    s.add_argument("--rounds", type=int, default=20)
-    s.add_argument("--dataset", default="har", choices=["har", "digits", "idx", "npz", "iris"])
+    s.add_argument("--algorithm", default="fedavg", help="algorithm to run (dflctl algorithms lists them)")
+    s.add_argument("--nodes", type=int, default=10, help="number of simulated nodes")
+    s.add_argument("--rounds", type=int, default=20, help="communication rounds")
+    s.add_argument("--dataset", default="har", choices=["har", "digits", "idx", "npz", "iris"], help="dataset")
     s.add_argument("--dataset-path", default=None, help="directory for --dataset idx|npz")
-    s.add_argument("--partition", default="by-user", choices=["iid", "dirichlet", "shards", "by-user"])
+    s.add_argument("--partition", default="by-user", choices=["iid", "dirichlet", "shards", "by-user"], help="how the data is split over nodes")
     s.add_argument("--beta", type=float, default=0.5, help="Dirichlet concentration (label skew)")
     s.add_argument("--zeta", type=int, default=2, help="shards (classes) per node")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--epochs", type=int, default=1)
+    s.add_argument("--seed", type=int, default=0, help="random seed (data split, initialisation, sampling)")
+    s.add_argument("--epochs", type=int, default=1, help="local epochs per round")
     s.add_argument("--steps", type=int, default=0,
                    help="mini-batch steps per round instead of --epochs passes (0: use --epochs)")
-    s.add_argument("--batch-size", type=int, default=32)
-    s.add_argument("--lr", type=float, default=0.05)
-    s.add_argument("--momentum", type=float, default=0.9)
-    s.add_argument("--model-size", default="medium", choices=["small", "medium", "large"])
-    s.add_argument("--init", default="common", choices=["common", "independent"])
+    s.add_argument("--batch-size", type=int, default=32, help="mini-batch size")
+    s.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+    s.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    s.add_argument("--model-size", default="medium", choices=["small", "medium", "large"], help="model size of the default model")
+    s.add_argument("--init", default="common", choices=["common", "independent"], help="one common initial model, or one per node")
     s.add_argument("--baseline-local", action="store_true", help="also train a local-only copy per node")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="algorithm option (repeatable)")
     s.add_argument("--eval-every", type=int, default=1, help="evaluate every N rounds (and the last)")
     s.add_argument("--topology", default="full", help="communication graph (full, ring, ...)")
-    s.add_argument("--topology-option", action="append", default=[], metavar="KEY=VALUE")
+    s.add_argument("--topology-option", action="append", default=[], metavar="KEY=VALUE", help="topology option (repeatable)")
     s.add_argument("--models", default=None,
                    help="H0, H1 or H2 (DFML's architecture modes, spread over nodes), or per-node model specs: "
                         "a JSON list (cycled over nodes) or a file holding one")
@@ -295,20 +295,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_simulate)
 
     d = sub.add_parser("demo", help="real agent processes + MQTT broker + mDNS on 127.0.0.1, HAR data")
-    d.add_argument("--nodes", type=int, default=5)
-    d.add_argument("--rounds", type=int, default=20)
-    d.add_argument("--algorithm", default="dfml")
-    d.add_argument("--models", default=None, choices=sorted(FAMILIES),
+    d.add_argument("--nodes", type=int, default=5, help="number of agent processes")
+    d.add_argument("--rounds", type=int, default=20, help="rounds each agent runs")
+    d.add_argument("--algorithm", default="dfml", help="algorithm the agents run (dflctl algorithms lists them)")
+    d.add_argument("--models", default=None, choices=FAMILY_NAMES,
                    help="architecture mode per agent (default H2 for dfml/dfedavg/dfedprox: 5 different CNNs)")
-    d.add_argument("--out", default="dfl-demo")
-    d.add_argument("--broker", default="auto", choices=["auto", "mosquitto", "amqtt"])
-    d.add_argument("--protocol", default="5", choices=["5", "3.1.1"])
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--epochs", type=int, default=1)
+    d.add_argument("--out", default="dfl-demo", help="report folder (logs, metrics, summary, plot)")
+    d.add_argument("--broker", default="auto", choices=["auto", "mosquitto", "amqtt"], help="MQTT broker to start (auto: mosquitto if installed, else amqtt)")
+    d.add_argument("--protocol", default="5", choices=["5", "3.1.1"], help="MQTT protocol version")
+    d.add_argument("--seed", type=int, default=0, help="random seed")
+    d.add_argument("--epochs", type=int, default=1, help="local epochs per round")
     d.add_argument("--round-timeout", type=float, default=30.0, help="seconds a round waits for peers")
     d.add_argument("--kill", default=None, metavar="INDEX@ROUND", help="SIGKILL agent INDEX after its round ROUND")
     d.add_argument("--live", dest="live", action="store_true", default=None, help="live table (default on a terminal)")
-    d.add_argument("--no-live", dest="live", action="store_false")
+    d.add_argument("--no-live", dest="live", action="store_false", help="one line per event instead of the live table")
     d.add_argument("--profiles", default=None, metavar="A,B,C",
                    help="device profile per agent (cycled), e.g. raspberry-pi-4,jetson-orin-nano,x86-cpu")
     _compression_args(d)
@@ -318,11 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
                                ("status", cmd_status, "retained status documents")):
         c = sub.add_parser(name, help=helptext)
         c.add_argument("--broker", default=None, help="host:port (default: from --config, else 127.0.0.1:1883)")
-        c.add_argument("--federation", default=None)
+        c.add_argument("--federation", default=None, help="federation name (default: from --config, else 'default')")
         c.add_argument("--config", default=None, help="read broker and federation from a node config")
-        c.add_argument("--timeout", type=float, default=5.0)
+        c.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
         if name == "status":
-            c.add_argument("node", nargs="?", default=None)
+            c.add_argument("node", nargs="?", default=None, help="one node's id: show every field of its status")
         else:
             c.add_argument("--stale-after", type=float, default=30.0,
                            help="an online node without a status heartbeat for this many s shows as stale")
@@ -332,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     al = sub.add_parser("algorithms", help="list registered algorithms")
     al.set_defaults(func=cmd_algorithms)
     _register_extensions(sub)
+    from dfl_agent.cli.output import apply_formatter
+
+    apply_formatter(p)
     return p
 
 

@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import secrets
 import signal
 import sys
 from typing import Any
 
-from dfl_agent.inference.runtime import InferenceError, OnnxModel, load_windows, predictions_document
+from dfl_agent.inference.runtime import (
+    InferenceError,
+    OnnxModel,
+    load_windows,
+    predictions_document,
+)
 
 
 def predict_command(model: str, windows: str, *, as_json: bool, label_column: bool = False, threads: int = 1,
@@ -29,7 +33,9 @@ def predict_command(model: str, windows: str, *, as_json: bool, label_column: bo
     x, y = load_windows(windows, m.input_shape, label_column=label_column)
     doc = predictions_document(m, x, y, {"model": model, "windows": windows})
     if as_json:
-        print(json.dumps(doc), file=out)
+        from dfl_agent.cli.output import json_doc
+
+        print(json_doc(doc, indent=None), file=out)
         return 0
     counts: dict[int, int] = {}
     for label in doc["labels"]:
@@ -72,24 +78,29 @@ async def _run(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dfl-infer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="join a federation as an inference-only member")
-    r.add_argument("--broker", default="127.0.0.1:1883")
-    r.add_argument("--federation", required=True)
-    r.add_argument("--node-id", default=None)
-    r.add_argument("--state-dir", default="/var/lib/dfl-infer")
+    """Entry point of the ``dfl-infer`` console script; returns the exit code."""
+    from dfl_agent import __version__
+    from dfl_agent.cli.output import HelpFormatter as fmt
+
+    p = argparse.ArgumentParser(prog="dfl-infer", description=__doc__, formatter_class=fmt)
+    p.add_argument("--version", action="version", version=f"dfl-infer {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    r = sub.add_parser("run", help="join a federation as an inference-only member", formatter_class=fmt)
+    r.add_argument("--broker", default="127.0.0.1:1883", help="MQTT broker host:port")
+    r.add_argument("--federation", required=True, help="federation name (the MQTT topic prefix dfl/FEDERATION/)")
+    r.add_argument("--node-id", default=None, help="node id (default: infer- and 6 random hex digits)")
+    r.add_argument("--state-dir", default="/var/lib/dfl-infer", help="folder for the received ONNX model")
     r.add_argument("--windows", default=None, help=".npz or .csv of windows to predict on")
-    r.add_argument("--threads", type=int, default=1)
-    r.add_argument("--protocol", default="5", choices=["5", "3.1.1"])
+    r.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
+    r.add_argument("--protocol", default="5", choices=["5", "3.1.1"], help="MQTT protocol version")
     r.add_argument("--mdns-interface", default=None, help="advertise over mDNS on this interface address")
-    r.add_argument("--log-level", default="info")
-    pr = sub.add_parser("predict", help="predict with an ONNX model on a window file")
-    pr.add_argument("--model", required=True)
-    pr.add_argument("--windows", required=True)
+    r.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    pr = sub.add_parser("predict", help="predict with an ONNX model on a window file", formatter_class=fmt)
+    pr.add_argument("--model", required=True, help="ONNX model file")
+    pr.add_argument("--windows", required=True, help=".npz or .csv of windows")
     pr.add_argument("--label-column", action="store_true", help="CSV: the last column is the label")
-    pr.add_argument("--threads", type=int, default=1)
-    pr.add_argument("--json", action="store_true")
+    pr.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
+    pr.add_argument("--json", action="store_true", help="one JSON document (schema_version 1)")
     a = p.parse_args(argv)
     try:
         if a.cmd == "predict":
