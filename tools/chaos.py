@@ -182,7 +182,7 @@ def run_chaos(o: ChaosOptions, log=print) -> dict[str, Any]:
                 paths[nid] = path
 
             def launch(nid: str) -> None:
-                cmd = [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(paths[nid])]
+                cmd = [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(paths[nid])]
                 if netns:
                     cmd = ["ip", "netns", "exec", netns.names[ids.index(nid)], *cmd]
                 logf = open(out / "logs" / f"{nid}.log", "a")

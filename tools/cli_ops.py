@@ -193,6 +193,7 @@ def _observer(a: argparse.Namespace):
 
 
 def cmd_watch(a: argparse.Namespace) -> int:
+    from dfl_agent.cli.cli_runs import RUN_COLUMNS, run_rows
     from dfl_agent.cli.dflctl import PEER_COLUMNS, STATUS_COLUMNS, peer_rows, render_table, status_rows
 
     obs = _observer(a)
@@ -203,7 +204,8 @@ def cmd_watch(a: argparse.Namespace) -> int:
             while a.count is None or n < a.count:
                 statuses, presence = obs.snapshot()
                 print(json.dumps({"time": time.time(), "peers": peer_rows(statuses, presence),
-                                  "status": status_rows(statuses)}), flush=True)
+                                  "status": status_rows(statuses), "runs": run_rows(obs.runs, statuses)}),
+                      flush=True)
                 n += 1
                 if a.count is None or n < a.count:
                     time.sleep(a.interval)
@@ -215,7 +217,8 @@ def cmd_watch(a: argparse.Namespace) -> int:
             statuses, presence = obs.snapshot()
             return Group(render_table(f"peers ({time.strftime('%H:%M:%S')})", peer_rows(statuses, presence),
                                       PEER_COLUMNS),
-                         render_table("status", status_rows(statuses), STATUS_COLUMNS))
+                         render_table("status", status_rows(statuses), STATUS_COLUMNS),
+                         render_table("runs", run_rows(dict(obs.runs), statuses), RUN_COLUMNS))
 
         with Live(view(), refresh_per_second=4) as live:
             while a.count is None or n < a.count:

@@ -208,7 +208,7 @@ def run_demo(opts: DemoOptions) -> int:
             path.write_text(dump_toml(cfg), encoding="utf-8")
             logs[nid] = open(out / "logs" / f"{nid}.log", "w", encoding="utf-8")
             procs[nid] = subprocess.Popen(
-                [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+                [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
                 stdout=logs[nid], stderr=subprocess.STDOUT, env=env,
             )
         observer = Observer(broker.endpoint, fed, protocol=opts.protocol).start()

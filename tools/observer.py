@@ -33,6 +33,8 @@ class Observer:
         self.federation = federation
         self.statuses: dict[str, dict[str, Any]] = {}
         self.presence: dict[str, dict[str, Any]] = {}
+        #: run id -> latest retained run descriptor message (parsed JSON, not verified)
+        self.runs: dict[str, dict[str, Any]] = {}
         self.updated = time.monotonic()
         self._lock = threading.Lock()
         self._connected = threading.Event()
@@ -45,11 +47,23 @@ class Observer:
 
     def _on_connect(self, client, userdata, flags, reason_code, properties=None) -> None:
         base = f"dfl/{self.federation}/node/+/"
-        client.subscribe([(base + "status", 0), (base + "presence", 0)])
+        client.subscribe([(base + "status", 0), (base + "presence", 0), (f"dfl/{self.federation}/run/+", 0)])
         self._connected.set()
 
     def _on_message(self, client, userdata, msg) -> None:
         parts = msg.topic.split("/")
+        if len(parts) == 4 and parts[2] == "run":
+            try:
+                run = json.loads(msg.payload) if msg.payload else None
+            except (ValueError, UnicodeDecodeError):
+                return
+            with self._lock:
+                if isinstance(run, dict) and isinstance(run.get("descriptor"), dict):
+                    self.runs[parts[3]] = run
+                else:
+                    self.runs.pop(parts[3], None)
+                self.updated = time.monotonic()
+            return
         if len(parts) != 5:
             return
         node, leaf = parts[3], parts[4]

@@ -156,7 +156,8 @@ class NeighbourhoodAlgorithm(Algorithm):
         tensors, info = self.aggregate(t, gc.own_for_mixing(self.choco, own), msgs)
         load_numpy(self.model, gc.finish_mixing(self.choco, own, tensors))
         stats = await self._train_and_send(t)  # Alg. 1 lines 9-11
-        return {"train_loss": stats["loss"], "neighbours": len(msgs), "missing": missing, **info,
+        return {"train_loss": stats["loss"], "neighbours": len(msgs), "neighbour_ids": sorted(got),
+                "missing": missing, **info,
                 **self.market.last.info()}
 
     def catches_up(self) -> bool:

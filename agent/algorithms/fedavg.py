@@ -172,8 +172,8 @@ class FedAvg(Algorithm):
         avg, _ = robust_aggregate(base, [got[s].tensors for s in senders], [n_own] + [got[s].meta["samples"] for s in senders],
                                   o.aggregation, clip_norm=o.clip_norm, trim_ratio=o.trim_ratio)
         load_numpy(self.model, gc.finish_mixing(self.choco, own, avg))
-        return {"train_loss": stats["loss"], "neighbours": len(senders), "missing": missing,
-                **self.market.last.info()}
+        return {"train_loss": stats["loss"], "neighbours": len(senders), "neighbour_ids": senders,
+                "missing": missing, **self.market.last.info()}
 
     def catches_up(self) -> bool:
         """Lock-step gossip: with round-``t`` updates only (``max_staleness = 0``) a node

@@ -34,6 +34,8 @@ class AlgorithmSection:
     rounds: int = 20
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     neighbours: Union[list[str], None] = None
+    #: recurrence of the default run, a duration such as "6h" (None: runs once)
+    every: Union[str, None] = None
 
 
 @dataclasses.dataclass
@@ -122,7 +124,7 @@ class RuntimeSection:
     log_format: str = "auto"
     prometheus_port: int = 0
     prometheus_address: str = "127.0.0.1"
-    rejoin: bool = False
+    rejoin: bool = True  # deprecated: accepted, always on (a restarted node rejoins at the federation's round)
     pause_when_disconnected: bool = True
 
 
@@ -244,6 +246,13 @@ def _validate(cfg: NodeConfig) -> None:
     need(valid_id(cfg.federation), "federation", "must match [A-Za-z0-9_.-]{1,64}")
     need(cfg.node_id is None or valid_id(cfg.node_id), "node_id", "must match [A-Za-z0-9_.-]{1,64}")
     need(cfg.algorithm.rounds >= 1, "algorithm.rounds", "must be >= 1")
+    if cfg.algorithm.every is not None:
+        from dfl_agent.runtime.runs import parse_duration
+
+        try:
+            parse_duration(cfg.algorithm.every)
+        except ValueError as exc:
+            need(False, "algorithm.every", str(exc))
     t = cfg.training
     need(t.epochs >= 1, "training.epochs", "must be >= 1")
     need(isinstance(t.steps, int) and t.steps >= 0, "training.steps", "must be an integer >= 0 (0: use epochs)")
@@ -348,6 +357,14 @@ def config_from_dict(raw: Mapping[str, Any]) -> NodeConfig:
     except TypeError as exc:  # pragma: no cover - defensive
         raise ConfigError(str(exc)) from None
     _validate(cfg)
+    #: whether the file has an [algorithm] section: the node's default run (runs.py)
+    cfg.has_default_run = "algorithm" in raw  # type: ignore[attr-defined]
+    if cfg.runtime.rejoin is False:
+        import logging
+
+        logging.getLogger("dfl_agent.config").warning(
+            "runtime.rejoin is deprecated and always on: a restarted node rejoins its run at the federation's round")
+        cfg.runtime.rejoin = True
     return cfg
 
 

@@ -90,8 +90,15 @@ def build_security(cfg: NodeConfig, state_dir: Path, node_id: str) -> Any:
 class Agent:
     """One running daemon: wires config, data, transport, discovery and the algorithm."""
 
-    def __init__(self, cfg: NodeConfig, config_path: str | None = None, psutil_mod: Any = None):
+    def __init__(self, cfg: NodeConfig, config_path: str | None = None, psutil_mod: Any = None, *,
+                 run: Any = None, run_dir: Path | None = None, serving: bool = False):
         self.cfg = cfg
+        #: the run trained (runs.RunDescriptor; None with ``--once``), its folder, and
+        #: whether an always-on ``serve`` loop owns the process (no systemd STOPPING)
+        self.run_desc = run
+        self.run_dir = run_dir
+        self.serving = serving
+        self.outcome = "starting"
         self.psutil = psutil_mod  # None = the real psutil (tests pass a stand-in for battery etc.)
         self.state_dir = Path(cfg.state_dir)
         self.node_id = ""
@@ -190,16 +197,24 @@ class Agent:
         ctx.gate = ResourceGate(profile.limits, profile.training.windows, psutil_mod=self.psutil)
         ctx.gate_poll = profile.limits.poll_interval_s
         ctx.pause_when_disconnected = cfg.runtime.pause_when_disconnected
-        metrics_path = Path(cfg.runtime.metrics_file or self.state_dir / "metrics.jsonl")
+        run_id = self.run_desc.run_id if self.run_desc is not None else None
+        if self.run_dir is not None:  # runs: metrics per run
+            metrics_path = self.run_dir / "metrics.jsonl"
+        else:
+            metrics_path = Path(cfg.runtime.metrics_file or self.state_dir / "metrics.jsonl")
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
         metrics_file = open(metrics_path, "a", encoding="utf-8")
 
         def sink(record: dict[str, Any]) -> None:
+            if run_id is not None:
+                record = {**record, "run": run_id}
             metrics_file.write(json.dumps(record, sort_keys=True, default=float) + "\n")
             metrics_file.flush()
 
         self.node = node = Node(ctx, algo_cls(ctx, options), bundle.test.x, bundle.test.y,
                                 baseline_local=cfg.runtime.baseline_local, sink=sink, rounds=cfg.algorithm.rounds)
+        if run_id is not None:
+            node.run_info = {"id": run_id, "state": "accepted", "reason": ""}
         if _onnx_available():  # send the deployable model to inference-only members
             from dfl_agent.inference.publisher import OnnxPublisher
 
@@ -224,6 +239,7 @@ class Agent:
             if start_round > cfg.algorithm.rounds:
                 log.info("the checkpoint says all %d rounds are done; nothing to run", cfg.algorithm.rounds)
                 node.state = "finished"
+                self.outcome = "finished"
                 await node.publish_status()
                 return 0
             if not await self._wait_for_peers(stop):
@@ -233,6 +249,7 @@ class Agent:
                 self.ctx.catch_up = True  # ... and, while running, behind its neighbours
                 if start_round > cfg.algorithm.rounds:
                     log.info("the federation already finished its %d rounds", cfg.algorithm.rounds)
+                    self.outcome = "finished"
                     return 0
             run = asyncio.ensure_future(node.run(cfg.algorithm.rounds, start_round))
             stopper = asyncio.ensure_future(stop.wait())
@@ -241,15 +258,18 @@ class Agent:
                 stopper.cancel()
                 run.result()  # re-raise a crash of the algorithm
                 log.info("finished %d rounds", cfg.algorithm.rounds)
+                self.outcome = "finished"
             else:
                 log.info("stop requested; leaving the federation")
                 run.cancel()
                 await asyncio.gather(run, return_exceptions=True)
                 node.state = "stopped"
+                self.outcome = "stopped"
                 await node.publish_status()
             return 0
         finally:
-            self.notifier.stopping()
+            if not self.serving:
+                self.notifier.stopping()
             if watchdog is not None:
                 watchdog.cancel()
             if exporter is not None:
@@ -267,7 +287,8 @@ class Agent:
 
         if not self.cfg.runtime.checkpoint:
             return 1
-        store = CheckpointStore(self.state_dir / "checkpoints", keep=self.cfg.runtime.checkpoint_keep)
+        where = (self.run_dir or self.state_dir) / "checkpoints"  # runs: checkpoints per run
+        store = CheckpointStore(where, keep=self.cfg.runtime.checkpoint_keep)
         self.checkpointer = ck = NodeCheckpointer(store, self.node.algorithm, self.ctx, model_hash)
         restored = ck.restore()
         if restored:
@@ -371,7 +392,7 @@ class Agent:
         live = set(self.ctx.live_peers())
         limit = self.cfg.discovery.heartbeat_timeout
         rounds = [  # statuses are unsigned JSON: malformed values count as 0
-            _as_round(s.get("round")) for nid, s in dict(self.ctx.transport.statuses).items()
+            _as_round(s.get("round")) for nid, s in self._run_statuses().items()
             if s.get("state") == "finished"
             or (nid in live and s.get("state") == "running" and _time.time() - _as_float(s.get("time")) <= limit)
         ]
@@ -379,6 +400,15 @@ class Agent:
         if start > 1:
             log.info("rejoining the federation at round %d", start)
         return start
+
+    def _run_statuses(self) -> dict[str, dict[str, Any]]:
+        """Peers' statuses that speak of this node's run (all of them with ``--once``):
+        any decision about "finished" or rejoin is per run id."""
+        statuses = dict(self.ctx.transport.statuses)
+        if self.run_desc is None:
+            return statuses
+        rid = self.run_desc.run_id
+        return {n: s for n, s in statuses.items() if isinstance(s.get("run"), dict) and s["run"].get("id") == rid}
 
     async def _wait_for_peers(self, stop: asyncio.Event) -> bool:
         """Wait until ``discovery.min_peers`` peers are live or ``start_timeout`` passes.
@@ -391,7 +421,7 @@ class Agent:
         node.state = "waiting_for_peers"
         def finished() -> bool:  # runtime.rejoin: a peer already finished, nobody to wait for
             return self.cfg.runtime.rejoin and any(
-                s.get("state") == "finished" for s in dict(self.ctx.transport.statuses).values())
+                s.get("state") == "finished" for s in self._run_statuses().values())
 
         while len(self.ctx.live_peers()) < want and loop.time() < deadline and not finished():
             if stop.is_set():
@@ -473,7 +503,194 @@ def _setup_logging(level: str, fmt: str = "auto") -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def run_agent(cfg: NodeConfig, config_path: str | None = None) -> int:
+#: callbacks around runs of this process (``RUN_HOOKS.on_run_finished(fn)``, ``fn(run, node)``)
+from dfl_agent.runtime.runs import RunHooks  # noqa: E402
+
+RUN_HOOKS = RunHooks()
+
+
+def run_config_for(cfg: NodeConfig, run: Any) -> NodeConfig:
+    """The node configuration for a run: the descriptor's algorithm, rounds, options,
+    model, training settings and compression override ``node.toml`` (the profile's
+    limits still apply when the agent starts).
+
+    Raises:
+        StartupError: the descriptor names a key that does not exist.
+    """
+    import copy
+
+    new = copy.deepcopy(cfg)
+    new.algorithm.name, new.algorithm.rounds, new.algorithm.options = run.algorithm, run.rounds, dict(run.options)
+    new.algorithm.every = None
+    for section, values in (("model", run.model), ("training", run.training), ("compression", run.compression)):
+        target = getattr(new, section)
+        for k, v in values.items():
+            if not hasattr(target, k):
+                raise StartupError(f"run {run.run_id}: {section}.{k}: unknown key")
+            setattr(target, k, v)
+    new.runtime.rejoin = True
+    return new
+
+
+async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
+                hooks: RunHooks | None = None) -> int:
+    """The always-on agent: stay a member of the federation and train in runs.
+
+    Runs the node's default run (``[algorithm]``; recurring with ``algorithm.every``)
+    and the runs published on ``dfl/{fed}/run/+``, one at a time, in queue order, until
+    ``stop`` is set.  Between runs it publishes an ``idle`` status heartbeat and keeps
+    the systemd watchdog fed.  Returns the exit code (0 when stopped).
+
+    Raises:
+        StartupError: the default run cannot start (bad configuration: exit code 2).
+    """
+    import time as _time
+
+    from dfl_agent.profiles import resolve_profile
+    from dfl_agent.runtime.runs import RunLedger, RunLobby, RunVerifier, admit, default_descriptor
+    from dfl_agent.runtime.systemd import Notifier
+
+    hooks = hooks or RUN_HOOKS
+    state_dir = Path(cfg.state_dir)
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        profile = resolve_profile(cfg.profile, cfg.profile_overrides)[0]
+    except (OSError, ValueError, LookupError) as exc:
+        raise StartupError(str(exc)) from None
+    nid = node_id_from_state(state_dir, cfg.node_id)
+    ledger = RunLedger(state_dir)
+    sec = cfg.security
+    verifier = RunVerifier(cfg.federation, require_signatures=sec.require_signatures,
+                           federation_key=sec.federation_key, operators=getattr(sec, "operators", None))
+    lobby = RunLobby(cfg, nid, verifier)
+    lobby.start()
+    notifier = Notifier()
+    interval = notifier.watchdog_interval()
+    has_default = getattr(cfg, "has_default_run", True)
+    info: dict[str, Any] | None = None
+    last_pub = 0.0
+    log.info("node %s of federation %s serving: %s", nid, cfg.federation,
+             "default run + runs from operators" if has_default else "waiting for runs")
+
+    def publish(state: str = "idle", force: bool = False) -> None:
+        nonlocal last_pub
+        if force or _time.monotonic() - last_pub >= min(cfg.mqtt.heartbeat_interval, interval or 1e9):
+            lobby.publish_status(info, state, ledger.entries)
+            line = "idle" if info is None or state == "idle" else f"run {info['id']}: {info['state']}"
+            notifier.ready(line) if last_pub == 0.0 else notifier.status(line)
+            if interval:
+                notifier.watchdog()
+            last_pub = _time.monotonic()
+
+    def note(run_id: str, state: str, reason: str = "", rnd: int = 0) -> dict[str, Any]:
+        ledger.set(run_id, state, rnd, reason)
+        if state in ("declined", "failed"):
+            log.warning("run %s %s: %s", run_id, state, reason)
+        return {"id": run_id, "state": state, "round": rnd, "reason": reason}
+
+    try:
+        while not stop.is_set():
+            d = None
+            if has_default:
+                dd = default_descriptor(cfg)
+                if dd is not None and not ledger.is_done(dd.run_id):
+                    d = dd
+            if d is None:
+                with lobby.lock:
+                    for r in lobby.queue.ordered():  # cancelled before it ran here
+                        if r.cancelled and ledger.state(r.run_id) is None:
+                            note(r.run_id, "cancelled", "cancelled by the operator")
+                    d = lobby.queue.next_runnable(ledger.is_done)
+            if d is not None and not d.is_for(nid, profile.name):
+                info = note(d.run_id, "declined", "not a member of this run")
+                d = None
+            if d is None:
+                publish()
+                lobby.changed.clear()
+                try:
+                    await asyncio.wait_for(stop.wait(), 0.5)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            reason = admit(d, profile, node_id=nid)
+            if reason:
+                info = note(d.run_id, "declined", reason)
+                publish(force=True)
+                continue
+            info = {"id": d.run_id, "state": "accepted", "round": 0, "reason": ""}
+            publish("accepted", force=True)
+            if d.min_members > 1:  # the run starts when min_members devices have accepted it
+                deadline = _time.time() + d.start_timeout
+                while len(lobby.accepted_by(d.run_id) | {nid}) < d.min_members and not stop.is_set():
+                    cur = lobby.run(d.run_id)
+                    if (cur is not None and cur.cancelled) or _time.time() > deadline:
+                        break
+                    publish("accepted")
+                    await asyncio.sleep(0.3)
+                n = len(lobby.accepted_by(d.run_id) | {nid})
+                if stop.is_set():
+                    break
+                if n < d.min_members:
+                    cur = lobby.run(d.run_id)
+                    info = note(d.run_id, "cancelled", "cancelled by the operator") if cur and cur.cancelled else \
+                        note(d.run_id, "failed", f"start_timeout: only {n} of min_members {d.min_members} accepted "
+                                                 f"within {d.start_timeout:.0f}s")
+                    publish(force=True)
+                    continue
+            run_stop = asyncio.Event()
+            cancelled = False
+
+            async def watch(run_id: str = d.run_id) -> None:
+                nonlocal cancelled
+                while not run_stop.is_set():
+                    cur = lobby.run(run_id)
+                    if cur is not None and cur.cancelled:
+                        cancelled = True
+                        log.info("run %s cancelled by the operator", run_id)
+                        run_stop.set()
+                    if stop.is_set():
+                        run_stop.set()
+                    await asyncio.sleep(0.2)
+
+            watcher = asyncio.ensure_future(watch())
+            run_dir = ledger.run_dir(d.run_id)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            agent = Agent(run_config_for(cfg, d), config_path, run=d, run_dir=run_dir, serving=True)
+            try:
+                rc = await agent.run(run_stop)
+            except StartupError as exc:
+                if d.default:
+                    raise
+                info = note(d.run_id, "failed", str(exc))
+                continue
+            except Exception as exc:  # the algorithm crashed: the run fails here, the agent stays up
+                log.exception("run %s crashed", d.run_id)
+                info = note(d.run_id, "failed", f"{type(exc).__name__}: {exc}")
+                continue
+            finally:
+                run_stop.set()
+                await asyncio.gather(watcher, return_exceptions=True)
+            rnd = agent.node.status().get("round", 0) if agent.node is not None else 0
+            if agent.outcome == "finished":
+                info = note(d.run_id, "finished", "", d.rounds)
+                log.info("run %s finished", d.run_id)
+                hooks.fire_finished(d, agent.node)
+            elif cancelled:
+                info = note(d.run_id, "cancelled", "cancelled by the operator", rnd)
+            elif stop.is_set():
+                break  # interrupted: a restart rejoins it
+            elif rc == 3:  # broker unreachable: try again shortly
+                await asyncio.sleep(5.0)
+            else:
+                info = note(d.run_id, "failed", f"exit code {rc}", rnd)
+            publish(force=True)
+        return 0
+    finally:
+        notifier.stopping()
+        lobby.stop()
+
+
+def run_agent(cfg: NodeConfig, config_path: str | None = None, once: bool = True) -> int:
     """Run the daemon until it finishes or gets SIGTERM/SIGINT (SIGHUP reloads the
     configuration from ``config_path``). Returns the exit code."""
 
@@ -482,6 +699,9 @@ def run_agent(cfg: NodeConfig, config_path: str | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        if not once:
+            loop.add_signal_handler(signal.SIGHUP, lambda: log.info("SIGHUP: a run reads node.toml when it starts"))
+            return await serve(cfg, config_path, stop)
         agent = Agent(cfg, config_path)
         loop.add_signal_handler(signal.SIGHUP, agent.reload)
         return await agent.run(stop)
@@ -496,6 +716,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run the agent")
     r.add_argument("--config", required=True, help="node configuration (TOML)")
+    r.add_argument("--once", action="store_true",
+                   help="run the configured [algorithm] run, then exit (demo, tests, batch jobs); "
+                        "without it the agent serves until stopped and trains in runs")
     c = sub.add_parser("check-config", help="validate a configuration file and exit")
     c.add_argument("--config", required=True)
     args = p.parse_args(argv)
@@ -509,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _setup_logging(cfg.runtime.log_level, cfg.runtime.log_format)
     try:
-        return run_agent(cfg, args.config)
+        return run_agent(cfg, args.config, once=args.once)
     except StartupError as exc:
         log.error("cannot start: %s", exc)
         return 2

@@ -70,6 +70,8 @@ class Node:
         self._wall_started = time.time()
         ctx.round_hook = self._on_round
         self.state = "starting"
+        #: the run this node trains in (runs.py): ``{"id", "state", "reason"}``; None with ``--once``
+        self.run_info: dict[str, Any] | None = None
         # device profiles: a gated node republishes its status with the reason at once;
         # after_round hooks get (round, metrics record), e.g. the ONNX publisher
         ctx.gate_hook = self._on_gate
@@ -182,6 +184,10 @@ class Node:
             **{k: v for k, v in last.items() if k.endswith("_global_accuracy")},  # e.g. DFML's regular model
             **self.algorithm.status(),
             **self._profile_status(),
+            **({"run": {**self.run_info, "round": last.get("round", 0),
+                        "state": {"running": "training", "finished": "finished"}.get(self.state,
+                                                                                     self.run_info["state"])}}
+               if self.run_info else {}),
         }
 
     def _profile_status(self) -> dict[str, Any]:

@@ -119,7 +119,7 @@ def test_agent_process_notifies_ready_status_watchdog_and_reloads(tmp_path, mosq
     path.write_text(dump_toml(cfg))
     env = {**os.environ, "NOTIFY_SOCKET": sink.path, "WATCHDOG_USEC": "400000"}
     log = open(tmp_path / "agent.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+    proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         assert sink.wait_for("READY=1", 90), (tmp_path / "agent.log").read_text()[-2000:]

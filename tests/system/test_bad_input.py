@@ -36,7 +36,7 @@ def test_bad_payloads_are_counted_and_the_agent_keeps_running(tmp_path):
             path = tmp_path / f"a{i}.toml"
             path.write_text(dump_toml(cfg))
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+                [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
                 stdout=open(tmp_path / f"a{i}.log", "w"), stderr=subprocess.STDOUT))
         obs = Observer(broker.endpoint, fed).start()
         deadline = time.monotonic() + 90

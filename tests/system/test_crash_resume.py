@@ -81,7 +81,7 @@ def test_sigkill_at_random_moments_never_corrupts_state_and_resumes(tmp_path, ca
         try:
             for k in range(KILLS):
                 log_path = tmp_path / f"run{k}.log"
-                proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+                proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
                                         stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
                 try:
                     # the node connects: dflctl peers must list it online within 5 s

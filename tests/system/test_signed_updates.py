@@ -47,7 +47,7 @@ def test_unsigned_wrongly_signed_and_replayed_updates_are_rejected(tmp_path):
             path = tmp_path / f"a{i}.toml"
             path.write_text(dump_toml(cfg))
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+                [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
                 stdout=open(tmp_path / f"a{i}.log", "w"), stderr=subprocess.STDOUT))
 
         # the intruder: capture a1's genuine broadcast, then attack a0's inbox

@@ -1,0 +1,597 @@
+"""Runs: training campaigns that an operator submits to a whole federation.
+
+An always-on agent (``dfl-agent run``) stays a member of its federation and trains
+in *runs*.  A run is described by a :class:`RunDescriptor`, published retained and
+signed on ``dfl/{fed}/run/{run_id}`` (see :func:`sign_descriptor`), so a device that
+boots late still finds it.  Each device checks a run against its profile
+(:func:`admit`), accepts or declines it (the reason shows in its status), and trains in
+at most one run at a time; runs queue by the descriptor's signed ``submitted_at``, then
+``run_id`` (:class:`RunQueue`), never by broker arrival.
+
+A node's configured ``[algorithm]`` section is its *default run*: its id is a hash of
+the federation and the canonical run settings (:func:`default_run_id`) and is never
+published; with ``algorithm.every`` it recurs once per period, each repeat's id being
+the default id plus the period index (:func:`recurring_run_id`).
+
+Which runs finished (or were cancelled / failed) is kept in
+``{state_dir}/runs/ledger.json`` (:class:`RunLedger`, atomic writes), so a finished run
+is never rerun, after a reboot too.  Checkpoints and metrics are per run, under
+``{state_dir}/runs/{run_id}/``.
+
+Who may submit: with ``security.require_signatures`` only an *operator* - a key named
+in ``security.operators`` or holding a certificate with ``role = "operator"`` signed by
+the federation key - may submit or cancel; anything else is refused (see
+:meth:`RunVerifier.check`), logged and counted.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+log = logging.getLogger("dfl_agent.runs")
+
+SCHEMA_VERSION = 1
+#: node-side run states shown in status (``run.state``) and ``dflctl run show``
+NODE_STATES = ("queued", "accepted", "declined", "training", "finished", "failed", "cancelled")
+#: terminal states: a run in one of these is never (re)started on this node
+TERMINAL = ("finished", "failed", "cancelled", "declined")
+#: reasons a run descriptor message is refused (counters ``run_refused_<reason>``)
+REFUSE_REASONS = ("malformed", "unsigned", "unknown_key", "not_operator", "bad_signature", "wrong_federation",
+                  "replay")
+SIG_PREFIX = "ed25519:"
+_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def run_topic(federation: str, run_id: str = "+") -> str:
+    """The retained topic of a run descriptor: ``dfl/{fed}/run/{run_id}``."""
+    return f"dfl/{federation}/run/{run_id}"
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Seconds in a duration such as ``"6h"``, ``"90s"``, ``"15m"``, ``"2d"`` or a number of seconds.
+
+    Raises:
+        ValueError: not a positive duration.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(text))
+        if not m:
+            raise ValueError(f"not a duration: {text!r} (use e.g. '90s', '15m', '6h', '2d')")
+        value = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    if not value > 0:
+        raise ValueError(f"duration must be > 0: {text!r}")
+    return value
+
+
+@dataclasses.dataclass
+class RunDescriptor:
+    """What a run is: published (signed) on ``dfl/{fed}/run/{run_id}``.
+
+    Attributes:
+        run_id: unique id (``[A-Za-z0-9_.-]{1,64}``).
+        federation: the federation it is for.
+        algorithm: algorithm name; ``options`` its options.
+        rounds: rounds to run (>= 1).
+        name: a human label.
+        model: ``{"spec": {...}}``, ``{"family": str}`` or ``{"size": "small|medium|large"}``
+            (empty: the profile's tier).  Overrides the node's ``[model]``.
+        training: overrides of ``[training]`` keys (epochs, steps, lr, ...).
+        compression: overrides of ``[compression]`` keys.
+        members: ``"all"``, a list of node ids, or ``{"profile": [names]}``.
+        min_members: devices that must accept before it starts.
+        start_at: unix time before which it does not start (``None``: at once).
+        start_timeout: seconds to wait for ``min_members`` before it fails.
+        submitter: operator name; ``submitted_at``: unix time (signed) - the queue order.
+        cancelled: set by ``dflctl run cancel`` (a newer signed copy of the descriptor).
+        seq: increases with every publication of the same run (replay protection).
+    """
+
+    run_id: str
+    federation: str
+    algorithm: str
+    rounds: int
+    name: str = ""
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    model: dict[str, Any] = dataclasses.field(default_factory=dict)
+    training: dict[str, Any] = dataclasses.field(default_factory=dict)
+    compression: dict[str, Any] = dataclasses.field(default_factory=dict)
+    members: Any = "all"
+    min_members: int = 1
+    start_at: float | None = None
+    start_timeout: float = 600.0
+    submitter: str = ""
+    submitted_at: float = 0.0
+    cancelled: bool = False
+    seq: int = 0
+    default: bool = False  # a node's own default run (never published)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The descriptor as a JSON-ready dict (``schema_version`` included)."""
+        d = dataclasses.asdict(self)
+        d["schema_version"] = SCHEMA_VERSION
+        return d
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "RunDescriptor":
+        """Parse and validate a descriptor dict.
+
+        Raises:
+            ValueError: missing or ill-typed fields, bad ids, rounds < 1.
+        """
+        if not isinstance(raw, Mapping):
+            raise ValueError("run descriptor is not an object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in raw.items() if k in names}
+        for k in ("run_id", "federation", "algorithm", "rounds"):
+            if k not in kw:
+                raise ValueError(f"run descriptor lacks {k!r}")
+        d = cls(**kw)
+        if not (isinstance(d.run_id, str) and _ID_RE.match(d.run_id)):
+            raise ValueError(f"bad run_id {d.run_id!r}")
+        if not (isinstance(d.federation, str) and _ID_RE.match(d.federation)):
+            raise ValueError(f"bad federation {d.federation!r}")
+        if not isinstance(d.algorithm, str) or not d.algorithm:
+            raise ValueError("bad algorithm")
+        if not isinstance(d.rounds, int) or isinstance(d.rounds, bool) or d.rounds < 1:
+            raise ValueError(f"rounds must be an integer >= 1, got {d.rounds!r}")
+        if not isinstance(d.min_members, int) or d.min_members < 1:
+            raise ValueError("min_members must be an integer >= 1")
+        for k in ("options", "model", "training", "compression"):
+            if not isinstance(getattr(d, k), dict):
+                raise ValueError(f"{k} must be an object")
+        if not isinstance(d.submitted_at, (int, float)) or not isinstance(d.seq, int):
+            raise ValueError("submitted_at / seq have wrong types")
+        if not (d.members == "all" or (isinstance(d.members, list) and all(isinstance(m, str) for m in d.members))
+                or (isinstance(d.members, dict) and isinstance(d.members.get("profile"), list))):
+            raise ValueError("members must be 'all', a list of node ids or {'profile': [names]}")
+        return d
+
+    def order_key(self) -> tuple[float, str]:
+        """Queue order: signed ``submitted_at``, then ``run_id``."""
+        return (float(self.submitted_at), self.run_id)
+
+    def is_for(self, node_id: str, profile: str) -> bool:
+        """Whether this node is among the run's members."""
+        if self.members == "all":
+            return True
+        if isinstance(self.members, list):
+            return node_id in self.members
+        return profile in self.members.get("profile", [])
+
+
+def new_run_id(federation: str, algorithm: str, submitted_at: float, nonce: str) -> str:
+    """A fresh run id for a submission: ``r-`` + 12 hex of a hash."""
+    h = hashlib.sha256(f"{federation}|{algorithm}|{submitted_at!r}|{nonce}".encode()).hexdigest()
+    return "r-" + h[:12]
+
+
+def default_run_id(federation: str, settings: Mapping[str, Any]) -> str:
+    """The default run's id: ``d-`` + 12 hex of a hash of the federation and the
+    canonical run settings (algorithm, options, rounds, model, training, compression).
+    Never published."""
+    h = hashlib.sha256(federation.encode() + b"|" + _canonical(dict(settings))).hexdigest()
+    return "d-" + h[:12]
+
+
+def recurring_run_id(default_id: str, period_index: int) -> str:
+    """The id of the ``period_index``-th repeat of a recurring default run."""
+    return f"{default_id}.{int(period_index)}"
+
+
+def period_index(now: float, every_s: float, epoch: float = 0.0) -> int:
+    """Which period ``now`` falls in, for a run recurring every ``every_s`` seconds
+    (periods counted from ``epoch``, unix s)."""
+    return int((now - epoch) // every_s)
+
+
+def next_recurring(ledger: "RunLedger", default_id: str, every_s: float, now: float,
+                   running: str | None = None) -> str | None:
+    """The repeat of a recurring default run that is due at ``now``, or None.
+
+    A recurring run never overlaps itself: while one of its repeats is ``running``
+    nothing is due, and a period whose repeat already ran (or any later one) is not
+    due again.  Missed periods are not made up: only the current period's repeat runs.
+    """
+    if running is not None and running.startswith(default_id + "."):
+        return None
+    rid = recurring_run_id(default_id, period_index(now, every_s))
+    return None if ledger.is_done(rid) else rid
+
+
+class RunLedger:
+    """This node's run history, persisted in ``{state_dir}/runs/ledger.json``.
+
+    Maps run id -> ``{"state", "round", "reason", "time"}``.  Written atomically after
+    every change, so a crash never leaves it half-written.
+    """
+
+    def __init__(self, state_dir: str | os.PathLike[str]):
+        self.dir = Path(state_dir) / "runs"
+        self.path = self.dir / "ledger.json"
+        self.entries: dict[str, dict[str, Any]] = {}
+        try:
+            raw = json.loads(self.path.read_text(encoding="utf-8"))
+            if isinstance(raw, dict):
+                self.entries = {k: v for k, v in raw.items() if isinstance(v, dict)}
+        except (OSError, ValueError):
+            pass
+
+    def run_dir(self, run_id: str) -> Path:
+        """Per-run folder (checkpoints, metrics): ``{state_dir}/runs/{run_id}``."""
+        return self.dir / run_id
+
+    def set(self, run_id: str, state: str, round: int = 0, reason: str = "") -> None:
+        """Record ``run_id``'s state on this node (atomic write)."""
+        self.entries[run_id] = {"state": state, "round": int(round), "reason": reason, "time": time.time()}
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.entries, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def state(self, run_id: str) -> str | None:
+        e = self.entries.get(run_id)
+        return e.get("state") if e else None
+
+    def is_done(self, run_id: str) -> bool:
+        """True when the run reached a terminal state here (never rerun)."""
+        return self.state(run_id) in TERMINAL
+
+
+class RunQueue:
+    """Known runs of a federation (latest accepted copy of each), in queue order."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, RunDescriptor] = {}
+
+    def offer(self, d: RunDescriptor) -> bool:
+        """Add or update a run; a copy with a lower ``seq`` than the known one is ignored
+        (returns False)."""
+        old = self.runs.get(d.run_id)
+        if old is not None and d.seq <= old.seq:
+            return False
+        self.runs[d.run_id] = d
+        return True
+
+    def ordered(self) -> list[RunDescriptor]:
+        """All runs by ``submitted_at`` then ``run_id``."""
+        return sorted(self.runs.values(), key=RunDescriptor.order_key)
+
+    def next_runnable(self, done: Callable[[str], bool], now: float | None = None) -> RunDescriptor | None:
+        """The first run in queue order that is not cancelled, not done here, and whose
+        ``start_at`` has passed."""
+        now = time.time() if now is None else now
+        for d in self.ordered():
+            if d.cancelled or done(d.run_id):
+                continue
+            if d.start_at is not None and d.start_at > now:
+                continue
+            return d
+        return None
+
+
+# -- profile admission ----------------------------------------------------------
+def admit(d: RunDescriptor, profile: Any, *, node_id: str, model_params: int | None = None) -> str | None:
+    """Check a run against this device's profile and resources.
+
+    Returns ``None`` to accept, else the decline reason, e.g. ``"algorithm dechw not
+    allowed by profile pi-zero"`` or ``"model too large for memory_budget_mb"``.
+    Gating (battery, windows) is not a decline: a gated device accepts and pauses.
+    """
+    from dfl_agent.algorithms.base import get_algorithm
+
+    try:
+        get_algorithm(d.algorithm)
+    except (KeyError, ValueError) as exc:
+        return f"unknown algorithm {d.algorithm!r}: {exc}"
+    if getattr(profile, "inference_only", False):
+        return f"profile {profile.name} is inference-only"
+    allowed = getattr(getattr(profile, "behaviour", None), "algorithms", None)
+    if allowed and d.algorithm not in allowed:
+        return f"algorithm {d.algorithm} not allowed by profile {profile.name}"
+    if model_params is not None:
+        budget = getattr(getattr(profile, "compute", None), "memory_budget_mb", None)
+        # parameters, gradients, optimiser state and a few peers' copies: ~8 float32 copies
+        if budget and model_params * 4 * 8 / 2**20 > budget:
+            return f"model too large for memory_budget_mb ({model_params} parameters, budget {budget} MB)"
+    return None
+
+
+# -- signing ---------------------------------------------------------------------
+def operator_certificate(federation_key: Any, federation: str, name: str, public_b64: str,
+                         valid_days: float | None = None) -> dict[str, Any]:
+    """An operator certificate (version 2, ``role = "operator"``) signed by the federation key."""
+    from dfl_agent.security.keys import canonical
+
+    issued = time.time()
+    cert: dict[str, Any] = {"v": 2, "role": "operator", "fed": federation, "node_id": name,
+                            "public_key": public_b64, "issued": issued,
+                            "expires": None if valid_days is None else issued + valid_days * 86400.0}
+    cert["sig"] = base64.b64encode(federation_key.sign(canonical(cert))).decode()
+    return cert
+
+
+def sign_descriptor(d: RunDescriptor, key: Any | None, signer: str = "", cert: dict[str, Any] | None = None) -> bytes:
+    """The retained message for ``d``: ``{"descriptor", "signer", "public_key", "cert", "sig"}``
+    as JSON bytes; unsigned (``sig`` null) when ``key`` is None."""
+    from dfl_agent.security.keys import public_key_b64
+
+    body = {"descriptor": d.to_dict(), "signer": signer, "cert": cert,
+            "public_key": public_key_b64(key) if key is not None else None}
+    sig = SIG_PREFIX + base64.b64encode(key.sign(_canonical(body))).decode() if key is not None else None
+    return json.dumps({**body, "sig": sig}).encode()
+
+
+class RunVerifier:
+    """Decides whether a run descriptor message may be used.
+
+    Args:
+        federation: this node's federation.
+        require_signatures: refuse unsigned or non-operator descriptors.
+        federation_key: base64 federation public key (verifies operator certificates).
+        operators: ``{name: base64 public key}`` of pinned operator keys.
+    """
+
+    def __init__(self, federation: str, *, require_signatures: bool, federation_key: str | None = None,
+                 operators: Mapping[str, str] | None = None):
+        self.federation = federation
+        self.require_signatures = require_signatures
+        self.federation_key = federation_key
+        self.operators = dict(operators or {})
+        self.refused: dict[str, int] = {}
+
+    def _operator_key(self, msg: Mapping[str, Any]) -> Any:
+        from dfl_agent.security.keys import SecurityError, canonical, parse_public_key
+
+        signer, cert, pub = msg.get("signer"), msg.get("cert"), msg.get("public_key")
+        if isinstance(signer, str) and signer in self.operators and self.operators[signer] == pub:
+            return parse_public_key(self.operators[signer])
+        if not isinstance(cert, dict) or not self.federation_key:
+            return None
+        try:
+            if cert.get("role") != "operator" or cert.get("fed") != self.federation or cert.get("public_key") != pub:
+                return "device"
+            exp = cert.get("expires")
+            if exp is not None and time.time() > float(exp):
+                return None
+            fed = parse_public_key(self.federation_key)
+            fed.verify(base64.b64decode(cert["sig"], validate=True),
+                       canonical({k: v for k, v in cert.items() if k != "sig"}))
+            return parse_public_key(pub)
+        except (SecurityError, KeyError, TypeError, ValueError, binascii.Error):
+            return None
+        except Exception:  # cryptography's InvalidSignature
+            return None
+
+    def check(self, payload: bytes) -> tuple[RunDescriptor | None, str | None]:
+        """``(descriptor, None)`` when usable, else ``(None, reason)`` with the reason one
+        of :data:`REFUSE_REASONS` (counted in :attr:`refused`)."""
+        d, why = self._check(payload)
+        if why is not None:
+            self.refused[why] = self.refused.get(why, 0) + 1
+        return d, why
+
+    def _check(self, payload: bytes) -> tuple[RunDescriptor | None, str | None]:
+        try:
+            msg = json.loads(payload)
+            if not isinstance(msg, dict):
+                raise ValueError("not an object")
+            d = RunDescriptor.from_dict(msg.get("descriptor"))
+        except (ValueError, TypeError, UnicodeDecodeError):
+            return None, "malformed"
+        if d.federation != self.federation:
+            return None, "wrong_federation"
+        sig = msg.get("sig")
+        if sig is None:
+            return (None, "unsigned") if self.require_signatures else (d, None)
+        if not self.require_signatures:
+            return d, None  # lab use: anyone on the broker may submit
+        key = self._operator_key(msg)
+        if key is None:
+            return None, "unknown_key"
+        if key == "device":
+            return None, "not_operator"
+        try:
+            if not isinstance(sig, str) or not sig.startswith(SIG_PREFIX):
+                raise ValueError
+            key.verify(base64.b64decode(sig[len(SIG_PREFIX):], validate=True),
+                       _canonical({k: v for k, v in msg.items() if k != "sig"}))
+        except Exception:
+            return None, "bad_signature"
+        return d, None
+
+
+# -- hooks ------------------------------------------------------------------------
+RunHook = Callable[[RunDescriptor, Any], Any]
+
+
+class RunHooks:
+    """Callbacks around runs.  ``on_run_finished(run, node)`` is called after a run
+    ends on this node with state ``finished`` (``node`` is the :class:`~dfl_agent.runtime.node.Node`
+    that trained it; its algorithm holds the final model) - e.g. to deploy the model.
+    A hook that raises is logged; it never stops the agent."""
+
+    def __init__(self) -> None:
+        self.finished: list[RunHook] = []
+
+    def on_run_finished(self, fn: RunHook) -> RunHook:
+        """Register ``fn(run, node)``; usable as a decorator."""
+        self.finished.append(fn)
+        return fn
+
+    def fire_finished(self, run: RunDescriptor, node: Any) -> None:
+        for fn in list(self.finished):
+            try:
+                fn(run, node)
+            except Exception:
+                log.exception("on_run_finished hook %r failed", fn)
+
+
+def default_descriptor(cfg: Any, now: float | None = None) -> RunDescriptor | None:
+    """The node's default run from its ``[algorithm]`` section (None when it has none).
+
+    Its id is :func:`default_run_id`; with ``algorithm.every`` the current period's
+    :func:`recurring_run_id`."""
+    a = getattr(cfg, "algorithm", None)
+    if a is None:
+        return None
+    settings = {"algorithm": a.name, "options": dict(a.options), "rounds": a.rounds,
+                "model": {k: v for k, v in dataclasses.asdict(cfg.model).items() if v is not None},
+                "training": {k: v for k, v in dataclasses.asdict(cfg.training).items() if v is not None},
+                "compression": {k: v for k, v in dataclasses.asdict(cfg.compression).items() if v is not None}}
+    rid = default_run_id(cfg.federation, settings)
+    every = getattr(a, "every", None)
+    if every:
+        rid = recurring_run_id(rid, period_index(time.time() if now is None else now, parse_duration(every)))
+    return RunDescriptor(run_id=rid, federation=cfg.federation, algorithm=a.name, rounds=a.rounds,
+                         name="default", options=dict(a.options), default=True)
+
+
+def descriptors_of(payloads: Iterable[bytes], verifier: RunVerifier) -> list[RunDescriptor]:
+    """The usable descriptors among retained messages (refusals counted)."""
+    out = []
+    for p in payloads:
+        d, _ = verifier.check(p)
+        if d is not None:
+            out.append(d)
+    return out
+
+
+class RunLobby:
+    """The always-on side of a node: listens for run descriptors (``dfl/{fed}/run/+``,
+    retained) and peers' statuses, and publishes this node's status while it is not
+    training (``state = "idle"``, ``run = {id, state, round, reason}`` of the last run).
+
+    It uses its own MQTT connection (client id ``dfl-{fed}-{node}-runs-...``) and never
+    publishes presence: an idle node is not a member of any run's rounds.
+
+    Args:
+        cfg: the node's :class:`~dfl_agent.runtime.config.NodeConfig`.
+        node_id: this node.
+        verifier: :class:`RunVerifier` for descriptors.
+    """
+
+    def __init__(self, cfg: Any, node_id: str, verifier: RunVerifier):
+        import threading
+
+        self.cfg, self.node_id, self.verifier = cfg, node_id, verifier
+        self.queue = RunQueue()
+        self.statuses: dict[str, dict[str, Any]] = {}
+        self.lock = threading.Lock()
+        self.changed = threading.Event()
+        self.client: Any = None
+        self.heartbeat = 0
+        self.connected = threading.Event()
+
+    def start(self) -> None:
+        """Connect (non-blocking; paho reconnects on its own)."""
+        import secrets
+
+        import paho.mqtt.client as mqtt
+
+        from dfl_agent.discovery.static import parse_endpoint
+        from dfl_agent.transport.mqtt import PROTOCOLS
+
+        m = self.cfg.mqtt
+        host, port = parse_endpoint(m.broker)
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
+                        client_id=f"dfl-{self.cfg.federation}-{self.node_id}-runs-{secrets.token_hex(3)}",
+                        protocol=PROTOCOLS[m.protocol])
+        if m.username is not None:
+            c.username_pw_set(m.username, m.password)
+        if m.tls_ca is not None:
+            import ssl
+
+            c.tls_set(ca_certs=m.tls_ca, certfile=m.tls_cert, keyfile=m.tls_key, cert_reqs=ssl.CERT_REQUIRED,
+                      tls_version=ssl.PROTOCOL_TLS_CLIENT)
+        c.on_connect = self._on_connect
+        c.on_message = self._on_message
+        c.reconnect_delay_set(min_delay=1, max_delay=30)
+        c.connect_async(host, port, keepalive=m.keepalive)
+        c.loop_start()
+        self.client = c
+
+    def stop(self) -> None:
+        """Disconnect."""
+        if self.client is not None:
+            self.client.disconnect()
+            self.client.loop_stop()
+
+    def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
+        from dfl_agent.transport.mqtt import topic
+
+        if getattr(reason_code, "is_failure", False):
+            log.warning("run lobby: connection refused: %s", reason_code)
+            return
+        client.subscribe([(run_topic(self.cfg.federation), 1), (topic(self.cfg.federation, "+", "status"), 1)])
+        self.connected.set()
+
+    def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
+        parts = msg.topic.split("/")
+        if len(parts) == 4 and parts[2] == "run":
+            if not msg.payload:
+                return
+            d, why = self.verifier.check(msg.payload)
+            if why is not None:
+                log.warning("refused run descriptor on %s: %s", msg.topic, why)
+                return
+            assert d is not None
+            if d.run_id != parts[3]:
+                self.verifier.refused["malformed"] = self.verifier.refused.get("malformed", 0) + 1
+                return
+            with self.lock:
+                if self.queue.offer(d):
+                    log.info("run %s (%s, %d rounds, submitted by %s)%s", d.run_id, d.algorithm, d.rounds,
+                             d.submitter or "?", " cancelled" if d.cancelled else "")
+                    self.changed.set()
+        elif len(parts) == 5 and parts[4] == "status":
+            try:
+                st = json.loads(msg.payload) if msg.payload else None
+            except ValueError:
+                return
+            with self.lock:
+                if isinstance(st, dict):
+                    self.statuses[parts[3]] = st
+                else:
+                    self.statuses.pop(parts[3], None)
+
+    def run(self, run_id: str) -> RunDescriptor | None:
+        """The newest known descriptor of ``run_id``."""
+        with self.lock:
+            return self.queue.runs.get(run_id)
+
+    def accepted_by(self, run_id: str) -> set[str]:
+        """Nodes whose status says they accepted or train ``run_id``."""
+        with self.lock:
+            return {n for n, s in self.statuses.items() if isinstance(s.get("run"), dict)
+                    and s["run"].get("id") == run_id and s["run"].get("state") in ("accepted", "training")}
+
+    def publish_status(self, run: dict[str, Any] | None, state: str = "idle",
+                       history: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        """Publish this node's status (retained) while no run trains; ``history`` (run id
+        -> ledger entry, the newest 20 kept) lets ``dflctl run list`` show finished runs."""
+        from dfl_agent.transport.mqtt import topic
+
+        if self.client is None:
+            return
+        self.heartbeat += 1
+        st = {"node_id": self.node_id, "state": state, "time": time.time(), "heartbeat": self.heartbeat,
+              "run": run, "runs_refused": dict(self.verifier.refused), "algorithm": None, "round": 0,
+              "run_history": {k: {f: v.get(f) for f in ("state", "round", "reason")}
+                              for k, v in sorted((history or {}).items(), key=lambda kv: kv[1].get("time", 0))[-20:]}}
+        self.client.publish(topic(self.cfg.federation, self.node_id, "status"), json.dumps(st), qos=1, retain=True)

@@ -1,0 +1,81 @@
+"""Runs over a real mosquitto, in-process: a late booter picks up the retained run;
+a run whose ``min_members`` never accept fails after ``start_timeout`` with that reason;
+the idle node's status says so."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from dfl_agent.cli.cli_runs import publish_retained
+from dfl_agent.cli.observer import Observer
+from dfl_agent.runtime.config import config_from_dict
+from dfl_agent.runtime.runs import (
+    RunDescriptor, RunLedger, RunLobby, RunVerifier, operator_certificate, run_topic, sign_descriptor,
+)
+from dfl_agent.security.keys import public_key_b64
+
+pytestmark = pytest.mark.integration
+
+
+def _signed(fed, fed_key, **kw):
+    op = Ed25519PrivateKey.generate()
+    cert = operator_certificate(fed_key, fed, "alice", public_key_b64(op))
+    d = RunDescriptor(federation=fed, algorithm="fedavg", rounds=2, submitted_at=time.time(), seq=1, **kw)
+    return d, sign_descriptor(d, op, "alice", cert)
+
+
+def test_late_booter_picks_up_the_retained_run(mosquitto_broker, federation, tmp_path):
+    fed_key = Ed25519PrivateKey.generate()
+    d, payload = _signed(federation, fed_key, run_id="r-late")
+    publish_retained(mosquitto_broker.endpoint, run_topic(federation, d.run_id), payload)
+    cfg = config_from_dict({"federation": federation, "mqtt": {"broker": mosquitto_broker.endpoint},
+                            "security": {"require_signatures": True, "federation_key": public_key_b64(fed_key)}})
+    lobby = RunLobby(cfg, "late", RunVerifier(federation, require_signatures=True,
+                                              federation_key=public_key_b64(fed_key)))
+    lobby.start()  # boots after the submission
+    try:
+        end = time.monotonic() + 20
+        while lobby.run("r-late") is None and time.monotonic() < end:
+            time.sleep(0.1)
+        assert lobby.run("r-late") == d
+        assert lobby.queue.next_runnable(lambda r: False).run_id == "r-late"
+    finally:
+        lobby.stop()
+
+
+def test_run_fails_when_min_members_do_not_accept_within_start_timeout(mosquitto_broker, federation, tmp_path):
+    from dfl_agent.runtime.daemon import serve
+
+    fed_key = Ed25519PrivateKey.generate()
+    d, payload = _signed(federation, fed_key, run_id="r-min", min_members=2, start_timeout=2.0)
+    publish_retained(mosquitto_broker.endpoint, run_topic(federation, d.run_id), payload)
+    cfg = config_from_dict({"federation": federation, "node_id": "solo", "state_dir": str(tmp_path),
+                            "mqtt": {"broker": mosquitto_broker.endpoint, "heartbeat_interval": 0.5},
+                            "security": {"require_signatures": True, "federation_key": public_key_b64(fed_key)}})
+
+    async def main():
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(serve(cfg, None, stop))
+        end = time.monotonic() + 30
+        while RunLedger(tmp_path).state("r-min") is None and time.monotonic() < end:
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.5)  # one more idle heartbeat
+        stop.set()
+        return await task
+
+    assert asyncio.run(main()) == 0
+    entry = RunLedger(tmp_path).entries["r-min"]
+    assert entry["state"] == "failed"
+    assert entry["reason"].startswith("start_timeout: only 1 of min_members 2 accepted")
+    assert not (tmp_path / "runs" / "r-min" / "metrics.jsonl").exists()  # never trained
+    obs = Observer(mosquitto_broker.endpoint, federation).start()
+    obs.settle()
+    st = obs.snapshot()[0]["solo"]
+    obs.stop()
+    assert st["state"] == "idle" and st["run"]["id"] == "r-min" and st["run"]["state"] == "failed"
+    assert json.dumps(st)  # plain JSON

@@ -1,0 +1,137 @@
+"""Runs (dfl_agent.runtime.runs): queue order, recurrence, the ledger across restarts,
+who may submit, descriptor precedence over node.toml."""
+
+import json
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from dfl_agent.runtime.config import config_from_dict
+from dfl_agent.runtime.runs import (
+    RunDescriptor, RunLedger, RunQueue, RunVerifier, admit, default_descriptor, next_recurring, operator_certificate,
+    parse_duration, recurring_run_id, sign_descriptor,
+)
+from dfl_agent.security.keys import issue_certificate, public_key_b64
+
+
+def d(rid, t, **kw):
+    return RunDescriptor(run_id=rid, federation="f", algorithm="fedavg", rounds=2, submitted_at=t, **kw)
+
+
+def test_queue_orders_by_signed_submitted_at_then_run_id_not_arrival():
+    q = RunQueue()
+    for x in (d("r-c", 30.0), d("r-b", 10.0), d("r-a", 10.0), d("r-0", 20.0, cancelled=True)):
+        q.offer(x)
+    assert [r.run_id for r in q.ordered()] == ["r-a", "r-b", "r-0", "r-c"]
+    done = {"r-a"}
+    assert q.next_runnable(done.__contains__).run_id == "r-b"
+    done.add("r-b")
+    assert q.next_runnable(done.__contains__).run_id == "r-c"  # the cancelled one is skipped
+    assert q.next_runnable(lambda r: True) is None
+
+
+def test_queue_keeps_newest_seq_and_start_time_delays():
+    q = RunQueue()
+    assert q.offer(d("r-1", 1.0, seq=2, cancelled=True))
+    assert not q.offer(d("r-1", 1.0, seq=1))  # an older copy (replayed) does not un-cancel it
+    assert q.runs["r-1"].cancelled
+    q.offer(d("r-2", 2.0, start_at=1000.0))
+    assert q.next_runnable(lambda r: False, now=999.0) is None
+    assert q.next_runnable(lambda r: False, now=1001.0).run_id == "r-2"
+
+
+def test_recurring_default_run_never_overlaps_itself_and_ids_follow_periods(tmp_path):
+    every = parse_duration("6h")
+    assert every == 21600 and parse_duration("90s") == 90 and parse_duration("15m") == 900
+    with pytest.raises(ValueError):
+        parse_duration("6 weeks")
+    ledger = RunLedger(tmp_path)
+    t0 = 10 * every + 5
+    first = next_recurring(ledger, "d-x", every, t0)
+    assert first == recurring_run_id("d-x", 10) == "d-x.10"
+    assert next_recurring(ledger, "d-x", every, t0 + every, running=first) is None  # still running: no overlap
+    ledger.set(first, "finished", 3)
+    assert next_recurring(ledger, "d-x", every, t0 + 60) is None  # same period: not again
+    assert next_recurring(ledger, "d-x", every, t0 + every) == "d-x.11"
+
+
+def test_finished_run_is_not_rerun_after_restart(tmp_path):
+    cfg = config_from_dict({"federation": "f", "state_dir": str(tmp_path), "algorithm": {"rounds": 3}})
+    a = default_descriptor(cfg)
+    assert a.run_id.startswith("d-") and a.default
+    assert default_descriptor(cfg).run_id == a.run_id  # a hash of federation + settings: stable across boots
+    other = config_from_dict({"federation": "f", "state_dir": str(tmp_path), "algorithm": {"rounds": 4}})
+    assert default_descriptor(other).run_id != a.run_id
+    RunLedger(tmp_path).set(a.run_id, "finished", 3)
+    again = RunLedger(tmp_path)  # a "reboot": the ledger is read back from disk
+    assert again.is_done(a.run_id) and again.entries[a.run_id]["round"] == 3
+    assert not (tmp_path / "runs" / "ledger.tmp").exists()
+    assert json.loads((tmp_path / "runs" / "ledger.json").read_text())[a.run_id]["state"] == "finished"
+
+
+def test_config_without_algorithm_section_has_no_default_run(tmp_path):
+    cfg = config_from_dict({"federation": "f", "state_dir": str(tmp_path)})
+    assert cfg.has_default_run is False
+    assert config_from_dict({"algorithm": {"every": "6h"}}).has_default_run is True
+    assert config_from_dict({"runtime": {"rejoin": False}}).runtime.rejoin is True  # deprecated, always on
+    with pytest.raises(ValueError, match="algorithm.every"):
+        config_from_dict({"algorithm": {"every": "soon"}})
+    cfg = config_from_dict({"algorithm": {"every": "1h"}})
+    assert default_descriptor(cfg, now=7200.5).run_id.endswith(".2")
+
+
+def _verifier(fed_key, **kw):
+    return RunVerifier("f", require_signatures=True, federation_key=public_key_b64(fed_key), **kw)
+
+
+def test_only_an_operator_may_submit_when_signatures_are_required():
+    fed_key, op, dev, stranger = (Ed25519PrivateKey.generate() for _ in range(4))
+    run = d("r-1", 1.0)
+    op_cert = operator_certificate(fed_key, "f", "alice", public_key_b64(op))
+    dev_cert = issue_certificate(fed_key, "f", "n-1", public_key_b64(dev))
+    v = _verifier(fed_key)
+    assert v.check(sign_descriptor(run, op, "alice", op_cert))[0] == run
+    assert v.check(sign_descriptor(run, dev, "n-1", dev_cert)) == (None, "not_operator")
+    assert v.check(sign_descriptor(run, stranger, "eve")) == (None, "unknown_key")
+    assert v.check(sign_descriptor(run, None)) == (None, "unsigned")
+    forged = json.loads(sign_descriptor(run, op, "alice", op_cert))
+    forged["descriptor"]["rounds"] = 99
+    assert v.check(json.dumps(forged).encode()) == (None, "bad_signature")
+    # a self-made "operator" certificate not signed by the federation key
+    fake = operator_certificate(Ed25519PrivateKey.generate(), "f", "eve", public_key_b64(stranger))
+    assert v.check(sign_descriptor(run, stranger, "eve", fake)) == (None, "unknown_key")
+    assert v.check(b"{nonsense") == (None, "malformed")
+    assert v.refused == {"not_operator": 1, "unknown_key": 2, "unsigned": 1, "bad_signature": 1, "malformed": 1}
+    # pinned operator keys (security.operators) work without a certificate
+    pinned = _verifier(fed_key, operators={"bob": public_key_b64(stranger)})
+    assert pinned.check(sign_descriptor(run, stranger, "bob"))[0] == run
+    # lab use: anyone may submit
+    assert RunVerifier("f", require_signatures=False).check(sign_descriptor(run, None))[0] == run
+
+
+def test_admit_declines_with_the_reason():
+    from dfl_agent.profiles import resolve_profile
+
+    prof = resolve_profile("generic-x86", {"behaviour": {"algorithms": ["fedavg"]}})[0]
+    assert admit(d("r", 1.0), prof, node_id="n") is None
+    dechw = RunDescriptor(run_id="r", federation="f", algorithm="dechw", rounds=1)
+    assert admit(dechw, prof, node_id="n") == "algorithm dechw not allowed by profile generic-x86"
+    assert "memory_budget_mb" in admit(d("r", 1.0), prof, node_id="n", model_params=10**9)
+    assert "unknown algorithm" in admit(RunDescriptor("r", "f", "nope", 1), prof, node_id="n")
+
+
+def test_descriptor_overrides_node_toml_and_members():
+    from dfl_agent.runtime.daemon import StartupError, run_config_for
+
+    cfg = config_from_dict({"training": {"lr": 0.1}, "algorithm": {"rounds": 5}})
+    run = RunDescriptor(run_id="r", federation="default", algorithm="dechw", rounds=2, options={"round_timeout": 3},
+                        training={"lr": 0.5}, model={"size": "small"})
+    new = run_config_for(cfg, run)
+    assert (new.algorithm.name, new.algorithm.rounds, new.training.lr, new.model.size) == ("dechw", 2, 0.5, "small")
+    assert cfg.training.lr == 0.1  # the node's own config is untouched
+    with pytest.raises(StartupError, match="training.nope"):
+        run_config_for(cfg, RunDescriptor("r", "default", "fedavg", 1, training={"nope": 1}))
+    assert d("r", 1, members=["a"]).is_for("a", "x") and not d("r", 1, members=["a"]).is_for("b", "x")
+    assert d("r", 1, members={"profile": ["pi"]}).is_for("b", "pi")
+    with pytest.raises(ValueError):
+        RunDescriptor.from_dict({"run_id": "bad id!", "federation": "f", "algorithm": "a", "rounds": 1})

@@ -1,0 +1,275 @@
+"""``dflctl run``: submit, list, show and cancel the runs of a federation.
+
+A run is a signed, retained descriptor on ``dfl/{fed}/run/{run_id}`` (see
+:mod:`dfl_agent.runtime.runs`).  ``submit`` and ``cancel`` sign it with the operator's
+key and certificate (``--operator-dir DIR`` holding ``*.pem`` and ``*cert*.json``, as
+``dflctl keys`` writes them); ``list`` and ``show`` read the descriptors and the
+nodes' statuses (each carries ``run = {id, state, round, reason}``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+
+RUN_COLUMNS = ("run_id", "name", "state", "algorithm", "rounds", "submitter", "nodes")
+
+
+def _target(a: argparse.Namespace) -> tuple[str, str]:
+    broker, fed = a.broker, a.federation
+    if a.config:
+        from dfl_agent.runtime.config import load_config
+
+        cfg = load_config(a.config)
+        broker, fed = broker or cfg.mqtt.broker, fed or cfg.federation
+    return broker or "127.0.0.1:1883", fed or "default"
+
+
+def load_operator(d: str | None) -> tuple[Any, dict[str, Any] | None, str]:
+    """The operator's ``(private key, certificate or None, name)`` from ``d`` (None: unsigned).
+
+    Raises:
+        FileNotFoundError: no ``*.pem`` key in ``d``.
+    """
+    if d is None:
+        return None, None, ""
+    from dfl_agent.security.keys import load_certificate, load_private_key
+
+    p = Path(d)
+    keys = sorted(p.glob("*key*.pem")) or sorted(p.glob("*.pem"))
+    keys = [k for k in keys if "federation" not in k.name]
+    if not keys:
+        raise FileNotFoundError(f"{p}: no operator key (*.pem)")
+    certs = sorted(p.glob("*cert*.json"))
+    cert = load_certificate(certs[0]) if certs else None
+    name = str((cert or {}).get("node_id") or (cert or {}).get("name") or p.name)
+    return load_private_key(keys[0]), cert, name
+
+
+def publish_retained(broker: str, topic: str, payload: bytes, timeout: float = 10.0) -> None:
+    """Publish ``payload`` retained (QoS 1) and wait until the broker has it.
+
+    Raises:
+        ConnectionError: the broker cannot be reached or does not acknowledge in ``timeout`` s.
+    """
+    from dfl_agent.discovery.static import parse_endpoint
+
+    host, port = parse_endpoint(broker)
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"dflctl-run-{secrets.token_hex(4)}",
+                    protocol=mqtt.MQTTv5)
+    try:
+        c.connect(host, port, keepalive=30)
+    except OSError as exc:
+        raise ConnectionError(f"cannot reach MQTT broker {broker}: {exc}") from None
+    c.loop_start()
+    try:
+        info = c.publish(topic, payload, qos=1, retain=True)
+        info.wait_for_publish(timeout)
+        if not info.is_published():
+            raise ConnectionError(f"broker {broker} did not acknowledge the run within {timeout:.0f}s")
+    finally:
+        c.disconnect()
+        c.loop_stop()
+
+
+def _snapshot(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    from dfl_agent.cli.observer import Observer
+
+    broker, fed = _target(a)
+    obs = Observer(broker, fed).start(timeout=a.timeout)
+    obs.settle()
+    statuses, _ = obs.snapshot()
+    with obs._lock:
+        runs = dict(obs.runs)
+    obs.stop()
+    return runs, statuses
+
+
+def run_view(run_id: str, msg: dict[str, Any], statuses: dict[str, Any]) -> dict[str, Any]:
+    """The JSON of ``dflctl run show``: descriptor fields plus each node's view of the run
+    (``nodes: {id: {state, round, reason}}``) and an overall ``state``."""
+    d = msg.get("descriptor") or {}
+    nodes: dict[str, dict[str, Any]] = {}
+    for nid, st in sorted(statuses.items()):
+        r = st.get("run") if isinstance(st, dict) else None
+        if not (isinstance(r, dict) and r.get("id") == run_id) and isinstance(st, dict):
+            hist = st.get("run_history")
+            r = {**hist[run_id], "id": run_id} if isinstance(hist, dict) and isinstance(hist.get(run_id), dict) else None
+        if isinstance(r, dict) and r.get("id") == run_id:
+            nodes[nid] = {"state": r.get("state", ""), "round": r.get("round", 0) or 0,
+                          "reason": r.get("reason", "") or ""}
+    states = {n["state"] for n in nodes.values()}
+    if d.get("cancelled"):
+        state = "cancelled"
+    elif "training" in states:
+        state = "training"
+    elif states and states <= {"finished", "declined"} and "finished" in states:
+        state = "finished"
+    elif states and states <= {"failed", "declined", "cancelled"}:
+        state = "failed" if "failed" in states else ("declined" if states == {"declined"} else "cancelled")
+    elif states:
+        state = "starting"
+    else:
+        state = "queued"
+    return {"schema_version": 1, "run_id": run_id, "name": d.get("name", ""), "state": state,
+            "algorithm": d.get("algorithm"), "rounds": d.get("rounds"), "options": d.get("options", {}),
+            "members": d.get("members"), "min_members": d.get("min_members"), "submitter": d.get("submitter"),
+            "submitted_at": d.get("submitted_at"), "signed": msg.get("sig") is not None, "nodes": nodes}
+
+
+def run_rows(runs: dict[str, Any], statuses: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per run, in queue order (``submitted_at``, then ``run_id``)."""
+    views = [run_view(rid, m, statuses) for rid, m in runs.items()]
+    views.sort(key=lambda v: (float(v.get("submitted_at") or 0), v["run_id"]))
+    return [{**{k: v[k] for k in RUN_COLUMNS if k in v},
+             "nodes": ", ".join(f"{n}:{x['state']}@{x['round']}" for n, x in v["nodes"].items())} for v in views]
+
+
+def cmd_submit(a: argparse.Namespace) -> int:
+    from dfl_agent.runtime.runs import RunDescriptor, new_run_id, run_topic, sign_descriptor
+
+    broker, fed = _target(a)
+    try:
+        key, cert, name = load_operator(a.operator_dir)
+    except (OSError, ValueError) as exc:
+        print(f"dflctl run submit: --operator-dir: {exc}", file=sys.stderr)
+        return 2
+    options: dict[str, Any] = {}
+    for item in a.option or []:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            print(f"dflctl run submit: --option {item!r}: expected KEY=VALUE", file=sys.stderr)
+            return 2
+        try:
+            options[k] = json.loads(v)
+        except ValueError:
+            options[k] = v
+    model: dict[str, Any] = {}
+    if a.model_size:
+        model["size"] = a.model_size
+    if a.models:
+        model["family"] = a.models
+    now = time.time()
+    try:
+        d = RunDescriptor.from_dict({
+            "run_id": a.run_id or new_run_id(fed, a.algorithm, now, secrets.token_hex(4)), "federation": fed,
+            "algorithm": a.algorithm, "rounds": a.rounds, "name": a.name or "", "options": options, "model": model,
+            "members": a.members.split(",") if a.members else "all", "min_members": a.min_members,
+            "start_timeout": a.start_timeout, "submitter": name, "submitted_at": now, "seq": 1,
+        })
+    except ValueError as exc:
+        print(f"dflctl run submit: {exc}", file=sys.stderr)
+        return 2
+    try:
+        publish_retained(broker, run_topic(fed, d.run_id), sign_descriptor(d, key, name, cert))
+    except ConnectionError as exc:
+        print(f"dflctl run submit: {exc}", file=sys.stderr)
+        return 3
+    print(d.run_id)
+    return 0
+
+
+def cmd_cancel(a: argparse.Namespace) -> int:
+    from dfl_agent.runtime.runs import RunDescriptor, run_topic, sign_descriptor
+
+    broker, fed = _target(a)
+    try:
+        key, cert, name = load_operator(a.operator_dir)
+    except (OSError, ValueError) as exc:
+        print(f"dflctl run cancel: --operator-dir: {exc}", file=sys.stderr)
+        return 2
+    runs, _ = _snapshot(a)
+    if a.run not in runs:
+        print(f"dflctl run cancel: no run {a.run!r} in federation {fed}", file=sys.stderr)
+        return 1
+    d = RunDescriptor.from_dict(runs[a.run]["descriptor"])
+    d.cancelled, d.seq = True, d.seq + 1
+    publish_retained(broker, run_topic(fed, d.run_id), sign_descriptor(d, key, name, cert))
+    print(f"cancelled {d.run_id}")
+    return 0
+
+
+def cmd_list(a: argparse.Namespace) -> int:
+    runs, statuses = _snapshot(a)
+    if a.json:
+        views = [run_view(r, m, statuses) for r, m in runs.items()]
+        views.sort(key=lambda v: (float(v.get("submitted_at") or 0), v["run_id"]))
+        print(json.dumps({"schema_version": 1, "runs": views}, indent=1))
+        return 0
+    from rich.console import Console
+
+    from dfl_agent.cli.dflctl import render_table
+
+    Console().print(render_table("runs", run_rows(runs, statuses), RUN_COLUMNS))
+    return 0
+
+
+def cmd_show(a: argparse.Namespace) -> int:
+    runs, statuses = _snapshot(a)
+    if a.run not in runs:
+        print(f"dflctl run show: no run {a.run!r}", file=sys.stderr)
+        return 1
+    v = run_view(a.run, runs[a.run], statuses)
+    if a.json:
+        print(json.dumps(v, indent=1))
+        return 0
+    print(f"run {v['run_id']} ({v['name']}): {v['state']}, {v['algorithm']} x {v['rounds']} rounds, "
+          f"submitted by {v['submitter'] or '?'}{'' if v['signed'] else ' (unsigned)'}")
+    for nid, n in v["nodes"].items():
+        print(f"  {nid}: {n['state']} round {n['round']}{'  ' + n['reason'] if n['reason'] else ''}")
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add ``dflctl run {submit,list,show,cancel}``."""
+    r = sub.add_parser("run", help="submit, list, show and cancel runs of a federation")
+    rs = r.add_subparsers(dest="run_cmd", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", default=None, help="a node.toml to take the broker and federation from")
+        p.add_argument("--broker", default=None, help="host:port (default: from --config, else 127.0.0.1:1883)")
+        p.add_argument("--federation", default=None, help="federation name (default: from --config, else default)")
+        p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the broker")
+
+    s = rs.add_parser("submit", help="publish a new run; prints its id")
+    common(s)
+    s.add_argument("--operator-dir", default=None,
+                   help="folder with the operator's key (*.pem) and certificate (*cert*.json); omit to submit "
+                        "unsigned (refused where security.require_signatures is on)")
+    s.add_argument("--algorithm", required=True, help="algorithm name (dflctl algorithms)")
+    s.add_argument("--rounds", type=int, required=True, help="rounds to run")
+    s.add_argument("--option", action="append", metavar="K=V", help="algorithm option (repeatable; V parsed as JSON)")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--model-size", choices=["small", "medium", "large"], help="model size tier for every member")
+    g.add_argument("--models", metavar="FAMILY", help="model family (each member takes its profile's tier)")
+    s.add_argument("--members", default=None, help="comma-separated node ids (default: all)")
+    s.add_argument("--min-members", type=int, default=1, help="devices that must accept before it starts")
+    s.add_argument("--start-timeout", type=float, default=600.0,
+                   help="seconds to wait for --min-members before the run fails")
+    s.add_argument("--name", default=None, help="a human label")
+    s.add_argument("--run-id", default=None, help="use this run id instead of a generated one")
+    s.set_defaults(func=cmd_submit)
+
+    li = rs.add_parser("list", help="runs of the federation, in queue order")
+    common(li)
+    li.add_argument("--json", action="store_true", help="machine-readable output")
+    li.set_defaults(func=cmd_list)
+
+    sh = rs.add_parser("show", help="one run, with each node's state and round")
+    common(sh)
+    sh.add_argument("run", help="run id")
+    sh.add_argument("--json", action="store_true", help="machine-readable output")
+    sh.set_defaults(func=cmd_show)
+
+    c = rs.add_parser("cancel", help="cancel a run (members stop within one round)")
+    common(c)
+    c.add_argument("run", help="run id")
+    c.add_argument("--operator-dir", default=None, help="folder with the operator's key and certificate")
+    c.set_defaults(func=cmd_cancel)
