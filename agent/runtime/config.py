@@ -67,6 +67,17 @@ class DataSection:
     beta: float = 0.5
     zeta: int = 2
     cache_dir: Union[str, None] = None
+    # -- the on-device sample store (dataset = "store"; dfl_agent.store)
+    input_shape: Union[list[int], None] = None  # one sample's shape (else meta.json in data.path)
+    num_classes: Union[int, None] = None
+    class_names: Union[list[str], None] = None
+    spool_dir: Union[str, None] = None  # default state_dir/spool
+    spool_interval: float = 5.0  # seconds between spool passes while the agent runs
+    store_max_samples: int = 100_000
+    store_max_age: Union[str, None] = "30d"  # "30d", "12h", ... or "none"
+    store_max_per_class: int = 0  # 0 = no per-class cap
+    store_eviction: str = "oldest"  # or "largest-class"
+    validation_share: float = 0.2  # held out by a hash of the sample id
 
 
 @dataclasses.dataclass
@@ -173,6 +184,16 @@ class SecuritySection:
 
 
 @dataclasses.dataclass
+class DeploySection:
+    """``[deploy]``: model delivery to the device's application (``state_dir/models``)."""
+
+    enabled: bool = True  # deploy after each run (only with data.dataset = "store")
+    tolerance: float = 0.01  # a candidate worse than the deployed model by more is not deployed
+    keep: int = 3  # versions kept under state_dir/models
+    min_validation: int = 20  # fewer validation samples: deploy only with --force or when none is deployed
+
+
+@dataclasses.dataclass
 class NodeConfig:
     """The whole node configuration (top-level keys + sections)."""
 
@@ -191,6 +212,7 @@ class NodeConfig:
     runtime: RuntimeSection = dataclasses.field(default_factory=RuntimeSection)
     compression: CompressionSection = dataclasses.field(default_factory=CompressionSection)
     security: SecuritySection = dataclasses.field(default_factory=SecuritySection)
+    deploy: DeploySection = dataclasses.field(default_factory=DeploySection)
 
 
 def _check_type(value: Any, typ: Any, key: str) -> Any:
@@ -268,6 +290,23 @@ def _validate(cfg: NodeConfig) -> None:
     need(0 <= d.node_index < d.num_nodes, "data.node_index", f"must be in [0, data.num_nodes={d.num_nodes})")
     need(d.beta > 0, "data.beta", "must be > 0")
     need(d.zeta >= 1, "data.zeta", "must be >= 1")
+    need(d.dataset != "store" or d.path is not None or (d.input_shape is not None and bool(d.num_classes)
+         or d.class_names is not None), "data.input_shape",
+         "the store needs data.input_shape and data.num_classes (or data.path with a meta.json)")
+    need(d.store_max_samples >= 1, "data.store_max_samples", "must be >= 1")
+    need(d.store_max_per_class >= 0, "data.store_max_per_class", "must be >= 0 (0 = no cap)")
+    need(d.store_eviction in ("oldest", "largest-class"), "data.store_eviction", "must be 'oldest' or 'largest-class'")
+    need(0 <= d.validation_share < 1, "data.validation_share", "must be in [0, 1)")
+    need(d.spool_interval > 0, "data.spool_interval", "must be > 0 seconds")
+    try:
+        from dfl_agent.store.sqlite import parse_duration
+
+        parse_duration(d.store_max_age)
+    except ValueError as exc:
+        raise ConfigError(f"data.store_max_age: {exc}") from None
+    need(cfg.deploy.tolerance >= 0, "deploy.tolerance", "must be >= 0 (accuracy as a fraction)")
+    need(cfg.deploy.keep >= 1, "deploy.keep", "must be >= 1")
+    need(cfg.deploy.min_validation >= 0, "deploy.min_validation", "must be >= 0")
     need(cfg.model.size is None or cfg.model.size in ("small", "medium", "large"), "model.size",
          "must be small, medium or large")
     _validate_profile(cfg)

@@ -112,6 +112,13 @@ class Agent:
         self.notifier = Notifier()
         self.checkpointer: Any = None
         self.peers: Any = None
+        # -- the sample store and model delivery
+        self.store: Any = None
+        self.snapshot: Any = None
+        self.deployed: Any = None  # the last deploy result
+        import time as _time
+
+        self.run_id = _time.strftime("%Y%m%dT%H%M%SZ", _time.gmtime())  # until runs have their own ids
 
     async def run(self, stop: asyncio.Event) -> int:
         import torch
@@ -136,9 +143,12 @@ class Agent:
             options = parse_options(algo_cls, cfg.algorithm.options)
             profile, behaviour = apply_profile(cfg, algo_cls.name)  # device profile + decision table
             torch.set_num_threads(behaviour.threads)
-            bundle = load_dataset(d.dataset, path=d.path, cache_dir=d.cache_dir)
-            data = node_data_for(bundle, d.num_nodes, d.node_index, d.partition, seed=cfg.seed, beta=d.beta,
-                                 zeta=d.zeta)
+            if d.dataset == "store":  # the on-device sample store (dfl_agent.store)
+                bundle, data = self._store_data()
+            else:
+                bundle = load_dataset(d.dataset, path=d.path, cache_dir=d.cache_dir)
+                data = node_data_for(bundle, d.num_nodes, d.node_index, d.partition, seed=cfg.seed, beta=d.beta,
+                                     zeta=d.zeta)
             spec = validate_spec(cfg.model.spec) if cfg.model.spec else default_spec(
                 bundle.pool.input_shape, bundle.pool.num_classes, behaviour.model_size or "medium"
             )
@@ -190,6 +200,10 @@ class Agent:
                 behaviour, algo_cls.name, error_feedback=cfg.compression.error_feedback),
             security=guard, max_queued_per_sender=cfg.security.max_queued_per_sender,
         )
+        if self.snapshot is not None:  # saved with every checkpoint: a resumed run trains on the same data
+            from dfl_agent.store.runtime import SNAPSHOT_KEY
+
+            ctx.persistent_state[SNAPSHOT_KEY] = self.snapshot
         from dfl_agent.profiles import ResourceGate, peer_incompatibility
 
         ctx.behaviour = behaviour
@@ -221,6 +235,8 @@ class Agent:
             node.after_round.append(OnnxPublisher(ctx, node.algorithm, bundle.pool.input_shape, spec))
         watchdog: Any = None
         exporter: Any = None
+        spool_task: Any = None
+        from dfl_agent.store.runtime import spool_loop
         try:
             try:
                 await ctx.start()
@@ -231,6 +247,8 @@ class Agent:
                 self.mdns = MdnsDiscovery(peers, node_id=nid, federation=fed, descriptor=mdns_descriptor,
                                           interfaces=list(cfg.discovery.interfaces))
                 await self.mdns.start()
+            if self.store is not None:
+                spool_task = asyncio.ensure_future(spool_loop(self.store, d.spool_interval))
             await node.setup()
             start_round = self._resume(spec_hash(spec))  # operations: crash-safe state
             await node.publish_status()
@@ -259,6 +277,7 @@ class Agent:
                 run.result()  # re-raise a crash of the algorithm
                 log.info("finished %d rounds", cfg.algorithm.rounds)
                 self.outcome = "finished"
+                await self._after_run(spec, bundle.pool.input_shape)
             else:
                 log.info("stop requested; leaving the federation")
                 run.cancel()
@@ -270,6 +289,9 @@ class Agent:
         finally:
             if not self.serving:
                 self.notifier.stopping()
+            if spool_task is not None:
+                spool_task.cancel()
+                await asyncio.gather(spool_task, return_exceptions=True)
             if watchdog is not None:
                 watchdog.cancel()
             if exporter is not None:
@@ -278,6 +300,38 @@ class Agent:
                 await self.mdns.stop()
             await ctx.stop()
             metrics_file.close()
+
+    # -- the sample store and model delivery ----------------------------------------------
+    def _store_data(self) -> tuple[Any, Any]:
+        """Open (and seed) the store, ingest the spool, take the run's snapshot (or the one
+        saved with the checkpoint being resumed), and split it."""
+        from dfl_agent.store.runtime import open_store, seed_store, snapshot_from_checkpoint, store_data
+
+        d = self.cfg.data
+        self.store = store = open_store(self.cfg)
+        seed_store(store, d.path)
+        store.ingest_spool()
+        ids = snapshot_from_checkpoint(self.run_dir or self.state_dir, self.cfg.algorithm.rounds) if self.cfg.runtime.checkpoint else None
+        if ids is None:
+            ids = store.snapshot()
+        else:
+            log.info("resuming with the data snapshot of the checkpoint (%d samples)", len(ids))
+        self.snapshot = ids
+        bundle, data = store_data(store, ids, d.validation_share)
+        log.info("sample store: run snapshot of %d samples (%d train, %d validation; store holds %d)",
+                 len(ids), data.num_train, data.num_val, store.count())
+        return bundle, data
+
+    async def _after_run(self, spec: dict[str, Any], input_shape: Any) -> None:
+        """After a run's last round: deploy the model when the gate lets it (dfl_agent.deploy)."""
+        if self.store is None or not self.cfg.deploy.enabled:
+            return
+        from dfl_agent.deploy.runtime import deploy_after_run
+
+        try:
+            self.deployed = await deploy_after_run(self, spec, input_shape)
+        except Exception as exc:  # noqa: BLE001 - a failed deployment never crashes the agent
+            log.error("deployment failed: %s", exc)
 
     # -- operations (issue 10) ------------------------------------------------------------
     def _resume(self, model_hash: str) -> int:
@@ -588,6 +642,15 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
             log.warning("run %s %s: %s", run_id, state, reason)
         return {"id": run_id, "state": state, "round": rnd, "reason": reason}
 
+    store: Any = None  # the sample store, ingested between runs (a run ingests on its own)
+    next_spool = 0.0
+    if cfg.data.dataset == "store":
+        from dfl_agent.store.runtime import open_store
+
+        try:
+            store = open_store(cfg)
+        except (OSError, ValueError) as exc:
+            raise StartupError(str(exc)) from None
     try:
         while not stop.is_set():
             d = None
@@ -606,6 +669,12 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
                 d = None
             if d is None:
                 publish()
+                if store is not None and _time.monotonic() >= next_spool:  # idle: keep ingesting the spool
+                    next_spool = _time.monotonic() + cfg.data.spool_interval
+                    try:
+                        await asyncio.to_thread(store.ingest_spool)
+                    except Exception as exc:  # noqa: BLE001 - ingestion never stops the agent
+                        log.error("spool pass failed: %s", exc)
                 lobby.changed.clear()
                 try:
                     await asyncio.wait_for(stop.wait(), 0.5)

@@ -794,6 +794,20 @@ class MqttTransport(Transport):
             self._status = dict(status)
         self._publish_status_now()
 
+    async def publish_retained(self, leaf: str, document: dict[str, Any]) -> None:
+        """Publish ``document`` (JSON) retained, QoS 1, on ``dfl/{fed}/node/{id}/{leaf}``
+        (e.g. ``model``: the deployed-model announcement).
+
+        Raises:
+            RuntimeError: before ``start()`` or while disconnected.
+        """
+        self._check_started()
+        conn = self._conns.get(self.broker)
+        if conn is None or conn.client is None or not conn.connected:
+            raise RuntimeError("not connected to the broker")
+        conn.client.publish(topic(self.federation, self.node_id, leaf), json.dumps(document, sort_keys=True),
+                            qos=1, retain=True)
+
     async def stop(self) -> None:
         """Publish "offline" (retained), let it go out (up to ~2 s), disconnect all.
 

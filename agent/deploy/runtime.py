@@ -1,0 +1,186 @@
+"""Deploying the agent's model after a run: the gate, the export, the announcement.
+
+torch is imported inside the functions; :mod:`dfl_agent.deploy.versions` is torch-free.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from dfl_agent.deploy.versions import ModelStore
+
+log = logging.getLogger(__name__)
+_onnx_warned = False
+
+
+def onnx_available() -> bool:
+    """True when the ``onnx`` extra (onnx, onnxruntime, onnxscript) is installed."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime", "onnxscript"))
+
+
+def model_files(model: Any, spec: dict[str, Any], input_shape: Sequence[int], class_names: Sequence[str],
+                check_x: np.ndarray | None = None, onnx: bool | None = None) -> dict[str, bytes]:
+    """The files of a version: ``model.safetensors`` (the state dict), ``spec.json`` and,
+    with the onnx extra, ``model.onnx`` checked against torch on ``check_x`` (atol 1e-4).
+    ``onnx``: None = when the extra is installed, False = never (safetensors + spec only).
+
+    Raises:
+        dfl_agent.models.onnx_export.OnnxExportError: export failed or disagrees with torch.
+    """
+    global _onnx_warned
+    from safetensors.numpy import save as st_save
+
+    m = copy.deepcopy(model).to("cpu").eval()
+    tensors = {k: np.ascontiguousarray(v.detach().cpu().numpy()) for k, v in m.state_dict().items()}
+    meta = {"spec": spec, "input_shape": [int(s) for s in input_shape], "num_classes": int(spec["num_classes"]),
+            "class_names": list(class_names), "input_name": "x", "output_name": "logits",
+            "input_dtype": "float32"}
+    files = {"model.safetensors": st_save(tensors), "spec.json": json.dumps(meta, indent=1, sort_keys=True).encode()}
+    if onnx is not False and onnx_available():
+        from dfl_agent.models.onnx_export import export_checked
+
+        x = check_x if check_x is not None and len(check_x) else np.random.default_rng(0).normal(
+            size=(8, *input_shape)).astype(np.float32)
+        files["model.onnx"] = export_checked(m, input_shape, np.ascontiguousarray(x[:64], dtype=np.float32),
+                                             spec=spec, atol=1e-4)
+    elif onnx is None and not _onnx_warned:
+        _onnx_warned = True
+        log.warning("deploying without model.onnx: the onnx extra is not installed "
+                    "(pip install 'dfl-agent[onnx]'); model.safetensors and spec.json only")
+    return files
+
+
+def load_torch(folder: str | Path) -> Any:
+    """The torch model of a version (or candidate) folder: spec.json + model.safetensors."""
+    import torch
+    from dfl_agent.models import build_model
+    from safetensors.numpy import load_file
+
+    f = Path(folder)
+    meta = json.loads((f / "spec.json").read_text(encoding="utf-8"))
+    model = build_model(meta["spec"])
+    state = {k: torch.from_numpy(v.copy()) for k, v in load_file(str(f / "model.safetensors")).items()}
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def deploy_model(models: ModelStore, model: Any, spec: dict[str, Any], input_shape: Sequence[int],
+                 class_names: Sequence[str], val_x: np.ndarray, val_y: np.ndarray, *, run_id: str,
+                 round: int, algorithm: str, tolerance: float = 0.01, min_validation: int = 20,
+                 force: bool = False, onnx: bool | None = None) -> dict[str, Any]:
+    """The deploy gate, then install or stage.
+
+    Evaluates ``model`` and the deployed model on today's validation slice ``(val_x, val_y)``.
+    Deploys unless the candidate is worse than the deployed model by more than
+    ``tolerance`` (accuracy fraction).  With fewer than ``min_validation`` validation
+    samples it deploys only when ``force`` or when nothing is deployed yet (the
+    manifest's ``note`` says so).  A refused candidate goes to ``models/candidate``.
+
+    Returns:
+        ``{"deployed": bool, "version": int|None, "accuracy": float, "deployed_accuracy":
+        float|None, "note": str}``.
+    """
+    from dfl_agent.learning.training import evaluate
+
+    acc = float(evaluate(copy.deepcopy(model).to("cpu"), val_x, val_y)["accuracy"]) if len(val_y) else float("nan")
+    cur = models.current_version()
+    dep_acc = None
+    if cur is not None and len(val_y):
+        try:
+            dep_acc = float(evaluate(load_torch(models.folder(cur)), val_x, val_y)["accuracy"])
+        except Exception as exc:  # noqa: BLE001 - another model shape/spec: it cannot compete
+            log.warning("the deployed model v%d cannot be evaluated on today's data (%s)", cur, exc)
+    n = len(val_y)
+    if n < min_validation:
+        ok = force or cur is None
+        note = (f"only {n} validation samples (< {min_validation}): "
+                + ("deployed with --force" if force else "deployed because no model was deployed yet" if ok
+                   else "not deployed (use dflctl model deploy --force)"))
+    elif force or cur is None or dep_acc is None:
+        ok, note = True, "deployed with --force" if force else "no comparable deployed model"
+    else:
+        ok = not (acc < dep_acc - tolerance)
+        note = (f"validation accuracy {acc:.4f} vs deployed v{cur} {dep_acc:.4f} on the same {n} samples "
+                f"(tolerance {tolerance:g})")
+    info = {"run_id": run_id, "round": int(round), "algorithm": algorithm,
+            "accuracy": None if math.isnan(acc) else acc, "validation_samples": n,
+            "deployed_accuracy": dep_acc, "forced": bool(force), "note": note, "time": time.time()}
+    files = model_files(model, spec, input_shape, class_names, val_x, onnx=onnx)
+    if ok:
+        version = models.install(files, info)
+        log.info("deployed model v%d (run %s, round %d): %s", version, run_id, round, note)
+    else:
+        models.stage_candidate(files, info)
+        version = None
+        log.warning("model of run %s not deployed: %s", run_id, note)
+    return {"deployed": ok, "version": version, "accuracy": acc, "deployed_accuracy": dep_acc, "note": note}
+
+
+def announcement(models: ModelStore, node_id: str, federation: str, guard: Any = None) -> dict[str, Any] | None:
+    """The retained ``dfl/{fed}/node/{id}/model`` document of the current version, signed
+    (``sig`` over the canonical JSON of the other fields) when ``guard`` holds a key."""
+    v = models.current_version()
+    if v is None:
+        return None
+    m = models.manifest(v)
+    doc = {"node_id": node_id, "federation": federation, "version": v, "run_id": m.get("run_id"),
+           "round": m.get("round"), "accuracy": m.get("accuracy"), "sha256": m.get("sha256"),
+           "onnx": m.get("onnx"), "time": m.get("time")}
+    if guard is not None and getattr(guard, "key", None) is not None:
+        from dfl_agent.security.keys import canonical
+
+        doc["sig"] = guard.sign(canonical(doc))
+    return doc
+
+
+def verify_announcement(doc: dict[str, Any], public_key: Any) -> bool:
+    """True when ``doc['sig']`` is a valid Ed25519 signature of the rest by ``public_key``."""
+    import base64
+
+    from dfl_agent.security.keys import canonical
+    from dfl_agent.security.trust import SIG_PREFIX
+
+    sig = doc.get("sig")
+    if not isinstance(sig, str) or not sig.startswith(SIG_PREFIX):
+        return False
+    try:
+        public_key.verify(base64.b64decode(sig[len(SIG_PREFIX):]), canonical({k: v for k, v in doc.items()
+                                                                               if k != "sig"}))
+        return True
+    except Exception:  # noqa: BLE001 - InvalidSignature, bad base64
+        return False
+
+
+async def deploy_after_run(agent: Any, spec: dict[str, Any], input_shape: Sequence[int]) -> dict[str, Any]:
+    """The daemon's after-run step: gate + deploy the deployable model on the run's validation
+    slice, then publish the retained announcement."""
+    import asyncio
+
+    cfg, ctx, node = agent.cfg, agent.ctx, agent.node
+    models = ModelStore(agent.state_dir, keep=cfg.deploy.keep)
+    data = ctx.data
+    model = copy.deepcopy(node.algorithm.deployable_model()).to("cpu")
+    last_round = max((int(r.get("round", 0)) for r in node.history), default=0)
+    res = await asyncio.to_thread(
+        deploy_model, models, model, spec, input_shape, data.class_names, data.val_x, data.val_y,
+        run_id=agent.run_desc.run_id if getattr(agent, "run_desc", None) is not None else agent.run_id,
+        round=last_round, algorithm=node.algorithm.name,
+        tolerance=cfg.deploy.tolerance, min_validation=cfg.deploy.min_validation)
+    doc = announcement(models, agent.node_id, cfg.federation, getattr(ctx, "security", None))
+    publish = getattr(ctx.transport, "publish_retained", None)
+    if doc is not None and publish is not None:
+        try:
+            await publish("model", doc)
+        except Exception as exc:  # noqa: BLE001 - the files are the contract; MQTT is a convenience
+            log.warning("could not publish the model announcement: %s", exc)
+    return res

@@ -1,0 +1,269 @@
+"""The deployed-model folder ``state_dir/models`` (torch-free).
+
+::
+
+    models/v7/            one immutable version: model.onnx, model.safetensors, spec.json,
+                          manifest.json (written last; SHA-256 of every other file)
+    models/current -> v7  symlink, switched atomically (rename of a temporary link)
+    models/candidate/     the last candidate the gate refused (``dflctl model deploy --force``)
+
+A version folder is written under a temporary name (``.tmp-…``), every file is
+fsync-ed, then the folder is renamed into place: a reader never sees a partial
+version.  ``current`` is then replaced by a rename.  The newest ``keep`` versions
+are kept (and always the current one).  Files are group-readable (0640, folders
+0750) so the application may run as another user in the agent's group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+_VERSION = re.compile(r"^v(\d+)$")
+FILE_MODE, DIR_MODE = 0o640, 0o750
+
+
+class DeployError(ValueError):
+    """No such version, nothing to roll back to, a corrupt version or candidate."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(path, FILE_MODE)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_folder(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of a version (or candidate) folder after checking every file's SHA-256.
+
+    Raises:
+        DeployError: missing manifest or file, or a hash mismatch.
+    """
+    f = Path(folder)
+    try:
+        manifest = json.loads((f / "manifest.json").read_bytes())
+    except (OSError, ValueError) as exc:
+        raise DeployError(f"{f}: unreadable manifest.json ({exc})") from None
+    for name, info in manifest.get("files", {}).items():
+        try:
+            got = sha256_file(f / name)
+        except OSError as exc:
+            raise DeployError(f"{f / name}: {exc.strerror}") from None
+        if got != info.get("sha256"):
+            raise DeployError(f"{f / name}: SHA-256 mismatch (corrupt file)")
+    return manifest
+
+
+class ModelStore:
+    """``state_dir/models`` of one agent.
+
+    Args:
+        state_dir: the agent's state directory.
+        keep: versions kept (>= 1).
+    """
+
+    def __init__(self, state_dir: str | os.PathLike[str], keep: int = 3):
+        if keep < 1:
+            raise ValueError(f"deploy.keep: must be >= 1, got {keep}")
+        self.root = Path(state_dir) / "models"
+        self.keep = keep
+
+    # -- reading --------------------------------------------------------------------
+    def versions(self) -> list[int]:
+        """Installed version numbers, ascending."""
+        if not self.root.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in self.root.iterdir()
+                      if (m := _VERSION.match(p.name)) and (p / "manifest.json").is_file())
+
+    def current_version(self) -> int | None:
+        """The version ``current`` points at, or None."""
+        try:
+            m = _VERSION.match(os.readlink(self.root / "current"))
+        except OSError:
+            return None
+        return int(m.group(1)) if m else None
+
+    def folder(self, version: int) -> Path:
+        return self.root / f"v{version}"
+
+    def manifest(self, version: int) -> dict[str, Any]:
+        """The manifest of ``version`` (not verified).
+
+        Raises:
+            DeployError: no such version.
+        """
+        try:
+            return json.loads((self.folder(version) / "manifest.json").read_bytes())
+        except (OSError, ValueError):
+            raise DeployError(f"no model version v{version} under {self.root}") from None
+
+    def show(self) -> dict[str, Any]:
+        """The ``dflctl model show --json`` document."""
+        cur = self.current_version()
+        out: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "models": str(self.root), "current": None,
+                               "versions": []}
+        for v in self.versions():
+            m = self.manifest(v)
+            entry = {k: m.get(k) for k in ("version", "run_id", "round", "algorithm", "accuracy", "sha256",
+                                           "time", "validation_samples", "forced", "note", "onnx")}
+            entry["current"] = v == cur
+            out["versions"].append(entry)
+            if v == cur:
+                out["current"] = entry
+        cand = self.root / "candidate" / "manifest.json"
+        if cand.is_file():
+            m = json.loads(cand.read_bytes())
+            out["candidate"] = {k: m.get(k) for k in ("run_id", "round", "accuracy", "note", "time")}
+        return out
+
+    # -- writing (the agent, or dflctl as the agent's user) ----------------------------
+    def _prepare(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, DIR_MODE)
+        for p in self.root.iterdir():  # leftovers of a killed deployment
+            if p.name.startswith(".tmp-"):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(
+                    missing_ok=True)
+
+    def _write_folder(self, files: Mapping[str, bytes], info: Mapping[str, Any]) -> Path:
+        tmp = self.root / f".tmp-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir(mode=DIR_MODE)
+        os.chmod(tmp, DIR_MODE)
+        digests = {}
+        for name, data in files.items():
+            _write(tmp / name, data)
+            digests[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        main = "model.onnx" if "model.onnx" in files else "model.safetensors"
+        manifest = {**dict(info), "schema_version": SCHEMA_VERSION, "files": digests,
+                    "sha256": digests[main]["sha256"], "onnx": "model.onnx" in files,
+                    "time": info.get("time", time.time())}
+        _write(tmp / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False).encode())
+        _fsync_dir(tmp)
+        return tmp
+
+    def install(self, files: Mapping[str, bytes], info: Mapping[str, Any]) -> int:
+        """Write a new version atomically, point ``current`` at it, prune.  Returns its number.
+
+        Args:
+            files: file name -> bytes (``model.safetensors`` and ``spec.json`` at least).
+            info: manifest fields (run id, round, algorithm, accuracy, ...).
+        """
+        self._prepare()
+        version = max(self.versions() + [self._last_version()], default=0) + 1
+        tmp = self._write_folder(files, {**dict(info), "version": version})
+        os.rename(tmp, self.folder(version))
+        self._set_last_version(version)
+        _fsync_dir(self.root)
+        self.switch(version)
+        self.prune()
+        return version
+
+    def _last_version(self) -> int:
+        try:
+            return int((self.root / ".last_version").read_text())
+        except (OSError, ValueError):
+            return 0
+
+    def _set_last_version(self, v: int) -> None:
+        tmp = self.root / ".last_version.tmp"
+        _write(tmp, str(v).encode())
+        os.replace(tmp, self.root / ".last_version")
+
+    def switch(self, version: int) -> None:
+        """Point ``current`` at ``version`` atomically (rename of a temporary symlink).
+
+        Raises:
+            DeployError: no such version or it fails its hash check.
+        """
+        verify_folder(self.folder(version))
+        tmp = self.root / f".tmp-link-{uuid.uuid4().hex[:8]}"
+        os.symlink(f"v{version}", tmp)
+        os.replace(tmp, self.root / "current")
+        _fsync_dir(self.root)
+
+    def prune(self) -> None:
+        """Delete all but the newest ``keep`` versions (never the current one)."""
+        cur = self.current_version()
+        for v in self.versions()[:-self.keep]:
+            if v != cur:
+                shutil.rmtree(self.folder(v), ignore_errors=True)
+
+    def stage_candidate(self, files: Mapping[str, bytes], info: Mapping[str, Any]) -> Path:
+        """Keep a refused candidate in ``models/candidate`` (replacing an older one)."""
+        self._prepare()
+        tmp = self._write_folder(files, info)
+        dest = self.root / "candidate"
+        if dest.exists():
+            old = self.root / f".tmp-old-{uuid.uuid4().hex[:8]}"
+            os.rename(dest, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.rename(tmp, dest)
+        _fsync_dir(self.root)
+        return dest
+
+    def promote_candidate(self, note: str = "deployed with --force") -> int:
+        """``dflctl model deploy --force``: install the staged candidate as a new version.
+
+        Raises:
+            DeployError: no candidate, or it fails its hash check.
+        """
+        cand = self.root / "candidate"
+        if not (cand / "manifest.json").is_file():
+            raise DeployError(f"no refused candidate under {cand}: the last run's model is already deployed "
+                              "(or no run has finished)")
+        manifest = verify_folder(cand)
+        files = {name: (cand / name).read_bytes() for name in manifest["files"]}
+        info = {k: v for k, v in manifest.items() if k not in ("files", "sha256", "onnx", "schema_version", "time")}
+        info.update(forced=True, note=f"{manifest.get('note', '')}; {note}".strip("; "))
+        version = self.install(files, info)
+        shutil.rmtree(cand, ignore_errors=True)
+        return version
+
+    def rollback(self, to: int | None = None) -> int:
+        """Point ``current`` at version ``to`` (default: the newest version older than the current).
+
+        Raises:
+            DeployError: nothing older to roll back to, or no such version.
+        """
+        cur = self.current_version()
+        if to is None:
+            older = [v for v in self.versions() if cur is None or v < cur]
+            if not older:
+                raise DeployError(f"no version older than v{cur} to roll back to (kept: {self.versions()})")
+            to = older[-1]
+        if to not in self.versions():
+            raise DeployError(f"no model version v{to} under {self.root} (kept: {self.versions()})")
+        self.switch(to)
+        return to

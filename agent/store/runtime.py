@@ -1,0 +1,123 @@
+"""Wiring of the sample store into the agent: schema from the configuration, seeding,
+run snapshots, the training/validation split, and the periodic spool pass.  Torch-free."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from dfl_agent.store.sqlite import (
+    SampleStore,
+    Schema,
+    StoreError,
+    parse_duration,
+    validation_mask,
+)
+
+log = logging.getLogger(__name__)
+
+#: key of the run's snapshot (sample ids) in ``ctx.persistent_state`` (saved with checkpoints)
+SNAPSHOT_KEY = "store_snapshot"
+
+
+def schema_from_config(cfg: Any) -> Schema | None:
+    """The store schema from ``[data]`` (input_shape + num_classes/class_names), else from
+    ``data.path/meta.json``; None when neither is given (an existing store has its own).
+
+    Raises:
+        StoreError: invalid values, naming the key or file.
+    """
+    d = cfg.data
+    if d.input_shape is not None:
+        names = tuple(d.class_names or ())
+        return Schema(tuple(d.input_shape), int(d.num_classes or len(names)), names)
+    if d.path is not None and (Path(d.path) / "meta.json").is_file():
+        return Schema.from_meta(Path(d.path) / "meta.json")
+    return None
+
+
+def open_store(cfg: Any, *, create: bool = True) -> SampleStore:
+    """The agent's :class:`SampleStore` under ``cfg.state_dir`` with the ``[data]`` limits.
+
+    Raises:
+        StoreError: no schema for a new store, or a mismatch with the stored one.
+    """
+    d = cfg.data
+    return SampleStore(cfg.state_dir, schema_from_config(cfg), spool_dir=d.spool_dir,
+                       max_samples=d.store_max_samples, max_age=parse_duration(d.store_max_age),
+                       max_per_class=d.store_max_per_class, eviction=d.store_eviction, create=create)
+
+
+def seed_store(store: SampleStore, path: str | None) -> int:
+    """Seed from an ``npz`` data directory (``path/train.npz``): ingested once (its hash is
+    recorded like a spool file's), returns the samples added (0 when already seeded)."""
+    if path is None or not (Path(path) / "train.npz").is_file():
+        return 0
+    res = store.ingest_file(Path(path) / "train.npz", remove=False)
+    if res["status"] == "rejected":
+        raise StoreError(f"{path}/train.npz: {res['reason']}")
+    if res["samples"]:
+        log.info("seeded the sample store with %d samples from %s/train.npz", res["samples"], path)
+    return int(res["samples"])
+
+
+def store_data(store: SampleStore, ids: np.ndarray, validation_share: float) -> tuple[Any, Any]:
+    """``(DatasetBundle, NodeData)`` of the snapshot ``ids``: the validation slice (by hash of
+    the id) is both the node's validation split and the bundle's test set (the store has no
+    global test set; accuracies are local validation accuracies).
+
+    Raises:
+        StoreError: the snapshot has no training sample.
+    """
+    from dfl_agent.data.dataset import Dataset, DatasetBundle, NodeData
+
+    sid, x, y, g = store.load(ids)
+    val = validation_mask(sid, validation_share)
+    if (~val).sum() == 0:
+        raise StoreError(f"the sample store holds no training samples ({len(sid)} in the snapshot); "
+                         f"add .npz files to {store.spool_dir} or run 'dflctl data add'")
+    s = store.schema
+
+    def ds(mask: np.ndarray) -> Dataset:
+        return Dataset("store", np.ascontiguousarray(x[mask]), y[mask], g[mask], s.num_classes,
+                       list(s.class_names), s.input_shape)
+
+    train, test = ds(~val), ds(val)
+    data = NodeData(train_x=train.x, train_y=train.y, val_x=test.x, val_y=test.y, num_classes=s.num_classes,
+                    input_shape=s.input_shape, class_names=list(s.class_names),
+                    groups=sorted(int(u) for u in np.unique(g) if u >= 0))
+    return DatasetBundle(pool=train, test=test), data
+
+
+def snapshot_from_checkpoint(state_dir: str | Path, rounds: int | None = None) -> np.ndarray | None:
+    """The snapshot saved with the newest usable checkpoint (a resumed run trains on the same
+    data), or None; with ``rounds``, only from a checkpoint of an unfinished run (round < rounds)."""
+    from dfl_agent.runtime.checkpoint import PERSISTENT_PREFIX, CheckpointStore
+
+    try:
+        ck = CheckpointStore(Path(state_dir) / "checkpoints").load_latest()
+    except Exception as exc:  # noqa: BLE001 - an unusable checkpoint means a fresh snapshot
+        log.warning("cannot read the checkpoint's data snapshot: %s", exc)
+        return None
+    if ck is None or (rounds is not None and ck.round >= rounds):
+        return None
+    ids = ck.persistent.get(SNAPSHOT_KEY)
+    if ids is None:
+        ids = ck.persistent.get(PERSISTENT_PREFIX + SNAPSHOT_KEY)
+    return None if ids is None else np.asarray(ids, dtype=np.int64)
+
+
+async def spool_loop(store: SampleStore, interval: float) -> None:
+    """Ingest the spool every ``interval`` seconds (in a worker thread) until cancelled."""
+    while True:
+        try:
+            res = await asyncio.to_thread(store.ingest_spool)
+            if res["ingested"] or res["rejected"]:
+                log.info("spool: %d files (%d samples) ingested, %d rejected; store holds %d samples",
+                         res["ingested"], res["samples"], res["rejected"], store.count())
+        except Exception as exc:  # noqa: BLE001 - ingestion never stops the agent
+            log.error("spool pass failed: %s", exc)
+        await asyncio.sleep(interval)
