@@ -42,7 +42,7 @@ def drop(spool, name, n, seed):
 
 def run_agent(path, log):
     with open(log, "w") as out:
-        return subprocess.run([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+        return subprocess.run([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
                               stdout=out, stderr=subprocess.STDOUT, timeout=240).returncode
 
 
