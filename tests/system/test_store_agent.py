@@ -12,9 +12,9 @@ import time
 
 import numpy as np
 import pytest
-
 from dfl_agent.cli.broker import start_broker
 from dfl_agent.runtime.config import config_from_dict, dump_toml
+
 from tests.system.conftest import needs_mosquitto
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -43,13 +43,12 @@ def drop(spool, name, n, seed):
 def run_agent(path, log):
     with open(log, "w") as out:
         return subprocess.run([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
-                              stdout=out, stderr=subprocess.STDOUT, timeout=240).returncode
+                              stdout=out, stderr=subprocess.STDOUT, timeout=240, check=False).returncode
 
 
 @needs_mosquitto
 def test_two_runs_on_a_growing_store_deploy_one_version_each(tmp_path):
     import paho.mqtt.client as mqtt
-
     from dfl_agent.cli.dflctl import main as dflctl
     from dfl_agent.deploy import ModelStore, verify_folder
     from dfl_agent.deploy.runtime import verify_announcement
@@ -110,5 +109,5 @@ def test_two_runs_on_a_growing_store_deploy_one_version_each(tmp_path):
         assert got and got[0]["version"] == 2 and got[0]["sha256"] == models.manifest(2)["sha256"]
         assert verify_announcement(got[0], load_private_key(state / "node_key.pem").public_key())
     st = json.loads(subprocess.run([sys.executable, "-m", "dfl_agent.cli.dflctl", "data", "status", "--state-dir",
-                                    str(state), "--json"], capture_output=True, text=True).stdout)
+                                    str(state), "--json"], capture_output=True, text=True, check=True).stdout)
     assert st["samples"] == 480 and st["rejected"] == 1 and st["ingested_files"] == 8
