@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 KINDS = ("auto", "mosquitto", "amqtt")
 _MOSQUITTO_FALLBACK = "/usr/sbin/mosquitto"
 
-_live: set["BrokerHandle"] = set()
+_live: set[BrokerHandle] = set()
 _live_lock = threading.Lock()
 
 
@@ -136,7 +136,7 @@ class BrokerHandle:
         except OSError:
             return ""
 
-    def start(self) -> "BrokerHandle":
+    def start(self) -> BrokerHandle:
         """Start the process and wait until the port accepts connections.
 
         Raises:
@@ -197,7 +197,7 @@ class BrokerHandle:
                 proc.wait()
             self._cleanup_process()
 
-    def restart(self) -> "BrokerHandle":
+    def restart(self) -> BrokerHandle:
         """Stop and start again on the same port (state such as retained messages is lost)."""
         self.stop()
         deadline = time.monotonic() + 5.0
@@ -210,7 +210,7 @@ class BrokerHandle:
         self.stop()
         self._dir.cleanup()
 
-    def __enter__(self) -> "BrokerHandle":
+    def __enter__(self) -> BrokerHandle:
         return self
 
     def __exit__(self, *exc) -> None:

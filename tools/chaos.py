@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dfl_agent.cli.demo import stop_processes
 from dfl_agent.runtime import metrics
 from dfl_agent.runtime.config import config_from_dict, dump_toml
-from dfl_agent.cli.demo import stop_processes
 
 
 @dataclasses.dataclass
@@ -151,8 +151,8 @@ def run_chaos(o: ChaosOptions, log=print) -> dict[str, Any]:
     """Run one federation with (or without) faults; return and write ``chaos.json``."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from dfl_agent.security.keys import enroll_local, public_key_b64
     from dfl_agent.cli.broker import start_broker
+    from dfl_agent.security.keys import enroll_local, public_key_b64
 
     out = Path(o.out)
     if out.exists():

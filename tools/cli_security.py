@@ -28,8 +28,19 @@ from pathlib import Path
 from typing import Any
 
 from dfl_agent.security.keys import (
-    CERT_FILE, FEDERATION_KEY_FILE, KEY_FILE, SecurityError, enroll_local, fingerprint, issue_certificate,
-    load_certificate, load_or_create_key, load_private_key, parse_public_key, public_key_b64, save_certificate,
+    CERT_FILE,
+    FEDERATION_KEY_FILE,
+    KEY_FILE,
+    SecurityError,
+    enroll_local,
+    fingerprint,
+    issue_certificate,
+    load_certificate,
+    load_or_create_key,
+    load_private_key,
+    parse_public_key,
+    public_key_b64,
+    save_certificate,
     verify_certificate,
 )
 from dfl_agent.transport.wire import valid_id

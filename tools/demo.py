@@ -24,9 +24,16 @@ from typing import Any
 
 from dfl_agent.runtime import metrics
 from dfl_agent.runtime.config import (
+    AlgorithmSection,
     CompressionSection,
-    AlgorithmSection, DataSection, DiscoverySection, ModelSection, MqttSection, NodeConfig, RuntimeSection,
-    SecuritySection, TrainingSection,
+    DataSection,
+    DiscoverySection,
+    ModelSection,
+    MqttSection,
+    NodeConfig,
+    RuntimeSection,
+    SecuritySection,
+    TrainingSection,
     dump_toml,
 )
 
@@ -294,7 +301,7 @@ def _enroll(out: Path, fed: str, ids: list[str]) -> str:
 
 
 class _Null:
-    def __enter__(self) -> "_Null":
+    def __enter__(self) -> _Null:
         return self
 
     def __exit__(self, *a: object) -> None:

@@ -80,7 +80,7 @@ class Observer:
             (self.statuses if leaf == "status" else self.presence)[node] = doc
             self.updated = time.monotonic()
 
-    def start(self, timeout: float = 10.0) -> "Observer":
+    def start(self, timeout: float = 10.0) -> Observer:
         try:
             self._client.connect(self.host, self.port, keepalive=30)
         except OSError as exc:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 from dfl_agent.algorithms.context import NodeContext
 from dfl_agent.models import build_model
 
-_REGISTRY: dict[str, type["Algorithm"]] = {}
+_REGISTRY: dict[str, type[Algorithm]] = {}
 
 
 @dataclasses.dataclass
@@ -243,7 +244,7 @@ def parse_options(cls: type[Algorithm], raw: Mapping[str, Any] | None, prefix: s
         if typ is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         base = typing.get_origin(typ) or typ
-        if isinstance(base, type) and not isinstance(value, base) or (base is not bool and isinstance(value, bool)):
+        if (isinstance(base, type) and not isinstance(value, base)) or (base is not bool and isinstance(value, bool)):
             raise ValueError(f"{prefix}.{key}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
         kwargs[key] = value
     try:

@@ -8,7 +8,8 @@ queue, nor whether the clock is the wall clock or the simulator's virtual clock.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Awaitable, Callable, Mapping, Protocol, TypeVar, runtime_checkable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 

@@ -89,7 +89,7 @@ class Done:
     info: dict[str, Any]
     tensors: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)  # see token_tensors
 
-    def beats(self, other: "Done | None") -> bool:
+    def beats(self, other: Done | None) -> bool:
         """Newer round wins; for the same round, the lower aggregator id wins."""
         if other is None:
             return True

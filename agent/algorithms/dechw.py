@@ -30,20 +30,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from torch import nn
 
+from dfl_agent.algorithms import gossip_compression as gc
 from dfl_agent.algorithms.base import Algorithm, register
 from dfl_agent.algorithms.context import Message
-from dfl_agent.algorithms import gossip_compression as gc
 from dfl_agent.algorithms.fedavg import GossipOptions, collect_round
 from dfl_agent.algorithms.market import UpdateMarket, send_with_participation
 from dfl_agent.learning import hessian as hess
 from dfl_agent.learning.aggregation import weighted_average
-from dfl_agent.learning.robust import clip_updates, robust_aggregate
 from dfl_agent.learning.params import load_numpy, model_to_numpy
+from dfl_agent.learning.robust import clip_updates, robust_aggregate
 from dfl_agent.learning.training import train_local
 
 MODEL_KIND = "model"

@@ -14,13 +14,13 @@ from typing import Any
 
 from torch import nn
 
+from dfl_agent.algorithms import gossip_compression as gc
 from dfl_agent.algorithms.base import Algorithm, register
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.market import SyncOptions, UpdateMarket, send_with_participation
-from dfl_agent.algorithms import gossip_compression as gc
+from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
 from dfl_agent.learning.robust import check_options as check_robust_options
 from dfl_agent.learning.robust import robust_aggregate
-from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
 from dfl_agent.learning.training import train_local
 
 MODEL_KIND = "model"

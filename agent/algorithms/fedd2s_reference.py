@@ -25,7 +25,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,7 +86,7 @@ class ReferenceServer:
         """Run round ``t`` over ``clients`` (id -> client); returns the participants."""
         selected, _ = draw_round(self.seed, t, list(clients), self.o.sender_ratio)
         uploads = {n: clients[n].extract() for n in selected}  # "transmit all triplets to the server"
-        for l, trip in uploads.values():
+        for _l, trip in uploads.values():
             self.bytes_received += sum(h1.numel() * 4 + hl.numel() * 4 + y.numel() * 8 for h1, hl, y in trip)
         copies = {}
         for n in selected:  # C2S on the server (Eq. 8-10)

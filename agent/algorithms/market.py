@@ -41,7 +41,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -179,7 +180,7 @@ class UpdateMarket:
         self.last: CollectResult | None = None
 
     @classmethod
-    def from_options(cls, o: SyncOptions) -> "UpdateMarket":
+    def from_options(cls, o: SyncOptions) -> UpdateMarket:
         """The market an algorithm's :class:`SyncOptions` describe."""
         return cls(o.sync, k=o.sync_k, percent=o.sync_percent, timeout=o.sync_timeout,
                    max_staleness=o.max_staleness, max_queue=o.max_queue)

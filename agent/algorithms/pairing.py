@@ -64,7 +64,8 @@ import copy
 import dataclasses
 import hashlib
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 

@@ -29,8 +29,9 @@ from __future__ import annotations
 import json
 import math
 from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 SOURCES = ("static", "mdns", "presence")
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +56,7 @@ class OnnxModel:
         self.input_shape: list[int] | None = json.loads(shape) if shape else None
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str], threads: int = 1) -> "OnnxModel":
+    def from_file(cls, path: str | os.PathLike[str], threads: int = 1) -> OnnxModel:
         try:
             return cls(Path(path).read_bytes(), threads)
         except OSError as exc:

@@ -47,7 +47,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -104,7 +105,7 @@ class CompressionSpec:
     def lossless(self) -> bool:
         return self.sparsifier is None and self.value == "fp32"
 
-    def value_only(self) -> "CompressionSpec":
+    def value_only(self) -> CompressionSpec:
         """The same spec without its sparsifier (for whole-model exchanges)."""
         return dataclasses.replace(self, sparsifier=None, k=0.0)
 
@@ -434,7 +435,7 @@ def compress_tensor(
     entry: dict[str, Any] = {"s": shape}
     if dtype != "float32":
         entry["d"] = dtype
-    if a.dtype.kind != "f" or not np.isfinite(a).all() or spec.lossless and spec.value == "fp32":
+    if a.dtype.kind != "f" or not np.isfinite(a).all() or (spec.lossless and spec.value == "fp32"):
         if dtype not in _LOSSLESS_DTYPES:
             raise CompressionError(f"dtype {dtype} cannot travel")
         data = np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes()
@@ -738,7 +739,7 @@ class CompressionPolicy:
     @classmethod
     def from_config(
         cls, default: str | None = "none", kinds: Mapping[str, str] | None = None, **kw: Any
-    ) -> "CompressionPolicy":
+    ) -> CompressionPolicy:
         """Build from spec strings. Raises :class:`CompressionError` naming the bad spec."""
         return cls(parse_spec(default), {k: parse_spec(v) for k, v in (kinds or {}).items()}, **kw)
 

@@ -19,7 +19,7 @@ p the teacher; temperature τ with KL × τ²; Adam with a fresh optimizer state
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch

@@ -36,7 +36,8 @@ message (``bench/compression/steps.py``).
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Mapping
+from collections.abc import Hashable, Mapping
+from typing import Any
 
 import numpy as np
 

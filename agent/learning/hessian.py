@@ -22,7 +22,7 @@ Pure functions: no I/O, no global state, no randomness.
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch

@@ -14,7 +14,7 @@ each model exactly the gradient of its own L_n.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

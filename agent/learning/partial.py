@@ -16,7 +16,7 @@ with equal client weights d_n = 1/|P|; each participant then gets its slice back
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 

@@ -24,7 +24,7 @@ Shapes: K models, each tensor of any shape; the result has the shapes of the inp
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 

@@ -34,7 +34,7 @@ class AlphaState:
         return dataclasses.asdict(self)
 
     @staticmethod
-    def from_meta(meta: Any) -> "AlphaState":
+    def from_meta(meta: Any) -> AlphaState:
         """Parse the token's schedule state.
 
         Raises:

@@ -6,7 +6,7 @@ Losses are batch means (ALGORITHMS.md conventions).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

@@ -12,7 +12,7 @@ means and teachers are detached (ALGORITHMS.md conventions).
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch

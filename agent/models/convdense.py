@@ -23,7 +23,8 @@ which is what FedD2S's layer dropping needs: H_l = output of layer l (1-based),
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn

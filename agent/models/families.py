@@ -19,7 +19,8 @@ deeper H2 members are cut to 3 layers there.  Models are spread evenly over node
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from dfl_agent.models import validate_spec
 

@@ -33,7 +33,8 @@ Input ``(B, *input_shape)`` (or ``(B, prod(input_shape))``) -> logits ``(B, num_
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn

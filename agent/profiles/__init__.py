@@ -11,13 +11,19 @@ Nothing here imports torch at module level.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from dfl_agent.profiles.behaviour import Behaviour, peer_incompatibility, resolve_device, select_behaviour
 from dfl_agent.profiles.detect import Detection, Facts, NoProfileMatches, collect_facts, detect
 from dfl_agent.profiles.gating import ResourceGate
 from dfl_agent.profiles.model import (
-    DeviceProfile, ProfileError, get_profile, list_profiles, profile_from_dict, with_overrides,
+    DeviceProfile,
+    ProfileError,
+    get_profile,
+    list_profiles,
+    profile_from_dict,
+    with_overrides,
 )
 
 AUTO = "auto"

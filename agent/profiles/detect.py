@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import platform
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from dfl_agent.profiles.model import DeviceProfile, list_profiles
 

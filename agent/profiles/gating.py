@@ -17,7 +17,8 @@ zone) never gates.
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from dfl_agent.profiles.detect import sensor_readings
 from dfl_agent.profiles.model import LimitsSection

@@ -17,9 +17,11 @@ import dataclasses
 import os
 import re
 import sys
+import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Union
+from typing import Any, Union
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -64,14 +66,14 @@ class MatchSection:
     """
 
     auto: bool = True
-    arch: Union[list[str], None] = None
-    device_tree_model: Union[list[str], None] = None
-    tegra: Union[bool, None] = None
-    tegra_release: Union[list[str], None] = None
-    cuda: Union[bool, None] = None
-    min_cuda_memory_mb: Union[int, None] = None
-    min_memory_mb: Union[int, None] = None
-    torch: Union[bool, None] = None
+    arch: list[str] | None = None
+    device_tree_model: list[str] | None = None
+    tegra: bool | None = None
+    tegra_release: list[str] | None = None
+    cuda: bool | None = None
+    min_cuda_memory_mb: int | None = None
+    min_memory_mb: int | None = None
+    torch: bool | None = None
     priority: int = 0
 
 
@@ -189,10 +191,10 @@ class DeviceProfile:
 # -- validation -------------------------------------------------------------------------
 def _check(value: Any, typ: Any, key: str) -> Any:
     origin = typing.get_origin(typ)
-    if origin is Union:
+    if origin in (Union, types.UnionType):
         if value is None:
             return None
-        return _check(value, [a for a in typing.get_args(typ) if a is not type(None)][0], key)
+        return _check(value, next(a for a in typing.get_args(typ) if a is not type(None)), key)
     if dataclasses.is_dataclass(typ):
         if not isinstance(value, Mapping):
             raise ProfileError(f"{key}: must be a table")

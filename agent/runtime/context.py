@@ -14,7 +14,8 @@ import collections
 import dataclasses
 import functools
 import logging
-from typing import Any, Awaitable, Callable, Mapping, TypeVar
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 

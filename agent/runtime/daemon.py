@@ -358,7 +358,7 @@ class Agent:
         return (f"{st.get('state', 'starting')}: round {st.get('round', 0)}/{st.get('rounds', 0)}, "
                 f"role {st.get('role', 'peer')}, {len(st.get('live_peers', []))} peers")
 
-    def _start_systemd(self) -> "asyncio.Task[None] | None":
+    def _start_systemd(self) -> asyncio.Task[None] | None:
         """READY=1 with a STATUS, then WATCHDOG pings from the event loop."""
         from dfl_agent.runtime.systemd import watchdog_loop
 
@@ -709,7 +709,7 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
             run_stop = asyncio.Event()
             cancelled = False
 
-            async def watch(run_id: str = d.run_id) -> None:
+            async def watch(run_id: str = d.run_id, run_stop: asyncio.Event = run_stop) -> None:
                 nonlocal cancelled
                 while not run_stop.is_set():
                     cur = lobby.run(run_id)

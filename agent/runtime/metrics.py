@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

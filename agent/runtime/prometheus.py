@@ -18,7 +18,8 @@ consistent view.  Metrics (all labelled by nothing but what is listed):
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class PrometheusExporter:
         self.port, self.address = port, address
         self._server: Any = None
 
-    def start(self) -> "PrometheusExporter":
+    def start(self) -> PrometheusExporter:
         from prometheus_client import start_http_server
 
         result = start_http_server(self.port, addr=self.address, registry=self.registry)

@@ -35,8 +35,9 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 log = logging.getLogger("dfl_agent.runs")
 
@@ -128,7 +129,7 @@ class RunDescriptor:
         return d
 
     @classmethod
-    def from_dict(cls, raw: Any) -> "RunDescriptor":
+    def from_dict(cls, raw: Any) -> RunDescriptor:
         """Parse and validate a descriptor dict.
 
         Raises:
@@ -200,7 +201,7 @@ def period_index(now: float, every_s: float, epoch: float = 0.0) -> int:
     return int((now - epoch) // every_s)
 
 
-def next_recurring(ledger: "RunLedger", default_id: str, every_s: float, now: float,
+def next_recurring(ledger: RunLedger, default_id: str, every_s: float, now: float,
                    running: str | None = None) -> str | None:
     """The repeat of a recurring default run that is due at ``now``, or None.
 

@@ -24,9 +24,9 @@ from dfl_agent.learning.compression import CompressionPolicy
 from dfl_agent.learning.training import TrainConfig
 from dfl_agent.models import default_spec, spec_hash, validate_spec
 from dfl_agent.models.families import family_specs
+from dfl_agent.profiles import peer_incompatibility
 from dfl_agent.runtime import metrics
 from dfl_agent.runtime.context import RuntimeContext
-from dfl_agent.profiles import peer_incompatibility
 from dfl_agent.runtime.node import Node, init_seed_for
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 

@@ -20,7 +20,7 @@ import logging
 import os
 import socket
 import sys
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import abc
 import collections
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 #: Called for every complete frame received: ``on_frame(frame, wire_bytes)``.
 #: ``wire_bytes`` counts what the frame occupied on the wire (chunk headers included).

@@ -40,8 +40,8 @@ import hashlib
 import os
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 #: First bytes of every chunk.
 CHUNK_MAGIC = b"DFC"

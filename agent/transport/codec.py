@@ -26,14 +26,15 @@ section is [index bytes][lo, step float32 per block (q only)][values].
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from dfl_agent.learning.compression import (
     DEFAULT_MAX_ELEMENTS,
-    CompressionError,
     WIRE_BLOB,
+    CompressionError,
     CompressionSpec,
     compress_dict,
     decompress_dict,

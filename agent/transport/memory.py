@@ -26,7 +26,7 @@ class SimulationDeadlock(RuntimeError):
 
 
 class _VirtualSelector(selectors.SelectSelector):
-    def __init__(self, loop: "VirtualTimeLoop"):
+    def __init__(self, loop: VirtualTimeLoop):
         super().__init__()
         self._vloop = loop
 
@@ -78,7 +78,7 @@ class MemoryNetwork:
         self.latency = latency
         self._nodes: dict[str, MemoryTransport] = {}
 
-    def transport(self, node_id: str, federation: str, descriptor: dict[str, Any] | None = None) -> "MemoryTransport":
+    def transport(self, node_id: str, federation: str, descriptor: dict[str, Any] | None = None) -> MemoryTransport:
         """Create the transport of ``node_id`` (not yet started).
 
         Raises:

@@ -61,7 +61,6 @@ def run(setting: str, spec: str, ef: bool, gamma: float, seed: int, rounds: int 
     """One simulator run (skipped when its file exists); returns the saved record."""
     from dfl_agent.learning.training import TrainConfig
     from dfl_agent.runtime.simulator import SimConfig, simulate
-
     from dfl_agent.transport import wire
 
     # these runs started before envelope headers were zstd-compressed: keep plain JSON

@@ -25,13 +25,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import time
 import types
 from pathlib import Path
 from typing import Any
-
-import math
 
 import numpy as np
 import torch

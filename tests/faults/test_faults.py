@@ -10,8 +10,8 @@ runs and their report are in bench/faults/).
 
 import pytest
 
-from tests.system.conftest import needs_mosquitto
 from dfl_agent.cli.chaos import ChaosOptions, netns_available, run_chaos
+from tests.system.conftest import needs_mosquitto
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(400)]
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from dfl_agent.runtime.config import config_from_dict
-from dfl_agent.runtime.daemon import Agent
 from dfl_agent.cli.broker import BrokerHandle, free_port, mosquitto_path
 from dfl_agent.cli.dflctl import peer_rows
 from dfl_agent.cli.observer import Observer
+from dfl_agent.runtime.config import config_from_dict
+from dfl_agent.runtime.daemon import Agent
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow,
               pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed")]
@@ -89,7 +89,7 @@ def test_agents_on_two_bridged_brokers_learn_together(tmp_path, mosquitto_broker
         site_b.stop()
     # both sites saw both nodes online, each with its own site's broker as its address
     assert set(online) == {site_a.endpoint, site_b.endpoint}
-    for endpoint, rows in online.items():
+    for rows in online.values():
         by_id = {r["node_id"]: r for r in rows}
         assert by_id["alpha"]["address"] == site_a.endpoint and by_id["bravo"]["address"] == site_b.endpoint
     for a in agents:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 from zeroconf import IPVersion

@@ -14,8 +14,8 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 
-from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.cli.broker import free_port
+from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.transport.chunking import CHUNK_MAGIC, HEADER_LEN, split
 from dfl_agent.transport.mqtt import MqttTransport, topic
 
@@ -46,7 +46,7 @@ class Node:
         self.heartbeats: list[tuple[str, dict]] = []
         transport.on_heartbeat = lambda nid, st: self.heartbeats.append((nid, st))
 
-    async def start(self) -> "Node":
+    async def start(self) -> Node:
         await self.t.start(lambda f, w: self.frames.append((f, w)),
                            lambda nid, d: self.presence.append((nid, d)))
         return self

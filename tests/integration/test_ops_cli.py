@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from dfl_agent.runtime.config import config_from_dict, dump_toml
-from dfl_agent.cli.dflctl import main as dflctl, peer_rows, status_rows
 from dfl_agent.cli.cli_ops import default_exec
+from dfl_agent.cli.dflctl import main as dflctl
+from dfl_agent.cli.dflctl import peer_rows, status_rows
+from dfl_agent.runtime.config import config_from_dict, dump_toml
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 
 from dfl_agent.runtime.config import (
-    AlgorithmSection, DataSection, DiscoverySection, ModelSection, MqttSection, NodeConfig, RuntimeSection,
+    AlgorithmSection,
+    DataSection,
+    DiscoverySection,
+    ModelSection,
+    MqttSection,
+    NodeConfig,
+    RuntimeSection,
     TrainingSection,
 )
 from dfl_agent.runtime.daemon import Agent

@@ -15,7 +15,13 @@ from dfl_agent.cli.cli_runs import publish_retained
 from dfl_agent.cli.observer import Observer
 from dfl_agent.runtime.config import config_from_dict
 from dfl_agent.runtime.runs import (
-    RunDescriptor, RunLedger, RunLobby, RunVerifier, operator_certificate, run_topic, sign_descriptor,
+    RunDescriptor,
+    RunLedger,
+    RunLobby,
+    RunVerifier,
+    operator_certificate,
+    run_topic,
+    sign_descriptor,
 )
 from dfl_agent.security.keys import public_key_b64
 

@@ -36,7 +36,7 @@ class NotifySocket:
         while not self._stop:
             try:
                 data = self.sock.recv(4096)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return

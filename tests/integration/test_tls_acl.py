@@ -20,10 +20,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.cli.broker import free_port, mosquitto_path
-from dfl_agent.transport.mqtt import MqttTransport
 from dfl_agent.cli.cli_security import add_mosquitto_password
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.transport.mqtt import MqttTransport
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 ACL = Path(__file__).resolve().parents[2] / "deploy" / "mosquitto" / "dfl.acl"

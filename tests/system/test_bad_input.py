@@ -1,7 +1,6 @@
 """Garbage, truncated, oversized and wrong-federation payloads published to a running
 agent's inbox are rejected and counted; the agent keeps running and finishes."""
 
-import json
 import subprocess
 import sys
 import time
@@ -11,11 +10,11 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from dfl_agent.algorithms.context import Message
+from dfl_agent.cli.broker import start_broker
+from dfl_agent.cli.observer import Observer
 from dfl_agent.runtime.config import config_from_dict, dump_toml
 from dfl_agent.transport import wire
-from dfl_agent.cli.broker import start_broker
 from tests.system.conftest import needs_mosquitto
-from dfl_agent.cli.observer import Observer
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

@@ -21,12 +21,13 @@ import time
 
 import pytest
 
+from dfl_agent.cli.broker import start_broker
+from dfl_agent.cli.dflctl import main as dflctl
+from dfl_agent.cli.dflctl import peer_rows
+from dfl_agent.cli.observer import Observer
 from dfl_agent.runtime.checkpoint import CheckpointStore
 from dfl_agent.runtime.config import config_from_dict, dump_toml
-from dfl_agent.cli.broker import start_broker
 from tests.system.conftest import needs_mosquitto
-from dfl_agent.cli.dflctl import main as dflctl, peer_rows
-from dfl_agent.cli.observer import Observer
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

@@ -8,19 +8,18 @@ import sys
 import threading
 import time
 
-import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.algorithms.context import Message
+from dfl_agent.cli.broker import start_broker
+from dfl_agent.cli.observer import Observer
 from dfl_agent.runtime.config import config_from_dict, dump_toml
 from dfl_agent.security import SecurityGuard, TrustStore
 from dfl_agent.security.keys import enroll_local, public_key_b64
 from dfl_agent.transport import wire
-from dfl_agent.cli.broker import start_broker
 from tests.system.conftest import needs_mosquitto
-from dfl_agent.cli.observer import Observer
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 ROUNDS = 5

@@ -18,12 +18,12 @@ from dfl_agent.data import (
     PARTITIONS,
     Dataset,
     DatasetBundle,
+    har,
     load_dataset,
     make_node_data,
     node_data_for,
     partition,
 )
-from dfl_agent.data import har
 from dfl_agent.data.cache import read_npz
 from dfl_agent.data.idx import read_idx
 
@@ -355,7 +355,7 @@ def test_digits() -> None:
     b = load_dataset("digits")
     assert b.pool.x.shape[1:] == (1, 8, 8) and b.pool.x.dtype == np.float32
     assert len(b.pool) + len(b.test) == 1797 and len(b.test) == 359
-    assert 0.0 <= b.pool.x.min() and b.pool.x.max() <= 1.0
+    assert b.pool.x.min() >= 0.0 and b.pool.x.max() <= 1.0
     assert (b.pool.groups == -1).all() and b.pool.num_classes == 10
     again = load_dataset("digits")
     assert np.array_equal(again.test.x, b.test.x)

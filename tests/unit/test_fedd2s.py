@@ -8,6 +8,7 @@ import torch
 
 from dfl_agent.algorithms.base import get_algorithm, parse_options
 from dfl_agent.algorithms.fedd2s import FedD2SOptions, draw_round, resolve_l_min
+from dfl_agent.algorithms.fedd2s_reference import run_reference
 from dfl_agent.algorithms.fedper import personal_keys
 from dfl_agent.data import NodeData
 from dfl_agent.discovery.peers import PeerTable
@@ -17,7 +18,6 @@ from dfl_agent.learning.training import TrainConfig
 from dfl_agent.models import SpecError, build_model, validate_spec
 from dfl_agent.runtime import metrics
 from dfl_agent.runtime.context import RuntimeContext
-from dfl_agent.algorithms.fedd2s_reference import run_reference
 from dfl_agent.runtime.node import Node
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 

@@ -17,10 +17,9 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.algorithms.context import Message
 from dfl_agent.security import REJECT_REASONS, SecurityGuard, TrustStore

@@ -276,7 +276,7 @@ def test_silent_voter_is_dropped_after_the_deadline():
     end = _run(net, algs, 4, running=[0, 1])
     assert end == pytest.approx(5.0)
     for a in algs[:2]:
-        assert a.dropped == {"a2"} and a.status()["group"] == [a.ctx.node_id == "a0" and "a1" or "a0"]
+        assert a.dropped == {"a2"} and a.status()["group"] == [(a.ctx.node_id == "a0" and "a1") or "a0"]
     _same_models(algs[:2])
 
 

@@ -11,8 +11,16 @@ import numpy as np
 import pytest
 
 from dfl_agent.profiles import (
-    ProfileError, ResourceGate, collect_facts, detect, get_profile, list_profiles, peer_incompatibility,
-    resolve_device, select_behaviour, with_overrides,
+    ProfileError,
+    ResourceGate,
+    collect_facts,
+    detect,
+    get_profile,
+    list_profiles,
+    peer_incompatibility,
+    resolve_device,
+    select_behaviour,
+    with_overrides,
 )
 from dfl_agent.profiles.detect import Facts
 from dfl_agent.profiles.gating import in_windows

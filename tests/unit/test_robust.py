@@ -6,7 +6,11 @@ import pytest
 
 from dfl_agent.algorithms.base import get_algorithm, parse_options
 from dfl_agent.learning.robust import (
-    clip_updates, coordinate_median, deviation_norm, robust_aggregate, trimmed_mean,
+    clip_updates,
+    coordinate_median,
+    deviation_norm,
+    robust_aggregate,
+    trimmed_mean,
 )
 from dfl_agent.learning.training import TrainConfig
 from dfl_agent.runtime.simulator import SimConfig, simulate

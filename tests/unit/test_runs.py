@@ -8,8 +8,17 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.runtime.config import config_from_dict
 from dfl_agent.runtime.runs import (
-    RunDescriptor, RunLedger, RunQueue, RunVerifier, admit, default_descriptor, next_recurring, operator_certificate,
-    parse_duration, recurring_run_id, sign_descriptor,
+    RunDescriptor,
+    RunLedger,
+    RunQueue,
+    RunVerifier,
+    admit,
+    default_descriptor,
+    next_recurring,
+    operator_certificate,
+    parse_duration,
+    recurring_run_id,
+    sign_descriptor,
 )
 from dfl_agent.security.keys import issue_certificate, public_key_b64
 

@@ -11,7 +11,10 @@ from dfl_agent.algorithms.context import Message
 from dfl_agent.runtime.config import ConfigError, config_from_dict
 from dfl_agent.security import SecurityError, SecurityGuard, TrustStore
 from dfl_agent.security.keys import (
-    issue_certificate, load_or_create_key, public_key_b64, verify_certificate,
+    issue_certificate,
+    load_or_create_key,
+    public_key_b64,
+    verify_certificate,
 )
 from dfl_agent.transport import wire
 
