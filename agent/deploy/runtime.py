@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from dfl_agent.deploy.versions import ModelStore
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,9 @@ def model_files(model: Any, spec: dict[str, Any], input_shape: Sequence[int], cl
 def load_torch(folder: str | Path) -> Any:
     """The torch model of a version (or candidate) folder: spec.json + model.safetensors."""
     import torch
-    from dfl_agent.models import build_model
     from safetensors.numpy import load_file
+
+    from dfl_agent.models import build_model
 
     f = Path(folder)
     meta = json.loads((f / "spec.json").read_text(encoding="utf-8"))

@@ -13,8 +13,9 @@ import re
 import sys
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Union
+from typing import Any, Union
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,9 +34,9 @@ class AlgorithmSection:
     name: str = "fedavg"
     rounds: int = 20
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    neighbours: Union[list[str], None] = None
+    neighbours: list[str] | None = None
     #: recurrence of the default run, a duration such as "6h" (None: runs once)
-    every: Union[str, None] = None
+    every: str | None = None
 
 
 @dataclasses.dataclass
@@ -47,12 +48,12 @@ class TrainingSection:
 
     epochs: int = 1
     steps: int = 0
-    batch_size: Union[int, None] = None
+    batch_size: int | None = None
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
-    device: Union[str, None] = None
-    threads: Union[int, None] = None
+    device: str | None = None
+    threads: int | None = None
 
 
 @dataclasses.dataclass
@@ -60,21 +61,21 @@ class DataSection:
     """``[data]``: where this node's data comes from."""
 
     dataset: str = "har"
-    path: Union[str, None] = None
+    path: str | None = None
     partition: str = "by-user"
     num_nodes: int = 1
     node_index: int = 0
     beta: float = 0.5
     zeta: int = 2
-    cache_dir: Union[str, None] = None
+    cache_dir: str | None = None
     # -- the on-device sample store (dataset = "store"; dfl_agent.store)
-    input_shape: Union[list[int], None] = None  # one sample's shape (else meta.json in data.path)
-    num_classes: Union[int, None] = None
-    class_names: Union[list[str], None] = None
-    spool_dir: Union[str, None] = None  # default state_dir/spool
+    input_shape: list[int] | None = None  # one sample's shape (else meta.json in data.path)
+    num_classes: int | None = None
+    class_names: list[str] | None = None
+    spool_dir: str | None = None  # default state_dir/spool
     spool_interval: float = 5.0  # seconds between spool passes while the agent runs
     store_max_samples: int = 100_000
-    store_max_age: Union[str, None] = "30d"  # "30d", "12h", ... or "none"
+    store_max_age: str | None = "30d"  # "30d", "12h", ... or "none"
     store_max_per_class: int = 0  # 0 = no per-class cap
     store_eviction: str = "oldest"  # or "largest-class"
     validation_share: float = 0.2  # held out by a hash of the sample id
@@ -85,8 +86,8 @@ class ModelSection:
     """``[model]``: a size tier of the dataset's default model, or an explicit spec
     (``size`` unset: from the device profile and the decision table)."""
 
-    size: Union[str, None] = None
-    spec: Union[dict[str, Any], None] = None
+    size: str | None = None
+    spec: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass
@@ -99,13 +100,13 @@ class MqttSection:
     max_frame_bytes: int = 64 * 1024 * 1024
     keepalive: int = 10
     heartbeat_interval: float = 5.0
-    username: Union[str, None] = None
-    password: Union[str, None] = None
+    username: str | None = None
+    password: str | None = None
     bridged: bool = False  # operations: site brokers joined by bridging; talk to the home broker only
     # -- security: TLS (server verified against tls_ca; optional client certificate)
-    tls_ca: Union[str, None] = None
-    tls_cert: Union[str, None] = None
-    tls_key: Union[str, None] = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
     max_transfers: int = 64
 
 
@@ -126,7 +127,7 @@ class RuntimeSection:
     """``[runtime]``: reporting and baselines."""
 
     baseline_local: bool = False
-    metrics_file: Union[str, None] = None
+    metrics_file: str | None = None
     log_level: str = "info"
     init: str = "common"
     # -- operations (issue 10) --
@@ -175,9 +176,9 @@ class SecuritySection:
     """``[security]``: node key, federation trust and replay protection (see README "Security")."""
 
     require_signatures: bool = False
-    key_file: Union[str, None] = None
-    certificate: Union[str, None] = None
-    federation_key: Union[str, None] = None
+    key_file: str | None = None
+    certificate: str | None = None
+    federation_key: str | None = None
     trusted_keys: dict[str, Any] = dataclasses.field(default_factory=dict)
     replay_window: float = 300.0
     max_queued_per_sender: int = 16
@@ -198,7 +199,7 @@ class NodeConfig:
     """The whole node configuration (top-level keys + sections)."""
 
     federation: str = "default"
-    node_id: Union[str, None] = None
+    node_id: str | None = None
     state_dir: str = "/var/lib/dfl-agent"
     seed: int = 0
     profile: str = "generic-x86"
@@ -290,7 +291,7 @@ def _validate(cfg: NodeConfig) -> None:
     need(0 <= d.node_index < d.num_nodes, "data.node_index", f"must be in [0, data.num_nodes={d.num_nodes})")
     need(d.beta > 0, "data.beta", "must be > 0")
     need(d.zeta >= 1, "data.zeta", "must be >= 1")
-    need(d.dataset != "store" or d.path is not None or (d.input_shape is not None and bool(d.num_classes)
+    need(d.dataset != "store" or d.path is not None or ((d.input_shape is not None and bool(d.num_classes))
          or d.class_names is not None), "data.input_shape",
          "the store needs data.input_shape and data.num_classes (or data.path with a meta.json)")
     need(d.store_max_samples >= 1, "data.store_max_samples", "must be >= 1")

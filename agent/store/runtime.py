@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from dfl_agent.store.sqlite import (
     SampleStore,
     Schema,

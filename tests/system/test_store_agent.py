@@ -12,9 +12,9 @@ import time
 
 import numpy as np
 import pytest
+
 from dfl_agent.cli.broker import start_broker
 from dfl_agent.runtime.config import config_from_dict, dump_toml
-
 from tests.system.conftest import needs_mosquitto
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -49,6 +49,7 @@ def run_agent(path, log):
 @needs_mosquitto
 def test_two_runs_on_a_growing_store_deploy_one_version_each(tmp_path):
     import paho.mqtt.client as mqtt
+
     from dfl_agent.cli.dflctl import main as dflctl
     from dfl_agent.deploy import ModelStore, verify_folder
     from dfl_agent.deploy.runtime import verify_announcement

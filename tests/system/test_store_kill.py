@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+
 from dfl_agent.store import SampleStore, Schema
 
 pytestmark = pytest.mark.slow
