@@ -67,12 +67,23 @@ def cmd_list(a: argparse.Namespace) -> int:
 
 def cmd_show(a: argparse.Namespace) -> int:
     from dfl_agent.profiles import get_profile
+    from dfl_agent.profiles.behaviour import (
+        REFERENCE_MODEL_PARAMS,
+        algorithm_need_mb,
+        allowed_algorithms,
+        model_tier,
+        models_held,
+    )
 
     p = get_profile(a.name, a.profiles_dir)
     d = p.to_dict()
+    rule = allowed_algorithms(p)
+    d["algorithm_rule"] = {alg: {"listed": alg in p.behaviour.algorithms, "rule_allows": why is None,
+                                 "reason": why or ""} for alg, why in rule.items()}
     if a.json:
         print(json.dumps(d, indent=2))
         return 0
+    d.pop("algorithm_rule")
     for section, value in d.items():
         if isinstance(value, dict):
             print(f"[{section}]")
@@ -80,6 +91,17 @@ def cmd_show(a: argparse.Namespace) -> int:
                 print(f"  {k} = {json.dumps(v)}")
         else:
             print(f"{section} = {json.dumps(value)}")
+    print(f"algorithms (allowed when the default model fits {p.compute.memory_budget_mb} MiB counting every model "
+          "held at once, and the profile gives the roles needed):")
+    left = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip() for line in p.behaviour.left_out}
+    for alg, why in rule.items():
+        tier = model_tier(p, alg)
+        need = algorithm_need_mb(alg, REFERENCE_MODEL_PARAMS[tier])
+        if alg in p.behaviour.algorithms:
+            print(f"  {alg:11s} listed    ~{need:.1f} MiB ({models_held(alg):g} copies of the {tier} model)"
+                  + ("" if why is None else f"; the rule would leave it out: {why}"))
+        else:
+            print(f"  {alg:11s} left out  {left.get(alg) or why or 'not listed by the profile'}")
     return 0
 
 
@@ -96,7 +118,7 @@ def register(sub: Any) -> None:
     li = ps.add_parser("list", help="every profile")
     li.add_argument("--json", action="store_true", help="machine-readable output (schema_version 1)")
     li.set_defaults(func=cmd_list)
-    s = ps.add_parser("show", help="one profile's fields")
+    s = ps.add_parser("show", help="one profile's fields and which algorithms it allows, and why")
     s.add_argument("name", help="profile name (dflctl profile list) or a profile TOML file")
     s.add_argument("--json", action="store_true", help="machine-readable output (schema_version 1)")
     s.set_defaults(func=cmd_show)

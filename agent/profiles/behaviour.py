@@ -237,3 +237,95 @@ def profile_compression_policy(behaviour: Behaviour | None, algorithm: str, *, e
 
     policy = CompressionPolicy.from_config(behaviour.compression, error_feedback=error_feedback)
     return policy if policy.active else None
+
+
+# -- which algorithms a profile allows (the profile rule) --------------------------------
+#: Every registered algorithm (``dflctl algorithms``); tests check it equals the registry.
+KNOWN_ALGORITHMS = ("cfa", "combo", "dechetero", "dechw", "defkt", "dfedavg", "dfedprox", "dfml", "fedavg",
+                    "fedd2s", "fedper", "fedrolex", "fullavg", "gt", "heterofl", "local", "local-steps",
+                    "local_adam")
+
+#: Trainable parameters Φ of the default model (:func:`dfl_agent.models.default_spec`) of each
+#: size tier for HAR windows (3 × 128, 6 classes), the reference data set of the rule.
+#: tests/unit/test_profiles.py checks these against the built models.
+REFERENCE_MODEL_PARAMS = {"small": 3574, "medium": 13542, "large": 52678}
+
+#: Roles an algorithm needs a node to take.  ``receiver``: it holds neighbours' models
+#: (or a second model) while fusing them into its own.
+LOCAL_ONLY = frozenset({"local", "local_adam"})
+REQUIRED_ROLES: dict[str, tuple[str, ...]] = {
+    **{a: ("trainer",) for a in LOCAL_ONLY},
+    **{a: ("trainer", "sender") for a in ROTATING},
+    **{a: ("trainer", "sender", "receiver") for a in KNOWN_ALGORITHMS if a not in LOCAL_ONLY | ROTATING},
+}
+
+
+def models_held(algorithm: str, participants: int = 5) -> float:
+    """Copies of the model's parameter vector (float32) ``algorithm`` holds at once on one node.
+
+    Training one model costs 3 copies (weights, gradients, SGD momentum; Adam 4).  Gossip
+    algorithms add one copy per neighbour (``participants - 1``); DecHW a Hessian diagonal
+    per model too; Def-KT's receiver trains two models; a rotating round's aggregator holds
+    every participant's model with gradients and momentum, twice (:func:`aggregator_need_mb`).
+
+    Raises:
+        KeyError: unknown algorithm.
+    """
+    if algorithm not in KNOWN_ALGORITHMS:
+        raise KeyError(f"unknown algorithm {algorithm!r}")
+    neighbours = max(0, participants - 1)
+    if algorithm == "local_adam":
+        return 4.0
+    if algorithm == "local":
+        return 3.0
+    if algorithm in ROTATING:
+        return float(participants * 3 * 2)
+    if algorithm == "dechw":
+        return 3.0 + 1.0 + 2.0 * neighbours
+    if algorithm == "defkt":
+        return 2 * 3.0 + 1.0
+    return 3.0 + neighbours
+
+
+def model_tier(profile: DeviceProfile, algorithm: str) -> str:
+    """The size tier of ``algorithm``'s default model on ``profile`` (decision table)."""
+    return profile.model.size if algorithm in MIXES_ARCHITECTURES else "medium"
+
+
+def algorithm_need_mb(algorithm: str, model_params: int, participants: int = 5) -> float:
+    """Memory (MiB) ``algorithm`` needs: :func:`models_held` × Φ × 4 bytes + 64 MiB for
+    activations and the runtime."""
+    return models_held(algorithm, participants) * model_params * 4 / (1024 * 1024) + 64.0
+
+
+def algorithm_fit(profile: DeviceProfile, algorithm: str, *, model_params: int | None = None,
+                  participants: int = 5) -> str | None:
+    """Why ``profile`` cannot run ``algorithm`` (one line), or None when it can.
+
+    The rule: a profile allows an algorithm when the algorithm's default model for the
+    profile's tier (Φ from :data:`REFERENCE_MODEL_PARAMS` unless ``model_params``) fits
+    ``compute.memory_budget_mb``, counting every model it holds at once
+    (:func:`models_held`, ``participants`` models in a neighbourhood or rotating round),
+    and the profile gives every role in :data:`REQUIRED_ROLES`.
+
+    Raises:
+        KeyError: unknown algorithm.
+    """
+    if profile.inference_only:
+        return "inference-only: never trains"
+    tier = model_tier(profile, algorithm)
+    phi = model_params if model_params is not None else REFERENCE_MODEL_PARAMS[tier]
+    need = algorithm_need_mb(algorithm, phi, participants)
+    if need > profile.compute.memory_budget_mb:
+        return (f"needs ~{need:.0f} MiB ({models_held(algorithm, participants):g} copies of the {tier} model), "
+                f"budget {profile.compute.memory_budget_mb} MiB")
+    missing = [r for r in REQUIRED_ROLES[algorithm] if r not in profile.behaviour.roles]
+    if missing:
+        return (f"needs the role(s) {', '.join(missing)} (it holds neighbours' models); "
+                f"the profile gives {', '.join(profile.behaviour.roles)}")
+    return None
+
+
+def allowed_algorithms(profile: DeviceProfile, participants: int = 5) -> dict[str, str | None]:
+    """``{algorithm: None if allowed else the one-line reason}`` for every known algorithm."""
+    return {a: algorithm_fit(profile, a, participants=participants) for a in KNOWN_ALGORITHMS}

@@ -115,11 +115,15 @@ class BehaviourSection:
         roles: subset of :data:`ROLES`.
         compression: update compression spec, ``none`` or ``op[:arg](+op[:arg])*``
             (e.g. ``topk:0.01+q8``, grammar of :mod:`dfl_agent.learning.compression`).
+        left_out: one ``"algorithm: reason"`` line per known algorithm the profile does not
+            list (the reason the profile rule of :func:`dfl_agent.profiles.behaviour.algorithm_fit`
+            gives); shown by ``dflctl profile show``.
     """
 
     algorithms: list[str] = dataclasses.field(default_factory=lambda: ["dfml", "dechw", "defkt", "fedavg"])
     roles: list[str] = dataclasses.field(default_factory=lambda: ["trainer", "sender", "receiver", "aggregator"])
     compression: str = "none"
+    left_out: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -247,6 +251,9 @@ def validate(p: DeviceProfile) -> DeviceProfile:
     need("inference" not in b.roles or b.roles == ["inference"], "behaviour.roles",
          "'inference' cannot be combined with training roles")
     need(bool(b.algorithms) or b.roles == ["inference"], "behaviour.algorithms", "must list at least one algorithm")
+    for i, line in enumerate(b.left_out):
+        need(":" in line and bool(line.split(":", 1)[0].strip()), f"behaviour.left_out[{i}]",
+             f"must be 'algorithm: reason', got {line!r}")
     from dfl_agent.learning.compression import CompressionError, parse_spec
 
     try:

@@ -382,3 +382,61 @@ def test_sensor_gateway_sends_but_never_aggregates(tmp_path):
     assert sizes["node00"] != sizes["node01"]  # small (gateway) vs medium (x86)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert {r["aggregator"] for r in records} == {"node01"}
+
+
+# -- the profile rule: which algorithms each shipped profile allows ---------------------------
+def test_every_shipped_profile_lists_exactly_what_the_rule_allows():
+    from dfl_agent.profiles.behaviour import KNOWN_ALGORITHMS, allowed_algorithms
+
+    for prof in list_profiles():
+        rule = allowed_algorithms(prof)
+        allowed = {a for a, why in rule.items() if why is None}
+        assert set(prof.behaviour.algorithms) == allowed, prof.name
+        assert set(prof.behaviour.algorithms) <= set(KNOWN_ALGORITHMS), prof.name
+        if prof.inference_only:
+            continue
+        reasons = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip() for line in prof.behaviour.left_out}
+        assert set(reasons) == set(KNOWN_ALGORITHMS) - allowed, f"{prof.name}: one left_out line per algorithm left out"
+        assert all(reasons.values()), prof.name
+    # every training profile runs the local baseline; the big ones run all eighteen
+    assert set(get_profile("generic-x86").behaviour.algorithms) == set(KNOWN_ALGORITHMS)
+    assert set(get_profile("raspberry-pi-4").behaviour.algorithms) == set(KNOWN_ALGORITHMS)
+
+
+def test_profile_rule_counts_every_model_held_and_the_roles():
+    from dfl_agent.profiles.behaviour import algorithm_fit, algorithm_need_mb, models_held
+
+    pi = get_profile("raspberry-pi-4")
+    assert algorithm_fit(pi, "dfml") is None
+    # an aggregator holds its participants' models: a model that fits alone does not fit 5×6 times
+    phi = int((pi.compute.memory_budget_mb - 64) * 1024 * 1024 / 4 / 10)
+    assert algorithm_fit(pi, "local", model_params=phi) is None
+    why = algorithm_fit(pi, "dfml", model_params=phi)
+    assert why is not None and "MiB" in why and "budget 1024" in why
+    assert models_held("dechw") > models_held("fedavg") > models_held("local")
+    assert algorithm_need_mb("dfml", 1_000_000, participants=10) > algorithm_need_mb("dfml", 1_000_000, participants=5)
+    gw = get_profile("sensor-gateway")
+    assert "receiver" in (algorithm_fit(gw, "fedavg") or "")
+    assert algorithm_fit(gw, "heterofl") is None
+
+
+def test_known_algorithms_and_reference_params_match_the_code():
+    pytest.importorskip("torch")
+    from dfl_agent.algorithms.base import available
+    from dfl_agent.data.har import CHANNELS, CLASS_NAMES, WINDOW
+    from dfl_agent.models import build_model, count_trainable, default_spec
+    from dfl_agent.profiles.behaviour import KNOWN_ALGORITHMS, REFERENCE_MODEL_PARAMS
+
+    assert set(KNOWN_ALGORITHMS) == set(available())
+    for tier, phi in REFERENCE_MODEL_PARAMS.items():
+        spec = default_spec((len(CHANNELS), WINDOW), len(CLASS_NAMES), tier)
+        assert count_trainable(build_model(spec)) == phi, tier
+
+
+def test_profile_show_explains_the_algorithms(capsys):
+    from dfl_agent.cli.dflctl import main
+
+    assert main(["profile", "show", "sensor-gateway"]) == 0
+    out = capsys.readouterr().out
+    assert "fedavg" in out and "left out" in out and "receiver" in out
+    assert "heterofl" in out and "listed" in out
