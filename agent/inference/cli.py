@@ -77,8 +77,8 @@ async def _run(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``dfl-infer`` console script; returns the exit code."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dfl-infer`` argument parser (also walked by ``dfl_agent.cli.gen_reference``)."""
     from dfl_agent import __version__
     from dfl_agent.cli.output import HelpFormatter as fmt
 
@@ -101,7 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--label-column", action="store_true", help="CSV: the last column is the label")
     pr.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
     pr.add_argument("--json", action="store_true", help="one JSON document (schema_version 1)")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``dfl-infer`` console script; returns the exit code."""
+    a = build_parser().parse_args(argv)
     try:
         if a.cmd == "predict":
             return predict_command(a.model, a.windows, as_json=a.json, label_column=a.label_column, threads=a.threads)

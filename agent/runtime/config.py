@@ -1,7 +1,8 @@
 """The daemon's configuration: a TOML file validated once into typed dataclasses.
 
-Every key is documented in the README's configuration reference.  An unknown key, a
-value of the wrong type or out of range stops start-up with a :class:`ConfigError`
+Every key carries its description as field metadata (:func:`described`); the
+configuration reference is generated from them (``dfl_agent.cli.gen_reference``).
+An unknown key, a value of the wrong type or out of range stops start-up with a :class:`ConfigError`
 naming the key (``mqtt.chunk_size: must be >= 1024``).
 """
 
@@ -27,16 +28,38 @@ class ConfigError(ValueError):
     """Invalid configuration; the message starts with the offending key."""
 
 
+def described(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING,
+              default_text: str | None = None) -> Any:
+    """A configuration field with its description (``metadata["help"]``).
+
+    Every field of every section carries one; ``tests/unit/test_reference.py`` fails
+    otherwise, and ``dfl_agent.cli.gen_reference`` writes the configuration reference
+    from them.  ``default_text`` replaces the shown default where the literal default
+    is a placeholder (e.g. ``None`` meaning "from the device profile").
+    """
+    meta: dict[str, Any] = {"help": help}
+    if default_text is not None:
+        meta["default_text"] = default_text
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
 @dataclasses.dataclass
 class AlgorithmSection:
-    """``[algorithm]``: which algorithm this node runs and for how long."""
+    """``[algorithm]``: which algorithm this node runs and for how long (the node's default run)."""
 
-    name: str = "fedavg"
-    rounds: int = 20
-    options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    neighbours: list[str] | None = None
-    #: recurrence of the default run, a duration such as "6h" (None: runs once)
-    every: str | None = None
+    name: str = described("fedavg", help="the algorithm; `dflctl algorithms` lists them")
+    rounds: int = described(20, help="rounds to run")
+    options: dict[str, Any] = described(
+        default_factory=dict,
+        help="the algorithm's options (see the algorithm's page); an unknown option stops start-up")
+    neighbours: list[str] | None = described(
+        None, help="this node's neighbours in the communication graph (node ids); unset: every discovered peer",
+        default_text="every peer")
+    every: str | None = described(
+        None, help="recurrence of the default run, a duration such as `\"6h\"`; unset: the run happens once",
+        default_text="once")
 
 
 @dataclasses.dataclass
@@ -46,39 +69,50 @@ class TrainingSection:
     ``batch_size``, ``device`` and ``threads`` left unset (None) come from the device
     profile (``dfl_agent.profiles``); set here they override it."""
 
-    epochs: int = 1
-    steps: int = 0
-    batch_size: int | None = None
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    device: str | None = None
-    threads: int | None = None
+    epochs: int = described(1, help="local epochs per round")
+    steps: int = described(
+        0, help="when > 0, exactly this many mini-batch steps per round instead of `epochs` passes "
+                "(1: one SGD step per gossip round, CHOCO-SGD's setting, where sparsified gossip works)")
+    batch_size: int | None = described(None, help="mini-batch size", default_text="from the profile (32)")
+    lr: float = described(0.05, help="SGD learning rate (a fresh optimizer every round)")
+    momentum: float = described(0.9, help="SGD momentum, in [0, 1)")
+    weight_decay: float = described(0.0, help="SGD weight decay")
+    device: str | None = described(None, help="`cpu`, `auto` or `cuda[:N]`",
+                                         default_text="from the profile (`cpu`)")
+    threads: int | None = described(None, help="torch intra-op threads", default_text="from the profile (1)")
 
 
 @dataclasses.dataclass
 class DataSection:
     """``[data]``: where this node's data comes from."""
 
-    dataset: str = "har"
-    path: str | None = None
-    partition: str = "by-user"
-    num_nodes: int = 1
-    node_index: int = 0
-    beta: float = 0.5
-    zeta: int = 2
-    cache_dir: str | None = None
+    dataset: str = described(
+        "har", help="`har`, `digits`, `idx` (MNIST-format files in `data.path`), `npz` (a device directory)")
+    path: str | None = described(None, help="directory for `idx` / `npz`")
+    partition: str = described(
+        "by-user", help="`iid`, `dirichlet` (`data.beta`), `shards` (`data.zeta`), `by-user`")
+    num_nodes: int = described(1, help="number of shares the data set is partitioned into")
+    node_index: int = described(0, help="this node's share, in [0, `data.num_nodes`)")
+    beta: float = described(0.5, help="Dirichlet concentration of the `dirichlet` partition (label skew)")
+    zeta: int = described(2, help="classes (shards) per node of the `shards` partition")
+    cache_dir: str | None = described(None, help="where the converted HAR `.npz` is cached",
+                                            default_text="`$DFL_CACHE_DIR` or `~/.cache/dfl-agent`")
     # -- the on-device sample store (dataset = "store"; dfl_agent.store)
-    input_shape: list[int] | None = None  # one sample's shape (else meta.json in data.path)
-    num_classes: int | None = None
-    class_names: list[str] | None = None
-    spool_dir: str | None = None  # default state_dir/spool
-    spool_interval: float = 5.0  # seconds between spool passes while the agent runs
-    store_max_samples: int = 100_000
-    store_max_age: str | None = "30d"  # "30d", "12h", ... or "none"
-    store_max_per_class: int = 0  # 0 = no per-class cap
-    store_eviction: str = "oldest"  # or "largest-class"
-    validation_share: float = 0.2  # held out by a hash of the sample id
+    input_shape: list[int] | None = described(
+        None, help="store: one sample's shape", default_text="from `meta.json` in `data.path`")
+    num_classes: int | None = described(None, help="store: number of classes", default_text="from `meta.json`")
+    class_names: list[str] | None = described(None, help="store: class names, in label order",
+                                              default_text="from `meta.json`")
+    spool_dir: str | None = described(None, help="store: folder the agent ingests sample files from",
+                                      default_text="`state_dir/spool`")
+    spool_interval: float = described(5.0, help="store: seconds between spool passes while the agent runs")
+    store_max_samples: int = described(100_000, help="store: most samples kept")
+    store_max_age: str | None = described("30d", help="store: samples older than this are evicted (`\"30d\"`, "
+                                                      "`\"12h\"`, ... or `\"none\"`)")
+    store_max_per_class: int = described(0, help="store: most samples kept per class (0 = no per-class cap)")
+    store_eviction: str = described("oldest", help="store: which samples go first, `oldest` or `largest-class`")
+    validation_share: float = described(0.2, help="store: share of samples held out for validation, "
+                                                  "chosen by a hash of the sample id")
 
 
 @dataclasses.dataclass
@@ -86,63 +120,75 @@ class ModelSection:
     """``[model]``: a size tier of the dataset's default model, or an explicit spec
     (``size`` unset: from the device profile and the decision table)."""
 
-    size: str | None = None
-    spec: dict[str, Any] | None = None
+    size: str | None = described(
+        None, help="`small`, `medium`, `large`: the dataset's default model, scaled",
+        default_text="from the decision table")
+    spec: dict[str, Any] | None = described(
+        None, help="an explicit model spec, e.g. `{type = \"cnn1d\", in_channels = 3, length = 128, "
+                   "channels = [16, 32, 64], kernel = 5, num_classes = 6, norm = \"layer\"}`; "
+                   "DFML federations mix different specs")
 
 
 @dataclasses.dataclass
 class MqttSection:
     """``[mqtt]``: the home broker and message limits."""
 
-    broker: str = "127.0.0.1:1883"
-    protocol: str = "5"
-    chunk_size: int = 256 * 1024
-    max_frame_bytes: int = 64 * 1024 * 1024
-    keepalive: int = 10
-    heartbeat_interval: float = 5.0
-    username: str | None = None
-    password: str | None = None
-    bridged: bool = False  # operations: site brokers joined by bridging; talk to the home broker only
-    # -- security: TLS (server verified against tls_ca; optional client certificate)
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    max_transfers: int = 64
+    broker: str = described("127.0.0.1:1883", help="home broker `host:port` (IPv6: `[addr]:port`)")
+    protocol: str = described("5", help="MQTT protocol version, `5` or `3.1.1`")
+    chunk_size: int = described(256 * 1024, help="largest MQTT payload sent (bytes); larger frames are chunked")
+    max_frame_bytes: int = described(64 * 1024 * 1024,
+                                     help="larger incoming messages are dropped before allocation (bytes)")
+    keepalive: int = described(10, help="MQTT keepalive (s); the broker fires the last will after about 1.5× this")
+    heartbeat_interval: float = described(5.0, help="status republish period (s)")
+    username: str | None = described(None, help="broker user name")
+    password: str | None = described(None, help="broker password")
+    bridged: bool = described(
+        False, help="reach every peer through the home broker (site brokers joined by bridging)")
+    tls_ca: str | None = described(
+        None, help="CA certificate file: speak MQTT over TLS and verify the broker against it")
+    tls_cert: str | None = described(None, help="client certificate file (needs `mqtt.tls_ca` and `mqtt.tls_key`)")
+    tls_key: str | None = described(None, help="client certificate's private key file")
+    max_transfers: int = described(64, help="incomplete chunked transfers held per broker connection")
 
 
 @dataclasses.dataclass
 class DiscoverySection:
     """``[discovery]``: how peers are found and when the first round starts."""
 
-    mdns: bool = True
-    interfaces: list[str] = dataclasses.field(default_factory=lambda: ["127.0.0.1"])
-    static_peers: list[Any] = dataclasses.field(default_factory=list)
-    min_peers: int = 0
-    start_timeout: float = 60.0
-    heartbeat_timeout: float = 30.0
+    mdns: bool = described(True, help="advertise and browse `_dfl._tcp.local.`")
+    interfaces: list[str] = described(default_factory=lambda: ["127.0.0.1"],
+                                      help="interface addresses for mDNS (required when mdns is on)")
+    static_peers: list[Any] = described(
+        default_factory=list, help="`\"id\"`, `\"id@host:port\"` (its broker) or `{id = .., broker = ..}`")
+    min_peers: int = described(0, help="peers to wait for before round 1")
+    start_timeout: float = described(60.0, help="longest wait for `min_peers` (s); then it starts anyway")
+    heartbeat_timeout: float = described(30.0, help="a peer not heard from for this long (s) is not waited for")
 
 
 @dataclasses.dataclass
 class RuntimeSection:
-    """``[runtime]``: reporting and baselines."""
+    """``[runtime]``: reporting, checkpoints, logging and baselines."""
 
-    baseline_local: bool = False
-    metrics_file: str | None = None
-    log_level: str = "info"
-    init: str = "common"
-    # -- operations (issue 10) --
-    checkpoint: bool = True
-    checkpoint_keep: int = 2
-    log_format: str = "auto"
-    prometheus_port: int = 0
-    prometheus_address: str = "127.0.0.1"
-    rejoin: bool = True  # deprecated: accepted, always on (a restarted node rejoins at the federation's round)
-    pause_when_disconnected: bool = True
+    baseline_local: bool = described(False, help="also train a local-only copy and report its accuracy")
+    metrics_file: str | None = described(None, help="per-round metrics (JSON lines)",
+                                               default_text="`state_dir/metrics.jsonl`")
+    log_level: str = described("info", help="`debug`, `info`, `warning`, `error`")
+    init: str = described(
+        "common", help="`common`: every node starts from the same weights (seeded by `seed`); `independent`")
+    checkpoint: bool = described(True, help="write a checkpoint after every round and resume from it at start")
+    checkpoint_keep: int = described(2, help="checkpoints kept (≥ 2 keeps a fallback)")
+    log_format: str = described("auto", help="`auto` (journal priorities under journald), `text`, `journal`")
+    prometheus_port: int = described(0, help="Prometheus `/metrics` port (0 = off; needs the `metrics` extra)")
+    prometheus_address: str = described("127.0.0.1", help="address the Prometheus endpoint binds")
+    rejoin: bool = described(
+        True, help="deprecated and always on: a restarted node rejoins a running federation at its current round")
+    pause_when_disconnected: bool = described(
+        True, help="no training while the broker connection is down (instead of running rounds alone)")
 
 
 @dataclasses.dataclass
 class CompressionSection:
-    """``[compression]``: compression of this node's messages (issue 8; grammar in
+    """``[compression]``: compression of this node's messages (grammar in
     :mod:`dfl_agent.learning.compression`).
 
     ``spec`` applies to every kind (averaging gossip compresses CHOCO differences with
@@ -154,11 +200,17 @@ class CompressionSection:
     first message only for dense specs, every 100 messages for sparsified ones; < 0 = first only).
     """
 
-    spec: str = "none"
-    kinds: dict[str, str] = dataclasses.field(default_factory=dict)
-    error_feedback: bool = True
-    consensus_step: float = 0.0
-    keyframe_every: int = 0
+    spec: str = described(
+        "none", help="compression spec for every message kind, e.g. `q8`, `topk:0.01+q8` (gossip: CHOCO "
+                     "differences; whole-model exchanges: only its value and entropy coders)")
+    kinds: dict[str, str] = described(
+        default_factory=dict,
+        help="per message kind, a spec applied exactly as written, e.g. `{ \"gt.sync\" = \"topk:0.1+q8\" }`")
+    error_feedback: bool = described(True, help="keep residuals / CHOCO copies for sparsified streams")
+    consensus_step: float = described(0.0, help="CHOCO's consensus step γ (0 = automatic)")
+    keyframe_every: int = described(
+        0, help="gossip keyframe period in messages (0 = automatic: dense specs first message only, "
+                "sparsified every 100; < 0 = first message only)")
 
     def policy(self) -> Any:
         """The :class:`~dfl_agent.learning.compression.CompressionPolicy` (None when off)."""
@@ -173,47 +225,58 @@ class CompressionSection:
 
 @dataclasses.dataclass
 class SecuritySection:
-    """``[security]``: node key, federation trust and replay protection (see README "Security")."""
+    """``[security]``: node key, federation trust and replay protection."""
 
-    require_signatures: bool = False
-    key_file: str | None = None
-    certificate: str | None = None
-    federation_key: str | None = None
-    trusted_keys: dict[str, Any] = dataclasses.field(default_factory=dict)
-    replay_window: float = 300.0
-    max_queued_per_sender: int = 16
+    require_signatures: bool = described(
+        False, help="reject unsigned messages and unknown senders; members need trusted keys")
+    key_file: str | None = described(None, help="the node's Ed25519 key (created if missing)",
+                                           default_text="`state_dir/node_key.pem`")
+    certificate: str | None = described(None, help="this node's device certificate",
+                                              default_text="`state_dir/node_cert.json` if present")
+    federation_key: str | None = described(None, help="base64 public key that signs device certificates")
+    trusted_keys: dict[str, Any] = described(default_factory=dict,
+                                             help="pinned keys, `node_id = \"<base64 public key>\"`")
+    replay_window: float = described(300.0, help="largest accepted age, or clock skew, of a message (s)")
+    max_queued_per_sender: int = described(16, help="buffered messages per sender")
 
 
 @dataclasses.dataclass
 class DeploySection:
     """``[deploy]``: model delivery to the device's application (``state_dir/models``)."""
 
-    enabled: bool = True  # deploy after each run (only with data.dataset = "store")
-    tolerance: float = 0.01  # a candidate worse than the deployed model by more is not deployed
-    keep: int = 3  # versions kept under state_dir/models
-    min_validation: int = 20  # fewer validation samples: deploy only with --force or when none is deployed
+    enabled: bool = described(True, help="deploy after each run (only with `data.dataset = \"store\"`)")
+    tolerance: float = described(
+        0.01, help="a candidate worse than the deployed model by more than this (accuracy) is not deployed")
+    keep: int = described(3, help="model versions kept under `state_dir/models`")
+    min_validation: int = described(
+        20, help="with fewer validation samples, deploy only with `--force` or when no model is deployed")
 
 
 @dataclasses.dataclass
 class NodeConfig:
     """The whole node configuration (top-level keys + sections)."""
 
-    federation: str = "default"
-    node_id: str | None = None
-    state_dir: str = "/var/lib/dfl-agent"
-    seed: int = 0
-    profile: str = "generic-x86"
-    profile_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
-    algorithm: AlgorithmSection = dataclasses.field(default_factory=AlgorithmSection)
-    training: TrainingSection = dataclasses.field(default_factory=TrainingSection)
-    data: DataSection = dataclasses.field(default_factory=DataSection)
-    model: ModelSection = dataclasses.field(default_factory=ModelSection)
-    mqtt: MqttSection = dataclasses.field(default_factory=MqttSection)
-    discovery: DiscoverySection = dataclasses.field(default_factory=DiscoverySection)
-    runtime: RuntimeSection = dataclasses.field(default_factory=RuntimeSection)
-    compression: CompressionSection = dataclasses.field(default_factory=CompressionSection)
-    security: SecuritySection = dataclasses.field(default_factory=SecuritySection)
-    deploy: DeploySection = dataclasses.field(default_factory=DeploySection)
+    federation: str = described(
+        "default", help="federation id (`[A-Za-z0-9_.-]{1,64}`); messages of other federations are dropped")
+    node_id: str | None = described(
+        None, help="fixed node id; otherwise taken from (or created in) `state_dir/node_id`")
+    state_dir: str = described("/var/lib/dfl-agent", help="the node's persistent state: node id, keys, "
+                                                          "checkpoints, metrics")
+    seed: int = described(0, help="seeds the partition, the initial weights (see `runtime.init`) and every random choice")
+    profile: str = described("generic-x86", help="device profile, or `auto` to detect it (`dflctl profile list`)")
+    profile_overrides: dict[str, Any] = described(
+        default_factory=dict,
+        help="single profile fields, e.g. `{ limits = { min_battery_percent = 50 } }`")
+    algorithm: AlgorithmSection = described(default_factory=AlgorithmSection, help="`[algorithm]` section")
+    training: TrainingSection = described(default_factory=TrainingSection, help="`[training]` section")
+    data: DataSection = described(default_factory=DataSection, help="`[data]` section")
+    model: ModelSection = described(default_factory=ModelSection, help="`[model]` section")
+    mqtt: MqttSection = described(default_factory=MqttSection, help="`[mqtt]` section")
+    discovery: DiscoverySection = described(default_factory=DiscoverySection, help="`[discovery]` section")
+    runtime: RuntimeSection = described(default_factory=RuntimeSection, help="`[runtime]` section")
+    compression: CompressionSection = described(default_factory=CompressionSection, help="`[compression]` section")
+    security: SecuritySection = described(default_factory=SecuritySection, help="`[security]` section")
+    deploy: DeploySection = described(default_factory=DeploySection, help="`[deploy]` section")
 
 
 def _check_type(value: Any, typ: Any, key: str) -> Any:

@@ -778,8 +778,8 @@ def run_agent(cfg: NodeConfig, config_path: str | None = None, once: bool = True
     return asyncio.run(main())
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``dfl-agent`` console script."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dfl-agent`` argument parser (also walked by ``dfl_agent.cli.gen_reference``)."""
     p = argparse.ArgumentParser(prog="dfl-agent", description="Decentralized federated learning agent")
     p.add_argument("--version", action="version", version=f"dfl-agent {__version__} (wire v{WIRE_VERSION})")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -789,8 +789,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the configured [algorithm] run, then exit (demo, tests, batch jobs); "
                         "without it the agent serves until stopped and trains in runs")
     c = sub.add_parser("check-config", help="validate a configuration file and exit")
-    c.add_argument("--config", required=True)
-    args = p.parse_args(argv)
+    c.add_argument("--config", required=True, help="node configuration (TOML)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``dfl-agent`` console script."""
+    args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args.config)
     except ConfigError as exc:
