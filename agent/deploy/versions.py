@@ -218,7 +218,16 @@ class ModelStore:
         cur = self.current_version()
         for v in self.versions()[:-self.keep]:
             if v != cur:
-                shutil.rmtree(self.folder(v), ignore_errors=True)
+                self._remove(self.folder(v))
+
+    def _remove(self, folder: Path) -> None:
+        """Rename out of sight first (atomic), then delete: a kill never leaves half a version."""
+        gone = self.root / f".tmp-del-{folder.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(folder, gone)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(gone, ignore_errors=True)
 
     def stage_candidate(self, files: Mapping[str, bytes], info: Mapping[str, Any]) -> Path:
         """Keep a refused candidate in ``models/candidate`` (replacing an older one)."""
@@ -226,9 +235,7 @@ class ModelStore:
         tmp = self._write_folder(files, info)
         dest = self.root / "candidate"
         if dest.exists():
-            old = self.root / f".tmp-old-{uuid.uuid4().hex[:8]}"
-            os.rename(dest, old)
-            shutil.rmtree(old, ignore_errors=True)
+            self._remove(dest)
         os.rename(tmp, dest)
         _fsync_dir(self.root)
         return dest
@@ -248,7 +255,7 @@ class ModelStore:
         info = {k: v for k, v in manifest.items() if k not in ("files", "sha256", "onnx", "schema_version", "time")}
         info.update(forced=True, note=f"{manifest.get('note', '')}; {note}".strip("; "))
         version = self.install(files, info)
-        shutil.rmtree(cand, ignore_errors=True)
+        self._remove(cand)
         return version
 
     def rollback(self, to: int | None = None) -> int:
