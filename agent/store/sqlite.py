@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 DB_NAME = "samples.sqlite"
 MAX_FILE_BYTES = 512 * 1024 * 1024
+#: spool (and spool/rejected) mode: group-writable, setgid (files keep the agent's group)
+SPOOL_MODE = 0o2770
 
 
 class StoreError(ValueError):
@@ -259,6 +261,13 @@ class SampleStore:
         if not create and not self.path.exists():
             raise StoreError(f"no sample store at {self.path}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.path.parent, 0o700)  # the samples stay private to the agent
+        for folder in (self.spool_dir, self.rejected_dir):  # the application's group writes the spool
+            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                os.chmod(folder, SPOOL_MODE)
+            except PermissionError:  # a spool that someone else owns: leave its mode
+                pass
         self._lock = threading.Lock()
         self.db = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")

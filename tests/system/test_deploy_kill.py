@@ -8,7 +8,6 @@ loop.  Neither ever sees a partial or mismatched version."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess

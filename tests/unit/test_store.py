@@ -106,7 +106,7 @@ def test_file_renamed_in_while_still_being_written(tmp_path):
     truncated once it stops changing; never half-enters the store."""
     s = SampleStore(tmp_path, SCHEMA, settle_seconds=0.5)
     data = npz_bytes(**good(200))
-    s.spool_dir.mkdir(parents=True)
+    s.spool_dir.mkdir(parents=True, exist_ok=True)
     f = open(s.spool_dir / "early.npz", "wb")  # noqa: SIM115 - a writer that keeps it open
     f.write(data[: len(data) // 2])
     f.flush()
