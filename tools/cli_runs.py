@@ -151,6 +151,16 @@ def cmd_submit(a: argparse.Namespace) -> int:
             options[k] = json.loads(v)
         except ValueError:
             options[k] = v
+    training: dict[str, Any] = {}
+    for item in a.training or []:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            print(f"dflctl run submit: --training {item!r}: expected KEY=VALUE", file=sys.stderr)
+            return 2
+        try:
+            training[k] = json.loads(v)
+        except ValueError:
+            training[k] = v
     model: dict[str, Any] = {}
     if a.model_size:
         model["size"] = a.model_size
@@ -161,6 +171,7 @@ def cmd_submit(a: argparse.Namespace) -> int:
         d = RunDescriptor.from_dict({
             "run_id": a.run_id or new_run_id(fed, a.algorithm, now, secrets.token_hex(4)), "federation": fed,
             "algorithm": a.algorithm, "rounds": a.rounds, "name": a.name or "", "options": options, "model": model,
+            "training": training,
             "members": a.members.split(",") if a.members else "all", "min_members": a.min_members,
             "start_timeout": a.start_timeout, "submitter": name, "submitted_at": now, "seq": 1,
         })
@@ -227,6 +238,25 @@ def cmd_show(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_enroll_operator(a: argparse.Namespace) -> int:
+    from dfl_agent.cli.cli_security import _fed_key
+    from dfl_agent.runtime.runs import operator_certificate
+    from dfl_agent.security.keys import load_or_create_key, public_key_b64, save_certificate
+
+    try:
+        fed_key = _fed_key(Path(a.dir))
+    except (OSError, ValueError) as exc:
+        print(f"dflctl run enroll-operator: {exc}", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    key = load_or_create_key(out, str(out / "operator_key.pem"))
+    cert = operator_certificate(fed_key, a.federation, a.name, public_key_b64(key), valid_days=a.valid_days)
+    save_certificate(cert, out / "operator_cert.json")
+    print(f"operator {a.name}: key {out / 'operator_key.pem'}, certificate {out / 'operator_cert.json'}")
+    return 0
+
+
 def register(sub: Any) -> None:
     """Add ``dflctl run {submit,list,show,cancel}``."""
     r = sub.add_parser("run", help="submit, list, show and cancel runs of a federation")
@@ -249,6 +279,8 @@ def register(sub: Any) -> None:
     g = s.add_mutually_exclusive_group()
     g.add_argument("--model-size", choices=["small", "medium", "large"], help="model size tier for every member")
     g.add_argument("--models", metavar="FAMILY", help="model family (each member takes its profile's tier)")
+    s.add_argument("--training", action="append", metavar="K=V",
+                   help="training setting for this run, overriding node.toml's [training] (repeatable), e.g. steps=200")
     s.add_argument("--members", default=None, help="comma-separated node ids (default: all)")
     s.add_argument("--min-members", type=int, default=1, help="devices that must accept before it starts")
     s.add_argument("--start-timeout", type=float, default=600.0,
@@ -273,3 +305,11 @@ def register(sub: Any) -> None:
     c.add_argument("run", help="run id")
     c.add_argument("--operator-dir", default=None, help="folder with the operator's key and certificate")
     c.set_defaults(func=cmd_cancel)
+
+    e = rs.add_parser("enroll-operator", help="create an operator key and certificate (role operator)")
+    e.add_argument("name", help="operator name (shown as the submitter of runs)")
+    e.add_argument("--dir", required=True, help="folder holding the federation key (dflctl keys federation-init)")
+    e.add_argument("--federation", required=True, help="federation name")
+    e.add_argument("--out", required=True, help="folder to write operator_key.pem and operator_cert.json to")
+    e.add_argument("--valid-days", type=float, default=None, help="certificate lifetime in days (default: no expiry)")
+    e.set_defaults(func=cmd_enroll_operator)

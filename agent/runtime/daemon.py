@@ -461,8 +461,13 @@ class Agent:
         statuses = dict(self.ctx.transport.statuses)
         if self.run_desc is None:
             return statuses
-        rid = self.run_desc.run_id
-        return {n: s for n, s in statuses.items() if isinstance(s.get("run"), dict) and s["run"].get("id") == rid}
+        rid, out = self.run_desc.run_id, {}
+        for n, s in statuses.items():
+            r = s.get("run")
+            if isinstance(r, dict) and r.get("id") == rid:  # the run's view (an idle node's status too)
+                state = {"training": "running"}.get(r.get("state"), r.get("state"))
+                out[n] = {**s, "state": state, "round": r.get("round", 0)}
+        return out
 
     async def _wait_for_peers(self, stop: asyncio.Event) -> bool:
         """Wait until ``discovery.min_peers`` peers are live or ``start_timeout`` passes.

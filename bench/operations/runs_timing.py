@@ -1,0 +1,109 @@
+"""Run latency on always-on agents: time from ``dflctl run submit`` until every member
+trains, and from a run's last round until every member is idle.
+
+Starts mosquitto and ``--nodes`` signed ``dfl-agent run`` processes (no ``[algorithm]``
+section), waits until all are idle, then submits ``--runs`` fedavg runs one after the
+other with an operator key, polling the retained statuses every 50 ms.  Writes
+``runs_timing.json``.
+
+    nice -n 10 python bench/operations/runs_timing.py --out bench/operations
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from dfl_agent.cli.broker import start_broker
+from dfl_agent.cli.observer import Observer
+from dfl_agent.runtime.runs import operator_certificate
+from dfl_agent.security.keys import enroll_local, public_key_b64, save_certificate, save_private_key
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", type=int, default=3, help="agents")
+    p.add_argument("--runs", type=int, default=3, help="runs submitted one after the other")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per run")
+    p.add_argument("--out", default="bench/operations", help="folder for runs_timing.json")
+    a = p.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="dfl-runs-"))
+    fed, fed_key = "bench", Ed25519PrivateKey.generate()
+    ids = [f"b{i}" for i in range(a.nodes)]
+    op = tmp / "op"
+    op.mkdir()
+    key = Ed25519PrivateKey.generate()
+    save_private_key(key, op / "operator_key.pem")
+    save_certificate(operator_certificate(fed_key, fed, "bench", public_key_b64(key)), op / "operator_cert.json")
+    results = []
+    with start_broker("mosquitto") as broker:
+        procs = []
+        for i, nid in enumerate(ids):
+            enroll_local(fed_key, fed, nid, tmp / nid)
+            path = tmp / f"{nid}.toml"
+            path.write_text(
+                f'federation = "{fed}"\nnode_id = "{nid}"\nstate_dir = "{tmp / nid}"\n'
+                f'[data]\ndataset = "digits"\npartition = "iid"\nnum_nodes = {a.nodes}\nnode_index = {i}\n'
+                f'[model]\nsize = "small"\n[training]\nsteps = 5\n'
+                f'[mqtt]\nbroker = "{broker.endpoint}"\nheartbeat_interval = 1.0\n'
+                f'[discovery]\nmin_peers = {a.nodes - 1}\nmdns = false\n'
+                f'[security]\nrequire_signatures = true\nfederation_key = "{public_key_b64(fed_key)}"\n')
+            procs.append(subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config",
+                                           str(path)], stdout=open(tmp / f"{nid}.log", "w"),
+                                          stderr=subprocess.STDOUT))
+        obs = Observer(broker.endpoint, fed).start()
+
+        def runs_of(rid: str) -> dict:
+            st = obs.snapshot()[0]
+            return {n: st.get(n, {}).get("run") or {} for n in ids if (st.get(n, {}).get("run") or {}).get("id") == rid}
+
+        def wait(cond, timeout: float) -> float:
+            end = time.monotonic() + timeout
+            while time.monotonic() < end:
+                if cond():
+                    return time.monotonic()
+                time.sleep(0.05)
+            raise TimeoutError
+
+        wait(lambda: all(obs.snapshot()[0].get(n, {}).get("state") == "idle" for n in ids), 300)
+        for _ in range(a.runs):
+            t0 = time.monotonic()
+            rid = subprocess.run([sys.executable, "-m", "dfl_agent.cli.dflctl", "run", "submit", "--broker",
+                                  broker.endpoint, "--federation", fed, "--operator-dir", str(op), "--algorithm",
+                                  "fedavg", "--rounds", str(a.rounds)], capture_output=True, text=True,
+                                 check=True).stdout.strip()
+            t_train = wait(lambda: len(runs_of(rid)) == a.nodes
+                           and all(r.get("state") in ("training", "finished") for r in runs_of(rid).values()), 300)
+            t_last = wait(lambda: len(runs_of(rid)) == a.nodes
+                          and all(r.get("round") == a.rounds for r in runs_of(rid).values()), 300)
+            t_idle = wait(lambda: all(obs.snapshot()[0].get(n, {}).get("state") == "idle" for n in ids), 300)
+            results.append({"run_id": rid, "submit_to_all_training_s": round(t_train - t0, 2),
+                            "last_round_to_all_idle_s": round(t_idle - t_last, 2)})
+            print(results[-1], flush=True)
+        obs.stop()
+        for pr in procs:
+            pr.send_signal(signal.SIGTERM)
+        for pr in procs:
+            pr.wait(timeout=60)
+    tr = sorted(r["submit_to_all_training_s"] for r in results)
+    idl = sorted(r["last_round_to_all_idle_s"] for r in results)
+    res = {"command": "nice -n 10 python bench/operations/runs_timing.py " + " ".join(sys.argv[1:]),
+           "nodes": a.nodes, "rounds": a.rounds, "runs": results,
+           "median_submit_to_all_training_s": tr[len(tr) // 2], "median_last_round_to_all_idle_s": idl[len(idl) // 2]}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "runs_timing.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
