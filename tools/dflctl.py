@@ -62,6 +62,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         model_specs=None if a.models in FAMILY_NAMES else _model_specs(a.models),
         profiles=[p for p in (a.profiles or "").split(",") if p] or None,
         compression=a.compression, error_feedback=a.error_feedback,
+        samples_per_node=a.samples_per_node,
     )
     s = simulate(cfg)
     g, lo = s["global_accuracy"], s["local_accuracy"]
@@ -270,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dataset-path", default=None, help="directory for --dataset idx|npz")
     s.add_argument("--partition", default="by-user", choices=["iid", "dirichlet", "shards", "by-user"], help="how the data is split over nodes")
     s.add_argument("--beta", type=float, default=0.5, help="Dirichlet concentration (label skew)")
+    s.add_argument("--samples-per-node", type=int, default=0,
+                   help="give every node this many samples drawn from the whole pool independently of the "
+                        "other nodes (a sample may go to several nodes; replaces --partition; 0: partition)")
     s.add_argument("--zeta", type=int, default=2, help="shards (classes) per node")
     s.add_argument("--seed", type=int, default=0, help="random seed (data split, initialisation, sampling)")
     s.add_argument("--epochs", type=int, default=1, help="local epochs per round")

@@ -180,9 +180,14 @@ class RuntimeContext:
 
     def _on_frame(self, frame: bytes, wire_bytes: int) -> None:
         try:
-            msg = wire.decode(
-                frame, federation=self.federation, recipient=self.node_id, max_frame_bytes=self.max_frame_bytes
-            )
+            decode_once = getattr(frame, "decode_once", None)  # a shared broadcast (memory transport)
+            if decode_once is not None:
+                msg = decode_once(federation=self.federation, recipient=self.node_id,
+                                  max_frame_bytes=self.max_frame_bytes)
+            else:
+                msg = wire.decode(
+                    frame, federation=self.federation, recipient=self.node_id, max_frame_bytes=self.max_frame_bytes
+                )
         except wire.WireError as exc:
             self._drop(exc.reason, exc.detail)
             return

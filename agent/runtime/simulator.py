@@ -70,6 +70,10 @@ class SimConfig:
             ``compression_kinds`` per message kind, ``error_feedback`` (residuals /
             CHOCO copies; off only to compare) and CHOCO's ``consensus_step`` γ
             (0 = automatic) and ``keyframe_every``.
+        samples_per_node: when > 0, every node gets this many distinct pool samples,
+            drawn for each node independently of the others (with replacement across
+            nodes: a sample may go to several nodes), instead of ``partition``; for
+            growth figures with more nodes than the pool has samples per node.
     """
 
     algorithm: str = "fedavg"
@@ -103,12 +107,15 @@ class SimConfig:
     error_feedback: bool = True
     consensus_step: float = 0.0
     keyframe_every: int = 0
+    samples_per_node: int = 0
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {self.nodes}")
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+        if self.samples_per_node < 0:
+            raise ValueError(f"samples_per_node must be >= 0, got {self.samples_per_node}")
         if self.init not in ("common", "independent"):
             raise ValueError(f"init must be 'common' or 'independent', got {self.init!r}")
 
@@ -128,7 +135,10 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
     algo_cls = get_algorithm(cfg.algorithm)
     options = parse_options(algo_cls, cfg.options)
     bundle = load_dataset(cfg.dataset, path=cfg.dataset_path, cache_dir=cfg.cache_dir)
-    parts = partition(bundle.pool, cfg.nodes, cfg.partition, seed=cfg.seed, beta=cfg.beta, zeta=cfg.zeta)
+    if cfg.samples_per_node:
+        parts = sampled_parts(len(bundle.pool), cfg.nodes, cfg.samples_per_node, cfg.seed)
+    else:
+        parts = partition(bundle.pool, cfg.nodes, cfg.partition, seed=cfg.seed, beta=cfg.beta, zeta=cfg.zeta)
     spec = validate_spec(cfg.model_spec) if cfg.model_spec else default_spec(
         bundle.pool.input_shape, bundle.pool.num_classes, cfg.model_size
     )
@@ -240,6 +250,19 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         metrics.atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=float) + "\n")
         metrics.plot_accuracy(histories, out / "accuracy.png", title=f"{cfg.algorithm} on {cfg.dataset}, {cfg.nodes} nodes")
     return summary
+
+
+def sampled_parts(pool_size: int, nodes: int, k: int, seed: int) -> list[np.ndarray]:
+    """``nodes`` index arrays of ``k`` distinct positions in ``[0, pool_size)`` each, drawn
+    independently per node (with replacement across nodes), seeded by ``seed``.
+
+    Raises:
+        ValueError: ``k`` larger than the pool (a node cannot hold a sample twice).
+    """
+    if k > pool_size:
+        raise ValueError(f"samples_per_node {k} > pool size {pool_size}")
+    rng = np.random.default_rng([seed, 0x5A3])
+    return [np.sort(rng.choice(pool_size, size=k, replace=False)) for _ in range(nodes)]
 
 
 def _profile_behaviours(cfg: SimConfig) -> list[Any] | None:

@@ -15,10 +15,53 @@ and raises :class:`SimulationDeadlock`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import selectors
 from typing import Any
 
 from dfl_agent.transport.base import FrameHandler, PresenceHandler, Transport, TransportStats
+
+#: how many broadcast buffers and decodes the memory transport made (process-wide,
+#: for tests and benchmarks: one buffer and at most one decode per broadcast)
+SHARED_STATS = {"buffers": 0, "decodes": 0}
+
+
+class SharedFrame(bytes):
+    """A broadcast frame, stored once and shared read-only by all its receivers.
+
+    The first receiver that decodes it (:meth:`decode_once`) keeps the decoded
+    :class:`~dfl_agent.transport.wire.Message` on the frame; later receivers get a
+    shallow copy whose tensors are the same read-only numpy arrays.  Memory per
+    broadcast is then one frame plus one decoded model, whatever the number of
+    receivers (O(N x model) for N nodes instead of O(N^2 x model)).  The frame and its
+    decoded copy are freed when the last receiver has dropped its message.
+    """
+
+    def decode_once(self, *, federation: str, recipient: str, max_frame_bytes: int) -> Any:
+        """The decoded message for ``recipient`` (the same checks as ``wire.decode``).
+
+        Raises:
+            WireError: the frame failed a check (cached, raised for every receiver).
+        """
+        from dfl_agent.transport import wire
+
+        key = (federation, max_frame_bytes)
+        cached = self.__dict__.get("_decoded")
+        if cached is None or cached[0] != key:
+            try:
+                msg: Any = wire.decode(self, federation=federation, max_frame_bytes=max_frame_bytes)
+                for arr in msg.tensors.values():
+                    arr.setflags(write=False)  # shared by every receiver: nobody may write into it
+            except Exception as exc:  # noqa: BLE001 - cached and re-raised for every receiver
+                msg = exc
+            SHARED_STATS["decodes"] += 1
+            cached = self.__dict__["_decoded"] = (key, msg)
+        msg = cached[1]
+        if isinstance(msg, Exception):
+            raise msg
+        if msg.recipient not in (wire.BROADCAST, recipient):
+            raise wire.WireError("wrong_recipient", msg.recipient)
+        return dataclasses.replace(msg, tensors=dict(msg.tensors), meta=dict(msg.meta))
 
 
 class SimulationDeadlock(RuntimeError):
@@ -179,6 +222,9 @@ class MemoryTransport(Transport):
             return 0
         self.stats.bytes_sent += len(frame)
         self.stats.frames_sent += 1
+        if not isinstance(frame, SharedFrame):
+            frame = SharedFrame(frame)  # one buffer for every receiver
+            SHARED_STATS["buffers"] += 1
         for other in self.network.online():
             if other != self.node_id:
                 self.network._deliver(other, frame)

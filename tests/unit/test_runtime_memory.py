@@ -168,3 +168,35 @@ def test_virtual_deadlock_is_reported():
 
     with pytest.raises(SimulationDeadlock):
         run_virtual(main())
+
+
+def test_broadcast_is_one_shared_buffer_decoded_once():
+    """Memory O(N x model): each broadcast is stored as one buffer and decoded once; every
+    receiver gets the same read-only arrays (no per-receiver copy of the model)."""
+    from dfl_agent.transport.memory import SHARED_STATS
+
+    n, rounds = 5, 2
+    net, nodes = _federation(n)
+    before = dict(SHARED_STATS)
+    _run(net, nodes, rounds)
+    broadcasts = sum(nd.ctx.transport.stats.frames_sent for nd in nodes)
+    assert broadcasts >= n * rounds
+    assert SHARED_STATS["buffers"] - before["buffers"] == broadcasts  # one encoded buffer per broadcast
+    assert SHARED_STATS["decodes"] - before["decodes"] <= broadcasts  # not one decode per receiver
+    received = sum(nd.ctx.transport.stats.frames_received for nd in nodes)
+    assert received == broadcasts * (n - 1)
+
+    async def shared_arrays():
+        _net2, nodes2 = _federation(3)
+        for nd in nodes2:
+            await nd.ctx.start()
+        msg = Message(kind="model", round=1, tensors={"w": np.arange(6, dtype=np.float32)})
+        await nodes2[0].ctx.broadcast(msg)
+        await asyncio.sleep(0)
+        got = [await nd.ctx.receive("model", round=1, deadline=1.0) for nd in nodes2[1:]]
+        return got
+
+    a, b = run_virtual(shared_arrays())
+    assert a is not b and a.tensors["w"] is b.tensors["w"]  # the same array, not a copy
+    assert not a.tensors["w"].flags.writeable
+    np.testing.assert_array_equal(a.tensors["w"], np.arange(6, dtype=np.float32))

@@ -58,3 +58,19 @@ def test_unknown_algorithm_and_bad_option():
         simulate(_cfg(algorithm="nope"))
     with pytest.raises(ValueError, match="algorithm.options.x"):
         simulate(_cfg(options={"x": 1}))
+
+
+def test_samples_per_node_draws_fixed_count_per_node():
+    """Growth figures: every node gets k distinct samples, nodes may share samples."""
+    from dfl_agent.runtime.simulator import sampled_parts
+
+    parts = sampled_parts(50, 200, 10, seed=3)
+    assert len(parts) == 200 and all(len(p) == 10 and len(set(p.tolist())) == 10 for p in parts)
+    assert all(p.min() >= 0 and p.max() < 50 for p in parts)
+    assert len({int(i) for p in parts for i in p}) == 50  # 2000 draws cover the 50-sample pool: shared
+    again = sampled_parts(50, 200, 10, seed=3)
+    assert all((a == b).all() for a, b in zip(parts, again))
+    import pytest
+
+    with pytest.raises(ValueError, match="pool size"):
+        sampled_parts(5, 2, 6, seed=0)
