@@ -13,6 +13,7 @@ then ``/etc/dfl-agent/profiles``, then the shipped profiles.
 from __future__ import annotations
 
 import importlib.resources
+import importlib.util
 import os
 from pathlib import Path
 
@@ -36,10 +37,17 @@ def resource_dir(name: str) -> Path:
     """
     package, repo_folder = _RESOURCES[name]
     try:
+        # the share folders carry no __init__.py: they are namespace packages, whose
+        # importlib.resources.files() is a MultiplexedPath, not a path; their spec names
+        # the folder(s)
+        spec = importlib.util.find_spec(package)
+        for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+            if Path(loc).is_dir():
+                return Path(loc)
         path = Path(str(importlib.resources.files(package)))
         if path.is_dir():
             return path
-    except (ModuleNotFoundError, TypeError):
+    except (ModuleNotFoundError, TypeError, ValueError):
         pass
     # a checkout: the package folder agent/ sits next to the repository's folders
     here = Path(__file__).resolve().parent.parent / repo_folder

@@ -278,14 +278,15 @@ def run_demo(opts: DemoOptions) -> int:
         },
     )
     metrics.atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=float) + "\n")
+    plotted = False
     if records:
-        metrics.plot_accuracy(histories, out / "accuracy.png",
+        plotted = metrics.plot_accuracy(histories, out / "accuracy.png",
                               title=f"{opts.algorithm}: {len(ids)} agents on HAR (dashed: same model trained alone)")
     _final_table(console, summary, histories, ids, killed)
     if failed:
         console.print(f"[bold red]federation failed: {', '.join(failed)} did not finish (see {out}/logs)[/]")
         return 1
-    console.print(f"report: {out}/summary.json, {out}/metrics.jsonl, {out}/accuracy.png")
+    console.print(f"report: {out}/summary.json, {out}/metrics.jsonl" + (f", {out}/accuracy.png" if plotted else ""))
     return 0
 
 

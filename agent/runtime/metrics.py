@@ -141,10 +141,23 @@ def _plot_means(ax, histories: Mapping[str, list[dict[str, Any]]]) -> None:
                     linewidth=2.5, label=label)
 
 
-def plot_accuracy(histories: Mapping[str, list[dict[str, Any]]], path: str | os.PathLike, title: str = "") -> None:
+#: the one line printed (to stderr) when a plot is skipped for want of matplotlib
+PLOT_HINT = "no accuracy plot: matplotlib is not installed (pip install 'dfl-agent[plot]')"
+
+
+def plot_accuracy(histories: Mapping[str, list[dict[str, Any]]], path: str | os.PathLike, title: str = "") -> bool:
     """PNG plot of global test accuracy per round for each node (solid) and, when
-    present, of the local-only baseline (dashed)."""
-    import matplotlib
+    present, of the local-only baseline (dashed).
+
+    matplotlib is optional (the ``plot`` extra): without it nothing is written, :data:`PLOT_HINT`
+    is printed once to stderr and False returned. Returns True when the plot was written."""
+    try:
+        import matplotlib
+    except ImportError:
+        import sys
+
+        print(PLOT_HINT, file=sys.stderr)
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -173,6 +186,7 @@ def plot_accuracy(histories: Mapping[str, list[dict[str, Any]]], path: str | os.
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    return True
 
 
 def user_accuracy(histories: Mapping[str, list[dict[str, Any]]], last: int = 10,

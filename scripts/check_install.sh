@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# Prove the install: build the wheel, install it into fresh venvs outside the repository
+# and run the commands a new user runs, from /tmp.
+#
+#   scripts/check_install.sh [PYTHON]      (default: .venv/bin/python, else python3)
+#
+# 1. python -m build --wheel; the wheel holds no top-level `agent` or `tools` package
+#    (its file list, as unzip -l shows it, read with Python's zipfile).
+# 2. venv A: a CPU torch (the local wheel when pip's find-links has one, as setup.sh),
+#    then WHEEL[train,har]; from /tmp: dfl-agent check-config on the README's minimal
+#    config (paths under a temporary folder), dflctl profile detect --json,
+#    dflctl install-service --dry-run, a 2-node 1-round dflctl simulate.
+# 3. venv B: WHEEL[inference] without torch (import torch must fail); dfl-infer run
+#    against a mosquitto started here must publish its retained presence.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+PY="${1:-}"
+[[ -n "$PY" ]] || { [[ -x .venv/bin/python ]] && PY=$REPO/.venv/bin/python || PY=python3; }
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+WORK=$(mktemp -d /tmp/dfl-check-install.XXXXXX)
+MOSQ_PID=""; INFER_PID=""
+cleanup() {
+  [[ -n "$INFER_PID" ]] && kill "$INFER_PID" 2>/dev/null || true
+  [[ -n "$MOSQ_PID" ]] && kill "$MOSQ_PID" 2>/dev/null || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+step() { echo "check_install: $*"; }
+# pip, its log kept apart (shown on failure)
+pipq() { "$@" >>"$WORK/pip.log" 2>&1 || { tail -30 "$WORK/pip.log"; fail "$*"; }; }
+fail() { echo "check_install: FAILED: $*" >&2; exit 1; }
+T0=$SECONDS
+
+step "building the wheel"
+"$PY" -m build --wheel --outdir "$WORK/dist" . >"$WORK/build.log" 2>&1 || { tail -20 "$WORK/build.log"; fail "python -m build"; }
+WHEEL=$(ls "$WORK"/dist/dfl_agent-*.whl)
+step "wheel $(basename "$WHEEL")"
+"$PY" -c 'import sys, zipfile; print("\n".join(zipfile.ZipFile(sys.argv[1]).namelist()))' "$WHEEL" >"$WORK/wheel.txt"
+TOPS=$(cut -d/ -f1 "$WORK/wheel.txt" | sort -u | tr '\n' ' ')
+step "top-level entries: $TOPS"
+for bad in agent tools; do
+  [[ " $TOPS " == *" $bad "* ]] && fail "the wheel installs a top-level '$bad'"
+done
+for need in dfl_agent/share/device_profiles/generic-x86.toml dfl_agent/share/systemd/dfl-agent.service \
+            dfl_agent/share/mosquitto/mosquitto.conf dfl_agent/cli/dflctl.py; do
+  grep -qx "$need" "$WORK/wheel.txt" || fail "the wheel lacks $need"
+done
+
+# -- venv A: a training node ------------------------------------------------------------
+step "venv A: CPU torch + WHEEL[train,har]"
+"$PY" -m venv "$WORK/train"
+A="$WORK/train/bin"
+mkdir -p "$WORK/torch"
+if "$A/pip" download -q --no-deps --no-index -d "$WORK/torch" "torch==$TORCH_VERSION" >/dev/null 2>&1 \
+   && ls "$WORK"/torch/torch-*.whl >/dev/null 2>&1; then
+  pipq "$A/pip" install -q "$WORK"/torch/torch-*.whl
+else
+  pipq "$A/pip" install -q "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu \
+    --extra-index-url https://pypi.org/simple
+fi
+pipq "$A/pip" install -q "$WHEEL[train,har]"
+"$A/pip" check >/dev/null || { "$A/pip" check; fail "pip check in venv A"; }
+
+cd /tmp
+STATE="$WORK/state"
+mkdir -p "$STATE"
+cat >"$WORK/node.toml" <<TOML
+# the README's minimal configuration, with paths that exist on this machine
+federation = "greenhouse"
+state_dir = "$STATE"
+[algorithm]
+name = "fedavg"
+rounds = 200
+options = { round_timeout = 60.0 }
+[data]
+dataset = "har"
+partition = "iid"
+num_nodes = 1
+[mqtt]
+broker = "127.0.0.1:1883"
+[discovery]
+interfaces = ["127.0.0.1"]
+min_peers = 2
+TOML
+step "dfl-agent check-config"
+"$A/dfl-agent" check-config --config "$WORK/node.toml" || fail "dfl-agent check-config"
+step "dflctl profile detect --json"
+"$A/dflctl" profile detect --json >"$WORK/detect.json" || fail "dflctl profile detect --json"
+"$A/python" -c 'import json, sys; json.load(open(sys.argv[1]))' "$WORK/detect.json" || fail "profile detect printed no JSON"
+step "dflctl install-service --dry-run"
+"$A/dflctl" install-service --dry-run --config "$WORK/node.toml" >"$WORK/install.txt" 2>&1 \
+  || { cat "$WORK/install.txt"; fail "dflctl install-service --dry-run"; }
+grep -q "dfl-agent.service" "$WORK/install.txt" || { cat "$WORK/install.txt"; fail "install-service plans no unit"; }
+step "dflctl simulate (2 nodes, 1 round)"
+"$A/dflctl" simulate --algorithm fedavg --nodes 2 --rounds 1 --dataset har --partition iid --steps 5 \
+  --model-size small --out "$WORK/sim" || fail "dflctl simulate"
+[[ -s "$WORK/sim/summary.json" ]] || fail "simulate wrote no summary.json"
+cd "$REPO"
+
+# -- venv B: the torch-free inference member ---------------------------------------------
+step "venv B: WHEEL[inference] without torch"
+"$PY" -m venv "$WORK/infer"
+B="$WORK/infer/bin"
+pipq "$B/pip" install -q "$WHEEL[inference]"
+"$B/pip" check >/dev/null || { "$B/pip" check; fail "pip check in venv B"; }
+if "$B/python" -c 'import torch' >/dev/null 2>&1; then fail "torch is importable in the inference venv"; fi
+"$B/dfl-infer" --version
+"$B/dflctl" --version
+MOSQ=$(command -v mosquitto || echo /usr/sbin/mosquitto)
+[[ -x "$MOSQ" ]] || fail "mosquitto not found"
+PORT=$("$B/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+printf 'listener %s 127.0.0.1\nallow_anonymous true\n' "$PORT" >"$WORK/mosquitto.conf"
+"$MOSQ" -c "$WORK/mosquitto.conf" >"$WORK/mosquitto.log" 2>&1 &
+MOSQ_PID=$!
+cd /tmp
+step "dfl-infer run against 127.0.0.1:$PORT"
+"$B/dfl-infer" run --broker "127.0.0.1:$PORT" --federation checkinstall --node-id infer-check \
+  --state-dir "$WORK/infer-state" >"$WORK/infer.log" 2>&1 &
+INFER_PID=$!
+"$B/python" - "$PORT" <<'PY' || { cat "$WORK/infer.log"; fail "dfl-infer published no presence"; }
+import json, sys, time
+import paho.mqtt.client as mqtt
+got = []
+c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+c.on_connect = lambda c, u, f, rc, p=None: c.subscribe("dfl/checkinstall/node/+/presence")
+c.on_message = lambda c, u, m: got.append(json.loads(m.payload))
+deadline = time.time() + 60
+while True:
+    try:
+        c.connect("127.0.0.1", int(sys.argv[1]))
+        break
+    except OSError:
+        if time.time() > deadline:
+            raise
+        time.sleep(0.2)
+c.loop_start()
+while not any(d.get("state") == "online" for d in got) and time.time() < deadline:
+    time.sleep(0.1)
+c.loop_stop()
+online = [d for d in got if d.get("state") == "online"]
+print("check_install: presence", json.dumps(online[:1])[:200])
+sys.exit(0 if online and online[0].get("node_id") == "infer-check" else 1)
+PY
+kill "$INFER_PID"; wait "$INFER_PID" 2>/dev/null || true; INFER_PID=""
+cd "$REPO"
+step "passed in $((SECONDS - T0)) s"
