@@ -92,16 +92,17 @@ def cmd_enroll(a: argparse.Namespace) -> int:
     d = Path(a.dir)
     fed_key = _fed_key(d)
     if a.state_dir:
-        cert = enroll_local(fed_key, a.federation, a.device, a.state_dir, valid_days=a.valid_days)
+        cert = enroll_local(fed_key, a.federation, a.device, a.state_dir, valid_days=a.valid_days, role=a.role)
         where = Path(a.state_dir) / CERT_FILE
     elif a.public_key:
-        cert = issue_certificate(fed_key, a.federation, a.device, a.public_key.strip(), valid_days=a.valid_days)
+        cert = issue_certificate(fed_key, a.federation, a.device, a.public_key.strip(), valid_days=a.valid_days,
+                                 role=a.role)
         where = Path(a.out) if a.out else d / "certs" / f"{a.device}.json"
         where.parent.mkdir(parents=True, exist_ok=True)
         save_certificate(cert, where)
     else:
         raise ValueError("give --state-dir (the device's state directory) or --public-key")
-    print(f"certificate for {a.device} ({fingerprint(cert['public_key'])}): {where}")
+    print(f"{a.role} certificate for {a.device} ({fingerprint(cert['public_key'])}): {where}")
     if not a.no_credentials:
         password = secrets.token_urlsafe(18)
         how = add_mosquitto_password(d / "mosquitto.passwd", a.device, password)
@@ -157,6 +158,8 @@ def register(sub: Any) -> None:
     en.add_argument("--public-key", help="the device's public key (base64), instead of --state-dir")
     en.add_argument("--out", help="certificate file (with --public-key)")
     en.add_argument("--valid-days", type=float, default=None, help="certificate lifetime (default: no expiry)")
+    en.add_argument("--role", choices=("device", "operator"), default="device",
+                    help="what the certificate allows: a training device, or an operator who submits runs")
     en.add_argument("--no-credentials", action="store_true", help="do not create broker credentials")
     en.set_defaults(func=cmd_enroll)
     sh = ks.add_parser("show", help="show a node's key and certificate, and the federation key")

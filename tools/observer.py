@@ -67,18 +67,44 @@ class Observer:
         if len(parts) != 5:
             return
         node, leaf = parts[3], parts[4]
-        try:
-            doc = json.loads(msg.payload) if msg.payload else {"state": "offline"}
-        except (ValueError, UnicodeDecodeError):
+        doc, trust = self._open(leaf, node, msg.payload)
+        if doc is None:
             return
-        if not isinstance(doc, dict):
-            return
+        doc = {**doc, "trust": trust, "verified": trust in ("device", "operator")}
         with self._lock:
             if leaf == "presence" and "descriptor" not in doc and node in self.presence:
                 # keep what the node advertised while online (address, profile) after it leaves
                 doc = {**doc, "descriptor": self.presence[node].get("descriptor")}
             (self.statuses if leaf == "status" else self.presence)[node] = doc
             self.updated = time.monotonic()
+
+    def _open(self, leaf: str, node: str, payload: bytes) -> tuple[dict[str, Any] | None, str]:
+        """A presence/status document and its trust: ``"device"``/``"operator"`` when its
+        signature verified with :attr:`guard` (a SecurityGuard from ``--config``),
+        ``"unverified"`` without trust material, ``"untrusted: REASON"`` when it failed."""
+        if not payload:
+            return {"state": "offline"}, "unverified"
+        try:
+            env = json.loads(payload)
+        except (ValueError, UnicodeDecodeError):
+            return None, "untrusted: malformed"
+        if not isinstance(env, dict):
+            return None, "untrusted: malformed"
+        inner = env.get("payload") if "ctl" in env else env
+        if not isinstance(inner, dict):
+            return None, "untrusted: malformed"
+        guard = getattr(self, "guard", None)
+        if guard is None:
+            return inner, "unverified"
+        from dfl_agent.security.trust import ControlRejected
+
+        try:
+            _sender, role, _p = guard.verify_control(payload, leaf, node)
+        except ControlRejected as exc:
+            if exc.reason == "duplicate":
+                return inner, guard.role_of(node)
+            return inner, f"untrusted: {exc.reason}"
+        return inner, role
 
     def start(self, timeout: float = 10.0) -> Observer:
         try:

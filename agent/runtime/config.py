@@ -236,6 +236,8 @@ class SecuritySection:
     federation_key: str | None = described(None, help="base64 public key that signs device certificates")
     trusted_keys: dict[str, Any] = described(default_factory=dict,
                                              help="pinned keys, `node_id = \"<base64 public key>\"`")
+    operators: dict[str, Any] = described(default_factory=dict,
+                                          help="operator keys, `name = \"<base64 public key>\"`: may submit and cancel runs, never train")
     replay_window: float = described(300.0, help="largest accepted age, or clock skew, of a message (s)")
     max_queued_per_sender: int = described(16, help="buffered messages per sender")
 
@@ -401,12 +403,13 @@ def _validate(cfg: NodeConfig) -> None:
         need(path is None or os.path.isfile(path), f"mqtt.{key}", f"file not found: {path}")
     from dfl_agent.security.keys import SecurityError, parse_public_key
 
-    for nid, text in sec.trusted_keys.items():
-        need(valid_id(nid), f"security.trusted_keys.{nid}", "must be a valid node id")
-        try:
-            parse_public_key(text if isinstance(text, str) else "")
-        except SecurityError as exc:
-            raise ConfigError(f"security.trusted_keys.{nid}: {exc}") from None
+    for table in ("trusted_keys", "operators"):
+        for nid, text in getattr(sec, table).items():
+            need(valid_id(nid), f"security.{table}.{nid}", "must be a valid node id")
+            try:
+                parse_public_key(text if isinstance(text, str) else "")
+            except SecurityError as exc:
+                raise ConfigError(f"security.{table}.{nid}: {exc}") from None
     if sec.federation_key is not None:
         try:
             parse_public_key(sec.federation_key)

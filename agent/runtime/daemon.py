@@ -65,15 +65,17 @@ def build_security(cfg: NodeConfig, state_dir: Path, node_id: str) -> Any:
     Raises:
         StartupError: unreadable key or certificate, a certificate for another node.
     """
-    from dfl_agent.security import SecurityError, SecurityGuard, TrustStore
+    from dfl_agent.security import SecurityError, SecurityGuard, SeqCounter, TrustStore
     from dfl_agent.security.keys import CERT_FILE, load_certificate, load_or_create_key, public_key_b64
+    from dfl_agent.security.trust import SEQ_FILE
 
     sec = cfg.security
     try:
         key = load_or_create_key(state_dir, sec.key_file)
         pinned = {k: str(v) for k, v in sec.trusted_keys.items()}
         pinned.setdefault(node_id, public_key_b64(key))
-        trust = TrustStore(cfg.federation, pinned, sec.federation_key)
+        trust = TrustStore(cfg.federation, pinned, sec.federation_key,
+                           operators={k: str(v) for k, v in getattr(sec, "operators", {}).items()})
         cert_path = sec.certificate or (state_dir / CERT_FILE if (state_dir / CERT_FILE).exists() else None)
         cert = load_certificate(cert_path) if cert_path else None
         if cert is not None and trust.federation_key is not None:
@@ -84,7 +86,7 @@ def build_security(cfg: NodeConfig, state_dir: Path, node_id: str) -> Any:
     log.info("node key %s (public %s); signatures %s", sec.key_file or state_dir / "node_key.pem",
              public_key_b64(key), "required" if sec.require_signatures else "optional")
     return SecurityGuard(node_id, key, trust, require_signatures=sec.require_signatures, certificate=cert,
-                         replay_window=sec.replay_window)
+                         replay_window=sec.replay_window, seq=SeqCounter(state_dir / SEQ_FILE))
 
 
 class Agent:
@@ -187,7 +189,7 @@ class Agent:
             username=cfg.mqtt.username, password=cfg.mqtt.password,
             on_heartbeat=lambda peer, status: (peers.touch(peer), self.ctx and self.ctx.note_status(peer, status)),
             tls_ca=cfg.mqtt.tls_ca, tls_cert=cfg.mqtt.tls_cert, tls_key=cfg.mqtt.tls_key,
-            max_transfers=cfg.mqtt.max_transfers,
+            max_transfers=cfg.mqtt.max_transfers, control=guard,
         )
         from dfl_agent.profiles.behaviour import profile_compression_policy
 
@@ -622,6 +624,7 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
     verifier = RunVerifier(cfg.federation, require_signatures=sec.require_signatures,
                            federation_key=sec.federation_key, operators=getattr(sec, "operators", None))
     lobby = RunLobby(cfg, nid, verifier)
+    lobby.guard = build_security(cfg, state_dir, nid)  # signs idle statuses, verifies peers' ones
     lobby.start()
     notifier = Notifier()
     interval = notifier.watchdog_interval()

@@ -498,6 +498,10 @@ class RunLobby:
         self.client: Any = None
         self.heartbeat = 0
         self.connected = threading.Event()
+        #: SecurityGuard signing this node's statuses and verifying peers' ones (None: bare JSON)
+        self.guard: Any = None
+        #: statuses dropped by reason (``status_{reason}``)
+        self.dropped: dict[str, int] = {}
 
     def start(self) -> None:
         """Connect (non-blocking; paho reconnects on its own)."""
@@ -561,15 +565,43 @@ class RunLobby:
                              d.submitter or "?", " cancelled" if d.cancelled else "")
                     self.changed.set()
         elif len(parts) == 5 and parts[4] == "status":
-            try:
-                st = json.loads(msg.payload) if msg.payload else None
-            except ValueError:
+            st = self._open_status(parts[3], msg.payload)
+            if st is False:
                 return
             with self.lock:
                 if isinstance(st, dict):
                     self.statuses[parts[3]] = st
                 else:
                     self.statuses.pop(parts[3], None)
+
+    def _open_status(self, node: str, payload: bytes) -> Any:
+        """A peer's status dict, None (cleared), or False (dropped and counted): verified
+        with :attr:`guard` when set - with ``require_signatures`` only a trusted device's
+        signed status counts (``accepted_by`` decides ``min_members`` on it)."""
+        from dfl_agent.security.trust import ControlRejected
+
+        if node == self.node_id:
+            return False
+        guard = self.guard
+        if guard is None or not payload:
+            if not payload:
+                return False if guard is not None and guard.require_signatures else None
+            try:
+                st = json.loads(payload)
+            except ValueError:
+                return False
+            return st.get("payload") if isinstance(st, dict) and "ctl" in st else st
+        try:
+            _s, role, st = guard.verify_control(payload, "status", node)
+        except ControlRejected as exc:
+            if exc.reason != "duplicate":
+                key = f"status_{exc.reason}"
+                self.dropped[key] = self.dropped.get(key, 0) + 1
+            return False
+        if guard.require_signatures and role != "device":
+            self.dropped["status_not_member"] = self.dropped.get("status_not_member", 0) + 1
+            return False
+        return st
 
     def run(self, run_id: str) -> RunDescriptor | None:
         """The newest known descriptor of ``run_id``."""
@@ -595,4 +627,7 @@ class RunLobby:
               "run": run, "runs_refused": dict(self.verifier.refused), "algorithm": None, "round": 0,
               "run_history": {k: {f: v.get(f) for f in ("state", "round", "reason")}
                               for k, v in sorted((history or {}).items(), key=lambda kv: kv[1].get("time", 0))[-20:]}}
-        self.client.publish(topic(self.cfg.federation, self.node_id, "status"), json.dumps(st), qos=1, retain=True)
+        if self.dropped:
+            st["control_dropped"] = dict(self.dropped)
+        body = self.guard.sign_control("status", st, self.cfg.federation) if self.guard is not None else json.dumps(st)
+        self.client.publish(topic(self.cfg.federation, self.node_id, "status"), body, qos=1, retain=True)

@@ -6,6 +6,21 @@
 """
 
 from dfl_agent.security.keys import SecurityError
-from dfl_agent.security.trust import REJECT_REASONS, SecurityGuard, TrustStore
+from dfl_agent.security.trust import (
+    CONTROL_REJECT_REASONS,
+    REJECT_REASONS,
+    ControlRejected,
+    SecurityGuard,
+    SeqCounter,
+    TrustStore,
+)
 
-__all__ = ["SecurityError", "SecurityGuard", "TrustStore", "REJECT_REASONS"]
+__all__ = [
+    "CONTROL_REJECT_REASONS",
+    "REJECT_REASONS",
+    "ControlRejected",
+    "SecurityError",
+    "SecurityGuard",
+    "SeqCounter",
+    "TrustStore",
+]

@@ -12,10 +12,15 @@ Files in a node's state directory:
 
 Public keys travel as standard base64 of the 32 raw bytes (44 characters).
 
-Device certificate (JSON)::
+Certificate (JSON), version 2::
 
-    {"v": 1, "fed": str, "node_id": str, "public_key": b64, "issued": unix s,
-     "expires": unix s | null, "sig": b64 Ed25519 signature of the federation key}
+    {"v": 2, "role": "device" | "operator", "fed": str, "node_id": str,
+     "public_key": b64, "issued": unix s, "expires": unix s | null,
+     "sig": b64 Ed25519 signature of the federation key}
+
+Version 1 has no ``role`` field and means ``role = "device"`` (still accepted).
+An *operator* certificate (``dflctl keys enroll NAME --role operator``) lets its
+holder submit and cancel runs; it never makes its holder a training member.
 
 The signature covers the canonical JSON (sorted keys, no spaces) of the certificate
 without ``sig``.
@@ -34,11 +39,16 @@ from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
 
 KEY_FILE = "node_key.pem"
 CERT_FILE = "node_cert.json"
-CERT_VERSION = 1
+CERT_VERSION = 2
+#: certificate roles (version 1 certificates are "device")
+ROLES = ("device", "operator")
 #: largest certificate accepted (bytes of JSON), checked before parsing
 MAX_CERT_BYTES = 2048
 
@@ -135,17 +145,20 @@ def canonical(obj: dict[str, Any]) -> bytes:
 
 def issue_certificate(
     federation_key: Ed25519PrivateKey, federation: str, node_id: str, public_b64: str,
-    *, valid_days: float | None = None, now: float | None = None,
+    *, valid_days: float | None = None, now: float | None = None, role: str = "device",
 ) -> dict[str, Any]:
-    """A device certificate binding ``node_id`` to ``public_b64`` in ``federation``.
+    """A version-2 certificate binding ``node_id`` to ``public_b64`` in ``federation``
+    with ``role`` (``"device"`` or ``"operator"``).
 
     Raises:
-        SecurityError: ``public_b64`` is not a valid public key.
+        SecurityError: ``public_b64`` is not a valid public key, or an unknown role.
     """
     parse_public_key(public_b64)
+    if role not in ROLES:
+        raise SecurityError(f"role must be one of {ROLES}, got {role!r}")
     issued = time.time() if now is None else now
     cert: dict[str, Any] = {
-        "v": CERT_VERSION, "fed": federation, "node_id": node_id, "public_key": public_b64,
+        "v": CERT_VERSION, "role": role, "fed": federation, "node_id": node_id, "public_key": public_b64,
         "issued": issued, "expires": None if valid_days is None else issued + valid_days * 86400.0,
     }
     cert["sig"] = base64.b64encode(federation_key.sign(canonical(cert))).decode()
@@ -154,7 +167,8 @@ def issue_certificate(
 
 def verify_certificate(cert: Any, federation_public: Ed25519PublicKey, federation: str,
                        now: float | None = None) -> tuple[str, str]:
-    """Check a device certificate; return ``(node_id, public_key_b64)``.
+    """Check a certificate (version 1 or 2); return ``(node_id, public_key_b64)``.
+    Its role is :func:`certificate_role` (call it after this check).
 
     Raises:
         SecurityError: malformed, for another federation, expired, or a bad signature.
@@ -162,7 +176,13 @@ def verify_certificate(cert: Any, federation_public: Ed25519PublicKey, federatio
     if not isinstance(cert, dict):
         raise SecurityError("certificate is not an object")
     fields = {"v", "fed", "node_id", "public_key", "issued", "expires", "sig"}
-    if set(cert) != fields or cert["v"] != CERT_VERSION:
+    if cert.get("v") == 2:
+        fields.add("role")
+        if cert.get("role") not in ROLES:
+            raise SecurityError(f"certificate role must be one of {ROLES}")
+    elif cert.get("v") != 1:
+        raise SecurityError("certificate has an unknown version")
+    if set(cert) != fields:
         raise SecurityError("certificate has unexpected fields or version")
     if not all(isinstance(cert[k], str) for k in ("fed", "node_id", "public_key", "sig")):
         raise SecurityError("certificate fields have wrong types")
@@ -179,6 +199,11 @@ def verify_certificate(cert: Any, federation_public: Ed25519PublicKey, federatio
         raise SecurityError("certificate signature does not verify with the federation key") from None
     parse_public_key(cert["public_key"])
     return cert["node_id"], cert["public_key"]
+
+
+def certificate_role(cert: dict[str, Any]) -> str:
+    """The role a (verified) certificate grants: its ``role``, ``"device"`` for version 1."""
+    return str(cert.get("role", "device")) if cert.get("v") == 2 else "device"
 
 
 def load_certificate(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -212,7 +237,8 @@ FEDERATION_KEY_FILE = "federation_key.pem"
 
 
 def enroll_local(federation_key: Ed25519PrivateKey, federation: str, node_id: str,
-                 state_dir: str | os.PathLike[str], valid_days: float | None = None) -> dict[str, Any]:
+                 state_dir: str | os.PathLike[str], valid_days: float | None = None,
+                 role: str = "device") -> dict[str, Any]:
     """Enroll a node whose state directory is on this machine (demo, tests, ``dflctl``).
 
     Creates the node's key in ``state_dir`` if it has none (as the daemon would on first
@@ -220,6 +246,7 @@ def enroll_local(federation_key: Ed25519PrivateKey, federation: str, node_id: st
     the daemon finds it.  Returns the certificate.
     """
     key = load_or_create_key(state_dir)
-    cert = issue_certificate(federation_key, federation, node_id, public_key_b64(key), valid_days=valid_days)
+    cert = issue_certificate(federation_key, federation, node_id, public_key_b64(key), valid_days=valid_days,
+                             role=role)
     save_certificate(cert, Path(state_dir) / CERT_FILE)
     return cert

@@ -27,6 +27,31 @@
 
 ``wrong_federation`` is checked before, by :func:`dfl_agent.transport.wire.decode`.
 
+Control plane (presence, status, run descriptors and other ``kind`` names):
+:meth:`SecurityGuard.sign_control` wraps a JSON payload in a signed control envelope
+(UTF-8 JSON)::
+
+    {"ctl": 1, "kind": str, "fed": str, "sender": str, "seq": int, "time": unix s,
+     "payload": {...}, "cert": certificate | null, "sig": "ed25519:" + b64}
+
+The signature covers the canonical JSON of every field but ``sig``.  ``seq`` grows
+by one per message of that (sender, kind) and survives restarts (:class:`SeqCounter`,
+``control_seq.json`` in the state directory, written atomically).
+:meth:`SecurityGuard.verify_control` returns ``(sender, role, payload)`` or raises
+:class:`ControlRejected` whose ``reason`` is a counter key:
+
+``malformed`` (not a control envelope), ``wrong_federation``, ``wrong_kind``,
+``wrong_sender`` (the topic names another node), ``unsigned``, ``unknown_sender``,
+``bad_signature``, ``duplicate`` (the very message verified last, delivered again -
+e.g. retained, after a reconnect; not a drop), ``replay`` (a ``seq`` at or below the newest one verified for
+that sender and kind: a retained message is valid however old as long as its ``seq``
+is the newest seen; ``time`` is used for liveness only).
+
+Unsigned payloads (``sig`` null, or no envelope at all - an older wire version) are
+returned with role ``"unverified"`` when ``require_signatures`` is off and raise
+``unsigned`` when it is on.  :meth:`SecurityGuard.role_of` says ``"device"``,
+``"operator"`` or ``"unverified"`` for any node id.
+
 Memory: message ids are remembered for the replay window, at most ``max_seen`` of
 them; when that memory is full the oldest id is forgotten and messages sent before
 it are rejected as replays (the window shrinks, it never opens).  Per-sender round
@@ -38,20 +63,121 @@ from __future__ import annotations
 import base64
 import binascii
 import collections
+import json
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-
-from dfl_agent.security.keys import SecurityError, canonical, parse_public_key, public_key_b64, verify_certificate
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+from dfl_agent.security.keys import (
+    SecurityError,
+    canonical,
+    certificate_role,
+    parse_public_key,
+    public_key_b64,
+    verify_certificate,
+)
 
 log = logging.getLogger(__name__)
 
 REJECT_REASONS = ("unsigned", "unknown_sender", "bad_signature", "replay")
+#: reasons :meth:`SecurityGuard.verify_control` raises (counter keys)
+CONTROL_REJECT_REASONS = ("malformed", "wrong_federation", "wrong_kind", "wrong_sender", "unsigned",
+                          "unknown_sender", "bad_signature", "duplicate", "replay")
 SIG_PREFIX = "ed25519:"
+CONTROL_VERSION = 1
+SEQ_FILE = "control_seq.json"
+#: largest control envelope accepted (bytes), checked before parsing
+MAX_CONTROL_BYTES = 256 * 1024
+
+
+class ControlRejected(ValueError):
+    """A control message that may not be used; ``reason`` is one of
+    :data:`CONTROL_REJECT_REASONS` (a drop counter key)."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class SeqCounter:
+    """Monotonic sequence numbers per control kind, surviving restarts.
+
+    Numbers are reserved in blocks of ``block``: the file ``path`` (JSON
+    ``{kind: reserved_up_to}``, written atomically: temp file + rename) always holds a
+    number above every one handed out, so after a crash or restart the next number is
+    still larger than any sent before.  ``path = None`` keeps them in memory (tests)
+    and starts from the current time in milliseconds, which also grows across restarts.
+    """
+
+    _shared: dict[str, SeqCounter] = {}
+
+    def __new__(cls, path: str | os.PathLike[str] | None = None, block: int = 1000) -> SeqCounter:
+        # one counter per file in a process: two guards of one node (the training run and
+        # the idle lobby) must never hand out the same number
+        if path is None:
+            return super().__new__(cls)
+        key = str(Path(path).resolve())
+        inst = cls._shared.get(key)
+        if inst is None:
+            inst = cls._shared[key] = super().__new__(cls)
+        return inst
+
+    def __init__(self, path: str | os.PathLike[str] | None, block: int = 1000):
+        if getattr(self, "_ready", False):
+            return
+        self._ready = True
+        self._lock = threading.Lock()
+        self.path = Path(path) if path is not None else None
+        self.block = block
+        self._next: dict[str, int] = {}
+        self._reserved: dict[str, int] = {}
+        if self.path is not None and self.path.exists():
+            try:
+                data = json.loads(self.path.read_text())
+                self._reserved = {str(k): int(v) for k, v in data.items()} if isinstance(data, dict) else {}
+            except (OSError, ValueError, TypeError):
+                log.warning("%s is unreadable; control sequence numbers restart from the clock", self.path)
+                self._reserved = {}
+            self._next = dict(self._reserved)
+
+    def next(self, kind: str) -> int:
+        """The next sequence number of ``kind`` (> every earlier one, also across restarts)."""
+        with self._lock:
+            return self._next_locked(kind)
+
+    def _next_locked(self, kind: str) -> int:
+        if kind not in self._next:
+            # unknown kind (or lost file): start above anything a sane earlier run sent
+            self._next[kind] = max(self._reserved.get(kind, 0), int(time.time() * 1000))
+        n = self._next[kind] + 1
+        self._next[kind] = n
+        if n >= self._reserved.get(kind, 0):
+            self._reserved[kind] = n + self.block
+            self._save()
+        return n
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "w") as f:
+                json.dump(self._reserved, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.warning("could not save %s: %s", self.path, exc)
 
 
 class TrustStore:
@@ -70,19 +196,23 @@ class TrustStore:
     """
 
     def __init__(self, federation: str, pinned: Mapping[str, str] | None = None,
-                 federation_key: str | None = None, clock: Callable[[], float] = time.time):
+                 federation_key: str | None = None, clock: Callable[[], float] = time.time,
+                 operators: Mapping[str, str] | None = None):
         self.federation = federation
         self._clock = clock
         self._keys: dict[str, Ed25519PublicKey] = {}
         self._pinned: set[str] = set()
         self._b64: dict[str, str] = {}
-        for node_id, text in (pinned or {}).items():
-            try:
-                self._keys[node_id] = parse_public_key(text)
-            except SecurityError as exc:
-                raise SecurityError(f"{node_id}: {exc}") from None
-            self._pinned.add(node_id)
-            self._b64[node_id] = text.strip()
+        self._roles: dict[str, str] = {}
+        for role, table in (("device", pinned), ("operator", operators)):
+            for node_id, text in (table or {}).items():
+                try:
+                    self._keys[node_id] = parse_public_key(str(text))
+                except SecurityError as exc:
+                    raise SecurityError(f"{node_id}: {exc}") from None
+                self._pinned.add(node_id)
+                self._b64[node_id] = str(text).strip()
+                self._roles[node_id] = role
         self.federation_key = parse_public_key(federation_key) if federation_key else None
 
     def key_for(self, node_id: str) -> Ed25519PublicKey | None:
@@ -90,7 +220,13 @@ class TrustStore:
         return self._keys.get(node_id)
 
     def is_trusted(self, node_id: str) -> bool:
+        """Whether ``node_id`` has a trusted key (a device or an operator)."""
         return node_id in self._keys
+
+    def role_of(self, node_id: str) -> str | None:
+        """``"device"``, ``"operator"`` (pinned in ``security.operators`` or by an
+        operator certificate), or ``None`` for an untrusted id."""
+        return self._roles.get(node_id) if node_id in self._keys else None
 
     def trusted(self) -> dict[str, str]:
         """``node_id -> base64 public key`` of every trusted node."""
@@ -108,10 +244,14 @@ class TrustStore:
         node_id, b64 = verify_certificate(cert, self.federation_key, self.federation, self._clock())
         if node_id in self._pinned and self._b64[node_id] != b64:
             raise SecurityError(f"certificate for {node_id} contradicts its pinned key")
-        if self._b64.get(node_id) != b64:
+        role = certificate_role(cert)
+        if node_id in self._pinned and self._roles.get(node_id) != role:
+            raise SecurityError(f"certificate for {node_id} gives role {role}, its pin another")
+        if self._b64.get(node_id) != b64 or self._roles.get(node_id) != role:
             self._keys[node_id] = parse_public_key(b64)
             self._b64[node_id] = b64
-            log.info("trusted %s by its federation certificate", node_id)
+            self._roles[node_id] = role
+            log.info("trusted %s (%s) by its federation certificate", node_id, role)
         return node_id
 
 
@@ -135,7 +275,7 @@ class SecurityGuard:
     def __init__(self, node_id: str, key: Ed25519PrivateKey | None, trust: TrustStore, *,
                  require_signatures: bool = False, certificate: dict[str, Any] | None = None,
                  replay_window: float = 300.0, max_seen: int = 65536,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, seq: SeqCounter | None = None):
         if not replay_window > 0:
             raise ValueError("replay_window must be > 0 seconds")
         self.node_id = node_id
@@ -150,6 +290,13 @@ class SecurityGuard:
         self._floor = float("-inf")  # messages sent at or before this time are replays
         self._rounds: dict[tuple[str, str], tuple[int, float]] = {}
         self.public_key = public_key_b64(key) if key is not None else None
+        #: control sequence numbers of this node (persist them: ``SeqCounter(state_dir / SEQ_FILE)``)
+        self.seq = seq if seq is not None else SeqCounter(None)
+        #: newest verified control ``seq`` per (sender, kind); bounded by the trusted ids
+        self._control_seq: dict[tuple[str, str], int] = {}
+        self._control_sig: dict[tuple[str, str], str] = {}
+        #: dropped control messages by reason (see :data:`CONTROL_REJECT_REASONS`)
+        self.control_dropped: collections.Counter[str] = collections.Counter()
 
     # -- sending --------------------------------------------------------------
     def sign(self, body: bytes) -> str:
@@ -162,10 +309,108 @@ class SecurityGuard:
             raise RuntimeError("no private key to sign with")
         return SIG_PREFIX + base64.b64encode(self.key.sign(body)).decode()
 
+    def sign_control(self, kind: str, payload: dict[str, Any], federation: str | None = None) -> bytes:
+        """A control envelope (see the module docstring) for ``payload`` of ``kind``
+        ("presence", "status", "run", ...), signed when this node has a key, with the
+        next sequence number of ``kind``.
+
+        Raises:
+            ValueError: ``payload`` is not a JSON-serialisable dict.
+        """
+        if not isinstance(payload, dict):
+            raise ValueError("control payload must be a dict")
+        env: dict[str, Any] = {"ctl": CONTROL_VERSION, "kind": kind, "fed": federation or self.trust.federation,
+                               "sender": self.node_id, "seq": self.seq.next(kind), "time": self._clock(),
+                               "payload": payload, "cert": self.certificate}
+        env["sig"] = self.sign(canonical(env)) if self.key is not None else None
+        return json.dumps(env, separators=(",", ":")).encode()
+
+    def verify_control(self, frame: bytes, kind: str | None = None,
+                       sender: str | None = None) -> tuple[str, str, dict[str, Any]]:
+        """Check a received control message; return ``(sender, role, payload)``.
+
+        ``kind``/``sender``, when given, must match the envelope (the topic it came on).
+        ``role`` is ``"device"``/``"operator"`` for a verified sender, ``"unverified"``
+        for an unsigned or untrusted message accepted because signatures are not
+        required.  A payload that is not an envelope (older wire version) is unsigned.
+        Each rejection is counted in :attr:`control_dropped`.
+
+        Raises:
+            ControlRejected: with ``reason`` in :data:`CONTROL_REJECT_REASONS`.
+        """
+        try:
+            return self._verify_control(frame, kind, sender)
+        except ControlRejected as exc:
+            if exc.reason != "duplicate":  # the same retained message delivered again
+                self.control_dropped[exc.reason] += 1
+            raise
+
+    def _verify_control(self, frame: bytes, kind: str | None, sender: str | None) -> tuple[str, str, dict[str, Any]]:
+        if len(frame) > MAX_CONTROL_BYTES:
+            raise ControlRejected("malformed", f"{len(frame)} bytes")
+        try:
+            env = json.loads(frame)
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+            raise ControlRejected("malformed", str(exc)) from None
+        if not isinstance(env, dict):
+            raise ControlRejected("malformed", "not an object")
+        if "ctl" not in env:  # an older wire version: a bare, unsigned payload
+            if self.require_signatures:
+                raise ControlRejected("unsigned", f"bare {kind} payload")
+            return str(sender or env.get("node_id") or "?"), "unverified", env
+        snd, knd, seq, payload = env.get("sender"), env.get("kind"), env.get("seq"), env.get("payload")
+        if (env.get("ctl") != CONTROL_VERSION or not isinstance(snd, str) or not isinstance(knd, str)
+                or not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(payload, dict)
+                or not isinstance(env.get("time"), (int, float))):
+            raise ControlRejected("malformed", "bad envelope fields")
+        if env.get("fed") != self.trust.federation:
+            raise ControlRejected("wrong_federation", str(env.get("fed")))
+        if kind is not None and knd != kind:
+            raise ControlRejected("wrong_kind", f"{knd} on a {kind} topic")
+        if sender is not None and snd != sender:
+            raise ControlRejected("wrong_sender", f"{snd} on the topic of {sender}")
+        sig = env.get("sig")
+        if sig is None:
+            if self.require_signatures:
+                raise ControlRejected("unsigned", f"{knd} of {snd}")
+            return snd, "unverified", payload
+        pub = self.trust.key_for(snd)
+        cert = env.get("cert")
+        if pub is None and isinstance(cert, dict) and self.trust.federation_key is not None:
+            try:
+                if self.trust.add_certificate(cert) == snd:
+                    pub = self.trust.key_for(snd)
+            except SecurityError as exc:
+                log.debug("certificate in a control message from %s rejected: %s", snd, exc)
+        if pub is None:
+            if self.require_signatures:
+                raise ControlRejected("unknown_sender", f"{knd} of {snd}")
+            return snd, "unverified", payload
+        try:
+            if not isinstance(sig, str) or not sig.startswith(SIG_PREFIX):
+                raise ValueError("no ed25519 prefix")
+            pub.verify(base64.b64decode(sig[len(SIG_PREFIX):], validate=True),
+                       canonical({k: v for k, v in env.items() if k != "sig"}))
+        except (binascii.Error, ValueError, InvalidSignature):
+            raise ControlRejected("bad_signature", f"{knd} of {snd}") from None
+        last = self._control_seq.get((snd, knd))
+        if last is not None and seq <= last:
+            if seq == last and self._control_sig.get((snd, knd)) == sig:
+                raise ControlRejected("duplicate", f"{knd} of {snd}: seq {seq} again")  # not counted
+            raise ControlRejected("replay", f"{knd} of {snd}: seq {seq} <= {last}")
+        self._control_seq[(snd, knd)] = seq
+        self._control_sig[(snd, knd)] = sig
+        return snd, self.trust.role_of(snd) or "unverified", payload
+
+    def role_of(self, sender: str) -> str:
+        """``"device"``, ``"operator"`` or ``"unverified"`` (no trusted key)."""
+        return self.trust.role_of(sender) or "unverified"
+
     # -- membership -----------------------------------------------------------
     def is_member(self, node_id: str) -> bool:
-        """True when ``node_id`` may take part (always, unless signatures are required)."""
-        return not self.require_signatures or self.trust.is_trusted(node_id)
+        """True when ``node_id`` may take part (always, unless signatures are required):
+        a trusted *device* - operators submit runs, they never train."""
+        return not self.require_signatures or self.trust.role_of(node_id) == "device"
 
     def learn(self, node_id: str, cert: Any) -> bool:
         """Trust ``node_id`` by a certificate it announced (presence); False when invalid."""

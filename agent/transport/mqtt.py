@@ -58,6 +58,19 @@ add ``len(topic) + 4`` per message for a close estimate of the full packet).
 ``stats.bytes_received`` counts every payload received on ``inbox``/``out``
 (also those then dropped); presence and status traffic is not counted.
 
+Signed control plane: with ``control`` (a :class:`dfl_agent.security.SecurityGuard`)
+presence and status payloads are the JSON above wrapped in a signed control envelope
+(:meth:`~dfl_agent.security.SecurityGuard.sign_control`, kinds ``"presence"`` and
+``"status"``, a sequence number per kind that survives restarts), and every received
+one goes through :meth:`~dfl_agent.security.SecurityGuard.verify_control`: a rejected
+one is dropped and counted as ``presence_{reason}`` / ``status_{reason}`` (reasons in
+:data:`~dfl_agent.security.trust.CONTROL_REJECT_REASONS`), never handed on.  The MQTT
+last will cannot be signed at disconnect time, so it stays a bare unsigned "offline":
+with ``require_signatures`` an unsigned "offline" is only a hint (counted as
+``presence_unsigned``); the node stays a member until its status heartbeats stop for
+``discovery.heartbeat_timeout`` - a forged "offline" cannot remove a live node.
+``stop()`` publishes a signed "offline", which is obeyed at once.
+
 Drop counters (``stats.dropped``): the :class:`~dfl_agent.transport.chunking.ChunkError`
 reasons (``bad_chunk``, ``oversized``, ``hash_mismatch``, ``too_many_transfers``),
 ``incomplete_transfer`` (expired), ``bad_presence``, ``bad_status``,
@@ -225,6 +238,7 @@ class MqttTransport(Transport):
         tls_cert: str | None = None,
         tls_key: str | None = None,
         max_transfers: int = 64,
+        control: Any = None,
     ):
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name}: {why}")
@@ -274,6 +288,8 @@ class MqttTransport(Transport):
             raise bad("tls_cert", "needs tls_ca and tls_key")
         if not isinstance(max_transfers, int) or max_transfers < 1:
             raise bad("max_transfers", f"must be a positive int, got {max_transfers!r}")
+        #: signs outgoing and verifies incoming presence/status (SecurityGuard or None)
+        self.control = control
         self.tls_ca, self.tls_cert, self.tls_key = tls_ca, tls_cert, tls_key
         self.max_transfers = max_transfers
         self.node_id = node_id
@@ -340,11 +356,13 @@ class MqttTransport(Transport):
 
     # --------------------------------------------------------------- payloads
 
-    def _presence_payload(self, online: bool) -> bytes:
+    def _presence_payload(self, online: bool, signed: bool = True) -> bytes:
         msg: dict[str, Any] = {"state": "online" if online else "offline", "node_id": self.node_id}
         if online:
             msg["descriptor"] = self.descriptor
         msg["time"] = time.time()
+        if signed and self.control is not None:
+            return self.control.sign_control("presence", msg, self.federation)
         return json.dumps(msg).encode()
 
     def _status_payload(self) -> bytes:
@@ -353,7 +371,38 @@ class MqttTransport(Transport):
             status = dict(self._status or {})
             status.update(node_id=self.node_id, time=time.time(), heartbeat=self._heartbeat_seq)
             self._last_status_pub = time.monotonic()
+            if self.control is not None:
+                return self.control.sign_control("status", status, self.federation)
         return json.dumps(status).encode()
+
+    def _open_control(self, leaf: str, node_id: str, payload: bytes) -> tuple[dict[str, Any], str] | None:
+        """The payload dict of a received presence/status and its sender's role, or
+        None when dropped (counted as ``{leaf}_{reason}``).  Without ``control`` the
+        payload is bare JSON (role "unverified")."""
+        if self.control is None:
+            try:
+                msg = json.loads(payload)
+            except ValueError as exc:
+                self._count(f"bad_{leaf}")
+                log.warning("%s: dropped %s of %r: %s", self.node_id, leaf, node_id, exc)
+                return None
+            if isinstance(msg, dict) and "ctl" in msg and isinstance(msg.get("payload"), dict):
+                msg = msg["payload"]  # a signed peer, read without verifying (no trust material)
+            if not isinstance(msg, dict):
+                self._count(f"bad_{leaf}")
+                return None
+            return msg, "unverified"
+        from dfl_agent.security.trust import ControlRejected
+
+        try:
+            _sender, role, msg = self.control.verify_control(payload, leaf, node_id)
+        except ControlRejected as exc:
+            if exc.reason == "duplicate":
+                return None  # a retained message delivered again (reconnect): not a drop
+            self._count(f"{leaf}_{exc.reason}")
+            log.warning("%s: dropped %s on the topic of %r: %s", self.node_id, leaf, node_id, exc)
+            return None
+        return msg, role
 
     # ----------------------------------------------------------- connections
 
@@ -394,7 +443,8 @@ class MqttTransport(Transport):
                 client.tls_set(ca_certs=self.tls_ca, certfile=self.tls_cert, keyfile=self.tls_key,
                                cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
             if home:
-                client.will_set(self._t_presence, self._presence_payload(False), qos=1, retain=True)
+                # unsigned by necessity (see the module docstring): a hint for signed receivers
+                client.will_set(self._t_presence, self._presence_payload(False, signed=False), qos=1, retain=True)
             client.on_connect = self._on_connect
             client.on_connect_fail = self._on_connect_fail
             client.on_disconnect = self._on_disconnect
@@ -511,6 +561,8 @@ class MqttTransport(Transport):
             elif leaf == "status":
                 if sender != self.node_id:
                     self._handle_status(sender, payload)
+                elif payload and not self._own_payload(payload):
+                    self._count("status_self_forged")  # someone else wrote on this node's topic
         except Exception:  # noqa: BLE001 - never kill paho's thread
             log.exception("%s: error handling a message on %s", self.node_id, getattr(msg, "topic", "?"))
 
@@ -556,13 +608,53 @@ class MqttTransport(Transport):
             self.stats.frames_received += 1
         self._dispatch(self._on_frame, result[0], result[1])
 
+    def _own_payload(self, payload: bytes) -> bool:
+        """Whether a payload on this node's own topic was signed by this node."""
+        if self.control is None or self.control.key is None:
+            return True
+        try:
+            env = json.loads(payload)
+            if not isinstance(env, dict) or env.get("sender") != self.node_id or not env.get("sig"):
+                return False
+            from dfl_agent.security.keys import canonical
+
+            sig = env["sig"].split(":", 1)[1]
+            import base64
+
+            self.control.key.public_key().verify(base64.b64decode(sig),
+                                                 canonical({k: v for k, v in env.items() if k != "sig"}))
+            return True
+        except Exception:  # noqa: BLE001 - anything that does not verify is not ours
+            return False
+
     def _handle_presence(self, conn: _Conn, node_id: str, payload: bytes) -> None:
         descriptor: dict[str, Any] | None
+        if node_id == self.node_id:
+            # Our own topic: a stale last will of an earlier run, or a forgery: say we are
+            # online.  Anything on it that this node did not sign (but a bare will) is counted.
+            ours = not payload or self._own_payload(payload)
+            if not ours and not self._is_bare_offline(payload):
+                self._count("presence_self_forged")
+            offline = not payload or not ours or b'"offline"' in payload
+            if offline and conn.home and self._started and not self._stopping:
+                conn.client.publish(self._t_presence, self._presence_payload(True), qos=1, retain=True)
+            return
         if not payload:
             descriptor = None
+            if self.control is not None and self.control.require_signatures:
+                self._count("presence_unsigned")  # a cleared topic: only a hint, liveness decides
+                return
         else:
+            if self.control is not None and self.control.require_signatures and self._is_bare_offline(payload):
+                # the MQTT last will is unsigned by necessity: a hint only, liveness decides
+                self._count("presence_unsigned")
+                log.info("%s: unsigned offline of %r ignored (liveness decides)", self.node_id, node_id)
+                return
+            opened = self._open_control("presence", node_id, payload)
+            if opened is None:
+                return
             try:
-                msg = json.loads(payload)
+                msg = opened[0]
                 if not isinstance(msg, dict) or msg.get("node_id", node_id) != node_id:
                     raise ValueError("not a presence object of this node")
                 state = msg.get("state")
@@ -578,24 +670,29 @@ class MqttTransport(Transport):
                 self._count("bad_presence")
                 log.warning("%s: dropped presence of %r: %s", self.node_id, node_id, exc)
                 return
-        if node_id == self.node_id:
-            # A stale last will of an earlier run of this node: say we are online.
-            if descriptor is None and conn.home and self._started and not self._stopping:
-                conn.client.publish(self._t_presence, self._presence_payload(True), qos=1, retain=True)
-            return
         self._dispatch(self._on_presence, node_id, descriptor)
+
+    @staticmethod
+    def _is_bare_offline(payload: bytes) -> bool:
+        try:
+            msg = json.loads(payload)
+        except ValueError:
+            return False
+        return isinstance(msg, dict) and "ctl" not in msg and msg.get("state") == "offline"
 
     def _handle_status(self, node_id: str, payload: bytes) -> None:
         if not payload:
+            if self.control is not None and self.control.require_signatures:
+                self._count("status_unsigned")  # clearing a status is no evidence of anything
+                return
             self.statuses.pop(node_id, None)
             return
-        try:
-            status = json.loads(payload)
-            if not isinstance(status, dict):
-                raise ValueError("not an object")
-        except ValueError as exc:
-            self._count("bad_status")
-            log.warning("%s: dropped status of %r: %s", self.node_id, node_id, exc)
+        opened = self._open_control("status", node_id, payload)
+        if opened is None:
+            return
+        status = opened[0]
+        if self.control is not None and self.control.require_signatures and opened[1] != "device":
+            self._count("status_not_member")  # e.g. an operator's key: statuses come from members
             return
         self.statuses[node_id] = status
         self._dispatch(self.on_heartbeat, node_id, status)
