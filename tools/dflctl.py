@@ -108,6 +108,18 @@ def cmd_demo(a: argparse.Namespace) -> int:
     ))
 
 
+def observer_guard(cfg: Any) -> Any:
+    """A verifying-only :class:`~dfl_agent.security.SecurityGuard` from a node config's
+    ``[security]`` trust material (pinned keys, operators, federation key); every
+    unsigned or untrusted presence/status then shows as ``untrusted: REASON``."""
+    from dfl_agent.security import SecurityGuard, TrustStore
+
+    sec = cfg.security
+    trust = TrustStore(cfg.federation, {k: str(v) for k, v in sec.trusted_keys.items()}, sec.federation_key,
+                       operators={k: str(v) for k, v in sec.operators.items()})
+    return SecurityGuard("dflctl", None, trust, require_signatures=True)
+
+
 def _observe(a: argparse.Namespace):
     from dfl_agent.cli.observer import Observer
 
@@ -117,7 +129,10 @@ def _observe(a: argparse.Namespace):
 
         cfg = load_config(a.config)
         broker, fed = broker or cfg.mqtt.broker, fed or cfg.federation
-    obs = Observer(broker or "127.0.0.1:1883", fed or "default").start(timeout=a.timeout)
+    obs = Observer(broker or "127.0.0.1:1883", fed or "default")
+    if a.config:  # trust material: verify signatures (without it every entry is "unverified")
+        obs.guard = observer_guard(cfg)
+    obs.start(timeout=a.timeout)
     obs.settle()
     statuses, presence = obs.snapshot()
     obs.stop()
@@ -126,10 +141,12 @@ def _observe(a: argparse.Namespace):
 
 # -- peers / status (operations, issue 10): every field optional, missing ones shown empty --
 
-PEER_COLUMNS = ("node_id", "state", "address", "profile", "algorithm", "model", "round", "last_seen_s",
+PEER_COLUMNS = ("node_id", "trust", "state", "address", "profile", "algorithm", "model", "round", "last_seen_s",
                 "compatibility")
 STATUS_COLUMNS = ("node_id", "state", "round", "role", "sync_state", "last_sync_s", "accuracy", "bytes_sent",
-                  "bytes_received", "errors")
+                  "bytes_received", "errors", "control_dropped")
+#: drop-counter key prefixes of the control plane (presence and status messages)
+CONTROL_PREFIXES = ("presence_", "status_", "bad_presence", "bad_status")
 
 
 def _age(t: Any, now: float) -> float | None:
@@ -161,8 +178,12 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
         compat = d.get("compatibility", s.get("compatibility", ""))
         compat = compat if isinstance(compat, str) else json.dumps(compat, sort_keys=True)
         note = "; ".join(([f"gated: {s['gated']}"] if s.get("gated") else []) + excluded_by.get(nid, []))
+        # trust: the weakest of its presence and status ("unverified" without --config)
+        trusts = [x.get("trust", "unverified") for x in (p, s) if x]
+        trust = next((t for t in trusts if t.startswith("untrusted")), None) or next(
+            (t for t in trusts if t == "unverified"), None) or (trusts[0] if trusts else "unverified")
         rows.append({
-            "node_id": nid, "state": state, "address": d.get("address") or d.get("broker", ""),
+            "node_id": nid, "trust": trust, "verified": trust in ("device", "operator"), "state": state, "address": d.get("address") or d.get("broker", ""),
             "broker": d.get("broker", ""), "profile": d.get("profile", "") or s.get("profile", ""),
             "algorithm": d.get("algorithm", "") or s.get("algorithm", ""), "model": d.get("model_hash", ""),
             "version": d.get("version", ""), "round": s.get("round"), "last_seen_s": last,
@@ -182,6 +203,9 @@ def status_rows(statuses: dict[str, Any], now: float | None = None) -> list[dict
         s = statuses[nid] or {}
         sync = {k: s[k] for k in ("alpha_n", "alpha_last", "threshold", "theta", "hessian_sent") if k in s}
         errors = s.get("errors") if isinstance(s.get("errors"), dict) else {}
+        control = {k: v for k, v in errors.items() if k.startswith(CONTROL_PREFIXES)}
+        if isinstance(s.get("control_dropped"), dict):  # an idle node (run lobby)
+            control.update(s["control_dropped"])
         rows.append({
             "node_id": nid, "state": s.get("state"), "round": s.get("round"), "rounds": s.get("rounds"),
             "role": s.get("role"), "sync_state": sync, "last_sync_s": _age(s.get("last_synchronization"), now)
@@ -192,6 +216,8 @@ def status_rows(statuses: dict[str, Any], now: float | None = None) -> list[dict
             "errors": sum(v for v in errors.values() if isinstance(v, (int, float))), "errors_by_reason": errors,
             # fault tolerance: rounds skipped to catch up, seconds paused without a broker
             "rounds_skipped": s.get("rounds_skipped"), "paused_disconnected_s": s.get("paused_disconnected_s"),
+            # dropped presence/status messages by reason (forged, unsigned, replayed, ...)
+            "control_dropped": control,
         })
     return rows
 

@@ -38,6 +38,8 @@ class Observer:
         self.updated = time.monotonic()
         self._lock = threading.Lock()
         self._connected = threading.Event()
+        #: SecurityGuard verifying presence/status (set before start; None: all "unverified")
+        self.guard: Any = None
         proto = mqtt.MQTTv5 if protocol == "5" else mqtt.MQTTv311
         self._client = mqtt.Client(
             mqtt.CallbackAPIVersion.VERSION2, client_id=f"dflctl-{uuid.uuid4().hex[:8]}", protocol=proto

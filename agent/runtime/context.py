@@ -444,8 +444,13 @@ class RuntimeContext:
         if not self.catch_up:
             return next_round
         # evidence: signed updates of later rounds received from live neighbours (a
-        # round-r update shows that its sender completed round r - 1)
-        ahead = max((self.latest_round.get(p, 0) - 1 for p in self.neighbours()), default=0)
+        # round-r update shows that its sender completed round r - 1).  Bounded: skip to
+        # round r only when at least half of the live neighbours (at least one) showed it,
+        # so one member (or one forged round) cannot make the node skip.
+        shown = sorted((self.latest_round.get(p, 0) - 1 for p in self.neighbours()), reverse=True)
+        if not shown:
+            return next_round
+        ahead = shown[max(1, -(-len(shown) // 2)) - 1]
         if ahead < next_round:
             return next_round
         self.caught_up += ahead + 1 - next_round
@@ -472,7 +477,11 @@ class RuntimeContext:
         return fn(*args, **kwargs)
 
     def reject(self, message: Message, reason: str) -> None:
+        """The algorithm refused ``message`` (bad tensors, ...): drop it, count the
+        reason, and forget its round as catch-up evidence."""
         self._drop(reason.split(":", 1)[0], reason, message.sender)
+        if self.latest_round.get(message.sender, -1) <= message.round:
+            self.latest_round.pop(message.sender, None)
 
     async def end_round(self, round: int, **info: Any) -> None:
         self.current_round = round + 1

@@ -70,13 +70,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PrivateKey,
     Ed25519PublicKey,
 )
+
 from dfl_agent.security.keys import (
     SecurityError,
     canonical,
@@ -118,7 +119,7 @@ class SeqCounter:
     and starts from the current time in milliseconds, which also grows across restarts.
     """
 
-    _shared: dict[str, SeqCounter] = {}
+    _shared: ClassVar[dict[str, SeqCounter]] = {}
 
     def __new__(cls, path: str | os.PathLike[str] | None = None, block: int = 1000) -> SeqCounter:
         # one counter per file in a process: two guards of one node (the training run and

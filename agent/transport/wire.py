@@ -64,13 +64,13 @@ import zstandard
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-#: the frame format's version byte (unchanged by protocol revisions that did not touch it;
-#: :data:`dfl_agent.WIRE_VERSION` is the protocol as a whole, announced in presence and mDNS)
-WIRE_VERSION = 1
 from dfl_agent.algorithms.context import BROADCAST, Message
 from dfl_agent.learning.compression import CompressionError, zstd_inflate
 from dfl_agent.transport import codec as _codec
 
+#: the frame format's version byte (unchanged by protocol revisions that did not touch it;
+#: :data:`dfl_agent.WIRE_VERSION` is the protocol as a whole, announced in presence and mDNS)
+WIRE_VERSION = 1
 MAGIC = b"DFL"
 _PREFIX = struct.Struct(">3sBI")
 PREFIX_LEN = _PREFIX.size

@@ -4,6 +4,7 @@ import json
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from dfl_agent.security import ControlRejected, SecurityGuard, SeqCounter, TrustStore
 from dfl_agent.security.keys import (
     SecurityError,
