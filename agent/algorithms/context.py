@@ -74,13 +74,18 @@ class NodeContext(Protocol):
 
     node_id: str
     rng: np.random.Generator  # this node's seeded stream (batch order, selections)
-    clock: Clock
     data: Any  # dfl_agent.data.NodeData: train_x/train_y/val_x/val_y, num_classes
-    model_spec: Mapping[str, Any]  # see dfl_agent.models
     init_seed: int  # torch seed for this node's initial weights
     seed: int  # the federation's seed, the same on every node (shared schedules)
     train: Any  # dfl_agent.learning.training.TrainConfig
     device: str  # torch device for compute ("cpu", "cuda:0")
+
+    # read-only members (properties), so that an implementation may narrow their types
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def model_spec(self) -> Mapping[str, Any]: ...  # see dfl_agent.models
 
     async def send(self, peer: str, message: Message) -> int:
         """Send ``message`` to one peer; returns bytes put on the wire."""

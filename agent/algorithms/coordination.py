@@ -241,7 +241,9 @@ class RotatingAggregator(Algorithm):
         if not (isinstance(m.get("next"), str) and isinstance(m.get("token"), dict)):
             self.ctx.reject(msg, "bad_meta: done")
             return None
-        info = m.get("info") if isinstance(m.get("info"), dict) else {}
+        info = m.get("info")
+        if not isinstance(info, dict):
+            info = {}
         return Done(msg.round, msg.sender, m["next"], m["token"], info, dict(msg.tensors))
 
     async def _on_done(self, msg: Message) -> None:

@@ -159,7 +159,7 @@ class NeighbourhoodAlgorithm(Algorithm):
         stats = await self._train_and_send(t)  # Alg. 1 lines 9-11
         return {"train_loss": stats["loss"], "neighbours": len(msgs), "neighbour_ids": sorted(got),
                 "missing": missing, **info,
-                **self.market.last.info()}
+                **(self.market.last.info() if self.market.last is not None else {})}
 
     def catches_up(self) -> bool:
         """Lock-step gossip: with round-``t`` updates only (``max_staleness = 0``) a node
@@ -305,7 +305,8 @@ class DecHW(NeighbourhoodAlgorithm):
         if use:
             try:
                 tensors, fallback = hess.hessian_weighted_average(
-                    models, [self.hessian] + hessians, samples, eps=self.options.fallback_eps  # type: ignore[list-item]
+                    models, [self.hessian] + [h for h in hessians if h is not None], samples,
+                    eps=self.options.fallback_eps,
                 )
             except ValueError as exc:
                 # e.g. the own Ĥ went non-finite with a diverging model: never crash the

@@ -173,7 +173,7 @@ class FedAvg(Algorithm):
                                   o.aggregation, clip_norm=o.clip_norm, trim_ratio=o.trim_ratio)
         load_numpy(self.model, gc.finish_mixing(self.choco, own, avg))
         return {"train_loss": stats["loss"], "neighbours": len(senders), "neighbour_ids": senders,
-                "missing": missing, **self.market.last.info()}
+                "missing": missing, **(self.market.last.info() if self.market.last is not None else {})}
 
     def catches_up(self) -> bool:
         """Lock-step gossip: with round-``t`` updates only (``max_staleness = 0``) a node

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from torch import nn
@@ -193,7 +193,7 @@ class FedD2S(GlobalModelRotation):
         self.spec = validate_spec(ctx.model_spec)
         self.personal = self.new_model()
         self.L = d2s.num_layers(self.personal)
-        self.l_min = resolve_l_min(list(self.personal.layer_names), list(o.dropping_set))
+        self.l_min = resolve_l_min(list(cast("list[str]", self.personal.layer_names)), list(o.dropping_set))
         self.z = 0  # Z_n
         self.l = self.L  # l_n of the last participation
         self.batch_size = o.batch_size or ctx.train.batch_size
@@ -240,8 +240,8 @@ class FedD2S(GlobalModelRotation):
             return {}, {"aggregated": 0}
         theta = d2s.average_states([states[s] for s in sorted(states)])
         self._theta_out = theta
-        updates = {s: (theta, {}) for s in states}
-        ls = [m.meta.get("l") for m in contributions.values() if isinstance(m.meta.get("l"), int)]
+        updates: dict[str, tuple[Tensors, dict[str, Any]]] = {s: (theta, {}) for s in states}
+        ls: list[int] = [m.meta["l"] for m in contributions.values() if isinstance(m.meta.get("l"), int)]
         if own:
             ls.append(self.l)
         return updates, {"aggregated": len(states), "mean_l": float(np.mean(ls)) if ls else float("nan")}
@@ -268,5 +268,5 @@ class FedD2S(GlobalModelRotation):
 
     def status(self) -> dict[str, Any]:
         return {**super().status(), "participations": self.z, "distillation_layer": self.l,
-                "layer_name": self.personal.layer_names[self.l - 1], "model": self.spec}
+                "layer_name": cast("list[str]", self.personal.layer_names)[self.l - 1], "model": self.spec}
 

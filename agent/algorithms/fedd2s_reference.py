@@ -26,7 +26,7 @@ import copy
 import dataclasses
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -54,7 +54,7 @@ class ReferenceClient:
         self.node_id, self.data, self.spec, self.o = node_id, data, spec, options
         self.personal = _build(spec, init_seed).to(device)
         self.L = d2s.num_layers(self.personal)
-        self.l_min = resolve_l_min(list(self.personal.layer_names), list(options.dropping_set))
+        self.l_min = resolve_l_min(list(cast("list[str]", self.personal.layer_names)), list(options.dropping_set))
         self.batch_size, self.device = batch_size, device
         self.z, self.l = 0, self.L
 

@@ -59,6 +59,7 @@ buffering never discards them (the sender's step is in ``meta["step"]``).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import copy
 import dataclasses
@@ -340,7 +341,7 @@ class PushAlgorithm(PairAlgorithm):
         await super().setup()
         self._queue: collections.deque[Message] = collections.deque()
         self._gone: set[str] = set()
-        self._server = None
+        self._server: asyncio.Task[None] | None = None
 
     # -- rounds mode ------------------------------------------------------------------------
     async def act_as_sender(self, t: int, receiver: str, deadline: float) -> dict[str, Any]:
@@ -379,9 +380,10 @@ class PushAlgorithm(PairAlgorithm):
             await super().run(rounds, start_round)
             await self.ctx.broadcast(Message(self.kind("leave"), NO_ROUND))
         finally:
-            self._server.cancel()
+            server, self._server = self._server, None
+            server.cancel()
             try:
-                await self._server
+                await server
             except asyncio.CancelledError:
                 pass
             except Exception as exc:  # the server's failure must not hide the loop's

@@ -39,7 +39,7 @@ Graph = dict[str, list[str]]
 
 
 def _from_adjacency(ids: Sequence[str], adj: np.ndarray) -> Graph:
-    return {a: [ids[j] for j in np.flatnonzero(adj[i]) if j != i] for i, a in enumerate(ids)}
+    return {a: [ids[int(j)] for j in np.flatnonzero(adj[i]) if j != i] for i, a in enumerate(ids)}
 
 
 def is_connected(adj: np.ndarray) -> bool:

@@ -49,7 +49,7 @@ def atomic_savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
+            np.savez(f, **arrays)  # type: ignore[arg-type]  # (numpy's stub types **kwds like allow_pickle)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -140,13 +140,15 @@ class _IndexStub:
         self.kind = kind
         self.d = d
 
-    def values(self) -> list[Any] | range:
+    def values(self) -> np.ndarray | list[Any] | range:
         """Labels of the index: a list (object ``Index``) or a ``range``."""
         if self.kind is _RangeIndexClass:
             return range(int(self.d["start"]), int(self.d["stop"]), int(self.d.get("step", 1)))
         data = self.d["data"]
         if not isinstance(data, _NdarrayStub):
             raise pickle.UnpicklingError("Index data is not an ndarray")
+        if data.array is None:
+            raise pickle.UnpicklingError("Index data has no state")
         return data.array
 
 

@@ -512,9 +512,10 @@ def section_len(entry: Mapping[str, Any], coder: str, block: int = 0) -> int:
     if k < n:
         mode = entry.get("i")
         if mode == "v":
-            il = entry.get("il")
-            if not isinstance(il, int) or isinstance(il, bool) or not 0 <= il <= 10 * k:
+            il_raw = entry.get("il")
+            if not isinstance(il_raw, int) or isinstance(il_raw, bool) or not 0 <= il_raw <= 10 * k:
                 raise CompressionError("bad index length")
+            il = il_raw
         elif mode == "m":
             il = -(-n // 8)
         elif mode != "r":

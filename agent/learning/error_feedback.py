@@ -199,12 +199,12 @@ class ChocoGossip:
         if key:
             copy = {k: np.array(v, copy=True) for k, v in tensors.items()}
         else:
-            copy = self.copies.get(sender)
-            if copy is None or self.next_seq.get(sender) != seq or not set(tensors) <= set(copy):
+            old = self.copies.get(sender)
+            if old is None or self.next_seq.get(sender) != seq or not set(tensors) <= set(old):
                 self.copies.pop(sender, None)
                 self.gaps += 1
                 return None
-            copy = _apply(copy, tensors)
+            copy = _apply(old, tensors)
         self.copies[sender] = copy
         self.next_seq[sender] = seq + 1
         return {k: copy[k] for k in tensors}

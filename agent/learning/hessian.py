@@ -301,8 +301,8 @@ def hessian_weighted_average(
     check_same_layout(models)
     names = set(models[0])
     covered = set(names)
-    for h in hessians:
-        covered &= set(h)
+    for hh in hessians:
+        covered &= set(hh)
     out: dict[str, np.ndarray] = {}
     fallback, total = 0, 0
     for name, first in models[0].items():

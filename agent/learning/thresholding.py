@@ -271,7 +271,7 @@ def mean_gradient(gradients: list[Tensors]) -> dict[str, np.ndarray]:
     """
     if not gradients:
         raise ValueError("need at least one gradient to average")
-    return {k: sum(np.asarray(g[k], np.float64) for g in gradients) / len(gradients) for k in gradients[0]}
+    return {k: np.asarray(sum(np.asarray(g[k], np.float64) for g in gradients) / len(gradients)) for k in gradients[0]}
 
 
 def apply_gradient(reference: Tensors, gradient: Tensors, lr: float) -> dict[str, np.ndarray]:

@@ -146,7 +146,9 @@ def collect_facts(
         machine: returns the CPU architecture string.
     """
     if psutil_mod is None:
-        import psutil as psutil_mod
+        import psutil
+
+        psutil_mod = psutil
     has_torch, devices = cuda_devices(cuda)
     battery, temps, load = sensor_readings(psutil_mod)
     tegra = _read_text(tegra_release)

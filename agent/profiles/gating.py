@@ -56,7 +56,9 @@ class ResourceGate:
     def __init__(self, limits: LimitsSection, windows: Sequence[str] = (), *, psutil_mod: Any = None,
                  now: Callable[[], datetime.datetime] = datetime.datetime.now):
         if psutil_mod is None:
-            import psutil as psutil_mod
+            import psutil
+
+            psutil_mod = psutil
         self.limits = limits
         self.windows = list(windows)
         self.psutil = psutil_mod

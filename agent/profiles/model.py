@@ -199,7 +199,7 @@ def _check(value: Any, typ: Any, key: str) -> Any:
         if value is None:
             return None
         return _check(value, next(a for a in typing.get_args(typ) if a is not type(None)), key)
-    if dataclasses.is_dataclass(typ):
+    if isinstance(typ, type) and dataclasses.is_dataclass(typ):
         if not isinstance(value, Mapping):
             raise ProfileError(f"{key}: must be a table")
         return _build(typ, value, key)

@@ -289,7 +289,7 @@ def _check_type(value: Any, typ: Any, key: str) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _check_type(value, inner[0], key)
-    if dataclasses.is_dataclass(typ):
+    if isinstance(typ, type) and dataclasses.is_dataclass(typ):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key}: must be a table")
         return _from_dict(typ, value, key)
@@ -365,9 +365,9 @@ def _validate(cfg: NodeConfig) -> None:
     need(0 <= d.validation_share < 1, "data.validation_share", "must be in [0, 1)")
     need(d.spool_interval > 0, "data.spool_interval", "must be > 0 seconds")
     try:
-        from dfl_agent.store.sqlite import parse_duration
+        from dfl_agent.store.sqlite import parse_duration as parse_store_duration
 
-        parse_duration(d.store_max_age)
+        parse_store_duration(d.store_max_age)
     except ValueError as exc:
         raise ConfigError(f"data.store_max_age: {exc}") from None
     need(cfg.deploy.tolerance >= 0, "deploy.tolerance", "must be >= 0 (accuracy as a fraction)")
@@ -464,7 +464,7 @@ def config_from_dict(raw: Mapping[str, Any]) -> NodeConfig:
         raise ConfigError(str(exc)) from None
     _validate(cfg)
     #: whether the file has an [algorithm] section: the node's default run (runs.py)
-    cfg.has_default_run = "algorithm" in raw  # type: ignore[attr-defined]
+    cfg.has_default_run = "algorithm" in raw
     if cfg.runtime.rejoin is False:
         import logging
 

@@ -330,7 +330,12 @@ class RuntimeContext:
             self._waiters.add(fut)
             handle = None
             if deadline is not None:
-                handle = loop.call_at(deadline, lambda f=fut: f.done() or f.set_result(False))
+
+                def expire(f: asyncio.Future[bool] = fut) -> None:
+                    if not f.done():
+                        f.set_result(False)
+
+                handle = loop.call_at(deadline, expire)
             try:
                 await fut
             finally:

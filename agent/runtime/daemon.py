@@ -182,12 +182,17 @@ class Agent:
         mdns_descriptor = dict(descriptor)
         if guard.certificate is not None:
             descriptor["cert"] = guard.certificate  # presence carries the device certificate
+        def on_heartbeat(peer: str, status: dict[str, Any]) -> None:
+            peers.touch(peer)
+            if self.ctx:
+                self.ctx.note_status(peer, status)
+
         transport = MqttTransport(
             nid, fed, broker=cfg.mqtt.broker, peers=peers, descriptor=descriptor, protocol=cfg.mqtt.protocol,
             chunk_size=cfg.mqtt.chunk_size, max_frame_bytes=cfg.mqtt.max_frame_bytes,
             keepalive=cfg.mqtt.keepalive, heartbeat_interval=cfg.mqtt.heartbeat_interval,
             username=cfg.mqtt.username, password=cfg.mqtt.password,
-            on_heartbeat=lambda peer, status: (peers.touch(peer), self.ctx and self.ctx.note_status(peer, status)),
+            on_heartbeat=on_heartbeat,
             tls_ca=cfg.mqtt.tls_ca, tls_cert=cfg.mqtt.tls_cert, tls_key=cfg.mqtt.tls_key,
             max_transfers=cfg.mqtt.max_transfers, control=guard,
         )
@@ -424,7 +429,8 @@ class Agent:
             out: dict[str, Any] = {}
             for f in dataclasses.fields(c):
                 v = getattr(c, f.name)
-                items = dataclasses.asdict(v).items() if dataclasses.is_dataclass(v) else [(None, v)]
+                items = (dataclasses.asdict(v).items() if dataclasses.is_dataclass(v) and not isinstance(v, type)
+                         else [(None, v)])
                 out.update({f"{f.name}.{k}" if k else f.name: x for k, x in items})
             return out
 

@@ -13,13 +13,16 @@ import copy
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dfl_agent.algorithms.base import Algorithm
 from dfl_agent.learning.training import evaluate, train_local
 from dfl_agent.runtime.context import RuntimeContext
+
+if TYPE_CHECKING:
+    from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class Node:
         self.rounds = rounds
         self.eval_every = max(1, eval_every)
         self.history: list[dict[str, Any]] = []
-        self.shadow = None
+        self.shadow: nn.Module | None = None
         self._shadow_rng: np.random.Generator | None = None
         self._round_started = 0.0
         self._wall_started = time.time()
@@ -193,8 +196,8 @@ class Node:
 
     def _profile_status(self) -> dict[str, Any]:
         """Device-profile fields of the status: gating reason, behaviour, excluded peers."""
-        ctx, out = self.ctx, {}
-        out["gated"] = ctx.gated
+        ctx = self.ctx
+        out: dict[str, Any] = {"gated": ctx.gated}
         if ctx.gated and self.state == "running":
             out["state"] = "gated"
         out["excluded_peers"] = {p: r for p, r in ctx.excluded.items() if not r.startswith("inference-only")}

@@ -373,7 +373,7 @@ class RunVerifier:
             fed = parse_public_key(self.federation_key)
             fed.verify(base64.b64decode(cert["sig"], validate=True),
                        canonical({k: v for k, v in cert.items() if k != "sig"}))
-            return parse_public_key(pub)
+            return parse_public_key(pub) if isinstance(pub, str) else None
         except (SecurityError, KeyError, TypeError, ValueError, binascii.Error):
             return None
         except Exception:  # cryptography's InvalidSignature

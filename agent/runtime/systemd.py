@@ -109,10 +109,11 @@ async def watchdog_loop(notifier: Notifier, interval: float, status: Callable[[]
     cancelled; with ``status``, also refresh ``STATUS=`` when its text changes.
 
     Because the pings are loop callbacks, they stop when the loop is blocked."""
-    last = None
+    last: str | None = None
     while True:
         notifier.watchdog()
         if status is not None:
+            text: str | None
             try:
                 text = status()
             except Exception:  # status is best effort

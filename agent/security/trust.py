@@ -435,7 +435,7 @@ class SecurityGuard:
         sender = header.get("sender")
         if sig is None:
             return "unsigned" if self.require_signatures else None
-        pub = self.trust.key_for(sender)
+        pub = self.trust.key_for(sender) if isinstance(sender, str) else None
         cert = header.get("cert")
         if pub is None and cert is not None and self.trust.federation_key is not None:
             try:

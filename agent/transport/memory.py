@@ -73,13 +73,13 @@ class _VirtualSelector(selectors.SelectSelector):
         super().__init__()
         self._vloop = loop
 
-    def select(self, timeout: float | None = None):  # type: ignore[override]
+    def select(self, timeout: float | None = None):
         if timeout is None:
             raise SimulationDeadlock("every task waits with no deadline (simulation deadlock)")
         if timeout > 0:
             # jump exactly to the earliest timer's due time (adding ``timeout`` would
             # accumulate rounding error and could leave a deadline never quite reached)
-            scheduled = self._vloop._scheduled  # the loop's own timer heap
+            scheduled = self._vloop._scheduled  # type: ignore[attr-defined]  # the loop's own timer heap
             due = scheduled[0]._when if scheduled else self._vloop._vtime + timeout
             self._vloop._vtime = max(self._vloop._vtime, due)
         return []

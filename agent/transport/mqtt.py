@@ -470,6 +470,13 @@ class MqttTransport(Transport):
             conn.connected = True
             conn.error = ""
             rc, mid = client.subscribe(self._subscriptions(conn))
+            if rc != mqtt.MQTT_ERR_SUCCESS:
+                # Not subscribed: stay not ready (start() times out naming this error). A lost
+                # socket is followed by a disconnect, and paho's reconnect subscribes again.
+                conn.sub_mid = None
+                conn.error = f"subscribe failed: {mqtt.error_string(rc)}"
+                log.warning("%s: %s: %s", self.node_id, conn.endpoint, conn.error)
+                return
             conn.sub_mid = mid
             if conn.home and not self._stopping:
                 client.publish(self._t_presence, self._presence_payload(True), qos=1, retain=True)
@@ -636,7 +643,7 @@ class MqttTransport(Transport):
             if not ours and not self._is_bare_offline(payload):
                 self._count("presence_self_forged")
             offline = not payload or not ours or b'"offline"' in payload
-            if offline and conn.home and self._started and not self._stopping:
+            if offline and conn.home and self._started and not self._stopping and conn.client is not None:
                 conn.client.publish(self._t_presence, self._presence_payload(True), qos=1, retain=True)
             return
         if not payload:
@@ -860,6 +867,9 @@ class MqttTransport(Transport):
                         self.node_id, len(frame), topic_name, self.max_pending_bytes, conn.endpoint)
             return 0
         client = conn.client
+        if client is None:  # not connecting yet
+            self._count("not_connected")
+            return 0
         for chunk in chunks:
             info = client.publish(topic_name, chunk, qos=self.qos)
             if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):

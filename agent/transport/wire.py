@@ -211,7 +211,7 @@ def encode(message: Message, *, federation: str, sender: str,
         "sig": None,
     }
     # -- compact envelope (issue 8): leave out what the receiver can infer --
-    if raw_codec:
+    if raw_codec and message.encoding is not None:
         header["encoding"] = {"format": "codec", "codec": _compact_codec(message.encoding)}
     if not payload:
         del header["payload_sha256"], header["payload_len"]
