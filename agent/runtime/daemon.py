@@ -473,7 +473,7 @@ class Agent:
         for n, s in statuses.items():
             r = s.get("run")
             if isinstance(r, dict) and r.get("id") == rid:  # the run's view (an idle node's status too)
-                state = {"training": "running"}.get(r.get("state"), r.get("state"))
+                state = "running" if r.get("state") == "training" else r.get("state")
                 out[n] = {**s, "state": state, "round": r.get("round", 0)}
         return out
 
