@@ -131,7 +131,8 @@ class Agent:
         from dfl_agent.discovery.peers import PeerTable
         from dfl_agent.discovery.static import load_static_peers
         from dfl_agent.learning.training import TrainConfig
-        from dfl_agent.models import default_spec, spec_hash, validate_spec
+        from dfl_agent.models import spec_hash, validate_spec
+        from dfl_agent.models.defaults import algorithm_default_spec, check_algorithm_models
         from dfl_agent.runtime.context import RuntimeContext
         from dfl_agent.runtime.node import Node, init_seed_for
         from dfl_agent.transport.mqtt import MqttTransport
@@ -151,9 +152,10 @@ class Agent:
                 bundle = load_dataset(d.dataset, path=d.path, cache_dir=d.cache_dir)
                 data = node_data_for(bundle, d.num_nodes, d.node_index, d.partition, seed=cfg.seed, beta=d.beta,
                                      zeta=d.zeta)
-            spec = validate_spec(cfg.model.spec) if cfg.model.spec else default_spec(
-                bundle.pool.input_shape, bundle.pool.num_classes, behaviour.model_size or "medium"
+            spec = validate_spec(cfg.model.spec) if cfg.model.spec else algorithm_default_spec(
+                algo_cls.name, bundle.pool.input_shape, bundle.pool.num_classes, behaviour.model_size or "medium"
             )
+            check_algorithm_models(algo_cls.name, [spec])
             if spec["num_classes"] != bundle.pool.num_classes:
                 raise ValueError(f"model.spec has {spec['num_classes']} classes, the data {bundle.pool.num_classes}")
             behaviour = apply_profile(cfg, algo_cls.name, spec=spec)[1]  # aggregator memory check

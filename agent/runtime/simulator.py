@@ -22,7 +22,8 @@ from dfl_agent.data import load_dataset, make_node_data, partition
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.compression import CompressionPolicy
 from dfl_agent.learning.training import TrainConfig
-from dfl_agent.models import default_spec, spec_hash, validate_spec
+from dfl_agent.models import spec_hash, validate_spec
+from dfl_agent.models.defaults import algorithm_default_spec, check_algorithm_models, simulator_default_specs
 from dfl_agent.models.families import family_specs
 from dfl_agent.profiles import peer_incompatibility
 from dfl_agent.runtime import metrics
@@ -139,20 +140,24 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         parts = sampled_parts(len(bundle.pool), cfg.nodes, cfg.samples_per_node, cfg.seed)
     else:
         parts = partition(bundle.pool, cfg.nodes, cfg.partition, seed=cfg.seed, beta=cfg.beta, zeta=cfg.zeta)
-    spec = validate_spec(cfg.model_spec) if cfg.model_spec else default_spec(
-        bundle.pool.input_shape, bundle.pool.num_classes, cfg.model_size
+    shape, n_classes = bundle.pool.input_shape, bundle.pool.num_classes
+    spec = validate_spec(cfg.model_spec) if cfg.model_spec else algorithm_default_spec(
+        cfg.algorithm, shape, n_classes, cfg.model_size
     )
     if cfg.model_family:
-        fam = family_specs(cfg.model_family, bundle.pool.input_shape, bundle.pool.num_classes)
+        fam = family_specs(cfg.model_family, shape, n_classes)
         specs = [fam[i % len(fam)] for i in range(cfg.nodes)]
     elif cfg.model_specs:
         specs = [validate_spec(cfg.model_specs[i % len(cfg.model_specs)]) for i in range(cfg.nodes)]
-    else:
+    elif cfg.model_spec:
         specs = [spec] * cfg.nodes
+    else:  # the algorithm's default (H1 for the width-scaled ones)
+        specs = simulator_default_specs(cfg.algorithm, shape, n_classes, cfg.nodes, cfg.model_size)
     behaviours = _profile_behaviours(cfg)
     if behaviours and not (cfg.model_family or cfg.model_specs or cfg.model_spec):
-        specs = [default_spec(bundle.pool.input_shape, bundle.pool.num_classes, b.model_size or cfg.model_size)
+        specs = [algorithm_default_spec(cfg.algorithm, shape, n_classes, b.model_size or cfg.model_size)
                  for b in behaviours]
+    check_algorithm_models(cfg.algorithm, specs)
     ids = [node_name(i) for i in range(cfg.nodes)]
     policy = CompressionPolicy.from_config(
         cfg.compression, cfg.compression_kinds, error_feedback=cfg.error_feedback,
