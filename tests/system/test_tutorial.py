@@ -20,11 +20,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIAL = ROOT / "docs" / "tutorials" / "first-federation.md"
+LIVE = ROOT / "docs" / "tutorials" / "live-data.md"
 
 
-def tutorial_blocks() -> list[str]:
-    """The ``bash`` code blocks of the tutorial, in order."""
-    return re.findall(r"```bash\n(.*?)```", TUTORIAL.read_text(encoding="utf-8"), flags=re.S)
+def tutorial_blocks(page: Path = TUTORIAL) -> list[str]:
+    """The ``bash`` code blocks of a tutorial page, in order."""
+    return re.findall(r"```bash\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.S)
+
+
+def run_blocks(blocks: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run the blocks as one bash script with this interpreter's console scripts first on PATH."""
+    script = "set -euo pipefail\n" + "\n".join(blocks)
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), "/usr/sbin", env.get("PATH", "")])
+    env["PYTHONUNBUFFERED"] = "1"
+    return subprocess.run(["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_tutorial_blocks_are_found() -> None:
@@ -38,12 +48,7 @@ def test_tutorial_blocks_are_found() -> None:
 def test_first_federation_tutorial(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     blocks = [b for b in tutorial_blocks() if not b.startswith("# tutorial: install")]
-    script = "set -euo pipefail\n" + "\n".join(blocks)
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), "/usr/sbin", env.get("PATH", "")])
-    env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = run_blocks(blocks, tmp_path)
     fed = tmp_path / "fed-tutorial"
     logs = "".join((fed / f"node{i}.log").read_text() for i in range(3) if (fed / f"node{i}.log").exists())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs[-3000:]
@@ -53,3 +58,18 @@ def test_first_federation_tutorial(tmp_path: Path) -> None:
     assert [f[0] for f in finals] == ["0", "1", "2"], proc.stdout
     assert all(int(f[1]) == 5 for f in finals)
     assert all(0.0 < float(f[2]) <= 1.0 for f in finals)
+
+
+@pytest.mark.skipif(shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists(),
+                    reason="needs mosquitto")
+def test_live_data_tutorial(tmp_path: Path) -> None:
+    """Always-on agents: samples fed with dflctl data add, a submitted run, a deployed model."""
+    pytest.importorskip("torch")
+    proc = run_blocks(tutorial_blocks(LIVE), tmp_path)
+    fed = tmp_path / "live-tutorial"
+    logs = "".join((fed / f"node{i}.log").read_text() for i in range(3) if (fed / f"node{i}.log").exists())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs[-4000:]
+    assert proc.stdout.count("configuration OK") == 3
+    for i in range(3):
+        assert (fed / f"node{i}" / "models" / "current" / "manifest.json").exists()
+    assert re.search(r"deployed version \S+ of run \S+ accuracy [0-9.]+", proc.stdout), proc.stdout[-2000:]
