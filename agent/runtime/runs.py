@@ -27,7 +27,6 @@ the federation key - may submit or cancel; anything else is refused (see
 from __future__ import annotations
 
 import base64
-import binascii
 import dataclasses
 import hashlib
 import json
@@ -316,15 +315,11 @@ def admit(d: RunDescriptor, profile: Any, *, node_id: str, model_params: int | N
 # -- signing ---------------------------------------------------------------------
 def operator_certificate(federation_key: Any, federation: str, name: str, public_b64: str,
                          valid_days: float | None = None) -> dict[str, Any]:
-    """An operator certificate (version 2, ``role = "operator"``) signed by the federation key."""
-    from dfl_agent.security.keys import canonical
+    """An operator certificate (version 2, ``role = "operator"``) signed by the federation key
+    (what ``dflctl keys enroll NAME --role operator`` writes)."""
+    from dfl_agent.security.keys import issue_certificate
 
-    issued = time.time()
-    cert: dict[str, Any] = {"v": 2, "role": "operator", "fed": federation, "node_id": name,
-                            "public_key": public_b64, "issued": issued,
-                            "expires": None if valid_days is None else issued + valid_days * 86400.0}
-    cert["sig"] = base64.b64encode(federation_key.sign(canonical(cert))).decode()
-    return cert
+    return issue_certificate(federation_key, federation, name, public_b64, valid_days=valid_days, role="operator")
 
 
 def sign_descriptor(d: RunDescriptor, key: Any | None, signer: str = "", cert: dict[str, Any] | None = None) -> bytes:
@@ -357,7 +352,9 @@ class RunVerifier:
         self.refused: dict[str, int] = {}
 
     def _operator_key(self, msg: Mapping[str, Any]) -> Any:
-        from dfl_agent.security.keys import SecurityError, canonical, parse_public_key
+        """The signer's public key when it is an operator; ``"device"`` for a valid
+        certificate of another role; None when unknown or invalid."""
+        from dfl_agent.security.keys import SecurityError, certificate_role, parse_public_key, verify_certificate
 
         signer, cert, pub = msg.get("signer"), msg.get("cert"), msg.get("public_key")
         if isinstance(signer, str) and signer in self.operators and self.operators[signer] == pub:
@@ -365,19 +362,12 @@ class RunVerifier:
         if not isinstance(cert, dict) or not self.federation_key:
             return None
         try:
-            if cert.get("role") != "operator" or cert.get("fed") != self.federation or cert.get("public_key") != pub:
-                return "device"
-            exp = cert.get("expires")
-            if exp is not None and time.time() > float(exp):
-                return None
-            fed = parse_public_key(self.federation_key)
-            fed.verify(base64.b64decode(cert["sig"], validate=True),
-                       canonical({k: v for k, v in cert.items() if k != "sig"}))
-            return parse_public_key(pub) if isinstance(pub, str) else None
-        except (SecurityError, KeyError, TypeError, ValueError, binascii.Error):
+            _, cert_pub = verify_certificate(cert, parse_public_key(self.federation_key), self.federation)
+        except SecurityError:
             return None
-        except Exception:  # cryptography's InvalidSignature
+        if cert_pub != pub:
             return None
+        return parse_public_key(pub) if certificate_role(cert) == "operator" else "device"
 
     def check(self, payload: bytes) -> tuple[RunDescriptor | None, str | None]:
         """``(descriptor, None)`` when usable, else ``(None, reason)`` with the reason one
