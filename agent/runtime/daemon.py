@@ -236,6 +236,8 @@ class Agent:
 
         self.node = node = Node(ctx, algo_cls(ctx, options), bundle.test.x, bundle.test.y,
                                 baseline_local=cfg.runtime.baseline_local, sink=sink, rounds=cfg.algorithm.rounds)
+        if self.store is not None:  # no global test set: "global" accuracy is the validation slice's
+            node.accuracy_source = "local validation"
         if run_id is not None:
             node.run_info = {"id": run_id, "state": "accepted", "reason": ""}
         if _onnx_available():  # send the deployable model to inference-only members

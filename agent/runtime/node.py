@@ -84,6 +84,9 @@ class Node:
         # status is published; the daemon saves a crash-safe checkpoint here.
         self.checkpoint: Callable[[int], Awaitable[None]] | None = None
         self.checkpoint_errors = 0
+        #: what "global accuracy" measures when there is no global test set (the sample
+        #: store: "local validation"); shown in the status as ``global_accuracy_source``
+        self.accuracy_source: str | None = None
 
     async def setup(self) -> None:
         await self.algorithm.setup()
@@ -175,6 +178,7 @@ class Node:
             "global_accuracy": last.get("global_accuracy"),
             "local_accuracy": last.get("local_accuracy"),
             "local_only_global_accuracy": last.get("local_only_global_accuracy"),
+            **({"global_accuracy_source": self.accuracy_source} if self.accuracy_source else {}),
             "last_synchronization": last.get("time"),
             "neighbours": last.get("neighbours"),
             "live_peers": self.ctx.live_peers(),

@@ -98,15 +98,19 @@ def test_two_runs_on_a_growing_store_deploy_one_version_each(tmp_path):
         # the signed, retained announcement
         got = []
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
-        c.on_message = lambda cl, u, msg: got.append(json.loads(msg.payload))
+        statuses = []
+        c.on_message = lambda cl, u, msg: (statuses if msg.topic.endswith("/status") else got).append(
+            json.loads(msg.payload))
         host, port = broker.endpoint.rsplit(":", 1)
         c.connect(host, int(port))
         c.subscribe(f"dfl/{fed}/node/dev1/model", qos=1)
+        c.subscribe(f"dfl/{fed}/node/dev1/status", qos=1)
         c.loop_start()
         deadline = time.time() + 10
-        while not got and time.time() < deadline:
+        while not (got and statuses) and time.time() < deadline:
             time.sleep(0.1)
         c.loop_stop()
+        assert statuses and statuses[0]["global_accuracy_source"] == "local validation"  # no global test set
         assert got and got[0]["version"] == 2 and got[0]["sha256"] == models.manifest(2)["sha256"]
         assert verify_announcement(got[0], load_private_key(state / "node_key.pem").public_key())
     st = json.loads(subprocess.run([sys.executable, "-m", "dfl_agent.cli.dflctl", "data", "status", "--state-dir",

@@ -83,6 +83,19 @@ def test_gate_force_rollback_and_onnx_agreement(tmp_path, capsys):
             want = good(torch.from_numpy(x)).numpy()
         assert np.abs(got - want).max() <= 1e-4
         assert m["onnx"] and m["sha256"] == m["files"]["model.onnx"]["sha256"]
+        # the example of the application contract (FORMAT.md) runs as printed
+        import contextlib
+        import importlib.resources
+        import io
+        import re
+
+        text = (importlib.resources.files("dfl_agent.deploy") / "FORMAT.md").read_text(encoding="utf-8")
+        code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+        assert len(code.strip().splitlines()) <= 22
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(code.replace("/var/lib/dfl-agent/models", str(tmp_path / "models")), {})
+        assert out.getvalue().startswith("2 [")  # current is v2 here
 
 
 def test_few_validation_samples_and_keep(tmp_path):
@@ -128,3 +141,4 @@ def test_signed_announcement(tmp_path):
     assert doc["version"] == 1 and doc["sha256"] == models.manifest(1)["sha256"]
     assert verify_announcement(doc, key.public_key())
     assert not verify_announcement({**doc, "version": 2}, key.public_key())
+
