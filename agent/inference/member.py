@@ -57,24 +57,28 @@ class InferenceMember:
         state_dir: where ``model.onnx`` and ``predictions.json`` go.
         windows: a ``.npz``/``.csv`` window file to predict on after each new model.
         threads: onnxruntime threads.
+        sign: sign presence and status with the node key in ``state_dir`` (created on
+            first start; ``node_cert.json`` there is sent along), as training nodes do,
+            so that federations with ``require_signatures`` trust them.
     """
 
     def __init__(self, node_id: str, federation: str, *, state_dir: str | os.PathLike[str],
                  transport: Any = None, peers: PeerTable | None = None, broker: str = "127.0.0.1:1883",
                  windows: str | None = None, threads: int = 1, max_frame_bytes: int = 64 * 1024 * 1024,
-                 heartbeat_interval: float = 5.0, protocol: str = "5"):
+                 heartbeat_interval: float = 5.0, protocol: str = "5", sign: bool = True):
         self.node_id, self.federation = node_id, federation
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.peers = peers or PeerTable(node_id, federation, heartbeat_timeout=30.0)
         self.descriptor = {**DESCRIPTOR, "broker": broker, "version": f"{__version__}/w{WIRE_VERSION}"}
+        self.guard = self._guard(node_id, federation) if sign else None
         if transport is None:
             from dfl_agent.transport.mqtt import MqttTransport
 
             transport = MqttTransport(node_id, federation, broker=broker, peers=self.peers, descriptor=self.descriptor,
                                       protocol=protocol, max_frame_bytes=max_frame_bytes,
                                       heartbeat_interval=heartbeat_interval,
-                                      on_heartbeat=lambda peer, status: self.peers.touch(peer))
+                                      on_heartbeat=lambda peer, status: self.peers.touch(peer), control=self.guard)
         self.ctx = RuntimeContext(node_id=node_id, federation=federation, transport=transport, peers=self.peers,
                                   data=None, model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0),
                                   max_frame_bytes=max_frame_bytes)
@@ -85,6 +89,21 @@ class InferenceMember:
         self.predictions: dict[str, Any] | None = None
         self.state = "waiting_for_model"
         self.started = time.time()
+
+    def _guard(self, node_id: str, federation: str) -> Any:
+        """A signing :class:`~dfl_agent.security.SecurityGuard` (signatures not required
+        of others) with the key and certificate of ``state_dir``."""
+        from dfl_agent.security import SecurityGuard, SeqCounter, TrustStore
+        from dfl_agent.security.keys import CERT_FILE, load_certificate, load_or_create_key, public_key_b64
+        from dfl_agent.security.trust import SEQ_FILE
+
+        key = load_or_create_key(self.state_dir)
+        cert_path = self.state_dir / CERT_FILE
+        cert = load_certificate(cert_path) if cert_path.exists() else None
+        if cert is not None:
+            self.descriptor["cert"] = cert  # presence carries the device certificate
+        return SecurityGuard(node_id, key, TrustStore(federation, {node_id: public_key_b64(key)}), certificate=cert,
+                             seq=SeqCounter(self.state_dir / SEQ_FILE))
 
     async def start(self) -> None:
         await self.ctx.start()

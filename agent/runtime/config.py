@@ -392,6 +392,15 @@ def _validate(cfg: NodeConfig) -> None:
     need(disc.start_timeout > 0, "discovery.start_timeout", "must be > 0")
     need(disc.heartbeat_timeout > 0, "discovery.heartbeat_timeout", "must be > 0")
     # -- security
+    from dfl_agent.discovery.static import parse_peer
+
+    sp = cfg.discovery.static_peers
+    need(isinstance(sp, (list, tuple)), "discovery.static_peers", "must be a list")
+    for i, entry in enumerate(sp):
+        try:
+            parse_peer(entry)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"discovery.static_peers[{i}]: {exc}") from None
     sec = cfg.security
     need(sec.replay_window > 0, "security.replay_window", "must be > 0 seconds")
     need(sec.max_queued_per_sender >= 1, "security.max_queued_per_sender", "must be >= 1")

@@ -195,7 +195,10 @@ class RuntimeContext:
             self._drop("malformed", repr(exc))
             return
         if msg.sender == self.node_id:
-            return  # our own broadcast echoed back
+            # no transport hands a node its own frames (MQTT skips its own "out" topic, the
+            # memory network its sender): this one was forged or replayed in our name
+            self._drop("self_addressed", f"{msg.kind} round {msg.round}", msg.sender)
+            return
         if msg.sender in self.excluded and msg.kind != "onnx.model":
             self._drop("incompatible_peer", self.excluded[msg.sender], msg.sender)
             return
