@@ -70,7 +70,7 @@ class InferenceMember:
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.peers = peers or PeerTable(node_id, federation, heartbeat_timeout=30.0)
-        self.descriptor = {**DESCRIPTOR, "broker": broker, "version": f"{__version__}/w{WIRE_VERSION}"}
+        self.descriptor: dict[str, Any] = {**DESCRIPTOR, "broker": broker, "version": f"{__version__}/w{WIRE_VERSION}"}
         self.guard = self._guard(node_id, federation) if sign else None
         if transport is None:
             from dfl_agent.transport.mqtt import MqttTransport
