@@ -54,7 +54,9 @@ def cmd_export(a: argparse.Namespace) -> int:
     out = {"onnx": a.onnx, "bytes": len(data), "spec": spec, "source": source, "max_abs_diff": diff,
            "checked_windows": int(len(test_x)), "torch_test_accuracy": acc, "windows_out": a.windows_out}
     if a.json:
-        print(json.dumps(out, indent=2))
+        from dfl_agent.cli.output import json_doc
+
+        print(json_doc(out))
     else:
         print(f"exported {a.onnx} ({len(data)} bytes, {spec['type']}, {source}); onnxruntime vs torch on "
               f"{len(test_x)} test windows: max |Δlogit| = {diff:.2e}; torch test accuracy {acc:.4f}")

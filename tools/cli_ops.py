@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 import socket
@@ -23,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from dfl_agent.cli.output import json_doc
 
 UNIT_DIR = "etc/systemd/system"
 SYSUSERS_DIR = "etc/sysusers.d"
@@ -44,6 +45,20 @@ def default_exec() -> str:
         return str(cand)
     found = shutil.which("dfl-agent")
     return found or "/usr/local/bin/dfl-agent"
+
+
+#: folders the shipped unit hides from the service (ProtectHome=yes, PrivateTmp=yes)
+HIDDEN_PREFIXES = ("/home", "/root", "/run/user", "/tmp", "/var/tmp")
+
+
+def hidden_from_service(exe: str) -> str | None:
+    """The folder among :data:`HIDDEN_PREFIXES` that holds ``exe`` (after resolving links),
+    or None when the service can see it."""
+    for path in {exe, str(Path(exe).resolve())}:
+        for prefix in HIDDEN_PREFIXES:
+            if path == prefix or path.startswith(prefix + "/"):
+                return prefix
+    return None
 
 
 def profile_resources(profile: str | None) -> dict[str, str]:
@@ -80,6 +95,7 @@ class Plan:
     files: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
     commands: list[list[str]] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
 
 def build_plan(a: argparse.Namespace) -> Plan:
@@ -102,6 +118,13 @@ def build_plan(a: argparse.Namespace) -> Plan:
     exe = a.exec_path or default_exec()
     unit_text = unit_text.replace("/usr/local/bin/dfl-agent", exe)
     plan = Plan()
+    hidden = hidden_from_service(exe)
+    if hidden:
+        plan.warnings.append(
+            f"ExecStart {exe} lies under {hidden}, which the unit hides from the service "
+            f"({'ProtectHome=yes' if hidden != '/tmp' else 'PrivateTmp=yes'}): it will not start. Install "
+            "dfl-agent system-wide (e.g. python3 -m venv /opt/dfl-agent && /opt/dfl-agent/bin/pip install "
+            "'dfl-agent[train]') and pass --exec /opt/dfl-agent/bin/dfl-agent")
     plan.files[str(root / UNIT_DIR / template)] = (unit_text, 0o644)
     plan.files[str(root / SYSUSERS_DIR / "dfl-agent.conf")] = (
         (src / "sysusers.d" / "dfl-agent.conf").read_text(encoding="utf-8"), 0o644)
@@ -144,9 +167,10 @@ def build_plan(a: argparse.Namespace) -> Plan:
 def cmd_install_service(a: argparse.Namespace) -> int:
     plan = build_plan(a)
     if a.json:
-        print(json.dumps({"dry_run": a.dry_run, "files": {p: {"mode": oct(m), "content": c}
+        print(json_doc({"dry_run": a.dry_run, "files": {p: {"mode": oct(m), "content": c}
                                                          for p, (c, m) in plan.files.items()},
-                          "commands": plan.commands, "notes": plan.notes}, indent=2))
+                          "commands": plan.commands, "notes": plan.notes,
+                          "warnings": plan.warnings}, indent=2))
     else:
         for path, (content, mode) in plan.files.items():
             print(f"{'would write' if a.dry_run else 'write'} {path} (mode {oct(mode)})")
@@ -156,6 +180,8 @@ def cmd_install_service(a: argparse.Namespace) -> int:
             print(f"{'would run' if a.dry_run else 'run'}: {' '.join(cmd)}")
         for note in plan.notes:
             print(f"note: {note}")
+    for warning in plan.warnings:
+        print(f"dflctl: warning: {warning}", file=sys.stderr)
     if a.dry_run:
         return 0
     for path, (content, mode) in plan.files.items():
@@ -203,8 +229,8 @@ def cmd_watch(a: argparse.Namespace) -> int:
         if a.json:
             while a.count is None or n < a.count:
                 statuses, presence = obs.snapshot()
-                print(json.dumps({"time": time.time(), "peers": peer_rows(statuses, presence),
-                                  "status": status_rows(statuses), "runs": run_rows(obs.runs, statuses)}),
+                print(json_doc({"time": time.time(), "peers": peer_rows(statuses, presence),
+                                  "status": status_rows(statuses), "runs": run_rows(obs.runs, statuses)}, indent=None),
                       flush=True)
                 n += 1
                 if a.count is None or n < a.count:
@@ -362,7 +388,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     results.append(check_permissions(state_dir, a.config, bool(cfg.mqtt.password)))
     results.append(check_checkpoint(state_dir))
     if a.json:
-        print(json.dumps(results, indent=2))
+        print(json_doc(results, key="checks"))
     else:
         mark = {"ok": "✓", "warn": "!", "fail": "✗"}
         for r in results:

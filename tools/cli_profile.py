@@ -15,6 +15,8 @@ import argparse
 import json
 from typing import Any
 
+from dfl_agent.cli.output import json_doc
+
 
 def cmd_detect(a: argparse.Namespace) -> int:
     from dfl_agent.profiles import ResourceGate, collect_facts, detect, list_profiles, select_behaviour
@@ -32,7 +34,7 @@ def cmd_detect(a: argparse.Namespace) -> int:
     gate = ResourceGate(prof.limits, prof.training.windows).check()
     out["gated"] = gate
     if a.json:
-        print(json.dumps(out, indent=2, default=str))
+        print(json_doc(out))
         return 0
     f = facts
     print(f"machine: {f.arch}, {f.cpu_count} CPUs, {f.memory_mb} MiB, "
@@ -56,7 +58,7 @@ def cmd_list(a: argparse.Namespace) -> int:
 
     profiles = list_profiles(a.profiles_dir)
     if a.json:
-        print(json.dumps([p.to_dict() for p in profiles], indent=2))
+        print(json_doc([p.to_dict() for p in profiles], key="profiles"))
         return 0
     for p in profiles:
         alias = f" (alias {', '.join(p.aliases)})" if p.aliases else ""
@@ -81,7 +83,7 @@ def cmd_show(a: argparse.Namespace) -> int:
     d["algorithm_rule"] = {alg: {"listed": alg in p.behaviour.algorithms, "rule_allows": why is None,
                                  "reason": why or ""} for alg, why in rule.items()}
     if a.json:
-        print(json.dumps(d, indent=2))
+        print(json_doc(d))
         return 0
     d.pop("algorithm_rule")
     for section, value in d.items():

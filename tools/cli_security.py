@@ -118,17 +118,23 @@ def cmd_enroll(a: argparse.Namespace) -> int:
 
 
 def cmd_show(a: argparse.Namespace) -> int:
+    """``keys show``: the federation key, the node key and the node certificate (with ``--json``
+    one document: ``federation_key``, ``node_key``, ``certificate``; absent parts are null)."""
+    doc: dict[str, Any] = {"federation_key": None, "node_key": None, "certificate": None}
+    lines: list[str] = []
     fed_pub = None
     if a.dir and (Path(a.dir) / FEDERATION_KEY_FILE).exists():
         fed_pub = public_key_b64(_fed_key(Path(a.dir)))
-        print(f"federation public key {fed_pub} (fingerprint {fingerprint(fed_pub)})")
+        doc["federation_key"] = {"public_key": fed_pub, "fingerprint": fingerprint(fed_pub)}
+        lines.append(f"federation public key {fed_pub} (fingerprint {fingerprint(fed_pub)})")
     if a.state_dir:
         s = Path(a.state_dir)
         if not (s / KEY_FILE).exists():
-            print(f"{s / KEY_FILE}: no node key yet (created on the agent's first start)")
+            lines.append(f"{s / KEY_FILE}: no node key yet (created on the agent's first start)")
         else:
             pub = public_key_b64(load_private_key(s / KEY_FILE))
-            print(f"node public key {pub} (fingerprint {fingerprint(pub)})")
+            doc["node_key"] = {"public_key": pub, "fingerprint": fingerprint(pub)}
+            lines.append(f"node public key {pub} (fingerprint {fingerprint(pub)})")
         if (s / CERT_FILE).exists():
             cert: dict[str, Any] = load_certificate(s / CERT_FILE)
             state = "not verified (no --dir with the federation key)"
@@ -138,7 +144,15 @@ def cmd_show(a: argparse.Namespace) -> int:
                     state = "valid"
                 except SecurityError as exc:
                     state = f"INVALID: {exc}"
-            print(f"certificate: node {cert.get('node_id')} federation {cert.get('fed')}: {state}")
+            doc["certificate"] = {"node_id": cert.get("node_id"), "federation": cert.get("fed"), "state": state}
+            lines.append(f"certificate: node {cert.get('node_id')} federation {cert.get('fed')}: {state}")
+    if getattr(a, "json", False):
+        from dfl_agent.cli.output import json_doc
+
+        print(json_doc(doc))
+    else:
+        for line in lines:
+            print(line)
     return 0
 
 
@@ -164,5 +178,6 @@ def register(sub: Any) -> None:
     en.set_defaults(func=cmd_enroll)
     sh = ks.add_parser("show", help="show a node's key and certificate, and the federation key")
     sh.add_argument("--state-dir", help="the node's state directory holding its key")
+    sh.add_argument("--json", action="store_true", help="machine-readable output (schema_version 1)")
     sh.add_argument("--dir", help="folder of the federation key")
     sh.set_defaults(func=cmd_show)

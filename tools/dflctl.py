@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dfl_agent import __version__
+from dfl_agent.cli.output import console, json_doc
 
 # the architecture modes of dfl_agent.models.families.FAMILIES, named here so that building the
 # parser does not import torch (tests/unit/test_cli_startup.py checks they agree)
@@ -65,6 +66,9 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         samples_per_node=a.samples_per_node,
     )
     s = simulate(cfg)
+    if a.json:
+        print(json_doc(s, default=float))
+        return 0
     g, lo = s["global_accuracy"], s["local_accuracy"]
     print(
         f"{s['algorithm']}: {s['nodes']} nodes, {s['rounds_completed']} rounds on {a.dataset}/{a.partition} in "
@@ -249,11 +253,10 @@ def cmd_peers(a: argparse.Namespace) -> int:
     statuses, presence = _observe(a)
     rows = peer_rows(statuses, presence, stale_after=a.stale_after)
     if a.json:
-        print(json.dumps(rows, indent=2))
+        print(json_doc(rows, key="peers"))
         return 0
-    from rich.console import Console
 
-    Console().print(render_table("peers", rows, PEER_COLUMNS))
+    console().print(render_table("peers", rows, PEER_COLUMNS))
     return 0
 
 
@@ -265,11 +268,9 @@ def cmd_status(a: argparse.Namespace) -> int:
             return 1
         statuses = {a.node: statuses[a.node]}
     if a.json:
-        print(json.dumps(statuses, indent=2, sort_keys=True))
+        print(json_doc({"nodes": statuses}, sort_keys=True))
         return 0
-    from rich.console import Console
-
-    con = Console()
+    con = console()
     con.print(render_table("status", status_rows(statuses), STATUS_COLUMNS))
     if a.node:  # one node: every field of its status document
         for k, v in sorted(statuses[a.node].items()):
@@ -280,7 +281,10 @@ def cmd_status(a: argparse.Namespace) -> int:
 def cmd_algorithms(a: argparse.Namespace) -> int:
     from dfl_agent.algorithms.base import available
 
-    print("\n".join(available()))
+    if a.json:
+        print(json_doc(list(available()), key="algorithms"))
+    else:
+        print("\n".join(available()))
     return 0
 
 
@@ -321,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=None, help="report folder (summary.json, metrics.jsonl, accuracy.png)")
     s.add_argument("--profiles", default=None, metavar="A,B,C",
                    help="device profiles per node (cycled): model size, roles, compression (dflctl profile list)")
+    s.add_argument("--json", action="store_true",
+                   help="print the summary as one JSON document (schema_version 1) instead of the text line")
     _compression_args(s)
     s.set_defaults(func=cmd_simulate)
 
@@ -360,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
         c.set_defaults(func=fn)
 
     al = sub.add_parser("algorithms", help="list registered algorithms")
+    al.add_argument("--json", action="store_true", help="machine-readable output (schema_version 1)")
     al.set_defaults(func=cmd_algorithms)
     _register_extensions(sub)
     from dfl_agent.cli.output import apply_formatter
@@ -391,12 +398,19 @@ def _register_extensions(sub: Any) -> None:
         module.register(sub)
 
 
+#: exit codes of every dflctl command (docs/cli.md)
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BROKER = 0, 1, 2, 3
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dflctl`` console script."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, KeyError, FileNotFoundError, ConnectionError, ImportError) as exc:
+    except ConnectionError as exc:  # the broker cannot be reached
+        print(f"dflctl: {exc}", file=sys.stderr)
+        return EXIT_BROKER
+    except (ValueError, KeyError, FileNotFoundError, ImportError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"dflctl: {msg}", file=sys.stderr)
         return 2

@@ -17,22 +17,23 @@ from typing import Any
 SCHEMA_VERSION = 1
 
 
-def with_schema(obj: Any) -> dict[str, Any]:
+def with_schema(obj: Any, key: str = "items") -> dict[str, Any]:
     """``obj`` as a JSON object carrying ``schema_version`` first.
 
     A mapping keeps its keys (``schema_version`` is put first, overriding any of the same
-    name); a list or scalar is wrapped as ``{"schema_version": 1, "items": obj}``.
+    name); a list or scalar is wrapped as ``{"schema_version": 1, key: obj}``.
     """
     if isinstance(obj, dict):
         return {"schema_version": SCHEMA_VERSION, **{k: v for k, v in obj.items() if k != "schema_version"}}
-    return {"schema_version": SCHEMA_VERSION, "items": obj}
+    return {"schema_version": SCHEMA_VERSION, key: obj}
 
 
-def json_doc(obj: Any, *, indent: int | None = 2, sort_keys: bool = False, default: Any = str) -> str:
-    """The JSON text of ``obj`` with ``schema_version`` (see :func:`with_schema`).
-
-    Values JSON cannot encode are written with ``default`` (``str``: paths, enums)."""
-    return json.dumps(with_schema(obj), indent=indent, sort_keys=sort_keys, default=default)
+def json_doc(obj: Any, *, key: str = "items", indent: int | None = 2, sort_keys: bool = False,
+             default: Any = str) -> str:
+    """The JSON text of ``obj`` with ``schema_version`` (see :func:`with_schema`; a list is
+    wrapped under ``key``). Values JSON cannot encode are written with ``default`` (``str``:
+    paths, enums)."""
+    return json.dumps(with_schema(obj, key), indent=indent, sort_keys=sort_keys, default=default)
 
 
 def console(file: Any = None) -> Any:

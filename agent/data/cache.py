@@ -1,7 +1,8 @@
 """The on-disk cache of converted datasets (plain ``.npz`` files).
 
 Location: the ``cache_dir`` argument, else the environment variable
-``DFL_CACHE_DIR``, else ``~/.cache/dfl-agent``.  Files are written atomically
+``DFL_CACHE_DIR``, else the platform user cache folder (``~/.cache/dfl-agent``
+on Linux, ``$XDG_CACHE_HOME`` honoured).  Files are written atomically
 (temporary file in the same directory, ``fsync``, ``os.replace``), so a reader
 sees either the old complete file or the new complete one, and several
 processes converting at once are harmless (the last rename wins; all write the
@@ -26,14 +27,18 @@ CACHE_ENV = "DFL_CACHE_DIR"
 def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """The cache directory to use (not created here).
 
-    Order: ``cache_dir`` argument, ``$DFL_CACHE_DIR``, ``~/.cache/dfl-agent``.
+    Order: ``cache_dir`` argument, ``$DFL_CACHE_DIR``, the user cache directory of the
+    platform (platformdirs; ``$XDG_CACHE_HOME/dfl-agent``, by default ``~/.cache/dfl-agent``
+    on Linux).
     """
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     env = os.environ.get(CACHE_ENV)
     if env:
         return Path(env).expanduser()
-    return Path.home() / ".cache" / "dfl-agent"
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("dfl-agent", appauthor=False))
 
 
 def atomic_savez(path: Path, arrays: dict[str, np.ndarray]) -> None:

@@ -97,13 +97,13 @@ def test_doctor_json(tmp_path, mosquitto_broker, capsys):
     cfg.write_text(dump_toml(config_from_dict({"state_dir": str(tmp_path / "state"),
                                                "mqtt": {"broker": mosquitto_broker.endpoint}})))
     rc = dflctl(["doctor", "--config", str(cfg), "--json", "--timeout", "3"])
-    checks = {c["check"]: c for c in json.loads(capsys.readouterr().out)}
+    checks = {c["check"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
     assert set(checks) == {"config", "broker", "mdns", "clock", "disk", "permissions", "checkpoint"}
     assert checks["broker"]["status"] == "ok" and checks["mdns"]["status"] == "ok"
     assert rc == (1 if any(c["status"] == "fail" for c in checks.values()) else 0)
     rc = dflctl(["doctor", "--broker", "127.0.0.1:9", "--interface", "127.0.0.1", "--state-dir", str(tmp_path),
                  "--json", "--timeout", "1"])
-    checks = {c["check"]: c for c in json.loads(capsys.readouterr().out)}
+    checks = {c["check"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
     assert rc == 1 and checks["broker"]["status"] == "fail"
 
 
@@ -143,10 +143,11 @@ def test_watch_json_and_status_views(mosquitto_broker, federation, capsys):
     args = ["--broker", mosquitto_broker.endpoint, "--federation", federation]
     assert dflctl(["watch", "--json", "--count", "2", "--interval", "0.1", *args]) == 0
     docs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert len(docs) == 2 and docs[0]["peers"][0]["node_id"] == "n1"
+    assert len(docs) == 2 and docs[0]["peers"][0]["node_id"] == "n1" and docs[0]["schema_version"] == 1
     assert docs[0]["status"][0]["sync_state"] == {"alpha_n": 0.3}
     assert dflctl(["status", "--json", *args, "n1"]) == 0
-    assert json.loads(capsys.readouterr().out)["n1"]["round"] == 4
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema_version"] == 1 and doc["nodes"]["n1"]["round"] == 4
     assert dflctl(["status", *args]) == 0  # the table
     assert "n1" in capsys.readouterr().out
     assert dflctl(["watch", "--count", "1", "--interval", "0", *args]) == 0  # the live view, once

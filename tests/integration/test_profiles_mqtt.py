@@ -55,7 +55,7 @@ def peers_json(broker, fed):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["peers", "--broker", broker, "--federation", fed, "--json", "--timeout", "3"]) == 0
-    return {row["node_id"]: row for row in json.loads(out.getvalue())}
+    return {row["node_id"]: row for row in json.loads(out.getvalue())["peers"]}
 
 
 def test_battery_gating_on_daemons(mosquitto_broker, federation, tmp_path):

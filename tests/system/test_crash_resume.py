@@ -132,7 +132,7 @@ def test_sigkill_at_random_moments_never_corrupts_state_and_resumes(tmp_path, ca
         # the dflctl command itself (fresh observer, retained topics)
         capsys.readouterr()
         assert dflctl(["peers", "--json", "--broker", broker.endpoint, "--federation", fed]) == 0
-        rows = json.loads(capsys.readouterr().out)
+        rows = json.loads(capsys.readouterr().out)["peers"]
     assert [r["state"] for r in rows if r["node_id"] == "victim"] == ["offline"]
     assert expected is not None and expected[0] >= 1
     assert max(listed) <= 5.0, listed
