@@ -71,7 +71,10 @@ def _run(net, nodes, rounds, kill_at=None, before=None):
         if before:
             before()
         tasks = [asyncio.ensure_future(n.run(rounds)) for n in nodes]
-        await asyncio.gather(*tasks, return_exceptions=True)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for i, res in enumerate(results):  # only the nodes killed on purpose may end in an exception
+            if isinstance(res, BaseException) and i not in (kill_at or {}):
+                raise AssertionError(f"node {nodes[i].ctx.node_id} crashed: {res!r}") from res
         return asyncio.get_running_loop().time()
 
     return run_virtual(main())
@@ -329,7 +332,9 @@ def test_gossip_survives_a_peer_dying_mid_transfer():
             await n.setup()
         tasks["victim"] = asyncio.ensure_future(victim.run(6))
         others = [asyncio.ensure_future(n.run(6)) for n in nodes if n is not victim]
-        await asyncio.gather(tasks["victim"], *others, return_exceptions=True)
+        results = await asyncio.gather(tasks["victim"], *others, return_exceptions=True)
+        crashed = [r for r in results[1:] if isinstance(r, BaseException)]
+        assert not crashed, f"a surviving node crashed: {crashed!r}"
         return asyncio.get_running_loop().time()
 
     end = run_virtual(main())
