@@ -246,6 +246,16 @@ def cmd_watch(a: argparse.Namespace) -> int:
                          render_table("status", status_rows(statuses), STATUS_COLUMNS),
                          render_table("runs", run_rows(dict(obs.runs), statuses), RUN_COLUMNS))
 
+        if not sys.stdout.isatty():  # no terminal: one printed frame per refresh (Live would print the last only)
+            from dfl_agent.cli.output import console
+
+            con = console()
+            while a.count is None or n < a.count:
+                con.print(view())
+                n += 1
+                if a.count is None or n < a.count:
+                    time.sleep(a.interval)
+            return 0
         with Live(view(), refresh_per_second=4) as live:
             while a.count is None or n < a.count:
                 live.update(view())

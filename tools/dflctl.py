@@ -212,9 +212,11 @@ def status_rows(statuses: dict[str, Any], now: float | None = None) -> list[dict
             control.update(s["control_dropped"])
         rows.append({
             "node_id": nid, "state": s.get("state"), "round": s.get("round"), "rounds": s.get("rounds"),
+            # an age in seconds; a value that is no Unix time (an older agent's monotonic
+            # clock reading) means nothing here and is not shown
             "role": s.get("role"), "sync_state": sync, "last_sync_s": _age(s.get("last_synchronization"), now)
             if isinstance(s.get("last_synchronization"), (int, float)) and s.get("last_synchronization", 0) > 1e9
-            else s.get("last_synchronization"),
+            else None,
             "accuracy": s.get("global_accuracy"), "local_accuracy": s.get("local_accuracy"),
             "bytes_sent": s.get("bytes_sent"), "bytes_received": s.get("bytes_received"),
             "errors": sum(v for v in errors.values() if isinstance(v, (int, float))), "errors_by_reason": errors,

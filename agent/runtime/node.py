@@ -179,7 +179,8 @@ class Node:
             "local_accuracy": last.get("local_accuracy"),
             "local_only_global_accuracy": last.get("local_only_global_accuracy"),
             **({"global_accuracy_source": self.accuracy_source} if self.accuracy_source else {}),
-            "last_synchronization": last.get("time"),
+            # wall-clock (Unix) time of the last completed round, so that dflctl shows an age
+            "last_synchronization": round(self._wall_started + last["wall"], 3) if "wall" in last else None,
             "neighbours": last.get("neighbours"),
             "live_peers": self.ctx.live_peers(),
             "bytes_sent": counters["bytes_sent"],

@@ -102,3 +102,32 @@ def test_cache_dir_follows_xdg_and_dfl_cache_dir_wins(tmp_path, monkeypatch: pyt
     monkeypatch.setenv("DFL_CACHE_DIR", str(tmp_path / "mine"))
     assert resolve_cache_dir() == tmp_path / "mine"
     assert resolve_cache_dir(tmp_path / "arg") == tmp_path / "arg"
+
+
+def test_status_last_sync_is_an_age() -> None:
+    from dfl_agent.cli.dflctl import status_rows
+
+    rows = status_rows({"a": {"last_synchronization": 1_500_000_000.0}, "b": {"last_synchronization": 4400.0}},
+                       now=1_500_000_042.5)
+    assert rows[0]["last_sync_s"] == 42.5  # seconds since the last round
+    assert rows[1]["last_sync_s"] is None  # a monotonic reading is not an age
+
+
+@pytest.mark.integration
+def test_watch_count_prints_every_frame_without_a_terminal() -> None:
+    import sys
+
+    from dfl_agent.cli.broker import mosquitto_path, start_broker
+
+    if not mosquitto_path():
+        pytest.skip("mosquitto not installed")
+    broker = start_broker("mosquitto")
+    try:
+        r = subprocess.run([sys.executable, "-m", "dfl_agent.cli.dflctl", "watch", "--broker", broker.endpoint,
+                            "--count", "2", "--interval", "0.1", "--timeout", "10"],
+                           capture_output=True, text=True, check=False, timeout=60)
+    finally:
+        broker.stop()
+    assert r.returncode == 0, r.stderr
+    titles = [line for line in r.stdout.splitlines() if line.strip().startswith("peers (")]
+    assert len(titles) == 2, r.stdout
