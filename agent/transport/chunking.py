@@ -42,6 +42,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 #: First bytes of every chunk.
 CHUNK_MAGIC = b"DFC"
@@ -119,6 +120,25 @@ class _Transfer:
     held: int = 0  # data bytes stored
     wire_bytes: int = 0  # message bytes of the distinct chunks received
     last_seen: float = 0.0
+
+
+def _trim_heap() -> None:
+    """Return freed heap memory to the OS (glibc ``malloc_trim``); a no-op elsewhere."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+            import ctypes.util
+
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: Any = None
 
 
 class Reassembler:
@@ -260,12 +280,27 @@ class Reassembler:
             self._completed.popitem(last=False)
         return frame, transfer.wire_bytes
 
+    @property
+    def buffers(self) -> int:
+        """Chunk buffers held by incomplete transfers (0 after they all expired)."""
+        return sum(len(t.parts) for t in self._transfers.values())
+
     def expire(self) -> int:
-        """Drop transfers without a new chunk for ``timeout`` seconds; return how many."""
+        """Drop transfers without a new chunk for ``timeout`` seconds; return how many.
+
+        Their chunk buffers are released at once, and when at least 1 MiB was freed the
+        C allocator is asked to return free memory to the system (``malloc_trim``,
+        glibc only), so an attack of incomplete transfers leaves no resident memory."""
         now = self._clock()
         stale = [tid for tid, t in self._transfers.items() if now - t.last_seen > self.timeout]
+        freed = 0
         for tid in stale:
-            self._held -= self._transfers.pop(tid).held
+            transfer = self._transfers.pop(tid)
+            self._held -= transfer.held
+            freed += transfer.held
+            transfer.parts.clear()
+        if freed >= 1 << 20:
+            _trim_heap()
         while self._completed:
             tid, seen = next(iter(self._completed.items()))
             if now - seen <= self.timeout:
