@@ -580,6 +580,11 @@ from dfl_agent.runtime.runs import RunHooks  # noqa: E402
 RUN_HOOKS = RunHooks()
 
 
+#: a run on the sample store starts once the store holds this many samples (until then it
+#: waits in the queue while the spool is ingested)
+MIN_STORE_SAMPLES = 20
+
+
 def run_config_for(cfg: NodeConfig, run: Any) -> NodeConfig:
     """The node configuration for a run: the descriptor's algorithm, rounds, options,
     model, training settings and compression override ``node.toml`` (the profile's
@@ -662,6 +667,7 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
 
     store: Any = None  # the sample store, ingested between runs (a run ingests on its own)
     next_spool = 0.0
+    waiting_for_data = False
     if cfg.data.dataset == "store":
         from dfl_agent.store.runtime import open_store
 
@@ -685,6 +691,14 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
             if d is not None and not d.is_for(nid, profile.name):
                 info = note(d.run_id, "declined", "not a member of this run")
                 d = None
+            if d is not None and store is not None and store.count() < MIN_STORE_SAMPLES:
+                if not waiting_for_data:  # the run waits in the queue until the application adds samples
+                    log.info("run %s waits: the sample store holds %d samples (needs %d); add .npz files to %s",
+                             d.run_id, store.count(), MIN_STORE_SAMPLES, store.spool_dir)
+                waiting_for_data = True
+                d = None
+            else:
+                waiting_for_data = False
             if d is None:
                 publish()
                 if store is not None and _time.monotonic() >= next_spool:  # idle: keep ingesting the spool

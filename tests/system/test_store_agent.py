@@ -116,3 +116,48 @@ def test_two_runs_on_a_growing_store_deploy_one_version_each(tmp_path):
     st = json.loads(subprocess.run([sys.executable, "-m", "dfl_agent.cli.dflctl", "data", "status", "--state-dir",
                                     str(state), "--json"], capture_output=True, text=True, check=True).stdout)
     assert st["samples"] == 480 and st["rejected"] == 1 and st["ingested_files"] == 8
+
+
+@needs_mosquitto
+def test_always_on_agent_waits_for_data_then_runs_and_deploys(tmp_path):
+    """``dfl-agent run`` (always on) with an empty store: the default run waits while the spool
+    is ingested; once the application has added samples it runs and deploys."""
+    import signal
+
+    from dfl_agent.deploy import ModelStore, verify_folder
+
+    state = tmp_path / "state"
+    with start_broker("mosquitto") as broker:
+        cfg = config_from_dict({
+            "federation": f"wait{os.getpid()}", "node_id": "dev1", "state_dir": str(state),
+            "algorithm": {"name": "local", "rounds": 1},
+            "training": {"epochs": 1, "batch_size": 32, "threads": 1},
+            "data": {"dataset": "store", "input_shape": list(SHAPE), "num_classes": 4, "spool_interval": 0.3},
+            "model": {"size": "small"},
+            "mqtt": {"broker": broker.endpoint, "heartbeat_interval": 1.0},
+            "discovery": {"mdns": False},
+        })
+        path = tmp_path / "node.toml"
+        path.write_text(dump_toml(cfg))
+        log = tmp_path / "agent.log"
+        proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+                                stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 90
+            while "waits: the sample store holds 0 samples" not in log.read_text() and time.time() < deadline:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                time.sleep(0.2)
+            assert not (state / "models").exists()
+            for k in range(3):
+                drop(state / "spool", f"a{k}.npz", 60, k)
+            models = ModelStore(state)
+            deadline = time.time() + 180
+            while models.current_version() is None and time.time() < deadline:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                time.sleep(0.3)
+            assert models.current_version() == 1, log.read_text()[-3000:]
+            assert verify_folder(models.folder(1))["validation_samples"] > 0
+            assert "run snapshot of 180 samples" in log.read_text()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0, log.read_text()[-3000:]
