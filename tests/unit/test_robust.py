@@ -64,9 +64,30 @@ def test_errors_are_clear():
 
 @pytest.mark.parametrize("alg,rule", [("fedavg", "median"), ("dechetero", "trimmed_mean"), ("cfa", "clip"),
                                       ("dechw", "median")])
-def test_algorithms_run_with_a_robust_rule(alg, rule):
+def test_algorithms_run_with_a_robust_rule(alg, rule, monkeypatch):
+    import importlib
+
+    module = importlib.import_module(f"dfl_agent.algorithms.{alg}")
+    real = module.robust_aggregate
+    used: list[str] = []
+
+    def spy(own, others, weights, how, **kw):  # the real rule, recording which one the algorithm asked for
+        used.append(how)
+        return real(own, others, weights, how, **kw)
+
+    monkeypatch.setattr(module, "robust_aggregate", spy)
+    if hasattr(module, "clip_updates"):  # cfa clips neighbours' models before its own consensus step
+        real_clip = module.clip_updates
+
+        def clip_spy(*a, **kw):
+            used.append("clip")
+            return real_clip(*a, **kw)
+
+        monkeypatch.setattr(module, "clip_updates", clip_spy)
     opts = {"aggregation": rule}
     s = simulate(SimConfig(algorithm=alg, nodes=5, rounds=2, dataset="digits", partition="iid", seed=0,
                            options=opts, train=TrainConfig(epochs=1, batch_size=32, lr=0.05, momentum=0.5)))
     assert s["rounds_completed"] == 2
     assert 0.0 < s["global_accuracy"]["mean"] <= 1.0
+    # the option reached the aggregation: every aggregation used the configured rule, none fell back to mean
+    assert used and set(used) == {rule}, used
