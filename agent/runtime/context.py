@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -28,6 +29,9 @@ from dfl_agent.transport.base import Transport
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+#: per-round time accounting keys of :attr:`RuntimeContext.timing` (seconds)
+TIMING_KEYS = ("train_s", "encode_s", "send_s", "receive_s")
 
 RoundHook = Callable[[int, dict[str, Any]], Awaitable[None]]
 
@@ -149,6 +153,12 @@ class RuntimeContext:
         self._round_sent: collections.Counter[str] = collections.Counter()
         self._round_received: collections.Counter[str] = collections.Counter()
         self.last_round_bytes: dict[str, Any] = {}
+        #: real seconds spent this round (perf_counter): ``train_s`` in :meth:`compute`,
+        #: ``encode_s`` encoding outgoing messages, ``send_s`` in the transport's send,
+        #: ``receive_s`` decoding and checking incoming frames; reset by :meth:`end_round`
+        #: (the finished round's copy is :attr:`last_round_timing`)
+        self.timing: dict[str, float] = dict.fromkeys(TIMING_KEYS, 0.0)
+        self.last_round_timing: dict[str, float] = dict.fromkeys(TIMING_KEYS, 0.0)
         self.security = security
 
     # -- lifecycle ----------------------------------------------------------------
@@ -179,6 +189,13 @@ class RuntimeContext:
         log.warning("dropped message from %s: %s %s", sender, reason, detail)
 
     def _on_frame(self, frame: bytes, wire_bytes: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._on_frame_checked(frame, wire_bytes)
+        finally:
+            self.timing["receive_s"] += time.perf_counter() - t0
+
+    def _on_frame_checked(self, frame: bytes, wire_bytes: int) -> None:
         try:
             decode_once = getattr(frame, "decode_once", None)  # a shared broadcast (memory transport)
             if decode_once is not None:
@@ -243,15 +260,23 @@ class RuntimeContext:
     # -- NodeContext ----------------------------------------------------------------
     async def send(self, peer: str, message: Message) -> int:
         message.recipient = peer
+        t0 = time.perf_counter()
         frame, reference = self._encode(message)
+        t1 = time.perf_counter()
         n = await self.transport.send(peer, frame)
+        self.timing["encode_s"] += t1 - t0
+        self.timing["send_s"] += time.perf_counter() - t1
         self._account_sent(message.kind, n, reference)
         return n
 
     async def broadcast(self, message: Message) -> int:
         message.recipient = BROADCAST
+        t0 = time.perf_counter()
         frame, reference = self._encode(message)
+        t1 = time.perf_counter()
         n = await self.transport.broadcast(frame)
+        self.timing["encode_s"] += t1 - t0
+        self.timing["send_s"] += time.perf_counter() - t1
         self._account_sent(message.kind, n, reference)
         return n
 
@@ -475,7 +500,11 @@ class RuntimeContext:
 
     async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         await self.wait_until_allowed()  # resource gating: no training while gated
-        return await self.compute_ungated(fn, *args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return await self.compute_ungated(fn, *args, **kwargs)
+        finally:
+            self.timing["train_s"] += time.perf_counter() - t0
 
     async def compute_ungated(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """:meth:`compute` without resource gating (evaluation, ONNX export)."""
@@ -507,6 +536,8 @@ class RuntimeContext:
         }
         self._round_sent.clear()
         self._round_received.clear()
+        self.last_round_timing = dict(self.timing)  # ("round" is the parameter here)
+        self.timing = dict.fromkeys(TIMING_KEYS, 0.0)
         if self.round_hook is not None:
             await self.round_hook(round, info)
 

@@ -71,6 +71,7 @@ class Node:
         self.shadow: nn.Module | None = None
         self._shadow_rng: np.random.Generator | None = None
         self._round_started = 0.0
+        self._round_started_wall = time.perf_counter()
         self._wall_started = time.time()
         ctx.round_hook = self._on_round
         self.state = "starting"
@@ -100,6 +101,7 @@ class Node:
         self.rounds = rounds
         self.state = "running"
         self._round_started = self.ctx.clock.now()
+        self._round_started_wall = time.perf_counter()
         await self.publish_status()
         await self.algorithm.run(rounds, start_round)
         self.state = "finished"
@@ -125,7 +127,17 @@ class Node:
         now = self.ctx.clock.now()
         round_seconds = now - self._round_started
         due = t == 1 or t % self.eval_every == 0 or t >= self.rounds
+        # where the round's real time went: train/encode/send/receive from the context,
+        # wait = the rest of the federated round (peers, deadlines, aggregation); eval_s
+        # comes after the round's messages are sent
+        round_wall = time.perf_counter() - self._round_started_wall
+        timing = {k: round(v, 6) for k, v in self.ctx.last_round_timing.items()}
+        timing["round_wall_s"] = round(round_wall, 6)
+        timing["wait_s"] = round(max(0.0, round_wall - sum(timing.get(k, 0.0) for k in
+                                                            ("train_s", "encode_s", "send_s", "receive_s"))), 6)
+        e0 = time.perf_counter()
         scores = await self.ctx.compute_ungated(self._evaluate) if due else {}
+        timing["eval_s"] = round(time.perf_counter() - e0, 6)
         counters = self.ctx.counters()
         record = {
             "node": self.ctx.node_id,
@@ -139,6 +151,7 @@ class Node:
             "bytes_received": counters["bytes_received"],
             "dropped": sum(counters["dropped"].values()),
             "live_peers": len(self.ctx.live_peers()),
+            **timing,
         }
         record.update(self.ctx.byte_accounting())  # bytes by kind, this round's bytes, compression ratio (issue 8)
         self.history.append(record)
@@ -162,6 +175,7 @@ class Node:
                 log.error("checkpoint of round %d failed: %s", t, exc)
         await self.publish_status()
         self._round_started = self.ctx.clock.now()
+        self._round_started_wall = time.perf_counter()
 
     def status(self) -> dict[str, Any]:
         """The status document published on ``dfl/{fed}/node/{id}/status``."""

@@ -200,3 +200,18 @@ def test_broadcast_is_one_shared_buffer_decoded_once():
     assert a is not b and a.tensors["w"] is b.tensors["w"]  # the same array, not a copy
     assert not a.tensors["w"].flags.writeable
     np.testing.assert_array_equal(a.tensors["w"], np.arange(6, dtype=np.float32))
+
+
+def test_round_records_say_where_the_time_went():
+    """Every round's record carries train/encode/send/receive/wait/eval seconds; training
+    and evaluation really took time, and the parts never exceed the round."""
+    net, nodes = _federation(3)
+    _run(net, nodes, 2)
+    for nd in nodes:
+        assert len(nd.history) == 2
+        for r in nd.history:
+            for k in ("train_s", "encode_s", "send_s", "receive_s", "wait_s", "eval_s", "round_wall_s"):
+                assert isinstance(r[k], float) and r[k] >= 0.0, k
+            assert r["train_s"] > 0 and r["eval_s"] > 0 and r["encode_s"] > 0 and r["receive_s"] > 0
+            parts = r["train_s"] + r["encode_s"] + r["send_s"] + r["receive_s"] + r["wait_s"]
+            assert abs(parts - r["round_wall_s"]) < 1e-3 or r["wait_s"] == 0.0
