@@ -23,3 +23,16 @@ def test_robust_check_fails_when_the_aggregation_option_is_ignored(monkeypatch):
     monkeypatch.setattr(simulator, "parse_options", ignore_aggregation)
     with pytest.raises(AssertionError):
         test_robust.test_algorithms_run_with_a_robust_rule("fedavg", "median", monkeypatch)
+
+
+@pytest.mark.slow
+def test_defkt_run_helper_fails_when_a_node_crashes():
+    from tests.unit import test_defkt
+
+    net, nodes = test_defkt._federation(3)
+
+    async def crash(t):  # the broken variant: one node's round raises
+        raise RuntimeError("node crashed")
+
+    with pytest.raises(AssertionError, match="crashed"):
+        test_defkt._run(net, nodes, 2, before=lambda: setattr(nodes[1].algorithm, "round", crash))
