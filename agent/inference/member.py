@@ -40,9 +40,9 @@ DESCRIPTOR = {"profile": "inference-only", "algorithm": "inference", "model_hash
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    from dfl_agent.fsutil import atomic_write
+
+    atomic_write(path, data)
 
 
 class InferenceMember:

@@ -82,10 +82,9 @@ def export_onnx(
     onnx.helper.set_model_props(proto, props)
     data = proto.SerializeToString()
     if path is not None:
-        p = Path(path)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, p)
+        from dfl_agent.fsutil import atomic_write
+
+        atomic_write(Path(path), data)
     return data
 
 

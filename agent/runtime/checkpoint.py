@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from dfl_agent.fsutil import atomic_write as _atomic_write
+
 log = logging.getLogger(__name__)
 
 FORMAT = "dfl-checkpoint/1"
@@ -86,35 +88,14 @@ def state_digest(tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> 
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: temporary file, fsync, rename, fsync folder.
+    """Write ``data`` to ``path`` atomically, readable by the owner only
+    (:func:`dfl_agent.fsutil.atomic_write` with mode 0o600).
 
     Raises:
         OSError: the file system refused (disk full, permissions); ``path`` is untouched.
     """
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    _atomic_write(path, data, 0o600)
 
 
 class CheckpointStore:

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import secrets
 import signal
 import sys
@@ -44,9 +43,9 @@ def node_id_from_state(state_dir: Path, configured: str | None) -> str:
         if nid:
             return nid
     nid = "n-" + secrets.token_hex(4)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(nid + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    from dfl_agent.fsutil import atomic_write
+
+    atomic_write(path, nid + "\n")
     return nid
 
 

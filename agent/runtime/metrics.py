@@ -23,14 +23,10 @@ from typing import Any
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temp file, fsync, rename)."""
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
+    """Write ``text`` to ``path`` atomically (:func:`dfl_agent.fsutil.atomic_write`)."""
+    from dfl_agent.fsutil import atomic_write
+
+    atomic_write(path, text)
 
 
 def _stats(per_node: Mapping[str, float]) -> dict[str, Any]:

@@ -85,15 +85,9 @@ def fingerprint(public_b64: str) -> str:
 
 
 def _atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    from dfl_agent.fsutil import atomic_write
+
+    atomic_write(path, data, mode)
 
 
 def load_private_key(path: Path) -> Ed25519PrivateKey:
