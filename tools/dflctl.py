@@ -147,7 +147,7 @@ def _observe(a: argparse.Namespace):
 
 PEER_COLUMNS = ("node_id", "trust", "state", "address", "profile", "algorithm", "model", "round", "last_seen_s",
                 "compatibility")
-STATUS_COLUMNS = ("node_id", "state", "round", "role", "sync_state", "last_sync_s", "accuracy", "bytes_sent",
+STATUS_COLUMNS = ("node_id", "state", "run", "round", "role", "sync_state", "last_sync_s", "accuracy", "bytes_sent",
                   "bytes_received", "errors", "control_dropped")
 #: drop-counter key prefixes of the control plane (presence and status messages)
 CONTROL_PREFIXES = ("presence_", "status_", "bad_presence", "bad_status")
@@ -212,6 +212,9 @@ def status_rows(statuses: dict[str, Any], now: float | None = None) -> list[dict
             control.update(s["control_dropped"])
         rows.append({
             "node_id": nid, "state": s.get("state"), "round": s.get("round"), "rounds": s.get("rounds"),
+            # runs: "idle", or the run id with its state and round
+            "run": (f"{s['run'].get('id')} {s['run'].get('state')}@{s['run'].get('round', 0)}"
+                    if isinstance(s.get("run"), dict) else None),
             # an age in seconds; a value that is no Unix time (an older agent's monotonic
             # clock reading) means nothing here and is not shown
             "role": s.get("role"), "sync_state": sync, "last_sync_s": _age(s.get("last_synchronization"), now)

@@ -365,7 +365,8 @@ class Agent:
     def status_line(self) -> str:
         """One line for ``systemctl status`` (STATUS=): round, role, peers."""
         st = self.node.status() if self.node is not None else {}
-        return (f"{st.get('state', 'starting')}: round {st.get('round', 0)}/{st.get('rounds', 0)}, "
+        prefix = f"run {self.run_desc.run_id} " if self.run_desc is not None else ""
+        return (f"{prefix}{st.get('state', 'starting')}: round {st.get('round', 0)}/{st.get('rounds', 0)}, "
                 f"role {st.get('role', 'peer')}, {len(st.get('live_peers', []))} peers")
 
     def _start_systemd(self) -> asyncio.Task[None] | None:
