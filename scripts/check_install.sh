@@ -124,7 +124,11 @@ import paho.mqtt.client as mqtt
 got = []
 c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
 c.on_connect = lambda c, u, f, rc, p=None: c.subscribe("dfl/checkinstall/node/+/presence")
-c.on_message = lambda c, u, m: got.append(json.loads(m.payload))
+def on_message(c, u, m):
+    doc = json.loads(m.payload)
+    # presence travels in the signed control envelope {ctl, kind, sender, seq, payload, sig, ...}
+    got.append(doc["payload"] if isinstance(doc, dict) and "ctl" in doc and isinstance(doc.get("payload"), dict) else doc)
+c.on_message = on_message
 deadline = time.time() + 60
 while True:
     try:
