@@ -99,8 +99,12 @@ def test_two_runs_on_a_growing_store_deploy_one_version_each(tmp_path):
         got = []
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
         statuses = []
+        def _doc(raw):  # a status travels in the signed control envelope; its document is the payload
+            d = json.loads(raw)
+            return d["payload"] if isinstance(d, dict) and "ctl" in d else d
+
         c.on_message = lambda cl, u, msg: (statuses if msg.topic.endswith("/status") else got).append(
-            json.loads(msg.payload))
+            _doc(msg.payload) if msg.topic.endswith("/status") else json.loads(msg.payload))
         host, port = broker.endpoint.rsplit(":", 1)
         c.connect(host, int(port))
         c.subscribe(f"dfl/{fed}/node/dev1/model", qos=1)

@@ -33,7 +33,7 @@ INGEST = textwrap.dedent("""
 def test_sigkill_during_ingestion_loses_and_duplicates_nothing(tmp_path):
     SampleStore(tmp_path, SCHEMA).close()
     spool = tmp_path / "spool"
-    spool.mkdir()
+    spool.mkdir(exist_ok=True)  # the store creates its spool (group-writable)
     files, per_file = 60, 200
     rng = np.random.default_rng(0)
     kills = 0
