@@ -243,6 +243,11 @@ class ModelStore:
     def promote_candidate(self, note: str = "deployed with --force") -> int:
         """``dflctl model deploy --force``: install the staged candidate as a new version.
 
+        Idempotent: the new version's manifest records ``candidate_sha256`` (SHA-256 of the
+        candidate's ``manifest.json``); when a version with that hash exists already (a kill
+        between installing it and removing the candidate), no second version is made: that
+        version becomes current and the candidate is removed.
+
         Raises:
             DeployError: no candidate, or it fails its hash check.
         """
@@ -251,10 +256,21 @@ class ModelStore:
             raise DeployError(f"no refused candidate under {cand}: the last run's model is already deployed "
                               "(or no run has finished)")
         manifest = verify_folder(cand)
-        files = {name: (cand / name).read_bytes() for name in manifest["files"]}
-        info = {k: v for k, v in manifest.items() if k not in ("files", "sha256", "onnx", "schema_version", "time")}
-        info.update(forced=True, note=f"{manifest.get('note', '')}; {note}".strip("; "))
-        version = self.install(files, info)
+        # the candidate's identity: a kill between install and removal leaves it staged, and
+        # a second promotion must find the version the first one made instead of adding another
+        ident = hashlib.sha256((cand / "manifest.json").read_bytes()).hexdigest()
+        done = [v for v in self.versions() if self.manifest(v).get("candidate_sha256") == ident]
+        if done:
+            version = done[-1]
+            if self.current_version() != version:
+                self.switch(version)
+        else:
+            files = {name: (cand / name).read_bytes() for name in manifest["files"]}
+            info = {k: v for k, v in manifest.items()
+                    if k not in ("files", "sha256", "onnx", "schema_version", "time")}
+            info.update(forced=True, note=f"{manifest.get('note', '')}; {note}".strip("; "),
+                        candidate_sha256=ident)
+            version = self.install(files, info)
         self._remove(cand)
         return version
 

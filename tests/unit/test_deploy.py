@@ -142,3 +142,41 @@ def test_signed_announcement(tmp_path):
     assert verify_announcement(doc, key.public_key())
     assert not verify_announcement({**doc, "version": 2}, key.public_key())
 
+
+
+def test_promote_is_idempotent_after_a_kill_before_the_candidate_is_removed(tmp_path):
+    """A kill between installing the promoted candidate and removing it leaves the candidate
+    staged; promoting again must not make a second version of it."""
+    models = ModelStore(tmp_path, keep=5)
+    models.install({"model.safetensors": b"v1 weights", "spec.json": b"{}"}, {"run_id": "r1"})
+    models.stage_candidate({"model.safetensors": b"cand weights", "spec.json": b"{}"},
+                           {"run_id": "r2", "note": "worse"})
+
+    class Killed(BaseException):
+        pass
+
+    real_remove = ModelStore._remove
+
+    def killed_at_removal(self, folder):
+        if folder.name == "candidate":
+            raise Killed  # the process dies here: the version is installed, the candidate still staged
+        real_remove(self, folder)
+
+    ModelStore._remove = killed_at_removal
+    try:
+        with pytest.raises(Killed):
+            models.promote_candidate()
+    finally:
+        ModelStore._remove = real_remove
+    assert models.versions() == [1, 2] and (tmp_path / "models" / "candidate" / "manifest.json").is_file()
+    models.rollback(1)  # even if the operator rolled back meanwhile, the promotion is the same version
+    assert models.promote_candidate() == 2
+    assert models.versions() == [1, 2] and models.current_version() == 2
+    assert not (tmp_path / "models" / "candidate").exists()
+    assert models.manifest(2)["candidate_sha256"] and models.manifest(2)["run_id"] == "r2"
+    assert (tmp_path / "models" / "v2" / "model.safetensors").read_bytes() == b"cand weights"
+    with pytest.raises(DeployError):
+        models.promote_candidate()  # nothing left to promote
+    # a new candidate with the same files is a new promotion
+    models.stage_candidate({"model.safetensors": b"cand weights", "spec.json": b"{}"}, {"run_id": "r3"})
+    assert models.promote_candidate() == 3
