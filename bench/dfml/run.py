@@ -1,6 +1,6 @@
 """DFML benchmark: the shape of seed 000's Tables 3/6 (DFML vs cluster-wise FedAvg),
 Table 8 (rounds to reach FedAvg's final accuracy) and Table 9 (CE/WSM x fixed/cyclic α),
-at a scale that fits a 2-core CPU shared with six other sessions, with a learning rate
+at a scale that fits a 2-core CPU shared with other jobs, with a learning rate
 chosen per method on validation data (seed 000 App. A.2: "the learning rate is selected
 from {0.1, 0.01, 0.001}").
 
@@ -60,7 +60,7 @@ ABLATION = {
     "amax0.8": {"alpha_max": 0.8},
     "shape_full": {"alpha_shape": "full"},
     "period_mult": {"period_growth": "multiplicative"},
-    "top2": {"peak_top_k": 2},  # the seed's appendix rule N/|S| at 50 % senders
+    "top2": {"peak_top_k": 2},  # the paper's appendix rule N/|S| at 50 % senders
     "full": {"sender_ratio": 1.0},  # every live peer sends: no node misses the α maximum
     "full_fixed": {"sender_ratio": 1.0, "alpha_mode": "fixed"},
 }
@@ -73,7 +73,7 @@ def settings() -> dict[str, dict]:
         for fam in ("H0", "H2", "H1", "H1-resnet"):
             out[f"digits-{part}-{fam}"] = dict(DIGITS, **pk, model_family=fam)
     out["har-byuser-H2"] = dict(HAR, model_family="H2")
-    # label skew with ~370 training windows per node (digits has ~57): the seed's kind of non-IID at a data
+    # label skew with ~370 training windows per node (digits has ~57): the paper's kind of non-IID at a data
     # size where distillation between peers has something to carry
     out["har-noniid-H2"] = dict(HAR, nodes=20, partition="dirichlet", beta=0.1, model_family="H2")
     return out

@@ -1,5 +1,5 @@
 """Choose each method's learning rate on validation data (seed 000 App. A.2: "the learning
-rate is selected from {0.1, 0.01, 0.001}"; the seed does not say on which data, so we use
+rate is selected from {0.1, 0.01, 0.001}"; the paper does not say on which data, so we use
 validation data only).
 
 For every setting (data set, partition, model family) and method, ``run.py select`` ran

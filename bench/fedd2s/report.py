@@ -105,14 +105,14 @@ def main() -> None:
     full = {r["dataset"] for r in e4 if r["method"] == "fedd2s" and r["seed"] == 2}  # data sets run by main-e4
     e4 = [r for r in e4 if r["dataset"] in full]
     if e4:
-        lines += _ua_table(e4, "UA by method, the seed's E = 4 (fedd2s: 4 passes per phase; fedper, fedavg, "
+        lines += _ua_table(e4, "UA by method, the paper's E = 4 (fedd2s: 4 passes per phase; fedper, fedavg, "
                            "local_rho: 4 local epochs per participation; local: 1 epoch every round)")
     long = [r for r in e4_all if r["rounds"] == 100 and r.get("nodes", 20) == 20]
     if long:
         lines += _ua_table(long, "UA by method, E = 4, 100 rounds (`run.py --part main-e4 --alphas 0.1 --rounds 100`)")
     fifty = [r for r in e4_all if r["rounds"] == 100 and r.get("nodes", 20) == 50]
     if fifty:
-        lines += _ua_table(fifty, "UA by method, 50 nodes (the seed's count; ~147 training windows per node), E = 4, "
+        lines += _ua_table(fifty, "UA by method, 50 nodes (the paper's count; ~147 training windows per node), E = 4, "
                            "100 rounds (`run.py --part main-e4 --datasets har --rounds 100 --nodes 50 "
                            "--methods fedd2s,fedavg,local,fedper`)")
     # -- fairness histogram
@@ -157,7 +157,7 @@ def main() -> None:
     # -- epochs
     e = [r for r in runs if "c2s_epochs" in r["options"] or "local_epochs" in r["options"]]
     if e:
-        lines += ["## Four passes per phase (the seed's E = 4; α = 0.1)", "",
+        lines += ["## Four passes per phase (the paper's E = 4; α = 0.1)", "",
                   "| data | seed | fedd2s (E=4) | fedper (4 local epochs) | fedd2s (E=1) | fedper (1 epoch) | local (every round) |",
                   "|---|---|---|---|---|---|---|"]
         plain = [r for r in runs if _is_main(r)]
@@ -186,7 +186,7 @@ def main() -> None:
                       "features and labels per round (tensor bytes only, no envelopes) and sends back soft labels "
                       "and heads — and those features are what the serverless variant never sends.", ""]
     lines += ["## Wall time", "", f"{len(runs)} runs, {sum(r['wall'] for r in runs) / 60:.1f} min of simulation "
-              "(1 torch thread, shared 2-core machine under load from other sessions).", ""]
+              "(1 torch thread, a 2-core x86_64 VM with no GPU, loaded by other jobs).", ""]
     (OUT / "results.md").write_text("\n".join(lines))
     _plots(main_runs, z)
     print("\n".join(lines))

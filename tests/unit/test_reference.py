@@ -85,11 +85,11 @@ _URL = re.compile(r"\b(?:https?|ftp)://|\bwww\.|\bgithub\.com/", re.I)
 
 def user_doc_files(root: Path = _ROOT) -> list[Path]:
     """The user-facing Markdown files: docs/ (minus the generated reference), README.md,
-    CHANGELOG.md and every README.md under bench/."""
+    CHANGELOG.md and every Markdown file under bench/ (READMEs and result tables)."""
     files = [root / "README.md", root / "CHANGELOG.md"]
     files += sorted(p for p in (root / "docs").rglob("*.md")
                     if p.relative_to(root).as_posix() not in ("docs/reference/config.md", "docs/reference/cli.md"))
-    files += sorted((root / "bench").rglob("README.md"))
+    files += sorted((root / "bench").rglob("*.md"))
     return [p for p in files if p.exists()]
 
 
