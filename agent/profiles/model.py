@@ -17,11 +17,11 @@ import dataclasses
 import os
 import re
 import sys
-import types
-import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
+
+from dfl_agent.tomlcheck import build
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -193,36 +193,8 @@ class DeviceProfile:
 
 
 # -- validation -------------------------------------------------------------------------
-def _check(value: Any, typ: Any, key: str) -> Any:
-    origin = typing.get_origin(typ)
-    if origin in (Union, types.UnionType):
-        if value is None:
-            return None
-        return _check(value, next(a for a in typing.get_args(typ) if a is not type(None)), key)
-    if isinstance(typ, type) and dataclasses.is_dataclass(typ):
-        if not isinstance(value, Mapping):
-            raise ProfileError(f"{key}: must be a table")
-        return _build(typ, value, key)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ProfileError(f"{key}: must be a list, got {value!r}")
-        (item,) = typing.get_args(typ)
-        return [_check(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, typ) or (typ is not bool and isinstance(value, bool)):
-        raise ProfileError(f"{key}: expected {typ.__name__}, got {value!r}")
-    return value
-
-
 def _build(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    for k in raw:
-        if k not in names:
-            where = f"{prefix}.{k}" if prefix else k
-            raise ProfileError(f"{where}: unknown key (known: {', '.join(names)})")
-    return cls(**{k: _check(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in raw.items()})
+    return build(cls, raw, prefix, error=ProfileError)
 
 
 def validate(p: DeviceProfile) -> DeviceProfile:

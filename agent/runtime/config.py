@@ -12,11 +12,11 @@ import dataclasses
 import os
 import re
 import sys
-import types
-import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
+
+from dfl_agent.tomlcheck import build
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -281,47 +281,8 @@ class NodeConfig:
     deploy: DeploySection = described(default_factory=DeploySection, help="`[deploy]` section")
 
 
-def _check_type(value: Any, typ: Any, key: str) -> Any:
-    origin = typing.get_origin(typ)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(typ)
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _check_type(value, inner[0], key)
-    if isinstance(typ, type) and dataclasses.is_dataclass(typ):
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{key}: must be a table")
-        return _from_dict(typ, value, key)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: must be a list, got {value!r}")
-        (item,) = typing.get_args(typ)
-        return [_check_type(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{key}: must be a table, got {value!r}")
-        return dict(value)
-    if typ is Any:
-        return value
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, typ) or (typ is not bool and isinstance(value, bool)):
-        raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}")
-    return value
-
-
 def _from_dict(cls: type, raw: Mapping[str, Any], prefix: str = "") -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in names:
-            where = f"{prefix}.{key}" if prefix else key
-            raise ConfigError(f"{where}: unknown key (known: {', '.join(sorted(names))})")
-    kwargs = {
-        k: _check_type(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in raw.items()
-    }
-    return cls(**kwargs)
+    return build(cls, raw, prefix, error=ConfigError, sort_known=True)
 
 
 def _validate(cfg: NodeConfig) -> None:
