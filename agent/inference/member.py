@@ -11,7 +11,9 @@ Training peers exclude it from their rounds (it advertises algorithm ``inference
 
 Message ``kind="onnx.model"``: tensors ``{"onnx": uint8 (nbytes,)}``; meta
 ``{"version": int, "source": node id, "round": int, "accuracy": float|None,
-"spec_hash": str}``.  A model that onnxruntime cannot load, or that is older (lower
+"spec_hash": str}``; from an agent that deploys (the sample store) also ``run_id``,
+``sha256`` and ``deployed: true``, and ``version`` is its deployed version number (it
+sends deployed versions only).  A model that onnxruntime cannot load, or that is older (lower
 round) than the one held, is rejected and counted; the member keeps the old one.
 """
 
@@ -151,7 +153,8 @@ class InferenceMember:
             return False
         self.model = model
         self.model_meta = {"round": rnd, "version": msg.meta.get("version"), "source": msg.sender,
-                           "accuracy": msg.meta.get("accuracy"), "spec_hash": msg.meta.get("spec_hash", "")}
+                           "accuracy": msg.meta.get("accuracy"), "spec_hash": msg.meta.get("spec_hash", ""),
+                           **{k: msg.meta[k] for k in ("run_id", "sha256", "deployed") if k in msg.meta}}
         _atomic_write(self.state_dir / "model.onnx", blob.tobytes())
         log.info("model v%s of round %s from %s (%d bytes)", self.model_meta["version"], rnd, msg.sender, blob.size)
         self.state = "serving"

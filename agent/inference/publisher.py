@@ -6,6 +6,12 @@ on the node's own validation split); when inference members (peers advertising
 algorithm ``inference``) are live, it exports the model with
 :func:`dfl_agent.models.onnx_export.export_onnx` (only when it changed since the last
 export) and sends it to every member that does not hold this version yet.
+
+With a deployed-model folder (``models``, a :class:`dfl_agent.deploy.ModelStore`: the agent
+trains on its sample store and deploys after each run) the members receive the *deployed*
+version only, never an intermediate improvement: the round hook sends ``models/current``
+(the ``model.onnx`` the deploy gate accepted, unchanged) to members that do not hold it,
+and :meth:`OnnxPublisher.deliver` is called after each deployment.
 torch is imported only inside the methods.
 """
 
@@ -26,10 +32,13 @@ log = logging.getLogger(__name__)
 
 class OnnxPublisher:
     """Args: ``ctx`` (RuntimeContext), ``algorithm`` (its ``deployable_model()``),
-    ``input_shape`` of one sample, ``spec`` of the deployable model."""
+    ``input_shape`` of one sample, ``spec`` of the deployable model, ``models`` the
+    agent's deployed-model folder (None: send every improvement of the deployable model)."""
 
-    def __init__(self, ctx: Any, algorithm: Any, input_shape: Sequence[int], spec: dict[str, Any]):
+    def __init__(self, ctx: Any, algorithm: Any, input_shape: Sequence[int], spec: dict[str, Any],
+                 models: Any = None):
         self.ctx, self.algorithm = ctx, algorithm
+        self.models = models
         self.input_shape = list(input_shape)
         self.spec = spec
         self.best = float("-inf")
@@ -49,6 +58,9 @@ class OnnxPublisher:
         return out
 
     async def __call__(self, t: int, record: dict[str, Any]) -> None:
+        if self.models is not None:  # deployed versions only
+            await self.deliver(t)
+            return
         acc = record.get("local_accuracy")
         if isinstance(acc, float) and acc == acc and acc > self.best:
             self.best, self.dirty, self.round = acc, True, t
@@ -78,3 +90,43 @@ class OnnxPublisher:
             meta = {"version": self.version, "round": self.round, "accuracy": self.best, "spec_hash": self.hash}
             await self.ctx.send(p, Message(ONNX_KIND, t, {"onnx": np.frombuffer(self.data, np.uint8).copy()}, meta))
             self.sent[p] = self.version
+
+    async def deliver(self, t: int = 0) -> int:
+        """Send the deployed version (``models/current``) to the live members that do not hold
+        it yet.  Meta: ``version`` (the deployed version number), ``round``, ``accuracy`` (its
+        validation accuracy), ``run_id``, ``sha256`` of ``model.onnx``, ``spec_hash``.  Nothing
+        is sent when nothing is deployed, the version has no ``model.onnx`` (no onnx extra)
+        or it fails its hash check.  Returns the number of members sent to."""
+        import json as _json
+
+        from dfl_agent.deploy.versions import DeployError, verify_folder
+        from dfl_agent.models import spec_hash
+
+        if self.models is None:
+            return 0
+        v = self.models.current_version()
+        members = self.members()
+        if v is None or not members or all(self.sent.get(p) == v for p in members):
+            return 0
+        folder = self.models.folder(v)
+        try:
+            manifest = verify_folder(folder)
+            if "model.onnx" not in manifest.get("files", {}):
+                return 0
+            data = (folder / "model.onnx").read_bytes()
+            spec = _json.loads((folder / "spec.json").read_bytes()).get("spec", self.spec)
+        except (DeployError, OSError, ValueError) as exc:
+            log.error("cannot send deployed model v%d to inference members: %s", v, exc)
+            return 0
+        meta = {"version": v, "round": int(manifest.get("round") or 0), "accuracy": manifest.get("accuracy"),
+                "run_id": manifest.get("run_id"), "sha256": manifest["files"]["model.onnx"]["sha256"],
+                "spec_hash": spec_hash(spec), "deployed": True}
+        n = 0
+        for p in members:
+            if self.sent.get(p) == v:
+                continue
+            await self.ctx.send(p, Message(ONNX_KIND, t, {"onnx": np.frombuffer(data, np.uint8).copy()}, meta))
+            self.sent[p] = v
+            n += 1
+        log.info("sent deployed model v%d (run %s) to %d inference member(s)", v, meta["run_id"], n)
+        return n

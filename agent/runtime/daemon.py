@@ -117,6 +117,7 @@ class Agent:
         self.store: Any = None
         self.snapshot: Any = None
         self.deployed: Any = None  # the last deploy result
+        self.publisher: Any = None  # sends the model to inference-only members (dfl_agent.inference)
         import time as _time
 
         self.run_id = _time.strftime("%Y%m%dT%H%M%SZ", _time.gmtime())  # until runs have their own ids
@@ -242,7 +243,13 @@ class Agent:
         if _onnx_available():  # send the deployable model to inference-only members
             from dfl_agent.inference.publisher import OnnxPublisher
 
-            node.after_round.append(OnnxPublisher(ctx, node.algorithm, bundle.pool.input_shape, spec))
+            deployed = None  # with the store and deployment: the deployed version only
+            if self.store is not None and cfg.deploy.enabled:
+                from dfl_agent.deploy import ModelStore
+
+                deployed = ModelStore(self.state_dir, keep=cfg.deploy.keep)
+            self.publisher = OnnxPublisher(ctx, node.algorithm, bundle.pool.input_shape, spec, models=deployed)
+            node.after_round.append(self.publisher)
         watchdog: Any = None
         exporter: Any = None
         spool_task: Any = None
@@ -342,6 +349,12 @@ class Agent:
             self.deployed = await deploy_after_run(self, spec, input_shape)
         except Exception as exc:  # noqa: BLE001 - a failed deployment never crashes the agent
             log.error("deployment failed: %s", exc)
+            return
+        if self.publisher is not None and self.deployed.get("deployed"):  # inference members: this version
+            try:
+                await self.publisher.deliver(self.node.history[-1]["round"] if self.node.history else 0)
+            except Exception as exc:  # noqa: BLE001 - delivery is best effort, the files are deployed
+                log.warning("could not send the deployed model to inference members: %s", exc)
 
     # -- operations (issue 10) ------------------------------------------------------------
     def _resume(self, model_hash: str) -> int:
