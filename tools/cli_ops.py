@@ -90,9 +90,10 @@ def profile_resources(profile: str | None) -> dict[str, str]:
 
 @dataclasses.dataclass
 class Plan:
-    """What ``install-service`` does: files (path -> (content, mode)) then commands."""
+    """What ``install-service`` does: files (path -> (content, mode)) then commands.
+    A content in bytes (the node configuration) is written exactly as it is."""
 
-    files: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    files: dict[str, tuple[str | bytes, int]] = dataclasses.field(default_factory=dict)
     commands: list[list[str]] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
@@ -104,7 +105,7 @@ def build_plan(a: argparse.Namespace) -> Plan:
     Raises:
         ValueError: bad instance name, config or profile.
     """
-    from dfl_agent.runtime.config import ConfigError, dump_toml, load_config
+    from dfl_agent.runtime.config import ConfigError, load_config
     from dfl_agent.transport.wire import valid_id
 
     src = _source_dir()
@@ -134,22 +135,25 @@ def build_plan(a: argparse.Namespace) -> Plan:
         plan.files[str(root / UNIT_DIR / f"{template}.d" / "50-resources.conf")] = (
             "# resource limits from the device profile (dflctl install-service)\n" + dropin, 0o644)
     state = f"/var/lib/dfl-agent/{inst}" if inst else "/var/lib/dfl-agent"
-    logs = f"/var/log/dfl-agent/{inst}" if inst else "/var/log/dfl-agent"
     cfg_path = root / CONFIG_DIR / (f"{inst}.toml" if inst else "node.toml")
     if a.config:
         try:
             cfg = load_config(a.config)
+            text = Path(a.config).read_bytes()  # installed as written: the validated file's bytes
         except ConfigError as exc:
             raise ValueError(f"--config: {exc}") from None
-        cfg.state_dir = state
-        if not cfg.runtime.metrics_file:
-            cfg.runtime.metrics_file = f"{logs}/metrics.jsonl"
-        if inst and cfg.federation == "default":
-            cfg.federation = inst
+        except OSError as exc:
+            raise ValueError(f"--config: cannot read {a.config}: {exc.strerror}") from None
+        if os.path.normpath(cfg.state_dir) != state:
+            plan.warnings.append(
+                f"--config: state_dir = {cfg.state_dir!r}, but the service keeps its state in {state} "
+                f"(StateDirectory=); the file is installed as written: set state_dir = \"{state}\" in it")
+        if inst and cfg.federation != inst:
+            plan.notes.append(f"instance {inst!r} runs federation {cfg.federation!r} (the config's federation)")
         if cfg_path.exists() and not a.force:
             plan.notes.append(f"{cfg_path} exists; kept (--force replaces it)")
         else:
-            plan.files[str(cfg_path)] = ("# installed by dflctl install-service\n" + dump_toml(cfg), 0o640)
+            plan.files[str(cfg_path)] = (text, 0o640)
     elif not cfg_path.exists():
         plan.notes.append(f"no --config: write {cfg_path} yourself before starting the service")
     if a.root in (None, "/"):
@@ -164,10 +168,14 @@ def build_plan(a: argparse.Namespace) -> Plan:
     return plan
 
 
+def _text(content: str | bytes) -> str:
+    return content.decode("utf-8", errors="replace") if isinstance(content, bytes) else content
+
+
 def cmd_install_service(a: argparse.Namespace) -> int:
     plan = build_plan(a)
     if a.json:
-        print(json_doc({"dry_run": a.dry_run, "files": {p: {"mode": oct(m), "content": c}
+        print(json_doc({"dry_run": a.dry_run, "files": {p: {"mode": oct(m), "content": _text(c)}
                                                          for p, (c, m) in plan.files.items()},
                           "commands": plan.commands, "notes": plan.notes,
                           "warnings": plan.warnings}, indent=2))
@@ -175,7 +183,7 @@ def cmd_install_service(a: argparse.Namespace) -> int:
         for path, (content, mode) in plan.files.items():
             print(f"{'would write' if a.dry_run else 'write'} {path} (mode {oct(mode)})")
             if a.dry_run and a.verbose:
-                print("    " + content.replace("\n", "\n    "))
+                print("    " + _text(content).replace("\n", "\n    "))
         for cmd in plan.commands:
             print(f"{'would run' if a.dry_run else 'run'}: {' '.join(cmd)}")
         for note in plan.notes:
@@ -184,14 +192,13 @@ def cmd_install_service(a: argparse.Namespace) -> int:
         print(f"dflctl: warning: {warning}", file=sys.stderr)
     if a.dry_run:
         return 0
+    from dfl_agent.fsutil import atomic_write
+
     for path, (content, mode) in plan.files.items():
         p = Path(path)
         try:
             p.parent.mkdir(parents=True, exist_ok=True)
-            tmp = p.with_name(f".{p.name}.tmp")
-            tmp.write_text(content, encoding="utf-8")
-            os.chmod(tmp, mode)
-            os.replace(tmp, p)
+            atomic_write(p, content, mode=mode)
         except OSError as exc:
             print(f"dflctl: cannot write {p}: {exc.strerror} (run as root, or stage with --root DIR)",
                   file=sys.stderr)

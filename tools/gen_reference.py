@@ -65,19 +65,25 @@ def _toml_type(typ: Any) -> str:
 
 
 def _toml_value(v: Any) -> str:
+    """``v`` as one line of TOML (inline arrays and tables); scalars and keys are written by tomli_w."""
+    import tomli_w
+
     if v is None:
         return "unset"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}" if v else "{}"
-    return str(v)
+        if not v:
+            return "{}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    return tomli_w.dumps({"v": v})[len("v = "):].rstrip("\n")
+
+
+def _toml_key(k: str) -> str:
+    """A TOML key, quoted by tomli_w where it is not bare."""
+    import tomli_w
+
+    return tomli_w.dumps({k: 0}).rsplit(" = ", 1)[0]
 
 
 def config_fields() -> list[ConfigKey]:

@@ -460,40 +460,23 @@ def load_config(path: str | os.PathLike[str]) -> NodeConfig:
     return config_from_dict(raw)
 
 
-def _toml_key(k: str) -> str:
-    """A bare TOML key, or a quoted one (message kinds hold dots)."""
-    import json
-    import re
-
-    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k)
-
-
 def dump_toml(cfg: NodeConfig) -> str:
-    """Serialise ``cfg`` to TOML (simple writer for the types this config uses)."""
+    """Serialise ``cfg`` to TOML with ``tomli_w`` (strings escaped as TOML requires, control
+    characters included).
 
-    def val(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, list):
-            return "[" + ", ".join(val(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{ " + ", ".join(f"{_toml_key(k)} = {val(x)}" for k, x in v.items()) + " }"
-        raise TypeError(f"cannot write {type(v).__name__} to TOML")
+    Unset (None) keys and empty tables are left out (both are the defaults); every section is
+    written, so the text parses back (:func:`config_from_dict`) to an equal configuration.
+    """
+    import tomli_w
 
-    top, sections = [], []
+    def keep(v: Any) -> bool:
+        return v is not None and not (isinstance(v, dict) and not v)
+
+    doc: dict[str, Any] = {}
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
         if dataclasses.is_dataclass(v):
-            lines = [f"[{f.name}]"]
-            for g in dataclasses.fields(v):
-                x = getattr(v, g.name)
-                if x is not None:
-                    lines.append(f"{g.name} = {val(x)}")
-            sections.append("\n".join(lines))
-        elif v is not None:
-            top.append(f"{f.name} = {val(v)}")
-    return "\n".join(top) + "\n\n" + "\n\n".join(sections) + "\n"
+            doc[f.name] = {g.name: getattr(v, g.name) for g in dataclasses.fields(v) if keep(getattr(v, g.name))}
+        elif keep(v):
+            doc[f.name] = v
+    return tomli_w.dumps(doc)

@@ -33,10 +33,20 @@ def _verify(*units: Path) -> None:
         assert bad not in out, out
 
 
-def _stage(tmp_path, *extra):
+#: a user's configuration, with comments and keys in the user's order (installed byte for byte)
+USER_CONFIG = """# greenhouse node: written by hand
+federation = "greenhouse"
+state_dir = "/var/lib/dfl-agent/greenhouse"   # the service's StateDirectory
+
+[mqtt]
+password = "x"   # mode 0640: readable by the dfl-agent group only
+username = "u"
+"""
+
+
+def _stage(tmp_path, *extra, config_text=USER_CONFIG):
     cfg = tmp_path / "node.toml"
-    cfg.write_text(dump_toml(config_from_dict({"federation": "greenhouse", "mqtt": {"password": "x",
-                                                                                    "username": "u"}})))
+    cfg.write_text(config_text)
     prof = tmp_path / "pi4.toml"
     prof.write_text('profile = "pi4"\n[resources]\nmemory_max = "1G"\ncpu_quota = 150\n')
     root = tmp_path / "root"
@@ -72,9 +82,9 @@ def test_install_service_stages_user_config_and_dry_run_writes_nothing(tmp_path,
     assert cfg.stat().st_mode & 0o777 == 0o640  # holds the MQTT password
     from dfl_agent.runtime.config import load_config
 
+    assert cfg.read_bytes() == USER_CONFIG.encode()  # as written: comments kept, no dump of defaults
     installed = load_config(cfg)
-    assert installed.state_dir == "/var/lib/dfl-agent/greenhouse"
-    assert installed.runtime.metrics_file == "/var/log/dfl-agent/greenhouse/metrics.jsonl"
+    assert installed.state_dir == "/var/lib/dfl-agent/greenhouse" and installed.federation == "greenhouse"
     if shutil.which("systemd-sysusers"):
         r = subprocess.run(["systemd-sysusers", "--root", str(root), str(root / "etc/sysusers.d/dfl-agent.conf")],
                            capture_output=True, text=True)
@@ -90,6 +100,19 @@ def test_install_service_stages_user_config_and_dry_run_writes_nothing(tmp_path,
     assert dflctl(["install-service", "--dry-run", "--exec", _exe()]) == 0  # the live system: plan only
     out = capsys.readouterr().out
     assert "would run: systemctl enable --now dfl-agent.service" in out
+
+
+def test_install_service_warns_when_state_dir_is_not_the_services(tmp_path, capsys):
+    text = USER_CONFIG.replace('"/var/lib/dfl-agent/greenhouse"', '"/srv/elsewhere"')
+    root = _stage(tmp_path, config_text=text)  # no --instance: the service's state is /var/lib/dfl-agent
+    assert (root / "etc/dfl-agent/node.toml").read_bytes() == text.encode()
+    err = capsys.readouterr().err
+    assert "state_dir = '/srv/elsewhere'" in err and 'set state_dir = "/var/lib/dfl-agent"' in err
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[mqtt]\nchunk_size = 12\n")
+    assert dflctl(["install-service", "--root", str(tmp_path / "r2"), "--exec", _exe(), "--config", str(bad)]) == 2
+    assert "mqtt.chunk_size" in capsys.readouterr().err
+    assert not (tmp_path / "r2").exists()
 
 
 def test_doctor_json(tmp_path, mosquitto_broker, capsys):

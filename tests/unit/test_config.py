@@ -21,6 +21,22 @@ def test_dump_and_load_round_trip(tmp_path):
     assert load_config(p) == cfg
 
 
+def test_dump_writes_valid_toml_for_control_characters_and_odd_keys(tmp_path):
+    import tomllib
+
+    odd = 'tab\there "quoted" back\\slash nl\n cr\r bell\x07 del\x7f nul\x00 é'
+    cfg = config_from_dict({"mqtt": {"password": odd, "username": "\x1b[31mred"},
+                            "compression": {"kinds": {"gt.sync": "q8", "a b": "none"}},
+                            "algorithm": {"options": {"note": odd, "nested": {"x.y": [1, 2.5, True]}}}})
+    text = dump_toml(cfg)
+    parsed = tomllib.loads(text)  # raises on invalid TOML
+    assert parsed["mqtt"]["password"] == odd and parsed["mqtt"]["username"] == "\x1b[31mred"
+    p = tmp_path / "n.toml"
+    p.write_text(text, encoding="utf-8")
+    assert load_config(p) == cfg
+    assert "neighbours =" not in text and "\nevery =" not in text  # unset keys are left out
+
+
 @pytest.mark.parametrize(
     "raw,key",
     [
