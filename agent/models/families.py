@@ -60,3 +60,21 @@ def family_specs(name: str, input_shape: Sequence[int], num_classes: int) -> lis
             raise ValueError(f"model family {name} needs (C, L) windows or (C, H, H) images, got {tuple(shape)}")
         specs.append(validate_spec(spec))
     return specs
+
+
+#: which member of a family a size tier trains (index into the family's list, widest first)
+TIER_MEMBER = {"large": 0, "medium": 1, "small": 2}
+
+
+def family_member(name: str, input_shape: Sequence[int], num_classes: int, size: str = "medium") -> dict[str, Any]:
+    """The member of family ``name`` that a device of size tier ``size`` trains:
+    ``large`` the widest (first) member, ``medium`` the second, ``small`` the third
+    (the last one when the family is shorter, e.g. ``H0`` has one member).
+
+    Raises:
+        ValueError: unknown family or size tier, or an input shape the family does not fit.
+    """
+    if size not in TIER_MEMBER:
+        raise ValueError(f"model size must be one of {sorted(TIER_MEMBER)}, got {size!r}")
+    specs = family_specs(name, input_shape, num_classes)
+    return specs[min(TIER_MEMBER[size], len(specs) - 1)]

@@ -60,6 +60,10 @@ class AlgorithmSection:
     every: str | None = described(
         None, help="recurrence of the default run, a duration such as `\"6h\"`; unset: the run happens once",
         default_text="once")
+    every_samples: int | None = described(
+        None, help="start the default run again once the sample store (`data.dataset = \"store\"`) holds at "
+                   "least this many samples that the last run's snapshot did not have; never overlaps itself",
+        default_text="off")
 
 
 @dataclasses.dataclass
@@ -115,6 +119,10 @@ class DataSection:
                                                   "chosen by a hash of the sample id")
 
 
+#: names of :data:`dfl_agent.models.families.FAMILIES` (kept here: the config stays torch-free)
+MODEL_FAMILIES = ("H0", "H1", "H1-resnet", "H2")
+
+
 @dataclasses.dataclass
 class ModelSection:
     """``[model]``: a size tier of the dataset's default model, or an explicit spec
@@ -127,6 +135,11 @@ class ModelSection:
         None, help="an explicit model spec, e.g. `{type = \"cnn1d\", in_channels = 3, length = 128, "
                    "channels = [16, 32, 64], kernel = 5, num_classes = 6, norm = \"layer\"}`; "
                    "DFML federations mix different specs")
+    family: str | None = described(
+        None, help="a model family (`H0`, `H1`, `H1-resnet`, `H2`): the node trains the family member of its "
+                   "size tier (`large` the widest, `medium` the second, `small` the third); "
+                   "`dflctl run submit --models` sets it for one run",
+        default_text="none: the algorithm's default model")
 
 
 @dataclasses.dataclass
@@ -302,6 +315,11 @@ def _validate(cfg: NodeConfig) -> None:
             parse_duration(cfg.algorithm.every)
         except ValueError as exc:
             need(False, "algorithm.every", str(exc))
+    if cfg.algorithm.every_samples is not None:
+        need(cfg.algorithm.every_samples >= 1, "algorithm.every_samples", "must be >= 1")
+        need(cfg.data.dataset == "store", "algorithm.every_samples",
+             "needs the sample store (data.dataset = \"store\")")
+        need(cfg.algorithm.every is None, "algorithm.every_samples", "set algorithm.every or every_samples, not both")
     t = cfg.training
     need(t.epochs >= 1, "training.epochs", "must be >= 1")
     need(isinstance(t.steps, int) and t.steps >= 0, "training.steps", "must be an integer >= 0 (0: use epochs)")
@@ -336,6 +354,9 @@ def _validate(cfg: NodeConfig) -> None:
     need(cfg.deploy.min_validation >= 0, "deploy.min_validation", "must be >= 0")
     need(cfg.model.size is None or cfg.model.size in ("small", "medium", "large"), "model.size",
          "must be small, medium or large")
+    need(cfg.model.family is None or cfg.model.family in MODEL_FAMILIES, "model.family",
+         f"must be one of {', '.join(MODEL_FAMILIES)}")
+    need(cfg.model.family is None or cfg.model.spec is None, "model.family", "set model.family or model.spec, not both")
     _validate_profile(cfg)
     m = cfg.mqtt
     need(m.protocol in ("5", "3.1.1"), "mqtt.protocol", "must be '5' or '3.1.1'")

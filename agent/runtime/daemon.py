@@ -21,6 +21,7 @@ import logging
 import secrets
 import signal
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,8 @@ class Agent:
         import time as _time
 
         self.run_id = _time.strftime("%Y%m%dT%H%M%SZ", _time.gmtime())  # until runs have their own ids
+        #: the data's (input shape, number of classes), once loaded (runs: accept-time memory check)
+        self.data_shape: tuple[Any, int | None] | None = None
 
     async def run(self, stop: asyncio.Event) -> int:
         import torch
@@ -131,8 +134,8 @@ class Agent:
         from dfl_agent.discovery.peers import PeerTable
         from dfl_agent.discovery.static import load_static_peers
         from dfl_agent.learning.training import TrainConfig
-        from dfl_agent.models import spec_hash, validate_spec
-        from dfl_agent.models.defaults import algorithm_default_spec, check_algorithm_models
+        from dfl_agent.models import spec_hash
+        from dfl_agent.models.defaults import check_algorithm_models
         from dfl_agent.runtime.context import RuntimeContext
         from dfl_agent.runtime.node import Node, init_seed_for
         from dfl_agent.transport.mqtt import MqttTransport
@@ -152,9 +155,9 @@ class Agent:
                 bundle = load_dataset(d.dataset, path=d.path, cache_dir=d.cache_dir)
                 data = node_data_for(bundle, d.num_nodes, d.node_index, d.partition, seed=cfg.seed, beta=d.beta,
                                      zeta=d.zeta)
-            spec = validate_spec(cfg.model.spec) if cfg.model.spec else algorithm_default_spec(
-                algo_cls.name, bundle.pool.input_shape, bundle.pool.num_classes, behaviour.model_size or "medium"
-            )
+            spec = model_spec_for(cfg, algo_cls.name, bundle.pool.input_shape, bundle.pool.num_classes,
+                                  profile_size=profile.model.size, tier=behaviour.model_size)
+            self.data_shape = (list(bundle.pool.input_shape), int(bundle.pool.num_classes))
             check_algorithm_models(algo_cls.name, [spec])
             if spec["num_classes"] != bundle.pool.num_classes:
                 raise ValueError(f"model.spec has {spec['num_classes']} classes, the data {bundle.pool.num_classes}")
@@ -526,6 +529,27 @@ class Agent:
         return not stop.is_set()
 
 
+def model_spec_for(cfg: NodeConfig, algorithm: str, input_shape: Any, num_classes: int, *,
+                   profile_size: str = "medium", tier: str | None = None) -> dict[str, Any]:
+    """The model spec a node trains: ``model.spec``; else the member of ``model.family``
+    for the node's tier (``model.size``, else the profile's ``profile_size``); else the
+    algorithm's default model of the decision table's ``tier`` (medium when None).
+
+    Raises:
+        ValueError: an invalid spec, an unknown family, or a family the data does not fit.
+    """
+    from dfl_agent.models import validate_spec
+    from dfl_agent.models.defaults import algorithm_default_spec
+
+    if cfg.model.spec:
+        return validate_spec(cfg.model.spec)
+    if cfg.model.family:  # e.g. a run submitted with --models FAMILY
+        from dfl_agent.models.families import family_member
+
+        return family_member(cfg.model.family, input_shape, num_classes, cfg.model.size or profile_size)
+    return algorithm_default_spec(algorithm, input_shape, num_classes, tier or "medium")
+
+
 def apply_profile(cfg: NodeConfig, algorithm: str, spec: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """The node's device profile (pinned or detected, with ``profile_overrides``) and
     its behaviour from the decision table (``dfl_agent.profiles.behaviour``).
@@ -601,22 +625,37 @@ MIN_STORE_SAMPLES = 20
 def run_config_for(cfg: NodeConfig, run: Any) -> NodeConfig:
     """The node configuration for a run: the descriptor's algorithm, rounds, options,
     model, training settings and compression override ``node.toml`` (the profile's
-    limits still apply when the agent starts).
+    limits still apply when the agent starts).  A descriptor's model (``spec``,
+    ``family`` or ``size``) replaces node.toml's ``[model]`` as a whole.
 
     Raises:
-        StartupError: the descriptor names a key that does not exist.
+        StartupError: the descriptor names a key that does not exist, gives a value of the
+            wrong type, or one the configuration rules refuse (e.g. an unknown model family).
     """
     import copy
+    import dataclasses
+
+    from dfl_agent.runtime.config import ConfigError, _check_type, _validate
 
     new = copy.deepcopy(cfg)
     new.algorithm.name, new.algorithm.rounds, new.algorithm.options = run.algorithm, run.rounds, dict(run.options)
     new.algorithm.every = None
-    for section, values in (("model", run.model), ("training", run.training), ("compression", run.compression)):
-        target = getattr(new, section)
-        for k, v in values.items():
-            if not hasattr(target, k):
-                raise StartupError(f"run {run.run_id}: {section}.{k}: unknown key")
-            setattr(target, k, v)
+    new.algorithm.every_samples = None
+    if run.model:  # the descriptor's model replaces node.toml's [model] as a whole
+        new.model = type(cfg.model)()
+    try:
+        for section, values in (("model", run.model), ("training", run.training),
+                                ("compression", run.compression)):
+            target = getattr(new, section)
+            hints = typing.get_type_hints(type(target))
+            names = {f.name for f in dataclasses.fields(target)}
+            for k, v in values.items():
+                if k not in names:
+                    raise ConfigError(f"{section}.{k}: unknown key")
+                setattr(target, k, _check_type(v, hints[k], f"{section}.{k}"))
+        _validate(new)
+    except ConfigError as exc:
+        raise StartupError(f"run {run.run_id}: {exc}") from None
     new.runtime.rejoin = True
     return new
 
@@ -633,6 +672,7 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
     Raises:
         StartupError: the default run cannot start (bad configuration: exit code 2).
     """
+    import dataclasses
     import time as _time
 
     from dfl_agent.profiles import resolve_profile
@@ -678,6 +718,10 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
             log.warning("run %s %s: %s", run_id, state, reason)
         return {"id": run_id, "state": state, "round": rnd, "reason": reason}
 
+    # the data's (input shape, classes) for the accept-time memory check: from [data] when
+    # the store's schema is configured, else learnt from the first run's data
+    data_shape: tuple[Any, int | None] = (cfg.data.input_shape, cfg.data.num_classes) \
+        if cfg.data.input_shape and cfg.data.num_classes else (None, None)
     store: Any = None  # the sample store, ingested between runs (a run ingests on its own)
     next_spool = 0.0
     waiting_for_data = False
@@ -726,7 +770,8 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
                 except asyncio.TimeoutError:
                     pass
                 continue
-            reason = admit(d, profile, node_id=nid)
+            reason = admit(d, profile, node_id=nid, input_shape=data_shape[0], num_classes=data_shape[1],
+                           node_model=dataclasses.asdict(cfg.model))
             if reason:
                 info = note(d.run_id, "declined", reason)
                 publish(force=True)
@@ -784,6 +829,8 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
             finally:
                 run_stop.set()
                 await asyncio.gather(watcher, return_exceptions=True)
+            if agent.data_shape is not None:
+                data_shape = agent.data_shape
             rnd = agent.node.status().get("round", 0) if agent.node is not None else 0
             if agent.outcome == "finished":
                 info = note(d.run_id, "finished", "", d.rounds)

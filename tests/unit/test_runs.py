@@ -144,3 +144,60 @@ def test_descriptor_overrides_node_toml_and_members():
     assert d("r", 1, members={"profile": ["pi"]}).is_for("b", "pi")
     with pytest.raises(ValueError):
         RunDescriptor.from_dict({"run_id": "bad id!", "federation": "f", "algorithm": "a", "rounds": 1})
+
+
+def test_admit_counts_the_models_parameters_against_memory_budget_mb():
+    from dfl_agent.models import build_model, count_trainable, default_spec
+    from dfl_agent.profiles import resolve_profile
+    from dfl_agent.runtime.runs import run_model_params, spec_params
+
+    spec = default_spec([9, 128], 6, "medium")
+    assert spec_params(spec) == count_trainable(build_model(spec))  # counted on the meta device, same figure
+    roomy = resolve_profile("generic-x86", {"compute": {"memory_budget_mb": 1024}})[0]
+    tight = resolve_profile("generic-x86", {"compute": {"memory_budget_mb": 70}})[0]
+    small = d("r", 1.0)  # fedavg, the default model for HAR windows: ~14k parameters, a few MiB
+    assert admit(small, tight, node_id="n", input_shape=[9, 128], num_classes=6) is None
+    # a big spec (~21M parameters, ~80 MiB a copy) is counted without allocating it, and declined with the figure
+    huge = RunDescriptor("r", "f", "fedavg", 1, model={"spec": {"type": "mlp", "input_shape": [9, 128],
+                                                                "hidden": [4096, 4096], "num_classes": 6}})
+    phi, source = run_model_params(huge, roomy)
+    assert phi == 9 * 128 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 6 + 6 and source == "the run's model spec"
+    assert admit(huge, roomy, node_id="n") is None  # fedavg: 3 copies, ~316 MiB
+    mid = resolve_profile("generic-x86", {"compute": {"memory_budget_mb": 200}})[0]
+    reason = admit(huge, mid, node_id="n")
+    assert reason.startswith("model too large for memory_budget_mb") and str(phi) in reason and "200 MiB" in reason
+    # a size tier or family is built for the data's shape; without a shape the tier's reference model counts
+    large = RunDescriptor("r", "f", "fedavg", 1, model={"size": "large"})
+    assert run_model_params(large, roomy, input_shape=[9, 128], num_classes=6) == \
+        (spec_params(default_spec([9, 128], 6, "large")), "default large model")
+    assert run_model_params(large, roomy)[1] == "reference large model"
+    fam = RunDescriptor("r", "f", "heterofl", 1, model={"family": "H1", "size": "large"})
+    assert run_model_params(fam, roomy, input_shape=[9, 128], num_classes=6)[1] == "H1 member for large"
+    # the node's own [model] counts when the run names none
+    assert run_model_params(small, roomy, node_model={"spec": huge.model["spec"]})[0] == phi
+    assert "invalid model" in admit(RunDescriptor("r", "f", "fedavg", 1, model={"spec": {"type": "?"}}), roomy,
+                                    node_id="n")
+
+
+def test_run_model_family_reaches_the_model_build():
+    from dfl_agent.models.families import FAMILIES, family_member, family_specs
+    from dfl_agent.runtime.config import MODEL_FAMILIES, ConfigError
+    from dfl_agent.runtime.daemon import StartupError, model_spec_for, run_config_for
+
+    assert tuple(FAMILIES) == MODEL_FAMILIES
+    cfg = config_from_dict({"model": {"size": "small"}, "algorithm": {"rounds": 5}})
+    run = RunDescriptor(run_id="r", federation="default", algorithm="heterofl", rounds=2, model={"family": "H1"})
+    new = run_config_for(cfg, run)  # was: "model.family: unknown key"
+    assert (new.model.family, new.model.size, new.model.spec) == ("H1", None, None)  # replaces [model] whole
+    h1 = family_specs("H1", [9, 128], 6)
+    assert model_spec_for(new, "heterofl", [9, 128], 6, profile_size="medium") == h1[1]
+    assert model_spec_for(new, "heterofl", [9, 128], 6, profile_size="large") == h1[0]
+    assert family_member("H0", [1, 8, 8], 10, "small") == family_specs("H0", [1, 8, 8], 10)[0]  # one member
+    sized = run_config_for(cfg, RunDescriptor("r", "default", "fedavg", 1, model={"family": "H2", "size": "small"}))
+    assert model_spec_for(sized, "fedavg", [1, 8, 8], 10, profile_size="large") == family_specs("H2", [1, 8, 8], 10)[2]
+    with pytest.raises(StartupError, match="model.family: must be one of"):
+        run_config_for(cfg, RunDescriptor("r", "default", "fedavg", 1, model={"family": "H9"}))
+    with pytest.raises(StartupError, match="training.lr: expected float"):
+        run_config_for(cfg, RunDescriptor("r", "default", "fedavg", 1, training={"lr": "fast"}))
+    with pytest.raises(ConfigError, match="model.family"):
+        config_from_dict({"model": {"family": "H1", "spec": {"type": "mlp"}}})
