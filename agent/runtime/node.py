@@ -154,6 +154,9 @@ class Node:
             **timing,
         }
         record.update(self.ctx.byte_accounting())  # bytes by kind, this round's bytes, compression ratio (issue 8)
+        data = self.ctx.data
+        if data is not None and hasattr(data, "num_train"):  # what this run trains on (grows with the store)
+            record["train_samples"], record["validation_samples"] = int(data.num_train), int(data.num_val)
         self.history.append(record)
         if due:
             log.info(

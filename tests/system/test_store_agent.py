@@ -165,3 +165,123 @@ def test_always_on_agent_waits_for_data_then_runs_and_deploys(tmp_path):
         finally:
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0, log.read_text()[-3000:]
+
+
+WRITER = """
+import io, os, sys, time
+import numpy as np
+from pathlib import Path
+from tests.system.test_store_agent import windows
+spools, per_file, files, period = [Path(p) for p in sys.argv[4:]], int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+for k in range(files):  # the application: one file per spool every `period` seconds
+    t0 = time.monotonic()
+    for j, spool in enumerate(spools):
+        x, y = windows(per_file, 1000 + 100 * j + k)
+        buf = io.BytesIO()
+        np.savez(buf, x=x, y=y, t=np.full(per_file, time.time()))
+        (spool / f".w{k}.npz.tmp").write_bytes(buf.getvalue())
+        os.replace(spool / f".w{k}.npz.tmp", spool / f"w{k}.npz")
+    time.sleep(max(0.0, period - (time.monotonic() - t0)))
+"""
+
+
+def _data_status(state):
+    r = subprocess.run([sys.executable, "-m", "dfl_agent.cli.dflctl", "data", "status", "--state-dir", str(state),
+                        "--json"], capture_output=True, text=True, check=True, timeout=120)
+    return json.loads(r.stdout)
+
+
+def _run_metrics(state):
+    """``{run_id: [records]}`` from the per-run metrics files."""
+    out: dict[str, list] = {}
+    for f in sorted((state / "runs").glob("*/metrics.jsonl")):
+        for line in f.read_text().splitlines():
+            rec = json.loads(line)
+            out.setdefault(rec["run"], []).append(rec)
+    return out
+
+
+@needs_mosquitto
+@pytest.mark.timeout(900)
+def test_three_agents_two_runs_growing_stores_one_deployment_per_run(tmp_path):
+    """Three always-on agents on their sample stores: the default run (fedavg, 2 rounds),
+    then a writer process drops files into every spool at a fixed rate, then a run
+    submitted with ``dflctl run submit``.  The second run trains on more samples (data
+    status and the run metrics), and every agent deploys exactly one version per run."""
+    import signal
+
+    from dfl_agent.deploy import ModelStore, verify_folder
+
+    fed, ids = f"three{os.getpid()}", ["s0", "s1", "s2"]
+    states = {n: tmp_path / n for n in ids}
+    procs, logs = {}, {n: tmp_path / f"{n}.log" for n in ids}
+
+    def tail(n):
+        return f"--- {n}\n" + logs[n].read_text()[-2500:]
+
+    def wait_until(cond, what, timeout):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if cond():
+                return
+            for n, p in procs.items():
+                assert p.poll() is None, f"{n} exited: " + tail(n)
+            time.sleep(0.5)
+        raise AssertionError(f"timed out waiting for {what}\n" + "\n".join(tail(n) for n in ids))
+
+    with start_broker("mosquitto") as broker:
+        try:
+            for j, n in enumerate(ids):
+                cfg = config_from_dict({
+                    "federation": fed, "node_id": n, "state_dir": str(states[n]),
+                    "algorithm": {"name": "fedavg", "rounds": 2},
+                    "training": {"epochs": 1, "batch_size": 32, "threads": 1},
+                    "data": {"dataset": "store", "input_shape": list(SHAPE), "num_classes": 4,
+                             "spool_interval": 0.5},
+                    "model": {"size": "small"}, "deploy": {"tolerance": 1.0},
+                    "mqtt": {"broker": broker.endpoint, "heartbeat_interval": 1.0},
+                    "discovery": {"mdns": False, "min_peers": 2, "start_timeout": 600},
+                })
+                path = tmp_path / f"{n}.toml"
+                path.write_text(dump_toml(cfg))
+                drop(states[n] / "spool", "seed.npz", 60, j)  # little data to start with
+                procs[n] = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config",
+                                             str(path)], stdout=open(logs[n], "w"), stderr=subprocess.STDOUT)
+            models = {n: ModelStore(states[n]) for n in ids}
+            # run 1: the default run, on the 60 seed samples
+            wait_until(lambda: all(m.current_version() == 1 for m in models.values()), "run 1's deployments", 420)
+            before = {n: _data_status(states[n]) for n in ids}
+            assert all(s["samples"] == 60 for s in before.values()), before
+            # between the runs: the application writes 4 files of 30 samples into each spool, one every 0.5 s
+            w = subprocess.run([sys.executable, "-c", WRITER, "30", "4", "0.5", *(str(states[n] / "spool") for n in ids)],
+                               cwd=os.getcwd(), env={**os.environ, "PYTHONPATH": os.getcwd()}, capture_output=True,
+                               text=True, timeout=120)
+            assert w.returncode == 0, w.stderr
+            wait_until(lambda: all(_data_status(states[n])["samples"] == 180 for n in ids), "ingestion", 120)
+            rid = subprocess.run([sys.executable, "-m", "dfl_agent.cli.dflctl", "run", "submit", "--broker",
+                                  broker.endpoint, "--federation", fed, "--algorithm", "fedavg", "--rounds", "2",
+                                  "--model-size", "small", "--min-members", "3"], capture_output=True, text=True,
+                                 check=True, timeout=60).stdout.strip()
+            wait_until(lambda: all(m.current_version() == 2 for m in models.values()), "run 2's deployments", 420)
+        finally:
+            for p in procs.values():
+                p.send_signal(signal.SIGTERM)
+            for p in procs.values():
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    after = {n: _data_status(states[n]) for n in ids}
+    for n in ids:
+        assert after[n]["samples"] == 180 and after[n]["ingested_files"] == 5 and after[n]["rejected"] == 0, after[n]
+        m = models[n]
+        assert m.versions() == [1, 2] and m.current_version() == 2, tail(n)  # one version per run
+        v1, v2 = verify_folder(m.folder(1)), verify_folder(m.folder(2))
+        assert v2["run_id"] == rid and v1["run_id"] != rid and v1["algorithm"] == v2["algorithm"] == "fedavg"
+        assert v1["round"] == v2["round"] == 2
+        runs = _run_metrics(states[n])
+        assert set(runs) == {v1["run_id"], rid}, runs.keys()
+        first, second = ({r["train_samples"] for r in runs[k]} for k in (v1["run_id"], rid))
+        assert len(first) == len(second) == 1 and second.pop() > first.pop(), runs  # run 2 trained on more
+        assert {r["round"] for r in runs[rid]} == {1, 2} and all(r["neighbours"] == 2 for r in runs[rid])
+        assert v2["validation_samples"] > v1["validation_samples"]
