@@ -21,7 +21,6 @@ import logging
 import secrets
 import signal
 import sys
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -633,9 +632,8 @@ def run_config_for(cfg: NodeConfig, run: Any) -> NodeConfig:
             wrong type, or one the configuration rules refuse (e.g. an unknown model family).
     """
     import copy
-    import dataclasses
 
-    from dfl_agent.runtime.config import ConfigError, _check_type, _validate
+    from dfl_agent.runtime.config import ConfigError, _from_dict, _validate
 
     new = copy.deepcopy(cfg)
     new.algorithm.name, new.algorithm.rounds, new.algorithm.options = run.algorithm, run.rounds, dict(run.options)
@@ -647,12 +645,9 @@ def run_config_for(cfg: NodeConfig, run: Any) -> NodeConfig:
         for section, values in (("model", run.model), ("training", run.training),
                                 ("compression", run.compression)):
             target = getattr(new, section)
-            hints = typing.get_type_hints(type(target))
-            names = {f.name for f in dataclasses.fields(target)}
-            for k, v in values.items():
-                if k not in names:
-                    raise ConfigError(f"{section}.{k}: unknown key")
-                setattr(target, k, _check_type(v, hints[k], f"{section}.{k}"))
+            checked = _from_dict(type(target), values, section)  # unknown keys and wrong types: ConfigError
+            for k in values:
+                setattr(target, k, getattr(checked, k))
         _validate(new)
     except ConfigError as exc:
         raise StartupError(f"run {run.run_id}: {exc}") from None
