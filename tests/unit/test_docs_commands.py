@@ -1,0 +1,129 @@
+"""The commands the documentation shows are commands the package has.
+
+Every ``dflctl``, ``dfl-agent`` and ``dfl-infer`` line in a ``bash`` block of the tutorials,
+the how-to guides and the README is parsed by the real argument parser, so a renamed command
+or option fails here (in seconds) before a reader meets it. The tutorials' install block
+installs the torch version that ``scripts/setup.sh`` and ``scripts/check_install.sh`` install;
+``check_install.sh`` (run by CI) proves that install path on a fresh virtual environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from dfl_agent.cli import gen_reference as g
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGS = ("dflctl", "dfl-agent", "dfl-infer")
+_OPERATOR = re.compile(r"^[<>|&;]+$")
+
+
+def doc_pages() -> list[Path]:
+    """README.md and every page under docs/ (the generated reference is not hand-written)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [p for p in pages if p.name not in ("config.md", "cli.md") or p.parent.name != "reference"]
+
+
+def bash_blocks(page: Path) -> list[str]:
+    """The ``bash`` fenced blocks of a page, in order."""
+    return re.findall(r"```bash\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.S)
+
+
+def command_lines(block: str) -> list[list[str]]:
+    """The argument vectors of the package's commands in one shell block.
+
+    Continuation lines are joined; a line is split at ``&&``, ``||``, ``;``, ``|`` and ``&``;
+    a command ends at its first redirection; a leading ``VAR=value``, ``sudo`` or
+    ``nice -n 10`` is skipped; a path before the program name (``.venv/bin/dflctl``) is
+    dropped. Reader's notation is not passed to the parser: ``<placeholder>`` becomes a word,
+    ``[--optional]`` and ``...`` are left out, and `` / `` separates alternatives.
+    """
+    out: list[list[str]] = []
+    for line in block.replace("\\\n", " ").splitlines():
+        line = line.split(" #", 1)[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        line = re.sub(r"<[A-Za-z0-9_ .:/-]+>", "PLACEHOLDER", line)
+        try:
+            lex = shlex.shlex(line, posix=True, punctuation_chars=True)
+            lex.whitespace_split = True
+            tokens = list(lex)
+        except ValueError:
+            continue
+        segments: list[list[str]] = [[]]
+        for tok in tokens:
+            if tok in ("&&", "||", ";", "|", "&", "/"):
+                segments.append([])
+            else:
+                segments[-1].append(tok)
+        for seg in segments:
+            words: list[str] = []
+            for tok in seg:
+                if _OPERATOR.match(tok):  # a redirection ends the command
+                    if words and words[-1].isdigit():
+                        words.pop()  # the 2 of 2>&1
+                    break
+                if tok == "..." or (tok.startswith("[") and tok.endswith("]")):
+                    continue
+                words.append(tok)
+            while words and (re.match(r"^[A-Za-z_]+=", words[0]) or words[0] in ("sudo", "exec", "then", "do", "time")):
+                words = words[1:]
+            if words[:1] == ["nice"]:
+                words = words[3:] if words[1:2] == ["-n"] else words[1:]
+            if words and words[0].rsplit("/", 1)[-1] in PROGS:
+                out.append([words[0].rsplit("/", 1)[-1], *words[1:]])
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    return dict(g.build_parsers())
+
+
+def _all_commands() -> list[tuple[str, list[str]]]:
+    found = []
+    for page in doc_pages():
+        for block in bash_blocks(page):
+            for argv in command_lines(block):
+                found.append((page.relative_to(ROOT).as_posix(), argv))
+    return found
+
+
+def test_command_lines_are_extracted() -> None:
+    block = 'for i in 0 1 2; do\n  dfl-agent run --once --config "node$i.toml" > "node$i.log" 2>&1 &\ndone\n' \
+            "nice -n 10 .venv/bin/dflctl demo --nodes 3 \\\n  --rounds 2 | tail\nX=1 dflctl peers  # comment\n"
+    assert command_lines(block) == [["dfl-agent", "run", "--once", "--config", "node$i.toml"],
+                                    ["dflctl", "demo", "--nodes", "3", "--rounds", "2"],
+                                    ["dflctl", "peers"]]
+
+
+def test_the_tutorials_show_commands() -> None:
+    pages = {p for p, _ in _all_commands()}
+    for tutorial in ("first-federation.md", "live-data.md", "demo.md"):
+        assert f"docs/tutorials/{tutorial}" in pages
+
+
+@pytest.mark.parametrize("page,argv", _all_commands(), ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_documented_command_parses(page: str, argv: list[str]) -> None:
+    parser = _parsers()[argv[0]]
+    try:
+        parser.parse_args(argv[1:])
+    except SystemExit as e:  # argparse exits 2 on an unknown command or option; --help/--version exit 0
+        assert e.code == 0, f"{page}: `{' '.join(argv)}` is not a valid command line"
+
+
+def test_install_block_pins_the_tested_torch() -> None:
+    tut = (ROOT / "docs" / "tutorials" / "first-federation.md").read_text(encoding="utf-8")
+    install = next(b for b in re.findall(r"```bash\n(.*?)```", tut, flags=re.S) if b.startswith("# tutorial: install"))
+    setup_version = re.search(r'TORCH_VERSION="\$\{TORCH_VERSION:-([0-9.]+)\}"', (ROOT / "scripts" / "setup.sh").read_text())
+    check_version = re.search(r'TORCH_VERSION="\$\{TORCH_VERSION:-([0-9.]+)\}"',
+                              (ROOT / "scripts" / "check_install.sh").read_text())
+    assert setup_version and check_version and setup_version.group(1) == check_version.group(1)
+    assert f"torch=={setup_version.group(1)}" in install
+    assert "-m build --wheel" in install and "[train,har]" in install and "dflctl --version" in install
