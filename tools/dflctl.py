@@ -49,8 +49,9 @@ def _model_specs(value: str | None) -> list[dict[str, Any]] | None:
 
 
 def cmd_simulate(a: argparse.Namespace) -> int:
+    from dfl_agent.cli.progress import simulate_with_progress
     from dfl_agent.learning.training import TrainConfig
-    from dfl_agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.runtime.simulator import SimConfig
 
     cfg = SimConfig(
         algorithm=a.algorithm, nodes=a.nodes, rounds=a.rounds, dataset=a.dataset, dataset_path=a.dataset_path,
@@ -65,7 +66,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         compression=a.compression, error_feedback=a.error_feedback,
         samples_per_node=a.samples_per_node,
     )
-    s = simulate(cfg)
+    s = simulate_with_progress(cfg, enabled=a.progress)
     if a.json:
         print(json_doc(s, default=float))
         return 0
@@ -332,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device profiles per node (cycled): model size, roles, compression (dflctl profile list)")
     s.add_argument("--json", action="store_true",
                    help="print the summary as one JSON document (schema_version 1) instead of the text line")
+    s.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no per-round progress on stderr (a bar on a terminal, else one line per round)")
     _compression_args(s)
     s.set_defaults(func=cmd_simulate)
 

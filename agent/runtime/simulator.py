@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,8 +127,13 @@ def node_name(i: int) -> str:
     return f"node{i:02d}"
 
 
-def simulate(cfg: SimConfig) -> dict[str, Any]:
+def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | None = None) -> dict[str, Any]:
     """Run the simulation; returns the ``summary.json`` document (also written to ``cfg.out``).
+
+    ``progress(t, accuracy)``, when given, is called with ``t = 0`` when the rounds start,
+    then once per round ``t`` (in order) when every node still running has finished it; ``accuracy`` is the mean global test
+    accuracy of the nodes evaluated that round (None when none was).  The progress display
+    of ``dflctl simulate`` and the benchmarks is ``dfl_agent.cli.progress``.
 
     Raises:
         KeyError: unknown algorithm. ValueError: bad option, dataset or partition arguments.
@@ -168,6 +174,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
     federation = "sim"
     records: list[dict[str, Any]] = []
     nodes: list[Node] = []
+    sink = records.append if progress is None else _progress_sink(cfg, records, progress)
     for i in range(cfg.nodes):
         nid = node_name(i)
         data = make_node_data(bundle, parts[i], seed=cfg.seed)  # same split as the daemon (node_data_for)
@@ -192,7 +199,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
                                                              error_feedback=cfg.error_feedback)
         nodes.append(
             Node(ctx, algo_cls(ctx, options), bundle.test.x, bundle.test.y,
-                 baseline_local=cfg.baseline_local, sink=records.append, rounds=cfg.rounds,
+                 baseline_local=cfg.baseline_local, sink=sink, rounds=cfg.rounds,
                  eval_every=cfg.eval_every)
         )
 
@@ -219,6 +226,8 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
 
         for node in nodes:
             await node.ctx.start()
+        if progress is not None:
+            progress(0, None)  # set-up done: the rounds start
         await asyncio.gather(*(run_node(i, n) for i, n in enumerate(nodes)))
         for node in nodes:
             await node.ctx.stop()
@@ -255,6 +264,32 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         metrics.atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=float) + "\n")
         metrics.plot_accuracy(histories, out / "accuracy.png", title=f"{cfg.algorithm} on {cfg.dataset}, {cfg.nodes} nodes")
     return summary
+
+
+def _progress_sink(cfg: SimConfig, records: list[dict[str, Any]],
+                   progress: Callable[[int, float | None], None]) -> Callable[[dict[str, Any]], None]:
+    """A metrics sink that appends to ``records`` and calls ``progress`` once per round, in
+    order, when every node not killed before that round has reported it."""
+    seen: dict[int, list[float]] = {}
+    counts: dict[int, int] = {}
+    shown = [0]
+
+    def expected(t: int) -> int:  # a node killed at round k reports rounds < k
+        return sum(1 for i in range(cfg.nodes) if cfg.kill.get(i, cfg.rounds + 1) > t)
+
+    def sink(record: dict[str, Any]) -> None:
+        records.append(record)
+        t = int(record.get("round", 0))
+        counts[t] = counts.get(t, 0) + 1
+        if isinstance(record.get("global_accuracy"), (int, float)):
+            seen.setdefault(t, []).append(float(record["global_accuracy"]))
+        while counts.get(shown[0] + 1, 0) >= expected(shown[0] + 1) and shown[0] < cfg.rounds:
+            shown[0] += 1
+            accs = seen.pop(shown[0], [])
+            counts.pop(shown[0], None)
+            progress(shown[0], sum(accs) / len(accs) if accs else None)
+
+    return sink
 
 
 def sampled_parts(pool_size: int, nodes: int, k: int, seed: int) -> list[np.ndarray]:

@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 def main(argv: list[str]) -> None:
     import torch
 
+    from dfl_agent.cli.progress import simulate_with_progress as simulate  # progress on stderr
     from dfl_agent.learning.training import TrainConfig
-    from dfl_agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.runtime.simulator import SimConfig
 
     torch.set_num_threads(1)
     lr = float(argv[0])

@@ -41,9 +41,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from dfl_agent.cli.progress import simulate_with_progress as simulate  # noqa: E402  (progress on stderr)
 from dfl_agent.learning.training import TrainConfig  # noqa: E402
 from dfl_agent.runtime.metrics import read_jsonl  # noqa: E402
-from dfl_agent.runtime.simulator import SimConfig, simulate  # noqa: E402
+from dfl_agent.runtime.simulator import SimConfig  # noqa: E402
 
 METHODS = ("dechw", "dechetero", "cfa", "dechw_dagger")
 LABELS = {"dechw": "DecHW", "dechetero": "DecHetero", "cfa": "CFA", "dechw_dagger": "DecHW†"}

@@ -39,9 +39,10 @@ from typing import Any
 
 import torch
 
+from dfl_agent.cli.progress import simulate_with_progress as simulate  # progress on stderr
 from dfl_agent.learning.training import TrainConfig
 from dfl_agent.runtime.metrics import read_jsonl
-from dfl_agent.runtime.simulator import SimConfig, simulate
+from dfl_agent.runtime.simulator import SimConfig
 
 SEEDS = (0, 1, 2)
 ALGORITHMS = ("defkt", "fullavg", "combo")

@@ -45,8 +45,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from dfl_agent.cli.progress import simulate_with_progress as simulate  # noqa: E402  (progress on stderr)
 from dfl_agent.learning.training import TrainConfig  # noqa: E402
-from dfl_agent.runtime.simulator import SimConfig, simulate  # noqa: E402
+from dfl_agent.runtime.simulator import SimConfig  # noqa: E402
 
 OUT = ROOT / "bench" / "fedd2s" / "results"
 Z0 = {0.1: 3, 0.5: 5, 1.0: 7}

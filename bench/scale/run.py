@@ -36,12 +36,21 @@ def run_cell(nodes: int, topology: str, algorithm: str, rounds: int, extra: list
         cmd += ["--topology", topology, "--topology-option", "p=0.05"]
     cmd += extra
     t0 = time.time()
-    p = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
+    # the child's per-round progress lines (stderr, no terminal) are passed on as they come
+    p = subprocess.Popen(["/usr/bin/time", "-v", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stderr is not None
+    err_lines = []
+    for line in p.stderr:
+        err_lines.append(line)
+        if ": round " in line:
+            print(f"  {nodes} nodes | {line.rstrip()}", file=sys.stderr, flush=True)
+    stdout = p.stdout.read()
+    rc = p.wait()
     wall = time.time() - t0
-    rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr).group(1))
-    acc = re.search(r"global accuracy ([0-9.]+)", p.stdout)
+    rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", "".join(err_lines)).group(1))
+    acc = re.search(r"global accuracy ([0-9.]+)", stdout)
     return {"algorithm": algorithm, "nodes": nodes, "topology": topology, "rounds": rounds, "extra": extra,
-            "rc": p.returncode, "wall_s": round(wall, 1), "peak_rss_mb": round(rss_kb / 1024, 1),
+            "rc": rc, "wall_s": round(wall, 1), "peak_rss_mb": round(rss_kb / 1024, 1),
             "node_rounds_per_s": round(nodes * rounds / wall, 2),
             "global_accuracy": float(acc.group(1)) if acc else None,
             "command": " ".join(["dflctl", *cmd[1:]])}
