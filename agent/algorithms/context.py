@@ -18,7 +18,7 @@ T = TypeVar("T")
 BROADCAST = "*"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Message:
     """One protocol message between nodes.
 

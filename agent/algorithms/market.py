@@ -41,7 +41,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import numpy as np
@@ -175,7 +175,9 @@ class UpdateMarket:
         self.timeout = timeout
         self.max_staleness = max_staleness
         self.max_queue = max_queue
-        self.queues: dict[str, collections.deque[Message]] = collections.defaultdict(collections.deque)
+        # short lists (at most max_queue), and a sender's entry goes once it is empty: a
+        # node with a thousand neighbours keeps no thousand idle queue objects
+        self.queues: dict[str, list[Message]] = collections.defaultdict(list)
         self.stats: collections.Counter[str] = collections.Counter()
         self.last: CollectResult | None = None
 
@@ -193,16 +195,18 @@ class UpdateMarket:
         self.stats["received"] += 1
         self.stats["received_bytes"] += int(msg.wire_bytes)
         while len(q) > self.max_queue:
-            q.popleft()
+            del q[0]
             self.stats["overflow"] += 1
 
     def _prune(self, t: int) -> None:
         lo = t - self.max_staleness
-        for q in self.queues.values():
+        for sender, q in list(self.queues.items()):
             keep = [m for m in q if m.round >= lo]
             self.stats["stale"] += len(q) - len(keep)
-            q.clear()
-            q.extend(keep)
+            if keep:
+                q[:] = keep
+            else:
+                del self.queues[sender]
 
     def _eligible(self, sender: str, t: int) -> list[Message]:
         return [m for m in self.queues.get(sender, ()) if m.round <= t]
@@ -245,6 +249,8 @@ class UpdateMarket:
             q = self.queues[p]
             for m in chosen:
                 q.remove(m)
+            if not q:
+                del self.queues[p]
             out[p] = chosen
         return out
 
@@ -287,16 +293,17 @@ class UpdateMarket:
         self._prune(t)
         while True:
             current = sorted(peer_fn())
+            members = set(current)  # O(1) sender checks: a round brings one update per neighbour
             now = clock.now()
             # drain what already arrived without waiting
             while True:
                 msg = await ctx.receive(kind, deadline=now)
                 if msg is None:
                     break
-                self._intake(ctx, msg, t, current, validate, outsider_reason, departed)
+                self._intake(ctx, msg, t, members, validate, outsider_reason, departed)
             satisfied = self.ready(t, current)
             if satisfied or now >= deadline:
-                gone = [p for p in self.queues if p not in current and self._eligible(p, t) and departed(p)]
+                gone = [p for p in self.queues if p not in members and self._eligible(p, t) and departed(p)]
                 taken = self.take(t, current + gone)
                 missing = [p for p in current if p not in taken]
                 msgs = [m for ms in taken.values() for m in ms]
@@ -308,9 +315,9 @@ class UpdateMarket:
                 return res
             msg = await ctx.receive(kind, deadline=min(deadline, now + poll))
             if msg is not None:
-                self._intake(ctx, msg, t, current, validate, outsider_reason, departed)
+                self._intake(ctx, msg, t, members, validate, outsider_reason, departed)
 
-    def _intake(self, ctx: Any, msg: Message, t: int, peers: list[str], validate, outsider_reason: str,
+    def _intake(self, ctx: Any, msg: Message, t: int, peers: Collection[str], validate, outsider_reason: str,
                 departed: Callable[[str], bool]) -> None:
         if msg.sender not in peers and not departed(msg.sender):
             ctx.reject(msg, outsider_reason)

@@ -18,7 +18,7 @@ from typing import Any
 SOURCES = ("static", "mdns", "presence")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class PeerInfo:
     """What is known about one peer.
 
@@ -29,7 +29,8 @@ class PeerInfo:
             use the default broker).
         profile, algorithm, model_hash, version: advertised descriptor fields.
         address: network address it was seen at (mDNS), informational.
-        sources: which sources currently vouch for it.
+        sources: which sources currently vouch for it (an immutable set: one shared
+            object per combination, so that a thousand-node table stays small).
         last_seen: ``time.monotonic()`` of the last sign of life.
     """
 
@@ -41,7 +42,7 @@ class PeerInfo:
     model_hash: str = ""
     version: str = ""
     address: str = ""
-    sources: set[str] = dataclasses.field(default_factory=set)
+    sources: frozenset[str] = frozenset()
     last_seen: float = 0.0
     offline: bool = False
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -54,6 +55,14 @@ class PeerInfo:
 
 
 Listener = Callable[[str, str, PeerInfo], None]  # (event: added|updated|removed, node_id, info)
+
+_INTERNED: dict[frozenset[str], frozenset[str]] = {}
+
+
+def _sources(sources: frozenset[str]) -> frozenset[str]:
+    """The one shared frozenset equal to ``sources`` (there are at most 2**3 of them)."""
+    return _INTERNED.setdefault(sources, sources)
+
 
 _FIELDS = ("federation", "broker", "profile", "algorithm", "model_hash", "version", "address")
 
@@ -84,6 +93,9 @@ class PeerTable:
         self._peers: dict[str, PeerInfo] = {}
         self._lock = threading.RLock()
         self._listeners: list[Listener] = []
+        #: bumped on every change that can alter :meth:`live_peers` (upsert, withdraw),
+        #: so that callers may cache derived views while it stays the same
+        self.changes = 0
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(event, node_id, info)`` on added/updated/removed."""
@@ -116,10 +128,11 @@ class PeerTable:
                     setattr(info, key, str(value))
                 elif key not in _FIELDS and value is not None:
                     info.extra[key] = value
-            info.sources.add(source)
+            info.sources = _sources(info.sources | {source})
             if source == "presence":
                 info.offline = False
             info.last_seen = self._clock()
+            self.changes += 1
         self._emit("updated" if was_live else "added", info)
         return info
 
@@ -137,10 +150,11 @@ class PeerTable:
             if info is None or source not in info.sources:
                 return
             was_live = self._is_live(info)
-            info.sources.discard(source)
+            info.sources = _sources(info.sources - {source})
             if source == "presence":
                 info.offline = True
             now_live = self._is_live(info)
+            self.changes += 1
         if was_live and not now_live:
             self._emit("removed", info)
 

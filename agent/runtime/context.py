@@ -112,6 +112,13 @@ class RuntimeContext:
         self.max_frame_bytes = max_frame_bytes
         self.max_queued_per_sender = max_queued_per_sender
         self.graph_neighbours = None if graph_neighbours is None else sorted(set(graph_neighbours) - {node_id})
+        self._graph_src: list[str] | None = None  # the list _graph_set was made from
+        self._graph_set: frozenset[str] = frozenset()
+        self._graph_len = 0
+        #: live_peers() memo: (key, result); valid while the peer table, the exclusions and
+        #: the gated peers are unchanged (only without heartbeat expiry or security)
+        self._live_cache: tuple[tuple[Any, int, int], list[str]] | None = None
+        self._gated_changes = 0
         self.round_hook: RoundHook | None = None
         self.current_round = 0
         self.rejected: collections.Counter[str] = collections.Counter()
@@ -123,7 +130,10 @@ class RuntimeContext:
         self.bytes_received_by_kind: collections.Counter[str] = collections.Counter()
         self._buffer: list[Message] = []
         self._per_sender: collections.Counter[str] = collections.Counter()
-        self._seen_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # recent message ids (duplicate check), the oldest forgotten beyond 4096: a set
+        # for lookups and a FIFO of the same strings for the order (smaller than an OrderedDict)
+        self._seen_ids: set[str] = set()
+        self._seen_order: collections.deque[str] = collections.deque()
         self._waiters: set[asyncio.Future[bool]] = set()
         self._started = False
         # -- device profile (dfl_agent.profiles): behaviour, compatibility, resource gating --
@@ -231,9 +241,10 @@ class RuntimeContext:
         if msg.msg_id in self._seen_ids:
             self.rejected["duplicate"] += 1
             return
-        self._seen_ids[msg.msg_id] = None
-        if len(self._seen_ids) > 4096:
-            self._seen_ids.popitem(last=False)
+        self._seen_ids.add(msg.msg_id)
+        self._seen_order.append(msg.msg_id)
+        if len(self._seen_order) > 4096:
+            self._seen_ids.discard(self._seen_order.popleft())
         if msg.round < self.current_round - 1:
             self._drop("stale", f"round {msg.round} < {self.current_round - 1}", msg.sender)
             return
@@ -373,10 +384,22 @@ class RuntimeContext:
 
     def live_peers(self) -> list[str]:
         """Live peers that take part: incompatible peers (``compatibility``) and peers
-        that report themselves gated are left out."""
+        that report themselves gated are left out.
+
+        Without heartbeat expiry and without security (the simulator), the answer only
+        changes with the peer table, the exclusions or the gated peers, and is memoised
+        on those: a thousand nodes asking several times a round stay O(N) each."""
+        changes = getattr(self.peers, "changes", None)
+        cacheable = (self.security is None and changes is not None
+                     and getattr(self.peers, "heartbeat_timeout", 0) is None)
+        key = (changes, len(self.excluded), self._gated_changes) if cacheable else None
+        if key is not None and self._live_cache is not None and self._live_cache[0] == key:
+            return list(self._live_cache[1])
         live = [p for p in self.peers.live_peers() if self._participates(p)]
         if self.security is not None:  # discovery is a hint: members need a trusted key
             live = [p for p in live if self.security.is_member(p)]
+        if key is not None:  # _participates may have excluded peers: key on the state after
+            self._live_cache = ((changes, len(self.excluded), self._gated_changes), list(live))
         return live
 
     def _participates(self, peer: str) -> bool:
@@ -405,10 +428,13 @@ class RuntimeContext:
         """A peer's status document arrived (heartbeat): remember whether it is gated."""
         if isinstance(status, dict):
             gated = status.get("gated")
+            before = self.peer_gated.get(peer)
             if isinstance(gated, str) and gated:
                 self.peer_gated[peer] = gated
             else:
                 self.peer_gated.pop(peer, None)
+            if self.peer_gated.get(peer) != before:
+                self._gated_changes += 1
 
     def may_aggregate(self, peer: str) -> bool:
         """Whether ``peer`` (or this node) may lead a rotating round: its advertised
@@ -470,8 +496,18 @@ class RuntimeContext:
         live = self.live_peers()
         if self.graph_neighbours is None:
             return live
-        allowed = set(self.graph_neighbours)
+        allowed = self._graph_allowed()
+        assert allowed is not None
         return [p for p in live if p in allowed]
+
+    def _graph_allowed(self) -> frozenset[str] | None:
+        """``graph_neighbours`` as a set (rebuilt when the list is replaced or resized)."""
+        g = self.graph_neighbours
+        if g is None:
+            return None
+        if self._graph_src is not g or len(g) != self._graph_len:
+            self._graph_src, self._graph_set, self._graph_len = g, frozenset(g), len(g)
+        return self._graph_set
 
     def catch_up_round(self, next_round: int) -> int:
         if not self.catch_up:
@@ -494,7 +530,8 @@ class RuntimeContext:
     def is_neighbour(self, peer: str) -> bool:
         if peer == self.node_id or self.peers.get(peer) is None or not self._compatible(peer):
             return False
-        if self.graph_neighbours is not None and peer not in self.graph_neighbours:
+        allowed = self._graph_allowed()
+        if allowed is not None and peer not in allowed:
             return False
         return self.security is None or self.security.is_member(peer)
 

@@ -19,22 +19,52 @@ import dataclasses
 import selectors
 from typing import Any
 
+from dfl_agent.algorithms.context import Message
 from dfl_agent.transport.base import FrameHandler, PresenceHandler, Transport, TransportStats
+
+# decode_once copies a Message field by field: it must name every field
+assert [f.name for f in dataclasses.fields(Message)] == [
+    "kind", "round", "tensors", "meta", "sender", "recipient", "msg_id", "time", "wire_bytes", "encoding"]
 
 #: how many broadcast buffers and decodes the memory transport made (process-wide,
 #: for tests and benchmarks: one buffer and at most one decode per broadcast)
 SHARED_STATS = {"buffers": 0, "decodes": 0}
 
 
+class SharedDict(dict[Any, Any]):
+    """A dict that every receiver of one broadcast shares: reads work as on a dict,
+    writes raise ``TypeError`` (copy it with ``dict(d)`` to change it).  Copies made
+    with ``copy``/``pickle`` are plain dicts."""
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a received message's tensors/meta are shared by all its receivers: copy with dict() first")
+
+    __setitem__ = __delitem__ = _read_only
+    pop = popitem = clear = update = setdefault = __ior__ = _read_only
+
+    def __reduce__(self) -> Any:
+        return (dict, (dict(self),))
+
+    def __copy__(self) -> dict[Any, Any]:
+        return dict(self)
+
+    def __deepcopy__(self, memo: Any) -> dict[Any, Any]:
+        import copy
+
+        return copy.deepcopy(dict(self), memo)
+
+
 class SharedFrame(bytes):
     """A broadcast frame, stored once and shared read-only by all its receivers.
 
     The first receiver that decodes it (:meth:`decode_once`) keeps the decoded
-    :class:`~dfl_agent.transport.wire.Message` on the frame; later receivers get a
-    shallow copy whose tensors are the same read-only numpy arrays.  Memory per
-    broadcast is then one frame plus one decoded model, whatever the number of
-    receivers (O(N x model) for N nodes instead of O(N^2 x model)).  The frame and its
-    decoded copy are freed when the last receiver has dropped its message.
+    :class:`~dfl_agent.transport.wire.Message` on the frame; every receiver gets its
+    own small message record (sender, round, byte counts) whose ``tensors`` and
+    ``meta`` are the same read-only :class:`SharedDict` objects holding the same
+    read-only numpy arrays.  Memory per broadcast is then one frame plus one decoded
+    model, whatever the number of receivers (O(N x model) for N nodes instead of
+    O(N^2 x model)).  The frame and its decoded copy are freed when the last receiver
+    has dropped its message.
     """
 
     def decode_once(self, *, federation: str, recipient: str, max_frame_bytes: int) -> Any:
@@ -52,6 +82,7 @@ class SharedFrame(bytes):
                 msg: Any = wire.decode(self, federation=federation, max_frame_bytes=max_frame_bytes)
                 for arr in msg.tensors.values():
                     arr.setflags(write=False)  # shared by every receiver: nobody may write into it
+                msg.tensors, msg.meta = SharedDict(msg.tensors), SharedDict(msg.meta)
             except Exception as exc:  # noqa: BLE001 - cached and re-raised for every receiver
                 msg = exc
             SHARED_STATS["decodes"] += 1
@@ -61,7 +92,9 @@ class SharedFrame(bytes):
             raise msg
         if msg.recipient not in (wire.BROADCAST, recipient):
             raise wire.WireError("wrong_recipient", msg.recipient)
-        return dataclasses.replace(msg, tensors=dict(msg.tensors), meta=dict(msg.meta))
+        # a new record (cheaper than dataclasses.replace), sharing the read-only tensors and meta
+        return Message(msg.kind, msg.round, msg.tensors, msg.meta, msg.sender, msg.recipient, msg.msg_id,
+                       msg.time, msg.wire_bytes, msg.encoding)
 
 
 class SimulationDeadlock(RuntimeError):
@@ -165,14 +198,25 @@ class MemoryNetwork:
                 other.on_presence(node_id, descriptor)
 
     def _deliver(self, node_id: str, frame: bytes) -> None:
+        self._deliver_many([node_id], frame)
+
+    def _deliver_many(self, node_ids: list[str], frame: bytes) -> None:
+        """Deliver ``frame`` to each of ``node_ids`` in that order, after ``latency``.
+
+        One loop callback for all receivers (a broadcast to N nodes schedules one
+        handle, not N), so the arrivals run back to back in receiver order."""
+        if not node_ids:
+            return
         loop = asyncio.get_running_loop()
+        n = len(frame)
 
         def arrive() -> None:
-            t = self._nodes.get(node_id)
-            if t is not None and t.online and t.on_frame:
-                t.stats.bytes_received += len(frame)
-                t.stats.frames_received += 1
-                t.on_frame(frame, len(frame))
+            for node_id in node_ids:
+                t = self._nodes.get(node_id)
+                if t is not None and t.online and t.on_frame:
+                    t.stats.bytes_received += n
+                    t.stats.frames_received += 1
+                    t.on_frame(frame, n)
 
         if self.latency:
             loop.call_later(self.latency, arrive)
@@ -225,9 +269,7 @@ class MemoryTransport(Transport):
         if not isinstance(frame, SharedFrame):
             frame = SharedFrame(frame)  # one buffer for every receiver
             SHARED_STATS["buffers"] += 1
-        for other in self.network.online():
-            if other != self.node_id:
-                self.network._deliver(other, frame)
+        self.network._deliver_many([o for o in self.network.online() if o != self.node_id], frame)
         return len(frame)
 
     async def publish_status(self, status: dict[str, Any]) -> None:

@@ -199,6 +199,11 @@ def test_broadcast_is_one_shared_buffer_decoded_once():
     a, b = run_virtual(shared_arrays())
     assert a is not b and a.tensors["w"] is b.tensors["w"]  # the same array, not a copy
     assert not a.tensors["w"].flags.writeable
+    # the records are per receiver, their tensors/meta one shared read-only mapping
+    assert a.tensors is b.tensors and a.meta is b.meta
+    with pytest.raises(TypeError):
+        a.tensors["w"] = np.zeros(6, dtype=np.float32)
+    assert type(dict(a.tensors)) is dict
     np.testing.assert_array_equal(a.tensors["w"], np.arange(6, dtype=np.float32))
 
 
