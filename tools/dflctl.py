@@ -242,17 +242,113 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def render_table(title: str, rows: list[dict[str, Any]], columns: tuple[str, ...]) -> Any:
-    """A rich Table of ``rows`` (used by peers, status and watch)."""
-    from rich.table import Table
+#: per column: (short header, priority, may wrap).  On a narrow terminal the columns of
+#: lowest priority number are kept first; a column that may wrap takes the width left over
+#: and folds its value onto several lines.  Columns not listed keep their order, priority 3.
+COLUMN_INFO: dict[str, tuple[str, int, bool]] = {
+    "node_id": ("node", 0, False), "state": ("state", 0, False), "round": ("round", 1, False),
+    "last_seen_s": ("seen_s", 1, False), "trust": ("trust", 2, True), "algorithm": ("algo", 2, False),
+    "address": ("address", 3, True), "profile": ("profile", 3, False), "model": ("model", 5, False),
+    "compatibility": ("compat", 4, True),
+    "run": ("run", 2, True), "role": ("role", 2, False), "accuracy": ("acc", 1, False),
+    "last_sync_s": ("sync_s", 3, False), "errors": ("err", 3, False), "sync_state": ("sync", 4, True),
+    "bytes_sent": ("sent", 4, False), "bytes_received": ("recv", 4, False), "control_dropped": ("ctl_drop", 5, True),
+}
+#: columns shown in bytes: compact (``12.3M``) when the table has to fit a terminal
+BYTE_COLUMNS = ("bytes_sent", "bytes_received")
 
-    t = Table(title=title)
-    for col in columns:
-        t.add_column(col)
-    for r in rows:
-        style = "red" if r.get("state") in ("offline", "stale") else None
-        t.add_row(*(_fmt(r.get(c)) for c in columns), style=style)
-    return t
+
+def _fmt_bytes(v: Any) -> str:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return _fmt(v)
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(v) >= size:
+            return f"{v / size:.1f}{unit}"
+    return str(int(v))
+
+
+def _priority(col: str, rows: list[dict[str, Any]]) -> int:
+    """A column's priority for these rows: :data:`COLUMN_INFO`'s, raised to 1 for a warning
+    (an untrusted node, an incompatibility), lowered by 3 for a column of priority >= 2 whose
+    rows all say the same thing."""
+    base = COLUMN_INFO.get(col, ("", 3))[1]
+    values = [_fmt(r.get(col)) for r in rows]
+    if col == "trust" and any(v.startswith("untrusted") for v in values):
+        return 1
+    if col == "compatibility" and any(v not in ("", "ok") for v in values):
+        return 1
+    if base >= 2 and len(rows) > 1 and len(set(values)) == 1:
+        return base + 3
+    return base
+
+
+def fit_columns(rows: list[dict[str, Any]], columns: tuple[str, ...], width: int) -> tuple[list[str], list[str]]:
+    """The columns of a table that fit ``width`` terminal columns, in table order, and those left out.
+
+    Columns are taken by priority (:func:`_priority`) while their natural width (short
+    header or widest value) fits; a column that may wrap is taken when at least 12 characters
+    are left (it folds its value).  The first column is always kept.
+    """
+    def natural(col: str) -> int:
+        cells = [_fmt_bytes(r.get(col)) if col in BYTE_COLUMNS else _fmt(r.get(col)) for r in rows]
+        return max([len(COLUMN_INFO.get(col, (col,))[0])] + [len(c) for c in cells])
+
+    order = sorted(range(len(columns)), key=lambda i: (0 if i == 0 else _priority(columns[i], rows), i))
+    used, keep = 1, set()  # the table's left border
+    for i in order:
+        col = columns[i]
+        need = natural(col) + 3  # padding 1 + value + padding 1 + border
+        wraps = COLUMN_INFO.get(col, ("", 3, False))[2]
+        if used + need <= width or i == 0:
+            keep.add(i)
+            used += need
+        elif wraps and used + min(need, 12 + 3) <= width:
+            keep.add(i)
+            used = width
+    return [c for i, c in enumerate(columns) if i in keep], [c for i, c in enumerate(columns) if i not in keep]
+
+
+class FitTable:
+    """A table of ``rows`` that chooses its columns for the width it is drawn in (rich renderable).
+
+    Where every column fits (a wide terminal; a pipe or file, which has no width limit) it is
+    the full table with the column names as headers.  On a narrower terminal the less important
+    columns are left out (named in the caption), headers are abbreviated, byte counts are
+    compact and long values (address, compatibility) wrap instead of every value being cut.
+    """
+
+    def __init__(self, title: str, rows: list[dict[str, Any]], columns: tuple[str, ...]):
+        self.title, self.rows, self.columns = title, rows, tuple(columns)
+
+    def table(self, width: int | None = None) -> Any:
+        """The rich ``Table`` for ``width`` columns (None: every column)."""
+        from rich.table import Table
+
+        short = width is not None and self._full_width() > width  # the full table does not fit
+        shown, hidden = fit_columns(self.rows, self.columns, width) if short else (list(self.columns), [])
+        caption = f"not shown: {', '.join(hidden)} (wider terminal or --json)" if hidden else None
+        t = Table(title=self.title, caption=caption, caption_justify="left")
+        for col in shown:
+            head, _, wraps = COLUMN_INFO.get(col, (col, 3, False))
+            t.add_column(head if short else col, no_wrap=not wraps, overflow="fold")
+        for r in self.rows:
+            style = "red" if r.get("state") in ("offline", "stale") else None
+            t.add_row(*((_fmt_bytes(r.get(c)) if short and c in BYTE_COLUMNS else _fmt(r.get(c))) for c in shown),
+                      style=style)
+        return t
+
+    def _full_width(self) -> int:
+        """Terminal columns the full table takes (column names as headers, values in full)."""
+        return 1 + sum(max([len(c)] + [len(_fmt(r.get(c))) for r in self.rows]) + 3 for c in self.columns)
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        yield self.table(options.max_width)
+
+
+def render_table(title: str, rows: list[dict[str, Any]], columns: tuple[str, ...]) -> Any:
+    """The table of ``rows`` for peers, status, watch and runs: a :class:`FitTable`, which keeps
+    the columns that fit the terminal (every column in a pipe or a file)."""
+    return FitTable(title, rows, columns)
 
 
 def cmd_peers(a: argparse.Namespace) -> int:

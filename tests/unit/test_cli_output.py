@@ -63,6 +63,60 @@ def test_no_line_wrapping_without_a_terminal() -> None:
     assert sum(long_id in line for line in text.splitlines()) == 1
 
 
+def _fleet(n: int = 3):
+    now = 1_800_000_000.0
+    presence = {f"greenhouse-node-{i:02d}": {
+        "state": "online", "time": now - 1,
+        "descriptor": {"address": f"192.168.100.{i}:1883", "profile": "raspberry-pi-4", "algorithm": "dfml",
+                       "model_hash": "a1b2c3d4e5f6a7b8", "compatibility": "ok"}} for i in range(n)}
+    statuses = {k: {"round": 12, "time": now - 2, "state": "running", "role": "aggregator", "alpha_n": 0.25,
+                    "global_accuracy": 0.8123, "bytes_sent": 123456789, "bytes_received": 98765432,
+                    "errors": {"malformed": 2, "status_forged": 1}, "last_synchronization": now - 5,
+                    "run": {"id": "r-2026-11-23-abc", "state": "running", "round": 12}} for k in presence}
+    return now, statuses, presence
+
+
+def test_tables_fit_80_columns_without_cutting_values() -> None:
+    from rich.console import Console
+
+    from dfl_agent.cli.dflctl import STATUS_COLUMNS, status_rows
+
+    now, statuses, presence = _fleet()
+    presence["greenhouse-node-01"]["descriptor"]["compatibility"] = "incompatible: model hash " + "f" * 40
+    buf = io.StringIO()
+    con = Console(file=buf, width=80, no_color=True, highlight=False)  # an 80-column terminal
+    con.print(render_table("peers", peer_rows(statuses, presence, now=now), PEER_COLUMNS))
+    con.print(render_table("status", status_rows(statuses, now=now), STATUS_COLUMNS))
+    text = buf.getvalue()
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert "…" not in text  # no value is cut short
+    for i in range(3):  # the important columns, whole
+        assert sum(f"greenhouse-node-{i:02d}" in line for line in lines) == 2  # one row per table
+    head_peers, head_status = lines[2], next(line for line in lines[10:] if "node" in line and "┃" in line)
+    for col in ("node", "state", "round", "seen_s"):
+        assert col in head_peers, col
+    for col in ("node", "state", "round", "acc"):
+        assert col in head_status, col
+    assert "0.812" in text and " 12 " in text
+    assert "not shown: " in text and "model" in text.split("not shown: ")[1]  # what was left out is named
+    # a warning is shown whatever its width: it wraps (fold) instead of being cut
+    peers = lines[:lines.index(next(line for line in lines if line.startswith("└")))]
+    compat = "".join(line.split("│")[-2].strip() for line in peers if line.startswith("│"))
+    assert "incompatible:modelhash" + "f" * 40 in compat.replace(" ", "")
+
+
+def test_tables_keep_every_column_where_they_fit() -> None:
+    from rich.console import Console
+
+    now, statuses, presence = _fleet()
+    buf = io.StringIO()
+    Console(file=buf, width=200, no_color=True).print(render_table("peers", peer_rows(statuses, presence, now=now),
+                                                                  PEER_COLUMNS))
+    text = buf.getvalue()
+    assert all(col in text for col in PEER_COLUMNS) and "not shown" not in text
+
+
 @pytest.mark.parametrize("shell", ["bash", "zsh"])
 def test_completion_scripts_generate(shell: str, capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     assert main(["completion", shell]) == 0
