@@ -2,7 +2,11 @@
 
 The block marked ``# tutorial: install`` (building and installing the wheel into a fresh
 virtual environment, which needs the network) is replaced by this test's own environment:
-the console scripts of the interpreter running the tests are put first on ``PATH``.
+the console scripts of the interpreter running the tests are put first on ``PATH``. That
+install path is proved elsewhere: ``scripts/check_install.sh`` (run by CI) builds the wheel and
+installs the same CPU torch and ``WHEEL[train,har]`` into a fresh virtual environment outside
+the repository, and ``tests/unit/test_docs_commands.py`` checks that the block pins the torch
+version those scripts install and that every command the tutorials show parses.
 """
 
 from __future__ import annotations
