@@ -5,17 +5,26 @@ record that has not said goodbye, or an MQTT presence "online"; and it has not b
 declared offline by MQTT presence (clean stop or last will: a crashed peer sends no
 mDNS goodbye, and its records linger in caches for minutes); and, when a heartbeat
 timeout is set, it was heard from within that timeout.
+
+The table logs each departure once: a clean leave (presence "offline", an mDNS goodbye)
+at INFO when the last source withdraws, a peer whose liveness expired (no sign of life
+for ``heartbeat_timeout``: crashed, or cut off) at WARNING when the table next finds it
+expired (every query of :meth:`PeerTable.live_peers`, several times a round); a peer that
+comes back is logged once more.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 SOURCES = ("static", "mdns", "presence")
+
+log = logging.getLogger("dfl_agent.peers")
 
 
 @dataclasses.dataclass(slots=True)
@@ -96,6 +105,8 @@ class PeerTable:
         #: bumped on every change that can alter :meth:`live_peers` (upsert, withdraw),
         #: so that callers may cache derived views while it stays the same
         self.changes = 0
+        #: peers whose departure (leave or expiry) was logged; cleared when they come back
+        self._gone: set[str] = set()
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(event, node_id, info)`` on added/updated/removed."""
@@ -133,6 +144,9 @@ class PeerTable:
                 info.offline = False
             info.last_seen = self._clock()
             self.changes += 1
+            back = self._back(info)
+        if back:
+            log.info("%s: peer %s is back", self.self_id, node_id)
         self._emit("updated" if was_live else "added", info)
         return info
 
@@ -140,8 +154,19 @@ class PeerTable:
         """Record a sign of life (heartbeat, any message) from a known peer."""
         with self._lock:
             info = self._peers.get(node_id)
-            if info is not None:
-                info.last_seen = self._clock()
+            if info is None:
+                return
+            info.last_seen = self._clock()
+            back = self._back(info)
+        if back:
+            log.info("%s: peer %s is back", self.self_id, node_id)
+
+    def _back(self, info: PeerInfo) -> bool:
+        """Whether ``info``, logged as gone, is live again (then no longer counted gone)."""
+        if info.node_id in self._gone and self._is_live(info):
+            self._gone.discard(info.node_id)
+            return True
+        return False
 
     def withdraw(self, node_id: str, source: str) -> None:
         """``source`` no longer vouches for ``node_id`` (goodbye, offline, last will)."""
@@ -155,7 +180,11 @@ class PeerTable:
                 info.offline = True
             now_live = self._is_live(info)
             self.changes += 1
+            if was_live and not now_live:
+                self._gone.add(node_id)
         if was_live and not now_live:
+            log.info("%s: peer %s left (%s)", self.self_id, node_id,
+                     "offline" if source == "presence" else f"{source} withdrawn")
             self._emit("removed", info)
 
     def _is_live(self, info: PeerInfo) -> bool:
@@ -170,9 +199,23 @@ class PeerTable:
             return self._peers.get(node_id)
 
     def live_peers(self) -> list[str]:
-        """Sorted ids of live peers."""
+        """Sorted ids of live peers.
+
+        A peer found expired here for the first time (no sign of life for
+        ``heartbeat_timeout``) is logged once, as a warning."""
+        expired: list[tuple[str, float]] = []
         with self._lock:
-            return sorted(n for n, i in self._peers.items() if self._is_live(i))
+            live = []
+            for n, i in self._peers.items():
+                if self._is_live(i):
+                    live.append(n)
+                elif n not in self._gone:
+                    self._gone.add(n)
+                    expired.append((n, self._clock() - i.last_seen))
+        for n, silent in expired:
+            log.warning("%s: peer %s not heard from for %.0fs (heartbeat timeout %ss): presumed dead",
+                        self.self_id, n, silent, self.heartbeat_timeout)
+        return sorted(live)
 
     def all(self) -> list[PeerInfo]:
         """Every peer ever seen (live or not), sorted by id."""

@@ -211,3 +211,48 @@ def test_all_sorted(table):
         table.upsert(n, "static", federation="fed")
     assert [p.node_id for p in table.all()] == ["a", "b", "c"]
     assert table.live_peers() == ["a", "b", "c"]
+
+
+def _departures(caplog, peer: str) -> list[tuple[str, str]]:
+    return [(r.levelname, r.getMessage()) for r in caplog.records
+            if r.name == "dfl_agent.peers" and f"peer {peer} " in r.getMessage()]
+
+
+def test_a_dead_peer_is_logged_once_when_its_liveness_expires(caplog):
+    caplog.set_level("INFO", logger="dfl_agent.peers")
+    clock = FakeClock()
+    table = PeerTable("self", federation="fed", heartbeat_timeout=30.0, clock=clock)
+    table.upsert("dead", "presence", federation="fed")
+    table.upsert("alive", "presence", federation="fed")
+    clock.advance(20)
+    table.touch("alive")
+    assert table.live_peers() == ["alive", "dead"] and _departures(caplog, "dead") == []
+    clock.advance(15)  # dead: 35 s silent; alive: 15 s
+    for _ in range(5):  # queried several times a round: one line only
+        assert table.live_peers() == ["alive"]
+    assert _departures(caplog, "dead") == [
+        ("WARNING", "self: peer dead not heard from for 35s (heartbeat timeout 30.0s): presumed dead")]
+    assert _departures(caplog, "alive") == []
+    table.touch("dead")  # it comes back: said once, and a second death is logged again
+    assert table.live_peers() == ["alive", "dead"]
+    clock.advance(31)
+    table.touch("alive")
+    table.live_peers()
+    table.live_peers()
+    assert [lvl for lvl, _ in _departures(caplog, "dead")] == ["WARNING", "INFO", "WARNING"]
+    assert _departures(caplog, "dead")[1][1] == "self: peer dead is back"
+
+
+def test_a_clean_leave_is_logged_once_and_not_again_at_expiry(caplog):
+    caplog.set_level("INFO", logger="dfl_agent.peers")
+    clock = FakeClock()
+    table = PeerTable("self", federation="fed", heartbeat_timeout=30.0, clock=clock)
+    table.upsert("b", "presence", federation="fed")
+    table.upsert("b", "mdns", federation="fed")
+    table.withdraw("b", "mdns")  # presence still vouches: nothing to say
+    assert _departures(caplog, "b") == []
+    table.withdraw("b", "presence")
+    table.withdraw("b", "presence")
+    clock.advance(60)
+    table.live_peers()
+    assert _departures(caplog, "b") == [("INFO", "self: peer b left (offline)")]
