@@ -39,6 +39,9 @@ class Algorithm:
     #: JSON-friendly attributes saved in checkpoints by the default :meth:`state_dict`
     #: (scalars, lists, dicts), e.g. DFML's ``alpha_n``.
     checkpoint_attrs: ClassVar[tuple[str, ...]] = ()
+    #: False for the local baselines, which exchange nothing: a node running one never
+    #: skips rounds to "rejoin" its peers (their progress says nothing about its model)
+    communicates: ClassVar[bool] = True
 
     def __init__(self, ctx: NodeContext, options: Any = None):
         self.ctx = ctx

@@ -122,6 +122,11 @@ class RotatingAggregator(Algorithm):
         self.best: Done | None = None
         self.role = "peer"
         self._participated: set[int] = set()
+        #: round -> ids whose contributions this node's model took in that round: the
+        #: aggregator's contributors, or a sender's aggregator (metrics ``neighbour_ids``)
+        self._used: dict[int, list[str]] = {}
+        self._awaiting_update = 0  # the round whose update this sender waits for (0: none)
+        self._deferred: Done | None = None  # its ``done``, reported after the update
         self._lead_next: tuple[int, dict[str, Any]] | None = None
         self._last_progress = 0.0
         self._reported = 0
@@ -158,6 +163,11 @@ class RotatingAggregator(Algorithm):
     def token_tensors(self, t: int) -> Tensors:
         """Tensors broadcast with round ``t``'s ``done`` (default: none); a node finds the
         ones of the best ``done`` it saw in ``self.best.tensors``."""
+        return {}
+
+    def round_evidence(self) -> dict[str, Any]:
+        """This node's own counters added to each round record (JSON scalars), e.g.
+        FedD2S's distillations so far (default: none)."""
         return {}
 
     async def local_update(self, t: int) -> dict[str, Any]:
@@ -262,11 +272,26 @@ class RotatingAggregator(Algorithm):
             if self.completed < self.rounds and (self._lead_next is None or self._lead_next[0] <= self.completed):
                 self._lead_next = (self.completed + 1, best.token)
         if self.completed > self._reported:
-            # a node that missed rounds (restart, lost messages) reports only the newest
-            self._reported = self.completed
-            info = {"aggregator": done.aggregator, "participated": done.round in self._participated,
-                    **{k: v for k, v in done.info.items() if isinstance(v, (int, float, str, bool))}}
-            await self.ctx.end_round(self.completed, **info)
+            if self._awaiting_update == self.completed:
+                # a sender whose update (another topic) trails its aggregator's ``done``:
+                # reported once the update is applied or given up (end of _participate)
+                self._deferred = done
+                return
+            await self._report(done)
+
+    async def _report(self, done: Done) -> None:
+        """End round ``self.completed`` in the metrics (``done`` announced it)."""
+        # a node that missed rounds (restart, lost messages) reports only the newest
+        self._reported = self.completed
+        self._deferred = None
+        used = self._used.pop(done.round, [])
+        for r in [r for r in self._used if r < done.round]:
+            del self._used[r]
+        info = {"aggregator": done.aggregator, "participated": done.round in self._participated,
+                "neighbour_ids": used,
+                **{k: v for k, v in done.info.items() if isinstance(v, (int, float, str, bool))},
+                **self.round_evidence()}
+        await self.ctx.end_round(self.completed, **info)
 
     def _beaten(self, aggregator: str, t: int) -> bool:
         """True when ``aggregator``'s round ``t`` loses to the best ``done`` seen."""
@@ -298,6 +323,17 @@ class RotatingAggregator(Algorithm):
             return
         self._participated.add(t)
         self.role = "sender"
+        self._awaiting_update = t
+        try:
+            await self._contribute(t, agg)
+        finally:
+            self._awaiting_update = 0
+        deferred = self._deferred
+        if deferred is not None and self.completed > self._reported:
+            await self._report(deferred)
+
+    async def _contribute(self, t: int, agg: str) -> None:
+        """A sender's part of round ``t``: local update, send, wait for the update, apply it."""
         await self.local_update(t)
         tensors, meta = self.contribution(t)
         await self.ctx.send(agg, Message(self.K_MODEL, t, tensors, meta))
@@ -322,6 +358,7 @@ class RotatingAggregator(Algorithm):
                 try:
                     await self._apply(t, msg.tensors, msg.meta)
                     self.applied = t
+                    self._used[t] = [agg]
                 except ValueError as exc:
                     self.ctx.reject(msg, f"incompatible: {exc}")
             return
@@ -373,8 +410,10 @@ class RotatingAggregator(Algorithm):
             own_tensors, own_meta = updates[ctx.node_id]
             await self._apply(t, own_tensors, own_meta)
             self.applied = t
+            self._used[t] = sorted(contributions)
         nxt_token = self.next_token(t, token)
-        info = {**info, "participants": len(contributions) + int(self_too), "missing": sorted(pending)}
+        info = {**info, "participants": len(contributions) + int(self_too), "missing": sorted(pending),
+                "contributors": ",".join(sorted(contributions))}
         meta = {"next": nxt, "token": nxt_token, "info": _json_scalars(info)}
         tok_tensors = self.token_tensors(t)
         await ctx.broadcast(Message(self.K_DONE, t, tok_tensors, meta=meta))

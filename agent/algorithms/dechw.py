@@ -229,6 +229,7 @@ class DecHW(NeighbourhoodAlgorithm):
         await super().setup()
         self.hessian: dict[str, np.ndarray] | None = None  # accumulated Ĥ, float32, as sent
         self.hessian_sent = False
+        self.hessian_rounds = 0  # aggregations that were Hessian-weighted (Eq. 6-8), for status/metrics
         names = [k for k, p in self.model.named_parameters() if p.requires_grad]
         self._param_names = names
         self._extra = frozenset(HESSIAN_PREFIX + k for k in names)
@@ -313,12 +314,15 @@ class DecHW(NeighbourhoodAlgorithm):
                 # round, fall back to Eq. 3 (τ) for it and say why
                 info["hessian_error"] = str(exc)
             else:
-                return tensors, {"neighbours": len(accepted), "hessian_weighted": True, "fallback_fraction": fallback}
+                self.hessian_rounds += 1
+                return tensors, {"neighbours": len(accepted), "hessian_weighted": True, "fallback_fraction": fallback,
+                                 "hessian_rounds": self.hessian_rounds}
         return weighted_average(models, samples), info
 
     def status(self) -> dict[str, Any]:
         theta = self.options.theta
-        return {**super().status(), "hessian_sent": self.hessian_sent, "theta": None if math.isinf(theta) else int(theta)}
+        return {**super().status(), "hessian_sent": self.hessian_sent, "hessian_rounds": self.hessian_rounds,
+                "theta": None if math.isinf(theta) else int(theta)}
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -330,6 +334,7 @@ class DecHW(NeighbourhoodAlgorithm):
                 tensors[f"hessian.{k}"] = np.ascontiguousarray(v)
         meta["hessian"] = self.hessian is not None
         meta["hessian_sent"] = self.hessian_sent
+        meta["hessian_rounds"] = self.hessian_rounds
         return tensors, meta
 
     def load_state_dict(self, tensors: Any, meta: Any) -> None:
@@ -343,3 +348,4 @@ class DecHW(NeighbourhoodAlgorithm):
         else:
             self.hessian = None
         self.hessian_sent = bool(meta.get("hessian_sent", False))
+        self.hessian_rounds = int(meta.get("hessian_rounds", 0))

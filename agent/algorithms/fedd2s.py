@@ -186,7 +186,7 @@ class FedD2S(GlobalModelRotation):
 
     name = "fedd2s"
     Options = FedD2SOptions
-    checkpoint_attrs = ("z", "l")  # Z_n and l_n survive a restart (personal model: by default)
+    checkpoint_attrs = ("z", "l", "distillations")  # Z_n, l_n and the S2C count survive a restart
 
     async def setup(self) -> None:
         ctx, o = self.ctx, self.options
@@ -196,6 +196,7 @@ class FedD2S(GlobalModelRotation):
         self.l_min = resolve_l_min(list(cast("list[str]", self.personal.layer_names)), list(o.dropping_set))
         self.z = 0  # Z_n
         self.l = self.L  # l_n of the last participation
+        self.distillations = 0  # S2C distillations from an aggregated global model (Eq. 12-13) applied
         self.batch_size = o.batch_size or ctx.train.batch_size
         self._triplets: list = []
         self._copy: Tensors = {}
@@ -261,12 +262,18 @@ class FedD2S(GlobalModelRotation):
         if not self._triplets:
             raise IncompatibleUpdate(f"update for round {t} without features of that round")
         await self.ctx.compute(self._s2c, tensors)
+        self.distillations += 1
+
+    def round_evidence(self) -> dict[str, Any]:
+        """Participations Z_n, S2C distillations applied and the last distillation layer l_n."""
+        return {"participations": self.z, "distillations": self.distillations, "distillation_layer": self.l}
 
     # -- reporting -------------------------------------------------------------------
     def deployable_model(self) -> nn.Module:
         return self.personal
 
     def status(self) -> dict[str, Any]:
-        return {**super().status(), "participations": self.z, "distillation_layer": self.l,
+        return {**super().status(), "participations": self.z, "distillations": self.distillations,
+                "distillation_layer": self.l,
                 "layer_name": cast("list[str]", self.personal.layer_names)[self.l - 1], "model": self.spec}
 

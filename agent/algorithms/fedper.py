@@ -201,6 +201,7 @@ class LocalAdam(Algorithm):
     baselines (Adam, lr 0.01) — the local floor for FedD2S/FedPer comparisons."""
 
     name = "local_adam"
+    communicates = False
     Options = LocalAdamOptions
 
     async def setup(self) -> None:

@@ -76,4 +76,5 @@ class FullAvg(PushAlgorithm):
         avg = weighted_average([own] + [got[s].tensors for s in senders],
                                [self.samples] + [got[s].meta["samples"] for s in senders])
         load_numpy(self.model, avg)
-        return {"role": "all", "train_loss": stats["loss"], "neighbours": len(senders), "missing": missing}
+        return {"role": "all", "train_loss": stats["loss"], "neighbours": len(senders), "neighbour_ids": senders,
+                "missing": missing}

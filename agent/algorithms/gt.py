@@ -206,15 +206,18 @@ class LockStepAlgorithm(Algorithm):
             votes = await self._exchange(VOTE_KIND, t, Message(VOTE_KIND, t, meta={"sync": bool(wish)}),
                                          self.options.vote_timeout, validate=_check_vote)
             sync = wish or any(m.meta["sync"] is True for m in votes)
+        used: list[str] = []
         if sync:
-            await self._synchronize(t, grad)
+            used = await self._synchronize(t, grad)
         return {
-            "train_loss": stats["loss"], "synchronized": bool(sync), "syncs": self.syncs,
+            "train_loss": stats["loss"], "synchronized": bool(sync), "syncs": self.syncs, "neighbour_ids": used,
             "group": len(self.members()), "dropped": sorted(self.dropped), **info, **dict(self.comm),
         }
 
-    async def _synchronize(self, t: int, grad: dict[str, np.ndarray]) -> None:
-        """Alg. 4: exchange G^Σ, average, apply to M_R, continue from M_R."""
+    async def _synchronize(self, t: int, grad: dict[str, np.ndarray]) -> list[str]:
+        """Alg. 4: exchange G^Σ, average, apply to M_R, continue from M_R.
+
+        Returns the ids of the peers whose G^Σ went into the average."""
         own = {k: v.astype(np.float32) for k, v in grad.items()}
 
         def validate(msg: Message) -> str | None:
@@ -234,6 +237,7 @@ class LockStepAlgorithm(Algorithm):
         self.after_sync(mean)
         self.last_sync = t
         self.syncs += 1
+        return sorted(m.sender for m in got)
 
     def deployable_model(self) -> nn.Module:
         return self.model

@@ -15,6 +15,7 @@ class Local(Algorithm):
     """Train the node's model on its own data each round; never send anything."""
 
     name = "local"
+    communicates = False
 
     async def setup(self) -> None:
         self.model = self.new_model()

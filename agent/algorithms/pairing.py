@@ -268,6 +268,7 @@ class PairAlgorithm(Algorithm):
                 await ctx.broadcast(Message(self.kind("done"), t, meta={"fused": bool(info["fused"])}))
         self.stats[info["role"]] += 1
         self.stats["fused"] += int(bool(info["fused"]))
+        info["neighbour_ids"] = [info["partner"]] if info["fused"] else []  # whose model this node took
         others = [r for _, r in pairs if r != me]
         info["late"] = await self._await_done(t, others, t0 + self.options.round_timeout)
         return info
@@ -433,11 +434,12 @@ class PushAlgorithm(PairAlgorithm):
         """One gossip step of this node: wait, fuse the queued models, train, push."""
         ctx, o = self.ctx, self.options
         await ctx.clock.sleep(o.gossip_interval * float(ctx.rng.uniform(0.5, 1.5)))
-        info: dict[str, Any] = {"role": "gossip", "fused": 0, "pushed_to": "", "attempts": 0}
+        info: dict[str, Any] = {"role": "gossip", "fused": 0, "pushed_to": "", "attempts": 0, "neighbour_ids": []}
         while self._queue:
             msg = self._queue.popleft()  # checked by the inbox server
             out = await ctx.compute(self.fuse, msg.tensors, float(msg.meta["samples"]))
             info["fused"] += 1
+            info["neighbour_ids"] = sorted({*info["neighbour_ids"], msg.sender})
             info.update({f"last_{key}": v for key, v in out.items()})
         self.stats["fused"] += info["fused"]
         w_tilde, stats = await self.train_copy()

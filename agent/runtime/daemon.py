@@ -281,7 +281,7 @@ class Agent:
                 return 0
             if not await self._wait_for_peers(stop):
                 return 0
-            if cfg.runtime.rejoin:  # fault tolerance: no checkpoint, or behind the federation
+            if cfg.runtime.rejoin and algo_cls.communicates:  # fault tolerance: behind the federation
                 start_round = max(start_round, self._rejoin_round())
                 self.ctx.catch_up = True  # ... and, while running, behind its neighbours
                 if start_round > cfg.algorithm.rounds:
@@ -506,7 +506,7 @@ class Agent:
         node = self.node
         node.state = "waiting_for_peers"
         def finished() -> bool:  # runtime.rejoin: a peer already finished, nobody to wait for
-            return self.cfg.runtime.rejoin and any(
+            return self.cfg.runtime.rejoin and self.node.algorithm.communicates and any(
                 s.get("state") == "finished" for s in self._run_statuses().values())
 
         while len(self.ctx.live_peers()) < want and loop.time() < deadline and not finished():
