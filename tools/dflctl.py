@@ -105,9 +105,19 @@ def _compression_args(p: argparse.ArgumentParser) -> None:
 def cmd_demo(a: argparse.Namespace) -> int:
     from dfl_agent.cli.demo import DemoOptions, run_demo
 
+    if a.feed:  # live data in, deployed models out
+        from dfl_agent.cli.demo_feed import FeedOptions, run_feed_demo
+
+        return run_feed_demo(FeedOptions(
+            nodes=a.nodes if a.nodes is not None else 3, runs=a.runs, rounds=a.rounds or 3,
+            algorithm=a.algorithm or "fedavg", out=a.out if a.out != "dfl-demo" else "dfl-demo-feed",
+            broker=a.broker, seed=a.seed, initial=a.initial, feed_interval=a.feed_interval,
+            feed_chunk=a.feed_chunk, max_windows=a.max_windows, live=a.live, epochs=a.epochs or 5,
+            round_timeout=a.round_timeout))
     return run_demo(DemoOptions(
-        nodes=a.nodes, rounds=a.rounds, algorithm=a.algorithm, models=a.models, out=a.out, broker=a.broker, seed=a.seed,
-        epochs=a.epochs, round_timeout=a.round_timeout, kill=a.kill, live=a.live, protocol=a.protocol,
+        nodes=a.nodes if a.nodes is not None else 5, rounds=a.rounds or 20, algorithm=a.algorithm or "dfml",
+        models=a.models, out=a.out, broker=a.broker, seed=a.seed,
+        epochs=a.epochs or 1, round_timeout=a.round_timeout, kill=a.kill, live=a.live, protocol=a.protocol,
         profiles=a.profiles,
         compression=a.compression, error_feedback=a.error_feedback,
     ))
@@ -435,16 +445,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_simulate)
 
     d = sub.add_parser("demo", help="real agent processes + MQTT broker + mDNS on 127.0.0.1, HAR data")
-    d.add_argument("--nodes", type=int, default=5, help="number of agent processes")
-    d.add_argument("--rounds", type=int, default=20, help="rounds each agent runs")
-    d.add_argument("--algorithm", default="dfml", help="algorithm the agents run (dflctl algorithms lists them)")
+    d.add_argument("--nodes", type=int, default=None, help="number of agent processes (default 5; 3 with --feed)")
+    d.add_argument("--rounds", type=int, default=None, help="rounds each agent runs (default 20; per run with --feed: 3)")
+    d.add_argument("--algorithm", default=None,
+                   help="algorithm the agents run (dflctl algorithms lists them; default dfml, fedavg with --feed)")
     d.add_argument("--models", default=None, choices=FAMILY_NAMES,
                    help="architecture mode per agent (default H2 for dfml/dfedavg/dfedprox: 5 different CNNs)")
     d.add_argument("--out", default="dfl-demo", help="report folder (logs, metrics, summary, plot)")
     d.add_argument("--broker", default="auto", choices=["auto", "mosquitto", "amqtt"], help="MQTT broker to start (auto: mosquitto if installed, else amqtt)")
     d.add_argument("--protocol", default="5", choices=["5", "3.1.1"], help="MQTT protocol version")
     d.add_argument("--seed", type=int, default=0, help="random seed")
-    d.add_argument("--epochs", type=int, default=1, help="local epochs per round")
+    d.add_argument("--epochs", type=int, default=None, help="local epochs per round (default 1; 5 with --feed)")
     d.add_argument("--round-timeout", type=float, default=30.0, help="seconds a round waits for peers")
     d.add_argument("--kill", default=None, metavar="INDEX@ROUND", help="SIGKILL agent INDEX after its round ROUND")
     d.add_argument("--live", dest="live", action="store_true", default=None, help="live table (default on a terminal)")
@@ -452,6 +463,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--profiles", default=None, metavar="A,B,C",
                    help="device profile per agent (cycled), e.g. raspberry-pi-4,jetson-orin-nano,x86-cpu")
     _compression_args(d)
+    f = d.add_argument_group("live data (--feed)")
+    f.add_argument("--feed", action="store_true",
+                   help="agents train on their sample stores while a feeder adds each user's windows; runs follow "
+                        "each other and each deploys a validated model")
+    f.add_argument("--runs", type=int, default=2, help="--feed: runs one after the other")
+    f.add_argument("--initial", type=float, default=0.25,
+                   help="--feed: share of each user's windows in the store at start")
+    f.add_argument("--feed-interval", type=float, default=2.0, help="--feed: seconds between the feeder's passes")
+    f.add_argument("--feed-chunk", type=int, default=16, help="--feed: windows per agent per pass")
+    f.add_argument("--max-windows", type=int, default=None, help="--feed: use at most this many windows per user")
     d.set_defaults(func=cmd_demo)
 
     for name, fn, helptext in (("peers", cmd_peers, "list nodes from retained presence"),
