@@ -145,27 +145,62 @@ def _config(opts: DemoOptions, fed: str, nid: str, index: int, broker: str, out:
     )
 
 
+#: what the accuracy columns show when the algorithm keeps a peak model besides its regular one (DFML)
+PEAK_NOTE = ("peak: the deployed model, replaced only when α reaches a new maximum (flat in between); "
+             "regular: the model trained every round; took part: the node was in the round's group "
+             "(other rounds leave its models unchanged)")
+
+
+def _two_models(docs: Any) -> bool:
+    """Whether the algorithm evaluates a regular model besides the deployed (peak) one."""
+    return any(isinstance(d, dict) and "regular_global_accuracy" in d for d in docs)
+
+
+def _took_part(doc: dict[str, Any]) -> str:
+    p = doc.get("participated")
+    return "yes" if p is True else "no" if p is False else "-"
+
+
+def _num(v: Any) -> str:
+    return f"{v:.3f}" if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
+
+
 def _table(statuses: dict[str, dict[str, Any]], presence: dict[str, dict[str, Any]], ids: list[str], rounds: int):
     from rich.table import Table
 
-    t = Table(title=f"dfl-agent demo: {len(ids)} agents, {rounds} rounds (global test accuracy, held-out users)")
-    for col in ("node", "state", "round", "federated", "alone", "peers", "sent MB", "recv MB", "dropped"):
+    two = _two_models(statuses.values())
+    t = Table(title=f"dfl-agent demo: {len(ids)} agents, {rounds} rounds (global test accuracy, held-out users)",
+              caption=PEAK_NOTE if two else None, caption_justify="left")
+    accuracy_cols = ("peak (deployed)", "regular", "took part") if two else ("federated",)
+    for col in ("node", "state", "round", *accuracy_cols, "alone", "peers", "sent MB", "recv MB", "dropped"):
         t.add_column(col, justify="right" if col not in ("node", "state") else "left")
     for nid in ids:
         s = statuses.get(nid, {})
         online = presence.get(nid, {}).get("state", "-")
         state = s.get("state", "starting") if online != "offline" else "offline"
-        acc = s.get("global_accuracy")
-        alone = s.get("local_only_global_accuracy")
+        acc = [_num(s.get("global_accuracy"))]
+        if two:
+            acc += [_num(s.get("regular_global_accuracy")), _took_part(s)]
         t.add_row(
-            nid, state, f"{s.get('round', 0)}/{rounds}",
-            f"{acc:.3f}" if isinstance(acc, (int, float)) else "-",
-            f"{alone:.3f}" if isinstance(alone, (int, float)) else "-",
+            nid, state, f"{s.get('round', 0)}/{rounds}", *acc,
+            _num(s.get("local_only_global_accuracy")),
             str(len(s.get("live_peers", []) or [])),
             f"{s.get('bytes_sent', 0) / 1e6:.2f}", f"{s.get('bytes_received', 0) / 1e6:.2f}",
             str(sum((s.get("errors") or {}).values())),
         )
     return t
+
+
+def progress_line(nid: str, s: dict[str, Any], rounds: int) -> str:
+    """One line of the demo's progress without a live table (a node's newest round)."""
+    if "regular_global_accuracy" in s:
+        took = {True: "took part", False: "did not take part"}.get(s.get("participated"), "")
+        acc = (f"peak (deployed) {_num(s.get('global_accuracy'))}, regular {_num(s.get('regular_global_accuracy'))}"
+               + (f", {took}" if took else ""))
+    else:
+        acc = f"federated {_num(s.get('global_accuracy'))}"
+    return (f"{nid} round {s.get('round', 0)}/{rounds}: {acc}, alone {_num(s.get('local_only_global_accuracy'))}, "
+            f"peers {len(s.get('live_peers') or [])}")
 
 
 def run_demo(opts: DemoOptions) -> int:
@@ -240,10 +275,7 @@ def run_demo(opts: DemoOptions) -> int:
                             r = s.get("round", 0)
                             if r and last_print.get(nid) != r:
                                 last_print[nid] = r
-                                console.print(
-                                    f"{nid} round {r}/{opts.rounds}: federated {s.get('global_accuracy', 0):.3f}, "
-                                    f"alone {s.get('local_only_global_accuracy') or 0:.3f}, peers {len(s.get('live_peers') or [])}"
-                                )
+                                console.print(progress_line(nid, s, opts.rounds))
                     time.sleep(0.5)
         finally:
             timed_out = [n for n, p in procs.items() if p.poll() is None]
@@ -312,26 +344,35 @@ class _Null:
 def _final_table(console, summary, histories, ids, killed) -> None:
     from rich.table import Table
 
-    t = Table(title="final: global test accuracy on the held-out users")
-    for col in ("node", "rounds", "federated model", "same model trained alone", "sent MB", "received MB"):
+    two = _two_models(r for h in histories.values() for r in h)
+    t = Table(title="final: global test accuracy on the held-out users", caption=PEAK_NOTE if two else None,
+              caption_justify="left")
+    model_cols = ("peak (deployed) model", "regular model", "rounds taken part") if two else ("federated model",)
+    for col in ("node", "rounds", *model_cols, "same model trained alone", "sent MB", "received MB"):
         t.add_column(col, justify="left" if col == "node" else "right")
     for nid in ids:
         h = histories[nid]
         if not h:
-            t.add_row(nid, "0", "-", "-", "-", "-")
+            t.add_row(nid, "0", *(["-"] * len(model_cols)), "-", "-", "-")
             continue
-        last = h[-1]
+        evaluated = [r for r in h if "global_accuracy" in r]
+        last, last_eval = h[-1], (evaluated[-1] if evaluated else {})
+        models = [_num(last_eval.get("global_accuracy"))]
+        if two:
+            models += [_num(last_eval.get("regular_global_accuracy")),
+                       f"{sum(1 for r in h if r.get('participated') is True)}/{len(h)}"]
         t.add_row(
-            nid + (" (killed)" if nid in killed else ""), str(last["round"]),
-            f"{last['global_accuracy']:.3f}", f"{last.get('local_only_global_accuracy', float('nan')):.3f}",
+            nid + (" (killed)" if nid in killed else ""), str(last["round"]), *models,
+            _num(last_eval.get("local_only_global_accuracy", float("nan"))),
             f"{last['bytes_sent'] / 1e6:.2f}", f"{last['bytes_received'] / 1e6:.2f}",
         )
     g = summary["global_accuracy"]
     lo = summary.get("local_only_global_accuracy", {"mean": float("nan")})
-    t.add_row("mean", str(summary["rounds_completed"]), f"{g['mean']:.3f}", f"{lo['mean']:.3f}",
+    extra = [_num(summary.get("regular_global_accuracy", {}).get("mean")), ""] if two else []
+    t.add_row("mean", str(summary["rounds_completed"]), f"{g['mean']:.3f}", *extra, f"{lo['mean']:.3f}",
               f"{summary['bytes_sent'] / 1e6:.2f}", f"{summary['bytes_received'] / 1e6:.2f}")
     console.print(t)
     console.print(
-        f"federated {100 * g['mean']:.1f}% vs alone {100 * lo['mean']:.1f}%: "
+        f"{'peak (deployed)' if two else 'federated'} {100 * g['mean']:.1f}% vs alone {100 * lo['mean']:.1f}%: "
         f"{100 * (g['mean'] - lo['mean']):+.1f} points; longest round {summary['max_round_seconds']:.1f}s"
     )

@@ -145,6 +145,12 @@ def plot_accuracy(histories: Mapping[str, list[dict[str, Any]]], path: str | os.
     """PNG plot of global test accuracy per round for each node (solid) and, when
     present, of the local-only baseline (dashed).
 
+    Algorithms with a second evaluated model and rotating rounds (DFML) are labelled so that
+    the curves explain themselves: the solid line is the deployed (peak) model, which changes
+    only when α reaches a new maximum (flat in between); the regular model trained every round
+    (``regular_global_accuracy``) is dotted; a dot marks each round the node took part in
+    (``participated``).
+
     matplotlib is optional (the ``plot`` extra): without it nothing is written, :data:`PLOT_HINT`
     is printed once to stderr and False returned. Returns True when the plot was written."""
     try:
@@ -169,7 +175,21 @@ def plot_accuracy(histories: Mapping[str, list[dict[str, Any]]], path: str | os.
         ax.plot(rounds, [r["global_accuracy"] for r in hist], color=c, label=f"{node}")
         if hist and "local_only_global_accuracy" in hist[0]:
             ax.plot(rounds, [r["local_only_global_accuracy"] for r in hist], color=c, linestyle="--", alpha=0.6)
+        regular = [r for r in hist if isinstance(r.get("regular_global_accuracy"), (int, float))]
+        if regular:
+            ax.plot([r["round"] for r in regular], [r["regular_global_accuracy"] for r in regular], color=c,
+                    linestyle=":", alpha=0.7)
+        took_part = [r for r in hist if r.get("participated") is True]
+        if took_part:
+            ax.plot([r["round"] for r in took_part], [r["global_accuracy"] for r in took_part], color=c,
+                    linestyle="none", marker="o", markersize=3)
     _plot_means(ax, histories)
+    evaluated = [r for h in histories.values() for r in h]
+    if any("regular_global_accuracy" in r for r in evaluated):
+        note = "solid: deployed (peak) model, changes only at a new α maximum; dotted: regular model"
+        if any("participated" in r for r in evaluated):
+            note += "; dot: node took part in that round"
+        ax.text(0.01, 0.01, note, transform=ax.transAxes, fontsize=7, va="bottom", alpha=0.8)
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))

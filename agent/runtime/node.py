@@ -159,10 +159,13 @@ class Node:
             record["train_samples"], record["validation_samples"] = int(data.num_train), int(data.num_val)
         self.history.append(record)
         if due:
-            log.info(
-                "round %d done in %.1fs: global acc %.3f, local acc %.3f, %d neighbours",
-                t, round_seconds, record["global_accuracy"], record["local_accuracy"], record.get("neighbours", 0),
-            )
+            if "participated" in record:  # rotating-aggregator rounds: a node takes part in some rounds only
+                who = (f"took part ({record.get('participants', '?')} participants)" if record["participated"]
+                       else "did not take part (model unchanged this round)")
+            else:
+                who = f"{record.get('neighbours', 0)} neighbours"
+            log.info("round %d done in %.1fs: global acc %.3f, local acc %.3f, %s",
+                     t, round_seconds, record["global_accuracy"], record["local_accuracy"], who)
         if self.sink is not None:
             self.sink(record)
         for hook in self.after_round:
@@ -199,6 +202,8 @@ class Node:
             # wall-clock (Unix) time of the last completed round, so that dflctl shows an age
             "last_synchronization": round(self._wall_started + last["wall"], 3) if "wall" in last else None,
             "neighbours": last.get("neighbours"),
+            # rotating-aggregator algorithms: whether the node took part in its last round
+            **({"participated": last["participated"]} if "participated" in last else {}),
             "live_peers": self.ctx.live_peers(),
             "bytes_sent": counters["bytes_sent"],
             "bytes_received": counters["bytes_received"],
