@@ -15,6 +15,7 @@ from typing import Any
 
 from dfl_agent import __version__
 from dfl_agent.cli.output import console, json_doc
+from dfl_agent.transport.base import CONTROL_DROP_PREFIXES
 
 # the architecture modes of dfl_agent.models.families.FAMILIES, named here so that building the
 # parser does not import torch (tests/unit/test_cli_startup.py checks they agree)
@@ -161,7 +162,7 @@ PEER_COLUMNS = ("node_id", "trust", "state", "address", "profile", "algorithm", 
 STATUS_COLUMNS = ("node_id", "state", "run", "round", "role", "sync_state", "last_sync_s", "accuracy", "bytes_sent",
                   "bytes_received", "errors", "control_dropped")
 #: drop-counter key prefixes of the control plane (presence and status messages)
-CONTROL_PREFIXES = ("presence_", "status_", "bad_presence", "bad_status")
+CONTROL_PREFIXES = CONTROL_DROP_PREFIXES
 
 
 def _age(t: Any, now: float) -> float | None:

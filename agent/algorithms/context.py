@@ -130,13 +130,21 @@ class NodeContext(Protocol):
         round ``t``, since it had used ours.  Self is never a neighbour."""
         ...
 
+    def check_on_arrival(self, kind: str, check: Callable[[Message], str | None]) -> None:
+        """Check each arriving message of ``kind`` with ``check`` (returns
+        ``"reason: detail"`` for a bad message, None for a good one).  A bad message is
+        dropped and counted before the algorithm sees it; only good ones count as
+        catch-up evidence (:meth:`catch_up_round`)."""
+        ...
+
     def catch_up_round(self, next_round: int) -> int:
         """The round a lock-step algorithm runs next: ``next_round``, or, when the runtime
         catches up (``runtime.rejoin`` on a device) and updates already received from
         live neighbours show them past ``next_round`` without this node (it lagged: a
         broker outage, a partition; a round-r update means its sender completed round
         r - 1), one past the highest round they completed.  Never less than
-        ``next_round``.  The evidence is signed updates, not the unsigned status."""
+        ``next_round``.  The evidence is updates that passed every check on arrival
+        (:meth:`check_on_arrival`: envelope, signature, tensors), not the status."""
         ...
 
     async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -39,7 +39,7 @@ from torch import nn
 from dfl_agent.algorithms import gossip_compression as gc
 from dfl_agent.algorithms.base import Algorithm, register
 from dfl_agent.algorithms.context import Message
-from dfl_agent.algorithms.fedavg import GossipOptions, collect_round
+from dfl_agent.algorithms.fedavg import GossipOptions, arrival_check, collect_round, shape_template
 from dfl_agent.algorithms.market import UpdateMarket, send_with_participation
 from dfl_agent.learning import hessian as hess
 from dfl_agent.learning.aggregation import weighted_average
@@ -90,6 +90,8 @@ class NeighbourhoodAlgorithm(Algorithm):
 
     async def setup(self) -> None:
         self.model = self.new_model()
+        # bad updates are dropped on arrival; only good ones are catch-up evidence
+        self.ctx.check_on_arrival(MODEL_KIND, arrival_check(shape_template(model_to_numpy(self.model)), self.extra_names))
         self.samples = int(len(self.ctx.data.train_y))
         self._bootstrapped = False
         self.market = UpdateMarket.from_options(self.options)

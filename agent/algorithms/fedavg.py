@@ -10,14 +10,16 @@ the same rule as Def-KT seed 004 Eq. 9, applied over the neighbourhood).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 from torch import nn
 
 from dfl_agent.algorithms import gossip_compression as gc
 from dfl_agent.algorithms.base import Algorithm, register
 from dfl_agent.algorithms.context import Message
-from dfl_agent.algorithms.market import SyncOptions, UpdateMarket, send_with_participation
+from dfl_agent.algorithms.market import SyncOptions, UpdateMarket, is_empty, send_with_participation
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
 from dfl_agent.learning.robust import check_options as check_robust_options
 from dfl_agent.learning.robust import robust_aggregate
@@ -84,6 +86,26 @@ def update_problem(msg: Message, template, extra_tensors: frozenset[str] = froze
     return None
 
 
+def shape_template(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Zero-stride arrays with ``tensors``' names, shapes and dtypes (no memory held):
+    a template for :func:`update_problem`."""
+    return {k: np.broadcast_to(np.zeros((), np.asarray(v).dtype), np.shape(v)) for k, v in tensors.items()}
+
+
+def arrival_check(template: Mapping[str, np.ndarray], extra_tensors: Callable[[], frozenset[str]] | None = None,
+                  ) -> Callable[[Message], str | None]:
+    """The check :meth:`NodeContext.check_on_arrival` runs on each arriving model update:
+    :func:`update_problem` against ``template`` (``extra_tensors()``, asked each time, names
+    the tensors that may come in addition); empty partial-participation updates pass."""
+
+    def check(msg: Message) -> str | None:
+        if is_empty(msg):
+            return None
+        return update_problem(msg, template, extra_tensors() if extra_tensors is not None else frozenset())
+
+    return check
+
+
 async def collect_round(
     ctx, kind: str, t: int, deadline: float, poll: float, template, extra_tensors: frozenset[str] = frozenset(),
     market: UpdateMarket | None = None,
@@ -148,6 +170,8 @@ class FedAvg(Algorithm):
         self.model = self.new_model()
         self.market = UpdateMarket.from_options(self.options)
         self.choco = gc.choco_for(self.ctx, MODEL_KIND)  # compressed gossip (issue 8), None = raw models
+        # bad updates are dropped on arrival; only good ones are catch-up evidence
+        self.ctx.check_on_arrival(MODEL_KIND, arrival_check(shape_template(model_to_numpy(self.model))))
         if self.choco is not None and self.options.participation:
             raise ValueError("algorithm.options.participation: partial participation cannot be combined with "
                              "compressed gossip (CHOCO needs every neighbour to receive every difference)")

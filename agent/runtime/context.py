@@ -144,7 +144,10 @@ class RuntimeContext:
         #: fault tolerance (``runtime.rejoin``, set by the daemon): lock-step algorithms
         #: skip ahead when updates received from the neighbours show them rounds ahead
         self.catch_up = False
-        self.latest_round: dict[str, int] = {}  # peer -> highest round of an accepted message from it
+        #: catch-up evidence: peer -> highest round of one of its messages that passed every
+        #: check on arrival, tensors included (:meth:`check_on_arrival`)
+        self.latest_round: dict[str, int] = {}
+        self._arrival_checks: dict[str, Callable[[Message], str | None]] = {}
         self.caught_up = 0  # rounds skipped to catch up with the neighbours
         self.gate: Callable[[], str | None] | None = None  # None = may train, else the reason
         self.gate_poll = 5.0  # seconds between gate checks while gated
@@ -229,9 +232,12 @@ class RuntimeContext:
         if msg.sender in self.excluded and msg.kind != "onnx.model":
             self._drop("incompatible_peer", self.excluded[msg.sender], msg.sender)
             return
+        header = None
         if self.security is not None:  # -- security: signature, trust and replay checks
             try:
-                reason = self.security.check(wire.raw_header(frame))
+                header = wire.raw_header(frame)
+                # the round is remembered (replay rule) only once every check passed, below
+                reason = self.security.check(header, remember_round=False)
             except Exception as exc:  # never let bad input kill the node
                 reason = "malformed"
                 log.debug("security check failed on %r", exc)
@@ -249,11 +255,26 @@ class RuntimeContext:
             self._drop("stale", f"round {msg.round} < {self.current_round - 1}", msg.sender)
             return
         msg.wire_bytes = wire_bytes
-        if msg.round > self.latest_round.get(msg.sender, -1):
-            self.latest_round[msg.sender] = msg.round
         self.bytes_received_by_kind[msg.kind] += wire_bytes
         self._round_received[msg.kind] += wire_bytes
         self.peers.touch(msg.sender)
+        # the algorithm's own checks (tensor names/shapes/dtypes, meta), where they decide
+        # something here: catch-up evidence (the daemon; the simulator leaves it off and
+        # the algorithm checks what it takes)
+        check = self._arrival_checks.get(msg.kind) if self.catch_up else None
+        if check is not None:
+            try:
+                problem = check(msg)
+            except Exception as exc:  # never let bad input kill the node
+                problem = f"malformed: {exc!r}"
+            if problem:
+                self._drop(problem.split(":", 1)[0], problem, msg.sender)
+                return
+            # only now, with every check passed, is the message catch-up evidence
+            if msg.round > self.latest_round.get(msg.sender, -1):
+                self.latest_round[msg.sender] = msg.round
+        if header is not None:
+            self.security.remember_round(header)
         if self._per_sender[msg.sender] >= self.max_queued_per_sender:
             oldest = next(i for i, m in enumerate(self._buffer) if m.sender == msg.sender)
             self._buffer.pop(oldest)
@@ -509,10 +530,21 @@ class RuntimeContext:
             self._graph_src, self._graph_set, self._graph_len = g, frozenset(g), len(g)
         return self._graph_set
 
+    def check_on_arrival(self, kind: str, check: Callable[[Message], str | None]) -> None:
+        """Check every arriving message of ``kind`` with ``check`` (``"reason: detail"``
+        for a bad one, None for a good one) as soon as it passed the envelope checks
+        (signature, trust, replay, staleness).  A bad message is dropped and counted under
+        its reason; only a good one is catch-up evidence (:meth:`catch_up_round`).
+        Messages of kinds without a check are delivered as before but are no evidence.
+        The checks run while :attr:`catch_up` is on (the daemon); otherwise only the
+        algorithm checks what it takes, once."""
+        self._arrival_checks[kind] = check
+
     def catch_up_round(self, next_round: int) -> int:
         if not self.catch_up:
             return next_round
-        # evidence: signed updates of later rounds received from live neighbours (a
+        # evidence: updates of later rounds received from live (verified, when signatures
+        # are on) neighbours that passed every check on arrival, tensors included (a
         # round-r update shows that its sender completed round r - 1).  Bounded: skip to
         # round r only when at least half of the live neighbours (at least one) showed it,
         # so one member (or one forged round) cannot make the node skip.

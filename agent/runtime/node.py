@@ -20,6 +20,7 @@ import numpy as np
 from dfl_agent.algorithms.base import Algorithm
 from dfl_agent.learning.training import evaluate, train_local
 from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.transport.base import CONTROL_DROP_PREFIXES
 
 if TYPE_CHECKING:
     from torch import nn
@@ -208,6 +209,8 @@ class Node:
             "bytes_sent": counters["bytes_sent"],
             "bytes_received": counters["bytes_received"],
             "errors": counters["dropped"],
+            # the control plane's share of them: forged, unsigned, replayed presence/status
+            "control_dropped": {k: v for k, v in counters["dropped"].items() if k.startswith(CONTROL_DROP_PREFIXES)},
             "rounds_skipped": self.ctx.caught_up,  # catching up with the neighbours (runtime.rejoin)
             "paused_disconnected_s": round(self.ctx.disconnected_seconds, 1),  # runtime.pause_when_disconnected
             **{k: v for k, v in self.ctx.byte_accounting().items()

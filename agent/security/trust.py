@@ -424,12 +424,15 @@ class SecurityGuard:
             return False
 
     # -- receiving ------------------------------------------------------------
-    def check(self, header: Mapping[str, Any]) -> str | None:
+    def check(self, header: Mapping[str, Any], *, remember_round: bool = True) -> str | None:
         """Check a received, already decoded envelope header (a dict, ``sig`` included).
 
         Returns ``None`` when the message may be used, else the rejection reason
         (one of :data:`REJECT_REASONS`).  Accepted signed messages are remembered for
-        replay detection.
+        replay detection.  With ``remember_round=False`` their (sender, kind) round is
+        not: the caller checks the message further and calls :meth:`remember_round` once
+        it passed every check, so that a bad message (a far future round, wrong tensors)
+        cannot make the sender's genuine messages look like replays.
         """
         sig = header.get("sig")
         sender = header.get("sender")
@@ -453,9 +456,18 @@ class SecurityGuard:
             pub.verify(raw, body)
         except (binascii.Error, ValueError, InvalidSignature):
             return "bad_signature"
-        return self._replay_check(header)
+        return self._replay_check(header, remember_round)
 
-    def _replay_check(self, header: Mapping[str, Any]) -> str | None:
+    def remember_round(self, header: Mapping[str, Any]) -> None:
+        """Record the round and send time of a message that passed :meth:`check` (with
+        ``remember_round=False``) and every later check: an older round sent no later
+        is then a replay."""
+        sender, kind, rnd, sent = header["sender"], header["kind"], int(header["round"]), float(header["time"])
+        last = self._rounds.get((sender, kind))
+        if last is None or rnd >= last[0] or sent > last[1]:
+            self._rounds[(sender, kind)] = (rnd, sent)
+
+    def _replay_check(self, header: Mapping[str, Any], remember_round: bool = True) -> str | None:
         msg_id, sent, sender = header["msg_id"], float(header["time"]), header["sender"]
         kind, rnd = header["kind"], int(header["round"])
         now = self._clock()
@@ -464,8 +476,8 @@ class SecurityGuard:
         last = self._rounds.get((sender, kind))
         if last is not None and rnd < last[0] and sent <= last[1]:
             return "replay"
-        if last is None or rnd >= last[0] or sent > last[1]:
-            self._rounds[(sender, kind)] = (rnd, sent)
+        if remember_round:
+            self.remember_round(header)
         self._seen[msg_id] = sent
         # forget ids that fell out of the window; keep at most max_seen
         while self._seen:

@@ -14,6 +14,10 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+#: drop-counter key prefixes of the control plane (presence and status messages); the
+#: status document's ``control_dropped`` holds the counters that start with one of them
+CONTROL_DROP_PREFIXES = ("presence_", "status_", "bad_presence", "bad_status")
+
 #: Called for every complete frame received: ``on_frame(frame, wire_bytes)``.
 #: ``wire_bytes`` counts what the frame occupied on the wire (chunk headers included).
 FrameHandler = Callable[[bytes, int], None]

@@ -6,11 +6,15 @@ peer's updates, nor when catching up is off."""
 import asyncio
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.algorithms.base import Algorithm
 from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.fedavg import arrival_check
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.security import SecurityGuard, TrustStore
+from dfl_agent.security.keys import public_key_b64
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 
@@ -25,13 +29,14 @@ def _scenario(catch_up=True, kill=False, graph=None):
     net = MemoryNetwork()
     ctxs = {nid: _ctx(net, nid, graph if nid == "me" else None) for nid in ("me", "ahead", "far")}
     ctxs["me"].catch_up = catch_up
+    ctxs["me"].check_on_arrival("model", arrival_check({"x": np.ones(2, np.float32)}))
 
     async def main():
         for c in ctxs.values():
             await c.start()
         for r in (33, 34):  # "ahead" completed round 33 and sent its round-34 update
-            await ctxs["ahead"].send("me", Message("model", r, {"x": np.ones(2, np.float32)}))
-        await ctxs["far"].send("me", Message("model", 90, {"x": np.ones(2, np.float32)}))
+            await ctxs["ahead"].send("me", Message("model", r, {"x": np.ones(2, np.float32)}, meta={"samples": 1}))
+        await ctxs["far"].send("me", Message("model", 90, {"x": np.ones(2, np.float32)}, meta={"samples": 1}))
         await asyncio.sleep(0.05)
         me = ctxs["me"]
         while (await me.receive("model", deadline=0.0)) is not None:  # a market took them: still evidence
@@ -137,3 +142,99 @@ def test_no_pause_when_off():
 
     run_virtual(main())
     assert trained == [1] and me.disconnected_seconds == 0.0
+
+
+# -- the skip rule: evidence is only what passed every check; half of the live verified
+# -- neighbours (at least one) must have shown the round -------------------------------
+GOOD = {"x": np.ones(2, np.float32)}
+BAD = {"x": np.ones(5, np.float32)}  # the wrong shape
+
+
+def _skip_scenario(sends, secure=False, trusted=("a", "b", "c")):
+    """``me`` plus neighbours a, b, c; ``sends`` = [(sender, round, tensors)] delivered to
+    ``me``, which checks model updates against ``GOOD``.  With ``secure``, every node signs
+    and ``me`` requires signatures from the ``trusted`` (pinned) ids only.
+    Returns (catch_up_round(16), me)."""
+    net = MemoryNetwork()
+    keys = {n: Ed25519PrivateKey.generate() for n in ("me", "a", "b", "c")}
+    ctxs = {}
+    for nid in keys:
+        ctx = _ctx(net, nid)
+        if secure:
+            pinned = {n: public_key_b64(keys[n]) for n in ("me", *trusted)}
+            ctx.security = SecurityGuard(nid, keys[nid], TrustStore("f", pinned), require_signatures=nid == "me")
+        ctxs[nid] = ctx
+    me = ctxs["me"]
+    me.catch_up = True
+    me.check_on_arrival("model", arrival_check(GOOD))
+
+    async def main():
+        for c in ctxs.values():
+            await c.start()
+        for sender, rnd, tensors in sends:
+            await ctxs[sender].send("me", Message("model", rnd, dict(tensors), meta={"samples": 1}))
+        await asyncio.sleep(0.05)
+        return me.catch_up_round(16)
+
+    return run_virtual(main()), me
+
+
+def test_bad_tensor_future_round_frame_is_no_evidence():
+    """Members' frames of a future round whose tensors do not fit are dropped and
+    counted on arrival, and are no catch-up evidence (two of three would be enough)."""
+    nxt, me = _skip_scenario([("a", 90, BAD), ("b", 90, BAD)])
+    assert nxt == 16 and me.caught_up == 0
+    assert me.rejected["incompatible"] == 2 and not me.latest_round
+    assert me._take("model", None, None) is None  # not delivered to the algorithm either
+    # the same frame with fitting tensors is evidence (the test can tell the difference)
+    nxt, me = _skip_scenario([("a", 90, GOOD), ("b", 90, GOOD), ("c", 90, GOOD)])
+    assert nxt == 90 and me.rejected["incompatible"] == 0
+
+
+def test_one_of_three_live_neighbours_ahead_does_not_skip():
+    nxt, me = _skip_scenario([("a", 90, GOOD), ("b", 15, GOOD), ("c", 15, GOOD)])
+    assert nxt == 16 and me.caught_up == 0
+
+
+def test_two_of_three_live_neighbours_ahead_skip():
+    nxt, me = _skip_scenario([("a", 90, GOOD), ("b", 40, GOOD), ("c", 15, GOOD)])
+    # half of three (rounded up) = two showed round 39 or later: skip to one past it
+    assert nxt == 40 and me.caught_up == 40 - 16
+
+
+def test_unverified_neighbours_frame_does_not_count():
+    """With signatures required, the frame of a sender this node does not trust is
+    dropped (and counted) and that sender is no neighbour: only the verified neighbour,
+    which is behind, counts, so nothing is skipped."""
+    sends = [("a", 15, GOOD), ("c", 90, GOOD)]
+    nxt, me = _skip_scenario(sends, secure=True, trusted=("a",))
+    assert nxt == 16 and me.caught_up == 0
+    assert me.rejected["unknown_sender"] == 1 and "c" not in me.neighbours()
+    # both trusted: at least half of the two verified neighbours showed round 89
+    nxt, me = _skip_scenario(sends, secure=True, trusted=("a", "c"))
+    assert nxt == 90
+
+
+def test_bad_signed_frame_does_not_make_genuine_frames_replays():
+    """A member-signed frame of a far future round with bad tensors is dropped before its
+    round is remembered for the replay rule: the member's genuine update, sent just
+    before it but arriving after it, is still accepted."""
+    from dfl_agent.transport import wire
+
+    net = MemoryNetwork()
+    ka, kme = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    pinned = {"a": public_key_b64(ka), "me": public_key_b64(kme)}
+    me = _ctx(net, "me")
+    me.security = SecurityGuard("me", kme, TrustStore("f", pinned), require_signatures=True)
+    me.catch_up = True  # the daemon's setting: arrival checks on
+    me.check_on_arrival("model", arrival_check(GOOD))
+    signer = SecurityGuard("a", ka, TrustStore("f", pinned))
+    enc = lambda rnd, t: wire.encode(Message("model", rnd, dict(t), meta={"samples": 1}, recipient="me"),  # noqa: E731
+                                     federation="f", sender="a", sign=signer.sign)
+    genuine = enc(3, GOOD)
+    bad = enc(10**6, BAD)  # sent later, arrives first
+    me._on_frame(bad, len(bad))
+    me._on_frame(genuine, len(genuine))
+    assert me.rejected["incompatible"] == 1 and me.rejected["replay"] == 0
+    got = me._take("model", None, None)
+    assert got is not None and got.round == 3 and me.latest_round == {"a": 3}
