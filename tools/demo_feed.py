@@ -79,10 +79,10 @@ def _npz_bytes(x: np.ndarray, y: np.ndarray) -> bytes:
 def drop_into_spool(spool: Path, name: str, x: np.ndarray, y: np.ndarray) -> Path:
     """Write one sample file the way an application must: a temporary (hidden) name in the
     spool, then an atomic rename to ``name``.  Returns the final path."""
+    from dfl_agent.fsutil import atomic_write
+
     spool.mkdir(parents=True, exist_ok=True)
-    tmp = spool / f".{name}.tmp"
-    tmp.write_bytes(_npz_bytes(x, y))
-    os.replace(tmp, spool / name)
+    atomic_write(spool / name, _npz_bytes(x, y))
     return spool / name
 
 

@@ -3,7 +3,7 @@
 Location: the ``cache_dir`` argument, else the environment variable
 ``DFL_CACHE_DIR``, else the platform user cache folder (``~/.cache/dfl-agent``
 on Linux, ``$XDG_CACHE_HOME`` honoured).  Files are written atomically
-(temporary file in the same directory, ``fsync``, ``os.replace``), so a reader
+(``dfl_agent.fsutil``: temporary file in the same directory, ``fsync``, rename), so a reader
 sees either the old complete file or the new complete one, and several
 processes converting at once are harmless (the last rename wins; all write the
 same content).  Cached files are always read with ``allow_pickle=False``.
@@ -12,7 +12,6 @@ same content).  Cached files are always read with ``allow_pickle=False``.
 from __future__ import annotations
 
 import os
-import tempfile
 import zipfile
 import zlib
 from pathlib import Path
@@ -49,31 +48,12 @@ def atomic_savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
     Raises:
         OSError: the directory cannot be created or written.
     """
+    from dfl_agent.fsutil import atomic_writer
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)  # type: ignore[arg-type]  # (numpy's stub types **kwds like allow_pickle)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    try:  # make the rename itself durable (best effort; not possible everywhere)
-        dfd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
+    with atomic_writer(path) as f:
+        np.savez(f, **arrays)  # type: ignore[arg-type]  # (numpy's stub types **kwds like allow_pickle)
 
 
 def read_npz(path: Path, keys: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:

@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dfl_agent.fsutil import atomic_symlink, atomic_write, fsync_dir, rename
+
 SCHEMA_VERSION = 1
 _VERSION = re.compile(r"^v(\d+)$")
 FILE_MODE, DIR_MODE = 0o640, 0o750
@@ -34,14 +36,6 @@ FILE_MODE, DIR_MODE = 0o640, 0o750
 
 class DeployError(ValueError):
     """No such version, nothing to roll back to, a corrupt version or candidate."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -170,7 +164,7 @@ class ModelStore:
                     "sha256": digests[main]["sha256"], "onnx": "model.onnx" in files,
                     "time": info.get("time", time.time())}
         _write(tmp / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False).encode())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         return tmp
 
     def install(self, files: Mapping[str, bytes], info: Mapping[str, Any]) -> int:
@@ -183,9 +177,8 @@ class ModelStore:
         self._prepare()
         version = max(self.versions() + [self._last_version()], default=0) + 1
         tmp = self._write_folder(files, {**dict(info), "version": version})
-        os.rename(tmp, self.folder(version))
+        rename(tmp, self.folder(version))
         self._set_last_version(version)
-        _fsync_dir(self.root)
         self.switch(version)
         self.prune()
         return version
@@ -197,9 +190,7 @@ class ModelStore:
             return 0
 
     def _set_last_version(self, v: int) -> None:
-        tmp = self.root / ".last_version.tmp"
-        _write(tmp, str(v).encode())
-        os.replace(tmp, self.root / ".last_version")
+        atomic_write(self.root / ".last_version", str(v), mode=FILE_MODE)
 
     def switch(self, version: int) -> None:
         """Point ``current`` at ``version`` atomically (rename of a temporary symlink).
@@ -208,10 +199,7 @@ class ModelStore:
             DeployError: no such version or it fails its hash check.
         """
         verify_folder(self.folder(version))
-        tmp = self.root / f".tmp-link-{uuid.uuid4().hex[:8]}"
-        os.symlink(f"v{version}", tmp)
-        os.replace(tmp, self.root / "current")
-        _fsync_dir(self.root)
+        atomic_symlink(f"v{version}", self.root / "current")
 
     def prune(self) -> None:
         """Delete all but the newest ``keep`` versions (never the current one)."""
@@ -224,7 +212,7 @@ class ModelStore:
         """Rename out of sight first (atomic), then delete: a kill never leaves half a version."""
         gone = self.root / f".tmp-del-{folder.name}-{uuid.uuid4().hex[:8]}"
         try:
-            os.rename(folder, gone)
+            rename(folder, gone, sync=False)
         except FileNotFoundError:
             return
         shutil.rmtree(gone, ignore_errors=True)
@@ -236,8 +224,7 @@ class ModelStore:
         dest = self.root / "candidate"
         if dest.exists():
             self._remove(dest)
-        os.rename(tmp, dest)
-        _fsync_dir(self.root)
+        rename(tmp, dest)
         return dest
 
     def promote_candidate(self, note: str = "deployed with --force") -> int:

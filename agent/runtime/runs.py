@@ -240,9 +240,9 @@ class RunLedger:
         """Record ``run_id``'s state on this node (atomic write)."""
         self.entries[run_id] = {"state": state, "round": int(round), "reason": reason, "time": time.time()}
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.entries, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, self.path)
+        from dfl_agent.fsutil import atomic_write
+
+        atomic_write(self.path, json.dumps(self.entries, sort_keys=True))
 
     def state(self, run_id: str) -> str | None:
         e = self.entries.get(run_id)

@@ -169,14 +169,11 @@ class SeqCounter:
     def _save(self) -> None:
         if self.path is None:
             return
-        tmp = self.path.with_name(self.path.name + ".tmp")
+        from dfl_agent.fsutil import atomic_write
+
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "w") as f:
-                json.dump(self._reserved, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            atomic_write(self.path, json.dumps(self._reserved))
         except OSError as exc:
             log.warning("could not save %s: %s", self.path, exc)
 

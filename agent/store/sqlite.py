@@ -54,6 +54,8 @@ from typing import Any
 
 import numpy as np
 
+from dfl_agent.fsutil import atomic_writer, rename
+
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
@@ -386,7 +388,7 @@ class SampleStore:
             dest = self.rejected_dir / f"{p.stem}-{sha[:12]}{p.suffix}"
         (self.rejected_dir / (dest.name + ".reason")).write_text(reason + "\n", encoding="utf-8")
         try:
-            os.replace(p, dest)
+            rename(p, dest)
         except OSError:
             shutil.move(str(p), str(dest))
 
@@ -531,10 +533,6 @@ def copy_into_spool(src: str | os.PathLike[str], spool_dir: str | os.PathLike[st
     spool.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256(s.read_bytes()).hexdigest()[:12]
     dest = spool / f"{s.stem}-{digest}.npz"
-    tmp = spool / f".{dest.name}.tmp"
-    with open(s, "rb") as fin, open(tmp, "wb") as fout:
+    with open(s, "rb") as fin, atomic_writer(dest) as fout:  # a hidden temporary name, then renamed in
         shutil.copyfileobj(fin, fout)
-        fout.flush()
-        os.fsync(fout.fileno())
-    os.replace(tmp, dest)
     return dest
