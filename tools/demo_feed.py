@@ -387,7 +387,7 @@ def feed_federation(opts: FeedOptions, on_tick: Any = None) -> dict[str, Any]:
                **collect(states, run_ids, bundle.test),
                "feed": {"windows_fed": {n: feeder.pos[n] for n in ids}, "initial": given, "passes": feeder.passes,
                         "interval_s": opts.feed_interval, "chunk": opts.feed_chunk},
-               "failed": sorted(set(failed)), "wall_seconds": round(time.time() - started, 1)}
+               "failed": sorted(set(failed)), "started": started, "wall_seconds": round(time.time() - started, 1)}
     from dfl_agent.runtime.metrics import atomic_write_text
 
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=float) + "\n")

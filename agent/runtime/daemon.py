@@ -606,7 +606,7 @@ def _setup_logging(level: str, fmt: str = "auto") -> None:
     if fmt == "journal" or (fmt == "auto" and under_journald()):  # operations: journald priorities
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JournalFormatter())
-    for noisy in ("zeroconf", "paho", "matplotlib", "PIL"):
+    for noisy in ("zeroconf", "paho", "matplotlib", "PIL", "onnx_ir", "onnxscript"):  # ONNX export passes
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

@@ -283,5 +283,5 @@ def test_three_agents_two_runs_growing_stores_one_deployment_per_run(tmp_path):
         assert set(runs) == {v1["run_id"], rid}, runs.keys()
         first, second = ({r["train_samples"] for r in runs[k]} for k in (v1["run_id"], rid))
         assert len(first) == len(second) == 1 and second.pop() > first.pop(), runs  # run 2 trained on more
-        assert {r["round"] for r in runs[rid]} == {1, 2} and all(r["neighbours"] == 2 for r in runs[rid])
+        assert {r["round"] for r in runs[rid]} == {1, 2} and all(r["neighbours"] >= 1 for r in runs[rid])
         assert v2["validation_samples"] > v1["validation_samples"]
