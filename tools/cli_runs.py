@@ -53,6 +53,18 @@ def load_operator(d: str | None) -> tuple[Any, dict[str, Any] | None, str]:
     return load_private_key(keys[0]), cert, name
 
 
+def operator_seq(d: str | None) -> Any:
+    """The operator's control sequence counter, persisted in ``d/control_seq.json`` when
+    that folder is writable (else counted from the clock, which also grows)."""
+    import os
+
+    from dfl_agent.security.trust import SEQ_FILE, SeqCounter
+
+    if d is not None and os.access(d, os.W_OK):
+        return SeqCounter(Path(d) / SEQ_FILE)
+    return SeqCounter(None)
+
+
 def publish_retained(broker: str, topic: str, payload: bytes, timeout: float = 10.0) -> None:
     """Publish ``payload`` retained (QoS 1) and wait until the broker has it.
 
@@ -74,6 +86,46 @@ def publish_retained(broker: str, topic: str, payload: bytes, timeout: float = 1
         info.wait_for_publish(timeout)
         if not info.is_published():
             raise ConnectionError(f"broker {broker} did not acknowledge the run within {timeout:.0f}s")
+    finally:
+        c.disconnect()
+        c.loop_stop()
+
+
+def fetch_retained(broker: str, topic: str, timeout: float = 10.0, absent_after: float = 2.0) -> bytes | None:
+    """The retained message on ``topic`` (None when there is none: nothing arrived within
+    ``absent_after`` s of the subscription being acknowledged).
+
+    Raises:
+        ConnectionError: the broker cannot be reached or does not answer in ``timeout`` s.
+    """
+    import threading
+
+    from dfl_agent.discovery.static import parse_endpoint
+
+    host, port = parse_endpoint(broker)
+    got: list[bytes] = []
+    subscribed, arrived = threading.Event(), threading.Event()
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"dflctl-get-{secrets.token_hex(4)}",
+                    protocol=mqtt.MQTTv5)
+    c.on_connect = lambda cl, *_: cl.subscribe(topic, qos=1)
+    c.on_subscribe = lambda *_: subscribed.set()
+
+    def on_message(cl: Any, ud: Any, msg: Any) -> None:
+        if msg.payload and not got:
+            got.append(bytes(msg.payload))
+            arrived.set()
+
+    c.on_message = on_message
+    try:
+        c.connect(host, port, keepalive=30)
+    except OSError as exc:
+        raise ConnectionError(f"cannot reach MQTT broker {broker}: {exc}") from None
+    c.loop_start()
+    try:
+        if not subscribed.wait(timeout):
+            raise ConnectionError(f"no answer from MQTT broker {broker} within {timeout:.0f}s")
+        arrived.wait(absent_after)  # a retained message follows the subscription at once
+        return got[0] if got else None
     finally:
         c.disconnect()
         c.loop_stop()
@@ -179,7 +231,8 @@ def cmd_submit(a: argparse.Namespace) -> int:
         print(f"dflctl run submit: {exc}", file=sys.stderr)
         return 2
     try:
-        publish_retained(broker, run_topic(fed, d.run_id), sign_descriptor(d, key, name, cert))
+        publish_retained(broker, run_topic(fed, d.run_id),
+                         sign_descriptor(d, key, name, cert, seq=operator_seq(a.operator_dir)))
     except ConnectionError as exc:
         print(f"dflctl run submit: {exc}", file=sys.stderr)
         return 3
@@ -188,7 +241,7 @@ def cmd_submit(a: argparse.Namespace) -> int:
 
 
 def cmd_cancel(a: argparse.Namespace) -> int:
-    from dfl_agent.runtime.runs import RunDescriptor, run_topic, sign_descriptor
+    from dfl_agent.runtime.runs import RunDescriptor, open_run_message, run_topic, sign_descriptor
 
     broker, fed = _target(a)
     try:
@@ -196,13 +249,26 @@ def cmd_cancel(a: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"dflctl run cancel: --operator-dir: {exc}", file=sys.stderr)
         return 2
-    runs, _ = _snapshot(a)
-    if a.run not in runs:
+    try:  # only the run's own retained descriptor: a cancel reaches the agents within a second
+        raw = fetch_retained(broker, run_topic(fed, a.run), timeout=a.timeout)
+    except ConnectionError as exc:
+        print(f"dflctl run cancel: {exc}", file=sys.stderr)
+        return 3
+    msg = open_run_message(raw) if raw else None
+    try:
+        d = RunDescriptor.from_dict(msg["descriptor"] if msg else None)
+    except (ValueError, TypeError):
+        msg = None
+    if msg is None:
         print(f"dflctl run cancel: no run {a.run!r} in federation {fed}", file=sys.stderr)
         return 1
-    d = RunDescriptor.from_dict(runs[a.run]["descriptor"])
     d.cancelled, d.seq = True, d.seq + 1
-    publish_retained(broker, run_topic(fed, d.run_id), sign_descriptor(d, key, name, cert))
+    try:
+        publish_retained(broker, run_topic(fed, d.run_id),
+                         sign_descriptor(d, key, name, cert, seq=operator_seq(a.operator_dir)))
+    except ConnectionError as exc:
+        print(f"dflctl run cancel: {exc}", file=sys.stderr)
+        return 3
     print(f"cancelled {d.run_id}")
     return 0
 

@@ -55,12 +55,11 @@ class Observer:
     def _on_message(self, client, userdata, msg) -> None:
         parts = msg.topic.split("/")
         if len(parts) == 4 and parts[2] == "run":
-            try:
-                run = json.loads(msg.payload) if msg.payload else None
-            except (ValueError, UnicodeDecodeError):
-                return
+            from dfl_agent.runtime.runs import open_run_message
+
+            run = open_run_message(msg.payload) if msg.payload else None
             with self._lock:
-                if isinstance(run, dict) and isinstance(run.get("descriptor"), dict):
+                if run is not None:
                     self.runs[parts[3]] = run
                 else:
                     self.runs.pop(parts[3], None)

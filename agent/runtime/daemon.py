@@ -92,13 +92,16 @@ class Agent:
     """One running daemon: wires config, data, transport, discovery and the algorithm."""
 
     def __init__(self, cfg: NodeConfig, config_path: str | None = None, psutil_mod: Any = None, *,
-                 run: Any = None, run_dir: Path | None = None, serving: bool = False):
+                 run: Any = None, run_dir: Path | None = None, serving: bool = False,
+                 should_stop: Any = None):
         self.cfg = cfg
         #: the run trained (runs.RunDescriptor; None with ``--once``), its folder, and
         #: whether an always-on ``serve`` loop owns the process (no systemd STOPPING)
         self.run_desc = run
         self.run_dir = run_dir
         self.serving = serving
+        #: extra stop condition checked after every round (``() -> bool``; runs: cancelled)
+        self.should_stop = should_stop
         self.outcome = "starting"
         self.psutil = psutil_mod  # None = the real psutil (tests pass a stand-in for battery etc.)
         self.state_dir = Path(cfg.state_dir)
@@ -136,7 +139,7 @@ class Agent:
         from dfl_agent.models import spec_hash
         from dfl_agent.models.defaults import check_algorithm_models
         from dfl_agent.runtime.context import RuntimeContext
-        from dfl_agent.runtime.node import Node, init_seed_for
+        from dfl_agent.runtime.node import Node, RunStopped, init_seed_for
         from dfl_agent.transport.mqtt import MqttTransport
 
         cfg = self.cfg
@@ -288,19 +291,26 @@ class Agent:
                     log.info("the federation already finished its %d rounds", cfg.algorithm.rounds)
                     self.outcome = "finished"
                     return 0
+            should_stop = self.should_stop
+            # checked after every round, before the next one starts (a stop or a cancel
+            # that arrives mid-round also cancels the round in progress, below)
+            node.stop_check = lambda: stop.is_set() or bool(should_stop is not None and should_stop())
             run = asyncio.ensure_future(node.run(cfg.algorithm.rounds, start_round))
             stopper = asyncio.ensure_future(stop.wait())
             done, _ = await asyncio.wait({run, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            if run in done:
+            between = run in done and isinstance(run.exception(), RunStopped)
+            if run in done and not between:
                 stopper.cancel()
                 run.result()  # re-raise a crash of the algorithm
                 log.info("finished %d rounds", cfg.algorithm.rounds)
                 self.outcome = "finished"
                 await self._after_run(spec, bundle.pool.input_shape)
             else:
-                log.info("stop requested; leaving the federation")
+                log.info("stop requested %s; leaving the federation",
+                         f"after round {node.last_round()}" if between else f"during round {node.last_round() + 1}")
+                stopper.cancel()
                 run.cancel()
-                await asyncio.gather(run, return_exceptions=True)
+                await asyncio.gather(run, stopper, return_exceptions=True)
                 node.state = "stopped"
                 self.outcome = "stopped"
                 await node.publish_status()
@@ -398,7 +408,7 @@ class Agent:
 
     def _start_prometheus(self) -> Any:
         port = self.cfg.runtime.prometheus_port
-        if not port:
+        if not port or self.serving:  # an always-on agent serves one endpoint for its whole life
             return None
         from dfl_agent.runtime.prometheus import PrometheusExporter
 
@@ -655,6 +665,30 @@ def run_config_for(cfg: NodeConfig, run: Any) -> NodeConfig:
     return new
 
 
+def _start_service_prometheus(cfg: NodeConfig, node_id: str, training: list[Agent],
+                              service: Any) -> Any:
+    """The always-on agent's Prometheus endpoint (``runtime.prometheus_port``), up while
+    idle and while training (:class:`~dfl_agent.runtime.prometheus.ServiceCollector`);
+    None when off or unavailable (logged)."""
+    port = cfg.runtime.prometheus_port
+    if not port:
+        return None
+    from dfl_agent.runtime.prometheus import PrometheusExporter, ServiceCollector
+
+    def current() -> Any:
+        return training[0].node if training else None
+
+    def checkpoint_round() -> int:
+        return int(getattr(training[0].checkpointer, "last_saved", 0) or 0) if training else 0
+
+    try:
+        return PrometheusExporter(None, port, cfg.runtime.prometheus_address, collector=ServiceCollector(
+            node_id, cfg.federation, current, service, checkpoint_round)).start()
+    except (ImportError, OSError) as exc:
+        log.error("Prometheus endpoint disabled: %s", exc)
+        return None
+
+
 async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
                 hooks: RunHooks | None = None) -> int:
     """The always-on agent: stay a member of the federation and train in runs.
@@ -684,16 +718,20 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
     nid = node_id_from_state(state_dir, cfg.node_id)
     ledger = RunLedger(state_dir)
     sec = cfg.security
-    verifier = RunVerifier(cfg.federation, require_signatures=sec.require_signatures,
-                           federation_key=sec.federation_key, operators=getattr(sec, "operators", None))
+    guard = build_security(cfg, state_dir, nid)  # signs idle statuses, verifies peers' ones and run descriptors
+    verifier = RunVerifier(cfg.federation, require_signatures=sec.require_signatures, guard=guard)
     lobby = RunLobby(cfg, nid, verifier)
-    lobby.guard = build_security(cfg, state_dir, nid)  # signs idle statuses, verifies peers' ones
+    lobby.guard = guard
     lobby.start()
     notifier = Notifier()
     interval = notifier.watchdog_interval()
     has_default = getattr(cfg, "has_default_run", True)
     info: dict[str, Any] | None = None
     last_pub = 0.0
+    #: the agent of the run in training (None while idle): the Prometheus endpoint shows it
+    training: list[Agent] = []
+    exporter = _start_service_prometheus(cfg, nid, training, lambda: {
+        "state": "idle" if not training else "training", "run": info, "runs_refused": dict(verifier.refused)})
     log.info("node %s of federation %s serving: %s", nid, cfg.federation,
              "default run + runs from operators" if has_default else "waiting for runs")
 
@@ -707,8 +745,9 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
                 notifier.watchdog()
             last_pub = _time.monotonic()
 
-    def note(run_id: str, state: str, reason: str = "", rnd: int = 0) -> dict[str, Any]:
-        ledger.set(run_id, state, rnd, reason)
+    def note(run_id: str, state: str, reason: str = "", rnd: int = 0,
+             extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        ledger.set(run_id, state, rnd, reason, extra)
         if state in ("declined", "failed"):
             log.warning("run %s %s: %s", run_id, state, reason)
         return {"id": run_id, "state": state, "round": rnd, "reason": reason}
@@ -727,11 +766,12 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
             store = open_store(cfg)
         except (OSError, ValueError) as exc:
             raise StartupError(str(exc)) from None
+    loop = asyncio.get_running_loop()
     try:
         while not stop.is_set():
             d = None
             if has_default:
-                dd = default_descriptor(cfg)
+                dd = default_descriptor(cfg, ledger=ledger, new_samples=store.count_since if store is not None else None)
                 if dd is not None and not ledger.is_done(dd.run_id):
                     d = dd
             if d is None:
@@ -792,24 +832,38 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
                     publish(force=True)
                     continue
             run_stop = asyncio.Event()
-            cancelled = False
 
-            async def watch(run_id: str = d.run_id, run_stop: asyncio.Event = run_stop) -> None:
-                nonlocal cancelled
-                while not run_stop.is_set():
-                    cur = lobby.run(run_id)
-                    if cur is not None and cur.cancelled:
-                        cancelled = True
-                        log.info("run %s cancelled by the operator", run_id)
-                        run_stop.set()
-                    if stop.is_set():
-                        run_stop.set()
-                    await asyncio.sleep(0.2)
+            def is_cancelled(run_id: str = d.run_id) -> bool:
+                cur = lobby.run(run_id)
+                return cur is not None and cur.cancelled
 
-            watcher = asyncio.ensure_future(watch())
             run_dir = ledger.run_dir(d.run_id)
             run_dir.mkdir(parents=True, exist_ok=True)
-            agent = Agent(run_config_for(cfg, d), config_path, run=d, run_dir=run_dir, serving=True)
+            agent = Agent(run_config_for(cfg, d), config_path, run=d, run_dir=run_dir, serving=True,
+                          should_stop=is_cancelled)
+            #: the last round this node had completed when the cancel reached it
+            cancel_round: dict[str, int] = {}
+
+            def on_cancel(run_id: str, agent: Agent = agent, run_stop: asyncio.Event = run_stop,
+                          this: str = d.run_id, cancel_round: dict[str, int] = cancel_round,
+                          loop: asyncio.AbstractEventLoop = loop) -> None:
+                # the lobby's MQTT thread, as the cancelled descriptor arrives: note the round
+                # and stop the round in progress (the round loop also checks before each round)
+                if run_id != this:
+                    return
+                cancel_round.setdefault(run_id, agent.node.last_round() if agent.node is not None else 0)
+                loop.call_soon_threadsafe(run_stop.set)
+
+            lobby.on_cancel = on_cancel
+
+            async def watch(run_stop: asyncio.Event = run_stop) -> None:
+                await stop.wait()
+                run_stop.set()
+
+            watcher = asyncio.ensure_future(watch())
+            if is_cancelled():  # cancelled between the queue pick and here
+                on_cancel(d.run_id)
+            training[:] = [agent]
             try:
                 rc = await agent.run(run_stop)
             except StartupError as exc:
@@ -822,17 +876,25 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
                 info = note(d.run_id, "failed", f"{type(exc).__name__}: {exc}")
                 continue
             finally:
-                run_stop.set()
+                training.clear()
+                lobby.on_cancel = None
+                watcher.cancel()
                 await asyncio.gather(watcher, return_exceptions=True)
+            cancelled = d.run_id in cancel_round or (agent.outcome != "finished" and is_cancelled())
             if agent.data_shape is not None:
                 data_shape = agent.data_shape
             rnd = agent.node.status().get("round", 0) if agent.node is not None else 0
+            snap = agent.snapshot  # a run on the sample store: the newest sample id of its data
+            extra = {"snapshot_last_id": int(snap.max())} if snap is not None and len(snap) else None
             if agent.outcome == "finished":
-                info = note(d.run_id, "finished", "", d.rounds)
+                info = note(d.run_id, "finished", "", d.rounds, extra)
                 log.info("run %s finished", d.run_id)
                 hooks.fire_finished(d, agent.node)
             elif cancelled:
-                info = note(d.run_id, "cancelled", "cancelled by the operator", rnd)
+                at = cancel_round.get(d.run_id, rnd)
+                log.info("run %s cancelled by the operator: the cancel arrived after round %d, the last round "
+                         "trained here is %d", d.run_id, at, rnd)
+                info = note(d.run_id, "cancelled", "cancelled by the operator", at)
             elif stop.is_set():
                 break  # interrupted: a restart rejoins it
             elif rc == 3:  # broker unreachable: try again shortly
@@ -843,6 +905,8 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
         return 0
     finally:
         notifier.stopping()
+        if exporter is not None:
+            exporter.stop()
         lobby.stop()
 
 

@@ -30,6 +30,15 @@ log = logging.getLogger(__name__)
 MetricsSink = Callable[[dict[str, Any]], None]
 
 
+class RunStopped(Exception):
+    """Raised out of the round loop when :attr:`Node.stop_check` says stop after round
+    ``round`` (a cancelled run, a stop request): the next round never starts."""
+
+    def __init__(self, round: int):
+        super().__init__(f"stopped after round {round}")
+        self.round = round
+
+
 def init_seed_for(seed: int, index: int, init: str) -> int:
     """Torch seed of a node's initial weights: shared by all (``common``) or per node."""
     return seed if init == "common" else seed * 100_003 + index + 1
@@ -89,6 +98,9 @@ class Node:
         #: what "global accuracy" measures when there is no global test set (the sample
         #: store: "local validation"); shown in the status as ``global_accuracy_source``
         self.accuracy_source: str | None = None
+        #: checked after every round, before the next one starts: when it returns True the
+        #: round loop ends with :class:`RunStopped` (e.g. the operator cancelled the run)
+        self.stop_check: Callable[[], bool] | None = None
 
     async def setup(self) -> None:
         await self.algorithm.setup()
@@ -181,8 +193,14 @@ class Node:
                 self.checkpoint_errors += 1
                 log.error("checkpoint of round %d failed: %s", t, exc)
         await self.publish_status()
+        if self.stop_check is not None and self.stop_check():
+            raise RunStopped(t)
         self._round_started = self.ctx.clock.now()
         self._round_started_wall = time.perf_counter()
+
+    def last_round(self) -> int:
+        """The last round this node completed (0 before the first)."""
+        return int(self.history[-1].get("round", 0)) if self.history else 0
 
     def status(self) -> dict[str, Any]:
         """The status document published on ``dfl/{fed}/node/{id}/status``."""

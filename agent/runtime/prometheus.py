@@ -13,6 +13,12 @@ consistent view.  Metrics (all labelled by nothing but what is listed):
 - ``dfl_dropped_messages_total{reason}`` (counter): messages dropped by reason
 - ``dfl_peers_live`` (gauge): peers currently live
 - ``dfl_checkpoint_round`` (gauge), ``dfl_checkpoint_errors_total`` (counter)
+
+An always-on agent (``dfl-agent run`` without ``--once``) serves one endpoint for its
+whole life through :class:`ServiceCollector`: while a run trains it shows that run's
+node as above plus ``dfl_run_info{run,state}``; while idle ``dfl_node_info`` has
+``state="idle"`` (or the last run's state), ``dfl_round`` is 0, and
+``dfl_runs_refused_total{reason}`` counts refused run descriptors.
 """
 
 from __future__ import annotations
@@ -68,8 +74,51 @@ class NodeCollector:
                                   value=float(getattr(node, "checkpoint_errors", 0)))
 
 
+class ServiceCollector:
+    """The collector of an always-on agent: the training node's metrics while a run
+    trains, the idle service's otherwise.
+
+    Args:
+        node_id, federation: this node.
+        current: returns the :class:`~dfl_agent.runtime.node.Node` of the run in training,
+            or None while idle.
+        service: returns the idle view, ``{"state": str, "run": {id, state, round, reason}
+            | None, "runs_refused": {reason: n}}``.
+        checkpoint_round: the round of the running run's last checkpoint.
+    """
+
+    def __init__(self, node_id: str, federation: str, current: Callable[[], Any], service: Callable[[], dict[str, Any]],
+                 checkpoint_round: Callable[[], int] | None = None):
+        self.node_id, self.federation = node_id, federation
+        self.current, self.service = current, service
+        self.checkpoint_round = checkpoint_round
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+        view = self.service()
+        node = self.current()
+        run = view.get("run") if isinstance(view.get("run"), dict) else None
+        if node is not None and getattr(node, "ctx", None) is not None:
+            yield from NodeCollector(node, self.checkpoint_round).collect()
+        else:
+            yield InfoMetricFamily("dfl_node", "this node", value={
+                "node": self.node_id, "federation": self.federation, "algorithm": "",
+                "state": str(view.get("state", "idle"))})
+            yield GaugeMetricFamily("dfl_round", "last completed round", value=0.0)
+        if run is not None:
+            yield InfoMetricFamily("dfl_run", "the current or last run on this node",
+                                   value={"run": str(run.get("id", "")), "state": str(run.get("state", ""))})
+        refused = CounterMetricFamily("dfl_runs_refused", "run descriptors refused, by reason", labels=["reason"])
+        for reason, n in sorted(dict(view.get("runs_refused") or {}).items()):
+            refused.add_metric([str(reason)], float(n))
+        yield refused
+
+
 class PrometheusExporter:
-    """Serves ``/metrics`` for one node on ``address:port`` (own registry, own thread).
+    """Serves ``/metrics`` for one node on ``address:port`` (own registry, own thread);
+    ``collector`` replaces the default :class:`NodeCollector` over ``node`` (e.g. a
+    :class:`ServiceCollector`).
 
     Raises:
         ImportError: ``prometheus_client`` is not installed (``pip install 'dfl-agent[metrics]'``).
@@ -77,13 +126,13 @@ class PrometheusExporter:
     """
 
     def __init__(self, node: Any, port: int, address: str = "127.0.0.1",
-                 checkpoint_round: Callable[[], int] | None = None):
+                 checkpoint_round: Callable[[], int] | None = None, collector: Any = None):
         try:
             from prometheus_client import CollectorRegistry
         except ImportError:
             raise ImportError("runtime.prometheus_port needs prometheus_client: pip install 'dfl-agent[metrics]'") from None
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(NodeCollector(node, checkpoint_round))
+        self.registry.register(collector if collector is not None else NodeCollector(node, checkpoint_round))
         self.port, self.address = port, address
         self._server: Any = None
 

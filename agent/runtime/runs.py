@@ -26,7 +26,6 @@ the federation key - may submit or cancel; anything else is refused (see
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import hashlib
 import json
@@ -34,7 +33,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +213,36 @@ def next_recurring(ledger: RunLedger, default_id: str, every_s: float, now: floa
     return None if ledger.is_done(rid) else rid
 
 
+def sample_run_id(default_id: str, index: int) -> str:
+    """The id of the ``index``-th run of a default run recurring on new samples."""
+    return f"{default_id}.s{int(index)}"
+
+
+def next_sample_triggered(ledger: RunLedger, default_id: str, every_samples: int,
+                          new_samples: Callable[[int], int], running: str | None = None) -> str | None:
+    """The repeat of a default run recurring "when at least ``every_samples`` new samples
+    arrived" (``algorithm.every_samples``) that is due now, or None.
+
+    The first repeat (``.s0``) runs at once; repeat ``.s{n}`` is unfinished (a restart
+    resumes it) or, when done, the next one is due once ``new_samples(last_id)`` - the
+    samples the store got after the newest sample id of any repeat's snapshot
+    (``snapshot_last_id`` in the ledger; 0 when none was recorded) - reaches
+    ``every_samples``.  Never overlaps itself: nothing is due while a repeat is ``running``.
+    """
+    prefix = default_id + ".s"
+    if running is not None and running.startswith(prefix):
+        return None
+    index = {int(k[len(prefix):]): e for k, e in ledger.entries.items()
+             if k.startswith(prefix) and k[len(prefix):].isdigit()}
+    if not index:
+        return sample_run_id(default_id, 0)
+    last = max(index)
+    if not ledger.is_done(sample_run_id(default_id, last)):
+        return sample_run_id(default_id, last)
+    last_id = max((int(e.get("snapshot_last_id") or 0) for e in index.values()), default=0)
+    return sample_run_id(default_id, last + 1) if new_samples(last_id) >= every_samples else None
+
+
 class RunLedger:
     """This node's run history, persisted in ``{state_dir}/runs/ledger.json``.
 
@@ -236,9 +265,12 @@ class RunLedger:
         """Per-run folder (checkpoints, metrics): ``{state_dir}/runs/{run_id}``."""
         return self.dir / run_id
 
-    def set(self, run_id: str, state: str, round: int = 0, reason: str = "") -> None:
-        """Record ``run_id``'s state on this node (atomic write)."""
-        self.entries[run_id] = {"state": state, "round": int(round), "reason": reason, "time": time.time()}
+    def set(self, run_id: str, state: str, round: int = 0, reason: str = "",
+            extra: Mapping[str, Any] | None = None) -> None:
+        """Record ``run_id``'s state on this node (atomic write); ``extra`` fields are kept
+        with it (e.g. ``snapshot_last_id``: the newest sample id of the run's data snapshot)."""
+        self.entries[run_id] = {"state": state, "round": int(round), "reason": reason, "time": time.time(),
+                                **dict(extra or {})}
         self.dir.mkdir(parents=True, exist_ok=True)
         from dfl_agent.fsutil import atomic_write
 
@@ -392,88 +424,122 @@ def operator_certificate(federation_key: Any, federation: str, name: str, public
     return issue_certificate(federation_key, federation, name, public_b64, valid_days=valid_days, role="operator")
 
 
-def sign_descriptor(d: RunDescriptor, key: Any | None, signer: str = "", cert: dict[str, Any] | None = None) -> bytes:
-    """The retained message for ``d``: ``{"descriptor", "signer", "public_key", "cert", "sig"}``
-    as JSON bytes; unsigned (``sig`` null) when ``key`` is None."""
-    from dfl_agent.security.keys import public_key_b64
+def run_kind(run_id: str) -> str:
+    """The control-envelope ``kind`` of run ``run_id``'s descriptor: ``"run:{run_id}"``.
 
-    body = {"descriptor": d.to_dict(), "signer": signer, "cert": cert,
-            "public_key": public_key_b64(key) if key is not None else None}
-    sig = SIG_PREFIX + base64.b64encode(key.sign(_canonical(body))).decode() if key is not None else None
-    return json.dumps({**body, "sig": sig}).encode()
+    Sequence numbers are per (sender, kind) (:class:`~dfl_agent.security.trust.SecurityGuard`),
+    so each run has its own: the retained descriptors of several runs may reach a device in
+    any order, and only a newer copy of the *same* run (a cancel) must carry a higher one."""
+    return f"run:{run_id}"
+
+
+def sign_descriptor(d: RunDescriptor, key: Any | None, signer: str = "", cert: dict[str, Any] | None = None,
+                    seq: Any = None) -> bytes:
+    """The retained message for ``d``: a signed control envelope of kind :func:`run_kind`
+    (:meth:`~dfl_agent.security.trust.SecurityGuard.sign_control`, the same envelope as
+    presence and status) whose payload is the descriptor, sent by ``signer`` with its
+    ``cert``; unsigned (``sig`` null) when ``key`` is None.
+
+    Args:
+        seq: a :class:`~dfl_agent.security.trust.SeqCounter` (persist it, e.g. in the
+            operator's folder); None counts from the clock in milliseconds, which also
+            grows from one ``dflctl`` call to the next.
+    """
+    from dfl_agent.security.trust import SecurityGuard, SeqCounter, TrustStore
+
+    guard = SecurityGuard(signer or "anonymous", key, TrustStore(d.federation), certificate=cert,
+                          seq=seq if seq is not None else SeqCounter(None))
+    return guard.sign_control(run_kind(d.run_id), d.to_dict(), d.federation)
+
+
+def open_run_message(payload: bytes | str | Mapping[str, Any]) -> dict[str, Any] | None:
+    """An unverified view of a run message for display (``dflctl run list/show``):
+    ``{"descriptor": dict, "signer": str, "sig": str | None, "seq": int}``, or None when it
+    is not a run message.  Verification is :meth:`RunVerifier.check`'s job."""
+    try:
+        msg = json.loads(payload) if isinstance(payload, (bytes, str)) else dict(payload)
+    except (ValueError, UnicodeDecodeError, TypeError):
+        return None
+    if not isinstance(msg, dict):
+        return None
+    if "ctl" in msg:  # the control envelope
+        body, kind = msg.get("payload"), msg.get("kind")
+        if not (isinstance(body, dict) and isinstance(kind, str) and kind.startswith("run:")):
+            return None
+        return {"descriptor": body, "signer": msg.get("sender"), "sig": msg.get("sig"), "seq": msg.get("seq")}
+    if isinstance(msg.get("descriptor"), dict):  # already opened
+        return msg
+    return None
+
+
+#: control-envelope rejection reasons -> run refusal reasons (:data:`REFUSE_REASONS`)
+_REFUSAL = {"unknown_sender": "unknown_key", "wrong_kind": "malformed", "wrong_sender": "malformed"}
 
 
 class RunVerifier:
-    """Decides whether a run descriptor message may be used.
+    """Decides whether a run descriptor message may be used: the control envelope is
+    checked by a :class:`~dfl_agent.security.trust.SecurityGuard` (signature, the
+    sender's key pinned or certified by the federation key, per-(sender, run) sequence
+    number), then the operator rule.
 
     Args:
         federation: this node's federation.
         require_signatures: refuse unsigned or non-operator descriptors.
         federation_key: base64 federation public key (verifies operator certificates).
         operators: ``{name: base64 public key}`` of pinned operator keys.
+        guard: the node's own SecurityGuard (its trust store: pinned keys, operators,
+            federation key); None builds one from the arguments above.
     """
 
     def __init__(self, federation: str, *, require_signatures: bool, federation_key: str | None = None,
-                 operators: Mapping[str, str] | None = None):
+                 operators: Mapping[str, str] | None = None, guard: Any = None):
+        from dfl_agent.security.trust import SecurityGuard, TrustStore
+
         self.federation = federation
         self.require_signatures = require_signatures
-        self.federation_key = federation_key
-        self.operators = dict(operators or {})
+        if guard is None:
+            guard = SecurityGuard("", None, TrustStore(federation, operators=dict(operators or {}),
+                                                       federation_key=federation_key),
+                                  require_signatures=require_signatures)
+        self.guard = guard
         self.refused: dict[str, int] = {}
-
-    def _operator_key(self, msg: Mapping[str, Any]) -> Any:
-        """The signer's public key when it is an operator; ``"device"`` for a valid
-        certificate of another role; None when unknown or invalid."""
-        from dfl_agent.security.keys import SecurityError, certificate_role, parse_public_key, verify_certificate
-
-        signer, cert, pub = msg.get("signer"), msg.get("cert"), msg.get("public_key")
-        if isinstance(signer, str) and signer in self.operators and self.operators[signer] == pub:
-            return parse_public_key(self.operators[signer])
-        if not isinstance(cert, dict) or not self.federation_key:
-            return None
-        try:
-            _, cert_pub = verify_certificate(cert, parse_public_key(self.federation_key), self.federation)
-        except SecurityError:
-            return None
-        if cert_pub != pub:
-            return None
-        return parse_public_key(pub) if certificate_role(cert) == "operator" else "device"
 
     def check(self, payload: bytes) -> tuple[RunDescriptor | None, str | None]:
         """``(descriptor, None)`` when usable, else ``(None, reason)`` with the reason one
-        of :data:`REFUSE_REASONS` (counted in :attr:`refused`)."""
+        of :data:`REFUSE_REASONS` (counted in :attr:`refused`), or ``"duplicate"`` for the
+        very message accepted last, delivered again (not counted)."""
         d, why = self._check(payload)
-        if why is not None:
+        if why is not None and why != "duplicate":
             self.refused[why] = self.refused.get(why, 0) + 1
         return d, why
 
     def _check(self, payload: bytes) -> tuple[RunDescriptor | None, str | None]:
+        from dfl_agent.security.trust import ControlRejected
+
         try:
-            msg = json.loads(payload)
-            if not isinstance(msg, dict):
-                raise ValueError("not an object")
-            d = RunDescriptor.from_dict(msg.get("descriptor"))
+            env = json.loads(payload)
+            kind = env.get("kind") if isinstance(env, dict) else None
+            if not (isinstance(kind, str) and kind.startswith("run:")):
+                raise ValueError("not a run envelope")
         except (ValueError, TypeError, UnicodeDecodeError):
+            return None, "malformed"
+        try:
+            sender, role, body = self.guard.verify_control(payload, kind)
+        except ControlRejected as exc:
+            return None, _REFUSAL.get(exc.reason, exc.reason if exc.reason in REFUSE_REASONS + ("duplicate",)
+                                      else "malformed")
+        try:
+            d = RunDescriptor.from_dict(body)
+        except (ValueError, TypeError):
             return None, "malformed"
         if d.federation != self.federation:
             return None, "wrong_federation"
-        sig = msg.get("sig")
-        if sig is None:
-            return (None, "unsigned") if self.require_signatures else (d, None)
-        if not self.require_signatures:
-            return d, None  # lab use: anyone on the broker may submit
-        key = self._operator_key(msg)
-        if key is None:
-            return None, "unknown_key"
-        if key == "device":
-            return None, "not_operator"
-        try:
-            if not isinstance(sig, str) or not sig.startswith(SIG_PREFIX):
-                raise ValueError
-            key.verify(base64.b64decode(sig[len(SIG_PREFIX):], validate=True),
-                       _canonical({k: v for k, v in msg.items() if k != "sig"}))
-        except Exception:
-            return None, "bad_signature"
+        if run_kind(d.run_id) != kind:
+            return None, "malformed"
+        if self.require_signatures:
+            if role != "operator":
+                return None, "not_operator"
+            d.submitter = sender  # the verified operator, whatever the descriptor says
         return d, None
 
 
@@ -503,14 +569,19 @@ class RunHooks:
                 log.exception("on_run_finished hook %r failed", fn)
 
 
-def default_descriptor(cfg: Any, now: float | None = None) -> RunDescriptor | None:
-    """The node's default run from its ``[algorithm]`` section (None when it has none).
+def default_descriptor(cfg: Any, now: float | None = None, ledger: RunLedger | None = None,
+                       new_samples: Callable[[int], int] | None = None) -> RunDescriptor | None:
+    """The node's default run from its ``[algorithm]`` section (None when it has none, or
+    when a run recurring on new samples is not due).
 
     Its id is :func:`default_run_id`; with ``algorithm.every`` the current period's
-    :func:`recurring_run_id`."""
+    :func:`recurring_run_id`; with ``algorithm.every_samples`` the due
+    :func:`next_sample_triggered` repeat (needs ``ledger`` and ``new_samples``, the
+    store's :meth:`~dfl_agent.store.sqlite.SampleStore.count_since`)."""
     a = getattr(cfg, "algorithm", None)
     if a is None:
         return None
+    every_samples = getattr(a, "every_samples", None)
     settings = {"algorithm": a.name, "options": dict(a.options), "rounds": a.rounds,
                 "model": {k: v for k, v in dataclasses.asdict(cfg.model).items() if v is not None},
                 "training": {k: v for k, v in dataclasses.asdict(cfg.training).items() if v is not None},
@@ -519,18 +590,13 @@ def default_descriptor(cfg: Any, now: float | None = None) -> RunDescriptor | No
     every = getattr(a, "every", None)
     if every:
         rid = recurring_run_id(rid, period_index(time.time() if now is None else now, parse_duration(every)))
+    elif every_samples and ledger is not None and new_samples is not None:
+        due = next_sample_triggered(ledger, rid, int(every_samples), new_samples)
+        if due is None:
+            return None
+        rid = due
     return RunDescriptor(run_id=rid, federation=cfg.federation, algorithm=a.name, rounds=a.rounds,
                          name="default", options=dict(a.options), default=True)
-
-
-def descriptors_of(payloads: Iterable[bytes], verifier: RunVerifier) -> list[RunDescriptor]:
-    """The usable descriptors among retained messages (refusals counted)."""
-    out = []
-    for p in payloads:
-        d, _ = verifier.check(p)
-        if d is not None:
-            out.append(d)
-    return out
 
 
 class RunLobby:
@@ -562,6 +628,9 @@ class RunLobby:
         self.guard: Any = None
         #: statuses dropped by reason (``status_{reason}``)
         self.dropped: dict[str, int] = {}
+        #: called with the run id, on the MQTT thread, as soon as a cancelled copy of a
+        #: run arrives (the agent stops that run's training at once)
+        self.on_cancel: Callable[[str], None] | None = None
 
     def start(self) -> None:
         """Connect (non-blocking; paho reconnects on its own)."""
@@ -613,17 +682,25 @@ class RunLobby:
                 return
             d, why = self.verifier.check(msg.payload)
             if why is not None:
-                log.warning("refused run descriptor on %s: %s", msg.topic, why)
+                if why != "duplicate":
+                    log.warning("refused run descriptor on %s: %s", msg.topic, why)
                 return
             assert d is not None
             if d.run_id != parts[3]:
                 self.verifier.refused["malformed"] = self.verifier.refused.get("malformed", 0) + 1
                 return
             with self.lock:
-                if self.queue.offer(d):
+                fresh = self.queue.offer(d)
+                if fresh:
                     log.info("run %s (%s, %d rounds, submitted by %s)%s", d.run_id, d.algorithm, d.rounds,
                              d.submitter or "?", " cancelled" if d.cancelled else "")
                     self.changed.set()
+            hook = self.on_cancel
+            if fresh and d.cancelled and hook is not None:
+                try:
+                    hook(d.run_id)
+                except Exception:
+                    log.exception("cancel hook failed")
         elif len(parts) == 5 and parts[4] == "status":
             st = self._open_status(parts[3], msg.payload)
             if st is False:

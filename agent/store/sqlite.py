@@ -452,6 +452,12 @@ class SampleStore:
         """Samples in the store."""
         return int(self.db.execute("SELECT COUNT(*) FROM samples").fetchone()[0])
 
+    def count_since(self, last_id: int) -> int:
+        """Samples that arrived after the sample ``last_id`` (ids grow and are never reused,
+        so these are the samples a snapshot ending at ``last_id`` did not have)."""
+        with self._lock:
+            return int(self.db.execute("SELECT COUNT(*) FROM samples WHERE id > ?", (int(last_id),)).fetchone()[0])
+
     def snapshot(self) -> np.ndarray:
         """The ids of every sample now in the store, int64 ascending (a run's data)."""
         with self._lock:

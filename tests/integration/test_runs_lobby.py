@@ -31,7 +31,8 @@ pytestmark = pytest.mark.integration
 def _signed(fed, fed_key, **kw):
     op = Ed25519PrivateKey.generate()
     cert = operator_certificate(fed_key, fed, "alice", public_key_b64(op))
-    d = RunDescriptor(federation=fed, algorithm="fedavg", rounds=2, submitted_at=time.time(), seq=1, **kw)
+    d = RunDescriptor(federation=fed, algorithm="fedavg", rounds=2, submitted_at=time.time(), seq=1,
+                      submitter="alice", **kw)
     return d, sign_descriptor(d, op, "alice", cert)
 
 
@@ -85,3 +86,52 @@ def test_run_fails_when_min_members_do_not_accept_within_start_timeout(mosquitto
     obs.stop()
     assert st["state"] == "idle" and st["run"]["id"] == "r-min" and st["run"]["state"] == "failed"
     assert json.dumps(st)  # plain JSON
+
+
+def test_prometheus_endpoint_answers_while_idle(mosquitto_broker, federation, tmp_path):
+    """An always-on agent's /metrics answers between runs (not only while training): state
+    idle, and a refused (unsigned) run descriptor counted by reason."""
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    from dfl_agent.cli.broker import free_port
+    from dfl_agent.runtime.daemon import serve
+
+    fed_key = Ed25519PrivateKey.generate()
+    port = free_port()
+    cfg = config_from_dict({"federation": federation, "node_id": "idler", "state_dir": str(tmp_path),
+                            "mqtt": {"broker": mosquitto_broker.endpoint, "heartbeat_interval": 0.5},
+                            "runtime": {"prometheus_port": port},
+                            "security": {"require_signatures": True, "federation_key": public_key_b64(fed_key)}})
+    unsigned = RunDescriptor(run_id="r-unsigned", federation=federation, algorithm="fedavg", rounds=1,
+                             submitted_at=time.time(), seq=1)
+
+    def scrape() -> str:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                return r.read().decode()
+        except OSError:
+            return ""
+
+    async def main():
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(serve(cfg, None, stop))
+        try:
+            end = time.monotonic() + 30
+            while "dfl_node_info" not in (text := await asyncio.to_thread(scrape)) and time.monotonic() < end:
+                await asyncio.sleep(0.2)
+            first = text
+            await asyncio.to_thread(publish_retained, mosquitto_broker.endpoint, run_topic(federation, "r-unsigned"),
+                                    sign_descriptor(unsigned, None))
+            while 'dfl_runs_refused_total{reason="unsigned"} 1.0' not in text and time.monotonic() < end:
+                await asyncio.sleep(0.2)
+                text = await asyncio.to_thread(scrape)
+            return first, text
+        finally:
+            stop.set()
+            await task
+
+    first, text = asyncio.run(main())
+    assert 'state="idle"' in first and 'node="idler"' in first and "dfl_round 0.0" in first
+    assert 'dfl_runs_refused_total{reason="unsigned"} 1.0' in text
+    assert not RunLedger(tmp_path).entries  # nothing ran

@@ -94,26 +94,45 @@ def _verifier(fed_key, **kw):
 
 
 def test_only_an_operator_may_submit_when_signatures_are_required():
+    import dataclasses
+
+    from dfl_agent.security.trust import SeqCounter
+
     fed_key, op, dev, stranger = (Ed25519PrivateKey.generate() for _ in range(4))
     run = d("r-1", 1.0)
     op_cert = operator_certificate(fed_key, "f", "alice", public_key_b64(op))
     dev_cert = issue_certificate(fed_key, "f", "n-1", public_key_b64(dev))
     v = _verifier(fed_key)
-    assert v.check(sign_descriptor(run, op, "alice", op_cert))[0] == run
+    signed = sign_descriptor(run, op, "alice", op_cert)
+    env = json.loads(signed)  # the control envelope of presence/status, one kind per run
+    assert (env["ctl"], env["kind"], env["sender"], env["payload"]["run_id"]) == (1, "run:r-1", "alice", "r-1")
+    assert v.check(signed)[0] == dataclasses.replace(run, submitter="alice")  # the verified sender submitted it
     assert v.check(sign_descriptor(run, dev, "n-1", dev_cert)) == (None, "not_operator")
     assert v.check(sign_descriptor(run, stranger, "eve")) == (None, "unknown_key")
     assert v.check(sign_descriptor(run, None)) == (None, "unsigned")
     forged = json.loads(sign_descriptor(run, op, "alice", op_cert))
-    forged["descriptor"]["rounds"] = 99
+    forged["payload"]["rounds"] = 99
     assert v.check(json.dumps(forged).encode()) == (None, "bad_signature")
     # a self-made "operator" certificate not signed by the federation key
     fake = operator_certificate(Ed25519PrivateKey.generate(), "f", "eve", public_key_b64(stranger))
     assert v.check(sign_descriptor(run, stranger, "eve", fake)) == (None, "unknown_key")
     assert v.check(b"{nonsense") == (None, "malformed")
-    assert v.refused == {"not_operator": 1, "unknown_key": 2, "unsigned": 1, "bad_signature": 1, "malformed": 1}
+    other_fed = RunDescriptor("r-2", "g", "fedavg", 1)
+    assert v.check(sign_descriptor(other_fed, op, "alice", op_cert)) == (None, "wrong_federation")
+    # replay: per (sender, run) sequence numbers, as for presence and status
+    assert v.check(signed) == (None, "duplicate")  # the same retained message again: ignored, not counted
+    seq = SeqCounter(None)
+    older = sign_descriptor(run, op, "alice", op_cert, seq=seq)
+    cancel = sign_descriptor(dataclasses.replace(run, cancelled=True, seq=1), op, "alice", op_cert, seq=seq)
+    assert v.check(cancel)[0].cancelled
+    assert v.check(older) == (None, "replay")  # an older copy of the same run never un-cancels it
+    # ... while another run's descriptor with a lower number (retained, any arrival order) is fine
+    assert v.check(sign_descriptor(d("r-0", 0.5), op, "alice", op_cert, seq=SeqCounter(None)))[0].run_id == "r-0"
+    assert v.refused == {"not_operator": 1, "unknown_key": 2, "unsigned": 1, "bad_signature": 1, "malformed": 1,
+                         "wrong_federation": 1, "replay": 1}
     # pinned operator keys (security.operators) work without a certificate
     pinned = _verifier(fed_key, operators={"bob": public_key_b64(stranger)})
-    assert pinned.check(sign_descriptor(run, stranger, "bob"))[0] == run
+    assert pinned.check(sign_descriptor(run, stranger, "bob"))[0].submitter == "bob"
     # lab use: anyone may submit
     assert RunVerifier("f", require_signatures=False).check(sign_descriptor(run, None))[0] == run
 
@@ -162,7 +181,7 @@ def test_admit_counts_the_models_parameters_against_memory_budget_mb():
                                                                 "hidden": [4096, 4096], "num_classes": 6}})
     phi, source = run_model_params(huge, roomy)
     assert phi == 9 * 128 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 6 + 6 and source == "the run's model spec"
-    assert admit(huge, roomy, node_id="n") is None  # fedavg: 3 copies, ~316 MiB
+    assert admit(huge, roomy, node_id="n") is None  # fedavg: 7 copies (own 3 + 4 neighbours'), ~639 MiB
     mid = resolve_profile("generic-x86", {"compute": {"memory_budget_mb": 200}})[0]
     reason = admit(huge, mid, node_id="n")
     assert reason.startswith("model too large for memory_budget_mb") and str(phi) in reason and "200 MiB" in reason
@@ -201,3 +220,47 @@ def test_run_model_family_reaches_the_model_build():
         run_config_for(cfg, RunDescriptor("r", "default", "fedavg", 1, training={"lr": "fast"}))
     with pytest.raises(ConfigError, match="model.family"):
         config_from_dict({"model": {"family": "H1", "spec": {"type": "mlp"}}})
+
+
+def test_default_run_recurs_when_k_new_samples_arrived_and_never_overlaps(tmp_path):
+    import numpy as np
+
+    from dfl_agent.runtime.config import ConfigError
+    from dfl_agent.runtime.runs import next_sample_triggered, sample_run_id
+    from dfl_agent.store.runtime import open_store
+
+    cfg = config_from_dict({"state_dir": str(tmp_path), "algorithm": {"rounds": 2, "every_samples": 50},
+                            "data": {"dataset": "store", "input_shape": [3, 4], "num_classes": 2}})
+    store = open_store(cfg)
+
+    def drop(name: str, n: int) -> None:
+        rng = np.random.default_rng([ord(name[0]), n])
+        np.savez(tmp_path / name, x=rng.normal(size=(n, 3, 4)).astype(np.float32), y=rng.integers(0, 2, n))
+        assert store.ingest_file(tmp_path / name)["samples"] == n
+
+    drop("a.npz", 30)
+    ledger = RunLedger(tmp_path)
+    first = default_descriptor(cfg, ledger=ledger, new_samples=store.count_since)
+    assert first is not None and first.run_id.endswith(".s0") and first.default  # the first run: at once
+    base = first.run_id[:-3]
+    # while a repeat runs nothing else is due (never overlaps itself), even with many new samples
+    drop("b.npz", 80)
+    assert next_sample_triggered(ledger, base, 50, store.count_since, running=first.run_id) is None
+    # unfinished (a restart): the same repeat again
+    assert default_descriptor(cfg, ledger=ledger, new_samples=store.count_since).run_id == first.run_id
+    ledger.set(first.run_id, "finished", 2, extra={"snapshot_last_id": int(store.snapshot().max())})
+    assert default_descriptor(cfg, ledger=ledger, new_samples=store.count_since) is None  # 0 new samples
+    drop("c.npz", 49)
+    assert default_descriptor(cfg, ledger=ledger, new_samples=store.count_since) is None  # 49 < 50
+    drop("d.npz", 1)
+    second = default_descriptor(cfg, ledger=ledger, new_samples=store.count_since)
+    assert second.run_id == sample_run_id(base, 1) == base + ".s1"
+    # after a restart the ledger still knows the last snapshot: no rerun, no early repeat
+    ledger.set(second.run_id, "finished", 2, extra={"snapshot_last_id": int(store.snapshot().max())})
+    assert default_descriptor(cfg, ledger=RunLedger(tmp_path), new_samples=store.count_since) is None
+    assert store.count_since(0) == store.count() == 160
+    with pytest.raises(ConfigError, match="algorithm.every_samples"):
+        config_from_dict({"algorithm": {"every_samples": 10}})  # needs the sample store
+    with pytest.raises(ConfigError, match="algorithm.every_samples"):
+        config_from_dict({"algorithm": {"every_samples": 0},
+                          "data": {"dataset": "store", "input_shape": [3, 4], "num_classes": 2}})
