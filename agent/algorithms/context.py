@@ -26,7 +26,7 @@ class Message:
         kind: message type, e.g. ``"model"``; a short ``[a-z0-9_.-]`` string.
         round: the sender's round number the message belongs to (>= 0).
         tensors: named numpy arrays (C-contiguous; float16/32/64, int8/16/32/64,
-            uint8, bool). Travels as safetensors, never pickled.
+            uint8, bool). Travels as raw little-endian bytes described by the envelope, never pickled.
         meta: small JSON-serialisable dict (sample counts, architecture spec, ...).
         sender: node id of the sender; filled in by the transport on receipt.
         recipient: node id, or ``"*"`` for a broadcast.

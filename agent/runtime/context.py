@@ -209,13 +209,14 @@ class RuntimeContext:
             self.timing["receive_s"] += time.perf_counter() - t0
 
     def _on_frame_checked(self, frame: bytes, wire_bytes: int) -> None:
+        parsed: dict[str, Any] | None = None  # the parsed envelope, when decoding gave it
         try:
             decode_once = getattr(frame, "decode_once", None)  # a shared broadcast (memory transport)
             if decode_once is not None:
                 msg = decode_once(federation=self.federation, recipient=self.node_id,
                                   max_frame_bytes=self.max_frame_bytes)
             else:
-                msg = wire.decode(
+                msg, parsed = wire.decode_with_header(
                     frame, federation=self.federation, recipient=self.node_id, max_frame_bytes=self.max_frame_bytes
                 )
         except wire.WireError as exc:
@@ -232,10 +233,10 @@ class RuntimeContext:
         if msg.sender in self.excluded and msg.kind != "onnx.model":
             self._drop("incompatible_peer", self.excluded[msg.sender], msg.sender)
             return
-        header = None
+        header: dict[str, Any] | None = None
         if self.security is not None:  # -- security: signature, trust and replay checks
             try:
-                header = wire.raw_header(frame)
+                header = parsed if parsed is not None else wire.raw_header(frame)
                 # the round is remembered (replay rule) only once every check passed, below
                 reason = self.security.check(header, remember_round=False)
             except Exception as exc:  # never let bad input kill the node

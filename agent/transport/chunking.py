@@ -7,12 +7,17 @@ every incoming payload through a :class:`Reassembler`.
 
 Chunk layout (all integers big-endian)::
 
-    b"DFC" | version:u8 (=1) | transfer_id:16 bytes | index:u32 | count:u32
-           | total_len:u64 | sha256(whole frame):32 bytes | data
+    b"DFC" | version:u8 (=2) | transfer_id:16 bytes | index:u32 | count:u32
+           | total_len:u64 | data
 
-The header is :data:`HEADER_LEN` (68) bytes.  ``index`` runs from 0 to ``count-1``,
+The header is :data:`HEADER_LEN` (36) bytes.  ``index`` runs from 0 to ``count-1``,
 every chunk carries at least one byte of data, the data of all chunks concatenated
-in index order is the frame (``total_len`` bytes) whose SHA-256 is in every header.
+in index order is the frame (``total_len`` bytes).  Chunks carry no hash of their
+own: the frame's integrity is the wire envelope's ``payload_sha256`` (see
+:mod:`dfl_agent.transport.wire`), checked once when the frame is decoded, so an
+altered chunk is dropped there (``hash_mismatch``) and never reaches a model.
+Chunks of the older version 1 (with a SHA-256 of the frame in every header) are
+rejected as ``bad_chunk``.
 
 A frame that fits into one message is sent as it is (a plain frame, e.g. a wire
 frame starting with ``b"DFL"``) - except a frame that itself starts with the chunk
@@ -26,8 +31,6 @@ Errors are :class:`ChunkError` with a short ``reason`` used as a counter key:
     disagrees with earlier chunks of the same transfer, more data than declared.
 ``oversized``
     a declared total above ``max_frame_bytes`` (checked before anything is stored).
-``hash_mismatch``
-    all chunks arrived but the SHA-256 of the reassembled frame differs.
 ``too_many_transfers``
     a new transfer while ``max_transfers`` are pending, or a chunk that would make
     the pending data exceed ``max_bytes``.
@@ -36,7 +39,6 @@ Errors are :class:`ChunkError` with a short ``reason`` used as a counter key:
 from __future__ import annotations
 
 import collections
-import hashlib
 import os
 import struct
 import time
@@ -47,13 +49,13 @@ from typing import Any
 #: First bytes of every chunk.
 CHUNK_MAGIC = b"DFC"
 #: Chunk format version.
-CHUNK_VERSION = 1
-_HEADER = struct.Struct(">3sB16sIIQ32s")
+CHUNK_VERSION = 2
+_HEADER = struct.Struct(">3sB16sIIQ")
 #: Bytes of chunk header before the data.
-HEADER_LEN = _HEADER.size  # 68
+HEADER_LEN = _HEADER.size  # 36
 _MAX_U32 = 0xFFFFFFFF
 
-CHUNK_ERROR_REASONS = ("bad_chunk", "oversized", "hash_mismatch", "too_many_transfers")
+CHUNK_ERROR_REASONS = ("bad_chunk", "oversized", "too_many_transfers")
 
 
 class ChunkError(ValueError):
@@ -82,7 +84,8 @@ def split(frame: bytes, chunk_size: int, *, transfer_id: bytes | None = None) ->
         ``[frame]`` unchanged when ``len(frame) <= chunk_size`` (and the frame does not
         start with :data:`CHUNK_MAGIC`), else the chunks in index order, each of
         ``len <= chunk_size``; chunk ``i`` carries ``frame[i*d:(i+1)*d]`` with
-        ``d = chunk_size - HEADER_LEN``.
+        ``d = chunk_size - HEADER_LEN``.  The frame's bytes are copied once, into
+        the chunks; the frame itself is not hashed.
 
     Raises:
         ValueError: ``chunk_size <= HEADER_LEN + 1``, a bad ``transfer_id``, or a frame
@@ -90,9 +93,8 @@ def split(frame: bytes, chunk_size: int, *, transfer_id: bytes | None = None) ->
     """
     if not isinstance(chunk_size, int) or chunk_size <= HEADER_LEN + 1:
         raise ValueError(f"chunk_size must be an int > {HEADER_LEN + 1}, got {chunk_size!r}")
-    frame = bytes(frame)
     if len(frame) <= chunk_size and not is_chunk(frame):
-        return [frame]
+        return [bytes(frame)]
     if transfer_id is None:
         transfer_id = os.urandom(16)
     if len(transfer_id) != 16:
@@ -102,12 +104,11 @@ def split(frame: bytes, chunk_size: int, *, transfer_id: bytes | None = None) ->
     count = max(1, -(-total // data_size))
     if count > _MAX_U32:
         raise ValueError(f"frame of {total} bytes needs too many chunks of {chunk_size} bytes")
-    digest = hashlib.sha256(frame).digest()
-    view = memoryview(frame)
+    view = memoryview(frame).cast("B") if isinstance(frame, memoryview) else memoryview(frame)
     chunks = []
     for index in range(count):
-        header = _HEADER.pack(CHUNK_MAGIC, CHUNK_VERSION, transfer_id, index, count, total, digest)
-        chunks.append(header + view[index * data_size:(index + 1) * data_size])
+        header = _HEADER.pack(CHUNK_MAGIC, CHUNK_VERSION, transfer_id, index, count, total)
+        chunks.append(b"".join((header, view[index * data_size:(index + 1) * data_size])))
     return chunks
 
 
@@ -115,8 +116,7 @@ def split(frame: bytes, chunk_size: int, *, transfer_id: bytes | None = None) ->
 class _Transfer:
     count: int
     total: int
-    digest: bytes
-    parts: dict[int, bytes] = field(default_factory=dict)
+    parts: dict[int, memoryview] = field(default_factory=dict)
     held: int = 0  # data bytes stored
     wire_bytes: int = 0  # message bytes of the distinct chunks received
     last_seen: float = 0.0
@@ -153,8 +153,10 @@ class Reassembler:
         max_frame_bytes: largest declared frame size accepted.
         clock: monotonic time source in seconds (injectable for tests).
 
-    Memory: chunks are stored as they arrive (nothing is preallocated from a
-    declared size), at most ``max_bytes`` in all; a completed frame is joined once.
+    Memory: chunks are stored as they arrive, without copying (views into the
+    received messages; nothing is preallocated from a declared size), at most
+    ``max_bytes`` of data in all; a completed frame is joined once, into a fresh
+    ``bytearray`` that :func:`dfl_agent.transport.wire.decode` decodes in place.
     Not thread-safe: use one per thread or guard it with a lock.
     """
 
@@ -209,7 +211,7 @@ class Reassembler:
         """Data bytes held by incomplete transfers."""
         return self._held
 
-    def feed(self, data: bytes) -> bytes | None:
+    def feed(self, data: bytes) -> bytes | bytearray | None:
         """Take one received message; return a complete frame or ``None``.
 
         A message that does not start with :data:`CHUNK_MAGIC` is a plain frame and
@@ -222,20 +224,26 @@ class Reassembler:
         result = self.feed_with_size(data)
         return None if result is None else result[0]
 
-    def feed_with_size(self, data: bytes) -> tuple[bytes, int] | None:
+    def feed_with_size(self, data: bytes) -> tuple[bytes | bytearray, int] | None:
         """Like :meth:`feed`, but returns ``(frame, wire_bytes)`` where ``wire_bytes`` is
-        the total size of the distinct messages (headers included) the frame came in."""
-        data = bytes(data)
+        the total size of the distinct messages (headers included) the frame came in.
+        A plain frame is returned as it was given (``bytes``); a reassembled one is a
+        ``bytearray`` that nothing else holds."""
+        if not isinstance(data, bytes):
+            data = bytes(data)
         if not is_chunk(data):
             return data, len(data)
         if len(data) < HEADER_LEN + 1:
             raise ChunkError("bad_chunk", f"chunk of {len(data)} bytes is shorter than its header + 1")
-        _, version, tid, index, count, total, digest = _HEADER.unpack_from(data)
+        version = data[3]
+        if version != CHUNK_VERSION:
+            raise ChunkError("bad_chunk", f"unknown chunk version {version}")
+        _, version, tid, index, count, total = _HEADER.unpack_from(data)
         if version != CHUNK_VERSION:
             raise ChunkError("bad_chunk", f"unknown chunk version {version}")
         if total > self.max_frame_bytes:
             raise ChunkError("oversized", f"declared frame of {total} bytes > {self.max_frame_bytes}")
-        payload = data[HEADER_LEN:]
+        payload = memoryview(data)[HEADER_LEN:]
         if count < 1 or index >= count or total < count or len(payload) > total:
             raise ChunkError("bad_chunk", f"impossible chunk index={index} count={count} total={total}")
         now = self._clock()
@@ -245,11 +253,11 @@ class Reassembler:
         if transfer is None:
             if len(self._transfers) >= self.max_transfers:
                 raise ChunkError("too_many_transfers", f"{len(self._transfers)} transfers pending")
-            transfer = _Transfer(count=count, total=total, digest=digest, last_seen=now)
+            transfer = _Transfer(count=count, total=total, last_seen=now)
             new = True
         else:
             new = False
-            if (transfer.count, transfer.total, transfer.digest) != (count, total, digest):
+            if (transfer.count, transfer.total) != (count, total):
                 raise ChunkError("bad_chunk", "header disagrees with earlier chunks of the transfer")
             if index in transfer.parts:
                 return None  # duplicate
@@ -271,10 +279,8 @@ class Reassembler:
         self._held -= transfer.held
         if transfer.held != transfer.total:
             raise ChunkError("bad_chunk", f"chunks carry {transfer.held} bytes, declared {transfer.total}")
-        frame = b"".join(transfer.parts[i] for i in range(transfer.count))
+        frame = bytearray().join(transfer.parts[i] for i in range(transfer.count))
         transfer.parts.clear()
-        if hashlib.sha256(frame).digest() != transfer.digest:
-            raise ChunkError("hash_mismatch", "sha256 of the reassembled frame differs")
         self._completed[tid] = now
         while len(self._completed) > self.RECENT_COMPLETED:
             self._completed.popitem(last=False)

@@ -72,7 +72,7 @@ with ``require_signatures`` an unsigned "offline" is only a hint (counted as
 ``stop()`` publishes a signed "offline", which is obeyed at once.
 
 Drop counters (``stats.dropped``): the :class:`~dfl_agent.transport.chunking.ChunkError`
-reasons (``bad_chunk``, ``oversized``, ``hash_mismatch``, ``too_many_transfers``),
+reasons (``bad_chunk``, ``oversized``, ``too_many_transfers``),
 ``incomplete_transfer`` (expired), ``bad_presence``, ``bad_status``,
 ``not_connected`` (QoS 0 publish while disconnected, or after ``stop()``),
 ``queue_full`` (more than ``max_pending_bytes`` waiting to be written),

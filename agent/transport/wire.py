@@ -1,50 +1,66 @@
-"""Wire format v1: a versioned JSON envelope followed by tensors in safetensors.
+"""Wire format v3: a versioned JSON envelope followed by the tensors' raw bytes.
 
 Frame layout (all integers big-endian)::
 
-    b"DFL" | version:u8 (=1, | 0x80) | header_len:u32 | header (UTF-8 JSON) | payload
+    b"DFL" | version:u8 (=3, | 0x80) | header_len:u32 | header (UTF-8 JSON) | payload
 
 When the version byte carries :data:`HEADER_ZSTD` (0x80), the header is a zstd frame
-of that JSON (the sender compresses it whenever that is shorter: ~40 % of a model
-message's envelope, issue 8); a receiver inflates it to at most
-:data:`MAX_HEADER_BYTES` before parsing.  The signature covers the parsed header
-(see below), so it does not depend on the header's byte form.
+of that JSON.  The sender compresses it only where it pays: when the JSON is at least
+:data:`HEADER_ZSTD_MIN_SHARE` of the frame (small and compressed updates, control
+messages) and the compressed form is shorter; a receiver inflates it to at most
+:data:`MAX_HEADER_BYTES` before parsing.  A plain JSON header is padded with trailing
+spaces so that the payload starts at a multiple of 8 bytes into the frame.  The
+signature covers the parsed header (see below), so it does not depend on the header's
+byte form.
 
 The header is the *envelope*::
 
-    {"v": 1, "fed": str, "sender": str, "recipient": str ("*" = broadcast),
+    {"v": 3, "fed": str, "sender": str, "recipient": str ("*" = broadcast),
      "kind": str, "round": int, "msg_id": hex str, "time": float (unix s),
      "payload_sha256": hex str, "payload_len": int,
-     "encoding": {"format": "safetensors" | "none",
+     "encoding": {"format": "raw" | "none",
                   "tensors": {name: {"dtype": "float32", "shape": [..]}},
                   "codec": {...}},   # optional: compressed tensors, see codec.py
      "meta": {...}, "sig": null}
 
-The payload is a safetensors blob holding exactly the tensors the encoding names.
-A receiver needs nothing but the envelope to decode.  Nothing received is ever
-unpickled.  Every check failure raises :class:`WireError` with a short
-``reason`` used as a counter key (``malformed``, ``oversized``, ``version``,
-``wrong_federation``, ``wrong_recipient``, ``hash_mismatch``, ``bad_tensor``,
-``non_finite``, ``bad_encoding``).
+Payload (``format = "raw"``): the tensors' bytes (C order, little-endian) in the
+order of their sorted names, each starting at the next multiple of 8 bytes
+(zero bytes in between); its length is therefore fixed by the table, and a payload
+of any other length is rejected.  A receiver decodes the tensors as numpy views into
+the received buffer (one copy at most: when the buffer is immutable or unaligned),
+so nothing but the envelope is needed to decode, and nothing received is ever
+unpickled.
 
-Compression (issue 8): a compressed message has ``encoding = {"format": "codec",
+``payload_sha256`` is the only hash of the payload on the whole path: computed once by
+the sender (over the tensors' buffers, before the frame is joined) and once by the
+receiver; the chunk layer (:mod:`dfl_agent.transport.chunking`) carries none, so a
+chunk that was altered or mixed into a transfer is caught here as ``hash_mismatch``.
+
+Every check failure raises :class:`WireError` with a short ``reason`` used as a
+counter key (``malformed``, ``oversized``, ``version``, ``wrong_federation``,
+``wrong_recipient``, ``hash_mismatch``, ``bad_tensor``, ``non_finite``,
+``bad_encoding``).  A frame of another wire version (e.g. v1 of older agents) is
+rejected as ``version``.
+
+Compression: a compressed message has ``encoding = {"format": "codec",
 "codec": {...}}`` (no ``tensors`` table) and its payload is the codec blob of
-:mod:`dfl_agent.transport.codec` as is, without a safetensors header; in the codec table
-an entry that only holds a shape (``{"s": [..]}``) travels as the shape list.
-:func:`decode` returns the tensors rebuilt from that description alone.
+:mod:`dfl_agent.transport.codec` as is; in the codec table an entry that only holds a
+shape (``{"s": [..]}``) travels as the shape list.  :func:`decode` returns the
+tensors rebuilt from that description alone.
 
-Compact envelope (issue 8): fields the receiver can infer are left out -
-``payload_len``/``payload_sha256`` when the payload is empty (absent = 0 bytes),
-``encoding`` when there are no tensors (absent = ``{"format": "none"}``), ``sig``
-when the sender does not sign (absent = ``null``).  Frames that carry them are
-still accepted.
+Compact envelope: fields the receiver can infer are left out - ``payload_len``/
+``payload_sha256`` when the payload is empty (absent = 0 bytes), ``encoding`` when
+there are no tensors (absent = ``{"format": "none"}``), ``sig`` when the sender does
+not sign (absent = ``null``).  Frames that carry them are still accepted.
 
 The ``sig`` field holds ``"ed25519:" + base64`` of the sender's Ed25519 signature
 over the canonical JSON (sorted keys, no spaces) of the header without ``sig`` -
-which includes ``payload_sha256``, so the payload is covered too - or ``null`` when
-the sender does not sign.  A signed header may carry ``cert``, the sender's device
-certificate (see :mod:`dfl_agent.security`).  Verification is the receiver's
-:class:`dfl_agent.security.SecurityGuard`'s job (:func:`raw_header` gives it the header).
+which includes ``payload_sha256``, so the signature covers the payload through that
+single digest - or ``null`` when the sender does not sign.  A signed header may carry
+``cert``, the sender's device certificate (see :mod:`dfl_agent.security`).
+Verification is the receiver's :class:`dfl_agent.security.SecurityGuard`'s job:
+:func:`decode_with_header` returns the parsed header with the message, so it is
+parsed once.
 """
 
 from __future__ import annotations
@@ -61,16 +77,14 @@ from typing import Any
 
 import numpy as np
 import zstandard
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
 from dfl_agent.algorithms.context import BROADCAST, Message
 from dfl_agent.learning.compression import CompressionError, zstd_inflate
 from dfl_agent.transport import codec as _codec
 
-#: the frame format's version byte (unchanged by protocol revisions that did not touch it;
-#: :data:`dfl_agent.WIRE_VERSION` is the protocol as a whole, announced in presence and mDNS)
-WIRE_VERSION = 1
+#: the frame format's version byte and the envelope's ``"v"``: the protocol version as a whole
+#: (:data:`dfl_agent.WIRE_VERSION`, announced in presence and mDNS)
+WIRE_VERSION = 3
 MAGIC = b"DFL"
 _PREFIX = struct.Struct(">3sBI")
 PREFIX_LEN = _PREFIX.size
@@ -78,16 +92,24 @@ MAX_HEADER_BYTES = 256 * 1024
 #: flag in the version byte: the header is zstd-compressed JSON
 HEADER_ZSTD = 0x80
 _HEADER_ZSTD_LEVEL = 3
-#: compress headers when shorter (receivers accept both forms); ``False`` sends plain
+#: compress headers where it pays (receivers accept both forms); ``False`` sends plain
 #: JSON, e.g. to read envelopes with ``mosquitto_sub`` or to compare byte counts with
 #: runs made before header compression
 COMPRESS_HEADERS = True
+#: the header is compressed only when its JSON is at least this share of the frame:
+#: below, the saving is under ~1 % of the bytes and not worth the CPU time
+HEADER_ZSTD_MIN_SHARE = 0.02
+#: payload alignment of every tensor (and of the payload in a frame with a plain header)
+ALIGN = 8
 MAX_TENSORS = 4096
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 ALLOWED_DTYPES = {
     "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool",
 }
+#: numpy dtype -> its wire name (str(dtype) is slow), and back
+_DTYPE_NAME = {np.dtype(n): n for n in ALLOWED_DTYPES}
+_DTYPE_OF = {n: np.dtype(n) for n in ALLOWED_DTYPES}
 _ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _KIND_RE = re.compile(r"^[a-z0-9_.\-]{1,32}$")
 
@@ -126,7 +148,7 @@ def valid_id(value: str) -> bool:
 
 
 def _tensor_description(tensors: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
-    return {name: {"dtype": str(a.dtype), "shape": list(a.shape)} for name, a in tensors.items()}
+    return {name: {"dtype": _DTYPE_NAME[a.dtype], "shape": list(a.shape)} for name, a in tensors.items()}
 
 
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
@@ -155,9 +177,27 @@ def _expand_codec(desc: dict[str, Any]) -> dict[str, Any]:
     return {**desc, "t": {n: ({"s": e} if isinstance(e, list) else e) for n, e in table.items()}}
 
 
+def _layout(names_shapes: list[tuple[str, int]]) -> tuple[list[int], int]:
+    """Offsets of tensors of the given byte sizes (in that order) in a ``raw``
+    payload, each at the next multiple of :data:`ALIGN`, and the payload's length."""
+    offsets, off = [], 0
+    for _, nbytes in names_shapes:
+        off = -(-off // ALIGN) * ALIGN
+        offsets.append(off)
+        off += nbytes
+    return offsets, off
+
+
+def _bytes_of(a: np.ndarray) -> np.ndarray:
+    """The bytes of a C-contiguous array as a flat uint8 view (no copy)."""
+    return a.reshape(-1).view(np.uint8)
+
+
 def encode(message: Message, *, federation: str, sender: str,
            sign: Callable[[bytes], str] | None = None, cert: dict[str, Any] | None = None) -> bytes:
-    """Serialise ``message`` into one v1 frame.
+    """Serialise ``message`` into one v3 frame.
+
+    The tensors' bytes are hashed in place and copied once, into the frame.
 
     ``sign`` (e.g. :meth:`dfl_agent.security.SecurityGuard.sign`) maps the canonical header
     bytes to the ``sig`` string; ``cert`` (a device certificate) is put into the signed
@@ -166,8 +206,9 @@ def encode(message: Message, *, federation: str, sender: str,
     Sets ``message.msg_id`` (if empty), ``message.time``, ``message.sender``.
 
     Raises:
-        ValueError: a tensor has a dtype outside :data:`ALLOWED_DTYPES`, the kind or
-            an id is invalid, or ``meta`` is not JSON-serialisable.
+        ValueError: a tensor has a dtype outside :data:`ALLOWED_DTYPES` (or is not
+            little-endian), the kind or an id is invalid, or ``meta`` is not
+            JSON-serialisable.
     """
     if not _KIND_RE.match(message.kind):
         raise ValueError(f"invalid message kind {message.kind!r}")
@@ -178,20 +219,28 @@ def encode(message: Message, *, federation: str, sender: str,
     tensors: dict[str, np.ndarray] = {}
     for name, arr in message.tensors.items():
         a = np.asarray(arr)
-        if str(a.dtype) not in ALLOWED_DTYPES:
+        if a.dtype not in _DTYPE_NAME:  # also refuses big-endian dtypes
             raise ValueError(f"tensor {name!r}: dtype {a.dtype} not allowed on the wire")
-        # safetensors 0.8 silently writes wrong values for non-contiguous arrays.
         tensors[name] = np.ascontiguousarray(a)
-    # -- compression (issue 8): a compressed message's blob is the payload as is --
+    # -- compression: a compressed message's blob is the payload as is --
     raw_codec = message.encoding is not None and _is_codec_blob(tensors)
-    if raw_codec:
-        payload = tensors[_codec.BLOB].tobytes()
-    else:
-        payload = st_save(tensors) if tensors else b""
+    names = [_codec.BLOB] if raw_codec else sorted(tensors)
+    offsets, plen = _layout([(n, tensors[n].nbytes) for n in names])
+    # the payload's pieces: zero padding and each tensor's bytes (views, not copies)
+    pieces: list[Any] = []
+    pos = 0
+    for name, off in zip(names, offsets, strict=True):
+        if off > pos:
+            pieces.append(bytes(off - pos))
+        pieces.append(_bytes_of(tensors[name]))
+        pos = off + tensors[name].nbytes
+    digest = hashlib.sha256()
+    for piece in pieces:
+        digest.update(piece)
     message.msg_id = message.msg_id or uuid.uuid4().hex
     message.time = time.time()
     message.sender = sender
-    header = {
+    header: dict[str, Any] = {
         "v": WIRE_VERSION,
         "fed": federation,
         "sender": sender,
@@ -200,25 +249,23 @@ def encode(message: Message, *, federation: str, sender: str,
         "round": int(message.round),
         "msg_id": message.msg_id,
         "time": message.time,
-        "payload_sha256": hashlib.sha256(payload).hexdigest(),
-        "payload_len": len(payload),
+        "payload_sha256": digest.hexdigest(),
+        "payload_len": plen,
         "encoding": {
-            "format": "safetensors" if tensors else "none",
+            "format": "raw" if tensors else "none",
             "tensors": _tensor_description(tensors),
             **({"codec": message.encoding} if message.encoding is not None else {}),
         },
         "meta": message.meta,
-        "sig": None,
     }
-    # -- compact envelope (issue 8): leave out what the receiver can infer --
+    # -- compact envelope: leave out what the receiver can infer --
     if raw_codec and message.encoding is not None:
         header["encoding"] = {"format": "codec", "codec": _compact_codec(message.encoding)}
-    if not payload:
+    if not plen:
         del header["payload_sha256"], header["payload_len"]
         if not tensors and message.encoding is None:
             del header["encoding"]
-    del header["sig"]
-    # -- security: sign the header (sig excluded; it holds the payload hash) --
+    # -- security: sign the header (sig excluded; it holds the payload's one digest) --
     if sign is not None:
         if cert is not None:
             header["cert"] = cert
@@ -227,10 +274,13 @@ def encode(message: Message, *, federation: str, sender: str,
     if len(hbytes) > MAX_HEADER_BYTES:
         raise ValueError(f"envelope too large ({len(hbytes)} bytes)")
     version = WIRE_VERSION
-    packed = zstandard.ZstdCompressor(level=_HEADER_ZSTD_LEVEL).compress(hbytes) if COMPRESS_HEADERS else hbytes
-    if len(packed) < len(hbytes):  # compact envelope (issue 8): send the shorter form
-        hbytes, version = packed, WIRE_VERSION | HEADER_ZSTD
-    frame = _PREFIX.pack(MAGIC, version, len(hbytes)) + hbytes + payload
+    if COMPRESS_HEADERS and len(hbytes) >= HEADER_ZSTD_MIN_SHARE * (len(hbytes) + plen):
+        packed = zstandard.ZstdCompressor(level=_HEADER_ZSTD_LEVEL).compress(hbytes)
+        if len(packed) < len(hbytes):
+            hbytes, version = packed, WIRE_VERSION | HEADER_ZSTD
+    if not version & HEADER_ZSTD:  # pad the JSON so that the payload starts aligned
+        hbytes += b" " * (-(PREFIX_LEN + len(hbytes)) % ALIGN)
+    frame = b"".join([_PREFIX.pack(MAGIC, version, len(hbytes)), hbytes, *pieces])
     message.wire_bytes = len(frame)
     return frame
 
@@ -306,6 +356,10 @@ def decode_envelope(frame: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BY
     Raises:
         WireError: ``oversized``, ``malformed`` or ``version``.
     """
+    return _decode_envelope(frame, max_frame_bytes=max_frame_bytes)[0]
+
+
+def _decode_envelope(frame: bytes, *, max_frame_bytes: int) -> tuple[Envelope, dict[str, Any]]:
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise WireError("malformed", "frame is not bytes")
     if len(frame) > max_frame_bytes:
@@ -348,7 +402,7 @@ def decode_envelope(frame: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BY
     desc = encoding.get("tensors", {})
     if fmt == "codec" and "tensors" in encoding:
         raise WireError("malformed", "a codec payload has no tensor table")
-    if fmt not in ("safetensors", "none", "codec") or not isinstance(desc, dict) or len(desc) > MAX_TENSORS:
+    if fmt not in ("raw", "none", "codec") or not isinstance(desc, dict) or len(desc) > MAX_TENSORS:
         raise WireError("malformed", "unknown encoding")
     for name, d in desc.items():
         if (
@@ -364,7 +418,7 @@ def decode_envelope(frame: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BY
         version=header["v"], federation=fed, sender=sender, recipient=recipient, kind=kind,
         round=rnd, msg_id=msg_id, time=float(t), payload_sha256=digest, payload_len=plen,
         encoding=encoding, meta=meta, sig=sig,
-    )
+    ), header
 
 
 def decode(
@@ -377,40 +431,84 @@ def decode(
     """Fully decode and validate ``frame`` into a :class:`Message`.
 
     Args:
+        frame: the received bytes (``bytes``, ``bytearray`` or ``memoryview``).  A
+            writable, aligned buffer (e.g. a reassembled ``bytearray``) is decoded
+            without copying: the tensors are views into it, so it must not be reused.
         federation: when given, frames of any other federation are rejected.
         recipient: when given (this node's id), frames addressed to another node
             are rejected (broadcasts pass).
 
+    Returns:
+        the message; its tensors are writable numpy arrays.
+
     Raises:
         WireError: any failed check (see module docstring for reasons).
     """
-    env = decode_envelope(frame, max_frame_bytes=max_frame_bytes)
+    return decode_with_header(frame, federation=federation, recipient=recipient,
+                              max_frame_bytes=max_frame_bytes)[0]
+
+
+def _finite(arr: np.ndarray) -> bool:
+    """True when a float array holds no NaN or Inf: its sum is finite (one pass, no
+    temporary array), else - the sum may overflow - the exact element check."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(arr.sum()):
+            return True
+    return bool(np.isfinite(arr).all())
+
+
+def decode_with_header(
+    frame: bytes,
+    *,
+    federation: str | None = None,
+    recipient: str | None = None,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+) -> tuple[Message, dict[str, Any]]:
+    """Like :func:`decode`, and also return the parsed header (a plain dict, ``sig``
+    included) for :meth:`dfl_agent.security.SecurityGuard.check`.
+
+    Raises:
+        WireError: any failed check (see module docstring for reasons).
+    """
+    env, header = _decode_envelope(frame, max_frame_bytes=max_frame_bytes)
     if federation is not None and env.federation != federation:
         raise WireError("wrong_federation", f"{env.federation!r} != {federation!r}")
     if recipient is not None and env.recipient not in (BROADCAST, recipient):
         raise WireError("wrong_recipient", env.recipient)
-    payload = bytes(frame[len(frame) - env.payload_len :]) if env.payload_len else b""
+    view = memoryview(frame)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    payload = view[len(view) - env.payload_len:] if env.payload_len else view[:0]
     if hashlib.sha256(payload).hexdigest() != env.payload_sha256:
         raise WireError("hash_mismatch", "payload hash differs from envelope")
+    fmt = env.encoding.get("format")
     desc: dict[str, dict[str, Any]] = env.encoding.get("tensors", {})
     tensors: dict[str, np.ndarray] = {}
-    if env.encoding.get("format") == "safetensors":
-        try:
-            tensors = st_load(payload)
-        except Exception as exc:  # safetensors raises its own error types
-            raise WireError("bad_tensor", f"payload is not safetensors: {exc}") from None
-    elif env.encoding.get("format") == "codec":
-        tensors = {_codec.BLOB: np.frombuffer(payload, dtype=np.uint8).copy()}
-        desc = {_codec.BLOB: {"dtype": "uint8", "shape": [len(payload)]}}
+    if fmt == "raw" or fmt == "codec":
+        if fmt == "codec":
+            desc = {_codec.BLOB: {"dtype": "uint8", "shape": [env.payload_len]}}
+        names = sorted(desc)
+        sizes = []
+        for name in names:
+            n = 1
+            for s in desc[name]["shape"]:
+                n *= s
+            sizes.append(n * _DTYPE_OF[desc[name]["dtype"]].itemsize)
+        offsets, total = _layout([(n, b) for n, b in zip(names, sizes, strict=True)])
+        if total != env.payload_len:
+            raise WireError("bad_tensor", f"tensors need {total} payload bytes, the payload has {env.payload_len}")
+        # one copy at most: into a fresh writable, aligned buffer when the received one is not
+        buf: Any = payload
+        if payload.readonly or np.frombuffer(payload, np.uint8, count=min(1, len(payload))).ctypes.data % ALIGN:
+            buf = bytearray(payload)
+        for name, off, nbytes in zip(names, offsets, sizes, strict=True):
+            dt = _DTYPE_OF[desc[name]["dtype"]]
+            tensors[name] = np.frombuffer(buf, dtype=dt, count=nbytes // dt.itemsize, offset=off).reshape(
+                desc[name]["shape"])
     elif payload:
-        raise WireError("malformed", "payload present but encoding is 'none'")
-    if set(tensors) != set(desc):
-        raise WireError("bad_tensor", "tensor names differ from the envelope's encoding")
+        raise WireError("malformed", f"payload present but encoding is {fmt!r}")
     for name, arr in tensors.items():
-        d = desc[name]
-        if str(arr.dtype) != d["dtype"] or list(arr.shape) != d["shape"]:
-            raise WireError("bad_tensor", f"{name}: {arr.dtype}{list(arr.shape)} != {d['dtype']}{d['shape']}")
-        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        if arr.dtype.kind == "f" and not _finite(arr):
             raise WireError("non_finite", f"{name} holds NaN or Inf")
     codec_desc = env.encoding.get("codec")
     if codec_desc is not None:
@@ -420,10 +518,11 @@ def decode(
         except ValueError as exc:  # CompressionError and anything numpy raises on bad input
             raise WireError("bad_encoding", str(exc)) from None
         for name, arr in tensors.items():
-            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            if arr.dtype.kind == "f" and not _finite(arr):
                 raise WireError("non_finite", f"{name} holds NaN or Inf")
-    return Message(
+    msg = Message(
         kind=env.kind, round=env.round, tensors=tensors, meta=env.meta, sender=env.sender,
-        recipient=env.recipient, msg_id=env.msg_id, time=env.time, wire_bytes=len(frame),
+        recipient=env.recipient, msg_id=env.msg_id, time=env.time, wire_bytes=len(view),
         encoding=codec_desc,
     )
+    return msg, header

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import random
 import struct
 
@@ -126,20 +125,39 @@ def test_interleaved_transfers():
     assert sorted(got) == sorted([a, b])
 
 
-def test_corrupt_chunk_is_hash_mismatch():
-    frame = _frame(5000)
+def test_corrupt_chunk_is_caught_by_the_envelope_hash():
+    """Chunks carry no hash of their own: a corrupted chunk reassembles, and the wire
+    envelope's one payload hash rejects the frame (it never reaches a model)."""
+    import numpy as np
+
+    from dfl_agent.algorithms.context import Message
+    from dfl_agent.transport import wire
+
+    frame = wire.encode(Message("model", 1, {"w": np.arange(2000, dtype=np.float32)}), federation="f", sender="s")
     chunks = split(frame, 1000)
-    bad = bytearray(chunks[2])
+    bad = bytearray(chunks[-2])
     bad[-1] ^= 0xFF
-    chunks[2] = bytes(bad)
-    r = Reassembler()
-    for c in chunks[:-1]:
-        assert r.feed(c) is None
-    with pytest.raises(ChunkError) as ei:
-        r.feed(chunks[-1])
+    chunks[-2] = bytes(bad)
+    out = _reassemble(chunks)
+    assert isinstance(out, bytearray) and len(out) == len(frame) and out != frame
+    with pytest.raises(wire.WireError) as ei:
+        wire.decode(out)
     assert ei.value.reason == "hash_mismatch"
-    assert isinstance(ei.value, ValueError)
-    assert r.pending == 0 and r.held_bytes == 0
+    assert wire.decode(_reassemble(split(frame, 1000))).tensors["w"][-1] == 1999
+
+
+def test_reassembled_frame_is_a_fresh_writable_buffer():
+    frame = _frame(5000)
+    out = _reassemble(split(frame, 1000))
+    assert isinstance(out, bytearray) and out == frame
+
+
+def test_version_1_chunks_are_bad_chunk():
+    """Chunks of the previous format (version 1, with a 32-byte frame hash) are rejected."""
+    old = struct.pack(">3sB16sIIQ32s", CHUNK_MAGIC, 1, b"T" * 16, 0, 2, 100, b"\0" * 32) + b"x" * 50
+    with pytest.raises(ChunkError) as ei:
+        Reassembler().feed(old)
+    assert ei.value.reason == "bad_chunk"
 
 
 @pytest.mark.parametrize("cut", [3, 4, 20, HEADER_LEN - 1, HEADER_LEN])
@@ -150,14 +168,15 @@ def test_truncated_header_is_bad_chunk(cut):
     assert ei.value.reason == "bad_chunk"
 
 
-def _header(tid=b"T" * 16, index=0, count=2, total=100, digest=b"\0" * 32, version=1):
-    return struct.pack(">3sB16sIIQ32s", CHUNK_MAGIC, version, tid, index, count, total, digest)
+def _header(tid=b"T" * 16, index=0, count=2, total=100, version=2):
+    return struct.pack(">3sB16sIIQ", CHUNK_MAGIC, version, tid, index, count, total)
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"version": 2},
+        {"version": 1},
+        {"version": 3},
         {"index": 2, "count": 2},
         {"count": 0},
         {"count": 200, "total": 100},
@@ -185,8 +204,8 @@ def test_inconsistent_headers_are_bad_chunk():
     chunks = split(frame, 1000, transfer_id=b"A" * 16)
     r = Reassembler()
     assert r.feed(chunks[0]) is None
-    _, _, tid, index, count, total, digest = struct.unpack_from(">3sB16sIIQ32s", chunks[1])
-    forged = _header(tid=tid, index=index, count=count, total=total + 1, digest=digest)
+    _, _, tid, index, count, total = struct.unpack_from(">3sB16sIIQ", chunks[1])
+    forged = _header(tid=tid, index=index, count=count, total=total + 1)
     with pytest.raises(ChunkError) as ei:
         r.feed(forged + chunks[1][HEADER_LEN:])
     assert ei.value.reason == "bad_chunk"
@@ -268,7 +287,10 @@ def test_split_validates_chunk_size():
     assert len(split(b"x" * 1000, HEADER_LEN + 2)) == 500
 
 
-def test_chunks_carry_whole_frame_hash():
+def test_chunk_header_is_36_bytes_without_a_hash():
     frame = _frame(3000)
-    for c in split(frame, 1000):
-        assert c[HEADER_LEN - 32:HEADER_LEN] == hashlib.sha256(frame).digest()
+    chunks = split(frame, 1000)
+    assert HEADER_LEN == 36
+    assert b"".join(c[HEADER_LEN:] for c in chunks) == frame
+    for i, c in enumerate(chunks):
+        assert struct.unpack_from(">3sB16sIIQ", c)[3:] == (i, len(chunks), len(frame))

@@ -85,7 +85,7 @@ def _reframe(header: dict, payload: bytes) -> bytes:
     import struct
 
     h = json.dumps(header).encode()
-    return struct.pack(">3sBI", b"DFL", 1, len(h)) + h + payload
+    return struct.pack(">3sBI", b"DFL", wire.WIRE_VERSION, len(h)) + h + payload
 
 
 def test_rejection_reasons():

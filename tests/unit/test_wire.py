@@ -1,4 +1,4 @@
-"""Wire format v1: round trips and every rejection reason."""
+"""Wire format v3: round trips, the raw tensor payload, and every rejection reason."""
 
 import hashlib
 import json
@@ -54,14 +54,14 @@ def _reason(frame, **kw):
 
 def _reframe(header: dict, payload: bytes) -> bytes:
     h = json.dumps(header).encode()
-    return struct.pack(">3sBI", b"DFL", 1, len(h)) + h + payload
+    return struct.pack(">3sBI", b"DFL", wire.WIRE_VERSION, len(h)) + h + payload
 
 
 def _split(frame):
     return wire.split_frame(frame)
 
 
-@pytest.mark.parametrize("garbage", [b"", b"x", b"hello world" * 10, bytes(range(256)), b"DFL\x01\xff\xff\xff\xff"])
+@pytest.mark.parametrize("garbage", [b"", b"x", b"hello world" * 10, bytes(range(256)), b"DFL\x03\xff\xff\xff\xff"])
 def test_garbage_is_malformed(garbage):
     assert _reason(garbage) == "malformed"
 
@@ -101,8 +101,14 @@ def test_hash_mismatch():
 
 def test_shape_lie_in_envelope():
     header, payload = _split(wire.encode(_msg(), federation="f", sender="s"))
-    header["encoding"]["tensors"]["w"]["shape"] = [3, 2]
+    header["encoding"]["tensors"]["w"]["shape"] = [4, 2]  # more bytes than the payload holds
     assert _reason(_reframe(header, payload)) == "bad_tensor"
+    header["encoding"]["tensors"]["w"]["dtype"] = "float64"
+    header["encoding"]["tensors"]["w"]["shape"] = [2, 3]
+    assert _reason(_reframe(header, payload)) == "bad_tensor"
+    # the envelope is the only description: the same bytes under another shape of the same size
+    header["encoding"]["tensors"]["w"] = {"dtype": "float32", "shape": [3, 2]}
+    assert wire.decode(_reframe(header, payload)).tensors["w"].shape == (3, 2)
 
 
 def test_non_finite_rejected():
@@ -111,7 +117,7 @@ def test_non_finite_rejected():
         assert _reason(frame) == "non_finite"
 
 
-def test_payload_not_safetensors():
+def test_payload_length_not_matching_the_table():
     import hashlib
 
     header, _ = _split(wire.encode(_msg(), federation="f", sender="s"))
@@ -194,7 +200,7 @@ def test_control_message_envelope_is_compact():
 
 def test_envelope_is_zstd_compressed_when_shorter_and_plain_json_still_accepted():
     frame = wire.encode(_msg(), federation="f", sender="s")
-    assert frame[3] == 1 | wire.HEADER_ZSTD
+    assert frame[3] == wire.WIRE_VERSION | wire.HEADER_ZSTD
     header, payload = wire.split_frame(frame)
     plain = _reframe(header, payload)
     assert len(plain) > len(frame)
@@ -207,13 +213,74 @@ def test_compressed_envelope_bomb_and_garbage_are_malformed():
     import zstandard
 
     bomb = zstandard.ZstdCompressor().compress(b" " * (wire.MAX_HEADER_BYTES + 10))
-    frame = struct.pack(">3sBI", b"DFL", 1 | wire.HEADER_ZSTD, len(bomb)) + bomb
+    frame = struct.pack(">3sBI", b"DFL", wire.WIRE_VERSION | wire.HEADER_ZSTD, len(bomb)) + bomb
     assert _reason(frame) == "malformed"
     # a zstd frame that declares an enormous content size (found by the fuzzer: zstandard would
     # try to allocate it): magic, descriptor (single segment, 8-byte size), size, one raw block
     liar = bytes([0x28, 0xB5, 0x2F, 0xFD, 0xE0]) + (1 << 62).to_bytes(8, "little") + bytes([0x11, 0, 0]) + b"{}"
     assert zstandard.frame_content_size(liar) == 1 << 62
-    assert _reason(struct.pack(">3sBI", b"DFL", 1 | wire.HEADER_ZSTD, len(liar)) + liar) == "malformed"
+    assert _reason(struct.pack(">3sBI", b"DFL", wire.WIRE_VERSION | wire.HEADER_ZSTD, len(liar)) + liar) == "malformed"
     junk = b"not zstd at all"
-    assert _reason(struct.pack(">3sBI", b"DFL", 1 | wire.HEADER_ZSTD, len(junk)) + junk) == "malformed"
+    assert _reason(struct.pack(">3sBI", b"DFL", wire.WIRE_VERSION | wire.HEADER_ZSTD, len(junk)) + junk) == "malformed"
     assert _reason(struct.pack(">3sBI", b"DFL", 2 | wire.HEADER_ZSTD, 2) + b"{}") == "version"
+
+
+# -- wire v3: one hash, raw payload, zero-copy decode ------------------------------------
+def test_older_wire_versions_are_rejected_as_version():
+    frame = bytearray(wire.encode(_msg(), federation="f", sender="s"))
+    for old in (1, 2):
+        frame[3] = old | (frame[3] & wire.HEADER_ZSTD)
+        assert _reason(bytes(frame)) == "version"
+    header, payload = _split(wire.encode(_msg(), federation="f", sender="s"))
+    assert _reason(_reframe(dict(header, v=2), payload)) == "version"
+    # a v1 frame with a safetensors payload, as older agents send it
+    from safetensors.numpy import save
+
+    st_payload = save({"w": np.ones(3, np.float32)})
+    v1 = dict(header, v=1, payload_len=len(st_payload), payload_sha256=hashlib.sha256(st_payload).hexdigest(),
+              encoding={"format": "safetensors", "tensors": {"w": {"dtype": "float32", "shape": [3]}}})
+    h = json.dumps(v1).encode()
+    assert _reason(struct.pack(">3sBI", b"DFL", 1, len(h)) + h + st_payload) == "version"
+
+
+def test_raw_payload_layout_is_sorted_names_at_aligned_offsets():
+    tensors = {"z": np.arange(3, dtype=np.float32), "a": np.array([1, 2, 3], np.int8), "m": np.ones((2, 2), np.float64)}
+    frame = wire.encode(_msg(tensors=tensors), federation="f", sender="s")
+    header, payload = _split(frame)
+    assert header["encoding"]["format"] == "raw"
+    # a (3 bytes) at 0, m (32 bytes) at 8, z (12 bytes) at 40
+    assert payload == tensors["a"].tobytes() + bytes(5) + tensors["m"].tobytes() + tensors["z"].tobytes()
+    assert header["payload_len"] == 52 == len(payload)
+    assert header["payload_sha256"] == hashlib.sha256(payload).hexdigest()
+    got = wire.decode(frame).tensors
+    for k, v in tensors.items():
+        assert got[k].dtype == v.dtype
+        np.testing.assert_array_equal(got[k], v)
+
+
+def test_large_message_header_is_plain_json_and_payload_aligned():
+    big = {"w": np.ones(20_000, np.float32), "b": np.ones(7, np.float32)}
+    frame = wire.encode(_msg(tensors=big), federation="f", sender="s")
+    assert frame[3] == wire.WIRE_VERSION  # under 2 % of the frame: not worth compressing
+    hlen = struct.unpack_from(">I", frame, 4)[0]
+    assert (wire.PREFIX_LEN + hlen) % wire.ALIGN == 0
+    assert wire.decode(frame).tensors["w"].sum() == 20_000
+
+
+def test_decode_is_zero_copy_into_a_writable_buffer_and_copies_once_otherwise():
+    frame = wire.encode(_msg(tensors={"w": np.arange(100_000, dtype=np.float32)}), federation="f", sender="s")
+    buf = bytearray(frame)  # as the reassembler returns it
+    w = wire.decode(buf).tensors["w"]
+    assert w.flags.writeable and np.shares_memory(w, np.frombuffer(buf, np.uint8))
+    buf[-4:] = np.float32(7).tobytes()  # a view: the received buffer's bytes
+    assert w[-1] == 7
+    w2 = wire.decode(frame).tensors["w"]  # immutable bytes: one copy, writable
+    assert w2.flags.writeable and w2[-1] == 99_999
+    w2[0] = 5
+    assert wire.decode(frame).tensors["w"][0] == 0
+
+
+def test_decode_with_header_returns_the_parsed_envelope():
+    frame = wire.encode(_msg(), federation="f", sender="s", sign=lambda body: "ed25519:eA==")
+    msg, header = wire.decode_with_header(frame, federation="f")
+    assert header == wire.raw_header(frame) and header["sig"] == "ed25519:eA==" and msg.sender == "s"
