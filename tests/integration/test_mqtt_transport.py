@@ -137,7 +137,7 @@ async def test_exchange_inbox_and_broadcast(request, make, federation, broker_fi
     await asyncio.sleep(0.1)  # nothing more (no echo of own broadcasts)
     assert sorted(f for f, _ in b.frames) == sorted([f1, f3])
     assert sorted(f for f, _ in a.frames) == sorted([f2, f4])
-    assert dict(b.frames)[f1] == n1 and dict(a.frames)[f2] == n2
+    assert {bytes(f): n for f, n in b.frames}[f1] == n1 and {bytes(f): n for f, n in a.frames}[f2] == n2
     assert a.t.stats.bytes_sent == n1 + n3 == b.t.stats.bytes_received
     assert b.t.stats.bytes_sent == n2 + n4 == a.t.stats.bytes_received
     assert a.t.stats.frames_sent == b.t.stats.frames_received == 2
