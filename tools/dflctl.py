@@ -65,7 +65,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         model_specs=None if a.models in FAMILY_NAMES else _model_specs(a.models),
         profiles=[p for p in (a.profiles or "").split(",") if p] or None,
         compression=a.compression, error_feedback=a.error_feedback,
-        samples_per_node=a.samples_per_node,
+        samples_per_node=a.samples_per_node, batch=a.batch,
     )
     s = simulate_with_progress(cfg, enabled=a.progress)
     if a.json:
@@ -417,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--samples-per-node", type=int, default=0,
                    help="give every node this many samples drawn from the whole pool independently of the "
                         "other nodes (a sample may go to several nodes; replaces --partition; 0: partition)")
+    s.add_argument("--no-batch", dest="batch", action="store_false",
+                   help="train every node on its own instead of training the nodes that share architecture, "
+                        "optimizer settings and step count together in one vectorised step")
     s.add_argument("--zeta", type=int, default=2, help="shards (classes) per node")
     s.add_argument("--seed", type=int, default=0, help="random seed (data split, initialisation, sampling)")
     s.add_argument("--epochs", type=int, default=1, help="local epochs per round")

@@ -173,6 +173,9 @@ class RuntimeContext:
         self.timing: dict[str, float] = dict.fromkeys(TIMING_KEYS, 0.0)
         self.last_round_timing: dict[str, float] = dict.fromkeys(TIMING_KEYS, 0.0)
         self.security = security
+        #: the simulator's :class:`~dfl_agent.runtime.batching.BatchTrainer` (None: every
+        #: :meth:`compute` runs on its own, as in the daemon)
+        self.batcher: Any = None
 
     # -- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -570,6 +573,12 @@ class RuntimeContext:
 
     async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         await self.wait_until_allowed()  # resource gating: no training while gated
+        if self.batcher is not None and not self.compute_in_thread:
+            # the simulator's batched training: a qualifying call waits for its group's
+            # vectorised step (which adds this node's share to timing["train_s"])
+            fut = self.batcher.submit(self, fn, args, kwargs)
+            if fut is not None:
+                return await fut
         t0 = time.perf_counter()
         try:
             return await self.compute_ungated(fn, *args, **kwargs)

@@ -28,6 +28,7 @@ from dfl_agent.models.defaults import algorithm_default_spec, check_algorithm_mo
 from dfl_agent.models.families import family_specs
 from dfl_agent.profiles import peer_incompatibility
 from dfl_agent.runtime import metrics
+from dfl_agent.runtime.batching import BatchTrainer
 from dfl_agent.runtime.context import RuntimeContext
 from dfl_agent.runtime.node import Node, init_seed_for
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
@@ -76,6 +77,9 @@ class SimConfig:
             drawn for each node independently of the others (with replacement across
             nodes: a sample may go to several nodes), instead of ``partition``; for
             growth figures with more nodes than the pool has samples per node.
+        batch: train the nodes that share architecture, optimizer settings and step
+            count in the same virtual instant together, in one vectorised step
+            (:mod:`dfl_agent.runtime.batching`); False: every node trains on its own.
     """
 
     algorithm: str = "fedavg"
@@ -110,6 +114,7 @@ class SimConfig:
     consensus_step: float = 0.0
     keyframe_every: int = 0
     samples_per_node: int = 0
+    batch: bool = True
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -171,6 +176,7 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
     )
     graph = build_topology(cfg.topology, ids, cfg.seed, **cfg.topology_options)
     network = MemoryNetwork(latency=cfg.latency)
+    batcher = BatchTrainer() if cfg.batch else None
     federation = "sim"
     records: list[dict[str, Any]] = []
     nodes: list[Node] = []
@@ -189,6 +195,7 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
             graph_neighbours=None if cfg.topology == "full" else graph[nid], seed=cfg.seed,
             compression=policy if policy.active else None,
         )
+        ctx.batcher = batcher
         ctx.compatibility = peer_incompatibility(cfg.algorithm, spec_hash(specs[i]))
         if behaviours:
             ctx.behaviour = behaviours[i]
@@ -253,6 +260,9 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
             "excluded": {n.ctx.node_id: dict(n.ctx.excluded) for n in nodes if n.ctx.excluded},
             "profiles": {nid: b.profile for nid, b in zip(ids, behaviours)} if behaviours else None,
             **_byte_summary(nodes, policy),
+            # batched training: node trainings done in vectorised groups, groups run, and
+            # qualifying trainings that were alone in their group (None: --no-batch)
+            "batching": dict(batcher.stats) if batcher is not None else None,
             "user_accuracy": metrics.user_accuracy(histories),  # UA: personal models on own splits, last 10 rounds
             "config": _jsonable(dataclasses.asdict(cfg)),
         },

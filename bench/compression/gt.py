@@ -1,6 +1,6 @@
-"""Compressed synchronizations for Gradient Thresholding (issue 8's ``gt`` column).
+"""Compressed synchronizations for Gradient Thresholding (the ``gt`` column of the compression benchmark).
 
-GT (seed 003 ch. 5) exchanges accumulated gradients G^Σ only when an actor's vote asks for a
+GT (the MoDeFL thesis, ch. 5) exchanges accumulated gradients G^Σ only when an actor's vote asks for a
 synchronization (kind ``gt.sync``).  Here those messages are compressed through
 ``[compression.kinds] "gt.sync" = SPEC`` with an error-feedback residual per stream
 (Stich et al. 2018), on the setup of ``bench/gt`` (digits, 4 actors, Dirichlet α 0.25,

@@ -1,4 +1,4 @@
-"""Compression benchmark: accuracy against bytes on the wire (issue 8).
+"""Compression benchmark: accuracy against bytes on the wire.
 
 Grid: digits (Dirichlet β=0.5) and HAR (by user), both non-IID; ``fedavg`` and
 ``dechw`` (averaging gossip: CHOCO-compressed differences) and ``dfml`` (whole-model

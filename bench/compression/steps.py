@@ -2,7 +2,7 @@
 
 The main grid (``run.py``) trains a whole epoch between two gossip rounds, 10–100 rounds in
 all; there, top-1 % CHOCO gossip cannot mix the models in time (−20 pt).  CHOCO-SGD
-(Koloskova et al. 2019, Alg. 1; seed 003 §3.6.4) gossips after *every* SGD step, so the
+(Koloskova et al. 2019, Alg. 1; the MoDeFL thesis §3.6.4) gossips after *every* SGD step, so the
 compressed copies x̂ track models that move a little per round.  This benchmark runs that
 setting on the real simulator (``training.steps = 1``): 6 nodes, 2 000 rounds, SGD lr 0.1
 without momentum (a fresh optimizer per round carries none), batch 32; accuracy at equal

@@ -1,6 +1,6 @@
-"""Benchmark of DecHW (seed 001) against DecHetero and CFA, and of the DecHW† cut-off.
+"""Benchmark of DecHW (the DecHW paper) against DecHetero and CFA, and of the DecHW† cut-off.
 
-Reproduces the *shape* of seed 001's Tables I, II and V and Fig. 4 at a scale that
+Reproduces the *shape* of the DecHW paper's Tables I, II and V and Fig. 4 at a scale that
 fits a small CPU machine: Erdős–Rényi p = 0.2 graphs, Dirichlet label skew
 α ∈ {1, 0.5, 0.2}, independent initialisations, datasets HAR and digits, several
 seeds.  Every run is one ``dfl_agent.runtime.simulator.simulate`` call.

@@ -1,4 +1,4 @@
-"""Def-KT benchmark (issue 5): Def-KT vs FullAvg vs Combo in the seed's setting at our scale.
+"""Def-KT benchmark: Def-KT vs FullAvg vs Combo in the paper's setting at a smaller scale.
 
 Runs the simulator (:func:`dfl_agent.runtime.simulator.simulate`, virtual time, one torch
 thread) one configuration at a time and appends one JSON line per run to
@@ -47,7 +47,7 @@ from dfl_agent.runtime.simulator import SimConfig
 SEEDS = (0, 1, 2)
 ALGORITHMS = ("defkt", "fullavg", "combo")
 
-# Per-dataset settings (identical for every algorithm).  Scaled to this machine:
+# Per-dataset settings (identical for every algorithm).  Scaled to a 2-core CPU:
 # see bench/defkt/README.md.  SGD momentum 0.5 as in the paper (§IV-D).
 DATASETS = {
     "har": {"rounds": 300, "eval_every": 30, "model_size": "small",

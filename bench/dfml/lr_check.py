@@ -1,4 +1,4 @@
-"""Learning-rate check behind the open points of issue 3 (digits, Dirichlet 0.1, 20 nodes,
+"""Learning-rate check that led to the per-method selection (digits, Dirichlet 0.1, 20 nodes,
 63 rounds, seed 0): DFML and dfedavg at lr 0.01 vs the grid's lr 0.05.
 
 Usage: nice -n 10 .venv/bin/python bench/dfml/lr_check.py   (about 6 min on 2 cores)

@@ -1,7 +1,7 @@
-"""DFML benchmark: the shape of seed 000's Tables 3/6 (DFML vs cluster-wise FedAvg),
+"""DFML benchmark: the shape of the DFML paper's Tables 3/6 (DFML vs cluster-wise FedAvg),
 Table 8 (rounds to reach FedAvg's final accuracy) and Table 9 (CE/WSM x fixed/cyclic α),
 at a scale that fits a 2-core CPU shared with other jobs, with a learning rate
-chosen per method on validation data (seed 000 App. A.2: "the learning rate is selected
+chosen per method on validation data (the DFML paper's App. A.2: "the learning rate is selected
 from {0.1, 0.01, 0.001}").
 
 Stages (run from the repository root; each run is saved as results/runs/<name>.json as

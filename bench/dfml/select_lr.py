@@ -1,4 +1,4 @@
-"""Choose each method's learning rate on validation data (seed 000 App. A.2: "the learning
+"""Choose each method's learning rate on validation data (the DFML paper's App. A.2: "the learning
 rate is selected from {0.1, 0.01, 0.001}"; the paper does not say on which data, so we use
 validation data only).
 

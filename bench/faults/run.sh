@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Chaos benchmark (issue 11): 6 signed agents (fedavg, HAR by user, medium model) on a local
+# Chaos benchmark: 6 signed agents (fedavg, HAR by user, medium model) on a local
 # mosquitto; fault-free reference, then the same federation with one agent killed (SIGKILL)
 # every 30 s for 3 minutes (each restarted 2 s later, rejoining at the current round) and one
 # broker restart 90 s into the chaos window.  Results: bench/faults/{reference,chaos}.json.

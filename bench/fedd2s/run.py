@@ -1,4 +1,4 @@
-"""Benchmark of serverless FedD2S (seed 002) against FedPer, FedAvg and local training.
+"""Benchmark of serverless FedD2S (the FedD2S paper) against FedPer, FedAvg and local training.
 
 Scaled to a shared 2-core CPU (see results/README.md for the exact scale): 20 nodes,
 participation ρ = 0.2, Dirichlet label skew α ∈ {0.1, 0.5, 1}, digits and HAR, the seed's

@@ -1,4 +1,4 @@
-"""Gradient Thresholding vs the local-steps baselines BL1-BL4 (seed 003, thesis §5.4.2).
+"""Gradient Thresholding vs the local-steps baselines BL1-BL4 (the MoDeFL thesis, §5.4.2).
 
 One run = N actors of ``gt`` or ``local-steps`` on the memory transport (virtual time,
 the real wire frames, so bytes are real), then the final synchronized model's loss on
@@ -123,7 +123,7 @@ def run_one(dataset: str, algorithm: str, options: dict[str, Any], seed: int, **
     cls = get_algorithm(algorithm)
     opts = parse_options(cls, options)
     cfg = TrainConfig(epochs=1, batch_size=setup["batch"], lr=setup["lr"], momentum=0.0)
-    policy = None  # issue 8: compress the synchronized gradients (kind gt.sync), residuals per stream
+    policy = None  # compress the synchronized gradients (kind gt.sync), residuals per stream
     if setup.get("sync_compression", "none") != "none":
         from dfl_agent.learning.compression import CompressionPolicy
 

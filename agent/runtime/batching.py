@@ -1,0 +1,247 @@
+"""Batched local training for the simulator: many nodes, one vectorised step.
+
+In the simulator every node's ``ctx.compute(train_local, model, x, y, cfg, rng, device)``
+runs inline and takes no virtual time, so at the start of a round N nodes train one
+after the other in the same virtual instant.  :class:`BatchTrainer` collects those
+calls instead, and when nothing else can run at that instant it trains each group of
+nodes that qualify together: their parameters are stacked on a leading node axis and
+one ``torch.func.vmap`` of ``grad`` over ``functional_call`` computes every node's
+mini-batch gradient in one pass; the SGD update (momentum, weight decay) is applied to
+the stacked tensors.  No algorithm changes: the algorithms still call
+``ctx.compute(train_local, ...)``, which the simulator's contexts route here.
+
+A group qualifies when its nodes share
+
+- the function (:func:`~dfl_agent.learning.training.train_local` with the default loss
+  and no regularizer, on cpu),
+- the architecture (module structure and parameter shapes; no buffers such as batch
+  norm statistics, no dropout, every parameter trainable),
+- the optimizer settings (the whole :class:`~dfl_agent.learning.training.TrainConfig`),
+- the step count (batch sizes may differ: shorter batches are padded and the padding
+  is masked out of the loss, so each node's loss stays the mean over its own batch).
+
+Everything else (and a group of one) runs the ordinary per-node loop.  Each node still
+draws its batch order from its own generator, in the same order as the per-node loop,
+so batched and per-node training agree within float tolerance (summation order of the
+batched matrix products differs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from dfl_agent.learning.training import TrainConfig, round_batches, train_local
+
+log = logging.getLogger(__name__)
+
+#: modules that make a model ineligible (randomness or running statistics per call)
+_UNBATCHABLE = ("Dropout", "BatchNorm", "InstanceNorm", "GroupNorm")
+
+
+class _Request:
+    __slots__ = ("batches", "cfg", "ctx", "future", "model", "x", "y")
+
+    def __init__(self, ctx: Any, model: Any, x: np.ndarray, y: np.ndarray, cfg: TrainConfig,
+                 batches: list[np.ndarray], future: asyncio.Future[dict[str, float]]):
+        self.ctx, self.model, self.x, self.y, self.cfg = ctx, model, x, y, cfg
+        self.batches, self.future = batches, future
+
+
+class BatchTrainer:
+    """Collects qualifying ``train_local`` calls of one virtual instant and trains them
+    in vectorised groups (see the module docstring).
+
+    Args:
+        min_group: smallest group trained batched; smaller groups use the per-node loop.
+
+    Attributes:
+        stats: ``batched_nodes`` (node trainings done in a group), ``groups`` (vectorised
+            groups run), ``single`` (qualifying trainings left alone in their group, run
+            as a group of one).
+    """
+
+    def __init__(self, min_group: int = 2):
+        self.min_group = max(2, min_group)
+        self._pending: list[_Request] = []
+        self._scheduled = False
+        # model -> architecture key (None: not batchable); weak, so temporary models go
+        self._arch_keys: weakref.WeakKeyDictionary[Any, tuple[Any, ...] | None] = weakref.WeakKeyDictionary()
+        self.stats = {"batched_nodes": 0, "groups": 0, "single": 0}
+
+    # -- qualification -------------------------------------------------------------
+    def _arch_key(self, model: Any) -> tuple[Any, ...] | None:
+        """Architecture identity of ``model``, or None when it cannot be batched."""
+        try:
+            return self._arch_keys[model]
+        except KeyError:
+            pass
+        arch: tuple[Any, ...] | None
+        if any(True for _ in model.buffers()) or any(
+                any(name in type(m).__name__ for name in _UNBATCHABLE) for m in model.modules()):
+            arch = None
+        else:
+            params = list(model.named_parameters())
+            if not params or not all(p.requires_grad and p.dtype.is_floating_point for _, p in params):
+                arch = None
+            else:
+                arch = (type(model), repr(model), tuple((n, tuple(p.shape), p.dtype) for n, p in params))
+        self._arch_keys[model] = arch
+        return arch
+
+    def submit(self, ctx: Any, fn: Callable[..., Any], args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> asyncio.Future[dict[str, float]] | None:
+        """Queue ``fn(*args, **kwargs)`` for batching; None when the call does not qualify
+        (the caller then runs it itself).  Draws the node's batch order now, from its own
+        generator, exactly as ``train_local`` would."""
+        if fn is not train_local or kwargs or len(args) != 6:
+            return None
+        model, x, y, cfg, rng, device = args
+        if str(device) != "cpu" or not isinstance(cfg, TrainConfig) or len(x) != len(y) or len(x) == 0:
+            return None
+        if self._arch_key(model) is None:
+            return None
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[dict[str, float]] = loop.create_future()
+        self._pending.append(_Request(ctx, model, x, y, cfg, round_batches(len(x), cfg, rng), fut))
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._flush_when_idle, loop, 0)
+        return fut
+
+    # -- flushing --------------------------------------------------------------------
+    def _flush_when_idle(self, loop: asyncio.AbstractEventLoop, spins: int) -> None:
+        """Train the pending requests once nothing else can run at this instant (no
+        ready callbacks, no timer due now); otherwise look again after them."""
+        ready: Any = getattr(loop, "_ready", ())
+        scheduled: Any = getattr(loop, "_scheduled", ())
+        due = bool(scheduled) and scheduled[0]._when <= loop.time()
+        if (ready or due) and spins < 100_000:
+            loop.call_soon(self._flush_when_idle, loop, spins + 1)
+            return
+        self._scheduled = False
+        pending, self._pending = self._pending, []
+        self.run(pending)
+
+    def run(self, requests: list[_Request]) -> None:
+        """Train ``requests`` (grouped; small groups per node) and resolve their futures."""
+        groups: dict[tuple[Any, ...], list[_Request]] = {}
+        for r in requests:
+            key = (self._arch_key(r.model), r.cfg, len(r.batches))
+            groups.setdefault(key, []).append(r)
+        for group in groups.values():
+            t0 = time.perf_counter()
+            try:
+                if len(group) >= self.min_group:
+                    results = train_group([(r.model, r.x, r.y, r.batches) for r in group], group[0].cfg)
+                    self.stats["groups"] += 1
+                    self.stats["batched_nodes"] += len(group)
+                else:
+                    results = [train_group([(r.model, r.x, r.y, r.batches)], r.cfg)[0] for r in group]
+                    self.stats["single"] += len(group)
+            except Exception as exc:  # hand the error to every waiting node
+                for r in group:
+                    if not r.future.done():
+                        r.future.set_exception(exc)
+                continue
+            share = (time.perf_counter() - t0) / len(group)
+            for r, res in zip(group, results):
+                r.ctx.timing["train_s"] += share
+                if not r.future.done():
+                    r.future.set_result(res)
+
+
+def train_group(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray]]],
+                cfg: TrainConfig) -> list[dict[str, float]]:
+    """Train G models of one architecture together with SGD, in place.
+
+    Args:
+        members: ``(model, x (n_i, *shape) float32, y (n_i,) int64, batches)`` per node;
+            ``batches`` are the node's mini-batch index arrays, the same count for every
+            member (sizes may differ).
+        cfg: the shared optimizer settings (``lr``, ``momentum``, ``weight_decay``).
+
+    Returns:
+        per member, ``train_local``'s result: ``{"loss": mean batch loss, "samples",
+        "diverged"}``; a member whose parameters became non-finite keeps its old ones
+        (``diverged`` = 1), as in ``train_local``.
+
+    The update equals ``torch.optim.SGD`` (no dampening, no Nesterov): ``d = g + wd·p``;
+    ``b = d`` on the first step, else ``b = m·b + d``; ``p -= lr·b``.
+    """
+    import torch
+    from torch.func import functional_call, grad_and_value, vmap
+    from torch.nn import functional as F
+
+    base = members[0][0]
+    names = [n for n, _ in base.named_parameters()]
+    for m, *_ in members:
+        m.train()
+    with torch.no_grad():
+        stacked = {n: torch.stack([dict(m.named_parameters())[n].detach() for m, *_ in members]).clone()
+                   for n in names}
+
+    def loss_of(params: dict[str, torch.Tensor], xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(functional_call(base, params, (xb,)), yb)
+
+    def masked_loss_of(params: dict[str, torch.Tensor], xb: torch.Tensor, yb: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        # batches padded to the group's largest: the padding rows weigh 0, the mean is
+        # over the member's own batch
+        per_sample = F.cross_entropy(functional_call(base, params, (xb,)), yb, reduction="none")
+        return (per_sample * mask).sum() / mask.sum()
+
+    step = vmap(grad_and_value(loss_of))
+    masked_step = vmap(grad_and_value(masked_loss_of))
+    xs = [torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)) for _, x, _, _ in members]
+    ys = [torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64)) for _, _, y, _ in members]
+    n_steps = len(members[0][3])
+    bufs: dict[str, torch.Tensor] = {}
+    losses = torch.zeros(len(members), dtype=torch.float64)
+    for s in range(n_steps):
+        idx = [b[3][s] for b in members]
+        width = max(len(i) for i in idx)
+        if all(len(i) == width for i in idx):
+            xb = torch.stack([x[torch.from_numpy(i)] for x, i in zip(xs, idx)])
+            yb = torch.stack([y[torch.from_numpy(i)] for y, i in zip(ys, idx)])
+            grads, loss = step(stacked, xb, yb)
+        else:  # pad every member's batch with its first sample, masked out of the loss
+            padded = [torch.from_numpy(np.concatenate([i, np.full(width - len(i), i[0])])) for i in idx]
+            xb = torch.stack([x[i] for x, i in zip(xs, padded)])
+            yb = torch.stack([y[i] for y, i in zip(ys, padded)])
+            mask = torch.stack([(torch.arange(width) < len(i)).float() for i in idx])
+            grads, loss = masked_step(stacked, xb, yb, mask)
+        losses += loss.detach().double()
+        with torch.no_grad():
+            for n in names:
+                d = grads[n]
+                if cfg.weight_decay:
+                    d = d.add(stacked[n], alpha=cfg.weight_decay)
+                if cfg.momentum:
+                    if n not in bufs:
+                        bufs[n] = d.clone()
+                    else:
+                        bufs[n].mul_(cfg.momentum).add_(d)
+                    d = bufs[n]
+                stacked[n].add_(d, alpha=-cfg.lr)
+    out = []
+    with torch.no_grad():
+        finite = torch.ones(len(members), dtype=torch.bool)
+        for n in names:
+            finite &= torch.isfinite(stacked[n].reshape(len(members), -1)).all(dim=1)
+        for i, (m, _x, _, batches) in enumerate(members):
+            ok = bool(finite[i])
+            if ok:
+                params = dict(m.named_parameters())
+                for n in names:
+                    params[n].copy_(stacked[n][i])
+            samples = sum(len(b) for b in batches)
+            out.append({"loss": float(losses[i]) / max(n_steps, 1), "samples": float(samples),
+                        "diverged": 0.0 if ok else 1.0})
+    return out
