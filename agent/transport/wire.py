@@ -448,13 +448,25 @@ def decode(
                               max_frame_bytes=max_frame_bytes)[0]
 
 
-def _finite(arr: np.ndarray) -> bool:
-    """True when a float array holds no NaN or Inf: its sum is finite (one pass, no
-    temporary array), else - the sum may overflow - the exact element check."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        if np.isfinite(arr.sum()):
-            return True
-    return bool(np.isfinite(arr).all())
+def _check_finite(tensors: dict[str, np.ndarray], whole: np.ndarray | None = None) -> None:
+    """Raise ``non_finite`` when a float tensor holds NaN or Inf.
+
+    A finite sum proves it in one pass without a temporary array (over ``whole``, the
+    payload as one float array, when every tensor has that dtype); a sum that is not
+    finite - NaN, Inf, or an overflow - is settled element by element.
+
+    Raises:
+        WireError: ``non_finite``.
+    """
+    floats = [(name, a) for name, a in tensors.items() if a.dtype.kind == "f"]
+    if not floats:
+        return
+    with np.errstate(all="ignore"):
+        if whole is not None and np.isfinite(whole.sum()):
+            return
+        for name, arr in floats:
+            if not np.isfinite(arr.sum()) and not np.isfinite(arr).all():
+                raise WireError("non_finite", f"{name} holds NaN or Inf")
 
 
 def decode_with_header(
@@ -505,11 +517,15 @@ def decode_with_header(
             dt = _DTYPE_OF[desc[name]["dtype"]]
             tensors[name] = np.frombuffer(buf, dtype=dt, count=nbytes // dt.itemsize, offset=off).reshape(
                 desc[name]["shape"])
+        dtypes = {desc[name]["dtype"] for name in names}
+        whole = None
+        if len(dtypes) == 1 and total:  # one dtype: the padding is whole zero elements
+            dt = _DTYPE_OF[dtypes.pop()]
+            if dt.kind == "f":
+                whole = np.frombuffer(buf, dtype=dt, count=total // dt.itemsize)
+        _check_finite(tensors, whole)
     elif payload:
         raise WireError("malformed", f"payload present but encoding is {fmt!r}")
-    for name, arr in tensors.items():
-        if arr.dtype.kind == "f" and not _finite(arr):
-            raise WireError("non_finite", f"{name} holds NaN or Inf")
     codec_desc = env.encoding.get("codec")
     if codec_desc is not None:
         try:
@@ -517,9 +533,7 @@ def decode_with_header(
             tensors = _codec.decode_tensors(tensors, codec_desc)
         except ValueError as exc:  # CompressionError and anything numpy raises on bad input
             raise WireError("bad_encoding", str(exc)) from None
-        for name, arr in tensors.items():
-            if arr.dtype.kind == "f" and not _finite(arr):
-                raise WireError("non_finite", f"{name} holds NaN or Inf")
+        _check_finite(tensors)
     msg = Message(
         kind=env.kind, round=env.round, tensors=tensors, meta=env.meta, sender=env.sender,
         recipient=env.recipient, msg_id=env.msg_id, time=env.time, wire_bytes=len(view),

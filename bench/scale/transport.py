@@ -1,7 +1,11 @@
 """Transport benchmark: publish -> full receipt over one loopback mosquitto.
 
 Three paths carry the same model (float32 tensors of the given total size), QoS 1,
-one message in flight at a time, in one process:
+one message in flight at a time.  By default the sender and the receiver are two
+processes (as two agents are), and the receiver reports the receipt time
+(``time.perf_counter``, the system-wide monotonic clock) back over a pipe;
+``--processes 1`` runs both ends in one process, where they also compete for one
+interpreter lock:
 
 * ``raw``: raw paho - one client publishes the tensors' bytes, another receives them
   (timed from ``publish`` to the receiver's ``on_message``);
@@ -17,7 +21,7 @@ per-stage CPU profile (no network) of encode and decode.
 
 Usage (repository root)::
 
-    nice -n 10 python bench/scale/transport.py --label after --out bench/scale/transport.jsonl
+    nice -n 10 python bench/scale/transport.py --label after --stages --out bench/scale/transport.jsonl
     python bench/scale/transport.py --report bench/scale/transport.jsonl > bench/scale/transport.md
 """
 
@@ -51,13 +55,22 @@ def model_of(nbytes: int, seed: int = 0) -> dict[str, np.ndarray]:
             for i, p in enumerate(parts)}
 
 
-def _guards() -> tuple[Any, Any]:
+def _keys() -> tuple[bytes, bytes]:
+    """Two fresh Ed25519 private keys (raw bytes), for nodes a and b."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    raw = (serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
+    return tuple(Ed25519PrivateKey.generate().private_bytes(*raw) for _ in range(2))  # type: ignore[return-value]
+
+
+def _guards(keys: tuple[bytes, bytes] | None = None) -> tuple[Any, Any]:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from dfl_agent.security import SecurityGuard, TrustStore
     from dfl_agent.security.keys import public_key_b64
 
-    ka, kb = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    ka, kb = (Ed25519PrivateKey.from_private_bytes(k) for k in (keys or _keys()))
     trust = {"a": public_key_b64(ka), "b": public_key_b64(kb)}
     return (SecurityGuard("a", ka, TrustStore(FED, trust), require_signatures=True),
             SecurityGuard("b", kb, TrustStore(FED, trust), require_signatures=True))
@@ -114,9 +127,12 @@ class RawPaho:
 class Ours:
     """Nodes A and B, each a RuntimeContext over an MqttTransport (signed or not)."""
 
-    def __init__(self, endpoint: str, signed: bool):
+    def __init__(self, endpoint: str, signed: bool, nodes: tuple[str, ...] = ("a", "b"),
+                 keys: tuple[bytes, bytes] | None = None):
         self.endpoint = endpoint
         self.signed = signed
+        self.nodes = nodes
+        self.keys = keys
         self.round = 0
 
     async def start(self) -> None:
@@ -124,10 +140,12 @@ class Ours:
         from dfl_agent.runtime.context import RuntimeContext
         from dfl_agent.transport.mqtt import MqttTransport
 
-        ga, gb = _guards() if self.signed else (None, None)
+        ga, gb = _guards(self.keys) if self.signed else (None, None)
         fed = FED + ("-s" if self.signed else "")
         self.ctx = {}
         for node, guard in (("a", ga), ("b", gb)):
+            if node not in self.nodes:
+                continue
             peers = PeerTable(node, fed)
             transport = MqttTransport(node, fed, broker=self.endpoint, peers=peers, descriptor={},
                                       control=guard)
@@ -151,9 +169,118 @@ class Ours:
             raise RuntimeError(f"ours (signed={self.signed}): message lost; dropped {dict(self.ctx['b'].rejected)}")
         return t1 - t0
 
+    async def send(self, tensors: dict[str, np.ndarray]) -> int:
+        """Broadcast one model from node a; returns its round number."""
+        from dfl_agent.algorithms.context import Message
+
+        self.round += 1
+        await self.ctx["a"].broadcast(Message("model", self.round, dict(tensors), meta={"samples": 100}))
+        return self.round
+
     async def stop(self) -> None:
         for ctx in self.ctx.values():
             await ctx.stop()
+
+
+def _receiver(endpoint: str, keys: tuple[bytes, bytes], conn: Any) -> None:
+    """Child process: node b of both federations and a raw paho subscriber; every
+    complete receipt is reported as ``(path, perf_counter)`` on ``conn``."""
+    import logging
+
+    import paho.mqtt.client as mqtt
+
+    logging.basicConfig(level=logging.ERROR)
+    host, port = endpoint.rsplit(":", 1)
+    lock = threading.Lock()
+
+    def report(path: str) -> None:
+        t = time.perf_counter()
+        with lock:
+            conn.send((path, t))
+
+    sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="raw-sub", protocol=mqtt.MQTTv5)
+    subscribed = threading.Event()
+    sub.on_subscribe = lambda *a: subscribed.set()
+    sub.on_connect = lambda c, *a: c.subscribe("bench/raw", qos=1)
+    sub.on_message = lambda c, u, msg: report("raw")
+    sub.connect(host, int(port))
+    sub.loop_start()
+
+    async def main() -> None:
+        nodes = {"ours": Ours(endpoint, False, ("b",)), "signed": Ours(endpoint, True, ("b",), keys)}
+        for o in nodes.values():
+            await o.start()
+
+        async def listen(path: str, o: Ours) -> None:
+            while True:
+                got = await o.ctx["b"].receive("model", deadline=asyncio.get_running_loop().time() + 3600)
+                if got is not None:
+                    report(path)
+
+        tasks = [asyncio.create_task(listen(p, o)) for p, o in nodes.items()]
+        subscribed.wait(10)
+        conn.send(("ready", 0.0))
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # "stop"
+        for t in tasks:
+            t.cancel()
+        for o in nodes.values():
+            await o.stop()
+
+    asyncio.run(main())
+    sub.disconnect()
+    sub.loop_stop()
+
+
+class TwoProcesses:
+    """Sender here (raw paho publisher, node a of both federations), receiver in a child."""
+
+    def __init__(self, endpoint: str):
+        import multiprocessing as mp
+
+        self.endpoint = endpoint
+        self.keys = _keys()
+        self.conn, child = mp.Pipe()
+        self.proc = mp.get_context("spawn").Process(target=_receiver, args=(endpoint, self.keys, child), daemon=True)
+
+    async def start(self) -> None:
+        import paho.mqtt.client as mqtt
+
+        self.proc.start()
+        host, port = self.endpoint.rsplit(":", 1)
+        self.pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="raw-pub", protocol=mqtt.MQTTv5)
+        self.pub.connect(host, int(port))
+        self.pub.loop_start()
+        self.ours = {"ours": Ours(self.endpoint, False, ("a",)), "signed": Ours(self.endpoint, True, ("a",), self.keys)}
+        for o in self.ours.values():
+            await o.start()
+        if not self.conn.poll(60) or self.conn.recv()[0] != "ready":
+            raise RuntimeError("receiver process did not start")
+        await asyncio.sleep(1.0)  # subscriptions of the receiver's nodes settle
+
+    def _wait(self, path: str) -> float:
+        if not self.conn.poll(60):
+            raise RuntimeError(f"{path}: message lost")
+        got, t = self.conn.recv()
+        if got != path:
+            raise RuntimeError(f"expected a receipt on {path}, got {got}")
+        return float(t)
+
+    async def once(self, path: str, tensors: dict[str, np.ndarray], payload: bytes) -> float:
+        t0 = time.perf_counter()
+        if path == "raw":
+            self.pub.publish("bench/raw", payload, qos=1)
+        else:
+            await self.ours[path].send(tensors)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self._wait, path) - t0
+
+    async def stop(self) -> None:
+        self.conn.send("stop")
+        self.proc.join(30)
+        self.pub.disconnect()
+        self.pub.loop_stop()
+        for o in self.ours.values():
+            await o.stop()
 
 
 # ----------------------------------------------------------------- stages
@@ -243,35 +370,54 @@ def _summary(samples: list[float]) -> dict[str, float]:
     return {"min": min(samples), "median": statistics.median(samples), "max": max(samples)}
 
 
-async def run(sizes: list[int], n: int, repeats: int) -> dict[str, Any]:
+async def run(sizes: list[int], n: int, repeats: int, processes: int = 2) -> dict[str, Any]:
     from dfl_agent.cli.broker import start_broker
 
     results: dict[str, Any] = {}
     with start_broker("mosquitto") as broker:
-        host, port = broker.endpoint.rsplit(":", 1)
-        raw = RawPaho(host, int(port))
-        ours, signed = Ours(broker.endpoint, False), Ours(broker.endpoint, True)
-        await ours.start()
-        await signed.start()
-        await asyncio.sleep(0.5)
+        if processes == 2:
+            two = TwoProcesses(broker.endpoint)
+            await two.start()
+
+            async def once(path: str, tensors: dict[str, np.ndarray], payload: bytes) -> float:
+                return await two.once(path, tensors, payload)
+
+            async def stop() -> None:
+                await two.stop()
+        else:
+            host, port = broker.endpoint.rsplit(":", 1)
+            raw = RawPaho(host, int(port))
+            ours, signed = Ours(broker.endpoint, False), Ours(broker.endpoint, True)
+            await ours.start()
+            await signed.start()
+            await asyncio.sleep(0.5)
+
+            async def once(path: str, tensors: dict[str, np.ndarray], payload: bytes) -> float:
+                if path == "raw":
+                    return raw.once(payload)
+                return await (ours if path == "ours" else signed).once(tensors)
+
+            async def stop() -> None:
+                raw.close()
+                await ours.stop()
+                await signed.stop()
         try:
             for size in sizes:
                 tensors = model_of(size)
                 payload = b"".join(a.tobytes() for a in tensors.values())
-                per: dict[str, Any] = {m: {"samples": [], "medians": []} for m in ("raw", "ours", "signed")}
+                paths = ("raw", "ours", "signed")
+                per: dict[str, Any] = {m: {"samples": [], "medians": []} for m in paths}
                 for _ in range(2):  # warm-up
-                    raw.once(payload)
-                    await ours.once(tensors)
-                    await signed.once(tensors)
+                    for m in paths:
+                        await once(m, tensors, payload)
                 for _ in range(repeats):
-                    rep: dict[str, list[float]] = {"raw": [], "ours": [], "signed": []}
+                    rep: dict[str, list[float]] = {m: [] for m in paths}
                     for _ in range(n):  # interleaved, so load changes hit all three alike
-                        rep["raw"].append(raw.once(payload))
-                        rep["ours"].append(await ours.once(tensors))
-                        rep["signed"].append(await signed.once(tensors))
-                    for m, s in rep.items():
-                        per[m]["samples"] += s
-                        per[m]["medians"].append(statistics.median(s))
+                        for m in paths:
+                            rep[m].append(await once(m, tensors, payload))
+                    for m, smp in rep.items():
+                        per[m]["samples"] += smp
+                        per[m]["medians"].append(statistics.median(smp))
                 row: dict[str, Any] = {"payload_bytes": len(payload)}
                 for m in per:
                     row[m] = {**_summary(per[m]["samples"]), "medians": per[m]["medians"]}
@@ -285,9 +431,7 @@ async def run(sizes: list[int], n: int, repeats: int) -> dict[str, Any]:
                                   "raw_median_ms": 1e3 * row["raw"]["median"],
                                   "ours_median_ms": 1e3 * row["ours"]["median"]}), flush=True)
         finally:
-            raw.close()
-            await ours.stop()
-            await signed.stop()
+            await stop()
     return results
 
 
@@ -296,7 +440,9 @@ def report(path: Path) -> str:
     lines = ["# Transport: publish to full receipt, one loopback mosquitto, QoS 1", ""]
     for line in path.read_text().splitlines():
         r = json.loads(line)
-        lines += [f"## {r['label']} ({r['time']}, wire v{r['wire_version']}, n={r['n']} x {r['repeats']} repeats)",
+        procs = r.get("processes", 1)
+        lines += [f"## {r['label']} ({r['time']}, wire v{r['wire_version']}, n={r['n']} x {r['repeats']} repeats, "
+                  f"{'sender and receiver in two processes' if procs == 2 else 'both ends in one process'})",
                   "", f"Command: `{r['command']}`", "",
                   "| message | path | min ms | median ms | max ms | ratio to raw paho (worst repeat) | rate MB/s |",
                   "|---|---|---|---|---|---|---|"]
@@ -329,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="repeats (the worst median is reported)")
     p.add_argument("--label", default="run", help="name of this run in the results file")
     p.add_argument("--out", default=None, help="append the results as one JSON line to this file")
+    p.add_argument("--processes", type=int, choices=(1, 2), default=2,
+                   help="2: sender and receiver in two processes (as two agents); 1: both in this one")
     p.add_argument("--stages", action="store_true", help="also profile encode/decode per stage (no network)")
     p.add_argument("--report", default=None, help="print the Markdown report of a results file and exit")
     a = p.parse_args(argv)
@@ -342,11 +490,11 @@ def main(argv: list[str] | None = None) -> int:
     from dfl_agent.transport import wire
 
     logging.basicConfig(level=logging.ERROR)
-    res = asyncio.run(run(a.sizes, a.n, a.repeats))
+    res = asyncio.run(run(a.sizes, a.n, a.repeats, a.processes))
     record: dict[str, Any] = {
         "label": a.label, "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "wire_version": getattr(dfl_agent, "WIRE_VERSION", None), "frame_version": wire.WIRE_VERSION,
-        "n": a.n, "repeats": a.repeats, "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "n": a.n, "repeats": a.repeats, "processes": a.processes, "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "command": "nice -n 10 python bench/scale/transport.py " + " ".join(sys.argv[1:]), "results": res,
     }
     if a.stages:

@@ -284,3 +284,16 @@ def test_decode_with_header_returns_the_parsed_envelope():
     frame = wire.encode(_msg(), federation="f", sender="s", sign=lambda body: "ed25519:eA==")
     msg, header = wire.decode_with_header(frame, federation="f")
     assert header == wire.raw_header(frame) and header["sig"] == "ed25519:eA==" and msg.sender == "s"
+
+
+def test_finite_check_over_the_whole_payload_and_per_tensor():
+    big = np.full(10, 3e38, np.float32)  # finite values whose float32 sum overflows
+    ok = {"a": big, "b": np.ones(3, np.float32), "c": np.arange(2, dtype=np.int64)}
+    for tensors in (ok, {"a": big, "b": np.ones(3, np.float32)}):
+        got = wire.decode(wire.encode(_msg(tensors=tensors), federation="f", sender="s")).tensors
+        np.testing.assert_array_equal(got["a"], big)
+    for mixed in (False, True):
+        bad = {"a": np.ones(5, np.float32), "z": np.array([1, np.inf, 2], np.float32)}
+        if mixed:
+            bad["i"] = np.ones(3, np.int8)
+        assert _reason(wire.encode(_msg(tensors=bad), federation="f", sender="s")) == "non_finite"
