@@ -171,7 +171,7 @@ def _table(statuses: dict[str, dict[str, Any]], presence: dict[str, dict[str, An
     two = _two_models(statuses.values())
     t = Table(title=f"dfl-agent demo: {len(ids)} agents, {rounds} rounds (global test accuracy, held-out users)",
               caption=PEAK_NOTE if two else None, caption_justify="left")
-    accuracy_cols = ("peak (deployed)", "regular", "took part") if two else ("federated",)
+    accuracy_cols = ("peak", "regular", "took part") if two else ("federated",)
     for col in ("node", "state", "round", *accuracy_cols, "alone", "peers", "sent MB", "recv MB", "dropped"):
         t.add_column(col, justify="right" if col not in ("node", "state") else "left")
     for nid in ids:
@@ -205,13 +205,13 @@ def progress_line(nid: str, s: dict[str, Any], rounds: int) -> str:
 
 def run_demo(opts: DemoOptions) -> int:
     """Run the demo; returns the process exit code (0 = the federation succeeded)."""
-    from rich.console import Console
     from rich.live import Live
 
     from dfl_agent.cli.broker import start_broker
     from dfl_agent.cli.observer import Observer
+    from dfl_agent.cli.output import console as make_console
 
-    console = Console()
+    console = make_console()  # no wrapping when stdout is not a terminal
     started = time.time()
     out = Path(opts.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -347,7 +347,7 @@ def _final_table(console, summary, histories, ids, killed) -> None:
     two = _two_models(r for h in histories.values() for r in h)
     t = Table(title="final: global test accuracy on the held-out users", caption=PEAK_NOTE if two else None,
               caption_justify="left")
-    model_cols = ("peak (deployed) model", "regular model", "rounds taken part") if two else ("federated model",)
+    model_cols = ("peak model", "regular model", "took part") if two else ("federated model",)
     for col in ("node", "rounds", *model_cols, "same model trained alone", "sent MB", "received MB"):
         t.add_column(col, justify="left" if col == "node" else "right")
     for nid in ids:

@@ -33,7 +33,7 @@ def test_dfml_live_table_and_lines_name_peak_regular_and_participation():
                 "n1": {"round": 3, "state": "running", "global_accuracy": 0.7, "regular_global_accuracy": 0.6,
                        "participated": True}}
     text = _render(_table(statuses, {}, ["n0", "n1"], 4))
-    for label in ("peak (deployed)", "regular", "took part", "0.550", "0.600"):
+    for label in ("peak", "regular", "took part", "0.550", "0.600", "deployed model"):
         assert label in text, label
     assert "new maximum" in text  # the caption explains the flat peak curve
     line0, line1 = progress_line("n0", statuses["n0"], 4), progress_line("n1", statuses["n1"], 4)
@@ -56,7 +56,7 @@ def test_dfml_final_table_counts_rounds_taken_part():
     buf = io.StringIO()
     _final_table(Console(file=buf, width=250, no_color=True), summary, histories, list(histories), set())
     text = buf.getvalue()
-    assert "peak (deployed) model" in text and "regular model" in text and "rounds taken part" in text
+    assert "peak model" in text and "regular model" in text and "took part" in text
     assert "2/4" in text  # each node took part in 2 of 4 rounds
     assert "0.600" in text  # the regular model's last accuracy (0.4 + 0.05 * 4)
     assert PEAK_NOTE.split(";")[0][:40] in text.replace("\n", " ")
