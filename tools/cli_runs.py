@@ -184,6 +184,25 @@ def run_rows(runs: dict[str, Any], statuses: dict[str, Any]) -> list[dict[str, A
              "nodes": ", ".join(f"{n}:{x['state']}@{x['round']}" for n, x in v["nodes"].items())} for v in views]
 
 
+def _pairs(items: list[str] | None, flag: str) -> dict[str, Any]:
+    """``KEY=VALUE`` arguments as a dict, each value parsed as JSON when it is JSON
+    (``3`` -> 3, ``true`` -> True), else kept as text.
+
+    Raises:
+        ValueError: an item without ``=`` or without a key (the message names ``flag``).
+    """
+    out: dict[str, Any] = {}
+    for item in items or []:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE")
+        try:
+            out[k] = json.loads(v)
+        except ValueError:
+            out[k] = v
+    return out
+
+
 def cmd_submit(a: argparse.Namespace) -> int:
     from dfl_agent.runtime.runs import RunDescriptor, new_run_id, run_topic, sign_descriptor
 
@@ -193,26 +212,11 @@ def cmd_submit(a: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"dflctl run submit: --operator-dir: {exc}", file=sys.stderr)
         return 2
-    options: dict[str, Any] = {}
-    for item in a.option or []:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            print(f"dflctl run submit: --option {item!r}: expected KEY=VALUE", file=sys.stderr)
-            return 2
-        try:
-            options[k] = json.loads(v)
-        except ValueError:
-            options[k] = v
-    training: dict[str, Any] = {}
-    for item in a.training or []:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            print(f"dflctl run submit: --training {item!r}: expected KEY=VALUE", file=sys.stderr)
-            return 2
-        try:
-            training[k] = json.loads(v)
-        except ValueError:
-            training[k] = v
+    try:
+        options, training = _pairs(a.option, "--option"), _pairs(a.training, "--training")
+    except ValueError as exc:
+        print(f"dflctl run submit: {exc}", file=sys.stderr)
+        return 2
     model: dict[str, Any] = {}
     if a.model_size:
         model["size"] = a.model_size

@@ -264,3 +264,13 @@ def test_default_run_recurs_when_k_new_samples_arrived_and_never_overlaps(tmp_pa
     with pytest.raises(ConfigError, match="algorithm.every_samples"):
         config_from_dict({"algorithm": {"every_samples": 0},
                           "data": {"dataset": "store", "input_shape": [3, 4], "num_classes": 2}})
+
+
+def test_submit_key_value_pairs_are_parsed_as_json_or_text():
+    from dfl_agent.cli.cli_runs import _pairs
+
+    assert _pairs(["round_timeout=20", "rule=median", "on=true", "w=[1, 2]"], "--option") == \
+        {"round_timeout": 20, "rule": "median", "on": True, "w": [1, 2]}
+    assert _pairs(None, "--training") == {}
+    with pytest.raises(ValueError, match="--training 'steps': expected KEY=VALUE"):
+        _pairs(["steps"], "--training")
