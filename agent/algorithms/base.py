@@ -253,4 +253,8 @@ def parse_options(cls: type[Algorithm], raw: Mapping[str, Any] | None, prefix: s
     try:
         return opts_cls(**kwargs)
     except (TypeError, ValueError) as exc:
+        # an option's own check ("round_timeout must be > 0, got 0"): name the key
+        head, _, rest = str(exc).partition(" ")
+        if head in fields and rest:
+            raise ValueError(f"{prefix}.{head}: {rest}") from None
         raise ValueError(f"{prefix}: {exc}") from None

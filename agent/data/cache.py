@@ -73,10 +73,17 @@ def read_npz(path: Path, keys: tuple[str, ...] | None = None) -> dict[str, np.nd
     except OSError as e:
         raise ValueError(f"{path}: cannot be opened ({e})") from None
     with f:
+        head = f.read(6)
+        f.seek(0)
+        if head[:4] not in (b"PK\x03\x04", b"PK\x05\x06") and not head.startswith(b"\x93NUMPY"):
+            # numpy would guess at a pickle here and suggest loading it unsafely: say what it is
+            raise ValueError(f"{path}: not an .npz archive (no zip header; the file is damaged or of another "
+                             "format)")
         try:
             z = np.load(f, allow_pickle=False)
         except (ValueError, zipfile.BadZipFile, EOFError, OSError) as e:
-            raise ValueError(f"{path}: not a readable .npz file ({e})") from None
+            why = "not a valid zip archive" if "pickle" in str(e) else str(e)
+            raise ValueError(f"{path}: not a readable .npz file ({why})") from None
         if not isinstance(z, np.lib.npyio.NpzFile):
             raise ValueError(f"{path}: is a single .npy array, not an .npz archive")
         with z:

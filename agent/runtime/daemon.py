@@ -130,8 +130,7 @@ class Agent:
     async def run(self, stop: asyncio.Event) -> int:
         import torch
 
-        from dfl_agent.algorithms.base import get_algorithm, parse_options
-        from dfl_agent.data import load_dataset, node_data_for
+        from dfl_agent.data import node_data_for
         from dfl_agent.discovery.mdns import MdnsDiscovery
         from dfl_agent.discovery.peers import PeerTable
         from dfl_agent.discovery.static import load_static_peers
@@ -140,6 +139,7 @@ class Agent:
         from dfl_agent.models.defaults import check_algorithm_models
         from dfl_agent.runtime.context import RuntimeContext
         from dfl_agent.runtime.node import Node, RunStopped, init_seed_for
+        from dfl_agent.runtime.preflight import load_data, resolve_algorithm
         from dfl_agent.transport.mqtt import MqttTransport
 
         cfg = self.cfg
@@ -147,14 +147,13 @@ class Agent:
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
             self.node_id = nid = node_id_from_state(self.state_dir, cfg.node_id)
-            algo_cls = get_algorithm(cfg.algorithm.name)
-            options = parse_options(algo_cls, cfg.algorithm.options)
+            algo_cls, options = resolve_algorithm(cfg)  # ConfigError (a ValueError) names the key
             profile, behaviour = apply_profile(cfg, algo_cls.name)  # device profile + decision table
             torch.set_num_threads(behaviour.threads)
             if d.dataset == "store":  # the on-device sample store (dfl_agent.store)
                 bundle, data = self._store_data()
             else:
-                bundle = load_dataset(d.dataset, path=d.path, cache_dir=d.cache_dir)
+                bundle = load_data(cfg)
                 data = node_data_for(bundle, d.num_nodes, d.node_index, d.partition, seed=cfg.seed, beta=d.beta,
                                      zeta=d.zeta)
             spec = model_spec_for(cfg, algo_cls.name, bundle.pool.input_shape, bundle.pool.num_classes,
@@ -946,9 +945,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dfl-agent`` console script."""
+    from dfl_agent.runtime.preflight import check_startup
+
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args.config)
+        # every check of the start before the network; check-config loads the data too
+        # (run loads it right after, as it starts)
+        check_startup(cfg, load=args.cmd == "check-config")
     except ConfigError as exc:
         print(f"dfl-agent: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -956,14 +960,29 @@ def main(argv: list[str] | None = None) -> int:
         print("configuration OK")
         return 0
     _setup_logging(cfg.runtime.log_level, cfg.runtime.log_format)
+    state_dir = Path(cfg.state_dir)
+    existed = state_dir.exists()
     try:
         return run_agent(cfg, args.config, once=args.once)
     except StartupError as exc:
         log.error("cannot start: %s", exc)
+        if not existed:  # a failed start leaves no half-made state directory behind
+            _remove_new_state_dir(state_dir)
         return 2
     except Exception:
         log.exception("the agent stopped on an unexpected error")
         return 1
+
+
+def _remove_new_state_dir(state_dir: Path) -> None:
+    """Remove ``state_dir``, which this process created during a start that failed on
+    bad configuration or data (it holds at most a new node id, key and empty files)."""
+    import shutil
+
+    try:
+        shutil.rmtree(state_dir)
+    except OSError as exc:
+        log.warning("could not remove the state directory %s of the failed start: %s", state_dir, exc)
 
 
 def _as_round(value: Any) -> int:

@@ -78,3 +78,47 @@ def test_bad_payloads_are_counted_and_the_agent_keeps_running(tmp_path):
     assert errors.get("incompatible", 0) + errors.get("not_neighbour", 0) + errors.get("stale", 0) >= 1
     log = (tmp_path / "a0.log").read_text()
     assert "Traceback" not in log
+
+
+# -- bad input at start: every check of `run` also in `check-config`; one line, exit 2 ----
+
+BAD_START = {  # case -> (TOML lines added to a valid digits config, the key the error names)
+    "unknown_algorithm": ('[algorithm]\nname = "nope"\n', "algorithm.name"),
+    "unknown_option": ("[algorithm.options]\nbogus = 1\n", "algorithm.options.bogus"),
+    "round_timeout_zero": ("[algorithm.options]\nround_timeout = 0\n", "algorithm.options.round_timeout"),
+    "round_timeout_negative": ("[algorithm.options]\nround_timeout = -1.5\n", "algorithm.options.round_timeout"),
+    "unknown_dataset": ('[data]\ndataset = "nope"\n', "data.dataset"),
+    "static_peer_not_a_string": ("[discovery]\nstatic_peers = [5]\n", "discovery.static_peers[0]"),
+    "static_peer_bad_id": ('[discovery]\nstatic_peers = ["not a peer!"]\n', "discovery.static_peers[0]"),
+    "data_path_missing": ('[data]\ndataset = "npz"\npath = "{tmp}/missing"\n', "data.path"),
+    "data_path_is_a_file": ('[data]\ndataset = "npz"\npath = "{tmp}/a_file"\n', "data.path"),
+    "train_npz_random_bytes": ('[data]\ndataset = "npz"\npath = "{tmp}/random"\n', "data.path"),
+}
+
+
+@pytest.mark.parametrize("command", ["check-config", "run"])
+@pytest.mark.parametrize("case", sorted(BAD_START))
+def test_bad_start_input_is_one_line_exit_2_and_no_state_dir(tmp_path, case, command):
+    """Each bad input fails ``check-config`` as it fails ``run --once``: before the network,
+    exit code 2, one line on stderr naming the key (no traceback, no numpy advice about
+    pickles), and no state directory left behind."""
+    (tmp_path / "a_file").write_text("not a directory\n")
+    (tmp_path / "random").mkdir()
+    (tmp_path / "random" / "train.npz").write_bytes(np.random.default_rng(0).bytes(4096))
+    extra, key = BAD_START[case]
+    state = tmp_path / "state"
+    path = tmp_path / "node.toml"
+    path.write_text(f'federation = "f"\nnode_id = "n0"\nstate_dir = "{state}"\n'
+                    '[mqtt]\nbroker = "127.0.0.1:1"\n' + extra.format(tmp=tmp_path)
+                    + ("" if "[data]" in extra else '[data]\ndataset = "digits"\n'))
+    args = [command, "--config", str(path)] + (["--once"] if command == "run" else [])
+    p = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.daemon", *args],
+                       capture_output=True, text=True, timeout=180)
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert len(lines) == 1, lines
+    assert f"{key}:" in lines[0] and "Traceback" not in lines[0], lines
+    assert "pickle" not in lines[0].lower(), lines
+    if case == "data_path_is_a_file":
+        assert "is a file, not a directory" in lines[0], lines
+    assert not state.exists(), sorted(str(x) for x in state.rglob("*"))
