@@ -938,7 +938,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--once", action="store_true",
                    help="run the configured [algorithm] run, then exit (demo, tests, batch jobs); "
                         "without it the agent serves until stopped and trains in runs")
-    c = sub.add_parser("check-config", help="validate a configuration file and exit")
+    c = sub.add_parser("check-config", help="validate a configuration file and exit: every check of run before it "
+                                             "connects (algorithm and options, profile, data set and path, data "
+                                             "files, static peers, key); writes nothing")
     c.add_argument("--config", required=True, help="node configuration (TOML)")
     return p
 
