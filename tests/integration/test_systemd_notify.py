@@ -4,6 +4,7 @@ stop while the event loop is blocked."""
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -104,43 +105,77 @@ def test_journal_formatter_priorities():
     assert JournalFormatter().format(rec) == "<4>dfl_agent.daemon: peer a lost | again"
 
 
+#: how a test starts an agent process (a meta-test swaps in a deliberately broken agent)
+AGENT = [sys.executable, "-m", "dfl_agent.runtime.daemon"]
+
+
+def _wait(cond, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
+
+
 @pytest.mark.slow
 def test_agent_process_notifies_ready_status_watchdog_and_reloads(tmp_path, mosquitto_broker, federation):
+    """READY, STATUS, WATCHDOG and checkpoints from a training agent; SIGHUP while it trains:
+    RELOADING=1, the new log level applied (debug lines appear), READY=1 again, training goes
+    on; a broken file on SIGHUP is refused and the agent keeps running; SIGTERM: STOPPING=1."""
     sink = NotifySocket(tmp_path / "notify.sock")
     cfg = config_from_dict({
         "federation": federation, "node_id": "sd0", "state_dir": str(tmp_path / "state"),
-        "algorithm": {"name": "local", "rounds": 3},
+        "algorithm": {"name": "local", "rounds": 100000},  # still training when the signals come
         "data": {"dataset": "digits", "partition": "iid"},
-        "model": {"size": "small"},
-        "mqtt": {"broker": mosquitto_broker.endpoint},
+        "model": {"size": "small"}, "training": {"steps": 2},
+        "mqtt": {"broker": mosquitto_broker.endpoint, "heartbeat_interval": 0.5},
         "discovery": {"mdns": False},
     })
     path = tmp_path / "node.toml"
     path.write_text(dump_toml(cfg))
     env = {**os.environ, "NOTIFY_SOCKET": sink.path, "WATCHDOG_USEC": "400000"}
-    log = open(tmp_path / "agent.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
+    log_path = tmp_path / "agent.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen([*AGENT, "run", "--once", "--config", str(path)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def text() -> str:
+        return log_path.read_text()
+
+    def trained_rounds() -> int:
+        return len(re.findall(r"round \d+ done", text()))
+
     try:
-        assert sink.wait_for("READY=1", 90), (tmp_path / "agent.log").read_text()[-2000:]
+        assert sink.wait_for("READY=1", 180), text()[-2000:]
+        assert _wait(lambda: trained_rounds() >= 2, 90), text()[-2000:]
+        assert " DEBUG " not in text()  # log level info so far
+        # SIGHUP while training: the new log level is applied
         path.write_text(dump_toml(cfg).replace('log_level = "info"', 'log_level = "debug"'))
         proc.send_signal(signal.SIGHUP)
-        assert proc.wait(timeout=120) == 0, (tmp_path / "agent.log").read_text()[-3000:]
+        assert sink.wait_for("RELOADING=1", 30), sink.messages
+        assert _wait(lambda: "applied runtime.log_level" in text(), 30), text()[-2000:]
+        assert _wait(lambda: len(sink.having("READY=1")) >= 2, 30), sink.messages
+        at_reload = trained_rounds()
+        assert _wait(lambda: " DEBUG " in text().split("applied runtime.log_level", 1)[1], 30), text()[-2000:]
+        assert _wait(lambda: trained_rounds() >= at_reload + 2, 60), text()[-2000:]  # training goes on
+        # a broken file: refused, the running configuration kept, READY again, still training
+        path.write_text("federation = [unclosed\n")
+        proc.send_signal(signal.SIGHUP)
+        assert _wait(lambda: "reload: configuration error, keeping the running one" in text(), 30), text()[-2000:]
+        assert _wait(lambda: len(sink.having("READY=1")) >= 3, 30), sink.messages
+        at_bad = trained_rounds()
+        assert _wait(lambda: trained_rounds() >= at_bad + 2, 60) and proc.poll() is None, text()[-2000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
         sink.close()
-    text = (tmp_path / "agent.log").read_text()
     assert sink.having("WATCHDOG=1"), sink.messages
     statuses = [m for _, m in sink.having("STATUS=")]
     assert any("round" in m and "peers" in m for m in statuses), statuses
     assert sink.having("STOPPING=1")
-    # SIGHUP: RELOADING=1, then READY=1 again; the new log level is applied
-    if sink.having("RELOADING=1"):
-        assert "applied runtime.log_level" in text
-        assert len(sink.having("READY=1")) >= 2
-    else:  # the 3 rounds finished before the signal arrived: nothing to check
-        assert "finished 3 rounds" in text
-    # checkpoints after every round
-    assert sorted(p.name for p in (tmp_path / "state" / "checkpoints").glob("*.json")) == [
-        "round-00000002.json", "round-00000003.json"]
+    # checkpoints after every round, the newest two kept
+    kept = sorted(int(p.stem.split("-")[1]) for p in (tmp_path / "state" / "checkpoints").glob("round-*.json"))
+    assert len(kept) == 2 and kept[1] == kept[0] + 1 and kept[1] >= trained_rounds() - 1, kept

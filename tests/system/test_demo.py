@@ -1,6 +1,7 @@
 """The main job end to end: real agent processes, a real broker, mDNS on 127.0.0.1."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -55,6 +56,22 @@ def test_demo_over_amqtt_with_mqtt_311(tmp_path):
                       "--algorithm", "fedavg")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert s["rounds_completed"] == 2 and s["broker"] == "amqtt"
+    # the amqtt broker carried the models: both agents connected to its endpoint with MQTT 3.1.1 ...
+    m = re.search(r"broker: amqtt on (\S+);", r.stdout)
+    assert m, r.stdout[-2000:]
+    endpoint = m.group(1)
+    for log in sorted((out / "logs").glob("*.log")):
+        text = log.read_text()
+        assert f"connecting to home broker {endpoint} (MQTT 3.1.1)" in text and f"connected to {endpoint}" in text, \
+            text[-2000:]
+    # ... and each round every agent averaged the other's model, received over it
+    recs = _records(out)
+    assert len(recs) == 2, sorted(recs)
+    for n, rounds in recs.items():
+        other = (set(recs) - {n}).pop()
+        assert sorted(rounds) == [1, 2]
+        assert all(rec["neighbour_ids"] == [other] for rec in rounds.values()), (n, rounds)
+        assert rounds[2]["bytes_received"] > 0 and rounds[2]["bytes_received_by_kind"].get("model", 0) > 0
 
 
 @needs_mosquitto
@@ -84,3 +101,46 @@ def test_other_algorithms_run_on_real_agent_processes(tmp_path, algorithm):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert s["algorithm"] == algorithm and s["rounds_completed"] == 3 and not s["failed"]
     assert s["bytes_sent"] > 0
+    check_algorithm_evidence(algorithm, _records(out))
+
+
+def _records(out) -> dict[str, dict[int, dict]]:
+    """node id -> round -> that node's metrics record of the round (the demo's metrics.jsonl)."""
+    recs: dict[str, dict[int, dict]] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        recs.setdefault(rec["node"], {})[rec["round"]] = rec
+    return recs
+
+
+def check_algorithm_evidence(algorithm: str, recs: dict[str, dict[int, dict]], rounds: int = 3) -> None:
+    """Assert that each node used its neighbours' contributions the way ``algorithm`` does."""
+    ids = sorted(recs)
+    assert len(ids) == 3 and all(sorted(recs[n]) == list(range(1, rounds + 1)) for n in ids), recs
+    for n in ids:
+        assert recs[n][rounds]["bytes_received"] > 0, n
+    if algorithm == "dechw":  # every round: both neighbours' models, weighted by their Hessians
+        for n in ids:
+            for t, rec in recs[n].items():
+                assert set(rec["neighbour_ids"]) == set(ids) - {n}, (n, t, rec["neighbour_ids"])
+                assert rec["hessian_weighted"] is True, (n, t)
+            assert recs[n][rounds]["hessian_rounds"] == rounds, n
+    elif algorithm == "defkt":  # every round: one receiver took the sender's model by knowledge transfer
+        for t in range(1, rounds + 1):
+            receivers = [recs[n][t] for n in ids if recs[n][t]["role"] == "receiver"]
+            assert len(receivers) == 1, (t, [recs[n][t]["role"] for n in ids])
+            rec = receivers[0]
+            assert rec["fused"] is True and rec["neighbour_ids"] == [rec["partner"]] and rec["partner"] in ids, rec
+            assert rec["transfer_kl"] >= 0 and rec["transfer_ce"] > 0, rec
+    elif algorithm == "heterofl":  # every round: the aggregator took contributions, its senders its update
+        for t in range(1, rounds + 1):
+            agg = recs[ids[0]][t]["aggregator"]
+            assert all(recs[n][t]["aggregator"] == agg for n in ids), t
+            took = recs[agg][t]["neighbour_ids"]
+            assert took and set(took) <= set(ids) - {agg} and recs[agg][t]["participants"] == len(took) + 1, \
+                (t, agg, recs[agg][t])
+            assert recs[agg][t]["contributors"] == ",".join(took)
+            for n in took:
+                assert recs[n][t]["neighbour_ids"] == [agg], (t, n, recs[n][t])
+    else:
+        raise AssertionError(f"no evidence rule for {algorithm}")
