@@ -177,7 +177,8 @@ async def deploy_after_run(agent: Any, spec: dict[str, Any], input_shape: Sequen
         deploy_model, models, model, spec, input_shape, data.class_names, data.val_x, data.val_y,
         run_id=agent.run_desc.run_id if getattr(agent, "run_desc", None) is not None else agent.run_id,
         round=last_round, algorithm=node.algorithm.name,
-        tolerance=cfg.deploy.tolerance, min_validation=cfg.deploy.min_validation)
+        tolerance=cfg.deploy.tolerance, min_validation=cfg.deploy.min_validation,
+        onnx=None if getattr(cfg.deploy, "onnx", True) else False)
     doc = announcement(models, agent.node_id, cfg.federation, getattr(ctx, "security", None))
     publish = getattr(ctx.transport, "publish_retained", None)
     if doc is not None and publish is not None:

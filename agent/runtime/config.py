@@ -265,6 +265,9 @@ class DeploySection:
     keep: int = described(3, help="model versions kept under `state_dir/models`")
     min_validation: int = described(
         20, help="with fewer validation samples, deploy only with `--force` or when no model is deployed")
+    onnx: bool = described(
+        True, help="export `model.onnx` (checked against torch) when the onnx extra is installed; "
+                   "false: `model.safetensors` and `spec.json` only, no inference-member delivery")
 
 
 @dataclasses.dataclass

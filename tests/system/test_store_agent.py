@@ -238,7 +238,8 @@ def test_three_agents_two_runs_growing_stores_one_deployment_per_run(tmp_path):
                     "training": {"epochs": 1, "batch_size": 32, "threads": 1},
                     "data": {"dataset": "store", "input_shape": list(SHAPE), "num_classes": 4,
                              "spool_interval": 0.5},
-                    "model": {"size": "small"}, "deploy": {"tolerance": 1.0},
+                    # no ONNX export here (the one-agent test covers the daemon's ONNX path)
+                    "model": {"size": "small"}, "deploy": {"tolerance": 1.0, "onnx": False},
                     "mqtt": {"broker": broker.endpoint, "heartbeat_interval": 1.0},
                     "discovery": {"mdns": False, "min_peers": 2, "start_timeout": 600},
                 })
@@ -279,6 +280,7 @@ def test_three_agents_two_runs_growing_stores_one_deployment_per_run(tmp_path):
         v1, v2 = verify_folder(m.folder(1)), verify_folder(m.folder(2))
         assert v2["run_id"] == rid and v1["run_id"] != rid and v1["algorithm"] == v2["algorithm"] == "fedavg"
         assert v1["round"] == v2["round"] == 2
+        assert not v1["onnx"] and "model.onnx" not in v2["files"]  # deploy.onnx = false
         runs = _run_metrics(states[n])
         assert set(runs) == {v1["run_id"], rid}, runs.keys()
         first, second = ({r["train_samples"] for r in runs[k]} for k in (v1["run_id"], rid))
