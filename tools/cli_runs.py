@@ -53,15 +53,20 @@ def load_operator(d: str | None) -> tuple[Any, dict[str, Any] | None, str]:
     return load_private_key(keys[0]), cert, name
 
 
+#: the operator's run sequence numbers, in the --operator-dir folder (not the devices'
+#: control_seq.json: a folder that is also a device's state directory keeps both apart)
+OPERATOR_SEQ_FILE = "operator_seq.json"
+
+
 def operator_seq(d: str | None) -> Any:
-    """The operator's control sequence counter, persisted in ``d/control_seq.json`` when
+    """The operator's control sequence counter, persisted in ``d/operator_seq.json`` when
     that folder is writable (else counted from the clock, which also grows)."""
     import os
 
-    from dfl_agent.security.trust import SEQ_FILE, SeqCounter
+    from dfl_agent.security.trust import SeqCounter
 
     if d is not None and os.access(d, os.W_OK):
-        return SeqCounter(Path(d) / SEQ_FILE)
+        return SeqCounter(Path(d) / OPERATOR_SEQ_FILE)
     return SeqCounter(None)
 
 

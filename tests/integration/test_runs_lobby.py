@@ -135,3 +135,44 @@ def test_prometheus_endpoint_answers_while_idle(mosquitto_broker, federation, tm
     assert 'state="idle"' in first and 'node="idler"' in first and "dfl_round 0.0" in first
     assert 'dfl_runs_refused_total{reason="unsigned"} 1.0' in text
     assert not RunLedger(tmp_path).entries  # nothing ran
+
+
+def test_dflctl_submit_then_cancel_reaches_a_verifying_lobby(mosquitto_broker, federation, tmp_path):
+    """``dflctl run submit`` and ``run cancel`` sign with the operator's key, certificate and
+    persisted sequence numbers; a lobby that requires signatures takes the cancelled copy."""
+    import subprocess
+    import sys
+
+    from dfl_agent.security.keys import save_certificate, save_private_key
+
+    fed_key = Ed25519PrivateKey.generate()
+    op = tmp_path / "alice"
+    op.mkdir()
+    key = Ed25519PrivateKey.generate()
+    save_private_key(key, op / "operator_key.pem")
+    save_certificate(operator_certificate(fed_key, federation, "alice", public_key_b64(key)), op / "operator_cert.json")
+    b = ["--broker", mosquitto_broker.endpoint, "--federation", federation, "--operator-dir", str(op)]
+
+    def dflctl(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "dfl_agent.cli.dflctl", "run", *args], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    rid = dflctl("submit", *b, "--algorithm", "fedavg", "--rounds", "3", "--models", "H1", "--training", "steps=7")
+    assert json.loads((op / "operator_seq.json").read_text())  # persisted in the operator folder
+    assert dflctl("cancel", rid, *b) == f"cancelled {rid}"
+    cfg = config_from_dict({"federation": federation, "mqtt": {"broker": mosquitto_broker.endpoint},
+                            "security": {"require_signatures": True, "federation_key": public_key_b64(fed_key)}})
+    lobby = RunLobby(cfg, "n", RunVerifier(federation, require_signatures=True, federation_key=public_key_b64(fed_key)))
+    lobby.start()
+    try:
+        end = time.monotonic() + 20
+        while lobby.run(rid) is None and time.monotonic() < end:
+            time.sleep(0.1)
+        d = lobby.run(rid)
+        assert d is not None and d.cancelled and d.seq == 2 and d.submitter == "alice"
+        assert (d.model, d.training) == ({"family": "H1"}, {"steps": 7})
+        assert not lobby.verifier.refused
+    finally:
+        lobby.stop()
