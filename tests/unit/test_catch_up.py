@@ -192,12 +192,12 @@ def test_bad_tensor_future_round_frame_is_no_evidence():
 
 
 def test_one_of_three_live_neighbours_ahead_does_not_skip():
-    nxt, me = _skip_scenario([("a", 90, GOOD), ("b", 15, GOOD), ("c", 15, GOOD)])
-    assert nxt == 16 and me.caught_up == 0
+    nxt, me = _skip_scenario([("a", 90, GOOD), ("b", 15, GOOD), ("c", 15, GOOD)], secure=True)
+    assert nxt == 16 and me.caught_up == 0 and sorted(me.neighbours()) == ["a", "b", "c"]
 
 
 def test_two_of_three_live_neighbours_ahead_skip():
-    nxt, me = _skip_scenario([("a", 90, GOOD), ("b", 40, GOOD), ("c", 15, GOOD)])
+    nxt, me = _skip_scenario([("a", 90, GOOD), ("b", 40, GOOD), ("c", 15, GOOD)], secure=True)
     # half of three (rounded up) = two showed round 39 or later: skip to one past it
     assert nxt == 40 and me.caught_up == 40 - 16
 

@@ -23,3 +23,52 @@ def test_config_error_is_one_line_exit_2_and_leaves_no_state(tmp_path, extra, ke
     assert p.returncode == 2, p.stdout + p.stderr
     assert len(lines) == 1 and key in lines[0] and "Traceback" not in lines[0], lines
     assert not state.exists()
+
+
+# -- the start-up checks themselves, in process (the subprocess cases are in
+# -- tests/system/test_bad_input.py) ----------------------------------------------------
+
+def _cfg(tmp_path, **sections):
+    from dfl_agent.runtime.config import config_from_dict
+
+    raw = {"federation": "f", "node_id": "n0", "state_dir": str(tmp_path / "state"),
+           "data": {"dataset": "digits"}, "mqtt": {"broker": "127.0.0.1:1"}}
+    for k, v in sections.items():
+        raw[k] = {**raw.get(k, {}), **v}
+    return config_from_dict(raw)
+
+
+@pytest.mark.parametrize("sections,message", [
+    ({"algorithm": {"name": "nope"}}, "algorithm.name: unknown algorithm 'nope'"),
+    ({"algorithm": {"options": {"bogus": 1}}}, "algorithm.options.bogus: unknown option"),
+    ({"algorithm": {"options": {"round_timeout": 0}}}, "algorithm.options.round_timeout: must be > 0"),
+    ({"algorithm": {"options": {"round_timeout": -2}}}, "algorithm.options.round_timeout: must be > 0"),
+    ({"data": {"dataset": "nope"}}, "data.dataset: unknown dataset 'nope'"),
+    ({"data": {"dataset": "npz", "path": "{tmp}/missing"}}, "data.path: {tmp}/missing does not exist"),
+    ({"data": {"dataset": "npz", "path": "{tmp}/a_file"}}, "data.path: {tmp}/a_file is a file, not a directory"),
+    ({"data": {"dataset": "npz", "path": "{tmp}/random"}}, "data.path: {tmp}/random/train.npz: not an .npz archive"),
+    ({"discovery": {"static_peers": ["b", "b"]}}, "discovery.static_peers: "),
+])
+def test_check_startup_names_the_key_and_writes_nothing(tmp_path, sections, message):
+    import numpy as np
+
+    from dfl_agent.runtime.config import ConfigError
+    from dfl_agent.runtime.preflight import check_startup
+
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "random").mkdir()
+    (tmp_path / "random" / "train.npz").write_bytes(np.random.default_rng(1).bytes(2048))
+    fill = lambda v: v.replace("{tmp}", str(tmp_path)) if isinstance(v, str) else v  # noqa: E731
+    sections = {k: {kk: fill(vv) for kk, vv in v.items()} for k, v in sections.items()}
+    with pytest.raises(ConfigError) as e:
+        check_startup(_cfg(tmp_path, **sections))
+    assert str(e.value).startswith(fill(message)), str(e.value)
+    assert "\n" not in str(e.value) and "pickle" not in str(e.value)
+    assert not (tmp_path / "state").exists()
+
+
+def test_check_startup_passes_a_good_config_and_writes_nothing(tmp_path):
+    from dfl_agent.runtime.preflight import check_startup
+
+    check_startup(_cfg(tmp_path, algorithm={"options": {"round_timeout": 5.0}}))
+    assert not (tmp_path / "state").exists()
