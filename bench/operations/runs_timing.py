@@ -1,12 +1,18 @@
 """Run latency on always-on agents: time from ``dflctl run submit`` until every member
-trains, and from a run's last round until every member is idle.
+trains, from a run's last round until every member is idle, and (``--cancels``) from
+``dflctl run cancel`` until every member stopped.
 
 Starts mosquitto and ``--nodes`` signed ``dfl-agent run`` processes (no ``[algorithm]``
 section), waits until all are idle, then submits ``--runs`` fedavg runs one after the
 other with an operator key, polling the retained statuses every 50 ms.  Writes
-``runs_timing.json``.
+``runs_timing.json``.  With ``--cancels N`` it then submits N long runs (200 steps per
+round), cancels each once every member trained 2 rounds, and writes
+``cancel_timing.json``: the cancel command's own time, cancel -> every member's status
+says cancelled, and per member the round completed when the cancel arrived versus the
+last round in its metrics.
 
     nice -n 10 python bench/operations/runs_timing.py --out bench/operations
+    nice -n 10 python bench/operations/runs_timing.py --runs 0 --cancels 3 --out bench/operations
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=3, help="agents")
     p.add_argument("--runs", type=int, default=3, help="runs submitted one after the other")
     p.add_argument("--rounds", type=int, default=3, help="rounds per run")
-    p.add_argument("--out", default="bench/operations", help="folder for runs_timing.json")
+    p.add_argument("--cancels", type=int, default=0, help="long runs cancelled after 2 rounds (cancel_timing.json)")
+    p.add_argument("--out", default="bench/operations", help="folder for runs_timing.json / cancel_timing.json")
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="dfl-runs-"))
     fed, fed_key = "bench", Ed25519PrivateKey.generate()
@@ -88,20 +95,54 @@ def main() -> int:
             results.append({"run_id": rid, "submit_to_all_training_s": round(t_train - t0, 2),
                             "last_round_to_all_idle_s": round(t_idle - t_last, 2)})
             print(results[-1], flush=True)
+        cancels = []
+        for _ in range(a.cancels):
+            rid = subprocess.run([sys.executable, "-m", "dfl_agent.cli.dflctl", "run", "submit", "--broker",
+                                  broker.endpoint, "--federation", fed, "--operator-dir", str(op), "--algorithm",
+                                  "fedavg", "--rounds", "1000", "--training", "steps=200"], capture_output=True,
+                                 text=True, check=True).stdout.strip()
+            wait(lambda: len(runs_of(rid)) == a.nodes and all(r.get("round", 0) >= 2 for r in runs_of(rid).values()),
+                 600)
+            t0 = time.monotonic()
+            subprocess.run([sys.executable, "-m", "dfl_agent.cli.dflctl", "run", "cancel", rid, "--broker",
+                            broker.endpoint, "--federation", fed, "--operator-dir", str(op)], capture_output=True,
+                           text=True, check=True)
+            t_cmd = time.monotonic()
+            t_all = wait(lambda: len(runs_of(rid)) == a.nodes
+                         and all(r.get("state") == "cancelled" for r in runs_of(rid).values()), 300)
+            members = {}
+            for n, r in runs_of(rid).items():
+                lines = (tmp / n / "runs" / rid / "metrics.jsonl").read_text().splitlines()
+                last = max(json.loads(x)["round"] for x in lines if "neighbour_ids" in x)
+                members[n] = {"round_when_cancel_arrived": r.get("round"), "last_round_trained": last}
+            cancels.append({"run_id": rid, "cancel_command_s": round(t_cmd - t0, 2),
+                            "cancel_to_all_cancelled_s": round(t_all - t0, 2), "members": members})
+            print(cancels[-1], flush=True)
+            wait(lambda: all(obs.snapshot()[0].get(n, {}).get("state") == "idle" for n in ids), 300)
         obs.stop()
         for pr in procs:
             pr.send_signal(signal.SIGTERM)
         for pr in procs:
             pr.wait(timeout=60)
-    tr = sorted(r["submit_to_all_training_s"] for r in results)
-    idl = sorted(r["last_round_to_all_idle_s"] for r in results)
-    res = {"command": "nice -n 10 python bench/operations/runs_timing.py " + " ".join(sys.argv[1:]),
-           "nodes": a.nodes, "rounds": a.rounds, "runs": results,
-           "median_submit_to_all_training_s": tr[len(tr) // 2], "median_last_round_to_all_idle_s": idl[len(idl) // 2]}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "runs_timing.json").write_text(json.dumps(res, indent=1))
-    print(json.dumps(res, indent=1))
+    command = "nice -n 10 python bench/operations/runs_timing.py " + " ".join(sys.argv[1:])
+    if results:
+        tr = sorted(r["submit_to_all_training_s"] for r in results)
+        idl = sorted(r["last_round_to_all_idle_s"] for r in results)
+        res = {"command": command, "nodes": a.nodes, "rounds": a.rounds, "runs": results,
+               "median_submit_to_all_training_s": tr[len(tr) // 2],
+               "median_last_round_to_all_idle_s": idl[len(idl) // 2]}
+        (out / "runs_timing.json").write_text(json.dumps(res, indent=1))
+        print(json.dumps(res, indent=1))
+    if cancels:
+        lat = sorted(c["cancel_to_all_cancelled_s"] for c in cancels)
+        over = [m["last_round_trained"] - m["round_when_cancel_arrived"] for c in cancels for m in c["members"].values()]
+        res = {"command": command, "nodes": a.nodes, "cancels": cancels,
+               "median_cancel_to_all_cancelled_s": lat[len(lat) // 2],
+               "max_rounds_trained_after_cancel_arrived": max(over)}
+        (out / "cancel_timing.json").write_text(json.dumps(res, indent=1))
+        print(json.dumps(res, indent=1))
     return 0
 
 
