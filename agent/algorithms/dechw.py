@@ -40,9 +40,10 @@ from dfl_agent.algorithms import gossip_compression as gc
 from dfl_agent.algorithms.base import Algorithm, register
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.fedavg import GossipOptions, arrival_check, collect_round, shape_template
-from dfl_agent.algorithms.market import UpdateMarket, send_with_participation
+from dfl_agent.algorithms.market import UpdateMarket, is_empty, send_with_participation
 from dfl_agent.learning import hessian as hess
 from dfl_agent.learning.aggregation import weighted_average
+from dfl_agent.learning.error_feedback import ChocoGossip
 from dfl_agent.learning.params import load_numpy, model_to_numpy
 from dfl_agent.learning.robust import clip_updates, robust_aggregate
 from dfl_agent.learning.training import train_local
@@ -91,7 +92,8 @@ class NeighbourhoodAlgorithm(Algorithm):
     async def setup(self) -> None:
         self.model = self.new_model()
         # bad updates are dropped on arrival; only good ones are catch-up evidence
-        self.ctx.check_on_arrival(MODEL_KIND, arrival_check(shape_template(model_to_numpy(self.model)), self.extra_names))
+        self._arrival = arrival_check(shape_template(model_to_numpy(self.model)), self.extra_names)
+        self.ctx.check_on_arrival(MODEL_KIND, self.update_check)
         self.samples = int(len(self.ctx.data.train_y))
         self._bootstrapped = False
         self.market = UpdateMarket.from_options(self.options)
@@ -101,6 +103,13 @@ class NeighbourhoodAlgorithm(Algorithm):
                              "compressed gossip (CHOCO needs every neighbour to receive every difference)")
 
     # -- hooks --------------------------------------------------------------------
+    def update_check(self, msg: Message) -> str | None:
+        """Why a received model update cannot be used (``"reason: detail"``), or None: the
+        model's tensor names, shapes and dtypes and a positive ``samples``
+        (:func:`~dfl_agent.algorithms.fedavg.update_problem`; :meth:`extra_names` may come
+        in addition).  Run on arrival (:meth:`NodeContext.check_on_arrival`)."""
+        return self._arrival(msg)
+
     def extra_names(self) -> frozenset[str]:
         """Names of the tensors a message may carry besides the model's."""
         return frozenset()
@@ -238,6 +247,28 @@ class DecHW(NeighbourhoodAlgorithm):
 
     def extra_names(self) -> frozenset[str]:
         return self._extra
+
+    def update_check(self, msg: Message) -> str | None:
+        """The base checks, and the Ĥ tensors: they cover exactly the trainable
+        parameters with their shapes, float32 (and, in a plain model message, are finite
+        and non-negative; a CHOCO stream carries differences)."""
+        problem = super().update_check(msg)
+        if problem is not None or is_empty(msg) or not hasattr(self, "_extra"):
+            return problem
+        try:
+            if ChocoGossip.META in msg.meta:  # differences of a compressed stream: names and shapes
+                present = {k for k in msg.tensors if k.startswith(HESSIAN_PREFIX)}
+                if present and present != self._extra:
+                    raise ValueError("Hessian tensors do not cover exactly the model's parameters")
+                for k in self._param_names if present else ():
+                    a = msg.tensors[HESSIAN_PREFIX + k]
+                    if a.shape != msg.tensors[k].shape or a.dtype != np.float32:
+                        raise ValueError(f"Hessian of {k!r} is {a.dtype}{list(a.shape)}")
+            else:
+                self._hessian_of(msg)
+        except ValueError as exc:
+            return f"bad_hessian: {exc}"
+        return None
 
     def computes_hessian(self, t: int) -> bool:
         """Whether round ``t``'s message carries Ĥ⁽ᵗ⁾ (rounds 0..θ-1)."""

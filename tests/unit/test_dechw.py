@@ -121,6 +121,24 @@ def _bare_dechw():
     return alg, rejected
 
 
+def test_arrival_check_covers_the_hessian_tensors():
+    """The check run on arrival (what decides catch-up evidence) covers the Ĥ tensors too,
+    not only the model's: a far-future update with a misshapen or negative Ĥ fails it."""
+    from dfl_agent.learning.params import model_to_numpy
+
+    alg, _ = _bare_dechw()
+    own = model_to_numpy(alg.model)
+    good_h = {HESSIAN_PREFIX + k: np.ones_like(v) for k, v in own.items()}
+    msg = lambda t: Message("model", 10**6, t, meta={"samples": 10}, sender="b")  # noqa: E731
+    assert alg.update_check(msg({**own, **good_h})) is None
+    assert alg.update_check(msg(dict(own))) is None  # no Ĥ (after round θ)
+    first = next(iter(good_h))
+    for bad in (np.ones(7, np.float32), -good_h[first]):
+        assert alg.update_check(msg({**own, **good_h, first: bad})).startswith("bad_hessian: "), bad
+    wrong = {k: np.ones((3,) + v.shape, v.dtype) for k, v in own.items()}
+    assert alg.update_check(msg({**wrong, **good_h})).startswith("incompatible: ")
+
+
 def test_malformed_hessian_is_rejected_and_aggregation_falls_back():
     from dfl_agent.learning.params import model_to_numpy
 
