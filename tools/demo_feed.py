@@ -220,7 +220,8 @@ def collect(states: dict[str, Path], run_ids: list[str], test: Any = None) -> di
 
     Returns ``{"nodes": {id: {"store_samples", "current", "runs": [{"run_id",
     "train_samples", "validation_samples", "rounds", "run_end", "deployed_version",
-    "accuracy", "heldout_accuracy", "deployed_at", "deploy_latency_s", "note"}]}},
+    "accuracy", "replaced_accuracy", "heldout_accuracy", "deployed_at", "deploy_latency_s",
+    "note"}]}},
     "deployments": [...]}``.  ``run_end`` is when the run's last round was recorded,
     ``deployed_at`` when the version's manifest was written (Unix seconds).
     """
@@ -240,13 +241,15 @@ def collect(states: dict[str, Path], run_ids: list[str], test: Any = None) -> di
                 "validation_samples": recs[0].get("validation_samples") if recs else None,
                 "rounds": recs[-1]["round"] if recs else 0,
                 "run_end": mpath.stat().st_mtime if recs else None, "deployed_version": None,
-                "accuracy": None, "heldout_accuracy": None, "deployed_at": None, "deploy_latency_s": None,
+                "accuracy": None, "replaced_accuracy": None, "heldout_accuracy": None, "deployed_at": None,
+                "deploy_latency_s": None,
                 "note": None,
             }
             for v, m in manifests.items():
                 if m.get("run_id") == rid:
                     at = (models.folder(v) / "manifest.json").stat().st_mtime
                     entry.update(deployed_version=v, accuracy=m.get("accuracy"), deployed_at=at, note=m.get("note"),
+                                 replaced_accuracy=m.get("deployed_accuracy"),
                                  deploy_latency_s=round(at - entry["run_end"], 3) if entry["run_end"] else None)
                     if test is not None:
                         entry["heldout_accuracy"] = _heldout_accuracy(models.folder(v), test.x, test.y)
@@ -420,21 +423,26 @@ def final_table(summary: dict[str, Any]) -> Any:
     deployed, its validation accuracy and its accuracy on the held-out users."""
     from rich.table import Table
 
-    t = Table(title="final: deployed models (validation accuracy on the agent's own slice; "
-                    "held-out: the HAR test users)")
+    t = Table(title="final: deployed models. Accuracy on the agent's validation slice when it deployed "
+                    "(in brackets: the version it replaced, on the same slice); held-out: the HAR test users")
     t.add_column("node")
     t.add_column("samples in store", justify="right")
     for k in range(1, len(summary["runs"]) + 1):
-        t.add_column(f"run {k}: trained on → deployed", justify="right")
+        t.add_column(f"run {k}", justify="right")
     t.add_column("current", justify="right")
     for nid, n in summary["nodes"].items():
         cells = []
         for r in n["runs"]:
+            lines = [f"trained on {r['train_samples']}"]
             if r["deployed_version"] is not None:
-                held = f", held-out {r['heldout_accuracy']:.3f}" if r["heldout_accuracy"] is not None else ""
-                cells.append(f"{r['train_samples']} → v{r['deployed_version']} acc {r['accuracy']:.3f}{held}")
+                old = r.get("replaced_accuracy")
+                lines.append(f"v{r['deployed_version']} acc {r['accuracy']:.3f}"
+                             + (f" ({old:.3f})" if isinstance(old, (int, float)) else ""))
+                if r["heldout_accuracy"] is not None:
+                    lines.append(f"held-out {r['heldout_accuracy']:.3f}")
             else:
-                cells.append(f"{r['train_samples']} → not deployed")
+                lines.append("not deployed (gate)")
+            cells.append("\n".join(lines))
         t.add_row(nid, str(n["store_samples"]), *cells, f"v{n['current']}" if n["current"] else "-")
     return t
 
