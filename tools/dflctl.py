@@ -109,6 +109,11 @@ def cmd_demo(a: argparse.Namespace) -> int:
     if a.feed:  # live data in, deployed models out
         from dfl_agent.cli.demo_feed import FeedOptions, run_feed_demo
 
+        unused = [f"--{k}" for k in ("kill", "profiles", "models") if getattr(a, k)]
+        if unused:
+            print(f"dflctl demo: --feed does not take {', '.join(unused)}", file=sys.stderr)
+            return 2
+
         return run_feed_demo(FeedOptions(
             nodes=a.nodes if a.nodes is not None else 3, runs=a.runs, rounds=a.rounds or 3,
             algorithm=a.algorithm or "fedavg", out=a.out if a.out != "dfl-demo" else "dfl-demo-feed",
