@@ -46,6 +46,8 @@ class OnnxPublisher:
         self.data: bytes | None = None
         self.dirty = False
         self.round = 0
+        #: the model the record passed to the hook describes (e.g. ``Node.reported_model``); None = the live one
+        self.model_source: Any = None
         self.sent: dict[str, int] = {}
 
     def members(self) -> list[str]:
@@ -71,7 +73,8 @@ class OnnxPublisher:
             from dfl_agent.models import spec_hash
             from dfl_agent.models.onnx_export import OnnxExportError, export_onnx
 
-            model = copy.deepcopy(self.algorithm.deployable_model()).to("cpu")
+            source = self.model_source() if self.model_source is not None else self.algorithm.deployable_model()
+            model = copy.deepcopy(source).to("cpu")
             try:
                 run = getattr(self.ctx, "compute_ungated", self.ctx.compute)
                 self.data = await run(export_onnx, model, self.input_shape, spec=self.spec)

@@ -182,3 +182,25 @@ def evaluate(
         correct += int((logits.argmax(1) == yb).sum())
     model.train(was_training)
     return {"accuracy": correct / len(x), "loss": loss_sum / len(x)}
+
+
+def warm_up(model: nn.Module, x: np.ndarray, y: np.ndarray, cfg: TrainConfig,
+            device: str | torch.device = "cpu", samples: int = 8) -> float:
+    """Run torch's one-time start-up work (lazy imports and initialisation of autograd,
+    the optimizer and the kernels) on a throwaway copy of ``model``: one training pass
+    and one evaluation over the first ``samples`` of ``(x, y)``.  ``model`` itself and
+    every random generator of the caller are left untouched.
+
+    Returns:
+        the seconds it took.
+    """
+    import copy
+    import time
+
+    t0 = time.perf_counter()
+    if len(x) and len(y):
+        scratch = copy.deepcopy(model).requires_grad_(True)
+        n = min(samples, len(x))
+        train_local(scratch, x[:n], y[:n], dataclasses.replace(cfg, epochs=1), np.random.default_rng(0), device)
+        evaluate(scratch, x[:n], y[:n], device=device)
+    return time.perf_counter() - t0

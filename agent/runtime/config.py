@@ -183,6 +183,11 @@ class RuntimeSection:
     """``[runtime]``: reporting, checkpoints, logging and baselines."""
 
     baseline_local: bool = described(False, help="also train a local-only copy and report its accuracy")
+    eval_every: int = described(
+        1, help="evaluate the deployable model every this many rounds (always the first and the last)")
+    eval_background: bool = described(
+        True, help="evaluate a copy of the models (and train the local-only baseline) while the next round runs, "
+        "so that evaluation never delays the federation; `false`: between rounds")
     metrics_file: str | None = described(None, help="per-round metrics (JSON lines)",
                                                default_text="`state_dir/metrics.jsonl`")
     log_level: str = described("info", help="`debug`, `info`, `warning`, `error`")
@@ -417,6 +422,8 @@ def _validate(cfg: NodeConfig) -> None:
     need(cfg.runtime.log_level.lower() in ("debug", "info", "warning", "error"), "runtime.log_level",
          "must be debug, info, warning or error")
     need(cfg.runtime.checkpoint_keep >= 1, "runtime.checkpoint_keep", "must be >= 1 (2 keeps a fallback)")
+    need(isinstance(cfg.runtime.eval_every, int) and cfg.runtime.eval_every >= 1, "runtime.eval_every",
+         "must be an integer >= 1")
     need(cfg.runtime.log_format in ("auto", "text", "journal"), "runtime.log_format", "must be auto, text or journal")
     need(0 <= cfg.runtime.prometheus_port <= 65535, "runtime.prometheus_port", "must be in [0, 65535] (0 = off)")
     from dfl_agent.learning.compression import CompressionError, parse_spec

@@ -239,7 +239,8 @@ class Agent:
             metrics_file.flush()
 
         self.node = node = Node(ctx, algo_cls(ctx, options), bundle.test.x, bundle.test.y,
-                                baseline_local=cfg.runtime.baseline_local, sink=sink, rounds=cfg.algorithm.rounds)
+                                baseline_local=cfg.runtime.baseline_local, sink=sink, rounds=cfg.algorithm.rounds,
+                                eval_every=cfg.runtime.eval_every, eval_background=cfg.runtime.eval_background)
         if self.store is not None:  # no global test set: "global" accuracy is the validation slice's
             node.accuracy_source = "local validation"
         if run_id is not None:
@@ -253,6 +254,7 @@ class Agent:
 
                 deployed = ModelStore(self.state_dir, keep=cfg.deploy.keep)
             self.publisher = OnnxPublisher(ctx, node.algorithm, bundle.pool.input_shape, spec, models=deployed)
+            self.publisher.model_source = node.reported_model  # the evaluated model of the record
             node.after_round.append(self.publisher)
         watchdog: Any = None
         exporter: Any = None
@@ -281,8 +283,12 @@ class Agent:
                 self.outcome = "finished"
                 await node.publish_status()
                 return 0
+            # start-up work (torch's lazy initialisation) while waiting for peers, not in round 1
+            warm = asyncio.ensure_future(self._warm_up(node, node.ctx.data))
             if not await self._wait_for_peers(stop):
+                warm.cancel()
                 return 0
+            node.startup["warm_up_s"] = await warm
             if cfg.runtime.rejoin and algo_cls.communicates:  # fault tolerance: behind the federation
                 start_round = max(start_round, self._rejoin_round())
                 self.ctx.catch_up = True  # ... and, while running, behind its neighbours
@@ -504,6 +510,22 @@ class Agent:
                 state = "running" if r.get("state") == "training" else r.get("state")
                 out[n] = {**s, "state": state, "round": r.get("round", 0)}
         return out
+
+    async def _warm_up(self, node: Any, data: Any) -> float:
+        """Torch's one-time start-up work on a copy of the model (see
+        :func:`dfl_agent.learning.training.warm_up`), in the compute thread; returns its
+        seconds (0 when the algorithm has no trainable model or it failed)."""
+        from dfl_agent.learning.training import warm_up
+
+        try:
+            model = node.algorithm.deployable_model()
+            secs = await node.ctx.compute_ungated(warm_up, model, data.train_x, data.train_y, node.ctx.train,
+                                                  node.ctx.device)
+        except Exception as exc:  # noqa: BLE001 - a warm-up is an optimisation only
+            log.debug("warm-up skipped: %r", exc)
+            return 0.0
+        log.info("start-up: torch warmed up in %.1f s (before round 1)", secs)
+        return round(float(secs), 3)
 
     async def _wait_for_peers(self, stop: asyncio.Event) -> bool:
         """Wait until ``discovery.min_peers`` peers are live or ``start_timeout`` passes.

@@ -1,14 +1,24 @@
 """``Node``: one algorithm instance wired to its context, with evaluation and metrics.
 
-After every round it evaluates the algorithm's deployable model on the global test
-set ("global accuracy") and on the node's validation split ("local accuracy"),
-optionally trains a local-only shadow model from the same initial weights (the
-baseline the federation must beat), appends a metrics record and publishes the
-node's status.  Used by the simulator and by the daemon alike.
+After every round (or every ``eval_every`` rounds) it evaluates the algorithm's
+deployable model on the global test set ("global accuracy") and on the node's
+validation split ("local accuracy"), optionally trains a local-only shadow model from
+the same initial weights (the baseline the federation must beat), appends a metrics
+record and publishes the node's status.  Used by the simulator and by the daemon alike.
+
+With ``eval_background`` (the daemon's default) the evaluation never delays the
+federation: at the end of a round the models to evaluate are copied, the next round
+starts at once, and the copies are evaluated (and the baseline trained) in a worker
+thread meanwhile.  Round records are still written, and the after-round hooks called,
+in round order, each once its evaluation is done; the record's ``eval_s`` is then time
+that overlapped the next round instead of time between rounds.  A round that ends while
+the previous evaluation is still running is not evaluated (``eval_skipped`` in its
+record; the last round always is), so evaluations never queue up.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import time
@@ -56,6 +66,9 @@ class Node:
         rounds: planned number of rounds (for status display).
         eval_every: evaluate every this many rounds (and always round 1 and the last);
             records of other rounds carry no accuracy.
+        eval_background: evaluate copies of the models in the background while the next
+            round runs (needs a context that computes in a worker thread), instead of
+            between rounds.
     """
 
     def __init__(
@@ -69,6 +82,7 @@ class Node:
         sink: MetricsSink | None = None,
         rounds: int = 0,
         eval_every: int = 1,
+        eval_background: bool = False,
     ):
         self.ctx = ctx
         self.algorithm = algorithm
@@ -77,6 +91,13 @@ class Node:
         self.sink = sink
         self.rounds = rounds
         self.eval_every = max(1, eval_every)
+        self.eval_background = eval_background
+        #: start-up work done before round 1 (e.g. ``warm_up_s``), added to round 1's record
+        self.startup: dict[str, float] = {}
+        #: the reporting of the latest round (evaluation, record, hooks) while it runs in the background
+        self._report_task: asyncio.Task[None] | None = None
+        #: the deployable model of the record being reported (a copy in background mode)
+        self._reported_model: Any = None
         self.history: list[dict[str, Any]] = []
         self.shadow: nn.Module | None = None
         self._shadow_rng: np.random.Generator | None = None
@@ -116,18 +137,46 @@ class Node:
         self._round_started = self.ctx.clock.now()
         self._round_started_wall = time.perf_counter()
         await self.publish_status()
-        await self.algorithm.run(rounds, start_round)
+        try:
+            await self.algorithm.run(rounds, start_round)
+        except Exception:
+            await self.drain()  # a stopped run still reports its last rounds
+            raise
+        except BaseException:
+            if self._report_task is not None:
+                self._report_task.cancel()
+            raise
+        await self.drain()
         self.state = "finished"
         await self.publish_status()
 
-    def _evaluate(self) -> dict[str, Any]:
+    async def drain(self) -> None:
+        """Wait until every round's background evaluation and record are done."""
+        task = self._report_task
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)
+
+    def reported_model(self) -> Any:
+        """The deployable model of the round record being reported (after-round hooks,
+        e.g. the ONNX publisher): the evaluated copy with ``eval_background``, else the
+        live model."""
+        return self._reported_model if self._reported_model is not None else self.algorithm.deployable_model()
+
+    def _snapshot(self) -> dict[str, Any]:
+        """Copies of the models a round's evaluation reads (the algorithm moves on)."""
+        models = {"": self.algorithm.deployable_model(), **self.algorithm.evaluation_models()}
+        return {name: copy.deepcopy(m) for name, m in models.items()}
+
+    def _evaluate(self, models: dict[str, Any] | None = None) -> dict[str, Any]:
         d, dev = self.ctx.data, self.ctx.device
-        model = self.algorithm.deployable_model()
+        if models is None:
+            models = {"": self.algorithm.deployable_model(), **self.algorithm.evaluation_models()}
+        model = models[""]
         out = {
             "global_accuracy": evaluate(model, self.test_x, self.test_y, device=dev)["accuracy"],
             "local_accuracy": evaluate(model, d.val_x, d.val_y, device=dev)["accuracy"],
         }
-        for name, extra in self.algorithm.evaluation_models().items():
+        for name, extra in ((n, m) for n, m in models.items() if n):
             out[f"{name}_global_accuracy"] = evaluate(extra, self.test_x, self.test_y, device=dev)["accuracy"]
         if self.shadow is not None:
             assert self._shadow_rng is not None
@@ -148,9 +197,6 @@ class Node:
         timing["round_wall_s"] = round(round_wall, 6)
         timing["wait_s"] = round(max(0.0, round_wall - sum(timing.get(k, 0.0) for k in
                                                             ("train_s", "encode_s", "send_s", "receive_s"))), 6)
-        e0 = time.perf_counter()
-        scores = await self.ctx.compute_ungated(self._evaluate) if due else {}
-        timing["eval_s"] = round(time.perf_counter() - e0, 6)
         counters = self.ctx.counters()
         record = {
             "node": self.ctx.node_id,
@@ -158,7 +204,6 @@ class Node:
             "time": now,
             "round_seconds": round_seconds,
             "wall": time.time() - self._wall_started,
-            **scores,
             **{k: v for k, v in info.items() if isinstance(v, (int, float, str, list, bool))},
             "bytes_sent": counters["bytes_sent"],
             "bytes_received": counters["bytes_received"],
@@ -170,22 +215,22 @@ class Node:
         data = self.ctx.data
         if data is not None and hasattr(data, "num_train"):  # what this run trains on (grows with the store)
             record["train_samples"], record["validation_samples"] = int(data.num_train), int(data.num_val)
+        if self.startup:  # the first record after start-up says what it cost
+            record.update({f"startup_{k}": v for k, v in self.startup.items()})
+            self.startup = {}
         self.history.append(record)
-        if due:
-            if "participated" in record:  # rotating-aggregator rounds: a node takes part in some rounds only
-                who = (f"took part ({record.get('participants', '?')} participants)" if record["participated"]
-                       else "did not take part (model unchanged this round)")
-            else:
-                who = f"{record.get('neighbours', 0)} neighbours"
-            log.info("round %d done in %.1fs: global acc %.3f, local acc %.3f, %s",
-                     t, round_seconds, record["global_accuracy"], record["local_accuracy"], who)
-        if self.sink is not None:
-            self.sink(record)
-        for hook in self.after_round:
-            try:
-                await hook(t, record)
-            except Exception as exc:  # a hook never stops the round loop
-                log.error("after-round hook failed: %s", exc)
+        if self.eval_background:
+            # evaluation never delays the federation: copies are evaluated while the next round
+            # runs; at most one evaluation waits at a time (a round that ends while the previous
+            # evaluation still runs is not evaluated, but the last round always is)
+            busy = self._report_task is not None and not self._report_task.done()
+            if due and busy and t < self.rounds:
+                due = False
+                record["eval_skipped"] = True
+            models = self._snapshot() if due else None
+            self._report_task = asyncio.create_task(self._report(t, record, due, models, self._report_task))
+        else:
+            await self._report(t, record, due, None, None)
         if self.checkpoint is not None:  # operations: crash-safe state after every round
             try:
                 await self.checkpoint(t)
@@ -197,6 +242,45 @@ class Node:
             raise RunStopped(t)
         self._round_started = self.ctx.clock.now()
         self._round_started_wall = time.perf_counter()
+
+    async def _report(self, t: int, record: dict[str, Any], due: bool, models: dict[str, Any] | None,
+                      previous: asyncio.Task[None] | None) -> None:
+        """Evaluate round ``t`` (when ``due``; ``models``: the copies to evaluate, None =
+        the live models), complete ``record``, write it and call the after-round hooks.
+        In background mode it first waits for ``previous`` (records stay in round order)
+        and logs its own failures instead of raising them."""
+        if previous is not None:
+            await asyncio.gather(previous, return_exceptions=True)
+        try:
+            e0 = time.perf_counter()
+            if due:
+                record.update(await self.ctx.compute_ungated(self._evaluate, models))
+            record["eval_s"] = round(time.perf_counter() - e0, 6)
+            if due:
+                if "participated" in record:  # rotating-aggregator rounds: a node takes part in some rounds only
+                    who = (f"took part ({record.get('participants', '?')} participants)" if record["participated"]
+                           else "did not take part (model unchanged this round)")
+                else:
+                    who = f"{record.get('neighbours', 0)} neighbours"
+                log.info("round %d done in %.1fs: global acc %.3f, local acc %.3f, %s",
+                         t, record["round_seconds"], record["global_accuracy"], record["local_accuracy"], who)
+            if self.sink is not None:
+                self.sink(record)
+            self._reported_model = models[""] if models else None
+            try:
+                for hook in self.after_round:
+                    try:
+                        await hook(t, record)
+                    except Exception as exc:  # a hook never stops the round loop
+                        log.error("after-round hook failed: %s", exc)
+            finally:
+                self._reported_model = None
+            if models is not None:
+                await self.publish_status()  # the status carries the new accuracy
+        except Exception:
+            if not self.eval_background:
+                raise
+            log.exception("evaluation of round %d failed", t)
 
     def last_round(self) -> int:
         """The last round this node completed (0 before the first)."""
