@@ -65,6 +65,5 @@ def weighted_average(
             for j, m in enumerate(part):
                 block[j] = m[name].reshape(-1)
             acc += w[start:start + len(part)] @ block
-        acc = acc.reshape(first.shape)
-        out[name] = acc.astype(first.dtype)
+        out[name] = acc.reshape(first.shape).astype(first.dtype)
     return out
