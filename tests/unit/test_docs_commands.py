@@ -127,3 +127,16 @@ def test_install_block_pins_the_tested_torch() -> None:
     assert setup_version and check_version and setup_version.group(1) == check_version.group(1)
     assert f"torch=={setup_version.group(1)}" in install
     assert "-m build --wheel" in install and "[train,har]" in install and "dflctl --version" in install
+
+
+def test_every_algorithm_is_documented() -> None:
+    """Each registered algorithm has a row in the algorithms overview and is named on the
+    architecture page (a new algorithm cannot land undocumented)."""
+    from dfl_agent.algorithms.base import available
+
+    overview = (ROOT / "docs" / "explanation" / "algorithms" / "index.md").read_text(encoding="utf-8")
+    architecture = (ROOT / "docs" / "explanation" / "architecture.md").read_text(encoding="utf-8")
+    names = list(available())
+    assert "fedavg" in names and "dfml" in names
+    assert [n for n in names if f"`{n}`" not in overview] == []
+    assert [n for n in names if f"`{n}`" not in architecture] == []
