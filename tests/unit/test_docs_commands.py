@@ -140,3 +140,45 @@ def test_every_algorithm_is_documented() -> None:
     assert "fedavg" in names and "dfml" in names
     assert [n for n in names if f"`{n}`" not in overview] == []
     assert [n for n in names if f"`{n}`" not in architecture] == []
+
+
+#: errors a documentation snippet may raise because it shows placeholders, not real files or keys
+_PLACEHOLDER_ERRORS = ("file not found", "is not base64")
+
+
+def config_snippets() -> list[tuple[str, str]]:
+    """(page, TOML text) of every ``toml`` block and every ``<<TOML`` heredoc in a ``bash``
+    block of the README and the documentation; a shell ``$i`` becomes ``0``."""
+    out = []
+    for page in doc_pages():
+        text = page.read_text(encoding="utf-8")
+        snippets = re.findall(r"```toml\n(.*?)```", text, flags=re.S)
+        for block in bash_blocks(page):
+            snippets += re.findall(r"<<'?TOML'?\n(.*?)\nTOML", block, flags=re.S)
+        out += [(page.relative_to(ROOT).as_posix(), s.replace("${i}", "0").replace("$i", "0")) for s in snippets]
+    return out
+
+
+def test_documented_configurations_are_valid() -> None:
+    """Every configuration the documentation shows is TOML whose keys and types the agent
+    accepts (a renamed or retyped key fails here)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    from dfl_agent.runtime.config import ConfigError, config_from_dict
+
+    snippets = config_snippets()
+    pages = {p for p, _ in snippets}
+    assert {"README.md", "docs/tutorials/first-federation.md", "docs/tutorials/live-data.md"} <= pages
+    bad = []
+    for page, text in snippets:
+        try:
+            config_from_dict(tomllib.loads(text))
+        except ConfigError as exc:
+            if not any(p in str(exc) for p in _PLACEHOLDER_ERRORS):
+                bad.append(f"{page}: {exc}")
+        except tomllib.TOMLDecodeError as exc:
+            bad.append(f"{page}: not TOML: {exc}")
+    assert bad == [], "\n".join(bad)
