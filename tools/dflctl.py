@@ -178,8 +178,9 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
               stale_after: float = 30.0) -> list[dict[str, Any]]:
     """One row per node seen in retained presence or status.
 
-    ``state``: ``online``/``offline`` from presence (the last will sets offline), or
-    ``stale`` when online but no status heartbeat for ``stale_after`` s.  ``address``
+    ``state``: ``online``/``offline`` from presence (the last will sets offline); for a
+    node with a status but no presence (an always-on node between runs) the status's own
+    state (``idle``); ``stale`` when not offline but nothing heard for ``stale_after`` s.  ``address``
     is the advertised address or else the node's broker.  ``compatibility`` is shown
     when the node's descriptor or status carries it."""
     now = time.time() if now is None else now
@@ -192,9 +193,10 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
         p, s = presence.get(nid, {}) or {}, statuses.get(nid, {}) or {}
         d = p.get("descriptor", {}) or {}
         seen = max([x for x in (s.get("time"), p.get("time")) if isinstance(x, (int, float))], default=0)
-        state = p.get("state", "unknown")
+        # an always-on node that trains no run publishes a status ("idle") but no presence
+        state = p.get("state") or s.get("state") or "unknown"
         last = _age(seen, now)
-        if state == "online" and last is not None and last > stale_after:
+        if state != "offline" and state != "unknown" and last is not None and last > stale_after:
             state = "stale"
         compat = d.get("compatibility", s.get("compatibility", ""))
         compat = compat if isinstance(compat, str) else json.dumps(compat, sort_keys=True)

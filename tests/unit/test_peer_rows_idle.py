@@ -1,0 +1,24 @@
+"""``dflctl peers`` for always-on nodes between runs: they publish a status, no presence."""
+
+from __future__ import annotations
+
+from dfl_agent.cli.dflctl import peer_rows
+
+
+def test_idle_node_without_presence_shows_its_status_state() -> None:
+    now = 1_800_000_000.0
+    statuses = {"node0": {"state": "idle", "time": now - 2.0, "round": 0},
+                "node1": {"state": "idle", "time": now - 100.0, "round": 0},
+                "node2": {"state": "training", "time": now - 1.0, "round": 3}}
+    presence = {"node2": {"state": "online", "time": now - 1.0}}
+    rows = {r["node_id"]: r for r in peer_rows(statuses, presence, now=now)}
+    assert rows["node0"]["state"] == "idle"
+    assert rows["node1"]["state"] == "stale"  # its retained status is old: the agent is gone
+    assert rows["node2"]["state"] == "online"  # presence wins when there is one
+
+
+def test_offline_presence_wins_over_an_old_status() -> None:
+    now = 1_800_000_000.0
+    rows = peer_rows({"n": {"state": "finished", "time": now - 100.0}}, {"n": {"state": "offline"}}, now=now)
+    assert rows[0]["state"] == "offline"
+    assert peer_rows({}, {"m": {}}, now=now)[0]["state"] == "unknown"
