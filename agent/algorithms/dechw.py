@@ -201,6 +201,10 @@ class DecHWOptions(NeighbourhoodOptions):
             0..θ-1 and aggregations after round θ use τ.  ``inf`` (default) = never stop;
             0 = never use Ĥ (DecHetero with DecHW's code path).
         fallback_eps: Eq. 8 threshold on Σ_j Ĥ_{j,n} (ALGORITHMS.md: 1e-12).
+        size_weighting: weigh each neighbour's Ĥ by its data-set share τ_j in Eq. 6
+            (p_{j,n} ∝ τ_j Ĥ_{j,n}).  Off by default (the paper's Eq. 6); the ℓ2
+            normalisation of Eq. 4 removes the data-set size from DecHW's weights, and on
+            label-skewed data of unequal sizes that costs accuracy (bench/dechw/README.md).
     """
 
     estimator: str = "batch_sq_grad"
@@ -210,6 +214,7 @@ class DecHWOptions(NeighbourhoodOptions):
     beta: float = 1.0
     theta: float = math.inf
     fallback_eps: float = 1e-12
+    size_weighting: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -290,7 +295,12 @@ class DecHW(NeighbourhoodAlgorithm):
             batch_size=o.hessian_batch_size, device=self.ctx.device,
         )
         acc = hess.accumulate(self.hessian, hess.normalise(h, o.norm), beta=o.beta, mode=o.accumulate)
-        self.hessian = {k: v.astype(np.float32) for k, v in acc.items()}
+        # float32 on the wire: an un-normalised Ĥ (norm = "none") accumulated over rounds can
+        # exceed float32's range, and an Inf would get the whole message (the model too)
+        # dropped by every receiver as non-finite; such entries saturate at float32's maximum
+        big = float(np.finfo(np.float32).max)
+        self.hessian = {k: np.minimum(np.nan_to_num(v, nan=0.0, posinf=big), big).astype(np.float32)
+                        for k, v in acc.items()}
         self.hessian_sent = True
         return {HESSIAN_PREFIX + k: v for k, v in self.hessian.items()}
 
@@ -340,7 +350,7 @@ class DecHW(NeighbourhoodAlgorithm):
             try:
                 tensors, fallback = hess.hessian_weighted_average(
                     models, [self.hessian] + [h for h in hessians if h is not None], samples,
-                    eps=self.options.fallback_eps,
+                    eps=self.options.fallback_eps, size_weighting=self.options.size_weighting,
                 )
             except ValueError as exc:
                 # e.g. the own Ĥ went non-finite with a diverging model: never crash the

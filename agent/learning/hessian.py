@@ -262,6 +262,7 @@ def hessian_weighted_average(
     samples: Sequence[float],
     *,
     eps: float = 1e-12,
+    size_weighting: bool = False,
 ) -> tuple[dict[str, np.ndarray], float]:
     """DecHW aggregation over the neighbourhood N_i ∪ {i}, parameter by parameter (Eq. 6-8).
 
@@ -284,6 +285,10 @@ def hessian_weighted_average(
         samples: N local training-set sizes |D_j|.
         eps: threshold on ``S_n`` below which Eq. 8's fallback applies
             (ALGORITHMS.md: 1e-12).
+        size_weighting: scale each ``Ĥ_j`` by τ_j (its data-set share) first, so that
+            ``p_{j,n} ∝ τ_j Ĥ_{j,n}``.  Eq. 4's normalisation removes |D_j| from the
+            paper's weights (a node with 50 samples weighs as much as one with 1500);
+            this puts it back (see bench/dechw/README.md, common initialisation).
 
     Returns:
         ``(aggregated tensors, fallback fraction)``: the fraction (0..1) of
@@ -319,6 +324,8 @@ def hessian_weighted_average(
         h = np.stack([np.asarray(hh[name], dtype=np.float64) for hh in hessians])  # (N, *shape)
         if not np.isfinite(h).all() or (h < 0).any():
             raise ValueError(f"Hessian diagonal for {name!r} has negative or non-finite entries")
+        if size_weighting:
+            h = h * tau.reshape((n,) + (1,) * (h.ndim - 1))
         s = h.sum(axis=0)  # (*shape)
         ok = s >= eps
         p = h / np.where(ok, s, 1.0)  # Eq. 6 (where ok)

@@ -273,3 +273,44 @@ def test_missing_neighbour_does_not_stall(tmp_path):
     s = simulate(_cfg(tmp_path, nodes=4, rounds=4, topology="full", topology_options={}, kill={3: 2},
                       options={"round_timeout": 5.0}))
     assert s["rounds_per_node"] == {"node00": 4, "node01": 4, "node02": 4, "node03": 1}
+
+
+def test_an_unnormalised_hessian_beyond_float32_saturates_instead_of_turning_inf():
+    """norm = "none" accumulates raw squared gradients; an Inf on the wire would get the
+    whole model message dropped as non-finite by every neighbour."""
+    import asyncio
+
+    from dfl_agent.algorithms.dechw import DecHW, DecHWOptions
+
+    alg = DecHW.__new__(DecHW)
+    alg.options = DecHWOptions(norm="none")
+    alg.hessian = None
+    alg.hessian_sent = False
+
+    class Ctx:
+        data = type("D", (), {"train_x": None, "train_y": None})()
+        device = "cpu"
+
+        async def compute(self, fn, *a, **k):
+            return {"w": np.array([1e39, 2.0, np.inf], dtype=np.float64)}
+
+    alg.ctx = Ctx()
+    alg.model = None
+    out = asyncio.run(alg.after_training(0))  # the estimate: compute() returns the raw diagonal
+    h = out[HESSIAN_PREFIX + "w"]
+    assert h.dtype == np.float32 and np.isfinite(h).all()
+    assert h[0] == np.finfo(np.float32).max and h[1] == 2.0
+
+
+def test_size_weighting_puts_the_data_set_size_into_the_hessian_weights():
+    """p_{j,n} ∝ τ_j Ĥ_{j,n}: with equal Hessians the result is DecHetero's τ average
+    (Eq. 3); without the option it is the plain mean (Eq. 4 removed the sizes)."""
+    models = [{"w": np.array([0.0, 1.0], dtype=np.float32)}, {"w": np.array([3.0, 5.0], dtype=np.float32)}]
+    hs = [{"w": np.array([1.0, 2.0], dtype=np.float32)}] * 2
+    plain, _ = hessian_weighted_average(models, hs, [100, 300])
+    sized, _ = hessian_weighted_average(models, hs, [100, 300], size_weighting=True)
+    np.testing.assert_allclose(plain["w"], [1.5, 3.0])
+    np.testing.assert_allclose(sized["w"], [0.25 * 0 + 0.75 * 3, 0.25 * 1 + 0.75 * 5])
+    alg = get_algorithm("dechw")
+    assert parse_options(alg, {"size_weighting": True}).size_weighting is True
+    assert parse_options(alg, {}).size_weighting is False  # the paper's Eq. 6 by default
