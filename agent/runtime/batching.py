@@ -100,8 +100,9 @@ class BatchTrainer:
         """Queue ``fn(*args, **kwargs)`` for batching; None when the call does not qualify
         (the caller then runs it itself).  Draws the node's batch order now, from its own
         generator, exactly as ``train_local`` would."""
-        if fn is not train_local or kwargs or len(args) != 6:
-            return None
+        if fn is not train_local or len(args) != 6 or any(
+                k not in ("loss_fn", "regularizer") or v is not None for k, v in kwargs.items()):
+            return None  # another function, or a custom loss / regularizer
         model, x, y, cfg, rng, device = args
         if str(device) != "cpu" or not isinstance(cfg, TrainConfig) or len(x) != len(y) or len(x) == 0:
             return None

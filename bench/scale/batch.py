@@ -32,8 +32,12 @@ def run(nodes: int, rounds: int, seed: int, batch: bool, extra: dict) -> dict:
     torch.set_num_threads(1)
     if not batch and "batch" not in SimConfig.__dataclass_fields__:  # a simulator from before batching
         extra = {**extra, "code": "before"}
+    from dfl_agent.learning.training import TrainConfig
+
+    train = {"train": TrainConfig(epochs=extra["epochs"])} if extra.get("epochs") else {}
+    spn = {"samples_per_node": extra["samples_per_node"]} if extra.get("samples_per_node") else {}
     cfg = SimConfig(algorithm="fedavg", dataset="digits", partition="iid", nodes=nodes, rounds=rounds, seed=seed,
-                    **({"batch": batch} if "batch" in SimConfig.__dataclass_fields__ else {}))
+                    **({"batch": batch} if "batch" in SimConfig.__dataclass_fields__ else {}), **train, **spn)
     t0 = time.perf_counter()
     cpu0 = time.process_time()
     s = simulate(cfg)
@@ -46,9 +50,11 @@ def run(nodes: int, rounds: int, seed: int, batch: bool, extra: dict) -> dict:
         "node_rounds_per_cpu_s": round(nodes * rounds / cpu, 2),
         "global_accuracy": s["global_accuracy"]["mean"],
         "batching": s.get("batching"),
-        "command": (f"PYTHONPATH=<package of the simulator before this work> python bench/scale/batch.py --before "
-                    f"--nodes {nodes} --rounds {rounds} --seeds {seed}" if extra.get("code") == "before" else
-                    f"python bench/scale/batch.py --nodes {nodes} --rounds {rounds} --seeds {seed}"),
+        "command": (("PYTHONPATH=<package of the simulator before this work> " if extra.get("code") == "before"
+                     else "") + f"python bench/scale/batch.py{' --before' if extra.get('code') == 'before' else ''} "
+                    f"--nodes {nodes} --rounds {rounds} --seeds {seed}"
+                    + (f" --samples-per-node {extra['samples_per_node']}" if extra.get("samples_per_node") else "")
+                    + (f" --epochs {extra['epochs']}" if extra.get("epochs") else "")),
     }
 
 
@@ -58,27 +64,33 @@ def report() -> None:
              "fedavg, digits IID, full graph. `batched` and `--no-batch` ran in the same process, one after the "
              "other, per seed; `before` is the simulator from before this work (per-node training, per-receiver "
              "message copies), run separately.  The machine is shared, so compare node-rounds per CPU second.", "",
-             "| nodes | rounds | seed | mode | wall s | CPU s | node-rounds/s | node-rounds per CPU s | global acc |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| nodes | rounds | setup | seed | mode | wall s | CPU s | node-rounds/s | node-rounds per CPU s | global acc |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
 
     def mode(c: dict) -> str:
         return "before" if c["extra"].get("code") == "before" else "batched" if c["batch"] else "--no-batch"
 
     for c in cells:
-        lines.append(f"| {c['nodes']} | {c['rounds']} | {c['seed']} | {mode(c)} | "
+        opts = " ".join(f"{k}={v}" for k, v in sorted(c["extra"].items()) if k != "code") or "default"
+        lines.append(f"| {c['nodes']} | {c['rounds']} | {opts} | {c['seed']} | {mode(c)} | "
                      f"{c['wall_s']} | {c['cpu_s']} | {c['node_rounds_per_s']} | {c['node_rounds_per_cpu_s']} | "
                      f"{c['global_accuracy']:.4f} |")
     lines.append("")
-    for n in sorted({c["nodes"] for c in cells}):
-        b = [c for c in cells if c["nodes"] == n and mode(c) == "batched"]
+    def setup(c: dict) -> tuple:
+        return (c["nodes"], c["rounds"], tuple(sorted((k, v) for k, v in c["extra"].items() if k != "code")))
+
+    for key in sorted({setup(c) for c in cells}):
+        n = key[0]
+        label = f"{n} nodes, {key[1]} rounds" + "".join(f", {k.replace('_', ' ')} {v}" for k, v in key[2])
+        b = [c for c in cells if setup(c) == key and mode(c) == "batched"]
         for other in ("--no-batch", "before"):
-            u = [c for c in cells if c["nodes"] == n and mode(c) == other]
+            u = [c for c in cells if setup(c) == key and mode(c) == other]
             if b and u:
                 speed = statistics.mean(c["node_rounds_per_cpu_s"] for c in b) / statistics.mean(
                     c["node_rounds_per_cpu_s"] for c in u)
                 dacc = 100 * (statistics.mean(c["global_accuracy"] for c in b) - statistics.mean(
                     c["global_accuracy"] for c in u))
-                lines.append(f"- {n} nodes, batched against {other}: node-rounds per CPU second **{speed:.2f}x**, "
+                lines.append(f"- {label}, batched against {other}: node-rounds per CPU second **{speed:.2f}x**, "
                              f"mean global accuracy difference **{dacc:+.2f} points** ({len(b)} and {len(u)} runs)")
     lines += ["", "Commands: the `command` field of each line of `batch.jsonl`."]
     (HERE / "batch.md").write_text("\n".join(lines) + "\n")
@@ -90,6 +102,8 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=100, help="node count")
     ap.add_argument("--rounds", type=int, default=3, help="rounds")
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2], help="seeds")
+    ap.add_argument("--samples-per-node", type=int, default=0, help="dflctl simulate --samples-per-node (0: IID split)")
+    ap.add_argument("--epochs", type=int, default=0, help="local epochs per round (0: the default, 1)")
     ap.add_argument("--report", action="store_true", help="only write batch.md from batch.jsonl")
     ap.add_argument("--before", action="store_true",
                     help="measure a simulator from before batching (PYTHONPATH pointing at its package): "
@@ -99,11 +113,12 @@ def main() -> None:
         report()
         return
     modes = (False,) if a.before else (True, False)
+    extra = {k: v for k, v in (("samples_per_node", a.samples_per_node), ("epochs", a.epochs)) if v}
     for batch in modes:  # warm-up: imports, dataset cache, first vmap
         run(4, 1, 0, batch, {})
     for i, seed in enumerate(a.seeds):
         for batch in (modes if i % 2 == 0 else modes[::-1]):  # alternate which goes first
-            cell = run(a.nodes, a.rounds, seed, batch, {})
+            cell = run(a.nodes, a.rounds, seed, batch, dict(extra))
             print(json.dumps(cell), flush=True)
             with open(HERE / "batch.jsonl", "a") as f:
                 f.write(json.dumps(cell) + "\n")

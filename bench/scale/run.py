@@ -27,7 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def run_cell(nodes: int, topology: str, algorithm: str, rounds: int, extra: list[str]) -> dict:
+def run_cell(nodes: int, topology: str, algorithm: str, rounds: int, extra: list[str], timeout: int = 0) -> dict:
     """Run one simulation; returns its measured cell (wall s, peak RSS MB, node-rounds/s)."""
     dflctl = shutil.which("dflctl") or str(Path(sys.executable).parent / "dflctl")
     cmd = [dflctl, "simulate", "--algorithm", algorithm, "--dataset", "digits", "--partition", "iid",
@@ -37,7 +37,9 @@ def run_cell(nodes: int, topology: str, algorithm: str, rounds: int, extra: list
     cmd += extra
     t0 = time.time()
     # the child's per-round progress lines (stderr, no terminal) are passed on as they come
-    p = subprocess.Popen(["/usr/bin/time", "-v", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    limit = ["timeout", str(timeout)] if timeout else []  # exit 124 when it runs out
+    p = subprocess.Popen(["/usr/bin/time", "-v", *limit, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
     assert p.stdout is not None and p.stderr is not None
     err_lines = []
     for line in p.stderr:
@@ -95,12 +97,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds")
     ap.add_argument("--extra", default="", help="further dflctl simulate arguments, space separated")
     ap.add_argument("--report", action="store_true", help="only write results.md from results.jsonl")
+    ap.add_argument("--timeout", type=int, default=0, help="seconds before a cell is stopped (rc 124); 0: none")
     a = ap.parse_args()
     if a.report:
         report()
         return
     for n in a.nodes:
-        cell = run_cell(n, a.topology, a.algorithm, a.rounds, a.extra.split())
+        cell = run_cell(n, a.topology, a.algorithm, a.rounds, a.extra.split(), a.timeout)
         print(json.dumps(cell), flush=True)
         with open(HERE / "results.jsonl", "a") as f:
             f.write(json.dumps(cell) + "\n")

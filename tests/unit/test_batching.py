@@ -82,7 +82,8 @@ def test_unqualified_calls_are_left_to_the_caller():
         assert trainer.submit(ctx, train_local, (with_dropout, x, y, cfg, rng, "cpu"), {}) is None
         assert trainer.submit(ctx, train_local, (with_bn, x, y, cfg, rng, "cpu"), {}) is None
         m = _models(1)[0]
-        assert trainer.submit(ctx, train_local, (m, x, y, cfg, rng, "cpu"), {"regularizer": None}) is None
+        assert trainer.submit(ctx, train_local, (m, x, y, cfg, rng, "cpu"), {"loss_fn": lambda z, t: z.sum()}) is None
+        assert trainer.submit(ctx, train_local, (m, x, y, cfg, rng, "cpu"), {"regularizer": lambda mm: 0.0}) is None
         assert trainer.submit(ctx, print, (m, x, y, cfg, rng, "cpu"), {}) is None
 
     run_virtual(main())
