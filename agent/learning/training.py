@@ -5,13 +5,42 @@ Losses are batch means (ALGORITHMS.md conventions).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+
+class TrainingAborted(Exception):
+    """Raised inside :func:`train_local` when the abort event of the calling thread
+    (:func:`abortable`) is set: the run it trains for was cancelled or stopped, so the
+    rest of the round's steps are not worth computing."""
+
+
+_abort = threading.local()
+
+
+@contextlib.contextmanager
+def abortable(event: threading.Event | None) -> Iterator[None]:
+    """Within the block, :func:`train_local` in this thread stops with
+    :class:`TrainingAborted` at its next mini-batch once ``event`` is set (None: never)."""
+    previous = getattr(_abort, "event", None)
+    _abort.event = event
+    try:
+        yield
+    finally:
+        _abort.event = previous
+
+
+def _check_abort() -> None:
+    event = getattr(_abort, "event", None)
+    if event is not None and event.is_set():
+        raise TrainingAborted("training aborted: the run was stopped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +139,8 @@ def train_local(
 
     Raises:
         ValueError: ``x`` and ``y`` lengths differ or the split is empty.
+        TrainingAborted: the thread's abort event (:func:`abortable`) was set; checked
+            before every mini-batch, the model is then left as it is.
     """
     if len(x) != len(y) or len(x) == 0:
         raise ValueError(f"training data must be non-empty with matching lengths, got {len(x)} and {len(y)}")
@@ -122,6 +153,7 @@ def train_local(
     amp, kind, dtype = autocast_for(device, getattr(cfg, "mixed_precision", False))
     scaler = torch.amp.GradScaler(kind) if amp else None
     for idx in round_batches(len(x), cfg, rng):
+        _check_abort()
         bi = torch.from_numpy(idx)
         xb, yb = xt[bi].to(device), yt[bi].to(device)
         opt.zero_grad(set_to_none=True)

@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
@@ -109,6 +110,9 @@ class RuntimeContext:
         self.device = device
         self.clock = LoopClock()
         self.compute_in_thread = compute_in_thread
+        #: set when the node's run stops (cancel, shutdown): local training running in a
+        #: worker thread ends at its next mini-batch (dfl_agent.learning.training.abortable)
+        self.abort: threading.Event | None = threading.Event() if compute_in_thread else None
         self.max_frame_bytes = max_frame_bytes
         self.max_queued_per_sender = max_queued_per_sender
         self.graph_neighbours = None if graph_neighbours is None else sorted(set(graph_neighbours) - {node_id})
@@ -589,7 +593,9 @@ class RuntimeContext:
         """:meth:`compute` without resource gating (evaluation, ONNX export)."""
         if self.compute_in_thread:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(None, functools.partial(fn, *args, **kwargs))
+            if self.abort is None:
+                return await loop.run_in_executor(None, functools.partial(fn, *args, **kwargs))
+            return await loop.run_in_executor(None, functools.partial(_abortable_call, self.abort, fn, args, kwargs))
         return fn(*args, **kwargs)
 
     def reject(self, message: Message, reason: str) -> None:
@@ -635,3 +641,13 @@ class RuntimeContext:
             "float32_bytes_sent": self.float32_bytes_sent,
             "compression_ratio": self.byte_accounting()["compression_ratio"],
         }
+
+
+def _abortable_call(event: threading.Event, fn: Callable[..., T], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> T:
+    """``fn(*args, **kwargs)`` in a worker thread whose local training stops when
+    ``event`` is set."""
+    from dfl_agent.learning.training import abortable
+
+    with abortable(event):
+        return fn(*args, **kwargs)

@@ -313,6 +313,8 @@ class Agent:
             else:
                 log.info("stop requested %s; leaving the federation",
                          f"after round {node.last_round()}" if between else f"during round {node.last_round() + 1}")
+                if ctx.abort is not None:  # local training in the worker thread stops too
+                    ctx.abort.set()
                 stopper.cancel()
                 run.cancel()
                 await asyncio.gather(run, stopper, return_exceptions=True)

@@ -274,3 +274,46 @@ def test_submit_key_value_pairs_are_parsed_as_json_or_text():
     assert _pairs(None, "--training") == {}
     with pytest.raises(ValueError, match="--training 'steps': expected KEY=VALUE"):
         _pairs(["steps"], "--training")
+
+
+def test_stopped_run_aborts_local_training_in_its_worker_thread():
+    """A cancelled run's round in progress stops computing: train_local in a worker thread
+    ends at its next mini-batch once the context's abort event is set."""
+    import threading
+    import time
+
+    import numpy as np
+    import torch
+
+    from dfl_agent.learning.training import TrainConfig, TrainingAborted, abortable, train_local
+    from dfl_agent.models import build_model, default_spec
+
+    torch.manual_seed(0)
+    model = build_model(default_spec([1, 8, 8], 10, "small"))
+    x = np.random.default_rng(0).normal(size=(64, 1, 8, 8)).astype(np.float32)
+    y = np.arange(64) % 10
+    cfg = TrainConfig(steps=20_000, batch_size=8)
+    event, seen, steps = threading.Event(), {}, []
+
+    def count(m):  # a zero regulariser that counts the mini-batches trained
+        steps.append(1)
+        return torch.zeros(())
+
+    def worker() -> None:
+        with abortable(event):
+            try:
+                train_local(model, x, y, cfg, np.random.default_rng(0), regularizer=count)
+            except TrainingAborted as exc:
+                seen["aborted"] = exc
+
+    t = threading.Thread(target=worker)
+    t.start()
+    while not steps and t.is_alive():
+        time.sleep(0.01)
+    event.set()
+    t.join(30)
+    assert not t.is_alive() and isinstance(seen.get("aborted"), TrainingAborted)
+    assert 0 < len(steps) < cfg.steps  # stopped mid-round
+    # with the event clear (and outside any abortable block) training runs as before
+    with abortable(threading.Event()):
+        assert train_local(model, x, y, TrainConfig(steps=2, batch_size=8), np.random.default_rng(0))["samples"] == 16
