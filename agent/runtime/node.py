@@ -179,11 +179,16 @@ class Node:
         for name, extra in ((n, m) for n, m in models.items() if n):
             out[f"{name}_global_accuracy"] = evaluate(extra, self.test_x, self.test_y, device=dev)["accuracy"]
         if self.shadow is not None:
-            assert self._shadow_rng is not None
-            train_local(self.shadow, d.train_x, d.train_y, self.ctx.train, self._shadow_rng, dev)
+            self._train_shadow()
             out["local_only_global_accuracy"] = evaluate(self.shadow, self.test_x, self.test_y, device=dev)["accuracy"]
             out["local_only_local_accuracy"] = evaluate(self.shadow, d.val_x, d.val_y, device=dev)["accuracy"]
         return out
+
+    def _train_shadow(self) -> None:
+        """One round of local-only training of the baseline copy."""
+        assert self.shadow is not None and self._shadow_rng is not None
+        d = self.ctx.data
+        train_local(self.shadow, d.train_x, d.train_y, self.ctx.train, self._shadow_rng, self.ctx.device)
 
     async def _on_round(self, t: int, info: dict[str, Any]) -> None:
         now = self.ctx.clock.now()
@@ -255,6 +260,9 @@ class Node:
             e0 = time.perf_counter()
             if due:
                 record.update(await self.ctx.compute_ungated(self._evaluate, models))
+            elif self.eval_background and self.shadow is not None:
+                # an unevaluated round still trains the baseline: it sees as many rounds as the federation
+                await self.ctx.compute_ungated(self._train_shadow)
             record["eval_s"] = round(time.perf_counter() - e0, 6)
             if due:
                 if "participated" in record:  # rotating-aggregator rounds: a node takes part in some rounds only

@@ -108,3 +108,24 @@ def test_eval_config_keys():
         assert "runtime.eval_every" in str(exc)
     else:
         raise AssertionError("eval_every = 0 accepted")
+
+
+def test_background_baseline_trains_every_round_even_when_evaluation_is_skipped():
+    nodes, records = _federation(2, 4, eval_background=True, baseline_local=True)
+    trained = {nd.ctx.node_id: 0 for nd in nodes}
+    for nd in nodes:
+        inner_eval, inner_shadow = nd._evaluate, nd._train_shadow
+
+        def slow(models=None, inner=inner_eval):
+            time.sleep(SLOW_EVAL)  # longer than a round: the next rounds are not evaluated
+            return inner(models)
+
+        def count(inner=inner_shadow, nid=nd.ctx.node_id):
+            trained[nid] += 1
+            inner()
+
+        nd._evaluate, nd._train_shadow = slow, count
+    _run(nodes, 4)
+    assert trained == {"n0": 4, "n1": 4}  # one local-only training per round
+    last = [r for r in records if r["round"] == 4]
+    assert len(last) == 2 and all(0 <= r["local_only_global_accuracy"] <= 1 for r in last)
