@@ -93,7 +93,7 @@ class Agent:
 
     def __init__(self, cfg: NodeConfig, config_path: str | None = None, psutil_mod: Any = None, *,
                  run: Any = None, run_dir: Path | None = None, serving: bool = False,
-                 should_stop: Any = None):
+                 should_stop: Any = None, wanted_peers: Any = None):
         self.cfg = cfg
         #: the run trained (runs.RunDescriptor; None with ``--once``), its folder, and
         #: whether an always-on ``serve`` loop owns the process (no systemd STOPPING)
@@ -102,6 +102,9 @@ class Agent:
         self.serving = serving
         #: extra stop condition checked after every round (``() -> bool``; runs: cancelled)
         self.should_stop = should_stop
+        #: ``() -> int``: at most this many peers can still come (runs: the others that did
+        #: not decline the run); the wait for ``discovery.min_peers`` never waits for more
+        self.wanted_peers = wanted_peers
         self.outcome = "starting"
         self.psutil = psutil_mod  # None = the real psutil (tests pass a stand-in for battery etc.)
         self.state_dir = Path(cfg.state_dir)
@@ -542,7 +545,10 @@ class Agent:
             return self.cfg.runtime.rejoin and self.node.algorithm.communicates and any(
                 s.get("state") == "finished" for s in self._run_statuses().values())
 
-        while len(self.ctx.live_peers()) < want and loop.time() < deadline and not finished():
+        def wanted() -> int:
+            return want if self.wanted_peers is None else min(want, int(self.wanted_peers()))
+
+        while len(self.ctx.live_peers()) < wanted() and loop.time() < deadline and not finished():
             if stop.is_set():
                 return False
             await asyncio.sleep(0.2)
@@ -554,7 +560,9 @@ class Agent:
         ):
             await asyncio.sleep(0.1)
         live = self.ctx.live_peers()
-        if len(live) < want:
+        if wanted() < want:
+            log.info("waiting for %d peers, not discovery.min_peers %d: the others declined the run", wanted(), want)
+        if len(live) < wanted():
             log.warning("only %d of %d peers after %.0fs; starting anyway", len(live), want,
                         self.cfg.discovery.start_timeout)
         log.info("peers: %s", ", ".join(live) or "none")
@@ -863,7 +871,7 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
             run_dir = ledger.run_dir(d.run_id)
             run_dir.mkdir(parents=True, exist_ok=True)
             agent = Agent(run_config_for(cfg, d), config_path, run=d, run_dir=run_dir, serving=True,
-                          should_stop=is_cancelled)
+                          should_stop=is_cancelled, wanted_peers=lambda run_id=d.run_id: lobby.may_join(run_id))
             #: the last round this node had completed when the cancel reached it
             cancel_round: dict[str, int] = {}
 

@@ -745,6 +745,35 @@ class RunLobby:
         with self.lock:
             return self.queue.runs.get(run_id)
 
+    def declined_by(self, run_id: str) -> set[str]:
+        """Nodes whose status (its current run, or its run history) says they declined ``run_id``."""
+        out = set()
+        with self.lock:
+            for n, s in self.statuses.items():
+                r = s.get("run")
+                hist = s.get("run_history")
+                if isinstance(r, dict) and r.get("id") == run_id:
+                    state = r.get("state")
+                elif isinstance(hist, dict) and isinstance(hist.get(run_id), dict):
+                    state = hist[run_id].get("state")
+                else:
+                    continue
+                if state == "declined":
+                    out.add(n)
+        return out
+
+    def may_join(self, run_id: str) -> int:
+        """How many other known nodes may still join ``run_id``: every node with a verified
+        status except those that declined it (a node that declined is not waited for).
+        Unbounded (``sys.maxsize``) while no node declined: statuses may still be arriving."""
+        import sys
+
+        declined = self.declined_by(run_id)
+        if not declined:
+            return sys.maxsize
+        with self.lock:
+            return len(set(self.statuses) - declined)
+
     def accepted_by(self, run_id: str) -> set[str]:
         """Nodes whose status says they accepted or train ``run_id``."""
         with self.lock:

@@ -207,6 +207,9 @@ def test_profile_disallowed_algorithm_is_declined_while_others_run_it(fleet: Fle
     for n in ("a0", "a1"):
         assert [r["round"] for r in fleet.trained(n, rid)] == [1, 2]
     assert {x for r in fleet.trained("a0", rid) for x in r["neighbour_ids"]} == {"a1"}
+    for n in ("a0", "a1"):  # they did not wait discovery.start_timeout for a2, which declined
+        assert "waiting for 1 peers, not discovery.min_peers 2: the others declined the run" in \
+            (fleet.tmp / f"{n}.log").read_text()
     fleet.wait(fleet.all_idle, 60, "idle after the declined run")
 
 

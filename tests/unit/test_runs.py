@@ -317,3 +317,17 @@ def test_stopped_run_aborts_local_training_in_its_worker_thread():
     # with the event clear (and outside any abortable block) training runs as before
     with abortable(threading.Event()):
         assert train_local(model, x, y, TrainConfig(steps=2, batch_size=8), np.random.default_rng(0))["samples"] == 16
+
+
+def test_nodes_that_declined_a_run_are_not_waited_for():
+    import sys
+
+    from dfl_agent.runtime.runs import RunLobby
+
+    lobby = RunLobby(config_from_dict({}), "me", RunVerifier("default", require_signatures=False))
+    lobby.statuses = {"a": {"run": {"id": "r-1", "state": "accepted"}}, "b": {"state": "idle", "run": None}}
+    assert lobby.may_join("r-1") == sys.maxsize  # nobody declined: statuses may still be arriving
+    lobby.statuses["c"] = {"run": {"id": "r-1", "state": "declined", "reason": "profile"}}
+    lobby.statuses["d"] = {"run": {"id": "r-0", "state": "finished"},  # moved on; its history says declined
+                           "run_history": {"r-1": {"state": "declined"}}}
+    assert lobby.declined_by("r-1") == {"c", "d"} and lobby.may_join("r-1") == 2
