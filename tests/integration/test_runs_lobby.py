@@ -176,3 +176,62 @@ def test_dflctl_submit_then_cancel_reaches_a_verifying_lobby(mosquitto_broker, f
         assert not lobby.verifier.refused
     finally:
         lobby.stop()
+
+
+@pytest.mark.slow
+def test_default_run_recurs_after_k_new_samples_arrive(mosquitto_broker, federation, tmp_path):
+    """``algorithm.every_samples``: an always-on node on its sample store trains its default
+    run at boot, stays idle while fewer than K new samples arrived, and runs again once K
+    arrived (the ledger keeps each run's snapshot; the second run's data is bigger)."""
+    import numpy as np
+
+    from dfl_agent.runtime.daemon import serve
+
+    cfg = config_from_dict({
+        "federation": federation, "node_id": "solo", "state_dir": str(tmp_path / "state"),
+        "data": {"dataset": "store", "input_shape": [16], "num_classes": 2, "spool_interval": 0.5,
+                 "validation_share": 0.25},
+        "algorithm": {"name": "fedavg", "rounds": 1, "every_samples": 30},
+        "model": {"size": "small"}, "training": {"steps": 2},
+        "mqtt": {"broker": mosquitto_broker.endpoint, "heartbeat_interval": 0.5},
+        "discovery": {"mdns": False}, "deploy": {"enabled": False},
+    })
+    spool = tmp_path / "state" / "spool"
+
+    def drop(name: str, n: int) -> None:
+        rng = np.random.default_rng([len(name), n])
+        spool.mkdir(parents=True, exist_ok=True)
+        np.savez(tmp_path / name, x=rng.normal(size=(n, 16)).astype(np.float32), y=rng.integers(0, 2, n))
+        (tmp_path / name).rename(spool / name)  # whole files only
+
+    def finished() -> list[dict]:
+        e = RunLedger(tmp_path / "state").entries
+        return [e[k] for k in sorted(e) if e[k]["state"] == "finished"]
+
+    async def main():
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(serve(cfg, None, stop))
+        try:
+            drop("a.npz", 40)
+            end = time.monotonic() + 240
+            while len(finished()) < 1 and time.monotonic() < end and not task.done():
+                await asyncio.sleep(0.2)
+            drop("b.npz", 29)  # fewer than K new samples: no repeat
+            await asyncio.sleep(4.0)  # several spool passes
+            idle = len(finished())
+            drop("c.npz", 1)  # the 30th new sample
+            while len(finished()) < 2 and time.monotonic() < end and not task.done():
+                await asyncio.sleep(0.2)
+            return idle
+        finally:
+            stop.set()
+            await task
+
+    idle_runs = asyncio.run(main())
+    assert idle_runs == 1
+    entries = RunLedger(tmp_path / "state").entries
+    ids = sorted(entries)
+    assert [i.rsplit(".", 1)[1] for i in ids] == ["s0", "s1"] and ids[0][:-3] == ids[1][:-3]
+    first, second = (entries[i] for i in ids)
+    assert first["state"] == second["state"] == "finished"
+    assert second["snapshot_last_id"] - first["snapshot_last_id"] == 30  # the new samples it trained on
