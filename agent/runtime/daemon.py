@@ -318,9 +318,13 @@ class Agent:
                          f"after round {node.last_round()}" if between else f"during round {node.last_round() + 1}")
                 if ctx.abort is not None:  # local training in the worker thread stops too
                     ctx.abort.set()
+                # the completed rounds' records (evaluated in the background) are written
+                # before the round in progress is abandoned
+                drainer = asyncio.ensure_future(node.drain())
+                await asyncio.wait({drainer}, timeout=30.0)
                 stopper.cancel()
                 run.cancel()
-                await asyncio.gather(run, stopper, return_exceptions=True)
+                await asyncio.gather(run, stopper, drainer, return_exceptions=True)
                 node.state = "stopped"
                 self.outcome = "stopped"
                 await node.publish_status()
