@@ -74,6 +74,8 @@ def test_live_data_tutorial(tmp_path: Path) -> None:
     logs = "".join((fed / f"node{i}.log").read_text() for i in range(3) if (fed / f"node{i}.log").exists())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs[-4000:]
     assert proc.stdout.count("configuration OK") == 3
+    for i in range(3):  # step 3: peers lists the three always-on agents, idle between runs
+        assert re.search(rf"node{i}\b[^\n]*\bidle\b", proc.stdout), proc.stdout[-3000:]
     for i in range(3):
         assert (fed / f"node{i}" / "models" / "current" / "manifest.json").exists()
     assert re.search(r"deployed version \S+ of run \S+ accuracy [0-9.]+", proc.stdout), proc.stdout[-2000:]
