@@ -98,7 +98,7 @@ def _compression_args(p: argparse.ArgumentParser) -> None:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     p.add_argument("--compression", default="none", type=spec, metavar="SPEC",
-                   help="none, fp16, bf16, q8, q4, q2, topk:0.01+q8, randk:0.1+q8, ...+zstd (see README)")
+                   help="none, fp16, bf16, q8, q4, q2, topk:0.01+q8, randk:0.1+q8, ...+zstd (the compression how-to lists them)")
     p.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
                    help="no residuals / CHOCO copies for sparsified streams (to compare)")
 
