@@ -177,7 +177,7 @@ def test_staleness_and_future_rounds():
 
 
 def test_bad_options_name_the_key():
-    with pytest.raises(ValueError, match="sync must be one of"):
+    with pytest.raises(ValueError, match="algorithm.options.sync: must be one of"):
         parse_options(get_algorithm("fedavg"), {"sync": "whenever"})
     with pytest.raises(ValueError, match="sync_percent"):
         parse_options(get_algorithm("cfa"), {"sync": "one_from_min_percent", "sync_percent": 1.5})
