@@ -27,8 +27,11 @@ from dfl_agent.inference.runtime import (
 
 
 def predict_command(model: str, windows: str, *, as_json: bool, label_column: bool = False, threads: int = 1,
-                    out: Any = sys.stdout) -> int:
-    """``predict``: shared by ``dfl-infer predict`` and ``dflctl predict``."""
+                    out: Any = None) -> int:
+    """``predict``: shared by ``dfl-infer predict`` and ``dflctl predict``; writes to ``out``
+    (default: the current ``sys.stdout``, looked up at call time)."""
+    if out is None:
+        out = sys.stdout
     m = OnnxModel.from_file(model, threads)
     x, y = load_windows(windows, m.input_shape, label_column=label_column)
     doc = predictions_document(m, x, y, {"model": model, "windows": windows})
