@@ -70,22 +70,36 @@ def operator_seq(d: str | None) -> Any:
     return SeqCounter(None)
 
 
+def _client(prefix: str) -> Any:
+    """An MQTT v5 paho client with a unique ``prefix-xxxxxxxx`` client id."""
+    return mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{prefix}-{secrets.token_hex(4)}",
+                       protocol=mqtt.MQTTv5)
+
+
+def _connect(c: Any, broker: str) -> None:
+    """Connect ``c`` to ``broker`` (``host:port``) and start its network loop.
+
+    Raises:
+        ConnectionError: the broker cannot be reached.
+    """
+    from dfl_agent.discovery.static import parse_endpoint
+
+    host, port = parse_endpoint(broker)
+    try:
+        c.connect(host, port, keepalive=30)
+    except OSError as exc:
+        raise ConnectionError(f"cannot reach MQTT broker {broker}: {exc}") from None
+    c.loop_start()
+
+
 def publish_retained(broker: str, topic: str, payload: bytes, timeout: float = 10.0) -> None:
     """Publish ``payload`` retained (QoS 1) and wait until the broker has it.
 
     Raises:
         ConnectionError: the broker cannot be reached or does not acknowledge in ``timeout`` s.
     """
-    from dfl_agent.discovery.static import parse_endpoint
-
-    host, port = parse_endpoint(broker)
-    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"dflctl-run-{secrets.token_hex(4)}",
-                    protocol=mqtt.MQTTv5)
-    try:
-        c.connect(host, port, keepalive=30)
-    except OSError as exc:
-        raise ConnectionError(f"cannot reach MQTT broker {broker}: {exc}") from None
-    c.loop_start()
+    c = _client("dflctl-run")
+    _connect(c, broker)
     try:
         info = c.publish(topic, payload, qos=1, retain=True)
         info.wait_for_publish(timeout)
@@ -105,13 +119,9 @@ def fetch_retained(broker: str, topic: str, timeout: float = 10.0, absent_after:
     """
     import threading
 
-    from dfl_agent.discovery.static import parse_endpoint
-
-    host, port = parse_endpoint(broker)
     got: list[bytes] = []
     subscribed, arrived = threading.Event(), threading.Event()
-    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"dflctl-get-{secrets.token_hex(4)}",
-                    protocol=mqtt.MQTTv5)
+    c = _client("dflctl-get")
     c.on_connect = lambda cl, *_: cl.subscribe(topic, qos=1)
     c.on_subscribe = lambda *_: subscribed.set()
 
@@ -121,11 +131,7 @@ def fetch_retained(broker: str, topic: str, timeout: float = 10.0, absent_after:
             arrived.set()
 
     c.on_message = on_message
-    try:
-        c.connect(host, port, keepalive=30)
-    except OSError as exc:
-        raise ConnectionError(f"cannot reach MQTT broker {broker}: {exc}") from None
-    c.loop_start()
+    _connect(c, broker)
     try:
         if not subscribed.wait(timeout):
             raise ConnectionError(f"no answer from MQTT broker {broker} within {timeout:.0f}s")
