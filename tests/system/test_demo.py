@@ -116,7 +116,12 @@ def _records(out) -> dict[str, dict[int, dict]]:
 def check_algorithm_evidence(algorithm: str, recs: dict[str, dict[int, dict]], rounds: int = 3) -> None:
     """Assert that each node used its neighbours' contributions the way ``algorithm`` does."""
     ids = sorted(recs)
-    assert len(ids) == 3 and all(sorted(recs[n]) == list(range(1, rounds + 1)) for n in ids), recs
+    assert len(ids) == 3, recs
+    for n in ids:
+        # Def-KT's pair round does not wait for the nodes outside its pair: an agent that
+        # started late may find round 1 done and join at round 2 (its rounds are contiguous)
+        first = min(recs[n]) if algorithm == "defkt" else 1
+        assert sorted(recs[n]) == list(range(first, rounds + 1)), (n, sorted(recs[n]))
     for n in ids:
         assert recs[n][rounds]["bytes_received"] > 0, n
     if algorithm == "dechw":  # every round: both neighbours' models, weighted by their Hessians
@@ -126,12 +131,17 @@ def check_algorithm_evidence(algorithm: str, recs: dict[str, dict[int, dict]], r
                 assert rec["hessian_weighted"] is True, (n, t)
             assert recs[n][rounds]["hessian_rounds"] == rounds, n
     elif algorithm == "defkt":  # every round: one receiver took the sender's model by knowledge transfer
+        fused = 0
         for t in range(1, rounds + 1):
-            receivers = [recs[n][t] for n in ids if recs[n][t]["role"] == "receiver"]
-            assert len(receivers) == 1, (t, [recs[n][t]["role"] for n in ids])
-            rec = receivers[0]
-            assert rec["fused"] is True and rec["neighbour_ids"] == [rec["partner"]] and rec["partner"] in ids, rec
-            assert rec["transfer_kl"] >= 0 and rec["transfer_ce"] > 0, rec
+            receivers = [recs[n][t] for n in ids if t in recs[n] and recs[n][t]["role"] == "receiver"]
+            everyone = all(t in recs[n] for n in ids)
+            assert len(receivers) == 1 if everyone else len(receivers) <= 1, \
+                (t, [recs[n][t]["role"] for n in ids if t in recs[n]])
+            for rec in receivers:
+                assert rec["fused"] is True and rec["neighbour_ids"] == [rec["partner"]] and rec["partner"] in ids, rec
+                assert rec["transfer_kl"] >= 0 and rec["transfer_ce"] > 0, rec
+                fused += 1
+        assert fused >= rounds - 1, fused  # knowledge transfers happened (a late joiner may miss one round)
     elif algorithm == "heterofl":  # every round: the aggregator took contributions, its senders its update
         for t in range(1, rounds + 1):
             agg = recs[ids[0]][t]["aggregator"]
