@@ -118,7 +118,10 @@ def test_sigkill_at_random_moments_never_corrupts_state_and_resumes(tmp_path, ca
                     assert ck is None or ck.round <= 1
                 else:
                     assert ck is not None, os.listdir(state / "checkpoints")
-                    assert reached - 1 <= ck.round <= reached, (reached, ck.round)
+                    # evaluation runs in the background, so a round's metrics record is written
+                    # after its checkpoint: a kill in between leaves the checkpoint of round r
+                    # with records up to r - 1 (that one record is lost with the process)
+                    assert reached - 1 <= ck.round <= reached + 1, (reached, ck.round)
                 if ck is not None:
                     assert ck.round == store.rounds()[0] or ck.round == store.rounds()[1]
                     expected = (ck.round, ck.manifest["state_digest"])
