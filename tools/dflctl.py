@@ -425,8 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="give every node this many samples drawn from the whole pool independently of the "
                         "other nodes (a sample may go to several nodes; replaces --partition; 0: partition)")
     s.add_argument("--no-batch", dest="batch", action="store_false",
-                   help="train every node on its own instead of training the nodes that share architecture, "
-                        "optimizer settings and step count together in one vectorised step")
+                   help="train and evaluate every node on its own instead of training the nodes that share "
+                        "architecture, optimizer settings and step count together in one vectorised step (and "
+                        "evaluating the nodes that share an architecture together)")
     s.add_argument("--zeta", type=int, default=2, help="shards (classes) per node")
     s.add_argument("--seed", type=int, default=0, help="random seed (data split, initialisation, sampling)")
     s.add_argument("--epochs", type=int, default=1, help="local epochs per round")

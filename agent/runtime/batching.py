@@ -24,6 +24,14 @@ Everything else (and a group of one) runs the ordinary per-node loop.  Each node
 draws its batch order from its own generator, in the same order as the per-node loop,
 so batched and per-node training agree within float tolerance (summation order of the
 batched matrix products differs).
+
+Evaluation is batched the same way (:meth:`BatchTrainer.submit_eval`): the nodes'
+``evaluate(model, x, y)`` calls of one instant are grouped by architecture and data
+shape, and one ``vmap`` of ``functional_call`` over the stacked parameters computes every
+node's logits at once.  When the nodes evaluate on the same array (the simulator's
+shared global test set) it is passed once, not stacked; otherwise (each node's own
+validation split) the groups' arrays are stacked.  Accuracy and mean loss equal
+:func:`~dfl_agent.learning.training.evaluate`'s within float tolerance.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from dfl_agent.learning.training import TrainConfig, round_batches, train_local
+from dfl_agent.learning.training import TrainConfig, evaluate, round_batches, train_local
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,18 @@ class _Request:
                  batches: list[np.ndarray], future: asyncio.Future[dict[str, float]]):
         self.ctx, self.model, self.x, self.y, self.cfg = ctx, model, x, y, cfg
         self.batches, self.future = batches, future
+
+
+class _EvalRequest:
+    __slots__ = ("batch_size", "future", "model", "x", "y")
+
+    def __init__(self, model: Any, x: np.ndarray, y: np.ndarray, batch_size: int,
+                 future: asyncio.Future[dict[str, float]]):
+        self.model, self.x, self.y, self.batch_size, self.future = model, x, y, batch_size, future
+
+
+#: most nodes evaluated in one vectorised pass (bounds the memory of the stacked activations)
+EVAL_GROUP_MAX = 128
 
 
 class BatchTrainer:
@@ -74,6 +94,11 @@ class BatchTrainer:
         # model -> architecture key (None: not batchable); weak, so temporary models go
         self._arch_keys: weakref.WeakKeyDictionary[Any, tuple[Any, ...] | None] = weakref.WeakKeyDictionary()
         self.stats = {"batched_nodes": 0, "groups": 0, "single": 0}
+        self._pending_eval: list[_EvalRequest] = []
+        #: ``evaluated_batched`` (evaluations done in a vectorised group), ``eval_groups``
+        #: (vectorised evaluation passes), ``eval_single`` (qualifying evaluations alone in
+        #: their group, run per node)
+        self.eval_stats = {"evaluated_batched": 0, "eval_groups": 0, "eval_single": 0}
 
     # -- qualification -------------------------------------------------------------
     def _arch_key(self, model: Any) -> tuple[Any, ...] | None:
@@ -111,10 +136,27 @@ class BatchTrainer:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[dict[str, float]] = loop.create_future()
         self._pending.append(_Request(ctx, model, x, y, cfg, round_batches(len(x), cfg, rng), fut))
+        self._schedule(loop)
+        return fut
+
+    def submit_eval(self, model: Any, x: np.ndarray, y: np.ndarray, batch_size: int = 512,
+                    device: Any = "cpu") -> asyncio.Future[dict[str, float]] | None:
+        """Queue ``evaluate(model, x, y, batch_size, device)`` for a batched pass; None when
+        it does not qualify (another device, an empty set, a model that cannot be batched:
+        the caller then evaluates it itself).  The future's result is ``evaluate``'s
+        ``{"accuracy", "loss"}``."""
+        if str(device) != "cpu" or len(x) == 0 or len(x) != len(y) or self._arch_key(model) is None:
+            return None
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[dict[str, float]] = loop.create_future()
+        self._pending_eval.append(_EvalRequest(model, x, y, batch_size, fut))
+        self._schedule(loop)
+        return fut
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         if not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._flush_when_idle, loop, 0)
-        return fut
 
     # -- flushing --------------------------------------------------------------------
     def _flush_when_idle(self, loop: asyncio.AbstractEventLoop, spins: int) -> None:
@@ -128,7 +170,49 @@ class BatchTrainer:
             return
         self._scheduled = False
         pending, self._pending = self._pending, []
-        self.run(pending)
+        evals, self._pending_eval = self._pending_eval, []
+        if evals:
+            self.run_eval(evals)
+        if pending:
+            self.run(pending)
+
+    def run_eval(self, requests: list[_EvalRequest]) -> None:
+        """Evaluate ``requests`` (grouped by architecture, data shape and data identity;
+        groups of one per node) and resolve their futures."""
+        groups: dict[tuple[Any, ...], list[_EvalRequest]] = {}
+        for r in requests:
+            key = (self._arch_key(r.model), r.batch_size, r.x.shape, r.x.dtype, r.y.shape)
+            groups.setdefault(key, []).append(r)
+        for group in groups.values():
+            # the same arrays for every member (the shared test set): one input for all
+            by_data: dict[tuple[int, int], list[_EvalRequest]] = {}
+            for r in group:
+                by_data.setdefault((id(r.x), id(r.y)), []).append(r)
+            # members on arrays of their own (validation splits) are stacked together
+            parts = [p for p in by_data.values() if len(p) >= self.min_group]
+            rest = [r for p in by_data.values() if len(p) < self.min_group for r in p]
+            if rest:
+                parts.append(rest)
+            for part in parts:
+                for start in range(0, len(part), EVAL_GROUP_MAX):
+                    chunk = part[start:start + EVAL_GROUP_MAX]
+                    try:
+                        if len(chunk) >= self.min_group:
+                            results = evaluate_group([r.model for r in chunk], [r.x for r in chunk],
+                                                     [r.y for r in chunk], chunk[0].batch_size)
+                            self.eval_stats["eval_groups"] += 1
+                            self.eval_stats["evaluated_batched"] += len(chunk)
+                        else:
+                            results = [evaluate(r.model, r.x, r.y, batch_size=r.batch_size) for r in chunk]
+                            self.eval_stats["eval_single"] += len(chunk)
+                    except Exception as exc:  # hand the error to every waiting node
+                        for r in chunk:
+                            if not r.future.done():
+                                r.future.set_exception(exc)
+                        continue
+                    for r, res in zip(chunk, results):
+                        if not r.future.done():
+                            r.future.set_result(res)
 
     def run(self, requests: list[_Request]) -> None:
         """Train ``requests`` (grouped; small groups per node) and resolve their futures."""
@@ -246,3 +330,62 @@ def train_group(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
             out.append({"loss": float(losses[i]) / max(n_steps, 1), "samples": float(samples),
                         "diverged": 0.0 if ok else 1.0})
     return out
+
+
+def evaluate_group(models: list[Any], xs: list[np.ndarray], ys: list[np.ndarray],
+                   batch_size: int = 512) -> list[dict[str, float]]:
+    """Evaluate G models of one architecture in one vectorised pass per chunk.
+
+    Args:
+        models: G >= 1 models with the same architecture (no buffers, see
+            :class:`BatchTrainer`); left unchanged (their train/eval mode included).
+        xs, ys: per model, inputs ``(n, *shape)`` float32 and labels ``(n,)`` int64 of the
+            same shapes for every model.  When every ``xs[i]`` is the same array (and every
+            ``ys[i]``), it is read once and shared by all models; otherwise the arrays are
+            stacked ``(G, n, *shape)``.
+        batch_size: samples per chunk, as in ``evaluate``.
+
+    Returns:
+        per model, :func:`~dfl_agent.learning.training.evaluate`'s ``{"accuracy": fraction
+        in 0..1, "loss": mean cross-entropy}``, equal to it within float tolerance (the
+        batched matrix products sum in another order).
+    """
+    import torch
+    from torch.func import functional_call, vmap
+    from torch.nn import functional as F
+
+    g, n = len(models), len(xs[0])
+    base = models[0]
+    shared = all(x is xs[0] for x in xs) and all(y is ys[0] for y in ys)
+    names = [name for name, _ in base.named_parameters()]
+    was_training = base.training
+    correct = torch.zeros(g, dtype=torch.int64)
+    loss_sum = torch.zeros(g, dtype=torch.float64)
+    try:
+        base.eval()
+        with torch.no_grad():
+            stacked = {name: torch.stack([dict(m.named_parameters())[name].detach() for m in models])
+                       for name in names}
+
+            def logits_of(params: dict[str, torch.Tensor], xb: torch.Tensor) -> torch.Tensor:
+                return functional_call(base, params, (xb,))
+
+            fwd = vmap(logits_of, in_dims=(0, None) if shared else (0, 0))
+            for i in range(0, n, batch_size):
+                if shared:
+                    xb = torch.from_numpy(np.ascontiguousarray(xs[0][i:i + batch_size], dtype=np.float32))
+                    yb = torch.from_numpy(np.ascontiguousarray(ys[0][i:i + batch_size], dtype=np.int64))
+                    yb = yb.unsqueeze(0).expand(g, -1)
+                else:
+                    xb = torch.from_numpy(np.stack([np.ascontiguousarray(x[i:i + batch_size], dtype=np.float32)
+                                                    for x in xs]))
+                    yb = torch.from_numpy(np.stack([np.ascontiguousarray(y[i:i + batch_size], dtype=np.int64)
+                                                    for y in ys]))
+                logits = fwd(stacked, xb)  # (G, B, classes)
+                b = logits.shape[1]
+                per_sample = F.cross_entropy(logits.reshape(g * b, -1), yb.reshape(-1), reduction="none")
+                loss_sum += per_sample.reshape(g, b).sum(1).double()
+                correct += (logits.argmax(2) == yb).sum(1)
+    finally:
+        base.train(was_training)
+    return [{"accuracy": int(correct[j]) / n, "loss": float(loss_sum[j]) / n} for j in range(g)]

@@ -184,6 +184,35 @@ class Node:
             out["local_only_local_accuracy"] = evaluate(self.shadow, d.val_x, d.val_y, device=dev)["accuracy"]
         return out
 
+    async def _evaluate_now(self, models: dict[str, Any] | None) -> dict[str, Any]:
+        """:meth:`_evaluate` through the context; in the simulator with batching, each
+        evaluation joins the batcher's vectorised pass over the nodes evaluating in the
+        same instant (:meth:`~dfl_agent.runtime.batching.BatchTrainer.submit_eval`), and
+        a model that does not qualify is evaluated on its own.  Same record either way."""
+        batcher = getattr(self.ctx, "batcher", None)
+        if batcher is None or getattr(self.ctx, "compute_in_thread", True) or not hasattr(batcher, "submit_eval"):
+            return await self.ctx.compute_ungated(self._evaluate, models)
+        d, dev = self.ctx.data, self.ctx.device
+        if models is None:
+            models = {"": self.algorithm.deployable_model(), **self.algorithm.evaluation_models()}
+        model = models[""]
+        jobs: dict[str, tuple[Any, np.ndarray, np.ndarray]] = {
+            "global_accuracy": (model, self.test_x, self.test_y),
+            "local_accuracy": (model, d.val_x, d.val_y),
+        }
+        for name, extra in ((n, m) for n, m in models.items() if n):
+            jobs[f"{name}_global_accuracy"] = (extra, self.test_x, self.test_y)
+        if self.shadow is not None:
+            self._train_shadow()
+            jobs["local_only_global_accuracy"] = (self.shadow, self.test_x, self.test_y)
+            jobs["local_only_local_accuracy"] = (self.shadow, d.val_x, d.val_y)
+        futures = {k: batcher.submit_eval(m, x, y, device=dev) for k, (m, x, y) in jobs.items()}
+        out: dict[str, Any] = {}
+        for k, (m, x, y) in jobs.items():
+            fut = futures[k]
+            out[k] = (await fut if fut is not None else evaluate(m, x, y, device=dev))["accuracy"]
+        return out
+
     def _train_shadow(self) -> None:
         """One round of local-only training of the baseline copy."""
         assert self.shadow is not None and self._shadow_rng is not None
@@ -259,7 +288,7 @@ class Node:
         try:
             e0 = time.perf_counter()
             if due:
-                record.update(await self.ctx.compute_ungated(self._evaluate, models))
+                record.update(await self._evaluate_now(models))
             elif self.eval_background and self.shadow is not None:
                 # an unevaluated round still trains the baseline: it sees as many rounds as the federation
                 await self.ctx.compute_ungated(self._train_shadow)

@@ -78,8 +78,10 @@ class SimConfig:
             nodes: a sample may go to several nodes), instead of ``partition``; for
             growth figures with more nodes than the pool has samples per node.
         batch: train the nodes that share architecture, optimizer settings and step
-            count in the same virtual instant together, in one vectorised step
-            (:mod:`dfl_agent.runtime.batching`); False: every node trains on its own.
+            count in the same virtual instant together, in one vectorised step, and
+            evaluate the nodes that share an architecture in the same instant together
+            (:mod:`dfl_agent.runtime.batching`); False: every node trains and is
+            evaluated on its own.
     """
 
     algorithm: str = "fedavg"
@@ -262,7 +264,8 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
             **_byte_summary(nodes, policy),
             # batched training: node trainings done in vectorised groups, groups run, and
             # qualifying trainings that were alone in their group (None: --no-batch)
-            "batching": dict(batcher.stats) if batcher is not None else None,
+            # and evaluations done in vectorised passes (evaluated_batched, eval_groups, eval_single)
+            "batching": {**batcher.stats, **batcher.eval_stats} if batcher is not None else None,
             "user_accuracy": metrics.user_accuracy(histories),  # UA: personal models on own splits, last 10 rounds
             "config": _jsonable(dataclasses.asdict(cfg)),
         },

@@ -100,6 +100,60 @@ def test_simulator_batches_by_default_and_matches_no_batch():
     b = batched["batching"]
     # every training went through the batcher; users with the same step count trained together
     assert b["batched_nodes"] + b["single"] == 4 * 2 and b["groups"] >= 2 and b["batched_nodes"] >= 4
+    # every round's evaluation too: the shared test set in one pass per round (4 nodes), and
+    # the validation splits, stacked where their sizes agree
+    assert b["evaluated_batched"] + b["eval_single"] == 2 * 4 * 2 and b["eval_groups"] >= 2
+    assert b["evaluated_batched"] >= 2 * 4
     assert single["batching"] is None
     for node, acc in single["global_accuracy"]["per_node"].items():
         assert batched["global_accuracy"]["per_node"][node] == pytest.approx(acc, abs=0.01)
+
+
+def test_batched_evaluation_equals_per_node_evaluate():
+    """evaluate_group on a shared test set (one input for all) and on per-node sets
+    (stacked), chunked: per-node accuracy exact, loss within float tolerance; the models'
+    train/eval mode is left as it was."""
+    from dfl_agent.learning.training import evaluate
+    from dfl_agent.runtime.batching import evaluate_group
+
+    torch.set_num_threads(1)
+    models = _models(6)
+    for m in models[3:]:
+        m.eval()
+    test_x, test_y = _node_data(99, 37)
+    own = [_node_data(i, 11) for i in range(6)]
+    shared = evaluate_group(models, [test_x] * 6, [test_y] * 6, batch_size=16)
+    stacked = evaluate_group(models, [x for x, _ in own], [y for _, y in own], batch_size=4)
+    for m, s, (x, y), st in zip(models, shared, own, stacked):
+        e = evaluate(m, test_x, test_y, batch_size=16)
+        assert s["accuracy"] == e["accuracy"] and s["loss"] == pytest.approx(e["loss"], rel=1e-5, abs=1e-6)
+        e = evaluate(m, x, y, batch_size=4)
+        assert st["accuracy"] == e["accuracy"] and st["loss"] == pytest.approx(e["loss"], rel=1e-5, abs=1e-6)
+    assert [m.training for m in models] == [True] * 3 + [False] * 3
+    assert len({round(s["loss"], 6) for s in shared}) == 6  # six different models, six results
+
+
+def test_batch_trainer_groups_evaluations_and_leaves_unqualified_ones():
+    """submit_eval: the shared test set is one group, per-node validation splits another;
+    a batch-norm model is not queued (None); results equal evaluate's."""
+    from dfl_agent.learning.training import evaluate
+
+    trainer = BatchTrainer()
+    models = _models(5)
+    test_x, test_y = _node_data(50, 30)
+    own = [_node_data(i, 7) for i in range(5)]
+    with_bn = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3), torch.nn.BatchNorm1d(3))
+
+    async def main():
+        import asyncio
+
+        assert trainer.submit_eval(with_bn, test_x, test_y) is None
+        futs = [trainer.submit_eval(m, test_x, test_y) for m in models]
+        futs += [trainer.submit_eval(m, x, y) for m, (x, y) in zip(models, own)]
+        return await asyncio.gather(*futs)
+
+    got = run_virtual(main())
+    assert trainer.eval_stats == {"evaluated_batched": 10, "eval_groups": 2, "eval_single": 0}
+    expected = [evaluate(m, test_x, test_y) for m in models] + [evaluate(m, x, y) for m, (x, y) in zip(models, own)]
+    for g, e in zip(got, expected):
+        assert g["accuracy"] == e["accuracy"] and g["loss"] == pytest.approx(e["loss"], rel=1e-5, abs=1e-6)
