@@ -245,7 +245,8 @@ class RuntimeContext:
             try:
                 header = parsed if parsed is not None else wire.raw_header(frame)
                 # the round is remembered (replay rule) only once every check passed, below
-                reason = self.security.check(header, remember_round=False)
+                reason = self.security.check(header, remember_round=False,
+                                             signed_bytes=getattr(parsed, "signed_bytes", None))
             except Exception as exc:  # never let bad input kill the node
                 reason = "malformed"
                 log.debug("security check failed on %r", exc)

@@ -421,8 +421,15 @@ class SecurityGuard:
             return False
 
     # -- receiving ------------------------------------------------------------
-    def check(self, header: Mapping[str, Any], *, remember_round: bool = True) -> str | None:
+    def check(self, header: Mapping[str, Any], *, remember_round: bool = True,
+              signed_bytes: bytes | None = None) -> str | None:
         """Check a received, already decoded envelope header (a dict, ``sig`` included).
+
+        ``signed_bytes``: the canonical bytes the header was parsed from, exactly as
+        received (:attr:`dfl_agent.transport.wire.Header.signed_bytes`, passed straight
+        from the decoder, never for a header changed since): the signature is verified
+        over them, without serialising the header again; when it does not verify over
+        them it is verified over the canonical form of ``header`` as without them.
 
         Returns ``None`` when the message may be used, else the rejection reason
         (one of :data:`REJECT_REASONS`).  Accepted signed messages are remembered for
@@ -449,8 +456,12 @@ class SecurityGuard:
             return "bad_signature"
         try:
             raw = base64.b64decode(sig[len(SIG_PREFIX):], validate=True)
-            body = canonical({k: v for k, v in header.items() if k != "sig"})
-            pub.verify(raw, body)
+            try:
+                if signed_bytes is None:
+                    raise InvalidSignature
+                pub.verify(raw, signed_bytes)
+            except InvalidSignature:
+                pub.verify(raw, canonical({k: v for k, v in header.items() if k != "sig"}))
         except (binascii.Error, ValueError, InvalidSignature):
             return "bad_signature"
         return self._replay_check(header, remember_round)

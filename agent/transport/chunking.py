@@ -39,6 +39,7 @@ Errors are :class:`ChunkError` with a short ``reason`` used as a counter key:
 from __future__ import annotations
 
 import collections
+import hashlib
 import os
 import struct
 import time
@@ -112,6 +113,20 @@ def split(frame: bytes, chunk_size: int, *, transfer_id: bytes | None = None) ->
     return chunks
 
 
+class Frame(bytearray):
+    """A reassembled frame: a ``bytearray`` that nothing else holds, with the SHA-256 of
+    its bytes from ``payload_offset`` on (hex, ``payload_sha256``), computed while its
+    chunks arrived; ``payload_offset`` is -1 and ``payload_sha256`` ``None`` when it was
+    not computed (see :class:`Reassembler`'s ``hash_from``)."""
+
+    __slots__ = ("payload_offset", "payload_sha256")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.payload_offset = -1
+        self.payload_sha256: str | None = None
+
+
 @dataclass
 class _Transfer:
     count: int
@@ -120,6 +135,12 @@ class _Transfer:
     held: int = 0  # data bytes stored
     wire_bytes: int = 0  # message bytes of the distinct chunks received
     last_seen: float = 0.0
+    # -- the hash of the frame's bytes from ``offset`` on, fed in index order as chunks arrive
+    hasher: Any = None
+    hashing: bool = True
+    offset: int = 0
+    next_index: int = 0  # the next chunk to hash
+    pos: int = 0  # frame position where that chunk starts
 
 
 def _trim_heap() -> None:
@@ -153,11 +174,18 @@ class Reassembler:
         max_frame_bytes: largest declared frame size accepted.
         clock: monotonic time source in seconds (injectable for tests).
 
+        hash_from: ``hash_from(first)`` maps the data of a transfer's chunk 0 to the frame
+            offset from which the frame's bytes are hashed (SHA-256) while the chunks
+            arrive - each chunk as soon as the chunks before it are in - or to ``None``
+            (no hash); e.g. :func:`dfl_agent.transport.wire.payload_offset`, so that the
+            payload's one hash on the receiving side is mostly done before the last chunk
+            arrives.  The result is :attr:`Frame.payload_sha256`.
+
     Memory: chunks are stored as they arrive, without copying (views into the
     received messages; nothing is preallocated from a declared size), at most
     ``max_bytes`` of data in all; a completed frame is joined once, into a fresh
-    ``bytearray`` that :func:`dfl_agent.transport.wire.decode` decodes in place.
-    Not thread-safe: use one per thread or guard it with a lock.
+    :class:`Frame` (a ``bytearray``) that :func:`dfl_agent.transport.wire.decode`
+    decodes in place.  Not thread-safe: use one per thread or guard it with a lock.
     """
 
     #: how many completed transfer ids are remembered to ignore late duplicates
@@ -170,6 +198,7 @@ class Reassembler:
         timeout: float = 30.0,
         max_frame_bytes: int = 64 * 1024 * 1024,
         clock: Callable[[], float] = time.monotonic,
+        hash_from: Callable[[memoryview], int | None] | None = None,
     ):
         if max_transfers < 1:
             raise ValueError("max_transfers must be >= 1")
@@ -184,6 +213,7 @@ class Reassembler:
         self.timeout = float(timeout)
         self.max_frame_bytes = max_frame_bytes
         self._clock = clock
+        self._hash_from = hash_from
         self._transfers: dict[bytes, _Transfer] = {}
         self._held = 0
         self._completed: collections.OrderedDict[bytes, float] = collections.OrderedDict()
@@ -272,6 +302,8 @@ class Reassembler:
         transfer.wire_bytes += len(data)
         transfer.last_seen = now
         self._held += len(payload)
+        if self._hash_from is not None and transfer.hashing:
+            self._hash_ready(transfer)
         if len(transfer.parts) < transfer.count:
             return None
         # complete
@@ -279,12 +311,36 @@ class Reassembler:
         self._held -= transfer.held
         if transfer.held != transfer.total:
             raise ChunkError("bad_chunk", f"chunks carry {transfer.held} bytes, declared {transfer.total}")
-        frame = bytearray().join(transfer.parts[i] for i in range(transfer.count))
+        frame = Frame()
+        for i in range(transfer.count):
+            frame += transfer.parts[i]
+        if transfer.hasher is not None and transfer.next_index == transfer.count:
+            frame.payload_offset = transfer.offset
+            frame.payload_sha256 = transfer.hasher.hexdigest()
         transfer.parts.clear()
         self._completed[tid] = now
         while len(self._completed) > self.RECENT_COMPLETED:
             self._completed.popitem(last=False)
         return frame, transfer.wire_bytes
+
+    def _hash_ready(self, transfer: _Transfer) -> None:
+        """Hash the chunks that now follow the hashed ones without a gap (index order;
+        each one's frame position is the sum of the lengths before it, as in the frame)."""
+        parts = transfer.parts
+        while transfer.next_index in parts:
+            part = parts[transfer.next_index]
+            if transfer.next_index == 0:
+                offset = self._hash_from(part) if self._hash_from is not None else None
+                if offset is None or not 0 <= offset <= transfer.total:
+                    transfer.hashing = False
+                    return
+                transfer.offset = offset
+                transfer.hasher = hashlib.sha256()
+            end = transfer.pos + len(part)
+            if end > transfer.offset:
+                transfer.hasher.update(part[max(0, transfer.offset - transfer.pos):])
+            transfer.pos = end
+            transfer.next_index += 1
 
     @property
     def buffers(self) -> int:

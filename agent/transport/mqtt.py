@@ -98,6 +98,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 from dfl_agent.discovery.static import parse_endpoint
 from dfl_agent.transport.base import FrameHandler, PresenceHandler, Transport, TransportStats
 from dfl_agent.transport.chunking import HEADER_LEN, ChunkError, Reassembler, is_chunk, split
+from dfl_agent.transport.wire import payload_offset
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +106,9 @@ TOPIC_ROOT = "dfl"
 PROTOCOLS = {"5": mqtt.MQTTv5, "3.1.1": mqtt.MQTTv311}
 #: most bytes of one MQTT payload paho accepts (MQTT limit minus room for the topic)
 MAX_CHUNK_SIZE = 256 * 1024 * 1024 - 64 * 1024
-#: frames larger than this are split and published off the event loop thread
-_OFFLOAD_BYTES = 1024 * 1024
+#: frames larger than this are split and published off the event loop thread (below, the
+#: copy into chunks takes less time than the hop to a worker thread and back)
+_OFFLOAD_BYTES = 4 * 1024 * 1024
 #: how long ``stop()`` waits for the offline message and queued frames to go out (s)
 STOP_FLUSH_TIMEOUT = 2.0
 
@@ -601,7 +603,7 @@ class MqttTransport(Transport):
             if reassembler is None:
                 reassembler = Reassembler(max_transfers=self.max_transfers,
                                           max_bytes=self._max_reassembly_bytes, timeout=self.reassembly_timeout,
-                                          max_frame_bytes=self.max_frame_bytes)
+                                          max_frame_bytes=self.max_frame_bytes, hash_from=payload_offset)
                 conn.reassemblers[topic_name] = reassembler
             try:
                 result = reassembler.feed_with_size(payload)

@@ -57,7 +57,12 @@ The ``sig`` field holds ``"ed25519:" + base64`` of the sender's Ed25519 signatur
 over the canonical JSON (sorted keys, no spaces) of the header without ``sig`` -
 which includes ``payload_sha256``, so the signature covers the payload through that
 single digest - or ``null`` when the sender does not sign.  A signed header may carry
-``cert``, the sender's device certificate (see :mod:`dfl_agent.security`).
+``cert``, the sender's device certificate (see :mod:`dfl_agent.security`).  :func:`encode`
+writes a signed header as those signed canonical bytes with ``,"sig":"..."`` appended as
+the last member; a receiver that finds this form parses the header from the signed bytes
+and keeps them (:attr:`Header.signed_bytes`), so the signature is checked over the bytes
+as received without serialising the header again (any other form is checked over its
+canonical JSON, as before).
 Verification is the receiver's :class:`dfl_agent.security.SecurityGuard`'s job:
 :func:`decode_with_header` returns the parsed header with the message, so it is
 parsed once.
@@ -67,10 +72,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import struct
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +117,29 @@ _DTYPE_NAME = {np.dtype(n): n for n in ALLOWED_DTYPES}
 _DTYPE_OF = {n: np.dtype(n) for n in ALLOWED_DTYPES}
 _ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _KIND_RE = re.compile(r"^[a-z0-9_.\-]{1,32}$")
+#: JSON encoders of the envelope, built once: compact, and canonical (what a signature covers)
+_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), allow_nan=False)
+#: a signed envelope as :func:`encode` writes it ends with ``,"sig":"ed25519:<base64>"}``
+#: (then padding spaces), everything before being the signed canonical JSON
+_SIG_TAIL = b',"sig":"ed25519:'
+_SIG_CHARS = re.compile(rb"[A-Za-z0-9+/=]{1,200}")
+
+
+class Header(dict[str, Any]):
+    """A parsed envelope (a plain ``dict`` to its readers).
+
+    ``signed_bytes``: when the header arrived in the form :func:`encode` writes for a
+    signed message - the canonical JSON of every field but ``sig``, then ``sig`` as the
+    last member - those canonical bytes exactly as received (the header itself was
+    parsed from them), so a signature check verifies them without serialising the
+    header again; ``None`` otherwise."""
+
+    __slots__ = ("signed_bytes",)
+
+    def __init__(self, *args: Any, signed_bytes: bytes | None = None, **kw: Any):
+        super().__init__(*args, **kw)
+        self.signed_bytes = signed_bytes
 
 
 class WireError(ValueError):
@@ -237,7 +265,7 @@ def encode(message: Message, *, federation: str, sender: str,
     digest = hashlib.sha256()
     for piece in pieces:
         digest.update(piece)
-    message.msg_id = message.msg_id or uuid.uuid4().hex
+    message.msg_id = message.msg_id or os.urandom(16).hex()
     message.time = time.time()
     message.sender = sender
     header: dict[str, Any] = {
@@ -269,8 +297,14 @@ def encode(message: Message, *, federation: str, sender: str,
     if sign is not None:
         if cert is not None:
             header["cert"] = cert
-        header["sig"] = sign(signed_body(header))
-    hbytes = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+        # the envelope sent is the signed canonical JSON itself with ``sig`` appended as
+        # its last member: serialised once, and verified as received (Header.signed_bytes)
+        body = _CANONICAL.encode(header).encode()
+        sig = sign(body)
+        header["sig"] = sig
+        hbytes = b"".join((body[:-1], b',"sig":', _JSON.encode(sig).encode(), b"}"))
+    else:
+        hbytes = _JSON.encode(header).encode()
     if len(hbytes) > MAX_HEADER_BYTES:
         raise ValueError(f"envelope too large ({len(hbytes)} bytes)")
     version = WIRE_VERSION
@@ -291,8 +325,21 @@ def signed_body(header: dict[str, Any]) -> bytes:
     Raises:
         ValueError: the header holds NaN/Inf or non-JSON values.
     """
-    body = {k: v for k, v in header.items() if k != "sig"}
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    return _CANONICAL.encode({k: v for k, v in header.items() if k != "sig"}).encode()
+
+
+def payload_offset(first: bytes | memoryview) -> int | None:
+    """Where the payload starts in a frame whose first bytes are ``first`` (at least its
+    prefix), or ``None`` when they are not a v3 frame's prefix.  A chunk reassembler
+    hashes the payload from there while the chunks arrive
+    (:class:`dfl_agent.transport.chunking.Reassembler`'s ``hash_from``); :func:`decode`
+    uses that hash when it covers exactly the payload it finds."""
+    if len(first) < PREFIX_LEN:
+        return None
+    magic, version, hlen = _PREFIX.unpack_from(first, 0)
+    if magic != MAGIC or version & ~HEADER_ZSTD != WIRE_VERSION or hlen > MAX_HEADER_BYTES:
+        return None
+    return PREFIX_LEN + int(hlen)
 
 
 def raw_header(frame: bytes) -> dict[str, Any]:
@@ -332,13 +379,26 @@ def _parse_header(frame: bytes, version: int, hlen: int) -> dict[str, Any]:
             raise WireError("malformed", f"compressed envelope does not inflate: {exc}") from None
         if len(raw) > MAX_HEADER_BYTES:
             raise WireError("malformed", "envelope too large")
+    raw = raw.rstrip(b" ")
+    cut = raw.rfind(_SIG_TAIL) if raw.endswith(b'"}') else -1
+    if cut > 0 and _SIG_CHARS.fullmatch(raw, cut + len(_SIG_TAIL), len(raw) - 2):
+        # the signed form of encode(): parse the signed bytes, the signature is the tail
+        body = raw[:cut] + b"}"
+        try:
+            parsed = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            parsed = None
+        if isinstance(parsed, dict):
+            header = Header(parsed, signed_bytes=body)
+            header["sig"] = raw[cut + len(_SIG_TAIL) - 8 : -2].decode()
+            return header
     try:
-        header = json.loads(raw.decode("utf-8"))
+        parsed = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WireError("malformed", f"envelope is not JSON: {exc}") from None
-    if not isinstance(header, dict):
+    if not isinstance(parsed, dict):
         raise WireError("malformed", "envelope is not an object")
-    return header
+    return Header(parsed)
 
 
 def _req(header: dict[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:
@@ -490,8 +550,12 @@ def decode_with_header(
     view = memoryview(frame)
     if view.ndim != 1 or view.itemsize != 1:
         view = view.cast("B")
-    payload = view[len(view) - env.payload_len:] if env.payload_len else view[:0]
-    if hashlib.sha256(payload).hexdigest() != env.payload_sha256:
+    start = len(view) - env.payload_len
+    payload = view[start:] if env.payload_len else view[:0]
+    # the payload's one hash on this side: computed here, or while the frame's chunks
+    # arrived (a reassembled frame says over which bytes: chunking.Frame)
+    digest = getattr(frame, "payload_sha256", None) if getattr(frame, "payload_offset", -1) == start else None
+    if (digest or hashlib.sha256(payload).hexdigest()) != env.payload_sha256:
         raise WireError("hash_mismatch", "payload hash differs from envelope")
     fmt = env.encoding.get("format")
     desc: dict[str, dict[str, Any]] = env.encoding.get("tensors", {})
@@ -500,29 +564,38 @@ def decode_with_header(
         if fmt == "codec":
             desc = {_codec.BLOB: {"dtype": "uint8", "shape": [env.payload_len]}}
         names = sorted(desc)
-        sizes = []
+        table = []  # (name, dtype, offset, elements, shape)
+        off = 0
+        dtypes = set()
         for name in names:
+            d = desc[name]
             n = 1
-            for s in desc[name]["shape"]:
+            for s in d["shape"]:
                 n *= s
-            sizes.append(n * _DTYPE_OF[desc[name]["dtype"]].itemsize)
-        offsets, total = _layout([(n, b) for n, b in zip(names, sizes, strict=True)])
+            dt = _DTYPE_OF[d["dtype"]]
+            dtypes.add(dt)
+            off = -(-off // ALIGN) * ALIGN
+            table.append((name, dt, off, n, d["shape"]))
+            off += n * dt.itemsize
+        total = off
         if total != env.payload_len:
             raise WireError("bad_tensor", f"tensors need {total} payload bytes, the payload has {env.payload_len}")
         # one copy at most: into a fresh writable, aligned buffer when the received one is not
         buf: Any = payload
-        if payload.readonly or np.frombuffer(payload, np.uint8, count=min(1, len(payload))).ctypes.data % ALIGN:
+        if payload.readonly or (total and np.frombuffer(payload, np.uint8, count=1).ctypes.data % ALIGN):
             buf = bytearray(payload)
-        for name, off, nbytes in zip(names, offsets, sizes, strict=True):
-            dt = _DTYPE_OF[desc[name]["dtype"]]
-            tensors[name] = np.frombuffer(buf, dtype=dt, count=nbytes // dt.itemsize, offset=off).reshape(
-                desc[name]["shape"])
-        dtypes = {desc[name]["dtype"] for name in names}
         whole = None
-        if len(dtypes) == 1 and total:  # one dtype: the padding is whole zero elements
-            dt = _DTYPE_OF[dtypes.pop()]
-            if dt.kind == "f":
-                whole = np.frombuffer(buf, dtype=dt, count=total // dt.itemsize)
+        if len(dtypes) == 1 and total:  # one dtype: the padding is whole zero elements, one array views all
+            dt = dtypes.pop()
+            whole = np.frombuffer(buf, dtype=dt, count=total // dt.itemsize)
+            isz = dt.itemsize
+            for name, _, o, n, shape in table:
+                tensors[name] = whole[o // isz : o // isz + n].reshape(shape)
+            if dt.kind != "f":
+                whole = None
+        else:
+            for name, dt, o, n, shape in table:
+                tensors[name] = np.frombuffer(buf, dtype=dt, count=n, offset=o).reshape(shape)
         _check_finite(tensors, whole)
     elif payload:
         raise WireError("malformed", f"payload present but encoding is {fmt!r}")

@@ -64,7 +64,8 @@ def _keys() -> tuple[bytes, bytes]:
     return tuple(Ed25519PrivateKey.generate().private_bytes(*raw) for _ in range(2))  # type: ignore[return-value]
 
 
-def _guards(keys: tuple[bytes, bytes] | None = None) -> tuple[Any, Any]:
+def _guards(keys: tuple[bytes, bytes] | None = None, fed: str = FED) -> tuple[Any, Any]:
+    """Security guards of nodes a and b of federation ``fed`` (signatures required)."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from dfl_agent.security import SecurityGuard, TrustStore
@@ -72,8 +73,8 @@ def _guards(keys: tuple[bytes, bytes] | None = None) -> tuple[Any, Any]:
 
     ka, kb = (Ed25519PrivateKey.from_private_bytes(k) for k in (keys or _keys()))
     trust = {"a": public_key_b64(ka), "b": public_key_b64(kb)}
-    return (SecurityGuard("a", ka, TrustStore(FED, trust), require_signatures=True),
-            SecurityGuard("b", kb, TrustStore(FED, trust), require_signatures=True))
+    return (SecurityGuard("a", ka, TrustStore(fed, trust), require_signatures=True),
+            SecurityGuard("b", kb, TrustStore(fed, trust), require_signatures=True))
 
 
 # ---------------------------------------------------------------- raw paho
@@ -140,8 +141,9 @@ class Ours:
         from dfl_agent.runtime.context import RuntimeContext
         from dfl_agent.transport.mqtt import MqttTransport
 
-        ga, gb = _guards(self.keys) if self.signed else (None, None)
         fed = FED + ("-s" if self.signed else "")
+        # the trust store's federation is the transport's: signed presence is verified too
+        ga, gb = _guards(self.keys, fed) if self.signed else (None, None)
         self.ctx = {}
         for node, guard in (("a", ga), ("b", gb)):
             if node not in self.nodes:
@@ -356,7 +358,8 @@ def stages(size: int, reps: int) -> dict[str, float]:
     def check() -> None:
         gb._seen.clear()
         gb._rounds.clear()
-        gb.check(wire.raw_header(sframe))
+        h = wire.raw_header(sframe)
+        gb.check(h, signed_bytes=h.signed_bytes)
 
     out["guard_check"] = _time(check, reps)
     out["frame_bytes"] = len(frame)

@@ -294,3 +294,64 @@ def test_chunk_header_is_36_bytes_without_a_hash():
     assert b"".join(c[HEADER_LEN:] for c in chunks) == frame
     for i, c in enumerate(chunks):
         assert struct.unpack_from(">3sB16sIIQ", c)[3:] == (i, len(chunks), len(frame))
+
+
+@pytest.mark.parametrize("order", ["in_order", "reversed", "shuffled_with_duplicates"])
+def test_payload_hashed_while_chunks_arrive(order):
+    """With ``hash_from`` the payload's SHA-256 is computed as the chunks come in (each
+    as soon as the ones before it are in), over exactly the bytes of the joined frame;
+    the decoder uses it instead of hashing again, so a wrong one is a hash mismatch."""
+    import hashlib
+
+    import numpy as np
+
+    from dfl_agent.algorithms.context import Message
+    from dfl_agent.transport import wire
+    from dfl_agent.transport.chunking import Frame
+
+    frame = wire.encode(Message("model", 1, {"w": np.arange(5000, dtype=np.float32)}), federation="f", sender="s")
+    chunks = split(frame, 3000)
+    if order == "reversed":
+        chunks.reverse()
+    elif order == "shuffled_with_duplicates":
+        chunks = chunks + chunks[:3]
+        random.Random(1).shuffle(chunks)
+    r = Reassembler(hash_from=wire.payload_offset)
+    outs = [r.feed(c) for c in chunks]
+    done = [o for o in outs if o is not None]
+    assert len(done) == 1
+    out = done[0]
+    assert isinstance(out, Frame) and out == frame
+    offset = wire.payload_offset(frame)
+    assert offset is not None and out.payload_offset == offset
+    assert out.payload_sha256 == hashlib.sha256(frame[offset:]).hexdigest()
+    assert wire.decode(out).tensors["w"][-1] == 4999
+    out.payload_sha256 = "0" * 64  # the decoder takes the digest computed here
+    with pytest.raises(wire.WireError) as ei:
+        wire.decode(out)
+    assert ei.value.reason == "hash_mismatch"
+
+
+def test_payload_hash_of_a_corrupt_chunk_mismatches():
+    import numpy as np
+
+    from dfl_agent.algorithms.context import Message
+    from dfl_agent.transport import wire
+
+    frame = wire.encode(Message("model", 1, {"w": np.arange(2000, dtype=np.float32)}), federation="f", sender="s")
+    chunks = split(frame, 1000)
+    bad = bytearray(chunks[-2])
+    bad[-1] ^= 0xFF
+    chunks[-2] = bytes(bad)
+    out = _reassemble(chunks, Reassembler(hash_from=wire.payload_offset))
+    assert out.payload_sha256 is not None
+    with pytest.raises(wire.WireError) as ei:
+        wire.decode(out)
+    assert ei.value.reason == "hash_mismatch"
+
+
+def test_no_payload_hash_for_frames_that_are_not_wire_frames():
+    from dfl_agent.transport import wire
+
+    out = _reassemble(split(_frame(5000), 1000), Reassembler(hash_from=wire.payload_offset))
+    assert out.payload_sha256 is None and out.payload_offset == -1

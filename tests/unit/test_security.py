@@ -35,8 +35,16 @@ def _signed(guard, rnd=1, kind="model", cert=None, msg=None):
 
 
 def _check(receiver, frame):
+    """The guard's verdict on ``frame``, both ways: over the header's canonical form,
+    and over the signed bytes as received (what the runtime does); they must agree."""
     wire.decode(frame, federation=FED)
-    return receiver.check(wire.raw_header(frame))
+    header = wire.raw_header(frame)
+    state = receiver._seen.copy(), dict(receiver._rounds), receiver._floor
+    plain = receiver.check(dict(header))
+    receiver._seen, receiver._rounds, receiver._floor = state  # the same frame again, not a replay
+    fast = receiver.check(header, signed_bytes=header.signed_bytes)
+    assert plain == fast, (plain, fast)
+    return fast
 
 
 def test_key_created_once_with_0600(tmp_path):
@@ -292,3 +300,45 @@ def test_intruder_changes_no_model_in_a_signed_memory_federation():
     for a, c in zip(attacked, clean):
         for (name, pa), pc in zip(a.algorithm.model.state_dict().items(), c.algorithm.model.state_dict().values()):
             assert torch.equal(pa, pc), name
+
+
+def test_signature_verified_over_the_bytes_as_received(monkeypatch):
+    """A signed frame's envelope is the signed canonical JSON with ``sig`` last: the
+    receiver verifies those bytes without serialising the header again, and any change
+    to them still fails."""
+    import json
+    import struct
+
+    from dfl_agent.security import trust as trust_mod
+
+    ka, kb = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    trust = TrustStore(FED, {"a": public_key_b64(ka)})
+    a = _guard("a", ka, trust)
+    b = _guard("b", kb, trust, require_signatures=True)
+    wire_compress = wire.COMPRESS_HEADERS
+    monkeypatch.setattr(wire, "COMPRESS_HEADERS", False)  # read and rewrite the envelope's bytes
+    frame = _signed(a, rnd=7)
+    frame2 = _signed(a, rnd=9)
+    monkeypatch.setattr(wire, "COMPRESS_HEADERS", wire_compress)
+    header = wire.raw_header(frame)
+    assert header.signed_bytes == wire.signed_body(header)  # the canonical bytes, as received
+    hlen = struct.unpack_from(">I", frame, 4)[0]
+    raw = frame[8:8 + hlen].rstrip(b" ")
+    assert raw == header.signed_bytes[:-1] + b',"sig":' + json.dumps(header["sig"]).encode() + b"}"
+
+    def no_canonical(obj):
+        raise AssertionError("the header was serialised again")
+
+    monkeypatch.setattr(trust_mod, "canonical", no_canonical)
+    assert b.check(header, signed_bytes=header.signed_bytes, remember_round=False) is None
+    monkeypatch.undo()
+    # one byte of the signed JSON changed, the form kept (round 7 -> 8): bad signature both ways
+    forged = frame.replace(b'"round":7', b'"round":8')
+    assert forged != frame
+    assert _check(b, forged) == "bad_signature"
+    # an unsigned envelope, or a signed one in another byte form, has no signed bytes
+    assert wire.raw_header(wire.encode(_msg(), federation=FED, sender="a")).signed_bytes is None
+    h2, payload = wire.split_frame(frame2)
+    other = _reframe(dict(h2), payload)  # json.dumps with spaces: not the signed form
+    assert wire.raw_header(other).signed_bytes is None
+    assert _check(b, other) is None  # still verified, over the canonical form
