@@ -49,6 +49,23 @@ def _model_specs(value: str | None) -> list[dict[str, Any]] | None:
     return specs
 
 
+def _dechw_hint(algorithm: str, raw_options: dict[str, Any], init: str, partition: str | None) -> None:
+    """Prints DecHW's common-initialisation hint (one line, stderr) when it applies;
+    bad options are left to the run, which reports them."""
+    if algorithm != "dechw":
+        return
+    from dfl_agent.algorithms.base import get_algorithm, parse_options
+    from dfl_agent.algorithms.dechw import common_init_hint
+
+    try:
+        options = parse_options(get_algorithm(algorithm), raw_options)
+    except (KeyError, ValueError):
+        return
+    hint = common_init_hint(algorithm, options, init, partition)
+    if hint:
+        print(hint, file=sys.stderr)
+
+
 def cmd_simulate(a: argparse.Namespace) -> int:
     from dfl_agent.cli.progress import simulate_with_progress
     from dfl_agent.learning.training import TrainConfig
@@ -67,6 +84,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         compression=a.compression, error_feedback=a.error_feedback,
         samples_per_node=a.samples_per_node, batch=a.batch,
     )
+    _dechw_hint(cfg.algorithm, cfg.options, cfg.init, cfg.partition)
     s = simulate_with_progress(cfg, enabled=a.progress)
     if a.json:
         print(json_doc(s, default=float))

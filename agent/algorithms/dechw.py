@@ -234,6 +234,38 @@ class DecHWOptions(NeighbourhoodOptions):
             raise ValueError(f"fallback_eps must be >= 0, got {self.fallback_eps}")
 
 
+def common_init_hint(algorithm: str, options: Any, init: str, partition: str | None = None) -> str | None:
+    """A one-line hint for a DecHW run the common-initialisation benchmark says to tune.
+
+    With every node starting from the same weights (``init = "common"``), the paper's Eq. 6
+    weights (Eq. 4 normalises each Ĥ_j, which removes the data-set size |D_j|) trailed
+    DecHetero on label-skewed HAR, and ``size_weighting = true`` closed the gap
+    (bench/dechw/README.md, "Common initialisation"; docs/algorithms-on-devices.md).
+    ``dflctl simulate`` prints the hint and the daemon logs it as a warning; the run
+    itself is unchanged (the default stays the paper's Eq. 6, ALGORITHMS.md).
+
+    Args:
+        algorithm: the algorithm's registry name; only ``"dechw"`` can get a hint.
+        options: the parsed :class:`DecHWOptions` (or anything with ``size_weighting``
+            and ``theta`` attributes).
+        init: ``"common"`` or ``"independent"`` (``runtime.init`` / ``--init``).
+        partition: the data partition, when known; ``"iid"`` (equal shares, where the
+            option changes nothing) gets no hint.
+
+    Returns:
+        The hint, or None when DecHW runs with independent initialisation, with
+        ``size_weighting`` on, with a finite ``theta`` (DecHW†: data-size weights after
+        θ rounds), on an IID partition, or when the algorithm is not DecHW.
+    """
+    if algorithm != "dechw" or init != "common" or partition == "iid":
+        return None
+    if getattr(options, "size_weighting", False) or not math.isinf(float(getattr(options, "theta", math.inf))):
+        return None
+    return ("hint: dechw with a common initialisation ignores each node's data-set size (Eq. 4 normalisation); "
+            "on label-skewed data of unequal sizes size_weighting=true scored higher "
+            "(docs/algorithms-on-devices.md, 'DecHW with a common initialisation')")
+
+
 @register
 class DecHW(NeighbourhoodAlgorithm):
     """DecHW (seed 001 Alg. 1, Eq. 4-8), with the DecHW† cut-off ``theta``."""

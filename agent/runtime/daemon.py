@@ -171,6 +171,10 @@ class Agent:
             raise StartupError(str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)) from None
         for line in behaviour.reasons:
             log.info("profile %s: %s", profile.name, line)
+        from dfl_agent.algorithms.dechw import common_init_hint
+
+        if hint := common_init_hint(algo_cls.name, options, cfg.runtime.init, d.partition):
+            log.warning("%s", hint)
         fed = cfg.federation
         t = cfg.training
         train = TrainConfig(epochs=t.epochs, steps=t.steps, batch_size=behaviour.batch_size, lr=t.lr,

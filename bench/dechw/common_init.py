@@ -22,7 +22,9 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -108,6 +110,21 @@ def run(name: str, a: argparse.Namespace, seed: int, out: Path) -> dict[str, Any
             "probe_thirds": agg, "aggregations": len(calls), "wall_s": round(time.perf_counter() - t0, 1)}
 
 
+def _store(path: Path, r: dict[str, Any], settings: dict[str, Any]) -> None:
+    """Adds run ``r`` to ``path`` (replacing the same variant and seed) under a file lock.
+
+    Several processes (one per seed) may write the same file; the lock serialises their
+    read-modify-write, and the write goes through a temporary file and a rename.
+    """
+    with open(Path(tempfile.gettempdir()) / "dechw_common_init.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        old = json.loads(path.read_text())["runs"] if path.exists() else []
+        kept = [x for x in old if (x["variant"], x["seed"]) != (r["variant"], r["seed"])]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"settings": settings, "runs": kept + [r]}, indent=1))
+        tmp.replace(path)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", type=int, default=10)
@@ -127,10 +144,7 @@ def main() -> int:
             r = run(name, a, seed, work)
             results.append(r)
             print(json.dumps(r), flush=True)
-            path = out / "results.json"
-            old = json.loads(path.read_text())["runs"] if path.exists() else []
-            kept = [x for x in old if (x["variant"], x["seed"]) != (r["variant"], r["seed"])]
-            path.write_text(json.dumps({"settings": vars(a), "runs": kept + [r]}, indent=1))
+            _store(out / "results.json", r, vars(a))
     return 0
 
 
