@@ -246,25 +246,28 @@ def encode(message: Message, *, federation: str, sender: str,
         raise ValueError(f"invalid recipient {message.recipient!r}")
     tensors: dict[str, np.ndarray] = {}
     for name, arr in message.tensors.items():
-        a = np.asarray(arr)
+        a = arr if type(arr) is np.ndarray else np.asarray(arr)
         if a.dtype not in _DTYPE_NAME:  # also refuses big-endian dtypes
             raise ValueError(f"tensor {name!r}: dtype {a.dtype} not allowed on the wire")
-        tensors[name] = np.ascontiguousarray(a)
+        tensors[name] = a if a.ndim and a.flags.c_contiguous else np.ascontiguousarray(a)
     # -- compression: a compressed message's blob is the payload as is --
     raw_codec = message.encoding is not None and _is_codec_blob(tensors)
     names = [_codec.BLOB] if raw_codec else sorted(tensors)
-    offsets, plen = _layout([(n, tensors[n].nbytes) for n in names])
-    # the payload's pieces: zero padding and each tensor's bytes (views, not copies)
+    # the payload's pieces: zero padding and each tensor's C-contiguous buffer (no copies;
+    # hashed here and copied once, into the frame)
     pieces: list[Any] = []
-    pos = 0
-    for name, off in zip(names, offsets, strict=True):
-        if off > pos:
-            pieces.append(bytes(off - pos))
-        pieces.append(_bytes_of(tensors[name]))
-        pos = off + tensors[name].nbytes
+    plen = 0
     digest = hashlib.sha256()
-    for piece in pieces:
-        digest.update(piece)
+    for name in names:
+        a = tensors[name]
+        if plen % ALIGN:
+            pad = bytes(ALIGN - plen % ALIGN)
+            pieces.append(pad)
+            digest.update(pad)
+            plen += len(pad)
+        pieces.append(a)
+        digest.update(a)
+        plen += a.nbytes
     message.msg_id = message.msg_id or os.urandom(16).hex()
     message.time = time.time()
     message.sender = sender
