@@ -205,22 +205,6 @@ def _expand_codec(desc: dict[str, Any]) -> dict[str, Any]:
     return {**desc, "t": {n: ({"s": e} if isinstance(e, list) else e) for n, e in table.items()}}
 
 
-def _layout(names_shapes: list[tuple[str, int]]) -> tuple[list[int], int]:
-    """Offsets of tensors of the given byte sizes (in that order) in a ``raw``
-    payload, each at the next multiple of :data:`ALIGN`, and the payload's length."""
-    offsets, off = [], 0
-    for _, nbytes in names_shapes:
-        off = -(-off // ALIGN) * ALIGN
-        offsets.append(off)
-        off += nbytes
-    return offsets, off
-
-
-def _bytes_of(a: np.ndarray) -> np.ndarray:
-    """The bytes of a C-contiguous array as a flat uint8 view (no copy)."""
-    return a.reshape(-1).view(np.uint8)
-
-
 def encode(message: Message, *, federation: str, sender: str,
            sign: Callable[[bytes], str] | None = None, cert: dict[str, Any] | None = None) -> bytes:
     """Serialise ``message`` into one v3 frame.
