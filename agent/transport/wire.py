@@ -250,7 +250,7 @@ def encode(message: Message, *, federation: str, sender: str,
             digest.update(pad)
             plen += len(pad)
         pieces.append(a)
-        digest.update(a)
+        digest.update(a)  # type: ignore[arg-type]  # a C-contiguous array is a buffer
         plen += a.nbytes
     message.msg_id = message.msg_id or os.urandom(16).hex()
     message.time = time.time()
