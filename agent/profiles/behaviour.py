@@ -265,7 +265,8 @@ def models_held(algorithm: str, participants: int = 5) -> float:
 
     Training one model costs 3 copies (weights, gradients, SGD momentum; Adam 4).  Gossip
     algorithms add one copy per neighbour (``participants - 1``); DecHW a Hessian diagonal
-    per model too; Def-KT's receiver trains two models; a rotating round's aggregator holds
+    per model too, and while it estimates its own, a float64 accumulator (2 copies;
+    ``size_weighting`` scales tensor by tensor and adds none); Def-KT's receiver trains two models; a rotating round's aggregator holds
     every participant's model with gradients and momentum, twice (:func:`aggregator_need_mb`).
 
     Raises:
@@ -280,8 +281,8 @@ def models_held(algorithm: str, participants: int = 5) -> float:
         return 3.0
     if algorithm in ROTATING:
         return float(participants * 3 * 2)
-    if algorithm == "dechw":
-        return 3.0 + 1.0 + 2.0 * neighbours
+    if algorithm == "dechw":  # + own Ĥ (1) + the estimator's float64 accumulator (2)
+        return 3.0 + 1.0 + 2.0 + 2.0 * neighbours
     if algorithm == "defkt":
         return 2 * 3.0 + 1.0
     return 3.0 + neighbours
