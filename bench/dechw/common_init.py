@@ -17,6 +17,10 @@ weights p_{j,n} split each parameter between the models:
 Usage (from the repository root)::
 
     nice -n 10 .venv/bin/python bench/dechw/common_init.py --out bench/dechw/results/common_init
+    # several seeds: one process per seed may run at once (results.json is written under a lock)
+    nice -n 10 .venv/bin/python bench/dechw/common_init.py --seeds 1 --variants "DecHW (defaults)" ...
+    # the table over seeds (results.md), from the stored runs:
+    .venv/bin/python bench/dechw/common_init.py --summary --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -125,6 +129,42 @@ def _store(path: Path, r: dict[str, Any], settings: dict[str, Any]) -> None:
         tmp.replace(path)
 
 
+#: Rows of the summary table, in order (variants absent from the results are skipped).
+SUMMARY_ROWS = ["DecHetero", "DecHW (defaults)", "DecHW size_weighting=true", "DecHW† θ=3",
+                "DecHetero, independent init", "DecHW, independent init"]
+
+
+def summarise(runs: list[dict[str, Any]], seeds: list[int]) -> str:
+    """A Markdown table of final global accuracy per variant over ``seeds``: each seed's
+    value, the mean ± sample standard deviation and the min-max range, plus the mean curve
+    at the evaluated rounds and, per seed, the lead of each variant over DecHetero with the
+    same initialisation.  Variants missing a seed are marked, not averaged."""
+    by = {(r["variant"], r["seed"]): r for r in runs}
+    rounds = sorted({int(t) for r in runs for t in r["curve"]})
+    head = (["variant"] + [f"seed {s}" for s in seeds] + ["mean ± std", "min-max"]
+            + [f"round {t} (mean)" for t in rounds] + ["vs DecHetero, same init, per seed"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in SUMMARY_ROWS:
+        got = [by.get((name, s)) for s in seeds]
+        if not any(got):
+            continue
+        vals = [100 * g["final"] for g in got if g]
+        cells = [f"{100 * g['final']:.1f}" if g else "—" for g in got]
+        if len(vals) == len(seeds):
+            sd = float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0
+            cells += [f"{np.mean(vals):.1f} ± {sd:.1f}", f"{min(vals):.1f}-{max(vals):.1f}"]
+        else:
+            cells += [f"({len(vals)}/{len(seeds)} seeds)", ""]
+        cells += [f"{np.mean([100 * g['curve'][str(t)] for g in got if g and str(t) in g['curve']]):.1f}"
+                  for t in rounds]
+        base = "DecHetero, independent init" if "independent" in name else "DecHetero"
+        leads = [f"{100 * (g['final'] - by[(base, s)]['final']):+.1f}" if g and (base, s) in by else "—"
+                 for g, s in zip(got, seeds)]
+        cells.append("—" if name == base else " / ".join(leads))
+        lines.append("| " + " | ".join([name] + cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", type=int, default=10)
@@ -134,9 +174,16 @@ def main() -> int:
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--out", default="bench/dechw/results/common_init")
+    p.add_argument("--summary", action="store_true",
+                   help="run nothing: write results.md (a table over --seeds) from OUT/results.json")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.summary:
+        table = summarise(json.loads((out / "results.json").read_text())["runs"], a.seeds)
+        (out / "results.md").write_text(table)
+        print(table, end="")
+        return 0
     work = Path("/tmp/dechw_common_init")
     results = []
     for seed in a.seeds:
