@@ -325,7 +325,8 @@ def report() -> None:
              "one process (the simulator's design); `workers`: two spawned worker processes holding half of "
              "the nodes each, broadcasts relayed through the parent. The two modes of one repeat ran one "
              "after the other (order alternating), and ended with the same parameters (`max diff`). "
-             "CPU = parent + workers. 2-core x86 VM shared with other jobs (load average in the table).", "",
+             "CPU = parent + workers. 2-core x86 VM shared with other jobs (load average in the table). "
+             "Not in either mode: the simulator's event-loop bookkeeping of messages and peers.", "",
              "| nodes | epochs | seed | mode | rounds wall s | rounds CPU s | total wall s | total CPU s | "
              "load start/end | max diff | code |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -357,7 +358,11 @@ def report() -> None:
             w = statistics.median(value(c, field) for c in sel["workers"])
             lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {len(sel['single'])} | {label} | {s:.2f} | "
                          f"{w:.2f} | **{w / s:.2f}** |")
-    lines += ["", "Commands: the `command` field of each line of `workers.jsonl`."]
+    commands = sorted({c["command"] for c in cells if c.get("command")})
+    lines += ["", "`single` ran in a process already warmed up (imports, data set cache, first vectorised step); "
+              "a fresh simulation pays that once more (about 7 CPU s on this machine), while each worker pays "
+              "it in its `total`.", "", "Commands (repository root):", "", "```sh",
+              *commands, "python bench/scale/workers.py --report", "```"]
     (HERE / "workers.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
