@@ -77,7 +77,8 @@ def update_problem(msg: Message, template, extra_tensors: frozenset[str] = froze
     ``extra_tensors`` may come in addition) and that ``meta["samples"]`` is a positive number.
     """
     try:
-        check_compatible({k: v for k, v in msg.tensors.items() if k not in extra_tensors}, template)
+        tensors = msg.tensors if not extra_tensors else {k: v for k, v in msg.tensors.items() if k not in extra_tensors}
+        check_compatible(tensors, template)
     except IncompatibleUpdate as exc:
         return f"incompatible: {exc}"
     samples = msg.meta.get("samples")

@@ -46,9 +46,17 @@ def weighted_average(
     if (w < 0).any() or not np.isfinite(w).all() or w.sum() <= 0:
         raise ValueError(f"weights must be finite, non-negative, with a positive sum: {weights}")
     w = w / w.sum()
-    check_same_layout(models)
+    names = models[0].keys()
+    for m in models[1:]:
+        if m.keys() != names:
+            raise ValueError("models to average have different tensor names")
     out: dict[str, np.ndarray] = {}
     for name, first in models[0].items():
+        shape = first.shape
+        column = [m[name] for m in models]
+        # check_same_layout's shape check, on the arrays the average reads
+        if any(a.shape != shape for a in column):
+            raise ValueError(f"models to average disagree on the shape of {name!r}")
         if first.dtype.kind != "f":
             out[name] = np.array(first, copy=True)
             continue
@@ -60,10 +68,10 @@ def weighted_average(
         buf = np.empty((rows, flat), dtype=np.float64)
         acc = np.zeros(flat, dtype=np.float64)
         for start in range(0, len(models), rows):
-            part = models[start:start + rows]
+            part = column[start:start + rows]
             block = buf[: len(part)]
-            for j, m in enumerate(part):
-                block[j] = m[name].reshape(-1)
+            for j, a in enumerate(part):
+                block[j].reshape(shape)[...] = a
             acc += w[start:start + len(part)] @ block
         out[name] = acc.reshape(first.shape).astype(first.dtype)
     return out

@@ -24,7 +24,7 @@ def check_compatible(tensors: Mapping[str, np.ndarray], template: Mapping[str, n
     Raises:
         IncompatibleUpdate: naming the first difference.
     """
-    if set(tensors) != set(template):
+    if tensors.keys() != template.keys():
         missing = sorted(set(template) - set(tensors))[:3]
         extra = sorted(set(tensors) - set(template))[:3]
         raise IncompatibleUpdate(f"tensor names differ (missing {missing}, unexpected {extra})")
@@ -40,5 +40,18 @@ def load_numpy(model: nn.Module, tensors: Mapping[str, np.ndarray]) -> None:
     Raises:
         IncompatibleUpdate: names/shapes/dtypes differ (the model is left untouched).
     """
-    check_compatible(tensors, model_to_numpy(model))
-    model.load_state_dict({k: torch.from_numpy(np.array(v, copy=True)) for k, v in tensors.items()})
+    # the model's own tensors (state_dict: detached, sharing the parameters' storage) as
+    # the template, without copies
+    state = model.state_dict()
+    check_compatible(tensors, {k: v.cpu().numpy() for k, v in state.items()})
+    if any(m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks
+           or type(m)._load_from_state_dict is not nn.Module._load_from_state_dict for m in model.modules()):
+        # a module with its own loading logic: torch's load_state_dict
+        model.load_state_dict({k: torch.from_numpy(np.array(v, copy=True)) for k, v in tensors.items()})
+        return
+    # plain modules: copied in place, as load_state_dict does; a read-only array (a shared
+    # received message) or a strided one is read through a copy
+    with torch.no_grad():
+        for k, v in tensors.items():
+            a = v if isinstance(v, np.ndarray) and v.flags.writeable and v.flags.c_contiguous else np.array(v)
+            state[k].copy_(torch.from_numpy(a))

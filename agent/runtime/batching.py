@@ -269,8 +269,8 @@ def train_group(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
     for m, *_ in members:
         m.train()
     with torch.no_grad():
-        stacked = {n: torch.stack([dict(m.named_parameters())[n].detach() for m, *_ in members]).clone()
-                   for n in names}
+        member_params = [dict(m.named_parameters()) for m, *_ in members]
+        stacked = {n: torch.stack([p[n].detach() for p in member_params]).clone() for n in names}
 
     def loss_of(params: dict[str, torch.Tensor], xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(functional_call(base, params, (xb,)), yb)
@@ -320,10 +320,10 @@ def train_group(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
         finite = torch.ones(len(members), dtype=torch.bool)
         for n in names:
             finite &= torch.isfinite(stacked[n].reshape(len(members), -1)).all(dim=1)
-        for i, (m, _x, _, batches) in enumerate(members):
+        for i, (_m, _x, _, batches) in enumerate(members):
             ok = bool(finite[i])
             if ok:
-                params = dict(m.named_parameters())
+                params = member_params[i]
                 for n in names:
                     params[n].copy_(stacked[n][i])
             samples = sum(len(b) for b in batches)
@@ -364,8 +364,8 @@ def evaluate_group(models: list[Any], xs: list[np.ndarray], ys: list[np.ndarray]
     try:
         base.eval()
         with torch.no_grad():
-            stacked = {name: torch.stack([dict(m.named_parameters())[name].detach() for m in models])
-                       for name in names}
+            model_params = [dict(m.named_parameters()) for m in models]
+            stacked = {name: torch.stack([p[name].detach() for p in model_params]) for name in names}
 
             def logits_of(params: dict[str, torch.Tensor], xb: torch.Tensor) -> torch.Tensor:
                 return functional_call(base, params, (xb,))
