@@ -23,8 +23,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def run(nodes: int, rounds: int, seed: int, batch: bool, extra: dict) -> dict:
-    """One simulation; returns its measured cell."""
+def run(nodes: int, rounds: int, seed: int, batch: bool, extra: dict, label: str = "") -> dict:
+    """One simulation; returns its measured cell (``label``: the code version measured)."""
     import torch
 
     from dfl_agent.runtime.simulator import SimConfig, simulate
@@ -45,6 +45,7 @@ def run(nodes: int, rounds: int, seed: int, batch: bool, extra: dict) -> dict:
     cpu = time.process_time() - cpu0
     return {
         "nodes": nodes, "rounds": rounds, "seed": seed, "batch": batch, "extra": extra,
+        **({"label": label} if label else {}),
         "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
         "node_rounds_per_s": round(nodes * rounds / wall, 2),
         "node_rounds_per_cpu_s": round(nodes * rounds / cpu, 2),
@@ -54,7 +55,8 @@ def run(nodes: int, rounds: int, seed: int, batch: bool, extra: dict) -> dict:
                      else "") + f"python bench/scale/batch.py{' --before' if extra.get('code') == 'before' else ''} "
                     f"--nodes {nodes} --rounds {rounds} --seeds {seed}"
                     + (f" --samples-per-node {extra['samples_per_node']}" if extra.get("samples_per_node") else "")
-                    + (f" --epochs {extra['epochs']}" if extra.get("epochs") else "")),
+                    + (f" --epochs {extra['epochs']}" if extra.get("epochs") else "")
+                    + (f" --label {label}" if label else "")),
     }
 
 
@@ -68,7 +70,9 @@ def report() -> None:
              "|---|---|---|---|---|---|---|---|---|---|"]
 
     def mode(c: dict) -> str:
-        return "before" if c["extra"].get("code") == "before" else "batched" if c["batch"] else "--no-batch"
+        if c["extra"].get("code") == "before":
+            return "before"
+        return ("batched" if c["batch"] else "--no-batch") + (f" ({c['label']})" if c.get("label") else "")
 
     for c in cells:
         opts = " ".join(f"{k}={v}" for k, v in sorted(c["extra"].items()) if k != "code") or "default"
@@ -82,16 +86,19 @@ def report() -> None:
     for key in sorted({setup(c) for c in cells}):
         n = key[0]
         label = f"{n} nodes, {key[1]} rounds" + "".join(f", {k.replace('_', ' ')} {v}" for k, v in key[2])
-        b = [c for c in cells if setup(c) == key and mode(c) == "batched"]
-        for other in ("--no-batch", "before"):
-            u = [c for c in cells if setup(c) == key and mode(c) == other]
-            if b and u:
-                speed = statistics.mean(c["node_rounds_per_cpu_s"] for c in b) / statistics.mean(
-                    c["node_rounds_per_cpu_s"] for c in u)
-                dacc = 100 * (statistics.mean(c["global_accuracy"] for c in b) - statistics.mean(
-                    c["global_accuracy"] for c in u))
-                lines.append(f"- {label}, batched against {other}: node-rounds per CPU second **{speed:.2f}x**, "
-                             f"mean global accuracy difference **{dacc:+.2f} points** ({len(b)} and {len(u)} runs)")
+        for tag in sorted({c.get("label", "") for c in cells if setup(c) == key and mode(c) != "before"}):
+            suffix = f" ({tag})" if tag else ""
+            b = [c for c in cells if setup(c) == key and mode(c) == "batched" + suffix]
+            for other in ("--no-batch" + suffix, "before"):
+                u = [c for c in cells if setup(c) == key and mode(c) == other]
+                if b and u:
+                    speed = statistics.mean(c["node_rounds_per_cpu_s"] for c in b) / statistics.mean(
+                        c["node_rounds_per_cpu_s"] for c in u)
+                    dacc = 100 * (statistics.mean(c["global_accuracy"] for c in b) - statistics.mean(
+                        c["global_accuracy"] for c in u))
+                    lines.append(f"- {label}, batched{suffix} against {other}: node-rounds per CPU second "
+                                 f"**{speed:.2f}x**, mean global accuracy difference **{dacc:+.2f} points** "
+                                 f"({len(b)} and {len(u)} runs)")
     lines += ["", "Commands: the `command` field of each line of `batch.jsonl`."]
     (HERE / "batch.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -105,6 +112,9 @@ def main() -> None:
     ap.add_argument("--samples-per-node", type=int, default=0, help="dflctl simulate --samples-per-node (0: IID split)")
     ap.add_argument("--epochs", type=int, default=0, help="local epochs per round (0: the default, 1)")
     ap.add_argument("--report", action="store_true", help="only write batch.md from batch.jsonl")
+    ap.add_argument("--label", default="",
+                    help="name of the code version measured, kept with each row (rows of different labels "
+                         "are compared separately; 'before' rows are the common baseline)")
     ap.add_argument("--before", action="store_true",
                     help="measure a simulator from before batching (PYTHONPATH pointing at its package): "
                          "per-node runs only, recorded as code=before")
@@ -118,7 +128,7 @@ def main() -> None:
         run(4, 1, 0, batch, {})
     for i, seed in enumerate(a.seeds):
         for batch in (modes if i % 2 == 0 else modes[::-1]):  # alternate which goes first
-            cell = run(a.nodes, a.rounds, seed, batch, dict(extra))
+            cell = run(a.nodes, a.rounds, seed, batch, dict(extra), a.label)
             print(json.dumps(cell), flush=True)
             with open(HERE / "batch.jsonl", "a") as f:
                 f.write(json.dumps(cell) + "\n")
