@@ -91,8 +91,16 @@ class NodeContext(Protocol):
         """Send ``message`` to one peer; returns bytes put on the wire."""
         ...
 
-    async def broadcast(self, message: Message) -> int:
-        """Publish ``message`` to every neighbour; returns bytes put on the wire."""
+    async def broadcast(self, message: Message, *, neighbours_only: bool = False) -> int:
+        """Publish ``message`` to every live peer; returns bytes put on the wire (one
+        publish: counted once, whatever the number of receivers).
+
+        ``neighbours_only=True``: the message is meant for this node's neighbours in the
+        configured communication graph only (an algorithm that rejects non-neighbours'
+        messages, like ``fedavg``).  The simulator then delivers it to those neighbours
+        alone; on MQTT it is the same one publish, which every member receives and the
+        non-neighbours reject.  Leave it False for messages every live peer must see
+        (tokens, pair schedules, group synchronization)."""
         ...
 
     async def receive(

@@ -61,8 +61,9 @@ class NeighbourhoodOptions(GossipOptions):
 
     Attributes:
         delivery: how a model reaches the neighbours: ``unicast`` (one message per
-            neighbour: bytes = degree × message), ``broadcast`` (one publish that every
-            peer receives; non-neighbours ignore it), or ``auto`` (default: broadcast
+            neighbour: bytes = degree × message), ``broadcast`` (one publish: over MQTT
+            every peer receives it and non-neighbours reject it; the simulator delivers
+            it to the neighbours only), or ``auto`` (default: broadcast
             when the neighbours are all the live peers, unicast otherwise).
 
     Robust ``aggregation`` here: in ``dechw``, ``clip`` clips before the Hessian
@@ -142,7 +143,7 @@ class NeighbourhoodAlgorithm(Algorithm):
             mode = "broadcast" if set(neighbours) == set(ctx.live_peers()) else "unicast"
         msg = gc.model_message(self.choco, MODEL_KIND, t, tensors, meta)  # once: CHOCO copies agree
         if mode == "broadcast":
-            await ctx.broadcast(msg)
+            await ctx.broadcast(msg, neighbours_only=True)
         else:
             for peer in neighbours:
                 await ctx.send(peer, dataclasses.replace(msg, meta=dict(msg.meta), msg_id=""))

@@ -185,7 +185,8 @@ class FedAvg(Algorithm):
         if self.options.participation:  # partial device participation (seed 003 §3.6.4)
             await send_with_participation(ctx, MODEL_KIND, t, own, {"samples": n_own}, self.options.participation)
         else:
-            await ctx.broadcast(gc.model_message(self.choco, MODEL_KIND, t, own, {"samples": n_own}))
+            await ctx.broadcast(gc.model_message(self.choco, MODEL_KIND, t, own, {"samples": n_own}),
+                                neighbours_only=True)
         deadline = ctx.clock.now() + self.options.round_timeout
         got, missing = await collect_round(
             ctx, MODEL_KIND, t, deadline, self.options.poll_interval, own, market=self.market

@@ -69,7 +69,7 @@ class FullAvg(PushAlgorithm):
         ctx, d = self.ctx, self.ctx.data
         stats = await ctx.compute(train_local, self.model, d.train_x, d.train_y, self.sender_train, ctx.rng, ctx.device)
         own = model_to_numpy(self.model)
-        await ctx.broadcast(Message(self.kind("model"), t, own, meta={"samples": self.samples}))
+        await ctx.broadcast(Message(self.kind("model"), t, own, meta={"samples": self.samples}), neighbours_only=True)
         deadline = ctx.clock.now() + self.options.round_timeout
         got, missing = await collect_round(ctx, self.kind("model"), t, deadline, self.options.poll_interval, own)
         senders = sorted(got)

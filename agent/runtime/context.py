@@ -310,12 +310,14 @@ class RuntimeContext:
         self._account_sent(message.kind, n, reference)
         return n
 
-    async def broadcast(self, message: Message) -> int:
+    async def broadcast(self, message: Message, *, neighbours_only: bool = False) -> int:
         message.recipient = BROADCAST
         t0 = time.perf_counter()
         frame, reference = self._encode(message)
         t1 = time.perf_counter()
-        n = await self.transport.broadcast(frame)
+        # the audience is the configured graph (None: no graph, every member); the
+        # transport delivers to it where it can address receivers (the simulator)
+        n = await self.transport.broadcast(frame, self.graph_neighbours if neighbours_only else None)
         self.timing["encode_s"] += t1 - t0
         self.timing["send_s"] += time.perf_counter() - t1
         self._account_sent(message.kind, n, reference)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import collections
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 #: drop-counter key prefixes of the control plane (presence and status messages); the
@@ -62,8 +62,14 @@ class Transport(abc.ABC):
         """Deliver ``frame`` to ``peer``'s inbox (at-least-once). Returns wire bytes."""
 
     @abc.abstractmethod
-    async def broadcast(self, frame: bytes) -> int:
-        """Publish ``frame`` on this node's broadcast channel. Returns wire bytes."""
+    async def broadcast(self, frame: bytes, audience: Collection[str] | None = None) -> int:
+        """Publish ``frame`` on this node's broadcast channel. Returns wire bytes.
+
+        ``audience``: the node ids the broadcast is meant for (the sender's graph
+        neighbours), or None for every member.  It is a hint: a transport that can
+        address it (the simulator's memory network) delivers the frame to those nodes
+        only; MQTT ignores it, since a topic reaches every subscriber, and the
+        receivers outside the audience reject the message."""
 
     @abc.abstractmethod
     async def publish_status(self, status: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import selectors
+from collections.abc import Collection
 from typing import Any
 
 from dfl_agent.algorithms.context import Message
@@ -144,14 +145,22 @@ def run_virtual(coro: Any) -> Any:
 class MemoryNetwork:
     """A federation's in-process network: all attached nodes can reach each other.
 
+    A broadcast meant for the sender's graph neighbours (``Transport.broadcast``'s
+    ``audience``) is delivered to those neighbours only, so that on a sparse graph no
+    node receives, decodes and rejects the broadcasts of its non-neighbours.
+
     Args:
         latency: one-way delivery delay in (loop) seconds.
+        scoped_broadcasts: False: every broadcast reaches every online node, whatever
+            its audience, as a broadcast over MQTT does (the non-neighbours reject it);
+            for comparing with the traffic of agents on a broker.
     """
 
-    def __init__(self, latency: float = 0.0):
+    def __init__(self, latency: float = 0.0, *, scoped_broadcasts: bool = True):
         if latency < 0:
             raise ValueError("latency must be >= 0")
         self.latency = latency
+        self.scoped_broadcasts = scoped_broadcasts
         self._nodes: dict[str, MemoryTransport] = {}
 
     def transport(self, node_id: str, federation: str, descriptor: dict[str, Any] | None = None) -> MemoryTransport:
@@ -260,7 +269,12 @@ class MemoryTransport(Transport):
         self.network._deliver(peer, frame)
         return len(frame)
 
-    async def broadcast(self, frame: bytes) -> int:
+    async def broadcast(self, frame: bytes, audience: Collection[str] | None = None) -> int:
+        """Deliver ``frame`` to every online node of ``audience`` (the sender's graph
+        neighbours), or to every other online node when ``audience`` is None.
+
+        One buffer for all receivers.  Bytes count as on the wire: the sender counts
+        the frame once (one publish), each receiver counts it once."""
         if not self.online:
             self.stats.dropped["not_connected"] += 1
             return 0
@@ -269,7 +283,13 @@ class MemoryTransport(Transport):
         if not isinstance(frame, SharedFrame):
             frame = SharedFrame(frame)  # one buffer for every receiver
             SHARED_STATS["buffers"] += 1
-        self.network._deliver_many([o for o in self.network.online() if o != self.node_id], frame)
+        if audience is None or not self.network.scoped_broadcasts:
+            receivers = [o for o in self.network.online() if o != self.node_id]
+        else:
+            nodes = self.network._nodes
+            receivers = sorted(o for o in set(audience)
+                               if o != self.node_id and o in nodes and nodes[o].online)
+        self.network._deliver_many(receivers, frame)
         return len(frame)
 
     async def publish_status(self, status: dict[str, Any]) -> None:

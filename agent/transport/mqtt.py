@@ -89,7 +89,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -836,10 +836,12 @@ class MqttTransport(Transport):
                 log.warning("%s: %s", self.node_id, exc)  # publish anyway: queued or refused
         return await self._publish_frame(conn, topic(self.federation, peer, "inbox"), frame)
 
-    async def broadcast(self, frame: bytes) -> int:
+    async def broadcast(self, frame: bytes, audience: Collection[str] | None = None) -> int:
         """Publish ``frame`` on this node's ``out`` topic (home broker).
 
-        Returns and raises like :meth:`send`.
+        ``audience`` is ignored: every subscriber of the topic receives the frame (the
+        nodes outside a configured graph reject it as ``not_neighbour``).  Returns and
+        raises like :meth:`send`.
         """
         self._check_started()
         if self._stopping:
