@@ -91,25 +91,32 @@ def report() -> None:
              "| algorithm | topology | nodes | rounds | wall s | CPU s | peak RSS MB | node-rounds/s | "
              "node-rounds per CPU s | global acc | rc | code |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for c in sorted(cells, key=lambda c: (c["algorithm"], c["topology"], " ".join(c["extra"]), c["nodes"])):
-        lines.append(f"| {c['algorithm']} {' '.join(c['extra'])} | {c['topology']} | {c['nodes']} | {c['rounds']} | "
+    for c in sorted(cells, key=lambda c: (c["algorithm"], c["topology"], " ".join(c["extra"]), c.get("label", ""),
+                                          c["nodes"])):
+        lines.append(f"| {c['algorithm']} {' '.join(c['extra'])}{_label(c)} | {c['topology']} | {c['nodes']} | {c['rounds']} | "
                      f"{c['wall_s']} | {c.get('cpu_s', '-')} | {c['peak_rss_mb']} | {c['node_rounds_per_s']} | "
                      f"{c.get('node_rounds_per_cpu_s', '-')} | {c['global_accuracy']} | {c['rc']} | "
                      f"{c.get('commit', '-')} |")
     lines.append("")
     groups: dict = {}
     for c in cells:
-        groups.setdefault((c["algorithm"], c["topology"], " ".join(c["extra"])), []).append(c)
+        groups.setdefault((c["algorithm"], c["topology"], " ".join(c["extra"]), c.get("label", "")), []).append(c)
     for key, cs in sorted(groups.items()):
         e = exponent(cs)
         if e is not None:
             lines.append(f"- peak-RSS growth exponent over 100-1000 nodes, {' '.join(k for k in key if k)}: **{e:.2f}**")
-    notes = [f"- `{c['commit']}`, {c['nodes']} nodes {c['topology']}: {c['note']}" for c in cells if c.get("note")]
+    notes = [f"- `{c['commit']}`{_label(c)}, {c['nodes']} nodes {c['topology']}: {c['note']}"
+             for c in cells if c.get("note")]
     lines += ["", "rc 124: stopped by `--timeout`; rc 2: the simulation refused its arguments (for example no connected "
               "Erdős–Rényi graph at 10 nodes with p = 0.05).", *notes,
               "", "Commands: the `command` field of each line of `results.jsonl`."]
     (HERE / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _label(cell: dict) -> str:
+    """The cell's series label, as shown after the algorithm (empty without one)."""
+    return f" [{cell['label']}]" if cell.get("label") else ""
 
 
 def main() -> None:
@@ -121,12 +128,18 @@ def main() -> None:
     ap.add_argument("--extra", default="", help="further dflctl simulate arguments, space separated")
     ap.add_argument("--report", action="store_true", help="only write results.md from results.jsonl")
     ap.add_argument("--timeout", type=int, default=0, help="seconds before a cell is stopped (rc 124); 0: none")
+    ap.add_argument("--label", default="", help="series label of the cells (a separate row and exponent)")
+    ap.add_argument("--note", default="", help="a note on the cells, listed under the table")
     a = ap.parse_args()
     if a.report:
         report()
         return
     for n in a.nodes:
         cell = run_cell(n, a.topology, a.algorithm, a.rounds, a.extra.split(), a.timeout)
+        if a.label:
+            cell["label"] = a.label
+        if a.note:
+            cell["note"] = a.note
         print(json.dumps(cell), flush=True)
         with open(HERE / "results.jsonl", "a") as f:
             f.write(json.dumps(cell) + "\n")
