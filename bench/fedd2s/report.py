@@ -30,7 +30,7 @@ def _ms(vals: list[float]) -> str:
 def _is_main(r: dict) -> bool:
     o = r["options"]
     if r["method"] == "fedd2s":
-        return o.get("z0") == Z0_DEFAULT[r["alpha"]] and "c2s_epochs" not in o
+        return o.get("z0") == Z0_DEFAULT[r["alpha"]] and o.get("c2s_epochs", 1) == 1
     return "local_epochs" not in o
 
 
@@ -138,7 +138,7 @@ def main() -> None:
     lines.append("")
     # -- Z0 sensitivity
     z = [r for r in runs if r["dataset"] == "digits" and r["method"] == "fedd2s" and r["rounds"] == 60
-         and "c2s_epochs" not in r["options"]]
+         and r["options"].get("c2s_epochs", 1) == 1]
     z0s = sorted({r["options"]["z0"] for r in z if r["seed"] == 0 and r["alpha"] in (0.1, 1.0)})
     z = [r for r in z if r["options"]["z0"] in z0s and r["alpha"] in (0.1, 1.0)]
     if z0s:
@@ -155,7 +155,7 @@ def main() -> None:
         lines += ["", "Z0 = 100 never drops a layer within the run (always distils at the output, l = L); "
                   "Z0 = 1 drops one layer per participation down to C3.", ""]
     # -- epochs
-    e = [r for r in runs if "c2s_epochs" in r["options"] or "local_epochs" in r["options"]]
+    e = [r for r in runs if r["options"].get("c2s_epochs", 1) != 1 or "local_epochs" in r["options"]]
     if e:
         lines += ["## Four passes per phase (the paper's E = 4; α = 0.1)", "",
                   "| data | seed | fedd2s (E=4) | fedper (4 local epochs) | fedd2s (E=1) | fedper (1 epoch) | local (every round) |",

@@ -74,8 +74,9 @@ def options_for(method: str, alpha: float, z0: int | None = None, epochs: int = 
     opts = dict(opts)
     if algo == "fedd2s":
         opts["z0"] = z0 if z0 is not None else Z0[alpha]
-        if epochs != 1:
-            opts.update(c2s_epochs=epochs, s2c_epochs=epochs)
+        # explicit: the algorithm's default is E = 4 now; the committed E = 1 runs predate it
+        # and carry no epochs key (report.py reads a missing key as 1)
+        opts.update(c2s_epochs=epochs, s2c_epochs=epochs)
     elif epochs != 1:
         opts["local_epochs"] = epochs
     return opts
