@@ -52,7 +52,9 @@ class Algorithm:
         """Build a model from ``spec`` (default: the node's) with weights drawn from ``seed``
         (default: ``ctx.init_seed``), without touching torch's global RNG state."""
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.ctx.init_seed if seed is None else seed)
+            # the cpu generator only (the model is built on the cpu): torch.manual_seed would
+            # also queue a seeding of every cuda device, which fork_rng does not undo
+            torch.random.default_generator.manual_seed(self.ctx.init_seed if seed is None else seed)
             return build_model(spec or self.ctx.model_spec).to(self.ctx.device)
 
     # -- to implement ----------------------------------------------------------

@@ -226,11 +226,12 @@ class UpdateMarket:
 
     def ready(self, t: int, peers: list[str]) -> bool:
         """Whether the strategy may proceed now for target round ``t`` over ``peers``."""
-        counts = {p: len(self._eligible(p, t)) for p in peers}
         need = self.required(peers)
+        queues = self.queues
         if self.strategy == "min_k":
-            return sum(counts.values()) >= need
-        return sum(1 for c in counts.values() if c > 0) >= need
+            return sum(len(self._eligible(p, t)) for p in peers if p in queues) >= need
+        # senders with at least one eligible update
+        return sum(1 for p in peers if p in queues and any(m.round <= t for m in queues[p])) >= need
 
     def take(self, t: int, peers: list[str]) -> dict[str, list[Message]]:
         """``get()``: remove and return what the strategy takes now (does not wait).
