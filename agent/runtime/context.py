@@ -37,6 +37,24 @@ TIMING_KEYS = ("train_s", "encode_s", "send_s", "receive_s")
 RoundHook = Callable[[int, dict[str, Any]], Awaitable[None]]
 
 
+@dataclasses.dataclass(slots=True)
+class PreparedFrame:
+    """A received frame decoded and its signature checked off the event loop (on the
+    MQTT network thread, :meth:`RuntimeContext.prepare_frame`): what is left for the
+    event loop are the checks against this node's state (replays, duplicates, rounds)
+    and buffering.
+
+    ``error``: ``(reason, detail)`` when decoding failed (``msg`` is then ``None``);
+    ``verdict``: :meth:`dfl_agent.security.SecurityGuard.verify`'s, ``None`` without
+    security; ``seconds``: the time it took (added to the round's ``receive_s``)."""
+
+    msg: Message | None
+    header: dict[str, Any] | None
+    error: tuple[str, str] | None
+    verdict: str | None
+    seconds: float
+
+
 class LoopClock:
     """The running event loop's clock (monotonic wall time, or virtual time in the simulator)."""
 
@@ -185,6 +203,10 @@ class RuntimeContext:
     async def start(self) -> None:
         """Start the transport and begin receiving."""
         self._started = True
+        if hasattr(self.transport, "prepare_frame"):
+            # decode and verify on the transport's network thread: the event loop is
+            # handed finished messages (MqttTransport)
+            self.transport.prepare_frame = self.prepare_frame
         await self.transport.start(self._on_frame, self._on_presence)
 
     async def stop(self) -> None:
@@ -208,30 +230,64 @@ class RuntimeContext:
         self.rejected[reason] += 1
         log.warning("dropped message from %s: %s %s", sender, reason, detail)
 
-    def _on_frame(self, frame: bytes, wire_bytes: int) -> None:
+    def prepare_frame(self, frame: bytes, wire_bytes: int) -> PreparedFrame:
+        """Decode ``frame`` and check its signature; safe to call on another thread than
+        the event loop's (it reads this context's settings and the security guard's
+        trust store, and changes nothing else).  Never raises: failures are in the
+        result, and the event loop's :meth:`_on_frame` counts them."""
+        t0 = time.perf_counter()
+        msg: Message | None = None
+        header: dict[str, Any] | None = None
+        error: tuple[str, str] | None = None
+        verdict: str | None = None
+        try:
+            msg, header = wire.decode_with_header(
+                frame, federation=self.federation, recipient=self.node_id, max_frame_bytes=self.max_frame_bytes)
+        except wire.WireError as exc:
+            error = (exc.reason, exc.detail)
+        except Exception as exc:  # never let bad input kill the node
+            error = ("malformed", repr(exc))
+        if msg is not None and header is not None and self.security is not None:
+            try:
+                verdict = self.security.verify(header, getattr(header, "signed_bytes", None))
+            except Exception as exc:  # never let bad input kill the node
+                verdict = "malformed"
+                log.debug("security check failed on %r", exc)
+        return PreparedFrame(msg, header, error, verdict, time.perf_counter() - t0)
+
+    def _on_frame(self, frame: bytes | PreparedFrame, wire_bytes: int) -> None:
         t0 = time.perf_counter()
         try:
             self._on_frame_checked(frame, wire_bytes)
         finally:
-            self.timing["receive_s"] += time.perf_counter() - t0
+            self.timing["receive_s"] += time.perf_counter() - t0 + (
+                frame.seconds if isinstance(frame, PreparedFrame) else 0.0)
 
-    def _on_frame_checked(self, frame: bytes, wire_bytes: int) -> None:
+    def _on_frame_checked(self, frame: bytes | PreparedFrame, wire_bytes: int) -> None:
         parsed: dict[str, Any] | None = None  # the parsed envelope, when decoding gave it
-        try:
-            decode_once = getattr(frame, "decode_once", None)  # a shared broadcast (memory transport)
-            if decode_once is not None:
-                msg = decode_once(federation=self.federation, recipient=self.node_id,
-                                  max_frame_bytes=self.max_frame_bytes)
-            else:
-                msg, parsed = wire.decode_with_header(
-                    frame, federation=self.federation, recipient=self.node_id, max_frame_bytes=self.max_frame_bytes
-                )
-        except wire.WireError as exc:
-            self._drop(exc.reason, exc.detail)
-            return
-        except Exception as exc:  # never let bad input kill the node
-            self._drop("malformed", repr(exc))
-            return
+        verdict: str | None = None  # the signature verdict, when it was checked off the loop
+        if isinstance(frame, PreparedFrame):
+            if frame.error is not None or frame.msg is None:
+                reason, detail = frame.error or ("malformed", "no message")
+                self._drop(reason, detail)
+                return
+            msg, parsed, verdict = frame.msg, frame.header, frame.verdict
+        else:
+            try:
+                decode_once = getattr(frame, "decode_once", None)  # a shared broadcast (memory transport)
+                if decode_once is not None:
+                    msg = decode_once(federation=self.federation, recipient=self.node_id,
+                                      max_frame_bytes=self.max_frame_bytes)
+                else:
+                    msg, parsed = wire.decode_with_header(
+                        frame, federation=self.federation, recipient=self.node_id,
+                        max_frame_bytes=self.max_frame_bytes)
+            except wire.WireError as exc:
+                self._drop(exc.reason, exc.detail)
+                return
+            except Exception as exc:  # never let bad input kill the node
+                self._drop("malformed", repr(exc))
+                return
         if msg.sender == self.node_id:
             # no transport hands a node its own frames (MQTT skips its own "out" topic, the
             # memory network its sender): this one was forged or replayed in our name
@@ -243,10 +299,11 @@ class RuntimeContext:
         header: dict[str, Any] | None = None
         if self.security is not None:  # -- security: signature, trust and replay checks
             try:
-                header = parsed if parsed is not None else wire.raw_header(frame)
+                header = parsed if parsed is not None else wire.raw_header(frame)  # type: ignore[arg-type]
                 # the round is remembered (replay rule) only once every check passed, below
-                reason = self.security.check(header, remember_round=False,
-                                             signed_bytes=getattr(parsed, "signed_bytes", None))
+                reason = (verdict if verdict == "malformed" else
+                          self.security.check(header, remember_round=False,
+                                              signed_bytes=getattr(parsed, "signed_bytes", None), verdict=verdict))
             except Exception as exc:  # never let bad input kill the node
                 reason = "malformed"
                 log.debug("security check failed on %r", exc)
@@ -282,7 +339,7 @@ class RuntimeContext:
             # only now, with every check passed, is the message catch-up evidence
             if msg.round > self.latest_round.get(msg.sender, -1):
                 self.latest_round[msg.sender] = msg.round
-        if header is not None:
+        if header is not None and self.security is not None:
             self.security.remember_round(header)
         if self._per_sender[msg.sender] >= self.max_queued_per_sender:
             oldest = next(i for i, m in enumerate(self._buffer) if m.sender == msg.sender)

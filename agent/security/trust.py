@@ -94,6 +94,9 @@ REJECT_REASONS = ("unsigned", "unknown_sender", "bad_signature", "replay")
 CONTROL_REJECT_REASONS = ("malformed", "wrong_federation", "wrong_kind", "wrong_sender", "unsigned",
                           "unknown_sender", "bad_signature", "duplicate", "replay")
 SIG_PREFIX = "ed25519:"
+#: :meth:`SecurityGuard.verify` verdicts that are not rejections: signature verified, or
+#: accepted without one (signatures not required)
+VERIFIED, PASS = "verified", "pass"
 CONTROL_VERSION = 1
 SEQ_FILE = "control_seq.json"
 #: largest control envelope accepted (bytes), checked before parsing
@@ -422,14 +425,8 @@ class SecurityGuard:
 
     # -- receiving ------------------------------------------------------------
     def check(self, header: Mapping[str, Any], *, remember_round: bool = True,
-              signed_bytes: bytes | None = None) -> str | None:
+              signed_bytes: bytes | None = None, verdict: str | None = None) -> str | None:
         """Check a received, already decoded envelope header (a dict, ``sig`` included).
-
-        ``signed_bytes``: the canonical bytes the header was parsed from, exactly as
-        received (:attr:`dfl_agent.transport.wire.Header.signed_bytes`, passed straight
-        from the decoder, never for a header changed since): the signature is verified
-        over them, without serialising the header again; when it does not verify over
-        them it is verified over the canonical form of ``header`` as without them.
 
         Returns ``None`` when the message may be used, else the rejection reason
         (one of :data:`REJECT_REASONS`).  Accepted signed messages are remembered for
@@ -437,11 +434,40 @@ class SecurityGuard:
         not: the caller checks the message further and calls :meth:`remember_round` once
         it passed every check, so that a bad message (a far future round, wrong tensors)
         cannot make the sender's genuine messages look like replays.
+
+        ``signed_bytes``: see :meth:`verify`.  ``verdict``: what :meth:`verify` already
+        returned for this very header (e.g. computed on the MQTT network thread), so
+        that only the replay rules are left to check here.
+        """
+        if verdict is None:
+            verdict = self.verify(header, signed_bytes)
+        if verdict == PASS:
+            return None
+        if verdict != VERIFIED:
+            return verdict
+        return self._replay_check(header, remember_round)
+
+    def verify(self, header: Mapping[str, Any], signed_bytes: bytes | None = None) -> str:
+        """The signature part of :meth:`check`, without its replay rules (no state of
+        this guard changes but the trust store learning a valid certificate, so it may
+        run on another thread than :meth:`check`).
+
+        ``signed_bytes``: the canonical bytes the header was parsed from, exactly as
+        received (:attr:`dfl_agent.transport.wire.Header.signed_bytes`, passed straight
+        from the decoder, never for a header changed since): the signature is verified
+        over them, without serialising the header again; when it does not verify over
+        them it is verified over the canonical form of ``header`` as without them.
+
+        Returns:
+            :data:`VERIFIED` (signed by the sender's trusted key), :data:`PASS`
+            (unsigned or from an unknown sender, accepted because signatures are not
+            required), or the rejection reason (``unsigned``, ``unknown_sender``,
+            ``bad_signature``).
         """
         sig = header.get("sig")
         sender = header.get("sender")
         if sig is None:
-            return "unsigned" if self.require_signatures else None
+            return "unsigned" if self.require_signatures else PASS
         pub = self.trust.key_for(sender) if isinstance(sender, str) else None
         cert = header.get("cert")
         if pub is None and cert is not None and self.trust.federation_key is not None:
@@ -451,7 +477,7 @@ class SecurityGuard:
             except SecurityError as exc:
                 log.debug("certificate in an envelope from %s rejected: %s", sender, exc)
         if pub is None:
-            return "unknown_sender" if self.require_signatures else None
+            return "unknown_sender" if self.require_signatures else PASS
         if not isinstance(sig, str) or not sig.startswith(SIG_PREFIX):
             return "bad_signature"
         try:
@@ -464,7 +490,7 @@ class SecurityGuard:
                 pub.verify(raw, canonical({k: v for k, v in header.items() if k != "sig"}))
         except (binascii.Error, ValueError, InvalidSignature):
             return "bad_signature"
-        return self._replay_check(header, remember_round)
+        return VERIFIED
 
     def remember_round(self, header: Mapping[str, Any]) -> None:
         """Record the round and send time of a message that passed :meth:`check` (with

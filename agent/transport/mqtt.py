@@ -31,7 +31,10 @@ broker in the directory: two spellings of one broker make two connections and
 duplicate deliveries.
 
 Threads: each paho client runs its network thread (``loop_start``), which also
-reassembles chunks; handlers (``on_frame``, ``on_presence``, ``on_heartbeat``) are
+reassembles chunks (hashing a chunked frame's payload as its chunks arrive) and, when
+``prepare_frame`` is set (the runtime sets its decoder and signature check there),
+prepares every complete frame, so that the event loop is handed one finished message
+per frame; handlers (``on_frame``, ``on_presence``, ``on_heartbeat``) are
 always called on the asyncio loop that called :meth:`MqttTransport.start`, through
 ``loop.call_soon_threadsafe``.  A maintenance thread expires incomplete transfers
 and publishes the heartbeat.  ``send``/``broadcast`` never block the loop on the
@@ -323,6 +326,10 @@ class MqttTransport(Transport):
         self._conns: dict[str, _Conn] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_frame: FrameHandler | None = None
+        #: ``prepare_frame(frame, wire_bytes)``, when set, is called on the network thread
+        #: for every complete frame, and its result is handed to ``on_frame`` instead of
+        #: the frame (the runtime decodes and verifies there; see RuntimeContext)
+        self.prepare_frame: Callable[[bytes, int], Any] | None = None
         self._on_presence: PresenceHandler | None = None
         self._status: dict[str, Any] | None = None
         self._heartbeat_seq = 0
@@ -615,7 +622,15 @@ class MqttTransport(Transport):
             return
         with self._lock:
             self.stats.frames_received += 1
-        self._dispatch(self._on_frame, result[0], result[1])
+        frame: Any = result[0]
+        prepare = self.prepare_frame
+        if prepare is not None and not self._stopped:
+            # decode and verify here, on the network thread: one handover per finished message
+            try:
+                frame = prepare(frame, result[1])
+            except Exception:  # noqa: BLE001 - the handler on the loop decodes it then
+                log.exception("%s: preparing a frame failed", self.node_id)
+        self._dispatch(self._on_frame, frame, result[1])
 
     def _own_payload(self, payload: bytes) -> bool:
         """Whether a payload on this node's own topic was signed by this node."""

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
@@ -175,6 +176,37 @@ async def test_large_frame_is_chunked_within_limit(make, federation):
             spy.close()
             await a.t.stop()
             await b.t.stop()
+
+
+async def test_frames_are_prepared_on_the_network_thread(mosquitto_broker, make, federation):
+    """With ``prepare_frame`` set (the runtime's decode and signature check), every
+    complete frame - one message or reassembled from chunks, whose payload was hashed as
+    the chunks arrived - is prepared on paho's network thread, and the event loop's
+    handler gets the result."""
+    import numpy as np
+
+    from dfl_agent.algorithms.context import Message
+    from dfl_agent.transport import wire
+    from dfl_agent.transport.chunking import Frame
+
+    a = await make("A", mosquitto_broker, federation, chunk_size=64 * 1024)
+    b = await make("B", mosquitto_broker, federation, chunk_size=64 * 1024)
+    seen: list[tuple[str, Any]] = []
+
+    def prepare(frame, wire_bytes):
+        seen.append((threading.current_thread().name, frame))
+        return ("prepared", wire.decode(frame).round, wire_bytes)
+
+    b.t.prepare_frame = prepare
+    small = wire.encode(Message("model", 1, {"w": np.ones(10, np.float32)}), federation=federation, sender="A")
+    big = wire.encode(Message("model", 2, {"w": np.ones(100_000, np.float32)}), federation=federation, sender="A")
+    n_small = await a.t.send("B", small)
+    n_big = await a.t.send("B", big)
+    await wait_until(lambda: len(b.frames) == 2, timeout=15, what="two prepared frames")
+    assert b.frames == [(("prepared", 1, n_small), n_small), (("prepared", 2, n_big), n_big)]
+    assert all(name != threading.main_thread().name for name, _ in seen)  # not on the loop's thread
+    reassembled = seen[1][1]
+    assert isinstance(reassembled, Frame) and reassembled.payload_sha256 is not None  # hashed on arrival
 
 
 # ---------------------------------------------------------------- presence

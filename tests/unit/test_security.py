@@ -342,3 +342,55 @@ def test_signature_verified_over_the_bytes_as_received(monkeypatch):
     other = _reframe(dict(h2), payload)  # json.dumps with spaces: not the signed form
     assert wire.raw_header(other).signed_bytes is None
     assert _check(b, other) is None  # still verified, over the canonical form
+
+
+def test_frames_prepared_off_the_loop_keep_every_rule():
+    """The MQTT transport decodes and verifies frames on its network thread
+    (RuntimeContext.prepare_frame) and hands the event loop a PreparedFrame: the same
+    drops (counted by reason), replay and duplicate rules apply as for a raw frame."""
+    import asyncio
+    import threading
+
+    from dfl_agent.discovery.peers import PeerTable
+    from dfl_agent.runtime.context import PreparedFrame, RuntimeContext
+    from dfl_agent.transport.memory import MemoryNetwork
+
+    ka, kb, kx = (Ed25519PrivateKey.generate() for _ in range(3))
+    trust = TrustStore(FED, {"a": public_key_b64(ka), "b": public_key_b64(kb)})
+    a = _guard("a", ka, trust)
+    net = MemoryNetwork()
+    ctx = RuntimeContext(node_id="b", federation=FED, transport=net.transport("b", FED), peers=PeerTable("b", FED),
+                         data=None, model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0),
+                         security=_guard("b", kb, trust, require_signatures=True))
+
+    def prepared(frame):
+        out = []  # prepared on another thread, as the MQTT network thread does
+        t = threading.Thread(target=lambda: out.append(ctx.prepare_frame(frame, len(frame))))
+        t.start()
+        t.join()
+        assert isinstance(out[0], PreparedFrame)
+        return out[0]
+
+    async def main():
+        ctx._started = True
+        good = _signed(a, rnd=1)
+        p = prepared(good)
+        assert p.error is None and p.verdict == "verified" and p.seconds > 0
+        ctx._on_frame(p, len(good))
+        got = await ctx.receive("model", round=1, deadline=asyncio.get_running_loop().time() + 5)
+        assert got is not None and got.sender == "a" and got.wire_bytes == len(good)
+        assert ctx.timing["receive_s"] >= p.seconds
+        ctx._on_frame(prepared(good), len(good))  # the same frame again
+        header, payload = wire.split_frame(_signed(a, rnd=2))
+        ctx._on_frame(prepared(_reframe(dict(header, round=3), payload)), 1)  # changed after signing
+        ctx._on_frame(prepared(_signed(_guard("a", kx, TrustStore(FED, {})), rnd=4)), 1)  # impostor
+        ctx._on_frame(prepared(wire.encode(_msg(5), federation=FED, sender="a")), 1)  # unsigned
+        ctx._on_frame(prepared(b"DFL garbage"), 1)  # not a v3 frame
+        ctx._on_frame(prepared(_signed(a, rnd=6)[:-1]), 1)  # truncated
+        assert ctx.rejected["replay"] == 1
+        assert ctx.rejected["bad_signature"] == 2
+        assert ctx.rejected["unsigned"] == 1
+        assert ctx.rejected["version"] == 1 and ctx.rejected["malformed"] == 1
+        assert ctx._take("model", None, None) is None  # nothing else was buffered
+
+    asyncio.run(main())
