@@ -9,8 +9,9 @@ A checkpoint of round ``t`` is two files in the checkpoint folder
   RNG state.  Safetensors only: nothing is ever unpickled on load.
 - ``round-{t:08d}.json``: the manifest — format, round, node, algorithm, model hash,
   the algorithm's JSON state (α schedule and token, rotation state, ...), the numpy
-  RNG state, the peer directory, the SHA-256 of the tensors file and a digest of the
-  restored state.
+  RNG state, the peer directory, the SHA-256 of the tensors file, a digest of the
+  restored state, and the node's round records not yet written to its metrics file
+  (``pending_records``: a kill between the checkpoint and the record loses no record).
 
 Writing is atomic: each file is written to a temporary name, ``fsync``-ed, renamed
 into place, and the folder is ``fsync``-ed; the manifest goes last and is the commit
@@ -30,7 +31,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +254,19 @@ def _restore_peers(peers: Any, directory: Any) -> None:
             peers.withdraw(nid, "static")
 
 
+def _pending_records(value: Any) -> list[dict[str, Any]]:
+    """The ``pending_records`` of a manifest (a JSON list of records), [] when absent or bad."""
+    if not isinstance(value, str):
+        return []
+    try:
+        records = json.loads(value)
+    except ValueError:
+        log.warning("checkpoint: unreadable pending_records; ignored")
+        return []
+    return [r for r in records if isinstance(r, dict) and isinstance(r.get("round"), int)] \
+        if isinstance(records, list) else []
+
+
 class NodeCheckpointer:
     """Saves and restores one node's algorithm + context state in a :class:`CheckpointStore`.
 
@@ -264,12 +278,19 @@ class NodeCheckpointer:
             that other runtime components — error-feedback compression — keep across
             restarts; absent = nothing).
         model_hash: the node's model-spec hash; a checkpoint of another model is skipped.
+        pending: returns the node's round records not yet written
+            (:meth:`dfl_agent.runtime.node.Node.pending_records`), saved in the manifest
+            and read back by :meth:`restore` into :attr:`restored_pending`.
     """
 
-    def __init__(self, store: CheckpointStore, algorithm: Any, ctx: Any, model_hash: str = ""):
+    def __init__(self, store: CheckpointStore, algorithm: Any, ctx: Any, model_hash: str = "",
+                 pending: Callable[[], list[dict[str, Any]]] | None = None):
         self.store, self.algorithm, self.ctx, self.model_hash = store, algorithm, ctx, model_hash
+        self.pending = pending
         self.last_saved = 0
         self.restored_digest: str | None = None
+        #: the records not yet written when the restored checkpoint was saved
+        self.restored_pending: list[dict[str, Any]] = []
 
     def snapshot(self, t: int) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, np.ndarray], dict[str, Any]]:
         """Copy the state of round ``t`` (call on the event loop, between rounds)."""
@@ -287,6 +308,9 @@ class NodeCheckpointer:
             "numpy_rng": rng.bit_generator.state if rng is not None else None,
             "peers": _peer_directory(getattr(self.ctx, "peers", None)),
         }
+        if self.pending is not None:
+            # a JSON string: a record may hold a NaN (a diverged loss), which the manifest refuses
+            info["pending_records"] = json.dumps(self.pending(), sort_keys=True, default=float)
         return tensors, meta, persistent, info
 
     def save(self, t: int) -> Path:
@@ -347,6 +371,7 @@ class NodeCheckpointer:
             if self.restored_digest != m.get("state_digest"):
                 log.warning("restored state of round %d differs from the checkpoint's digest", ck.round)
             self.last_saved = ck.round
+            self.restored_pending = _pending_records(m.get("pending_records"))
             log.info("resumed from checkpoint of round %d (%s, state %s)", ck.round, ck.path.name,
                      self.restored_digest[:16])
             return ck.round

@@ -118,6 +118,8 @@ class Agent:
         self.config_path = config_path
         self.notifier = Notifier()
         self.checkpointer: Any = None
+        self.metrics_path: Path | None = None  # the metrics file of the run (read on resume)
+        self.metrics_run: str | None = None
         self.peers: Any = None
         # -- the sample store and model delivery
         self.store: Any = None
@@ -237,7 +239,9 @@ class Agent:
         else:
             metrics_path = Path(cfg.runtime.metrics_file or self.state_dir / "metrics.jsonl")
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        _end_torn_line(metrics_path)
         metrics_file = open(metrics_path, "a", encoding="utf-8")
+        self.metrics_path, self.metrics_run = metrics_path, run_id
 
         def sink(record: dict[str, Any]) -> None:
             if run_id is not None:
@@ -396,8 +400,13 @@ class Agent:
             return 1
         where = (self.run_dir or self.state_dir) / "checkpoints"  # runs: checkpoints per run
         store = CheckpointStore(where, keep=self.cfg.runtime.checkpoint_keep)
-        self.checkpointer = ck = NodeCheckpointer(store, self.node.algorithm, self.ctx, model_hash)
+        self.checkpointer = ck = NodeCheckpointer(store, self.node.algorithm, self.ctx, model_hash,
+                                                  pending=self.node.pending_records)
         restored = ck.restore()
+        if restored and ck.restored_pending:  # records that a kill kept from the metrics file
+            written = written_rounds(self.metrics_path, self.node_id, self.metrics_run, min(
+                int(r["round"]) for r in ck.restored_pending))
+            self.node.recover_records(restored, ck.restored_pending, written)
         if restored:
             self.node.history.append({"node": self.node_id, "round": restored, "time": self.ctx.clock.now(),
                                       "resumed": True})
@@ -1025,6 +1034,42 @@ def _remove_new_state_dir(state_dir: Path) -> None:
         shutil.rmtree(state_dir)
     except OSError as exc:
         log.warning("could not remove the state directory %s of the failed start: %s", state_dir, exc)
+
+
+def written_rounds(path: Path | None, node_id: str, run_id: str | None, since: int,
+                   tail_bytes: int = 4 << 20) -> set[int]:
+    """Rounds ``>= since`` that ``node_id`` (in run ``run_id``, None = outside runs) has a
+    record of in the metrics file ``path``.  Reads the last ``tail_bytes`` only: the
+    records a resume looks for are among the newest.  Torn or foreign lines are skipped."""
+    out: set[int] = set()
+    if path is None or not path.exists():
+        return out
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        f.seek(max(0, size - tail_bytes))
+        lines = f.read().splitlines()
+    if size > tail_bytes:
+        lines = lines[1:]  # the first one may be cut
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("node") == node_id and rec.get("run") == run_id \
+                and isinstance(rec.get("round"), int) and rec["round"] >= since:
+            out.add(rec["round"])
+    return out
+
+
+def _end_torn_line(path: Path) -> None:
+    """End the metrics file with a newline when a kill cut its last record short, so that
+    the next record starts on a line of its own."""
+    try:
+        with open(path, "rb+") as f:
+            if f.seek(0, 2) and (f.seek(-1, 2), f.read(1))[1] != b"\n":
+                f.write(b"\n")
+    except FileNotFoundError:
+        pass
 
 
 def _as_round(value: Any) -> int:

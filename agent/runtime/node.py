@@ -14,6 +14,12 @@ in round order, each once its evaluation is done; the record's ``eval_s`` is the
 that overlapped the next round instead of time between rounds.  A round that ends while
 the previous evaluation is still running is not evaluated (``eval_skipped`` in its
 record; the last round always is), so evaluations never queue up.
+
+A round's record is written only after the round's checkpoint is saved, and the records
+not yet written are saved with each checkpoint (:meth:`Node.pending_records`).  A kill
+between a checkpoint and its record therefore loses no record and writes none twice: on
+resume, :meth:`Node.recover_records` writes the records the checkpoint holds that the
+metrics file lacks (the checkpointed round's evaluated on the restored model).
 """
 
 from __future__ import annotations
@@ -116,6 +122,9 @@ class Node:
         # status is published; the daemon saves a crash-safe checkpoint here.
         self.checkpoint: Callable[[int], Awaitable[None]] | None = None
         self.checkpoint_errors = 0
+        #: round -> its record while it is not yet written (evaluation running, or its
+        #: checkpoint not yet saved); saved with every checkpoint (pending_records)
+        self._pending: dict[int, dict[str, Any]] = {}
         #: what "global accuracy" measures when there is no global test set (the sample
         #: store: "local validation"); shown in the status as ``global_accuracy_source``
         self.accuracy_source: str | None = None
@@ -167,7 +176,7 @@ class Node:
         models = {"": self.algorithm.deployable_model(), **self.algorithm.evaluation_models()}
         return {name: copy.deepcopy(m) for name, m in models.items()}
 
-    def _evaluate(self, models: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _evaluate(self, models: dict[str, Any] | None = None, baseline: bool = True) -> dict[str, Any]:
         d, dev = self.ctx.data, self.ctx.device
         if models is None:
             models = {"": self.algorithm.deployable_model(), **self.algorithm.evaluation_models()}
@@ -178,7 +187,7 @@ class Node:
         }
         for name, extra in ((n, m) for n, m in models.items() if n):
             out[f"{name}_global_accuracy"] = evaluate(extra, self.test_x, self.test_y, device=dev)["accuracy"]
-        if self.shadow is not None:
+        if self.shadow is not None and baseline:
             self._train_shadow()
             out["local_only_global_accuracy"] = evaluate(self.shadow, self.test_x, self.test_y, device=dev)["accuracy"]
             out["local_only_local_accuracy"] = evaluate(self.shadow, d.val_x, d.val_y, device=dev)["accuracy"]
@@ -253,6 +262,10 @@ class Node:
             record.update({f"startup_{k}": v for k, v in self.startup.items()})
             self.startup = {}
         self.history.append(record)
+        self._pending[t] = record
+        # a record is written only once its round's checkpoint is saved: a kill in between
+        # never leaves a record whose round the resumed node runs again
+        saved = asyncio.Event() if self.checkpoint is not None else None
         if self.eval_background:
             # evaluation never delays the federation: copies are evaluated while the next round
             # runs; at most one evaluation waits at a time (a round that ends while the previous
@@ -262,25 +275,77 @@ class Node:
                 due = False
                 record["eval_skipped"] = True
             models = self._snapshot() if due else None
-            self._report_task = asyncio.create_task(self._report(t, record, due, models, self._report_task))
+            self._report_task = asyncio.create_task(self._report(t, record, due, models, self._report_task, saved))
+            await self._checkpoint(t, saved)
         else:
+            await self._checkpoint(t, saved)
             await self._report(t, record, due, None, None)
-        if self.checkpoint is not None:  # operations: crash-safe state after every round
-            try:
-                await self.checkpoint(t)
-            except Exception as exc:  # a full disk must not stop the federation
-                self.checkpoint_errors += 1
-                log.error("checkpoint of round %d failed: %s", t, exc)
         await self.publish_status()
         if self.stop_check is not None and self.stop_check():
             raise RunStopped(t)
         self._round_started = self.ctx.clock.now()
         self._round_started_wall = time.perf_counter()
 
+    async def _checkpoint(self, t: int, saved: asyncio.Event | None) -> None:
+        """Save round ``t``'s checkpoint (operations: crash-safe state after every round),
+        then set ``saved`` (also when saving failed or was cancelled)."""
+        if self.checkpoint is None:
+            return
+        try:
+            await self.checkpoint(t)
+        except Exception as exc:  # a full disk must not stop the federation
+            self.checkpoint_errors += 1
+            log.error("checkpoint of round %d failed: %s", t, exc)
+        finally:
+            if saved is not None:
+                saved.set()
+
+    def pending_records(self) -> list[dict[str, Any]]:
+        """Copies of the round records not yet written (their evaluation is running, or
+        their checkpoint is being saved), oldest first.  Saved with each checkpoint, so
+        that a node killed before writing them writes them when it resumes
+        (:meth:`recover_records`)."""
+        return [dict(r) for _, r in sorted(self._pending.items())]
+
+    def recover_records(self, restored: int, pending: list[dict[str, Any]], written: set[int]) -> list[int]:
+        """Write the records that a resumed node's checkpoint of round ``restored`` holds
+        (``pending``, :meth:`pending_records` when it was saved) and that the metrics
+        file lacks (``written``: rounds it has).  Round ``restored``'s record, when it was
+        due for evaluation and not yet evaluated, is evaluated on the restored
+        deployable model: the model it would have evaluated.  An older record's
+        evaluation is lost (``eval_skipped``).  Each record written here carries
+        ``written_at_resume: true``.  Call after the checkpoint was restored, before the
+        first round.  Returns the rounds written, in order.
+        """
+        out = []
+        for rec in sorted(pending, key=lambda r: int(r.get("round", 0))):
+            t = int(rec.get("round", 0))
+            if t < 1 or t > restored or t in written:
+                continue
+            rec = dict(rec)
+            due = (t == 1 or t % self.eval_every == 0 or t >= self.rounds) and not rec.get("eval_skipped")
+            if due and "global_accuracy" not in rec:
+                if t == restored:
+                    e0 = time.perf_counter()
+                    rec.update(self._evaluate(baseline=False))
+                    rec["eval_s"] = round(time.perf_counter() - e0, 6)
+                else:
+                    rec["eval_skipped"] = True
+            rec["written_at_resume"] = True
+            if self.sink is not None:
+                self.sink(rec)
+            self.history.append(rec)
+            written.add(t)
+            out.append(t)
+        if out:
+            log.info("wrote the records of rounds %s, saved with the checkpoint of round %d", out, restored)
+        return out
+
     async def _report(self, t: int, record: dict[str, Any], due: bool, models: dict[str, Any] | None,
-                      previous: asyncio.Task[None] | None) -> None:
+                      previous: asyncio.Task[None] | None, saved: asyncio.Event | None = None) -> None:
         """Evaluate round ``t`` (when ``due``; ``models``: the copies to evaluate, None =
-        the live models), complete ``record``, write it and call the after-round hooks.
+        the live models), complete ``record``, write it (once ``saved`` is set: the
+        round's checkpoint is on disk) and call the after-round hooks.
         In background mode it first waits for ``previous`` (records stay in round order)
         and logs its own failures instead of raising them."""
         if previous is not None:
@@ -301,8 +366,11 @@ class Node:
                     who = f"{record.get('neighbours', 0)} neighbours"
                 log.info("round %d done in %.1fs: global acc %.3f, local acc %.3f, %s",
                          t, record["round_seconds"], record["global_accuracy"], record["local_accuracy"], who)
+            if saved is not None:
+                await saved.wait()
             if self.sink is not None:
                 self.sink(record)
+            self._pending.pop(t, None)
             self._reported_model = models[""] if models else None
             try:
                 for hook in self.after_round:
@@ -315,6 +383,7 @@ class Node:
             if models is not None:
                 await self.publish_status()  # the status carries the new accuracy
         except Exception:
+            self._pending.pop(t, None)
             if not self.eval_background:
                 raise
             log.exception("evaluation of round %d failed", t)

@@ -3,9 +3,12 @@
 The agent is SIGKILLed at random moments 20 times in a row (during training, during
 evaluation, during checkpointing: its rounds are short, so every phase gets hit).
 After every kill the checkpoint folder must hold a readable checkpoint at the round
-the agent had reached (± 1), and the restarted agent must resume from exactly that
-checkpoint with a bit-identical state (the digest of the restored state equals the
-digest recorded when the checkpoint was written).  Meanwhile ``dflctl peers`` (its
+the agent had reached or later, holding the records of the rounds after the last one
+written (background evaluation writes a round's record after its checkpoint), and the
+restarted agent must resume from exactly that checkpoint with a bit-identical state
+(the digest of the restored state equals the digest recorded when the checkpoint was
+written).  After every resume, every round up to the checkpoint's has exactly one
+metrics record: none lost, none written twice.  Meanwhile ``dflctl peers`` (its
 row builder over a live observer, and the command itself) must list the node online
 within 5 s of its MQTT connection and offline within the last-will delay after a kill.
 """
@@ -46,16 +49,21 @@ def _wait(pred, timeout, step=0.02):
     return pred()
 
 
-def _last_metrics_round(path):
+def _metrics_rounds(path):
+    """The round of every record in the metrics file, in file order."""
     if not path.exists():
-        return 0
+        return []
     rounds = []
     for line in path.read_text().splitlines():
         try:
             rounds.append(json.loads(line)["round"])
         except (ValueError, KeyError):
             pass  # a record torn by the kill
-    return max(rounds, default=0)
+    return rounds
+
+
+def _last_metrics_round(path):
+    return max(_metrics_rounds(path), default=0)
 
 
 @needs_mosquitto
@@ -78,6 +86,7 @@ def test_sigkill_at_random_moments_never_corrupts_state_and_resumes(tmp_path, ca
         store = CheckpointStore(state / "checkpoints")
         obs = Observer(broker.endpoint, fed).start()
         expected = None  # (round, digest) of the newest valid checkpoint after the last kill
+        resumed_records = 0  # records written at a resume (lost by a kill otherwise); evidence only
         listed, offline = [], []
         try:
             for k in range(KILLS):
@@ -99,6 +108,12 @@ def test_sigkill_at_random_moments_never_corrupts_state_and_resumes(tmp_path, ca
                         resumed_round, digest = int(m.group(1)), m.group(2)
                         assert resumed_round == expected[0] + 1  # resumes right after the checkpoint
                         assert digest == expected[1]  # bit-identical restored state
+                        # the records the kill kept from the file are written at resume:
+                        # every round up to the checkpoint's has exactly one record
+                        rounds = _metrics_rounds(state / "metrics.jsonl")
+                        assert sorted(rounds) == list(range(1, expected[0] + 1)), (expected[0], rounds)
+                        resumed_records = len(re.findall(r'"written_at_resume": true',
+                                                          (state / "metrics.jsonl").read_text()))
                     if k % 3 == 0:
                         # past the first round (slow: torch's lazy imports), so that the state
                         # moves on; then rounds last ~0.1 s and the kill lands anywhere in
@@ -118,10 +133,12 @@ def test_sigkill_at_random_moments_never_corrupts_state_and_resumes(tmp_path, ca
                     assert ck is None or ck.round <= 1
                 else:
                     assert ck is not None, os.listdir(state / "checkpoints")
-                    # evaluation runs in the background, so a round's metrics record is written
-                    # after its checkpoint: a kill in between leaves the checkpoint of round r
-                    # with records up to r - 1 (that one record is lost with the process)
-                    assert reached - 1 <= ck.round <= reached + 1, (reached, ck.round)
+                    # a round's record is written only after its checkpoint (evaluation runs in
+                    # the background): the checkpoint is at the round reached or later, and it
+                    # holds the records of the rounds after the last one written
+                    assert ck.round >= reached, (reached, ck.round)
+                    pending = {r["round"] for r in json.loads(ck.manifest.get("pending_records", "[]"))}
+                    assert set(range(reached + 1, ck.round + 1)) <= pending, (reached, ck.round, pending)
                 if ck is not None:
                     assert ck.round == store.rounds()[0] or ck.round == store.rounds()[1]
                     expected = (ck.round, ck.manifest["state_digest"])
@@ -141,7 +158,8 @@ def test_sigkill_at_random_moments_never_corrupts_state_and_resumes(tmp_path, ca
     assert max(listed) <= 5.0, listed
     assert max(offline) <= 1.5 * KEEPALIVE + 1.0, offline
     print(f"kills {KILLS}; listed online after connect: max {max(listed):.2f}s; "
-          f"offline after kill: max {max(offline):.2f}s; last checkpoint round {expected[0]}")
+          f"offline after kill: max {max(offline):.2f}s; last checkpoint round {expected[0]}; "
+          f"records written at resume {resumed_records}")
 
 
 WRITER = """
