@@ -43,7 +43,7 @@ import hashlib
 import os
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,12 +105,42 @@ def split(frame: bytes, chunk_size: int, *, transfer_id: bytes | None = None) ->
     count = max(1, -(-total // data_size))
     if count > _MAX_U32:
         raise ValueError(f"frame of {total} bytes needs too many chunks of {chunk_size} bytes")
+    return list(iter_chunks(frame, chunk_size, transfer_id=transfer_id))
+
+
+def chunked_size(frame: bytes, chunk_size: int) -> int:
+    """Bytes of all the messages :func:`split` makes of ``frame`` (headers included),
+    without making them."""
+    if len(frame) <= chunk_size and not is_chunk(frame):
+        return len(frame)
+    return len(frame) + HEADER_LEN * max(1, -(-len(frame) // (chunk_size - HEADER_LEN)))
+
+
+def iter_chunks(frame: bytes, chunk_size: int, *, transfer_id: bytes | None = None) -> Iterator[bytes]:
+    """The messages of :func:`split`, one at a time (each built when it is asked for, so
+    the first can be on its way while the next is copied).
+
+    Raises:
+        ValueError: as :func:`split`.
+    """
+    if not isinstance(chunk_size, int) or chunk_size <= HEADER_LEN + 1:
+        raise ValueError(f"chunk_size must be an int > {HEADER_LEN + 1}, got {chunk_size!r}")
+    if len(frame) <= chunk_size and not is_chunk(frame):
+        yield bytes(frame)
+        return
+    if transfer_id is None:
+        transfer_id = os.urandom(16)
+    if len(transfer_id) != 16:
+        raise ValueError("transfer_id must be 16 bytes")
+    data_size = chunk_size - HEADER_LEN
+    total = len(frame)
+    count = max(1, -(-total // data_size))
+    if count > _MAX_U32:
+        raise ValueError(f"frame of {total} bytes needs too many chunks of {chunk_size} bytes")
     view = memoryview(frame).cast("B") if isinstance(frame, memoryview) else memoryview(frame)
-    chunks = []
     for index in range(count):
         header = _HEADER.pack(CHUNK_MAGIC, CHUNK_VERSION, transfer_id, index, count, total)
-        chunks.append(b"".join((header, view[index * data_size:(index + 1) * data_size])))
-    return chunks
+        yield b"".join((header, view[index * data_size:(index + 1) * data_size]))
 
 
 class Frame(bytearray):

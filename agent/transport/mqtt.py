@@ -100,7 +100,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from dfl_agent.discovery.static import parse_endpoint
 from dfl_agent.transport.base import FrameHandler, PresenceHandler, Transport, TransportStats
-from dfl_agent.transport.chunking import HEADER_LEN, ChunkError, Reassembler, is_chunk, split
+from dfl_agent.transport.chunking import HEADER_LEN, ChunkError, Reassembler, chunked_size, is_chunk, iter_chunks
 from dfl_agent.transport.wire import payload_offset
 
 log = logging.getLogger(__name__)
@@ -878,8 +878,7 @@ class MqttTransport(Transport):
         if self.qos == 0 and not conn.connected:
             self._count("not_connected")
             return 0
-        chunks = split(frame, self.chunk_size)
-        size = sum(len(c) for c in chunks)
+        size = chunked_size(frame, self.chunk_size)
         if conn.prune() + size > self.max_pending_bytes:
             self._count("queue_full")
             log.warning("%s: dropped a %d-byte frame for %s: more than %d bytes queued for %s",
@@ -889,7 +888,7 @@ class MqttTransport(Transport):
         if client is None:  # not connecting yet
             self._count("not_connected")
             return 0
-        for chunk in chunks:
+        for chunk in iter_chunks(frame, self.chunk_size):  # each published as soon as it is built
             info = client.publish(topic_name, chunk, qos=self.qos)
             if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
                 self._count("publish_error")

@@ -355,3 +355,14 @@ def test_no_payload_hash_for_frames_that_are_not_wire_frames():
 
     out = _reassemble(split(_frame(5000), 1000), Reassembler(hash_from=wire.payload_offset))
     assert out.payload_sha256 is None and out.payload_offset == -1
+
+
+@pytest.mark.parametrize("n", [0, 10, 999, 1000, 1001, 5000])
+def test_iter_chunks_and_chunked_size_match_split(n):
+    from dfl_agent.transport.chunking import chunked_size, iter_chunks
+
+    tid = bytes(16)
+    for frame in (_frame(n), CHUNK_MAGIC + _frame(n)):
+        chunks = split(frame, 1000, transfer_id=tid)
+        assert list(iter_chunks(frame, 1000, transfer_id=tid)) == chunks
+        assert chunked_size(frame, 1000) == sum(len(c) for c in chunks)
