@@ -135,10 +135,15 @@ def curve(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def execute(run: Run) -> dict[str, Any]:
     s = DATASETS[run.dataset]
     train = s["train"] if run.batch_size is None else dataclasses.replace(s["train"], batch_size=run.batch_size)
+    options = dict(run.options)
+    if run.algorithm == "defkt":
+        # the committed results were measured with the transfer on the training optimiser
+        # (before the option existed; the default is now plain steps, see transfer_step.py)
+        options.setdefault("transfer_momentum", train.momentum)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = SimConfig(
             algorithm=run.algorithm, nodes=run.nodes, rounds=run.rounds, dataset=run.dataset,
-            partition=run.partition, zeta=max(run.zeta, 1), seed=run.seed, out=tmp, options=dict(run.options),
+            partition=run.partition, zeta=max(run.zeta, 1), seed=run.seed, out=tmp, options=options,
             train=train, model_size=s["model_size"], eval_every=run.eval_every, threads=1,
         )
         started = time.time()

@@ -6,6 +6,7 @@ determinism."""
 import asyncio
 import collections
 import copy
+import dataclasses
 import types
 
 import numpy as np
@@ -127,7 +128,8 @@ def test_options_are_validated():
     assert parse_options(cls, {}).Q == 1 and parse_options(cls, {}).E == 1 and parse_options(cls, {}).M == 1
     assert parse_options(cls, {}).sender_keeps == "trained" and parse_options(cls, {}).mode == "rounds"
     for bad in ({"mode": "sync"}, {"sender_keeps": "x"}, {"Q": 0}, {"E": 0}, {"round_timeout": 5.0},
-                {"max_queue": 0}, {"temperature": 0.0}):
+                {"max_queue": 0}, {"temperature": 0.0}, {"transfer_lr": -0.1}, {"transfer_momentum": 1.0},
+                {"transfer_momentum": -0.5}, {"transfer_batch_size": -1}):
         with pytest.raises(ValueError):
             parse_options(cls, bad)
     with pytest.raises(ValueError, match="gossip|rounds"):
@@ -200,10 +202,30 @@ def test_idle_nodes_keep_their_model_and_the_receiver_stores_w_tilde():
     rng = np.random.default_rng()
     rng.bit_generator.state = rng_state
     d = by_id[r].ctx.data
-    mutual_transfer(w_tilde, w, d.train_x, d.train_y, by_id[r].ctx.train, rng)
+    # the transfer's default optimiser: the training lr and batch size, no momentum (Eq. 2-3)
+    plain = dataclasses.replace(by_id[r].ctx.train, momentum=0.0)
+    assert by_id[r].ctx.train.momentum == 0.9
+    with_momentum = copy.deepcopy(w_tilde), copy.deepcopy(w)
+    mutual_transfer(w_tilde, w, d.train_x, d.train_y, plain, copy.deepcopy(rng))
     got = _params(by_id[r])
     for k, v in model_to_numpy(w_tilde).items():
         np.testing.assert_allclose(got[k], v, rtol=1e-6, atol=1e-7)
+    # ... which is not what the training optimiser (momentum 0.9) would have stored
+    mutual_transfer(*with_momentum, d.train_x, d.train_y, by_id[r].ctx.train, rng)
+    assert not all(np.allclose(got[k], v, atol=1e-6) for k, v in model_to_numpy(with_momentum[0]).items())
+
+
+def test_the_transfer_optimiser_options_replace_the_training_ones():
+    cls = get_algorithm("defkt")
+    net, nodes = _federation(2)
+    algo = nodes[0].algorithm
+    train = nodes[0].ctx.train
+    cfg = algo.transfer_config()
+    assert (cfg.lr, cfg.momentum, cfg.batch_size) == (train.lr, 0.0, train.batch_size)
+    algo.options = parse_options(cls, {"transfer_lr": 0.01, "transfer_momentum": 0.5, "transfer_batch_size": 200})
+    cfg = algo.transfer_config()
+    assert (cfg.lr, cfg.momentum, cfg.batch_size) == (0.01, 0.5, 200)
+    assert (cfg.weight_decay, cfg.epochs) == (train.weight_decay, train.epochs)
 
 
 def test_sender_keeps_unchanged():
