@@ -91,8 +91,8 @@ class BatchTrainer:
         self.min_group = max(2, min_group)
         self._pending: list[_Request] = []
         self._scheduled = False
-        # model -> architecture key (None: not batchable); weak, so temporary models go
-        self._arch_keys: weakref.WeakKeyDictionary[Any, tuple[Any, ...] | None] = weakref.WeakKeyDictionary()
+        # model -> (training key, evaluation key); weak, so temporary models go
+        self._arch_keys: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
         self.stats = {"batched_nodes": 0, "groups": 0, "single": 0}
         self._pending_eval: list[_EvalRequest] = []
         #: ``evaluated_batched`` (evaluations done in a vectorised group), ``eval_groups``
@@ -101,24 +101,22 @@ class BatchTrainer:
         self.eval_stats = {"evaluated_batched": 0, "eval_groups": 0, "eval_single": 0}
 
     # -- qualification -------------------------------------------------------------
-    def _arch_key(self, model: Any) -> tuple[Any, ...] | None:
-        """Architecture identity of ``model``, or None when it cannot be batched."""
+    def _arch_key(self, model: Any, for_eval: bool = False) -> tuple[Any, ...] | None:
+        """Architecture identity of ``model``, or None when it cannot be batched.  For
+        evaluation (``for_eval``) frozen parameters are allowed: only training needs
+        every parameter trainable."""
         try:
-            return self._arch_keys[model]
+            keys = self._arch_keys[model]
         except KeyError:
-            pass
-        arch: tuple[Any, ...] | None
-        if any(True for _ in model.buffers()) or any(
-                any(name in type(m).__name__ for name in _UNBATCHABLE) for m in model.modules()):
-            arch = None
-        else:
-            params = list(model.named_parameters())
-            if not params or not all(p.requires_grad and p.dtype.is_floating_point for _, p in params):
-                arch = None
-            else:
-                arch = (type(model), repr(model), tuple((n, tuple(p.shape), p.dtype) for n, p in params))
-        self._arch_keys[model] = arch
-        return arch
+            keys = (None, None)
+            if not any(True for _ in model.buffers()) and not any(
+                    any(name in type(m).__name__ for name in _UNBATCHABLE) for m in model.modules()):
+                params = list(model.named_parameters())
+                if params and all(p.dtype.is_floating_point for _, p in params):
+                    arch = (type(model), repr(model), tuple((n, tuple(p.shape), p.dtype) for n, p in params))
+                    keys = (arch if all(p.requires_grad for _, p in params) else None, arch)
+            self._arch_keys[model] = keys
+        return keys[1] if for_eval else keys[0]
 
     def submit(self, ctx: Any, fn: Callable[..., Any], args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> asyncio.Future[dict[str, float]] | None:
@@ -145,7 +143,7 @@ class BatchTrainer:
         it does not qualify (another device, an empty set, a model that cannot be batched:
         the caller then evaluates it itself).  The future's result is ``evaluate``'s
         ``{"accuracy", "loss"}``."""
-        if str(device) != "cpu" or len(x) == 0 or len(x) != len(y) or self._arch_key(model) is None:
+        if str(device) != "cpu" or len(x) == 0 or len(x) != len(y) or self._arch_key(model, for_eval=True) is None:
             return None
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[dict[str, float]] = loop.create_future()
@@ -181,7 +179,7 @@ class BatchTrainer:
         groups of one per node) and resolve their futures."""
         groups: dict[tuple[Any, ...], list[_EvalRequest]] = {}
         for r in requests:
-            key = (self._arch_key(r.model), r.batch_size, r.x.shape, r.x.dtype, r.y.shape)
+            key = (self._arch_key(r.model, for_eval=True), r.batch_size, r.x.shape, r.x.dtype, r.y.shape)
             groups.setdefault(key, []).append(r)
         for group in groups.values():
             # the same arrays for every member (the shared test set): one input for all

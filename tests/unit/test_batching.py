@@ -135,11 +135,14 @@ def test_batched_evaluation_equals_per_node_evaluate():
 
 def test_batch_trainer_groups_evaluations_and_leaves_unqualified_ones():
     """submit_eval: the shared test set is one group, per-node validation splits another;
-    a batch-norm model is not queued (None); results equal evaluate's."""
+    a frozen model (not trainable in a group) is evaluated in the group; a batch-norm
+    model is not queued (None); results equal evaluate's."""
     from dfl_agent.learning.training import evaluate
 
     trainer = BatchTrainer()
     models = _models(5)
+    models[0].requires_grad_(False)  # e.g. DFML's frozen peak model
+    assert trainer._arch_key(models[0]) is None and trainer._arch_key(models[0], for_eval=True) is not None
     test_x, test_y = _node_data(50, 30)
     own = [_node_data(i, 7) for i in range(5)]
     with_bn = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3), torch.nn.BatchNorm1d(3))
