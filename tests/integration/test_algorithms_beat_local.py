@@ -34,9 +34,9 @@ E = 4: 0.907 (seeds 1, 2: 0.918, 0.923 against 0.870, 0.888); ``bench/fedd2s/bea
 ``transfer_momentum``, default 0, the updates of the Def-KT paper's Eq. 2-3): 0.657 (seeds 1,
 2: 0.683, 0.681 against 0.628, 0.581).  With the training optimiser's momentum 0.9 the
 transfer overwrote the incoming model on the receiver's few hundred skewed samples (the
-stored model ended 6 points below the one received, a quarter of the models predicted one
-class) and Def-KT stayed below ``local`` (0.487 against 0.560; 0.361 at 80 rounds);
-``bench/defkt/transfer_step.py``.
+stored model ended 6 points below the one received, a quarter of the models scored below
+0.2, about what predicting one class scores) and Def-KT stayed below ``local`` (0.487
+against 0.560; 0.361 at 80 rounds); ``bench/defkt/transfer_step.py``.
 """
 
 from __future__ import annotations
