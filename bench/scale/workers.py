@@ -360,7 +360,7 @@ def report() -> None:
                          f"{w:.2f} | **{w / s:.2f}** |")
     commands = sorted({c["command"] for c in cells if c.get("command")})
     lines += ["", "`single` ran in a process already warmed up (imports, data set cache, first vectorised step); "
-              "a fresh simulation pays that once more (about 7 CPU s on this machine), while each worker pays "
+              "a fresh simulation pays that once more (about 7 CPU s on the 2-core VM measured), while each worker pays "
               "it in its `total`.", "", "Commands (repository root):", "", "```sh",
               *commands, "python bench/scale/workers.py --report", "```"]
     (HERE / "workers.md").write_text("\n".join(lines) + "\n")
