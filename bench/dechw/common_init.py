@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from dfl_agent.learning import hessian as hess
+from dfl_agent.learning.training import TrainConfig
 from dfl_agent.runtime.simulator import SimConfig, simulate
 
 VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
@@ -48,7 +49,12 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
     "DecHW size_weighting=true": ("dechw", {"size_weighting": True}, "common"),
     "DecHetero, independent init": ("dechetero", {}, "independent"),
     "DecHW, independent init": ("dechw", {}, "independent"),
+    "DecHW (defaults), lr 0.02": ("dechw", {}, "common"),
+    "DecHetero, lr 0.02": ("dechetero", {}, "common"),
 }
+
+#: Training settings that differ from the simulator's defaults (SGD lr 0.05, momentum 0.9).
+TRAIN: dict[str, dict[str, Any]] = {"DecHW (defaults), lr 0.02": {"lr": 0.02}, "DecHetero, lr 0.02": {"lr": 0.02}}
 
 
 class Probe:
@@ -92,8 +98,10 @@ class Probe:
 
 def run(name: str, a: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
     algorithm, options, init = VARIANTS[name]
+    extra = {"train": TrainConfig(**TRAIN[name])} if name in TRAIN else {}
     cfg = SimConfig(algorithm=algorithm, nodes=a.nodes, rounds=a.rounds, dataset="har", partition="dirichlet",
                     beta=a.beta, seed=seed, options=dict(options), init=init, eval_every=a.eval_every, threads=1,
+                    **extra,
                     out=str(out / f"{algorithm}_{abs(hash(name)) % 10**6}_{init}_s{seed}"))
     t0 = time.perf_counter()
     with Probe() as probe:
@@ -131,7 +139,8 @@ def _store(path: Path, r: dict[str, Any], settings: dict[str, Any]) -> None:
 
 #: Rows of the summary table, in order (variants absent from the results are skipped).
 SUMMARY_ROWS = ["DecHetero", "DecHW (defaults)", "DecHW size_weighting=true", "DecHW† θ=3",
-                "DecHetero, independent init", "DecHW, independent init"]
+                "DecHetero, independent init", "DecHW, independent init", "DecHetero, lr 0.02",
+                "DecHW (defaults), lr 0.02"]
 
 
 def summarise(runs: list[dict[str, Any]], seeds: list[int]) -> str:
@@ -157,7 +166,8 @@ def summarise(runs: list[dict[str, Any]], seeds: list[int]) -> str:
             cells += [f"({len(vals)}/{len(seeds)} seeds)", ""]
         cells += [f"{np.mean([100 * g['curve'][str(t)] for g in got if g and str(t) in g['curve']]):.1f}"
                   for t in rounds]
-        base = "DecHetero, independent init" if "independent" in name else "DecHetero"
+        base = ("DecHetero, independent init" if "independent" in name
+                else "DecHetero, lr 0.02" if "lr 0.02" in name else "DecHetero")
         leads = [f"{100 * (g['final'] - by[(base, s)]['final']):+.1f}" if g and (base, s) in by else "—"
                  for g, s in zip(got, seeds)]
         cells.append("—" if name == base else " / ".join(leads))

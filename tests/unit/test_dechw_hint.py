@@ -11,18 +11,19 @@ def _opts(**raw):
     return parse_options(get_algorithm("dechw"), raw)
 
 
-def test_hint_for_dechw_with_common_init_and_the_papers_weights():
+def test_hint_for_dechw_with_common_init_and_hessian_weights_in_every_round():
     hint = common_init_hint("dechw", _opts(), "common", "dirichlet")
     assert hint is not None and "\n" not in hint
-    assert "size_weighting=true" in hint and "docs/algorithms-on-devices.md" in hint
+    assert "theta=3" in hint and "docs/algorithms-on-devices.md" in hint
+    # size_weighting alone did not stop the divergence the hint warns of
+    assert common_init_hint("dechw", _opts(size_weighting=True), "common", "dirichlet") == hint
     assert common_init_hint("dechw", _opts(), "common") == hint  # partition unknown (daemon on a store)
 
 
 def test_no_hint_where_it_does_not_apply():
     assert common_init_hint("dechw", _opts(), "independent", "dirichlet") is None  # the paper's setting
-    assert common_init_hint("dechw", _opts(size_weighting=True), "common", "dirichlet") is None
     assert common_init_hint("dechw", _opts(theta=3), "common", "dirichlet") is None  # DecHW†: τ after θ
-    assert common_init_hint("dechw", _opts(), "common", "iid") is None  # equal shares: the option is a no-op
+    assert common_init_hint("dechw", _opts(), "common", "iid") is None  # the benchmark measured label skew
     assert common_init_hint("dechetero", parse_options(get_algorithm("dechetero"), {}), "common") is None
 
 
@@ -30,7 +31,7 @@ def test_dflctl_simulate_prints_the_hint_on_stderr_only_when_it_applies(capsys):
     _dechw_hint("dechw", {}, "common", "by-user")
     err = capsys.readouterr().err
     assert err.startswith("hint: dechw") and err.count("\n") == 1
-    for algorithm, raw, init in [("dechw", {"size_weighting": True}, "common"), ("dechw", {}, "independent"),
+    for algorithm, raw, init in [("dechw", {"theta": 3}, "common"), ("dechw", {}, "independent"),
                                  ("dechetero", {}, "common"), ("dechw", {"no_such_option": 1}, "common")]:
         _dechw_hint(algorithm, raw, init, "dirichlet")
         out = capsys.readouterr()
