@@ -32,6 +32,7 @@ import asyncio
 import hashlib
 import json
 import platform
+import shlex
 import statistics
 import threading
 import time
@@ -504,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         "label": a.label, "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "wire_version": getattr(dfl_agent, "WIRE_VERSION", None), "frame_version": wire.WIRE_VERSION,
         "n": a.n, "repeats": a.repeats, "processes": a.processes, "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "command": "nice -n 10 python bench/scale/transport.py " + " ".join(sys.argv[1:]), "results": res,
+        "command": "nice -n 10 python bench/scale/transport.py " + shlex.join(sys.argv[1:]), "results": res,
     }
     if a.stages:
         record["stages"] = {str(s): stages(s, 30 if s < (1 << 20) else 7) for s in a.sizes}

@@ -27,6 +27,7 @@ import asyncio
 import collections
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = asyncio.run(_run(a.size, a.n, os.path.join(tmp, "recv.json")))
     lines = [f"## {a.size} bytes, {a.n} messages per path ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
              f"load average {os.getloadavg()[0]:.1f})", "",
-             f"Command: `nice -n 10 python bench/scale/transport_trace.py {' '.join(sys.argv[1:])}`", "",
+             f"Command: `nice -n 10 python bench/scale/transport_trace.py {shlex.join(sys.argv[1:])}`", "",
              f"Raw paho, publish to receipt: median {rows['raw_median_us']:.0f} us.", "",
              "| step | ours: step us | ours: from start us | signed: step us | signed: from start us |",
              "|---|---|---|---|---|"]
