@@ -92,19 +92,6 @@ def split(frame: bytes, chunk_size: int, *, transfer_id: bytes | None = None) ->
         ValueError: ``chunk_size <= HEADER_LEN + 1``, a bad ``transfer_id``, or a frame
             that would need more than 2**32-1 chunks.
     """
-    if not isinstance(chunk_size, int) or chunk_size <= HEADER_LEN + 1:
-        raise ValueError(f"chunk_size must be an int > {HEADER_LEN + 1}, got {chunk_size!r}")
-    if len(frame) <= chunk_size and not is_chunk(frame):
-        return [bytes(frame)]
-    if transfer_id is None:
-        transfer_id = os.urandom(16)
-    if len(transfer_id) != 16:
-        raise ValueError("transfer_id must be 16 bytes")
-    data_size = chunk_size - HEADER_LEN
-    total = len(frame)
-    count = max(1, -(-total // data_size))
-    if count > _MAX_U32:
-        raise ValueError(f"frame of {total} bytes needs too many chunks of {chunk_size} bytes")
     return list(iter_chunks(frame, chunk_size, transfer_id=transfer_id))
 
 

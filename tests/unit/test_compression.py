@@ -21,6 +21,7 @@ from dfl_agent.runtime.context import RuntimeContext
 from dfl_agent.runtime.node import Node
 from dfl_agent.transport import codec, wire
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
+from tests.unit.toy import toy_data as _data
 
 FLOATS = hnp.arrays(
     np.float32,
@@ -301,13 +302,6 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def _data(seed, n=40):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 4)).astype(np.float32)
-    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64)
-    return types.SimpleNamespace(train_x=x[:32], train_y=y[:32], val_x=x[32:], val_y=y[32:], num_classes=2)
 
 
 def _federation(algorithm, spec, n=3, rounds=3):

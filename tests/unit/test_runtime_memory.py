@@ -2,7 +2,6 @@
 bad input rejected and counted, dead peers never stall a round past its deadline."""
 
 import asyncio
-import types
 
 import numpy as np
 import pytest
@@ -16,15 +15,8 @@ from dfl_agent.runtime.context import RuntimeContext
 from dfl_agent.runtime.node import Node
 from dfl_agent.transport import wire
 from dfl_agent.transport.memory import MemoryNetwork, SimulationDeadlock, run_virtual
-
-SPEC = {"type": "mlp", "input_shape": [4], "hidden": [8], "num_classes": 2}
-
-
-def _data(seed, n=40):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 4)).astype(np.float32)
-    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64)
-    return types.SimpleNamespace(train_x=x[:32], train_y=y[:32], val_x=x[32:], val_y=y[32:], num_classes=2)
+from tests.unit.toy import SPEC
+from tests.unit.toy import toy_data as _data
 
 
 def _federation(n, algorithm="fedavg", options=None, latency=0.0):

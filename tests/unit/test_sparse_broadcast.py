@@ -12,7 +12,6 @@ DFML's tokens) and directed sends still reach non-neighbours.
 import asyncio
 import json
 import logging
-import types
 
 import numpy as np
 import pytest
@@ -27,15 +26,8 @@ from dfl_agent.runtime.context import RuntimeContext
 from dfl_agent.runtime.node import Node
 from dfl_agent.runtime.simulator import SimConfig, simulate
 from dfl_agent.transport.memory import SHARED_STATS, MemoryNetwork, run_virtual
-
-SPEC = {"type": "mlp", "input_shape": [4], "hidden": [8], "num_classes": 2}
-
-
-def _data(seed, n=40):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 4)).astype(np.float32)
-    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64)
-    return types.SimpleNamespace(train_x=x[:32], train_y=y[:32], val_x=x[32:], val_y=y[32:], num_classes=2)
+from tests.unit.toy import SPEC
+from tests.unit.toy import toy_data as _data
 
 
 def _run(graph, algorithm, options, rounds, *, scoped):
