@@ -12,7 +12,19 @@ interpreter lock:
 * ``ours``: the daemon's full path - ``RuntimeContext.broadcast`` (encode, chunk,
   publish) on node A to ``RuntimeContext.receive`` on node B (reassemble, decode,
   validate), unsigned;
-* ``signed``: the same with Ed25519-signed envelopes verified by B's ``SecurityGuard``.
+* ``signed``: the same with Ed25519-signed envelopes verified by B's ``SecurityGuard``;
+* ``floor``: the least work any integrity-checked envelope must do, on the raw paho
+  clients: the sender hashes the payload with the wire format's digest
+  (``wire.payload_digest`` where it exists, else SHA-256), puts a fixed header (hex
+  digest + 8-byte length) in front of it (one join) and publishes; the receiver's
+  ``on_message`` (paho's network thread) recomputes the digest and compares it;
+* ``floor_signed``: the same, the header signed with Ed25519 by the sender and the
+  signature verified by the receiver before it reports;
+* ``floor_loop``: like ``floor``, but the receiver hands the checked message to an
+  asyncio event loop (``call_soon_threadsafe``) and reports once a coroutine awaiting
+  an ``asyncio.Future`` has woken - the handover any asyncio agent pays.
+
+``--paths`` picks the paths (raw paho is always measured: the ratios need it).
 
 Every repeat runs ``--n`` messages of each path and size, interleaved, and keeps the
 median; the ratio of a repeat is its median over raw paho's median of that repeat,
@@ -22,6 +34,7 @@ per-stage CPU profile (no network) of encode and decode.
 Usage (repository root)::
 
     nice -n 10 python bench/scale/transport.py --label after --stages --out bench/scale/transport.jsonl
+    nice -n 10 python bench/scale/transport.py --sizes 55000 --paths raw floor floor_signed floor_loop
     python bench/scale/transport.py --report bench/scale/transport.jsonl > bench/scale/transport.md
 """
 
@@ -44,6 +57,8 @@ import numpy as np
 
 SIZES = (55_000, 1 << 20, 10 << 20)
 FED = "bench"
+PATHS = ("raw", "ours", "signed", "floor", "floor_signed", "floor_loop")
+FLOOR = ("floor", "floor_signed", "floor_loop")
 
 
 def model_of(nbytes: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -82,9 +97,10 @@ def _guards(keys: tuple[bytes, bytes] | None = None, fed: str = FED) -> tuple[An
 
 
 class RawPaho:
-    """Two paho clients on one broker: ``once(payload)`` returns publish->receipt seconds."""
+    """Two paho clients on one broker: ``once(payload)`` returns publish->receipt seconds.
+    The subscriber subscribes to ``topics`` (QoS 1); ``bench/raw`` is the raw path's."""
 
-    def __init__(self, host: str, port: int):
+    def __init__(self, host: str, port: int, topics: tuple[str, ...] = ("bench/raw",)):
         import paho.mqtt.client as mqtt
 
         self.got = threading.Event()
@@ -95,7 +111,7 @@ class RawPaho:
         self.pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="raw-pub", protocol=mqtt.MQTTv5)
         subscribed = threading.Event()
         self.sub.on_subscribe = lambda *a: subscribed.set()
-        self.sub.on_connect = lambda c, *a: c.subscribe(self.topic, qos=1)
+        self.sub.on_connect = lambda c, *a: c.subscribe([(t, 1) for t in topics])
 
         def on_message(client: Any, userdata: Any, msg: Any) -> None:
             self.n_recv = len(msg.payload)
@@ -121,6 +137,151 @@ class RawPaho:
         for c in (self.sub, self.pub):
             c.disconnect()
             c.loop_stop()
+
+
+
+# ------------------------------------------------------------------ floor
+
+
+def _digest_fn() -> tuple[Callable[[Any], str], str]:
+    """The wire format's payload digest (hex str) and its name: ``wire.payload_digest``
+    where the wire module has it, else SHA-256 (the wire hash before it)."""
+    from dfl_agent.transport import wire
+
+    fn = getattr(wire, "payload_digest", None)
+    if fn is not None:
+        return fn, "wire.payload_digest"
+    return (lambda buf: hashlib.sha256(buf).hexdigest()), "sha256"
+
+
+class FloorSender:
+    """Builds the floor paths' frames: ``hex digest | 8-byte big-endian payload length``
+    (the header), then for ``floor_signed`` the header's 64-byte Ed25519 signature, then
+    the payload, in one join. ``key``: the sender's raw Ed25519 private key."""
+
+    def __init__(self, key: bytes):
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        self.key = Ed25519PrivateKey.from_private_bytes(key)
+        self.digest, self.digest_name = _digest_fn()
+
+    def frame(self, path: str, payload: bytes) -> bytes:
+        head = self.digest(payload).encode() + len(payload).to_bytes(8, "big")
+        if path == "floor_signed":
+            return b"".join((head, self.key.sign(head), payload))
+        return b"".join((head, payload))
+
+
+class FloorReceiver:
+    """Receiving end of the floor paths on a raw paho ``client`` (topics ``bench/<path>``).
+
+    Every message is checked on paho's network thread (length, digest recomputed over a
+    memoryview of the payload, and for ``floor_signed`` the header's signature by
+    ``key``, the sender's raw Ed25519 private key, whose public half verifies), then
+    ``report(path)`` is called there - except ``floor_loop``, whose checked payload is
+    handed to ``loop`` with ``call_soon_threadsafe`` and resolves ``fut`` (both set by
+    the user: :meth:`listen` or the one-process runner). A message that fails a check is
+    dropped and counted in ``rejected``."""
+
+    def __init__(self, client: Any, key: bytes, report: Callable[[str], None]):
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        self.pub = Ed25519PrivateKey.from_private_bytes(key).public_key()
+        self.digest, self.digest_name = _digest_fn()
+        self.dlen = len(self.digest(b""))
+        self.report = report
+        self.rejected = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.fut: asyncio.Future[memoryview] | None = None
+        for path in FLOOR:
+            client.message_callback_add(f"bench/{path}", self._handler(path))
+
+    def check(self, payload: bytes, signed: bool) -> memoryview | None:
+        """The payload of a floor frame when every check passes, else None."""
+        from cryptography.exceptions import InvalidSignature
+
+        view = memoryview(payload)
+        hl = self.dlen + 8
+        body = view[hl + 64:] if signed else view[hl:]
+        if len(view) < hl or int.from_bytes(view[self.dlen:hl], "big") != len(body):
+            return None
+        if self.digest(body).encode() != view[:self.dlen]:
+            return None
+        if signed:
+            try:
+                self.pub.verify(bytes(view[hl:hl + 64]), bytes(view[:hl]))
+            except InvalidSignature:
+                return None
+        return body
+
+    def _wake(self, body: memoryview) -> None:
+        fut = self.fut
+        if fut is not None and not fut.done():
+            fut.set_result(body)
+
+    def _handler(self, path: str) -> Callable[[Any, Any, Any], None]:
+        signed = path == "floor_signed"
+
+        def on_message(client: Any, userdata: Any, msg: Any) -> None:
+            body = self.check(msg.payload, signed)
+            if body is None:
+                self.rejected += 1
+            elif path == "floor_loop":
+                assert self.loop is not None
+                self.loop.call_soon_threadsafe(self._wake, body)
+            else:
+                self.report(path)
+
+        return on_message
+
+    async def listen(self) -> None:
+        """Report ``floor_loop`` each time a handed-over message wakes this coroutine
+        (runs until cancelled; the next future exists before the report goes out)."""
+        self.loop = asyncio.get_running_loop()
+        self.fut = self.loop.create_future()
+        while True:
+            await self.fut
+            self.fut = self.loop.create_future()
+            self.report("floor_loop")
+
+
+class FloorOne:
+    """The floor paths with both ends in this process, on ``raw``'s two paho clients
+    (its subscriber must subscribe to the ``bench/floor*`` topics); node a's key signs."""
+
+    def __init__(self, raw: RawPaho, keys: tuple[bytes, bytes]):
+        self.raw = raw
+        self.got = threading.Event()
+        self.t_recv = 0.0
+        self.tx = FloorSender(keys[0])
+        self.rx = FloorReceiver(raw.sub, keys[0], self._report)
+
+    def _report(self, path: str) -> None:
+        self.t_recv = time.perf_counter()
+        self.got.set()
+
+    async def once(self, path: str, payload: bytes) -> float:
+        """Publish->receipt seconds of one message on floor path ``path``."""
+        if path == "floor_loop":
+            loop = asyncio.get_running_loop()
+            self.rx.loop = loop
+            fut = self.rx.fut = loop.create_future()
+            timer = loop.call_later(60, fut.cancel)
+            t0 = time.perf_counter()
+            self.raw.pub.publish("bench/floor_loop", self.tx.frame(path, payload), qos=1)
+            try:
+                await fut
+            except asyncio.CancelledError:
+                raise RuntimeError(f"floor_loop: message lost ({self.rx.rejected} rejected)") from None
+            t1 = time.perf_counter()
+            timer.cancel()
+            return t1 - t0
+        self.got.clear()
+        t0 = time.perf_counter()
+        self.raw.pub.publish(f"bench/{path}", self.tx.frame(path, payload), qos=1)
+        if not self.got.wait(60):
+            raise RuntimeError(f"{path}: message lost ({self.rx.rejected} rejected)")
+        return self.t_recv - t0
 
 
 # ------------------------------------------------------------------- ours
@@ -185,8 +346,9 @@ class Ours:
             await ctx.stop()
 
 
-def _receiver(endpoint: str, keys: tuple[bytes, bytes], conn: Any) -> None:
-    """Child process: node b of both federations and a raw paho subscriber; every
+def _receiver(endpoint: str, keys: tuple[bytes, bytes], conn: Any, paths: tuple[str, ...] = PATHS) -> None:
+    """Child process: node b of the federations of ``ours``/``signed`` and a raw paho
+    subscriber (``raw`` and the floor paths), for those of ``paths`` selected; every
     complete receipt is reported as ``(path, perf_counter)`` on ``conn``."""
     import logging
 
@@ -204,13 +366,15 @@ def _receiver(endpoint: str, keys: tuple[bytes, bytes], conn: Any) -> None:
     sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="raw-sub", protocol=mqtt.MQTTv5)
     subscribed = threading.Event()
     sub.on_subscribe = lambda *a: subscribed.set()
-    sub.on_connect = lambda c, *a: c.subscribe("bench/raw", qos=1)
+    topics = [("bench/raw", 1)] + [(f"bench/{p}", 1) for p in FLOOR if p in paths]
+    sub.on_connect = lambda c, *a: c.subscribe(topics)
     sub.on_message = lambda c, u, msg: report("raw")
+    floor = FloorReceiver(sub, keys[0], report)
     sub.connect(host, int(port))
     sub.loop_start()
 
     async def main() -> None:
-        nodes = {"ours": Ours(endpoint, False, ("b",)), "signed": Ours(endpoint, True, ("b",), keys)}
+        nodes = {p: Ours(endpoint, p == "signed", ("b",), keys) for p in ("ours", "signed") if p in paths}
         for o in nodes.values():
             await o.start()
 
@@ -221,6 +385,8 @@ def _receiver(endpoint: str, keys: tuple[bytes, bytes], conn: Any) -> None:
                     report(path)
 
         tasks = [asyncio.create_task(listen(p, o)) for p, o in nodes.items()]
+        if "floor_loop" in paths:
+            tasks.append(asyncio.create_task(floor.listen()))
         subscribed.wait(10)
         conn.send(("ready", 0.0))
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # "stop"
@@ -237,13 +403,15 @@ def _receiver(endpoint: str, keys: tuple[bytes, bytes], conn: Any) -> None:
 class TwoProcesses:
     """Sender here (raw paho publisher, node a of both federations), receiver in a child."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, paths: tuple[str, ...] = PATHS):
         import multiprocessing as mp
 
         self.endpoint = endpoint
+        self.paths = paths
         self.keys = _keys()
         self.conn, child = mp.Pipe()
-        self.proc = mp.get_context("spawn").Process(target=_receiver, args=(endpoint, self.keys, child), daemon=True)
+        self.proc = mp.get_context("spawn").Process(target=_receiver, args=(endpoint, self.keys, child, paths),
+                                                    daemon=True)
 
     async def start(self) -> None:
         import paho.mqtt.client as mqtt
@@ -253,7 +421,9 @@ class TwoProcesses:
         self.pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="raw-pub", protocol=mqtt.MQTTv5)
         self.pub.connect(host, int(port))
         self.pub.loop_start()
-        self.ours = {"ours": Ours(self.endpoint, False, ("a",)), "signed": Ours(self.endpoint, True, ("a",), self.keys)}
+        self.floor = FloorSender(self.keys[0])
+        self.ours: dict[str, Ours] = {p: Ours(self.endpoint, p == "signed", ("a",), self.keys)
+                     for p in ("ours", "signed") if p in self.paths}
         for o in self.ours.values():
             await o.start()
         if not self.conn.poll(60) or self.conn.recv()[0] != "ready":
@@ -272,6 +442,8 @@ class TwoProcesses:
         t0 = time.perf_counter()
         if path == "raw":
             self.pub.publish("bench/raw", payload, qos=1)
+        elif path in FLOOR:
+            self.pub.publish(f"bench/{path}", self.floor.frame(path, payload), qos=1)
         else:
             await self.ours[path].send(tensors)
         loop = asyncio.get_running_loop()
@@ -380,13 +552,18 @@ def _summary(samples: list[float]) -> dict[str, float]:
     return {"min": min(samples), "median": statistics.median(samples), "max": max(samples)}
 
 
-async def run(sizes: list[int], n: int, repeats: int, processes: int = 2) -> dict[str, Any]:
+async def run(sizes: list[int], n: int, repeats: int, processes: int = 2,
+              paths: tuple[str, ...] = PATHS) -> dict[str, Any]:
+    """Measure ``paths`` (of :data:`PATHS`; raw paho is always added) at every size:
+    per path its samples' min/median/max and each repeat's median (seconds), and per
+    path but raw its ratios to raw paho (each repeat's, and the worst) and its rate."""
     from dfl_agent.cli.broker import start_broker
 
+    paths = ("raw",) + tuple(p for p in PATHS if p in paths and p != "raw")
     results: dict[str, Any] = {}
     with start_broker("mosquitto") as broker:
         if processes == 2:
-            two = TwoProcesses(broker.endpoint)
+            two = TwoProcesses(broker.endpoint, paths)
             await two.start()
 
             async def once(path: str, tensors: dict[str, np.ndarray], payload: bytes) -> float:
@@ -396,33 +573,35 @@ async def run(sizes: list[int], n: int, repeats: int, processes: int = 2) -> dic
                 await two.stop()
         else:
             host, port = broker.endpoint.rsplit(":", 1)
-            raw = RawPaho(host, int(port))
-            ours, signed = Ours(broker.endpoint, False), Ours(broker.endpoint, True)
-            await ours.start()
-            await signed.start()
+            raw = RawPaho(host, int(port), ("bench/raw",) + tuple(f"bench/{p}" for p in FLOOR if p in paths))
+            floor = FloorOne(raw, _keys())
+            nodes: dict[str, Ours] = {p: Ours(broker.endpoint, p == "signed") for p in ("ours", "signed") if p in paths}
+            for o in nodes.values():
+                await o.start()
             await asyncio.sleep(0.5)
 
             async def once(path: str, tensors: dict[str, np.ndarray], payload: bytes) -> float:
                 if path == "raw":
                     return raw.once(payload)
-                return await (ours if path == "ours" else signed).once(tensors)
+                if path in FLOOR:
+                    return await floor.once(path, payload)
+                return await nodes[path].once(tensors)
 
             async def stop() -> None:
                 raw.close()
-                await ours.stop()
-                await signed.stop()
+                for o in nodes.values():
+                    await o.stop()
         try:
             for size in sizes:
                 tensors = model_of(size)
                 payload = b"".join(a.tobytes() for a in tensors.values())
-                paths = ("raw", "ours", "signed")
                 per: dict[str, Any] = {m: {"samples": [], "medians": []} for m in paths}
                 for _ in range(2):  # warm-up
                     for m in paths:
                         await once(m, tensors, payload)
                 for _ in range(repeats):
                     rep: dict[str, list[float]] = {m: [] for m in paths}
-                    for _ in range(n):  # interleaved, so load changes hit all three alike
+                    for _ in range(n):  # interleaved, so load changes hit all paths alike
                         for m in paths:
                             rep[m].append(await once(m, tensors, payload))
                     for m, smp in rep.items():
@@ -431,15 +610,15 @@ async def run(sizes: list[int], n: int, repeats: int, processes: int = 2) -> dic
                 row: dict[str, Any] = {"payload_bytes": len(payload)}
                 for m in per:
                     row[m] = {**_summary(per[m]["samples"]), "medians": per[m]["medians"]}
-                for m in ("ours", "signed"):
+                for m in paths[1:]:
                     ratios = [a / b for a, b in zip(per[m]["medians"], per["raw"]["medians"], strict=True)]
                     row[f"{m}_ratio"] = max(ratios)
                     row[f"{m}_ratios"] = ratios
                     row[f"{m}_MBps"] = len(payload) / max(per[m]["medians"]) / 1e6
                 results[str(size)] = row
-                print(json.dumps({"size": size, "ours_ratio": row["ours_ratio"], "signed_ratio": row["signed_ratio"],
-                                  "raw_median_ms": 1e3 * row["raw"]["median"],
-                                  "ours_median_ms": 1e3 * row["ours"]["median"]}), flush=True)
+                print(json.dumps({"size": size, **{f"{m}_ratio": round(row[f"{m}_ratio"], 3) for m in paths[1:]},
+                                  **{f"{m}_median_ms": round(1e3 * row[m]["median"], 4) for m in paths}}),
+                      flush=True)
         finally:
             await stop()
     return results
@@ -453,12 +632,16 @@ def report(path: Path) -> str:
         procs = r.get("processes", 1)
         lines += [f"## {r['label']} ({r['time']}, wire v{r['wire_version']}, n={r['n']} x {r['repeats']} repeats, "
                   f"{'sender and receiver in two processes' if procs == 2 else 'both ends in one process'})",
-                  "", f"Command: `{r['command']}`", "",
-                  "| message | path | min ms | median ms | max ms | ratio to raw paho (worst repeat) | rate MB/s |",
+                  "", f"Command: `{r['command']}`", ""]
+        if r.get("floor_digest") and any(p in row for row in r["results"].values() for p in FLOOR):
+            lines += [f"Floor paths' payload digest: {r['floor_digest']}.", ""]
+        lines += ["| message | path | min ms | median ms | max ms | ratio to raw paho (worst repeat) | rate MB/s |",
                   "|---|---|---|---|---|---|---|"]
         for size, row in r["results"].items():
             label = {"55000": "55 kB", str(1 << 20): "1 MiB", str(10 << 20): "10 MiB"}.get(size, f"{size} B")
-            for m in ("raw", "ours", "signed"):
+            for m in PATHS:
+                if m not in row:  # runs before the floor paths, or --paths left it out
+                    continue
                 s = row[m]
                 ratio = f"{row[m + '_ratio']:.2f}x" if m != "raw" else "1"
                 rate = f"{row[m + '_MBps']:.0f}" if m != "raw" else f"{row['payload_bytes'] / max(s['medians']) / 1e6:.0f}"
@@ -487,6 +670,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="append the results as one JSON line to this file")
     p.add_argument("--processes", type=int, choices=(1, 2), default=2,
                    help="2: sender and receiver in two processes (as two agents); 1: both in this one")
+    p.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), metavar="PATH",
+                   help="paths to measure (default: all): " + ", ".join(PATHS) + "; raw paho is always "
+                   "measured, as the ratios need it. floor, floor_signed, floor_loop: the least work of an "
+                   "integrity-checked (signed; handed to an asyncio loop) envelope on raw paho")
     p.add_argument("--stages", action="store_true", help="also profile encode/decode per stage (no network)")
     p.add_argument("--report", default=None, help="print the Markdown report of a results file and exit")
     a = p.parse_args(argv)
@@ -500,11 +687,14 @@ def main(argv: list[str] | None = None) -> int:
     from dfl_agent.transport import wire
 
     logging.basicConfig(level=logging.ERROR)
-    res = asyncio.run(run(a.sizes, a.n, a.repeats, a.processes))
+    paths = ("raw",) + tuple(p for p in PATHS if p in a.paths and p != "raw")
+    res = asyncio.run(run(a.sizes, a.n, a.repeats, a.processes, paths))
     record: dict[str, Any] = {
         "label": a.label, "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "wire_version": getattr(dfl_agent, "WIRE_VERSION", None), "frame_version": wire.WIRE_VERSION,
-        "n": a.n, "repeats": a.repeats, "processes": a.processes, "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "n": a.n, "repeats": a.repeats, "processes": a.processes, "paths": list(paths),
+        "floor_digest": _digest_fn()[1],
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "command": "nice -n 10 python bench/scale/transport.py " + shlex.join(sys.argv[1:]), "results": res,
     }
     if a.stages:
