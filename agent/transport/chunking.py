@@ -13,7 +13,7 @@ Chunk layout (all integers big-endian)::
 The header is :data:`HEADER_LEN` (36) bytes.  ``index`` runs from 0 to ``count-1``,
 every chunk carries at least one byte of data, the data of all chunks concatenated
 in index order is the frame (``total_len`` bytes).  Chunks carry no hash of their
-own: the frame's integrity is the wire envelope's ``payload_sha256`` (see
+own: the frame's integrity is the wire envelope's ``payload_blake3`` (see
 :mod:`dfl_agent.transport.wire`), checked once when the frame is decoded, so an
 altered chunk is dropped there (``hash_mismatch``) and never reaches a model.
 Chunks of the older version 1 (with a SHA-256 of the frame in every header) are
@@ -39,13 +39,14 @@ Errors are :class:`ChunkError` with a short ``reason`` used as a counter key:
 from __future__ import annotations
 
 import collections
-import hashlib
 import os
 import struct
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import blake3
 
 #: First bytes of every chunk.
 CHUNK_MAGIC = b"DFC"
@@ -131,17 +132,18 @@ def iter_chunks(frame: bytes, chunk_size: int, *, transfer_id: bytes | None = No
 
 
 class Frame(bytearray):
-    """A reassembled frame: a ``bytearray`` that nothing else holds, with the SHA-256 of
-    its bytes from ``payload_offset`` on (hex, ``payload_sha256``), computed while its
-    chunks arrived; ``payload_offset`` is -1 and ``payload_sha256`` ``None`` when it was
+    """A reassembled frame: a ``bytearray`` that nothing else holds, with the BLAKE3 digest
+    of its bytes from ``payload_offset`` on (hex, ``payload_digest``; the wire format's
+    payload hash, :func:`dfl_agent.transport.wire.payload_digest`), computed while its
+    chunks arrived; ``payload_offset`` is -1 and ``payload_digest`` ``None`` when it was
     not computed (see :class:`Reassembler`'s ``hash_from``)."""
 
-    __slots__ = ("payload_offset", "payload_sha256")
+    __slots__ = ("payload_digest", "payload_offset")
 
     def __init__(self) -> None:
         super().__init__()
         self.payload_offset = -1
-        self.payload_sha256: str | None = None
+        self.payload_digest: str | None = None
 
 
 @dataclass
@@ -192,11 +194,11 @@ class Reassembler:
         clock: monotonic time source in seconds (injectable for tests).
 
         hash_from: ``hash_from(first)`` maps the data of a transfer's chunk 0 to the frame
-            offset from which the frame's bytes are hashed (SHA-256) while the chunks
+            offset from which the frame's bytes are hashed (BLAKE3) while the chunks
             arrive - each chunk as soon as the chunks before it are in - or to ``None``
             (no hash); e.g. :func:`dfl_agent.transport.wire.payload_offset`, so that the
             payload's one hash on the receiving side is mostly done before the last chunk
-            arrives.  The result is :attr:`Frame.payload_sha256`.
+            arrives.  The result is :attr:`Frame.payload_digest`.
 
     Memory: chunks are stored as they arrive, without copying (views into the
     received messages; nothing is preallocated from a declared size), at most
@@ -333,7 +335,7 @@ class Reassembler:
             frame += transfer.parts[i]
         if transfer.hasher is not None and transfer.next_index == transfer.count:
             frame.payload_offset = transfer.offset
-            frame.payload_sha256 = transfer.hasher.hexdigest()
+            frame.payload_digest = transfer.hasher.hexdigest()
         transfer.parts.clear()
         self._completed[tid] = now
         while len(self._completed) > self.RECENT_COMPLETED:
@@ -352,7 +354,7 @@ class Reassembler:
                     transfer.hashing = False
                     return
                 transfer.offset = offset
-                transfer.hasher = hashlib.sha256()
+                transfer.hasher = blake3.blake3()
             end = transfer.pos + len(part)
             if end > transfer.offset:
                 transfer.hasher.update(part[max(0, transfer.offset - transfer.pos):])

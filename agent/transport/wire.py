@@ -1,8 +1,8 @@
-"""Wire format v3: a versioned JSON envelope followed by the tensors' raw bytes.
+"""Wire format v4: a versioned JSON envelope followed by the tensors' raw bytes.
 
 Frame layout (all integers big-endian)::
 
-    b"DFL" | version:u8 (=3, | 0x80) | header_len:u32 | header (UTF-8 JSON) | payload
+    b"DFL" | version:u8 (=4, | 0x80) | header_len:u32 | header (UTF-8 JSON) | payload
 
 When the version byte carries :data:`HEADER_ZSTD` (0x80), the header is a zstd frame
 of that JSON.  The sender compresses it only where it pays: when the JSON is at least
@@ -15,9 +15,9 @@ byte form.
 
 The header is the *envelope*::
 
-    {"v": 3, "fed": str, "sender": str, "recipient": str ("*" = broadcast),
+    {"v": 4, "fed": str, "sender": str, "recipient": str ("*" = broadcast),
      "kind": str, "round": int, "msg_id": hex str, "time": float (unix s),
-     "payload_sha256": hex str, "payload_len": int,
+     "payload_blake3": hex str, "payload_len": int,
      "encoding": {"format": "raw" | "none",
                   "tensors": {name: {"dtype": "float32", "shape": [..]}},
                   "codec": {...}},   # optional: compressed tensors, see codec.py
@@ -31,15 +31,20 @@ the received buffer (one copy at most: when the buffer is immutable or unaligned
 so nothing but the envelope is needed to decode, and nothing received is ever
 unpickled.
 
-``payload_sha256`` is the only hash of the payload on the whole path: computed once by
-the sender (over the tensors' buffers, before the frame is joined) and once by the
+``payload_blake3`` (the 256-bit BLAKE3 digest of the payload, 64 hex digits; see
+:func:`payload_digest`) is the only hash of the payload on the whole path: computed once
+by the sender (over the tensors' buffers, before the frame is joined) and once by the
 receiver; the chunk layer (:mod:`dfl_agent.transport.chunking`) carries none, so a
 chunk that was altered or mixed into a transfer is caught here as ``hash_mismatch``.
+BLAKE3 replaced the SHA-256 of wire v3 because it is two to three times faster on x86
+CPUs with SHA instructions and faster still on ARM cores without them (Raspberry Pi 4);
+it is a cryptographic hash of the same 128-bit security level, so a signature still
+binds the payload through it.
 
 Every check failure raises :class:`WireError` with a short ``reason`` used as a
 counter key (``malformed``, ``oversized``, ``version``, ``wrong_federation``,
 ``wrong_recipient``, ``hash_mismatch``, ``bad_tensor``, ``non_finite``,
-``bad_encoding``).  A frame of another wire version (e.g. v1 of older agents) is
+``bad_encoding``).  A frame of another wire version (e.g. v3 of older agents) is
 rejected as ``version``.
 
 Compression: a compressed message has ``encoding = {"format": "codec",
@@ -49,13 +54,13 @@ shape (``{"s": [..]}``) travels as the shape list.  :func:`decode` returns the
 tensors rebuilt from that description alone.
 
 Compact envelope: fields the receiver can infer are left out - ``payload_len``/
-``payload_sha256`` when the payload is empty (absent = 0 bytes), ``encoding`` when
+``payload_blake3`` when the payload is empty (absent = 0 bytes), ``encoding`` when
 there are no tensors (absent = ``{"format": "none"}``), ``sig`` when the sender does
 not sign (absent = ``null``).  Frames that carry them are still accepted.
 
 The ``sig`` field holds ``"ed25519:" + base64`` of the sender's Ed25519 signature
 over the canonical JSON (sorted keys, no spaces) of the header without ``sig`` -
-which includes ``payload_sha256``, so the signature covers the payload through that
+which includes ``payload_blake3``, so the signature covers the payload through that
 single digest - or ``null`` when the sender does not sign.  A signed header may carry
 ``cert``, the sender's device certificate (see :mod:`dfl_agent.security`).  :func:`encode`
 writes a signed header as those signed canonical bytes with ``,"sig":"..."`` appended as
@@ -70,7 +75,6 @@ parsed once.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -80,6 +84,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import blake3
 import numpy as np
 import zstandard
 
@@ -89,7 +94,7 @@ from dfl_agent.transport import codec as _codec
 
 #: the frame format's version byte and the envelope's ``"v"``: the protocol version as a whole
 #: (:data:`dfl_agent.WIRE_VERSION`, announced in presence and mDNS)
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 MAGIC = b"DFL"
 _PREFIX = struct.Struct(">3sBI")
 PREFIX_LEN = _PREFIX.size
@@ -163,7 +168,7 @@ class Envelope:
     round: int
     msg_id: str
     time: float
-    payload_sha256: str
+    payload_blake3: str
     payload_len: int
     encoding: dict[str, Any]
     meta: dict[str, Any]
@@ -179,7 +184,31 @@ def _tensor_description(tensors: dict[str, np.ndarray]) -> dict[str, dict[str, A
     return {name: {"dtype": _DTYPE_NAME[a.dtype], "shape": list(a.shape)} for name, a in tensors.items()}
 
 
-_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+def _u8(buffer: Any) -> Any:
+    """``buffer`` as unsigned bytes for the hasher (a C-contiguous numpy array is viewed
+    as ``uint8``; bytes, bytearrays and byte memoryviews pass as they are)."""
+    if type(buffer) is np.ndarray:
+        return buffer.reshape(-1).view(np.uint8)
+    return buffer
+
+
+def payload_digest(*buffers: Any) -> str:
+    """The wire format's payload hash: BLAKE3-256 of the buffers' bytes, concatenated.
+
+    Args:
+        buffers: bytes-like objects or C-contiguous numpy arrays (hashed as their raw
+            bytes in memory order).
+
+    Returns:
+        64 lowercase hex digits, as in the envelope's ``payload_blake3``.
+    """
+    h = blake3.blake3()
+    for b in buffers:
+        h.update(_u8(b))
+    return str(h.hexdigest())
+
+
+_EMPTY_DIGEST = payload_digest(b"")
 
 
 def _is_codec_blob(tensors: dict[str, np.ndarray]) -> bool:
@@ -207,7 +236,7 @@ def _expand_codec(desc: dict[str, Any]) -> dict[str, Any]:
 
 def encode(message: Message, *, federation: str, sender: str,
            sign: Callable[[bytes], str] | None = None, cert: dict[str, Any] | None = None) -> bytes:
-    """Serialise ``message`` into one v3 frame.
+    """Serialise ``message`` into one v4 frame.
 
     The tensors' bytes are hashed in place and copied once, into the frame.
 
@@ -241,7 +270,7 @@ def encode(message: Message, *, federation: str, sender: str,
     # hashed here and copied once, into the frame)
     pieces: list[Any] = []
     plen = 0
-    digest = hashlib.sha256()
+    digest = blake3.blake3()
     for name in names:
         a = tensors[name]
         if plen % ALIGN:
@@ -250,7 +279,7 @@ def encode(message: Message, *, federation: str, sender: str,
             digest.update(pad)
             plen += len(pad)
         pieces.append(a)
-        digest.update(a)  # type: ignore[arg-type]  # a C-contiguous array is a buffer
+        digest.update(_u8(a))
         plen += a.nbytes
     message.msg_id = message.msg_id or os.urandom(16).hex()
     message.time = time.time()
@@ -264,7 +293,7 @@ def encode(message: Message, *, federation: str, sender: str,
         "round": int(message.round),
         "msg_id": message.msg_id,
         "time": message.time,
-        "payload_sha256": digest.hexdigest(),
+        "payload_blake3": digest.hexdigest(),
         "payload_len": plen,
         "encoding": {
             "format": "raw" if tensors else "none",
@@ -277,7 +306,7 @@ def encode(message: Message, *, federation: str, sender: str,
     if raw_codec and message.encoding is not None:
         header["encoding"] = {"format": "codec", "codec": _compact_codec(message.encoding)}
     if not plen:
-        del header["payload_sha256"], header["payload_len"]
+        del header["payload_blake3"], header["payload_len"]
         if not tensors and message.encoding is None:
             del header["encoding"]
     # -- security: sign the header (sig excluded; it holds the payload's one digest) --
@@ -317,7 +346,7 @@ def signed_body(header: dict[str, Any]) -> bytes:
 
 def payload_offset(first: bytes | memoryview) -> int | None:
     """Where the payload starts in a frame whose first bytes are ``first`` (at least its
-    prefix), or ``None`` when they are not a v3 frame's prefix.  A chunk reassembler
+    prefix), or ``None`` when they are not a v4 frame's prefix.  A chunk reassembler
     hashes the payload from there while the chunks arrive
     (:class:`dfl_agent.transport.chunking.Reassembler`'s ``hash_from``); :func:`decode`
     uses that hash when it covers exactly the payload it finds."""
@@ -433,7 +462,7 @@ def _decode_envelope(frame: bytes, *, max_frame_bytes: int) -> tuple[Envelope, d
     # compact envelope (issue 8): an empty payload needs no length or hash, a message
     # without tensors no encoding
     plen = _req(header, "payload_len", int) if "payload_len" in header else 0
-    digest = _req(header, "payload_sha256", str) if plen or "payload_sha256" in header else _EMPTY_SHA256
+    digest = _req(header, "payload_blake3", str) if plen or "payload_blake3" in header else _EMPTY_DIGEST
     encoding = _req(header, "encoding", dict) if "encoding" in header else {"format": "none"}
     meta = _req(header, "meta", dict)
     sig = header.get("sig")
@@ -463,7 +492,7 @@ def _decode_envelope(frame: bytes, *, max_frame_bytes: int) -> tuple[Envelope, d
         raise WireError("malformed", "codec description must be an object")
     return Envelope(
         version=header["v"], federation=fed, sender=sender, recipient=recipient, kind=kind,
-        round=rnd, msg_id=msg_id, time=float(t), payload_sha256=digest, payload_len=plen,
+        round=rnd, msg_id=msg_id, time=float(t), payload_blake3=digest, payload_len=plen,
         encoding=encoding, meta=meta, sig=sig,
     ), header
 
@@ -541,8 +570,8 @@ def decode_with_header(
     payload = view[start:] if env.payload_len else view[:0]
     # the payload's one hash on this side: computed here, or while the frame's chunks
     # arrived (a reassembled frame says over which bytes: chunking.Frame)
-    digest = getattr(frame, "payload_sha256", None) if getattr(frame, "payload_offset", -1) == start else None
-    if (digest or hashlib.sha256(payload).hexdigest()) != env.payload_sha256:
+    digest = getattr(frame, "payload_digest", None) if getattr(frame, "payload_offset", -1) == start else None
+    if (digest or payload_digest(payload)) != env.payload_blake3:
         raise WireError("hash_mismatch", "payload hash differs from envelope")
     fmt = env.encoding.get("format")
     desc: dict[str, dict[str, Any]] = env.encoding.get("tensors", {})

@@ -485,7 +485,7 @@ def stages(size: int, reps: int) -> dict[str, float]:
     raw = b"".join(a.tobytes() for a in tensors.values())
     st = st_save(tensors)
     header = {"v": 1, "fed": FED, "sender": "a", "recipient": "*", "kind": "model", "round": 1,
-              "msg_id": "0" * 32, "time": time.time(), "payload_sha256": "0" * 64, "payload_len": len(st),
+              "msg_id": "0" * 32, "time": time.time(), "payload_blake3": "0" * 64, "payload_len": len(st),
               "encoding": {"format": "safetensors",
                            "tensors": {k: {"dtype": "float32", "shape": list(a.shape)} for k, a in tensors.items()}},
               "meta": {"samples": 100}}
@@ -499,6 +499,7 @@ def stages(size: int, reps: int) -> dict[str, float]:
         "safetensors_load": _time(lambda: st_load(st), reps),
         "tobytes_concat": _time(lambda: b"".join(a.tobytes() for a in tensors.values()), reps),
         "sha256": _time(lambda: hashlib.sha256(raw).digest(), reps),
+        "blake3": _time(lambda: wire.payload_digest(raw), reps),
         "json_dumps_header": _time(lambda: json.dumps(header, separators=(",", ":")), reps),
         "json_loads_header": _time(lambda: json.loads(hjson), reps),
         "zstd_header": _time(lambda: zstandard.ZstdCompressor(level=3).compress(hjson), reps),

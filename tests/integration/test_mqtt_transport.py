@@ -206,7 +206,7 @@ async def test_frames_are_prepared_on_the_network_thread(mosquitto_broker, make,
     assert b.frames == [(("prepared", 1, n_small), n_small), (("prepared", 2, n_big), n_big)]
     assert all(name != threading.main_thread().name for name, _ in seen)  # not on the loop's thread
     reassembled = seen[1][1]
-    assert isinstance(reassembled, Frame) and reassembled.payload_sha256 is not None  # hashed on arrival
+    assert isinstance(reassembled, Frame) and reassembled.payload_digest is not None  # hashed on arrival
 
 
 # ---------------------------------------------------------------- presence

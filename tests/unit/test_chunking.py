@@ -298,11 +298,10 @@ def test_chunk_header_is_36_bytes_without_a_hash():
 
 @pytest.mark.parametrize("order", ["in_order", "reversed", "shuffled_with_duplicates"])
 def test_payload_hashed_while_chunks_arrive(order):
-    """With ``hash_from`` the payload's SHA-256 is computed as the chunks come in (each
+    """With ``hash_from`` the payload's BLAKE3 digest is computed as the chunks come in (each
     as soon as the ones before it are in), over exactly the bytes of the joined frame;
     the decoder uses it instead of hashing again, so a wrong one is a hash mismatch."""
-    import hashlib
-
+    import blake3
     import numpy as np
 
     from dfl_agent.algorithms.context import Message
@@ -324,9 +323,9 @@ def test_payload_hashed_while_chunks_arrive(order):
     assert isinstance(out, Frame) and out == frame
     offset = wire.payload_offset(frame)
     assert offset is not None and out.payload_offset == offset
-    assert out.payload_sha256 == hashlib.sha256(frame[offset:]).hexdigest()
+    assert out.payload_digest == blake3.blake3(frame[offset:]).hexdigest()
     assert wire.decode(out).tensors["w"][-1] == 4999
-    out.payload_sha256 = "0" * 64  # the decoder takes the digest computed here
+    out.payload_digest = "0" * 64  # the decoder takes the digest computed here
     with pytest.raises(wire.WireError) as ei:
         wire.decode(out)
     assert ei.value.reason == "hash_mismatch"
@@ -344,7 +343,7 @@ def test_payload_hash_of_a_corrupt_chunk_mismatches():
     bad[-1] ^= 0xFF
     chunks[-2] = bytes(bad)
     out = _reassemble(chunks, Reassembler(hash_from=wire.payload_offset))
-    assert out.payload_sha256 is not None
+    assert out.payload_digest is not None
     with pytest.raises(wire.WireError) as ei:
         wire.decode(out)
     assert ei.value.reason == "hash_mismatch"
@@ -354,7 +353,7 @@ def test_no_payload_hash_for_frames_that_are_not_wire_frames():
     from dfl_agent.transport import wire
 
     out = _reassemble(split(_frame(5000), 1000), Reassembler(hash_from=wire.payload_offset))
-    assert out.payload_sha256 is None and out.payload_offset == -1
+    assert out.payload_digest is None and out.payload_offset == -1
 
 
 @pytest.mark.parametrize("n", [0, 10, 999, 1000, 1001, 5000])

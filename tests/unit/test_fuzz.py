@@ -9,7 +9,6 @@ Runtime: the default profile runs ``DFL_FUZZ_EXAMPLES`` (default 200) inputs per
 decoder; the slow-marked test runs 10,000 per decoder (the issue's acceptance).
 """
 
-import hashlib
 import json
 import os
 import struct
@@ -155,7 +154,7 @@ def fuzz_tensors(n):
                 json.dumps({"w": {"dtype": "F32", "shape": [t[0], 4], "data_offsets": [0, t[1]]}}).encode())),
     ))
     def run(p):
-        h = dict(header, payload_sha256=hashlib.sha256(p).hexdigest(), payload_len=len(p))
+        h = dict(header, payload_blake3=wire.payload_digest(p), payload_len=len(p))
         _bounded(_decode_wire, _frame_from_header(h, p))
 
     run()

@@ -1,9 +1,10 @@
-"""Wire format v3: round trips, the raw tensor payload, and every rejection reason."""
+"""Wire format v4: round trips, the raw tensor payload, and every rejection reason."""
 
 import hashlib
 import json
 import struct
 
+import blake3
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -61,7 +62,7 @@ def _split(frame):
     return wire.split_frame(frame)
 
 
-@pytest.mark.parametrize("garbage", [b"", b"x", b"hello world" * 10, bytes(range(256)), b"DFL\x03\xff\xff\xff\xff"])
+@pytest.mark.parametrize("garbage", [b"", b"x", b"hello world" * 10, bytes(range(256)), b"DFL\x04\xff\xff\xff\xff"])
 def test_garbage_is_malformed(garbage):
     assert _reason(garbage) == "malformed"
 
@@ -118,12 +119,10 @@ def test_non_finite_rejected():
 
 
 def test_payload_length_not_matching_the_table():
-    import hashlib
-
     header, _ = _split(wire.encode(_msg(), federation="f", sender="s"))
     payload = b"\x00" * 64
     header["payload_len"] = len(payload)
-    header["payload_sha256"] = hashlib.sha256(payload).hexdigest()
+    header["payload_blake3"] = blake3.blake3(payload).hexdigest()
     assert _reason(_reframe(header, payload)) == "bad_tensor"
 
 
@@ -179,7 +178,7 @@ def test_compressed_payload_checks():
     header, payload = _split(wire.encode(msg, federation="f", sender="s"))
     assert _reason(_reframe(header, payload[:-1] + bytes([payload[-1] ^ 1]))) == "hash_mismatch"
     short = payload[:-1]
-    bad = dict(header, payload_len=len(short), payload_sha256=hashlib.sha256(short).hexdigest())
+    bad = dict(header, payload_len=len(short), payload_blake3=blake3.blake3(short).hexdigest())
     assert _reason(_reframe(bad, short)) == "bad_encoding"  # table does not match the blob
     no_codec = dict(header, encoding={"format": "codec"})
     assert _reason(_reframe(no_codec, payload)) == "malformed"
@@ -190,10 +189,10 @@ def test_compressed_payload_checks():
 def test_control_message_envelope_is_compact():
     frame = wire.encode(Message("vote", 1, meta={"ok": True}), federation="f", sender="s")
     header, payload = _split(frame)
-    assert payload == b"" and not {"payload_len", "payload_sha256", "encoding", "sig"} & set(header)
+    assert payload == b"" and not {"payload_len", "payload_blake3", "encoding", "sig"} & set(header)
     assert wire.decode(frame).meta == {"ok": True}
     # an empty payload with a declared hash must still match it
-    assert _reason(_reframe(dict(header, payload_sha256="0" * 64), b"")) == "hash_mismatch"
+    assert _reason(_reframe(dict(header, payload_blake3="0" * 64), b"")) == "hash_mismatch"
     # bytes after an envelope that declares no payload are rejected
     assert _reason(_reframe(header, b"x")) == "malformed"
 
@@ -225,10 +224,10 @@ def test_compressed_envelope_bomb_and_garbage_are_malformed():
     assert _reason(struct.pack(">3sBI", b"DFL", 2 | wire.HEADER_ZSTD, 2) + b"{}") == "version"
 
 
-# -- wire v3: one hash, raw payload, zero-copy decode ------------------------------------
+# -- wire v3/v4: one hash, raw payload, zero-copy decode ---------------------------------
 def test_older_wire_versions_are_rejected_as_version():
     frame = bytearray(wire.encode(_msg(), federation="f", sender="s"))
-    for old in (1, 2):
+    for old in (1, 2, 3):
         frame[3] = old | (frame[3] & wire.HEADER_ZSTD)
         assert _reason(bytes(frame)) == "version"
     header, payload = _split(wire.encode(_msg(), federation="f", sender="s"))
@@ -241,6 +240,27 @@ def test_older_wire_versions_are_rejected_as_version():
               encoding={"format": "safetensors", "tensors": {"w": {"dtype": "float32", "shape": [3]}}})
     h = json.dumps(v1).encode()
     assert _reason(struct.pack(">3sBI", b"DFL", 1, len(h)) + h + st_payload) == "version"
+    # a v3 frame (SHA-256 payload hash), as agents before the BLAKE3 hash send it
+    raw = np.ones(3, np.float32).tobytes()
+    v3 = {k: v for k, v in dict(header, v=3, payload_len=len(raw), payload_sha256=hashlib.sha256(raw).hexdigest(),
+                                encoding={"format": "raw", "tensors": {"w": {"dtype": "float32", "shape": [3]}}}).items()
+          if k != "payload_blake3"}
+    h = json.dumps(v3).encode()
+    assert _reason(struct.pack(">3sBI", b"DFL", 3, len(h)) + h + raw) == "version"
+
+
+def test_payload_hash_is_blake3_of_the_payload_bytes():
+    """The envelope's digest is BLAKE3-256 (checked against the blake3 library, not the
+    module's own helper), and a frame whose digest is the payload's SHA-256 (wire v3's
+    hash) under the v4 field name is a hash mismatch."""
+    tensors = {"w": np.arange(1000, dtype=np.float32), "b": np.ones(3, np.float32)}
+    frame = wire.encode(_msg(tensors=tensors), federation="f", sender="s")
+    header, payload = _split(frame)
+    assert header["payload_blake3"] == blake3.blake3(payload).hexdigest() == wire.payload_digest(payload)
+    # sorted names, each tensor at the next multiple of 8 bytes: b (12 bytes), 4 zero bytes, w
+    assert wire.payload_digest(tensors["b"], bytes(4), tensors["w"]) == blake3.blake3(payload).hexdigest()
+    sha = dict(header, payload_blake3=hashlib.sha256(payload).hexdigest())
+    assert _reason(_reframe(sha, payload)) == "hash_mismatch"
 
 
 def test_raw_payload_layout_is_sorted_names_at_aligned_offsets():
@@ -251,7 +271,7 @@ def test_raw_payload_layout_is_sorted_names_at_aligned_offsets():
     # a (3 bytes) at 0, m (32 bytes) at 8, z (12 bytes) at 40
     assert payload == tensors["a"].tobytes() + bytes(5) + tensors["m"].tobytes() + tensors["z"].tobytes()
     assert header["payload_len"] == 52 == len(payload)
-    assert header["payload_sha256"] == hashlib.sha256(payload).hexdigest()
+    assert header["payload_blake3"] == blake3.blake3(payload).hexdigest()
     got = wire.decode(frame).tensors
     for k, v in tensors.items():
         assert got[k].dtype == v.dtype
