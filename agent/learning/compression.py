@@ -57,6 +57,7 @@ ENTROPY_CODERS = ("zstd", "lz4")
 FP16_MAX = 65504.0
 WIRE_BLOB = "blob"  # the one wire tensor of a compressed message (dfl_agent.transport.codec)
 DEFAULT_MAX_ELEMENTS = 1 << 26  # decoded elements per message (256 MB of float32)
+_F32_MAX = float(np.finfo(np.float32).max)
 _LOSSLESS_DTYPES = {
     "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool",
 }
@@ -250,13 +251,19 @@ def quantize(
 
 
 def dequantize(levels: np.ndarray, lo: np.ndarray, step: np.ndarray, block: int = 0) -> np.ndarray:
-    """Inverse of :func:`quantize`: float32 ``(n,)`` = ``lo + levels·step`` per block."""
+    """Inverse of :func:`quantize`: float32 ``(n,)`` = ``lo + levels·step`` per block,
+    computed in float64 and clamped to the finite float32 range, so finite input never
+    decodes to inf."""
     n = levels.size
     if n == 0:
         return np.zeros(0, np.float32)
     size = n if block <= 0 else block
     which = np.arange(n) // size
-    return (lo[which] + levels.astype(np.float32) * step[which]).astype(np.float32)
+    # float64, then clamped to the float32 range: ``lo + l·s`` of finite input can exceed
+    # float32's largest value by rounding (e.g. lo = -3e38, hi = 3e38), and must never
+    # decode to inf
+    out = lo[which].astype(np.float64) + levels.astype(np.float64) * step[which].astype(np.float64)
+    return np.clip(out, -_F32_MAX, _F32_MAX).astype(np.float32)
 
 
 def pack_levels(levels: np.ndarray, bits: int) -> bytes:
@@ -597,8 +604,13 @@ def compress_dict(
     entries: dict[str, Any] = {}
     chunks: list[bytes] = []
     decoded: dict[str, np.ndarray] = {}
-    for name, arr in tensors.items():
-        entry, data, dec = compress_tensor(arr, spec, rng)
+    # sections in the order of the sorted names, the order a receiver decodes them in
+    # whatever the order of the description's keys (a signed envelope's canonical JSON
+    # sorts them): the layout must not depend on dict order
+    for name in sorted(tensors):
+        if not isinstance(name, str):
+            raise CompressionError(f"tensor names must be strings, got {name!r}")
+        entry, data, dec = compress_tensor(tensors[name], spec, rng)
         entries[name] = entry
         chunks.append(data)
         decoded[name] = dec
@@ -669,10 +681,14 @@ def _decompress_dict(blob: Any, desc: Mapping[str, Any], max_elements: int) -> d
         raise CompressionError(f"unknown value coder {coder!r}")
     if not isinstance(block, int) or isinstance(block, bool) or block < 0:
         raise CompressionError("bad block size")
+    if not all(isinstance(name, str) for name in entries):
+        raise CompressionError("bad tensor entry")
+    # sections follow the sorted names (see compress_dict), never the table's key order
+    ordered = [(name, entries[name]) for name in sorted(entries)]
     total, expected = 0, 0
     lengths = []
-    for name, e in entries.items():
-        if not isinstance(name, str) or not isinstance(e, Mapping):
+    for name, e in ordered:
+        if not isinstance(e, Mapping):
             raise CompressionError("bad tensor entry")
         shape = e.get("s")
         if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
@@ -705,7 +721,7 @@ def _decompress_dict(blob: Any, desc: Mapping[str, Any], max_elements: int) -> d
         raise CompressionError(f"blob holds {len(data)} bytes, the table {expected}")
     out: dict[str, np.ndarray] = {}
     off = 0
-    for (name, e), ln in zip(entries.items(), lengths):
+    for (name, e), ln in zip(ordered, lengths):
         out[name] = decompress_tensor(e, data[off : off + ln], coder, block)
         off += ln
     return out

@@ -60,11 +60,17 @@ class ErrorFeedback:
     def __init__(self, spec: CompressionSpec | str):
         self.spec = parse_spec(spec)
         self.residuals: dict[Hashable, Tensors] = {}
+        #: streams whose residual went non-finite and was reset (see :meth:`compress`)
+        self.resets = 0
 
     def compress(
         self, stream: Hashable, tensors: Mapping[str, np.ndarray], rng: np.random.Generator
     ) -> tuple[np.ndarray, dict[str, Any], Tensors]:
         """Compress ``tensors + e_stream``; keep the new residual.
+
+        A residual that is not finite (the input held NaN or Inf, which travels raw and
+        leaves ``NaN - NaN`` behind) is dropped and counted in :attr:`resets`: the stream
+        restarts from an empty residual, so one bad message never poisons the ones after it.
 
         Returns:
             ``(blob, description, decoded)`` as :func:`compress_dict`; ``decoded`` is
@@ -79,9 +85,16 @@ class ErrorFeedback:
             else:
                 corrected[k] = v
         blob, desc, decoded = compress_dict(corrected, self.spec, rng)
-        self.residuals[stream] = {
+        residual = {
             k: (corrected[k] - decoded[k]).astype(np.float32) for k in corrected if _is_float(corrected[k])
         }
+        with np.errstate(all="ignore"):
+            finite = all(np.isfinite(r.sum()) or np.isfinite(r).all() for r in residual.values())
+        if finite:
+            self.residuals[stream] = residual
+        else:
+            self.residuals.pop(stream, None)
+            self.resets += 1
         return blob, desc, decoded
 
     def reset(self, stream: Hashable | None = None) -> None:

@@ -700,6 +700,8 @@ class RuntimeContext:
             "dropped": dict(dropped),
             "float32_bytes_sent": self.float32_bytes_sent,
             "compression_ratio": self.byte_accounting()["compression_ratio"],
+            #: error-feedback streams reset because their residual went non-finite
+            "ef_resets": sum(ef.resets for ef in self._error_feedback.values()),
         }
 
 

@@ -20,8 +20,11 @@ Description (JSON, in the envelope)::
 Section lengths follow from the table, so nothing in it is redundant; a table that
 does not match the blob's length is rejected.
 
-The blob is the concatenation of the tensors' sections in table order; each
-section is [index bytes][lo, step float32 per block (q only)][values].
+The blob is the concatenation of the tensors' sections in the order of the tensor
+names sorted by Unicode code point (wire v5), never in the order of the table's keys:
+a signed envelope is canonical JSON with sorted keys, and an unsigned one keeps the
+sender's order, so the layout must not depend on either.  Each section is
+[index bytes][lo, step float32 per block (q only)][values].
 """
 
 from __future__ import annotations

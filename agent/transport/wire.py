@@ -1,8 +1,8 @@
-"""Wire format v4: a versioned JSON envelope followed by the tensors' raw bytes.
+"""Wire format v5: a versioned JSON envelope followed by the tensors' raw bytes.
 
 Frame layout (all integers big-endian)::
 
-    b"DFL" | version:u8 (=4, | 0x80) | header_len:u32 | header (UTF-8 JSON) | payload
+    b"DFL" | version:u8 (=5, | 0x80) | header_len:u32 | header (UTF-8 JSON) | payload
 
 When the version byte carries :data:`HEADER_ZSTD` (0x80), the header is a zstd frame
 of that JSON.  The sender compresses it only where it pays: when the JSON is at least
@@ -15,7 +15,7 @@ byte form.
 
 The header is the *envelope*::
 
-    {"v": 4, "fed": str, "sender": str, "recipient": str ("*" = broadcast),
+    {"v": 5, "fed": str, "sender": str, "recipient": str ("*" = broadcast),
      "kind": str, "round": int, "msg_id": hex str, "time": float (unix s),
      "payload_blake3": hex str, "payload_len": int,
      "encoding": {"format": "raw" | "none",
@@ -44,8 +44,13 @@ binds the payload through it.
 Every check failure raises :class:`WireError` with a short ``reason`` used as a
 counter key (``malformed``, ``oversized``, ``version``, ``wrong_federation``,
 ``wrong_recipient``, ``hash_mismatch``, ``bad_tensor``, ``non_finite``,
-``bad_encoding``).  A frame of another wire version (e.g. v3 of older agents) is
+``bad_encoding``).  A frame of another wire version (e.g. v4 of older agents) is
 rejected as ``version``.
+
+Wire v5 changed one thing against v4: a codec blob's sections follow the sorted tensor
+names (see :mod:`dfl_agent.transport.codec`).  In v4 they followed the sender's
+dict order while a signed envelope sorted the description's keys, so a signed,
+compressed message of several tensors was rejected or decoded into the wrong tensors.
 
 Compression: a compressed message has ``encoding = {"format": "codec",
 "codec": {...}}`` (no ``tensors`` table) and its payload is the codec blob of
@@ -94,7 +99,7 @@ from dfl_agent.transport import codec as _codec
 
 #: the frame format's version byte and the envelope's ``"v"``: the protocol version as a whole
 #: (:data:`dfl_agent.WIRE_VERSION`, announced in presence and mDNS)
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 MAGIC = b"DFL"
 _PREFIX = struct.Struct(">3sBI")
 PREFIX_LEN = _PREFIX.size
@@ -236,7 +241,7 @@ def _expand_codec(desc: dict[str, Any]) -> dict[str, Any]:
 
 def encode(message: Message, *, federation: str, sender: str,
            sign: Callable[[bytes], str] | None = None, cert: dict[str, Any] | None = None) -> bytes:
-    """Serialise ``message`` into one v4 frame.
+    """Serialise ``message`` into one v5 frame.
 
     The tensors' bytes are hashed in place and copied once, into the frame.
 
@@ -346,7 +351,7 @@ def signed_body(header: dict[str, Any]) -> bytes:
 
 def payload_offset(first: bytes | memoryview) -> int | None:
     """Where the payload starts in a frame whose first bytes are ``first`` (at least its
-    prefix), or ``None`` when they are not a v4 frame's prefix.  A chunk reassembler
+    prefix), or ``None`` when they are not a v5 frame's prefix.  A chunk reassembler
     hashes the payload from there while the chunks arrive
     (:class:`dfl_agent.transport.chunking.Reassembler`'s ``hash_from``); :func:`decode`
     uses that hash when it covers exactly the payload it finds."""

@@ -1,4 +1,4 @@
-"""Wire format v4: round trips, the raw tensor payload, and every rejection reason."""
+"""Wire format v5: round trips, the raw tensor payload, and every rejection reason."""
 
 import hashlib
 import json
@@ -62,7 +62,7 @@ def _split(frame):
     return wire.split_frame(frame)
 
 
-@pytest.mark.parametrize("garbage", [b"", b"x", b"hello world" * 10, bytes(range(256)), b"DFL\x04\xff\xff\xff\xff"])
+@pytest.mark.parametrize("garbage", [b"", b"x", b"hello world" * 10, bytes(range(256)), b"DFL\x05\xff\xff\xff\xff"])
 def test_garbage_is_malformed(garbage):
     assert _reason(garbage) == "malformed"
 
@@ -224,10 +224,10 @@ def test_compressed_envelope_bomb_and_garbage_are_malformed():
     assert _reason(struct.pack(">3sBI", b"DFL", 2 | wire.HEADER_ZSTD, 2) + b"{}") == "version"
 
 
-# -- wire v3/v4: one hash, raw payload, zero-copy decode ---------------------------------
+# -- wire v3 and later: one hash, raw payload, zero-copy decode ---------------------------------
 def test_older_wire_versions_are_rejected_as_version():
     frame = bytearray(wire.encode(_msg(), federation="f", sender="s"))
-    for old in (1, 2, 3):
+    for old in (1, 2, 3, 4):
         frame[3] = old | (frame[3] & wire.HEADER_ZSTD)
         assert _reason(bytes(frame)) == "version"
     header, payload = _split(wire.encode(_msg(), federation="f", sender="s"))
@@ -252,7 +252,7 @@ def test_older_wire_versions_are_rejected_as_version():
 def test_payload_hash_is_blake3_of_the_payload_bytes():
     """The envelope's digest is BLAKE3-256 (checked against the blake3 library, not the
     module's own helper), and a frame whose digest is the payload's SHA-256 (wire v3's
-    hash) under the v4 field name is a hash mismatch."""
+    hash) under the v4/v5 field name is a hash mismatch."""
     tensors = {"w": np.arange(1000, dtype=np.float32), "b": np.ones(3, np.float32)}
     frame = wire.encode(_msg(tensors=tensors), federation="f", sender="s")
     header, payload = _split(frame)
