@@ -65,7 +65,8 @@ def cmd_status(a: argparse.Namespace) -> int:
     print(f"oldest {_time(st['oldest'])}, newest {_time(st['newest'])}")
     print(f"ingested {st['ingested_files']} files ({st['ingested_samples']} samples), evicted {st['evicted_samples']} "
           f"samples, {st['spool_waiting']} files waiting in the spool")
-    print(f"rejected {st['rejected']} files")
+    kinds = ", ".join(f"{k}: {n}" for k, n in sorted(st.get("rejected_by_kind", {}).items()))
+    print(f"rejected {st['rejected']} files" + (f" ({kinds})" if kinds else ""))
     for r in st["rejected_files"]:
         print(f"  {r['name']}: {r['reason']}")
     return 0

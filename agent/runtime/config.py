@@ -115,6 +115,9 @@ class DataSection:
                                                       "`\"12h\"`, ... or `\"none\"`)")
     store_max_per_class: int = described(0, help="store: most samples kept per class (0 = no per-class cap)")
     store_eviction: str = described("oldest", help="store: which samples go first, `oldest` or `largest-class`")
+    store_max_ingest_bytes: int = described(
+        256 * 1024 * 1024, help="store: most bytes the arrays of one spool file may take once decompressed (read "
+                                "from the archive's headers before loading; a larger file is rejected)")
     validation_share: float = described(0.2, help="store: share of samples held out for validation, "
                                                   "chosen by a hash of the sample id")
 
@@ -349,6 +352,7 @@ def _validate(cfg: NodeConfig) -> None:
     need(d.store_max_samples >= 1, "data.store_max_samples", "must be >= 1")
     need(d.store_max_per_class >= 0, "data.store_max_per_class", "must be >= 0 (0 = no cap)")
     need(d.store_eviction in ("oldest", "largest-class"), "data.store_eviction", "must be 'oldest' or 'largest-class'")
+    need(d.store_max_ingest_bytes >= 1, "data.store_max_ingest_bytes", "must be >= 1")
     need(0 <= d.validation_share < 1, "data.validation_share", "must be in [0, 1)")
     need(d.spool_interval > 0, "data.spool_interval", "must be > 0 seconds")
     try:

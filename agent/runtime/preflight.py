@@ -123,7 +123,9 @@ def check_startup(cfg: NodeConfig, *, load: bool = True) -> None:
 
     ``load=False`` leaves out loading the data set's files and the model checks that need
     them (the daemon loads the data itself right after).  The sample store
-    (``data.dataset = "store"``) is not opened here.
+    (``data.dataset = "store"``) is not opened here; its schema from ``[data]`` (or
+    ``data.path``'s ``meta.json``) is checked as ``run`` checks it
+    (:func:`dfl_agent.store.runtime.check_schema`).
 
     Raises:
         ConfigError: one line naming the offending key.
@@ -143,6 +145,10 @@ def check_startup(cfg: NodeConfig, *, load: bool = True) -> None:
         if d.dataset not in DATASETS:
             raise ConfigError(f"data.dataset: unknown dataset {d.dataset!r}; known: {', '.join((*DATASETS, 'store'))}")
     check_data_path(cfg)
+    if d.dataset == "store":  # the schema check open_store makes at the start, without opening the store
+        from dfl_agent.store.runtime import check_schema
+
+        check_schema(cfg)
     _check_security(cfg)
     try:
         algo_cls, _options = resolve_algorithm(cfg)

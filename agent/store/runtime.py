@@ -40,16 +40,41 @@ def schema_from_config(cfg: Any) -> Schema | None:
     return None
 
 
+def check_schema(cfg: Any) -> Schema | None:
+    """The store schema of ``cfg`` (:func:`schema_from_config`), its errors as a
+    :class:`~dfl_agent.runtime.config.ConfigError` that starts with the key.
+
+    The one check of ``data.input_shape``, ``data.num_classes`` and ``data.class_names``
+    (or ``data.path``'s ``meta.json``): ``dfl-agent check-config`` and ``dfl-agent run``
+    (its start-up checks and :func:`open_store`) both call it, so a bad value fails both
+    the same way (exit 2).
+
+    Raises:
+        ConfigError: ``data.input_shape: ...`` (an empty list or a size < 1),
+            ``data.num_classes: ...``, ``data.class_names: N names for num_classes=K``, or
+            ``data.path: DIR/meta.json: ...`` (unreadable, missing keys).
+    """
+    from dfl_agent.runtime.config import ConfigError
+
+    try:
+        return schema_from_config(cfg)
+    except (StoreError, ValueError, TypeError) as exc:
+        msg = str(exc)
+        raise ConfigError(msg if msg.startswith("data.") else f"data.path: {msg}") from None
+
+
 def open_store(cfg: Any, *, create: bool = True) -> SampleStore:
     """The agent's :class:`SampleStore` under ``cfg.state_dir`` with the ``[data]`` limits.
 
     Raises:
+        ConfigError: an invalid schema in the configuration (:func:`check_schema`).
         StoreError: no schema for a new store, or a mismatch with the stored one.
     """
     d = cfg.data
-    return SampleStore(cfg.state_dir, schema_from_config(cfg), spool_dir=d.spool_dir,
+    return SampleStore(cfg.state_dir, check_schema(cfg), spool_dir=d.spool_dir,
                        max_samples=d.store_max_samples, max_age=parse_duration(d.store_max_age),
-                       max_per_class=d.store_max_per_class, eviction=d.store_eviction, create=create)
+                       max_per_class=d.store_max_per_class, eviction=d.store_eviction, create=create,
+                       max_ingest_bytes=d.store_max_ingest_bytes)
 
 
 def seed_store(store: SampleStore, path: str | None) -> int:

@@ -23,6 +23,18 @@ Guarantees:
   truncated) archive move the file to ``spool/rejected/`` with a ``.reason`` file;
   the store is unchanged.  Files modified less than ``settle_seconds`` ago are left
   for the next pass (a writer that renamed too early may still be writing).
+* **Bounded memory.**  Before any array is decompressed, the zip directory and each
+  read array's ``.npy`` header (shape, dtype) are read (:func:`inspect_archive`): a
+  file whose arrays ``x``, ``y``, ``t``, ``groups`` would take more than
+  ``max_ingest_bytes`` uncompressed (``x`` counted as float32 when stored smaller), a
+  file above :data:`MAX_FILE_BYTES`, or an archive with more than :data:`MAX_MEMBERS`
+  members is refused, so a small compressed "bomb" never allocates its arrays.
+* **Regular files only.**  Spool entries are examined with ``lstat`` and opened with
+  ``O_NOFOLLOW``: a symbolic link (dangling or not; its target is never read), a
+  directory, a FIFO, a socket or a device named ``*.npz`` is moved to
+  ``spool/rejected/`` with its reason, and counted.
+* **Counted.**  Every rejection is a row of the ``rejected`` table (name, reason) and
+  adds one to the counter of its kind (:data:`REJECT_KINDS`, ``status()["rejected_by_kind"]``).
 * **Bounded.**  After each insertion, in the same transaction: samples older than
   ``max_age`` are evicted; then each class above ``max_per_class`` loses its oldest
   samples; then, while the store holds more than ``max_samples``, the oldest samples
@@ -45,9 +57,12 @@ import os
 import re
 import shutil
 import sqlite3
+import stat
+import struct
 import threading
 import time
 import zipfile
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -60,7 +75,19 @@ log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 DB_NAME = "samples.sqlite"
+#: largest spool file read (its bytes are held in memory while it is validated)
 MAX_FILE_BYTES = 512 * 1024 * 1024
+#: default of ``max_ingest_bytes`` (``data.store_max_ingest_bytes``): most bytes the arrays of one
+#: file may take once decompressed
+DEFAULT_MAX_INGEST_BYTES = 256 * 1024 * 1024
+#: most members of one archive (a spool file needs 2 to 4) and most bytes of its zip directory
+MAX_MEMBERS = 64
+MAX_DIRECTORY_BYTES = 1 << 20
+#: the arrays the store reads from a spool file; other members are never decompressed
+READ_KEYS = ("x", "y", "t", "groups")
+#: kinds of rejection, counted separately (``status()["rejected_by_kind"]``)
+REJECT_KINDS = ("not_regular_file", "file_too_large", "arrays_too_large", "not_npz", "object_array",
+                "invalid_content")
 #: spool (and spool/rejected) mode: group-writable, setgid (files keep the agent's group)
 SPOOL_MODE = 0o2770
 
@@ -70,7 +97,12 @@ class StoreError(ValueError):
 
 
 class RejectedFile(ValueError):
-    """A spool file that failed validation; ``args[0]`` is the one-line reason."""
+    """A spool file that failed validation; ``args[0]`` is the one-line reason and
+    ``kind`` one of :data:`REJECT_KINDS` (default ``"invalid_content"``)."""
+
+    def __init__(self, reason: str, kind: str = "invalid_content"):
+        super().__init__(reason)
+        self.kind = kind if kind in REJECT_KINDS else "invalid_content"
 
 
 def parse_duration(text: str | None) -> float | None:
@@ -168,13 +200,14 @@ def _check_arrays(z: Any, schema: Schema) -> dict[str, np.ndarray]:
             out[key] = z[key]
         except ValueError as exc:
             if "pickle" in str(exc).lower() or "object" in str(exc).lower():
-                raise RejectedFile(f"{key}: object array refused (store plain numeric arrays)") from None
+                raise RejectedFile(f"{key}: object array refused (store plain numeric arrays)",
+                                   "object_array") from None
             raise RejectedFile(f"{key}: unreadable array ({exc})") from None
         except (OSError, EOFError, zipfile.BadZipFile, KeyError) as exc:
             raise RejectedFile(f"{key}: unreadable array, truncated or corrupt ({type(exc).__name__})") from None
     x, y = out["x"], out["y"]
     if x.dtype.hasobject or y.dtype.hasobject:
-        raise RejectedFile("object array refused (store plain numeric arrays)")
+        raise RejectedFile("object array refused (store plain numeric arrays)", "object_array")
     if x.dtype.kind not in "iuf":
         raise RejectedFile(f"x: dtype {x.dtype} is not a real number type")
     if x.ndim < 1 or tuple(x.shape[1:]) != schema.input_shape:
@@ -204,27 +237,127 @@ def _check_arrays(z: Any, schema: Schema) -> dict[str, np.ndarray]:
     return {"x": x32, "y": y.astype(np.int64), "t": t, "groups": g}
 
 
-def validate_bytes(data: bytes, schema: Schema) -> dict[str, np.ndarray]:
-    """Parse and validate the bytes of one spool file (see the module docstring).
+def _zip_directory(data: bytes) -> None:
+    """Bound the archive's member count and directory size from its end record, before
+    ``zipfile`` builds one object per member.
 
     Raises:
-        RejectedFile: with the one-line reason.
+        RejectedFile: no end record (truncated) or a directory above the bounds.
     """
+    tail = data[-(22 + 65535):]
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) - at < 22:
+        raise RejectedFile("unreadable archive, truncated or corrupt (no zip directory at its end)", "not_npz")
+    _sig, _disk, _cd_disk, _here, members, cd_size, _cd_off, _comment = struct.unpack("<4s4H2LH", tail[at:at + 22])
+    if members > MAX_MEMBERS:
+        raise RejectedFile(f"archive has {members} members, at most {MAX_MEMBERS} are accepted", "invalid_content")
+    if cd_size > MAX_DIRECTORY_BYTES:
+        raise RejectedFile(f"archive directory of {cd_size} bytes, at most {MAX_DIRECTORY_BYTES} are accepted",
+                           "invalid_content")
+
+
+def inspect_archive(data: bytes, max_ingest_bytes: int = DEFAULT_MAX_INGEST_BYTES) -> dict[str, tuple[Any, ...]]:
+    """Shapes and dtypes of the arrays the store reads (:data:`READ_KEYS`), from the
+    archive's own headers, without decompressing any array data.
+
+    The zip directory bounds the members (:data:`MAX_MEMBERS`) and each member's
+    uncompressed size; each member's ``.npy`` header (``numpy.lib.format``) gives
+    ``(shape, dtype)``.  The sum of ``prod(shape) * itemsize`` over these arrays (``x``
+    counted at 4 bytes per value when stored smaller, as it is converted to float32)
+    must not exceed ``max_ingest_bytes``.
+
+    Args:
+        data: the file's bytes.
+        max_ingest_bytes: most bytes the read arrays may take once decompressed.
+
+    Returns:
+        ``{key: (shape, dtype)}`` for the read keys present.
+
+    Raises:
+        RejectedFile: not a zip archive, a member that is not a ``.npy`` array, an object
+            dtype, or arrays above ``max_ingest_bytes`` (the reason names the sizes).
+    """
+    if not data:
+        raise RejectedFile("empty file (0 bytes), not an .npz archive", "not_npz")
     if not data.startswith(b"PK\x03\x04"):
-        raise RejectedFile("not an .npz archive (empty, truncated or another format)")
+        raise RejectedFile("not an .npz archive (truncated or another format)", "not_npz")
+    _zip_directory(data)
+    found: dict[str, tuple[Any, ...]] = {}
+    total = 0
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as zf:
+            if len(zf.infolist()) > MAX_MEMBERS:
+                raise RejectedFile(f"archive has {len(zf.infolist())} members, at most {MAX_MEMBERS} are "
+                                   "accepted", "invalid_content")
+            names = set(zf.namelist())
+            for key in READ_KEYS:
+                member = key if key in names else f"{key}.npy" if f"{key}.npy" in names else None
+                if member is None:  # as numpy.load resolves a key
+                    continue
+                info = zf.getinfo(member)
+                with zf.open(info) as f:  # reads (decompresses) the header only
+                    if f.read(len(np.lib.format.MAGIC_PREFIX)) != np.lib.format.MAGIC_PREFIX:
+                        raise RejectedFile(f"{key}: not a .npy array", "invalid_content")
+                    version = (ord(f.read(1) or b"\0"), ord(f.read(1) or b"\0"))
+                    if version == (1, 0):
+                        shape, _fortran, dtype = np.lib.format.read_array_header_1_0(f)
+                    elif version == (2, 0):
+                        shape, _fortran, dtype = np.lib.format.read_array_header_2_0(f)
+                    else:
+                        raise RejectedFile(f"{key}: unsupported .npy version {version} (store plain numeric "
+                                           "arrays)", "invalid_content")
+                if dtype.hasobject:
+                    raise RejectedFile(f"{key}: object array refused (store plain numeric arrays)", "object_array")
+                values = 1
+                for s in shape:
+                    values *= int(s)
+                size = values * (max(dtype.itemsize, 4) if key == "x" else dtype.itemsize)
+                total += size
+                found[key] = (tuple(shape), dtype)
+                if total > max_ingest_bytes:
+                    arrays = ", ".join(f"{k} {found[k][0]} {found[k][1]}" for k in found)
+                    raise RejectedFile(f"arrays need {total} bytes uncompressed ({arrays}), above the ingest limit "
+                                       f"of {max_ingest_bytes} bytes (data.store_max_ingest_bytes)",
+                                       "arrays_too_large")
+                if info.file_size > max_ingest_bytes:  # a member larger than its array: never decompressed
+                    raise RejectedFile(f"{key}: member of {info.file_size} bytes uncompressed, above the ingest limit "
+                                       f"of {max_ingest_bytes} bytes (data.store_max_ingest_bytes)", "arrays_too_large")
+    except RejectedFile:
+        raise
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error, RuntimeError,
+            NotImplementedError, struct.error) as exc:  # RuntimeError: an encrypted member
+        raise RejectedFile(f"unreadable archive, truncated or corrupt ({type(exc).__name__}: {exc})",
+                           "not_npz") from None
+    return found
+
+
+def validate_bytes(data: bytes, schema: Schema, max_ingest_bytes: int = DEFAULT_MAX_INGEST_BYTES,
+                   ) -> dict[str, np.ndarray]:
+    """Parse and validate the bytes of one spool file (see the module docstring): the
+    headers first (:func:`inspect_archive`, nothing decompressed), then the arrays.
+
+    Returns:
+        ``{"x": float32 (N, *input_shape), "y": int64 (N,), "t": float64 (N,) | None,
+        "groups": int64 (N,) | None}``.
+
+    Raises:
+        RejectedFile: with the one-line reason and its kind.
+    """
+    inspect_archive(data, max_ingest_bytes)
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             if not hasattr(z, "files"):
-                raise RejectedFile("not an .npz archive (a single .npy array)")
+                raise RejectedFile("not an .npz archive (a single .npy array)", "not_npz")
             return _check_arrays(z, schema)
     except RejectedFile:
         raise
     except ValueError as exc:
         if "pickle" in str(exc).lower():
-            raise RejectedFile("object array refused (store plain numeric arrays)") from None
-        raise RejectedFile(f"unreadable archive ({exc})") from None
-    except (OSError, EOFError, zipfile.BadZipFile) as exc:
-        raise RejectedFile(f"unreadable archive, truncated or corrupt ({type(exc).__name__}: {exc})") from None
+            raise RejectedFile("object array refused (store plain numeric arrays)", "object_array") from None
+        raise RejectedFile(f"unreadable archive ({exc})", "not_npz") from None
+    except (OSError, EOFError, zipfile.BadZipFile, zlib.error, RuntimeError, NotImplementedError) as exc:
+        raise RejectedFile(f"unreadable archive, truncated or corrupt ({type(exc).__name__}: {exc})",
+                           "not_npz") from None
 
 
 class SampleStore:
@@ -240,6 +373,8 @@ class SampleStore:
         max_per_class: most samples per class (0: no limit).
         eviction: ``"oldest"`` or ``"largest-class"`` (what goes when over ``max_samples``).
         settle_seconds: spool files younger than this are left for the next pass.
+        max_ingest_bytes: most bytes the arrays of one file may take decompressed
+            (checked from the archive's headers before anything is decompressed).
 
     Raises:
         StoreError: no schema for a new store, or ``schema`` differs from the stored one.
@@ -248,7 +383,8 @@ class SampleStore:
     def __init__(self, state_dir: str | os.PathLike[str], schema: Schema | None = None, *,
                  spool_dir: str | os.PathLike[str] | None = None, max_samples: int = 100_000,
                  max_age: float | None = None, max_per_class: int = 0, eviction: str = "oldest",
-                 settle_seconds: float = 1.0, create: bool = True):
+                 settle_seconds: float = 1.0, create: bool = True,
+                 max_ingest_bytes: int = DEFAULT_MAX_INGEST_BYTES):
         if max_samples < 1:
             raise StoreError(f"data.store_max_samples: must be >= 1, got {max_samples}")
         if eviction not in ("oldest", "largest-class"):
@@ -260,6 +396,9 @@ class SampleStore:
         self.max_samples, self.max_age = int(max_samples), max_age
         self.max_per_class, self.eviction = int(max_per_class), eviction
         self.settle_seconds = settle_seconds
+        if int(max_ingest_bytes) < 1:
+            raise StoreError(f"data.store_max_ingest_bytes: must be >= 1, got {max_ingest_bytes}")
+        self.max_ingest_bytes = int(max_ingest_bytes)
         if not create and not self.path.exists():
             raise StoreError(f"no sample store at {self.path}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -308,24 +447,41 @@ class SampleStore:
 
     # -- ingestion ---------------------------------------------------------------
     def spool_files(self) -> list[Path]:
-        """``*.npz`` files in the spool (hidden and temporary names skipped), oldest first."""
+        """Entries named ``*.npz`` in the spool (hidden and temporary names skipped), oldest
+        first, whatever their type (a link, directory or FIFO is rejected by the pass);
+        examined with ``lstat``, so symbolic links are never followed."""
         if not self.spool_dir.is_dir():
             return []
-        files = [p for p in self.spool_dir.iterdir()
-                 if p.name.endswith(".npz") and not p.name.startswith(".") and p.is_file()]
-        return sorted(files, key=lambda p: (p.stat().st_mtime, p.name))
+        found = []
+        for p in self.spool_dir.iterdir():
+            if not p.name.endswith(".npz") or p.name.startswith("."):
+                continue
+            try:
+                found.append((os.lstat(p).st_mtime, p.name, p))
+            except OSError:  # vanished meanwhile
+                continue
+        return [p for _, _, p in sorted(found)]
 
     def ingest_spool(self, now: float | None = None) -> dict[str, int]:
         """One pass over the spool.  Returns ``{"ingested": files, "samples": n, "rejected": files,
-        "duplicates": files, "waiting": files}``.  Never raises for a bad file."""
+        "duplicates": files, "waiting": files}``.  Never raises for a bad file; an entry that
+        is not a regular file (symbolic link, directory, FIFO, ...) is rejected unopened."""
         out = {"ingested": 0, "samples": 0, "rejected": 0, "duplicates": 0, "waiting": 0}
         for p in self.spool_files():
             try:
-                age = time.time() - p.stat().st_mtime
+                st = os.lstat(p)
             except FileNotFoundError:
                 continue
-            if age < self.settle_seconds:
+            if time.time() - st.st_mtime < self.settle_seconds:
                 out["waiting"] += 1
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                try:
+                    self._reject_entry(p, st)
+                except OSError as exc:  # vanished, or rejected/ not writable: next pass
+                    log.warning("spool entry %s: %s", p.name, exc)
+                    continue
+                out["rejected"] += 1
                 continue
             try:
                 res = self.ingest_file(p, now=now, remove=True)
@@ -349,47 +505,90 @@ class SampleStore:
         Returns:
             ``{"status": "ingested"|"duplicates"|"rejected", "samples": n, "reason": str, "sha256": hex}``.
 
+        A spool file (``remove=True``) is opened with ``O_NOFOLLOW``: a symbolic link is
+        rejected, never followed.  Any file that is not a regular file (FIFO, directory,
+        device) is rejected without being read.
+
         Raises:
             OSError: the file cannot be read.
         """
         p = Path(path)
-        if p.stat().st_size > MAX_FILE_BYTES:
-            data = b""
-            sha = hashlib.sha256(f"oversize:{p.name}:{p.stat().st_size}".encode()).hexdigest()
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (getattr(os, "O_NOFOLLOW", 0) if remove else 0)
+        try:
+            fd = os.open(p, flags)  # O_NONBLOCK: a FIFO swapped in does not block the open
+        except OSError as exc:
+            if remove and os.path.islink(p):  # ELOOP: a link put in place after the pass looked
+                self._reject_entry(p, os.lstat(p))
+                return {"status": "rejected", "samples": 0, "reason": "symbolic link", "sha256": ""}
+            raise exc
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            rejected: RejectedFile | None = None
+            if not stat.S_ISREG(st.st_mode):
+                data = b""
+                rejected = RejectedFile(f"{_entry_type(st.st_mode)}, not a regular file", "not_regular_file")
+            elif st.st_size > MAX_FILE_BYTES:
+                data = b""
+                rejected = RejectedFile(f"file of {st.st_size} bytes, above the {MAX_FILE_BYTES >> 20} MiB file "
+                                        "limit", "file_too_large")
+            else:  # read(n) allocates n bytes up front: ask for the size the file has
+                data = f.read(st.st_size + 1)
+                if len(data) != st.st_size:
+                    raise OSError(f"{p.name} changed size while read ({st.st_size} -> {len(data)}+ bytes)")
+        if rejected is not None:
+            sha = hashlib.sha256(f"{rejected.kind}:{p.name}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}".encode()
+                                 ).hexdigest()
         else:
-            data = p.read_bytes()
             sha = hashlib.sha256(data).hexdigest()
         with self._lock:
-            if self.db.execute("SELECT 1 FROM files WHERE sha256=?", (sha,)).fetchone():
+            if rejected is None and self.db.execute("SELECT 1 FROM files WHERE sha256=?", (sha,)).fetchone():
                 if remove:
                     p.unlink(missing_ok=True)
                 return {"status": "duplicates", "samples": 0, "sha256": sha}
             try:
-                if not data:
-                    raise RejectedFile(f"file larger than {MAX_FILE_BYTES >> 20} MiB")
-                arrays = validate_bytes(data, self.schema)
+                if rejected is not None:
+                    raise rejected
+                arrays = validate_bytes(data, self.schema, self.max_ingest_bytes)
             except RejectedFile as exc:
                 reason = str(exc.args[0])
-                self._reject(p, sha, reason, remove)
+                self._reject(p, sha, reason, remove, exc.kind)
                 return {"status": "rejected", "samples": 0, "reason": reason, "sha256": sha}
             n = self._insert(p.name, sha, arrays, time.time() if now is None else now)
             if remove:
                 p.unlink(missing_ok=True)
             return {"status": "ingested", "samples": n, "sha256": sha}
 
-    def _reject(self, p: Path, sha: str, reason: str, move: bool) -> None:
+    def _reject_entry(self, p: Path, st: os.stat_result) -> None:
+        """Reject a spool entry that is not a regular file, from its ``lstat`` alone (never opened)."""
+        kind = _entry_type(st.st_mode)
+        reason = f"{kind}, not a regular file" + (" (symbolic links are not followed)" if stat.S_ISLNK(st.st_mode)
+                                                  else "")
+        sha = hashlib.sha256(f"not_regular_file:{p.name}:{st.st_ino}:{st.st_mtime_ns}".encode()).hexdigest()
+        with self._lock:
+            self._reject(p, sha, reason, True, "not_regular_file")
+
+    def _reject(self, p: Path, sha: str, reason: str, move: bool, kind: str = "invalid_content") -> None:
         log.warning("rejected spool file %s: %s", p.name, reason)
-        self.db.execute("INSERT OR IGNORE INTO rejected VALUES (?, ?, ?, ?)", (sha, p.name, reason, time.time()))
+        cur = self.db.execute("INSERT OR IGNORE INTO rejected VALUES (?, ?, ?, ?)", (sha, p.name, reason, time.time()))
+        if cur.rowcount == 1:  # counted once per distinct file, like the rows
+            self.db.execute("INSERT INTO counters VALUES (?, 1) ON CONFLICT(key) DO UPDATE SET value = value + 1",
+                            (f"rejected:{kind}",))
         if not move:
             return
         self.rejected_dir.mkdir(parents=True, exist_ok=True)
+        if not stat.S_ISDIR(os.lstat(self.rejected_dir).st_mode):  # e.g. replaced by a link: write nothing there
+            log.warning("%s is not a directory; %s stays in the spool", self.rejected_dir, p.name)
+            return
         dest = self.rejected_dir / p.name
-        if dest.exists():
+        if os.path.lexists(dest):
             dest = self.rejected_dir / f"{p.stem}-{sha[:12]}{p.suffix}"
-        (self.rejected_dir / (dest.name + ".reason")).write_text(reason + "\n", encoding="utf-8")
+        _write_reason(self.rejected_dir / (dest.name + ".reason"), reason)
         try:
-            rename(p, dest)
-        except OSError:
+            rename(p, dest)  # a link, directory or FIFO is moved as it is (rename never follows a link)
+        except OSError as exc:
+            if not stat.S_ISREG(os.lstat(p).st_mode):  # a copy would follow or block: leave it
+                log.warning("cannot move %s to %s: %s", p.name, self.rejected_dir, exc)
+                return
             shutil.move(str(p), str(dest))
 
     def _insert(self, name: str, sha: str, a: dict[str, np.ndarray], now: float) -> int:
@@ -490,6 +689,7 @@ class SampleStore:
         per = {str(y): int(c) for y, c in db.execute("SELECT y, COUNT(*) FROM samples GROUP BY y ORDER BY y")}
         oldest, newest = db.execute("SELECT MIN(t), MAX(t) FROM samples").fetchone()
         counters = dict(db.execute("SELECT key, value FROM counters").fetchall())
+        by_kind = {k: int(counters.get(f"rejected:{k}", 0)) for k in REJECT_KINDS}
         rejected = [{"name": n, "sha256": s, "reason": r, "time": t}
                     for s, n, r, t in db.execute("SELECT sha256, name, reason, time FROM rejected ORDER BY time")]
         files = db.execute("SELECT COUNT(*), COALESCE(SUM(samples), 0) FROM files").fetchone()
@@ -506,10 +706,31 @@ class SampleStore:
             "ingested_samples": int(counters.get("ingested_samples", 0)),
             "evicted_samples": int(counters.get("evicted_samples", 0)),
             "rejected": len(rejected),
+            "rejected_by_kind": {k: n for k, n in by_kind.items() if n},
             "rejected_files": rejected,
             "spool_waiting": len(self.spool_files()),
             "max_samples": self.max_samples,
         }
+
+
+def _write_reason(path: Path, reason: str) -> None:
+    """Write ``reason`` and a newline to ``path``, never through a symbolic link (an entry
+    already there is replaced)."""
+    if os.path.lexists(path):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o660)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(reason + "\n")
+
+
+def _entry_type(mode: int) -> str:
+    """What a non-regular directory entry is, in words (for a rejection reason)."""
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "a regular file" if stat.S_ISREG(mode) else "a special file"
 
 
 def _level_down(counts: dict[int, int], excess: int) -> dict[int, int]:

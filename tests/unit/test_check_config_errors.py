@@ -11,7 +11,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("extra,key,command", [(*c, "check-config") for c in CASES] + [(*CASES[0], "run")])
+#: the sample store's schema: one check (dfl_agent.store.runtime.check_schema) for check-config and run
+STORE_CASES = [
+    ('[data]\ndataset = "store"\ninput_shape = [3, -1]\nnum_classes = 2\n', "data.input_shape"),
+    ('[data]\ndataset = "store"\ninput_shape = [3, 4]\nnum_classes = 3\nclass_names = ["a", "b"]\n',
+     "data.class_names"),
+]
+
+
+@pytest.mark.parametrize("extra,key,command", [(*c, "check-config") for c in CASES + STORE_CASES]
+                         + [(*c, "run") for c in CASES[:1] + STORE_CASES])
 def test_config_error_is_one_line_exit_2_and_leaves_no_state(tmp_path, extra, key, command):
     state = tmp_path / "state"
     path = tmp_path / "node.toml"
@@ -71,4 +80,26 @@ def test_check_startup_passes_a_good_config_and_writes_nothing(tmp_path):
     from dfl_agent.runtime.preflight import check_startup
 
     check_startup(_cfg(tmp_path, algorithm={"options": {"round_timeout": 5.0}}))
+    assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"input_shape": [3, -1], "num_classes": 2}, "data.input_shape: must be a non-empty list of positive sizes"),
+    ({"input_shape": [3, 4], "num_classes": 3, "class_names": ["a", "b"]}, "data.class_names: 2 names for "
+                                                                            "num_classes=3"),
+])
+def test_store_schema_one_check_for_check_config_and_run(tmp_path, data, message):
+    """check_startup (check-config and run) and open_store (run's start) raise the same
+    ConfigError from the one schema check, and nothing is written."""
+    import dfl_agent.store.runtime as store_runtime
+    from dfl_agent.runtime.config import ConfigError
+    from dfl_agent.runtime.preflight import check_startup
+
+    cfg = _cfg(tmp_path, data={"dataset": "store", **data})
+    for check in (check_startup, lambda c: check_startup(c, load=False),  # check-config, run
+                  lambda c: store_runtime.open_store(c),  # run, as the agent starts
+                  lambda c: store_runtime.check_schema(c)):  # the one check the others call
+        with pytest.raises(ConfigError) as e:
+            check(cfg)
+        assert str(e.value).startswith(message), str(e.value)
     assert not (tmp_path / "state").exists()
