@@ -5,11 +5,18 @@ A run is a signed, retained descriptor on ``dfl/{fed}/run/{run_id}`` (see
 key and certificate (``--operator-dir DIR`` holding ``*.pem`` and ``*cert*.json``, as
 ``dflctl keys`` writes them); ``list`` and ``show`` read the descriptors and the
 nodes' statuses (each carries ``run = {id, state, round, reason}``).
+
+Trust: with ``--config`` (a node.toml's ``[security]`` trust material) ``list`` and
+``show`` verify every descriptor as an agent with ``require_signatures`` does
+(:class:`~dfl_agent.runtime.runs.RunVerifier`) and show only those an operator signed
+(``trust = "operator"``); the others are hidden and counted on one line of stderr.
+Without it every entry is marked ``trust = "unverified"``, as ``dflctl peers`` does.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import secrets
 import sys
@@ -19,7 +26,7 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
-RUN_COLUMNS = ("run_id", "name", "state", "algorithm", "rounds", "submitter", "nodes")
+RUN_COLUMNS = ("run_id", "name", "state", "algorithm", "rounds", "submitter", "trust", "nodes")
 
 
 def _target(a: argparse.Namespace) -> tuple[str, str]:
@@ -142,17 +149,68 @@ def fetch_retained(broker: str, topic: str, timeout: float = 10.0, absent_after:
         c.loop_stop()
 
 
-def _snapshot(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+def verify_runs(runs: dict[str, dict[str, Any]], payloads: dict[str, bytes], federation: str,
+                guard: Any) -> tuple[dict[str, dict[str, Any]], collections.Counter[str]]:
+    """The runs to show, each with its ``trust``, and the hidden ones counted by reason.
+
+    Without ``guard`` (no ``--config``, or one naming neither a federation key nor
+    operators) every run is kept with ``trust = "unverified"``.
+    With ``guard`` (a verifying-only SecurityGuard, :func:`dfl_agent.cli.dflctl.observer_guard`)
+    each raw retained message in ``payloads`` goes through a
+    :class:`~dfl_agent.runtime.runs.RunVerifier` with ``require_signatures``, as an agent
+    checks it: only descriptors signed by an operator of the federation (a pinned
+    operator key, or an operator certificate from the federation key), for this
+    federation, whose run id matches their topic, are kept (``trust = "operator"``); the
+    others are counted under the verifier's refusal reason (``unsigned``,
+    ``unknown_key``, ``not_operator``, ``bad_signature``, ``malformed``, ``too_deep``...).
+    """
+    hidden: collections.Counter[str] = collections.Counter()
+    if guard is None:
+        return {rid: {**m, "trust": "unverified"} for rid, m in runs.items()}, hidden
+    from dfl_agent.runtime.runs import RunVerifier
+
+    verifier = RunVerifier(federation, require_signatures=True, guard=guard)
+    shown: dict[str, dict[str, Any]] = {}
+    for rid, m in runs.items():
+        d, why = verifier.check(payloads.get(rid, b""))
+        if d is not None and d.run_id != rid:
+            why = "malformed"  # a descriptor republished on another run's topic
+        if d is None or why is not None:
+            hidden[why or "malformed"] += 1
+            continue
+        shown[rid] = {**m, "trust": "operator", "descriptor": {**m.get("descriptor", {}), "submitter": d.submitter}}
+    return shown, hidden
+
+
+def _snapshot(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], collections.Counter[str]]:
+    """Runs (verified with ``--config``'s trust material, else marked unverified),
+    statuses, and the runs hidden because they did not verify (by reason)."""
     from dfl_agent.cli.observer import Observer
 
     broker, fed = _target(a)
+    guard = None
+    if a.config:
+        from dfl_agent.cli.dflctl import observer_guard
+        from dfl_agent.runtime.config import load_config
+
+        cfg = load_config(a.config)
+        if cfg.security.federation_key or cfg.security.operators:  # trust material for operators
+            guard = observer_guard(cfg)
     obs = Observer(broker, fed).start(timeout=a.timeout)
     obs.settle()
     statuses, _ = obs.snapshot()
     with obs._lock:
-        runs = dict(obs.runs)
+        runs, payloads = dict(obs.runs), dict(obs.run_payloads)
     obs.stop()
-    return runs, statuses
+    shown, hidden = verify_runs(runs, payloads, fed, guard)
+    return shown, statuses, hidden
+
+
+def _say_hidden(cmd: str, hidden: collections.Counter[str]) -> None:
+    if hidden:
+        why = ", ".join(f"{k}: {v}" for k, v in sorted(hidden.items()))
+        print(f"dflctl run {cmd}: {sum(hidden.values())} run descriptor(s) hidden: not signed by an operator "
+              f"of the federation ({why})", file=sys.stderr)
 
 
 def run_view(run_id: str, msg: dict[str, Any], statuses: dict[str, Any]) -> dict[str, Any]:
@@ -184,7 +242,8 @@ def run_view(run_id: str, msg: dict[str, Any], statuses: dict[str, Any]) -> dict
     return {"schema_version": 1, "run_id": run_id, "name": d.get("name", ""), "state": state,
             "algorithm": d.get("algorithm"), "rounds": d.get("rounds"), "options": d.get("options", {}),
             "members": d.get("members"), "min_members": d.get("min_members"), "submitter": d.get("submitter"),
-            "submitted_at": d.get("submitted_at"), "signed": msg.get("sig") is not None, "nodes": nodes}
+            "submitted_at": d.get("submitted_at"), "signed": msg.get("sig") is not None,
+            "trust": msg.get("trust", "unverified"), "verified": msg.get("trust") == "operator", "nodes": nodes}
 
 
 def run_rows(runs: dict[str, Any], statuses: dict[str, Any]) -> list[dict[str, Any]]:
@@ -289,11 +348,12 @@ def cmd_cancel(a: argparse.Namespace) -> int:
 
 
 def cmd_list(a: argparse.Namespace) -> int:
-    runs, statuses = _snapshot(a)
+    runs, statuses, hidden = _snapshot(a)
+    _say_hidden("list", hidden)
     if a.json:
         views = [run_view(r, m, statuses) for r, m in runs.items()]
         views.sort(key=lambda v: (float(v.get("submitted_at") or 0), v["run_id"]))
-        print(json.dumps({"schema_version": 1, "runs": views}, indent=1))
+        print(json.dumps({"schema_version": 1, "runs": views, "hidden": dict(hidden)}, indent=1))
         return 0
     from rich.console import Console
 
@@ -304,16 +364,17 @@ def cmd_list(a: argparse.Namespace) -> int:
 
 
 def cmd_show(a: argparse.Namespace) -> int:
-    runs, statuses = _snapshot(a)
+    runs, statuses, hidden = _snapshot(a)
     if a.run not in runs:
-        print(f"dflctl run show: no run {a.run!r}", file=sys.stderr)
+        _say_hidden("show", hidden)
+        print(f"dflctl run show: no run {a.run!r}{' signed by an operator' if a.config else ''}", file=sys.stderr)
         return 1
     v = run_view(a.run, runs[a.run], statuses)
     if a.json:
         print(json.dumps(v, indent=1))
         return 0
     print(f"run {v['run_id']} ({v['name']}): {v['state']}, {v['algorithm']} x {v['rounds']} rounds, "
-          f"submitted by {v['submitter'] or '?'}{'' if v['signed'] else ' (unsigned)'}")
+          f"submitted by {v['submitter'] or '?'}{'' if v['signed'] else ' (unsigned)'} [{v['trust']}]")
     for nid, n in v["nodes"].items():
         print(f"  {nid}: {n['state']} round {n['round']}{'  ' + n['reason'] if n['reason'] else ''}")
     return 0

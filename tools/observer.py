@@ -6,7 +6,8 @@ announces nothing and publishes nothing.
 
 from __future__ import annotations
 
-import json
+import collections
+import logging
 import threading
 import time
 import uuid
@@ -15,6 +16,10 @@ from typing import Any
 import paho.mqtt.client as mqtt
 
 from dfl_agent.discovery.static import parse_endpoint
+from dfl_agent.jsonbound import JSONBoundError, RateLimitedLog
+from dfl_agent.jsonbound import loads as bounded_loads
+
+log = logging.getLogger(__name__)
 
 
 class Observer:
@@ -35,6 +40,11 @@ class Observer:
         self.presence: dict[str, dict[str, Any]] = {}
         #: run id -> latest retained run descriptor message (parsed JSON, not verified)
         self.runs: dict[str, dict[str, Any]] = {}
+        #: run id -> the raw retained message of :attr:`runs` (for verification)
+        self.run_payloads: dict[str, bytes] = {}
+        #: messages dropped by reason (``handler_error``: handling one raised)
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self._errors = RateLimitedLog(log)
         self.updated = time.monotonic()
         self._lock = threading.Lock()
         self._connected = threading.Event()
@@ -53,6 +63,14 @@ class Observer:
         self._connected.set()
 
     def _on_message(self, client, userdata, msg) -> None:
+        try:
+            self._handle(msg)
+        except Exception:  # noqa: BLE001 - one bad message never ends paho's thread
+            with self._lock:
+                self.dropped["handler_error"] += 1
+            self._errors.exception("observer: error handling a message on %s", getattr(msg, "topic", "?"))
+
+    def _handle(self, msg: Any) -> None:
         parts = msg.topic.split("/")
         if len(parts) == 4 and parts[2] == "run":
             from dfl_agent.runtime.runs import open_run_message
@@ -61,8 +79,10 @@ class Observer:
             with self._lock:
                 if run is not None:
                     self.runs[parts[3]] = run
+                    self.run_payloads[parts[3]] = bytes(msg.payload)
                 else:
                     self.runs.pop(parts[3], None)
+                    self.run_payloads.pop(parts[3], None)
                 self.updated = time.monotonic()
             return
         if len(parts) != 5:
@@ -85,10 +105,10 @@ class Observer:
         ``"unverified"`` without trust material, ``"untrusted: REASON"`` when it failed."""
         if not payload:
             return {"state": "offline"}, "unverified"
-        try:
-            env = json.loads(payload)
-        except (ValueError, UnicodeDecodeError):
-            return None, "untrusted: malformed"
+        try:  # bounded: 64 KiB, nesting depth 32
+            env = bounded_loads(payload, leaf if leaf in ("presence", "status") else "control")
+        except JSONBoundError as exc:
+            return None, f"untrusted: {exc.reason}"
         if not isinstance(env, dict):
             return None, "untrusted: malformed"
         inner = env.get("payload") if "ctl" in env else env

@@ -26,7 +26,6 @@ ids are ``node00, node01, ...``.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from dfl_agent.jsonbound import loads as bounded_loads
 
 Graph = dict[str, list[str]]
 
@@ -158,8 +159,8 @@ def read_adjacency(path: str | Path) -> np.ndarray:
     rows: list[list[Any]]
     if p.suffix.lower() == ".json" or text.lstrip().startswith("["):
         try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as exc:
+            rows = bounded_loads(text, max_bytes=1 << 30)  # depth-bounded; a big matrix is fine
+        except ValueError as exc:
             raise ValueError(f"adjacency: {p}: invalid JSON: {exc}") from None
         if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
             raise ValueError(f"adjacency: {p}: JSON must be a list of lists")

@@ -29,7 +29,6 @@ directory/train.npz) naming the file and the key.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ import numpy as np
 
 from dfl_agent.data.cache import read_npz
 from dfl_agent.data.dataset import Dataset, DatasetBundle, split_indices, stream_rng
+from dfl_agent.jsonbound import loads as bounded_loads
 
 __all__ = ["load_npz_dir", "TEST_FRACTION", "SPLIT_SEED"]
 
@@ -83,8 +83,8 @@ def _read_meta(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        meta = bounded_loads(path.read_bytes(), "manifest")
+    except (OSError, ValueError) as e:  # JSONBoundError: oversized, too_deep, malformed
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(meta, dict):
         raise ValueError(f"{path}: must hold a JSON object")

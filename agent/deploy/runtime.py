@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from dfl_agent.deploy.versions import ModelStore
+from dfl_agent.jsonbound import loads as bounded_loads
 
 log = logging.getLogger(__name__)
 _onnx_warned = False
@@ -69,7 +70,7 @@ def load_torch(folder: str | Path) -> Any:
     from dfl_agent.models import build_model
 
     f = Path(folder)
-    meta = json.loads((f / "spec.json").read_text(encoding="utf-8"))
+    meta = bounded_loads((f / "spec.json").read_bytes(), "manifest")
     model = build_model(meta["spec"])
     state = {k: torch.from_numpy(v.copy()) for k, v in load_file(str(f / "model.safetensors")).items()}
     model.load_state_dict(state)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dfl_agent.fsutil import atomic_symlink, atomic_write, fsync_dir, rename
+from dfl_agent.jsonbound import loads as bounded_loads
 
 SCHEMA_VERSION = 1
 _VERSION = re.compile(r"^v(\d+)$")
@@ -66,8 +67,8 @@ def verify_folder(folder: str | os.PathLike[str]) -> dict[str, Any]:
     """
     f = Path(folder)
     try:
-        manifest = json.loads((f / "manifest.json").read_bytes())
-    except (OSError, ValueError) as exc:
+        manifest = bounded_loads((f / "manifest.json").read_bytes(), "manifest")
+    except (OSError, ValueError) as exc:  # JSONBoundError included: oversized, too_deep, malformed
         raise DeployError(f"{f}: unreadable manifest.json ({exc})") from None
     for name, info in manifest.get("files", {}).items():
         try:
@@ -119,7 +120,7 @@ class ModelStore:
             DeployError: no such version.
         """
         try:
-            return json.loads((self.folder(version) / "manifest.json").read_bytes())
+            return bounded_loads((self.folder(version) / "manifest.json").read_bytes(), "manifest")
         except (OSError, ValueError):
             raise DeployError(f"no model version v{version} under {self.root}") from None
 
@@ -138,7 +139,12 @@ class ModelStore:
                 out["current"] = entry
         cand = self.root / "candidate" / "manifest.json"
         if cand.is_file():
-            m = json.loads(cand.read_bytes())
+            try:
+                m = bounded_loads(cand.read_bytes(), "manifest")
+            except (OSError, ValueError) as exc:
+                m = {"note": f"unreadable manifest.json ({exc})"}
+            if not isinstance(m, dict):
+                m = {"note": "manifest.json is not an object"}
             out["candidate"] = {k: m.get(k) for k in ("run_id", "round", "accuracy", "note", "time")}
         return out
 

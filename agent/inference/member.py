@@ -33,9 +33,12 @@ from dfl_agent import WIRE_VERSION, __version__
 from dfl_agent.algorithms.context import Message
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.inference.runtime import InferenceError, OnnxModel, load_windows, predictions_document
+from dfl_agent.jsonbound import RateLimitedLog
 from dfl_agent.runtime.context import RuntimeContext
 
 log = logging.getLogger(__name__)
+#: rate-limited log of the exceptions caught per model message (``handler_error``)
+_ERRORS = RateLimitedLog(log)
 
 ONNX_KIND = "onnx.model"
 DESCRIPTOR = {"profile": "inference-only", "algorithm": "inference", "model_hash": ""}
@@ -173,5 +176,13 @@ class InferenceMember:
         loop = asyncio.get_running_loop()
         while not stop.is_set():
             msg = await self.ctx.receive(ONNX_KIND, deadline=loop.time() + poll)
-            if msg is not None and self.accept(msg):
+            if msg is None:
+                continue
+            try:
+                taken = self.accept(msg)
+            except Exception as exc:  # noqa: BLE001 - one bad model message never ends the member
+                self.ctx.reject(msg, f"handler_error: {type(exc).__name__}: {exc}"[:300])
+                _ERRORS.exception("error handling a model message from %s", msg.sender)
+                continue
+            if taken:
                 await self.publish_status()

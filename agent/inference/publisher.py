@@ -26,6 +26,7 @@ import numpy as np
 
 from dfl_agent.algorithms.context import Message
 from dfl_agent.inference.member import ONNX_KIND
+from dfl_agent.jsonbound import loads as bounded_loads
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,6 @@ class OnnxPublisher:
         validation accuracy), ``run_id``, ``sha256`` of ``model.onnx``, ``spec_hash``.  Nothing
         is sent when nothing is deployed, the version has no ``model.onnx`` (no onnx extra)
         or it fails its hash check.  Returns the number of members sent to."""
-        import json as _json
 
         from dfl_agent.deploy.versions import DeployError, verify_folder
         from dfl_agent.models import spec_hash
@@ -117,7 +117,7 @@ class OnnxPublisher:
             if "model.onnx" not in manifest.get("files", {}):
                 return 0
             data = (folder / "model.onnx").read_bytes()
-            spec = _json.loads((folder / "spec.json").read_bytes()).get("spec", self.spec)
+            spec = bounded_loads((folder / "spec.json").read_bytes(), "manifest").get("spec", self.spec)
         except (DeployError, OSError, ValueError) as exc:
             log.error("cannot send deployed model v%d to inference members: %s", v, exc)
             return 0

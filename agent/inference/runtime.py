@@ -12,13 +12,15 @@ Window files:
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from dfl_agent.jsonbound import JSONBoundError
+from dfl_agent.jsonbound import loads as bounded_loads
 
 
 class InferenceError(ValueError):
@@ -53,7 +55,14 @@ class OnnxModel:
         meta = self.session.get_modelmeta().custom_metadata_map
         self.metadata: dict[str, str] = dict(meta)
         shape = meta.get("dfl.input_shape")
-        self.input_shape: list[int] | None = json.loads(shape) if shape else None
+        try:  # bounded: the metadata comes with the model, from another device
+            parsed = bounded_loads(shape, max_bytes=4096) if shape else None
+        except JSONBoundError as exc:
+            raise InferenceError(f"the model's dfl.input_shape is not usable: {exc}") from None
+        if parsed is not None and not (isinstance(parsed, list) and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in parsed)):
+            raise InferenceError(f"the model's dfl.input_shape is not a list of integers: {shape[:80]!r}")
+        self.input_shape: list[int] | None = parsed
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], threads: int = 1) -> OnnxModel:

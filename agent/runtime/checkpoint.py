@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from dfl_agent.fsutil import atomic_write as _atomic_write
+from dfl_agent.jsonbound import loads as bounded_loads
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +195,8 @@ class CheckpointStore:
 
         manifest_path, tensors_path = self._paths(t)
         try:
-            manifest = json.loads(manifest_path.read_bytes())
-        except (OSError, ValueError) as exc:
+            manifest = bounded_loads(manifest_path.read_bytes(), "state")
+        except (OSError, ValueError) as exc:  # JSONBoundError included: oversized, too_deep, malformed
             raise CheckpointError(f"{manifest_path.name}: unreadable manifest ({exc})") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise CheckpointError(f"{manifest_path.name}: not a {FORMAT} manifest")
@@ -259,8 +260,8 @@ def _pending_records(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, str):
         return []
     try:
-        records = json.loads(value)
-    except ValueError:
+        records = bounded_loads(value, "state")
+    except ValueError:  # JSONBoundError included
         log.warning("checkpoint: unreadable pending_records; ignored")
         return []
     return [r for r in records if isinstance(r, dict) and isinstance(r.get("round"), int)] \

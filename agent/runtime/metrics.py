@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from dfl_agent.jsonbound import loads as bounded_loads
+
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` atomically (:func:`dfl_agent.fsutil.atomic_write`)."""
@@ -117,8 +119,8 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
         if not line:
             continue
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+            out.append(bounded_loads(line, max_bytes=64 << 20))
+        except ValueError:  # JSONBoundError included: a torn or hostile line is skipped
             continue
     return out
 

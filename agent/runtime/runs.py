@@ -37,6 +37,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from dfl_agent.jsonbound import JSONBoundError, RateLimitedLog
+from dfl_agent.jsonbound import loads as bounded_loads
+
 log = logging.getLogger("dfl_agent.runs")
 
 SCHEMA_VERSION = 1
@@ -45,8 +48,8 @@ NODE_STATES = ("queued", "accepted", "declined", "training", "finished", "failed
 #: terminal states: a run in one of these is never (re)started on this node
 TERMINAL = ("finished", "failed", "cancelled", "declined")
 #: reasons a run descriptor message is refused (counters ``run_refused_<reason>``)
-REFUSE_REASONS = ("malformed", "unsigned", "unknown_key", "not_operator", "bad_signature", "wrong_federation",
-                  "replay")
+REFUSE_REASONS = ("malformed", "oversized", "too_deep", "unsigned", "unknown_key", "not_operator", "bad_signature",
+                  "wrong_federation", "replay")
 SIG_PREFIX = "ed25519:"
 _ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -255,7 +258,7 @@ class RunLedger:
         self.path = self.dir / "ledger.json"
         self.entries: dict[str, dict[str, Any]] = {}
         try:
-            raw = json.loads(self.path.read_text(encoding="utf-8"))
+            raw = bounded_loads(self.path.read_bytes(), "state")
             if isinstance(raw, dict):
                 self.entries = {k: v for k, v in raw.items() if isinstance(v, dict)}
         except (OSError, ValueError):
@@ -455,9 +458,10 @@ def sign_descriptor(d: RunDescriptor, key: Any | None, signer: str = "", cert: d
 def open_run_message(payload: bytes | str | Mapping[str, Any]) -> dict[str, Any] | None:
     """An unverified view of a run message for display (``dflctl run list/show``):
     ``{"descriptor": dict, "signer": str, "sig": str | None, "seq": int}``, or None when it
-    is not a run message.  Verification is :meth:`RunVerifier.check`'s job."""
+    is not a run message (also when over 64 KiB or nested deeper than 32 levels).
+    Verification is :meth:`RunVerifier.check`'s job."""
     try:
-        msg = json.loads(payload) if isinstance(payload, (bytes, str)) else dict(payload)
+        msg = bounded_loads(payload, "descriptor") if isinstance(payload, (bytes, str)) else dict(payload)
     except (ValueError, UnicodeDecodeError, TypeError):
         return None
     if not isinstance(msg, dict):
@@ -516,11 +520,13 @@ class RunVerifier:
     def _check(self, payload: bytes) -> tuple[RunDescriptor | None, str | None]:
         from dfl_agent.security.trust import ControlRejected
 
-        try:
-            env = json.loads(payload)
+        try:  # bounded first: 64 KiB, nesting depth 32
+            env = bounded_loads(payload, "descriptor")
             kind = env.get("kind") if isinstance(env, dict) else None
             if not (isinstance(kind, str) and kind.startswith("run:")):
                 raise ValueError("not a run envelope")
+        except JSONBoundError as exc:
+            return None, exc.reason
         except (ValueError, TypeError, UnicodeDecodeError):
             return None, "malformed"
         try:
@@ -626,8 +632,10 @@ class RunLobby:
         self.connected = threading.Event()
         #: SecurityGuard signing this node's statuses and verifying peers' ones (None: bare JSON)
         self.guard: Any = None
-        #: statuses dropped by reason (``status_{reason}``)
+        #: statuses dropped by reason (``status_{reason}``), and ``handler_error``: messages
+        #: whose handling raised (caught, counted, logged; the listener goes on)
         self.dropped: dict[str, int] = {}
+        self._errors = RateLimitedLog(log)
         #: called with the run id, on the MQTT thread, as soon as a cancelled copy of a
         #: run arrives (the agent stops that run's training at once)
         self.on_cancel: Callable[[str], None] | None = None
@@ -676,6 +684,16 @@ class RunLobby:
         self.connected.set()
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
+        """paho's message callback: whatever one message does, the listener thread goes on
+        (an exception is counted as ``handler_error`` and logged, rate-limited)."""
+        try:
+            self._handle_message(msg)
+        except Exception:  # noqa: BLE001 - never end the run listener thread
+            with self.lock:
+                self.dropped["handler_error"] = self.dropped.get("handler_error", 0) + 1
+            self._errors.exception("run lobby: error handling a message on %s", getattr(msg, "topic", "?"))
+
+    def _handle_message(self, msg: Any) -> None:
         parts = msg.topic.split("/")
         if len(parts) == 4 and parts[2] == "run":
             if not msg.payload:
@@ -723,9 +741,12 @@ class RunLobby:
         if guard is None or not payload:
             if not payload:
                 return False if guard is not None and guard.require_signatures else None
-            try:
-                st = json.loads(payload)
-            except ValueError:
+            try:  # bounded: 64 KiB, nesting depth 32
+                st = bounded_loads(payload, "status")
+            except JSONBoundError as exc:
+                key = f"status_{exc.reason}"
+                with self.lock:
+                    self.dropped[key] = self.dropped.get(key, 0) + 1
                 return False
             return st.get("payload") if isinstance(st, dict) and "ctl" in st else st
         try:

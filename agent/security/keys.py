@@ -213,10 +213,12 @@ def load_certificate(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise SecurityError(f"cannot read certificate {p}: {exc.strerror}") from None
     if len(data) > MAX_CERT_BYTES:
         raise SecurityError(f"certificate {p} is larger than {MAX_CERT_BYTES} bytes")
+    from dfl_agent.jsonbound import JSONBoundError, loads
+
     try:
-        cert = json.loads(data)
-    except ValueError as exc:
-        raise SecurityError(f"certificate {p} is not JSON: {exc}") from None
+        cert = loads(data, max_bytes=MAX_CERT_BYTES)
+    except JSONBoundError as exc:
+        raise SecurityError(f"certificate {p} is not usable JSON: {exc}") from None
     if not isinstance(cert, dict):
         raise SecurityError(f"certificate {p} is not an object")
     return cert

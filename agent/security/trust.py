@@ -78,6 +78,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
+from dfl_agent.jsonbound import LIMITS, JSONBoundError
+from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.security.keys import (
     SecurityError,
     canonical,
@@ -91,8 +93,8 @@ log = logging.getLogger(__name__)
 
 REJECT_REASONS = ("unsigned", "unknown_sender", "bad_signature", "replay")
 #: reasons :meth:`SecurityGuard.verify_control` raises (counter keys)
-CONTROL_REJECT_REASONS = ("malformed", "wrong_federation", "wrong_kind", "wrong_sender", "unsigned",
-                          "unknown_sender", "bad_signature", "duplicate", "replay")
+CONTROL_REJECT_REASONS = ("malformed", "oversized", "too_deep", "wrong_federation", "wrong_kind", "wrong_sender",
+                          "unsigned", "unknown_sender", "bad_signature", "duplicate", "replay")
 SIG_PREFIX = "ed25519:"
 #: :meth:`SecurityGuard.verify` verdicts that are not rejections: signature verified, or
 #: accepted without one (signatures not required)
@@ -101,6 +103,17 @@ CONTROL_VERSION = 1
 SEQ_FILE = "control_seq.json"
 #: largest control envelope accepted (bytes), checked before parsing
 MAX_CONTROL_BYTES = 256 * 1024
+
+
+def control_limit(kind: str | None) -> int:
+    """Largest control envelope of ``kind`` accepted, in bytes, checked before parsing:
+    64 KiB for presence, status and run descriptors (``run:{id}``), else
+    :data:`MAX_CONTROL_BYTES`."""
+    if kind in ("presence", "status"):
+        return LIMITS[kind]
+    if kind is not None and kind.startswith("run:"):
+        return LIMITS["descriptor"]
+    return MAX_CONTROL_BYTES
 
 
 class ControlRejected(ValueError):
@@ -146,7 +159,7 @@ class SeqCounter:
         self._reserved: dict[str, int] = {}
         if self.path is not None and self.path.exists():
             try:
-                data = json.loads(self.path.read_text())
+                data = bounded_loads(self.path.read_bytes(), "state")
                 self._reserved = {str(k): int(v) for k, v in data.items()} if isinstance(data, dict) else {}
             except (OSError, ValueError, TypeError):
                 log.warning("%s is unreadable; control sequence numbers restart from the clock", self.path)
@@ -347,12 +360,10 @@ class SecurityGuard:
             raise
 
     def _verify_control(self, frame: bytes, kind: str | None, sender: str | None) -> tuple[str, str, dict[str, Any]]:
-        if len(frame) > MAX_CONTROL_BYTES:
-            raise ControlRejected("malformed", f"{len(frame)} bytes")
-        try:
-            env = json.loads(frame)
-        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-            raise ControlRejected("malformed", str(exc)) from None
+        try:  # bounded: size by kind (64 KiB for presence, status, run descriptors), depth 32
+            env = bounded_loads(frame, max_bytes=control_limit(kind))
+        except JSONBoundError as exc:  # oversized, too_deep, malformed
+            raise ControlRejected(exc.reason, str(exc)) from None
         if not isinstance(env, dict):
             raise ControlRejected("malformed", "not an object")
         if "ctl" not in env:  # an older wire version: a bare, unsigned payload

@@ -77,7 +77,11 @@ with ``require_signatures`` an unsigned "offline" is only a hint (counted as
 Drop counters (``stats.dropped``): the :class:`~dfl_agent.transport.chunking.ChunkError`
 reasons (``bad_chunk``, ``oversized``, ``too_many_transfers``),
 ``incomplete_transfer`` (expired), ``bad_presence``, ``bad_status``,
-``not_connected`` (QoS 0 publish while disconnected, or after ``stop()``),
+``presence_oversized`` / ``status_oversized`` (over 64 KiB), ``presence_too_deep`` /
+``status_too_deep`` (nested deeper than 32 levels; every presence and status is parsed
+by :func:`dfl_agent.jsonbound.loads` before any other use), ``handler_error`` (handling
+one message raised: caught, counted, logged at most once a minute after the first few;
+paho's thread and the event loop go on), ``not_connected`` (QoS 0 publish while disconnected, or after ``stop()``),
 ``queue_full`` (more than ``max_pending_bytes`` waiting to be written),
 ``publish_error``.
 """
@@ -99,6 +103,8 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from dfl_agent.discovery.static import parse_endpoint
+from dfl_agent.jsonbound import JSONBoundError, RateLimitedLog
+from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.transport.base import FrameHandler, PresenceHandler, Transport, TransportStats
 from dfl_agent.transport.chunking import HEADER_LEN, ChunkError, Reassembler, chunked_size, is_chunk, iter_chunks
 from dfl_agent.transport.wire import payload_offset
@@ -323,6 +329,8 @@ class MqttTransport(Transport):
         self.statuses: dict[str, dict[str, Any]] = {}
 
         self._lock = threading.RLock()
+        #: rate-limited log of the exceptions caught per message (``handler_error``)
+        self._errors = RateLimitedLog(log)
         self._conns: dict[str, _Conn] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_frame: FrameHandler | None = None
@@ -389,10 +397,10 @@ class MqttTransport(Transport):
         None when dropped (counted as ``{leaf}_{reason}``).  Without ``control`` the
         payload is bare JSON (role "unverified")."""
         if self.control is None:
-            try:
-                msg = json.loads(payload)
-            except ValueError as exc:
-                self._count(f"bad_{leaf}")
+            try:  # bounded: 64 KiB, nesting depth 32
+                msg = bounded_loads(payload, leaf)
+            except JSONBoundError as exc:
+                self._count(f"bad_{leaf}" if exc.reason == "malformed" else f"{leaf}_{exc.reason}")
                 log.warning("%s: dropped %s of %r: %s", self.node_id, leaf, node_id, exc)
                 return None
             if isinstance(msg, dict) and "ctl" in msg and isinstance(msg.get("payload"), dict):
@@ -557,7 +565,8 @@ class MqttTransport(Transport):
         try:
             fn(*args)
         except Exception:  # noqa: BLE001 - a handler bug must not stop the transport
-            log.exception("%s: handler %r failed", self.node_id, fn)
+            self._count("handler_error")
+            self._errors.exception("%s: handler %r failed", self.node_id, fn)
 
     def _on_message(self, client, conn: _Conn, msg) -> None:
         try:
@@ -580,7 +589,8 @@ class MqttTransport(Transport):
                 elif payload and not self._own_payload(payload):
                     self._count("status_self_forged")  # someone else wrote on this node's topic
         except Exception:  # noqa: BLE001 - never kill paho's thread
-            log.exception("%s: error handling a message on %s", self.node_id, getattr(msg, "topic", "?"))
+            self._count("handler_error")
+            self._errors.exception("%s: error handling a message on %s", self.node_id, getattr(msg, "topic", "?"))
 
     def _handle_frame(self, conn: _Conn, topic_name: str, payload: bytes) -> None:
         with self._lock:
@@ -637,7 +647,7 @@ class MqttTransport(Transport):
         if self.control is None or self.control.key is None:
             return True
         try:
-            env = json.loads(payload)
+            env = bounded_loads(payload, max_bytes=1 << 20)
             if not isinstance(env, dict) or env.get("sender") != self.node_id or not env.get("sig"):
                 return False
             from dfl_agent.security.keys import canonical
@@ -699,8 +709,8 @@ class MqttTransport(Transport):
     @staticmethod
     def _is_bare_offline(payload: bytes) -> bool:
         try:
-            msg = json.loads(payload)
-        except ValueError:
+            msg = bounded_loads(payload, "presence")
+        except ValueError:  # JSONBoundError included: oversized, too deep, malformed
             return False
         return isinstance(msg, dict) and "ctl" not in msg and msg.get("state") == "offline"
 

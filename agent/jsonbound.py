@@ -1,0 +1,189 @@
+"""The one bounded JSON parser of the package: every JSON value that arrives from outside
+(the broker, the spool, a file another program may have written) goes through
+:func:`loads` before any other use.
+
+Python's :func:`json.loads` recurses once per nesting level: 100,000 ``[`` raise
+:class:`RecursionError` (not a :class:`ValueError`), which escapes the usual
+``except ValueError`` and ends whatever thread was parsing.  :func:`loads` checks the size
+first, then the nesting depth with a scan that does not recurse, and only then hands the
+text to :func:`json.loads`.  Every failure is a :class:`JSONBoundError` (a
+:class:`ValueError`) whose :attr:`~JSONBoundError.reason` is a drop counter key:
+
+- ``oversized``: more bytes than the message kind allows (:data:`LIMITS`);
+- ``too_deep``: arrays/objects nested more than ``max_depth`` levels (default
+  :data:`MAX_DEPTH`);
+- ``malformed``: not JSON (or not UTF-8/16/32 text).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import sys
+import threading
+import time
+from typing import Any
+
+#: deepest nesting of arrays/objects accepted (a top-level object is depth 1)
+MAX_DEPTH = 32
+KIB = 1024
+#: size limit (bytes) per message kind, checked before parsing
+LIMITS: dict[str, int] = {
+    "presence": 64 * KIB,       # dfl/{fed}/node/{id}/presence
+    "status": 64 * KIB,         # dfl/{fed}/node/{id}/status
+    "descriptor": 64 * KIB,     # dfl/{fed}/run/{run_id}
+    "announcement": 64 * KIB,   # a deployed model's retained announcement
+    "control": 256 * KIB,       # any other signed control envelope
+    "header": 256 * KIB,        # a wire envelope header
+    "manifest": 1024 * KIB,     # manifest.json / spec.json of a model version or checkpoint
+    "spool": 4 * 1024 * KIB,    # one spool file of the sample store
+    "state": 16 * 1024 * KIB,   # this node's own state files (run ledger, sequence numbers)
+}
+#: the ``reason`` values of :class:`JSONBoundError`
+REASONS = ("oversized", "too_deep", "malformed")
+
+# a complete JSON string literal (escapes included), unrolled so that it never backtracks
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+class JSONBoundError(ValueError):
+    """A JSON value refused by :func:`loads`; ``reason`` is one of :data:`REASONS`."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def _text(data: bytes | bytearray | memoryview | str) -> str:
+    if isinstance(data, str):
+        return data
+    raw = bytes(data)
+    try:
+        return raw.decode(json.detect_encoding(raw), "strict")
+    except (UnicodeDecodeError, LookupError) as exc:
+        raise JSONBoundError("malformed", f"not UTF-8 text: {exc}") from None
+
+
+def depth(text: str) -> int:
+    """The deepest nesting of arrays/objects in JSON ``text`` (0 for a scalar), found
+    without recursion: string literals are cut out, then the remaining brackets are
+    counted.  Linear in ``len(text)``.
+
+    Raises:
+        JSONBoundError: ``malformed`` for an unterminated string or unbalanced brackets.
+    """
+    opens = text.count("[") + text.count("{")
+    if opens == 0:
+        return 0
+    if '"' in text:
+        text = _STRING.sub("0", text)
+        if '"' in text:
+            raise JSONBoundError("malformed", "unterminated string")
+    level = deepest = 0
+    for ch in _NOT_BRACKET.sub("", text):
+        if ch in "[{":
+            level += 1
+            if level > deepest:
+                deepest = level
+        else:
+            level -= 1
+            if level < 0:
+                raise JSONBoundError("malformed", "unbalanced brackets")
+    return deepest
+
+
+def check(data: bytes | bytearray | memoryview | str, max_bytes: int, max_depth: int = MAX_DEPTH) -> str:
+    """Check ``data`` against the size and depth limits without parsing it; returns it
+    as text.
+
+    Args:
+        data: JSON as bytes (UTF-8, or UTF-16/32 as :func:`json.loads` accepts) or str.
+        max_bytes: largest size accepted, in bytes (a str counts its UTF-8 bytes).
+        max_depth: deepest nesting of arrays/objects accepted.
+
+    Raises:
+        JSONBoundError: ``oversized``, ``too_deep`` or ``malformed``.
+    """
+    size = len(data) if not isinstance(data, str) else len(data.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise JSONBoundError("oversized", f"{size} bytes > {max_bytes}")
+    text = _text(data)
+    # fast path: fewer brackets than the limit cannot nest deeper than it
+    if text.count("[") + text.count("{") > max_depth:
+        d = depth(text)
+        if d > max_depth:
+            raise JSONBoundError("too_deep", f"nested {d} levels > {max_depth}")
+    return text
+
+
+def loads(data: bytes | bytearray | memoryview | str, kind: str | None = None, *, max_bytes: int | None = None,
+          max_depth: int = MAX_DEPTH) -> Any:
+    """Parse JSON ``data`` received from outside, bounded in size and nesting depth.
+
+    Args:
+        data: the JSON text (bytes or str).
+        kind: a key of :data:`LIMITS` giving the size limit (e.g. ``"status"``: 64 KiB).
+        max_bytes: explicit size limit in bytes (overrides ``kind``); one of the two is needed.
+        max_depth: deepest nesting of arrays/objects accepted (default 32).
+
+    Returns:
+        The parsed value (any JSON type; callers check it is the shape they expect).
+
+    Raises:
+        JSONBoundError: ``oversized`` (size checked first, before decoding), ``too_deep``
+            or ``malformed`` (not JSON, not text, or a number too long to convert).
+        KeyError: ``kind`` is not in :data:`LIMITS` (a programming error).
+    """
+    if max_bytes is None:
+        if kind is None:
+            raise TypeError("loads() needs kind or max_bytes")
+        max_bytes = LIMITS[kind]
+    text = check(data, max_bytes, max_depth)
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:  # RecursionError: cannot happen after check(); kept as a guard
+        raise JSONBoundError("malformed", str(exc)[:200]) from None
+
+
+class RateLimitedLog:
+    """Logs the errors of a long-lived message loop without flooding the log: the first
+    ``burst`` with their traceback, then at most one line per ``every`` seconds saying how
+    many were not logged.  Used where a handler's exception is caught, counted and the
+    loop goes on (``handler_error``).
+
+    Args:
+        logger: where to log.
+        every: seconds between two lines once ``burst`` lines were logged.
+        burst: lines logged with a traceback before the limit applies.
+    """
+
+    def __init__(self, logger: logging.Logger, every: float = 60.0, burst: int = 5):
+        self.logger, self.every, self.burst = logger, every, burst
+        self._lock = threading.Lock()
+        self._logged = 0
+        self._suppressed = 0
+        self._last = -math.inf
+
+    def exception(self, msg: str, *args: Any) -> None:
+        """Log ``msg % args`` at error level with the current exception, rate-limited."""
+        now = time.monotonic()
+        with self._lock:
+            if self._logged < self.burst:
+                self._logged += 1
+                self._last = now
+                suppressed, tb = 0, True
+            elif now - self._last >= self.every:
+                self._last = now
+                suppressed, tb = self._suppressed, False
+                self._suppressed = 0
+            else:
+                self._suppressed += 1
+                return
+        if tb:
+            self.logger.error(msg, *args, exc_info=True)
+        else:  # one line: the exception, and how many were left out since the last line
+            exc = sys.exc_info()[1]
+            self.logger.error(msg + ": %r (%d more not logged)", *args, exc, suppressed)
