@@ -70,6 +70,7 @@ from typing import Any
 import numpy as np
 
 from dfl_agent.fsutil import atomic_writer, rename
+from dfl_agent.jsonbound import loads as bounded_loads
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ class Schema:
         """
         p = Path(path)
         try:
-            d = json.loads(p.read_text(encoding="utf-8"))
+            d = bounded_loads(p.read_bytes(), "manifest")  # size and nesting depth bounded
         except (OSError, ValueError) as exc:
             raise StoreError(f"{p}: unreadable meta.json ({exc})") from None
         if not isinstance(d, dict) or "input_shape" not in d:

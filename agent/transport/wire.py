@@ -94,6 +94,8 @@ import numpy as np
 import zstandard
 
 from dfl_agent.algorithms.context import BROADCAST, Message
+from dfl_agent.jsonbound import JSONBoundError
+from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.learning.compression import CompressionError, zstd_inflate
 from dfl_agent.transport import codec as _codec
 
@@ -390,7 +392,8 @@ def _parse_header(frame: bytes, version: int, hlen: int) -> dict[str, Any]:
     """The JSON header of ``frame`` (inflated first when ``version`` has :data:`HEADER_ZSTD`).
 
     Raises:
-        WireError: ``malformed`` (bad zstd, over :data:`MAX_HEADER_BYTES`, not a JSON object).
+        WireError: ``malformed`` (bad zstd, over :data:`MAX_HEADER_BYTES`, not a JSON object),
+            ``too_deep`` (JSON nested deeper than 32 levels).
     """
     raw = bytes(frame[PREFIX_LEN : PREFIX_LEN + hlen])
     if version & HEADER_ZSTD:
@@ -405,18 +408,18 @@ def _parse_header(frame: bytes, version: int, hlen: int) -> dict[str, Any]:
     if cut > 0 and _SIG_CHARS.fullmatch(raw, cut + len(_SIG_TAIL), len(raw) - 2):
         # the signed form of encode(): parse the signed bytes, the signature is the tail
         body = raw[:cut] + b"}"
-        try:
-            parsed = json.loads(body.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        try:  # bounded in size and nesting depth (32), like every JSON received
+            parsed = bounded_loads(body, max_bytes=MAX_HEADER_BYTES)
+        except JSONBoundError:
             parsed = None
         if isinstance(parsed, dict):
             header = Header(parsed, signed_bytes=body)
             header["sig"] = raw[cut + len(_SIG_TAIL) - 8 : -2].decode()
             return header
     try:
-        parsed = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError("malformed", f"envelope is not JSON: {exc}") from None
+        parsed = bounded_loads(raw, max_bytes=MAX_HEADER_BYTES)
+    except JSONBoundError as exc:  # too_deep (over 32 levels), oversized, malformed
+        raise WireError(exc.reason, f"envelope is not usable JSON: {exc}") from None
     if not isinstance(parsed, dict):
         raise WireError("malformed", "envelope is not an object")
     return Header(parsed)
