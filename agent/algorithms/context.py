@@ -150,7 +150,9 @@ class NodeContext(Protocol):
         catches up (``runtime.rejoin`` on a device) and updates already received from
         live neighbours show them past ``next_round`` without this node (it lagged: a
         broker outage, a partition; a round-r update means its sender completed round
-        r - 1), one past the highest round they completed.  Never less than
+        r - 1), one past the highest round that more than half of the live neighbours
+        completed (at least two distinct senders when two or more are live), but at most
+        ``runtime.max_catch_up_rounds`` past ``next_round``.  Never less than
         ``next_round``.  The evidence is updates that passed every check on arrival
         (:meth:`check_on_arrival`: envelope, signature, tensors), not the status."""
         ...

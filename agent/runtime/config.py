@@ -205,6 +205,9 @@ class RuntimeSection:
         True, help="deprecated and always on: a restarted node rejoins a running federation at its current round")
     pause_when_disconnected: bool = described(
         True, help="no training while the broker connection is down (instead of running rounds alone)")
+    max_catch_up_rounds: int = described(
+        10, help="most rounds one catch-up skips at once (at a restart or during a run); a node further "
+                 "behind catches up in several skips; 0 = never skip")
 
 
 @dataclasses.dataclass
@@ -430,6 +433,8 @@ def _validate(cfg: NodeConfig) -> None:
          "must be an integer >= 1")
     need(cfg.runtime.log_format in ("auto", "text", "journal"), "runtime.log_format", "must be auto, text or journal")
     need(0 <= cfg.runtime.prometheus_port <= 65535, "runtime.prometheus_port", "must be in [0, 65535] (0 = off)")
+    need(isinstance(cfg.runtime.max_catch_up_rounds, int) and not isinstance(cfg.runtime.max_catch_up_rounds, bool)
+         and cfg.runtime.max_catch_up_rounds >= 0, "runtime.max_catch_up_rounds", "must be an integer >= 0")
     from dfl_agent.learning.compression import CompressionError, parse_spec
 
     c = cfg.compression

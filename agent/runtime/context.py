@@ -36,6 +36,49 @@ TIMING_KEYS = ("train_s", "encode_s", "send_s", "receive_s")
 
 RoundHook = Callable[[int, dict[str, Any]], Awaitable[None]]
 
+#: ``runtime.max_catch_up_rounds``'s default: the most rounds one catch-up skips
+MAX_CATCH_UP_ROUNDS = 10
+
+
+def evidence_quorum(live: int) -> int:
+    """How many of ``live`` verified neighbours must show a round before a node acts on
+    it: more than half, and at least two distinct senders when two or more are live
+    (one sender with one live neighbour; 0 for none, which nothing can satisfy).
+
+    >>> [evidence_quorum(n) for n in range(6)]
+    [0, 1, 2, 2, 3, 3]
+    """
+    if live <= 0:
+        return 0
+    return max(live // 2 + 1, min(2, live))
+
+
+def catch_up_target(next_round: int, shown: Mapping[str, int], live: int, cap: int) -> int:
+    """The round to run next when neighbours show later rounds (fault tolerance).
+
+    Args:
+        next_round: the round this node would run next (>= 1).
+        shown: live verified neighbour -> the highest round it showed it completed
+            (one entry per distinct sender; entries of other peers must be left out).
+        live: how many verified neighbours are live (the quorum's base, >= len(shown)
+            is expected; a smaller value is raised to ``len(shown)``).
+        cap: ``runtime.max_catch_up_rounds``, the most rounds skipped at once (0 = never).
+
+    Returns:
+        ``next_round`` unless :func:`evidence_quorum` of the live neighbours showed a
+        round >= ``next_round``; then one past the highest round that a quorum showed,
+        but at most ``next_round + cap``.  One insider's claim (a signed frame or status
+        with round + 1000) is never enough where two or more neighbours are live, and no
+        claim moves a node more than ``cap`` rounds per event.
+    """
+    need = evidence_quorum(max(int(live), len(shown)))
+    if need == 0 or len(shown) < need or cap <= 0:
+        return next_round
+    ahead = sorted(shown.values(), reverse=True)[need - 1]  # the need-th highest: a quorum showed it
+    if ahead < next_round:
+        return next_round
+    return min(ahead + 1, next_round + cap)
+
 
 @dataclasses.dataclass(slots=True)
 class PreparedFrame:
@@ -171,6 +214,11 @@ class RuntimeContext:
         self.latest_round: dict[str, int] = {}
         self._arrival_checks: dict[str, Callable[[Message], str | None]] = {}
         self.caught_up = 0  # rounds skipped to catch up with the neighbours
+        #: ``runtime.max_catch_up_rounds``: the most rounds one skip moves this node
+        self.max_catch_up_rounds = MAX_CATCH_UP_ROUNDS
+        #: the run's last round (set by the daemon): a skip never passes it, so the node
+        #: runs the last round itself and no claim of its neighbours ends its run
+        self.final_round: int | None = None
         self.gate: Callable[[], str | None] | None = None  # None = may train, else the reason
         self.gate_poll = 5.0  # seconds between gate checks while gated
         self.gated: str | None = None  # this node's current gating reason
@@ -609,23 +657,29 @@ class RuntimeContext:
         self._arrival_checks[kind] = check
 
     def catch_up_round(self, next_round: int) -> int:
+        """The round to run after ``next_round - 1`` (see :func:`catch_up_target`).
+
+        Evidence: updates of later rounds received from live (verified, when signatures
+        are on) neighbours that passed every check on arrival, tensors included (a
+        round-``r`` update shows that its sender completed round ``r - 1``).  The node
+        skips only when more than half of its live neighbours (at least two distinct
+        senders when two or more are live) showed a later round, and then by at most
+        :attr:`max_catch_up_rounds` rounds and never past :attr:`final_round`; without
+        :attr:`catch_up` it never skips."""
         if not self.catch_up:
             return next_round
-        # evidence: updates of later rounds received from live (verified, when signatures
-        # are on) neighbours that passed every check on arrival, tensors included (a
-        # round-r update shows that its sender completed round r - 1).  Bounded: skip to
-        # round r only when at least half of the live neighbours (at least one) showed it,
-        # so one member (or one forged round) cannot make the node skip.
-        shown = sorted((self.latest_round.get(p, 0) - 1 for p in self.neighbours()), reverse=True)
-        if not shown:
+        live = self.neighbours()
+        shown = {p: self.latest_round[p] - 1 for p in live if p in self.latest_round}
+        target = catch_up_target(next_round, shown, len(live), self.max_catch_up_rounds)
+        if self.final_round is not None:
+            target = max(next_round, min(target, self.final_round))
+        if target == next_round:
             return next_round
-        ahead = shown[max(1, -(-len(shown) // 2)) - 1]
-        if ahead < next_round:
-            return next_round
-        self.caught_up += ahead + 1 - next_round
-        log.warning("%s: neighbours completed round %d without this node; skipping rounds %d-%d to rejoin them",
-                    self.node_id, ahead, next_round, ahead)
-        return ahead + 1
+        self.caught_up += target - next_round
+        log.warning("%s: most live neighbours completed later rounds without this node; skipping rounds %d-%d "
+                    "to rejoin them (at most runtime.max_catch_up_rounds = %d at once)",
+                    self.node_id, next_round, target - 1, self.max_catch_up_rounds)
+        return target
 
     def is_neighbour(self, peer: str) -> bool:
         if peer == self.node_id or self.peers.get(peer) is None or not self._compatible(peer):

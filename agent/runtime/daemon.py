@@ -21,6 +21,7 @@ import logging
 import secrets
 import signal
 import sys
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,7 @@ class Agent:
 
     def __init__(self, cfg: NodeConfig, config_path: str | None = None, psutil_mod: Any = None, *,
                  run: Any = None, run_dir: Path | None = None, serving: bool = False,
-                 should_stop: Any = None, wanted_peers: Any = None):
+                 should_stop: Any = None, wanted_peers: Any = None, members: Any = None):
         self.cfg = cfg
         #: the run trained (runs.RunDescriptor; None with ``--once``), its folder, and
         #: whether an always-on ``serve`` loop owns the process (no systemd STOPPING)
@@ -105,6 +106,11 @@ class Agent:
         #: ``() -> int``: at most this many peers can still come (runs: the others that did
         #: not decline the run); the wait for ``discovery.min_peers`` never waits for more
         self.wanted_peers = wanted_peers
+        #: the run's members besides this node, whose majority may say that the run is
+        #: finished: the admitted members given here (runs: verified statuses that
+        #: accepted it), those recorded in ``members.json`` of the run's folder, and the
+        #: live verified neighbours when the node starts its rounds (see :meth:`_members`)
+        self.members: set[str] = {str(m) for m in (members or ())}
         self.outcome = "starting"
         self.psutil = psutil_mod  # None = the real psutil (tests pass a stand-in for battery etc.)
         self.state_dir = Path(cfg.state_dir)
@@ -233,6 +239,7 @@ class Agent:
         ctx.gate = ResourceGate(profile.limits, profile.training.windows, psutil_mod=self.psutil)
         ctx.gate_poll = profile.limits.poll_interval_s
         ctx.pause_when_disconnected = cfg.runtime.pause_when_disconnected
+        ctx.max_catch_up_rounds, ctx.final_round = cfg.runtime.max_catch_up_rounds, cfg.algorithm.rounds
         run_id = self.run_desc.run_id if self.run_desc is not None else None
         if self.run_dir is not None:  # runs: metrics per run
             metrics_path = self.run_dir / "metrics.jsonl"
@@ -285,6 +292,7 @@ class Agent:
                 spool_task = asyncio.ensure_future(spool_loop(self.store, d.spool_interval))
             await node.setup()
             start_round = self._resume(spec_hash(spec))  # operations: crash-safe state
+            self.members |= self._load_members(resumed=start_round > 1)
             await node.publish_status()
             watchdog = self._start_systemd()
             exporter = self._start_prometheus()
@@ -301,12 +309,13 @@ class Agent:
                 return 0
             node.startup["warm_up_s"] = await warm
             if cfg.runtime.rejoin and algo_cls.communicates:  # fault tolerance: behind the federation
-                start_round = max(start_round, self._rejoin_round())
-                self.ctx.catch_up = True  # ... and, while running, behind its neighbours
-                if start_round > cfg.algorithm.rounds:
-                    log.info("the federation already finished its %d rounds", cfg.algorithm.rounds)
+                if self._federation_finished():  # a majority of the run's members, never one device
+                    log.info("most of the run's members report it finished (%d rounds)", cfg.algorithm.rounds)
                     self.outcome = "finished"
                     return 0
+                start_round = self._rejoin_round(start_round)
+                self.ctx.catch_up = True  # ... and, while running, behind its neighbours
+            self._save_members()
             should_stop = self.should_stop
             # checked after every round, before the next one starts (a stop or a cancel
             # that arrives mid-round also cancels the round in progress, below)
@@ -499,25 +508,81 @@ class Agent:
         self.notifier.ready(self.status_line())
         return applied
 
-    def _rejoin_round(self) -> int:
+    def _rejoin_round(self, start_round: int = 1) -> int:
         """Fault tolerance (``runtime.rejoin``): the round to start at when (re)joining a
-        running federation - one after the highest round that a live, running peer's
-        fresh status reports, or that a finished peer reports (1 when none).  The model
-        starts from its initialisation (no checkpoint): the next aggregation brings it
-        close to its neighbours'."""
+        running federation.  Evidence: the rounds that live verified neighbours' fresh
+        ``running`` statuses report as completed; the node skips from ``start_round`` only
+        when more than half of its live neighbours (at least two distinct ones when two or
+        more are live) are ahead, by at most ``runtime.max_catch_up_rounds`` rounds, and
+        never past the run's last round (a status never says that the run is finished:
+        :meth:`_federation_finished` does).  The model starts from its checkpoint or its
+        initialisation: the next aggregation brings it close to its neighbours'."""
         import time as _time
 
-        live = set(self.ctx.live_peers())
+        from dfl_agent.runtime.context import catch_up_target
+
+        live = self.ctx.neighbours()
         limit = self.cfg.discovery.heartbeat_timeout
-        rounds = [  # statuses are unsigned JSON: malformed values count as 0
-            _as_round(s.get("round")) for nid, s in self._run_statuses().items()
-            if s.get("state") == "finished"
-            or (nid in live and s.get("state") == "running" and _time.time() - _as_float(s.get("time")) <= limit)
-        ]
-        start = max(rounds, default=0) + 1
-        if start > 1:
+        statuses = self._run_statuses()
+        shown = {  # statuses are untrusted JSON: malformed values count as 0
+            nid: _as_round(s.get("round")) for nid in live if isinstance(s := statuses.get(nid), dict)
+            and s.get("state") == "running" and _time.time() - _as_float(s.get("time")) <= limit
+        }
+        start = catch_up_target(start_round, shown, len(live), self.cfg.runtime.max_catch_up_rounds)
+        start = max(start_round, min(start, self.cfg.algorithm.rounds))
+        if start > start_round:
             log.info("rejoining the federation at round %d", start)
         return start
+
+    def _members(self) -> set[str]:
+        """The run's members besides this node (:attr:`members`, else, when none is
+        known, the live verified neighbours)."""
+        members = set(self.members)
+        if not members and self.ctx is not None:
+            members = set(self.ctx.neighbours())
+        members.discard(self.node_id)
+        return members
+
+    def _federation_finished(self) -> bool:
+        """Whether a majority of the run's members (:meth:`_members`) report the run
+        finished in their (verified, when signatures are required) statuses - more than
+        half of them and at least two distinct devices, so one device's status, however
+        signed, never ends another node's run.  The operator's say is the signed run
+        descriptor (a cancel), checked before every round."""
+        return finished_by_members(self._run_statuses(), self._members())
+
+    def _members_path(self) -> Path:
+        return (self.run_dir or self.state_dir) / MEMBERS_FILE
+
+    def _load_members(self, resumed: bool) -> set[str]:
+        """The members recorded in the run's folder (runs: ``runs/{id}/members.json``;
+        ``--once``: ``state_dir/members.json``, read only when resuming a checkpoint, since
+        the folder outlives the run).  A missing or unreadable file: none."""
+        if self.run_dir is None and not resumed:
+            return set()
+        try:
+            raw = json.loads(self._members_path().read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return set()
+        ids = raw.get("members") if isinstance(raw, dict) else None
+        return {m for m in ids if isinstance(m, str)} if isinstance(ids, list) else set()
+
+    def _save_members(self) -> None:
+        """Record the run's members as the rounds start: the known ones plus the live
+        verified neighbours (written atomically; a failure is logged, never fatal)."""
+        if self.ctx is None:
+            return
+        members = (self.members | set(self.ctx.neighbours())) - {self.node_id}
+        if not members or (members == self.members and self._members_path().exists()):
+            return
+        self.members = members
+        try:
+            from dfl_agent.fsutil import atomic_write
+
+            self._members_path().parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(self._members_path(), json.dumps({"members": sorted(members)}))
+        except OSError as exc:
+            log.warning("could not record the run's members in %s: %s", self._members_path(), exc)
 
     def _run_statuses(self) -> dict[str, dict[str, Any]]:
         """Peers' statuses that speak of this node's run (all of them with ``--once``):
@@ -558,9 +623,8 @@ class Agent:
         deadline = loop.time() + self.cfg.discovery.start_timeout
         node = self.node
         node.state = "waiting_for_peers"
-        def finished() -> bool:  # runtime.rejoin: a peer already finished, nobody to wait for
-            return self.cfg.runtime.rejoin and self.node.algorithm.communicates and any(
-                s.get("state") == "finished" for s in self._run_statuses().values())
+        def finished() -> bool:  # runtime.rejoin: most members already finished, nobody to wait for
+            return self.cfg.runtime.rejoin and self.node.algorithm.communicates and self._federation_finished()
 
         def wanted() -> int:
             return want if self.wanted_peers is None else min(want, int(self.wanted_peers()))
@@ -888,7 +952,8 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
             run_dir = ledger.run_dir(d.run_id)
             run_dir.mkdir(parents=True, exist_ok=True)
             agent = Agent(run_config_for(cfg, d), config_path, run=d, run_dir=run_dir, serving=True,
-                          should_stop=is_cancelled, wanted_peers=lambda run_id=d.run_id: lobby.may_join(run_id))
+                          should_stop=is_cancelled, wanted_peers=lambda run_id=d.run_id: lobby.may_join(run_id),
+                          members=lobby.accepted_by(d.run_id) - {nid})  # the admitted members so far
             #: the last round this node had completed when the cancel reached it
             cancel_round: dict[str, int] = {}
 
@@ -1050,11 +1115,9 @@ def written_rounds(path: Path | None, node_id: str, run_id: str | None, since: i
         lines = f.read().splitlines()
     if size > tail_bytes:
         lines = lines[1:]  # the first one may be cut
-    from dfl_agent.jsonbound import loads as bounded_loads
-
     for line in lines:
-        try:  # depth-bounded: a forged line must not raise RecursionError here
-            rec = bounded_loads(line, max_bytes=tail_bytes)
+        try:
+            rec = json.loads(line)
         except ValueError:
             continue
         if isinstance(rec, dict) and rec.get("node") == node_id and rec.get("run") == run_id \
@@ -1072,6 +1135,20 @@ def _end_torn_line(path: Path) -> None:
                 f.write(b"\n")
     except FileNotFoundError:
         pass
+
+
+#: the run's members, recorded in the run's folder (:meth:`Agent._save_members`)
+MEMBERS_FILE = "members.json"
+
+
+def finished_by_members(statuses: Mapping[str, Any], members: Collection[str]) -> bool:
+    """Whether the run is finished by its members' say: more than half of ``members``
+    (node ids besides this node) and at least two distinct ones have a status (a dict
+    in ``statuses``, node id -> status) whose ``state`` is ``"finished"``.  Statuses of
+    non-members count for nothing; with fewer than two other members it is never true.
+    """
+    done = sum(1 for m in set(members) if isinstance(st := statuses.get(m), Mapping) and st.get("state") == "finished")
+    return done >= 2 and done > len(set(members)) // 2
 
 
 def _as_round(value: Any) -> int:

@@ -1,7 +1,8 @@
 """An outsider on the broker (paho, no key) attacks the control plane of two signed
 agents (``security.require_signatures``): a fake retained "finished" status with a huge
-round, a ghost node's presence with fake heartbeats, a replayed genuine presence, a
-spoofed "gated" status and a forged "offline" of a live member, unsigned frames
+round, the same signed with an enrolled device's own key (a2, which never runs: one
+insider is no majority of the run's members), a ghost node's presence with fake
+heartbeats, a replayed genuine presence, a spoofed "gated" status and a forged "offline" of a live member, unsigned frames
 naming the receiver as sender, and a member-signed model frame (a1's key) of a far
 future round with tensors of the wrong shape.  Every attack fails: both agents start
 (nothing says the federation finished), train every round with each other and with
@@ -53,6 +54,12 @@ def test_outsider_cannot_steer_the_control_plane(tmp_path):
         _publish(out, node("ghost", "presence"), {"state": "online", "node_id": "ghost", "time": now,
                                                   "descriptor": {"broker": broker.endpoint, "algorithm": "fedavg"}},
                  retain=True)
+        # an insider: enrolled device a2 signs a retained "finished" status with its own key
+        a2_cert = enroll_local(fed_key, fed, "a2", tmp_path / "a2")
+        insider = SecurityGuard("a2", load_or_create_key(tmp_path / "a2"), TrustStore(fed), certificate=a2_cert)
+        _publish(out, node("a2", "status"), insider.sign_control(
+            "status", {"node_id": "a2", "state": "finished", "round": 999999, "time": now, "heartbeat": 1}, fed),
+            retain=True)
         paths, procs, certs = [], [], []
         for i in range(2):
             state = tmp_path / f"a{i}"

@@ -29,6 +29,7 @@ def _scenario(catch_up=True, kill=False, graph=None):
     net = MemoryNetwork()
     ctxs = {nid: _ctx(net, nid, graph if nid == "me" else None) for nid in ("me", "ahead", "far")}
     ctxs["me"].catch_up = catch_up
+    ctxs["me"].max_catch_up_rounds = 1000  # which round is chosen; the cap: test_insider_limits.py
     ctxs["me"].check_on_arrival("model", arrival_check({"x": np.ones(2, np.float32)}))
 
     async def main():
@@ -144,8 +145,8 @@ def test_no_pause_when_off():
     assert trained == [1] and me.disconnected_seconds == 0.0
 
 
-# -- the skip rule: evidence is only what passed every check; half of the live verified
-# -- neighbours (at least one) must have shown the round -------------------------------
+# -- the skip rule: evidence is only what passed every check; more than half of the live
+# -- verified neighbours (two distinct ones when two or more are live) must have shown the round
 GOOD = {"x": np.ones(2, np.float32)}
 BAD = {"x": np.ones(5, np.float32)}  # the wrong shape
 
@@ -166,6 +167,7 @@ def _skip_scenario(sends, secure=False, trusted=("a", "b", "c")):
         ctxs[nid] = ctx
     me = ctxs["me"]
     me.catch_up = True
+    me.max_catch_up_rounds = 1000  # which round is chosen; the cap: test_insider_limits.py
     me.check_on_arrival("model", arrival_check(GOOD))
 
     async def main():
@@ -210,8 +212,11 @@ def test_unverified_neighbours_frame_does_not_count():
     nxt, me = _skip_scenario(sends, secure=True, trusted=("a",))
     assert nxt == 16 and me.caught_up == 0
     assert me.rejected["unknown_sender"] == 1 and "c" not in me.neighbours()
-    # both trusted: at least half of the two verified neighbours showed round 89
+    # both trusted: one of the two verified neighbours is no majority (one insider never
+    # decides a skip); both of them ahead are
     nxt, me = _skip_scenario(sends, secure=True, trusted=("a", "c"))
+    assert nxt == 16
+    nxt, me = _skip_scenario([("a", 90, GOOD), ("c", 90, GOOD)], secure=True, trusted=("a", "c"))
     assert nxt == 90
 
 
