@@ -8,9 +8,12 @@ Subclasses set ``name``, an ``Options`` dataclass (validated from the config's
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
+import logging
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -18,9 +21,56 @@ import torch
 from torch import nn
 
 from dfl_agent.algorithms.context import NodeContext
+from dfl_agent.learning.training import snapshot
 from dfl_agent.models import build_model
 
+log = logging.getLogger(__name__)
+
 _REGISTRY: dict[str, type[Algorithm]] = {}
+
+
+@dataclasses.dataclass
+class GuardResult:
+    """Outcome of one step run under :meth:`Algorithm.divergence_guard`.
+
+    Attributes:
+        step: the step's name (``"aggregation"``, ``"mutual learning"``, ``"transfer"``...).
+        diverged: set on leaving the ``with`` block when the step left a non-finite
+            parameter, buffer or guarded state (then restored to its value before the step).
+        detail: the first non-finite entry found, e.g. ``"model.fc1.weight"``.
+    """
+
+    step: str
+    diverged: bool = False
+    detail: str = ""
+
+
+def first_nonfinite(value: Any) -> str | None:
+    """Where ``value`` holds NaN or Inf: ``None`` when every floating entry is finite,
+    else the path of the first non-finite tensor (``""`` for ``value`` itself).
+
+    ``value`` may be an ``nn.Module`` (its ``state_dict``: parameters and buffers), a
+    torch tensor, a numpy array, or a mapping / list / tuple of those (nested); anything
+    else (ints, strings, ``None``) counts as finite.  Integer tensors are always finite.
+    """
+    if isinstance(value, nn.Module):
+        value = value.state_dict()
+    if torch.is_tensor(value):
+        return "" if (value.is_floating_point() or value.is_complex()) and not bool(torch.isfinite(value).all()) \
+            else None
+    if isinstance(value, np.ndarray):
+        return "" if value.dtype.kind in "fc" and not bool(np.isfinite(value).all()) else None
+    if isinstance(value, Mapping):
+        items: Any = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        where = first_nonfinite(item)
+        if where is not None:
+            return f"{key}.{where}" if where else str(key)
+    return None
 
 
 @dataclasses.dataclass
@@ -56,6 +106,62 @@ class Algorithm:
             # also queue a seeding of every cuda device, which fork_rng does not undo
             torch.random.default_generator.manual_seed(self.ctx.init_seed if seed is None else seed)
             return build_model(spec or self.ctx.model_spec).to(self.ctx.device)
+
+    #: names of non-module attributes (tensor dicts such as GT's reference model) that
+    #: :meth:`divergence_guard` checks and restores together with the models
+    guarded_state: ClassVar[tuple[str, ...]] = ()
+
+    @contextlib.contextmanager
+    def divergence_guard(self, step: str, *extra: nn.Module) -> Iterator[GuardResult]:
+        """Run one aggregation, mutual-learning or transfer step (the body of the ``with``)
+        so that it never leaves a non-finite model behind.
+
+        Before the step: a copy of the state (parameters and buffers) of every
+        ``nn.Module`` attribute of the algorithm, of each module in ``extra`` (e.g. the
+        peers' models DFML's aggregator trains) and of the attributes named in
+        :attr:`guarded_state`.  After it (also when it raised): if any of them (the
+        attribute's *current* object: a step may replace ``self.model``) holds NaN or
+        Inf, every one is put back as it was before the step (attributes point to their
+        old objects again, with their old values), ``diverged`` is counted on the
+        context (:meth:`NodeContext.note_diverged`: a WARNING at most once per round) and
+        the yielded :class:`GuardResult` says so.  The caller then goes on with the round
+        on the old model.  Cost: one copy of the guarded state per step, none per
+        mini-batch.
+
+        Yields:
+            :class:`GuardResult`, filled in when the block ends.
+        """
+        modules = [(attr, m, snapshot(m)) for attr, m in vars(self).items() if isinstance(m, nn.Module)]
+        extras = [(m, snapshot(m)) for m in extra]
+        state = {a: copy.deepcopy(getattr(self, a)) for a in self.guarded_state if hasattr(self, a)}
+        result = GuardResult(step)
+        try:
+            yield result
+        finally:
+            where = None
+            now: list[tuple[str, Any]] = [(a, m) for a, m in vars(self).items() if isinstance(m, nn.Module)]
+            now += [(f"extra{i}", m) for i, m in enumerate(extra)]
+            now += [(a, getattr(self, a)) for a in self.guarded_state if hasattr(self, a)]
+            for name, value in now:
+                bad = first_nonfinite(value)
+                if bad is not None:
+                    where = f"{name}.{bad}" if bad else name
+                    break
+            if where is not None:
+                for attr, m, sd in modules:
+                    m.load_state_dict(sd)
+                    setattr(self, attr, m)
+                for m, sd in extras:
+                    m.load_state_dict(sd)
+                for a, v in state.items():
+                    setattr(self, a, v)
+                result.diverged, result.detail = True, where
+                note = getattr(self.ctx, "note_diverged", None)
+                if callable(note):
+                    note(step, where)
+                else:  # a minimal context (tests): log only
+                    log.warning("%s step left non-finite parameters (%s); restored the model from before it",
+                                step, where)
 
     # -- to implement ----------------------------------------------------------
     async def setup(self) -> None:

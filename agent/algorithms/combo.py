@@ -56,8 +56,9 @@ class Combo(PairAlgorithm):
         msg = await self.await_from(self.kind("seg2"), t, sender, deadline, lambda m: self._check_segment(m, expected))
         if msg is None:
             return {"fused": False, "neighbours": 1}
-        load_numpy(self.model, average_segment(own, 2, msg.tensors["segment"], self.samples, msg.meta["samples"]))
-        return {"fused": True, "neighbours": 1}
+        with self.divergence_guard("aggregation") as guard:  # a non-finite average is undone
+            load_numpy(self.model, average_segment(own, 2, msg.tensors["segment"], self.samples, msg.meta["samples"]))
+        return {"fused": not guard.diverged, "neighbours": 1}
 
     async def act_as_sender(self, t: int, receiver: str, deadline: float) -> dict[str, Any]:
         w_tilde, stats = await self.train_copy()
@@ -67,6 +68,10 @@ class Combo(PairAlgorithm):
         expected = flatten_segment(mine, 1).shape[0]
         msg = await self.await_from(self.kind("seg1"), t, receiver, deadline,
                                     lambda m: self._check_segment(m, expected))
+        fused = msg is not None
         if msg is not None:
-            load_numpy(self.model, average_segment(mine, 1, msg.tensors["segment"], self.samples, msg.meta["samples"]))
-        return {"train_loss": stats["loss"], "fused": msg is not None, "neighbours": 1}
+            with self.divergence_guard("aggregation") as guard:  # a non-finite average is undone
+                load_numpy(self.model, average_segment(mine, 1, msg.tensors["segment"], self.samples,
+                                                       msg.meta["samples"]))
+            fused = not guard.diverged
+        return {"train_loss": stats["loss"], "fused": fused, "neighbours": 1}

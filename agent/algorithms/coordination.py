@@ -196,9 +196,12 @@ class RotatingAggregator(Algorithm):
         raise NotImplementedError
 
     async def _apply(self, t: int, tensors: Tensors, meta: dict[str, Any]) -> None:
-        res = self.apply_update(t, tensors, meta)
-        if inspect.isawaitable(res):
-            await res
+        """:meth:`apply_update` under the divergence guard: an update that leaves a
+        non-finite model is undone (the node keeps its model) and counted."""
+        with self.divergence_guard("update"):
+            res = self.apply_update(t, tensors, meta)
+            if inspect.isawaitable(res):
+                await res
 
     # -- the protocol ----------------------------------------------------------------
     def _now(self) -> float:
@@ -398,7 +401,8 @@ class RotatingAggregator(Algorithm):
                     ctx.reject(msg, f"incompatible: {exc}")
                     continue
                 contributions[msg.sender] = msg
-        updates, info = await self.aggregate(t, token, contributions)
+        with self.divergence_guard("aggregation"):  # the aggregator's own models stay finite
+            updates, info = await self.aggregate(t, token, contributions)
         await self._drain_done()
         if self._lost(t):
             log.info("%s: round %d was completed elsewhere; abandoning it", ctx.node_id, t)

@@ -166,10 +166,12 @@ class NeighbourhoodAlgorithm(Algorithm):
         )
         got = gc.received_copies(ctx, self.choco, got, nonnegative=(HESSIAN_PREFIX,))
         msgs = [got[s] for s in sorted(got)]
-        tensors, info = self.aggregate(t, gc.own_for_mixing(self.choco, own), msgs)
-        load_numpy(self.model, gc.finish_mixing(self.choco, own, tensors))
+        with self.divergence_guard("aggregation") as guard:  # a non-finite aggregate is undone
+            tensors, info = self.aggregate(t, gc.own_for_mixing(self.choco, own), msgs)
+            load_numpy(self.model, gc.finish_mixing(self.choco, own, tensors))
+        used = [] if guard.diverged else sorted(got)
         stats = await self._train_and_send(t)  # Alg. 1 lines 9-11
-        return {"train_loss": stats["loss"], "neighbours": len(msgs), "neighbour_ids": sorted(got),
+        return {"train_loss": stats["loss"], "neighbours": len(used), "neighbour_ids": used,
                 "missing": missing, **info,
                 **(self.market.last.info() if self.market.last is not None else {})}
 

@@ -92,6 +92,7 @@ class DefKT(PushAlgorithm):
 
     name = "defkt"
     Options = DefKTOptions
+    fuse_step = "transfer"
 
     def transfer_config(self) -> TrainConfig:
         """The transfer's optimiser: the training config with ``transfer_lr``,
@@ -108,7 +109,10 @@ class DefKT(PushAlgorithm):
         """Receiver's model fusion (Algorithm 1, lines 8-16): E epochs of mutual
         knowledge transfer between w̃ (``incoming``) and w (``self.model``) on the
         receiver's training split, with :meth:`transfer_config`'s optimiser; then w̃
-        becomes the local model."""
+        becomes the local model.  Runs under the shared divergence guard
+        (:meth:`~dfl_agent.algorithms.base.Algorithm.divergence_guard`): a transfer that
+        leaves w̃ or w non-finite (an incoming weight of 1e30 does) is undone, the
+        receiver keeps its model from before the transfer, and ``diverged`` is counted."""
         d, ctx = self.ctx.data, self.ctx
         w_tilde = copy.deepcopy(self.model)
         load_numpy(w_tilde, incoming)

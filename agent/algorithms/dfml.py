@@ -193,16 +193,19 @@ class DFML(RotatingAggregator):
             models.append(m)
         phis = [count_trainable(m) for m in models]
         tc = ctx.train
-        stats = await ctx.compute(
-            mutual_learning, models, phis, d.train_x, d.train_y, alpha=alpha, epochs=o.mutual_epochs,
-            batch_size=tc.batch_size, lr=tc.lr, rng=ctx.rng, momentum=tc.momentum, weight_decay=o.weight_decay,
-            beta=None if o.supervision == "ce" else self.beta, temperature=o.temperature, device=ctx.device,
-            mixed_precision=getattr(tc, "mixed_precision", False),
-        )
-        if stats["diverged"]:
-            # every model was restored; participants keep their models, no peak update
+        # the shared divergence guard: if any model (own or a sender's) ends non-finite,
+        # every one is restored and counted
+        with self.divergence_guard("mutual learning", *models[1:]) as guard:
+            stats = await ctx.compute(
+                mutual_learning, models, phis, d.train_x, d.train_y, alpha=alpha, epochs=o.mutual_epochs,
+                batch_size=tc.batch_size, lr=tc.lr, rng=ctx.rng, momentum=tc.momentum, weight_decay=o.weight_decay,
+                beta=None if o.supervision == "ce" else self.beta, temperature=o.temperature, device=ctx.device,
+                mixed_precision=getattr(tc, "mixed_precision", False),
+            )
+        if guard.diverged:
+            # participants keep their models, no peak update; the round is skipped
             skip = {"alpha": alpha, "skipped": True}
-            return {n: ({}, skip) for n in [*senders, ctx.node_id]}, {"alpha": alpha, "diverged": True}
+            return {n: ({}, skip) for n in [*senders, ctx.node_id]}, {"alpha": alpha, "skipped": True}
         meta = {"alpha": alpha, "top": bool(top and o.peak_top_k > 1)}
         updates = {s: (model_to_numpy(m), meta) for s, m in zip(senders, models[1:])}
         updates[ctx.node_id] = ({}, meta)  # own model was updated in place

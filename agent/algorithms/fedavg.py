@@ -195,10 +195,13 @@ class FedAvg(Algorithm):
         senders = sorted(got)
         base = gc.own_for_mixing(self.choco, own)
         o = self.options
-        avg, _ = robust_aggregate(base, [got[s].tensors for s in senders], [n_own] + [got[s].meta["samples"] for s in senders],
-                                  o.aggregation, clip_norm=o.clip_norm, trim_ratio=o.trim_ratio)
-        load_numpy(self.model, gc.finish_mixing(self.choco, own, avg))
-        return {"train_loss": stats["loss"], "neighbours": len(senders), "neighbour_ids": senders,
+        with self.divergence_guard("aggregation") as guard:  # a non-finite aggregate is undone
+            avg, _ = robust_aggregate(base, [got[s].tensors for s in senders],
+                                      [n_own] + [got[s].meta["samples"] for s in senders],
+                                      o.aggregation, clip_norm=o.clip_norm, trim_ratio=o.trim_ratio)
+            load_numpy(self.model, gc.finish_mixing(self.choco, own, avg))
+        used = [] if guard.diverged else senders
+        return {"train_loss": stats["loss"], "neighbours": len(used), "neighbour_ids": used,
                 "missing": missing, **(self.market.last.info() if self.market.last is not None else {})}
 
     def catches_up(self) -> bool:

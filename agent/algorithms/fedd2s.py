@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import numpy as np
 from torch import nn
@@ -90,6 +90,10 @@ class GlobalModelRotation(RotatingAggregator):
     all live nodes, itself included in the draw), sends θ^g with each invite, and
     broadcasts the new θ^g with ``done``.
     """
+
+    #: the θ^g this node produced is checked and restored with the models by the
+    #: divergence guard of its aggregation (a non-finite θ^g is never broadcast)
+    guarded_state: ClassVar[tuple[str, ...]] = ("_theta_out",)
 
     def initial_global(self) -> Tensors:
         """θ^g before round 1 (the same on every node)."""
@@ -198,6 +202,10 @@ class FedD2S(GlobalModelRotation):
     Options = FedD2SOptions
     checkpoint_attrs = ("z", "l", "distillations")  # Z_n, l_n and the S2C count survive a restart
 
+    #: θ^g produced as holder and the C2S copy Θ̂ to send: checked and restored with the
+    #: personal model by the divergence guard
+    guarded_state = ("_theta_out", "_copy")
+
     async def setup(self) -> None:
         ctx, o = self.ctx, self.options
         self.spec = validate_spec(ctx.model_spec)
@@ -234,7 +242,10 @@ class FedD2S(GlobalModelRotation):
 
     async def local_update(self, t: int) -> dict[str, Any]:
         assert self._theta_in is not None
-        return await self.ctx.compute(self._c2s, self._theta_in)
+        # C2S distils into the received θ^g: under the divergence guard, so that a non-finite
+        # copy is never sent (it is undone; the holder then finds no usable contribution)
+        with self.divergence_guard("transfer"):
+            return await self.ctx.compute(self._c2s, self._theta_in)
 
     def contribution(self, t: int) -> tuple[Tensors, dict[str, Any]]:
         return self._copy, {"l": self.l, "z": self.z, "samples": int(self.ctx.data.num_train)}

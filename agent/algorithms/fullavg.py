@@ -53,6 +53,7 @@ class FullAvg(PushAlgorithm):
 
     name = "fullavg"
     Options = FullAvgOptions
+    fuse_step = "aggregation"
 
     def fuse(self, incoming: dict, samples: float) -> dict[str, Any]:
         """Eq. 9: ``w ← (N_s·w̃ + N_r·w) / (N_s + N_r)``, N = training-sample counts."""
@@ -73,8 +74,10 @@ class FullAvg(PushAlgorithm):
         deadline = ctx.clock.now() + self.options.round_timeout
         got, missing = await collect_round(ctx, self.kind("model"), t, deadline, self.options.poll_interval, own)
         senders = sorted(got)
-        avg = weighted_average([own] + [got[s].tensors for s in senders],
-                               [self.samples] + [got[s].meta["samples"] for s in senders])
-        load_numpy(self.model, avg)
-        return {"role": "all", "train_loss": stats["loss"], "neighbours": len(senders), "neighbour_ids": senders,
+        with self.divergence_guard("aggregation") as guard:  # a non-finite average is undone
+            avg = weighted_average([own] + [got[s].tensors for s in senders],
+                                   [self.samples] + [got[s].meta["samples"] for s in senders])
+            load_numpy(self.model, avg)
+        used = [] if guard.diverged else senders
+        return {"role": "all", "train_loss": stats["loss"], "neighbours": len(used), "neighbour_ids": used,
                 "missing": missing}

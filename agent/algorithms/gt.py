@@ -131,6 +131,8 @@ class LockStepAlgorithm(Algorithm):
     """
 
     votes: bool = False
+    #: checked and restored with the model by the divergence guard of a synchronization
+    guarded_state = ("reference", "forecast")
 
     async def setup(self) -> None:
         self.model = self.new_model()
@@ -231,10 +233,13 @@ class LockStepAlgorithm(Algorithm):
         # own contribution in the same float32 precision as the received ones, so every
         # actor averages bit-identical inputs (in sorted sender order)
         by_sender = {self.ctx.node_id: own, **{m.sender: m.tensors for m in got}}
-        mean = th.mean_gradient([by_sender[s] for s in sorted(by_sender)])
-        self.reference = th.apply_gradient(self.reference, mean, self.lr)
-        load_numpy(self.model, self.reference)
-        self.after_sync(mean)
+        with self.divergence_guard("synchronization") as guard:  # a non-finite M_R is undone
+            mean = th.mean_gradient([by_sender[s] for s in sorted(by_sender)])
+            self.reference = th.apply_gradient(self.reference, mean, self.lr)
+            load_numpy(self.model, self.reference)
+            self.after_sync(mean)
+        if guard.diverged:  # model, M_R and the forecast are as before: no synchronization
+            return []
         self.last_sync = t
         self.syncs += 1
         return sorted(m.sender for m in got)

@@ -66,7 +66,7 @@ import dataclasses
 import hashlib
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -332,10 +332,14 @@ class PushAlgorithm(PairAlgorithm):
     fuses it (Def-KT, FullAvg); runs in ``rounds`` or ``gossip`` mode."""
 
     Options = PushOptions
+    #: the name of :meth:`fuse` in divergence warnings (:meth:`Algorithm.divergence_guard`)
+    fuse_step: ClassVar[str] = "fusion"
 
     def fuse(self, incoming: dict, samples: float) -> dict[str, Any]:
         """Fuse the received model (named numpy tensors, from a sender with ``samples``
-        training samples) into ``self.model``; returns metrics. Runs in ``ctx.compute``."""
+        training samples) into ``self.model``; returns metrics. Runs in ``ctx.compute``,
+        under :meth:`~dfl_agent.algorithms.base.Algorithm.divergence_guard` (a fusion that
+        leaves a non-finite model is undone and counted)."""
         raise NotImplementedError
 
     async def setup(self) -> None:
@@ -362,8 +366,9 @@ class PushAlgorithm(PairAlgorithm):
         msg = await self.await_from(self.kind("model"), t, sender, deadline, check)
         if msg is None:
             return {"fused": False}
-        out = await self.ctx.compute(self.fuse, msg.tensors, float(msg.meta["samples"]))
-        return {"fused": True, "neighbours": 1, **out}
+        with self.divergence_guard(self.fuse_step) as guard:  # a non-finite fusion is undone
+            out = await self.ctx.compute(self.fuse, msg.tensors, float(msg.meta["samples"]))
+        return {"fused": not guard.diverged, "neighbours": 1, **out}
 
     # -- gossip mode ------------------------------------------------------------------------
     async def round(self, t: int) -> dict[str, Any]:
@@ -437,7 +442,10 @@ class PushAlgorithm(PairAlgorithm):
         info: dict[str, Any] = {"role": "gossip", "fused": 0, "pushed_to": "", "attempts": 0, "neighbour_ids": []}
         while self._queue:
             msg = self._queue.popleft()  # checked by the inbox server
-            out = await ctx.compute(self.fuse, msg.tensors, float(msg.meta["samples"]))
+            with self.divergence_guard(self.fuse_step) as guard:  # a non-finite fusion is undone
+                out = await ctx.compute(self.fuse, msg.tensors, float(msg.meta["samples"]))
+            if guard.diverged:
+                continue
             info["fused"] += 1
             info["neighbour_ids"] = sorted({*info["neighbour_ids"], msg.sender})
             info.update({f"last_{key}": v for key, v in out.items()})

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from dfl_agent.learning.losses import cross_entropy, kl_divergence, weighted_softmax_ce
-from dfl_agent.learning.training import autocast_for, batches, restore_if_diverged, snapshot
+from dfl_agent.learning.training import autocast_for, batches, is_finite
 
 
 def kl_weights(phis: Sequence[int]) -> np.ndarray:
@@ -71,9 +71,11 @@ def mutual_learning(
         mixed_precision: float16 autocast + gradient scaling on CUDA (off on cpu).
 
     Returns:
-        ``{"loss": mean total loss per batch, "batches": count, "diverged": 0.0 | 1.0}``.
-        If any model's parameters became non-finite, *every* model is restored to its
-        state before the call and ``diverged`` is 1 (the round is then skipped).
+        ``{"loss": mean total loss per batch, "batches": count, "diverged": 0.0 | 1.0}``;
+        ``diverged`` is 1 when a model's parameters ended non-finite.  The models are
+        left as they are: the caller restores them (DFML's aggregator runs this under
+        :meth:`dfl_agent.algorithms.base.Algorithm.divergence_guard`, which restores
+        every model and counts the step; the round is then skipped).
 
     Raises:
         ValueError: empty model list, length mismatch, α outside [0, 1].
@@ -88,7 +90,6 @@ def mutual_learning(
     ]
     for m in models:
         m.to(device).train()
-    before = [snapshot(m) for m in models]
     beta_t = None if beta is None else torch.as_tensor(beta, dtype=torch.float32, device=device)
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
@@ -123,8 +124,5 @@ def mutual_learning(
                     o.step()
             total += float(loss.detach())
             count += 1
-    diverged = any([restore_if_diverged(m, b) for m, b in zip(models, before)])
-    if diverged:
-        for m, b in zip(models, before):
-            m.load_state_dict(b)
+    diverged = not all(is_finite(m) for m in models)
     return {"loss": total / max(count, 1), "batches": float(count), "diverged": float(diverged)}

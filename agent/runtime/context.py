@@ -214,6 +214,10 @@ class RuntimeContext:
         self.latest_round: dict[str, int] = {}
         self._arrival_checks: dict[str, Callable[[Message], str | None]] = {}
         self.caught_up = 0  # rounds skipped to catch up with the neighbours
+        #: aggregation / mutual-learning / transfer steps that left a non-finite model, which
+        #: the algorithm restored (Algorithm.divergence_guard); see :meth:`note_diverged`
+        self.diverged = 0
+        self._diverged_warned = -1  # the round of the last WARNING about it
         #: ``runtime.max_catch_up_rounds``: the most rounds one skip moves this node
         self.max_catch_up_rounds = MAX_CATCH_UP_ROUNDS
         #: the run's last round (set by the daemon): a skip never passes it, so the node
@@ -719,6 +723,18 @@ class RuntimeContext:
         if self.latest_round.get(message.sender, -1) <= message.round:
             self.latest_round.pop(message.sender, None)
 
+    def note_diverged(self, step: str, detail: str) -> None:
+        """An aggregation, mutual-learning or transfer step left a non-finite model, which
+        the algorithm restored to its state before the step: count it (``diverged`` in
+        :meth:`counters`, round records and the status) and log a WARNING, at most once
+        per round (further ones that round are counted only)."""
+        self.diverged += 1
+        if self._diverged_warned != self.current_round:
+            self._diverged_warned = self.current_round
+            log.warning("%s: %s step left non-finite parameters (%s); restored the model from before the step "
+                        "and going on (diverged steps so far: %d; not logged again this round)",
+                        self.node_id, step, detail, self.diverged)
+
     async def end_round(self, round: int, **info: Any) -> None:
         self.current_round = round + 1
         # forget buffered messages of rounds that can no longer be used
@@ -742,7 +758,8 @@ class RuntimeContext:
 
     # -- reporting ------------------------------------------------------------------
     def counters(self) -> dict[str, Any]:
-        """Byte and drop counters (transport + message level) as a JSON-friendly dict."""
+        """Byte and drop counters (transport + message level) and ``diverged`` (steps whose
+        non-finite result was restored, :meth:`note_diverged`) as a JSON-friendly dict."""
         s = self.transport.stats
         dropped = collections.Counter(s.dropped)
         dropped.update(self.rejected)
@@ -752,6 +769,7 @@ class RuntimeContext:
             "bytes_sent_by_kind": dict(self.bytes_sent_by_kind),
             "bytes_received_by_kind": dict(self.bytes_received_by_kind),
             "dropped": dict(dropped),
+            "diverged": self.diverged,
             "float32_bytes_sent": self.float32_bytes_sent,
             "compression_ratio": self.byte_accounting()["compression_ratio"],
             #: error-feedback streams reset because their residual went non-finite

@@ -251,6 +251,8 @@ class Node:
             "bytes_sent": counters["bytes_sent"],
             "bytes_received": counters["bytes_received"],
             "dropped": sum(counters["dropped"].values()),
+            # steps whose non-finite result was restored (Algorithm.divergence_guard), so far
+            "diverged": int(counters.get("diverged", 0)),
             "live_peers": len(self.ctx.live_peers()),
             **timing,
         }
@@ -417,6 +419,7 @@ class Node:
             "bytes_sent": counters["bytes_sent"],
             "bytes_received": counters["bytes_received"],
             "errors": counters["dropped"],
+            "diverged": int(counters.get("diverged", 0)),  # restored non-finite steps
             # the control plane's share of them: forged, unsigned, replayed presence/status
             "control_dropped": {k: v for k, v in counters["dropped"].items() if k.startswith(CONTROL_DROP_PREFIXES)},
             "rounds_skipped": self.ctx.caught_up,  # catching up with the neighbours (runtime.rejoin)

@@ -67,6 +67,8 @@ class NodeCollector:
         for reason, n in sorted(dict(counters.get("dropped", {})).items()):
             dropped.add_metric([str(reason)], float(n))
         yield dropped
+        yield CounterMetricFamily("dfl_diverged_steps", "aggregation, mutual-learning or transfer steps that left "
+                                  "a non-finite model (restored)", value=float(counters.get("diverged", 0)))
         yield GaugeMetricFamily("dfl_peers_live", "live peers", value=float(len(ctx.live_peers())))
         yield GaugeMetricFamily("dfl_checkpoint_round", "round of the last checkpoint written",
                                 value=float(self.checkpoint_round()))

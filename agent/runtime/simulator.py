@@ -258,6 +258,8 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
             "dataset": cfg.dataset, "partition": cfg.partition, "seed": cfg.seed, "model_spec": spec,
             "model_specs": {nid: s for nid, s in zip(ids, specs)}, "topology": cfg.topology,
             "dropped": {n.ctx.node_id: n.ctx.counters()["dropped"] for n in nodes},
+            # aggregation/mutual-learning/transfer steps undone for a non-finite result, per node
+            "diverged": {n.ctx.node_id: n.ctx.diverged for n in nodes},
             "curve": metrics.mean_curve(histories),
             "excluded": {n.ctx.node_id: dict(n.ctx.excluded) for n in nodes if n.ctx.excluded},
             "profiles": {nid: b.profile for nid, b in zip(ids, behaviours)} if behaviours else None,
