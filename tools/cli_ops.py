@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dfl_agent.cli.output import json_doc
+from dfl_agent.extras import extra_hint
 
 UNIT_DIR = "etc/systemd/system"
 SYSUSERS_DIR = "etc/sysusers.d"
@@ -61,31 +62,57 @@ def hidden_from_service(exe: str) -> str | None:
     return None
 
 
-def profile_resources(profile: str | None) -> dict[str, str]:
-    """``MemoryMax``/``CPUQuota`` from a device-profile TOML (``[resources]`` keys
-    ``memory_max`` like ``"1G"``, ``cpu_quota`` like ``"150%"``); {} when none given."""
+def profile_resources(profile: str | None) -> tuple[str, list[tuple[str, str]]]:
+    """The profile's name and its ``[resources]`` as systemd ``(directive, value)`` pairs.
+
+    Args:
+        profile: a profile name (``raspberry-pi-4``, an alias) or the path of a profile
+            TOML; None: no profile.
+
+    Returns:
+        ``("", [])`` without a profile; else the name and
+        :meth:`dfl_agent.profiles.model.ResourcesSection.systemd_directives`.
+
+    Raises:
+        ValueError: unknown profile, unreadable or invalid file (one line, the key named).
+    """
     if not profile:
-        return {}
-    import tomllib
+        return "", []
+    from dfl_agent.profiles.model import ProfileError, get_profile, load_profile_file
 
-    path = Path(profile)
-    if not path.exists():
-        from dfl_agent.profiles.model import profile_files
-
-        path = next((f for f in profile_files() if f.stem == profile), path)
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+        prof = load_profile_file(profile) if Path(profile).is_file() else get_profile(profile)
+    except ProfileError as exc:
         raise ValueError(f"--profile {profile}: {exc}") from None
-    res = raw.get("resources", {}) if isinstance(raw.get("resources"), dict) else {}
-    out = {}
-    for key, unit_key in (("memory_max", "MemoryMax"), ("cpu_quota", "CPUQuota")):
-        if key in res:
-            value = res[key]
-            if unit_key == "CPUQuota" and isinstance(value, (int, float)):
-                value = f"{int(value)}%"
-            out[unit_key] = str(value)
+    return prof.name, prof.resources.systemd_directives()
+
+
+def unit_directives(unit_text: str, section: str = "Service") -> dict[str, list[str]]:
+    """The ``Key=value`` lines of one section of a unit file (comments skipped; a key that
+    repeats keeps every value in order)."""
+    out: dict[str, list[str]] = {}
+    current = ""
+    for raw in unit_text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = line[1:-1]
+        elif current == section and "=" in line:
+            key, value = line.split("=", 1)
+            out.setdefault(key.strip(), []).append(value.strip())
     return out
+
+
+def resource_changes(unit_text: str, directives: list[tuple[str, str]]) -> list[dict[str, str]]:
+    """What the drop-in changes: one ``{"directive", "unit", "profile"}`` per directive
+    (``unit`` is the shipped unit's value, ``"(unset)"`` when it sets none)."""
+    base = unit_directives(unit_text)
+    merged: dict[str, list[str]] = {}
+    for key, value in directives:
+        merged.setdefault(key, []).append(value)
+    return [{"directive": key, "unit": " ".join(base.get(key, [])) or "(unset)", "profile": ", ".join(values)}
+            for key, values in merged.items()]
 
 
 @dataclasses.dataclass
@@ -97,6 +124,8 @@ class Plan:
     commands: list[list[str]] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
+    #: what the profile's drop-in changes against the unit (see :func:`resource_changes`)
+    resources: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
 
 def build_plan(a: argparse.Namespace) -> Plan:
@@ -124,16 +153,19 @@ def build_plan(a: argparse.Namespace) -> Plan:
         plan.warnings.append(
             f"ExecStart {exe} lies under {hidden}, which the unit hides from the service "
             f"({'ProtectHome=yes' if hidden != '/tmp' else 'PrivateTmp=yes'}): it will not start. Install "
-            "dfl-agent system-wide (e.g. python3 -m venv /opt/dfl-agent && /opt/dfl-agent/bin/pip install "
-            "'dfl-agent[train]') and pass --exec /opt/dfl-agent/bin/dfl-agent")
+            "dfl-agent system-wide (e.g. python3 -m venv /opt/dfl-agent && /opt/dfl-agent/bin/"
+            f"{extra_hint('train')}) and pass --exec /opt/dfl-agent/bin/dfl-agent")
     plan.files[str(root / UNIT_DIR / template)] = (unit_text, 0o644)
     plan.files[str(root / SYSUSERS_DIR / "dfl-agent.conf")] = (
         (src / "sysusers.d" / "dfl-agent.conf").read_text(encoding="utf-8"), 0o644)
-    res = profile_resources(a.profile)
+    prof_name, res = profile_resources(a.profile)
     if res:
-        dropin = "[Service]\n" + "".join(f"{k}={v}\n" for k, v in res.items())
+        dropin = "[Service]\n" + "".join(f"{k}={v}\n" for k, v in res)
         plan.files[str(root / UNIT_DIR / f"{template}.d" / "50-resources.conf")] = (
-            "# resource limits from the device profile (dflctl install-service)\n" + dropin, 0o644)
+            f"# resources of device profile {prof_name} (dflctl install-service --profile)\n" + dropin, 0o644)
+        plan.resources = resource_changes(unit_text, res)
+    elif prof_name:
+        plan.notes.append(f"profile {prof_name} has no [resources]: the unit's limits apply")
     state = f"/var/lib/dfl-agent/{inst}" if inst else "/var/lib/dfl-agent"
     cfg_path = root / CONFIG_DIR / (f"{inst}.toml" if inst else "node.toml")
     if a.config:
@@ -177,13 +209,17 @@ def cmd_install_service(a: argparse.Namespace) -> int:
     if a.json:
         print(json_doc({"dry_run": a.dry_run, "files": {p: {"mode": oct(m), "content": _text(c)}
                                                          for p, (c, m) in plan.files.items()},
-                          "commands": plan.commands, "notes": plan.notes,
+                          "commands": plan.commands, "resources": plan.resources, "notes": plan.notes,
                           "warnings": plan.warnings}, indent=2))
     else:
         for path, (content, mode) in plan.files.items():
             print(f"{'would write' if a.dry_run else 'write'} {path} (mode {oct(mode)})")
             if a.dry_run and a.verbose:
                 print("    " + _text(content).replace("\n", "\n    "))
+        if plan.resources:
+            print("resources (unit -> device profile):")
+            for ch in plan.resources:
+                print(f"    {ch['directive']}: {ch['unit']} -> {ch['profile']}")
         for cmd in plan.commands:
             print(f"{'would run' if a.dry_run else 'run'}: {' '.join(cmd)}")
         for note in plan.notes:
@@ -419,7 +455,8 @@ def register(sub: Any) -> None:
     i.add_argument("--config", default=None, help="node configuration to install (validated)")
     i.add_argument("--instance", default=None, metavar="FED",
                    help="install dfl-agent@FED (one of several federations on this device)")
-    i.add_argument("--profile", default=None, help="device profile (name or TOML) for MemoryMax/CPUQuota")
+    i.add_argument("--profile", default=None, help="device profile (name or TOML file) whose [resources] go into a drop-in "
+                        "(MemoryMax, CPUQuota, Nice, IOWeight, device access)")
     i.add_argument("--exec", dest="exec_path", default=None, help="dfl-agent executable (default: this one)")
     i.add_argument("--root", default=None, help="install into this staging root instead of /")
     i.add_argument("--no-start", action="store_true", help="do not enable and start the unit")

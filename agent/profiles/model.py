@@ -39,6 +39,9 @@ SIZES = ("small", "medium", "large")
 DEVICES = ("cpu", "cuda", "auto")
 _WINDOW = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)-([01]\d|2[0-4]):([0-5]\d)$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+_SIZE = re.compile(r"^([1-9][0-9]*)([KMGT]?)$")
+_DEVICE = re.compile(r"^(/dev/[A-Za-z0-9_./+-]+|(char|block)-[A-Za-z0-9_.*?/+-]+) [rwm]{1,3}$")
+_GROUP = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 
 
 class ProfileError(ValueError):
@@ -163,6 +166,75 @@ class LimitsSection:
 
 
 @dataclasses.dataclass
+class ResourcesSection:
+    """``[resources]``: the systemd limits ``dflctl install-service --profile`` writes
+    into the drop-in ``<unit>.d/50-resources.conf`` (an unset field keeps the unit's value).
+
+    These bound the whole service (cgroup); the agent's own budget for models and
+    training stays ``compute.memory_budget_mb``, which must fit under ``memory_max``.
+
+    Attributes:
+        memory_max: ``MemoryMax=``, a systemd size (``"1536M"``, ``"3G"``; K/M/G/T are
+            powers of 1024) or ``"infinity"``; ``""`` keeps the unit's ``2G``.
+        cpu_quota: ``CPUQuota=`` in percent of one core (``300`` = three cores);
+            0 keeps the unit's ``200%``.
+        nice: ``Nice=``, -20 (first) to 19 (last); None keeps the default (0).
+        io_weight: ``IOWeight=``, 1 to 10000 (default 100); 0 keeps the default.
+        private_devices: ``PrivateDevices=``; false shows the host's ``/dev`` to the
+            service (GPUs); None keeps the unit's ``yes``.
+        device_allow: ``DeviceAllow=`` lines, ``"<node or char-/block-group> <rwm>"``
+            (``"/dev/nvmap rw"``, ``"char-nvidia* rw"``); when set, only these nodes and
+            ``/dev/null``, ``/dev/zero``, ``/dev/full``, ``/dev/random``, ``/dev/urandom``
+            may be opened. Needs ``private_devices = false``.
+        supplementary_groups: ``SupplementaryGroups=``, e.g. ``["video"]`` for the
+            Jetson GPU nodes (mode 0660, group video).
+    """
+
+    memory_max: str = ""
+    cpu_quota: int = 0
+    nice: int | None = None
+    io_weight: int = 0
+    private_devices: bool | None = None
+    device_allow: list[str] = dataclasses.field(default_factory=list)
+    supplementary_groups: list[str] = dataclasses.field(default_factory=list)
+
+    def systemd_directives(self) -> list[tuple[str, str]]:
+        """The ``(directive, value)`` pairs of the set fields, in drop-in order
+        (``DeviceAllow`` may repeat); [] when the profile sets none."""
+        out: list[tuple[str, str]] = []
+        if self.memory_max:
+            out.append(("MemoryMax", self.memory_max))
+        if self.cpu_quota:
+            out.append(("CPUQuota", f"{self.cpu_quota}%"))
+        if self.nice is not None:
+            out.append(("Nice", str(self.nice)))
+        if self.io_weight:
+            out.append(("IOWeight", str(self.io_weight)))
+        if self.private_devices is not None:
+            out.append(("PrivateDevices", "yes" if self.private_devices else "no"))
+        out.extend(("DeviceAllow", d) for d in self.device_allow)
+        if self.supplementary_groups:
+            out.append(("SupplementaryGroups", " ".join(self.supplementary_groups)))
+        return out
+
+
+def memory_max_mib(value: str) -> float | None:
+    """A systemd size (``"1536M"``, ``"3G"``, ``"524288K"``, plain bytes) in MiB;
+    None for ``"infinity"`` or ``""``.
+
+    Raises:
+        ValueError: not a size systemd's ``MemoryMax=`` takes (percentages are refused:
+            they depend on the machine).
+    """
+    if value in ("", "infinity"):
+        return None
+    m = _SIZE.match(value)
+    if not m:
+        raise ValueError(f"must be a size such as '1536M' or '3G' (K/M/G/T) or 'infinity', got {value!r}")
+    return int(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " ") / 1024 ** 2
+
+
+@dataclasses.dataclass
 class DeviceProfile:
     """One device class (a ``device_profiles/*.toml`` file).
 
@@ -181,6 +253,7 @@ class DeviceProfile:
     behaviour: BehaviourSection = dataclasses.field(default_factory=BehaviourSection)
     training: TrainingSection = dataclasses.field(default_factory=TrainingSection)
     limits: LimitsSection = dataclasses.field(default_factory=LimitsSection)
+    resources: ResourcesSection = dataclasses.field(default_factory=ResourcesSection)
 
     @property
     def inference_only(self) -> bool:
@@ -244,6 +317,26 @@ def validate(p: DeviceProfile) -> DeviceProfile:
     need(0 <= lim.max_temperature_c <= 150, "limits.max_temperature_c", "must be in [0, 150] (0 = no limit)")
     need(lim.max_load_per_core >= 0, "limits.max_load_per_core", "must be >= 0 (0 = no limit)")
     need(lim.poll_interval_s > 0, "limits.poll_interval_s", "must be > 0")
+    res = p.resources
+    try:
+        mib = memory_max_mib(res.memory_max)
+        ok, why = True, ""
+    except ValueError as exc:
+        mib, ok, why = None, False, str(exc)
+    need(ok, "resources.memory_max", why)
+    need(mib is None or mib >= c.memory_budget_mb, "resources.memory_max",
+         f"{res.memory_max} is below compute.memory_budget_mb ({c.memory_budget_mb} MiB): "
+         "the service's limit must hold the agent's budget")
+    need(0 <= res.cpu_quota <= 102400, "resources.cpu_quota", "must be in [0, 102400] percent (0 = the unit's)")
+    need(res.nice is None or -20 <= res.nice <= 19, "resources.nice", "must be in [-20, 19]")
+    need(0 <= res.io_weight <= 10000, "resources.io_weight", "must be in [1, 10000] (0 = the default)")
+    for i, d in enumerate(res.device_allow):
+        need(bool(_DEVICE.match(d)), f"resources.device_allow[{i}]",
+             f"must be '<node or char-GROUP or block-GROUP> <rwm>' such as '/dev/nvmap rw', got {d!r}")
+    need(not res.device_allow or res.private_devices is False, "resources.device_allow",
+         "needs resources.private_devices = false (PrivateDevices=yes hides every device node)")
+    for i, g in enumerate(res.supplementary_groups):
+        need(bool(_GROUP.match(g)), f"resources.supplementary_groups[{i}]", f"not a group name: {g!r}")
     m = p.match
     need(m.min_memory_mb is None or m.min_memory_mb >= 0, "match.min_memory_mb", "must be >= 0")
     need(m.min_cuda_memory_mb is None or m.min_cuda_memory_mb >= 0, "match.min_cuda_memory_mb", "must be >= 0")

@@ -48,7 +48,7 @@ def _stage(tmp_path, *extra, config_text=USER_CONFIG):
     cfg = tmp_path / "node.toml"
     cfg.write_text(config_text)
     prof = tmp_path / "pi4.toml"
-    prof.write_text('profile = "pi4"\n[resources]\nmemory_max = "1G"\ncpu_quota = 150\n')
+    prof.write_text('name = "pi4"\n[resources]\nmemory_max = "1G"\ncpu_quota = 150\n')
     root = tmp_path / "root"
     rc = dflctl(["install-service", "--root", str(root), "--exec", _exe(), "--config", str(cfg),
                  "--profile", str(prof), *extra])

@@ -1,0 +1,41 @@
+"""How to install an optional extra: the one wording every "X is not installed" hint uses.
+
+dfl-agent is installed from its wheel (``docs/install.md``) or from a source checkout
+(``scripts/setup.sh``); it is on no package index, so a hint names the wheel file or the
+checkout's script, never a bare package name for pip to look up.  Only the standard library
+is imported here.
+"""
+
+from __future__ import annotations
+
+from dfl_agent import __version__
+
+#: the extras ``scripts/setup.sh`` installs without arguments
+SETUP_EXTRAS = ("train", "plot", "har", "broker", "digits")
+#: the further extras ``scripts/setup.sh --test`` installs
+SETUP_TEST_EXTRAS = ("test", "onnx", "metrics", "lint")
+
+
+def wheel_name() -> str:
+    """The file name of this version's wheel, e.g. ``dfl_agent-0.1.0-py3-none-any.whl``."""
+    return f"dfl_agent-{__version__}-py3-none-any.whl"
+
+
+def extra_hint(extra: str) -> str:
+    """The install instruction for one optional extra, to end a "not installed" message.
+
+    Args:
+        extra: the extra's name in ``pyproject.toml`` (``onnx``, ``metrics``, ``train``...).
+
+    Returns:
+        e.g. ``pip install 'dfl_agent-0.1.0-py3-none-any.whl[onnx]' (the wheel dfl-agent was
+        installed from; in a source checkout: scripts/setup.sh --test)``.
+    """
+    if extra in SETUP_EXTRAS:
+        checkout = "scripts/setup.sh"
+    elif extra in SETUP_TEST_EXTRAS:
+        checkout = "scripts/setup.sh --test"
+    else:
+        checkout = f".venv/bin/pip install -e '.[{extra}]'"
+    return (f"pip install '{wheel_name()}[{extra}]' (the wheel dfl-agent was installed from; "
+            f"in a source checkout: {checkout})")
