@@ -33,6 +33,8 @@ import threading
 import time
 from pathlib import Path
 
+from dfl_agent.extras import extra_hint
+
 log = logging.getLogger(__name__)
 
 KINDS = ("auto", "mosquitto", "amqtt")
@@ -245,7 +247,7 @@ def start_broker(kind: str = "auto", host: str = "127.0.0.1", port: int = 0,
         raise FileNotFoundError("mosquitto is not installed")
     if kind == "amqtt":
         if not amqtt_available():
-            raise FileNotFoundError("amqtt is not installed (pip install 'dfl-agent[broker]')")
+            raise FileNotFoundError(f"amqtt is not installed ({extra_hint('broker')})")
         if max_packet_size is not None:
             raise ValueError("max_packet_size is only supported with mosquitto")
     if not isinstance(port, int) or not 0 <= port <= 65535:

@@ -1,4 +1,4 @@
-"""digits: scikit-learn's bundled 8x8 handwritten digits (extra ``dfl-agent[digits]``).
+"""digits: scikit-learn's bundled 8x8 handwritten digits (the ``digits`` extra).
 
 ``sklearn.datasets.load_digits()`` ships with scikit-learn; nothing is
 downloaded.  1797 images, 10 classes.  ``x`` = pixel intensity / 16, float32
@@ -29,8 +29,9 @@ def load_digits() -> DatasetBundle:
     try:
         from sklearn.datasets import load_digits as _sk_load_digits
     except ImportError as e:
-        raise ImportError("the digits data set needs scikit-learn; install it with "
-                          "pip install 'dfl-agent[digits]'") from e
+        from dfl_agent.extras import extra_hint
+
+        raise ImportError(f"the digits data set needs scikit-learn; install it with {extra_hint('digits')}") from e
     raw = _sk_load_digits()
     images = np.asarray(raw.images, dtype=np.float64)           # (N, 8, 8), 0..16
     x = np.ascontiguousarray((images / 16.0)[:, None, :, :], dtype=np.float32)

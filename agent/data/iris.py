@@ -1,4 +1,4 @@
-"""iris: scikit-learn's bundled Iris flowers (extra ``dfl-agent[digits]``: scikit-learn).
+"""iris: scikit-learn's bundled Iris flowers (the ``digits`` extra: scikit-learn).
 
 ``sklearn.datasets.load_iris()`` ships with scikit-learn; nothing is downloaded.
 150 samples, 4 features (sepal/petal length and width in cm, unscaled, as in the
@@ -28,8 +28,9 @@ def load_iris() -> DatasetBundle:
     try:
         from sklearn.datasets import load_iris as _sk_load_iris
     except ImportError as e:
-        raise ImportError("the iris data set needs scikit-learn; install it with "
-                          "pip install 'dfl-agent[digits]'") from e
+        from dfl_agent.extras import extra_hint
+
+        raise ImportError(f"the iris data set needs scikit-learn; install it with {extra_hint('digits')}") from e
     raw = _sk_load_iris()
     x = np.ascontiguousarray(raw.data, dtype=np.float32)
     y = np.asarray(raw.target, dtype=np.int64)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from dfl_agent.deploy.versions import ModelStore
+from dfl_agent.extras import extra_hint
 from dfl_agent.jsonbound import loads as bounded_loads
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,8 @@ def model_files(model: Any, spec: dict[str, Any], input_shape: Sequence[int], cl
                                              spec=spec, atol=1e-4)
     elif onnx is None and not _onnx_warned:
         _onnx_warned = True
-        log.warning("deploying without model.onnx: the onnx extra is not installed "
-                    "(pip install 'dfl-agent[onnx]'); model.safetensors and spec.json only")
+        log.warning("deploying without model.onnx: the onnx extra is not installed (%s); "
+                    "model.safetensors and spec.json only", extra_hint("onnx"))
     return files
 
 

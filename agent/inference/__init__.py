@@ -11,6 +11,6 @@
 
 Nothing in this package imports torch, except inside :mod:`dfl_agent.inference.publisher`'s
 functions, which only training nodes call.  Install on a torch-less device:
-``pip install --no-deps dfl-agent`` then ``pip install numpy onnxruntime paho-mqtt
-safetensors psutil`` (the ``inference`` extra lists them).
+``pip install 'dfl_agent-VERSION-py3-none-any.whl[inference]'`` (the wheel; see
+``docs/how-to/inference-only.md``), which adds onnxruntime to the torch-free base install.
 """

@@ -57,7 +57,9 @@ def export_onnx(
     try:
         import onnx
     except ImportError as exc:
-        raise OnnxExportError(f"ONNX export needs the 'onnx' extra (pip install 'dfl-agent[onnx]'): {exc}") from None
+        from dfl_agent.extras import extra_hint
+
+        raise OnnxExportError(f"ONNX export needs the 'onnx' extra ({extra_hint('onnx')}): {exc}") from None
     m = copy.deepcopy(model).to("cpu").eval()
     example = torch.zeros((2, *[int(s) for s in input_shape]), dtype=torch.float32)
     batch = torch.export.Dim("batch", min=1, max=1 << 20)

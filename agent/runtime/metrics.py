@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from dfl_agent.extras import extra_hint
 from dfl_agent.jsonbound import loads as bounded_loads
 
 
@@ -140,7 +141,7 @@ def _plot_means(ax, histories: Mapping[str, list[dict[str, Any]]]) -> None:
 
 
 #: the one line printed (to stderr) when a plot is skipped for want of matplotlib
-PLOT_HINT = "no accuracy plot: matplotlib is not installed (pip install 'dfl-agent[plot]')"
+PLOT_HINT = f"no accuracy plot: matplotlib is not installed ({extra_hint('plot')})"
 
 
 def plot_accuracy(histories: Mapping[str, list[dict[str, Any]]], path: str | os.PathLike, title: str = "") -> bool:

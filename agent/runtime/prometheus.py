@@ -123,7 +123,7 @@ class PrometheusExporter:
     :class:`ServiceCollector`).
 
     Raises:
-        ImportError: ``prometheus_client`` is not installed (``pip install 'dfl-agent[metrics]'``).
+        ImportError: ``prometheus_client`` is not installed (see :func:`dfl_agent.extras.extra_hint`).
         OSError: the port is taken.
     """
 
@@ -132,7 +132,9 @@ class PrometheusExporter:
         try:
             from prometheus_client import CollectorRegistry
         except ImportError:
-            raise ImportError("runtime.prometheus_port needs prometheus_client: pip install 'dfl-agent[metrics]'") from None
+            from dfl_agent.extras import extra_hint
+
+            raise ImportError(f"runtime.prometheus_port needs prometheus_client: {extra_hint('metrics')}") from None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(collector if collector is not None else NodeCollector(node, checkpoint_round))
         self.port, self.address = port, address

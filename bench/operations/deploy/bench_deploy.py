@@ -34,7 +34,9 @@ def plot(summary: dict[str, Any], feed: list[dict[str, Any]], path: Path) -> boo
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed (pip install 'dfl-agent[plot]'): no plot drawn")
+        from dfl_agent.extras import extra_hint
+
+        print(f"matplotlib is not installed ({extra_hint('plot')}): no plot drawn")
         return False
     t0 = summary["started"]
     fig, ax = plt.subplots(figsize=(9, 5))
