@@ -8,8 +8,10 @@
     state directory S, or given as base64), writes it (``S/node_cert.json``, else
     ``--out`` or ``D/certs/DEVICE.json``), and creates the device's broker credentials:
     a random password added to ``D/mosquitto.passwd`` with ``mosquitto_passwd`` (hashed,
-    mosquitto's own format); without that tool the file gets ``DEVICE:PASSWORD`` lines in
-    clear, to be hashed with ``mosquitto_passwd -U`` on the broker host.  The device's
+    mosquitto's own format; mode 0640, owner ``mosquitto`` when run as root where that user
+    exists); without that tool the file gets ``DEVICE:PASSWORD`` lines in clear, to be
+    hashed with ``mosquitto_passwd -U`` on the broker host.  The device's topics are
+    granted in ``D/dfl.acl`` (a copy of the shipped ACL plus one ``user`` block per device).  The device's
     configuration snippet (``[mqtt]`` username/password, ``[security]``) goes to
     ``D/credentials/DEVICE.toml`` (mode 0600).
 ``dflctl keys show [--state-dir S] [--dir D]``
@@ -71,19 +73,87 @@ def cmd_federation_init(a: argparse.Namespace) -> int:
     return 0
 
 
+#: the broker's system user (Debian's mosquitto drops to it before reading password_file)
+MOSQUITTO_USER = "mosquitto"
+#: what every device may do with other nodes' topics (one ``user`` block per device)
+DEVICE_ACL = ("topic write dfl/+/node/+/inbox", "topic read dfl/+/node/+/out", "topic read dfl/+/node/+/presence",
+              "topic read dfl/+/node/+/status", "topic read dfl/+/node/+/model", "topic read dfl/+/run/+")
+#: an operator account (``--role operator``): publishes run descriptors, reads everything
+OPERATOR_ACL = ("topic write dfl/+/run/+", "topic read dfl/#")
+
+
+def give_to_mosquitto(path: Path, mode: int = 0o640) -> str | None:
+    """Make ``path`` readable by the broker: mode ``mode``, owner ``mosquitto:mosquitto``.
+
+    Returns:
+        None when done; else (not root, or no ``mosquitto`` user here) the exact command
+        to run on the broker host, e.g. ``sudo chown mosquitto:mosquitto fed/mosquitto.passwd``.
+    """
+    import grp
+    import pwd
+
+    os.chmod(path, mode)
+    try:
+        uid, gid = pwd.getpwnam(MOSQUITTO_USER).pw_uid, grp.getgrnam(MOSQUITTO_USER).gr_gid
+    except KeyError:
+        uid = gid = -1
+    if uid >= 0 and os.geteuid() == 0:
+        os.chown(path, uid, gid)
+        return None
+    return f"sudo chown {MOSQUITTO_USER}:{MOSQUITTO_USER} {path}"
+
+
 def add_mosquitto_password(passwd_file: Path, user: str, password: str) -> str:
-    """Add ``user`` to a mosquitto password file; returns ``"hashed"`` or ``"plain"``."""
+    """Add ``user`` to a mosquitto password file, mode 0640 (owner ``mosquitto`` when run as
+    root where that user exists: see :func:`give_to_mosquitto`).
+
+    Returns:
+        ``"hashed"`` (``mosquitto_passwd`` was found) or ``"plain"`` (``user:password`` in
+        clear, to hash with ``mosquitto_passwd -U`` on the broker host).
+
+    Raises:
+        subprocess.CalledProcessError: ``mosquitto_passwd`` failed.
+    """
     tool = shutil.which("mosquitto_passwd")
     passwd_file.parent.mkdir(parents=True, exist_ok=True)
     if tool:
         cmd = [tool, "-b"] + ([] if passwd_file.exists() else ["-c"]) + [str(passwd_file), user, password]
         subprocess.run(cmd, check=True, capture_output=True)
-        os.chmod(passwd_file, 0o600)
-        return "hashed"
-    fd = os.open(passwd_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    with os.fdopen(fd, "a") as f:
-        f.write(f"{user}:{password}\n")
-    return "plain"
+        how = "hashed"
+    else:
+        fd = os.open(passwd_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        with os.fdopen(fd, "a") as f:
+            f.write(f"{user}:{password}\n")
+        how = "plain"
+    give_to_mosquitto(passwd_file)
+    return how
+
+
+def add_acl_user(acl_file: Path, user: str, role: str = "device") -> bool:
+    """Grant ``user`` its topics in a mosquitto ACL file: a ``user`` block appended to
+    ``acl_file`` (created from the shipped ``dfl.acl`` when missing, mode 0644).
+
+    Args:
+        acl_file: the federation's ACL (``FEDERATION_DIR/dfl.acl``).
+        user: the broker user (the node id).
+        role: ``device`` (:data:`DEVICE_ACL`) or ``operator`` (:data:`OPERATOR_ACL`).
+
+    Returns:
+        True when the block was added, False when ``user`` already had one.
+    """
+    from dfl_agent.resources import resource_dir
+
+    if not acl_file.exists():
+        acl_file.parent.mkdir(parents=True, exist_ok=True)
+        acl_file.write_text((resource_dir("mosquitto") / "dfl.acl").read_text(encoding="utf-8"), encoding="utf-8")
+        os.chmod(acl_file, 0o644)
+    text = acl_file.read_text(encoding="utf-8")
+    if any(line.split() == ["user", user] for line in text.splitlines()):
+        return False
+    lines = OPERATOR_ACL if role == "operator" else DEVICE_ACL
+    with acl_file.open("a", encoding="utf-8") as f:
+        f.write(("" if text.endswith("\n") else "\n") + f"\nuser {user}\n" + "".join(f"{ln}\n" for ln in lines))
+    return True
 
 
 def cmd_enroll(a: argparse.Namespace) -> int:
@@ -105,7 +175,9 @@ def cmd_enroll(a: argparse.Namespace) -> int:
     print(f"{a.role} certificate for {a.device} ({fingerprint(cert['public_key'])}): {where}")
     if not a.no_credentials:
         password = secrets.token_urlsafe(18)
-        how = add_mosquitto_password(d / "mosquitto.passwd", a.device, password)
+        passwd = d / "mosquitto.passwd"
+        how = add_mosquitto_password(passwd, a.device, password)
+        add_acl_user(d / "dfl.acl", a.device, a.role)
         creds = d / "credentials" / f"{a.device}.toml"
         creds.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(creds, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -113,7 +185,11 @@ def cmd_enroll(a: argparse.Namespace) -> int:
             f.write(f'node_id = "{a.device}"\nfederation = "{a.federation}"\n\n[mqtt]\nusername = "{a.device}"\n'
                     f'password = "{password}"\n\n[security]\nrequire_signatures = true\n'
                     f'federation_key = "{public_key_b64(fed_key)}"\n')
-        print(f"broker user {a.device}: {d / 'mosquitto.passwd'} ({how}); device configuration snippet: {creds}")
+        print(f"broker user {a.device}: {passwd} ({how}), its topics in {d / 'dfl.acl'}; "
+              f"device configuration snippet: {creds}")
+        print(f"on the broker host: sudo install -o {MOSQUITTO_USER} -g {MOSQUITTO_USER} -m 0640 {passwd} "
+              f"/etc/mosquitto/dfl.passwd && sudo install -m 0644 {d / 'dfl.acl'} /etc/mosquitto/dfl.acl "
+              "&& sudo systemctl reload mosquitto")
     return 0
 
 

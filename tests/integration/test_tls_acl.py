@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from dfl_agent.cli.broker import free_port, mosquitto_path
-from dfl_agent.cli.cli_security import add_mosquitto_password
+from dfl_agent.cli.cli_security import add_acl_user, add_mosquitto_password
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.transport.mqtt import MqttTransport
 
@@ -71,6 +71,7 @@ def tls_broker(tmp_path):
     for user in ("a", "b"):
         passwords[user] = f"pw-{user}-{os.urandom(4).hex()}"
         add_mosquitto_password(tmp_path / "passwd", user, passwords[user])
+        add_acl_user(tmp_path / "dfl.acl", user)  # the shipped ACL + the device's block, as keys enroll writes it
     if (tmp_path / "passwd").read_text().startswith("a:pw-"):
         pytest.skip("mosquitto_passwd not installed: password file would be in clear")
     port = free_port()
@@ -79,7 +80,7 @@ def tls_broker(tmp_path):
         "per_listener_settings false", "persistence false", "log_dest stderr",
         f"listener {port} 127.0.0.1", f"cafile {tmp_path / 'ca.crt'}", f"certfile {tmp_path / 'server.crt'}",
         f"keyfile {tmp_path / 'server.key'}", "allow_anonymous false",
-        f"password_file {tmp_path / 'passwd'}", f"acl_file {ACL}",
+        f"password_file {tmp_path / 'passwd'}", f"acl_file {tmp_path / 'dfl.acl'}",
         # as root, mosquitto would drop to user "mosquitto", who cannot read the test's files
         *(["user root"] if os.geteuid() == 0 else []), "",
     ]))

@@ -26,10 +26,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.x509.oid import NameOID
 
 from dfl_agent.cli.broker import free_port, mosquitto_path
-from dfl_agent.cli.cli_security import add_mosquitto_password
+from dfl_agent.cli.cli_security import add_acl_user, add_mosquitto_password
 from dfl_agent.runtime.config import config_from_dict, dump_toml
 from dfl_agent.security.keys import enroll_local, public_key_b64
-from tests.integration.test_tls_acl import ACL, _cert, _pem, make_ca
+from tests.integration.test_tls_acl import _cert, _pem, make_ca
 from tests.system.conftest import needs_mosquitto
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(240)]
@@ -50,6 +50,7 @@ def _tls_broker(d: Path) -> tuple[subprocess.Popen, int, dict[str, str]]:
     for nid in IDS:
         passwords[nid] = f"pw-{nid}-{os.urandom(4).hex()}"
         add_mosquitto_password(d / "passwd", nid, passwords[nid])
+        add_acl_user(d / "dfl.acl", nid)  # the shipped ACL + the device's block, as keys enroll writes it
     if (d / "passwd").read_text().startswith(f"{IDS[0]}:pw-"):
         pytest.skip("mosquitto_passwd not installed: the password file would be in clear")
     port = free_port()
@@ -57,7 +58,7 @@ def _tls_broker(d: Path) -> tuple[subprocess.Popen, int, dict[str, str]]:
         "per_listener_settings false", "persistence false", "log_dest stderr",
         f"listener {port} 127.0.0.1", f"cafile {d / 'ca.crt'}", f"certfile {d / 'server.crt'}",
         f"keyfile {d / 'server.key'}", "allow_anonymous false",
-        f"password_file {d / 'passwd'}", f"acl_file {ACL}",
+        f"password_file {d / 'passwd'}", f"acl_file {d / 'dfl.acl'}",
         *(["user root"] if os.geteuid() == 0 else []), "",
     ]))
     proc = subprocess.Popen([str(mosquitto_path()), "-c", str(d / "mosquitto.conf")],
