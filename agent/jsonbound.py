@@ -24,6 +24,7 @@ import re
 import sys
 import threading
 import time
+from itertools import accumulate, repeat
 from typing import Any
 
 #: deepest nesting of arrays/objects accepted (a top-level object is depth 1)
@@ -46,7 +47,10 @@ REASONS = ("oversized", "too_deep", "malformed")
 
 # a complete JSON string literal (escapes included), unrolled so that it never backtracks
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+#: str.translate table deleting every ASCII character but brackets, quotes and backslashes
+#: (other characters count 0 in :data:`_STEP`)
+_MARKS = {c: None for c in range(128) if chr(c) not in '[]{}"\\'}
+_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
 class JSONBoundError(ValueError):
@@ -69,30 +73,26 @@ def _text(data: bytes | bytearray | memoryview | str) -> str:
 
 def depth(text: str) -> int:
     """The deepest nesting of arrays/objects in JSON ``text`` (0 for a scalar), found
-    without recursion: string literals are cut out, then the remaining brackets are
-    counted.  Linear in ``len(text)``.
+    without recursion: string literals are cut out, then the running count of the
+    remaining brackets is taken.  Linear in ``len(text)``, at C speed (str methods).
 
     Raises:
         JSONBoundError: ``malformed`` for an unterminated string or unbalanced brackets.
     """
-    opens = text.count("[") + text.count("{")
-    if opens == 0:
+    if text.count("[") + text.count("{") == 0:
         return 0
-    if '"' in text:
-        text = _STRING.sub("0", text)
-        if '"' in text:
-            raise JSONBoundError("malformed", "unterminated string")
-    level = deepest = 0
-    for ch in _NOT_BRACKET.sub("", text):
-        if ch in "[{":
-            level += 1
-            if level > deepest:
-                deepest = level
-        else:
-            level -= 1
-            if level < 0:
-                raise JSONBoundError("malformed", "unbalanced brackets")
-    return deepest
+    marks = text.translate(_MARKS)  # brackets, quotes and backslashes only: short
+    if "\\" in marks:  # escapes: cut out whole string literals (an escaped quote ends none)
+        marks = _STRING.sub("0", text).translate(_MARKS)
+    if marks.count('"') % 2:
+        raise JSONBoundError("malformed", "unterminated string")
+    outside = "".join(marks.split('"')[::2])  # without escapes every quote opens or closes a string
+    levels = list(accumulate(map(_STEP.get, outside, repeat(0))))
+    if not levels:
+        return 0
+    if min(levels) < 0:
+        raise JSONBoundError("malformed", "unbalanced brackets")
+    return max(levels)
 
 
 def check(data: bytes | bytearray | memoryview | str, max_bytes: int, max_depth: int = MAX_DEPTH) -> str:
