@@ -7,7 +7,9 @@ Exit codes: 0 ok, 1 a failed check, 2 usage or configuration error, 3 broker unr
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -82,7 +84,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         model_specs=None if a.models in FAMILY_NAMES else _model_specs(a.models),
         profiles=[p for p in (a.profiles or "").split(",") if p] or None,
         compression=a.compression, error_feedback=a.error_feedback,
-        samples_per_node=a.samples_per_node, batch=a.batch,
+        samples_per_node=a.samples_per_node, batch=a.batch, device=a.device,
     )
     _dechw_hint(cfg.algorithm, cfg.options, cfg.init, cfg.partition)
     s = simulate_with_progress(cfg, enabled=a.progress)
@@ -426,8 +428,52 @@ def cmd_algorithms(a: argparse.Namespace) -> int:
     return 0
 
 
+_REST = re.compile(r"``([^`]+)``|:(?:func|class|mod|data|meth):`~?([^`]+)`")
+
+
+def plain_text(text: str) -> str:
+    """``text`` without reST markup: ````x```` and ``:func:`x``` become ``x`` (for ``--help``)."""
+    return _REST.sub(lambda m: m.group(1) or m.group(2), text)
+
+
+class DflctlParser(argparse.ArgumentParser):
+    """dflctl's parser (every sub-command's too): plain-text help, "did you mean" for a
+    mistyped command or option, and errors printed with the usage of the command they
+    concern (see :func:`main`)."""
+
+    def format_help(self) -> str:
+        return plain_text(super().format_help())
+
+    def format_usage(self) -> str:
+        return plain_text(super().format_usage())
+
+    def error(self, message: str):  # type: ignore[override]
+        """Exit 2 with ``message``, plus the closest command or option when one is near."""
+        bad = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if bad:
+            near = difflib.get_close_matches(bad.group(1), re.findall(r"'([^']*)'", bad.group(2)), n=1)
+            if near:
+                message = message.replace(" (choose from", f" (did you mean '{near[0]}'?) (choose from", 1)
+        elif message.startswith("unrecognized arguments: "):
+            options = [o for a in self._actions for o in a.option_strings]
+            hints = [f"{w} -> {near[0]}" for w in message.split(": ", 1)[1].split()
+                     if w.startswith("-") and (near := difflib.get_close_matches(w.split("=")[0], options, n=1))]
+            if hints:
+                message += f" (did you mean: {', '.join(hints)}?)"
+        super().error(message)
+
+
+def _mark_subparsers(parser: argparse.ArgumentParser) -> None:
+    """Each sub-command's parser records itself (``_dflctl_parser``) when it is chosen."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in set(action.choices.values()):
+                sp.set_defaults(_dflctl_parser=sp)
+                _mark_subparsers(sp)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = DflctlParser(prog="dflctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"dflctl {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
 
@@ -446,6 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train and evaluate every node on its own instead of training the nodes that share "
                         "architecture, optimizer settings and step count together in one vectorised step (and "
                         "evaluating the nodes that share an architecture together)")
+    s.add_argument("--device", default="cpu",
+                   help="cpu, cuda or cuda:N: where every node's models train and evaluate "
+                        "(a CUDA device torch does not see: exit 2)")
     s.add_argument("--zeta", type=int, default=2, help="shards (classes) per node")
     s.add_argument("--seed", type=int, default=0, help="random seed (data split, initialisation, sampling)")
     s.add_argument("--epochs", type=int, default=1, help="local epochs per round")
@@ -559,7 +608,12 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BROKER = 0, 1, 2, 3
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dflctl`` console script."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    _mark_subparsers(parser)
+    args, extra = parser.parse_known_args(argv)
+    chosen = vars(args).pop("_dflctl_parser", None) or parser
+    if extra:  # name the command's own usage, not the top level's
+        chosen.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except ConnectionError as exc:  # the broker cannot be reached

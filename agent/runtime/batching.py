@@ -13,7 +13,8 @@ the stacked tensors.  No algorithm changes: the algorithms still call
 A group qualifies when its nodes share
 
 - the function (:func:`~dfl_agent.learning.training.train_local` with the default loss
-  and no regularizer, on cpu),
+  and no regularizer) and the device (``cpu``, or one CUDA device without mixed
+  precision, which the vectorised step does not do),
 - the architecture (module structure and parameter shapes; no buffers such as batch
   norm statistics, no dropout, every parameter trainable),
 - the optimizer settings (the whole :class:`~dfl_agent.learning.training.TrainConfig`),
@@ -54,20 +55,28 @@ _UNBATCHABLE = ("Dropout", "BatchNorm", "InstanceNorm", "GroupNorm")
 
 
 class _Request:
-    __slots__ = ("batches", "cfg", "ctx", "future", "model", "x", "y")
+    __slots__ = ("batches", "cfg", "ctx", "device", "future", "model", "x", "y")
 
     def __init__(self, ctx: Any, model: Any, x: np.ndarray, y: np.ndarray, cfg: TrainConfig,
-                 batches: list[np.ndarray], future: asyncio.Future[dict[str, float]]):
+                 batches: list[np.ndarray], future: asyncio.Future[dict[str, float]], device: str = "cpu"):
         self.ctx, self.model, self.x, self.y, self.cfg = ctx, model, x, y, cfg
-        self.batches, self.future = batches, future
+        self.batches, self.future, self.device = batches, future, device
 
 
 class _EvalRequest:
-    __slots__ = ("batch_size", "future", "model", "x", "y")
+    __slots__ = ("batch_size", "device", "future", "model", "x", "y")
 
     def __init__(self, model: Any, x: np.ndarray, y: np.ndarray, batch_size: int,
-                 future: asyncio.Future[dict[str, float]]):
+                 future: asyncio.Future[dict[str, float]], device: str = "cpu"):
         self.model, self.x, self.y, self.batch_size, self.future = model, x, y, batch_size, future
+        self.device = device
+
+
+def _batch_device(device: Any) -> str | None:
+    """``device`` as a string when the vectorised paths run there (``cpu``, ``cuda``,
+    ``cuda:N``), else None."""
+    text = str(device)
+    return text if text == "cpu" or text == "cuda" or text.startswith("cuda:") else None
 
 
 #: most nodes evaluated in one vectorised pass (bounds the memory of the stacked activations)
@@ -127,13 +136,18 @@ class BatchTrainer:
                 k not in ("loss_fn", "regularizer") or v is not None for k, v in kwargs.items()):
             return None  # another function, or a custom loss / regularizer
         model, x, y, cfg, rng, device = args
-        if str(device) != "cpu" or not isinstance(cfg, TrainConfig) or len(x) != len(y) or len(x) == 0:
+        dev = _batch_device(device)
+        if dev is None or not isinstance(cfg, TrainConfig) or len(x) != len(y) or len(x) == 0:
             return None
+        if dev != "cpu" and cfg.mixed_precision:
+            return None  # autocast + gradient scaling: train_local's per-node loop does it
         if self._arch_key(model) is None:
             return None
+        if dev != "cpu":
+            model.to(dev)  # as train_local does
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[dict[str, float]] = loop.create_future()
-        self._pending.append(_Request(ctx, model, x, y, cfg, round_batches(len(x), cfg, rng), fut))
+        self._pending.append(_Request(ctx, model, x, y, cfg, round_batches(len(x), cfg, rng), fut, dev))
         self._schedule(loop)
         return fut
 
@@ -143,11 +157,14 @@ class BatchTrainer:
         it does not qualify (another device, an empty set, a model that cannot be batched:
         the caller then evaluates it itself).  The future's result is ``evaluate``'s
         ``{"accuracy", "loss"}``."""
-        if str(device) != "cpu" or len(x) == 0 or len(x) != len(y) or self._arch_key(model, for_eval=True) is None:
+        dev = _batch_device(device)
+        if dev is None or len(x) == 0 or len(x) != len(y) or self._arch_key(model, for_eval=True) is None:
             return None
+        if dev != "cpu":
+            model.to(dev)  # as evaluate does
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[dict[str, float]] = loop.create_future()
-        self._pending_eval.append(_EvalRequest(model, x, y, batch_size, fut))
+        self._pending_eval.append(_EvalRequest(model, x, y, batch_size, fut, dev))
         self._schedule(loop)
         return fut
 
@@ -179,7 +196,7 @@ class BatchTrainer:
         groups of one per node) and resolve their futures."""
         groups: dict[tuple[Any, ...], list[_EvalRequest]] = {}
         for r in requests:
-            key = (self._arch_key(r.model, for_eval=True), r.batch_size, r.x.shape, r.x.dtype, r.y.shape)
+            key = (self._arch_key(r.model, for_eval=True), r.batch_size, r.x.shape, r.x.dtype, r.y.shape, r.device)
             groups.setdefault(key, []).append(r)
         for group in groups.values():
             # the same arrays for every member (the shared test set): one input for all
@@ -201,7 +218,8 @@ class BatchTrainer:
                             self.eval_stats["eval_groups"] += 1
                             self.eval_stats["evaluated_batched"] += len(chunk)
                         else:
-                            results = [evaluate(r.model, r.x, r.y, batch_size=r.batch_size) for r in chunk]
+                            results = [evaluate(r.model, r.x, r.y, batch_size=r.batch_size, device=r.device)
+                                       for r in chunk]
                             self.eval_stats["eval_single"] += len(chunk)
                     except Exception as exc:  # hand the error to every waiting node
                         for r in chunk:
@@ -216,7 +234,7 @@ class BatchTrainer:
         """Train ``requests`` (grouped; small groups per node) and resolve their futures."""
         groups: dict[tuple[Any, ...], list[_Request]] = {}
         for r in requests:
-            key = (self._arch_key(r.model), r.cfg, len(r.batches))
+            key = (self._arch_key(r.model), r.cfg, len(r.batches), r.device)
             groups.setdefault(key, []).append(r)
         for group in groups.values():
             t0 = time.perf_counter()
@@ -247,7 +265,8 @@ def train_group(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
     Args:
         members: ``(model, x (n_i, *shape) float32, y (n_i,) int64, batches)`` per node;
             ``batches`` are the node's mini-batch index arrays, the same count for every
-            member (sizes may differ).
+            member (sizes may differ).  Every model's parameters are on one device (cpu
+            or one CUDA device); the step runs there, the data is copied there once.
         cfg: the shared optimizer settings (``lr``, ``momentum``, ``weight_decay``).
 
     Returns:
@@ -264,6 +283,7 @@ def train_group(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
 
     base = members[0][0]
     names = [n for n, _ in base.named_parameters()]
+    dev = next(base.parameters()).device
     for m, *_ in members:
         m.train()
     with torch.no_grad():
@@ -282,24 +302,33 @@ def train_group(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
 
     step = vmap(grad_and_value(loss_of))
     masked_step = vmap(grad_and_value(masked_loss_of))
-    xs = [torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)) for _, x, _, _ in members]
-    ys = [torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64)) for _, _, y, _ in members]
+    # every member's data in one (G, n_max, *shape) block on the device (shorter splits
+    # zero-padded; the padding is never indexed): each step gathers the G mini-batches in
+    # one indexing operation, not G (the same samples, so the same values)
+    g = len(members)
+    n_max = max(len(x) for _, x, _, _ in members)
+    x_all = np.zeros((g, n_max, *members[0][1].shape[1:]), dtype=np.float32)
+    y_all = np.zeros((g, n_max), dtype=np.int64)
+    for j, (_, x, y, _) in enumerate(members):
+        x_all[j, :len(x)] = x
+        y_all[j, :len(y)] = y
+    xs, ys = torch.from_numpy(x_all).to(dev), torch.from_numpy(y_all).to(dev)
+    rows = torch.arange(g, device=dev).unsqueeze(1)
     n_steps = len(members[0][3])
     bufs: dict[str, torch.Tensor] = {}
-    losses = torch.zeros(len(members), dtype=torch.float64)
+    losses = torch.zeros(g, dtype=torch.float64, device=dev)
     for s in range(n_steps):
         idx = [b[3][s] for b in members]
         width = max(len(i) for i in idx)
         if all(len(i) == width for i in idx):
-            xb = torch.stack([x[torch.from_numpy(i)] for x, i in zip(xs, idx)])
-            yb = torch.stack([y[torch.from_numpy(i)] for y, i in zip(ys, idx)])
-            grads, loss = step(stacked, xb, yb)
+            cols = torch.from_numpy(np.stack(idx).astype(np.int64, copy=False)).to(dev)
+            grads, loss = step(stacked, xs[rows, cols], ys[rows, cols])
         else:  # pad every member's batch with its first sample, masked out of the loss
-            padded = [torch.from_numpy(np.concatenate([i, np.full(width - len(i), i[0])])) for i in idx]
-            xb = torch.stack([x[i] for x, i in zip(xs, padded)])
-            yb = torch.stack([y[i] for y, i in zip(ys, padded)])
-            mask = torch.stack([(torch.arange(width) < len(i)).float() for i in idx])
-            grads, loss = masked_step(stacked, xb, yb, mask)
+            cols = torch.from_numpy(np.stack([np.concatenate([i, np.full(width - len(i), i[0])])
+                                              for i in idx]).astype(np.int64, copy=False)).to(dev)
+            lengths = torch.tensor([len(i) for i in idx], device=dev).unsqueeze(1)
+            mask = (torch.arange(width, device=dev).unsqueeze(0) < lengths).float()
+            grads, loss = masked_step(stacked, xs[rows, cols], ys[rows, cols], mask)
         losses += loss.detach().double()
         with torch.no_grad():
             for n in names:
@@ -315,17 +344,18 @@ def train_group(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
                 stacked[n].add_(d, alpha=-cfg.lr)
     out = []
     with torch.no_grad():
-        finite = torch.ones(len(members), dtype=torch.bool)
+        finite = torch.ones(len(members), dtype=torch.bool, device=dev)
         for n in names:
             finite &= torch.isfinite(stacked[n].reshape(len(members), -1)).all(dim=1)
+        finite_l, losses_l = finite.cpu().tolist(), losses.cpu().tolist()  # one transfer, not G
         for i, (_m, _x, _, batches) in enumerate(members):
-            ok = bool(finite[i])
+            ok = bool(finite_l[i])
             if ok:
                 params = member_params[i]
                 for n in names:
                     params[n].copy_(stacked[n][i])
             samples = sum(len(b) for b in batches)
-            out.append({"loss": float(losses[i]) / max(n_steps, 1), "samples": float(samples),
+            out.append({"loss": float(losses_l[i]) / max(n_steps, 1), "samples": float(samples),
                         "diverged": 0.0 if ok else 1.0})
     return out
 
@@ -336,7 +366,8 @@ def evaluate_group(models: list[Any], xs: list[np.ndarray], ys: list[np.ndarray]
 
     Args:
         models: G >= 1 models with the same architecture (no buffers, see
-            :class:`BatchTrainer`); left unchanged (their train/eval mode included).
+            :class:`BatchTrainer`), their parameters on one device (cpu or one CUDA
+            device: the pass runs there); left unchanged (their train/eval mode included).
         xs, ys: per model, inputs ``(n, *shape)`` float32 and labels ``(n,)`` int64 of the
             same shapes for every model.  When every ``xs[i]`` is the same array (and every
             ``ys[i]``), it is read once and shared by all models; otherwise the arrays are
@@ -356,9 +387,10 @@ def evaluate_group(models: list[Any], xs: list[np.ndarray], ys: list[np.ndarray]
     base = models[0]
     shared = all(x is xs[0] for x in xs) and all(y is ys[0] for y in ys)
     names = [name for name, _ in base.named_parameters()]
+    dev = next(base.parameters()).device
     was_training = base.training
-    correct = torch.zeros(g, dtype=torch.int64)
-    loss_sum = torch.zeros(g, dtype=torch.float64)
+    correct = torch.zeros(g, dtype=torch.int64, device=dev)
+    loss_sum = torch.zeros(g, dtype=torch.float64, device=dev)
     try:
         base.eval()
         with torch.no_grad():
@@ -371,14 +403,14 @@ def evaluate_group(models: list[Any], xs: list[np.ndarray], ys: list[np.ndarray]
             fwd = vmap(logits_of, in_dims=(0, None) if shared else (0, 0))
             for i in range(0, n, batch_size):
                 if shared:
-                    xb = torch.from_numpy(np.ascontiguousarray(xs[0][i:i + batch_size], dtype=np.float32))
-                    yb = torch.from_numpy(np.ascontiguousarray(ys[0][i:i + batch_size], dtype=np.int64))
+                    xb = torch.from_numpy(np.ascontiguousarray(xs[0][i:i + batch_size], dtype=np.float32)).to(dev)
+                    yb = torch.from_numpy(np.ascontiguousarray(ys[0][i:i + batch_size], dtype=np.int64)).to(dev)
                     yb = yb.unsqueeze(0).expand(g, -1)
                 else:
                     xb = torch.from_numpy(np.stack([np.ascontiguousarray(x[i:i + batch_size], dtype=np.float32)
-                                                    for x in xs]))
+                                                    for x in xs])).to(dev)
                     yb = torch.from_numpy(np.stack([np.ascontiguousarray(y[i:i + batch_size], dtype=np.int64)
-                                                    for y in ys]))
+                                                    for y in ys])).to(dev)
                 logits = fwd(stacked, xb)  # (G, B, classes)
                 b = logits.shape[1]
                 per_sample = F.cross_entropy(logits.reshape(g * b, -1), yb.reshape(-1), reduction="none")
@@ -386,4 +418,5 @@ def evaluate_group(models: list[Any], xs: list[np.ndarray], ys: list[np.ndarray]
                 correct += (logits.argmax(2) == yb).sum(1)
     finally:
         base.train(was_training)
-    return [{"accuracy": int(correct[j]) / n, "loss": float(loss_sum[j]) / n} for j in range(g)]
+    correct_l, loss_l = correct.cpu().tolist(), loss_sum.cpu().tolist()
+    return [{"accuracy": int(correct_l[j]) / n, "loss": float(loss_l[j]) / n} for j in range(g)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -67,7 +68,7 @@ class SimConfig:
             ``model_specs`` / ``model_spec`` is given), roles (a node without the
             aggregator role never leads a rotating round) and compression come from the
             decision table (``dfl_agent.profiles.behaviour``); every node still computes on
-            this machine's cpu with ``train``.
+            ``device`` with ``train``.
         compression: compression spec of every node (``none``, ``fp16``, ``q8``,
             ``topk:0.01+q8``, ... see :mod:`dfl_agent.learning.compression`), with
             ``compression_kinds`` per message kind, ``error_feedback`` (residuals /
@@ -82,6 +83,9 @@ class SimConfig:
             evaluate the nodes that share an architecture in the same instant together
             (:mod:`dfl_agent.runtime.batching`); False: every node trains and is
             evaluated on its own.
+        device: torch device every node's models live and train on: ``cpu`` (the
+            default) or ``cuda`` / ``cuda:N``; a CUDA device that torch cannot see is a
+            ``ValueError`` when the run starts (no silent fallback to cpu).
     """
 
     algorithm: str = "fedavg"
@@ -117,6 +121,7 @@ class SimConfig:
     keyframe_every: int = 0
     samples_per_node: int = 0
     batch: bool = True
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -127,6 +132,34 @@ class SimConfig:
             raise ValueError(f"samples_per_node must be >= 0, got {self.samples_per_node}")
         if self.init not in ("common", "independent"):
             raise ValueError(f"init must be 'common' or 'independent', got {self.init!r}")
+        if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", str(self.device))):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+
+def check_device(device: str, cuda: Any = None) -> str:
+    """The torch device string ``device`` (``cpu``, ``cuda``, ``cuda:N``) resolves to on
+    this machine: ``cuda`` becomes ``cuda:0``.
+
+    Args:
+        device: the requested device.
+        cuda: ``torch.cuda`` or a stand-in with ``is_available`` and ``device_count``.
+
+    Raises:
+        ValueError: a CUDA device that torch does not see (no CUDA build, no GPU, or an
+            index past ``device_count()``); the message says which.
+    """
+    if device == "cpu":
+        return "cpu"
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    n = int(cuda.device_count()) if cuda.is_available() else 0
+    if index >= n:
+        raise ValueError(f"device {device} requested but torch sees {n} CUDA device(s) "
+                         f"(torch.cuda.is_available() is {bool(cuda.is_available())}): use --device cpu")
+    return f"cuda:{index}"
 
 
 def node_name(i: int) -> str:
@@ -146,6 +179,7 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
         KeyError: unknown algorithm. ValueError: bad option, dataset or partition arguments.
     """
     started = time.time()
+    device = check_device(cfg.device)
     algo_cls = get_algorithm(cfg.algorithm)
     options = parse_options(algo_cls, cfg.options)
     bundle = load_dataset(cfg.dataset, path=cfg.dataset_path, cache_dir=cfg.cache_dir)
@@ -193,7 +227,7 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
         ctx = RuntimeContext(
             node_id=nid, federation=federation, transport=transport, peers=PeerTable(nid, federation),
             data=data, model_spec=specs[i], train=cfg.train, init_seed=init_seed_for(cfg.seed, i, cfg.init),
-            rng=np.random.default_rng([cfg.seed, i]),
+            rng=np.random.default_rng([cfg.seed, i]), device=device,
             graph_neighbours=None if cfg.topology == "full" else graph[nid], seed=cfg.seed,
             compression=policy if policy.active else None,
         )
@@ -245,11 +279,17 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
 
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
+    if device != "cpu":
+        torch.cuda.reset_peak_memory_stats(device)
     try:
         run_virtual(main())
     finally:
         torch.set_num_threads(previous_threads)
     wall = time.time() - started
+    # on CUDA: the run's peak of memory allocated by tensors (MiB; torch's caching
+    # allocator may hold more)
+    gpu = ({"device": device, "cuda_peak_memory_mb": round(torch.cuda.max_memory_allocated(device) / 2**20, 1),
+            "cuda_device_name": torch.cuda.get_device_name(device)} if device != "cpu" else {})
     histories = {n.ctx.node_id: n.history for n in nodes}
     summary = metrics.summarize(
         cfg.algorithm, histories, wall_seconds=wall,
@@ -270,6 +310,7 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
             "batching": {**batcher.stats, **batcher.eval_stats} if batcher is not None else None,
             "user_accuracy": metrics.user_accuracy(histories),  # UA: personal models on own splits, last 10 rounds
             "config": _jsonable(dataclasses.asdict(cfg)),
+            **gpu,
         },
     )
     if cfg.out:
@@ -335,7 +376,7 @@ def _profile_behaviours(cfg: SimConfig) -> list[Any] | None:
         prof = get_profile(cfg.profiles[i % len(cfg.profiles)])
         if prof.inference_only:
             raise ValueError(f"profile {prof.name!r} is inference-only: it cannot be a simulated training node")
-        out.append(select_behaviour(prof, cfg.algorithm, config_device="cpu", config_threads=cfg.threads,
+        out.append(select_behaviour(prof, cfg.algorithm, config_device=cfg.device, config_threads=cfg.threads,
                                     config_batch_size=cfg.train.batch_size))
     return out
 def _byte_summary(nodes: list[Node], policy: CompressionPolicy) -> dict[str, Any]:
