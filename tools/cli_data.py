@@ -46,7 +46,7 @@ def _time(t: float | None) -> str:
 def cmd_status(a: argparse.Namespace) -> int:
     from dfl_agent.store.sqlite import SampleStore
 
-    sd, _ = resolve(a)
+    sd, cfg = resolve(a)
     if not (sd / "store" / "samples.sqlite").exists():
         raise FileNotFoundError(f"no sample store under {sd} (state_dir/store/samples.sqlite)")
     store = SampleStore(sd, None, create=False)
@@ -57,11 +57,17 @@ def cmd_status(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(st, indent=2, sort_keys=True))
         return 0
-    names = st["class_names"]
+    names = list(st["class_names"])
+    unnamed = names == [str(i) for i in range(len(names))]  # the store's default names "0", "1", ...
+    cfg_names = list(cfg.data.class_names or ()) if cfg is not None else []
+    if unnamed and cfg_names:
+        names, unnamed = cfg_names, False
     print(f"{st['samples']} samples of shape {st['input_shape']} in {st['store']}")
     for label, n in st["per_class"].items():
-        name = names[int(label)] if int(label) < len(names) else label
-        print(f"  class {label} ({name}): {n}")
+        name = names[int(label)] if int(label) < len(names) else str(label)
+        print(f"  class {label}: {n}" if unnamed or name == str(label) else f"  class {label} ({name}): {n}")
+    if unnamed and st["per_class"]:
+        print("  (no class names: set data.class_names in the node configuration, or pass --config)")
     print(f"oldest {_time(st['oldest'])}, newest {_time(st['newest'])}")
     print(f"ingested {st['ingested_files']} files ({st['ingested_samples']} samples), evicted {st['evicted_samples']} "
           f"samples, {st['spool_waiting']} files waiting in the spool")

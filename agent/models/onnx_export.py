@@ -17,6 +17,7 @@ import io
 import json
 import logging
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from torch import nn
 
 INPUT_NAME = "x"
 OUTPUT_NAME = "logits"
+#: the FutureWarning torch.onnx.export (dynamo) raises from torch's own pytree code (torch 2.13)
+_TORCH_LEAFSPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 
 
 class OnnxExportError(ValueError):
@@ -66,7 +69,10 @@ def export_onnx(
     quiet = io.StringIO()
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     try:
-        with contextlib.redirect_stdout(quiet), torch.no_grad():
+        with contextlib.redirect_stdout(quiet), torch.no_grad(), warnings.catch_warnings():
+            # torch's own exporter code trips its pytree deprecation (LeafSpec); nothing of ours
+            # calls it, and the warning would land in the agent's log on every export
+            warnings.filterwarnings("ignore", message=_TORCH_LEAFSPEC_WARNING, category=FutureWarning)
             program = torch.onnx.export(
                 m, (example,), dynamo=True, external_data=False, input_names=[INPUT_NAME],
                 output_names=[OUTPUT_NAME], dynamic_shapes=({0: batch},), verbose=False,
