@@ -1115,9 +1115,11 @@ def written_rounds(path: Path | None, node_id: str, run_id: str | None, since: i
         lines = f.read().splitlines()
     if size > tail_bytes:
         lines = lines[1:]  # the first one may be cut
+    from dfl_agent.jsonbound import loads as bounded_loads
+
     for line in lines:
-        try:
-            rec = json.loads(line)
+        try:  # depth-bounded: a forged line must not raise RecursionError here
+            rec = bounded_loads(line, max_bytes=tail_bytes)
         except ValueError:
             continue
         if isinstance(rec, dict) and rec.get("node") == node_id and rec.get("run") == run_id \
