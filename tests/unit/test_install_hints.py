@@ -4,10 +4,10 @@ distribution found')."""
 
 import re
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 import dfl_agent
 
