@@ -21,7 +21,7 @@ for spec in none q8 topk:0.01+q8; do
 import json, sys, pathlib
 d = pathlib.Path(sys.argv[1])
 out = {}
-for log in sorted((d / "nodes").glob("*/*.log")) + sorted(d.glob("*.log")):
+for log in sorted((d / "logs").glob("*.log")):
     text = log.read_text(errors="replace")
     out[log.name] = {r: text.count(r) for r in ("bad_encoding", "bad_signature", "non_finite")}
 recs = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines() if l.strip()]
