@@ -27,7 +27,7 @@ Non-participants do nothing in a round (Algorithm 1: only the drawn clients U^ρ
 models), so a node's personal model trains only when it is drawn: with ρ = 0.2 about one
 round in five, and on a small federation (4 nodes: one node a round) unevenly.  The
 centralized reference (server fed the
-features, :mod:`dfl_agent.algorithms.fedd2s_reference`) gives the same personal models for the
+features, ``bench/fedd2s/reference.py``) gives the same personal models for the
 same seed — a unit test checks it.
 
 Options beyond ALGORITHMS.md (defaults = the seed's values): ``z0`` (3/5/7 for Dirichlet

@@ -1,7 +1,7 @@
 """FedD2S distillation math (seed 002, Eq. 6 and Eq. 8–13), pure: no I/O, no messaging.
 
 Both the serverless algorithm (:mod:`dfl_agent.algorithms.fedd2s`) and the centralized
-reference (:mod:`dfl_agent.algorithms.fedd2s_reference`) call exactly these functions, so the
+reference (``bench/fedd2s/reference.py``) call exactly these functions, so the
 two differ only in *where* each one runs and what travels between the parties.
 
 Models are layered: ``model.blocks`` is a list of the L layers (see

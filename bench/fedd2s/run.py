@@ -105,7 +105,7 @@ def run_one(dataset: str, alpha: float, seed: int, method: str, rounds: int, z0:
 def reference(out: Path) -> None:
     """The centralized reference (server fed the features) at benchmark scale: digits, α = 0.1,
     seed 0 — its UA must equal the serverless run's; also the bytes the server receives."""
-    from dfl_agent.algorithms.fedd2s_reference import simulate_reference
+    from bench.fedd2s.reference import simulate_reference
 
     cfg = SimConfig(algorithm="fedd2s", nodes=20, rounds=SCALE["digits"]["rounds"], dataset="digits",
                     partition="dirichlet", beta=0.1, seed=0, model_spec=spec_for("digits"),

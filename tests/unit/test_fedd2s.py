@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from bench.fedd2s.reference import run_reference
 from dfl_agent.algorithms.base import get_algorithm, parse_options
 from dfl_agent.algorithms.fedd2s import FedD2SOptions, draw_round, resolve_l_min
-from dfl_agent.algorithms.fedd2s_reference import run_reference
 from dfl_agent.algorithms.fedper import personal_keys
 from dfl_agent.data import NodeData
 from dfl_agent.discovery.peers import PeerTable
