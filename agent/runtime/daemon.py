@@ -229,7 +229,7 @@ class Agent:
             security=guard, max_queued_per_sender=cfg.security.max_queued_per_sender,
         )
         if self.snapshot is not None:  # saved with every checkpoint: a resumed run trains on the same data
-            from dfl_agent.store.runtime import SNAPSHOT_KEY
+            from dfl_agent.runtime.sample_store import SNAPSHOT_KEY
 
             ctx.persistent_state[SNAPSHOT_KEY] = self.snapshot
         from dfl_agent.profiles import ResourceGate, peer_incompatibility
@@ -277,7 +277,7 @@ class Agent:
         watchdog: Any = None
         exporter: Any = None
         spool_task: Any = None
-        from dfl_agent.store.runtime import spool_loop
+        from dfl_agent.runtime.sample_store import spool_loop
         try:
             try:
                 await ctx.start()
@@ -365,7 +365,7 @@ class Agent:
     def _store_data(self) -> tuple[Any, Any]:
         """Open (and seed) the store, ingest the spool, take the run's snapshot (or the one
         saved with the checkpoint being resumed), and split it."""
-        from dfl_agent.store.runtime import open_store, seed_store, snapshot_from_checkpoint, store_data
+        from dfl_agent.runtime.sample_store import open_store, seed_store, snapshot_from_checkpoint, store_data
 
         d = self.cfg.data
         self.store = store = open_store(self.cfg)
@@ -872,7 +872,7 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
     next_spool = 0.0
     waiting_for_data = False
     if cfg.data.dataset == "store":
-        from dfl_agent.store.runtime import open_store
+        from dfl_agent.runtime.sample_store import open_store
 
         try:
             store = open_store(cfg)

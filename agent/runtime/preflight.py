@@ -125,7 +125,7 @@ def check_startup(cfg: NodeConfig, *, load: bool = True) -> None:
     them (the daemon loads the data itself right after).  The sample store
     (``data.dataset = "store"``) is not opened here; its schema from ``[data]`` (or
     ``data.path``'s ``meta.json``) is checked as ``run`` checks it
-    (:func:`dfl_agent.store.runtime.check_schema`).
+    (:func:`dfl_agent.runtime.sample_store.check_schema`).
 
     Raises:
         ConfigError: one line naming the offending key.
@@ -146,7 +146,7 @@ def check_startup(cfg: NodeConfig, *, load: bool = True) -> None:
             raise ConfigError(f"data.dataset: unknown dataset {d.dataset!r}; known: {', '.join((*DATASETS, 'store'))}")
     check_data_path(cfg)
     if d.dataset == "store":  # the schema check open_store makes at the start, without opening the store
-        from dfl_agent.store.runtime import check_schema
+        from dfl_agent.runtime.sample_store import check_schema
 
         check_schema(cfg)
     _check_security(cfg)

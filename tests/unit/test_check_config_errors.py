@@ -11,7 +11,7 @@ CASES = [
 ]
 
 
-#: the sample store's schema: one check (dfl_agent.store.runtime.check_schema) for check-config and run
+#: the sample store's schema: one check (dfl_agent.runtime.sample_store.check_schema) for check-config and run
 STORE_CASES = [
     ('[data]\ndataset = "store"\ninput_shape = [3, -1]\nnum_classes = 2\n', "data.input_shape"),
     ('[data]\ndataset = "store"\ninput_shape = [3, 4]\nnum_classes = 3\nclass_names = ["a", "b"]\n',
@@ -91,7 +91,7 @@ def test_check_startup_passes_a_good_config_and_writes_nothing(tmp_path):
 def test_store_schema_one_check_for_check_config_and_run(tmp_path, data, message):
     """check_startup (check-config and run) and open_store (run's start) raise the same
     ConfigError from the one schema check, and nothing is written."""
-    import dfl_agent.store.runtime as store_runtime
+    import dfl_agent.runtime.sample_store as store_runtime
     from dfl_agent.runtime.config import ConfigError
     from dfl_agent.runtime.preflight import check_startup
 

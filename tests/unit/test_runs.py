@@ -227,7 +227,7 @@ def test_default_run_recurs_when_k_new_samples_arrived_and_never_overlaps(tmp_pa
 
     from dfl_agent.runtime.config import ConfigError
     from dfl_agent.runtime.runs import next_sample_triggered, sample_run_id
-    from dfl_agent.store.runtime import open_store
+    from dfl_agent.runtime.sample_store import open_store
 
     cfg = config_from_dict({"state_dir": str(tmp_path), "algorithm": {"rounds": 2, "every_samples": 50},
                             "data": {"dataset": "store", "input_shape": [3, 4], "num_classes": 2}})

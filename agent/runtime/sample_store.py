@@ -1,4 +1,4 @@
-"""Wiring of the sample store into the agent: schema from the configuration, seeding,
+"""The agent's side of the sample store (:mod:`dfl_agent.store`): schema from the configuration, seeding,
 run snapshots, the training/validation split, and the periodic spool pass.  Torch-free."""
 
 from __future__ import annotations
