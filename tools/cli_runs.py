@@ -1,14 +1,14 @@
 """``dflctl run``: submit, list, show and cancel the runs of a federation.
 
 A run is a signed, retained descriptor on ``dfl/{fed}/run/{run_id}`` (see
-:mod:`dfl_agent.runtime.runs`).  ``submit`` and ``cancel`` sign it with the operator's
+:mod:`dfl_agent.runtime.descriptor`).  ``submit`` and ``cancel`` sign it with the operator's
 key and certificate (``--operator-dir DIR`` holding ``*.pem`` and ``*cert*.json``, as
 ``dflctl keys`` writes them); ``list`` and ``show`` read the descriptors and the
 nodes' statuses (each carries ``run = {id, state, round, reason}``).
 
 Trust: with ``--config`` (a node.toml's ``[security]`` trust material) ``list`` and
 ``show`` verify every descriptor as an agent with ``require_signatures`` does
-(:class:`~dfl_agent.runtime.runs.RunVerifier`) and show only those an operator signed
+(:class:`~dfl_agent.runtime.descriptor.RunVerifier`) and show only those an operator signed
 (``trust = "operator"``); the others are hidden and counted on one line of stderr.
 Without it every entry is marked ``trust = "unverified"``, as ``dflctl peers`` does.
 """
@@ -157,7 +157,7 @@ def verify_runs(runs: dict[str, dict[str, Any]], payloads: dict[str, bytes], fed
     operators) every run is kept with ``trust = "unverified"``.
     With ``guard`` (a verifying-only SecurityGuard, :func:`dfl_agent.cli.dflctl.observer_guard`)
     each raw retained message in ``payloads`` goes through a
-    :class:`~dfl_agent.runtime.runs.RunVerifier` with ``require_signatures``, as an agent
+    :class:`~dfl_agent.runtime.descriptor.RunVerifier` with ``require_signatures``, as an agent
     checks it: only descriptors signed by an operator of the federation (a pinned
     operator key, or an operator certificate from the federation key), for this
     federation, whose run id matches their topic, are kept (``trust = "operator"``); the
@@ -167,7 +167,7 @@ def verify_runs(runs: dict[str, dict[str, Any]], payloads: dict[str, bytes], fed
     hidden: collections.Counter[str] = collections.Counter()
     if guard is None:
         return {rid: {**m, "trust": "unverified"} for rid, m in runs.items()}, hidden
-    from dfl_agent.runtime.runs import RunVerifier
+    from dfl_agent.runtime.descriptor import RunVerifier
 
     verifier = RunVerifier(federation, require_signatures=True, guard=guard)
     shown: dict[str, dict[str, Any]] = {}
@@ -274,7 +274,7 @@ def _pairs(items: list[str] | None, flag: str) -> dict[str, Any]:
 
 
 def cmd_submit(a: argparse.Namespace) -> int:
-    from dfl_agent.runtime.runs import RunDescriptor, new_run_id, run_topic, sign_descriptor
+    from dfl_agent.runtime.descriptor import RunDescriptor, new_run_id, run_topic, sign_descriptor
 
     broker, fed = _target(a)
     try:
@@ -315,7 +315,7 @@ def cmd_submit(a: argparse.Namespace) -> int:
 
 
 def cmd_cancel(a: argparse.Namespace) -> int:
-    from dfl_agent.runtime.runs import RunDescriptor, open_run_message, run_topic, sign_descriptor
+    from dfl_agent.runtime.descriptor import RunDescriptor, open_run_message, run_topic, sign_descriptor
 
     broker, fed = _target(a)
     try:
@@ -382,7 +382,7 @@ def cmd_show(a: argparse.Namespace) -> int:
 
 def cmd_enroll_operator(a: argparse.Namespace) -> int:
     from dfl_agent.cli.cli_security import _fed_key
-    from dfl_agent.runtime.runs import operator_certificate
+    from dfl_agent.runtime.descriptor import operator_certificate
     from dfl_agent.security.keys import load_or_create_key, public_key_b64, save_certificate
 
     try:

@@ -196,7 +196,8 @@ def _store_count(state: Path) -> int:
 
 def _terminal_runs(state: Path) -> list[str]:
     """Run ids that reached a terminal state on this agent, in the order they did."""
-    from dfl_agent.runtime.runs import TERMINAL, RunLedger
+    from dfl_agent.runtime.descriptor import TERMINAL
+    from dfl_agent.runtime.ledger import RunLedger
 
     e = RunLedger(state).entries
     return [r for r, v in sorted(e.items(), key=lambda kv: kv[1].get("time", 0)) if v.get("state") in TERMINAL]
@@ -283,14 +284,14 @@ def feed_federation(opts: FeedOptions, on_tick: Any = None) -> dict[str, Any]:
     from dfl_agent.cli.cli_runs import publish_retained
     from dfl_agent.cli.demo import stop_processes
     from dfl_agent.cli.observer import Observer
-    from dfl_agent.runtime.runs import (
+    from dfl_agent.runtime.descriptor import (
         RunDescriptor,
-        RunLedger,
         new_run_id,
         operator_certificate,
         run_topic,
         sign_descriptor,
     )
+    from dfl_agent.runtime.ledger import RunLedger
     from dfl_agent.security.keys import FEDERATION_KEY_FILE, enroll_local, load_or_create_key, public_key_b64
 
     started = time.time()

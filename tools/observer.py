@@ -73,7 +73,7 @@ class Observer:
     def _handle(self, msg: Any) -> None:
         parts = msg.topic.split("/")
         if len(parts) == 4 and parts[2] == "run":
-            from dfl_agent.runtime.runs import open_run_message
+            from dfl_agent.runtime.descriptor import open_run_message
 
             run = open_run_message(msg.payload) if msg.payload else None
             with self._lock:

@@ -323,7 +323,7 @@ def _validate(cfg: NodeConfig) -> None:
     need(cfg.node_id is None or valid_id(cfg.node_id), "node_id", "must match [A-Za-z0-9_.-]{1,64}")
     need(cfg.algorithm.rounds >= 1, "algorithm.rounds", "must be >= 1")
     if cfg.algorithm.every is not None:
-        from dfl_agent.runtime.runs import parse_duration
+        from dfl_agent.runtime.descriptor import parse_duration
 
         try:
             parse_duration(cfg.algorithm.every)

@@ -733,7 +733,7 @@ def _setup_logging(level: str, fmt: str = "auto") -> None:
 
 
 #: callbacks around runs of this process (``RUN_HOOKS.on_run_finished(fn)``, ``fn(run, node)``)
-from dfl_agent.runtime.runs import RunHooks  # noqa: E402
+from dfl_agent.runtime.run_manager import RunHooks  # noqa: E402
 
 RUN_HOOKS = RunHooks()
 
@@ -817,7 +817,10 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
     import time as _time
 
     from dfl_agent.profiles import resolve_profile
-    from dfl_agent.runtime.runs import RunLedger, RunLobby, RunVerifier, admit, default_descriptor
+    from dfl_agent.runtime.admission import admit
+    from dfl_agent.runtime.descriptor import RunVerifier
+    from dfl_agent.runtime.ledger import RunLedger, default_descriptor
+    from dfl_agent.runtime.lobby import RunLobby
     from dfl_agent.runtime.systemd import Notifier
 
     hooks = hooks or RUN_HOOKS

@@ -14,15 +14,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from dfl_agent.cli.cli_runs import publish_retained
 from dfl_agent.cli.observer import Observer
 from dfl_agent.runtime.config import config_from_dict
-from dfl_agent.runtime.runs import (
+from dfl_agent.runtime.descriptor import (
     RunDescriptor,
-    RunLedger,
-    RunLobby,
     RunVerifier,
     operator_certificate,
     run_topic,
     sign_descriptor,
 )
+from dfl_agent.runtime.ledger import RunLedger
+from dfl_agent.runtime.lobby import RunLobby
 from dfl_agent.security.keys import public_key_b64
 
 pytestmark = pytest.mark.integration

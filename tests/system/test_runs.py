@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from dfl_agent.cli.broker import start_broker
 from dfl_agent.cli.observer import Observer
 from dfl_agent.runtime.config import config_from_dict, dump_toml
-from dfl_agent.runtime.runs import operator_certificate
+from dfl_agent.runtime.descriptor import operator_certificate
 from dfl_agent.security.keys import enroll_local, public_key_b64, save_certificate, save_private_key
 from tests.system.conftest import needs_mosquitto
 

@@ -1,4 +1,4 @@
-"""Runs (dfl_agent.runtime.runs): queue order, recurrence, the ledger across restarts,
+"""Runs (dfl_agent.runtime.descriptor, ledger, lobby, admission): queue order, recurrence, the ledger across restarts,
 who may submit, descriptor precedence over node.toml."""
 
 import json
@@ -6,20 +6,18 @@ import json
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from dfl_agent.runtime.admission import admit
 from dfl_agent.runtime.config import config_from_dict
-from dfl_agent.runtime.runs import (
+from dfl_agent.runtime.descriptor import (
     RunDescriptor,
-    RunLedger,
-    RunQueue,
     RunVerifier,
-    admit,
-    default_descriptor,
-    next_recurring,
     operator_certificate,
     parse_duration,
     recurring_run_id,
     sign_descriptor,
 )
+from dfl_agent.runtime.ledger import RunLedger, default_descriptor, next_recurring
+from dfl_agent.runtime.lobby import RunQueue
 from dfl_agent.security.keys import issue_certificate, public_key_b64
 
 
@@ -168,7 +166,7 @@ def test_descriptor_overrides_node_toml_and_members():
 def test_admit_counts_the_models_parameters_against_memory_budget_mb():
     from dfl_agent.models import build_model, count_trainable, default_spec
     from dfl_agent.profiles import resolve_profile
-    from dfl_agent.runtime.runs import run_model_params, spec_params
+    from dfl_agent.runtime.admission import run_model_params, spec_params
 
     spec = default_spec([9, 128], 6, "medium")
     assert spec_params(spec) == count_trainable(build_model(spec))  # counted on the meta device, same figure
@@ -226,7 +224,8 @@ def test_default_run_recurs_when_k_new_samples_arrived_and_never_overlaps(tmp_pa
     import numpy as np
 
     from dfl_agent.runtime.config import ConfigError
-    from dfl_agent.runtime.runs import next_sample_triggered, sample_run_id
+    from dfl_agent.runtime.descriptor import sample_run_id
+    from dfl_agent.runtime.ledger import next_sample_triggered
     from dfl_agent.runtime.sample_store import open_store
 
     cfg = config_from_dict({"state_dir": str(tmp_path), "algorithm": {"rounds": 2, "every_samples": 50},
@@ -322,7 +321,7 @@ def test_stopped_run_aborts_local_training_in_its_worker_thread():
 def test_nodes_that_declined_a_run_are_not_waited_for():
     import sys
 
-    from dfl_agent.runtime.runs import RunLobby
+    from dfl_agent.runtime.lobby import RunLobby
 
     lobby = RunLobby(config_from_dict({}), "me", RunVerifier("default", require_signatures=False))
     lobby.statuses = {"a": {"run": {"id": "r-1", "state": "accepted"}}, "b": {"state": "idle", "run": None}}

@@ -1,0 +1,269 @@
+"""The run lobby: the always-on side of a node's MQTT life between runs.
+
+:class:`RunLobby` listens for run descriptors (``dfl/{fed}/run/+``, retained) and
+peers' statuses, keeps the known runs in queue order (:class:`RunQueue`: the signed
+``submitted_at``, then ``run_id``, never broker arrival) and publishes this node's
+status while it is not training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from dfl_agent.jsonbound import JSONBoundError, RateLimitedLog
+from dfl_agent.jsonbound import loads as bounded_loads
+from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier, run_topic
+
+log = logging.getLogger("dfl_agent.runs")
+
+
+class RunQueue:
+    """Known runs of a federation (latest accepted copy of each), in queue order."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, RunDescriptor] = {}
+
+    def offer(self, d: RunDescriptor) -> bool:
+        """Add or update a run; a copy with a lower ``seq`` than the known one is ignored
+        (returns False)."""
+        old = self.runs.get(d.run_id)
+        if old is not None and d.seq <= old.seq:
+            return False
+        self.runs[d.run_id] = d
+        return True
+
+    def ordered(self) -> list[RunDescriptor]:
+        """All runs by ``submitted_at`` then ``run_id``."""
+        return sorted(self.runs.values(), key=RunDescriptor.order_key)
+
+    def next_runnable(self, done: Callable[[str], bool], now: float | None = None) -> RunDescriptor | None:
+        """The first run in queue order that is not cancelled, not done here, and whose
+        ``start_at`` has passed."""
+        now = time.time() if now is None else now
+        for d in self.ordered():
+            if d.cancelled or done(d.run_id):
+                continue
+            if d.start_at is not None and d.start_at > now:
+                continue
+            return d
+        return None
+
+
+
+class RunLobby:
+    """The always-on side of a node: listens for run descriptors (``dfl/{fed}/run/+``,
+    retained) and peers' statuses, and publishes this node's status while it is not
+    training (``state = "idle"``, ``run = {id, state, round, reason}`` of the last run).
+
+    It uses its own MQTT connection (client id ``dfl-{fed}-{node}-runs-...``) and never
+    publishes presence: an idle node is not a member of any run's rounds.
+
+    Args:
+        cfg: the node's :class:`~dfl_agent.runtime.config.NodeConfig`.
+        node_id: this node.
+        verifier: :class:`RunVerifier` for descriptors.
+    """
+
+    def __init__(self, cfg: Any, node_id: str, verifier: RunVerifier):
+        import threading
+
+        self.cfg, self.node_id, self.verifier = cfg, node_id, verifier
+        self.queue = RunQueue()
+        self.statuses: dict[str, dict[str, Any]] = {}
+        self.lock = threading.Lock()
+        self.changed = threading.Event()
+        self.client: Any = None
+        self.heartbeat = 0
+        self.connected = threading.Event()
+        #: SecurityGuard signing this node's statuses and verifying peers' ones (None: bare JSON)
+        self.guard: Any = None
+        #: statuses dropped by reason (``status_{reason}``), and ``handler_error``: messages
+        #: whose handling raised (caught, counted, logged; the listener goes on)
+        self.dropped: dict[str, int] = {}
+        self._errors = RateLimitedLog(log)
+        #: called with the run id, on the MQTT thread, as soon as a cancelled copy of a
+        #: run arrives (the agent stops that run's training at once)
+        self.on_cancel: Callable[[str], None] | None = None
+
+    def start(self) -> None:
+        """Connect (non-blocking; paho reconnects on its own)."""
+        import secrets
+
+        import paho.mqtt.client as mqtt
+
+        from dfl_agent.discovery.static import parse_endpoint
+        from dfl_agent.transport.mqtt import PROTOCOLS
+
+        m = self.cfg.mqtt
+        host, port = parse_endpoint(m.broker)
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
+                        client_id=f"dfl-{self.cfg.federation}-{self.node_id}-runs-{secrets.token_hex(3)}",
+                        protocol=PROTOCOLS[m.protocol])
+        if m.username is not None:
+            c.username_pw_set(m.username, m.password)
+        if m.tls_ca is not None:
+            import ssl
+
+            c.tls_set(ca_certs=m.tls_ca, certfile=m.tls_cert, keyfile=m.tls_key, cert_reqs=ssl.CERT_REQUIRED,
+                      tls_version=ssl.PROTOCOL_TLS_CLIENT)
+        c.on_connect = self._on_connect
+        c.on_message = self._on_message
+        c.reconnect_delay_set(min_delay=1, max_delay=30)
+        c.connect_async(host, port, keepalive=m.keepalive)
+        c.loop_start()
+        self.client = c
+
+    def stop(self) -> None:
+        """Disconnect."""
+        if self.client is not None:
+            self.client.disconnect()
+            self.client.loop_stop()
+
+    def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
+        from dfl_agent.transport.mqtt import topic
+
+        if getattr(reason_code, "is_failure", False):
+            log.warning("run lobby: connection refused: %s", reason_code)
+            return
+        client.subscribe([(run_topic(self.cfg.federation), 1), (topic(self.cfg.federation, "+", "status"), 1)])
+        self.connected.set()
+
+    def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
+        """paho's message callback: whatever one message does, the listener thread goes on
+        (an exception is counted as ``handler_error`` and logged, rate-limited)."""
+        try:
+            self._handle_message(msg)
+        except Exception:  # noqa: BLE001 - never end the run listener thread
+            with self.lock:
+                self.dropped["handler_error"] = self.dropped.get("handler_error", 0) + 1
+            self._errors.exception("run lobby: error handling a message on %s", getattr(msg, "topic", "?"))
+
+    def _handle_message(self, msg: Any) -> None:
+        parts = msg.topic.split("/")
+        if len(parts) == 4 and parts[2] == "run":
+            if not msg.payload:
+                return
+            d, why = self.verifier.check(msg.payload)
+            if why is not None:
+                if why != "duplicate":
+                    log.warning("refused run descriptor on %s: %s", msg.topic, why)
+                return
+            assert d is not None
+            if d.run_id != parts[3]:
+                self.verifier.refused["malformed"] = self.verifier.refused.get("malformed", 0) + 1
+                return
+            with self.lock:
+                fresh = self.queue.offer(d)
+                if fresh:
+                    log.info("run %s (%s, %d rounds, submitted by %s)%s", d.run_id, d.algorithm, d.rounds,
+                             d.submitter or "?", " cancelled" if d.cancelled else "")
+                    self.changed.set()
+            hook = self.on_cancel
+            if fresh and d.cancelled and hook is not None:
+                try:
+                    hook(d.run_id)
+                except Exception:
+                    log.exception("cancel hook failed")
+        elif len(parts) == 5 and parts[4] == "status":
+            st = self._open_status(parts[3], msg.payload)
+            if st is False:
+                return
+            with self.lock:
+                if isinstance(st, dict):
+                    self.statuses[parts[3]] = st
+                else:
+                    self.statuses.pop(parts[3], None)
+
+    def _open_status(self, node: str, payload: bytes) -> Any:
+        """A peer's status dict, None (cleared), or False (dropped and counted): verified
+        with :attr:`guard` when set - with ``require_signatures`` only a trusted device's
+        signed status counts (``accepted_by`` decides ``min_members`` on it)."""
+        from dfl_agent.security.trust import ControlRejected
+
+        if node == self.node_id:
+            return False
+        guard = self.guard
+        if guard is None or not payload:
+            if not payload:
+                return False if guard is not None and guard.require_signatures else None
+            try:  # bounded: 64 KiB, nesting depth 32
+                st = bounded_loads(payload, "status")
+            except JSONBoundError as exc:
+                key = f"status_{exc.reason}"
+                with self.lock:
+                    self.dropped[key] = self.dropped.get(key, 0) + 1
+                return False
+            return st.get("payload") if isinstance(st, dict) and "ctl" in st else st
+        try:
+            _s, role, st = guard.verify_control(payload, "status", node)
+        except ControlRejected as exc:
+            if exc.reason != "duplicate":
+                key = f"status_{exc.reason}"
+                self.dropped[key] = self.dropped.get(key, 0) + 1
+            return False
+        if guard.require_signatures and role != "device":
+            self.dropped["status_not_member"] = self.dropped.get("status_not_member", 0) + 1
+            return False
+        return st
+
+    def run(self, run_id: str) -> RunDescriptor | None:
+        """The newest known descriptor of ``run_id``."""
+        with self.lock:
+            return self.queue.runs.get(run_id)
+
+    def declined_by(self, run_id: str) -> set[str]:
+        """Nodes whose status (its current run, or its run history) says they declined ``run_id``."""
+        out = set()
+        with self.lock:
+            for n, s in self.statuses.items():
+                r = s.get("run")
+                hist = s.get("run_history")
+                if isinstance(r, dict) and r.get("id") == run_id:
+                    state = r.get("state")
+                elif isinstance(hist, dict) and isinstance(hist.get(run_id), dict):
+                    state = hist[run_id].get("state")
+                else:
+                    continue
+                if state == "declined":
+                    out.add(n)
+        return out
+
+    def may_join(self, run_id: str) -> int:
+        """How many other known nodes may still join ``run_id``: every node with a verified
+        status except those that declined it (a node that declined is not waited for).
+        Unbounded (``sys.maxsize``) while no node declined: statuses may still be arriving."""
+        import sys
+
+        declined = self.declined_by(run_id)
+        if not declined:
+            return sys.maxsize
+        with self.lock:
+            return len(set(self.statuses) - declined)
+
+    def accepted_by(self, run_id: str) -> set[str]:
+        """Nodes whose status says they accepted or train ``run_id``."""
+        with self.lock:
+            return {n for n, s in self.statuses.items() if isinstance(s.get("run"), dict)
+                    and s["run"].get("id") == run_id and s["run"].get("state") in ("accepted", "training")}
+
+    def publish_status(self, run: dict[str, Any] | None, state: str = "idle",
+                       history: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        """Publish this node's status (retained) while no run trains; ``history`` (run id
+        -> ledger entry, the newest 20 kept) lets ``dflctl run list`` show finished runs."""
+        from dfl_agent.transport.mqtt import topic
+
+        if self.client is None:
+            return
+        self.heartbeat += 1
+        st = {"node_id": self.node_id, "state": state, "time": time.time(), "heartbeat": self.heartbeat,
+              "run": run, "runs_refused": dict(self.verifier.refused), "algorithm": None, "round": 0,
+              "run_history": {k: {f: v.get(f) for f in ("state", "round", "reason")}
+                              for k, v in sorted((history or {}).items(), key=lambda kv: kv[1].get("time", 0))[-20:]}}
+        if self.dropped:
+            st["control_dropped"] = dict(self.dropped)
+        body = self.guard.sign_control("status", st, self.cfg.federation) if self.guard is not None else json.dumps(st)
+        self.client.publish(topic(self.cfg.federation, self.node_id, "status"), body, qos=1, retain=True)
