@@ -71,7 +71,7 @@ from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZerocon
 
 from dfl_agent import WIRE_VERSION
 from dfl_agent.discovery.peers import PeerTable
-from dfl_agent.discovery.static import valid_endpoint
+from dfl_agent.transport.endpoint import valid_endpoint
 from dfl_agent.transport.wire import valid_id
 
 log = logging.getLogger(__name__)

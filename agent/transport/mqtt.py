@@ -102,11 +102,11 @@ from typing import Any
 import paho.mqtt.client as mqtt
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from dfl_agent.discovery.static import parse_endpoint
 from dfl_agent.jsonbound import JSONBoundError, RateLimitedLog
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.transport.base import FrameHandler, PresenceHandler, Transport, TransportStats
 from dfl_agent.transport.chunking import HEADER_LEN, ChunkError, Reassembler, chunked_size, is_chunk, iter_chunks
+from dfl_agent.transport.endpoint import parse_endpoint
 from dfl_agent.transport.wire import payload_offset
 
 log = logging.getLogger(__name__)

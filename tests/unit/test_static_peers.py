@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dfl_agent.discovery.peers import PeerTable
-from dfl_agent.discovery.static import load_static_peers, parse_endpoint, parse_peer
+from dfl_agent.discovery.static import load_static_peers, parse_peer
+from dfl_agent.transport.endpoint import parse_endpoint
 
 
 @pytest.mark.parametrize(
