@@ -208,7 +208,7 @@ def _heldout_accuracy(folder: Path, x: np.ndarray, y: np.ndarray) -> float | Non
     if not (folder / "model.onnx").is_file():
         return None
     try:
-        from dfl_agent.inference.runtime import OnnxModel
+        from dfl_agent.onnx_model import OnnxModel
 
         m = OnnxModel((folder / "model.onnx").read_bytes(), 1)
         return float((m.predict(x.astype(np.float32))["label"] == y).mean())

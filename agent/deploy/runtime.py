@@ -19,16 +19,10 @@ import numpy as np
 from dfl_agent.deploy.versions import ModelStore
 from dfl_agent.extras import extra_hint
 from dfl_agent.jsonbound import loads as bounded_loads
+from dfl_agent.onnx_model import onnx_available
 
 log = logging.getLogger(__name__)
 _onnx_warned = False
-
-
-def onnx_available() -> bool:
-    """True when the ``onnx`` extra (onnx, onnxruntime, onnxscript) is installed."""
-    import importlib.util
-
-    return all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime", "onnxscript"))
 
 
 def model_files(model: Any, spec: dict[str, Any], input_shape: Sequence[int], class_names: Sequence[str],

@@ -1,6 +1,7 @@
 """The inference-only member: serves predictions with the federation's model, without torch.
 
-- :mod:`dfl_agent.inference.runtime`: :class:`OnnxModel` (onnxruntime) and window loading
+- :mod:`dfl_agent.onnx_model`: :class:`~dfl_agent.onnx_model.OnnxModel` (onnxruntime);
+  :mod:`dfl_agent.inference.windows`: window loading
   (``.npz`` with ``x`` as in ``agent/data/FORMAT.md``, or CSV of flattened windows).
 - :mod:`dfl_agent.inference.member`: :class:`InferenceMember`: joins a federation over
   MQTT, receives the current model as ONNX (message kind ``onnx.model``) from a

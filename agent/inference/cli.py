@@ -18,12 +18,8 @@ import signal
 import sys
 from typing import Any
 
-from dfl_agent.inference.runtime import (
-    InferenceError,
-    OnnxModel,
-    load_windows,
-    predictions_document,
-)
+from dfl_agent.inference.windows import load_windows, predictions_document
+from dfl_agent.onnx_model import InferenceError, OnnxModel
 
 
 def predict_command(model: str, windows: str, *, as_json: bool, label_column: bool = False, threads: int = 1,

@@ -32,8 +32,9 @@ import numpy as np
 from dfl_agent import WIRE_VERSION, __version__
 from dfl_agent.algorithms.context import Message
 from dfl_agent.discovery.peers import PeerTable
-from dfl_agent.inference.runtime import InferenceError, OnnxModel, load_windows, predictions_document
+from dfl_agent.inference.windows import load_windows, predictions_document
 from dfl_agent.jsonbound import RateLimitedLog
+from dfl_agent.onnx_model import InferenceError, OnnxModel
 from dfl_agent.runtime.context import RuntimeContext
 
 log = logging.getLogger(__name__)

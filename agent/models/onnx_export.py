@@ -98,7 +98,7 @@ def export_onnx(
 
 def max_abs_difference(onnx_bytes: bytes, model: nn.Module, x: np.ndarray) -> float:
     """max |onnxruntime(x) - model(x)| over the logits, for float32 ``x`` of ``(B, *shape)``."""
-    from dfl_agent.inference.runtime import OnnxModel
+    from dfl_agent.onnx_model import OnnxModel
 
     got = OnnxModel(onnx_bytes).predict_logits(x)
     m = copy.deepcopy(model).to("cpu").eval()

@@ -286,8 +286,8 @@ def test_optimizer_state_moves_across_devices():
 def test_onnx_export_of_a_model_trained_on_cuda(digits, tmp_path):
     pytest.importorskip("onnxscript", reason="the onnx extra is not installed")
     pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
-    from dfl_agent.inference.runtime import OnnxModel
     from dfl_agent.models.onnx_export import export_checked
+    from dfl_agent.onnx_model import OnnxModel
 
     m = _model(CONV).to(DEV)
     train_local(m, digits.pool.x[:256], digits.pool.y[:256], TrainConfig(epochs=2), np.random.default_rng(0), DEV)

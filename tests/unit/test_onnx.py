@@ -15,9 +15,10 @@ pytest.importorskip("onnxscript")
 
 import torch  # noqa: E402
 
-from dfl_agent.inference.runtime import InferenceError, OnnxModel, load_windows  # noqa: E402
+from dfl_agent.inference.windows import load_windows  # noqa: E402
 from dfl_agent.models import build_model  # noqa: E402
 from dfl_agent.models.onnx_export import export_checked, export_onnx, max_abs_difference  # noqa: E402
+from dfl_agent.onnx_model import InferenceError, OnnxModel  # noqa: E402
 
 SPEC = {"type": "cnn1d", "in_channels": 3, "length": 32, "channels": [4, 8], "kernel": 5, "num_classes": 4,
         "norm": "layer"}
