@@ -14,15 +14,18 @@ import dataclasses
 import logging
 import typing
 from collections.abc import Iterator, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-import torch
-from torch import nn
 
 from dfl_agent.algorithms.context import NodeContext
 from dfl_agent.learning.training import snapshot
-from dfl_agent.models import build_model
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+else:
+    from dfl_agent.learning.lazy import nn, torch
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,8 @@ class Algorithm:
     def new_model(self, seed: int | None = None, spec: Mapping[str, Any] | None = None) -> nn.Module:
         """Build a model from ``spec`` (default: the node's) with weights drawn from ``seed``
         (default: ``ctx.init_seed``), without touching torch's global RNG state."""
+        from dfl_agent.models import build_model
+
         with torch.random.fork_rng(devices=[]):
             # the cpu generator only (the model is built on the cpu): torch.manual_seed would
             # also queue a seeding of every cuda device, which fork_rng does not undo

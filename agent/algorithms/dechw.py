@@ -31,10 +31,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from torch import nn
 
 from dfl_agent.algorithms import gossip_compression as gc
 from dfl_agent.algorithms.base import Algorithm, register
@@ -47,6 +46,11 @@ from dfl_agent.learning.error_feedback import ChocoGossip
 from dfl_agent.learning.params import load_numpy, model_to_numpy
 from dfl_agent.learning.robust import clip_updates, robust_aggregate
 from dfl_agent.learning.training import train_local
+
+if TYPE_CHECKING:
+    from torch import nn
+else:
+    from dfl_agent.learning.lazy import nn
 
 MODEL_KIND = "model"
 HESSIAN_PREFIX = "hessian/"

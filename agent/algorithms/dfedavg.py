@@ -15,11 +15,9 @@ form: each client treats its current model as the global one).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import nn
 
 from dfl_agent.algorithms.base import register
 from dfl_agent.algorithms.context import Message
@@ -29,7 +27,12 @@ from dfl_agent.learning.aggregation import weighted_average
 from dfl_agent.learning.losses import weighted_softmax_ce
 from dfl_agent.learning.params import IncompatibleUpdate, load_numpy, model_to_numpy
 from dfl_agent.learning.training import train_local
-from dfl_agent.models import spec_hash, validate_spec
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+else:
+    from dfl_agent.learning.lazy import nn, torch
 
 
 @dataclasses.dataclass
@@ -64,6 +67,8 @@ class DFedAvg(RotatingAggregator):
     Options = DFedAvgOptions
 
     async def setup(self) -> None:
+        from dfl_agent.models import spec_hash, validate_spec
+
         self.spec = validate_spec(self.ctx.model_spec)
         self.hash = spec_hash(self.spec)
         self.model = self.new_model()
@@ -91,6 +96,8 @@ class DFedAvg(RotatingAggregator):
             raise IncompatibleUpdate(f"bad sample count {samples!r}")
 
     async def aggregate(self, t: int, token: dict[str, Any], contributions: dict[str, Message]):
+        from dfl_agent.models import spec_hash
+
         me = self.ctx.node_id
         members: dict[str, list[tuple[str, dict[str, np.ndarray], int]]] = {}
         members.setdefault(self.hash, []).append((me, model_to_numpy(self.model), int(len(self.ctx.data.train_y))))

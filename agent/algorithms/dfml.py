@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import nn
 
 from dfl_agent.algorithms.base import register
 from dfl_agent.algorithms.context import Message
@@ -38,7 +36,12 @@ from dfl_agent.learning.mutual import mutual_learning
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
 from dfl_agent.learning.schedules import AlphaState, CyclicAlpha
 from dfl_agent.learning.training import train_local
-from dfl_agent.models import SpecError, build_model, count_trainable, spec_hash, validate_spec
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+else:
+    from dfl_agent.learning.lazy import nn, torch
 
 PEAK_EPS = 1e-9
 
@@ -58,6 +61,8 @@ def check_model_message(tensors: dict[str, np.ndarray], spec: Any) -> dict[str, 
     Returns the normalised spec.  Raises:
         IncompatibleUpdate: invalid spec or tensors that do not fit it.
     """
+    from dfl_agent.models import SpecError, build_model, validate_spec
+
     try:
         spec = validate_spec(spec)
         with torch.device("meta"):
@@ -132,6 +137,8 @@ class DFML(RotatingAggregator):
     checkpoint_attrs = ("alpha_n", "last_alpha")
 
     async def setup(self) -> None:
+        from dfl_agent.models import count_trainable, validate_spec
+
         d = self.ctx.data
         self.spec = validate_spec(self.ctx.model_spec)
         self.regular = self.new_model()
@@ -180,6 +187,8 @@ class DFML(RotatingAggregator):
             raise IncompatibleUpdate(f"{spec['num_classes']} classes, this federation has {self.spec['num_classes']}")
 
     async def aggregate(self, t: int, token: dict[str, Any], contributions: dict[str, Message]):
+        from dfl_agent.models import build_model, count_trainable, spec_hash
+
         ctx, d, o = self.ctx, self.ctx.data, self.options
         state = self._state(t, token)
         alpha = self.schedule.alpha(state, t)

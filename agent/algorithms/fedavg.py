@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from torch import nn
 
 from dfl_agent.algorithms import gossip_compression as gc
 from dfl_agent.algorithms.base import Algorithm, register
@@ -24,6 +23,11 @@ from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load
 from dfl_agent.learning.robust import check_options as check_robust_options
 from dfl_agent.learning.robust import robust_aggregate
 from dfl_agent.learning.training import train_local
+
+if TYPE_CHECKING:
+    from torch import nn
+else:
+    from dfl_agent.learning.lazy import nn
 
 MODEL_KIND = "model"
 

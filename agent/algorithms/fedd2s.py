@@ -45,17 +45,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
-from torch import nn
 
 from dfl_agent.algorithms.base import register
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.coordination import RotatingAggregator, RotationOptions
 from dfl_agent.learning import d2s
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
-from dfl_agent.models import validate_spec
+
+if TYPE_CHECKING:
+    from torch import nn
+else:
+    from dfl_agent.learning.lazy import nn
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +210,8 @@ class FedD2S(GlobalModelRotation):
     guarded_state = ("_theta_out", "_copy")
 
     async def setup(self) -> None:
+        from dfl_agent.models import validate_spec
+
         ctx, o = self.ctx, self.options
         self.spec = validate_spec(ctx.model_spec)
         self.personal = self.new_model()

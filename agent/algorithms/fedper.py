@@ -15,12 +15,9 @@ everything: FedAvg with partial participation on the same protocol.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import nn
-from torch.nn import functional as F
 
 from dfl_agent.algorithms.base import Algorithm, register
 from dfl_agent.algorithms.context import Message
@@ -29,7 +26,13 @@ from dfl_agent.algorithms.fedd2s import GlobalModelRotation, draw_round, global_
 from dfl_agent.learning.aggregation import weighted_average
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, model_to_numpy
 from dfl_agent.learning.training import batches, restore_if_diverged, snapshot
-from dfl_agent.models import validate_spec
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+else:
+    from dfl_agent.learning.lazy import F, nn, torch
 
 Tensors = dict[str, np.ndarray]
 
@@ -107,6 +110,8 @@ class FedPer(GlobalModelRotation):
     Options = FedPerOptions
 
     async def setup(self) -> None:
+        from dfl_agent.models import validate_spec
+
         self.spec = validate_spec(self.ctx.model_spec)
         self.model = self.new_model()
         self.personal = personal_keys(self.model, self.options.head_layers)

@@ -40,10 +40,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from torch import nn
 
 from dfl_agent.algorithms.base import Algorithm, register
 from dfl_agent.algorithms.context import Message
@@ -51,6 +50,11 @@ from dfl_agent.algorithms.market import UpdateMarket
 from dfl_agent.learning import thresholding as th
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
 from dfl_agent.learning.training import train_local
+
+if TYPE_CHECKING:
+    from torch import nn
+else:
+    from dfl_agent.learning.lazy import nn
 
 VOTE_KIND = "gt.vote"
 SYNC_KIND = "gt.sync"

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from dfl_agent.algorithms.base import Algorithm, register
 from dfl_agent.learning.training import train_local
+
+if TYPE_CHECKING:
+    from torch import nn
+else:
+    from dfl_agent.learning.lazy import nn
 
 
 @register

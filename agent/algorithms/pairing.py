@@ -66,15 +66,18 @@ import dataclasses
 import hashlib
 import logging
 from collections.abc import Sequence
-from typing import Any, ClassVar
-
-from torch import nn
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from dfl_agent.algorithms.base import Algorithm
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.fedavg import update_problem
 from dfl_agent.learning.params import model_to_numpy
 from dfl_agent.learning.training import train_local
+
+if TYPE_CHECKING:
+    from torch import nn
+else:
+    from dfl_agent.learning.lazy import nn
 
 log = logging.getLogger(__name__)
 

@@ -20,20 +20,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import nn
-from torch.nn import functional as F
 
 from dfl_agent.learning.losses import kl_divergence
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+else:
+    from dfl_agent.learning.lazy import F, nn, torch
+from dfl_agent.learning.lazy import no_grad
 
 __all__ = [
     "num_layers", "distillation_layer", "features", "head", "fixed_batches", "extract_features",
     "c2s_distill", "global_soft_targets", "s2c_distill", "average_states", "ceil_count",
 ]
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple["torch.Tensor", "torch.Tensor"]
 
 
 def _blocks(model: nn.Module) -> Sequence[nn.Module]:
@@ -90,7 +96,7 @@ def fixed_batches(n: int, batch_size: int) -> list[np.ndarray]:
     return [np.arange(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
 
 
-@torch.no_grad()
+@no_grad
 def extract_features(model: nn.Module, x: np.ndarray, y: np.ndarray, l: int, batch_size: int,
                      device: str | torch.device = "cpu") -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Local knowledge extraction (seed 002 §III-A1, Alg. 1 lines 6–9): per fixed-order batch,
@@ -157,7 +163,7 @@ def c2s_distill(global_copy: nn.Module, triplets: Sequence[tuple[torch.Tensor, t
     return {"kl": kl_sum / steps, "ce": ce_sum / steps}
 
 
-@torch.no_grad()
+@no_grad
 def global_soft_targets(global_model: nn.Module, h1s: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Global knowledge extraction t^n = F(H_1^n; θ^g_{+1}) per batch (seed 002 §III-B1),
     as logits ``(B, K)`` (the softmax with τ is applied inside the KL)."""

@@ -23,16 +23,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import nn
 
 from dfl_agent.learning.aggregation import check_same_layout
 from dfl_agent.learning.losses import cross_entropy
 
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+else:
+    from dfl_agent.learning.lazy import nn, torch
+
 HessianDiag = dict[str, np.ndarray]
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 
 NORMS = ("l2", "none", "per_layer_l2")
 ACCUMULATIONS = ("sum", "ema")

@@ -10,8 +10,13 @@
 
 from __future__ import annotations
 
-import torch
-from torch.nn import functional as F
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from torch.nn import functional as F
+else:
+    from dfl_agent.learning.lazy import F, torch
 
 
 def cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

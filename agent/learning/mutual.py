@@ -15,13 +15,18 @@ each model exactly the gradient of its own L_n.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import nn
 
 from dfl_agent.learning.losses import cross_entropy, kl_divergence, weighted_softmax_ce
 from dfl_agent.learning.training import autocast_for, batches, is_finite
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+else:
+    from dfl_agent.learning.lazy import nn, torch
 
 
 def kl_weights(phis: Sequence[int]) -> np.ndarray:

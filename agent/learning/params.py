@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import nn
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+else:
+    from dfl_agent.learning.lazy import nn, torch
 
 
 class IncompatibleUpdate(ValueError):

@@ -9,11 +9,17 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import nn
-from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+else:
+    from dfl_agent.learning.lazy import F, nn, torch
+from dfl_agent.learning.lazy import no_grad
 
 
 class TrainingAborted(Exception):
@@ -193,7 +199,7 @@ def restore_if_diverged(model: nn.Module, before: dict[str, torch.Tensor]) -> bo
     return True
 
 
-@torch.no_grad()
+@no_grad
 def evaluate(
     model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 512, device: str | torch.device = "cpu"
 ) -> dict[str, float]:

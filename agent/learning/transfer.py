@@ -13,13 +13,18 @@ means and teachers are detached (ALGORITHMS.md conventions).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import nn
 
 from dfl_agent.learning.losses import cross_entropy, kl_divergence
 from dfl_agent.learning.training import TrainConfig, batches
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+else:
+    from dfl_agent.learning.lazy import nn, torch
 
 
 def mutual_transfer(
