@@ -16,6 +16,9 @@ import numpy as np
 from dfl_agent.jsonbound import JSONBoundError
 from dfl_agent.jsonbound import loads as bounded_loads
 
+#: the message kind that carries an exported model to inference-only members
+ONNX_KIND = "onnx.model"
+
 #: the modules of the ``onnx`` extra (export, check and inference)
 ONNX_MODULES = ("onnx", "onnxruntime", "onnxscript")
 

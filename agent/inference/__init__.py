@@ -6,12 +6,12 @@
 - :mod:`dfl_agent.inference.member`: :class:`InferenceMember`: joins a federation over
   MQTT, receives the current model as ONNX (message kind ``onnx.model``) from a
   training peer, predicts on its own windows, publishes presence and status.
-- :mod:`dfl_agent.inference.publisher`: the training side (imports torch lazily): exports
+- :mod:`dfl_agent.runtime.onnx_publisher`: the training side (imports torch lazily): exports
   the deployable model when it improves and sends it to the inference members.
 - ``dfl-infer`` (:mod:`dfl_agent.inference.cli`): ``run`` (the member) and ``predict``.
 
-Nothing in this package imports torch, except inside :mod:`dfl_agent.inference.publisher`'s
-functions, which only training nodes call.  Install on a torch-less device:
+Nothing in this package imports torch (the publisher, in the runtime, imports it inside its
+functions, which only training nodes call).  Install on a torch-less device:
 ``pip install 'dfl_agent-VERSION-py3-none-any.whl[inference]'`` (the wheel; see
 ``docs/how-to/inference-only.md``), which adds onnxruntime to the torch-free base install.
 """

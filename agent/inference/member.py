@@ -3,7 +3,7 @@
 It connects to its MQTT broker like any node (presence with the descriptor
 ``{"profile": "inference-only", "algorithm": "inference"}``, retained status, last
 will), optionally advertises itself over mDNS, and waits for ``onnx.model`` messages
-that training peers send it (:class:`dfl_agent.inference.publisher.OnnxPublisher`): the
+that training peers send it (:class:`dfl_agent.runtime.onnx_publisher.OnnxPublisher`): the
 sender's deployable model exported to ONNX whenever its accuracy improved.  Each
 accepted model is written atomically to ``state_dir/model.onnx``; when a window file
 is configured, the member predicts on it and writes ``state_dir/predictions.json``.
@@ -34,14 +34,13 @@ from dfl_agent.algorithms.context import Message
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.inference.windows import load_windows, predictions_document
 from dfl_agent.jsonbound import RateLimitedLog
-from dfl_agent.onnx_model import InferenceError, OnnxModel
+from dfl_agent.onnx_model import ONNX_KIND, InferenceError, OnnxModel
 from dfl_agent.runtime.context import RuntimeContext
 
 log = logging.getLogger(__name__)
 #: rate-limited log of the exceptions caught per model message (``handler_error``)
 _ERRORS = RateLimitedLog(log)
 
-ONNX_KIND = "onnx.model"
 DESCRIPTOR = {"profile": "inference-only", "algorithm": "inference", "model_hash": ""}
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from dfl_agent import WIRE_VERSION, __version__
+from dfl_agent.onnx_model import onnx_available
 from dfl_agent.runtime.config import ConfigError, NodeConfig, load_config
 
 log = logging.getLogger("dfl_agent.daemon")
@@ -131,7 +132,7 @@ class Agent:
         self.store: Any = None
         self.snapshot: Any = None
         self.deployed: Any = None  # the last deploy result
-        self.publisher: Any = None  # sends the model to inference-only members (dfl_agent.inference)
+        self.publisher: Any = None  # sends the model to inference-only members (runtime.onnx_publisher)
         import time as _time
 
         self.run_id = _time.strftime("%Y%m%dT%H%M%SZ", _time.gmtime())  # until runs have their own ids
@@ -263,8 +264,8 @@ class Agent:
             node.accuracy_source = "local validation"
         if run_id is not None:
             node.run_info = {"id": run_id, "state": "accepted", "reason": ""}
-        if _onnx_available():  # send the deployable model to inference-only members
-            from dfl_agent.inference.publisher import OnnxPublisher
+        if onnx_available():  # send the deployable model to inference-only members
+            from dfl_agent.runtime.onnx_publisher import OnnxPublisher
 
             deployed = None  # with the store and deployment: the deployed version only
             if self.store is not None and cfg.deploy.enabled:
@@ -698,12 +699,6 @@ def apply_profile(cfg: NodeConfig, algorithm: str, spec: dict[str, Any] | None =
         config_threads=t.threads, config_batch_size=t.batch_size, config_device=t.device,
         model_params=params, participants=max(2, cfg.discovery.min_peers + 1),
     )
-
-
-def _onnx_available() -> bool:
-    import importlib.util
-
-    return all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime", "onnxscript"))
 
 
 async def _status_loop(notifier: Any, status: Any, interval: float = 5.0) -> None:

@@ -23,9 +23,9 @@ def test_inference_member_receives_only_deployed_versions(mosquitto_broker, fede
     from dfl_agent.deploy import ModelStore
     from dfl_agent.deploy.runtime import deploy_model
     from dfl_agent.discovery.peers import PeerTable
-    from dfl_agent.inference.publisher import OnnxPublisher
     from dfl_agent.models import build_model
     from dfl_agent.runtime.context import RuntimeContext
+    from dfl_agent.runtime.onnx_publisher import OnnxPublisher
     from dfl_agent.transport.mqtt import MqttTransport
 
     broker = mosquitto_broker.endpoint

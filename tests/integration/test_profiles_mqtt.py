@@ -127,9 +127,9 @@ def test_inference_member_without_torch_gets_onnx_model(mosquitto_broker, federa
     import torch
 
     from dfl_agent.discovery.peers import PeerTable
-    from dfl_agent.inference.publisher import OnnxPublisher
     from dfl_agent.models import build_model
     from dfl_agent.runtime.context import RuntimeContext
+    from dfl_agent.runtime.onnx_publisher import OnnxPublisher
     from dfl_agent.transport.mqtt import MqttTransport
 
     broker = mosquitto_broker.endpoint

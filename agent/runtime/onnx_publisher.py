@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from dfl_agent.algorithms.context import Message
-from dfl_agent.inference.member import ONNX_KIND
 from dfl_agent.jsonbound import loads as bounded_loads
+from dfl_agent.onnx_model import ONNX_KIND
 
 log = logging.getLogger(__name__)
 
