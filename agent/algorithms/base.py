@@ -81,6 +81,66 @@ class NoOptions:
     """An algorithm without options."""
 
 
+#: Coordination families (:mod:`dfl_agent.algorithms.protocols`).
+FAMILIES = ("rotating", "neighbourhood", "pairs", "lockstep", "local")
+#: Default models: ``tier`` (the default model of the size tier), ``layered`` (the layered
+#: ``convdense`` model), ``width-scaled`` (width-scaled members of one family, DFML's H1
+#: in the simulator); see :mod:`dfl_agent.models.defaults`.
+DEFAULT_MODELS = ("tier", "layered", "width-scaled")
+
+
+@dataclasses.dataclass(frozen=True)
+class Traits:
+    """What the runtime and the device profiles need to know about an algorithm, declared
+    on its class (``traits = Traits(...)``) and read from the registry
+    (:func:`traits_of`).  Torch-free.
+
+    Attributes:
+        family: coordination family, one of :data:`FAMILIES`.
+        mixes_architectures: members may train models of different architectures: a device
+            trains its profile's size tier (DFML, DFedAvg, HeteroFL, ...).
+        same_architecture: members average or swap parameters of one architecture: a peer
+            advertising another model hash is excluded.  (Neither flag: the federation's
+            common model, peers' hashes unchecked.)
+        choco_gossip: its model gossip is compressed as CHOCO differences
+            (:mod:`dfl_agent.algorithms.gossip_compression`): the federation's
+            ``[compression]`` decides, never a device profile.
+        required_roles: roles a node must take to run it (``receiver``: it holds neighbours'
+            models, or a second model, while fusing them into its own).
+        models_held: ``(own, per_neighbour)``: copies of the model's float32 parameter vector
+            one node holds at once, :meth:`copies`.
+        aggregator_holds_all: a rotating round's aggregator holds (and trains) every
+            participant's model: the profile's ``aggregator`` role is kept only if the
+            memory budget holds them.
+        default_model: one of :data:`DEFAULT_MODELS`.
+    """
+
+    family: str
+    mixes_architectures: bool = False
+    same_architecture: bool = False
+    choco_gossip: bool = False
+    required_roles: tuple[str, ...] = ("trainer", "sender", "receiver")
+    models_held: tuple[float, float] = (3.0, 1.0)
+    aggregator_holds_all: bool = False
+    default_model: str = "tier"
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
+        if self.default_model not in DEFAULT_MODELS:
+            raise ValueError(f"default_model must be one of {DEFAULT_MODELS}, got {self.default_model!r}")
+        if self.mixes_architectures and self.same_architecture:
+            raise ValueError("an algorithm cannot both mix architectures and need one architecture")
+
+    def copies(self, participants: int = 5) -> float:
+        """Copies of the parameter vector held at once with ``participants`` models in a
+        neighbourhood or rotating round (itself included): ``own + per_neighbour ×
+        max(0, participants - 1)``.  Training one model costs 3 (weights, gradients, SGD
+        momentum; Adam 4)."""
+        own, per_neighbour = self.models_held
+        return float(own + per_neighbour * max(0, participants - 1))
+
+
 class Algorithm:
     """Base class of one node's learning behaviour.
 
@@ -89,6 +149,8 @@ class Algorithm:
 
     name: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
+    #: declared by every registered algorithm (:class:`Traits`)
+    traits: ClassVar[Traits]
     #: JSON-friendly attributes saved in checkpoints by the default :meth:`state_dict`
     #: (scalars, lists, dicts), e.g. DFML's ``alpha_n``.
     checkpoint_attrs: ClassVar[tuple[str, ...]] = ()
@@ -291,10 +353,12 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
     """Class decorator adding ``cls`` to the registry under ``cls.name``.
 
     Raises:
-        ValueError: empty or duplicate name.
+        ValueError: empty or duplicate name, or the class declares no :class:`Traits`.
     """
     if not cls.name or cls.name in _REGISTRY:
         raise ValueError(f"algorithm name {cls.name!r} is empty or already registered")
+    if not isinstance(cls.__dict__.get("traits"), Traits):
+        raise ValueError(f"algorithm {cls.name!r} declares no traits (traits = Traits(...) on its class)")
     _REGISTRY[cls.name] = cls
     return cls
 
@@ -310,6 +374,15 @@ def get_algorithm(name: str) -> type[Algorithm]:
         return _REGISTRY[name]
     except KeyError:
         raise KeyError(f"unknown algorithm {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def traits_of(name: str) -> Traits:
+    """The :class:`Traits` of the registered algorithm ``name`` (torch-free).
+
+    Raises:
+        KeyError: unknown name.
+    """
+    return get_algorithm(name).traits
 
 
 def available() -> list[str]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from dfl_agent.algorithms.base import register
+from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.dechw import NeighbourhoodAlgorithm, NeighbourhoodOptions
 from dfl_agent.learning.consensus import consensus_step
@@ -53,6 +53,7 @@ class CFA(NeighbourhoodAlgorithm):
     """Consensus-based federated averaging over the neighbourhood."""
 
     name = "cfa"
+    traits = Traits("neighbourhood", same_architecture=True, choco_gossip=True)
     Options = CFAOptions
 
     def aggregate(self, t: int, own: dict[str, np.ndarray], got: list[Message]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

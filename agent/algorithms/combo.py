@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from dfl_agent.algorithms.base import register
+from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.pairing import PairAlgorithm, PairOptions
 from dfl_agent.learning.params import load_numpy, model_to_numpy
@@ -32,6 +32,7 @@ class Combo(PairAlgorithm):
     """Combo (seed 004 Algorithm 3); deployable model = the local model."""
 
     name = "combo"
+    traits = Traits("pairs", same_architecture=True)
     Options = PairOptions
 
     def _check_segment(self, msg: Message, expected: int) -> str | None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from dfl_agent.algorithms.base import register
+from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.dechw import NeighbourhoodAlgorithm, NeighbourhoodOptions
 from dfl_agent.learning.robust import robust_aggregate
@@ -26,6 +26,7 @@ class DecHetero(NeighbourhoodAlgorithm):
     """Data-size weighted neighbourhood averaging (Eq. 3)."""
 
     name = "dechetero"
+    traits = Traits("neighbourhood", same_architecture=True, choco_gossip=True)
     Options = NeighbourhoodOptions
 
     def aggregate(self, t: int, own: dict[str, np.ndarray], got: list[Message]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dfl_agent.algorithms import gossip_compression as gc
-from dfl_agent.algorithms.base import Algorithm, register
+from dfl_agent.algorithms.base import Algorithm, Traits, register
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.fedavg import GossipOptions, arrival_check, collect_round, shape_template
 from dfl_agent.algorithms.market import UpdateMarket, is_empty, send_with_participation
@@ -287,6 +287,10 @@ class DecHW(NeighbourhoodAlgorithm):
     """DecHW (seed 001 Alg. 1, Eq. 4-8), with the DecHW† cut-off ``theta``."""
 
     name = "dechw"
+    traits = Traits("neighbourhood", same_architecture=True, choco_gossip=True,
+                    # + its own Hessian diagonal (1) + the estimator's float64 accumulator (2);
+                    # a Hessian diagonal per neighbour's model
+                    models_held=(6.0, 2.0))
     Options = DecHWOptions
 
     async def setup(self) -> None:

@@ -42,7 +42,7 @@ import copy
 import dataclasses
 from typing import Any
 
-from dfl_agent.algorithms.base import register
+from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.pairing import PushAlgorithm, PushOptions
 from dfl_agent.learning.params import load_numpy
 from dfl_agent.learning.training import TrainConfig
@@ -91,6 +91,7 @@ class DefKT(PushAlgorithm):
     """Def-KT (seed 004 Algorithm 1); deployable model = the local model."""
 
     name = "defkt"
+    traits = Traits("pairs", same_architecture=True, models_held=(7.0, 0.0))  # a receiver trains two models
     Options = DefKTOptions
     fuse_step = "transfer"
 

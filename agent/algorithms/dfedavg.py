@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dfl_agent.algorithms.base import register
+from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.coordination import RotatingAggregator, RotationOptions
 from dfl_agent.algorithms.dfml import check_model_message, class_proportions
@@ -64,6 +64,8 @@ class DFedAvg(RotatingAggregator):
     """Cluster-wise decentralized FedAvg (seed 000 Alg. 2)."""
 
     name = "dfedavg"
+    traits = Traits("rotating", mixes_architectures=True, required_roles=("trainer", "sender"),
+                    models_held=(6.0, 6.0), aggregator_holds_all=True)
     Options = DFedAvgOptions
 
     async def setup(self) -> None:
@@ -123,6 +125,8 @@ class DFedProx(DFedAvg):
     """Decentralized FedProx (seed 000 Alg. 2 with the proximal term)."""
 
     name = "dfedprox"
+    traits = Traits("rotating", mixes_architectures=True, required_roles=("trainer", "sender"),
+                    models_held=(6.0, 6.0), aggregator_holds_all=True)
     Options = DFedProxOptions
 
     def _regularizer(self):

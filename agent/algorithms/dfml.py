@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dfl_agent.algorithms.base import register
+from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.coordination import RotatingAggregator, RotationOptions
 from dfl_agent.learning.losses import weighted_softmax_ce
@@ -132,6 +132,8 @@ class DFML(RotatingAggregator):
     """One DFML node: regular model, peak model, α_n; aggregator when it holds the token."""
 
     name = "dfml"
+    traits = Traits("rotating", mixes_architectures=True, required_roles=("trainer", "sender"),
+                    models_held=(6.0, 6.0), aggregator_holds_all=True)
     Options = DFMLOptions
     #: checkpointed besides the regular and peak models and the rotation/token state
     checkpoint_attrs = ("alpha_n", "last_alpha")

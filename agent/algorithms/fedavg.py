@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dfl_agent.algorithms import gossip_compression as gc
-from dfl_agent.algorithms.base import Algorithm, register
+from dfl_agent.algorithms.base import Algorithm, Traits, register
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.market import SyncOptions, UpdateMarket, is_empty, send_with_participation
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
@@ -169,6 +169,7 @@ class FedAvg(Algorithm):
     """Decentralized FedAvg gossip over all live peers (neighbourhood = everyone)."""
 
     name = "fedavg"
+    traits = Traits("neighbourhood", same_architecture=True, choco_gossip=True)
     Options = FedAvgOptions
 
     async def setup(self) -> None:

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 
-from dfl_agent.algorithms.base import register
+from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.coordination import RotatingAggregator, RotationOptions
 from dfl_agent.learning import d2s
@@ -202,6 +202,7 @@ class FedD2S(GlobalModelRotation):
     """One FedD2S node: a personal model, a participation count Z_n; token holder in turn."""
 
     name = "fedd2s"
+    traits = Traits("rotating", default_model="layered")
     Options = FedD2SOptions
     checkpoint_attrs = ("z", "l", "distillations")  # Z_n, l_n and the S2C count survive a restart
 

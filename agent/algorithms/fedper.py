@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dfl_agent.algorithms.base import Algorithm, register
+from dfl_agent.algorithms.base import Algorithm, Traits, register
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.coordination import RotationOptions
 from dfl_agent.algorithms.fedd2s import GlobalModelRotation, draw_round, global_init_seed
@@ -107,6 +107,7 @@ class FedPer(GlobalModelRotation):
     """One FedPer node: base shared through the rotating token holder, head kept local."""
 
     name = "fedper"
+    traits = Traits("rotating")
     Options = FedPerOptions
 
     async def setup(self) -> None:
@@ -206,6 +207,7 @@ class LocalAdam(Algorithm):
     baselines (Adam, lr 0.01) — the local floor for FedD2S/FedPer comparisons."""
 
     name = "local_adam"
+    traits = Traits("local", required_roles=("trainer",), models_held=(4.0, 0.0))  # Adam: 2 moments
     communicates = False
     Options = LocalAdamOptions
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dfl_agent.algorithms.base import register
+from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.fedavg import collect_round
 from dfl_agent.algorithms.pairing import PushAlgorithm, PushOptions
@@ -52,6 +52,7 @@ class FullAvg(PushAlgorithm):
     """FullAvg (seed 004 Algorithm 2); deployable model = the local model."""
 
     name = "fullavg"
+    traits = Traits("pairs", same_architecture=True)
     Options = FullAvgOptions
     fuse_step = "aggregation"
 

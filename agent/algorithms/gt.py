@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dfl_agent.algorithms.base import Algorithm, register
+from dfl_agent.algorithms.base import Algorithm, Traits, register
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.market import UpdateMarket
 from dfl_agent.learning import thresholding as th
@@ -267,6 +267,7 @@ class GradientThresholding(LockStepAlgorithm):
     """Gradient Thresholding (seed 003 §5.3, Eq. 5.1-5.3, Alg. 1-4) with one-bit votes."""
 
     name = "gt"
+    traits = Traits("lockstep")
     Options = GTOptions
     votes = True
 
@@ -313,6 +314,7 @@ class LocalSteps(LockStepAlgorithm):
     """Local computation baseline BL1-BL4 (seed 003 §5.4.2): synchronize every τ epochs."""
 
     name = "local-steps"
+    traits = Traits("lockstep")
     Options = LocalStepsOptions
 
     def wants_sync(self, t: int, grad: dict[str, np.ndarray]) -> tuple[bool, dict[str, Any]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dfl_agent.algorithms.base import Algorithm, register
+from dfl_agent.algorithms.base import Algorithm, Traits, register
 from dfl_agent.learning.training import train_local
 
 if TYPE_CHECKING:
@@ -18,6 +18,7 @@ class Local(Algorithm):
     """Train the node's model on its own data each round; never send anything."""
 
     name = "local"
+    traits = Traits("local", mixes_architectures=True, required_roles=("trainer",), models_held=(3.0, 0.0))
     communicates = False
 
     async def setup(self) -> None:

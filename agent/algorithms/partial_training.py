@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dfl_agent.algorithms.base import register
+from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.dfedavg import DFedAvg
 from dfl_agent.learning.params import IncompatibleUpdate, model_to_numpy
@@ -50,6 +50,8 @@ class HeteroFL(_PartialTraining):
     """Decentralized HeteroFL: sub-models are the leading slices of W_g (Eq. 8)."""
 
     name = "heterofl"
+    traits = Traits("rotating", mixes_architectures=True, required_roles=("trainer", "sender"),
+                    models_held=(6.0, 6.0), aggregator_holds_all=True, default_model="width-scaled")
     scheme = "heterofl"
 
 
@@ -58,5 +60,7 @@ class FedRolex(_PartialTraining):
     """Decentralized FedRolex: sub-models are windows rolling with the round (Eq. 9)."""
 
     name = "fedrolex"
+    traits = Traits("rotating", mixes_architectures=True, required_roles=("trainer", "sender"),
+                    models_held=(6.0, 6.0), aggregator_holds_all=True, default_model="width-scaled")
     scheme = "fedrolex"
 

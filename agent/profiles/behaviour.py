@@ -8,14 +8,16 @@ profile is inference-only         behaviour ``inference``: no training, no algor
 federation algorithm not in       error (start-up stops, naming ``behaviour.algorithms``): the
 ``behaviour.algorithms``          algorithm is the federation's, all members must run it
 algorithm mixes architectures     model = the profile's size tier (``model.size``), unless the
-(dfml, dfedavg, dfedprox,         node config gives ``model.size``/``model.spec``: a Pi trains a
-heterofl, fedrolex, local)        small model, a Jetson Orin a large one, in one federation
-algorithm averages or swaps       model = the federation's common model (node config; the
-parameters (fedavg, dechw,        profile tier is ignored): every member must have the same
-dechetero, cfa, defkt, fullavg,   architecture; a peer advertising another model hash is
-combo)                            reported and excluded (:func:`peer_incompatibility`)
-role ``aggregator``               kept only if the profile lists it and ``memory_budget_mb``
-                                  holds the aggregator's working set (:func:`aggregator_need_mb`);
+(trait ``mixes_architectures``:   node config gives ``model.size``/``model.spec``: a Pi trains a
+dfml, dfedavg, local, ...)        small model, a Jetson Orin a large one, in one federation
+otherwise                         model = the federation's common model (node config; the
+                                  profile tier is ignored)
+algorithm averages or swaps       every member must have the same architecture; a peer
+parameters (trait                 advertising another model hash is reported and excluded
+``same_architecture``: fedavg,    (:func:`peer_incompatibility`)
+dechw, defkt, ...)
+role ``aggregator`` (trait        kept only if the profile lists it and ``memory_budget_mb``
+``aggregator_holds_all``)         holds the aggregator's working set (:func:`aggregator_need_mb`);
                                   otherwise dropped: the node never leads a rotating round
 compression                       the profile's ``behaviour.compression`` (config may override)
 device                            ``compute.device`` resolved by :func:`resolve_device`
@@ -24,7 +26,8 @@ threads, batch size, epochs       node config if given, else the profile
 mixed precision                   ``compute.mixed_precision`` and the device is CUDA
 ================================  ==============================================================
 
-No torch import at module level.
+The algorithms' traits (:class:`dfl_agent.algorithms.base.Traits`, declared on each
+algorithm's class) are read from the registry.  No torch import at module level.
 """
 
 from __future__ import annotations
@@ -34,11 +37,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from dfl_agent.algorithms.base import Traits, available, traits_of
 from dfl_agent.profiles.model import DeviceProfile, ProfileError
 
-MIXES_ARCHITECTURES = frozenset({"dfml", "dfedavg", "dfedprox", "heterofl", "fedrolex", "local"})
-SAME_ARCHITECTURE = frozenset({"fedavg", "dechw", "dechetero", "cfa", "defkt", "fullavg", "combo"})
-ROTATING = frozenset({"dfml", "dfedavg", "dfedprox", "heterofl", "fedrolex"})
 INFERENCE = "inference"
 
 
@@ -153,23 +154,24 @@ def select_behaviour(
         raise ProfileError(f"behaviour.algorithms: profile {profile.name!r} cannot run {algorithm!r} "
                            f"(it runs {', '.join(b.algorithms)})")
     reasons.append(f"algorithm {algorithm}: the federation's, listed by the profile")
+    traits = traits_of(algorithm)
     if config_model_spec:
         size, why = None, "model: the configured model.spec"
     elif config_model_size is not None:
         size, why = config_model_size, f"model: size {config_model_size} from the node config"
-    elif algorithm in MIXES_ARCHITECTURES:
+    elif traits.mixes_architectures:
         size, why = profile.model.size, f"model: size {profile.model.size} from the profile ({algorithm} mixes sizes)"
     else:
         size, why = "medium", f"model: the federation's common model (medium; {algorithm} averages parameters)"
     reasons.append(why)
     roles = list(b.roles)
-    if "aggregator" in roles and algorithm in ROTATING and model_params is not None:
+    if "aggregator" in roles and traits.aggregator_holds_all and model_params is not None:
         need = aggregator_need_mb(model_params, participants)
         if need > profile.compute.memory_budget_mb:
             roles.remove("aggregator")
             reasons.append(f"role aggregator dropped: needs ~{need:.0f} MiB for {participants} models, "
                            f"budget {profile.compute.memory_budget_mb} MiB")
-    if "aggregator" not in roles and algorithm in ROTATING:
+    if "aggregator" not in roles and traits.aggregator_holds_all:
         reasons.append("never leads a rotating round (no aggregator role)")
     reasons.append(f"roles: {', '.join(roles)}")
     compression = config_compression or b.compression
@@ -195,10 +197,12 @@ def peer_incompatibility(algorithm: str, model_hash: str) -> PeerCheck:
     """A check ``fn(peer_info) -> reason or None`` for :class:`RuntimeContext`.
 
     A peer is incompatible when it advertises another algorithm, or — for algorithms
-    that average or swap parameters (:data:`SAME_ARCHITECTURE`) — another model hash,
+    that average or swap parameters (trait ``same_architecture``) — another model hash,
     or when it is an inference-only member (it never trains).  Unknown (empty) fields
     are given the benefit of the doubt; the message-level checks still apply.
     """
+
+    same_architecture = algorithm in available() and traits_of(algorithm).same_architecture
 
     def check(info: Any) -> str | None:
         peer_alg = getattr(info, "algorithm", "") or ""
@@ -207,7 +211,7 @@ def peer_incompatibility(algorithm: str, model_hash: str) -> PeerCheck:
         if peer_alg and peer_alg != algorithm:
             return f"runs {peer_alg}, this federation runs {algorithm}"
         peer_hash = getattr(info, "model_hash", "") or ""
-        if algorithm in SAME_ARCHITECTURE and peer_hash and model_hash and peer_hash != model_hash:
+        if same_architecture and peer_hash and model_hash and peer_hash != model_hash:
             return (f"model {peer_hash} differs from ours ({model_hash}); {algorithm} averages parameters "
                     "of one architecture")
         return None
@@ -215,23 +219,18 @@ def peer_incompatibility(algorithm: str, model_hash: str) -> PeerCheck:
     return check
 
 
-#: Algorithms whose model gossip is compressed as CHOCO differences
-#: (:mod:`dfl_agent.algorithms.gossip_compression`): every neighbour must share one stream
-#: encoding, so a per-device profile compression does not apply to them.
-CHOCO_GOSSIP = frozenset({"fedavg", "dechw", "dechetero", "cfa"})
-
-
 def profile_compression_policy(behaviour: Behaviour | None, algorithm: str, *, error_feedback: bool = True) -> Any:
     """The :class:`~dfl_agent.learning.compression.CompressionPolicy` a profile asks for, or None.
 
     Used when the node (or simulation) configures no compression of its own.  None when
-    the profile says ``none`` or the algorithm is in :data:`CHOCO_GOSSIP` (its
-    federation-wide ``[compression]`` section decides there).
+    the profile says ``none`` or the algorithm's model gossip is compressed as CHOCO
+    differences (trait ``choco_gossip``: every neighbour must share one stream encoding,
+    so its federation-wide ``[compression]`` section decides).
 
     Raises:
         dfl_agent.learning.compression.CompressionError: the profile's spec is invalid.
     """
-    if behaviour is None or algorithm in CHOCO_GOSSIP:
+    if behaviour is None or (algorithm in available() and traits_of(algorithm).choco_gossip):
         return None
     from dfl_agent.learning.compression import CompressionPolicy
 
@@ -240,57 +239,45 @@ def profile_compression_policy(behaviour: Behaviour | None, algorithm: str, *, e
 
 
 # -- which algorithms a profile allows (the profile rule) --------------------------------
-#: Every registered algorithm (``dflctl algorithms``); tests check it equals the registry.
-KNOWN_ALGORITHMS = ("cfa", "combo", "dechetero", "dechw", "defkt", "dfedavg", "dfedprox", "dfml", "fedavg",
-                    "fedd2s", "fedper", "fedrolex", "fullavg", "gt", "heterofl", "local", "local-steps",
-                    "local_adam")
-
 #: Trainable parameters Φ of the default model (:func:`dfl_agent.models.default_spec`) of each
 #: size tier for HAR windows (3 × 128, 6 classes), the reference data set of the rule.
 #: tests/unit/test_profiles.py checks these against the built models.
 REFERENCE_MODEL_PARAMS = {"small": 3574, "medium": 13542, "large": 52678}
 
-#: Roles an algorithm needs a node to take.  ``receiver``: it holds neighbours' models
-#: (or a second model) while fusing them into its own.
-LOCAL_ONLY = frozenset({"local", "local_adam"})
-REQUIRED_ROLES: dict[str, tuple[str, ...]] = {
-    **{a: ("trainer",) for a in LOCAL_ONLY},
-    **{a: ("trainer", "sender") for a in ROTATING},
-    **{a: ("trainer", "sender", "receiver") for a in KNOWN_ALGORITHMS if a not in LOCAL_ONLY | ROTATING},
-}
+def known_algorithms() -> list[str]:
+    """Every registered algorithm (``dflctl algorithms``), sorted."""
+    return available()
 
 
-def models_held(algorithm: str, participants: int = 5) -> float:
-    """Copies of the model's parameter vector (float32) ``algorithm`` holds at once on one node.
-
-    Training one model costs 3 copies (weights, gradients, SGD momentum; Adam 4).  Gossip
-    algorithms add one copy per neighbour (``participants - 1``); DecHW a Hessian diagonal
-    per model too, and while it estimates its own, a float64 accumulator (2 copies;
-    ``size_weighting`` scales tensor by tensor and adds none); Def-KT's receiver trains two models; a rotating round's aggregator holds
-    every participant's model with gradients and momentum, twice (:func:`aggregator_need_mb`).
+def algorithm_traits(algorithm: str) -> Traits:
+    """The traits ``algorithm`` declares on its class.
 
     Raises:
         KeyError: unknown algorithm.
     """
-    if algorithm not in KNOWN_ALGORITHMS:
-        raise KeyError(f"unknown algorithm {algorithm!r}")
-    neighbours = max(0, participants - 1)
-    if algorithm == "local_adam":
-        return 4.0
-    if algorithm == "local":
-        return 3.0
-    if algorithm in ROTATING:
-        return float(participants * 3 * 2)
-    if algorithm == "dechw":  # + own Ĥ (1) + the estimator's float64 accumulator (2)
-        return 3.0 + 1.0 + 2.0 + 2.0 * neighbours
-    if algorithm == "defkt":
-        return 2 * 3.0 + 1.0
-    return 3.0 + neighbours
+    return traits_of(algorithm)
+
+
+def models_held(algorithm: str, participants: int = 5) -> float:
+    """Copies of the model's parameter vector (float32) ``algorithm`` holds at once on one node
+    (its trait ``models_held``, :meth:`~dfl_agent.algorithms.base.Traits.copies`).
+
+    Training one model costs 3 copies (weights, gradients, SGD momentum; Adam 4).  Gossip
+    algorithms add one copy per neighbour (``participants - 1``); DecHW a Hessian diagonal
+    per model too, and while it estimates its own, a float64 accumulator (2 copies;
+    ``size_weighting`` scales tensor by tensor and adds none); Def-KT's receiver trains two
+    models; a rotating round's aggregator holds every participant's model with gradients and
+    momentum, twice (:func:`aggregator_need_mb`).
+
+    Raises:
+        KeyError: unknown algorithm.
+    """
+    return traits_of(algorithm).copies(participants)
 
 
 def model_tier(profile: DeviceProfile, algorithm: str) -> str:
     """The size tier of ``algorithm``'s default model on ``profile`` (decision table)."""
-    return profile.model.size if algorithm in MIXES_ARCHITECTURES else "medium"
+    return profile.model.size if traits_of(algorithm).mixes_architectures else "medium"
 
 
 def algorithm_need_mb(algorithm: str, model_params: int, participants: int = 5) -> float:
@@ -307,7 +294,7 @@ def algorithm_fit(profile: DeviceProfile, algorithm: str, *, model_params: int |
     profile's tier (Φ from :data:`REFERENCE_MODEL_PARAMS` unless ``model_params``) fits
     ``compute.memory_budget_mb``, counting every model it holds at once
     (:func:`models_held`, ``participants`` models in a neighbourhood or rotating round),
-    and the profile gives every role in :data:`REQUIRED_ROLES`.
+    and the profile gives every role in the algorithm's trait ``required_roles``.
 
     Raises:
         KeyError: unknown algorithm.
@@ -320,7 +307,7 @@ def algorithm_fit(profile: DeviceProfile, algorithm: str, *, model_params: int |
     if need > profile.compute.memory_budget_mb:
         return (f"needs ~{need:.0f} MiB ({models_held(algorithm, participants):g} copies of the {tier} model), "
                 f"budget {profile.compute.memory_budget_mb} MiB")
-    missing = [r for r in REQUIRED_ROLES[algorithm] if r not in profile.behaviour.roles]
+    missing = [r for r in traits_of(algorithm).required_roles if r not in profile.behaviour.roles]
     if missing:
         return (f"needs the role(s) {', '.join(missing)} (it holds neighbours' models); "
                 f"the profile gives {', '.join(profile.behaviour.roles)}")
@@ -329,4 +316,4 @@ def algorithm_fit(profile: DeviceProfile, algorithm: str, *, model_params: int |
 
 def allowed_algorithms(profile: DeviceProfile, participants: int = 5) -> dict[str, str | None]:
     """``{algorithm: None if allowed else the one-line reason}`` for every known algorithm."""
-    return {a: algorithm_fit(profile, a, participants=participants) for a in KNOWN_ALGORITHMS}
+    return {a: algorithm_fit(profile, a, participants=participants) for a in available()}

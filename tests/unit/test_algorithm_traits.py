@@ -24,7 +24,50 @@ print("NAMES", len(names), "LEAKED", leaked)
 
 
 def test_registry_traits_and_options_read_without_torch() -> None:
-    body = _PROBE.replace("TRAITS", "pass")
+    body = _PROBE.replace("TRAITS", "assert cls.traits.family and cls.traits.copies(5) > 0")
     r = subprocess.run([sys.executable, "-c", body], capture_output=True, text=True, check=False, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "NAMES 18 LEAKED []" in r.stdout, r.stdout
+
+
+def test_every_algorithm_declares_its_own_traits() -> None:
+    from dfl_agent.algorithms.base import FAMILIES, Traits, available, get_algorithm
+
+    for name in available():
+        cls = get_algorithm(name)
+        assert isinstance(cls.__dict__.get("traits"), Traits), name
+        assert cls.traits.family in FAMILIES, name
+        assert set(cls.traits.required_roles) <= {"trainer", "sender", "receiver"}, name
+
+
+def test_register_refuses_a_class_without_traits() -> None:
+    import pytest
+
+    from dfl_agent.algorithms.base import Algorithm, register
+
+    class NoTraits(Algorithm):
+        name = "no-traits-test"
+
+    with pytest.raises(ValueError, match="declares no traits"):
+        register(NoTraits)
+    with pytest.raises(ValueError, match="family"):
+        from dfl_agent.algorithms.base import Traits
+
+        Traits("star")
+
+
+def test_traits_drive_the_profile_rule() -> None:
+    from dfl_agent.algorithms.base import available, traits_of
+    from dfl_agent.profiles.behaviour import models_held, peer_incompatibility, profile_compression_policy
+
+    for name in available():
+        t = traits_of(name)
+        assert models_held(name, 5) == t.copies(5)
+        assert not (t.mixes_architectures and t.same_architecture), name
+        # a peer with another model hash is excluded exactly where members share one architecture
+        peer = type("Peer", (), {"algorithm": name, "model_hash": "b"})()
+        assert (peer_incompatibility(name, "a")(peer) is not None) == t.same_architecture, name
+        if t.choco_gossip:
+            assert profile_compression_policy(object(), name) is None  # type: ignore[arg-type]
+    # the rotating aggregators that hold every participant's model hold the most copies
+    assert models_held("dfml", 5) == 30.0 and models_held("local", 5) == 3.0 and models_held("local_adam") == 4.0
