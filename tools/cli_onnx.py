@@ -64,7 +64,7 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 
 def cmd_predict(a: argparse.Namespace) -> int:
-    from dfl_agent.inference.cli import predict_command
+    from dfl_agent.cli.infer import predict_command
 
     return predict_command(a.model, a.windows, as_json=a.json, label_column=a.label_column, threads=a.threads)
 

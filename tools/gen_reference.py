@@ -28,7 +28,7 @@ from typing import Any, Union
 PROGRAMS: tuple[tuple[str, str], ...] = (
     ("dflctl", "dfl_agent.cli.dflctl:build_parser"),
     ("dfl-agent", "dfl_agent.runtime.daemon:build_parser"),
-    ("dfl-infer", "dfl_agent.inference.cli:build_parser"),
+    ("dfl-infer", "dfl_agent.cli.infer:build_parser"),
 )
 
 

@@ -8,7 +8,7 @@
   training peer, predicts on its own windows, publishes presence and status.
 - :mod:`dfl_agent.runtime.onnx_publisher`: the training side (imports torch lazily): exports
   the deployable model when it improves and sends it to the inference members.
-- ``dfl-infer`` (:mod:`dfl_agent.inference.cli`): ``run`` (the member) and ``predict``.
+- ``dfl-infer`` (:mod:`dfl_agent.cli.infer`): ``run`` (the member) and ``predict``.
 
 Nothing in this package imports torch (the publisher, in the runtime, imports it inside its
 functions, which only training nodes call).  Install on a torch-less device:

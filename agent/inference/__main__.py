@@ -1,5 +1,5 @@
 import sys
 
-from dfl_agent.inference.cli import main
+from dfl_agent.cli.infer import main
 
 sys.exit(main())

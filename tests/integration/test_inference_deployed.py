@@ -37,7 +37,7 @@ def test_inference_member_receives_only_deployed_versions(mosquitto_broker, fede
         y = model(torch.from_numpy(x)).argmax(1).numpy()
     np.savez(tmp_path / "windows.npz", x=x, y=y)
     inf = tmp_path / "inf"
-    code = ("import sys; sys.modules['torch'] = None; from dfl_agent.inference.cli import main; "
+    code = ("import sys; sys.modules['torch'] = None; from dfl_agent.cli.infer import main; "
             f"sys.exit(main(['run', '--broker', {broker!r}, '--federation', {federation!r}, '--node-id', 'inf', "
             f"'--state-dir', {str(inf)!r}, '--windows', {str(tmp_path / 'windows.npz')!r}, "
             "'--log-level', 'warning']))")

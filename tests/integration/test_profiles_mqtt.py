@@ -140,7 +140,7 @@ def test_inference_member_without_torch_gets_onnx_model(mosquitto_broker, federa
     np.savez(tmp_path / "windows.npz", x=x)
     with torch.no_grad():
         want = model(torch.from_numpy(x)).numpy()
-    code = ("import sys; sys.modules['torch'] = None; from dfl_agent.inference.cli import main; "
+    code = ("import sys; sys.modules['torch'] = None; from dfl_agent.cli.infer import main; "
             f"sys.exit(main(['run', '--broker', {broker!r}, '--federation', {federation!r}, '--node-id', 'inf', "
             f"'--state-dir', {str(tmp_path / 'inf')!r}, '--windows', {str(tmp_path / 'windows.npz')!r}, "
             "'--log-level', 'warning']))")

@@ -40,7 +40,7 @@ def test_dflctl_commands_start_without_torch(argv: list[str]) -> None:
 
 
 def test_dfl_infer_starts_without_torch() -> None:
-    body = ("from dfl_agent.inference.cli import main\n"
+    body = ("from dfl_agent.cli.infer import main\n"
             "try:\n    main(['--version'])\nexcept SystemExit as e:\n    assert e.code in (0, None)\n"
             "import dfl_agent.inference.member, dfl_agent.transport.wire\n")
     r = _probe(body)

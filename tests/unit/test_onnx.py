@@ -85,7 +85,7 @@ def test_export_of_the_image_cnn():
 def test_torch_free_predict_matches_torch(exported):
     """The inference member's code path with torch unimportable: dfl-infer predict."""
     d, _, _, _, y, want = exported
-    code = (NO_TORCH + "from dfl_agent.inference.cli import main; "
+    code = (NO_TORCH + "from dfl_agent.cli.infer import main; "
             f"rc = main(['predict', '--model', {str(d / 'm.onnx')!r}, '--windows', {str(d / 'w.npz')!r}, '--json']); "
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]; sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
