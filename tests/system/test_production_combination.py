@@ -34,7 +34,7 @@ from tests.system.conftest import needs_mosquitto
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(240)]
 IDS = ["p0", "p1", "p2"]
-ROUNDS = 8
+ROUNDS = 10
 BAD = ("bad_encoding", "bad_signature", "non_finite")
 
 
