@@ -387,7 +387,7 @@ class Agent:
         """After a run's last round: deploy the model when the gate lets it (dfl_agent.deploy)."""
         if self.store is None or not self.cfg.deploy.enabled:
             return
-        from dfl_agent.deploy.runtime import deploy_after_run
+        from dfl_agent.runtime.deployment import deploy_after_run
 
         try:
             self.deployed = await deploy_after_run(self, spec, input_shape)

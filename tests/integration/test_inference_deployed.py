@@ -21,7 +21,7 @@ def test_inference_member_receives_only_deployed_versions(mosquitto_broker, fede
     import torch
 
     from dfl_agent.deploy import ModelStore
-    from dfl_agent.deploy.runtime import deploy_model
+    from dfl_agent.deploy.gate import deploy_model
     from dfl_agent.discovery.peers import PeerTable
     from dfl_agent.models import build_model
     from dfl_agent.runtime.context import RuntimeContext

@@ -65,7 +65,7 @@ READER = textwrap.dedent("""
 
 
 def test_sigkill_during_deploy_and_reader_never_sees_a_partial_version(tmp_path):
-    from dfl_agent.deploy.runtime import model_files
+    from dfl_agent.deploy.gate import model_files
     from dfl_agent.models import build_model, default_spec
 
     spec = default_spec((3, 16), 4, "small")

@@ -11,14 +11,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dfl_agent.deploy import DeployError, ModelStore, verify_folder
-from dfl_agent.deploy.runtime import (
+from dfl_agent.deploy.gate import (
     announcement,
     deploy_model,
     load_torch,
-    onnx_available,
     verify_announcement,
 )
 from dfl_agent.models import build_model, default_spec
+from dfl_agent.onnx_model import onnx_available
 
 SHAPE = (3, 16)
 

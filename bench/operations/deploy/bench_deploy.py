@@ -75,7 +75,7 @@ def plot(summary: dict[str, Any], feed: list[dict[str, Any]], path: Path) -> boo
 
 def time_deploy_step(repeat: int = 3) -> dict[str, Any]:
     """The deploy step alone, in this (fresh) process, one agent, nothing else running:
-    :func:`dfl_agent.deploy.runtime.deploy_model` on the small HAR model and 70 validation
+    :func:`dfl_agent.deploy.gate.deploy_model` on the small HAR model and 70 validation
     windows.  ``cold``: the first call (imports the ONNX exporter); ``warm``: later calls;
     ``no_onnx``: safetensors + spec.json only."""
     import time
@@ -84,7 +84,7 @@ def time_deploy_step(repeat: int = 3) -> dict[str, Any]:
 
     from dfl_agent.data import load_dataset
     from dfl_agent.deploy import ModelStore
-    from dfl_agent.deploy.runtime import deploy_model
+    from dfl_agent.deploy.gate import deploy_model
     from dfl_agent.models import build_model, default_spec
 
     torch.set_num_threads(1)

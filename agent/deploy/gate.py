@@ -1,6 +1,9 @@
-"""Deploying the agent's model after a run: the gate, the export, the announcement.
+"""The deploy gate and a version's files: evaluate the candidate against the deployed model,
+write ``model.safetensors``, ``spec.json`` and ``model.onnx``, and the announcement document.
 
-torch is imported inside the functions; :mod:`dfl_agent.deploy.versions` is torch-free.
+Pure files, no network: the runtime publishes the announcement
+(:func:`dfl_agent.runtime.deployment.deploy_after_run`).  torch is imported inside the
+functions; :mod:`dfl_agent.deploy.versions` is torch-free.
 """
 
 from __future__ import annotations
@@ -157,29 +160,3 @@ def verify_announcement(doc: dict[str, Any], public_key: Any) -> bool:
         return True
     except Exception:  # noqa: BLE001 - InvalidSignature, bad base64
         return False
-
-
-async def deploy_after_run(agent: Any, spec: dict[str, Any], input_shape: Sequence[int]) -> dict[str, Any]:
-    """The daemon's after-run step: gate + deploy the deployable model on the run's validation
-    slice, then publish the retained announcement."""
-    import asyncio
-
-    cfg, ctx, node = agent.cfg, agent.ctx, agent.node
-    models = ModelStore(agent.state_dir, keep=cfg.deploy.keep)
-    data = ctx.data
-    model = copy.deepcopy(node.algorithm.deployable_model()).to("cpu")
-    last_round = max((int(r.get("round", 0)) for r in node.history), default=0)
-    res = await asyncio.to_thread(
-        deploy_model, models, model, spec, input_shape, data.class_names, data.val_x, data.val_y,
-        run_id=agent.run_desc.run_id if getattr(agent, "run_desc", None) is not None else agent.run_id,
-        round=last_round, algorithm=node.algorithm.name,
-        tolerance=cfg.deploy.tolerance, min_validation=cfg.deploy.min_validation,
-        onnx=None if getattr(cfg.deploy, "onnx", True) else False)
-    doc = announcement(models, agent.node_id, cfg.federation, getattr(ctx, "security", None))
-    publish = getattr(ctx.transport, "publish_retained", None)
-    if doc is not None and publish is not None:
-        try:
-            await publish("model", doc)
-        except Exception as exc:  # noqa: BLE001 - the files are the contract; MQTT is a convenience
-            log.warning("could not publish the model announcement: %s", exc)
-    return res

@@ -1,0 +1,44 @@
+"""The runtime's side of deployment: after a run, gate and install the model (pure files,
+:mod:`dfl_agent.deploy`), then announce the deployed version on MQTT."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from dfl_agent.deploy.gate import announcement, deploy_model
+from dfl_agent.deploy.versions import ModelStore
+
+log = logging.getLogger(__name__)
+
+
+async def deploy_after_run(agent: Any, spec: dict[str, Any], input_shape: Sequence[int]) -> dict[str, Any]:
+    """The daemon's after-run step: gate + deploy the deployable model on the run's validation
+    slice (:func:`dfl_agent.deploy.gate.deploy_model`), then publish the retained
+    ``dfl/{fed}/node/{id}/model`` announcement (:func:`dfl_agent.deploy.gate.announcement`).
+
+    Returns:
+        :func:`~dfl_agent.deploy.gate.deploy_model`'s result.
+    """
+    cfg, ctx, node = agent.cfg, agent.ctx, agent.node
+    models = ModelStore(agent.state_dir, keep=cfg.deploy.keep)
+    data = ctx.data
+    model = copy.deepcopy(node.algorithm.deployable_model()).to("cpu")
+    last_round = max((int(r.get("round", 0)) for r in node.history), default=0)
+    res = await asyncio.to_thread(
+        deploy_model, models, model, spec, input_shape, data.class_names, data.val_x, data.val_y,
+        run_id=agent.run_desc.run_id if getattr(agent, "run_desc", None) is not None else agent.run_id,
+        round=last_round, algorithm=node.algorithm.name,
+        tolerance=cfg.deploy.tolerance, min_validation=cfg.deploy.min_validation,
+        onnx=None if getattr(cfg.deploy, "onnx", True) else False)
+    doc = announcement(models, agent.node_id, cfg.federation, getattr(ctx, "security", None))
+    publish = getattr(ctx.transport, "publish_retained", None)
+    if doc is not None and publish is not None:
+        try:
+            await publish("model", doc)
+        except Exception as exc:  # noqa: BLE001 - the files are the contract; MQTT is a convenience
+            log.warning("could not publish the model announcement: %s", exc)
+    return res
