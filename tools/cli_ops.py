@@ -263,7 +263,7 @@ def _observer(a: argparse.Namespace):
 
 def cmd_watch(a: argparse.Namespace) -> int:
     from dfl_agent.cli.cli_runs import RUN_COLUMNS, run_rows
-    from dfl_agent.cli.dflctl import PEER_COLUMNS, STATUS_COLUMNS, peer_rows, render_table, status_rows
+    from dfl_agent.cli.tables import PEER_COLUMNS, STATUS_COLUMNS, peer_rows, render_table, status_rows
 
     obs = _observer(a)
     obs.settle()

@@ -155,7 +155,7 @@ def verify_runs(runs: dict[str, dict[str, Any]], payloads: dict[str, bytes], fed
 
     Without ``guard`` (no ``--config``, or one naming neither a federation key nor
     operators) every run is kept with ``trust = "unverified"``.
-    With ``guard`` (a verifying-only SecurityGuard, :func:`dfl_agent.cli.dflctl.observer_guard`)
+    With ``guard`` (a verifying-only SecurityGuard, :func:`dfl_agent.cli.observer.observer_guard`)
     each raw retained message in ``payloads`` goes through a
     :class:`~dfl_agent.runtime.descriptor.RunVerifier` with ``require_signatures``, as an agent
     checks it: only descriptors signed by an operator of the federation (a pinned
@@ -190,7 +190,7 @@ def _snapshot(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], co
     broker, fed = _target(a)
     guard = None
     if a.config:
-        from dfl_agent.cli.dflctl import observer_guard
+        from dfl_agent.cli.observer import observer_guard
         from dfl_agent.runtime.config import load_config
 
         cfg = load_config(a.config)
@@ -357,7 +357,7 @@ def cmd_list(a: argparse.Namespace) -> int:
         return 0
     from rich.console import Console
 
-    from dfl_agent.cli.dflctl import render_table
+    from dfl_agent.cli.tables import render_table
 
     Console().print(render_table("runs", run_rows(runs, statuses), RUN_COLUMNS))
     return 0

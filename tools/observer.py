@@ -22,6 +22,18 @@ from dfl_agent.jsonbound import loads as bounded_loads
 log = logging.getLogger(__name__)
 
 
+def observer_guard(cfg: Any) -> Any:
+    """A verifying-only :class:`~dfl_agent.security.SecurityGuard` from a node config's
+    ``[security]`` trust material (pinned keys, operators, federation key); every
+    unsigned or untrusted presence/status then shows as ``untrusted: REASON``."""
+    from dfl_agent.security import SecurityGuard, TrustStore
+
+    sec = cfg.security
+    trust = TrustStore(cfg.federation, {k: str(v) for k, v in sec.trusted_keys.items()}, sec.federation_key,
+                       operators={k: str(v) for k, v in sec.operators.items()})
+    return SecurityGuard("dflctl", None, trust, require_signatures=True)
+
+
 class Observer:
     """Subscribe to ``dfl/{federation}/node/+/{presence,status}`` on ``broker``.
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from dfl_agent.cli.broker import BrokerHandle, free_port, mosquitto_path
-from dfl_agent.cli.dflctl import peer_rows
 from dfl_agent.cli.observer import Observer
+from dfl_agent.cli.tables import peer_rows
 from dfl_agent.runtime.config import config_from_dict
 from dfl_agent.runtime.daemon import Agent
 

@@ -12,7 +12,7 @@ import pytest
 
 from dfl_agent.cli.cli_ops import default_exec
 from dfl_agent.cli.dflctl import main as dflctl
-from dfl_agent.cli.dflctl import peer_rows, status_rows
+from dfl_agent.cli.tables import peer_rows, status_rows
 from dfl_agent.runtime.config import config_from_dict, dump_toml
 
 pytestmark = pytest.mark.integration

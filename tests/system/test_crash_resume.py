@@ -26,8 +26,8 @@ import pytest
 
 from dfl_agent.cli.broker import start_broker
 from dfl_agent.cli.dflctl import main as dflctl
-from dfl_agent.cli.dflctl import peer_rows
 from dfl_agent.cli.observer import Observer
+from dfl_agent.cli.tables import peer_rows
 from dfl_agent.runtime.checkpoint import CheckpointStore
 from dfl_agent.runtime.config import config_from_dict, dump_toml
 from tests.system.conftest import needs_mosquitto

@@ -10,8 +10,9 @@ import subprocess
 import pytest
 
 from dfl_agent.cli.broker import free_port
-from dfl_agent.cli.dflctl import PEER_COLUMNS, main, peer_rows, render_table
+from dfl_agent.cli.dflctl import main
 from dfl_agent.cli.output import SCHEMA_VERSION, console, json_doc
+from dfl_agent.cli.tables import PEER_COLUMNS, peer_rows, render_table
 
 
 def test_unreachable_broker_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
@@ -79,7 +80,7 @@ def _fleet(n: int = 3):
 def test_tables_fit_80_columns_without_cutting_values() -> None:
     from rich.console import Console
 
-    from dfl_agent.cli.dflctl import STATUS_COLUMNS, status_rows
+    from dfl_agent.cli.tables import STATUS_COLUMNS, status_rows
 
     now, statuses, presence = _fleet()
     presence["greenhouse-node-01"]["descriptor"]["compatibility"] = "incompatible: model hash " + "f" * 40
@@ -159,7 +160,7 @@ def test_cache_dir_follows_xdg_and_dfl_cache_dir_wins(tmp_path, monkeypatch: pyt
 
 
 def test_status_last_sync_is_an_age() -> None:
-    from dfl_agent.cli.dflctl import status_rows
+    from dfl_agent.cli.tables import status_rows
 
     rows = status_rows({"a": {"last_synchronization": 1_500_000_000.0}, "b": {"last_synchronization": 4400.0}},
                        now=1_500_000_042.5)

@@ -229,7 +229,7 @@ def test_observer_marks_deep_documents_and_survives_handler_errors():
 
 def test_run_list_shows_only_operator_signed_descriptors_with_trust_material():
     from dfl_agent.cli.cli_runs import run_rows, verify_runs
-    from dfl_agent.cli.dflctl import observer_guard
+    from dfl_agent.cli.observer import observer_guard
 
     fed_key, op_key, cert = _operator()
     stranger = Ed25519PrivateKey.generate()

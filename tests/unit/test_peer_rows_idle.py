@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dfl_agent.cli.dflctl import peer_rows
+from dfl_agent.cli.tables import peer_rows
 
 
 def test_idle_node_without_presence_shows_its_status_state() -> None:
