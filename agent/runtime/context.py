@@ -135,6 +135,24 @@ class RuntimeContext:
             frames are signed, incoming ones verified and replay-checked (rejections
             counted as ``unsigned``, ``unknown_sender``, ``bad_signature``, ``replay``),
             and only trusted peers are members when signatures are required.
+        behaviour: the device profile's :class:`dfl_agent.profiles.Behaviour` (roles: may
+            this node lead a rotating round), None without a profile.
+        compatibility: peer info -> the reason its model cannot take part (None: it can);
+            None: every peer can.
+        batcher: the simulator's :class:`~dfl_agent.runtime.batching.BatchTrainer`
+            (None: every :meth:`compute` runs on its own, as in the daemon).
+        gate, gate_poll: resource gating (``() -> reason or None``, checked every
+            ``gate_poll`` seconds while gated); None: always allowed.
+        pause_when_disconnected: ``runtime.pause_when_disconnected``: no training while
+            the transport has lost its broker.
+        max_catch_up_rounds, final_round, catch_up: fault tolerance
+            (``runtime.max_catch_up_rounds``, the run's last round, ``runtime.rejoin``;
+            :meth:`enable_catch_up` turns catch-up on later).
+        persistent_state: initial entries of :attr:`persistent_state` (e.g. the data
+            snapshot saved with every checkpoint).
+
+    The context is complete when constructed: setting an attribute it does not declare
+    raises ``AttributeError`` (a typo cannot silently add a setting nobody reads).
     """
 
     def __init__(
@@ -157,6 +175,16 @@ class RuntimeContext:
         seed: int = 0,
         compression: CompressionPolicy | None = None,
         security: Any = None,
+        behaviour: Any = None,
+        compatibility: Callable[[Any], str | None] | None = None,
+        batcher: Any = None,
+        gate: Callable[[], str | None] | None = None,
+        gate_poll: float = 5.0,
+        pause_when_disconnected: bool = False,
+        max_catch_up_rounds: int = MAX_CATCH_UP_ROUNDS,
+        final_round: int | None = None,
+        catch_up: bool = False,
+        persistent_state: Mapping[str, Any] | None = None,
     ):
         self.node_id = node_id
         self.federation = federation
@@ -190,7 +218,7 @@ class RuntimeContext:
         #: state that survives restarts (issue 10): name -> numpy array, saved in every
         #: checkpoint and restored before the first round (e.g. error-feedback residuals
         #: of compressed updates, "ef/{peer}/{tensor}"); see dfl_agent.runtime.checkpoint.
-        self.persistent_state: dict[str, Any] = {}
+        self.persistent_state: dict[str, Any] = dict(persistent_state or {})
         self.bytes_sent_by_kind: collections.Counter[str] = collections.Counter()
         self.bytes_received_by_kind: collections.Counter[str] = collections.Counter()
         self._buffer: list[Message] = []
@@ -202,13 +230,13 @@ class RuntimeContext:
         self._waiters: set[asyncio.Future[bool]] = set()
         self._started = False
         # -- device profile (dfl_agent.profiles): behaviour, compatibility, resource gating --
-        self.behaviour: Any = None  # dfl_agent.profiles.Behaviour, when the daemon applied a profile
-        self.compatibility: Callable[[Any], str | None] | None = None  # peer info -> reason to exclude
+        self.behaviour: Any = behaviour  # dfl_agent.profiles.Behaviour, when a profile applies
+        self.compatibility: Callable[[Any], str | None] | None = compatibility  # peer info -> reason to exclude
         self.excluded: dict[str, str] = {}  # peer -> why it is excluded (incompatible)
         self.peer_gated: dict[str, str] = {}  # peer -> its gating reason (from its status)
         #: fault tolerance (``runtime.rejoin``, set by the daemon): lock-step algorithms
         #: skip ahead when updates received from the neighbours show them rounds ahead
-        self.catch_up = False
+        self.catch_up = catch_up
         #: catch-up evidence: peer -> highest round of one of its messages that passed every
         #: check on arrival, tensors included (:meth:`check_on_arrival`)
         self.latest_round: dict[str, int] = {}
@@ -219,17 +247,17 @@ class RuntimeContext:
         self.diverged = 0
         self._diverged_warned = -1  # the round of the last WARNING about it
         #: ``runtime.max_catch_up_rounds``: the most rounds one skip moves this node
-        self.max_catch_up_rounds = MAX_CATCH_UP_ROUNDS
+        self.max_catch_up_rounds = max_catch_up_rounds
         #: the run's last round (set by the daemon): a skip never passes it, so the node
         #: runs the last round itself and no claim of its neighbours ends its run
-        self.final_round: int | None = None
-        self.gate: Callable[[], str | None] | None = None  # None = may train, else the reason
-        self.gate_poll = 5.0  # seconds between gate checks while gated
+        self.final_round: int | None = final_round
+        self.gate: Callable[[], str | None] | None = gate  # None = may train, else the reason
+        self.gate_poll = gate_poll  # seconds between gate checks while gated
         self.gated: str | None = None  # this node's current gating reason
         self.gate_hook: Callable[[str | None], Awaitable[None]] | None = None  # on change
         #: ``runtime.pause_when_disconnected`` (set by the daemon): no training while the
         #: transport has lost its broker, instead of running rounds alone
-        self.pause_when_disconnected = False
+        self.pause_when_disconnected = pause_when_disconnected
         self.reconnect_poll = 0.5  # seconds between connection checks while paused
         self.disconnected_seconds = 0.0  # time spent paused for a lost broker connection
         # -- compression and byte accounting (issue 8) --
@@ -249,7 +277,25 @@ class RuntimeContext:
         self.security = security
         #: the simulator's :class:`~dfl_agent.runtime.batching.BatchTrainer` (None: every
         #: :meth:`compute` runs on its own, as in the daemon)
-        self.batcher: Any = None
+        self.batcher: Any = batcher
+        self._sealed = True  # from here on, only declared attributes may be set (__setattr__)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "_sealed" in self.__dict__ and not hasattr(self, name):
+            raise AttributeError(f"RuntimeContext has no attribute {name!r}: pass settings to its constructor")
+        object.__setattr__(self, name, value)
+
+    def set_hooks(self, *, round_hook: RoundHook | None = None,
+                  gate_hook: Callable[[str | None], Awaitable[None]] | None = None) -> None:
+        """Install the node's callbacks: ``round_hook(round, info)`` after every round
+        (:meth:`end_round`) and ``gate_hook(reason)`` when the gating reason changes."""
+        self.round_hook = round_hook
+        self.gate_hook = gate_hook
+
+    def enable_catch_up(self) -> None:
+        """Turn on catch-up (``runtime.rejoin``): lock-step algorithms skip ahead when a
+        quorum of the neighbours shows later rounds (:meth:`catch_up_round`)."""
+        self.catch_up = True
 
     # -- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:

@@ -29,6 +29,12 @@ import numpy as np
 
 from dfl_agent import WIRE_VERSION, __version__
 from dfl_agent.onnx_model import onnx_available
+from dfl_agent.runtime.assembly import (  # noqa: F401 - StartupError, model_spec_for: re-exported
+    StartupError,
+    apply_profile,
+    build_security,
+    model_spec_for,
+)
 from dfl_agent.runtime.config import ConfigError, NodeConfig, load_config
 
 log = logging.getLogger("dfl_agent.daemon")
@@ -49,45 +55,6 @@ def node_id_from_state(state_dir: Path, configured: str | None) -> str:
 
     atomic_write(path, nid + "\n")
     return nid
-
-
-class StartupError(RuntimeError):
-    """The agent cannot start: unknown algorithm or option, unusable data or model spec."""
-
-
-def build_security(cfg: NodeConfig, state_dir: Path, node_id: str) -> Any:
-    """The node's :class:`dfl_agent.security.SecurityGuard` from ``[security]``.
-
-    Loads (or creates, mode 0600) the node key, reads the device certificate
-    (``security.certificate``, else ``state_dir/node_cert.json`` when present), and
-    builds the trust store from ``security.trusted_keys`` and ``security.federation_key``
-    (this node's own key is always trusted).
-
-    Raises:
-        StartupError: unreadable key or certificate, a certificate for another node.
-    """
-    from dfl_agent.security import SecurityError, SecurityGuard, SeqCounter, TrustStore
-    from dfl_agent.security.keys import CERT_FILE, load_certificate, load_or_create_key, public_key_b64
-    from dfl_agent.security.trust import SEQ_FILE
-
-    sec = cfg.security
-    try:
-        key = load_or_create_key(state_dir, sec.key_file)
-        pinned = {k: str(v) for k, v in sec.trusted_keys.items()}
-        pinned.setdefault(node_id, public_key_b64(key))
-        trust = TrustStore(cfg.federation, pinned, sec.federation_key,
-                           operators={k: str(v) for k, v in getattr(sec, "operators", {}).items()})
-        cert_path = sec.certificate or (state_dir / CERT_FILE if (state_dir / CERT_FILE).exists() else None)
-        cert = load_certificate(cert_path) if cert_path else None
-        if cert is not None and trust.federation_key is not None:
-            if trust.add_certificate(cert) != node_id:
-                raise SecurityError(f"certificate {cert_path} is for node {cert.get('node_id')!r}, not {node_id!r}")
-    except SecurityError as exc:
-        raise StartupError(f"security: {exc}") from None
-    log.info("node key %s (public %s); signatures %s", sec.key_file or state_dir / "node_key.pem",
-             public_key_b64(key), "required" if sec.require_signatures else "optional")
-    return SecurityGuard(node_id, key, trust, require_signatures=sec.require_signatures, certificate=cert,
-                         replay_window=sec.replay_window, seq=SeqCounter(state_dir / SEQ_FILE))
 
 
 class Agent:
@@ -148,10 +115,14 @@ class Agent:
         from dfl_agent.discovery.static import load_static_peers
         from dfl_agent.learning.training import TrainConfig
         from dfl_agent.models import spec_hash
-        from dfl_agent.models.defaults import check_algorithm_models
-        from dfl_agent.runtime.context import RuntimeContext
-        from dfl_agent.runtime.node import Node, RunStopped, init_seed_for
-        from dfl_agent.runtime.preflight import load_data, resolve_algorithm
+        from dfl_agent.runtime.assembly import (
+            build_node,
+            check_node_model,
+            choose_compression,
+            resolve_algorithm,
+        )
+        from dfl_agent.runtime.node import RunStopped, init_seed_for
+        from dfl_agent.runtime.preflight import load_data
         from dfl_agent.transport.mqtt import MqttTransport
 
         cfg = self.cfg
@@ -171,9 +142,7 @@ class Agent:
             spec = model_spec_for(cfg, algo_cls.name, bundle.pool.input_shape, bundle.pool.num_classes,
                                   profile_size=profile.model.size, tier=behaviour.model_size)
             self.data_shape = (list(bundle.pool.input_shape), int(bundle.pool.num_classes))
-            check_algorithm_models(algo_cls.name, [spec])
-            if spec["num_classes"] != bundle.pool.num_classes:
-                raise ValueError(f"model.spec has {spec['num_classes']} classes, the data {bundle.pool.num_classes}")
+            check_node_model(algo_cls.name, spec, bundle.pool.num_classes)
             behaviour = apply_profile(cfg, algo_cls.name, spec=spec)[1]  # aggregator memory check
             guard = build_security(cfg, self.state_dir, nid)  # -- security
         except (ValueError, KeyError, OSError, ImportError, LookupError) as exc:
@@ -218,29 +187,6 @@ class Agent:
             tls_ca=cfg.mqtt.tls_ca, tls_cert=cfg.mqtt.tls_cert, tls_key=cfg.mqtt.tls_key,
             max_transfers=cfg.mqtt.max_transfers, control=guard,
         )
-        from dfl_agent.profiles.behaviour import profile_compression_policy
-
-        self.ctx = ctx = RuntimeContext(
-            node_id=nid, federation=fed, transport=transport, peers=peers, data=data, model_spec=spec,
-            train=train, init_seed=init_seed_for(cfg.seed, d.node_index, cfg.runtime.init),
-            rng=np.random.default_rng([cfg.seed, d.node_index]), device=behaviour.device, compute_in_thread=True,
-            max_frame_bytes=cfg.mqtt.max_frame_bytes, graph_neighbours=cfg.algorithm.neighbours, seed=cfg.seed,
-            compression=cfg.compression.policy() or profile_compression_policy(
-                behaviour, algo_cls.name, error_feedback=cfg.compression.error_feedback),
-            security=guard, max_queued_per_sender=cfg.security.max_queued_per_sender,
-        )
-        if self.snapshot is not None:  # saved with every checkpoint: a resumed run trains on the same data
-            from dfl_agent.runtime.sample_store import SNAPSHOT_KEY
-
-            ctx.persistent_state[SNAPSHOT_KEY] = self.snapshot
-        from dfl_agent.profiles import ResourceGate, peer_incompatibility
-
-        ctx.behaviour = behaviour
-        ctx.compatibility = peer_incompatibility(algo_cls.name, spec_hash(spec))
-        ctx.gate = ResourceGate(profile.limits, profile.training.windows, psutil_mod=self.psutil)
-        ctx.gate_poll = profile.limits.poll_interval_s
-        ctx.pause_when_disconnected = cfg.runtime.pause_when_disconnected
-        ctx.max_catch_up_rounds, ctx.final_round = cfg.runtime.max_catch_up_rounds, cfg.algorithm.rounds
         run_id = self.run_desc.run_id if self.run_desc is not None else None
         if self.run_dir is not None:  # runs: metrics per run
             metrics_path = self.run_dir / "metrics.jsonl"
@@ -257,9 +203,30 @@ class Agent:
             metrics_file.write(json.dumps(record, sort_keys=True, default=float) + "\n")
             metrics_file.flush()
 
-        self.node = node = Node(ctx, algo_cls(ctx, options), bundle.test.x, bundle.test.y,
-                                baseline_local=cfg.runtime.baseline_local, sink=sink, rounds=cfg.algorithm.rounds,
-                                eval_every=cfg.runtime.eval_every, eval_background=cfg.runtime.eval_background)
+        from dfl_agent.profiles import ResourceGate
+
+        persistent: dict[str, Any] = {}
+        if self.snapshot is not None:  # saved with every checkpoint: a resumed run trains on the same data
+            from dfl_agent.runtime.sample_store import SNAPSHOT_KEY
+
+            persistent[SNAPSHOT_KEY] = self.snapshot
+        self.node = node = build_node(
+            algo_cls, options, model_spec=spec, test_x=bundle.test.x, test_y=bundle.test.y,
+            baseline_local=cfg.runtime.baseline_local, sink=sink, rounds=cfg.algorithm.rounds,
+            eval_every=cfg.runtime.eval_every, eval_background=cfg.runtime.eval_background,
+            node_id=nid, federation=fed, transport=transport, peers=peers, data=data, train=train,
+            init_seed=init_seed_for(cfg.seed, d.node_index, cfg.runtime.init),
+            rng=np.random.default_rng([cfg.seed, d.node_index]), device=behaviour.device, compute_in_thread=True,
+            max_frame_bytes=cfg.mqtt.max_frame_bytes, graph_neighbours=cfg.algorithm.neighbours, seed=cfg.seed,
+            compression=choose_compression(cfg.compression.policy(), behaviour, algo_cls.name,
+                                           error_feedback=cfg.compression.error_feedback),
+            security=guard, max_queued_per_sender=cfg.security.max_queued_per_sender, behaviour=behaviour,
+            gate=ResourceGate(profile.limits, profile.training.windows, psutil_mod=self.psutil),
+            gate_poll=profile.limits.poll_interval_s, pause_when_disconnected=cfg.runtime.pause_when_disconnected,
+            max_catch_up_rounds=cfg.runtime.max_catch_up_rounds, final_round=cfg.algorithm.rounds,
+            persistent_state=persistent,
+        )
+        self.ctx = ctx = node.ctx
         if self.store is not None:  # no global test set: "global" accuracy is the validation slice's
             node.accuracy_source = "local validation"
         if run_id is not None:
@@ -315,7 +282,7 @@ class Agent:
                     self.outcome = "finished"
                     return 0
                 start_round = self._rejoin_round(start_round)
-                self.ctx.catch_up = True  # ... and, while running, behind its neighbours
+                ctx.enable_catch_up()  # ... and, while running, behind its neighbours
             self._save_members()
             should_stop = self.should_stop
             # checked after every round, before the next one starts (a stop or a cancel
@@ -649,56 +616,6 @@ class Agent:
                         self.cfg.discovery.start_timeout)
         log.info("peers: %s", ", ".join(live) or "none")
         return not stop.is_set()
-
-
-def model_spec_for(cfg: NodeConfig, algorithm: str, input_shape: Any, num_classes: int, *,
-                   profile_size: str = "medium", tier: str | None = None) -> dict[str, Any]:
-    """The model spec a node trains: ``model.spec``; else the member of ``model.family``
-    for the node's tier (``model.size``, else the profile's ``profile_size``); else the
-    algorithm's default model of the decision table's ``tier`` (medium when None).
-
-    Raises:
-        ValueError: an invalid spec, an unknown family, or a family the data does not fit.
-    """
-    from dfl_agent.models import validate_spec
-    from dfl_agent.models.defaults import algorithm_default_spec
-
-    if cfg.model.spec:
-        return validate_spec(cfg.model.spec)
-    if cfg.model.family:  # e.g. a run submitted with --models FAMILY
-        from dfl_agent.models.families import family_member
-
-        return family_member(cfg.model.family, input_shape, num_classes, cfg.model.size or profile_size)
-    return algorithm_default_spec(algorithm, input_shape, num_classes, tier or "medium")
-
-
-def apply_profile(cfg: NodeConfig, algorithm: str, spec: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """The node's device profile (pinned or detected, with ``profile_overrides``) and
-    its behaviour from the decision table (``dfl_agent.profiles.behaviour``).
-
-    Raises:
-        ValueError: unknown profile, invalid override, the profile cannot run the
-            algorithm, or an inference-only profile (it runs ``dfl-infer``, not the agent).
-        LookupError: ``profile = "auto"`` and no profile matches this machine.
-    """
-    from dfl_agent.profiles import resolve_profile, select_behaviour
-
-    profile, detection = resolve_profile(cfg.profile, cfg.profile_overrides)
-    if detection is not None:
-        log.info("detected device profile %s", profile.name)
-    if profile.inference_only:
-        raise ValueError(f"profile {profile.name!r} is inference-only: run 'dfl-infer run', not the training agent")
-    params = None
-    if spec is not None:
-        from dfl_agent.models import build_model, count_trainable
-
-        params = count_trainable(build_model(spec))
-    t = cfg.training
-    return profile, select_behaviour(
-        profile, algorithm, config_model_size=cfg.model.size, config_model_spec=bool(cfg.model.spec),
-        config_threads=t.threads, config_batch_size=t.batch_size, config_device=t.device,
-        model_params=params, participants=max(2, cfg.discovery.min_peers + 1),
-    )
 
 
 async def _status_loop(notifier: Any, status: Any, interval: float = 5.0) -> None:

@@ -110,13 +110,12 @@ class Node:
         self._round_started = 0.0
         self._round_started_wall = time.perf_counter()
         self._wall_started = time.time()
-        ctx.round_hook = self._on_round
+        ctx.set_hooks(round_hook=self._on_round, gate_hook=self._on_gate)
         self.state = "starting"
         #: the run this node trains in (runs.py): ``{"id", "state", "reason"}``; None with ``--once``
         self.run_info: dict[str, Any] | None = None
-        # device profiles: a gated node republishes its status with the reason at once;
-        # after_round hooks get (round, metrics record), e.g. the ONNX publisher
-        ctx.gate_hook = self._on_gate
+        # device profiles: a gated node republishes its status with the reason at once
+        # (_on_gate); after_round hooks get (round, metrics record), e.g. the ONNX publisher
         self.after_round: list[Callable[[int, dict[str, Any]], Any]] = []
         # -- operations (issue 10): called with t after each round's record, before the
         # status is published; the daemon saves a crash-safe checkpoint here.

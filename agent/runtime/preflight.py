@@ -5,7 +5,7 @@ network: the algorithm and its options, the device profile, the data set (its na
 directory, and, with ``load_data``, its files and the model it implies), the static peers
 and the node's key and certificate.  It writes nothing: no state directory, no key.
 ``dfl-agent check-config`` and ``dfl-agent run`` both call it, and the daemon uses the
-same helpers (:func:`resolve_algorithm`, :func:`load_data`), so that a bad configuration
+same helpers (:mod:`dfl_agent.runtime.assembly`, :func:`load_data`), so that a bad configuration
 fails the same way, as one line naming the key (:class:`ConfigError`), in both.
 """
 
@@ -13,37 +13,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from dfl_agent.runtime.assembly import apply_profile, check_node_model, model_spec_for, resolve_algorithm
 from dfl_agent.runtime.config import ConfigError, NodeConfig
-
-if TYPE_CHECKING:
-    from dfl_agent.algorithms.base import Algorithm
 
 log = logging.getLogger("dfl_agent.preflight")
 
 __all__ = ["check_startup", "resolve_algorithm", "check_data_path", "load_data"]
-
-
-def resolve_algorithm(cfg: NodeConfig) -> tuple[type[Algorithm], Any]:
-    """The algorithm class of ``algorithm.name`` and its parsed ``algorithm.options``.
-
-    Raises:
-        ConfigError: ``algorithm.name: unknown algorithm ...`` or
-            ``algorithm.options.KEY: ...`` (unknown option, wrong type, bad value).
-        ImportError: the algorithms need the ``train`` extra (torch), not installed.
-    """
-    from dfl_agent.algorithms.base import get_algorithm, parse_options
-
-    try:
-        algo_cls = get_algorithm(cfg.algorithm.name)
-    except KeyError as exc:
-        raise ConfigError(f"algorithm.name: {exc.args[0] if exc.args else exc}") from None
-    try:
-        options = parse_options(algo_cls, cfg.algorithm.options)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    return algo_cls, options
 
 
 def check_data_path(cfg: NodeConfig) -> None:
@@ -154,8 +131,6 @@ def check_startup(cfg: NodeConfig, *, load: bool = True) -> None:
         algo_cls, _options = resolve_algorithm(cfg)
     except ImportError as exc:  # a torch-free install: the training agent cannot run here at all
         raise ConfigError(f"algorithm.name: the training agent needs the 'train' extra (torch): {exc}") from None
-    from dfl_agent.runtime.daemon import apply_profile, model_spec_for
-
     try:
         profile, behaviour = apply_profile(cfg, algo_cls.name)
     except (ValueError, LookupError) as exc:
@@ -163,14 +138,10 @@ def check_startup(cfg: NodeConfig, *, load: bool = True) -> None:
     if not load or d.dataset == "store":
         return
     bundle = load_data(cfg)
-    from dfl_agent.models.defaults import check_algorithm_models
-
     try:
         spec = model_spec_for(cfg, algo_cls.name, bundle.pool.input_shape, bundle.pool.num_classes,
                               profile_size=profile.model.size, tier=behaviour.model_size)
-        check_algorithm_models(algo_cls.name, [spec])
-        if spec["num_classes"] != bundle.pool.num_classes:
-            raise ValueError(f"model.spec has {spec['num_classes']} classes, the data {bundle.pool.num_classes}")
+        check_node_model(algo_cls.name, spec, bundle.pool.num_classes)
         apply_profile(cfg, algo_cls.name, spec=spec)  # the aggregator's memory check
     except (ValueError, KeyError, LookupError) as exc:
         raise ConfigError(f"model: {exc.args[0] if isinstance(exc, KeyError) and exc.args else exc}") from None

@@ -24,13 +24,11 @@ from dfl_agent.data import load_dataset, make_node_data, partition
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.compression import CompressionPolicy
 from dfl_agent.learning.training import TrainConfig
-from dfl_agent.models import spec_hash, validate_spec
-from dfl_agent.models.defaults import algorithm_default_spec, check_algorithm_models, simulator_default_specs
-from dfl_agent.models.families import family_specs
-from dfl_agent.profiles import peer_incompatibility
+from dfl_agent.models import spec_hash
+from dfl_agent.models.defaults import check_algorithm_models
 from dfl_agent.runtime import metrics
+from dfl_agent.runtime.assembly import build_node, choose_compression, choose_model_specs
 from dfl_agent.runtime.batching import BatchTrainer
-from dfl_agent.runtime.context import RuntimeContext
 from dfl_agent.runtime.node import Node, init_seed_for
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
@@ -188,22 +186,12 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
     else:
         parts = partition(bundle.pool, cfg.nodes, cfg.partition, seed=cfg.seed, beta=cfg.beta, zeta=cfg.zeta)
     shape, n_classes = bundle.pool.input_shape, bundle.pool.num_classes
-    spec = validate_spec(cfg.model_spec) if cfg.model_spec else algorithm_default_spec(
-        cfg.algorithm, shape, n_classes, cfg.model_size
-    )
-    if cfg.model_family:
-        fam = family_specs(cfg.model_family, shape, n_classes)
-        specs = [fam[i % len(fam)] for i in range(cfg.nodes)]
-    elif cfg.model_specs:
-        specs = [validate_spec(cfg.model_specs[i % len(cfg.model_specs)]) for i in range(cfg.nodes)]
-    elif cfg.model_spec:
-        specs = [spec] * cfg.nodes
-    else:  # the algorithm's default (H1 for the width-scaled ones)
-        specs = simulator_default_specs(cfg.algorithm, shape, n_classes, cfg.nodes, cfg.model_size)
+    # the configured single spec, reported in summary.json's "model_spec" (even when unused)
+    spec = choose_model_specs(cfg.algorithm, shape, n_classes, 1, spec=cfg.model_spec, tiers=[cfg.model_size])[0]
     behaviours = _profile_behaviours(cfg)
-    if behaviours and not (cfg.model_family or cfg.model_specs or cfg.model_spec):
-        specs = [algorithm_default_spec(cfg.algorithm, shape, n_classes, b.model_size or cfg.model_size)
-                 for b in behaviours]
+    specs = choose_model_specs(cfg.algorithm, shape, n_classes, cfg.nodes, family=cfg.model_family,
+                               specs=cfg.model_specs, spec=cfg.model_spec, size=cfg.model_size,
+                               tiers=[b.model_size for b in behaviours] if behaviours else None)
     check_algorithm_models(cfg.algorithm, specs)
     ids = [node_name(i) for i in range(cfg.nodes)]
     policy = CompressionPolicy.from_config(
@@ -221,30 +209,21 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
         nid = node_name(i)
         data = make_node_data(bundle, parts[i], seed=cfg.seed)  # same split as the daemon (node_data_for)
         descriptor = {"algorithm": cfg.algorithm, "model_hash": spec_hash(specs[i])}
-        if behaviours:
-            descriptor.update(profile=behaviours[i].profile, roles=",".join(behaviours[i].roles))
-        transport = network.transport(nid, federation, descriptor)
-        ctx = RuntimeContext(
-            node_id=nid, federation=federation, transport=transport, peers=PeerTable(nid, federation),
-            data=data, model_spec=specs[i], train=cfg.train, init_seed=init_seed_for(cfg.seed, i, cfg.init),
-            rng=np.random.default_rng([cfg.seed, i]), device=device,
+        behaviour = behaviours[i] if behaviours else None
+        if behaviour is not None:
+            descriptor.update(profile=behaviour.profile, roles=",".join(behaviour.roles))
+        node = build_node(
+            algo_cls, options, model_spec=specs[i], test_x=bundle.test.x, test_y=bundle.test.y,
+            baseline_local=cfg.baseline_local, sink=sink, rounds=cfg.rounds, eval_every=cfg.eval_every,
+            node_id=nid, federation=federation, transport=network.transport(nid, federation, descriptor),
+            peers=PeerTable(nid, federation), data=data, train=cfg.train,
+            init_seed=init_seed_for(cfg.seed, i, cfg.init), rng=np.random.default_rng([cfg.seed, i]), device=device,
             graph_neighbours=None if cfg.topology == "full" else graph[nid], seed=cfg.seed,
-            compression=policy if policy.active else None,
+            # no simulation-wide compression: the profile's (whole-model exchanges), if any
+            compression=choose_compression(policy, behaviour, cfg.algorithm, error_feedback=cfg.error_feedback),
+            behaviour=behaviour, batcher=batcher,
         )
-        ctx.batcher = batcher
-        ctx.compatibility = peer_incompatibility(cfg.algorithm, spec_hash(specs[i]))
-        if behaviours:
-            ctx.behaviour = behaviours[i]
-            if not policy.active:  # no simulation-wide compression: the profile's (whole-model exchanges)
-                from dfl_agent.profiles.behaviour import profile_compression_policy
-
-                ctx.compression = profile_compression_policy(behaviours[i], cfg.algorithm,
-                                                             error_feedback=cfg.error_feedback)
-        nodes.append(
-            Node(ctx, algo_cls(ctx, options), bundle.test.x, bundle.test.y,
-                 baseline_local=cfg.baseline_local, sink=sink, rounds=cfg.rounds,
-                 eval_every=cfg.eval_every)
-        )
+        nodes.append(node)
 
     async def run_node(i: int, node: Node) -> None:
         await node.setup()
