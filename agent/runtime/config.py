@@ -323,7 +323,7 @@ def _validate(cfg: NodeConfig) -> None:
     need(cfg.node_id is None or valid_id(cfg.node_id), "node_id", "must match [A-Za-z0-9_.-]{1,64}")
     need(cfg.algorithm.rounds >= 1, "algorithm.rounds", "must be >= 1")
     if cfg.algorithm.every is not None:
-        from dfl_agent.runtime.descriptor import parse_duration
+        from dfl_agent.durations import parse_duration
 
         try:
             parse_duration(cfg.algorithm.every)
@@ -359,9 +359,9 @@ def _validate(cfg: NodeConfig) -> None:
     need(0 <= d.validation_share < 1, "data.validation_share", "must be in [0, 1)")
     need(d.spool_interval > 0, "data.spool_interval", "must be > 0 seconds")
     try:
-        from dfl_agent.store.sqlite import parse_duration as parse_store_duration
+        from dfl_agent.durations import parse_optional_duration
 
-        parse_store_duration(d.store_max_age)
+        parse_optional_duration(d.store_max_age)
     except ValueError as exc:
         raise ConfigError(f"data.store_max_age: {exc}") from None
     need(cfg.deploy.tolerance >= 0, "deploy.tolerance", "must be >= 0 (accuracy as a fraction)")

@@ -52,24 +52,6 @@ def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-def parse_duration(text: str | float | int) -> float:
-    """Seconds in a duration such as ``"6h"``, ``"90s"``, ``"15m"``, ``"2d"`` or a number of seconds.
-
-    Raises:
-        ValueError: not a positive duration.
-    """
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(text))
-        if not m:
-            raise ValueError(f"not a duration: {text!r} (use e.g. '90s', '15m', '6h', '2d')")
-        value = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
-    if not value > 0:
-        raise ValueError(f"duration must be > 0: {text!r}")
-    return value
-
-
 @dataclasses.dataclass
 class RunDescriptor:
     """What a run is: published (signed) on ``dfl/{fed}/run/{run_id}``.

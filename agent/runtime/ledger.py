@@ -17,13 +17,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from dfl_agent.durations import parse_duration
 from dfl_agent.fsutil import atomic_write
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.runtime.descriptor import (
     TERMINAL,
     RunDescriptor,
     default_run_id,
-    parse_duration,
     period_index,
     recurring_run_id,
     sample_run_id,

@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 
+from dfl_agent.durations import parse_optional_duration
 from dfl_agent.store.sqlite import (
     SampleStore,
     Schema,
     StoreError,
-    parse_duration,
     validation_mask,
 )
 
@@ -72,7 +72,7 @@ def open_store(cfg: Any, *, create: bool = True) -> SampleStore:
     """
     d = cfg.data
     return SampleStore(cfg.state_dir, check_schema(cfg), spool_dir=d.spool_dir,
-                       max_samples=d.store_max_samples, max_age=parse_duration(d.store_max_age),
+                       max_samples=d.store_max_samples, max_age=parse_optional_duration(d.store_max_age),
                        max_per_class=d.store_max_per_class, eviction=d.store_eviction, create=create,
                        max_ingest_bytes=d.store_max_ingest_bytes)
 

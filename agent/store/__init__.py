@@ -9,8 +9,7 @@ from dfl_agent.store.sqlite import (
     SampleStore,
     Schema,
     StoreError,
-    parse_duration,
     validation_mask,
 )
 
-__all__ = ["RejectedFile", "SampleStore", "Schema", "StoreError", "parse_duration", "validation_mask"]
+__all__ = ["RejectedFile", "SampleStore", "Schema", "StoreError", "validation_mask"]

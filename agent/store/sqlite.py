@@ -54,7 +54,6 @@ import io
 import json
 import logging
 import os
-import re
 import shutil
 import sqlite3
 import stat
@@ -104,22 +103,6 @@ class RejectedFile(ValueError):
     def __init__(self, reason: str, kind: str = "invalid_content"):
         super().__init__(reason)
         self.kind = kind if kind in REJECT_KINDS else "invalid_content"
-
-
-def parse_duration(text: str | None) -> float | None:
-    """``"30d"``, ``"12h"``, ``"45m"``, ``"90s"`` (or a bare number of seconds) -> seconds;
-    ``None``, ``""`` or ``"none"`` -> None.
-
-    Raises:
-        ValueError: any other text.
-    """
-    if text is None or str(text).strip().lower() in ("", "none"):
-        return None
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", str(text).lower())
-    if not m:
-        raise ValueError(f"not a duration: {text!r} (use e.g. '30d', '12h', '90s' or 'none')")
-    mult = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[m.group(2)]
-    return float(m.group(1)) * mult
 
 
 def validation_mask(ids: np.ndarray, share: float) -> np.ndarray:

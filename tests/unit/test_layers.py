@@ -3,7 +3,8 @@
 A module may import only from its own layer or from the layers listed before
 it (docs/explanation/architecture.md, "Layers"):
 
-1. ``fsutil``, ``tomlcheck``, ``resources``, ``jsonbound``, ``extras``, ``onnx_model``;
+1. ``fsutil``, ``tomlcheck``, ``resources``, ``jsonbound``, ``extras``, ``onnx_model``,
+   ``durations``;
 2. ``learning``, ``data``, ``models``, ``security``;
 3. ``algorithms``;
 4. ``transport``; then ``discovery``, which may import transport but not the
@@ -39,6 +40,7 @@ RANK: dict[str, float] = {
     "jsonbound": 1,
     "extras": 1,
     "onnx_model": 1,
+    "durations": 1,
     "learning": 2,
     "data": 2,
     "models": 2,

@@ -6,13 +6,13 @@ import json
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from dfl_agent.durations import parse_duration
 from dfl_agent.runtime.admission import admit
 from dfl_agent.runtime.config import config_from_dict
 from dfl_agent.runtime.descriptor import (
     RunDescriptor,
     RunVerifier,
     operator_certificate,
-    parse_duration,
     recurring_run_id,
     sign_descriptor,
 )

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dfl_agent.durations import parse_optional_duration as parse_duration
 from dfl_agent.store import (
     SampleStore,
     Schema,
     StoreError,
-    parse_duration,
     validation_mask,
 )
 from dfl_agent.store.sqlite import copy_into_spool
