@@ -55,6 +55,15 @@ class RunStopped(Exception):
         self.round = round
 
 
+class NodeKilled(Exception):
+    """Raised out of the round loop when a node reaches the round of its
+    :meth:`Node.kill_at` (the simulator's fault injection): it crashes there."""
+
+    def __init__(self, round: int):
+        super().__init__(f"killed at the start of round {round}")
+        self.round = round
+
+
 def init_seed_for(seed: int, index: int, init: str) -> int:
     """Torch seed of a node's initial weights: shared by all (``common``) or per node."""
     return seed if init == "common" else seed * 100_003 + index + 1
@@ -130,6 +139,19 @@ class Node:
         #: checked after every round, before the next one starts: when it returns True the
         #: round loop ends with :class:`RunStopped` (e.g. the operator cancelled the run)
         self.stop_check: Callable[[], bool] | None = None
+        #: fault injection (:meth:`kill_at`): (round, called when the node crashes)
+        self._kill: tuple[int, Callable[[], None]] | None = None
+
+    def kill_at(self, round: int, on_kill: Callable[[], None]) -> None:
+        """Crash this node when it is about to start round ``round`` (or a later one):
+        ``on_kill()`` runs (the simulator takes the node off its network), and
+        :meth:`run` raises :class:`NodeKilled`.  The node reports rounds before ``round``."""
+        self._kill = (round, on_kill)
+
+    def _check_kill(self, next_round: int) -> None:
+        if self._kill is not None and next_round >= self._kill[0]:
+            self._kill[1]()
+            raise NodeKilled(next_round)
 
     async def setup(self) -> None:
         await self.algorithm.setup()
@@ -146,6 +168,8 @@ class Node:
         self._round_started_wall = time.perf_counter()
         await self.publish_status()
         try:
+            if start_round <= rounds:
+                self._check_kill(start_round)
             await self.algorithm.run(rounds, start_round)
         except Exception:
             await self.drain()  # a stopped run still reports its last rounds
@@ -286,6 +310,8 @@ class Node:
             raise RunStopped(t)
         self._round_started = self.ctx.clock.now()
         self._round_started_wall = time.perf_counter()
+        if t < self.rounds:
+            self._check_kill(t + 1)  # fault injection: crash as the next round starts
 
     async def _checkpoint(self, t: int, saved: asyncio.Event | None) -> None:
         """Save round ``t``'s checkpoint (operations: crash-safe state after every round),

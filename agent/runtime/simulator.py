@@ -8,6 +8,7 @@ cost no real time and a run is a pure function of (config, seed).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -29,7 +30,7 @@ from dfl_agent.models.defaults import check_algorithm_models
 from dfl_agent.runtime import metrics
 from dfl_agent.runtime.assembly import build_node, choose_compression, choose_model_specs
 from dfl_agent.runtime.batching import BatchTrainer
-from dfl_agent.runtime.node import Node, init_seed_for
+from dfl_agent.runtime.node import Node, NodeKilled, init_seed_for
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 log = logging.getLogger(__name__)
@@ -223,24 +224,15 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
             compression=choose_compression(policy, behaviour, cfg.algorithm, error_feedback=cfg.error_feedback),
             behaviour=behaviour, batcher=batcher,
         )
+        if i in cfg.kill:  # fault injection: the node crashes when it starts that round
+            node.kill_at(cfg.kill[i], functools.partial(network.kill, nid))
         nodes.append(node)
 
-    async def run_node(i: int, node: Node) -> None:
+    async def run_node(node: Node) -> None:
         await node.setup()
-        if i in cfg.kill:
-            kill_round = cfg.kill[i]
-            original = node.algorithm.round
-
-            async def round_or_die(t: int) -> dict[str, Any]:
-                if t >= kill_round:
-                    network.kill(node.ctx.node_id)
-                    raise _Killed()
-                return await original(t)
-
-            node.algorithm.round = round_or_die  # type: ignore[method-assign]
         try:
             await node.run(cfg.rounds)
-        except _Killed:
+        except NodeKilled:
             node.state = "killed"
 
     async def main() -> None:
@@ -250,7 +242,7 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
             await node.ctx.start()
         if progress is not None:
             progress(0, None)  # set-up done: the rounds start
-        await asyncio.gather(*(run_node(i, n) for i, n in enumerate(nodes)))
+        await asyncio.gather(*(run_node(n) for n in nodes))
         for node in nodes:
             await node.ctx.stop()
 
@@ -377,10 +369,6 @@ def _byte_summary(nodes: list[Node], policy: CompressionPolicy) -> dict[str, Any
         "float32_bytes_sent": f32,
         "compression_ratio": f32 / sent if sent else 1.0,
     }
-
-
-class _Killed(Exception):
-    pass
 
 
 def _jsonable(obj: Any) -> Any:

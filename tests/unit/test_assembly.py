@@ -1,5 +1,5 @@
 """Node assembly (dfl_agent.runtime.assembly): one model-spec rule for the daemon and the
-simulator, a RuntimeContext complete at construction."""
+simulator, a RuntimeContext complete at construction, and the simulator's kill hook."""
 
 import numpy as np
 import pytest
@@ -60,3 +60,22 @@ def test_one_spec_rule_for_both_worlds():
     assert model_spec_for(cfg, "dfml", SHAPE, CLASSES, profile_size="large") == h2[0]
     assert model_spec_for(config_from_dict({}), "heterofl", SHAPE, CLASSES, tier="small") == \
         algorithm_default_spec("heterofl", SHAPE, CLASSES, "small")
+
+
+def test_simulator_kill_hook_ends_the_node_before_its_round():
+    from dfl_agent.runtime.simulator import SimConfig, simulate
+
+    s = simulate(SimConfig(nodes=3, rounds=3, dataset="iris", partition="iid", kill={1: 2}, model_size="small",
+                           train=TrainConfig(batch_size=16)))
+    assert s["rounds_per_node"]["node01"] == 1  # crashed as round 2 started
+    assert s["rounds_per_node"]["node00"] == s["rounds_per_node"]["node02"] == 3
+
+
+def test_kill_also_ends_a_rotating_aggregator_node():
+    """DFML's rounds run in the rotating-aggregator protocol, not through ``round()``: the
+    simulator's kill (once a patch of ``round``) used to leave such a node running."""
+    from dfl_agent.runtime.simulator import SimConfig, simulate
+
+    s = simulate(SimConfig(algorithm="dfml", nodes=3, rounds=4, dataset="iris", partition="iid", kill={1: 2},
+                           model_size="small", train=TrainConfig(batch_size=16)))
+    assert s["rounds_per_node"] == {"node00": 4, "node01": 1, "node02": 4}
