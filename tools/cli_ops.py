@@ -71,14 +71,14 @@ def profile_resources(profile: str | None) -> tuple[str, list[tuple[str, str]]]:
 
     Returns:
         ``("", [])`` without a profile; else the name and
-        :meth:`dfl_agent.profiles.model.ResourcesSection.systemd_directives`.
+        :meth:`dfl_agent.profiles.schema.ResourcesSection.systemd_directives`.
 
     Raises:
         ValueError: unknown profile, unreadable or invalid file (one line, the key named).
     """
     if not profile:
         return "", []
-    from dfl_agent.profiles.model import ProfileError, get_profile, load_profile_file
+    from dfl_agent.profiles.schema import ProfileError, get_profile, load_profile_file
 
     try:
         prof = load_profile_file(profile) if Path(profile).is_file() else get_profile(profile)

@@ -1,6 +1,6 @@
 """Device profiles: what a device is, how it is detected, what it does, when it trains.
 
-- :mod:`dfl_agent.profiles.model`: the typed, validated profile (``device_profiles/*.toml``).
+- :mod:`dfl_agent.profiles.schema`: the typed, validated profile (``device_profiles/*.toml``).
 - :mod:`dfl_agent.profiles.detect`: machine facts and profile matching (``dflctl profile detect``).
 - :mod:`dfl_agent.profiles.behaviour`: the decision table (algorithm, roles, model, compression,
   device) and the peer compatibility check.
@@ -17,7 +17,7 @@ from typing import Any
 from dfl_agent.profiles.behaviour import Behaviour, peer_incompatibility, resolve_device, select_behaviour
 from dfl_agent.profiles.detect import Detection, Facts, NoProfileMatches, collect_facts, detect
 from dfl_agent.profiles.gating import ResourceGate
-from dfl_agent.profiles.model import (
+from dfl_agent.profiles.schema import (
     DeviceProfile,
     ProfileError,
     get_profile,

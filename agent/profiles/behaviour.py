@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dfl_agent.algorithms.base import Traits, available, traits_of
-from dfl_agent.profiles.model import DeviceProfile, ProfileError
+from dfl_agent.profiles.schema import DeviceProfile, ProfileError
 
 INFERENCE = "inference"
 

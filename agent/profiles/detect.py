@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dfl_agent.profiles.model import DeviceProfile, list_profiles
+from dfl_agent.profiles.schema import DeviceProfile, list_profiles
 
 DEVICE_TREE_MODEL = "/proc/device-tree/model"
 TEGRA_RELEASE = "/etc/nv_tegra_release"

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dfl_agent.profiles.detect import sensor_readings
-from dfl_agent.profiles.model import LimitsSection
+from dfl_agent.profiles.schema import LimitsSection
 
 
 def _minutes(hhmm: str) -> int:

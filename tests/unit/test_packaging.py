@@ -38,7 +38,7 @@ def test_no_generic_top_level_import_names_are_installed() -> None:
 
 
 def test_shipped_resources_resolve() -> None:
-    from dfl_agent.profiles.model import list_profiles
+    from dfl_agent.profiles.schema import list_profiles
     from dfl_agent.resources import resource_dir
 
     assert (resource_dir("systemd") / "dfl-agent.service").is_file()
@@ -47,7 +47,7 @@ def test_shipped_resources_resolve() -> None:
 
 
 def test_a_profile_in_an_override_folder_replaces_the_shipped_file(tmp_path, monkeypatch) -> None:
-    from dfl_agent.profiles.model import get_profile, profile_files
+    from dfl_agent.profiles.schema import get_profile, profile_files
     from dfl_agent.resources import resource_dir
 
     shipped = (resource_dir("device_profiles") / "generic-x86.toml").read_text(encoding="utf-8")

@@ -12,7 +12,7 @@ import pytest
 
 from dfl_agent.cli.cli_ops import build_plan
 from dfl_agent.cli.dflctl import main as dflctl
-from dfl_agent.profiles.model import ProfileError, list_profiles, profile_from_dict
+from dfl_agent.profiles.schema import ProfileError, list_profiles, profile_from_dict
 
 
 def unit_directives(text: str) -> dict[str, list[str]]:
@@ -48,7 +48,7 @@ def test_every_shipped_profile_gives_its_own_unit(tmp_path):
     assert {"raspberry-pi-4", "jetson-nano", "jetson-orin-nano", "generic-x86", "generic-cuda"} <= set(units)
     for (a, (_, ua)), (b, (_, ub)) in itertools.combinations(units.items(), 2):
         assert ua != ub, f"{a} and {b} install the same unit"
-    from dfl_agent.profiles.model import memory_max_mib
+    from dfl_agent.profiles.schema import memory_max_mib
 
     for name, (prof, eff) in units.items():
         (mem,) = eff["MemoryMax"]

@@ -67,6 +67,6 @@ def test_config_and_profiles_use_the_shared_checker():
     with pytest.raises(ProfileError, match=r"^training\.epochs: expected int, got 'x'$"):
         profile_from_dict({"name": "p", "training": {"epochs": "x"}})
     # no second copy of the checker: neither module inspects type annotations itself
-    for rel in ("agent/runtime/config.py", "agent/profiles/model.py"):
+    for rel in ("agent/runtime/config.py", "agent/profiles/schema.py"):
         text = (REPO / rel).read_text(encoding="utf-8")
         assert "get_type_hints" not in text and "get_origin" not in text, rel
