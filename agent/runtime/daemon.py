@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
 import signal
 import sys
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,11 @@ from dfl_agent.runtime.assembly import (  # noqa: F401 - StartupError, model_spe
     model_spec_for,
 )
 from dfl_agent.runtime.config import ConfigError, NodeConfig, load_config
+from dfl_agent.runtime.descriptor import RunVerifier
+from dfl_agent.runtime.ledger import RunLedger
+from dfl_agent.runtime.lobby import RunLobby
+from dfl_agent.runtime.run_manager import RunHooks, RunManager, run_config_for  # noqa: F401 - run_config_for: re-exported
+from dfl_agent.runtime.systemd import Notifier
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -62,8 +68,12 @@ class Agent:
 
     def __init__(self, cfg: NodeConfig, config_path: str | None = None, psutil_mod: Any = None, *,
                  run: Any = None, run_dir: Path | None = None, serving: bool = False,
-                 should_stop: Any = None, wanted_peers: Any = None, members: Any = None):
+                 should_stop: Any = None, wanted_peers: Any = None, members: Any = None,
+                 on_state: Callable[[str], None] | None = None):
         self.cfg = cfg
+        #: told the run's states after its rounds: ``trained``, ``deploying``, ``deployed``
+        #: or ``kept`` (the run manager's transitions; None with ``--once``)
+        self.on_state = on_state
         #: the run trained (runs.RunDescriptor; None with ``--once``), its folder, and
         #: whether an always-on ``serve`` loop owns the process (no systemd STOPPING)
         self.run_desc = run
@@ -110,7 +120,6 @@ class Agent:
         import torch
 
         from dfl_agent.data import node_data_for
-        from dfl_agent.discovery.mdns import MdnsDiscovery
         from dfl_agent.discovery.peers import PeerTable
         from dfl_agent.discovery.static import load_static_peers
         from dfl_agent.learning.training import TrainConfig
@@ -121,7 +130,7 @@ class Agent:
             choose_compression,
             resolve_algorithm,
         )
-        from dfl_agent.runtime.node import RunStopped, init_seed_for
+        from dfl_agent.runtime.node import init_seed_for
         from dfl_agent.runtime.preflight import load_data
         from dfl_agent.transport.mqtt import MqttTransport
 
@@ -242,92 +251,132 @@ class Agent:
             self.publisher = OnnxPublisher(ctx, node.algorithm, bundle.pool.input_shape, spec, models=deployed)
             self.publisher.model_source = node.reported_model  # the evaluated model of the record
             node.after_round.append(self.publisher)
-        watchdog: Any = None
-        exporter: Any = None
-        spool_task: Any = None
-        from dfl_agent.runtime.sample_store import spool_loop
-        try:
+        return await self._lifecycle(stop, spec, bundle.pool.input_shape, mdns_descriptor, metrics_file)
+
+    # -- the node's life: start, join, rounds, teardown ---------------------------------------
+    async def _lifecycle(self, stop: asyncio.Event, spec: dict[str, Any], input_shape: Any,
+                         mdns_descriptor: dict[str, Any], metrics_file: Any) -> int:
+        """Start the node's services, run its rounds, and tear everything down in reverse
+        order (an :class:`contextlib.AsyncExitStack`) however it ends.  Returns the exit code
+        (3: the broker is unreachable)."""
+        async with contextlib.AsyncExitStack() as stack:
+            stack.callback(metrics_file.close)
+            stack.push_async_callback(self.ctx.stop)
             try:
-                await ctx.start()
-            except ConnectionError as exc:
-                log.error("%s", exc)
-                return 3
-            if cfg.discovery.mdns:
-                self.mdns = MdnsDiscovery(peers, node_id=nid, federation=fed, descriptor=mdns_descriptor,
-                                          interfaces=list(cfg.discovery.interfaces))
-                await self.mdns.start()
-            if self.store is not None:
-                spool_task = asyncio.ensure_future(spool_loop(self.store, d.spool_interval))
-            await node.setup()
-            start_round = self._resume(spec_hash(spec))  # operations: crash-safe state
-            self.members |= self._load_members(resumed=start_round > 1)
-            await node.publish_status()
-            watchdog = self._start_systemd()
-            exporter = self._start_prometheus()
-            if start_round > cfg.algorithm.rounds:
-                log.info("the checkpoint says all %d rounds are done; nothing to run", cfg.algorithm.rounds)
-                node.state = "finished"
-                self.outcome = "finished"
-                await node.publish_status()
-                return 0
-            # start-up work (torch's lazy initialisation) while waiting for peers, not in round 1
-            warm = asyncio.ensure_future(self._warm_up(node, node.ctx.data))
-            if not await self._wait_for_peers(stop):
-                warm.cancel()
-                return 0
-            node.startup["warm_up_s"] = await warm
-            if cfg.runtime.rejoin and algo_cls.communicates:  # fault tolerance: behind the federation
-                if self._federation_finished():  # a majority of the run's members, never one device
-                    log.info("most of the run's members report it finished (%d rounds)", cfg.algorithm.rounds)
-                    self.outcome = "finished"
+                if not await self._start_services(stack, mdns_descriptor):
+                    return 3
+                start_round = await self._setup(stack, spec)
+                if start_round is None or (start_round := await self._join(stop, start_round)) is None:
                     return 0
-                start_round = self._rejoin_round(start_round)
-                ctx.enable_catch_up()  # ... and, while running, behind its neighbours
-            self._save_members()
-            should_stop = self.should_stop
-            # checked after every round, before the next one starts (a stop or a cancel
-            # that arrives mid-round also cancels the round in progress, below)
-            node.stop_check = lambda: stop.is_set() or bool(should_stop is not None and should_stop())
-            run = asyncio.ensure_future(node.run(cfg.algorithm.rounds, start_round))
-            stopper = asyncio.ensure_future(stop.wait())
-            done, _ = await asyncio.wait({run, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            between = run in done and isinstance(run.exception(), RunStopped)
-            if run in done and not between:
-                stopper.cancel()
-                run.result()  # re-raise a crash of the algorithm
-                log.info("finished %d rounds", cfg.algorithm.rounds)
+                await self._run_rounds(stop, start_round, spec, input_shape)
+                return 0
+            finally:
+                if not self.serving:
+                    self.notifier.stopping()
+
+    async def _start_services(self, stack: contextlib.AsyncExitStack, mdns_descriptor: dict[str, Any]) -> bool:
+        """Connect to the broker, advertise on mDNS, keep ingesting the spool (each stopped
+        by ``stack``).  False when the broker is unreachable."""
+        try:
+            await self.ctx.start()
+        except ConnectionError as exc:
+            log.error("%s", exc)
+            return False
+        cfg = self.cfg
+        if cfg.discovery.mdns:
+            from dfl_agent.discovery.mdns import MdnsDiscovery
+
+            self.mdns = MdnsDiscovery(self.peers, node_id=self.node_id, federation=cfg.federation,
+                                      descriptor=mdns_descriptor, interfaces=list(cfg.discovery.interfaces))
+            stack.push_async_callback(self.mdns.stop)
+            await self.mdns.start()
+        if self.store is not None:
+            from dfl_agent.runtime.sample_store import spool_loop
+
+            stack.push_async_callback(_cancel, asyncio.ensure_future(spool_loop(self.store, cfg.data.spool_interval)))
+        return True
+
+    async def _setup(self, stack: contextlib.AsyncExitStack, spec: dict[str, Any]) -> int | None:
+        """Set the algorithm up, restore the checkpoint, start the systemd watchdog and the
+        Prometheus endpoint.  Returns the first round to run, None when the checkpoint says
+        every round is done."""
+        from dfl_agent.models import spec_hash
+
+        node, rounds = self.node, self.cfg.algorithm.rounds
+        await node.setup()
+        start_round = self._resume(spec_hash(spec))  # operations: crash-safe state
+        self.members |= self._load_members(resumed=start_round > 1)
+        await node.publish_status()
+        if (watchdog := self._start_systemd()) is not None:
+            stack.callback(watchdog.cancel)
+        if (exporter := self._start_prometheus()) is not None:
+            stack.callback(exporter.stop)
+        if start_round > rounds:
+            log.info("the checkpoint says all %d rounds are done; nothing to run", rounds)
+            node.state = "finished"
+            self.outcome = "finished"
+            await node.publish_status()
+            return None
+        return start_round
+
+    async def _join(self, stop: asyncio.Event, start_round: int) -> int | None:
+        """Warm torch up while waiting for peers, then (``runtime.rejoin``) catch up with a
+        running federation.  Returns the round to start at, None when there is nothing to
+        run (stopped, or most of the run's members report it finished)."""
+        node, cfg = self.node, self.cfg
+        # start-up work (torch's lazy initialisation) while waiting for peers, not in round 1
+        warm = asyncio.ensure_future(self._warm_up(node, node.ctx.data))
+        if not await self._wait_for_peers(stop):
+            warm.cancel()
+            return None
+        node.startup["warm_up_s"] = await warm
+        if cfg.runtime.rejoin and node.algorithm.communicates:  # fault tolerance: behind the federation
+            if self._federation_finished():  # a majority of the run's members, never one device
+                log.info("most of the run's members report it finished (%d rounds)", cfg.algorithm.rounds)
                 self.outcome = "finished"
-                await self._after_run(spec, bundle.pool.input_shape)
-            else:
-                log.info("stop requested %s; leaving the federation",
-                         f"after round {node.last_round()}" if between else f"during round {node.last_round() + 1}")
-                if ctx.abort is not None:  # local training in the worker thread stops too
-                    ctx.abort.set()
-                # the completed rounds' records (evaluated in the background) are written
-                # before the round in progress is abandoned
-                drainer = asyncio.ensure_future(node.drain())
-                await asyncio.wait({drainer}, timeout=30.0)
-                stopper.cancel()
-                run.cancel()
-                await asyncio.gather(run, stopper, drainer, return_exceptions=True)
-                node.state = "stopped"
-                self.outcome = "stopped"
-                await node.publish_status()
-            return 0
-        finally:
-            if not self.serving:
-                self.notifier.stopping()
-            if spool_task is not None:
-                spool_task.cancel()
-                await asyncio.gather(spool_task, return_exceptions=True)
-            if watchdog is not None:
-                watchdog.cancel()
-            if exporter is not None:
-                exporter.stop()
-            if self.mdns is not None:
-                await self.mdns.stop()
-            await ctx.stop()
-            metrics_file.close()
+                return None
+            start_round = self._rejoin_round(start_round)
+            self.ctx.enable_catch_up()  # ... and, while running, behind its neighbours
+        self._save_members()
+        return start_round
+
+    async def _run_rounds(self, stop: asyncio.Event, start_round: int, spec: dict[str, Any],
+                          input_shape: Any) -> None:
+        """The rounds from ``start_round``, until the last one (then deploy) or a stop or
+        cancel (the completed rounds' records are written first)."""
+        from dfl_agent.runtime.node import RunStopped
+
+        node, ctx, rounds = self.node, self.ctx, self.cfg.algorithm.rounds
+        should_stop = self.should_stop
+        # checked after every round, before the next one starts (a stop or a cancel
+        # that arrives mid-round also cancels the round in progress, below)
+        node.stop_check = lambda: stop.is_set() or bool(should_stop is not None and should_stop())
+        run = asyncio.ensure_future(node.run(rounds, start_round))
+        stopper = asyncio.ensure_future(stop.wait())
+        done, _ = await asyncio.wait({run, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        between = run in done and isinstance(run.exception(), RunStopped)
+        if run in done and not between:
+            stopper.cancel()
+            run.result()  # re-raise a crash of the algorithm
+            log.info("finished %d rounds", rounds)
+            self.outcome = "finished"
+            self._tell("trained")
+            await self._after_run(spec, input_shape)
+            return
+        log.info("stop requested %s; leaving the federation",
+                 f"after round {node.last_round()}" if between else f"during round {node.last_round() + 1}")
+        if ctx.abort is not None:  # local training in the worker thread stops too
+            ctx.abort.set()
+        # the completed rounds' records (evaluated in the background) are written
+        # before the round in progress is abandoned
+        drainer = asyncio.ensure_future(node.drain())
+        await asyncio.wait({drainer}, timeout=30.0)
+        stopper.cancel()
+        run.cancel()
+        await asyncio.gather(run, stopper, drainer, return_exceptions=True)
+        node.state = "stopped"
+        self.outcome = "stopped"
+        await node.publish_status()
 
     # -- the sample store and model delivery ----------------------------------------------
     def _store_data(self) -> tuple[Any, Any]:
@@ -354,6 +403,7 @@ class Agent:
         """After a run's last round: deploy the model when the gate lets it (dfl_agent.deploy)."""
         if self.store is None or not self.cfg.deploy.enabled:
             return
+        self._tell("deploying")
         from dfl_agent.runtime.deployment import deploy_after_run
 
         try:
@@ -361,11 +411,17 @@ class Agent:
         except Exception as exc:  # noqa: BLE001 - a failed deployment never crashes the agent
             log.error("deployment failed: %s", exc)
             return
+        self._tell("deployed" if self.deployed.get("deployed") else "kept")
         if self.publisher is not None and self.deployed.get("deployed"):  # inference members: this version
             try:
                 await self.publisher.deliver(self.node.history[-1]["round"] if self.node.history else 0)
             except Exception as exc:  # noqa: BLE001 - delivery is best effort, the files are deployed
                 log.warning("could not send the deployed model to inference members: %s", exc)
+
+    def _tell(self, state: str) -> None:
+        """Tell the run manager (``on_state``) the run's state after its rounds."""
+        if self.on_state is not None:
+            self.on_state(state)
 
     # -- operations (issue 10) ------------------------------------------------------------
     def _resume(self, model_hash: str) -> int:
@@ -618,6 +674,12 @@ class Agent:
         return not stop.is_set()
 
 
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it ended (teardown of a background loop)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 async def _status_loop(notifier: Any, status: Any, interval: float = 5.0) -> None:
     """STATUS= updates for systemd when no watchdog is configured."""
     last = None
@@ -644,53 +706,7 @@ def _setup_logging(level: str, fmt: str = "auto") -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-#: callbacks around runs of this process (``RUN_HOOKS.on_run_finished(fn)``, ``fn(run, node)``)
-from dfl_agent.runtime.run_manager import RunHooks  # noqa: E402
-
-RUN_HOOKS = RunHooks()
-
-
-#: a run on the sample store starts once the store holds this many samples (until then it
-#: waits in the queue while the spool is ingested)
-MIN_STORE_SAMPLES = 20
-
-
-def run_config_for(cfg: NodeConfig, run: Any) -> NodeConfig:
-    """The node configuration for a run: the descriptor's algorithm, rounds, options,
-    model, training settings and compression override ``node.toml`` (the profile's
-    limits still apply when the agent starts).  A descriptor's model (``spec``,
-    ``family`` or ``size``) replaces node.toml's ``[model]`` as a whole.
-
-    Raises:
-        StartupError: the descriptor names a key that does not exist, gives a value of the
-            wrong type, or one the configuration rules refuse (e.g. an unknown model family).
-    """
-    import copy
-
-    from dfl_agent.runtime.config import ConfigError, _from_dict, _validate
-
-    new = copy.deepcopy(cfg)
-    new.algorithm.name, new.algorithm.rounds, new.algorithm.options = run.algorithm, run.rounds, dict(run.options)
-    new.algorithm.every = None
-    new.algorithm.every_samples = None
-    if run.model:  # the descriptor's model replaces node.toml's [model] as a whole
-        new.model = type(cfg.model)()
-    try:
-        for section, values in (("model", run.model), ("training", run.training),
-                                ("compression", run.compression)):
-            target = getattr(new, section)
-            checked = _from_dict(type(target), values, section)  # unknown keys and wrong types: ConfigError
-            for k in values:
-                setattr(target, k, getattr(checked, k))
-        _validate(new)
-    except ConfigError as exc:
-        raise StartupError(f"run {run.run_id}: {exc}") from None
-    new.runtime.rejoin = True
-    return new
-
-
-def _start_service_prometheus(cfg: NodeConfig, node_id: str, training: list[Agent],
-                              service: Any) -> Any:
+def _start_service_prometheus(cfg: NodeConfig, node_id: str, manager: RunManager) -> Any:
     """The always-on agent's Prometheus endpoint (``runtime.prometheus_port``), up while
     idle and while training (:class:`~dfl_agent.runtime.prometheus.ServiceCollector`);
     None when off or unavailable (logged)."""
@@ -700,42 +716,52 @@ def _start_service_prometheus(cfg: NodeConfig, node_id: str, training: list[Agen
     from dfl_agent.runtime.prometheus import PrometheusExporter, ServiceCollector
 
     def current() -> Any:
-        return training[0].node if training else None
+        return manager.agent.node if manager.agent is not None else None
 
     def checkpoint_round() -> int:
-        return int(getattr(training[0].checkpointer, "last_saved", 0) or 0) if training else 0
+        agent = manager.agent
+        return int(getattr(agent.checkpointer, "last_saved", 0) or 0) if agent is not None else 0
 
     try:
         return PrometheusExporter(None, port, cfg.runtime.prometheus_address, collector=ServiceCollector(
-            node_id, cfg.federation, current, service, checkpoint_round)).start()
+            node_id, cfg.federation, current, manager.service_status, checkpoint_round)).start()
     except (ImportError, OSError) as exc:
         log.error("Prometheus endpoint disabled: %s", exc)
         return None
+
+
+def _open_service_store(cfg: NodeConfig) -> Any:
+    """The sample store an always-on agent ingests between runs (None without ``data.dataset = "store"``).
+
+    Raises:
+        StartupError: the store cannot be opened.
+    """
+    if cfg.data.dataset != "store":
+        return None
+    from dfl_agent.runtime.sample_store import open_store
+
+    try:
+        return open_store(cfg)
+    except (OSError, ValueError) as exc:
+        raise StartupError(str(exc)) from None
 
 
 async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
                 hooks: RunHooks | None = None) -> int:
     """The always-on agent: stay a member of the federation and train in runs.
 
-    Runs the node's default run (``[algorithm]``; recurring with ``algorithm.every``)
-    and the runs published on ``dfl/{fed}/run/+``, one at a time, in queue order, until
+    Builds the :class:`~dfl_agent.runtime.run_manager.RunManager` (its lobby on
+    ``dfl/{fed}/run/+`` and peers' statuses, the ledger, the sample store, ``hooks``)
+    and lets it run the node's default run (``[algorithm]``; recurring with
+    ``algorithm.every``) and the published runs, one at a time, in queue order, until
     ``stop`` is set.  Between runs it publishes an ``idle`` status heartbeat and keeps
     the systemd watchdog fed.  Returns the exit code (0 when stopped).
 
     Raises:
         StartupError: the default run cannot start (bad configuration: exit code 2).
     """
-    import dataclasses
-    import time as _time
-
     from dfl_agent.profiles import resolve_profile
-    from dfl_agent.runtime.admission import admit
-    from dfl_agent.runtime.descriptor import RunVerifier
-    from dfl_agent.runtime.ledger import RunLedger, default_descriptor
-    from dfl_agent.runtime.lobby import RunLobby
-    from dfl_agent.runtime.systemd import Notifier
 
-    hooks = hooks or RUN_HOOKS
     state_dir = Path(cfg.state_dir)
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -744,198 +770,23 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
         raise StartupError(str(exc)) from None
     nid = node_id_from_state(state_dir, cfg.node_id)
     ledger = RunLedger(state_dir)
-    sec = cfg.security
     guard = build_security(cfg, state_dir, nid)  # signs idle statuses, verifies peers' ones and run descriptors
-    verifier = RunVerifier(cfg.federation, require_signatures=sec.require_signatures, guard=guard)
+    verifier = RunVerifier(cfg.federation, require_signatures=cfg.security.require_signatures, guard=guard)
     lobby = RunLobby(cfg, nid, verifier)
     lobby.guard = guard
-    lobby.start()
-    notifier = Notifier()
-    interval = notifier.watchdog_interval()
-    has_default = getattr(cfg, "has_default_run", True)
-    info: dict[str, Any] | None = None
-    last_pub = 0.0
-    #: the agent of the run in training (None while idle): the Prometheus endpoint shows it
-    training: list[Agent] = []
-    exporter = _start_service_prometheus(cfg, nid, training, lambda: {
-        "state": "idle" if not training else "training", "run": info, "runs_refused": dict(verifier.refused)})
-    log.info("node %s of federation %s serving: %s", nid, cfg.federation,
-             "default run + runs from operators" if has_default else "waiting for runs")
-
-    def publish(state: str = "idle", force: bool = False) -> None:
-        nonlocal last_pub
-        if force or _time.monotonic() - last_pub >= min(cfg.mqtt.heartbeat_interval, interval or 1e9):
-            lobby.publish_status(info, state, ledger.entries)
-            line = "idle" if info is None or state == "idle" else f"run {info['id']}: {info['state']}"
-            notifier.ready(line) if last_pub == 0.0 else notifier.status(line)
-            if interval:
-                notifier.watchdog()
-            last_pub = _time.monotonic()
-
-    def note(run_id: str, state: str, reason: str = "", rnd: int = 0,
-             extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        ledger.set(run_id, state, rnd, reason, extra)
-        if state in ("declined", "failed"):
-            log.warning("run %s %s: %s", run_id, state, reason)
-        return {"id": run_id, "state": state, "round": rnd, "reason": reason}
-
-    # the data's (input shape, classes) for the accept-time memory check: from [data] when
-    # the store's schema is configured, else learnt from the first run's data
-    data_shape: tuple[Any, int | None] = (cfg.data.input_shape, cfg.data.num_classes) \
-        if cfg.data.input_shape and cfg.data.num_classes else (None, None)
-    store: Any = None  # the sample store, ingested between runs (a run ingests on its own)
-    next_spool = 0.0
-    waiting_for_data = False
-    if cfg.data.dataset == "store":
-        from dfl_agent.runtime.sample_store import open_store
-
-        try:
-            store = open_store(cfg)
-        except (OSError, ValueError) as exc:
-            raise StartupError(str(exc)) from None
-    loop = asyncio.get_running_loop()
-    try:
-        while not stop.is_set():
-            d = None
-            if has_default:
-                dd = default_descriptor(cfg, ledger=ledger, new_samples=store.count_since if store is not None else None)
-                if dd is not None and not ledger.is_done(dd.run_id):
-                    d = dd
-            if d is None:
-                with lobby.lock:
-                    for r in lobby.queue.ordered():  # cancelled before it ran here
-                        if r.cancelled and ledger.state(r.run_id) is None:
-                            note(r.run_id, "cancelled", "cancelled by the operator")
-                    d = lobby.queue.next_runnable(ledger.is_done)
-            if d is not None and not d.is_for(nid, profile.name):
-                info = note(d.run_id, "declined", "not a member of this run")
-                d = None
-            if d is not None and store is not None and store.count() < MIN_STORE_SAMPLES:
-                if not waiting_for_data:  # the run waits in the queue until the application adds samples
-                    log.info("run %s waits: the sample store holds %d samples (needs %d); add .npz files to %s",
-                             d.run_id, store.count(), MIN_STORE_SAMPLES, store.spool_dir)
-                waiting_for_data = True
-                d = None
-            else:
-                waiting_for_data = False
-            if d is None:
-                publish()
-                if store is not None and _time.monotonic() >= next_spool:  # idle: keep ingesting the spool
-                    next_spool = _time.monotonic() + cfg.data.spool_interval
-                    try:
-                        await asyncio.to_thread(store.ingest_spool)
-                    except Exception as exc:  # noqa: BLE001 - ingestion never stops the agent
-                        log.error("spool pass failed: %s", exc)
-                lobby.changed.clear()
-                try:
-                    await asyncio.wait_for(stop.wait(), 0.5)
-                except asyncio.TimeoutError:
-                    pass
-                continue
-            reason = admit(d, profile, node_id=nid, input_shape=data_shape[0], num_classes=data_shape[1],
-                           node_model=dataclasses.asdict(cfg.model))
-            if reason:
-                info = note(d.run_id, "declined", reason)
-                publish(force=True)
-                continue
-            info = {"id": d.run_id, "state": "accepted", "round": 0, "reason": ""}
-            publish("accepted", force=True)
-            if d.min_members > 1:  # the run starts when min_members devices have accepted it
-                deadline = _time.time() + d.start_timeout
-                while len(lobby.accepted_by(d.run_id) | {nid}) < d.min_members and not stop.is_set():
-                    cur = lobby.run(d.run_id)
-                    if (cur is not None and cur.cancelled) or _time.time() > deadline:
-                        break
-                    publish("accepted")
-                    await asyncio.sleep(0.3)
-                n = len(lobby.accepted_by(d.run_id) | {nid})
-                if stop.is_set():
-                    break
-                if n < d.min_members:
-                    cur = lobby.run(d.run_id)
-                    info = note(d.run_id, "cancelled", "cancelled by the operator") if cur and cur.cancelled else \
-                        note(d.run_id, "failed", f"start_timeout: only {n} of min_members {d.min_members} accepted "
-                                                 f"within {d.start_timeout:.0f}s")
-                    publish(force=True)
-                    continue
-            run_stop = asyncio.Event()
-
-            def is_cancelled(run_id: str = d.run_id) -> bool:
-                cur = lobby.run(run_id)
-                return cur is not None and cur.cancelled
-
-            run_dir = ledger.run_dir(d.run_id)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            agent = Agent(run_config_for(cfg, d), config_path, run=d, run_dir=run_dir, serving=True,
-                          should_stop=is_cancelled, wanted_peers=lambda run_id=d.run_id: lobby.may_join(run_id),
-                          members=lobby.accepted_by(d.run_id) - {nid})  # the admitted members so far
-            #: the last round this node had completed when the cancel reached it
-            cancel_round: dict[str, int] = {}
-
-            def on_cancel(run_id: str, agent: Agent = agent, run_stop: asyncio.Event = run_stop,
-                          this: str = d.run_id, cancel_round: dict[str, int] = cancel_round,
-                          loop: asyncio.AbstractEventLoop = loop) -> None:
-                # the lobby's MQTT thread, as the cancelled descriptor arrives: note the round
-                # and stop the round in progress (the round loop also checks before each round)
-                if run_id != this:
-                    return
-                cancel_round.setdefault(run_id, agent.node.last_round() if agent.node is not None else 0)
-                loop.call_soon_threadsafe(run_stop.set)
-
-            lobby.on_cancel = on_cancel
-
-            async def watch(run_stop: asyncio.Event = run_stop) -> None:
-                await stop.wait()
-                run_stop.set()
-
-            watcher = asyncio.ensure_future(watch())
-            if is_cancelled():  # cancelled between the queue pick and here
-                on_cancel(d.run_id)
-            training[:] = [agent]
-            try:
-                rc = await agent.run(run_stop)
-            except StartupError as exc:
-                if d.default:
-                    raise
-                info = note(d.run_id, "failed", str(exc))
-                continue
-            except Exception as exc:  # the algorithm crashed: the run fails here, the agent stays up
-                log.exception("run %s crashed", d.run_id)
-                info = note(d.run_id, "failed", f"{type(exc).__name__}: {exc}")
-                continue
-            finally:
-                training.clear()
-                lobby.on_cancel = None
-                watcher.cancel()
-                await asyncio.gather(watcher, return_exceptions=True)
-            cancelled = d.run_id in cancel_round or (agent.outcome != "finished" and is_cancelled())
-            if agent.data_shape is not None:
-                data_shape = agent.data_shape
-            rnd = agent.node.status().get("round", 0) if agent.node is not None else 0
-            snap = agent.snapshot  # a run on the sample store: the newest sample id of its data
-            extra = {"snapshot_last_id": int(snap.max())} if snap is not None and len(snap) else None
-            if agent.outcome == "finished":
-                info = note(d.run_id, "finished", "", d.rounds, extra)
-                log.info("run %s finished", d.run_id)
-                hooks.fire_finished(d, agent.node)
-            elif cancelled:
-                at = cancel_round.get(d.run_id, rnd)
-                log.info("run %s cancelled by the operator: the cancel arrived after round %d, the last round "
-                         "trained here is %d", d.run_id, at, rnd)
-                info = note(d.run_id, "cancelled", "cancelled by the operator", at)
-            elif stop.is_set():
-                break  # interrupted: a restart rejoins it
-            elif rc == 3:  # broker unreachable: try again shortly
-                await asyncio.sleep(5.0)
-            else:
-                info = note(d.run_id, "failed", f"exit code {rc}", rnd)
-            publish(force=True)
-        return 0
-    finally:
-        notifier.stopping()
+    store = _open_service_store(cfg)
+    manager = RunManager(cfg, config_path, node_id=nid, profile=profile, ledger=ledger, lobby=lobby,
+                         agent_factory=Agent, notifier=Notifier(), hooks=hooks, store=store)
+    async with contextlib.AsyncExitStack() as stack:  # torn down in reverse order
+        lobby.start()
+        stack.callback(lobby.stop)
+        exporter = _start_service_prometheus(cfg, nid, manager)
         if exporter is not None:
-            exporter.stop()
-        lobby.stop()
+            stack.callback(exporter.stop)
+        stack.callback(manager.notifier.stopping)
+        log.info("node %s of federation %s serving: %s", nid, cfg.federation,
+                 "default run + runs from operators" if manager.has_default else "waiting for runs")
+        return await manager.serve(stop)
 
 
 def run_agent(cfg: NodeConfig, config_path: str | None = None, once: bool = True) -> int:

@@ -1,18 +1,65 @@
-"""The run manager: one run's life on this node, as a state machine.
+"""The run manager: how a run lives on this node, as a state machine.
 
-(Filled in by the next step; for now it holds the hooks around runs.)
+The always-on agent (``dfl-agent run`` without ``--once``) trains in runs, one at a
+time, in queue order (:mod:`dfl_agent.runtime.lobby`).  :class:`RunManager` takes each
+run through these states, one method per transition::
+
+    idle --admit--> admitted --wait_for_members--> waiting_for_members --start_training--> training
+      |                |  (min_members 1: straight to training)                               |
+      |                +--> declined                                                          v
+      |                                                    trained --deploying--> deploying --> deployed | kept
+      |                                                       |                                     |
+      +--> cancelled (before it ran here)                     +----------------> recorded <---------+
+    waiting_for_members / training --> cancelled | failed;  every end state --> idle
+
+``declined``, ``cancelled``, ``failed`` and ``recorded`` (a finished run) are written to
+the run ledger (:class:`~dfl_agent.runtime.ledger.RunLedger`), so a run that ended here
+is never rerun.  A run interrupted by a stop goes back to ``idle`` unrecorded: a restart
+rejoins it.  The lobby, the hooks around runs, the sample store and the factory of the
+training agent are injected; nothing here is global.
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
+from dfl_agent.runtime.admission import admit
+from dfl_agent.runtime.assembly import StartupError
+from dfl_agent.runtime.config import ConfigError, NodeConfig, _from_dict, _validate
 from dfl_agent.runtime.descriptor import RunDescriptor
+from dfl_agent.runtime.ledger import RunLedger, default_descriptor
 
-log = logging.getLogger("dfl_agent.runs")
+log = logging.getLogger("dfl_agent.daemon")
 
+#: the run manager's states (see the module docstring for the transitions)
+STATES = ("idle", "admitted", "waiting_for_members", "training", "trained", "deploying", "deployed", "kept",
+          "recorded", "declined", "cancelled", "failed")
+#: state -> the states it may move to
+TRANSITIONS: dict[str, tuple[str, ...]] = {
+    "idle": ("idle", "admitted", "declined", "cancelled"),
+    "admitted": ("waiting_for_members", "training", "idle"),
+    "waiting_for_members": ("training", "cancelled", "failed", "idle"),
+    "training": ("trained", "cancelled", "failed", "idle"),
+    "trained": ("deploying", "recorded", "failed"),
+    "deploying": ("deployed", "kept", "recorded", "failed"),
+    "deployed": ("recorded", "failed"),
+    "kept": ("recorded", "failed"),
+    "recorded": ("idle",),
+    "declined": ("idle",),
+    "cancelled": ("idle",),
+    "failed": ("idle",),
+}
+#: a run on the sample store starts once the store holds this many samples (until then it
+#: waits in the queue while the spool is ingested)
+MIN_STORE_SAMPLES = 20
+#: the reason recorded for a run cancelled by the operator
+CANCELLED = "cancelled by the operator"
 
 RunHook = Callable[[RunDescriptor, Any], Any]
 
@@ -32,8 +79,383 @@ class RunHooks:
         return fn
 
     def fire_finished(self, run: RunDescriptor, node: Any) -> None:
+        """Call every ``on_run_finished`` hook with ``(run, node)``; one that raises is logged."""
         for fn in list(self.finished):
             try:
                 fn(run, node)
             except Exception:
                 log.exception("on_run_finished hook %r failed", fn)
+
+
+class IllegalTransition(RuntimeError):
+    """A transition the run manager's state machine does not have (a programming error)."""
+
+
+def run_config_for(cfg: NodeConfig, run: Any) -> NodeConfig:
+    """The node configuration for a run: the descriptor's algorithm, rounds, options,
+    model, training settings and compression override ``node.toml`` (the profile's
+    limits still apply when the agent starts).  A descriptor's model (``spec``,
+    ``family`` or ``size``) replaces node.toml's ``[model]`` as a whole.
+
+    Raises:
+        StartupError: the descriptor names a key that does not exist, gives a value of the
+            wrong type, or one the configuration rules refuse (e.g. an unknown model family).
+    """
+    new = copy.deepcopy(cfg)
+    new.algorithm.name, new.algorithm.rounds, new.algorithm.options = run.algorithm, run.rounds, dict(run.options)
+    new.algorithm.every = None
+    new.algorithm.every_samples = None
+    if run.model:  # the descriptor's model replaces node.toml's [model] as a whole
+        new.model = type(cfg.model)()
+    try:
+        for section, values in (("model", run.model), ("training", run.training),
+                                ("compression", run.compression)):
+            target = getattr(new, section)
+            checked = _from_dict(type(target), values, section)  # unknown keys and wrong types: ConfigError
+            for k in values:
+                setattr(target, k, getattr(checked, k))
+        _validate(new)
+    except ConfigError as exc:
+        raise StartupError(f"run {run.run_id}: {exc}") from None
+    new.runtime.rejoin = True
+    return new
+
+
+class _CancelWatch:
+    """The lobby's cancel hook for the run in training: notes the round the cancel
+    reached this node after and stops the round in progress (called on the lobby's MQTT
+    thread; the round loop also checks before each round)."""
+
+    def __init__(self, run_id: str, agent: Any, run_stop: asyncio.Event, loop: asyncio.AbstractEventLoop):
+        self.run_id, self.agent, self.run_stop, self.loop = run_id, agent, run_stop, loop
+        #: run id -> the last round this node had completed when the cancel reached it
+        self.rounds: dict[str, int] = {}
+
+    def __call__(self, run_id: str) -> None:
+        if run_id != self.run_id:
+            return
+        self.rounds.setdefault(run_id, self.agent.node.last_round() if self.agent.node is not None else 0)
+        self.loop.call_soon_threadsafe(self.run_stop.set)
+
+
+class RunManager:
+    """One node's runs, one at a time, as a state machine (see the module docstring).
+
+    Args:
+        cfg: the node's configuration (``node.toml``); a run's configuration is
+            :func:`run_config_for` of it and the run's descriptor.
+        config_path: the file it came from (passed to the training agent).
+        node_id: this node.
+        profile: this device's profile (admission, membership by profile).
+        ledger: the run ledger.
+        lobby: the :class:`~dfl_agent.runtime.lobby.RunLobby` (queue, peers' statuses,
+            this node's idle status).
+        agent_factory: ``(cfg, config_path, *, run, run_dir, serving, should_stop,
+            wanted_peers, members, on_state) -> agent`` whose ``await agent.run(stop)``
+            trains the run and returns an exit code (the daemon's ``Agent``).
+        notifier: the systemd notifier (READY, STATUS, WATCHDOG while idle).
+        hooks: callbacks around runs (``on_run_finished``).
+        store: the sample store ingested between runs (None without one).
+    """
+
+    def __init__(self, cfg: NodeConfig, config_path: str | None, *, node_id: str, profile: Any, ledger: RunLedger,
+                 lobby: Any, agent_factory: Callable[..., Any], notifier: Any, hooks: RunHooks | None = None,
+                 store: Any = None):
+        self.cfg, self.config_path, self.node_id, self.profile = cfg, config_path, node_id, profile
+        self.ledger, self.lobby, self.agent_factory, self.notifier = ledger, lobby, agent_factory, notifier
+        self.hooks = hooks if hooks is not None else RunHooks()
+        self.store = store
+        self.state = "idle"
+        #: the run shown in the status: ``{id, state, round, reason}`` of the current or last run
+        self.info: dict[str, Any] | None = None
+        #: the agent of the run in training (None while idle): the Prometheus endpoint shows it
+        self.agent: Any = None
+        self.has_default = getattr(cfg, "has_default_run", True)
+        self.interval = notifier.watchdog_interval()
+        self.last_pub = 0.0
+        # the data's (input shape, classes) for the accept-time memory check: from [data] when
+        # the store's schema is configured, else learnt from the first run's data
+        self.data_shape: tuple[Any, int | None] = (cfg.data.input_shape, cfg.data.num_classes) \
+            if cfg.data.input_shape and cfg.data.num_classes else (None, None)
+        self.next_spool = 0.0
+        self.waiting_for_data = False
+
+    # -- the state machine ------------------------------------------------------------
+    def _to(self, state: str) -> None:
+        """Move to ``state``.
+
+        Raises:
+            IllegalTransition: the state machine has no such transition.
+        """
+        if state not in TRANSITIONS.get(self.state, ()):
+            raise IllegalTransition(f"run manager: {self.state} -> {state}")
+        log.debug("run manager: %s -> %s", self.state, state)
+        self.state = state
+
+    def _record(self, run_id: str, state: str, reason: str = "", rnd: int = 0,
+                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Write ``run_id``'s ledger entry; returns the status view of it."""
+        self.ledger.set(run_id, state, rnd, reason, extra)
+        if state in ("declined", "failed"):
+            log.warning("run %s %s: %s", run_id, state, reason)
+        return {"id": run_id, "state": state, "round": rnd, "reason": reason}
+
+    def idle(self) -> None:
+        """Back to ``idle`` after a run ended (or was interrupted)."""
+        self._to("idle")
+
+    def decline(self, run_id: str, reason: str) -> None:
+        """``idle -> declined``: this node does not take part (recorded)."""
+        self._to("declined")
+        self.info = self._record(run_id, "declined", reason)
+
+    def cancel_unstarted(self, run_id: str) -> None:
+        """``idle -> cancelled``: a run cancelled before it ran here (recorded)."""
+        self._to("cancelled")
+        self._record(run_id, "cancelled", CANCELLED)
+        self._to("idle")
+
+    def admit(self, d: RunDescriptor) -> bool:
+        """``idle -> admitted`` when the run fits this device (:func:`~dfl_agent.runtime.admission.admit`),
+        else ``idle -> declined``.  Publishes the decision."""
+        reason = admit(d, self.profile, node_id=self.node_id, input_shape=self.data_shape[0],
+                       num_classes=self.data_shape[1], node_model=dataclasses.asdict(self.cfg.model))
+        if reason:
+            self.decline(d.run_id, reason)
+            self.publish(force=True)
+            return False
+        self._to("admitted")
+        self.info = {"id": d.run_id, "state": "accepted", "round": 0, "reason": ""}
+        self.publish("accepted", force=True)
+        return True
+
+    async def wait_for_members(self, d: RunDescriptor, stop: asyncio.Event) -> bool | None:
+        """``admitted -> waiting_for_members`` until ``min_members`` devices accepted the run
+        (this one included); then True, or ``cancelled``/``failed`` (recorded) and False,
+        or None when ``stop`` was set (back to ``idle``, unrecorded)."""
+        self._to("waiting_for_members")
+        lobby, nid = self.lobby, self.node_id
+        deadline = time.time() + d.start_timeout
+        while len(lobby.accepted_by(d.run_id) | {nid}) < d.min_members and not stop.is_set():
+            cur = lobby.run(d.run_id)
+            if (cur is not None and cur.cancelled) or time.time() > deadline:
+                break
+            self.publish("accepted")
+            await asyncio.sleep(0.3)
+        n = len(lobby.accepted_by(d.run_id) | {nid})
+        if stop.is_set():
+            self._to("idle")
+            return None
+        if n >= d.min_members:
+            return True
+        cur = lobby.run(d.run_id)
+        if cur and cur.cancelled:
+            self._to("cancelled")
+            self.info = self._record(d.run_id, "cancelled", CANCELLED)
+        else:
+            self._to("failed")
+            self.info = self._record(d.run_id, "failed", f"start_timeout: only {n} of min_members {d.min_members} "
+                                                         f"accepted within {d.start_timeout:.0f}s")
+        self.publish(force=True)
+        self._to("idle")
+        return False
+
+    def on_agent_state(self, state: str) -> None:
+        """The training agent's say after its rounds: ``trained``, ``deploying``,
+        ``deployed`` or ``kept`` (the deployment gate kept the current model)."""
+        self._to(state)
+
+    def finish(self, d: RunDescriptor, agent: Any, extra: dict[str, Any] | None) -> None:
+        """``trained | deployed | kept | deploying -> recorded``: the run finished here
+        (recorded with its snapshot's newest sample id), then the finish hooks."""
+        if self.state == "training":  # an agent that does not report its states
+            self._to("trained")
+        self._to("recorded")
+        self.info = self._record(d.run_id, "finished", "", d.rounds, extra)
+        log.info("run %s finished", d.run_id)
+        self.hooks.fire_finished(d, agent.node)
+
+    def fail(self, run_id: str, reason: str, rnd: int = 0) -> None:
+        """``-> failed`` (recorded)."""
+        self._to("failed")
+        self.info = self._record(run_id, "failed", reason, rnd)
+
+    def cancelled(self, run_id: str, at: int) -> None:
+        """``training -> cancelled`` (recorded with the round the cancel arrived after)."""
+        self._to("cancelled")
+        self.info = self._record(run_id, "cancelled", CANCELLED, at)
+
+    # -- status -------------------------------------------------------------------------
+    def publish(self, state: str = "idle", force: bool = False) -> None:
+        """This node's status through the lobby (at most once per heartbeat interval unless
+        ``force``), the systemd STATUS line, and a WATCHDOG ping."""
+        if force or time.monotonic() - self.last_pub >= min(self.cfg.mqtt.heartbeat_interval, self.interval or 1e9):
+            self.lobby.publish_status(self.info, state, self.ledger.entries)
+            info = self.info
+            line = "idle" if info is None or state == "idle" else f"run {info['id']}: {info['state']}"
+            self.notifier.ready(line) if self.last_pub == 0.0 else self.notifier.status(line)
+            if self.interval:
+                self.notifier.watchdog()
+            self.last_pub = time.monotonic()
+
+    def service_status(self) -> dict[str, Any]:
+        """The agent's own figures for the Prometheus endpoint while no run trains."""
+        return {"state": "idle" if self.agent is None else "training", "run": self.info,
+                "runs_refused": dict(self.lobby.verifier.refused)}
+
+    # -- the loop ---------------------------------------------------------------------
+    async def serve(self, stop: asyncio.Event) -> int:
+        """Run the default run and the queued runs, one at a time, until ``stop`` is set.
+        Returns 0.
+
+        Raises:
+            StartupError: the default run cannot start (bad configuration).
+        """
+        while not stop.is_set():
+            d = self.next_run()
+            if d is None:
+                await self.idle_pass(stop)
+                continue
+            if not self.admit(d):
+                self.idle()
+                continue
+            if d.min_members > 1:
+                ok = await self.wait_for_members(d, stop)
+                if ok is None:
+                    break
+                if not ok:
+                    continue
+            if not await self.train(d, stop):
+                break
+        return 0
+
+    def next_run(self) -> RunDescriptor | None:
+        """The run to take next: the default run when due and not done, else the first
+        runnable queued run (runs cancelled before they ran here are recorded).  None when
+        there is none, this node is not a member (declined), or the sample store holds too
+        few samples (the run waits)."""
+        d = None
+        store, ledger, lobby = self.store, self.ledger, self.lobby
+        if self.has_default:
+            dd = default_descriptor(self.cfg, ledger=ledger, new_samples=store.count_since if store is not None else None)
+            if dd is not None and not ledger.is_done(dd.run_id):
+                d = dd
+        if d is None:
+            with lobby.lock:
+                for r in lobby.queue.ordered():  # cancelled before it ran here
+                    if r.cancelled and ledger.state(r.run_id) is None:
+                        self.cancel_unstarted(r.run_id)
+                d = lobby.queue.next_runnable(ledger.is_done)
+        if d is not None and not d.is_for(self.node_id, self.profile.name):
+            self.decline(d.run_id, "not a member of this run")
+            self.idle()
+            d = None
+        if d is not None and store is not None and store.count() < MIN_STORE_SAMPLES:
+            if not self.waiting_for_data:  # the run waits in the queue until the application adds samples
+                log.info("run %s waits: the sample store holds %d samples (needs %d); add .npz files to %s",
+                         d.run_id, store.count(), MIN_STORE_SAMPLES, store.spool_dir)
+            self.waiting_for_data = True
+            d = None
+        else:
+            self.waiting_for_data = False
+        return d
+
+    async def idle_pass(self, stop: asyncio.Event) -> None:
+        """One pass of the idle loop: the status heartbeat, a spool ingestion when due,
+        then wait up to 0.5 s for ``stop``."""
+        self.publish()
+        store = self.store
+        if store is not None and time.monotonic() >= self.next_spool:  # idle: keep ingesting the spool
+            self.next_spool = time.monotonic() + self.cfg.data.spool_interval
+            try:
+                await asyncio.to_thread(store.ingest_spool)
+            except Exception as exc:  # noqa: BLE001 - ingestion never stops the agent
+                log.error("spool pass failed: %s", exc)
+        self.lobby.changed.clear()
+        try:
+            await asyncio.wait_for(stop.wait(), 0.5)
+        except asyncio.TimeoutError:
+            pass
+
+    def is_cancelled(self, run_id: str) -> bool:
+        """Whether the newest known descriptor of ``run_id`` is a cancel."""
+        cur = self.lobby.run(run_id)
+        return cur is not None and cur.cancelled
+
+    async def train(self, d: RunDescriptor, stop: asyncio.Event) -> bool:
+        """``-> training``: train run ``d`` with a new agent until it ends, then record how
+        it ended.  Returns False when ``stop`` interrupted it (the serve loop ends).
+
+        Raises:
+            StartupError: the default run cannot start.
+        """
+        self._to("training")
+        run_stop = asyncio.Event()
+        run_dir = self.ledger.run_dir(d.run_id)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        agent = self.agent_factory(
+            run_config_for(self.cfg, d), self.config_path, run=d, run_dir=run_dir, serving=True,
+            should_stop=lambda: self.is_cancelled(d.run_id), wanted_peers=lambda: self.lobby.may_join(d.run_id),
+            members=self.lobby.accepted_by(d.run_id) - {self.node_id},  # the admitted members so far
+            on_state=self.on_agent_state)
+        watch = _CancelWatch(d.run_id, agent, run_stop, asyncio.get_running_loop())
+        self.lobby.on_cancel = watch
+        watcher = asyncio.ensure_future(_relay(stop, run_stop))
+        if self.is_cancelled(d.run_id):  # cancelled between the queue pick and here
+            watch(d.run_id)
+        self.agent = agent
+        try:
+            rc = await agent.run(run_stop)
+        except StartupError as exc:
+            if d.default:
+                raise
+            self.fail(d.run_id, str(exc))
+            self.idle()
+            return True
+        except Exception as exc:  # the algorithm crashed: the run fails here, the agent stays up
+            log.exception("run %s crashed", d.run_id)
+            self.fail(d.run_id, f"{type(exc).__name__}: {exc}")
+            self.idle()
+            return True
+        finally:
+            self.agent = None
+            self.lobby.on_cancel = None
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        return await self._ended(d, agent, rc, watch.rounds, stop)
+
+    async def _ended(self, d: RunDescriptor, agent: Any, rc: int, cancel_round: dict[str, int],
+                     stop: asyncio.Event) -> bool:
+        """Record how the run that ``agent`` trained ended (``rc``: its exit code)."""
+        cancelled = d.run_id in cancel_round or (agent.outcome != "finished" and self.is_cancelled(d.run_id))
+        if agent.data_shape is not None:
+            self.data_shape = agent.data_shape
+        rnd = agent.node.status().get("round", 0) if agent.node is not None else 0
+        snap = agent.snapshot  # a run on the sample store: the newest sample id of its data
+        extra = {"snapshot_last_id": int(snap.max())} if snap is not None and len(snap) else None
+        if agent.outcome == "finished":
+            self.finish(d, agent, extra)
+        elif cancelled:
+            at = cancel_round.get(d.run_id, rnd)
+            log.info("run %s cancelled by the operator: the cancel arrived after round %d, the last round "
+                     "trained here is %d", d.run_id, at, rnd)
+            self.cancelled(d.run_id, at)
+        elif stop.is_set():
+            self.idle()
+            return False  # interrupted: a restart rejoins it
+        elif rc == 3:  # broker unreachable: try again shortly
+            self.idle()
+            await asyncio.sleep(5.0)
+        else:
+            self.fail(d.run_id, f"exit code {rc}", rnd)
+        if self.state != "idle":
+            self.idle()
+        self.publish(force=True)
+        return True
+
+
+async def _relay(stop: asyncio.Event, run_stop: asyncio.Event) -> None:
+    """Set ``run_stop`` once ``stop`` is set (the agent's stop also stops the run)."""
+    await stop.wait()
+    run_stop.set()
+

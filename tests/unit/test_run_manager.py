@@ -1,0 +1,140 @@
+"""The run manager (dfl_agent.runtime.run_manager): its states, one method per transition,
+and what each end of a run writes to the ledger - driven step by step with a stand-in lobby
+and agent (no MQTT, no torch)."""
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from dfl_agent.runtime.config import config_from_dict
+from dfl_agent.runtime.descriptor import RunDescriptor
+from dfl_agent.runtime.ledger import RunLedger
+from dfl_agent.runtime.lobby import RunQueue
+from dfl_agent.runtime.run_manager import STATES, TRANSITIONS, IllegalTransition, RunHooks, RunManager
+
+
+class Lobby:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.queue = RunQueue()
+        self.changed = threading.Event()
+        self.on_cancel = None
+        self.verifier = SimpleNamespace(refused={})
+        self.published = []
+
+    def run(self, run_id):
+        return self.queue.runs.get(run_id)
+
+    def accepted_by(self, run_id):
+        return set()
+
+    def may_join(self, run_id):
+        return 10
+
+    def publish_status(self, info, state, history):
+        self.published.append((dict(info) if info else None, state))
+
+
+class Notifier:
+    def watchdog_interval(self):
+        return None
+
+    def ready(self, line):
+        pass
+
+    status = watchdog = ready
+
+
+class Agent:
+    """Trains nothing: reports the states after its rounds and finishes."""
+
+    def __init__(self, cfg, config_path, *, on_state, deployed=True, **kw):
+        self.cfg, self.on_state, self.kw = cfg, on_state, kw
+        self.outcome, self.node, self.snapshot, self.data_shape = "starting", None, None, None
+        self.deployed = deployed
+
+    async def run(self, stop):
+        self.outcome = "finished"
+        self.on_state("trained")
+        self.on_state("deploying")
+        self.on_state("deployed" if self.deployed else "kept")
+        return 0
+
+
+def manager(tmp_path, agent=Agent, **cfg):
+    from dfl_agent.profiles import resolve_profile
+
+    config = config_from_dict({"federation": "f", "state_dir": str(tmp_path), **cfg})
+    prof = resolve_profile("generic-x86", {"behaviour": {"algorithms": ["fedavg"]}})[0]
+    return RunManager(config, None, node_id="n", profile=prof, ledger=RunLedger(tmp_path), lobby=Lobby(),
+                      agent_factory=agent, notifier=Notifier(), hooks=RunHooks())
+
+
+def test_the_states_are_exactly_those_of_the_architecture():
+    assert set(STATES) == {"idle", "admitted", "waiting_for_members", "training", "trained", "deploying",
+                           "deployed", "kept", "recorded", "declined", "cancelled", "failed"}
+    assert set(TRANSITIONS) == set(STATES)
+    assert all(set(nxt) <= set(STATES) for nxt in TRANSITIONS.values())
+    for end in ("recorded", "declined", "cancelled", "failed"):  # every end goes back to idle
+        assert TRANSITIONS[end] == ("idle",)
+
+
+def test_a_finished_run_passes_training_trained_deploying_deployed_recorded(tmp_path):
+    m = manager(tmp_path)
+    seen = []
+    m._to = (lambda to, orig=m._to: (seen.append(to), orig(to))[1])  # type: ignore[method-assign]
+    finished = []
+    m.hooks.on_run_finished(lambda run, node: finished.append(run.run_id))
+    d = RunDescriptor(run_id="r1", federation="f", algorithm="fedavg", rounds=2)
+    assert m.admit(d)
+    assert asyncio.run(m.train(d, asyncio.Event())) is True
+    assert seen == ["admitted", "training", "trained", "deploying", "deployed", "recorded", "idle"]
+    assert m.ledger.state("r1") == "finished" and m.ledger.entries["r1"]["round"] == 2
+    assert finished == ["r1"] and m.state == "idle" and m.agent is None
+    assert m.lobby.published[0] == ({"id": "r1", "state": "accepted", "round": 0, "reason": ""}, "accepted")
+
+
+def test_a_kept_model_is_recorded_too(tmp_path):
+    m = manager(tmp_path, agent=lambda *a, **kw: Agent(*a, deployed=False, **kw))
+    d = RunDescriptor(run_id="r2", federation="f", algorithm="fedavg", rounds=1)
+    assert m.admit(d) and asyncio.run(m.train(d, asyncio.Event()))
+    assert m.ledger.state("r2") == "finished"
+
+
+def test_a_declined_run_is_recorded_with_its_reason(tmp_path):
+    m = manager(tmp_path)
+    d = RunDescriptor(run_id="r3", federation="f", algorithm="dechw", rounds=1)
+    assert not m.admit(d)
+    assert m.state == "declined" and m.ledger.state("r3") == "declined"
+    assert m.ledger.entries["r3"]["reason"] == "algorithm dechw not allowed by profile generic-x86"
+    m.idle()
+    assert m.state == "idle"
+
+
+def test_a_run_cancelled_before_it_ran_is_recorded_and_the_manager_stays_idle(tmp_path):
+    m = manager(tmp_path, algorithm={"rounds": 1})
+    m.has_default = False
+    m.lobby.queue.offer(RunDescriptor(run_id="r4", federation="f", algorithm="fedavg", rounds=1, cancelled=True))
+    assert m.next_run() is None
+    assert m.ledger.state("r4") == "cancelled" and m.state == "idle"
+
+
+def test_a_crashed_run_fails_and_the_manager_goes_on(tmp_path):
+    class Crashing(Agent):
+        async def run(self, stop):
+            raise RuntimeError("boom")
+
+    m = manager(tmp_path, agent=Crashing)
+    d = RunDescriptor(run_id="r5", federation="f", algorithm="fedavg", rounds=1)
+    assert m.admit(d) and asyncio.run(m.train(d, asyncio.Event())) is True
+    assert m.ledger.state("r5") == "failed" and m.ledger.entries["r5"]["reason"] == "RuntimeError: boom"
+    assert m.state == "idle"
+
+
+def test_an_illegal_transition_raises(tmp_path):
+    m = manager(tmp_path)
+    with pytest.raises(IllegalTransition):
+        m.on_agent_state("deployed")  # idle -> deployed: no such transition
+    assert m.state == "idle"
