@@ -392,11 +392,14 @@ def available() -> list[str]:
 
 
 _BUILTIN_LOADED = False
-_NOT_ALGORITHMS = {"base", "context", "topology", "coordination", "fedd2s_reference"}
+#: modules of the package that hold no algorithm (``protocols/``, a package, is skipped too)
+_NOT_ALGORITHMS = {"base", "context", "topology", "gossip_compression"}
 
 
 def _load_builtin() -> None:
-    """Import every module of ``dfl_agent.algorithms`` once (importing registers them).
+    """Import every algorithm module of ``dfl_agent.algorithms`` once (importing registers
+    them): every module but :data:`_NOT_ALGORITHMS` and the subpackages (the protocol
+    families of ``protocols/``).
 
     Kept lazy so the registry has no import cycle; a new algorithm is one new module.
     """
@@ -408,7 +411,7 @@ def _load_builtin() -> None:
 
     import dfl_agent.algorithms as pkg
 
-    for mod in sorted(m.name for m in pkgutil.iter_modules(pkg.__path__)):
+    for mod in sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.ispkg):
         if mod not in _NOT_ALGORITHMS and not mod.startswith("_"):
             importlib.import_module(f"dfl_agent.algorithms.{mod}")
     _BUILTIN_LOADED = True

@@ -21,7 +21,7 @@ import numpy as np
 
 from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.context import Message
-from dfl_agent.algorithms.dechw import NeighbourhoodAlgorithm, NeighbourhoodOptions
+from dfl_agent.algorithms.protocols.neighbourhood import NeighbourhoodAlgorithm, NeighbourhoodOptions
 from dfl_agent.learning.consensus import consensus_step
 from dfl_agent.learning.robust import clip_updates, robust_aggregate
 
@@ -57,6 +57,9 @@ class CFA(NeighbourhoodAlgorithm):
     Options = CFAOptions
 
     def aggregate(self, t: int, own: dict[str, np.ndarray], got: list[Message]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The consensus step of CFA (Savazzi et al. 2019, Eq. 5; DecHW seed 001 §V-A4):
+        ``w_i ← w_i + ε Σ_{j∈N_i} τ_j (w_j − w_i)`` over the neighbours that arrived, or the
+        robust rule of the option ``aggregation``.  Returns ``(tensors, info)``."""
         if not got:
             return own, {"epsilon": 0.0}
         o = self.options

@@ -1,6 +1,6 @@
 """``combo``: the Combo baseline of Def-KT (seed 004 Algorithm 3; Hu et al. 2019).
 
-Same rounds and pairs as ``defkt`` (:mod:`dfl_agent.algorithms.pairing`, rounds mode
+Same rounds and pairs as ``defkt`` (:mod:`dfl_agent.algorithms.protocols.pairs`, rounds mode
 only).  The flattened parameter vector is split into two halves
 (:func:`dfl_agent.learning.transfer.flatten_segment`).  In a pair (s → r):
 
@@ -22,7 +22,7 @@ import numpy as np
 
 from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.context import Message
-from dfl_agent.algorithms.pairing import PairAlgorithm, PairOptions
+from dfl_agent.algorithms.protocols.pairs import PairAlgorithm, PairOptions
 from dfl_agent.learning.params import load_numpy, model_to_numpy
 from dfl_agent.learning.transfer import average_segment, flatten_segment
 

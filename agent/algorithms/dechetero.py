@@ -17,7 +17,7 @@ import numpy as np
 
 from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.context import Message
-from dfl_agent.algorithms.dechw import NeighbourhoodAlgorithm, NeighbourhoodOptions
+from dfl_agent.algorithms.protocols.neighbourhood import NeighbourhoodAlgorithm, NeighbourhoodOptions
 from dfl_agent.learning.robust import robust_aggregate
 
 
@@ -30,6 +30,8 @@ class DecHetero(NeighbourhoodAlgorithm):
     Options = NeighbourhoodOptions
 
     def aggregate(self, t: int, own: dict[str, np.ndarray], got: list[Message]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """DecHW seed 001 Eq. 3: ``w_i = Σ_{j∈N_i∪{i}} τ_j w_j``, ``τ_j = |D_j| / Σ_k |D_k|``
+        (or the robust rule of the option ``aggregation``).  Returns ``(tensors, info)``."""
         samples = [self.samples] + [m.meta["samples"] for m in got]
         o = self.options  # aggregation "mean" = Eq. 3; others: dfl_agent.learning.robust
         tensors, _ = robust_aggregate(own, [m.tensors for m in got], samples, o.aggregation,

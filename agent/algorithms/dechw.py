@@ -17,8 +17,8 @@ about half the bytes of a DecHW message.
 
 Neighbourhood = ``ctx.neighbours()`` (the configured graph ∩ live peers, or all
 live peers without a graph); a round proceeds with whatever neighbour messages
-arrived before its deadline.  The module also holds :class:`NeighbourhoodAlgorithm`,
-the protocol shared with the baselines ``dechetero`` and ``cfa``, which differ only
+arrived before its deadline.  The protocol (:class:`~dfl_agent.algorithms.protocols.neighbourhood.NeighbourhoodAlgorithm`)
+is shared with ``fedavg`` and the baselines ``dechetero`` and ``cfa``, which differ only
 in the aggregation rule and send no Hessian.
 
 Message ``kind="model"``, ``round=t``: tensors = the model's ``state_dict`` (names as
@@ -30,165 +30,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dfl_agent.algorithms import gossip_compression as gc
-from dfl_agent.algorithms.base import Algorithm, Traits, register
+from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.context import Message
-from dfl_agent.algorithms.fedavg import GossipOptions, arrival_check, collect_round, shape_template
-from dfl_agent.algorithms.market import UpdateMarket, is_empty, send_with_participation
+from dfl_agent.algorithms.protocols.neighbourhood import NeighbourhoodAlgorithm, NeighbourhoodOptions
+from dfl_agent.algorithms.protocols.synchronization import is_empty
 from dfl_agent.learning import hessian as hess
 from dfl_agent.learning.aggregation import weighted_average
 from dfl_agent.learning.error_feedback import ChocoGossip
-from dfl_agent.learning.params import load_numpy, model_to_numpy
 from dfl_agent.learning.robust import clip_updates, robust_aggregate
-from dfl_agent.learning.training import train_local
 
 if TYPE_CHECKING:
-    from torch import nn
+    pass
 else:
-    from dfl_agent.learning.lazy import nn
+    pass
 
-MODEL_KIND = "model"
 HESSIAN_PREFIX = "hessian/"
-DELIVERIES = ("auto", "unicast", "broadcast")
-
-
-@dataclasses.dataclass
-class NeighbourhoodOptions(GossipOptions):
-    """Options shared by ``dechw``, ``dechetero`` and ``cfa``: those of
-    :class:`dfl_agent.algorithms.fedavg.GossipOptions` (round deadline, robust aggregation,
-    synchronization strategy) plus ``delivery``.
-
-    Attributes:
-        delivery: how a model reaches the neighbours: ``unicast`` (one message per
-            neighbour: bytes = degree × message), ``broadcast`` (one publish: over MQTT
-            every peer receives it and non-neighbours reject it; the simulator delivers
-            it to the neighbours only), or ``auto`` (default: broadcast
-            when the neighbours are all the live peers, unicast otherwise).
-
-    Robust ``aggregation`` here: in ``dechw``, ``clip`` clips before the Hessian
-    weighting; ``median`` and ``trimmed_mean`` replace it.  In ``cfa``, ``clip`` clips
-    before the consensus step; ``median``/``trimmed_mean`` replace it by the robust
-    aggregate of N_i ∪ {i}.
-
-    Raises:
-        ValueError: an unknown ``delivery``, or an invalid inherited option.
-    """
-
-    delivery: str = "auto"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.delivery not in DELIVERIES:
-            raise ValueError(f"delivery must be one of {DELIVERIES}, got {self.delivery!r}")
-
-
-class NeighbourhoodAlgorithm(Algorithm):
-    """Algorithm 1 of seed 001 with a pluggable aggregation rule.
-
-    Subclasses implement :meth:`aggregate` and may override :meth:`after_training`
-    (extra tensors to send) and :meth:`extra_names` (the names those may have).
-    """
-
-    async def setup(self) -> None:
-        self.model = self.new_model()
-        # bad updates are dropped on arrival; only good ones are catch-up evidence
-        self._arrival = arrival_check(shape_template(model_to_numpy(self.model)), self.extra_names)
-        self.ctx.check_on_arrival(MODEL_KIND, self.update_check)
-        self.samples = int(len(self.ctx.data.train_y))
-        self._bootstrapped = False
-        self.market = UpdateMarket.from_options(self.options)
-        self.choco = gc.choco_for(self.ctx, MODEL_KIND)  # compressed gossip (issue 8), None = raw models
-        if self.choco is not None and self.options.participation:
-            raise ValueError("algorithm.options.participation: partial participation cannot be combined with "
-                             "compressed gossip (CHOCO needs every neighbour to receive every difference)")
-
-    # -- hooks --------------------------------------------------------------------
-    def update_check(self, msg: Message) -> str | None:
-        """Why a received model update cannot be used (``"reason: detail"``), or None: the
-        model's tensor names, shapes and dtypes and a positive ``samples``
-        (:func:`~dfl_agent.algorithms.fedavg.update_problem`; :meth:`extra_names` may come
-        in addition).  Run on arrival (:meth:`NodeContext.check_on_arrival`)."""
-        return self._arrival(msg)
-
-    def extra_names(self) -> frozenset[str]:
-        """Names of the tensors a message may carry besides the model's."""
-        return frozenset()
-
-    async def after_training(self, t: int) -> dict[str, np.ndarray]:
-        """Called after the local training of round ``t`` (0 = Alg. 1's initial
-        training); returns the extra tensors to send with the model."""
-        return {}
-
-    def aggregate(self, t: int, own: dict[str, np.ndarray], got: list[Message]) -> tuple[dict[str, np.ndarray], dict]:
-        """The aggregation of round ``t`` from the own model and the neighbours'
-        round-(t-1) messages (sorted by sender). Returns ``(tensors, info)``."""
-        raise NotImplementedError
-
-    # -- protocol -------------------------------------------------------------------
-    async def _train(self) -> dict[str, float]:
-        ctx, d = self.ctx, self.ctx.data
-        return await ctx.compute(train_local, self.model, d.train_x, d.train_y, ctx.train, ctx.rng, ctx.device)
-
-    async def _send(self, t: int, extra: Mapping[str, np.ndarray]) -> None:
-        ctx = self.ctx
-        tensors = {**model_to_numpy(self.model), **extra}
-        meta = {"samples": self.samples, "hessian": bool(extra)}
-        neighbours = ctx.neighbours()
-        if self.options.participation:  # partial device participation (seed 003 §3.6.4)
-            await send_with_participation(ctx, MODEL_KIND, t, tensors, meta, self.options.participation, neighbours)
-            return
-        mode = self.options.delivery
-        if mode == "auto":
-            mode = "broadcast" if set(neighbours) == set(ctx.live_peers()) else "unicast"
-        msg = gc.model_message(self.choco, MODEL_KIND, t, tensors, meta)  # once: CHOCO copies agree
-        if mode == "broadcast":
-            await ctx.broadcast(msg, neighbours_only=True)
-        else:
-            for peer in neighbours:
-                await ctx.send(peer, dataclasses.replace(msg, meta=dict(msg.meta), msg_id=""))
-
-    async def _train_and_send(self, t: int) -> dict[str, float]:
-        stats = await self._train()
-        await self._send(t, await self.after_training(t))
-        return stats
-
-    async def round(self, t: int) -> dict[str, Any]:
-        ctx = self.ctx
-        if not self._bootstrapped:  # Alg. 1 lines 2-4: train, Ĥ⁽⁰⁾, send (as round t-1)
-            self._bootstrapped = True
-            await self._train_and_send(t - 1)
-        own = model_to_numpy(self.model)
-        deadline = ctx.clock.now() + self.options.round_timeout
-        got, missing = await collect_round(
-            ctx, MODEL_KIND, t - 1, deadline, self.options.poll_interval, own, extra_tensors=self.extra_names(),
-            market=self.market,
-        )
-        got = gc.received_copies(ctx, self.choco, got, nonnegative=(HESSIAN_PREFIX,))
-        msgs = [got[s] for s in sorted(got)]
-        with self.divergence_guard("aggregation") as guard:  # a non-finite aggregate is undone
-            tensors, info = self.aggregate(t, gc.own_for_mixing(self.choco, own), msgs)
-            load_numpy(self.model, gc.finish_mixing(self.choco, own, tensors))
-        used = [] if guard.diverged else sorted(got)
-        stats = await self._train_and_send(t)  # Alg. 1 lines 9-11
-        return {"train_loss": stats["loss"], "neighbours": len(used), "neighbour_ids": used,
-                "missing": missing, **info,
-                **(self.market.last.info() if self.market.last is not None else {})}
-
-    def catches_up(self) -> bool:
-        """Lock-step gossip: with round-``t`` updates only (``max_staleness = 0``) a node
-        behind its neighbours gets nothing from them, so it skips to their round."""
-        return self.market.max_staleness == 0
-
-    def deployable_model(self) -> nn.Module:
-        return self.model
-
-    def status(self) -> dict[str, Any]:
-        return self.market.status()
 
 
 @dataclasses.dataclass
@@ -292,6 +152,7 @@ class DecHW(NeighbourhoodAlgorithm):
                     # a Hessian diagonal per neighbour's model
                     models_held=(6.0, 2.0))
     Options = DecHWOptions
+    nonnegative = (HESSIAN_PREFIX,)
 
     async def setup(self) -> None:
         await super().setup()

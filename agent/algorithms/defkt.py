@@ -6,7 +6,7 @@ of two-way mutual knowledge transfer between w̃ and its own model w on its own 
 (Eq. 2-8, :func:`dfl_agent.learning.transfer.mutual_transfer`) and stores w̃ after the
 transfer as its local model.  The sender keeps its trained w̃ (``sender_keeps``).
 
-Modes (see :mod:`dfl_agent.algorithms.pairing` for the protocols):
+Modes (see :mod:`dfl_agent.algorithms.protocols.pairs` for the protocols):
 
 - ``rounds``: the paper's rounds; the pairs come from a seeded schedule every node
   computes itself over the nodes it believes live, and each receiver's small
@@ -16,7 +16,7 @@ Modes (see :mod:`dfl_agent.algorithms.pairing` for the protocols):
   which queues (bounded) or declines; a declined or unanswered push goes to another
   peer.
 
-Options (``dfl_agent.algorithms.pairing.PushOptions`` plus): ``E`` transfer epochs
+Options (``dfl_agent.algorithms.protocols.pairs.PushOptions`` plus): ``E`` transfer epochs
 (default 1, the paper's), ``temperature`` of the KL terms (1 = the paper), and the
 transfer's own optimiser: ``transfer_lr`` (η1 = η2 of Eq. 2-3; 0 = the training
 learning rate), ``transfer_momentum`` (default 0: Eq. 2-3's plain gradient steps) and
@@ -43,7 +43,7 @@ import dataclasses
 from typing import Any
 
 from dfl_agent.algorithms.base import Traits, register
-from dfl_agent.algorithms.pairing import PushAlgorithm, PushOptions
+from dfl_agent.algorithms.protocols.pairs import PushAlgorithm, PushOptions
 from dfl_agent.learning.params import load_numpy
 from dfl_agent.learning.training import TrainConfig
 from dfl_agent.learning.transfer import mutual_transfer
@@ -51,7 +51,7 @@ from dfl_agent.learning.transfer import mutual_transfer
 
 @dataclasses.dataclass
 class DefKTOptions(PushOptions):
-    """Options of ``defkt`` (see :class:`~dfl_agent.algorithms.pairing.PushOptions` for the rest).
+    """Options of ``defkt`` (see :class:`~dfl_agent.algorithms.protocols.pairs.PushOptions` for the rest).
 
     Attributes:
         E: passes of mutual knowledge transfer over the receiver's data (paper: 1).

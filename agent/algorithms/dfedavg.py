@@ -1,7 +1,7 @@
 """The seed's decentralized FedAvg and FedProx (seed 000 App. A.3.1–A.3.2, Algorithm 2).
 
 Same coordination and the same communication per round as DFML
-(:mod:`dfl_agent.algorithms.coordination`): the senders send their locally trained
+(:mod:`dfl_agent.algorithms.protocols.rotating`): the senders send their locally trained
 models to the round's aggregator, which averages *models of the same architecture
 only* (clusters keyed by the spec hash), weighted by sample count (Eq. 5), and sends
 each sender its cluster's average.  As in the seed, local training uses WSM unless
@@ -21,8 +21,8 @@ import numpy as np
 
 from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.context import Message
-from dfl_agent.algorithms.coordination import RotatingAggregator, RotationOptions
 from dfl_agent.algorithms.dfml import check_model_message, class_proportions
+from dfl_agent.algorithms.protocols.rotating import RotatingAggregator, RotationOptions
 from dfl_agent.learning.aggregation import weighted_average
 from dfl_agent.learning.losses import weighted_softmax_ce
 from dfl_agent.learning.params import IncompatibleUpdate, load_numpy, model_to_numpy
@@ -45,18 +45,6 @@ class DFedAvgOptions(RotationOptions):
         super().__post_init__()
         if self.supervision not in ("wsm", "ce"):
             raise ValueError(f"supervision must be 'wsm' or 'ce', got {self.supervision!r}")
-
-
-@dataclasses.dataclass
-class DFedProxOptions(DFedAvgOptions):
-    """Options of ``dfedprox``: ``mu`` is the proximal coefficient μ >= 0."""
-
-    mu: float = 0.01
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.mu < 0:
-            raise ValueError(f"mu must be >= 0, got {self.mu}")
 
 
 @register
@@ -98,6 +86,10 @@ class DFedAvg(RotatingAggregator):
             raise IncompatibleUpdate(f"bad sample count {samples!r}")
 
     async def aggregate(self, t: int, token: dict[str, Any], contributions: dict[str, Message]):
+        """Seed 000 Algorithm 2 (App. A.3.1), the aggregator's step: the sample-weighted
+        mean (FedAvg, McMahan et al. 2017) of the participants' models, per architecture
+        (models of different specs are averaged separately).  Returns ``({participant:
+        (tensors, meta)}, info)``."""
         from dfl_agent.models import spec_hash
 
         me = self.ctx.node_id
@@ -114,28 +106,9 @@ class DFedAvg(RotatingAggregator):
         return updates, {"clusters": len(members)}
 
     def apply_update(self, t: int, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        """Seed 000 Algorithm 2: replace the model by the aggregate of round ``t`` sent by
+        the aggregator."""
         load_numpy(self.model, tensors)
 
     def deployable_model(self) -> nn.Module:
         return self.model
-
-
-@register
-class DFedProx(DFedAvg):
-    """Decentralized FedProx (seed 000 Alg. 2 with the proximal term)."""
-
-    name = "dfedprox"
-    traits = Traits("rotating", mixes_architectures=True, required_roles=("trainer", "sender"),
-                    models_held=(6.0, 6.0), aggregator_holds_all=True)
-    Options = DFedProxOptions
-
-    def _regularizer(self):
-        mu = self.options.mu
-        if mu == 0:
-            return None
-        start = [p.detach().clone() for p in self.model.parameters()]
-
-        def prox(model: nn.Module) -> torch.Tensor:
-            return 0.5 * mu * sum(((p - s) ** 2).sum() for p, s in zip(model.parameters(), start))
-
-        return prox

@@ -2,7 +2,7 @@
 
 Every node holds a regular model W_n, a frozen peak model Ŵ_n and α_n (initially 0);
 its deployable model is the peak model.  Rounds are led by a rotating aggregator
-(:mod:`dfl_agent.algorithms.coordination`):
+(:mod:`dfl_agent.algorithms.protocols.rotating`):
 
 - every participant first trains W_n for one epoch on its own data with WSM (Eq. 2,
   β = class proportions of its whole training split);
@@ -30,7 +30,7 @@ import numpy as np
 
 from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.context import Message
-from dfl_agent.algorithms.coordination import RotatingAggregator, RotationOptions
+from dfl_agent.algorithms.protocols.rotating import RotatingAggregator, RotationOptions
 from dfl_agent.learning.losses import weighted_softmax_ce
 from dfl_agent.learning.mutual import mutual_learning
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
@@ -189,6 +189,9 @@ class DFML(RotatingAggregator):
             raise IncompatibleUpdate(f"{spec['num_classes']} classes, this federation has {self.spec['num_classes']}")
 
     async def aggregate(self, t: int, token: dict[str, Any], contributions: dict[str, Message]):
+        """Seed 000 Algorithm 1, the aggregator's step: K epochs of weighted mutual learning
+        over its data (Eq. 1 and 3: Φ-weighted KL, WSM with its class proportions, Eq. 2) with
+        α⁽ᵗ⁾ from the cyclic schedule (Eq. 4).  Returns ``({participant: (tensors, meta)}, info)``."""
         from dfl_agent.models import build_model, count_trainable, spec_hash
 
         ctx, d, o = self.ctx, self.ctx.data, self.options
@@ -224,6 +227,8 @@ class DFML(RotatingAggregator):
         return updates, {"alpha": alpha, "mutual_loss": stats["loss"], "architectures": archs}
 
     def apply_update(self, t: int, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        """Seed 000 Algorithm 1: W_n ← W_n⁺, then the peak rule: if α⁽ᵗ⁾ ≥ α_n − 1e-9,
+        Ŵ_n ← W_n⁺ and α_n ← α⁽ᵗ⁾."""
         alpha = meta.get("alpha")
         if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0.0 <= alpha <= 1.0:
             raise IncompatibleUpdate(f"bad alpha {alpha!r}")

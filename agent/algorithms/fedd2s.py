@@ -2,7 +2,7 @@
 
 Every node keeps its own *personal* model θ^n (its deployable model).  Knowledge is
 shared through a global model θ^g that travels with the token of the rotating-aggregator
-protocol (:mod:`dfl_agent.algorithms.coordination`, the same coordination and failover as
+protocol (:mod:`dfl_agent.algorithms.protocols.rotating`, the same coordination and failover as
 DFML).  Round t, led by the token holder h:
 
 1. h draws the participants U^ρ (⌈ρN⌉ of the live nodes, itself included in the draw)
@@ -45,13 +45,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.context import Message
-from dfl_agent.algorithms.coordination import RotatingAggregator, RotationOptions
+from dfl_agent.algorithms.protocols.rotating import GlobalModelRotation, RotationOptions, global_init_seed
 from dfl_agent.learning import d2s
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
 
@@ -63,82 +63,6 @@ else:
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, np.ndarray]
-GLOBAL_STREAM = 0xD25  # domain separator of the global-model seed and the per-round draw
-
-
-def global_init_seed(seed: int) -> int:
-    """Torch seed of the initial global model θ^g, the same on every node (from the federation seed)."""
-    return int(np.random.SeedSequence([int(seed), GLOBAL_STREAM]).generate_state(1)[0])
-
-
-def draw_round(seed: int, t: int, nodes: list[str], ratio: float) -> tuple[list[str], np.random.Generator]:
-    """Participants of round ``t``: ⌈ρN⌉ of ``nodes`` without replacement (seed 002 Alg. 1
-    line 2), from a generator seeded with (federation seed, t).
-
-    Returns ``(sorted participants, the generator)``; the caller draws the next holder from
-    the same generator afterwards.  The serverless holder and the centralized reference
-    both call this, so they draw the same participants.
-    """
-    nodes = sorted(nodes)
-    rng = np.random.default_rng([int(seed), GLOBAL_STREAM, int(t)])
-    k = d2s.ceil_count(ratio, len(nodes))
-    return sorted(rng.choice(nodes, size=k, replace=False).tolist()), rng
-
-
-class GlobalModelRotation(RotatingAggregator):
-    """Rotating-aggregator rounds that carry one global state θ^g with the token.
-
-    Shared by ``fedd2s`` (θ^g = the global model) and ``fedper`` (θ^g = the shared base).
-    The holder draws the participants with :func:`draw_round` (``sender_ratio`` = ρ over
-    all live nodes, itself included in the draw), sends θ^g with each invite, and
-    broadcasts the new θ^g with ``done``.
-    """
-
-    #: the θ^g this node produced is checked and restored with the models by the
-    #: divergence guard of its aggregation (a non-finite θ^g is never broadcast)
-    guarded_state: ClassVar[tuple[str, ...]] = ("_theta_out",)
-
-    def initial_global(self) -> Tensors:
-        """θ^g before round 1 (the same on every node)."""
-        raise NotImplementedError
-
-    def current_global(self) -> Tensors:
-        """The newest θ^g this node knows: that of the best ``done`` seen, else the initial one."""
-        if self.best is not None and self.best.tensors:
-            try:
-                check_compatible(self.best.tensors, self._template)
-                return self.best.tensors
-            except IncompatibleUpdate as exc:
-                log.warning("%s: global state of round %d unusable (%s)", self.ctx.node_id, self.best.round, exc)
-        return self._initial
-
-    def _init_global(self) -> None:
-        self._initial = self.initial_global()
-        self._template = self._initial
-        self._theta_in: Tensors | None = None  # θ^g received for the round being worked on
-        self._theta_out: Tensors = {}  # θ^g produced by the round this node led
-
-    def select(self, t: int, token: dict[str, Any], live: list[str]) -> tuple[list[str], bool, str]:
-        me = self.ctx.node_id
-        participants, rng = draw_round(self.ctx.seed, t, [me, *live], self.options.sender_ratio)
-        leaders = [p for p in live if self._may_aggregate(p)]  # device profiles: aggregator role
-        nxt = str(rng.choice(leaders)) if leaders else me
-        self._theta_in = self.current_global()
-        return [p for p in participants if p != me], me in participants, nxt
-
-    def invite_payload(self, t: int, token: dict[str, Any]) -> tuple[Tensors, dict[str, Any]]:
-        assert self._theta_in is not None
-        return self._theta_in, {}
-
-    def accept_invite(self, invite: Message) -> None:
-        check_compatible(invite.tensors, self._template)
-        self._theta_in = invite.tensors
-
-    def check_contribution(self, msg: Message) -> None:
-        check_compatible(msg.tensors, self._template)
-
-    def token_tensors(self, t: int) -> Tensors:
-        return self._theta_out
 
 
 @dataclasses.dataclass
@@ -258,6 +182,9 @@ class FedD2S(GlobalModelRotation):
 
     # -- holder: Eq. 11 ----------------------------------------------------------------
     async def aggregate(self, t: int, token: dict[str, Any], contributions: dict[str, Message]):
+        """Seed 002 Eq. 11 (serverless): θ^g ← the unweighted mean of the participants'
+        distilled copies θ^{g,n} (Eq. 8–10), in node-id order.  Returns ``({participant:
+        (tensors, meta)}, info)``."""
         me = self.ctx.node_id
         own = t in self._participated and bool(self._copy)
         states = {s: m.tensors for s, m in contributions.items()}
@@ -285,6 +212,8 @@ class FedD2S(GlobalModelRotation):
         return stats
 
     async def apply_update(self, t: int, tensors: Tensors, meta: dict[str, Any]) -> None:
+        """Seed 002 Eq. 12–13: server-to-client distillation of the personal model from the
+        new θ^g (:func:`dfl_agent.learning.d2s.s2c_distill`)."""
         check_compatible(tensors, self._template)
         if not self._triplets:
             raise IncompatibleUpdate(f"update for round {t} without features of that round")

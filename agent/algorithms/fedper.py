@@ -4,7 +4,7 @@ Each node's model = a shared *base* + a personal *head* (the last ``head_layers`
 with parameters; seed 002: everything up to the flatten after C3 is shared, i.e. the
 dense layers are personal — set ``head_layers = 3`` for that; default 1 = the classifier
 only, the original FedPer).  Rounds use the same serverless coordination as ``fedd2s``
-(:class:`dfl_agent.algorithms.fedd2s.GlobalModelRotation`): the token holder draws ⌈ρN⌉
+(:class:`dfl_agent.algorithms.protocols.rotating.GlobalModelRotation`): the token holder draws ⌈ρN⌉
 participants, sends them the global base; each loads it under its own head, trains its
 whole model for ``local_epochs`` with Adam (lr 0.01, as the seed's baselines) and returns
 its base; the holder averages the bases weighted by sample count (FedAvg) and sends the
@@ -19,20 +19,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dfl_agent.algorithms.base import Algorithm, Traits, register
+from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.context import Message
-from dfl_agent.algorithms.coordination import RotationOptions
-from dfl_agent.algorithms.fedd2s import GlobalModelRotation, draw_round, global_init_seed
+from dfl_agent.algorithms.protocols.rotating import GlobalModelRotation, RotationOptions, global_init_seed
 from dfl_agent.learning.aggregation import weighted_average
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, model_to_numpy
-from dfl_agent.learning.training import batches, restore_if_diverged, snapshot
+from dfl_agent.learning.training import train_adam
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-    from torch.nn import functional as F
 else:
-    from dfl_agent.learning.lazy import F, nn, torch
+    from dfl_agent.learning.lazy import nn, torch
 
 Tensors = dict[str, np.ndarray]
 
@@ -53,29 +51,6 @@ def personal_keys(model: nn.Module, head_layers: int) -> set[str]:
         raise ValueError(f"algorithm.options.head_layers must be in [0, {len(owners) - 1}], got {head_layers}")
     personal = owners[len(owners) - head_layers:] if head_layers else []
     return {k for k in model.state_dict() if any(k.startswith(p) for p in personal)}
-
-
-def train_adam(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,
-               rng: np.random.Generator, device: str | torch.device = "cpu") -> dict[str, float]:
-    """Cross-entropy training with a fresh Adam (the seed 002 baselines' optimizer), seeded
-    batch order; restores the model if it diverges.  Returns ``{"loss", "diverged"}``."""
-    model.to(device).train()
-    before = snapshot(model)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-    yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
-    total, count = 0.0, 0
-    for _ in range(epochs):
-        for idx in batches(len(x), batch_size, rng):
-            bi = torch.from_numpy(idx)
-            opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(xt[bi].to(device)), yt[bi].to(device))
-            loss.backward()
-            opt.step()
-            total += float(loss.detach())
-            count += 1
-    diverged = restore_if_diverged(model, before)
-    return {"loss": total / max(count, 1), "diverged": float(diverged)}
 
 
 @dataclasses.dataclass
@@ -151,6 +126,8 @@ class FedPer(GlobalModelRotation):
             raise IncompatibleUpdate(f"bad sample count {n!r}")
 
     async def aggregate(self, t: int, token: dict[str, Any], contributions: dict[str, Message]):
+        """FedPer (Arivazhagan et al. 2019, Alg. 1): the sample-weighted mean (FedAvg) of the
+        participants' bases.  Returns ``({participant: (tensors, meta)}, info)``."""
         me = self.ctx.node_id
         states = {s: (m.tensors, m.meta["samples"]) for s, m in contributions.items()}
         if t in self._participated:
@@ -164,6 +141,7 @@ class FedPer(GlobalModelRotation):
         return {s: (avg, {}) for s in order}, {"aggregated": len(order)}
 
     def apply_update(self, t: int, tensors: Tensors, meta: dict[str, Any]) -> None:
+        """FedPer (Arivazhagan et al. 2019): load the averaged base under the own personal head."""
         self._load_base(tensors)
 
     def deployable_model(self) -> nn.Module:
@@ -180,54 +158,3 @@ class FedPer(GlobalModelRotation):
 
     def status(self) -> dict[str, Any]:
         return {**super().status(), "personal_tensors": len(self.personal), "model": self.spec}
-
-
-@dataclasses.dataclass
-class LocalAdamOptions:
-    """Options of ``local_adam``: ``local_epochs`` per round, Adam ``lr``, ``batch_size`` (0 = config's),
-    ``participation``: train only in the rounds ``fedd2s``/``fedper`` would draw this node
-    (:func:`dfl_agent.algorithms.fedd2s.draw_round` with this ratio; 1.0 = every round) — local
-    training at the same compute as the federated methods."""
-
-    local_epochs: int = 1
-    lr: float = 0.01
-    batch_size: int = 0
-    participation: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.local_epochs < 1 or self.batch_size < 0 or not self.lr > 0:
-            raise ValueError("local_epochs >= 1, batch_size >= 0 and lr > 0 required")
-        if not 0 < self.participation <= 1:
-            raise ValueError(f"participation must be in (0, 1], got {self.participation}")
-
-
-@register
-class LocalAdam(Algorithm):
-    """``local_adam``: local training only, every round, with the optimizer of seed 002's
-    baselines (Adam, lr 0.01) — the local floor for FedD2S/FedPer comparisons."""
-
-    name = "local_adam"
-    traits = Traits("local", required_roles=("trainer",), models_held=(4.0, 0.0))  # Adam: 2 moments
-    communicates = False
-    Options = LocalAdamOptions
-
-    async def setup(self) -> None:
-        self.model = self.new_model()
-
-    def _train(self) -> dict[str, float]:
-        d, o = self.ctx.data, self.options
-        return train_adam(self.model, d.train_x, d.train_y, epochs=o.local_epochs,
-                          batch_size=o.batch_size or self.ctx.train.batch_size, lr=o.lr, rng=self.ctx.rng,
-                          device=self.ctx.device)
-
-    async def round(self, t: int) -> dict[str, Any]:
-        me = self.ctx.node_id
-        if self.options.participation < 1:
-            drawn, _ = draw_round(self.ctx.seed, t, [me, *self.ctx.live_peers()], self.options.participation)
-            if me not in drawn:
-                return {"neighbours": 0, "trained": False}
-        stats = await self.ctx.compute(self._train)
-        return {"train_loss": stats["loss"], "neighbours": 0}
-
-    def deployable_model(self) -> nn.Module:
-        return self.model

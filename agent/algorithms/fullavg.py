@@ -5,7 +5,7 @@
 the sample-count-weighted average of Eq. 9,
 ``w ← N_s/(N_s+N_r)·w̃ + N_r/(N_s+N_r)·w``.  The communication per round is Q models,
 the same as Def-KT and Combo (§IV-B).  Runs in ``rounds`` or ``gossip`` mode
-(:mod:`dfl_agent.algorithms.pairing`).
+(:mod:`dfl_agent.algorithms.protocols.pairs`).
 
 ``scope = all`` (not in the paper): every node trains M epochs, broadcasts, and
 averages all live neighbours' models with Eq. 9's weights each round, i.e.
@@ -20,8 +20,8 @@ from typing import Any
 
 from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.context import Message
-from dfl_agent.algorithms.fedavg import collect_round
-from dfl_agent.algorithms.pairing import PushAlgorithm, PushOptions
+from dfl_agent.algorithms.protocols.neighbourhood import collect_round
+from dfl_agent.algorithms.protocols.pairs import PushAlgorithm, PushOptions
 from dfl_agent.learning.aggregation import weighted_average
 from dfl_agent.learning.params import load_numpy, model_to_numpy
 from dfl_agent.learning.training import train_local
@@ -29,7 +29,7 @@ from dfl_agent.learning.training import train_local
 
 @dataclasses.dataclass
 class FullAvgOptions(PushOptions):
-    """Options of ``fullavg`` (see :class:`~dfl_agent.algorithms.pairing.PushOptions`).
+    """Options of ``fullavg`` (see :class:`~dfl_agent.algorithms.protocols.pairs.PushOptions`).
 
     Attributes:
         scope: ``pair`` (paper, Algorithm 2) or ``all`` (every node averages every
@@ -63,6 +63,9 @@ class FullAvg(PushAlgorithm):
         return {}
 
     async def round(self, t: int) -> dict[str, Any]:
+        """Round ``t`` of Def-KT's FullAvg baseline (seed 004 Algorithm 2, Eq. 9): the pairs
+        round (``scope = pair``), or every node averaging all live neighbours with Eq. 9's
+        weights (``scope = all``).  Returns the round's info."""
         if self.options.scope == "all":
             return await self._average_all(t)
         return await super().round(t)

@@ -25,6 +25,8 @@ class Local(Algorithm):
         self.model = self.new_model()
 
     async def round(self, t: int) -> dict[str, Any]:
+        """Round ``t`` of the local baseline (no paper equation: the floor of every
+        comparison): train the model on the node's own data."""
         d = self.ctx.data
         stats = await self.ctx.compute(
             train_local, self.model, d.train_x, d.train_y, self.ctx.train, self.ctx.rng, self.ctx.device

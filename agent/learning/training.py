@@ -242,3 +242,26 @@ def warm_up(model: nn.Module, x: np.ndarray, y: np.ndarray, cfg: TrainConfig,
         train_local(scratch, x[:n], y[:n], dataclasses.replace(cfg, epochs=1), np.random.default_rng(0), device)
         evaluate(scratch, x[:n], y[:n], device=device)
     return time.perf_counter() - t0
+
+
+def train_adam(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,
+               rng: np.random.Generator, device: str | torch.device = "cpu") -> dict[str, float]:
+    """Cross-entropy training with a fresh Adam (the seed 002 baselines' optimizer), seeded
+    batch order; restores the model if it diverges.  Returns ``{"loss", "diverged"}``."""
+    model.to(device).train()
+    before = snapshot(model)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
+    total, count = 0.0, 0
+    for _ in range(epochs):
+        for idx in batches(len(x), batch_size, rng):
+            bi = torch.from_numpy(idx)
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(xt[bi].to(device)), yt[bi].to(device))
+            loss.backward()
+            opt.step()
+            total += float(loss.detach())
+            count += 1
+    diverged = restore_if_diverged(model, before)
+    return {"loss": total / max(count, 1), "diverged": float(diverged)}

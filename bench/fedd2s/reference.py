@@ -4,7 +4,7 @@ sent to the server.
 This is the paper as printed (with ALGORITHMS.md's decisions), used to check that the
 serverless ``fedd2s`` (:mod:`dfl_agent.algorithms.fedd2s`) computes the same thing:
 
-- each round the *server* draws ⌈ρN⌉ clients (:func:`dfl_agent.algorithms.fedd2s.draw_round`,
+- each round the *server* draws ⌈ρN⌉ clients (:func:`dfl_agent.algorithms.protocols.rotating.draw_round`,
   the same generator as the serverless token holder);
 - each selected *client* sets l_n by Eq. 6 and transmits its triplets (H_1, H_{l_n}, Y)
   — activations and labels — to the server (Alg. 1 lines 5–10);
@@ -32,7 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from dfl_agent.algorithms.fedd2s import FedD2SOptions, draw_round, global_init_seed, resolve_l_min
+from dfl_agent.algorithms.fedd2s import FedD2SOptions, resolve_l_min
+from dfl_agent.algorithms.protocols.rotating import draw_round, global_init_seed
 from dfl_agent.data import NodeData
 from dfl_agent.learning import d2s
 from dfl_agent.learning.params import model_to_numpy

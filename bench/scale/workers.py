@@ -126,7 +126,7 @@ class Group:
         """Round ``t``, steps 3 and 4: decode every broadcast once (``received`` plus
         this group's own), average each node's model with all the others (sorted by
         sender, as fedavg does) and evaluate; returns the mean global accuracy."""
-        from dfl_agent.algorithms.fedavg import update_problem
+        from dfl_agent.algorithms.protocols.neighbourhood import update_problem
         from dfl_agent.learning.params import load_numpy, model_to_numpy
         from dfl_agent.learning.robust import robust_aggregate
         from dfl_agent.learning.training import evaluate

@@ -59,11 +59,11 @@ DEMO_BREAKS = {
     # DecHW: every aggregation falls back to data-size weights (no Hessian weighting)
     "dechw": "from dfl_agent.algorithms.dechw import DecHW\nDecHW.uses_hessian = lambda self, t: False\n",
     # Def-KT: the receiver never takes the sender's model
-    "defkt": ("from dfl_agent.algorithms.pairing import PushAlgorithm\n"
+    "defkt": ("from dfl_agent.algorithms.protocols.pairs import PushAlgorithm\n"
               "async def act_as_receiver(self, t, sender, deadline):\n    return {'fused': False}\n"
               "PushAlgorithm.act_as_receiver = act_as_receiver\n"),
     # HeteroFL: the aggregator invites nobody, so it aggregates only its own model
-    "heterofl": ("from dfl_agent.algorithms.coordination import RotatingAggregator\n"
+    "heterofl": ("from dfl_agent.algorithms.protocols.rotating import RotatingAggregator\n"
                  "_select = RotatingAggregator.select\n"
                  "def select(self, t, token, live):\n    _, me, nxt = _select(self, t, token, live)\n"
                  "    return [], me, nxt\n"

@@ -71,3 +71,25 @@ def test_traits_drive_the_profile_rule() -> None:
             assert profile_compression_policy(object(), name) is None  # type: ignore[arg-type]
     # the rotating aggregators that hold every participant's model hold the most copies
     assert models_held("dfml", 5) == 30.0 and models_held("local", 5) == 3.0 and models_held("local_adam") == 4.0
+
+
+def test_each_family_is_its_protocol_and_each_algorithm_its_own_module() -> None:
+    from dfl_agent.algorithms.base import available, get_algorithm
+    from dfl_agent.algorithms.protocols.lockstep import LockStepAlgorithm
+    from dfl_agent.algorithms.protocols.neighbourhood import NeighbourhoodAlgorithm
+    from dfl_agent.algorithms.protocols.pairs import PairAlgorithm
+    from dfl_agent.algorithms.protocols.rotating import RotatingAggregator
+
+    bases = {"rotating": RotatingAggregator, "neighbourhood": NeighbourhoodAlgorithm, "pairs": PairAlgorithm,
+             "lockstep": LockStepAlgorithm}
+    modules = set()
+    for name in available():
+        cls = get_algorithm(name)
+        base = bases.get(cls.traits.family)
+        if base is None:  # local: no protocol
+            assert not any(issubclass(cls, b) for b in bases.values()), name
+        else:
+            assert issubclass(cls, base), name
+        assert cls.__module__ == "dfl_agent.algorithms." + name.replace("-", "_"), name
+        modules.add(cls.__module__)
+    assert len(modules) == len(available())

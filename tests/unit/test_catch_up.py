@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.algorithms.base import Algorithm
 from dfl_agent.algorithms.context import Message
-from dfl_agent.algorithms.fedavg import arrival_check
+from dfl_agent.algorithms.protocols.neighbourhood import arrival_check
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.runtime.context import RuntimeContext
 from dfl_agent.security import SecurityGuard, TrustStore

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dfl_agent.algorithms.base import get_algorithm, parse_options
-from dfl_agent.algorithms.pairing import pair_schedule
+from dfl_agent.algorithms.protocols.pairs import pair_schedule
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.params import load_numpy, model_to_numpy
 from dfl_agent.learning.training import TrainConfig, evaluate

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dfl_agent.algorithms.base import get_algorithm, parse_options
-from dfl_agent.algorithms.coordination import Done
 from dfl_agent.algorithms.dfml import check_model_message, class_proportions
+from dfl_agent.algorithms.protocols.rotating import Done
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.losses import cross_entropy, kl_divergence, weighted_softmax_ce
 from dfl_agent.learning.mutual import kl_weights, mutual_learning

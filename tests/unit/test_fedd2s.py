@@ -8,8 +8,9 @@ import torch
 
 from bench.fedd2s.reference import run_reference
 from dfl_agent.algorithms.base import get_algorithm, parse_options
-from dfl_agent.algorithms.fedd2s import FedD2SOptions, draw_round, resolve_l_min
+from dfl_agent.algorithms.fedd2s import FedD2SOptions, resolve_l_min
 from dfl_agent.algorithms.fedper import personal_keys
+from dfl_agent.algorithms.protocols.rotating import draw_round
 from dfl_agent.data import NodeData
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning import d2s

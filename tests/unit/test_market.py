@@ -11,7 +11,7 @@ import pytest
 
 from dfl_agent.algorithms.base import get_algorithm, parse_options
 from dfl_agent.algorithms.context import Message
-from dfl_agent.algorithms.market import STRATEGIES, UpdateMarket, select_participants
+from dfl_agent.algorithms.protocols.synchronization import STRATEGIES, UpdateMarket, select_participants
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.training import TrainConfig
 from dfl_agent.runtime.context import RuntimeContext
@@ -98,7 +98,7 @@ def test_update_of_a_neighbour_that_left_since_counts(strategy):
     """``last`` sends its round-1 update and leaves (its last round, offline presence)
     before ``me`` starts collecting: the update still counts, with the market (every
     strategy) and without it; a sender outside the graph is still rejected."""
-    from dfl_agent.algorithms.fedavg import collect_round
+    from dfl_agent.algorithms.protocols.neighbourhood import collect_round
 
     net = MemoryNetwork()
     ctxs = {nid: _ctx(net, nid) for nid in ("me", "last", "stay", "outsider")}
@@ -129,7 +129,7 @@ def test_update_of_a_neighbour_that_left_since_counts(strategy):
 def test_incompatible_peer_first_seen_during_collection_is_excluded(strategy):
     """A peer whose incompatible model (``compatibility``) is first noticed when its
     update arrives mid-collection is excluded then, not passed to aggregation."""
-    from dfl_agent.algorithms.fedavg import collect_round
+    from dfl_agent.algorithms.protocols.neighbourhood import collect_round
 
     net = MemoryNetwork()
     ctxs = {nid: _ctx(net, nid) for nid in ("me", "ok", "big")}

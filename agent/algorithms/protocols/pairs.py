@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from dfl_agent.algorithms.base import Algorithm
 from dfl_agent.algorithms.context import Message
-from dfl_agent.algorithms.fedavg import update_problem
+from dfl_agent.algorithms.protocols.neighbourhood import update_problem
 from dfl_agent.learning.params import model_to_numpy
 from dfl_agent.learning.training import train_local
 
@@ -254,6 +254,9 @@ class PairAlgorithm(Algorithm):
 
     # -- rounds mode ------------------------------------------------------------------------
     async def round(self, t: int) -> dict[str, Any]:
+        """Round ``t`` of seed 004 Algorithms 1–3 (rounds mode): compute the pairs, train and
+        send (sender) or receive and fuse (receiver, :meth:`fuse`), then wait for the
+        receivers' ``done``.  Returns the round's info."""
         return await self.pair_round(t)
 
     async def pair_round(self, t: int) -> dict[str, Any]:
@@ -375,6 +378,9 @@ class PushAlgorithm(PairAlgorithm):
 
     # -- gossip mode ------------------------------------------------------------------------
     async def round(self, t: int) -> dict[str, Any]:
+        """Round (rounds mode) or step (gossip mode) ``t`` of seed 004 Algorithms 1–2: the pairs
+        round of :class:`PairAlgorithm`, or fuse the queued models, train M epochs and push the
+        model to one random live peer.  Returns the round's info."""
         if self.options.mode == "gossip":
             return await self.gossip_step(t)
         return await self.pair_round(t)

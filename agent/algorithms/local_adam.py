@@ -1,0 +1,68 @@
+"""``local_adam``: local training only, with the optimizer of seed 002's baselines (Adam):
+the local floor for FedD2S/FedPer comparisons.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from dfl_agent.algorithms.base import Algorithm, Traits, register
+from dfl_agent.algorithms.protocols.rotating import draw_round
+from dfl_agent.learning.training import train_adam
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+@dataclasses.dataclass
+class LocalAdamOptions:
+    """Options of ``local_adam``: ``local_epochs`` per round, Adam ``lr``, ``batch_size`` (0 = config's),
+    ``participation``: train only in the rounds ``fedd2s``/``fedper`` would draw this node
+    (:func:`dfl_agent.algorithms.protocols.rotating.draw_round` with this ratio; 1.0 = every round) — local
+    training at the same compute as the federated methods."""
+
+    local_epochs: int = 1
+    lr: float = 0.01
+    batch_size: int = 0
+    participation: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.local_epochs < 1 or self.batch_size < 0 or not self.lr > 0:
+            raise ValueError("local_epochs >= 1, batch_size >= 0 and lr > 0 required")
+        if not 0 < self.participation <= 1:
+            raise ValueError(f"participation must be in (0, 1], got {self.participation}")
+
+
+@register
+class LocalAdam(Algorithm):
+    """``local_adam``: local training only, every round, with the optimizer of seed 002's
+    baselines (Adam, lr 0.01) — the local floor for FedD2S/FedPer comparisons."""
+
+    name = "local_adam"
+    traits = Traits("local", required_roles=("trainer",), models_held=(4.0, 0.0))  # Adam: 2 moments
+    communicates = False
+    Options = LocalAdamOptions
+
+    async def setup(self) -> None:
+        self.model = self.new_model()
+
+    def _train(self) -> dict[str, float]:
+        d, o = self.ctx.data, self.options
+        return train_adam(self.model, d.train_x, d.train_y, epochs=o.local_epochs,
+                          batch_size=o.batch_size or self.ctx.train.batch_size, lr=o.lr, rng=self.ctx.rng,
+                          device=self.ctx.device)
+
+    async def round(self, t: int) -> dict[str, Any]:
+        """Round ``t`` of the local Adam baseline of seed 002 §IV-A: train with Adam, in the
+        rounds this node would be drawn (seed 002 Alg. 1 line 2) when ``participation < 1``."""
+        me = self.ctx.node_id
+        if self.options.participation < 1:
+            drawn, _ = draw_round(self.ctx.seed, t, [me, *self.ctx.live_peers()], self.options.participation)
+            if me not in drawn:
+                return {"neighbours": 0, "trained": False}
+        stats = await self.ctx.compute(self._train)
+        return {"train_loss": stats["loss"], "neighbours": 0}
+
+    def deployable_model(self) -> nn.Module:
+        return self.model

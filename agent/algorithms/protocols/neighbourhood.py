@@ -1,0 +1,337 @@
+"""Neighbourhood gossip: the round structure of ``fedavg``, ``dechw``, ``dechetero`` and
+``cfa`` (Algorithm 1 of seed 001, App. C).
+
+Every node holds one model on a communication graph (``ctx.neighbours()``: the
+configured graph ∩ live peers, or all live peers without a graph).  A round trains
+locally, sends the model to the neighbours, collects their models until the round
+deadline (or as the synchronization strategy of
+:mod:`dfl_agent.algorithms.protocols.synchronization` decides) and replaces the model by
+an aggregate of the neighbourhood N_i ∪ {i}; a round proceeds with whatever arrived.
+Only the aggregation rule differs between the algorithms (:meth:`NeighbourhoodAlgorithm.aggregate`).
+
+Two orders of the same steps:
+
+- ``train_first = False`` (DecHW's Algorithm 1, the default): a first training and send
+  before round 1 (lines 1-4), then each round t collects the neighbours' round-(t-1)
+  messages, aggregates, trains and sends its round-t model (lines 6-11);
+- ``train_first = True`` (FedAvg gossip, McMahan et al. 2017 over the neighbourhood):
+  each round t trains, sends, collects the neighbours' round-t models and aggregates.
+
+Message ``kind="model"``, ``round=t``: tensors = the model's ``state_dict`` plus the
+algorithm's extra tensors (:meth:`NeighbourhoodAlgorithm.extra_names`); ``meta`` carries
+``samples`` = |D_i|.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from dfl_agent.algorithms import gossip_compression as gc
+from dfl_agent.algorithms.base import Algorithm
+from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.protocols.synchronization import (
+    SyncOptions,
+    UpdateMarket,
+    is_empty,
+    send_with_participation,
+)
+from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
+from dfl_agent.learning.robust import check_options as check_robust_options
+from dfl_agent.learning.training import train_local
+
+if TYPE_CHECKING:
+    from torch import nn
+else:
+    from dfl_agent.learning.lazy import nn
+
+DELIVERIES = ("auto", "unicast", "broadcast")
+MODEL_KIND = "model"
+
+
+@dataclasses.dataclass
+class GossipOptions(SyncOptions):
+    """Options of every averaging gossip algorithm (``fedavg``, ``dechw``, ``dechetero``,
+    ``cfa``), plus the synchronization options of
+    :class:`dfl_agent.algorithms.protocols.synchronization.SyncOptions` (``sync``, ``participation``, ...).
+
+    Attributes:
+        round_timeout: seconds a round waits for the neighbours' models (the round
+            deadline); the round then proceeds with what arrived.
+        poll_interval: seconds between re-checks of the live-peer set while waiting
+            (a peer that leaves stops being waited for).
+        aggregation: ``mean`` (default, the papers' rule), or a robust rule against
+            poisoned updates (:mod:`dfl_agent.learning.robust`): ``clip`` (neighbours'
+            deviation from the own model clipped to ``clip_norm``), ``median``
+            (coordinate-wise), ``trimmed_mean`` (coordinate-wise, ``trim_ratio``).
+        clip_norm: L2 bound of ``clip``; 0 = median of the neighbours' deviation norms.
+        trim_ratio: fraction β trimmed at each end by ``trimmed_mean``, in [0, 0.5).
+
+    Raises:
+        ValueError: a non-positive timeout or poll interval, or an invalid robust rule.
+    """
+
+    round_timeout: float = 30.0
+    poll_interval: float = 0.5
+    aggregation: str = "mean"
+    clip_norm: float = 0.0
+    trim_ratio: float = 0.2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.round_timeout > 0:
+            raise ValueError(f"round_timeout must be > 0, got {self.round_timeout}")
+        if not self.poll_interval > 0:
+            raise ValueError(f"poll_interval must be > 0, got {self.poll_interval}")
+        check_robust_options(self.aggregation, self.clip_norm, self.trim_ratio)
+
+
+def update_problem(msg: Message, template, extra_tensors: frozenset[str] = frozenset()) -> str | None:
+    """Why ``msg`` is not a usable model update (``"reason: detail"``), or None.
+
+    Checks the tensors against ``template`` (names/shapes/dtypes; names in
+    ``extra_tensors`` may come in addition) and that ``meta["samples"]`` is a positive number.
+    """
+    try:
+        tensors = msg.tensors if not extra_tensors else {k: v for k, v in msg.tensors.items() if k not in extra_tensors}
+        check_compatible(tensors, template)
+    except IncompatibleUpdate as exc:
+        return f"incompatible: {exc}"
+    samples = msg.meta.get("samples")
+    if not isinstance(samples, (int, float)) or isinstance(samples, bool) or not samples > 0:
+        return "bad_meta: samples"
+    return None
+
+
+def shape_template(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Zero-stride arrays with ``tensors``' names, shapes and dtypes (no memory held):
+    a template for :func:`update_problem`."""
+    return {k: np.broadcast_to(np.zeros((), np.asarray(v).dtype), np.shape(v)) for k, v in tensors.items()}
+
+
+def arrival_check(template: Mapping[str, np.ndarray], extra_tensors: Callable[[], frozenset[str]] | None = None,
+                  ) -> Callable[[Message], str | None]:
+    """The check :meth:`NodeContext.check_on_arrival` runs on each arriving model update:
+    :func:`update_problem` against ``template`` (``extra_tensors()``, asked each time, names
+    the tensors that may come in addition); empty partial-participation updates pass."""
+
+    def check(msg: Message) -> str | None:
+        if is_empty(msg):
+            return None
+        return update_problem(msg, template, extra_tensors() if extra_tensors is not None else frozenset())
+
+    return check
+
+
+async def collect_round(
+    ctx, kind: str, t: int, deadline: float, poll: float, template, extra_tensors: frozenset[str] = frozenset(),
+    market: UpdateMarket | None = None,
+) -> tuple[dict, list[str]]:
+    """Receive round-``t`` messages of ``kind`` from every live neighbour
+    (``ctx.neighbours()``) until ``deadline``; messages of non-neighbours are rejected
+    and counted (``not_neighbour``).  An update that arrived from a neighbour which has
+    left since (``ctx.is_neighbour``: it sent its last round and went offline) counts.
+
+    With a ``market`` (:mod:`dfl_agent.algorithms.protocols.synchronization`), its synchronization strategy
+    decides when the round proceeds and which queued updates it takes; the newest
+    taken update of each sender is returned (empty partial-participation updates are
+    left out, and their senders are not missing).  Without one: ``one_from_each``.
+
+    Messages whose tensors do not match ``template`` (names/shapes/dtypes; names in
+    ``extra_tensors`` may come in addition and are not checked here) or whose
+    ``meta["samples"]`` is not a positive number are rejected and counted.
+
+    Returns:
+        ``({sender: message}, missing_peer_ids)``.
+    """
+    if market is not None:
+        res = await market.collect(
+            ctx, kind, t, deadline=deadline, poll=poll,
+            validate=lambda m: update_problem(m, template, extra_tensors),
+        )
+        return res.latest(), res.missing
+    got: dict[str, Message] = {}
+
+    def intake(msg: Message) -> None:
+        if msg.sender not in neighbours and not ctx.is_neighbour(msg.sender):
+            ctx.reject(msg, "not_neighbour: sender is not a neighbour")
+            return
+        problem = update_problem(msg, template, extra_tensors)
+        if problem:
+            ctx.reject(msg, problem)
+            return
+        got[msg.sender] = msg
+
+    while True:
+        neighbours = ctx.neighbours()
+        now = ctx.clock.now()
+        # what already arrived counts, also from a neighbour that has left since
+        while (msg := await ctx.receive(kind, round=t, deadline=now)) is not None:
+            intake(msg)
+        missing = [p for p in neighbours if p not in got]
+        if not missing or now >= deadline:
+            return got, missing
+        msg = await ctx.receive(kind, round=t, deadline=min(deadline, now + poll))
+        if msg is not None:
+            intake(msg)
+
+
+@dataclasses.dataclass
+class NeighbourhoodOptions(GossipOptions):
+    """Options shared by ``dechw``, ``dechetero`` and ``cfa``: those of
+    :class:`dfl_agent.algorithms.fedavg.GossipOptions` (round deadline, robust aggregation,
+    synchronization strategy) plus ``delivery``.
+
+    Attributes:
+        delivery: how a model reaches the neighbours: ``unicast`` (one message per
+            neighbour: bytes = degree × message), ``broadcast`` (one publish: over MQTT
+            every peer receives it and non-neighbours reject it; the simulator delivers
+            it to the neighbours only), or ``auto`` (default: broadcast
+            when the neighbours are all the live peers, unicast otherwise).
+
+    Robust ``aggregation`` here: in ``dechw``, ``clip`` clips before the Hessian
+    weighting; ``median`` and ``trimmed_mean`` replace it.  In ``cfa``, ``clip`` clips
+    before the consensus step; ``median``/``trimmed_mean`` replace it by the robust
+    aggregate of N_i ∪ {i}.
+
+    Raises:
+        ValueError: an unknown ``delivery``, or an invalid inherited option.
+    """
+
+    delivery: str = "auto"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.delivery not in DELIVERIES:
+            raise ValueError(f"delivery must be one of {DELIVERIES}, got {self.delivery!r}")
+
+
+class NeighbourhoodAlgorithm(Algorithm):
+    """Algorithm 1 of seed 001 with a pluggable aggregation rule.
+
+    Subclasses implement :meth:`aggregate` and may override :meth:`after_training`
+    (extra tensors to send), :meth:`extra_names` (the names those may have) and
+    :meth:`send_model` (how the model reaches the neighbours).
+    """
+
+    #: the order of a round's steps (module docstring): False = aggregate the neighbours'
+    #: round-(t-1) models, then train and send (DecHW); True = train and send, then
+    #: aggregate the neighbours' round-t models (FedAvg)
+    train_first: ClassVar[bool] = False
+    #: prefixes of received tensors that must stay >= 0 after CHOCO decoding (DecHW's Hessians)
+    nonnegative: ClassVar[tuple[str, ...]] = ()
+
+    async def setup(self) -> None:
+        self.model = self.new_model()
+        # bad updates are dropped on arrival; only good ones are catch-up evidence
+        self._arrival = arrival_check(shape_template(model_to_numpy(self.model)), self.extra_names)
+        self.ctx.check_on_arrival(MODEL_KIND, self.update_check)
+        self.samples = int(len(self.ctx.data.train_y))
+        self._bootstrapped = False
+        self.market = UpdateMarket.from_options(self.options)
+        self.choco = gc.choco_for(self.ctx, MODEL_KIND)  # compressed gossip (issue 8), None = raw models
+        if self.choco is not None and self.options.participation:
+            raise ValueError("algorithm.options.participation: partial participation cannot be combined with "
+                             "compressed gossip (CHOCO needs every neighbour to receive every difference)")
+
+    # -- hooks --------------------------------------------------------------------
+    def update_check(self, msg: Message) -> str | None:
+        """Why a received model update cannot be used (``"reason: detail"``), or None: the
+        model's tensor names, shapes and dtypes and a positive ``samples``
+        (:func:`~dfl_agent.algorithms.fedavg.update_problem`; :meth:`extra_names` may come
+        in addition).  Run on arrival (:meth:`NodeContext.check_on_arrival`)."""
+        return self._arrival(msg)
+
+    def extra_names(self) -> frozenset[str]:
+        """Names of the tensors a message may carry besides the model's."""
+        return frozenset()
+
+    async def after_training(self, t: int) -> dict[str, np.ndarray]:
+        """Called after the local training of round ``t`` (0 = Alg. 1's initial
+        training); returns the extra tensors to send with the model."""
+        return {}
+
+    def aggregate(self, t: int, own: dict[str, np.ndarray], got: list[Message]) -> tuple[dict[str, np.ndarray], dict]:
+        """The aggregation of round ``t`` (seed 001 Alg. 1 line 7, the rule of each subclass)
+        from the own model and the neighbours' messages (sorted by sender; round t-1, or
+        round t with :attr:`train_first`).  Returns ``(tensors, info)``: the new model's
+        tensors (names and shapes of ``own``) and JSON-friendly round info."""
+        raise NotImplementedError
+
+    # -- protocol -------------------------------------------------------------------
+    async def _train(self) -> dict[str, float]:
+        ctx, d = self.ctx, self.ctx.data
+        return await ctx.compute(train_local, self.model, d.train_x, d.train_y, ctx.train, ctx.rng, ctx.device)
+
+    async def send_model(self, t: int, extra: Mapping[str, np.ndarray]) -> None:
+        """Send the model of round ``t`` (with ``extra`` tensors) to the neighbours, as the
+        option ``delivery`` says (or to ``participation`` of them, seed 003 §3.6.4)."""
+        ctx = self.ctx
+        tensors = {**model_to_numpy(self.model), **extra}
+        meta = {"samples": self.samples, "hessian": bool(extra)}
+        neighbours = ctx.neighbours()
+        if self.options.participation:  # partial device participation (seed 003 §3.6.4)
+            await send_with_participation(ctx, MODEL_KIND, t, tensors, meta, self.options.participation, neighbours)
+            return
+        mode = self.options.delivery
+        if mode == "auto":
+            mode = "broadcast" if set(neighbours) == set(ctx.live_peers()) else "unicast"
+        msg = gc.model_message(self.choco, MODEL_KIND, t, tensors, meta)  # once: CHOCO copies agree
+        if mode == "broadcast":
+            await ctx.broadcast(msg, neighbours_only=True)
+        else:
+            for peer in neighbours:
+                await ctx.send(peer, dataclasses.replace(msg, meta=dict(msg.meta), msg_id=""))
+
+    async def _train_and_send(self, t: int) -> dict[str, float]:
+        stats = await self._train()
+        await self.send_model(t, await self.after_training(t))
+        return stats
+
+    async def round(self, t: int) -> dict[str, Any]:
+        """Round ``t`` of seed 001 Algorithm 1 (lines 6-11: collect, aggregate with
+        :meth:`aggregate`, train, send), or of FedAvg gossip with :attr:`train_first`
+        (train, send, collect round ``t``, aggregate).  Returns the round's info (train
+        loss, neighbours used, missing neighbours, the aggregation's and the market's info)."""
+        ctx = self.ctx
+        if self.train_first:
+            stats = await self._train_and_send(t)
+            collect = t
+        else:
+            if not self._bootstrapped:  # Alg. 1 lines 2-4: train, Ĥ⁽⁰⁾, send (as round t-1)
+                self._bootstrapped = True
+                await self._train_and_send(t - 1)
+            collect = t - 1
+        own = model_to_numpy(self.model)
+        deadline = ctx.clock.now() + self.options.round_timeout
+        got, missing = await collect_round(
+            ctx, MODEL_KIND, collect, deadline, self.options.poll_interval, own, extra_tensors=self.extra_names(),
+            market=self.market,
+        )
+        got = gc.received_copies(ctx, self.choco, got, nonnegative=self.nonnegative)
+        msgs = [got[s] for s in sorted(got)]
+        with self.divergence_guard("aggregation") as guard:  # a non-finite aggregate is undone
+            tensors, info = self.aggregate(t, gc.own_for_mixing(self.choco, own), msgs)
+            load_numpy(self.model, gc.finish_mixing(self.choco, own, tensors))
+        used = [] if guard.diverged else sorted(got)
+        if not self.train_first:
+            stats = await self._train_and_send(t)  # Alg. 1 lines 9-11
+        return {"train_loss": stats["loss"], "neighbours": len(used), "neighbour_ids": used,
+                "missing": missing, **info,
+                **(self.market.last.info() if self.market.last is not None else {})}
+
+    def catches_up(self) -> bool:
+        """Lock-step gossip: with round-``t`` updates only (``max_staleness = 0``) a node
+        behind its neighbours gets nothing from them, so it skips to their round."""
+        return self.market.max_staleness == 0
+
+    def deployable_model(self) -> nn.Module:
+        return self.model
+
+    def status(self) -> dict[str, Any]:
+        return self.market.status()
+
+
