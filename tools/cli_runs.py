@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import paho.mqtt.client as mqtt
-
 RUN_COLUMNS = ("run_id", "name", "state", "algorithm", "rounds", "submitter", "trust", "nodes")
 
 
@@ -79,8 +77,9 @@ def operator_seq(d: str | None) -> Any:
 
 def _client(prefix: str) -> Any:
     """An MQTT v5 paho client with a unique ``prefix-xxxxxxxx`` client id."""
-    return mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{prefix}-{secrets.token_hex(4)}",
-                       protocol=mqtt.MQTTv5)
+    from dfl_agent.transport.mqtt import mqtt_session
+
+    return mqtt_session(f"{prefix}-{secrets.token_hex(4)}", reconnect_delay=None)
 
 
 def _connect(c: Any, broker: str) -> None:
@@ -89,7 +88,7 @@ def _connect(c: Any, broker: str) -> None:
     Raises:
         ConnectionError: the broker cannot be reached.
     """
-    from dfl_agent.discovery.static import parse_endpoint
+    from dfl_agent.transport.endpoint import parse_endpoint
 
     host, port = parse_endpoint(broker)
     try:

@@ -13,11 +13,10 @@ import time
 import uuid
 from typing import Any
 
-import paho.mqtt.client as mqtt
-
-from dfl_agent.discovery.static import parse_endpoint
 from dfl_agent.jsonbound import JSONBoundError, RateLimitedLog
 from dfl_agent.jsonbound import loads as bounded_loads
+from dfl_agent.transport.endpoint import parse_endpoint
+from dfl_agent.transport.mqtt import mqtt_session
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +61,8 @@ class Observer:
         self._connected = threading.Event()
         #: SecurityGuard verifying presence/status (set before start; None: all "unverified")
         self.guard: Any = None
-        proto = mqtt.MQTTv5 if protocol == "5" else mqtt.MQTTv311
-        self._client = mqtt.Client(
-            mqtt.CallbackAPIVersion.VERSION2, client_id=f"dflctl-{uuid.uuid4().hex[:8]}", protocol=proto
-        )
+        self._client = mqtt_session(f"dflctl-{uuid.uuid4().hex[:8]}", protocol="5" if protocol == "5" else "3.1.1",
+                                    reconnect_delay=None)
         self._client.on_connect = self._on_connect
         self._client.on_message = self._on_message
 

@@ -93,26 +93,16 @@ class RunLobby:
         """Connect (non-blocking; paho reconnects on its own)."""
         import secrets
 
-        import paho.mqtt.client as mqtt
-
-        from dfl_agent.discovery.static import parse_endpoint
-        from dfl_agent.transport.mqtt import PROTOCOLS
+        from dfl_agent.transport.endpoint import parse_endpoint
+        from dfl_agent.transport.mqtt import mqtt_session
 
         m = self.cfg.mqtt
         host, port = parse_endpoint(m.broker)
-        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
-                        client_id=f"dfl-{self.cfg.federation}-{self.node_id}-runs-{secrets.token_hex(3)}",
-                        protocol=PROTOCOLS[m.protocol])
-        if m.username is not None:
-            c.username_pw_set(m.username, m.password)
-        if m.tls_ca is not None:
-            import ssl
-
-            c.tls_set(ca_certs=m.tls_ca, certfile=m.tls_cert, keyfile=m.tls_key, cert_reqs=ssl.CERT_REQUIRED,
-                      tls_version=ssl.PROTOCOL_TLS_CLIENT)
+        c = mqtt_session(f"dfl-{self.cfg.federation}-{self.node_id}-runs-{secrets.token_hex(3)}",
+                         protocol=m.protocol, username=m.username, password=m.password,
+                         tls_ca=m.tls_ca, tls_cert=m.tls_cert, tls_key=m.tls_key)
         c.on_connect = self._on_connect
         c.on_message = self._on_message
-        c.reconnect_delay_set(min_delay=1, max_delay=30)
         c.connect_async(host, port, keepalive=m.keepalive)
         c.loop_start()
         self.client = c

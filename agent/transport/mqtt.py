@@ -140,6 +140,50 @@ def _paho_log(client, userdata, level, buf) -> None:
     _paho_logger.debug("%s", buf)
 
 
+def mqtt_session(client_id: str, *, protocol: str = "5", username: str | None = None,
+                 password: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, userdata: Any = None,
+                 reconnect_delay: tuple[int, int] | None = (1, 30)) -> mqtt.Client:
+    """A paho client (callback API 2), not yet connected: the one session factory of every MQTT user.
+
+    The agent's connection pool (:class:`MqttTransport`), the run lobby, the inference member
+    (through its :class:`MqttTransport`) and ``dflctl``'s fleet commands (observer, ``run``)
+    all build their clients here, so credentials, TLS, protocol and reconnection are set
+    the same way everywhere.
+
+    Args:
+        client_id: the MQTT client id (unique per connection).
+        protocol: ``"5"`` or ``"3.1.1"`` (:data:`PROTOCOLS`); 3.1.1 starts a clean session.
+        username, password: broker credentials (``username`` None: none).
+        tls_ca: CA file; given, the connection uses TLS (``PROTOCOL_TLS_CLIENT``) and the
+            broker's certificate must chain to it and match the host name.
+        tls_cert, tls_key: a client certificate and its key (brokers with
+            ``require_certificate``).
+        userdata: handed to the client's callbacks.
+        reconnect_delay: paho's reconnection backoff ``(min, max)`` in seconds; None keeps
+            paho's default (1 s to 120 s).
+
+    Raises:
+        KeyError: ``protocol`` is not in :data:`PROTOCOLS`.
+    """
+    kwargs: dict[str, Any] = {}
+    if protocol == "3.1.1":
+        kwargs["clean_session"] = True
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=PROTOCOLS[protocol],
+                         userdata=userdata, reconnect_on_failure=True, **kwargs)
+    client.on_log = _paho_log  # paho's own messages, at debug level only
+    if reconnect_delay is not None:
+        client.reconnect_delay_set(min_delay=reconnect_delay[0], max_delay=reconnect_delay[1])
+    if username is not None:
+        client.username_pw_set(username, password)
+    if tls_ca is not None:  # -- security: TLS with server verification
+        import ssl
+
+        client.tls_set(ca_certs=tls_ca, certfile=tls_cert, keyfile=tls_key,
+                       cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
+    return client
+
+
 class _Conn:
     """One paho client to one broker endpoint, with its readiness state."""
 
@@ -443,22 +487,9 @@ class MqttTransport(Transport):
             if self._stopping:
                 raise RuntimeError("MqttTransport is stopping")
             conn = _Conn(endpoint, home)
-            client_id = f"dfl-{self.federation}-{self.node_id}-{secrets.token_hex(4)}"
-            kwargs: dict[str, Any] = {}
-            if self.protocol == "3.1.1":
-                kwargs["clean_session"] = True
-            client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id,
-                                 protocol=PROTOCOLS[self.protocol], userdata=conn,
-                                 reconnect_on_failure=True, **kwargs)
-            client.on_log = _paho_log  # paho's own messages, at debug level only
-            client.reconnect_delay_set(min_delay=1, max_delay=30)
-            if self.username is not None:
-                client.username_pw_set(self.username, self.password)
-            if self.tls_ca is not None:  # -- security: TLS with server verification
-                import ssl
-
-                client.tls_set(ca_certs=self.tls_ca, certfile=self.tls_cert, keyfile=self.tls_key,
-                               cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
+            client = mqtt_session(f"dfl-{self.federation}-{self.node_id}-{secrets.token_hex(4)}",
+                                  protocol=self.protocol, username=self.username, password=self.password,
+                                  tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key, userdata=conn)
             if home:
                 # unsigned by necessity (see the module docstring): a hint for signed receivers
                 client.will_set(self._t_presence, self._presence_payload(False, signed=False), qos=1, retain=True)
