@@ -19,7 +19,7 @@ import re
 from typing import Any
 
 from dfl_agent.discovery.peers import PeerTable
-from dfl_agent.transport.endpoint import parse_endpoint, valid_endpoint  # noqa: F401 - re-exported
+from dfl_agent.transport.endpoint import parse_endpoint
 from dfl_agent.transport.wire import valid_id
 
 _DICT_KEYS = frozenset({"id", "broker", "profile", "algorithm"})

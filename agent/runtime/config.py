@@ -379,7 +379,7 @@ def _validate(cfg: NodeConfig) -> None:
     need(m.max_frame_bytes >= m.chunk_size, "mqtt.max_frame_bytes", "must be >= mqtt.chunk_size")
     need(m.keepalive >= 1, "mqtt.keepalive", "must be >= 1")
     need(m.heartbeat_interval > 0, "mqtt.heartbeat_interval", "must be > 0")
-    from dfl_agent.discovery.static import valid_endpoint
+    from dfl_agent.transport.endpoint import valid_endpoint
 
     need(valid_endpoint(m.broker), "mqtt.broker", "must be 'host:port' (IPv6: '[addr]:port')")
     disc = cfg.discovery
