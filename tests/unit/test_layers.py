@@ -176,3 +176,10 @@ def test_walk_sees_local_imports_and_skips_type_checking(
     path.write_text(src)
     got = [_part(t) for _l, t in _imports("dfl_agent.learning.m", path)]
     assert [g for g in got if g and g != "learning"] == expected
+
+
+def test_module_names_say_what_they_hold() -> None:
+    """``runtime.py`` exists only as the runtime package itself: a module elsewhere is named
+    after what it holds (``deploy/gate.py``, ``inference/windows.py``, ...)."""
+    stray = [str(p.relative_to(ROOT)) for p in (ROOT / "agent").rglob("runtime.py")]
+    assert stray == []
