@@ -27,13 +27,18 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from dfl_agent.runtime.admission import admit
-from dfl_agent.runtime.assembly import StartupError
+from dfl_agent.runtime.agent import Agent, node_id_from_state
+from dfl_agent.runtime.assembly import StartupError, build_security
 from dfl_agent.runtime.config import ConfigError, NodeConfig, _from_dict, _validate
-from dfl_agent.runtime.descriptor import RunDescriptor
+from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier
 from dfl_agent.runtime.ledger import RunLedger, default_descriptor
+from dfl_agent.runtime.lobby import RunLobby
+from dfl_agent.runtime.sample_store import open_store
+from dfl_agent.runtime.systemd import Notifier
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -459,3 +464,36 @@ async def _relay(stop: asyncio.Event, run_stop: asyncio.Event) -> None:
     await stop.wait()
     run_stop.set()
 
+
+def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHooks | None = None,
+                      agent_factory: Callable[..., Any] = Agent) -> RunManager:
+    """The always-on agent's run manager: this node's id (``state_dir/node_id``), its
+    device profile, the run ledger, the node's security guard (it signs idle statuses
+    and verifies peers' ones and run descriptors), the lobby (not connected yet), the
+    sample store with ``data.dataset = "store"``, the systemd notifier, and ``hooks``.
+
+    Raises:
+        StartupError: the state directory, the profile, the keys or the store are unusable.
+    """
+    from dfl_agent.profiles import resolve_profile
+
+    state_dir = Path(cfg.state_dir)
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        profile = resolve_profile(cfg.profile, cfg.profile_overrides)[0]
+    except (OSError, ValueError, LookupError) as exc:
+        raise StartupError(str(exc)) from None
+    nid = node_id_from_state(state_dir, cfg.node_id)
+    ledger = RunLedger(state_dir)
+    guard = build_security(cfg, state_dir, nid)
+    lobby = RunLobby(cfg, nid, RunVerifier(cfg.federation, require_signatures=cfg.security.require_signatures,
+                                           guard=guard))
+    lobby.guard = guard
+    store = None
+    if cfg.data.dataset == "store":  # ingested between runs (a run ingests on its own)
+        try:
+            store = open_store(cfg)
+        except (OSError, ValueError) as exc:
+            raise StartupError(str(exc)) from None
+    return RunManager(cfg, config_path, node_id=nid, profile=profile, ledger=ledger, lobby=lobby,
+                      agent_factory=agent_factory, notifier=Notifier(), hooks=hooks, store=store)

@@ -129,6 +129,17 @@ async def watchdog_loop(notifier: Notifier, interval: float, status: Callable[[]
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
 
+async def status_loop(notifier: Notifier, status: Callable[[], str], interval: float = 5.0) -> None:
+    """STATUS= updates for systemd when no watchdog is configured."""
+    last = None
+    while True:
+        text = status()
+        if text != last:
+            notifier.status(text)
+            last = text
+        await asyncio.sleep(interval)
+
+
 class JournalFormatter(logging.Formatter):
     """``<priority>logger: message`` lines: journald reads the ``<N>`` prefix as the
     syslog priority (``SyslogLevelPrefix=yes``, the default) and adds its own time

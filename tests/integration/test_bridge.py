@@ -13,8 +13,8 @@ import pytest
 from dfl_agent.cli.broker import BrokerHandle, free_port, mosquitto_path
 from dfl_agent.cli.observer import Observer
 from dfl_agent.cli.tables import peer_rows
+from dfl_agent.runtime.agent import Agent
 from dfl_agent.runtime.config import config_from_dict
-from dfl_agent.runtime.daemon import Agent
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow,
               pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed")]

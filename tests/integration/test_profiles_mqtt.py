@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from dfl_agent.runtime.agent import Agent
 from dfl_agent.runtime.config import (
     AlgorithmSection,
     DataSection,
@@ -24,7 +25,6 @@ from dfl_agent.runtime.config import (
     RuntimeSection,
     TrainingSection,
 )
-from dfl_agent.runtime.daemon import Agent
 from tests.unit.test_profiles import FakePsutil
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]

@@ -95,7 +95,7 @@ def test_run_follows_catch_up_round():
 
 
 def test_malformed_status_rounds_count_as_zero():
-    from dfl_agent.runtime.daemon import _as_float, _as_round
+    from dfl_agent.runtime.rejoin import _as_float, _as_round
 
     assert [_as_round(v) for v in (7, "7", None, "x", [1], -3)] == [7, 7, 0, 0, 0, 0]
     assert [_as_float(v) for v in (1.5, "2", None, "x", {})] == [1.5, 2.0, 0.0, 0.0, 0.0]

@@ -19,9 +19,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.neighbourhood import arrival_check
 from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.runtime.agent import Agent
 from dfl_agent.runtime.config import ConfigError, config_from_dict
 from dfl_agent.runtime.context import RuntimeContext
-from dfl_agent.runtime.daemon import Agent
 from dfl_agent.security import SecurityGuard, TrustStore
 from dfl_agent.security.keys import public_key_b64
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
@@ -211,7 +211,7 @@ def test_members_are_recorded_as_the_rounds_start(tmp_path):
 
 
 def test_finished_by_members_rule():
-    from dfl_agent.runtime.daemon import finished_by_members
+    from dfl_agent.runtime.rejoin import finished_by_members
 
     fin = {"state": "finished"}
     assert not finished_by_members({"a": fin}, {"a"})  # one device, even the only other member

@@ -341,7 +341,7 @@ def test_config_pins_profiles_and_names_bad_keys():
 
 
 def test_daemon_applies_profile():
-    from dfl_agent.runtime.daemon import apply_profile
+    from dfl_agent.runtime.assembly import apply_profile
 
     cfg = config_from_dict({"profile": "raspberry-pi-4", "algorithm": {"name": "dfml"}})
     prof, beh = apply_profile(cfg, "dfml")

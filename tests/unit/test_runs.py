@@ -147,7 +147,7 @@ def test_admit_declines_with_the_reason():
 
 
 def test_descriptor_overrides_node_toml_and_members():
-    from dfl_agent.runtime.daemon import StartupError, run_config_for
+    from dfl_agent.runtime.run_manager import StartupError, run_config_for
 
     cfg = config_from_dict({"training": {"lr": 0.1}, "algorithm": {"rounds": 5}})
     run = RunDescriptor(run_id="r", federation="default", algorithm="dechw", rounds=2, options={"round_timeout": 3},
@@ -198,8 +198,9 @@ def test_admit_counts_the_models_parameters_against_memory_budget_mb():
 
 def test_run_model_family_reaches_the_model_build():
     from dfl_agent.models.families import FAMILIES, family_member, family_specs
+    from dfl_agent.runtime.assembly import model_spec_for
     from dfl_agent.runtime.config import MODEL_FAMILIES, ConfigError
-    from dfl_agent.runtime.daemon import StartupError, model_spec_for, run_config_for
+    from dfl_agent.runtime.run_manager import StartupError, run_config_for
 
     assert tuple(FAMILIES) == MODEL_FAMILIES
     cfg = config_from_dict({"model": {"size": "small"}, "algorithm": {"rounds": 5}})

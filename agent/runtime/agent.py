@@ -1,0 +1,600 @@
+"""The training agent: one node's part in one run, from its data to its last round.
+
+:class:`Agent` loads the node's data (a data set, or a snapshot of the on-device sample
+store), has :mod:`dfl_agent.runtime.assembly` build the node, connects to its MQTT broker
+(presence with a last will, status heartbeat), advertises itself and browses for peers
+over mDNS, waits for ``discovery.min_peers`` peers (bounded by
+``discovery.start_timeout``), then runs the algorithm for ``algorithm.rounds`` rounds,
+resuming from its checkpoint.  Training runs in a worker thread, so messaging,
+heartbeats and status go on meanwhile; every wait has a deadline.  A stop leaves
+cleanly: mDNS goodbye, presence "offline".  After the last round the model is deployed
+when the gate lets it.
+
+The always-on agent creates one per run (:mod:`dfl_agent.runtime.run_manager`);
+``dfl-agent run --once`` runs one for the configured run (:mod:`dfl_agent.runtime.daemon`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dfl_agent import WIRE_VERSION, __version__
+from dfl_agent.data import node_data_for
+from dfl_agent.discovery.mdns import MdnsDiscovery
+from dfl_agent.discovery.static import load_static_peers, parse_peer
+from dfl_agent.fsutil import atomic_write
+from dfl_agent.jsonbound import loads as bounded_loads
+from dfl_agent.learning.training import TrainConfig, warm_up
+from dfl_agent.onnx_model import onnx_available
+from dfl_agent.profiles import ResourceGate
+from dfl_agent.runtime.assembly import (
+    StartupError,
+    apply_profile,
+    build_node,
+    build_security,
+    check_node_model,
+    choose_compression,
+    model_spec_for,
+    resolve_algorithm,
+)
+from dfl_agent.runtime.checkpoint import CheckpointStore, NodeCheckpointer
+from dfl_agent.runtime.config import ConfigError, NodeConfig, load_config
+from dfl_agent.runtime.deployment import deploy_after_run
+from dfl_agent.runtime.node import RunStopped, init_seed_for
+from dfl_agent.runtime.preflight import load_data
+from dfl_agent.runtime.prometheus import PrometheusExporter
+from dfl_agent.runtime.rejoin import RunMembers
+from dfl_agent.runtime.sample_store import open_store, seed_store, snapshot_from_checkpoint, spool_loop, store_data
+from dfl_agent.runtime.systemd import Notifier, status_loop, watchdog_loop
+from dfl_agent.transport.mqtt import MqttTransport
+
+log = logging.getLogger("dfl_agent.daemon")
+
+
+def node_id_from_state(state_dir: Path, configured: str | None) -> str:
+    """The node's persistent id: ``configured`` if given, else the one stored in
+    ``state_dir/node_id``, else a new random one (``n-`` + 8 hex) written atomically."""
+    if configured:
+        return configured
+    path = state_dir / "node_id"
+    if path.exists():
+        nid = path.read_text(encoding="utf-8").strip()
+        if nid:
+            return nid
+    nid = "n-" + secrets.token_hex(4)
+    atomic_write(path, nid + "\n")
+    return nid
+
+
+class Agent(RunMembers):
+    """One running daemon: wires config, data, transport, discovery and the algorithm."""
+
+    def __init__(self, cfg: NodeConfig, config_path: str | None = None, psutil_mod: Any = None, *,
+                 run: Any = None, run_dir: Path | None = None, serving: bool = False,
+                 should_stop: Any = None, wanted_peers: Any = None, members: Any = None,
+                 on_state: Callable[[str], None] | None = None):
+        self.cfg = cfg
+        #: told the run's states after its rounds: ``trained``, ``deploying``, ``deployed``
+        #: or ``kept`` (the run manager's transitions; None with ``--once``)
+        self.on_state = on_state
+        #: the run trained (runs.RunDescriptor; None with ``--once``), its folder, and
+        #: whether an always-on ``serve`` loop owns the process (no systemd STOPPING)
+        self.run_desc = run
+        self.run_dir = run_dir
+        self.serving = serving
+        #: extra stop condition checked after every round (``() -> bool``; runs: cancelled)
+        self.should_stop = should_stop
+        #: ``() -> int``: at most this many peers can still come (runs: the others that did
+        #: not decline the run); the wait for ``discovery.min_peers`` never waits for more
+        self.wanted_peers = wanted_peers
+        #: the run's members besides this node, whose majority may say that the run is
+        #: finished: the admitted members given here (runs: verified statuses that
+        #: accepted it), those recorded in ``members.json`` of the run's folder, and the
+        #: live verified neighbours when the node starts its rounds (see :meth:`_members`)
+        self.members: set[str] = {str(m) for m in (members or ())}
+        self.outcome = "starting"
+        self.psutil = psutil_mod  # None = the real psutil (tests pass a stand-in for battery etc.)
+        self.state_dir = Path(cfg.state_dir)
+        self.node_id = ""
+        self.node: Any = None
+        self.mdns: Any = None
+        self.ctx: Any = None
+        # -- operations: systemd notification, checkpoints, SIGHUP reload
+        self.config_path = config_path
+        self.notifier = Notifier()
+        self.checkpointer: Any = None
+        self.metrics_path: Path | None = None  # the metrics file of the run (read on resume)
+        self.metrics_run: str | None = None
+        self.peers: Any = None
+        # -- the sample store and model delivery
+        self.store: Any = None
+        self.snapshot: Any = None
+        self.deployed: Any = None  # the last deploy result
+        self.publisher: Any = None  # sends the model to inference-only members (runtime.onnx_publisher)
+        self.run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())  # until runs have their own ids
+        #: the data's (input shape, number of classes), once loaded (runs: accept-time memory check)
+        self.data_shape: tuple[Any, int | None] | None = None
+
+    async def run(self, stop: asyncio.Event) -> int:
+        import torch
+
+        from dfl_agent.discovery.peers import PeerTable
+        from dfl_agent.models import spec_hash
+
+        cfg = self.cfg
+        d = cfg.data
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self.node_id = nid = node_id_from_state(self.state_dir, cfg.node_id)
+            algo_cls, options = resolve_algorithm(cfg)  # ConfigError (a ValueError) names the key
+            profile, behaviour = apply_profile(cfg, algo_cls.name)  # device profile + decision table
+            torch.set_num_threads(behaviour.threads)
+            if d.dataset == "store":  # the on-device sample store (dfl_agent.store)
+                bundle, data = self._store_data()
+            else:
+                bundle = load_data(cfg)
+                data = node_data_for(bundle, d.num_nodes, d.node_index, d.partition, seed=cfg.seed, beta=d.beta,
+                                     zeta=d.zeta)
+            spec = model_spec_for(cfg, algo_cls.name, bundle.pool.input_shape, bundle.pool.num_classes,
+                                  profile_size=profile.model.size, tier=behaviour.model_size)
+            self.data_shape = (list(bundle.pool.input_shape), int(bundle.pool.num_classes))
+            check_node_model(algo_cls.name, spec, bundle.pool.num_classes)
+            behaviour = apply_profile(cfg, algo_cls.name, spec=spec)[1]  # aggregator memory check
+            guard = build_security(cfg, self.state_dir, nid)  # -- security
+        except (ValueError, KeyError, OSError, ImportError, LookupError) as exc:
+            raise StartupError(str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)) from None
+        for line in behaviour.reasons:
+            log.info("profile %s: %s", profile.name, line)
+        from dfl_agent.algorithms.dechw import common_init_hint
+
+        if hint := common_init_hint(algo_cls.name, options, cfg.runtime.init, d.partition):
+            log.warning("%s", hint)
+        fed = cfg.federation
+        t = cfg.training
+        train = TrainConfig(epochs=t.epochs, steps=t.steps, batch_size=behaviour.batch_size, lr=t.lr,
+                            momentum=t.momentum,
+                            weight_decay=t.weight_decay, mixed_precision=behaviour.mixed_precision)
+        log.info("node %s of federation %s: %s, %d train / %d val samples (users %s), model %s",
+                 nid, fed, algo_cls.name, data.num_train, len(data.val_y), data.groups, spec["type"])
+
+        if cfg.mqtt.bridged:  # operations: multi-site, brokers joined by bridging
+            from dfl_agent.discovery.bridged import HomeRoutedPeerTable as PeerTable  # noqa: N814
+        self.peers = peers = PeerTable(nid, fed, heartbeat_timeout=cfg.discovery.heartbeat_timeout)
+        load_static_peers(peers, cfg.discovery.static_peers, fed)
+        descriptor = {
+            "broker": cfg.mqtt.broker, "profile": cfg.profile, "model_hash": spec_hash(spec),
+            "algorithm": algo_cls.name, "version": f"{__version__}/w{WIRE_VERSION}",
+            "roles": ",".join(behaviour.roles), "compression": behaviour.compression,
+        }
+        mdns_descriptor = dict(descriptor)
+        if guard.certificate is not None:
+            descriptor["cert"] = guard.certificate  # presence carries the device certificate
+        def on_heartbeat(peer: str, status: dict[str, Any]) -> None:
+            peers.touch(peer)
+            if self.ctx:
+                self.ctx.note_status(peer, status)
+
+        transport = MqttTransport(
+            nid, fed, broker=cfg.mqtt.broker, peers=peers, descriptor=descriptor, protocol=cfg.mqtt.protocol,
+            chunk_size=cfg.mqtt.chunk_size, max_frame_bytes=cfg.mqtt.max_frame_bytes,
+            keepalive=cfg.mqtt.keepalive, heartbeat_interval=cfg.mqtt.heartbeat_interval,
+            username=cfg.mqtt.username, password=cfg.mqtt.password,
+            on_heartbeat=on_heartbeat,
+            tls_ca=cfg.mqtt.tls_ca, tls_cert=cfg.mqtt.tls_cert, tls_key=cfg.mqtt.tls_key,
+            max_transfers=cfg.mqtt.max_transfers, control=guard,
+        )
+        run_id = self.run_desc.run_id if self.run_desc is not None else None
+        if self.run_dir is not None:  # runs: metrics per run
+            metrics_path = self.run_dir / "metrics.jsonl"
+        else:
+            metrics_path = Path(cfg.runtime.metrics_file or self.state_dir / "metrics.jsonl")
+        metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        _end_torn_line(metrics_path)
+        metrics_file = open(metrics_path, "a", encoding="utf-8")
+        self.metrics_path, self.metrics_run = metrics_path, run_id
+
+        def sink(record: dict[str, Any]) -> None:
+            if run_id is not None:
+                record = {**record, "run": run_id}
+            metrics_file.write(json.dumps(record, sort_keys=True, default=float) + "\n")
+            metrics_file.flush()
+
+        persistent: dict[str, Any] = {}
+        if self.snapshot is not None:  # saved with every checkpoint: a resumed run trains on the same data
+            from dfl_agent.runtime.sample_store import SNAPSHOT_KEY
+
+            persistent[SNAPSHOT_KEY] = self.snapshot
+        self.node = node = build_node(
+            algo_cls, options, model_spec=spec, test_x=bundle.test.x, test_y=bundle.test.y,
+            baseline_local=cfg.runtime.baseline_local, sink=sink, rounds=cfg.algorithm.rounds,
+            eval_every=cfg.runtime.eval_every, eval_background=cfg.runtime.eval_background,
+            node_id=nid, federation=fed, transport=transport, peers=peers, data=data, train=train,
+            init_seed=init_seed_for(cfg.seed, d.node_index, cfg.runtime.init),
+            rng=np.random.default_rng([cfg.seed, d.node_index]), device=behaviour.device, compute_in_thread=True,
+            max_frame_bytes=cfg.mqtt.max_frame_bytes, graph_neighbours=cfg.algorithm.neighbours, seed=cfg.seed,
+            compression=choose_compression(cfg.compression.policy(), behaviour, algo_cls.name,
+                                           error_feedback=cfg.compression.error_feedback),
+            security=guard, max_queued_per_sender=cfg.security.max_queued_per_sender, behaviour=behaviour,
+            gate=ResourceGate(profile.limits, profile.training.windows, psutil_mod=self.psutil),
+            gate_poll=profile.limits.poll_interval_s, pause_when_disconnected=cfg.runtime.pause_when_disconnected,
+            max_catch_up_rounds=cfg.runtime.max_catch_up_rounds, final_round=cfg.algorithm.rounds,
+            persistent_state=persistent,
+        )
+        self.ctx = ctx = node.ctx
+        if self.store is not None:  # no global test set: "global" accuracy is the validation slice's
+            node.accuracy_source = "local validation"
+        if run_id is not None:
+            node.run_info = {"id": run_id, "state": "accepted", "reason": ""}
+        if onnx_available():  # send the deployable model to inference-only members
+            from dfl_agent.runtime.onnx_publisher import OnnxPublisher
+
+            deployed = None  # with the store and deployment: the deployed version only
+            if self.store is not None and cfg.deploy.enabled:
+                from dfl_agent.deploy import ModelStore
+
+                deployed = ModelStore(self.state_dir, keep=cfg.deploy.keep)
+            self.publisher = OnnxPublisher(ctx, node.algorithm, bundle.pool.input_shape, spec, models=deployed)
+            self.publisher.model_source = node.reported_model  # the evaluated model of the record
+            node.after_round.append(self.publisher)
+        return await self._lifecycle(stop, spec, bundle.pool.input_shape, mdns_descriptor, metrics_file)
+
+    # -- the node's life: start, join, rounds, teardown ---------------------------------------
+    async def _lifecycle(self, stop: asyncio.Event, spec: dict[str, Any], input_shape: Any,
+                         mdns_descriptor: dict[str, Any], metrics_file: Any) -> int:
+        """Start the node's services, run its rounds, and tear everything down in reverse
+        order (an :class:`contextlib.AsyncExitStack`) however it ends.  Returns the exit code
+        (3: the broker is unreachable)."""
+        async with contextlib.AsyncExitStack() as stack:
+            stack.callback(metrics_file.close)
+            stack.push_async_callback(self.ctx.stop)
+            try:
+                if not await self._start_services(stack, mdns_descriptor):
+                    return 3
+                start_round = await self._setup(stack, spec)
+                if start_round is None or (start_round := await self._join(stop, start_round)) is None:
+                    return 0
+                await self._run_rounds(stop, start_round, spec, input_shape)
+                return 0
+            finally:
+                if not self.serving:
+                    self.notifier.stopping()
+
+    async def _start_services(self, stack: contextlib.AsyncExitStack, mdns_descriptor: dict[str, Any]) -> bool:
+        """Connect to the broker, advertise on mDNS, keep ingesting the spool (each stopped
+        by ``stack``).  False when the broker is unreachable."""
+        try:
+            await self.ctx.start()
+        except ConnectionError as exc:
+            log.error("%s", exc)
+            return False
+        cfg = self.cfg
+        if cfg.discovery.mdns:
+            self.mdns = MdnsDiscovery(self.peers, node_id=self.node_id, federation=cfg.federation,
+                                      descriptor=mdns_descriptor, interfaces=list(cfg.discovery.interfaces))
+            stack.push_async_callback(self.mdns.stop)
+            await self.mdns.start()
+        if self.store is not None:
+            stack.push_async_callback(_cancel, asyncio.ensure_future(spool_loop(self.store, cfg.data.spool_interval)))
+        return True
+
+    async def _setup(self, stack: contextlib.AsyncExitStack, spec: dict[str, Any]) -> int | None:
+        """Set the algorithm up, restore the checkpoint, start the systemd watchdog and the
+        Prometheus endpoint.  Returns the first round to run, None when the checkpoint says
+        every round is done."""
+        from dfl_agent.models import spec_hash
+
+        node, rounds = self.node, self.cfg.algorithm.rounds
+        await node.setup()
+        start_round = self._resume(spec_hash(spec))  # operations: crash-safe state
+        self.members |= self._load_members(resumed=start_round > 1)
+        await node.publish_status()
+        if (watchdog := self._start_systemd()) is not None:
+            stack.callback(watchdog.cancel)
+        if (exporter := self._start_prometheus()) is not None:
+            stack.callback(exporter.stop)
+        if start_round > rounds:
+            log.info("the checkpoint says all %d rounds are done; nothing to run", rounds)
+            node.state = "finished"
+            self.outcome = "finished"
+            await node.publish_status()
+            return None
+        return start_round
+
+    async def _join(self, stop: asyncio.Event, start_round: int) -> int | None:
+        """Warm torch up while waiting for peers, then (``runtime.rejoin``) catch up with a
+        running federation.  Returns the round to start at, None when there is nothing to
+        run (stopped, or most of the run's members report it finished)."""
+        node, cfg = self.node, self.cfg
+        # start-up work (torch's lazy initialisation) while waiting for peers, not in round 1
+        warm = asyncio.ensure_future(self._warm_up(node, node.ctx.data))
+        if not await self._wait_for_peers(stop):
+            warm.cancel()
+            return None
+        node.startup["warm_up_s"] = await warm
+        if cfg.runtime.rejoin and node.algorithm.communicates:  # fault tolerance: behind the federation
+            if self._federation_finished():  # a majority of the run's members, never one device
+                log.info("most of the run's members report it finished (%d rounds)", cfg.algorithm.rounds)
+                self.outcome = "finished"
+                return None
+            start_round = self._rejoin_round(start_round)
+            self.ctx.enable_catch_up()  # ... and, while running, behind its neighbours
+        self._save_members()
+        return start_round
+
+    async def _run_rounds(self, stop: asyncio.Event, start_round: int, spec: dict[str, Any],
+                          input_shape: Any) -> None:
+        """The rounds from ``start_round``, until the last one (then deploy) or a stop or
+        cancel (the completed rounds' records are written first)."""
+        node, ctx, rounds = self.node, self.ctx, self.cfg.algorithm.rounds
+        should_stop = self.should_stop
+        # checked after every round, before the next one starts (a stop or a cancel
+        # that arrives mid-round also cancels the round in progress, below)
+        node.stop_check = lambda: stop.is_set() or bool(should_stop is not None and should_stop())
+        run = asyncio.ensure_future(node.run(rounds, start_round))
+        stopper = asyncio.ensure_future(stop.wait())
+        done, _ = await asyncio.wait({run, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        between = run in done and isinstance(run.exception(), RunStopped)
+        if run in done and not between:
+            stopper.cancel()
+            run.result()  # re-raise a crash of the algorithm
+            log.info("finished %d rounds", rounds)
+            self.outcome = "finished"
+            self._tell("trained")
+            await self._after_run(spec, input_shape)
+            return
+        log.info("stop requested %s; leaving the federation",
+                 f"after round {node.last_round()}" if between else f"during round {node.last_round() + 1}")
+        if ctx.abort is not None:  # local training in the worker thread stops too
+            ctx.abort.set()
+        # the completed rounds' records (evaluated in the background) are written
+        # before the round in progress is abandoned
+        drainer = asyncio.ensure_future(node.drain())
+        await asyncio.wait({drainer}, timeout=30.0)
+        stopper.cancel()
+        run.cancel()
+        await asyncio.gather(run, stopper, drainer, return_exceptions=True)
+        node.state = "stopped"
+        self.outcome = "stopped"
+        await node.publish_status()
+
+    # -- the sample store and model delivery ----------------------------------------------
+    def _store_data(self) -> tuple[Any, Any]:
+        """Open (and seed) the store, ingest the spool, take the run's snapshot (or the one
+        saved with the checkpoint being resumed), and split it."""
+        d = self.cfg.data
+        self.store = store = open_store(self.cfg)
+        seed_store(store, d.path)
+        store.ingest_spool()
+        ids = snapshot_from_checkpoint(self.run_dir or self.state_dir, self.cfg.algorithm.rounds) if self.cfg.runtime.checkpoint else None
+        if ids is None:
+            ids = store.snapshot()
+        else:
+            log.info("resuming with the data snapshot of the checkpoint (%d samples)", len(ids))
+        self.snapshot = ids
+        bundle, data = store_data(store, ids, d.validation_share)
+        log.info("sample store: run snapshot of %d samples (%d train, %d validation; store holds %d)",
+                 len(ids), data.num_train, data.num_val, store.count())
+        return bundle, data
+
+    async def _after_run(self, spec: dict[str, Any], input_shape: Any) -> None:
+        """After a run's last round: deploy the model when the gate lets it (dfl_agent.deploy)."""
+        if self.store is None or not self.cfg.deploy.enabled:
+            return
+        self._tell("deploying")
+        try:
+            self.deployed = await deploy_after_run(self, spec, input_shape)
+        except Exception as exc:  # noqa: BLE001 - a failed deployment never crashes the agent
+            log.error("deployment failed: %s", exc)
+            return
+        self._tell("deployed" if self.deployed.get("deployed") else "kept")
+        if self.publisher is not None and self.deployed.get("deployed"):  # inference members: this version
+            try:
+                await self.publisher.deliver(self.node.history[-1]["round"] if self.node.history else 0)
+            except Exception as exc:  # noqa: BLE001 - delivery is best effort, the files are deployed
+                log.warning("could not send the deployed model to inference members: %s", exc)
+
+    def _tell(self, state: str) -> None:
+        """Tell the run manager (``on_state``) the run's state after its rounds."""
+        if self.on_state is not None:
+            self.on_state(state)
+
+    # -- operations (issue 10) ------------------------------------------------------------
+    def _resume(self, model_hash: str) -> int:
+        """Restore the newest usable checkpoint (``{state_dir}/checkpoints``) and hook
+        a checkpoint after every round.  Returns the first round to run."""
+        if not self.cfg.runtime.checkpoint:
+            return 1
+        where = (self.run_dir or self.state_dir) / "checkpoints"  # runs: checkpoints per run
+        store = CheckpointStore(where, keep=self.cfg.runtime.checkpoint_keep)
+        self.checkpointer = ck = NodeCheckpointer(store, self.node.algorithm, self.ctx, model_hash,
+                                                  pending=self.node.pending_records)
+        restored = ck.restore()
+        if restored and ck.restored_pending:  # records that a kill kept from the metrics file
+            written = written_rounds(self.metrics_path, self.node_id, self.metrics_run, min(
+                int(r["round"]) for r in ck.restored_pending))
+            self.node.recover_records(restored, ck.restored_pending, written)
+        if restored:
+            self.node.history.append({"node": self.node_id, "round": restored, "time": self.ctx.clock.now(),
+                                      "resumed": True})
+            log.info("resuming at round %d (restored state digest %s)", restored + 1, ck.restored_digest)
+        self.node.checkpoint = ck.save_async
+        return restored + 1
+
+    def status_line(self) -> str:
+        """One line for ``systemctl status`` (STATUS=): round, role, peers."""
+        st = self.node.status() if self.node is not None else {}
+        prefix = f"run {self.run_desc.run_id} " if self.run_desc is not None else ""
+        return (f"{prefix}{st.get('state', 'starting')}: round {st.get('round', 0)}/{st.get('rounds', 0)}, "
+                f"role {st.get('role', 'peer')}, {len(st.get('live_peers', []))} peers")
+
+    def _start_systemd(self) -> asyncio.Task[None] | None:
+        """READY=1 with a STATUS, then WATCHDOG pings from the event loop."""
+        n = self.notifier
+        n.ready(self.status_line())
+        interval = n.watchdog_interval()
+        if not n.enabled:
+            return None
+        return asyncio.ensure_future(watchdog_loop(n, interval or 5.0, self.status_line)) if interval else \
+            asyncio.ensure_future(status_loop(n, self.status_line))
+
+    def _start_prometheus(self) -> Any:
+        port = self.cfg.runtime.prometheus_port
+        if not port or self.serving:  # an always-on agent serves one endpoint for its whole life
+            return None
+        try:
+            return PrometheusExporter(self.node, port, self.cfg.runtime.prometheus_address,
+                                      checkpoint_round=lambda: getattr(self.checkpointer, "last_saved", 0)).start()
+        except (ImportError, OSError) as exc:
+            log.error("Prometheus endpoint disabled: %s", exc)
+            return None
+
+    def reload(self) -> list[str]:
+        """SIGHUP: re-read the configuration file and apply what can change while
+        running — ``runtime.log_level``, ``discovery.static_peers`` (new ones added,
+        removed ones withdrawn) and ``discovery.heartbeat_timeout``.  Other changes are
+        logged as needing a restart.  A bad file changes nothing.  Returns the keys applied."""
+        if not self.config_path:
+            return []
+        self.notifier.reloading()
+        try:
+            new = load_config(self.config_path)
+        except ConfigError as exc:
+            log.error("reload: configuration error, keeping the running one: %s", exc)
+            self.notifier.ready(self.status_line())
+            return []
+        old, applied = self.cfg, []
+        if new.runtime.log_level != old.runtime.log_level:
+            logging.getLogger().setLevel(getattr(logging, new.runtime.log_level.upper()))
+            applied.append("runtime.log_level")
+        if self.peers is not None and new.discovery.static_peers != old.discovery.static_peers:
+            try:
+                keep = {parse_peer(e)["node_id"] for e in new.discovery.static_peers}
+                load_static_peers(self.peers, new.discovery.static_peers, self.cfg.federation)
+                for e in old.discovery.static_peers:
+                    if parse_peer(e)["node_id"] not in keep:
+                        self.peers.withdraw(parse_peer(e)["node_id"], "static")
+                applied.append("discovery.static_peers")
+            except ValueError as exc:
+                log.error("reload: discovery.static_peers: %s", exc)
+        if self.peers is not None and new.discovery.heartbeat_timeout != old.discovery.heartbeat_timeout:
+            self.peers.heartbeat_timeout = new.discovery.heartbeat_timeout
+            applied.append("discovery.heartbeat_timeout")
+        def flat(c: NodeConfig) -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            for f in dataclasses.fields(c):
+                v = getattr(c, f.name)
+                items = (dataclasses.asdict(v).items() if dataclasses.is_dataclass(v) and not isinstance(v, type)
+                         else [(None, v)])
+                out.update({f"{f.name}.{k}" if k else f.name: x for k, x in items})
+            return out
+
+        a, b = flat(old), flat(new)
+        later = [k for k in b if a.get(k) != b[k] and k not in applied]
+        for sec in ("runtime", "discovery"):
+            setattr(self.cfg, sec, getattr(new, sec))
+        log.info("reloaded %s: applied %s%s", self.config_path, ", ".join(applied) or "nothing",
+                 f"; needs a restart: {', '.join(later)}" if later else "")
+        self.notifier.ready(self.status_line())
+        return applied
+
+    async def _warm_up(self, node: Any, data: Any) -> float:
+        """Torch's one-time start-up work on a copy of the model (see
+        :func:`dfl_agent.learning.training.warm_up`), in the compute thread; returns its
+        seconds (0 when the algorithm has no trainable model or it failed)."""
+        try:
+            model = node.algorithm.deployable_model()
+            secs = await node.ctx.compute_ungated(warm_up, model, data.train_x, data.train_y, node.ctx.train,
+                                                  node.ctx.device)
+        except Exception as exc:  # noqa: BLE001 - a warm-up is an optimisation only
+            log.debug("warm-up skipped: %r", exc)
+            return 0.0
+        log.info("start-up: torch warmed up in %.1f s (before round 1)", secs)
+        return round(float(secs), 3)
+
+    async def _wait_for_peers(self, stop: asyncio.Event) -> bool:
+        """Wait until ``discovery.min_peers`` peers are live or ``start_timeout`` passes.
+
+        Returns False when a stop was requested meanwhile."""
+        want = self.cfg.discovery.min_peers
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.discovery.start_timeout
+        node = self.node
+        node.state = "waiting_for_peers"
+        def finished() -> bool:  # runtime.rejoin: most members already finished, nobody to wait for
+            return self.cfg.runtime.rejoin and self.node.algorithm.communicates and self._federation_finished()
+
+        def wanted() -> int:
+            return want if self.wanted_peers is None else min(want, int(self.wanted_peers()))
+
+        while len(self.ctx.live_peers()) < wanted() and loop.time() < deadline and not finished():
+            if stop.is_set():
+                return False
+            await asyncio.sleep(0.2)
+        # device profiles: give live peers a moment (<= 3 s) to announce their descriptor
+        # (presence), so incompatible ones are excluded before round 1, not after a timeout
+        settle = min(deadline, loop.time() + 3.0)
+        while loop.time() < settle and not stop.is_set() and any(
+            not getattr(self.ctx.peers.get(p), "algorithm", "") for p in self.ctx.peers.live_peers()
+        ):
+            await asyncio.sleep(0.1)
+        live = self.ctx.live_peers()
+        if wanted() < want:
+            log.info("waiting for %d peers, not discovery.min_peers %d: the others declined the run", wanted(), want)
+        if len(live) < wanted():
+            log.warning("only %d of %d peers after %.0fs; starting anyway", len(live), want,
+                        self.cfg.discovery.start_timeout)
+        log.info("peers: %s", ", ".join(live) or "none")
+        return not stop.is_set()
+
+
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it ended (teardown of a background loop)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def written_rounds(path: Path | None, node_id: str, run_id: str | None, since: int,
+                   tail_bytes: int = 4 << 20) -> set[int]:
+    """Rounds ``>= since`` that ``node_id`` (in run ``run_id``, None = outside runs) has a
+    record of in the metrics file ``path``.  Reads the last ``tail_bytes`` only: the
+    records a resume looks for are among the newest.  Torn or foreign lines are skipped."""
+    out: set[int] = set()
+    if path is None or not path.exists():
+        return out
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        f.seek(max(0, size - tail_bytes))
+        lines = f.read().splitlines()
+    if size > tail_bytes:
+        lines = lines[1:]  # the first one may be cut
+    for line in lines:
+        try:  # depth-bounded: a forged line must not raise RecursionError here
+            rec = bounded_loads(line, max_bytes=tail_bytes)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("node") == node_id and rec.get("run") == run_id \
+                and isinstance(rec.get("round"), int) and rec["round"] >= since:
+            out.add(rec["round"])
+    return out
+
+
+def _end_torn_line(path: Path) -> None:
+    """End the metrics file with a newline when a kill cut its last record short, so that
+    the next record starts on a line of its own."""
+    try:
+        with open(path, "rb+") as f:
+            if f.seek(0, 2) and (f.seek(-1, 2), f.read(1))[1] != b"\n":
+                f.write(b"\n")
+    except FileNotFoundError:
+        pass
