@@ -395,11 +395,19 @@ class RunManager:
             StartupError: the default run cannot start.
         """
         self._to("training")
+        try:  # a published run's settings that the configuration rules refuse fail that run only
+            run_cfg = run_config_for(self.cfg, d)
+        except StartupError as exc:
+            if d.default:
+                raise
+            self.fail(d.run_id, str(exc))
+            self.idle()
+            return True
         run_stop = asyncio.Event()
         run_dir = self.ledger.run_dir(d.run_id)
         run_dir.mkdir(parents=True, exist_ok=True)
         agent = self.agent_factory(
-            run_config_for(self.cfg, d), self.config_path, run=d, run_dir=run_dir, serving=True,
+            run_cfg, self.config_path, run=d, run_dir=run_dir, serving=True,
             should_stop=lambda: self.is_cancelled(d.run_id), wanted_peers=lambda: self.lobby.may_join(d.run_id),
             members=self.lobby.accepted_by(d.run_id) - {self.node_id},  # the admitted members so far
             on_state=self.on_agent_state)

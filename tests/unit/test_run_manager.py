@@ -138,3 +138,25 @@ def test_an_illegal_transition_raises(tmp_path):
     with pytest.raises(IllegalTransition):
         m.on_agent_state("deployed")  # idle -> deployed: no such transition
     assert m.state == "idle"
+
+
+def test_a_published_run_with_a_bad_setting_fails_and_the_agent_stays_up(tmp_path):
+    """A descriptor whose training settings the configuration rules refuse fails that run
+    (recorded with the reason); before, the StartupError left the serve loop and ended
+    the always-on agent (exit code 2), and a restart met the same retained descriptor."""
+    m = manager(tmp_path)
+    d = RunDescriptor(run_id="r6", federation="f", algorithm="fedavg", rounds=1, training={"no_such_key": 1})
+    assert m.admit(d) and asyncio.run(m.train(d, asyncio.Event())) is True
+    assert m.ledger.state("r6") == "failed" and "no_such_key" in m.ledger.entries["r6"]["reason"]
+    assert m.state == "idle" and m.lobby.on_cancel is None
+
+
+def test_the_default_run_with_a_bad_setting_still_stops_the_agent(tmp_path):
+    from dfl_agent.runtime.assembly import StartupError
+
+    m = manager(tmp_path)
+    d = RunDescriptor(run_id="d-1", federation="f", algorithm="fedavg", rounds=1, training={"no_such_key": 1},
+                      default=True)
+    assert m.admit(d)
+    with pytest.raises(StartupError):
+        asyncio.run(m.train(d, asyncio.Event()))
