@@ -418,13 +418,21 @@ def _load_builtin() -> None:
 
 
 def parse_options(cls: type[Algorithm], raw: Mapping[str, Any] | None, prefix: str = "algorithm.options") -> Any:
-    """Build ``cls.Options`` from a config table, checking names and types.
+    """Build ``cls.Options`` from a config table, checking names and types.  An option
+    renamed since (``Options.renamed``: old -> new name) is accepted under its old name
+    with a deprecation warning.
 
     Raises:
         ValueError: unknown key or wrong type, naming ``prefix.key``.
     """
     raw = dict(raw or {})
     opts_cls = cls.Options
+    for old, new in getattr(opts_cls, "renamed", {}).items():  # old option names: aliases
+        if old in raw:
+            if new in raw:
+                raise ValueError(f"{prefix}.{old}: renamed {new!r}; give only {new!r}")
+            log.warning("%s.%s is deprecated: it is now called %s.%s", prefix, old, prefix, new)
+            raw[new] = raw.pop(old)
     hints = typing.get_type_hints(opts_cls)
     fields = {f.name for f in dataclasses.fields(opts_cls)}
     for key in raw:

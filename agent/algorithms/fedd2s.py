@@ -34,7 +34,7 @@ Options beyond ALGORITHMS.md (defaults = the seed's values): ``z0`` (3/5/7 for D
 α = 0.1/0.5/1), ``dropping_set``, ``lr`` (Adam, 0.01), ``c2s_epochs``/``s2c_epochs``
 (passes per distillation phase, 4: the seed's E = 4 of §IV-A, with which its Table 2 UA
 figures were measured; its Fig. 3 convergence curves use 1), ``temperature`` (1),
-``batch_size`` (0 = the training config's).  With one pass per phase the personal model
+``distill_batch_size`` (0 = the training config's).  With one pass per phase the personal model
 gets a quarter of the training and stays below training alone: on label-skewed HAR
 (4 nodes, Dirichlet 0.5, 20 rounds, seeds 0–2) own-data accuracy 0.738/0.689/0.817 with
 E = 1 against 0.878/0.870/0.888 for ``local``, and 0.907/0.918/0.923 with E = 4
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 
@@ -75,22 +75,26 @@ class FedD2SOptions(RotationOptions):
             the seed uses 3/5/7 for Dirichlet α = 0.1/0.5/1.
         dropping_set: layer names (a suffix of the model's layers, e.g. C3, F1, F2, F3);
             its shallowest layer is l_min, the floor of Eq. 6.
-        lr: Adam learning rate of both distillation phases (fresh state per phase).
+        adam_lr: Adam learning rate of both distillation phases (fresh state per phase);
+            replaces ``training.lr`` (formerly ``lr``).
         c2s_epochs, s2c_epochs: passes over the local data per distillation phase (seed §IV-A:
             E = 4, the setting of its Table 2; 1 trains the personal model too little to
             beat local training, see the module docstring).
         temperature: τ of the soft labels (KL × τ²).
-        batch_size: mini-batch size of all phases; 0 = the training config's.
+        distill_batch_size: mini-batch size of all phases; 0 = the training config's
+            (formerly ``batch_size``).
     """
 
     sender_ratio: float = 0.2
     z0: int = 3
     dropping_set: list = dataclasses.field(default_factory=lambda: ["C3", "F1", "F2", "F3"])
-    lr: float = 0.01
+    adam_lr: float = 0.01
     c2s_epochs: int = 4
     s2c_epochs: int = 4
     temperature: float = 1.0
-    batch_size: int = 0
+    distill_batch_size: int = 0
+    #: old option names, still accepted with a deprecation warning
+    renamed: ClassVar[dict[str, str]] = {"lr": "adam_lr", "batch_size": "distill_batch_size"}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -98,10 +102,10 @@ class FedD2SOptions(RotationOptions):
             raise ValueError(f"z0 must be >= 1, got {self.z0}")
         if not self.dropping_set or not all(isinstance(x, str) for x in self.dropping_set):
             raise ValueError(f"dropping_set must be a non-empty list of layer names, got {self.dropping_set!r}")
-        if not self.lr > 0 or not self.temperature > 0:
-            raise ValueError("lr and temperature must be > 0")
-        if self.c2s_epochs < 1 or self.s2c_epochs < 1 or self.batch_size < 0:
-            raise ValueError("c2s_epochs and s2c_epochs must be >= 1, batch_size >= 0")
+        if not self.adam_lr > 0 or not self.temperature > 0:
+            raise ValueError("adam_lr and temperature must be > 0")
+        if self.c2s_epochs < 1 or self.s2c_epochs < 1 or self.distill_batch_size < 0:
+            raise ValueError("c2s_epochs and s2c_epochs must be >= 1, distill_batch_size >= 0")
 
 
 def resolve_l_min(layer_names: list[str], dropping_set: list[str]) -> int:
@@ -145,7 +149,7 @@ class FedD2S(GlobalModelRotation):
         self.z = 0  # Z_n
         self.l = self.L  # l_n of the last participation
         self.distillations = 0  # S2C distillations from an aggregated global model (Eq. 12-13) applied
-        self.batch_size = o.batch_size or ctx.train.batch_size
+        self.batch_size = o.distill_batch_size or ctx.train.batch_size
         self._triplets: list = []
         self._copy: Tensors = {}
         self._init_global()
@@ -166,7 +170,7 @@ class FedD2S(GlobalModelRotation):
         self._triplets = d2s.extract_features(self.personal, d.train_x, d.train_y, self.l, self.batch_size,
                                               self.ctx.device)
         g = self._global_model(theta_g).to(self.ctx.device)
-        stats = d2s.c2s_distill(g, self._triplets, self.l, lr=o.lr, epochs=o.c2s_epochs, temperature=o.temperature)
+        stats = d2s.c2s_distill(g, self._triplets, self.l, lr=o.adam_lr, epochs=o.c2s_epochs, temperature=o.temperature)
         self._copy = model_to_numpy(g)
         return {"c2s_kl": stats["kl"], "c2s_ce": stats["ce"], "l": self.l, "z": self.z}
 
@@ -207,7 +211,7 @@ class FedD2S(GlobalModelRotation):
         g = self._global_model(theta_g).to(self.ctx.device)
         targets = d2s.global_soft_targets(g, [h1 for h1, _, _ in self._triplets])
         stats = d2s.s2c_distill(self.personal, g, d.train_x, d.train_y, targets, self.l, self.batch_size,
-                                lr=o.lr, epochs=o.s2c_epochs, temperature=o.temperature, device=self.ctx.device)
+                                lr=o.adam_lr, epochs=o.s2c_epochs, temperature=o.temperature, device=self.ctx.device)
         self._triplets, self._copy = [], {}
         return stats
 

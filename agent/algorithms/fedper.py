@@ -6,7 +6,7 @@ dense layers are personal — set ``head_layers = 3`` for that; default 1 = the 
 only, the original FedPer).  Rounds use the same serverless coordination as ``fedd2s``
 (:class:`dfl_agent.algorithms.protocols.rotating.GlobalModelRotation`): the token holder draws ⌈ρN⌉
 participants, sends them the global base; each loads it under its own head, trains its
-whole model for ``local_epochs`` with Adam (lr 0.01, as the seed's baselines) and returns
+whole model for ``adam_epochs`` with Adam (lr 0.01, as the seed's baselines) and returns
 its base; the holder averages the bases weighted by sample count (FedAvg) and sends the
 average back, which each participant loads under its head.  ``head_layers = 0`` shares
 everything: FedAvg with partial participation on the same protocol.
@@ -15,7 +15,7 @@ everything: FedAvg with partial participation on the same protocol.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -60,21 +60,25 @@ class FedPerOptions(RotationOptions):
     Attributes:
         sender_ratio: ρ, participation ratio over all live nodes (seed 002: 0.2).
         head_layers: personal layers at the end of the model (0 = share all: FedAvg).
-        local_epochs: local passes per participation.
-        lr: Adam learning rate (seed 002: 0.01 for all baselines).
-        batch_size: 0 = the training config's.
+        adam_epochs: local passes per participation; replaces ``training.epochs``
+            (formerly ``local_epochs``).
+        adam_lr: Adam learning rate (seed 002: 0.01 for all baselines); replaces
+            ``training.lr`` (formerly ``lr``).
+        adam_batch_size: 0 = the training config's (formerly ``batch_size``).
     """
 
     sender_ratio: float = 0.2
     head_layers: int = 1
-    local_epochs: int = 1
-    lr: float = 0.01
-    batch_size: int = 0
+    adam_epochs: int = 1
+    adam_lr: float = 0.01
+    adam_batch_size: int = 0
+    #: old option names, still accepted with a deprecation warning
+    renamed: ClassVar[dict[str, str]] = {"local_epochs": "adam_epochs", "lr": "adam_lr", "batch_size": "adam_batch_size"}
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.head_layers < 0 or self.local_epochs < 1 or self.batch_size < 0 or not self.lr > 0:
-            raise ValueError("head_layers >= 0, local_epochs >= 1, batch_size >= 0 and lr > 0 required")
+        if self.head_layers < 0 or self.adam_epochs < 1 or self.adam_batch_size < 0 or not self.adam_lr > 0:
+            raise ValueError("head_layers >= 0, adam_epochs >= 1, adam_batch_size >= 0 and adam_lr > 0 required")
 
 
 @register
@@ -91,7 +95,7 @@ class FedPer(GlobalModelRotation):
         self.spec = validate_spec(self.ctx.model_spec)
         self.model = self.new_model()
         self.personal = personal_keys(self.model, self.options.head_layers)
-        self.batch_size = self.options.batch_size or self.ctx.train.batch_size
+        self.batch_size = self.options.adam_batch_size or self.ctx.train.batch_size
         self._init_global()
 
     def _base(self, model: nn.Module) -> Tensors:
@@ -107,8 +111,8 @@ class FedPer(GlobalModelRotation):
 
     def _train(self) -> dict[str, float]:
         d, o = self.ctx.data, self.options
-        return train_adam(self.model, d.train_x, d.train_y, epochs=o.local_epochs, batch_size=self.batch_size,
-                          lr=o.lr, rng=self.ctx.rng, device=self.ctx.device)
+        return train_adam(self.model, d.train_x, d.train_y, epochs=o.adam_epochs, batch_size=self.batch_size,
+                          lr=o.adam_lr, rng=self.ctx.rng, device=self.ctx.device)
 
     async def local_update(self, t: int) -> dict[str, Any]:
         assert self._theta_in is not None

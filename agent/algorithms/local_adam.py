@@ -5,7 +5,7 @@ the local floor for FedD2S/FedPer comparisons.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from dfl_agent.algorithms.base import Algorithm, Traits, register
 from dfl_agent.algorithms.protocols.rotating import draw_round
@@ -17,19 +17,23 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass
 class LocalAdamOptions:
-    """Options of ``local_adam``: ``local_epochs`` per round, Adam ``lr``, ``batch_size`` (0 = config's),
+    """Options of ``local_adam``: ``adam_epochs`` per round, Adam ``adam_lr``, ``adam_batch_size``
+    (0 = config's; they replace ``training.epochs``, ``training.lr`` and ``training.batch_size``,
+    formerly ``local_epochs``, ``lr`` and ``batch_size``),
     ``participation``: train only in the rounds ``fedd2s``/``fedper`` would draw this node
     (:func:`dfl_agent.algorithms.protocols.rotating.draw_round` with this ratio; 1.0 = every round) — local
     training at the same compute as the federated methods."""
 
-    local_epochs: int = 1
-    lr: float = 0.01
-    batch_size: int = 0
+    adam_epochs: int = 1
+    adam_lr: float = 0.01
+    adam_batch_size: int = 0
     participation: float = 1.0
+    #: old option names, still accepted with a deprecation warning
+    renamed: ClassVar[dict[str, str]] = {"local_epochs": "adam_epochs", "lr": "adam_lr", "batch_size": "adam_batch_size"}
 
     def __post_init__(self) -> None:
-        if self.local_epochs < 1 or self.batch_size < 0 or not self.lr > 0:
-            raise ValueError("local_epochs >= 1, batch_size >= 0 and lr > 0 required")
+        if self.adam_epochs < 1 or self.adam_batch_size < 0 or not self.adam_lr > 0:
+            raise ValueError("adam_epochs >= 1, adam_batch_size >= 0 and adam_lr > 0 required")
         if not 0 < self.participation <= 1:
             raise ValueError(f"participation must be in (0, 1], got {self.participation}")
 
@@ -49,8 +53,8 @@ class LocalAdam(Algorithm):
 
     def _train(self) -> dict[str, float]:
         d, o = self.ctx.data, self.options
-        return train_adam(self.model, d.train_x, d.train_y, epochs=o.local_epochs,
-                          batch_size=o.batch_size or self.ctx.train.batch_size, lr=o.lr, rng=self.ctx.rng,
+        return train_adam(self.model, d.train_x, d.train_y, epochs=o.adam_epochs,
+                          batch_size=o.adam_batch_size or self.ctx.train.batch_size, lr=o.adam_lr, rng=self.ctx.rng,
                           device=self.ctx.device)
 
     async def round(self, t: int) -> dict[str, Any]:

@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dfl_agent.learning.lazy import no_grad
 from dfl_agent.learning.losses import kl_divergence
+from dfl_agent.learning.training import make_optimizer
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +34,6 @@ if TYPE_CHECKING:
     from torch.nn import functional as F
 else:
     from dfl_agent.learning.lazy import F, nn, torch
-from dfl_agent.learning.lazy import no_grad
 
 __all__ = [
     "num_layers", "distillation_layer", "features", "head", "fixed_batches", "extract_features",
@@ -142,7 +143,7 @@ def c2s_distill(global_copy: nn.Module, triplets: Sequence[tuple[torch.Tensor, t
     if not triplets:
         raise ValueError("c2s_distill needs at least one batch")
     global_copy.train()
-    opt = torch.optim.Adam(global_copy.parameters(), lr=lr)
+    opt = make_optimizer(global_copy.parameters(), "adam", lr=lr)
     kl_sum = ce_sum = 0.0
     steps = 0
     for _ in range(epochs):
@@ -198,7 +199,7 @@ def s2c_distill(personal: nn.Module, global_head: nn.Module, x: np.ndarray, y: n
         raise ValueError(f"{len(targets)} soft-target batches for {len(bats)} data batches")
     global_head.requires_grad_(False)
     personal.to(device).train()
-    opt = torch.optim.Adam(personal.parameters(), lr=lr)
+    opt = make_optimizer(personal.parameters(), "adam", lr=lr)
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
     kl_sum = ce_sum = 0.0

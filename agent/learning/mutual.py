@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dfl_agent.learning.losses import cross_entropy, kl_divergence, weighted_softmax_ce
-from dfl_agent.learning.training import autocast_for, batches, is_finite
+from dfl_agent.learning.training import autocast_for, batches, is_finite, make_optimizer
 
 if TYPE_CHECKING:
     import torch
@@ -90,9 +90,7 @@ def mutual_learning(
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     w = torch.as_tensor(kl_weights(phis), dtype=torch.float32)
-    opts = [
-        torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay) for m in models
-    ]
+    opts = [make_optimizer(m.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay) for m in models]
     for m in models:
         m.to(device).train()
     beta_t = None if beta is None else torch.as_tensor(beta, dtype=torch.float32, device=device)

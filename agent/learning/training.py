@@ -8,10 +8,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from dfl_agent.learning.lazy import no_grad
 
 if TYPE_CHECKING:
     import torch
@@ -19,7 +21,6 @@ if TYPE_CHECKING:
     from torch.nn import functional as F
 else:
     from dfl_agent.learning.lazy import F, nn, torch
-from dfl_agent.learning.lazy import no_grad
 
 
 class TrainingAborted(Exception):
@@ -49,6 +50,69 @@ def _check_abort() -> None:
         raise TrainingAborted("training aborted: the run was stopped")
 
 
+#: The default SGD learning rate of local training (``training.lr``).
+DEFAULT_LR = 0.05
+#: Optimizers :func:`make_optimizer` builds.
+OPTIMIZERS = ("sgd", "adam")
+
+
+def make_optimizer(params: Iterable[torch.Tensor], kind: str = "sgd", *, lr: float, momentum: float = 0.0,
+                   weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """The one place a fresh optimizer is built (local training, mutual learning, the
+    Def-KT transfer, FedD2S's distillations, the Adam baselines).
+
+    Args:
+        params: the parameters to optimise.
+        kind: ``sgd`` (``torch.optim.SGD``, no dampening, no Nesterov) or ``adam``
+            (``torch.optim.Adam`` with its default betas and eps, the seed 002 baselines').
+        lr: learning rate (the settings are validated where they are configured:
+            :class:`TrainConfig`, the algorithms' ``Options``).
+        momentum: SGD momentum (``adam``: must be 0, Adam has its own moments).
+        weight_decay: L2 penalty coefficient.
+
+    Raises:
+        ValueError: unknown ``kind``, momentum given for ``adam``, or a setting torch
+            rejects (negative learning rate, momentum or weight decay).
+    """
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {kind!r}")
+    if kind == "adam" and momentum:
+        raise ValueError(f"adam takes no momentum, got {momentum!r}")
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+
+
+def sgd_step(params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor], bufs: dict[str, torch.Tensor],
+             *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
+    """One step of ``torch.optim.SGD`` (no dampening, no Nesterov) on plain tensors, in place.
+
+    ``d = g + wd·p``; momentum buffer ``b = d`` on the first step (no entry in ``bufs``),
+    else ``b = m·b + d``; ``p -= lr·b`` (``p -= lr·d`` without momentum).  Every operation
+    is elementwise, so ``params`` may stack the parameters of G models along a leading
+    axis (the simulator's batched training, :mod:`dfl_agent.runtime.batching`): one call
+    steps all of them, each exactly as its own ``torch.optim.SGD`` would.
+
+    Args:
+        params: name -> parameter tensor, updated in place (any shape).
+        grads: name -> gradient of the same shape (every name of ``params``).
+        bufs: name -> momentum buffer, created on the first step and updated in place.
+        lr, momentum, weight_decay: as :func:`make_optimizer`'s ``sgd``.
+    """
+    with torch.no_grad():
+        for n, p in params.items():
+            d = grads[n]
+            if weight_decay:
+                d = d.add(p, alpha=weight_decay)
+            if momentum:
+                if n not in bufs:
+                    bufs[n] = d.clone()
+                else:
+                    bufs[n].mul_(momentum).add_(d)
+                d = bufs[n]
+            p.add_(d, alpha=-lr)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Local training hyper-parameters.
@@ -70,7 +134,7 @@ class TrainConfig:
 
     epochs: int = 1
     batch_size: int = 32
-    lr: float = 0.05
+    lr: float = DEFAULT_LR
     steps: int = 0
     momentum: float = 0.9
     weight_decay: float = 0.0
@@ -152,7 +216,7 @@ def train_local(
         raise ValueError(f"training data must be non-empty with matching lengths, got {len(x)} and {len(y)}")
     model.to(device).train()
     before = snapshot(model)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    opt = make_optimizer(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
     total, count, samples = 0.0, 0, 0
@@ -250,7 +314,7 @@ def train_adam(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, b
     batch order; restores the model if it diverges.  Returns ``{"loss", "diverged"}``."""
     model.to(device).train()
     before = snapshot(model)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    opt = make_optimizer(model.parameters(), "adam", lr=lr)
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
     total, count = 0.0, 0

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dfl_agent.learning.losses import cross_entropy, kl_divergence
-from dfl_agent.learning.training import TrainConfig, batches
+from dfl_agent.learning.training import TrainConfig, batches, make_optimizer
 
 if TYPE_CHECKING:
     import torch
@@ -86,8 +86,8 @@ def mutual_transfer(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     incoming.to(device).train()
     local.to(device).train()
-    opt1 = torch.optim.SGD(incoming.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    opt2 = torch.optim.SGD(local.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    opt1 = make_optimizer(incoming.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    opt2 = make_optimizer(local.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
     sums = {"ce_incoming": 0.0, "kl_incoming": 0.0, "ce_local": 0.0, "kl_local": 0.0}

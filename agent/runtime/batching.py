@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from dfl_agent.learning.training import TrainConfig, evaluate, round_batches, train_local
+from dfl_agent.learning.training import TrainConfig, evaluate, round_batches, sgd_step, train_local
 
 log = logging.getLogger(__name__)
 
@@ -274,8 +274,8 @@ def train_group(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
         "diverged"}``; a member whose parameters became non-finite keeps its old ones
         (``diverged`` = 1), as in ``train_local``.
 
-    The update equals ``torch.optim.SGD`` (no dampening, no Nesterov): ``d = g + wd·p``;
-    ``b = d`` on the first step, else ``b = m·b + d``; ``p -= lr·b``.
+    The update is :func:`dfl_agent.learning.training.sgd_step` on the stacked parameters,
+    which equals ``torch.optim.SGD`` (no dampening, no Nesterov) for each member.
     """
     import torch
     from torch.func import functional_call, grad_and_value, vmap
@@ -330,18 +330,7 @@ def train_group(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
             mask = (torch.arange(width, device=dev).unsqueeze(0) < lengths).float()
             grads, loss = masked_step(stacked, xs[rows, cols], ys[rows, cols], mask)
         losses += loss.detach().double()
-        with torch.no_grad():
-            for n in names:
-                d = grads[n]
-                if cfg.weight_decay:
-                    d = d.add(stacked[n], alpha=cfg.weight_decay)
-                if cfg.momentum:
-                    if n not in bufs:
-                        bufs[n] = d.clone()
-                    else:
-                        bufs[n].mul_(cfg.momentum).add_(d)
-                    d = bufs[n]
-                stacked[n].add_(d, alpha=-cfg.lr)
+        sgd_step(stacked, grads, bufs, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     out = []
     with torch.no_grad():
         finite = torch.ones(len(members), dtype=torch.bool, device=dev)

@@ -93,3 +93,22 @@ def test_each_family_is_its_protocol_and_each_algorithm_its_own_module() -> None
         assert cls.__module__ == "dfl_agent.algorithms." + name.replace("-", "_"), name
         modules.add(cls.__module__)
     assert len(modules) == len(available())
+
+
+def test_options_that_replace_a_training_setting_say_so_and_old_names_still_work(caplog) -> None:
+    import dataclasses
+
+    import pytest
+
+    from dfl_agent.algorithms.base import get_algorithm, parse_options
+
+    for name in ("fedd2s", "fedper", "local_adam"):
+        fields = {f.name for f in dataclasses.fields(get_algorithm(name).Options)}
+        assert "adam_lr" in fields and "lr" not in fields and "batch_size" not in fields, name
+    with caplog.at_level("WARNING"):
+        opts = parse_options(get_algorithm("fedper"), {"lr": 0.02, "local_epochs": 2, "batch_size": 16})
+    assert (opts.adam_lr, opts.adam_epochs, opts.adam_batch_size) == (0.02, 2, 16)
+    assert "algorithm.options.lr is deprecated: it is now called algorithm.options.adam_lr" in caplog.text
+    assert parse_options(get_algorithm("fedd2s"), {"batch_size": 8}).distill_batch_size == 8
+    with pytest.raises(ValueError, match="give only 'adam_lr'"):
+        parse_options(get_algorithm("local_adam"), {"lr": 0.02, "adam_lr": 0.03})
