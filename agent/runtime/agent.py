@@ -32,9 +32,8 @@ import numpy as np
 from dfl_agent import WIRE_VERSION, __version__
 from dfl_agent.data import node_data_for
 from dfl_agent.discovery.mdns import MdnsDiscovery
-from dfl_agent.discovery.static import load_static_peers, parse_peer
+from dfl_agent.discovery.static import load_static_peers
 from dfl_agent.fsutil import atomic_write
-from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.learning.training import TrainConfig, warm_up
 from dfl_agent.onnx_model import onnx_available
 from dfl_agent.profiles import ResourceGate
@@ -49,12 +48,14 @@ from dfl_agent.runtime.assembly import (
     resolve_algorithm,
 )
 from dfl_agent.runtime.checkpoint import CheckpointStore, NodeCheckpointer
-from dfl_agent.runtime.config import ConfigError, NodeConfig, load_config
+from dfl_agent.runtime.config import NodeConfig
 from dfl_agent.runtime.deployment import deploy_after_run
+from dfl_agent.runtime.metrics import end_torn_line, written_rounds
 from dfl_agent.runtime.node import RunStopped, init_seed_for
 from dfl_agent.runtime.preflight import load_data
 from dfl_agent.runtime.prometheus import PrometheusExporter
 from dfl_agent.runtime.rejoin import RunMembers
+from dfl_agent.runtime.reload import reload_config
 from dfl_agent.runtime.sample_store import open_store, seed_store, snapshot_from_checkpoint, spool_loop, store_data
 from dfl_agent.runtime.systemd import Notifier, status_loop, watchdog_loop
 from dfl_agent.transport.mqtt import MqttTransport
@@ -75,6 +76,22 @@ def node_id_from_state(state_dir: Path, configured: str | None) -> str:
     nid = "n-" + secrets.token_hex(4)
     atomic_write(path, nid + "\n")
     return nid
+
+
+@dataclasses.dataclass
+class _Setup:
+    """What :meth:`Agent._prepare` chose: the algorithm and its options, the device
+    profile and behaviour, the data, the model spec, the keys and the training settings."""
+
+    algo_cls: Any
+    options: Any
+    profile: Any
+    behaviour: Any
+    bundle: Any
+    data: Any
+    spec: dict[str, Any]
+    guard: Any
+    train: Any
 
 
 class Agent(RunMembers):
@@ -127,10 +144,29 @@ class Agent(RunMembers):
         self.data_shape: tuple[Any, int | None] | None = None
 
     async def run(self, stop: asyncio.Event) -> int:
-        import torch
+        """Train this node's run until its last round or ``stop`` (then leave cleanly).
+        Returns the exit code: 0, or 3 when the broker is unreachable.
 
-        from dfl_agent.discovery.peers import PeerTable
-        from dfl_agent.models import spec_hash
+        Raises:
+            StartupError: the algorithm, an option, the profile, the data, the model spec
+                or the keys are unusable.
+        """
+        s = self._prepare()
+        transport, mdns_descriptor = self._transport(s)
+        metrics_file, sink = self._open_metrics()
+        self._build(s, transport, sink)
+        self._attach_publisher(s)
+        return await self._lifecycle(stop, s.spec, s.bundle.pool.input_shape, mdns_descriptor, metrics_file)
+
+    # -- assembly: what the node is made of -------------------------------------------------
+    def _prepare(self) -> _Setup:
+        """Every start-up check and choice before the network: node id, algorithm and
+        options, device profile and behaviour, data, model spec, keys, training settings.
+
+        Raises:
+            StartupError: naming what is unusable.
+        """
+        import torch
 
         cfg = self.cfg
         d = cfg.data
@@ -160,26 +196,34 @@ class Agent(RunMembers):
 
         if hint := common_init_hint(algo_cls.name, options, cfg.runtime.init, d.partition):
             log.warning("%s", hint)
-        fed = cfg.federation
         t = cfg.training
         train = TrainConfig(epochs=t.epochs, steps=t.steps, batch_size=behaviour.batch_size, lr=t.lr,
                             momentum=t.momentum,
                             weight_decay=t.weight_decay, mixed_precision=behaviour.mixed_precision)
         log.info("node %s of federation %s: %s, %d train / %d val samples (users %s), model %s",
-                 nid, fed, algo_cls.name, data.num_train, len(data.val_y), data.groups, spec["type"])
+                 nid, cfg.federation, algo_cls.name, data.num_train, len(data.val_y), data.groups, spec["type"])
+        return _Setup(algo_cls, options, profile, behaviour, bundle, data, spec, guard, train)
 
+    def _transport(self, s: _Setup) -> tuple[Any, dict[str, Any]]:
+        """The peer table (static peers loaded) and the MQTT transport with this node's
+        presence descriptor; returns the transport and the descriptor mDNS advertises."""
+        from dfl_agent.discovery.peers import PeerTable
+        from dfl_agent.models import spec_hash
+
+        cfg, nid, fed = self.cfg, self.node_id, self.cfg.federation
         if cfg.mqtt.bridged:  # operations: multi-site, brokers joined by bridging
             from dfl_agent.discovery.bridged import HomeRoutedPeerTable as PeerTable  # noqa: N814
         self.peers = peers = PeerTable(nid, fed, heartbeat_timeout=cfg.discovery.heartbeat_timeout)
         load_static_peers(peers, cfg.discovery.static_peers, fed)
         descriptor = {
-            "broker": cfg.mqtt.broker, "profile": cfg.profile, "model_hash": spec_hash(spec),
-            "algorithm": algo_cls.name, "version": f"{__version__}/w{WIRE_VERSION}",
-            "roles": ",".join(behaviour.roles), "compression": behaviour.compression,
+            "broker": cfg.mqtt.broker, "profile": cfg.profile, "model_hash": spec_hash(s.spec),
+            "algorithm": s.algo_cls.name, "version": f"{__version__}/w{WIRE_VERSION}",
+            "roles": ",".join(s.behaviour.roles), "compression": s.behaviour.compression,
         }
         mdns_descriptor = dict(descriptor)
-        if guard.certificate is not None:
-            descriptor["cert"] = guard.certificate  # presence carries the device certificate
+        if s.guard.certificate is not None:
+            descriptor["cert"] = s.guard.certificate  # presence carries the device certificate
+
         def on_heartbeat(peer: str, status: dict[str, Any]) -> None:
             peers.touch(peer)
             if self.ctx:
@@ -192,15 +236,21 @@ class Agent(RunMembers):
             username=cfg.mqtt.username, password=cfg.mqtt.password,
             on_heartbeat=on_heartbeat,
             tls_ca=cfg.mqtt.tls_ca, tls_cert=cfg.mqtt.tls_cert, tls_key=cfg.mqtt.tls_key,
-            max_transfers=cfg.mqtt.max_transfers, control=guard,
+            max_transfers=cfg.mqtt.max_transfers, control=s.guard,
         )
+        return transport, mdns_descriptor
+
+    def _open_metrics(self) -> tuple[Any, Callable[[dict[str, Any]], None]]:
+        """Open the run's metrics file for appending (``runs/{id}/metrics.jsonl``, else
+        ``runtime.metrics_file``); returns it and the sink that writes one record a line."""
+        cfg = self.cfg
         run_id = self.run_desc.run_id if self.run_desc is not None else None
         if self.run_dir is not None:  # runs: metrics per run
             metrics_path = self.run_dir / "metrics.jsonl"
         else:
             metrics_path = Path(cfg.runtime.metrics_file or self.state_dir / "metrics.jsonl")
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        _end_torn_line(metrics_path)
+        end_torn_line(metrics_path)
         metrics_file = open(metrics_path, "a", encoding="utf-8")
         self.metrics_path, self.metrics_run = metrics_path, run_id
 
@@ -210,44 +260,56 @@ class Agent(RunMembers):
             metrics_file.write(json.dumps(record, sort_keys=True, default=float) + "\n")
             metrics_file.flush()
 
+        return metrics_file, sink
+
+    def _build(self, s: _Setup, transport: Any, sink: Callable[[dict[str, Any]], None]) -> None:
+        """The node (:func:`~dfl_agent.runtime.assembly.build_node`): its context over
+        ``transport``, its algorithm, evaluation and metrics ``sink``."""
+        cfg, d = self.cfg, self.cfg.data
+        profile, behaviour = s.profile, s.behaviour
         persistent: dict[str, Any] = {}
         if self.snapshot is not None:  # saved with every checkpoint: a resumed run trains on the same data
             from dfl_agent.runtime.sample_store import SNAPSHOT_KEY
 
             persistent[SNAPSHOT_KEY] = self.snapshot
         self.node = node = build_node(
-            algo_cls, options, model_spec=spec, test_x=bundle.test.x, test_y=bundle.test.y,
+            s.algo_cls, s.options, model_spec=s.spec, test_x=s.bundle.test.x, test_y=s.bundle.test.y,
             baseline_local=cfg.runtime.baseline_local, sink=sink, rounds=cfg.algorithm.rounds,
             eval_every=cfg.runtime.eval_every, eval_background=cfg.runtime.eval_background,
-            node_id=nid, federation=fed, transport=transport, peers=peers, data=data, train=train,
-            init_seed=init_seed_for(cfg.seed, d.node_index, cfg.runtime.init),
+            node_id=self.node_id, federation=cfg.federation, transport=transport, peers=self.peers, data=s.data,
+            train=s.train, init_seed=init_seed_for(cfg.seed, d.node_index, cfg.runtime.init),
             rng=np.random.default_rng([cfg.seed, d.node_index]), device=behaviour.device, compute_in_thread=True,
             max_frame_bytes=cfg.mqtt.max_frame_bytes, graph_neighbours=cfg.algorithm.neighbours, seed=cfg.seed,
-            compression=choose_compression(cfg.compression.policy(), behaviour, algo_cls.name,
+            compression=choose_compression(cfg.compression.policy(), behaviour, s.algo_cls.name,
                                            error_feedback=cfg.compression.error_feedback),
-            security=guard, max_queued_per_sender=cfg.security.max_queued_per_sender, behaviour=behaviour,
+            security=s.guard, max_queued_per_sender=cfg.security.max_queued_per_sender, behaviour=behaviour,
             gate=ResourceGate(profile.limits, profile.training.windows, psutil_mod=self.psutil),
             gate_poll=profile.limits.poll_interval_s, pause_when_disconnected=cfg.runtime.pause_when_disconnected,
             max_catch_up_rounds=cfg.runtime.max_catch_up_rounds, final_round=cfg.algorithm.rounds,
             persistent_state=persistent,
         )
-        self.ctx = ctx = node.ctx
+        self.ctx = node.ctx
         if self.store is not None:  # no global test set: "global" accuracy is the validation slice's
             node.accuracy_source = "local validation"
-        if run_id is not None:
-            node.run_info = {"id": run_id, "state": "accepted", "reason": ""}
-        if onnx_available():  # send the deployable model to inference-only members
-            from dfl_agent.runtime.onnx_publisher import OnnxPublisher
+        if self.metrics_run is not None:
+            node.run_info = {"id": self.metrics_run, "state": "accepted", "reason": ""}
 
-            deployed = None  # with the store and deployment: the deployed version only
-            if self.store is not None and cfg.deploy.enabled:
-                from dfl_agent.deploy import ModelStore
+    def _attach_publisher(self, s: _Setup) -> None:
+        """With ONNX available: send the deployable model to inference-only members after
+        every round (with the store and deployment: the deployed version only)."""
+        if not onnx_available():
+            return
+        from dfl_agent.runtime.onnx_publisher import OnnxPublisher
 
-                deployed = ModelStore(self.state_dir, keep=cfg.deploy.keep)
-            self.publisher = OnnxPublisher(ctx, node.algorithm, bundle.pool.input_shape, spec, models=deployed)
-            self.publisher.model_source = node.reported_model  # the evaluated model of the record
-            node.after_round.append(self.publisher)
-        return await self._lifecycle(stop, spec, bundle.pool.input_shape, mdns_descriptor, metrics_file)
+        cfg, node = self.cfg, self.node
+        deployed = None  # with the store and deployment: the deployed version only
+        if self.store is not None and cfg.deploy.enabled:
+            from dfl_agent.deploy import ModelStore
+
+            deployed = ModelStore(self.state_dir, keep=cfg.deploy.keep)
+        self.publisher = OnnxPublisher(self.ctx, node.algorithm, s.bundle.pool.input_shape, s.spec, models=deployed)
+        self.publisher.model_source = node.reported_model  # the evaluated model of the record
+        node.after_round.append(self.publisher)
 
     # -- the node's life: start, join, rounds, teardown ---------------------------------------
     async def _lifecycle(self, stop: asyncio.Event, spec: dict[str, Any], input_shape: Any,
@@ -460,53 +522,9 @@ class Agent(RunMembers):
             return None
 
     def reload(self) -> list[str]:
-        """SIGHUP: re-read the configuration file and apply what can change while
-        running — ``runtime.log_level``, ``discovery.static_peers`` (new ones added,
-        removed ones withdrawn) and ``discovery.heartbeat_timeout``.  Other changes are
-        logged as needing a restart.  A bad file changes nothing.  Returns the keys applied."""
-        if not self.config_path:
-            return []
-        self.notifier.reloading()
-        try:
-            new = load_config(self.config_path)
-        except ConfigError as exc:
-            log.error("reload: configuration error, keeping the running one: %s", exc)
-            self.notifier.ready(self.status_line())
-            return []
-        old, applied = self.cfg, []
-        if new.runtime.log_level != old.runtime.log_level:
-            logging.getLogger().setLevel(getattr(logging, new.runtime.log_level.upper()))
-            applied.append("runtime.log_level")
-        if self.peers is not None and new.discovery.static_peers != old.discovery.static_peers:
-            try:
-                keep = {parse_peer(e)["node_id"] for e in new.discovery.static_peers}
-                load_static_peers(self.peers, new.discovery.static_peers, self.cfg.federation)
-                for e in old.discovery.static_peers:
-                    if parse_peer(e)["node_id"] not in keep:
-                        self.peers.withdraw(parse_peer(e)["node_id"], "static")
-                applied.append("discovery.static_peers")
-            except ValueError as exc:
-                log.error("reload: discovery.static_peers: %s", exc)
-        if self.peers is not None and new.discovery.heartbeat_timeout != old.discovery.heartbeat_timeout:
-            self.peers.heartbeat_timeout = new.discovery.heartbeat_timeout
-            applied.append("discovery.heartbeat_timeout")
-        def flat(c: NodeConfig) -> dict[str, Any]:
-            out: dict[str, Any] = {}
-            for f in dataclasses.fields(c):
-                v = getattr(c, f.name)
-                items = (dataclasses.asdict(v).items() if dataclasses.is_dataclass(v) and not isinstance(v, type)
-                         else [(None, v)])
-                out.update({f"{f.name}.{k}" if k else f.name: x for k, x in items})
-            return out
-
-        a, b = flat(old), flat(new)
-        later = [k for k in b if a.get(k) != b[k] and k not in applied]
-        for sec in ("runtime", "discovery"):
-            setattr(self.cfg, sec, getattr(new, sec))
-        log.info("reloaded %s: applied %s%s", self.config_path, ", ".join(applied) or "nothing",
-                 f"; needs a restart: {', '.join(later)}" if later else "")
-        self.notifier.ready(self.status_line())
-        return applied
+        """SIGHUP: re-read the configuration file and apply what can change while running
+        (:func:`~dfl_agent.runtime.reload.reload_config`).  Returns the keys applied."""
+        return reload_config(self)
 
     async def _warm_up(self, node: Any, data: Any) -> float:
         """Torch's one-time start-up work on a copy of the model (see
@@ -562,39 +580,3 @@ async def _cancel(task: asyncio.Future[Any]) -> None:
     """Cancel ``task`` and wait until it ended (teardown of a background loop)."""
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-
-
-def written_rounds(path: Path | None, node_id: str, run_id: str | None, since: int,
-                   tail_bytes: int = 4 << 20) -> set[int]:
-    """Rounds ``>= since`` that ``node_id`` (in run ``run_id``, None = outside runs) has a
-    record of in the metrics file ``path``.  Reads the last ``tail_bytes`` only: the
-    records a resume looks for are among the newest.  Torn or foreign lines are skipped."""
-    out: set[int] = set()
-    if path is None or not path.exists():
-        return out
-    with open(path, "rb") as f:
-        size = f.seek(0, 2)
-        f.seek(max(0, size - tail_bytes))
-        lines = f.read().splitlines()
-    if size > tail_bytes:
-        lines = lines[1:]  # the first one may be cut
-    for line in lines:
-        try:  # depth-bounded: a forged line must not raise RecursionError here
-            rec = bounded_loads(line, max_bytes=tail_bytes)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("node") == node_id and rec.get("run") == run_id \
-                and isinstance(rec.get("round"), int) and rec["round"] >= since:
-            out.add(rec["round"])
-    return out
-
-
-def _end_torn_line(path: Path) -> None:
-    """End the metrics file with a newline when a kill cut its last record short, so that
-    the next record starts on a line of its own."""
-    try:
-        with open(path, "rb+") as f:
-            if f.seek(0, 2) and (f.seek(-1, 2), f.read(1))[1] != b"\n":
-                f.write(b"\n")
-    except FileNotFoundError:
-        pass

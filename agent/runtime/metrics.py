@@ -230,3 +230,39 @@ def user_accuracy(histories: Mapping[str, list[dict[str, Any]]], last: int = 10,
             hist[min(9, int(v * 10))] += 1
     out.update({"last_rounds": last, "histogram": hist})
     return out
+
+
+def written_rounds(path: Path | None, node_id: str, run_id: str | None, since: int,
+                   tail_bytes: int = 4 << 20) -> set[int]:
+    """Rounds ``>= since`` that ``node_id`` (in run ``run_id``, None = outside runs) has a
+    record of in the metrics file ``path``.  Reads the last ``tail_bytes`` only: the
+    records a resume looks for are among the newest.  Torn or foreign lines are skipped."""
+    out: set[int] = set()
+    if path is None or not path.exists():
+        return out
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        f.seek(max(0, size - tail_bytes))
+        lines = f.read().splitlines()
+    if size > tail_bytes:
+        lines = lines[1:]  # the first one may be cut
+    for line in lines:
+        try:  # depth-bounded: a forged line must not raise RecursionError here
+            rec = bounded_loads(line, max_bytes=tail_bytes)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("node") == node_id and rec.get("run") == run_id \
+                and isinstance(rec.get("round"), int) and rec["round"] >= since:
+            out.add(rec["round"])
+    return out
+
+
+def end_torn_line(path: Path) -> None:
+    """End the metrics file with a newline when a kill cut its last record short, so that
+    the next record starts on a line of its own."""
+    try:
+        with open(path, "rb+") as f:
+            if f.seek(0, 2) and (f.seek(-1, 2), f.read(1))[1] != b"\n":
+                f.write(b"\n")
+    except FileNotFoundError:
+        pass
