@@ -1,0 +1,118 @@
+"""The compute gate of a node: when and where its training runs.
+
+Training waits while the device's resource gate says no (battery, temperature, load,
+outside the training window) and, with ``runtime.pause_when_disconnected``, while the
+transport has lost its broker; then it runs in a worker thread (the daemon: messaging
+goes on meanwhile, and a stopped run aborts it at the next mini-batch), inline (the
+simulator), or in the simulator's vectorised batch of the nodes training in the same
+virtual instant (:class:`~dfl_agent.runtime.batching.BatchTrainer`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from dfl_agent.runtime.context import RuntimeContext
+
+log = logging.getLogger("dfl_agent.runtime.context")
+T = TypeVar("T")
+
+
+class ComputeGate:
+    """Resource gating, the disconnect pause, and where one node's compute runs.
+
+    Args:
+        ctx: the node's context (``gate``, ``gate_poll``, ``gate_hook``,
+            ``pause_when_disconnected``, ``batcher``, ``compute_in_thread``, transport, clock).
+    """
+
+    def __init__(self, ctx: RuntimeContext):
+        self.ctx = ctx
+        #: set when the node's run stops (cancel, shutdown): local training running in a
+        #: worker thread ends at its next mini-batch (dfl_agent.learning.training.abortable)
+        self.abort: threading.Event | None = threading.Event() if ctx.compute_in_thread else None
+        self.gated: str | None = None  # this node's current gating reason
+        self.reconnect_poll = 0.5  # seconds between connection checks while paused
+        self.disconnected_seconds = 0.0  # time spent paused for a lost broker connection
+
+    async def wait_until_allowed(self) -> None:
+        """Return when resource gating allows training (see
+        :meth:`RuntimeContext.wait_until_allowed`)."""
+        ctx = self.ctx
+        await ctx.wait_for_broker()
+        if ctx.gate is None:
+            return
+        while True:
+            reason = ctx.gate()
+            kind = (reason or "").split(" ", 1)[0]  # battery / temperature / load / outside
+            changed = kind != (self.gated or "").split(" ", 1)[0]
+            self.gated = reason
+            if changed:  # log and republish when the cause changes, not every reading
+                if reason:
+                    log.warning("%s: training paused: %s", ctx.node_id, reason)
+                else:
+                    log.info("%s: training resumed", ctx.node_id)
+                if ctx.gate_hook is not None:
+                    await ctx.gate_hook(reason)
+            if reason is None:
+                return
+            await ctx.clock.sleep(ctx.gate_poll)
+
+    async def wait_for_broker(self) -> None:
+        """With ``pause_when_disconnected``: return once the transport is connected
+        (see :meth:`RuntimeContext.wait_for_broker`)."""
+        ctx = self.ctx
+        if not ctx.pause_when_disconnected or getattr(ctx.transport, "connected", True):
+            return
+        since = ctx.clock.now()
+        previous, self.gated = self.gated, "not connected to the MQTT broker"
+        log.warning("%s: training paused: not connected to the MQTT broker", ctx.node_id)
+        try:
+            while not getattr(ctx.transport, "connected", True):
+                await ctx.clock.sleep(self.reconnect_poll)
+        finally:
+            self.gated = previous
+            self.disconnected_seconds += ctx.clock.now() - since
+        log.info("%s: training resumed: connected again after %.1f s", ctx.node_id, ctx.clock.now() - since)
+
+    async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` once gating allows (``train_s`` of the round's timing)."""
+        ctx = self.ctx
+        await ctx.wait_until_allowed()  # resource gating: no training while gated
+        if ctx.batcher is not None and not ctx.compute_in_thread:
+            # the simulator's batched training: a qualifying call waits for its group's
+            # vectorised step (which adds this node's share to timing["train_s"])
+            fut = ctx.batcher.submit(ctx, fn, args, kwargs)
+            if fut is not None:
+                return await fut
+        t0 = time.perf_counter()
+        try:
+            return await ctx.compute_ungated(fn, *args, **kwargs)
+        finally:
+            ctx.timing["train_s"] += time.perf_counter() - t0
+
+    async def compute_ungated(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """:meth:`compute` without resource gating (evaluation, ONNX export)."""
+        if self.ctx.compute_in_thread:
+            loop = asyncio.get_running_loop()
+            if self.abort is None:
+                return await loop.run_in_executor(None, functools.partial(fn, *args, **kwargs))
+            return await loop.run_in_executor(None, functools.partial(_abortable_call, self.abort, fn, args, kwargs))
+        return fn(*args, **kwargs)
+
+
+def _abortable_call(event: threading.Event, fn: Callable[..., T], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> T:
+    """``fn(*args, **kwargs)`` in a worker thread whose local training stops when
+    ``event`` is set."""
+    from dfl_agent.learning.training import abortable
+
+    with abortable(event):
+        return fn(*args, **kwargs)

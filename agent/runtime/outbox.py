@@ -1,0 +1,94 @@
+"""The outbox of a node: encode, compress (with error feedback), sign and account bytes.
+
+Plain messages are compressed on send with the context's
+:class:`~dfl_agent.learning.compression.CompressionPolicy` (``message_spec(kind)``), with an
+error-feedback residual per stream for sparsified kinds; messages an algorithm already
+encoded (``Message.encoding``, e.g. CHOCO gossip) go as they are.  Every message's wire
+bytes are counted by kind, cumulatively and for the round, together with what the same
+message would have taken with float32 tensors (the compression ratio).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dfl_agent.algorithms.context import Message
+from dfl_agent.learning.error_feedback import ErrorFeedback
+from dfl_agent.transport import codec, wire
+
+if TYPE_CHECKING:
+    from dfl_agent.runtime.context import RuntimeContext
+
+
+class Outbox:
+    """Frames one node's outgoing messages and counts their bytes.
+
+    Args:
+        ctx: the node's context (identity, compression policy, security).
+        init_seed: seeds the compression operators' randomness (``[init_seed, 0xC0DEC]``).
+    """
+
+    def __init__(self, ctx: RuntimeContext, init_seed: int):
+        self.ctx = ctx
+        self.compression_rng = np.random.default_rng([init_seed, 0xC0DEC])
+        self.error_feedback: dict[str, ErrorFeedback] = {}
+        self.bytes_sent_by_kind: collections.Counter[str] = collections.Counter()
+        self.float32_bytes_sent = 0  # what the sent messages would have taken with float32 tensors
+        self.round_sent: collections.Counter[str] = collections.Counter()
+
+    def encode(self, message: Message) -> tuple[bytes, int]:
+        """Compress (per the context's ``compression``) and frame ``message``.
+
+        Returns ``(frame, reference)``: ``reference`` = bytes of the tensors as float32
+        minus the bytes that replaced them (0 when nothing was compressed), so that
+        ``wire bytes + reference`` is the message's float32 size.
+        """
+        ctx = self.ctx
+        orig = out = message
+        policy = ctx.compression
+        if message.encoding is not None and set(message.tensors) != {codec.BLOB}:
+            # a received (already decoded) message sent on: its description no longer applies
+            out = message = dataclasses.replace(message, encoding=None)
+        if message.encoding is None and message.tensors and policy is not None:
+            spec = policy.message_spec(message.kind)
+            if not spec.is_identity:
+                if spec.sparse and policy.error_feedback:
+                    ef = self.error_feedback.setdefault(message.kind, ErrorFeedback(spec))
+                    blob, desc, _ = ef.compress(message.recipient, message.tensors, self.compression_rng)
+                    wire_tensors = {codec.BLOB: blob}
+                else:
+                    wire_tensors, desc, _ = codec.encode_tensors(message.tensors, spec, self.compression_rng)
+                out = dataclasses.replace(message, tensors=wire_tensors, encoding=desc)
+        frame = wire.encode(out, federation=ctx.federation, sender=ctx.node_id, **self._signing())
+        if out is not orig:
+            orig.msg_id, orig.time, orig.sender, orig.wire_bytes = out.msg_id, out.time, out.sender, out.wire_bytes
+        reference = 0
+        if out.encoding is not None and codec.BLOB in out.tensors:
+            reference = codec.float32_bytes_of(out.encoding) - int(np.asarray(out.tensors[codec.BLOB]).nbytes)
+        return frame, reference
+
+    def _signing(self) -> dict[str, Any]:
+        sec = self.ctx.security
+        if sec is None or sec.key is None:
+            return {}
+        return {"sign": sec.sign, "cert": sec.certificate}
+
+    def account(self, kind: str, n: int, reference: int) -> None:
+        """``n`` wire bytes of a ``kind`` message went out (``reference``: see :meth:`encode`)."""
+        self.bytes_sent_by_kind[kind] += n
+        self.round_sent[kind] += n
+        self.float32_bytes_sent += n + reference if n else 0
+
+    def end_round(self) -> dict[str, int]:
+        """The bytes sent this round by kind; starts a new count."""
+        sent = dict(self.round_sent)
+        self.round_sent.clear()
+        return sent
+
+    def ef_resets(self) -> int:
+        """Error-feedback streams reset because their residual went non-finite."""
+        return sum(ef.resets for ef in self.error_feedback.values())
