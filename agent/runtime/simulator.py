@@ -179,6 +179,37 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
     """
     started = time.time()
     device = check_device(cfg.device)
+    records: list[dict[str, Any]] = []
+    sink = records.append if progress is None else _progress_sink(cfg, records, progress)
+    fed = _assemble(cfg, device, sink)
+    _run(cfg, fed, device, progress)
+    summary = _summary(cfg, fed, device, wall=time.time() - started)
+    if cfg.out:
+        out = Path(cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        metrics.write_jsonl(out / "metrics.jsonl", records)
+        metrics.atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=float) + "\n")
+        histories = {n.ctx.node_id: n.history for n in fed.nodes}
+        metrics.plot_accuracy(histories, out / "accuracy.png", title=f"{cfg.algorithm} on {cfg.dataset}, {cfg.nodes} nodes")
+    return summary
+
+
+@dataclasses.dataclass
+class _Federation:
+    """The simulated federation, assembled: its nodes and what the summary reports."""
+
+    nodes: list[Node]
+    ids: list[str]
+    spec: dict[str, Any]  # the configured single spec (summary.json's "model_spec", even when unused)
+    specs: list[dict[str, Any]]
+    behaviours: list[Any] | None
+    policy: CompressionPolicy
+    batcher: BatchTrainer | None
+
+
+def _assemble(cfg: SimConfig, device: str, sink: Callable[[dict[str, Any]], None]) -> _Federation:
+    """Load the data, choose each node's model (:func:`~dfl_agent.runtime.assembly.choose_model_specs`)
+    and build the nodes (:func:`~dfl_agent.runtime.assembly.build_node`) over one memory network."""
     algo_cls = get_algorithm(cfg.algorithm)
     options = parse_options(algo_cls, cfg.options)
     bundle = load_dataset(cfg.dataset, path=cfg.dataset_path, cache_dir=cfg.cache_dir)
@@ -187,7 +218,6 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
     else:
         parts = partition(bundle.pool, cfg.nodes, cfg.partition, seed=cfg.seed, beta=cfg.beta, zeta=cfg.zeta)
     shape, n_classes = bundle.pool.input_shape, bundle.pool.num_classes
-    # the configured single spec, reported in summary.json's "model_spec" (even when unused)
     spec = choose_model_specs(cfg.algorithm, shape, n_classes, 1, spec=cfg.model_spec, tiers=[cfg.model_size])[0]
     behaviours = _profile_behaviours(cfg)
     specs = choose_model_specs(cfg.algorithm, shape, n_classes, cfg.nodes, family=cfg.model_family,
@@ -203,11 +233,8 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
     network = MemoryNetwork(latency=cfg.latency)
     batcher = BatchTrainer() if cfg.batch else None
     federation = "sim"
-    records: list[dict[str, Any]] = []
     nodes: list[Node] = []
-    sink = records.append if progress is None else _progress_sink(cfg, records, progress)
-    for i in range(cfg.nodes):
-        nid = node_name(i)
+    for i, nid in enumerate(ids):
         data = make_node_data(bundle, parts[i], seed=cfg.seed)  # same split as the daemon (node_data_for)
         descriptor = {"algorithm": cfg.algorithm, "model_hash": spec_hash(specs[i])}
         behaviour = behaviours[i] if behaviours else None
@@ -227,6 +254,12 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
         if i in cfg.kill:  # fault injection: the node crashes when it starts that round
             node.kill_at(cfg.kill[i], functools.partial(network.kill, nid))
         nodes.append(node)
+    return _Federation(nodes, ids, spec, specs, behaviours, policy, batcher)
+
+
+def _run(cfg: SimConfig, fed: _Federation, device: str, progress: Callable[[int, float | None], None] | None) -> None:
+    """Run every node's rounds on one virtual-time loop, with ``cfg.threads`` torch threads."""
+    import torch
 
     async def run_node(node: Node) -> None:
         await node.setup()
@@ -238,15 +271,13 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
     async def main() -> None:
         import asyncio
 
-        for node in nodes:
+        for node in fed.nodes:
             await node.ctx.start()
         if progress is not None:
             progress(0, None)  # set-up done: the rounds start
-        await asyncio.gather(*(run_node(n) for n in nodes))
-        for node in nodes:
+        await asyncio.gather(*(run_node(n) for n in fed.nodes))
+        for node in fed.nodes:
             await node.ctx.stop()
-
-    import torch
 
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
@@ -256,25 +287,31 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
         run_virtual(main())
     finally:
         torch.set_num_threads(previous_threads)
-    wall = time.time() - started
+
+
+def _summary(cfg: SimConfig, fed: _Federation, device: str, wall: float) -> dict[str, Any]:
+    """The ``summary.json`` document of a finished run."""
+    import torch
+
+    nodes, ids, batcher = fed.nodes, fed.ids, fed.batcher
     # on CUDA: the run's peak of memory allocated by tensors (MiB; torch's caching
     # allocator may hold more)
     gpu = ({"device": device, "cuda_peak_memory_mb": round(torch.cuda.max_memory_allocated(device) / 2**20, 1),
             "cuda_device_name": torch.cuda.get_device_name(device)} if device != "cpu" else {})
     histories = {n.ctx.node_id: n.history for n in nodes}
-    summary = metrics.summarize(
+    return metrics.summarize(
         cfg.algorithm, histories, wall_seconds=wall,
         bytes_by_node={n.ctx.node_id: (n.ctx.transport.stats.bytes_sent, n.ctx.transport.stats.bytes_received) for n in nodes},
         extra={
-            "dataset": cfg.dataset, "partition": cfg.partition, "seed": cfg.seed, "model_spec": spec,
-            "model_specs": {nid: s for nid, s in zip(ids, specs)}, "topology": cfg.topology,
+            "dataset": cfg.dataset, "partition": cfg.partition, "seed": cfg.seed, "model_spec": fed.spec,
+            "model_specs": {nid: s for nid, s in zip(ids, fed.specs)}, "topology": cfg.topology,
             "dropped": {n.ctx.node_id: n.ctx.counters()["dropped"] for n in nodes},
             # aggregation/mutual-learning/transfer steps undone for a non-finite result, per node
             "diverged": {n.ctx.node_id: n.ctx.diverged for n in nodes},
             "curve": metrics.mean_curve(histories),
             "excluded": {n.ctx.node_id: dict(n.ctx.excluded) for n in nodes if n.ctx.excluded},
-            "profiles": {nid: b.profile for nid, b in zip(ids, behaviours)} if behaviours else None,
-            **_byte_summary(nodes, policy),
+            "profiles": {nid: b.profile for nid, b in zip(ids, fed.behaviours)} if fed.behaviours else None,
+            **_byte_summary(nodes, fed.policy),
             # batched training: node trainings done in vectorised groups, groups run, and
             # qualifying trainings that were alone in their group (None: --no-batch)
             # and evaluations done in vectorised passes (evaluated_batched, eval_groups, eval_single)
@@ -284,13 +321,6 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
             **gpu,
         },
     )
-    if cfg.out:
-        out = Path(cfg.out)
-        out.mkdir(parents=True, exist_ok=True)
-        metrics.write_jsonl(out / "metrics.jsonl", records)
-        metrics.atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=float) + "\n")
-        metrics.plot_accuracy(histories, out / "accuracy.png", title=f"{cfg.algorithm} on {cfg.dataset}, {cfg.nodes} nodes")
-    return summary
 
 
 def _progress_sink(cfg: SimConfig, records: list[dict[str, Any]],
