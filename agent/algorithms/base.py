@@ -85,7 +85,8 @@ class NoOptions:
 FAMILIES = ("rotating", "neighbourhood", "pairs", "lockstep", "local")
 #: Default models: ``tier`` (the default model of the size tier), ``layered`` (the layered
 #: ``convdense`` model), ``width-scaled`` (width-scaled members of one family, DFML's H1
-#: in the simulator); see :mod:`dfl_agent.models.defaults`.
+#: in the simulator); the same names as :data:`dfl_agent.models.defaults.DEFAULT_MODELS`
+#: (which imports torch: not imported here).
 DEFAULT_MODELS = ("tier", "layered", "width-scaled")
 
 

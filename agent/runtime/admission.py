@@ -60,9 +60,10 @@ def run_model_params(d: RunDescriptor, profile: Any, *, input_shape: Any = None,
 
         return spec_params(family_member(str(model["family"]), input_shape, num_classes, tier)), \
             f"{model['family']} member for {tier}"
-    from dfl_agent.models.defaults import algorithm_default_spec
+    from dfl_agent.algorithms.base import traits_of
+    from dfl_agent.models.defaults import default_model_spec
 
-    return spec_params(algorithm_default_spec(d.algorithm, input_shape, num_classes, tier)), f"default {tier} model"
+    return spec_params(default_model_spec(traits_of(d.algorithm).default_model, input_shape, num_classes, tier)), f"default {tier} model"
 
 
 def admit(d: RunDescriptor, profile: Any, *, node_id: str, model_params: int | None = None,

@@ -19,7 +19,7 @@ Nothing here imports torch at module level.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -106,11 +106,11 @@ def choose_model_specs(algorithm: str, input_shape: Sequence[int], num_classes: 
        simulator's ``--models H2``);
     2. ``specs``: one spec per node, cycled;
     3. ``spec``: the same spec for every node;
-    4. the algorithm's default model (:func:`dfl_agent.models.defaults.algorithm_default_spec`)
+    4. the algorithm's default model (:func:`algorithm_default_spec`)
        of each node's size tier (``tiers[i]``, a ``None`` entry meaning ``size``).  Where
        no node's tier is known (``tiers`` is None), the width-scaled algorithms
        (HeteroFL, FedRolex) spread DFML's H1 family over the nodes instead
-       (:func:`dfl_agent.models.defaults.simulator_default_specs`).
+       (:func:`simulator_default_specs`).
 
     Args:
         algorithm: registered algorithm name.
@@ -124,7 +124,6 @@ def choose_model_specs(algorithm: str, input_shape: Sequence[int], num_classes: 
         ValueError: an invalid spec, an unknown family or tier, or a family the data does not fit.
     """
     from dfl_agent.models import validate_spec
-    from dfl_agent.models.defaults import algorithm_default_spec, simulator_default_specs
 
     if family:
         from dfl_agent.models.families import family_member, family_specs
@@ -141,6 +140,49 @@ def choose_model_specs(algorithm: str, input_shape: Sequence[int], num_classes: 
         return simulator_default_specs(algorithm, input_shape, num_classes, nodes, size)
     return [algorithm_default_spec(algorithm, input_shape, num_classes, tiers[i % len(tiers)] or size)
             for i in range(nodes)]
+
+
+def algorithm_default_spec(algorithm: str, input_shape: Sequence[int], num_classes: int,
+                           size: str = "medium") -> dict[str, Any]:
+    """The default model spec of the registered ``algorithm`` (its trait ``default_model``,
+    :func:`dfl_agent.models.defaults.default_model_spec`) for one node of tier ``size``.
+
+    Raises:
+        KeyError: unknown algorithm.  ValueError: unknown size tier.
+    """
+    from dfl_agent.algorithms.base import traits_of
+    from dfl_agent.models.defaults import default_model_spec
+
+    return default_model_spec(traits_of(algorithm).default_model, input_shape, num_classes, size)
+
+
+def simulator_default_specs(algorithm: str, input_shape: Sequence[int], num_classes: int, nodes: int,
+                            size: str = "medium") -> list[dict[str, Any]]:
+    """One default spec per node of a simulation that chooses no model
+    (:func:`dfl_agent.models.defaults.default_model_specs` of the algorithm's trait
+    ``default_model``: H1 spread over the nodes for the width-scaled algorithms).
+
+    Raises:
+        KeyError: unknown algorithm.  ValueError: unknown size tier.
+    """
+    from dfl_agent.algorithms.base import traits_of
+    from dfl_agent.models.defaults import default_model_specs
+
+    return default_model_specs(traits_of(algorithm).default_model, input_shape, num_classes, nodes, size)
+
+
+def check_algorithm_models(algorithm: str, specs: Sequence[Mapping[str, Any]]) -> None:
+    """Check that the registered ``algorithm`` can train the models ``specs``
+    (:func:`dfl_agent.models.defaults.check_models` with its trait ``default_model``).
+
+    Raises:
+        ValueError: one line naming the algorithm, the model and the fix.  KeyError:
+            unknown algorithm.
+    """
+    from dfl_agent.algorithms.base import traits_of
+    from dfl_agent.models.defaults import check_models
+
+    check_models(traits_of(algorithm).default_model, algorithm, specs)
 
 
 def model_spec_for(cfg: NodeConfig, algorithm: str, input_shape: Any, num_classes: int, *,
@@ -165,8 +207,6 @@ def check_node_model(algorithm: str, spec: dict[str, Any], num_classes: int) -> 
         ValueError: the algorithm cannot train the model (one line naming the fix), or
             the spec's class count differs from the data's.
     """
-    from dfl_agent.models.defaults import check_algorithm_models
-
     check_algorithm_models(algorithm, [spec])
     if spec["num_classes"] != num_classes:
         raise ValueError(f"model.spec has {spec['num_classes']} classes, the data {num_classes}")

@@ -120,7 +120,7 @@ def part_batch(device: str, groups: int) -> dict[str, Any]:
     from dfl_agent.data import load_dataset
     from dfl_agent.learning.training import TrainConfig, round_batches, train_local
     from dfl_agent.models import build_model
-    from dfl_agent.models.defaults import algorithm_default_spec
+    from dfl_agent.runtime.assembly import algorithm_default_spec
     from dfl_agent.runtime.batching import train_group
     from dfl_agent.runtime.simulator import sampled_parts
 

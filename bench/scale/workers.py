@@ -80,7 +80,7 @@ class Group:
         from dfl_agent.data import load_dataset, make_node_data, partition
         from dfl_agent.learning.training import TrainConfig
         from dfl_agent.models import build_model
-        from dfl_agent.models.defaults import simulator_default_specs
+        from dfl_agent.runtime.assembly import simulator_default_specs
         from dfl_agent.runtime.node import init_seed_for
         from dfl_agent.runtime.simulator import node_name
 

@@ -8,9 +8,13 @@ pytest.importorskip("torch")
 
 from dfl_agent.discovery.peers import PeerTable  # noqa: E402
 from dfl_agent.learning.training import TrainConfig  # noqa: E402
-from dfl_agent.models.defaults import algorithm_default_spec, simulator_default_specs  # noqa: E402
 from dfl_agent.models.families import family_member, family_specs  # noqa: E402
-from dfl_agent.runtime.assembly import choose_model_specs, model_spec_for  # noqa: E402
+from dfl_agent.runtime.assembly import (  # noqa: E402
+    algorithm_default_spec,
+    choose_model_specs,
+    model_spec_for,
+    simulator_default_specs,
+)
 from dfl_agent.runtime.config import config_from_dict  # noqa: E402
 from dfl_agent.runtime.context import RuntimeContext  # noqa: E402
 from dfl_agent.transport.memory import MemoryNetwork  # noqa: E402
