@@ -52,6 +52,7 @@ from dfl_agent.runtime.config import NodeConfig
 from dfl_agent.runtime.deployment import deploy_after_run
 from dfl_agent.runtime.metrics import end_torn_line, written_rounds
 from dfl_agent.runtime.node import RunStopped, init_seed_for
+from dfl_agent.runtime.onnx_publisher import OnnxPublisher
 from dfl_agent.runtime.preflight import load_data
 from dfl_agent.runtime.prometheus import PrometheusExporter
 from dfl_agent.runtime.rejoin import RunMembers
@@ -299,8 +300,6 @@ class Agent(RunMembers):
         every round (with the store and deployment: the deployed version only)."""
         if not onnx_available():
             return
-        from dfl_agent.runtime.onnx_publisher import OnnxPublisher
-
         cfg, node = self.cfg, self.node
         deployed = None  # with the store and deployment: the deployed version only
         if self.store is not None and cfg.deploy.enabled:

@@ -30,6 +30,8 @@ from typing import Any
 
 from dfl_agent.jsonbound import JSONBoundError
 from dfl_agent.jsonbound import loads as bounded_loads
+from dfl_agent.security.keys import issue_certificate
+from dfl_agent.security.trust import ControlRejected, SecurityGuard, SeqCounter, TrustStore
 
 SCHEMA_VERSION = 1
 #: node-side run states shown in status (``run.state``) and ``dflctl run show``
@@ -185,8 +187,6 @@ def operator_certificate(federation_key: Any, federation: str, name: str, public
                          valid_days: float | None = None) -> dict[str, Any]:
     """An operator certificate (version 2, ``role = "operator"``) signed by the federation key
     (what ``dflctl keys enroll NAME --role operator`` writes)."""
-    from dfl_agent.security.keys import issue_certificate
-
     return issue_certificate(federation_key, federation, name, public_b64, valid_days=valid_days, role="operator")
 
 
@@ -211,8 +211,6 @@ def sign_descriptor(d: RunDescriptor, key: Any | None, signer: str = "", cert: d
             operator's folder); None counts from the clock in milliseconds, which also
             grows from one ``dflctl`` call to the next.
     """
-    from dfl_agent.security.trust import SecurityGuard, SeqCounter, TrustStore
-
     guard = SecurityGuard(signer or "anonymous", key, TrustStore(d.federation), certificate=cert,
                           seq=seq if seq is not None else SeqCounter(None))
     return guard.sign_control(run_kind(d.run_id), d.to_dict(), d.federation)
@@ -260,8 +258,6 @@ class RunVerifier:
 
     def __init__(self, federation: str, *, require_signatures: bool, federation_key: str | None = None,
                  operators: Mapping[str, str] | None = None, guard: Any = None):
-        from dfl_agent.security.trust import SecurityGuard, TrustStore
-
         self.federation = federation
         self.require_signatures = require_signatures
         if guard is None:
@@ -281,8 +277,6 @@ class RunVerifier:
         return d, why
 
     def _check(self, payload: bytes) -> tuple[RunDescriptor | None, str | None]:
-        from dfl_agent.security.trust import ControlRejected
-
         try:  # bounded first: 64 KiB, nesting depth 32
             env = bounded_loads(payload, "descriptor")
             kind = env.get("kind") if isinstance(env, dict) else None

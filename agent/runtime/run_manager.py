@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dfl_agent.profiles import resolve_profile
 from dfl_agent.runtime.admission import admit
 from dfl_agent.runtime.agent import Agent, node_id_from_state
 from dfl_agent.runtime.assembly import StartupError, build_security
@@ -483,8 +484,6 @@ def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHoo
     Raises:
         StartupError: the state directory, the profile, the keys or the store are unusable.
     """
-    from dfl_agent.profiles import resolve_profile
-
     state_dir = Path(cfg.state_dir)
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
