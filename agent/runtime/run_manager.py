@@ -4,13 +4,14 @@ The always-on agent (``dfl-agent run`` without ``--once``) trains in runs, one a
 time, in queue order (:mod:`dfl_agent.runtime.lobby`).  :class:`RunManager` takes each
 run through these states, one method per transition::
 
-    idle --admit--> admitted --wait_for_members--> waiting_for_members --start_training--> training
-      |                |  (min_members 1: straight to training)                               |
-      |                +--> declined                                                          v
-      |                                                    trained --deploying--> deploying --> deployed | kept
-      |                                                       |                                     |
-      +--> cancelled (before it ran here)                     +----------------> recorded <---------+
-    waiting_for_members / training --> cancelled | failed;  every end state --> idle
+    idle                 --admit-->            admitted | declined
+    idle                 --cancel_unstarted--> cancelled   (cancelled before it ran here)
+    admitted             --wait_for_members--> waiting_for_members --> training | cancelled | failed
+    admitted             --train-->            training    (min_members 1)
+    training             --on_agent_state-->   trained --> deploying --> deployed | kept
+    trained | deployed | kept --finish-->      recorded
+    training             --cancelled | fail--> cancelled | failed
+    recorded | declined | cancelled | failed --idle--> idle
 
 ``declined``, ``cancelled``, ``failed`` and ``recorded`` (a finished run) are written to
 the run ledger (:class:`~dfl_agent.runtime.ledger.RunLedger`), so a run that ended here
