@@ -183,3 +183,23 @@ def test_module_names_say_what_they_hold() -> None:
     after what it holds (``deploy/gate.py``, ``inference/windows.py``, ...)."""
     stray = [str(p.relative_to(ROOT)) for p in (ROOT / "agent").rglob("runtime.py")]
     assert stray == []
+
+
+def test_command_line_modules_import_no_loop() -> None:
+    """The ``dfl_agent.cli`` modules import each other without a loop (function-local
+    imports included): shared pieces (tables, observer, output) sit below the commands."""
+    cli = {m: p for m, p in _modules() if m.startswith("dfl_agent.cli.")}
+    graph = {m: {t for _l, t in _imports(m, p) if t in cli and t != m} for m, p in cli.items()}
+    done: set[str] = set()
+
+    def visit(m: str, path: list[str]) -> None:
+        if m in path:
+            raise AssertionError("import loop: " + " -> ".join([*path[path.index(m):], m]))
+        if m in done:
+            return
+        for t in sorted(graph[m]):
+            visit(t, [*path, m])
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m, [])
