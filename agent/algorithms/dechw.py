@@ -229,10 +229,9 @@ class DecHW(NeighbourhoodAlgorithm):
             a = msg.tensors[HESSIAN_PREFIX + k]
             if a.shape != msg.tensors[k].shape or a.dtype != np.float32:
                 raise ValueError(f"Hessian of {k!r} is {a.dtype}{list(a.shape)}")
-            if (a < 0).any():
-                raise ValueError(f"Hessian of {k!r} has negative entries")
-            if not np.isfinite(a).all():
-                raise ValueError(f"Hessian of {k!r} has non-finite entries")
+            problem = hess.diagonal_problem(a)
+            if problem is not None:
+                raise ValueError(f"Hessian of {k!r} has {problem} entries")
             out[k] = a
         return out
 

@@ -249,6 +249,19 @@ def accumulate(
     return {k: keep * np.asarray(acc[k], dtype=np.float64) + beta * new[k] for k in new}
 
 
+def diagonal_problem(h: np.ndarray) -> str | None:
+    """What is wrong with Hessian-diagonal entries ``h`` (any shape): ``"negative"`` (an
+    entry < 0; Ĥ estimates squared gradients, Eq. 4-5 of the DecHW paper), ``"non-finite"``
+    (NaN or inf), or None when every entry is a finite value >= 0.  The one check of a
+    received diagonal (:class:`dfl_agent.algorithms.dechw.DecHW`) and of the aggregation's
+    inputs (:func:`hessian_weighted_average`)."""
+    if (h < 0).any():
+        return "negative"
+    if not np.isfinite(h).all():
+        return "non-finite"
+    return None
+
+
 def data_size_weights(samples: Sequence[float]) -> np.ndarray:
     """τ_j = |D_j| / Σ_k |D_k| over the neighbourhood N_i ∪ {i} (Eq. 3), float64 ``(N,)``.
 
@@ -327,7 +340,7 @@ def hessian_weighted_average(
         if any(np.shape(hh[name]) != first.shape for hh in hessians):
             raise ValueError(f"a Hessian diagonal for {name!r} does not have the parameter's shape {first.shape}")
         h = np.stack([np.asarray(hh[name], dtype=np.float64) for hh in hessians])  # (N, *shape)
-        if not np.isfinite(h).all() or (h < 0).any():
+        if diagonal_problem(h) is not None:
             raise ValueError(f"Hessian diagonal for {name!r} has negative or non-finite entries")
         if size_weighting:
             h = h * tau.reshape((n,) + (1,) * (h.ndim - 1))
