@@ -366,7 +366,7 @@ def test_digits() -> None:
 def test_digits_missing_sklearn(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
-    with pytest.raises(ImportError, match=r"dfl-agent\[digits\]"):
+    with pytest.raises(ImportError, match=r"whl\[digits\]"):
         load_dataset("digits")
 
 
