@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dfl_agent.models.deployed import DeployedModelError, load_deployed  # noqa: F401 - public API
+
 MODEL_TYPES = ("cnn1d", "mlp", "cnn", "resnet")
 MAX_WIDTH = 4096
 MAX_LAYERS = 16

@@ -69,7 +69,7 @@ def test_first_federation_tutorial(tmp_path: Path) -> None:
 def test_live_data_tutorial(tmp_path: Path) -> None:
     """Always-on agents: samples fed with dflctl data add, a submitted run, a deployed model."""
     pytest.importorskip("torch")
-    proc = run_blocks(tutorial_blocks(LIVE), tmp_path)
+    proc = run_blocks([b for b in tutorial_blocks(LIVE) if not b.startswith("# tutorial: install")], tmp_path)
     fed = tmp_path / "live-tutorial"
     logs = "".join((fed / f"node{i}.log").read_text() for i in range(3) if (fed / f"node{i}.log").exists())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs[-4000:]
@@ -78,4 +78,8 @@ def test_live_data_tutorial(tmp_path: Path) -> None:
         assert re.search(rf"node{i}\b[^\n]*\bidle\b", proc.stdout), proc.stdout[-3000:]
     for i in range(3):
         assert (fed / f"node{i}" / "models" / "current" / "manifest.json").exists()
+    # step 6: onnxruntime on model.onnx and torch via load_deployed predict the same classes
+    onnx_pred = re.search(r"^onnxruntime: (\[.*\])$", proc.stdout, re.M)
+    torch_pred = re.search(r"^torch: (\[.*\])$", proc.stdout, re.M)
+    assert onnx_pred and torch_pred and onnx_pred.group(1) == torch_pred.group(1), proc.stdout[-3000:]
     assert re.search(r"deployed version \S+ of run \S+ accuracy [0-9.]+", proc.stdout), proc.stdout[-2000:]
