@@ -302,17 +302,8 @@ def train_group(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
 
     step = vmap(grad_and_value(loss_of))
     masked_step = vmap(grad_and_value(masked_loss_of))
-    # every member's data in one (G, n_max, *shape) block on the device (shorter splits
-    # zero-padded; the padding is never indexed): each step gathers the G mini-batches in
-    # one indexing operation, not G (the same samples, so the same values)
     g = len(members)
-    n_max = max(len(x) for _, x, _, _ in members)
-    x_all = np.zeros((g, n_max, *members[0][1].shape[1:]), dtype=np.float32)
-    y_all = np.zeros((g, n_max), dtype=np.int64)
-    for j, (_, x, y, _) in enumerate(members):
-        x_all[j, :len(x)] = x
-        y_all[j, :len(y)] = y
-    xs, ys = torch.from_numpy(x_all).to(dev), torch.from_numpy(y_all).to(dev)
+    xs, ys = _stack_data(members, dev)
     rows = torch.arange(g, device=dev).unsqueeze(1)
     n_steps = len(members[0][3])
     bufs: dict[str, torch.Tensor] = {}
@@ -331,8 +322,36 @@ def train_group(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
             grads, loss = masked_step(stacked, xs[rows, cols], ys[rows, cols], mask)
         losses += loss.detach().double()
         sgd_step(stacked, grads, bufs, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return _write_back(members, member_params, stacked, names, losses, n_steps)
+
+
+def _stack_data(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray]]], dev: Any) -> tuple[Any, Any]:
+    """Every member's data in one ``(G, n_max, *shape)`` block on the device (shorter splits
+    zero-padded; the padding is never indexed): each step of :func:`train_group` gathers
+    the G mini-batches in one indexing operation, not G (the same samples, so the same
+    values).  Returns ``(xs float32, ys int64)`` tensors on ``dev``."""
+    import torch
+
+    g = len(members)
+    n_max = max(len(x) for _, x, _, _ in members)
+    x_all = np.zeros((g, n_max, *members[0][1].shape[1:]), dtype=np.float32)
+    y_all = np.zeros((g, n_max), dtype=np.int64)
+    for j, (_, x, y, _) in enumerate(members):
+        x_all[j, :len(x)] = x
+        y_all[j, :len(y)] = y
+    return torch.from_numpy(x_all).to(dev), torch.from_numpy(y_all).to(dev)
+
+
+def _write_back(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray]]], member_params: list[dict],
+                stacked: dict[str, Any], names: list[str], losses: Any, n_steps: int) -> list[dict[str, float]]:
+    """Copy each member's trained parameters (row i of ``stacked``) back into its model,
+    unless they are non-finite (then the model keeps its old ones, ``diverged`` = 1), and
+    return :func:`train_group`'s per-member results."""
+    import torch
+
     out = []
     with torch.no_grad():
+        dev = losses.device
         finite = torch.ones(len(members), dtype=torch.bool, device=dev)
         for n in names:
             finite &= torch.isfinite(stacked[n].reshape(len(members), -1)).all(dim=1)
