@@ -1,7 +1,7 @@
 """``cfa``: consensus-based federated averaging (Savazzi et al. 2019; DecHW seed 001
 §V-A4 baseline; rule fixed by ALGORITHMS.md).
 
-Same protocol as :mod:`dfl_agent.algorithms.dechw` (Algorithm 1 of seed 001: aggregate
+Same protocol as ``dechw`` (:mod:`dfl_agent.algorithms.protocols.neighbourhood`, Algorithm 1 of seed 001: aggregate
 the neighbours' previous-round models, train, send), with the consensus step
 
     w_i ← w_i + ε Σ_{j∈N_i} τ_j (w_j − w_i),   ε = 1/|N_i| by default,

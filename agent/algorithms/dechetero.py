@@ -1,7 +1,7 @@
 """``dechetero``: decentralized FedAvg over a static graph with heterogeneous
 initialisation (DecHW seed 001 §V-A4 baseline, Eq. 3).
 
-Same protocol as :mod:`dfl_agent.algorithms.dechw` (Algorithm 1 of seed 001: aggregate
+Same protocol as ``dechw`` (:mod:`dfl_agent.algorithms.protocols.neighbourhood`, Algorithm 1 of seed 001: aggregate
 the neighbours' previous-round models, train, send), with the aggregation
 
     w_i⁽ᵗ⁾ = Σ_{j∈N_i∪{i}} τ_j w_j⁽ᵗ⁻¹⁾,   τ_j = |D_j| / Σ_{k∈N_i∪{i}} |D_k|     (Eq. 3)

@@ -182,7 +182,7 @@ async def collect_round(
 @dataclasses.dataclass
 class NeighbourhoodOptions(GossipOptions):
     """Options shared by ``dechw``, ``dechetero`` and ``cfa``: those of
-    :class:`dfl_agent.algorithms.fedavg.GossipOptions` (round deadline, robust aggregation,
+    :class:`GossipOptions` (round deadline, robust aggregation,
     synchronization strategy) plus ``delivery``.
 
     Attributes:
@@ -241,7 +241,7 @@ class NeighbourhoodAlgorithm(Algorithm):
     def update_check(self, msg: Message) -> str | None:
         """Why a received model update cannot be used (``"reason: detail"``), or None: the
         model's tensor names, shapes and dtypes and a positive ``samples``
-        (:func:`~dfl_agent.algorithms.fedavg.update_problem`; :meth:`extra_names` may come
+        (:func:`update_problem`; :meth:`extra_names` may come
         in addition).  Run on arrival (:meth:`NodeContext.check_on_arrival`)."""
         return self._arrival(msg)
 
