@@ -11,10 +11,6 @@ RUNTIME = Path(__file__).resolve().parents[2] / "agent" / "runtime"
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 
-#: modules still over a limit while their refactoring is under way, with the reason.
-#: Remove an entry as soon as its module meets both limits; the goal is an empty dict.
-ALLOWED: dict[str, str] = {}
-
 
 def _modules() -> list[Path]:
     return sorted(RUNTIME.glob("*.py"))
@@ -34,15 +30,11 @@ def _long_functions(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: p.name)
 def test_no_runtime_module_is_over_600_lines(path: Path) -> None:
-    if path.name in ALLOWED:
-        pytest.skip(ALLOWED[path.name])
     n = len(path.read_text(encoding="utf-8").splitlines())
     assert n <= MAX_MODULE_LINES, f"{path.name}: {n} lines"
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: p.name)
 def test_no_runtime_function_is_over_80_lines(path: Path) -> None:
-    if path.name in ALLOWED:
-        pytest.skip(ALLOWED[path.name])
     assert _long_functions(path) == [], path.name
 
