@@ -29,6 +29,12 @@ def _agent(path, log):
                             stdout=log, stderr=subprocess.STDOUT)
 
 
+def committed_checkpoints(state):
+    """The checkpoint manifests on disk (``round-*.json``, written last: the commit record of a
+    checkpoint), of a ``--once`` run (``state/checkpoints``) or of a submitted run."""
+    return sorted(state.glob("checkpoints/round-*.json")) + sorted(state.glob("runs/*/checkpoints/round-*.json"))
+
+
 @needs_mosquitto
 def test_agent_killed_while_ingesting_training_and_deploying_loses_and_duplicates_nothing(tmp_path):
     from dfl_agent.deploy import ModelStore, verify_folder
@@ -64,14 +70,18 @@ def test_agent_killed_while_ingesting_training_and_deploying_loses_and_duplicate
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
             partial.append(left())
-        # 2) killed during its run: after its first round
+        # 2) killed during its run: once its first checkpoint is committed. Not at the log line
+        # "round 1 done": that line is written while the round's checkpoint is still being saved
+        # in a worker thread, so under load a kill there came before any checkpoint existed and
+        # the restarted agent had nothing to resume from.
         proc = _agent(path, log)
         deadline = time.time() + 180
         while proc.poll() is None and time.time() < deadline:
-            if "round 1 done" in (tmp_path / "agent.log").read_text(errors="replace"):
+            if committed_checkpoints(state):
                 break
             time.sleep(0.05)
         assert proc.poll() is None, "the agent ended before it could be killed mid-run"
+        assert committed_checkpoints(state), "no checkpoint within 180 s"
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         proc = _agent(path, log)
