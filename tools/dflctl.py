@@ -69,13 +69,14 @@ def _dechw_hint(algorithm: str, raw_options: dict[str, Any], init: str, partitio
 
 def cmd_simulate(a: argparse.Namespace) -> int:
     from dfl_agent.cli.progress import simulate_with_progress
-    from dfl_agent.learning.training import TrainConfig
+    from dfl_agent.learning.training import DEFAULT_LR, TrainConfig
     from dfl_agent.runtime.simulator import SimConfig
 
     cfg = SimConfig(
         algorithm=a.algorithm, nodes=a.nodes, rounds=a.rounds, dataset=a.dataset, dataset_path=a.dataset_path,
         partition=a.partition, beta=a.beta, zeta=a.zeta, seed=a.seed, out=a.out, options=_kv(a.option),
-        train=TrainConfig(epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, momentum=a.momentum, steps=a.steps),
+        train=TrainConfig(epochs=a.epochs, batch_size=a.batch_size, lr=DEFAULT_LR if a.lr is None else a.lr,
+                          lr_is_set=a.lr is not None, momentum=a.momentum, steps=a.steps),
         model_size=a.model_size,
         init=a.init, baseline_local=a.baseline_local, topology=a.topology,
         topology_options=_kv(a.topology_option),
@@ -279,7 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=0,
                    help="mini-batch steps per round instead of --epochs passes (0: use --epochs)")
     s.add_argument("--batch-size", type=int, default=32, help="mini-batch size")
-    s.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+    from dfl_agent.learning.training import DEFAULT_ADAM_LR, DEFAULT_LR
+
+    s.add_argument("--lr", type=float, default=None,
+                   help=f"SGD learning rate (default {DEFAULT_LR}); given, also the Adam rate of fedd2s, fedper "
+                        f"and local_adam (default {DEFAULT_ADAM_LR}) unless their adam_lr option is set")
     s.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     s.add_argument("--model-size", default="medium", choices=["small", "medium", "large"], help="model size of the default model")
     s.add_argument("--init", default="common", choices=["common", "independent"], help="one common initial model, or one per node")

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import types
 import typing
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -418,6 +419,14 @@ def _load_builtin() -> None:
     _BUILTIN_LOADED = True
 
 
+def _optional_of(typ: Any) -> Any:
+    """``X`` for an option typed ``X | None`` (unset: None); any other type as it is."""
+    args = typing.get_args(typ)
+    if typing.get_origin(typ) in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        return next(a for a in args if a is not type(None))
+    return typ
+
+
 def parse_options(cls: type[Algorithm], raw: Mapping[str, Any] | None, prefix: str = "algorithm.options") -> Any:
     """Build ``cls.Options`` from a config table, checking names and types.  An option
     renamed since (``Options.renamed``: old -> new name) is accepted under its old name
@@ -441,7 +450,10 @@ def parse_options(cls: type[Algorithm], raw: Mapping[str, Any] | None, prefix: s
             raise ValueError(f"{prefix}.{key}: unknown option for algorithm {cls.name!r} (known: {sorted(fields)})")
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
-        typ = hints[key]
+        typ = _optional_of(hints[key])
+        if typ is not hints[key] and value is None:  # an optional option given as None: unset
+            kwargs[key] = value
+            continue
         if typ is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         base = typing.get_origin(typ) or typ

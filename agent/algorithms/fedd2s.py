@@ -54,6 +54,7 @@ from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.rotating import GlobalModelRotation, RotationOptions, global_init_seed
 from dfl_agent.learning import d2s
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
+from dfl_agent.learning.training import adam_lr
 
 if TYPE_CHECKING:
     from torch import nn
@@ -76,7 +77,8 @@ class FedD2SOptions(RotationOptions):
         dropping_set: layer names (a suffix of the model's layers, e.g. C3, F1, F2, F3);
             its shallowest layer is l_min, the floor of Eq. 6.
         adam_lr: Adam learning rate of both distillation phases (fresh state per phase);
-            replaces ``training.lr`` (formerly ``lr``).
+            replaces ``training.lr`` (formerly ``lr``).  Unset (None): ``training.lr`` when
+            the configuration sets it, else 0.01 (:func:`dfl_agent.learning.training.adam_lr`).
         c2s_epochs, s2c_epochs: passes over the local data per distillation phase (seed §IV-A:
             E = 4, the setting of its Table 2; 1 trains the personal model too little to
             beat local training, see the module docstring).
@@ -88,7 +90,7 @@ class FedD2SOptions(RotationOptions):
     sender_ratio: float = 0.2
     z0: int = 3
     dropping_set: list = dataclasses.field(default_factory=lambda: ["C3", "F1", "F2", "F3"])
-    adam_lr: float = 0.01
+    adam_lr: float | None = None
     c2s_epochs: int = 4
     s2c_epochs: int = 4
     temperature: float = 1.0
@@ -102,7 +104,7 @@ class FedD2SOptions(RotationOptions):
             raise ValueError(f"z0 must be >= 1, got {self.z0}")
         if not self.dropping_set or not all(isinstance(x, str) for x in self.dropping_set):
             raise ValueError(f"dropping_set must be a non-empty list of layer names, got {self.dropping_set!r}")
-        if not self.adam_lr > 0 or not self.temperature > 0:
+        if (self.adam_lr is not None and not self.adam_lr > 0) or not self.temperature > 0:
             raise ValueError("adam_lr and temperature must be > 0")
         if self.c2s_epochs < 1 or self.s2c_epochs < 1 or self.distill_batch_size < 0:
             raise ValueError("c2s_epochs and s2c_epochs must be >= 1, distill_batch_size >= 0")
@@ -170,7 +172,8 @@ class FedD2S(GlobalModelRotation):
         self._triplets = d2s.extract_features(self.personal, d.train_x, d.train_y, self.l, self.batch_size,
                                               self.ctx.device)
         g = self._global_model(theta_g).to(self.ctx.device)
-        stats = d2s.c2s_distill(g, self._triplets, self.l, lr=o.adam_lr, epochs=o.c2s_epochs, temperature=o.temperature)
+        stats = d2s.c2s_distill(g, self._triplets, self.l, lr=adam_lr(o.adam_lr, self.ctx.train),
+                                epochs=o.c2s_epochs, temperature=o.temperature)
         self._copy = model_to_numpy(g)
         return {"c2s_kl": stats["kl"], "c2s_ce": stats["ce"], "l": self.l, "z": self.z}
 
@@ -211,7 +214,8 @@ class FedD2S(GlobalModelRotation):
         g = self._global_model(theta_g).to(self.ctx.device)
         targets = d2s.global_soft_targets(g, [h1 for h1, _, _ in self._triplets])
         stats = d2s.s2c_distill(self.personal, g, d.train_x, d.train_y, targets, self.l, self.batch_size,
-                                lr=o.adam_lr, epochs=o.s2c_epochs, temperature=o.temperature, device=self.ctx.device)
+                                lr=adam_lr(o.adam_lr, self.ctx.train), epochs=o.s2c_epochs,
+                                temperature=o.temperature, device=self.ctx.device)
         self._triplets, self._copy = [], {}
         return stats
 

@@ -24,7 +24,7 @@ from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.rotating import GlobalModelRotation, RotationOptions, global_init_seed
 from dfl_agent.learning.aggregation import weighted_average
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, model_to_numpy
-from dfl_agent.learning.training import train_adam
+from dfl_agent.learning.training import adam_lr, train_adam
 
 if TYPE_CHECKING:
     import torch
@@ -62,22 +62,23 @@ class FedPerOptions(RotationOptions):
         head_layers: personal layers at the end of the model (0 = share all: FedAvg).
         adam_epochs: local passes per participation; replaces ``training.epochs``
             (formerly ``local_epochs``).
-        adam_lr: Adam learning rate (seed 002: 0.01 for all baselines); replaces
-            ``training.lr`` (formerly ``lr``).
+        adam_lr: Adam learning rate; replaces ``training.lr`` (formerly ``lr``).  Unset
+            (None): ``training.lr`` when the configuration sets it, else 0.01 (seed 002's
+            rate for all baselines; :func:`dfl_agent.learning.training.adam_lr`).
         adam_batch_size: 0 = the training config's (formerly ``batch_size``).
     """
 
     sender_ratio: float = 0.2
     head_layers: int = 1
     adam_epochs: int = 1
-    adam_lr: float = 0.01
+    adam_lr: float | None = None
     adam_batch_size: int = 0
     #: old option names, still accepted with a deprecation warning
     renamed: ClassVar[dict[str, str]] = {"local_epochs": "adam_epochs", "lr": "adam_lr", "batch_size": "adam_batch_size"}
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.head_layers < 0 or self.adam_epochs < 1 or self.adam_batch_size < 0 or not self.adam_lr > 0:
+        if self.head_layers < 0 or self.adam_epochs < 1 or self.adam_batch_size < 0 or not (self.adam_lr is None or self.adam_lr > 0):
             raise ValueError("head_layers >= 0, adam_epochs >= 1, adam_batch_size >= 0 and adam_lr > 0 required")
 
 
@@ -112,7 +113,7 @@ class FedPer(GlobalModelRotation):
     def _train(self) -> dict[str, float]:
         d, o = self.ctx.data, self.options
         return train_adam(self.model, d.train_x, d.train_y, epochs=o.adam_epochs, batch_size=self.batch_size,
-                          lr=o.adam_lr, rng=self.ctx.rng, device=self.ctx.device)
+                          lr=adam_lr(o.adam_lr, self.ctx.train), rng=self.ctx.rng, device=self.ctx.device)
 
     async def local_update(self, t: int) -> dict[str, Any]:
         assert self._theta_in is not None

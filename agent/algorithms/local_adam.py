@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from dfl_agent.algorithms.base import Algorithm, Traits, register
 from dfl_agent.algorithms.protocols.rotating import draw_round
-from dfl_agent.learning.training import train_adam
+from dfl_agent.learning.training import adam_lr, train_adam
 
 if TYPE_CHECKING:
     from torch import nn
@@ -19,20 +19,22 @@ if TYPE_CHECKING:
 class LocalAdamOptions:
     """Options of ``local_adam``: ``adam_epochs`` per round, Adam ``adam_lr``, ``adam_batch_size``
     (0 = config's; they replace ``training.epochs``, ``training.lr`` and ``training.batch_size``,
-    formerly ``local_epochs``, ``lr`` and ``batch_size``),
+    formerly ``local_epochs``, ``lr`` and ``batch_size``; ``adam_lr`` unset (None) is
+    ``training.lr`` when the configuration sets it, else 0.01:
+    :func:`dfl_agent.learning.training.adam_lr`),
     ``participation``: train only in the rounds ``fedd2s``/``fedper`` would draw this node
     (:func:`dfl_agent.algorithms.protocols.rotating.draw_round` with this ratio; 1.0 = every round) — local
     training at the same compute as the federated methods."""
 
     adam_epochs: int = 1
-    adam_lr: float = 0.01
+    adam_lr: float | None = None
     adam_batch_size: int = 0
     participation: float = 1.0
     #: old option names, still accepted with a deprecation warning
     renamed: ClassVar[dict[str, str]] = {"local_epochs": "adam_epochs", "lr": "adam_lr", "batch_size": "adam_batch_size"}
 
     def __post_init__(self) -> None:
-        if self.adam_epochs < 1 or self.adam_batch_size < 0 or not self.adam_lr > 0:
+        if self.adam_epochs < 1 or self.adam_batch_size < 0 or not (self.adam_lr is None or self.adam_lr > 0):
             raise ValueError("adam_epochs >= 1, adam_batch_size >= 0 and adam_lr > 0 required")
         if not 0 < self.participation <= 1:
             raise ValueError(f"participation must be in (0, 1], got {self.participation}")
@@ -54,8 +56,8 @@ class LocalAdam(Algorithm):
     def _train(self) -> dict[str, float]:
         d, o = self.ctx.data, self.options
         return train_adam(self.model, d.train_x, d.train_y, epochs=o.adam_epochs,
-                          batch_size=o.adam_batch_size or self.ctx.train.batch_size, lr=o.adam_lr, rng=self.ctx.rng,
-                          device=self.ctx.device)
+                          batch_size=o.adam_batch_size or self.ctx.train.batch_size,
+                          lr=adam_lr(o.adam_lr, self.ctx.train), rng=self.ctx.rng, device=self.ctx.device)
 
     async def round(self, t: int) -> dict[str, Any]:
         """Round ``t`` of the local Adam baseline of seed 002 §IV-A: train with Adam, in the

@@ -52,6 +52,9 @@ def _check_abort() -> None:
 
 #: The default SGD learning rate of local training (``training.lr``).
 DEFAULT_LR = 0.05
+#: The Adam algorithms' (``fedd2s``, ``fedper``, ``local_adam``) learning rate when neither
+#: their ``adam_lr`` option nor ``training.lr`` is set: seed 002's baselines use 0.01.
+DEFAULT_ADAM_LR = 0.01
 #: Optimizers :func:`make_optimizer` builds.
 OPTIMIZERS = ("sgd", "adam")
 
@@ -130,6 +133,9 @@ class TrainConfig:
         weight_decay: L2 penalty coefficient.
         mixed_precision: on a CUDA device, run forward passes under ``torch.autocast``
             (float16) with a gradient scaler; ignored on cpu (see :func:`autocast_for`).
+        lr_is_set: whether the user chose ``lr`` (``training.lr`` in the configuration,
+            ``dflctl simulate --lr``) rather than leaving the SGD default; the Adam
+            algorithms follow ``lr`` only then (:func:`adam_lr`).
     """
 
     epochs: int = 1
@@ -139,6 +145,7 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 0.0
     mixed_precision: bool = False
+    lr_is_set: bool = False
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size"):
@@ -306,6 +313,24 @@ def warm_up(model: nn.Module, x: np.ndarray, y: np.ndarray, cfg: TrainConfig,
         train_local(scratch, x[:n], y[:n], dataclasses.replace(cfg, epochs=1), np.random.default_rng(0), device)
         evaluate(scratch, x[:n], y[:n], device=device)
     return time.perf_counter() - t0
+
+
+def adam_lr(option: float | None, train: TrainConfig | None) -> float:
+    """The learning rate of an Adam algorithm (``fedd2s``, ``fedper``, ``local_adam``).
+
+    The first of: the algorithm's ``adam_lr`` option when given; ``training.lr`` when the
+    user set it (``train.lr_is_set``); else :data:`DEFAULT_ADAM_LR` (0.01, seed 002's
+    baselines).  The SGD default of ``training.lr`` (0.05) never reaches Adam.
+
+    Args:
+        option: the algorithm's ``adam_lr`` option (None: not given).
+        train: the node's :class:`TrainConfig` (None: none known).
+    """
+    if option is not None:
+        return float(option)
+    if train is not None and getattr(train, "lr_is_set", False):
+        return float(train.lr)
+    return DEFAULT_ADAM_LR
 
 
 def train_adam(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,

@@ -34,7 +34,7 @@ from dfl_agent.data import node_data_for
 from dfl_agent.discovery.mdns import MdnsDiscovery
 from dfl_agent.discovery.static import load_static_peers
 from dfl_agent.fsutil import atomic_write
-from dfl_agent.learning.training import TrainConfig, warm_up
+from dfl_agent.learning.training import DEFAULT_LR, TrainConfig, warm_up
 from dfl_agent.onnx_model import onnx_available
 from dfl_agent.profiles import ResourceGate
 from dfl_agent.runtime.assembly import (
@@ -198,7 +198,8 @@ class Agent(RunMembers):
         if hint := common_init_hint(algo_cls.name, options, cfg.runtime.init, d.partition):
             log.warning("%s", hint)
         t = cfg.training
-        train = TrainConfig(epochs=t.epochs, steps=t.steps, batch_size=behaviour.batch_size, lr=t.lr,
+        train = TrainConfig(epochs=t.epochs, steps=t.steps, batch_size=behaviour.batch_size,
+                            lr=DEFAULT_LR if t.lr is None else t.lr, lr_is_set=t.lr is not None,
                             momentum=t.momentum,
                             weight_decay=t.weight_decay, mixed_precision=behaviour.mixed_precision)
         log.info("node %s of federation %s: %s, %d train / %d val samples (users %s), model %s",

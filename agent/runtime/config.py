@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dfl_agent.learning.training import DEFAULT_ADAM_LR, DEFAULT_LR
 from dfl_agent.tomlcheck import build
 
 if sys.version_info >= (3, 11):
@@ -78,7 +79,10 @@ class TrainingSection:
         0, help="when > 0, exactly this many mini-batch steps per round instead of `epochs` passes "
                 "(1: one SGD step per gossip round, CHOCO-SGD's setting, where sparsified gossip works)")
     batch_size: int | None = described(None, help="mini-batch size", default_text="from the profile (32)")
-    lr: float = described(0.05, help="SGD learning rate (a fresh optimizer every round)")
+    lr: float | None = described(
+        None, help="SGD learning rate (a fresh optimizer every round); set, it is also the Adam rate of "
+                   "`fedd2s`, `fedper` and `local_adam` unless their `adam_lr` option is given",
+        default_text=f"`{DEFAULT_LR}` (Adam algorithms: `{DEFAULT_ADAM_LR}`)")
     momentum: float = described(0.9, help="SGD momentum, in [0, 1)")
     weight_decay: float = described(0.0, help="SGD weight decay")
     device: str | None = described(None, help="`cpu`, `auto` or `cuda[:N]`",
@@ -364,7 +368,7 @@ def _validate_training(cfg: NodeConfig) -> None:
     _need(t.epochs >= 1, "training.epochs", "must be >= 1")
     _need(isinstance(t.steps, int) and t.steps >= 0, "training.steps", "must be an integer >= 0 (0: use epochs)")
     _need(t.batch_size is None or t.batch_size >= 1, "training.batch_size", "must be >= 1")
-    _need(t.lr > 0, "training.lr", "must be > 0")
+    _need(t.lr is None or t.lr > 0, "training.lr", "must be > 0")
     _need(0 <= t.momentum < 1, "training.momentum", "must be in [0, 1)")
     _need(t.weight_decay >= 0, "training.weight_decay", "must be >= 0")
     _need(t.threads is None or t.threads >= 1, "training.threads", "must be >= 1")

@@ -20,6 +20,7 @@ from typing import Any
 from dfl_agent.durations import parse_duration
 from dfl_agent.fsutil import atomic_write
 from dfl_agent.jsonbound import loads as bounded_loads
+from dfl_agent.learning.training import DEFAULT_LR
 from dfl_agent.runtime.descriptor import (
     TERMINAL,
     RunDescriptor,
@@ -111,6 +112,13 @@ class RunLedger:
 
 
 
+def _training_settings(training: Any) -> dict[str, Any]:
+    """``[training]``'s set keys for the default run's id; an unset ``lr`` counts as the SGD
+    default it stands for, so the id is the one it was when ``lr`` always had a value."""
+    return {k: DEFAULT_LR if k == "lr" and v is None else v
+            for k, v in dataclasses.asdict(training).items() if v is not None or k == "lr"}
+
+
 def default_descriptor(cfg: Any, now: float | None = None, ledger: RunLedger | None = None,
                        new_samples: Callable[[int], int] | None = None) -> RunDescriptor | None:
     """The node's default run from its ``[algorithm]`` section (None when it has none, or
@@ -126,7 +134,7 @@ def default_descriptor(cfg: Any, now: float | None = None, ledger: RunLedger | N
     every_samples = getattr(a, "every_samples", None)
     settings = {"algorithm": a.name, "options": dict(a.options), "rounds": a.rounds,
                 "model": {k: v for k, v in dataclasses.asdict(cfg.model).items() if v is not None},
-                "training": {k: v for k, v in dataclasses.asdict(cfg.training).items() if v is not None},
+                "training": _training_settings(cfg.training),
                 "compression": {k: v for k, v in dataclasses.asdict(cfg.compression).items() if v is not None}}
     rid = default_run_id(cfg.federation, settings)
     every = getattr(a, "every", None)

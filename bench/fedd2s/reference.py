@@ -37,7 +37,7 @@ from dfl_agent.algorithms.protocols.rotating import draw_round, global_init_seed
 from dfl_agent.data import NodeData
 from dfl_agent.learning import d2s
 from dfl_agent.learning.params import model_to_numpy
-from dfl_agent.learning.training import evaluate
+from dfl_agent.learning.training import adam_lr, evaluate
 from dfl_agent.models import build_model
 
 
@@ -71,7 +71,7 @@ class ReferenceClient:
         head_model = _build(self.spec, 0).to(self.device)
         head_model.load_state_dict(dict(head_state), strict=False)
         return d2s.s2c_distill(self.personal, head_model, self.data.train_x, self.data.train_y, targets, self.l,
-                               self.batch_size, lr=self.o.adam_lr, epochs=self.o.s2c_epochs,
+                               self.batch_size, lr=adam_lr(self.o.adam_lr, None), epochs=self.o.s2c_epochs,
                                temperature=self.o.temperature, device=self.device)
 
 
@@ -93,7 +93,7 @@ class ReferenceServer:
         for n in selected:  # C2S on the server (Eq. 8-10)
             l, trip = uploads[n]
             g = copy.deepcopy(self.global_model)
-            d2s.c2s_distill(g, trip, l, lr=self.o.adam_lr, epochs=self.o.c2s_epochs, temperature=self.o.temperature)
+            d2s.c2s_distill(g, trip, l, lr=adam_lr(self.o.adam_lr, None), epochs=self.o.c2s_epochs, temperature=self.o.temperature)
             copies[n] = model_to_numpy(g)
         avg = d2s.average_states([copies[n] for n in sorted(selected)])  # Eq. 11
         self.global_model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in avg.items()})
