@@ -86,7 +86,18 @@ def _node_ids(opts: DemoOptions) -> list[str]:
     return [f"node{i:02d}" for i in range(opts.nodes)]
 
 
-ROTATING = ("dfml", "dfedavg", "dfedprox")
+def _rotating_tier_mix(algorithm: str) -> bool:
+    """Whether ``algorithm`` is a rotating aggregator whose members train models of
+    different architectures of the size-tier family (DFML, DFedAvg, DFedProx; read from
+    the algorithm's traits): the demo gives such agents the H2 family by default and maps
+    ``--round-timeout`` onto their token deadlines.  False for an unknown name."""
+    from dfl_agent.algorithms.base import traits_of
+
+    try:
+        t = traits_of(algorithm)
+    except KeyError:
+        return False
+    return t.family == "rotating" and t.mixes_architectures and t.default_model == "tier"
 
 
 def _algorithm_options(opts: DemoOptions) -> dict[str, Any]:
@@ -94,7 +105,7 @@ def _algorithm_options(opts: DemoOptions) -> dict[str, Any]:
     t = opts.round_timeout
     if opts.algorithm == "fedavg":
         return {"round_timeout": t}
-    if opts.algorithm in ROTATING:
+    if _rotating_tier_mix(opts.algorithm):
         return {"invite_timeout": t, "update_timeout": 4 * t, "token_timeout": 2 * t}
     return {}
 
@@ -113,7 +124,7 @@ def _profiles(opts: DemoOptions) -> list[str]:
 def _model_specs(opts: DemoOptions) -> list[dict[str, Any]] | None:
     if opts.profiles and not opts.models:
         return None  # each agent's model comes from its profile (decision table)
-    family = opts.models or ("H2" if opts.algorithm in ROTATING else None)
+    family = opts.models or ("H2" if _rotating_tier_mix(opts.algorithm) else None)
     if family is None:
         return None
     from dfl_agent.data import load_dataset
