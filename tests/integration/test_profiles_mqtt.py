@@ -105,15 +105,40 @@ def test_dechw_excludes_peer_with_other_architecture(mosquitto_broker, federatio
     cfgs = [node_cfg(tmp_path, federation, broker, n, i, ids, "dechw", 2, size="large" if n == "c" else "small",
                      min_peers=0 if n == "c" else 1)  # c has no compatible peer to wait for
             for i, n in enumerate(ids)]
+    cfgs[2].runtime.eval_background = False  # c's after-round hook (hold) runs before its next round
     agents = [Agent(c, psutil_mod=FakePsutil()) for c in cfgs]
+    a, b, c = agents
+
+    def all_seen() -> bool:  # each of the three has seen the others' descriptors (model hashes)
+        return (a.ctx is not None and b.ctx is not None and "c" in a.ctx.excluded and "c" in b.ctx.excluded
+                and set(c.ctx.excluded) == {"a", "b"})
+
+    async def hold(t, record):  # c's after-round hook: its round 2 (a model a and b drop) waits until
+        # every exclusion is seen
+        deadline = time.monotonic() + 60
+        while t == 1 and not all_seen() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def main():
+        # The order is explicit, not raced. c decides as it starts whether its run is already
+        # finished by its peers' say (runtime rejoin: a and b are its static peers, and their
+        # statuses are read before it knows their model hashes). Started together with a and b,
+        # which finish their two rounds in well under a second, c could find them finished and
+        # run no round at all. So c starts first, a and b once c is in its rounds.
         stop = asyncio.Event()
-        await asyncio.gather(*(a.run(stop) for a in agents))
+        runs = [asyncio.ensure_future(c.run(stop))]
+        while c.node is None and not runs[0].done():
+            await asyncio.sleep(0)
+        if c.node is None:
+            await runs[0]  # c failed to start: its error
+        c.node.after_round.append(hold)
+        while c.node.state != "running" and not runs[0].done():
+            await asyncio.sleep(0.02)
+        runs += [asyncio.ensure_future(x.run(stop)) for x in (a, b)]
+        await asyncio.gather(*runs)
         return await asyncio.to_thread(peers_json, broker, federation)
 
     peers = asyncio.run(main())
-    a, c = agents[0], agents[2]
     assert "c" in a.ctx.excluded and "dechw averages parameters" in a.ctx.excluded["c"]
     assert a.ctx.counters()["dropped"].get("incompatible_peer", 0) >= 1
     assert set(c.ctx.excluded) == {"a", "b"}
@@ -127,10 +152,10 @@ def test_inference_member_without_torch_gets_onnx_model(mosquitto_broker, federa
     import torch
 
     from dfl_agent.discovery.peers import PeerTable
+    from dfl_agent.discovery.presence import node_transport
     from dfl_agent.models import build_model
     from dfl_agent.runtime.context import RuntimeContext
     from dfl_agent.runtime.onnx_publisher import OnnxPublisher
-    from dfl_agent.transport.mqtt import MqttTransport
 
     broker = mosquitto_broker.endpoint
     spec = {"type": "cnn1d", "in_channels": 3, "length": 32, "channels": [4, 8], "kernel": 5, "num_classes": 4}
@@ -152,7 +177,7 @@ def test_inference_member_without_torch_gets_onnx_model(mosquitto_broker, federa
 
     async def main():
         peers = PeerTable("t", federation)
-        tr = MqttTransport("t", federation, broker=broker, peers=peers, descriptor={"algorithm": "fedavg"})
+        tr = node_transport("t", federation, broker=broker, peers=peers, descriptor={"algorithm": "fedavg"})
         ctx = RuntimeContext(node_id="t", federation=federation, transport=tr, peers=peers, data=None,
                              model_spec=spec, train=None, init_seed=0, rng=np.random.default_rng(0))
         await ctx.start()
