@@ -317,3 +317,37 @@ def algorithm_fit(profile: DeviceProfile, algorithm: str, *, model_params: int |
 def allowed_algorithms(profile: DeviceProfile, participants: int = 5) -> dict[str, str | None]:
     """``{algorithm: None if allowed else the one-line reason}`` for every known algorithm."""
     return {a: algorithm_fit(profile, a, participants=participants) for a in available()}
+
+
+#: In ``behaviour.algorithms``: every registered algorithm the profile rule allows.
+EVERY_ALLOWED = "*"
+
+
+def expand_algorithms(profile: DeviceProfile, participants: int = 5) -> DeviceProfile:
+    """``profile`` with ``"*"`` in ``behaviour.algorithms`` replaced by every registered
+    algorithm the profile rule (:func:`allowed_algorithms`) allows, so that a new algorithm
+    module reaches the profiles without editing them.
+
+    Names listed beside ``"*"`` keep their place (the order is the profile's preference);
+    ``"*"`` adds the others the rule allows, in the registry's (alphabetical) order.  With
+    ``"*"``, every registered algorithm the profile does not run gets a ``left_out`` line:
+    the profile's own when it has one, else the rule's reason.  A profile without ``"*"``
+    is returned unchanged.
+    """
+    b = profile.behaviour
+    if EVERY_ALLOWED not in b.algorithms:
+        return profile
+    rule = allowed_algorithms(profile, participants)
+    named = {a for a in b.algorithms if a != EVERY_ALLOWED}
+    algorithms: list[str] = []
+    for a in b.algorithms:
+        if a != EVERY_ALLOWED:
+            algorithms.append(a)
+            continue
+        algorithms.extend(x for x, why in rule.items() if why is None and x not in named and x not in algorithms)
+    explained = {line.split(":", 1)[0].strip() for line in b.left_out}
+    left_out = list(b.left_out)
+    if not profile.inference_only:
+        left_out += [f"{a}: {why or 'not listed by the profile'}" for a, why in rule.items()
+                     if a not in algorithms and a not in explained]
+    return dataclasses.replace(profile, behaviour=dataclasses.replace(b, algorithms=algorithms, left_out=left_out))

@@ -114,13 +114,16 @@ class BehaviourSection:
     """``[behaviour]``: what this device may do in a federation.
 
     Attributes:
-        algorithms: algorithms it can run, in order of preference.
+        algorithms: algorithms it can run, in order of preference.  ``"*"`` stands for
+            every registered algorithm the profile rule allows, expanded when the profile
+            is read (:func:`dfl_agent.profiles.behaviour.expand_algorithms`).
         roles: subset of :data:`ROLES`.
         compression: update compression spec, ``none`` or ``op[:arg](+op[:arg])*``
             (e.g. ``topk:0.01+q8``, grammar of :mod:`dfl_agent.learning.compression`).
         left_out: one ``"algorithm: reason"`` line per known algorithm the profile does not
             list (the reason the profile rule of :func:`dfl_agent.profiles.behaviour.algorithm_fit`
-            gives); shown by ``dflctl profile show``.
+            gives); shown by ``dflctl profile show``.  With ``"*"`` in ``algorithms``, the
+            rule's reason fills in for every algorithm without a line.
     """
 
     algorithms: list[str] = dataclasses.field(default_factory=lambda: ["dfml", "dechw", "defkt", "fedavg"])
@@ -351,8 +354,10 @@ def profile_from_dict(raw: Mapping[str, Any], prefix: str = "") -> DeviceProfile
     """
     if "name" not in raw:
         raise ProfileError(f"{prefix}name: required")
+    from dfl_agent.profiles.behaviour import expand_algorithms
+
     try:
-        return validate(_build(DeviceProfile, raw, ""))
+        return expand_algorithms(validate(_build(DeviceProfile, raw, "")))
     except ProfileError as exc:
         raise ProfileError(f"{prefix}{exc}") from None
 
@@ -377,8 +382,10 @@ def with_overrides(profile: DeviceProfile, overrides: Mapping[str, Any] | None,
             merged[section] = {**merged[section], **table}
         else:
             merged[section] = table
+    from dfl_agent.profiles.behaviour import expand_algorithms
+
     try:
-        return validate(_build(DeviceProfile, merged, ""))
+        return expand_algorithms(validate(_build(DeviceProfile, merged, "")))
     except ProfileError as exc:
         raise ProfileError(f"{prefix}{exc}") from None
 
