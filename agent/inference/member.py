@@ -78,12 +78,12 @@ class InferenceMember:
         self.descriptor: dict[str, Any] = {**DESCRIPTOR, "broker": broker, "version": f"{__version__}/w{WIRE_VERSION}"}
         self.guard = self._guard(node_id, federation) if sign else None
         if transport is None:
-            from dfl_agent.transport.mqtt import MqttTransport
+            from dfl_agent.discovery.presence import node_transport
 
-            transport = MqttTransport(node_id, federation, broker=broker, peers=self.peers, descriptor=self.descriptor,
-                                      protocol=protocol, max_frame_bytes=max_frame_bytes,
-                                      heartbeat_interval=heartbeat_interval,
-                                      on_heartbeat=lambda peer, status: self.peers.touch(peer), control=self.guard)
+            transport = node_transport(node_id, federation, broker=broker, peers=self.peers, descriptor=self.descriptor,
+                                       protocol=protocol, max_frame_bytes=max_frame_bytes,
+                                       heartbeat_interval=heartbeat_interval,
+                                       on_heartbeat=lambda peer, status: self.peers.touch(peer), control=self.guard)
         self.ctx = RuntimeContext(node_id=node_id, federation=federation, transport=transport, peers=self.peers,
                                   data=None, model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0),
                                   max_frame_bytes=max_frame_bytes)

@@ -32,6 +32,7 @@ import numpy as np
 from dfl_agent import WIRE_VERSION, __version__
 from dfl_agent.data import node_data_for
 from dfl_agent.discovery.mdns import MdnsDiscovery
+from dfl_agent.discovery.presence import node_transport
 from dfl_agent.discovery.static import load_static_peers
 from dfl_agent.fsutil import atomic_write
 from dfl_agent.learning.training import DEFAULT_LR, TrainConfig, warm_up
@@ -59,7 +60,6 @@ from dfl_agent.runtime.rejoin import RunMembers
 from dfl_agent.runtime.reload import reload_config
 from dfl_agent.runtime.sample_store import open_store, seed_store, snapshot_from_checkpoint, spool_loop, store_data
 from dfl_agent.runtime.systemd import Notifier, status_loop, watchdog_loop
-from dfl_agent.transport.mqtt import MqttTransport
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -231,7 +231,7 @@ class Agent(RunMembers):
             if self.ctx:
                 self.ctx.note_status(peer, status)
 
-        transport = MqttTransport(
+        transport = node_transport(
             nid, fed, broker=cfg.mqtt.broker, peers=peers, descriptor=descriptor, protocol=cfg.mqtt.protocol,
             chunk_size=cfg.mqtt.chunk_size, max_frame_bytes=cfg.mqtt.max_frame_bytes,
             keepalive=cfg.mqtt.keepalive, heartbeat_interval=cfg.mqtt.heartbeat_interval,

@@ -1,18 +1,17 @@
-"""The MQTT transport: frames, presence and status of one node over real brokers.
+"""The MQTT transport: the connection pool and the frames of one node over real brokers.
 
 Topic tree of a federation ``{fed}`` (``{id}`` = node id)::
 
-    dfl/{fed}/node/{id}/presence  retained JSON, QoS 1
-        online:  {"state": "online", "node_id": id, "descriptor": {...}, "time": unix s}
-        offline: {"state": "offline", "node_id": id, "time": unix s}
-                 (the MQTT last will, and published by ``stop()`` itself);
-        an empty retained payload (cleared) also means offline.
-    dfl/{fed}/node/{id}/status    retained JSON, QoS 1: the dict given to
-        ``publish_status`` plus "node_id", "time" (unix s) and "heartbeat" (a counter);
-        republished every ``heartbeat_interval`` seconds, so it is also the heartbeat.
     dfl/{fed}/node/{id}/inbox     frames addressed to this node (QoS ``qos``, default 1).
     dfl/{fed}/node/{id}/out       this node's broadcasts (QoS ``qos``); every node
                                   subscribes to ``dfl/{fed}/node/+/out``, ignores its own.
+
+A node's presence and status (``dfl/{fed}/node/{id}/presence`` and ``.../status``,
+retained, QoS 1) and their signatures live in :mod:`dfl_agent.discovery.presence`; they
+ride on this transport's home session through a :class:`ControlChannel` given as
+``channel`` (its last will is set on the home connection before it connects, its topics
+are subscribed on every connection, it announces itself on every (re)connection of the
+home broker, its heartbeat ticks in the maintenance thread, it says goodbye on ``stop()``).
 
 Payloads on ``inbox`` and ``out`` are either a whole frame (opaque bytes, normally a
 wire frame ``b"DFL"...``, see :mod:`dfl_agent.transport.wire`) or a chunk of one
@@ -22,11 +21,11 @@ incoming payload through one :class:`~dfl_agent.transport.chunking.Reassembler` 
 (broker, topic).
 
 Connections: one paho client per broker endpoint ("host:port").  The *home* broker
-(``broker``) carries this node's own topics, its last will, its inbox subscription.
+(``broker``) carries this node's own topics, the channel's last will, its inbox subscription.
 A frame for a peer goes to the peer's inbox on ``peers.broker_of(peer)`` (``""`` =
 home); such an extra broker gets its own client, created lazily (or as soon as the
-peer table names it), which subscribes there to ``+/out``, ``+/presence`` and
-``+/status`` so that the peers living there are heard too.  Use one spelling per
+peer table names it), which subscribes there to ``+/out`` and the channel's topics
+(``+/presence``, ``+/status``) so that the peers living there are heard too.  Use one spelling per
 broker in the directory: two spellings of one broker make two connections and
 duplicate deliveries.
 
@@ -34,18 +33,17 @@ Threads: each paho client runs its network thread (``loop_start``), which also
 reassembles chunks (hashing a chunked frame's payload as its chunks arrive) and, when
 ``prepare_frame`` is set (the runtime sets its decoder and signature check there),
 prepares every complete frame, so that the event loop is handed one finished message
-per frame; handlers (``on_frame``, ``on_presence``, ``on_heartbeat``) are
+per frame; handlers (``on_frame``, ``on_presence``, the channel's) are
 always called on the asyncio loop that called :meth:`MqttTransport.start`, through
 ``loop.call_soon_threadsafe``.  A maintenance thread expires incomplete transfers
-and publishes the heartbeat.  ``send``/``broadcast`` never block the loop on the
+and ticks the channel (its heartbeat).  ``send``/``broadcast`` never block the loop on the
 network: paho queues the publishes and its thread writes them.
 
 Failures: paho reconnects with exponential backoff (1 s doubling to 30 s); on every
-(re)connect the transport subscribes again and republishes presence and status.
+(re)connect the transport subscribes again and the channel announces itself again.
 Frames published while a broker is away are queued by paho (QoS >= 1, up to
 ``max_pending_bytes`` per broker) and written after the reconnection; with QoS 0
-they are dropped.  If this node sees its own presence turn "offline" while it runs
-(the late last will of an earlier run of the same node id), it republishes "online".
+they are dropped.
 Nothing received raises: malformed payloads are counted and logged at warning.
 Incomplete transfers are held at most ``4 * max_frame_bytes`` per broker connection,
 and at most ``max_transfers`` of them per connection (all topics together); a
@@ -61,25 +59,10 @@ add ``len(topic) + 4`` per message for a close estimate of the full packet).
 ``stats.bytes_received`` counts every payload received on ``inbox``/``out``
 (also those then dropped); presence and status traffic is not counted.
 
-Signed control plane: with ``control`` (a :class:`dfl_agent.security.SecurityGuard`)
-presence and status payloads are the JSON above wrapped in a signed control envelope
-(:meth:`~dfl_agent.security.SecurityGuard.sign_control`, kinds ``"presence"`` and
-``"status"``, a sequence number per kind that survives restarts), and every received
-one goes through :meth:`~dfl_agent.security.SecurityGuard.verify_control`: a rejected
-one is dropped and counted as ``presence_{reason}`` / ``status_{reason}`` (reasons in
-:data:`~dfl_agent.security.trust.CONTROL_REJECT_REASONS`), never handed on.  The MQTT
-last will cannot be signed at disconnect time, so it stays a bare unsigned "offline":
-with ``require_signatures`` an unsigned "offline" is only a hint (counted as
-``presence_unsigned``); the node stays a member until its status heartbeats stop for
-``discovery.heartbeat_timeout`` - a forged "offline" cannot remove a live node.
-``stop()`` publishes a signed "offline", which is obeyed at once.
-
 Drop counters (``stats.dropped``): the :class:`~dfl_agent.transport.chunking.ChunkError`
 reasons (``bad_chunk``, ``oversized``, ``too_many_transfers``),
-``incomplete_transfer`` (expired), ``bad_presence``, ``bad_status``,
-``presence_oversized`` / ``status_oversized`` (over 64 KiB), ``presence_too_deep`` /
-``status_too_deep`` (nested deeper than 32 levels; every presence and status is parsed
-by :func:`dfl_agent.jsonbound.loads` before any other use), ``handler_error`` (handling
+``incomplete_transfer`` (expired), the channel's counters (presence and status:
+see :mod:`dfl_agent.discovery.presence`), ``handler_error`` (handling
 one message raised: caught, counted, logged at most once a minute after the first few;
 paho's thread and the event loop go on), ``not_connected`` (QoS 0 publish while disconnected, or after ``stop()``),
 ``queue_full`` (more than ``max_pending_bytes`` waiting to be written),
@@ -88,6 +71,7 @@ paho's thread and the event loop go on), ``not_connected`` (QoS 0 publish while 
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import collections
 import json
@@ -102,8 +86,7 @@ from typing import Any
 import paho.mqtt.client as mqtt
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from dfl_agent.jsonbound import JSONBoundError, RateLimitedLog
-from dfl_agent.jsonbound import loads as bounded_loads
+from dfl_agent.jsonbound import RateLimitedLog
 from dfl_agent.transport.base import FrameHandler, PresenceHandler, Transport, TransportStats
 from dfl_agent.transport.chunking import HEADER_LEN, ChunkError, Reassembler, chunked_size, is_chunk, iter_chunks
 from dfl_agent.transport.endpoint import parse_endpoint
@@ -118,7 +101,7 @@ MAX_CHUNK_SIZE = 256 * 1024 * 1024 - 64 * 1024
 #: frames larger than this are split and published off the event loop thread (below, the
 #: copy into chunks takes less time than the hop to a worker thread and back)
 _OFFLOAD_BYTES = 4 * 1024 * 1024
-#: how long ``stop()`` waits for the offline message and queued frames to go out (s)
+#: how long ``stop()`` waits for the channel's goodbye and queued frames to go out (s)
 STOP_FLUSH_TIMEOUT = 2.0
 
 HeartbeatHandler = Callable[[str, "dict[str, Any]"], None]
@@ -184,6 +167,56 @@ def mqtt_session(client_id: str, *, protocol: str = "5", username: str | None = 
     return client
 
 
+class ControlChannel(abc.ABC):
+    """What rides on a node's home MQTT session beside the frames: its presence and
+    status (:class:`dfl_agent.discovery.presence.MqttPresence`).  The transport calls it;
+    it never calls back into the network but through the transport's public methods
+    (:meth:`MqttTransport.count`, :meth:`~MqttTransport.dispatch`,
+    :meth:`~MqttTransport.home_session`, :attr:`~MqttTransport.running`).
+    """
+
+    #: topic leaves (``dfl/{fed}/node/+/{leaf}``) subscribed at QoS 1 on every connection
+    #: and handed to :meth:`on_message`
+    leaves: tuple[str, ...] = ()
+    #: seconds between two calls of :meth:`tick` at most (e.g. the heartbeat interval)
+    period: float = 1.0
+    #: latest status dict of every other node heard (node id -> status)
+    statuses: dict[str, dict[str, Any]]
+
+    @abc.abstractmethod
+    def bind(self, transport: MqttTransport) -> None:
+        """Called once by the transport's constructor."""
+
+    @abc.abstractmethod
+    def will(self) -> tuple[str, bytes] | None:
+        """The home connection's last will, ``(topic, payload)`` (retained, QoS 1), or None."""
+
+    @abc.abstractmethod
+    def announce(self, client: mqtt.Client) -> None:
+        """The home connection is up and subscribed (at every reconnection): publish."""
+
+    @abc.abstractmethod
+    def started(self) -> None:
+        """The transport's ``start()`` succeeded."""
+
+    @abc.abstractmethod
+    def tick(self) -> None:
+        """Called from the maintenance thread (every ``period`` or more often)."""
+
+    @abc.abstractmethod
+    def goodbye(self, client: mqtt.Client) -> mqtt.MQTTMessageInfo | None:
+        """The transport stops, its home connection is up: publish the last message."""
+
+    @abc.abstractmethod
+    def on_message(self, home: bool, client: mqtt.Client | None, sender: str, leaf: str, payload: bytes) -> None:
+        """A message on ``dfl/{fed}/node/{sender}/{leaf}`` (network thread); ``home``:
+        it came over the home connection (``client``)."""
+
+    @abc.abstractmethod
+    async def publish_status(self, status: dict[str, Any]) -> None:
+        """Publish this node's status now (see :meth:`Transport.publish_status`)."""
+
+
 class _Conn:
     """One paho client to one broker endpoint, with its readiness state."""
 
@@ -238,7 +271,6 @@ class MqttTransport(Transport):
         peers: the peer directory; ``peers.broker_of(peer)`` names the broker of a
             peer's topics ("" = home).  Its listener is used to connect early to
             brokers it names (see ``connect_peer_brokers``).
-        descriptor: JSON-serialisable dict announced in the presence message.
         protocol: ``"5"`` or ``"3.1.1"`` (amqtt speaks only 3.1.1).
         chunk_size: largest MQTT payload sent, in bytes (chunk header included);
             keep it at or under the broker's maximum packet size minus the topic.
@@ -247,13 +279,10 @@ class MqttTransport(Transport):
             transfer is dropped (counted as ``incomplete_transfer``).
         keepalive: MQTT keepalive in seconds; the broker publishes the last will
             after about 1.5 x keepalive of silence.
-        heartbeat_interval: seconds between republications of the status.
         username, password: broker credentials (password needs a username).
-        qos: MQTT QoS of frames (0, 1 or 2); presence and status always use 1.
+        qos: MQTT QoS of frames (0, 1 or 2); the channel's topics always use 1.
         connect_timeout: seconds ``start`` waits for the home broker (and ``send``
             for a newly created extra connection).
-        on_heartbeat: ``on_heartbeat(node_id, status_dict)`` for every status
-            message of another node (called on the event loop).
         max_pending_bytes: most bytes of frames queued per broker connection and not
             yet written (e.g. while disconnected); beyond, frames are dropped
             (``queue_full``).
@@ -263,6 +292,9 @@ class MqttTransport(Transport):
             ``None`` = plain TCP.
         tls_cert, tls_key: client certificate and key (PEM), both or neither; need ``tls_ca``.
         max_transfers: most incomplete chunked transfers held per broker connection.
+        channel: the node's presence and status (a :class:`ControlChannel`, e.g.
+            :class:`dfl_agent.discovery.presence.MqttPresence`; see
+            :func:`dfl_agent.discovery.presence.node_transport`), or None (frames only).
 
     Raises:
         ValueError: an invalid argument (the message names it).
@@ -275,25 +307,22 @@ class MqttTransport(Transport):
         *,
         broker: str,
         peers: Any,
-        descriptor: dict[str, Any],
         protocol: str = "5",
         chunk_size: int = 256 * 1024,
         max_frame_bytes: int = 64 * 1024 * 1024,
         reassembly_timeout: float = 30.0,
         keepalive: int = 10,
-        heartbeat_interval: float = 5.0,
         username: str | None = None,
         password: str | None = None,
         qos: int = 1,
         connect_timeout: float = 10.0,
-        on_heartbeat: HeartbeatHandler | None = None,
         max_pending_bytes: int = 256 * 1024 * 1024,
         connect_peer_brokers: bool = True,
         tls_ca: str | None = None,
         tls_cert: str | None = None,
         tls_key: str | None = None,
         max_transfers: int = 64,
-        control: Any = None,
+        channel: ControlChannel | None = None,
     ):
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name}: {why}")
@@ -308,12 +337,6 @@ class MqttTransport(Transport):
             raise bad("broker", str(exc)) from None
         if peers is None or not callable(getattr(peers, "broker_of", None)):
             raise bad("peers", "must be a PeerTable (with broker_of)")
-        if not isinstance(descriptor, dict):
-            raise bad("descriptor", "must be a dict")
-        try:
-            json.dumps(descriptor)
-        except (TypeError, ValueError) as exc:
-            raise bad("descriptor", f"must be JSON-serialisable ({exc})") from None
         if protocol not in PROTOCOLS:
             raise bad("protocol", f"must be one of {sorted(PROTOCOLS)}, got {protocol!r}")
         if not isinstance(chunk_size, int) or not HEADER_LEN + 1 < chunk_size <= MAX_CHUNK_SIZE:
@@ -324,8 +347,6 @@ class MqttTransport(Transport):
             raise bad("reassembly_timeout", f"must be > 0 seconds, got {reassembly_timeout!r}")
         if not isinstance(keepalive, int) or not 1 <= keepalive <= 65535:
             raise bad("keepalive", f"must be an int in 1..65535 seconds, got {keepalive!r}")
-        if not isinstance(heartbeat_interval, (int, float)) or not heartbeat_interval > 0:
-            raise bad("heartbeat_interval", f"must be > 0 seconds, got {heartbeat_interval!r}")
         if username is not None and not isinstance(username, str):
             raise bad("username", "must be a str or None")
         if password is not None and (not isinstance(password, str) or username is None):
@@ -334,8 +355,6 @@ class MqttTransport(Transport):
             raise bad("qos", f"must be 0, 1 or 2, got {qos!r}")
         if not isinstance(connect_timeout, (int, float)) or not connect_timeout > 0:
             raise bad("connect_timeout", f"must be > 0 seconds, got {connect_timeout!r}")
-        if on_heartbeat is not None and not callable(on_heartbeat):
-            raise bad("on_heartbeat", "must be callable or None")
         if not isinstance(max_pending_bytes, int) or max_pending_bytes < chunk_size:
             raise bad("max_pending_bytes", f"must be an int >= chunk_size, got {max_pending_bytes!r}")
 
@@ -343,34 +362,29 @@ class MqttTransport(Transport):
             raise bad("tls_cert", "needs tls_ca and tls_key")
         if not isinstance(max_transfers, int) or max_transfers < 1:
             raise bad("max_transfers", f"must be a positive int, got {max_transfers!r}")
-        #: signs outgoing and verifies incoming presence/status (SecurityGuard or None)
-        self.control = control
+        #: the node's presence and status riding on the home session (or None)
+        self.channel = channel
         self.tls_ca, self.tls_cert, self.tls_key = tls_ca, tls_cert, tls_key
         self.max_transfers = max_transfers
         self.node_id = node_id
         self.federation = federation
         self.broker = broker
         self.peers = peers
-        self.descriptor = dict(descriptor)
         self.protocol = protocol
         self.chunk_size = chunk_size
         self.max_frame_bytes = max_frame_bytes
         self.reassembly_timeout = float(reassembly_timeout)
         self.keepalive = keepalive
-        self.heartbeat_interval = float(heartbeat_interval)
         self.username = username
         self.password = password
         self.qos = qos
         self.connect_timeout = float(connect_timeout)
-        self.on_heartbeat = on_heartbeat
         self.max_pending_bytes = max_pending_bytes
         self.connect_peer_brokers = connect_peer_brokers
 
         #: most bytes of incomplete transfers held per broker connection, all topics together
         self._max_reassembly_bytes = 4 * max_frame_bytes
         self.stats = TransportStats()
-        #: latest status dict of every other node heard (node id -> status)
-        self.statuses: dict[str, dict[str, Any]] = {}
 
         self._lock = threading.RLock()
         #: rate-limited log of the exceptions caught per message (``handler_error``)
@@ -383,9 +397,6 @@ class MqttTransport(Transport):
         #: the frame (the runtime decodes and verifies there; see RuntimeContext)
         self.prepare_frame: Callable[[bytes, int], Any] | None = None
         self._on_presence: PresenceHandler | None = None
-        self._status: dict[str, Any] | None = None
-        self._heartbeat_seq = 0
-        self._last_status_pub = 0.0
         self._started = False
         self._stopping = False
         self._stopped = False
@@ -393,10 +404,10 @@ class MqttTransport(Transport):
         self._maint_thread: threading.Thread | None = None
         self._bad_directory: set[str] = set()
 
-        self._t_presence = topic(federation, node_id, "presence")
-        self._t_status = topic(federation, node_id, "status")
         self._t_inbox = topic(federation, node_id, "inbox")
         self._t_out = topic(federation, node_id, "out")
+        if channel is not None:
+            channel.bind(self)
 
     # ------------------------------------------------------------------ state
 
@@ -415,63 +426,46 @@ class MqttTransport(Transport):
         with self._lock:
             self.stats.dropped[reason] += n
 
-    # --------------------------------------------------------------- payloads
+    def count(self, reason: str, n: int = 1) -> None:
+        """Count ``n`` dropped messages under ``reason`` (``stats.dropped``; thread-safe)."""
+        self._count(reason, n)
 
-    def _presence_payload(self, online: bool, signed: bool = True) -> bytes:
-        msg: dict[str, Any] = {"state": "online" if online else "offline", "node_id": self.node_id}
-        if online:
-            msg["descriptor"] = self.descriptor
-        msg["time"] = time.time()
-        if signed and self.control is not None:
-            return self.control.sign_control("presence", msg, self.federation)
-        return json.dumps(msg).encode()
+    @property
+    def running(self) -> bool:
+        """True between a successful ``start()`` and ``stop()``."""
+        return self._started and not self._stopping
 
-    def _status_payload(self) -> bytes:
-        with self._lock:
-            self._heartbeat_seq += 1
-            status = dict(self._status or {})
-            status.update(node_id=self.node_id, time=time.time(), heartbeat=self._heartbeat_seq)
-            self._last_status_pub = time.monotonic()
-            if self.control is not None:
-                return self.control.sign_control("status", status, self.federation)
-        return json.dumps(status).encode()
+    @property
+    def presence_handler(self) -> PresenceHandler | None:
+        """The ``on_presence`` handler given to ``start()`` (None before)."""
+        return self._on_presence
 
-    def _open_control(self, leaf: str, node_id: str, payload: bytes) -> tuple[dict[str, Any], str] | None:
-        """The payload dict of a received presence/status and its sender's role, or
-        None when dropped (counted as ``{leaf}_{reason}``).  Without ``control`` the
-        payload is bare JSON (role "unverified")."""
-        if self.control is None:
-            try:  # bounded: 64 KiB, nesting depth 32
-                msg = bounded_loads(payload, leaf)
-            except JSONBoundError as exc:
-                self._count(f"bad_{leaf}" if exc.reason == "malformed" else f"{leaf}_{exc.reason}")
-                log.warning("%s: dropped %s of %r: %s", self.node_id, leaf, node_id, exc)
-                return None
-            if isinstance(msg, dict) and "ctl" in msg and isinstance(msg.get("payload"), dict):
-                msg = msg["payload"]  # a signed peer, read without verifying (no trust material)
-            if not isinstance(msg, dict):
-                self._count(f"bad_{leaf}")
-                return None
-            return msg, "unverified"
-        from dfl_agent.security.trust import ControlRejected
+    @property
+    def statuses(self) -> dict[str, dict[str, Any]]:
+        """The latest status of every other node heard, as the channel holds it
+        (node id -> status; empty without a channel)."""
+        return self.channel.statuses if self.channel is not None else {}
 
-        try:
-            _sender, role, msg = self.control.verify_control(payload, leaf, node_id)
-        except ControlRejected as exc:
-            if exc.reason == "duplicate":
-                return None  # a retained message delivered again (reconnect): not a drop
-            self._count(f"{leaf}_{exc.reason}")
-            log.warning("%s: dropped %s on the topic of %r: %s", self.node_id, leaf, node_id, exc)
+    def home_session(self) -> tuple[mqtt.Client, bool] | None:
+        """The home connection's client and whether it is connected now; None before it
+        exists or while stopping."""
+        conn = self._conns.get(self.broker)
+        if conn is None or conn.client is None or self._stopping:
             return None
-        return msg, role
+        return conn.client, conn.connected
+
+    def dispatch(self, fn: Callable[..., Any] | None, *args: Any) -> None:
+        """Call ``fn(*args)`` on the event loop of ``start()`` (from any thread); an
+        exception it raises is counted as ``handler_error`` and logged."""
+        self._dispatch(fn, *args)
 
     # ----------------------------------------------------------- connections
 
     def _subscriptions(self, conn: _Conn) -> list[tuple[str, Any]]:
         fed = self.federation
-        topics = [(topic(fed, "+", "out"), self.qos, True),
-                  (topic(fed, "+", "presence"), 1, False),
-                  (topic(fed, "+", "status"), 1, False)]
+        topics = [(topic(fed, "+", "out"), self.qos, True)]
+        if self.channel is not None:
+            topics += [(topic(fed, "+", leaf), 1, False) for leaf in self.channel.leaves]
         if conn.home:
             topics.insert(0, (self._t_inbox, self.qos, False))
         if self.protocol == "5":
@@ -490,9 +484,9 @@ class MqttTransport(Transport):
             client = mqtt_session(f"dfl-{self.federation}-{self.node_id}-{secrets.token_hex(4)}",
                                   protocol=self.protocol, username=self.username, password=self.password,
                                   tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key, userdata=conn)
-            if home:
-                # unsigned by necessity (see the module docstring): a hint for signed receivers
-                client.will_set(self._t_presence, self._presence_payload(False, signed=False), qos=1, retain=True)
+            will = self.channel.will() if home and self.channel is not None else None
+            if will is not None:
+                client.will_set(will[0], will[1], qos=1, retain=True)
             client.on_connect = self._on_connect
             client.on_connect_fail = self._on_connect_fail
             client.on_disconnect = self._on_disconnect
@@ -526,10 +520,8 @@ class MqttTransport(Transport):
                 log.warning("%s: %s: %s", self.node_id, conn.endpoint, conn.error)
                 return
             conn.sub_mid = mid
-            if conn.home and not self._stopping:
-                client.publish(self._t_presence, self._presence_payload(True), qos=1, retain=True)
-                if self._status is not None:
-                    client.publish(self._t_status, self._status_payload(), qos=1, retain=True)
+            if conn.home and not self._stopping and self.channel is not None:
+                self.channel.announce(client)
         except Exception:  # noqa: BLE001 - never kill paho's thread
             log.exception("%s: error in on_connect", self.node_id)
 
@@ -612,13 +604,8 @@ class MqttTransport(Transport):
             elif leaf == "out":
                 if sender != self.node_id:
                     self._handle_frame(conn, msg.topic, payload)
-            elif leaf == "presence":
-                self._handle_presence(conn, sender, payload)
-            elif leaf == "status":
-                if sender != self.node_id:
-                    self._handle_status(sender, payload)
-                elif payload and not self._own_payload(payload):
-                    self._count("status_self_forged")  # someone else wrote on this node's topic
+            elif self.channel is not None and leaf in self.channel.leaves:
+                self.channel.on_message(conn.home, conn.client, sender, leaf, payload)
         except Exception:  # noqa: BLE001 - never kill paho's thread
             self._count("handler_error")
             self._errors.exception("%s: error handling a message on %s", self.node_id, getattr(msg, "topic", "?"))
@@ -673,99 +660,11 @@ class MqttTransport(Transport):
                 log.exception("%s: preparing a frame failed", self.node_id)
         self._dispatch(self._on_frame, frame, result[1])
 
-    def _own_payload(self, payload: bytes) -> bool:
-        """Whether a payload on this node's own topic was signed by this node."""
-        if self.control is None or self.control.key is None:
-            return True
-        try:
-            env = bounded_loads(payload, max_bytes=1 << 20)
-            if not isinstance(env, dict) or env.get("sender") != self.node_id or not env.get("sig"):
-                return False
-            from dfl_agent.security.keys import canonical
-
-            sig = env["sig"].split(":", 1)[1]
-            import base64
-
-            self.control.key.public_key().verify(base64.b64decode(sig),
-                                                 canonical({k: v for k, v in env.items() if k != "sig"}))
-            return True
-        except Exception:  # noqa: BLE001 - anything that does not verify is not ours
-            return False
-
-    def _handle_presence(self, conn: _Conn, node_id: str, payload: bytes) -> None:
-        descriptor: dict[str, Any] | None
-        if node_id == self.node_id:
-            # Our own topic: a stale last will of an earlier run, or a forgery: say we are
-            # online.  Anything on it that this node did not sign (but a bare will) is counted.
-            ours = not payload or self._own_payload(payload)
-            if not ours and not self._is_bare_offline(payload):
-                self._count("presence_self_forged")
-            offline = not payload or not ours or b'"offline"' in payload
-            if offline and conn.home and self._started and not self._stopping and conn.client is not None:
-                conn.client.publish(self._t_presence, self._presence_payload(True), qos=1, retain=True)
-            return
-        if not payload:
-            descriptor = None
-            if self.control is not None and self.control.require_signatures:
-                self._count("presence_unsigned")  # a cleared topic: only a hint, liveness decides
-                return
-        else:
-            if self.control is not None and self.control.require_signatures and self._is_bare_offline(payload):
-                # the MQTT last will is unsigned by necessity: a hint only, liveness decides
-                self._count("presence_unsigned")
-                log.info("%s: unsigned offline of %r ignored (liveness decides)", self.node_id, node_id)
-                return
-            opened = self._open_control("presence", node_id, payload)
-            if opened is None:
-                return
-            try:
-                msg = opened[0]
-                if not isinstance(msg, dict) or msg.get("node_id", node_id) != node_id:
-                    raise ValueError("not a presence object of this node")
-                state = msg.get("state")
-                if state == "online":
-                    descriptor = msg.get("descriptor", {})
-                    if not isinstance(descriptor, dict):
-                        raise ValueError("descriptor is not an object")
-                elif state == "offline":
-                    descriptor = None
-                else:
-                    raise ValueError(f"unknown state {state!r}")
-            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError included
-                self._count("bad_presence")
-                log.warning("%s: dropped presence of %r: %s", self.node_id, node_id, exc)
-                return
-        self._dispatch(self._on_presence, node_id, descriptor)
-
-    @staticmethod
-    def _is_bare_offline(payload: bytes) -> bool:
-        try:
-            msg = bounded_loads(payload, "presence")
-        except ValueError:  # JSONBoundError included: oversized, too deep, malformed
-            return False
-        return isinstance(msg, dict) and "ctl" not in msg and msg.get("state") == "offline"
-
-    def _handle_status(self, node_id: str, payload: bytes) -> None:
-        if not payload:
-            if self.control is not None and self.control.require_signatures:
-                self._count("status_unsigned")  # clearing a status is no evidence of anything
-                return
-            self.statuses.pop(node_id, None)
-            return
-        opened = self._open_control("status", node_id, payload)
-        if opened is None:
-            return
-        status = opened[0]
-        if self.control is not None and self.control.require_signatures and opened[1] != "device":
-            self._count("status_not_member")  # e.g. an operator's key: statuses come from members
-            return
-        self.statuses[node_id] = status
-        self._dispatch(self.on_heartbeat, node_id, status)
-
     # ------------------------------------------------------------ maintenance
 
     def _maintenance(self) -> None:
-        period = max(0.05, min(1.0, self.heartbeat_interval, self.reassembly_timeout / 2))
+        heartbeat = self.channel.period if self.channel is not None else 1.0
+        period = max(0.05, min(1.0, heartbeat, self.reassembly_timeout / 2))
         while not self._maint_stop.wait(period):
             try:
                 expired = 0
@@ -779,19 +678,10 @@ class MqttTransport(Transport):
                 if expired:
                     self._count("incomplete_transfer", expired)
                     log.warning("%s: dropped %d incomplete transfer(s)", self.node_id, expired)
-                if time.monotonic() - self._last_status_pub >= self.heartbeat_interval:
-                    self._publish_status_now()
+                if self.channel is not None:
+                    self.channel.tick()
             except Exception:  # noqa: BLE001 - keep the heartbeat alive
                 log.exception("%s: maintenance failed", self.node_id)
-
-    def _publish_status_now(self) -> None:
-        conn = self._conns.get(self.broker)
-        if conn is None or conn.client is None or self._stopping:
-            return
-        if not conn.connected:
-            self._last_status_pub = time.monotonic()  # republished on reconnect anyway
-            return
-        conn.client.publish(self._t_status, self._status_payload(), qos=1, retain=True)
 
     def _on_peer_event(self, event: str, node_id: str, info: Any) -> None:
         if event == "removed" or not self._started or self._stopping or not self.connect_peer_brokers:
@@ -819,7 +709,7 @@ class MqttTransport(Transport):
     # -------------------------------------------------------------- interface
 
     async def start(self, on_frame: FrameHandler, on_presence: PresenceHandler) -> None:
-        """Connect to the home broker, subscribe, announce presence "online".
+        """Connect to the home broker, subscribe; the channel announces presence "online".
 
         Returns once the home connection is up and its subscriptions acknowledged.
         Handlers are then called on the running event loop.
@@ -846,7 +736,8 @@ class MqttTransport(Transport):
             raise ConnectionError(f"could not connect to MQTT broker {self.broker} "
                                   f"within {self.connect_timeout:g} s: {why}")
         self._started = True
-        self._last_status_pub = time.monotonic()
+        if self.channel is not None:
+            self.channel.started()
         self._maint_thread = threading.Thread(target=self._maintenance, daemon=True,
                                               name=f"dfl-mqtt-maint-{self.node_id}")
         self._maint_thread.start()
@@ -864,6 +755,10 @@ class MqttTransport(Transport):
     def _check_started(self) -> None:
         if not self._started and not self._stopped:
             raise RuntimeError("MqttTransport used before start()")
+
+    def check_started(self) -> None:
+        """Raises RuntimeError before ``start()`` (fine after ``stop()``)."""
+        self._check_started()
 
     async def send(self, peer: str, frame: bytes) -> int:
         """Publish ``frame`` to ``peer``'s inbox on the peer's broker (pooled connection).
@@ -944,24 +839,17 @@ class MqttTransport(Transport):
         return size
 
     async def publish_status(self, status: dict[str, Any]) -> None:
-        """Publish ``status`` (retained JSON) now; the heartbeat republishes it.
-
-        "node_id", "time" (unix s) and "heartbeat" (a counter) are added.
+        """Publish ``status`` through the channel (retained JSON, see
+        :meth:`dfl_agent.discovery.presence.MqttPresence.publish_status`).
 
         Raises:
-            RuntimeError: before ``start()``.
+            RuntimeError: before ``start()``, or without a channel.
             ValueError: ``status`` is not a JSON-serialisable dict.
         """
         self._check_started()
-        if not isinstance(status, dict):
-            raise ValueError("status must be a dict")
-        try:
-            json.dumps(status)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"status must be JSON-serialisable ({exc})") from None
-        with self._lock:
-            self._status = dict(status)
-        self._publish_status_now()
+        if self.channel is None:
+            raise RuntimeError("this MqttTransport has no presence/status channel")
+        await self.channel.publish_status(status)
 
     async def publish_retained(self, leaf: str, document: dict[str, Any]) -> None:
         """Publish ``document`` (JSON) retained, QoS 1, on ``dfl/{fed}/node/{id}/{leaf}``
@@ -978,7 +866,8 @@ class MqttTransport(Transport):
                             qos=1, retain=True)
 
     async def stop(self) -> None:
-        """Publish "offline" (retained), let it go out (up to ~2 s), disconnect all.
+        """Let the channel say goodbye ("offline", retained) and queued frames go out
+        (up to ~2 s), disconnect all.
 
         Idempotent; also safe after a failed ``start()``.
         """
@@ -988,11 +877,12 @@ class MqttTransport(Transport):
         self._maint_stop.set()
         home = self._conns.get(self.broker)
         if home is not None and home.client is not None and home.connected:
-            info = home.client.publish(self._t_presence, self._presence_payload(False), qos=1, retain=True)
+            info = self.channel.goodbye(home.client) if self.channel is not None else None
             deadline = time.monotonic() + STOP_FLUSH_TIMEOUT
             while time.monotonic() < deadline:
                 try:
-                    if info.is_published() and all(c.prune() == 0 or not c.connected for c in self._conns.values()):
+                    if ((info is None or info.is_published())
+                            and all(c.prune() == 0 or not c.connected for c in self._conns.values())):
                         break
                 except (ValueError, RuntimeError):
                     break

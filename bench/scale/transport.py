@@ -300,8 +300,8 @@ class Ours:
 
     async def start(self) -> None:
         from dfl_agent.discovery.peers import PeerTable
+        from dfl_agent.discovery.presence import node_transport
         from dfl_agent.runtime.context import RuntimeContext
-        from dfl_agent.transport.mqtt import MqttTransport
 
         fed = FED + ("-s" if self.signed else "")
         # the trust store's federation is the transport's: signed presence is verified too
@@ -311,8 +311,8 @@ class Ours:
             if node not in self.nodes:
                 continue
             peers = PeerTable(node, fed)
-            transport = MqttTransport(node, fed, broker=self.endpoint, peers=peers, descriptor={},
-                                      control=guard)
+            transport = node_transport(node, fed, broker=self.endpoint, peers=peers, descriptor={},
+                                       control=guard)
             ctx = RuntimeContext(node_id=node, federation=fed, transport=transport, peers=peers, data=None,
                                  model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0),
                                  security=guard)

@@ -9,15 +9,16 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.discovery.presence import node_transport
 from dfl_agent.transport.chunking import split
-from dfl_agent.transport.mqtt import MqttTransport, topic
+from dfl_agent.transport.mqtt import topic
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
 async def test_chunks_in_flight_are_bounded(mosquitto_broker, federation):
-    t = MqttTransport("victim", federation, broker=mosquitto_broker.endpoint, peers=PeerTable("victim", federation),
-                      descriptor={}, max_transfers=4, chunk_size=4096, max_frame_bytes=1 << 20)
+    t = node_transport("victim", federation, broker=mosquitto_broker.endpoint, peers=PeerTable("victim", federation),
+                       descriptor={}, max_transfers=4, chunk_size=4096, max_frame_bytes=1 << 20)
     got = []
     await t.start(lambda f, w: got.append(f), lambda n, d: None)
     try:

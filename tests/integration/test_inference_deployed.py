@@ -23,10 +23,10 @@ def test_inference_member_receives_only_deployed_versions(mosquitto_broker, fede
     from dfl_agent.deploy import ModelStore
     from dfl_agent.deploy.gate import deploy_model
     from dfl_agent.discovery.peers import PeerTable
+    from dfl_agent.discovery.presence import node_transport
     from dfl_agent.models import build_model
     from dfl_agent.runtime.context import RuntimeContext
     from dfl_agent.runtime.onnx_publisher import OnnxPublisher
-    from dfl_agent.transport.mqtt import MqttTransport
 
     broker = mosquitto_broker.endpoint
     spec = {"type": "cnn1d", "in_channels": 3, "length": 32, "channels": [4, 8], "kernel": 5, "num_classes": 4}
@@ -60,7 +60,7 @@ def test_inference_member_receives_only_deployed_versions(mosquitto_broker, fede
 
     async def main():
         peers = PeerTable("t", federation)
-        tr = MqttTransport("t", federation, broker=broker, peers=peers, descriptor={"algorithm": "fedavg"})
+        tr = node_transport("t", federation, broker=broker, peers=peers, descriptor={"algorithm": "fedavg"})
         ctx = RuntimeContext(node_id="t", federation=federation, transport=tr, peers=peers, data=None,
                              model_spec=spec, train=None, init_seed=0, rng=np.random.default_rng(0))
         await ctx.start()

@@ -17,6 +17,7 @@ import pytest
 
 from dfl_agent.cli.broker import free_port
 from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.discovery.presence import node_transport
 from dfl_agent.transport.chunking import CHUNK_MAGIC, CHUNK_VERSION, HEADER_LEN, split
 from dfl_agent.transport.mqtt import MqttTransport, topic
 
@@ -45,7 +46,7 @@ class Node:
         self.frames: list[tuple[bytes, int]] = []
         self.presence: list[tuple[str, dict | None]] = []
         self.heartbeats: list[tuple[str, dict]] = []
-        transport.on_heartbeat = lambda nid, st: self.heartbeats.append((nid, st))
+        transport.channel.on_heartbeat = lambda nid, st: self.heartbeats.append((nid, st))
 
     async def start(self) -> Node:
         await self.t.start(lambda f, w: self.frames.append((f, w)),
@@ -68,9 +69,9 @@ async def make():
 
     async def _make(node_id, broker, federation, *, peers=None, start=True, **kwargs):
         kwargs.setdefault("protocol", broker.protocols[0])
-        t = MqttTransport(node_id, federation, broker=broker.endpoint,
-                          peers=peers or PeerTable(node_id, federation),
-                          descriptor={"profile": "test", "node": node_id}, **kwargs)
+        t = node_transport(node_id, federation, broker=broker.endpoint,
+                           peers=peers or PeerTable(node_id, federation),
+                           descriptor={"profile": "test", "node": node_id}, **kwargs)
         node = Node(t)
         nodes.append(node)
         return await node.start() if start else node
@@ -240,12 +241,12 @@ async def test_presence_status_and_clean_stop(request, broker_fixture, make, fed
 _CHILD = """
 import asyncio, sys
 from dfl_agent.discovery.peers import PeerTable
-from dfl_agent.transport.mqtt import MqttTransport
+from dfl_agent.discovery.presence import node_transport
 
 async def main():
     fed, endpoint, protocol = sys.argv[1:4]
-    t = MqttTransport("C", fed, broker=endpoint, peers=PeerTable("C"), descriptor={"child": True},
-                      keepalive=int(sys.argv[4]), protocol=protocol)
+    t = node_transport("C", fed, broker=endpoint, peers=PeerTable("C"), descriptor={"child": True},
+                       keepalive=int(sys.argv[4]), protocol=protocol)
     await t.start(lambda f, w: None, lambda n, d: None)
     print("ready", flush=True)
     await asyncio.sleep(60)
@@ -336,7 +337,7 @@ async def test_hostile_payloads_are_counted_and_survived(mosquitto_broker, make,
 
 async def test_constructor_validation():
     base = dict(broker="127.0.0.1:1883", peers=PeerTable("A"), descriptor={})
-    MqttTransport("A", "f", **base)  # fine
+    node_transport("A", "f", **base)  # fine
     bad = [
         ("node_id", dict(node_id="a/b")), ("node_id", dict(node_id="+")),
         ("federation", dict(federation="")), ("broker", dict(broker="localhost")),
@@ -350,18 +351,18 @@ async def test_constructor_validation():
     for name, override in bad:
         kwargs = {"node_id": "A", "federation": "f", **base, **override}
         with pytest.raises(ValueError, match=name):
-            MqttTransport(kwargs.pop("node_id"), kwargs.pop("federation"), **kwargs)
+            node_transport(kwargs.pop("node_id"), kwargs.pop("federation"), **kwargs)
 
 
 async def test_start_fails_clearly_without_broker():
     port = free_port()
-    t = MqttTransport("A", "f", broker=f"127.0.0.1:{port}", peers=PeerTable("A"), descriptor={},
-                      connect_timeout=0.5)
+    t = node_transport("A", "f", broker=f"127.0.0.1:{port}", peers=PeerTable("A"), descriptor={},
+                       connect_timeout=0.5)
     with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}"):
         await t.start(lambda f, w: None, lambda n, d: None)
     await t.stop()  # safe after a failed start
     assert await t.send("B", b"x") == 0  # dropped, not raised
-    fresh = MqttTransport("A", "f", broker=f"127.0.0.1:{port}", peers=PeerTable("A"), descriptor={})
+    fresh = node_transport("A", "f", broker=f"127.0.0.1:{port}", peers=PeerTable("A"), descriptor={})
     with pytest.raises(RuntimeError):
         await fresh.send("B", b"x")  # before start()
 

@@ -23,7 +23,7 @@ from cryptography.x509.oid import NameOID
 from dfl_agent.cli.broker import free_port, mosquitto_path
 from dfl_agent.cli.cli_security import add_acl_user, add_mosquitto_password
 from dfl_agent.discovery.peers import PeerTable
-from dfl_agent.transport.mqtt import MqttTransport
+from dfl_agent.discovery.presence import node_transport
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 ACL = Path(__file__).resolve().parents[2] / "deploy" / "mosquitto" / "dfl.acl"
@@ -99,9 +99,9 @@ def tls_broker(tmp_path):
 
 
 def _transport(broker, node_id, fed, ca="ca.crt", password=None, **kw):
-    return MqttTransport(node_id, fed, broker=broker["endpoint"], peers=PeerTable(node_id, fed),
-                         descriptor={}, tls_ca=str(broker["dir"] / ca), username=node_id,
-                         password=password or broker["passwords"][node_id], connect_timeout=4.0, **kw)
+    return node_transport(node_id, fed, broker=broker["endpoint"], peers=PeerTable(node_id, fed),
+                          descriptor={}, tls_ca=str(broker["dir"] / ca), username=node_id,
+                          password=password or broker["passwords"][node_id], connect_timeout=4.0, **kw)
 
 
 async def _until(pred, timeout=5.0):
@@ -154,7 +154,7 @@ async def test_server_verification_and_passwords_are_enforced(tls_broker, federa
     wrong_pw = _transport(tls_broker, "a", federation, password="not-the-password")
     with pytest.raises(ConnectionError):
         await wrong_pw.start(lambda f, w: None, lambda n, d: None)
-    plain = MqttTransport("a", federation, broker=tls_broker["endpoint"], peers=PeerTable("a", federation),
-                          descriptor={}, username="a", password=tls_broker["passwords"]["a"], connect_timeout=3.0)
+    plain = node_transport("a", federation, broker=tls_broker["endpoint"], peers=PeerTable("a", federation),
+                           descriptor={}, username="a", password=tls_broker["passwords"]["a"], connect_timeout=3.0)
     with pytest.raises(ConnectionError):
         await plain.start(lambda f, w: None, lambda n, d: None)

@@ -174,9 +174,10 @@ def test_run_lobby_drops_deep_statuses_and_survives_any_message(signed):
 # -- the MQTT transport ---------------------------------------------------------------------
 def test_mqtt_transport_counts_deep_presence_and_status_and_handler_errors():
     from dfl_agent.discovery.peers import PeerTable
-    from dfl_agent.transport.mqtt import MqttTransport, _Conn
+    from dfl_agent.discovery.presence import node_transport
+    from dfl_agent.transport.mqtt import _Conn
 
-    t = MqttTransport("n1", FED, broker="127.0.0.1:1", peers=PeerTable("n1", FED), descriptor={})
+    t = node_transport("n1", FED, broker="127.0.0.1:1", peers=PeerTable("n1", FED), descriptor={})
     conn = _Conn("127.0.0.1:1", home=True)
     t._on_message(None, conn, _msg(f"dfl/{FED}/node/x/status", DEEP_SMALL))
     t._on_message(None, conn, _msg(f"dfl/{FED}/node/x/presence", DEEP_SMALL))
@@ -184,7 +185,7 @@ def test_mqtt_transport_counts_deep_presence_and_status_and_handler_errors():
     t._on_message(None, conn, _msg(f"dfl/{FED}/node/y/presence", b"{" * 10))
     dropped = dict(t.stats.dropped)
     assert dropped == {"status_too_deep": 1, "presence_too_deep": 1, "status_oversized": 1, "bad_presence": 1}
-    t._handle_status = None  # type: ignore[assignment]  # handling raises: caught and counted
+    t.channel._handle_status = None  # type: ignore[union-attr]  # handling raises: caught and counted
     t._on_message(None, conn, _msg(f"dfl/{FED}/node/z/status", b"{}"))
     assert t.stats.dropped["handler_error"] == 1
     t._invoke(lambda: 1 / 0, ())  # a handler on the event loop that raises
@@ -193,10 +194,11 @@ def test_mqtt_transport_counts_deep_presence_and_status_and_handler_errors():
 
 def test_mqtt_transport_with_a_guard_counts_too_deep():
     from dfl_agent.discovery.peers import PeerTable
-    from dfl_agent.transport.mqtt import MqttTransport, _Conn
+    from dfl_agent.discovery.presence import node_transport
+    from dfl_agent.transport.mqtt import _Conn
 
     g = SecurityGuard("n1", Ed25519PrivateKey.generate(), TrustStore(FED), require_signatures=True)
-    t = MqttTransport("n1", FED, broker="127.0.0.1:1", peers=PeerTable("n1", FED), descriptor={}, control=g)
+    t = node_transport("n1", FED, broker="127.0.0.1:1", peers=PeerTable("n1", FED), descriptor={}, control=g)
     t._on_message(None, _Conn("127.0.0.1:1", home=True), _msg(f"dfl/{FED}/node/x/status", DEEP_SMALL))
     t._on_message(None, _Conn("127.0.0.1:1", home=True), _msg(f"dfl/{FED}/node/x/presence", DEEP_SMALL))
     assert dict(t.stats.dropped) == {"status_too_deep": 1, "presence_too_deep": 1}

@@ -13,12 +13,13 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.reasoncodes import ReasonCode
 
 from dfl_agent.discovery.peers import PeerTable
-from dfl_agent.transport.mqtt import MqttTransport, _Conn
+from dfl_agent.discovery.presence import node_transport
+from dfl_agent.transport.mqtt import _Conn
 
 
 def test_failed_subscribe_leaves_the_connection_unready_and_says_why(caplog):
     endpoint = "127.0.0.1:1"
-    transport = MqttTransport("n1", "fed", broker=endpoint, peers=PeerTable("n1", "fed"), descriptor={})
+    transport = node_transport("n1", "fed", broker=endpoint, peers=PeerTable("n1", "fed"), descriptor={})
     conn = _Conn(endpoint, home=True)
     client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="n1", protocol=mqtt.MQTTv5, userdata=conn)
     assert client.subscribe("probe")[0] == mqtt.MQTT_ERR_NO_CONN  # the premise: paho refuses to send

@@ -1,0 +1,348 @@
+"""A node's presence and status on MQTT, and their signatures: the control plane that
+rides on the home session of :class:`~dfl_agent.transport.mqtt.MqttTransport`.
+
+Topics of a federation ``{fed}`` (``{id}`` = node id)::
+
+    dfl/{fed}/node/{id}/presence  retained JSON, QoS 1
+        online:  {"state": "online", "node_id": id, "descriptor": {...}, "time": unix s}
+        offline: {"state": "offline", "node_id": id, "time": unix s}
+                 (the MQTT last will, and published when the transport stops);
+        an empty retained payload (cleared) also means offline.
+    dfl/{fed}/node/{id}/status    retained JSON, QoS 1: the dict given to
+        ``publish_status`` plus "node_id", "time" (unix s) and "heartbeat" (a counter);
+        republished every ``heartbeat_interval`` seconds, so it is also the heartbeat.
+
+:class:`MqttPresence` is the transport's :class:`~dfl_agent.transport.mqtt.ControlChannel`:
+the transport sets its last will on the home connection before connecting, subscribes
+to ``+/presence`` and ``+/status`` on every broker connection, calls :meth:`MqttPresence.announce`
+on every (re)connection of the home broker (presence "online", then the status), hands it
+every message on those topics, ticks it from its maintenance thread (the heartbeat) and
+lets it say goodbye (a signed "offline") when it stops.  If this node sees its own
+presence turn "offline" while it runs (the late last will of an earlier run of the same
+node id), it republishes "online".  :func:`node_transport` builds the two together.
+
+Signed control plane: with ``control`` (a :class:`dfl_agent.security.SecurityGuard`)
+presence and status payloads are the JSON above wrapped in a signed control envelope
+(:meth:`~dfl_agent.security.SecurityGuard.sign_control`, kinds ``"presence"`` and
+``"status"``, a sequence number per kind that survives restarts), and every received
+one goes through :meth:`~dfl_agent.security.SecurityGuard.verify_control`: a rejected
+one is dropped and counted as ``presence_{reason}`` / ``status_{reason}`` (reasons in
+:data:`~dfl_agent.security.trust.CONTROL_REJECT_REASONS`), never handed on.  The MQTT
+last will cannot be signed at disconnect time, so it stays a bare unsigned "offline":
+with ``require_signatures`` an unsigned "offline" is only a hint (counted as
+``presence_unsigned``); the node stays a member until its status heartbeats stop for
+``discovery.heartbeat_timeout`` - a forged "offline" cannot remove a live node.
+Stopping publishes a signed "offline", which is obeyed at once.
+
+Drop counters (in the transport's ``stats.dropped``): ``bad_presence``, ``bad_status``,
+``presence_oversized`` / ``status_oversized`` (over 64 KiB), ``presence_too_deep`` /
+``status_too_deep`` (nested deeper than 32 levels; every presence and status is parsed
+by :func:`dfl_agent.jsonbound.loads` before any other use), ``presence_self_forged`` /
+``status_self_forged`` (something this node did not sign on its own topics),
+``presence_unsigned`` / ``status_unsigned``, ``status_not_member``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+from dfl_agent.jsonbound import JSONBoundError
+from dfl_agent.jsonbound import loads as bounded_loads
+from dfl_agent.transport.mqtt import ControlChannel, HeartbeatHandler, MqttTransport, topic
+
+#: the transport's logger: the log lines of presence and status keep their logger name
+log = logging.getLogger("dfl_agent.transport.mqtt")
+
+
+class MqttPresence(ControlChannel):
+    """Presence, status heartbeats and their signatures of node ``node_id``.
+
+    Args:
+        node_id, federation: the node and its federation (topic levels).
+        descriptor: JSON-serialisable dict announced in the presence message.
+        heartbeat_interval: seconds between republications of the status.
+        on_heartbeat: ``on_heartbeat(node_id, status_dict)`` for every status message
+            of another node (called on the transport's event loop).
+        control: a :class:`~dfl_agent.security.SecurityGuard` that signs outgoing and
+            verifies incoming presence/status, or None (bare JSON).
+
+    Raises:
+        ValueError: an invalid argument (the message names it).
+    """
+
+    leaves = ("presence", "status")
+
+    def __init__(self, node_id: str, federation: str, *, descriptor: dict[str, Any],
+                 heartbeat_interval: float = 5.0, on_heartbeat: HeartbeatHandler | None = None,
+                 control: Any = None):
+        if not isinstance(descriptor, dict):
+            raise ValueError("descriptor: must be a dict")
+        try:
+            json.dumps(descriptor)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"descriptor: must be JSON-serialisable ({exc})") from None
+        if not isinstance(heartbeat_interval, (int, float)) or not heartbeat_interval > 0:
+            raise ValueError(f"heartbeat_interval: must be > 0 seconds, got {heartbeat_interval!r}")
+        if on_heartbeat is not None and not callable(on_heartbeat):
+            raise ValueError("on_heartbeat: must be callable or None")
+        self.node_id = node_id
+        self.federation = federation
+        self.descriptor = dict(descriptor)
+        self.heartbeat_interval = float(heartbeat_interval)
+        self.period = self.heartbeat_interval
+        self.on_heartbeat = on_heartbeat
+        #: signs outgoing and verifies incoming presence/status (SecurityGuard or None)
+        self.control = control
+        #: latest status dict of every other node heard (node id -> status)
+        self.statuses: dict[str, dict[str, Any]] = {}
+        self._transport: MqttTransport | None = None
+        self._lock = threading.RLock()
+        self._status: dict[str, Any] | None = None
+        self._heartbeat_seq = 0
+        self._last_status_pub = 0.0
+        self._t_presence = topic(federation, node_id, "presence")
+        self._t_status = topic(federation, node_id, "status")
+
+    # ----------------------------------------------------------- the channel
+
+    def bind(self, transport: MqttTransport) -> None:
+        self._transport = transport
+
+    def _t(self) -> MqttTransport:
+        if self._transport is None:
+            raise RuntimeError("MqttPresence is not bound to a transport")
+        return self._transport
+
+    def will(self) -> tuple[str, bytes]:
+        # unsigned by necessity (see the module docstring): a hint for signed receivers
+        return self._t_presence, self._presence_payload(False, signed=False)
+
+    def announce(self, client: Any) -> None:
+        client.publish(self._t_presence, self._presence_payload(True), qos=1, retain=True)
+        if self._status is not None:
+            client.publish(self._t_status, self._status_payload(), qos=1, retain=True)
+
+    def started(self) -> None:
+        self._last_status_pub = time.monotonic()
+
+    def tick(self) -> None:
+        if time.monotonic() - self._last_status_pub >= self.heartbeat_interval:
+            self._publish_status_now()
+
+    def goodbye(self, client: Any) -> Any:
+        return client.publish(self._t_presence, self._presence_payload(False), qos=1, retain=True)
+
+    def on_message(self, home: bool, client: Any, sender: str, leaf: str, payload: bytes) -> None:
+        if leaf == "presence":
+            self._handle_presence(home, client, sender, payload)
+        elif sender != self.node_id:
+            self._handle_status(sender, payload)
+        elif payload and not self._own_payload(payload):
+            self._t().count("status_self_forged")  # someone else wrote on this node's topic
+
+    # --------------------------------------------------------------- payloads
+
+    def _presence_payload(self, online: bool, signed: bool = True) -> bytes:
+        msg: dict[str, Any] = {"state": "online" if online else "offline", "node_id": self.node_id}
+        if online:
+            msg["descriptor"] = self.descriptor
+        msg["time"] = time.time()
+        if signed and self.control is not None:
+            return self.control.sign_control("presence", msg, self.federation)
+        return json.dumps(msg).encode()
+
+    def _status_payload(self) -> bytes:
+        with self._lock:
+            self._heartbeat_seq += 1
+            status = dict(self._status or {})
+            status.update(node_id=self.node_id, time=time.time(), heartbeat=self._heartbeat_seq)
+            self._last_status_pub = time.monotonic()
+            if self.control is not None:
+                return self.control.sign_control("status", status, self.federation)
+        return json.dumps(status).encode()
+
+    def _open_control(self, leaf: str, node_id: str, payload: bytes) -> tuple[dict[str, Any], str] | None:
+        """The payload dict of a received presence/status and its sender's role, or
+        None when dropped (counted as ``{leaf}_{reason}``).  Without ``control`` the
+        payload is bare JSON (role "unverified")."""
+        count = self._t().count
+        if self.control is None:
+            try:  # bounded: 64 KiB, nesting depth 32
+                msg = bounded_loads(payload, leaf)
+            except JSONBoundError as exc:
+                count(f"bad_{leaf}" if exc.reason == "malformed" else f"{leaf}_{exc.reason}")
+                log.warning("%s: dropped %s of %r: %s", self.node_id, leaf, node_id, exc)
+                return None
+            if isinstance(msg, dict) and "ctl" in msg and isinstance(msg.get("payload"), dict):
+                msg = msg["payload"]  # a signed peer, read without verifying (no trust material)
+            if not isinstance(msg, dict):
+                count(f"bad_{leaf}")
+                return None
+            return msg, "unverified"
+        from dfl_agent.security.trust import ControlRejected
+
+        try:
+            _sender, role, msg = self.control.verify_control(payload, leaf, node_id)
+        except ControlRejected as exc:
+            if exc.reason == "duplicate":
+                return None  # a retained message delivered again (reconnect): not a drop
+            count(f"{leaf}_{exc.reason}")
+            log.warning("%s: dropped %s on the topic of %r: %s", self.node_id, leaf, node_id, exc)
+            return None
+        return msg, role
+
+    # ------------------------------------------------------------- receiving
+
+    def _own_payload(self, payload: bytes) -> bool:
+        """Whether a payload on this node's own topic was signed by this node."""
+        if self.control is None or self.control.key is None:
+            return True
+        try:
+            env = bounded_loads(payload, max_bytes=1 << 20)
+            if not isinstance(env, dict) or env.get("sender") != self.node_id or not env.get("sig"):
+                return False
+            from dfl_agent.security.keys import canonical
+
+            sig = env["sig"].split(":", 1)[1]
+            import base64
+
+            self.control.key.public_key().verify(base64.b64decode(sig),
+                                                 canonical({k: v for k, v in env.items() if k != "sig"}))
+            return True
+        except Exception:  # noqa: BLE001 - anything that does not verify is not ours
+            return False
+
+    def _handle_presence(self, home: bool, client: Any, node_id: str, payload: bytes) -> None:
+        t = self._t()
+        descriptor: dict[str, Any] | None
+        if node_id == self.node_id:
+            # Our own topic: a stale last will of an earlier run, or a forgery: say we are
+            # online.  Anything on it that this node did not sign (but a bare will) is counted.
+            ours = not payload or self._own_payload(payload)
+            if not ours and not self._is_bare_offline(payload):
+                t.count("presence_self_forged")
+            offline = not payload or not ours or b'"offline"' in payload
+            if offline and home and t.running and client is not None:
+                client.publish(self._t_presence, self._presence_payload(True), qos=1, retain=True)
+            return
+        signed_only = self.control is not None and self.control.require_signatures
+        if not payload:
+            descriptor = None
+            if signed_only:
+                t.count("presence_unsigned")  # a cleared topic: only a hint, liveness decides
+                return
+        else:
+            if signed_only and self._is_bare_offline(payload):
+                # the MQTT last will is unsigned by necessity: a hint only, liveness decides
+                t.count("presence_unsigned")
+                log.info("%s: unsigned offline of %r ignored (liveness decides)", self.node_id, node_id)
+                return
+            opened = self._open_control("presence", node_id, payload)
+            if opened is None:
+                return
+            try:
+                descriptor = self._descriptor_of(opened[0], node_id)
+            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError included
+                t.count("bad_presence")
+                log.warning("%s: dropped presence of %r: %s", self.node_id, node_id, exc)
+                return
+        t.dispatch(t.presence_handler, node_id, descriptor)
+
+    @staticmethod
+    def _descriptor_of(msg: Any, node_id: str) -> dict[str, Any] | None:
+        """The descriptor of an "online" presence, None for "offline".
+
+        Raises:
+            ValueError: not a presence object of ``node_id``.
+        """
+        if not isinstance(msg, dict) or msg.get("node_id", node_id) != node_id:
+            raise ValueError("not a presence object of this node")
+        state = msg.get("state")
+        if state == "online":
+            descriptor = msg.get("descriptor", {})
+            if not isinstance(descriptor, dict):
+                raise ValueError("descriptor is not an object")
+            return descriptor
+        if state == "offline":
+            return None
+        raise ValueError(f"unknown state {state!r}")
+
+    @staticmethod
+    def _is_bare_offline(payload: bytes) -> bool:
+        try:
+            msg = bounded_loads(payload, "presence")
+        except ValueError:  # JSONBoundError included: oversized, too deep, malformed
+            return False
+        return isinstance(msg, dict) and "ctl" not in msg and msg.get("state") == "offline"
+
+    def _handle_status(self, node_id: str, payload: bytes) -> None:
+        t = self._t()
+        if not payload:
+            if self.control is not None and self.control.require_signatures:
+                t.count("status_unsigned")  # clearing a status is no evidence of anything
+                return
+            self.statuses.pop(node_id, None)
+            return
+        opened = self._open_control("status", node_id, payload)
+        if opened is None:
+            return
+        status = opened[0]
+        if self.control is not None and self.control.require_signatures and opened[1] != "device":
+            t.count("status_not_member")  # e.g. an operator's key: statuses come from members
+            return
+        self.statuses[node_id] = status
+        t.dispatch(self.on_heartbeat, node_id, status)
+
+    # ----------------------------------------------------------------- status
+
+    def _publish_status_now(self) -> None:
+        session = self._t().home_session()
+        if session is None:
+            return
+        client, connected = session
+        if not connected:
+            self._last_status_pub = time.monotonic()  # republished on reconnect anyway
+            return
+        client.publish(self._t_status, self._status_payload(), qos=1, retain=True)
+
+    async def publish_status(self, status: dict[str, Any]) -> None:
+        """Publish ``status`` (retained JSON) now; the heartbeat republishes it.
+
+        "node_id", "time" (unix s) and "heartbeat" (a counter) are added.
+
+        Raises:
+            RuntimeError: before the transport's ``start()``.
+            ValueError: ``status`` is not a JSON-serialisable dict.
+        """
+        self._t().check_started()
+        if not isinstance(status, dict):
+            raise ValueError("status must be a dict")
+        try:
+            json.dumps(status)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"status must be JSON-serialisable ({exc})") from None
+        with self._lock:
+            self._status = dict(status)
+        self._publish_status_now()
+
+
+def node_transport(node_id: str, federation: str, *, descriptor: dict[str, Any], heartbeat_interval: float = 5.0,
+                   on_heartbeat: HeartbeatHandler | None = None, control: Any = None,
+                   **transport_args: Any) -> MqttTransport:
+    """A node's MQTT transport with its presence and status (:class:`MqttPresence`).
+
+    ``descriptor``, ``heartbeat_interval``, ``on_heartbeat`` and ``control`` go to the
+    presence; every other argument (``broker``, ``peers``, ``protocol``, TLS, ...) to
+    :class:`~dfl_agent.transport.mqtt.MqttTransport`.  The presence is the transport's
+    ``channel``.
+
+    Raises:
+        ValueError: an invalid argument (the message names it).
+    """
+    presence = MqttPresence(node_id, federation, descriptor=descriptor, heartbeat_interval=heartbeat_interval,
+                            on_heartbeat=on_heartbeat, control=control)
+    return MqttTransport(node_id, federation, channel=presence, **transport_args)
