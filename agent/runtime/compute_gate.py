@@ -69,13 +69,13 @@ class ComputeGate:
         """With ``pause_when_disconnected``: return once the transport is connected
         (see :meth:`RuntimeContext.wait_for_broker`)."""
         ctx = self.ctx
-        if not ctx.pause_when_disconnected or getattr(ctx.transport, "connected", True):
+        if not ctx.pause_when_disconnected or ctx.transport.connected:
             return
         since = ctx.clock.now()
         previous, self.gated = self.gated, "not connected to the MQTT broker"
         log.warning("%s: training paused: not connected to the MQTT broker", ctx.node_id)
         try:
-            while not getattr(ctx.transport, "connected", True):
+            while not ctx.transport.connected:
                 await ctx.clock.sleep(self.reconnect_poll)
         finally:
             self.gated = previous

@@ -248,10 +248,9 @@ class RuntimeContext:
     async def start(self) -> None:
         """Start the transport and begin receiving."""
         self._started = True
-        if hasattr(self.transport, "prepare_frame"):
-            # decode and verify on the transport's network thread: the event loop is
-            # handed finished messages (MqttTransport)
-            self.transport.prepare_frame = self.prepare_frame
+        # decode and verify on the transport's network thread where it has one: the event
+        # loop is handed finished messages (MqttTransport)
+        self.transport.use_prepare_frame(self.prepare_frame)
         await self.transport.start(self._on_frame, self._on_presence)
 
     async def stop(self) -> None:

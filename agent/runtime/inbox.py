@@ -126,10 +126,10 @@ class Inbox:
                 return None
             return frame.msg, frame.header, frame.verdict
         try:
-            decode_once = getattr(frame, "decode_once", None)  # a shared broadcast (memory transport)
-            if decode_once is not None:
-                return decode_once(federation=ctx.federation, recipient=ctx.node_id,
-                                   max_frame_bytes=ctx.max_frame_bytes), None, None
+            shared = ctx.transport.decode_shared(frame, federation=ctx.federation, recipient=ctx.node_id,
+                                                 max_frame_bytes=ctx.max_frame_bytes)
+            if shared is not None:  # a shared broadcast (memory transport), decoded once
+                return shared, None, None
             msg, parsed = wire.decode_with_header(frame, federation=ctx.federation, recipient=ctx.node_id,
                                                   max_frame_bytes=ctx.max_frame_bytes)
             return msg, parsed, None

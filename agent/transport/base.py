@@ -78,3 +78,27 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def stop(self) -> None:
         """Announce "offline" and disconnect cleanly. Idempotent."""
+
+    @property
+    def connected(self) -> bool:
+        """Whether the transport reaches its network now (True unless it can lose it:
+        the MQTT home broker, a simulated node killed or stopped)."""
+        return True
+
+    def use_prepare_frame(self, prepare: Callable[[bytes, int], Any]) -> bool:
+        """Have ``prepare(frame, wire_bytes)`` called for every complete frame on the
+        transport's network thread, and its result handed to ``on_frame`` instead of
+        the frame (the runtime decodes and verifies there).  Returns False where the
+        transport has no such thread (frames then reach ``on_frame`` as bytes)."""
+        return False
+
+    def decode_shared(self, frame: bytes, *, federation: str, recipient: str, max_frame_bytes: int) -> Any:
+        """The :class:`~dfl_agent.transport.wire.Message` of ``frame`` for ``recipient``
+        where the transport shares one frame among its receivers and decodes it once for
+        all of them (the memory transport's broadcasts), or None: an ordinary frame, to
+        decode with :func:`dfl_agent.transport.wire.decode`.
+
+        Raises:
+            WireError: a shared frame failed a check (the same checks as ``wire.decode``).
+        """
+        return None

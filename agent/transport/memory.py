@@ -252,6 +252,17 @@ class MemoryTransport(Transport):
         """Whether this endpoint is attached (not killed or stopped)."""
         return self.online
 
+    def decode_shared(self, frame: bytes, *, federation: str, recipient: str, max_frame_bytes: int) -> Any:
+        """A broadcast's :class:`SharedFrame` decoded once for all its receivers
+        (:meth:`SharedFrame.decode_once`), None for any other frame.
+
+        Raises:
+            WireError: the shared frame failed a check.
+        """
+        if not isinstance(frame, SharedFrame):
+            return None
+        return frame.decode_once(federation=federation, recipient=recipient, max_frame_bytes=max_frame_bytes)
+
     async def start(self, on_frame: FrameHandler, on_presence: PresenceHandler) -> None:
         self.on_frame, self.on_presence = on_frame, on_presence
         self.online = True

@@ -426,6 +426,11 @@ class MqttTransport(Transport):
         with self._lock:
             self.stats.dropped[reason] += n
 
+    def use_prepare_frame(self, prepare: Callable[[bytes, int], Any]) -> bool:
+        """Set :attr:`prepare_frame` (see :meth:`Transport.use_prepare_frame`); True."""
+        self.prepare_frame = prepare
+        return True
+
     def count(self, reason: str, n: int = 1) -> None:
         """Count ``n`` dropped messages under ``reason`` (``stats.dropped``; thread-safe)."""
         self._count(reason, n)
