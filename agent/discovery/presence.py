@@ -48,14 +48,18 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from dfl_agent.jsonbound import JSONBoundError
 from dfl_agent.jsonbound import loads as bounded_loads
-from dfl_agent.transport.mqtt import ControlChannel, HeartbeatHandler, MqttTransport, topic
+from dfl_agent.transport.mqtt import ControlChannel, MqttTransport, topic
 
 #: the transport's logger: the log lines of presence and status keep their logger name
 log = logging.getLogger("dfl_agent.transport.mqtt")
+
+#: Called for every status message of another node: ``on_heartbeat(node_id, status_dict)``.
+HeartbeatHandler = Callable[[str, "dict[str, Any]"], None]
 
 
 class MqttPresence(ControlChannel):

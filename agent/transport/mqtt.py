@@ -104,8 +104,6 @@ _OFFLOAD_BYTES = 4 * 1024 * 1024
 #: how long ``stop()`` waits for the channel's goodbye and queued frames to go out (s)
 STOP_FLUSH_TIMEOUT = 2.0
 
-HeartbeatHandler = Callable[[str, "dict[str, Any]"], None]
-
 _ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
@@ -685,7 +683,7 @@ class MqttTransport(Transport):
                     log.warning("%s: dropped %d incomplete transfer(s)", self.node_id, expired)
                 if self.channel is not None:
                     self.channel.tick()
-            except Exception:  # noqa: BLE001 - keep the heartbeat alive
+            except Exception:  # noqa: BLE001 - keep the maintenance (and the heartbeat) alive
                 log.exception("%s: maintenance failed", self.node_id)
 
     def _on_peer_event(self, event: str, node_id: str, info: Any) -> None:
