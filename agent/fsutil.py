@@ -18,6 +18,7 @@ new complete one.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import secrets
 from collections.abc import Iterator
@@ -143,3 +144,16 @@ def atomic_symlink(target: str, link: str | os.PathLike[str]) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(p.parent)
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 of a file's bytes, read in 1 MiB blocks (64 lowercase hex digits).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

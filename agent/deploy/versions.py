@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dfl_agent.fsutil import atomic_symlink, atomic_write, fsync_dir, rename
+from dfl_agent.fsutil import atomic_symlink, atomic_write, fsync_dir, rename, sha256_file
 from dfl_agent.jsonbound import loads as bounded_loads
 
 SCHEMA_VERSION = 1
@@ -49,14 +49,6 @@ def _write(path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
     os.chmod(path, FILE_MODE)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def verify_folder(folder: str | os.PathLike[str]) -> dict[str, Any]:

@@ -40,7 +40,7 @@ def _resolve(path: str | os.PathLike[str]) -> Path:
 
 def _check_manifest(folder: Path, names: tuple[str, ...]) -> None:
     """Each of ``names`` matches its SHA-256 in ``manifest.json`` (when the folder has one)."""
-    from dfl_agent.deploy.versions import sha256_file
+    from dfl_agent.fsutil import sha256_file
 
     if not (folder / "manifest.json").exists():
         return
