@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CACHE_ENV", "resolve_cache_dir", "atomic_savez", "read_npz"]
+__all__ = ["CACHE_ENV", "resolve_cache_dir", "atomic_savez", "read_npz", "read_npy_headers"]
 
 CACHE_ENV = "DFL_CACHE_DIR"
 
@@ -100,3 +100,44 @@ def read_npz(path: Path, keys: tuple[str, ...] | None = None) -> dict[str, np.nd
                 except (zipfile.BadZipFile, zlib.error, EOFError, OSError, KeyError) as e:
                     raise ValueError(f"{path}: array {k!r} is unreadable ({e})") from None
             return out
+
+
+def read_npy_headers(path: Path, keys: tuple[str, ...]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """``{key: (shape, dtype)}`` of arrays ``keys`` of an ``.npz``, from each member's
+    ``.npy`` header only: no array data is read.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: not a zip archive, a key missing, a member that is not a ``.npy``
+            array, or an object array (the message names the file and the key).
+    """
+    path = Path(path)
+    fmt = np.lib.format
+    try:
+        zf = zipfile.ZipFile(path)
+    except FileNotFoundError:
+        raise
+    except (OSError, zipfile.BadZipFile, EOFError) as e:
+        raise ValueError(f"{path}: not a readable .npz file ({e})") from None
+    out: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    with zf:
+        names = set(zf.namelist())
+        for key in keys:
+            member = f"{key}.npy" if f"{key}.npy" in names else key if key in names else None
+            if member is None:
+                raise ValueError(f"{path}: missing array {key!r}")
+            try:
+                with zf.open(member) as f:  # decompresses the header only
+                    version = fmt.read_magic(f)
+                    if version == (1, 0):
+                        shape, _fortran, dtype = fmt.read_array_header_1_0(f)
+                    elif version == (2, 0):
+                        shape, _fortran, dtype = fmt.read_array_header_2_0(f)
+                    else:
+                        raise ValueError(f"unsupported .npy version {version}")
+            except (ValueError, zipfile.BadZipFile, zlib.error, EOFError, OSError) as e:
+                raise ValueError(f"{path}: array {key!r} has no readable .npy header ({e})") from None
+            if dtype.hasobject:
+                raise ValueError(f"{path}: array {key!r} is an object array")
+            out[key] = (tuple(int(d) for d in shape), dtype)
+    return out

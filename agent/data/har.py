@@ -54,11 +54,12 @@ from typing import Any
 
 import numpy as np
 
-from dfl_agent.data.cache import atomic_savez, read_npz, resolve_cache_dir
+from dfl_agent.data.cache import atomic_savez, read_npy_headers, read_npz, resolve_cache_dir
 from dfl_agent.data.dataset import Dataset, DatasetBundle
 from dfl_agent.extras import extra_hint
 
 __all__ = [
+    "inspect_har",
     "CACHE_FORMAT_VERSION",
     "CACHE_FILE",
     "CLASS_NAMES",
@@ -500,6 +501,47 @@ def _bundle_from_arrays(a: dict[str, np.ndarray], where: Path) -> DatasetBundle:
     if np.isin(pool.groups, TEST_USERS).any() or not np.isin(test.groups, TEST_USERS).all():
         raise ValueError(f"{where}: user split does not match TEST_USERS")
     return DatasetBundle(pool=pool, test=test)
+
+
+def inspect_har(cache_dir: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
+    """What :func:`load_har` would return, described from the cache without reading its
+    sample windows: ``{"input_shape": (3, 128), "num_classes": 6, "pool_size": N,
+    "test_size": M}``.
+
+    The windows ``x_pool``/``x_test`` are checked from their ``.npy`` headers (dtype,
+    shape); the small arrays (labels, users, channel statistics, format version) are
+    read and checked as :func:`load_har` checks them.  Imports no torch.
+
+    Returns:
+        the summary, or None when there is no cache or it fails a check: then
+        :func:`load_har` (which converts, or names the problem) is the way to find out.
+    """
+    cache = resolve_cache_dir(cache_dir) / CACHE_FILE
+    if not cache.is_file():
+        return None
+    try:
+        heads = read_npy_headers(cache, ("x_pool", "x_test"))
+        a = read_npz(cache, tuple(k for k in _KEYS if k not in heads))
+    except (OSError, ValueError):
+        return None
+    if a["format_version"].shape != () or int(a["format_version"]) != CACHE_FORMAT_VERSION:
+        return None
+    if any(a[k].shape != (len(CHANNELS),) or a[k].dtype != np.float32 for k in ("channel_mean", "channel_std")):
+        return None
+    sizes = {}
+    for part in ("pool", "test"):
+        (shape, dtype), y, g = heads[f"x_{part}"], a[f"y_{part}"], a[f"g_{part}"]
+        if dtype != np.float32 or len(shape) != 3 or shape[1:] != (len(CHANNELS), WINDOW):
+            return None
+        n = shape[0]
+        if y.dtype != np.int64 or g.dtype != np.int64 or y.shape != (n,) or g.shape != (n,):
+            return None
+        if n and (y.min() < 0 or y.max() >= len(CLASS_NAMES)):
+            return None
+        sizes[f"{part}_size"] = n
+    if np.isin(a["g_pool"], TEST_USERS).any() or not np.isin(a["g_test"], TEST_USERS).all():
+        return None
+    return {"input_shape": (len(CHANNELS), WINDOW), "num_classes": len(CLASS_NAMES), **sizes}
 
 
 def load_har(cache_dir: str | os.PathLike[str] | None = None) -> DatasetBundle:

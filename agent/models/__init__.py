@@ -38,12 +38,14 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from dfl_agent.models.deployed import DeployedModelError, load_deployed  # noqa: F401 - public API
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from dfl_agent.models.nets import CNN, MLP, CNN1d  # noqa: F401 - public API, imported on first use
 
 MODEL_TYPES = ("cnn1d", "mlp", "cnn", "resnet")
 MAX_WIDTH = 4096
@@ -75,72 +77,6 @@ def _int_list(spec: Mapping[str, Any], key: str, allow_empty: bool = False) -> l
             f"model spec key {key!r} must be a list of 1..{MAX_LAYERS} integers in [1, {MAX_WIDTH}], got {v!r}"
         )
     return list(v)
-
-
-class CNN1d(nn.Module):
-    """1-D CNN for multichannel time windows. Input ``(B, C, L)`` -> logits ``(B, K)``."""
-
-    def __init__(self, in_channels: int, length: int, channels: Sequence[int], kernel: int, num_classes: int,
-                 norm: str = "none"):
-        super().__init__()
-        layers: list[nn.Module] = []
-        c, n = in_channels, length
-        for w in channels:
-            n //= 2
-            layers += [nn.Conv1d(c, w, kernel, padding=kernel // 2), nn.ReLU(), nn.MaxPool1d(2)]
-            if norm == "layer":
-                layers.append(nn.LayerNorm([w, n]))
-            c = w
-        self.features = nn.Sequential(*layers)
-        self.classifier = nn.Linear(c, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x).mean(dim=-1))
-
-
-class MLP(nn.Module):
-    """Multilayer perceptron over the flattened input. ``(B, *shape)`` -> ``(B, K)``."""
-
-    def __init__(self, in_features: int, hidden: Sequence[int], num_classes: int):
-        super().__init__()
-        layers: list[nn.Module] = [nn.Flatten()]
-        f = in_features
-        for h in hidden:
-            layers += [nn.Linear(f, h), nn.ReLU()]
-            f = h
-        layers.append(nn.Linear(f, num_classes))
-        self.net = nn.Sequential(*layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
-class CNN(nn.Module):
-    """The seeds' CNN family (seed 000 Table 10): [conv5x5-ReLU-pool2-LayerNorm]* + linear.
-
-    Input ``(B, C, H, H)`` -> logits ``(B, K)``.
-    """
-
-    def __init__(self, in_channels: int, image_size: int, widths: Sequence[int], kernel: int, num_classes: int):
-        super().__init__()
-        layers: list[nn.Module] = []
-        c, h = in_channels, image_size
-        for w in widths:
-            if h < 2:
-                raise SpecError(f"model spec 'widths' has too many layers for image_size {image_size}")
-            h //= 2
-            layers += [
-                nn.Conv2d(c, w, kernel, padding=kernel // 2),
-                nn.ReLU(),
-                nn.MaxPool2d(2),
-                nn.LayerNorm([w, h, h]),
-            ]
-            c = w
-        self.features = nn.Sequential(*layers)
-        self.classifier = nn.Linear(c * h * h, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x).flatten(1))
 
 
 def validate_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -200,6 +136,8 @@ def build_model(spec: Mapping[str, Any]) -> nn.Module:
     Raises:
         SpecError: invalid spec (see :func:`validate_spec`).
     """
+    from dfl_agent.models.nets import CNN, MLP, CNN1d
+
     s = validate_spec(spec)
     if s["type"] == "convdense":  # FedD2S's 3-conv + 3-dense family
         from dfl_agent.models.convdense import ConvDense
@@ -254,6 +192,52 @@ def default_spec(input_shape: Sequence[int], num_classes: int, size: str = "medi
             "num_classes": num_classes}
 
 
+def spec_param_count(spec: Mapping[str, Any]) -> int | None:
+    """Φ of the model ``spec`` describes, from the spec alone (no torch): equal to
+    ``count_trainable(build_model(spec))`` for ``cnn1d``, ``mlp`` and ``cnn``; None for
+    the other types (build the model to count them).
+
+    Raises:
+        SpecError: invalid spec (see :func:`validate_spec`).
+    """
+    s = validate_spec(spec)
+    k = s["num_classes"]
+    if s["type"] == "cnn1d":
+        n, c, total = s["length"], s["in_channels"], 0
+        for w in s["channels"]:
+            n //= 2
+            total += c * w * s["kernel"] + w + (2 * w * n if s.get("norm") == "layer" else 0)
+            c = w
+        return total + c * k + k
+    if s["type"] == "mlp":
+        f, total = 1, 0
+        for d in s["input_shape"]:
+            f *= d
+        for h in s["hidden"]:
+            total += f * h + h
+            f = h
+        return total + f * k + k
+    if s["type"] == "cnn":
+        h, c, total = s["image_size"], s["in_channels"], 0
+        for w in s["widths"]:
+            h //= 2
+            total += c * w * s["kernel"] ** 2 + w + 2 * w * h * h
+            c = w
+        return total + c * h * h * k + k
+    return None
+
+
 def count_trainable(model: nn.Module) -> int:
     """Φ: the number of trainable parameters (DFML seed 000, Eq. 3 weights)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def __getattr__(name: str) -> Any:
+    """The torch modules (:mod:`dfl_agent.models.nets`), imported on first use, so that
+    reading specs (:func:`validate_spec`, :func:`default_spec`, :func:`spec_hash`)
+    imports no torch."""
+    if name in ("CNN1d", "MLP", "CNN"):
+        from dfl_agent.models import nets
+
+        return getattr(nets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,16 +22,16 @@ import shutil
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dfl_agent import WIRE_VERSION, __version__
-from dfl_agent.runtime.agent import Agent
 from dfl_agent.runtime.assembly import StartupError
 from dfl_agent.runtime.config import ConfigError, NodeConfig, load_config
 from dfl_agent.runtime.preflight import check_startup
-from dfl_agent.runtime.prometheus import PrometheusExporter, ServiceCollector
-from dfl_agent.runtime.run_manager import RunHooks, RunManager, build_run_manager
 from dfl_agent.runtime.systemd import JournalFormatter, under_journald
+
+if TYPE_CHECKING:  # imported where they run: check-config starts none of them
+    from dfl_agent.runtime.run_manager import RunHooks, RunManager
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -58,6 +58,7 @@ def _start_service_prometheus(cfg: NodeConfig, node_id: str, manager: RunManager
     port = cfg.runtime.prometheus_port
     if not port:
         return None
+    from dfl_agent.runtime.prometheus import PrometheusExporter, ServiceCollector
 
     def current() -> Any:
         return manager.agent.node if manager.agent is not None else None
@@ -88,6 +89,8 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
     Raises:
         StartupError: the default run cannot start (bad configuration: exit code 2).
     """
+    from dfl_agent.runtime.run_manager import build_run_manager
+
     manager = build_run_manager(cfg, config_path, hooks=hooks)
     async with contextlib.AsyncExitStack() as stack:
         manager.lobby.start()
@@ -104,6 +107,8 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
 def run_agent(cfg: NodeConfig, config_path: str | None = None, once: bool = True) -> int:
     """Run the daemon until it finishes or gets SIGTERM/SIGINT (SIGHUP reloads the
     configuration from ``config_path``). Returns the exit code."""
+
+    from dfl_agent.runtime.agent import Agent
 
     async def main() -> int:
         stop = asyncio.Event()
@@ -173,6 +178,15 @@ def _remove_new_state_dir(state_dir: Path) -> None:
         shutil.rmtree(state_dir)
     except OSError as exc:
         log.warning("could not remove the state directory %s of the failed start: %s", state_dir, exc)
+
+
+def __getattr__(name: str) -> Any:
+    """``Agent``, imported on first use (``dfl-agent check-config`` never needs it)."""
+    if name == "Agent":
+        from dfl_agent.runtime.agent import Agent
+
+        return Agent
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

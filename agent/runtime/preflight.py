@@ -20,7 +20,7 @@ from dfl_agent.runtime.config import ConfigError, NodeConfig
 
 log = logging.getLogger("dfl_agent.preflight")
 
-__all__ = ["check_startup", "resolve_algorithm", "check_data_path", "load_data"]
+__all__ = ["check_startup", "resolve_algorithm", "check_data_path", "load_data", "data_shape"]
 
 
 def check_data_path(cfg: NodeConfig) -> None:
@@ -63,6 +63,29 @@ def load_data(cfg: NodeConfig) -> Any:
         raise ConfigError(f"{'data.path' if d.path is not None else 'data.dataset'}: {exc}") from None
 
 
+def data_shape(cfg: NodeConfig) -> tuple[tuple[int, ...], int]:
+    """``(input_shape, num_classes)`` of ``data.dataset`` (not the sample store), as
+    :func:`load_data` would find them, for the start-up's model checks.
+
+    HAR's converted cache is described from its array headers
+    (:func:`dfl_agent.data.har.inspect_har`: shapes, dtypes, counts, labels; its sample
+    windows are not read); every other data set, or a HAR cache that is missing or fails
+    a check, is loaded by :func:`load_data`, so the errors are the same.
+
+    Raises:
+        ConfigError: as :func:`load_data`.
+    """
+    d = cfg.data
+    if d.dataset == "har" and d.path is None:
+        from dfl_agent.data.har import inspect_har
+
+        summary = inspect_har(d.cache_dir)
+        if summary is not None:
+            return tuple(summary["input_shape"]), int(summary["num_classes"])
+    pool = load_data(cfg).pool
+    return tuple(pool.input_shape), int(pool.num_classes)
+
+
 def _check_security(cfg: NodeConfig) -> None:
     """The node's key (``security.key_file`` or the state directory's) and certificate,
     where they exist already; nothing is created."""
@@ -99,7 +122,11 @@ def check_startup(cfg: NodeConfig, *, load: bool = True) -> None:
     """Every check ``dfl-agent run`` makes before it touches the network; writes nothing.
 
     ``load=False`` leaves out loading the data set's files and the model checks that need
-    them (the daemon loads the data itself right after).  The sample store
+    them (the daemon loads the data itself right after).  With ``load``, the data set is
+    described by :func:`data_shape` (HAR from its cache's array headers) and the model
+    is checked from its spec (its size by
+    :func:`dfl_agent.models.spec_param_count`): torch is not imported for the
+    built-in data sets and the ``cnn1d``, ``mlp`` and ``cnn`` models.  The sample store
     (``data.dataset = "store"``) is not opened here; its schema from ``[data]`` (or
     ``data.path``'s ``meta.json``) is checked as ``run`` checks it
     (:func:`dfl_agent.runtime.sample_store.check_schema`).
@@ -137,11 +164,11 @@ def check_startup(cfg: NodeConfig, *, load: bool = True) -> None:
         raise ConfigError(f"profile: {exc}") from None
     if not load or d.dataset == "store":
         return
-    bundle = load_data(cfg)
+    input_shape, num_classes = data_shape(cfg)
     try:
-        spec = model_spec_for(cfg, algo_cls.name, bundle.pool.input_shape, bundle.pool.num_classes,
+        spec = model_spec_for(cfg, algo_cls.name, input_shape, num_classes,
                               profile_size=profile.model.size, tier=behaviour.model_size)
-        check_node_model(algo_cls.name, spec, bundle.pool.num_classes)
+        check_node_model(algo_cls.name, spec, num_classes)
         apply_profile(cfg, algo_cls.name, spec=spec)  # the aggregator's memory check
     except (ValueError, KeyError, LookupError) as exc:
         raise ConfigError(f"model: {exc.args[0] if isinstance(exc, KeyError) and exc.args else exc}") from None
