@@ -39,7 +39,7 @@ from dfl_agent.runtime.config import ConfigError, NodeConfig, _from_dict, _valid
 from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier
 from dfl_agent.runtime.ledger import RunLedger, default_descriptor
 from dfl_agent.runtime.lobby import RunLobby
-from dfl_agent.runtime.sample_store import open_store
+from dfl_agent.runtime.sample_store import open_store, seed_store
 from dfl_agent.runtime.systemd import Notifier
 
 log = logging.getLogger("dfl_agent.daemon")
@@ -501,6 +501,7 @@ def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHoo
     if cfg.data.dataset == "store":  # ingested between runs (a run ingests on its own)
         try:
             store = open_store(cfg)
+            seed_store(store, cfg.data.path)  # data.path/train.npz, once in the store's life
         except (OSError, ValueError) as exc:
             raise StartupError(str(exc)) from None
     return RunManager(cfg, config_path, node_id=nid, profile=profile, ledger=ledger, lobby=lobby,

@@ -78,15 +78,26 @@ def open_store(cfg: Any, *, create: bool = True) -> SampleStore:
 
 
 def seed_store(store: SampleStore, path: str | None) -> int:
-    """Seed from an ``npz`` data directory (``path/train.npz``): ingested once (its hash is
-    recorded like a spool file's), returns the samples added (0 when already seeded)."""
+    """Seed the store from an ``npz`` data directory (``path/train.npz``) once in its life
+    (:meth:`~dfl_agent.store.sqlite.SampleStore.seed`): at the first start of the agent,
+    always-on or ``--once``; a later start ingests nothing, even from another file.
+    Returns the samples added.
+
+    Raises:
+        StoreError: the seed file was rejected (its reason; nothing is recorded).
+        OSError: the seed file cannot be read.
+    """
     if path is None or not (Path(path) / "train.npz").is_file():
         return 0
-    res = store.ingest_file(Path(path) / "train.npz", remove=False)
+    seed = Path(path) / "train.npz"
+    res = store.seed(seed)
     if res["status"] == "rejected":
-        raise StoreError(f"{path}/train.npz: {res['reason']}")
-    if res["samples"]:
-        log.info("seeded the sample store with %d samples from %s/train.npz", res["samples"], path)
+        raise StoreError(f"{seed}: {res['reason']}")
+    if res["status"] == "seeded_before":
+        log.debug("the sample store was seeded from %s before; %s is not ingested again", res["seed"].get("name"), seed)
+    elif res["samples"]:
+        log.info("seeded the sample store with %d samples from %s (once: a restart does not ingest it again)",
+                 res["samples"], seed)
     return int(res["samples"])
 
 

@@ -41,6 +41,11 @@ Guarantees:
   go (``eviction="oldest"``) or the oldest samples of the currently largest classes
   (``eviction="largest-class"``, so a rare class is not evicted by a frequent one).
   A committed store never holds more than ``max_samples``.
+* **Seeded once.**  :meth:`SampleStore.seed` ingests a seed file (``data.path/train.npz``)
+  at the store's first start only: its samples and a ``seed`` row of the ``meta`` table
+  (the file's name, SHA-256 and sample count) commit in one transaction, so a crash leaves
+  the store either seeded or not, and a later start, with the same file or another one,
+  ingests nothing.
 * **Validation slice.**  A sample belongs to the validation slice when a hash of
   its id falls below ``validation_share`` (:func:`validation_mask`): stable as data
   arrives and independent of the other samples.
@@ -476,8 +481,36 @@ class SampleStore:
             out["samples"] += res.get("samples", 0)
         return out
 
+    def seeded(self) -> dict[str, Any] | None:
+        """The store's seed record ``{"name", "sha256", "samples", "time"}``, or None when it
+        was never seeded."""
+        row = self.db.execute("SELECT value FROM meta WHERE key='seed'").fetchone()
+        return None if row is None else dict(json.loads(row[0]))
+
+    def seed(self, path: str | os.PathLike[str], *, now: float | None = None) -> dict[str, Any]:
+        """Ingest the seed file ``path`` once in the store's life (see the module docstring).
+
+        Returns:
+            ``{"status": "ingested"|"duplicates"|"seeded_before"|"rejected", "samples": n,
+            "sha256": hex, ...}``: ``seeded_before`` (nothing read) when the store already
+            holds a seed record, ``duplicates`` when the store already held the file's samples
+            (e.g. from the spool; the seed record is written), ``rejected`` with ``reason``
+            (the store is unchanged and keeps no record, so a corrected file is taken next time).
+
+        Raises:
+            OSError: the file cannot be read.
+        """
+        if (done := self.seeded()) is not None:
+            return {"status": "seeded_before", "samples": 0, "sha256": done.get("sha256", ""), "seed": done}
+        return self.ingest_file(path, now=now, seed=True)
+
+    def _mark_seeded(self, name: str, sha: str, n: int, now: float) -> None:
+        """Write the seed record (inside the caller's transaction)."""
+        self.db.execute("INSERT OR IGNORE INTO meta VALUES ('seed', ?)",
+                        (json.dumps({"name": name, "sha256": sha, "samples": n, "time": now}, sort_keys=True),))
+
     def ingest_file(self, path: str | os.PathLike[str], *, now: float | None = None,
-                    remove: bool = False) -> dict[str, Any]:
+                    remove: bool = False, seed: bool = False) -> dict[str, Any]:
         """Ingest one ``.npz`` file (see the module docstring).
 
         Args:
@@ -485,6 +518,8 @@ class SampleStore:
             now: ingestion time (default: ``time.time()``), the timestamp of samples without ``t``.
             remove: delete (or, when rejected, move to ``spool/rejected/``) afterwards -
                 for spool files; a seed file stays where it is.
+            seed: also write the seed record, in the transaction that inserts the samples
+                (:meth:`seed`; a file already ingested gets the record alone).
 
         Returns:
             ``{"status": "ingested"|"duplicates"|"rejected", "samples": n, "reason": str, "sha256": hex}``.
@@ -528,6 +563,8 @@ class SampleStore:
             if rejected is None and self.db.execute("SELECT 1 FROM files WHERE sha256=?", (sha,)).fetchone():
                 if remove:
                     p.unlink(missing_ok=True)
+                if seed:
+                    self._mark_seeded(p.name, sha, 0, time.time() if now is None else now)
                 return {"status": "duplicates", "samples": 0, "sha256": sha}
             try:
                 if rejected is not None:
@@ -537,7 +574,7 @@ class SampleStore:
                 reason = str(exc.args[0])
                 self._reject(p, sha, reason, remove, exc.kind)
                 return {"status": "rejected", "samples": 0, "reason": reason, "sha256": sha}
-            n = self._insert(p.name, sha, arrays, time.time() if now is None else now)
+            n = self._insert(p.name, sha, arrays, time.time() if now is None else now, seed=seed)
             if remove:
                 p.unlink(missing_ok=True)
             return {"status": "ingested", "samples": n, "sha256": sha}
@@ -575,7 +612,7 @@ class SampleStore:
                 return
             shutil.move(str(p), str(dest))
 
-    def _insert(self, name: str, sha: str, a: dict[str, np.ndarray], now: float) -> int:
+    def _insert(self, name: str, sha: str, a: dict[str, np.ndarray], now: float, seed: bool = False) -> int:
         x, y = a["x"], a["y"]
         n = len(y)
         t = a["t"] if a["t"] is not None else np.full(n, now)
@@ -591,6 +628,8 @@ class SampleStore:
             db.execute("INSERT INTO files VALUES (?, ?, ?, ?)", (sha, name, n, now))
             db.execute("INSERT INTO counters VALUES ('ingested_samples', ?) ON CONFLICT(key) "
                        "DO UPDATE SET value = value + excluded.value", (n,))
+            if seed:
+                self._mark_seeded(name, sha, n, now)
             self._evict(now)
             db.execute("COMMIT")
         except BaseException:
@@ -694,6 +733,7 @@ class SampleStore:
             "rejected_files": rejected,
             "spool_waiting": len(self.spool_files()),
             "max_samples": self.max_samples,
+            "seed": self.seeded(),
         }
 
 
