@@ -13,6 +13,7 @@ new complete one.
 - :func:`rename`: move a finished file or folder into place (and make the move durable).
 - :func:`atomic_symlink`: point a symlink somewhere else in one step (deployed model's
   ``current``).
+- :func:`crash_point`: the test-only switch that kills the process at an exact point.
 """
 
 from __future__ import annotations
@@ -157,3 +158,22 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+#: the test-only crash switch: ``DFL_TEST_CRASH_AT=<state>:<before|after>`` (the crash tests)
+CRASH_ENV = "DFL_TEST_CRASH_AT"
+
+
+def crash_point(state: str, when: str) -> None:
+    """SIGKILL this process when ``DFL_TEST_CRASH_AT`` is ``{state}:{when}``: the crash tests'
+    switch, a kill at an exact point of a run's life instead of after a sleep.
+
+    The run manager calls it around each ledger write (``when`` ``before`` and ``after``:
+    the ledger does not yet, or already, record ``state``); the deployment calls it with
+    ``deploying:mid`` once a new version's files are written under ``models/.tmp-*``, before
+    they are moved into place.  Unset (always, outside the tests) it does nothing.
+    """
+    if os.environ.get(CRASH_ENV) == f"{state}:{when}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)

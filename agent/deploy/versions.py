@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dfl_agent.fsutil import atomic_symlink, atomic_write, fsync_dir, rename, sha256_file
+from dfl_agent.fsutil import atomic_symlink, atomic_write, crash_point, fsync_dir, rename, sha256_file
 from dfl_agent.jsonbound import loads as bounded_loads
 
 SCHEMA_VERSION = 1
@@ -140,6 +140,29 @@ class ModelStore:
             out["candidate"] = {k: m.get(k) for k in ("run_id", "round", "accuracy", "note", "time")}
         return out
 
+    def run_outcome(self, run_id: str) -> dict[str, Any] | None:
+        """What an earlier deployment of run ``run_id`` left here, or None when it left
+        nothing: ``{"deployed": True, "version": v}`` when a version holds that run's model
+        (``current`` is switched to it when a kill came between moving the version into
+        place and switching, i.e. when it is newer than ``current``), ``{"deployed": False,
+        "version": None}`` when the gate staged it as the refused candidate.  A restarted
+        run that finished training asks this before it deploys, so its model is deployed
+        or kept exactly once."""
+        mine = [v for v in self.versions() if self.manifest(v).get("run_id") == run_id]
+        if mine:
+            v, cur = mine[-1], self.current_version()
+            if cur is None or v > cur:
+                self.switch(v)
+            return {"deployed": True, "version": v}
+        cand = self.root / "candidate" / "manifest.json"
+        try:
+            staged = bounded_loads(cand.read_bytes(), "manifest") if cand.is_file() else None
+        except (OSError, ValueError):
+            staged = None
+        if isinstance(staged, dict) and staged.get("run_id") == run_id:
+            return {"deployed": False, "version": None}
+        return None
+
     # -- writing (the agent, or dflctl as the agent's user) ----------------------------
     def _prepare(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -175,6 +198,7 @@ class ModelStore:
         self._prepare()
         version = max(self.versions() + [self._last_version()], default=0) + 1
         tmp = self._write_folder(files, {**dict(info), "version": version})
+        crash_point("deploying", "mid")  # the crash tests: a kill with the version under .tmp-*
         rename(tmp, self.folder(version))
         self._set_last_version(version)
         self.switch(version)

@@ -324,6 +324,9 @@ class Agent(RunMembers):
                 if not await self._start_services(stack, mdns_descriptor):
                     return 3
                 start_round = await self._setup(stack, spec)
+                if start_round is None and self.run_desc is not None:  # restarted after its last round
+                    self._tell("trained")
+                    await self._after_run(spec, input_shape)  # deploys or keeps the model, once
                 if start_round is None or (start_round := await self._join(stop, start_round)) is None:
                     return 0
                 await self._run_rounds(stop, start_round, spec, input_shape)
@@ -366,7 +369,8 @@ class Agent(RunMembers):
         if (exporter := self._start_prometheus()) is not None:
             stack.callback(exporter.stop)
         if start_round > rounds:
-            log.info("the checkpoint says all %d rounds are done; nothing to run", rounds)
+            log.info("the checkpoint says all %d rounds are done; %s", rounds,
+                     "nothing to run" if self.run_desc is None else "the run goes on with its deployment")
             node.state = "finished"
             self.outcome = "finished"
             await node.publish_status()

@@ -19,21 +19,31 @@ async def deploy_after_run(agent: Any, spec: dict[str, Any], input_shape: Sequen
     """The daemon's after-run step: gate + deploy the deployable model on the run's validation
     slice (:func:`dfl_agent.deploy.gate.deploy_model`), then publish the retained
     ``dfl/{fed}/node/{id}/model`` announcement (:func:`dfl_agent.deploy.gate.announcement`).
+    A run whose model an earlier, killed deployment already installed or staged
+    (:meth:`~dfl_agent.deploy.versions.ModelStore.run_outcome`) is not deployed again.
 
     Returns:
         :func:`~dfl_agent.deploy.gate.deploy_model`'s result.
     """
     cfg, ctx, node = agent.cfg, agent.ctx, agent.node
     models = ModelStore(agent.state_dir, keep=cfg.deploy.keep)
-    data = ctx.data
-    model = copy.deepcopy(node.algorithm.deployable_model()).to("cpu")
-    last_round = max((int(r.get("round", 0)) for r in node.history), default=0)
-    res = await asyncio.to_thread(
-        deploy_model, models, model, spec, input_shape, data.class_names, data.val_x, data.val_y,
-        run_id=agent.run_desc.run_id if getattr(agent, "run_desc", None) is not None else agent.run_id,
-        round=last_round, algorithm=node.algorithm.name,
-        tolerance=cfg.deploy.tolerance, min_validation=cfg.deploy.min_validation,
-        onnx=None if getattr(cfg.deploy, "onnx", True) else False)
+    run = getattr(agent, "run_desc", None)
+    run_id = run.run_id if run is not None else agent.run_id
+    res = await asyncio.to_thread(models.run_outcome, run_id) if run is not None else None
+    if res is not None:  # a restart after a kill mid-deployment: never a second version
+        what = f"deployed as v{res['version']}" if res["deployed"] else "kept out by the gate (candidate staged)"
+        log.info("the model of run %s was already %s before the restart", run_id, what)
+        res.update(accuracy=None, deployed_accuracy=None, note=f"{what} before a restart")
+    else:
+        data = ctx.data
+        model = copy.deepcopy(node.algorithm.deployable_model()).to("cpu")
+        last_round = max((int(r.get("round", 0)) for r in node.history), default=0)
+        res = await asyncio.to_thread(
+            deploy_model, models, model, spec, input_shape, data.class_names, data.val_x, data.val_y,
+            run_id=run_id,
+            round=last_round, algorithm=node.algorithm.name,
+            tolerance=cfg.deploy.tolerance, min_validation=cfg.deploy.min_validation,
+            onnx=None if getattr(cfg.deploy, "onnx", True) else False)
     doc = announcement(models, agent.node_id, cfg.federation, getattr(ctx, "security", None))
     publish = getattr(ctx.transport, "publish_retained", None)
     if doc is not None and publish is not None:

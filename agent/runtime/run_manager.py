@@ -6,6 +6,7 @@ run through these states, one method per transition::
 
     idle                 --admit-->            admitted | declined
     idle                 --cancel_unstarted--> cancelled   (cancelled before it ran here)
+    idle                 --resume-->           trained | deploying | deployed | kept   (after a restart)
     admitted             --wait_for_members--> waiting_for_members --> training | cancelled | failed
     admitted             --train-->            training    (min_members 1)
     training             --on_agent_state-->   trained --> deploying --> deployed | kept
@@ -13,11 +14,20 @@ run through these states, one method per transition::
     training             --cancelled | fail--> cancelled | failed
     recorded | declined | cancelled | failed --idle--> idle
 
-``declined``, ``cancelled``, ``failed`` and ``recorded`` (a finished run) are written to
-the run ledger (:class:`~dfl_agent.runtime.ledger.RunLedger`), so a run that ended here
-is never rerun.  A run interrupted by a stop goes back to ``idle`` unrecorded: a restart
-rejoins it.  The lobby, the hooks around runs, the sample store and the factory of the
-training agent are injected; nothing here is global.
+Each state of a run is written to the run ledger (:class:`~dfl_agent.runtime.ledger.RunLedger`,
+an atomic, fsynced write) before it takes effect; ``recorded`` is written as ``finished``.
+A run that ended here (``finished``, ``declined``, ``cancelled``, ``failed``) is never
+rerun.  After a kill, a restart resumes each run from the state recorded: one recorded
+before ``trained`` trains again from its last checkpoint; one recorded ``trained`` or
+``deploying`` restores its final checkpoint and deploys its model, unless the killed
+deployment already installed it or staged it as the refused candidate
+(:meth:`~dfl_agent.deploy.versions.ModelStore.run_outcome`), so the model is deployed or
+kept exactly once; one recorded ``deployed`` or ``kept`` is recorded finished.  A run
+interrupted by a stop goes back to ``idle`` with its state kept: a restart rejoins it.
+``DFL_TEST_CRASH_AT=<state>:<before|after>`` (:func:`~dfl_agent.fsutil.crash_point`, for
+the crash tests) kills the process right before or after the ledger records ``state``.
+The lobby, the hooks around runs, the sample store and the factory of the training agent
+are injected; nothing here is global.
 """
 
 from __future__ import annotations
@@ -25,12 +35,15 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dfl_agent.fsutil import atomic_write, crash_point
+from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.profiles import resolve_profile
 from dfl_agent.runtime.admission import admit
 from dfl_agent.runtime.agent import Agent, node_id_from_state
@@ -49,12 +62,12 @@ STATES = ("idle", "admitted", "waiting_for_members", "training", "trained", "dep
           "recorded", "declined", "cancelled", "failed")
 #: state -> the states it may move to
 TRANSITIONS: dict[str, tuple[str, ...]] = {
-    "idle": ("idle", "admitted", "declined", "cancelled"),
+    "idle": ("idle", "admitted", "declined", "cancelled", "trained", "deploying", "deployed", "kept"),
     "admitted": ("waiting_for_members", "training", "idle"),
     "waiting_for_members": ("training", "cancelled", "failed", "idle"),
     "training": ("trained", "cancelled", "failed", "idle"),
-    "trained": ("deploying", "recorded", "failed"),
-    "deploying": ("deployed", "kept", "recorded", "failed"),
+    "trained": ("deploying", "recorded", "failed", "cancelled", "idle"),
+    "deploying": ("deployed", "kept", "recorded", "failed", "idle"),
     "deployed": ("recorded", "failed"),
     "kept": ("recorded", "failed"),
     "recorded": ("idle",),
@@ -67,6 +80,12 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
 MIN_STORE_SAMPLES = 20
 #: the reason recorded for a run cancelled by the operator
 CANCELLED = "cancelled by the operator"
+#: the ledger's name of a state where it differs (``finished``: the ledger's terminal name)
+LEDGER_NAME = {"recorded": "finished"}
+#: states recorded after a run's training: a restart finishes the run from there
+AFTER_TRAINING = ("trained", "deploying", "deployed", "kept")
+#: states recorded before a run's training ended (an operator's cancel still stops the run)
+BEFORE_TRAINED = (None, "admitted", "waiting_for_members", "training")
 
 RunHook = Callable[[RunDescriptor, Any], Any]
 
@@ -188,21 +207,30 @@ class RunManager:
         self.waiting_for_data = False
 
     # -- the state machine ------------------------------------------------------------
-    def _to(self, state: str) -> None:
-        """Move to ``state``.
+    def _to(self, state: str, run_id: str | None = None, reason: str = "", rnd: int = 0,
+            extra: dict[str, Any] | None = None) -> None:
+        """Move to ``state``; with ``run_id`` the ledger records it first (``reason``,
+        ``rnd``, ``extra`` with it), so a kill right after finds it there.
 
         Raises:
             IllegalTransition: the state machine has no such transition.
         """
         if state not in TRANSITIONS.get(self.state, ()):
             raise IllegalTransition(f"run manager: {self.state} -> {state}")
+        if run_id is not None:
+            crash_point(state, "before")
+            self._record(run_id, LEDGER_NAME.get(state, state), reason, rnd, extra)
+            crash_point(state, "after")
         log.debug("run manager: %s -> %s", self.state, state)
         self.state = state
 
     def _record(self, run_id: str, state: str, reason: str = "", rnd: int = 0,
                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Write ``run_id``'s ledger entry; returns the status view of it."""
-        self.ledger.set(run_id, state, rnd, reason, extra)
+        """Write ``run_id``'s ledger entry (the fields of its earlier entry beyond state,
+        round, reason and time carried on); returns the status view of it."""
+        before = self.ledger.entries.get(run_id) or {}
+        kept = {k: v for k, v in before.items() if k not in ("state", "round", "reason", "time")}
+        self.ledger.set(run_id, state, rnd, reason, {**kept, **dict(extra or {})})
         if state in ("declined", "failed"):
             log.warning("run %s %s: %s", run_id, state, reason)
         return {"id": run_id, "state": state, "round": rnd, "reason": reason}
@@ -213,13 +241,12 @@ class RunManager:
 
     def decline(self, run_id: str, reason: str) -> None:
         """``idle -> declined``: this node does not take part (recorded)."""
-        self._to("declined")
-        self.info = self._record(run_id, "declined", reason)
+        self._to("declined", run_id, reason)
+        self.info = {"id": run_id, "state": "declined", "round": 0, "reason": reason}
 
     def cancel_unstarted(self, run_id: str) -> None:
         """``idle -> cancelled``: a run cancelled before it ran here (recorded)."""
-        self._to("cancelled")
-        self._record(run_id, "cancelled", CANCELLED)
+        self._to("cancelled", run_id, CANCELLED)
         self._to("idle")
 
     def admit(self, d: RunDescriptor) -> bool:
@@ -231,7 +258,10 @@ class RunManager:
             self.decline(d.run_id, reason)
             self.publish(force=True)
             return False
-        self._to("admitted")
+        run_dir = self.ledger.run_dir(d.run_id)  # the descriptor a restart resumes the run with
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(run_dir / "descriptor.json", json.dumps(d.to_dict(), sort_keys=True))
+        self._to("admitted", d.run_id)
         self.info = {"id": d.run_id, "state": "accepted", "round": 0, "reason": ""}
         self.publish("accepted", force=True)
         return True
@@ -239,8 +269,8 @@ class RunManager:
     async def wait_for_members(self, d: RunDescriptor, stop: asyncio.Event) -> bool | None:
         """``admitted -> waiting_for_members`` until ``min_members`` devices accepted the run
         (this one included); then True, or ``cancelled``/``failed`` (recorded) and False,
-        or None when ``stop`` was set (back to ``idle``, unrecorded)."""
-        self._to("waiting_for_members")
+        or None when ``stop`` was set (back to ``idle``; a restart waits again)."""
+        self._to("waiting_for_members", d.run_id)
         lobby, nid = self.lobby, self.node_id
         deadline = time.time() + d.start_timeout
         while len(lobby.accepted_by(d.run_id) | {nid}) < d.min_members and not stop.is_set():
@@ -257,40 +287,51 @@ class RunManager:
             return True
         cur = lobby.run(d.run_id)
         if cur and cur.cancelled:
-            self._to("cancelled")
-            self.info = self._record(d.run_id, "cancelled", CANCELLED)
+            self.info = self._ended_as(d.run_id, "cancelled", CANCELLED)
         else:
-            self._to("failed")
-            self.info = self._record(d.run_id, "failed", f"start_timeout: only {n} of min_members {d.min_members} "
-                                                         f"accepted within {d.start_timeout:.0f}s")
+            self.info = self._ended_as(d.run_id, "failed", f"start_timeout: only {n} of min_members "
+                                                           f"{d.min_members} accepted within {d.start_timeout:.0f}s")
         self.publish(force=True)
         self._to("idle")
         return False
 
+    def _ended_as(self, run_id: str, state: str, reason: str, rnd: int = 0) -> dict[str, Any]:
+        """``-> state`` (``failed``, ``cancelled``; recorded); returns the status view."""
+        self._to(state, run_id, reason, rnd)
+        return {"id": run_id, "state": state, "round": rnd, "reason": reason}
+
     def on_agent_state(self, state: str) -> None:
         """The training agent's say after its rounds: ``trained``, ``deploying``,
-        ``deployed`` or ``kept`` (the deployment gate kept the current model)."""
-        self._to(state)
+        ``deployed`` or ``kept`` (the deployment gate kept the current model).  A run
+        resumed after its training hears again what it recorded (nothing to do)."""
+        if state == self.state or (state == "trained" and self.state == "deploying"):
+            return
+        rnd, agent = 0, self.agent
+        extra = None
+        if agent is not None and state == "trained":  # kept in the ledger: a resumed run records it
+            rnd = agent.node.status().get("round", 0) if agent.node is not None else 0
+            snap = agent.snapshot
+            extra = {"snapshot_last_id": int(snap.max())} if snap is not None and len(snap) else None
+        self._to(state, self.info["id"] if self.info else None, rnd=rnd, extra=extra)
 
     def finish(self, d: RunDescriptor, agent: Any, extra: dict[str, Any] | None) -> None:
         """``trained | deployed | kept | deploying -> recorded``: the run finished here
-        (recorded with its snapshot's newest sample id), then the finish hooks."""
+        (recorded with its snapshot's newest sample id), then the finish hooks (``node``
+        None when the run resumed after its model was deployed)."""
         if self.state == "training":  # an agent that does not report its states
-            self._to("trained")
-        self._to("recorded")
-        self.info = self._record(d.run_id, "finished", "", d.rounds, extra)
+            self._to("trained", d.run_id, rnd=d.rounds, extra=extra)
+        self._to("recorded", d.run_id, "", d.rounds, extra)
+        self.info = {"id": d.run_id, "state": "finished", "round": d.rounds, "reason": ""}
         log.info("run %s finished", d.run_id)
-        self.hooks.fire_finished(d, agent.node)
+        self.hooks.fire_finished(d, agent.node if agent is not None else None)
 
     def fail(self, run_id: str, reason: str, rnd: int = 0) -> None:
         """``-> failed`` (recorded)."""
-        self._to("failed")
-        self.info = self._record(run_id, "failed", reason, rnd)
+        self.info = self._ended_as(run_id, "failed", reason, rnd)
 
     def cancelled(self, run_id: str, at: int) -> None:
         """``training -> cancelled`` (recorded with the round the cancel arrived after)."""
-        self._to("cancelled")
-        self.info = self._record(run_id, "cancelled", CANCELLED, at)
+        self.info = self._ended_as(run_id, "cancelled", CANCELLED, at)
 
     # -- status -------------------------------------------------------------------------
     def publish(self, state: str = "idle", force: bool = False) -> None:
@@ -323,6 +364,10 @@ class RunManager:
             if d is None:
                 await self.idle_pass(stop)
                 continue
+            if self.ledger.state(d.run_id) in AFTER_TRAINING:  # a kill came after its training
+                if not await self.resume(d, stop):
+                    break
+                continue
             if not self.admit(d):
                 self.idle()
                 continue
@@ -341,7 +386,8 @@ class RunManager:
         runnable queued run (runs cancelled before they ran here are recorded).  None when
         there is none, this node is not a member (declined), or the sample store holds too
         few samples (the run waits)."""
-        d = None
+        if (d := self._unfinished()) is not None:
+            return d
         store, ledger, lobby = self.store, self.ledger, self.lobby
         if self.has_default:
             dd = default_descriptor(self.cfg, ledger=ledger, new_samples=store.count_since if store is not None else None)
@@ -350,7 +396,7 @@ class RunManager:
         if d is None:
             with lobby.lock:
                 for r in lobby.queue.ordered():  # cancelled before it ran here
-                    if r.cancelled and ledger.state(r.run_id) is None:
+                    if r.cancelled and ledger.state(r.run_id) in BEFORE_TRAINED:
                         self.cancel_unstarted(r.run_id)
                 d = lobby.queue.next_runnable(ledger.is_done)
         if d is not None and not d.is_for(self.node_id, self.profile.name):
@@ -366,6 +412,39 @@ class RunManager:
         else:
             self.waiting_for_data = False
         return d
+
+    def _unfinished(self) -> RunDescriptor | None:
+        """A run that a kill interrupted after its training (recorded ``trained``,
+        ``deploying``, ``deployed`` or ``kept``), with the descriptor saved when it was
+        admitted; a restart finishes it before any other run.  One whose descriptor is
+        unreadable is recorded ``failed``."""
+        for rid, e in list(self.ledger.entries.items()):
+            if e.get("state") not in AFTER_TRAINING:
+                continue
+            try:
+                raw = bounded_loads((self.ledger.run_dir(rid) / "descriptor.json").read_bytes(), "state")
+                return RunDescriptor.from_dict({k: v for k, v in raw.items() if k != "schema_version"})
+            except (OSError, ValueError, AttributeError) as exc:
+                self.ledger.set(rid, "failed", int(e.get("round") or 0), f"cannot resume after a restart: {exc}")
+                log.warning("run %s failed: cannot resume after a restart: %s", rid, exc)
+        return None
+
+    async def resume(self, d: RunDescriptor, stop: asyncio.Event) -> bool:
+        """``idle -> trained | deploying | deployed | kept``, the state the ledger recorded
+        before a kill: ``deployed`` or ``kept`` is recorded finished; ``trained`` or
+        ``deploying`` runs the training agent, which restores the final checkpoint and
+        deploys the model unless the killed deployment already installed or staged it.
+        Returns False when ``stop`` interrupted it (see :meth:`train`)."""
+        state = str(self.ledger.state(d.run_id))
+        log.info("run %s resumes from state %s, recorded before a restart", d.run_id, state)
+        self.info = {"id": d.run_id, "state": "training", "round": d.rounds, "reason": ""}
+        if state in ("trained", "deploying"):
+            return await self.train(d, stop, resume=state)
+        self._to(state, d.run_id)
+        self.finish(d, None, None)
+        self.idle()
+        self.publish(force=True)
+        return True
 
     async def idle_pass(self, stop: asyncio.Event) -> None:
         """One pass of the idle loop: the status heartbeat, a spool ingestion when due,
@@ -389,14 +468,15 @@ class RunManager:
         cur = self.lobby.run(run_id)
         return cur is not None and cur.cancelled
 
-    async def train(self, d: RunDescriptor, stop: asyncio.Event) -> bool:
-        """``-> training``: train run ``d`` with a new agent until it ends, then record how
-        it ended.  Returns False when ``stop`` interrupted it (the serve loop ends).
+    async def train(self, d: RunDescriptor, stop: asyncio.Event, resume: str | None = None) -> bool:
+        """``-> training`` (or ``resume``: ``trained``/``deploying`` after a restart): train
+        run ``d`` with a new agent until it ends, then record how it ended.  Returns False
+        when ``stop`` interrupted it (the serve loop ends).
 
         Raises:
             StartupError: the default run cannot start.
         """
-        self._to("training")
+        self._to(resume or "training", d.run_id)
         try:  # a published run's settings that the configuration rules refuse fail that run only
             run_cfg = run_config_for(self.cfg, d)
         except StartupError as exc:

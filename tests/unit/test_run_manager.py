@@ -84,7 +84,7 @@ def test_the_states_are_exactly_those_of_the_architecture():
 def test_a_finished_run_passes_training_trained_deploying_deployed_recorded(tmp_path):
     m = manager(tmp_path)
     seen = []
-    m._to = (lambda to, orig=m._to: (seen.append(to), orig(to))[1])  # type: ignore[method-assign]
+    m._to = (lambda to, *a, orig=m._to, **kw: (seen.append(to), orig(to, *a, **kw))[1])  # type: ignore[method-assign]
     finished = []
     m.hooks.on_run_finished(lambda run, node: finished.append(run.run_id))
     d = RunDescriptor(run_id="r1", federation="f", algorithm="fedavg", rounds=2)
@@ -135,9 +135,10 @@ def test_a_crashed_run_fails_and_the_manager_goes_on(tmp_path):
 
 def test_an_illegal_transition_raises(tmp_path):
     m = manager(tmp_path)
+    assert m.admit(RunDescriptor(run_id="r6", federation="f", algorithm="fedavg", rounds=1))
     with pytest.raises(IllegalTransition):
-        m.on_agent_state("deployed")  # idle -> deployed: no such transition
-    assert m.state == "idle"
+        m.on_agent_state("deployed")  # admitted -> deployed: no such transition
+    assert m.state == "admitted" and m.ledger.state("r6") == "admitted"  # nothing recorded
 
 
 def test_a_published_run_with_a_bad_setting_fails_and_the_agent_stays_up(tmp_path):
