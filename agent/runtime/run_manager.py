@@ -14,20 +14,12 @@ run through these states, one method per transition::
     training             --cancelled | fail--> cancelled | failed
     recorded | declined | cancelled | failed --idle--> idle
 
-Each state of a run is written to the run ledger (:class:`~dfl_agent.runtime.ledger.RunLedger`,
-an atomic, fsynced write) before it takes effect; ``recorded`` is written as ``finished``.
-A run that ended here (``finished``, ``declined``, ``cancelled``, ``failed``) is never
-rerun.  After a kill, a restart resumes each run from the state recorded: one recorded
-before ``trained`` trains again from its last checkpoint; one recorded ``trained`` or
-``deploying`` restores its final checkpoint and deploys its model, unless the killed
-deployment already installed it or staged it as the refused candidate
-(:meth:`~dfl_agent.deploy.versions.ModelStore.run_outcome`), so the model is deployed or
-kept exactly once; one recorded ``deployed`` or ``kept`` is recorded finished.  A run
-interrupted by a stop goes back to ``idle`` with its state kept: a restart rejoins it.
-``DFL_TEST_CRASH_AT=<state>:<before|after>`` (:func:`~dfl_agent.fsutil.crash_point`, for
-the crash tests) kills the process right before or after the ledger records ``state``.
-The lobby, the hooks around runs, the sample store and the factory of the training agent
-are injected; nothing here is global.
+Each state is written to the run ledger (:class:`~dfl_agent.runtime.ledger.RunLedger`) before
+it takes effect (``recorded`` as ``finished``): a run that ended here is never rerun, and a
+restart resumes a run from the state recorded (:meth:`RunManager.resume`; a model is deployed
+or kept exactly once).  ``DFL_TEST_CRASH_AT`` (:func:`~dfl_agent.fsutil.crash_point`) kills the
+process at a state for the crash tests.  The lobby, the hooks around runs, the sample store and
+the training agent's factory are injected; nothing here is global.
 """
 
 from __future__ import annotations
@@ -414,10 +406,8 @@ class RunManager:
         return d
 
     def _unfinished(self) -> RunDescriptor | None:
-        """A run that a kill interrupted after its training (recorded ``trained``,
-        ``deploying``, ``deployed`` or ``kept``), with the descriptor saved when it was
-        admitted; a restart finishes it before any other run.  One whose descriptor is
-        unreadable is recorded ``failed``."""
+        """A run killed after its training (:data:`AFTER_TRAINING`; its descriptor saved at
+        admission), finished before any other; one whose descriptor is unreadable fails."""
         for rid, e in list(self.ledger.entries.items()):
             if e.get("state") not in AFTER_TRAINING:
                 continue
@@ -430,11 +420,9 @@ class RunManager:
         return None
 
     async def resume(self, d: RunDescriptor, stop: asyncio.Event) -> bool:
-        """``idle -> trained | deploying | deployed | kept``, the state the ledger recorded
-        before a kill: ``deployed`` or ``kept`` is recorded finished; ``trained`` or
-        ``deploying`` runs the training agent, which restores the final checkpoint and
-        deploys the model unless the killed deployment already installed or staged it.
-        Returns False when ``stop`` interrupted it (see :meth:`train`)."""
+        """``idle ->`` the state recorded before a kill: ``deployed``/``kept`` is recorded finished;
+        ``trained``/``deploying`` runs the agent, which restores its final checkpoint and deploys
+        (:meth:`~dfl_agent.deploy.versions.ModelStore.run_outcome`: once).  False: ``stop`` came."""
         state = str(self.ledger.state(d.run_id))
         log.info("run %s resumes from state %s, recorded before a restart", d.run_id, state)
         self.info = {"id": d.run_id, "state": "training", "round": d.rounds, "reason": ""}

@@ -52,7 +52,8 @@ class DeployingAgent:
         self.ctx = SimpleNamespace(data=data, transport=SimpleNamespace(), security=None, counters=lambda: {})
         self.node = SimpleNamespace(algorithm=SimpleNamespace(deployable_model=lambda: copy.deepcopy(model),
                                                               name="fedavg"),
-                                    history=[{"round": 1}], status=lambda: {"round": 1}, ctx=self.ctx)
+                                    history=[{"round": 1}], status=lambda: {"round": 1}, ctx=self.ctx,
+                                    last_round=lambda: 1)
 
     async def run(self, stop):
         from dfl_agent.fsutil import atomic_write
@@ -204,3 +205,22 @@ def test_run_outcome_finds_what_a_killed_deployment_left(tmp_path):
     assert models.run_outcome("r1") == {"deployed": True, "version": 2} and models.current_version() == 2
     models.stage_candidate(files, {"run_id": "r2", "round": 1})
     assert models.run_outcome("r2") == {"deployed": False, "version": None}
+
+
+def test_a_cancel_that_came_while_down_stops_an_unfinished_run_not_a_trained_one(tmp_path, crash_at):
+    """A cancel retained while the device was down: a run recorded ``training`` is recorded
+    cancelled; one recorded ``trained`` completes its deployment."""
+    m = _manager(tmp_path)
+    m.ledger.set("r8", "training")  # killed in training, cancelled meanwhile
+    m.lobby.queue.offer(RunDescriptor(run_id="r8", federation="f", algorithm="fedavg", rounds=1, cancelled=True))
+    assert m.next_run() is None and m.ledger.state("r8") == "cancelled"
+    crash_at("trained:after")
+    m = _manager(tmp_path)
+    m.lobby.queue.offer(RunDescriptor(run_id="r7", federation="f", algorithm="fedavg", rounds=1))
+    with pytest.raises(Crash):
+        asyncio.run(_serve_until_done(m, "r7"))
+    crash_at(None)
+    m = _manager(tmp_path)
+    m.lobby.queue.offer(RunDescriptor(run_id="r7", federation="f", algorithm="fedavg", rounds=1, cancelled=True))
+    asyncio.run(_serve_until_done(m, "r7"))
+    assert m.ledger.state("r7") == "finished" and ModelStore(tmp_path).manifest(1)["run_id"] == "r7"
