@@ -4,7 +4,10 @@ A run is a signed, retained descriptor on ``dfl/{fed}/run/{run_id}`` (see
 :mod:`dfl_agent.runtime.descriptor`).  ``submit`` and ``cancel`` sign it with the operator's
 key and certificate (``--operator-dir DIR`` holding ``*.pem`` and ``*cert*.json``, as
 ``dflctl keys`` writes them); ``list`` and ``show`` read the descriptors and the
-nodes' statuses (each carries ``run = {id, state, round, reason}``).
+nodes' statuses (each carries ``run = {id, state, round, reason}``).  ``cancel`` also
+publishes the run's retained cancel record (``dfl/{fed}/run/{run_id}/cancel``), so the run
+stays cancelled even when an old copy of its submission is published again; ``list`` and
+``show`` show a run with a cancel record as ``cancelled``.
 
 Trust: with ``--config`` (a node.toml's ``[security]`` trust material) ``list`` and
 ``show`` verify every descriptor as an agent with ``require_signatures`` does
@@ -149,7 +152,8 @@ def fetch_retained(broker: str, topic: str, timeout: float = 10.0, absent_after:
 
 
 def verify_runs(runs: dict[str, dict[str, Any]], payloads: dict[str, bytes], federation: str,
-                guard: Any) -> tuple[dict[str, dict[str, Any]], collections.Counter[str]]:
+                guard: Any, cancels: dict[str, bytes] | None = None
+                ) -> tuple[dict[str, dict[str, Any]], collections.Counter[str]]:
     """The runs to show, each with its ``trust``, and the hidden ones counted by reason.
 
     Without ``guard`` (no ``--config``, or one naming neither a federation key nor
@@ -162,10 +166,13 @@ def verify_runs(runs: dict[str, dict[str, Any]], payloads: dict[str, bytes], fed
     federation, whose run id matches their topic, are kept (``trust = "operator"``); the
     others are counted under the verifier's refusal reason (``unsigned``,
     ``unknown_key``, ``not_operator``, ``bad_signature``, ``malformed``, ``too_deep``...).
+    A shown run whose cancel record (``cancels``: run id -> raw retained record) verifies
+    the same way (any record without ``guard``) gets ``cancel_record = True``.
     """
     hidden: collections.Counter[str] = collections.Counter()
+    cancels = cancels or {}
     if guard is None:
-        return {rid: {**m, "trust": "unverified"} for rid, m in runs.items()}, hidden
+        return {rid: {**m, "trust": "unverified", "cancel_record": rid in cancels} for rid, m in runs.items()}, hidden
     from dfl_agent.runtime.descriptor import RunVerifier
 
     verifier = RunVerifier(federation, require_signatures=True, guard=guard)
@@ -177,7 +184,9 @@ def verify_runs(runs: dict[str, dict[str, Any]], payloads: dict[str, bytes], fed
         if d is None or why is not None:
             hidden[why or "malformed"] += 1
             continue
-        shown[rid] = {**m, "trust": "operator", "descriptor": {**m.get("descriptor", {}), "submitter": d.submitter}}
+        cancelled = rid in cancels and verifier.check_cancel(cancels[rid], rid) is None
+        shown[rid] = {**m, "trust": "operator", "descriptor": {**m.get("descriptor", {}), "submitter": d.submitter},
+                      "cancel_record": cancelled}
     return shown, hidden
 
 
@@ -199,9 +208,9 @@ def _snapshot(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], co
     obs.settle()
     statuses, _ = obs.snapshot()
     with obs._lock:
-        runs, payloads = dict(obs.runs), dict(obs.run_payloads)
+        runs, payloads, cancels = dict(obs.runs), dict(obs.run_payloads), dict(obs.run_cancels)
     obs.stop()
-    shown, hidden = verify_runs(runs, payloads, fed, guard)
+    shown, hidden = verify_runs(runs, payloads, fed, guard, cancels)
     return shown, statuses, hidden
 
 
@@ -226,7 +235,7 @@ def run_view(run_id: str, msg: dict[str, Any], statuses: dict[str, Any]) -> dict
             nodes[nid] = {"state": r.get("state", ""), "round": r.get("round", 0) or 0,
                           "reason": r.get("reason", "") or ""}
     states = {n["state"] for n in nodes.values()}
-    if d.get("cancelled"):
+    if d.get("cancelled") or msg.get("cancel_record"):
         state = "cancelled"
     elif "training" in states:
         state = "training"
@@ -241,7 +250,8 @@ def run_view(run_id: str, msg: dict[str, Any], statuses: dict[str, Any]) -> dict
     return {"schema_version": 1, "run_id": run_id, "name": d.get("name", ""), "state": state,
             "algorithm": d.get("algorithm"), "rounds": d.get("rounds"), "options": d.get("options", {}),
             "members": d.get("members"), "min_members": d.get("min_members"), "submitter": d.get("submitter"),
-            "submitted_at": d.get("submitted_at"), "signed": msg.get("sig") is not None,
+            "submitted_at": d.get("submitted_at"), "not_after": d.get("not_after"),
+            "cancel_record": bool(msg.get("cancel_record")), "signed": msg.get("sig") is not None,
             "trust": msg.get("trust", "unverified"), "verified": msg.get("trust") == "operator", "nodes": nodes}
 
 
@@ -273,9 +283,15 @@ def _pairs(items: list[str] | None, flag: str) -> dict[str, Any]:
 
 
 def cmd_submit(a: argparse.Namespace) -> int:
+    from dfl_agent.durations import parse_duration
     from dfl_agent.runtime.descriptor import RunDescriptor, new_run_id, run_topic, sign_descriptor
 
     broker, fed = _target(a)
+    try:
+        valid_for = parse_duration(a.not_after)
+    except ValueError as exc:
+        print(f"dflctl run submit: --not-after: {exc}", file=sys.stderr)
+        return 2
     try:
         key, cert, name = load_operator(a.operator_dir)
     except (OSError, ValueError) as exc:
@@ -299,6 +315,7 @@ def cmd_submit(a: argparse.Namespace) -> int:
             "training": training,
             "members": a.members.split(",") if a.members else "all", "min_members": a.min_members,
             "start_timeout": a.start_timeout, "submitter": name, "submitted_at": now, "seq": 1,
+            "not_after": now + valid_for,
         })
     except ValueError as exc:
         print(f"dflctl run submit: {exc}", file=sys.stderr)
@@ -314,7 +331,14 @@ def cmd_submit(a: argparse.Namespace) -> int:
 
 
 def cmd_cancel(a: argparse.Namespace) -> int:
-    from dfl_agent.runtime.descriptor import RunDescriptor, open_run_message, run_topic, sign_descriptor
+    from dfl_agent.runtime.descriptor import (
+        RunDescriptor,
+        cancel_topic,
+        open_run_message,
+        run_topic,
+        sign_cancel,
+        sign_descriptor,
+    )
 
     broker, fed = _target(a)
     try:
@@ -336,9 +360,10 @@ def cmd_cancel(a: argparse.Namespace) -> int:
         print(f"dflctl run cancel: no run {a.run!r} in federation {fed}", file=sys.stderr)
         return 1
     d.cancelled, d.seq = True, d.seq + 1
-    try:
-        publish_retained(broker, run_topic(fed, d.run_id),
-                         sign_descriptor(d, key, name, cert, seq=operator_seq(a.operator_dir)))
+    seq = operator_seq(a.operator_dir)
+    try:  # the cancel record first: it stays even when the descriptor is published again
+        publish_retained(broker, cancel_topic(fed, d.run_id), sign_cancel(fed, d.run_id, key, name, cert, seq=seq))
+        publish_retained(broker, run_topic(fed, d.run_id), sign_descriptor(d, key, name, cert, seq=seq))
     except ConnectionError as exc:
         print(f"dflctl run cancel: {exc}", file=sys.stderr)
         return 3
@@ -428,6 +453,9 @@ def register(sub: Any) -> None:
                    help="seconds to wait for --min-members before the run fails")
     s.add_argument("--name", default=None, help="a human label")
     s.add_argument("--run-id", default=None, help="use this run id instead of a generated one")
+    s.add_argument("--not-after", default="24h", metavar="DURATION",
+                   help="how long after submission a device that has not started the run may still start it "
+                        "(e.g. 90m, 6h, 2d; default 24h); signed with the run")
     s.set_defaults(func=cmd_submit)
 
     li = rs.add_parser("list", help="runs of the federation, in queue order")
@@ -441,7 +469,8 @@ def register(sub: Any) -> None:
     sh.add_argument("--json", action="store_true", help="machine-readable output")
     sh.set_defaults(func=cmd_show)
 
-    c = rs.add_parser("cancel", help="cancel a run (members stop within one round)")
+    c = rs.add_parser("cancel", help="cancel a run for good (members stop within one round; a replayed "
+                                     "submission of it is refused)")
     common(c)
     c.add_argument("run", help="run id")
     c.add_argument("--operator-dir", default=None, help="folder with the operator's key and certificate")

@@ -77,9 +77,11 @@ def cmd_federation_init(a: argparse.Namespace) -> int:
 MOSQUITTO_USER = "mosquitto"
 #: what every device may do with other nodes' topics (one ``user`` block per device)
 DEVICE_ACL = ("topic write dfl/+/node/+/inbox", "topic read dfl/+/node/+/out", "topic read dfl/+/node/+/presence",
-              "topic read dfl/+/node/+/status", "topic read dfl/+/node/+/model", "topic read dfl/+/run/+")
-#: an operator account (``--role operator``): publishes run descriptors, reads everything
-OPERATOR_ACL = ("topic write dfl/+/run/+", "topic read dfl/#")
+              "topic read dfl/+/node/+/status", "topic read dfl/+/node/+/model", "topic read dfl/+/run/+",
+              "topic read dfl/+/run/+/cancel")
+#: an operator account (``--role operator``): publishes run descriptors and their cancel
+#: records, reads everything
+OPERATOR_ACL = ("topic write dfl/+/run/+", "topic write dfl/+/run/+/cancel", "topic read dfl/#")
 
 
 def give_to_mosquitto(path: Path, mode: int = 0o640) -> str | None:

@@ -53,6 +53,8 @@ class Observer:
         self.runs: dict[str, dict[str, Any]] = {}
         #: run id -> the raw retained message of :attr:`runs` (for verification)
         self.run_payloads: dict[str, bytes] = {}
+        #: run id -> the raw retained cancel record on ``dfl/{fed}/run/{id}/cancel`` (not verified)
+        self.run_cancels: dict[str, bytes] = {}
         #: messages dropped by reason (``handler_error``: handling one raised)
         self.dropped: collections.Counter[str] = collections.Counter()
         self._errors = RateLimitedLog(log)
@@ -68,7 +70,8 @@ class Observer:
 
     def _on_connect(self, client, userdata, flags, reason_code, properties=None) -> None:
         base = f"dfl/{self.federation}/node/+/"
-        client.subscribe([(base + "status", 0), (base + "presence", 0), (f"dfl/{self.federation}/run/+", 0)])
+        client.subscribe([(base + "status", 0), (base + "presence", 0), (f"dfl/{self.federation}/run/+", 0),
+                          (f"dfl/{self.federation}/run/+/cancel", 0)])
         self._connected.set()
 
     def _on_message(self, client, userdata, msg) -> None:
@@ -92,6 +95,14 @@ class Observer:
                 else:
                     self.runs.pop(parts[3], None)
                     self.run_payloads.pop(parts[3], None)
+                self.updated = time.monotonic()
+            return
+        if len(parts) == 5 and parts[2] == "run" and parts[4] == "cancel":
+            with self._lock:
+                if msg.payload:
+                    self.run_cancels[parts[3]] = bytes(msg.payload)
+                else:
+                    self.run_cancels.pop(parts[3], None)
                 self.updated = time.monotonic()
             return
         if len(parts) != 5:

@@ -14,6 +14,15 @@ in ``security.operators`` or holding a certificate with ``role = "operator"`` si
 the federation key - may submit or cancel; anything else is refused (see
 :meth:`RunVerifier.check`), logged and counted.
 
+Cancel stays cancelled: ``dflctl run cancel`` also publishes a retained, operator-signed
+*cancel record* on ``dfl/{fed}/run/{run_id}/cancel`` (:func:`sign_cancel`,
+:meth:`RunVerifier.check_cancel`).  A node reads the cancel records before the
+descriptors and remembers cancelled ids in its ledger, so a replayed copy of a cancelled
+run's submission is refused (``cancelled``), also by a node enrolled after the cancel.
+A descriptor's signed ``not_after`` (unix s; ``dflctl run submit`` sets it 24 h after
+submission) is the last moment a node that has not started the run may start it
+(refused as ``expired`` afterwards).
+
 Admission against the device profile is :mod:`dfl_agent.runtime.admission`; the node's
 run history :mod:`dfl_agent.runtime.ledger`; the listener :mod:`dfl_agent.runtime.lobby`;
 the run's life on this node :mod:`dfl_agent.runtime.run_manager`.
@@ -40,7 +49,11 @@ NODE_STATES = ("queued", "accepted", "declined", "training", "finished", "failed
 TERMINAL = ("finished", "failed", "cancelled", "declined")
 #: reasons a run descriptor message is refused (counters ``run_refused_<reason>``)
 REFUSE_REASONS = ("malformed", "oversized", "too_deep", "unsigned", "unknown_key", "not_operator", "bad_signature",
-                  "wrong_federation", "replay")
+                  "wrong_federation", "replay", "cancelled", "expired")
+#: a cancel record that may not be used is counted as ``cancel_<reason>`` (reasons as above)
+CANCEL_PREFIX = "cancel_"
+#: ``dflctl run submit``'s default ``not_after``: this long after ``submitted_at``, in seconds
+DEFAULT_NOT_AFTER_S = 24 * 3600.0
 SIG_PREFIX = "ed25519:"
 _ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -48,6 +61,11 @@ _ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 def run_topic(federation: str, run_id: str = "+") -> str:
     """The retained topic of a run descriptor: ``dfl/{fed}/run/{run_id}``."""
     return f"dfl/{federation}/run/{run_id}"
+
+
+def cancel_topic(federation: str, run_id: str = "+") -> str:
+    """The retained topic of a run's cancel record: ``dfl/{fed}/run/{run_id}/cancel``."""
+    return f"dfl/{federation}/run/{run_id}/cancel"
 
 
 def _canonical(obj: Any) -> bytes:
@@ -74,6 +92,8 @@ class RunDescriptor:
         start_timeout: seconds to wait for ``min_members`` before it fails.
         submitter: operator name; ``submitted_at``: unix time (signed) - the queue order.
         cancelled: set by ``dflctl run cancel`` (a newer signed copy of the descriptor).
+        not_after: unix time after which a node that has not started the run refuses it
+            (``None``: never; signed like every field).
         seq: increases with every publication of the same run (replay protection).
     """
 
@@ -94,6 +114,7 @@ class RunDescriptor:
     submitted_at: float = 0.0
     cancelled: bool = False
     seq: int = 0
+    not_after: float | None = None
     default: bool = False  # a node's own default run (never published)
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,6 +153,8 @@ class RunDescriptor:
                 raise ValueError(f"{k} must be an object")
         if not isinstance(d.submitted_at, (int, float)) or not isinstance(d.seq, int):
             raise ValueError("submitted_at / seq have wrong types")
+        if d.not_after is not None and (not isinstance(d.not_after, (int, float)) or isinstance(d.not_after, bool)):
+            raise ValueError("not_after must be a unix time or null")
         if not (d.members == "all" or (isinstance(d.members, list) and all(isinstance(m, str) for m in d.members))
                 or (isinstance(d.members, dict) and isinstance(d.members.get("profile"), list))):
             raise ValueError("members must be 'all', a list of node ids or {'profile': [names]}")
@@ -140,6 +163,11 @@ class RunDescriptor:
     def order_key(self) -> tuple[float, str]:
         """Queue order: signed ``submitted_at``, then ``run_id``."""
         return (float(self.submitted_at), self.run_id)
+
+    def expired(self, now: float) -> bool:
+        """Whether ``not_after`` has passed at ``now`` (unix s): a node that has not
+        started the run refuses it then."""
+        return self.not_after is not None and now > float(self.not_after)
 
     def is_for(self, node_id: str, profile: str) -> bool:
         """Whether this node is among the run's members."""
@@ -214,6 +242,25 @@ def sign_descriptor(d: RunDescriptor, key: Any | None, signer: str = "", cert: d
     guard = SecurityGuard(signer or "anonymous", key, TrustStore(d.federation), certificate=cert,
                           seq=seq if seq is not None else SeqCounter(None))
     return guard.sign_control(run_kind(d.run_id), d.to_dict(), d.federation)
+
+
+def cancel_kind(run_id: str) -> str:
+    """The control-envelope ``kind`` of run ``run_id``'s cancel record: ``"cancel:{run_id}"``."""
+    return f"cancel:{run_id}"
+
+
+def sign_cancel(federation: str, run_id: str, key: Any | None, signer: str = "",
+                cert: dict[str, Any] | None = None, seq: Any = None, at: float | None = None) -> bytes:
+    """The retained cancel record of run ``run_id`` (for :func:`cancel_topic`): a signed
+    control envelope of kind :func:`cancel_kind` whose payload is ``{"run_id",
+    "federation", "cancelled_at"}``; unsigned when ``key`` is None.  ``seq`` as in
+    :func:`sign_descriptor`."""
+    import time
+
+    guard = SecurityGuard(signer or "anonymous", key, TrustStore(federation), certificate=cert,
+                          seq=seq if seq is not None else SeqCounter(None))
+    body = {"run_id": run_id, "federation": federation, "cancelled_at": time.time() if at is None else at}
+    return guard.sign_control(cancel_kind(run_id), body, federation)
 
 
 def open_run_message(payload: bytes | str | Mapping[str, Any]) -> dict[str, Any] | None:
@@ -304,4 +351,31 @@ class RunVerifier:
                 return None, "not_operator"
             d.submitter = sender  # the verified operator, whatever the descriptor says
         return d, None
+
+    def check_cancel(self, payload: bytes, run_id: str) -> str | None:
+        """None when ``payload`` is a usable cancel record of run ``run_id`` (from
+        :func:`cancel_topic`): the control envelope of kind :func:`cancel_kind` verified as
+        a descriptor is (with ``require_signatures`` an operator's signature), for this
+        federation and this run.  Else the reason (one of :data:`REFUSE_REASONS`), counted
+        in :attr:`refused` as ``cancel_<reason>``; ``"duplicate"`` (the same record again)
+        is not counted."""
+        why = self._check_cancel(payload, run_id)
+        if why is not None and why != "duplicate":
+            key = CANCEL_PREFIX + why
+            self.refused[key] = self.refused.get(key, 0) + 1
+        return why
+
+    def _check_cancel(self, payload: bytes, run_id: str) -> str | None:
+        try:
+            sender, role, body = self.guard.verify_control(payload, cancel_kind(run_id))
+        except ControlRejected as exc:
+            return _REFUSAL.get(exc.reason, exc.reason if exc.reason in REFUSE_REASONS + ("duplicate",)
+                                else "malformed")
+        if body.get("run_id") != run_id:
+            return "malformed"
+        if body.get("federation") != self.federation:
+            return "wrong_federation"
+        if self.require_signatures and role != "operator":
+            return "not_operator"
+        return None
 

@@ -75,7 +75,9 @@ class RunLedger:
     """This node's run history, persisted in ``{state_dir}/runs/ledger.json``.
 
     Maps run id -> ``{"state", "round", "reason", "time"}``.  Written atomically after
-    every change, so a crash never leaves it half-written.
+    every change, so a crash never leaves it half-written.  Beside it, the ids of runs an
+    operator cancelled (:attr:`cancelled`, ``{state_dir}/runs/cancelled.json``), also those
+    that never ran here: a replayed descriptor of one is refused.
     """
 
     def __init__(self, state_dir: str | os.PathLike[str]):
@@ -88,6 +90,32 @@ class RunLedger:
                 self.entries = {k: v for k, v in raw.items() if isinstance(v, dict)}
         except (OSError, ValueError):
             pass
+        self.cancelled_path = self.dir / "cancelled.json"
+        #: run id -> unix time this node learnt it was cancelled
+        self.cancelled: dict[str, float] = {}
+        try:
+            raw = bounded_loads(self.cancelled_path.read_bytes(), "state")
+            if isinstance(raw, dict):
+                self.cancelled = {k: float(v) for k, v in raw.items() if isinstance(v, (int, float))}
+        except (OSError, ValueError):
+            pass
+
+    def remember_cancel(self, run_id: str) -> bool:
+        """Remember that an operator cancelled ``run_id`` (atomic write); False when it was known."""
+        if run_id in self.cancelled:
+            return False
+        self.cancelled = {**self.cancelled, run_id: time.time()}
+        self.dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.cancelled_path, json.dumps(self.cancelled, sort_keys=True))
+        return True
+
+    def is_cancelled(self, run_id: str) -> bool:
+        """Whether an operator cancelled ``run_id`` (a cancel record, or the run ended cancelled here)."""
+        return run_id in self.cancelled or self.state(run_id) == "cancelled"
+
+    def started(self, run_id: str) -> bool:
+        """Whether this node started ``run_id`` (a ledger entry or its run folder exists)."""
+        return run_id in self.entries or self.run_dir(run_id).exists()
 
     def run_dir(self, run_id: str) -> Path:
         """Per-run folder (checkpoints, metrics): ``{state_dir}/runs/{run_id}``."""

@@ -1,13 +1,16 @@
 """The run lobby: the always-on side of a node's MQTT life between runs.
 
-:class:`RunLobby` listens for run descriptors (``dfl/{fed}/run/+``, retained) and
-peers' statuses, keeps the known runs in queue order (:class:`RunQueue`: the signed
-``submitted_at``, then ``run_id``, never broker arrival) and publishes this node's
-status while it is not training.
+:class:`RunLobby` listens for run descriptors (``dfl/{fed}/run/+``, retained), their
+cancel records (``dfl/{fed}/run/+/cancel``, retained, read first) and peers' statuses,
+keeps the known runs in queue order (:class:`RunQueue`: the signed ``submitted_at``, then
+``run_id``, never broker arrival) and publishes this node's status while it is not
+training.  A descriptor of a cancelled run (a replay) or one whose ``not_after`` passed
+before this node started it is refused and counted (``cancelled``, ``expired``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -16,7 +19,7 @@ from typing import Any
 
 from dfl_agent.jsonbound import JSONBoundError, RateLimitedLog
 from dfl_agent.jsonbound import loads as bounded_loads
-from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier, run_topic
+from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier, cancel_topic, run_topic
 
 log = logging.getLogger("dfl_agent.runs")
 
@@ -85,9 +88,20 @@ class RunLobby:
         #: whose handling raised (caught, counted, logged; the listener goes on)
         self.dropped: dict[str, int] = {}
         self._errors = RateLimitedLog(log)
+        #: the node's :class:`~dfl_agent.runtime.service_counters.ServiceCounters` (None: this
+        #: lobby's own counts since its start)
+        self.counters: Any = None
         #: called with the run id, on the MQTT thread, as soon as a cancelled copy of a
-        #: run arrives (the agent stops that run's training at once)
+        #: run or its cancel record arrives (the agent stops that run's training at once)
         self.on_cancel: Callable[[str], None] | None = None
+        #: ``() -> dict``: more fields of this node's status (the service's ``task_restarts``)
+        self.service_fields: Callable[[], dict[str, Any]] | None = None
+        #: the node's :class:`~dfl_agent.runtime.ledger.RunLedger` (None: cancels are not
+        #: remembered across restarts, and ``not_after`` counts every run as not started)
+        self.ledger: Any = None
+        #: run ids whose verified cancel record arrived (the ledger remembers them too)
+        self.cancels: set[str] = set()
+        self._sub_mid: Any = None
 
     def start(self) -> None:
         """Connect (non-blocking; paho reconnects on its own)."""
@@ -102,6 +116,7 @@ class RunLobby:
                          protocol=m.protocol, username=m.username, password=m.password,
                          tls_ca=m.tls_ca, tls_cert=m.tls_cert, tls_key=m.tls_key)
         c.on_connect = self._on_connect
+        c.on_subscribe = self._on_subscribe
         c.on_message = self._on_message
         c.connect_async(host, port, keepalive=m.keepalive)
         c.loop_start()
@@ -114,10 +129,17 @@ class RunLobby:
             self.client.loop_stop()
 
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
-        from dfl_agent.transport.mqtt import topic
-
         if getattr(reason_code, "is_failure", False):
             log.warning("run lobby: connection refused: %s", reason_code)
+            return
+        # the cancel records first: their retained copies arrive before any descriptor
+        self._sub_mid = client.subscribe(cancel_topic(self.cfg.federation), 1)[1]
+
+    def _on_subscribe(self, client: Any, userdata: Any, mid: Any, *args: Any) -> None:
+        """Once the cancel records are subscribed, the descriptors and the statuses."""
+        from dfl_agent.transport.mqtt import topic
+
+        if mid != self._sub_mid:
             return
         client.subscribe([(run_topic(self.cfg.federation), 1), (topic(self.cfg.federation, "+", "status"), 1)])
         self.connected.set()
@@ -134,7 +156,9 @@ class RunLobby:
 
     def _handle_message(self, msg: Any) -> None:
         parts = msg.topic.split("/")
-        if len(parts) == 4 and parts[2] == "run":
+        if len(parts) == 5 and parts[2] == "run" and parts[4] == "cancel":
+            self._cancel_record(parts[3], msg.payload)
+        elif len(parts) == 4 and parts[2] == "run":
             if not msg.payload:
                 return
             d, why = self.verifier.check(msg.payload)
@@ -145,6 +169,11 @@ class RunLobby:
             assert d is not None
             if d.run_id != parts[3]:
                 self.verifier.refused["malformed"] = self.verifier.refused.get("malformed", 0) + 1
+                return
+            why = self.refusal(d)
+            if why is not None:
+                self.verifier.refused[why] = self.verifier.refused.get(why, 0) + 1
+                log.warning("refused run descriptor on %s: %s", msg.topic, why)
                 return
             with self.lock:
                 fresh = self.queue.offer(d)
@@ -167,6 +196,52 @@ class RunLobby:
                     self.statuses[parts[3]] = st
                 else:
                     self.statuses.pop(parts[3], None)
+
+    def is_cancelled(self, run_id: str) -> bool:
+        """Whether an operator cancelled ``run_id``: a verified cancel record, or the ledger."""
+        return run_id in self.cancels or (self.ledger is not None and self.ledger.is_cancelled(run_id))
+
+    def started(self, run_id: str) -> bool:
+        """Whether this node started ``run_id`` (the ledger knows it)."""
+        return self.ledger is not None and self.ledger.started(run_id)
+
+    def refusal(self, d: RunDescriptor, now: float | None = None) -> str | None:
+        """Why a verified descriptor may not be queued, or None: ``"cancelled"`` for a live
+        copy of a run an operator cancelled (a replayed submission), ``"expired"`` when its
+        ``not_after`` passed and this node has not started it."""
+        if not d.cancelled and self.is_cancelled(d.run_id):
+            return "cancelled"
+        if not d.cancelled and d.expired(time.time() if now is None else now) and not self.started(d.run_id):
+            return "expired"
+        return None
+
+    def _cancel_record(self, run_id: str, payload: bytes) -> None:
+        """A retained cancel record: verified (:meth:`RunVerifier.check_cancel`), remembered
+        in the ledger, and the run's queued copy marked cancelled (the cancel hook fires)."""
+        if not payload:
+            return  # a removed record never un-cancels a run
+        why = self.verifier.check_cancel(payload, run_id)
+        if why is not None:
+            if why != "duplicate":
+                log.warning("ignored the cancel record of run %s: %s", run_id, why)
+            return
+        if self.ledger is not None:
+            self.ledger.remember_cancel(run_id)
+        with self.lock:
+            fresh = run_id not in self.cancels
+            self.cancels.add(run_id)
+            old = self.queue.runs.get(run_id)
+            if old is not None and not old.cancelled:
+                self.queue.runs[run_id] = dataclasses.replace(old, cancelled=True)
+            self.changed.set()
+        if fresh:
+            log.info("run %s cancelled by the operator (cancel record)", run_id)
+        hook = self.on_cancel
+        if hook is not None and old is not None:
+            try:
+                hook(run_id)
+            except Exception:
+                log.exception("cancel hook failed")
 
     def _open_status(self, node: str, payload: bytes) -> Any:
         """A peer's status dict, None (cleared), or False (dropped and counted): verified
@@ -253,7 +328,9 @@ class RunLobby:
               "run": run, "runs_refused": dict(self.verifier.refused), "algorithm": None, "round": 0,
               "run_history": {k: {f: v.get(f) for f in ("state", "round", "reason")}
                               for k, v in sorted((history or {}).items(), key=lambda kv: kv[1].get("time", 0))[-20:]}}
-        if self.dropped:
-            st["control_dropped"] = dict(self.dropped)
+        # the refusal and drop counters, always present: with counters, the totals over restarts
+        st.update(self.counters.view() if self.counters is not None else {"control_dropped": dict(self.dropped)})
+        if self.service_fields is not None:
+            st.update(self.service_fields())
         body = self.guard.sign_control("status", st, self.cfg.federation) if self.guard is not None else json.dumps(st)
         self.client.publish(topic(self.cfg.federation, self.node_id, "status"), body, qos=1, retain=True)

@@ -45,6 +45,7 @@ from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier
 from dfl_agent.runtime.ledger import RunLedger, default_descriptor
 from dfl_agent.runtime.lobby import RunLobby
 from dfl_agent.runtime.sample_store import open_store, seed_store
+from dfl_agent.runtime.service_counters import ServiceCounters
 from dfl_agent.runtime.systemd import Notifier
 
 log = logging.getLogger("dfl_agent.daemon")
@@ -197,6 +198,11 @@ class RunManager:
             if cfg.data.input_shape and cfg.data.num_classes else (None, None)
         self.next_spool = 0.0
         self.waiting_for_data = False
+        #: the refusal and drop counters over restarts: in every status, idle (the lobby's)
+        #: and training (the run's node's), and in the Prometheus endpoint
+        self.counters = ServiceCounters(cfg.state_dir, lobby, lambda: self.agent.node if self.agent is not None
+                                        else None)
+        lobby.counters = self.counters
 
     # -- the state machine ------------------------------------------------------------
     def _to(self, state: str, run_id: str | None = None, reason: str = "", rnd: int = 0,
@@ -239,6 +245,14 @@ class RunManager:
     def cancel_unstarted(self, run_id: str) -> None:
         """``idle -> cancelled``: a run cancelled before it ran here (recorded)."""
         self._to("cancelled", run_id, CANCELLED)
+        self._to("idle")
+
+    def expire_unstarted(self, run_id: str) -> None:
+        """``idle -> declined``: a queued run whose ``not_after`` passed before it started
+        here (recorded, and counted as a refusal ``expired``)."""
+        refused = self.lobby.verifier.refused
+        refused["expired"] = refused.get("expired", 0) + 1
+        self.decline(run_id, "expired: its not_after passed before it started here")
         self._to("idle")
 
     def admit(self, d: RunDescriptor) -> bool:
@@ -341,7 +355,7 @@ class RunManager:
     def service_status(self) -> dict[str, Any]:
         """The agent's own figures for the Prometheus endpoint while no run trains."""
         return {"state": "idle" if self.agent is None else "training", "run": self.info,
-                "runs_refused": dict(self.lobby.verifier.refused)}
+                **self.counters.view()}
 
     # -- the loop ---------------------------------------------------------------------
     async def serve(self, stop: asyncio.Event) -> int:
@@ -387,9 +401,11 @@ class RunManager:
                 d = dd
         if d is None:
             with lobby.lock:
-                for r in lobby.queue.ordered():  # cancelled before it ran here
+                for r in lobby.queue.ordered():  # cancelled, or past its not_after, before it ran here
                     if r.cancelled and ledger.state(r.run_id) in BEFORE_TRAINED:
                         self.cancel_unstarted(r.run_id)
+                    elif not r.cancelled and r.expired(time.time()) and not ledger.started(r.run_id):
+                        self.expire_unstarted(r.run_id)
                 d = lobby.queue.next_runnable(ledger.is_done)
         if d is not None and not d.is_for(self.node_id, self.profile.name):
             self.decline(d.run_id, "not a member of this run")
@@ -481,6 +497,8 @@ class RunManager:
             should_stop=lambda: self.is_cancelled(d.run_id), wanted_peers=lambda: self.lobby.may_join(d.run_id),
             members=self.lobby.accepted_by(d.run_id) - {self.node_id},  # the admitted members so far
             on_state=self.on_agent_state)
+        agent.service_status = self.counters.view  # the run's status carries the service's counters
+        agent.notifier = self.notifier  # one systemd notifier: its watchdog follows the service's liveness
         watch = _CancelWatch(d.run_id, agent, run_stop, asyncio.get_running_loop())
         self.lobby.on_cancel = watch
         watcher = asyncio.ensure_future(_relay(stop, run_stop))
@@ -501,7 +519,8 @@ class RunManager:
             self.idle()
             return True
         finally:
-            self.agent = None
+            node, self.agent = agent.node, None
+            self.counters.run_ended(node)
             self.lobby.on_cancel = None
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
@@ -565,6 +584,7 @@ def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHoo
     lobby = RunLobby(cfg, nid, RunVerifier(cfg.federation, require_signatures=cfg.security.require_signatures,
                                            guard=guard))
     lobby.guard = guard
+    lobby.ledger = ledger  # cancelled runs stay cancelled across restarts
     store = None
     if cfg.data.dataset == "store":  # ingested between runs (a run ingests on its own)
         try:

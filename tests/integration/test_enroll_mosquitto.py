@@ -59,6 +59,8 @@ def test_enrolled_devices_log_in_to_mosquitto_with_the_shipped_acl(fed_dir, caps
     for dev in ("a", "b"):
         assert dflctl(["keys", "enroll", dev, "--federation", fed, "--dir", str(fed_dir),
                        "--state-dir", str(fed_dir / f"state-{dev}")]) == 0
+    assert dflctl(["keys", "enroll", "op", "--role", "operator", "--federation", fed, "--dir", str(fed_dir),
+                   "--state-dir", str(fed_dir / "state-op")]) == 0
     out = capsys.readouterr().out
     passwd = fed_dir / "mosquitto.passwd"
     acl = fed_dir / "dfl.acl"
@@ -87,12 +89,13 @@ def test_enrolled_devices_log_in_to_mosquitto_with_the_shipped_acl(fed_dir, caps
             assert pwd.getpwuid(passwd.stat().st_uid).pw_name == "mosquitto"
         assert "sudo install -o mosquitto -g mosquitto -m 0640" in out  # the copy step keeps the broker's access
         creds = {dev: (fed_dir / "credentials" / f"{dev}.toml").read_text().split('password = "')[1].split('"')[0]
-                 for dev in ("a", "b")}
+                 for dev in ("a", "b", "op")}
         got: list = []
         a = _client(port, "a", creds["a"], got)
         b = _client(port, "b", creds["b"])
+        op = _client(port, "op", creds["op"])
         for topic in (f"dfl/{fed}/node/+/out", f"dfl/{fed}/node/+/presence", f"dfl/{fed}/node/a/inbox",
-                      f"dfl/{fed}/node/b/inbox", f"dfl/{fed}/run/+"):
+                      f"dfl/{fed}/node/b/inbox", f"dfl/{fed}/run/+", f"dfl/{fed}/run/+/cancel"):
             a.subscribe(topic, qos=1)
         time.sleep(0.3)
         for topic, payload in ((f"dfl/{fed}/node/b/out", b"b-broadcast"),        # allowed
@@ -101,16 +104,18 @@ def test_enrolled_devices_log_in_to_mosquitto_with_the_shipped_acl(fed_dir, caps
                                (f"dfl/{fed}/node/a/out", b"b-forged-as-a"),      # denied: speaks as a
                                (f"dfl/{fed}/node/a/presence", b"b-forged"),      # denied
                                (f"dfl/{fed}/node/b/inbox", b"b-own-inbox"),      # a may not read it
-                               (f"dfl/{fed}/run/r1", b"b-forged-run")):          # denied: operators only
+                               (f"dfl/{fed}/run/r1", b"b-forged-run"),           # denied: operators only
+                               (f"dfl/{fed}/run/r1/cancel", b"b-forged-cancel")):  # denied: operators only
             b.publish(topic, payload, qos=1).wait_for_publish(3)
+        op.publish(f"dfl/{fed}/run/r2/cancel", b"op-cancel", qos=1).wait_for_publish(3)  # allowed, devices read it
         deadline = time.monotonic() + 3
-        while len(got) < 3 and time.monotonic() < deadline:
+        while len(got) < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.3)
-        for c in (a, b):
+        for c in (a, b, op):
             c.loop_stop()
             c.disconnect()
-        assert sorted(p for _, p in got) == [b"b-broadcast", b"b-presence", b"b-to-a"], got
+        assert sorted(p for _, p in got) == [b"b-broadcast", b"b-presence", b"b-to-a", b"op-cancel"], got
         assert "Warning" not in log.read_text(), log.read_text()
     finally:
         proc.terminate()
