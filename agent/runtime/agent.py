@@ -143,6 +143,9 @@ class Agent(RunMembers):
         self.run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())  # until runs have their own ids
         #: the data's (input shape, number of classes), once loaded (runs: accept-time memory check)
         self.data_shape: tuple[Any, int | None] | None = None
+        #: ``() -> dict``: the always-on service's fields of the run's status (its refusal and
+        #: drop counters, :class:`~dfl_agent.runtime.service_counters.ServiceCounters`); None with ``--once``
+        self.service_status: Callable[[], dict[str, Any]] | None = None
 
     async def run(self, stop: asyncio.Event) -> int:
         """Train this node's run until its last round or ``stop`` (then leave cleanly).
@@ -295,6 +298,7 @@ class Agent(RunMembers):
             node.accuracy_source = "local validation"
         if self.metrics_run is not None:
             node.run_info = {"id": self.metrics_run, "state": "accepted", "reason": ""}
+        node.service_status = self.service_status
 
     def _attach_publisher(self, s: _Setup) -> None:
         """With ONNX available: send the deployable model to inference-only members after

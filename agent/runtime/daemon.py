@@ -95,6 +95,8 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
     async with contextlib.AsyncExitStack() as stack:
         manager.lobby.start()
         stack.callback(manager.lobby.stop)
+        manager.counters.start_saving(cfg.mqtt.heartbeat_interval)  # counters.json, kept across restarts
+        stack.push_async_callback(manager.counters.stop_saving)
         exporter = _start_service_prometheus(cfg, manager.node_id, manager)
         if exporter is not None:
             stack.callback(exporter.stop)

@@ -88,6 +88,9 @@ class RunLobby:
         #: whose handling raised (caught, counted, logged; the listener goes on)
         self.dropped: dict[str, int] = {}
         self._errors = RateLimitedLog(log)
+        #: the node's :class:`~dfl_agent.runtime.service_counters.ServiceCounters` (None: this
+        #: lobby's own counts since its start)
+        self.counters: Any = None
         #: called with the run id, on the MQTT thread, as soon as a cancelled copy of a
         #: run or its cancel record arrives (the agent stops that run's training at once)
         self.on_cancel: Callable[[str], None] | None = None
@@ -325,7 +328,7 @@ class RunLobby:
               "run": run, "runs_refused": dict(self.verifier.refused), "algorithm": None, "round": 0,
               "run_history": {k: {f: v.get(f) for f in ("state", "round", "reason")}
                               for k, v in sorted((history or {}).items(), key=lambda kv: kv[1].get("time", 0))[-20:]}}
-        if self.dropped:
-            st["control_dropped"] = dict(self.dropped)
+        # the refusal and drop counters, always present: with counters, the totals over restarts
+        st.update(self.counters.view() if self.counters is not None else {"control_dropped": dict(self.dropped)})
         body = self.guard.sign_control("status", st, self.cfg.federation) if self.guard is not None else json.dumps(st)
         self.client.publish(topic(self.cfg.federation, self.node_id, "status"), body, qos=1, retain=True)

@@ -123,6 +123,9 @@ class Node:
         self.state = "starting"
         #: the run this node trains in (runs.py): ``{"id", "state", "reason"}``; None with ``--once``
         self.run_info: dict[str, Any] | None = None
+        #: ``() -> dict``: fields of the always-on service that every status carries, over this
+        #: node's own (``runs_refused``, ``control_dropped``: the service's totals); None with ``--once``
+        self.service_status: Callable[[], dict[str, Any]] | None = None
         # device profiles: a gated node republishes its status with the reason at once
         # (_on_gate); after_round hooks get (round, metrics record), e.g. the ONNX publisher
         self.after_round: list[Callable[[int, dict[str, Any]], Any]] = []
@@ -458,6 +461,7 @@ class Node:
                         "state": {"running": "training", "finished": "finished"}.get(self.state,
                                                                                      self.run_info["state"])}}
                if self.run_info else {}),
+            **(self.service_status() if self.service_status is not None else {}),
         }
 
     def _profile_status(self) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier
 from dfl_agent.runtime.ledger import RunLedger, default_descriptor
 from dfl_agent.runtime.lobby import RunLobby
 from dfl_agent.runtime.sample_store import open_store, seed_store
+from dfl_agent.runtime.service_counters import ServiceCounters
 from dfl_agent.runtime.systemd import Notifier
 
 log = logging.getLogger("dfl_agent.daemon")
@@ -197,6 +198,11 @@ class RunManager:
             if cfg.data.input_shape and cfg.data.num_classes else (None, None)
         self.next_spool = 0.0
         self.waiting_for_data = False
+        #: the refusal and drop counters over restarts: in every status, idle (the lobby's)
+        #: and training (the run's node's), and in the Prometheus endpoint
+        self.counters = ServiceCounters(cfg.state_dir, lobby, lambda: self.agent.node if self.agent is not None
+                                        else None)
+        lobby.counters = self.counters
 
     # -- the state machine ------------------------------------------------------------
     def _to(self, state: str, run_id: str | None = None, reason: str = "", rnd: int = 0,
@@ -349,7 +355,7 @@ class RunManager:
     def service_status(self) -> dict[str, Any]:
         """The agent's own figures for the Prometheus endpoint while no run trains."""
         return {"state": "idle" if self.agent is None else "training", "run": self.info,
-                "runs_refused": dict(self.lobby.verifier.refused)}
+                **self.counters.view()}
 
     # -- the loop ---------------------------------------------------------------------
     async def serve(self, stop: asyncio.Event) -> int:
@@ -491,6 +497,7 @@ class RunManager:
             should_stop=lambda: self.is_cancelled(d.run_id), wanted_peers=lambda: self.lobby.may_join(d.run_id),
             members=self.lobby.accepted_by(d.run_id) - {self.node_id},  # the admitted members so far
             on_state=self.on_agent_state)
+        agent.service_status = self.counters.view  # the run's status carries the service's counters
         watch = _CancelWatch(d.run_id, agent, run_stop, asyncio.get_running_loop())
         self.lobby.on_cancel = watch
         watcher = asyncio.ensure_future(_relay(stop, run_stop))
@@ -511,7 +518,8 @@ class RunManager:
             self.idle()
             return True
         finally:
-            self.agent = None
+            node, self.agent = agent.node, None
+            self.counters.run_ended(node)
             self.lobby.on_cancel = None
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
