@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from dfl_agent import WIRE_VERSION, __version__
 from dfl_agent.runtime.assembly import StartupError
 from dfl_agent.runtime.config import ConfigError, NodeConfig, load_config
+from dfl_agent.runtime.liveness import Liveness, paho_loop_alive, restart_paho_loop
 from dfl_agent.runtime.preflight import check_startup
 from dfl_agent.runtime.systemd import JournalFormatter, under_journald
 
@@ -84,7 +85,12 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
     default run (``[algorithm]``; recurring with ``algorithm.every``) and the published
     runs, one at a time, in queue order, until ``stop`` is set, with the lobby connected
     and the Prometheus endpoint up; both are torn down in reverse order (an
-    :class:`contextlib.AsyncExitStack`).  Returns the exit code (0 when stopped).
+    :class:`contextlib.AsyncExitStack`).  Its long-lived parts are watched
+    (:class:`~dfl_agent.runtime.liveness.Liveness`: the run listener's thread, the run
+    manager's loop with the status heartbeat and the spool ingestion): the systemd
+    watchdog is fed only while all are alive, a dead listener is restarted (counted as
+    ``task_restarts`` in the status), and a part that cannot be restarted stops the agent
+    with exit code 1.  Returns the exit code (0 when stopped, 1 when a part failed).
 
     Raises:
         StartupError: the default run cannot start (bad configuration: exit code 2).
@@ -92,18 +98,41 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
     from dfl_agent.runtime.run_manager import build_run_manager
 
     manager = build_run_manager(cfg, config_path, hooks=hooks)
+    liveness = Liveness()
+    manager.notifier.alive = liveness.alive  # the training agent shares this notifier
+    manager.lobby.service_fields = lambda: {"task_restarts": liveness.status()}
     async with contextlib.AsyncExitStack() as stack:
         manager.lobby.start()
         stack.callback(manager.lobby.stop)
         manager.counters.start_saving(cfg.mqtt.heartbeat_interval)  # counters.json, kept across restarts
         stack.push_async_callback(manager.counters.stop_saving)
+        stack.callback(liveness.cancel)
+        liveness.watch("run listener", lambda: paho_loop_alive(manager.lobby.client),
+                       lambda: restart_paho_loop(manager.lobby.client))
         exporter = _start_service_prometheus(cfg, manager.node_id, manager)
         if exporter is not None:
             stack.callback(exporter.stop)
         stack.callback(manager.notifier.stopping)
         log.info("node %s of federation %s serving: %s", manager.node_id, cfg.federation,
                  "default run + runs from operators" if manager.has_default else "waiting for runs")
-        return await manager.serve(stop)
+        return await _serve_watched(manager, liveness, stop)
+
+
+async def _serve_watched(manager: RunManager, liveness: Liveness, stop: asyncio.Event) -> int:
+    """``manager.serve(stop)`` while ``liveness`` watches the agent's parts; when a part
+    fails for good, stop the runs (as SIGTERM does) and return 1.  An exception of the run
+    manager's loop (its status heartbeat, ingestion and runs) propagates: exit code 1."""
+    serving = asyncio.ensure_future(manager.serve(stop))
+    watcher = asyncio.ensure_future(liveness.wait_failed())
+    try:
+        await asyncio.wait({serving, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not serving.done():  # a part failed: stop cleanly, exit 1 so that systemd restarts the agent
+        stop.set()
+        await serving
+        return 1
+    return serving.result()
 
 
 def run_agent(cfg: NodeConfig, config_path: str | None = None, once: bool = True) -> int:

@@ -498,6 +498,7 @@ class RunManager:
             members=self.lobby.accepted_by(d.run_id) - {self.node_id},  # the admitted members so far
             on_state=self.on_agent_state)
         agent.service_status = self.counters.view  # the run's status carries the service's counters
+        agent.notifier = self.notifier  # one systemd notifier: its watchdog follows the service's liveness
         watch = _CancelWatch(d.run_id, agent, run_stop, asyncio.get_running_loop())
         self.lobby.on_cancel = watch
         watcher = asyncio.ensure_future(_relay(stop, run_stop))

@@ -11,6 +11,9 @@ The watchdog: with ``WatchdogSec=`` systemd sets ``$WATCHDOG_USEC`` (and
 ``$WATCHDOG_PID``); :func:`watchdog_loop` runs *on the asyncio event loop* and sends
 ``WATCHDOG=1`` every half period, so pings stop as soon as the loop is blocked (a
 stuck callback, a deadlock) and systemd restarts the service after ``WatchdogSec``.
+With :attr:`Notifier.alive` set (the always-on agent's
+:meth:`dfl_agent.runtime.liveness.Liveness.alive`), a ping is sent only while every
+long-lived task and thread of the agent is alive.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ class Notifier:
         self._sock: socket.socket | None = None
         self.sent = 0
         self.errors = 0
+        #: ``() -> bool``: WATCHDOG=1 is sent only while it returns True (None: always)
+        self.alive: Callable[[], bool] | None = None
+        #: watchdog pings withheld because ``alive`` said no
+        self.withheld = 0
 
     @property
     def enabled(self) -> bool:
@@ -78,7 +85,13 @@ class Notifier:
         return self.notify(status=text)
 
     def watchdog(self) -> bool:
-        """``WATCHDOG=1``: keep-alive ping."""
+        """``WATCHDOG=1``: keep-alive ping, withheld (False) while :attr:`alive` says a part
+        of the agent is dead."""
+        if self.enabled and self.alive is not None and not self.alive():
+            if not self.withheld:
+                log.warning("systemd watchdog: pings withheld while a task of the agent is dead")
+            self.withheld += 1
+            return False
         return self.notify(watchdog=1)
 
     def reloading(self) -> bool:

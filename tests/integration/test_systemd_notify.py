@@ -179,3 +179,80 @@ def test_agent_process_notifies_ready_status_watchdog_and_reloads(tmp_path, mosq
     # checkpoints after every round, the newest two kept
     kept = sorted(int(p.stem.split("-")[1]) for p in (tmp_path / "state" / "checkpoints").glob("round-*.json"))
     assert len(kept) == 2 and kept[1] == kept[0] + 1 and kept[1] >= trained_rounds() - 1, kept
+
+
+# an always-on agent whose run listener thread can be killed from outside: a message on
+# dfl/{fed}/run/kill-listener raises inside paho's callback, which ends paho's network thread
+# (as an unexpected error in the listener did); everything else is the real agent
+_KILLABLE_LISTENER = """
+import sys
+from dfl_agent.runtime import lobby
+real = lobby.RunLobby._on_message
+def on_message(self, client, userdata, msg):
+    if msg.topic.endswith("/run/kill-listener"):
+        raise RuntimeError("the test ends the run listener's thread")
+    return real(self, client, userdata, msg)
+lobby.RunLobby._on_message = on_message
+from dfl_agent.runtime.daemon import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_dead_run_listener_is_restarted_counted_and_then_ends_the_agent(tmp_path, mosquitto_broker, federation):
+    """An always-on agent under a watchdog: its run listener's thread dies and is restarted
+    (WARNING, ``task_restarts`` in its status), three times, each time subscribed again (the
+    next kill message reaches it); the fourth death ends the agent with exit code 1 and an
+    ERROR naming the listener, so that systemd restarts it.
+    (Before, the dead listener left the agent deaf to runs while its status heartbeat and
+    the watchdog pings went on.)"""
+    import json
+
+    import paho.mqtt.client as mqtt
+    import paho.mqtt.publish as publish
+
+    sink = NotifySocket(tmp_path / "notify.sock")
+    cfg = config_from_dict({
+        "federation": federation, "node_id": "sd1", "state_dir": str(tmp_path / "state"),
+        "data": {"dataset": "digits"}, "discovery": {"mdns": False},
+        "mqtt": {"broker": mosquitto_broker.endpoint, "heartbeat_interval": 0.3},
+    })
+    path = tmp_path / "node.toml"
+    path.write_text(re.sub(r"\[algorithm\]\n(?:[^\[\n].*\n|\n)*", "", dump_toml(cfg)))  # no default run
+    host, port = mosquitto_broker.endpoint.rsplit(":", 1)
+    statuses: list[dict] = []
+    sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+    sub.on_message = lambda c, u, m: statuses.append(json.loads(m.payload).get("payload", {}))  # the envelope's
+    sub.connect(host, int(port))
+    sub.subscribe(f"dfl/{federation}/node/sd1/status")
+    sub.loop_start()
+    log_path = tmp_path / "agent.log"
+    env = {**os.environ, "NOTIFY_SOCKET": sink.path, "WATCHDOG_USEC": "600000"}
+    proc = subprocess.Popen([sys.executable, "-c", _KILLABLE_LISTENER, "run", "--config", str(path)],
+                            env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+
+    def text() -> str:
+        return log_path.read_text()
+
+    def kill_listener() -> None:
+        publish.single(f"dfl/{federation}/run/kill-listener", b"x", hostname=host, port=int(port))
+
+    def restarts() -> int | None:
+        return statuses[-1].get("task_restarts", {}).get("run listener") if statuses else None
+
+    try:
+        assert _wait(lambda: "waiting for runs" in text() and restarts() == 0, 60), text()[-2000:]
+        assert sink.having("READY=1") and sink.having("WATCHDOG=1")
+        for n in (1, 2, 3):
+            kill_listener()
+            assert _wait(lambda: f"restart {n} of 3" in text() and restarts() == n, 20), text()[-2000:]
+        kill_listener()
+        assert proc.wait(timeout=60) == 1, text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sub.loop_stop()
+        sink.close()
+    errors = [line for line in text().splitlines() if " ERROR " in line]
+    assert any("run listener died" in line and "exit code 1" in line for line in errors), errors
+    assert sink.having("STOPPING=1")
