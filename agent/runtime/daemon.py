@@ -100,11 +100,11 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
     manager = build_run_manager(cfg, config_path, hooks=hooks)
     liveness = Liveness()
     manager.notifier.alive = liveness.alive  # the training agent shares this notifier
-    manager.lobby.service_fields = lambda: {"task_restarts": liveness.status()}
+    manager.counters.fields["task_restarts"] = liveness.status  # in every status, idle and training
     async with contextlib.AsyncExitStack() as stack:
         manager.lobby.start()
         stack.callback(manager.lobby.stop)
-        manager.counters.start_saving(cfg.mqtt.heartbeat_interval)  # counters.json, kept across restarts
+        manager.counters.start_saving(cfg.mqtt.heartbeat_interval, liveness)  # counters.json, kept across restarts
         stack.push_async_callback(manager.counters.stop_saving)
         stack.callback(liveness.cancel)
         liveness.watch("run listener", lambda: paho_loop_alive(manager.lobby.client),

@@ -94,8 +94,6 @@ class RunLobby:
         #: called with the run id, on the MQTT thread, as soon as a cancelled copy of a
         #: run or its cancel record arrives (the agent stops that run's training at once)
         self.on_cancel: Callable[[str], None] | None = None
-        #: ``() -> dict``: more fields of this node's status (the service's ``task_restarts``)
-        self.service_fields: Callable[[], dict[str, Any]] | None = None
         #: the node's :class:`~dfl_agent.runtime.ledger.RunLedger` (None: cancels are not
         #: remembered across restarts, and ``not_after`` counts every run as not started)
         self.ledger: Any = None
@@ -330,7 +328,5 @@ class RunLobby:
                               for k, v in sorted((history or {}).items(), key=lambda kv: kv[1].get("time", 0))[-20:]}}
         # the refusal and drop counters, always present: with counters, the totals over restarts
         st.update(self.counters.view() if self.counters is not None else {"control_dropped": dict(self.dropped)})
-        if self.service_fields is not None:
-            st.update(self.service_fields())
         body = self.guard.sign_control("status", st, self.cfg.federation) if self.guard is not None else json.dumps(st)
         self.client.publish(topic(self.cfg.federation, self.node_id, "status"), body, qos=1, retain=True)

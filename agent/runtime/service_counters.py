@@ -96,10 +96,17 @@ class ServiceCounters:
         self._save_lock = threading.Lock()
         self._saved: dict[str, dict[str, int]] = self.base
         self._task: asyncio.Future[None] | None = None
+        #: more fields of every status, by name, not saved (the service's ``task_restarts``:
+        #: :meth:`dfl_agent.runtime.liveness.Liveness.status`)
+        self.fields: dict[str, Callable[[], dict[str, int]]] = {}
 
     def view(self) -> dict[str, dict[str, int]]:
         """``{"runs_refused": {reason: n}, "control_dropped": {reason: n}}``: the totals over
-        this node's life (both present, ``{}`` when nothing was refused or dropped)."""
+        this node's life (both present, ``{}`` when nothing was refused or dropped), and the
+        :attr:`fields`."""
+        return {**self._totals(), **{name: field() for name, field in self.fields.items()}}
+
+    def _totals(self) -> dict[str, dict[str, int]]:
         lobby = self.lobby
         with self._lock:
             ended = dict(self.ended)
@@ -117,7 +124,7 @@ class ServiceCounters:
         """Write the totals to ``counters.json`` when they changed since the last write
         (atomically; a failure is logged and tried again next time).  Returns whether it wrote."""
         with self._save_lock:  # the saving task's thread and the last save at stop
-            now = self.view()
+            now = self._totals()
             if now == self._saved:
                 return False
             try:
@@ -128,10 +135,15 @@ class ServiceCounters:
             self._saved = now
             return True
 
-    def start_saving(self, interval: float) -> None:
+    def start_saving(self, interval: float, liveness: Any = None) -> None:
         """Save every ``interval`` seconds while the counters change (a task of the running
-        event loop) until :meth:`stop_saving`."""
-        self._task = asyncio.ensure_future(self._keep_saved(interval))
+        event loop) until :meth:`stop_saving`; with ``liveness`` (a
+        :class:`~dfl_agent.runtime.liveness.Liveness`) the task is watched: restarted when it
+        fails, and counted."""
+        if liveness is not None:
+            self._task = liveness.spawn("counter saving", lambda: self._keep_saved(interval))
+        else:
+            self._task = asyncio.ensure_future(self._keep_saved(interval))
 
     async def stop_saving(self) -> None:
         """End the saving task, then save once more (the agent stops)."""

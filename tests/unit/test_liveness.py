@@ -174,3 +174,59 @@ def test_without_a_watchdog_the_probes_cost_nothing():
     assert n.watchdog() is False and calls == []
     with pytest.raises(ValueError):
         Liveness(max_restarts=-1)
+
+
+def _counters(tmp_path):
+    from dfl_agent.runtime.config import config_from_dict
+    from dfl_agent.runtime.descriptor import RunVerifier
+    from dfl_agent.runtime.lobby import RunLobby
+    from dfl_agent.runtime.service_counters import ServiceCounters
+
+    cfg = config_from_dict({"federation": "f", "node_id": "n0", "state_dir": str(tmp_path)})
+    return ServiceCounters(tmp_path, RunLobby(cfg, "n0", RunVerifier("f", require_signatures=False)))
+
+
+def test_task_restarts_are_in_the_status_and_not_saved(tmp_path):
+    """The service's counters carry ``task_restarts`` into every status (idle: the lobby's;
+    training: the run node's), but counters.json keeps only the refusal and drop counters."""
+    import json
+
+    from dfl_agent.runtime.service_counters import COUNTERS_FILE
+
+    counters, liveness = _counters(tmp_path), Liveness()
+    worker = Worker()
+    liveness.watch("run listener", worker.alive, worker.start)
+    counters.fields["task_restarts"] = liveness.status
+    counters.lobby.verifier.refused["cancelled"] = 1
+    worker.kill()
+    assert liveness.alive() and counters.view() == {"runs_refused": {"cancelled": 1}, "control_dropped": {},
+                                                    "task_restarts": {"run listener": 1}}
+    assert counters.save()
+    saved = json.loads((tmp_path / COUNTERS_FILE).read_text())
+    assert "task_restarts" not in saved and saved["runs_refused"] == {"cancelled": 1}
+
+
+def test_the_counter_saving_task_is_watched(tmp_path, monkeypatch):
+    """A saving task that fails (a save that raises what it does not catch) is started
+    again and counted; stop_saving still ends it and saves."""
+    counters, calls = _counters(tmp_path), []
+    real_save = counters.save
+
+    def save():
+        calls.append(1)
+        if len(calls) == 1:
+            raise TypeError("not JSON serialisable")
+        return real_save()
+
+    monkeypatch.setattr(counters, "save", save)
+
+    async def main():
+        liveness = Liveness()
+        counters.start_saving(0.02, liveness)
+        await asyncio.sleep(0.3)
+        liveness.cancel()
+        await counters.stop_saving()
+        return liveness
+
+    liveness = asyncio.run(main())
+    assert liveness.status() == {"counter saving": 1} and liveness.failed is None and len(calls) >= 3
