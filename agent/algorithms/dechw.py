@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -42,11 +42,6 @@ from dfl_agent.learning import hessian as hess
 from dfl_agent.learning.aggregation import weighted_average
 from dfl_agent.learning.error_feedback import ChocoGossip
 from dfl_agent.learning.robust import clip_updates, robust_aggregate
-
-if TYPE_CHECKING:
-    pass
-else:
-    pass
 
 HESSIAN_PREFIX = "hessian/"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from dfl_agent.algorithms.base import Traits, register
+from dfl_agent.algorithms.base import register
 from dfl_agent.algorithms.dfedavg import DFedAvg, DFedAvgOptions
 
 if TYPE_CHECKING:
@@ -33,8 +33,7 @@ class DFedProx(DFedAvg):
     """Decentralized FedProx (seed 000 Alg. 2 with the proximal term)."""
 
     name = "dfedprox"
-    traits = Traits("rotating", mixes_architectures=True, required_roles=("trainer", "sender"),
-                    models_held=(6.0, 6.0), aggregator_holds_all=True)
+    traits = DFedAvg.traits  # the same protocol and memory as DFedAvg
     Options = DFedProxOptions
 
     def _regularizer(self):

@@ -5,8 +5,8 @@ sub-models that are windows rolling with the round (Eq. 9).
 
 from __future__ import annotations
 
-from dfl_agent.algorithms.base import Traits, register
-from dfl_agent.algorithms.heterofl import PartialTraining
+from dfl_agent.algorithms.base import register
+from dfl_agent.algorithms.heterofl import HeteroFL, PartialTraining
 
 
 @register
@@ -14,7 +14,6 @@ class FedRolex(PartialTraining):
     """Decentralized FedRolex: sub-models are windows rolling with the round (Eq. 9)."""
 
     name = "fedrolex"
-    traits = Traits("rotating", mixes_architectures=True, required_roles=("trainer", "sender"),
-                    models_held=(6.0, 6.0), aggregator_holds_all=True, default_model="width-scaled")
+    traits = HeteroFL.traits  # the same protocol, memory and width-scaled default model as HeteroFL
     scheme = "fedrolex"
 

@@ -3,8 +3,8 @@
 :func:`admit` is the check a node makes when it picks a run from its queue: the
 algorithm must be known and allowed by the profile, and the model it would train
 (:func:`run_model_params`) times the copies the algorithm holds must fit
-``compute.memory_budget_mb``.  Torch is imported only to count a spec's parameters
-(on the ``meta`` device).
+``compute.memory_budget_mb``.  Torch is imported only to count the parameters of a
+spec whose count its fields do not give (on the ``meta`` device).
 """
 
 from __future__ import annotations
@@ -17,18 +17,25 @@ from dfl_agent.runtime.descriptor import RunDescriptor
 
 def spec_params(spec: Mapping[str, Any]) -> int:
     """Φ, the trainable parameters of the model ``spec`` describes, counted without
-    allocating them (the model is built on PyTorch's ``meta`` device, so a huge spec
-    costs no memory).
+    allocating them: from the spec alone where it tells (``cnn1d``, ``mlp``, ``cnn``: no
+    torch, :func:`dfl_agent.models.spec_param_count`), else by building the model on
+    PyTorch's ``meta`` device, so a huge spec costs no memory.
 
     Raises:
         ValueError: an invalid spec.
     """
+    from dfl_agent.models import spec_param_count, validate_spec
+
+    s = validate_spec(dict(spec))
+    n = spec_param_count(s)
+    if n is not None:
+        return int(n)
     import torch
 
-    from dfl_agent.models import build_model, count_trainable, validate_spec
+    from dfl_agent.models import build_model, count_trainable
 
     with torch.device("meta"):
-        return int(count_trainable(build_model(validate_spec(dict(spec)))))
+        return int(count_trainable(build_model(s)))
 
 
 def run_model_params(d: RunDescriptor, profile: Any, *, input_shape: Any = None, num_classes: int | None = None,

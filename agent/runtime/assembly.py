@@ -80,14 +80,10 @@ def apply_profile(cfg: NodeConfig, algorithm: str, spec: dict[str, Any] | None =
     if profile.inference_only:
         raise ValueError(f"profile {profile.name!r} is inference-only: run 'dfl-infer run', not the training agent")
     params = None
-    if spec is not None:  # from the spec where it tells (no torch), else from the built model
-        from dfl_agent.models import spec_param_count
+    if spec is not None:  # from the spec where it tells (no torch), else from a meta-device model
+        from dfl_agent.runtime.admission import spec_params
 
-        params = spec_param_count(spec)
-        if params is None:
-            from dfl_agent.models import build_model, count_trainable
-
-            params = count_trainable(build_model(spec))
+        params = spec_params(spec)
     t = cfg.training
     return profile, select_behaviour(
         profile, algorithm, config_model_size=cfg.model.size, config_model_spec=bool(cfg.model.spec),

@@ -266,10 +266,12 @@ class RunLobby:
         except ControlRejected as exc:
             if exc.reason != "duplicate":
                 key = f"status_{exc.reason}"
-                self.dropped[key] = self.dropped.get(key, 0) + 1
+                with self.lock:  # read by the counters' saving thread and the metrics endpoint
+                    self.dropped[key] = self.dropped.get(key, 0) + 1
             return False
         if guard.require_signatures and role != "device":
-            self.dropped["status_not_member"] = self.dropped.get("status_not_member", 0) + 1
+            with self.lock:
+                self.dropped["status_not_member"] = self.dropped.get("status_not_member", 0) + 1
             return False
         return st
 

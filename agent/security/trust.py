@@ -102,7 +102,7 @@ VERIFIED, PASS = "verified", "pass"
 CONTROL_VERSION = 1
 SEQ_FILE = "control_seq.json"
 #: largest control envelope accepted (bytes), checked before parsing
-MAX_CONTROL_BYTES = 256 * 1024
+MAX_CONTROL_BYTES = LIMITS["control"]
 
 
 def control_limit(kind: str | None) -> int:
