@@ -336,7 +336,11 @@ def adam_lr(option: float | None, train: TrainConfig | None) -> float:
 def train_adam(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,
                rng: np.random.Generator, device: str | torch.device = "cpu") -> dict[str, float]:
     """Cross-entropy training with a fresh Adam (the seed 002 baselines' optimizer), seeded
-    batch order; restores the model if it diverges.  Returns ``{"loss", "diverged"}``."""
+    batch order; restores the model if it diverges.  Returns ``{"loss", "diverged"}``.
+
+    Raises:
+        TrainingAborted: inside :func:`abortable` whose event is set (checked before every
+            mini-batch, as :func:`train_local` does)."""
     model.to(device).train()
     before = snapshot(model)
     opt = make_optimizer(model.parameters(), "adam", lr=lr)
@@ -345,6 +349,7 @@ def train_adam(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, b
     total, count = 0.0, 0
     for _ in range(epochs):
         for idx in batches(len(x), batch_size, rng):
+            _check_abort()  # a stopped run ends mid-round, as in train_local
             bi = torch.from_numpy(idx)
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(xt[bi].to(device)), yt[bi].to(device))

@@ -319,6 +319,28 @@ def test_stopped_run_aborts_local_training_in_its_worker_thread():
         assert train_local(model, x, y, TrainConfig(steps=2, batch_size=8), np.random.default_rng(0))["samples"] == 16
 
 
+def test_adam_training_stops_mid_round_when_its_run_is_stopped():
+    """train_adam (fedper, local_adam) checks the abort event before every mini-batch too."""
+    import threading
+
+    import numpy as np
+    import torch
+
+    from dfl_agent.learning.training import TrainingAborted, abortable, train_adam
+    from dfl_agent.models import build_model, default_spec
+
+    torch.manual_seed(0)
+    model = build_model(default_spec([1, 8, 8], 10, "small"))
+    x = np.random.default_rng(0).normal(size=(16, 1, 8, 8)).astype(np.float32)
+    y = np.arange(16) % 10
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    event = threading.Event()
+    event.set()
+    with abortable(event), pytest.raises(TrainingAborted):
+        train_adam(model, x, y, epochs=1000, batch_size=8, lr=0.01, rng=np.random.default_rng(0))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # stopped before a step
+
+
 def test_nodes_that_declined_a_run_are_not_waited_for():
     import sys
 
