@@ -1,0 +1,99 @@
+"""A run process's memory cgroup on the real kernel (cgroup v1 or v2, as root): a plain
+Python child (no torch) that allocates past its limit is OOM-killed and classified "oom";
+one under its limit ends "ok"; every cgroup made here is removed, also when a test fails.
+The layouts the kernel here does not have are in tests/unit/test_cgroup.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dfl_agent.runtime.cgroup import RunCgroup, classify_exit
+
+#: touch every page, so that the memory is really used (a fresh bytearray may be lazily zeroed)
+ALLOC = "import sys; b = bytearray(int(sys.argv[1]) << 20); b[::4096] = b'x' * len(b[::4096]); print('done')"
+
+
+def _probe() -> str | None:
+    """Why no real run cgroup can be made here, or None."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "needs root (outside a systemd service with Delegate=yes)"
+    cg = RunCgroup.create(f"probe-{os.getpid()}", 64)
+    if cg is None:
+        return "no memory cgroup can be made here (see the WARNING of dfl_agent.runtime.cgroup)"
+    cg.remove()
+    return None
+
+
+WHY = _probe()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
+
+
+@pytest.fixture
+def cgroups():
+    """``make(name, limit_mb)``: a real RunCgroup, removed (and checked gone) at the end."""
+    made: list[RunCgroup] = []
+
+    def make(name: str, limit_mb: int | None) -> RunCgroup:
+        cg = RunCgroup.create(f"test-{os.getpid()}-{name}", limit_mb)
+        assert cg is not None
+        made.append(cg)
+        return cg
+
+    yield make
+    for cg in made:
+        cg.remove()
+    assert not [cg.path for cg in made if cg.path.exists()]
+
+
+def _run(cg: RunCgroup, mb: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", ALLOC, str(mb)], preexec_fn=cg.enter,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_run_past_its_limit_is_oom_killed_and_the_cgroup_goes(cgroups):
+    cg = cgroups("over", 64)
+    r = _run(cg, 200)
+    assert r.returncode == -9, (r.returncode, r.stdout, r.stderr)
+    assert "done" not in r.stdout
+    assert cg.oom_killed()
+    assert classify_exit(r.returncode, cg) == "oom"
+    peak = cg.peak_mb()
+    assert peak is None or peak <= 64.5, peak  # never above the limit
+    cg.remove()
+    assert not cg.path.exists()
+
+
+def test_a_run_under_its_limit_ends_ok(cgroups):
+    cg = cgroups("under", 64)
+    r = _run(cg, 16)
+    assert r.returncode == 0 and "done" in r.stdout, r.stderr
+    assert not cg.oom_killed()
+    assert classify_exit(r.returncode, cg) == "ok"
+    peak = cg.peak_mb()
+    assert peak is None or 16 <= peak <= 64.5, peak  # the child was charged here, not outside
+    cg.remove()
+    assert not cg.path.exists()
+
+
+def test_remove_kills_what_is_left_and_a_leftover_is_emptied_on_create(cgroups):
+    cg = cgroups("left", None)
+    child = subprocess.Popen(["sleep", "60"], preexec_fn=cg.enter)
+    try:
+        # a new process for the same run (the supervisor restarted): the old one is killed
+        again = cgroups("left", 64)
+        assert again.path == cg.path and child.wait(timeout=5) == -9
+        child2 = subprocess.Popen(["sleep", "60"], preexec_fn=again.enter)
+        t0 = time.monotonic()
+        again.remove()
+        assert child2.wait(timeout=5) == -9 and time.monotonic() - t0 < 3
+        assert not again.path.exists()
+    finally:
+        for p in (child, locals().get("child2")):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
