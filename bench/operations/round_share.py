@@ -19,12 +19,17 @@ against the median of the later rounds.
 
     nice -n 10 python bench/operations/round_share.py --label after --out bench/operations/round_share.jsonl
     python bench/operations/round_share.py --report bench/operations/round_share.jsonl > bench/operations/round_share.md
+
+The record keeps the command exactly as it was run (the interpreter, the arguments, and
+``nice -n N`` only when the process ran niced).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -32,6 +37,21 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+
+def invocation(argv: list[str] | None = None, executable: str | None = None) -> str:
+    """The command line of this process as it was run: ``nice -n N`` when it runs niced
+    (``os.nice(0)``), the interpreter (relative to the working directory when inside it)
+    and ``argv`` (default ``sys.argv``), shell-quoted."""
+    exe = executable or sys.executable or "python"
+    try:
+        rel = os.path.relpath(exe)
+        exe = rel if not rel.startswith("..") else exe
+    except ValueError:
+        pass
+    niceness = os.nice(0)
+    return ((f"nice -n {niceness} " if niceness > 0 else "")
+            + shlex.join([exe, *(sys.argv if argv is None else argv)]))
 
 
 def run(nodes: int, rounds: int, extra: dict[str, Any]) -> dict[str, Any]:
@@ -150,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         extra.setdefault(section, {})[name] = json.loads(value)
     res = run(a.nodes, a.rounds, extra)
     rec = {"label": a.label, "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "command": "nice -n 10 python bench/operations/round_share.py " + " ".join(sys.argv[1:]),
+           "command": invocation(),
            "exit_codes": res["exit_codes"], "wall_s": res["wall_s"], "summary": summarise(res["records"]),
            "records": res["records"]}
     if a.out:

@@ -7,8 +7,13 @@ processes (as two agents are), and the receiver reports the receipt time
 ``--processes 1`` runs both ends in one process, where they also compete for one
 interpreter lock:
 
-* ``raw``: raw paho - one client publishes the tensors' bytes, another receives them
-  (timed from ``publish`` to the receiver's ``on_message``);
+* ``raw``: raw paho - one client publishes the tensors' bytes in one message, another
+  receives them (timed from ``publish`` to the receiver's ``on_message``);
+* ``raw_chunked``: raw paho carrying the same bytes in pieces of at most the agent's chunk
+  size (``--chunk-size``, default 256 KiB, an 8-byte index/count header included), every piece
+  built first and then published, QoS 1, as the agent's transport does; timed from the first
+  ``publish`` to the receiver's ``on_message`` of the last piece. Below the chunk size it is
+  one message, like ``raw``;
 * ``ours``: the daemon's full path - ``RuntimeContext.broadcast`` (encode, chunk,
   publish) on node A to ``RuntimeContext.receive`` on node B (reassemble, decode,
   validate), unsigned;
@@ -24,12 +29,15 @@ interpreter lock:
   asyncio event loop (``call_soon_threadsafe``) and reports once a coroutine awaiting
   an ``asyncio.Future`` has woken - the handover any asyncio agent pays.
 
-``--paths`` picks the paths (raw paho is always measured: the ratios need it).
+``--paths`` picks the paths (both raw paho paths are always measured: the ratios need them).
 
 Every repeat runs ``--n`` messages of each path and size, interleaved, and keeps the
-median; the ratio of a repeat is its median over raw paho's median of that repeat,
-and the reported ratio is the worst (largest) of the repeats.  ``--stages`` adds a
-per-stage CPU profile (no network) of encode and decode.
+median; the ratio of a repeat is its median over a raw paho path's median of that
+repeat (``raw``: ``<path>_ratio``; ``raw_chunked``: ``<path>_ratio_chunked``), and the
+reported ratio is the worst (largest) of the repeats.  ``--stages`` adds a per-stage
+CPU profile (no network) of encode and decode.  The record keeps the command exactly
+as it was run (the interpreter, the arguments, and ``nice -n N`` only when the process
+ran niced).
 
 Usage (repository root)::
 
@@ -44,9 +52,11 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import platform
 import shlex
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -57,8 +67,62 @@ import numpy as np
 
 SIZES = (55_000, 1 << 20, 10 << 20)
 FED = "bench"
-PATHS = ("raw", "ours", "signed", "floor", "floor_signed", "floor_loop")
+PATHS = ("raw", "raw_chunked", "ours", "signed", "floor", "floor_signed", "floor_loop")
 FLOOR = ("floor", "floor_signed", "floor_loop")
+#: the baselines every run measures (the ratios need them)
+BASELINES = ("raw", "raw_chunked")
+#: the agent's default ``mqtt.chunk_size``: largest MQTT payload it sends
+CHUNK_SIZE = 256 * 1024
+PIECE_HEADER = 8  # raw_chunked: 4-byte piece index, 4-byte piece count (big-endian)
+
+
+def invocation(argv: list[str] | None = None, executable: str | None = None) -> str:
+    """The command line of this process as it was run: ``nice -n N`` when it runs niced
+    (``os.nice(0)``), the interpreter (relative to the working directory when inside it)
+    and ``argv`` (default ``sys.argv``), shell-quoted."""
+    exe = executable or sys.executable or "python"
+    try:
+        rel = os.path.relpath(exe)
+        exe = rel if not rel.startswith("..") else exe
+    except ValueError:
+        pass
+    niceness = os.nice(0)
+    return ((f"nice -n {niceness} " if niceness > 0 else "")
+            + shlex.join([exe, *(sys.argv if argv is None else argv)]))
+
+
+def pieces(payload: bytes, chunk_size: int = CHUNK_SIZE) -> list[bytes]:
+    """``payload`` split as raw paho's chunked baseline sends it: pieces of at most
+    ``chunk_size`` bytes, each an 8-byte header (index, count) and the next bytes."""
+    step = chunk_size - PIECE_HEADER
+    count = max(1, -(-len(payload) // step))
+    view = memoryview(payload)
+    return [i.to_bytes(4, "big") + count.to_bytes(4, "big") + view[i * step:(i + 1) * step]
+            for i in range(count)]
+
+
+class PieceCounter:
+    """Receiving end of ``raw_chunked``: counts the pieces of one payload (one in flight)
+    and calls ``report("raw_chunked")`` on the last one (on paho's network thread)."""
+
+    def __init__(self, report: Callable[[str], None]):
+        self.report = report
+        self.got = 0
+        self.nbytes = 0
+
+    def on_message(self, client: Any, userdata: Any, msg: Any) -> None:
+        payload = msg.payload
+        count = int.from_bytes(payload[4:8], "big")
+        self.got += 1
+        self.nbytes += len(payload) - PIECE_HEADER
+        if self.got >= count:
+            self.got = 0
+            self.report("raw_chunked")
+
+    def take_bytes(self) -> int:
+        """Payload bytes received since the last call."""
+        n, self.nbytes = self.nbytes, 0
+        return n
 
 
 def model_of(nbytes: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -100,13 +164,16 @@ class RawPaho:
     """Two paho clients on one broker: ``once(payload)`` returns publish->receipt seconds.
     The subscriber subscribes to ``topics`` (QoS 1); ``bench/raw`` is the raw path's."""
 
-    def __init__(self, host: str, port: int, topics: tuple[str, ...] = ("bench/raw",)):
+    def __init__(self, host: str, port: int, topics: tuple[str, ...] = ("bench/raw",),
+                 chunk_size: int = CHUNK_SIZE):
         import paho.mqtt.client as mqtt
 
         self.got = threading.Event()
         self.t_recv = 0.0
         self.n_recv = 0
         self.topic = "bench/raw"
+        self.chunk_size = chunk_size
+        topics = tuple(dict.fromkeys((*topics, "bench/raw_chunked")))
         self.sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="raw-sub", protocol=mqtt.MQTTv5)
         self.pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="raw-pub", protocol=mqtt.MQTTv5)
         subscribed = threading.Event()
@@ -118,7 +185,14 @@ class RawPaho:
             self.t_recv = time.perf_counter()
             self.got.set()
 
+        def on_chunked(path: str) -> None:
+            self.n_recv = self.counter.take_bytes()
+            self.t_recv = time.perf_counter()
+            self.got.set()
+
         self.sub.on_message = on_message
+        self.counter = PieceCounter(on_chunked)
+        self.sub.message_callback_add("bench/raw_chunked", self.counter.on_message)
         for c in (self.sub, self.pub):
             c.connect(host, port)
             c.loop_start()
@@ -131,6 +205,16 @@ class RawPaho:
         self.pub.publish(self.topic, payload, qos=1)
         if not self.got.wait(60) or self.n_recv != len(payload):
             raise RuntimeError("raw paho: message lost")
+        return self.t_recv - t0
+
+    def once_chunked(self, payload: bytes) -> float:
+        """Publish->receipt seconds of ``payload`` sent in pieces (``raw_chunked``)."""
+        self.got.clear()
+        t0 = time.perf_counter()
+        for piece in pieces(payload, self.chunk_size):
+            self.pub.publish("bench/raw_chunked", piece, qos=1)
+        if not self.got.wait(60) or self.n_recv != len(payload):
+            raise RuntimeError("raw paho, chunked: message lost")
         return self.t_recv - t0
 
     def close(self) -> None:
@@ -366,9 +450,10 @@ def _receiver(endpoint: str, keys: tuple[bytes, bytes], conn: Any, paths: tuple[
     sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="raw-sub", protocol=mqtt.MQTTv5)
     subscribed = threading.Event()
     sub.on_subscribe = lambda *a: subscribed.set()
-    topics = [("bench/raw", 1)] + [(f"bench/{p}", 1) for p in FLOOR if p in paths]
+    topics = [("bench/raw", 1), ("bench/raw_chunked", 1)] + [(f"bench/{p}", 1) for p in FLOOR if p in paths]
     sub.on_connect = lambda c, *a: c.subscribe(topics)
     sub.on_message = lambda c, u, msg: report("raw")
+    sub.message_callback_add("bench/raw_chunked", PieceCounter(report).on_message)
     floor = FloorReceiver(sub, keys[0], report)
     sub.connect(host, int(port))
     sub.loop_start()
@@ -403,11 +488,12 @@ def _receiver(endpoint: str, keys: tuple[bytes, bytes], conn: Any, paths: tuple[
 class TwoProcesses:
     """Sender here (raw paho publisher, node a of both federations), receiver in a child."""
 
-    def __init__(self, endpoint: str, paths: tuple[str, ...] = PATHS):
+    def __init__(self, endpoint: str, paths: tuple[str, ...] = PATHS, chunk_size: int = CHUNK_SIZE):
         import multiprocessing as mp
 
         self.endpoint = endpoint
         self.paths = paths
+        self.chunk_size = chunk_size
         self.keys = _keys()
         self.conn, child = mp.Pipe()
         self.proc = mp.get_context("spawn").Process(target=_receiver, args=(endpoint, self.keys, child, paths),
@@ -442,6 +528,9 @@ class TwoProcesses:
         t0 = time.perf_counter()
         if path == "raw":
             self.pub.publish("bench/raw", payload, qos=1)
+        elif path == "raw_chunked":
+            for piece in pieces(payload, self.chunk_size):  # all built, then published
+                self.pub.publish("bench/raw_chunked", piece, qos=1)
         elif path in FLOOR:
             self.pub.publish(f"bench/{path}", self.floor.frame(path, payload), qos=1)
         else:
@@ -554,17 +643,19 @@ def _summary(samples: list[float]) -> dict[str, float]:
 
 
 async def run(sizes: list[int], n: int, repeats: int, processes: int = 2,
-              paths: tuple[str, ...] = PATHS) -> dict[str, Any]:
-    """Measure ``paths`` (of :data:`PATHS`; raw paho is always added) at every size:
-    per path its samples' min/median/max and each repeat's median (seconds), and per
-    path but raw its ratios to raw paho (each repeat's, and the worst) and its rate."""
+              paths: tuple[str, ...] = PATHS, chunk_size: int = CHUNK_SIZE) -> dict[str, Any]:
+    """Measure ``paths`` (of :data:`PATHS`; both raw paho baselines are always added) at
+    every size: per path its samples' min/median/max and each repeat's median (seconds),
+    and per path but ``raw`` its ratios to raw paho in one message (``<path>_ratios``,
+    the worst as ``<path>_ratio``), per path but the baselines its ratios to raw paho in
+    pieces (``<path>_ratios_chunked``, ``<path>_ratio_chunked``), and its rate."""
     from dfl_agent.cli.broker import start_broker
 
-    paths = ("raw",) + tuple(p for p in PATHS if p in paths and p != "raw")
+    paths = BASELINES + tuple(p for p in PATHS if p in paths and p not in BASELINES)
     results: dict[str, Any] = {}
     with start_broker("mosquitto") as broker:
         if processes == 2:
-            two = TwoProcesses(broker.endpoint, paths)
+            two = TwoProcesses(broker.endpoint, paths, chunk_size)
             await two.start()
 
             async def once(path: str, tensors: dict[str, np.ndarray], payload: bytes) -> float:
@@ -574,7 +665,8 @@ async def run(sizes: list[int], n: int, repeats: int, processes: int = 2,
                 await two.stop()
         else:
             host, port = broker.endpoint.rsplit(":", 1)
-            raw = RawPaho(host, int(port), ("bench/raw",) + tuple(f"bench/{p}" for p in FLOOR if p in paths))
+            raw = RawPaho(host, int(port), ("bench/raw",) + tuple(f"bench/{p}" for p in FLOOR if p in paths),
+                          chunk_size)
             floor = FloorOne(raw, _keys())
             nodes: dict[str, Ours] = {p: Ours(broker.endpoint, p == "signed") for p in ("ours", "signed") if p in paths}
             for o in nodes.values():
@@ -584,6 +676,8 @@ async def run(sizes: list[int], n: int, repeats: int, processes: int = 2,
             async def once(path: str, tensors: dict[str, np.ndarray], payload: bytes) -> float:
                 if path == "raw":
                     return raw.once(payload)
+                if path == "raw_chunked":
+                    return raw.once_chunked(payload)
                 if path in FLOOR:
                     return await floor.once(path, payload)
                 return await nodes[path].once(tensors)
@@ -612,12 +706,17 @@ async def run(sizes: list[int], n: int, repeats: int, processes: int = 2,
                 for m in per:
                     row[m] = {**_summary(per[m]["samples"]), "medians": per[m]["medians"]}
                 for m in paths[1:]:
-                    ratios = [a / b for a, b in zip(per[m]["medians"], per["raw"]["medians"], strict=True)]
-                    row[f"{m}_ratio"] = max(ratios)
-                    row[f"{m}_ratios"] = ratios
+                    for base, suffix in (("raw", ""), ("raw_chunked", "_chunked")):
+                        if m in BASELINES and suffix:
+                            continue
+                        ratios = [a / b for a, b in zip(per[m]["medians"], per[base]["medians"], strict=True)]
+                        row[f"{m}_ratio{suffix}"] = max(ratios)
+                        row[f"{m}_ratios{suffix}"] = ratios
                     row[f"{m}_MBps"] = len(payload) / max(per[m]["medians"]) / 1e6
                 results[str(size)] = row
                 print(json.dumps({"size": size, **{f"{m}_ratio": round(row[f"{m}_ratio"], 3) for m in paths[1:]},
+                                  **{f"{m}_ratio_chunked": round(row[f"{m}_ratio_chunked"], 3)
+                                     for m in paths[2:]},
                                   **{f"{m}_median_ms": round(1e3 * row[m]["median"], 4) for m in paths}}),
                       flush=True)
         finally:
@@ -636,8 +735,13 @@ def report(path: Path) -> str:
                   "", f"Command: `{r['command']}`", ""]
         if r.get("floor_digest") and any(p in row for row in r["results"].values() for p in FLOOR):
             lines += [f"Floor paths' payload digest: {r['floor_digest']}.", ""]
-        lines += ["| message | path | min ms | median ms | max ms | ratio to raw paho (worst repeat) | rate MB/s |",
-                  "|---|---|---|---|---|---|---|"]
+        chunked = any("raw_chunked" in row for row in r["results"].values())
+        if chunked:
+            lines += [f"`raw_chunked`: the same bytes as `raw` in pieces of at most {r.get('chunk_size', CHUNK_SIZE)} "
+                      "bytes, as the agent sends them; ratios to it in the last column.", ""]
+        lines += ["| message | path | min ms | median ms | max ms | ratio to raw paho (worst repeat) | rate MB/s |"
+                  + (" ratio to chunked raw paho (worst repeat) |" if chunked else ""),
+                  "|---|---|---|---|---|---|---|" + ("---|" if chunked else "")]
         for size, row in r["results"].items():
             label = {"55000": "55 kB", str(1 << 20): "1 MiB", str(10 << 20): "10 MiB"}.get(size, f"{size} B")
             for m in PATHS:
@@ -646,8 +750,12 @@ def report(path: Path) -> str:
                 s = row[m]
                 ratio = f"{row[m + '_ratio']:.2f}x" if m != "raw" else "1"
                 rate = f"{row[m + '_MBps']:.0f}" if m != "raw" else f"{row['payload_bytes'] / max(s['medians']) / 1e6:.0f}"
-                lines.append(f"| {label} | {m} | {1e3 * s['min']:.2f} | {1e3 * s['median']:.2f} | "
-                             f"{1e3 * s['max']:.2f} | {ratio} | {rate} |")
+                cells = (f"| {label} | {m} | {1e3 * s['min']:.2f} | {1e3 * s['median']:.2f} | "
+                         f"{1e3 * s['max']:.2f} | {ratio} | {rate} |")
+                if chunked:
+                    rc = row.get(m + "_ratio_chunked")
+                    cells += " 1 |" if m == "raw_chunked" else " |" if rc is None else f" {rc:.2f}x |"
+                lines.append(cells)
         if r.get("stages"):
             lines += ["", "Per-stage CPU time (median, microseconds, no network):", "",
                       "| stage | " + " | ".join(r["stages"]) + " |", "|---|" + "---|" * len(r["stages"])]
@@ -672,9 +780,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--processes", type=int, choices=(1, 2), default=2,
                    help="2: sender and receiver in two processes (as two agents); 1: both in this one")
     p.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), metavar="PATH",
-                   help="paths to measure (default: all): " + ", ".join(PATHS) + "; raw paho is always "
-                   "measured, as the ratios need it. floor, floor_signed, floor_loop: the least work of an "
+                   help="paths to measure (default: all): " + ", ".join(PATHS) + "; raw and raw_chunked "
+                   "(raw paho in one message; in pieces of --chunk-size) are always measured, as the ratios "
+                   "need them. floor, floor_signed, floor_loop: the least work of an "
                    "integrity-checked (signed; handed to an asyncio loop) envelope on raw paho")
+    p.add_argument("--chunk-size", type=int, default=CHUNK_SIZE,
+                   help="largest MQTT payload of raw_chunked, header included (default: the agent's "
+                   "mqtt.chunk_size, %(default)s)")
     p.add_argument("--stages", action="store_true", help="also profile encode/decode per stage (no network)")
     p.add_argument("--report", default=None, help="print the Markdown report of a results file and exit")
     a = p.parse_args(argv)
@@ -682,21 +794,20 @@ def main(argv: list[str] | None = None) -> int:
         print(report(Path(a.report)))
         return 0
     import logging
-    import sys
 
     import dfl_agent
     from dfl_agent.transport import wire
 
     logging.basicConfig(level=logging.ERROR)
-    paths = ("raw",) + tuple(p for p in PATHS if p in a.paths and p != "raw")
-    res = asyncio.run(run(a.sizes, a.n, a.repeats, a.processes, paths))
+    paths = BASELINES + tuple(p for p in PATHS if p in a.paths and p not in BASELINES)
+    res = asyncio.run(run(a.sizes, a.n, a.repeats, a.processes, paths, a.chunk_size))
     record: dict[str, Any] = {
         "label": a.label, "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "wire_version": getattr(dfl_agent, "WIRE_VERSION", None), "frame_version": wire.WIRE_VERSION,
         "n": a.n, "repeats": a.repeats, "processes": a.processes, "paths": list(paths),
         "floor_digest": _digest_fn()[1],
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "command": "nice -n 10 python bench/scale/transport.py " + shlex.join(sys.argv[1:]), "results": res,
+        "chunk_size": a.chunk_size, "command": invocation(), "results": res,
     }
     if a.stages:
         record["stages"] = {str(s): stages(s, 30 if s < (1 << 20) else 7) for s in a.sizes}
