@@ -69,6 +69,17 @@ def test_every_shipped_profile_gives_its_own_unit(tmp_path):
     assert pi["IOWeight"] == ["50"]
 
 
+def test_every_unit_delegates_its_cgroup_and_outlives_an_oom_killed_run(tmp_path):
+    """Each run's process gets its own memory cgroup below the service's: the unit delegates
+    its cgroup (and leaves the cgroup file system writable), and the kernel's OOM kill of a
+    run does not stop the service. No profile's drop-in changes that."""
+    for prof in [None, *(p.name for p in list_profiles())]:
+        for instance, template in ((None, "dfl-agent.service"), ("lab", "dfl-agent@.service")):
+            eff = _effective(build_plan(_args(tmp_path / f"{prof}-{template}", prof, instance)), template)
+            assert eff["Delegate"] == ["yes"] and eff["OOMPolicy"] == ["continue"], (prof, template)
+            assert eff.get("ProtectControlGroups", ["no"]) == ["no"], (prof, template)
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 def test_every_profiles_unit_and_drop_in_pass_systemd_analyze_verify(tmp_path):
     staged = tmp_path / "units"
