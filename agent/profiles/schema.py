@@ -89,7 +89,8 @@ class ComputeSection:
             warning when none is visible) or ``auto`` (cuda when available).
         threads: torch intra-op threads; 0 = every CPU core.
         memory_budget_mb: memory the agent may use for models and training (MiB);
-            decides whether the device may aggregate (see the decision table).
+            decides whether the device may aggregate (see the decision table), and
+            limits each run's process (its memory cgroup, :mod:`dfl_agent.runtime.cgroup`).
         mixed_precision: train with ``torch.autocast`` (float16 on CUDA; ignored on cpu).
     """
 
@@ -173,8 +174,8 @@ class ResourcesSection:
     """``[resources]``: the systemd limits ``dflctl install-service --profile`` writes
     into the drop-in ``<unit>.d/50-resources.conf`` (an unset field keeps the unit's value).
 
-    These bound the whole service (cgroup); the agent's own budget for models and
-    training stays ``compute.memory_budget_mb``, which must fit under ``memory_max``.
+    These bound the whole service (cgroup), the agent and its runs together; each run's
+    process is held to ``compute.memory_budget_mb``, which must fit under ``memory_max``.
 
     Attributes:
         memory_max: ``MemoryMax=``, a systemd size (``"1536M"``, ``"3G"``; K/M/G/T are
