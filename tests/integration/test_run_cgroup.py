@@ -83,6 +83,7 @@ def test_a_run_under_its_limit_ends_ok(cgroups):
 def test_remove_kills_what_is_left_and_a_leftover_is_emptied_on_create(cgroups):
     cg = cgroups("left", None)
     child = subprocess.Popen(["sleep", "60"], preexec_fn=cg.enter)
+    child2 = None
     try:
         # a new process for the same run (the supervisor restarted): the old one is killed
         again = cgroups("left", 64)
@@ -93,7 +94,7 @@ def test_remove_kills_what_is_left_and_a_leftover_is_emptied_on_create(cgroups):
         assert child2.wait(timeout=5) == -9 and time.monotonic() - t0 < 3
         assert not again.path.exists()
     finally:
-        for p in (child, locals().get("child2")):
+        for p in (child, child2):
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
