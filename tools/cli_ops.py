@@ -250,23 +250,26 @@ def cmd_install_service(a: argparse.Namespace) -> int:
 # -- watch -----------------------------------------------------------------------------
 
 def _observer(a: argparse.Namespace):
+    """The connected observer of the fleet options' federation (``--config``'s trust material
+    verifies signatures where the federation is signed)."""
+    from dfl_agent.cli import fleet
     from dfl_agent.cli.observer import Observer
 
-    broker, fed = a.broker, a.federation
-    if a.config:
-        from dfl_agent.runtime.config import load_config
-
-        cfg = load_config(a.config)
-        broker, fed = broker or cfg.mqtt.broker, fed or cfg.federation
-    return Observer(broker or "127.0.0.1:1883", fed or "default").start(timeout=a.timeout)
+    t = fleet.target(a)
+    obs = Observer(t)
+    obs.guard = fleet.trust_guard(t)
+    return obs.start(timeout=a.timeout)
 
 
 def cmd_watch(a: argparse.Namespace) -> int:
+    from dfl_agent.cli import fleet
     from dfl_agent.cli.cli_runs import RUN_COLUMNS, run_rows
     from dfl_agent.cli.tables import PEER_COLUMNS, STATUS_COLUMNS, peer_rows, render_table, status_rows
 
     obs = _observer(a)
     obs.settle()
+    if not obs.seen_anything():  # a live view waits for nodes, but says why it is empty
+        print(f"dflctl watch: {fleet.absent(obs.target)}; watching", file=sys.stderr)
     n = 0
     try:
         if a.json:
@@ -318,16 +321,21 @@ def _check(name: str, status: str, detail: str) -> dict[str, str]:
     return {"check": name, "status": status, "detail": detail}
 
 
-def check_broker(endpoint: str, timeout: float = 5.0) -> dict[str, str]:
-    """MQTT CONNECT/CONNACK with the broker (a TCP port alone is not enough)."""
-    from dfl_agent.cli.observer import Observer
+def check_broker(endpoint: Any, timeout: float = 5.0) -> dict[str, str]:
+    """MQTT CONNECT/CONNACK with the broker (a TCP port alone is not enough), with the
+    credentials and TLS of ``endpoint`` (a :class:`~dfl_agent.cli.fleet.FleetTarget`, or a
+    ``host:port`` without them); a failure says why (refused, unknown host, TLS, not authorised)."""
+    from dfl_agent.cli import fleet
 
+    t = fleet.as_target(endpoint)
     t0 = time.monotonic()
     try:
-        Observer(endpoint, "doctor").start(timeout=timeout).stop()
+        fleet.close(t.open("dflctl-doctor", timeout))
     except (ConnectionError, ValueError) as exc:
         return _check("broker", "fail", str(exc))
-    return _check("broker", "ok", f"{endpoint} answered in {1000 * (time.monotonic() - t0):.0f} ms")
+    who = f" as {t.username}" if t.username else ""
+    tls = " over TLS" if t.tls_ca else ""
+    return _check("broker", "ok", f"{t.broker} accepted{who}{tls} in {1000 * (time.monotonic() - t0):.0f} ms")
 
 
 def check_mdns(interface: str, timeout: float = 3.0) -> dict[str, str]:
@@ -420,19 +428,24 @@ def check_checkpoint(state_dir: str) -> dict[str, str]:
 
 
 def cmd_doctor(a: argparse.Namespace) -> int:
+    from dfl_agent.cli import fleet
     from dfl_agent.runtime.config import ConfigError, NodeConfig, load_config
 
     results = []
     cfg = NodeConfig()
+    config_ok = False
     if a.config:
         try:
             cfg = load_config(a.config)
+            config_ok = True
             results.append(_check("config", "ok", f"{a.config} is valid"))
         except ConfigError as exc:
             results.append(_check("config", "fail", str(exc)))
-    broker = a.broker or cfg.mqtt.broker
+    # the broker as the node reaches it: --config's broker, credentials and TLS (a config that
+    # failed its check gives none), each connection option overriding
+    t = fleet.target(argparse.Namespace(**{**vars(a), "config": a.config if config_ok else None}))
     state_dir = a.state_dir or cfg.state_dir
-    results.append(check_broker(broker, a.timeout))
+    results.append(check_broker(t, a.timeout))
     if cfg.discovery.mdns or a.interface:
         for iface in ([a.interface] if a.interface else cfg.discovery.interfaces):
             results.append(check_mdns(iface, a.timeout))
@@ -466,15 +479,14 @@ def register(sub: Any) -> None:
     i.add_argument("--json", action="store_true", help="the plan as one JSON document (schema_version 1)")
     i.set_defaults(func=cmd_install_service)
 
+    from dfl_agent.cli.fleet import add_options as fleet_options
+
     for name, fn, helptext in (("watch", cmd_watch, "live view of a federation's nodes"),
                                ("doctor", cmd_doctor, "check broker, mDNS, clock, disk, permissions")):
         c = sub.add_parser(name, help=helptext)
-        c.add_argument("--config", default=None, help="node configuration (broker, federation, interfaces)")
-        c.add_argument("--broker", default=None, help="host:port")
-        c.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
+        fleet_options(c)
         c.add_argument("--json", action="store_true", help="machine-readable output (schema_version 1)")
         if name == "watch":
-            c.add_argument("--federation", default=None, help="federation name (default: from --config, else 'default')")
             c.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
             c.add_argument("--count", type=int, default=None, help="stop after this many refreshes")
         else:

@@ -14,6 +14,12 @@ Trust: with ``--config`` (a node.toml's ``[security]`` trust material) ``list`` 
 (:class:`~dfl_agent.runtime.descriptor.RunVerifier`) and show only those an operator signed
 (``trust = "operator"``); the others are hidden and counted on one line of stderr.
 Without it every entry is marked ``trust = "unverified"``, as ``dflctl peers`` does.
+
+Connection: every sub-command takes the fleet options of :mod:`dfl_agent.cli.fleet`
+(``--config`` or ``--broker``, ``--federation``, ``-u``, ``--password-file``, ``--cafile``,
+``--cert``, ``--key``); a broker that cannot be used is one line saying why, exit 3.
+``list`` and ``show`` on a federation that nothing is heard from (no presence, status or run)
+name the federations the broker carries, exit 1.
 """
 
 from __future__ import annotations
@@ -25,19 +31,18 @@ import secrets
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dfl_agent.cli.fleet import FleetTarget
 
 RUN_COLUMNS = ("run_id", "name", "state", "algorithm", "rounds", "submitter", "trust", "nodes")
 
 
-def _target(a: argparse.Namespace) -> tuple[str, str]:
-    broker, fed = a.broker, a.federation
-    if a.config:
-        from dfl_agent.runtime.config import load_config
+def _target(a: argparse.Namespace) -> FleetTarget:
+    from dfl_agent.cli.fleet import target
 
-        cfg = load_config(a.config)
-        broker, fed = broker or cfg.mqtt.broker, fed or cfg.federation
-    return broker or "127.0.0.1:1883", fed or "default"
+    return target(a)
 
 
 def load_operator(d: str | None) -> tuple[Any, dict[str, Any] | None, str]:
@@ -78,59 +83,49 @@ def operator_seq(d: str | None) -> Any:
     return SeqCounter(None)
 
 
-def _client(prefix: str) -> Any:
-    """An MQTT v5 paho client with a unique ``prefix-xxxxxxxx`` client id."""
-    from dfl_agent.transport.mqtt import mqtt_session
-
-    return mqtt_session(f"{prefix}-{secrets.token_hex(4)}", reconnect_delay=None)
-
-
-def _connect(c: Any, broker: str) -> None:
-    """Connect ``c`` to ``broker`` (``host:port``) and start its network loop.
-
-    Raises:
-        ConnectionError: the broker cannot be reached.
-    """
-    from dfl_agent.transport.endpoint import parse_endpoint
-
-    host, port = parse_endpoint(broker)
-    try:
-        c.connect(host, port, keepalive=30)
-    except OSError as exc:
-        raise ConnectionError(f"cannot reach MQTT broker {broker}: {exc}") from None
-    c.loop_start()
-
-
-def publish_retained(broker: str, topic: str, payload: bytes, timeout: float = 10.0) -> None:
+def publish_retained(broker: str | FleetTarget, topic: str, payload: bytes, timeout: float = 10.0) -> None:
     """Publish ``payload`` retained (QoS 1) and wait until the broker has it.
 
+    Args:
+        broker: a :class:`~dfl_agent.cli.fleet.FleetTarget` (credentials, TLS) or a ``host:port``.
+
     Raises:
-        ConnectionError: the broker cannot be reached or does not acknowledge in ``timeout`` s.
+        ConnectionError: the broker cannot be used (:class:`~dfl_agent.cli.fleet.BrokerError`,
+            saying why), or does not acknowledge in ``timeout`` s (e.g. the ACL denies the
+            topic to this user: mosquitto then drops the message without a word).
     """
-    c = _client("dflctl-run")
-    _connect(c, broker)
+    from dfl_agent.cli import fleet
+
+    t = fleet.as_target(broker)
+    c = t.open("dflctl-run", timeout)
     try:
         info = c.publish(topic, payload, qos=1, retain=True)
         info.wait_for_publish(timeout)
         if not info.is_published():
-            raise ConnectionError(f"broker {broker} did not acknowledge the run within {timeout:.0f}s")
+            raise fleet.BrokerError(f"broker {t.broker} did not acknowledge the run within {timeout:.0f}s")
     finally:
-        c.disconnect()
-        c.loop_stop()
+        fleet.close(c)
 
 
-def fetch_retained(broker: str, topic: str, timeout: float = 10.0, absent_after: float = 2.0) -> bytes | None:
+def fetch_retained(broker: str | FleetTarget, topic: str, timeout: float = 10.0,
+                   absent_after: float = 2.0) -> bytes | None:
     """The retained message on ``topic`` (None when there is none: nothing arrived within
     ``absent_after`` s of the subscription being acknowledged).
 
+    Args:
+        broker: a :class:`~dfl_agent.cli.fleet.FleetTarget` (credentials, TLS) or a ``host:port``.
+
     Raises:
-        ConnectionError: the broker cannot be reached or does not answer in ``timeout`` s.
+        ConnectionError: the broker cannot be used (saying why) or does not answer in ``timeout`` s.
     """
     import threading
 
+    from dfl_agent.cli import fleet
+
+    t = fleet.as_target(broker)
     got: list[bytes] = []
     subscribed, arrived = threading.Event(), threading.Event()
-    c = _client("dflctl-get")
+    c = t.session("dflctl-get")
     c.on_connect = lambda cl, *_: cl.subscribe(topic, qos=1)
     c.on_subscribe = lambda *_: subscribed.set()
 
@@ -140,15 +135,14 @@ def fetch_retained(broker: str, topic: str, timeout: float = 10.0, absent_after:
             arrived.set()
 
     c.on_message = on_message
-    _connect(c, broker)
+    t.connect(c, timeout)
     try:
         if not subscribed.wait(timeout):
-            raise ConnectionError(f"no answer from MQTT broker {broker} within {timeout:.0f}s")
+            raise fleet.BrokerError(f"no answer from MQTT broker {t.broker} within {timeout:.0f}s")
         arrived.wait(absent_after)  # a retained message follows the subscription at once
         return got[0] if got else None
     finally:
-        c.disconnect()
-        c.loop_stop()
+        fleet.close(c)
 
 
 def verify_runs(runs: dict[str, dict[str, Any]], payloads: dict[str, bytes], federation: str,
@@ -192,25 +186,27 @@ def verify_runs(runs: dict[str, dict[str, Any]], payloads: dict[str, bytes], fed
 
 def _snapshot(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], collections.Counter[str]]:
     """Runs (verified with ``--config``'s trust material, else marked unverified),
-    statuses, and the runs hidden because they did not verify (by reason)."""
+    statuses, and the runs hidden because they did not verify (by reason).
+
+    Raises:
+        dfl_agent.cli.fleet.FederationAbsent: no presence, status or run of the federation.
+    """
+    from dfl_agent.cli import fleet
     from dfl_agent.cli.observer import Observer
 
-    broker, fed = _target(a)
+    t = _target(a)
     guard = None
-    if a.config:
-        from dfl_agent.cli.observer import observer_guard
-        from dfl_agent.runtime.config import load_config
-
-        cfg = load_config(a.config)
-        if cfg.security.federation_key or cfg.security.operators:  # trust material for operators
-            guard = observer_guard(cfg)
-    obs = Observer(broker, fed).start(timeout=a.timeout)
+    if t.config is not None and (t.config.security.federation_key or t.config.security.operators):
+        guard = fleet.trust_guard(t)  # trust material for operators
+    obs = Observer(t).start(timeout=a.timeout)
     obs.settle()
-    statuses, _ = obs.snapshot()
+    statuses, presence = obs.snapshot()
     with obs._lock:
         runs, payloads, cancels = dict(obs.runs), dict(obs.run_payloads), dict(obs.run_cancels)
     obs.stop()
-    shown, hidden = verify_runs(runs, payloads, fed, guard, cancels)
+    if not (runs or statuses or presence):
+        raise fleet.FederationAbsent(fleet.absent(t, "presence, status or run"))
+    shown, hidden = verify_runs(runs, payloads, t.federation, guard, cancels)
     return shown, statuses, hidden
 
 
@@ -286,7 +282,8 @@ def cmd_submit(a: argparse.Namespace) -> int:
     from dfl_agent.durations import parse_duration
     from dfl_agent.runtime.descriptor import RunDescriptor, new_run_id, run_topic, sign_descriptor
 
-    broker, fed = _target(a)
+    t = _target(a)
+    fed = t.federation
     try:
         valid_for = parse_duration(a.not_after)
     except ValueError as exc:
@@ -321,13 +318,65 @@ def cmd_submit(a: argparse.Namespace) -> int:
         print(f"dflctl run submit: {exc}", file=sys.stderr)
         return 2
     try:
-        publish_retained(broker, run_topic(fed, d.run_id),
-                         sign_descriptor(d, key, name, cert, seq=operator_seq(a.operator_dir)))
+        publish_retained(t, run_topic(fed, d.run_id),
+                         sign_descriptor(d, key, name, cert, seq=operator_seq(a.operator_dir)), timeout=a.timeout)
     except ConnectionError as exc:
         print(f"dflctl run submit: {exc}", file=sys.stderr)
         return 3
-    print(d.run_id)
+    _say_submitted(a, t, d, signed=key is not None)
     return 0
+
+
+def follow_command(a: argparse.Namespace, run_id: str) -> str:
+    """``dflctl run show RUN_ID`` with the connection options this command was given
+    (never a password: a password file is named, not read)."""
+    import shlex
+
+    argv = ["dflctl", "run", "show", run_id]
+    for opt, attr in (("--config", "config"), ("--broker", "broker"), ("--federation", "federation"),
+                      ("-u", "username"), ("--password-file", "password_file"), ("--cafile", "cafile"),
+                      ("--cert", "cert"), ("--key", "key")):
+        if getattr(a, attr, None):
+            argv += [opt, str(getattr(a, attr))]
+    return shlex.join(argv)
+
+
+def submitted_view(a: argparse.Namespace, t: FleetTarget, d: Any, signed: bool) -> dict[str, Any]:
+    """What ``run submit`` published: the run id, where, what, who must take part and until
+    when a device may still start it, and the command that follows it."""
+    return {"schema_version": 1, "run_id": d.run_id, "federation": t.federation, "broker": t.broker,
+            "name": d.name, "algorithm": d.algorithm, "rounds": d.rounds, "members": d.members,
+            "min_members": d.min_members, "start_timeout": d.start_timeout, "submitter": d.submitter,
+            "signed": signed, "submitted_at": d.submitted_at, "not_after": d.not_after,
+            "follow": follow_command(a, d.run_id)}
+
+
+def _say_submitted(a: argparse.Namespace, t: FleetTarget, d: Any, signed: bool) -> None:
+    """``run submit``'s answer: the run id alone on stdout (``RID=$(dflctl run submit ...)``
+    keeps working), what was submitted and how to follow it on stderr; with ``--json`` the
+    document of :func:`submitted_view` on stdout instead.  A federation with no node on the
+    broker gets a note: the run waits there, retained, for the nodes to come."""
+    from dfl_agent.cli import fleet
+
+    v = submitted_view(a, t, d, signed)
+    try:
+        seen = fleet.federations_seen(t, stop_at=t.federation)
+    except (ConnectionError, ValueError):
+        seen = {t.federation: set()}  # cannot tell: say nothing
+    if t.federation not in seen:
+        print(f"dflctl run submit: note: the run waits on the broker (retained) until nodes of federation "
+              f"{t.federation!r} come: {fleet.absent(t, seen=seen)}", file=sys.stderr)
+    if a.json:
+        print(json.dumps(v, indent=1))
+        return
+    print(d.run_id)
+    members = "all members" if d.members == "all" else f"members {', '.join(d.members)}"
+    until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(d.not_after)) if d.not_after else "never"
+    print(f"submitted run {d.run_id}{f' ({d.name})' if d.name else ''} to federation {t.federation} on {t.broker}: "
+          f"{d.algorithm}, {d.rounds} round{'s' if d.rounds != 1 else ''}, {members} (starts when {d.min_members} "
+          f"accepted, fails if not within {d.start_timeout:g}s), not after {until}, "
+          f"{'signed by ' + d.submitter if signed else 'unsigned'}\n"
+          f"follow it: {v['follow']}", file=sys.stderr)
 
 
 def cmd_cancel(a: argparse.Namespace) -> int:
@@ -340,14 +389,15 @@ def cmd_cancel(a: argparse.Namespace) -> int:
         sign_descriptor,
     )
 
-    broker, fed = _target(a)
+    t = _target(a)
+    fed = t.federation
     try:
         key, cert, name = load_operator(a.operator_dir)
     except (OSError, ValueError) as exc:
         print(f"dflctl run cancel: --operator-dir: {exc}", file=sys.stderr)
         return 2
     try:  # only the run's own retained descriptor: a cancel reaches the agents within a second
-        raw = fetch_retained(broker, run_topic(fed, a.run), timeout=a.timeout)
+        raw = fetch_retained(t, run_topic(fed, a.run), timeout=a.timeout)
     except ConnectionError as exc:
         print(f"dflctl run cancel: {exc}", file=sys.stderr)
         return 3
@@ -357,13 +407,14 @@ def cmd_cancel(a: argparse.Namespace) -> int:
     except (ValueError, TypeError):
         msg = None
     if msg is None:
-        print(f"dflctl run cancel: no run {a.run!r} in federation {fed}", file=sys.stderr)
+        print(f"dflctl run cancel: no run {a.run!r} in federation {fed} on {t.broker}", file=sys.stderr)
         return 1
     d.cancelled, d.seq = True, d.seq + 1
     seq = operator_seq(a.operator_dir)
     try:  # the cancel record first: it stays even when the descriptor is published again
-        publish_retained(broker, cancel_topic(fed, d.run_id), sign_cancel(fed, d.run_id, key, name, cert, seq=seq))
-        publish_retained(broker, run_topic(fed, d.run_id), sign_descriptor(d, key, name, cert, seq=seq))
+        publish_retained(t, cancel_topic(fed, d.run_id), sign_cancel(fed, d.run_id, key, name, cert, seq=seq),
+                         timeout=a.timeout)
+        publish_retained(t, run_topic(fed, d.run_id), sign_descriptor(d, key, name, cert, seq=seq), timeout=a.timeout)
     except ConnectionError as exc:
         print(f"dflctl run cancel: {exc}", file=sys.stderr)
         return 3
@@ -379,11 +430,10 @@ def cmd_list(a: argparse.Namespace) -> int:
         views.sort(key=lambda v: (float(v.get("submitted_at") or 0), v["run_id"]))
         print(json.dumps({"schema_version": 1, "runs": views, "hidden": dict(hidden)}, indent=1))
         return 0
-    from rich.console import Console
-
+    from dfl_agent.cli.output import console
     from dfl_agent.cli.tables import render_table
 
-    Console().print(render_table("runs", run_rows(runs, statuses), RUN_COLUMNS))
+    console().print(render_table("runs", run_rows(runs, statuses), RUN_COLUMNS))
     return 0
 
 
@@ -428,13 +478,12 @@ def register(sub: Any) -> None:
     r = sub.add_parser("run", help="submit, list, show and cancel runs of a federation")
     rs = r.add_subparsers(dest="run_cmd", required=True)
 
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--config", default=None, help="a node.toml to take the broker and federation from")
-        p.add_argument("--broker", default=None, help="host:port (default: from --config, else 127.0.0.1:1883)")
-        p.add_argument("--federation", default=None, help="federation name (default: from --config, else default)")
-        p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the broker")
+    from dfl_agent.cli.fleet import add_options
 
-    s = rs.add_parser("submit", help="publish a new run; prints its id")
+    def common(p: argparse.ArgumentParser) -> None:
+        add_options(p, timeout=10.0)
+
+    s = rs.add_parser("submit", help="publish a new run; prints its id (and on stderr what was submitted)")
     common(s)
     s.add_argument("--operator-dir", default=None,
                    help="folder with the operator's key (*.pem) and certificate (*cert*.json); omit to submit "
@@ -456,6 +505,8 @@ def register(sub: Any) -> None:
     s.add_argument("--not-after", default="24h", metavar="DURATION",
                    help="how long after submission a device that has not started the run may still start it "
                         "(e.g. 90m, 6h, 2d; default 24h); signed with the run")
+    s.add_argument("--json", action="store_true",
+                   help="print what was submitted as one JSON document (run_id, federation, ..., follow)")
     s.set_defaults(func=cmd_submit)
 
     li = rs.add_parser("list", help="runs of the federation, in queue order")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dfl_agent import __version__
+from dfl_agent.cli.fleet import FederationAbsent
 from dfl_agent.cli.output import console, json_doc
 from dfl_agent.cli.tables import PEER_COLUMNS, STATUS_COLUMNS, fmt_cell, peer_rows, render_table, status_rows
 
@@ -150,21 +151,24 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def _observe(a: argparse.Namespace):
-    from dfl_agent.cli.observer import Observer, observer_guard
+    """The federation's statuses and presence (``--config``'s trust material verifies their
+    signatures; without it, or on an unsigned federation, every entry is "unverified").
 
-    broker, fed = a.broker, a.federation
-    if a.config:
-        from dfl_agent.runtime.config import load_config
+    Raises:
+        dfl_agent.cli.fleet.FederationAbsent: nothing at all heard from the federation.
+    """
+    from dfl_agent.cli import fleet
+    from dfl_agent.cli.observer import Observer
 
-        cfg = load_config(a.config)
-        broker, fed = broker or cfg.mqtt.broker, fed or cfg.federation
-    obs = Observer(broker or "127.0.0.1:1883", fed or "default")
-    if a.config:  # trust material: verify signatures (without it every entry is "unverified")
-        obs.guard = observer_guard(cfg)
+    t = fleet.target(a)
+    obs = Observer(t)
+    obs.guard = fleet.trust_guard(t)
     obs.start(timeout=a.timeout)
     obs.settle()
     statuses, presence = obs.snapshot()
     obs.stop()
+    if not statuses and not presence:
+        raise fleet.FederationAbsent(fleet.absent(t))
     return statuses, presence
 
 
@@ -337,13 +341,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--max-windows", type=int, default=None, help="--feed: use at most this many windows per user")
     d.set_defaults(func=cmd_demo)
 
+    from dfl_agent.cli.fleet import add_options as fleet_options
+
     for name, fn, helptext in (("peers", cmd_peers, "list nodes from retained presence"),
                                ("status", cmd_status, "retained status documents")):
         c = sub.add_parser(name, help=helptext)
-        c.add_argument("--broker", default=None, help="host:port (default: from --config, else 127.0.0.1:1883)")
-        c.add_argument("--federation", default=None, help="federation name (default: from --config, else 'default')")
-        c.add_argument("--config", default=None, help="read broker and federation from a node config")
-        c.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
+        fleet_options(c)
         if name == "status":
             c.add_argument("node", nargs="?", default=None, help="one node's id: show every field of its status")
         else:
@@ -399,9 +402,12 @@ def main(argv: list[str] | None = None) -> int:
         chosen.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
-    except ConnectionError as exc:  # the broker cannot be reached
+    except ConnectionError as exc:  # the broker cannot be used (the line says why)
         print(f"dflctl: {exc}", file=sys.stderr)
         return EXIT_BROKER
+    except FederationAbsent as exc:  # nothing heard from the federation: names those the broker carries
+        print(f"dflctl: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except (ValueError, KeyError, FileNotFoundError, ImportError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"dflctl: {msg}", file=sys.stderr)

@@ -1,22 +1,25 @@
 """A read-only MQTT observer of a federation: retained presence and status topics.
 
-Used by ``dflctl demo`` (live progress), ``dflctl status`` and ``dflctl peers``.  It
-announces nothing and publishes nothing.
+Used by ``dflctl demo`` (live progress) and the fleet commands (``peers``, ``status``,
+``watch``, ``run list|show``), which connect it with their :class:`~dfl_agent.cli.fleet.FleetTarget`
+(credentials, TLS).  It announces nothing and publishes nothing.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
-import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dfl_agent.jsonbound import JSONBoundError, RateLimitedLog
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.transport.endpoint import parse_endpoint
-from dfl_agent.transport.mqtt import mqtt_session
+
+if TYPE_CHECKING:
+    from dfl_agent.cli.fleet import FleetTarget
 
 log = logging.getLogger(__name__)
 
@@ -36,17 +39,28 @@ def observer_guard(cfg: Any) -> Any:
 class Observer:
     """Subscribe to ``dfl/{federation}/node/+/{presence,status}`` on ``broker``.
 
+    ``broker`` is a ``host:port`` (no credentials) or a :class:`~dfl_agent.cli.fleet.FleetTarget`
+    (its broker, credentials, TLS and protocol; ``federation`` None: the target's).
+
     Attributes:
         statuses: node id -> latest status document (dict).
         presence: node id -> latest presence document (``{"state": "online"|"offline", ...}``).
 
     Raises:
-        ConnectionError: from :meth:`start` when the broker cannot be reached in ``timeout`` s.
+        ConnectionError: from :meth:`start` (a :class:`~dfl_agent.cli.fleet.BrokerError`) when the
+            broker cannot be used, saying why (refused, unknown host, TLS, not authorised, no answer).
     """
 
-    def __init__(self, broker: str, federation: str, protocol: str = "5"):
-        self.host, self.port = parse_endpoint(broker)
-        self.federation = federation
+    def __init__(self, broker: str | FleetTarget, federation: str | None = None, protocol: str = "5"):
+        from dfl_agent.cli.fleet import FleetTarget
+
+        if isinstance(broker, FleetTarget):
+            self.target = broker if federation is None else dataclasses.replace(broker, federation=federation)
+        else:
+            self.target = FleetTarget(broker=broker, federation=federation or "default",
+                                      protocol="5" if protocol == "5" else "3.1.1")
+        self.host, self.port = parse_endpoint(self.target.broker)
+        self.federation = self.target.federation
         self.statuses: dict[str, dict[str, Any]] = {}
         self.presence: dict[str, dict[str, Any]] = {}
         #: run id -> latest retained run descriptor message (parsed JSON, not verified)
@@ -63,8 +77,7 @@ class Observer:
         self._connected = threading.Event()
         #: SecurityGuard verifying presence/status (set before start; None: all "unverified")
         self.guard: Any = None
-        self._client = mqtt_session(f"dflctl-{uuid.uuid4().hex[:8]}", protocol="5" if protocol == "5" else "3.1.1",
-                                    reconnect_delay=None)
+        self._client = self.target.session("dflctl")
         self._client.on_connect = self._on_connect
         self._client.on_message = self._on_message
 
@@ -148,15 +161,13 @@ class Observer:
         return inner, role
 
     def start(self, timeout: float = 10.0) -> Observer:
-        try:
-            self._client.connect(self.host, self.port, keepalive=30)
-        except OSError as exc:
-            raise ConnectionError(f"cannot reach MQTT broker {self.host}:{self.port}: {exc}") from None
-        self._client.loop_start()
-        if not self._connected.wait(timeout):
-            self.stop()
-            raise ConnectionError(f"no answer from MQTT broker {self.host}:{self.port} within {timeout:.0f}s")
+        self.target.connect(self._client, timeout)  # raises BrokerError, saying why
         return self
+
+    def seen_anything(self) -> bool:
+        """Whether any presence, status or run of the federation has arrived."""
+        with self._lock:
+            return bool(self.presence or self.statuses or self.runs)
 
     def settle(self, quiet: float = 0.5, limit: float = 3.0) -> None:
         """Wait until no retained message arrived for ``quiet`` s (at most ``limit`` s)."""

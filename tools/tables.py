@@ -30,7 +30,8 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
     ``state``: ``online``/``offline`` from presence (the last will sets offline); for a
     node with a status but no presence (an always-on node between runs) the status's own
     state (``idle``); ``stale`` when not offline but nothing heard for ``stale_after`` s.  ``address``
-    is the advertised address or else the node's broker.  ``compatibility`` is shown
+    is the device's own address when its descriptor advertises one, else ``-`` (never the
+    broker's address: that is ``broker``).  ``compatibility`` is shown
     when the node's descriptor or status carries it."""
     now = time.time() if now is None else now
     excluded_by: dict[str, list[str]] = {}  # device profiles: who excludes whom, and why
@@ -55,7 +56,7 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
         trust = next((t for t in trusts if t.startswith("untrusted")), None) or next(
             (t for t in trusts if t == "unverified"), None) or (trusts[0] if trusts else "unverified")
         rows.append({
-            "node_id": nid, "trust": trust, "verified": trust in ("device", "operator"), "state": state, "address": d.get("address") or d.get("broker", ""),
+            "node_id": nid, "trust": trust, "verified": trust in ("device", "operator"), "state": state, "address": d.get("address") or "-",
             "broker": d.get("broker", ""), "profile": d.get("profile", "") or s.get("profile", ""),
             "algorithm": d.get("algorithm", "") or s.get("algorithm", ""), "model": d.get("model_hash", ""),
             "version": d.get("version", ""), "round": s.get("round"), "last_seen_s": last,

@@ -140,7 +140,8 @@ def test_peer_and_status_rows_tolerate_missing_fields():
                       "paused_disconnected_s": 1.5},
                 "d": {}}
     rows = {r["node_id"]: r for r in peer_rows(statuses, presence, now=now)}
-    assert rows["a"]["state"] == "online" and rows["a"]["address"] == "h:1" and rows["a"]["compatibility"] == "ok"
+    assert rows["a"]["state"] == "online" and rows["a"]["compatibility"] == "ok"
+    assert rows["a"]["address"] == "-" and rows["a"]["broker"] == "h:1"  # the device's address, never the broker's
     assert rows["b"]["state"] == "offline" and rows["b"]["last_seen_s"] is None
     assert rows["c"]["state"] == "stale" and rows["d"]["state"] == "unknown"
     st = {r["node_id"]: r for r in status_rows(statuses, now=now)}
