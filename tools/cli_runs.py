@@ -152,7 +152,7 @@ def verify_runs(runs: dict[str, dict[str, Any]], payloads: dict[str, bytes], fed
 
     Without ``guard`` (no ``--config``, or one naming neither a federation key nor
     operators) every run is kept with ``trust = "unverified"``.
-    With ``guard`` (a verifying-only SecurityGuard, :func:`dfl_agent.cli.observer.observer_guard`)
+    With ``guard`` (a verifying-only SecurityGuard, :func:`dfl_agent.cli.fleet.observer_guard`)
     each raw retained message in ``payloads`` goes through a
     :class:`~dfl_agent.runtime.descriptor.RunVerifier` with ``require_signatures``, as an agent
     checks it: only descriptors signed by an operator of the federation (a pinned

@@ -280,9 +280,19 @@ def trust_guard(t: FleetTarget) -> Any:
     sec = cfg.security
     if not (sec.require_signatures or sec.trusted_keys or sec.federation_key or sec.operators):
         return None
-    from dfl_agent.cli.observer import observer_guard
-
     return observer_guard(cfg)
+
+
+def observer_guard(cfg: Any) -> Any:
+    """A verifying-only :class:`~dfl_agent.security.SecurityGuard` from a node config's
+    ``[security]`` trust material (pinned keys, operators, federation key); every
+    unsigned or untrusted presence/status then shows as ``untrusted: REASON``."""
+    from dfl_agent.security import SecurityGuard, TrustStore
+
+    sec = cfg.security
+    trust = TrustStore(cfg.federation, {k: str(v) for k, v in sec.trusted_keys.items()}, sec.federation_key,
+                       operators={k: str(v) for k, v in sec.operators.items()})
+    return SecurityGuard("dflctl", None, trust, require_signatures=True)
 
 
 # -- which federations a broker carries --------------------------------------------------

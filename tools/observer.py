@@ -14,6 +14,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from dfl_agent.cli.fleet import observer_guard  # noqa: F401 - its home was here
 from dfl_agent.jsonbound import JSONBoundError, RateLimitedLog
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.transport.endpoint import parse_endpoint
@@ -22,18 +23,6 @@ if TYPE_CHECKING:
     from dfl_agent.cli.fleet import FleetTarget
 
 log = logging.getLogger(__name__)
-
-
-def observer_guard(cfg: Any) -> Any:
-    """A verifying-only :class:`~dfl_agent.security.SecurityGuard` from a node config's
-    ``[security]`` trust material (pinned keys, operators, federation key); every
-    unsigned or untrusted presence/status then shows as ``untrusted: REASON``."""
-    from dfl_agent.security import SecurityGuard, TrustStore
-
-    sec = cfg.security
-    trust = TrustStore(cfg.federation, {k: str(v) for k, v in sec.trusted_keys.items()}, sec.federation_key,
-                       operators={k: str(v) for k, v in sec.operators.items()})
-    return SecurityGuard("dflctl", None, trust, require_signatures=True)
 
 
 class Observer:
