@@ -171,9 +171,14 @@ def crash_point(state: str, when: str) -> None:
     The run manager calls it around each ledger write (``when`` ``before`` and ``after``:
     the ledger does not yet, or already, record ``state``); the deployment calls it with
     ``deploying:mid`` once a new version's files are written under ``models/.tmp-*``, before
-    they are moved into place.  Unset (always, outside the tests) it does nothing.
+    they are moved into place.  A process that leads its process group (the tests start the
+    always-on agent so) is killed with its group, its run process included, and so is a run
+    process whose parent leads its group.  Unset (always, outside the tests) it does nothing.
     """
     if os.environ.get(CRASH_ENV) == f"{state}:{when}":
         import signal
 
+        group = os.getpgrp()
+        if group in (os.getpid(), os.getppid()):  # a supervisor that leads its group, or its run process:
+            os.killpg(group, signal.SIGKILL)  # both die together, as in a power cut
         os.kill(os.getpid(), signal.SIGKILL)

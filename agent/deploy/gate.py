@@ -78,7 +78,7 @@ def load_torch(folder: str | Path) -> Any:
 def deploy_model(models: ModelStore, model: Any, spec: dict[str, Any], input_shape: Sequence[int],
                  class_names: Sequence[str], val_x: np.ndarray, val_y: np.ndarray, *, run_id: str,
                  round: int, algorithm: str, tolerance: float = 0.01, min_validation: int = 20,
-                 force: bool = False, onnx: bool | None = None) -> dict[str, Any]:
+                 force: bool = False, onnx: bool | None = None, switch: bool = True) -> dict[str, Any]:
     """The deploy gate, then install or stage.
 
     Evaluates ``model`` and the deployed model on today's validation slice ``(val_x, val_y)``.
@@ -86,6 +86,8 @@ def deploy_model(models: ModelStore, model: Any, spec: dict[str, Any], input_sha
     ``tolerance`` (accuracy fraction).  With fewer than ``min_validation`` validation
     samples it deploys only when ``force`` or when nothing is deployed yet (the
     manifest's ``note`` says so).  A refused candidate goes to ``models/candidate``.
+    ``switch=False`` installs the version without switching ``current`` to it
+    (:meth:`~dfl_agent.deploy.versions.ModelStore.install`; a run process's supervisor switches).
 
     Returns:
         ``{"deployed": bool, "version": int|None, "accuracy": float, "deployed_accuracy":
@@ -118,7 +120,7 @@ def deploy_model(models: ModelStore, model: Any, spec: dict[str, Any], input_sha
             "deployed_accuracy": dep_acc, "forced": bool(force), "note": note, "time": time.time()}
     files = model_files(model, spec, input_shape, class_names, val_x, onnx=onnx)
     if ok:
-        version = models.install(files, info)
+        version = models.install(files, info, switch=switch)
         log.info("deployed model v%d (run %s, round %d): %s", version, run_id, round, note)
     else:
         models.stage_candidate(files, info)

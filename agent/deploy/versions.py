@@ -140,18 +140,19 @@ class ModelStore:
             out["candidate"] = {k: m.get(k) for k in ("run_id", "round", "accuracy", "note", "time")}
         return out
 
-    def run_outcome(self, run_id: str) -> dict[str, Any] | None:
+    def run_outcome(self, run_id: str, switch: bool = True) -> dict[str, Any] | None:
         """What an earlier deployment of run ``run_id`` left here, or None when it left
         nothing: ``{"deployed": True, "version": v}`` when a version holds that run's model
         (``current`` is switched to it when a kill came between moving the version into
         place and switching, i.e. when it is newer than ``current``), ``{"deployed": False,
         "version": None}`` when the gate staged it as the refused candidate.  A restarted
         run that finished training asks this before it deploys, so its model is deployed
-        or kept exactly once."""
+        or kept exactly once.  ``switch=False``: ``current`` is left as it is (a run process:
+        its supervisor switches)."""
         mine = [v for v in self.versions() if self.manifest(v).get("run_id") == run_id]
         if mine:
             v, cur = mine[-1], self.current_version()
-            if cur is None or v > cur:
+            if switch and (cur is None or v > cur):
                 self.switch(v)
             return {"deployed": True, "version": v}
         cand = self.root / "candidate" / "manifest.json"
@@ -188,12 +189,14 @@ class ModelStore:
         fsync_dir(tmp)
         return tmp
 
-    def install(self, files: Mapping[str, bytes], info: Mapping[str, Any]) -> int:
+    def install(self, files: Mapping[str, bytes], info: Mapping[str, Any], switch: bool = True) -> int:
         """Write a new version atomically, point ``current`` at it, prune.  Returns its number.
 
         Args:
             files: file name -> bytes (``model.safetensors`` and ``spec.json`` at least).
             info: manifest fields (run id, round, algorithm, accuracy, ...).
+            switch: False leaves ``current`` and the older versions as they are (a run
+                process: its supervisor calls :meth:`switch` and :meth:`prune`).
         """
         self._prepare()
         version = max(self.versions() + [self._last_version()], default=0) + 1
@@ -201,8 +204,9 @@ class ModelStore:
         crash_point("deploying", "mid")  # the crash tests: a kill with the version under .tmp-*
         rename(tmp, self.folder(version))
         self._set_last_version(version)
-        self.switch(version)
-        self.prune()
+        if switch:
+            self.switch(version)
+            self.prune()
         return version
 
     def _last_version(self) -> int:

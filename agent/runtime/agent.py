@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +33,6 @@ from dfl_agent.data import node_data_for
 from dfl_agent.discovery.mdns import MdnsDiscovery
 from dfl_agent.discovery.presence import node_transport
 from dfl_agent.discovery.static import load_static_peers
-from dfl_agent.fsutil import atomic_write
 from dfl_agent.learning.training import DEFAULT_LR, TrainConfig, warm_up
 from dfl_agent.onnx_model import onnx_available
 from dfl_agent.profiles import ResourceGate
@@ -58,25 +56,11 @@ from dfl_agent.runtime.preflight import load_data
 from dfl_agent.runtime.prometheus import PrometheusExporter
 from dfl_agent.runtime.rejoin import RunMembers
 from dfl_agent.runtime.reload import reload_config
+from dfl_agent.runtime.run_config import node_id_from_state
 from dfl_agent.runtime.sample_store import open_store, seed_store, snapshot_from_checkpoint, spool_loop, store_data
 from dfl_agent.runtime.systemd import Notifier, status_loop, watchdog_loop
 
 log = logging.getLogger("dfl_agent.daemon")
-
-
-def node_id_from_state(state_dir: Path, configured: str | None) -> str:
-    """The node's persistent id: ``configured`` if given, else the one stored in
-    ``state_dir/node_id``, else a new random one (``n-`` + 8 hex) written atomically."""
-    if configured:
-        return configured
-    path = state_dir / "node_id"
-    if path.exists():
-        nid = path.read_text(encoding="utf-8").strip()
-        if nid:
-            return nid
-    nid = "n-" + secrets.token_hex(4)
-    atomic_write(path, nid + "\n")
-    return nid
 
 
 @dataclasses.dataclass
@@ -146,6 +130,10 @@ class Agent(RunMembers):
         #: ``() -> dict``: the always-on service's fields of the run's status (its refusal and
         #: drop counters, :class:`~dfl_agent.runtime.service_counters.ServiceCounters`); None with ``--once``
         self.service_status: Callable[[], dict[str, Any]] | None = None
+        #: a run process's :class:`~dfl_agent.runtime.run_process.RunChannel` to its supervisor
+        #: (None in one process): the supervisor then publishes the node's presence and status,
+        #: keeps ingesting the sample store, switches ``current`` and announces the deployment
+        self.relay: Any = None
 
     async def run(self, stop: asyncio.Event) -> int:
         """Train this node's run until its last round or ``stop`` (then leave cleanly).
@@ -194,8 +182,8 @@ class Agent(RunMembers):
             guard = build_security(cfg, self.state_dir, nid)  # -- security
         except (ValueError, KeyError, OSError, ImportError, LookupError) as exc:
             raise StartupError(str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)) from None
-        for line in behaviour.reasons:
-            log.info("profile %s: %s", profile.name, line)
+        if behaviour.reasons:  # one line (the full table: dflctl profile show)
+            log.info("profile %s: %s", profile.name, "; ".join(behaviour.reasons))
         from dfl_agent.algorithms.dechw import common_init_hint
 
         if hint := common_init_hint(algo_cls.name, options, cfg.runtime.init, d.partition):
@@ -225,6 +213,8 @@ class Agent(RunMembers):
             "algorithm": s.algo_cls.name, "version": f"{__version__}/w{WIRE_VERSION}",
             "roles": ",".join(s.behaviour.roles), "compression": s.behaviour.compression,
         }
+        if cfg.discovery.interfaces:  # the device's own address (dflctl peers), as mDNS advertises it
+            descriptor["address"] = str(cfg.discovery.interfaces[0])
         mdns_descriptor = dict(descriptor)
         if s.guard.certificate is not None:
             descriptor["cert"] = s.guard.certificate  # presence carries the device certificate
@@ -242,6 +232,7 @@ class Agent(RunMembers):
             on_heartbeat=on_heartbeat,
             tls_ca=cfg.mqtt.tls_ca, tls_cert=cfg.mqtt.tls_cert, tls_key=cfg.mqtt.tls_key,
             max_transfers=cfg.mqtt.max_transfers, control=s.guard,
+            relay=self.relay.relay if self.relay is not None else None,
         )
         return transport, mdns_descriptor
 
@@ -353,7 +344,7 @@ class Agent(RunMembers):
                                       descriptor=mdns_descriptor, interfaces=list(cfg.discovery.interfaces))
             stack.push_async_callback(self.mdns.stop)
             await self.mdns.start()
-        if self.store is not None:
+        if self.store is not None and self.relay is None:  # a run process: the supervisor ingests
             stack.push_async_callback(_cancel, asyncio.ensure_future(spool_loop(self.store, cfg.data.spool_interval)))
         return True
 
@@ -444,8 +435,9 @@ class Agent(RunMembers):
         saved with the checkpoint being resumed), and split it."""
         d = self.cfg.data
         self.store = store = open_store(self.cfg)
-        seed_store(store, d.path)
-        store.ingest_spool()
+        if self.relay is None:  # a run process: the supervisor seeds and ingests the store
+            seed_store(store, d.path)
+            store.ingest_spool()
         ids = snapshot_from_checkpoint(self.run_dir or self.state_dir, self.cfg.algorithm.rounds) if self.cfg.runtime.checkpoint else None
         if ids is None:
             ids = store.snapshot()
@@ -467,17 +459,18 @@ class Agent(RunMembers):
         except Exception as exc:  # noqa: BLE001 - a failed deployment never crashes the agent
             log.error("deployment failed: %s", exc)
             return
-        self._tell("deployed" if self.deployed.get("deployed") else "kept")
+        self._tell("deployed" if self.deployed.get("deployed") else "kept", version=self.deployed.get("version"))
         if self.publisher is not None and self.deployed.get("deployed"):  # inference members: this version
             try:
                 await self.publisher.deliver(self.node.history[-1]["round"] if self.node.history else 0)
             except Exception as exc:  # noqa: BLE001 - delivery is best effort, the files are deployed
                 log.warning("could not send the deployed model to inference members: %s", exc)
 
-    def _tell(self, state: str) -> None:
-        """Tell the run manager (``on_state``) the run's state after its rounds."""
+    def _tell(self, state: str, **info: Any) -> None:
+        """Tell the run manager (``on_state``) the run's state after its rounds (``info``:
+        ``version`` for ``deployed``)."""
         if self.on_state is not None:
-            self.on_state(state)
+            self.on_state(state, **info)
 
     # -- operations (issue 10) ------------------------------------------------------------
     def _resume(self, model_hash: str) -> int:

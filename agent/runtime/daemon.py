@@ -9,7 +9,11 @@ This module holds the process only: signals (SIGTERM/SIGINT stop cleanly, SIGHUP
 reloads), logging, systemd notification, the Prometheus endpoint of the always-on agent,
 and :func:`main`.
 
-Exit codes: 0 finished, 2 bad configuration, 3 broker unreachable, 1 other error.
+The always-on agent is the torch-free supervisor: each run trains in a run process
+(:mod:`dfl_agent.runtime.supervisor`, :mod:`dfl_agent.runtime.run_process`).
+
+Exit codes: 0 finished, 2 bad configuration, 3 broker unreachable, 130 interrupted (SIGINT),
+1 other error.
 """
 
 from __future__ import annotations
@@ -137,23 +141,39 @@ async def _serve_watched(manager: RunManager, liveness: Liveness, stop: asyncio.
 
 def run_agent(cfg: NodeConfig, config_path: str | None = None, once: bool = True) -> int:
     """Run the daemon until it finishes or gets SIGTERM/SIGINT (SIGHUP reloads the
-    configuration from ``config_path``). Returns the exit code."""
+    configuration from ``config_path``).  Returns the exit code: 130 after SIGINT (Ctrl-C),
+    else the agent's."""
 
-    from dfl_agent.runtime.agent import Agent
+    got: list[int] = []
 
     async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal(sig: signal.Signals) -> None:
+            if not got:
+                log.info("stopping (%s)", sig.name)
+            got.append(sig)
+            stop.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
         if not once:
             loop.add_signal_handler(signal.SIGHUP, lambda: log.info("SIGHUP: a run reads node.toml when it starts"))
             return await serve(cfg, config_path, stop)
+        from dfl_agent.runtime.agent import Agent
+
         agent = Agent(cfg, config_path)
         loop.add_signal_handler(signal.SIGHUP, agent.reload)
         return await agent.run(stop)
 
-    return asyncio.run(main())
+    rc = asyncio.run(main())
+    if got:
+        log.info("stopped")
+    if got and got[0] == signal.SIGINT:
+        print("dfl-agent: interrupted", file=sys.stderr)
+        return 130
+    return rc
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,6 +21,9 @@ async def deploy_after_run(agent: Any, spec: dict[str, Any], input_shape: Sequen
     ``dfl/{fed}/node/{id}/model`` announcement (:func:`dfl_agent.deploy.gate.announcement`).
     A run whose model an earlier, killed deployment already installed or staged
     (:meth:`~dfl_agent.deploy.versions.ModelStore.run_outcome`) is not deployed again.
+    In a run process (``agent.relay`` set) the version is installed without switching
+    ``current`` and nothing is announced: the supervisor does both
+    (:mod:`dfl_agent.runtime.supervisor`).
 
     Returns:
         :func:`~dfl_agent.deploy.gate.deploy_model`'s result.
@@ -29,7 +32,8 @@ async def deploy_after_run(agent: Any, spec: dict[str, Any], input_shape: Sequen
     models = ModelStore(agent.state_dir, keep=cfg.deploy.keep)
     run = getattr(agent, "run_desc", None)
     run_id = run.run_id if run is not None else agent.run_id
-    res = await asyncio.to_thread(models.run_outcome, run_id) if run is not None else None
+    supervised = getattr(agent, "relay", None) is not None  # a run process: the supervisor switches, announces
+    res = await asyncio.to_thread(models.run_outcome, run_id, not supervised) if run is not None else None
     if res is not None:  # a restart after a kill mid-deployment: never a second version
         what = f"deployed as v{res['version']}" if res["deployed"] else "kept out by the gate (candidate staged)"
         log.info("the model of run %s was already %s before the restart", run_id, what)
@@ -43,7 +47,9 @@ async def deploy_after_run(agent: Any, spec: dict[str, Any], input_shape: Sequen
             run_id=run_id,
             round=last_round, algorithm=node.algorithm.name,
             tolerance=cfg.deploy.tolerance, min_validation=cfg.deploy.min_validation,
-            onnx=None if getattr(cfg.deploy, "onnx", True) else False)
+            onnx=None if getattr(cfg.deploy, "onnx", True) else False, switch=not supervised)
+    if supervised:
+        return res
     doc = announcement(models, agent.node_id, cfg.federation, getattr(ctx, "security", None))
     publish = getattr(ctx.transport, "publish_retained", None)
     if doc is not None and publish is not None:

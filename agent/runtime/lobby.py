@@ -100,19 +100,27 @@ class RunLobby:
         #: run ids whose verified cancel record arrived (the ledger remembers them too)
         self.cancels: set[str] = set()
         self._sub_mid: Any = None
+        #: while a run process trains: the presence descriptor and the last status it relayed
+        #: (republished after a reconnection)
+        self.run_presence: dict[str, Any] | None = None
+        self.run_status: tuple[dict[str, Any], dict[str, Any]] | None = None
 
     def start(self) -> None:
         """Connect (non-blocking; paho reconnects on its own)."""
         import secrets
 
         from dfl_agent.transport.endpoint import parse_endpoint
-        from dfl_agent.transport.mqtt import mqtt_session
+        from dfl_agent.transport.mqtt import mqtt_session, topic
 
         m = self.cfg.mqtt
         host, port = parse_endpoint(m.broker)
         c = mqtt_session(f"dfl-{self.cfg.federation}-{self.node_id}-runs-{secrets.token_hex(3)}",
                          protocol=m.protocol, username=m.username, password=m.password,
                          tls_ca=m.tls_ca, tls_cert=m.tls_cert, tls_key=m.tls_key)
+        # the node's last will (the run process sets none: the supervisor speaks for the node);
+        # unsigned by necessity, a hint only for signed receivers (liveness decides)
+        c.will_set(topic(self.cfg.federation, self.node_id, "presence"), json.dumps(
+            {"state": "offline", "node_id": self.node_id, "time": time.time()}), qos=1, retain=True)
         c.on_connect = self._on_connect
         c.on_subscribe = self._on_subscribe
         c.on_message = self._on_message
@@ -132,6 +140,7 @@ class RunLobby:
             return
         # the cancel records first: their retained copies arrive before any descriptor
         self._sub_mid = client.subscribe(cancel_topic(self.cfg.federation), 1)[1]
+        self._republish_run()
 
     def _on_subscribe(self, client: Any, userdata: Any, mid: Any, *args: Any) -> None:
         """Once the cancel records are subscribed, the descriptors and the statuses."""
@@ -314,6 +323,54 @@ class RunLobby:
         with self.lock:
             return {n for n, s in self.statuses.items() if isinstance(s.get("run"), dict)
                     and s["run"].get("id") == run_id and s["run"].get("state") in ("accepted", "training")}
+
+    # -- speaking for a run process (runtime.supervisor) ------------------------------------
+    def _signed(self, kind: str, doc: dict[str, Any]) -> bytes | str:
+        return self.guard.sign_control(kind, doc, self.cfg.federation) if self.guard is not None else json.dumps(doc)
+
+    def publish_presence(self, descriptor: dict[str, Any] | None, reason: str = "") -> None:
+        """This node's presence while a run process trains: "online" with the run's descriptor,
+        or (``descriptor`` None) "offline" with ``reason`` when the run process ended - signed by
+        this node, retained.  The run process publishes none itself."""
+        from dfl_agent.transport.mqtt import topic
+
+        doc: dict[str, Any] = {"state": "online" if descriptor is not None else "offline", "node_id": self.node_id}
+        if descriptor is not None:
+            doc["descriptor"] = dict(descriptor)
+        elif reason:
+            doc["reason"] = reason
+        doc["time"] = time.time()
+        with self.lock:
+            self.run_presence = dict(descriptor) if descriptor is not None else None
+            if descriptor is None:
+                self.run_status = None
+        if self.client is not None:
+            self.client.publish(topic(self.cfg.federation, self.node_id, "presence"), self._signed("presence", doc),
+                                qos=1, retain=True)
+
+    def publish_run_status(self, status: dict[str, Any], service: dict[str, Any] | None = None) -> None:
+        """A run process's status (its node's :meth:`~dfl_agent.runtime.node.Node.status`), with
+        ``node_id``, ``time``, a ``heartbeat`` counter and the service's counters (``service``)
+        added, signed by this node and retained: the status heartbeat of a training node."""
+        from dfl_agent.transport.mqtt import topic
+
+        with self.lock:
+            self.heartbeat += 1
+            st = {**dict(status), **dict(service or {}), "node_id": self.node_id, "time": time.time(),
+                  "heartbeat": self.heartbeat}
+            self.run_status = dict(status), dict(service or {})
+        if self.client is not None:
+            self.client.publish(topic(self.cfg.federation, self.node_id, "status"), self._signed("status", st),
+                                qos=1, retain=True)
+
+    def _republish_run(self) -> None:
+        """After a reconnection while a run process trains: its presence and status again."""
+        with self.lock:
+            presence, status = self.run_presence, self.run_status
+        if presence is not None:
+            self.publish_presence(presence)
+        if status is not None:
+            self.publish_run_status(*status)
 
     def publish_status(self, run: dict[str, Any] | None, state: str = "idle",
                        history: Mapping[str, Mapping[str, Any]] | None = None) -> None:

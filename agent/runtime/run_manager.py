@@ -19,14 +19,16 @@ it takes effect (``recorded`` as ``finished``): a run that ended here is never r
 restart resumes a run from the state recorded (:meth:`RunManager.resume`; a model is deployed
 or kept exactly once).  ``DFL_TEST_CRASH_AT`` (:func:`~dfl_agent.fsutil.crash_point`) kills the
 process at a state for the crash tests.  The lobby, the hooks around runs, the sample store and
-the training agent's factory are injected; nothing here is global.
+the training agent's factory are injected; nothing here is global.  The always-on agent's factory
+makes a :class:`~dfl_agent.runtime.supervisor.ChildRun` (each run in a run process; one that crashed
+or was killed is retried, :meth:`RunManager._retry`); the tests may hand in the in-process agent.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -38,12 +40,12 @@ from dfl_agent.fsutil import atomic_write, crash_point
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.profiles import resolve_profile
 from dfl_agent.runtime.admission import admit
-from dfl_agent.runtime.agent import Agent, node_id_from_state
 from dfl_agent.runtime.assembly import StartupError, build_security
-from dfl_agent.runtime.config import ConfigError, NodeConfig, _from_dict, _validate
+from dfl_agent.runtime.config import NodeConfig
 from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier
 from dfl_agent.runtime.ledger import RunLedger, default_descriptor
 from dfl_agent.runtime.lobby import RunLobby
+from dfl_agent.runtime.run_config import RunHooks, _CancelWatch, _relay, node_id_from_state, run_config_for
 from dfl_agent.runtime.sample_store import open_store, seed_store
 from dfl_agent.runtime.service_counters import ServiceCounters
 from dfl_agent.runtime.systemd import Notifier
@@ -80,81 +82,8 @@ AFTER_TRAINING = ("trained", "deploying", "deployed", "kept")
 #: states recorded before a run's training ended (an operator's cancel still stops the run)
 BEFORE_TRAINED = (None, "admitted", "waiting_for_members", "training")
 
-RunHook = Callable[[RunDescriptor, Any], Any]
-
-
-class RunHooks:
-    """Callbacks around runs.  ``on_run_finished(run, node)`` is called after a run
-    ends on this node with state ``finished`` (``node`` is the :class:`~dfl_agent.runtime.node.Node`
-    that trained it; its algorithm holds the final model) - e.g. to deploy the model.
-    A hook that raises is logged; it never stops the agent."""
-
-    def __init__(self) -> None:
-        self.finished: list[RunHook] = []
-
-    def on_run_finished(self, fn: RunHook) -> RunHook:
-        """Register ``fn(run, node)``; usable as a decorator."""
-        self.finished.append(fn)
-        return fn
-
-    def fire_finished(self, run: RunDescriptor, node: Any) -> None:
-        """Call every ``on_run_finished`` hook with ``(run, node)``; one that raises is logged."""
-        for fn in list(self.finished):
-            try:
-                fn(run, node)
-            except Exception:
-                log.exception("on_run_finished hook %r failed", fn)
-
-
 class IllegalTransition(RuntimeError):
     """A transition the run manager's state machine does not have (a programming error)."""
-
-
-def run_config_for(cfg: NodeConfig, run: Any) -> NodeConfig:
-    """The node configuration for a run: the descriptor's algorithm, rounds, options,
-    model, training settings and compression override ``node.toml`` (the profile's
-    limits still apply when the agent starts).  A descriptor's model (``spec``,
-    ``family`` or ``size``) replaces node.toml's ``[model]`` as a whole.
-
-    Raises:
-        StartupError: the descriptor names a key that does not exist, gives a value of the
-            wrong type, or one the configuration rules refuse (e.g. an unknown model family).
-    """
-    new = copy.deepcopy(cfg)
-    new.algorithm.name, new.algorithm.rounds, new.algorithm.options = run.algorithm, run.rounds, dict(run.options)
-    new.algorithm.every = None
-    new.algorithm.every_samples = None
-    if run.model:  # the descriptor's model replaces node.toml's [model] as a whole
-        new.model = type(cfg.model)()
-    try:
-        for section, values in (("model", run.model), ("training", run.training),
-                                ("compression", run.compression)):
-            target = getattr(new, section)
-            checked = _from_dict(type(target), values, section)  # unknown keys and wrong types: ConfigError
-            for k in values:
-                setattr(target, k, getattr(checked, k))
-        _validate(new)
-    except ConfigError as exc:
-        raise StartupError(f"run {run.run_id}: {exc}") from None
-    new.runtime.rejoin = True
-    return new
-
-
-class _CancelWatch:
-    """The lobby's cancel hook for the run in training: notes the round the cancel
-    reached this node after and stops the round in progress (called on the lobby's MQTT
-    thread; the round loop also checks before each round)."""
-
-    def __init__(self, run_id: str, agent: Any, run_stop: asyncio.Event, loop: asyncio.AbstractEventLoop):
-        self.run_id, self.agent, self.run_stop, self.loop = run_id, agent, run_stop, loop
-        #: run id -> the last round this node had completed when the cancel reached it
-        self.rounds: dict[str, int] = {}
-
-    def __call__(self, run_id: str) -> None:
-        if run_id != self.run_id:
-            return
-        self.rounds.setdefault(run_id, self.agent.node.last_round() if self.agent.node is not None else 0)
-        self.loop.call_soon_threadsafe(self.run_stop.set)
 
 
 class RunManager:
@@ -306,7 +235,7 @@ class RunManager:
         self._to(state, run_id, reason, rnd)
         return {"id": run_id, "state": state, "round": rnd, "reason": reason}
 
-    def on_agent_state(self, state: str) -> None:
+    def on_agent_state(self, state: str, **_info: Any) -> None:
         """The training agent's say after its rounds: ``trained``, ``deploying``,
         ``deployed`` or ``kept`` (the deployment gate kept the current model).  A run
         resumed after its training hears again what it recorded (nothing to do)."""
@@ -444,23 +373,38 @@ class RunManager:
         self.info = {"id": d.run_id, "state": "training", "round": d.rounds, "reason": ""}
         if state in ("trained", "deploying"):
             return await self.train(d, stop, resume=state)
+        if state == "deployed":  # a kill may have come between the ledger and the switch of current
+            from dfl_agent.runtime.supervisor import switch_deployed
+
+            await asyncio.to_thread(switch_deployed, self.cfg, self.lobby, d.run_id)
         self._to(state, d.run_id)
         self.finish(d, None, None)
         self.idle()
         self.publish(force=True)
         return True
 
-    async def idle_pass(self, stop: asyncio.Event) -> None:
-        """One pass of the idle loop: the status heartbeat, a spool ingestion when due,
-        then wait up to 0.5 s for ``stop``."""
-        self.publish()
+    async def ingest_due(self) -> None:
+        """A spool ingestion of the sample store when one is due (idle, and while a run
+        process trains: the supervisor is the store's only writer)."""
         store = self.store
-        if store is not None and time.monotonic() >= self.next_spool:  # idle: keep ingesting the spool
+        if store is not None and time.monotonic() >= self.next_spool:
             self.next_spool = time.monotonic() + self.cfg.data.spool_interval
             try:
                 await asyncio.to_thread(store.ingest_spool)
             except Exception as exc:  # noqa: BLE001 - ingestion never stops the agent
                 log.error("spool pass failed: %s", exc)
+
+    async def _ingest_loop(self) -> None:
+        """The spool ingestion while a run trains in a run process."""
+        while True:
+            await self.ingest_due()
+            await asyncio.sleep(0.5)
+
+    async def idle_pass(self, stop: asyncio.Event) -> None:
+        """One pass of the idle loop: the status heartbeat, a spool ingestion when due,
+        then wait up to 0.5 s for ``stop``."""
+        self.publish()
+        await self.ingest_due()
         self.lobby.changed.clear()
         try:
             await asyncio.wait_for(stop.wait(), 0.5)
@@ -474,8 +418,9 @@ class RunManager:
 
     async def train(self, d: RunDescriptor, stop: asyncio.Event, resume: str | None = None) -> bool:
         """``-> training`` (or ``resume``: ``trained``/``deploying`` after a restart): train
-        run ``d`` with a new agent until it ends, then record how it ended.  Returns False
-        when ``stop`` interrupted it (the serve loop ends).
+        run ``d`` with a new agent (a run process) until it ends, then record how it ended.  A
+        run process that crashed or was killed is retried from the run's last checkpoint
+        (:meth:`_retry`).  Returns False when ``stop`` interrupted it (the serve loop ends).
 
         Raises:
             StartupError: the default run cannot start.
@@ -490,6 +435,50 @@ class RunManager:
             self.idle()
             return True
         run_stop = asyncio.Event()
+        watcher = asyncio.ensure_future(_relay(stop, run_stop))
+        ingest: asyncio.Future[None] | None = None
+        attempt = 1
+        try:
+            while True:
+                agent, watch = self._new_agent(d, run_cfg, run_stop, attempt)
+                if getattr(agent, "supervised", False) and ingest is None and self.store is not None:
+                    ingest = asyncio.ensure_future(self._ingest_loop())  # the store's only writer
+                try:
+                    rc = await agent.run(run_stop)
+                except StartupError as exc:
+                    if d.default:
+                        raise
+                    self.fail(d.run_id, str(exc))
+                    self.idle()
+                    return True
+                except Exception as exc:  # the algorithm crashed: the run fails here, the agent stays up
+                    log.exception("run %s crashed", d.run_id)
+                    self.fail(d.run_id, f"{type(exc).__name__}: {exc}")
+                    self.idle()
+                    return True
+                finally:
+                    node, self.agent = agent.node, None
+                    self.counters.run_ended(node)
+                    self.lobby.on_cancel = None
+                if getattr(agent, "crash", None) is None or run_stop.is_set() or self.is_cancelled(d.run_id):
+                    break
+                if not self._retry(d, agent, attempt):
+                    self.fail(d.run_id, f"run process {agent.error} (attempt {attempt}; no retries left)",
+                              agent.node.last_round() if agent.node is not None else 0)
+                    self.idle()
+                    self.publish(force=True)
+                    return True
+                attempt += 1
+        finally:
+            for task in (watcher, ingest):
+                if task is not None:
+                    task.cancel()
+            await asyncio.gather(*(t for t in (watcher, ingest) if t is not None), return_exceptions=True)
+        return await self._ended(d, agent, rc, watch.rounds, stop)
+
+    def _new_agent(self, d: RunDescriptor, run_cfg: NodeConfig, run_stop: asyncio.Event,
+                   attempt: int) -> tuple[Any, _CancelWatch]:
+        """The agent of run ``d``'s ``attempt`` (the factory's), watched for a cancel."""
         run_dir = self.ledger.run_dir(d.run_id)
         run_dir.mkdir(parents=True, exist_ok=True)
         agent = self.agent_factory(
@@ -497,34 +486,36 @@ class RunManager:
             should_stop=lambda: self.is_cancelled(d.run_id), wanted_peers=lambda: self.lobby.may_join(d.run_id),
             members=self.lobby.accepted_by(d.run_id) - {self.node_id},  # the admitted members so far
             on_state=self.on_agent_state)
+        agent.attempt = attempt
         agent.service_status = self.counters.view  # the run's status carries the service's counters
         agent.notifier = self.notifier  # one systemd notifier: its watchdog follows the service's liveness
         watch = _CancelWatch(d.run_id, agent, run_stop, asyncio.get_running_loop())
         self.lobby.on_cancel = watch
-        watcher = asyncio.ensure_future(_relay(stop, run_stop))
         if self.is_cancelled(d.run_id):  # cancelled between the queue pick and here
             watch(d.run_id)
         self.agent = agent
-        try:
-            rc = await agent.run(run_stop)
-        except StartupError as exc:
-            if d.default:
-                raise
-            self.fail(d.run_id, str(exc))
-            self.idle()
-            return True
-        except Exception as exc:  # the algorithm crashed: the run fails here, the agent stays up
-            log.exception("run %s crashed", d.run_id)
-            self.fail(d.run_id, f"{type(exc).__name__}: {exc}")
-            self.idle()
-            return True
-        finally:
-            node, self.agent = agent.node, None
-            self.counters.run_ended(node)
-            self.lobby.on_cancel = None
-            watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
-        return await self._ended(d, agent, rc, watch.rounds, stop)
+        return agent, watch
+
+    def _retry(self, d: RunDescriptor, agent: Any, attempt: int) -> bool:
+        """After run process ``attempt`` of ``d`` crashed or was killed (``agent.crash``):
+        whether to retry (``runtime.run_retries`` times; an OOM kill once, with the same
+        limit).  A retry is recorded as a transition back to ``training`` (or to the state
+        after training the ledger holds) with its attempt number."""
+        allowed = self.cfg.runtime.run_retries
+        if agent.crash == "oom":
+            allowed = min(1, allowed)
+        if attempt > allowed:
+            return False
+        state = str(self.ledger.state(d.run_id))
+        again = state if state in ("trained", "deploying") else "training"
+        rnd = agent.node.last_round() if agent.node is not None else 0
+        log.warning("run %s: retry %d of %d from its last checkpoint (the run process %s)", d.run_id, attempt,
+                    allowed, agent.error)
+        crash_point(again, "before")
+        self._record(d.run_id, again, f"retry {attempt} of {allowed}: {agent.error}", rnd, {"attempt": attempt + 1})
+        self.state = again
+        self.info = {"id": d.run_id, "state": "training", "round": rnd, "reason": f"retry {attempt}"}
+        return True
 
     async def _ended(self, d: RunDescriptor, agent: Any, rc: int, cancel_round: dict[str, int],
                      stop: asyncio.Event) -> bool:
@@ -556,14 +547,8 @@ class RunManager:
         return True
 
 
-async def _relay(stop: asyncio.Event, run_stop: asyncio.Event) -> None:
-    """Set ``run_stop`` once ``stop`` is set (the agent's stop also stops the run)."""
-    await stop.wait()
-    run_stop.set()
-
-
 def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHooks | None = None,
-                      agent_factory: Callable[..., Any] = Agent) -> RunManager:
+                      agent_factory: Callable[..., Any] | None = None) -> RunManager:
     """The always-on agent's run manager: this node's id (``state_dir/node_id``), its
     device profile, the run ledger, the node's security guard (it signs idle statuses
     and verifies peers' ones and run descriptors), the lobby (not connected yet), the
@@ -592,5 +577,10 @@ def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHoo
             seed_store(store, cfg.data.path)  # data.path/train.npz, once in the store's life
         except (OSError, ValueError) as exc:
             raise StartupError(str(exc)) from None
+    if agent_factory is None:  # each run in a run process (runtime.supervisor)
+        from dfl_agent.runtime.supervisor import ChildRun
+
+        agent_factory = functools.partial(ChildRun, lobby=lobby, memory_mb=profile.compute.memory_budget_mb,
+                                          stop_grace=cfg.runtime.run_stop_grace)
     return RunManager(cfg, config_path, node_id=nid, profile=profile, ledger=ledger, lobby=lobby,
                       agent_factory=agent_factory, notifier=Notifier(), hooks=hooks, store=store)

@@ -1,8 +1,9 @@
-"""SIGKILL of a real always-on agent at exact points of its run's life
+"""SIGKILL of a real always-on agent together with its run process (the agent leads its
+process group; the switch kills the group) at exact points of its run's life
 (``DFL_TEST_CRASH_AT=<state>:<before|after>``, no sleeps), then a restart without the
 switch: the run ends recorded ``finished`` with its model deployed exactly once.
 
-The points: right after the ledger says ``trained`` (the final checkpoint saved, nothing
+The points: right after the ledger says ``admitted``, ``training`` or ``deploying``, right after the ledger says ``trained`` (the final checkpoint saved, nothing
 deployed), in the middle of the deployment (the new version's files written under
 ``models/.tmp-*``, not yet moved into place), right after the version is installed but
 before the ledger says ``deployed``, and before the ledger says ``finished``.  ``tests/unit/test_run_crash.py`` covers every
@@ -39,11 +40,12 @@ def _agent(path, log, crash_at=None):
     if crash_at:
         env["DFL_TEST_CRASH_AT"] = crash_at
     return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 #: crash point -> (the state the ledger holds after the kill, versions installed by then)
-POINTS = {"trained:after": ("trained", []), "deploying:mid": ("deploying", []),
+POINTS = {"admitted:after": ("admitted", []), "training:after": ("training", []),
+          "trained:after": ("trained", []), "deploying:after": ("deploying", []), "deploying:mid": ("deploying", []),
           "deployed:before": ("deploying", [1]), "recorded:before": ("deployed", [1])}
 
 
@@ -93,4 +95,7 @@ def test_agent_killed_during_deployment_deploys_its_model_once_after_restart(tmp
         assert not list(models.root.glob(".tmp-*"))
         text = log_path.read_text()
         assert text.count("deployed model v") == 1 and "nothing to run" not in text
-        assert f"resumes from state {recorded}" in text
+        if recorded in ("admitted", "training"):  # admitted again, trained again, deployed once
+            assert "resumes from state" not in text and "run process" in text
+        else:
+            assert f"resumes from state {recorded}" in text

@@ -1,0 +1,180 @@
+"""The always-on agent as a torch-free supervisor with a run process per run, on a real
+mosquitto with real agent processes: the idle agent imports no torch; a run process killed
+mid-run is retried from the run's last checkpoint; one OOM-killed by its memory cgroup is
+retried once with the same limit, then the run is failed while the supervisor goes on serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from dfl_agent.cli.broker import start_broker
+from dfl_agent.runtime.config import config_from_dict, dump_toml
+from tests.system.conftest import needs_mosquitto
+from tests.system.test_store_agent import SHAPE, drop
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+
+def _ledger(state: Path) -> dict:
+    try:
+        return json.loads((state / "runs" / "ledger.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _config(tmp_path: Path, broker: str, **over) -> Path:
+    doc = {
+        "federation": f"sup{os.getpid()}", "node_id": "dev1", "state_dir": str(tmp_path / "state"),
+        "algorithm": {"name": "local", "rounds": 1},
+        "training": {"epochs": 1, "batch_size": 32, "threads": 1},
+        "data": {"dataset": "store", "input_shape": list(SHAPE), "num_classes": 4, "spool_interval": 0.2},
+        "model": {"size": "small"}, "deploy": {"onnx": False},
+        "mqtt": {"broker": broker, "heartbeat_interval": 1.0},
+        "discovery": {"mdns": False},
+    }
+    for k, v in over.items():
+        doc[k] = {**doc[k], **v} if isinstance(doc.get(k), dict) and v is not None else v
+    text = dump_toml(config_from_dict({k: v for k, v in doc.items() if v is not None}))
+    if doc["algorithm"] is None:  # no default run: the agent waits for runs
+        text = re.sub(r"\[algorithm\]\n(?:[^\[\n].*\n|\n)*", "", text)
+    path = tmp_path / "node.toml"
+    path.write_text(text)
+    for k in range(3):
+        drop(tmp_path / "state" / "spool", f"a{k}.npz", 60, k)
+    return path
+
+
+def _start(path: Path, log) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "DFL_TEST_CRASH_AT"}
+    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _wait(pred, timeout: float, proc: subprocess.Popen, log_path: Path) -> None:
+    deadline = time.time() + timeout
+    while not pred():
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        assert time.time() < deadline, log_path.read_text()[-3000:]
+        time.sleep(0.02)
+
+
+@needs_mosquitto
+def test_idle_always_on_agent_imports_no_torch(tmp_path):
+    """The supervisor serving, idle (no run): no torch and no training agent in its process
+    (the algorithm registry's torch-free modules, which admission reads, are allowed)."""
+    with start_broker("mosquitto") as broker:
+        path = _config(tmp_path, broker.endpoint, algorithm=None)
+        assert "[algorithm]" not in path.read_text()
+        out = tmp_path / "modules.json"
+        script = textwrap.dedent(f"""
+            import json, os, signal, sys, threading
+            import paho.mqtt.client as mqtt
+            from dfl_agent.runtime import daemon
+            seen = threading.Event()
+            c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+            c.on_connect = lambda c, *a: c.subscribe("dfl/+/node/dev1/status")
+            c.on_message = lambda *a: seen.set()
+            host, port = {broker.endpoint!r}.rsplit(":", 1)
+            c.connect(host, int(port)); c.loop_start()
+            def watch():
+                seen.wait(120)
+                mods = sorted(m for m in sys.modules if m in ("torch", "dfl_agent.runtime.agent",
+                              "dfl_agent.runtime.node", "dfl_agent.runtime.run_process") or m.startswith("torch."))
+                open({str(out)!r}, "w").write(json.dumps({{"status": seen.is_set(), "modules": mods}}))
+                os.kill(os.getpid(), signal.SIGTERM)
+            threading.Thread(target=watch, daemon=True).start()
+            sys.exit(daemon.main(["run", "--config", {str(path)!r}]))
+        """)
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        doc = json.loads(out.read_text())
+        assert doc["status"], proc.stderr[-3000:]  # it was serving: its idle status was on the broker
+        assert doc["modules"] == [], doc  # and it had imported no torch and no training agent
+        assert "stopping (SIGTERM)" in proc.stderr and "stopped" in proc.stderr
+
+
+@needs_mosquitto
+@pytest.mark.timeout(300)
+def test_run_process_killed_mid_run_is_retried_from_its_checkpoint(tmp_path):
+    """SIGKILL of the run process (not the supervisor) after its first checkpoint: the
+    supervisor records a retry (attempt 2), the new run process resumes from the checkpoint,
+    the run finishes and deploys once; the supervisor never stopped."""
+    from dfl_agent.deploy import ModelStore
+
+    with start_broker("mosquitto") as broker:
+        path = _config(tmp_path, broker.endpoint, algorithm={"rounds": 40}, training={"steps": 40, "epochs": 1})
+        state = tmp_path / "state"
+        log_path = tmp_path / "agent.log"
+        with open(log_path, "ab") as log:
+            proc = _start(path, log)
+            try:
+                _wait(lambda: list((state / "runs").glob("*/checkpoints/*")), 180, proc, log_path)
+                pid = int(re.findall(r"run process (\d+) started", log_path.read_text())[-1])
+                os.kill(pid, signal.SIGKILL)
+                (run_id,) = _ledger(state)
+                _wait(lambda: _ledger(state)[run_id]["state"] == "finished", 180, proc, log_path)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                rc = proc.wait(60)
+        text = log_path.read_text()
+        assert rc == 0, text[-3000:]
+        assert "run process killed by signal 9" in text and "retry 1 of 2" in text, text[-3000:]
+        assert re.search(r"resuming at round \d+", text), text[-3000:]  # from its checkpoint, not round 1
+        assert _ledger(state)[run_id]["attempt"] == 2
+        assert ModelStore(state).versions() == [1] and text.count("deployed model v") == 1
+
+
+@needs_mosquitto
+@pytest.mark.timeout(300)
+def test_oom_killed_run_process_is_retried_once_then_failed_and_the_supervisor_serves(tmp_path):
+    """A run process over its memory limit (``compute.memory_budget_mb``) is killed by the
+    kernel in its cgroup: retried once with the same limit, then the run is ``failed``; the
+    supervisor stays up and its status heartbeat goes on."""
+    from dfl_agent.runtime.cgroup import RunCgroup
+
+    probe = RunCgroup.create(f"probe-{os.getpid()}", 64)
+    if probe is None:
+        pytest.skip("no memory cgroup can be made here (needs root and a memory controller)")
+    probe.remove()
+    import paho.mqtt.client as mqtt
+
+    with start_broker("mosquitto") as broker:
+        path = _config(tmp_path, broker.endpoint, profile_overrides={"compute": {"memory_budget_mb": 96}})
+        state = tmp_path / "state"
+        log_path = tmp_path / "agent.log"
+        statuses: list[dict] = []
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+        c.on_connect = lambda cl, *a: cl.subscribe(f"dfl/sup{os.getpid()}/node/dev1/status")
+        c.on_message = lambda cl, u, m: statuses.append(json.loads(m.payload).get("payload")) if m.payload else None
+        host, port = broker.endpoint.rsplit(":", 1)
+        c.connect(host, int(port))
+        c.loop_start()
+        with open(log_path, "ab") as log:
+            proc = _start(path, log)
+            try:
+                _wait(lambda: any(e.get("state") == "failed" for e in _ledger(state).values()), 180, proc, log_path)
+                n = len(statuses)
+                _wait(lambda: len(statuses) >= n + 2, 20, proc, log_path)  # still serving: heartbeats go on
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                rc = proc.wait(60)
+                c.loop_stop()
+        text = log_path.read_text()
+        assert rc == 0, text[-3000:]
+        (entry,) = _ledger(state).values()
+        assert "OOM" in entry["reason"] and entry["attempt"] == 2, entry
+        assert text.count(": run process killed by the kernel's OOM killer (memory limit 96 MiB)\n") == 2, text[-3000:]
+        assert "retry 1 of 1" in text
+        assert statuses[-1]["state"] == "idle" and statuses[-1]["run"]["state"] == "failed"
+        assert not list(Path("/sys/fs/cgroup/memory/dfl-agent").glob("run-dev1-*")) if Path(
+            "/sys/fs/cgroup/memory/dfl-agent").exists() else True

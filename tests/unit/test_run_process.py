@@ -1,0 +1,94 @@
+"""The pipe between the supervisor and a run process (JSON lines), the run process's
+presence relay (it publishes no presence, no status and no last will itself), and how the
+supervisor reads a run process's exit.  The real processes: tests/system/test_supervisor.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from dfl_agent.discovery.presence import MqttPresence
+from dfl_agent.runtime.assembly import StartupError
+from dfl_agent.runtime.run_process import RunChannel, SupervisorGone
+from dfl_agent.runtime.supervisor import ChildRun, RelayedNode
+
+
+def _channel():
+    r_out, w_out = os.pipe()  # child -> supervisor
+    r_in, w_in = os.pipe()  # supervisor -> child
+    ch = RunChannel(os.fdopen(w_out, "wb", buffering=0), os.fdopen(r_in, "r"))
+    return ch, os.fdopen(r_out, "r"), os.fdopen(w_in, "w")
+
+
+def test_state_waits_for_the_supervisors_ack_and_carries_the_round():
+    ch, from_child, to_child = _channel()
+    to_child.write(json.dumps({"type": "start", "members": ["b"], "may_join": 2}) + "\n")
+    to_child.flush()
+    ch.read_start()
+    assert ch.members == ["b"] and ch.may_join() == 2
+    ch.agent = SimpleNamespace(node=SimpleNamespace(status=lambda: {"round": 3}), snapshot=None)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (ch.state("trained"), done.set()))
+    t.start()
+    msg = json.loads(from_child.readline())
+    assert msg == {"type": "state", "state": "trained", "seq": 1, "round": 3}
+    assert not done.wait(0.2)  # not before the supervisor recorded it
+    to_child.write(json.dumps({"type": "ack", "seq": 1}) + "\n" + json.dumps({"type": "may_join", "n": 0}) + "\n")
+    to_child.flush()
+    assert done.wait(5)
+    t.join()
+    assert ch.may_join() == 0
+
+
+def test_a_closed_pipe_means_the_supervisor_is_gone():
+    ch, from_child, to_child = _channel()
+    to_child.write(json.dumps({"type": "start"}) + "\n")
+    to_child.flush()
+    gone = threading.Event()
+    ch.on_gone = gone.set
+    ch.read_start()
+    to_child.close()
+    assert gone.wait(5)
+    with pytest.raises(SupervisorGone):
+        ch.state("deploying")
+
+
+def test_a_run_process_presence_relays_and_sets_no_will():
+    sent = []
+    p = MqttPresence("n1", "fed", descriptor={"algorithm": "fedavg"}, relay=lambda k, d: sent.append((k, d)))
+    assert p.will() is None and p.goodbye(None) is None
+    p._status = {"state": "training", "round": 2}
+    p.announce(None)
+    assert sent == [("presence", {"algorithm": "fedavg"}), ("status", {"state": "training", "round": 2})]
+    plain = MqttPresence("n1", "fed", descriptor={})
+    assert plain.will() is not None  # one process: the node's own last will
+
+
+def _child(**kw):
+    c = ChildRun(SimpleNamespace(federation="fed"), run=SimpleNamespace(run_id="r1"), run_dir=".", lobby=None,
+                 memory_mb=96, **kw)
+    c.node = RelayedNode("n1", "fed")
+    return c
+
+
+def test_exit_of_a_run_process_read_as_the_supervisor_records_it():
+    c = _child()
+    assert c._ended(-9, oom=True) == 1 and c.crash == "oom" and "OOM killer (memory limit 96 MiB)" in c.error
+    c = _child()
+    assert c._ended(-9, oom=False) == 1 and c.crash == "killed"
+    c = _child()
+    c.error = "ZeroDivisionError: boom"
+    assert c._ended(1, oom=False) == 1 and c.crash == "crashed" and c.error == "ZeroDivisionError: boom"
+    c = _child()
+    assert c._ended(3, oom=False) == 3 and c.crash is None  # broker unreachable: tried again, not a crash
+    c = _child()
+    c.outcome = "stopped"
+    assert c._ended(0, oom=False) == 0 and c.crash is None
+    c = _child()
+    c.error = "data.path: no such folder"
+    with pytest.raises(StartupError, match="data.path"):
+        c._ended(2, oom=False)
