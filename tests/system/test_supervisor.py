@@ -178,3 +178,54 @@ def test_oom_killed_run_process_is_retried_once_then_failed_and_the_supervisor_s
         assert statuses[-1]["state"] == "idle" and statuses[-1]["run"]["state"] == "failed"
         assert not list(Path("/sys/fs/cgroup/memory/dfl-agent").glob("run-dev1-*")) if Path(
             "/sys/fs/cgroup/memory/dfl-agent").exists() else True
+
+
+@needs_mosquitto
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("at", ["declined:after", "cancelled:after"])
+def test_declined_and_cancelled_survive_a_kill_at_that_state(tmp_path, at):
+    """SIGKILL of the agent (with its group) right after the ledger says ``declined`` (a run
+    for other members) or ``cancelled`` (a run waiting for members, cancelled by the
+    operator), then a restart: the run keeps that state and never trains here."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from dfl_agent.runtime.descriptor import operator_certificate
+    from dfl_agent.security.keys import public_key_b64, save_certificate, save_private_key
+    from tests.system.test_runs import _config as fleet_config
+    from tests.system.test_runs import dflctl
+
+    fed, fed_key = f"sk{os.getpid()}", Ed25519PrivateKey.generate()
+    op = tmp_path / "operator"
+    op.mkdir()
+    key = Ed25519PrivateKey.generate()
+    save_private_key(key, op / "operator_key.pem")
+    save_certificate(operator_certificate(fed_key, fed, "alice", public_key_b64(key)), op / "operator_cert.json")
+    with start_broker("mosquitto") as broker:
+        path = fleet_config(tmp_path, fed, "a0", 0, broker.endpoint, fed_key)
+        state, log_path = tmp_path / "a0", tmp_path / "agent.log"
+        b = ["--broker", broker.endpoint, "--federation", fed, "--operator-dir", str(op)]
+        env = {**os.environ, "DFL_TEST_CRASH_AT": at}
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+                                    stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            _wait(lambda: "waiting for runs" in log_path.read_text(), 60, proc, log_path)
+            if at == "declined:after":
+                rid = dflctl("run", "submit", *b, "--algorithm", "fedavg", "--rounds", "2", "--members", "other")
+            else:
+                rid = dflctl("run", "submit", *b, "--algorithm", "fedavg", "--rounds", "2", "--min-members", "2")
+                _wait(lambda: _ledger(state).get(rid, {}).get("state") == "waiting_for_members", 60, proc, log_path)
+                dflctl("run", "cancel", rid, *b[:4], "--operator-dir", str(op))
+            assert proc.wait(60) == -signal.SIGKILL, log_path.read_text()[-3000:]  # killed at the point
+            recorded = at.split(":")[0]
+            assert _ledger(state)[rid]["state"] == recorded
+            proc = _start(path, log)
+            try:
+                _wait(lambda: log_path.read_text().count("waiting for runs") == 2, 60, proc, log_path)
+                time.sleep(3)  # three heartbeats: the retained descriptor (and cancel) were read again
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                rc = proc.wait(60)
+        text = log_path.read_text()
+        assert rc == 0, text[-3000:]
+        assert _ledger(state)[rid]["state"] == recorded, text[-3000:]
+        assert not (state / "runs" / rid / "metrics.jsonl").exists() and "run process" not in text
