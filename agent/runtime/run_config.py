@@ -24,7 +24,8 @@ RunHook = Callable[[Any, Any], Any]
 class RunHooks:
     """Callbacks around runs.  ``on_run_finished(run, node)`` is called after a run
     ends on this node with state ``finished`` (``node`` is the :class:`~dfl_agent.runtime.node.Node`
-    that trained it; its algorithm holds the final model) - e.g. to deploy the model.
+    that trained it, whose algorithm holds the final model; for a run trained in a run process, a
+    :class:`~dfl_agent.runtime.supervisor.RelayedNode` with its last status and counters only).
     A hook that raises is logged; it never stops the agent."""
 
     def __init__(self) -> None:
