@@ -6,11 +6,20 @@ declared offline by MQTT presence (clean stop or last will: a crashed peer sends
 mDNS goodbye, and its records linger in caches for minutes); and, when a heartbeat
 timeout is set, it was heard from within that timeout.
 
-The table logs each departure once: a clean leave (presence "offline", an mDNS goodbye)
-at INFO when the last source withdraws, a peer whose liveness expired (no sign of life
-for ``heartbeat_timeout``: crashed, or cut off) at WARNING when the table next finds it
-expired (every query of :meth:`PeerTable.live_peers`, several times a round); a peer that
-comes back is logged once more.
+The table logs each departure once, when the last source withdraws, at the level of what
+happened (:data:`DEPARTURES`: the presence tells the table how a peer went offline,
+:meth:`PeerTable.note_departure`, before it withdraws):
+
+* a clean leave: INFO ``peer B left (goodbye)`` (its signed goodbye), ``peer B left
+  (mdns withdrawn)`` (an mDNS goodbye, when no other source vouches for it);
+* the end of the peer's run (a goodbye after its last round): DEBUG only - the peer did
+  not leave the federation;
+* its last will (the broker saw its connection die: crashed, or cut off): WARNING;
+* a peer whose liveness expired (no sign of life for ``heartbeat_timeout``) at WARNING
+  when the table next finds it expired (every query of :meth:`PeerTable.live_peers`,
+  several times a round).
+
+A peer that comes back is logged once more (INFO ``peer B is back``).
 """
 
 from __future__ import annotations
@@ -23,6 +32,18 @@ from collections.abc import Callable
 from typing import Any
 
 SOURCES = ("static", "mdns", "presence")
+
+#: how a peer's presence went offline (:meth:`PeerTable.note_departure`) -> the log level and
+#: the words of its departure line: ``goodbye`` its verified goodbye, ``run_end`` a goodbye
+#: that ends its run (its status said its rounds were finished, or the goodbye names the
+#: run's end as its reason), ``will`` its unsigned last will, ``cleared`` its retained
+#: presence was removed
+DEPARTURES: dict[str, tuple[int, str]] = {
+    "goodbye": (logging.INFO, "left (goodbye)"),
+    "run_end": (logging.DEBUG, "ended its run"),
+    "will": (logging.WARNING, "lost its connection (its last will: crashed or cut off)"),
+    "cleared": (logging.INFO, "left (presence cleared)"),
+}
 
 log = logging.getLogger("dfl_agent.peers")
 
@@ -107,6 +128,9 @@ class PeerTable:
         self.changes = 0
         #: peers whose departure (leave or expiry) was logged; cleared when they come back
         self._gone: set[str] = set()
+        #: how a known peer's presence went offline (a :data:`DEPARTURES` key), told by the
+        #: presence before it withdraws the peer, read by that withdrawal
+        self._departure: dict[str, str] = {}
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(event, node_id, info)`` on added/updated/removed."""
@@ -168,9 +192,29 @@ class PeerTable:
             return True
         return False
 
+    def note_departure(self, node_id: str, how: str) -> None:
+        """How ``node_id``'s presence is going offline (a :data:`DEPARTURES` key): the
+        presence withdrawal that follows is logged accordingly.  Ignored for unknown peers.
+
+        Raises:
+            ValueError: ``how`` is not a :data:`DEPARTURES` key.
+        """
+        if how not in DEPARTURES:
+            raise ValueError(f"unknown departure {how!r}")
+        with self._lock:
+            if node_id in self._peers:
+                self._departure[node_id] = how
+
+    def is_live(self, node_id: str) -> bool:
+        """Whether ``node_id`` is a live peer now (no departure is logged by this query)."""
+        with self._lock:
+            info = self._peers.get(node_id)
+            return info is not None and self._is_live(info)
+
     def withdraw(self, node_id: str, source: str) -> None:
         """``source`` no longer vouches for ``node_id`` (goodbye, offline, last will)."""
         with self._lock:
+            how = self._departure.pop(node_id, None) if source == "presence" else None
             info = self._peers.get(node_id)
             if info is None or source not in info.sources:
                 return
@@ -183,8 +227,11 @@ class PeerTable:
             if was_live and not now_live:
                 self._gone.add(node_id)
         if was_live and not now_live:
-            log.info("%s: peer %s left (%s)", self.self_id, node_id,
-                     "offline" if source == "presence" else f"{source} withdrawn")
+            if how is not None:
+                level, words = DEPARTURES[how]
+            else:
+                level, words = logging.INFO, "left (offline)" if source == "presence" else f"left ({source} withdrawn)"
+            log.log(level, "%s: peer %s %s", self.self_id, node_id, words)
             self._emit("removed", info)
 
     def _is_live(self, info: PeerInfo) -> bool:

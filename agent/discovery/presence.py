@@ -255,16 +255,24 @@ class MqttPresence(ControlChannel):
                 self._say_online(client)
             return
         signed_only = self.control is not None and self.control.require_signatures
+        note = getattr(t.peers, "note_departure", None)  # how it went offline: its log line's level
         if not payload:
             descriptor = None
             if signed_only:
                 t.count("presence_unsigned")  # a cleared topic: only a hint, liveness decides
                 return
+            if note is not None:
+                note(node_id, "cleared")
         else:
             if signed_only and self._is_bare_offline(payload):
                 # the MQTT last will is unsigned by necessity: a hint only, liveness decides
                 t.count("presence_unsigned")
-                log.info("%s: unsigned offline of %r ignored (liveness decides)", self.node_id, node_id)
+                is_live = getattr(t.peers, "is_live", None)
+                if is_live is not None and is_live(node_id):  # not a retained will of long ago
+                    log.warning("%s: peer %s lost its connection (its unsigned last will: crashed or cut off); "
+                                "a member until its heartbeats stop", self.node_id, node_id)
+                else:
+                    log.debug("%s: unsigned offline of peer %s ignored (not live)", self.node_id, node_id)
                 return
             opened = self._open_control("presence", node_id, payload)
             if opened is None:
@@ -275,7 +283,28 @@ class MqttPresence(ControlChannel):
                 t.count("bad_presence")
                 log.warning("%s: dropped presence of %r: %s", self.node_id, node_id, exc)
                 return
+            if descriptor is None and note is not None:
+                note(node_id, self._departure(node_id, opened[0], payload))
         t.dispatch(t.presence_handler, node_id, descriptor)
+
+    def _departure(self, node_id: str, msg: dict[str, Any], payload: bytes) -> str:
+        """How ``node_id``'s presence went offline (a :data:`dfl_agent.discovery.peers.DEPARTURES`
+        key): ``"will"`` for its last will - bare JSON where this node signs (every agent signs
+        its goodbye), or, without signing, an "offline" older than the peer's last status (the
+        will is written when its connection opens); ``"run_end"`` for a goodbye after its
+        status said ``finished`` or one that names a reason other than ``stopping`` (the end
+        of its run); else ``"goodbye"`` (it stopped)."""
+        last = self.statuses.get(node_id) or {}
+        if self._is_bare_offline(payload):
+            if self.control is not None:
+                return "will"
+            sent, seen = msg.get("time"), last.get("time")
+            if isinstance(sent, (int, float)) and isinstance(seen, (int, float)) and sent < seen:
+                return "will"
+        reason = msg.get("reason")
+        if (isinstance(reason, str) and reason and reason != "stopping") or last.get("state") == "finished":
+            return "run_end"
+        return "goodbye"
 
     @staticmethod
     def _descriptor_of(msg: Any, node_id: str) -> dict[str, Any] | None:

@@ -100,6 +100,10 @@ class RunLobby:
         #: run ids whose verified cancel record arrived (the ledger remembers them too)
         self.cancels: set[str] = set()
         self._sub_mid: Any = None
+        #: the log of this session's broker outages (lost, still away, back); set by start()
+        self.outage: Any = None
+        self._up = False  # connected (CONNACK accepted), no disconnect since
+        self._stopping = False
         #: while a run process trains: the presence descriptor and the last status it relayed
         #: (republished after a reconnection)
         self.run_presence: dict[str, Any] | None = None
@@ -111,9 +115,11 @@ class RunLobby:
 
         from dfl_agent.transport.endpoint import parse_endpoint
         from dfl_agent.transport.mqtt import mqtt_session, topic
+        from dfl_agent.transport.outage import BrokerOutage
 
         m = self.cfg.mqtt
         host, port = parse_endpoint(m.broker)
+        self.outage, self._up, self._stopping = BrokerOutage(self.node_id, m.broker, log), False, False
         c = mqtt_session(f"dfl-{self.cfg.federation}-{self.node_id}-runs-{secrets.token_hex(3)}",
                          protocol=m.protocol, username=m.username, password=m.password,
                          tls_ca=m.tls_ca, tls_cert=m.tls_cert, tls_key=m.tls_key)
@@ -122,6 +128,8 @@ class RunLobby:
         c.will_set(topic(self.cfg.federation, self.node_id, "presence"), json.dumps(
             {"state": "offline", "node_id": self.node_id, "time": time.time()}), qos=1, retain=True)
         c.on_connect = self._on_connect
+        c.on_connect_fail = self._on_connect_fail
+        c.on_disconnect = self._on_disconnect
         c.on_subscribe = self._on_subscribe
         c.on_message = self._on_message
         c.connect_async(host, port, keepalive=m.keepalive)
@@ -130,17 +138,29 @@ class RunLobby:
 
     def stop(self) -> None:
         """Disconnect."""
+        self._stopping = True
         if self.client is not None:
             self.client.disconnect()
             self.client.loop_stop()
 
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
         if getattr(reason_code, "is_failure", False):
-            log.warning("run lobby: connection refused: %s", reason_code)
+            self.outage.attempt_failed(f"broker refused the connection: {reason_code}")  # throttled
             return
+        self._up = True
+        self.outage.connected()  # after an outage: "broker ... back after ..." (INFO)
         # the cancel records first: their retained copies arrive before any descriptor
         self._sub_mid = client.subscribe(cancel_topic(self.cfg.federation), 1)[1]
         self._republish_run()
+
+    def _on_connect_fail(self, client: Any, userdata: Any) -> None:
+        if not self._stopping:
+            self.outage.attempt_failed("no connection")  # the first one logged, then throttled
+
+    def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
+        was, self._up = self._up, False
+        if was and not self._stopping:
+            self.outage.lost(str(reason_code))  # WARNING once; paho reconnects
 
     def _on_subscribe(self, client: Any, userdata: Any, mid: Any, *args: Any) -> None:
         """Once the cancel records are subscribed, the descriptors and the statuses."""

@@ -90,6 +90,7 @@ from dfl_agent.jsonbound import RateLimitedLog
 from dfl_agent.transport.base import FrameHandler, PresenceHandler, Transport, TransportStats
 from dfl_agent.transport.chunking import HEADER_LEN, ChunkError, Reassembler, chunked_size, is_chunk, iter_chunks
 from dfl_agent.transport.endpoint import parse_endpoint
+from dfl_agent.transport.outage import BrokerOutage
 from dfl_agent.transport.wire import payload_offset
 
 log = logging.getLogger(__name__)
@@ -218,10 +219,12 @@ class ControlChannel(abc.ABC):
 class _Conn:
     """One paho client to one broker endpoint, with its readiness state."""
 
-    def __init__(self, endpoint: str, home: bool):
+    def __init__(self, endpoint: str, home: bool, who: str = ""):
         self.endpoint = endpoint
         self.host, self.port = parse_endpoint(endpoint)
         self.home = home
+        #: the log of this connection's outages (lost, still away, back)
+        self.outage = BrokerOutage(who, endpoint, log)
         self.client: mqtt.Client | None = None
         self.connected = False  # CONNACK success seen, no disconnect since
         self.ready = threading.Event()  # connected and SUBACK for our subscriptions
@@ -483,7 +486,7 @@ class MqttTransport(Transport):
                 return conn
             if self._stopping:
                 raise RuntimeError("MqttTransport is stopping")
-            conn = _Conn(endpoint, home)
+            conn = _Conn(endpoint, home, self.node_id)
             client = mqtt_session(f"dfl-{self.federation}-{self.node_id}-{secrets.token_hex(4)}",
                                   protocol=self.protocol, username=self.username, password=self.password,
                                   tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key, userdata=conn)
@@ -510,10 +513,11 @@ class MqttTransport(Transport):
         try:
             if reason_code.is_failure:
                 conn.error = f"broker refused the connection: {reason_code}"
-                log.warning("%s: %s: %s", self.node_id, conn.endpoint, conn.error)
+                conn.outage.attempt_failed(conn.error)  # logged once, then throttled
                 return
             conn.connected = True
             conn.error = ""
+            conn.outage.connected()  # after an outage: "back after ..." (INFO)
             rc, mid = client.subscribe(self._subscriptions(conn))
             if rc != mqtt.MQTT_ERR_SUCCESS:
                 # Not subscribed: stay not ready (start() times out naming this error). A lost
@@ -530,13 +534,15 @@ class MqttTransport(Transport):
 
     def _on_connect_fail(self, client, conn: _Conn) -> None:
         conn.error = conn.error or "connection failed (is the broker running?)"
+        if not self._stopping:
+            conn.outage.attempt_failed("no connection")
 
     def _on_disconnect(self, client, conn: _Conn, flags, reason_code, properties) -> None:
         was = conn.connected
         conn.connected = False
         conn.ready.clear()
         if was and not self._stopping:
-            log.warning("%s: lost broker %s (%s); reconnecting", self.node_id, conn.endpoint, reason_code)
+            conn.outage.lost(str(reason_code))  # WARNING; the attempts that follow are throttled
 
     def _on_subscribe(self, client, conn: _Conn, mid, reason_code_list, properties) -> None:
         if mid != conn.sub_mid:
@@ -546,10 +552,8 @@ class MqttTransport(Transport):
             conn.fatal = f"broker refused subscriptions: {', '.join(refused)}"
             log.error("%s: %s: %s", self.node_id, conn.endpoint, conn.fatal)
             return
-        if not conn.ever_ready:
+        if not conn.ever_ready:  # a reconnection was logged by conn.outage ("back after ...")
             log.info("%s: connected to %s", self.node_id, conn.endpoint)
-        elif not self._stopping:
-            log.info("%s: reconnected to %s", self.node_id, conn.endpoint)
         conn.ever_ready = True
         conn.ready.set()
 
