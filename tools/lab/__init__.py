@@ -1,0 +1,11 @@
+"""The field lab (``dflctl lab``): an emulated site network on one Linux host, as root.
+
+- :mod:`.check`: which of the host's capabilities the lab can use (``dflctl lab check``);
+- :mod:`.net`: :class:`~.net.LabNet`, the topology (a namespace per host, a bridge per
+  site, a router between sites, shaped links, a cgroup per host, processes inside them);
+- :mod:`.cgroups`: a host's CPU and memory cgroup (v1 or v2);
+- :mod:`.state`: the state file listing every object a lab made, and the teardown that
+  removes exactly those (``dflctl lab down``).
+
+Nothing here imports torch.
+"""
