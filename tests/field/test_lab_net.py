@@ -267,6 +267,36 @@ def test_the_state_file_lists_every_object_and_teardown_leaves_nothing(tmp_path:
     assert not net.state.path.exists()
 
 
+INTERRUPTED = r"""
+import sys, time
+from pathlib import Path
+from dfl_agent.cli.lab.net import LabNet
+with LabNet(state_dir=Path(sys.argv[1])) as net:
+    net.add_site("a")
+    net.add_host("p", "a", cpu=0.5, memory_mb=64, rate="2mbit", loss=0.1)
+    net.popen("p", ["sleep", "300"])
+    print(net.run_id, flush=True)
+    time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_builder_tears_its_lab_down(tmp_path: Path, sig: int) -> None:
+    builder = subprocess.Popen([PY, "-c", INTERRUPTED, str(tmp_path)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    assert builder.stdout is not None
+    try:
+        run_id = builder.stdout.readline().strip()
+        assert len(_leftovers(run_id)) == 4  # two namespaces, the run's memory and CPU cgroup folders
+        builder.send_signal(sig)
+        builder.wait(timeout=20)
+    finally:
+        if builder.poll() is None:
+            builder.terminate()
+            builder.wait(timeout=20)
+    assert _leftovers(run_id) == [] and list(tmp_path.iterdir()) == []
+
+
 BUILDER = r"""
 import sys
 from pathlib import Path

@@ -27,7 +27,9 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import signal
 import subprocess
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -366,10 +368,21 @@ class LabNet:
         return removed
 
     def __enter__(self) -> LabNet:
+        """In the main thread, SIGTERM and SIGHUP raise :class:`SystemExit` (as Ctrl-C
+        raises KeyboardInterrupt), so that a stopped builder still tears the lab down."""
+        if threading.current_thread() is threading.main_thread():
+            def _exit(signum: int, _frame: Any) -> None:
+                raise SystemExit(128 + signum)
+
+            self._old_handlers = {sig: signal.signal(sig, _exit) for sig in (signal.SIGTERM, signal.SIGHUP)}
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        self.down()
+        try:
+            self.down()
+        finally:
+            for sig, old in getattr(self, "_old_handlers", {}).items():
+                signal.signal(sig, old)
 
     def describe(self) -> list[str]:
         return [describe(o) for o in self.state.objects]
