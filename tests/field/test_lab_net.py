@@ -238,11 +238,12 @@ def _state_objects(doc: dict) -> dict[str, int]:
     return kinds
 
 
-def test_the_state_file_lists_every_object_and_teardown_leaves_nothing(tmp_path: Path) -> None:
+def test_the_state_file_lists_every_object_and_teardown_leaves_nothing(tmp_path: Path, caplog) -> None:
     with LabNet(state_dir=tmp_path) as net:
         net.add_site("a")
         net.add_site("b")
-        net.add_host("x", "a", cpu=0.5, memory_mb=128, rate="10mbit", loss=0.01)
+        net.add_host("x", "a", cpu=(os.cpu_count() or 1) + 0.5, memory_mb=128, rate="10mbit", loss=0.01)
+        assert "CPU quotas add up to" in caplog.text  # more than the machine's cores: a warning
         net.add_host("y", "b", memory_mb=128)
         net.connect_sites(rate="5mbit")
         sleeper = net.popen("x", ["sleep", "60"])

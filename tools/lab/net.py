@@ -24,6 +24,7 @@ gateway's FORWARD chain); a link is taken down and up on its switch end.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import secrets
@@ -37,6 +38,8 @@ from typing import Any
 
 from dfl_agent.cli.lab.cgroups import HostCgroup
 from dfl_agent.cli.lab.state import LabState, describe, proc_start, stop_process, teardown
+
+log = logging.getLogger(__name__)
 
 #: namespace names start with this
 PREFIX = "dfl-lab-"
@@ -151,6 +154,7 @@ class LabNet:
         self._links = 0
         self._procs: dict[int, tuple[subprocess.Popen[Any], dict[str, Any]]] = {}
         self._wan: dict[str, Any] = {"rate": None, "loss": 0.0}
+        self._oversubscribed = False
         self.state.write()
 
     # ---- naming -------------------------------------------------------------------
@@ -219,11 +223,20 @@ class LabNet:
         if cpu:
             self.mechanisms.cpu = f"cgroup-v{cg.version}"
         host = Host(name, s, ns, address, link, cg)
+        cores = os.cpu_count() or 1
+        if cpu and not self._oversubscribed and self.cpu_total() + cpu > cores:
+            self._oversubscribed = True
+            log.warning("the hosts' CPU quotas add up to %.2f cores, more than this machine's %d: "
+                        "devices will get less than their share", self.cpu_total() + cpu, cores)
         s.hosts.append(host)
         self.hosts[name] = host
         if rate or loss:
             self.shape(name, rate=rate, loss=loss)
         return host
+
+    def cpu_total(self) -> float:
+        """The hosts' CPU quotas added up (in cores)."""
+        return sum(h.cgroup.cpu or 0.0 for h in self.hosts.values() if h.cgroup)
 
     def connect_sites(self, *, rate: str | None = None, loss: float = 0.0) -> str:
         """The router namespace and a gateway per site (the WAN link, shaped like a host's
