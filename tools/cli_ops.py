@@ -309,9 +309,7 @@ def cmd_watch(a: argparse.Namespace) -> int:
                 if a.count is None or n < a.count:
                     time.sleep(a.interval)
         return 0
-    except KeyboardInterrupt:
-        return 0
-    finally:
+    finally:  # Ctrl-C goes on to dflctl's main: "interrupted", exit 130
         obs.stop()
 
 

@@ -7,6 +7,10 @@ their progress live from the retained status topics, and finally writes the repo
 folder: ``metrics.jsonl``, ``summary.json``, ``accuracy.png``, per-node logs.
 
 Exit code 0 when every agent that was not deliberately killed finished all rounds.
+Ctrl-C (SIGINT) stops every agent within :data:`INTERRUPT_GRACE` seconds (SIGTERM to all at
+once, SIGKILL after the grace), still writes the report with what was done, marked
+``"complete": false, "interrupted": true`` in ``summary.json`` (``rounds_reported`` says how
+far each node got: the last round its status reported), and ends with ``KeyboardInterrupt`` (``dflctl`` exits 130).
 """
 
 from __future__ import annotations
@@ -61,18 +65,28 @@ class DemoOptions:
     error_feedback: bool = True
 
 
+#: seconds the agents get to leave cleanly after Ctrl-C before they are killed
+INTERRUPT_GRACE = 3.0
+
+
 def stop_processes(procs: Any, timeout: float = 15.0) -> None:
-    """SIGTERM every still-running ``subprocess.Popen`` in ``procs``, wait up to
-    ``timeout`` s for each to leave the federation cleanly, then SIGKILL what is left."""
+    """SIGTERM every still-running ``subprocess.Popen`` in ``procs`` at once, wait up to
+    ``timeout`` s in all for them to leave the federation cleanly, then SIGKILL what is left
+    (and reap it)."""
     procs = list(procs)
     for p in procs:
         if p.poll() is None:
             p.terminate()
+    deadline = time.monotonic() + timeout
     for p in procs:
         try:
-            p.wait(timeout=timeout)
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        if p.poll() is None:
             p.kill()
+            p.wait()
 
 
 def _node_ids(opts: DemoOptions) -> list[str]:
@@ -176,15 +190,39 @@ def _num(v: Any) -> str:
     return f"{v:.3f}" if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
 
 
-def _table(statuses: dict[str, dict[str, Any]], presence: dict[str, dict[str, Any]], ids: list[str], rounds: int):
+#: the live table's columns that go first when the terminal is too narrow for all of them,
+#: least important first (node, round, the accuracy columns and "alone" always stay)
+DROP_FIRST = ("recv MB", "sent MB", "dropped", "peers", "took part", "state")
+
+
+def _fit(columns: list[str], rows: list[list[str]], width: int | None) -> list[str]:
+    """The columns to show in ``width`` terminal columns: all of them when they fit, else
+    without the :data:`DROP_FIRST` ones, in that order, until they fit (never truncated)."""
+    if width is None:
+        return columns
+    keep = list(columns)
+
+    def needed() -> int:  # rich's default box: a border before each column and after the last, padding 1+1
+        return 1 + sum(3 + max([len(c)] + [len(r[columns.index(c)]) for r in rows]) for c in keep)
+
+    for col in DROP_FIRST:
+        if needed() <= width:
+            break
+        if col in keep:
+            keep.remove(col)
+    return keep
+
+
+def _table(statuses: dict[str, dict[str, Any]], presence: dict[str, dict[str, Any]], ids: list[str], rounds: int,
+           width: int | None = None):
+    """The live table; ``width`` (the terminal's columns): less important columns are left
+    out (:data:`DROP_FIRST`) rather than truncating any."""
     from rich.table import Table
 
     two = _two_models(statuses.values())
-    t = Table(title=f"dfl-agent demo: {len(ids)} agents, {rounds} rounds (global test accuracy, held-out users)",
-              caption=PEAK_NOTE if two else None, caption_justify="left")
     accuracy_cols = ("peak", "regular", "took part") if two else ("federated",)
-    for col in ("node", "state", "round", *accuracy_cols, "alone", "peers", "sent MB", "recv MB", "dropped"):
-        t.add_column(col, justify="right" if col not in ("node", "state") else "left")
+    columns = ["node", "state", "round", *accuracy_cols, "alone", "peers", "sent MB", "recv MB", "dropped"]
+    rows = []
     for nid in ids:
         s = statuses.get(nid, {})
         online = presence.get(nid, {}).get("state", "-")
@@ -192,13 +230,20 @@ def _table(statuses: dict[str, dict[str, Any]], presence: dict[str, dict[str, An
         acc = [_num(s.get("global_accuracy"))]
         if two:
             acc += [_num(s.get("regular_global_accuracy")), _took_part(s)]
-        t.add_row(
+        rows.append([
             nid, state, f"{s.get('round', 0)}/{rounds}", *acc,
             _num(s.get("local_only_global_accuracy")),
             str(len(s.get("live_peers", []) or [])),
             f"{s.get('bytes_sent', 0) / 1e6:.2f}", f"{s.get('bytes_received', 0) / 1e6:.2f}",
             str(sum((s.get("errors") or {}).values())),
-        )
+        ])
+    shown = _fit(columns, rows, width)
+    t = Table(title=f"dfl-agent demo: {len(ids)} agents, {rounds} rounds (global test accuracy, held-out users)",
+              caption=PEAK_NOTE if two else None, caption_justify="left")
+    for col in shown:
+        t.add_column(col, justify="right" if col not in ("node", "state") else "left", no_wrap=True)
+    for row in rows:
+        t.add_row(*(row[columns.index(c)] for c in shown))
     return t
 
 
@@ -252,27 +297,31 @@ def run_demo(opts: DemoOptions) -> int:
                 zip(ids, [specs[i % len(specs)] for i in range(len(ids))])))
         procs: dict[str, subprocess.Popen] = {}
         logs = {}
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        fed_pub = _enroll(out, fed, ids)
-        for i, nid in enumerate(ids):
-            cfg = _config(opts, fed, nid, i, broker.endpoint, out.resolve(), specs, fed_pub)
-            path = out / "nodes" / nid / "node.toml"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(dump_toml(cfg), encoding="utf-8")
-            logs[nid] = open(out / "logs" / f"{nid}.log", "w", encoding="utf-8")
-            procs[nid] = subprocess.Popen(
-                [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
-                stdout=logs[nid], stderr=subprocess.STDOUT, env=env,
-            )
-        observer = Observer(broker.endpoint, fed, protocol=opts.protocol).start()
-        budget = opts.start_timeout + 60 + opts.rounds * (opts.round_timeout + 60)
-        deadline = time.monotonic() + budget
         killed: set[str] = set()
-        last_print: dict[str, int] = {}
+        observer = None
+        interrupted = False
+        seen_rounds: dict[str, int] = {}  # the last round each agent's status reported
         try:
+            env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+            fed_pub = _enroll(out, fed, ids)
+            for i, nid in enumerate(ids):
+                cfg = _config(opts, fed, nid, i, broker.endpoint, out.resolve(), specs, fed_pub)
+                path = out / "nodes" / nid / "node.toml"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(dump_toml(cfg), encoding="utf-8")
+                logs[nid] = open(out / "logs" / f"{nid}.log", "w", encoding="utf-8")
+                procs[nid] = subprocess.Popen(
+                    [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
+                    stdout=logs[nid], stderr=subprocess.STDOUT, env=env,
+                )
+            observer = Observer(broker.endpoint, fed, protocol=opts.protocol).start()
+            budget = opts.start_timeout + 60 + opts.rounds * (opts.round_timeout + 60)
+            deadline = time.monotonic() + budget
+            last_print: dict[str, int] = {}
             with Live(console=console, refresh_per_second=2, transient=False) if live else _Null() as view:
                 while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
                     statuses, presence = observer.snapshot()
+                    seen_rounds.update({n: int(s.get("round") or 0) for n, s in statuses.items() if n in procs})
                     if kill_index is not None and ids[kill_index] not in killed:
                         victim = ids[kill_index]
                         if statuses.get(victim, {}).get("round", 0) >= kill_round:
@@ -280,7 +329,7 @@ def run_demo(opts: DemoOptions) -> int:
                             killed.add(victim)
                             console.print(f"[bold red]killed {victim} (SIGKILL) after its round {kill_round}[/]")
                     if live:
-                        view.update(_table(statuses, presence, ids, opts.rounds))
+                        view.update(_table(statuses, presence, ids, opts.rounds, width=console.width))
                     else:
                         for nid, s in sorted(statuses.items()):
                             r = s.get("round", 0)
@@ -288,12 +337,17 @@ def run_demo(opts: DemoOptions) -> int:
                                 last_print[nid] = r
                                 console.print(progress_line(nid, s, opts.rounds))
                     time.sleep(0.5)
+        except KeyboardInterrupt:  # Ctrl-C: stop the agents at once, then report what was done
+            interrupted = True
         finally:
-            timed_out = [n for n, p in procs.items() if p.poll() is None]
-            stop_processes(procs.values())
-            observer.stop()
+            timed_out = [] if interrupted else [n for n, p in procs.items() if p.poll() is None]
+            stop_processes(procs.values(), timeout=INTERRUPT_GRACE if interrupted else 15.0)
+            if observer is not None:
+                observer.stop()
             for f in logs.values():
                 f.close()
+        if interrupted:
+            console.print(f"[bold yellow]interrupted: agents stopped; writing the partial report to {out}[/]")
 
     histories = {}
     for nid in ids:
@@ -301,7 +355,7 @@ def run_demo(opts: DemoOptions) -> int:
         histories[nid] = metrics.read_jsonl(mpath) if mpath.exists() else []
     records = [r for nid in ids for r in histories[nid]]
     metrics.write_jsonl(out / "metrics.jsonl", records)
-    exit_codes = {nid: procs[nid].returncode for nid in ids}
+    exit_codes = {nid: procs[nid].returncode if nid in procs else None for nid in ids}
     survivors = [n for n in ids if n not in killed]
     failed = [
         n for n in survivors
@@ -312,6 +366,10 @@ def run_demo(opts: DemoOptions) -> int:
         opts.algorithm, {n: histories[n] for n in survivors}, wall_seconds=time.time() - started,
         bytes_by_node={n: (h[-1]["bytes_sent"], h[-1]["bytes_received"]) for n, h in histories.items() if h},
         extra={
+            # interrupted (Ctrl-C): an incomplete report; how far each node got (its status or its records)
+            "complete": not interrupted, "interrupted": interrupted,
+            "rounds_reported": {n: max(seen_rounds.get(n, 0), histories[n][-1]["round"] if histories[n] else 0)
+                                for n in ids},
             "dataset": opts.dataset, "partition": "by-user", "federation": fed, "broker": broker.kind,
             "killed": sorted(killed), "failed": failed, "nodes_started": len(ids), "exit_codes": exit_codes,
             "max_round_seconds": max((r["round_seconds"] for r in records), default=0.0),
@@ -322,10 +380,14 @@ def run_demo(opts: DemoOptions) -> int:
     )
     metrics.atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=float) + "\n")
     plotted = False
-    if records:
+    if records and not interrupted:
         plotted = metrics.plot_accuracy(histories, out / "accuracy.png",
                               title=f"{opts.algorithm}: {len(ids)} agents on HAR (dashed: same model trained alone)")
     _final_table(console, summary, histories, ids, killed)
+    if interrupted:
+        done = ", ".join(f"{n} {r}/{opts.rounds}" for n, r in summary["rounds_reported"].items())
+        console.print(f"partial report (incomplete: interrupted): {out}/summary.json; rounds done: {done}")
+        raise KeyboardInterrupt
     if failed:
         console.print(f"[bold red]federation failed: {', '.join(failed)} did not finish (see {out}/logs)[/]")
         return 1

@@ -412,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"dflctl: {msg}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C: one line, and the shell's code for SIGINT (docs/cli.md)
+        print("dflctl: interrupted", file=sys.stderr)
         return 130
 
 
