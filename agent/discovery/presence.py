@@ -291,9 +291,10 @@ class MqttPresence(ControlChannel):
         """How ``node_id``'s presence went offline (a :data:`dfl_agent.discovery.peers.DEPARTURES`
         key): ``"will"`` for its last will - bare JSON where this node signs (every agent signs
         its goodbye), or, without signing, an "offline" older than the peer's last status (the
-        will is written when its connection opens); ``"run_end"`` for a goodbye after its
-        status said ``finished`` or one that names a reason other than ``stopping`` (the end
-        of its run); else ``"goodbye"`` (it stopped)."""
+        will is written when its connection opens); ``"goodbye"`` when it stopped before its
+        run's end (its status said ``stopped``, or the goodbye's reason is ``stopping``);
+        ``"run_end"`` after its status said ``finished``, or for a goodbye that names another
+        reason (the supervisor's ``run ended``); else ``"goodbye"``."""
         last = self.statuses.get(node_id) or {}
         if self._is_bare_offline(payload):
             if self.control is not None:
@@ -301,8 +302,10 @@ class MqttPresence(ControlChannel):
             sent, seen = msg.get("time"), last.get("time")
             if isinstance(sent, (int, float)) and isinstance(seen, (int, float)) and sent < seen:
                 return "will"
-        reason = msg.get("reason")
-        if (isinstance(reason, str) and reason and reason != "stopping") or last.get("state") == "finished":
+        reason, state = msg.get("reason"), last.get("state")
+        if reason == "stopping" or state == "stopped":
+            return "goodbye"
+        if state == "finished" or (isinstance(reason, str) and reason):
             return "run_end"
         return "goodbye"
 

@@ -149,6 +149,10 @@ def test_a_peers_goodbye_will_and_run_end_are_told_apart(caplog):
         ("DEBUG", "me: peer a ended its run")]
     assert _departure(caplog, lambda p: [("presence", p.presence("offline", reason="stopping"))]) == [
         ("INFO", "me: peer a left (goodbye)")]
+    # ... but the run's end after its status said it stopped early (SIGTERM): it left the run
+    assert _departure(caplog, lambda p: [("status", p.status("stopped")),
+                                         ("presence", p.presence("offline", reason="run ended"))]) == [
+        ("INFO", "me: peer a left (goodbye)")]
     # its unsigned last will: the broker saw its connection die
     assert _departure(caplog, lambda p: [("status", p.status("training")), ("presence", p.will(time.time() - 60))]) == [
         ("WARNING", "me: peer a lost its connection (its last will: crashed or cut off)")]
