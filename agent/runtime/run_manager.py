@@ -429,11 +429,7 @@ class RunManager:
         try:  # a published run's settings that the configuration rules refuse fail that run only
             run_cfg = run_config_for(self.cfg, d)
         except StartupError as exc:
-            if d.default:
-                raise
-            self.fail(d.run_id, str(exc))
-            self.idle()
-            return True
+            return self._cannot_start(d, exc)
         run_stop = asyncio.Event()
         watcher = asyncio.ensure_future(_relay(stop, run_stop))
         ingest: asyncio.Future[None] | None = None
@@ -446,11 +442,7 @@ class RunManager:
                 try:
                     rc = await agent.run(run_stop)
                 except StartupError as exc:
-                    if d.default:
-                        raise
-                    self.fail(d.run_id, str(exc))
-                    self.idle()
-                    return True
+                    return self._cannot_start(d, exc)
                 except Exception as exc:  # the algorithm crashed: the run fails here, the agent stays up
                     log.exception("run %s crashed", d.run_id)
                     self.fail(d.run_id, f"{type(exc).__name__}: {exc}")
@@ -475,6 +467,15 @@ class RunManager:
                     task.cancel()
             await asyncio.gather(*(t for t in (watcher, ingest) if t is not None), return_exceptions=True)
         return await self._ended(d, agent, rc, watch.rounds, stop)
+
+    def _cannot_start(self, d: RunDescriptor, exc: StartupError) -> bool:
+        """Run ``d`` cannot start (its settings or data): a published run fails here (True: the
+        agent goes on); the default run's error propagates (bad configuration: exit code 2)."""
+        if d.default:
+            raise exc
+        self.fail(d.run_id, str(exc))
+        self.idle()
+        return True
 
     def _new_agent(self, d: RunDescriptor, run_cfg: NodeConfig, run_stop: asyncio.Event,
                    attempt: int) -> tuple[Any, _CancelWatch]:
