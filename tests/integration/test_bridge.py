@@ -87,11 +87,12 @@ def test_agents_on_two_bridged_brokers_learn_together(tmp_path, mosquitto_broker
             obs.stop()
     finally:
         site_b.stop()
-    # both sites saw both nodes online, each with its own site's broker as its address
+    # both sites saw both nodes online, each with its own site's broker, and the device's own address
     assert set(online) == {site_a.endpoint, site_b.endpoint}
     for rows in online.values():
         by_id = {r["node_id"]: r for r in rows}
-        assert by_id["alpha"]["address"] == site_a.endpoint and by_id["bravo"]["address"] == site_b.endpoint
+        assert by_id["alpha"]["broker"] == site_a.endpoint and by_id["bravo"]["broker"] == site_b.endpoint
+        assert by_id["alpha"]["address"] == by_id["bravo"]["address"] == "127.0.0.1"  # discovery.interfaces
     for a in agents:
         hist = [r for r in a.node.history if "neighbours" in r]
         assert [r["round"] for r in hist] == [1, 2, 3]
@@ -102,6 +103,6 @@ def test_agents_on_two_bridged_brokers_learn_together(tmp_path, mosquitto_broker
     for endpoint, rows in seen.items():
         by_id = {r["node_id"]: r for r in rows}
         assert set(by_id) == {"alpha", "bravo"}, (endpoint, rows)
-        assert by_id["alpha"]["address"] == site_a.endpoint  # still known after it left
+        assert by_id["alpha"]["broker"] == site_a.endpoint  # still known after it left
         assert by_id["alpha"]["round"] == 3 and by_id["bravo"]["round"] == 3
         assert all(r["state"] == "offline" for r in rows)  # both left: "offline" crossed the bridge
