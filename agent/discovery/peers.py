@@ -19,7 +19,8 @@ happened (:data:`DEPARTURES`: the presence tells the table how a peer went offli
   when the table next finds it expired (every query of :meth:`PeerTable.live_peers`,
   several times a round).
 
-A peer that comes back is logged once more (INFO ``peer B is back``).
+A peer that comes back is logged once more (``peer B is back``: INFO, DEBUG after the end of
+its run).
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ class PeerTable:
         self.changes = 0
         #: peers whose departure (leave or expiry) was logged; cleared when they come back
         self._gone: set[str] = set()
+        #: those of them whose departure was logged below INFO (the end of their run)
+        self._quiet: set[str] = set()
         #: how a known peer's presence went offline (a :data:`DEPARTURES` key), told by the
         #: presence before it withdraws the peer, read by that withdrawal
         self._departure: dict[str, str] = {}
@@ -169,8 +172,8 @@ class PeerTable:
             info.last_seen = self._clock()
             self.changes += 1
             back = self._back(info)
-        if back:
-            log.info("%s: peer %s is back", self.self_id, node_id)
+        if back is not None:
+            log.log(back, "%s: peer %s is back", self.self_id, node_id)
         self._emit("updated" if was_live else "added", info)
         return info
 
@@ -182,15 +185,19 @@ class PeerTable:
                 return
             info.last_seen = self._clock()
             back = self._back(info)
-        if back:
-            log.info("%s: peer %s is back", self.self_id, node_id)
+        if back is not None:
+            log.log(back, "%s: peer %s is back", self.self_id, node_id)
 
-    def _back(self, info: PeerInfo) -> bool:
-        """Whether ``info``, logged as gone, is live again (then no longer counted gone)."""
+    def _back(self, info: PeerInfo) -> int | None:
+        """The log level of "is back" when ``info``, logged as gone, is live again (then no
+        longer counted gone): DEBUG after a departure logged at DEBUG, else INFO; None when
+        it was not gone or is not live."""
         if info.node_id in self._gone and self._is_live(info):
             self._gone.discard(info.node_id)
-            return True
-        return False
+            quiet = info.node_id in self._quiet
+            self._quiet.discard(info.node_id)
+            return logging.DEBUG if quiet else logging.INFO
+        return None
 
     def note_departure(self, node_id: str, how: str) -> None:
         """How ``node_id``'s presence is going offline (a :data:`DEPARTURES` key): the
@@ -224,13 +231,15 @@ class PeerTable:
                 info.offline = True
             now_live = self._is_live(info)
             self.changes += 1
-            if was_live and not now_live:
-                self._gone.add(node_id)
-        if was_live and not now_live:
             if how is not None:
                 level, words = DEPARTURES[how]
             else:
                 level, words = logging.INFO, "left (offline)" if source == "presence" else f"left ({source} withdrawn)"
+            if was_live and not now_live:
+                self._gone.add(node_id)
+                if level < logging.INFO:
+                    self._quiet.add(node_id)
+        if was_live and not now_live:
             log.log(level, "%s: peer %s %s", self.self_id, node_id, words)
             self._emit("removed", info)
 

@@ -158,6 +158,21 @@ def test_a_peers_goodbye_will_and_run_end_are_told_apart(caplog):
         ("WARNING", "me: peer a lost its connection (its last will: crashed or cut off)")]
 
 
+def test_a_peer_back_after_the_end_of_its_run_is_debug_and_after_a_leave_info(caplog):
+    caplog.set_level(logging.DEBUG, logger="dfl_agent.peers")
+    table = PeerTable("me", "fed")
+    for peer, how in (("a", "run_end"), ("b", "goodbye")):
+        table.upsert(peer, "presence", federation="fed")
+        table.note_departure(peer, how)
+        table.withdraw(peer, "presence")
+        table.upsert(peer, "presence", federation="fed")  # its next run
+    assert _lines(caplog, "dfl_agent.peers") == [
+        ("DEBUG", "me: peer a ended its run"), ("DEBUG", "me: peer a is back"),
+        ("INFO", "me: peer b left (goodbye)"), ("INFO", "me: peer b is back")]
+    with pytest.raises(ValueError, match="unknown departure"):
+        table.note_departure("a", "vanished")
+
+
 def test_signatures_required_an_unsigned_will_is_a_warning_only_for_a_live_peer(caplog):
     got = _departure(caplog, lambda p: [("presence", p.will(time.time()))], require=True)
     assert got == [("WARNING", "me: peer a lost its connection (its unsigned last will: crashed or cut off); "
