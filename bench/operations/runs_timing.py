@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -34,6 +36,57 @@ from dfl_agent.runtime.descriptor import operator_certificate
 from dfl_agent.security.keys import enroll_local, public_key_b64, save_certificate, save_private_key
 
 
+def invocation(argv: list[str] | None = None) -> str:
+    """The command line of this process as it was run: ``nice -n N`` when it runs niced,
+    the interpreter (relative to the working directory when inside it) and ``argv``
+    (default ``sys.argv``), shell-quoted."""
+    exe = sys.executable or "python"
+    rel = os.path.relpath(exe)
+    exe = rel if not rel.startswith("..") else exe
+    niceness = os.nice(0)
+    return (f"nice -n {niceness} " if niceness > 0 else "") + shlex.join([exe, *(sys.argv if argv is None else argv)])
+
+
+def operator_dir(tmp: Path, fed_key: Ed25519PrivateKey, fed: str) -> Path:
+    """An operator's key and certificate (signed by the federation key) under ``tmp/op``,
+    as ``dflctl run submit --operator-dir`` reads them."""
+    op = tmp / "op"
+    op.mkdir()
+    key = Ed25519PrivateKey.generate()
+    save_private_key(key, op / "operator_key.pem")
+    save_certificate(operator_certificate(fed_key, fed, "bench", public_key_b64(key)), op / "operator_cert.json")
+    return op
+
+
+def node_config(tmp: Path, fed_key: Ed25519PrivateKey, fed: str, nid: str, broker: str, body: str,
+                heartbeat: float | None = 1.0) -> Path:
+    """Enroll ``nid`` (state directory ``tmp/nid``) and write ``tmp/nid.toml``: a signed
+    federation, no ``[algorithm]`` (the agent waits for runs), ``body`` in between; the
+    status heartbeat every ``heartbeat`` seconds (None: the default)."""
+    enroll_local(fed_key, fed, nid, tmp / nid)
+    path = tmp / f"{nid}.toml"
+    hb = "" if heartbeat is None else f"heartbeat_interval = {heartbeat}\n"
+    path.write_text(f'federation = "{fed}"\nnode_id = "{nid}"\nstate_dir = "{tmp / nid}"\n{body}'
+                    f'[mqtt]\nbroker = "{broker}"\n{hb}'
+                    f'[security]\nrequire_signatures = true\nfederation_key = "{public_key_b64(fed_key)}"\n')
+    return path
+
+
+def start_agent(path: Path, log: Path, pythonpath: str | None = None) -> subprocess.Popen:
+    """``dfl-agent run --config path`` (always-on), stdout and stderr to ``log``; with
+    ``pythonpath``, the agent's ``PYTHONPATH`` (another version of the package)."""
+    env = None if pythonpath is None else {**os.environ, "PYTHONPATH": pythonpath}
+    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+
+
+def submit(broker: str, fed: str, op: Path, *args: str) -> str:
+    """``dflctl run submit`` signed with the operator in ``op``; the run id."""
+    return subprocess.run([sys.executable, "-m", "dfl_agent.cli.dflctl", "run", "submit", "--broker", broker,
+                           "--federation", fed, "--operator-dir", str(op), *args], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=3, help="agents")
@@ -45,27 +98,16 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="dfl-runs-"))
     fed, fed_key = "bench", Ed25519PrivateKey.generate()
     ids = [f"b{i}" for i in range(a.nodes)]
-    op = tmp / "op"
-    op.mkdir()
-    key = Ed25519PrivateKey.generate()
-    save_private_key(key, op / "operator_key.pem")
-    save_certificate(operator_certificate(fed_key, fed, "bench", public_key_b64(key)), op / "operator_cert.json")
+    op = operator_dir(tmp, fed_key, fed)
     results = []
     with start_broker("mosquitto") as broker:
         procs = []
         for i, nid in enumerate(ids):
-            enroll_local(fed_key, fed, nid, tmp / nid)
-            path = tmp / f"{nid}.toml"
-            path.write_text(
-                f'federation = "{fed}"\nnode_id = "{nid}"\nstate_dir = "{tmp / nid}"\n'
-                f'[data]\ndataset = "digits"\npartition = "iid"\nnum_nodes = {a.nodes}\nnode_index = {i}\n'
-                f'[model]\nsize = "small"\n[training]\nsteps = 5\n'
-                f'[mqtt]\nbroker = "{broker.endpoint}"\nheartbeat_interval = 1.0\n'
-                f'[discovery]\nmin_peers = {a.nodes - 1}\nmdns = false\n'
-                f'[security]\nrequire_signatures = true\nfederation_key = "{public_key_b64(fed_key)}"\n')
-            procs.append(subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config",
-                                           str(path)], stdout=open(tmp / f"{nid}.log", "w"),
-                                          stderr=subprocess.STDOUT))
+            path = node_config(tmp, fed_key, fed, nid, broker.endpoint,
+                               f'[data]\ndataset = "digits"\npartition = "iid"\nnum_nodes = {a.nodes}\n'
+                               f'node_index = {i}\n[model]\nsize = "small"\n[training]\nsteps = 5\n'
+                               f'[discovery]\nmin_peers = {a.nodes - 1}\nmdns = false\n')
+            procs.append(start_agent(path, tmp / f"{nid}.log"))
         obs = Observer(broker.endpoint, fed).start()
 
         def runs_of(rid: str) -> dict:
@@ -83,10 +125,7 @@ def main() -> int:
         wait(lambda: all(obs.snapshot()[0].get(n, {}).get("state") == "idle" for n in ids), 300)
         for _ in range(a.runs):
             t0 = time.monotonic()
-            rid = subprocess.run([sys.executable, "-m", "dfl_agent.cli.dflctl", "run", "submit", "--broker",
-                                  broker.endpoint, "--federation", fed, "--operator-dir", str(op), "--algorithm",
-                                  "fedavg", "--rounds", str(a.rounds)], capture_output=True, text=True,
-                                 check=True).stdout.strip()
+            rid = submit(broker.endpoint, fed, op, "--algorithm", "fedavg", "--rounds", str(a.rounds))
             t_train = wait(lambda: len(runs_of(rid)) == a.nodes
                            and all(r.get("state") in ("training", "finished") for r in runs_of(rid).values()), 300)
             t_last = wait(lambda: len(runs_of(rid)) == a.nodes
@@ -97,10 +136,8 @@ def main() -> int:
             print(results[-1], flush=True)
         cancels = []
         for _ in range(a.cancels):
-            rid = subprocess.run([sys.executable, "-m", "dfl_agent.cli.dflctl", "run", "submit", "--broker",
-                                  broker.endpoint, "--federation", fed, "--operator-dir", str(op), "--algorithm",
-                                  "fedavg", "--rounds", "1000", "--training", "steps=200"], capture_output=True,
-                                 text=True, check=True).stdout.strip()
+            rid = submit(broker.endpoint, fed, op, "--algorithm", "fedavg", "--rounds", "1000", "--training",
+                         "steps=200")
             wait(lambda: len(runs_of(rid)) == a.nodes and all(r.get("round", 0) >= 2 for r in runs_of(rid).values()),
                  600)
             t0 = time.monotonic()
@@ -126,7 +163,7 @@ def main() -> int:
             pr.wait(timeout=60)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = "nice -n 10 python bench/operations/runs_timing.py " + " ".join(sys.argv[1:])
+    command = invocation()
     if results:
         tr = sorted(r["submit_to_all_training_s"] for r in results)
         idl = sorted(r["last_round_to_all_idle_s"] for r in results)
