@@ -14,6 +14,9 @@ The final table shows, per agent and run, the samples the run trained on, the mo
 version it deployed and that version's validation accuracy (and, with the onnx extra,
 its accuracy on the held-out HAR test users).  The report folder holds ``summary.json``
 (see :func:`feed_federation`), per-agent logs, state directories and ``feed.jsonl``.
+Ctrl-C stops the agents at once (as :func:`dfl_agent.cli.demo.run_demo` does) and still writes
+``summary.json``, marked ``"complete": false, "interrupted": true``, with the run and round each
+agent last reported (``reported``).
 """
 
 from __future__ import annotations
@@ -282,7 +285,7 @@ def feed_federation(opts: FeedOptions, on_tick: Any = None) -> dict[str, Any]:
 
     from dfl_agent.cli.broker import start_broker
     from dfl_agent.cli.cli_runs import publish_retained
-    from dfl_agent.cli.demo import stop_processes
+    from dfl_agent.cli.demo import INTERRUPT_GRACE, stop_processes
     from dfl_agent.cli.observer import Observer
     from dfl_agent.runtime.descriptor import (
         RunDescriptor,
@@ -316,6 +319,8 @@ def feed_federation(opts: FeedOptions, on_tick: Any = None) -> dict[str, Any]:
     run_ids: list[str] = []
     failed: list[str] = []
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    interrupted = False
+    seen: dict[str, Any] = {}  # the agents' last statuses: how far an interrupted demo got
     with start_broker(opts.broker) as broker:
         for nid in ids:
             cfg = _config(opts, fed, nid, states[nid], broker.endpoint, bundle.pool, public_key_b64(fed_key))
@@ -381,9 +386,12 @@ def feed_federation(opts: FeedOptions, on_tick: Any = None) -> dict[str, Any]:
                     if RunLedger(states[n]).state(rid) != "finished":
                         failed.append(n)
                         break
+        except KeyboardInterrupt:  # Ctrl-C: stop the agents at once, then report what was done
+            interrupted = True
         finally:
             feeder.stop()
-            stop_processes(procs.values(), timeout=30)
+            seen = observer.snapshot()[0]
+            stop_processes(procs.values(), timeout=INTERRUPT_GRACE if interrupted else 30)
             observer.stop()
             for f in logs.values():
                 f.close()
@@ -391,10 +399,16 @@ def feed_federation(opts: FeedOptions, on_tick: Any = None) -> dict[str, Any]:
                **collect(states, run_ids, bundle.test),
                "feed": {"windows_fed": {n: feeder.pos[n] for n in ids}, "initial": given, "passes": feeder.passes,
                         "interval_s": opts.feed_interval, "chunk": opts.feed_chunk},
-               "failed": sorted(set(failed)), "started": started, "wall_seconds": round(time.time() - started, 1)}
+               "failed": sorted(set(failed)), "started": started, "wall_seconds": round(time.time() - started, 1),
+               # interrupted (Ctrl-C): an incomplete report; the run and round each agent last reported
+               "complete": not interrupted, "interrupted": interrupted,
+               "reported": {n: {"run": (seen.get(n, {}).get("run") or {}).get("id"),
+                                "round": int(seen.get(n, {}).get("round") or 0)} for n in ids}}
     from dfl_agent.runtime.metrics import atomic_write_text
 
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=float) + "\n")
+    if interrupted:
+        raise KeyboardInterrupt
     return summary
 
 
@@ -474,6 +488,16 @@ def run_feed_demo(opts: FeedOptions) -> int:
         except (TimeoutError, RuntimeError) as exc:
             console.print(f"[bold red]{exc}[/]")
             return 1
+        except KeyboardInterrupt:  # the agents are stopped and summary.json is written, marked incomplete
+            path = Path(opts.out) / "summary.json"
+            if path.exists():
+                summary = json.loads(path.read_text())
+                if summary.get("interrupted"):
+                    console.print(final_table(summary))
+                    got = ", ".join(f"{n} run {r['run'] or '-'} round {r['round']}"
+                                    for n, r in summary["reported"].items())
+                    console.print(f"partial report (incomplete: interrupted): {path}; reached: {got}")
+            raise
     console.print(final_table(summary))
     if summary["failed"]:
         console.print(f"[bold red]not every run finished on {', '.join(summary['failed'])} "

@@ -97,3 +97,35 @@ def test_ctrl_c_stops_the_demos_agents_within_5_s_and_leaves_a_partial_report(tm
     assert set(summary["rounds_reported"]) == set(ids) and all(r >= 1 for r in summary["rounds_reported"].values())
     assert all(summary["rounds_per_node"][n] <= summary["rounds_reported"][n] for n in ids)
     assert "partial report (incomplete: interrupted)" in out.read_text()
+
+
+def test_ctrl_c_stops_the_feed_demos_agents_and_run_processes_within_5_s(tmp_path):
+    """``dflctl demo --feed`` (always-on agents, each training its run in a run process) gets
+    Ctrl-C once the first run is submitted: every agent process and run process is gone within
+    5 s, exit 130, and summary.json is marked incomplete with the run each agent was in."""
+    report = tmp_path / "report"
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    proc = subprocess.Popen([*DFLCTL, "demo", "--feed", "--no-live", "--nodes", "2", "--rounds", "200", "--runs", "2",
+                             "--broker", "mosquitto", "--out", str(report)],
+                            stdout=open(out, "w"), stderr=open(err, "w"), start_new_session=True)
+    try:
+        def agents() -> list[int]:
+            return [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
+                    if "dfl_agent.runtime" in " ".join(p.cmdline())]
+
+        _wait(lambda: "run 1" in out.read_text() and len(agents()) >= 2, 120, "the agents and run 1", out, err)
+        time.sleep(1.0)
+        pids = agents()
+        os.killpg(proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        _wait(lambda: all(_gone(pid) for pid in pids), 10, "the agents to stop", out, err)
+        stopped_s = time.monotonic() - sent
+        assert proc.wait(60) == 130, out.read_text()[-2000:] + err.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert stopped_s < 5.0, stopped_s
+    assert err.read_text().splitlines()[-1] == "dflctl: interrupted", err.read_text()[-2000:]
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["complete"] is False and summary["interrupted"] is True and len(summary["reported"]) == 2
+    assert "partial report (incomplete: interrupted)" in out.read_text()
