@@ -28,8 +28,8 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
     """One row per node seen in retained presence or status.
 
     ``state``: ``online``/``offline`` from presence (the last will sets offline); for a
-    node with a status but no presence (an always-on node between runs) the status's own
-    state (``idle``); ``stale`` when not offline but nothing heard for ``stale_after`` s.  ``address``
+    node with a status but no presence, or whose status is newer than its "offline" presence
+    (an always-on node between runs), the status's own state (``idle``); ``stale`` when not offline but nothing heard for ``stale_after`` s.  ``address``
     is the device's own address when its descriptor advertises one, else ``-`` (never the
     broker's address: that is ``broker``).  ``compatibility`` is shown
     when the node's descriptor or status carries it."""
@@ -43,8 +43,11 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
         p, s = presence.get(nid, {}) or {}, statuses.get(nid, {}) or {}
         d = p.get("descriptor", {}) or {}
         seen = max([x for x in (s.get("time"), p.get("time")) if isinstance(x, (int, float))], default=0)
-        # an always-on node that trains no run publishes a status ("idle") but no presence
+        # an always-on node that trains no run publishes a status ("idle"); its presence, if any, is
+        # the "offline" that ended its last run: the newer of the two says what the node is doing
         state = p.get("state") or s.get("state") or "unknown"
+        if state == "offline" and s.get("state") and _newer(s.get("time"), p.get("time")):
+            state = str(s["state"])
         last = _age(seen, now)
         if state != "offline" and state != "unknown" and last is not None and last > stale_after:
             state = "stale"
@@ -64,6 +67,11 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
             "gated": s.get("gated"), "excluded_by": excluded_by.get(nid, []), "note": note,
         })
     return rows
+
+
+def _newer(a: Any, b: Any) -> bool:
+    """Whether time ``a`` (unix s) is later than time ``b`` (False when either is missing)."""
+    return isinstance(a, (int, float)) and isinstance(b, (int, float)) and a > b
 
 
 def status_rows(statuses: dict[str, Any], now: float | None = None) -> list[dict[str, Any]]:

@@ -213,9 +213,9 @@ class Agent(RunMembers):
             "algorithm": s.algo_cls.name, "version": f"{__version__}/w{WIRE_VERSION}",
             "roles": ",".join(s.behaviour.roles), "compression": s.behaviour.compression,
         }
+        mdns_descriptor = dict(descriptor)  # mDNS advertises the address itself
         if cfg.discovery.interfaces:  # the device's own address (dflctl peers), as mDNS advertises it
             descriptor["address"] = str(cfg.discovery.interfaces[0])
-        mdns_descriptor = dict(descriptor)
         if s.guard.certificate is not None:
             descriptor["cert"] = s.guard.certificate  # presence carries the device certificate
 

@@ -22,3 +22,15 @@ def test_offline_presence_wins_over_an_old_status() -> None:
     rows = peer_rows({"n": {"state": "finished", "time": now - 100.0}}, {"n": {"state": "offline"}}, now=now)
     assert rows[0]["state"] == "offline"
     assert peer_rows({}, {"m": {}}, now=now)[0]["state"] == "unknown"
+
+
+def test_a_node_back_to_idle_after_its_run_shows_idle_not_offline() -> None:
+    """The supervisor publishes "offline" (reason "run ended") when a run process ends, then
+    its idle status heartbeats: the newer status says what the node does."""
+    now = 1_800_000_000.0
+    presence = {"n": {"state": "offline", "reason": "run ended", "time": now - 10.0}}
+    rows = peer_rows({"n": {"state": "idle", "time": now - 1.0}}, presence, now=now)
+    assert rows[0]["state"] == "idle"
+    crashed = peer_rows({"n": {"state": "training", "time": now - 10.0}}, {"n": {"state": "offline", "time": now - 1.0}},
+                        now=now)
+    assert crashed[0]["state"] == "offline"  # an offline newer than the last status stays offline
