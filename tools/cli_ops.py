@@ -263,7 +263,7 @@ def _observer(a: argparse.Namespace):
 
 def cmd_watch(a: argparse.Namespace) -> int:
     from dfl_agent.cli import fleet
-    from dfl_agent.cli.cli_runs import RUN_COLUMNS, run_rows
+    from dfl_agent.cli.cli_runs import RUN_COLUMNS, observed_runs, run_rows
     from dfl_agent.cli.tables import PEER_COLUMNS, STATUS_COLUMNS, peer_rows, render_table, status_rows
 
     obs = _observer(a)
@@ -276,7 +276,8 @@ def cmd_watch(a: argparse.Namespace) -> int:
             while a.count is None or n < a.count:
                 statuses, presence = obs.snapshot()
                 print(json_doc({"time": time.time(), "peers": peer_rows(statuses, presence),
-                                  "status": status_rows(statuses), "runs": run_rows(obs.runs, statuses)}, indent=None),
+                                  "status": status_rows(statuses), "runs": run_rows(observed_runs(obs, obs.target)[0],
+                                                                                     statuses)}, indent=None),
                       flush=True)
                 n += 1
                 if a.count is None or n < a.count:
@@ -290,7 +291,7 @@ def cmd_watch(a: argparse.Namespace) -> int:
             return Group(render_table(f"peers ({time.strftime('%H:%M:%S')})", peer_rows(statuses, presence),
                                       PEER_COLUMNS),
                          render_table("status", status_rows(statuses), STATUS_COLUMNS),
-                         render_table("runs", run_rows(dict(obs.runs), statuses), RUN_COLUMNS))
+                         render_table("runs", run_rows(observed_runs(obs, obs.target)[0], statuses), RUN_COLUMNS))
 
         if not sys.stdout.isatty():  # no terminal: one printed frame per refresh (Live would print the last only)
             from dfl_agent.cli.output import console

@@ -195,19 +195,28 @@ def _snapshot(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], co
     from dfl_agent.cli.observer import Observer
 
     t = _target(a)
-    guard = None
-    if t.config is not None and (t.config.security.federation_key or t.config.security.operators):
-        guard = fleet.trust_guard(t)  # trust material for operators
     obs = Observer(t).start(timeout=a.timeout)
     obs.settle()
     statuses, presence = obs.snapshot()
+    shown, hidden = observed_runs(obs, t)
+    obs.stop()
+    if not (shown or hidden or statuses or presence):
+        raise fleet.FederationAbsent(fleet.absent(t, "presence, status or run"))
+    return shown, statuses, hidden
+
+
+def observed_runs(obs: Any, t: Any) -> tuple[dict[str, dict[str, Any]], collections.Counter[str]]:
+    """The runs an :class:`~dfl_agent.cli.observer.Observer` holds, verified with the trust
+    material of ``t``'s ``--config`` (:func:`verify_runs`; unverified without it), and the
+    hidden ones counted by reason.  ``run list`` and ``watch`` show the same runs."""
+    from dfl_agent.cli import fleet
+
+    guard = None
+    if t.config is not None and (t.config.security.federation_key or t.config.security.operators):
+        guard = fleet.trust_guard(t)  # trust material for operators
     with obs._lock:
         runs, payloads, cancels = dict(obs.runs), dict(obs.run_payloads), dict(obs.run_cancels)
-    obs.stop()
-    if not (runs or statuses or presence):
-        raise fleet.FederationAbsent(fleet.absent(t, "presence, status or run"))
-    shown, hidden = verify_runs(runs, payloads, t.federation, guard, cancels)
-    return shown, statuses, hidden
+    return verify_runs(runs, payloads, t.federation, guard, cancels)
 
 
 def _say_hidden(cmd: str, hidden: collections.Counter[str]) -> None:

@@ -114,6 +114,10 @@ def test_peers_status_and_runs_with_the_operators_config(site, capsys):
     assert rc == 0, err
     row = next(line for line in out.splitlines() if rid in line)
     assert NAME in row and "operator" in row and len(row) > 80, out
+    rc, out, err = _run(capsys, "watch", "--config", cfg, "--json", "--count", "1")  # the same runs as run list
+    assert rc == 0, err
+    watched = {r["run_id"]: r for r in json.loads(out)["runs"]}
+    assert watched[rid]["trust"] == "operator" and watched[rid]["submitter"] == "op", watched
 
 
 def test_wrong_password_is_one_line_naming_not_authorised(site, tmp_path):
