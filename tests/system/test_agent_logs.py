@@ -93,8 +93,9 @@ def test_a_killed_peer_is_a_warning_and_a_stopped_one_a_clean_leave(tmp_path):
         procs = {}
         for i, nid in enumerate(ids):
             path = _config(tmp_path, "departures", nid, broker.endpoint, {"name": "fedavg", "rounds": 100000},
-                           data={"num_nodes": 3, "node_index": i}, mqtt={"keepalive": 2},
-                           discovery={"min_peers": 2, "heartbeat_timeout": 5.0})
+                           # keepalive 3 s: the broker publishes a dead agent's will after ~4.5 s
+                           data={"num_nodes": 3, "node_index": i}, mqtt={"keepalive": 3},
+                           discovery={"min_peers": 2})
             procs[nid] = _start(tmp_path, nid, path, "--once")
         logs = [tmp_path / f"{n}.log" for n in ids]
         a_log = logs[0]
