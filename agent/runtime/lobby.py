@@ -145,7 +145,9 @@ class RunLobby:
 
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
         if getattr(reason_code, "is_failure", False):
-            self.outage.attempt_failed(f"broker refused the connection: {reason_code}")  # throttled
+            from dfl_agent.transport.mqtt import refused
+
+            self.outage.attempt_failed(refused(reason_code, self.cfg.mqtt.username))  # throttled
             return
         self._up = True
         self.outage.connected()  # after an outage: "broker ... back after ..." (INFO)

@@ -122,6 +122,17 @@ def _paho_log(client, userdata, level, buf) -> None:
     _paho_logger.debug("%s", buf)
 
 
+def refused(reason_code: Any, username: str | None) -> str:
+    """The line for a connection the broker refused (CONNACK ``reason_code``); a refusal of
+    the credentials names the user and the configuration keys to check."""
+    text = str(reason_code)
+    if any(w in text.lower() for w in ("not authori", "user name or password", "bad username")):
+        who = f"user {username!r}" if username else "no user name (anonymous)"
+        return (f"broker refused the connection: {text} as {who}; check mqtt.username and mqtt.password, "
+                "and the broker's password file and ACL")
+    return f"broker refused the connection: {text}"
+
+
 def mqtt_session(client_id: str, *, protocol: str = "5", username: str | None = None,
                  password: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, userdata: Any = None,
@@ -512,7 +523,7 @@ class MqttTransport(Transport):
     def _on_connect(self, client, conn: _Conn, flags, reason_code, properties) -> None:
         try:
             if reason_code.is_failure:
-                conn.error = f"broker refused the connection: {reason_code}"
+                conn.error = refused(reason_code, self.username)
                 conn.outage.attempt_failed(conn.error)  # logged once, then throttled
                 return
             conn.connected = True
