@@ -39,3 +39,26 @@ def extra_hint(extra: str) -> str:
         checkout = f".venv/bin/pip install -e '.[{extra}]'"
     return (f"pip install '{wheel_name()}[{extra}]' (the wheel dfl-agent was installed from; "
             f"in a source checkout: {checkout})")
+
+
+def missing_torch(exc: BaseException) -> str | None:
+    """The one-line message for ``exc`` when it is PyTorch that is not installed (the base
+    wheel without the ``train`` extra), else None."""
+    name = getattr(exc, "name", None) or ""
+    if isinstance(exc, ModuleNotFoundError) and (name == "torch" or name.startswith("torch.")):
+        return f"training needs PyTorch, which is not installed: {extra_hint('train')}"
+    return None
+
+
+def require_torch() -> None:
+    """Raise a :class:`ModuleNotFoundError` naming the ``train`` extra when PyTorch is not
+    installed (checked without importing it).
+
+    Raises:
+        ModuleNotFoundError: torch cannot be imported; its message is :func:`missing_torch`'s.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        exc = ModuleNotFoundError("No module named 'torch'", name="torch")
+        raise ModuleNotFoundError(missing_torch(exc), name="torch")

@@ -84,7 +84,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         model_family=a.models if a.models in FAMILY_NAMES else None, eval_every=a.eval_every,
         model_specs=None if a.models in FAMILY_NAMES else _model_specs(a.models),
         profiles=[p for p in (a.profiles or "").split(",") if p] or None,
-        compression=a.compression, error_feedback=a.error_feedback,
+        compression=a.compression, error_feedback=a.error_feedback, consensus_step=a.consensus_step,
         samples_per_node=a.samples_per_node, batch=a.batch, device=a.device,
     )
     _dechw_hint(cfg.algorithm, cfg.options, cfg.init, cfg.partition)
@@ -124,8 +124,21 @@ def _compression_args(p: argparse.ArgumentParser) -> None:
                    help="no residuals / CHOCO copies for sparsified streams (to compare)")
 
 
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     from dfl_agent.cli.demo import DemoOptions, run_demo
+    from dfl_agent.extras import require_torch
+
+    require_torch()  # the demo's agents train: say so before starting them
 
     if a.feed:  # live data in, deployed models out
         from dfl_agent.cli.demo_feed import FeedOptions, run_feed_demo
@@ -308,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no per-round progress on stderr (a bar on a terminal, else one line per round)")
     _compression_args(s)
+    s.add_argument("--consensus-step", type=_nonnegative_float, default=0.0, metavar="GAMMA",
+                   help="CHOCO's consensus step for compressed gossip, as compression.consensus_step "
+                        "(0: automatic, 1 for dense specs and the kept fraction for sparsified ones)")
     s.set_defaults(func=cmd_simulate)
 
     d = sub.add_parser("demo", help="real agent processes + MQTT broker + mDNS on 127.0.0.1, HAR data")
@@ -409,7 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dflctl: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except (ValueError, KeyError, FileNotFoundError, ImportError) as exc:
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        from dfl_agent.extras import missing_torch
+
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else missing_torch(exc) or exc
         print(f"dflctl: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line, and the shell's code for SIGINT (docs/cli.md)

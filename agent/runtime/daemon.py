@@ -212,6 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     existed = state_dir.exists()
     try:
         return run_agent(cfg, args.config, once=args.once)
+    except ModuleNotFoundError as exc:
+        from dfl_agent.extras import missing_torch
+
+        if (msg := missing_torch(exc)) is None:
+            raise
+        print(f"dfl-agent: {msg}", file=sys.stderr)
+        return 2
     except StartupError as exc:
         log.error("cannot start: %s", exc)
         if not existed:  # a failed start leaves no half-made state directory behind

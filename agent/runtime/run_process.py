@@ -192,8 +192,15 @@ def _end_doc(agent: Any) -> dict[str, Any]:
 def run_child(config: str, run_dir: str, channel: RunChannel) -> int:
     """Train the run of ``run_dir`` with the configuration ``config``; returns the exit code."""
     from dfl_agent.jsonbound import loads as bounded_loads
-    from dfl_agent.runtime.agent import Agent
     from dfl_agent.runtime.assembly import StartupError
+
+    try:
+        from dfl_agent.runtime.agent import Agent
+    except ModuleNotFoundError as exc:  # the base wheel: no torch, so no run can train here
+        from dfl_agent.extras import missing_torch
+
+        channel.send({"type": "error", "kind": "startup", "message": missing_torch(exc) or str(exc)})
+        return 2
     from dfl_agent.runtime.config import ConfigError, load_config
     from dfl_agent.runtime.descriptor import RunDescriptor
 
