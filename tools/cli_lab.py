@@ -41,12 +41,53 @@ def cmd_lab_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lab_run(args: argparse.Namespace) -> int:
+    """``lab run SCENARIO --out DIR``: exit 0 when every check passes, 1 naming the
+    failures, 2 for a scenario that cannot run (the key named) or a host that cannot."""
+    from pathlib import Path
+
+    from dfl_agent.cli.lab import check
+    from dfl_agent.cli.lab.scenario import ScenarioError, load
+
+    try:
+        scenario = load(args.scenario)
+    except ScenarioError as e:
+        kind = "not yet" if type(e).__name__ == "NotYet" else "bad scenario"
+        print(f"dflctl lab run: {kind}: {args.scenario}: {e}", file=sys.stderr)
+        return 2
+    why = check.blocker()
+    if why:
+        print(f"dflctl lab: cannot run here: {why}", file=sys.stderr)
+        return 2
+    from dfl_agent.cli.broker import mosquitto_path
+    from dfl_agent.cli.lab.runner import LabRun
+
+    if mosquitto_path() is None:
+        print("dflctl lab: cannot run here: mosquitto is not installed (apt install mosquitto)", file=sys.stderr)
+        return 2
+    out = Path(args.out).resolve()
+    report = LabRun(scenario, out).run()
+    print(f"report: {out / 'report.json'} and {out / 'report.md'}")
+    if report["passed"]:
+        print(f"{scenario.name}: every check passed")
+        return 0
+    print(f"{scenario.name}: {len(report['failed_checks'])} check(s) failed:", file=sys.stderr)
+    for f in report["failed_checks"]:
+        print(f"  {f}", file=sys.stderr)
+    return 1
+
+
 def register(sub: Any) -> None:
-    """Add ``lab check`` and ``lab down`` to dflctl's sub-parsers."""
+    """Add ``lab check``, ``lab run`` and ``lab down`` to dflctl's sub-parsers."""
     lab = sub.add_parser("lab", help="the field lab: an emulated site network on this host (Linux, root)")
     lsub = lab.add_subparsers(dest="lab_cmd", required=True, metavar="LAB_COMMAND", title="lab commands")
     c = lsub.add_parser("check", help="which capabilities the lab can use here (exit 2: it cannot run)")
     c.set_defaults(func=cmd_lab_check)
+    r = lsub.add_parser("run", help="run a scenario: build its network, run the agents and events, write the "
+                                    "report (exit 1: a check failed)")
+    r.add_argument("scenario", metavar="SCENARIO.toml", help="the scenario file (tools/lab/scenarios/ has some)")
+    r.add_argument("--out", required=True, metavar="DIR", help="folder for the report, logs and metrics")
+    r.set_defaults(func=cmd_lab_run)
     d = lsub.add_parser("down", help="remove what a killed lab left behind (only what its state files list)")
     d.add_argument("--force", action="store_true", help="also remove labs whose builder process still runs")
     d.set_defaults(func=cmd_lab_down)

@@ -5,7 +5,11 @@
   site, a router between sites, shaped links, a cgroup per host, processes inside them);
 - :mod:`.cgroups`: a host's CPU and memory cgroup (v1 or v2);
 - :mod:`.state`: the state file listing every object a lab made, and the teardown that
-  removes exactly those (``dflctl lab down``).
+  removes exactly those (``dflctl lab down``);
+- :mod:`.scenario`: scenario files (parsed and checked; a bad key is named);
+- :mod:`.runner`: ``dflctl lab run`` (brokers, operator, agents, feeder, the timeline);
+- :mod:`.report`: ``report.json``, ``report.md``, the plots and the scenario's checks;
+- :mod:`.tls`: the lab's CA and broker certificates.
 
-Nothing here imports torch.
+Nothing here imports torch (the report's accuracy uses onnxruntime).
 """

@@ -1,0 +1,94 @@
+"""The smoke scenario, as CI runs it: ``dflctl lab run tools/lab/scenarios/smoke.toml`` as
+root builds a site (TLS mosquitto with logins and the shipped ACL, an operator, three real
+always-on agents with signatures, compression and multicast mDNS, each fed its HAR user's
+windows), submits a run, cuts a device off and stops the broker, writes the report, checks
+it, and leaves nothing behind. Skipped, with the reason, where the lab cannot run.
+
+The lab exists to find the agent's defects. A failed check whose cause the lab has found
+and reported (its signature in the agents' logs, listed in ``KNOWN``) marks the test xfail
+with the evidence; any other failure fails it."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dfl_agent.cli.lab.state import state_dir
+
+pytestmark = [pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOKE = ROOT / "tools" / "lab" / "scenarios" / "smoke.toml"
+DEVICE_KEYS = {"id", "class", "role", "address", "peak_rss_mb", "memory_limit_mb", "oom_killed", "samples_fed",
+               "samples_stored", "samples_evicted", "samples_rejected", "deployed_versions", "rounds_trained",
+               "rounds_alone"}
+RUN_KEYS = {"run_id", "algorithm", "state", "members", "rounds", "deployed_on", "final_accuracy_mean"}
+EVENT_KEYS = {"kind", "target", "at_s", "duration_s", "recovered_after_s"}
+
+#: agent defects the lab found, still open: (what, the log line that shows it, the checks it fails)
+KNOWN = [
+    ("after the broker outage, compressed updates are dropped as out of sequence (choco_gap) and rounds close "
+     "alone", re.compile(r"choco_gap"), {"max_rounds_alone", "max_recovery_s"}),
+    ("rounds close alone around the broker outage", re.compile(r"round \d+ closed alone"),
+     {"max_rounds_alone", "max_recovery_s"}),
+]
+
+
+def _namespaces() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith("dfl-lab-")]
+
+
+def test_the_smoke_scenario(tmp_path):
+    before = set(_namespaces())
+    states_before = {p.name for p in state_dir().glob("*.json")} if state_dir().is_dir() else set()
+    out = tmp_path / "smoke"
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "dfl_agent.cli.dflctl", "lab", "run", str(SMOKE), "--out", str(out)],
+                       capture_output=True, text=True, timeout=280)
+    took = time.monotonic() - t0
+    print(r.stderr[-3000:], f"\n(lab run took {took:.0f} s)")
+    assert r.returncode in (0, 1), r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    # nothing is left: no namespace of this lab, no state file
+    assert set(_namespaces()) <= before, _namespaces()
+    left = ({p.name for p in state_dir().glob("*.json")} if state_dir().is_dir() else set()) - states_before
+    assert not left, left
+
+    rep = json.loads((out / "report.json").read_text())
+    assert {"scenario", "mechanisms", "passed", "failed_checks", "devices", "runs", "events", "discovery", "host",
+            "bytes_total"} <= set(rep)
+    assert rep["scenario"] == "smoke" and rep["mechanisms"]["rate"] == "tbf"
+    assert rep["mechanisms"]["loss"] in ("netem", "iptables") and rep["mechanisms"]["memory"].startswith("cgroup-v")
+    assert [d["id"] for d in rep["devices"]] == ["pi-0", "pi-1", "pi-2"]
+    for d in rep["devices"]:
+        assert set(d) >= DEVICE_KEYS, d
+        assert d["address"].startswith("198.18.") and d["memory_limit_mb"] == 1024
+        assert d["samples_fed"] > 0 and (out / "logs" / f"{d['id']}.log").stat().st_size > 0
+    assert len(rep["runs"]) == 1 and set(rep["runs"][0]) >= RUN_KEYS
+    assert [e["kind"] for e in rep["events"]] == ["partition", "broker_outage"]
+    assert all(set(e) >= EVENT_KEYS for e in rep["events"])
+    assert {"seconds_to_full_membership", "via"} <= set(rep["discovery"])
+    assert rep["host"]["cores"] >= 1 and len(rep["host"]["load_avg"]) == 3
+    assert (out / "report.md").read_text().startswith("# Lab report: smoke")
+    # the checks were evaluated: the verdict and the exit code agree with the list of failures
+    assert rep["passed"] == (not rep["failed_checks"]) == (r.returncode == 0)
+    for f in rep["failed_checks"]:
+        assert f.split(":")[0] in rep["checks"], f
+        assert f in r.stderr
+    if r.returncode == 0:
+        assert rep["runs"][0]["state"] == "finished" and rep["discovery"]["via"] == ["mdns"]
+        assert all(d["rounds_alone"] == 0 and d["deployed_versions"] for d in rep["devices"])
+        return
+    logs = "\n".join(p.read_text(errors="replace") for p in (out / "logs").glob("*.log"))
+    failed = {f.split(":")[0] for f in rep["failed_checks"]}
+    for what, sign, checks in KNOWN:
+        if sign.search(logs) and (checks is None or failed <= checks):
+            pytest.xfail(f"the lab found a known agent defect: {what}; failed checks: {rep['failed_checks']}")
+    pytest.fail(f"smoke scenario failed: {rep['failed_checks']}\n{r.stderr[-3000:]}")

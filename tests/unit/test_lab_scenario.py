@@ -1,0 +1,136 @@
+"""The field lab's scenario files (dfl_agent.cli.lab.scenario): the shipped ones parse, device
+ids are <class>-<n> across the file, and a file that breaks the format is refused naming the
+key (``dflctl lab run`` exits 2 before touching the host, so no root is needed here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from dfl_agent.cli.dflctl import main as dflctl
+from dfl_agent.cli.lab.scenario import NotYet, ScenarioError, load, parse
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOKE = ROOT / "tools" / "lab" / "scenarios" / "smoke.toml"
+
+BASE = """
+[lab]
+duration_s = 60
+[[site]]
+name = "a"
+[[class]]
+name = "pi"
+cpu = 0.25
+memory_mb = 256
+rate = "2mbit"
+loss = 0.02
+[[class]]
+name = "gate"
+[[device]]
+class = "pi"
+count = 2
+[[device]]
+class = "gate"
+[[device]]
+class = "pi"
+start_s = 30
+[[run]]
+at_s = 5
+algorithm = "fedavg"
+rounds = 2
+[[event]]
+at_s = 10
+kind = "partition"
+target = "pi-1"
+duration_s = 5
+"""
+
+
+def _doc(extra: str = "", **replace: str) -> dict:
+    text = BASE
+    for old, new in replace.items():
+        text = text.replace(old.replace("_", " "), new)
+    return tomllib.loads(text + extra)
+
+
+def test_the_smoke_scenario_parses():
+    s = load(SMOKE)
+    assert [d.id for d in s.devices] == ["pi-0", "pi-1", "pi-2"]
+    assert len(s.runs) == 1 and {e.kind for e in s.events} == {"partition", "broker_outage"}
+    assert s.checks["max_rounds_alone"] == 0 and s.checks["min_final_accuracy"] > 0
+
+
+def test_device_ids_count_per_class_across_the_file():
+    s = parse(_doc())
+    assert [(d.id, d.start_s) for d in s.devices] == [("pi-0", 0.0), ("pi-1", 0.0), ("gate-0", 0.0), ("pi-2", 30.0)]
+    assert s.devices[0].cls.rate == "2mbit" and s.devices[0].cls.loss == 0.02
+    assert s.events[0].target == "pi-1"
+
+
+def test_perfect_drops_limits_loss_and_events():
+    s = parse(_doc("", **{"[lab]": "[lab]\nperfect = true"}))
+    assert s.events == [] and s.classes["pi"].cpu is None and s.classes["pi"].loss == 0.0
+
+
+@pytest.mark.parametrize("extra, key", [
+    ('[checks]\nmax_rounds_alon = 0\n', "checks.max_rounds_alon"),
+    ('[[event]]\nat_s = 1\nkind = "meteor"\ntarget = "pi-0"\n', "event[1].kind"),
+    ('[[event]]\nat_s = 1\nkind = "partition"\ntarget = "pi-9"\nduration_s = 3\n', "event[1].target"),
+    ('[[event]]\nat_s = 1\nkind = "partition"\ntarget = "pi-0"\n', "event[1].duration_s"),
+    ('[[event]]\nat_s = 1\nkind = "flap"\ntarget = "pi-0"\nduration_s = 9\nperiod_s = 2\ndown_s = 3\n',
+     "event[1].down_s"),
+    ('[[event]]\nat_s = 1\nkind = "rate"\ntarget = "pi-0"\nvalue = "fast"\n', "event[1].value"),
+    ('[[event]]\nat_s = 1\nkind = "broker_outage"\ntarget = "b"\nduration_s = 3\n', "event[1].target"),
+    ('[[event]]\nat_s = 1\nkind = "loss"\ntarget = "pi-0"\nvalue = 1.5\n', "event[1].value"),
+    ('[[event]]\nat_s = 1\nafter_run = 3\nkind = "partition"\ntarget = "pi-0"\nduration_s = 3\n',
+     "event[1].after_run"),
+    ('[[run]]\nat_s = 1\nalgorithm = "fedavg"\n', "run[1].rounds"),
+    ('[[run]]\nat_s = 1\nalgorithm = "fedavg"\nrounds = "two"\n', "run[1].rounds"),
+    ('[[device]]\nclass = "nope"\n', "device[3].class"),
+    ('[[device]]\nclass = "pi"\nsite = "b"\n', "device[3].site"),
+    ('[wan]\nrate = "2 parsecs"\n', "wan.rate"),
+    ('[lab2]\nx = 1\n', "scenario.lab2"),
+])
+def test_a_bad_key_is_named(extra, key):
+    with pytest.raises(ScenarioError) as e:
+        parse(_doc(extra))
+    assert e.value.key == key, str(e.value)
+    assert str(e.value).startswith(f"{key}: ")
+
+
+def test_bad_values_in_lab_and_class_are_named():
+    for old, new, key in (("duration_s = 60", "duration_s = -1", "lab.duration_s"),
+                          ("cpu = 0.25", "cpu = 0", "class[0].cpu"),
+                          ("loss = 0.02", "loss = 1.0", "class[0].loss"),
+                          ('name = "gate"', 'name = "broker"', "class[1].name"),
+                          ("memory_mb = 256", 'memory_mb = "lots"', "class[0].memory_mb")):
+        with pytest.raises(ScenarioError) as e:
+            parse(tomllib.loads(BASE.replace(old, new)))
+        assert e.value.key == key, str(e.value)
+
+
+def test_what_the_lab_does_not_do_yet_is_said():
+    with pytest.raises(NotYet) as e:
+        parse(_doc('[[site]]\nname = "b"\n'))
+    assert e.value.key == "site" and "not in the lab yet" in str(e.value)
+    with pytest.raises(NotYet) as e:
+        parse(_doc('[[device]]\nclass = "gate"\nrole = "inference"\n'))
+    assert e.value.key == "device[3].role"
+    with pytest.raises(NotYet):
+        parse(_doc('[[event]]\nat_s = 1\nkind = "wan_down"\nduration_s = 3\n'))
+
+
+def test_lab_run_exits_2_naming_the_key(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(BASE + "[checks]\nmin_final_accuracy = \"high\"\n")
+    assert dflctl(["lab", "run", str(bad), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "checks.min_final_accuracy: must be int or float" in err, err
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "broken.toml").write_text("[lab\n")
+    assert dflctl(["lab", "run", str(tmp_path / "broken.toml"), "--out", str(tmp_path / "out")]) == 2
+    assert "not TOML" in capsys.readouterr().err
+    assert dflctl(["lab", "run", str(tmp_path / "absent.toml"), "--out", str(tmp_path / "out")]) == 2
+    assert "cannot read it" in capsys.readouterr().err

@@ -1,0 +1,304 @@
+"""The lab's report: ``report.json``, ``report.md``, plots where matplotlib is installed,
+and the scenario's checks (see docs/how-to/field-lab.md for every key)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from dfl_agent.cli.lab.scenario import Scenario
+
+#: events after which the affected devices were cut off themselves (their rounds alone
+#: inside the event's window are not counted in rounds_alone)
+_CUTS_DEVICE = ("partition", "flap", "power_cut")
+
+
+def _records(state: Path) -> dict[str, list[dict[str, Any]]]:
+    out = {}
+    for m in sorted((state / "runs").glob("*/metrics.jsonl")):
+        recs = []
+        for line in m.read_text().splitlines():
+            try:
+                recs.append(json.loads(line))
+            except ValueError:
+                continue
+        out[m.parent.name] = recs
+    return out
+
+
+def _used_peers(rec: dict[str, Any]) -> int:
+    n = rec.get("neighbours")
+    if isinstance(n, (int, float)):
+        return int(n)
+    ids = rec.get("neighbour_ids")
+    return len(ids) if isinstance(ids, list) else 0
+
+
+def _store(state: Path) -> dict[str, Any]:
+    from dfl_agent.store.sqlite import SampleStore, StoreError
+
+    try:
+        s = SampleStore(state, None, create=False)
+    except (StoreError, OSError):
+        return {}
+    try:
+        return s.status()
+    finally:
+        s.close()
+
+
+def evaluate_checks(sc: Scenario, rep: dict[str, Any]) -> list[str]:
+    """The scenario's checks against a report: the failures, each one line."""
+    failed = []
+    c = sc.checks
+    devs = [d for d in rep["devices"] if d["role"] == "train"]
+    if "samples_lost" in c:
+        lost = sum(d.get("samples_lost") or 0 for d in devs)
+        if lost > c["samples_lost"]:
+            failed.append(f"samples_lost: {lost} samples lost (at most {c['samples_lost']})")
+    if "oom_kills" in c:
+        n = sum(int(d.get("oom_kills") or 0) for d in devs)
+        if n > c["oom_kills"]:
+            failed.append(f"oom_kills: {n} OOM kill(s) (at most {c['oom_kills']})")
+    if "max_rounds_alone" in c:
+        worst = {d["id"]: d["rounds_alone"] for d in devs if (d["rounds_alone"] or 0) > c["max_rounds_alone"]}
+        if worst:
+            failed.append("max_rounds_alone: " + ", ".join(f"{k} closed {v} round(s) alone" for k, v in worst.items())
+                          + f" (at most {c['max_rounds_alone']})")
+    if "max_recovery_s" in c:
+        for e in rep["events"]:
+            r = e.get("recovered_after_s")
+            if r is None or r > c["max_recovery_s"]:
+                failed.append(f"max_recovery_s: {e['kind']} {e['target']} at {e['at_s']:.0f} s "
+                              + ("never recovered" if r is None else f"recovered after {r:.0f} s")
+                              + f" (at most {c['max_recovery_s']} s)")
+    if c.get("all_runs_deployed"):
+        for r in rep["runs"]:
+            missing = sorted(set(r["members"] or []) - set(r["deployed_on"]))
+            if r["state"] != "finished" or missing or not r["members"]:
+                failed.append(f"all_runs_deployed: run {r['run_id']} {r['state']}"
+                              + (f", not deployed on {', '.join(missing)}" if missing else ""))
+    if "discovery_via" in c:
+        via = rep["discovery"]["via"]
+        if c["discovery_via"] not in via or rep["discovery"]["seconds_to_full_membership"] is None:
+            failed.append(f"discovery_via: membership did not form through {c['discovery_via']} (seen: "
+                          f"{', '.join(via) or 'nothing'})")
+    if "min_final_accuracy" in c:
+        acc = rep.get("final_accuracy_mean")
+        if acc is None or acc < c["min_final_accuracy"]:
+            failed.append(f"min_final_accuracy: final deployed accuracy "
+                          f"{'none' if acc is None else f'{acc:.3f}'} (at least {c['min_final_accuracy']})")
+    return failed
+
+
+def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str, Any]:
+    """Everything measurable from the run's folders, the checks, and the files."""
+    from dfl_agent.cli.demo_feed import collect
+    from dfl_agent.cli.lab.runner import copy_logs
+    from dfl_agent.runtime.ledger import RunLedger
+
+    sc: Scenario = run.sc
+    copy_logs(run)
+    run_ids = [r for r in run.run_ids if r]
+    states = {n: a.state for n, a in run.agents.items()}
+    col = collect(states, run_ids, bundle.test)
+    recs = {n: _records(a.state) for n, a in run.agents.items()}
+    # windows of time in which a device was cut off itself (monotonic)
+    cut: dict[str, list[tuple[float, float]]] = {n: [] for n in run.agents}
+    for h in run.happened:
+        if h.event.kind in _CUTS_DEVICE and h.start:
+            cut[h.event.target].append((h.start, h.end or time.monotonic()))
+    fed_names: dict[str, dict[str, int]] = {}
+    for ev in feeder.events:
+        fed_names.setdefault(ev["node"], {})[f"feed-{ev['total'] - ev['windows']:06d}.npz"] = ev["windows"]
+
+    devices = []
+    for d in sc.devices:
+        a = run.agents.get(d.id)
+        cg = run.cgroups.get(d.id, {})
+        st = _store(a.state) if a else {}
+        all_recs = [r for rs in recs.get(d.id, {}).values() for r in rs]
+        alone = [r for r in all_recs if _used_peers(r) == 0
+                 and not any(s <= r.get("time", 0) <= e for s, e in cut.get(d.id, []))]
+        rejected_files = {f["name"] for f in st.get("rejected_files", [])}
+        rejected = sum(w for name, w in fed_names.get(d.id, {}).items() if name in rejected_files)
+        fed = int(feeder.pos.get(d.id, 0))
+        stored, evicted = st.get("samples"), st.get("evicted_samples")
+        node = col["nodes"].get(d.id, {})
+        versions = [r["deployed_version"] for r in node.get("runs", []) if r["deployed_version"] is not None]
+        devices.append({
+            "id": d.id, "class": d.cls.name, "role": d.role, "site": d.site, "address": run.lab_hosts[d.id],
+            "start_s": d.start_s, "peak_rss_mb": round(a.peak_rss_mb, 1) if a else None,
+            "cgroup_peak_mb": cg.get("peak_mb"), "memory_limit_mb": cg.get("limit_mb"),
+            "oom_killed": bool(cg.get("oom_kills")), "oom_kills": cg.get("oom_kills", 0),
+            "samples_fed": fed, "samples_stored": stored, "samples_evicted": evicted,
+            "samples_rejected": rejected,
+            "samples_lost": None if stored is None else fed - stored - (evicted or 0) - rejected,
+            "deployed_versions": versions, "current_version": node.get("current"),
+            "rounds_trained": len(all_recs), "rounds_alone": len(alone),
+            "rounds_alone_at": [round(r["time"] - run.t0, 1) for r in alone],
+            "rounds_cut_off": sum(1 for r in all_recs if _used_peers(r) == 0) - len(alone),
+            "agent_starts": len(a.starts) if a else 0,
+        })
+
+    runs = []
+    for i, rid in enumerate(run.run_ids):
+        if rid is None:
+            runs.append({"run_id": None, "algorithm": sc.runs[i].algorithm, "state": "not submitted",
+                         "members": [], "rounds": 0, "deployed_on": [], "final_accuracy_mean": None})
+            continue
+        members, deployed, accs, rounds = [], [], [], 0
+        states_seen = set()
+        for n, a in run.agents.items():
+            entry = RunLedger(a.state).entries.get(rid)
+            if not entry or entry.get("state") == "declined":
+                continue
+            members.append(n)
+            states_seen.add(entry.get("state"))
+            rounds = max(rounds, len(recs[n].get(rid, [])))
+            for r in col["nodes"][n]["runs"]:
+                if r["run_id"] == rid and r["deployed_version"] is not None:
+                    deployed.append(n)
+                    if r["heldout_accuracy"] is not None:
+                        accs.append(r["heldout_accuracy"])
+        state = "finished" if states_seen == {"finished"} else ",".join(sorted(s for s in states_seen if s)) or "unknown"
+        runs.append({"run_id": rid, "algorithm": sc.runs[i].algorithm, "state": state, "members": sorted(members),
+                     "rounds": rounds, "deployed_on": sorted(deployed),
+                     "final_accuracy_mean": round(sum(accs) / len(accs), 4) if accs else None,
+                     "submitted_s": round(run.run_submitted[i] - run.t0, 1)})
+
+    events = []
+    for h in run.happened:
+        e = h.event
+        if h.event.kind == "broker_outage":
+            affected = [d.id for d in sc.training() if d.site == e.target]
+        else:
+            affected = [e.target]
+        rec_s: float | None = None
+        if h.end is not None:
+            per = []
+            for n in affected:
+                after = [r["time"] for rs in recs.get(n, {}).values() for r in rs
+                         if r.get("time", 0) > h.end and _used_peers(r) > 0]
+                per.append(min(after) - h.end if after else None)
+            rec_s = None if not per or any(p is None for p in per) else round(max(p for p in per if p is not None), 1)
+        events.append({"kind": e.kind, "target": e.target, "at_s": e.at_s, "duration_s": e.duration_s,
+                       "value": e.value, "affected": affected, "recovered_after_s": rec_s,
+                       "started_s": round(h.start - run.t0, 1) if h.start else None,
+                       "ended_s": round(h.end - run.t0, 1) if h.end else None})
+
+    discovery = _discovery(run)
+    bytes_total = 0
+    for rs in recs.values():
+        for r in rs.values():
+            if r:
+                bytes_total += int(max(x.get("bytes_sent", 0) for x in r))
+    final = [r for r in runs if r["final_accuracy_mean"] is not None]
+    rep: dict[str, Any] = {
+        "scenario": sc.name, "scenario_file": str(sc.path), "lab_id": run.lab_id, "seed": sc.seed,
+        "perfect": sc.perfect, "mechanisms": run.mechanisms, "passed": False, "failed_checks": [],
+        "checks": sc.checks, "devices": devices, "runs": runs, "events": events, "discovery": discovery,
+        "host": {"cores": os.cpu_count(), "load_avg": [round(x, 2) for x in os.getloadavg()]},
+        "bytes_total": bytes_total, "final_accuracy_mean": final[-1]["final_accuracy_mean"] if final else None,
+        "compression": "see each device's node.toml", "wall_seconds": round(time.time() - started, 1),
+        "notes": run.notes,
+    }
+    rep["failed_checks"] = evaluate_checks(sc, rep)
+    rep["passed"] = not rep["failed_checks"]
+    rep["plots"] = _plots(run, rep, recs, col)
+    (run.out / "report.json").write_text(json.dumps(rep, indent=2, default=float) + "\n")
+    (run.out / "report.md").write_text(markdown(rep))
+    return rep
+
+
+def _discovery(run: Any) -> dict[str, Any]:
+    """What the lab's mDNS browser on the site bridge saw: every training device's
+    advertisement, on its lab address, and when (from its run's submission)."""
+    seen: dict[str, float] = {}
+    addresses: dict[str, list[str]] = {}
+    path = run.out / "logs" / "mdns-browse.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        name = doc.get("name", "")
+        for n in run.agents:
+            if name.startswith(f"{run.fed}--{n}."):
+                seen.setdefault(n, doc["t"])
+                addresses[n] = doc.get("addresses", [])
+    on_lab = {n for n, a in addresses.items() if run.lab_hosts[n] in a}
+    first = min((t for t in run.run_submitted if t), default=None)
+    full = None
+    if first is not None and set(seen) >= set(run.agents) and on_lab >= set(run.agents):
+        full = round(max(seen.values()) - first, 1)
+    return {"seconds_to_full_membership": full, "via": ["mdns"] if on_lab else [],
+            "advertised": {n: addresses.get(n, []) for n in run.agents},
+            "measured": "the lab's mDNS browser on the site's bridge, from the first run's submission"}
+
+
+def _plots(run: Any, rep: dict[str, Any], recs: dict[str, Any], col: dict[str, Any]) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        rep["notes"].append("no plots: matplotlib is not installed (pip install 'dfl-agent[plots]')")
+        return []
+    made = []
+    for name, ylabel in (("accuracy.png", "held-out accuracy of the deployed model"),
+                         ("traffic.png", "bytes sent (cumulative, per run)")):
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for h in rep["events"]:
+            if h["started_s"] is not None:
+                ax.axvspan(h["started_s"], h["ended_s"] or h["started_s"] + 1, alpha=0.15, color="red")
+        for n in run.agents:
+            if name == "accuracy.png":
+                pts = sorted((d["time"] - (time.time() - (time.monotonic() - run.t0)), d["heldout_accuracy"])
+                             for d in col["deployments"] if d["node"] == n and d["heldout_accuracy"] is not None)
+            else:
+                pts = sorted((r["time"] - run.t0, r.get("bytes_sent", 0)) for rs in recs[n].values() for r in rs)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=n)
+        ax.set_xlabel("seconds since the agents started")
+        ax.set_ylabel(ylabel)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(run.out / name)
+        plt.close(fig)
+        made.append(name)
+    return made
+
+
+def markdown(rep: dict[str, Any]) -> str:
+    """``report.md``: the report for people."""
+    lines = [f"# Lab report: {rep['scenario']}", "",
+             f"**{'PASSED' if rep['passed'] else 'FAILED'}** in {rep['wall_seconds']} s "
+             f"(lab {rep['lab_id']}, {rep['host']['cores']} cores, load {rep['host']['load_avg']})", ""]
+    for f in rep["failed_checks"]:
+        lines.append(f"- failed: {f}")
+    lines += ["", "Mechanisms: " + ", ".join(f"{k} {v}" for k, v in rep["mechanisms"].items()), "",
+              "| device | class | address | peak RSS MB | limit MB | OOM | fed | stored | evicted | rejected "
+              "| rounds | alone | deployed |", "|" + "---|" * 13]
+    for d in rep["devices"]:
+        lines.append(f"| {d['id']} | {d['class']} | {d['address']} | {d['peak_rss_mb']} | {d['memory_limit_mb']} "
+                     f"| {d['oom_kills']} | {d['samples_fed']} | {d['samples_stored']} | {d['samples_evicted']} "
+                     f"| {d['samples_rejected']} | {d['rounds_trained']} | {d['rounds_alone']} "
+                     f"| {', '.join(map(str, d['deployed_versions'])) or '-'} |")
+    lines += ["", "| run | algorithm | state | members | rounds | deployed on | accuracy |", "|" + "---|" * 7]
+    for r in rep["runs"]:
+        lines.append(f"| {r['run_id']} | {r['algorithm']} | {r['state']} | {', '.join(r['members'])} | {r['rounds']} "
+                     f"| {', '.join(r['deployed_on'])} | {r['final_accuracy_mean']} |")
+    lines += ["", "| event | target | at s | duration s | recovered after s |", "|" + "---|" * 5]
+    for e in rep["events"]:
+        lines.append(f"| {e['kind']} | {e['target']} | {e['at_s']} | {e['duration_s']} | {e['recovered_after_s']} |")
+    disc = rep["discovery"]
+    lines += ["", f"Discovery: {', '.join(disc['via']) or 'none'}; full membership after "
+                  f"{disc['seconds_to_full_membership']} s. Bytes sent in all: {rep['bytes_total']}.", ""]
+    lines += [f"- {n}" for n in rep["notes"]]
+    return "\n".join(lines) + "\n"
