@@ -134,3 +134,43 @@ def test_lab_run_exits_2_naming_the_key(tmp_path, capsys):
     assert "not TOML" in capsys.readouterr().err
     assert dflctl(["lab", "run", str(tmp_path / "absent.toml"), "--out", str(tmp_path / "out")]) == 2
     assert "cannot read it" in capsys.readouterr().err
+
+
+def _report(**over) -> dict:
+    dev = {"id": "pi-0", "role": "train", "samples_lost": 0, "oom_kills": 0, "rounds_alone": 0}
+    rep = {"devices": [dev], "events": [{"kind": "partition", "target": "pi-0", "at_s": 10.0,
+                                         "recovered_after_s": 5.0}],
+           "runs": [{"run_id": "r-1", "state": "finished", "members": ["pi-0"], "deployed_on": ["pi-0"]}],
+           "discovery": {"seconds_to_full_membership": 3.0, "via": ["mdns"]}, "final_accuracy_mean": 0.6}
+    for k, v in over.items():
+        if k in dev:
+            dev[k] = v
+        else:
+            rep[k] = v
+    return rep
+
+
+def test_every_check_can_fail():
+    from dfl_agent.cli.lab.report import evaluate_checks
+
+    s = load(SMOKE)
+    assert evaluate_checks(s, _report()) == []
+    cases = {
+        "samples_lost": _report(samples_lost=3),
+        "oom_kills": _report(oom_kills=1),
+        "max_rounds_alone": _report(rounds_alone=2),
+        "max_recovery_s": _report(events=[{"kind": "broker_outage", "target": "a", "at_s": 16.0,
+                                           "recovered_after_s": None}]),
+        "all_runs_deployed": _report(runs=[{"run_id": "r-1", "state": "finished", "members": ["pi-0", "pi-1"],
+                                            "deployed_on": ["pi-0"]}]),
+        "discovery_via": _report(discovery={"seconds_to_full_membership": None, "via": []}),
+        "min_final_accuracy": _report(final_accuracy_mean=0.2),
+    }
+    for check, rep in cases.items():
+        failed = evaluate_checks(s, rep)
+        assert [f.split(":")[0] for f in failed] == [check], failed
+    assert "pi-0 closed 2 round(s) alone (at most 0)" in evaluate_checks(s, cases["max_rounds_alone"])[0]
+    assert "broker_outage a at 16 s never recovered" in evaluate_checks(s, cases["max_recovery_s"])[0]
+    assert "not deployed on pi-1" in evaluate_checks(s, cases["all_runs_deployed"])[0]
+    assert evaluate_checks(s, _report(final_accuracy_mean=None))[0].startswith("min_final_accuracy: final deployed "
+                                                                              "accuracy none")
