@@ -41,6 +41,14 @@ class ComputeGate:
         self.gated: str | None = None  # this node's current gating reason
         self.reconnect_poll = 0.5  # seconds between connection checks while paused
         self.disconnected_seconds = 0.0  # time spent paused for a lost broker connection
+        #: after the broker is back, the longest wait for the neighbours of before the
+        #: outage to be back in this node's verified presence (:meth:`hold_round`)
+        self.reconnect_grace = 15.0
+        #: the verified neighbours this node expected in its current round: those at its
+        #: start and every one seen while it waited (:meth:`note_neighbours`)
+        self.round_expected: set[str] = set()
+        self.round_paused = 0.0  # seconds the current round was held for the broker
+        self.paused = False  # held now: the broker is away (the status says ``paused``)
 
     async def wait_until_allowed(self) -> None:
         """Return when resource gating allows training (see
@@ -66,21 +74,67 @@ class ComputeGate:
             await ctx.clock.sleep(ctx.gate_poll)
 
     async def wait_for_broker(self) -> None:
-        """With ``pause_when_disconnected``: return once the transport is connected
-        (see :meth:`RuntimeContext.wait_for_broker`)."""
+        """With ``pause_when_disconnected``: return once the transport is connected and
+        the expected neighbours are back (see :meth:`RuntimeContext.wait_for_broker`);
+        nothing is sent again (no round is waiting for updates)."""
+        await self.hold_round(resend=False)
+
+    def note_neighbours(self) -> None:
+        """Add the node's live neighbours to :attr:`round_expected` (while connected:
+        a node cut off from its broker sees its neighbours leave, which says nothing)."""
         ctx = self.ctx
-        if not ctx.pause_when_disconnected or ctx.transport.connected:
-            return
+        if getattr(ctx.transport, "connected", True):
+            self.round_expected.update(ctx.neighbours())
+
+    async def hold_round(self, resend: bool = True) -> float:
+        """Hold the node while the broker is away; the seconds held (0.0 when connected),
+        by which a caller waiting for its peers extends the round's deadline.
+
+        With ``pause_when_disconnected`` and the transport disconnected: the node is
+        ``paused`` (one WARNING, the status republished) until the transport is back,
+        then waits up to :attr:`reconnect_grace` seconds for the neighbours it expected
+        this round (:attr:`round_expected`) to be back in its verified presence, logs one
+        INFO line, and (``resend``) sends again the messages of this round and the one
+        before (a peer that reconnected after it did has missed what the broker passed on
+        meanwhile; :meth:`RuntimeContext.resend_round`)."""
+        ctx = self.ctx
+        self.note_neighbours()
+        if not ctx.pause_when_disconnected or getattr(ctx.transport, "connected", True):
+            return 0.0
         since = ctx.clock.now()
-        previous, self.gated = self.gated, "not connected to the MQTT broker"
-        log.warning("%s: training paused: not connected to the MQTT broker", ctx.node_id)
+        previous, self.gated, self.paused = self.gated, "not connected to the MQTT broker", True
+        log.warning("%s: training paused: not connected to the MQTT broker (the round waits; "
+                    "its deadline is suspended)", ctx.node_id)
+        if ctx.gate_hook is not None:
+            await ctx.gate_hook(self.gated)
         try:
             while not ctx.transport.connected:
                 await ctx.clock.sleep(self.reconnect_poll)
+            back = ctx.clock.now()
+            expected = set(self.round_expected)
+            while expected - set(ctx.neighbours()) and ctx.clock.now() - back < self.reconnect_grace:
+                await ctx.clock.sleep(self.reconnect_poll)
         finally:
-            self.gated = previous
-            self.disconnected_seconds += ctx.clock.now() - since
-        log.info("%s: training resumed: connected again after %.1f s", ctx.node_id, ctx.clock.now() - since)
+            self.gated, self.paused = previous, False
+            held = ctx.clock.now() - since
+            self.disconnected_seconds += held
+            self.round_paused += held
+        missing = sorted(self.round_expected - set(ctx.neighbours()))
+        log.info("%s: training resumed: connected again after %.1f s%s", ctx.node_id, held,
+                 f" (not back within {self.reconnect_grace:g} s: {', '.join(missing)})" if missing else "")
+        if resend:
+            await ctx.resend_round()
+        if ctx.gate_hook is not None:
+            await ctx.gate_hook(self.gated)
+        return held
+
+    def end_round(self) -> tuple[set[str], float]:
+        """The round's expected neighbours and the seconds it was held; starts the next
+        round's with the neighbours live now."""
+        out = (self.round_expected, self.round_paused)
+        self.round_expected, self.round_paused = set(), 0.0
+        self.note_neighbours()
+        return out
 
     async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` once gating allows (``train_s`` of the round's timing)."""

@@ -208,7 +208,7 @@ class RuntimeSection:
     rejoin: bool = described(
         True, help="deprecated and always on: a restarted node rejoins a running federation at its current round")
     pause_when_disconnected: bool = described(
-        True, help="no training while the broker connection is down (instead of running rounds alone)")
+        True, help="while the broker is away: no training, no round closes (its deadline suspended); state `paused`")
     max_catch_up_rounds: int = described(
         10, help="most rounds one catch-up skips at once (at a restart or during a run); a node further "
                  "behind catches up in several skips; 0 = never skip")

@@ -203,6 +203,11 @@ class RuntimeContext:
         self.last_round_bytes: dict[str, Any] = {}
         self.timing: dict[str, float] = dict.fromkeys(TIMING_KEYS, 0.0)
         self.last_round_timing: dict[str, float] = dict.fromkeys(TIMING_KEYS, 0.0)
+        #: the finished round: the verified neighbours this node expected in it (live while
+        #: it was connected: at its start, while it waited, or as it closed) and the seconds
+        #: it was held for a lost broker (:meth:`hold_round`)
+        self.last_round_expected: list[str] = []
+        self.last_round_paused = 0.0
         # -- the parts
         self.inbox = Inbox(self, max_queued_per_sender)
         self.outbox = Outbox(self, init_seed)
@@ -226,6 +231,9 @@ class RuntimeContext:
                                        "time spent paused for a lost broker connection")
     reconnect_poll = _part_state("gate_part", "reconnect_poll", "seconds between connection checks while paused")
     abort = _part_state("gate_part", "abort", "set when the run stops: training in a worker thread ends")
+    paused = _part_state("gate_part", "paused", "held now because the broker is away (status state ``paused``)")
+    reconnect_grace = _part_state("gate_part", "reconnect_grace",
+                                  "after a broker outage, the longest wait for the expected neighbours (s)")
 
     def __setattr__(self, name: str, value: Any) -> None:
         if "_sealed" in self.__dict__ and not hasattr(self, name):
@@ -297,8 +305,10 @@ class RuntimeContext:
         message.recipient = peer
         t0 = time.perf_counter()
         frame, reference = self.outbox.encode(message)
+        on_wire = self.outbox.last_encoded
         t1 = time.perf_counter()
         n = await self.transport.send(peer, frame)
+        self.outbox.keep(peer, None, on_wire)
         self.timing["encode_s"] += t1 - t0
         self.timing["send_s"] += time.perf_counter() - t1
         self.outbox.account(message.kind, n, reference)
@@ -308,13 +318,34 @@ class RuntimeContext:
         message.recipient = BROADCAST
         t0 = time.perf_counter()
         frame, reference = self.outbox.encode(message)
+        on_wire = self.outbox.last_encoded
         t1 = time.perf_counter()
         # the audience is the configured graph (None: no graph, every member); the
         # transport delivers to it where it can address receivers (the simulator)
-        n = await self.transport.broadcast(frame, self.graph_neighbours if neighbours_only else None)
+        audience = self.graph_neighbours if neighbours_only else None
+        n = await self.transport.broadcast(frame, audience)
+        self.outbox.keep(None, audience, on_wire)
         self.timing["encode_s"] += t1 - t0
         self.timing["send_s"] += time.perf_counter() - t1
         self.outbox.account(message.kind, n, reference)
+        return n
+
+    async def resend_round(self) -> int:
+        """Send again the messages sent this round and the round before, after a broker
+        outage: a peer that reconnected later than this node missed what the broker
+        passed on meanwhile.  Each goes as it went on the wire (not compressed again) in
+        a new frame (:meth:`Outbox.reframe`: new message id and signature); a peer that
+        has it already keeps one update per sender and round, and drops one of a round
+        it has left behind as stale.  Returns the wire bytes sent."""
+        n = 0
+        for peer, audience, message in self.outbox.recent():
+            try:
+                frame = self.outbox.reframe(message)
+                n += await (self.transport.send(peer, frame) if peer is not None
+                            else self.transport.broadcast(frame, audience))
+            except Exception as exc:  # a peer whose broker is unreachable: the round goes on
+                log.warning("%s: could not send %s of round %d again after the broker outage: %s",
+                            self.node_id, message.kind, message.round, exc)
         return n
 
     def byte_accounting(self) -> dict[str, Any]:
@@ -387,6 +418,27 @@ class RuntimeContext:
         a transport without a ``connected`` attribute never pauses."""
         await self.gate_part.wait_for_broker()
 
+    async def hold_round(self) -> float:
+        """Hold a round that waits for its peers while the broker is away; returns the
+        seconds held (0.0 when connected).
+
+        A protocol calls it where its round waits for peers, before it decides to close
+        the round, and extends the round's deadline by what it returns: a round never
+        closes with whatever arrived because this node's broker went away.  With
+        ``pause_when_disconnected`` (on in the daemon) and the transport disconnected,
+        the node is paused (:attr:`paused`, status ``state: paused``, one WARNING) until
+        the transport is back; then it waits up to :attr:`reconnect_grace` seconds for
+        the neighbours it expected this round to be back in its verified presence (their
+        agents reconnect at their own pace), sends this round's messages again
+        (:meth:`resend_round`) and logs one INFO line.  The time held counts in
+        ``paused_s`` of the round's record and in ``disconnected_seconds``."""
+        return await self.gate_part.hold_round()
+
+    def note_neighbours(self) -> None:
+        """Remember the live neighbours as expected in this round (while connected; see
+        :attr:`last_round_expected`)."""
+        self.gate_part.note_neighbours()
+
     async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await self.gate_part.compute(fn, *args, **kwargs)
 
@@ -419,6 +471,10 @@ class RuntimeContext:
         }
         self.last_round_timing = dict(self.timing)  # ("round" is the parameter here)
         self.timing = dict.fromkeys(TIMING_KEYS, 0.0)
+        self.note_neighbours()  # the neighbours live as the round closes were expected too
+        expected, paused = self.gate_part.end_round()
+        self.last_round_expected = sorted(expected)
+        self.last_round_paused = paused
         if self.round_hook is not None:
             await self.round_hook(round, info)
 

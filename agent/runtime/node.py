@@ -64,6 +64,31 @@ class NodeKilled(Exception):
         self.round = round
 
 
+def peer_updates_used(info: dict[str, Any]) -> int | None:
+    """How many peer updates a round's ``info`` says went into the node's model; None
+    for a round that was not meant to use any: a lock-step epoch without a
+    synchronization, a rotating round the node took no part in, an idle pairs round."""
+    if info.get("role") == "idle" or info.get("participated") is False:
+        return None
+    if "synchronized" in info:  # lock-step (GT, local steps): only synchronizing epochs exchange
+        return len(info.get("neighbour_ids") or ()) if info["synchronized"] else None
+    if isinstance(info.get("neighbours"), int):
+        return int(info["neighbours"])
+    if isinstance(info.get("participants"), int):  # a rotating round: the others' contributions
+        return max(0, int(info["participants"]) - 1)
+    return None
+
+
+def round_alone(info: dict[str, Any], expected: list[str]) -> bool:
+    """Whether a round was closed *alone*: it used no peer update although the node
+    expected verified neighbours in it (``expected``: live while the node was connected
+    to its broker: at the round's start, while it waited, or as it closed).  A node that
+    genuinely runs alone (nobody else in the federation, ``min_peers = 0``) expected
+    nobody, and its rounds are not alone in this sense; neither are rounds that were not
+    meant to use a peer update (:func:`peer_updates_used`)."""
+    return bool(expected) and peer_updates_used(info) == 0
+
+
 def init_seed_for(seed: int, index: int, init: str) -> int:
     """Torch seed of a node's initial weights: shared by all (``common``) or per node."""
     return seed if init == "common" else seed * 100_003 + index + 1
@@ -144,6 +169,8 @@ class Node:
         self.stop_check: Callable[[], bool] | None = None
         #: fault injection (:meth:`kill_at`): (round, called when the node crashes)
         self._kill: tuple[int, Callable[[], None]] | None = None
+        #: rounds this node closed alone (:func:`round_alone`), status ``rounds_alone``
+        self.rounds_alone = 0
 
     def kill_at(self, round: int, on_kill: Callable[[], None]) -> None:
         """Crash this node when it is about to start round ``round`` (or a later one):
@@ -280,8 +307,16 @@ class Node:
             # steps whose non-finite result was restored (Algorithm.divergence_guard), so far
             "diverged": int(counters.get("diverged", 0)),
             "live_peers": len(self.ctx.live_peers()),
+            # closed with no peer update although verified neighbours were expected
+            "alone": round_alone(info, self.ctx.last_round_expected),
+            # seconds the round was held because the broker was away (runtime.pause_when_disconnected)
+            "paused_s": round(self.ctx.last_round_paused, 3),
             **timing,
         }
+        if record["alone"]:
+            self.rounds_alone += 1
+            log.warning("round %d closed alone: no peer update although %s were expected", t,
+                        ", ".join(self.ctx.last_round_expected))
         record.update(self.ctx.byte_accounting())  # bytes by kind, this round's bytes, compression ratio (issue 8)
         data = self.ctx.data
         if data is not None and hasattr(data, "num_train"):  # what this run trains on (grows with the store)
@@ -452,6 +487,7 @@ class Node:
             "control_dropped": {k: v for k, v in counters["dropped"].items() if k.startswith(CONTROL_DROP_PREFIXES)},
             "rounds_skipped": self.ctx.caught_up,  # catching up with the neighbours (runtime.rejoin)
             "paused_disconnected_s": round(self.ctx.disconnected_seconds, 1),  # runtime.pause_when_disconnected
+            "rounds_alone": self.rounds_alone,  # rounds closed with no peer update although peers were expected
             **{k: v for k, v in self.ctx.byte_accounting().items()
                if k in ("bytes_sent_by_kind", "compression_ratio", "round_bytes_sent", "round_bytes_sent_by_kind")},
             **{k: v for k, v in last.items() if k.endswith("_global_accuracy")},  # e.g. DFML's regular model
@@ -469,7 +505,8 @@ class Node:
         ctx = self.ctx
         out: dict[str, Any] = {"gated": ctx.gated}
         if ctx.gated and self.state == "running":
-            out["state"] = "gated"
+            # paused: the broker is away (the round waits for it); gated: the device's limits
+            out["state"] = "paused" if getattr(ctx, "paused", False) else "gated"
         out["excluded_peers"] = {p: r for p, r in ctx.excluded.items() if not r.startswith("inference-only")}
         if ctx.behaviour is not None:
             b = ctx.behaviour

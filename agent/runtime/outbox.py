@@ -39,6 +39,32 @@ class Outbox:
         self.bytes_sent_by_kind: collections.Counter[str] = collections.Counter()
         self.float32_bytes_sent = 0  # what the sent messages would have taken with float32 tensors
         self.round_sent: collections.Counter[str] = collections.Counter()
+        #: the message :meth:`encode` framed last, as it went on the wire (compressed)
+        self.last_encoded: Message | None = None
+        #: with ``pause_when_disconnected``: the messages sent this round and the round
+        #: before, as they went on the wire, ``(peer or None for a broadcast, audience,
+        #: message)``, which a node sends again after a broker outage (:meth:`reframe`)
+        self.round_sent_messages: list[tuple[str | None, Any, Message]] = []
+        self.previous_sent_messages: list[tuple[str | None, Any, Message]] = []
+
+    def keep(self, peer: str | None, audience: Any, message: Message | None) -> None:
+        """Remember a sent message (:attr:`last_encoded` right after its :meth:`encode`)
+        for :meth:`recent`, only where the node pauses for a lost broker (elsewhere
+        nothing sends them again)."""
+        if self.ctx.pause_when_disconnected and message is not None:
+            self.round_sent_messages.append((peer, audience, message))
+
+    def recent(self) -> list[tuple[str | None, Any, Message]]:
+        """The messages sent this round and the round before, oldest first."""
+        return [*self.previous_sent_messages, *self.round_sent_messages]
+
+    def reframe(self, message: Message) -> bytes:
+        """A new frame of a message sent before, its tensors as they went on the wire (not
+        compressed again: error feedback is not applied twice): a new message id, send
+        time and signature, so that a peer that has it already drops the copy as a
+        duplicate or stale round, never as a replay."""
+        return wire.encode(dataclasses.replace(message, msg_id=""), federation=self.ctx.federation,
+                           sender=self.ctx.node_id, **self._signing())
 
     def encode(self, message: Message) -> tuple[bytes, int]:
         """Compress (per the context's ``compression``) and frame ``message``.
@@ -64,6 +90,7 @@ class Outbox:
                     wire_tensors, desc, _ = codec.encode_tensors(message.tensors, spec, self.compression_rng)
                 out = dataclasses.replace(message, tensors=wire_tensors, encoding=desc)
         frame = wire.encode(out, federation=ctx.federation, sender=ctx.node_id, **self._signing())
+        self.last_encoded = out
         if out is not orig:
             orig.msg_id, orig.time, orig.sender, orig.wire_bytes = out.msg_id, out.time, out.sender, out.wire_bytes
         reference = 0
@@ -87,6 +114,7 @@ class Outbox:
         """The bytes sent this round by kind; starts a new count."""
         sent = dict(self.round_sent)
         self.round_sent.clear()
+        self.previous_sent_messages, self.round_sent_messages = self.round_sent_messages, []
         return sent
 
     def ef_resets(self) -> int:

@@ -46,5 +46,6 @@ def test_metrics_endpoint():
     assert 0 < float(lines['dfl_accuracy{split="global"}']) <= 1
     assert float(lines['dfl_dropped_messages_total{reason="malformed"}']) == 3
     assert "dfl_bytes_sent_total" in lines and "dfl_peers_live" in lines
+    assert float(lines["dfl_rounds_alone_total"]) == 0  # nobody else: no peer was expected
     assert float(lines["dfl_checkpoint_round"]) == 2
     assert 'dfl_node_info{algorithm="local",federation="f",node="p0",state="finished"}' in lines

@@ -38,6 +38,7 @@ from dfl_agent.algorithms.protocols.synchronization import (
     UpdateMarket,
     is_empty,
     send_with_participation,
+    suspend_deadline,
 )
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
 from dfl_agent.learning.robust import check_options as check_robust_options
@@ -165,7 +166,9 @@ async def collect_round(
             return
         got[msg.sender] = msg
 
+    budget = deadline - ctx.clock.now()
     while True:
+        deadline = await suspend_deadline(ctx, deadline, budget)  # no deadline runs while the broker is away
         neighbours = ctx.neighbours()
         now = ctx.clock.now()
         # what already arrived counts, also from a neighbour that has left since
@@ -173,6 +176,10 @@ async def collect_round(
             intake(msg)
         missing = [p for p in neighbours if p not in got]
         if not missing or now >= deadline:
+            held = await suspend_deadline(ctx, deadline, budget)
+            if held != deadline:  # the broker went away: wait on instead of closing alone
+                deadline = held
+                continue
             return got, missing
         msg = await ctx.receive(kind, round=t, deadline=min(deadline, now + poll))
         if msg is not None:

@@ -19,6 +19,13 @@ for a dead peer.  Neighbours are re-read while waiting (``ctx.neighbours()`` or 
 caller's ``peers``): a peer whose presence went away stops being waited for, and
 ``min_k`` never asks for more updates than there are live neighbours.
 
+A lost broker is not a deadline: while this node's broker is away its peers' presence
+goes away too (their last wills, or silence), and closing the round then would close it
+alone.  :func:`suspend_deadline` holds the wait instead (the context's ``hold_round``:
+paused until the broker is back and the expected neighbours with it) and moves the
+deadline by the time held, leaving the round at least ``min(its timeout, the context's
+reconnect_grace)`` after the node resumes for the updates its peers re-send.
+
 Rounds: an update is *eligible* for target round t when
 ``t − max_staleness <= update.round <= t``.  Updates of later rounds stay queued for
 their round; older ones are dropped (counted ``stale``).  With ``max_staleness = 0``
@@ -58,6 +65,21 @@ STRATEGIES = (
 )
 
 EMPTY_KEY = "empty"
+
+
+async def suspend_deadline(ctx: Any, deadline: float, budget: float) -> float:
+    """``deadline`` (clock time) of a round that waits for its peers, suspended for a
+    broker outage: ``ctx.hold_round()`` holds the round while the broker is away (a
+    context without it never holds) and returns the seconds held; then the deadline
+    moves by that time, and at least ``min(budget, ctx.reconnect_grace)`` seconds
+    remain after resuming (``budget``: the round's whole timeout).  Unchanged when
+    nothing was held."""
+    hold = getattr(ctx, "hold_round", None)
+    held = await hold() if hold is not None else 0.0
+    if not held:
+        return deadline
+    grace = float(getattr(ctx, "reconnect_grace", budget))
+    return max(deadline + held, ctx.clock.now() + min(budget, grace))
 
 
 def is_empty(msg: Message) -> bool:
@@ -291,8 +313,10 @@ class UpdateMarket:
         departed = (lambda p: False) if peers is not None else ctx.is_neighbour
         if self.strategy == "one_from_each_t":
             deadline = min(deadline, start + self.timeout)
+        budget = deadline - start
         self._prune(t)
         while True:
+            deadline = await suspend_deadline(ctx, deadline, budget)  # no deadline runs while the broker is away
             current = sorted(peer_fn())
             members = set(current)  # O(1) sender checks: a round brings one update per neighbour
             now = clock.now()
@@ -304,6 +328,10 @@ class UpdateMarket:
                 self._intake(ctx, msg, t, members, validate, outsider_reason, departed)
             satisfied = self.ready(t, current)
             if satisfied or now >= deadline:
+                held = await suspend_deadline(ctx, deadline, budget)
+                if held != deadline:  # the broker went away: wait on instead of closing alone
+                    deadline = held
+                    continue
                 gone = [p for p in self.queues if p not in members and self._eligible(p, t) and departed(p)]
                 taken = self.take(t, current + gone)
                 missing = [p for p in current if p not in taken]

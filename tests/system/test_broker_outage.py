@@ -1,0 +1,65 @@
+"""A broker outage pauses training (real mosquitto, two real ``dfl-agent run --once``
+processes): mosquitto is stopped mid-run for longer than the round timeout and the peers'
+heartbeat timeout, then restarted on the same port.  No round closes without a peer update:
+each agent logs the pause once (WARNING) and the resumption once (INFO), the round the
+outage hit records the time it was held (``paused_s``), and both agents finish every round
+with their peer's update in each (``alone`` false throughout).
+
+Before the fix (0c2393f and up to the commit that added this test), the round in progress
+when the broker went away closed at once with 0 neighbours (its only neighbour's presence
+went with the broker), and the nodes went on alone: in one run n0 closed rounds 3-24 and n1
+rounds 4-40 with 0 neighbours, their presence of each other lost for the rest of the run."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+from dfl_agent.cli.broker import start_broker
+from tests.system.conftest import needs_mosquitto
+from tests.system.test_agent_logs import _config, _start, _wait
+
+pytestmark = [pytest.mark.integration, needs_mosquitto]
+
+ROUNDS = 40
+
+
+def test_a_broker_outage_pauses_training_and_no_round_closes_alone(tmp_path):
+    ids = ("n0", "n1")
+    with start_broker("mosquitto") as broker:
+        procs = [_start(tmp_path, nid, _config(
+            tmp_path, "outage", nid, broker.endpoint,
+            {"name": "fedavg", "rounds": ROUNDS, "options": {"round_timeout": 3.0, "poll_interval": 0.2}},
+            data={"num_nodes": 2, "node_index": i}, mqtt={"keepalive": 2},
+            discovery={"min_peers": 1, "heartbeat_timeout": 3.0}), "--once")
+            for i, nid in enumerate(ids)]
+        logs = [tmp_path / f"{nid}.log" for nid in ids]
+        try:
+            _wait(lambda: all(re.search(r"round 2 done", p.read_text()) for p in logs), 120, logs,
+                  "two rounds on both agents")
+            broker.stop()  # mid-run: SIGTERM, as a restarting broker
+            time.sleep(6.5)  # longer than the round timeout (3 s) and the heartbeat timeout (3 s)
+            broker.start()  # the same port and configuration
+            assert [p.wait(120) for p in procs] == [0, 0], "\n".join(p.read_text()[-3000:] for p in logs)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    for nid, log in zip(ids, logs):
+        text = log.read_text()
+        records = [json.loads(line) for line in (tmp_path / nid / "metrics.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in records] == list(range(1, ROUNDS + 1)), text[-3000:]
+        # no round closed without its peer's update, and none counts as alone
+        assert [r["round"] for r in records if r["neighbours"] < 1] == [], text[-3000:]
+        assert [r["round"] for r in records if r.get("alone", True)] == [], text[-3000:]
+        assert "closed alone" not in text
+        # the outage held a round: the pause is in the records and in the log, once each way
+        assert max(r["paused_s"] for r in records) >= 5.0, [r["paused_s"] for r in records]
+        paused = re.findall(rf"WARNING \S+: {nid}: training paused: not connected to the MQTT broker", text)
+        resumed = re.findall(rf"INFO \S+: {nid}: training resumed: connected again after (\d+\.\d) s", text)
+        assert len(paused) == 1 and len(resumed) == 1, text[-3000:]
+        assert float(resumed[0]) >= 5.0
+        assert "Traceback" not in text

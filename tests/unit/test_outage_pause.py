@@ -1,0 +1,269 @@
+"""A broker outage pauses a round instead of closing it alone (``runtime.pause_when_disconnected``):
+a round that waits for its peers while the broker is away keeps waiting, its deadline
+suspended for the outage; after the broker is back it waits for the neighbours it expected,
+re-sends what it sent, and goes on with their updates.  ``rounds_alone`` counts the rounds a
+node closed with no peer update although it expected verified neighbours."""
+
+import asyncio
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.protocols.neighbourhood import collect_round
+from dfl_agent.algorithms.protocols.synchronization import UpdateMarket, suspend_deadline
+from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.runtime.node import peer_updates_used, round_alone
+from dfl_agent.security import SecurityGuard, TrustStore
+from dfl_agent.security.keys import public_key_b64
+from dfl_agent.transport.memory import MemoryNetwork, run_virtual
+
+X = {"x": np.ones(2, np.float32)}
+
+
+def _ctx(net, nid, pause=True):
+    return RuntimeContext(
+        node_id=nid, federation="f", transport=net.transport(nid, "f"), peers=PeerTable(nid, "f"), data=None,
+        model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0), pause_when_disconnected=pause,
+    )
+
+
+def _update(t: int) -> Message:
+    return Message("model", t, dict(X), meta={"samples": 1})
+
+
+def _outage(net, me: str, peer: str) -> None:
+    """The broker goes away: ``me`` hears its peer's last will, then loses its own connection."""
+    net.kill(peer)
+    net.kill(me)
+
+
+def test_a_round_waits_out_a_broker_outage_and_takes_the_peer_update():
+    """The broker is away from t=1 to t=31 s (round timeout 5 s), the peer comes back at
+    t=36 and sends its update at t=37: the round takes it (before: it closed at t=1 with
+    nothing, its only neighbour gone with the broker)."""
+    net = MemoryNetwork()
+    me, peer = _ctx(net, "me"), _ctx(net, "peer")
+    out = {}
+
+    async def main():
+        await me.start()
+        await peer.start()
+        task = asyncio.ensure_future(UpdateMarket().collect(me, "model", 1, deadline=me.clock.now() + 5.0, poll=0.5))
+        await asyncio.sleep(1.0)
+        _outage(net, "me", "peer")
+        await asyncio.sleep(10.0)
+        out["during"] = (me.paused, me.gated, task.done())
+        await asyncio.sleep(20.0)
+        net.reconnect("me")  # the broker is back; the peer's agent reconnects 5 s later
+        await asyncio.sleep(5.0)
+        out["waiting_for_peer"] = (me.paused, task.done())
+        net.reconnect("peer")
+        await asyncio.sleep(1.0)
+        await peer.send("me", _update(1))
+        out["result"] = await task
+        out["closed_at"] = me.clock.now()
+
+    run_virtual(main())
+    assert out["during"] == (True, "not connected to the MQTT broker", False)
+    assert out["waiting_for_peer"] == (True, False)
+    res = out["result"]
+    assert sorted(res.taken) == ["peer"] and res.missing == [] and not res.deadline_hit
+    assert 37.0 <= out["closed_at"] < 38.0
+    assert not me.paused and me.gated is None
+    assert 34.0 <= me.disconnected_seconds <= 36.0  # from the first poll after the loss to the peer's return
+
+
+def test_the_deadline_is_suspended_not_dropped():
+    """After the outage the round still has what was left of its deadline (at least
+    ``min(timeout, reconnect_grace)``): a peer that never sends closes it then, not earlier
+    and not at once."""
+    net = MemoryNetwork()
+    me, peer = _ctx(net, "me"), _ctx(net, "peer")
+    out = {}
+
+    async def main():
+        await me.start()
+        await peer.start()
+        t0 = me.clock.now()
+        task = asyncio.ensure_future(UpdateMarket().collect(me, "model", 1, deadline=t0 + 4.0, poll=0.5))
+        await asyncio.sleep(3.0)
+        _outage(net, "me", "peer")
+        await asyncio.sleep(20.0)
+        net.reconnect("peer")
+        net.reconnect("me")
+        out["result"] = await task
+        out["closed_at"] = me.clock.now() - t0
+
+    run_virtual(main())
+    res = out["result"]
+    assert res.taken == {} and res.missing == ["peer"] and res.deadline_hit
+    assert 23.0 + 4.0 <= out["closed_at"] <= 23.0 + 4.5  # resumed at 23 s, then the whole 4 s budget
+
+
+def test_suspend_deadline_is_a_no_op_when_connected_or_off():
+    net = MemoryNetwork()
+    on, off = _ctx(net, "on"), _ctx(net, "off", pause=False)
+    out = {}
+
+    async def main():
+        await on.start()
+        await off.start()
+        out["connected"] = await suspend_deadline(on, 12.5, 5.0)
+        net.kill("off")
+        out["off"] = await suspend_deadline(off, 12.5, 5.0)
+        out["none"] = await suspend_deadline(object(), 12.5, 5.0)  # a context without hold_round
+
+    run_virtual(main())
+    assert out == {"connected": 12.5, "off": 12.5, "none": 12.5}
+
+
+def test_after_the_outage_the_round_re_sends_what_the_peer_missed():
+    """``me`` sent its update while the broker was away (lost); once the broker and its
+    peer are back, its round re-sends it, and the peer gets it once (collect_round
+    without a market)."""
+    net = MemoryNetwork()
+    me, peer = _ctx(net, "me"), _ctx(net, "peer")
+    out = {}
+
+    async def main():
+        await me.start()
+        await peer.start()
+        task = asyncio.ensure_future(collect_round(me, "model", 1, me.clock.now() + 5.0, 0.5, X))
+        await asyncio.sleep(1.0)
+        _outage(net, "me", "peer")
+        await me.send("peer", _update(1))  # while disconnected: dropped
+        await asyncio.sleep(10.0)
+        net.reconnect("peer")
+        net.reconnect("me")
+        got = await peer.receive("model", round=1, deadline=peer.clock.now() + 3.0)
+        out["peer_got"] = got.sender if got is not None else None
+        await peer.send("me", _update(1))
+        out["result"] = await task
+        out["again"] = await peer.receive("model", round=1, deadline=peer.clock.now() + 3.0)
+
+    run_virtual(main())
+    assert out["peer_got"] == "me"
+    got, missing = out["result"]
+    assert sorted(got) == ["peer"] and missing == []
+    assert out["again"] is None
+
+
+def test_an_update_sent_again_is_a_new_signed_frame_not_a_replay():
+    """After an outage the update goes again in a new frame (new message id, new
+    signature, the same wire tensors): a signed peer that has the first copy accepts it,
+    and counts no replay (the same frame twice would be one)."""
+    net = MemoryNetwork()
+    ka, kb = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    pinned = {"a": public_key_b64(ka), "b": public_key_b64(kb)}
+    a, b = _ctx(net, "a"), _ctx(net, "b")
+    a.security = SecurityGuard("a", ka, TrustStore("f", pinned), require_signatures=True)
+    b.security = SecurityGuard("b", kb, TrustStore("f", pinned), require_signatures=True)
+    out = {}
+
+    async def main():
+        await a.start()
+        await b.start()
+        await a.send("b", _update(1))
+        out["sent_again"] = await a.resend_round()
+        out["first"] = await b.receive("model", round=1, deadline=b.clock.now() + 1.0)
+        out["second"] = await b.receive("model", round=1, deadline=b.clock.now() + 1.0)
+        await a.end_round(1)
+        await a.end_round(2)  # two rounds later nothing of round 1 is sent again
+        out["later"] = await a.resend_round()
+
+    run_virtual(main())
+    first, second = out["first"], out["second"]
+    assert out["sent_again"] > 0 and first is not None and second is not None
+    assert first.msg_id != second.msg_id and np.array_equal(first.tensors["x"], second.tensors["x"])
+    assert dict(b.rejected) == {}
+    assert out["later"] == 0
+
+
+def test_a_round_is_alone_only_when_peers_were_expected():
+    """``alone``: no peer update used although verified neighbours were expected."""
+    assert round_alone({"neighbours": 0}, ["peer"])
+    assert not round_alone({"neighbours": 1}, ["peer"])
+    assert not round_alone({"neighbours": 0}, [])  # genuinely alone: nobody else (min_peers 0)
+    # rounds not meant to use a peer update are never alone
+    assert peer_updates_used({"synchronized": False, "neighbour_ids": []}) is None
+    assert peer_updates_used({"synchronized": True, "neighbour_ids": []}) == 0
+    assert peer_updates_used({"participated": False, "participants": 3}) is None
+    assert peer_updates_used({"participated": True, "participants": 1}) == 0
+    assert peer_updates_used({"role": "idle", "neighbours": 0}) is None
+    assert peer_updates_used({"train_loss": 0.3}) is None
+    assert not round_alone({"role": "idle", "neighbours": 0}, ["peer"])
+
+
+def test_the_context_remembers_the_neighbours_expected_in_each_round():
+    net = MemoryNetwork()
+    me, peer = _ctx(net, "me"), _ctx(net, "peer")
+    out = {}
+
+    async def main():
+        await me.start()
+        await peer.start()
+        me.note_neighbours()
+        net.kill("peer")  # left during the round: still expected in it
+        await me.end_round(1)
+        out[1] = (me.last_round_expected, me.last_round_paused)
+        await me.end_round(2)  # nobody live at its start or end
+        out[2] = (me.last_round_expected, me.last_round_paused)
+
+    run_virtual(main())
+    assert out == {1: (["peer"], 0.0), 2: ([], 0.0)}
+
+
+def test_the_status_says_paused_while_the_broker_is_away_and_counts_rounds_alone():
+    """The node's status: ``state: paused`` during the hold (republished when it starts and
+    ends), ``rounds_alone`` and the records' ``alone`` after a round that used no update
+    although its peer was expected."""
+    from dfl_agent.algorithms.base import get_algorithm
+    from dfl_agent.data import load_dataset, node_data_for
+    from dfl_agent.learning.training import TrainConfig
+    from dfl_agent.models import default_spec
+    from dfl_agent.runtime.node import Node
+
+    bundle = load_dataset("digits")
+    net = MemoryNetwork()
+    me = RuntimeContext(node_id="me", federation="f", transport=net.transport("me", "f", {}),
+                        peers=PeerTable("me", "f"), data=node_data_for(bundle, 2, 0, "iid", seed=0),
+                        model_spec=default_spec(bundle.pool.input_shape, bundle.pool.num_classes, "small"),
+                        train=TrainConfig(steps=1), init_seed=1, rng=np.random.default_rng(0),
+                        pause_when_disconnected=True)
+    peer = _ctx(net, "peer")
+    records = []
+    fedavg = get_algorithm("fedavg")
+    node = Node(me, fedavg(me, fedavg.Options(round_timeout=2.0)), bundle.test.x[:50], bundle.test.y[:50],
+                sink=records.append)
+    published = []
+    out = {}
+
+    async def main():
+        await me.start()
+        await peer.start()
+        await node.setup()
+        node.state = "running"
+        me.transport.publish_status = lambda st: published.append(st["state"]) or asyncio.sleep(0)
+        hold = asyncio.ensure_future(me.hold_round())
+        await asyncio.sleep(0)
+        out["connected"] = (hold.done(), node.status()["state"])
+        await hold
+        net.kill("me")
+        hold = asyncio.ensure_future(me.hold_round())
+        await asyncio.sleep(5.0)
+        out["away"] = node.status()["state"]
+        net.reconnect("me")
+        out["held"] = await hold
+        out["back"] = node.status()["state"]
+        await node.run(1)  # the peer never sends: the round closes alone after its 2 s
+        out["status"] = node.status()
+
+    run_virtual(main())
+    assert out["connected"] == (True, "running")
+    assert out["away"] == "paused" and out["back"] == "running"
+    assert published[:2] == ["paused", "running"]  # republished as the hold starts and ends
+    assert 5.0 <= out["held"] <= 5.5
+    assert [r["alone"] for r in records] == [True] and records[0]["neighbours"] == 0
+    assert out["status"]["rounds_alone"] == 1 and out["status"]["paused_disconnected_s"] >= 5.0
