@@ -255,7 +255,8 @@ def parse(doc: dict[str, Any], path: str = "scenario.toml") -> Scenario:
         if role not in ("train", "inference"):
             raise ScenarioError(f"{w}.role", f"\"train\" or \"inference\", not {role!r}")
         if role == "inference":
-            raise NotYet(f"{w}.role", "the inference member is not in the lab yet")
+            raise NotYet(f"{w}.role", "the inference member is not in the lab yet (dfl-infer cannot log in to "
+                                      "a TLS broker with credentials)")
         if d.get("count", 1) < 1:
             raise ScenarioError(f"{w}.count", f"at least 1, not {d['count']!r}")
         _nonneg(f"{w}.start_s", d.get("start_s"))
