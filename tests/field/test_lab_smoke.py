@@ -45,9 +45,20 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.startswith("dfl-lab-")]
 
 
+def _processes_using(folder: Path) -> list[str]:
+    """Command lines that name ``folder`` (the lab's agents and brokers do)."""
+    found = []
+    for p in Path("/proc").iterdir():
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(folder) in cmd and "lab run" not in cmd:
+            found.append(cmd)
+    return found
+
+
 def test_the_smoke_scenario(tmp_path):
-    before = set(_namespaces())
-    states_before = {p.name for p in state_dir().glob("*.json")} if state_dir().is_dir() else set()
     out = tmp_path / "smoke"
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "dfl_agent.cli.dflctl", "lab", "run", str(SMOKE), "--out", str(out)],
@@ -56,12 +67,14 @@ def test_the_smoke_scenario(tmp_path):
     print(r.stderr[-3000:], f"\n(lab run took {took:.0f} s)")
     assert r.returncode in (0, 1), r.stderr[-3000:]
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    # nothing is left: no namespace of this lab, no state file
-    assert set(_namespaces()) <= before, _namespaces()
-    left = ({p.name for p in state_dir().glob("*.json")} if state_dir().is_dir() else set()) - states_before
-    assert not left, left
-
     rep = json.loads((out / "report.json").read_text())
+    # nothing of this lab is left (other labs may run beside it): no namespace, no state file
+    lab = rep["lab_id"]
+    assert re.fullmatch(r"[0-9a-f]{8}", lab) and f"lab {lab}: building 3 device(s)" in r.stderr
+    assert not [n for n in _namespaces() if n.startswith(f"dfl-lab-{lab}-")], _namespaces()
+    assert not (state_dir() / f"{lab}.json").exists()
+    assert not _processes_using(out), "processes of the lab still run"
+
     assert {"scenario", "mechanisms", "passed", "failed_checks", "devices", "runs", "events", "discovery", "host",
             "bytes_total"} <= set(rep)
     assert rep["scenario"] == "smoke" and rep["mechanisms"]["rate"] == "tbf"
