@@ -7,7 +7,7 @@ export, mDNS off), waits until it serves, then submits ``--runs`` tiny runs with
 run submit`` and an operator key (``local``, 1 round, ``--training steps=N``, minimum 1
 member), one after the other: each is submitted when the previous one is ``finished`` in
 the run ledger (``STATE/runs/ledger.json``).  The spool gets 3 files of 60 windows before
-the first run and one more with each run, so the supervisor also ingests while runs come
+the first run and one more with each run (``--windows-per-run``), so the supervisor also ingests while runs come
 and go, and deploys (or keeps out) each run's model.  After each run has finished (and
 ``--settle`` seconds), samples the supervisor process only (not its run process): RSS,
 PSS, USS, threads, open files, and whether libtorch is in its memory maps.  Writes ``runs_memory.json``; the acceptance: the RSS after the last run within 10 %
@@ -73,9 +73,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=20, help="runs, one after the other")
     p.add_argument("--steps", type=int, default=2, help="training steps of each run's one round")
+    p.add_argument("--windows-per-run", type=int, default=60,
+                   help="windows dropped into the spool with each run (0: none after the first 180)")
     p.add_argument("--settle", type=float, default=2.0, help="seconds after a run finished before sampling")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
     p.add_argument("--out", default="bench/operations", help="folder for runs_memory.json")
+    p.add_argument("--name", default="runs_memory.json", help="file name of the results in --out")
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="dfl-runsmem-"))
     fed, fed_key, nid, host = "runsmem", Ed25519PrivateKey.generate(), "m0", machine()
@@ -102,7 +105,8 @@ def main() -> int:
             before = {"run": 0, **memory(ps), "threads": ps.num_threads(), "open_files": ps.num_fds()}
             print(before, flush=True)
             for i in range(1, a.runs + 1):
-                drop(state / "spool", f"r{i}.npz", 60, 100 + i)
+                if a.windows_per_run:
+                    drop(state / "spool", f"r{i}.npz", a.windows_per_run, 100 + i)
                 t0 = time.monotonic()
                 rid = submit(broker.endpoint, fed, op, "--algorithm", "local", "--rounds", "1", "--training",
                              f"steps={a.steps}", "--min-members", "1", "--name", f"mem-{i}")
@@ -131,6 +135,7 @@ def main() -> int:
     rss = [s["rss_mb"] for s in samples]
     growth = (rss[-1] - rss[0]) / rss[0] if rss else None
     res = {"command": invocation(), "machine": host, "runs": len(samples), "steps": a.steps,
+           "windows_per_run": a.windows_per_run,
            "deployed": text.count("deployed model v"), "store_samples": store_samples(state),
            "before_first_run": before,
            "rss_mb_after_first": rss[0] if rss else None, "rss_mb_after_last": rss[-1] if rss else None,
@@ -141,7 +146,7 @@ def main() -> int:
            "torch_mapped": sorted({f for s in samples for f in s["torch_mapped"]}), "samples": samples}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "runs_memory.json").write_text(json.dumps(res, indent=1))
+    (out / a.name).write_text(json.dumps(res, indent=1))
     print(json.dumps({k: v for k, v in res.items() if k != "samples"}, indent=1))
     return 0 if res["within_target"] and not res["torch_mapped"] else 1
 
