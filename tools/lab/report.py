@@ -50,6 +50,30 @@ def _store(state: Path) -> dict[str, Any]:
         s.close()
 
 
+def _torch_accuracy(col: dict[str, Any], states: dict[str, Path], test: Any) -> None:
+    """Where a deployed version has no ``model.onnx`` (``deploy.onnx = false``, or no onnx
+    extra), its held-out accuracy from the torch model (``models.load_deployed``)."""
+    for n, node in col["nodes"].items():
+        for r in node["runs"]:
+            if r["deployed_version"] is None or r["heldout_accuracy"] is not None:
+                continue
+            try:
+                import torch
+
+                from dfl_agent.models import load_deployed
+
+                torch.set_num_threads(1)
+                model = load_deployed(states[n] / "models" / f"v{r['deployed_version']}")
+                with torch.no_grad():
+                    pred = model(torch.from_numpy(test.x.astype("float32"))).argmax(1).numpy()
+                r["heldout_accuracy"] = float((pred == test.y).mean())
+            except Exception:  # noqa: BLE001 - no torch or an unloadable version: no figure
+                continue
+            for d in col["deployments"]:
+                if d["node"] == n and d["version"] == r["deployed_version"]:
+                    d["heldout_accuracy"] = r["heldout_accuracy"]
+
+
 def evaluate_checks(sc: Scenario, rep: dict[str, Any]) -> list[str]:
     """The scenario's checks against a report: the failures, each one line."""
     failed = []
@@ -105,6 +129,7 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
     run_ids = [r for r in run.run_ids if r]
     states = {n: a.state for n, a in run.agents.items()}
     col = collect(states, run_ids, bundle.test)
+    _torch_accuracy(col, states, bundle.test)
     recs = {n: _records(a.state) for n, a in run.agents.items()}
     # windows of time in which a device was cut off itself (monotonic)
     cut: dict[str, list[tuple[float, float]]] = {n: [] for n in run.agents}
