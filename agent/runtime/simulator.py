@@ -393,6 +393,7 @@ def _byte_summary(nodes: list[Node], policy: CompressionPolicy) -> dict[str, Any
         "compression": str(policy.default),
         "compression_kinds": {k: str(v) for k, v in policy.kinds.items()},
         "error_feedback": policy.error_feedback,
+        "consensus_step": policy.consensus_step,
         "bytes_sent_by_kind": by_kind,
         "bytes_sent_by_kind_per_node": {n.ctx.node_id: n.ctx.byte_accounting()["bytes_sent_by_kind"] for n in nodes},
         "float32_bytes_sent": f32,
