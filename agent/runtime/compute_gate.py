@@ -49,6 +49,9 @@ class ComputeGate:
         self.round_expected: set[str] = set()
         self.round_paused = 0.0  # seconds the current round was held for the broker
         self.paused = False  # held now: the broker is away (the status says ``paused``)
+        #: the message kinds this node's rounds wait for (:meth:`hold_round`): after an
+        #: outage the node sends its own messages of these kinds again
+        self.resend_kinds: set[str] = set()
 
     async def wait_until_allowed(self) -> None:
         """Return when resource gating allows training (see
@@ -75,9 +78,8 @@ class ComputeGate:
 
     async def wait_for_broker(self) -> None:
         """With ``pause_when_disconnected``: return once the transport is connected and
-        the expected neighbours are back (see :meth:`RuntimeContext.wait_for_broker`);
-        nothing is sent again (no round is waiting for updates)."""
-        await self.hold_round(resend=False)
+        the expected neighbours are back (see :meth:`RuntimeContext.wait_for_broker`)."""
+        await self.hold_round()
 
     def note_neighbours(self) -> None:
         """Add the node's live neighbours to :attr:`round_expected` (while connected:
@@ -86,7 +88,7 @@ class ComputeGate:
         if getattr(ctx.transport, "connected", True):
             self.round_expected.update(ctx.neighbours())
 
-    async def hold_round(self, resend: bool = True) -> float:
+    async def hold_round(self, kinds: tuple[str, ...] = ()) -> float:
         """Hold the node while the broker is away; the seconds held (0.0 when connected),
         by which a caller waiting for its peers extends the round's deadline.
 
@@ -94,10 +96,13 @@ class ComputeGate:
         ``paused`` (one WARNING, the status republished) until the transport is back,
         then waits up to :attr:`reconnect_grace` seconds for the neighbours it expected
         this round (:attr:`round_expected`) to be back in its verified presence, logs one
-        INFO line, and (``resend``) sends again the messages of this round and the one
-        before (a peer that reconnected after it did has missed what the broker passed on
-        meanwhile; :meth:`RuntimeContext.resend_round`)."""
+        INFO line, and sends again its messages of this round and the one before of the
+        kinds its rounds wait for (``kinds``, remembered in :attr:`resend_kinds`: a peer
+        that reconnected after it did has missed what the broker passed on meanwhile;
+        :meth:`RuntimeContext.resend_round`).  Protocols that never wait through it (pairs,
+        rotating aggregators) have nothing sent again."""
         ctx = self.ctx
+        self.resend_kinds.update(kinds)
         self.note_neighbours()
         if not ctx.pause_when_disconnected or getattr(ctx.transport, "connected", True):
             return 0.0
@@ -110,6 +115,11 @@ class ComputeGate:
         try:
             while not ctx.transport.connected:
                 await ctx.clock.sleep(self.reconnect_poll)
+            # connected: no longer paused, and the peers must see it at once (a status that
+            # still said "gated" would leave this node out of their rounds while they wait for it)
+            self.gated, self.paused = previous, False
+            if ctx.gate_hook is not None:
+                await ctx.gate_hook(self.gated)
             back = ctx.clock.now()
             expected = set(self.round_expected)
             while expected - set(ctx.neighbours()) and ctx.clock.now() - back < self.reconnect_grace:
@@ -122,10 +132,8 @@ class ComputeGate:
         missing = sorted(self.round_expected - set(ctx.neighbours()))
         log.info("%s: training resumed: connected again after %.1f s%s", ctx.node_id, held,
                  f" (not back within {self.reconnect_grace:g} s: {', '.join(missing)})" if missing else "")
-        if resend:
-            await ctx.resend_round()
-        if ctx.gate_hook is not None:
-            await ctx.gate_hook(self.gated)
+        if self.resend_kinds:
+            await ctx.resend_round(self.resend_kinds)
         return held
 
     def end_round(self) -> tuple[set[str], float]:

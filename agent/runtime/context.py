@@ -16,7 +16,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -330,15 +330,17 @@ class RuntimeContext:
         self.outbox.account(message.kind, n, reference)
         return n
 
-    async def resend_round(self) -> int:
-        """Send again the messages sent this round and the round before, after a broker
-        outage: a peer that reconnected later than this node missed what the broker
+    async def resend_round(self, kinds: Collection[str] | None = None) -> int:
+        """Send again the messages (of ``kinds``; None: all) sent this round and the round
+        before, after a broker outage: a peer that reconnected later than this node missed what the broker
         passed on meanwhile.  Each goes as it went on the wire (not compressed again) in
         a new frame (:meth:`Outbox.reframe`: new message id and signature); a peer that
         has it already keeps one update per sender and round, and drops one of a round
         it has left behind as stale.  Returns the wire bytes sent."""
         n = 0
         for peer, audience, message in self.outbox.recent():
+            if kinds is not None and message.kind not in kinds:
+                continue
             try:
                 frame = self.outbox.reframe(message)
                 n += await (self.transport.send(peer, frame) if peer is not None
@@ -418,9 +420,9 @@ class RuntimeContext:
         a transport without a ``connected`` attribute never pauses."""
         await self.gate_part.wait_for_broker()
 
-    async def hold_round(self) -> float:
-        """Hold a round that waits for its peers while the broker is away; returns the
-        seconds held (0.0 when connected).
+    async def hold_round(self, kinds: str | tuple[str, ...] = ()) -> float:
+        """Hold a round that waits for its peers' messages of ``kinds`` while the broker is
+        away; returns the seconds held (0.0 when connected).
 
         A protocol calls it where its round waits for peers, before it decides to close
         the round, and extends the round's deadline by what it returns: a round never
@@ -429,10 +431,11 @@ class RuntimeContext:
         the node is paused (:attr:`paused`, status ``state: paused``, one WARNING) until
         the transport is back; then it waits up to :attr:`reconnect_grace` seconds for
         the neighbours it expected this round to be back in its verified presence (their
-        agents reconnect at their own pace), sends this round's messages again
-        (:meth:`resend_round`) and logs one INFO line.  The time held counts in
+        agents reconnect at their own pace), sends its own messages of the kinds its
+        rounds wait for again (:meth:`resend_round`; also after a pause in
+        :meth:`wait_for_broker`) and logs one INFO line.  The time held counts in
         ``paused_s`` of the round's record and in ``disconnected_seconds``."""
-        return await self.gate_part.hold_round()
+        return await self.gate_part.hold_round((kinds,) if isinstance(kinds, str) else tuple(kinds))
 
     def note_neighbours(self) -> None:
         """Remember the live neighbours as expected in this round (while connected; see

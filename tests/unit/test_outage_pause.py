@@ -67,7 +67,7 @@ def test_a_round_waits_out_a_broker_outage_and_takes_the_peer_update():
 
     run_virtual(main())
     assert out["during"] == (True, "not connected to the MQTT broker", False)
-    assert out["waiting_for_peer"] == (True, False)
+    assert out["waiting_for_peer"] == (False, False)  # connected (not paused: peers may count on it), still waiting
     res = out["result"]
     assert sorted(res.taken) == ["peer"] and res.missing == [] and not res.deadline_hit
     assert 37.0 <= out["closed_at"] < 38.0
@@ -148,6 +148,42 @@ def test_after_the_outage_the_round_re_sends_what_the_peer_missed():
     got, missing = out["result"]
     assert sorted(got) == ["peer"] and missing == []
     assert out["again"] is None
+
+
+def test_a_node_paused_in_training_sends_its_update_again_for_the_peer_still_waiting():
+    """``me`` closed round 3 and trains round 4 when the broker goes away; its peer, still
+    waiting in round 3, never got me's round-3 update.  After the pause me sends it again
+    (the kind its rounds wait for), so the peer's round does not close alone.  A node
+    whose rounds never waited through the hold (pairs, rotating) sends nothing again."""
+    net = MemoryNetwork()
+    me, peer, other = _ctx(net, "me"), _ctx(net, "peer"), _ctx(net, "other")
+    out = {}
+
+    async def main():
+        for c in (me, peer, other):
+            await c.start()
+        await peer.send("me", _update(3))
+        await collect_round(me, "model", 3, me.clock.now() + 5.0, 0.5, X)  # "model" is what me's rounds wait for
+        net.kill("peer")  # the broker goes away before me's update reached the peer
+        await me.send("peer", _update(3))
+        await other.send("peer", Message("pair.push", 3, {}))
+        await me.end_round(3)
+        net.kill("me")
+        net.kill("other")
+        training = asyncio.ensure_future(me.compute(lambda: None))  # round 4: paused
+        others = asyncio.ensure_future(other.compute(lambda: None))
+        await asyncio.sleep(10.0)
+        for n in ("peer", "me", "other"):
+            net.reconnect(n)
+        await training
+        await others
+        got = await peer.receive(("model", "pair.push"), deadline=peer.clock.now() + 2.0)
+        out["got"] = (got.sender, got.kind, got.round) if got is not None else None
+        out["more"] = await peer.receive(("model", "pair.push"), deadline=peer.clock.now() + 2.0)
+
+    run_virtual(main())
+    assert out["got"] == ("me", "model", 3)
+    assert out["more"] is None  # "other" never waited through the hold: nothing sent again
 
 
 def test_an_update_sent_again_is_a_new_signed_frame_not_a_replay():

@@ -168,7 +168,7 @@ async def collect_round(
 
     budget = deadline - ctx.clock.now()
     while True:
-        deadline = await suspend_deadline(ctx, deadline, budget)  # no deadline runs while the broker is away
+        deadline = await suspend_deadline(ctx, deadline, budget, kind)  # none runs while the broker is away
         neighbours = ctx.neighbours()
         now = ctx.clock.now()
         # what already arrived counts, also from a neighbour that has left since
@@ -176,7 +176,7 @@ async def collect_round(
             intake(msg)
         missing = [p for p in neighbours if p not in got]
         if not missing or now >= deadline:
-            held = await suspend_deadline(ctx, deadline, budget)
+            held = await suspend_deadline(ctx, deadline, budget, kind)
             if held != deadline:  # the broker went away: wait on instead of closing alone
                 deadline = held
                 continue

@@ -67,15 +67,16 @@ STRATEGIES = (
 EMPTY_KEY = "empty"
 
 
-async def suspend_deadline(ctx: Any, deadline: float, budget: float) -> float:
-    """``deadline`` (clock time) of a round that waits for its peers, suspended for a
-    broker outage: ``ctx.hold_round()`` holds the round while the broker is away (a
-    context without it never holds) and returns the seconds held; then the deadline
+async def suspend_deadline(ctx: Any, deadline: float, budget: float, kind: str | tuple[str, ...] = ()) -> float:
+    """``deadline`` (clock time) of a round that waits for its peers' ``kind`` messages,
+    suspended for a broker outage: ``ctx.hold_round(kind)`` holds the round while the
+    broker is away (a context without it never holds; after the outage the node sends
+    its own ``kind`` messages again) and returns the seconds held; then the deadline
     moves by that time, and at least ``min(budget, ctx.reconnect_grace)`` seconds
     remain after resuming (``budget``: the round's whole timeout).  Unchanged when
     nothing was held."""
     hold = getattr(ctx, "hold_round", None)
-    held = await hold() if hold is not None else 0.0
+    held = await hold(kind) if hold is not None else 0.0
     if not held:
         return deadline
     grace = float(getattr(ctx, "reconnect_grace", budget))
@@ -316,7 +317,7 @@ class UpdateMarket:
         budget = deadline - start
         self._prune(t)
         while True:
-            deadline = await suspend_deadline(ctx, deadline, budget)  # no deadline runs while the broker is away
+            deadline = await suspend_deadline(ctx, deadline, budget, kind)  # none runs while the broker is away
             current = sorted(peer_fn())
             members = set(current)  # O(1) sender checks: a round brings one update per neighbour
             now = clock.now()
@@ -328,7 +329,7 @@ class UpdateMarket:
                 self._intake(ctx, msg, t, members, validate, outsider_reason, departed)
             satisfied = self.ready(t, current)
             if satisfied or now >= deadline:
-                held = await suspend_deadline(ctx, deadline, budget)
+                held = await suspend_deadline(ctx, deadline, budget, kind)
                 if held != deadline:  # the broker went away: wait on instead of closing alone
                     deadline = held
                     continue
