@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from dfl_agent.cli.lab.runner import lab_compression
 from dfl_agent.cli.lab.state import state_dir
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -80,6 +81,7 @@ def test_the_smoke_scenario(tmp_path):
     assert rep["scenario"] == "smoke" and rep["mechanisms"]["rate"] == "tbf"
     assert rep["mechanisms"]["loss"] in ("netem", "iptables") and rep["mechanisms"]["memory"].startswith("cgroup-v")
     assert [d["id"] for d in rep["devices"]] == ["pi-0", "pi-1", "pi-2"]
+    assert rep["compression"] == dict.fromkeys(("pi-0", "pi-1", "pi-2"), lab_compression())
     for d in rep["devices"]:
         assert set(d) >= DEVICE_KEYS, d
         assert d["address"].startswith("198.18.") and d["memory_limit_mb"] == 1024

@@ -228,7 +228,7 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
         "checks": sc.checks, "devices": devices, "runs": runs, "events": events, "discovery": discovery,
         "host": {"cores": os.cpu_count(), "load_avg": [round(x, 2) for x in os.getloadavg()]},
         "bytes_total": bytes_total, "final_accuracy_mean": final[-1]["final_accuracy_mean"] if final else None,
-        "compression": "see each device's node.toml", "wall_seconds": round(time.time() - started, 1),
+        "compression": run.compression, "wall_seconds": round(time.time() - started, 1),
         "notes": run.notes,
     }
     rep["failed_checks"] = evaluate_checks(sc, rep)

@@ -32,9 +32,17 @@ from dfl_agent.cli.lab.scenario import Device, Event, Scenario
 
 PY = sys.executable
 PORT = 8883
-#: the production configuration every agent starts from (the scenario's [agent] and its
-#: class's agent = {...} are merged over it)
+#: the compression agents run with while the agent's shipped default is no compression
 COMPRESSION = "topk:0.01+q8"
+
+
+def lab_compression() -> str:
+    """The agent's shipped default compression spec, or :data:`COMPRESSION` where that
+    default is ``none`` (the lab runs the production configuration: compressed updates)."""
+    from dfl_agent.runtime.config import CompressionSection
+
+    spec = CompressionSection().spec
+    return spec if spec != "none" else COMPRESSION
 
 # the lab's mDNS browser (run in the operator's namespace): one JSON line per service
 # seen, with the monotonic time (the agents' metrics use the same clock)
@@ -133,6 +141,8 @@ class LabRun:
         self.happened: list[Happened] = []
         self.t0 = 0.0
         self.run_training: dict[int, float] = {}
+        #: device id -> the compression spec it runs with
+        self.compression: dict[str, str] = {}
         self.env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.notes: list[str] = []
 
@@ -207,11 +217,12 @@ class LabRun:
             "mqtt": {"broker": f"{broker}:{PORT}", "tls_ca": str(self.ca.cafile), "heartbeat_interval": 2.0,
                      **creds.get("mqtt", {})},
             "discovery": {"mdns": True, "interfaces": [host.address], "heartbeat_timeout": 30.0},
-            "compression": {"spec": COMPRESSION, "error_feedback": True},
+            "compression": {"spec": lab_compression(), "error_feedback": True},
             "security": dict(creds.get("security", {}), require_signatures=True),
             "runtime": {"pause_when_disconnected": True},
         }
         raw = _merge(_merge(raw, self.sc.agent), d.cls.agent)
+        self.compression[d.id] = str(raw.get("compression", {}).get("spec", ""))
         text = dump_toml(config_from_dict(raw))
         if "algorithm" not in self.sc.agent and "algorithm" not in d.cls.agent:
             text = re.sub(r"\[algorithm\]\n(?:[^\[\n].*\n|\n)*", "", text)  # always-on: runs come from the operator
