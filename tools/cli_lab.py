@@ -65,8 +65,14 @@ def cmd_lab_run(args: argparse.Namespace) -> int:
     if mosquitto_path() is None:
         print("dflctl lab: cannot run here: mosquitto is not installed (apt install mosquitto)", file=sys.stderr)
         return 2
+    from dfl_agent.cli.lab.net import LabError
+
     out = Path(args.out).resolve()
-    report = LabRun(scenario, out).run()
+    try:
+        report = LabRun(scenario, out).run()
+    except (LabError, RuntimeError, OSError, ValueError) as e:  # torn down already; say why in one line
+        print(f"dflctl lab run: the lab failed: {e}", file=sys.stderr)
+        return 1
     print(f"report: {out / 'report.json'} and {out / 'report.md'}")
     if report["passed"]:
         print(f"{scenario.name}: every check passed")

@@ -107,3 +107,55 @@ def test_the_smoke_scenario(tmp_path):
         if sign.search(logs) and (checks is None or failed <= checks):
             pytest.xfail(f"the lab found a known agent defect: {what}; failed checks: {rep['failed_checks']}")
     pytest.fail(f"smoke scenario failed: {rep['failed_checks']}\n{r.stderr[-3000:]}")
+
+
+FAILING = """
+[lab]
+duration_s = 90
+initial_windows = 48
+max_windows = 48
+[[site]]
+name = "a"
+[[class]]
+name = "pi"
+cpu = 0.5
+memory_mb = 512
+[[device]]
+class = "pi"
+count = 2
+[[run]]
+at_s = 1
+algorithm = "no-such-algorithm"
+rounds = 1
+[[event]]
+at_s = 1
+after_run = 0
+kind = "partition"
+target = "pi-0"
+duration_s = 1
+[checks]
+all_runs_deployed = true
+min_final_accuracy = 0.5
+samples_lost = 0
+"""
+
+
+def test_failed_checks_exit_1_naming_them(tmp_path):
+    """A run every device declines (an algorithm none has): exit 1 naming the two checks
+    that fail, the one that holds not named; the event that waited for the run is skipped
+    and said so; nothing is left (~10 s)."""
+    sc = tmp_path / "failing.toml"
+    sc.write_text(FAILING)
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "dfl_agent.cli.dflctl", "lab", "run", str(sc), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "failing: 2 check(s) failed:" in r.stderr and "samples_lost" not in r.stderr, r.stderr
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["passed"] is False and [f.split(":")[0] for f in rep["failed_checks"]] == [
+        "all_runs_deployed", "min_final_accuracy"]
+    assert rep["runs"][0]["state"] == "declined" and rep["runs"][0]["members"] == []
+    assert any("not done: partition pi-0" in n for n in rep["notes"]), rep["notes"]
+    assert rep["events"][0]["started_s"] is None
+    assert not [n for n in _namespaces() if n.startswith(f"dfl-lab-{rep['lab_id']}-")]
+    assert not (state_dir() / f"{rep['lab_id']}.json").exists() and not _processes_using(out)

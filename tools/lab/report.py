@@ -95,7 +95,9 @@ def evaluate_checks(sc: Scenario, rep: dict[str, Any]) -> list[str]:
     if "max_recovery_s" in c:
         for e in rep["events"]:
             r = e.get("recovered_after_s")
-            if r is None or r > c["max_recovery_s"]:
+            if "started_s" in e and e["started_s"] is None:
+                failed.append(f"max_recovery_s: {e['kind']} {e['target']} did not happen (its run never trained)")
+            elif r is None or r > c["max_recovery_s"]:
                 failed.append(f"max_recovery_s: {e['kind']} {e['target']} at {e['at_s']:.0f} s "
                               + ("never recovered" if r is None else f"recovered after {r:.0f} s")
                               + f" (at most {c['max_recovery_s']} s)")
@@ -179,17 +181,19 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
         states_seen = set()
         for n, a in run.agents.items():
             entry = RunLedger(a.state).entries.get(rid)
-            if not entry or entry.get("state") == "declined":
+            if not entry:
+                continue
+            states_seen.add(entry.get("state"))
+            if entry.get("state") == "declined":
                 continue
             members.append(n)
-            states_seen.add(entry.get("state"))
             rounds = max(rounds, len(recs[n].get(rid, [])))
             for r in col["nodes"][n]["runs"]:
                 if r["run_id"] == rid and r["deployed_version"] is not None:
                     deployed.append(n)
                     if r["heldout_accuracy"] is not None:
                         accs.append(r["heldout_accuracy"])
-        state = "finished" if states_seen == {"finished"} else ",".join(sorted(s for s in states_seen if s)) or "unknown"
+        state = ",".join(sorted(s for s in states_seen if s)) or "unknown"  # "finished" where all finished
         runs.append({"run_id": rid, "algorithm": sc.runs[i].algorithm, "state": state, "members": sorted(members),
                      "rounds": rounds, "deployed_on": sorted(deployed),
                      "final_accuracy_mean": round(sum(accs) / len(accs), 4) if accs else None,

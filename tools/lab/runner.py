@@ -141,6 +141,7 @@ class LabRun:
         self.happened: list[Happened] = []
         self.t0 = 0.0
         self.run_training: dict[int, float] = {}
+        self.run_failed: set[int] = set()
         #: device id -> the compression spec it runs with
         self.compression: dict[str, str] = {}
         self.env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -346,7 +347,13 @@ class LabRun:
             argv += ["--models", r.models]
         for k, v in r.options.items():
             argv += ["--option", f"{k}={json.dumps(v)}"]
-        out = self.dflctl(*argv, host="operator", timeout=60)
+        try:
+            out = self.dflctl(*argv, host="operator", timeout=60)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:  # the run is reported "not submitted"
+            self.notes.append(f"run {i} was not submitted: {e}")
+            self.say(f"[{self.now():6.1f} s] run {i} was not submitted: {e}")
+            self.run_failed.add(i)
+            return
         self.run_ids[i] = out.stdout.strip()
         self.run_submitted[i] = time.monotonic()
 
@@ -356,13 +363,15 @@ class LabRun:
         from dfl_agent.runtime.ledger import RunLedger
 
         rid = self.run_ids[i]
+        if i in self.run_failed:
+            return True
         return bool(rid) and all(RunLedger(a.state).state(rid) in TERMINAL for a in self.agents.values() if a.proc)
 
     def _runs_done(self) -> bool:
         from dfl_agent.runtime.descriptor import TERMINAL
         from dfl_agent.runtime.ledger import RunLedger
 
-        if any(r is None for r in self.run_ids):
+        if any(r is None and i not in self.run_failed for i, r in enumerate(self.run_ids)):
             return False
         for a in self.agents.values():
             if a.proc is None and not a.starts:
