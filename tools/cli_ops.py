@@ -153,8 +153,9 @@ def build_plan(a: argparse.Namespace) -> Plan:
         plan.warnings.append(
             f"ExecStart {exe} lies under {hidden}, which the unit hides from the service "
             f"({'ProtectHome=yes' if hidden != '/tmp' else 'PrivateTmp=yes'}): it will not start. Install "
-            "dfl-agent system-wide (e.g. python3 -m venv /opt/dfl-agent && /opt/dfl-agent/bin/"
-            f"{extra_hint('train')}) and pass --exec /opt/dfl-agent/bin/dfl-agent")
+            "dfl-agent system-wide as docs/install.md shows (python3 -m venv /opt/dfl-agent, then "
+            "/opt/dfl-agent/bin/pip install torch==2.13.0 with the CPU index URL on a machine without an "
+            f"NVIDIA GPU, then /opt/dfl-agent/bin/{extra_hint('train')}) and pass --exec /opt/dfl-agent/bin/dfl-agent")
     plan.files[str(root / UNIT_DIR / template)] = (unit_text, 0o644)
     plan.files[str(root / SYSUSERS_DIR / "dfl-agent.conf")] = (
         (src / "sysusers.d" / "dfl-agent.conf").read_text(encoding="utf-8"), 0o644)
