@@ -45,10 +45,14 @@ def choco_for(ctx: Any, kind: str) -> ChocoGossip | None:
     spec = policy.stream_spec(kind)
     if spec.is_identity:
         return None
-    return ChocoGossip(
+    gossip = ChocoGossip(
         spec, np.random.default_rng([int(ctx.init_seed), 0xC0C0]), error_feedback=policy.error_feedback,
         keyframe_every=policy.keyframe_every, consensus_step=policy.consensus_step,
     )
+    membership = getattr(ctx, "membership", None)
+    if membership is not None and hasattr(membership, "rejoins"):  # the daemon: a returning peer gets a keyframe
+        gossip.epoch_source = lambda: membership.rejoins
+    return gossip
 
 
 def model_message(choco: ChocoGossip | None, kind: str, t: int, tensors: Mapping[str, np.ndarray], meta: dict) -> Message:
@@ -73,7 +77,8 @@ def received_copies(
 
     Without CHOCO, messages of a CHOCO stream (differences, not models) are rejected
     (``compressed_stream``).  With CHOCO, a message out of sequence is rejected
-    (``choco_gap``) and the neighbour waits for its next keyframe; a plain model
+    (``choco_gap``) and the neighbour waits for its next keyframe (the periodic one, or the
+    one each sender sends after it saw this node come back); a plain model
     (a neighbour that does not compress) is used as an exact copy.
     """
     out: dict[str, Message] = {}

@@ -169,6 +169,10 @@ class ChocoGossip:
         self.copies: dict[str, Tensors] = {}  # x̂_j
         self.next_seq: dict[str, int] = {}
         self.gaps = 0
+        #: ``() -> int`` that grows when a holder of this stream may have lost its copy (a
+        #: neighbour came back); the next message is then a keyframe.  None: never.
+        self.epoch_source: Any = None
+        self._epoch: Any = None
 
     # -- sending ------------------------------------------------------------------------
     def outgoing(self, x: Mapping[str, np.ndarray]) -> tuple[np.ndarray, dict[str, Any], dict[str, Any]]:
@@ -179,9 +183,11 @@ class ChocoGossip:
             :func:`~dfl_agent.learning.compression.compress_dict`, and the meta entries
             to add to the message.
         """
+        epoch = self.epoch_source() if self.epoch_source is not None else None
         key = self.own is None or set(self.own) != set(x) or (
             self.keyframe_every > 0 and self.seq % self.keyframe_every == 0
-        )
+        ) or epoch != self._epoch  # a neighbour came back: its copy of x̂_i may be gone
+        self._epoch = epoch
         if key:
             blob, desc, decoded = compress_dict(x, self.spec.value_only(), self.rng)
             self.own = {k: np.array(v, copy=True) for k, v in decoded.items()}

@@ -71,6 +71,12 @@ class Membership:
         self.excluded: dict[str, str] = {}  # peer -> why it is excluded (incompatible)
         self.peer_gated: dict[str, str] = {}  # peer -> its gating reason (from its status)
         self.caught_up = 0  # rounds skipped to catch up with the neighbours
+        #: peers that came (back) into this node's presence view: a first sighting, or a return
+        #: after "offline" (a restart, a power cut, a partition healed).  A CHOCO stream sends
+        #: its next message as a keyframe when it grows (:mod:`dfl_agent.algorithms.gossip_compression`),
+        #: so a peer that lost its copy of this node's stream is not left out until the
+        #: periodic keyframe
+        self.rejoins = 0
         #: live_peers() memo: (key, result); valid while the peer table, the exclusions and
         #: the gated peers are unchanged (only without heartbeat expiry or security)
         self._live_cache: tuple[tuple[Any, int, int], list[str]] | None = None
@@ -89,6 +95,9 @@ class Membership:
                 ctx.security.learn(node_id, descriptor["cert"])  # a hint; trust needs a valid certificate
             fields = {k: v for k, v in descriptor.items() if isinstance(v, (str, int, float))}
             fields.pop("node_id", None)
+            is_live = getattr(ctx.peers, "is_live", None)
+            if node_id != ctx.node_id and is_live is not None and not is_live(node_id):
+                self.rejoins += 1
             ctx.peers.upsert(node_id, "presence", **fields)
             if node_id != ctx.node_id:
                 self.compatible(node_id)  # exclude an incompatible peer as soon as it is seen
