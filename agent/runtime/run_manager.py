@@ -437,6 +437,7 @@ class RunManager:
         try:
             while True:
                 agent, watch = self._new_agent(d, run_cfg, run_stop, attempt)
+                agent.stopping = stop.is_set  # a run process's last presence: "stopping" or "run ended"
                 if getattr(agent, "supervised", False) and ingest is None and self.store is not None:
                     ingest = asyncio.ensure_future(self._ingest_loop())  # the store's only writer
                 try:

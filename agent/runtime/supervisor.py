@@ -165,6 +165,9 @@ class ChildRun:
         self.returncode: int | None = None
         self.service_status: Any = None
         self.notifier: Any = None
+        #: ``() -> bool``: whether the service itself is stopping (its presence then says
+        #: "stopping", a clean leave for its peers, rather than "run ended")
+        self.stopping: Any = lambda: False
         self.proc: Any = None
         self._presence = False
         self._may_join: int | None = None
@@ -211,7 +214,7 @@ class ChildRun:
                     proc.kill()
                 await proc.wait()
             if self._presence:  # the node leaves the run's rounds (the child published no goodbye)
-                self.lobby.publish_presence(None, "run ended")
+                self.lobby.publish_presence(None, "stopping" if self.stopping() else "run ended")
             oom = cgroup is not None and _quiet(cgroup.oom_killed)
             if cgroup is not None:
                 cgroup.remove()
