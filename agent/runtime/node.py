@@ -447,10 +447,15 @@ class Node:
                 self._reported_model = None
             if models is not None:
                 await self.publish_status()  # the status carries the new accuracy
-        except Exception:
+        except Exception as exc:
             self._pending.pop(t, None)
             if not self.eval_background:
                 raise
+            from dfl_agent.learning.training import TrainingAborted
+
+            if isinstance(exc, TrainingAborted):  # the node is stopping: its evaluation was cut short
+                log.debug("evaluation of round %d stopped: the node is stopping", t)
+                return
             log.exception("evaluation of round %d failed", t)
 
     def last_round(self) -> int:

@@ -136,7 +136,7 @@ def refused(reason_code: Any, username: str | None) -> str:
 def mqtt_session(client_id: str, *, protocol: str = "5", username: str | None = None,
                  password: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, userdata: Any = None,
-                 reconnect_delay: tuple[int, int] | None = (1, 30)) -> mqtt.Client:
+                 reconnect_delay: tuple[int, int] | None = (1, 5)) -> mqtt.Client:
     """A paho client (callback API 2), not yet connected: the one session factory of every MQTT user.
 
     The agent's connection pool (:class:`MqttTransport`), the run lobby, the inference member
@@ -153,8 +153,10 @@ def mqtt_session(client_id: str, *, protocol: str = "5", username: str | None = 
         tls_cert, tls_key: a client certificate and its key (brokers with
             ``require_certificate``).
         userdata: handed to the client's callbacks.
-        reconnect_delay: paho's reconnection backoff ``(min, max)`` in seconds; None keeps
-            paho's default (1 s to 120 s).
+        reconnect_delay: paho's reconnection backoff ``(min, max)`` in seconds (default 1 s
+            doubling up to 5 s, so a node is back within about 5 s of its broker's return: the
+            field lab measured 15 s after an 8 s outage with a 30 s cap); None keeps paho's
+            default (1 s to 120 s).
 
     Raises:
         KeyError: ``protocol`` is not in :data:`PROTOCOLS`.
