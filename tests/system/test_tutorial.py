@@ -38,7 +38,20 @@ def run_blocks(blocks: list[str], cwd: Path) -> subprocess.CompletedProcess[str]
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), "/usr/sbin", env.get("PATH", "")])
     env["PYTHONUNBUFFERED"] = "1"
-    return subprocess.run(["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.Popen(["bash", "-c", script], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:  # a block that failed leaves its broker and agents behind: stop the script's process group
+        import signal
+
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if proc.returncode is None:
+            out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def test_tutorial_blocks_are_found() -> None:
