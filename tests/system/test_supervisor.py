@@ -229,3 +229,38 @@ def test_declined_and_cancelled_survive_a_kill_at_that_state(tmp_path, at):
         assert rc == 0, text[-3000:]
         assert _ledger(state)[rid]["state"] == recorded, text[-3000:]
         assert not (state / "runs" / rid / "metrics.jsonl").exists() and "run process" not in text
+
+
+@needs_mosquitto
+@pytest.mark.timeout(300)
+def test_killed_before_kept_keeps_the_current_model_once_after_restart(tmp_path):
+    """SIGKILL (with the run process) right before the ledger says ``kept`` (the gate refused
+    the candidate: too few validation samples to replace the deployed model), then a restart:
+    the run ends ``finished``, the deployed version is untouched, the candidate staged once."""
+    from dfl_agent.deploy import ModelStore
+
+    with start_broker("mosquitto") as broker:
+        path = _config(tmp_path, broker.endpoint, deploy={"min_validation": 100000})
+        state = tmp_path / "state"
+        models = ModelStore(state)  # a model the device already runs
+        models.install({"spec.json": b"{}", "model.safetensors": b"x"}, {"run_id": "earlier", "round": 1})
+        log_path = tmp_path / "agent.log"
+        env = {**os.environ, "DFL_TEST_CRASH_AT": "kept:before"}
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+                                    stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            assert proc.wait(180) == -signal.SIGKILL, log_path.read_text()[-3000:]
+            (run_id, entry), = _ledger(state).items()
+            assert entry["state"] == "deploying" and (models.root / "candidate").is_dir()
+            proc = _start(path, log)
+            try:
+                _wait(lambda: _ledger(state)[run_id]["state"] == "finished", 180, proc, log_path)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                rc = proc.wait(60)
+        text = log_path.read_text()
+        assert rc == 0, text[-3000:]
+        assert models.versions() == [1] and models.current_version() == 1  # untouched
+        staged = json.loads((models.root / "candidate" / "manifest.json").read_text())
+        assert staged["run_id"] == run_id and text.count(f"model of run {run_id} not deployed") == 1, text[-3000:]
+        assert "resumes from state deploying" in text and "kept out by the gate" in text
