@@ -264,3 +264,51 @@ def test_killed_before_kept_keeps_the_current_model_once_after_restart(tmp_path)
         staged = json.loads((models.root / "candidate" / "manifest.json").read_text())
         assert staged["run_id"] == run_id and text.count(f"model of run {run_id} not deployed") == 1, text[-3000:]
         assert "resumes from state deploying" in text and "kept out by the gate" in text
+
+
+@needs_mosquitto
+@pytest.mark.timeout(300)
+def test_killed_while_waiting_for_members_trains_the_run_after_restart(tmp_path):
+    """SIGKILL of one supervisor (with its group) right after its ledger says
+    ``waiting_for_members`` for a run that needs both devices; after its restart both train
+    the run to the end and deploy nothing twice."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from dfl_agent.runtime.descriptor import operator_certificate
+    from dfl_agent.security.keys import public_key_b64, save_certificate, save_private_key
+    from tests.system.test_runs import _config as fleet_config
+    from tests.system.test_runs import dflctl
+
+    fed, fed_key = f"wm{os.getpid()}", Ed25519PrivateKey.generate()
+    op = tmp_path / "operator"
+    op.mkdir()
+    key = Ed25519PrivateKey.generate()
+    save_private_key(key, op / "operator_key.pem")
+    save_certificate(operator_certificate(fed_key, fed, "alice", public_key_b64(key)), op / "operator_cert.json")
+    with start_broker("mosquitto") as broker:
+        paths = {n: fleet_config(tmp_path, fed, n, i, broker.endpoint, fed_key) for i, n in enumerate(("a0", "a1"))}
+        logs = {n: tmp_path / f"{n}.log" for n in paths}
+        files = {n: open(logs[n], "ab") for n in paths}
+        env = {**os.environ, "DFL_TEST_CRASH_AT": "waiting_for_members:after"}
+        a0 = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(paths["a0"])],
+                              stdout=files["a0"], stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        a1 = _start(paths["a1"], files["a1"])
+        procs = [a1]
+        try:
+            for n, p in (("a0", a0), ("a1", a1)):
+                _wait(lambda n=n: "waiting for runs" in logs[n].read_text(), 60, p, logs[n])
+            rid = dflctl("run", "submit", "--broker", broker.endpoint, "--federation", fed, "--operator-dir", str(op),
+                         "--algorithm", "fedavg", "--rounds", "2", "--min-members", "2")
+            assert a0.wait(60) == -signal.SIGKILL, logs["a0"].read_text()[-3000:]
+            assert _ledger(tmp_path / "a0")[rid]["state"] == "waiting_for_members"
+            procs.append(_start(paths["a0"], files["a0"]))
+            for n, p in (("a0", procs[1]), ("a1", a1)):
+                _wait(lambda n=n: _ledger(tmp_path / n).get(rid, {}).get("state") == "finished", 240, p, logs[n])
+        finally:
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            rcs = [p.wait(60) for p in procs]
+        assert rcs == [0, 0], [logs[n].read_text()[-2000:] for n in logs]
+        for n in paths:  # both trained both rounds with the other's model
+            records = [json.loads(x) for x in (tmp_path / n / "runs" / rid / "metrics.jsonl").read_text().splitlines()]
+            assert [r["round"] for r in records if "neighbour_ids" in r] == [1, 2], (n, records)
