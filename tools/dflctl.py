@@ -114,12 +114,12 @@ def _compression_args(p: argparse.ArgumentParser) -> None:
         from dfl_agent.learning.compression import CompressionError, parse_spec
 
         try:
-            return str(parse_spec(text))
+            return "auto" if text.strip().lower() == "auto" else str(parse_spec(text))
         except CompressionError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     p.add_argument("--compression", default="none", type=spec, metavar="SPEC",
-                   help="none, fp16, bf16, q8, q4, q2, topk:0.01+q8, randk:0.1+q8, ...+zstd (the compression how-to lists them)")
+                   help="none, auto, fp16, bf16, q8, q4, q2, topk:0.01+q8, randk:0.1+q8, ...+zstd (the compression how-to lists them)")
     p.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
                    help="no residuals / CHOCO copies for sparsified streams (to compare)")
 

@@ -40,6 +40,8 @@ Spec grammar (:func:`parse_spec`)
 
 Examples: ``fp16``, ``q8``, ``q4/256`` (4-bit, one scale per 256 values),
 ``topk:0.01+q8``, ``topk:1%+q8+zstd``, ``randk:0.1+q8``.  ``none`` = float32 as is.
+``auto`` (the agent's default) = ``q4+zstd`` for difference streams (CHOCO gossip) and
+float32 for plain messages such as whole models (:data:`AUTO`, :class:`CompressionPolicy`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,12 @@ ENTROPY_CODERS = ("zstd", "lz4")
 FP16_MAX = 65504.0
 WIRE_BLOB = "blob"  # the one wire tensor of a compressed message (dfl_agent.transport.codec)
 DEFAULT_MAX_ELEMENTS = 1 << 26  # decoded elements per message (256 MB of float32)
+#: ``auto``, the agent's default ``[compression] spec``: difference streams (CHOCO gossip,
+#: :meth:`CompressionPolicy.stream_spec`) use :data:`AUTO_STREAM_SPEC` with error feedback; plain
+#: messages (whole models, gradients) go as float32, since without error feedback 4-bit models
+#: cost DFML 30 points (``bench/compression/results/default_choice.md``)
+AUTO = "auto"
+AUTO_STREAM_SPEC = "q4+zstd"
 _F32_MAX = float(np.finfo(np.float32).max)
 _LOSSLESS_DTYPES = {
     "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool",
@@ -150,6 +158,8 @@ def parse_spec(text: str | CompressionSpec | None) -> CompressionSpec:
     s = text.strip().lower()
     if s in ("", "none", "float32"):
         return CompressionSpec()
+    if s == AUTO:  # the spec of its difference streams (CompressionPolicy.from_config)
+        return parse_spec(AUTO_STREAM_SPEC)
     fields: dict[str, Any] = {}
     for stage in s.split("+"):
         stage = stage.strip()
@@ -745,6 +755,8 @@ class CompressionPolicy:
             every 100 for sparsified ones; < 0 = first message only).
         consensus_step: CHOCO's γ for sparsified gossip (0 = 1.0 for dense specs,
             see :mod:`dfl_agent.learning.error_feedback`).
+        whole_model: spec of plain messages not in ``kinds`` (whole models; None: the
+            default's value and entropy coders); ``auto`` sets it to float32.
     """
 
     default: CompressionSpec = dataclasses.field(default_factory=CompressionSpec)
@@ -752,12 +764,16 @@ class CompressionPolicy:
     error_feedback: bool = True
     keyframe_every: int = 0
     consensus_step: float = 0.0
+    whole_model: CompressionSpec | None = None
 
     @classmethod
     def from_config(
         cls, default: str | None = "none", kinds: Mapping[str, str] | None = None, **kw: Any
     ) -> CompressionPolicy:
-        """Build from spec strings. Raises :class:`CompressionError` naming the bad spec."""
+        """Build from spec strings (``auto``: see :data:`AUTO`). Raises :class:`CompressionError`
+        naming the bad spec."""
+        if isinstance(default, str) and default.strip().lower() == AUTO:
+            kw.setdefault("whole_model", CompressionSpec())
         return cls(parse_spec(default), {k: parse_spec(v) for k, v in (kinds or {}).items()}, **kw)
 
     @property
@@ -772,4 +788,6 @@ class CompressionPolicy:
         """Spec the runtime applies to a plain (not pre-encoded) message of ``kind``."""
         if kind in self.kinds:
             return self.kinds[kind]
+        if self.whole_model is not None:
+            return self.whole_model
         return self.default.value_only()

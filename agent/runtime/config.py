@@ -233,8 +233,10 @@ class CompressionSection:
     """
 
     spec: str = described(
-        "none", help="compression spec for every message kind, e.g. `q8`, `topk:0.01+q8` (gossip: CHOCO "
-                     "differences; whole-model exchanges: only its value and entropy coders)")
+        "auto", help="compression spec for every message kind, e.g. `none`, `q8`, `topk:0.01+q8` (gossip: "
+                     "CHOCO differences; whole-model exchanges: only its value and entropy coders); `auto`: "
+                     "`q4+zstd` for averaging gossip, every other message as float32 (measured: the "
+                     "compression how-to)")
     kinds: dict[str, str] = described(
         default_factory=dict,
         help="per message kind, a spec applied exactly as written, e.g. `{ \"gt.sync\" = \"topk:0.1+q8\" }`")

@@ -1,11 +1,11 @@
 """The production combination on real agent processes: signatures required, compressed
-updates (``topk:0.01+q8`` with error feedback: CHOCO copies for gossip), and a mosquitto
-with TLS, per-device passwords and the shipped ACL.
+updates (the shipped default ``[compression]``, ``auto``: ``q4+zstd`` with error feedback, CHOCO copies
+for gossip), and a mosquitto with TLS, per-device passwords and the shipped ACL.
 
 Every node's round records must show its neighbours' updates received and aggregated, no
 frame dropped as ``bad_encoding``, ``bad_signature`` or ``non_finite`` (wire v4 dropped or
 corrupted every signed, compressed multi-tensor update), and a compression ratio of at
-least 20x on the HAR default model.
+least RATIO (8x) on the HAR default model.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(240
 IDS = ["p0", "p1", "p2"]
 ROUNDS = 10
 BAD = ("bad_encoding", "bad_signature", "non_finite")
+RATIO = 8.0  # float32 bytes / bytes sent, at least, with the shipped default compression
 
 
 def _tls_broker(d: Path) -> tuple[subprocess.Popen, int, dict[str, str]]:
@@ -91,7 +92,7 @@ def test_signed_compressed_updates_over_tls_are_aggregated_on_every_node(tmp_pat
                 # the HAR default model on a small iid share (~200 windows each)
                 "data": {"dataset": "har", "partition": "iid", "num_nodes": 30, "node_index": i},
                 "training": {"steps": 2},
-                "compression": {"spec": "topk:0.01+q8", "error_feedback": True},
+                # no [compression] section: the shipped default (auto: q4+zstd gossip, error feedback on)
                 "mqtt": {"broker": f"127.0.0.1:{port}", "tls_ca": str(tmp_path / "ca.crt"),
                          "username": nid, "password": passwords[nid], "heartbeat_interval": 1.0},
                 "discovery": {"min_peers": len(IDS) - 1, "start_timeout": 90.0, "mdns": True,
@@ -125,8 +126,9 @@ def test_signed_compressed_updates_over_tls_are_aggregated_on_every_node(tmp_pat
             assert r["neighbours"] == len(others)
             assert r["dropped"] == 0, (nid, t, r["dropped"])
         last = by_round[ROUNDS]
-        # the model messages travelled compressed and signed: >= 20x fewer bytes than float32
-        assert last["compression_ratio"] >= 20, (nid, last["compression_ratio"])
+        # the model messages travelled compressed and signed: more than q4 alone gives (7.6x), so the
+        # zstd stage ran too (9.9x measured here with signatures; 10.8x in bench/compression/default_choice.py)
+        assert last["compression_ratio"] >= RATIO, (nid, last["compression_ratio"])
         assert set(last["bytes_sent_by_kind"]) == {"model"}, last["bytes_sent_by_kind"]
         assert last["diverged"] == 0
         for reason in BAD:

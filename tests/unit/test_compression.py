@@ -279,7 +279,8 @@ def test_config_section():
     cfg = config_from_dict({"compression": {"spec": "q8", "kinds": {"gt.grad": "topk:0.01+q8"}}})
     p = cfg.compression.policy()
     assert str(p.message_spec("dfml.model")) == "q8" and str(p.message_spec("gt.grad")) == "topk:0.01+q8"
-    assert config_from_dict({}).compression.policy() is None
+    assert config_from_dict({"compression": {"spec": "none"}}).compression.policy() is None  # off
+    assert str(config_from_dict({}).compression.policy().default) == "q4+zstd"  # the shipped default
     import tomllib
 
     assert config_from_dict(tomllib.loads(dump_toml(cfg))).compression == cfg.compression
