@@ -212,9 +212,8 @@ class RuntimeSection:
     max_catch_up_rounds: int = described(
         10, help="most rounds one catch-up skips at once (at a restart or during a run); a node further "
                  "behind catches up in several skips; 0 = never skip")
-    run_retries: int = described(
-        2, help="times a run process that crashed or was killed is started again from the run's last "
-                "checkpoint before the run is failed (an OOM kill: at most once)")
+    run_retries: int = described(2, help="times a run process that crashed or was killed is started again from "
+                                         "the run's last checkpoint before the run fails (an OOM kill: at most once)")
     run_stop_grace: float = described(30.0, help="seconds a run process has to stop after SIGTERM before SIGKILL")
 
 
@@ -510,10 +509,9 @@ def _validate_runtime(cfg: NodeConfig) -> None:
          "must be an integer >= 1")
     _need(cfg.runtime.log_format in ("auto", "text", "journal"), "runtime.log_format", "must be auto, text or journal")
     _need(0 <= cfg.runtime.prometheus_port <= 65535, "runtime.prometheus_port", "must be in [0, 65535] (0 = off)")
-    _need(isinstance(cfg.runtime.max_catch_up_rounds, int) and not isinstance(cfg.runtime.max_catch_up_rounds, bool)
-         and cfg.runtime.max_catch_up_rounds >= 0, "runtime.max_catch_up_rounds", "must be an integer >= 0")
-    _need(isinstance(cfg.runtime.run_retries, int) and cfg.runtime.run_retries >= 0, "runtime.run_retries",
-          "must be an integer >= 0")
+    for key in ("max_catch_up_rounds", "run_retries"):
+        v = getattr(cfg.runtime, key)
+        _need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"runtime.{key}", "must be an integer >= 0")
     _need(cfg.runtime.run_stop_grace > 0, "runtime.run_stop_grace", "must be > 0 seconds")
     from dfl_agent.learning.compression import CompressionError, parse_spec
 

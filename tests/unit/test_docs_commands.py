@@ -161,7 +161,8 @@ def config_snippets() -> list[tuple[str, str]]:
 
 def test_documented_configurations_are_valid() -> None:
     """Every configuration the documentation shows is TOML whose keys and types the agent
-    accepts (a renamed or retyped key fails here)."""
+    accepts (a renamed or retyped key fails here); a field-lab scenario (a ``[lab]`` table)
+    is one the lab accepts."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -173,9 +174,17 @@ def test_documented_configurations_are_valid() -> None:
     pages = {p for p, _ in snippets}
     assert {"README.md", "docs/tutorials/first-federation.md", "docs/tutorials/live-data.md"} <= pages
     bad = []
+    from dfl_agent.cli.lab import scenario
+
     for page, text in snippets:
         try:
-            config_from_dict(tomllib.loads(text))
+            doc = tomllib.loads(text)
+            if "lab" in doc:  # a field-lab scenario, checked as the lab reads it
+                scenario.parse(doc, page)
+            else:
+                config_from_dict(doc)
+        except scenario.ScenarioError as exc:
+            bad.append(f"{page}: scenario: {exc}")
         except ConfigError as exc:
             if not any(p in str(exc) for p in _PLACEHOLDER_ERRORS):
                 bad.append(f"{page}: {exc}")
