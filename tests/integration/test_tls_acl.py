@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import datetime
 import ipaddress
 import os
 import socket
@@ -16,12 +15,13 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from dfl_agent.cli.broker import free_port, mosquitto_path
 from dfl_agent.cli.cli_security import add_acl_user, add_mosquitto_password
+from dfl_agent.cli.lab.tls import sign_certificate
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.discovery.presence import node_transport
 
@@ -29,15 +29,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 ACL = Path(__file__).resolve().parents[2] / "deploy" / "mosquitto" / "dfl.acl"
 
 
-def _cert(subject, issuer_key, issuer_name, key, ca=False, san=None):
-    now = datetime.datetime.now(datetime.timezone.utc)
-    b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer_name).public_key(key.public_key())
-         .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-         .not_valid_after(now + datetime.timedelta(days=1))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if san:
-        b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
-    return b.sign(issuer_key, hashes.SHA256())
+_cert = sign_certificate  # the lab's CA code (dfl_agent.cli.lab.tls)
 
 
 def _pem(obj, path: Path):

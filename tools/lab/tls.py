@@ -14,8 +14,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 
-def _cert(subject: x509.Name, issuer_key: Any, issuer: x509.Name, key: Any, *, ca: bool,
-          san: list[x509.GeneralName] | None = None) -> x509.Certificate:
+def sign_certificate(subject: x509.Name, issuer_key: Any, issuer: x509.Name, key: Any, *, ca: bool = False,
+                     san: list[x509.GeneralName] | None = None) -> x509.Certificate:
+    """An X.509 certificate for ``key``'s public key named ``subject``, signed by ``issuer_key``
+    (``issuer``), valid from 5 minutes ago for one day; ``ca``: a CA certificate; ``san``: its
+    subject alternative names (host names, IP addresses)."""
     now = datetime.datetime.now(datetime.timezone.utc)
     b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
@@ -43,7 +46,7 @@ class LabCA:
         folder.mkdir(parents=True, exist_ok=True)
         self._key = ec.generate_private_key(ec.SECP256R1())
         self._name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dfl-lab CA")])
-        _write(_cert(self._name, self._key, self._name, self._key, ca=True), self.cafile)
+        _write(sign_certificate(self._name, self._key, self._name, self._key, ca=True), self.cafile)
 
     @property
     def cafile(self) -> Path:
@@ -53,7 +56,7 @@ class LabCA:
         """A server certificate and key for ``address`` (an IP, in the SAN): their paths."""
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, address)])
-        cert = _cert(subject, self._key, self._name, key, ca=False,
+        cert = sign_certificate(subject, self._key, self._name, key, ca=False,
                      san=[x509.IPAddress(ipaddress.ip_address(address))])
         crt, kf = self.folder / f"{name}.crt", self.folder / f"{name}.key"
         _write(cert, crt)
