@@ -60,6 +60,21 @@ def _start(path: Path, log) -> subprocess.Popen:
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+def _operator(tmp_path: Path, fed: str) -> tuple:
+    """A federation key and an operator folder (key and certificate of operator "alice")."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from dfl_agent.runtime.descriptor import operator_certificate
+    from dfl_agent.security.keys import public_key_b64, save_certificate, save_private_key
+
+    fed_key, key = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    op = tmp_path / "operator"
+    op.mkdir()
+    save_private_key(key, op / "operator_key.pem")
+    save_certificate(operator_certificate(fed_key, fed, "alice", public_key_b64(key)), op / "operator_cert.json")
+    return fed_key, op
+
+
 def _wait(pred, timeout: float, proc: subprocess.Popen, log_path: Path) -> None:
     deadline = time.time() + timeout
     while not pred():
@@ -187,19 +202,11 @@ def test_declined_and_cancelled_survive_a_kill_at_that_state(tmp_path, at):
     """SIGKILL of the agent (with its group) right after the ledger says ``declined`` (a run
     for other members) or ``cancelled`` (a run waiting for members, cancelled by the
     operator), then a restart: the run keeps that state and never trains here."""
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    from dfl_agent.runtime.descriptor import operator_certificate
-    from dfl_agent.security.keys import public_key_b64, save_certificate, save_private_key
     from tests.system.test_runs import _config as fleet_config
     from tests.system.test_runs import dflctl
 
-    fed, fed_key = f"sk{os.getpid()}", Ed25519PrivateKey.generate()
-    op = tmp_path / "operator"
-    op.mkdir()
-    key = Ed25519PrivateKey.generate()
-    save_private_key(key, op / "operator_key.pem")
-    save_certificate(operator_certificate(fed_key, fed, "alice", public_key_b64(key)), op / "operator_cert.json")
+    fed = f"sk{os.getpid()}"
+    fed_key, op = _operator(tmp_path, fed)
     with start_broker("mosquitto") as broker:
         path = fleet_config(tmp_path, fed, "a0", 0, broker.endpoint, fed_key)
         state, log_path = tmp_path / "a0", tmp_path / "agent.log"
@@ -272,19 +279,11 @@ def test_killed_while_waiting_for_members_trains_the_run_after_restart(tmp_path)
     """SIGKILL of one supervisor (with its group) right after its ledger says
     ``waiting_for_members`` for a run that needs both devices; after its restart both train
     the run to the end and deploy nothing twice."""
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    from dfl_agent.runtime.descriptor import operator_certificate
-    from dfl_agent.security.keys import public_key_b64, save_certificate, save_private_key
     from tests.system.test_runs import _config as fleet_config
     from tests.system.test_runs import dflctl
 
-    fed, fed_key = f"wm{os.getpid()}", Ed25519PrivateKey.generate()
-    op = tmp_path / "operator"
-    op.mkdir()
-    key = Ed25519PrivateKey.generate()
-    save_private_key(key, op / "operator_key.pem")
-    save_certificate(operator_certificate(fed_key, fed, "alice", public_key_b64(key)), op / "operator_cert.json")
+    fed = f"wm{os.getpid()}"
+    fed_key, op = _operator(tmp_path, fed)
     with start_broker("mosquitto") as broker:
         paths = {n: fleet_config(tmp_path, fed, n, i, broker.endpoint, fed_key) for i, n in enumerate(("a0", "a1"))}
         logs = {n: tmp_path / f"{n}.log" for n in paths}
