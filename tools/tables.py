@@ -28,8 +28,9 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
     """One row per node seen in retained presence or status.
 
     ``state``: ``online``/``offline`` from presence (the last will sets offline); for a
-    node with a status but no presence, or whose status is newer than its "offline" presence
-    (an always-on node between runs), the status's own state (``idle``); ``stale`` when not offline but nothing heard for ``stale_after`` s.  ``address``
+    node with a status but no presence, or whose status is newer than the "offline" its
+    supervisor published when a run ended (an always-on node between runs), the status's own
+    state (``idle``); ``stale`` when not offline but nothing heard for ``stale_after`` s.  ``address``
     is the device's own address when its descriptor advertises one, else ``-`` (never the
     broker's address: that is ``broker``).  ``compatibility`` is shown
     when the node's descriptor or status carries it."""
@@ -46,8 +47,9 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
         # an always-on node that trains no run publishes a status ("idle"); its presence, if any, is
         # the "offline" that ended its last run: the newer of the two says what the node is doing
         state = p.get("state") or s.get("state") or "unknown"
-        if state == "offline" and s.get("state") and _newer(s.get("time"), p.get("time")):
-            state = str(s["state"])
+        if state == "offline" and p.get("reason") == "run ended" and s.get("state") and _newer(s.get("time"),
+                                                                                              p.get("time")):
+            state = str(s["state"])  # (a last will's time is when the connection opened: it stays offline)
         last = _age(seen, now)
         if state != "offline" and state != "unknown" and last is not None and last > stale_after:
             state = "stale"

@@ -34,3 +34,7 @@ def test_a_node_back_to_idle_after_its_run_shows_idle_not_offline() -> None:
     crashed = peer_rows({"n": {"state": "training", "time": now - 10.0}}, {"n": {"state": "offline", "time": now - 1.0}},
                         now=now)
     assert crashed[0]["state"] == "offline"  # an offline newer than the last status stays offline
+    # a last will carries the time its connection opened, older than the last status: still offline
+    will = peer_rows({"n": {"state": "running", "time": now - 1.0}}, {"n": {"state": "offline", "time": now - 60.0}},
+                     now=now)
+    assert will[0]["state"] == "offline"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -120,10 +121,19 @@ def evaluate_checks(sc: Scenario, rep: dict[str, Any]) -> list[str]:
     return failed
 
 
+def copy_logs(run: Any) -> None:
+    """Every agent's metrics next to its log (``metrics/<device>/<run>.jsonl``)."""
+    for a in run.agents.values():
+        for m in (a.state / "runs").glob("*/metrics.jsonl"):
+            dst = run.out / "metrics" / a.device.id / f"{m.parent.name}.jsonl"
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(m, dst)
+
+
+
 def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str, Any]:
     """Everything measurable from the run's folders, the checks, and the files."""
     from dfl_agent.cli.demo_feed import collect
-    from dfl_agent.cli.lab.runner import copy_logs
     from dfl_agent.runtime.ledger import RunLedger
 
     sc: Scenario = run.sc

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -538,12 +537,3 @@ class LabRun:
             if all(not [p for p in (a.state / "spool").glob("*.npz")] for a in self.agents.values() if a.proc):
                 return
             time.sleep(0.5)
-
-
-def copy_logs(run: LabRun) -> None:
-    """Every agent's metrics next to its log (``metrics/<device>/<run>.jsonl``)."""
-    for a in run.agents.values():
-        for m in (a.state / "runs").glob("*/metrics.jsonl"):
-            dst = run.out / "metrics" / a.device.id / f"{m.parent.name}.jsonl"
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(m, dst)

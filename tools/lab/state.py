@@ -88,16 +88,10 @@ class LabState:
             self.write()
 
     def write(self) -> None:
+        from dfl_agent.fsutil import atomic_write
+
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        data = json.dumps(self.doc, indent=1).encode("utf-8")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
+        atomic_write(self.path, json.dumps(self.doc, indent=1), mode=0o600)
 
     def remove_file(self) -> None:
         try:
