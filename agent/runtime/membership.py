@@ -77,6 +77,7 @@ class Membership:
         #: so a peer that lost its copy of this node's stream is not left out until the
         #: periodic keyframe
         self.rejoins = 0
+        self._heartbeats: dict[str, int] = {}  # peer -> the last status heartbeat counter seen
         #: live_peers() memo: (key, result); valid while the peer table, the exclusions and
         #: the gated peers are unchanged (only without heartbeat expiry or security)
         self._live_cache: tuple[tuple[Any, int, int], list[str]] | None = None
@@ -144,8 +145,17 @@ class Membership:
         return False
 
     def note_status(self, peer: str, status: Any) -> None:
-        """A peer's status document arrived (heartbeat): remember whether it is gated."""
+        """A peer's status document arrived (heartbeat): remember whether it is gated, and
+        count a restart of the peer (its ``heartbeat`` counter went back) in :attr:`rejoins`:
+        a peer killed and restarted within the heartbeat timeout never looked offline (with
+        signatures required its unsigned last will is only a hint), yet it lost its copies."""
         if isinstance(status, dict):
+            beat = status.get("heartbeat")
+            if isinstance(beat, int) and not isinstance(beat, bool):
+                last = self._heartbeats.get(peer)
+                if last is not None and beat < last:
+                    self.rejoins += 1
+                self._heartbeats[peer] = beat
             gated = status.get("gated")
             before = self.peer_gated.get(peer)
             if isinstance(gated, str) and gated:

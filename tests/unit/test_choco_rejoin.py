@@ -53,3 +53,17 @@ def test_membership_counts_a_peer_that_comes_back_not_one_that_stays() -> None:
     m.on_presence("a", None)  # it went offline ...
     m.on_presence("a", {"algorithm": "fedavg"})  # ... and came back
     assert m.rejoins == 2
+
+
+def test_membership_counts_a_peer_restarted_within_the_heartbeat_timeout() -> None:
+    """Killed and restarted before its heartbeats stopped (its unsigned will only a hint): its
+    status heartbeat counter starts again, and that counts as a return."""
+    peers = PeerTable("me", "fed", heartbeat_timeout=None)
+    m = Membership(SimpleNamespace(peers=peers, security=None, node_id="me", compatibility=None))
+    for beat in (7, 8, 9):
+        m.note_status("a", {"state": "training", "heartbeat": beat})
+    assert m.rejoins == 0
+    m.note_status("a", {"state": "idle", "heartbeat": 1})  # a new process
+    assert m.rejoins == 1
+    m.note_status("a", {"state": "idle", "heartbeat": 2})
+    assert m.rejoins == 1
