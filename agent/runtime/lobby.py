@@ -409,5 +409,5 @@ class RunLobby:
                               for k, v in sorted((history or {}).items(), key=lambda kv: kv[1].get("time", 0))[-20:]}}
         # the refusal and drop counters, always present: with counters, the totals over restarts
         st.update(self.counters.view() if self.counters is not None else {"control_dropped": dict(self.dropped)})
-        body = self.guard.sign_control("status", st, self.cfg.federation) if self.guard is not None else json.dumps(st)
-        self.client.publish(topic(self.cfg.federation, self.node_id, "status"), body, qos=1, retain=True)
+        self.client.publish(topic(self.cfg.federation, self.node_id, "status"), self._signed("status", st), qos=1,
+                            retain=True)

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from dfl_agent.runtime.assembly import StartupError
+from dfl_agent.runtime.cgroup import RunCgroup, classify_exit
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -118,15 +119,6 @@ def _preexec(cgroup: Any) -> Any:
     return setup
 
 
-def _memory_cgroup(name: str, limit_mb: int | None) -> Any:
-    """The run process's memory cgroup, or None (no cgroup support here: logged once)."""
-    try:
-        from dfl_agent.runtime.cgroup import RunCgroup
-    except ImportError:
-        return None
-    return RunCgroup.create(name, limit_mb)
-
-
 class ChildRun:
     """One run in a run process (see the module docstring).
 
@@ -188,11 +180,14 @@ class ChildRun:
         fd = os.open(run_toml, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the broker password
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(dump_toml(self.cfg))
-        cgroup = _memory_cgroup(f"{node_id}-{self.run_desc.run_id}-{self.attempt}", self.memory_mb)
+        # None where no cgroup can be made (logged once): the run process runs unlimited
+        cgroup = RunCgroup.create(f"{node_id}-{self.run_desc.run_id}-{self.attempt}", self.memory_mb)
         env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ENV}
         try:
             self.proc = proc = await self._spawn(run_toml, env, cgroup)
         except subprocess.SubprocessError as exc:  # the cgroup could not be entered: run unlimited, said
+            if cgroup is None:
+                raise
             log.warning("run %s: the run process could not enter its memory cgroup (%s); it runs without a "
                         "memory limit", self.run_desc.run_id, exc)
             cgroup.remove()
@@ -215,7 +210,7 @@ class ChildRun:
                 await proc.wait()
             if self._presence:  # the node leaves the run's rounds (the child published no goodbye)
                 self.lobby.publish_presence(None, "stopping" if self.stopping() else "run ended")
-            oom = cgroup is not None and _quiet(cgroup.oom_killed)
+            oom = classify_exit(proc.returncode, cgroup) == "oom"
             if cgroup is not None:
                 cgroup.remove()
         return self._ended(rc, bool(oom))
@@ -355,13 +350,6 @@ class ChildRun:
         st = self.node.status() if self.node is not None else {}
         return (f"run {self.run_desc.run_id} {st.get('state', 'starting')}: round {st.get('round', 0)}/"
                 f"{st.get('rounds', 0)}, {len(st.get('live_peers', []) or [])} peers")
-
-
-def _quiet(fn: Any) -> Any:
-    try:
-        return fn()
-    except Exception:  # noqa: BLE001 - an accounting file that cannot be read: not an OOM kill
-        return False
 
 
 def announce(lobby: Any, models: Any) -> None:
