@@ -343,3 +343,79 @@ def test_lab_check_names_each_capability() -> None:
                      "iptables statistic (loss)", "cgroup memory", "cgroup cpu"]
     assert r.stdout.splitlines()[-1].startswith("the lab can run here")
     assert "dfl-lab-check" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+# ---- two sites: the WAN through the router -------------------------------------------------
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabNet]:
+    """Site a with a0 and a1, site b with b0 (an echo server), joined by the WAN."""
+    with LabNet(state_dir=tmp_path_factory.mktemp("wan-state")) as net:
+        net.add_site("a")
+        net.add_site("b")
+        net.add_host("a0", "a")
+        net.add_host("a1", "a")
+        net.add_host("b0", "b")
+        net.connect_sites()
+        for h in ("a1", "b0"):
+            _ready(net.popen(h, [PY, "-c", ECHO, net.hosts[h].address], **_pipe()))
+        yield net
+
+
+def _routes(lab: LabNet, name: str) -> str:
+    return subprocess.run(["ip", "-n", lab.ns(name), "route", "show"], capture_output=True, text=True).stdout
+
+
+def test_a_host_of_one_site_reaches_the_other_site_through_the_router(sites: LabNet) -> None:
+    assert sites.hosts["b0"].address == "198.18.1.10"
+    r = _ping(sites, "a0", "b0")
+    assert r.returncode == 0 and r.stdout.strip() == "tcp udp", r.stderr
+    # the path: a's gateway, then the router's end towards b, then b's gateway, then b0
+    hops = sites.run("a0", ["ip", "route", "get", "198.18.1.10"]).stdout
+    assert "via 198.18.0.1" in hops, hops
+    assert "198.18.1.0/24 via 198.19.0.1" in _routes(sites, "gw-a")
+    assert "198.18.1.0/24 via 198.19.0.6" in _routes(sites, "router")
+
+
+def test_the_wan_rate_limits_traffic_between_sites(sites: LabNet) -> None:
+    size = 500_000
+    fast = sites.run("a0", [PY, "-c", BULK, sites.hosts["b0"].address, str(size)], timeout=30)
+    assert fast.returncode == 0, fast.stderr
+    sites.shape_wan(rate="2mbit")
+    try:
+        slow = sites.run("a0", [PY, "-c", BULK, sites.hosts["b0"].address, str(size)], timeout=30)
+    finally:
+        sites.shape_wan()
+    assert slow.returncode == 0, slow.stderr
+    # 500 kB each way at 2 Mbit/s: 2 s of transfer
+    print(f"500 kB echoed across the WAN: {float(fast.stdout):.2f} s unlimited, {float(slow.stdout):.2f} s at 2mbit")
+    assert float(slow.stdout) >= 1.5 and float(fast.stdout) < 1.0
+
+
+def test_the_wan_down_cuts_the_sites_apart_and_up_joins_them_again(sites: LabNet) -> None:
+    sites.set_wan(False)
+    try:
+        down = _ping(sites, "a0", "b0")
+        inside = _ping(sites, "a0", "a1")
+    finally:
+        sites.set_wan(True)
+    assert down.returncode != 0
+    assert inside.returncode == 0, inside.stderr  # a site keeps working on its own
+    deadline = time.monotonic() + 5
+    while (up := _ping(sites, "a0", "b0")).returncode != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert up.returncode == 0, up.stderr
+
+
+def test_multicast_stays_on_its_site(sites: LabNet) -> None:
+    """mDNS is link-local: a0's datagrams reach a1 on its site's bridge, never b0."""
+    near = sites.popen("a1", [PY, "-c", MCAST_RECV, sites.hosts["a1"].address], **_pipe())
+    far = sites.popen("b0", [PY, "-c", MCAST_RECV, sites.hosts["b0"].address], **_pipe())
+    for r in (near, far):
+        _ready(r)
+    assert sites.run("a0", [PY, "-c", MCAST_SEND, sites.hosts["a0"].address]).returncode == 0
+    out, err = near.communicate(timeout=10)
+    assert near.returncode == 0 and out.split() == ["mdns-from-198.18.0.10", "198.18.0.10"], err
+    _, err = far.communicate(timeout=10)
+    assert far.returncode != 0 and "timed out" in err, err  # its 5 s receive timeout ran out
+    for r in (near, far):
+        sites.stop(r)

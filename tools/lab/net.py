@@ -331,6 +331,8 @@ class LabNet:
         for s in self.sites.values():
             assert s.wan_link
             sh("ip", "-n", self.router, "link", "set", s.wan_link, "up" if up else "down")
+            if up:  # the kernel dropped the routes through a link that went down: back again
+                sh("ip", "-n", self.router, "route", "replace", s.subnet, "via", f"198.19.0.{4 * s.index + 2}")
 
     # ---- processes ----------------------------------------------------------------
     def popen(self, host: str, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
