@@ -14,6 +14,10 @@
     granted in ``D/dfl.acl`` (a copy of the shipped ACL plus one ``user`` block per device).  The device's
     configuration snippet (``[mqtt]`` username/password, ``[security]``) goes to
     ``D/credentials/DEVICE.toml`` (mode 0600).
+``dflctl keys enroll NAME --role bridge --dir D --federation FED``
+    a broker user for another site's broker bridged to this one (no key, no
+    certificate): its password, an ACL block granting ``dfl/FED/#`` both ways, and the
+    bridge's login lines in ``D/credentials/NAME.conf`` (mode 0600).
 ``dflctl keys show [--state-dir S] [--dir D]``
     prints a node's public key, fingerprint and certificate (verified when the
     federation key is known), and the federation's public key.
@@ -82,6 +86,9 @@ DEVICE_ACL = ("topic write dfl/+/node/+/inbox", "topic read dfl/+/node/+/out", "
 #: an operator account (``--role operator``): publishes run descriptors and their cancel
 #: records, reads everything
 OPERATOR_ACL = ("topic write dfl/+/run/+", "topic write dfl/+/run/+/cancel", "topic read dfl/#")
+#: a bridge account (``--role bridge``): another site's broker forwarding the federation's
+#: topics both ways (``topic dfl/FED/# both 1``); ``{fed}`` is the federation
+BRIDGE_ACL = ("topic readwrite dfl/{fed}/#",)
 
 
 def give_to_mosquitto(path: Path, mode: int = 0o640) -> str | None:
@@ -131,14 +138,16 @@ def add_mosquitto_password(passwd_file: Path, user: str, password: str) -> str:
     return how
 
 
-def add_acl_user(acl_file: Path, user: str, role: str = "device") -> bool:
+def add_acl_user(acl_file: Path, user: str, role: str = "device", federation: str = "") -> bool:
     """Grant ``user`` its topics in a mosquitto ACL file: a ``user`` block appended to
     ``acl_file`` (created from the shipped ``dfl.acl`` when missing, mode 0644).
 
     Args:
         acl_file: the federation's ACL (``FEDERATION_DIR/dfl.acl``).
         user: the broker user (the node id).
-        role: ``device`` (:data:`DEVICE_ACL`) or ``operator`` (:data:`OPERATOR_ACL`).
+        role: ``device`` (:data:`DEVICE_ACL`), ``operator`` (:data:`OPERATOR_ACL`) or
+            ``bridge`` (:data:`BRIDGE_ACL`: every topic of ``federation``, both ways).
+        federation: the federation a bridge account forwards (required for ``bridge``).
 
     Returns:
         True when the block was added, False when ``user`` already had one.
@@ -152,7 +161,12 @@ def add_acl_user(acl_file: Path, user: str, role: str = "device") -> bool:
     text = acl_file.read_text(encoding="utf-8")
     if any(line.split() == ["user", user] for line in text.splitlines()):
         return False
-    lines = OPERATOR_ACL if role == "operator" else DEVICE_ACL
+    if role == "bridge":
+        if not valid_id(federation):
+            raise ValueError("a bridge account needs its federation")
+        lines = tuple(line.format(fed=federation) for line in BRIDGE_ACL)
+    else:
+        lines = OPERATOR_ACL if role == "operator" else DEVICE_ACL
     with acl_file.open("a", encoding="utf-8") as f:
         f.write(("" if text.endswith("\n") else "\n") + f"\nuser {user}\n" + "".join(f"{ln}\n" for ln in lines))
     return True
@@ -163,6 +177,8 @@ def cmd_enroll(a: argparse.Namespace) -> int:
         raise ValueError("DEVICE and --federation must match [A-Za-z0-9_.-]{1,64}")
     d = Path(a.dir)
     fed_key = _fed_key(d)
+    if a.role == "bridge":
+        return _enroll_bridge(a, d)
     if a.state_dir:
         cert = enroll_local(fed_key, a.federation, a.device, a.state_dir, valid_days=a.valid_days, role=a.role)
         where = Path(a.state_dir) / CERT_FILE
@@ -192,6 +208,32 @@ def cmd_enroll(a: argparse.Namespace) -> int:
         print(f"on the broker host: sudo install -o {MOSQUITTO_USER} -g {MOSQUITTO_USER} -m 0640 {passwd} "
               f"/etc/mosquitto/dfl.passwd && sudo install -m 0644 {d / 'dfl.acl'} /etc/mosquitto/dfl.acl "
               "&& sudo systemctl reload mosquitto")
+    return 0
+
+
+def _enroll_bridge(a: argparse.Namespace, d: Path) -> int:
+    """``enroll NAME --role bridge``: a broker user for another site's broker (no node key
+    and no certificate: a bridge signs nothing, it forwards signed frames), its ACL block,
+    and the bridge's login lines for that broker's configuration (``D/credentials/NAME.conf``,
+    mode 0600)."""
+    if a.no_credentials:
+        raise ValueError("a bridge is only broker credentials: --no-credentials leaves nothing to do")
+    password = secrets.token_urlsafe(18)
+    passwd = d / "mosquitto.passwd"
+    how = add_mosquitto_password(passwd, a.device, password)
+    add_acl_user(d / "dfl.acl", a.device, "bridge", a.federation)
+    snippet = d / "credentials" / f"{a.device}.conf"
+    snippet.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(snippet, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"# the bridge {a.device} to the hub of federation {a.federation}: add these lines below the\n"
+                f"# 'connection' and 'address' lines of the site broker's bridge (docs: multi-site)\n"
+                f"remote_username {a.device}\nremote_password {password}\ntopic dfl/{a.federation}/# both 1\n")
+    print(f"bridge user {a.device}: {passwd} ({how}), every topic of dfl/{a.federation}/ both ways in "
+          f"{d / 'dfl.acl'}; bridge login lines for the site broker: {snippet}")
+    print(f"on the hub's broker host: sudo install -o {MOSQUITTO_USER} -g {MOSQUITTO_USER} -m 0640 {passwd} "
+          f"/etc/mosquitto/dfl.passwd && sudo install -m 0644 {d / 'dfl.acl'} /etc/mosquitto/dfl.acl "
+          "&& sudo systemctl reload mosquitto")
     return 0
 
 
@@ -243,15 +285,16 @@ def register(sub: Any) -> None:
     fi.add_argument("--force", action="store_true", help="replace an existing key")
     fi.set_defaults(func=cmd_federation_init)
     en = ks.add_parser("enroll", help="sign a device certificate and create its broker credentials")
-    en.add_argument("device", help="the device's node id (also its broker user name)")
+    en.add_argument("device", help="the device's node id (also its broker user name; for a bridge its user name)")
     en.add_argument("--federation", required=True, help="federation name the certificate is for")
     en.add_argument("--dir", default="federation", help="folder of the federation key")
     en.add_argument("--state-dir", help="the device's state directory (key read or created there)")
     en.add_argument("--public-key", help="the device's public key (base64), instead of --state-dir")
     en.add_argument("--out", help="certificate file (with --public-key)")
     en.add_argument("--valid-days", type=float, default=None, help="certificate lifetime (default: no expiry)")
-    en.add_argument("--role", choices=("device", "operator"), default="device",
-                    help="what the certificate allows: a training device, or an operator who submits runs")
+    en.add_argument("--role", choices=("device", "operator", "bridge"), default="device",
+                    help="what the certificate allows: a training device, or an operator who submits runs; "
+                         "bridge: only a broker user for another site's broker (no certificate)")
     en.add_argument("--no-credentials", action="store_true", help="do not create broker credentials")
     en.set_defaults(func=cmd_enroll)
     sh = ks.add_parser("show", help="show a node's key and certificate, and the federation key")

@@ -120,3 +120,76 @@ def test_enrolled_devices_log_in_to_mosquitto_with_the_shipped_acl(fed_dir, caps
     finally:
         proc.terminate()
         proc.wait(5)
+
+
+def _mosquitto(conf: Path, port: int, log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([str(mosquitto_path()), "-c", str(conf)], stdout=subprocess.DEVNULL,
+                            stderr=open(log, "wb"))
+    deadline = time.monotonic() + 5
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    assert proc.poll() is None, log.read_text()
+    return proc
+
+
+def test_a_bridge_enrolled_with_role_bridge_joins_a_site_broker_to_the_hub(fed_dir, capsys):
+    """Two sites (deploy/multi-site.md): site b's broker logs in to the hub as the bridge user
+    that ``keys enroll --role bridge`` made, with the login lines it wrote; the federation's
+    topics cross both ways, another federation's do not."""
+    fed = "site"
+    assert dflctl(["keys", "federation-init", "--dir", str(fed_dir)]) == 0
+    for dev in ("a", "b"):
+        assert dflctl(["keys", "enroll", dev, "--federation", fed, "--dir", str(fed_dir),
+                       "--state-dir", str(fed_dir / f"state-{dev}")]) == 0
+    assert dflctl(["keys", "enroll", "site-b", "--role", "bridge", "--federation", fed, "--dir", str(fed_dir)]) == 0
+    assert not (fed_dir / "certs").exists()  # a bridge has no certificate
+    snippet = fed_dir / "credentials" / "site-b.conf"
+    assert snippet.stat().st_mode & 0o777 == 0o600 and f"bridge login lines for the site broker: {snippet}" in \
+        capsys.readouterr().out
+    assert "user site-b\ntopic readwrite dfl/site/#\n" in (fed_dir / "dfl.acl").read_text()
+    hub_port, b_port = free_port(), free_port()
+    common = ["per_listener_settings false", "persistence false", "log_dest stderr", "allow_anonymous false",
+              f"password_file {fed_dir / 'mosquitto.passwd'}", f"acl_file {fed_dir / 'dfl.acl'}"]
+    (fed_dir / "hub.conf").write_text("\n".join([*common, f"listener {hub_port} 127.0.0.1", ""]))
+    (fed_dir / "b.conf").write_text("\n".join([
+        *common, f"listener {b_port} 127.0.0.1", "connection site-b-to-hub", f"address 127.0.0.1:{hub_port}",
+        *[ln for ln in snippet.read_text().splitlines() if not ln.startswith("#")],
+        "topic dfl/other/# both 1", "bridge_protocol_version mqttv50", "cleansession true", "try_private true",
+        "notifications false", "restart_timeout 1", ""]))
+    hub = _mosquitto(fed_dir / "hub.conf", hub_port, fed_dir / "hub.log")
+    site_b = _mosquitto(fed_dir / "b.conf", b_port, fed_dir / "b.log")
+    try:
+        deadline = time.monotonic() + 10
+        while "u'site-b'" not in (fed_dir / "hub.log").read_text():  # the hub let the bridge in
+            assert time.monotonic() < deadline, (fed_dir / "hub.log").read_text() + (fed_dir / "b.log").read_text()
+            time.sleep(0.05)
+        creds = {dev: (fed_dir / "credentials" / f"{dev}.toml").read_text().split('password = "')[1].split('"')[0]
+                 for dev in ("a", "b")}
+        got_a: list = []
+        got_b: list = []
+        a = _client(hub_port, "a", creds["a"], got_a)
+        b = _client(b_port, "b", creds["b"], got_b)
+        a.subscribe(f"dfl/{fed}/node/+/out", qos=1)
+        a.subscribe("dfl/other/node/+/out", qos=1)
+        b.subscribe(f"dfl/{fed}/node/b/inbox", qos=1)
+        time.sleep(0.5)
+        b.publish(f"dfl/{fed}/node/b/out", b"b-broadcast", qos=1).wait_for_publish(3)  # b -> hub
+        b.publish("dfl/other/node/b/out", b"other-federation", qos=1).wait_for_publish(3)  # not the bridge's
+        a.publish(f"dfl/{fed}/node/b/inbox", b"a-to-b", qos=1).wait_for_publish(3)  # hub -> b
+        deadline = time.monotonic() + 5
+        while (not got_a or not got_b) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        for c in (a, b):
+            c.loop_stop()
+            c.disconnect()
+        assert [p for _, p in got_a] == [b"b-broadcast"], got_a
+        assert [p for _, p in got_b] == [b"a-to-b"], got_b
+    finally:
+        for p in (site_b, hub):
+            p.terminate()
+            p.wait(5)
