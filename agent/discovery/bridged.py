@@ -13,7 +13,7 @@ reachable from every site.
 
 from __future__ import annotations
 
-from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.discovery.peers import PeerInfo, PeerTable
 
 
 class HomeRoutedPeerTable(PeerTable):
@@ -22,6 +22,13 @@ class HomeRoutedPeerTable(PeerTable):
 
     def broker_of(self, node_id: str) -> str:
         return ""
+
+    def found_how(self, source: str, info: PeerInfo) -> str:
+        """``bridged-presence`` for a presence from a peer that advertises another broker
+        than :attr:`home_broker` (it crossed the bridge), else the source."""
+        if source == "presence" and self.home_broker and info.broker and info.broker != self.home_broker:
+            return "bridged-presence"
+        return source
 
     def advertised_broker(self, node_id: str) -> str:
         """The broker the peer advertises (its site's), for display."""

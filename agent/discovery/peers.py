@@ -33,6 +33,10 @@ from collections.abc import Callable
 from typing import Any
 
 SOURCES = ("static", "mdns", "presence")
+#: how a peer was found (:meth:`PeerTable.found_via`): a source, or ``bridged-presence``, a
+#: presence that crossed a bridge from a peer on another site's broker
+#: (:class:`~dfl_agent.discovery.bridged.HomeRoutedPeerTable`)
+FOUND_VIA = (*SOURCES, "bridged-presence")
 
 #: how a peer's presence went offline (:meth:`PeerTable.note_departure`) -> the log level and
 #: the words of its departure line: ``goodbye`` its verified goodbye, ``run_end`` a goodbye
@@ -116,8 +120,11 @@ class PeerTable:
         federation: str = "",
         heartbeat_timeout: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        home_broker: str = "",
     ):
         self.self_id = self_id
+        #: ``host:port`` of this node's own broker (tells a bridged presence from a local one)
+        self.home_broker = home_broker
         self.federation = federation
         self.heartbeat_timeout = heartbeat_timeout
         self._clock = clock
@@ -134,6 +141,10 @@ class PeerTable:
         #: how a known peer's presence went offline (a :data:`DEPARTURES` key), told by the
         #: presence before it withdraws the peer, read by that withdrawal
         self._departure: dict[str, str] = {}
+        #: peer -> {how (a FOUND_VIA word): (clock time, address) of its first finding that way}
+        self._found: dict[str, dict[str, tuple[float, str]]] = {}
+        #: (peer, how) found since :meth:`take_found` last ran
+        self._found_new: list[tuple[str, str]] = []
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(event, node_id, info)`` on added/updated/removed."""
@@ -170,12 +181,44 @@ class PeerTable:
             if source == "presence":
                 info.offline = False
             info.last_seen = self._clock()
+            how = self.found_how(source, info)
+            found = self._found.setdefault(node_id, {})
+            if how not in found:
+                found[how] = (info.last_seen, str(fields.get("address") or ""))
+                self._found_new.append((node_id, how))
             self.changes += 1
             back = self._back(info)
         if back is not None:
             log.log(back, "%s: peer %s is back", self.self_id, node_id)
         self._emit("updated" if was_live else "added", info)
         return info
+
+    def found_how(self, source: str, info: PeerInfo) -> str:
+        """The :data:`FOUND_VIA` word for ``source`` vouching for ``info`` (here: the source)."""
+        return source
+
+    def found_via(self) -> dict[str, str]:
+        """How each peer was found first: peer -> a :data:`FOUND_VIA` word."""
+        with self._lock:
+            return {n: min(ways, key=lambda w: ways[w][0]) for n, ways in self._found.items()}
+
+    def found_counts(self) -> dict[str, int]:
+        """How many peers each way found first (``{"mdns": 2, "bridged-presence": 3}``)."""
+        counts: dict[str, int] = {}
+        for how in self.found_via().values():
+            counts[how] = counts.get(how, 0) + 1
+        return counts
+
+    def take_found(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """The findings since the last call: peer -> {how: {"t": clock time, "address": the
+        address the source gave ("" if none)}}, each (peer, how) once in the table's life."""
+        with self._lock:
+            new, self._found_new = self._found_new, []
+            out: dict[str, dict[str, dict[str, Any]]] = {}
+            for n, how in new:
+                t, address = self._found[n][how]
+                out.setdefault(n, {})[how] = {"t": round(t, 3), "address": address}
+            return out
 
     def touch(self, node_id: str) -> None:
         """Record a sign of life (heartbeat, any message) from a known peer."""

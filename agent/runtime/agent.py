@@ -208,6 +208,7 @@ class Agent(RunMembers):
             from dfl_agent.discovery.bridged import HomeRoutedPeerTable as PeerTable  # noqa: N814
         self.peers = peers = PeerTable(nid, fed, heartbeat_timeout=cfg.discovery.heartbeat_timeout)
         load_static_peers(peers, cfg.discovery.static_peers, fed)
+        peers.home_broker = cfg.mqtt.broker  # a presence from another site's broker is a bridged one
         descriptor = {
             "broker": cfg.mqtt.broker, "profile": cfg.profile, "model_hash": spec_hash(s.spec),
             "algorithm": s.algo_cls.name, "version": f"{__version__}/w{WIRE_VERSION}",

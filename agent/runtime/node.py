@@ -324,6 +324,8 @@ class Node:
         if self.startup:  # the first record after start-up says what it cost
             record.update({f"startup_{k}": v for k, v in self.startup.items()})
             self.startup = {}
+        if found := getattr(self.ctx.peers, "take_found", lambda: None)():  # how peers were found since
+            record["peers_found"] = found
         self.history.append(record)
         self._pending[t] = record
         # a record is written only once its round's checkpoint is saved: a kill in between
@@ -493,6 +495,8 @@ class Node:
             "rounds_skipped": self.ctx.caught_up,  # catching up with the neighbours (runtime.rejoin)
             "paused_disconnected_s": round(self.ctx.disconnected_seconds, 1),  # runtime.pause_when_disconnected
             "rounds_alone": self.rounds_alone,  # rounds closed with no peer update although peers were expected
+            # how many peers each discovery source found first ({"mdns": 2, "bridged-presence": 3})
+            "peers_found_via": getattr(self.ctx.peers, "found_counts", dict)(),
             **{k: v for k, v in self.ctx.byte_accounting().items()
                if k in ("bytes_sent_by_kind", "compression_ratio", "round_bytes_sent", "round_bytes_sent_by_kind")},
             **{k: v for k, v in last.items() if k.endswith("_global_accuracy")},  # e.g. DFML's regular model

@@ -100,6 +100,11 @@ def test_agents_on_two_bridged_brokers_learn_together(tmp_path, mosquitto_broker
         assert set(a.ctx.transport.connections()) == {a.cfg.mqtt.broker}  # home broker only
         other = "bravo" if a.node_id == "alpha" else "alpha"
         assert a.peers.advertised_broker(other) == (site_b.endpoint if other == "bravo" else site_a.endpoint)
+        # how the other site's node was found: its presence, over the bridge (the first record says so)
+        assert a.peers.found_via() == {other: "bridged-presence"}
+        assert hist[0]["peers_found"] == {other: {"bridged-presence": {"t": pytest.approx(0, abs=1e6),
+                                                                       "address": "127.0.0.1"}}}
+        assert a.node.status()["peers_found_via"] == {"bridged-presence": 1}
     for endpoint, rows in seen.items():
         by_id = {r["node_id"]: r for r in rows}
         assert set(by_id) == {"alpha", "bravo"}, (endpoint, rows)
