@@ -1,7 +1,11 @@
 """``dfl-infer``: the inference-only member's command line (no torch).
 
-  dfl-infer run --broker H:P --federation F [--node-id ID] [--state-dir DIR] [--windows FILE]
-      join the federation, receive the current model as ONNX, predict on FILE after each one
+  dfl-infer run [--config NODE.toml] [--broker H:P] [--federation F] [-u USER --password-file FILE]
+                [--cafile CA] [--node-id ID] [--state-dir DIR] [--windows FILE]
+      join the federation, receive the current model as ONNX, predict on FILE after each one.
+      --config takes a node configuration (its [mqtt], [security] and [discovery] sections:
+      e.g. the credentials file of `dflctl keys enroll`); with security.require_signatures a
+      model is taken only from an enrolled device, in a frame whose signature verifies
   dfl-infer predict --model M.onnx --windows FILE [--json] [--label-column]
       predictions with onnxruntime on a .npz or .csv of windows
 
@@ -16,10 +20,14 @@ import logging
 import secrets
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from dfl_agent.inference.windows import load_windows, predictions_document
 from dfl_agent.onnx_model import InferenceError, OnnxModel
+
+#: where ``dfl-infer run`` keeps its key and model without ``--state-dir`` or ``--config``
+DEFAULT_STATE_DIR = "/var/lib/dfl-infer"
 
 
 def predict_command(model: str, windows: str, *, as_json: bool, label_column: bool = False, threads: int = 1,
@@ -45,12 +53,58 @@ def predict_command(model: str, windows: str, *, as_json: bool, label_column: bo
     return 0
 
 
+def _settings(a: argparse.Namespace) -> dict[str, Any]:
+    """The member's settings from ``--config`` and the options (an option given overrides the
+    configuration's value): ``InferenceMember`` arguments, ``target`` (the broker, as dflctl
+    connects) and ``mdns`` (interface addresses).
+
+    Raises:
+        ValueError: an invalid configuration or option (the message names it).
+        dfl_agent.runtime.config.ConfigError, StartupError: from the configuration or its keys.
+    """
+    from dfl_agent.cli.fleet import target
+
+    t = target(a)
+    cfg = t.config
+    nid = a.node_id or (cfg.node_id if cfg is not None else None) or "infer-" + secrets.token_hex(3)
+    state_dir = a.state_dir or (cfg.state_dir if cfg is not None else DEFAULT_STATE_DIR)
+    mqtt: dict[str, Any] = {"username": t.username, "password": t.password, "tls_ca": t.tls_ca,
+                            "tls_cert": t.tls_cert, "tls_key": t.tls_key}
+    member: dict[str, Any] = {"broker": t.broker, "protocol": a.protocol or t.protocol, "mqtt": mqtt}
+    mdns = [a.mdns_interface] if a.mdns_interface else []
+    if cfg is not None:
+        member["heartbeat_interval"] = cfg.mqtt.heartbeat_interval
+        member["max_frame_bytes"] = cfg.mqtt.max_frame_bytes
+        mqtt.update(keepalive=cfg.mqtt.keepalive, chunk_size=cfg.mqtt.chunk_size)
+        if not mdns and cfg.discovery.mdns:
+            mdns = [str(i) for i in cfg.discovery.interfaces]
+        if cfg.discovery.interfaces:
+            member["address"] = str(cfg.discovery.interfaces[0])
+    elif a.mdns_interface:
+        member["address"] = a.mdns_interface
+    return {"node_id": nid, "federation": t.federation, "state_dir": state_dir, "member": member, "target": t,
+            "mdns": mdns}
+
+
 async def _run(a: argparse.Namespace) -> int:
+    from dfl_agent.cli.fleet import BrokerError, close
     from dfl_agent.inference.member import InferenceMember
 
-    nid = a.node_id or "infer-" + secrets.token_hex(3)
-    member = InferenceMember(nid, a.federation, state_dir=a.state_dir, broker=a.broker, windows=a.windows,
-                             threads=a.threads, protocol=a.protocol)
+    s = _settings(a)
+    nid = s["node_id"]
+    try:  # a refused login, a TLS or address problem: one line at once (dflctl's connection check)
+        close(await asyncio.to_thread(s["target"].open, "dfl-infer", a.timeout))
+    except BrokerError as exc:
+        print(f"dfl-infer: {exc}", file=sys.stderr)
+        return 3
+    cfg = s["target"].config
+    if cfg is not None:  # its key, certificate and trust store: signs, and verifies every model
+        from dfl_agent.runtime.assembly import build_security
+
+        Path(s["state_dir"]).mkdir(parents=True, exist_ok=True)
+        s["member"]["guard"] = build_security(cfg, Path(s["state_dir"]), nid)
+    member = InferenceMember(nid, s["federation"], state_dir=s["state_dir"], windows=a.windows, threads=a.threads,
+                             **s["member"])
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -61,11 +115,11 @@ async def _run(a: argparse.Namespace) -> int:
         logging.getLogger("dfl-infer").error("%s", exc)
         return 3
     mdns = None
-    if a.mdns_interface:
+    if s["mdns"]:
         from dfl_agent.discovery.mdns import MdnsDiscovery
 
-        mdns = MdnsDiscovery(member.peers, node_id=nid, federation=a.federation, descriptor=member.descriptor,
-                             interfaces=[a.mdns_interface])
+        mdns = MdnsDiscovery(member.peers, node_id=nid, federation=s["federation"], descriptor=member.descriptor,
+                             interfaces=s["mdns"])
         await mdns.start()
     try:
         await member.run(stop)
@@ -85,14 +139,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"dfl-infer {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     r = sub.add_parser("run", help="join a federation as an inference-only member", formatter_class=fmt)
-    r.add_argument("--broker", default="127.0.0.1:1883", help="MQTT broker host:port")
-    r.add_argument("--federation", required=True, help="federation name (the MQTT topic prefix dfl/FEDERATION/)")
-    r.add_argument("--node-id", default=None, help="node id (default: infer- and 6 random hex digits)")
-    r.add_argument("--state-dir", default="/var/lib/dfl-infer", help="folder for the received ONNX model")
+    from dfl_agent.cli.fleet import add_options
+
+    add_options(r, timeout=10.0)
+    r.add_argument("--node-id", default=None,
+                   help="node id (default: node_id of --config, else infer- and 6 random hex digits)")
+    r.add_argument("--state-dir", default=None,
+                   help=f"folder for the node key and the received ONNX model (default: state_dir of --config, "
+                        f"else {DEFAULT_STATE_DIR})")
     r.add_argument("--windows", default=None, help=".npz or .csv of windows to predict on")
     r.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
-    r.add_argument("--protocol", default="5", choices=["5", "3.1.1"], help="MQTT protocol version")
-    r.add_argument("--mdns-interface", default=None, help="advertise over mDNS on this interface address")
+    r.add_argument("--protocol", default=None, choices=["5", "3.1.1"],
+                   help="MQTT protocol version (default: mqtt.protocol of --config, else 5)")
+    r.add_argument("--mdns-interface", default=None,
+                   help="advertise over mDNS on this interface address (default: [discovery] of --config)")
     r.add_argument("--log-level", default="info", help="debug, info, warning or error")
     pr = sub.add_parser("predict", help="predict with an ONNX model on a window file", formatter_class=fmt)
     pr.add_argument("--model", required=True, help="ONNX model file")
@@ -105,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dfl-infer`` console script; returns the exit code."""
+    from dfl_agent.runtime.assembly import StartupError
+
     a = build_parser().parse_args(argv)
     try:
         if a.cmd == "predict":
@@ -113,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return asyncio.run(_run(a))
     except InferenceError as exc:
+        print(f"dfl-infer: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, StartupError) as exc:  # a bad configuration, option or key file (names it)
         print(f"dfl-infer: {exc}", file=sys.stderr)
         return 2
 

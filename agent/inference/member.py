@@ -65,28 +65,44 @@ class InferenceMember:
         sign: sign presence and status with the node key in ``state_dir`` (created on
             first start; ``node_cert.json`` there is sent along), as training nodes do,
             so that federations with ``require_signatures`` trust them.
+        guard: the node's :class:`~dfl_agent.security.SecurityGuard` from its ``[security]``
+            (:func:`dfl_agent.runtime.assembly.build_security`): it signs presence and status
+            and also verifies every model message; with ``require_signatures`` a model is
+            taken only from an enrolled device (unsigned, unknown or badly signed frames are
+            dropped and counted in the status's ``errors``).  None: ``sign`` decides.
+        mqtt: further :class:`~dfl_agent.transport.mqtt.MqttTransport` arguments (``username``,
+            ``password``, ``tls_ca``, ``tls_cert``, ``tls_key``, ``keepalive``, ...).
+        address: the device's own address, carried in its presence (``dflctl peers``).
     """
 
     def __init__(self, node_id: str, federation: str, *, state_dir: str | os.PathLike[str],
                  transport: Any = None, peers: PeerTable | None = None, broker: str = "127.0.0.1:1883",
                  windows: str | None = None, threads: int = 1, max_frame_bytes: int = 64 * 1024 * 1024,
-                 heartbeat_interval: float = 5.0, protocol: str = "5", sign: bool = True):
+                 heartbeat_interval: float = 5.0, protocol: str = "5", sign: bool = True, guard: Any = None,
+                 mqtt: dict[str, Any] | None = None, address: str | None = None):
         self.node_id, self.federation = node_id, federation
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.peers = peers or PeerTable(node_id, federation, heartbeat_timeout=30.0)
         self.descriptor: dict[str, Any] = {**DESCRIPTOR, "broker": broker, "version": f"{__version__}/w{WIRE_VERSION}"}
-        self.guard = self._guard(node_id, federation) if sign else None
+        if address:
+            self.descriptor["address"] = address
+        #: verifies model messages too (a guard from the node's ``[security]``), else None
+        self.verifier = guard
+        self.guard = guard if guard is not None else self._guard(node_id, federation) if sign else None
+        if guard is not None and guard.certificate is not None:
+            self.descriptor["cert"] = guard.certificate  # presence carries the device certificate
         if transport is None:
             from dfl_agent.discovery.presence import node_transport
 
             transport = node_transport(node_id, federation, broker=broker, peers=self.peers, descriptor=self.descriptor,
                                        protocol=protocol, max_frame_bytes=max_frame_bytes,
                                        heartbeat_interval=heartbeat_interval,
-                                       on_heartbeat=lambda peer, status: self.peers.touch(peer), control=self.guard)
+                                       on_heartbeat=lambda peer, status: self.peers.touch(peer), control=self.guard,
+                                       **(mqtt or {}))
         self.ctx = RuntimeContext(node_id=node_id, federation=federation, transport=transport, peers=self.peers,
                                   data=None, model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0),
-                                  max_frame_bytes=max_frame_bytes)
+                                  max_frame_bytes=max_frame_bytes, security=self.verifier)
         self.windows = windows
         self.threads = threads
         self.model: OnnxModel | None = None
@@ -145,6 +161,10 @@ class InferenceMember:
         if blob is None or blob.dtype != np.uint8 or blob.ndim != 1 or set(msg.tensors) != {"onnx"}:
             self.ctx.reject(msg, "bad_model: want one uint8 tensor 'onnx'")
             return False
+        if self.verifier is not None and self.verifier.require_signatures \
+                and self.verifier.role_of(msg.sender) != "device":  # verified, but an operator's key
+            self.ctx.reject(msg, "not_a_device: models come from enrolled devices only")
+            return False
         rnd = msg.meta.get("round", 0)
         if not isinstance(rnd, int) or rnd < self.model_meta.get("round", -1):
             self.ctx.reject(msg, f"stale_model: round {rnd!r} older than the one held")
@@ -174,9 +194,14 @@ class InferenceMember:
     async def run(self, stop: asyncio.Event, poll: float = 1.0) -> None:
         """Receive models until ``stop`` is set."""
         loop = asyncio.get_running_loop()
+        published = self.ctx.counters()["dropped"]
         while not stop.is_set():
             msg = await self.ctx.receive(ONNX_KIND, deadline=loop.time() + poll)
             if msg is None:
+                dropped = self.ctx.counters()["dropped"]
+                if dropped != published:  # frames dropped (unsigned, untrusted, ...): the status says so
+                    published = dropped
+                    await self.publish_status()
                 continue
             try:
                 taken = self.accept(msg)
