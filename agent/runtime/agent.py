@@ -43,6 +43,7 @@ from dfl_agent.runtime.assembly import (
     build_security,
     check_node_model,
     choose_compression,
+    link_settings,
     model_spec_for,
     resolve_algorithm,
 )
@@ -77,6 +78,8 @@ class _Setup:
     spec: dict[str, Any]
     guard: Any
     train: Any
+    link: Any = None  # LinkTimings (mqtt.link_rate) and the heartbeat timeout it implies
+    heartbeat_timeout: float = 30.0
 
 
 class Agent(RunMembers):
@@ -179,6 +182,7 @@ class Agent(RunMembers):
             self.data_shape = (list(bundle.pool.input_shape), int(bundle.pool.num_classes))
             check_node_model(algo_cls.name, spec, bundle.pool.num_classes)
             behaviour = apply_profile(cfg, algo_cls.name, spec=spec)[1]  # aggregator memory check
+            link, options, heartbeat_timeout = link_settings(cfg, options, spec)  # mqtt.link_rate
             guard = build_security(cfg, self.state_dir, nid)  # -- security
         except (ValueError, KeyError, OSError, ImportError, LookupError) as exc:
             raise StartupError(str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)) from None
@@ -195,7 +199,7 @@ class Agent(RunMembers):
                             weight_decay=t.weight_decay, mixed_precision=behaviour.mixed_precision)
         log.info("node %s of federation %s: %s, %d train / %d val samples (users %s), model %s",
                  nid, cfg.federation, algo_cls.name, data.num_train, len(data.val_y), data.groups, spec["type"])
-        return _Setup(algo_cls, options, profile, behaviour, bundle, data, spec, guard, train)
+        return _Setup(algo_cls, options, profile, behaviour, bundle, data, spec, guard, train, link, heartbeat_timeout)
 
     def _transport(self, s: _Setup) -> tuple[Any, dict[str, Any]]:
         """The peer table (static peers loaded) and the MQTT transport with this node's
@@ -206,7 +210,7 @@ class Agent(RunMembers):
         cfg, nid, fed = self.cfg, self.node_id, self.cfg.federation
         if cfg.mqtt.bridged:  # operations: multi-site, brokers joined by bridging
             from dfl_agent.discovery.bridged import HomeRoutedPeerTable as PeerTable  # noqa: N814
-        self.peers = peers = PeerTable(nid, fed, heartbeat_timeout=cfg.discovery.heartbeat_timeout)
+        self.peers = peers = PeerTable(nid, fed, heartbeat_timeout=s.heartbeat_timeout)
         load_static_peers(peers, cfg.discovery.static_peers, fed)
         peers.home_broker = cfg.mqtt.broker  # a presence from another site's broker is a bridged one
         descriptor = {
@@ -227,8 +231,8 @@ class Agent(RunMembers):
 
         transport = node_transport(
             nid, fed, broker=cfg.mqtt.broker, peers=peers, descriptor=descriptor, protocol=cfg.mqtt.protocol,
-            chunk_size=cfg.mqtt.chunk_size, max_frame_bytes=cfg.mqtt.max_frame_bytes,
-            keepalive=cfg.mqtt.keepalive, heartbeat_interval=cfg.mqtt.heartbeat_interval,
+            max_frame_bytes=cfg.mqtt.max_frame_bytes, **s.link.transport_args(),
+            heartbeat_interval=cfg.mqtt.heartbeat_interval,
             username=cfg.mqtt.username, password=cfg.mqtt.password,
             on_heartbeat=on_heartbeat,
             tls_ca=cfg.mqtt.tls_ca, tls_cert=cfg.mqtt.tls_cert, tls_key=cfg.mqtt.tls_key,

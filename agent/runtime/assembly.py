@@ -9,6 +9,7 @@ the start-up checks (:mod:`dfl_agent.runtime.preflight`) all go through this mod
   (:func:`model_spec_for` is the rule for one device);
 - :func:`check_node_model` — the model suits the algorithm and the data;
 - :func:`choose_compression` — the node's compression policy;
+- :func:`link_settings` — transport settings, round deadline and heartbeat timeout for ``mqtt.link_rate``;
 - :func:`build_security` — the node's key, certificate and trust store;
 - :func:`build_node` — a complete :class:`~dfl_agent.runtime.context.RuntimeContext`
   and its :class:`~dfl_agent.runtime.node.Node`.
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dfl_agent.daemon")
 
 __all__ = ["StartupError", "resolve_algorithm", "apply_profile", "choose_model_specs", "model_spec_for",
-           "check_node_model", "choose_compression", "build_security", "build_node"]
+           "check_node_model", "choose_compression", "link_settings", "build_security", "build_node"]
 
 
 class StartupError(RuntimeError):
@@ -228,6 +229,38 @@ def choose_compression(policy: Any, behaviour: Any, algorithm: str, *, error_fee
     from dfl_agent.profiles.behaviour import profile_compression_policy
 
     return profile_compression_policy(behaviour, algorithm, error_feedback=error_feedback)
+
+
+def link_settings(cfg: NodeConfig, options: Any, spec: dict[str, Any]) -> tuple[Any, Any, float]:
+    """What ``mqtt.link_rate`` changes (the rule: :mod:`dfl_agent.transport.link_rate`): the
+    :class:`~dfl_agent.transport.link_rate.LinkTimings` (chunk size, keepalive, ...), the
+    algorithm options with a ``round_timeout`` widened for one model exchange with every
+    neighbour (unless ``algorithm.options.round_timeout`` is set), and the heartbeat timeout
+    (``discovery.heartbeat_timeout``, raised to two such exchanges where that is longer).
+
+    The model's bytes are its float32 parameters (the spec's, without torch where the
+    spec tells); the neighbours are ``algorithm.neighbours``, else ``discovery.min_peers``.
+    """
+    import dataclasses
+
+    from dfl_agent.runtime.admission import spec_params
+    from dfl_agent.transport.link_rate import derive
+
+    m, disc = cfg.mqtt, cfg.discovery
+    timings = derive(m.link_rate, chunk_size=m.chunk_size, keepalive=m.keepalive)
+    if timings.rate_bps is None:
+        return timings, options, disc.heartbeat_timeout
+    model_bytes = 4 * spec_params(spec)
+    neighbours = len(cfg.algorithm.neighbours) if cfg.algorithm.neighbours else max(1, disc.min_peers)
+    default = getattr(options, "round_timeout", None)
+    if isinstance(default, (int, float)) and "round_timeout" not in cfg.algorithm.options:
+        options = dataclasses.replace(options, round_timeout=timings.round_timeout(default, model_bytes, neighbours))
+    heartbeat = timings.heartbeat_timeout(disc.heartbeat_timeout, model_bytes, neighbours)
+    log.info("link rate %.0f bit/s: chunks of %d bytes (%.1f s each), keepalive %d s, round deadline %s s, "
+             "heartbeat timeout %.0f s", timings.rate_bps, timings.chunk_size, timings.chunk_seconds,
+             timings.keepalive, f"{options.round_timeout:.0f}" if hasattr(options, "round_timeout") else "-",
+             heartbeat)
+    return timings, options, heartbeat
 
 
 def build_security(cfg: NodeConfig, state_dir: Path, node_id: str) -> Any:

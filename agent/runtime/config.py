@@ -155,10 +155,14 @@ class MqttSection:
 
     broker: str = described("127.0.0.1:1883", help="home broker `host:port` (IPv6: `[addr]:port`)")
     protocol: str = described("5", help="MQTT protocol version, `5` or `3.1.1`")
-    chunk_size: int = described(256 * 1024, help="largest MQTT payload sent (bytes); larger frames are chunked")
+    chunk_size: int | None = described(None, help="largest MQTT payload sent (bytes); larger frames are chunked",
+                                       default_text="262144 (256 KiB); less with a slow `link_rate`")
     max_frame_bytes: int = described(64 * 1024 * 1024,
                                      help="larger incoming messages are dropped before allocation (bytes)")
-    keepalive: int = described(10, help="MQTT keepalive (s); the broker fires the last will after about 1.5× this")
+    keepalive: int | None = described(None, help="MQTT keepalive (s); the broker fires the last will after about "
+                                      "1.5× this", default_text="10; more with a slow `link_rate`")
+    link_rate: str = described("", help="the device's slowest link in bits/s, e.g. `0.5mbit`, `256kbit`: chunk size, "
+                               "keepalive and round deadlines follow it (how-to: slow links); empty: a fast network")
     heartbeat_interval: float = described(5.0, help="status republish period (s)")
     username: str | None = described(None, help="broker user name")
     password: str | None = described(None, help="broker password")
@@ -328,11 +332,7 @@ def _need(ok: bool, key: str, why: str) -> None:
 
 
 def _validate(cfg: NodeConfig) -> None:
-    """Check every value of ``cfg`` section by section, in a fixed order.
-
-    Raises:
-        ConfigError: naming the first offending key.
-    """
+    """Check every value of ``cfg`` section by section, in a fixed order (ConfigError naming the first offending key)."""
     for check in (_validate_run, _validate_training, _validate_data, _validate_model, _validate_mqtt,
                   _validate_security, _validate_runtime):
         check(cfg)
@@ -427,16 +427,18 @@ def _validate_model(cfg: NodeConfig) -> None:
 
 
 def _validate_mqtt(cfg: NodeConfig) -> None:
-    """``[mqtt]`` and ``[discovery]``.
+    """``[mqtt]`` and ``[discovery]`` (ConfigError naming the first offending key)."""
+    from dfl_agent.transport.link_rate import derive
 
-    Raises:
-        ConfigError: naming the first offending key.
-    """
     m = cfg.mqtt
     _need(m.protocol in ("5", "3.1.1"), "mqtt.protocol", "must be '5' or '3.1.1'")
-    _need(m.chunk_size >= 1024, "mqtt.chunk_size", "must be >= 1024")
-    _need(m.max_frame_bytes >= m.chunk_size, "mqtt.max_frame_bytes", "must be >= mqtt.chunk_size")
-    _need(m.keepalive >= 1, "mqtt.keepalive", "must be >= 1")
+    _need(m.chunk_size is None or m.chunk_size >= 1024, "mqtt.chunk_size", "must be >= 1024")
+    try:
+        chunk = derive(m.link_rate, chunk_size=m.chunk_size).chunk_size
+    except ValueError as exc:
+        raise ConfigError(f"mqtt.link_rate: {exc}") from None
+    _need(m.max_frame_bytes >= chunk, "mqtt.max_frame_bytes", "must be >= mqtt.chunk_size")
+    _need(m.keepalive is None or m.keepalive >= 1, "mqtt.keepalive", "must be >= 1")
     _need(m.heartbeat_interval > 0, "mqtt.heartbeat_interval", "must be > 0")
     from dfl_agent.transport.endpoint import valid_endpoint
 
@@ -450,11 +452,7 @@ def _validate_mqtt(cfg: NodeConfig) -> None:
 
 
 def _validate_security(cfg: NodeConfig) -> None:
-    """Static peers, ``[security]`` and the MQTT limits and TLS files.
-
-    Raises:
-        ConfigError: naming the first offending key.
-    """
+    """Static peers, ``[security]`` and the MQTT limits and TLS files (ConfigError naming the first offending key)."""
     from dfl_agent.discovery.static import parse_peer
     from dfl_agent.transport.wire import valid_id
 

@@ -132,7 +132,9 @@ class RunLobby:
         c.on_disconnect = self._on_disconnect
         c.on_subscribe = self._on_subscribe
         c.on_message = self._on_message
-        c.connect_async(host, port, keepalive=m.keepalive)
+        from dfl_agent.transport.link_rate import derive
+
+        c.connect_async(host, port, keepalive=derive(m.link_rate, keepalive=m.keepalive).keepalive)
         c.loop_start()
         self.client = c
 

@@ -90,6 +90,7 @@ from dfl_agent.jsonbound import RateLimitedLog
 from dfl_agent.transport.base import FrameHandler, PresenceHandler, Transport, TransportStats
 from dfl_agent.transport.chunking import HEADER_LEN, ChunkError, Reassembler, chunked_size, is_chunk, iter_chunks
 from dfl_agent.transport.endpoint import parse_endpoint
+from dfl_agent.transport.link_rate import FAST_CHUNK, FAST_KEEPALIVE
 from dfl_agent.transport.outage import BrokerOutage
 from dfl_agent.transport.wire import payload_offset
 
@@ -287,12 +288,15 @@ class MqttTransport(Transport):
             brokers it names (see ``connect_peer_brokers``).
         protocol: ``"5"`` or ``"3.1.1"`` (amqtt speaks only 3.1.1).
         chunk_size: largest MQTT payload sent, in bytes (chunk header included);
-            keep it at or under the broker's maximum packet size minus the topic.
+            keep it at or under the broker's maximum packet size minus the topic; None:
+            256 KiB.  On slow links take it, the keepalive and the timeouts from
+            :func:`dfl_agent.transport.link_rate.derive` (``mqtt.link_rate``).
         max_frame_bytes: largest frame sent or accepted, in bytes.
         reassembly_timeout: seconds without a new chunk after which an incomplete
             transfer is dropped (counted as ``incomplete_transfer``).
-        keepalive: MQTT keepalive in seconds; the broker publishes the last will
-            after about 1.5 x keepalive of silence.
+        keepalive: MQTT keepalive in seconds (None: 10); the broker publishes the last will
+            after about 1.5 x keepalive of silence, and counts only complete packets: one
+            chunk must go through the link well within it.
         username, password: broker credentials (password needs a username).
         qos: MQTT QoS of frames (0, 1 or 2); the channel's topics always use 1.
         connect_timeout: seconds ``start`` waits for the home broker (and ``send``
@@ -322,10 +326,10 @@ class MqttTransport(Transport):
         broker: str,
         peers: Any,
         protocol: str = "5",
-        chunk_size: int = 256 * 1024,
+        chunk_size: int | None = None,
         max_frame_bytes: int = 64 * 1024 * 1024,
         reassembly_timeout: float = 30.0,
-        keepalive: int = 10,
+        keepalive: int | None = None,
         username: str | None = None,
         password: str | None = None,
         qos: int = 1,
@@ -340,6 +344,9 @@ class MqttTransport(Transport):
     ):
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name}: {why}")
+
+        chunk_size = FAST_CHUNK if chunk_size is None else chunk_size
+        keepalive = FAST_KEEPALIVE if keepalive is None else keepalive
 
         if not isinstance(node_id, str) or not _ID_RE.match(node_id):
             raise bad("node_id", f"must match [A-Za-z0-9_.-]{{1,64}}, got {node_id!r}")

@@ -33,8 +33,10 @@ def _load(rel: str) -> ModuleType:
 def test_pieces_carry_the_payload_in_the_agents_chunk_size() -> None:
     t = _load("bench/scale/transport.py")
     from dfl_agent.runtime.config import MqttSection
+    from dfl_agent.transport.link_rate import derive
 
-    assert MqttSection().chunk_size == t.CHUNK_SIZE
+    m = MqttSection()  # the agent's chunk size on a fast network (no link_rate)
+    assert derive(m.link_rate, chunk_size=m.chunk_size).chunk_size == t.CHUNK_SIZE
     payload = bytes(range(256)) * 4096 + b"tail"  # 1 MiB + 4 bytes
     parts = t.pieces(payload)
     assert all(len(p) <= t.CHUNK_SIZE for p in parts) and len(parts) == 5

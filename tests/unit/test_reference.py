@@ -52,7 +52,8 @@ def test_reference_lists_every_key_and_command(tmp_path) -> None:
     config_md = (tmp_path / "config.md").read_text()
     for k in g.config_fields():
         assert f"| `{k.key}` | {k.type} |" in config_md
-    assert "| `mqtt.chunk_size` | integer | `262144` |" in config_md
+    assert "| `mqtt.chunk_size` | integer | 262144 (256 KiB); less with a slow `link_rate` |" in config_md
+    assert "| `mqtt.max_frame_bytes` | integer | `67108864` |" in config_md
     cli_md = (tmp_path / "cli.md").read_text()
     for prog, parser in g.build_parsers():
         for cmd in g.walk_parser(prog, parser):
