@@ -90,7 +90,12 @@ def test_perfect_drops_limits_loss_and_events():
     ('[[run]]\nat_s = 1\nalgorithm = "fedavg"\nrounds = "two"\n', "run[1].rounds"),
     ('[[device]]\nclass = "nope"\n', "device[3].class"),
     ('[[device]]\nclass = "pi"\nsite = "b"\n', "device[3].site"),
-    ('[wan]\nrate = "2 parsecs"\n', "wan.rate"),
+    ('[[site]]\nname = "b"\n[wan]\nrate = "2 parsecs"\n', "wan.rate"),
+    ('[wan]\nrate = "2mbit"\n', "wan"),  # one site: no WAN
+    ('[[event]]\nat_s = 1\nkind = "wan_down"\nduration_s = 3\n', "event[1].kind"),  # one site
+    ('[[site]]\nname = "b"\n[[event]]\nat_s = 1\nkind = "wan_down"\ntarget = "a"\nduration_s = 3\n',
+     "event[1].target"),
+    ('[[site]]\nname = "b"\n[[event]]\nat_s = 1\nkind = "wan_down"\n', "event[1].duration_s"),
     ('[lab2]\nx = 1\n', "scenario.lab2"),
 ])
 def test_a_bad_key_is_named(extra, key):
@@ -111,15 +116,18 @@ def test_bad_values_in_lab_and_class_are_named():
         assert e.value.key == key, str(e.value)
 
 
+def test_two_sites_a_wan_and_wan_down():
+    s = parse(_doc('[[site]]\nname = "b"\n[[device]]\nclass = "pi"\nsite = "b"\n[wan]\nrate = "5mbit"\nloss = 0.01\n'
+                   '[[event]]\nat_s = 20\nkind = "wan_down"\nduration_s = 8\n'))
+    assert s.sites == ["a", "b"] and [(d.id, d.site) for d in s.devices][-1] == ("pi-3", "b")
+    assert s.wan == {"rate": "5mbit", "loss": 0.01}
+    assert (s.events[1].kind, s.events[1].target, s.events[1].end_s) == ("wan_down", "wan", 28.0)
+
+
 def test_what_the_lab_does_not_do_yet_is_said():
-    with pytest.raises(NotYet) as e:
-        parse(_doc('[[site]]\nname = "b"\n'))
-    assert e.value.key == "site" and "not in the lab yet" in str(e.value)
     with pytest.raises(NotYet) as e:
         parse(_doc('[[device]]\nclass = "gate"\nrole = "inference"\n'))
     assert e.value.key == "device[3].role"
-    with pytest.raises(NotYet):
-        parse(_doc('[[event]]\nat_s = 1\nkind = "wan_down"\nduration_s = 3\n'))
 
 
 def test_lab_run_exits_2_naming_the_key(tmp_path, capsys):

@@ -110,9 +110,13 @@ def evaluate_checks(sc: Scenario, rep: dict[str, Any]) -> list[str]:
                               + (f", not deployed on {', '.join(missing)}" if missing else ""))
     if "discovery_via" in c:
         via = rep["discovery"]["via"]
-        if c["discovery_via"] not in via or rep["discovery"]["seconds_to_full_membership"] is None:
+        # mdns: every pair of devices of a site found each other through mDNS on its lab address
+        missing = rep["discovery"].get("mdns_missing") or [] if c["discovery_via"] == "mdns" else []
+        if c["discovery_via"] not in via or rep["discovery"]["seconds_to_full_membership"] is None or missing:
             failed.append(f"discovery_via: membership did not form through {c['discovery_via']} (seen: "
-                          f"{', '.join(via) or 'nothing'})")
+                          f"{', '.join(via) or 'nothing'}"
+                          + (f"; not through mdns on the lab address: {', '.join(missing)}" if missing else "")
+                          + ")")
     if "min_final_accuracy" in c:
         acc = rep.get("final_accuracy_mean")
         if acc is None or acc < c["min_final_accuracy"]:
@@ -148,6 +152,10 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
     for h in run.happened:
         if h.event.kind in _CUTS_DEVICE and h.start:
             cut[h.event.target].append((h.start, h.end or time.monotonic()))
+        elif h.event.kind == "wan_down" and h.start:  # cut off: a device with no other on its site
+            for n in cut:
+                if [d.site for d in sc.training()].count(run.agents[n].device.site) == 1:
+                    cut[n].append((h.start, h.end or time.monotonic()))
     fed_names: dict[str, dict[str, int]] = {}
     for ev in feeder.events:
         fed_names.setdefault(ev["node"], {})[f"feed-{ev['total'] - ev['windows']:06d}.npz"] = ev["windows"]
@@ -214,6 +222,8 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
         e = h.event
         if h.event.kind == "broker_outage":
             affected = [d.id for d in sc.training() if d.site == e.target]
+        elif e.kind == "wan_down":
+            affected = [d.id for d in sc.training()]
         else:
             affected = [e.target]
         rec_s: float | None = None
@@ -229,7 +239,10 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
                        "started_s": round(h.start - run.t0, 1) if h.start else None,
                        "ended_s": round(h.end - run.t0, 1) if h.end else None})
 
-    discovery = _discovery(run)
+    discovery = _discovery(run, recs)
+    for dev in devices:  # how the device found each peer first
+        dev["peers_found_via"] = {p: min(ways, key=lambda w: ways[w]["at_s"])
+                                  for p, ways in discovery["peers_found"].get(dev["id"], {}).items()}
     bytes_total = 0
     for rs in recs.values():
         for r in rs.values():
@@ -253,30 +266,66 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
     return rep
 
 
-def _discovery(run: Any) -> dict[str, Any]:
-    """What the lab's mDNS browser on the site bridge saw: every training device's
-    advertisement, on its lab address, and when (from its run's submission)."""
-    seen: dict[str, float] = {}
-    addresses: dict[str, list[str]] = {}
+#: how a peer can be found (the agent's ``peers_found``), in the order the report lists them
+_VIA = ("mdns", "presence", "bridged-presence", "static")
+
+
+def _findings(recs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dict[str, dict[str, tuple[float, str]]]]:
+    """device -> peer -> how -> (monotonic time, address) of its first finding that way, from
+    the ``peers_found`` of the device's round records (every run in ``recs``)."""
+    out: dict[str, dict[str, dict[str, tuple[float, str]]]] = {}
+    for n, runs in recs.items():
+        for rs in runs.values():
+            for r in rs:
+                for peer, ways in (r.get("peers_found") or {}).items():
+                    mine = out.setdefault(n, {}).setdefault(peer, {})
+                    for how, f in ways.items():
+                        if how not in mine or f["t"] < mine[how][0]:
+                            mine[how] = (float(f["t"]), str(f.get("address") or ""))
+    return out
+
+
+def _discovery(run: Any, recs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """How the devices found each other, as their agents recorded it: every way each peer was
+    found (``via``), the first one per peer, the same-site pairs not found through multicast
+    mDNS on the peer's lab address (``mdns_missing``), and when the first run's members had
+    all found each other (from its submission). ``advertised``: what the lab's mDNS browser
+    on the first site's bridge saw."""
+    found = _findings(recs)
+    site = {d.id: d.site for d in run.sc.training()}
+    ran = [n for n in run.agents if recs.get(n)]
+    via = [w for w in _VIA if any(w in ways for peers in found.values() for ways in peers.values())]
+    missing = []
+    for n in ran:
+        for p in ran:
+            f = found.get(n, {}).get(p, {}).get("mdns")
+            if p != n and site[n] == site[p] and (f is None or f[1].rsplit(":", 1)[0] != run.lab_hosts[p]):
+                missing.append(f"{n} -> {p}")
+    full = None
+    rid = run.run_ids[0] if run.run_ids else None
+    if rid and run.run_submitted[0]:
+        first = _findings({n: {rid: recs[n][rid]} for n in ran if rid in recs[n]})
+        members = [n for n in ran if rid in recs[n]]
+        times = [min((t for t, _ in first.get(n, {}).get(p, {}).values()), default=None)
+                 for n in members for p in members if p != n]
+        if members and None not in times:
+            full = round(max([t for t in times if t is not None], default=run.run_submitted[0])
+                         - run.run_submitted[0], 1)
+    advertised: dict[str, list[str]] = {}
     path = run.out / "logs" / "mdns-browse.jsonl"
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
             doc = json.loads(line)
         except ValueError:
             continue
-        name = doc.get("name", "")
         for n in run.agents:
-            if name.startswith(f"{run.fed}--{n}."):
-                seen.setdefault(n, doc["t"])
-                addresses[n] = doc.get("addresses", [])
-    on_lab = {n for n, a in addresses.items() if run.lab_hosts[n] in a}
-    first = min((t for t in run.run_submitted if t), default=None)
-    full = None
-    if first is not None and set(seen) >= set(run.agents) and on_lab >= set(run.agents):
-        full = round(max(seen.values()) - first, 1)
-    return {"seconds_to_full_membership": full, "via": ["mdns"] if on_lab else [],
-            "advertised": {n: addresses.get(n, []) for n in run.agents},
-            "measured": "the lab's mDNS browser on the site's bridge, from the first run's submission"}
+            if doc.get("name", "").startswith(f"{run.fed}--{n}."):
+                advertised[n] = doc.get("addresses", [])
+    return {"seconds_to_full_membership": full, "via": via, "mdns_missing": missing,
+            "peers_found": {n: {p: {how: {"at_s": round(t - run.t0, 1), "address": a} for how, (t, a) in ways.items()}
+                                for p, ways in sorted(peers.items())} for n, peers in sorted(found.items())},
+            "advertised": advertised,
+            "measured": "the agents' records (peers_found), from the first run's submission"}
 
 
 def _plots(run: Any, rep: dict[str, Any], recs: dict[str, Any], col: dict[str, Any]) -> list[str]:
@@ -339,5 +388,8 @@ def markdown(rep: dict[str, Any]) -> str:
     disc = rep["discovery"]
     lines += ["", f"Discovery: {', '.join(disc['via']) or 'none'}; full membership after "
                   f"{disc['seconds_to_full_membership']} s. Bytes sent in all: {rep['bytes_total']}.", ""]
+    lines += [f"- {d['id']} found " + ", ".join(f"{p} by {w}" for p, w in d["peers_found_via"].items())
+              for d in rep["devices"] if d.get("peers_found_via")]
+    lines += [""] if any(d.get("peers_found_via") for d in rep["devices"]) else []
     lines += [f"- {n}" for n in rep["notes"]]
     return "\n".join(lines) + "\n"

@@ -2,7 +2,10 @@
 timeline's events, write the report, and tear everything down.
 
 Per site a broker host runs mosquitto with TLS on its lab address (``allow_anonymous
-false``, the password file and ACL that ``dflctl keys enroll`` writes); an ``operator``
+false``, the password file and ACL that ``dflctl keys enroll`` writes); with two or more
+sites the WAN joins them through a router, every other site's broker is bridged to the
+first site's (the hub) with a ``keys enroll --role bridge`` user, and the agents set
+``mqtt.bridged``; an ``operator``
 host submits runs with ``dflctl run submit --config`` and browses mDNS; each training
 device runs ``dfl-agent run --config`` in its namespace and cgroup, in the production
 configuration (signatures required, TLS with its own credentials, ``topk:0.01+q8``
@@ -145,6 +148,8 @@ class LabRun:
         self.compression: dict[str, str] = {}
         self.env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.notes: list[str] = []
+        #: site -> its bridge user's login lines (every site but the first, the hub)
+        self.bridges: dict[str, str] = {}
 
     # ---- helpers ------------------------------------------------------------------
     def now(self) -> float:
@@ -175,7 +180,8 @@ class LabRun:
         conf = d / "mosquitto.conf"
         if not conf.exists():
             crt, key = self.ca.server(f"broker-{site}", host.address)
-            conf.write_text(broker_conf(host.address, self.ca.cafile, crt, key, self.fed_dir, d / "persist"))
+            conf.write_text(broker_conf(host.address, self.ca.cafile, crt, key, self.fed_dir, d / "persist")
+                            + self.bridge_conf(site))
         log = d / "broker.log"
         mark = log.stat().st_size if log.exists() else 0
         with open(log, "ab") as f:
@@ -190,6 +196,28 @@ class LabRun:
                 break
             time.sleep(0.05)
         raise RuntimeError(f"mosquitto of site {site} did not start: {log.read_text()[-2000:]}")
+
+    def enroll_bridge(self, site: str) -> str:
+        """Site ``site``'s bridge user on the hub (``dflctl keys enroll --role bridge``): the
+        login lines it wrote for the site's broker."""
+        name = f"bridge-{site}"
+        self.dflctl("keys", "enroll", name, "--role", "bridge", "--federation", self.fed, "--dir", str(self.fed_dir))
+        return (self.fed_dir / "credentials" / f"{name}.conf").read_text()
+
+    def bridge_conf(self, site: str) -> str:
+        """The bridge from a site's broker to the hub (the first site's), as deploy/multi-site.md
+        configures it: TLS with the lab's CA, the bridge user's login, ``dfl/<fed>/#`` both
+        ways at QoS 1; a lost bridge is noticed within 15 s and retried every 2 s. Nothing for
+        the hub."""
+        hub = self.sc.sites[0]
+        if site == hub:
+            return ""
+        login = [ln for ln in self.bridges[site].splitlines() if ln.strip() and not ln.startswith("#")]
+        return "\n".join(["# the bridge to the hub", f"connection lab-{site}-to-{hub}",
+                          f"address {self.lab.hosts[f'broker-{hub}'].address}:{PORT}",
+                          f"bridge_cafile {self.ca.cafile}", "bridge_insecure false", *login,
+                          "bridge_protocol_version mqttv50", "cleansession true", "try_private true",
+                          "notifications false", "keepalive_interval 10", "restart_timeout 2", ""])
 
     def stop_broker(self, site: str) -> None:
         self.lab.stop(self.brokers.pop(site), grace_s=2.0)
@@ -215,6 +243,7 @@ class LabRun:
             "data": {"dataset": "store", "spool_interval": 1.0, **store_meta},
             "deploy": {"keep": 3, "min_validation": 5},
             "mqtt": {"broker": f"{broker}:{PORT}", "tls_ca": str(self.ca.cafile), "heartbeat_interval": 2.0,
+                     "bridged": len(self.sc.sites) > 1,  # two sites: every peer through the home broker
                      **creds.get("mqtt", {})},
             "discovery": {"mdns": True, "interfaces": [host.address], "heartbeat_timeout": 30.0},
             "compression": {"spec": lab_compression(), "error_feedback": True},
@@ -307,6 +336,9 @@ class LabRun:
                 t, first = t + e.period_s, False
             acts.append((e.end_s, f"{what}: ends", finish(lambda: lab.set_link(e.target, True))))
             return acts
+        if e.kind == "wan_down":
+            return [(e.at_s, f"{e.kind}: WAN down", begin(lambda: lab.set_wan(False))),
+                    (e.end_s, f"{e.kind}: WAN up", finish(lambda: lab.set_wan(True)))]
         if e.kind == "broker_outage":
             return [(e.at_s, f"{what}: mosquitto stopped", begin(lambda: self.stop_broker(e.target))),
                     (e.end_s, f"{what}: mosquitto restarted", finish(lambda: self.start_broker(e.target)))]
@@ -421,6 +453,8 @@ class LabRun:
             for d in sc.devices:
                 lab.add_host(d.id, d.site, cpu=d.cls.cpu, memory_mb=d.cls.memory_mb, rate=d.cls.rate,
                              loss=d.cls.loss)
+            if len(sc.sites) > 1:  # the WAN: each site's gateway to the router
+                lab.connect_sites(rate=sc.wan.get("rate"), loss=sc.wan.get("loss", 0.0))
             self.mechanisms = lab.mechanisms.as_dict()
             self.lab_hosts = {n: h.address for n, h in lab.hosts.items()}
             self.op_dir = out / "operator"
@@ -442,6 +476,7 @@ class LabRun:
                 x, y = data[d.id]
                 given[d.id] = min(len(y), sc.initial_windows)
                 drop_into_spool(state / "spool", "initial.npz", x[:given[d.id]], y[:given[d.id]])
+            self.bridges = {s: self.enroll_bridge(s) for s in sc.sites[1:]}  # to the hub, the first site
             for s in sc.sites:
                 self.start_broker(s)
             browse_log = out / "logs" / "mdns-browse.jsonl"

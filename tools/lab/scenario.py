@@ -7,7 +7,7 @@ The format (every table and key is optional unless said otherwise)::
     [[site]]    name                                      (at least one)
     [[class]]   name, cpu, memory_mb, rate, loss, profile, agent = {...}
     [[device]]  class, site, count, role ("train"), start_s
-    [wan]       rate, loss
+    [wan]       rate, loss                                (two or more sites only)
     [[run]]     at_s, algorithm, rounds, models, options = {...}, min_members, start_timeout
     [[event]]   at_s, kind, target, duration_s, value, period_s, down_s,
                 after_run (at_s counts from when that run's first round closed on every member)
@@ -267,11 +267,9 @@ def parse(doc: dict[str, Any], path: str = "scenario.toml") -> Scenario:
                                     float(d.get("start_s", 0.0))))
     if not s.training():
         raise ScenarioError("device", "at least one training device")
-    if len(s.sites) > 1:
-        raise NotYet("site", "scenarios with more than one site (the WAN, bridged brokers) are not in the "
-                             "lab yet")
-
     wan = _take(top.get("wan", {}), "wan", {"rate": (str, int), "loss": NUM})
+    if wan and len(s.sites) < 2:
+        raise ScenarioError("wan", "a WAN joins two or more [[site]]s; this scenario has one")
     s.wan = {"rate": _rate("wan.rate", wan.get("rate")), "loss": _loss("wan.loss", wan.get("loss"))}
 
     for i, t in enumerate(top.get("run", [])):
@@ -299,13 +297,16 @@ def parse(doc: dict[str, Any], path: str = "scenario.toml") -> Scenario:
             _nonneg(f"{w}.{k}", e.get(k))
         target = e.get("target", "wan" if kind == "wan_down" else "")
         if kind == "wan_down":
-            raise NotYet(f"{w}.kind", "wan_down needs two sites, which the lab does not do yet")
-        if kind == "broker_outage":
+            if len(s.sites) < 2:
+                raise ScenarioError(f"{w}.kind", "wan_down needs two or more [[site]]s (a WAN between them)")
+            if target != "wan":
+                raise ScenarioError(f"{w}.target", f"\"wan\" (or none) for wan_down, not {target!r}")
+        elif kind == "broker_outage":
             if target not in s.sites:
                 raise ScenarioError(f"{w}.target", f"a site for broker_outage, not {target!r}")
         elif target not in ids:
             raise ScenarioError(f"{w}.target", f"a device id ({', '.join(sorted(ids))}) for {kind}, not {target!r}")
-        if kind in ("partition", "flap", "broker_outage", "power_cut") and not e.get("duration_s"):
+        if kind in ("partition", "flap", "wan_down", "broker_outage", "power_cut") and not e.get("duration_s"):
             raise ScenarioError(f"{w}.duration_s", f"{kind} needs a duration above 0")
         value = e.get("value", "")
         if kind == "loss":
