@@ -8,7 +8,10 @@ every ``--kill-every`` seconds and restarts it ``--restart-delay`` seconds later
 ``--broker-restart-at`` seconds into the window.  ``--no-faults`` runs the same
 federation without faults (the reference).  With ``--netem "delay 200ms loss 10%"``
 (root only) every agent runs in its own network namespace behind a veth whose egress
-has that ``tc netem`` qdisc; the broker listens on the host side of a bridge.
+has that ``tc netem`` qdisc; the broker listens on the host side of a bridge.  A kernel
+without ``sch_netem`` (many container and cloud kernels) cannot run ``--netem``: the tool
+says so in one line and exits 2.  The field lab (``dflctl lab run``, events ``loss`` and
+``rate``) emulates loss and link rates without netem (iptables ``statistic``, ``tbf``).
 
 Writes ``DIR/chaos.json``: options, events (kills, restarts, broker restart),
 per node the rounds completed and exit code, the longest round (``max_round_seconds``;
@@ -131,11 +134,23 @@ class _Netns:
 
 
 def netns_available() -> bool:
-    """True when network namespaces with ``tc netem`` work here: root, ``ip`` and ``tc``
+    """True when network namespaces with ``tc netem`` work here (see :func:`netem_blocker`)."""
+    return netem_blocker() is None
+
+
+def netem_blocker() -> str | None:
+    """Why ``--netem`` cannot run here (one line), or None: it needs root, ``ip`` and ``tc``
     installed, and a kernel with the netem qdisc (probed in a throw-away namespace;
     containers often lack ``sch_netem``: "Specified qdisc kind is unknown")."""
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        return False
+        return "--netem needs root, ip and tc"
+    if not _netem_probe():
+        return ("--netem needs the kernel's netem qdisc (sch_netem), missing here; the field lab "
+                "emulates loss and link rates without it: dflctl lab run (events loss, rate)")
+    return None
+
+
+def _netem_probe() -> bool:
     ns = f"dflprobe{secrets.token_hex(3)}"
     try:
         if subprocess.run(["ip", "netns", "add", ns], capture_output=True).returncode != 0:
@@ -148,7 +163,13 @@ def netns_available() -> bool:
 
 
 def run_chaos(o: ChaosOptions, log=print) -> dict[str, Any]:
-    """Run one federation with (or without) faults; return and write ``chaos.json``."""
+    """Run one federation with (or without) faults; return and write ``chaos.json``.
+
+    Raises:
+        RuntimeError: ``o.netem`` where it cannot run (:func:`netem_blocker`'s line).
+    """
+    if o.netem and (why := netem_blocker()):
+        raise RuntimeError(why)
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from dfl_agent.cli.broker import start_broker
@@ -310,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument(flag, type=type(getattr(d, f.name)), default=getattr(d, f.name))
     o = ChaosOptions(**vars(p.parse_args(argv)))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up agents and broker
-    if o.netem and not netns_available():
-        print("--netem needs root, ip and tc", file=sys.stderr)
+    if o.netem and (why := netem_blocker()):
+        print(f"chaos: {why}", file=sys.stderr)
         return 2
     r = run_chaos(o)
     print(json.dumps({k: r[k] for k in ("completed", "max_round_seconds", "max_steady_round_seconds", "stalls", "mean_final_accuracy",
