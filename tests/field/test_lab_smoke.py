@@ -92,6 +92,15 @@ def test_the_smoke_scenario(tmp_path):
     assert {"seconds_to_full_membership", "via"} <= set(rep["discovery"])
     assert rep["host"]["cores"] >= 1 and len(rep["host"]["load_avg"]) == 3
     assert (out / "report.md").read_text().startswith("# Lab report: smoke")
+    # every round's model measured from its checkpoint; every link's bytes sampled
+    curve, tta = rep["runs"][0]["accuracy_curve"], rep["runs"][0]["time_to_accuracy"]
+    assert curve and tta["target"] == 0.65 and tta["best"] == max(p[2] for p in curve)
+    assert {"pi-0", "pi-1", "pi-2", "broker-a", "operator"} <= set(rep["links"])
+    for d in rep["devices"]:
+        assert d["round_accuracy"] and all(0 <= a <= 1 for _, _, a in d["round_accuracy"]), d["id"]
+        metrics = next((out / "metrics" / d["id"]).glob("*.jsonl")).read_text().splitlines()
+        sent = max(json.loads(line)["bytes_sent"] for line in metrics)
+        assert rep["links"][d["id"]]["bytes_from_host"] > sent > 0  # payload < bytes on the wire
     # the checks were evaluated: the verdict and the exit code agree with the list of failures
     assert rep["passed"] == (not rep["failed_checks"]) == (r.returncode == 0)
     for f in rep["failed_checks"]:
@@ -101,6 +110,9 @@ def test_the_smoke_scenario(tmp_path):
         assert rep["runs"][0]["state"] == "finished" and "mdns" in rep["discovery"]["via"]
         assert rep["discovery"]["mdns_missing"] == []  # every pair found each other through mDNS
         assert all(d["rounds_alone"] == 0 and d["deployed_versions"] for d in rep["devices"])
+        # the deployed model is the last round's: its held-out accuracy, measured both ways
+        last = [d["round_accuracy"][-1][2] for d in rep["devices"]]
+        assert sum(last) / len(last) == pytest.approx(rep["runs"][0]["final_accuracy_mean"], abs=0.002)
         return
     logs = "\n".join(p.read_text(errors="replace") for p in (out / "logs").glob("*.log"))
     failed = {f.split(":")[0] for f in rep["failed_checks"]}

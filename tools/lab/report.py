@@ -138,6 +138,8 @@ def copy_logs(run: Any) -> None:
 def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str, Any]:
     """Everything measurable from the run's folders, the checks, and the files."""
     from dfl_agent.cli.demo_feed import collect
+    from dfl_agent.cli.lab.accuracy import accuracy_curve, measure_lab, time_to_accuracy
+    from dfl_agent.cli.lab.traffic import summarize
     from dfl_agent.runtime.ledger import RunLedger
 
     sc: Scenario = run.sc
@@ -147,6 +149,7 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
     col = collect(states, run_ids, bundle.test)
     _torch_accuracy(col, states, bundle.test)
     recs = {n: _records(a.state) for n, a in run.agents.items()}
+    round_acc = measure_lab(run, recs, bundle.test)  # every round's model, from its checkpoint
     # windows of time in which a device was cut off itself (monotonic)
     cut: dict[str, list[tuple[float, float]]] = {n: [] for n in run.agents}
     for h in run.happened:
@@ -187,13 +190,15 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
             "rounds_alone_at": [round(r["time"] - run.t0, 1) for r in alone],
             "rounds_cut_off": sum(1 for r in all_recs if _used_peers(r) == 0) - len(alone),
             "agent_starts": len(a.starts) if a else 0,
+            "round_accuracy": sorted(p for s in round_acc.get(d.id, {}).values() for p in s),
         })
 
     runs = []
     for i, rid in enumerate(run.run_ids):
         if rid is None:
             runs.append({"run_id": None, "algorithm": sc.runs[i].algorithm, "state": "not submitted",
-                         "members": [], "rounds": 0, "deployed_on": [], "final_accuracy_mean": None})
+                         "members": [], "rounds": 0, "deployed_on": [], "final_accuracy_mean": None,
+                         "accuracy_curve": [], "time_to_accuracy": time_to_accuracy([], None)})
             continue
         members, deployed, accs, rounds = [], [], [], 0
         states_seen = set()
@@ -216,6 +221,8 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
                      "rounds": rounds, "deployed_on": sorted(deployed),
                      "final_accuracy_mean": round(sum(accs) / len(accs), 4) if accs else None,
                      "submitted_s": round(run.run_submitted[i] - run.t0, 1)})
+        runs[-1]["accuracy_curve"] = accuracy_curve({n: round_acc[n][rid] for n in members if rid in round_acc.get(n, {})})
+        runs[-1]["time_to_accuracy"] = time_to_accuracy(runs[-1]["accuracy_curve"], runs[-1]["submitted_s"])
 
     events = []
     for h in run.happened:
@@ -254,7 +261,8 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
         "perfect": sc.perfect, "mechanisms": run.mechanisms, "passed": False, "failed_checks": [],
         "checks": sc.checks, "devices": devices, "runs": runs, "events": events, "discovery": discovery,
         "host": {"cores": os.cpu_count(), "load_avg": [round(x, 2) for x in os.getloadavg()]},
-        "bytes_total": bytes_total, "final_accuracy_mean": final[-1]["final_accuracy_mean"] if final else None,
+        "bytes_total": bytes_total, "links": summarize(run.traffic.samples, run.t0) if run.traffic else {},
+        "final_accuracy_mean": final[-1]["final_accuracy_mean"] if final else None,
         "compression": run.compression, "wall_seconds": round(time.time() - started, 1),
         "notes": run.notes,
     }
@@ -338,20 +346,16 @@ def _plots(run: Any, rep: dict[str, Any], recs: dict[str, Any], col: dict[str, A
         rep["notes"].append("no plots: matplotlib is not installed (pip install 'dfl-agent[plots]')")
         return []
     made = []
-    for name, ylabel in (("accuracy.png", "held-out accuracy of the deployed model"),
-                         ("traffic.png", "bytes sent (cumulative, per run)")):
+    for name, ylabel in (("accuracy.png", "held-out accuracy (lines: rounds, o: deployed)"),
+                         ("traffic.png", "MB on the link (solid: to the host, dashed: from it)")):
         fig, ax = plt.subplots(figsize=(8, 4))
         for h in rep["events"]:
             if h["started_s"] is not None:
                 ax.axvspan(h["started_s"], h["ended_s"] or h["started_s"] + 1, alpha=0.15, color="red")
-        for n in run.agents:
-            if name == "accuracy.png":
-                pts = sorted((d["time"] - (time.time() - (time.monotonic() - run.t0)), d["heldout_accuracy"])
-                             for d in col["deployments"] if d["node"] == n and d["heldout_accuracy"] is not None)
-            else:
-                pts = sorted((r["time"] - run.t0, r.get("bytes_sent", 0)) for rs in recs[n].values() for r in rs)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=n)
+        if name == "accuracy.png":
+            _accuracy_lines(ax, run, rep, col)
+        else:
+            _traffic_lines(ax, run, rep, recs)
         ax.set_xlabel("seconds since the agents started")
         ax.set_ylabel(ylabel)
         if ax.get_legend_handles_labels()[0]:
@@ -361,6 +365,53 @@ def _plots(run: Any, rep: dict[str, Any], recs: dict[str, Any], col: dict[str, A
         plt.close(fig)
         made.append(name)
     return made
+
+
+def _accuracy_lines(ax: Any, run: Any, rep: dict[str, Any], col: dict[str, Any]) -> None:
+    """accuracy.png: each device's round models (a line) and deployed models (markers)."""
+    wall_t0 = time.time() - (time.monotonic() - run.t0)
+    for k, d in enumerate(dev for dev in rep["devices"] if dev["id"] in run.agents):
+        color = f"C{k % 10}"
+        rounds = d.get("round_accuracy") or []
+        if rounds:
+            ax.plot([p[0] for p in rounds], [p[2] for p in rounds], color=color, lw=1, label=d["id"])
+        pts = sorted((x["time"] - wall_t0, x["heldout_accuracy"]) for x in col["deployments"]
+                     if x["node"] == d["id"] and x["heldout_accuracy"] is not None)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=color, ms=7,
+                    label=None if rounds else d["id"])
+
+
+def _traffic_lines(ax: Any, run: Any, rep: dict[str, Any], recs: dict[str, Any]) -> None:
+    """traffic.png: each link's cumulative bytes to and from its host (the agents' own
+    count of bytes sent where no link was sampled)."""
+    if not rep.get("links"):
+        for n in run.agents:
+            pts = sorted((r["time"] - run.t0, r.get("bytes_sent", 0) / 1e6) for rs in recs[n].values() for r in rs)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{n} (sent)")
+        return
+    for k, (host, link) in enumerate(sorted(rep["links"].items())):
+        pts = link["series"]
+        ax.plot([p[0] for p in pts], [p[1] / 1e6 for p in pts], color=f"C{k % 10}", lw=1, label=host)
+        ax.plot([p[0] for p in pts], [p[2] / 1e6 for p in pts], color=f"C{k % 10}", lw=1, ls="--")
+
+
+def _accuracy_traffic_md(rep: dict[str, Any]) -> list[str]:
+    """report.md: each run's time to the target accuracy, and the bytes on each link."""
+    lines = ["", "| run | rounds measured | best mean accuracy | time to target from submission |", "|" + "---|" * 4]
+    for r in rep["runs"]:
+        tta = r.get("time_to_accuracy") or {}
+        best = tta.get("best")
+        reached = (f"{tta['seconds']} s (round {tta['round']})" if tta.get("seconds") is not None
+                   else "never" if best is not None else "-")
+        lines.append(f"| {r['run_id']} | {len(r.get('accuracy_curve') or [])} "
+                     f"| {'-' if best is None else f'{best:.3f}'} | {tta.get('target', '')}: {reached} |")
+    if rep.get("links"):
+        lines += ["", "| link | MB to the host | MB from the host |", "|---|---|---|"]
+        for host, link in sorted(rep["links"].items()):
+            lines.append(f"| {host} | {link['bytes_to_host'] / 1e6:.2f} | {link['bytes_from_host'] / 1e6:.2f} |")
+    return lines
 
 
 def markdown(rep: dict[str, Any]) -> str:
@@ -385,6 +436,7 @@ def markdown(rep: dict[str, Any]) -> str:
     lines += ["", "| event | target | at s | duration s | recovered after s |", "|" + "---|" * 5]
     for e in rep["events"]:
         lines.append(f"| {e['kind']} | {e['target']} | {e['at_s']} | {e['duration_s']} | {e['recovered_after_s']} |")
+    lines += _accuracy_traffic_md(rep)
     disc = rep["discovery"]
     lines += ["", f"Discovery: {', '.join(disc['via']) or 'none'}; full membership after "
                   f"{disc['seconds_to_full_membership']} s. Bytes sent in all: {rep['bytes_total']}.", ""]

@@ -150,6 +150,8 @@ class LabRun:
         self.notes: list[str] = []
         #: site -> its bridge user's login lines (every site but the first, the hub)
         self.bridges: dict[str, str] = {}
+        #: the links' byte counters, sampled about once a second (traffic.TrafficSampler)
+        self.traffic: Any = None
 
     # ---- helpers ------------------------------------------------------------------
     def now(self) -> float:
@@ -230,6 +232,7 @@ class LabRun:
 
     # ---- agents -------------------------------------------------------------------
     def make_agent(self, d: Device, creds: dict[str, Any], store_meta: dict[str, Any]) -> Agent:
+        from dfl_agent.cli.lab.accuracy import checkpoints_to_keep
         from dfl_agent.runtime.config import config_from_dict, dump_toml
 
         state = self.out / "devices" / d.id / "state"
@@ -248,7 +251,8 @@ class LabRun:
             "discovery": {"mdns": True, "interfaces": [host.address], "heartbeat_timeout": 30.0},
             "compression": {"spec": lab_compression(), "error_feedback": True},
             "security": dict(creds.get("security", {}), require_signatures=True),
-            "runtime": {"pause_when_disconnected": True},
+            "runtime": {"pause_when_disconnected": True,  # every round's checkpoint: the report measures them
+                        "checkpoint_keep": checkpoints_to_keep(r.rounds for r in self.sc.runs)},
         }
         raw = _merge(_merge(raw, self.sc.agent), d.cls.agent)
         self.compression[d.id] = str(raw.get("compression", {}).get("spec", ""))
@@ -484,6 +488,10 @@ class LabRun:
                 lab.popen("operator", [PY, "-c", BROWSE, lab.hosts["operator"].address], stdout=f,
                           stderr=subprocess.STDOUT, env=self.env)
             self.t0 = time.monotonic()
+            from dfl_agent.cli.lab.traffic import TrafficSampler
+
+            self.traffic = TrafficSampler(lab, out / "logs" / "traffic.jsonl")
+            self.traffic.start()
             for a in self.agents.values():
                 if a.device.start_s <= 0:
                     self.start_agent(a)
@@ -502,6 +510,7 @@ class LabRun:
                 self.cgroups = {n: {"peak_mb": h.cgroup.peak_mb(), "oom_kills": h.cgroup.oom_kills(),
                                     "limit_mb": h.cgroup.memory_mb}
                                 for n, h in lab.hosts.items() if h.cgroup}
+                self.traffic.stop()
                 self.lab_id = lab.run_id
         from dfl_agent.cli.lab.report import build_report
 
