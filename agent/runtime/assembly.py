@@ -234,8 +234,9 @@ def choose_compression(policy: Any, behaviour: Any, algorithm: str, *, error_fee
 def link_settings(cfg: NodeConfig, options: Any, spec: dict[str, Any]) -> tuple[Any, Any, float]:
     """What ``mqtt.link_rate`` changes (the rule: :mod:`dfl_agent.transport.link_rate`): the
     :class:`~dfl_agent.transport.link_rate.LinkTimings` (chunk size, keepalive, ...), the
-    algorithm options with a ``round_timeout`` widened for one model exchange with every
-    neighbour (unless ``algorithm.options.round_timeout`` is set), and the heartbeat timeout
+    algorithm options with every wait for models (:func:`~dfl_agent.transport.link_rate.model_waits`:
+    ``round_timeout``, ``receive_timeout``, ...) widened by two model exchanges with every
+    neighbour, each unless ``algorithm.options`` sets it, and the heartbeat timeout
     (``discovery.heartbeat_timeout``, raised to two such exchanges where that is longer).
 
     The model's bytes are its float32 parameters (the spec's, without torch where the
@@ -244,7 +245,7 @@ def link_settings(cfg: NodeConfig, options: Any, spec: dict[str, Any]) -> tuple[
     import dataclasses
 
     from dfl_agent.runtime.admission import spec_params
-    from dfl_agent.transport.link_rate import derive
+    from dfl_agent.transport.link_rate import derive, model_waits
 
     m, disc = cfg.mqtt, cfg.discovery
     timings = derive(m.link_rate, chunk_size=m.chunk_size, keepalive=m.keepalive)
@@ -252,14 +253,13 @@ def link_settings(cfg: NodeConfig, options: Any, spec: dict[str, Any]) -> tuple[
         return timings, options, disc.heartbeat_timeout
     model_bytes = 4 * spec_params(spec)
     neighbours = len(cfg.algorithm.neighbours) if cfg.algorithm.neighbours else max(1, disc.min_peers)
-    default = getattr(options, "round_timeout", None)
-    if isinstance(default, (int, float)) and "round_timeout" not in cfg.algorithm.options:
-        options = dataclasses.replace(options, round_timeout=timings.round_timeout(default, model_bytes, neighbours))
+    waits = {k: timings.round_timeout(v, model_bytes, neighbours)
+             for k, v in model_waits(options).items() if k not in cfg.algorithm.options}
+    options = dataclasses.replace(options, **waits) if waits else options
     heartbeat = timings.heartbeat_timeout(disc.heartbeat_timeout, model_bytes, neighbours)
-    log.info("link rate %.0f bit/s: chunks of %d bytes (%.1f s each), keepalive %d s, round deadline %s s, "
-             "heartbeat timeout %.0f s", timings.rate_bps, timings.chunk_size, timings.chunk_seconds,
-             timings.keepalive, f"{options.round_timeout:.0f}" if hasattr(options, "round_timeout") else "-",
-             heartbeat)
+    log.info("link rate %.0f bit/s: chunks of %d bytes (%.1f s each), keepalive %d s, %s, heartbeat timeout %.0f s",
+             timings.rate_bps, timings.chunk_size, timings.chunk_seconds, timings.keepalive,
+             ", ".join(f"{k} {v:.0f} s" for k, v in waits.items()) or "no model waits widened", heartbeat)
     return timings, options, heartbeat
 
 

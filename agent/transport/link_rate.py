@@ -18,15 +18,18 @@ engineer can check by hand:
    (2 x keepalive) is eight chunk times or more and the broker's (1.5 x) six;
 3. **reassembly timeout** (no new chunk of a transfer for this long: dropped) and
    **connect timeout**: at least 3 x and 1 x the keepalive;
-4. **round deadline** of the averaging algorithms (``round_timeout``): the default plus
-   :data:`EXCHANGE_MARGIN` (2) times one model exchange with every neighbour at that
-   rate, ``model bytes x neighbours x 8 / rate`` (the uncompressed float32 model: the
-   bound of a whole-model message); the default itself stays the allowance for training;
+4. **waits for models** (:data:`MODEL_WAITS`: the round deadline ``round_timeout``, a
+   pair's ``receive_timeout``, a rotating round's ``invite_timeout``, ``update_timeout``
+   and ``token_timeout``, a lock-step ``sync_timeout`` of 10 s or more): the default
+   plus :data:`EXCHANGE_MARGIN` (2) times one model exchange with every neighbour at
+   that rate, ``model bytes x neighbours x 8 / rate`` (the uncompressed float32 model:
+   the bound of a whole-model message); the default itself stays the allowance for
+   training;
 5. **heartbeat timeout** (``discovery.heartbeat_timeout``): at least twice that exchange,
    since a peer's heartbeat waits at the broker behind the model chunks sent to this node.
 
-Explicit settings always win: a configured ``mqtt.chunk_size``, ``mqtt.keepalive``,
-``algorithm.options.round_timeout`` or ``discovery.heartbeat_timeout`` is used as written.
+Explicit settings always win: a configured ``mqtt.chunk_size``, ``mqtt.keepalive`` or
+``algorithm.options`` wait is used as written; ``discovery.heartbeat_timeout`` is only raised.
 Without a link rate every default is the fast one.
 
 QoS 1 redelivery: paho (2.x) and mosquitto resend an unacknowledged QoS 1 message only
@@ -40,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Any
 
 #: the fast-network defaults (bytes, seconds): what a node uses without ``mqtt.link_rate``
 FAST_CHUNK = 256 * 1024
@@ -54,6 +58,12 @@ MIN_CHUNK = 16 * 1024
 KEEPALIVE_CHUNKS = 4
 #: a round deadline covers this many model exchanges with every neighbour
 EXCHANGE_MARGIN = 2.0
+
+#: the algorithm options that wait for models (seconds), widened with the exchange time
+MODEL_WAITS = ("round_timeout", "receive_timeout", "invite_timeout", "update_timeout", "token_timeout",
+               "sync_timeout")
+#: a ``sync_timeout`` below this is a short market wait (the gossip algorithms' 2 s), not a model exchange
+_SHORT_WAIT = 10.0
 
 _RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmg]?)(?:bit|bps|b)?(?:/s)?\s*$", re.IGNORECASE)
 _SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
@@ -117,13 +127,25 @@ class LinkTimings:
         return model_bytes * max(1, neighbours) * 8 / self.rate_bps
 
     def round_timeout(self, default: float, model_bytes: int, neighbours: int) -> float:
-        """A round deadline (s): ``default`` (the training allowance) plus
-        :data:`EXCHANGE_MARGIN` model exchanges with every neighbour."""
+        """A round deadline, or any wait for models (s): ``default`` (the training
+        allowance) plus :data:`EXCHANGE_MARGIN` model exchanges with every neighbour."""
         return default + EXCHANGE_MARGIN * self.exchange_seconds(model_bytes, neighbours)
 
     def heartbeat_timeout(self, default: float, model_bytes: int, neighbours: int) -> float:
         """A peer's silence limit (s): ``default``, or twice a model exchange if longer."""
         return max(default, 2 * self.exchange_seconds(model_bytes, neighbours))
+
+
+def model_waits(options: Any) -> dict[str, float]:
+    """The options among :data:`MODEL_WAITS` that ``options`` (an algorithm's options
+    dataclass) has, with their values (s); a ``sync_timeout`` under 10 s is left out."""
+    out = {}
+    for key in MODEL_WAITS:
+        value = getattr(options, key, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if key != "sync_timeout" or value >= _SHORT_WAIT:
+                out[key] = float(value)
+    return out
 
 
 def derive(rate: str | int | float | None, *, chunk_size: int | None = None,

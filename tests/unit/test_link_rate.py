@@ -97,6 +97,7 @@ def test_the_agent_applies_the_rule(caplog):
     assert (timings.chunk_size, timings.keepalive) == (MIN_CHUNK, 10)
     exchange = 42_824 * 2 * 8 / 64_000  # the float32 model to min_peers = 2 neighbours: 10.7 s
     assert options.round_timeout == pytest.approx(30.0 + 2 * exchange)
+    assert options.sync_timeout == 2.0  # the update market's short wait is no model exchange
     assert heartbeat == 30.0  # two exchanges (21 s) are shorter than the configured 30 s
     assert "link rate 64000 bit/s: chunks of 16384 bytes" in caplog.text
     # an explicit round_timeout wins; no link rate: nothing changes
@@ -104,3 +105,17 @@ def test_the_agent_applies_the_rule(caplog):
     assert link_settings(cfg, parse_options(fedavg, {"round_timeout": 12.0}), SPEC)[1].round_timeout == 12.0
     timings, options, heartbeat = link_settings(_cfg(), parse_options(fedavg, {}), SPEC)
     assert (timings.chunk_size, timings.keepalive, options.round_timeout, heartbeat) == (FAST_CHUNK, 10, 30.0, 30.0)
+
+
+@pytest.mark.parametrize("algorithm, keys", [
+    ("defkt", {"receive_timeout": 60.0, "round_timeout": 120.0}),
+    ("dfedavg", {"invite_timeout": 60.0, "update_timeout": 300.0, "token_timeout": 120.0}),
+    ("gt", {"sync_timeout": 30.0}),
+])
+def test_every_wait_for_models_is_widened(algorithm, keys):
+    cfg = config_from_dict({"node_id": "a", "mqtt": {"link_rate": "64kbit"}, "discovery": {"mdns": False},
+                            "algorithm": {"name": algorithm, "options": {}}})
+    widened = link_settings(cfg, parse_options(get_algorithm(algorithm), {}), SPEC)[1]
+    exchange = 42_824 * 8 / 64_000  # one neighbour (min_peers 0)
+    for key, default in keys.items():
+        assert getattr(widened, key) == pytest.approx(default + 2 * exchange), key
