@@ -75,7 +75,8 @@ class RunMembers:
         :meth:`_federation_finished` does).  The model starts from its checkpoint or its
         initialisation: the next aggregation brings it close to its neighbours'."""
         live = self.ctx.neighbours()
-        limit = self.cfg.discovery.heartbeat_timeout
+        # the peer table's: discovery.heartbeat_timeout, raised on a slow mqtt.link_rate
+        limit = getattr(self.ctx.peers, "heartbeat_timeout", None) or self.cfg.discovery.heartbeat_timeout
         statuses = self._run_statuses()
         shown = {  # statuses are untrusted JSON: malformed values count as 0
             nid: _as_round(s.get("round")) for nid in live if isinstance(s := statuses.get(nid), dict)
