@@ -21,6 +21,8 @@ from dfl_agent.jsonbound import JSONBoundError, RateLimitedLog
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier, cancel_topic, run_topic
 
+#: a run's states on a node after its training there (a late joiner no longer joins it)
+AFTER_TRAINED = ("trained", "deploying", "deployed", "kept", "recorded", "finished")
 log = logging.getLogger("dfl_agent.runs")
 
 
@@ -313,22 +315,27 @@ class RunLobby:
         with self.lock:
             return self.queue.runs.get(run_id)
 
-    def declined_by(self, run_id: str) -> set[str]:
-        """Nodes whose status (its current run, or its run history) says they declined ``run_id``."""
-        out = set()
+    def _run_states(self, run_id: str) -> dict[str, Any]:
+        """Each node's state of ``run_id``, from its status: its current run, or its run history."""
+        out = {}
         with self.lock:
             for n, s in self.statuses.items():
                 r = s.get("run")
                 hist = s.get("run_history")
                 if isinstance(r, dict) and r.get("id") == run_id:
-                    state = r.get("state")
+                    out[n] = r.get("state")
                 elif isinstance(hist, dict) and isinstance(hist.get(run_id), dict):
-                    state = hist[run_id].get("state")
-                else:
-                    continue
-                if state == "declined":
-                    out.add(n)
+                    out[n] = hist[run_id].get("state")
         return out
+
+    def declined_by(self, run_id: str) -> set[str]:
+        """Nodes whose status (its current run, or its run history) says they declined ``run_id``."""
+        return {n for n, state in self._run_states(run_id).items() if state == "declined"}
+
+    def finished_by(self, run_id: str) -> set[str]:
+        """Nodes whose status says ``run_id`` ended there after its training (trained,
+        deploying, deployed, kept, recorded or finished): too late for a node to join it."""
+        return {n for n, state in self._run_states(run_id).items() if state in AFTER_TRAINED}
 
     def may_join(self, run_id: str) -> int:
         """How many other known nodes may still join ``run_id``: every node with a verified

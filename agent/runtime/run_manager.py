@@ -7,7 +7,7 @@ run through these states, one method per transition::
     idle                 --admit-->            admitted | declined
     idle                 --cancel_unstarted--> cancelled   (cancelled before it ran here)
     idle                 --resume-->           trained | deploying | deployed | kept   (after a restart)
-    admitted             --wait_for_members--> waiting_for_members --> training | cancelled | failed
+    admitted             --wait_for_members--> waiting_for_members --> training | declined | cancelled | failed
     admitted             --train-->            training    (min_members 1)
     training             --on_agent_state-->   trained --> deploying --> deployed | kept
     trained | deployed | kept --finish-->      recorded
@@ -59,7 +59,7 @@ STATES = ("idle", "admitted", "waiting_for_members", "training", "trained", "dep
 TRANSITIONS: dict[str, tuple[str, ...]] = {
     "idle": ("idle", "admitted", "declined", "cancelled", "trained", "deploying", "deployed", "kept"),
     "admitted": ("waiting_for_members", "training", "idle"),
-    "waiting_for_members": ("training", "cancelled", "failed", "idle"),
+    "waiting_for_members": ("training", "declined", "cancelled", "failed", "idle"),
     "training": ("trained", "cancelled", "failed", "idle"),
     "trained": ("deploying", "recorded", "failed", "cancelled", "idle"),
     "deploying": ("deployed", "kept", "recorded", "failed", "idle"),
@@ -204,24 +204,28 @@ class RunManager:
     async def wait_for_members(self, d: RunDescriptor, stop: asyncio.Event) -> bool | None:
         """``admitted -> waiting_for_members`` until ``min_members`` devices accepted the run
         (this one included); then True, or ``cancelled``/``failed`` (recorded) and False,
-        or None when ``stop`` was set (back to ``idle``; a restart waits again)."""
+        or None when ``stop`` was set (back to ``idle``; a restart waits again).  A node that
+        never trained the run and finds it ended on other members (a late joiner) declines it."""
         self._to("waiting_for_members", d.run_id)
         lobby, nid = self.lobby, self.node_id
         deadline = time.time() + d.start_timeout
+        late = not (self.ledger.run_dir(d.run_id) / "metrics.jsonl").exists()  # no round of it here
         while len(lobby.accepted_by(d.run_id) | {nid}) < d.min_members and not stop.is_set():
             cur = lobby.run(d.run_id)
-            if (cur is not None and cur.cancelled) or time.time() > deadline:
+            if (cur is not None and cur.cancelled) or time.time() > deadline or (late and lobby.finished_by(d.run_id)):
                 break
             self.publish("accepted")
             await asyncio.sleep(0.3)
-        n = len(lobby.accepted_by(d.run_id) | {nid})
+        n, ended = len(lobby.accepted_by(d.run_id) | {nid}), lobby.finished_by(d.run_id) if late else set()
         if stop.is_set():
             self._to("idle")
             return None
-        if n >= d.min_members:
+        if n >= d.min_members and not ended:
             return True
         cur = lobby.run(d.run_id)
-        if cur and cur.cancelled:
+        if ended:
+            self.decline(d.run_id, f"late: the run had ended on {len(ended)} member(s) before this node joined")
+        elif cur and cur.cancelled:
             self.info = self._ended_as(d.run_id, "cancelled", CANCELLED)
         else:
             self.info = self._ended_as(d.run_id, "failed", f"start_timeout: only {n} of min_members "

@@ -30,6 +30,9 @@ class Lobby:
     def accepted_by(self, run_id):
         return set()
 
+    def finished_by(self, run_id):
+        return set()
+
     def may_join(self, run_id):
         return 10
 
@@ -161,3 +164,39 @@ def test_the_default_run_with_a_bad_setting_still_stops_the_agent(tmp_path):
     assert m.admit(d)
     with pytest.raises(StartupError):
         asyncio.run(m.train(d, asyncio.Event()))
+
+
+class LateLobby(Lobby):
+    """The other members' statuses: run r1 ended there (finished, deployed) after training."""
+
+    def finished_by(self, run_id):
+        return {"a", "b"} if run_id == "r1" else set()
+
+
+def test_a_late_joiner_declines_a_run_that_ended_on_its_members_and_does_not_wait(tmp_path):
+    # found in the field lab: a device started after run 0 had ended everywhere took run 0 from
+    # the queue, waited its whole start_timeout (120 s) for members that had moved on, marked it
+    # failed, and held up the next run for everyone meanwhile
+    import time
+
+    m = manager(tmp_path)
+    m.lobby = LateLobby()
+    d = RunDescriptor(run_id="r1", federation="f", algorithm="fedavg", rounds=1, min_members=3, start_timeout=60)
+    assert m.admit(d)
+    t0 = time.monotonic()
+    assert asyncio.run(m.wait_for_members(d, asyncio.Event())) is False
+    assert time.monotonic() - t0 < 5
+    entry = m.ledger.entries["r1"]
+    assert entry["state"] == "declined" and entry["reason"].startswith("late: the run had ended on 2 member(s)")
+    assert m.state == "idle"
+
+
+def test_a_member_back_from_a_power_cut_is_not_late(tmp_path):
+    # the same statuses, but this node trained rounds of r1 before its restart: it waits as a member
+    m = manager(tmp_path)
+    m.lobby = LateLobby()
+    d = RunDescriptor(run_id="r1", federation="f", algorithm="fedavg", rounds=1, min_members=3, start_timeout=0.5)
+    assert m.admit(d)
+    (m.ledger.run_dir("r1") / "metrics.jsonl").write_text('{"round": 1}\n')
+    assert asyncio.run(m.wait_for_members(d, asyncio.Event())) is False
+    assert m.ledger.entries["r1"]["state"] == "failed"

@@ -353,3 +353,16 @@ def test_nodes_that_declined_a_run_are_not_waited_for():
     lobby.statuses["d"] = {"run": {"id": "r-0", "state": "finished"},  # moved on; its history says declined
                            "run_history": {"r-1": {"state": "declined"}}}
     assert lobby.declined_by("r-1") == {"c", "d"} and lobby.may_join("r-1") == 2
+
+
+def test_nodes_where_a_run_ended_after_training_are_known_to_a_late_joiner():
+    from dfl_agent.runtime.lobby import RunLobby
+
+    lobby = RunLobby(config_from_dict({}), "me", RunVerifier("default", require_signatures=False))
+    lobby.statuses = {"a": {"run": {"id": "r-1", "state": "deployed"}},
+                      "b": {"run": {"id": "r-2", "state": "training"},  # moved on: its history says finished
+                            "run_history": {"r-1": {"state": "finished"}}},
+                      "c": {"run": {"id": "r-1", "state": "training"}},
+                      "d": {"run": {"id": "r-1", "state": "failed"}}}  # failed to start: not "ended after training"
+    assert lobby.finished_by("r-1") == {"a", "b"}
+    assert lobby.finished_by("r-2") == set()
