@@ -216,7 +216,10 @@ class MqttPresence(ControlChannel):
             if exc.reason == "duplicate":
                 return None  # a retained message delivered again (reconnect): not a drop
             count(f"{leaf}_{exc.reason}")
-            log.warning("%s: dropped %s on the topic of %r: %s", self.node_id, leaf, node_id, exc)
+            # a replay is most often an older copy queued for this session during a disconnect
+            # (QoS 1), delivered after the newest: counted, and logged at debug level only
+            (log.debug if exc.reason == "replay" else log.warning)(
+                "%s: dropped %s on the topic of %r: %s", self.node_id, leaf, node_id, exc)
             return None
         return msg, role
 
