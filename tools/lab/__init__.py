@@ -9,7 +9,11 @@
 - :mod:`.scenario`: scenario files (parsed and checked; a bad key is named);
 - :mod:`.runner`: ``dflctl lab run`` (brokers, operator, agents, feeder, the timeline);
 - :mod:`.report`: ``report.json``, ``report.md``, the plots and the scenario's checks;
+- :mod:`.accuracy`: every round model's held-out accuracy (from the run's checkpoints) and
+  the time a run takes to reach a target;
+- :mod:`.traffic`: the bytes on every link, sampled from the switches' counters;
 - :mod:`.tls`: the lab's CA and broker certificates.
 
-Nothing here imports torch (the report's accuracy uses onnxruntime).
+Nothing here imports torch at import time: the report's accuracy uses onnxruntime, and
+torch (which the agents train with) only where a model must be rebuilt.
 """

@@ -77,6 +77,8 @@ def _spec(run_dir: Path) -> dict[str, Any]:
     cfg = load_config(run_dir / "run.toml")
     algo_cls, _ = resolve_algorithm(cfg)
     profile, behaviour = apply_profile(cfg, algo_cls.name)
+    if cfg.data.input_shape is None or cfg.data.num_classes is None:
+        raise ValueError("run.toml names no data shape (the lab's agents train on their sample store)")
     return model_spec_for(cfg, algo_cls.name, cfg.data.input_shape, cfg.data.num_classes,
                           profile_size=profile.model.size, tier=behaviour.model_size)
 
