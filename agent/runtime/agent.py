@@ -290,6 +290,7 @@ class Agent(RunMembers):
             persistent_state=persistent,
         )
         self.ctx = node.ctx
+        node.ctx.alone_waits = self._alone_waits  # no racing ahead alone while members are away
         if self.store is not None:  # no global test set: "global" accuracy is the validation slice's
             node.accuracy_source = "local validation"
         if self.metrics_run is not None:

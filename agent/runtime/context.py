@@ -135,6 +135,10 @@ class RuntimeContext:
     raises ``AttributeError`` (a typo cannot silently add a setting nobody reads).
     """
 
+    #: set by the agent: whether a round with no live neighbour waits for its deadline
+    #: (:func:`~dfl_agent.algorithms.protocols.synchronization.waits_alone`); None: it does not
+    alone_waits: Callable[[], bool] | None = None
+
     def __init__(
         self,
         *,

@@ -105,6 +105,12 @@ class RunMembers:
         descriptor (a cancel), checked before every round."""
         return finished_by_members(self._run_statuses(), self._members())
 
+    def _alone_waits(self) -> bool:
+        """Whether this node's rounds wait for their deadline when no neighbour is live
+        (:func:`~dfl_agent.algorithms.protocols.synchronization.waits_alone`): the run has
+        other members (:meth:`_members`) and they have not finished it."""
+        return bool(self._members()) and not self._federation_finished()
+
     def _members_path(self) -> Path:
         return (self.run_dir or self.state_dir) / MEMBERS_FILE
 

@@ -39,6 +39,7 @@ from dfl_agent.algorithms.protocols.synchronization import (
     is_empty,
     send_with_participation,
     suspend_deadline,
+    waits_alone,
 )
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
 from dfl_agent.learning.robust import check_options as check_robust_options
@@ -175,7 +176,7 @@ async def collect_round(
         while (msg := await ctx.receive(kind, round=t, deadline=now)) is not None:
             intake(msg)
         missing = [p for p in neighbours if p not in got]
-        if not missing or now >= deadline:
+        if (not missing and not waits_alone(ctx, neighbours)) or now >= deadline:
             held = await suspend_deadline(ctx, deadline, budget, kind)
             if held != deadline:  # the broker went away: wait on instead of closing alone
                 deadline = held

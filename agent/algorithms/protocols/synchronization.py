@@ -83,6 +83,17 @@ async def suspend_deadline(ctx: Any, deadline: float, budget: float, kind: str |
     return max(deadline + held, ctx.clock.now() + min(budget, grace))
 
 
+def waits_alone(ctx: Any, peers: Collection[str]) -> bool:
+    """Whether a round with no live neighbour (``peers`` empty) waits for its deadline
+    instead of closing at once: where the node's context says so (``ctx.alone_waits``, the
+    agent's: the run has other members, and they have not finished it).  A peer set that
+    emptied because a WAN outage or a partition outlasted the heartbeat timeout must not
+    make the node race through its rounds alone, ahead of the members it will meet again.
+    The simulator's contexts have no ``alone_waits``: a node without neighbours goes on."""
+    check = getattr(ctx, "alone_waits", None)
+    return not peers and check is not None and bool(check())
+
+
 def is_empty(msg: Message) -> bool:
     """Whether ``msg`` is a partial-participation placeholder (no model in it)."""
     return msg.meta.get(EMPTY_KEY) is True and not msg.tensors
@@ -327,7 +338,7 @@ class UpdateMarket:
                 if msg is None:
                     break
                 self._intake(ctx, msg, t, members, validate, outsider_reason, departed)
-            satisfied = self.ready(t, current)
+            satisfied = self.ready(t, current) and not waits_alone(ctx, current)
             if satisfied or now >= deadline:
                 held = await suspend_deadline(ctx, deadline, budget, kind)
                 if held != deadline:  # the broker went away: wait on instead of closing alone
