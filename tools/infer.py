@@ -118,7 +118,8 @@ async def _run(a: argparse.Namespace) -> int:
     if s["mdns"]:
         from dfl_agent.discovery.mdns import MdnsDiscovery
 
-        mdns = MdnsDiscovery(member.peers, node_id=nid, federation=s["federation"], descriptor=member.descriptor,
+        advertised = {k: v for k, v in member.descriptor.items() if k not in ("address", "cert")}  # presence only
+        mdns = MdnsDiscovery(member.peers, node_id=nid, federation=s["federation"], descriptor=advertised,
                              interfaces=s["mdns"])
         await mdns.start()
     try:

@@ -5,8 +5,10 @@ It connects to its MQTT broker like any node (presence with the descriptor
 will), optionally advertises itself over mDNS, and waits for ``onnx.model`` messages
 that training peers send it (:class:`dfl_agent.runtime.onnx_publisher.OnnxPublisher`): the
 sender's deployable model exported to ONNX whenever its accuracy improved.  Each
-accepted model is written atomically to ``state_dir/model.onnx``; when a window file
-is configured, the member predicts on it and writes ``state_dir/predictions.json``.
+accepted model is written atomically to ``state_dir/model.onnx`` and described by one JSON
+line appended to ``state_dir/models.jsonl`` (``time``, ``version``, ``round``, ``source``,
+``accuracy``, and ``run_id``/``sha256`` when sent); when a window file is configured, the
+member predicts on it and writes ``state_dir/predictions.json``.
 Training peers exclude it from their rounds (it advertises algorithm ``inference``).
 
 Message ``kind="onnx.model"``: tensors ``{"onnx": uint8 (nbytes,)}``; meta
@@ -110,6 +112,8 @@ class InferenceMember:
         self.predictions: dict[str, Any] | None = None
         self.state = "waiting_for_model"
         self.started = time.time()
+        #: the drop counts of the last status published (a change is published within a second)
+        self.published_errors: dict[str, int] = {}
 
     def _guard(self, node_id: str, federation: str) -> Any:
         """A signing :class:`~dfl_agent.security.SecurityGuard` (signatures not required
@@ -150,8 +154,10 @@ class InferenceMember:
         }
 
     async def publish_status(self) -> None:
+        doc = self.status()
+        self.published_errors = doc["errors"]
         try:
-            await self.ctx.transport.publish_status(self.status())
+            await self.ctx.transport.publish_status(doc)
         except Exception as exc:  # noqa: BLE001 - status is best effort
             log.warning("could not publish status: %s", exc)
 
@@ -179,6 +185,9 @@ class InferenceMember:
                            "accuracy": msg.meta.get("accuracy"), "spec_hash": msg.meta.get("spec_hash", ""),
                            **{k: msg.meta[k] for k in ("run_id", "sha256", "deployed") if k in msg.meta}}
         _atomic_write(self.state_dir / "model.onnx", blob.tobytes())
+        with open(self.state_dir / "models.jsonl", "a", encoding="utf-8") as f:  # every model taken, in order
+            f.write(json.dumps({"time": time.time(), **{k: v for k, v in self.model_meta.items()
+                                                        if k != "spec_hash"}}, default=str) + "\n")
         log.info("model v%s of round %s from %s (%d bytes)", self.model_meta["version"], rnd, msg.sender, blob.size)
         self.state = "serving"
         if self.windows:
@@ -194,13 +203,10 @@ class InferenceMember:
     async def run(self, stop: asyncio.Event, poll: float = 1.0) -> None:
         """Receive models until ``stop`` is set."""
         loop = asyncio.get_running_loop()
-        published = self.ctx.counters()["dropped"]
         while not stop.is_set():
             msg = await self.ctx.receive(ONNX_KIND, deadline=loop.time() + poll)
             if msg is None:
-                dropped = self.ctx.counters()["dropped"]
-                if dropped != published:  # frames dropped (unsigned, untrusted, ...): the status says so
-                    published = dropped
+                if self.ctx.counters()["dropped"] != self.published_errors:  # frames dropped (unsigned, ...)
                     await self.publish_status()
                 continue
             try:

@@ -121,7 +121,7 @@ def test_inference_member_takes_only_signed_models_over_tls(tmp_path):
 
     def config(node: str) -> Path:
         creds = tomllib.loads((fed_dir / "credentials" / f"{node}.toml").read_text())
-        raw = dict(creds, state_dir=str(tmp_path / node), discovery={"mdns": False},
+        raw = dict(creds, state_dir=str(tmp_path / node), discovery={"mdns": node == "inf", "interfaces": ["127.0.0.1"]},
                    mqtt=dict(creds["mqtt"], broker=broker, tls_ca=str(tmp_path / "ca.crt"), heartbeat_interval=1.0))
         path = tmp_path / f"{node}.toml"
         path.write_text(dump_toml(config_from_dict(raw)))
@@ -169,7 +169,7 @@ def test_inference_member_takes_only_signed_models_over_tls(tmp_path):
                     deadline = time.monotonic() + timeout
                     while not pred():
                         assert member.poll() is None, member.stderr.read()
-                        assert time.monotonic() < deadline, statuses[-1:] or "no status from the member"
+                        assert time.monotonic() < deadline, json.dumps(statuses[-1:])
                         await asyncio.sleep(0.1)
 
                 # the member's signed presence is trusted (its keys-enroll certificate); it knows t
@@ -225,6 +225,8 @@ def test_inference_member_takes_only_signed_models_over_tls(tmp_path):
         s = statuses[-1]
         assert s["model_version"] == 1 and s["model_source"] == "t"
         assert (tmp_path / "inf" / "model.onnx").read_bytes() == real
+        taken = [json.loads(line) for line in (tmp_path / "inf" / "models.jsonl").read_text().splitlines()]
+        assert [(m["version"], m["source"]) for m in taken] == [(1, "t")]
         assert s["errors"] == {"unsigned": 1, "bad_signature": 1, "unknown_sender": 1}, s["errors"]
         assert rss < 100, f"the torch-free member uses {rss:.0f} MB"  # 57 MB measured
     finally:
