@@ -1,7 +1,7 @@
 """The smoke scenario, as CI runs it: ``dflctl lab run tools/lab/scenarios/smoke.toml`` as
 root builds a site (TLS mosquitto with logins and the shipped ACL, an operator, three real
 always-on agents with signatures, compression and multicast mDNS, each fed its HAR user's
-windows), submits a run, cuts a device off and stops the broker, writes the report, checks
+windows, and a torch-free inference member), submits a run, cuts a device off and stops the broker, writes the report, checks
 it, and leaves nothing behind. Skipped, with the reason, where the lab cannot run.
 
 The lab exists to find the agent's defects. A failed check whose cause the lab has found
@@ -71,7 +71,7 @@ def test_the_smoke_scenario(tmp_path):
     rep = json.loads((out / "report.json").read_text())
     # nothing of this lab is left (other labs may run beside it): no namespace, no state file
     lab = rep["lab_id"]
-    assert re.fullmatch(r"[0-9a-f]{8}", lab) and f"lab {lab}: building 3 device(s)" in r.stderr
+    assert re.fullmatch(r"[0-9a-f]{8}", lab) and f"lab {lab}: building 4 device(s)" in r.stderr
     assert not [n for n in _namespaces() if n.startswith(f"dfl-lab-{lab}-")], _namespaces()
     assert not (state_dir() / f"{lab}.json").exists()
     assert not _processes_using(out), "processes of the lab still run"
@@ -80,9 +80,14 @@ def test_the_smoke_scenario(tmp_path):
             "bytes_total"} <= set(rep)
     assert rep["scenario"] == "smoke" and rep["mechanisms"]["rate"] == "tbf"
     assert rep["mechanisms"]["loss"] in ("netem", "iptables") and rep["mechanisms"]["memory"].startswith("cgroup-v")
-    assert [d["id"] for d in rep["devices"]] == ["pi-0", "pi-1", "pi-2"]
+    assert [d["id"] for d in rep["devices"]] == ["pi-0", "pi-1", "pi-2", "cam-0"]
     assert rep["compression"] == dict.fromkeys(("pi-0", "pi-1", "pi-2"), lab_compression())
-    for d in rep["devices"]:
+    train = [d for d in rep["devices"] if d["role"] == "train"]
+    cam = rep["devices"][-1]  # the inference member (dfl-infer, torch-free): nothing fed, no rounds
+    assert cam["role"] == "inference" and set(cam) >= DEVICE_KEYS and cam["address"].startswith("198.18.")
+    assert cam["samples_fed"] is None and cam["rounds_trained"] is None and cam["memory_limit_mb"] == 256
+    assert 0 < cam["peak_rss_mb"] < 150 and (out / "logs" / "cam-0.log").stat().st_size > 0
+    for d in train:
         assert set(d) >= DEVICE_KEYS, d
         assert d["address"].startswith("198.18.") and d["memory_limit_mb"] == 1024
         assert d["samples_fed"] > 0 and (out / "logs" / f"{d['id']}.log").stat().st_size > 0
@@ -96,7 +101,7 @@ def test_the_smoke_scenario(tmp_path):
     curve, tta = rep["runs"][0]["accuracy_curve"], rep["runs"][0]["time_to_accuracy"]
     assert curve and tta["target"] == 0.65 and tta["best"] == max(p[2] for p in curve)
     assert {"pi-0", "pi-1", "pi-2", "broker-a", "operator"} <= set(rep["links"])
-    for d in rep["devices"]:
+    for d in train:
         assert d["round_accuracy"] and all(0 <= a <= 1 for _, _, a in d["round_accuracy"]), d["id"]
         metrics = next((out / "metrics" / d["id"]).glob("*.jsonl")).read_text().splitlines()
         sent = max(json.loads(line)["bytes_sent"] for line in metrics)
@@ -109,9 +114,11 @@ def test_the_smoke_scenario(tmp_path):
     if r.returncode == 0:
         assert rep["runs"][0]["state"] == "finished" and "mdns" in rep["discovery"]["via"]
         assert rep["discovery"]["mdns_missing"] == []  # every pair found each other through mDNS
-        assert all(d["rounds_alone"] == 0 and d["deployed_versions"] for d in rep["devices"])
+        assert all(d["rounds_alone"] == 0 and d["deployed_versions"] for d in train)
+        # the inference member received the run's deployed models over TLS, signed (inference_received)
+        assert {g["run_id"] for g in cam["received"]} == {rep["runs"][0]["run_id"]} and cam["accuracy"] is not None
         # the deployed model is the last round's: its held-out accuracy, measured both ways
-        last = [d["round_accuracy"][-1][2] for d in rep["devices"]]
+        last = [d["round_accuracy"][-1][2] for d in train]
         assert sum(last) / len(last) == pytest.approx(rep["runs"][0]["final_accuracy_mean"], abs=0.002)
         return
     logs = "\n".join(p.read_text(errors="replace") for p in (out / "logs").glob("*.log"))

@@ -10,7 +10,7 @@ import pytest
 import tomllib
 
 from dfl_agent.cli.dflctl import main as dflctl
-from dfl_agent.cli.lab.scenario import NotYet, ScenarioError, load, parse
+from dfl_agent.cli.lab.scenario import ScenarioError, load, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "tools" / "lab" / "scenarios" / "smoke.toml"
@@ -57,7 +57,8 @@ def _doc(extra: str = "", **replace: str) -> dict:
 
 def test_the_smoke_scenario_parses():
     s = load(SMOKE)
-    assert [d.id for d in s.devices] == ["pi-0", "pi-1", "pi-2"]
+    assert [d.id for d in s.devices] == ["pi-0", "pi-1", "pi-2", "cam-0"]
+    assert [d.id for d in s.training()] == ["pi-0", "pi-1", "pi-2"] and s.checks["inference_received"]
     assert len(s.runs) == 1 and {e.kind for e in s.events} == {"partition", "broker_outage"}
     assert s.checks["max_rounds_alone"] == 0 and s.checks["min_final_accuracy"] > 0
 
@@ -124,10 +125,30 @@ def test_two_sites_a_wan_and_wan_down():
     assert (s.events[1].kind, s.events[1].target, s.events[1].end_s) == ("wan_down", "wan", 28.0)
 
 
-def test_what_the_lab_does_not_do_yet_is_said():
-    with pytest.raises(NotYet) as e:
-        parse(_doc('[[device]]\nclass = "gate"\nrole = "inference"\n'))
-    assert e.value.key == "device[3].role"
+def test_an_inference_member_is_a_device_that_does_not_train():
+    s = parse(_doc('[[device]]\nclass = "gate"\nrole = "inference"\n'))
+    assert [(d.id, d.role) for d in s.devices][-1] == ("gate-1", "inference")
+    assert "gate-1" not in [d.id for d in s.training()]
+    with pytest.raises(ScenarioError) as e:  # its process is not an agent: no power cut
+        parse(_doc('[[device]]\nclass = "gate"\nrole = "inference"\n'
+                   '[[event]]\nat_s = 5\nkind = "power_cut"\ntarget = "gate-1"\nduration_s = 3\n'))
+    assert e.value.key == "event[1].target"
+
+
+def test_inference_received_fails_for_a_member_without_the_deployed_run():
+    from dfl_agent.cli.lab.members import member_checks
+
+    check = {"inference_received": True}
+    run = {"run_id": "r-1", "state": "finished", "members": ["pi-0"], "deployed_on": ["pi-0"]}
+    cam = {"id": "cam-0", "role": "inference", "deployed_versions": [2], "received": [{"version": 2, "run_id": "r-1"}]}
+    assert member_checks(check, {"devices": [cam], "runs": [run]}) == []
+    old = dict(cam, received=[{"version": 1, "run_id": "r-0"}])
+    assert member_checks(check, {"devices": [old], "runs": [run]}) == ["inference_received: cam-0 received no model "
+                                                                       "of run r-1"]
+    none = dict(cam, deployed_versions=[], received=[])
+    assert member_checks(check, {"devices": [none], "runs": [dict(run, deployed_on=[])]}) == [
+        "inference_received: cam-0 received no model"]
+    assert member_checks({}, {"devices": [none], "runs": [run]}) == []  # not asked for
 
 
 def test_lab_run_exits_2_naming_the_key(tmp_path, capsys):
@@ -173,6 +194,10 @@ def test_every_check_can_fail():
                                             "deployed_on": ["pi-0"]}]),
         "discovery_via": _report(discovery={"seconds_to_full_membership": None, "via": []}),
         "min_final_accuracy": _report(final_accuracy_mean=0.2),
+        "inference_received": _report(devices=[{"id": "pi-0", "role": "train", "samples_lost": 0, "oom_kills": 0,
+                                                "rounds_alone": 0},
+                                               {"id": "cam-0", "role": "inference", "deployed_versions": [],
+                                                "received": []}]),
     }
     for check, rep in cases.items():
         failed = evaluate_checks(s, rep)

@@ -117,6 +117,9 @@ def evaluate_checks(sc: Scenario, rep: dict[str, Any]) -> list[str]:
                           f"{', '.join(via) or 'nothing'}"
                           + (f"; not through mdns on the lab address: {', '.join(missing)}" if missing else "")
                           + ")")
+    from dfl_agent.cli.lab.members import member_checks
+
+    failed += member_checks(c, rep)  # inference_received
     if "min_final_accuracy" in c:
         acc = rep.get("final_accuracy_mean")
         if acc is None or acc < c["min_final_accuracy"]:
@@ -165,6 +168,11 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
 
     devices = []
     for d in sc.devices:
+        if d.role == "inference":  # a dfl-infer member: what it received (lab.members)
+            from dfl_agent.cli.lab.members import member_row
+
+            devices.append(member_row(run, d, bundle.test))
+            continue
         a = run.agents.get(d.id)
         cg = run.cgroups.get(d.id, {})
         st = _store(a.state) if a else {}

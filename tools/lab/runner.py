@@ -137,6 +137,8 @@ class LabRun:
         self.say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.fed = "lab"
         self.agents: dict[str, Agent] = {}
+        #: inference members (``role = "inference"``): dfl-infer processes
+        self.members: dict[str, Agent] = {}
         self.brokers: dict[str, subprocess.Popen[Any]] = {}
         self.run_ids: list[str | None] = []
         self.run_submitted: list[float] = []
@@ -264,6 +266,31 @@ class LabRun:
         path.chmod(0o600)
         return Agent(d, state, path, self.out / "logs" / f"{d.id}.log")
 
+    # ---- inference members ----------------------------------------------------------
+    def make_member(self, d: Device, creds: dict[str, Any]) -> Agent:
+        """An inference member's node configuration (``dfl-infer run --config``): its enrolled
+        credentials and key, TLS to its site's broker, signatures required, mDNS on its lab
+        address."""
+        from dfl_agent.runtime.config import config_from_dict, dump_toml
+
+        state = self.out / "devices" / d.id / "state"
+        broker = self.lab.hosts[f"broker-{d.site}"].address
+        raw = {"federation": self.fed, "node_id": d.id, "state_dir": str(state),
+               "mqtt": {"broker": f"{broker}:{PORT}", "tls_ca": str(self.ca.cafile), "heartbeat_interval": 2.0,
+                        **creds.get("mqtt", {})},
+               "discovery": {"mdns": True, "interfaces": [self.lab.hosts[d.id].address], "heartbeat_timeout": 30.0},
+               "security": dict(creds.get("security", {}), require_signatures=True)}
+        path = self.out / "devices" / d.id / "node.toml"
+        path.write_text(dump_toml(config_from_dict(raw)))
+        path.chmod(0o600)
+        return Agent(d, state, path, self.out / "logs" / f"{d.id}.log")
+
+    def start_member(self, a: Agent) -> None:
+        with open(a.log, "a") as f:
+            a.proc = self.lab.popen(a.device.id, [PY, "-m", "dfl_agent.cli.infer", "run", "--config", str(a.config)],
+                                    stdout=f, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        a.starts.append(time.monotonic())
+
     def start_agent(self, a: Agent) -> None:
         with open(a.log, "a") as f:
             a.proc = self.lab.popen(a.device.id, [PY, "-m", "dfl_agent.runtime.daemon", "run", "--config",
@@ -367,6 +394,12 @@ class LabRun:
 
     def _late(self, d: Device) -> None:
         creds = self.enroll(d.id, self.out / "devices" / d.id / "state")
+        if d.role == "inference":
+            m = self.members[d.id] = self.make_member(d, creds)
+            self.reload_brokers()
+            time.sleep(0.5)
+            self.start_member(m)
+            return
         a = self.agents[d.id] = self.make_agent(d, creds, self.store_meta)
         self.reload_brokers()
         time.sleep(0.5)
@@ -480,6 +513,9 @@ class LabRun:
                 x, y = data[d.id]
                 given[d.id] = min(len(y), sc.initial_windows)
                 drop_into_spool(state / "spool", "initial.npz", x[:given[d.id]], y[:given[d.id]])
+            for d in sc.devices:
+                if d.role == "inference" and d.start_s <= 0:
+                    self.members[d.id] = self.make_member(d, self.enroll(d.id, out / "devices" / d.id / "state"))
             self.bridges = {s: self.enroll_bridge(s) for s in sc.sites[1:]}  # to the hub, the first site
             for s in sc.sites:
                 self.start_broker(s)
@@ -495,6 +531,8 @@ class LabRun:
             for a in self.agents.values():
                 if a.device.start_s <= 0:
                     self.start_agent(a)
+            for m in self.members.values():
+                self.start_member(m)
             feeder = Feeder({n: out / "devices" / n / "state" / "spool" for n in data}, data, given, sc.feed_chunk,
                             sc.feed_interval_s, out / "feed.jsonl")
             feeder.limit = {n: len(data[n][1]) for n in data}
@@ -505,7 +543,7 @@ class LabRun:
                 feeder.stop()
                 feeder.join(5)
                 self._settle_spools()
-                for a in self.agents.values():
+                for a in [*self.agents.values(), *self.members.values()]:
                     self.stop_agent(a)
                 self.cgroups = {n: {"peak_mb": h.cgroup.peak_mb(), "oom_kills": h.cgroup.oom_kills(),
                                     "limit_mb": h.cgroup.memory_mb}
@@ -555,7 +593,7 @@ class LabRun:
                     self.say(f"[{t:6.1f} s] {what}")
                     fn()
                     done[k] = True
-            for a in self.agents.values():
+            for a in [*self.agents.values(), *self.members.values()]:
                 if a.proc is not None:
                     if a.proc.poll() is not None:
                         self.notes.append(f"{a.device.id}: the agent exited with {a.proc.returncode} at {t:.0f} s")

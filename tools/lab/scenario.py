@@ -6,13 +6,13 @@ The format (every table and key is optional unless said otherwise)::
                 feed_interval_s, feed_chunk, initial_windows, max_windows   (the feeder)
     [[site]]    name                                      (at least one)
     [[class]]   name, cpu, memory_mb, rate, loss, profile, agent = {...}
-    [[device]]  class, site, count, role ("train"), start_s
+    [[device]]  class, site, count, role ("train", or "inference": a dfl-infer member), start_s
     [wan]       rate, loss                                (two or more sites only)
     [[run]]     at_s, algorithm, rounds, models, options = {...}, min_members, start_timeout
     [[event]]   at_s, kind, target, duration_s, value, period_s, down_s,
                 after_run (at_s counts from when that run's first round closed on every member)
     [checks]    samples_lost, oom_kills, max_recovery_s, max_rounds_alone,
-                all_runs_deployed, discovery_via, min_final_accuracy
+                all_runs_deployed, discovery_via, min_final_accuracy, inference_received
     [agent]     a node-configuration fragment for every agent
 
 Device ids are ``<class>-<n>``, n counted from 0 per class across the whole file, in the
@@ -33,7 +33,7 @@ from dfl_agent.cli.lab.net import parse_rate
 
 EVENT_KINDS = ("partition", "flap", "wan_down", "broker_outage", "power_cut", "loss", "rate")
 CHECKS = ("samples_lost", "oom_kills", "max_recovery_s", "max_rounds_alone", "all_runs_deployed",
-          "discovery_via", "min_final_accuracy")
+          "discovery_via", "min_final_accuracy", "inference_received")
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,15}$")
 #: host names the lab uses for itself (a class may not be called so)
 RESERVED = ("broker", "operator", "sw", "gw", "router", "probe", "check")
@@ -254,9 +254,6 @@ def parse(doc: dict[str, Any], path: str = "scenario.toml") -> Scenario:
         role = d.get("role", "train")
         if role not in ("train", "inference"):
             raise ScenarioError(f"{w}.role", f"\"train\" or \"inference\", not {role!r}")
-        if role == "inference":
-            raise NotYet(f"{w}.role", "the inference member is not in the lab yet (dfl-infer cannot log in to "
-                                      "a TLS broker with credentials)")
         if d.get("count", 1) < 1:
             raise ScenarioError(f"{w}.count", f"at least 1, not {d['count']!r}")
         _nonneg(f"{w}.start_s", d.get("start_s"))
@@ -306,6 +303,8 @@ def parse(doc: dict[str, Any], path: str = "scenario.toml") -> Scenario:
                 raise ScenarioError(f"{w}.target", f"a site for broker_outage, not {target!r}")
         elif target not in ids:
             raise ScenarioError(f"{w}.target", f"a device id ({', '.join(sorted(ids))}) for {kind}, not {target!r}")
+        elif kind == "power_cut" and target not in {d.id for d in s.training()}:
+            raise ScenarioError(f"{w}.target", f"a training device for power_cut, not the inference member {target!r}")
         if kind in ("partition", "flap", "wan_down", "broker_outage", "power_cut") and not e.get("duration_s"):
             raise ScenarioError(f"{w}.duration_s", f"{kind} needs a duration above 0")
         value = e.get("value", "")
@@ -326,7 +325,8 @@ def parse(doc: dict[str, Any], path: str = "scenario.toml") -> Scenario:
 
     checks = _take(top.get("checks", {}), "checks", {
         "samples_lost": (int,), "oom_kills": (int,), "max_recovery_s": NUM, "max_rounds_alone": (int,),
-        "all_runs_deployed": (bool,), "discovery_via": (str,), "min_final_accuracy": NUM})
+        "all_runs_deployed": (bool,), "discovery_via": (str,), "min_final_accuracy": NUM,
+        "inference_received": (bool,)})
     if "discovery_via" in checks and checks["discovery_via"] not in ("mdns", "presence", "static"):
         raise ScenarioError("checks.discovery_via", f"\"mdns\", \"presence\" or \"static\", not "
                                                     f"{checks['discovery_via']!r}")
