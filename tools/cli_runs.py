@@ -228,7 +228,8 @@ def _say_hidden(cmd: str, hidden: collections.Counter[str]) -> None:
 
 def run_view(run_id: str, msg: dict[str, Any], statuses: dict[str, Any]) -> dict[str, Any]:
     """The JSON of ``dflctl run show``: descriptor fields plus each node's view of the run
-    (``nodes: {id: {state, round, reason}}``) and an overall ``state``."""
+    (``nodes: {id: {state, round, reason, started_from}}``, ``started_from`` the deployed
+    version the node's run started from: its warm start) and an overall ``state``."""
     d = msg.get("descriptor") or {}
     nodes: dict[str, dict[str, Any]] = {}
     for nid, st in sorted(statuses.items()):
@@ -238,7 +239,7 @@ def run_view(run_id: str, msg: dict[str, Any], statuses: dict[str, Any]) -> dict
             r = {**hist[run_id], "id": run_id} if isinstance(hist, dict) and isinstance(hist.get(run_id), dict) else None
         if isinstance(r, dict) and r.get("id") == run_id:
             nodes[nid] = {"state": r.get("state", ""), "round": r.get("round", 0) or 0,
-                          "reason": r.get("reason", "") or ""}
+                          "reason": r.get("reason", "") or "", "started_from": r.get("started_from")}
     states = {n["state"] for n in nodes.values()}
     if d.get("cancelled") or msg.get("cancel_record"):
         state = "cancelled"
@@ -255,7 +256,7 @@ def run_view(run_id: str, msg: dict[str, Any], statuses: dict[str, Any]) -> dict
     return {"schema_version": 1, "run_id": run_id, "name": d.get("name", ""), "state": state,
             "algorithm": d.get("algorithm"), "rounds": d.get("rounds"), "options": d.get("options", {}),
             "members": d.get("members"), "min_members": d.get("min_members"), "submitter": d.get("submitter"),
-            "submitted_at": d.get("submitted_at"), "not_after": d.get("not_after"),
+            "submitted_at": d.get("submitted_at"), "not_after": d.get("not_after"), "init": d.get("init"),
             "cancel_record": bool(msg.get("cancel_record")), "signed": msg.get("sig") is not None,
             "trust": msg.get("trust", "unverified"), "verified": msg.get("trust") == "operator", "nodes": nodes}
 
@@ -321,7 +322,7 @@ def cmd_submit(a: argparse.Namespace) -> int:
             "training": training,
             "members": a.members.split(",") if a.members else "all", "min_members": a.min_members,
             "start_timeout": a.start_timeout, "submitter": name, "submitted_at": now, "seq": 1,
-            "not_after": now + valid_for,
+            "not_after": now + valid_for, "init": a.init,
         })
     except ValueError as exc:
         print(f"dflctl run submit: {exc}", file=sys.stderr)
@@ -356,7 +357,7 @@ def submitted_view(a: argparse.Namespace, t: FleetTarget, d: Any, signed: bool) 
     return {"schema_version": 1, "run_id": d.run_id, "federation": t.federation, "broker": t.broker,
             "name": d.name, "algorithm": d.algorithm, "rounds": d.rounds, "members": d.members,
             "min_members": d.min_members, "start_timeout": d.start_timeout, "submitter": d.submitter,
-            "signed": signed, "submitted_at": d.submitted_at, "not_after": d.not_after,
+            "signed": signed, "submitted_at": d.submitted_at, "not_after": d.not_after, "init": d.init,
             "follow": follow_command(a, d.run_id)}
 
 
@@ -458,8 +459,11 @@ def cmd_show(a: argparse.Namespace) -> int:
         return 0
     print(f"run {v['run_id']} ({v['name']}): {v['state']}, {v['algorithm']} x {v['rounds']} rounds, "
           f"submitted by {v['submitter'] or '?'}{'' if v['signed'] else ' (unsigned)'} [{v['trust']}]")
+    init = v["init"] or "each node's runtime.run_init"
+    print(f"  init: {init}")
     for nid, n in v["nodes"].items():
-        print(f"  {nid}: {n['state']} round {n['round']}{'  ' + n['reason'] if n['reason'] else ''}")
+        start = "" if n.get("started_from") is None else f"  started from v{n['started_from']}"
+        print(f"  {nid}: {n['state']} round {n['round']}{start}{'  ' + n['reason'] if n['reason'] else ''}")
     return 0
 
 
@@ -510,6 +514,9 @@ def register(sub: Any) -> None:
     s.add_argument("--start-timeout", type=float, default=600.0,
                    help="seconds to wait for --min-members before the run fails")
     s.add_argument("--name", default=None, help="a human label")
+    s.add_argument("--init", choices=["deployed", "fresh"], default=None,
+                   help="where each member's model starts: its deployed model when the architecture matches "
+                        "(deployed), or fresh weights (default: each node's runtime.run_init, itself deployed)")
     s.add_argument("--run-id", default=None, help="use this run id instead of a generated one")
     s.add_argument("--not-after", default="24h", metavar="DURATION",
                    help="how long after submission a device that has not started the run may still start it "

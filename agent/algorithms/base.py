@@ -33,6 +33,34 @@ log = logging.getLogger(__name__)
 _REGISTRY: dict[str, type[Algorithm]] = {}
 
 
+def architecture_mismatch(model: nn.Module, state: Mapping[str, np.ndarray]) -> str | None:
+    """Why ``state`` (``state_dict`` names -> arrays) cannot be loaded into ``model``: names
+    missing or extra, or the first tensor whose shape differs; None when it fits exactly."""
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or extra:
+        return (f"the tensors differ ({len(missing)} missing, e.g. {missing[:2]}; {len(extra)} extra, "
+                f"e.g. {extra[:2]})")
+    for k, shape in own.items():
+        if tuple(np.shape(state[k])) != shape:
+            return f"{k} is {tuple(np.shape(state[k]))} in the deployed model, {shape} in the run's"
+    return None
+
+
+def load_matching(model: nn.Module, state: Mapping[str, np.ndarray]) -> None:
+    """Load ``state`` into ``model`` (a copy of every tensor, in the model's dtypes and device).
+
+    Raises:
+        ValueError: :func:`architecture_mismatch`'s reason; ``model`` is unchanged.
+    """
+    why = architecture_mismatch(model, state)
+    if why is not None:
+        raise ValueError(why)
+    own = model.state_dict()
+    model.load_state_dict({k: torch.as_tensor(np.array(state[k], copy=True)).to(own[k].device, own[k].dtype)
+                           for k in own})
+
+
 @dataclasses.dataclass
 class GuardResult:
     """Outcome of one step run under :meth:`Algorithm.divergence_guard`.
@@ -243,6 +271,20 @@ class Algorithm:
     def deployable_model(self) -> nn.Module:
         """The model this node would deploy now (evaluated as 'global accuracy')."""
         raise NotImplementedError
+
+    def warm_start(self, state: Mapping[str, np.ndarray]) -> str:
+        """Start the run from a deployed model's weights ``state`` (``state_dict`` names ->
+        arrays; :mod:`dfl_agent.runtime.warm_start`): called after :meth:`setup`, before round 1,
+        never on a resumed run.  The default loads them into :meth:`deployable_model`; an
+        algorithm that trains another model, or derives state from its model in :meth:`setup`,
+        overrides it.  Returns which model(s) it loaded, for the log.
+
+        Raises:
+            ValueError: the names or shapes of ``state`` are not those of the model (the
+                caller then starts fresh and says why); nothing was loaded.
+        """
+        load_matching(self.deployable_model(), state)
+        return "the deployable model"
 
     def evaluation_models(self) -> dict[str, nn.Module]:
         """Further models to evaluate each round besides the deployable one (e.g.

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dfl_agent.algorithms.base import Traits, register
+from dfl_agent.algorithms.base import Traits, load_matching, register
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.rotating import RotatingAggregator, RotationOptions
 from dfl_agent.learning.losses import weighted_softmax_ce
@@ -244,6 +244,13 @@ class DFML(RotatingAggregator):
     # -- reporting -------------------------------------------------------------------
     def deployable_model(self) -> nn.Module:
         return self.peak
+
+    def warm_start(self, state: Any) -> str:
+        """The deployed model is a peak model: both the peak and the regular model start from it
+        (a regular model started fresh would pull the peak back towards random weights)."""
+        load_matching(self.peak, state)
+        load_matching(self.regular, state)
+        return "the peak and the regular model"
 
     def evaluation_models(self) -> dict[str, nn.Module]:
         return {"regular": self.regular}

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 
-from dfl_agent.algorithms.base import Traits, register
+from dfl_agent.algorithms.base import Traits, load_matching, register
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.rotating import GlobalModelRotation, RotationOptions, global_init_seed
 from dfl_agent.learning import d2s
@@ -235,6 +235,13 @@ class FedD2S(GlobalModelRotation):
     # -- reporting -------------------------------------------------------------------
     def deployable_model(self) -> nn.Module:
         return self.personal
+
+    def warm_start(self, state: Any) -> str:
+        """The personal model and the initial global model θ^g (the aggregator of round 1
+        sends its own)."""
+        load_matching(self.personal, state)
+        self._initial = self._template = model_to_numpy(self.personal)
+        return "the personal model and the initial global model"
 
     def status(self) -> dict[str, Any]:
         return {**super().status(), "participations": self.z, "distillations": self.distillations,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from dfl_agent.algorithms.base import Traits, register
+from dfl_agent.algorithms.base import Traits, load_matching, register
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.rotating import GlobalModelRotation, RotationOptions, global_init_seed
 from dfl_agent.learning.aggregation import weighted_average
@@ -104,6 +104,13 @@ class FedPer(GlobalModelRotation):
 
     def initial_global(self) -> Tensors:
         return self._base(self.new_model(seed=global_init_seed(self.ctx.seed)))
+
+    def warm_start(self, state: Any) -> str:
+        """The local model (shared base and personal head) and the initial global base θ^g:
+        the deployed model's base (the aggregator of round 1 sends its own)."""
+        load_matching(self.model, state)
+        self._initial = self._template = self._base(self.model)
+        return "the local model and the initial global base"
 
     def _load_base(self, base: Tensors) -> None:
         check_compatible(base, self._template)

@@ -78,7 +78,8 @@ def load_torch(folder: str | Path) -> Any:
 def deploy_model(models: ModelStore, model: Any, spec: dict[str, Any], input_shape: Sequence[int],
                  class_names: Sequence[str], val_x: np.ndarray, val_y: np.ndarray, *, run_id: str,
                  round: int, algorithm: str, tolerance: float = 0.01, min_validation: int = 20,
-                 force: bool = False, onnx: bool | None = None, switch: bool = True) -> dict[str, Any]:
+                 force: bool = False, onnx: bool | None = None, switch: bool = True,
+                 started_from: int | None = None) -> dict[str, Any]:
     """The deploy gate, then install or stage.
 
     Evaluates ``model`` and the deployed model on today's validation slice ``(val_x, val_y)``.
@@ -88,6 +89,8 @@ def deploy_model(models: ModelStore, model: Any, spec: dict[str, Any], input_sha
     manifest's ``note`` says so).  A refused candidate goes to ``models/candidate``.
     ``switch=False`` installs the version without switching ``current`` to it
     (:meth:`~dfl_agent.deploy.versions.ModelStore.install`; a run process's supervisor switches).
+    ``started_from``: the version the run started from (its warm start; None: fresh weights),
+    recorded in the manifest.
 
     Returns:
         ``{"deployed": bool, "version": int|None, "accuracy": float, "deployed_accuracy":
@@ -117,7 +120,8 @@ def deploy_model(models: ModelStore, model: Any, spec: dict[str, Any], input_sha
                 f"(tolerance {tolerance:g})")
     info = {"run_id": run_id, "round": int(round), "algorithm": algorithm,
             "accuracy": None if math.isnan(acc) else acc, "validation_samples": n,
-            "deployed_accuracy": dep_acc, "forced": bool(force), "note": note, "time": time.time()}
+            "deployed_accuracy": dep_acc, "forced": bool(force), "note": note, "time": time.time(),
+            "started_from": started_from}
     files = model_files(model, spec, input_shape, class_names, val_x, onnx=onnx)
     if ok:
         version = models.install(files, info, switch=switch)

@@ -60,6 +60,7 @@ from dfl_agent.runtime.reload import reload_config
 from dfl_agent.runtime.run_config import node_id_from_state
 from dfl_agent.runtime.sample_store import open_store, seed_store, snapshot_from_checkpoint, spool_loop, store_data
 from dfl_agent.runtime.systemd import Notifier, status_loop, watchdog_loop
+from dfl_agent.runtime.warm_start import begin_run
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -126,6 +127,7 @@ class Agent(RunMembers):
         self.store: Any = None
         self.snapshot: Any = None
         self.deployed: Any = None  # the last deploy result
+        self.start: dict[str, Any] = {}  # the run's start (runtime.warm_start): init, started_from, reason
         self.publisher: Any = None  # sends the model to inference-only members (runtime.onnx_publisher)
         self.run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())  # until runs have their own ids
         #: the data's (input shape, number of classes), once loaded (runs: accept-time memory check)
@@ -326,7 +328,7 @@ class Agent(RunMembers):
                     return 3
                 start_round = await self._setup(stack, spec)
                 if start_round is None and self.run_desc is not None:  # restarted after its last round
-                    self._tell("trained")
+                    self._tell("trained", start=self.start)
                     await self._after_run(spec, input_shape)  # deploys or keeps the model, once
                 if start_round is None or (start_round := await self._join(stop, start_round)) is None:
                     return 0
@@ -363,6 +365,8 @@ class Agent(RunMembers):
         node, rounds = self.node, self.cfg.algorithm.rounds
         await node.setup()
         start_round = self._resume(spec_hash(spec))  # operations: crash-safe state
+        self.start = node.run_start = begin_run(node.algorithm, self.state_dir, self.run_dir,  # warm start
+                                                self.cfg.runtime.run_init, resumed=start_round > 1)
         self.members |= self._load_members(resumed=start_round > 1)
         await node.publish_status()
         if (watchdog := self._start_systemd()) is not None:
@@ -417,7 +421,7 @@ class Agent(RunMembers):
             run.result()  # re-raise a crash of the algorithm
             log.info("finished %d rounds", rounds)
             self.outcome = "finished"
-            self._tell("trained")
+            self._tell("trained", start=self.start)
             await self._after_run(spec, input_shape)
             return
         log.info("stop requested %s; leaving the federation",

@@ -209,8 +209,7 @@ class RuntimeSection:
     log_format: str = described("auto", help="`auto` (journal priorities under journald), `text`, `journal`")
     prometheus_port: int = described(0, help="Prometheus `/metrics` port (0 = off; needs the `metrics` extra)")
     prometheus_address: str = described("127.0.0.1", help="address the Prometheus endpoint binds")
-    rejoin: bool = described(
-        True, help="deprecated and always on: a restarted node rejoins a running federation at its current round")
+    rejoin: bool = described(True, help="deprecated and always on: a restarted node rejoins its run at its round")
     pause_when_disconnected: bool = described(
         True, help="while the broker is away: no training, no round closes (its deadline suspended); state `paused`")
     max_catch_up_rounds: int = described(
@@ -219,6 +218,8 @@ class RuntimeSection:
     run_retries: int = described(2, help="times a run process that crashed or was killed is started again from "
                                          "the run's last checkpoint before the run fails (an OOM kill: at most once)")
     run_stop_grace: float = described(30.0, help="seconds a run process has to stop after SIGTERM before SIGKILL")
+    run_init: str = described("deployed", help="`deployed`: a run starts from the deployed model when its "
+                              "architecture matches (else fresh, logged why); `fresh`; `run submit --init` overrides")
 
 
 @dataclasses.dataclass
@@ -511,6 +512,7 @@ def _validate_runtime(cfg: NodeConfig) -> None:
         v = getattr(cfg.runtime, key)
         _need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"runtime.{key}", "must be an integer >= 0")
     _need(cfg.runtime.run_stop_grace > 0, "runtime.run_stop_grace", "must be > 0 seconds")
+    _need(cfg.runtime.run_init in ("deployed", "fresh"), "runtime.run_init", "must be 'deployed' or 'fresh'")
     from dfl_agent.learning.compression import CompressionError, parse_spec
 
     c = cfg.compression

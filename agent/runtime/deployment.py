@@ -47,7 +47,8 @@ async def deploy_after_run(agent: Any, spec: dict[str, Any], input_shape: Sequen
             run_id=run_id,
             round=last_round, algorithm=node.algorithm.name,
             tolerance=cfg.deploy.tolerance, min_validation=cfg.deploy.min_validation,
-            onnx=None if getattr(cfg.deploy, "onnx", True) else False, switch=not supervised)
+            onnx=None if getattr(cfg.deploy, "onnx", True) else False, switch=not supervised,
+            started_from=(getattr(agent, "start", None) or {}).get("started_from"))  # its warm start
     if supervised:
         return res
     doc = announcement(models, agent.node_id, cfg.federation, getattr(ctx, "security", None))

@@ -55,6 +55,8 @@ CANCEL_PREFIX = "cancel_"
 #: ``dflctl run submit``'s default ``not_after``: this long after ``submitted_at``, in seconds
 DEFAULT_NOT_AFTER_S = 24 * 3600.0
 SIG_PREFIX = "ed25519:"
+#: a run's ``init``: start from the deployed model (warm start) or from fresh weights
+INIT_MODES = ("deployed", "fresh")
 _ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -95,6 +97,9 @@ class RunDescriptor:
         not_after: unix time after which a node that has not started the run refuses it
             (``None``: never; signed like every field).
         seq: increases with every publication of the same run (replay protection).
+        init: where each member's model starts: ``"deployed"`` (its deployed model when the
+            architecture matches, see :mod:`dfl_agent.runtime.warm_start`) or ``"fresh"``;
+            ``None`` (descriptors from before the field too): the node's ``runtime.run_init``.
     """
 
     run_id: str
@@ -115,6 +120,7 @@ class RunDescriptor:
     cancelled: bool = False
     seq: int = 0
     not_after: float | None = None
+    init: str | None = None
     default: bool = False  # a node's own default run (never published)
 
     def to_dict(self) -> dict[str, Any]:
@@ -155,6 +161,9 @@ class RunDescriptor:
             raise ValueError("submitted_at / seq have wrong types")
         if d.not_after is not None and (not isinstance(d.not_after, (int, float)) or isinstance(d.not_after, bool)):
             raise ValueError("not_after must be a unix time or null")
+        if d.init not in (None, *INIT_MODES):
+            raise ValueError(f"init must be 'deployed' or 'fresh' (or absent: the node's runtime.run_init), "
+                             f"got {d.init!r}")
         if not (d.members == "all" or (isinstance(d.members, list) and all(isinstance(m, str) for m in d.members))
                 or (isinstance(d.members, dict) and isinstance(d.members.get("profile"), list))):
             raise ValueError("members must be 'all', a list of node ids or {'profile': [names]}")

@@ -134,6 +134,10 @@ class Node:
         self.eval_background = eval_background
         #: start-up work done before round 1 (e.g. ``warm_up_s``), added to round 1's record
         self.startup: dict[str, float] = {}
+        #: the run's start (:mod:`dfl_agent.runtime.warm_start`: ``init``, ``started_from``,
+        #: ``reason``), added to the first round record of this process as ``init``, ``started_from``
+        #: and ``init_reason``
+        self.run_start: dict[str, Any] = {}
         #: the reporting of the latest round (evaluation, record, hooks) while it runs in the background
         self._report_task: asyncio.Task[None] | None = None
         #: the deployable model of the record being reported (a copy in background mode)
@@ -324,6 +328,10 @@ class Node:
         if self.startup:  # the first record after start-up says what it cost
             record.update({f"startup_{k}": v for k, v in self.startup.items()})
             self.startup = {}
+        if self.run_start:
+            s = self.run_start
+            record.update(init=s.get("init"), started_from=s.get("started_from"), init_reason=s.get("reason", ""))
+            self.run_start = {}
         if found := getattr(self.ctx.peers, "take_found", lambda: None)():  # how peers were found since
             record["peers_found"] = found
         self.history.append(record)

@@ -49,7 +49,8 @@ def run_config_for(cfg: NodeConfig, run: Any) -> NodeConfig:
     """The node configuration for a run: the descriptor's algorithm, rounds, options,
     model, training settings and compression override ``node.toml`` (the profile's
     limits still apply when the agent starts).  A descriptor's model (``spec``,
-    ``family`` or ``size``) replaces node.toml's ``[model]`` as a whole.
+    ``family`` or ``size``) replaces node.toml's ``[model]`` as a whole; its ``init`` (when
+    set) replaces ``runtime.run_init``.
 
     Raises:
         StartupError: the descriptor names a key that does not exist, gives a value of the
@@ -72,6 +73,8 @@ def run_config_for(cfg: NodeConfig, run: Any) -> NodeConfig:
     except ConfigError as exc:
         raise StartupError(f"run {run.run_id}: {exc}") from None
     new.runtime.rejoin = True
+    if getattr(run, "init", None) is not None:  # the run's warm start choice over runtime.run_init
+        new.runtime.run_init = run.init
     return new
 
 

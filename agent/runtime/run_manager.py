@@ -246,11 +246,14 @@ class RunManager:
         if state == self.state or (state == "trained" and self.state == "deploying"):
             return
         rnd, agent = 0, self.agent
-        extra = None
+        extra: dict[str, Any] | None = None
         if agent is not None and state == "trained":  # kept in the ledger: a resumed run records it
             rnd = agent.node.status().get("round", 0) if agent.node is not None else 0
             snap = agent.snapshot
             extra = {"snapshot_last_id": int(snap.max())} if snap is not None and len(snap) else None
+            if isinstance(start := _info.get("start"), dict):  # the warm start: kept in the run's entry
+                extra = {**(extra or {}), "init": start.get("init"), "started_from": start.get("started_from"),
+                         "init_reason": start.get("reason", "")}
         self._to(state, self.info["id"] if self.info else None, rnd=rnd, extra=extra)
 
     def finish(self, d: RunDescriptor, agent: Any, extra: dict[str, Any] | None) -> None:

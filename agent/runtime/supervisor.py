@@ -287,8 +287,8 @@ class ChildRun:
             self.snapshot = np.array([int(doc["snapshot_last_id"])])
         if state == "trained":
             self.outcome = "finished"
-        if self.on_state is not None:
-            self.on_state(state)
+        if self.on_state is not None:  # "trained" carries the run's start (warm start) for the ledger
+            self.on_state(state, **({"start": doc["start"]} if isinstance(doc.get("start"), dict) else {}))
         if state == "deployed" and doc.get("version") is not None:
             await asyncio.to_thread(self._switch, int(doc["version"]))
         self._send({"type": "ack", "seq": doc.get("seq")})

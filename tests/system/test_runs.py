@@ -6,9 +6,10 @@ required) serve every test of this module, in order, as an operator would use th
 
 * descriptors signed by a device key, an unknown key, or unsigned are refused by every
   agent (counted in status) and nothing trains;
-* two runs submitted one after the other (fedavg with ``--models H1``, then dechw) finish on
-  all three, each round aggregated the other agents' models (neighbour ids in the per-run
-  metrics), the family's model was built, and the agents are idle and running afterwards;
+* two runs submitted one after the other (fedavg with ``--models H1``, then dechw with
+  ``--init fresh``) finish on all three, each round aggregated the other agents' models
+  (neighbour ids in the per-run metrics), the family's model was built, each run's ``init``
+  reached the agents (round 1's record), and the agents are idle and running afterwards;
 * a run whose algorithm a device's profile does not allow (a2 lists fedavg, dechw, dfedavg and
   heterofl, not cfa) is declined there with that reason while the other two run it;
 * an agent SIGKILLed mid-run is restarted and rejoins the run at the federation's round
@@ -172,18 +173,24 @@ def test_non_operator_runs_are_refused_by_every_agent(fleet: Fleet, tmp_path):
 
 def test_agents_stay_up_across_two_submitted_runs(fleet: Fleet):
     rids = {}
-    for algorithm, extra in (("fedavg", ["--models", "H1"]), ("dechw", [])):
+    for algorithm, extra in (("fedavg", ["--models", "H1"]), ("dechw", ["--init", "fresh"])):
         rid = rids[algorithm] = fleet.submit("--algorithm", algorithm, "--rounds", "3", "--option",
                                              "round_timeout=20", "--name", algorithm, *extra)
         fleet.wait(lambda: {n: r.get("state") for n, r in fleet.run_states(rid).items()}
                    == {n: "finished" for n in IDS}, 240, f"{algorithm} run finished on all three")
         show = json.loads(dflctl("run", "show", rid, *fleet.b, "--json"))
         assert show["state"] == "finished" and show["algorithm"] == algorithm and show["rounds"] == 3
+        assert show["init"] == ("fresh" if algorithm == "dechw" else None)  # None: each node's runtime.run_init
         assert set(show["nodes"]) == set(IDS)
         for n in IDS:
             rounds = fleet.trained(n, rid)
             assert [r["round"] for r in rounds] == [1, 2, 3], (n, rounds)
             assert all(r["run"] == rid for r in rounds)
+            # the run's init reached the node (dechw: --init fresh; fedavg: the node's default, with no
+            # model deployed here to start from)
+            assert rounds[0]["init"] == ("fresh" if algorithm == "dechw" else "deployed"), rounds[0]
+            assert rounds[0]["started_from"] is None and rounds[0]["init_reason"] == (
+                "init = fresh" if algorithm == "dechw" else "no model is deployed on this device yet")
             heard = set().union(*(r["neighbour_ids"] for r in rounds))
             assert heard == set(IDS) - {n}, (n, algorithm, heard)  # aggregated each other's models
     for n in IDS:  # --models H1: the family's member for the profile's tier (medium: widths [32, 64]) was built

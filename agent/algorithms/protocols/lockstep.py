@@ -176,6 +176,12 @@ class LockStepAlgorithm(Algorithm):
     def deployable_model(self) -> nn.Module:
         return self.model
 
+    def warm_start(self, state: Any) -> str:
+        """The model, and the reference M_R the thresholds compare against (set to it)."""
+        what = super().warm_start(state)
+        self.reference = model_to_numpy(self.model)
+        return what
+
     def status(self) -> dict[str, Any]:
         return {"syncs": self.syncs, "last_sync_epoch": self.last_sync, "group": sorted(self.group or ()),
                 "dropped": sorted(self.dropped), **dict(self.comm)}

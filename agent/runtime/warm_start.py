@@ -1,0 +1,98 @@
+"""Warm start: a run starts from the device's deployed model, so learning accumulates.
+
+With ``init = "deployed"`` (the run descriptor's ``init``, else ``runtime.run_init``) a new
+run loads ``models/current`` (:mod:`dfl_agent.deploy.versions`) into its algorithm's
+model(s) after set-up and before round 1 (:meth:`~dfl_agent.algorithms.base.Algorithm.warm_start`:
+which model each algorithm loads is stated on its page).  The deployed model must have the
+run's architecture: the same ``state_dict`` names and shapes; otherwise, or when nothing is
+deployed or it cannot be read, the run starts fresh and the INFO line says why.
+
+What happened is the run's *start*: ``{"init", "started_from", "reason"}`` (``started_from``
+the deployed version loaded, None when fresh), kept in ``RUN_DIR/start.json`` so that a
+resumed or retried run, which restores its checkpoint instead, reports the same start.  It
+goes into the first round record, the run's ledger entry and the deployed version's
+manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from dfl_agent.fsutil import atomic_write
+from dfl_agent.jsonbound import loads as bounded_loads
+
+log = logging.getLogger("dfl_agent.daemon")
+
+START_FILE = "start.json"
+
+
+def deployed_state(state_dir: str | Path) -> tuple[int | None, dict[str, Any] | None, str]:
+    """``(version, state, why)``: the current deployed version's number and weights
+    (``model.safetensors``, name -> array), or ``(version or None, None, why not)``."""
+    from dfl_agent.deploy.versions import DeployError, ModelStore, verify_folder
+
+    models = ModelStore(state_dir)
+    v = models.current_version()
+    if v is None:
+        return None, None, "no model is deployed on this device yet"
+    try:
+        verify_folder(models.folder(v))  # the SHA-256 of every file: never start from a corrupt version
+        from safetensors.numpy import load_file
+
+        return v, dict(load_file(str(models.folder(v) / "model.safetensors"))), ""
+    except (DeployError, OSError, ValueError) as exc:
+        return v, None, f"the deployed model v{v} cannot be read ({exc})"
+
+
+def warm_start(algorithm: Any, state_dir: str | Path, init: str) -> dict[str, Any]:
+    """Load the deployed model into ``algorithm`` when ``init`` is ``"deployed"`` and it fits.
+
+    Returns:
+        ``{"init": init, "started_from": version | None, "reason": str}`` (``reason`` says
+        why a run with ``init = "deployed"`` starts fresh; empty otherwise).
+    """
+    if init != "deployed":
+        log.info("warm start: off (init = %s): the run starts from fresh weights", init)
+        return {"init": init, "started_from": None, "reason": "init = fresh"}
+    v, state, why = deployed_state(state_dir)
+    if state is not None:
+        try:
+            what = algorithm.warm_start(state)
+        except ValueError as exc:  # another architecture: nothing was loaded
+            why = f"the deployed model v{v} has another architecture: {exc}"
+        else:
+            log.info("warm start: the run starts from the deployed model v%d (%s)", v, what)
+            return {"init": init, "started_from": v, "reason": ""}
+    log.info("warm start: the run starts from fresh weights: %s", why)
+    return {"init": init, "started_from": None, "reason": why}
+
+
+def save_start(run_dir: Path | None, start: dict[str, Any]) -> None:
+    """Keep the run's start in ``run_dir/start.json`` (nothing without a run folder)."""
+    if run_dir is not None:
+        atomic_write(Path(run_dir) / START_FILE, json.dumps(start, sort_keys=True))
+
+
+def saved_start(run_dir: Path | None) -> dict[str, Any] | None:
+    """The start a run recorded before a restart (None: none recorded, or unreadable)."""
+    if run_dir is None:
+        return None
+    try:
+        doc = bounded_loads((Path(run_dir) / START_FILE).read_bytes(), "state")
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def begin_run(algorithm: Any, state_dir: str | Path, run_dir: Path | None, init: str, resumed: bool) -> dict[str, Any]:
+    """The run's start: a new run (``resumed`` False) warm-starts (:func:`warm_start`) and
+    saves it (:func:`save_start`); a resumed one, restored from its checkpoint, reports the
+    start it saved."""
+    if not resumed:
+        start = warm_start(algorithm, state_dir, init)
+        save_start(run_dir, start)
+        return start
+    return saved_start(run_dir) or {"init": init, "started_from": None, "reason": "unknown: resumed from a checkpoint"}

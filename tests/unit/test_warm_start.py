@@ -1,0 +1,161 @@
+"""Warm start (dfl_agent.runtime.warm_start): a run starts from the device's deployed model
+when its architecture matches, fresh otherwise (saying why), as the descriptor's ``init`` or
+``runtime.run_init`` says; the start is recorded in the run's records and the manifest."""
+
+import asyncio
+import copy
+import types
+
+import numpy as np
+import pytest
+
+from dfl_agent.runtime.config import ConfigError, config_from_dict
+from dfl_agent.runtime.descriptor import RunDescriptor
+from dfl_agent.runtime.run_config import run_config_for
+
+torch = pytest.importorskip("torch")
+
+
+def _flat(model):
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def _same(a, b):
+    return set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def _node(algorithm, **kw):
+    """One node of a two-node simulated federation (iris), set up: its models exist, round 1 not run."""
+    from dfl_agent.runtime.simulator import SimConfig, _assemble
+
+    kw.setdefault("dataset", "digits" if algorithm == "fedd2s" else "iris")  # fedd2s: a layered conv model
+    kw.setdefault("model_size", "small")
+    fed = _assemble(SimConfig(algorithm=algorithm, nodes=2, rounds=2, partition="iid", **kw),
+                    "cpu", lambda r: None)
+    node = fed.nodes[0]
+    asyncio.run(node.algorithm.setup())
+    return node
+
+
+def _deploy(state_dir, model, spec, node, version_note=""):
+    """Install ``model`` as the device's deployed version (the real gate and model store)."""
+    from dfl_agent.deploy import ModelStore
+    from dfl_agent.deploy.gate import deploy_model
+
+    d = node.ctx.data
+    res = deploy_model(ModelStore(state_dir), model, spec, d.train_x.shape[1:], [str(c) for c in range(d.num_classes)],
+                       d.val_x, d.val_y, run_id="r0", round=1, algorithm="x", tolerance=1.0, onnx=False)
+    assert res["deployed"]
+    return res["version"]
+
+
+def _other_weights(model, seed=7):
+    m = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return m
+
+
+#: algorithm -> the models (attribute names) that must hold the deployed weights after a warm start
+WARM = {"local": ["model"], "fedavg": ["model"], "dfedavg": ["model"], "defkt": ["model"],
+        "gt": ["model"], "dfml": ["peak", "regular"], "fedd2s": ["personal"]}
+
+
+@pytest.mark.parametrize("algorithm", sorted(WARM))
+def test_warm_start_loads_exactly_the_deployed_weights_and_fresh_does_not(tmp_path, algorithm):
+    from dfl_agent.runtime.warm_start import warm_start
+
+    node = _node(algorithm)
+    algo = node.algorithm
+    deployed = _other_weights(algo.deployable_model())
+    v = _deploy(tmp_path, deployed, node.ctx.model_spec, node)
+    before = _flat(algo.deployable_model())
+    start = warm_start(algo, tmp_path, "fresh")
+    assert start == {"init": "fresh", "started_from": None, "reason": "init = fresh"}
+    assert _same(_flat(algo.deployable_model()), before)  # fresh: the run's own initial weights
+    start = warm_start(algo, tmp_path, "deployed")
+    assert start == {"init": "deployed", "started_from": v, "reason": ""}
+    for attr in WARM[algorithm]:
+        assert _same(_flat(getattr(algo, attr)), _flat(deployed)), attr
+    if algorithm == "gt":  # the thresholds' reference M_R is the warm-started model
+        assert _same(algo.reference, _flat(deployed))
+    if algorithm == "fedd2s":  # the initial global model of the rotation, too
+        assert _same(algo.current_global(), _flat(deployed))
+
+
+def test_fedavg_rotation_warm_starts_its_global_base(tmp_path):
+    """FedPer in FedAvg mode (head_layers 0) deploys the global model: the rotation's initial
+    global model is the deployed one."""
+    from dfl_agent.runtime.warm_start import warm_start
+
+    node = _node("fedper", options={"head_layers": 0})
+    algo = node.algorithm
+    deployed = _other_weights(algo.model)
+    v = _deploy(tmp_path, deployed, node.ctx.model_spec, node)
+    assert warm_start(algo, tmp_path, "deployed")["started_from"] == v
+    assert _same(_flat(algo.deployable_model()), _flat(deployed)) and _same(_flat(algo.model), _flat(deployed))
+
+
+def test_another_architecture_starts_fresh_with_the_reason(tmp_path, caplog):
+    from dfl_agent.models import build_model
+    from dfl_agent.runtime.warm_start import warm_start
+
+    node = _node("local")
+    algo = node.algorithm
+    spec = copy.deepcopy(node.ctx.model_spec)
+    other = _node("local", model_size="large").ctx.model_spec  # another width / depth
+    assert other != spec
+    v = _deploy(tmp_path, build_model(other), other, node)
+    before = _flat(algo.model)
+    with caplog.at_level("INFO", logger="dfl_agent.daemon"):
+        start = warm_start(algo, tmp_path, "deployed")
+    assert start["started_from"] is None and start["init"] == "deployed"
+    assert f"v{v} has another architecture" in start["reason"], start
+    assert _same(_flat(algo.model), before)  # nothing loaded
+    assert "starts from fresh weights" in caplog.text and "another architecture" in caplog.text
+
+
+def test_nothing_deployed_or_a_corrupt_version_starts_fresh(tmp_path):
+    from dfl_agent.deploy import ModelStore
+    from dfl_agent.runtime.warm_start import warm_start
+
+    node = _node("local")
+    assert warm_start(node.algorithm, tmp_path, "deployed")["reason"] == "no model is deployed on this device yet"
+    v = _deploy(tmp_path, _other_weights(node.algorithm.model), node.ctx.model_spec, node)
+    (ModelStore(tmp_path).folder(v) / "model.safetensors").write_bytes(b"broken")
+    start = warm_start(node.algorithm, tmp_path, "deployed")
+    assert start["started_from"] is None and "cannot be read" in start["reason"]
+
+
+def test_a_resumed_run_reports_the_start_it_saved(tmp_path):
+    from dfl_agent.runtime.warm_start import begin_run
+
+    node = _node("local")
+    v = _deploy(tmp_path / "state", _other_weights(node.algorithm.model), node.ctx.model_spec, node)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    first = begin_run(node.algorithm, tmp_path / "state", run_dir, "deployed", resumed=False)
+    assert first["started_from"] == v
+    algo = types.SimpleNamespace(warm_start=lambda s: pytest.fail("a resumed run restores its checkpoint"))
+    assert begin_run(algo, tmp_path / "state", run_dir, "deployed", resumed=True) == first
+
+
+def test_run_init_default_descriptor_init_and_validation():
+    base = {"federation": "f", "algorithm": {"name": "local", "rounds": 1}}
+    assert config_from_dict(base).runtime.run_init == "deployed"
+    assert config_from_dict({**base, "runtime": {"run_init": "fresh"}}).runtime.run_init == "fresh"
+    with pytest.raises(ConfigError, match="runtime.run_init"):
+        config_from_dict({**base, "runtime": {"run_init": "warm"}})
+    raw = {"run_id": "r1", "federation": "f", "algorithm": "local", "rounds": 1}
+    assert RunDescriptor.from_dict(raw).init is None  # descriptors from before the field
+    with pytest.raises(ValueError, match="init must be 'deployed' or 'fresh'"):
+        RunDescriptor.from_dict({**raw, "init": "warm"})
+    cfg = config_from_dict(base)
+    assert run_config_for(cfg, RunDescriptor.from_dict(raw)).runtime.run_init == "deployed"  # the node's default
+    assert run_config_for(cfg, RunDescriptor.from_dict({**raw, "init": "fresh"})).runtime.run_init == "fresh"
+    fresh_node = config_from_dict({**base, "runtime": {"run_init": "fresh"}})
+    assert run_config_for(fresh_node, RunDescriptor.from_dict(raw)).runtime.run_init == "fresh"
+    assert run_config_for(fresh_node, RunDescriptor.from_dict({**raw, "init": "deployed"})).runtime.run_init == \
+        "deployed"
