@@ -225,9 +225,11 @@ def collect(states: dict[str, Path], run_ids: list[str], test: Any = None) -> di
     Returns ``{"nodes": {id: {"store_samples", "current", "runs": [{"run_id",
     "train_samples", "validation_samples", "rounds", "run_end", "deployed_version",
     "accuracy", "replaced_accuracy", "heldout_accuracy", "deployed_at", "deploy_latency_s",
-    "note"}]}},
+    "note", "started_from", "first_round_accuracy"}]}},
     "deployments": [...]}``.  ``run_end`` is when the run's last round was recorded,
-    ``deployed_at`` when the version's manifest was written (Unix seconds).
+    ``deployed_at`` when the version's manifest was written (Unix seconds); ``started_from``
+    the version the run started from (warm start; None: fresh weights), ``first_round_accuracy``
+    its accuracy on the validation slice after round 1.
     """
     from dfl_agent.deploy import ModelStore
 
@@ -247,7 +249,8 @@ def collect(states: dict[str, Path], run_ids: list[str], test: Any = None) -> di
                 "run_end": mpath.stat().st_mtime if recs else None, "deployed_version": None,
                 "accuracy": None, "replaced_accuracy": None, "heldout_accuracy": None, "deployed_at": None,
                 "deploy_latency_s": None,
-                "note": None,
+                "note": None, "started_from": recs[0].get("started_from") if recs else None,
+                "first_round_accuracy": recs[0].get("global_accuracy") if recs else None,
             }
             for v, m in manifests.items():
                 if m.get("run_id") == rid:
@@ -453,6 +456,8 @@ def final_table(summary: dict[str, Any]) -> Any:
                 old = r.get("replaced_accuracy")
                 lines.append(f"v{r['deployed_version']} acc {r['accuracy']:.3f}"
                              + (f" ({old:.3f})" if isinstance(old, (int, float)) else ""))
+                if r.get("started_from") is not None:
+                    lines.append(f"started from v{r['started_from']}")
                 if r["heldout_accuracy"] is not None:
                     lines.append(f"held-out {r['heldout_accuracy']:.3f}")
             else:

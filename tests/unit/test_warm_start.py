@@ -37,14 +37,15 @@ def _node(algorithm, **kw):
     return node
 
 
-def _deploy(state_dir, model, spec, node, version_note=""):
+def _deploy(state_dir, model, spec, node, run_id="r0", started_from=None):
     """Install ``model`` as the device's deployed version (the real gate and model store)."""
     from dfl_agent.deploy import ModelStore
     from dfl_agent.deploy.gate import deploy_model
 
     d = node.ctx.data
     res = deploy_model(ModelStore(state_dir), model, spec, d.train_x.shape[1:], [str(c) for c in range(d.num_classes)],
-                       d.val_x, d.val_y, run_id="r0", round=1, algorithm="x", tolerance=1.0, onnx=False)
+                       d.val_x, d.val_y, run_id=run_id, round=1, algorithm="x", tolerance=1.0, onnx=False,
+                       started_from=started_from, min_validation=0)
     assert res["deployed"]
     return res["version"]
 
@@ -159,3 +160,26 @@ def test_run_init_default_descriptor_init_and_validation():
     assert run_config_for(fresh_node, RunDescriptor.from_dict(raw)).runtime.run_init == "fresh"
     assert run_config_for(fresh_node, RunDescriptor.from_dict({**raw, "init": "deployed"})).runtime.run_init == \
         "deployed"
+
+
+def test_demo_feed_summary_and_table_name_the_start(tmp_path):
+    import json
+
+    from rich.console import Console
+
+    from dfl_agent.cli.demo_feed import collect, final_table
+
+    node = _node("local")
+    state = tmp_path / "n1"
+    for k, (rid, start) in enumerate((("r1", None), ("r2", 1)), 1):
+        assert _deploy(state, _other_weights(node.algorithm.model, k), node.ctx.model_spec, node, rid, start) == k
+        (state / "runs" / rid).mkdir(parents=True)
+        (state / "runs" / rid / "metrics.jsonl").write_text(json.dumps(
+            {"round": 1, "global_accuracy": 0.5 + k / 10, "init": "deployed", "started_from": start}) + "\n")
+    summary = collect({"n1": state}, ["r1", "r2"])
+    runs = summary["nodes"]["n1"]["runs"]
+    assert [(r["deployed_version"], r["started_from"], r["first_round_accuracy"]) for r in runs] == [
+        (1, None, 0.6), (2, 1, 0.7)]
+    console = Console(record=True, width=200)
+    console.print(final_table({**summary, "runs": ["r1", "r2"]}))
+    assert console.export_text().count("started from v1") == 1
