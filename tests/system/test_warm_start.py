@@ -69,6 +69,9 @@ def test_two_runs_on_the_same_data_accumulate_from_the_deployed_model(tmp_path):
     m1, m2 = verify_folder(models.folder(1)), verify_folder(models.folder(2))
     assert m1["started_from"] is None and m2["started_from"] == 1, (m1, m2)
     assert m1["files"]["model.safetensors"]["sha256"] != m2["files"]["model.safetensors"]["sha256"]
+    # the deploy gate still compares the candidate with the deployed version on the same slice
+    assert m2["deployed_accuracy"] is not None and "vs deployed v1" in m2["note"], m2["note"]
+    assert f"on the same {m2['validation_samples']} samples" in m2["note"]
     assert "warm start: the run starts from fresh weights: no model is deployed on this device yet" in text
     assert "warm start: the run starts from the deployed model v1 (the deployable model)" in text
     entries = RunLedger(state).entries
