@@ -249,6 +249,8 @@ class LabRun:
             "deploy": {"keep": 3, "min_validation": 5},
             "mqtt": {"broker": f"{broker}:{PORT}", "tls_ca": str(self.ca.cafile), "heartbeat_interval": 2.0,
                      "bridged": len(self.sc.sites) > 1,  # two sites: every peer through the home broker
+                     # as a field engineer sets it (docs: slow links): the class's link rate
+                     **({"link_rate": d.cls.rate} if d.cls.rate else {}),
                      **creds.get("mqtt", {})},
             "discovery": {"mdns": True, "interfaces": [host.address], "heartbeat_timeout": 30.0},
             "compression": {"spec": lab_compression(), "error_feedback": True},
