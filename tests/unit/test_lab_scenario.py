@@ -207,3 +207,19 @@ def test_every_check_can_fail():
     assert "not deployed on pi-1" in evaluate_checks(s, cases["all_runs_deployed"])[0]
     assert evaluate_checks(s, _report(final_accuracy_mean=None))[0].startswith("min_final_accuracy: final deployed "
                                                                               "accuracy none")
+
+
+def test_quotas_over_the_host_cores_are_warned_and_noted(monkeypatch):
+    import os
+
+    from dfl_agent.cli.lab.runner import LabRun
+
+    said: list[str] = []
+    run = LabRun(load(Path(__file__).resolve().parents[2] / "tools/lab/scenarios/smoke.toml"), Path("/nonexistent"),
+                 say=said.append)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    run._warn_overcommit(2.0)
+    assert said == [] and run.notes == []
+    run._warn_overcommit(2.25)
+    assert said and said[0].startswith("warning: the devices' CPU quotas add up to 2.25 cores, more than this host's 2")
+    assert run.notes == [said[0].removeprefix("warning: ")]

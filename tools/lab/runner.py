@@ -495,6 +495,7 @@ class LabRun:
             if len(sc.sites) > 1:  # the WAN: each site's gateway to the router
                 lab.connect_sites(rate=sc.wan.get("rate"), loss=sc.wan.get("loss", 0.0))
             self.mechanisms = lab.mechanisms.as_dict()
+            self._warn_overcommit(lab.cpu_total())
             self.lab_hosts = {n: h.address for n, h in lab.hosts.items()}
             self.op_dir = out / "operator"
             op = self.enroll("operator", self.op_dir, role="operator")
@@ -555,6 +556,17 @@ class LabRun:
         from dfl_agent.cli.lab.report import build_report
 
         return build_report(self, feeder, bundle, started)
+
+    def _warn_overcommit(self, quotas: float) -> None:
+        """A warning (and a note in the report) when the devices' CPU quotas add up to more
+        than this host's cores: the devices then compete for the cores, and their times are
+        longer than on real devices of the same class."""
+        cores = os.cpu_count() or 1
+        if quotas > cores:
+            msg = (f"the devices' CPU quotas add up to {quotas:g} cores, more than this host's {cores}: "
+                   "they compete for the cores, so times are longer than on real devices")
+            self.say(f"warning: {msg}")
+            self.notes.append(msg)
 
     def _training_since(self, i: int) -> float | None:
         """When run ``i`` had closed its first round on every device running (monotonic)."""
