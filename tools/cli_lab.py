@@ -50,10 +50,9 @@ def cmd_lab_run(args: argparse.Namespace) -> int:
     from dfl_agent.cli.lab.scenario import ScenarioError, load
 
     try:
-        scenario = load(args.scenario)
+        scenario = load(args.scenario, perfect=args.perfect)
     except ScenarioError as e:
-        kind = "not yet" if type(e).__name__ == "NotYet" else "bad scenario"
-        print(f"dflctl lab run: {kind}: {args.scenario}: {e}", file=sys.stderr)
+        print(f"dflctl lab run: bad scenario: {args.scenario}: {e}", file=sys.stderr)
         return 2
     why = check.blocker()
     if why:
@@ -93,6 +92,8 @@ def register(sub: Any) -> None:
                                     "report (exit 1: a check failed)")
     r.add_argument("scenario", metavar="SCENARIO.toml", help="the scenario file (tools/lab/scenarios/ has some)")
     r.add_argument("--out", required=True, metavar="DIR", help="folder for the report, logs and metrics")
+    r.add_argument("--perfect", action="store_true",
+                   help="run the scenario as if it said perfect = true: no limits, no loss, no events (the comparison)")
     r.set_defaults(func=cmd_lab_run)
     d = lsub.add_parser("down", help="remove what a killed lab left behind (only what its state files list)")
     d.add_argument("--force", action="store_true", help="also remove labs whose builder process still runs")

@@ -223,3 +223,13 @@ def test_quotas_over_the_host_cores_are_warned_and_noted(monkeypatch):
     run._warn_overcommit(2.25)
     assert said and said[0].startswith("warning: the devices' CPU quotas add up to 2.25 cores, more than this host's 2")
     assert run.notes == [said[0].removeprefix("warning: ")]
+
+
+def test_perfect_from_the_command_line_is_the_same_scenario_without_limits_loss_and_events():
+    path = Path(__file__).resolve().parents[2] / "tools/lab/scenarios/field-trial.toml"
+    field, perfect = load(path), load(path, perfect=True)
+    assert not field.perfect and field.events and field.classes["pi"].cpu == 0.25
+    assert perfect.perfect and perfect.events == [] and perfect.classes["pi"].cpu is None
+    assert perfect.classes["pi"].rate is None and perfect.classes["pi"].loss == 0.0
+    assert [d.id for d in perfect.devices] == [d.id for d in field.devices]
+    assert [(r.at_s, r.rounds) for r in perfect.runs] == [(r.at_s, r.rounds) for r in field.runs]
