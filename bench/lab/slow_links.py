@@ -172,11 +172,16 @@ def row(rep: dict[str, Any], recs: dict[str, list[dict[str, Any]]], t0: float, r
 
 
 def with_factors(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each row's ``factor``: bytes sent per round without compression / this row's, at the same rate."""
+    """Each row's ``factor``: bytes sent per round without compression / this row's, at the
+    same rate; and its ``speedup``: the time to 65 % without compression / this row's (None
+    where either never reached it)."""
     base = {r["rate"]: r["bytes_sent_per_round"] for r in rows if r["compression"] == "none"}
+    base_t = {r["rate"]: r["time_to_accuracy"].get("seconds") for r in rows if r["compression"] == "none"}
     for r in rows:
         b, mine = base.get(r["rate"]), r["bytes_sent_per_round"]
         r["factor"] = round(b / mine, 1) if b and mine else None
+        bt, t = base_t.get(r["rate"]), r["time_to_accuracy"].get("seconds")
+        r["speedup"] = round(bt / t, 1) if bt and t else None
     return rows
 
 
@@ -187,10 +192,12 @@ def _mb(n: int | None) -> str:
 def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """``results/slow_links.md``."""
     lines = ["# Slow links: time to 65 % held-out accuracy", "",
-             f"Measured with `{meta.get('command', '')}` on {meta.get('host', '?')} ({meta.get('date', '?')}). "
-             "Definitions: bench/lab/slow_links.py.", "",
-             "| rate | compression | rounds | time to 65 % (s) | MB sent | kB sent / round | factor | MB on the wire "
-             "| start-up s | training s | transfer s | waiting s |", "|" + "---|" * 12]
+             f"Measured with `{meta.get('command', '')}` on {meta.get('host', '?')} ({meta.get('date', '?')}"
+             + (f", commit {meta['commit']}" if meta.get("commit") else "") + "). "
+             "Definitions: bench/lab/slow_links.py. *faster*: time to 65 % without compression / this cell's; "
+             "*fewer bytes*: bytes sent per round without compression / this cell's (same rate).", "",
+             "| rate | compression | rounds | time to 65 % (s) | faster | MB sent | kB sent / round | fewer bytes "
+             "| MB on the wire | start-up s | training s | transfer s | waiting s |", "|" + "---|" * 13]
     order = {r: i for i, r in enumerate(RATES)}
     for r in sorted(rows, key=lambda r: (order.get(r["rate"], 99), r["compression"] != "none")):
         tta = r["time_to_accuracy"]
@@ -199,7 +206,8 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         s = r["split"]
         per_round = "-" if r["bytes_sent_per_round"] is None else f"{r['bytes_sent_per_round'] / 1e3:.0f}"
         factor = "-" if r.get("factor") is None else f"{r['factor']}x"
-        lines.append(f"| {r['rate']} | {r['compression']} | {r['rounds']} | {reached} | {_mb(r['bytes_sent'])} "
+        faster = "-" if r.get("speedup") is None else f"{r['speedup']}x"
+        lines.append(f"| {r['rate']} | {r['compression']} | {r['rounds']} | {reached} | {faster} | {_mb(r['bytes_sent'])} "
                      f"| {per_round} | {factor} | {_mb(r['wire_bytes'])} | {s['startup_s']} | {s['training_s']} "
                      f"| {s['transfer_s']} | {s['waiting_s']} |")
     return "\n".join(lines) + "\n"
@@ -245,6 +253,15 @@ def run_cell(name: str, rate: str, spec: str, work: Path) -> dict[str, Any]:
     return res
 
 
+def _commit() -> str | None:
+    """The checkout's commit (short), or None outside a git checkout."""
+    import subprocess
+
+    r = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                       check=False)
+    return r.stdout.strip() or None if r.returncode == 0 else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--run", action="store_true", help="run the cells with dflctl lab run (as root)")
@@ -265,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             doc["meta"] = {"command": "sudo nice -n 5 .venv/bin/python bench/lab/slow_links.py --run"
                            + "".join(f" --only {o}" for o in a.only),
                            "host": f"{platform.machine()}, {os.cpu_count()} cores",
+                           "commit": _commit(),
                            "date": time.strftime("%Y-%m-%d")}
             doc["rows"] = with_factors(doc["rows"])
             RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -64,6 +64,10 @@ def test_rows_factors_and_the_table() -> None:
     assert rows[0]["wire_bytes"] == 4_000_000 and rows[0]["bytes_sent_per_round"] == 800_000
     assert rows[1]["split"]["training_s"] == 4.0 and rows[0]["split"]["training_s"] == 10.0
     md = bench.render(rows, {"command": "cmd", "host": "x86_64, 2 cores", "date": "2026-01-01"})
-    assert "| 2mbit | none | 10 | never (best 0.612) | 8.00 | 800 | 1.0x | 4.00 |" in md
-    assert "| 2mbit | auto | 10 | 41 (round 4) | 1.00 | 100 | 8.0x |" in md
+    assert "| 2mbit | none | 10 | never (best 0.612) | - | 8.00 | 800 | 1.0x | 4.00 |" in md
+    assert "| 2mbit | auto | 10 | 41 (round 4) | - | 1.00 | 100 | 8.0x |" in md  # no time factor against "never"
+    rows[0]["time_to_accuracy"] = dict(reached, seconds=82.0)
+    rows = bench.with_factors(rows)
+    assert [r["speedup"] for r in rows] == [1.0, 2.0]
+    assert "| 2mbit | auto | 10 | 41 (round 4) | 2.0x | 1.00 |" in bench.render(rows, {})
     assert md.index("| 2mbit | none") < md.index("| 2mbit | auto")
