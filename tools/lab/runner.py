@@ -558,15 +558,13 @@ class LabRun:
         return build_report(self, feeder, bundle, started)
 
     def _warn_overcommit(self, quotas: float) -> None:
-        """A warning (and a note in the report) when the devices' CPU quotas add up to more
-        than this host's cores: the devices then compete for the cores, and their times are
-        longer than on real devices of the same class."""
+        """A note in the report when the devices' CPU quotas add up to more than this host's
+        cores (:class:`LabNet` has warned on the console): the devices then compete for the
+        cores, and their times are longer than on real devices of the same class."""
         cores = os.cpu_count() or 1
         if quotas > cores:
-            msg = (f"the devices' CPU quotas add up to {quotas:g} cores, more than this host's {cores}: "
-                   "they compete for the cores, so times are longer than on real devices")
-            self.say(f"warning: {msg}")
-            self.notes.append(msg)
+            self.notes.append(f"the devices' CPU quotas add up to {quotas:g} cores, more than this host's {cores}: "
+                              "they compete for the cores, so times are longer than on real devices")
 
     def _training_since(self, i: int) -> float | None:
         """When run ``i`` had closed its first round on every device running (monotonic)."""
