@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dfl_agent.runtime.degraded import alone_text, degraded_fields
+
 if TYPE_CHECKING:
     from dfl_agent.cli.fleet import FleetTarget
 
@@ -228,18 +230,24 @@ def _say_hidden(cmd: str, hidden: collections.Counter[str]) -> None:
 
 def run_view(run_id: str, msg: dict[str, Any], statuses: dict[str, Any]) -> dict[str, Any]:
     """The JSON of ``dflctl run show``: descriptor fields plus each node's view of the run
-    (``nodes: {id: {state, round, reason, started_from}}``, ``started_from`` the deployed
-    version the node's run started from: its warm start) and an overall ``state``."""
+    (``nodes: {id: {state, round, reason, started_from, degraded, rounds_alone,
+    exchange_rounds}}``, ``started_from`` the deployed version the node's run started from:
+    its warm start; ``degraded`` when the node closed rounds of it alone) and an overall
+    ``state``."""
     d = msg.get("descriptor") or {}
     nodes: dict[str, dict[str, Any]] = {}
     for nid, st in sorted(statuses.items()):
         r = st.get("run") if isinstance(st, dict) else None
-        if not (isinstance(r, dict) and r.get("id") == run_id) and isinstance(st, dict):
-            hist = st.get("run_history")
-            r = {**hist[run_id], "id": run_id} if isinstance(hist, dict) and isinstance(hist.get(run_id), dict) else None
+        hist = st.get("run_history") if isinstance(st, dict) else None
+        entry = hist.get(run_id) if isinstance(hist, dict) and isinstance(hist.get(run_id), dict) else None
+        if not (isinstance(r, dict) and r.get("id") == run_id):
+            r = {**entry, "id": run_id} if entry is not None else None
         if isinstance(r, dict) and r.get("id") == run_id:
+            # degraded: a training node's status counts, else the run's ledger entry (run_history)
+            counts = st if "rounds_alone" in st and st.get("state") != "idle" else entry or {}
             nodes[nid] = {"state": r.get("state", ""), "round": r.get("round", 0) or 0,
-                          "reason": r.get("reason", "") or "", "started_from": r.get("started_from")}
+                          "reason": r.get("reason", "") or "", "started_from": r.get("started_from"),
+                          **degraded_fields(counts)}
     states = {n["state"] for n in nodes.values()}
     if d.get("cancelled") or msg.get("cancel_record"):
         state = "cancelled"
@@ -266,7 +274,8 @@ def run_rows(runs: dict[str, Any], statuses: dict[str, Any]) -> list[dict[str, A
     views = [run_view(rid, m, statuses) for rid, m in runs.items()]
     views.sort(key=lambda v: (float(v.get("submitted_at") or 0), v["run_id"]))
     return [{**{k: v[k] for k in RUN_COLUMNS if k in v},
-             "nodes": ", ".join(f"{n}:{x['state']}@{x['round']}" for n, x in v["nodes"].items())} for v in views]
+             "nodes": ", ".join(f"{n}:{x['state']}@{x['round']}{' degraded' if x['degraded'] else ''}"
+                                for n, x in v["nodes"].items())} for v in views]
 
 
 def _pairs(items: list[str] | None, flag: str) -> dict[str, Any]:
@@ -463,7 +472,8 @@ def cmd_show(a: argparse.Namespace) -> int:
     print(f"  init: {init}")
     for nid, n in v["nodes"].items():
         start = "" if n.get("started_from") is None else f"  started from v{n['started_from']}"
-        print(f"  {nid}: {n['state']} round {n['round']}{start}{'  ' + n['reason'] if n['reason'] else ''}")
+        alone = f"  degraded: {alone_text(n)} (rounds with no peer update)" if n.get("degraded") else ""
+        print(f"  {nid}: {n['state']} round {n['round']}{start}{alone}{'  ' + n['reason'] if n['reason'] else ''}")
     return 0
 
 

@@ -9,12 +9,13 @@ import json
 import time
 from typing import Any
 
+from dfl_agent.runtime.degraded import alone_text, degraded_fields
 from dfl_agent.transport.base import CONTROL_DROP_PREFIXES
 
 PEER_COLUMNS = ("node_id", "trust", "state", "address", "profile", "algorithm", "model", "round", "last_seen_s",
                 "compatibility")
-STATUS_COLUMNS = ("node_id", "state", "run", "round", "role", "sync_state", "last_sync_s", "accuracy", "bytes_sent",
-                  "bytes_received", "errors", "control_dropped")
+STATUS_COLUMNS = ("node_id", "state", "run", "round", "degraded", "role", "sync_state", "last_sync_s", "accuracy",
+                  "bytes_sent", "bytes_received", "errors", "control_dropped")
 #: drop-counter key prefixes of the control plane (presence and status messages)
 CONTROL_PREFIXES = CONTROL_DROP_PREFIXES
 
@@ -78,8 +79,9 @@ def _newer(a: Any, b: Any) -> bool:
 
 def status_rows(statuses: dict[str, Any], now: float | None = None) -> list[dict[str, Any]]:
     """One summary row per status document: round, role, α or threshold state, last
-    synchronization, accuracy, bytes, errors, and the fault counters ``rounds_skipped``
-    and ``paused_disconnected_s`` (missing fields are None)."""
+    synchronization, accuracy, bytes, errors, the fault counters ``rounds_skipped``
+    and ``paused_disconnected_s`` (missing fields are None), and ``degraded``: the rounds
+    closed alone in the current run or, on an idle node, its last run (``"12/20 alone"``)."""
     now = time.time() if now is None else now
     rows = []
     for nid in sorted(statuses):
@@ -106,8 +108,17 @@ def status_rows(statuses: dict[str, Any], now: float | None = None) -> list[dict
             "rounds_skipped": s.get("rounds_skipped"), "paused_disconnected_s": s.get("paused_disconnected_s"),
             # dropped presence/status messages by reason (forged, unsigned, replayed, ...)
             "control_dropped": control,
+            "degraded": _degraded(s),
         })
     return rows
+
+
+def _degraded(s: dict[str, Any]) -> str:
+    """``"12/20 alone"`` when the node's run (training, or an idle node's last run in its
+    ``run_history``) was degraded, else ``""``."""
+    if "rounds_alone" not in s and isinstance(s.get("run"), dict) and isinstance(s.get("run_history"), dict):
+        s = s["run_history"].get(s["run"].get("id")) or {}  # an idle node: its last run's ledger entry
+    return alone_text(degraded_fields(s)) if isinstance(s, dict) else ""
 
 
 def fmt_cell(v: Any) -> str:
@@ -132,6 +143,7 @@ COLUMN_INFO: dict[str, tuple[str, int, bool]] = {
     "run": ("run", 2, True), "role": ("role", 2, False), "accuracy": ("acc", 1, False),
     "last_sync_s": ("sync_s", 3, False), "errors": ("err", 3, False), "sync_state": ("sync", 4, True),
     "bytes_sent": ("sent", 4, False), "bytes_received": ("recv", 4, False), "control_dropped": ("ctl_drop", 5, True),
+    "degraded": ("degraded", 6, False),
 }
 #: columns shown in bytes: compact (``12.3M``) when the table has to fit a terminal
 BYTE_COLUMNS = ("bytes_sent", "bytes_received")
@@ -155,6 +167,8 @@ def _priority(col: str, rows: list[dict[str, Any]]) -> int:
     if col == "trust" and any(v.startswith("untrusted") for v in values):
         return 1
     if col == "compatibility" and any(v not in ("", "ok") for v in values):
+        return 1
+    if col == "degraded" and any(values):  # a node trained alone: always shown
         return 1
     if base >= 2 and len(rows) > 1 and len(set(values)) == 1:
         return base + 3

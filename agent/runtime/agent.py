@@ -49,6 +49,7 @@ from dfl_agent.runtime.assembly import (
 )
 from dfl_agent.runtime.checkpoint import CheckpointStore, NodeCheckpointer
 from dfl_agent.runtime.config import NodeConfig
+from dfl_agent.runtime.degraded import recount
 from dfl_agent.runtime.deployment import deploy_after_run
 from dfl_agent.runtime.metrics import end_torn_line, written_rounds
 from dfl_agent.runtime.node import RunStopped, init_seed_for
@@ -293,6 +294,7 @@ class Agent(RunMembers):
         )
         self.ctx = node.ctx
         node.ctx.alone_waits = self._alone_waits  # no racing ahead alone while members are away
+        node.needs_peers = lambda: cfg.discovery.min_peers > 0 or bool(self.members)  # else alone is no failure
         if self.store is not None:  # no global test set: "global" accuracy is the validation slice's
             node.accuracy_source = "local validation"
         if self.metrics_run is not None:
@@ -501,6 +503,8 @@ class Agent(RunMembers):
             self.node.history.append({"node": self.node_id, "round": restored, "time": self.ctx.clock.now(),
                                       "resumed": True})
             log.info("resuming at round %d (restored state digest %s)", restored + 1, ck.restored_digest)
+            self.node.rounds_alone, self.node.exchange_rounds = recount(  # a degraded run stays degraded
+                self.metrics_path, self.node_id, self.metrics_run, restored)
         self.node.checkpoint = ck.save_async
         return restored + 1
 

@@ -199,8 +199,7 @@ class RuntimeSection:
     eval_background: bool = described(
         True, help="evaluate a copy of the models (and train the local-only baseline) while the next round runs, "
         "so that evaluation never delays the federation; `false`: between rounds")
-    metrics_file: str | None = described(None, help="per-round metrics (JSON lines)",
-                                               default_text="`state_dir/metrics.jsonl`")
+    metrics_file: str | None = described(None, help="per-round metrics (JSON lines)", default_text="`state_dir/metrics.jsonl`")
     log_level: str = described("info", help="`debug`, `info`, `warning`, `error`")
     init: str = described(
         "common", help="`common`: every node starts from the same weights (seeded by `seed`); `independent`")
@@ -212,9 +211,10 @@ class RuntimeSection:
     rejoin: bool = described(True, help="deprecated and always on: a restarted node rejoins its run at its round")
     pause_when_disconnected: bool = described(
         True, help="while the broker is away: no training, no round closes (its deadline suspended); state `paused`")
-    max_catch_up_rounds: int = described(
-        10, help="most rounds one catch-up skips at once (at a restart or during a run); a node further "
-                 "behind catches up in several skips; 0 = never skip")
+    max_catch_up_rounds: int = described(10, help="most rounds one catch-up skips at once (at a restart or "
+                                         "during a run); a node further behind skips again; 0 = never skip")
+    allow_alone: bool = described(False, help="`run --once` exits 0, not 4, after a run degraded for more than half "
+                                  "its rounds (closed with no peer update)")
     run_retries: int = described(2, help="times a run process that crashed or was killed is started again from "
                                          "the run's last checkpoint before the run fails (an OOM kill: at most once)")
     run_stop_grace: float = described(30.0, help="seconds a run process has to stop after SIGTERM before SIGKILL")

@@ -12,8 +12,9 @@ and :func:`main`.
 The always-on agent is the torch-free supervisor: each run trains in a run process
 (:mod:`dfl_agent.runtime.supervisor`, :mod:`dfl_agent.runtime.run_process`).
 
-Exit codes: 0 finished, 2 bad configuration, 3 broker unreachable, 130 interrupted (SIGINT),
-1 other error.
+Exit codes: 0 finished, 2 bad configuration, 3 broker unreachable, 4 degraded (``--once``: more
+than half the rounds closed alone, :mod:`dfl_agent.runtime.degraded`), 130 interrupted
+(SIGINT), 1 other error.
 """
 
 from __future__ import annotations
@@ -162,10 +163,11 @@ def run_agent(cfg: NodeConfig, config_path: str | None = None, once: bool = True
             loop.add_signal_handler(signal.SIGHUP, lambda: log.info("SIGHUP: a run reads node.toml when it starts"))
             return await serve(cfg, config_path, stop)
         from dfl_agent.runtime.agent import Agent
+        from dfl_agent.runtime.degraded import once_exit_code
 
         agent = Agent(cfg, config_path)
         loop.add_signal_handler(signal.SIGHUP, agent.reload)
-        return await agent.run(stop)
+        return once_exit_code(await agent.run(stop), agent, cfg.runtime.allow_alone)  # 4: trained mostly alone
 
     rc = asyncio.run(main())
     if got:
@@ -184,8 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run the agent")
     r.add_argument("--config", required=True, help="node configuration (TOML)")
     r.add_argument("--once", action="store_true",
-                   help="run the configured [algorithm] run, then exit (demo, tests, batch jobs); "
-                        "without it the agent serves until stopped and trains in runs")
+                   help="run the configured [algorithm] run, then exit (demo, tests, batch jobs; exit code 4: "
+                        "trained alone in more than half its rounds); without it the agent serves until stopped "
+                        "and trains in runs")
     c = sub.add_parser("check-config", help="validate a configuration file and exit: every check of run before it "
                                              "connects (algorithm and options, profile, data set and path, data "
                                              "files, static peers, key); writes nothing")

@@ -19,6 +19,7 @@ from typing import Any
 
 from dfl_agent.jsonbound import JSONBoundError, RateLimitedLog
 from dfl_agent.jsonbound import loads as bounded_loads
+from dfl_agent.runtime.degraded import FIELDS as DEGRADED_FIELDS
 from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier, cancel_topic, run_topic
 
 #: a run's states on a node after its training there (a late joiner no longer joins it)
@@ -414,7 +415,8 @@ class RunLobby:
         self.heartbeat += 1
         st = {"node_id": self.node_id, "state": state, "time": time.time(), "heartbeat": self.heartbeat,
               "run": run, "runs_refused": dict(self.verifier.refused), "algorithm": None, "round": 0,
-              "run_history": {k: {f: v.get(f) for f in ("state", "round", "reason", "started_from")}
+              "run_history": {k: {f: v.get(f) for f in ("state", "round", "reason", "started_from",
+                                                         *(DEGRADED_FIELDS if v.get("degraded") else ()))}
                               for k, v in sorted((history or {}).items(), key=lambda kv: kv[1].get("time", 0))[-20:]}}
         # the refusal and drop counters, always present: with counters, the totals over restarts
         st.update(self.counters.view() if self.counters is not None else {"control_dropped": dict(self.dropped)})

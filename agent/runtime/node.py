@@ -36,6 +36,7 @@ import numpy as np
 from dfl_agent.algorithms.base import Algorithm
 from dfl_agent.learning.training import evaluate, train_local
 from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.runtime.degraded import degraded_fields, warn_alone
 from dfl_agent.transport.base import CONTROL_DROP_PREFIXES
 
 if TYPE_CHECKING:
@@ -79,14 +80,16 @@ def peer_updates_used(info: dict[str, Any]) -> int | None:
     return None
 
 
-def round_alone(info: dict[str, Any], expected: list[str]) -> bool:
+def round_alone(info: dict[str, Any], expected: list[str], needs_peers: bool = False) -> bool:
     """Whether a round was closed *alone*: it used no peer update although the node
     expected verified neighbours in it (``expected``: live while the node was connected
-    to its broker: at the round's start, while it waited, or as it closed).  A node that
+    to its broker: at the round's start, while it waited, or as it closed) or needs peers
+    at all (``needs_peers``: ``discovery.min_peers`` >= 1 or a run with other members, and
+    an algorithm that communicates; see :mod:`dfl_agent.runtime.degraded`).  A node that
     genuinely runs alone (nobody else in the federation, ``min_peers = 0``) expected
     nobody, and its rounds are not alone in this sense; neither are rounds that were not
     meant to use a peer update (:func:`peer_updates_used`)."""
-    return bool(expected) and peer_updates_used(info) == 0
+    return (bool(expected) or needs_peers) and peer_updates_used(info) == 0
 
 
 def init_seed_for(seed: int, index: int, init: str) -> int:
@@ -173,8 +176,14 @@ class Node:
         self.stop_check: Callable[[], bool] | None = None
         #: fault injection (:meth:`kill_at`): (round, called when the node crashes)
         self._kill: tuple[int, Callable[[], None]] | None = None
-        #: rounds this node closed alone (:func:`round_alone`), status ``rounds_alone``
+        #: rounds this node closed alone (:func:`round_alone`), status ``rounds_alone``, of
+        #: the rounds meant to use a peer update (``exchange_rounds``): a degraded run
         self.rounds_alone = 0
+        self.exchange_rounds = 0
+        self._alone_warned: int | None = None
+        #: ``() -> bool``: whether the node needs peers (:func:`round_alone`); None: only
+        #: the neighbours expected in a round count (the simulator)
+        self.needs_peers: Callable[[], bool] | None = None
 
     def kill_at(self, round: int, on_kill: Callable[[], None]) -> None:
         """Crash this node when it is about to start round ``round`` (or a later one):
@@ -298,6 +307,8 @@ class Node:
         timing["wait_s"] = round(max(0.0, round_wall - sum(timing.get(k, 0.0) for k in
                                                             ("train_s", "encode_s", "send_s", "receive_s"))), 6)
         counters = self.ctx.counters()
+        talks = self.algorithm.communicates  # a deliberate `local` run is never alone
+        needs = bool(self.needs_peers is not None and self.needs_peers())  # discovery.min_peers, run members
         record = {
             "node": self.ctx.node_id,
             "round": t,
@@ -311,16 +322,17 @@ class Node:
             # steps whose non-finite result was restored (Algorithm.divergence_guard), so far
             "diverged": int(counters.get("diverged", 0)),
             "live_peers": len(self.ctx.live_peers()),
-            # closed with no peer update although verified neighbours were expected
-            "alone": round_alone(info, self.ctx.last_round_expected),
+            # closed with no peer update although neighbours were expected or needed (a degraded run)
+            "alone": talks and round_alone(info, self.ctx.last_round_expected, needs),
             # seconds the round was held because the broker was away (runtime.pause_when_disconnected)
             "paused_s": round(self.ctx.last_round_paused, 3),
             **timing,
         }
-        if record["alone"]:
+        self.exchange_rounds += talks and peer_updates_used(info) is not None
+        if record["alone"]:  # a degraded run: a WARNING at most once every 10 rounds
             self.rounds_alone += 1
-            log.warning("round %d closed alone: no peer update although %s were expected", t,
-                        ", ".join(self.ctx.last_round_expected))
+            self._alone_warned = warn_alone(t, self.rounds_alone, self.exchange_rounds, self.ctx.last_round_expected,
+                                            self._alone_warned)
         record.update(self.ctx.byte_accounting())  # bytes by kind, this round's bytes, compression ratio (issue 8)
         data = self.ctx.data
         if data is not None and hasattr(data, "num_train"):  # what this run trains on (grows with the store)
@@ -502,7 +514,9 @@ class Node:
             "control_dropped": {k: v for k, v in counters["dropped"].items() if k.startswith(CONTROL_DROP_PREFIXES)},
             "rounds_skipped": self.ctx.caught_up,  # catching up with the neighbours (runtime.rejoin)
             "paused_disconnected_s": round(self.ctx.disconnected_seconds, 1),  # runtime.pause_when_disconnected
-            "rounds_alone": self.rounds_alone,  # rounds closed with no peer update although peers were expected
+            # rounds closed with no peer update although peers were expected or needed, of those
+            # meant to use one: the run is degraded (runtime.degraded)
+            **degraded_fields({"rounds_alone": self.rounds_alone, "exchange_rounds": self.exchange_rounds}),
             # how many peers each discovery source found first ({"mdns": 2, "bridged-presence": 3})
             "peers_found_via": getattr(self.ctx.peers, "found_counts", dict)(),
             **{k: v for k, v in self.ctx.byte_accounting().items()

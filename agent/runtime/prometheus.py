@@ -12,7 +12,7 @@ consistent view.  Metrics (all labelled by nothing but what is listed):
   deployable model at the last evaluated round
 - ``dfl_dropped_messages_total{reason}`` (counter): messages dropped by reason
 - ``dfl_rounds_alone_total`` (counter): rounds closed with no peer update although
-  verified neighbours were expected (the status's ``rounds_alone``)
+  neighbours were expected or needed (the status's ``rounds_alone``: a degraded run)
 - ``dfl_peers_live`` (gauge): peers currently live
 - ``dfl_checkpoint_round`` (gauge), ``dfl_checkpoint_errors_total`` (counter)
 
@@ -71,8 +71,8 @@ class NodeCollector:
         yield dropped
         yield CounterMetricFamily("dfl_diverged_steps", "aggregation, mutual-learning or transfer steps that left "
                                   "a non-finite model (restored)", value=float(counters.get("diverged", 0)))
-        yield CounterMetricFamily("dfl_rounds_alone", "rounds closed with no peer update although verified "
-                                  "neighbours were expected", value=float(st.get("rounds_alone") or 0))
+        yield CounterMetricFamily("dfl_rounds_alone", "rounds closed with no peer update although "
+                                  "neighbours were expected or needed", value=float(st.get("rounds_alone") or 0))
         yield GaugeMetricFamily("dfl_peers_live", "live peers", value=float(len(ctx.live_peers())))
         yield GaugeMetricFamily("dfl_checkpoint_round", "round of the last checkpoint written",
                                 value=float(self.checkpoint_round()))

@@ -42,6 +42,7 @@ from dfl_agent.profiles import resolve_profile
 from dfl_agent.runtime.admission import admit
 from dfl_agent.runtime.assembly import StartupError, build_security
 from dfl_agent.runtime.config import NodeConfig
+from dfl_agent.runtime.degraded import degraded_fields
 from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier
 from dfl_agent.runtime.ledger import RunLedger, default_descriptor
 from dfl_agent.runtime.lobby import RunLobby
@@ -248,9 +249,10 @@ class RunManager:
         rnd, agent = 0, self.agent
         extra: dict[str, Any] | None = None
         if agent is not None and state == "trained":  # kept in the ledger: a resumed run records it
-            rnd = agent.node.status().get("round", 0) if agent.node is not None else 0
-            snap = agent.snapshot
-            extra = {"snapshot_last_id": int(snap.max())} if snap is not None and len(snap) else None
+            st = agent.node.status() if agent.node is not None else {}
+            rnd, snap = st.get("round", 0), agent.snapshot
+            extra = {"snapshot_last_id": int(snap.max())} if snap is not None and len(snap) else {}
+            extra.update(degraded_fields(st))  # trained alone: degraded, with its count
             if isinstance(start := _info.get("start"), dict):  # the warm start: kept in the run's entry
                 extra = {**(extra or {}), "init": start.get("init"), "started_from": start.get("started_from"),
                          "init_reason": start.get("reason", "")}

@@ -46,6 +46,8 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
+from dfl_agent.runtime.degraded import degraded_fields
+
 log = logging.getLogger("dfl_agent.daemon")
 
 #: seconds the child waits for the supervisor's acknowledgement of a state
@@ -163,7 +165,10 @@ class RunChannel:
             seq = self._seq
             ev = self._acks[seq] = threading.Event()
         node = getattr(self.agent, "node", None)
-        extra: dict[str, Any] = {"round": int(node.status().get("round", 0)) if node is not None else 0}
+        st = node.status() if node is not None else {}
+        extra: dict[str, Any] = {"round": int(st.get("round", 0))}
+        if "rounds_alone" in st:  # a degraded run: its ledger entry says so
+            extra.update(degraded_fields(st))
         snap = getattr(self.agent, "snapshot", None)
         if snap is not None and len(snap):
             extra["snapshot_last_id"] = int(snap.max())

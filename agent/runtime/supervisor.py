@@ -43,6 +43,7 @@ import numpy as np
 
 from dfl_agent.runtime.assembly import StartupError
 from dfl_agent.runtime.cgroup import RunCgroup, classify_exit
+from dfl_agent.runtime.degraded import FIELDS as DEGRADED_FIELDS
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -283,6 +284,7 @@ class ChildRun:
         state, node = str(doc.get("state")), self.node
         assert node is not None
         node.st["round"] = doc.get("round", node.last_round())
+        node.st.update({k: doc[k] for k in DEGRADED_FIELDS if k in doc})  # the run manager's ledger entry
         if doc.get("snapshot_last_id") is not None:
             self.snapshot = np.array([int(doc["snapshot_last_id"])])
         if state == "trained":
