@@ -233,3 +233,15 @@ def test_perfect_from_the_command_line_is_the_same_scenario_without_limits_loss_
     assert perfect.classes["pi"].rate is None and perfect.classes["pi"].loss == 0.0
     assert [d.id for d in perfect.devices] == [d.id for d in field.devices]
     assert [(r.at_s, r.rounds) for r in perfect.runs] == [(r.at_s, r.rounds) for r in field.runs]
+
+
+def test_a_late_decline_is_not_a_member_and_not_a_failed_state():
+    from dfl_agent.cli.lab.report import run_membership
+
+    members, late, states = run_membership({
+        "pi-0": {"state": "finished"}, "pi-1": {"state": "finished"}, "pi-4": None,
+        "pi-3": {"state": "declined", "reason": "late: the run had ended on 2 member(s) before this node joined"}})
+    assert sorted(members) == ["pi-0", "pi-1"] and late == ["pi-3"] and states == {"finished"}
+    members, late, states = run_membership({"pi-0": {"state": "finished"},
+                                            "pi-1": {"state": "declined", "reason": "profile: too little memory"}})
+    assert members == ["pi-0"] and late == [] and states == {"finished", "declined"}  # all_runs_deployed fails on it

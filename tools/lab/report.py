@@ -138,6 +138,24 @@ def copy_logs(run: Any) -> None:
 
 
 
+def run_membership(entries: dict[str, Any]) -> tuple[list[str], list[str], set[str]]:
+    """A run's members, its late decliners and the states its members recorded, from each
+    device's ledger entry of it (None: the device never knew the run).  A device that
+    declined it as ``late:`` (it came after the run had ended on its members) is not a
+    member and its decline is no failure; any other decline is a state of the run."""
+    members, late, states = [], [], set()
+    for n, entry in entries.items():
+        if not entry:
+            continue
+        if entry.get("state") == "declined" and str(entry.get("reason", "")).startswith("late:"):
+            late.append(n)
+            continue
+        states.add(entry.get("state"))
+        if entry.get("state") != "declined":
+            members.append(n)
+    return members, late, states
+
+
 def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str, Any]:
     """Everything measurable from the run's folders, the checks, and the files."""
     from dfl_agent.cli.demo_feed import collect
@@ -208,16 +226,10 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
                          "members": [], "rounds": 0, "deployed_on": [], "final_accuracy_mean": None,
                          "accuracy_curve": [], "time_to_accuracy": time_to_accuracy([], None)})
             continue
-        members, deployed, accs, rounds = [], [], [], 0
-        states_seen = set()
-        for n, a in run.agents.items():
-            entry = RunLedger(a.state).entries.get(rid)
-            if not entry:
-                continue
-            states_seen.add(entry.get("state"))
-            if entry.get("state") == "declined":
-                continue
-            members.append(n)
+        deployed, accs, rounds = [], [], 0
+        members, late, states_seen = run_membership({n: RunLedger(a.state).entries.get(rid)
+                                                     for n, a in run.agents.items()})
+        for n in members:
             rounds = max(rounds, len(recs[n].get(rid, [])))
             for r in col["nodes"][n]["runs"]:
                 if r["run_id"] == rid and r["deployed_version"] is not None:
@@ -226,7 +238,7 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
                         accs.append(r["heldout_accuracy"])
         state = ",".join(sorted(s for s in states_seen if s)) or "unknown"  # "finished" where all finished
         runs.append({"run_id": rid, "algorithm": sc.runs[i].algorithm, "state": state, "members": sorted(members),
-                     "rounds": rounds, "deployed_on": sorted(deployed),
+                     "rounds": rounds, "deployed_on": sorted(deployed), "declined_late": sorted(late),
                      "final_accuracy_mean": round(sum(accs) / len(accs), 4) if accs else None,
                      "submitted_s": round(run.run_submitted[i] - run.t0, 1)})
         runs[-1]["accuracy_curve"] = accuracy_curve({n: round_acc[n][rid] for n in members if rid in round_acc.get(n, {})})
