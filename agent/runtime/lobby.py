@@ -333,6 +333,22 @@ class RunLobby:
         """Nodes whose status (its current run, or its run history) says they declined ``run_id``."""
         return {n for n, state in self._run_states(run_id).items() if state == "declined"}
 
+    def late_for(self, run_id: str) -> str:
+        """Why a node that never trained ``run_id`` is too late to join it ("" when it is
+        not): the run ended on other members, or they train it past round 1 (joining then
+        would make every member wait for this node's rounds)."""
+        if ended := self.finished_by(run_id):
+            return f"the run had ended on {len(ended)} member(s)"
+        rnd = self.training_round(run_id)
+        return f"the run was at round {rnd} on its members" if rnd > 1 else ""
+
+    def training_round(self, run_id: str) -> int:
+        """The highest round a node's status shows while it trains ``run_id`` (0: none trains it)."""
+        with self.lock:
+            rounds = [s["run"].get("round") for s in self.statuses.values() if isinstance(s.get("run"), dict)
+                      and s["run"].get("id") == run_id and s["run"].get("state") == "training"]
+        return max((int(r) for r in rounds if isinstance(r, int) and not isinstance(r, bool)), default=0)
+
     def finished_by(self, run_id: str) -> set[str]:
         """Nodes whose status says ``run_id`` ended there after its training (trained,
         deploying, deployed, kept, recorded or finished): too late for a node to join it."""

@@ -206,26 +206,27 @@ class RunManager:
         """``admitted -> waiting_for_members`` until ``min_members`` devices accepted the run
         (this one included); then True, or ``cancelled``/``failed`` (recorded) and False,
         or None when ``stop`` was set (back to ``idle``; a restart waits again).  A node that
-        never trained the run and finds it ended on other members (a late joiner) declines it."""
+        never trained the run and finds it ended on other members, or past their first round
+        (a late joiner), declines it: it takes part from the next run on."""
         self._to("waiting_for_members", d.run_id)
         lobby, nid = self.lobby, self.node_id
         deadline = time.time() + d.start_timeout
         late = not (self.ledger.run_dir(d.run_id) / "metrics.jsonl").exists()  # no round of it here
         while len(lobby.accepted_by(d.run_id) | {nid}) < d.min_members and not stop.is_set():
             cur = lobby.run(d.run_id)
-            if (cur is not None and cur.cancelled) or time.time() > deadline or (late and lobby.finished_by(d.run_id)):
+            if (cur is not None and cur.cancelled) or time.time() > deadline or (late and lobby.late_for(d.run_id)):
                 break
             self.publish("accepted")
             await asyncio.sleep(0.3)
-        n, ended = len(lobby.accepted_by(d.run_id) | {nid}), lobby.finished_by(d.run_id) if late else set()
+        n, why_late = len(lobby.accepted_by(d.run_id) | {nid}), lobby.late_for(d.run_id) if late else ""
         if stop.is_set():
             self._to("idle")
             return None
-        if n >= d.min_members and not ended:
+        if n >= d.min_members and not why_late:
             return True
         cur = lobby.run(d.run_id)
-        if ended:
-            self.decline(d.run_id, f"late: the run had ended on {len(ended)} member(s) before this node joined")
+        if why_late:
+            self.decline(d.run_id, f"late: {why_late} before this node joined")
         elif cur and cur.cancelled:
             self.info = self._ended_as(d.run_id, "cancelled", CANCELLED)
         else:

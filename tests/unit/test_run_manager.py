@@ -30,8 +30,8 @@ class Lobby:
     def accepted_by(self, run_id):
         return set()
 
-    def finished_by(self, run_id):
-        return set()
+    def late_for(self, run_id):
+        return ""
 
     def may_join(self, run_id):
         return 10
@@ -169,8 +169,8 @@ def test_the_default_run_with_a_bad_setting_still_stops_the_agent(tmp_path):
 class LateLobby(Lobby):
     """The other members' statuses: run r1 ended there (finished, deployed) after training."""
 
-    def finished_by(self, run_id):
-        return {"a", "b"} if run_id == "r1" else set()
+    def late_for(self, run_id):
+        return "the run had ended on 2 member(s)" if run_id == "r1" else ""
 
 
 def test_a_late_joiner_declines_a_run_that_ended_on_its_members_and_does_not_wait(tmp_path):

@@ -366,3 +366,19 @@ def test_nodes_where_a_run_ended_after_training_are_known_to_a_late_joiner():
                       "d": {"run": {"id": "r-1", "state": "failed"}}}  # failed to start: not "ended after training"
     assert lobby.finished_by("r-1") == {"a", "b"}
     assert lobby.finished_by("r-2") == set()
+    assert lobby.late_for("r-1") == "the run had ended on 2 member(s)"
+
+
+def test_a_run_its_members_train_past_round_one_is_too_late_to_join():
+    # found in the field lab: a device started while run 0 was at round ~150 joined it from
+    # round 1; every member then waited each round's whole deadline (30 s) for its updates
+    from dfl_agent.runtime.lobby import RunLobby
+
+    lobby = RunLobby(config_from_dict({}), "me", RunVerifier("default", require_signatures=False))
+    lobby.statuses = {"a": {"run": {"id": "r-1", "state": "training", "round": 1}},
+                      "b": {"run": {"id": "r-1", "state": "accepted", "round": 0}}}
+    assert lobby.training_round("r-1") == 1 and lobby.late_for("r-1") == ""  # the run is starting: join
+    lobby.statuses["c"] = {"run": {"id": "r-1", "state": "training", "round": 150}}
+    lobby.statuses["d"] = {"run": {"id": "r-1", "state": "training", "round": True}}  # not a round
+    assert lobby.training_round("r-1") == 150
+    assert lobby.late_for("r-1") == "the run was at round 150 on its members"
