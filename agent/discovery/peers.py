@@ -141,6 +141,9 @@ class PeerTable:
         #: how a known peer's presence went offline (a :data:`DEPARTURES` key), told by the
         #: presence before it withdraws the peer, read by that withdrawal
         self._departure: dict[str, str] = {}
+        #: peers whose MQTT session broke (their last will came) while they stayed live:
+        #: they may have missed messages (:meth:`note_session_lost`)
+        self._session_lost: set[str] = set()
         #: peer -> {how (a FOUND_VIA word): (clock time, address) of its first finding that way}
         self._found: dict[str, dict[str, tuple[float, str]]] = {}
         #: (peer, how) found since :meth:`take_found` last ran
@@ -254,6 +257,21 @@ class PeerTable:
         with self._lock:
             if node_id in self._peers:
                 self._departure[node_id] = how
+
+    def note_session_lost(self, node_id: str) -> None:
+        """``node_id``'s last will came while it is still live (with signatures required a
+        will is only a hint): its MQTT session broke, so it may have missed messages sent
+        meanwhile.  :meth:`take_session_lost` tells it once, at its next sign of life."""
+        with self._lock:
+            self._session_lost.add(node_id)
+
+    def take_session_lost(self, node_id: str) -> bool:
+        """Whether ``node_id``'s session broke since the last call (see :meth:`note_session_lost`)."""
+        with self._lock:
+            if node_id in self._session_lost:
+                self._session_lost.discard(node_id)
+                return True
+            return False
 
     def is_live(self, node_id: str) -> bool:
         """Whether ``node_id`` is a live peer now (no departure is logged by this query)."""

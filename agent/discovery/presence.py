@@ -274,6 +274,9 @@ class MqttPresence(ControlChannel):
                 if is_live is not None and is_live(node_id):  # not a retained will of long ago
                     log.warning("%s: peer %s lost its connection (its unsigned last will: crashed or cut off); "
                                 "a member until its heartbeats stop", self.node_id, node_id)
+                    lost = getattr(t.peers, "note_session_lost", None)
+                    if lost is not None:  # back within its heartbeat timeout, it may have missed messages
+                        lost(node_id)
                 else:
                     log.debug("%s: unsigned offline of peer %s ignored (not live)", self.node_id, node_id)
                 return

@@ -97,11 +97,18 @@ class Membership:
             fields = {k: v for k, v in descriptor.items() if isinstance(v, (str, int, float))}
             fields.pop("node_id", None)
             is_live = getattr(ctx.peers, "is_live", None)
-            if node_id != ctx.node_id and is_live is not None and not is_live(node_id):
+            if node_id != ctx.node_id and ((is_live is not None and not is_live(node_id)) or self._lost(node_id)):
                 self.rejoins += 1
             ctx.peers.upsert(node_id, "presence", **fields)
             if node_id != ctx.node_id:
                 self.compatible(node_id)  # exclude an incompatible peer as soon as it is seen
+
+    def _lost(self, peer: str) -> bool:
+        """Whether ``peer``'s MQTT session broke since its last sign of life (its last will
+        came while it stayed live: a partition shorter than the heartbeat timeout); it may
+        have missed this node's messages, so it counts as a return."""
+        take = getattr(self.ctx.peers, "take_session_lost", None)
+        return bool(take is not None and take(peer))
 
     def live_peers(self) -> list[str]:
         """Live peers that take part (see :meth:`RuntimeContext.live_peers`)."""
@@ -148,12 +155,13 @@ class Membership:
         """A peer's status document arrived (heartbeat): remember whether it is gated, and
         count a restart of the peer (its ``heartbeat`` counter went back) in :attr:`rejoins`:
         a peer killed and restarted within the heartbeat timeout never looked offline (with
-        signatures required its unsigned last will is only a hint), yet it lost its copies."""
+        signatures required its unsigned last will is only a hint), yet it lost its copies;
+        and a peer whose session broke meanwhile (:meth:`_lost`), which may have missed them."""
         if isinstance(status, dict):
             beat = status.get("heartbeat")
             if isinstance(beat, int) and not isinstance(beat, bool):
                 last = self._heartbeats.get(peer)
-                if last is not None and beat < last:
+                if (last is not None and beat < last) or self._lost(peer):
                     self.rejoins += 1
                 self._heartbeats[peer] = beat
             gated = status.get("gated")

@@ -67,3 +67,22 @@ def test_membership_counts_a_peer_restarted_within_the_heartbeat_timeout() -> No
     assert m.rejoins == 1
     m.note_status("a", {"state": "idle", "heartbeat": 2})
     assert m.rejoins == 1
+
+
+def test_membership_counts_a_peer_whose_session_broke_at_its_next_sign_of_life() -> None:
+    """A partition shorter than the heartbeat timeout: the peer stays live, its last will came
+    (its session broke, it may have missed this node's messages); its next status or presence
+    counts as a return, once."""
+    peers = PeerTable("me", "fed", heartbeat_timeout=None)
+    m = Membership(SimpleNamespace(peers=peers, security=None, node_id="me", compatibility=None))
+    m.on_presence("a", {"algorithm": "fedavg"})
+    m.note_status("a", {"state": "training", "heartbeat": 7})
+    assert m.rejoins == 1
+    peers.note_session_lost("a")
+    m.note_status("a", {"state": "training", "heartbeat": 8})  # back: a keyframe is due
+    assert m.rejoins == 2
+    m.note_status("a", {"state": "training", "heartbeat": 9})
+    assert m.rejoins == 2
+    peers.note_session_lost("a")
+    m.on_presence("a", {"algorithm": "fedavg"})  # its presence again after a broken session
+    assert m.rejoins == 3
