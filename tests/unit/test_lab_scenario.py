@@ -205,6 +205,10 @@ def test_every_check_can_fail():
     assert "pi-0 closed 2 round(s) alone (at most 0)" in evaluate_checks(s, cases["max_rounds_alone"])[0]
     assert "broker_outage a at 16 s never recovered" in evaluate_checks(s, cases["max_recovery_s"])[0]
     assert "not deployed on pi-1" in evaluate_checks(s, cases["all_runs_deployed"])[0]
+    # a device whose deploy gate kept its deployed model ends the run with a deployed model
+    kept = _report(runs=[{"run_id": "r-1", "state": "finished", "members": ["pi-0", "pi-1"], "deployed_on": ["pi-0"],
+                          "kept_on": ["pi-1"]}])
+    assert not [f for f in evaluate_checks(s, kept) if f.startswith("all_runs_deployed")]
     assert evaluate_checks(s, _report(final_accuracy_mean=None))[0].startswith("min_final_accuracy: final deployed "
                                                                               "accuracy none")
 

@@ -104,7 +104,8 @@ def evaluate_checks(sc: Scenario, rep: dict[str, Any]) -> list[str]:
                               + f" (at most {c['max_recovery_s']} s)")
     if c.get("all_runs_deployed"):
         for r in rep["runs"]:
-            missing = sorted(set(r["members"] or []) - set(r["deployed_on"]))
+            # a device whose deploy gate kept its deployed model still ends the run with one
+            missing = sorted(set(r["members"] or []) - set(r["deployed_on"]) - set(r.get("kept_on", [])))
             if r["state"] != "finished" or missing or not r["members"]:
                 failed.append(f"all_runs_deployed: run {r['run_id']} {r['state']}"
                               + (f", not deployed on {', '.join(missing)}" if missing else ""))
@@ -229,16 +230,28 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
         deployed, accs, rounds = [], [], 0
         members, late, states_seen = run_membership({n: RunLedger(a.state).entries.get(rid)
                                                      for n, a in run.agents.items()})
+        kept: list[str] = []
         for n in members:
             rounds = max(rounds, len(recs[n].get(rid, [])))
             for r in col["nodes"][n]["runs"]:
-                if r["run_id"] == rid and r["deployed_version"] is not None:
+                if r["run_id"] != rid:
+                    continue
+                if r["deployed_version"] is not None:
                     deployed.append(n)
-                    if r["heldout_accuracy"] is not None:
-                        accs.append(r["heldout_accuracy"])
+                    acc = r["heldout_accuracy"]
+                else:  # the deploy gate kept the version deployed before: the device's model
+                    before = [x for x in col["deployments"] if x["node"] == n and r.get("run_end")
+                              and x["time"] <= r["run_end"]]
+                    if not before:
+                        continue
+                    kept.append(n)
+                    acc = before[-1]["heldout_accuracy"]
+                if acc is not None:
+                    accs.append(acc)
         state = ",".join(sorted(s for s in states_seen if s)) or "unknown"  # "finished" where all finished
         runs.append({"run_id": rid, "algorithm": sc.runs[i].algorithm, "state": state, "members": sorted(members),
-                     "rounds": rounds, "deployed_on": sorted(deployed), "declined_late": sorted(late),
+                     "rounds": rounds, "deployed_on": sorted(deployed), "kept_on": sorted(kept),
+                     "declined_late": sorted(late),
                      "final_accuracy_mean": round(sum(accs) / len(accs), 4) if accs else None,
                      "submitted_s": round(run.run_submitted[i] - run.t0, 1)})
         runs[-1]["accuracy_curve"] = accuracy_curve({n: round_acc[n][rid] for n in members if rid in round_acc.get(n, {})})
