@@ -85,7 +85,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         model_specs=None if a.models in FAMILY_NAMES else _model_specs(a.models),
         profiles=[p for p in (a.profiles or "").split(",") if p] or None,
         compression=a.compression, error_feedback=a.error_feedback, consensus_step=a.consensus_step,
-        samples_per_node=a.samples_per_node, batch=a.batch, device=a.device,
+        samples_per_node=a.samples_per_node, batch=a.batch, device=a.device, straggler=a.straggler,
+        speeds=[float(v) for v in a.speeds.split(",")] if a.speeds else None,
     )
     _dechw_hint(cfg.algorithm, cfg.options, cfg.init, cfg.partition)
     s = simulate_with_progress(cfg, enabled=a.progress)
@@ -320,6 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the summary as one JSON document (schema_version 1) instead of the text line")
     s.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no per-round progress on stderr (a bar on a terminal, else one line per round)")
+    s.add_argument("--straggler", default="paper", choices=["paper", "quorum"],
+                   help="paper: the papers' lock step (default); quorum: as the always-on agent, rounds close "
+                        "without the slowest neighbours, adaptive deadlines, late updates weighted")
+    s.add_argument("--speeds", default=None, metavar="F,F,...",
+                   help="per-node speed factors (cycled), e.g. 1,1,1,0.05: a training call takes 1/F virtual "
+                        "seconds (default: no virtual training time)")
     _compression_args(s)
     s.add_argument("--consensus-step", type=_nonnegative_float, default=0.0, metavar="GAMMA",
                    help="CHOCO's consensus step for compressed gossip, as compression.consensus_step "

@@ -46,6 +46,7 @@ from dfl_agent.runtime.assembly import (
     link_settings,
     model_spec_for,
     resolve_algorithm,
+    straggler_policy,
 )
 from dfl_agent.runtime.checkpoint import CheckpointStore, NodeCheckpointer
 from dfl_agent.runtime.config import NodeConfig
@@ -295,6 +296,7 @@ class Agent(RunMembers):
         self.ctx = node.ctx
         node.ctx.alone_waits = self._alone_waits  # no racing ahead alone while members are away
         node.needs_peers = lambda: cfg.discovery.min_peers > 0 or bool(self.members)  # else alone is no failure
+        node.ctx.straggler = straggler_policy(cfg)  # runtime.straggler: quorum, adaptive deadlines
         if self.store is not None:  # no global test set: "global" accuracy is the validation slice's
             node.accuracy_source = "local validation"
         if self.metrics_run is not None:

@@ -41,7 +41,8 @@ class StartupError(RuntimeError):
 
 
 def resolve_algorithm(cfg: NodeConfig) -> tuple[type[Algorithm], Any]:
-    """The algorithm class of ``algorithm.name`` and its parsed ``algorithm.options``.
+    """The algorithm class of ``algorithm.name`` and its parsed ``algorithm.options``, as
+    ``runtime.straggler`` runs them (:func:`~dfl_agent.algorithms.protocols.stragglers.quorum_options`).
 
     Raises:
         ConfigError: ``algorithm.name: unknown algorithm ...`` or
@@ -58,7 +59,18 @@ def resolve_algorithm(cfg: NodeConfig) -> tuple[type[Algorithm], Any]:
         options = parse_options(algo_cls, cfg.algorithm.options)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return algo_cls, options
+    from dfl_agent.algorithms.protocols.stragglers import quorum_options
+
+    return algo_cls, quorum_options(options, straggler_policy(cfg), cfg.algorithm.options)
+
+
+def straggler_policy(cfg: NodeConfig) -> Any:
+    """The node's :class:`~dfl_agent.algorithms.protocols.stragglers.StragglerPolicy`
+    (``runtime.straggler``, ``min_round_timeout``, ``max_round_timeout``)."""
+    from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
+
+    r = cfg.runtime
+    return StragglerPolicy(r.straggler, r.min_round_timeout, r.max_round_timeout)
 
 
 def apply_profile(cfg: NodeConfig, algorithm: str, spec: dict[str, Any] | None = None) -> tuple[Any, Any]:

@@ -148,6 +148,8 @@ class ComputeGate:
         """``fn(*args, **kwargs)`` once gating allows (``train_s`` of the round's timing)."""
         ctx = self.ctx
         await ctx.wait_until_allowed()  # resource gating: no training while gated
+        if ctx.virtual_train_s:  # the simulator's per-node speed (--speeds): training takes virtual time
+            await asyncio.sleep(ctx.virtual_train_s)
         if ctx.batcher is not None and not ctx.compute_in_thread:
             # the simulator's batched training: a qualifying call waits for its group's
             # vectorised step (which adds this node's share to timing["train_s"])

@@ -94,11 +94,9 @@ class TrainingSection:
 class DataSection:
     """``[data]``: where this node's data comes from."""
 
-    dataset: str = described(
-        "har", help="`har`, `digits`, `idx` (MNIST-format files in `data.path`), `npz` (a device directory)")
+    dataset: str = described("har", help="`har`, `digits`, `idx` (MNIST-format files in `data.path`), `npz`")
     path: str | None = described(None, help="directory for `idx` / `npz`")
-    partition: str = described(
-        "by-user", help="`iid`, `dirichlet` (`data.beta`), `shards` (`data.zeta`), `by-user`")
+    partition: str = described("by-user", help="`iid`, `dirichlet` (`data.beta`), `shards` (`data.zeta`), `by-user`")
     num_nodes: int = described(1, help="number of shares the data set is partitioned into")
     node_index: int = described(0, help="this node's share, in [0, `data.num_nodes`)")
     beta: float = described(0.5, help="Dirichlet concentration of the `dirichlet` partition (label skew)")
@@ -157,8 +155,7 @@ class MqttSection:
     protocol: str = described("5", help="MQTT protocol version, `5` or `3.1.1`")
     chunk_size: int | None = described(None, help="largest MQTT payload sent (bytes); larger frames are chunked",
                                        default_text="262144 (256 KiB); less with a slow `link_rate`")
-    max_frame_bytes: int = described(64 * 1024 * 1024,
-                                     help="larger incoming messages are dropped before allocation (bytes)")
+    max_frame_bytes: int = described(64 * 1024 * 1024, help="larger incoming messages are dropped unread (bytes)")
     keepalive: int | None = described(None, help="MQTT keepalive (s); the broker fires the last will after about "
                                       "1.5× this", default_text="10; more with a slow `link_rate`")
     link_rate: str = described("", help="the device's slowest link in bits/s, e.g. `0.5mbit`, `256kbit`: chunk size, "
@@ -166,10 +163,8 @@ class MqttSection:
     heartbeat_interval: float = described(5.0, help="status republish period (s)")
     username: str | None = described(None, help="broker user name")
     password: str | None = described(None, help="broker password")
-    bridged: bool = described(
-        False, help="reach every peer through the home broker (site brokers joined by bridging)")
-    tls_ca: str | None = described(
-        None, help="CA certificate file: speak MQTT over TLS and verify the broker against it")
+    bridged: bool = described(False, help="reach every peer through the home broker (site brokers bridged)")
+    tls_ca: str | None = described(None, help="CA certificate file: MQTT over TLS, the broker verified against it")
     tls_cert: str | None = described(None, help="client certificate file (needs `mqtt.tls_ca` and `mqtt.tls_key`)")
     tls_key: str | None = described(None, help="client certificate's private key file")
     max_transfers: int = described(64, help="incomplete chunked transfers held per broker connection")
@@ -194,23 +189,21 @@ class RuntimeSection:
     """``[runtime]``: reporting, checkpoints, logging and baselines."""
 
     baseline_local: bool = described(False, help="also train a local-only copy and report its accuracy")
-    eval_every: int = described(
-        1, help="evaluate the deployable model every this many rounds (always the first and the last)")
+    eval_every: int = described(1, help="evaluate the deployable model every this many rounds (and the last)")
     eval_background: bool = described(
         True, help="evaluate a copy of the models (and train the local-only baseline) while the next round runs, "
         "so that evaluation never delays the federation; `false`: between rounds")
     metrics_file: str | None = described(None, help="per-round metrics (JSON lines)", default_text="`state_dir/metrics.jsonl`")
     log_level: str = described("info", help="`debug`, `info`, `warning`, `error`")
-    init: str = described(
-        "common", help="`common`: every node starts from the same weights (seeded by `seed`); `independent`")
+    init: str = described("common", help="`common`: every node starts from the same (seeded) weights; `independent`")
     checkpoint: bool = described(True, help="write a checkpoint after every round and resume from it at start")
     checkpoint_keep: int = described(2, help="checkpoints kept (≥ 2 keeps a fallback)")
     log_format: str = described("auto", help="`auto` (journal priorities under journald), `text`, `journal`")
     prometheus_port: int = described(0, help="Prometheus `/metrics` port (0 = off; needs the `metrics` extra)")
     prometheus_address: str = described("127.0.0.1", help="address the Prometheus endpoint binds")
     rejoin: bool = described(True, help="deprecated and always on: a restarted node rejoins its run at its round")
-    pause_when_disconnected: bool = described(
-        True, help="while the broker is away: no training, no round closes (its deadline suspended); state `paused`")
+    pause_when_disconnected: bool = described(True, help="while the broker is away: no training, no round "
+                                              "closes (its deadline suspended); state `paused`")
     max_catch_up_rounds: int = described(10, help="most rounds one catch-up skips at once (at a restart or "
                                          "during a run); a node further behind skips again; 0 = never skip")
     allow_alone: bool = described(False, help="`run --once` exits 0, not 4, after a run degraded for more than half "
@@ -220,6 +213,11 @@ class RuntimeSection:
     run_stop_grace: float = described(30.0, help="seconds a run process has to stop after SIGTERM before SIGKILL")
     run_init: str = described("deployed", help="`deployed`: a run starts from the deployed model when its "
                               "architecture matches (else fresh, logged why); `fresh`; `run submit --init` overrides")
+    straggler: str = described("quorum", help="`quorum`: rounds close without the slowest neighbours, adaptive "
+                               "deadlines, late updates weighted (how-to: choose an algorithm); `paper`: lock step")
+    min_round_timeout: float = described(2.0, help="quorum: the adaptive round deadline's lower bound (s)")
+    max_round_timeout: float = described(120.0, help="quorum: its upper bound (s) where the algorithm has no "
+                                         "`round_timeout` (the rotating family: also at most `invite_timeout`)")
 
 
 @dataclasses.dataclass
@@ -265,8 +263,7 @@ class CompressionSection:
 class SecuritySection:
     """``[security]``: node key, federation trust and replay protection."""
 
-    require_signatures: bool = described(
-        False, help="reject unsigned messages and unknown senders; members need trusted keys")
+    require_signatures: bool = described(False, help="reject unsigned messages and unknown senders (trusted keys)")
     key_file: str | None = described(None, help="the node's Ed25519 key (created if missing)",
                                            default_text="`state_dir/node_key.pem`")
     certificate: str | None = described(None, help="this node's device certificate",
@@ -513,6 +510,9 @@ def _validate_runtime(cfg: NodeConfig) -> None:
         _need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"runtime.{key}", "must be an integer >= 0")
     _need(cfg.runtime.run_stop_grace > 0, "runtime.run_stop_grace", "must be > 0 seconds")
     _need(cfg.runtime.run_init in ("deployed", "fresh"), "runtime.run_init", "must be 'deployed' or 'fresh'")
+    _need(cfg.runtime.straggler in ("quorum", "paper"), "runtime.straggler", "must be 'quorum' or 'paper'")
+    _need(0 < cfg.runtime.min_round_timeout <= cfg.runtime.max_round_timeout, "runtime.min_round_timeout",
+          "must be > 0 and <= runtime.max_round_timeout")
     from dfl_agent.learning.compression import CompressionError, parse_spec
 
     c = cfg.compression

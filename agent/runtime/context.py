@@ -138,6 +138,14 @@ class RuntimeContext:
     #: set by the agent: whether a round with no live neighbour waits for its deadline
     #: (:func:`~dfl_agent.algorithms.protocols.synchronization.waits_alone`); None: it does not
     alone_waits: Callable[[], bool] | None = None
+    #: ``runtime.straggler`` (:class:`~dfl_agent.algorithms.protocols.stragglers.StragglerPolicy`);
+    #: None: the papers' lock step
+    straggler: Any = None
+    #: rounds an update may lag beyond the previous round before the inbox drops it as
+    #: stale (set by an algorithm whose update market keeps late updates: ``max_staleness``)
+    max_staleness: int = 0
+    #: the simulator's ``--speeds``: virtual seconds each training call takes (0: none)
+    virtual_train_s: float = 0.0
 
     def __init__(
         self,
@@ -468,7 +476,8 @@ class RuntimeContext:
 
     async def end_round(self, round: int, **info: Any) -> None:
         self.current_round = round + 1
-        received = self.inbox.end_round(round)  # forget buffered messages of rounds that can no longer be used
+        # forget buffered messages of rounds that can no longer be used (max_staleness: late updates can)
+        received = self.inbox.end_round(round - self.max_staleness)
         sent = self.outbox.end_round()
         self.last_round_bytes = {
             "round_bytes_sent": sum(sent.values()),

@@ -169,9 +169,9 @@ class Inbox:
         self.seen_order.append(msg.msg_id)
         if len(self.seen_order) > SEEN_IDS:
             self.seen_ids.discard(self.seen_order.popleft())
-        current = self.ctx.current_round
-        if msg.round < current - 1:
-            self.drop("stale", f"round {msg.round} < {current - 1}", msg.sender)
+        oldest = self.ctx.current_round - 1 - self.ctx.max_staleness  # older rounds: no algorithm takes them
+        if msg.round < oldest:
+            self.drop("stale", f"round {msg.round} < {oldest}", msg.sender)
             return False
         return True
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from dfl_agent.algorithms.base import get_algorithm, parse_options
+from dfl_agent.algorithms.protocols.stragglers import quorum_options
 from dfl_agent.algorithms.topology import build_topology
 from dfl_agent.data import load_dataset, make_node_data, partition
 from dfl_agent.discovery.peers import PeerTable
@@ -84,6 +85,13 @@ class SimConfig:
         device: torch device every node's models live and train on: ``cpu`` (the
             default) or ``cuda`` / ``cuda:N``; a CUDA device that torch cannot see is a
             ``ValueError`` when the run starts (no silent fallback to cpu).
+        straggler: ``paper`` (default: the papers' lock step, so that their figures
+            reproduce) or ``quorum`` (the always-on agent's default:
+            :mod:`dfl_agent.algorithms.protocols.stragglers`), with ``min_round_timeout``
+            and ``max_round_timeout`` (virtual seconds).
+        speeds: per-node speed factors (cycled), e.g. ``[1, 1, 1, 0.05]``: each training
+            call of a node takes ``train_seconds / speed`` virtual seconds; None: training
+            takes no virtual time.
     """
 
     algorithm: str = "fedavg"
@@ -120,8 +128,16 @@ class SimConfig:
     samples_per_node: int = 0
     batch: bool = True
     device: str = "cpu"
+    straggler: str = "paper"
+    min_round_timeout: float = 2.0
+    max_round_timeout: float = 120.0
+    speeds: list[float] | None = None
+    train_seconds: float = 1.0
 
     def __post_init__(self) -> None:
+        self.policy()  # ValueError for a bad straggler setting
+        if self.speeds is not None and (not self.speeds or not all(v > 0 for v in self.speeds)):
+            raise ValueError(f"speeds must be positive factors, got {self.speeds}")
         if self.nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {self.nodes}")
         if self.rounds < 1:
@@ -132,6 +148,12 @@ class SimConfig:
             raise ValueError(f"init must be 'common' or 'independent', got {self.init!r}")
         if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", str(self.device))):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    def policy(self) -> Any:
+        """The :class:`~dfl_agent.algorithms.protocols.stragglers.StragglerPolicy` of the run."""
+        from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
+
+        return StragglerPolicy(self.straggler, self.min_round_timeout, self.max_round_timeout)
 
 
 def check_device(device: str, cuda: Any = None) -> str:
@@ -210,7 +232,8 @@ def _assemble(cfg: SimConfig, device: str, sink: Callable[[dict[str, Any]], None
     """Load the data, choose each node's model (:func:`~dfl_agent.runtime.assembly.choose_model_specs`)
     and build the nodes (:func:`~dfl_agent.runtime.assembly.build_node`) over one memory network."""
     algo_cls = get_algorithm(cfg.algorithm)
-    options = parse_options(algo_cls, cfg.options)
+    straggler = cfg.policy()
+    options = quorum_options(parse_options(algo_cls, cfg.options), straggler, cfg.options)
     bundle = load_dataset(cfg.dataset, path=cfg.dataset_path, cache_dir=cfg.cache_dir)
     if cfg.samples_per_node:
         parts = sampled_parts(len(bundle.pool), cfg.nodes, cfg.samples_per_node, cfg.seed)
@@ -250,6 +273,9 @@ def _assemble(cfg: SimConfig, device: str, sink: Callable[[dict[str, Any]], None
             compression=choose_compression(policy, behaviour, cfg.algorithm, error_feedback=cfg.error_feedback),
             behaviour=behaviour, batcher=batcher,
         )
+        node.ctx.straggler = straggler
+        if cfg.speeds:  # --speeds: a slow node's training takes more virtual time
+            node.ctx.virtual_train_s = cfg.train_seconds / cfg.speeds[i % len(cfg.speeds)]
         if i in cfg.kill:  # fault injection: the node crashes when it starts that round
             node.kill_at(cfg.kill[i], functools.partial(network.kill, nid))
         nodes.append(node)

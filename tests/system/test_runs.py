@@ -54,6 +54,9 @@ def _config(tmp: Path, fed: str, nid: str, i: int, broker: str, fed_key: Ed25519
         "mqtt": {"broker": broker, "heartbeat_interval": 1.0},
         "discovery": {"min_peers": len(IDS) - 1, "start_timeout": 20.0, "mdns": False},
         "security": {"require_signatures": True, "federation_key": public_key_b64(fed_key)},
+        # the papers' lock step: a killed member is waited for (until its heartbeats stop) and
+        # rejoins at its round; under the quorum its neighbours go on without it
+        "runtime": {"straggler": "paper"},
         **extra,
     }
     text = dump_toml(config_from_dict(raw))

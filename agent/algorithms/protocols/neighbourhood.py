@@ -33,6 +33,7 @@ import numpy as np
 from dfl_agent.algorithms import gossip_compression as gc
 from dfl_agent.algorithms.base import Algorithm
 from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.protocols.stragglers import adaptive_deadline, weigh_late
 from dfl_agent.algorithms.protocols.synchronization import (
     SyncOptions,
     UpdateMarket,
@@ -240,10 +241,20 @@ class NeighbourhoodAlgorithm(Algorithm):
         self.samples = int(len(self.ctx.data.train_y))
         self._bootstrapped = False
         self.market = UpdateMarket.from_options(self.options)
-        self.choco = gc.choco_for(self.ctx, MODEL_KIND)  # compressed gossip (issue 8), None = raw models
+        self.choco = gc.choco_for(self.ctx, MODEL_KIND)  # compressed gossip, None = raw models
+        self.market.fresh_quorum = self.options.sync == "one_from_min_percent" and adaptive_deadline(self.ctx) is not None
+        if self.choco is not None:  # an update dropped as stale still moves its sender's CHOCO copy
+            self.market.on_drop = self._copy_dropped
+        if hasattr(self.ctx, "max_staleness"):  # the runtime's inbox keeps the late updates the market takes
+            self.ctx.max_staleness = self.market.max_staleness
+        self.deadlines = adaptive_deadline(self.ctx)  # runtime.straggler = "quorum"; None: the paper's deadline
         if self.choco is not None and self.options.participation:
             raise ValueError("algorithm.options.participation: partial participation cannot be combined with "
                              "compressed gossip (CHOCO needs every neighbour to receive every difference)")
+
+    def _copy_dropped(self, msg: Message) -> None:
+        if not is_empty(msg) and self.update_check(msg) is None:
+            gc.received_copies(self.ctx, self.choco, {msg.sender: msg})
 
     # -- hooks --------------------------------------------------------------------
     def update_check(self, msg: Message) -> str | None:
@@ -314,12 +325,25 @@ class NeighbourhoodAlgorithm(Algorithm):
                 await self._train_and_send(t - 1)
             collect = t - 1
         own = model_to_numpy(self.model)
-        deadline = ctx.clock.now() + self.options.round_timeout
-        got, missing = await collect_round(
-            ctx, MODEL_KIND, collect, deadline, self.options.poll_interval, own, extra_tensors=self.extra_names(),
-            market=self.market,
-        )
+        timeout, strategy = self.options.round_timeout, self.market.strategy
+        if self.deadlines is not None:  # adaptive: the algorithm's round_timeout is the upper bound
+            timeout = self.deadlines.timeout(timeout)
+            if not self.deadlines.times:  # the first round waits for every member still starting (loading,
+                self.market.strategy = "one_from_each"  # warming up), so that none is left behind from the start
+        try:
+            got, missing = await collect_round(
+                ctx, MODEL_KIND, collect, ctx.clock.now() + timeout, self.options.poll_interval, own,
+                extra_tensors=self.extra_names(), market=self.market,
+            )
+        finally:
+            self.market.strategy = strategy
+        last = self.market.last
+        if self.deadlines is not None and last is not None:
+            self.deadlines.observe([last.arrivals[s] for s, m in got.items() if m.round == collect])
         got = gc.received_copies(ctx, self.choco, got, nonnegative=self.nonnegative)
+        late = {s for s, m in got.items() if m.round < collect}
+        if late and self.deadlines is not None:  # FedAsync's staleness weight on a late update's samples
+            got = weigh_late(got, collect)
         msgs = [got[s] for s in sorted(got)]
         with self.divergence_guard("aggregation") as guard:  # a non-finite aggregate is undone
             tensors, info = self.aggregate(t, gc.own_for_mixing(self.choco, own), msgs)
@@ -328,13 +352,19 @@ class NeighbourhoodAlgorithm(Algorithm):
         if not self.train_first:
             stats = await self._train_and_send(t)  # Alg. 1 lines 9-11
         return {"train_loss": stats["loss"], "neighbours": len(used), "neighbour_ids": used,
-                "missing": missing, **info,
-                **(self.market.last.info() if self.market.last is not None else {})}
+                "missing": missing, **info, **(last.info() if last is not None else {}),
+                "participants_expected": len(set(got) | set(missing)), "participants_used": len(used),
+                "late_used": sum(1 for s in used if s in late), "late_dropped": last.stale if last is not None else 0,
+                "late_weights": [[s, round(got[s].meta["staleness_weight"], 4)] for s in used
+                                 if s in late and "staleness_weight" in got[s].meta],
+                "deadline_s": round(timeout, 3)}
 
     def catches_up(self) -> bool:
         """Lock-step gossip: with round-``t`` updates only (``max_staleness = 0``) a node
-        behind its neighbours gets nothing from them, so it skips to their round."""
-        return self.market.max_staleness == 0
+        behind its neighbours gets nothing from them, so it skips to their round; under
+        ``runtime.straggler = "quorum"`` a slow node skips too, so that its updates reach
+        the others within ``max_staleness`` rounds."""
+        return self.market.max_staleness == 0 or self.deadlines is not None
 
     def deployable_model(self) -> nn.Module:
         return self.model

@@ -40,6 +40,7 @@ import numpy as np
 
 from dfl_agent.algorithms.base import Algorithm
 from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.protocols.stragglers import AdaptiveDeadline, adaptive_deadline
 from dfl_agent.learning import d2s
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible
 
@@ -80,6 +81,16 @@ def _json_scalars(info: dict[str, Any]) -> dict[str, Any]:
         if isinstance(v, (str, bool, int)) or (isinstance(v, float) and math.isfinite(v)):
             out[k] = v
     return out
+
+
+def _completion_times(info: dict[str, Any]) -> list[float]:
+    """The senders' completion times a round's ``done`` carries (``completion_s``: seconds
+    from the invitations to each contribution, comma-separated); [] when absent or bad."""
+    try:
+        times = [float(s) for s in str(info.get("completion_s", "")).split(",") if s]
+    except ValueError:
+        return []
+    return [s for s in times if math.isfinite(s)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +145,7 @@ class RotatingAggregator(Algorithm):
         self._lead_next: tuple[int, dict[str, Any]] | None = None
         self._last_progress = 0.0
         self._reported = 0
+        self.deadlines: AdaptiveDeadline | None = None  # runtime.straggler = "quorum" (set in run); None: paper
 
     # -- hooks for subclasses --------------------------------------------------------
     def initial_token(self) -> dict[str, Any]:
@@ -222,6 +234,7 @@ class RotatingAggregator(Algorithm):
 
     async def run(self, rounds: int, start_round: int = 1) -> None:
         self.rounds = rounds
+        self.deadlines = adaptive_deadline(self.ctx)  # None: the paper's invite_timeout
         self.completed = max(self.completed, start_round - 1)
         self._reported = max(self._reported, self.completed)
         self._last_progress = self._now()
@@ -274,6 +287,8 @@ class RotatingAggregator(Algorithm):
         if done.round > self.completed:
             self.completed = done.round
             self._last_progress = self._now()
+            if self.deadlines is not None:  # every node learns the senders' completion times, not only aggregators
+                self.deadlines.observe(_completion_times(done.info))
         best = self.best
         if best is not None and best.round == self.completed and best.next == self.ctx.node_id:
             if self.completed < self.rounds and (self._lead_next is None or self._lead_next[0] <= self.completed):
@@ -384,7 +399,11 @@ class RotatingAggregator(Algorithm):
             await self.local_update(t)
         contributions: dict[str, Message] = {}
         pending = set(senders)
-        deadline = self._now() + self.options.invite_timeout
+        timeout, late, arrivals = self.options.invite_timeout, 0, []
+        if self.deadlines is not None:  # adaptive, at most runtime.max_round_timeout and invite_timeout
+            timeout = self.deadlines.timeout(min(self.deadlines.high, timeout))
+        start = self._now()
+        deadline = start + timeout
         while pending:
             msg = await ctx.receive((self.K_MODEL, self.K_DECLINE, self.K_DONE), deadline=deadline)
             if msg is None:
@@ -396,8 +415,10 @@ class RotatingAggregator(Algorithm):
                     return
                 continue
             if msg.round != t or msg.sender not in pending:
-                continue  # late answer to an older round
+                late += int(msg.kind == self.K_MODEL and msg.round < t)
+                continue  # late answer to an older round: its round was closed without it
             pending.discard(msg.sender)
+            arrivals.append(self._now() - start)
             if msg.kind == self.K_MODEL:
                 try:
                     self.check_contribution(msg)
@@ -421,7 +442,10 @@ class RotatingAggregator(Algorithm):
             self._used[t] = sorted(contributions)
         nxt_token = self.next_token(t, token)
         info = {**info, "participants": len(contributions) + int(self_too), "missing": sorted(pending),
-                "contributors": ",".join(sorted(contributions))}
+                "contributors": ",".join(sorted(contributions)),
+                "participants_expected": len(senders) + int(self_too),
+                "participants_used": len(contributions) + int(self_too), "late_used": 0, "late_dropped": late,
+                "deadline_s": round(timeout, 3), "completion_s": ",".join(f"{s:.3f}" for s in arrivals)}
         meta = {"next": nxt, "token": nxt_token, "info": _json_scalars(info)}
         tok_tensors = self.token_tensors(t)
         await ctx.broadcast(Message(self.K_DONE, t, tok_tensors, meta=meta))

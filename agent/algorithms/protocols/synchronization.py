@@ -152,6 +152,9 @@ class CollectResult:
         deadline_hit: the strategy was not satisfied before the deadline.
         waited: seconds (clock) the call waited.
         messages: updates taken; ``bytes``: their wire bytes (envelopes included).
+        arrivals: ``{sender: seconds}`` after the call started at which each taken
+            sender's update was queued (0 for one queued before): its completion time.
+        stale: updates dropped during the call as older than ``max_staleness`` rounds.
     """
 
     taken: dict[str, list[Message]]
@@ -160,6 +163,8 @@ class CollectResult:
     waited: float
     messages: int
     bytes: int
+    arrivals: dict[str, float] = dataclasses.field(default_factory=dict)
+    stale: int = 0
 
     def latest(self, include_empty: bool = False) -> dict[str, Message]:
         """The newest taken update of every sender (empty ones left out unless asked)."""
@@ -214,6 +219,14 @@ class UpdateMarket:
         self.queues: dict[str, list[Message]] = collections.defaultdict(list)
         self.stats: collections.Counter[str] = collections.Counter()
         self.last: CollectResult | None = None
+        #: the quorum of ``runtime.straggler = "quorum"``: only current-round updates count
+        #: towards ``required``, and a sender's newest eligible update is taken (its older
+        #: ones go to :attr:`on_drop`, counted ``superseded``): a round never closes on late
+        #: updates alone, and a late update is used only where its sender sent nothing newer
+        self.fresh_quorum = False
+        #: called with every update dropped unused (stale or overflow), oldest first: a
+        #: compressed stream keeps its sequence (CHOCO copies) through what it drops
+        self.on_drop: Callable[[Message], None] | None = None
 
     @classmethod
     def from_options(cls, o: SyncOptions) -> UpdateMarket:
@@ -229,14 +242,21 @@ class UpdateMarket:
         self.stats["received"] += 1
         self.stats["received_bytes"] += int(msg.wire_bytes)
         while len(q) > self.max_queue:
-            del q[0]
+            self._dropped(q.pop(0))
             self.stats["overflow"] += 1
+
+    def _dropped(self, msg: Message) -> None:
+        if self.on_drop is not None:
+            self.on_drop(msg)
 
     def _prune(self, t: int) -> None:
         lo = t - self.max_staleness
         for sender, q in list(self.queues.items()):
             keep = [m for m in q if m.round >= lo]
             self.stats["stale"] += len(q) - len(keep)
+            for m in q:
+                if m.round < lo:
+                    self._dropped(m)
             if keep:
                 q[:] = keep
             else:
@@ -262,6 +282,8 @@ class UpdateMarket:
         """Whether the strategy may proceed now for target round ``t`` over ``peers``."""
         need = self.required(peers)
         queues = self.queues
+        if self.fresh_quorum:
+            return sum(1 for p in peers if p in queues and any(m.round == t for m in queues[p])) >= need
         if self.strategy == "min_k":
             return sum(len(self._eligible(p, t)) for p in peers if p in queues) >= need
         # senders with at least one eligible update
@@ -282,6 +304,12 @@ class UpdateMarket:
                 continue
             chosen = el[:1] if one else el
             q = self.queues[p]
+            if self.fresh_quorum:  # the newest; the older ones go (in order) to on_drop
+                chosen = el[-1:]
+                for m in el[:-1]:
+                    q.remove(m)
+                    self.stats["superseded"] += 1
+                    self._dropped(m)
             for m in chosen:
                 q.remove(m)
             if not q:
@@ -326,6 +354,8 @@ class UpdateMarket:
         if self.strategy == "one_from_each_t":
             deadline = min(deadline, start + self.timeout)
         budget = deadline - start
+        stale0 = self.stats["stale"]
+        arrived: dict[str, float] = {}
         self._prune(t)
         while True:
             deadline = await suspend_deadline(ctx, deadline, budget, kind)  # none runs while the broker is away
@@ -337,7 +367,7 @@ class UpdateMarket:
                 msg = await ctx.receive(kind, deadline=now)
                 if msg is None:
                     break
-                self._intake(ctx, msg, t, members, validate, outsider_reason, departed)
+                self._intake(ctx, msg, t, members, validate, outsider_reason, departed, arrived, now - start)
             satisfied = self.ready(t, current) and not waits_alone(ctx, current)
             if satisfied or now >= deadline:
                 held = await suspend_deadline(ctx, deadline, budget, kind)
@@ -349,28 +379,33 @@ class UpdateMarket:
                 missing = [p for p in current if p not in taken]
                 msgs = [m for ms in taken.values() for m in ms]
                 res = CollectResult(
-                    taken, missing, not satisfied, now - start, len(msgs), sum(int(m.wire_bytes) for m in msgs)
+                    taken, missing, not satisfied, now - start, len(msgs), sum(int(m.wire_bytes) for m in msgs),
+                    {p: arrived.get(p, 0.0) for p in taken}, self.stats["stale"] - stale0,
                 )
                 self.stats["deadline_hit"] += int(not satisfied)
                 self.last = res
                 return res
             msg = await ctx.receive(kind, deadline=min(deadline, now + poll))
             if msg is not None:
-                self._intake(ctx, msg, t, members, validate, outsider_reason, departed)
+                self._intake(ctx, msg, t, members, validate, outsider_reason, departed, arrived,
+                             clock.now() - start)
 
     def _intake(self, ctx: Any, msg: Message, t: int, peers: Collection[str], validate, outsider_reason: str,
-                departed: Callable[[str], bool]) -> None:
+                departed: Callable[[str], bool], arrived: dict[str, float] | None = None, at: float = 0.0) -> None:
         if msg.sender not in peers and not departed(msg.sender):
             ctx.reject(msg, outsider_reason)
             return
         if msg.round < t - self.max_staleness:
             self.stats["stale"] += 1
+            self._dropped(msg)
             return
         if validate is not None and not is_empty(msg):
             problem = validate(msg)
             if problem:
                 ctx.reject(msg, problem)
                 return
+        if arrived is not None and msg.sender not in self.queues:
+            arrived[msg.sender] = at  # the first update a sender has queued: its completion time
         self.put(msg)
 
     def status(self) -> dict[str, Any]:

@@ -1,0 +1,140 @@
+"""Never wait for the slowest (``runtime.straggler``): the adaptive deadline rule, the
+quorum, the staleness weight of late updates, and the simulator's per-node speeds.
+
+The simulations run real nodes over the memory transport on a virtual clock: a node of
+speed 0.05 takes 20 virtual seconds per training call, the others 1.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.fedavg import FedAvg
+from dfl_agent.algorithms.protocols.stragglers import (
+    QUORUM_PERCENT,
+    QUORUM_STALENESS,
+    AdaptiveDeadline,
+    StragglerPolicy,
+    quorum_options,
+    staleness_weight,
+    weigh_late,
+)
+from dfl_agent.runtime.config import ConfigError, config_from_dict
+from dfl_agent.runtime.simulator import SimConfig, simulate
+
+
+# -- the rules ----------------------------------------------------------------------------
+def test_deadline_is_p90_of_the_last_ten_times_1_5_clamped() -> None:
+    d = AdaptiveDeadline(2.0, 120.0)
+    assert d.timeout(30.0) == 30.0  # nothing known yet: the upper bound
+    assert d.timeout() == 120.0
+    d.observe([1.0] * 9 + [4.0])  # p90 of ten = the 9th smallest = 1.0
+    assert d.timeout(30.0) == pytest.approx(2.0)  # 1.5 clamped up to the minimum
+    d.observe([10.0, 10.0])  # the window keeps the last ten: 1 x 7, 4, 10, 10
+    assert d.timeout(30.0) == pytest.approx(15.0)
+    d.observe([40.0] * 10)
+    assert d.timeout(30.0) == 30.0  # clamped to the algorithm's round_timeout
+    assert d.timeout(1.0) == 1.0  # an upper bound below the minimum wins
+
+
+def test_staleness_weight_is_fedasync_polynomial() -> None:
+    assert staleness_weight(0) == 1.0
+    assert staleness_weight(1) == pytest.approx(2 ** -0.5)
+    assert staleness_weight(3) == pytest.approx(0.5)
+    assert staleness_weight(3, a=1.0) == pytest.approx(0.25)
+    got = {"a": Message("model", 5, meta={"samples": 100}), "b": Message("model", 2, meta={"samples": 100})}
+    weighted = weigh_late(got, 5)
+    assert weighted["a"] is got["a"]
+    assert weighted["b"].meta["samples"] == pytest.approx(50.0)
+    assert weighted["b"].meta["staleness_weight"] == pytest.approx(0.5)
+    assert got["b"].meta["samples"] == 100  # the received message is not changed
+
+
+def test_quorum_options_and_explicit_options_win() -> None:
+    paper = FedAvg.Options()
+    assert paper.sync == "one_from_each" and paper.max_staleness == 0  # the paper's defaults stay
+    q = quorum_options(paper, StragglerPolicy("quorum"))
+    assert (q.sync, q.sync_percent, q.max_staleness) == ("one_from_min_percent", QUORUM_PERCENT, QUORUM_STALENESS)
+    assert quorum_options(paper, StragglerPolicy("paper")) == paper
+    mine = quorum_options(FedAvg.Options(sync="min_k", sync_k=2), StragglerPolicy("quorum"), {"sync": "min_k"})
+    assert mine.sync == "min_k" and mine.max_staleness == QUORUM_STALENESS
+    other = object()  # a family without SyncOptions is left alone
+    assert quorum_options(other, StragglerPolicy("quorum")) is other
+
+
+def test_config_keys() -> None:
+    cfg = config_from_dict({"federation": "f"})
+    assert (cfg.runtime.straggler, cfg.runtime.min_round_timeout, cfg.runtime.max_round_timeout) == ("quorum", 2.0, 120.0)
+    with pytest.raises(ConfigError, match="runtime.straggler"):
+        config_from_dict({"federation": "f", "runtime": {"straggler": "fast"}})
+    with pytest.raises(ConfigError, match="runtime.min_round_timeout"):
+        config_from_dict({"federation": "f", "runtime": {"min_round_timeout": 50.0, "max_round_timeout": 10.0}})
+    from dfl_agent.runtime.assembly import resolve_algorithm
+
+    _, opts = resolve_algorithm(config_from_dict({"federation": "f", "algorithm": {"name": "fedavg"}}))
+    assert opts.sync == "one_from_min_percent"  # the always-on agent's default
+    _, opts = resolve_algorithm(config_from_dict(
+        {"federation": "f", "algorithm": {"name": "fedavg"}, "runtime": {"straggler": "paper"}}))
+    assert opts.sync == "one_from_each"
+
+
+# -- the simulator: a slow node ---------------------------------------------------------
+def _rounds(tmp_path, name: str, **kw) -> list[dict]:
+    cfg = SimConfig(algorithm="fedavg", nodes=4, dataset="digits", partition="iid", out=str(tmp_path / name),
+                    eval_every=100, **kw)
+    simulate(cfg)
+    lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "round" in r and "time" in r]
+
+
+def _fast(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["node"] != "node03"]
+
+
+def test_quorum_fast_nodes_do_not_wait_for_the_slow_one(tmp_path) -> None:
+    speeds = [1.0, 1.0, 1.0, 0.05]  # node03 trains 20 virtual seconds a round, the others 1
+    paper = _fast(_rounds(tmp_path, "paper", rounds=4, speeds=speeds))
+    quorum = _fast(_rounds(tmp_path, "quorum", rounds=4, speeds=speeds, straggler="quorum"))
+
+    def took(records: list[dict], first: int, last: int) -> float:  # virtual seconds from round first to last
+        at = {r["round"]: r["time"] for r in records if r["node"] == "node00"}
+        return at[last] - at[first]
+
+    # the papers' lock step: every round waits for node03 (20 s of training each)
+    assert took(paper, 1, 4) == pytest.approx(60.0)
+    assert all(r["participants_used"] == 3 and r["participants_expected"] == 3 for r in paper)
+    assert all(r["deadline_s"] == 30.0 for r in paper)
+    # quorum: the first round waits for every member (the run's start), then two of three
+    # neighbours suffice and a round takes the node's own training time
+    assert took(quorum, 1, 4) == pytest.approx(3.0)
+    assert all(r["participants_used"] == 2 and r["participants_expected"] == 3 for r in quorum if r["round"] > 1)
+    # adaptive: node03's 19 s in round 1 is the 90th percentile of the times known since: 19 x 1.5
+    assert {r["deadline_s"] for r in quorum if r["round"] > 1} == {28.5}
+
+
+def test_adaptive_deadline_closes_a_lock_step_round(tmp_path) -> None:
+    """An explicit ``sync = one_from_each`` wins over the quorum; the adaptive deadline
+    still stops waiting for a peer that is present but never sends (speed 0.001: 1000 s
+    a round) once the others' completion times are known."""
+    recs = _fast(_rounds(tmp_path, "deadline", rounds=3, speeds=[1.0, 1.0, 1.0, 0.001], straggler="quorum",
+                         options={"sync": "one_from_each"}))
+    by_round = {r["round"]: r for r in recs}
+    assert by_round[1]["deadline_s"] == 30.0 and by_round[1]["time"] == pytest.approx(31.0)  # nothing known yet
+    assert by_round[2]["deadline_s"] == by_round[3]["deadline_s"] == 2.0  # p90 of ~0 s x 1.5, the minimum
+    assert by_round[3]["time"] - by_round[2]["time"] == pytest.approx(3.0)  # 1 s of training + the 2 s deadline
+    assert all(r["participants_used"] == 2 and r["sync_deadline_hit"] for r in recs)
+
+
+def test_late_updates_are_used_with_their_staleness_weight(tmp_path) -> None:
+    recs = _fast(_rounds(tmp_path, "late", rounds=5, speeds=[1.0, 1.0, 1.0, 0.25], straggler="quorum"))
+    late = [r for r in recs if r["late_used"]]
+    assert late, "the slow node's updates were never used"
+    for r in late:
+        assert "node03" in r["neighbour_ids"] and [s for s, _ in r["late_weights"]] == ["node03"]
+    # node03's round-1 update (it trains 4 s) is taken in round 4: tau = 3
+    weights = [w for r in late for _, w in r["late_weights"]]
+    assert min(weights) == pytest.approx(staleness_weight(3), abs=1e-4)
+    assert max(weights) < 1.0
