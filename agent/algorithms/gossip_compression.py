@@ -50,6 +50,8 @@ def choco_for(ctx: Any, kind: str) -> ChocoGossip | None:
         keyframe_every=policy.keyframe_every, consensus_step=policy.consensus_step,
     )
     membership = getattr(ctx, "membership", None)
+    if membership is not None and hasattr(membership, "streams"):  # the daemon: it asks for keyframes it lacks
+        membership.streams.append(gossip)
     if membership is not None and hasattr(membership, "rejoins"):  # the daemon: a returning peer gets a keyframe
         gossip.epoch_source = lambda: membership.rejoins
     return gossip

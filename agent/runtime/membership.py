@@ -77,6 +77,9 @@ class Membership:
         #: so a peer that lost its copy of this node's stream is not left out until the
         #: periodic keyframe
         self.rejoins = 0
+        #: this node's CHOCO streams (:func:`~dfl_agent.algorithms.gossip_compression.choco_for`):
+        #: a neighbour without a copy in one of them is asked for a keyframe (:meth:`keyframe_wanted`)
+        self.streams: list[Any] = []
         self._heartbeats: dict[str, int] = {}  # peer -> the last status heartbeat counter seen
         #: live_peers() memo: (key, result); valid while the peer table, the exclusions and
         #: the gated peers are unchanged (only without heartbeat expiry or security)
@@ -102,6 +105,16 @@ class Membership:
             ctx.peers.upsert(node_id, "presence", **fields)
             if node_id != ctx.node_id:
                 self.compatible(node_id)  # exclude an incompatible peer as soon as it is seen
+
+    def keyframe_wanted(self) -> list[str]:
+        """The live neighbours whose CHOCO stream this node cannot follow (no copy: never
+        received, or dropped at a gap - a message lost in a partition, or one of a round this
+        node skipped to catch up).  The status carries the list; each of them sends a
+        keyframe when it sees itself in it (:meth:`note_status`), so a broken stream heals
+        within a status heartbeat whatever broke it."""
+        if not self.streams:
+            return []
+        return sorted(p for p in self.neighbours() if any(p not in g.copies for g in self.streams))
 
     def _lost(self, peer: str) -> bool:
         """Whether ``peer``'s MQTT session broke since its last sign of life (its last will
@@ -164,6 +177,9 @@ class Membership:
                 if (last is not None and beat < last) or self._lost(peer):
                     self.rejoins += 1
                 self._heartbeats[peer] = beat
+            wanted = status.get("keyframe_wanted")
+            if isinstance(wanted, list) and self.ctx.node_id in wanted:
+                self.rejoins += 1  # the peer lost this node's stream: its next message is a keyframe
             gated = status.get("gated")
             before = self.peer_gated.get(peer)
             if isinstance(gated, str) and gated:

@@ -519,6 +519,8 @@ class Node:
             **degraded_fields({"rounds_alone": self.rounds_alone, "exchange_rounds": self.exchange_rounds}),
             # how many peers each discovery source found first ({"mdns": 2, "bridged-presence": 3})
             "peers_found_via": getattr(self.ctx.peers, "found_counts", dict)(),
+            # the neighbours whose CHOCO stream this node lost: each sends a keyframe on seeing it
+            "keyframe_wanted": getattr(getattr(self.ctx, "membership", None), "keyframe_wanted", list)(),
             **{k: v for k, v in self.ctx.byte_accounting().items()
                if k in ("bytes_sent_by_kind", "compression_ratio", "round_bytes_sent", "round_bytes_sent_by_kind")},
             **{k: v for k, v in last.items() if k.endswith("_global_accuracy")},  # e.g. DFML's regular model

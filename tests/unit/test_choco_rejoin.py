@@ -86,3 +86,42 @@ def test_membership_counts_a_peer_whose_session_broke_at_its_next_sign_of_life()
     peers.note_session_lost("a")
     m.on_presence("a", {"algorithm": "fedavg"})  # its presence again after a broken session
     assert m.rejoins == 3
+
+
+def test_a_receiver_that_lost_a_stream_asks_for_a_keyframe_in_its_status_and_gets_it() -> None:
+    """Found in the field lab: after a partition the returning device skipped rounds to catch up,
+    the messages of those rounds never reached its CHOCO copies, and every later message was a
+    gap (55, then 30 rounds alone). Whatever breaks a stream, the receiver's status now names
+    the sender (``keyframe_wanted``) and the sender's next message is a keyframe."""
+    from dfl_agent.learning.compression import decompress_dict
+
+    def node(nid: str, peers_live: list[str]) -> Membership:
+        peers = PeerTable(nid, "fed", heartbeat_timeout=None)
+        ctx = SimpleNamespace(peers=peers, security=None, node_id=nid, compatibility=None, graph_neighbours=None)
+        m = Membership(ctx)
+        ctx.live_peers = m.live_peers
+        for p in peers_live:
+            m.on_presence(p, {"algorithm": "fedavg"})
+        return m
+
+    s_m, r_m = node("s", ["r"]), node("r", ["s"])
+    sender, receiver = _stream(), _stream()
+    sender.epoch_source = lambda: s_m.rejoins
+    s_m.streams.append(sender)
+    r_m.streams.append(receiver)
+    assert r_m.keyframe_wanted() == ["s"]  # nothing received yet
+    x = {"w": np.random.default_rng(1).normal(size=200).astype(np.float32)}
+    blob, desc, meta = sender.outgoing(x)
+    assert receiver.incoming("s", decompress_dict(blob, desc), meta) is not None  # the keyframe
+    assert r_m.keyframe_wanted() == []
+    sender.outgoing(x)  # a message the receiver never applies (a round it skipped)
+    blob, desc, meta = sender.outgoing(x)
+    assert receiver.incoming("s", decompress_dict(blob, desc), meta) is None  # a gap: left out
+    status = {"state": "training", "heartbeat": 3, "keyframe_wanted": r_m.keyframe_wanted()}
+    assert status["keyframe_wanted"] == ["s"]
+    s_m.note_status("r", status)  # the sender reads the receiver's status heartbeat
+    blob, desc, meta = sender.outgoing(x)
+    assert meta["choco"][1] == 1  # a keyframe
+    assert receiver.incoming("s", decompress_dict(blob, desc), meta) is not None and r_m.keyframe_wanted() == []
+    s_m.note_status("r", {"state": "training", "heartbeat": 4, "keyframe_wanted": []})
+    assert sender.outgoing(x)[2]["choco"][1] == 0  # differences again
