@@ -53,7 +53,11 @@ def choco_for(ctx: Any, kind: str) -> ChocoGossip | None:
     if membership is not None and hasattr(membership, "streams"):  # the daemon: it asks for keyframes it lacks
         membership.streams.append(gossip)
     if membership is not None and hasattr(membership, "rejoins"):  # the daemon: a returning peer gets a keyframe
-        gossip.epoch_source = lambda: membership.rejoins
+        gossip.epoch_source = lambda: (membership.rejoins, gossip.gaps)
+    else:
+        gossip.epoch_source = lambda: gossip.gaps
+    # a gap in a neighbour's stream (it was cut off, restarted, or its rounds went on without this
+    # node) means it probably missed this node's messages too: the next one is a keyframe
     return gossip
 
 

@@ -215,6 +215,8 @@ class ChocoGossip:
         if not (isinstance(info, list) and len(info) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in info)):
             return None
         seq, key = info[0], bool(info[1])
+        if not key and seq < self.next_seq.get(sender, -1):
+            return None  # a copy of a message already applied (re-sent after an outage): the copy stays
         if key:
             copy = {k: np.array(v, copy=True) for k, v in tensors.items()}
         else:

@@ -476,8 +476,9 @@ class RuntimeContext:
 
     async def end_round(self, round: int, **info: Any) -> None:
         self.current_round = round + 1
-        # forget buffered messages of rounds that can no longer be used (max_staleness: late updates can)
-        received = self.inbox.end_round(round - self.max_staleness)
+        # forget buffered messages of rounds that can no longer be used; an algorithm that takes late
+        # updates (max_staleness) drops them itself, so that a compressed stream stays in sequence
+        received = self.inbox.end_round(round if not self.max_staleness else -(2**62))
         sent = self.outbox.end_round()
         self.last_round_bytes = {
             "round_bytes_sent": sum(sent.values()),

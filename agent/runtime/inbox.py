@@ -169,8 +169,10 @@ class Inbox:
         self.seen_order.append(msg.msg_id)
         if len(self.seen_order) > SEEN_IDS:
             self.seen_ids.discard(self.seen_order.popleft())
-        oldest = self.ctx.current_round - 1 - self.ctx.max_staleness  # older rounds: no algorithm takes them
-        if msg.round < oldest:
+        # older rounds: no algorithm takes them.  An algorithm that takes late updates drops old
+        # ones itself (its update market), where a compressed stream's copy still follows them
+        oldest = self.ctx.current_round - 1
+        if msg.round < oldest and not self.ctx.max_staleness:
             self.drop("stale", f"round {msg.round} < {oldest}", msg.sender)
             return False
         return True

@@ -138,3 +138,59 @@ def test_late_updates_are_used_with_their_staleness_weight(tmp_path) -> None:
     weights = [w for r in late for _, w in r["late_weights"]]
     assert min(weights) == pytest.approx(staleness_weight(3), abs=1e-4)
     assert max(weights) < 1.0
+
+
+def test_quorum_market_counts_current_updates_and_takes_the_newest() -> None:
+    import numpy as np
+
+    from dfl_agent.algorithms.protocols.synchronization import UpdateMarket
+
+    m = UpdateMarket("one_from_min_percent", percent=0.5, max_staleness=8)
+    m.fresh_quorum = True
+    dropped: list[Message] = []
+    m.on_drop = dropped.append
+    w = {"w": np.ones(3, np.float32)}
+    old, new, again = (Message("model", r, dict(w), meta={"samples": 1}, sender="a") for r in (3, 5, 5))
+    for msg in (old, new, again):  # again: a re-sent copy of round 5, after an outage
+        m.put(msg)
+    m.put(Message("model", 4, dict(w), meta={"samples": 1}, sender="b"))
+    assert not m.ready(6, ["a", "b"])  # late updates alone never make the quorum
+    assert m.ready(5, ["a", "b"])  # one of two senders with a round-5 update: ceil(0.5 * 2) = 1
+    taken = m.take(5, ["a", "b"])
+    assert taken["a"] == [new] and taken["a"][0] is new and [d.round for d in dropped] == [3, 5]
+    assert dropped[1] is again and "a" not in m.queues and m.stats["superseded"] == 2
+
+
+# -- compressed gossip through a straggler's gaps ---------------------------------------------
+def _stream(tmp_seed: int = 0):
+    import types
+
+    import numpy as np
+
+    from dfl_agent.algorithms.gossip_compression import choco_for
+    from dfl_agent.learning.compression import CompressionPolicy
+
+    ctx = types.SimpleNamespace(compression=CompressionPolicy.from_config("q4+zstd", {}), init_seed=tmp_seed)
+    x = {"w": np.linspace(-1, 1, 64, dtype=np.float32)}
+    return choco_for(ctx, "model"), x
+
+
+def test_a_gap_in_a_neighbours_stream_makes_the_next_message_a_keyframe() -> None:
+    sender, x = _stream(1)
+    me, _ = _stream(2)
+    msgs = [sender.outgoing({"w": x["w"] * (i + 1)}) for i in range(4)]  # seq 0 (keyframe) .. 3
+    assert me.outgoing(x)[2]["choco"] == [0, 1]
+    assert me.incoming("a", {"w": x["w"]}, msgs[0][2]) is not None  # the keyframe
+    assert me.outgoing(x)[2]["choco"] == [1, 0]
+    assert me.incoming("a", {"w": x["w"]}, msgs[2][2]) is None  # seq 2 after 0: a gap
+    assert me.outgoing(x)[2]["choco"] == [2, 1]  # "a" probably missed ours too: a keyframe
+
+
+def test_a_resent_copy_keeps_the_neighbours_copy() -> None:
+    sender, x = _stream(1)
+    me, _ = _stream(2)
+    metas = [sender.outgoing({"w": x["w"] * (i + 1)})[2] for i in range(3)]
+    w = {"w": x["w"]}
+    assert me.incoming("a", w, metas[0]) is not None and me.incoming("a", w, metas[1]) is not None
+    assert me.incoming("a", w, metas[1]) is None  # re-sent after an outage: already applied
+    assert me.incoming("a", w, metas[2]) is not None  # the stream goes on

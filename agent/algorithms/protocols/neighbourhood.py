@@ -330,11 +330,18 @@ class NeighbourhoodAlgorithm(Algorithm):
             timeout = self.deadlines.timeout(timeout)
             if not self.deadlines.times:  # the first round waits for every member still starting (loading,
                 self.market.strategy = "one_from_each"  # warming up), so that none is left behind from the start
+        start = ctx.clock.now()
         try:
             got, missing = await collect_round(
-                ctx, MODEL_KIND, collect, ctx.clock.now() + timeout, self.options.poll_interval, own,
+                ctx, MODEL_KIND, collect, start + timeout, self.options.poll_interval, own,
                 extra_tensors=self.extra_names(), market=self.market,
             )
+            if not got and missing and timeout < self.options.round_timeout:  # nothing by the adaptive deadline
+                # (a partition, a slow link): never close alone early; wait on up to round_timeout
+                got, missing = await collect_round(
+                    ctx, MODEL_KIND, collect, start + self.options.round_timeout, self.options.poll_interval, own,
+                    extra_tensors=self.extra_names(), market=self.market,
+                )
         finally:
             self.market.strategy = strategy
         last = self.market.last

@@ -304,14 +304,15 @@ class UpdateMarket:
                 continue
             chosen = el[:1] if one else el
             q = self.queues[p]
-            if self.fresh_quorum:  # the newest; the older ones go (in order) to on_drop
-                chosen = el[-1:]
-                for m in el[:-1]:
-                    q.remove(m)
-                    self.stats["superseded"] += 1
-                    self._dropped(m)
-            for m in chosen:
-                q.remove(m)
+            if self.fresh_quorum:  # the newest (the first of its round: a re-sent copy comes later);
+                newest = max(m.round for m in el)  # the others go, in order, to on_drop
+                chosen = [next(m for m in el if m.round == newest)]
+                for m in el:
+                    if m is not chosen[0]:
+                        self.stats["superseded"] += 1
+                        self._dropped(m)
+            gone = {id(m) for m in (el if self.fresh_quorum else chosen)}
+            q[:] = [m for m in q if id(m) not in gone]  # by identity: == compares the tensors
             if not q:
                 del self.queues[p]
             out[p] = chosen
