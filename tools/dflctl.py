@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no per-round progress on stderr (a bar on a terminal, else one line per round)")
     s.add_argument("--straggler", default="paper", choices=["paper", "quorum"],
-                   help="paper: the papers' lock step (default); quorum: as the always-on agent, rounds close "
+                   help="paper: the papers' lock step (default); quorum: as runtime.straggler = quorum, rounds close "
                         "without the slowest neighbours, adaptive deadlines, late updates weighted")
     s.add_argument("--speeds", default=None, metavar="F,F,...",
                    help="per-node speed factors (cycled), e.g. 1,1,1,0.05: a training call takes 1/F virtual "

@@ -67,18 +67,19 @@ def test_quorum_options_and_explicit_options_win() -> None:
 
 def test_config_keys() -> None:
     cfg = config_from_dict({"federation": "f"})
-    assert (cfg.runtime.straggler, cfg.runtime.min_round_timeout, cfg.runtime.max_round_timeout) == ("quorum", 2.0, 120.0)
+    # paper by default until the field lab passes with quorum (a device cut off fell behind for good)
+    assert (cfg.runtime.straggler, cfg.runtime.min_round_timeout, cfg.runtime.max_round_timeout) == ("paper", 2.0, 120.0)
     with pytest.raises(ConfigError, match="runtime.straggler"):
         config_from_dict({"federation": "f", "runtime": {"straggler": "fast"}})
     with pytest.raises(ConfigError, match="runtime.min_round_timeout"):
         config_from_dict({"federation": "f", "runtime": {"min_round_timeout": 50.0, "max_round_timeout": 10.0}})
     from dfl_agent.runtime.assembly import resolve_algorithm
 
-    _, opts = resolve_algorithm(config_from_dict({"federation": "f", "algorithm": {"name": "fedavg"}}))
-    assert opts.sync == "one_from_min_percent"  # the always-on agent's default
     _, opts = resolve_algorithm(config_from_dict(
-        {"federation": "f", "algorithm": {"name": "fedavg"}, "runtime": {"straggler": "paper"}}))
-    assert opts.sync == "one_from_each"
+        {"federation": "f", "algorithm": {"name": "fedavg"}, "runtime": {"straggler": "quorum"}}))
+    assert opts.sync == "one_from_min_percent"
+    _, opts = resolve_algorithm(config_from_dict({"federation": "f", "algorithm": {"name": "fedavg"}}))
+    assert opts.sync == "one_from_each"  # the default: the papers' lock step
 
 
 # -- the simulator: a slow node ---------------------------------------------------------
