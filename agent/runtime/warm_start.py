@@ -40,11 +40,14 @@ def deployed_state(state_dir: str | Path) -> tuple[int | None, dict[str, Any] | 
         return None, None, "no model is deployed on this device yet"
     try:
         verify_folder(models.folder(v))  # the SHA-256 of every file: never start from a corrupt version
-        from safetensors.numpy import load_file
-
-        return v, dict(load_file(str(models.folder(v) / "model.safetensors"))), ""
     except (DeployError, OSError, ValueError) as exc:
         return v, None, f"the deployed model v{v} cannot be read ({exc})"
+    from safetensors.numpy import load_file
+
+    try:
+        return v, dict(load_file(str(models.folder(v) / "model.safetensors"))), ""
+    except Exception as exc:  # noqa: BLE001 - safetensors' SafetensorError is no OSError/ValueError
+        return v, None, f"the deployed model v{v} cannot be read ({type(exc).__name__}: {exc})"
 
 
 def warm_start(algorithm: Any, state_dir: str | Path, init: str) -> dict[str, Any]:

@@ -130,6 +130,19 @@ def test_nothing_deployed_or_a_corrupt_version_starts_fresh(tmp_path):
     assert start["started_from"] is None and "cannot be read" in start["reason"]
 
 
+def test_a_deployed_file_that_is_not_safetensors_starts_fresh(tmp_path):
+    # found by CI (test_supervisor): a version installed with a valid manifest and checksums but a
+    # model.safetensors that is no safetensors file raised SafetensorError (no OSError or
+    # ValueError) out of the run's set-up: the run process crashed three times and the run failed
+    from dfl_agent.deploy import ModelStore
+    from dfl_agent.runtime.warm_start import warm_start
+
+    node = _node("local")
+    ModelStore(tmp_path).install({"spec.json": b"{}", "model.safetensors": b"x"}, {"run_id": "earlier", "round": 1})
+    start = warm_start(node.algorithm, tmp_path, "deployed")
+    assert start["started_from"] is None and "SafetensorError" in start["reason"]
+
+
 def test_a_resumed_run_reports_the_start_it_saved(tmp_path):
     from dfl_agent.runtime.warm_start import begin_run
 
