@@ -42,11 +42,12 @@ def deployed_state(state_dir: str | Path) -> tuple[int | None, dict[str, Any] | 
         verify_folder(models.folder(v))  # the SHA-256 of every file: never start from a corrupt version
     except (DeployError, OSError, ValueError) as exc:
         return v, None, f"the deployed model v{v} cannot be read ({exc})"
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     try:
         return v, dict(load_file(str(models.folder(v) / "model.safetensors"))), ""
-    except Exception as exc:  # noqa: BLE001 - safetensors' SafetensorError is no OSError/ValueError
+    except (SafetensorError, OSError, ValueError) as exc:  # as models.deployed reads a version
         return v, None, f"the deployed model v{v} cannot be read ({type(exc).__name__}: {exc})"
 
 
