@@ -13,7 +13,7 @@ from dfl_agent import __version__
 #: the extras ``scripts/setup.sh`` installs without arguments
 SETUP_EXTRAS = ("train", "plot", "har", "broker", "digits")
 #: the further extras ``scripts/setup.sh --test`` installs
-SETUP_TEST_EXTRAS = ("test", "onnx", "metrics", "lint")
+SETUP_TEST_EXTRAS = ("test", "onnx", "metrics", "lint", "privacy")
 
 
 def wheel_name() -> str:

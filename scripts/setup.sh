@@ -2,7 +2,7 @@
 # Set up dfl-agent in ./.venv on a Debian/Ubuntu machine with Python >= 3.10.
 #
 #   scripts/setup.sh          # a training node (torch), the demo (HAR data), amqtt fallback broker
-#   scripts/setup.sh --test   # ... plus the test, lint, onnx and metrics extras
+#   scripts/setup.sh --test   # ... plus the test, lint, onnx, metrics and privacy extras
 #
 # torch: kept if the venv already has one. Otherwise a CPU build, never CUDA packages
 # on a machine without an NVIDIA GPU: a local CPU wheel when pip's find-links has one,
@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 EXTRAS="train,plot,har,broker,digits"
-[[ "${1:-}" == "--test" ]] && EXTRAS="$EXTRAS,test,onnx,metrics,lint"
+[[ "${1:-}" == "--test" ]] && EXTRAS="$EXTRAS,test,onnx,metrics,lint,privacy"
 PY="${PYTHON:-python3}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 
