@@ -5,7 +5,7 @@ it (docs/explanation/architecture.md, "Layers"):
 
 1. ``fsutil``, ``tomlcheck``, ``resources``, ``jsonbound``, ``extras``, ``onnx_model``,
    ``durations``;
-2. ``learning``, ``data``, ``models``, ``security``;
+2. ``learning``, ``data``, ``models``, ``security``, ``privacy``;
 3. ``algorithms``;
 4. ``transport``; then ``discovery``, which may import transport but not the
    reverse;
@@ -45,6 +45,7 @@ RANK: dict[str, float] = {
     "data": 2,
     "models": 2,
     "security": 2,
+    "privacy": 2,
     "algorithms": 3,
     "transport": 4,
     "discovery": 4.5,
