@@ -260,6 +260,19 @@ class Algorithm:
                     log.warning("%s step left non-finite parameters (%s); restored the model from before it",
                                 step, where)
 
+    def private(self) -> bool:
+        """Whether this node trains under differential privacy (``ctx.train.dp`` set):
+        then it sends no value derived from its data that DP-SGD does not protect
+        (:mod:`dfl_agent.privacy.policy`)."""
+        return getattr(self.ctx.train, "dp", None) is not None
+
+    def sample_count(self) -> int:
+        """|D_i| as this node sends it and weighs its own model with: the size of its
+        training split, or :data:`~dfl_agent.privacy.policy.SENT_SAMPLES` (1) under
+        differential privacy, a data-independent weight (every model of a federation under
+        DP then counts the same)."""
+        return 1 if self.private() else int(len(self.ctx.data.train_y))
+
     # -- to implement ----------------------------------------------------------
     async def setup(self) -> None:
         """Create models and state. Called once before the first round."""

@@ -62,7 +62,7 @@ class DFedAvg(RotatingAggregator):
         self.spec = validate_spec(self.ctx.model_spec)
         self.hash = spec_hash(self.spec)
         self.model = self.new_model()
-        self.beta = class_proportions(self.ctx.data.train_y, self.ctx.data.num_classes)
+        self.beta = class_proportions(self.ctx.data.train_y, self.ctx.data.num_classes, uniform=self.private())
 
     def _regularizer(self):
         return None
@@ -77,7 +77,7 @@ class DFedAvg(RotatingAggregator):
         return {"train_loss": stats["loss"]}
 
     def contribution(self, t: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        return model_to_numpy(self.model), {"spec": self.spec, "samples": int(len(self.ctx.data.train_y))}
+        return model_to_numpy(self.model), {"spec": self.spec, "samples": self.sample_count()}
 
     def check_contribution(self, msg: Message) -> None:
         check_model_message(msg.tensors, msg.meta.get("spec"))
@@ -94,7 +94,7 @@ class DFedAvg(RotatingAggregator):
 
         me = self.ctx.node_id
         members: dict[str, list[tuple[str, dict[str, np.ndarray], int]]] = {}
-        members.setdefault(self.hash, []).append((me, model_to_numpy(self.model), int(len(self.ctx.data.train_y))))
+        members.setdefault(self.hash, []).append((me, model_to_numpy(self.model), self.sample_count()))
         for s in sorted(contributions):
             m = contributions[s]
             members.setdefault(spec_hash(m.meta["spec"]), []).append((s, m.tensors, m.meta["samples"]))

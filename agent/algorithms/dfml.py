@@ -46,8 +46,15 @@ else:
 PEAK_EPS = 1e-9
 
 
-def class_proportions(y: np.ndarray, num_classes: int) -> np.ndarray:
-    """β: ``(C,)`` float32 fraction of each class in ``y`` (int labels in [0, C))."""
+def class_proportions(y: np.ndarray, num_classes: int, uniform: bool = False) -> np.ndarray:
+    """β: ``(C,)`` float32 fraction of each class in ``y`` (int labels in [0, C)).
+
+    ``uniform`` (a node under differential privacy): ``1/C`` for every class, whatever ``y``:
+    the class proportions of the device's data would make every sample's WSM loss depend on
+    the other samples, which DP-SGD's per-sample clipping does not bound; with uniform β the
+    WSM loss is plain cross-entropy (:mod:`dfl_agent.privacy.policy`)."""
+    if uniform:
+        return np.full(num_classes, 1.0 / num_classes, dtype=np.float32)
     counts = np.bincount(np.asarray(y, dtype=np.int64), minlength=num_classes).astype(np.float32)
     return counts / max(1.0, float(counts.sum()))
 
@@ -148,7 +155,7 @@ class DFML(RotatingAggregator):
         self.alpha_n = 0.0
         self.last_alpha: float | None = None
         self.schedule = self.options.schedule()
-        self.beta = class_proportions(d.train_y, d.num_classes)
+        self.beta = class_proportions(d.train_y, d.num_classes, uniform=self.private())
         self.phi = count_trainable(self.regular)
 
     # -- coordination hooks ---------------------------------------------------------
@@ -180,7 +187,7 @@ class DFML(RotatingAggregator):
 
     def contribution(self, t: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         return model_to_numpy(self.regular), {
-            "spec": self.spec, "phi": self.phi, "samples": int(len(self.ctx.data.train_y)),
+            "spec": self.spec, "phi": self.phi, "samples": self.sample_count(),
         }
 
     def check_contribution(self, msg: Message) -> None:

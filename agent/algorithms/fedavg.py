@@ -43,7 +43,7 @@ class FedAvg(NeighbourhoodAlgorithm):
         neighbours (or send it to ``participation`` of them, seed 003 §3.6.4)."""
         ctx = self.ctx
         own = model_to_numpy(self.model)
-        n_own = int(len(ctx.data.train_y))
+        n_own = self.samples  # 1 under DP (dfl_agent.privacy.policy)
         if self.options.participation:  # partial device participation (seed 003 §3.6.4)
             await send_with_participation(ctx, MODEL_KIND, t, own, {"samples": n_own}, self.options.participation)
         else:
@@ -56,6 +56,6 @@ class FedAvg(NeighbourhoodAlgorithm):
         robust rule of the option ``aggregation`` (:mod:`dfl_agent.learning.robust`)."""
         o = self.options
         avg, _ = robust_aggregate(own, [m.tensors for m in got],
-                                  [int(len(self.ctx.data.train_y))] + [m.meta["samples"] for m in got],
+                                  [self.samples] + [m.meta["samples"] for m in got],
                                   o.aggregation, clip_norm=o.clip_norm, trim_ratio=o.trim_ratio)
         return avg, {}

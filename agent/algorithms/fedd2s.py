@@ -185,7 +185,7 @@ class FedD2S(GlobalModelRotation):
             return await self.ctx.compute(self._c2s, self._theta_in)
 
     def contribution(self, t: int) -> tuple[Tensors, dict[str, Any]]:
-        return self._copy, {"l": self.l, "z": self.z, "samples": int(self.ctx.data.num_train)}
+        return self._copy, {"l": self.l, "z": self.z, "samples": self.sample_count()}
 
     # -- holder: Eq. 11 ----------------------------------------------------------------
     async def aggregate(self, t: int, token: dict[str, Any], contributions: dict[str, Message]):

@@ -129,7 +129,7 @@ class FedPer(GlobalModelRotation):
         return {"train_loss": stats["loss"]}
 
     def contribution(self, t: int) -> tuple[Tensors, dict[str, Any]]:
-        return self._base(self.model), {"samples": int(self.ctx.data.num_train)}
+        return self._base(self.model), {"samples": self.sample_count()}
 
     def check_contribution(self, msg: Message) -> None:
         super().check_contribution(msg)
@@ -143,7 +143,7 @@ class FedPer(GlobalModelRotation):
         me = self.ctx.node_id
         states = {s: (m.tensors, m.meta["samples"]) for s, m in contributions.items()}
         if t in self._participated:
-            states[me] = (self._base(self.model), int(self.ctx.data.num_train))
+            states[me] = (self._base(self.model), self.sample_count())
         if not states:
             self._theta_out = self._theta_in or self.current_global()
             return {}, {"aggregated": 0}

@@ -11,6 +11,7 @@ from typing import Any
 
 from dfl_agent.deploy.gate import announcement, deploy_model
 from dfl_agent.deploy.versions import ModelStore
+from dfl_agent.privacy.policy import dp_enabled
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ async def deploy_after_run(agent: Any, spec: dict[str, Any], input_shape: Sequen
             started_from=(getattr(agent, "start", None) or {}).get("started_from"))  # its warm start
     if supervised:
         return res
-    doc = announcement(models, agent.node_id, cfg.federation, getattr(ctx, "security", None))
+    doc = announcement(models, agent.node_id, cfg.federation, getattr(ctx, "security", None), private=dp_enabled(cfg))
     publish = getattr(ctx.transport, "publish_retained", None)
     if doc is not None and publish is not None:
         try:

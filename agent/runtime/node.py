@@ -35,6 +35,7 @@ import numpy as np
 
 from dfl_agent.algorithms.base import Algorithm
 from dfl_agent.learning.training import evaluate, train_local
+from dfl_agent.privacy.policy import redact_status
 from dfl_agent.runtime.context import RuntimeContext
 from dfl_agent.runtime.degraded import degraded_fields, warn_alone
 from dfl_agent.transport.base import CONTROL_DROP_PREFIXES
@@ -485,11 +486,13 @@ class Node:
         return int(self.history[-1].get("round", 0)) if self.history else 0
 
     def status(self) -> dict[str, Any]:
-        """The status document published on ``dfl/{fed}/node/{id}/status``."""
+        """The status document published on ``dfl/{fed}/node/{id}/status``: under
+        differential privacy without the accuracies and sample counts
+        (:func:`~dfl_agent.privacy.policy.redact_status`)."""
         evaluated = [r for r in self.history if "global_accuracy" in r]
         last = {**(evaluated[-1] if evaluated else {}), **(self.history[-1] if self.history else {})}
         counters = self.ctx.counters()
-        return {
+        st = {
             "node_id": self.ctx.node_id,
             "state": self.state,
             "algorithm": self.algorithm.name,
@@ -532,6 +535,7 @@ class Node:
                if self.run_info else {}),
             **(self.service_status() if self.service_status is not None else {}),
         }
+        return redact_status(st) if getattr(self.algorithm, "private", bool)() else st
 
     def _profile_status(self) -> dict[str, Any]:
         """Device-profile fields of the status: gating reason, behaviour, excluded peers."""

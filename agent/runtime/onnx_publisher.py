@@ -51,6 +51,11 @@ class OnnxPublisher:
         self.model_source: Any = None
         self.sent: dict[str, int] = {}
 
+    def private(self) -> bool:
+        """Whether the node trains under differential privacy: then the meta carries no
+        validation accuracy (:mod:`dfl_agent.privacy.policy`)."""
+        return bool(getattr(self.algorithm, "private", lambda: False)())
+
     def members(self) -> list[str]:
         """Live peers that advertise algorithm ``inference``."""
         out = []
@@ -91,14 +96,15 @@ class OnnxPublisher:
         for p in members:
             if self.sent.get(p) == self.version:
                 continue
-            meta = {"version": self.version, "round": self.round, "accuracy": self.best, "spec_hash": self.hash}
+            meta = {"version": self.version, "round": self.round, "accuracy": None if self.private() else self.best,
+                    "spec_hash": self.hash}
             await self.ctx.send(p, Message(ONNX_KIND, t, {"onnx": np.frombuffer(self.data, np.uint8).copy()}, meta))
             self.sent[p] = self.version
 
     async def deliver(self, t: int = 0) -> int:
         """Send the deployed version (``models/current``) to the live members that do not hold
         it yet.  Meta: ``version`` (the deployed version number), ``round``, ``accuracy`` (its
-        validation accuracy), ``run_id``, ``sha256`` of ``model.onnx``, ``spec_hash``.  Nothing
+        validation accuracy; None under differential privacy), ``run_id``, ``sha256`` of ``model.onnx``, ``spec_hash``.  Nothing
         is sent when nothing is deployed, the version has no ``model.onnx`` (no onnx extra)
         or it fails its hash check.  Returns the number of members sent to."""
 
@@ -121,7 +127,8 @@ class OnnxPublisher:
         except (DeployError, OSError, ValueError) as exc:
             log.error("cannot send deployed model v%d to inference members: %s", v, exc)
             return 0
-        meta = {"version": v, "round": int(manifest.get("round") or 0), "accuracy": manifest.get("accuracy"),
+        meta = {"version": v, "round": int(manifest.get("round") or 0),
+                "accuracy": None if self.private() else manifest.get("accuracy"),
                 "run_id": manifest.get("run_id"), "sha256": manifest["files"]["model.onnx"]["sha256"],
                 "spec_hash": spec_hash(spec), "deployed": True}
         n = 0

@@ -358,9 +358,10 @@ def announce(lobby: Any, models: Any) -> None:
     """Publish the retained ``dfl/{fed}/node/{id}/model`` announcement of ``current``
     (:func:`~dfl_agent.deploy.gate.announcement`) on the lobby's session; best effort."""
     from dfl_agent.deploy.gate import announcement
+    from dfl_agent.privacy.policy import dp_enabled
     from dfl_agent.transport.mqtt import topic
 
-    doc = announcement(models, lobby.node_id, lobby.cfg.federation, lobby.guard)
+    doc = announcement(models, lobby.node_id, lobby.cfg.federation, lobby.guard, private=dp_enabled(lobby.cfg))
     if doc is None or lobby.client is None:
         return
     try:

@@ -238,7 +238,7 @@ class NeighbourhoodAlgorithm(Algorithm):
         # bad updates are dropped on arrival; only good ones are catch-up evidence
         self._arrival = arrival_check(shape_template(model_to_numpy(self.model)), self.extra_names)
         self.ctx.check_on_arrival(MODEL_KIND, self.update_check)
-        self.samples = int(len(self.ctx.data.train_y))
+        self.samples = self.sample_count()  # 1 under DP (dfl_agent.privacy.policy)
         self._bootstrapped = False
         self.market = UpdateMarket.from_options(self.options)
         self.choco = gc.choco_for(self.ctx, MODEL_KIND)  # compressed gossip, None = raw models

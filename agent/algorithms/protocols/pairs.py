@@ -222,7 +222,7 @@ class PairAlgorithm(Algorithm):
 
     async def setup(self) -> None:
         self.model: nn.Module = self.new_model()
-        self.samples = int(len(self.ctx.data.train_y))
+        self.samples = self.sample_count()  # 1 under DP (dfl_agent.privacy.policy)
         seed = self.options.schedule_seed
         self.schedule_seed = int(self.ctx.seed if seed < 0 else seed)
         self.fingerprint = seed_fingerprint(self.schedule_seed)

@@ -1,0 +1,183 @@
+"""What a device sends under differential privacy, algorithm by algorithm.
+
+DP-SGD (:mod:`dfl_agent.privacy.config`, the ``privacy.dp`` section) protects the models a
+device trains: every value computed from them alone (the parameters, their differences,
+an accumulated gradient, a vote on it, an average of them) is post-processing and keeps
+the guarantee.  A device sends other values derived from its data too; under DP each one is
+
+* ``dp-sgd``: post-processing of DP-trained models: protected;
+* ``data-independent``: replaced by a value that does not depend on the data (sample
+  counts become 1, so models are averaged with uniform weights; accuracy is left out of
+  the status, the model announcement and the ONNX delivery);
+* ``public``: depends on the configuration or a shared seed only (an architecture, a
+  parameter count, a schedule);
+* ``leak``: not protected, and said so in docs/explanation/privacy.md (the deploy gate's
+  decision, a device's participation and timing);
+* or the combination is refused: :func:`check_dp_combination` raises a one-line
+  ``ValueError`` at configuration time (the node configuration, a run's descriptor and
+  ``dflctl simulate``).
+
+:data:`DP_SUPPORT` is the table, one :class:`DPSupport` per registered algorithm; an
+algorithm missing from it is refused.  Torch-free: the supervisor checks a configuration
+with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["DPSupport", "DP_SUPPORT", "COMMON", "TREATMENTS", "SENT_SAMPLES", "check_dp_combination", "dp_enabled",
+           "redact_status", "REDACTED_STATUS_KEYS"]
+
+#: How a sent value is handled under DP (see the module docstring).
+TREATMENTS = ("dp-sgd", "data-independent", "public", "leak")
+
+#: The sample count a device sends under DP (aggregation weight): the same for every device.
+SENT_SAMPLES = 1
+
+#: What every training device sends, whatever its algorithm: message -> (treatment, how).
+COMMON: dict[str, tuple[str, str]] = {
+    "status": ("data-independent", "no accuracy and no sample count (global_accuracy, local_accuracy, ... left out)"),
+    "model announcement": ("data-independent", "the deployed version without its validation accuracy"),
+    "onnx.model": ("dp-sgd", "the deployed model; its meta without the validation accuracy"),
+    "deploy gate decision": ("leak", "whether a run's model was deployed or kept: at most one bit per run about "
+                                     "the validation slice, which DP-SGD does not cover"),
+    "presence, timing": ("leak", "that the device takes part, when, and how long its rounds take"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DPSupport:
+    """One algorithm under DP.
+
+    Attributes:
+        messages: what it sends besides :data:`COMMON`: message -> (treatment, how), the
+            treatment one of :data:`TREATMENTS`.
+        refused: the reason it never runs under DP (None: it may).
+        refuse_when: ``options -> reason | None``: a reason to refuse these options
+            (``algorithm.options``, a table or the parsed dataclass); None: every option
+            is fine.
+    """
+
+    messages: dict[str, tuple[str, str]]
+    refused: str | None = None
+    refuse_when: Callable[[Any], str | None] | None = None
+
+    def __post_init__(self) -> None:
+        for what, (treatment, _how) in self.messages.items():
+            if treatment not in TREATMENTS:
+                raise ValueError(f"{what}: treatment must be one of {TREATMENTS}, got {treatment!r}")
+
+
+def _option(options: Any, key: str, default: Any) -> Any:
+    """``options[key]`` of a config table, or ``options.key`` of parsed options."""
+    if options is None:
+        return default
+    if isinstance(options, Mapping):
+        return options.get(key, default)
+    return getattr(options, key, default)
+
+
+def _dechw_hessian(options: Any) -> str | None:
+    theta = _option(options, "theta", math.inf)
+    try:
+        off = float(theta) == 0
+    except (TypeError, ValueError):
+        off = False
+    return None if off else ("it sends Hessian diagonals computed from the device's data without clipping or "
+                             "noise; set algorithm.options.theta = 0 (never send them) or use dechetero")
+
+
+_SAMPLES = ("data-independent", "sample count sent as 1: uniform aggregation weights")
+_MODEL = ("dp-sgd", "parameters trained with DP-SGD")
+_SPEC = ("public", "architecture spec (configuration)")
+_AVERAGE = ("dp-sgd", "average of DP-trained models")
+_ROTATION = {"{alg}.invite, {alg}.decline, {alg}.done": ("public", "round, token and schedule; completion times "
+                                                                     "(timing, see presence)")}
+
+
+def _rotating(**extra: tuple[str, str]) -> DPSupport:
+    return DPSupport({"{alg}.model": _MODEL, "{alg}.model spec": _SPEC, "{alg}.model samples": _SAMPLES,
+                      "{alg}.update": _AVERAGE, **_ROTATION, **extra})
+
+
+#: Every registered algorithm under DP (``dflctl algorithms`` lists the registry).
+DP_SUPPORT: dict[str, DPSupport] = {
+    "local": DPSupport({}),
+    "local_adam": DPSupport({}),
+    "fedavg": DPSupport({"model": _MODEL, "model samples": _SAMPLES}),
+    "dechetero": DPSupport({"model": _MODEL, "model samples": _SAMPLES}),
+    "cfa": DPSupport({"model": _MODEL, "model samples": _SAMPLES}),
+    "dechw": DPSupport({"model": _MODEL, "model samples": _SAMPLES,
+                        "model Hessian diagonals": ("dp-sgd", "never sent: refused unless theta = 0")},
+                       refuse_when=_dechw_hessian),
+    "gt": DPSupport({"gt.vote": ("dp-sgd", "one bit computed from the accumulated gradient of DP-SGD steps"),
+                     "gt.sync": ("dp-sgd", "accumulated gradient (M_R - M_i)/η of DP-SGD steps")}),
+    "local-steps": DPSupport({"gt.sync": ("dp-sgd", "accumulated gradient (M_R - M_i)/η of DP-SGD steps")}),
+    "dfedavg": _rotating(),
+    "dfedprox": _rotating(),
+    "heterofl": _rotating(),
+    "fedrolex": _rotating(),
+    "fedper": DPSupport({"{alg}.model": ("dp-sgd", "base layers trained with DP-Adam"),
+                         "{alg}.model samples": _SAMPLES, "{alg}.update": _AVERAGE, **_ROTATION}),
+    "dfml": _rotating(**{
+        "{alg}.model phi": ("public", "the model's parameter count (architecture)"),
+        "{alg}.update": ("dp-sgd", "peers' models after mutual learning on the aggregator's data, clipped and "
+                                   "noised per sample like the local step; α from the schedule"),
+        "class proportions (WSM loss)": ("data-independent", "uniform under DP: the supervised loss is plain "
+                                                             "cross-entropy"),
+    }),
+    "fullavg": DPSupport({"defkt.model": _MODEL, "defkt.model samples": _SAMPLES,
+                          "defkt.model schedule": ("public", "fingerprint of the shared pair schedule")}),
+    "combo": DPSupport({"defkt.model": ("dp-sgd", "segments of a DP-trained model"),
+                        "defkt.model samples": _SAMPLES,
+                        "defkt.model schedule": ("public", "fingerprint of the shared pair schedule")}),
+    "defkt": DPSupport({}, refused="its transfer step is not covered by DP-SGD"),
+    "fedd2s": DPSupport({}, refused="its distillation steps are not covered by DP-SGD"),
+}
+
+
+def dp_enabled(cfg: Any) -> bool:
+    """Whether the node configuration ``cfg`` trains under DP (``privacy.dp`` set)."""
+    return getattr(getattr(cfg, "privacy", None), "dp", None) is not None
+
+
+def check_dp_combination(algorithm: str, options: Any = None) -> None:
+    """Refuse ``algorithm`` with ``options`` under DP when it would send a value derived from
+    the device's data that DP does not protect (:data:`DP_SUPPORT`; an algorithm missing
+    from the table is refused).  Call it only when ``privacy.dp`` is set.
+
+    Args:
+        algorithm: the registry name (``algorithm.name``).
+        options: ``algorithm.options`` (a mapping) or the parsed options; None: defaults.
+
+    Raises:
+        ValueError: one line, ``privacy.dp: algorithm X cannot run under differential
+            privacy: <reason>``.
+    """
+    support = DP_SUPPORT.get(algorithm)
+    reason = ("it is not in the privacy policy (dfl_agent.privacy.policy.DP_SUPPORT)" if support is None
+              else support.refused or (support.refuse_when(options) if support.refuse_when else None))
+    if reason:
+        raise ValueError(f"privacy.dp: algorithm {algorithm!r} cannot run under differential privacy: {reason}")
+
+
+#: Status keys that carry a value computed on the device's data (exact names; and every key
+#: ending in ``_accuracy``).
+REDACTED_STATUS_KEYS = frozenset({"accuracy", "train_samples", "validation_samples", "samples"})
+
+
+def redact_status(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """``doc`` (a status or announcement document) without the values derived from the
+    device's data that DP does not protect: every ``*_accuracy`` and ``accuracy`` key and
+    the sample counts (:data:`REDACTED_STATUS_KEYS`), at the top level and in nested
+    documents (the ``run`` entry, ``run_history``).  A new dict; ``doc`` is unchanged."""
+    out: dict[str, Any] = {}
+    for k, v in doc.items():
+        if k in REDACTED_STATUS_KEYS or k.endswith("_accuracy"):
+            continue
+        out[k] = redact_status(v) if isinstance(v, Mapping) else v
+    return out
