@@ -117,12 +117,14 @@ def _section_doc(name: str) -> str:
 
     if not name:
         return "Top-level keys of the node's TOML file."
-    hints = typing.get_type_hints(config.NodeConfig)
     import re
 
-    doc = (hints[name].__doc__ or "").strip()
+    cls: Any = config.NodeConfig
+    for part in name.split("."):  # a nested section: privacy.dp
+        cls = typing.get_type_hints(cls)[part]
+    doc = (cls.__doc__ or "").strip()
     text = " ".join(line.strip() for line in doc.split("\n\n")[0].splitlines())
-    text = re.sub(r"^``\[\w+\]``:\s*", "", text)  # the heading already names the section
+    text = re.sub(r"^``\[[\w.]+\]``:\s*", "", text)  # the heading already names the section
     return text[:1].upper() + text[1:]
 
 

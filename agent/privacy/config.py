@@ -64,10 +64,10 @@ class PrivacySection:
 
     The device profile may set the same keys; the node configuration wins key by key."""
 
-    dp: DPSection = dataclasses.field(default_factory=DPSection, metadata={"help": "`[privacy.dp]` section"})
     lifetime_epsilon: float | None = _key(
         help="the device's privacy budget over its whole life: a run whose spend would take the composed ε "
              "(RDP, over every run in the privacy ledger) past it is declined", default_text="`10.0`")
+    dp: DPSection = dataclasses.field(default_factory=DPSection, metadata={"help": "`[privacy.dp]` section"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +110,10 @@ def section_table(section: Any) -> dict[str, Any]:
     return out
 
 
-def merge_privacy(profile: Mapping[str, Any] | None, node: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The node's ``[privacy]`` table over the profile's, key by key (``dp`` merged key by key too).
+def merge_privacy(profile: Mapping[str, Any] | PrivacySection | None,
+                  node: Mapping[str, Any] | PrivacySection | None) -> dict[str, Any]:
+    """The node's ``[privacy]`` table over the profile's, key by key (``dp`` merged key by key too);
+    either may be a parsed table or a :class:`PrivacySection`.
 
     ``target_epsilon`` and ``noise_multiplier`` are one choice: a node that sets either replaces
     the profile's choice (otherwise the merged table would hold both)."""
@@ -150,12 +152,15 @@ def _unknown(table: Mapping[str, Any], known: tuple[str, ...], where: str) -> No
             raise ValueError(f"{where}.{k}: unknown key (known: {', '.join(known)})")
 
 
-def parse_privacy(table: Mapping[str, Any] | Any | None, where: str = "privacy") -> PrivacyConfig:
+def parse_privacy(table: Mapping[str, Any] | PrivacySection | None, where: str = "privacy", *,
+                  complete: bool = True) -> PrivacyConfig:
     """Validate a ``[privacy]`` table (or a :class:`PrivacySection`) into a :class:`PrivacyConfig`.
 
     Args:
         table: the parsed table, merged (:func:`merge_privacy`) or not; None: no privacy settings.
         where: the table's dotted key, named in errors (``privacy``, ``profile_overrides.privacy``).
+        complete: False checks each value set but not that DP's required keys are there (a device
+            profile, which the node configuration completes); the result's ``dp`` is then None.
 
     Raises:
         ValueError: one line naming the key, e.g. ``privacy.dp.max_grad_norm: must be > 0, got -1``.
@@ -178,13 +183,15 @@ def parse_privacy(table: Mapping[str, Any] | Any | None, where: str = "privacy")
     if enabled is False or not any(dp.get(k) is not None for k in _DP_KEYS):
         return PrivacyConfig(None, lifetime)
     clip = _number(dp, "max_grad_norm", w)
-    if clip is None:
-        raise ValueError(f"{w}.max_grad_norm: required when DP is on (the clipping bound, e.g. 1.0)")
     delta = _number(dp, "delta", w)
     if delta is not None and delta >= 1.0:
         raise ValueError(f"{w}.delta: must be in (0, 1), got {dp['delta']!r}")
     target = _number(dp, "target_epsilon", w)
     sigma = _number(dp, "noise_multiplier", w)
+    if not complete:
+        return PrivacyConfig(None, lifetime)
+    if clip is None:
+        raise ValueError(f"{w}.max_grad_norm: required when DP is on (the clipping bound, e.g. 1.0)")
     if (target is None) == (sigma is None):
         raise ValueError(f"{w}: set exactly one of target_epsilon and noise_multiplier"
                          + (" (both are set)" if target is not None else ""))

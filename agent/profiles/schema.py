@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dfl_agent.privacy.config import PrivacySection, parse_privacy
 from dfl_agent.tomlcheck import build
 
 if sys.version_info >= (3, 11):
@@ -258,6 +259,8 @@ class DeviceProfile:
     training: TrainingSection = dataclasses.field(default_factory=TrainingSection)
     limits: LimitsSection = dataclasses.field(default_factory=LimitsSection)
     resources: ResourcesSection = dataclasses.field(default_factory=ResourcesSection)
+    #: ``[privacy]``: DP-SGD and the lifetime budget of the devices of this class (the node config wins key by key)
+    privacy: PrivacySection = dataclasses.field(default_factory=PrivacySection)
 
     @property
     def inference_only(self) -> bool:
@@ -344,6 +347,10 @@ def validate(p: DeviceProfile) -> DeviceProfile:
     m = p.match
     need(m.min_memory_mb is None or m.min_memory_mb >= 0, "match.min_memory_mb", "must be >= 0")
     need(m.min_cuda_memory_mb is None or m.min_cuda_memory_mb >= 0, "match.min_cuda_memory_mb", "must be >= 0")
+    try:
+        parse_privacy(p.privacy, "privacy", complete=False)  # the node configuration may complete it
+    except ValueError as exc:
+        raise ProfileError(str(exc)) from None
     return p
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dfl_agent.learning.training import DEFAULT_ADAM_LR, DEFAULT_LR
+from dfl_agent.privacy.config import PrivacySection, merge_privacy, parse_privacy, section_table
 from dfl_agent.tomlcheck import build
 
 if sys.version_info >= (3, 11):
@@ -52,8 +53,7 @@ class AlgorithmSection:
 
     name: str = described("fedavg", help="the algorithm; `dflctl algorithms` lists them")
     rounds: int = described(20, help="rounds to run")
-    options: dict[str, Any] = described(
-        default_factory=dict,
+    options: dict[str, Any] = described(default_factory=dict,
         help="the algorithm's options (see the algorithm's page); an unknown option stops start-up")
     neighbours: list[str] | None = described(
         None, help="this node's neighbours in the communication graph (node ids); unset: every discovered peer",
@@ -239,8 +239,7 @@ class CompressionSection:
                      "CHOCO differences; whole-model exchanges: only its value and entropy coders); `auto`: "
                      "`q4+zstd` for averaging gossip, every other message as float32 (measured: the "
                      "compression how-to)")
-    kinds: dict[str, str] = described(
-        default_factory=dict,
+    kinds: dict[str, str] = described(default_factory=dict,
         help="per message kind, a spec applied exactly as written, e.g. `{ \"gt.sync\" = \"topk:0.1+q8\" }`")
     error_feedback: bool = described(True, help="keep residuals / CHOCO copies for sparsified streams")
     consensus_step: float = described(0.0, help="CHOCO's consensus step γ (0 = automatic)")
@@ -252,10 +251,8 @@ class CompressionSection:
         """The :class:`~dfl_agent.learning.compression.CompressionPolicy` (None when off)."""
         from dfl_agent.learning.compression import CompressionPolicy
 
-        p = CompressionPolicy.from_config(
-            self.spec, self.kinds, error_feedback=self.error_feedback,
-            consensus_step=self.consensus_step, keyframe_every=self.keyframe_every,
-        )
+        p = CompressionPolicy.from_config(self.spec, self.kinds, error_feedback=self.error_feedback,
+                                          consensus_step=self.consensus_step, keyframe_every=self.keyframe_every)
         return p if p.active else None
 
 
@@ -317,6 +314,7 @@ class NodeConfig:
     compression: CompressionSection = described(default_factory=CompressionSection, help="`[compression]` section")
     security: SecuritySection = described(default_factory=SecuritySection, help="`[security]` section")
     deploy: DeploySection = described(default_factory=DeploySection, help="`[deploy]` section")
+    privacy: PrivacySection = described(default_factory=PrivacySection, help="`[privacy]` section")
 
 
 def _from_dict(cls: type, raw: Mapping[str, Any], prefix: str = "") -> Any:
@@ -534,9 +532,9 @@ def _validate_profile(cfg: NodeConfig) -> None:
         base = DeviceProfile(name="override-check") if cfg.profile == AUTO else get_profile(cfg.profile)
     except ProfileError as exc:
         raise ConfigError(f"profile: {exc}") from None
-    try:
-        with_overrides(base, cfg.profile_overrides)
-    except ProfileError as exc:
+    try:  # [privacy]: the node's keys over the profile's, validated together
+        parse_privacy(merge_privacy(with_overrides(base, cfg.profile_overrides).privacy, cfg.privacy), "privacy")
+    except ValueError as exc:  # ProfileError too
         raise ConfigError(str(exc)) from None
 
 
@@ -594,7 +592,7 @@ def dump_toml(cfg: NodeConfig) -> str:
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
         if dataclasses.is_dataclass(v):
-            doc[f.name] = {g.name: getattr(v, g.name) for g in dataclasses.fields(v) if keep(getattr(v, g.name))}
+            doc[f.name] = {k: x for k, x in section_table(v).items() if keep(x)}  # nested tables too
         elif keep(v):
             doc[f.name] = v
     return tomli_w.dumps(doc)

@@ -66,3 +66,47 @@ def test_node_config_wins_key_by_key() -> None:
 
     sec = build(PrivacySection, {"dp": {"target_epsilon": 3.0}}, "privacy")
     assert merge_privacy(profile, sec) == merged
+
+
+# -- the node configuration and the device profile ------------------------------------------------
+def test_node_config_validates_privacy_with_the_profile() -> None:
+    from dfl_agent.runtime.config import ConfigError, config_from_dict, dump_toml
+
+    cfg = config_from_dict({"privacy": {"lifetime_epsilon": 6, "dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.1}}})
+    assert parse_privacy(cfg.privacy, "privacy") == PrivacyConfig(DPConfig(1.0, noise_multiplier=1.1), 6.0)
+    import tomllib
+
+    assert config_from_dict(tomllib.loads(dump_toml(cfg))) == cfg  # run.toml carries it to the run process
+    with pytest.raises(ConfigError, match=r"^privacy.dp.delta: must be in \(0, 1\)"):
+        config_from_dict({"privacy": {"dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0, "delta": 2}}})
+    with pytest.raises(ConfigError, match=r"^privacy.dp.clip: unknown key"):
+        config_from_dict({"privacy": {"dp": {"clip": 1.0}}})
+    # the profile's DP (here through profile_overrides) with the node's target: merged, then valid
+    config_from_dict({"profile_overrides": {"privacy": {"dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0}}},
+                      "privacy": {"dp": {"target_epsilon": 3.0}}})
+    with pytest.raises(ConfigError, match=r"^privacy.dp: set exactly one"):
+        config_from_dict({"profile_overrides": {"privacy": {"dp": {"max_grad_norm": 1.0}}}})
+    with pytest.raises(ConfigError, match=r"^profile_overrides.privacy.dp.max_grad_norm: must be > 0"):
+        config_from_dict({"profile_overrides": {"privacy": {"dp": {"max_grad_norm": -1, "target_epsilon": 1}}}})
+
+
+def test_reference_lists_the_privacy_keys() -> None:
+    from dfl_agent.cli.gen_reference import render_config
+
+    text = render_config()
+    for key in ("privacy.lifetime_epsilon", "privacy.dp.max_grad_norm", "privacy.dp.delta",
+                "privacy.dp.target_epsilon", "privacy.dp.noise_multiplier"):
+        assert f"| `{key}` |" in text
+    assert "## `[privacy.dp]`\n\nDP-SGD in local training" in text
+
+
+def test_bad_privacy_config_exits_2_naming_the_key(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "node.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}"\n[privacy.dp]\nmax_grad_norm = 0\nnoise_multiplier = 1.0\n')
+    r = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.daemon", "check-config", "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "privacy.dp.max_grad_norm: must be > 0, got 0" in r.stderr and "Traceback" not in r.stderr
