@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dfl_agent.learning.dp import DPTraining, private_loop
 from dfl_agent.learning.losses import cross_entropy, kl_divergence, weighted_softmax_ce
 from dfl_agent.learning.training import autocast_for, batches, is_finite, make_optimizer
 
@@ -61,6 +62,7 @@ def mutual_learning(
     temperature: float = 1.0,
     device: str | torch.device = "cpu",
     mixed_precision: bool = False,
+    dp: DPTraining | None = None,
 ) -> dict[str, float]:
     """Run ``epochs`` (K) epochs of weighted mutual learning, updating every model in place.
 
@@ -74,9 +76,17 @@ def mutual_learning(
             ``None`` = plain cross-entropy.
         rng: draws the batch order.
         mixed_precision: float16 autocast + gradient scaling on CUDA (off on cpu).
+        dp: differential privacy (the node's ``TrainConfig.dp``): ``dp.steps_for(epochs)``
+            DP-SGD steps on Poisson batches of the aggregator's data instead of the epochs.
+            One optimizer holds every model's parameters, so a sample's gradient is clipped
+            to ``dp.max_grad_norm`` over all the models together (its whole influence on the
+            step), and the noise is added to every model; teachers are detached, so each
+            sample's term depends on that sample alone.  ``beta`` must then not come from the
+            data (DFML passes uniform proportions under DP).  No mixed precision.
 
     Returns:
-        ``{"loss": mean total loss per batch, "batches": count, "diverged": 0.0 | 1.0}``;
+        ``{"loss": mean total loss per batch, "batches": count, "diverged": 0.0 | 1.0}``
+        (under DP also ``"dp_steps"``);
         ``diverged`` is 1 when a model's parameters ended non-finite.  The models are
         left as they are: the caller restores them (DFML's aggregator runs this under
         :meth:`dfl_agent.algorithms.base.Algorithm.divergence_guard`, which restores
@@ -90,6 +100,9 @@ def mutual_learning(
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     w = torch.as_tensor(kl_weights(phis), dtype=torch.float32)
+    if dp is not None:
+        return _private(models, w, x, y, alpha=alpha, epochs=epochs, lr=lr, rng=rng, momentum=momentum,
+                        weight_decay=weight_decay, beta=beta, temperature=temperature, device=device, dp=dp)
     opts = [make_optimizer(m.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay) for m in models]
     for m in models:
         m.to(device).train()
@@ -105,15 +118,7 @@ def mutual_learning(
             xb, yb = xt[bi].to(device), yt[bi].to(device)
             with torch.autocast(device_type=kind, dtype=dtype, enabled=amp):
                 logits = [m(xb).float() for m in models]  # all logits before any update
-            loss = torch.zeros((), device=device)
-            for n, zn in enumerate(logits):
-                sup = cross_entropy(zn, yb) if beta_t is None else weighted_softmax_ce(zn, yb, beta_t)
-                dist = torch.zeros((), device=device)
-                if alpha > 0:
-                    for q, zq in enumerate(logits):
-                        if q != n and w[n, q] > 0:
-                            dist = dist + w[n, q] * kl_divergence(zq, zn, temperature)
-                loss = loss + (1 - alpha) * sup + alpha * dist
+            loss = _mutual_loss(logits, yb, w, alpha, beta_t, temperature)
             for o in opts:
                 o.zero_grad(set_to_none=True)
             if scaler is not None:
@@ -129,3 +134,39 @@ def mutual_learning(
             count += 1
     diverged = not all(is_finite(m) for m in models)
     return {"loss": total / max(count, 1), "batches": float(count), "diverged": float(diverged)}
+
+
+def _mutual_loss(logits: Sequence[torch.Tensor], yb: torch.Tensor, w: torch.Tensor, alpha: float,
+                 beta_t: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """Σ_n L_n (Eq. 1) for one batch, from every model's logits (teachers detached)."""
+    loss = torch.zeros((), device=yb.device)
+    for n, zn in enumerate(logits):
+        sup = cross_entropy(zn, yb) if beta_t is None else weighted_softmax_ce(zn, yb, beta_t)
+        dist = torch.zeros((), device=yb.device)
+        if alpha > 0:
+            for q, zq in enumerate(logits):
+                if q != n and w[n, q] > 0:
+                    dist = dist + w[n, q] * kl_divergence(zq, zn, temperature)
+        loss = loss + (1 - alpha) * sup + alpha * dist
+    return loss
+
+
+def _private(models: Sequence[nn.Module], w: torch.Tensor, x: np.ndarray, y: np.ndarray, *, alpha: float,
+             epochs: int, lr: float, rng: np.random.Generator, momentum: float, weight_decay: float,
+             beta: np.ndarray | None, temperature: float, device: str | torch.device,
+             dp: DPTraining) -> dict[str, float]:
+    """Mutual learning under DP: one optimizer over every model, Poisson batches, joint
+    per-sample clipping and noise (:func:`dfl_agent.learning.dp.private_loop`)."""
+    for m in models:
+        m.to(device).train()
+    params = [p for m in models for p in m.parameters()]
+    opt = make_optimizer(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    beta_t = None if beta is None else torch.as_tensor(beta, dtype=torch.float32, device=device)
+
+    def batch_loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return _mutual_loss([m(xb) for m in models], yb, w, alpha, beta_t, temperature)
+
+    stats = private_loop(models, opt, dp, x, y, dp.steps_for(epochs), rng, batch_loss, device=device)
+    diverged = not all(is_finite(m) for m in models)
+    return {"loss": stats["loss"], "batches": stats["batches"], "diverged": float(diverged),
+            "dp_steps": stats["dp_steps"]}

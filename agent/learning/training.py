@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dfl_agent.learning.dp import DPTraining, private_loop
 from dfl_agent.learning.lazy import no_grad
 
 if TYPE_CHECKING:
@@ -136,6 +137,9 @@ class TrainConfig:
         lr_is_set: whether the user chose ``lr`` (``training.lr`` in the configuration,
             ``dflctl simulate --lr``) rather than leaving the SGD default; the Adam
             algorithms follow ``lr`` only then (:func:`adam_lr`).
+        dp: differentially private training (``privacy.dp``, :mod:`dfl_agent.learning.dp`):
+            Poisson batches, per-sample clipping and Gaussian noise in every step of
+            :func:`train_local` and :func:`train_adam`; None: plain training.
     """
 
     epochs: int = 1
@@ -146,6 +150,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     mixed_precision: bool = False
     lr_is_set: bool = False
+    dp: DPTraining | None = None
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size"):
@@ -209,10 +214,17 @@ def train_local(
         regularizer: ``regularizer(model) -> scalar`` added to every batch's loss
             (e.g. FedProx's proximal term).
 
+    Under ``cfg.dp`` (differential privacy) the round is ``cfg.dp.steps_for(epochs, steps)``
+    DP-SGD steps on Poisson batches of rate ``cfg.dp.sample_rate``, each sample's gradient
+    clipped and the sum noised (:func:`dfl_agent.learning.dp.private_loop`; the
+    ``regularizer``'s gradient, data-independent, is added after the noise; no mixed
+    precision).
+
     Returns:
         ``{"loss": mean training loss over batches, "samples": samples seen (N * epochs),
-        "diverged": 0.0 or 1.0}``.  When training produced non-finite parameters, the
-        model is restored to its state before the call and ``diverged`` is 1.
+        "diverged": 0.0 or 1.0}``, and under DP ``"dp_steps"``: the DP steps taken.  When
+        training produced non-finite parameters, the model is restored to its state before
+        the call and ``diverged`` is 1.
 
     Raises:
         ValueError: ``x`` and ``y`` lengths differ or the split is empty.
@@ -224,6 +236,15 @@ def train_local(
     model.to(device).train()
     before = snapshot(model)
     opt = make_optimizer(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.dp is not None:
+        loss_of = loss_fn or F.cross_entropy
+        stats = private_loop([model], opt, cfg.dp, x, y, cfg.dp.steps_for(cfg.epochs, cfg.steps), rng,
+                             lambda xb, yb: loss_of(model(xb), yb), device=device,
+                             extra=None if regularizer is None else (lambda: regularizer(model)),
+                             before_step=_check_abort)
+        diverged = restore_if_diverged(model, before)
+        return {"loss": stats["loss"], "samples": stats["samples"], "diverged": float(diverged),
+                "dp_steps": stats["dp_steps"]}
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
     total, count, samples = 0.0, 0, 0
@@ -310,7 +331,9 @@ def warm_up(model: nn.Module, x: np.ndarray, y: np.ndarray, cfg: TrainConfig,
     if len(x) and len(y):
         scratch = copy.deepcopy(model).requires_grad_(True)
         n = min(samples, len(x))
-        train_local(scratch, x[:n], y[:n], dataclasses.replace(cfg, epochs=1), np.random.default_rng(0), device)
+        # a throwaway copy: no DP (its steps would count against the run's plan)
+        train_local(scratch, x[:n], y[:n], dataclasses.replace(cfg, epochs=1, dp=None), np.random.default_rng(0),
+                    device)
         evaluate(scratch, x[:n], y[:n], device=device)
     return time.perf_counter() - t0
 
@@ -334,9 +357,14 @@ def adam_lr(option: float | None, train: TrainConfig | None) -> float:
 
 
 def train_adam(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,
-               rng: np.random.Generator, device: str | torch.device = "cpu") -> dict[str, float]:
+               rng: np.random.Generator, device: str | torch.device = "cpu",
+               dp: DPTraining | None = None) -> dict[str, float]:
     """Cross-entropy training with a fresh Adam (the seed 002 baselines' optimizer), seeded
     batch order; restores the model if it diverges.  Returns ``{"loss", "diverged"}``.
+
+    Under ``dp`` (the node's ``TrainConfig.dp``): DP-Adam, Opacus's ``DPOptimizer`` around
+    the Adam, ``dp.steps_for(epochs)`` steps on Poisson batches of rate ``dp.sample_rate``
+    (``batch_size`` then plays no part); the result has ``"dp_steps"`` too.
 
     Raises:
         TrainingAborted: inside :func:`abortable` whose event is set (checked before every
@@ -344,6 +372,11 @@ def train_adam(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, b
     model.to(device).train()
     before = snapshot(model)
     opt = make_optimizer(model.parameters(), "adam", lr=lr)
+    if dp is not None:
+        stats = private_loop([model], opt, dp, x, y, dp.steps_for(epochs), rng,
+                             lambda xb, yb: F.cross_entropy(model(xb), yb), device=device, before_step=_check_abort)
+        return {"loss": stats["loss"], "diverged": float(restore_if_diverged(model, before)),
+                "dp_steps": stats["dp_steps"]}
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
     total, count = 0.0, 0
