@@ -49,6 +49,7 @@ def choco_for(ctx: Any, kind: str) -> ChocoGossip | None:
         spec, np.random.default_rng([int(ctx.init_seed), 0xC0C0]), error_feedback=policy.error_feedback,
         keyframe_every=policy.keyframe_every, consensus_step=policy.consensus_step,
     )
+    gossip.kind = kind  # the resend of a keyframe to a restarted peer finds the stream by it
     membership = getattr(ctx, "membership", None)
     if membership is not None and hasattr(membership, "streams"):  # the daemon: it asks for keyframes it lacks
         membership.streams.append(gossip)

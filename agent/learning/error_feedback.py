@@ -167,6 +167,7 @@ class ChocoGossip:
         self.previous: Tensors | None = None  # x_i at the last send (ablation without EF)
         self.seq = 0
         self.copies: dict[str, Tensors] = {}  # x̂_j
+        self.kind: str | None = None  # the message kind of the stream (set by its user)
         self.next_seq: dict[str, int] = {}
         self.gaps = 0
         #: ``() -> int`` that grows when a holder of this stream may have lost its copy (a

@@ -104,6 +104,7 @@ class ComputeGate:
         ctx = self.ctx
         self.resend_kinds.update(kinds)
         self.note_neighbours()
+        await self.resend_to_returned()
         if not ctx.pause_when_disconnected or getattr(ctx.transport, "connected", True):
             return 0.0
         since = ctx.clock.now()
@@ -134,7 +135,29 @@ class ComputeGate:
                  f" (not back within {self.reconnect_grace:g} s: {', '.join(missing)})" if missing else "")
         if self.resend_kinds:
             await ctx.resend_round(self.resend_kinds)
+            membership = getattr(ctx, "membership", None)
+            returned, streams = getattr(membership, "returned", {}), getattr(membership, "streams", ())
+            for peer in [p for p, restarted in returned.items() if not (restarted and streams)]:
+                del returned[peer]  # sent to it just now (a restarted one needs CHOCO keyframes)
         return held
+
+    async def resend_to_returned(self) -> int:
+        """Send the messages of this round and the round before again (the kinds the
+        rounds wait for), to each neighbour that came back since (the membership's
+        ``returned``): what this node sent while the neighbour was cut off never reached
+        it, and a round of the neighbour that waits for it would close alone at its
+        deadline.  A neighbour that may have restarted gets the latest message of each
+        CHOCO stream as an exact keyframe instead (:meth:`Outbox.as_keyframe`): it lost its
+        copies.  Returns the wire bytes sent."""
+        ctx = self.ctx
+        returned = getattr(getattr(ctx, "membership", None), "returned", None)
+        if not returned or not self.resend_kinds or not getattr(ctx.transport, "connected", True):
+            return 0
+        live, n = set(ctx.neighbours()), 0
+        for peer in [p for p in returned if p in live]:
+            restarted = returned.pop(peer)
+            n += await ctx.resend_round(self.resend_kinds, peer=peer, restarted=restarted)
+        return n
 
     def end_round(self) -> tuple[set[str], float]:
         """The round's expected neighbours and the seconds it was held; starts the next

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
@@ -342,20 +343,33 @@ class RuntimeContext:
         self.outbox.account(message.kind, n, reference)
         return n
 
-    async def resend_round(self, kinds: Collection[str] | None = None) -> int:
+    async def resend_round(self, kinds: Collection[str] | None = None, *, peer: str | None = None,
+                           restarted: bool = False) -> int:
         """Send again the messages (of ``kinds``; None: all) sent this round and the round
         before, after a broker outage: a peer that reconnected later than this node missed what the broker
         passed on meanwhile.  Each goes as it went on the wire (not compressed again) in
         a new frame (:meth:`Outbox.reframe`: new message id and signature); a peer that
         has it already keeps one update per sender and round, and drops one of a round
-        it has left behind as stale.  Returns the wire bytes sent."""
+        it has left behind as stale.  Returns the wire bytes sent.
+
+        With ``peer``: only to that peer, the messages it was sent or among whose
+        audience it was (a neighbour that came back: :meth:`ComputeGate.resend_to_returned`);
+        with ``restarted`` too, each CHOCO difference goes as an exact keyframe, or not at
+        all when it is not its stream's latest (:meth:`Outbox.as_keyframe`)."""
         n = 0
-        for peer, audience, message in self.outbox.recent():
+        for to, audience, message in self.outbox.recent():
             if kinds is not None and message.kind not in kinds:
                 continue
+            if peer is not None:
+                if (to is not None and to != peer) or (to is None and audience is not None and peer not in audience):
+                    continue
+                resent = self.outbox.as_keyframe(message) if restarted else message
+                if resent is None:
+                    continue
+                message, to, audience = dataclasses.replace(resent, recipient=peer), peer, None
             try:
                 frame = self.outbox.reframe(message)
-                n += await (self.transport.send(peer, frame) if peer is not None
+                n += await (self.transport.send(to, frame) if to is not None
                             else self.transport.broadcast(frame, audience))
             except Exception as exc:  # a peer whose broker is unreachable: the round goes on
                 log.warning("%s: could not send %s of round %d again after the broker outage: %s",

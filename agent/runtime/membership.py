@@ -77,6 +77,10 @@ class Membership:
         #: so a peer that lost its copy of this node's stream is not left out until the
         #: periodic keyframe
         self.rejoins = 0
+        #: peers that came back since this node last sent them its recent messages again,
+        #: peer -> whether it may have restarted (lost its copies of this node's streams);
+        #: the node's next wait for its peers sends them (:meth:`ComputeGate.resend_to_returned`)
+        self.returned: dict[str, bool] = {}
         #: this node's CHOCO streams (:func:`~dfl_agent.algorithms.gossip_compression.choco_for`):
         #: a neighbour without a copy in one of them is asked for a keyframe (:meth:`keyframe_wanted`)
         self.streams: list[Any] = []
@@ -100,8 +104,10 @@ class Membership:
             fields = {k: v for k, v in descriptor.items() if isinstance(v, (str, int, float))}
             fields.pop("node_id", None)
             is_live = getattr(ctx.peers, "is_live", None)
-            if node_id != ctx.node_id and ((is_live is not None and not is_live(node_id)) or self._lost(node_id)):
+            offline = is_live is not None and not is_live(node_id)
+            if node_id != ctx.node_id and (offline or self._lost(node_id)):
                 self.rejoins += 1
+                self._note_return(node_id, restarted=offline)
             ctx.peers.upsert(node_id, "presence", **fields)
             if node_id != ctx.node_id:
                 self.compatible(node_id)  # exclude an incompatible peer as soon as it is seen
@@ -115,6 +121,12 @@ class Membership:
         if not self.streams:
             return []
         return sorted(p for p in self.neighbours() if any(p not in g.copies for g in self.streams))
+
+    def _note_return(self, peer: str, *, restarted: bool) -> None:
+        """Remember that ``peer`` came back (:attr:`returned`): after a broken session
+        (``restarted`` False: it kept what it had received) or from offline or a restart
+        (True: it may have lost its copies of this node's streams)."""
+        self.returned[peer] = self.returned.get(peer, False) or restarted
 
     def _lost(self, peer: str) -> bool:
         """Whether ``peer``'s MQTT session broke since its last sign of life (its last will
@@ -174,8 +186,10 @@ class Membership:
             beat = status.get("heartbeat")
             if isinstance(beat, int) and not isinstance(beat, bool):
                 last = self._heartbeats.get(peer)
-                if (last is not None and beat < last) or self._lost(peer):
+                restarted = last is not None and beat < last
+                if restarted or self._lost(peer):
                     self.rejoins += 1
+                    self._note_return(peer, restarted=restarted)
                 self._heartbeats[peer] = beat
             wanted = status.get("keyframe_wanted")
             if isinstance(wanted, list) and self.ctx.node_id in wanted:

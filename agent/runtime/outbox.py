@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dfl_agent.algorithms.context import Message
-from dfl_agent.learning.error_feedback import ErrorFeedback
+from dfl_agent.learning.error_feedback import ChocoGossip, ErrorFeedback
 from dfl_agent.transport import codec, wire
 
 if TYPE_CHECKING:
@@ -57,6 +57,22 @@ class Outbox:
     def recent(self) -> list[tuple[str | None, Any, Message]]:
         """The messages sent this round and the round before, oldest first."""
         return [*self.previous_sent_messages, *self.round_sent_messages]
+
+    def as_keyframe(self, message: Message) -> Message | None:
+        """``message`` for a peer that may have lost its copy of this node's CHOCO stream
+        (a restart): a message that is no CHOCO difference as it is; the latest message of
+        its stream as an exact float32 keyframe of the node's copy x̂_i after it (the same
+        sequence number, so the stream goes on from it); None for an older one, which the
+        peer could not apply (Koloskova et al. 2019, Alg. 2: the copies must agree)."""
+        info = message.meta.get(ChocoGossip.META)
+        if not isinstance(info, list) or len(info) != 2:
+            return message
+        for stream in getattr(self.ctx.membership, "streams", ()):
+            if getattr(stream, "kind", None) == message.kind and stream.own is not None and stream.seq - 1 == info[0]:
+                tensors = {k: np.array(v, copy=True) for k, v in stream.own.items()}
+                return dataclasses.replace(message, tensors=tensors, encoding=None,
+                                           meta={**message.meta, ChocoGossip.META: [info[0], 1]})
+        return None
 
     def reframe(self, message: Message) -> bytes:
         """A new frame of a message sent before, its tensors as they went on the wire (not

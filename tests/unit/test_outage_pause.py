@@ -303,3 +303,64 @@ def test_the_status_says_paused_while_the_broker_is_away_and_counts_rounds_alone
     assert 5.0 <= out["held"] <= 5.5
     assert [r["alone"] for r in records] == [True] and records[0]["neighbours"] == 0
     assert out["status"]["rounds_alone"] == 1 and out["status"]["paused_disconnected_s"] >= 5.0
+
+
+def test_a_neighbour_back_from_a_partition_gets_what_was_sent_while_it_was_away():
+    """``peer`` is cut off while ``me`` sends its round-1 update (lost); the peer comes
+    back, and its own update closes me's round 1.  The peer's round 1 still waits for
+    me's update: me's next wait for its peers (round 2) sends it the round-1 update again,
+    so the peer's round does not close alone at its deadline (before: nothing sent it)."""
+    net = MemoryNetwork()
+    me, peer = _ctx(net, "me"), _ctx(net, "peer")
+    out = {}
+
+    async def main():
+        await me.start()
+        await peer.start()
+        net.kill("peer")  # a partition: me stays connected and sees the peer leave
+        await me.send("peer", _update(1))  # lost
+        await asyncio.sleep(5.0)
+        net.reconnect("peer")
+        await peer.send("me", _update(1))
+        out["round1"] = await collect_round(me, "model", 1, me.clock.now() + 5.0, 0.5, X)
+        await me.end_round(1)
+        await me.send("peer", _update(2))
+        round2 = asyncio.ensure_future(collect_round(me, "model", 2, me.clock.now() + 5.0, 0.5, X))
+        got = await peer.receive("model", round=1, deadline=peer.clock.now() + 3.0)
+        out["peer_got"] = (got.sender, got.round) if got is not None else None
+        await peer.send("me", _update(2))
+        await round2
+        out["resent_again"] = await me.gate_part.resend_to_returned()  # once per return
+
+    run_virtual(main())
+    assert sorted(out["round1"][0]) == ["peer"]
+    assert out["peer_got"] == ("me", 1)
+    assert out["resent_again"] == 0
+
+
+def test_a_restarted_neighbour_gets_the_latest_choco_message_as_an_exact_keyframe():
+    """A restarted peer lost its copy x̂_me: a CHOCO difference sent again would be a gap
+    (dropped), so the latest message of the stream goes as an exact keyframe of x̂_me
+    with its sequence number; the peer's copy then equals me's own copy bit for bit and
+    the stream goes on from it.  An older difference is not sent at all."""
+    from dfl_agent.algorithms import gossip_compression as gc
+    from dfl_agent.learning.compression import CompressionPolicy
+
+    net = MemoryNetwork()
+    me = _ctx(net, "me")
+    me.compression = CompressionPolicy.from_config("q4+zstd")
+    peer = _ctx(net, "peer")
+    peer.compression = me.compression
+    receiver = gc.choco_for(peer, "model")
+    choco = gc.choco_for(me, "model")
+    assert choco is not None and receiver is not None
+    rng = np.random.default_rng(1)
+    first = gc.model_message(choco, "model", 1, {"w": rng.normal(size=8).astype(np.float32)}, {})
+    second = gc.model_message(choco, "model", 2, {"w": rng.normal(size=8).astype(np.float32)}, {})
+    assert second.meta["choco"][1] == 0  # a difference
+    assert me.outbox.as_keyframe(first) is None  # not the latest: a restarted peer could not apply it
+    key = me.outbox.as_keyframe(second)
+    assert key is not None and key.meta["choco"] == [second.meta["choco"][0], 1] and key.round == 2
+    copy = receiver.incoming("me", key.tensors, key.meta)
+    assert copy is not None and np.array_equal(copy["w"], choco.own_copy()["w"])
+    assert choco in me.membership.streams and receiver.next_seq["me"] == second.meta["choco"][0] + 1
