@@ -87,6 +87,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         compression=a.compression, error_feedback=a.error_feedback, consensus_step=a.consensus_step,
         samples_per_node=a.samples_per_node, batch=a.batch, device=a.device, straggler=a.straggler,
         speeds=[float(v) for v in a.speeds.split(",")] if a.speeds else None,
+        dp_epsilon=a.dp_epsilon, dp_max_grad_norm=a.dp_max_grad_norm, dp_delta=a.dp_delta,
     )
     _dechw_hint(cfg.algorithm, cfg.options, cfg.init, cfg.partition)
     s = simulate_with_progress(cfg, enabled=a.progress)
@@ -101,6 +102,11 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     )
     if s.get("compression", "none") != "none":
         print(f"compression {s['compression']}: {s['compression_ratio']:.1f}x fewer bytes than float32")
+    if s.get("dp"):
+        dp = s["dp"]
+        print(f"differential privacy: epsilon spent {dp['epsilon_spent']:.3g} (at most, over the nodes) at delta "
+              f"{dp['delta']:g}, noise multiplier {dp['noise_multiplier']:.3g}, {dp['steps']} DP steps, "
+              f"max_grad_norm {dp['max_grad_norm']:g}")
     if "local_only_global_accuracy" in s:
         print(f"local-only baseline: global accuracy {s['local_only_global_accuracy']['mean']:.4f}")
     if a.out:
@@ -327,6 +333,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--speeds", default=None, metavar="F,F,...",
                    help="per-node speed factors (cycled), e.g. 1,1,1,0.05: a training call takes 1/F virtual "
                         "seconds (default: no virtual training time)")
+    s.add_argument("--dp-epsilon", type=float, default=None, metavar="E",
+                   help="differential privacy: every node trains with DP-SGD whose whole run spends at most E "
+                        "(the privacy extra; summary.json's dp says what each node spent)")
+    s.add_argument("--dp-max-grad-norm", type=float, default=1.0, metavar="C",
+                   help="with --dp-epsilon: each sample's gradient is clipped to this L2 norm (default 1.0)")
+    s.add_argument("--dp-delta", type=float, default=1e-5, metavar="D",
+                   help="with --dp-epsilon: the delta of the (epsilon, delta) guarantee (default 1e-5)")
     _compression_args(s)
     s.add_argument("--consensus-step", type=_nonnegative_float, default=0.0, metavar="GAMMA",
                    help="CHOCO's consensus step for compressed gossip, as compression.consensus_step "

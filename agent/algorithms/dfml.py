@@ -222,6 +222,7 @@ class DFML(RotatingAggregator):
                 batch_size=tc.batch_size, lr=tc.lr, rng=ctx.rng, momentum=tc.momentum, weight_decay=o.weight_decay,
                 beta=None if o.supervision == "ce" else self.beta, temperature=o.temperature, device=ctx.device,
                 mixed_precision=getattr(tc, "mixed_precision", False),
+                dp=getattr(tc, "dp", None),  # under privacy.dp: joint per-sample clipping and noise
             )
         if guard.diverged:
             # participants keep their models, no peak update; the round is skipped

@@ -305,6 +305,13 @@ def private_loop(models: Sequence[nn.Module], optimizer: torch.optim.Optimizer, 
             "dp_steps": float(taken)}
 
 
+def training_for(plan: Any) -> DPTraining:
+    """The :class:`DPTraining` of a run's plan (:class:`dfl_agent.privacy.plan.RunPlan`): its
+    σ, C and q, and a step counter capped at the plan's steps."""
+    return DPTraining(noise_multiplier=float(plan.noise_multiplier), max_grad_norm=float(plan.max_grad_norm),
+                      sample_rate=float(plan.sample_rate), counter=DPSteps(limit=int(plan.steps)))
+
+
 def dp_summary(dp: DPTraining | None) -> Mapping[str, Any] | None:
     """The run's DP figures for a report: σ, C, q and the steps taken (None without DP)."""
     if dp is None:

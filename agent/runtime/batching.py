@@ -14,7 +14,9 @@ A group qualifies when its nodes share
 
 - the function (:func:`~dfl_agent.learning.training.train_local` with the default loss
   and no regularizer) and the device (``cpu``, or one CUDA device without mixed
-  precision, which the vectorised step does not do),
+  precision, which the vectorised step does not do), and no differential privacy
+  (``TrainConfig.dp``: DP-SGD's Poisson batches, per-sample clipping and noise run in the
+  per-node loop, through Opacus),
 - the architecture (module structure and parameter shapes; no buffers such as batch
   norm statistics, no dropout, every parameter trainable),
 - the optimizer settings (the whole :class:`~dfl_agent.learning.training.TrainConfig`),
@@ -141,6 +143,8 @@ class BatchTrainer:
             return None
         if dev != "cpu" and cfg.mixed_precision:
             return None  # autocast + gradient scaling: train_local's per-node loop does it
+        if getattr(cfg, "dp", None) is not None:
+            return None  # DP-SGD (Poisson batches, per-sample clipping, noise): the per-node loop
         if self._arch_key(model) is None:
             return None
         if dev != "cpu":

@@ -92,6 +92,11 @@ class SimConfig:
         speeds: per-node speed factors (cycled), e.g. ``[1, 1, 1, 0.05]``: each training
             call of a node takes ``train_seconds / speed`` virtual seconds; None: training
             takes no virtual time.
+        dp_epsilon: differential privacy (``dflctl simulate --dp-epsilon``): every node's
+            training is DP-SGD whose whole run spends at most this ε at ``dp_delta``
+            (its own plan: :func:`dfl_agent.privacy.plan.plan_run` on its sample count),
+            each sample's gradient clipped to ``dp_max_grad_norm``; None: no DP.  Batched
+            training then falls back to the per-node loop.
     """
 
     algorithm: str = "fedavg"
@@ -133,6 +138,9 @@ class SimConfig:
     max_round_timeout: float = 120.0
     speeds: list[float] | None = None
     train_seconds: float = 1.0
+    dp_epsilon: float | None = None
+    dp_max_grad_norm: float = 1.0
+    dp_delta: float = 1e-5
 
     def __post_init__(self) -> None:
         self.policy()  # ValueError for a bad straggler setting
@@ -146,8 +154,32 @@ class SimConfig:
             raise ValueError(f"samples_per_node must be >= 0, got {self.samples_per_node}")
         if self.init not in ("common", "independent"):
             raise ValueError(f"init must be 'common' or 'independent', got {self.init!r}")
+        if self.dp_epsilon is not None:
+            self.privacy()  # ValueError naming the bad setting, Opacus missing, an algorithm refused
         if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", str(self.device))):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    def privacy(self) -> Any:
+        """The :class:`~dfl_agent.privacy.config.DPConfig` of ``dp_*`` (None: no DP).
+
+        Raises:
+            ValueError: a bad setting or an algorithm that cannot run under DP (one line).
+            ModuleNotFoundError: Opacus is not installed (naming the ``privacy`` extra).
+        """
+        if self.dp_epsilon is None:
+            return None
+        from dfl_agent.learning.dp import require_opacus
+        from dfl_agent.privacy.config import parse_privacy
+        from dfl_agent.privacy.policy import check_dp_combination
+
+        dp = parse_privacy({"dp": {"target_epsilon": self.dp_epsilon, "max_grad_norm": self.dp_max_grad_norm,
+                                   "delta": self.dp_delta}}).dp
+        check_dp_combination(self.algorithm, self.options)
+        if self.baseline_local:
+            raise ValueError("privacy.dp: baseline_local cannot run under DP (its local-only copy would train "
+                             "on the same data outside the run's privacy plan)")
+        require_opacus()
+        return dp
 
     def policy(self) -> Any:
         """The :class:`~dfl_agent.algorithms.protocols.stragglers.StragglerPolicy` of the run."""
@@ -266,7 +298,7 @@ def _assemble(cfg: SimConfig, device: str, sink: Callable[[dict[str, Any]], None
             algo_cls, options, model_spec=specs[i], test_x=bundle.test.x, test_y=bundle.test.y,
             baseline_local=cfg.baseline_local, sink=sink, rounds=cfg.rounds, eval_every=cfg.eval_every,
             node_id=nid, federation=federation, transport=network.transport(nid, federation, descriptor),
-            peers=PeerTable(nid, federation), data=data, train=cfg.train,
+            peers=PeerTable(nid, federation), data=data, train=_node_train(cfg, options, data),
             init_seed=init_seed_for(cfg.seed, i, cfg.init), rng=np.random.default_rng([cfg.seed, i]), device=device,
             graph_neighbours=None if cfg.topology == "full" else graph[nid], seed=cfg.seed,
             # no simulation-wide compression: the profile's (whole-model exchanges), if any
@@ -280,6 +312,43 @@ def _assemble(cfg: SimConfig, device: str, sink: Callable[[dict[str, Any]], None
             node.kill_at(cfg.kill[i], functools.partial(network.kill, nid))
         nodes.append(node)
     return _Federation(nodes, ids, spec, specs, behaviours, policy, batcher)
+
+
+def _node_train(cfg: SimConfig, options: Any, data: Any) -> TrainConfig:
+    """A node's training configuration: ``cfg.train``, and under DP its own plan (σ for
+    ``dp_epsilon`` over the whole run on its sample count; its DP steps capped at the plan's)."""
+    dp = cfg.privacy()
+    if dp is None:
+        return cfg.train
+    from dfl_agent.learning.dp import dp_steps_per_round, training_for
+    from dfl_agent.privacy.plan import plan_run
+
+    t, n = cfg.train, int(data.num_train)
+    per_round = dp_steps_per_round(cfg.algorithm, options, n_samples=n, batch_size=t.batch_size, epochs=t.epochs,
+                                   steps=t.steps)
+    plan = plan_run(dp, n_samples=n, batch_size=t.batch_size, steps_per_round=per_round, rounds=cfg.rounds)
+    return dataclasses.replace(t, dp=training_for(plan))
+
+
+def _dp_summary(cfg: SimConfig, nodes: list[Node]) -> dict[str, Any] | None:
+    """summary.json's ``dp``: per node the ε its DP steps spent (RDP, at ``dp_delta``), σ, q,
+    the steps taken and C; fleet-wide the largest of each.  None without DP."""
+    if cfg.dp_epsilon is None:
+        return None
+    from dfl_agent.privacy.accountant import rdp_epsilon
+
+    per: dict[str, dict[str, Any]] = {}
+    for n in nodes:
+        dp = n.ctx.train.dp
+        steps = dp.counter.taken
+        per[n.ctx.node_id] = {
+            "epsilon_spent": rdp_epsilon([(dp.noise_multiplier, dp.sample_rate, steps)], cfg.dp_delta) if steps else 0.0,
+            "delta": cfg.dp_delta, "noise_multiplier": dp.noise_multiplier, "sample_rate": dp.sample_rate,
+            "steps": steps, "steps_planned": dp.counter.limit, "max_grad_norm": dp.max_grad_norm,
+        }
+    fleet = {k: max(v[k] for v in per.values()) for k in ("epsilon_spent", "noise_multiplier", "sample_rate", "steps")}
+    return {**fleet, "target_epsilon": cfg.dp_epsilon, "delta": cfg.dp_delta, "max_grad_norm": cfg.dp_max_grad_norm,
+            "per_node": per}
 
 
 def _run(cfg: SimConfig, fed: _Federation, device: str, progress: Callable[[int, float | None], None] | None) -> None:
@@ -343,6 +412,7 @@ def _summary(cfg: SimConfig, fed: _Federation, device: str, wall: float) -> dict
             "batching": {**batcher.stats, **batcher.eval_stats} if batcher is not None else None,
             "user_accuracy": metrics.user_accuracy(histories),  # UA: personal models on own splits, last 10 rounds
             "config": _jsonable(dataclasses.asdict(cfg)),
+            "dp": _dp_summary(cfg, nodes),  # differential privacy: the ε each node's training spent
             **gpu,
         },
     )

@@ -173,3 +173,36 @@ def test_dp_steps_per_round() -> None:
     assert dp_steps_per_round("dfml", dfml, n_samples=100, batch_size=32, epochs=2, steps=0) == 4 + 12
     adam = parse_options(get_algorithm("local_adam"), {"adam_epochs": 2})
     assert dp_steps_per_round("local_adam", adam, n_samples=100, batch_size=32, epochs=5, steps=0) == 8
+
+
+def test_simulate_dp_epsilon_reports_what_each_node_spent(tmp_path, capsys) -> None:
+    """``dflctl simulate --dp-epsilon 8``: every node trains under DP (batched training falls
+    back to the per-node loop) and summary.json says what it spent: 0 < ε ≤ 8, no more DP
+    steps than planned."""
+    import json
+
+    from dfl_agent.cli.dflctl import main
+
+    out = tmp_path / "sim"
+    assert main(["simulate", "--algorithm", "fedavg", "--nodes", "2", "--rounds", "2", "--dataset", "digits",
+                 "--partition", "iid", "--dp-epsilon", "8", "--dp-max-grad-norm", "0.5", "--no-progress",
+                 "--out", str(out)]) == 0
+    assert "differential privacy: epsilon spent" in capsys.readouterr().out
+    s = json.loads((out / "summary.json").read_text())
+    dp = s["dp"]
+    assert 0 < dp["epsilon_spent"] <= 8.0 and dp["delta"] == 1e-5 and dp["max_grad_norm"] == 0.5
+    for node in dp["per_node"].values():
+        assert 0 < node["epsilon_spent"] <= 8.0 and 0 < node["steps"] <= node["steps_planned"]
+        assert node["noise_multiplier"] > 0 and 0 < node["sample_rate"] < 1
+    assert s["batching"]["batched_nodes"] == 0  # DP-SGD runs the per-node loop
+
+
+def test_simulate_refuses_what_cannot_train_under_dp() -> None:
+    from dfl_agent.runtime.simulator import SimConfig
+
+    with pytest.raises(ValueError, match="fedd2s"):
+        SimConfig(algorithm="fedd2s", dataset="digits", dp_epsilon=8.0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        SimConfig(algorithm="fedavg", dataset="digits", dp_epsilon=8.0, dp_max_grad_norm=-1.0)
+    with pytest.raises(ValueError, match="baseline_local"):
+        SimConfig(algorithm="fedavg", dataset="digits", dp_epsilon=8.0, baseline_local=True)
