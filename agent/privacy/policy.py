@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = ["DPSupport", "DP_SUPPORT", "COMMON", "TREATMENTS", "SENT_SAMPLES", "check_dp_combination", "dp_enabled",
+           "parse_checked",
            "redact_status", "REDACTED_STATUS_KEYS"]
 
 #: How a sent value is handled under DP (see the module docstring).
@@ -141,8 +142,34 @@ DP_SUPPORT: dict[str, DPSupport] = {
 
 
 def dp_enabled(cfg: Any) -> bool:
-    """Whether the node configuration ``cfg`` trains under DP (``privacy.dp`` set)."""
-    return getattr(getattr(cfg, "privacy", None), "dp", None) is not None
+    """Whether the node configuration ``cfg`` asks for DP: its ``privacy`` is a
+    :class:`~dfl_agent.privacy.config.PrivacyConfig` with ``dp`` set, or a ``[privacy]``
+    section whose ``dp`` table sets a key and is not ``enabled = false``."""
+    from dfl_agent.privacy.config import PrivacyConfig, section_table
+
+    p = getattr(cfg, "privacy", None)
+    if p is None or isinstance(p, PrivacyConfig):
+        return getattr(p, "dp", None) is not None
+    dp = section_table(p).get("dp")
+    return isinstance(dp, Mapping) and bool(section_table(dp)) and section_table(dp).get("enabled") is not False
+
+
+def parse_checked(table: Any, algorithm: str, options: Any = None, where: str = "privacy") -> Any:
+    """:func:`~dfl_agent.privacy.config.parse_privacy` of ``table``, and under DP
+    :func:`check_dp_combination` of the configured algorithm: the configuration's check.
+
+    Returns:
+        the :class:`~dfl_agent.privacy.config.PrivacyConfig`.
+
+    Raises:
+        ValueError: one line (a bad key, or an algorithm that cannot run under DP).
+    """
+    from dfl_agent.privacy.config import parse_privacy
+
+    privacy = parse_privacy(table, where)
+    if privacy.dp is not None:
+        check_dp_combination(algorithm, options)
+    return privacy
 
 
 def check_dp_combination(algorithm: str, options: Any = None) -> None:

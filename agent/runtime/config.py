@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from dfl_agent.learning.training import DEFAULT_ADAM_LR, DEFAULT_LR
-from dfl_agent.privacy.config import PrivacySection, merge_privacy, parse_privacy, section_table
+from dfl_agent.privacy.config import PrivacySection, merge_privacy, section_table
+from dfl_agent.privacy.policy import parse_checked
 from dfl_agent.tomlcheck import build
 
 if sys.version_info >= (3, 11):
@@ -532,8 +533,9 @@ def _validate_profile(cfg: NodeConfig) -> None:
         base = DeviceProfile(name="override-check") if cfg.profile == AUTO else get_profile(cfg.profile)
     except ProfileError as exc:
         raise ConfigError(f"profile: {exc}") from None
-    try:  # [privacy]: the node's keys over the profile's, validated together
-        parse_privacy(merge_privacy(with_overrides(base, cfg.profile_overrides).privacy, cfg.privacy), "privacy")
+    try:  # [privacy]: the node's keys over the profile's, validated together; under DP, the algorithm's messages
+        parse_checked(merge_privacy(with_overrides(base, cfg.profile_overrides).privacy, cfg.privacy),
+                      cfg.algorithm.name, cfg.algorithm.options)
     except ValueError as exc:  # ProfileError too
         raise ConfigError(str(exc)) from None
 

@@ -63,6 +63,112 @@ def test_redact_status_drops_accuracies_and_sample_counts_at_every_level():
 def test_dp_enabled_reads_privacy_dp():
     import types
 
+    from dfl_agent.privacy.config import DPConfig, DPSection, PrivacyConfig, PrivacySection
+
     assert not dp_enabled(types.SimpleNamespace())
-    assert not dp_enabled(types.SimpleNamespace(privacy=types.SimpleNamespace(dp=None)))
-    assert dp_enabled(types.SimpleNamespace(privacy=types.SimpleNamespace(dp=object())))
+    assert not dp_enabled(types.SimpleNamespace(privacy=PrivacyConfig(None)))
+    assert dp_enabled(types.SimpleNamespace(privacy=PrivacyConfig(DPConfig(max_grad_norm=1.0, target_epsilon=8.0))))
+    assert not dp_enabled(types.SimpleNamespace(privacy=PrivacySection()))
+    assert not dp_enabled(types.SimpleNamespace(privacy=PrivacySection(dp=DPSection(enabled=False, max_grad_norm=1.0))))
+    assert dp_enabled(types.SimpleNamespace(privacy=PrivacySection(dp=DPSection(max_grad_norm=1.0))))
+
+
+# -- real nodes over the memory transport: what leaves the device under DP ---------------
+def _federation(algorithm, dp, n=3, **options):
+    import numpy as np
+
+    from dfl_agent.algorithms.base import get_algorithm, parse_options
+    from dfl_agent.discovery.peers import PeerTable
+    from dfl_agent.learning.training import TrainConfig
+    from dfl_agent.runtime.context import RuntimeContext
+    from dfl_agent.runtime.node import Node
+    from dfl_agent.transport.memory import MemoryNetwork
+    from tests.unit.toy import SPEC, toy_data
+
+    net, cls = MemoryNetwork(), get_algorithm(algorithm)
+    opts = parse_options(cls, options)
+    test = toy_data(99)
+    sent: list = []
+    nodes = []
+    for i in range(n):
+        nid = f"n{i}"
+        data = toy_data(i)
+        data.train_x, data.train_y = data.train_x[:32 - 8 * i], data.train_y[:32 - 8 * i]  # 32, 24, 16 samples
+        ctx = RuntimeContext(node_id=nid, federation="f", transport=net.transport(nid, "f"), peers=PeerTable(nid, "f"),
+                             data=data, model_spec=SPEC, init_seed=0,
+                             train=TrainConfig(batch_size=8, lr=0.1, dp=dp), rng=np.random.default_rng(i))
+        for name in ("send", "broadcast"):  # what leaves the node
+            original = getattr(ctx, name)
+
+            async def record(*args, _original=original, **kw):
+                sent.append(next(a for a in args if hasattr(a, "meta")))
+                return await _original(*args, **kw)
+
+            setattr(ctx, name, record)
+        nodes.append(Node(ctx, cls(ctx, opts), test.train_x, test.train_y))
+    return nodes, sent
+
+
+def _run(nodes, rounds=2):
+    import asyncio
+
+    from dfl_agent.transport.memory import run_virtual
+
+    async def main():
+        for n in nodes:
+            await n.ctx.start()
+            await n.setup()
+        await asyncio.gather(*(n.run(rounds) for n in nodes))
+
+    run_virtual(main())
+
+
+def _dp():
+    pytest.importorskip("opacus")
+    from dfl_agent.learning.dp import DPTraining
+
+    return DPTraining(noise_multiplier=0.5, max_grad_norm=1.0, sample_rate=0.25)
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "dfedavg"])
+def test_under_dp_models_carry_sample_count_1_and_the_status_no_accuracy(algorithm):
+    nodes, sent = _federation(algorithm, _dp())
+    _run(nodes)
+    models = [m for m in sent if "samples" in m.meta]
+    assert models and {m.meta["samples"] for m in models} == {1}  # uniform weights, not 32/24/16
+    for n in nodes:
+        assert "global_accuracy" in n.history[-1]  # evaluated on the device...
+        st = n.status()  # ...but not sent
+        assert not [k for k in st if k.endswith("accuracy")], st
+        assert st["round"] == 2
+
+
+def test_without_dp_nothing_changes():
+    nodes, sent = _federation("fedavg", None)
+    _run(nodes, rounds=1)
+    assert {m.meta["samples"] for m in sent if "samples" in m.meta} == {32, 24, 16}
+    assert all(isinstance(n.status()["global_accuracy"], float) for n in nodes)
+
+
+def test_dfml_under_dp_uses_uniform_class_proportions():
+    nodes, _ = _federation("dfml", _dp(), n=1)
+    nodes[0].algorithm.ctx.data.train_y[:] = 0  # one class only: WSM would drop the other
+
+    import asyncio
+
+    asyncio.run(nodes[0].setup())
+    assert list(nodes[0].algorithm.beta) == [0.5, 0.5]
+
+
+def test_node_config_refuses_an_uncovered_algorithm_under_dp_in_one_line():
+    from dfl_agent.runtime.config import ConfigError, config_from_dict
+
+    dp = {"dp": {"max_grad_norm": 1.0, "target_epsilon": 8.0}}
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"algorithm": {"name": "dechw"}, "privacy": dp})
+    assert str(err.value).startswith("privacy.dp: algorithm 'dechw' cannot run under differential privacy: it sends "
+                                     "Hessian diagonals") and "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="'fedd2s' cannot run under differential privacy"):  # DP from the profile
+        config_from_dict({"algorithm": {"name": "fedd2s"}, "profile_overrides": {"privacy": dp}})
+    config_from_dict({"algorithm": {"name": "dechw", "options": {"theta": 0}}, "privacy": dp})
+    config_from_dict({"algorithm": {"name": "dechw"}})  # without DP: every algorithm
