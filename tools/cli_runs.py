@@ -230,10 +230,10 @@ def _say_hidden(cmd: str, hidden: collections.Counter[str]) -> None:
 
 def run_view(run_id: str, msg: dict[str, Any], statuses: dict[str, Any]) -> dict[str, Any]:
     """The JSON of ``dflctl run show``: descriptor fields plus each node's view of the run
-    (``nodes: {id: {state, round, reason, started_from, degraded, rounds_alone,
+    (``nodes: {id: {state, round, reason, started_from, epsilon, degraded, rounds_alone,
     exchange_rounds}}``, ``started_from`` the deployed version the node's run started from:
-    its warm start; ``degraded`` when the node closed rounds of it alone) and an overall
-    ``state``."""
+    its warm start; ``epsilon`` the run's privacy spend on the node under DP (None without);
+    ``degraded`` when the node closed rounds of it alone) and an overall ``state``."""
     d = msg.get("descriptor") or {}
     nodes: dict[str, dict[str, Any]] = {}
     for nid, st in sorted(statuses.items()):
@@ -247,6 +247,7 @@ def run_view(run_id: str, msg: dict[str, Any], statuses: dict[str, Any]) -> dict
             counts = st if "rounds_alone" in st and st.get("state") != "idle" else entry or {}
             nodes[nid] = {"state": r.get("state", ""), "round": r.get("round", 0) or 0,
                           "reason": r.get("reason", "") or "", "started_from": r.get("started_from"),
+                          "epsilon": ((entry or {}).get("privacy") or r.get("privacy") or {}).get("epsilon"),
                           **degraded_fields(counts)}
     states = {n["state"] for n in nodes.values()}
     if d.get("cancelled") or msg.get("cancel_record"):
@@ -473,7 +474,8 @@ def cmd_show(a: argparse.Namespace) -> int:
     for nid, n in v["nodes"].items():
         start = "" if n.get("started_from") is None else f"  started from v{n['started_from']}"
         alone = f"  degraded: {alone_text(n)} (rounds with no peer update)" if n.get("degraded") else ""
-        print(f"  {nid}: {n['state']} round {n['round']}{start}{alone}{'  ' + n['reason'] if n['reason'] else ''}")
+        eps = "" if n.get("epsilon") is None else f"  epsilon {n['epsilon']:.3g}"
+        print(f"  {nid}: {n['state']} round {n['round']}{start}{eps}{alone}{'  ' + n['reason'] if n['reason'] else ''}")
     return 0
 
 

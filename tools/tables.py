@@ -13,9 +13,9 @@ from dfl_agent.runtime.degraded import alone_text, degraded_fields
 from dfl_agent.transport.base import CONTROL_DROP_PREFIXES
 
 PEER_COLUMNS = ("node_id", "trust", "state", "address", "profile", "algorithm", "model", "round", "last_seen_s",
-                "compatibility")
-STATUS_COLUMNS = ("node_id", "state", "run", "round", "degraded", "role", "sync_state", "last_sync_s", "accuracy",
-                  "bytes_sent", "bytes_received", "errors", "control_dropped")
+                "privacy", "compatibility")
+STATUS_COLUMNS = ("node_id", "state", "run", "round", "degraded", "privacy", "role", "sync_state", "last_sync_s",
+                  "accuracy", "bytes_sent", "bytes_received", "errors", "control_dropped")
 #: drop-counter key prefixes of the control plane (presence and status messages)
 CONTROL_PREFIXES = CONTROL_DROP_PREFIXES
 
@@ -68,6 +68,7 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
             "version": d.get("version", ""), "round": s.get("round"), "last_seen_s": last,
             "compatibility": "; ".join(x for x in (compat, note) if x),
             "gated": s.get("gated"), "excluded_by": excluded_by.get(nid, []), "note": note,
+            "privacy": privacy_text(s.get("privacy")),
         })
     return rows
 
@@ -94,8 +95,7 @@ def status_rows(statuses: dict[str, Any], now: float | None = None) -> list[dict
         rows.append({
             "node_id": nid, "state": s.get("state"), "round": s.get("round"), "rounds": s.get("rounds"),
             # runs: "idle", or the run id with its state and round
-            "run": (f"{s['run'].get('id')} {s['run'].get('state')}@{s['run'].get('round', 0)}"
-                    if isinstance(s.get("run"), dict) else None),
+            "run": _run_cell(s.get("run")),
             # an age in seconds; a value that is no Unix time (an older agent's monotonic
             # clock reading) means nothing here and is not shown
             "role": s.get("role"), "sync_state": sync, "last_sync_s": _age(s.get("last_synchronization"), now)
@@ -109,8 +109,31 @@ def status_rows(statuses: dict[str, Any], now: float | None = None) -> list[dict
             # dropped presence/status messages by reason (forged, unsigned, replayed, ...)
             "control_dropped": control,
             "degraded": _degraded(s),
+            # the device's privacy budget: epsilon spent of its lifetime budget ("off": no DP)
+            "privacy": privacy_text(s.get("privacy")),
         })
     return rows
+
+
+def _run_cell(run: Any) -> str | None:
+    """``"r1 training@7"``; a declined or failed run with its reason (``"r2 declined@0: privacy budget: ..."``)."""
+    if not isinstance(run, dict):
+        return None
+    cell = f"{run.get('id')} {run.get('state')}@{run.get('round', 0)}"
+    return f"{cell}: {run['reason']}" if run.get("state") in ("declined", "failed") and run.get("reason") else cell
+
+
+def privacy_text(p: Any) -> str:
+    """A status's ``privacy`` field as a cell: ``"eps 2.41/10 (7.59 left)"``, ``"off"`` without DP
+    (and without a DP history), ``""`` for an agent that does not report one."""
+    if not isinstance(p, dict):
+        return ""
+    spent, life = p.get("epsilon_spent"), p.get("lifetime_epsilon")
+    if not isinstance(spent, (int, float)) or not isinstance(life, (int, float)):
+        return "off" if p.get("dp") is False else ""
+    left = p.get("epsilon_remaining")
+    text = f"eps {spent:.3g}/{life:g}" + (f" ({left:.3g} left)" if isinstance(left, (int, float)) else "")
+    return text if p.get("dp") is not False else f"off, {text}"
 
 
 def _degraded(s: dict[str, Any]) -> str:
@@ -143,7 +166,7 @@ COLUMN_INFO: dict[str, tuple[str, int, bool]] = {
     "run": ("run", 2, True), "role": ("role", 2, False), "accuracy": ("acc", 1, False),
     "last_sync_s": ("sync_s", 3, False), "errors": ("err", 3, False), "sync_state": ("sync", 4, True),
     "bytes_sent": ("sent", 4, False), "bytes_received": ("recv", 4, False), "control_dropped": ("ctl_drop", 5, True),
-    "degraded": ("degraded", 6, False),
+    "degraded": ("degraded", 6, False), "privacy": ("privacy", 3, False),
 }
 #: columns shown in bytes: compact (``12.3M``) when the table has to fit a terminal
 BYTE_COLUMNS = ("bytes_sent", "bytes_received")
@@ -169,6 +192,8 @@ def _priority(col: str, rows: list[dict[str, Any]]) -> int:
     if col == "compatibility" and any(v not in ("", "ok") for v in values):
         return 1
     if col == "degraded" and any(values):  # a node trained alone: always shown
+        return 1
+    if col == "privacy" and any("(0 left)" in v for v in values):  # a device with its budget spent
         return 1
     if base >= 2 and len(rows) > 1 and len(set(values)) == 1:
         return base + 3

@@ -79,7 +79,7 @@ def deploy_model(models: ModelStore, model: Any, spec: dict[str, Any], input_sha
                  class_names: Sequence[str], val_x: np.ndarray, val_y: np.ndarray, *, run_id: str,
                  round: int, algorithm: str, tolerance: float = 0.01, min_validation: int = 20,
                  force: bool = False, onnx: bool | None = None, switch: bool = True,
-                 started_from: int | None = None) -> dict[str, Any]:
+                 started_from: int | None = None, privacy: dict[str, Any] | None = None) -> dict[str, Any]:
     """The deploy gate, then install or stage.
 
     Evaluates ``model`` and the deployed model on today's validation slice ``(val_x, val_y)``.
@@ -90,7 +90,9 @@ def deploy_model(models: ModelStore, model: Any, spec: dict[str, Any], input_sha
     ``switch=False`` installs the version without switching ``current`` to it
     (:meth:`~dfl_agent.deploy.versions.ModelStore.install`; a run process's supervisor switches).
     ``started_from``: the version the run started from (its warm start; None: fresh weights),
-    recorded in the manifest.
+    recorded in the manifest.  ``privacy``: the model's differential privacy (the ε of the run that
+    trained it and the device's lifetime ε at deployment, with δ), recorded in the manifest; None
+    without DP.
 
     Returns:
         ``{"deployed": bool, "version": int|None, "accuracy": float, "deployed_accuracy":
@@ -121,7 +123,7 @@ def deploy_model(models: ModelStore, model: Any, spec: dict[str, Any], input_sha
     info = {"run_id": run_id, "round": int(round), "algorithm": algorithm,
             "accuracy": None if math.isnan(acc) else acc, "validation_samples": n,
             "deployed_accuracy": dep_acc, "forced": bool(force), "note": note, "time": time.time(),
-            "started_from": started_from}
+            "started_from": started_from, "privacy": privacy}
     files = model_files(model, spec, input_shape, class_names, val_x, onnx=onnx)
     if ok:
         version = models.install(files, info, switch=switch)

@@ -124,7 +124,8 @@ class ModelStore:
         for v in self.versions():
             m = self.manifest(v)
             entry = {k: m.get(k) for k in ("version", "run_id", "round", "algorithm", "accuracy", "sha256",
-                                           "time", "validation_samples", "forced", "note", "onnx", "started_from")}
+                                           "time", "validation_samples", "forced", "note", "onnx", "started_from",
+                                           "privacy")}
             entry["current"] = v == cur
             out["versions"].append(entry)
             if v == cur:

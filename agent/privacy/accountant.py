@@ -17,6 +17,7 @@ torch-free supervisor.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -108,7 +109,13 @@ def rdp_curve(noise_multiplier: float, sample_rate: float, steps: int) -> np.nda
         raise ValueError(f"steps must be >= 0, got {steps!r}")
     if n == 0 or q == 0.0:
         return np.zeros(len(ORDERS))
-    return np.array([_rdp_one_step(q, sigma, a) for a in ORDERS]) * n
+    return np.array(_step_curve(q, sigma)) * n
+
+
+@functools.lru_cache(maxsize=256)
+def _step_curve(q: float, sigma: float) -> tuple[float, ...]:
+    """One step's RDP at every order (cached: a device's runs repeat the same σ and q)."""
+    return tuple(_rdp_one_step(q, sigma, a) for a in ORDERS)
 
 
 def epsilon_from_rdp(rdp: np.ndarray, delta: float) -> float:

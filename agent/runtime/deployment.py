@@ -12,6 +12,7 @@ from typing import Any
 from dfl_agent.deploy.gate import announcement, deploy_model
 from dfl_agent.deploy.versions import ModelStore
 from dfl_agent.privacy.policy import dp_enabled
+from dfl_agent.runtime.privacy_budget import deployment_privacy
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,8 @@ async def deploy_after_run(agent: Any, spec: dict[str, Any], input_shape: Sequen
             round=last_round, algorithm=node.algorithm.name,
             tolerance=cfg.deploy.tolerance, min_validation=cfg.deploy.min_validation,
             onnx=None if getattr(cfg.deploy, "onnx", True) else False, switch=not supervised,
-            started_from=(getattr(agent, "start", None) or {}).get("started_from"))  # its warm start
+            started_from=(getattr(agent, "start", None) or {}).get("started_from"),  # its warm start
+            privacy=deployment_privacy(cfg, agent.state_dir, run_id))  # the model's epsilon (the privacy ledger)
     if supervised:
         return res
     doc = announcement(models, agent.node_id, cfg.federation, getattr(ctx, "security", None), private=dp_enabled(cfg))

@@ -46,6 +46,7 @@ from dfl_agent.runtime.degraded import degraded_fields
 from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier
 from dfl_agent.runtime.ledger import RunLedger, default_descriptor
 from dfl_agent.runtime.lobby import RunLobby
+from dfl_agent.runtime.privacy_budget import PrivacyBudget
 from dfl_agent.runtime.run_config import RunHooks, _CancelWatch, _relay, node_id_from_state, run_config_for
 from dfl_agent.runtime.sample_store import open_store, seed_store
 from dfl_agent.runtime.service_counters import ServiceCounters
@@ -130,9 +131,9 @@ class RunManager:
         self.waiting_for_data = False
         #: the refusal and drop counters over restarts: in every status, idle (the lobby's)
         #: and training (the run's node's), and in the Prometheus endpoint
-        self.counters = ServiceCounters(cfg.state_dir, lobby, lambda: self.agent.node if self.agent is not None
-                                        else None)
+        self.counters = ServiceCounters(cfg.state_dir, lobby, lambda: self.agent.node if self.agent is not None else None)
         lobby.counters = self.counters
+        self.privacy = PrivacyBudget(cfg, profile, store, self.counters)  # admission against the privacy budget
 
     # -- the state machine ------------------------------------------------------------
     def _to(self, state: str, run_id: str | None = None, reason: str = "", rnd: int = 0,
@@ -158,7 +159,8 @@ class RunManager:
         round, reason and time carried on); returns the status view of it."""
         before = self.ledger.entries.get(run_id) or {}
         kept = {k: v for k, v in before.items() if k not in ("state", "round", "reason", "time")}
-        self.ledger.set(run_id, state, rnd, reason, {**kept, **dict(extra or {})})
+        extra = {**dict(extra or {}), **self.privacy.on_state(run_id, state, self.ledger.run_dir(run_id))}
+        self.ledger.set(run_id, state, rnd, reason, {**kept, **extra})
         if state in ("declined", "failed"):
             log.warning("run %s %s: %s", run_id, state, reason)
         return {"id": run_id, "state": state, "round": rnd, "reason": reason}
@@ -188,8 +190,8 @@ class RunManager:
     def admit(self, d: RunDescriptor) -> bool:
         """``idle -> admitted`` when the run fits this device (:func:`~dfl_agent.runtime.admission.admit`),
         else ``idle -> declined``.  Publishes the decision."""
-        reason = admit(d, self.profile, node_id=self.node_id, input_shape=self.data_shape[0],
-                       num_classes=self.data_shape[1], node_model=dataclasses.asdict(self.cfg.model))
+        reason = admit(d, self.profile, node_id=self.node_id, input_shape=self.data_shape[0], num_classes=
+                       self.data_shape[1], node_model=dataclasses.asdict(self.cfg.model)) or self.privacy.admit(d)
         if reason:
             self.decline(d.run_id, reason)
             self.publish(force=True)

@@ -1,0 +1,365 @@
+"""The device's privacy budget: the privacy ledger, admission against ``privacy.lifetime_epsilon``,
+and what the status, the run's record and the deployment manifest say about it.  Torch-free.
+
+**The privacy ledger** (:class:`PrivacyLedger`, ``STATE_DIR/privacy/ledger.sqlite``) holds one row
+per run that trained under DP: its noise multiplier, sampling rate and DP steps (with the run id,
+the time, the δ, the clipping bound, the ε of the run alone and a state, ``reserved``, ``spent`` or
+``released``).  Each change is one SQLite transaction (``synchronous = FULL``): a crash leaves the
+row as it was before or after, never half-written, and the rows survive restarts.  The device's
+composed ε is :func:`~dfl_agent.privacy.accountant.rdp_epsilon` of every reserved and spent row.
+
+**Reserve, then settle.**  Admission (:meth:`PrivacyBudget.admit`) plans the run
+(:func:`~dfl_agent.privacy.plan.plan_run`: σ, ``q = batch_size / N``, ``rounds x steps per round``)
+and declines it when the plan would take the composed ε past ``privacy.lifetime_epsilon``;
+otherwise it RESERVES the plan's spend before the run is admitted, so a crash during the run never
+under-counts.  When the run ends (:meth:`PrivacyBudget.on_state`, called for every state the run
+ledger records) the row is settled with the DP steps the run actually took: the sum of ``dp_steps``
+over the run's round records (``RUN_DIR/metrics.jsonl``).  A run that ended early (failed,
+cancelled) also counts one more round's steps for a round that may have been sent but not
+recorded, at most the plan; a run whose records carry no ``dp_steps`` keeps the plan's steps; a run
+that never started training releases its reservation.
+
+**N**, the number of training samples: the sample store's snapshot less its validation slice
+(``data.dataset = "store"``), else the node's partition of ``data.dataset`` (loaded without torch,
+once per data section).  ``privacy.dp.delta`` must be below ``1/N``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from dfl_agent.privacy.accountant import rdp_epsilon
+from dfl_agent.privacy.config import DEFAULT_DELTA, PrivacyConfig, merge_privacy, parse_privacy
+from dfl_agent.privacy.plan import RunPlan, plan_run, steps_per_round
+
+log = logging.getLogger("dfl_agent.daemon")
+
+#: the ledger's file under the state directory
+LEDGER_FILE = Path("privacy") / "ledger.sqlite"
+#: the row states: ``reserved`` at admission, ``spent`` once settled, ``released`` (never trained)
+ROW_STATES = ("reserved", "spent", "released")
+#: run ledger states after which a run's reservation is settled
+TERMINAL = ("finished", "failed", "cancelled", "declined")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    time REAL NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('reserved', 'spent', 'released')),
+    noise_multiplier REAL NOT NULL,
+    sample_rate REAL NOT NULL,
+    steps INTEGER NOT NULL,
+    planned_steps INTEGER NOT NULL,
+    steps_per_round INTEGER NOT NULL,
+    delta REAL NOT NULL,
+    max_grad_norm REAL NOT NULL,
+    epsilon REAL NOT NULL,
+    trained INTEGER NOT NULL DEFAULT 0,
+    settled REAL
+)"""
+_COLUMNS = ("run_id", "time", "state", "noise_multiplier", "sample_rate", "steps", "planned_steps",
+            "steps_per_round", "delta", "max_grad_norm", "epsilon", "trained", "settled")
+
+
+class PrivacyLedger:
+    """The device's DP history (see the module docstring), one SQLite file; safe to open from the
+    supervisor and the run process at once (each call is its own connection and transaction)."""
+
+    def __init__(self, state_dir: str | Path):
+        self.path = Path(state_dir) / LEDGER_FILE
+
+    def _connect(self) -> sqlite3.Connection:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        con = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+        con.execute("PRAGMA journal_mode = WAL")
+        con.execute("PRAGMA synchronous = FULL")
+        con.execute(_SCHEMA)
+        return con
+
+    def _write(self, sql: str, args: tuple[Any, ...]) -> int:
+        con = self._connect()
+        try:
+            with con:  # one transaction: committed whole or not at all
+                return int(con.execute(sql, args).rowcount)
+        finally:
+            con.close()
+
+    def entries(self) -> list[dict[str, Any]]:
+        """Every row, oldest first (``[]`` when the ledger does not exist yet)."""
+        if not self.path.exists():
+            return []
+        con = self._connect()
+        try:
+            rows = con.execute(f"SELECT {', '.join(_COLUMNS)} FROM runs ORDER BY time, run_id").fetchall()
+        finally:
+            con.close()
+        return [dict(zip(_COLUMNS, r)) for r in rows]
+
+    def get(self, run_id: str) -> dict[str, Any] | None:
+        """``run_id``'s row, or None."""
+        return next((e for e in self.entries() if e["run_id"] == run_id), None)
+
+    def reserve(self, run_id: str, plan: RunPlan, rounds: int, *, replace: bool = False) -> None:
+        """Reserve ``plan``'s spend for ``run_id`` (state ``reserved``).  A run that holds a row
+        keeps it (a restart admits its run again), unless ``replace`` and the row is still
+        reserved (the run process's own plan, with the N it trains on)."""
+        per_round = plan.steps // rounds if rounds > 0 else plan.steps
+        values = (run_id, time.time(), "reserved", plan.noise_multiplier, plan.sample_rate, plan.steps, plan.steps,
+                  per_round, plan.delta, plan.max_grad_norm, plan.epsilon)
+        conflict = ("DO UPDATE SET noise_multiplier = excluded.noise_multiplier, sample_rate = excluded.sample_rate, "
+                    "steps = excluded.steps, planned_steps = excluded.planned_steps, steps_per_round = "
+                    "excluded.steps_per_round, delta = excluded.delta, max_grad_norm = excluded.max_grad_norm, "
+                    "epsilon = excluded.epsilon WHERE runs.state = 'reserved'") if replace else "DO NOTHING"
+        self._write("INSERT INTO runs (run_id, time, state, noise_multiplier, sample_rate, steps, planned_steps, "
+                    "steps_per_round, delta, max_grad_norm, epsilon) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                    f"ON CONFLICT (run_id) {conflict}", values)
+
+    def mark_trained(self, run_id: str) -> None:
+        """Note that ``run_id`` started training here (its reservation is no longer released)."""
+        self._write("UPDATE runs SET trained = 1 WHERE run_id = ? AND trained = 0", (run_id,))
+
+    def settle(self, run_id: str, steps: int) -> dict[str, Any] | None:
+        """A reserved run ended: ``spent`` with the ``steps`` it took (0: ``released``); its ε is
+        recomputed for them.  Returns the row (None without one; a settled row is left as it is)."""
+        row = self.get(run_id)
+        if row is None or row["state"] != "reserved":
+            return row
+        steps = max(0, int(steps))
+        eps = rdp_epsilon([(row["noise_multiplier"], row["sample_rate"], steps)], row["delta"])
+        self._write("UPDATE runs SET state = ?, steps = ?, epsilon = ?, settled = ? WHERE run_id = ? AND "
+                    "state = 'reserved'", ("spent" if steps else "released", steps, eps, time.time(), run_id))
+        return self.get(run_id)
+
+    def history(self, exclude: str | None = None) -> list[tuple[float, float, int]]:
+        """``(noise_multiplier, sample_rate, steps)`` of every reserved or spent row (but ``exclude``)."""
+        return [(e["noise_multiplier"], e["sample_rate"], e["steps"]) for e in self.entries()
+                if e["state"] != "released" and e["steps"] > 0 and e["run_id"] != exclude]
+
+    def epsilon(self, delta: float, exclude: str | None = None) -> float:
+        """The composed ε at ``delta`` over the device's history (:meth:`history`)."""
+        return rdp_epsilon(self.history(exclude), delta)
+
+
+def _round_dp_steps(run_dir: Path) -> list[int] | None:
+    """The ``dp_steps`` of each round record in ``run_dir/metrics.jsonl``; None when no record
+    carries one, or there is no metrics file (an empty list: an empty file, no round recorded)."""
+    steps: list[int] = []
+    seen = False
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a torn last line
+        if isinstance(rec, dict) and "round" in rec:
+            v = rec.get("dp_steps")
+            if isinstance(v, int) and not isinstance(v, bool):
+                seen = True
+                steps.append(v)
+    return steps if seen or not lines else None
+
+
+def device_privacy(cfg: Any, profile: Any) -> PrivacyConfig:
+    """The device's privacy settings: the node's ``[privacy]`` over the profile's.
+
+    Raises:
+        ValueError: one line naming the key.
+    """
+    return parse_privacy(merge_privacy(getattr(profile, "privacy", None), cfg.privacy), "privacy")
+
+
+def row_view(row: dict[str, Any]) -> dict[str, Any]:
+    """A ledger row as the run's record shows it."""
+    return {"epsilon": round(float(row["epsilon"]), 4), "state": row["state"],
+            "noise_multiplier": round(float(row["noise_multiplier"]), 4),
+            "sample_rate": round(float(row["sample_rate"]), 6), "steps": int(row["steps"]),
+            "delta": row["delta"]}
+
+
+class PrivacyBudget:
+    """The run manager's privacy side: admission, the ledger's reservations and settlements, the
+    status field (see the module docstring).
+
+    Args:
+        cfg: the node configuration.
+        profile: the device profile (its ``[privacy]``).
+        store: the sample store, or None (``data.dataset`` is another data set).
+        counters: the service counters; the status field ``privacy`` is added to them.
+
+    Raises:
+        StartupError: an invalid ``[privacy]`` (one line naming the key).
+    """
+
+    def __init__(self, cfg: Any, profile: Any, store: Any = None, counters: Any = None):
+        self.cfg, self.profile, self.store = cfg, profile, store
+        from dfl_agent.runtime.assembly import StartupError
+
+        try:
+            self.config = device_privacy(cfg, profile)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        self.ledger = PrivacyLedger(cfg.state_dir)
+        self._lock = threading.Lock()
+        self._view: tuple[Any, dict[str, Any]] | None = None
+        self._n_cache: tuple[Any, int] | None = None
+        if counters is not None:
+            counters.fields["privacy"] = self.status
+
+    @property
+    def delta(self) -> float:
+        return self.config.dp.delta if self.config.dp is not None else DEFAULT_DELTA
+
+    def n_samples(self, run_cfg: Any) -> int:
+        """N: the training samples the run would train on now (see the module docstring)."""
+        d = run_cfg.data
+        if self.store is not None:
+            from dfl_agent.store.sqlite import validation_mask
+
+            ids = self.store.snapshot()
+            return int((~validation_mask(ids, d.validation_share)).sum()) if len(ids) else 0
+        key = (d, run_cfg.seed)
+        if self._n_cache is None or self._n_cache[0] != key:
+            from dfl_agent.data.loading import node_data_for
+            from dfl_agent.runtime.preflight import load_data
+
+            data = node_data_for(load_data(run_cfg), d.num_nodes, d.node_index, d.partition, seed=run_cfg.seed,
+                                 beta=d.beta, zeta=d.zeta)
+            self._n_cache = (key, int(data.num_train))
+        return self._n_cache[1]
+
+    def plan(self, run_cfg: Any) -> RunPlan:
+        """The DP plan of a run with the effective configuration ``run_cfg`` (DP on).
+
+        Raises:
+            ValueError: one line (delta not below 1/N, no samples, an unreachable target ε).
+        """
+        assert self.config.dp is not None
+        t = run_cfg.training
+        n = self.n_samples(run_cfg)
+        batch = t.batch_size if t.batch_size is not None else self.profile.training.batch_size
+        per_round = steps_per_round(n, batch, t.epochs, t.steps)
+        return plan_run(self.config.dp, n_samples=n, batch_size=batch, steps_per_round=per_round,
+                        rounds=run_cfg.algorithm.rounds)
+
+    def admit(self, d: Any) -> str | None:
+        """None to admit run ``d`` (its plan's spend reserved in the ledger), else the decline
+        reason: the plan is impossible, or it would take the composed ε past the lifetime budget."""
+        if self.config.dp is None:
+            return None
+        from dfl_agent.runtime.assembly import StartupError
+        from dfl_agent.runtime.run_config import run_config_for
+
+        try:
+            run_cfg = run_config_for(self.cfg, d)
+        except StartupError:
+            return None  # the run's settings fail it when it starts, with their own reason
+        try:
+            plan = self.plan(run_cfg)
+        except (ValueError, OSError) as exc:
+            return f"privacy: {exc}"
+        life = self.config.lifetime_epsilon
+        before = self.ledger.epsilon(plan.delta, exclude=d.run_id)
+        after = rdp_epsilon([*self.ledger.history(exclude=d.run_id),
+                             (plan.noise_multiplier, plan.sample_rate, plan.steps)], plan.delta)
+        if after > life:
+            return (f"privacy budget: the run would spend epsilon {plan.epsilon:.3g} ({plan.steps} DP steps, noise "
+                    f"{plan.noise_multiplier:.3g}, sampling rate {plan.sample_rate:.3g}) and take this device's "
+                    f"lifetime epsilon from {before:.3g} to {after:.3g}, past privacy.lifetime_epsilon {life:g} "
+                    f"(delta {plan.delta:g})")
+        self.ledger.reserve(d.run_id, plan, run_cfg.algorithm.rounds)
+        log.info("run %s: privacy budget reserved: epsilon %.3g for %d DP steps (lifetime %.3g of %g)",
+                 d.run_id, plan.epsilon, plan.steps, after, life)
+        return None
+
+    def on_state(self, run_id: str, state: str, run_dir: Path) -> dict[str, Any]:
+        """The run ledger records ``state`` for ``run_id``: mark training, settle a run that
+        ended.  Returns the fields for the run's ledger entry (``{"privacy": {...}}``, or ``{}``
+        for a run without a reservation)."""
+        try:
+            row = self.ledger.get(run_id)
+            if row is None:
+                return {}
+            if state == "training" and not row["trained"]:
+                self.ledger.mark_trained(run_id)
+            elif state in TERMINAL and row["state"] == "reserved":
+                row = self.ledger.settle(run_id, self._steps_taken(row, state, run_dir)) or row
+                log.info("run %s: privacy ledger settled: %d DP steps, epsilon %.3g", run_id, row["steps"],
+                         row["epsilon"])
+            return {"privacy": row_view(row)}
+        except (sqlite3.Error, OSError) as exc:  # the reservation stands; the next state settles it
+            log.error("privacy ledger: %s", exc)
+            return {}
+
+    @staticmethod
+    def _steps_taken(row: dict[str, Any], state: str, run_dir: Path) -> int:
+        """The DP steps a run that ended in ``state`` took (see the module docstring)."""
+        rounds = _round_dp_steps(run_dir)
+        planned = int(row["planned_steps"])
+        if not row["trained"] and not rounds:
+            return 0  # never trained here: the reservation is released
+        if rounds is None:
+            return planned  # no round reported its steps: the plan stands
+        taken = sum(rounds)
+        if state != "finished":  # a round may have been sent and not recorded
+            taken = min(planned, taken + int(row["steps_per_round"]))
+        return taken
+
+    def status(self) -> dict[str, Any]:
+        """The status field ``privacy``: ``{"dp": false}`` without DP and without a history, else the
+        composed ε spent (reservations included), what remains of ``lifetime_epsilon``, and δ."""
+        try:
+            entries = self.ledger.entries()
+        except (sqlite3.Error, OSError) as exc:
+            return {"dp": self.config.dp is not None, "error": str(exc)}
+        key = tuple((e["run_id"], e["state"], e["steps"]) for e in entries)
+        with self._lock:
+            if self._view is not None and self._view[0] == key:
+                return self._view[1]
+        if self.config.dp is None and not entries:
+            view: dict[str, Any] = {"dp": False}
+        else:
+            spent = rdp_epsilon([(e["noise_multiplier"], e["sample_rate"], e["steps"]) for e in entries
+                                 if e["state"] != "released" and e["steps"] > 0], self.delta)
+            life = self.config.lifetime_epsilon
+            view = {"dp": self.config.dp is not None, "epsilon_spent": round(spent, 4),
+                    "epsilon_remaining": round(max(0.0, life - spent), 4) if math.isfinite(spent) else 0.0,
+                    "lifetime_epsilon": life, "delta": self.delta,
+                    "runs": sum(1 for e in entries if e["state"] != "released"),
+                    "reserved": sum(1 for e in entries if e["state"] == "reserved")}
+        with self._lock:
+            self._view = (key, view)
+        return view
+
+
+def deployment_privacy(cfg: Any, state_dir: str | Path, run_id: str) -> dict[str, Any] | None:
+    """The deployment manifest's ``privacy``: the ε of the run that trained the model (its
+    reservation) and the device's composed lifetime ε at deployment, with δ; None when the run
+    has no row in the privacy ledger (no DP)."""
+    ledger = PrivacyLedger(state_dir)
+    try:
+        row = ledger.get(run_id)
+        if row is None:
+            return None
+        try:
+            from dfl_agent.profiles import resolve_profile
+
+            life = device_privacy(cfg, resolve_profile(cfg.profile, cfg.profile_overrides)[0]).lifetime_epsilon
+        except (ValueError, LookupError, OSError):
+            life = None
+        delta = float(row["delta"])
+        return {"epsilon_run": round(float(row["epsilon"]), 4), "epsilon_lifetime": round(ledger.epsilon(delta), 4),
+                "lifetime_epsilon": life, "delta": delta, "noise_multiplier": row["noise_multiplier"],
+                "sample_rate": row["sample_rate"], "steps": int(row["steps"]), "max_grad_norm": row["max_grad_norm"]}
+    except (sqlite3.Error, OSError) as exc:
+        log.warning("privacy ledger unreadable for the manifest: %s", exc)
+        return None

@@ -1,0 +1,168 @@
+"""The privacy ledger and admission against the lifetime budget (real SQLite, a real sample store).
+
+The ledger reserves a run's planned spend at admission and settles it with the steps taken; its
+composed ε agrees with Opacus's RDPAccountant after the ledger is reopened from disk; a run that
+would go past ``privacy.lifetime_epsilon`` is declined with a one-line reason; admission loads no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dfl_agent.privacy.accountant import rdp_epsilon
+from dfl_agent.privacy.plan import RunPlan
+from dfl_agent.runtime.config import config_from_dict
+from dfl_agent.runtime.descriptor import RunDescriptor
+from dfl_agent.runtime.privacy_budget import PrivacyBudget, PrivacyLedger, deployment_privacy
+
+
+def _plan(sigma: float, q: float, steps: int) -> RunPlan:
+    return RunPlan(noise_multiplier=sigma, sample_rate=q, steps=steps, epsilon=rdp_epsilon([(sigma, q, steps)], 1e-5),
+                   delta=1e-5, max_grad_norm=1.0)
+
+
+def test_ledger_reserves_settles_and_survives_a_reopen(tmp_path: Path) -> None:
+    led = PrivacyLedger(tmp_path)
+    led.reserve("r1", _plan(1.1, 0.01, 1000), rounds=10)
+    led.reserve("r1", _plan(5.0, 0.5, 1), rounds=1)  # a restart admits it again: the reservation stands
+    led.reserve("r2", _plan(0.8, 0.05, 300), rounds=3)
+    led.reserve("r3", _plan(2.0, 0.2, 50), rounds=5)
+    assert [e["state"] for e in led.entries()] == ["reserved"] * 3
+    led.mark_trained("r1")
+    assert led.settle("r1", 1000)["state"] == "spent"
+    assert led.settle("r3", 0)["state"] == "released"  # never trained: nothing spent
+    assert led.settle("r1", 10)["steps"] == 1000  # settled once
+    again = PrivacyLedger(tmp_path)  # the agent restarted: the same history from disk
+    assert again.history() == [(1.1, 0.01, 1000), (0.8, 0.05, 300)]  # the reservation of r2 counts
+    assert again.epsilon(1e-5) == pytest.approx(rdp_epsilon([(1.1, 0.01, 1000), (0.8, 0.05, 300)], 1e-5))
+    pytest.importorskip("opacus")
+    import warnings
+
+    from opacus.accountants import RDPAccountant
+
+    acc = RDPAccountant()
+    acc.history = list(again.history())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert again.epsilon(1e-5) == pytest.approx(acc.get_epsilon(delta=1e-5), rel=0.01)
+
+
+def _store_cfg(tmp_path: Path, privacy: dict, n: int = 400, rounds: int = 5):
+    from dfl_agent.runtime.sample_store import open_store
+
+    cfg = config_from_dict({"state_dir": str(tmp_path), "algorithm": {"name": "local", "rounds": rounds},
+                            "training": {"batch_size": 20, "steps": 4},
+                            "data": {"dataset": "store", "input_shape": [3, 4], "num_classes": 2}, "privacy": privacy})
+    store = open_store(cfg)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "a.npz", x=rng.normal(size=(n, 3, 4)).astype(np.float32), y=rng.integers(0, 2, n))
+    store.ingest_file(tmp_path / "a.npz")
+    return cfg, store
+
+
+def _run(rid: str, rounds: int = 5) -> RunDescriptor:
+    return RunDescriptor(run_id=rid, federation="default", algorithm="local", rounds=rounds)
+
+
+def test_admission_reserves_then_declines_past_the_lifetime_budget(tmp_path: Path) -> None:
+    from dfl_agent.profiles import get_profile
+
+    cfg, store = _store_cfg(tmp_path, {"lifetime_epsilon": 3.0, "dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0}})
+    budget = PrivacyBudget(cfg, get_profile("generic-x86"), store)
+    from dfl_agent.store.sqlite import validation_mask
+
+    n_train = int((~validation_mask(store.snapshot(), cfg.data.validation_share)).sum())
+    assert budget.admit(_run("a")) is None
+    row = budget.ledger.get("a")
+    assert (row["state"], row["steps"], row["sample_rate"]) == ("reserved", 20, pytest.approx(20 / n_train))
+    assert budget.on_state("a", "admitted", tmp_path)["privacy"]["state"] == "reserved"
+    # the run trained 5 rounds of 4 DP steps: settled with what its round records say
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"round": t, "dp_steps": 4}) + "\n" for t in range(1, 6)))
+    budget.on_state("a", "training", run_dir)
+    view = budget.on_state("a", "finished", run_dir)["privacy"]
+    assert view["state"] == "spent" and view["steps"] == 20 and view["epsilon"] == pytest.approx(row["epsilon"], rel=1e-3)
+    spent = budget.status()["epsilon_spent"]
+    m = deployment_privacy(cfg, tmp_path, "a")  # the deployment manifest's field
+    assert m["epsilon_run"] == view["epsilon"] and m["epsilon_lifetime"] == pytest.approx(spent, abs=1e-3)
+    assert (m["lifetime_epsilon"], m["delta"], m["steps"]) == (3.0, 1e-5, 20)
+    assert 0 < spent < 3.0 and budget.status()["epsilon_remaining"] == pytest.approx(3.0 - spent, abs=1e-3)
+    # runs until the next one would go past 3.0: then a one-line reason, and nothing reserved
+    reasons = [budget.admit(_run(f"r{i}")) for i in range(12)]
+    declined = [r for r in reasons if r]
+    assert declined and declined[0].startswith("privacy budget: the run would spend epsilon ") and "\n" not in declined[0]
+    assert "past privacy.lifetime_epsilon 3" in declined[0]
+    assert budget.ledger.get(f"r{reasons.index(declined[0])}") is None
+    assert budget.ledger.epsilon(1e-5) <= 3.0
+
+
+def test_a_run_that_ended_early_or_never_trained(tmp_path: Path) -> None:
+    from dfl_agent.profiles import get_profile
+
+    cfg, store = _store_cfg(tmp_path, {"dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0}})
+    budget = PrivacyBudget(cfg, get_profile("generic-x86"), store)
+    for rid in ("never", "cancel", "silent"):
+        assert budget.admit(_run(rid)) is None
+    budget.on_state("never", "failed", tmp_path / "runs" / "never")  # start_timeout: never trained
+    assert budget.ledger.get("never")["state"] == "released"
+    d = tmp_path / "runs" / "cancel"
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text(json.dumps({"round": 1, "dp_steps": 4}) + "\n")
+    budget.on_state("cancel", "training", d)
+    assert budget.on_state("cancel", "cancelled", d)["privacy"]["steps"] == 8  # + one round maybe sent
+    budget.on_state("silent", "training", tmp_path)
+    assert budget.on_state("silent", "failed", tmp_path / "runs" / "silent")["privacy"]["steps"] == 20  # the plan
+
+
+def test_delta_not_below_one_over_n_is_declined(tmp_path: Path) -> None:
+    from dfl_agent.profiles import get_profile
+
+    cfg, store = _store_cfg(tmp_path, {"dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0, "delta": 0.05}}, n=60)
+    reason = PrivacyBudget(cfg, get_profile("generic-x86"), store).admit(_run("a"))
+    assert reason is not None and reason.startswith("privacy: privacy.dp.delta: 0.05 is not below 1/N")
+
+
+def test_no_dp_admits_and_shows_off(tmp_path: Path) -> None:
+    from dfl_agent.cli.tables import privacy_text
+    from dfl_agent.profiles import get_profile
+
+    cfg, store = _store_cfg(tmp_path, {})
+    budget = PrivacyBudget(cfg, get_profile("generic-x86"), store)
+    assert budget.admit(_run("a")) is None and budget.ledger.entries() == []
+    assert budget.status() == {"dp": False} and privacy_text(budget.status()) == "off"
+    assert privacy_text({"dp": True, "epsilon_spent": 9.5, "epsilon_remaining": 0.5, "lifetime_epsilon": 10.0}) \
+        == "eps 9.5/10 (0.5 left)"
+    assert privacy_text(None) == ""
+    assert deployment_privacy(cfg, tmp_path, "a") is None
+
+
+def test_admission_loads_no_torch(tmp_path: Path) -> None:
+    """The supervisor is torch-free: the whole admission (profile and memory check, then the
+    privacy plan and the reservation) runs without importing torch."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from pathlib import Path
+        from test_privacy_budget import _run, _store_cfg
+        from dfl_agent.profiles import get_profile
+        from dfl_agent.runtime.admission import admit
+        from dfl_agent.runtime.privacy_budget import PrivacyBudget
+        cfg, store = _store_cfg(Path({str(tmp_path)!r}), {{"dp": {{"max_grad_norm": 1.0, "target_epsilon": 2.0}}}})
+        profile = get_profile("generic-x86")
+        d = _run("a")
+        assert admit(d, profile, node_id="n", input_shape=[3, 128], num_classes=2) is None
+        assert PrivacyBudget(cfg, profile, store).admit(d) is None
+        print(sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "opacus"))))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]"
+    assert PrivacyLedger(tmp_path).get("a")["state"] == "reserved"
