@@ -16,6 +16,7 @@ standard library is imported here.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -195,5 +196,9 @@ def parse_privacy(table: Mapping[str, Any] | PrivacySection | None, where: str =
     if (target is None) == (sigma is None):
         raise ValueError(f"{w}: set exactly one of target_epsilon and noise_multiplier"
                          + (" (both are set)" if target is not None else ""))
+    if importlib.util.find_spec("opacus") is None:  # found, not imported: the supervisor stays torch-free
+        from dfl_agent.extras import extra_hint
+
+        raise ValueError(f"{w}: DP training needs Opacus, which is not installed: {extra_hint('privacy')}")
     return PrivacyConfig(DPConfig(max_grad_norm=clip, delta=DEFAULT_DELTA if delta is None else delta,
                                   target_epsilon=target, noise_multiplier=sigma), lifetime)

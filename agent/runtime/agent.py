@@ -52,6 +52,7 @@ from dfl_agent.runtime.checkpoint import CheckpointStore, NodeCheckpointer
 from dfl_agent.runtime.config import NodeConfig
 from dfl_agent.runtime.degraded import recount
 from dfl_agent.runtime.deployment import deploy_after_run
+from dfl_agent.runtime.dp_run import dp_sink, with_privacy
 from dfl_agent.runtime.metrics import end_torn_line, written_rounds
 from dfl_agent.runtime.node import RunStopped, init_seed_for
 from dfl_agent.runtime.onnx_publisher import OnnxPublisher
@@ -153,7 +154,7 @@ class Agent(RunMembers):
         s = self._prepare()
         transport, mdns_descriptor = self._transport(s)
         metrics_file, sink = self._open_metrics()
-        self._build(s, transport, sink)
+        self._build(s, transport, dp_sink(sink, s.train))  # round records count their DP steps
         self._attach_publisher(s)
         return await self._lifecycle(stop, s.spec, s.bundle.pool.input_shape, mdns_descriptor, metrics_file)
 
@@ -199,8 +200,8 @@ class Agent(RunMembers):
         t = cfg.training
         train = TrainConfig(epochs=t.epochs, steps=t.steps, batch_size=behaviour.batch_size,
                             lr=DEFAULT_LR if t.lr is None else t.lr, lr_is_set=t.lr is not None,
-                            momentum=t.momentum,
-                            weight_decay=t.weight_decay, mixed_precision=behaviour.mixed_precision)
+                            momentum=t.momentum, weight_decay=t.weight_decay, mixed_precision=behaviour.mixed_precision)
+        train = with_privacy(cfg, profile, algo_cls.name, options, data.num_train, train, self.run_dir)  # privacy.dp
         log.info("node %s of federation %s: %s, %d train / %d val samples (users %s), model %s",
                  nid, cfg.federation, algo_cls.name, data.num_train, len(data.val_y), data.groups, spec["type"])
         return _Setup(algo_cls, options, profile, behaviour, bundle, data, spec, guard, train, link, heartbeat_timeout)

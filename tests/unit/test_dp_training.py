@@ -206,3 +206,50 @@ def test_simulate_refuses_what_cannot_train_under_dp() -> None:
         SimConfig(algorithm="fedavg", dataset="digits", dp_epsilon=8.0, dp_max_grad_norm=-1.0)
     with pytest.raises(ValueError, match="baseline_local"):
         SimConfig(algorithm="fedavg", dataset="digits", dp_epsilon=8.0, baseline_local=True)
+
+
+def test_dp_without_opacus_is_a_one_line_config_error(monkeypatch) -> None:
+    """The configuration check finds Opacus without importing it (the supervisor is torch-free)."""
+    import importlib.util
+
+    from dfl_agent.privacy.config import parse_privacy
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "opacus" else real(name, *a))
+    with pytest.raises(ValueError, match=r"^privacy\.dp: DP training needs Opacus, .*\[privacy\]") as e:
+        parse_privacy({"dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0}})
+    assert "\n" not in str(e.value)
+    assert parse_privacy({"lifetime_epsilon": 5.0}).dp is None  # no DP asked: no Opacus needed
+
+
+def test_the_run_trains_under_its_plan_and_records_its_steps(tmp_path) -> None:
+    """The training process's side (runtime/dp_run.py): privacy.dp -> the plan -> TrainConfig.dp
+    (σ, q; steps capped at the plan's less those a resumed run's records count); every round
+    record carries the DP steps taken since the record before."""
+    from types import SimpleNamespace
+
+    from dfl_agent.runtime.assembly import StartupError
+    from dfl_agent.runtime.dp_run import dp_sink, recorded_dp_steps, with_privacy
+
+    cfg = SimpleNamespace(privacy={"dp": {"max_grad_norm": 0.5, "noise_multiplier": 1.1}},
+                          runtime=SimpleNamespace(baseline_local=False), algorithm=SimpleNamespace(rounds=4))
+    train = TrainConfig(epochs=2, batch_size=10)
+    got = with_privacy(cfg, None, "fedavg", None, 95, train)
+    dp = got.dp
+    assert (dp.noise_multiplier, dp.max_grad_norm, dp.sample_rate, dp.counter.limit) == (1.1, 0.5, 10 / 95, 80)
+    (tmp_path / "metrics.jsonl").write_text('{"round": 1, "dp_steps": 20}\n{"round": 2, "dp_steps": 20}\n{"rou')
+    assert recorded_dp_steps(tmp_path) == 40
+    assert with_privacy(cfg, None, "fedavg", None, 95, train, tmp_path).dp.counter.limit == 40  # resumed
+    assert with_privacy(SimpleNamespace(**{**vars(cfg), "privacy": None}), None, "fedavg", None, 95, train) is train
+    with pytest.raises(StartupError, match="fedd2s"):
+        with_privacy(cfg, None, "fedd2s", None, 95, train)
+    with pytest.raises(StartupError, match=r"delta: .* not below 1/N"):
+        with_privacy(cfg, None, "fedavg", None, 50_000_000, train)
+    records: list[dict] = []
+    sink = dp_sink(records.append, got)
+    dp.counter.take(), dp.counter.take()
+    sink({"round": 1}), sink({"event": "x"})
+    dp.counter.take()
+    sink({"round": 2})
+    assert records == [{"round": 1, "dp_steps": 2}, {"event": "x"}, {"round": 2, "dp_steps": 1}]
+    assert dp_sink(records.append, train) == records.append
