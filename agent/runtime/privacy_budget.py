@@ -9,7 +9,8 @@ row as it was before or after, never half-written, and the rows survive restarts
 composed ε is :func:`~dfl_agent.privacy.accountant.rdp_epsilon` of every reserved and spent row.
 
 **Reserve, then settle.**  Admission (:meth:`PrivacyBudget.admit`) plans the run
-(:func:`~dfl_agent.privacy.plan.plan_run`: σ, ``q = batch_size / N``, ``rounds x steps per round``)
+(:func:`~dfl_agent.privacy.plan.plan_run`: σ, ``q = batch_size / N``, ``rounds`` times the most DP steps
+a round of the algorithm takes, :func:`~dfl_agent.learning.dp.dp_steps_per_round`, as the run process plans it)
 and declines it when the plan would take the composed ε past ``privacy.lifetime_epsilon``;
 otherwise it RESERVES the plan's spend before the run is admitted, so a crash during the run never
 under-counts.  When the run ends (:meth:`PrivacyBudget.on_state`, called for every state the run
@@ -33,11 +34,12 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from dfl_agent.privacy.accountant import rdp_epsilon
 from dfl_agent.privacy.config import DEFAULT_DELTA, PrivacyConfig, merge_privacy, parse_privacy
-from dfl_agent.privacy.plan import RunPlan, plan_run, steps_per_round
+from dfl_agent.privacy.plan import RunPlan, plan_run
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -243,11 +245,14 @@ class PrivacyBudget:
         Raises:
             ValueError: one line (delta not below 1/N, no samples, an unreachable target ε).
         """
+        from dfl_agent.learning.dp import dp_steps_per_round  # torch-free: the run process's own count
+
         assert self.config.dp is not None
-        t = run_cfg.training
+        t, a = run_cfg.training, run_cfg.algorithm
         n = self.n_samples(run_cfg)
         batch = t.batch_size if t.batch_size is not None else self.profile.training.batch_size
-        per_round = steps_per_round(n, batch, t.epochs, t.steps)
+        per_round = dp_steps_per_round(a.name, SimpleNamespace(**a.options), n_samples=n, batch_size=batch,
+                                       epochs=t.epochs, steps=t.steps)
         return plan_run(self.config.dp, n_samples=n, batch_size=batch, steps_per_round=per_round,
                         rounds=run_cfg.algorithm.rounds)
 
