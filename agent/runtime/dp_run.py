@@ -1,11 +1,13 @@
 """A run's differential privacy in the training process (``privacy.dp``).
 
-The run process plans the run (:func:`dfl_agent.privacy.plan.plan_run`) on the data it trains
-on: the noise multiplier σ (given, or the smallest that keeps the whole run's spend within
-``target_epsilon``), the Poisson sampling rate ``q = batch_size / N`` and the run's DP steps,
-``rounds`` times the most one round of the algorithm takes
-(:func:`dfl_agent.learning.dp.dp_steps_per_round`).  The training configuration then carries the
-plan (``TrainConfig.dp``): every training step of the run is a DP-SGD step with that σ, C and
+A run the service admitted trains under the plan admission reserved in the privacy ledger
+(:mod:`dfl_agent.runtime.privacy_budget`): its noise multiplier σ, sampling rate q, clipping
+bound C and DP steps.  A run without a reservation (``dfl-agent run --once``) plans itself
+(:func:`dfl_agent.privacy.plan.plan_run`) on the data it trains on: σ (given, or the smallest
+that keeps the whole run's spend within ``target_epsilon``), ``q = batch_size / N`` and
+``rounds`` times the most DP steps one round of the algorithm takes
+(:func:`dfl_agent.learning.dp.dp_steps_per_round`), and reserves it when it is a run of the
+service.  The training configuration then carries the plan (``TrainConfig.dp``): every training step of the run is a DP-SGD step with that σ, C and
 q, and the run never takes more steps than the plan (a resumed run: less those its round
 records already count).  Each round record carries ``dp_steps``, the steps taken since the
 record before: the privacy ledger settles the run with their sum.
@@ -23,7 +25,7 @@ from typing import Any
 from dfl_agent.learning.dp import DPSteps, dp_steps_per_round, require_opacus, training_for
 from dfl_agent.learning.training import TrainConfig
 from dfl_agent.privacy.config import merge_privacy, parse_privacy
-from dfl_agent.privacy.plan import plan_run
+from dfl_agent.privacy.plan import RunPlan, plan_run
 from dfl_agent.privacy.policy import check_dp_combination
 
 log = logging.getLogger("dfl_agent.daemon")
@@ -82,16 +84,29 @@ def _with_privacy(cfg: Any, profile: Any, algorithm: str, options: Any, n_sample
         raise ValueError("privacy.dp: runtime.baseline_local cannot run under DP (its local-only copy would "
                          "train on the same data outside the run's privacy plan)")
     require_opacus()
+    from dfl_agent.runtime.privacy_budget import PrivacyLedger
+
     rounds = int(cfg.algorithm.rounds)
-    per_round = dp_steps_per_round(algorithm, options, n_samples=n_samples, batch_size=train.batch_size,
-                                   epochs=train.epochs, steps=train.steps)
-    plan = plan_run(privacy.dp, n_samples=n_samples, batch_size=train.batch_size, steps_per_round=per_round,
-                    rounds=rounds)
+    ledger = PrivacyLedger(cfg.state_dir) if run_dir is not None else None
+    row = ledger.get(Path(run_dir).name) if ledger is not None and run_dir is not None else None
+    if row is not None:  # admitted: the plan reserved in the privacy ledger
+        plan = RunPlan(noise_multiplier=float(row["noise_multiplier"]), sample_rate=float(row["sample_rate"]),
+                       steps=int(row["planned_steps"]), epsilon=float(row["epsilon"]), delta=float(row["delta"]),
+                       max_grad_norm=float(row["max_grad_norm"]))
+        per_round = int(row["steps_per_round"])
+    else:
+        per_round = dp_steps_per_round(algorithm, options, n_samples=n_samples, batch_size=train.batch_size,
+                                       epochs=train.epochs, steps=train.steps)
+        plan = plan_run(privacy.dp, n_samples=n_samples, batch_size=train.batch_size, steps_per_round=per_round,
+                        rounds=rounds)
+        if ledger is not None and run_dir is not None:  # a run of the service: counted from now on
+            ledger.reserve(Path(run_dir).name, plan, rounds)
     taken = recorded_dp_steps(run_dir)
     dp = dataclasses.replace(training_for(plan), counter=DPSteps(limit=max(0, plan.steps - taken)))
     log.info("differential privacy: noise multiplier %.4g, max_grad_norm %g, sampling rate %.4g, %d DP steps "
-             "(%d a round, %d taken before), epsilon %.4g at delta %g for the run", plan.noise_multiplier,
-             plan.max_grad_norm, plan.sample_rate, plan.steps, per_round, taken, plan.epsilon, plan.delta)
+             "(%d a round, %d taken before), epsilon %.4g at delta %g for the run%s", plan.noise_multiplier,
+             plan.max_grad_norm, plan.sample_rate, plan.steps, per_round, taken, plan.epsilon, plan.delta,
+             " (reserved at admission)" if row is not None else "")
     return dataclasses.replace(train, dp=dp)
 
 

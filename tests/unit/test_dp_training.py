@@ -231,15 +231,26 @@ def test_the_run_trains_under_its_plan_and_records_its_steps(tmp_path) -> None:
     from dfl_agent.runtime.assembly import StartupError
     from dfl_agent.runtime.dp_run import dp_sink, recorded_dp_steps, with_privacy
 
-    cfg = SimpleNamespace(privacy={"dp": {"max_grad_norm": 0.5, "noise_multiplier": 1.1}},
+    cfg = SimpleNamespace(privacy={"dp": {"max_grad_norm": 0.5, "noise_multiplier": 1.1}}, state_dir=tmp_path,
                           runtime=SimpleNamespace(baseline_local=False), algorithm=SimpleNamespace(rounds=4))
     train = TrainConfig(epochs=2, batch_size=10)
     got = with_privacy(cfg, None, "fedavg", None, 95, train)
     dp = got.dp
     assert (dp.noise_multiplier, dp.max_grad_norm, dp.sample_rate, dp.counter.limit) == (1.1, 0.5, 10 / 95, 80)
-    (tmp_path / "metrics.jsonl").write_text('{"round": 1, "dp_steps": 20}\n{"round": 2, "dp_steps": 20}\n{"rou')
-    assert recorded_dp_steps(tmp_path) == 40
-    assert with_privacy(cfg, None, "fedavg", None, 95, train, tmp_path).dp.counter.limit == 40  # resumed
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"round": 1, "dp_steps": 20}\n{"round": 2, "dp_steps": 20}\n{"rou')
+    assert recorded_dp_steps(run_dir) == 40
+    assert with_privacy(cfg, None, "fedavg", None, 95, train, run_dir).dp.counter.limit == 40  # resumed
+    from dfl_agent.privacy.plan import RunPlan
+    from dfl_agent.runtime.privacy_budget import PrivacyLedger
+
+    ledger = PrivacyLedger(tmp_path)
+    assert ledger.get("r1")["planned_steps"] == 80  # a run of the service without reservation reserves its plan
+    ledger.reserve("r2", RunPlan(noise_multiplier=2.5, sample_rate=0.2, steps=12, epsilon=1.0, delta=1e-5,
+                                 max_grad_norm=0.7), 4)  # what admission reserved
+    dp2 = with_privacy(cfg, None, "fedavg", None, 95, train, tmp_path / "runs" / "r2").dp
+    assert (dp2.noise_multiplier, dp2.sample_rate, dp2.max_grad_norm, dp2.counter.limit) == (2.5, 0.2, 0.7, 12)
     assert with_privacy(SimpleNamespace(**{**vars(cfg), "privacy": None}), None, "fedavg", None, 95, train) is train
     with pytest.raises(StartupError, match="fedd2s"):
         with_privacy(cfg, None, "fedd2s", None, 95, train)
