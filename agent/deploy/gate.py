@@ -139,14 +139,16 @@ def announcement(models: ModelStore, node_id: str, federation: str, guard: Any =
                  private: bool = False) -> dict[str, Any] | None:
     """The retained ``dfl/{fed}/node/{id}/model`` document of the current version, signed
     (``sig`` over the canonical JSON of the other fields) when ``guard`` holds a key.
-    ``private`` (the node trains under differential privacy): ``accuracy`` is None, the
-    validation accuracy stays on the device (:mod:`dfl_agent.privacy.policy`)."""
+    ``private`` (the node trains under differential privacy), or a version trained under DP (its
+    manifest's ``privacy``): ``accuracy`` is None, the validation accuracy stays on the device
+    (:mod:`dfl_agent.privacy.policy`)."""
     v = models.current_version()
     if v is None:
         return None
     m = models.manifest(v)
     doc = {"node_id": node_id, "federation": federation, "version": v, "run_id": m.get("run_id"),
-           "round": m.get("round"), "accuracy": None if private else m.get("accuracy"), "sha256": m.get("sha256"),
+           "round": m.get("round"), "accuracy": None if private or m.get("privacy") else m.get("accuracy"),
+           "sha256": m.get("sha256"),
            "onnx": m.get("onnx"), "time": m.get("time")}
     if guard is not None and getattr(guard, "key", None) is not None:
         from dfl_agent.security.keys import canonical

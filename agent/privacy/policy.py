@@ -193,15 +193,19 @@ def check_dp_combination(algorithm: str, options: Any = None) -> None:
 
 
 #: Status keys that carry a value computed on the device's data (exact names; and every key
-#: ending in ``_accuracy``).
-REDACTED_STATUS_KEYS = frozenset({"accuracy", "train_samples", "validation_samples", "samples"})
+#: ending in ``_accuracy``): accuracies, sample counts, and a run's DP plan, whose sampling rate
+#: ``batch_size / N``, step count ``rounds · ⌈N / batch_size⌉`` and noise multiplier (chosen for
+#: a target ε from both) reveal the size N of the training split.  The ε and δ stay.
+REDACTED_STATUS_KEYS = frozenset({"accuracy", "train_samples", "validation_samples", "samples", "sample_rate",
+                                  "steps", "noise_multiplier"})
 
 
 def redact_status(doc: Mapping[str, Any]) -> dict[str, Any]:
     """``doc`` (a status or announcement document) without the values derived from the
-    device's data that DP does not protect: every ``*_accuracy`` and ``accuracy`` key and
-    the sample counts (:data:`REDACTED_STATUS_KEYS`), at the top level and in nested
-    documents (the ``run`` entry, ``run_history``).  A new dict; ``doc`` is unchanged."""
+    device's data that DP does not protect: every ``*_accuracy`` and ``accuracy`` key, the
+    sample counts and the DP plan's figures (:data:`REDACTED_STATUS_KEYS`), at the top level
+    and in nested documents (the ``run`` entry, ``run_history``, ``privacy``).  A new dict;
+    ``doc`` is unchanged."""
     out: dict[str, Any] = {}
     for k, v in doc.items():
         if k in REDACTED_STATUS_KEYS or k.endswith("_accuracy"):

@@ -52,11 +52,16 @@ def test_redact_status_drops_accuracies_and_sample_counts_at_every_level():
     st = {"node_id": "a", "round": 3, "global_accuracy": 0.8, "local_accuracy": 0.9, "regular_global_accuracy": 0.7,
           "local_only_global_accuracy": 0.5, "global_accuracy_source": "local validation",
           "run": {"id": "r1", "state": "training", "accuracy": 0.9, "train_samples": 300},
-          "run_history": {"r0": {"state": "recorded", "validation_samples": 66}}, "bytes_sent": 10}
-    out = redact_status(st)
+          "run_history": {"r0": {"state": "recorded", "validation_samples": 66,
+                                 "privacy": {"epsilon": 2.0, "state": "spent", "noise_multiplier": 1.1,
+                                             "sample_rate": 0.1, "steps": 200, "delta": 1e-5}}},
+          "privacy": {"dp": True, "epsilon_spent": 2.0, "epsilon_remaining": 8.0}, "bytes_sent": 10}
+    out = redact_status(st)  # N (the training split's size) shows through the plan's q = batch/N, steps, sigma
     assert out == {"node_id": "a", "round": 3, "global_accuracy_source": "local validation",
-                   "run": {"id": "r1", "state": "training"}, "run_history": {"r0": {"state": "recorded"}},
-                   "bytes_sent": 10}
+                   "run": {"id": "r1", "state": "training"},
+                   "run_history": {"r0": {"state": "recorded",
+                                          "privacy": {"epsilon": 2.0, "state": "spent", "delta": 1e-5}}},
+                   "privacy": {"dp": True, "epsilon_spent": 2.0, "epsilon_remaining": 8.0}, "bytes_sent": 10}
     assert st["global_accuracy"] == 0.8  # unchanged
 
 
@@ -172,3 +177,27 @@ def test_node_config_refuses_an_uncovered_algorithm_under_dp_in_one_line():
         config_from_dict({"algorithm": {"name": "fedd2s"}, "profile_overrides": {"privacy": dp}})
     config_from_dict({"algorithm": {"name": "dechw", "options": {"theta": 0}}, "privacy": dp})
     config_from_dict({"algorithm": {"name": "dechw"}})  # without DP: every algorithm
+
+
+def test_announcement_of_a_dp_model_carries_no_accuracy(tmp_path):
+    import numpy as np
+    import torch
+
+    from dfl_agent.deploy import ModelStore
+    from dfl_agent.deploy.gate import announcement, deploy_model
+    from dfl_agent.models import build_model, default_spec
+
+    spec = default_spec((3, 16), 4, "small")
+    torch.manual_seed(0)
+    model = build_model(spec).eval()
+    x = np.random.default_rng(0).normal(size=(30, 3, 16)).astype(np.float32)
+    with torch.no_grad():
+        y = model(torch.from_numpy(x)).argmax(1).numpy().astype(np.int64)
+    plain, private = ModelStore(tmp_path / "plain"), ModelStore(tmp_path / "dp")
+    deploy_model(plain, model, spec, (3, 16), list("abcd"), x, y, run_id="r", round=1, algorithm="fedavg", onnx=False)
+    deploy_model(private, model, spec, (3, 16), list("abcd"), x, y, run_id="r", round=1, algorithm="fedavg",
+                 onnx=False, privacy={"epsilon_run": 1.0, "epsilon_lifetime": 1.0, "delta": 1e-5})
+    assert announcement(plain, "n1", "fed")["accuracy"] == 1.0  # the validation accuracy, without DP
+    assert announcement(plain, "n1", "fed", private=True)["accuracy"] is None  # the node trains under DP now
+    assert announcement(private, "n1", "fed")["accuracy"] is None  # a model trained under DP
+    assert private.manifest(1)["accuracy"] == 1.0  # kept on the device
