@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -264,3 +265,24 @@ def test_the_run_trains_under_its_plan_and_records_its_steps(tmp_path) -> None:
     sink({"round": 2})
     assert records == [{"round": 1, "dp_steps": 2}, {"event": "x"}, {"round": 2, "dp_steps": 1}]
     assert dp_sink(records.append, train) == records.append
+
+
+def test_dfml_aggregator_runs_its_mutual_learning_under_dp() -> None:
+    """In a DFML federation under DP the aggregator's mutual learning takes DP steps too: the
+    nodes take more than their local steps, and no more than planned."""
+    from dfl_agent.runtime.simulator import SimConfig, simulate
+
+    s = simulate(SimConfig(algorithm="dfml", nodes=2, rounds=2, dataset="digits", partition="iid",
+                           options={"mutual_epochs": 1}, train=TrainConfig(batch_size=64), dp_epsilon=8.0))
+    per = s["dp"]["per_node"].values()
+    local = sum(2 * math.ceil(1 / v["sample_rate"] - 1e-9) for v in per)  # one epoch a round each
+    assert sum(v["steps"] for v in per) > local
+    assert all(v["steps"] <= v["steps_planned"] == 2 * 2 * math.ceil(1 / v["sample_rate"] - 1e-9) for v in per)
+
+
+def test_dp_steps_per_round_is_the_plans_for_a_local_step() -> None:
+    from dfl_agent.privacy.plan import steps_per_round
+
+    for n, b, e, k in [(100, 32, 1, 0), (100, 32, 3, 0), (64, 64, 2, 0), (10, 32, 1, 0), (500, 16, 1, 7)]:
+        assert dp_steps_per_round("fedavg", None, n_samples=n, batch_size=b, epochs=e, steps=k) == \
+            steps_per_round(n, b, e, k)
