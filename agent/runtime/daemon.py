@@ -164,10 +164,17 @@ def run_agent(cfg: NodeConfig, config_path: str | None = None, once: bool = True
             return await serve(cfg, config_path, stop)
         from dfl_agent.runtime.agent import Agent
         from dfl_agent.runtime.degraded import once_exit_code
+        from dfl_agent.runtime.privacy_budget import OnceBudget
 
         agent = Agent(cfg, config_path)
+        budget = OnceBudget(cfg, agent.run_id)  # privacy.dp: the run against the lifetime budget
+        budget.admit()  # declined: StartupError (exit code 2), else its plan is reserved in the privacy ledger
         loop.add_signal_handler(signal.SIGHUP, agent.reload)
-        return once_exit_code(await agent.run(stop), agent, cfg.runtime.allow_alone)  # 4: trained mostly alone
+        try:
+            rc = await agent.run(stop)
+        finally:
+            budget.end(agent.outcome)  # settled with the DP steps its round records count
+        return once_exit_code(rc, agent, cfg.runtime.allow_alone)  # 4: trained mostly alone
 
     rc = asyncio.run(main())
     if got:

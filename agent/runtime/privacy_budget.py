@@ -149,13 +149,16 @@ class PrivacyLedger:
         return rdp_epsilon(self.history(exclude), delta)
 
 
-def _round_dp_steps(run_dir: Path) -> list[int] | None:
-    """The ``dp_steps`` of each round record in ``run_dir/metrics.jsonl``; None when no record
-    carries one, or there is no metrics file (an empty list: an empty file, no round recorded)."""
+def _round_dp_steps(metrics: Path, offset: int = 0) -> list[int] | None:
+    """The ``dp_steps`` of each round record in the metrics file ``metrics`` (from byte ``offset``:
+    the records a ``--once`` run appended); None when no record carries one, or there is no
+    metrics file (an empty list: no round recorded)."""
     steps: list[int] = []
     seen = False
     try:
-        lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+        with open(metrics, "rb") as f:
+            f.seek(offset)
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
     except OSError:
         return None
     for line in lines:
@@ -268,28 +271,36 @@ class PrivacyBudget:
             run_cfg = run_config_for(self.cfg, d)
         except StartupError:
             return None  # the run's settings fail it when it starts, with their own reason
+        return self.admit_config(d.run_id, run_cfg)
+
+    def admit_config(self, run_id: str, run_cfg: Any) -> str | None:
+        """:meth:`admit` of run ``run_id`` with the effective configuration ``run_cfg``."""
+        if self.config.dp is None:
+            return None
         try:
             plan = self.plan(run_cfg)
         except (ValueError, OSError) as exc:
             return f"privacy: {exc}"
         life = self.config.lifetime_epsilon
-        before = self.ledger.epsilon(plan.delta, exclude=d.run_id)
-        after = rdp_epsilon([*self.ledger.history(exclude=d.run_id),
+        before = self.ledger.epsilon(plan.delta, exclude=run_id)
+        after = rdp_epsilon([*self.ledger.history(exclude=run_id),
                              (plan.noise_multiplier, plan.sample_rate, plan.steps)], plan.delta)
         if after > life:
             return (f"privacy budget: the run would spend epsilon {plan.epsilon:.3g} ({plan.steps} DP steps, noise "
                     f"{plan.noise_multiplier:.3g}, sampling rate {plan.sample_rate:.3g}) and take this device's "
                     f"lifetime epsilon from {before:.3g} to {after:.3g}, past privacy.lifetime_epsilon {life:g} "
                     f"(delta {plan.delta:g})")
-        self.ledger.reserve(d.run_id, plan, run_cfg.algorithm.rounds)
+        self.ledger.reserve(run_id, plan, run_cfg.algorithm.rounds)
         log.info("run %s: privacy budget reserved: epsilon %.3g for %d DP steps (lifetime %.3g of %g)",
-                 d.run_id, plan.epsilon, plan.steps, after, life)
+                 run_id, plan.epsilon, plan.steps, after, life)
         return None
 
-    def on_state(self, run_id: str, state: str, run_dir: Path) -> dict[str, Any]:
+    def on_state(self, run_id: str, state: str, run_dir: Path, *, metrics: Path | None = None,
+                 offset: int = 0) -> dict[str, Any]:
         """The run ledger records ``state`` for ``run_id``: mark training, settle a run that
-        ended.  Returns the fields for the run's ledger entry (``{"privacy": {...}}``, or ``{}``
-        for a run without a reservation)."""
+        ended (from its round records: ``run_dir/metrics.jsonl``, else ``metrics`` from byte
+        ``offset``).  Returns the fields for the run's ledger entry (``{"privacy": {...}}``, or
+        ``{}`` for a run without a reservation)."""
         try:
             row = self.ledger.get(run_id)
             if row is None:
@@ -297,7 +308,8 @@ class PrivacyBudget:
             if state == "training" and not row["trained"]:
                 self.ledger.mark_trained(run_id)
             elif state in TERMINAL and row["state"] == "reserved":
-                row = self.ledger.settle(run_id, self._steps_taken(row, state, run_dir)) or row
+                rounds = _round_dp_steps(metrics or run_dir / "metrics.jsonl", offset)
+                row = self.ledger.settle(run_id, self._steps_taken(row, state, rounds)) or row
                 log.info("run %s: privacy ledger settled: %d DP steps, epsilon %.3g", run_id, row["steps"],
                          row["epsilon"])
             return {"privacy": row_view(row)}
@@ -306,9 +318,9 @@ class PrivacyBudget:
             return {}
 
     @staticmethod
-    def _steps_taken(row: dict[str, Any], state: str, run_dir: Path) -> int:
-        """The DP steps a run that ended in ``state`` took (see the module docstring)."""
-        rounds = _round_dp_steps(run_dir)
+    def _steps_taken(row: dict[str, Any], state: str, rounds: list[int] | None) -> int:
+        """The DP steps a run that ended in ``state`` took, by the ``dp_steps`` of its round records
+        (see the module docstring)."""
         planned = int(row["planned_steps"])
         if not row["trained"] and not rounds:
             return 0  # never trained here: the reservation is released
@@ -368,3 +380,66 @@ def deployment_privacy(cfg: Any, state_dir: str | Path, run_id: str) -> dict[str
     except (sqlite3.Error, OSError) as exc:
         log.warning("privacy ledger unreadable for the manifest: %s", exc)
         return None
+
+
+class OnceBudget:
+    """``dfl-agent run --once``: the privacy budget of its one run, without a run manager.
+
+    :meth:`admit` declines the run (a :class:`~dfl_agent.runtime.assembly.StartupError`, exit
+    code 2) or reserves its plan; :meth:`end` settles it from the round records the run appended
+    to the node's metrics file.  Nothing happens without ``privacy.dp``.
+
+    Raises:
+        StartupError: an invalid ``[privacy]``, an unusable profile or sample store.
+    """
+
+    def __init__(self, cfg: Any, run_id: str):
+        from dfl_agent.profiles import resolve_profile
+        from dfl_agent.runtime.assembly import StartupError
+
+        self.cfg, self.run_id, self.budget = cfg, run_id, None
+        try:
+            profile = resolve_profile(cfg.profile, cfg.profile_overrides)[0]
+            if device_privacy(cfg, profile).dp is None:
+                return
+        except (ValueError, LookupError) as exc:
+            raise StartupError(str(exc)) from None
+        self.metrics = Path(cfg.runtime.metrics_file or Path(cfg.state_dir) / "metrics.jsonl")
+        self.offset = self.metrics.stat().st_size if self.metrics.exists() else 0
+        store = None
+        if cfg.data.dataset == "store":  # N: the store as the run will find it (seeded, spool ingested)
+            from dfl_agent.runtime.sample_store import open_store, seed_store
+
+            try:
+                store = open_store(cfg)
+                seed_store(store, cfg.data.path)
+                store.ingest_spool()
+            except (OSError, ValueError) as exc:
+                raise StartupError(str(exc)) from None
+        self.store = store
+        self.budget = PrivacyBudget(cfg, profile, store)
+
+    def admit(self) -> None:
+        """Reserve the run's plan, or decline it.
+
+        Raises:
+            StartupError: ``run ID declined: privacy budget: ...`` (one line).
+        """
+        from dfl_agent.runtime.assembly import StartupError
+
+        if self.budget is None:
+            return
+        try:
+            reason = self.budget.admit_config(self.run_id, self.cfg)
+        finally:
+            if self.store is not None:
+                self.store.close()
+        if reason:
+            raise StartupError(f"run {self.run_id} declined: {reason}")
+        self.budget.on_state(self.run_id, "training", Path(self.cfg.state_dir))
+
+    def end(self, outcome: str) -> None:
+        """Settle the run (``outcome``: the agent's, ``finished`` or another)."""
+        if self.budget is not None:
+            self.budget.on_state(self.run_id, "finished" if outcome == "finished" else "failed",
+                                 Path(self.cfg.state_dir), metrics=self.metrics, offset=self.offset)

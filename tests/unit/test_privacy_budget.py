@@ -166,3 +166,29 @@ def test_admission_loads_no_torch(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "[]"
     assert PrivacyLedger(tmp_path).get("a")["state"] == "reserved"
+
+
+def test_run_once_is_admitted_reserved_and_settled(tmp_path: Path) -> None:
+    """``dfl-agent run --once`` has no run manager: :class:`OnceBudget` reserves its plan (or
+    declines it: exit code 2) and settles it from the records it appended to the metrics file."""
+    from dfl_agent.runtime.assembly import StartupError
+    from dfl_agent.runtime.privacy_budget import OnceBudget
+
+    cfg, store = _store_cfg(tmp_path, {"lifetime_epsilon": 6.0, "dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0}})
+    store.close()
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"round": 9, "dp_steps": 99}) + "\n")  # an earlier run's record
+    once = OnceBudget(cfg, "once-1")
+    once.admit()
+    assert PrivacyLedger(tmp_path).get("once-1")["state"] == "reserved"
+    with metrics.open("a") as f:
+        f.write("".join(json.dumps({"round": t, "dp_steps": 4}) + "\n" for t in range(1, 6)))
+    once.end("finished")
+    row = PrivacyLedger(tmp_path).get("once-1")
+    assert (row["state"], row["steps"]) == ("spent", 20)
+    with pytest.raises(StartupError, match=r"^run once-\d declined: privacy budget: the run would spend"):
+        for i in range(2, 9):
+            OnceBudget(cfg, f"once-{i}").admit()
+    off = config_from_dict({"state_dir": str(tmp_path / "off")})
+    OnceBudget(off, "x").admit()  # no DP: nothing opened, nothing written
+    assert not (tmp_path / "off" / "privacy").exists()
