@@ -191,6 +191,12 @@ class Algorithm:
     def __init__(self, ctx: NodeContext, options: Any = None):
         self.ctx = ctx
         self.options = options if options is not None else self.Options()
+        #: set by the warm start (:mod:`dfl_agent.runtime.warm_start`) when the run was meant
+        #: to start from the deployed model but this node has none that fits: it starts cold.
+        #: Algorithms of the neighbourhood family then flag their first model as ``cold`` and
+        #: adopt their warm neighbours' models in their first aggregation
+        #: (:class:`~dfl_agent.algorithms.protocols.neighbourhood.NeighbourhoodProtocol`)
+        self.joins_cold = False
 
     # -- helpers -------------------------------------------------------------
     def new_model(self, seed: int | None = None, spec: Mapping[str, Any] | None = None) -> nn.Module:

@@ -43,12 +43,11 @@ class FedAvg(NeighbourhoodAlgorithm):
         neighbours (or send it to ``participation`` of them, seed 003 §3.6.4)."""
         ctx = self.ctx
         own = model_to_numpy(self.model)
-        n_own = self.samples  # 1 under DP (dfl_agent.privacy.policy)
+        meta = {"samples": self.samples, **self.cold_meta()}  # samples: 1 under DP (dfl_agent.privacy.policy)
         if self.options.participation:  # partial device participation (seed 003 §3.6.4)
-            await send_with_participation(ctx, MODEL_KIND, t, own, {"samples": n_own}, self.options.participation)
+            await send_with_participation(ctx, MODEL_KIND, t, own, meta, self.options.participation)
         else:
-            await ctx.broadcast(gc.model_message(self.choco, MODEL_KIND, t, own, {"samples": n_own}),
-                                neighbours_only=True)
+            await ctx.broadcast(gc.model_message(self.choco, MODEL_KIND, t, own, meta), neighbours_only=True)
 
     def aggregate(self, t: int, own: dict[str, np.ndarray], got: list[Message]) -> tuple[dict[str, np.ndarray], dict]:
         """FedAvg's sample-weighted mean (McMahan et al. 2017; seed 004 Eq. 9 over N_i ∪ {i}):

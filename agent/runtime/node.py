@@ -74,8 +74,8 @@ def peer_updates_used(info: dict[str, Any]) -> int | None:
         return None
     if "synchronized" in info:  # lock-step (GT, local steps): only synchronizing epochs exchange
         return len(info.get("neighbour_ids") or ()) if info["synchronized"] else None
-    if isinstance(info.get("neighbours"), int):
-        return int(info["neighbours"])
+    if isinstance(info.get("neighbours"), int):  # models left out for being cold were heard all the same
+        return int(info["neighbours"]) + len(info.get("cold_excluded") or ())
     if isinstance(info.get("participants"), int):  # a rotating round: the others' contributions
         return max(0, int(info["participants"]) - 1)
     return None

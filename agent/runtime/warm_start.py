@@ -71,6 +71,7 @@ def warm_start(algorithm: Any, state_dir: str | Path, init: str) -> dict[str, An
             log.info("warm start: the run starts from the deployed model v%d (%s)", v, what)
             return {"init": init, "started_from": v, "reason": ""}
     log.info("warm start: the run starts from fresh weights: %s", why)
+    algorithm.joins_cold = True  # its neighbours started warm, maybe: it adopts their models first
     return {"init": init, "started_from": None, "reason": why}
 
 

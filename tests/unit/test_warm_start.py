@@ -196,3 +196,52 @@ def test_demo_feed_summary_and_table_name_the_start(tmp_path):
     console = Console(record=True, width=200)
     console.print(final_table({**summary, "runs": ["r1", "r2"]}))
     assert console.export_text().count("started from v1") == 1
+
+
+def _dist(a, b):
+    return float(np.sqrt(sum(np.sum((a[k] - b[k]) ** 2) for k in a if np.issubdtype(a[k].dtype, np.floating))))
+
+
+@pytest.mark.parametrize("compression", ["none", "q4+zstd"])
+def test_a_cold_member_adopts_its_warm_neighbours_and_they_leave_it_out(compression):
+    """A run meant to start from the deployed models, with one member that has none (a device
+    added to the fleet): its random weights would pull its warm neighbours' first average a
+    third of the way to a random model.  Instead the warm nodes leave its first model out
+    (``cold_excluded``) and it adopts their mean (``cold_start = adopted``); round 1 is not
+    alone for anyone.  With CHOCO gossip the copies stay exact: the cold node's next message
+    is a keyframe."""
+    from dfl_agent.runtime.node import round_alone
+    from dfl_agent.runtime.simulator import SimConfig, _assemble
+    from dfl_agent.transport.memory import run_virtual
+
+    fed = _assemble(SimConfig(algorithm="fedavg", nodes=3, rounds=2, partition="iid", dataset="iris",
+                              model_size="small", compression=compression), "cpu", lambda r: None)
+    nodes = fed.nodes
+    out = {}
+
+    async def main():
+        for n in nodes:
+            await n.ctx.start()
+            await n.algorithm.setup()
+        warm = copy.deepcopy(nodes[0].algorithm.model)  # the deployed model of the warm nodes
+        nodes[1].algorithm.model.load_state_dict(warm.state_dict())
+        nodes[2].algorithm.model.load_state_dict(_other_weights(warm, seed=3).state_dict())  # fresh weights
+        nodes[2].algorithm.joins_cold = True  # what warm_start sets when nothing deployed fits
+        out["warm"], out["cold0"] = _flat(warm), _flat(nodes[2].algorithm.model)
+        out["info"] = await asyncio.gather(*(n.algorithm.round(1) for n in nodes))
+
+    run_virtual(main())
+    info = out["info"]
+    cold_id = nodes[2].ctx.node_id
+    for i in (0, 1):
+        assert info[i].get("cold_excluded") == [cold_id] and cold_id not in info[i]["neighbour_ids"]
+        assert not round_alone(info[i], [nodes[1 - i].ctx.node_id, cold_id])
+    assert info[2]["cold_start"] == "adopted" and info[2]["neighbour_ids"] == sorted(n.ctx.node_id for n in nodes[:2])
+    models = [_flat(n.algorithm.model) for n in nodes]
+    # every model is now near the warm one (one local epoch away), none near the cold start
+    start_gap = _dist(out["warm"], out["cold0"])
+    for m in models:
+        assert _dist(m, out["warm"]) < 0.1 * start_gap
+    assert not nodes[2].algorithm.joins_cold  # once: round 2 aggregates as usual
+    if compression != "none":
+        assert nodes[2].algorithm.choco.own is None  # its next message is a keyframe of the adopted model

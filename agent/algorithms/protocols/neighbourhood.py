@@ -25,6 +25,7 @@ algorithm's extra tensors (:meth:`NeighbourhoodAlgorithm.extra_names`); ``meta``
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -52,7 +53,11 @@ else:
     from dfl_agent.learning.lazy import nn
 
 DELIVERIES = ("auto", "unicast", "broadcast")
+log = logging.getLogger(__name__)
+
 MODEL_KIND = "model"
+#: meta flag of a node's first model when it starts cold in a warm run (:meth:`NeighbourhoodProtocol._cold_start`)
+COLD_KEY = "cold"
 
 
 @dataclasses.dataclass
@@ -290,7 +295,7 @@ class NeighbourhoodAlgorithm(Algorithm):
         option ``delivery`` says (or to ``participation`` of them, seed 003 §3.6.4)."""
         ctx = self.ctx
         tensors = {**model_to_numpy(self.model), **extra}
-        meta = {"samples": self.samples, "hessian": bool(extra)}
+        meta = {"samples": self.samples, "hessian": bool(extra), **self.cold_meta()}
         neighbours = ctx.neighbours()
         if self.options.participation:  # partial device participation (seed 003 §3.6.4)
             await send_with_participation(ctx, MODEL_KIND, t, tensors, meta, self.options.participation, neighbours)
@@ -304,6 +309,14 @@ class NeighbourhoodAlgorithm(Algorithm):
         else:
             for peer in neighbours:
                 await ctx.send(peer, dataclasses.replace(msg, meta=dict(msg.meta), msg_id=""))
+
+    def cold_meta(self) -> dict[str, Any]:
+        """``{"cold": True}`` for this node's first model when it starts cold in a warm run
+        (:meth:`_cold_start`), else nothing: meta for :meth:`send_model`."""
+        if not getattr(self, "joins_cold", False) or getattr(self, "_cold_sent", False):
+            return {}
+        self._cold_sent = True
+        return {COLD_KEY: True}
 
     async def _train_and_send(self, t: int) -> dict[str, float]:
         stats = await self._train()
@@ -351,10 +364,15 @@ class NeighbourhoodAlgorithm(Algorithm):
         late = {s for s, m in got.items() if m.round < collect}
         if late and self.deadlines is not None:  # FedAsync's staleness weight on a late update's samples
             got = weigh_late(got, collect)
+        got, cold = self._cold_start(got, own)
         msgs = [got[s] for s in sorted(got)]
         with self.divergence_guard("aggregation") as guard:  # a non-finite aggregate is undone
-            tensors, info = self.aggregate(t, gc.own_for_mixing(self.choco, own), msgs)
-            load_numpy(self.model, gc.finish_mixing(self.choco, own, tensors))
+            if cold.get("adopted"):
+                tensors, info = {}, {}
+            else:
+                tensors, info = self.aggregate(t, gc.own_for_mixing(self.choco, own), msgs)
+                load_numpy(self.model, gc.finish_mixing(self.choco, own, tensors))
+        info = {**info, **{k: v for k, v in cold.items() if k != "adopted"}}
         used = [] if guard.diverged else sorted(got)
         if not self.train_first:
             stats = await self._train_and_send(t)  # Alg. 1 lines 9-11
@@ -365,6 +383,37 @@ class NeighbourhoodAlgorithm(Algorithm):
                 "late_weights": [[s, round(got[s].meta["staleness_weight"], 4)] for s in used
                                  if s in late and "staleness_weight" in got[s].meta],
                 "deadline_s": round(timeout, 3)}
+
+    def _cold_start(self, got: dict[str, Message], own: Mapping[str, np.ndarray]) -> tuple[dict[str, Message], dict]:
+        """Warm start across the federation: a model flagged ``cold`` (fresh weights in a
+        run meant to start from the deployed models) would drag a warm-started node's
+        average towards a random initialisation, so a warm node leaves it out of this
+        aggregation (its CHOCO copy was updated all the same); a node that starts cold
+        itself, and heard from warm neighbours, adopts their sample-weighted mean instead
+        of its own weights (its next message is then a keyframe).  When every model is
+        cold (a federation's first run) the round aggregates as usual.
+
+        Returns:
+            ``(got, info)``: the messages to aggregate, and ``cold_excluded`` (senders left
+            out) or ``adopted`` (senders whose mean this node took) for the round's info.
+        """
+        cold = sorted(s for s, m in got.items() if m.meta.get(COLD_KEY) is True)
+        warm = [s for s in sorted(got) if s not in cold]
+        me_cold, self.joins_cold = getattr(self, "joins_cold", False), False
+        if not me_cold:
+            return ({s: got[s] for s in warm}, {"cold_excluded": cold}) if cold else (got, {})
+        if not warm:
+            return got, {}  # every model is cold: the federation's first run
+        weights = np.array([float(got[s].meta.get("samples", 1.0)) for s in warm], np.float64)
+        weights /= weights.sum()
+        mean = {k: np.sum([w * np.asarray(got[s].tensors[k], np.float64) for w, s in zip(weights, warm)], axis=0)
+                .astype(np.asarray(v).dtype) for k, v in own.items()}
+        load_numpy(self.model, mean)
+        if self.choco is not None:
+            self.choco.own = None  # the neighbours' copy of this node is its cold model: a keyframe next
+        log.info("cold start: no deployed model fits this run; took the mean of %d warm neighbours' models "
+                 "(%s)", len(warm), ", ".join(warm))
+        return {s: got[s] for s in warm}, {"adopted": warm, "cold_start": "adopted"}
 
     def catches_up(self) -> bool:
         """Lock-step gossip: with round-``t`` updates only (``max_staleness = 0``) a node

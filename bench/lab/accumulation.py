@@ -1,0 +1,132 @@
+"""Accumulation across runs, from a field-lab output folder (``dflctl lab run ... --out DIR``).
+
+For every training device and every run after its first, in the order the device's run
+ledger lists them: the run's first-round accuracy on the device's validation slice (the
+round record's ``local_accuracy``, the slice the deploy gate uses) against the validation
+accuracy of the version the run started from (its manifest's ``accuracy``, measured by the
+deploy gate when that version was deployed), and whether it is at least that minus
+``--tolerance`` (2 points).  Then, per device, the deployed accuracy after the last run
+against the one after the first, and the lab's held-out accuracy of each run (report.json).
+
+    python bench/lab/accumulation.py DIR [--json OUT]
+
+Exit code 0 when every check holds, 1 when one fails, 2 when DIR is no lab output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _first_round(metrics: Path) -> dict[str, Any] | None:
+    """The round-1 record of a run's metrics.jsonl (None: the run has none)."""
+    if not metrics.exists():
+        return None
+    for line in metrics.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("round") == 1 and "local_accuracy" in rec:
+            return rec
+    return None
+
+
+def _manifests(state: Path) -> dict[str, dict[str, Any]]:
+    """run id -> the manifest of the version it deployed."""
+    out = {}
+    for m in sorted((state / "models").glob("v*/manifest.json")):
+        man = _json(m)
+        if isinstance(man, dict) and man.get("run_id"):
+            out[str(man["run_id"])] = man
+    return out
+
+
+def device_rows(state: Path, tolerance: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The per-run rows of one device and its first-vs-last summary."""
+    ledger = _json(state / "runs" / "ledger.json")
+    entries = ledger if isinstance(ledger, dict) else {}
+    # in the order they ended (an entry's time is its last change)
+    runs = sorted(entries, key=lambda r: float(entries[r].get("time", 0)) if isinstance(entries[r], dict) else 0.0)
+    mans = _manifests(state)
+    by_version = {int(m["version"]): m for m in mans.values() if isinstance(m.get("version"), int)}
+    rows = []
+    for rid in runs:
+        first = _first_round(state / "runs" / rid / "metrics.jsonl")
+        if first is None:
+            continue  # declined or never trained here
+        row: dict[str, Any] = {"run": rid, "init": first.get("init"), "first_round_accuracy": first["local_accuracy"],
+                               "deployed": mans.get(rid, {}).get("version"),
+                               "deployed_accuracy": mans.get(rid, {}).get("accuracy")}
+        src = mans.get(rid, {}).get("started_from")
+        if src is None and first.get("init") == "deployed":
+            src = first.get("started_from")
+        base = by_version.get(int(src)) if isinstance(src, int) else None
+        if base is not None:
+            row["started_from"] = int(src)
+            row["started_from_accuracy"] = base.get("accuracy")
+            row["ok"] = row["first_round_accuracy"] >= float(base.get("accuracy", 0.0)) - tolerance
+        rows.append(row)
+    deployed = [r for r in rows if r["deployed_accuracy"] is not None]
+    summary = {"first_deployed": deployed[0]["deployed_accuracy"] if deployed else None,
+               "last_deployed": deployed[-1]["deployed_accuracy"] if deployed else None,
+               "runs": len(rows)}
+    if len(deployed) >= 2:
+        first, last = deployed[0]["deployed_accuracy"], deployed[-1]["deployed_accuracy"]
+        # a slice on which the first version was already right everywhere cannot be beaten
+        summary["beats_first"] = "saturated" if first == last == 1.0 else last > first
+    return rows, summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", type=Path, help="the lab's --out folder")
+    ap.add_argument("--tolerance", type=float, default=0.02, help="first-round accuracy may be this much lower")
+    ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    a = ap.parse_args(argv)
+    devices = sorted(p for p in (a.dir / "devices").glob("*") if (p / "state" / "runs" / "ledger.json").exists())
+    if not devices:
+        print(f"accumulation: {a.dir} has no devices/*/state/runs/ledger.json (no lab output folder)", file=sys.stderr)
+        return 2
+    out: dict[str, Any] = {"tolerance": a.tolerance, "devices": {}}
+    ok = True
+    print("| device | run | init | started from (accuracy) | first-round accuracy | ok | deployed (accuracy) |")
+    print("|---|---|---|---|---|---|---|")
+    for dev in devices:
+        rows, summary = device_rows(dev / "state", a.tolerance)
+        out["devices"][dev.name] = {"runs": rows, **summary}
+        for r in rows:
+            src = f"v{r['started_from']} ({r['started_from_accuracy']:.4f})" if "started_from" in r else "-"
+            dep = f"v{r['deployed']} ({r['deployed_accuracy']:.4f})" if r["deployed"] is not None else "kept"
+            print(f"| {dev.name} | {r['run']} | {r['init']} | {src} | {r['first_round_accuracy']:.4f} | "
+                  f"{'yes' if r.get('ok', True) else 'NO'} | {dep} |")
+            ok &= bool(r.get("ok", True))
+        ok &= summary.get("beats_first", True) in (True, "saturated")
+    print()
+    print("| device | deployed accuracy after the first run | after the last | beats the first |")
+    print("|---|---|---|---|")
+    for name, d in out["devices"].items():
+        print(f"| {name} | {d['first_deployed']} | {d['last_deployed']} | {d.get('beats_first', '-')} |")
+    report = a.dir / "report.json"
+    if report.exists():
+        runs = _json(report).get("runs", [])
+        out["held_out"] = {r["run_id"]: r.get("final_accuracy_mean") for r in runs if isinstance(r, dict)}
+        print("\nHeld-out users (the lab's accuracy), per run in submission order: "
+              + ", ".join(f"{rid} {acc}" for rid, acc in out["held_out"].items()))
+    out["passed"] = ok
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    print(f"\naccumulation: {'passed' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
