@@ -201,3 +201,14 @@ def test_announcement_of_a_dp_model_carries_no_accuracy(tmp_path):
     assert announcement(plain, "n1", "fed", private=True)["accuracy"] is None  # the node trains under DP now
     assert announcement(private, "n1", "fed")["accuracy"] is None  # a model trained under DP
     assert private.manifest(1)["accuracy"] == 1.0  # kept on the device
+
+
+def test_the_privacy_page_lists_every_algorithm_of_the_policy():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "explanation" / "privacy.md").read_text()
+    table = page[page.index("## What each algorithm sends under DP"):page.index("## How to choose")]
+    for algorithm, support in DP_SUPPORT.items():
+        assert f"`{algorithm}`" in table, algorithm
+        if support.refused:
+            assert f"| `{algorithm}` | all | **refused**" in table
