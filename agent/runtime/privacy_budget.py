@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import sqlite3
 import threading
 import time
@@ -174,6 +175,15 @@ def _round_dp_steps(metrics: Path, offset: int = 0) -> list[int] | None:
     return steps if seen or not lines else None
 
 
+def public_reason(message: str) -> str:
+    """A plan's refusal (:func:`~dfl_agent.privacy.plan.plan_run`) without the figures that
+    reveal the device's N (its sample count, the sampling rate, the steps): the decline reason is
+    published in the status."""
+    message = re.sub(r" = [0-9.e+-]+ for the \d+ samples of this device", " for this device's training samples",
+                     message)
+    return re.sub(r" \(\d+ steps at sampling rate [^)]*\)", "", message)
+
+
 def device_privacy(cfg: Any, profile: Any) -> PrivacyConfig:
     """The device's privacy settings: the node's ``[privacy]`` over the profile's.
 
@@ -280,14 +290,16 @@ class PrivacyBudget:
         try:
             plan = self.plan(run_cfg)
         except (ValueError, OSError) as exc:
-            return f"privacy: {exc}"
+            log.warning("run %s: %s", run_id, exc)  # the details stay in the device's log
+            return f"privacy: {public_reason(str(exc))}"
         life = self.config.lifetime_epsilon
         before = self.ledger.epsilon(plan.delta, exclude=run_id)
         after = rdp_epsilon([*self.ledger.history(exclude=run_id),
                              (plan.noise_multiplier, plan.sample_rate, plan.steps)], plan.delta)
-        if after > life:
-            return (f"privacy budget: the run would spend epsilon {plan.epsilon:.3g} ({plan.steps} DP steps, noise "
-                    f"{plan.noise_multiplier:.3g}, sampling rate {plan.sample_rate:.3g}) and take this device's "
+        if after > life:  # the reason is published: no figure of the plan that reveals N (q, steps)
+            log.info("run %s: its plan: %d DP steps, noise multiplier %.4g, sampling rate %.4g", run_id, plan.steps,
+                     plan.noise_multiplier, plan.sample_rate)
+            return (f"privacy budget: the run would spend epsilon {plan.epsilon:.3g} and take this device's "
                     f"lifetime epsilon from {before:.3g} to {after:.3g}, past privacy.lifetime_epsilon {life:g} "
                     f"(delta {plan.delta:g})")
         self.ledger.reserve(run_id, plan, run_cfg.algorithm.rounds)

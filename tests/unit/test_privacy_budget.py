@@ -100,6 +100,7 @@ def test_admission_reserves_then_declines_past_the_lifetime_budget(tmp_path: Pat
     declined = [r for r in reasons if r]
     assert declined and declined[0].startswith("privacy budget: the run would spend epsilon ") and "\n" not in declined[0]
     assert "past privacy.lifetime_epsilon 3" in declined[0]
+    assert "sampling rate" not in declined[0] and "steps" not in declined[0]  # published: nothing that reveals N
     assert budget.ledger.get(f"r{reasons.index(declined[0])}") is None
     assert budget.ledger.epsilon(1e-5) <= 3.0
 
@@ -127,7 +128,12 @@ def test_delta_not_below_one_over_n_is_declined(tmp_path: Path) -> None:
 
     cfg, store = _store_cfg(tmp_path, {"dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0, "delta": 0.05}}, n=60)
     reason = PrivacyBudget(cfg, get_profile("generic-x86"), store).admit(_run("a"))
-    assert reason is not None and reason.startswith("privacy: privacy.dp.delta: 0.05 is not below 1/N")
+    assert reason == "privacy: privacy.dp.delta: 0.05 is not below 1/N for this device's training samples"
+    from dfl_agent.runtime.privacy_budget import public_reason
+
+    assert public_reason("privacy.dp.target_epsilon: no noise multiplier up to 1000 keeps the run's epsilon at or "
+                         "below 0.01 (100 steps at sampling rate 0.1, delta 1e-05)") == \
+        "privacy.dp.target_epsilon: no noise multiplier up to 1000 keeps the run's epsilon at or below 0.01"
 
 
 def test_no_dp_admits_and_shows_off(tmp_path: Path) -> None:
