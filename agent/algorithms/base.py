@@ -270,7 +270,7 @@ class Algorithm:
         """Whether this node trains under differential privacy (``ctx.train.dp`` set):
         then it sends no value derived from its data that DP-SGD does not protect
         (:mod:`dfl_agent.privacy.policy`)."""
-        return getattr(self.ctx.train, "dp", None) is not None
+        return getattr(getattr(self.ctx, "train", None), "dp", None) is not None  # a minimal context: no DP
 
     def sample_count(self) -> int:
         """|D_i| as this node sends it and weighs its own model with: the size of its
