@@ -436,7 +436,7 @@ class RunLobby:
                               for k, v in sorted((history or {}).items(), key=lambda kv: kv[1].get("time", 0))[-20:]}}
         # the refusal and drop counters, always present: with counters, the totals over restarts
         st.update(self.counters.view() if self.counters is not None else {"control_dropped": dict(self.dropped)})
-        if isinstance(st.get("privacy"), Mapping) and st["privacy"].get("dp"):  # DP: no figure that reveals N
+        if isinstance(priv := st.get("privacy"), Mapping) and priv.get("dp"):  # DP: no figure that reveals N
             from dfl_agent.privacy.policy import redact_status
 
             st = redact_status(st)
