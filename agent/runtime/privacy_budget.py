@@ -274,9 +274,14 @@ class PrivacyBudget:
         reason: the plan is impossible, or it would take the composed ε past the lifetime budget."""
         if self.config.dp is None:
             return None
+        from dfl_agent.privacy.policy import check_dp_combination
         from dfl_agent.runtime.assembly import StartupError
         from dfl_agent.runtime.run_config import run_config_for
 
+        try:  # an algorithm that would send what DP does not protect (dfl_agent.privacy.policy)
+            check_dp_combination(d.algorithm, d.options)
+        except ValueError as exc:
+            return str(exc)
         try:
             run_cfg = run_config_for(self.cfg, d)
         except StartupError:

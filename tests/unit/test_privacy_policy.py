@@ -212,3 +212,28 @@ def test_the_privacy_page_lists_every_algorithm_of_the_policy():
         assert f"`{algorithm}`" in table, algorithm
         if support.refused:
             assert f"| `{algorithm}` | all | **refused**" in table
+
+
+def test_admission_declines_a_run_of_an_uncovered_algorithm_under_dp(tmp_path):
+    import numpy as np
+
+    from dfl_agent.profiles import get_profile
+    from dfl_agent.runtime.config import config_from_dict
+    from dfl_agent.runtime.descriptor import RunDescriptor
+    from dfl_agent.runtime.privacy_budget import PrivacyBudget
+    from dfl_agent.runtime.sample_store import open_store
+
+    cfg = config_from_dict({"state_dir": str(tmp_path), "algorithm": {"name": "local", "rounds": 2},
+                            "training": {"batch_size": 20, "steps": 4},
+                            "data": {"dataset": "store", "input_shape": [3, 4], "num_classes": 2},
+                            "privacy": {"dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0}}})
+    store = open_store(cfg)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "a.npz", x=rng.normal(size=(200, 3, 4)).astype(np.float32), y=rng.integers(0, 2, 200))
+    store.ingest_file(tmp_path / "a.npz")
+    budget = PrivacyBudget(cfg, get_profile("generic-x86"), store)
+    reason = budget.admit(RunDescriptor(run_id="r1", federation="default", algorithm="fedd2s", rounds=2))
+    assert reason and reason.startswith("privacy.dp: algorithm 'fedd2s' cannot run under differential privacy")
+    assert budget.ledger.get("r1") is None  # nothing reserved
+    assert budget.admit(RunDescriptor(run_id="r2", federation="default", algorithm="dechw", rounds=2,
+                                      options={"theta": 0})) is None
