@@ -198,3 +198,49 @@ def test_run_once_is_admitted_reserved_and_settled(tmp_path: Path) -> None:
     off = config_from_dict({"state_dir": str(tmp_path / "off")})
     OnceBudget(off, "x").admit()  # no DP: nothing opened, nothing written
     assert not (tmp_path / "off" / "privacy").exists()
+
+
+@pytest.mark.parametrize("at", ["admitted:after", "training:after", "trained:after", "recorded:before"])
+def test_a_crash_mid_run_never_under_counts(tmp_path: Path, at: str) -> None:
+    """The run manager with DP, killed at a state boundary (the crash switch), then restarted over
+    the same state folder: the reservation is in the ledger before the run is admitted, stands
+    through the crash, and the run is settled once (its rounds report no ``dp_steps`` here: the
+    plan's steps)."""
+    import asyncio
+
+    from dfl_agent.runtime.descriptor import RunDescriptor as Run
+    from tests.unit import test_run_crash as rc
+    from tests.unit.test_run_manager import manager
+
+    def make():
+        m = manager(tmp_path, agent=rc.DeployingAgent, deploy={"tolerance": 0.0, "onnx": False},
+                    data={"dataset": "digits", "partition": "iid", "num_nodes": 4},
+                    privacy={"dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0}})
+        m.lobby, m.has_default = rc.MembersLobby(), False
+        return m
+
+    crashes = {"at": at}
+
+    def point(state, when):
+        if crashes["at"] == f"{state}:{when}":
+            raise rc.Crash(at)
+
+    d = Run(run_id="r1", federation="f", algorithm="fedavg", rounds=2, min_members=2)
+    with pytest.MonkeyPatch.context() as mp:
+        import dfl_agent.runtime.run_manager as rm
+
+        mp.setattr(rm, "crash_point", point)
+        m = make()
+        m.lobby.queue.offer(d)
+        with pytest.raises(rc.Crash):
+            asyncio.run(rc._serve_until_done(m, "r1"))
+        row = PrivacyLedger(tmp_path).get("r1")
+        assert row["state"] == "reserved" and row["steps"] == row["planned_steps"] > 0  # reserved before the crash
+        crashes["at"] = None
+        m = make()  # the restart
+        m.lobby.queue.offer(d)
+        asyncio.run(rc._serve_until_done(m, "r1"))
+    rows = PrivacyLedger(tmp_path).entries()
+    assert [(r["run_id"], r["state"], r["steps"]) for r in rows] == [("r1", "spent", row["planned_steps"])]
+    assert m.ledger.entries["r1"]["privacy"]["epsilon"] == pytest.approx(row["epsilon"], rel=1e-3)
+    assert m.privacy.status()["epsilon_spent"] == pytest.approx(row["epsilon"], rel=1e-3)
