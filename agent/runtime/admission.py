@@ -4,7 +4,9 @@
 algorithm must be known and allowed by the profile, and the model it would train
 (:func:`run_model_params`) times the copies the algorithm holds must fit
 ``compute.memory_budget_mb``.  Torch is imported only to count the parameters of a
-spec whose count its fields do not give (on the ``meta`` device).
+spec whose count its fields do not give (on the ``meta`` device).  Under ``privacy.dp`` the run
+manager also checks the run against the device's privacy budget
+(:meth:`dfl_agent.runtime.privacy_budget.PrivacyBudget.admit`, torch-free), after this check.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 run manager, a run process per run) on its sample store under ``privacy.dp``, over a real
 mosquitto, with a default run recurring every few seconds.  ``privacy.lifetime_epsilon`` holds one
 run's spend and not two: the first run trains under DP-SGD and is settled in the privacy ledger,
-the next is declined at admission, and ``dflctl status`` says why.  After a restart of the agent
+the next is declined at admission, and ``dflctl status`` says why; the deployed model's manifest
+carries its ε.  After a restart of the agent
 the composed ε it reports (the ledger re-opened from disk) agrees with Opacus's RDPAccountant on
 the ledger's history within 1 % (~25 s)."""
 
@@ -105,6 +106,14 @@ def test_a_device_with_its_budget_spent_declines_the_next_run(tmp_path):
             row = PrivacyLedger(state).get(done)
             assert row["state"] == "spent" and row["steps"] == STEPS and row["sample_rate"] == pytest.approx(BATCH / n)
             assert entries[done]["privacy"]["epsilon"] == pytest.approx(rdp_epsilon(one, 1e-5), rel=1e-3)
+            # the deployed model's manifest says how private it is
+            from dfl_agent.deploy import ModelStore
+
+            manifest = ModelStore(state).manifest(1)
+            assert manifest["run_id"] == done and manifest["privacy"]["epsilon_run"] == pytest.approx(
+                rdp_epsilon(one, 1e-5), rel=1e-3)
+            assert manifest["privacy"]["epsilon_lifetime"] == manifest["privacy"]["epsilon_run"]
+            assert (manifest["privacy"]["lifetime_epsilon"], manifest["privacy"]["delta"]) == (lifetime, 1e-5)
             # dflctl status: the declined run with its reason, and the budget
             _wait(lambda: "declined" in _dflctl("status", *b), 20, "a status with the declined run", log)
             table = _dflctl("status", *b)
