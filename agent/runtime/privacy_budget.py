@@ -19,6 +19,8 @@ over the run's round records (``RUN_DIR/metrics.jsonl``).  A run that ended earl
 cancelled) also counts one more round's steps for a round that may have been sent but not
 recorded, at most the plan; a run whose records carry no ``dp_steps`` keeps the plan's steps; a run
 that never started training releases its reservation.
+``dfl-agent run --once`` has no run manager: :class:`OnceBudget` does the same for its one run.
+A decline reason is published in the status: it names no figure that reveals N (:func:`public_reason`).
 
 **N**, the number of training samples: the sample store's snapshot less its validation slice
 (``data.dataset = "store"``), else the node's partition of ``data.dataset`` (loaded without torch,
