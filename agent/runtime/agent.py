@@ -414,9 +414,9 @@ class Agent(RunMembers):
         cancel (the completed rounds' records are written first)."""
         node, ctx, rounds = self.node, self.ctx, self.cfg.algorithm.rounds
         should_stop = self.should_stop
-        # checked after every round, before the next one starts (a stop or a cancel
-        # that arrives mid-round also cancels the round in progress, below)
+        # checked after every round (a stop or cancel mid-round also cancels the round in progress, below)
         node.stop_check = lambda: stop.is_set() or bool(should_stop is not None and should_stop())
+        node.finish_check = self._federation_finished if self.cfg.runtime.rejoin and node.algorithm.communicates else None
         run = asyncio.ensure_future(node.run(rounds, start_round))
         stopper = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait({run, stopper}, return_when=asyncio.FIRST_COMPLETED)

@@ -247,13 +247,19 @@ class Membership:
             return next_round
         live = ctx.neighbours()
         shown = {p: latest_round[p] - 1 for p in live if p in latest_round}
-        target = catch_up_target(next_round, shown, len(live), ctx.max_catch_up_rounds)
+        # runtime.straggler = "quorum": the federation does not wait for a node behind it, so a
+        # node that may skip only max_catch_up_rounds per round it closes never catches up;
+        # it joins the quorum's round at once (still on the evidence of most live neighbours)
+        quorum = getattr(getattr(ctx, "straggler", None), "mode", None) == "quorum"
+        cap = (ctx.final_round or 10**9) if quorum else ctx.max_catch_up_rounds
+        target = catch_up_target(next_round, shown, len(live), cap)
         if ctx.final_round is not None:
             target = max(next_round, min(target, ctx.final_round))
         if target == next_round:
             return next_round
         self.caught_up += target - next_round
         log.warning("%s: most live neighbours completed later rounds without this node; skipping rounds %d-%d "
-                    "to rejoin them (at most runtime.max_catch_up_rounds = %d at once)",
-                    ctx.node_id, next_round, target - 1, ctx.max_catch_up_rounds)
+                    "to rejoin them (%s)", ctx.node_id, next_round, target - 1,
+                    "runtime.straggler = quorum: to their round" if quorum else
+                    f"at most runtime.max_catch_up_rounds = {ctx.max_catch_up_rounds} at once")
         return target

@@ -57,6 +57,16 @@ class RunStopped(Exception):
         self.round = round
 
 
+class FederationFinished(Exception):
+    """Raised out of the round loop when :attr:`Node.finish_check` says that most of the
+    run's members finished it after round ``round``: a node left behind (it was cut off,
+    or slow) ends its run there instead of closing the remaining rounds alone."""
+
+    def __init__(self, round: int):
+        super().__init__(f"most of the run's members finished it; this node stopped after round {round}")
+        self.round = round
+
+
 class NodeKilled(Exception):
     """Raised out of the round loop when a node reaches the round of its
     :meth:`Node.kill_at` (the simulator's fault injection): it crashes there."""
@@ -175,6 +185,9 @@ class Node:
         #: checked after every round, before the next one starts: when it returns True the
         #: round loop ends with :class:`RunStopped` (e.g. the operator cancelled the run)
         self.stop_check: Callable[[], bool] | None = None
+        #: checked after every round but the last: when it returns True (most of the run's
+        #: members report it finished) the round loop ends as finished (:class:`FederationFinished`)
+        self.finish_check: Callable[[], bool] | None = None
         #: fault injection (:meth:`kill_at`): (round, called when the node crashes)
         self._kill: tuple[int, Callable[[], None]] | None = None
         #: rounds this node closed alone (:func:`round_alone`), status ``rounds_alone``, of
@@ -215,6 +228,8 @@ class Node:
             if start_round <= rounds:
                 self._check_kill(start_round)
             await self.algorithm.run(rounds, start_round)
+        except FederationFinished as end:
+            log.warning("%s; the run ends here with this node's model", end)
         except Exception:
             await self.drain()  # a stopped run still reports its last rounds
             raise
@@ -369,6 +384,8 @@ class Node:
         await self.publish_status()
         if self.stop_check is not None and self.stop_check():
             raise RunStopped(t)
+        if t < self.rounds and self.finish_check is not None and self.finish_check():
+            raise FederationFinished(t)
         self._round_started = self.ctx.clock.now()
         self._round_started_wall = time.perf_counter()
         if t < self.rounds:

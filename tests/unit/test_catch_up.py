@@ -243,3 +243,30 @@ def test_bad_signed_frame_does_not_make_genuine_frames_replays():
     assert me.rejected["incompatible"] == 1 and me.rejected["replay"] == 0
     got = me._take("model", None, None)
     assert got is not None and got.round == 3 and me.latest_round == {"a": 3}
+
+
+def test_under_quorum_a_node_behind_joins_the_quorums_round_at_once():
+    """``runtime.straggler = "quorum"``: the federation does not wait for a node behind it, so
+    the cap of ``max_catch_up_rounds`` per round would leave it behind for good (each of its
+    rounds waits a deadline while the others run many); it skips to the neighbours' round
+    at once.  With ``paper`` the cap holds."""
+    from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
+
+    def target(mode):
+        net = MemoryNetwork()
+        me, ahead = _ctx(net, "me"), _ctx(net, "ahead")
+        me.catch_up, me.max_catch_up_rounds = True, 10
+        me.straggler = StragglerPolicy(mode=mode)
+        me.check_on_arrival("model", arrival_check({"x": np.ones(2, np.float32)}))
+
+        async def main():
+            await me.start()
+            await ahead.start()
+            await ahead.send("me", Message("model", 150, {"x": np.ones(2, np.float32)}, meta={"samples": 1}))
+            await asyncio.sleep(0.05)
+            return me.catch_up_round(50)
+
+        return run_virtual(main())
+
+    assert target("quorum") == 150
+    assert target("paper") == 60

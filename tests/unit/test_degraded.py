@@ -26,7 +26,7 @@ from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 from tests.unit import test_run_manager as rm
 
 
-def _lone_node(algorithm: str, rounds: int, needs_peers: bool | None):
+def _lone_node(algorithm: str, rounds: int, needs_peers: bool | None, finish_after: int | None = None):
     """A node with nobody else in its federation (in-memory network, virtual time) that
     trains ``rounds`` rounds; ``needs_peers`` as the agent sets it (None: not set).
     Returns its records and final status."""
@@ -49,6 +49,9 @@ def _lone_node(algorithm: str, rounds: int, needs_peers: bool | None):
     node = Node(me, cls(me, opts), bundle.test.x[:20], bundle.test.y[:20], sink=records.append, eval_every=100)
     if needs_peers is not None:
         node.needs_peers = lambda: needs_peers
+    if finish_after is not None:  # what the agent's check says: most members finished the run
+        checks = iter(range(1, rounds + 1))  # called once after every round but the last
+        node.finish_check = lambda: next(checks) >= finish_after
     out = {}
 
     async def main():
@@ -79,6 +82,15 @@ def test_a_node_that_needs_no_peer_is_not_degraded_when_it_runs_alone():
     records, st = _lone_node("fedavg", 3, needs_peers=False)
     assert not any(r["alone"] for r in records)
     assert st["degraded"] is False and st["rounds_alone"] == 0 and st["exchange_rounds"] == 3
+
+
+def test_a_node_left_behind_ends_when_most_members_finished_instead_of_closing_the_rest_alone():
+    """A node behind its federation (cut off, or slow) whose members report the run finished
+    ends its run after the round it is in, as finished (before: it closed every remaining
+    round alone at once: 210 in the field trial)."""
+    records, st = _lone_node("fedavg", 25, needs_peers=True, finish_after=3)
+    assert [r["round"] for r in records] == [1, 2, 3]
+    assert st["state"] == "finished" and st["rounds_alone"] == 3
 
 
 def test_a_deliberate_local_run_is_never_alone():
