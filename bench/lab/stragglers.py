@@ -1,0 +1,99 @@
+"""Stragglers, from field-lab output folders (``dflctl lab run ... --out DIR``).
+
+For each folder: the fast devices' time to accuracy (the lab's measure, ``TARGET`` held-out
+accuracy, here over the fast devices only: every device but the slow ones), and what their
+round records say about the slow device's updates: ``late_used`` (used after their round,
+with FedAsync's staleness weight), on time, and the rounds' ``deadline_s``.
+
+    python bench/lab/stragglers.py --slow slow-0 even=DIR1 quorum=DIR2 paper=DIR3 [--json OUT]
+
+The first folder is the baseline of the ratio (all devices equally fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from dfl_agent.cli.lab.accuracy import TARGET, accuracy_curve, time_to_accuracy
+
+
+def _records(folder: Path, device: str) -> list[dict[str, Any]]:
+    out = []
+    for f in sorted((folder / "metrics" / device).glob("*.jsonl")):
+        for line in f.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("round"), int):
+                out.append(rec)
+    return out
+
+
+def summarize(folder: Path, slow: set[str]) -> dict[str, Any]:
+    """One folder's row (see the module docstring)."""
+    rep = json.loads((folder / "report.json").read_text(encoding="utf-8"))
+    devices = [d for d in rep["devices"] if d.get("role") != "inference"]
+    fast = [d["id"] for d in devices if d["id"] not in slow]
+    run = rep["runs"][0]
+    curve = accuracy_curve({d["id"]: d.get("round_accuracy") or [] for d in devices if d["id"] in fast})
+    tta = time_to_accuracy(curve, run.get("submitted_s"), TARGET)
+    late_from_slow = on_time_from_slow = late_other = 0
+    deadlines, rounds = [], {}
+    for dev in fast:
+        recs = _records(folder, dev)
+        rounds[dev] = max((r["round"] for r in recs), default=0)
+        for r in recs:
+            late = {s for s, _ in r.get("late_weights") or []}
+            late_from_slow += len(late & slow)
+            late_other += len(late - slow)
+            on_time_from_slow += len((set(r.get("neighbour_ids") or []) & slow) - late)
+            if isinstance(r.get("deadline_s"), (int, float)):
+                deadlines.append(float(r["deadline_s"]))
+    slow_rounds = {d: max((r["round"] for r in _records(folder, d)), default=0) for d in slow}
+    return {"folder": str(folder), "passed": rep.get("passed"), "fast_devices": fast,
+            "time_to_target_s": tta["seconds"], "target_round": tta["round"], "best_fast_mean": tta["best"],
+            "fast_rounds": rounds, "slow_rounds": slow_rounds,
+            "slow_updates_late_used": late_from_slow, "slow_updates_on_time": on_time_from_slow,
+            "other_late_used": late_other,
+            "deadline_s_median": statistics.median(deadlines) if deadlines else None,
+            "wall_seconds": rep.get("wall_seconds")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", help="NAME=DIR, the baseline first")
+    ap.add_argument("--slow", default="slow-0", help="comma-separated slow devices")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    slow = set(a.slow.split(","))
+    rows = {}
+    for item in a.runs:
+        name, _, d = item.partition("=")
+        if not (Path(d) / "report.json").exists():
+            print(f"stragglers: {d}/report.json not found (a lab --out folder?)", file=sys.stderr)
+            return 2
+        rows[name] = summarize(Path(d), slow)
+    base = next(iter(rows.values()))["time_to_target_s"]
+    print(f"| scenario | fast devices' time to {TARGET:.2f} (s) | × baseline | round | fast rounds | slow rounds "
+          "| slow updates used late / on time | median deadline (s) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        t = r["time_to_target_s"]
+        ratio = f"{t / base:.2f}" if t is not None and base else "-"
+        print(f"| {name} | {t if t is not None else 'never (best ' + str(r['best_fast_mean']) + ')'} | {ratio} "
+              f"| {r['target_round']} | {min(r['fast_rounds'].values(), default=0)}-{max(r['fast_rounds'].values(), default=0)} "
+              f"| {', '.join(str(v) for v in r['slow_rounds'].values())} | {r['slow_updates_late_used']} / "
+              f"{r['slow_updates_on_time']} | {r['deadline_s_median']} |")
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
