@@ -75,7 +75,13 @@ def _tls_broker(d: Path) -> tuple[subprocess.Popen, int, dict[str, str]]:
 
 
 @needs_mosquitto
-def test_signed_compressed_updates_over_tls_are_aggregated_on_every_node(tmp_path):
+@pytest.mark.parametrize("dp", [False, True], ids=["plain", "dp"])
+def test_signed_compressed_updates_over_tls_are_aggregated_on_every_node(tmp_path, dp):
+    """With ``dp``: the same under differential privacy (``privacy.dp``): every round is
+    DP-SGD (``dp_steps``), the signed, compressed updates of the DP models are aggregated as
+    before, and each device's privacy ledger holds the run, spent."""
+    if dp:
+        pytest.importorskip("opacus")
     if mosquitto_path() is None:
         pytest.skip("mosquitto is not installed")
     fed = "prod-" + str(int(time.time() * 1000) % 100000)
@@ -100,6 +106,7 @@ def test_signed_compressed_updates_over_tls_are_aggregated_on_every_node(tmp_pat
                 "security": {"require_signatures": True, "federation_key": public_key_b64(fed_key)},
                 "runtime": {"checkpoint": False, "eval_every": ROUNDS,
                             "metrics_file": str(tmp_path / f"{nid}.jsonl")},
+                **({"privacy": {"dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0}}} if dp else {}),
             })
             path = tmp_path / f"{nid}.toml"
             path.write_text(dump_toml(cfg))
@@ -131,6 +138,14 @@ def test_signed_compressed_updates_over_tls_are_aggregated_on_every_node(tmp_pat
         assert last["compression_ratio"] >= RATIO, (nid, last["compression_ratio"])
         assert set(last["bytes_sent_by_kind"]) == {"model"}, last["bytes_sent_by_kind"]
         assert last["diverged"] == 0
+        if dp:  # DP-SGD ran every round, and the run is spent in the device's privacy ledger
+            # a record counts the DP steps since the record before; together: 2 steps a round
+            assert sum(r.get("dp_steps", 0) for r in records) == 2 * ROUNDS, (nid, [r.get("dp_steps") for r in records])
+            import sqlite3
+            with sqlite3.connect(tmp_path / nid / "privacy" / "ledger.sqlite") as db:
+                rows = db.execute("SELECT state, steps, epsilon FROM runs").fetchall()
+            assert len(rows) == 1 and rows[0][0] == "spent" and rows[0][1] == sum(r["dp_steps"] for r in records)
+            assert 0 < rows[0][2] < 100, rows
         for reason in BAD:
             assert reason not in log, (nid, reason)
         assert "Traceback" not in log
