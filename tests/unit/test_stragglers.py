@@ -195,3 +195,35 @@ def test_a_resent_copy_keeps_the_neighbours_copy() -> None:
     assert me.incoming("a", w, metas[0]) is not None and me.incoming("a", w, metas[1]) is not None
     assert me.incoming("a", w, metas[1]) is None  # re-sent after an outage: already applied
     assert me.incoming("a", w, metas[2]) is not None  # the stream goes on
+
+
+def _defkt(tmp_path, name: str, straggler: str) -> list[dict]:
+    cfg = SimConfig(algorithm="defkt", nodes=6, dataset="digits", partition="iid", out=str(tmp_path / name),
+                    eval_every=100, rounds=12, straggler=straggler, speeds=[1, 1, 1, 1, 1, 0.01],
+                    options={"Q": 3, "receive_timeout": 5.0, "round_timeout": 10.0})
+    simulate(cfg)
+    lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "round" in r and "role" in r]
+
+
+def test_defkt_re_pairs_away_from_a_silent_sender_under_quorum(tmp_path) -> None:
+    """Def-KT under ``quorum``: a sender whose model does not come within ``receive_timeout``
+    (node05 trains 100 virtual seconds a round) is named in its receiver's ``done``; every
+    node, itself included, leaves it out of the next SILENT_ROUNDS rounds' pairs, so no
+    receiver waits for it again meanwhile.  With ``paper`` it keeps being paired."""
+    from dfl_agent.algorithms.protocols.pairs import SILENT_ROUNDS
+
+    def paired_after_silence(records):
+        silent = sorted(r["round"] for r in records if r.get("role") == "receiver" and r.get("partner") == "node05"
+                        and not r.get("fused"))
+        if not silent:
+            return None, []
+        first = silent[0]
+        again = [r["round"] for r in records if r.get("partner") == "node05" or
+                 (r["node"] == "node05" and r.get("role") != "idle")]
+        return first, [t for t in again if first < t <= first + SILENT_ROUNDS]
+
+    first, again = paired_after_silence(_defkt(tmp_path, "quorum", "quorum"))
+    assert first is not None and again == [], (first, again)
+    first_p, again_p = paired_after_silence(_defkt(tmp_path, "paper", "paper"))
+    assert first_p is not None and again_p, (first_p, again_p)

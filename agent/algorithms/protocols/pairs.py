@@ -85,6 +85,10 @@ NO_ROUND = 2**31 - 1
 """Round tag of gossip messages: larger than any real round, so never 'stale'."""
 
 
+#: rounds a sender that went silent (alive, but its model did not come within
+#: ``receive_timeout``) is left out of the pairs, under ``runtime.straggler = "quorum"``
+SILENT_ROUNDS = 5
+
 # -- the schedule --------------------------------------------------------------------------
 
 
@@ -228,6 +232,9 @@ class PairAlgorithm(Algorithm):
         self.fingerprint = seed_fingerprint(self.schedule_seed)
         self.sender_train = dataclasses.replace(self.ctx.train, epochs=self.options.M)
         self.stats: collections.Counter[str] = collections.Counter()
+        #: ``runtime.straggler = "quorum"``: re-pair away from a silent sender (:meth:`schedule`)
+        self.repairs = getattr(getattr(self.ctx, "straggler", None), "mode", None) == "quorum"
+        self.silent: dict[str, int] = {}  # sender -> the last round it is left out of the pairs
 
     def deployable_model(self) -> nn.Module:
         return self.model
@@ -248,9 +255,19 @@ class PairAlgorithm(Algorithm):
 
     # -- schedule ---------------------------------------------------------------------------
     def schedule(self, t: int) -> list[tuple[str, str]]:
-        """Round ``t``'s pairs in this node's current view of the live nodes."""
+        """Round ``t``'s pairs in this node's current view of the live nodes, without the
+        senders that went silent in the last :data:`SILENT_ROUNDS` rounds (``quorum`` only:
+        a receiver names its silent sender in its ``done``, which every node hears, so they
+        all leave it out alike; the silent node too, which then sits those rounds out)."""
         view = set(self.ctx.live_peers()) | {self.ctx.node_id}
+        view -= {p for p, until in self.silent.items() if t <= until}
         return pair_schedule(sorted(view), self.schedule_seed, t, self.options.Q)
+
+    def _note_silent(self, t: int, sender: str) -> None:
+        self.silent[sender] = t + SILENT_ROUNDS
+        self.stats["silent"] += 1
+        log.info("round %d: sender %s sent nothing within receive_timeout; left out of the pairs for rounds "
+                 "%d-%d (runtime.straggler = quorum)", t, sender, t + 1, t + SILENT_ROUNDS)
 
     # -- rounds mode ------------------------------------------------------------------------
     async def round(self, t: int) -> dict[str, Any]:
@@ -270,26 +287,47 @@ class PairAlgorithm(Algorithm):
                 info.update(await self.act_as_sender(t, receiver, t0 + self.options.receive_timeout))
             elif me == receiver:
                 info.update(role="receiver", partner=sender)
-                info.update(await self.act_as_receiver(t, sender, t0 + self.options.receive_timeout))
-                await ctx.broadcast(Message(self.kind("done"), t, meta={"fused": bool(info["fused"])}))
+                got = await self.act_as_receiver(t, sender, t0 + self.options.receive_timeout)
+                info.update(got)
+                done = {"fused": bool(info["fused"])}
+                if self.repairs and "neighbours" not in got and sender in ctx.live_peers():  # alive, silent
+                    done["silent"] = sender
+                    self._note_silent(t, sender)
+                await ctx.broadcast(Message(self.kind("done"), t, meta=done))
         self.stats[info["role"]] += 1
         self.stats["fused"] += int(bool(info["fused"]))
         info["neighbour_ids"] = [info["partner"]] if info["fused"] else []  # whose model this node took
         others = [r for _, r in pairs if r != me]
-        info["late"] = await self._await_done(t, others, t0 + self.options.round_timeout)
+        info["late"] = await self._await_done(t, others, t0 + self.options.round_timeout, dict((r, s) for s, r in pairs))
+        if self.repairs and (left_out := sorted(p for p, until in self.silent.items() if t < until)):
+            info["left_out"] = left_out
         return info
 
-    async def _await_done(self, t: int, receivers: list[str], deadline: float) -> list[str]:
-        """Wait for round ``t``'s ``done`` from each live receiver; returns those still missing."""
+    async def _await_done(self, t: int, receivers: list[str], deadline: float,
+                          senders: dict[str, str] | None = None) -> list[str]:
+        """Wait for round ``t``'s ``done`` from each live receiver; returns those still missing.
+        A ``done`` that names its receiver's silent sender (``senders``: receiver -> its sender
+        in this node's pairs; any other name is ignored) leaves that sender out of the next
+        rounds' pairs here too (:meth:`schedule`)."""
         ctx, waiting = self.ctx, set(receivers)
+
+        def take(msg: Message) -> None:
+            waiting.discard(msg.sender)
+            named = msg.meta.get("silent")
+            if self.repairs and isinstance(named, str) and senders and senders.get(msg.sender) == named:
+                self._note_silent(t, named)
+
         while True:
             waiting &= set(ctx.live_peers())
             now = ctx.clock.now()
             if not waiting or now >= deadline:
+                if self.repairs:  # a node late for its round (the silent one) still reads what came
+                    while (msg := await ctx.receive(self.kind("done"), round=t, deadline=now)) is not None:
+                        take(msg)
                 return sorted(waiting)
             msg = await ctx.receive(self.kind("done"), round=t, deadline=min(deadline, now + self.options.poll_interval))
             if msg is not None:
-                waiting.discard(msg.sender)
+                take(msg)
 
     async def await_from(self, kind: str, t: int, peer: str, deadline: float, check) -> Message | None:
         """Next valid round-``t`` message of ``kind`` from ``peer``, or ``None`` once the
