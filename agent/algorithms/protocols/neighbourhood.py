@@ -367,9 +367,8 @@ class NeighbourhoodAlgorithm(Algorithm):
         got, cold = self._cold_start(got, own)
         msgs = [got[s] for s in sorted(got)]
         with self.divergence_guard("aggregation") as guard:  # a non-finite aggregate is undone
-            if cold.get("adopted"):
-                tensors, info = {}, {}
-            else:
+            info: dict[str, Any] = {}
+            if not cold.get("adopted"):
                 tensors, info = self.aggregate(t, gc.own_for_mixing(self.choco, own), msgs)
                 load_numpy(self.model, gc.finish_mixing(self.choco, own, tensors))
         info = {**info, **{k: v for k, v in cold.items() if k != "adopted"}}

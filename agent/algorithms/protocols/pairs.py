@@ -289,7 +289,7 @@ class PairAlgorithm(Algorithm):
                 info.update(role="receiver", partner=sender)
                 got = await self.act_as_receiver(t, sender, t0 + self.options.receive_timeout)
                 info.update(got)
-                done = {"fused": bool(info["fused"])}
+                done: dict[str, Any] = {"fused": bool(info["fused"])}
                 if self.repairs and "neighbours" not in got and sender in ctx.live_peers():  # alive, silent
                     done["silent"] = sender
                     self._note_silent(t, sender)
