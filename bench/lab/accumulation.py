@@ -4,8 +4,9 @@ For every training device and every run after its first, in the order the device
 ledger lists them: the run's first-round accuracy on the device's validation slice (the
 round record's ``local_accuracy``, the slice the deploy gate uses) against the validation
 accuracy of the version the run started from (its manifest's ``accuracy``, measured by the
-deploy gate when that version was deployed), and whether it is at least that minus
-``--tolerance`` (2 points).  Then, per device, the deployed accuracy after the last run
+deploy gate when that version was deployed, and on this run's own slice, which the gate
+measured when it compared this run's candidate: the manifest's ``deployed_accuracy``), and
+whether it is at least the latter (else the former) minus ``--tolerance`` (2 points).  Then, per device, the deployed accuracy after the last run
 against the one after the first, and the lab's held-out accuracy of each run (report.json).
 
     python bench/lab/accumulation.py DIR [--json OUT]
@@ -73,7 +74,12 @@ def device_rows(state: Path, tolerance: float) -> tuple[list[dict[str, Any]], di
         if base is not None:
             row["started_from"] = int(src)
             row["started_from_accuracy"] = base.get("accuracy")
-            row["ok"] = row["first_round_accuracy"] >= float(base.get("accuracy", 0.0)) - tolerance
+            # the same version on this run's own validation slice (the store grew since it was
+            # deployed): the deploy gate measured it when it compared this run's candidate
+            same_slice = mans.get(rid, {}).get("deployed_accuracy")
+            row["started_from_on_this_slice"] = same_slice
+            ref = float(same_slice if isinstance(same_slice, (int, float)) else base.get("accuracy", 0.0))
+            row["ok"] = row["first_round_accuracy"] >= ref - tolerance
         rows.append(row)
     deployed = [r for r in rows if r["deployed_accuracy"] is not None]
     summary = {"first_deployed": deployed[0]["deployed_accuracy"] if deployed else None,
@@ -98,15 +104,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out: dict[str, Any] = {"tolerance": a.tolerance, "devices": {}}
     ok = True
-    print("| device | run | init | started from (accuracy) | first-round accuracy | ok | deployed (accuracy) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| device | run | init | started from (accuracy when deployed) | the same on this run's slice "
+          "| first-round accuracy | ok | deployed (accuracy) |")
+    print("|---|---|---|---|---|---|---|---|")
     for dev in devices:
         rows, summary = device_rows(dev / "state", a.tolerance)
         out["devices"][dev.name] = {"runs": rows, **summary}
         for r in rows:
             src = f"v{r['started_from']} ({r['started_from_accuracy']:.4f})" if "started_from" in r else "-"
             dep = f"v{r['deployed']} ({r['deployed_accuracy']:.4f})" if r["deployed"] is not None else "kept"
-            print(f"| {dev.name} | {r['run']} | {r['init']} | {src} | {r['first_round_accuracy']:.4f} | "
+            same = r.get("started_from_on_this_slice")
+            same_s = f"{same:.4f}" if isinstance(same, (int, float)) else "-"
+            print(f"| {dev.name} | {r['run']} | {r['init']} | {src} | {same_s} | {r['first_round_accuracy']:.4f} | "
                   f"{'yes' if r.get('ok', True) else 'NO'} | {dep} |")
             ok &= bool(r.get("ok", True))
         ok &= summary.get("beats_first", True) in (True, "saturated")
