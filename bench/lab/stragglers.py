@@ -55,13 +55,25 @@ def summarize(folder: Path, slow: set[str]) -> dict[str, Any]:
             on_time_from_slow += len((set(r.get("neighbour_ids") or []) & slow) - late)
             if isinstance(r.get("deadline_s"), (int, float)):
                 deadlines.append(float(r["deadline_s"]))
-    slow_rounds = {d: max((r["round"] for r in _records(folder, d)), default=0) for d in slow}
+    slow_recs = {d: _records(folder, d) for d in slow}
+    slow_rounds = {d: max((r["round"] for r in rs), default=0) for d, rs in slow_recs.items()}
+    # the fast devices' seconds per round while a slow device trains (from its first round
+    # record on; all rounds when there is none), from their records' times
+    since = min((float(r["time"]) for rs in slow_recs.values() for r in rs if "time" in r), default=None)
+    per_round = []
+    for dev in fast:
+        times = sorted(float(r["time"]) for r in _records(folder, dev) if "time" in r
+                       and (since is None or float(r["time"]) >= since))
+        if len(times) >= 2:
+            per_round.append((times[-1] - times[0]) / (len(times) - 1))
     return {"folder": str(folder), "passed": rep.get("passed"), "fast_devices": fast,
             "time_to_target_s": tta["seconds"], "target_round": tta["round"], "best_fast_mean": tta["best"],
             "fast_rounds": rounds, "slow_rounds": slow_rounds,
             "slow_updates_late_used": late_from_slow, "slow_updates_on_time": on_time_from_slow,
             "other_late_used": late_other,
             "deadline_s_median": statistics.median(deadlines) if deadlines else None,
+            "fast_s_per_round_while_slow_trains": round(statistics.mean(per_round), 3) if per_round else None,
+            "slow_first_round_time": since,
             "wall_seconds": rep.get("wall_seconds")}
 
 
@@ -81,15 +93,15 @@ def main(argv: list[str] | None = None) -> int:
         rows[name] = summarize(Path(d), slow)
     base = next(iter(rows.values()))["time_to_target_s"]
     print(f"| scenario | fast devices' time to {TARGET:.2f} (s) | × baseline | round | fast rounds | slow rounds "
-          "| slow updates used late / on time | median deadline (s) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| slow updates used late / on time | median deadline (s) | fast s/round while the slow one trains |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         t = r["time_to_target_s"]
         ratio = f"{t / base:.2f}" if t is not None and base else "-"
         print(f"| {name} | {t if t is not None else 'never (best ' + str(r['best_fast_mean']) + ')'} | {ratio} "
               f"| {r['target_round']} | {min(r['fast_rounds'].values(), default=0)}-{max(r['fast_rounds'].values(), default=0)} "
               f"| {', '.join(str(v) for v in r['slow_rounds'].values())} | {r['slow_updates_late_used']} / "
-              f"{r['slow_updates_on_time']} | {r['deadline_s_median']} |")
+              f"{r['slow_updates_on_time']} | {r['deadline_s_median']} | {r['fast_s_per_round_while_slow_trains']} |")
     if a.json:
         a.json.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
     return 0
