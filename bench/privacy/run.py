@@ -40,14 +40,18 @@ RUNS = RESULTS / "runs"
 ROOT = HERE.parents[1]
 
 NODES, ROUNDS = 5, 20
-ALGORITHMS = ("fedavg", "dfml")
+ALGORITHMS = ("fedavg", "dfml", "dfml-h2")
+#: the registry name of each benchmarked setting, and its further dflctl simulate arguments:
+#: ``dfml-h2`` is DFML with its paper's H2 models (five different CNNs) instead of the default CNN
+ALGORITHM = {"fedavg": "fedavg", "dfml": "dfml", "dfml-h2": "dfml"}
+EXTRA = {"fedavg": (), "dfml": (), "dfml-h2": ("--models", "H2")}
 #: learning rates: fedavg the simulator's default; DFML the rate its own benchmark chose on
 #: validation for HAR by user (bench/dfml/results/lr_selection.md, har-byuser-H2: 0.01)
-LR = {"fedavg": 0.05, "dfml": 0.01}
+LR = {"fedavg": 0.05, "dfml": 0.01, "dfml-h2": 0.01}
 #: algorithm options: DFML with 2 mutual-learning epochs a round instead of 10, with and without
 #: DP (a DP step costs about twice a plain one and every mutual-learning epoch is DP steps: 10
 #: epochs made one DP run of 5 nodes take over 10 minutes on the shared 2-core machine)
-OPTIONS = {"fedavg": (), "dfml": ("mutual_epochs=2",)}
+OPTIONS = {"fedavg": (), "dfml": ("mutual_epochs=2",), "dfml-h2": ("mutual_epochs=2",)}
 EPSILONS = (1.0, 3.0, 8.0)
 CLIPS = (0.5, 1.0, 2.0)
 SEEDS = (0, 1, 2)
@@ -59,8 +63,8 @@ def _name(alg: str, eps: float | None, clip: float | None, seed: int) -> str:
 
 
 def command(alg: str, eps: float | None, clip: float | None, seed: int) -> list[str]:
-    cmd = ["dflctl", "simulate", "--algorithm", alg, "--nodes", str(NODES), "--rounds", str(ROUNDS),
-           "--dataset", "har", "--partition", "by-user", "--seed", str(seed), "--lr", f"{LR[alg]:g}"]
+    cmd = ["dflctl", "simulate", "--algorithm", ALGORITHM[alg], *EXTRA[alg], "--nodes", str(NODES),
+           "--rounds", str(ROUNDS), "--dataset", "har", "--partition", "by-user", "--seed", str(seed), "--lr", f"{LR[alg]:g}"]
     for opt in OPTIONS[alg]:
         cmd += ["--option", opt]
     if eps is not None:
