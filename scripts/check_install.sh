@@ -96,6 +96,20 @@ step "dflctl simulate (2 nodes, 1 round)"
 "$A/dflctl" simulate --algorithm fedavg --nodes 2 --rounds 1 --dataset har --partition iid --steps 5 \
   --model-size small --out "$WORK/sim" || fail "dflctl simulate"
 [[ -s "$WORK/sim/summary.json" ]] || fail "simulate wrote no summary.json"
+# differential privacy: without the privacy extra a DP configuration stops in one line naming it
+printf '[privacy.dp]\nmax_grad_norm = 1.0\nnoise_multiplier = 1.0\n' | cat "$WORK/node.toml" - >"$WORK/dp.toml"
+step "dfl-agent check-config with privacy.dp, without the privacy extra"
+if "$A/dfl-agent" check-config --config "$WORK/dp.toml" >"$WORK/dp.txt" 2>&1; then fail "DP accepted without opacus"; fi
+grep -q "privacy" "$WORK/dp.txt" || { cat "$WORK/dp.txt"; fail "the DP error does not name the privacy extra"; }
+step "WHEEL[privacy]: dflctl simulate --dp-epsilon 8 (2 nodes, 1 round)"
+pipq "$A/pip" install -q "$WHEEL[privacy]"
+"$A/python" -c 'import torch; assert torch.__version__.startswith("'"$TORCH_VERSION"'"), torch.__version__' \
+  || fail "installing the privacy extra replaced torch"
+"$A/dfl-agent" check-config --config "$WORK/dp.toml" || fail "dfl-agent check-config with privacy.dp"
+"$A/dflctl" simulate --algorithm fedavg --nodes 2 --rounds 1 --dataset har --partition iid --steps 5 \
+  --model-size small --dp-epsilon 8 --out "$WORK/simdp" || fail "dflctl simulate --dp-epsilon"
+"$A/python" -c 'import json, sys; e = json.load(open(sys.argv[1]))["dp"]["epsilon_spent"]; assert 0 < e <= 8, e' \
+  "$WORK/simdp/summary.json" || fail "simulate --dp-epsilon reported no epsilon spent in (0, 8]"
 cd "$REPO"
 
 # -- venv B: the torch-free inference member ---------------------------------------------
