@@ -90,10 +90,13 @@ class RunMembers:
 
     def _members(self) -> set[str]:
         """The run's members besides this node (:attr:`members`, else, when none is
-        known, the live verified neighbours)."""
+        known, the live verified neighbours), without the peers this node excluded as
+        incompatible: they never exchange with it, so their say ends nothing here."""
         members = set(self.members)
         if not members and self.ctx is not None:
             members = set(self.ctx.neighbours())
+        if self.ctx is not None:
+            members -= set(getattr(getattr(self.ctx, "membership", None), "excluded", None) or ())
         members.discard(self.node_id)
         return members
 
