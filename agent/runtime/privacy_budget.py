@@ -432,7 +432,13 @@ class OnceBudget:
             try:
                 store = open_store(cfg)
                 seed_store(store, cfg.data.path)
-                store.ingest_spool()
+                waited = store.ingest_spool()
+                # spool files younger than the store's settle time are left for a later pass; the
+                # run finds them, so N counts them: wait for them to settle (a live feed: bounded)
+                until = time.monotonic() + float(getattr(store, "settle_seconds", 1.0)) + 1.0
+                while waited.get("waiting") and time.monotonic() < until:
+                    time.sleep(0.2)
+                    waited = store.ingest_spool()
             except (OSError, ValueError) as exc:
                 raise StartupError(str(exc)) from None
         self.store = store

@@ -244,3 +244,22 @@ def test_a_crash_mid_run_never_under_counts(tmp_path: Path, at: str) -> None:
     assert [(r["run_id"], r["state"], r["steps"]) for r in rows] == [("r1", "spent", row["planned_steps"])]
     assert m.ledger.entries["r1"]["privacy"]["epsilon"] == pytest.approx(row["epsilon"], rel=1e-3)
     assert m.privacy.status()["epsilon_spent"] == pytest.approx(row["epsilon"], rel=1e-3)
+
+
+def test_run_once_counts_spool_files_that_are_still_settling(tmp_path: Path) -> None:
+    """A spool file younger than the store's settle time is left for a later pass, but the run
+    finds it: ``run --once`` admitted right after the feed dropped its files (N = 0 then)
+    declined with "no samples to train on". It now waits for them to settle and counts them."""
+    from dfl_agent.runtime.privacy_budget import OnceBudget
+    from tests.system.test_store_agent import SHAPE, drop
+
+    cfg = config_from_dict({
+        "federation": "f", "node_id": "dev1", "state_dir": str(tmp_path), "algorithm": {"name": "local", "rounds": 2},
+        "data": {"dataset": "store", "input_shape": list(SHAPE), "num_classes": 4},
+        "privacy": {"dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0}},
+    })
+    for i in range(3):
+        drop(tmp_path / "spool", f"a{i}.npz", 60, i)  # just written: younger than the settle time
+    OnceBudget(cfg, "once-1").admit()  # before: StartupError "... no samples to train on (N = 0)"
+    row = PrivacyLedger(tmp_path).get("once-1")
+    assert row["state"] == "reserved" and 0 < row["sample_rate"] < 1
