@@ -250,7 +250,7 @@ class Membership:
         # runtime.straggler = "quorum": the federation does not wait for a node behind it, so a
         # node that may skip only max_catch_up_rounds per round it closes never catches up;
         # it joins the quorum's round at once (still on the evidence of most live neighbours)
-        quorum = getattr(getattr(ctx, "straggler", None), "mode", None) == "quorum"
+        quorum = bool(getattr(getattr(ctx, "straggler", None), "quorum", False))
         cap = (ctx.final_round or 10**9) if quorum else ctx.max_catch_up_rounds
         target = catch_up_target(next_round, shown, len(live), cap)
         if ctx.final_round is not None:

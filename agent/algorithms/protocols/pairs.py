@@ -233,7 +233,7 @@ class PairAlgorithm(Algorithm):
         self.sender_train = dataclasses.replace(self.ctx.train, epochs=self.options.M)
         self.stats: collections.Counter[str] = collections.Counter()
         #: ``runtime.straggler = "quorum"``: re-pair away from a silent sender (:meth:`schedule`)
-        self.repairs = getattr(getattr(self.ctx, "straggler", None), "mode", None) == "quorum"
+        self.repairs = bool(getattr(getattr(self.ctx, "straggler", None), "quorum", False))
         self.silent: dict[str, int] = {}  # sender -> the last round it is left out of the pairs
 
     def deployable_model(self) -> nn.Module:
