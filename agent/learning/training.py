@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
@@ -223,8 +224,10 @@ def train_local(
     Returns:
         ``{"loss": mean training loss over batches, "samples": samples seen (N * epochs),
         "diverged": 0.0 or 1.0}``, and under DP ``"dp_steps"``: the DP steps taken.  When
-        training produced non-finite parameters, the model is restored to its state before
-        the call and ``diverged`` is 1.
+        training produced non-finite parameters, or a batch's loss was not finite (the
+        training stops there: no step on its gradient), the model is restored to its state
+        before the call, ``diverged`` is 1 and ``loss`` NaN in the second case.  The
+        runtime counts a diverged call (``diverged`` in the round record and the status).
 
     Raises:
         ValueError: ``x`` and ``y`` lengths differ or the split is empty.
@@ -250,6 +253,7 @@ def train_local(
     total, count, samples = 0.0, 0, 0
     amp, kind, dtype = autocast_for(device, getattr(cfg, "mixed_precision", False))
     scaler = torch.amp.GradScaler(kind) if amp else None
+    non_finite = False
     for idx in round_batches(len(x), cfg, rng):
         _check_abort()
         bi = torch.from_numpy(idx)
@@ -259,6 +263,12 @@ def train_local(
             loss = (loss_fn or F.cross_entropy)(model(xb).float(), yb)
         if regularizer is not None:
             loss = loss + regularizer(model)
+        value = float(loss.detach())
+        if scaler is None and not math.isfinite(value):
+            # the model blew up (overflowing logits): no step on a NaN gradient; the round's
+            # training is undone below (the gradient scaler handles overflow under autocast)
+            non_finite = True
+            break
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.step(opt)
@@ -266,11 +276,16 @@ def train_local(
         else:
             loss.backward()
             opt.step()
-        total += float(loss.detach())
+        total += value
         count += 1
         samples += len(idx)
-    diverged = restore_if_diverged(model, before)
-    return {"loss": total / max(count, 1), "samples": float(samples), "diverged": float(diverged)}
+    diverged = restore_if_diverged(model, before, force=non_finite)
+    return {"loss": total / max(count, 1) if not non_finite else math.nan, "samples": float(samples),
+            "diverged": float(diverged)}
+
+
+#: the runtime counts a call of these that returned ``diverged`` (they restore the model themselves)
+train_local.restores_itself = True  # type: ignore[attr-defined]
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -283,9 +298,10 @@ def is_finite(model: nn.Module) -> bool:
     return all(bool(torch.isfinite(v).all()) for v in model.state_dict().values() if v.is_floating_point())
 
 
-def restore_if_diverged(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
-    """Restore ``before`` into ``model`` if its state became non-finite; returns whether it did."""
-    if is_finite(model):
+def restore_if_diverged(model: nn.Module, before: dict[str, torch.Tensor], force: bool = False) -> bool:
+    """Restore ``before`` into ``model`` if its state became non-finite (or ``force``: the
+    training loss did); returns whether it did."""
+    if not force and is_finite(model):
         return False
     model.load_state_dict(before)
     return True
@@ -386,9 +402,16 @@ def train_adam(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, b
             bi = torch.from_numpy(idx)
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(xt[bi].to(device)), yt[bi].to(device))
+            value = float(loss.detach())
+            if not math.isfinite(value):  # as in train_local: undone below
+                diverged = restore_if_diverged(model, before, force=True)
+                return {"loss": math.nan, "diverged": float(diverged)}
             loss.backward()
             opt.step()
-            total += float(loss.detach())
+            total += value
             count += 1
     diverged = restore_if_diverged(model, before)
     return {"loss": total / max(count, 1), "diverged": float(diverged)}
+
+
+train_adam.restores_itself = True  # type: ignore[attr-defined]

@@ -469,7 +469,11 @@ class RuntimeContext:
         self.gate_part.note_neighbours()
 
     async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return await self.gate_part.compute(fn, *args, **kwargs)
+        result = await self.gate_part.compute(fn, *args, **kwargs)
+        # local training undoes a round that blew up itself (train_local, train_adam): count it
+        if getattr(fn, "restores_itself", False) and isinstance(result, dict) and result.get("diverged"):
+            self.note_diverged("local training", "a non-finite loss or parameters")
+        return result
 
     async def compute_ungated(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """:meth:`compute` without resource gating (evaluation, ONNX export)."""
@@ -477,8 +481,8 @@ class RuntimeContext:
 
     # -- rounds and reporting -------------------------------------------------------------
     def note_diverged(self, step: str, detail: str) -> None:
-        """An aggregation, mutual-learning or transfer step left a non-finite model, which
-        the algorithm restored to its state before the step: count it (``diverged`` in
+        """An aggregation, mutual-learning, transfer or local-training step left a non-finite
+        model (or loss), which was restored to its state before the step: count it (``diverged`` in
         :meth:`counters`, round records and the status) and log a WARNING, at most once
         per round (further ones that round are counted only)."""
         self.diverged += 1

@@ -316,3 +316,43 @@ def test_no_algorithm_keeps_or_sends_a_non_finite_model_when_a_peer_sends_1e30(n
         assert len(nd.history) == 2
         # 1e30 is finite: a frame refused as non-finite was a NaN/Inf model some node sent
         assert "non_finite" not in nd.ctx.counters()["dropped"], nd.ctx.counters()["dropped"]
+
+
+# -- local training that blows up -------------------------------------------------------------
+
+
+def test_local_training_stops_at_a_non_finite_loss_restores_and_says_so():
+    """A model whose weights are huge but finite (what averaging in a 1e30 update leaves)
+    overflows its logits: the loss is not finite.  Training stops there, puts the model
+    back as it was and reports ``diverged`` with a NaN loss."""
+    from dfl_agent.learning.training import train_adam, train_local
+    from dfl_agent.models import build_model
+
+    d = _data(0, tuple(SPEC["input_shape"]))
+    for train in (lambda m: train_local(m, d.train_x, d.train_y, TrainConfig(batch_size=8, lr=0.1),
+                                        np.random.default_rng(0)),
+                  lambda m: train_adam(m, d.train_x, d.train_y, epochs=1, batch_size=8, lr=0.01,
+                                       rng=np.random.default_rng(0))):
+        model = build_model(SPEC)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(1e30)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        out = train(model)
+        assert out["diverged"] == 1.0 and np.isnan(out["loss"])
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_runtime_counts_a_training_round_that_diverged(caplog):
+    """Two fedavg nodes, one of which sends a 1e30 weight in every update: the honest node's
+    average is huge but finite, its next local training overflows and is undone, and that
+    is counted as ``diverged`` in its counters (round records, status) with a WARNING naming
+    local training.  With the count in the runtime removed, ``diverged`` stays 0."""
+    net, nodes = _federation("fedavg")
+    poison_outgoing(nodes[0].ctx)
+    checks: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="dfl_agent.runtime.context"):
+        _run(nodes, 2, checks)
+    honest = nodes[1].ctx
+    assert honest.counters()["diverged"] >= 1
+    assert any("local training step left" in r.getMessage() for r in caplog.records)
