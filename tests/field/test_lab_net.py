@@ -283,8 +283,11 @@ with LabNet(state_dir=Path(sys.argv[1])) as net:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_builder_tears_its_lab_down(tmp_path: Path, sig: int) -> None:
+    # SIGINT as a terminal sends it: a test run started in the background (a shell's `&`
+    # without job control) ignores SIGINT, and the builder would inherit that
     builder = subprocess.Popen([PY, "-c", INTERRUPTED, str(tmp_path)], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert builder.stdout is not None
     try:
         run_id = builder.stdout.readline().strip()
