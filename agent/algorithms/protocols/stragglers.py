@@ -41,9 +41,9 @@ MODES = ("paper", "quorum")
 QUORUM_PERCENT = 0.5
 #: ``max_staleness`` under ``quorum``.  Measured in the field lab
 #: (``bench/lab/scenarios/stragglers-quorum.toml``): a device with a fifth of its neighbours'
-#: CPU spends most of it decoding their updates, trains a round while they close 10-12, and
-#: sends updates 35-45 of their rounds old; 64 keeps such a device's updates (at FedAsync
-#: weight 1/8 or more) where 8 dropped every one
+#: CPU spends most of it decoding their updates, trains a round while they close 10-15, and
+#: sends updates 35-78 of their rounds old; 64 keeps some of them (at FedAsync weight 1/8 or
+#: more) where 8 dropped every one
 QUORUM_STALENESS = 64
 #: FedAsync's a of s(τ) = (τ + 1)^−a
 STALENESS_EXPONENT = 0.5
