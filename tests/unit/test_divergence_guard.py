@@ -340,6 +340,7 @@ def test_local_training_stops_at_a_non_finite_loss_restores_and_says_so():
         before = {k: v.clone() for k, v in model.state_dict().items()}
         out = train(model)
         assert out["diverged"] == 1.0 and np.isnan(out["loss"])
+        assert out.get("samples", 0.0) == 0.0  # it stopped at the first batch: no step on a NaN gradient
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
