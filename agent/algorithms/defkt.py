@@ -101,7 +101,7 @@ class DefKT(PushAlgorithm):
         o, cfg = self.options, self.ctx.train
         return dataclasses.replace(
             cfg,
-            lr=o.transfer_lr if o.transfer_lr > 0 else cfg.lr,
+            lr=o.transfer_lr * cfg.lr_scale if o.transfer_lr > 0 else cfg.lr,  # lr_scale: a warm start's ramp
             momentum=o.transfer_momentum,
             batch_size=o.transfer_batch_size if o.transfer_batch_size > 0 else cfg.batch_size,
         )

@@ -141,6 +141,10 @@ class TrainConfig:
         dp: differentially private training (``privacy.dp``, :mod:`dfl_agent.learning.dp`):
             Poisson batches, per-sample clipping and Gaussian noise in every step of
             :func:`train_local` and :func:`train_adam`; None: plain training.
+        lr_scale: this round's factor on every learning rate, in (0, 1]: the learning-rate
+            ramp of a run started from the deployed model (:func:`ramped`).  ``lr`` already
+            includes it; the rates an algorithm chooses itself (Adam's, Def-KT's
+            ``transfer_lr``) are multiplied by it where they are chosen.
     """
 
     epochs: int = 1
@@ -152,6 +156,7 @@ class TrainConfig:
     mixed_precision: bool = False
     lr_is_set: bool = False
     dp: DPTraining | None = None
+    lr_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size"):
@@ -165,6 +170,22 @@ class TrainConfig:
             raise ValueError(f"training.momentum must be in [0, 1), got {self.momentum!r}")
         if self.weight_decay < 0:
             raise ValueError(f"training.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not 0 < self.lr_scale <= 1:
+            raise ValueError(f"lr_scale must be in (0, 1], got {self.lr_scale!r}")
+
+
+def ramped(base: TrainConfig, factor: float) -> TrainConfig:
+    """``base`` with every learning rate multiplied by ``factor`` (``lr`` and
+    ``lr_scale``; ``base.lr_scale`` must be 1): one round of a learning-rate warm-up
+    (gradual warm-up, Goyal et al. 2017, section 2.2), which
+    :mod:`dfl_agent.runtime.warm_start` applies to a run started from the deployed model.
+
+    Raises:
+        ValueError: ``factor`` is not in (0, 1].
+    """
+    if factor == 1.0:
+        return base
+    return dataclasses.replace(base, lr=base.lr * factor, lr_scale=factor)
 
 
 def autocast_for(device: str | torch.device, enabled: bool) -> tuple[bool, str, torch.dtype]:
@@ -359,17 +380,19 @@ def adam_lr(option: float | None, train: TrainConfig | None) -> float:
 
     The first of: the algorithm's ``adam_lr`` option when given; ``training.lr`` when the
     user set it (``train.lr_is_set``); else :data:`DEFAULT_ADAM_LR` (0.01, seed 002's
-    baselines).  The SGD default of ``training.lr`` (0.05) never reaches Adam.
+    baselines).  The SGD default of ``training.lr`` (0.05) never reaches Adam.  Each is
+    multiplied by ``train.lr_scale`` (a warm-started run's ramp).
 
     Args:
         option: the algorithm's ``adam_lr`` option (None: not given).
         train: the node's :class:`TrainConfig` (None: none known).
     """
+    scale = float(getattr(train, "lr_scale", 1.0))  # a warm-started run's ramp (TrainConfig.lr_scale)
     if option is not None:
-        return float(option)
+        return float(option) * scale
     if train is not None and getattr(train, "lr_is_set", False):
-        return float(train.lr)
-    return DEFAULT_ADAM_LR
+        return float(train.lr)  # already ramped
+    return DEFAULT_ADAM_LR * scale
 
 
 def train_adam(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float,

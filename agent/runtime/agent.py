@@ -302,7 +302,7 @@ class Agent(RunMembers):
             node.accuracy_source = "local validation"
         if self.metrics_run is not None:
             node.run_info = {"id": self.metrics_run, "state": "accepted", "reason": ""}
-        node.service_status = self.service_status
+        node.service_status, node.lr_ramp = self.service_status, cfg.training.warm_start_ramp  # a warm start's ramp
 
     def _attach_publisher(self, s: _Setup) -> None:
         """With ONNX available: send the deployable model to inference-only members after

@@ -86,6 +86,7 @@ class TrainingSection:
         default_text=f"`{DEFAULT_LR}` (Adam algorithms: `{DEFAULT_ADAM_LR}`)")
     momentum: float = described(0.9, help="SGD momentum, in [0, 1)")
     weight_decay: float = described(0.0, help="SGD weight decay")
+    warm_start_ramp: int = described(5, help="rounds a warm-started run ramps its learning rates up from a tenth (0: off)")
     device: str | None = described(None, help="`cpu`, `auto` or `cuda[:N]`",
                                          default_text="from the profile (`cpu`)")
     threads: int | None = described(None, help="torch intra-op threads", default_text="from the profile (1)")
@@ -373,6 +374,7 @@ def _validate_training(cfg: NodeConfig) -> None:
     _need(t.lr is None or t.lr > 0, "training.lr", "must be > 0")
     _need(0 <= t.momentum < 1, "training.momentum", "must be in [0, 1)")
     _need(t.weight_decay >= 0, "training.weight_decay", "must be >= 0")
+    _need(isinstance(t.warm_start_ramp, int) and t.warm_start_ramp >= 0, "training.warm_start_ramp", "must be >= 0")
     _need(t.threads is None or t.threads >= 1, "training.threads", "must be >= 1")
     _need(t.device is None or t.device in ("cpu", "auto") or re.fullmatch(r"cuda(:\d+)?", t.device) is not None,
          "training.device", "must be 'cpu', 'auto' or 'cuda[:N]'")
@@ -500,13 +502,11 @@ def _validate_runtime(cfg: NodeConfig) -> None:
     _need(cfg.runtime.log_level.lower() in ("debug", "info", "warning", "error"), "runtime.log_level",
          "must be debug, info, warning or error")
     _need(cfg.runtime.checkpoint_keep >= 1, "runtime.checkpoint_keep", "must be >= 1 (2 keeps a fallback)")
-    _need(isinstance(cfg.runtime.eval_every, int) and cfg.runtime.eval_every >= 1, "runtime.eval_every",
-         "must be an integer >= 1")
     _need(cfg.runtime.log_format in ("auto", "text", "journal"), "runtime.log_format", "must be auto, text or journal")
     _need(0 <= cfg.runtime.prometheus_port <= 65535, "runtime.prometheus_port", "must be in [0, 65535] (0 = off)")
-    for key in ("max_catch_up_rounds", "run_retries"):
+    for key, low in (("max_catch_up_rounds", 0), ("run_retries", 0), ("eval_every", 1)):
         v = getattr(cfg.runtime, key)
-        _need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"runtime.{key}", "must be an integer >= 0")
+        _need(isinstance(v, int) and not isinstance(v, bool) and v >= low, f"runtime.{key}", f"must be an integer >= {low}")
     _need(cfg.runtime.run_stop_grace > 0, "runtime.run_stop_grace", "must be > 0 seconds")
     _need(cfg.runtime.run_init in ("deployed", "fresh"), "runtime.run_init", "must be 'deployed' or 'fresh'")
     _need(cfg.runtime.straggler in ("quorum", "paper"), "runtime.straggler", "must be 'quorum' or 'paper'")

@@ -152,6 +152,8 @@ class Node:
         #: ``reason``), added to the first round record of this process as ``init``, ``started_from``
         #: and ``init_reason``
         self.run_start: dict[str, Any] = {}
+        self.lr_ramp = 0  #: ``training.warm_start_ramp`` (:func:`dfl_agent.runtime.warm_start.ramp_factor`)
+        self._ramp: tuple[Any, dict[str, Any]] | None = None  # (the full-rate TrainConfig, the run's start)
         #: the reporting of the latest round (evaluation, record, hooks) while it runs in the background
         self._report_task: asyncio.Task[None] | None = None
         #: the deployable model of the record being reported (a copy in background mode)
@@ -221,6 +223,9 @@ class Node:
     async def run(self, rounds: int, start_round: int = 1) -> None:
         self.rounds = rounds
         self.state = "running"
+        if self.lr_ramp > 0 and (self.run_start or {}).get("started_from") is not None:
+            self._ramp = (self.ctx.train, dict(self.run_start))
+            self._set_lr_ramp(start_round)
         self._round_started = self.ctx.clock.now()
         self._round_started_wall = time.perf_counter()
         await self.publish_status()
@@ -240,6 +245,15 @@ class Node:
         await self.drain()
         self.state = "finished"
         await self.publish_status()
+
+    def _set_lr_ramp(self, t: int) -> None:
+        """Round ``t``'s learning rates (``ctx.train``): the full rates once past the ramp."""
+        if self._ramp is not None:
+            from dfl_agent.learning.training import ramped
+            from dfl_agent.runtime.warm_start import ramp_factor
+
+            base, start = self._ramp
+            self.ctx.train = ramped(base, ramp_factor(start, self.lr_ramp, t))
 
     async def drain(self) -> None:
         """Wait until every round's background evaluation and record are done."""
@@ -353,13 +367,7 @@ class Node:
         data = self.ctx.data
         if data is not None and hasattr(data, "num_train"):  # what this run trains on (grows with the store)
             record["train_samples"], record["validation_samples"] = int(data.num_train), int(data.num_val)
-        if self.startup:  # the first record after start-up says what it cost
-            record.update({f"startup_{k}": v for k, v in self.startup.items()})
-            self.startup = {}
-        if self.run_start:
-            s = self.run_start
-            record.update(init=s.get("init"), started_from=s.get("started_from"), init_reason=s.get("reason", ""))
-            self.run_start = {}
+        self._start_fields(record)
         if found := getattr(self.ctx.peers, "take_found", lambda: None)():  # how peers were found since
             record["peers_found"] = found
         self.history.append(record)
@@ -388,8 +396,22 @@ class Node:
             raise FederationFinished(t)
         self._round_started = self.ctx.clock.now()
         self._round_started_wall = time.perf_counter()
+        self._set_lr_ramp(t + 1)
         if t < self.rounds:
             self._check_kill(t + 1)  # fault injection: crash as the next round starts
+
+    def _start_fields(self, record: dict[str, Any]) -> None:
+        """Add what the run's start did to a round ``record``: the start-up work and the warm
+        start (the first record of this process only), and the learning-rate ramp's factor."""
+        if self.startup:  # the first record after start-up says what it cost
+            record.update({f"startup_{k}": v for k, v in self.startup.items()})
+            self.startup = {}
+        if self.run_start:
+            s = self.run_start
+            record.update(init=s.get("init"), started_from=s.get("started_from"), init_reason=s.get("reason", ""))
+            self.run_start = {}
+        if (scale := getattr(self.ctx.train, "lr_scale", 1.0)) != 1.0:  # a warm start's learning-rate ramp
+            record["lr_scale"] = round(scale, 4)
 
     async def _checkpoint(self, t: int, saved: asyncio.Event | None) -> None:
         """Save round ``t``'s checkpoint (operations: crash-safe state after every round),

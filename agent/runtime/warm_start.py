@@ -12,6 +12,11 @@ the deployed version loaded, None when fresh), kept in ``RUN_DIR/start.json`` so
 resumed or retried run, which restores its checkpoint instead, reports the same start.  It
 goes into the first round record, the run's ledger entry and the deployed version's
 manifest.
+
+A run that started from a deployed model ramps its learning rates up over its first
+``training.warm_start_ramp`` rounds (:func:`ramp_factor`; a gradual warm-up, Goyal et al.
+2017, section 2.2): its first local steps, on data the deployed model may never have seen,
+do not throw away what that model knew.  Round records show the factor as ``lr_scale``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,20 @@ from dfl_agent.jsonbound import loads as bounded_loads
 log = logging.getLogger("dfl_agent.daemon")
 
 START_FILE = "start.json"
+#: a warm-started run's learning rates in its first round, as a share of the full rates
+RAMP_START = 0.1
+
+
+def ramp_factor(start: dict[str, Any], ramp_rounds: int, t: int) -> float:
+    """Round ``t``'s factor on the learning rates (``TrainConfig.lr_scale``): in a run that
+    started from a deployed model (``start["started_from"]`` set), ``RAMP_START`` in round 1
+    rising linearly to 1 in round ``ramp_rounds + 1``; 1 otherwise (a fresh start, or
+    ``ramp_rounds`` 0).  A round past the ramp, or a resumed run's round, gets the same
+    factor as it would have had without the restart.
+    """
+    if ramp_rounds <= 0 or start.get("started_from") is None:
+        return 1.0
+    return min(1.0, RAMP_START + (1.0 - RAMP_START) * max(0, t - 1) / ramp_rounds)
 
 
 def deployed_state(state_dir: str | Path) -> tuple[int | None, dict[str, Any] | None, str]:

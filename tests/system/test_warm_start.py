@@ -80,3 +80,6 @@ def test_two_runs_on_the_same_data_accumulate_from_the_deployed_model(tmp_path):
     assert entries[m1["run_id"]]["started_from"] is None
     first_round = json.loads((state / "runs" / m2["run_id"] / "metrics.jsonl").read_text().splitlines()[0])
     assert first_round["started_from"] == 1 and first_round["init"] == "deployed"
+    # its learning rates start at a tenth (training.warm_start_ramp); the fresh first run's do not
+    assert first_round["lr_scale"] == 0.1, first_round
+    assert "lr_scale" not in json.loads((state / "runs" / m1["run_id"] / "metrics.jsonl").read_text().splitlines()[0])

@@ -245,3 +245,78 @@ def test_a_cold_member_adopts_its_warm_neighbours_and_they_leave_it_out(compress
     assert not nodes[2].algorithm.joins_cold  # once: round 2 aggregates as usual
     if compression != "none":
         assert nodes[2].algorithm.choco.own is None  # its next message is a keyframe of the adopted model
+
+
+def test_the_learning_rate_ramp_of_a_warm_start():
+    """A run that started from a deployed model ramps its learning rates up from a tenth over
+    ``training.warm_start_ramp`` rounds; a fresh start, or a ramp of 0, runs at the full rate."""
+    from dfl_agent.learning.training import DEFAULT_ADAM_LR, TrainConfig, adam_lr, ramped
+    from dfl_agent.runtime.warm_start import ramp_factor
+
+    warm, fresh = {"started_from": 3}, {"started_from": None}
+    assert [round(ramp_factor(warm, 5, t), 2) for t in range(1, 8)] == [0.1, 0.28, 0.46, 0.64, 0.82, 1.0, 1.0]
+    assert ramp_factor(fresh, 5, 1) == ramp_factor(warm, 0, 1) == 1.0
+    base = TrainConfig(lr=0.05)
+    r = ramped(base, 0.1)
+    assert r.lr == pytest.approx(0.005) and r.lr_scale == 0.1 and ramped(base, 1.0) is base
+    assert adam_lr(None, r) == pytest.approx(DEFAULT_ADAM_LR * 0.1) and adam_lr(0.02, r) == pytest.approx(0.002)
+    assert adam_lr(None, ramped(TrainConfig(lr=0.03, lr_is_set=True), 0.5)) == pytest.approx(0.015)
+    with pytest.raises(ValueError, match="lr_scale"):
+        TrainConfig(lr_scale=0.0)
+    cfg = {"federation": "f", "algorithm": {"name": "local", "rounds": 1}}
+    assert config_from_dict(cfg).training.warm_start_ramp == 5
+    with pytest.raises(ConfigError, match="training.warm_start_ramp"):
+        config_from_dict({**cfg, "training": {"warm_start_ramp": -1}})
+
+
+@pytest.mark.parametrize("algorithm", ["gt", "defkt"])
+def test_the_ramp_reaches_the_rates_algorithms_derive(algorithm):
+    """GT's accumulated-gradient η and Def-KT's sender training follow ``ctx.train`` every
+    round (a copy taken at set-up would miss the ramp)."""
+    from dfl_agent.learning.training import ramped
+
+    node = _node(algorithm)
+    full = node.ctx.train.lr
+    node.ctx.train = ramped(node.ctx.train, 0.1)
+    got = node.algorithm.lr if algorithm == "gt" else node.algorithm.sender_train.lr
+    assert got == pytest.approx(full * 0.1)
+
+
+@pytest.mark.parametrize("ramp", [0, 5])
+def test_a_warm_started_node_takes_small_steps_first(ramp):
+    """Round 1 of a warm-started run moves the model about a tenth as far as the full rate
+    would, and its record says ``lr_scale``; the ramp ends at the full rate (round 6)."""
+    from dfl_agent.transport.memory import run_virtual
+
+    moved, records = {}, {}
+    for start in ({"init": "deployed", "started_from": 1, "reason": ""}, {"init": "fresh", "started_from": None}):
+        node = _node("local")
+        node.lr_ramp, node.run_start = ramp, dict(start)
+        before = _flat(node.algorithm.model)
+        trained = []
+
+        async def hook(t, info, node=node, trained=trained):
+            trained.append((node.ctx.train.lr, _flat(node.algorithm.model)))
+
+        async def main(node=node):
+            await node.ctx.start()
+            node.ctx.round_hook, original = None, node.ctx.round_hook
+
+            async def both(t, info):
+                await hook(t, info)
+                await original(t, info)
+            node.ctx.round_hook = both
+            await node.run(6)
+
+        run_virtual(main())
+        key = start["started_from"] is not None
+        moved[key] = _dist(trained[0][1], before)
+        records[key] = [(h.get("lr_scale"), lr) for h, (lr, _) in zip(node.history, trained)]
+    full = records[False][0][1]
+    assert [s for s, _ in records[False]] == [None] * 6  # a fresh start: no ramp
+    if ramp == 0:
+        assert records[True] == records[False] and moved[True] == pytest.approx(moved[False])
+        return
+    assert [s for s, _ in records[True]] == [0.1, 0.28, 0.46, 0.64, 0.82, None]
+    assert records[True][0][1] == pytest.approx(full * 0.1) and records[True][5][1] == pytest.approx(full)
+    assert moved[True] < 0.3 * moved[False]

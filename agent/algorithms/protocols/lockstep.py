@@ -63,7 +63,6 @@ class LockStepAlgorithm(Algorithm):
     async def setup(self) -> None:
         self.model = self.new_model()
         self.reference = model_to_numpy(self.model)  # M_R
-        self.lr = float(self.ctx.train.lr)
         self.last_sync = 0  # epoch of the last synchronization (k_s)
         self.syncs = 0
         self.dropped: set[str] = set()
@@ -172,6 +171,12 @@ class LockStepAlgorithm(Algorithm):
         self.last_sync = t
         self.syncs += 1
         return sorted(m.sender for m in got)
+
+    @property
+    def lr(self) -> float:
+        """η of the accumulated gradient (``training.lr``), read every round: a warm-started
+        run's learning-rate ramp changes it, and a round's gradient and update use the same η."""
+        return float(self.ctx.train.lr)
 
     def deployable_model(self) -> nn.Module:
         return self.model

@@ -230,11 +230,16 @@ class PairAlgorithm(Algorithm):
         seed = self.options.schedule_seed
         self.schedule_seed = int(self.ctx.seed if seed < 0 else seed)
         self.fingerprint = seed_fingerprint(self.schedule_seed)
-        self.sender_train = dataclasses.replace(self.ctx.train, epochs=self.options.M)
         self.stats: collections.Counter[str] = collections.Counter()
         #: ``runtime.straggler = "quorum"``: re-pair away from a silent sender (:meth:`schedule`)
         self.repairs = bool(getattr(getattr(self.ctx, "straggler", None), "quorum", False))
         self.silent: dict[str, int] = {}  # sender -> the last round it is left out of the pairs
+
+    @property
+    def sender_train(self) -> Any:
+        """The sender's local training (``training`` with ``M`` epochs), read every round:
+        a warm-started run's learning-rate ramp changes ``ctx.train``."""
+        return dataclasses.replace(self.ctx.train, epochs=self.options.M)
 
     def deployable_model(self) -> nn.Module:
         return self.model
