@@ -13,6 +13,8 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from dfl_agent.algorithms.protocols.stragglers import in_quorum_mode
+
 if TYPE_CHECKING:
     from dfl_agent.runtime.context import RuntimeContext
 
@@ -250,7 +252,7 @@ class Membership:
         # runtime.straggler = "quorum": the federation does not wait for a node behind it, so a
         # node that may skip only max_catch_up_rounds per round it closes never catches up;
         # it joins the quorum's round at once (still on the evidence of most live neighbours)
-        quorum = bool(getattr(getattr(ctx, "straggler", None), "quorum", False))
+        quorum = in_quorum_mode(ctx)
         cap = (ctx.final_round or 10**9) if quorum else ctx.max_catch_up_rounds
         target = catch_up_target(next_round, shown, len(live), cap)
         if ctx.final_round is not None:

@@ -11,10 +11,11 @@ schedule: ``none`` (the full rate from round 1) and ``ramp R`` (round t at
 Reported per schedule and start: round 1's accuracy minus the starting model's, on each
 device's validation slice (the deploy gate's: ``validation_mask`` share 0.2), mean and worst
 over devices and seeds, the share of devices within 2 points, and the accuracy after 10
-rounds.
+rounds.  ``--first-scales`` adds rows for round 1 alone at a fixed fraction of the rate
+(does any step size avoid the first-round dip?).
 
-    python bench/warm_start/ramp.py --seeds 6 --json bench/warm_start/results/ramp.json \\
-        > bench/warm_start/results/ramp.md
+    python bench/warm_start/ramp.py --seeds 6 --first-scales 0.3,0.1,0.03 \\
+        --json bench/warm_start/results/ramp.json > bench/warm_start/results/ramp.md
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=6)
     ap.add_argument("--ramps", default="0,5,10", help="ramp lengths in rounds (0: none)")
+    ap.add_argument("--first-scales", default="", help="fractions of the rate for round 1 alone, e.g. 0.1,0.03")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import torch
@@ -66,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
             m.load_state_dict(mean)
 
     ramps = [int(r) for r in args.ramps.split(",")]
+    firsts = [float(f) for f in args.first_scales.split(",") if f]
     out = {r: {k: [] for k in ("shift1", "same1", "shift10", "same10")} for r in ramps}
+    first = {f: {"shift1": [], "same1": []} for f in firsts}
     for seed in range(args.seeds):
         torch.manual_seed(seed)
         rng = np.random.default_rng(seed)
@@ -83,25 +87,31 @@ def main(argv: list[str] | None = None) -> int:
                     if t == 1:
                         out[r][phase + "1"] += [acc(m, i, 320) - start[i] for i, m in enumerate(ms)]
                 out[r][phase + "10"] += [acc(m, i, 320) for i, m in enumerate(ms)]
+            for f in firsts:
+                ms = copy.deepcopy(models)
+                fedavg_round(ms, 320, ramped(base, f), np.random.default_rng(seed + 100))
+                first[f][phase + "1"] += [acc(m, i, 320) - start[i] for i, m in enumerate(ms)]
             for _ in range(then):
                 fedavg_round(models, 320, base, rng)
         print(f"seed {seed} done", file=sys.stderr, flush=True)
     rows = []
-    for r in ramps:
+    for r, res in [*((r, out[r]) for r in ramps), *((f"round 1 alone at {f} x lr", first[f]) for f in firsts)]:
         for phase in ("shift", "same"):
-            d = np.array(out[r][phase + "1"]) * 100
+            d = np.array(res[phase + "1"]) * 100
             rows.append({"ramp": r, "start": phase, "n": len(d), "round1_delta_mean": round(float(d.mean()), 1),
                          "round1_delta_worst": round(float(d.min()), 1),
                          "within_2_points": round(float((d >= -2).mean()), 2),
-                         "round10_accuracy": round(float(np.mean(out[r][phase + "10"])), 3)})
-    print(f"`python bench/warm_start/ramp.py --seeds {args.seeds} --ramps {args.ramps}` "
-          f"({args.seeds} seeds x 4 devices per row)\n")
+                         "round10_accuracy": round(float(np.mean(res[phase + "10"])), 3) if phase + "10" in res
+                         else None})
+    print(f"`python bench/warm_start/ramp.py --seeds {args.seeds} --ramps {args.ramps} --first-scales "
+          f"{args.first_scales}` ({args.seeds} seeds x 4 devices per row)\n")
     print("| training.warm_start_ramp | start | round 1 minus start, mean (points) | worst | "
           "devices within 2 points | accuracy after 10 rounds |")
     print("|---|---|---|---|---|---|")
     for row in rows:
+        after = "-" if row["round10_accuracy"] is None else f"{row['round10_accuracy']:.3f}"
         print(f"| {row['ramp'] or 'none'} | {row['start']} | {row['round1_delta_mean']:+.1f} | "
-              f"{row['round1_delta_worst']:+.1f} | {row['within_2_points']:.2f} | {row['round10_accuracy']:.3f} |")
+              f"{row['round1_delta_worst']:+.1f} | {row['within_2_points']:.2f} | {after} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"seeds": args.seeds, "rows": rows}, f, indent=1)

@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from dfl_agent.algorithms.base import Algorithm
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.neighbourhood import update_problem
+from dfl_agent.algorithms.protocols.stragglers import in_quorum_mode
 from dfl_agent.learning.params import model_to_numpy
 from dfl_agent.learning.training import train_local
 
@@ -232,7 +233,7 @@ class PairAlgorithm(Algorithm):
         self.fingerprint = seed_fingerprint(self.schedule_seed)
         self.stats: collections.Counter[str] = collections.Counter()
         #: ``runtime.straggler = "quorum"``: re-pair away from a silent sender (:meth:`schedule`)
-        self.repairs = bool(getattr(getattr(self.ctx, "straggler", None), "quorum", False))
+        self.repairs = in_quorum_mode(self.ctx)
         self.silent: dict[str, int] = {}  # sender -> the last round it is left out of the pairs
 
     @property

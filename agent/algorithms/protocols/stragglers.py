@@ -131,10 +131,15 @@ class AdaptiveDeadline:
         return min(hi, max(min(self.low, hi), p90 * FACTOR))
 
 
+def in_quorum_mode(ctx: Any) -> bool:
+    """Whether the node runs under ``runtime.straggler = "quorum"`` (``ctx.straggler``; a
+    context without a policy, the simulator's default, runs the papers' lock step)."""
+    return bool(getattr(getattr(ctx, "straggler", None), "quorum", False))
+
+
 def adaptive_deadline(ctx: Any) -> AdaptiveDeadline | None:
     """The node's adaptive deadline under ``quorum`` (``ctx.straggler``), else None (the
     algorithm's own fixed deadline, as in its paper)."""
-    policy = getattr(ctx, "straggler", None)
-    if policy is None or not policy.quorum:
+    if not in_quorum_mode(ctx):
         return None
-    return AdaptiveDeadline(policy.min_round_timeout, policy.max_round_timeout)
+    return AdaptiveDeadline(ctx.straggler.min_round_timeout, ctx.straggler.max_round_timeout)
