@@ -7,8 +7,8 @@ keepalive 10 s).
 The fixed-default frame goes as one 180 kB message, 22.5 s on the link.  Nothing comes
 back while it is written, so paho sends a PINGREQ after one keepalive (queued behind the
 message) and closes the connection after a second ("Keep alive timeout"); it reconnects
-and sends the QoS 1 message again from its start, to be cut again: the frame never
-arrives.  The derived chunks take 2 s each, every PUBACK comes back within the keepalive,
+and sends the QoS 1 message again from its start, to be cut again (a copy whose bytes the
+kernel still drains after the close may arrive late; usually none does).  The derived chunks take 2 s each, every PUBACK comes back within the keepalive,
 and the frame arrives (about 30 s in all)."""
 
 from __future__ import annotations
@@ -99,5 +99,8 @@ def test_derived_chunks_get_through_where_the_fixed_defaults_are_cut(tmp_path):
         got = {r["frame"]: r for r in _lines(rx) if "frame" in r}
         old_out = old.stdout.read() if old.stdout else ""  # its log: the lost connection
     assert "new" in got and got["new"]["bytes"] == FRAME, (got, old_out[-2000:])
-    assert "old" not in got, (got, old_out[-2000:])
+    # the fixed defaults' connection is cut by its keepalive while the frame is on the link; the
+    # frame is not asserted lost: after paho closes the socket the kernel may still drain the
+    # bytes it had queued (a graceful close) and the broker then delivers that copy (seen once in
+    # CI, at 24.1 s), or reset it (the usual case), depending on what sat unread at the close
     assert "Keep alive timeout" in old_out, old_out[-2000:]
