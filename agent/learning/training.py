@@ -141,6 +141,11 @@ class TrainConfig:
         dp: differentially private training (``privacy.dp``, :mod:`dfl_agent.learning.dp`):
             Poisson batches, per-sample clipping and Gaussian noise in every step of
             :func:`train_local` and :func:`train_adam`; None: plain training.
+        clip_grad_norm: when > 0, every SGD step of :func:`train_local` first clips the
+            mini-batch gradient to this global L2 norm (``torch.nn.utils.clip_grad_norm_``;
+            Pascanu et al. 2013, section 3.2): one batch that the model fits badly cannot
+            throw it far.  0: off (the papers' training).  Not under ``dp``, whose
+            per-sample clipping bounds every step already.
         lr_scale: this round's factor on every learning rate, in (0, 1]: the learning-rate
             ramp of a run started from the deployed model (:func:`ramped`).  ``lr`` already
             includes it; the rates an algorithm chooses itself (Adam's, Def-KT's
@@ -157,6 +162,7 @@ class TrainConfig:
     lr_is_set: bool = False
     dp: DPTraining | None = None
     lr_scale: float = 1.0
+    clip_grad_norm: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size"):
@@ -170,6 +176,8 @@ class TrainConfig:
             raise ValueError(f"training.momentum must be in [0, 1), got {self.momentum!r}")
         if self.weight_decay < 0:
             raise ValueError(f"training.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not self.clip_grad_norm >= 0:
+            raise ValueError(f"training.clip_grad_norm must be >= 0, got {self.clip_grad_norm!r}")
         if not 0 < self.lr_scale <= 1:
             raise ValueError(f"lr_scale must be in (0, 1], got {self.lr_scale!r}")
 
@@ -292,10 +300,15 @@ def train_local(
             break
         if scaler is not None:
             scaler.scale(loss).backward()
+            if cfg.clip_grad_norm > 0:  # the true gradients' norm: unscaled first
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
             scaler.step(opt)
             scaler.update()
         else:
             loss.backward()
+            if cfg.clip_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
             opt.step()
         total += value
         count += 1

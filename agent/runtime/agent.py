@@ -198,9 +198,9 @@ class Agent(RunMembers):
         if hint := common_init_hint(algo_cls.name, options, cfg.runtime.init, d.partition):
             log.warning("%s", hint)
         t = cfg.training
-        train = TrainConfig(epochs=t.epochs, steps=t.steps, batch_size=behaviour.batch_size,
-                            lr=DEFAULT_LR if t.lr is None else t.lr, lr_is_set=t.lr is not None,
-                            momentum=t.momentum, weight_decay=t.weight_decay, mixed_precision=behaviour.mixed_precision)
+        train = TrainConfig(epochs=t.epochs, steps=t.steps, batch_size=behaviour.batch_size, momentum=t.momentum,
+                            lr=DEFAULT_LR if t.lr is None else t.lr, lr_is_set=t.lr is not None, weight_decay=t.weight_decay,
+                            mixed_precision=behaviour.mixed_precision, clip_grad_norm=t.clip_grad_norm)
         train = with_privacy(cfg, profile, algo_cls.name, options, data.num_train, train, self.run_dir)  # privacy.dp
         log.info("node %s of federation %s: %s, %d train / %d val samples (users %s), model %s",
                  nid, cfg.federation, algo_cls.name, data.num_train, len(data.val_y), data.groups, spec["type"])

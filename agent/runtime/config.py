@@ -87,8 +87,8 @@ class TrainingSection:
     momentum: float = described(0.9, help="SGD momentum, in [0, 1)")
     weight_decay: float = described(0.0, help="SGD weight decay")
     warm_start_ramp: int = described(5, help="rounds a warm-started run ramps its learning rates up from a tenth (0: off)")
-    device: str | None = described(None, help="`cpu`, `auto` or `cuda[:N]`",
-                                         default_text="from the profile (`cpu`)")
+    clip_grad_norm: float = described(0.0, help="clip each SGD step's gradient to this L2 norm (0: off)")
+    device: str | None = described(None, help="`cpu`, `auto` or `cuda[:N]`", default_text="from the profile (`cpu`)")
     threads: int | None = described(None, help="torch intra-op threads", default_text="from the profile (1)")
 
 
@@ -135,9 +135,8 @@ class ModelSection:
     """``[model]``: a size tier of the dataset's default model, or an explicit spec
     (``size`` unset: from the device profile and the decision table)."""
 
-    size: str | None = described(
-        None, help="`small`, `medium`, `large`: the dataset's default model, scaled",
-        default_text="from the decision table")
+    size: str | None = described(None, help="`small`, `medium`, `large`: the dataset's default model, scaled",
+                                 default_text="from the decision table")
     spec: dict[str, Any] | None = described(
         None, help="an explicit model spec, e.g. `{type = \"cnn1d\", in_channels = 3, length = 128, "
                    "channels = [16, 32, 64], kernel = 5, num_classes = 6, norm = \"layer\"}`; "
@@ -374,6 +373,7 @@ def _validate_training(cfg: NodeConfig) -> None:
     _need(t.lr is None or t.lr > 0, "training.lr", "must be > 0")
     _need(0 <= t.momentum < 1, "training.momentum", "must be in [0, 1)")
     _need(t.weight_decay >= 0, "training.weight_decay", "must be >= 0")
+    _need(t.clip_grad_norm >= 0, "training.clip_grad_norm", "must be >= 0 (0: off)")
     _need(isinstance(t.warm_start_ramp, int) and t.warm_start_ramp >= 0, "training.warm_start_ramp", "must be >= 0")
     _need(t.threads is None or t.threads >= 1, "training.threads", "must be >= 1")
     _need(t.device is None or t.device in ("cpu", "auto") or re.fullmatch(r"cuda(:\d+)?", t.device) is not None,

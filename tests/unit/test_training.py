@@ -37,3 +37,33 @@ def test_bad_train_config_names_the_key(bad):
     key = next(iter(bad))
     with pytest.raises(ValueError, match=f"training.{key}"):
         TrainConfig(**bad)
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.01])
+def test_clip_grad_norm_bounds_every_step(clip):
+    """``training.clip_grad_norm``: each SGD step moves the parameters by at most lr x the
+    clip (no momentum); off (0), one batch that the model fits badly moves them far."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x = np.full((8, 4), 100.0, np.float32)  # large inputs: a large gradient
+    y = np.zeros(8, np.int64)
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    cfg = TrainConfig(epochs=1, batch_size=8, lr=0.1, momentum=0.0, clip_grad_norm=clip)
+    train_local(model, x, y, cfg, np.random.default_rng(0))
+    moved = float(torch.linalg.vector_norm(torch.cat([p.detach().flatten() for p in model.parameters()]) - before))
+    if clip:
+        assert moved <= 0.1 * clip + 1e-6
+    else:
+        assert moved > 1.0
+    with pytest.raises(ValueError, match="clip_grad_norm"):
+        TrainConfig(clip_grad_norm=-1.0)
+
+
+def test_clip_grad_norm_in_the_configuration():
+    from dfl_agent.runtime.config import ConfigError, config_from_dict
+
+    base = {"federation": "f", "algorithm": {"name": "local", "rounds": 1}}
+    assert config_from_dict(base).training.clip_grad_norm == 0.0
+    assert config_from_dict({**base, "training": {"clip_grad_norm": 5.0}}).training.clip_grad_norm == 5.0
+    with pytest.raises(ConfigError, match="training.clip_grad_norm"):
+        config_from_dict({**base, "training": {"clip_grad_norm": -1.0}})
