@@ -76,9 +76,8 @@ class TrainingSection:
     profile (``dfl_agent.profiles``); set here they override it."""
 
     epochs: int = described(1, help="local epochs per round")
-    steps: int = described(
-        0, help="when > 0, exactly this many mini-batch steps per round instead of `epochs` passes "
-                "(1: one SGD step per gossip round, CHOCO-SGD's setting, where sparsified gossip works)")
+    steps: int = described(0, help="when > 0, exactly this many mini-batch steps per round instead of `epochs` passes "
+                                   "(1: one SGD step per gossip round, CHOCO-SGD's setting, where sparsified gossip works)")
     batch_size: int | None = described(None, help="mini-batch size", default_text="from the profile (32)")
     lr: float | None = described(
         None, help="SGD learning rate (a fresh optimizer every round); set, it is also the Adam rate of "
@@ -87,7 +86,8 @@ class TrainingSection:
     momentum: float = described(0.9, help="SGD momentum, in [0, 1)")
     weight_decay: float = described(0.0, help="SGD weight decay")
     warm_start_ramp: int = described(5, help="rounds a warm-started run ramps its learning rates up from a tenth (0: off)")
-    clip_grad_norm: float = described(0.0, help="clip each SGD step's gradient to this L2 norm (0: off)")
+    clip_grad_norm: float = described(0.0, help="clip each SGD step of local training to this gradient L2 norm (0: off; "
+                                      "not DFML's mutual learning, Def-KT's transfer or the Adam algorithms)")
     device: str | None = described(None, help="`cpu`, `auto` or `cuda[:N]`", default_text="from the profile (`cpu`)")
     threads: int | None = described(None, help="torch intra-op threads", default_text="from the profile (1)")
 
