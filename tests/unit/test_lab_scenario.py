@@ -249,3 +249,23 @@ def test_a_late_decline_is_not_a_member_and_not_a_failed_state():
     members, late, states = run_membership({"pi-0": {"state": "finished"},
                                             "pi-1": {"state": "declined", "reason": "profile: too little memory"}})
     assert members == ["pi-0"] and late == [] and states == {"finished", "declined"}  # all_runs_deployed fails on it
+
+
+def test_recovery_is_counted_while_a_run_can_train():
+    """An event's recovery time counts from its end while a run is in progress, else from the
+    next run's submission; an event that ended after the last run is not a failed recovery
+    (a run that finished fast has nothing left to recover in), and the report says so."""
+    from dfl_agent.cli.lab.report import evaluate_checks, recovery_start
+
+    spans = [(100.0, 170.0), (300.0, 420.0)]  # (submitted, last round) of two runs
+    assert recovery_start(150.0, spans) == 150.0  # in the first run
+    assert recovery_start(200.0, spans) == 300.0  # between the runs: from the second's submission
+    assert recovery_start(90.0, spans) == 100.0  # before the first
+    assert recovery_start(430.0, spans) is None  # after the last
+    s = load(SMOKE)
+    after = _report(events=[{"kind": "power_cut", "target": "pi-0", "at_s": 60.0, "recovered_after_s": None,
+                             "no_run_after": True}])
+    assert evaluate_checks(s, after) == []
+    never = _report(events=[{"kind": "power_cut", "target": "pi-0", "at_s": 60.0, "recovered_after_s": None,
+                             "no_run_after": False}])
+    assert evaluate_checks(s, never)[0].startswith("max_recovery_s: power_cut pi-0 at 60 s never recovered")

@@ -38,6 +38,18 @@ def _used_peers(rec: dict[str, Any]) -> int:
     return len(ids) if isinstance(ids, list) else 0
 
 
+def recovery_start(end: float, spans: list[tuple[float, float]]) -> float | None:
+    """When a device can recover from an event that ended at ``end`` (monotonic s): ``end``
+    when a run was in progress then, else the submission of the next run.  ``spans``:
+    ``(submitted, last round recorded by any device)`` of each submitted run.  None: no run
+    was in progress or came after, so there was nothing to recover in (a fast run can end
+    before a scenario's event does)."""
+    if any(sub <= end <= last for sub, last in spans):
+        return end
+    later = [sub for sub, _ in spans if sub > end]
+    return min(later) if later else None
+
+
 def _store(state: Path) -> dict[str, Any]:
     from dfl_agent.store.sqlite import SampleStore, StoreError
 
@@ -98,6 +110,8 @@ def evaluate_checks(sc: Scenario, rep: dict[str, Any]) -> list[str]:
             r = e.get("recovered_after_s")
             if "started_s" in e and e["started_s"] is None:
                 failed.append(f"max_recovery_s: {e['kind']} {e['target']} did not happen (its run never trained)")
+            elif e.get("no_run_after"):
+                continue  # it ended after the last run had: nothing to recover in (the report says so)
             elif r is None or r > c["max_recovery_s"]:
                 failed.append(f"max_recovery_s: {e['kind']} {e['target']} at {e['at_s']:.0f} s "
                               + ("never recovered" if r is None else f"recovered after {r:.0f} s")
@@ -257,6 +271,10 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
         runs[-1]["accuracy_curve"] = accuracy_curve({n: round_acc[n][rid] for n in members if rid in round_acc.get(n, {})})
         runs[-1]["time_to_accuracy"] = time_to_accuracy(runs[-1]["accuracy_curve"], runs[-1]["submitted_s"])
 
+    # each run's (submission, last round any device recorded): recovery is counted from an
+    # event's end only while a run is in progress, else from the next run's submission
+    spans = [(sub, max((r.get("time", 0) for rs in recs.values() for r in rs.get(rid, [])), default=sub))
+             for rid, sub in zip(run.run_ids, run.run_submitted) if rid is not None and sub]
     events = []
     for h in run.happened:
         e = h.event
@@ -267,15 +285,17 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
         else:
             affected = [e.target]
         rec_s: float | None = None
-        if h.end is not None:
+        start = None if h.end is None else recovery_start(h.end, spans)
+        if start is not None:
             per = []
             for n in affected:
                 after = [r["time"] for rs in recs.get(n, {}).values() for r in rs
-                         if r.get("time", 0) > h.end and _used_peers(r) > 0]
-                per.append(min(after) - h.end if after else None)
+                         if r.get("time", 0) > start and _used_peers(r) > 0]
+                per.append(min(after) - start if after else None)
             rec_s = None if not per or any(p is None for p in per) else round(max(p for p in per if p is not None), 1)
         events.append({"kind": e.kind, "target": e.target, "at_s": e.at_s, "duration_s": e.duration_s,
                        "value": e.value, "affected": affected, "recovered_after_s": rec_s,
+                       "no_run_after": h.end is not None and start is None,
                        "started_s": round(h.start - run.t0, 1) if h.start else None,
                        "ended_s": round(h.end - run.t0, 1) if h.end else None})
 
@@ -468,7 +488,8 @@ def markdown(rep: dict[str, Any]) -> str:
                      f"| {', '.join(r['deployed_on'])} | {r['final_accuracy_mean']} |")
     lines += ["", "| event | target | at s | duration s | recovered after s |", "|" + "---|" * 5]
     for e in rep["events"]:
-        lines.append(f"| {e['kind']} | {e['target']} | {e['at_s']} | {e['duration_s']} | {e['recovered_after_s']} |")
+        rec = "no run after it" if e.get("no_run_after") else e["recovered_after_s"]
+        lines.append(f"| {e['kind']} | {e['target']} | {e['at_s']} | {e['duration_s']} | {rec} |")
     lines += _accuracy_traffic_md(rep)
     disc = rep["discovery"]
     lines += ["", f"Discovery: {', '.join(disc['via']) or 'none'}; full membership after "
