@@ -14,24 +14,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from dfl_agent.algorithms.protocols.stragglers import in_quorum_mode
+from dfl_agent.algorithms.protocols.synchronization import evidence_quorum
 
 if TYPE_CHECKING:
     from dfl_agent.runtime.context import RuntimeContext
 
 log = logging.getLogger("dfl_agent.runtime.context")
-
-
-def evidence_quorum(live: int) -> int:
-    """How many of ``live`` verified neighbours must show a round before a node acts on
-    it: more than half, and at least two distinct senders when two or more are live
-    (one sender with one live neighbour; 0 for none, which nothing can satisfy).
-
-    >>> [evidence_quorum(n) for n in range(6)]
-    [0, 1, 2, 2, 3, 3]
-    """
-    if live <= 0:
-        return 0
-    return max(live // 2 + 1, min(2, live))
 
 
 def catch_up_target(next_round: int, shown: Mapping[str, int], live: int, cap: int) -> int:

@@ -227,3 +227,43 @@ def test_defkt_re_pairs_away_from_a_silent_sender_under_quorum(tmp_path) -> None
     assert first is not None and again == [], (first, again)
     first_p, again_p = paired_after_silence(_defkt(tmp_path, "paper", "paper"))
     assert first_p is not None and again_p, (first_p, again_p)
+
+
+@pytest.mark.parametrize("fresh_quorum,ahead,expect_end,expect_taken", [
+    (True, {"a": [40, 41], "b": [44]}, 0.1, {"a": 41, "b": 44}),  # behind: close at once, newest of each
+    (False, {"a": [40, 41], "b": [44]}, 10.1, {}),  # the paper's lock step waits for round 5
+    (True, {"a": [1000]}, 10.1, {}),  # one insider's claim is not a quorum of three
+])
+def test_a_node_behind_the_quorum_takes_their_newest_updates_at_once(fresh_quorum, ahead, expect_end, expect_taken):
+    """A node back from a partition is in round 5 while its neighbours are at round 40 and
+    on: under the quorum it stops waiting for round-5 updates that will never come."""
+    import asyncio
+
+    import numpy as np
+
+    from dfl_agent.algorithms.protocols.synchronization import UpdateMarket
+    from dfl_agent.discovery.peers import PeerTable
+    from dfl_agent.runtime.context import RuntimeContext
+    from dfl_agent.transport.memory import MemoryNetwork, run_virtual
+
+    net = MemoryNetwork()
+    ctxs = {nid: RuntimeContext(node_id=nid, federation="f", transport=net.transport(nid, "f"), peers=PeerTable(nid, "f"),
+                                data=None, model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0))
+            for nid in ("me", "a", "b", "c")}
+
+    async def main():
+        for c in ctxs.values():
+            await c.start()
+        for nid, rounds in ahead.items():
+            for r in rounds:
+                await ctxs[nid].send("me", Message("model", r, {"x": np.full(2, r, np.float32)}, meta={"samples": 1}))
+        await asyncio.sleep(0.1)
+        market = UpdateMarket("one_from_min_percent", percent=0.5, max_staleness=64)
+        market.fresh_quorum = fresh_quorum
+        res = await market.collect(ctxs["me"], "model", 5, deadline=10.1, poll=0.5)
+        return res, asyncio.get_running_loop().time(), market
+
+    res, end, market = run_virtual(main())
+    assert end == pytest.approx(expect_end, abs=0.05)
+    assert {s: m[-1].round for s, m in res.taken.items()} == expect_taken
+    assert market.stats["behind"] == int(bool(expect_taken)) and res.deadline_hit == (not expect_taken)

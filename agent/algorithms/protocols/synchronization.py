@@ -28,7 +28,8 @@ reconnect_grace)`` after the node resumes for the updates its peers re-send.
 
 Rounds: an update is *eligible* for target round t when
 ``t − max_staleness <= update.round <= t``.  Updates of later rounds stay queued for
-their round; older ones are dropped (counted ``stale``).  With ``max_staleness = 0``
+their round (under the quorum, unless a quorum of neighbours is past t: see
+:meth:`UpdateMarket.ahead_round`); older ones are dropped (counted ``stale``).  With ``max_staleness = 0``
 (default) only round-t updates count, which is the lock-step behaviour of the
 averaging algorithms before the market existed.  A sender's queue keeps at most
 ``max_queue`` updates (oldest dropped, counted ``overflow``).
@@ -65,6 +66,19 @@ STRATEGIES = (
 )
 
 EMPTY_KEY = "empty"
+
+
+def evidence_quorum(live: int) -> int:
+    """How many of ``live`` verified neighbours must show a round before a node acts on
+    it: more than half, and at least two distinct senders when two or more are live
+    (one sender with one live neighbour; 0 for none, which nothing can satisfy).
+
+    >>> [evidence_quorum(n) for n in range(6)]
+    [0, 1, 2, 2, 3, 3]
+    """
+    if live <= 0:
+        return 0
+    return max(live // 2 + 1, min(2, live))
 
 
 async def suspend_deadline(ctx: Any, deadline: float, budget: float, kind: str | tuple[str, ...] = ()) -> float:
@@ -265,6 +279,24 @@ class UpdateMarket:
     def _eligible(self, sender: str, t: int) -> list[Message]:
         return [m for m in self.queues.get(sender, ()) if m.round <= t]
 
+    def ahead_round(self, t: int, peers: list[str]) -> int:
+        """Under :attr:`fresh_quorum`: the latest round that :func:`evidence_quorum` of
+        ``peers`` have queued updates of, when it is later than ``t``; else ``t``.
+
+        Such a node is behind: the quorum has closed round ``t`` without it and will send
+        no round-``t`` update, so waiting for one would end at the deadline alone (a node
+        back from a partition, or a restarted one).  Only queued (verified, checked)
+        updates count, and one insider's round + 1000 is never enough where two or more
+        neighbours are live."""
+        if not self.fresh_quorum:
+            return t
+        newest = sorted((max(m.round for m in self.queues[p]) for p in set(peers) if self.queues.get(p)),
+                        reverse=True)
+        need = evidence_quorum(len(set(peers)))
+        if need == 0 or len(newest) < need:
+            return t
+        return max(t, newest[need - 1])
+
     # -- the strategies ------------------------------------------------------------------
     def required(self, peers: list[str]) -> int:
         """How many updates (``min_k``) or senders (the others) must be there before the
@@ -333,6 +365,9 @@ class UpdateMarket:
     ) -> CollectResult:
         """Pull ``kind`` messages from ``ctx`` into the market until the strategy is
         satisfied for round ``t`` or ``deadline`` (absolute clock time) passes, then take.
+        Under :attr:`fresh_quorum`, a node behind its neighbours (:meth:`ahead_round`)
+        stops waiting at once and takes each one's newest update, of any round (counted
+        ``behind``; the caller's catch-up then moves it to the quorum's round).
 
         Args:
             ctx: a :class:`~dfl_agent.algorithms.context.NodeContext`.
@@ -370,13 +405,18 @@ class UpdateMarket:
                     break
                 self._intake(ctx, msg, t, members, validate, outsider_reason, departed, arrived, now - start)
             satisfied = self.ready(t, current) and not waits_alone(ctx, current)
-            if satisfied or now >= deadline:
+            # behind the quorum (runtime.straggler = "quorum"): take their newest updates now
+            upto = t if satisfied or self.ahead_round(t, current) == t else max(
+                m.round for q in self.queues.values() for m in q)
+            if satisfied or upto > t or now >= deadline:
                 held = await suspend_deadline(ctx, deadline, budget, kind)
                 if held != deadline:  # the broker went away: wait on instead of closing alone
                     deadline = held
                     continue
-                gone = [p for p in self.queues if p not in members and self._eligible(p, t) and departed(p)]
-                taken = self.take(t, current + gone)
+                gone = [p for p in self.queues if p not in members and self._eligible(p, upto) and departed(p)]
+                taken = self.take(upto, current + gone)
+                self.stats["behind"] += int(upto > t)
+                satisfied = satisfied or upto > t  # not a deadline hit
                 missing = [p for p in current if p not in taken]
                 msgs = [m for ms in taken.values() for m in ms]
                 res = CollectResult(
