@@ -153,7 +153,7 @@ class Node:
         #: and ``init_reason``
         self.run_start: dict[str, Any] = {}
         self.lr_ramp = 0  #: ``training.warm_start_ramp`` (:func:`dfl_agent.runtime.warm_start.ramp_factor`)
-        self._ramp: tuple[Any, dict[str, Any]] | None = None  # (the full-rate TrainConfig, the run's start)
+        self._full_rate: Any = None  # a warm-started run's full-rate TrainConfig, while it ramps
         #: the reporting of the latest round (evaluation, record, hooks) while it runs in the background
         self._report_task: asyncio.Task[None] | None = None
         #: the deployable model of the record being reported (a copy in background mode)
@@ -224,7 +224,7 @@ class Node:
         self.rounds = rounds
         self.state = "running"
         if self.lr_ramp > 0 and (self.run_start or {}).get("started_from") is not None:
-            self._ramp = (self.ctx.train, dict(self.run_start))
+            self._full_rate = self.ctx.train
             self._set_lr_ramp(start_round)
         self._round_started = self.ctx.clock.now()
         self._round_started_wall = time.perf_counter()
@@ -248,12 +248,11 @@ class Node:
 
     def _set_lr_ramp(self, t: int) -> None:
         """Round ``t``'s learning rates (``ctx.train``): the full rates once past the ramp."""
-        if self._ramp is not None:
+        if self._full_rate is not None:
             from dfl_agent.learning.training import ramped
-            from dfl_agent.runtime.warm_start import ramp_factor
+            from dfl_agent.runtime.warm_start import ramp_scale
 
-            base, start = self._ramp
-            self.ctx.train = ramped(base, ramp_factor(start, self.lr_ramp, t))
+            self.ctx.train = ramped(self._full_rate, ramp_scale(self.lr_ramp, t))
 
     async def drain(self) -> None:
         """Wait until every round's background evaluation and record are done."""

@@ -43,7 +43,15 @@ def ramp_factor(start: dict[str, Any], ramp_rounds: int, t: int) -> float:
     ``ramp_rounds`` 0).  A round past the ramp, or a resumed run's round, gets the same
     factor as it would have had without the restart.
     """
-    if ramp_rounds <= 0 or start.get("started_from") is None:
+    if start.get("started_from") is None:
+        return 1.0
+    return ramp_scale(ramp_rounds, t)
+
+
+def ramp_scale(ramp_rounds: int, t: int) -> float:
+    """The ramp of :func:`ramp_factor` for a run known to be warm-started: ``RAMP_START``
+    in round 1, rising linearly to 1 in round ``ramp_rounds + 1`` (1 for ``ramp_rounds`` 0)."""
+    if ramp_rounds <= 0:
         return 1.0
     return min(1.0, RAMP_START + (1.0 - RAMP_START) * max(0, t - 1) / ramp_rounds)
 

@@ -40,10 +40,10 @@ def _used_peers(rec: dict[str, Any]) -> int:
 
 def recovery_start(end: float, spans: list[tuple[float, float]]) -> float | None:
     """When a device can recover from an event that ended at ``end`` (monotonic s): ``end``
-    when a run was in progress then, else the submission of the next run.  ``spans``:
-    ``(submitted, last round recorded by any device)`` of each submitted run.  None: no run
-    was in progress or came after, so there was nothing to recover in (a fast run can end
-    before a scenario's event does)."""
+    when its run was in progress then, else the submission of the next run.  ``spans``:
+    ``(submitted, the device's last round in it)`` of each submitted run.  None: no run of
+    the device was in progress or came after, so there was nothing to recover in (a fast
+    run can end before a scenario's event does)."""
     if any(sub <= end <= last for sub, last in spans):
         return end
     later = [sub for sub, _ in spans if sub > end]
@@ -271,10 +271,11 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
         runs[-1]["accuracy_curve"] = accuracy_curve({n: round_acc[n][rid] for n in members if rid in round_acc.get(n, {})})
         runs[-1]["time_to_accuracy"] = time_to_accuracy(runs[-1]["accuracy_curve"], runs[-1]["submitted_s"])
 
-    # each run's (submission, last round any device recorded): recovery is counted from an
-    # event's end only while a run is in progress, else from the next run's submission
-    spans = [(sub, max((r.get("time", 0) for rs in recs.values() for r in rs.get(rid, [])), default=sub))
-             for rid, sub in zip(run.run_ids, run.run_submitted) if rid is not None and sub]
+    # each device's runs, (submission, its last round): recovery is counted from an event's end
+    # only while the device's run is in progress, else from the next run's submission
+    def spans(n: str) -> list[tuple[float, float]]:
+        return [(sub, max((r.get("time", 0) for r in recs.get(n, {}).get(rid, [])), default=sub))
+                for rid, sub in zip(run.run_ids, run.run_submitted) if rid is not None and sub]
     events = []
     for h in run.happened:
         e = h.event
@@ -285,17 +286,19 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
         else:
             affected = [e.target]
         rec_s: float | None = None
-        start = None if h.end is None else recovery_start(h.end, spans)
-        if start is not None:
+        starts = {n: None if h.end is None else recovery_start(h.end, spans(n)) for n in affected}
+        if any(start is not None for start in starts.values()):
             per = []
-            for n in affected:
+            for n, start in starts.items():
+                if start is None:  # this device had no run left to recover in
+                    continue
                 after = [r["time"] for rs in recs.get(n, {}).values() for r in rs
                          if r.get("time", 0) > start and _used_peers(r) > 0]
                 per.append(min(after) - start if after else None)
             rec_s = None if not per or any(p is None for p in per) else round(max(p for p in per if p is not None), 1)
         events.append({"kind": e.kind, "target": e.target, "at_s": e.at_s, "duration_s": e.duration_s,
                        "value": e.value, "affected": affected, "recovered_after_s": rec_s,
-                       "no_run_after": h.end is not None and start is None,
+                       "no_run_after": h.end is not None and all(start is None for start in starts.values()),
                        "started_s": round(h.start - run.t0, 1) if h.start else None,
                        "ended_s": round(h.end - run.t0, 1) if h.end else None})
 
