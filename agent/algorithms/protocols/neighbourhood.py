@@ -343,7 +343,7 @@ class NeighbourhoodAlgorithm(Algorithm):
             timeout = self.deadlines.timeout(timeout)
             if not self.deadlines.times:  # the first round waits for every member still starting (loading,
                 self.market.strategy = "one_from_each"  # warming up), so that none is left behind from the start
-        start, behind = ctx.clock.now(), self.market.stats["behind"]
+        start = ctx.clock.now()
         try:
             got, missing = await collect_round(
                 ctx, MODEL_KIND, collect, start + timeout, self.options.poll_interval, own,
@@ -360,15 +360,15 @@ class NeighbourhoodAlgorithm(Algorithm):
         last = self.market.last
         if self.deadlines is not None and last is not None:
             self.deadlines.observe([last.arrivals[s] for s, m in got.items() if m.round == collect])
-        got = gc.received_copies(ctx, self.choco, got, nonnegative=self.nonnegative)
-        while not got and self.market.stats["behind"] > behind and ctx.clock.now() < start + self.options.round_timeout:
-            # behind the quorum, and none of their newest updates decoded (CHOCO copies wait for
-            # the keyframes a gap asks for): take their next ones instead of closing alone
-            behind = self.market.stats["behind"]
-            got, missing = await collect_round(
+        raw, got = got, gc.received_copies(ctx, self.choco, got, nonnegative=self.nonnegative)
+        while raw and not got and self.deadlines is not None and ctx.clock.now() < start + self.options.round_timeout:
+            # quorum: none of the updates taken decoded (CHOCO copies that lost their sequence wait
+            # for the keyframes a gap asks for) while the neighbours go on: take their next ones,
+            # up to round_timeout, instead of closing alone
+            raw, missing = await collect_round(
                 ctx, MODEL_KIND, collect, start + self.options.round_timeout, self.options.poll_interval, own,
                 extra_tensors=self.extra_names(), market=self.market)
-            got = gc.received_copies(ctx, self.choco, got, nonnegative=self.nonnegative)
+            got = gc.received_copies(ctx, self.choco, raw, nonnegative=self.nonnegative)
         last = self.market.last
         late = {s for s, m in got.items() if m.round < collect}
         if late and self.deadlines is not None:  # FedAsync's staleness weight on a late update's samples
