@@ -218,6 +218,11 @@ class ChocoGossip:
         seq, key = info[0], bool(info[1])
         if not key and seq < self.next_seq.get(sender, -1):
             return None  # a copy of a message already applied (re-sent after an outage): the copy stays
+        if key and 0 < seq < self.next_seq.get(sender, -1) and sender in self.copies:
+            # a message already applied, re-sent as a keyframe to a peer that may have restarted
+            # (``Outbox.as_keyframe``), that arrived after the sender's next difference: applying
+            # it would rewind the copy and break the stream.  A restarted sender starts at seq 0
+            return None
         if key:
             copy = {k: np.array(v, copy=True) for k, v in tensors.items()}
         else:

@@ -196,6 +196,7 @@ class RuntimeContext:
         self.graph_neighbours = None if graph_neighbours is None else sorted(set(graph_neighbours) - {node_id})
         self.round_hook: RoundHook | None = None
         self.gate_hook: Callable[[str | None], Awaitable[None]] | None = None  # on a change of the gating reason
+        self.status_hook: Callable[[], Awaitable[None]] | None = None  # publishes the node's status now
         self.current_round = 0
         self.rejected: collections.Counter[str] = collections.Counter()
         self.persistent_state: dict[str, Any] = dict(persistent_state or {})
@@ -254,11 +255,27 @@ class RuntimeContext:
         object.__setattr__(self, name, value)
 
     def set_hooks(self, *, round_hook: RoundHook | None = None,
-                  gate_hook: Callable[[str | None], Awaitable[None]] | None = None) -> None:
+                  gate_hook: Callable[[str | None], Awaitable[None]] | None = None,
+                  status_hook: Callable[[], Awaitable[None]] | None = None) -> None:
         """Install the node's callbacks: ``round_hook(round, info)`` after every round
-        (:meth:`end_round`) and ``gate_hook(reason)`` when the gating reason changes."""
+        (:meth:`end_round`), ``gate_hook(reason)`` when the gating reason changes and
+        ``status_hook()`` to publish the status now (:meth:`request_keyframes`)."""
         self.round_hook = round_hook
         self.gate_hook = gate_hook
+        self.status_hook = status_hook
+
+    async def request_keyframes(self) -> None:
+        """Ask the neighbours whose CHOCO stream this node lost for keyframes now: publish
+        the status (its ``keyframe_wanted``, :meth:`Membership.keyframe_wanted`) when that
+        list changed, else at most once a second.  A round that waits for updates it can
+        decode would otherwise ask only at its end, and the status heartbeat repeats the
+        last status published."""
+        wanted, now = self.membership.keyframe_wanted(), self.clock.now()
+        asked, at = self.membership.keyframes_asked
+        if not wanted or self.status_hook is None or (wanted == asked and now - at < 1.0):
+            return
+        self.membership.keyframes_asked = (wanted, now)
+        await self.status_hook()
 
     def enable_catch_up(self) -> None:
         """Turn on catch-up (``runtime.rejoin``): lock-step algorithms skip ahead when a

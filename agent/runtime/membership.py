@@ -82,6 +82,8 @@ class Membership:
         self._graph_src: list[str] | None = None  # the list _graph_set was made from
         self._graph_set: frozenset[str] = frozenset()
         self._graph_len = 0
+        #: the last :meth:`keyframe_wanted` the status asked for, and when (RuntimeContext.request_keyframes)
+        self.keyframes_asked: tuple[list[str], float] = ([], float("-inf"))
 
     def on_presence(self, node_id: str, descriptor: dict[str, Any] | None) -> None:
         """A peer's presence arrived (``None``: it went offline)."""

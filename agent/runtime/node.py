@@ -164,7 +164,7 @@ class Node:
         self._round_started = 0.0
         self._round_started_wall = time.perf_counter()
         self._wall_started = time.time()
-        ctx.set_hooks(round_hook=self._on_round, gate_hook=self._on_gate)
+        ctx.set_hooks(round_hook=self._on_round, gate_hook=self._on_gate, status_hook=self.publish_status)
         self.state = "starting"
         #: the run this node trains in (runs.py): ``{"id", "state", "reason"}``; None with ``--once``
         self.run_info: dict[str, Any] | None = None

@@ -125,3 +125,65 @@ def test_a_receiver_that_lost_a_stream_asks_for_a_keyframe_in_its_status_and_get
     assert receiver.incoming("s", decompress_dict(blob, desc), meta) is not None and r_m.keyframe_wanted() == []
     s_m.note_status("r", {"state": "training", "heartbeat": 4, "keyframe_wanted": []})
     assert sender.outgoing(x)[2]["choco"][1] == 0  # differences again
+
+
+def test_a_node_waiting_within_a_round_asks_for_keyframes_at_once() -> None:
+    """A round that waits for updates it can decode would ask for keyframes only at its end
+    (the status heartbeat repeats the last status): ``request_keyframes`` publishes the
+    status when the list changed, else at most once a second, and not at all when empty."""
+    import asyncio
+
+    from dfl_agent.runtime.context import RuntimeContext
+    from dfl_agent.transport.memory import MemoryNetwork, run_virtual
+
+    net = MemoryNetwork()
+    ctx = RuntimeContext(node_id="me", federation="f", transport=net.transport("me", "f"), peers=PeerTable("me", "f"),
+                         data=None, model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0))
+    published: list[float] = []
+
+    async def status() -> None:
+        published.append(ctx.clock.now())
+
+    ctx.set_hooks(status_hook=status)
+    wanted: list[str] = []
+    ctx.membership.keyframe_wanted = lambda: list(wanted)  # type: ignore[method-assign]
+
+    async def main() -> None:
+        await ctx.request_keyframes()  # nothing lost: nothing to ask
+        wanted.append("a")
+        for _ in range(4):  # at 0, 0.3, 0.6, 0.9 s: once (the list did not change)
+            await ctx.request_keyframes()
+            await asyncio.sleep(0.3)
+        wanted.append("b")
+        await ctx.request_keyframes()  # at 1.2 s: changed
+        await asyncio.sleep(1.1)
+        await ctx.request_keyframes()  # 1.1 s later, unchanged: again
+
+    run_virtual(main())
+    assert [round(t - published[0], 1) for t in published] == [0.0, 1.2, 2.3]
+
+
+def test_a_keyframe_resent_after_the_next_difference_does_not_rewind_the_copy() -> None:
+    """A neighbour re-sends its latest message as a keyframe to a peer it saw come back; the
+    broker may deliver its next difference first (another topic).  The late keyframe must
+    not rewind the copy: the field lab saw every stream of a device break at once that way.
+    A restarted sender's keyframe (seq 0) is still taken."""
+    from dfl_agent.learning.compression import decompress_dict
+
+    sender, receiver = _stream(), _stream()
+    rng = np.random.default_rng(2)
+    sent = []
+    for _ in range(4):
+        blob, desc, meta = sender.outgoing({"w": rng.normal(size=200).astype(np.float32)})
+        sent.append((decompress_dict(blob, desc), meta))
+    for tensors, meta in sent[:3]:
+        assert receiver.incoming("s", tensors, meta) is not None
+    stale_key = {"choco": [1, 1]}  # message 1 re-sent as a keyframe, after message 2
+    before = receiver.copies["s"]["w"].copy()
+    assert receiver.incoming("s", {"w": np.zeros(200, np.float32)}, stale_key) is None
+    assert np.array_equal(receiver.copies["s"]["w"], before)
+    assert receiver.incoming("s", *sent[3]) is not None and receiver.gaps == 0  # the stream goes on
+    restarted = _stream()
+    blob, desc, meta = restarted.outgoing({"w": np.ones(200, np.float32)})
+    assert meta["choco"] == [0, 1]
+    assert np.allclose(receiver.incoming("s", decompress_dict(blob, desc), meta)["w"], 1.0)

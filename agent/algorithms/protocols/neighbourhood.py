@@ -364,7 +364,9 @@ class NeighbourhoodAlgorithm(Algorithm):
         while raw and not got and self.deadlines is not None and ctx.clock.now() < start + self.options.round_timeout:
             # quorum: none of the updates taken decoded (CHOCO copies that lost their sequence wait
             # for the keyframes a gap asks for) while the neighbours go on: take their next ones,
-            # up to round_timeout, instead of closing alone
+            # up to round_timeout, instead of closing alone, and ask for the keyframes now
+            if (ask := getattr(ctx, "request_keyframes", None)) is not None:
+                await ask()
             raw, missing = await collect_round(
                 ctx, MODEL_KIND, collect, start + self.options.round_timeout, self.options.poll_interval, own,
                 extra_tensors=self.extra_names(), market=self.market)
