@@ -229,12 +229,14 @@ def test_defkt_re_pairs_away_from_a_silent_sender_under_quorum(tmp_path) -> None
     assert first_p is not None and again_p, (first_p, again_p)
 
 
-@pytest.mark.parametrize("fresh_quorum,ahead,expect_end,expect_taken", [
-    (True, {"a": [40, 41], "b": [44]}, 0.1, {"a": 41, "b": 44}),  # behind: close at once, newest of each
-    (False, {"a": [40, 41], "b": [44]}, 10.1, {}),  # the paper's lock step waits for round 5
-    (True, {"a": [1000]}, 10.1, {}),  # one insider's claim is not a quorum of three
+@pytest.mark.parametrize("fresh_quorum,take_ahead,ahead,expect_end,expect_taken", [
+    (True, True, {"a": [40, 41], "b": [44]}, 0.1, {"a": 41, "b": 44}),  # behind: close at once, newest of each
+    (False, True, {"a": [40, 41], "b": [44]}, 10.1, {}),  # the paper's lock step waits for round 5
+    (True, True, {"a": [1000]}, 10.1, {}),  # one insider's claim is not a quorum of three
+    (True, False, {"a": [40, 41], "b": [44]}, 10.1, {}),  # before its adaptive deadline: waits
 ])
-def test_a_node_behind_the_quorum_takes_their_newest_updates_at_once(fresh_quorum, ahead, expect_end, expect_taken):
+def test_a_node_behind_the_quorum_takes_their_newest_updates_at_once(fresh_quorum, take_ahead, ahead, expect_end,
+                                                                      expect_taken):
     """A node back from a partition is in round 5 while its neighbours are at round 40 and
     on: under the quorum it stops waiting for round-5 updates that will never come."""
     import asyncio
@@ -260,7 +262,7 @@ def test_a_node_behind_the_quorum_takes_their_newest_updates_at_once(fresh_quoru
         await asyncio.sleep(0.1)
         market = UpdateMarket("one_from_min_percent", percent=0.5, max_staleness=64)
         market.fresh_quorum = fresh_quorum
-        res = await market.collect(ctxs["me"], "model", 5, deadline=10.1, poll=0.5)
+        res = await market.collect(ctxs["me"], "model", 5, deadline=10.1, poll=0.5, take_ahead=take_ahead)
         return res, asyncio.get_running_loop().time(), market
 
     res, end, market = run_virtual(main())

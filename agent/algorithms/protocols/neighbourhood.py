@@ -136,7 +136,7 @@ def arrival_check(template: Mapping[str, np.ndarray], extra_tensors: Callable[[]
 
 async def collect_round(
     ctx, kind: str, t: int, deadline: float, poll: float, template, extra_tensors: frozenset[str] = frozenset(),
-    market: UpdateMarket | None = None,
+    market: UpdateMarket | None = None, take_ahead: bool = False,
 ) -> tuple[dict, list[str]]:
     """Receive round-``t`` messages of ``kind`` from every live neighbour
     (``ctx.neighbours()``) until ``deadline``; messages of non-neighbours are rejected
@@ -158,7 +158,7 @@ async def collect_round(
     if market is not None:
         res = await market.collect(
             ctx, kind, t, deadline=deadline, poll=poll,
-            validate=lambda m: update_problem(m, template, extra_tensors),
+            validate=lambda m: update_problem(m, template, extra_tensors), take_ahead=take_ahead,
         )
         return res.latest(), res.missing
     got: dict[str, Message] = {}
@@ -351,9 +351,9 @@ class NeighbourhoodAlgorithm(Algorithm):
             )
             if not got and missing and timeout < self.options.round_timeout:  # nothing by the adaptive deadline
                 # (a partition, a slow link): never close alone early; wait on up to round_timeout
-                got, missing = await collect_round(
+                got, missing = await collect_round(  # ... unless it is behind its neighbours
                     ctx, MODEL_KIND, collect, start + self.options.round_timeout, self.options.poll_interval, own,
-                    extra_tensors=self.extra_names(), market=self.market,
+                    extra_tensors=self.extra_names(), market=self.market, take_ahead=True,
                 )
         finally:
             self.market.strategy = strategy
@@ -369,7 +369,7 @@ class NeighbourhoodAlgorithm(Algorithm):
                 await ask()
             raw, missing = await collect_round(
                 ctx, MODEL_KIND, collect, start + self.options.round_timeout, self.options.poll_interval, own,
-                extra_tensors=self.extra_names(), market=self.market)
+                extra_tensors=self.extra_names(), market=self.market, take_ahead=True)
             got = gc.received_copies(ctx, self.choco, raw, nonnegative=self.nonnegative)
         last = self.market.last
         late = {s for s, m in got.items() if m.round < collect}

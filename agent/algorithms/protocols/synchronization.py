@@ -362,12 +362,16 @@ class UpdateMarket:
         peers: Callable[[], Iterable[str]] | None = None,
         validate: Callable[[Message], str | None] | None = None,
         outsider_reason: str = "not_neighbour: sender is not a neighbour",
+        take_ahead: bool = False,
     ) -> CollectResult:
         """Pull ``kind`` messages from ``ctx`` into the market until the strategy is
         satisfied for round ``t`` or ``deadline`` (absolute clock time) passes, then take.
-        Under :attr:`fresh_quorum`, a node behind its neighbours (:meth:`ahead_round`)
-        stops waiting at once and takes each one's newest update, of any round (counted
-        ``behind``; the caller's catch-up then moves it to the quorum's round).
+        With ``take_ahead``, under :attr:`fresh_quorum`, a node behind its neighbours
+        (:meth:`ahead_round`) stops waiting at once and takes each one's newest update, of
+        any round (counted ``behind``; the caller's catch-up then moves it to the quorum's
+        round).  Callers ask for it only once a round has waited its adaptive deadline: a
+        node that closed its rounds as soon as it saw later ones would never work through
+        the backlog of a slow device, whose updates would then carry rounds too old to use.
 
         Args:
             ctx: a :class:`~dfl_agent.algorithms.context.NodeContext`.
@@ -406,7 +410,7 @@ class UpdateMarket:
                 self._intake(ctx, msg, t, members, validate, outsider_reason, departed, arrived, now - start)
             satisfied = self.ready(t, current) and not waits_alone(ctx, current)
             # behind the quorum (runtime.straggler = "quorum"): take their newest updates now
-            upto = t if satisfied or self.ahead_round(t, current) == t else max(
+            upto = t if satisfied or not take_ahead or self.ahead_round(t, current) == t else max(
                 m.round for q in self.queues.values() for m in q)
             if satisfied or upto > t or now >= deadline:
                 held = await suspend_deadline(ctx, deadline, budget, kind)
