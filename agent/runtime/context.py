@@ -23,11 +23,12 @@ from typing import Any, TypeVar
 import numpy as np
 
 from dfl_agent.algorithms.context import BROADCAST, Message
+from dfl_agent.algorithms.protocols.synchronization import evidence_quorum
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.compression import CompressionPolicy
 from dfl_agent.runtime.compute_gate import ComputeGate
 from dfl_agent.runtime.inbox import Inbox, PreparedFrame
-from dfl_agent.runtime.membership import Membership, catch_up_target, evidence_quorum
+from dfl_agent.runtime.membership import Membership, catch_up_target
 from dfl_agent.runtime.outbox import Outbox
 from dfl_agent.transport import wire
 from dfl_agent.transport.base import Transport

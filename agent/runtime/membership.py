@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from dfl_agent.algorithms.protocols.stragglers import in_quorum_mode
-from dfl_agent.algorithms.protocols.synchronization import evidence_quorum
+from dfl_agent.algorithms.protocols.synchronization import quorum_shown
 
 if TYPE_CHECKING:
     from dfl_agent.runtime.context import RuntimeContext
@@ -40,11 +40,8 @@ def catch_up_target(next_round: int, shown: Mapping[str, int], live: int, cap: i
         with round + 1000) is never enough where two or more neighbours are live, and no
         claim moves a node more than ``cap`` rounds per event.
     """
-    need = evidence_quorum(max(int(live), len(shown)))
-    if need == 0 or len(shown) < need or cap <= 0:
-        return next_round
-    ahead = sorted(shown.values(), reverse=True)[need - 1]  # the need-th highest: a quorum showed it
-    if ahead < next_round:
+    ahead = quorum_shown(shown, live)
+    if ahead is None or cap <= 0 or ahead < next_round:
         return next_round
     return min(ahead + 1, next_round + cap)
 

@@ -16,8 +16,11 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: bench.*
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,35 +30,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from dfl_agent.data import load_dataset
-    from dfl_agent.learning.training import TrainConfig, ramped, train_local
-    from dfl_agent.models import build_model, default_spec
-    from dfl_agent.store.sqlite import validation_mask
+    from bench.warm_start.har_fedavg import fedavg_round, har_devices
+    from dfl_agent.learning.training import ramped
+    from dfl_agent.models import build_model
 
-    torch.set_num_threads(1)
-    pool = load_dataset("har").pool
+    har = har_devices()
+    pool, data, spec, base = har.pool, har.data, har.spec, har.base
     names = list(getattr(pool, "class_names", range(pool.num_classes)))
-    data = []
-    for u in sorted({int(g) for g in pool.groups})[:4]:
-        m = pool.groups == u
-        x, y = pool.x[m][:320], pool.y[m][:320]
-        data.append((x, y, validation_mask(np.arange(len(y)), 0.2)))
-    spec = default_spec(pool.input_shape, pool.num_classes, "medium")
-    base = TrainConfig(epochs=1, lr=0.05)
 
     def predict(model, i):
         x, y, val = data[i]
         with torch.no_grad():
             return model(torch.from_numpy(x[val])).argmax(1).numpy(), y[val]
-
-    def fedavg_round(models, n, cfg, rng):
-        for i, m in enumerate(models):
-            x, y, val = data[i]
-            train_local(m, x[:n][~val[:n]], y[:n][~val[:n]], cfg, rng)
-        states = [m.state_dict() for m in models]
-        mean = {k: sum(s[k] for s in states) / len(states) for k in states[0]}
-        for m in models:
-            m.load_state_dict(mean)
 
     lost = np.zeros((pool.num_classes, pool.num_classes), int)
     gained = np.zeros(pool.num_classes, int)
@@ -66,9 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         models = [build_model(spec)]
         models += [copy.deepcopy(models[0]) for _ in range(3)]
         for _ in range(60):
-            fedavg_round(models, 96, base, rng)
+            fedavg_round(models, data, 96, base, rng)
         after = copy.deepcopy(models)
-        fedavg_round(after, 320, ramped(base, args.scale), np.random.default_rng(seed + 100))
+        fedavg_round(after, data, 320, ramped(base, args.scale), np.random.default_rng(seed + 100))
         for i in range(4):
             p0, y = predict(models[i], i)
             p1, _ = predict(after[i], i)

@@ -24,8 +24,11 @@ import argparse
 import copy
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: bench.*
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,35 +40,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from dfl_agent.data import load_dataset
-    from dfl_agent.learning.training import TrainConfig, ramped, train_local
-    from dfl_agent.models import build_model, default_spec
+    from bench.warm_start.har_fedavg import fedavg_round, har_devices
+    from dfl_agent.learning.training import ramped
+    from dfl_agent.models import build_model
     from dfl_agent.runtime.warm_start import ramp_factor
-    from dfl_agent.store.sqlite import validation_mask
 
-    torch.set_num_threads(1)
-    pool = load_dataset("har").pool
-    data = []
-    for u in sorted({int(g) for g in pool.groups})[:4]:
-        m = pool.groups == u
-        x, y = pool.x[m][:320], pool.y[m][:320]
-        data.append((x, y, validation_mask(np.arange(len(y)), 0.2)))
-    spec = default_spec(pool.input_shape, pool.num_classes, "medium")
-    base = TrainConfig(epochs=1, lr=0.05)
+    har = har_devices()
+    data, spec, base = har.data, har.spec, har.base
 
     def acc(model, i, n):
         x, y, val = data[i]
         with torch.no_grad():
             return float((model(torch.from_numpy(x[:n][val[:n]])).argmax(1).numpy() == y[:n][val[:n]]).mean())
-
-    def fedavg_round(models, n, cfg, rng):
-        for i, m in enumerate(models):
-            x, y, val = data[i]
-            train_local(m, x[:n][~val[:n]], y[:n][~val[:n]], cfg, rng)
-        states = [m.state_dict() for m in models]
-        mean = {k: sum(s[k] for s in states) / len(states) for k in states[0]}
-        for m in models:
-            m.load_state_dict(mean)
 
     ramps = [int(r) for r in args.ramps.split(",")]
     firsts = [float(f) for f in args.first_scales.split(",") if f]
@@ -77,22 +63,22 @@ def main(argv: list[str] | None = None) -> int:
         models = [build_model(spec)]
         models += [copy.deepcopy(models[0]) for _ in range(3)]
         for _ in range(60):
-            fedavg_round(models, 96, base, rng)
+            fedavg_round(models, data, 96, base, rng)
         for phase, then in (("shift", 40), ("same", 0)):
             start = [acc(m, i, 320) for i, m in enumerate(models)]
             for r in ramps:
                 ms, g = copy.deepcopy(models), np.random.default_rng(seed + 100)
                 for t in range(1, 11):
-                    fedavg_round(ms, 320, ramped(base, ramp_factor({"started_from": 1}, r, t)), g)
+                    fedavg_round(ms, data, 320, ramped(base, ramp_factor({"started_from": 1}, r, t)), g)
                     if t == 1:
                         out[r][phase + "1"] += [acc(m, i, 320) - start[i] for i, m in enumerate(ms)]
                 out[r][phase + "10"] += [acc(m, i, 320) for i, m in enumerate(ms)]
             for f in firsts:
                 ms = copy.deepcopy(models)
-                fedavg_round(ms, 320, ramped(base, f), np.random.default_rng(seed + 100))
+                fedavg_round(ms, data, 320, ramped(base, f), np.random.default_rng(seed + 100))
                 first[f][phase + "1"] += [acc(m, i, 320) - start[i] for i, m in enumerate(ms)]
             for _ in range(then):
-                fedavg_round(models, 320, base, rng)
+                fedavg_round(models, data, 320, base, rng)
         print(f"seed {seed} done", file=sys.stderr, flush=True)
     rows = []
     for r, res in [*((r, out[r]) for r in ramps), *((f"round 1 alone at {f} x lr", first[f]) for f in firsts)]:

@@ -269,3 +269,21 @@ def test_recovery_is_counted_while_a_run_can_train():
     never = _report(events=[{"kind": "power_cut", "target": "pi-0", "at_s": 60.0, "recovered_after_s": None,
                              "no_run_after": False}])
     assert evaluate_checks(s, never)[0].startswith("max_recovery_s: power_cut pi-0 at 60 s never recovered")
+
+
+def test_recovery_is_judged_per_affected_device_against_its_own_runs():
+    """A device that finished its run while the event lasted has nothing to recover in, even
+    while a slower device still trains; every affected device that had a run must recover."""
+    from dfl_agent.cli.lab.report import event_recovery
+
+    def rounds(*times, peers=1):
+        return [{"time": t, "neighbours": peers} for t in times]
+
+    spans = {"pi-1": [(0.0, 200.0)], "pi-2": [(0.0, 50.0)]}  # pi-2 finished at 50 s, pi-1 at 200 s
+    recs = {"pi-1": {"r": rounds(40.0, 63.0, 64.0)}, "pi-2": {"r": rounds(40.0, 50.0)}}
+    assert event_recovery(60.0, ["pi-2"], spans, recs) == (None, True)  # not pi-1's run
+    assert event_recovery(60.0, ["pi-1"], spans, recs) == (3.0, False)
+    assert event_recovery(60.0, ["pi-1", "pi-2"], spans, recs) == (3.0, False)  # pi-2 does not count
+    alone = {"pi-1": {"r": rounds(63.0, 64.0, peers=0)}}  # rounds after the event, none with a peer
+    assert event_recovery(60.0, ["pi-1"], spans, alone) == (None, False)  # never recovered
+    assert event_recovery(None, ["pi-1"], spans, recs) == (None, False)  # the event never ended

@@ -50,6 +50,34 @@ def recovery_start(end: float, spans: list[tuple[float, float]]) -> float | None
     return min(later) if later else None
 
 
+def event_recovery(end: float | None, affected: list[str], spans: dict[str, list[tuple[float, float]]],
+                   recs: dict[str, dict[str, list[dict[str, Any]]]]) -> tuple[float | None, bool]:
+    """How long after an event the devices it affected recovered, each against its own runs.
+
+    Args:
+        end: when the event ended (monotonic s); None: it never ended.
+        affected: the devices the event cut off or slowed.
+        spans: device -> ``(submitted, its last round)`` of each run (:func:`recovery_start`).
+        recs: device -> run id -> its round records (``time``: monotonic s; the peers used).
+
+    Returns:
+        ``(seconds, no_run_after)``: the seconds until the last affected device that had a
+        run to recover in closed a round with a peer's update (from :func:`recovery_start`),
+        rounded to 0.1; None when one of them never did, or none had a run.  ``no_run_after``
+        is True when the event ended and no affected device had a run in progress or after.
+    """
+    starts = {n: None if end is None else recovery_start(end, spans.get(n, [])) for n in affected}
+    per: list[float | None] = []
+    for n, start in starts.items():
+        if start is None:  # this device had no run left to recover in
+            continue
+        after = [r["time"] for rs in recs.get(n, {}).values() for r in rs
+                 if r.get("time", 0) > start and _used_peers(r) > 0]
+        per.append(min(after) - start if after else None)
+    rec_s = None if not per or None in per else round(max(p for p in per if p is not None), 1)
+    return rec_s, end is not None and all(start is None for start in starts.values())
+
+
 def _store(state: Path) -> dict[str, Any]:
     from dfl_agent.store.sqlite import SampleStore, StoreError
 
@@ -273,9 +301,9 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
 
     # each device's runs, (submission, its last round): recovery is counted from an event's end
     # only while the device's run is in progress, else from the next run's submission
-    def spans(n: str) -> list[tuple[float, float]]:
-        return [(sub, max((r.get("time", 0) for r in recs.get(n, {}).get(rid, [])), default=sub))
-                for rid, sub in zip(run.run_ids, run.run_submitted) if rid is not None and sub]
+    spans = {d.id: [(sub, max((r.get("time", 0) for r in recs.get(d.id, {}).get(rid, [])), default=sub))
+                    for rid, sub in zip(run.run_ids, run.run_submitted) if rid is not None and sub]
+             for d in sc.training()}
     events = []
     for h in run.happened:
         e = h.event
@@ -285,20 +313,10 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
             affected = [d.id for d in sc.training()]
         else:
             affected = [e.target]
-        rec_s: float | None = None
-        starts = {n: None if h.end is None else recovery_start(h.end, spans(n)) for n in affected}
-        if any(start is not None for start in starts.values()):
-            per = []
-            for n, start in starts.items():
-                if start is None:  # this device had no run left to recover in
-                    continue
-                after = [r["time"] for rs in recs.get(n, {}).values() for r in rs
-                         if r.get("time", 0) > start and _used_peers(r) > 0]
-                per.append(min(after) - start if after else None)
-            rec_s = None if not per or any(p is None for p in per) else round(max(p for p in per if p is not None), 1)
+        rec_s, no_run_after = event_recovery(h.end, affected, spans, recs)
         events.append({"kind": e.kind, "target": e.target, "at_s": e.at_s, "duration_s": e.duration_s,
                        "value": e.value, "affected": affected, "recovered_after_s": rec_s,
-                       "no_run_after": h.end is not None and all(start is None for start in starts.values()),
+                       "no_run_after": no_run_after,
                        "started_s": round(h.start - run.t0, 1) if h.start else None,
                        "ended_s": round(h.end - run.t0, 1) if h.end else None})
 

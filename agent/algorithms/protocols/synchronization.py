@@ -49,7 +49,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -79,6 +79,29 @@ def evidence_quorum(live: int) -> int:
     if live <= 0:
         return 0
     return max(live // 2 + 1, min(2, live))
+
+
+def quorum_shown(shown: Mapping[str, int], live: int) -> int | None:
+    """The latest round that :func:`evidence_quorum` of ``live`` neighbours showed.
+
+    Args:
+        shown: neighbour -> the highest round it showed (one entry per distinct sender).
+        live: how many verified neighbours are live (raised to ``len(shown)`` if smaller).
+
+    Returns:
+        the ``need``-th highest of ``shown``'s rounds, ``need = evidence_quorum(live)``;
+        ``None`` when fewer than ``need`` neighbours showed any round (or none is live).
+        One insider's round + 1000 is never enough where two or more neighbours are live.
+
+    >>> quorum_shown({"a": 7, "b": 5, "c": 1000}, 3)
+    7
+    >>> quorum_shown({"c": 1000}, 3) is None
+    True
+    """
+    need = evidence_quorum(max(int(live), len(shown)))
+    if need == 0 or len(shown) < need:
+        return None
+    return sorted(shown.values(), reverse=True)[need - 1]
 
 
 async def suspend_deadline(ctx: Any, deadline: float, budget: float, kind: str | tuple[str, ...] = ()) -> float:
@@ -290,12 +313,9 @@ class UpdateMarket:
         neighbours are live."""
         if not self.fresh_quorum:
             return t
-        newest = sorted((max(m.round for m in self.queues[p]) for p in set(peers) if self.queues.get(p)),
-                        reverse=True)
-        need = evidence_quorum(len(set(peers)))
-        if need == 0 or len(newest) < need:
-            return t
-        return max(t, newest[need - 1])
+        live = set(peers)
+        ahead = quorum_shown({p: max(m.round for m in self.queues[p]) for p in live if self.queues.get(p)}, len(live))
+        return t if ahead is None else max(t, ahead)
 
     # -- the strategies ------------------------------------------------------------------
     def required(self, peers: list[str]) -> int:
@@ -411,7 +431,7 @@ class UpdateMarket:
             satisfied = self.ready(t, current) and not waits_alone(ctx, current)
             # behind the quorum (runtime.straggler = "quorum"): take their newest updates now
             upto = t if satisfied or not take_ahead or self.ahead_round(t, current) == t else max(
-                m.round for q in self.queues.values() for m in q)
+                m.round for p in members for m in self.queues.get(p, ()))
             if satisfied or upto > t or now >= deadline:
                 held = await suspend_deadline(ctx, deadline, budget, kind)
                 if held != deadline:  # the broker went away: wait on instead of closing alone
