@@ -72,6 +72,9 @@ class ChaosOptions:
     #: give up after this many seconds (0: a budget from rounds and round_timeout); a
     #: run that stops here reports ``completed = false`` with every node's state
     max_seconds: float = 0.0
+    #: ``runtime.straggler`` of every agent: ``paper`` (the papers' lock step, so that the
+    #: committed fault figures reproduce) or ``quorum`` (the always-on agent's default)
+    straggler: str = "paper"
 
 
 def _config(o: ChaosOptions, fed: str, nid: str, i: int, broker: str, state: Path, fed_pub: str) -> dict[str, Any]:
@@ -86,7 +89,7 @@ def _config(o: ChaosOptions, fed: str, nid: str, i: int, broker: str, state: Pat
         "mqtt": {"broker": broker, "keepalive": 5, "heartbeat_interval": 2.0},
         "discovery": {"mdns": False, "min_peers": o.nodes - 1, "start_timeout": o.start_timeout,
                       "heartbeat_timeout": 20.0},
-        "runtime": {"metrics_file": str(state / "metrics.jsonl"), "rejoin": True},
+        "runtime": {"metrics_file": str(state / "metrics.jsonl"), "rejoin": True, "straggler": o.straggler},
         "security": {"require_signatures": True, "federation_key": fed_pub},
     }
 

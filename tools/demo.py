@@ -63,6 +63,9 @@ class DemoOptions:
     profiles: str | None = None  # comma-separated device profiles, one per agent (cycled)
     compression: str = "none"  # spec of every agent (issue 8)
     error_feedback: bool = True
+    #: ``runtime.straggler`` of every agent: ``paper`` (the papers' lock step, as the simulator,
+    #: so that the demo's figures reproduce) or ``quorum`` (the always-on agent's default)
+    straggler: str = "paper"
 
 
 #: seconds the agents get to leave cleanly after Ctrl-C before they are killed
@@ -165,7 +168,8 @@ def _config(opts: DemoOptions, fed: str, nid: str, index: int, broker: str, out:
         mqtt=MqttSection(broker=broker, protocol=opts.protocol),
         discovery=DiscoverySection(mdns=True, interfaces=["127.0.0.1"], min_peers=opts.nodes - 1,
                                    start_timeout=opts.start_timeout, heartbeat_timeout=30.0),
-        runtime=RuntimeSection(baseline_local=True, metrics_file=str(node_dir / "metrics.jsonl")),
+        runtime=RuntimeSection(baseline_local=True, metrics_file=str(node_dir / "metrics.jsonl"),
+                               straggler=opts.straggler),
         compression=CompressionSection(spec=opts.compression, error_feedback=opts.error_feedback),
     )
 

@@ -71,6 +71,7 @@ class FeedOptions:
     live: bool | None = None
     model_size: str = "small"
     min_validation: int = 5  # deploy.min_validation of the agents (small stores)
+    straggler: str = "paper"  # runtime.straggler of every agent (as dflctl demo)
 
 
 def _npz_bytes(x: np.ndarray, y: np.ndarray) -> bytes:
@@ -180,7 +181,7 @@ def _config(opts: FeedOptions, fed: str, nid: str, state: Path, broker: str, poo
         mqtt=MqttSection(broker=broker, heartbeat_interval=1.0),
         discovery=DiscoverySection(mdns=False, min_peers=opts.nodes - 1, start_timeout=opts.start_timeout,
                                    heartbeat_timeout=30.0),
-        runtime=RuntimeSection(),
+        runtime=RuntimeSection(straggler=opts.straggler),
     )
 
 

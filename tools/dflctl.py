@@ -160,13 +160,13 @@ def cmd_demo(a: argparse.Namespace) -> int:
             algorithm=a.algorithm or "fedavg", out=a.out if a.out != "dfl-demo" else "dfl-demo-feed",
             broker=a.broker, seed=a.seed, initial=a.initial, feed_interval=a.feed_interval,
             feed_chunk=a.feed_chunk, max_windows=a.max_windows, live=a.live, epochs=a.epochs or 5,
-            round_timeout=a.round_timeout))
+            round_timeout=a.round_timeout, straggler=a.straggler))
     return run_demo(DemoOptions(
         nodes=a.nodes if a.nodes is not None else 5, rounds=a.rounds or 20, algorithm=a.algorithm or "dfml",
         models=a.models, out=a.out, broker=a.broker, seed=a.seed,
         epochs=a.epochs or 1, round_timeout=a.round_timeout, kill=a.kill, live=a.live, protocol=a.protocol,
         profiles=a.profiles,
-        compression=a.compression, error_feedback=a.error_feedback,
+        compression=a.compression, error_feedback=a.error_feedback, straggler=a.straggler,
     ))
 
 
@@ -359,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0, help="random seed")
     d.add_argument("--epochs", type=int, default=None, help="local epochs per round (default 1; 5 with --feed)")
     d.add_argument("--round-timeout", type=float, default=30.0, help="seconds a round waits for peers")
+    d.add_argument("--straggler", default="paper", choices=["paper", "quorum"],
+                   help="the agents' runtime.straggler: paper, the papers' lock step (default, as the simulator); "
+                        "quorum, the always-on agent's default")
     d.add_argument("--kill", default=None, metavar="INDEX@ROUND", help="SIGKILL agent INDEX after its round ROUND")
     d.add_argument("--live", dest="live", action="store_true", default=None, help="live table (default on a terminal)")
     d.add_argument("--no-live", dest="live", action="store_false", help="one line per event instead of the live table")

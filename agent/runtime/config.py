@@ -214,8 +214,8 @@ class RuntimeSection:
     run_stop_grace: float = described(30.0, help="seconds a run process has to stop after SIGTERM before SIGKILL")
     run_init: str = described("deployed", help="`deployed`: a run starts from the deployed model when its "
                               "architecture matches (else fresh, logged why); `fresh`; `run submit --init` overrides")
-    straggler: str = described("paper", help="`paper`: lock step; `quorum`: rounds close without the slowest "
-                               "neighbours, adaptive deadlines, late updates weighted (how-to: choose an algorithm)")
+    straggler: str = described("quorum", help="`quorum`: rounds close without the slowest neighbours, adaptive "
+                               "deadlines, late updates weighted; `paper`: lock step (how-to: choose an algorithm)")
     min_round_timeout: float = described(2.0, help="quorum: the adaptive round deadline's lower bound (s)")
     max_round_timeout: float = described(120.0, help="quorum: its upper bound (s) where the algorithm has no "
                                          "`round_timeout` (the rotating family: also at most `invite_timeout`)")

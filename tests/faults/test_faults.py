@@ -7,7 +7,8 @@ runs and their report are in bench/faults/).
 * packet loss (root only, the field lab's network: ``dfl_agent.cli.lab.net.LabNet``):
   three agents in their own namespaces, 10% random loss each way on every agent's link
   (netem where the kernel has it, else iptables ``statistic``; no delay, which needs
-  netem); every round of every node completes with its peers' updates.
+  netem); every round a node runs uses its peers' updates, and most nodes run every round
+  (under the default quorum a node that fell behind may skip rounds or end early).
 """
 
 from __future__ import annotations
@@ -107,9 +108,15 @@ def test_packet_loss_in_lab_namespaces(tmp_path):
     assert all(n > 0 for n in dropped.values()), dropped  # the loss hit the agents' traffic
     logs = {nid: (tmp_path / f"{nid}.log").read_text()[-1500:] for nid in ids}
     assert codes == dict.fromkeys(ids, 0), (codes, logs)
+    complete = 0
     for nid in ids:
         recs = [json.loads(line) for line in (tmp_path / nid / "metrics.jsonl").read_text().splitlines()]
-        assert sorted(r["round"] for r in recs) == list(range(1, ROUNDS + 1)), (nid, recs)
+        rounds = [r["round"] for r in recs]
+        # the agent's default, runtime.straggler = "quorum": a node that fell behind skips to its
+        # neighbours' round, and ends its run after the round it is in once most have finished
+        assert rounds == sorted(set(rounds)) and rounds[0] == 1 and rounds[-1] <= ROUNDS, (nid, rounds)
+        complete += rounds[-1] == ROUNDS
         # every round used its peers' updates (none closed alone at its deadline)
         taken = [(r["round"], r["updates_taken"], r["alone"]) for r in recs]
         assert all(n >= 1 and not alone for _, n, alone in taken), (nid, taken, logs[nid])
+    assert complete >= 2, complete  # most of the members ran every round

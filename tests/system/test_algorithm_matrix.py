@@ -70,7 +70,9 @@ def _config(tmp: Path, fed: str, nid: str, i: int, broker: str, fed_key: Ed25519
         "mqtt": {"broker": broker, "heartbeat_interval": 1.0},
         "discovery": {"min_peers": len(IDS) - 1, "start_timeout": 60.0, "mdns": True, "interfaces": ["127.0.0.1"]},
         "security": {"require_signatures": True, "federation_key": public_key_b64(fed_key)},
-        "runtime": {"checkpoint": False},
+        # the papers' lock step, so that every round shows each algorithm's evidence (every
+        # neighbour aggregated); the agent's default, quorum, closes a round with half of them
+        "runtime": {"checkpoint": False, "straggler": "paper"},
     }
     text = dump_toml(config_from_dict(raw))
     text = re.sub(r"\[algorithm\]\n(?:[^\[\n].*\n)*", "", text + "\n")  # no default run: wait for runs

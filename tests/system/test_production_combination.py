@@ -2,7 +2,9 @@
 updates (the shipped default ``[compression]``, ``auto``: ``q4+zstd`` with error feedback, CHOCO copies
 for gossip), and a mosquitto with TLS, per-device passwords and the shipped ACL.
 
-Every node's round records must show its neighbours' updates received and aggregated, no
+The agents run the default ``runtime.straggler = "quorum"``. Every node's round records must
+show its neighbours' updates received and aggregated (at least a quorum's each round, every
+neighbour's over the run), the adaptive deadline, no
 frame dropped as ``bad_encoding``, ``bad_signature`` or ``non_finite`` (wire v4 dropped or
 corrupted every signed, compressed multi-tensor update), and a compression ratio of at
 least RATIO (8x) on the HAR default model.
@@ -127,11 +129,20 @@ def test_signed_compressed_updates_over_tls_are_aggregated_on_every_node(tmp_pat
         by_round = {r["round"]: r for r in records}
         assert sorted(by_round) == list(range(1, ROUNDS + 1)), (nid, sorted(by_round))
         others = sorted(set(IDS) - {nid})
+        used: set[str] = set()
         for t, r in by_round.items():
-            # every round aggregated every neighbour's signed, compressed update
-            assert r["neighbour_ids"] == others, (nid, t, r.get("neighbour_ids"), r.get("missing"))
-            assert r["neighbours"] == len(others)
+            # the agent's default, runtime.straggler = "quorum": a round closes once half of its
+            # live neighbours (rounded up: 1 of 2) sent their signed, compressed update; a late one
+            # is used, weighted, in a later round; nothing is rejected (a gap, a bad signature)
+            assert 1 <= len(r["neighbour_ids"]) == r["neighbours"] <= r["participants_expected"] <= len(others), \
+                (nid, t, r.get("neighbour_ids"), r.get("participants_expected"))
+            assert set(r["neighbour_ids"]) <= set(others), (nid, t, r.get("neighbour_ids"))
             assert r["dropped"] == 0, (nid, t, r["dropped"])
+            used |= set(r["neighbour_ids"])
+        assert used == set(others), (nid, used)  # every neighbour's updates were aggregated
+        # the adaptive deadline followed the peers' completion times (the lock step waits up to
+        # round_timeout, 60 s, every round)
+        assert min(r["deadline_s"] for t, r in by_round.items() if t > 2) < 60.0, [r["deadline_s"] for r in records]
         last = by_round[ROUNDS]
         # the model messages travelled compressed and signed: more than q4 alone gives (7.6x), so the
         # zstd stage ran too (9.9x measured here with signatures; 10.8x in bench/compression/default_choice.py)

@@ -67,8 +67,8 @@ def test_quorum_options_and_explicit_options_win() -> None:
 
 def test_config_keys() -> None:
     cfg = config_from_dict({"federation": "f"})
-    # paper by default until the field lab passes with quorum (a device cut off fell behind for good)
-    assert (cfg.runtime.straggler, cfg.runtime.min_round_timeout, cfg.runtime.max_round_timeout) == ("paper", 2.0, 120.0)
+    # quorum by default for the always-on agent; the simulator keeps the papers' lock step
+    assert (cfg.runtime.straggler, cfg.runtime.min_round_timeout, cfg.runtime.max_round_timeout) == ("quorum", 2.0, 120.0)
     with pytest.raises(ConfigError, match="runtime.straggler"):
         config_from_dict({"federation": "f", "runtime": {"straggler": "fast"}})
     with pytest.raises(ConfigError, match="runtime.min_round_timeout"):
@@ -79,7 +79,10 @@ def test_config_keys() -> None:
         {"federation": "f", "algorithm": {"name": "fedavg"}, "runtime": {"straggler": "quorum"}}))
     assert opts.sync == "one_from_min_percent"
     _, opts = resolve_algorithm(config_from_dict({"federation": "f", "algorithm": {"name": "fedavg"}}))
-    assert opts.sync == "one_from_each"  # the default: the papers' lock step
+    assert opts.sync == "one_from_min_percent"  # the default: quorum
+    _, opts = resolve_algorithm(config_from_dict(
+        {"federation": "f", "algorithm": {"name": "fedavg"}, "runtime": {"straggler": "paper"}}))
+    assert opts.sync == "one_from_each"  # the papers' lock step
 
 
 # -- the simulator: a slow node ---------------------------------------------------------
@@ -269,3 +272,25 @@ def test_a_node_behind_the_quorum_takes_their_newest_updates_at_once(fresh_quoru
     assert end == pytest.approx(expect_end, abs=0.05)
     assert {s: m[-1].round for s, m in res.taken.items()} == expect_taken
     assert market.stats["behind"] == int(bool(expect_taken)) and res.deadline_hit == (not expect_taken)
+
+
+def test_the_reproduction_tools_keep_the_papers_lock_step(tmp_path) -> None:
+    """The always-on agent defaults to quorum; the demo, its --feed variant and the chaos tool
+    run the papers' lock step unless told otherwise, so that their committed figures reproduce."""
+    from dfl_agent.cli import chaos, demo, dflctl
+
+    assert config_from_dict({"federation": "f"}).runtime.straggler == "quorum"
+    assert demo._config(demo.DemoOptions(), "f", "n0", 0, "127.0.0.1:1883", tmp_path).runtime.straggler == "paper"
+    quorum = demo.DemoOptions(straggler="quorum")
+    assert demo._config(quorum, "f", "n0", 0, "127.0.0.1:1883", tmp_path).runtime.straggler == "quorum"
+    assert chaos._config(chaos.ChaosOptions(), "f", "n0", 0, "127.0.0.1:1883", tmp_path, "k")["runtime"][
+        "straggler"] == "paper"
+    from types import SimpleNamespace
+
+    from dfl_agent.cli import demo_feed
+
+    pool = SimpleNamespace(input_shape=(9, 128), num_classes=6, class_names=[str(i) for i in range(6)])
+    feed = demo_feed._config(demo_feed.FeedOptions(), "f", "n0", tmp_path, "127.0.0.1:1883", pool, "k")
+    assert feed.runtime.straggler == "paper"
+    args = dflctl.build_parser().parse_args(["demo", "--straggler", "quorum"])
+    assert args.straggler == "quorum"
