@@ -101,7 +101,7 @@ class InferenceMember:
                                        protocol=protocol, max_frame_bytes=max_frame_bytes,
                                        heartbeat_interval=heartbeat_interval,
                                        on_heartbeat=lambda peer, status: self.peers.touch(peer), control=self.guard,
-                                       **(mqtt or {}))
+                                       broadcasts=False, **(mqtt or {}))  # its models come addressed to it
         self.ctx = RuntimeContext(node_id=node_id, federation=federation, transport=transport, peers=self.peers,
                                   data=None, model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0),
                                   max_frame_bytes=max_frame_bytes, security=self.verifier)

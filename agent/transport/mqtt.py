@@ -313,6 +313,9 @@ class MqttTransport(Transport):
         channel: the node's presence and status (a :class:`ControlChannel`, e.g.
             :class:`dfl_agent.discovery.presence.MqttPresence`; see
             :func:`dfl_agent.discovery.presence.node_transport`), or None (frames only).
+        broadcasts: subscribe to the federation's broadcasts (``dfl/{fed}/node/+/out``,
+            every training node's model gossip); False for a member that takes only the
+            frames addressed to it (an inference member: its deployed models).
 
     Raises:
         ValueError: an invalid argument (the message names it).
@@ -341,6 +344,7 @@ class MqttTransport(Transport):
         tls_key: str | None = None,
         max_transfers: int = 64,
         channel: ControlChannel | None = None,
+        broadcasts: bool = True,
     ):
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name}: {why}")
@@ -402,6 +406,7 @@ class MqttTransport(Transport):
         self.connect_timeout = float(connect_timeout)
         self.max_pending_bytes = max_pending_bytes
         self.connect_peer_brokers = connect_peer_brokers
+        self.broadcasts = bool(broadcasts)
 
         #: most bytes of incomplete transfers held per broker connection, all topics together
         self._max_reassembly_bytes = 4 * max_frame_bytes
@@ -489,7 +494,7 @@ class MqttTransport(Transport):
 
     def _subscriptions(self, conn: _Conn) -> list[tuple[str, Any]]:
         fed = self.federation
-        topics = [(topic(fed, "+", "out"), self.qos, True)]
+        topics = [(topic(fed, "+", "out"), self.qos, True)] if self.broadcasts else []
         if self.channel is not None:
             topics += [(topic(fed, "+", leaf), 1, False) for leaf in self.channel.leaves]
         if conn.home:

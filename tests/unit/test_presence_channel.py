@@ -41,6 +41,16 @@ def test_transport_without_channel_moves_frames_only():
         asyncio.run(t.publish_status({"round": 1}))
 
 
+def test_an_inference_member_does_not_subscribe_to_the_model_gossip(tmp_path):
+    """An inference member takes only the deployed models addressed to its inbox: the training
+    nodes' broadcasts (every round's update) would only cost its link and be dropped."""
+    from dfl_agent.inference.member import InferenceMember
+
+    member = InferenceMember("pi-4", "fed", broker=ENDPOINT, state_dir=tmp_path, sign=False)
+    assert _topics(member.ctx.transport, home=True) == [
+        "dfl/fed/node/pi-4/inbox", "dfl/fed/node/+/presence", "dfl/fed/node/+/status"]
+
+
 def test_presence_arguments_are_checked_by_name():
     for name, kwargs in [("descriptor", dict(descriptor=[])), ("heartbeat_interval", dict(heartbeat_interval=0)),
                          ("on_heartbeat", dict(on_heartbeat=3))]:
