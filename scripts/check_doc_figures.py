@@ -41,6 +41,7 @@ ALLOWED: list[tuple[str, str, str]] = [
      "the admission rule's fixed allowance for activations and the runtime (runtime.admission)"),
     ("docs/data-and-models.md", "Files above 512 MiB on disk", "limits of the sample store (configuration defaults)"),
     ("docs/data-and-models.md", "`file_too_large` (above 512 MiB", "a limit of the sample store"),
+    ("docs/data-and-models.md", "gets it again after 15 s", "the delivery's resend waits (member_delivery)"),
     ("docs/operations.md", "(default 600 s)", "a default of dflctl run submit"),
     ("docs/operations.md", "does not fit `compute.memory_budget_mb`", "worked example of a decline message"),
     ("docs/operations.md", "kind is `run:{run_id}`", "the control envelope's size limit"),

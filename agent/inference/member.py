@@ -15,8 +15,12 @@ Message ``kind="onnx.model"``: tensors ``{"onnx": uint8 (nbytes,)}``; meta
 ``{"version": int, "source": node id, "round": int, "accuracy": float|None,
 "spec_hash": str}``; from an agent that deploys (the sample store) also ``run_id``,
 ``sha256`` and ``deployed: true``, and ``version`` is its deployed version number (it
-sends deployed versions only).  A model that onnxruntime cannot load, or that is older (lower
-round) than the one held, is rejected and counted; the member keeps the old one.
+sends deployed versions only) with ``deployed_at``.  A model that onnxruntime cannot load, or
+that is older than the one held (:meth:`InferenceMember.stale`: deployed earlier, or else a
+lower round), is rejected and counted; the member keeps the old one.  The status names the
+held deployment (``model_run_id``, ``model_sha256``, ``model_deployed_at``): an agent's
+supervisor sends its deployed version to members whose status lacks it
+(:mod:`dfl_agent.runtime.member_delivery`).
 """
 
 from __future__ import annotations
@@ -147,7 +151,9 @@ class InferenceMember:
             "node_id": self.node_id, "state": self.state, "algorithm": "inference", "role": "inference",
             "profile": "inference-only", "round": self.model_meta.get("round", 0),
             "model_version": self.model_meta.get("version"), "model_source": self.model_meta.get("source"),
-            "model_accuracy": self.model_meta.get("accuracy"), "predictions": p.get("n"),
+            "model_accuracy": self.model_meta.get("accuracy"), "model_run_id": self.model_meta.get("run_id"),
+            "model_sha256": self.model_meta.get("sha256"), "model_deployed_at": self.model_meta.get("deployed_at"),
+            "predictions": p.get("n"),
             "prediction_accuracy": p.get("accuracy"), "global_accuracy": None, "gated": None,
             "bytes_sent": c["bytes_sent"], "bytes_received": c["bytes_received"], "errors": c["dropped"],
             "live_peers": self.peers.live_peers(), "time": time.time(),
@@ -161,6 +167,23 @@ class InferenceMember:
         except Exception as exc:  # noqa: BLE001 - status is best effort
             log.warning("could not publish status: %s", exc)
 
+    def stale(self, meta: dict[str, Any]) -> str:
+        """Why a model with ``meta`` is older than the one held ("" when it is not; "held":
+        the very deployment held).  A deployed model (``deployed_at``, the sender's deployment
+        time) is older when it was deployed before the held one: each run's deployment is
+        newer than the last run's, whatever their round counts.  Another model is older
+        when its ``round`` is lower."""
+        held = self.model_meta
+        at, held_at = meta.get("deployed_at"), held.get("deployed_at")
+        if meta.get("deployed") and isinstance(at, (int, float)):
+            if not isinstance(held_at, (int, float)):
+                return ""
+            if meta.get("sha256") and meta.get("sha256") == held.get("sha256") and at == held_at:
+                return "held"
+            return f"deployed at {at:.0f}, before the one held ({held_at:.0f})" if at < held_at else ""
+        rnd = meta.get("round", 0)
+        return f"round {rnd!r} older than the one held" if rnd < held.get("round", -1) else ""
+
     def accept(self, msg: Message) -> bool:
         """Validate and load one ``onnx.model`` message; returns whether it was taken."""
         blob = msg.tensors.get("onnx")
@@ -172,8 +195,14 @@ class InferenceMember:
             self.ctx.reject(msg, "not_a_device: models come from enrolled devices only")
             return False
         rnd = msg.meta.get("round", 0)
-        if not isinstance(rnd, int) or rnd < self.model_meta.get("round", -1):
-            self.ctx.reject(msg, f"stale_model: round {rnd!r} older than the one held")
+        if not isinstance(rnd, int):
+            self.ctx.reject(msg, f"bad_model: round {rnd!r} is not an int")
+            return False
+        stale = self.stale(msg.meta)
+        if stale == "held":  # sent again (e.g. after a lost status): nothing to do
+            return False
+        if stale:
+            self.ctx.reject(msg, f"stale_model: {stale}")
             return False
         try:
             model = OnnxModel(blob.tobytes(), self.threads)
@@ -183,7 +212,8 @@ class InferenceMember:
         self.model = model
         self.model_meta = {"round": rnd, "version": msg.meta.get("version"), "source": msg.sender,
                            "accuracy": msg.meta.get("accuracy"), "spec_hash": msg.meta.get("spec_hash", ""),
-                           **{k: msg.meta[k] for k in ("run_id", "sha256", "deployed") if k in msg.meta}}
+                           **{k: msg.meta[k] for k in ("run_id", "sha256", "deployed", "deployed_at")
+                              if k in msg.meta}}
         _atomic_write(self.state_dir / "model.onnx", blob.tobytes())
         with open(self.state_dir / "models.jsonl", "a", encoding="utf-8") as f:  # every model taken, in order
             f.write(json.dumps({"time": time.time(), **{k: v for k, v in self.model_meta.items()

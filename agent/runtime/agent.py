@@ -53,6 +53,7 @@ from dfl_agent.runtime.config import NodeConfig
 from dfl_agent.runtime.degraded import recount
 from dfl_agent.runtime.deployment import deploy_after_run
 from dfl_agent.runtime.dp_run import dp_sink, with_privacy
+from dfl_agent.runtime.liveness import cancel_and_wait
 from dfl_agent.runtime.metrics import end_torn_line, written_rounds
 from dfl_agent.runtime.node import RunStopped, init_seed_for
 from dfl_agent.runtime.onnx_publisher import OnnxPublisher
@@ -306,12 +307,15 @@ class Agent(RunMembers):
 
     def _attach_publisher(self, s: _Setup) -> None:
         """With ONNX available: send the deployable model to inference-only members after
-        every round (with the store and deployment: the deployed version only)."""
+        every round (with the store and deployment: the deployed version only; a run process
+        sends nothing, its supervisor delivers, :mod:`dfl_agent.runtime.member_delivery`)."""
         if not onnx_available():
             return
         cfg, node = self.cfg, self.node
         deployed = None  # with the store and deployment: the deployed version only
         if self.store is not None and cfg.deploy.enabled:
+            if self.relay is not None:
+                return
             from dfl_agent.deploy import ModelStore
 
             deployed = ModelStore(self.state_dir, keep=cfg.deploy.keep)
@@ -358,7 +362,7 @@ class Agent(RunMembers):
             stack.push_async_callback(self.mdns.stop)
             await self.mdns.start()
         if self.store is not None and self.relay is None:  # a run process: the supervisor ingests
-            stack.push_async_callback(_cancel, asyncio.ensure_future(spool_loop(self.store, cfg.data.spool_interval)))
+            stack.push_async_callback(cancel_and_wait, asyncio.ensure_future(spool_loop(self.store, cfg.data.spool_interval)))
         return True
 
     async def _setup(self, stack: contextlib.AsyncExitStack, spec: dict[str, Any]) -> int | None:
@@ -592,9 +596,3 @@ class Agent(RunMembers):
                         self.cfg.discovery.start_timeout)
         log.info("peers: %s", ", ".join(live) or "none")
         return not stop.is_set()
-
-
-async def _cancel(task: asyncio.Future[Any]) -> None:
-    """Cancel ``task`` and wait until it ended (teardown of a background loop)."""
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from dfl_agent import WIRE_VERSION, __version__
 from dfl_agent.runtime.assembly import StartupError
 from dfl_agent.runtime.config import ConfigError, NodeConfig, load_config
-from dfl_agent.runtime.liveness import Liveness, paho_loop_alive, restart_paho_loop
+from dfl_agent.runtime.liveness import Liveness, cancel_and_wait, paho_loop_alive, restart_paho_loop
 from dfl_agent.runtime.preflight import check_startup
 from dfl_agent.runtime.systemd import JournalFormatter, under_journald
 
@@ -117,6 +117,10 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
         exporter = _start_service_prometheus(cfg, manager.node_id, manager)
         if exporter is not None:
             stack.callback(exporter.stop)
+        if cfg.deploy.enabled:  # inference members get models/current, also after a lost copy
+            from dfl_agent.runtime.member_delivery import MemberDelivery
+
+            stack.push_async_callback(cancel_and_wait, asyncio.ensure_future(MemberDelivery(cfg, manager.lobby).run(stop)))
         stack.callback(manager.notifier.stopping)
         log.info("node %s of federation %s serving: %s", manager.node_id, cfg.federation,
                  "default run + runs from operators" if manager.has_default else "waiting for runs")

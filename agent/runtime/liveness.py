@@ -171,3 +171,9 @@ def restart_paho_loop(client: Any) -> None:
         client.loop_stop()
     client.connect_async(client.host, client.port, client.keepalive)  # the new thread connects
     client.loop_start()
+
+
+async def cancel_and_wait(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it ended (teardown of a background loop)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

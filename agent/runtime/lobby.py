@@ -160,6 +160,10 @@ class RunLobby:
         self._sub_mid = client.subscribe(cancel_topic(self.cfg.federation), 1)[1]
         self._republish_run()
 
+    def up(self) -> bool:
+        """Whether the session is connected and subscribed (no disconnect since)."""
+        return self._up and self.connected.is_set()
+
     def _on_connect_fail(self, client: Any, userdata: Any) -> None:
         if not self._stopping:
             self.outage.attempt_failed("no connection")  # the first one logged, then throttled

@@ -102,35 +102,20 @@ class OnnxPublisher:
             self.sent[p] = self.version
 
     async def deliver(self, t: int = 0) -> int:
-        """Send the deployed version (``models/current``) to the live members that do not hold
-        it yet.  Meta: ``version`` (the deployed version number), ``round``, ``accuracy`` (its
-        validation accuracy; None under differential privacy), ``run_id``, ``sha256`` of ``model.onnx``, ``spec_hash``.  Nothing
-        is sent when nothing is deployed, the version has no ``model.onnx`` (no onnx extra)
-        or it fails its hash check.  Returns the number of members sent to."""
-
-        from dfl_agent.deploy.versions import DeployError, verify_folder
-        from dfl_agent.models import spec_hash
-
+        """Send the deployed version (``models/current``, :func:`deployed_onnx`) to the live
+        members that do not hold it yet.  Nothing is sent when nothing is deployed, the
+        version has no ``model.onnx`` (no onnx extra) or it fails its hash check.  Returns the
+        number of members sent to."""
         if self.models is None:
             return 0
         v = self.models.current_version()
         members = self.members()
         if v is None or not members or all(self.sent.get(p) == v for p in members):
             return 0
-        folder = self.models.folder(v)
-        try:
-            manifest = verify_folder(folder)
-            if "model.onnx" not in manifest.get("files", {}):
-                return 0
-            data = (folder / "model.onnx").read_bytes()
-            spec = bounded_loads((folder / "spec.json").read_bytes(), "manifest").get("spec", self.spec)
-        except (DeployError, OSError, ValueError) as exc:
-            log.error("cannot send deployed model v%d to inference members: %s", v, exc)
+        got = deployed_onnx(self.models, self.spec, private=self.private())
+        if got is None:
             return 0
-        meta = {"version": v, "round": int(manifest.get("round") or 0),
-                "accuracy": None if self.private() else manifest.get("accuracy"),
-                "run_id": manifest.get("run_id"), "sha256": manifest["files"]["model.onnx"]["sha256"],
-                "spec_hash": spec_hash(spec), "deployed": True}
+        v, data, meta = got
         n = 0
         for p in members:
             if self.sent.get(p) == v:
@@ -140,3 +125,38 @@ class OnnxPublisher:
             n += 1
         log.info("sent deployed model v%d (run %s) to %d inference member(s)", v, meta["run_id"], n)
         return n
+
+
+def deployed_onnx(models: Any, spec: dict[str, Any] | None = None, *,
+                  private: bool = False) -> tuple[int, bytes, dict[str, Any]] | None:
+    """The deployed version (``models/current`` of ``models``, a
+    :class:`dfl_agent.deploy.ModelStore`) as an ``onnx.model`` message's parts:
+    ``(version, model.onnx bytes, meta)``.  Meta: ``version`` (the deployed version number),
+    ``round``, ``accuracy`` (its validation accuracy; None when ``private``: differential
+    privacy), ``run_id``, ``sha256`` of ``model.onnx``, ``spec_hash``, ``deployed: true`` and
+    ``deployed_at`` (the manifest's ``time``, unix s: inference members keep the newest
+    deployment).  None when nothing is deployed, the version has no ``model.onnx`` (no onnx
+    extra) or it fails its hash check (logged).  Torch-free."""
+    from dfl_agent.deploy.versions import DeployError, verify_folder
+    from dfl_agent.models import spec_hash
+
+    v = models.current_version()
+    if v is None:
+        return None
+    folder = models.folder(v)
+    try:
+        manifest = verify_folder(folder)
+        if "model.onnx" not in manifest.get("files", {}):
+            return None
+        data = (folder / "model.onnx").read_bytes()
+        held_spec = bounded_loads((folder / "spec.json").read_bytes(), "manifest").get("spec", spec)
+        held_hash = spec_hash(held_spec or {})
+    except (DeployError, OSError, ValueError) as exc:  # ValueError: also a SpecError
+        log.error("cannot send deployed model v%d to inference members: %s", v, exc)
+        return None
+    meta = {"version": v, "round": int(manifest.get("round") or 0),
+            "accuracy": None if private else manifest.get("accuracy"),
+            "run_id": manifest.get("run_id"), "sha256": manifest["files"]["model.onnx"]["sha256"],
+            "spec_hash": held_hash, "deployed": True,
+            "deployed_at": float(manifest.get("time") or 0.0)}
+    return v, data, meta

@@ -15,6 +15,7 @@ import base64
 import ipaddress
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -230,5 +231,96 @@ def test_inference_member_takes_only_signed_models_over_tls(tmp_path):
         assert s["errors"] == {"unsigned": 1, "bad_signature": 1, "unknown_sender": 1}, s["errors"]
         assert rss < 100, f"the torch-free member uses {rss:.0f} MB"  # 57 MB measured
     finally:
+        proc.terminate()
+        proc.wait(5)
+
+
+def _deploy(state: Path, weight: float, run_id: str, rnd: int) -> str:
+    """Install a version with ``model.onnx`` in the agent's ``models/`` (what a run's deploy
+    gate and its supervisor's switch leave there); returns its run id."""
+    from dfl_agent.deploy import ModelStore
+
+    spec = {"spec": {"type": "mlp", "input_shape": [4], "hidden": [], "num_classes": 2}}
+    ModelStore(state).install({"model.onnx": _onnx(weight), "spec.json": json.dumps(spec).encode()},
+                              {"run_id": run_id, "round": rnd, "accuracy": 0.9, "algorithm": "fedavg"})
+    return run_id
+
+
+def _taken(inf: Path) -> list[str]:
+    path = inf / "models.jsonl"
+    return [json.loads(line)["run_id"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@needs_mosquitto
+@pytest.mark.timeout(180)
+def test_the_supervisor_delivers_the_deployment_a_member_lacks(tmp_path):
+    """A serving agent (its torch-free supervisor, no run) sends ``models/current`` to the
+    member, signed, over TLS with its own login: at the member's start, after a shorter run's
+    deployment (round 100 after round 300: the member keeps the newest deployment), and again
+    after a copy was lost while the member was down (its status still showed the old model)."""
+    pytest.importorskip("onnx")
+    from dfl_agent.runtime.config import config_from_dict, dump_toml
+
+    fed_dir = tmp_path / "federation"
+    _dflctl("keys", "federation-init", "--dir", str(fed_dir))
+    for node in ("inf", "t"):
+        _dflctl("keys", "enroll", node, "--federation", FED, "--dir", str(fed_dir), "--state-dir", str(tmp_path / node))
+    if not (fed_dir / "mosquitto.passwd").read_text().startswith("inf:$"):
+        pytest.skip("mosquitto_passwd not installed: the password file would be in clear")
+    proc, port = _broker(tmp_path, fed_dir)
+
+    def config(node: str) -> Path:
+        creds = tomllib.loads((fed_dir / "credentials" / f"{node}.toml").read_text())
+        raw = dict(creds, state_dir=str(tmp_path / node), discovery={"mdns": False},
+                   mqtt=dict(creds["mqtt"], broker=f"127.0.0.1:{port}", tls_ca=str(tmp_path / "ca.crt"),
+                             heartbeat_interval=1.0))
+        text = dump_toml(config_from_dict(raw))
+        path = tmp_path / f"{node}.toml"
+        path.write_text(re.sub(r"\[algorithm\]\n(?:[^\[\n].*\n|\n)*", "", text))  # no default run: serving idle
+        return path
+
+    inf_cfg, t_cfg = config("inf"), config("t")
+    assert tomllib.loads(t_cfg.read_text())["security"]["require_signatures"] is True
+    inf = tmp_path / "inf"
+
+    def start_member() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", NO_TORCH.format(argv=[
+            "run", "--config", str(inf_cfg), "--log-level", "warning"])], stderr=subprocess.DEVNULL)
+
+    first = _deploy(tmp_path / "t", 1.0, "run-1", 300)
+    log_path = tmp_path / "agent.log"
+    agent = subprocess.Popen([sys.executable, "-c", "import sys; from dfl_agent.runtime import daemon; "
+                              f"sys.exit(daemon.main(['run', '--config', {str(t_cfg)!r}]))"],
+                             stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
+    member = start_member()
+
+    def until(pred, timeout=60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not pred():
+            assert agent.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+
+    try:
+        until(lambda: _taken(inf) == [first])
+        second = _deploy(tmp_path / "t", 2.0, "run-2", 100)  # a shorter run, deployed later
+        until(lambda: _taken(inf) == [first, second])
+        member.kill()  # its retained status still says it serves run-2's model
+        member.wait(10)
+        third = _deploy(tmp_path / "t", 3.0, "run-3", 200)
+        until(lambda: "sent deployed model v3" in log_path.read_text())  # to nobody: the copy is lost
+        time.sleep(1.0)
+        assert _taken(inf) == [first, second]
+        member = start_member()
+        until(lambda: _taken(inf) == [first, second, third])
+        assert log_path.read_text().count("sent deployed model v3") == 2  # the lost copy, then the one taken
+        held = json.loads((inf / "models.jsonl").read_text().splitlines()[-1])
+        assert held["source"] == "t" and held["deployed"] and held["version"] == 3
+        assert (inf / "model.onnx").read_bytes() == _onnx(3.0)
+    finally:
+        member.terminate()
+        agent.terminate()
+        assert agent.wait(30) == 0, log_path.read_text()[-3000:]
+        member.wait(20)
         proc.terminate()
         proc.wait(5)

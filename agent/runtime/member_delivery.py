@@ -1,0 +1,182 @@
+"""The always-on delivery of the deployed model to inference-only members.
+
+The supervisor (torch-free) sends this device's deployed version (``models/current``, as
+:func:`~dfl_agent.runtime.onnx_publisher.deployed_onnx` reads it) to every inference member
+whose status shows that it holds an older deployment, or none.  The member's retained status
+(``dfl/{fed}/node/{id}/status``, verified by the run lobby like every status) names what it
+holds: ``model_sha256`` and ``model_deployed_at``
+(:class:`dfl_agent.inference.member.InferenceMember`).  So a member gets the model after each
+deployment, when it starts, and again when a copy was lost: for example one sent while its
+broker was down, or just before the member subscribed again after an outage.  A run process
+has ended by then, and nothing else would send it until the next run.
+
+A member is sent a version again only while its status still lacks it: first after
+``retry_s`` seconds, then after twice as long each time, up to ``max_retry_s``.  When its
+status shows another state or another model than when the last copy went (it restarted, or
+took another device's model), it gets the version at once and the wait starts again from
+``retry_s``.  A member that is gone (its status ``stopped``) gets nothing, nor does any
+member while the node's broker connection is down.
+
+Frames go through the node's home broker to the member's inbox
+(``dfl/{fed}/node/{member}/inbox``), chunked to ``mqtt.chunk_size`` (or the size that
+``mqtt.link_rate`` gives), signed with the node's key when it has one.  A member on another
+site's broker is reached where the brokers are bridged (``mqtt.bridged``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dfl_agent.jsonbound import RateLimitedLog
+
+log = logging.getLogger("dfl_agent.daemon")
+_ERRORS = RateLimitedLog(log)
+
+#: seconds between two checks of the members' statuses
+PERIOD_S = 2.0
+
+
+@dataclass
+class _Sent:
+    """What was sent to one member: the version's ``sha256``, when (monotonic s), the wait
+    before the next copy (s), and what the member's status showed then (:func:`holding`)."""
+
+    sha256: str
+    at: float
+    wait: float
+    held: tuple[Any, Any]
+
+
+def holding(status: dict[str, Any]) -> tuple[Any, Any]:
+    """A member status's ``(state, model_sha256)``."""
+    return status.get("state"), status.get("model_sha256")
+
+
+def lacks(status: dict[str, Any], meta: dict[str, Any]) -> bool:
+    """Whether an inference member's ``status`` shows it lacks the deployment ``meta``
+    describes: it holds nothing, another model deployed no later, or a model that was not
+    deployed.  A member that holds a newer deployment (another device's, of a later run)
+    does not lack it.  ``meta``: :func:`~dfl_agent.runtime.onnx_publisher.deployed_onnx`'s."""
+    if status.get("model_sha256") == meta["sha256"]:
+        return False
+    held_at = status.get("model_deployed_at")
+    return not isinstance(held_at, (int, float)) or held_at < meta["deployed_at"]
+
+
+class MemberDelivery:
+    """Send ``models/current`` to the inference members that lack it (see the module).
+
+    Args:
+        cfg: the node's :class:`~dfl_agent.runtime.config.NodeConfig` (federation, ``mqtt``,
+            ``deploy``, ``state_dir``).
+        lobby: the node's :class:`~dfl_agent.runtime.lobby.RunLobby`: its MQTT session, the
+            peers' verified statuses and the node's signing guard.
+        retry_s, max_retry_s: the first and the longest wait before a member that still
+            lacks the version gets it again, in seconds.
+        clock: monotonic seconds (tests).
+    """
+
+    def __init__(self, cfg: Any, lobby: Any, *, retry_s: float = 15.0, max_retry_s: float = 3600.0,
+                 clock: Callable[[], float] = time.monotonic):
+        from dfl_agent.deploy.versions import ModelStore
+        from dfl_agent.privacy.policy import dp_enabled
+        from dfl_agent.transport.link_rate import derive
+
+        self.cfg, self.lobby = cfg, lobby
+        self.models = ModelStore(cfg.state_dir, keep=cfg.deploy.keep)
+        self.private = dp_enabled(cfg)
+        m = cfg.mqtt
+        self.chunk_size = derive(m.link_rate, chunk_size=m.chunk_size, keepalive=m.keepalive).chunk_size
+        self.retry_s, self.max_retry_s, self.clock = float(retry_s), float(max_retry_s), clock
+        self.sent: dict[str, _Sent] = {}
+        #: copies sent, by member
+        self.copies: dict[str, int] = {}
+        self._cached: tuple[int, bytes, dict[str, Any]] | None = None
+
+    def current(self) -> tuple[int, bytes, dict[str, Any]] | None:
+        """The deployed version's ``(version, model.onnx, meta)``, read once per version."""
+        from dfl_agent.runtime.onnx_publisher import deployed_onnx
+
+        v = self.models.current_version()
+        if v is None:
+            return None
+        if self._cached is None or self._cached[0] != v:
+            self._cached = deployed_onnx(self.models, private=self.private)
+        return self._cached
+
+    def due(self, meta: dict[str, Any]) -> list[str]:
+        """The members to send the deployment ``meta`` describes to now."""
+        with self.lobby.lock:
+            statuses = {n: dict(s) for n, s in self.lobby.statuses.items() if isinstance(s, dict)}
+        now, out = self.clock(), []
+        for node, st in sorted(statuses.items()):
+            if "inference" not in (st.get("role"), st.get("algorithm")) or st.get("state") == "stopped":
+                continue
+            if not lacks(st, meta):
+                self.sent.pop(node, None)
+                continue
+            last = self.sent.get(node)
+            if last is not None and last.sha256 == meta["sha256"] and holding(st) == last.held \
+                    and now - last.at < last.wait:
+                continue
+            out.append(node)
+        return out
+
+    def tick(self) -> int:
+        """Send the deployed version to the members that lack it; returns how many were sent to."""
+        if self.lobby.client is None or not self.lobby.up():
+            return 0
+        got = self.current()
+        if got is None:
+            return 0
+        v, data, meta = got
+        members = self.due(meta)
+        for node in members:
+            self._send(node, v, data, meta)
+        if members:
+            log.info("sent deployed model v%d (run %s) to inference member(s) %s", v, meta["run_id"],
+                     ", ".join(members))
+        return len(members)
+
+    def _send(self, node: str, v: int, data: bytes, meta: dict[str, Any]) -> None:
+        from dfl_agent.algorithms.context import Message
+        from dfl_agent.onnx_model import ONNX_KIND
+        from dfl_agent.transport import wire
+        from dfl_agent.transport.chunking import iter_chunks
+        from dfl_agent.transport.mqtt import topic
+
+        guard = self.lobby.guard
+        signing = {"sign": guard.sign, "cert": guard.certificate} if guard is not None and guard.key is not None else {}
+        msg = Message(ONNX_KIND, int(meta["round"]), {"onnx": np.frombuffer(data, np.uint8)}, dict(meta),
+                      recipient=node)
+        frame = wire.encode(msg, federation=self.cfg.federation, sender=self.lobby.node_id, **signing)
+        name = topic(self.cfg.federation, node, "inbox")
+        for chunk in list(iter_chunks(frame, self.chunk_size)):
+            self.lobby.client.publish(name, chunk, qos=1)
+        last = self.sent.get(node)
+        with self.lobby.lock:
+            held = holding(self.lobby.statuses.get(node) or {})
+        again = last is not None and last.sha256 == meta["sha256"] and last.held == held  # still lacking it
+        wait = min(2 * last.wait, self.max_retry_s) if again and last is not None else self.retry_s
+        self.sent[node] = _Sent(meta["sha256"], self.clock(), wait, held)
+        self.copies[node] = self.copies.get(node, 0) + 1
+
+    async def run(self, stop: asyncio.Event, period: float = PERIOD_S) -> None:
+        """:meth:`tick` every ``period`` seconds until ``stop``; an error is logged (rate-limited)
+        and the loop goes on."""
+        while not stop.is_set():
+            try:
+                await asyncio.to_thread(self.tick)
+            except Exception:  # noqa: BLE001 - delivery is best effort; the files are deployed
+                _ERRORS.exception("could not send the deployed model to inference members")
+            try:
+                await asyncio.wait_for(stop.wait(), period)
+            except asyncio.TimeoutError:
+                pass
