@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dfl_agent.algorithms.protocols.stragglers import REPRODUCTION_MODE
 from dfl_agent.cli.demo import stop_processes
 from dfl_agent.runtime import metrics
 from dfl_agent.runtime.config import config_from_dict, dump_toml
@@ -72,9 +73,7 @@ class ChaosOptions:
     #: give up after this many seconds (0: a budget from rounds and round_timeout); a
     #: run that stops here reports ``completed = false`` with every node's state
     max_seconds: float = 0.0
-    #: ``runtime.straggler`` of every agent: ``paper`` (the papers' lock step, so that the
-    #: committed fault figures reproduce) or ``quorum`` (the always-on agent's default)
-    straggler: str = "paper"
+    straggler: str = REPRODUCTION_MODE  # runtime.straggler of every agent
 
 
 def _config(o: ChaosOptions, fed: str, nid: str, i: int, broker: str, state: Path, fed_pub: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dfl_agent.algorithms.protocols.stragglers import REPRODUCTION_MODE
 from dfl_agent.runtime import metrics
 from dfl_agent.runtime.config import (
     AlgorithmSection,
@@ -63,9 +64,7 @@ class DemoOptions:
     profiles: str | None = None  # comma-separated device profiles, one per agent (cycled)
     compression: str = "none"  # spec of every agent (issue 8)
     error_feedback: bool = True
-    #: ``runtime.straggler`` of every agent: ``paper`` (the papers' lock step, as the simulator,
-    #: so that the demo's figures reproduce) or ``quorum`` (the always-on agent's default)
-    straggler: str = "paper"
+    straggler: str = REPRODUCTION_MODE  # runtime.straggler of every agent
 
 
 #: seconds the agents get to leave cleanly after Ctrl-C before they are killed

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from dfl_agent.algorithms.protocols.stragglers import REPRODUCTION_MODE
 from dfl_agent.runtime.config import (
     AlgorithmSection,
     DataSection,
@@ -71,7 +72,7 @@ class FeedOptions:
     live: bool | None = None
     model_size: str = "small"
     min_validation: int = 5  # deploy.min_validation of the agents (small stores)
-    straggler: str = "paper"  # runtime.straggler of every agent (as dflctl demo)
+    straggler: str = REPRODUCTION_MODE  # runtime.straggler of every agent
 
 
 def _npz_bytes(x: np.ndarray, y: np.ndarray) -> bytes:

@@ -131,6 +131,16 @@ def _compression_args(p: argparse.ArgumentParser) -> None:
                    help="no residuals / CHOCO copies for sparsified streams (to compare)")
 
 
+def _straggler_option(p: argparse.ArgumentParser) -> None:
+    """``--straggler`` of the reproduction tools (simulate, demo): the papers' lock step by default."""
+    from dfl_agent.algorithms.protocols.stragglers import MODES, REPRODUCTION_MODE
+
+    p.add_argument("--straggler", default=REPRODUCTION_MODE, choices=list(MODES),
+                   help=f"{REPRODUCTION_MODE}: the papers' lock step (default, so that the papers' figures "
+                        "reproduce); quorum: as runtime.straggler = quorum, the always-on agent's default: rounds "
+                        "close without the slowest neighbours, adaptive deadlines, late updates weighted")
+
+
 def _nonnegative_float(text: str) -> float:
     try:
         value = float(text)
@@ -327,9 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the summary as one JSON document (schema_version 1) instead of the text line")
     s.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no per-round progress on stderr (a bar on a terminal, else one line per round)")
-    s.add_argument("--straggler", default="paper", choices=["paper", "quorum"],
-                   help="paper: the papers' lock step (default); quorum: as runtime.straggler = quorum, rounds close "
-                        "without the slowest neighbours, adaptive deadlines, late updates weighted")
+    _straggler_option(s)
     s.add_argument("--speeds", default=None, metavar="F,F,...",
                    help="per-node speed factors (cycled), e.g. 1,1,1,0.05: a training call takes 1/F virtual "
                         "seconds (default: no virtual training time)")
@@ -359,9 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0, help="random seed")
     d.add_argument("--epochs", type=int, default=None, help="local epochs per round (default 1; 5 with --feed)")
     d.add_argument("--round-timeout", type=float, default=30.0, help="seconds a round waits for peers")
-    d.add_argument("--straggler", default="paper", choices=["paper", "quorum"],
-                   help="the agents' runtime.straggler: paper, the papers' lock step (default, as the simulator); "
-                        "quorum, the always-on agent's default")
+    _straggler_option(d)
     d.add_argument("--kill", default=None, metavar="INDEX@ROUND", help="SIGKILL agent INDEX after its round ROUND")
     d.add_argument("--live", dest="live", action="store_true", default=None, help="live table (default on a terminal)")
     d.add_argument("--no-live", dest="live", action="store_false", help="one line per event instead of the live table")

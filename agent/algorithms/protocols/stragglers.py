@@ -37,6 +37,10 @@ from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.synchronization import SyncOptions
 
 MODES = ("paper", "quorum")
+#: the mode of the reproduction tools (the simulator, ``dflctl demo``, ``demo --feed``, the chaos
+#: tool): the papers' lock step, so that their committed figures reproduce (the always-on
+#: agent's ``runtime.straggler`` defaults to ``quorum``)
+REPRODUCTION_MODE = "paper"
 #: p of ``one_from_min_percent`` under ``quorum``: half of the live neighbours (rounded up)
 QUORUM_PERCENT = 0.5
 #: ``max_staleness`` under ``quorum``.  Measured in the field lab

@@ -303,8 +303,9 @@ class UpdateMarket:
         return [m for m in self.queues.get(sender, ()) if m.round <= t]
 
     def ahead_round(self, t: int, peers: list[str]) -> int:
-        """Under :attr:`fresh_quorum`: the latest round that :func:`evidence_quorum` of
-        ``peers`` have queued updates of, when it is later than ``t``; else ``t``.
+        """Under :attr:`fresh_quorum`, the round to take up to: ``t``, or, when
+        :func:`evidence_quorum` of ``peers`` have queued updates of a round later than ``t``,
+        the newest round any of them queued.
 
         Such a node is behind: the quorum has closed round ``t`` without it and will send
         no round-``t`` update, so waiting for one would end at the deadline alone (a node
@@ -313,9 +314,9 @@ class UpdateMarket:
         neighbours are live."""
         if not self.fresh_quorum:
             return t
-        live = set(peers)
-        ahead = quorum_shown({p: max(m.round for m in self.queues[p]) for p in live if self.queues.get(p)}, len(live))
-        return t if ahead is None else max(t, ahead)
+        newest = {p: max(m.round for m in self.queues[p]) for p in set(peers) if self.queues.get(p)}
+        ahead = quorum_shown(newest, len(set(peers)))
+        return max(newest.values()) if ahead is not None and ahead > t else t
 
     # -- the strategies ------------------------------------------------------------------
     def required(self, peers: list[str]) -> int:
@@ -430,8 +431,7 @@ class UpdateMarket:
                 self._intake(ctx, msg, t, members, validate, outsider_reason, departed, arrived, now - start)
             satisfied = self.ready(t, current) and not waits_alone(ctx, current)
             # behind the quorum (runtime.straggler = "quorum"): take their newest updates now
-            upto = t if satisfied or not take_ahead or self.ahead_round(t, current) == t else max(
-                m.round for p in members for m in self.queues.get(p, ()))
+            upto = t if satisfied or not take_ahead else self.ahead_round(t, current)
             if satisfied or upto > t or now >= deadline:
                 held = await suspend_deadline(ctx, deadline, budget, kind)
                 if held != deadline:  # the broker went away: wait on instead of closing alone
