@@ -98,18 +98,19 @@ class MemberDelivery:
         self.sent: dict[str, _Sent] = {}
         #: copies sent, by member
         self.copies: dict[str, int] = {}
-        self._cached: tuple[int, bytes, dict[str, Any]] | None = None
+        self._cached: tuple[int | None, tuple[int, bytes, dict[str, Any]] | None] = (None, None)
 
     def current(self) -> tuple[int, bytes, dict[str, Any]] | None:
-        """The deployed version's ``(version, model.onnx, meta)``, read once per version."""
+        """The deployed version's ``(version, model.onnx, meta)``, read (and its files'
+        hashes checked) once per version; None when it has no ``model.onnx``."""
         from dfl_agent.runtime.onnx_publisher import deployed_onnx
 
         v = self.models.current_version()
         if v is None:
             return None
-        if self._cached is None or self._cached[0] != v:
-            self._cached = deployed_onnx(self.models, private=self.private)
-        return self._cached
+        if self._cached[0] != v:
+            self._cached = (v, deployed_onnx(self.models, private=self.private))
+        return self._cached[1]
 
     def due(self, meta: dict[str, Any]) -> list[str]:
         """The members to send the deployment ``meta`` describes to now."""

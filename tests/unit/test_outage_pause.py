@@ -364,3 +364,62 @@ def test_a_restarted_neighbour_gets_the_latest_choco_message_as_an_exact_keyfram
     copy = receiver.incoming("me", key.tensors, key.meta)
     assert copy is not None and np.array_equal(copy["w"], choco.own_copy()["w"])
     assert choco in me.membership.streams and receiver.next_seq["me"] == second.meta["choco"][0] + 1
+
+
+def test_the_adaptive_deadline_does_not_learn_a_broker_outage():
+    """Under ``runtime.straggler = "quorum"`` a round held by a broker outage (20 s) takes its
+    peers' updates after it, 20 s after it began: those times measure the outage, not the
+    peers, and the adaptive deadline does not learn them.  Before, the next rounds' deadline
+    rose to ``round_timeout`` (30 s), so that a node back from the outage behind its
+    neighbours waited the whole 30 s, without the behind rule, and closed the round alone
+    (the field trial's broker outage)."""
+    from dfl_agent.algorithms.base import get_algorithm
+    from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
+    from dfl_agent.data import load_dataset, node_data_for
+    from dfl_agent.learning.params import model_to_numpy
+    from dfl_agent.learning.training import TrainConfig
+    from dfl_agent.models import default_spec
+    from dfl_agent.runtime.node import Node
+
+    bundle = load_dataset("digits")
+    net = MemoryNetwork()
+    me = RuntimeContext(node_id="me", federation="f", transport=net.transport("me", "f", {}),
+                        peers=PeerTable("me", "f"), data=node_data_for(bundle, 2, 0, "iid", seed=0),
+                        model_spec=default_spec(bundle.pool.input_shape, bundle.pool.num_classes, "small"),
+                        train=TrainConfig(steps=1), init_seed=1, rng=np.random.default_rng(0),
+                        pause_when_disconnected=True)
+    me.straggler = StragglerPolicy("quorum")
+    peers = [_ctx(net, "p1"), _ctx(net, "p2")]
+    records: list[dict] = []
+    fedavg = get_algorithm("fedavg")
+    node = Node(me, fedavg(me, fedavg.Options(round_timeout=30.0)), bundle.test.x[:50], bundle.test.y[:50],
+                sink=records.append)
+
+    async def peers_send(model) -> None:
+        for t in (1, 2, 3):
+            while len(records) < t - 1:
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)
+            if t == 2:  # the broker goes away for 20 s while round 2 waits
+                net.kill("me")
+                await asyncio.sleep(20.0)
+                net.reconnect("me")
+                await asyncio.sleep(0.5)
+            for p in peers:
+                await p.send("me", Message("model", t, model_to_numpy(model), meta={"samples": 10}))
+
+    async def main():
+        await me.start()
+        for p in peers:
+            await p.start()
+        await node.setup()
+        node.state = "running"
+        sender = asyncio.ensure_future(peers_send(node.algorithm.model))
+        await node.run(3)
+        await sender
+
+    run_virtual(main())
+    assert [r["neighbours"] for r in records] == [2, 2, 2]
+    assert records[1]["paused_s"] >= 20.0  # round 2 was held by the outage
+    assert records[1]["round_seconds"] > 20.0
+    assert records[2]["deadline_s"] < 5.0, records[2]["deadline_s"]  # not 30 s: the outage was not learnt

@@ -343,7 +343,7 @@ class NeighbourhoodAlgorithm(Algorithm):
             timeout = self.deadlines.timeout(timeout)
             if not self.deadlines.times:  # the first round waits for every member still starting (loading,
                 self.market.strategy = "one_from_each"  # warming up), so that none is left behind from the start
-        start = ctx.clock.now()
+        start, paused = ctx.clock.now(), getattr(ctx, "disconnected_seconds", 0.0)
         try:
             got, missing = await collect_round(
                 ctx, MODEL_KIND, collect, start + timeout, self.options.poll_interval, own,
@@ -358,7 +358,8 @@ class NeighbourhoodAlgorithm(Algorithm):
         finally:
             self.market.strategy = strategy
         last = self.market.last
-        if self.deadlines is not None and last is not None:
+        if self.deadlines is not None and last is not None and getattr(ctx, "disconnected_seconds", 0.0) == paused:
+            # (a round held by a broker outage measured the outage, not its peers: not learnt)
             self.deadlines.observe([last.arrivals[s] for s, m in got.items() if m.round == collect])
         raw, got = got, gc.received_copies(ctx, self.choco, got, nonnegative=self.nonnegative)
         while raw and not got and self.deadlines is not None and ctx.clock.now() < start + self.options.round_timeout:
