@@ -336,10 +336,13 @@ class Agent(RunMembers):
                 if not await self._start_services(stack, mdns_descriptor):
                     return 3
                 start_round = await self._setup(stack, spec)
-                if start_round is None and self.run_desc is not None:  # restarted after its last round
-                    self._tell("trained", start=self.start)
-                    await self._after_run(spec, input_shape)  # deploys or keeps the model, once
-                if start_round is None or (start_round := await self._join(stop, start_round)) is None:
+                resumed = start_round is None or start_round > 1
+                if start_round is not None:
+                    start_round = await self._join(stop, start_round)
+                if start_round is None:  # restarted after its last round, or its members ended the
+                    if resumed and self.outcome == "finished" and self.run_desc is not None:  # run meanwhile:
+                        self._tell("trained", start=self.start)  # it ends with its checkpoint's model
+                        await self._after_run(spec, input_shape)  # deploys or keeps it, once
                     return 0
                 await self._run_rounds(stop, start_round, spec, input_shape)
                 return 0
@@ -437,8 +440,7 @@ class Agent(RunMembers):
                  f"after round {node.last_round()}" if between else f"during round {node.last_round() + 1}")
         if ctx.abort is not None:  # local training in the worker thread stops too
             ctx.abort.set()
-        # the completed rounds' records (evaluated in the background) are written
-        # before the round in progress is abandoned
+        # the completed rounds' records (evaluated in the background) are written before the round in progress is abandoned
         drainer = asyncio.ensure_future(node.drain())
         await asyncio.wait({drainer}, timeout=30.0)
         stopper.cancel()

@@ -14,14 +14,14 @@ run through these states, one method per transition::
     training             --cancelled | fail--> cancelled | failed
     recorded | declined | cancelled | failed --idle--> idle
 
-Each state is written to the run ledger (:class:`~dfl_agent.runtime.ledger.RunLedger`) before
-it takes effect (``recorded`` as ``finished``): a run that ended here is never rerun, and a
-restart resumes a run from the state recorded (:meth:`RunManager.resume`; a model is deployed
-or kept exactly once).  ``DFL_TEST_CRASH_AT`` (:func:`~dfl_agent.fsutil.crash_point`) kills the
-process at a state for the crash tests.  The lobby, the hooks around runs, the sample store and
-the training agent's factory are injected; nothing here is global.  The always-on agent's factory
-makes a :class:`~dfl_agent.runtime.supervisor.ChildRun` (each run in a run process; one that crashed
-or was killed is retried, :meth:`RunManager._retry`); the tests may hand in the in-process agent.
+Each state is written to the run ledger (:class:`~dfl_agent.runtime.ledger.RunLedger`) before it
+takes effect (``recorded`` as ``finished``): a run that ended here is never rerun, and a restart
+resumes a run from the state recorded (:meth:`RunManager.resume`; a model is deployed or kept
+exactly once).  ``DFL_TEST_CRASH_AT`` (:func:`~dfl_agent.fsutil.crash_point`) kills the process at a
+state for the crash tests.  The lobby, hooks, sample store and agent factory are injected.  The
+always-on agent's factory makes a :class:`~dfl_agent.runtime.supervisor.ChildRun` (each run in a run
+process, retried after a crash or kill, :meth:`RunManager._retry`); tests may hand in the in-process
+agent.
 """
 
 from __future__ import annotations
@@ -123,14 +123,12 @@ class RunManager:
         self.has_default = getattr(cfg, "has_default_run", True)
         self.interval = notifier.watchdog_interval()
         self.last_pub = 0.0
-        # the data's (input shape, classes) for the accept-time memory check: from [data] when
-        # the store's schema is configured, else learnt from the first run's data
+        # (input shape, classes) for the accept-time memory check: [data]'s, else the first run's
         self.data_shape: tuple[Any, int | None] = (cfg.data.input_shape, cfg.data.num_classes) \
             if cfg.data.input_shape and cfg.data.num_classes else (None, None)
         self.next_spool = 0.0
         self.waiting_for_data = False
-        #: the refusal and drop counters over restarts: in every status, idle (the lobby's)
-        #: and training (the run's node's), and in the Prometheus endpoint
+        #: refusal and drop counters over restarts: every status (idle, training) and Prometheus
         self.counters = ServiceCounters(cfg.state_dir, lobby, lambda: self.agent.node if self.agent is not None else None)
         lobby.counters = self.counters
         self.privacy = PrivacyBudget(cfg, profile, store, self.counters)  # admission against the privacy budget
@@ -138,8 +136,8 @@ class RunManager:
     # -- the state machine ------------------------------------------------------------
     def _to(self, state: str, run_id: str | None = None, reason: str = "", rnd: int = 0,
             extra: dict[str, Any] | None = None) -> None:
-        """Move to ``state``; with ``run_id`` the ledger records it first (``reason``,
-        ``rnd``, ``extra`` with it), so a kill right after finds it there.
+        """Move to ``state``; with ``run_id`` the ledger records it first (with ``reason``,
+        ``rnd``, ``extra``): a kill right after finds it there.
 
         Raises:
             IllegalTransition: the state machine has no such transition.
@@ -155,8 +153,7 @@ class RunManager:
 
     def _record(self, run_id: str, state: str, reason: str = "", rnd: int = 0,
                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Write ``run_id``'s ledger entry (the fields of its earlier entry beyond state,
-        round, reason and time carried on); returns the status view of it."""
+        """Write ``run_id``'s ledger entry (earlier fields but state, round, reason, time kept); its status view."""
         before = self.ledger.entries.get(run_id) or {}
         kept = {k: v for k, v in before.items() if k not in ("state", "round", "reason", "time")}
         extra = {**dict(extra or {}), **self.privacy.on_state(run_id, state, self.ledger.run_dir(run_id))}
@@ -209,18 +206,21 @@ class RunManager:
         (this one included); then True, or ``cancelled``/``failed`` (recorded) and False,
         or None when ``stop`` was set (back to ``idle``; a restart waits again).  A node that
         never trained the run and finds it ended on other members, or past their first round
-        (a late joiner), declines it: it takes part from the next run on."""
+        (a late joiner), declines it: it takes part from the next run on.  For a node that trained
+        rounds of it (a power cut), members that ended it count: it ends the run as they did."""
         self._to("waiting_for_members", d.run_id)
         lobby, nid = self.lobby, self.node_id
         deadline = time.time() + d.start_timeout
         late = not (self.ledger.run_dir(d.run_id) / "metrics.jsonl").exists()  # no round of it here
-        while len(lobby.accepted_by(d.run_id) | {nid}) < d.min_members and not stop.is_set():
+        def members() -> int:
+            return len(lobby.accepted_by(d.run_id) | (set() if late else lobby.finished_by(d.run_id)) | {nid})
+        while members() < d.min_members and not stop.is_set():
             cur = lobby.run(d.run_id)
             if (cur is not None and cur.cancelled) or time.time() > deadline or (late and lobby.late_for(d.run_id)):
                 break
             self.publish("accepted")
             await asyncio.sleep(0.3)
-        n, why_late = len(lobby.accepted_by(d.run_id) | {nid}), lobby.late_for(d.run_id) if late else ""
+        n, why_late = members(), lobby.late_for(d.run_id) if late else ""
         if stop.is_set():
             self._to("idle")
             return None

@@ -207,6 +207,29 @@ def test_agents_stay_up_across_two_submitted_runs(fleet: Fleet):
         {rid: "finished" for rid in rids.values()}
 
 
+def test_a_member_back_after_its_run_ended_elsewhere_finishes_it_at_once(fleet: Fleet):
+    """a2 is killed in a run of min_members 3 and comes back after a0 and a1 have finished it:
+    it resumes from its checkpoint, sees most members report the run finished, and records it
+    finished at once.  Found in the field lab: a gateway killed at round 285 of 300 waited its
+    whole start_timeout for members that would never accept the run again, then failed it."""
+    rid = fleet.submit("--algorithm", "fedavg", "--rounds", "8", "--min-members", "3", "--start-timeout", "300",
+                       "--option", "round_timeout=4", "--training", "steps=100")
+    fleet.wait(lambda: len(fleet.trained("a2", rid)) >= 3, 180, "a2 at round 3")
+    procs = fleet.procs
+    procs["a2"].send_signal(signal.SIGKILL)
+    procs["a2"].wait(timeout=30)
+    trained = max(r["round"] for r in fleet.trained("a2", rid))
+    fleet.wait(lambda: all(fleet.run_states(rid).get(n, {}).get("state") == "finished" for n in ("a0", "a1")), 180,
+               "a0 and a1 finish without a2")
+    t0 = time.monotonic()
+    procs["a2"] = _start(fleet.tmp, "a2", fleet.paths["a2"])
+    fleet.wait(lambda: fleet.run_states(rid).get("a2", {}).get("state") == "finished", 90, "a2 records it finished")
+    assert time.monotonic() - t0 < 90  # not its start_timeout (300 s), and not failed
+    assert max(r["round"] for r in fleet.trained("a2", rid)) == trained  # no round alone after its return
+    assert "most of the run's members report it finished" in (fleet.tmp / "a2.log").read_text()
+    fleet.wait(fleet.all_idle, 60, "idle after the run")
+
+
 def test_profile_disallowed_algorithm_is_declined_while_others_run_it(fleet: Fleet):
     rid = fleet.submit("--algorithm", "cfa", "--rounds", "2", "--option", "round_timeout=10")
     fleet.wait(lambda: {n: r.get("state") for n, r in fleet.run_states(rid).items()}

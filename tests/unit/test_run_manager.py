@@ -33,6 +33,9 @@ class Lobby:
     def late_for(self, run_id):
         return ""
 
+    def finished_by(self, run_id):
+        return set()
+
     def may_join(self, run_id):
         return 10
 
@@ -172,6 +175,9 @@ class LateLobby(Lobby):
     def late_for(self, run_id):
         return "the run had ended on 2 member(s)" if run_id == "r1" else ""
 
+    def finished_by(self, run_id):
+        return {"a", "b"} if run_id == "r1" else set()
+
 
 def test_a_late_joiner_declines_a_run_that_ended_on_its_members_and_does_not_wait(tmp_path):
     # found in the field lab: a device started after run 0 had ended everywhere took run 0 from
@@ -191,10 +197,22 @@ def test_a_late_joiner_declines_a_run_that_ended_on_its_members_and_does_not_wai
     assert m.state == "idle"
 
 
-def test_a_member_back_from_a_power_cut_is_not_late(tmp_path):
-    # the same statuses, but this node trained rounds of r1 before its restart: it waits as a member
+def test_a_member_back_from_a_power_cut_finishes_a_run_its_members_ended(tmp_path):
+    # the same statuses, but this node trained rounds of r1 before its restart: it is not late,
+    # and the members that ended the run count, so that its run process resumes from its
+    # checkpoint, ends the run as they did, and deploys.  Found in the field lab: a gateway
+    # killed at round 285 of 300 came back after the others had finished, waited its whole
+    # start_timeout (120 s) for members that would never accept again, and failed the run
     m = manager(tmp_path)
     m.lobby = LateLobby()
+    d = RunDescriptor(run_id="r1", federation="f", algorithm="fedavg", rounds=1, min_members=3, start_timeout=60)
+    assert m.admit(d)
+    (m.ledger.run_dir("r1") / "metrics.jsonl").write_text('{"round": 1}\n')
+    assert asyncio.run(m.wait_for_members(d, asyncio.Event())) is True
+    # with only one other member that ended it, min_members 3 is not met: it fails at start_timeout
+    m = manager(tmp_path / "b")
+    m.lobby = LateLobby()
+    m.lobby.finished_by = lambda run_id: {"a"}
     d = RunDescriptor(run_id="r1", federation="f", algorithm="fedavg", rounds=1, min_members=3, start_timeout=0.5)
     assert m.admit(d)
     (m.ledger.run_dir("r1") / "metrics.jsonl").write_text('{"round": 1}\n')
