@@ -29,6 +29,21 @@ def _ctx(net, nid, pause=True):
     )
 
 
+def _trainer(net):
+    """The digits data set and the context of node ``me``, a node that trains (one step a
+    round) and pauses while its broker is away."""
+    from dfl_agent.data import load_dataset, node_data_for
+    from dfl_agent.learning.training import TrainConfig
+    from dfl_agent.models import default_spec
+
+    bundle = load_dataset("digits")
+    return bundle, RuntimeContext(
+        node_id="me", federation="f", transport=net.transport("me", "f", {}), peers=PeerTable("me", "f"),
+        data=node_data_for(bundle, 2, 0, "iid", seed=0),
+        model_spec=default_spec(bundle.pool.input_shape, bundle.pool.num_classes, "small"),
+        train=TrainConfig(steps=1), init_seed=1, rng=np.random.default_rng(0), pause_when_disconnected=True)
+
+
 def _update(t: int) -> Message:
     return Message("model", t, dict(X), meta={"samples": 1})
 
@@ -256,18 +271,10 @@ def test_the_status_says_paused_while_the_broker_is_away_and_counts_rounds_alone
     ends), ``rounds_alone`` and the records' ``alone`` after a round that used no update
     although its peer was expected."""
     from dfl_agent.algorithms.base import get_algorithm
-    from dfl_agent.data import load_dataset, node_data_for
-    from dfl_agent.learning.training import TrainConfig
-    from dfl_agent.models import default_spec
     from dfl_agent.runtime.node import Node
 
-    bundle = load_dataset("digits")
     net = MemoryNetwork()
-    me = RuntimeContext(node_id="me", federation="f", transport=net.transport("me", "f", {}),
-                        peers=PeerTable("me", "f"), data=node_data_for(bundle, 2, 0, "iid", seed=0),
-                        model_spec=default_spec(bundle.pool.input_shape, bundle.pool.num_classes, "small"),
-                        train=TrainConfig(steps=1), init_seed=1, rng=np.random.default_rng(0),
-                        pause_when_disconnected=True)
+    bundle, me = _trainer(net)
     peer = _ctx(net, "peer")
     records = []
     fedavg = get_algorithm("fedavg")
@@ -375,19 +382,11 @@ def test_the_adaptive_deadline_does_not_learn_a_broker_outage():
     (the field trial's broker outage)."""
     from dfl_agent.algorithms.base import get_algorithm
     from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
-    from dfl_agent.data import load_dataset, node_data_for
     from dfl_agent.learning.params import model_to_numpy
-    from dfl_agent.learning.training import TrainConfig
-    from dfl_agent.models import default_spec
     from dfl_agent.runtime.node import Node
 
-    bundle = load_dataset("digits")
     net = MemoryNetwork()
-    me = RuntimeContext(node_id="me", federation="f", transport=net.transport("me", "f", {}),
-                        peers=PeerTable("me", "f"), data=node_data_for(bundle, 2, 0, "iid", seed=0),
-                        model_spec=default_spec(bundle.pool.input_shape, bundle.pool.num_classes, "small"),
-                        train=TrainConfig(steps=1), init_seed=1, rng=np.random.default_rng(0),
-                        pause_when_disconnected=True)
+    bundle, me = _trainer(net)
     me.straggler = StragglerPolicy("quorum")
     peers = [_ctx(net, "p1"), _ctx(net, "p2")]
     records: list[dict] = []
