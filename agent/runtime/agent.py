@@ -339,10 +339,10 @@ class Agent(RunMembers):
                 resumed = start_round is None or start_round > 1
                 if start_round is not None:
                     start_round = await self._join(stop, start_round)
-                if start_round is None:  # restarted after its last round, or its members ended the
-                    if resumed and self.outcome == "finished" and self.run_desc is not None:  # run meanwhile:
-                        self._tell("trained", start=self.start)  # it ends with its checkpoint's model
-                        await self._after_run(spec, input_shape)  # deploys or keeps it, once
+                if start_round is None:  # all rounds done before a restart, or the members ended the run
+                    if resumed and self.outcome == "finished" and self.run_desc is not None:
+                        self._tell("trained", start=self.start)  # it ends with its checkpoint's model,
+                        await self._after_run(spec, input_shape)  # deployed or kept once
                     return 0
                 await self._run_rounds(stop, start_round, spec, input_shape)
                 return 0
