@@ -13,8 +13,9 @@ has ended by then, and nothing else would send it until the next run.
 A member is sent a version again only while its status still lacks it: first after
 ``retry_s`` seconds, then after twice as long each time, up to ``max_retry_s``.  When its
 status shows another state or another model than when the last copy went (it restarted, or
-took another device's model), it gets the version at once and the wait starts again from
-``retry_s``.  A member that is gone (its status ``stopped``) gets nothing, nor does any
+took another device's model), the wait starts again from ``retry_s``: never more than one copy
+of a version per ``retry_s``, so that a device whose status keeps changing cannot take the
+node's upload.  A member that is gone (its status ``stopped``) gets nothing, nor does any
 member while the node's broker connection is down.
 
 Frames go through the node's home broker to the member's inbox
@@ -124,9 +125,10 @@ class MemberDelivery:
                 self.sent.pop(node, None)
                 continue
             last = self.sent.get(node)
-            if last is not None and last.sha256 == meta["sha256"] and holding(st) == last.held \
-                    and now - last.at < last.wait:
-                continue
+            if last is not None and last.sha256 == meta["sha256"]:
+                wait = last.wait if holding(st) == last.held else self.retry_s  # it changed: from the start
+                if now - last.at < wait:
+                    continue
             out.append(node)
         return out
 
@@ -140,13 +142,13 @@ class MemberDelivery:
         v, data, meta = got
         members = self.due(meta)
         for node in members:
-            self._send(node, v, data, meta)
+            self._send(node, data, meta)
         if members:
             log.info("sent deployed model v%d (run %s) to inference member(s) %s", v, meta["run_id"],
                      ", ".join(members))
         return len(members)
 
-    def _send(self, node: str, v: int, data: bytes, meta: dict[str, Any]) -> None:
+    def _send(self, node: str, data: bytes, meta: dict[str, Any]) -> None:
         from dfl_agent.algorithms.context import Message
         from dfl_agent.onnx_model import ONNX_KIND
         from dfl_agent.transport import wire
