@@ -208,14 +208,21 @@ class ChocoGossip:
         """Apply a neighbour's decoded message to its copy x̂_j.
 
         Returns:
-            the updated copy restricted to the names in the message, or ``None`` when
-            the message is not part of a CHOCO stream or arrived out of sequence (the
-            neighbour is left out until its next keyframe; counted in ``gaps``).
+            the updated copy restricted to the names in the message (the copy as it is for
+            the message applied last, presented again: it is never applied twice), or
+            ``None`` when the message is not part of a CHOCO stream, is older than the one
+            applied last, or arrived out of sequence (the neighbour is left out until its
+            next keyframe; counted in ``gaps``).
         """
         info = meta.get(self.META)
         if not (isinstance(info, list) and len(info) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in info)):
             return None
         seq, key = info[0], bool(info[1])
+        last = self.next_seq.get(sender, -1) - 1
+        if seq == last and seq > 0 and sender in self.copies and set(tensors) <= set(self.copies[sender]):
+            # the message applied last, presented again (a re-sent copy, or an update a node behind
+            # used ahead of its round and uses again in it): the copy it made, applied once
+            return {k: self.copies[sender][k] for k in tensors}
         if not key and seq < self.next_seq.get(sender, -1):
             return None  # a copy of a message already applied (re-sent after an outage): the copy stays
         if key and 0 < seq < self.next_seq.get(sender, -1) and sender in self.copies:

@@ -31,7 +31,8 @@ def _wait(cond, timeout: float, logs: list[Path], what: str) -> None:
         if cond():
             return
         time.sleep(0.1)
-    tails = "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in logs)
+    # the head too: an agent that never got going says why at its start
+    tails = "\n".join(f"--- {p.name}\n{p.read_text()[:1500]}\n[...]\n{p.read_text()[-2500:]}" for p in logs)
     raise AssertionError(f"timed out waiting for {what}\n{tails}")
 
 

@@ -5,6 +5,7 @@ re-sends what it sent, and goes on with their updates.  ``rounds_alone`` counts 
 node closed with no peer update although it expected verified neighbours."""
 
 import asyncio
+import dataclasses
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -422,3 +423,66 @@ def test_the_adaptive_deadline_does_not_learn_a_broker_outage():
     assert records[1]["paused_s"] >= 20.0  # round 2 was held by the outage
     assert records[1]["round_seconds"] > 20.0
     assert records[2]["deadline_s"] < 5.0, records[2]["deadline_s"]  # not 30 s: the outage was not learnt
+
+
+def test_a_gap_after_a_broker_outage_longer_than_round_timeout_waits_for_the_keyframe():
+    """Under the quorum with CHOCO compression, a broker outage (10 s) holds round 2 longer
+    than ``round_timeout`` (3 s); the peer's first update after it is out of sequence (the
+    broker lost the one before), and its keyframe comes 0.5 s later.  The round waits for the
+    keyframe: what is left of its deadline counts from the outage's end.  Before, the wait for
+    a keyframe ended at ``start + round_timeout``, long past, and the round closed alone
+    (``test_broker_outage`` on a loaded machine)."""
+    from dfl_agent.algorithms import gossip_compression as gc
+    from dfl_agent.algorithms.base import get_algorithm
+    from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
+    from dfl_agent.learning.compression import CompressionPolicy
+    from dfl_agent.learning.params import model_to_numpy
+    from dfl_agent.runtime.node import Node
+
+    net = MemoryNetwork()
+    bundle, me = _trainer(net)
+    me.straggler = StragglerPolicy("quorum")
+    me.compression = CompressionPolicy.from_config("q4+zstd")
+    peer = _ctx(net, "peer")
+    peer.compression = me.compression
+    stream = gc.choco_for(peer, "model")
+    assert stream is not None
+    epoch = [0]
+    stream.epoch_source = lambda: epoch[0]
+    records: list[dict] = []
+    fedavg = get_algorithm("fedavg")
+    node = Node(me, fedavg(me, fedavg.Options(round_timeout=3.0)), bundle.test.x[:50], bundle.test.y[:50],
+                sink=records.append)
+
+    async def peer_sends(model) -> None:
+        def update(t: int) -> Message:
+            msg = gc.model_message(stream, "model", t, model_to_numpy(model), {"samples": 10})
+            return dataclasses.replace(msg, meta=dict(msg.meta))
+
+        for t in (1, 2, 3):
+            while len(records) < t - 1:
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)
+            if t == 2:
+                net.kill("me")  # the broker goes away for 10 s while round 2 waits
+                await asyncio.sleep(10.0)
+                net.reconnect("me")
+                await asyncio.sleep(0.5)
+                update(2)  # the broker lost this one: the next is out of sequence
+                await peer.send("me", update(2))
+                await asyncio.sleep(0.5)
+                epoch[0] += 1  # the keyframe the gap asked for
+            await peer.send("me", update(t))
+
+    async def main():
+        await me.start()
+        await peer.start()
+        await node.setup()
+        node.state = "running"
+        sender = asyncio.ensure_future(peer_sends(node.algorithm.model))
+        await node.run(3)
+        await sender
+
+    run_virtual(main())
+    assert records[1]["paused_s"] >= 10.0 and records[1]["round_seconds"] > 10.0
+    assert [r["neighbours"] for r in records] == [1, 1, 1], [(r["neighbours"], r["round_seconds"]) for r in records]

@@ -344,6 +344,10 @@ class NeighbourhoodAlgorithm(Algorithm):
             if not self.deadlines.times:  # the first round waits for every member still starting (loading,
                 self.market.strategy = "one_from_each"  # warming up), so that none is left behind from the start
         start, paused = ctx.clock.now(), getattr(ctx, "disconnected_seconds", 0.0)
+
+        def until() -> float:  # round_timeout from the start, not counting what a broker outage held
+            return start + self.options.round_timeout + getattr(ctx, "disconnected_seconds", 0.0) - paused
+
         try:
             got, missing = await collect_round(
                 ctx, MODEL_KIND, collect, start + timeout, self.options.poll_interval, own,
@@ -352,7 +356,7 @@ class NeighbourhoodAlgorithm(Algorithm):
             if not got and missing and timeout < self.options.round_timeout:  # nothing by the adaptive deadline
                 # (a partition, a slow link): never close alone early; wait on up to round_timeout
                 got, missing = await collect_round(  # ... unless it is behind its neighbours
-                    ctx, MODEL_KIND, collect, start + self.options.round_timeout, self.options.poll_interval, own,
+                    ctx, MODEL_KIND, collect, until(), self.options.poll_interval, own,
                     extra_tensors=self.extra_names(), market=self.market, take_ahead=True,
                 )
         finally:
@@ -362,14 +366,14 @@ class NeighbourhoodAlgorithm(Algorithm):
             # (a round held by a broker outage measured the outage, not its peers: not learnt)
             self.deadlines.observe([last.arrivals[s] for s, m in got.items() if m.round == collect])
         raw, got = got, gc.received_copies(ctx, self.choco, got, nonnegative=self.nonnegative)
-        while raw and not got and self.deadlines is not None and ctx.clock.now() < start + self.options.round_timeout:
+        while raw and not got and self.deadlines is not None and ctx.clock.now() < until():
             # quorum: none of the updates taken decoded (CHOCO copies that lost their sequence wait
             # for the keyframes a gap asks for) while the neighbours go on: take their next ones,
-            # up to round_timeout, instead of closing alone, and ask for the keyframes now
+            # up to round_timeout (and what an outage held), instead of closing alone; ask for the keyframes now
             if (ask := getattr(ctx, "request_keyframes", None)) is not None:
                 await ask()
             raw, missing = await collect_round(
-                ctx, MODEL_KIND, collect, start + self.options.round_timeout, self.options.poll_interval, own,
+                ctx, MODEL_KIND, collect, until(), self.options.poll_interval, own,
                 extra_tensors=self.extra_names(), market=self.market, take_ahead=True)
             got = gc.received_copies(ctx, self.choco, raw, nonnegative=self.nonnegative)
         last = self.market.last

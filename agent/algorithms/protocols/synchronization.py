@@ -342,12 +342,18 @@ class UpdateMarket:
         # senders with at least one eligible update
         return sum(1 for p in peers if p in queues and any(m.round <= t for m in queues[p])) >= need
 
-    def take(self, t: int, peers: list[str]) -> dict[str, list[Message]]:
+    def take(self, t: int, peers: list[str], keep_after: int | None = None) -> dict[str, list[Message]]:
         """``get()``: remove and return what the strategy takes now (does not wait).
 
         ``one_from_each``/``one_from_each_t``/``one_from_min_percent`` take the oldest
         eligible update of every neighbour that has one; ``available``,
         ``min_one_from_each`` and ``min_k`` take all eligible updates.
+
+        ``keep_after``: under :attr:`fresh_quorum`, a taken update of a round later than
+        this one stays queued for its own round (a node behind that takes a neighbour's
+        round-``t + 1`` update in round ``t`` uses it again in round ``t + 1``, where that
+        neighbour sends no other: taking it away would leave the node one update short in
+        every later round, each one closed at its deadline).
         """
         one = self.strategy in ("one_from_each", "one_from_each_t", "one_from_min_percent")
         out: dict[str, list[Message]] = {}
@@ -365,6 +371,8 @@ class UpdateMarket:
                         self.stats["superseded"] += 1
                         self._dropped(m)
             gone = {id(m) for m in (el if self.fresh_quorum else chosen)}
+            if self.fresh_quorum and keep_after is not None and chosen[0].round > keep_after:
+                gone.discard(id(chosen[0]))  # taken ahead: used again in its own round
             q[:] = [m for m in q if id(m) not in gone]  # by identity: == compares the tensors
             if not q:
                 del self.queues[p]
@@ -390,7 +398,7 @@ class UpdateMarket:
         With ``take_ahead``, under :attr:`fresh_quorum`, a node behind its neighbours
         (:meth:`ahead_round`) stops waiting at once and takes each one's newest update, of
         any round (counted ``behind``; the caller's catch-up then moves it to the quorum's
-        round).  Callers ask for it only once a round has waited its adaptive deadline: a
+        round; an update of a later round stays queued for that round, see :meth:`take`).  Callers ask for it only once a round has waited its adaptive deadline: a
         node that closed its rounds as soon as it saw later ones would never work through
         the backlog of a slow device, whose updates would then carry rounds too old to use.
 
@@ -438,7 +446,7 @@ class UpdateMarket:
                     deadline = held
                     continue
                 gone = [p for p in self.queues if p not in members and self._eligible(p, upto) and departed(p)]
-                taken = self.take(upto, current + gone)
+                taken = self.take(upto, current + gone, keep_after=t)
                 self.stats["behind"] += int(upto > t)
                 satisfied = satisfied or upto > t  # not a deadline hit
                 missing = [p for p in current if p not in taken]
