@@ -23,6 +23,24 @@ ONNX_KIND = "onnx.model"
 ONNX_MODULES = ("onnx", "onnxruntime", "onnxscript")
 
 
+def deployment_order(at: object, sha256: object, held_at: object, held_sha256: object) -> str:
+    """Where a deployed model stands against the one an inference member holds: ``"newer"``
+    (the member holds none with a deployment time, or one deployed earlier), ``"held"`` (the
+    same bytes: equal SHA-256) or ``"older"`` (deployed no later than the one held).
+
+    Deployments are ordered by their deployment time (``deployed_at``, seconds since the
+    epoch, the deploying device's clock): each run's deployment is newer than the last run's,
+    whatever their round counts.  The member takes only a ``newer`` model, and a supervisor
+    sends its deployment only to a member that lacks it (``newer``): one rule for both."""
+    if isinstance(sha256, str) and sha256 and sha256 == held_sha256:
+        return "held"
+    if not isinstance(held_at, (int, float)) or isinstance(held_at, bool):
+        return "newer"
+    if not isinstance(at, (int, float)) or isinstance(at, bool):
+        return "older"
+    return "newer" if at > held_at else "older"
+
+
 def onnx_available() -> bool:
     """True when the ``onnx`` extra (onnx, onnxruntime, onnxscript) is installed."""
     import importlib.util

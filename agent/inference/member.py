@@ -40,7 +40,7 @@ from dfl_agent.algorithms.context import Message
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.inference.windows import load_windows, predictions_document
 from dfl_agent.jsonbound import RateLimitedLog
-from dfl_agent.onnx_model import ONNX_KIND, InferenceError, OnnxModel
+from dfl_agent.onnx_model import ONNX_KIND, InferenceError, OnnxModel, deployment_order
 from dfl_agent.runtime.context import RuntimeContext
 
 log = logging.getLogger(__name__)
@@ -176,11 +176,10 @@ class InferenceMember:
         held = self.model_meta
         at, held_at = meta.get("deployed_at"), held.get("deployed_at")
         if meta.get("deployed") and isinstance(at, (int, float)):
-            if not isinstance(held_at, (int, float)):
-                return ""
-            if meta.get("sha256") and meta.get("sha256") == held.get("sha256") and at == held_at:
-                return "held"
-            return f"deployed at {at:.0f}, before the one held ({held_at:.0f})" if at < held_at else ""
+            order = deployment_order(at, meta.get("sha256"), held_at, held.get("sha256"))
+            if order == "older":
+                return f"deployed at {at:.0f}, no later than the one held ({held_at:.0f})"
+            return "held" if order == "held" else ""
         rnd = meta.get("round", 0)
         return f"round {rnd!r} older than the one held" if rnd < held.get("round", -1) else ""
 

@@ -42,6 +42,7 @@ Use::
 from __future__ import annotations
 
 import errno
+import glob
 import logging
 import os
 import re
@@ -396,6 +397,41 @@ class RunCgroup:
 
     def __repr__(self) -> str:
         return f"RunCgroup({str(self.path)!r}, v{self.version}, limit_mb={self.limit_mb})"
+
+
+def remove_leftovers(node_id: str, *, root: str | None = None) -> list[str]:
+    """Remove the empty run cgroups an earlier supervisor of node ``node_id`` left behind
+    (it was killed, SIGKILL or the OOM killer, before its run process's cgroup was removed):
+    folders ``run-<node_id>-*`` beside the ones :meth:`RunCgroup.create` makes.  A cgroup
+    that still holds a process is left alone (no process is killed here).  Call it when the
+    supervisor starts, before its first run.  Never raises; returns the names removed."""
+    removed: list[str] = []
+    try:
+        found = _hierarchy(root)
+        if isinstance(found, str):
+            return removed
+        version, mount = found
+        service = _service_dir(version, mount)
+        base = service if service is not None else mount / BASE_NAME
+        prefix = _leaf_name(f"{node_id}-")
+        for leaf in sorted(base.glob(f"{glob.escape(prefix)}*")) if base.is_dir() else ():
+            if not leaf.is_dir() or (_read(leaf / "cgroup.procs") or "").split():
+                continue
+            try:
+                leaf.rmdir()
+                removed.append(leaf.name)
+            except OSError as e:
+                log.debug("could not remove the leftover run cgroup %s: %s", leaf, e)
+        if service is None and removed:
+            try:
+                base.rmdir()
+            except OSError:
+                pass  # another run's cgroup is in it
+    except OSError as e:
+        log.debug("could not look for leftover run cgroups: %s", e)
+    if removed:
+        log.info("removed %d leftover run cgroup(s) of an earlier supervisor: %s", len(removed), ", ".join(removed))
+    return removed
 
 
 def classify_exit(returncode: int, cgroup: RunCgroup | None) -> str:

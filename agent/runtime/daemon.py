@@ -100,9 +100,11 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
     Raises:
         StartupError: the default run cannot start (bad configuration: exit code 2).
     """
+    from dfl_agent.runtime.cgroup import remove_leftovers
     from dfl_agent.runtime.run_manager import build_run_manager
 
     manager = build_run_manager(cfg, config_path, hooks=hooks)
+    remove_leftovers(manager.node_id)  # the run cgroups of a supervisor killed before it removed them
     liveness = Liveness()
     manager.notifier.alive = liveness.alive  # the training agent shares this notifier
     manager.counters.fields["task_restarts"] = liveness.status  # in every status, idle and training

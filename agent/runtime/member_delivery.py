@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from dfl_agent.jsonbound import RateLimitedLog
+from dfl_agent.onnx_model import deployment_order
 
 log = logging.getLogger("dfl_agent.daemon")
 _ERRORS = RateLimitedLog(log)
@@ -65,10 +66,8 @@ def lacks(status: dict[str, Any], meta: dict[str, Any]) -> bool:
     describes: it holds nothing, another model deployed no later, or a model that was not
     deployed.  A member that holds a newer deployment (another device's, of a later run)
     does not lack it.  ``meta``: :func:`~dfl_agent.runtime.onnx_publisher.deployed_onnx`'s."""
-    if status.get("model_sha256") == meta["sha256"]:
-        return False
-    held_at = status.get("model_deployed_at")
-    return not isinstance(held_at, (int, float)) or held_at < meta["deployed_at"]
+    return deployment_order(meta["deployed_at"], meta["sha256"], status.get("model_deployed_at"),
+                            status.get("model_sha256")) == "newer"
 
 
 class MemberDelivery:

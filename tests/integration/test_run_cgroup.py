@@ -98,3 +98,23 @@ def test_remove_kills_what_is_left_and_a_leftover_is_emptied_on_create(cgroups):
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_supervisor_removes_the_empty_run_cgroups_an_earlier_one_left(cgroups):
+    """A supervisor killed with SIGKILL leaves its run's cgroup behind (its run process died
+    with it).  The next one removes the empty cgroups of its node when it starts; a cgroup
+    that still holds a process, and another node's, are left alone."""
+    from dfl_agent.runtime.cgroup import remove_leftovers
+
+    node = f"test-{os.getpid()}-n1"
+    left = cgroups("n1-r-abc-1", None)  # its name: run-test-<pid>-n1-r-abc-1
+    other = cgroups("n10-r-abc-1", None)  # another node whose id starts alike
+    busy = cgroups("n1-r-def-1", None)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=busy.enter)
+    try:
+        assert remove_leftovers(node) == [left.path.name]
+        assert not left.path.exists() and other.path.exists() and busy.path.exists()
+        assert proc.poll() is None  # nothing killed
+    finally:
+        proc.kill()
+        proc.wait()

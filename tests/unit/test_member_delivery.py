@@ -157,3 +157,24 @@ def test_delivery_without_a_deployment_or_broker_sends_nothing(tmp_path):
     assert d.tick() == 0 and lobby.client.published == []
     lobby.connected = True
     assert d.tick() == 1
+
+
+def test_the_member_and_the_supervisor_order_deployments_by_one_rule():
+    """``deployment_order`` decides both what a member takes and what a supervisor sends it:
+    a member shown to lack a deployment takes it, and one shown to hold a newer one neither
+    gets it nor would take it."""
+    from dfl_agent.onnx_model import deployment_order
+    from dfl_agent.runtime.member_delivery import lacks
+
+    assert deployment_order(200.0, "b", None, None) == "newer"  # the member holds nothing deployed
+    assert deployment_order(200.0, "b", 100.0, "a") == "newer"
+    assert deployment_order(100.0, "a", 200.0, "b") == "older"
+    assert deployment_order(100.0, "a", 100.0, "b") == "older"  # a tie never flips the model held
+    assert deployment_order(300.0, "a", 100.0, "a") == "held"  # the same bytes
+    assert deployment_order(None, "b", 100.0, "a") == "older"
+    for held_at, held_sha in ((None, None), (100.0, "a"), (300.0, "c"), (200.0, "b")):
+        status = {"model_deployed_at": held_at, "model_sha256": held_sha}
+        meta = {"deployed_at": 200.0, "sha256": "b"}
+        assert lacks(status, meta) == (deployment_order(200.0, "b", held_at, held_sha) == "newer")
+    assert [lacks({"model_deployed_at": h, "model_sha256": s}, {"deployed_at": 200.0, "sha256": "b"})
+            for h, s in ((None, None), (100.0, "a"), (300.0, "c"), (200.0, "b"))] == [True, True, False, False]
