@@ -82,3 +82,31 @@ def test_waits_alone_needs_an_empty_neighbourhood_and_the_contexts_say():
     assert not waits_alone(object(), [])  # no alone_waits: the simulator's contexts
     C.alone_waits = staticmethod(lambda: False)  # the members finished the run: go on
     assert not waits_alone(C(), [])
+
+
+@pytest.mark.parametrize("kind", ["market", "plain"])
+def test_the_update_of_a_neighbour_that_finished_and_left_closes_the_round_at_once(kind):
+    """The last round of a run: the faster neighbour sent its update, finished and left
+    before this node's round began.  The round takes that update at once; before, with no
+    live neighbour it waited for its whole deadline and took it then (every run's last
+    round on the slower node, 2 s under the quorum's adaptive deadline)."""
+    net = MemoryNetwork()
+    me, peer = _ctx(net, "me", lambda: True), _ctx(net, "peer")
+    out = {}
+
+    async def main():
+        await me.start()
+        await peer.start()
+        await asyncio.sleep(1.0)
+        await peer.send("me", Message("model", 1, dict(X), meta={"samples": 1}))
+        await peer.stop()  # a clean leave: its run is over
+        await asyncio.sleep(1.0)
+        out["live"] = me.neighbours()
+        t0 = me.clock.now()
+        res = await _collect(kind, me, t0 + 20.0)
+        out["closed_after"] = me.clock.now() - t0
+        out["senders"] = sorted(res.latest()) if kind == "market" else sorted(res[0])
+
+    run_virtual(main())
+    assert out["live"] == []
+    assert out["senders"] == ["peer"] and out["closed_after"] < 1.0, out

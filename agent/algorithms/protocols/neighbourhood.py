@@ -182,7 +182,7 @@ async def collect_round(
         while (msg := await ctx.receive(kind, round=t, deadline=now)) is not None:
             intake(msg)
         missing = [p for p in neighbours if p not in got]
-        if (not missing and not waits_alone(ctx, neighbours)) or now >= deadline:
+        if (not missing and not waits_alone(ctx, neighbours or list(got))) or now >= deadline:
             held = await suspend_deadline(ctx, deadline, budget, kind)
             if held != deadline:  # the broker went away: wait on instead of closing alone
                 deadline = held

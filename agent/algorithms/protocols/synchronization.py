@@ -437,7 +437,9 @@ class UpdateMarket:
                 if msg is None:
                     break
                 self._intake(ctx, msg, t, members, validate, outsider_reason, departed, arrived, now - start)
-            satisfied = self.ready(t, current) and not waits_alone(ctx, current)
+            # a neighbour that sent its update and left since (it finished the run) counts
+            left = [p for p in self.queues if p not in members and departed(p) and self._eligible(p, t)]
+            satisfied = self.ready(t, current + left) and not waits_alone(ctx, current + left)
             # behind the quorum (runtime.straggler = "quorum"): take their newest updates now
             upto = t if satisfied or not take_ahead else self.ahead_round(t, current)
             if satisfied or upto > t or now >= deadline:
