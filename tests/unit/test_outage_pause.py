@@ -45,6 +45,23 @@ def _trainer(net):
         train=TrainConfig(steps=1), init_seed=1, rng=np.random.default_rng(0), pause_when_disconnected=True)
 
 
+def _run_with_peers(me, peers, node, peers_send, rounds: int) -> None:
+    """Start ``me`` and ``peers``, then run ``node`` (of ``me``) for ``rounds`` rounds while
+    ``peers_send(model)`` plays the peers' side (``model``: the node's model)."""
+
+    async def main():
+        await me.start()
+        for p in peers:
+            await p.start()
+        await node.setup()
+        node.state = "running"
+        sender = asyncio.ensure_future(peers_send(node.algorithm.model))
+        await node.run(rounds)
+        await sender
+
+    run_virtual(main())
+
+
 def _update(t: int) -> Message:
     return Message("model", t, dict(X), meta={"samples": 1})
 
@@ -408,17 +425,7 @@ def test_the_adaptive_deadline_does_not_learn_a_broker_outage():
             for p in peers:
                 await p.send("me", Message("model", t, model_to_numpy(model), meta={"samples": 10}))
 
-    async def main():
-        await me.start()
-        for p in peers:
-            await p.start()
-        await node.setup()
-        node.state = "running"
-        sender = asyncio.ensure_future(peers_send(node.algorithm.model))
-        await node.run(3)
-        await sender
-
-    run_virtual(main())
+    _run_with_peers(me, peers, node, peers_send, 3)
     assert [r["neighbours"] for r in records] == [2, 2, 2]
     assert records[1]["paused_s"] >= 20.0  # round 2 was held by the outage
     assert records[1]["round_seconds"] > 20.0
@@ -474,15 +481,6 @@ def test_a_gap_after_a_broker_outage_longer_than_round_timeout_waits_for_the_key
                 epoch[0] += 1  # the keyframe the gap asked for
             await peer.send("me", update(t))
 
-    async def main():
-        await me.start()
-        await peer.start()
-        await node.setup()
-        node.state = "running"
-        sender = asyncio.ensure_future(peer_sends(node.algorithm.model))
-        await node.run(3)
-        await sender
-
-    run_virtual(main())
+    _run_with_peers(me, [peer], node, peer_sends, 3)
     assert records[1]["paused_s"] >= 10.0 and records[1]["round_seconds"] > 10.0
     assert [r["neighbours"] for r in records] == [1, 1, 1], [(r["neighbours"], r["round_seconds"]) for r in records]

@@ -311,7 +311,6 @@ def test_one_lost_update_does_not_cost_a_deadline_in_every_later_round(compressi
     deadline for an update the peer had already sent (the broker-outage test on a loaded
     machine: 2 s a round, and the last round closed alone).  With CHOCO compression the
     update used again is the neighbour's copy, applied once."""
-    import asyncio
 
     from dfl_agent.algorithms import gossip_compression as gc
     from dfl_agent.algorithms.base import get_algorithm
@@ -320,8 +319,8 @@ def test_one_lost_update_does_not_cost_a_deadline_in_every_later_round(compressi
     from dfl_agent.learning.params import model_to_numpy
     from dfl_agent.runtime.context import RuntimeContext
     from dfl_agent.runtime.node import Node
-    from dfl_agent.transport.memory import MemoryNetwork, run_virtual
-    from tests.unit.test_outage_pause import _trainer
+    from dfl_agent.transport.memory import MemoryNetwork
+    from tests.unit.test_outage_pause import _run_with_peers, _trainer
 
     net = MemoryNetwork()
     bundle, me = _trainer(net)
@@ -347,16 +346,7 @@ def test_one_lost_update_does_not_cost_a_deadline_in_every_later_round(compressi
                 stream.own = None  # the gap asks for a keyframe: the next message is one
             assert await peer.receive("model", round=t, deadline=peer.clock.now() + 60.0) is not None
 
-    async def main():
-        await me.start()
-        await peer.start()
-        await node.setup()
-        node.state = "running"
-        sender = asyncio.ensure_future(lock_step_peer(node.algorithm.model))
-        await node.run(rounds)
-        await sender
-
-    run_virtual(main())
+    _run_with_peers(me, [peer], node, lock_step_peer, rounds)
     assert [r["neighbours"] for r in records] == [1] * rounds, [(r["round"], r["neighbours"], r["round_seconds"], r.get("behind"), r.get("missing")) for r in records]
     assert records[2]["round_seconds"] >= 2.0  # round 3 waited its adaptive deadline
     slow = [(r["round"], round(r["round_seconds"], 1)) for r in records[3:] if r["round_seconds"] >= 1.0]
