@@ -258,3 +258,46 @@ def test_dechetero_with_min_k():
     assert end == 0.0  # one update suffices; the silent n2 is never waited for
     assert all(i["neighbours"] == 1 for i in infos["n0"])
     assert algs[0].status()["sync"] == "min_k"
+
+
+
+def test_an_update_from_a_neighbour_that_left_never_makes_the_quorum_harder():
+    """Under the quorum a neighbour that left counts only with an update of the round itself:
+    the late update of one gone quiet would raise the number needed (one of two live
+    neighbours, then two of three) without counting towards it, and the round would wait."""
+    import asyncio
+
+    import numpy as np
+
+    from dfl_agent.algorithms.context import Message
+    from dfl_agent.discovery.peers import PeerTable
+    from dfl_agent.runtime.context import RuntimeContext
+    from dfl_agent.transport.memory import MemoryNetwork, run_virtual
+
+    net = MemoryNetwork()
+    ctxs = {nid: RuntimeContext(node_id=nid, federation="f", transport=net.transport(nid, "f"),
+                                peers=PeerTable(nid, "f"), data=None, model_spec={}, train=None, init_seed=0,
+                                rng=np.random.default_rng(0)) for nid in ("me", "a", "b", "slow")}
+    market = UpdateMarket("one_from_min_percent", percent=0.5, max_staleness=5)
+    market.fresh_quorum = True
+    x = {"x": np.ones(2, np.float32)}
+    out = {}
+
+    async def main():
+        for c in ctxs.values():
+            await c.start()
+        await asyncio.sleep(1.0)
+        await ctxs["slow"].send("me", Message("model", 7, dict(x), meta={"samples": 1}))
+        await ctxs["slow"].stop()  # it left; its late update is queued
+        await ctxs["a"].send("me", Message("model", 10, dict(x), meta={"samples": 1}))
+        await asyncio.sleep(1.0)
+        me = ctxs["me"]
+        out["live"] = sorted(me.neighbours())
+        t0 = me.clock.now()
+        res = await market.collect(me, "model", 10, deadline=t0 + 20.0, poll=0.5)
+        out["closed_after"] = me.clock.now() - t0
+        out["taken"] = sorted(res.taken)
+
+    run_virtual(main())
+    assert out["live"] == ["a", "b"]
+    assert out["closed_after"] < 1.0 and "a" in out["taken"], out

@@ -331,16 +331,20 @@ class UpdateMarket:
             return min(n, math.ceil(self.percent * n - 1e-9))
         return n
 
+    def _present(self, p: str, t: int) -> bool:
+        """Whether sender ``p`` has queued what counts towards round ``t``: an update of round
+        ``t`` under :attr:`fresh_quorum`, else an eligible one."""
+        q = self.queues.get(p)
+        if not q:
+            return False
+        return any(m.round == t for m in q) if self.fresh_quorum else any(m.round <= t for m in q)
+
     def ready(self, t: int, peers: list[str]) -> bool:
         """Whether the strategy may proceed now for target round ``t`` over ``peers``."""
         need = self.required(peers)
-        queues = self.queues
-        if self.fresh_quorum:
-            return sum(1 for p in peers if p in queues and any(m.round == t for m in queues[p])) >= need
-        if self.strategy == "min_k":
-            return sum(len(self._eligible(p, t)) for p in peers if p in queues) >= need
-        # senders with at least one eligible update
-        return sum(1 for p in peers if p in queues and any(m.round <= t for m in queues[p])) >= need
+        if self.strategy == "min_k" and not self.fresh_quorum:
+            return sum(len(self._eligible(p, t)) for p in peers if p in self.queues) >= need
+        return sum(1 for p in peers if self._present(p, t)) >= need
 
     def take(self, t: int, peers: list[str], keep_after: int | None = None) -> dict[str, list[Message]]:
         """``get()``: remove and return what the strategy takes now (does not wait).
@@ -438,7 +442,7 @@ class UpdateMarket:
                     break
                 self._intake(ctx, msg, t, members, validate, outsider_reason, departed, arrived, now - start)
             # a neighbour that sent its update and left since (it finished the run) counts
-            left = [p for p in self.queues if p not in members and departed(p) and self._eligible(p, t)]
+            left = [p for p in self.queues if p not in members and departed(p) and self._present(p, t)]
             satisfied = self.ready(t, current + left) and not waits_alone(ctx, current + left)
             # behind the quorum (runtime.straggler = "quorum"): take their newest updates now
             upto = t if satisfied or not take_ahead else self.ahead_round(t, current)
