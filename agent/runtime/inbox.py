@@ -30,6 +30,9 @@ log = logging.getLogger("dfl_agent.runtime.context")
 
 #: how many recent message ids the duplicate check remembers
 SEEN_IDS = 4096
+#: dropped messages logged per sender and reason before the limit applies, and then at most
+#: one line per this many seconds (the count of each drop stays exact in ``rejected``)
+DROP_LOG_BURST, DROP_LOG_EVERY = 5, 60.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -74,11 +77,25 @@ class Inbox:
         self.arrival_checks: dict[str, Callable[[Message], str | None]] = {}
         self.bytes_received_by_kind: collections.Counter[str] = collections.Counter()
         self.round_received: collections.Counter[str] = collections.Counter()
+        #: (sender, reason) -> (when last logged, lines logged, drops not logged since)
+        self.drop_log: dict[tuple[str, str], tuple[float, int, int]] = {}
 
     def drop(self, reason: str, detail: str, sender: str = "?") -> None:
-        """Count a dropped message under ``reason`` and log it (WARNING)."""
+        """Count a dropped message under ``reason`` and log it (WARNING): the first
+        :data:`DROP_LOG_BURST` of each sender and reason, then at most one line per
+        :data:`DROP_LOG_EVERY` seconds with the number not logged, so that a flood of bad
+        messages never floods the log."""
         self.ctx.rejected[reason] += 1
-        log.warning("dropped message from %s: %s %s", sender, reason, detail)
+        if len(self.drop_log) > 1024:  # senders are not verified yet here: bounded
+            self.drop_log.clear()
+        last, logged, unlogged = self.drop_log.get((sender, reason), (-float("inf"), 0, 0))
+        now = time.monotonic()
+        if logged < DROP_LOG_BURST or now - last >= DROP_LOG_EVERY:
+            more = f" ({unlogged} more from {sender} not logged)" if unlogged else ""
+            self.drop_log[(sender, reason)] = (now, logged + 1, 0)
+            log.warning("dropped message from %s: %s %s%s", sender, reason, detail, more)
+        else:
+            self.drop_log[(sender, reason)] = (last, logged, unlogged + 1)
 
     def prepare_frame(self, frame: bytes, wire_bytes: int) -> PreparedFrame:
         """Decode ``frame`` and check its signature; safe to call on another thread than

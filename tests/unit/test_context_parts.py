@@ -54,3 +54,27 @@ def test_one_pipeline_for_raw_and_prepared_frames():
         await ctx.stop()
 
     asyncio.run(main())
+
+
+def test_a_flood_of_bad_messages_is_counted_exactly_and_logged_a_few_times(caplog, monkeypatch):
+    """1,000 drops from one sender for one reason: all counted, 5 lines logged, and after a
+    minute one more line that says how many were not logged; another sender is logged anew."""
+    import logging
+
+    from dfl_agent.runtime import inbox as inbox_module
+
+    ctx = _ctx()
+    now = [100.0]
+    monkeypatch.setattr(inbox_module.time, "monotonic", lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="dfl_agent.runtime.context"):
+        for _ in range(1000):
+            ctx.inbox.drop("choco_gap", "out of sequence", sender="a")
+        assert ctx.rejected["choco_gap"] == 1000
+        assert len(caplog.records) == 5
+        now[0] += 61.0
+        ctx.inbox.drop("choco_gap", "out of sequence", sender="a")
+        ctx.inbox.drop("choco_gap", "out of sequence", sender="b")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 7 and lines[5].endswith("(995 more from a not logged)"), lines[5:]
+    assert lines[6] == "dropped message from b: choco_gap out of sequence"
+    assert ctx.rejected["choco_gap"] == 1002

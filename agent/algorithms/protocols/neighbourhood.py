@@ -366,6 +366,7 @@ class NeighbourhoodAlgorithm(Algorithm):
             # (a round held by a broker outage measured the outage, not its peers: not learnt)
             self.deadlines.observe([last.arrivals[s] for s, m in got.items() if m.round == collect])
         raw, got = got, gc.received_copies(ctx, self.choco, got, nonnegative=self.nonnegative)
+        self.market.discard(m for s, m in raw.items() if s not in got)  # never taken again
         while raw and not got and self.deadlines is not None and ctx.clock.now() < until():
             # quorum: none of the updates taken decoded (CHOCO copies that lost their sequence wait
             # for the keyframes a gap asks for) while the neighbours go on: take their next ones,
@@ -376,6 +377,7 @@ class NeighbourhoodAlgorithm(Algorithm):
                 ctx, MODEL_KIND, collect, until(), self.options.poll_interval, own,
                 extra_tensors=self.extra_names(), market=self.market, take_ahead=True)
             got = gc.received_copies(ctx, self.choco, raw, nonnegative=self.nonnegative)
+            self.market.discard(m for s, m in raw.items() if s not in got)
         last = self.market.last
         late = {s for s, m in got.items() if m.round < collect}
         if late and self.deadlines is not None:  # FedAsync's staleness weight on a late update's samples

@@ -383,6 +383,16 @@ class UpdateMarket:
             out[p] = chosen
         return out
 
+    def discard(self, msgs: Iterable[Message]) -> None:
+        """Remove these updates from the queues (by identity): ones the caller took and could
+        not use (a CHOCO difference out of sequence), where :meth:`take` kept them for their
+        own round.  Taken again, they would close every wait at once with nothing usable."""
+        ids = {id(m) for m in msgs}
+        for p, q in list(self.queues.items()):
+            q[:] = [m for m in q if id(m) not in ids]
+            if not q:
+                del self.queues[p]
+
     # -- collection from a NodeContext --------------------------------------------------
     async def collect(
         self,
