@@ -155,6 +155,17 @@ def _service_dir(version: int, mount: Path) -> Path | None:
     return mount.joinpath(*parts)
 
 
+def _run_base(root: str | None) -> tuple[int, Path | None, Path] | str:
+    """Where run cgroups go: ``(version, service, base)`` (``service``: the systemd service's
+    delegated cgroup or None; ``base``: the folder of the ``run-*`` cgroups), or why none."""
+    found = _hierarchy(root)
+    if isinstance(found, str):
+        return found
+    version, mount = found
+    service = _service_dir(version, mount)
+    return version, service, (service if service is not None else mount / BASE_NAME)
+
+
 def _enable_memory(cgroup: Path) -> None:
     """Turn the memory controller on for the children of ``cgroup`` (cgroup v2)."""
     if "memory" not in (_read(cgroup / "cgroup.subtree_control") or "").split():
@@ -258,14 +269,12 @@ class RunCgroup:
         Returns None, and logs once per process at WARNING why, when no cgroup can be
         made; never raises."""
         limited = bool(limit_mb)
-        found = _hierarchy(root)
+        found = _run_base(root)
         if isinstance(found, str):
             return cls._none(found, limited)
-        version, mount = found
-        service = _service_dir(version, mount)
+        version, service, base = found
         if service is None and os.geteuid() != 0:
             return cls._none("not running as root and not in a systemd service with Delegate=yes", limited)
-        base = service if service is not None else mount / BASE_NAME
         path = base / _leaf_name(name)
         try:
             if service is not None and version == 2:
@@ -407,12 +416,10 @@ def remove_leftovers(node_id: str, *, root: str | None = None) -> list[str]:
     supervisor starts, before its first run.  Never raises; returns the names removed."""
     removed: list[str] = []
     try:
-        found = _hierarchy(root)
+        found = _run_base(root)
         if isinstance(found, str):
             return removed
-        version, mount = found
-        service = _service_dir(version, mount)
-        base = service if service is not None else mount / BASE_NAME
+        _, service, base = found
         prefix = _leaf_name(f"{node_id}-")
         for leaf in sorted(base.glob(f"{glob.escape(prefix)}*")) if base.is_dir() else ():
             if not leaf.is_dir() or (_read(leaf / "cgroup.procs") or "").split():

@@ -62,6 +62,20 @@ def _run_with_peers(me, peers, node, peers_send, rounds: int) -> None:
     run_virtual(main())
 
 
+def _compressed_peer(net, me):
+    """A peer compressing like ``me`` (CHOCO), its stream, and ``epoch``: a one-item list whose
+    increment makes the stream's next message a keyframe."""
+    from dfl_agent.algorithms import gossip_compression as gc
+
+    peer = _ctx(net, "peer")
+    peer.compression = me.compression
+    stream = gc.choco_for(peer, "model")
+    assert stream is not None
+    epoch = [0]
+    stream.epoch_source = lambda: epoch[0]
+    return peer, stream, epoch
+
+
 def _update(t: int) -> Message:
     return Message("model", t, dict(X), meta={"samples": 1})
 
@@ -450,12 +464,7 @@ def test_a_gap_after_a_broker_outage_longer_than_round_timeout_waits_for_the_key
     bundle, me = _trainer(net)
     me.straggler = StragglerPolicy("quorum")
     me.compression = CompressionPolicy.from_config("q4+zstd")
-    peer = _ctx(net, "peer")
-    peer.compression = me.compression
-    stream = gc.choco_for(peer, "model")
-    assert stream is not None
-    epoch = [0]
-    stream.epoch_source = lambda: epoch[0]
+    peer, stream, epoch = _compressed_peer(net, me)
     records: list[dict] = []
     fedavg = get_algorithm("fedavg")
     node = Node(me, fedavg(me, fedavg.Options(round_timeout=3.0)), bundle.test.x[:50], bundle.test.y[:50],
@@ -513,12 +522,7 @@ def test_an_update_taken_ahead_that_cannot_be_decoded_is_not_taken_again():
         reject(msg, reason)
 
     me.reject = counting_reject
-    peer = _ctx(net, "peer")
-    peer.compression = me.compression
-    stream = gc.choco_for(peer, "model")
-    assert stream is not None
-    epoch = [0]
-    stream.epoch_source = lambda: epoch[0]
+    peer, stream, epoch = _compressed_peer(net, me)
     records: list[dict] = []
     fedavg = get_algorithm("fedavg")
     options = quorum_options(fedavg.Options(round_timeout=10.0), me.straggler)

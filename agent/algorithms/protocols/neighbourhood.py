@@ -365,8 +365,7 @@ class NeighbourhoodAlgorithm(Algorithm):
         if self.deadlines is not None and last is not None and getattr(ctx, "disconnected_seconds", 0.0) == paused:
             # (a round held by a broker outage measured the outage, not its peers: not learnt)
             self.deadlines.observe([last.arrivals[s] for s, m in got.items() if m.round == collect])
-        raw, got = got, gc.received_copies(ctx, self.choco, got, nonnegative=self.nonnegative)
-        self.market.discard(m for s, m in raw.items() if s not in got)  # never taken again
+        raw, got = got, self._decoded(got)
         while raw and not got and self.deadlines is not None and ctx.clock.now() < until():
             # quorum: none of the updates taken decoded (CHOCO copies that lost their sequence wait
             # for the keyframes a gap asks for) while the neighbours go on: take their next ones,
@@ -376,8 +375,7 @@ class NeighbourhoodAlgorithm(Algorithm):
             raw, missing = await collect_round(
                 ctx, MODEL_KIND, collect, until(), self.options.poll_interval, own,
                 extra_tensors=self.extra_names(), market=self.market, take_ahead=True)
-            got = gc.received_copies(ctx, self.choco, raw, nonnegative=self.nonnegative)
-            self.market.discard(m for s, m in raw.items() if s not in got)
+            got = self._decoded(raw)
         last = self.market.last
         late = {s for s, m in got.items() if m.round < collect}
         if late and self.deadlines is not None:  # FedAsync's staleness weight on a late update's samples
@@ -400,6 +398,13 @@ class NeighbourhoodAlgorithm(Algorithm):
                 "late_weights": [[s, round(got[s].meta["staleness_weight"], 4)] for s in used
                                  if s in late and "staleness_weight" in got[s].meta],
                 "deadline_s": round(timeout, 3)}
+
+    def _decoded(self, raw: dict[str, Message]) -> dict[str, Message]:
+        """The taken updates as the neighbours' models (CHOCO copies, :func:`gc.received_copies`);
+        those that cannot be decoded are also dropped from the market, never to be taken again."""
+        got = gc.received_copies(self.ctx, self.choco, raw, nonnegative=self.nonnegative)
+        self.market.discard(m for s, m in raw.items() if s not in got)
+        return got
 
     def _cold_start(self, got: dict[str, Message], own: Mapping[str, np.ndarray]) -> tuple[dict[str, Message], dict]:
         """Warm start across the federation: a model flagged ``cold`` (fresh weights in a
