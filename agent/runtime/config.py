@@ -86,6 +86,7 @@ class TrainingSection:
     momentum: float = described(0.9, help="SGD momentum, in [0, 1)")
     weight_decay: float = described(0.0, help="SGD weight decay")
     warm_start_ramp: int = described(5, help="rounds a warm-started run ramps its learning rates up from a tenth (0: off)")
+    warm_start_probe: bool = described(True, help="a warm-started run first fits the output layer to the store (linear probe)")
     clip_grad_norm: float = described(0.0, help="clip each SGD step of local training to this gradient L2 norm (0: off; "
                                       "not DFML's mutual learning, Def-KT's transfer or the Adam algorithms)")
     device: str | None = described(None, help="`cpu`, `auto` or `cuda[:N]`", default_text="from the profile (`cpu`)")
@@ -361,11 +362,7 @@ def _validate_run(cfg: NodeConfig) -> None:
 
 
 def _validate_training(cfg: NodeConfig) -> None:
-    """``[training]``.
-
-    Raises:
-        ConfigError: naming the first offending key.
-    """
+    """``[training]``.  Raises ConfigError naming the first offending key."""
     t = cfg.training
     _need(t.epochs >= 1, "training.epochs", "must be >= 1")
     _need(isinstance(t.steps, int) and t.steps >= 0, "training.steps", "must be an integer >= 0 (0: use epochs)")

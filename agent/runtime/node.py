@@ -408,6 +408,8 @@ class Node:
         if self.run_start:
             s = self.run_start
             record.update(init=s.get("init"), started_from=s.get("started_from"), init_reason=s.get("reason", ""))
+            if "probe" in s:  # the warm start's fit of the output layer
+                record["linear_probe"] = s["probe"]
             self.run_start = {}
         if (scale := getattr(self.ctx.train, "lr_scale", 1.0)) != 1.0:  # a warm start's learning-rate ramp
             record["lr_scale"] = round(scale, 4)

@@ -17,6 +17,12 @@ A run that started from a deployed model ramps its learning rates up over its fi
 ``training.warm_start_ramp`` rounds (:func:`ramp_factor`; a gradual warm-up, Goyal et al.
 2017, section 2.2): its first local steps, on data the deployed model may never have seen,
 do not throw away what that model knew.  Round records show the factor as ``lr_scale``.
+
+Before round 1 it also fits the deployed model's output layer to the device's store on the
+model's frozen features (``training.warm_start_probe``; :func:`probe_output_layer`, linear
+probing then fine-tuning, Kumar et al. 2022): a store that gained classes the deployed model
+never saw then costs the first round no accuracy.  What the fit did is the start's
+``probe`` and the first round record's ``linear_probe``.
 """
 
 from __future__ import annotations
@@ -78,12 +84,43 @@ def deployed_state(state_dir: str | Path) -> tuple[int | None, dict[str, Any] | 
         return v, None, f"the deployed model v{v} cannot be read ({type(exc).__name__}: {exc})"
 
 
-def warm_start(algorithm: Any, state_dir: str | Path, init: str) -> dict[str, Any]:
-    """Load the deployed model into ``algorithm`` when ``init`` is ``"deployed"`` and it fits.
+def probe_output_layer(algorithm: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """Fit the output layer of ``algorithm``'s deployable model, just loaded from ``state``,
+    to the device's training split (:func:`dfl_agent.learning.probe.linear_probe`) and load
+    ``state`` with the fitted layer into every model the warm start loads
+    (``algorithm.warm_start``).  Skipped under ``privacy.dp``: the fit would use the data
+    outside DP-SGD's accountant.
+
+    Returns:
+        The probe's record: ``{"layer", "samples", "loss_before", "loss_after"}``, or
+        ``{"skipped": why}`` (also with the losses when the fit did not lower them).
+    """
+    from dfl_agent.learning.probe import linear_probe
+
+    if algorithm.private():
+        return {"skipped": "privacy.dp: the fit would use the data outside the privacy accountant"}
+    data = algorithm.ctx.data
+    result = linear_probe(algorithm.deployable_model(), data.train_x, data.train_y)
+    if result.state and not set(result.state) <= set(state):
+        return {"skipped": "the output layer is not among the deployed model's tensors"}
+    if result.state:
+        algorithm.warm_start({**state, **result.state})
+        r = result.record
+        log.info("warm start: fitted the output layer %s to %d windows of the store (cross-entropy %.3f -> %.3f)",
+                 r["layer"], r["samples"], r["loss_before"], r["loss_after"])
+    else:
+        log.info("warm start: the output layer was not fitted: %s", result.record["skipped"])
+    return result.record
+
+
+def warm_start(algorithm: Any, state_dir: str | Path, init: str, probe: bool = True) -> dict[str, Any]:
+    """Load the deployed model into ``algorithm`` when ``init`` is ``"deployed"`` and it fits,
+    then, with ``probe``, fit its output layer to the store (:func:`probe_output_layer`).
 
     Returns:
         ``{"init": init, "started_from": version | None, "reason": str}`` (``reason`` says
-        why a run with ``init = "deployed"`` starts fresh; empty otherwise).
+        why a run with ``init = "deployed"`` starts fresh; empty otherwise), with ``probe``
+        (the fit's record) after a warm start with ``probe``.
     """
     if init != "deployed":
         log.info("warm start: off (init = %s): the run starts from fresh weights", init)
@@ -96,7 +133,9 @@ def warm_start(algorithm: Any, state_dir: str | Path, init: str) -> dict[str, An
             why = f"the deployed model v{v} has another architecture: {exc}"
         else:
             log.info("warm start: the run starts from the deployed model v%d (%s)", v, what)
-            return {"init": init, "started_from": v, "reason": ""}
+            if not probe:
+                return {"init": init, "started_from": v, "reason": ""}
+            return {"init": init, "started_from": v, "reason": "", "probe": probe_output_layer(algorithm, state)}
     log.info("warm start: the run starts from fresh weights: %s", why)
     algorithm.joins_cold = True  # its neighbours started warm, maybe: it adopts their models first
     return {"init": init, "started_from": None, "reason": why}
@@ -119,12 +158,13 @@ def saved_start(run_dir: Path | None) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def begin_run(algorithm: Any, state_dir: str | Path, run_dir: Path | None, init: str, resumed: bool) -> dict[str, Any]:
-    """The run's start: a new run (``resumed`` False) warm-starts (:func:`warm_start`) and
-    saves it (:func:`save_start`); a resumed one, restored from its checkpoint, reports the
-    start it saved."""
+def begin_run(algorithm: Any, state_dir: str | Path, run_dir: Path | None, init: str, resumed: bool,
+              probe: bool = True) -> dict[str, Any]:
+    """The run's start: a new run (``resumed`` False) warm-starts (:func:`warm_start`, with
+    ``probe``) and saves it (:func:`save_start`); a resumed one, restored from its
+    checkpoint, reports the start it saved."""
     if not resumed:
-        start = warm_start(algorithm, state_dir, init)
+        start = warm_start(algorithm, state_dir, init, probe)
         save_start(run_dir, start)
         return start
     return saved_start(run_dir) or {"init": init, "started_from": None, "reason": "unknown: resumed from a checkpoint"}

@@ -82,4 +82,8 @@ def test_two_runs_on_the_same_data_accumulate_from_the_deployed_model(tmp_path):
     assert first_round["started_from"] == 1 and first_round["init"] == "deployed"
     # its learning rates start at a tenth (training.warm_start_ramp); the fresh first run's do not
     assert first_round["lr_scale"] == 0.1, first_round
+    # and its output layer was first fitted to the store (training.warm_start_probe)
+    probe = first_round["linear_probe"]
+    assert "skipped" not in probe and probe["loss_after"] < probe["loss_before"], probe
+    assert f"warm start: fitted the output layer {probe['layer']} to {probe['samples']} windows" in text
     assert "lr_scale" not in json.loads((state / "runs" / m1["run_id"] / "metrics.jsonl").read_text().splitlines()[0])
