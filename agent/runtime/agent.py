@@ -374,11 +374,11 @@ class Agent(RunMembers):
         every round is done."""
         from dfl_agent.models import spec_hash
 
-        node, rounds, cfg = self.node, self.cfg.algorithm.rounds, self.cfg
+        node, rounds, cfg, t = self.node, self.cfg.algorithm.rounds, self.cfg, self.cfg.training
         await node.setup()
         start_round = self._resume(spec_hash(spec))  # operations: crash-safe state
         self.start = node.run_start = begin_run(node.algorithm, self.state_dir, self.run_dir,  # warm start
-                                                cfg.runtime.run_init, start_round > 1, cfg.training.warm_start_probe)
+                                                cfg.runtime.run_init, start_round > 1, t.warm_start_probe, t.warm_start_ramp)
         self.members |= self._load_members(resumed=start_round > 1)
         await node.publish_status()
         if (watchdog := self._start_systemd()) is not None:

@@ -40,6 +40,8 @@ log = logging.getLogger("dfl_agent.daemon")
 START_FILE = "start.json"
 #: a warm-started run's learning rates in its first round, as a share of the full rates
 RAMP_START = 0.1
+#: why a warm start without the ramp does not fit the output layer
+RAMPLESS = "training.warm_start_ramp = 0: the fit needs the ramp"
 
 
 def ramp_factor(start: dict[str, Any], ramp_rounds: int, t: int) -> float:
@@ -113,9 +115,12 @@ def probe_output_layer(algorithm: Any, state: dict[str, Any]) -> dict[str, Any]:
     return result.record
 
 
-def warm_start(algorithm: Any, state_dir: str | Path, init: str, probe: bool = True) -> dict[str, Any]:
+def warm_start(algorithm: Any, state_dir: str | Path, init: str, probe: bool = True, ramp: int = 5) -> dict[str, Any]:
     """Load the deployed model into ``algorithm`` when ``init`` is ``"deployed"`` and it fits,
     then, with ``probe``, fit its output layer to the store (:func:`probe_output_layer`).
+    The fit needs the learning-rate ramp (``ramp`` rounds, ``training.warm_start_ramp``):
+    without it, full-rate steps from the fitted layer lost more of the first round than no
+    fit at all (``bench/warm_start/results/ramp.md``), so with ``ramp`` 0 it is skipped.
 
     Returns:
         ``{"init": init, "started_from": version | None, "reason": str}`` (``reason`` says
@@ -135,7 +140,8 @@ def warm_start(algorithm: Any, state_dir: str | Path, init: str, probe: bool = T
             log.info("warm start: the run starts from the deployed model v%d (%s)", v, what)
             if not probe:
                 return {"init": init, "started_from": v, "reason": ""}
-            return {"init": init, "started_from": v, "reason": "", "probe": probe_output_layer(algorithm, state)}
+            fit = probe_output_layer(algorithm, state) if ramp > 0 else {"skipped": RAMPLESS}
+            return {"init": init, "started_from": v, "reason": "", "probe": fit}
     log.info("warm start: the run starts from fresh weights: %s", why)
     algorithm.joins_cold = True  # its neighbours started warm, maybe: it adopts their models first
     return {"init": init, "started_from": None, "reason": why}
@@ -159,12 +165,12 @@ def saved_start(run_dir: Path | None) -> dict[str, Any] | None:
 
 
 def begin_run(algorithm: Any, state_dir: str | Path, run_dir: Path | None, init: str, resumed: bool,
-              probe: bool = True) -> dict[str, Any]:
+              probe: bool = True, ramp: int = 5) -> dict[str, Any]:
     """The run's start: a new run (``resumed`` False) warm-starts (:func:`warm_start`, with
-    ``probe``) and saves it (:func:`save_start`); a resumed one, restored from its
-    checkpoint, reports the start it saved."""
+    ``probe`` and ``ramp``) and saves it (:func:`save_start`); a resumed one, restored from
+    its checkpoint, reports the start it saved."""
     if not resumed:
-        start = warm_start(algorithm, state_dir, init, probe)
+        start = warm_start(algorithm, state_dir, init, probe, ramp)
         save_start(run_dir, start)
         return start
     return saved_start(run_dir) or {"init": init, "started_from": None, "reason": "unknown: resumed from a checkpoint"}

@@ -6,8 +6,11 @@ round record's ``local_accuracy``, the slice the deploy gate uses) against the v
 accuracy of the version the run started from (its manifest's ``accuracy``, measured by the
 deploy gate when that version was deployed, and on this run's own slice, which the gate
 measured when it compared this run's candidate: the manifest's ``deployed_accuracy``), and
-whether it is at least the latter (else the former) minus ``--tolerance`` (2 points).  Then, per device, the deployed accuracy after the last run
-against the one after the first, and the lab's held-out accuracy of each run (report.json).
+whether it is at least the latter (else the former) minus ``--tolerance`` (2 points).  Then, per
+device, the version deployed by the last run against the one deployed by the first, both on the
+device's final validation slice (its store at the end, ``validation_mask`` share
+``--validation-share``; the deploy gate measured each on the slice of its own day, which grew
+in between), and the lab's held-out accuracy of each run (report.json).
 
     python bench/lab/accumulation.py DIR [--json OUT]
 
@@ -51,7 +54,36 @@ def _manifests(state: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def device_rows(state: Path, tolerance: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def final_slice_accuracy(state: Path, versions: list[int], share: float) -> dict[int, float] | None:
+    """Each deployed version's accuracy on the device's validation slice as its store holds it
+    now (None: no store, or no validation window)."""
+    import numpy as np
+
+    from dfl_agent.models.deployed import load_deployed
+    from dfl_agent.store.sqlite import SampleStore, StoreError, validation_mask
+
+    try:
+        store = SampleStore(state, create=False)
+    except StoreError:
+        return None
+    try:
+        sid, x, y, _ = store.load(store.snapshot())
+    finally:
+        store.close()
+    val = validation_mask(sid, share)
+    if not val.any():
+        return None
+    import torch
+
+    out = {}
+    for v in versions:
+        with torch.no_grad():
+            pred = load_deployed(state / "models" / f"v{v}")(torch.from_numpy(x[val])).argmax(1).numpy()
+        out[v] = round(float(np.mean(pred == y[val])), 4)
+    return out
+
+
+def device_rows(state: Path, tolerance: float, share: float = 0.2) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The per-run rows of one device and its first-vs-last summary."""
     ledger = _json(state / "runs" / "ledger.json")
     entries = ledger if isinstance(ledger, dict) else {}
@@ -87,6 +119,10 @@ def device_rows(state: Path, tolerance: float) -> tuple[list[dict[str, Any]], di
                "runs": len(rows)}
     if len(deployed) >= 2:
         first, last = deployed[0]["deployed_accuracy"], deployed[-1]["deployed_accuracy"]
+        final = final_slice_accuracy(state, [deployed[0]["deployed"], deployed[-1]["deployed"]], share)
+        if final is not None:  # both on the same slice: the final one
+            first, last = final[deployed[0]["deployed"]], final[deployed[-1]["deployed"]]
+            summary.update(first_on_final_slice=first, last_on_final_slice=last)
         # a slice on which the first version was already right everywhere cannot be beaten
         summary["beats_first"] = "saturated" if first == last == 1.0 else last > first
     return rows, summary
@@ -96,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", type=Path, help="the lab's --out folder")
     ap.add_argument("--tolerance", type=float, default=0.02, help="first-round accuracy may be this much lower")
+    ap.add_argument("--validation-share", type=float, default=0.2, help="the agents' data.validation_share")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
     a = ap.parse_args(argv)
     devices = sorted(p for p in (a.dir / "devices").glob("*") if (p / "state" / "runs" / "ledger.json").exists())
@@ -108,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
           "| first-round accuracy | ok | deployed (accuracy) |")
     print("|---|---|---|---|---|---|---|---|")
     for dev in devices:
-        rows, summary = device_rows(dev / "state", a.tolerance)
+        rows, summary = device_rows(dev / "state", a.tolerance, a.validation_share)
         out["devices"][dev.name] = {"runs": rows, **summary}
         for r in rows:
             src = f"v{r['started_from']} ({r['started_from_accuracy']:.4f})" if "started_from" in r else "-"
@@ -120,10 +157,13 @@ def main(argv: list[str] | None = None) -> int:
             ok &= bool(r.get("ok", True))
         ok &= summary.get("beats_first", True) in (True, "saturated")
     print()
-    print("| device | deployed accuracy after the first run | after the last | beats the first |")
-    print("|---|---|---|---|")
+    print("| device | deployed accuracy after the first run | after the last | the two on the final slice "
+          "| beats the first |")
+    print("|---|---|---|---|---|")
     for name, d in out["devices"].items():
-        print(f"| {name} | {d['first_deployed']} | {d['last_deployed']} | {d.get('beats_first', '-')} |")
+        final = (f"{d['first_on_final_slice']:.4f} -> {d['last_on_final_slice']:.4f}"
+                 if "first_on_final_slice" in d else "-")
+        print(f"| {name} | {d['first_deployed']} | {d['last_deployed']} | {final} | {d.get('beats_first', '-')} |")
     report = a.dir / "report.json"
     if report.exists():
         runs = _json(report).get("runs", [])

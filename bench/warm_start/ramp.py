@@ -8,7 +8,9 @@ a third on the same 320 windows (*same*).  Each start is run for 10 rounds with 
 schedule: ``none`` (the full rate from round 1) and ``ramp R`` (round t at
 ``0.1 + 0.9 (t-1)/R`` of the rate, ``training.warm_start_ramp = R``), each without and
 with ``--probe`` (``training.warm_start_probe``: before round 1 each device fits its model's
-output layer to its store, :func:`dfl_agent.learning.probe.linear_probe`).
+output layer to its store when the store holds a class its model predicts for none of its
+windows, :func:`dfl_agent.learning.probe.linear_probe`; the agent skips the fit when the
+ramp is off, after the ``none``/``on`` row).
 
 Reported per schedule and start: round 1's accuracy minus the starting model's, on each
 device's validation slice (the deploy gate's: ``validation_mask`` share 0.2), mean and worst

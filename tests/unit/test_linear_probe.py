@@ -75,14 +75,16 @@ def test_the_probe_lets_a_warm_start_predict_a_class_the_deployed_model_never_sa
     assert (probed == d.train_y).mean() > (plain == d.train_y).mean() + 0.2
 
 
-def test_the_probe_is_skipped_under_dp_and_when_turned_off(tmp_path):
-    from dfl_agent.runtime.warm_start import warm_start
+def test_the_probe_is_skipped_under_dp_without_the_ramp_and_when_turned_off(tmp_path):
+    from dfl_agent.runtime.warm_start import RAMPLESS, warm_start
 
     node = _node("local")
     algo = node.algorithm
     deployed = _other_weights(algo.model)
     _deploy(tmp_path, deployed, node.ctx.model_spec, node)
     assert "probe" not in warm_start(algo, tmp_path, "deployed", probe=False)
+    assert warm_start(algo, tmp_path, "deployed", ramp=0)["probe"] == {"skipped": RAMPLESS}  # it needs the ramp
+    assert _same(_flat(algo.model), _flat(deployed))
     algo.private = lambda: True  # privacy.dp: the fit would use the data outside the accountant
     start = warm_start(algo, tmp_path, "deployed")
     assert start["probe"]["skipped"].startswith("privacy.dp"), start
