@@ -6,7 +6,9 @@ round record's ``local_accuracy``, the slice the deploy gate uses) against the v
 accuracy of the version the run started from (its manifest's ``accuracy``, measured by the
 deploy gate when that version was deployed, and on this run's own slice, which the gate
 measured when it compared this run's candidate: the manifest's ``deployed_accuracy``), and
-whether it is at least the latter (else the former) minus ``--tolerance`` (2 points).  Then, per
+whether it is at least the latter (else the former) minus ``--tolerance`` (2 points); beside it,
+the lowest and highest accuracy of the last 10 rounds of the run that deployed that version
+(how much it moved from round to round).  Then, per
 device, the version deployed by the last run against the one deployed by the first, both on the
 device's final validation slice (its store at the end, ``validation_mask`` share
 ``--validation-share``; the deploy gate measured each on the slice of its own day, which grew
@@ -42,6 +44,21 @@ def _first_round(metrics: Path) -> dict[str, Any] | None:
         if isinstance(rec, dict) and rec.get("round") == 1 and "local_accuracy" in rec:
             return rec
     return None
+
+
+def _last_rounds(metrics: Path, n: int = 10) -> list[float]:
+    """``local_accuracy`` of the last ``n`` round records of a run's metrics.jsonl."""
+    if not metrics.exists():
+        return []
+    accs = []
+    for line in metrics.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("local_accuracy"), (int, float)):
+            accs.append(float(rec["local_accuracy"]))
+    return accs[-n:]
 
 
 def _manifests(state: Path) -> dict[str, dict[str, Any]]:
@@ -110,6 +127,9 @@ def device_rows(state: Path, tolerance: float, share: float = 0.2) -> tuple[list
             # deployed): the deploy gate measured it when it compared this run's candidate
             same_slice = mans.get(rid, {}).get("deployed_accuracy")
             row["started_from_on_this_slice"] = same_slice
+            # how much the accuracy moved from round to round at the end of the run that deployed it
+            last = _last_rounds(state / "runs" / str(base.get("run_id")) / "metrics.jsonl")
+            row["started_from_run_last_10"] = [min(last), max(last)] if last else None
             ref = float(same_slice if isinstance(same_slice, (int, float)) else base.get("accuracy", 0.0))
             row["ok"] = row["first_round_accuracy"] >= ref - tolerance
         rows.append(row)
@@ -142,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"tolerance": a.tolerance, "devices": {}}
     ok = True
     print("| device | run | init | started from (accuracy when deployed) | the same on this run's slice "
-          "| first-round accuracy | ok | deployed (accuracy) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| its run's last 10 rounds | first-round accuracy | ok | deployed (accuracy) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for dev in devices:
         rows, summary = device_rows(dev / "state", a.tolerance, a.validation_share)
         out["devices"][dev.name] = {"runs": rows, **summary}
@@ -152,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
             dep = f"v{r['deployed']} ({r['deployed_accuracy']:.4f})" if r["deployed"] is not None else "kept"
             same = r.get("started_from_on_this_slice")
             same_s = f"{same:.4f}" if isinstance(same, (int, float)) else "-"
-            print(f"| {dev.name} | {r['run']} | {r['init']} | {src} | {same_s} | {r['first_round_accuracy']:.4f} | "
+            spread = r.get("started_from_run_last_10")
+            spread_s = f"{spread[0]:.4f}-{spread[1]:.4f}" if spread else "-"
+            print(f"| {dev.name} | {r['run']} | {r['init']} | {src} | {same_s} | {spread_s} | "
+                  f"{r['first_round_accuracy']:.4f} | "
                   f"{'yes' if r.get('ok', True) else 'NO'} | {dep} |")
             ok &= bool(r.get("ok", True))
         ok &= summary.get("beats_first", True) in (True, "saturated")
