@@ -64,8 +64,14 @@ def _tls_broker(d: Path) -> tuple[subprocess.Popen, int, dict[str, str]]:
         f"password_file {d / 'passwd'}", f"acl_file {d / 'dfl.acl'}",
         *(["user root"] if os.geteuid() == 0 else []), "",
     ]))
+    return run_broker(d, port), port, passwords
+
+
+def run_broker(d: Path, port: int) -> subprocess.Popen:
+    """Start mosquitto with ``d/mosquitto.conf`` (as :func:`_tls_broker` wrote it) and wait
+    until ``port`` takes connections: the first start, or a restart after an outage."""
     proc = subprocess.Popen([str(mosquitto_path()), "-c", str(d / "mosquitto.conf")],
-                            stdout=subprocess.DEVNULL, stderr=open(d / "broker.log", "wb"))
+                            stdout=subprocess.DEVNULL, stderr=open(d / "broker.log", "ab"))
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -73,7 +79,7 @@ def _tls_broker(d: Path) -> tuple[subprocess.Popen, int, dict[str, str]]:
             break
         except OSError:
             time.sleep(0.05)
-    return proc, port, passwords
+    return proc
 
 
 @needs_mosquitto
