@@ -89,7 +89,7 @@ def test_a_broker_outage_in_the_production_configuration(tmp_path):
 
     from dfl_agent.runtime.config import config_from_dict, dump_toml
     from dfl_agent.security.keys import enroll_local, public_key_b64
-    from tests.system.test_production_combination import BAD, IDS, _tls_broker, run_broker
+    from tests.system.test_production_combination import BAD, IDS, _tls_broker, run_broker, stop_all
 
     ids, fed, fed_key = IDS[:2], f"outage-prod-{int(time.time() * 1000) % 100000}", Ed25519PrivateKey.generate()
     broker, port, passwords = _tls_broker(tmp_path)
@@ -118,11 +118,7 @@ def test_a_broker_outage_in_the_production_configuration(tmp_path):
         broker = run_broker(tmp_path, port)  # the same port, certificates, passwords and ACL
         assert [p.wait(120) for p in procs] == [0, 0], "\n".join(p.read_text()[-3000:] for p in logs)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        broker.terminate()
-        broker.wait(10)
+        stop_all(procs, broker)
     _check_the_outage(tmp_path, ids, logs)
     for log in logs:  # no update dropped as unsigned, forged or undecodable (a last will, unsigned, is counted
         text = log.read_text()  # as presence_unsigned, and a retained status seen again as status_replay)

@@ -67,6 +67,15 @@ def _tls_broker(d: Path) -> tuple[subprocess.Popen, int, dict[str, str]]:
     return run_broker(d, port), port, passwords
 
 
+def stop_all(procs: list[subprocess.Popen], broker: subprocess.Popen) -> None:
+    """Kill the agents still running, then stop the broker."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    broker.terminate()
+    broker.wait(10)
+
+
 def run_broker(d: Path, port: int) -> subprocess.Popen:
     """Start mosquitto with ``d/mosquitto.conf`` (as :func:`_tls_broker` wrote it) and wait
     until ``port`` takes connections: the first start, or a restart after an outage."""
@@ -124,11 +133,7 @@ def test_signed_compressed_updates_over_tls_are_aggregated_on_every_node(tmp_pat
         for nid, p in zip(IDS, procs):
             assert p.wait(timeout=200) == 0, (tmp_path / f"{nid}.log").read_text()[-3000:]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        broker.terminate()
-        broker.wait(5)
+        stop_all(procs, broker)
     for nid in IDS:
         log = (tmp_path / f"{nid}.log").read_text()
         records = [json.loads(line) for line in (tmp_path / f"{nid}.jsonl").read_text().splitlines()]
