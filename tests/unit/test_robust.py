@@ -91,3 +91,57 @@ def test_algorithms_run_with_a_robust_rule(alg, rule, monkeypatch):
     assert 0.0 < s["global_accuracy"]["mean"] <= 1.0
     # the option reached the aggregation: every aggregation used the configured rule, none fell back to mean
     assert used and set(used) == {rule}, used
+
+
+def _blown_up(aggregation: str, compression: str) -> dict[str, list[dict]]:
+    """Four fedavg nodes under ``quorum``; in round 4 node00's model blows up (its weights
+    times 1,000: finite, as in the field lab's blow-ups) before it sends it.  Each node's
+    round records, in round order."""
+    import torch
+
+    from dfl_agent.runtime.simulator import _assemble, _run
+
+    cfg = SimConfig(algorithm="fedavg", nodes=4, rounds=16, dataset="digits", partition="iid", model_size="small",
+                    straggler="quorum", compression=compression, options={"aggregation": aggregation},
+                    train=TrainConfig(epochs=1, lr=0.05))
+    records: list[dict] = []
+    fed = _assemble(cfg, "cpu", records.append)
+    node0 = fed.nodes[0].algorithm
+    send = node0.send_model
+
+    async def blow_up_then_send(t, extra):
+        if t == 4:
+            with torch.no_grad():
+                for p in node0.model.parameters():
+                    p.mul_(1000.0)
+        return await send(t, extra)
+
+    node0.send_model = blow_up_then_send
+    _run(cfg, fed, "cpu", None)
+    by_node: dict[str, list[dict]] = {}
+    for r in sorted(records, key=lambda r: r["round"]):
+        by_node.setdefault(r["node"], []).append(r)
+    return by_node
+
+
+@pytest.mark.parametrize("compression", ["none", "auto"])
+def test_clip_contains_a_blown_up_model_that_the_mean_spreads(compression):
+    """The plain mean passes one node's blown-up model on to every node, which never recover;
+    ``aggregation = "clip"`` (the deviation from the node's own model clipped to the median
+    norm) keeps the others as they were, and the blown-up node recovers from its neighbours'
+    models.  With compressed gossip (CHOCO copies, q4+zstd with error feedback) its own
+    training diverges, so it re-joins: its update goes out flagged cold, its neighbours leave
+    it out, and it adopts their mean (before, its model shrank back by a quarter a round, still
+    at 10^7 twelve rounds later)."""
+    runs = {rule: _blown_up(rule, compression) for rule in ("mean", "clip")}
+    acc = {rule: {n: [r["global_accuracy"] for r in recs] for n, recs in by.items()} for rule, by in runs.items()}
+    others = ["node01", "node02", "node03"]
+    assert all(a[2] > 0.3 for a in acc["mean"].values()), acc  # round 3, before the blow-up: every node learns
+    assert max(acc["mean"][n][-1] for n in others) < 0.3, acc  # spread: chance is 0.1
+    assert min(acc["clip"][n][-1] for n in others) > 0.75, acc
+    assert [runs["clip"][n][-1]["diverged"] for n in others] == [0, 0, 0]  # their training never saw it
+    assert acc["clip"]["node00"][-1] > 0.75, acc
+    if compression == "auto":
+        rejoined = [r["round"] for r in runs["clip"]["node00"] if r.get("cold_start") == "diverged"]
+        assert rejoined and rejoined[0] >= 4, rejoined
+        assert all(any("node00" in r.get("cold_excluded", []) for r in runs["clip"][n]) for n in others)

@@ -320,6 +320,8 @@ class NeighbourhoodAlgorithm(Algorithm):
 
     async def _train_and_send(self, t: int) -> dict[str, float]:
         stats = await self._train()
+        if stats.get("diverged"):  # its model cannot be trained (it blew up): it re-joins from its neighbours'
+            self.joins_cold, self._cold_sent, self._rejoins = True, False, True  # (see _cold_start)
         await self.send_model(t, await self.after_training(t))
         return stats
 
@@ -415,6 +417,12 @@ class NeighbourhoodAlgorithm(Algorithm):
         of its own weights (its next message is then a keyframe).  When every model is
         cold (a federation's first run) the round aggregates as usual.
 
+        A node whose local training diverged this round (:meth:`_train_and_send`: its model
+        blew up, and the step was undone) re-joins the same way: its update goes out flagged
+        ``cold``, so its neighbours leave it out, and it adopts their mean (``cold_start``
+        ``"diverged"`` in the round's info, and a WARNING).  When every model is cold (the
+        whole federation blew up) the round aggregates as usual.
+
         Returns:
             ``(got, info)``: the messages to aggregate, and ``cold_excluded`` (senders left
             out) or ``adopted`` (senders whose mean this node took) for the round's info.
@@ -422,6 +430,7 @@ class NeighbourhoodAlgorithm(Algorithm):
         cold = sorted(s for s, m in got.items() if m.meta.get(COLD_KEY) is True)
         warm = [s for s in sorted(got) if s not in cold]
         me_cold, self.joins_cold = getattr(self, "joins_cold", False), False
+        rejoins, self._rejoins = getattr(self, "_rejoins", False), False
         if not me_cold:
             return ({s: got[s] for s in warm}, {"cold_excluded": cold}) if cold else (got, {})
         if not warm:
@@ -433,6 +442,10 @@ class NeighbourhoodAlgorithm(Algorithm):
         load_numpy(self.model, mean)
         if self.choco is not None:
             self.choco.own = None  # the neighbours' copy of this node is its cold model: a keyframe next
+        if rejoins:
+            log.warning("local training diverged: took the mean of %d neighbours' models (%s) instead of this "
+                        "node's", len(warm), ", ".join(warm))
+            return {s: got[s] for s in warm}, {"adopted": warm, "cold_start": "diverged"}
         log.info("cold start: no deployed model fits this run; took the mean of %d warm neighbours' models "
                  "(%s)", len(warm), ", ".join(warm))
         return {s: got[s] for s in warm}, {"adopted": warm, "cold_start": "adopted"}
