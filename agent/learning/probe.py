@@ -32,6 +32,8 @@ STEPS = 200
 LR, MOMENTUM = 0.05, 0.9
 #: windows per forward pass when computing the features
 BATCH = 256
+#: most windows the fit uses (a seeded sample of a larger store): bounds its memory, N x F floats
+MAX_SAMPLES = 4096
 
 
 @dataclass
@@ -114,7 +116,8 @@ def linear_probe(model: nn.Module, x: np.ndarray, y: np.ndarray, always: bool = 
 
     Args:
         model: a classifier whose logits ``(N, K)`` are its last ``nn.Linear``'s output.
-        x: inputs ``(N, *input_shape)`` float32 (the device's training split).
+        x: inputs ``(N, *input_shape)`` float32 (the device's training split); of more
+            than :data:`MAX_SAMPLES` windows, a seeded sample of that many is used.
         y: integer labels ``(N,)`` in ``[0, K)``.
         always: fit even when the model predicts every class of the data.
 
@@ -133,6 +136,9 @@ def linear_probe(model: nn.Module, x: np.ndarray, y: np.ndarray, always: bool = 
         return ProbeResult(record={"skipped": "the labels are not class indices of the output layer"})
     if len(np.unique(y)) < 2:
         return ProbeResult(record={"skipped": "the data hold fewer than two classes"})
+    if len(y) > MAX_SAMPLES:
+        keep = np.sort(np.random.default_rng(0).choice(len(y), MAX_SAMPLES, replace=False))
+        x, y = x[keep], y[keep]
     h, preds = _features(model, layer, x)
     if preds is None:
         return ProbeResult(record={"skipped": "the model's output is not its last linear layer's"})

@@ -18,10 +18,11 @@ A run that started from a deployed model ramps its learning rates up over its fi
 2017, section 2.2): its first local steps, on data the deployed model may never have seen,
 do not throw away what that model knew.  Round records show the factor as ``lr_scale``.
 
-Before round 1 it also fits the deployed model's output layer to the device's store on the
+When the store holds a class the deployed model predicts for none of its windows (one it
+never learnt), the run first fits the deployed model's output layer to the store on the
 model's frozen features (``training.warm_start_probe``; :func:`probe_output_layer`, linear
-probing then fine-tuning, Kumar et al. 2022): a store that gained classes the deployed model
-never saw then costs the first round no accuracy.  What the fit did is the start's
+probing then fine-tuning, Kumar et al. 2022), so that the new class costs the first round
+less accuracy (``bench/warm_start/results/ramp.md``).  What the fit did is the start's
 ``probe`` and the first round record's ``linear_probe``.
 """
 
@@ -94,19 +95,26 @@ def probe_output_layer(algorithm: Any, state: dict[str, Any]) -> dict[str, Any]:
     outside DP-SGD's accountant.
 
     Returns:
-        The probe's record: ``{"layer", "samples", "loss_before", "loss_after"}``, or
-        ``{"skipped": why}`` (also with the losses when the fit did not lower them).
+        The probe's record (:attr:`dfl_agent.learning.probe.ProbeResult.record`):
+        ``{"layer", "samples", "unlearned", "loss_before", "loss_after", "step"}``, or
+        ``{"skipped": why}``.
     """
     from dfl_agent.learning.probe import linear_probe
 
     if algorithm.private():
         return {"skipped": "privacy.dp: the fit would use the data outside the privacy accountant"}
     data = algorithm.ctx.data
-    result = linear_probe(algorithm.deployable_model(), data.train_x, data.train_y)
-    if result.state and not set(result.state) <= set(state):
-        return {"skipped": "the output layer is not among the deployed model's tensors"}
+    try:
+        result = linear_probe(algorithm.deployable_model(), data.train_x, data.train_y)
+        if result.state and not set(result.state) <= set(state):
+            return {"skipped": "the output layer is not among the deployed model's tensors"}
+        if result.state:
+            algorithm.warm_start({**state, **result.state})
+    except Exception as exc:  # never fail a run over the fit: it starts from the deployed model as it is
+        algorithm.warm_start(state)
+        log.warning("warm start: the output layer was not fitted: %s: %s", type(exc).__name__, exc)
+        return {"skipped": f"the fit failed: {type(exc).__name__}: {exc}"}
     if result.state:
-        algorithm.warm_start({**state, **result.state})
         r = result.record
         log.info("warm start: fitted the output layer %s to %d windows of the store (cross-entropy %.3f -> %.3f)",
                  r["layer"], r["samples"], r["loss_before"], r["loss_after"])

@@ -129,3 +129,25 @@ def test_warm_start_probe_config():
     assert config_from_dict({**base, "training": {"warm_start_probe": False}}).training.warm_start_probe is False
     with pytest.raises(ConfigError, match="training.warm_start_probe"):
         config_from_dict({**base, "training": {"warm_start_probe": "yes"}})
+
+
+def test_a_failing_fit_never_fails_the_run_and_a_large_store_is_sampled(tmp_path, monkeypatch, caplog):
+    from dfl_agent.learning import probe
+    from dfl_agent.runtime.warm_start import warm_start
+
+    node = _node("local")
+    algo = node.algorithm
+    deployed = _other_weights(algo.model)
+    _deploy(tmp_path, deployed, node.ctx.model_spec, node)
+
+    def broken(*a, **kw):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(probe, "linear_probe", broken)
+    with caplog.at_level("WARNING", logger="dfl_agent.daemon"):
+        start = warm_start(algo, tmp_path, "deployed")
+    assert start["started_from"] is not None and start["probe"] == {"skipped": "the fit failed: RuntimeError: out of memory"}
+    assert _same(_flat(algo.model), _flat(deployed)) and "the output layer was not fitted" in caplog.text
+    monkeypatch.undo()
+    monkeypatch.setattr(probe, "MAX_SAMPLES", 50)
+    assert warm_start(algo, tmp_path, "deployed")["probe"]["samples"] == 50 < len(node.ctx.data.train_y)
