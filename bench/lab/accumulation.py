@@ -115,7 +115,8 @@ def device_rows(state: Path, tolerance: float, share: float = 0.2) -> tuple[list
             continue  # declined or never trained here
         row: dict[str, Any] = {"run": rid, "init": first.get("init"), "first_round_accuracy": first["local_accuracy"],
                                "deployed": mans.get(rid, {}).get("version"),
-                               "deployed_accuracy": mans.get(rid, {}).get("accuracy")}
+                               "deployed_accuracy": mans.get(rid, {}).get("accuracy"),
+                               "linear_probe": first.get("linear_probe")}  # the warm start's fit, when recorded
         src = mans.get(rid, {}).get("started_from")
         if src is None and first.get("init") == "deployed":
             src = first.get("started_from")
@@ -136,7 +137,7 @@ def device_rows(state: Path, tolerance: float, share: float = 0.2) -> tuple[list
     deployed = [r for r in rows if r["deployed_accuracy"] is not None]
     summary = {"first_deployed": deployed[0]["deployed_accuracy"] if deployed else None,
                "last_deployed": deployed[-1]["deployed_accuracy"] if deployed else None,
-               "runs": len(rows)}
+               "run_count": len(rows)}
     if len(deployed) >= 2:
         first, last = deployed[0]["deployed_accuracy"], deployed[-1]["deployed_accuracy"]
         final = final_slice_accuracy(state, [deployed[0]["deployed"], deployed[-1]["deployed"]], share)
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for dev in devices:
         rows, summary = device_rows(dev / "state", a.tolerance, a.validation_share)
-        out["devices"][dev.name] = {"runs": rows, **summary}
+        out["devices"][dev.name] = {**summary, "runs": rows}
         for r in rows:
             src = f"v{r['started_from']} ({r['started_from_accuracy']:.4f})" if "started_from" in r else "-"
             dep = f"v{r['deployed']} ({r['deployed_accuracy']:.4f})" if r["deployed"] is not None else "kept"
