@@ -111,8 +111,7 @@ def linear_probe(model: nn.Module, x: np.ndarray, y: np.ndarray, always: bool = 
 
     Only for unlearned classes, because each device fits the layer to its own data: the fitted
     layers of a federation's devices differ, and their first average can cost a device
-    accuracy where the common deployed layer was already right (``bench/warm_start``: 6.5
-    points on one device of 24 when the data had not changed).
+    accuracy where the common deployed layer was already right.
 
     Args:
         model: a classifier whose logits ``(N, K)`` are its last ``nn.Linear``'s output.
