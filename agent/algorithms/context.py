@@ -168,11 +168,12 @@ class NodeContext(Protocol):
         """Drop a received message that the algorithm found invalid, and count it."""
         ...
 
-    def note_diverged(self, step: str, detail: str) -> None:
+    def note_diverged(self, step: str, detail: str, what: str = "left non-finite parameters") -> None:
         """An aggregation, mutual-learning or transfer ``step`` left a non-finite model
         (``detail``: the first non-finite tensor), which the algorithm restored
-        (:meth:`dfl_agent.algorithms.base.Algorithm.divergence_guard`): count it as
-        ``diverged`` and log it at WARNING, at most once per round."""
+        (:meth:`dfl_agent.algorithms.base.Algorithm.divergence_guard`), or local training
+        blew up (``what``): count it as ``diverged`` and log it at WARNING, at most once
+        per round."""
         ...
 
     async def end_round(self, round: int, **info: Any) -> None:

@@ -57,6 +57,9 @@ DEFAULT_LR = 0.05
 #: The Adam algorithms' (``fedd2s``, ``fedper``, ``local_adam``) learning rate when neither
 #: their ``adam_lr`` option nor ``training.lr`` is set: seed 002's baselines use 0.01.
 DEFAULT_ADAM_LR = 0.01
+#: a round of local training whose mini-batch loss exceeds this multiple of its first
+#: batch's loss (at least ln K) has blown up (:class:`TrainConfig`.divergence_factor)
+DEFAULT_DIVERGENCE_FACTOR = 10.0
 #: Optimizers :func:`make_optimizer` builds.
 OPTIMIZERS = ("sgd", "adam")
 
@@ -146,6 +149,12 @@ class TrainConfig:
             Pascanu et al. 2013, section 3.2): one batch that the model fits badly cannot
             throw it far.  0: off (the papers' training).  Not under ``dp``, whose
             per-sample clipping bounds every step already.
+        divergence_factor: :func:`train_local` stops and undoes a round whose mini-batch
+            loss exceeds this multiple of the reference ``max(first batch's loss, ln K)``
+            (K: the model's outputs; ln K is the cross-entropy of a uniform guess), and
+            reports it ``diverged``, as it does a non-finite loss: a finite blow-up
+            (losses of 10^1-10^3 where the round began below 1) is stopped before the
+            model is sent.  0: only a non-finite loss or model counts.  Not under ``dp``.
         lr_scale: this round's factor on every learning rate, in (0, 1]: the learning-rate
             ramp of a run started from the deployed model (:func:`ramped`).  ``lr`` already
             includes it; the rates an algorithm chooses itself (Adam's, Def-KT's
@@ -163,6 +172,7 @@ class TrainConfig:
     dp: DPTraining | None = None
     lr_scale: float = 1.0
     clip_grad_norm: float = 0.0
+    divergence_factor: float = DEFAULT_DIVERGENCE_FACTOR
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size"):
@@ -178,6 +188,8 @@ class TrainConfig:
             raise ValueError(f"training.weight_decay must be >= 0, got {self.weight_decay!r}")
         if not self.clip_grad_norm >= 0:
             raise ValueError(f"training.clip_grad_norm must be >= 0, got {self.clip_grad_norm!r}")
+        if not (self.divergence_factor == 0 or self.divergence_factor > 1):
+            raise ValueError(f"training.divergence_factor must be 0 (off) or > 1, got {self.divergence_factor!r}")
         if not 0 < self.lr_scale <= 1:
             raise ValueError(f"lr_scale must be in (0, 1], got {self.lr_scale!r}")
 
@@ -255,8 +267,11 @@ def train_local(
         "diverged": 0.0 or 1.0}``, and under DP ``"dp_steps"``: the DP steps taken.  When
         training produced non-finite parameters, or a batch's loss was not finite (the
         training stops there: no step on its gradient), the model is restored to its state
-        before the call, ``diverged`` is 1 and ``loss`` NaN in the second case.  The
-        runtime counts a diverged call (``diverged`` in the round record and the status).
+        before the call, ``diverged`` is 1 and ``loss`` NaN in the second case.  So is a
+        round whose mini-batch loss exceeded ``cfg.divergence_factor`` times
+        ``max(first batch's loss, ln K)`` (a finite blow-up): it stops at that batch, no
+        step on it, and the result has ``"exploded"``: that batch's loss.  The runtime
+        counts a diverged call (``diverged`` in the round record and the status).
 
     Raises:
         ValueError: ``x`` and ``y`` lengths differ or the split is empty.
@@ -282,14 +297,16 @@ def train_local(
     total, count, samples = 0.0, 0, 0
     amp, kind, dtype = autocast_for(device, getattr(cfg, "mixed_precision", False))
     scaler = torch.amp.GradScaler(kind) if amp else None
-    non_finite = False
+    non_finite = exploded = False
+    limit = math.inf  # the blow-up limit, set by the first batch (TrainConfig.divergence_factor)
     for idx in round_batches(len(x), cfg, rng):
         _check_abort()
         bi = torch.from_numpy(idx)
         xb, yb = xt[bi].to(device), yt[bi].to(device)
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device_type=kind, dtype=dtype, enabled=amp):
-            loss = (loss_fn or F.cross_entropy)(model(xb).float(), yb)
+            logits = model(xb).float()
+            loss = (loss_fn or F.cross_entropy)(logits, yb)
         if regularizer is not None:
             loss = loss + regularizer(model)
         value = float(loss.detach())
@@ -297,6 +314,12 @@ def train_local(
             # the model blew up (overflowing logits): no step on a NaN gradient; the round's
             # training is undone below (the gradient scaler handles overflow under autocast)
             non_finite = True
+            break
+        if count == 0 and cfg.divergence_factor > 0 and math.isfinite(value):
+            limit = cfg.divergence_factor * max(value, math.log(max(int(logits.shape[-1]), 2)))
+        elif value > limit and math.isfinite(value):  # a finite blow-up: undone below, as a non-finite one
+            exploded = True
+            total, count = total + value, count + 1
             break
         if scaler is not None:
             scaler.scale(loss).backward()
@@ -313,9 +336,12 @@ def train_local(
         total += value
         count += 1
         samples += len(idx)
-    diverged = restore_if_diverged(model, before, force=non_finite)
-    return {"loss": total / max(count, 1) if not non_finite else math.nan, "samples": float(samples),
-            "diverged": float(diverged)}
+    diverged = restore_if_diverged(model, before, force=non_finite or exploded)
+    stats = {"loss": total / max(count, 1) if not non_finite else math.nan, "samples": float(samples),
+             "diverged": float(diverged)}
+    if exploded:
+        stats["exploded"] = value
+    return stats
 
 
 #: the runtime counts a call of these that returned ``diverged`` (they restore the model themselves)

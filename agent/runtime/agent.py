@@ -201,7 +201,8 @@ class Agent(RunMembers):
         t = cfg.training
         train = TrainConfig(epochs=t.epochs, steps=t.steps, batch_size=behaviour.batch_size, momentum=t.momentum,
                             lr=DEFAULT_LR if t.lr is None else t.lr, lr_is_set=t.lr is not None, weight_decay=t.weight_decay,
-                            mixed_precision=behaviour.mixed_precision, clip_grad_norm=t.clip_grad_norm)
+                            mixed_precision=behaviour.mixed_precision, clip_grad_norm=t.clip_grad_norm,
+                            divergence_factor=t.divergence_factor)
         train = with_privacy(cfg, profile, algo_cls.name, options, data.num_train, train, self.run_dir)  # privacy.dp
         log.info("node %s of federation %s: %s, %d train / %d val samples (users %s), model %s",
                  nid, cfg.federation, algo_cls.name, data.num_train, len(data.val_y), data.groups, spec["type"])
@@ -293,8 +294,7 @@ class Agent(RunMembers):
             gate=ResourceGate(profile.limits, profile.training.windows, psutil_mod=self.psutil),
             gate_poll=profile.limits.poll_interval_s, pause_when_disconnected=cfg.runtime.pause_when_disconnected,
             max_catch_up_rounds=cfg.runtime.max_catch_up_rounds, final_round=cfg.algorithm.rounds,
-            persistent_state=persistent,
-        )
+            persistent_state=persistent)
         self.ctx = node.ctx
         node.ctx.alone_waits = self._alone_waits  # no racing ahead alone while members are away
         node.needs_peers = lambda: cfg.discovery.min_peers > 0 or bool(self.members)  # else alone is no failure
@@ -377,8 +377,8 @@ class Agent(RunMembers):
         node, rounds, cfg, t = self.node, self.cfg.algorithm.rounds, self.cfg, self.cfg.training
         await node.setup()
         start_round = self._resume(spec_hash(spec))  # operations: crash-safe state
-        self.start = node.run_start = begin_run(node.algorithm, self.state_dir, self.run_dir,  # warm start
-                                                cfg.runtime.run_init, start_round > 1, t.warm_start_probe, t.warm_start_ramp)
+        self.start = node.run_start = begin_run(node.algorithm, self.state_dir, self.run_dir, cfg.runtime.run_init,
+                                                start_round > 1, t.warm_start_probe, t.warm_start_ramp)  # warm start
         self.members |= self._load_members(resumed=start_round > 1)
         await node.publish_status()
         if (watchdog := self._start_systemd()) is not None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import weakref
 from collections.abc import Callable
@@ -143,8 +144,8 @@ class BatchTrainer:
             return None
         if dev != "cpu" and cfg.mixed_precision:
             return None  # autocast + gradient scaling: train_local's per-node loop does it
-        if getattr(cfg, "dp", None) is not None:
-            return None  # DP-SGD (Poisson batches, per-sample clipping, noise): the per-node loop
+        if getattr(cfg, "dp", None) is not None or cfg.clip_grad_norm > 0:
+            return None  # DP-SGD (Poisson batches, per-sample clipping, noise), gradient clipping: the per-node loop
         if self._arch_key(model) is None:
             return None
         if dev != "cpu":
@@ -276,7 +277,11 @@ def train_group(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
     Returns:
         per member, ``train_local``'s result: ``{"loss": mean batch loss, "samples",
         "diverged"}``; a member whose parameters became non-finite keeps its old ones
-        (``diverged`` = 1), as in ``train_local``.
+        (``diverged`` = 1), as in ``train_local``, and so does a member whose mini-batch
+        loss exceeded ``cfg.divergence_factor`` times ``max(its first batch's loss, ln K)``
+        (its result then has ``"exploded"`` and counts the batches up to that one, as
+        ``train_local``'s, which stops there; here the group's step goes on, and the member's
+        later steps are discarded).
 
     The update is :func:`dfl_agent.learning.training.sgd_step` on the stacked parameters,
     which equals ``torch.optim.SGD`` (no dampening, no Nesterov) for each member.
@@ -312,6 +317,7 @@ def train_group(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
     n_steps = len(members[0][3])
     bufs: dict[str, torch.Tensor] = {}
     losses = torch.zeros(g, dtype=torch.float64, device=dev)
+    watch = _BlowUpWatch(cfg.divergence_factor, base, xs, n_steps)
     for s in range(n_steps):
         idx = [b[3][s] for b in members]
         width = max(len(i) for i in idx)
@@ -324,9 +330,45 @@ def train_group(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
             lengths = torch.tensor([len(i) for i in idx], device=dev).unsqueeze(1)
             mask = (torch.arange(width, device=dev).unsqueeze(0) < lengths).float()
             grads, loss = masked_step(stacked, xs[rows, cols], ys[rows, cols], mask)
-        losses += loss.detach().double()
+        losses += watch.step(s, loss.detach().double())
         sgd_step(stacked, grads, bufs, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    return _write_back(members, member_params, stacked, names, losses, n_steps)
+    return _write_back(members, member_params, stacked, names, losses, watch)
+
+
+class _BlowUpWatch:
+    """:func:`train_group`'s check of ``TrainConfig.divergence_factor``, as ``train_local``
+    does it per node: the first step sets each member's limit (the factor times ``max(first
+    batch's loss, ln K)``); a member whose loss exceeds it has blown up at that step."""
+
+    def __init__(self, factor: float, base: Any, xs: Any, n_steps: int):
+        import torch
+
+        g = xs.shape[0]
+        self.factor, self.dev = factor, xs.device
+        self.blown = torch.zeros(g, dtype=torch.bool, device=self.dev)
+        self.value = torch.zeros(g, dtype=torch.float64, device=self.dev)  # the loss that blew up
+        self.steps = torch.full((g,), n_steps, dtype=torch.float64, device=self.dev)  # the steps counted
+        self.limit = torch.full((g,), math.inf, dtype=torch.float64, device=self.dev)
+        if factor > 0:
+            with torch.no_grad():
+                self.floor = math.log(max(int(base(xs[0, :1]).shape[-1]), 2))  # ln K: a uniform guess's loss
+
+    def step(self, s: int, loss: Any) -> Any:
+        """Record step ``s``'s ``(G,)`` losses; returns the part to add to each member's sum
+        (0 for a member that blew up before this step)."""
+        import torch
+
+        if self.factor <= 0:
+            return loss
+        if s == 0:
+            self.limit = self.factor * torch.clamp(loss, min=self.floor)
+            return loss
+        counted = torch.where(self.blown, torch.zeros_like(loss), loss)
+        now = ~self.blown & torch.isfinite(loss) & (loss > self.limit)
+        self.value = torch.where(now, loss, self.value)
+        self.steps = torch.where(now, torch.full_like(loss, s + 1), self.steps)
+        self.blown |= now
+        return counted
 
 
 def _stack_data(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray]]], dev: Any) -> tuple[Any, Any]:
@@ -347,10 +389,10 @@ def _stack_data(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
 
 
 def _write_back(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray]]], member_params: list[dict],
-                stacked: dict[str, Any], names: list[str], losses: Any, n_steps: int) -> list[dict[str, float]]:
+                stacked: dict[str, Any], names: list[str], losses: Any, watch: _BlowUpWatch) -> list[dict[str, float]]:
     """Copy each member's trained parameters (row i of ``stacked``) back into its model,
-    unless they are non-finite (then the model keeps its old ones, ``diverged`` = 1), and
-    return :func:`train_group`'s per-member results."""
+    unless they are non-finite or its loss blew up (then the model keeps its old ones,
+    ``diverged`` = 1), and return :func:`train_group`'s per-member results."""
     import torch
 
     out = []
@@ -359,16 +401,22 @@ def _write_back(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
         finite = torch.ones(len(members), dtype=torch.bool, device=dev)
         for n in names:
             finite &= torch.isfinite(stacked[n].reshape(len(members), -1)).all(dim=1)
-        finite_l, losses_l = finite.cpu().tolist(), losses.cpu().tolist()  # one transfer, not G
+        # one transfer each, not G
+        finite_l, losses_l, blown_l = finite.cpu().tolist(), losses.cpu().tolist(), watch.blown.cpu().tolist()
+        steps_l, value_l = watch.steps.cpu().tolist(), watch.value.cpu().tolist()
         for i, (_m, _x, _, batches) in enumerate(members):
-            ok = bool(finite_l[i])
+            ok = bool(finite_l[i]) and not blown_l[i]
             if ok:
                 params = member_params[i]
                 for n in names:
                     params[n].copy_(stacked[n][i])
-            samples = sum(len(b) for b in batches)
-            out.append({"loss": float(losses_l[i]) / max(n_steps, 1), "samples": float(samples),
-                        "diverged": 0.0 if ok else 1.0})
+            steps = int(steps_l[i])
+            samples = sum(len(b) for b in batches[:steps - 1 if blown_l[i] else steps])
+            result = {"loss": float(losses_l[i]) / max(steps, 1), "samples": float(samples),
+                      "diverged": 0.0 if ok else 1.0}
+            if blown_l[i]:
+                result["exploded"] = float(value_l[i])
+            out.append(result)
     return out
 
 

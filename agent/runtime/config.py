@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dfl_agent.learning.training import DEFAULT_ADAM_LR, DEFAULT_LR
+from dfl_agent.learning.training import DEFAULT_ADAM_LR, DEFAULT_DIVERGENCE_FACTOR, DEFAULT_LR
 from dfl_agent.privacy.config import PrivacySection, merge_privacy, section_table
 from dfl_agent.privacy.policy import parse_checked
 from dfl_agent.tomlcheck import build
@@ -40,9 +40,7 @@ def described(default: Any = dataclasses.MISSING, *, help: str, default_factory:
     from them.  ``default_text`` replaces the shown default where the literal default
     is a placeholder (e.g. ``None`` meaning "from the device profile").
     """
-    meta: dict[str, Any] = {"help": help}
-    if default_text is not None:
-        meta["default_text"] = default_text
+    meta: dict[str, Any] = {"help": help} if default_text is None else {"help": help, "default_text": default_text}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -89,6 +87,9 @@ class TrainingSection:
     warm_start_probe: bool = described(True, help="a warm-started run first fits the output layer to the store (linear probe)")
     clip_grad_norm: float = described(0.0, help="clip each SGD step of local training to this gradient L2 norm (0: off; "
                                       "not DFML's mutual learning, Def-KT's transfer or the Adam algorithms)")
+    divergence_factor: float = described(
+        DEFAULT_DIVERGENCE_FACTOR, help="undo a round of local SGD whose batch loss exceeds this multiple of "
+        "max(its first batch's, ln K), counted as diverged (0: only a non-finite loss or model)")
     device: str | None = described(None, help="`cpu`, `auto` or `cuda[:N]`", default_text="from the profile (`cpu`)")
     threads: int | None = described(None, help="torch intra-op threads", default_text="from the profile (1)")
 
@@ -371,6 +372,7 @@ def _validate_training(cfg: NodeConfig) -> None:
     _need(0 <= t.momentum < 1, "training.momentum", "must be in [0, 1)")
     _need(t.weight_decay >= 0, "training.weight_decay", "must be >= 0")
     _need(t.clip_grad_norm >= 0, "training.clip_grad_norm", "must be >= 0 (0: off)")
+    _need(t.divergence_factor == 0 or t.divergence_factor > 1, "training.divergence_factor", "must be 0 (off) or > 1")
     _need(isinstance(t.warm_start_ramp, int) and t.warm_start_ramp >= 0, "training.warm_start_ramp", "must be >= 0")
     _need(t.threads is None or t.threads >= 1, "training.threads", "must be >= 1")
     _need(t.device is None or t.device in ("cpu", "auto") or re.fullmatch(r"cuda(:\d+)?", t.device) is not None,

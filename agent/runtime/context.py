@@ -490,7 +490,11 @@ class RuntimeContext:
         result = await self.gate_part.compute(fn, *args, **kwargs)
         # local training undoes a round that blew up itself (train_local, train_adam): count it
         if getattr(fn, "restores_itself", False) and isinstance(result, dict) and result.get("diverged"):
-            self.note_diverged("local training", "a non-finite loss or parameters")
+            if (blown := result.get("exploded")) is None:
+                self.note_diverged("local training", "a non-finite loss or parameters")
+            else:  # a finite blow-up (TrainConfig.divergence_factor)
+                self.note_diverged("local training", f"a mini-batch loss of {blown:.3g}, over "
+                                   f"{self.train.divergence_factor:g} times the round's first", what="blew up")
         return result
 
     async def compute_ungated(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -498,17 +502,18 @@ class RuntimeContext:
         return await self.gate_part.compute_ungated(fn, *args, **kwargs)
 
     # -- rounds and reporting -------------------------------------------------------------
-    def note_diverged(self, step: str, detail: str) -> None:
+    def note_diverged(self, step: str, detail: str, what: str = "left non-finite parameters") -> None:
         """An aggregation, mutual-learning, transfer or local-training step left a non-finite
-        model (or loss), which was restored to its state before the step: count it (``diverged`` in
-        :meth:`counters`, round records and the status) and log a WARNING, at most once
-        per round (further ones that round are counted only)."""
+        model (or loss), or local training's loss blew up (``what``), and the model was restored
+        to its state before the step: count it (``diverged`` in :meth:`counters`, round records
+        and the status) and log a WARNING, at most once per round (further ones that round are
+        counted only)."""
         self.diverged += 1
         if self._diverged_warned != self.current_round:
             self._diverged_warned = self.current_round
-            log.warning("%s: %s step left non-finite parameters (%s); restored the model from before the step "
+            log.warning("%s: %s step %s (%s); restored the model from before the step "
                         "and going on (diverged steps so far: %d; not logged again this round)",
-                        self.node_id, step, detail, self.diverged)
+                        self.node_id, step, what, detail, self.diverged)
 
     async def end_round(self, round: int, **info: Any) -> None:
         self.current_round = round + 1
