@@ -270,8 +270,10 @@ def train_local(
         before the call, ``diverged`` is 1 and ``loss`` NaN in the second case.  So is a
         round whose mini-batch loss exceeded ``cfg.divergence_factor`` times
         ``max(first batch's loss, ln K)`` (a finite blow-up): it stops at that batch, no
-        step on it, and the result has ``"exploded"``: that batch's loss.  The runtime
-        counts a diverged call (``diverged`` in the round record and the status).
+        step on it, and the result has ``"exploded"``: that batch's loss.  After the last
+        step the last batch's loss is computed once more (one forward pass), so that a
+        last step that blew the model up is caught too.  The runtime counts a diverged
+        call (``diverged`` in the round record and the status).
 
     Raises:
         ValueError: ``x`` and ``y`` lengths differ or the split is empty.
@@ -336,6 +338,11 @@ def train_local(
         total += value
         count += 1
         samples += len(idx)
+    if count and limit < math.inf and not (non_finite or exploded):  # did the last step blow it up?
+        with torch.no_grad(), torch.autocast(device_type=kind, dtype=dtype, enabled=amp):
+            after = float((loss_fn or F.cross_entropy)(model(xb).float(), yb))
+        if not after <= limit:  # above it, or not finite
+            exploded, value = True, after
     diverged = restore_if_diverged(model, before, force=non_finite or exploded)
     stats = {"loss": total / max(count, 1) if not non_finite else math.nan, "samples": float(samples),
              "diverged": float(diverged)}

@@ -281,7 +281,7 @@ def train_group(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
         loss exceeded ``cfg.divergence_factor`` times ``max(its first batch's loss, ln K)``
         (its result then has ``"exploded"`` and counts the batches up to that one, as
         ``train_local``'s, which stops there; here the group's step goes on, and the member's
-        later steps are discarded).
+        later steps are discarded), or whose last batch's loss after the last step did.
 
     The update is :func:`dfl_agent.learning.training.sgd_step` on the stacked parameters,
     which equals ``torch.optim.SGD`` (no dampening, no Nesterov) for each member.
@@ -311,6 +311,7 @@ def train_group(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
 
     step = vmap(grad_and_value(loss_of))
     masked_step = vmap(grad_and_value(masked_loss_of))
+    last: tuple[Any, ...] = ()
     g = len(members)
     xs, ys = _stack_data(members, dev)
     rows = torch.arange(g, device=dev).unsqueeze(1)
@@ -323,15 +324,20 @@ def train_group(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
         width = max(len(i) for i in idx)
         if all(len(i) == width for i in idx):
             cols = torch.from_numpy(np.stack(idx).astype(np.int64, copy=False)).to(dev)
-            grads, loss = step(stacked, xs[rows, cols], ys[rows, cols])
+            last = (loss_of, xs[rows, cols], ys[rows, cols])
+            grads, loss = step(stacked, *last[1:])
         else:  # pad every member's batch with its first sample, masked out of the loss
             cols = torch.from_numpy(np.stack([np.concatenate([i, np.full(width - len(i), i[0])])
                                               for i in idx]).astype(np.int64, copy=False)).to(dev)
             lengths = torch.tensor([len(i) for i in idx], device=dev).unsqueeze(1)
             mask = (torch.arange(width, device=dev).unsqueeze(0) < lengths).float()
-            grads, loss = masked_step(stacked, xs[rows, cols], ys[rows, cols], mask)
+            last = (masked_loss_of, xs[rows, cols], ys[rows, cols], mask)
+            grads, loss = masked_step(stacked, *last[1:])
         losses += watch.step(s, loss.detach().double())
         sgd_step(stacked, grads, bufs, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if last and watch.factor > 0:  # the last batch once more: did the last step blow a model up?
+        with torch.no_grad():
+            watch.after(vmap(last[0])(stacked, *last[1:]).double())
     return _write_back(members, member_params, stacked, names, losses, watch)
 
 
@@ -347,7 +353,8 @@ class _BlowUpWatch:
         self.factor, self.dev = factor, xs.device
         self.blown = torch.zeros(g, dtype=torch.bool, device=self.dev)
         self.value = torch.zeros(g, dtype=torch.float64, device=self.dev)  # the loss that blew up
-        self.steps = torch.full((g,), n_steps, dtype=torch.float64, device=self.dev)  # the steps counted
+        self.steps = torch.full((g,), n_steps, dtype=torch.float64, device=self.dev)  # the losses counted
+        self.trained = self.steps.clone()  # the batches trained on (``samples``)
         self.limit = torch.full((g,), math.inf, dtype=torch.float64, device=self.dev)
         if factor > 0:
             with torch.no_grad():
@@ -367,8 +374,18 @@ class _BlowUpWatch:
         now = ~self.blown & torch.isfinite(loss) & (loss > self.limit)
         self.value = torch.where(now, loss, self.value)
         self.steps = torch.where(now, torch.full_like(loss, s + 1), self.steps)
+        self.trained = torch.where(now, torch.full_like(loss, s), self.trained)
         self.blown |= now
         return counted
+
+    def after(self, loss: Any) -> None:
+        """The ``(G,)`` losses of the last batch after the last step: a member above its
+        limit (or not finite) blew up in that step."""
+        import torch
+
+        now = ~self.blown & ~(loss <= self.limit)
+        self.value = torch.where(now, loss, self.value)
+        self.blown |= now
 
 
 def _stack_data(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray]]], dev: Any) -> tuple[Any, Any]:
@@ -403,7 +420,7 @@ def _write_back(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
             finite &= torch.isfinite(stacked[n].reshape(len(members), -1)).all(dim=1)
         # one transfer each, not G
         finite_l, losses_l, blown_l = finite.cpu().tolist(), losses.cpu().tolist(), watch.blown.cpu().tolist()
-        steps_l, value_l = watch.steps.cpu().tolist(), watch.value.cpu().tolist()
+        steps_l, value_l, trained_l = watch.steps.cpu().tolist(), watch.value.cpu().tolist(), watch.trained.cpu().tolist()
         for i, (_m, _x, _, batches) in enumerate(members):
             ok = bool(finite_l[i]) and not blown_l[i]
             if ok:
@@ -411,7 +428,7 @@ def _write_back(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
                 for n in names:
                     params[n].copy_(stacked[n][i])
             steps = int(steps_l[i])
-            samples = sum(len(b) for b in batches[:steps - 1 if blown_l[i] else steps])
+            samples = sum(len(b) for b in batches[:int(trained_l[i])])
             result = {"loss": float(losses_l[i]) / max(steps, 1), "samples": float(samples),
                       "diverged": 0.0 if ok else 1.0}
             if blown_l[i]:

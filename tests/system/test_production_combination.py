@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,39 @@ def run_broker(d: Path, port: int) -> subprocess.Popen:
     return proc
 
 
+def start_agents(procs: list[subprocess.Popen], d: Path, port: int, passwords: dict[str, str], rounds: int,
+                 extra: Callable[[str], dict]) -> None:
+    """Start one ``dfl-agent run --once`` per node of :data:`IDS` in the production
+    configuration: a fresh federation key with signatures required, the shipped default
+    compression, TLS with the node's password against :func:`_tls_broker`'s broker, fedavg
+    with the default ``quorum``; ``extra(nid)`` adds or replaces sections (e.g. ``training``).
+    Each process is appended to ``procs`` as it starts (for :func:`stop_all`)."""
+    fed = "prod-" + str(int(time.time() * 1000) % 100000)
+    fed_key = Ed25519PrivateKey.generate()
+    for i, nid in enumerate(IDS):
+        state = d / nid
+        enroll_local(fed_key, fed, nid, state)
+        cfg = config_from_dict({
+            "federation": fed, "node_id": nid, "state_dir": str(state),
+            "algorithm": {"name": "fedavg", "rounds": rounds, "options": {"round_timeout": 60.0}},
+            # the HAR default model on a small iid share (~200 windows each)
+            "data": {"dataset": "har", "partition": "iid", "num_nodes": 30, "node_index": i},
+            # no [compression] section: the shipped default (auto: q4+zstd gossip, error feedback on)
+            "mqtt": {"broker": f"127.0.0.1:{port}", "tls_ca": str(d / "ca.crt"),
+                     "username": nid, "password": passwords[nid], "heartbeat_interval": 1.0},
+            "discovery": {"min_peers": len(IDS) - 1, "start_timeout": 90.0, "mdns": True,
+                          "interfaces": ["127.0.0.1"]},
+            "security": {"require_signatures": True, "federation_key": public_key_b64(fed_key)},
+            "runtime": {"checkpoint": False, "eval_every": rounds, "metrics_file": str(d / f"{nid}.jsonl")},
+            **extra(nid),
+        })
+        path = d / f"{nid}.toml"
+        path.write_text(dump_toml(cfg))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
+            stdout=open(d / f"{nid}.log", "w"), stderr=subprocess.STDOUT))
+
+
 @needs_mosquitto
 @pytest.mark.parametrize("dp", [False, True], ids=["plain", "dp"])
 def test_signed_compressed_updates_over_tls_are_aggregated_on_every_node(tmp_path, dp):
@@ -101,35 +135,12 @@ def test_signed_compressed_updates_over_tls_are_aggregated_on_every_node(tmp_pat
         pytest.importorskip("opacus")
     if mosquitto_path() is None:
         pytest.skip("mosquitto is not installed")
-    fed = "prod-" + str(int(time.time() * 1000) % 100000)
-    fed_key = Ed25519PrivateKey.generate()
     broker, port, passwords = _tls_broker(tmp_path)
-    procs = []
+    procs: list[subprocess.Popen] = []
     try:
-        for i, nid in enumerate(IDS):
-            state = tmp_path / nid
-            enroll_local(fed_key, fed, nid, state)
-            cfg = config_from_dict({
-                "federation": fed, "node_id": nid, "state_dir": str(state),
-                "algorithm": {"name": "fedavg", "rounds": ROUNDS, "options": {"round_timeout": 60.0}},
-                # the HAR default model on a small iid share (~200 windows each)
-                "data": {"dataset": "har", "partition": "iid", "num_nodes": 30, "node_index": i},
-                "training": {"steps": 2},
-                # no [compression] section: the shipped default (auto: q4+zstd gossip, error feedback on)
-                "mqtt": {"broker": f"127.0.0.1:{port}", "tls_ca": str(tmp_path / "ca.crt"),
-                         "username": nid, "password": passwords[nid], "heartbeat_interval": 1.0},
-                "discovery": {"min_peers": len(IDS) - 1, "start_timeout": 90.0, "mdns": True,
-                              "interfaces": ["127.0.0.1"]},
-                "security": {"require_signatures": True, "federation_key": public_key_b64(fed_key)},
-                "runtime": {"checkpoint": False, "eval_every": ROUNDS,
-                            "metrics_file": str(tmp_path / f"{nid}.jsonl")},
-                **({"privacy": {"dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0}}} if dp else {}),
-            })
-            path = tmp_path / f"{nid}.toml"
-            path.write_text(dump_toml(cfg))
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
-                stdout=open(tmp_path / f"{nid}.log", "w"), stderr=subprocess.STDOUT))
+        start_agents(procs, tmp_path, port, passwords, ROUNDS, lambda nid: {
+            "training": {"steps": 2},
+            **({"privacy": {"dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0}}} if dp else {})})
         for nid, p in zip(IDS, procs):
             assert p.wait(timeout=200) == 0, (tmp_path / f"{nid}.log").read_text()[-3000:]
     finally:
@@ -173,3 +184,37 @@ def test_signed_compressed_updates_over_tls_are_aggregated_on_every_node(tmp_pat
         assert "Traceback" not in log
     broker_log = (tmp_path / "broker.log").read_text(errors="replace")
     assert "not authorised" not in broker_log.lower() or "denied" not in broker_log.lower()
+
+
+@needs_mosquitto
+def test_a_device_whose_training_blows_up_rejoins_and_harms_no_neighbour(tmp_path):
+    """In the production configuration, one device (p2) trains at a learning rate of 50: its
+    local training blows up (a finite loss far above its first batch's) in every round.
+    Each such round is undone and counted (``diverged``, a WARNING), p2 re-joins from its
+    neighbours (``cold_start: "diverged"``), its update of that round travels signed and
+    compressed with the ``cold`` flag, and p0 and p1 leave it out (``cold_excluded``); their
+    own training never diverges.  Nothing is dropped as unsigned, forged or undecodable."""
+    if mosquitto_path() is None:
+        pytest.skip("mosquitto is not installed")
+    rounds = 8
+    broker, port, passwords = _tls_broker(tmp_path)
+    procs: list[subprocess.Popen] = []
+    try:
+        start_agents(procs, tmp_path, port, passwords, rounds,
+                     lambda nid: {"training": {"epochs": 1, "lr": 50.0 if nid == "p2" else 0.05}})
+        for nid, p in zip(IDS, procs):
+            assert p.wait(timeout=200) == 0, (tmp_path / f"{nid}.log").read_text()[-3000:]
+    finally:
+        stop_all(procs, broker)
+    recs = {nid: [json.loads(line) for line in (tmp_path / f"{nid}.jsonl").read_text().splitlines()] for nid in IDS}
+    rejoined = [r["round"] for r in recs["p2"] if r.get("cold_start") == "diverged"]
+    assert rejoined and recs["p2"][-1]["diverged"] >= len(rejoined), [(r["round"], r["diverged"]) for r in recs["p2"]]
+    assert "local training step blew up" in (tmp_path / "p2.log").read_text()
+    for nid in ("p0", "p1"):
+        excluded = [r["round"] for r in recs[nid] if "p2" in r.get("cold_excluded", [])]
+        assert excluded, (nid, [r.get("cold_excluded") for r in recs[nid]])
+        assert recs[nid][-1]["diverged"] == 0, nid
+        assert all(r["dropped"] == 0 for r in recs[nid]), nid
+    for nid in IDS:
+        log = (tmp_path / f"{nid}.log").read_text()
+        assert not any(reason in log for reason in BAD) and "Traceback" not in log, nid
