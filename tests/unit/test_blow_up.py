@@ -140,3 +140,20 @@ def test_divergence_factor_config():
             config_from_dict({**base, "training": {"divergence_factor": bad}})
     with pytest.raises(ValueError, match="divergence_factor"):
         TrainConfig(divergence_factor=1.0)
+
+
+def test_a_last_step_that_blows_the_model_up_is_caught():
+    """One SGD step a round (CHOCO-SGD's setting): the only batch sets the limit, and the
+    step that breaks the model is the last.  The last batch's loss after it exceeds the
+    limit, so the round is undone, per node and in the simulator's batched training."""
+    from dfl_agent.learning.training import round_batches
+
+    x, y = _digits()
+    cfg = TrainConfig(steps=1, lr=50.0)
+    for run in (lambda m: train_local(m, x, y, cfg, np.random.default_rng(0)),
+                lambda m: train_group([(m, x, y, round_batches(len(x), cfg, np.random.default_rng(0)))], cfg)[0]):
+        model = _mlp()
+        before = _state(model)
+        out = run(model)
+        assert out["diverged"] == 1.0 and out["exploded"] > 10 * np.log(10) and out["samples"] == 32, out
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
