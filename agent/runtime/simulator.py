@@ -247,6 +247,27 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
     return summary
 
 
+def round_records(cfg: SimConfig, prepare: Callable[[Any], None] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Run ``cfg`` and return every node's round records (what a daemon writes to
+    ``metrics.jsonl``) by node id, in round order.  ``prepare(federation)``, when given,
+    runs once the nodes are built and before round 1; ``federation.nodes[i].algorithm`` is
+    node i's algorithm, for studies that change one node (e.g. its training in one round).
+
+    Raises:
+        as :func:`simulate`.
+    """
+    device = check_device(cfg.device)
+    records: list[dict[str, Any]] = []
+    fed = _assemble(cfg, device, records.append)
+    if prepare is not None:
+        prepare(fed)
+    _run(cfg, fed, device, None)
+    by_node: dict[str, list[dict[str, Any]]] = {}
+    for r in sorted(records, key=lambda r: r["round"]):
+        by_node.setdefault(r["node"], []).append(r)
+    return by_node
+
+
 @dataclasses.dataclass
 class _Federation:
     """The simulated federation, assembled: its nodes and what the summary reports."""

@@ -24,37 +24,30 @@ import statistics
 import torch
 
 from dfl_agent.learning.training import TrainConfig, train_local
-from dfl_agent.runtime.simulator import SimConfig, _assemble, _run
+from dfl_agent.runtime.simulator import SimConfig, round_records
 
 
-def _records(cfg: SimConfig, wild_round: int | None = None) -> dict[str, list[dict]]:
-    records: list[dict] = []
-    fed = _assemble(cfg, "cpu", records.append)
-    if wild_round is not None:
-        node0 = fed.nodes[0].algorithm
-        real, calls = node0._train, [0]
+def _wild_in_round_4(fed) -> None:
+    """node00's local training of round 4 runs at a learning rate of 5."""
+    node0 = fed.nodes[0].algorithm
+    real, calls = node0._train, [0]
 
-        async def wild_train() -> dict:
-            calls[0] += 1
-            if calls[0] != wild_round:
-                return await real()
-            ctx = node0.ctx
-            return await ctx.compute(train_local, node0.model, ctx.data.train_x, ctx.data.train_y,
-                                     dataclasses.replace(ctx.train, lr=5.0), ctx.rng, ctx.device)
+    async def wild_train() -> dict:
+        calls[0] += 1
+        if calls[0] != 4:
+            return await real()
+        ctx = node0.ctx
+        return await ctx.compute(train_local, node0.model, ctx.data.train_x, ctx.data.train_y,
+                                 dataclasses.replace(ctx.train, lr=5.0), ctx.rng, ctx.device)
 
-        node0._train = wild_train
-    _run(cfg, fed, "cpu", None)
-    by: dict[str, list[dict]] = {}
-    for r in sorted(records, key=lambda r: r["round"]):
-        by.setdefault(r["node"], []).append(r)
-    return by
+    node0._train = wild_train
 
 
 def healthy(seed: int, factor: float, rounds: int) -> dict:
     cfg = SimConfig(algorithm="fedavg", nodes=6, rounds=rounds, dataset="har", partition="by-user", seed=seed,
                     straggler="quorum", speeds=[1, 1, 1, 1, 1, 0.2],
                     train=TrainConfig(epochs=4, lr=0.05, divergence_factor=factor))
-    by = _records(cfg)
+    by = round_records(cfg)
     return {"diverged": sum(r.get("diverged", 0) for recs in by.values() for r in recs[-1:]),
             "final": statistics.mean(recs[-1]["global_accuracy"] for recs in by.values()),
             "worst_loss": max(r.get("train_loss") or 0.0 for recs in by.values() for r in recs)}
@@ -64,7 +57,7 @@ def wild(seed: int, factor: float, rounds: int) -> dict:
     cfg = SimConfig(algorithm="fedavg", nodes=4, rounds=rounds, dataset="digits", partition="iid", seed=seed,
                     model_size="small", straggler="quorum", train=TrainConfig(epochs=1, lr=0.05,
                                                                              divergence_factor=factor))
-    by = _records(cfg, wild_round=4)
+    by = round_records(cfg, _wild_in_round_4)
     others = [n for n in by if n != "node00"]
     return {"others_final_min": min(by[n][-1]["global_accuracy"] for n in others),
             "node00_final": by["node00"][-1]["global_accuracy"],

@@ -90,29 +90,26 @@ def _wild_federation(factor: float) -> dict[str, list[dict]]:
     """Four fedavg nodes under ``quorum`` with the default compression and the plain mean;
     node00's local training of round 4 runs at a learning rate of 5 (its loss goes from
     about 2 to 10^1-10^2, finite).  Each node's round records, in round order."""
-    from dfl_agent.runtime.simulator import SimConfig, _assemble, _run
+    from dfl_agent.runtime.simulator import SimConfig, round_records
 
     cfg = SimConfig(algorithm="fedavg", nodes=4, rounds=12, dataset="digits", partition="iid", model_size="small",
                     straggler="quorum", train=TrainConfig(epochs=1, lr=0.05, divergence_factor=factor))
-    records: list[dict] = []
-    fed = _assemble(cfg, "cpu", records.append)
-    node0 = fed.nodes[0].algorithm
-    real, calls = node0._train, [0]
+    return round_records(cfg, lambda fed: _wild_in_round(fed.nodes[0].algorithm, 4))
 
-    async def wild_in_round_4():
+
+def _wild_in_round(algorithm, wild: int) -> None:
+    """Make ``algorithm``'s local training of round ``wild`` run at a learning rate of 5."""
+    real, calls = algorithm._train, [0]
+
+    async def train():
         calls[0] += 1
-        if calls[0] != 4:
+        if calls[0] != wild:
             return await real()
-        ctx = node0.ctx
-        return await ctx.compute(train_local, node0.model, ctx.data.train_x, ctx.data.train_y,
+        ctx = algorithm.ctx
+        return await ctx.compute(train_local, algorithm.model, ctx.data.train_x, ctx.data.train_y,
                                  dataclasses.replace(ctx.train, lr=5.0), ctx.rng, ctx.device)
 
-    node0._train = wild_in_round_4
-    _run(cfg, fed, "cpu", None)
-    by: dict[str, list[dict]] = {}
-    for r in sorted(records, key=lambda r: r["round"]):
-        by.setdefault(r["node"], []).append(r)
-    return by
+    algorithm._train = train
 
 
 def test_the_plain_mean_no_longer_passes_a_blown_up_model_on(caplog):

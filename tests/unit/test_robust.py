@@ -99,29 +99,26 @@ def _blown_up(aggregation: str, compression: str) -> dict[str, list[dict]]:
     round records, in round order."""
     import torch
 
-    from dfl_agent.runtime.simulator import _assemble, _run
+    from dfl_agent.runtime.simulator import round_records
 
     cfg = SimConfig(algorithm="fedavg", nodes=4, rounds=16, dataset="digits", partition="iid", model_size="small",
                     straggler="quorum", compression=compression, options={"aggregation": aggregation},
                     train=TrainConfig(epochs=1, lr=0.05))
-    records: list[dict] = []
-    fed = _assemble(cfg, "cpu", records.append)
-    node0 = fed.nodes[0].algorithm
-    send = node0.send_model
 
-    async def blow_up_then_send(t, extra):
-        if t == 4:
-            with torch.no_grad():
-                for p in node0.model.parameters():
-                    p.mul_(1000.0)
-        return await send(t, extra)
+    def blow_up_node0(fed):
+        node0 = fed.nodes[0].algorithm
+        send = node0.send_model
 
-    node0.send_model = blow_up_then_send
-    _run(cfg, fed, "cpu", None)
-    by_node: dict[str, list[dict]] = {}
-    for r in sorted(records, key=lambda r: r["round"]):
-        by_node.setdefault(r["node"], []).append(r)
-    return by_node
+        async def blow_up_then_send(t, extra):
+            if t == 4:
+                with torch.no_grad():
+                    for p in node0.model.parameters():
+                        p.mul_(1000.0)
+            return await send(t, extra)
+
+        node0.send_model = blow_up_then_send
+
+    return round_records(cfg, blow_up_node0)
 
 
 @pytest.mark.parametrize("compression", ["none", "auto"])
