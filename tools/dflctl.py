@@ -77,7 +77,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         algorithm=a.algorithm, nodes=a.nodes, rounds=a.rounds, dataset=a.dataset, dataset_path=a.dataset_path,
         partition=a.partition, beta=a.beta, zeta=a.zeta, seed=a.seed, out=a.out, options=_kv(a.option),
         train=TrainConfig(epochs=a.epochs, batch_size=a.batch_size, lr=DEFAULT_LR if a.lr is None else a.lr,
-                          lr_is_set=a.lr is not None, momentum=a.momentum, steps=a.steps),
+                          lr_is_set=a.lr is not None, momentum=a.momentum, steps=a.steps,
+                          divergence_factor=a.divergence_factor),
         model_size=a.model_size,
         init=a.init, baseline_local=a.baseline_local, topology=a.topology,
         topology_options=_kv(a.topology_option),
@@ -320,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"SGD learning rate (default {DEFAULT_LR}); given, also the Adam rate of fedd2s, fedper "
                         f"and local_adam (default {DEFAULT_ADAM_LR}) unless their adam_lr option is set")
     s.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    s.add_argument("--divergence-factor", type=float, default=0.0,
+                   help="undo a round of local SGD whose batch loss blows up past this multiple of its first "
+                        "(the agent's training.divergence_factor; default 0: off, as in the papers)")
     s.add_argument("--model-size", default="medium", choices=["small", "medium", "large"], help="model size of the default model")
     s.add_argument("--init", default="common", choices=["common", "independent"], help="one common initial model, or one per node")
     s.add_argument("--baseline-local", action="store_true", help="also train a local-only copy per node")

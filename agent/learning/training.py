@@ -57,8 +57,10 @@ DEFAULT_LR = 0.05
 #: The Adam algorithms' (``fedd2s``, ``fedper``, ``local_adam``) learning rate when neither
 #: their ``adam_lr`` option nor ``training.lr`` is set: seed 002's baselines use 0.01.
 DEFAULT_ADAM_LR = 0.01
-#: a round of local training whose mini-batch loss exceeds this multiple of its first
-#: batch's loss (at least ln K) has blown up (:class:`TrainConfig`.divergence_factor)
+#: The agent's ``training.divergence_factor``: a round of local training whose mini-batch
+#: loss exceeds this multiple of its first batch's loss (at least ln K) has blown up
+#: (:class:`TrainConfig`.divergence_factor, which is 0 by default: the papers' training,
+#: as in the simulator and the benchmarks).
 DEFAULT_DIVERGENCE_FACTOR = 10.0
 #: Optimizers :func:`make_optimizer` builds.
 OPTIMIZERS = ("sgd", "adam")
@@ -154,7 +156,9 @@ class TrainConfig:
             (K: the model's outputs; ln K is the cross-entropy of a uniform guess), and
             reports it ``diverged``, as it does a non-finite loss: a finite blow-up
             (losses of 10^1-10^3 where the round began below 1) is stopped before the
-            model is sent.  0: only a non-finite loss or model counts.  Not under ``dp``.
+            model is sent.  0 (the default here, and the papers' training): only a
+            non-finite loss or model counts; the agent's ``training.divergence_factor``
+            defaults to :data:`DEFAULT_DIVERGENCE_FACTOR`.  Not under ``dp``.
         lr_scale: this round's factor on every learning rate, in (0, 1]: the learning-rate
             ramp of a run started from the deployed model (:func:`ramped`).  ``lr`` already
             includes it; the rates an algorithm chooses itself (Adam's, Def-KT's
@@ -172,7 +176,7 @@ class TrainConfig:
     dp: DPTraining | None = None
     lr_scale: float = 1.0
     clip_grad_norm: float = 0.0
-    divergence_factor: float = DEFAULT_DIVERGENCE_FACTOR
+    divergence_factor: float = 0.0
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size"):
@@ -340,7 +344,10 @@ def train_local(
         samples += len(idx)
     if count and limit < math.inf and not (non_finite or exploded):  # did the last step blow it up?
         with torch.no_grad(), torch.autocast(device_type=kind, dtype=dtype, enabled=amp):
+            kept = [(buf, buf.clone()) for buf in model.buffers()]  # the pass must not move BN statistics
             after = float((loss_fn or F.cross_entropy)(model(xb).float(), yb))
+            for buf, saved in kept:
+                buf.copy_(saved)
         if not after <= limit:  # above it, or not finite
             exploded, value = True, after
     diverged = restore_if_diverged(model, before, force=non_finite or exploded)

@@ -43,7 +43,8 @@ def test_a_round_whose_loss_blows_up_is_stopped_and_undone():
     x, y = _digits()
     model = _mlp()
     before = _state(model)
-    out = train_local(model, x, y, TrainConfig(epochs=3, lr=5.0), np.random.default_rng(0))
+    out = train_local(model, x, y, TrainConfig(epochs=3, lr=5.0, divergence_factor=10.0),
+                    np.random.default_rng(0))
     assert out["diverged"] == 1.0 and out["exploded"] > 10 * np.log(10), out
     assert out["samples"] < len(x)  # it stopped within the first epoch
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -57,7 +58,8 @@ def test_a_round_whose_loss_blows_up_is_stopped_and_undone():
 @pytest.mark.parametrize("seed", range(3))
 def test_sound_training_is_never_stopped(seed):
     x, y = _digits()
-    out = train_local(_mlp(seed), x, y, TrainConfig(epochs=3), np.random.default_rng(seed))
+    out = train_local(_mlp(seed), x, y, TrainConfig(epochs=3, divergence_factor=10.0),
+                      np.random.default_rng(seed))
     assert out["diverged"] == 0.0 and "exploded" not in out
 
 
@@ -67,7 +69,7 @@ def test_batched_training_stops_the_same_member_at_the_same_batch():
     from dfl_agent.learning.training import round_batches
 
     x, y = _digits()
-    cfg = TrainConfig(epochs=2, lr=5.0)
+    cfg = TrainConfig(epochs=2, lr=5.0, divergence_factor=10.0)
     models = [_mlp(0), _mlp(1)]
     befores = [_state(m) for m in models]
     alone = [copy.deepcopy(m) for m in models]
@@ -137,6 +139,7 @@ def test_divergence_factor_config():
             config_from_dict({**base, "training": {"divergence_factor": bad}})
     with pytest.raises(ValueError, match="divergence_factor"):
         TrainConfig(divergence_factor=1.0)
+    assert TrainConfig().divergence_factor == 0  # the simulator and the benchmarks train as the papers do
 
 
 def test_a_last_step_that_blows_the_model_up_is_caught():
@@ -146,7 +149,7 @@ def test_a_last_step_that_blows_the_model_up_is_caught():
     from dfl_agent.learning.training import round_batches
 
     x, y = _digits()
-    cfg = TrainConfig(steps=1, lr=50.0)
+    cfg = TrainConfig(steps=1, lr=50.0, divergence_factor=10.0)
     for run in (lambda m: train_local(m, x, y, cfg, np.random.default_rng(0)),
                 lambda m: train_group([(m, x, y, round_batches(len(x), cfg, np.random.default_rng(0)))], cfg)[0]):
         model = _mlp()
@@ -154,3 +157,38 @@ def test_a_last_step_that_blows_the_model_up_is_caught():
         out = run(model)
         assert out["diverged"] == 1.0 and out["exploded"] > 10 * np.log(10) and out["samples"] == 32, out
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_dflctl_simulate_trains_as_the_papers_unless_asked(monkeypatch):
+    import dfl_agent.cli.progress as progress
+    from dfl_agent.cli.dflctl import main
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def capture(cfg, enabled):
+        seen.append(cfg.train.divergence_factor)
+        raise Stop
+
+    monkeypatch.setattr(progress, "simulate_with_progress", capture)
+    for args, want in (([], 0.0), (["--divergence-factor", "10"], 10.0)):
+        with pytest.raises(Stop):
+            main(["simulate", "--dataset", "digits", *args])
+        assert seen[-1] == want
+
+
+def test_the_check_changes_nothing_in_a_sound_round():
+    """A round the check does not stop ends exactly as without the check: the extra pass over
+    the last batch leaves batch-norm statistics as they were."""
+    x, y = _digits()
+    models = []
+    for factor in (10.0, 0.0):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 10))
+        out = train_local(m, x, y, TrainConfig(epochs=1, divergence_factor=factor), np.random.default_rng(0))
+        assert out["diverged"] == 0.0
+        models.append(m.state_dict())
+    assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])

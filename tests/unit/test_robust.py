@@ -123,8 +123,7 @@ def _blown_up(aggregation: str, compression: str) -> dict[str, list[dict]]:
 
 @pytest.mark.parametrize("compression", ["none", "auto"])
 def test_clip_contains_a_blown_up_model_that_the_mean_spreads(compression):
-    """The plain mean passes one node's blown-up model on to every node, which never learn
-    again (each round's training blows up from the average and is undone: ``diverged``);
+    """The plain mean passes one node's blown-up model on to every node, which never recover;
     ``aggregation = "clip"`` (the deviation from the node's own model clipped to the median
     norm) keeps the others as they were, and the blown-up node recovers from its neighbours'
     models.  With compressed gossip (CHOCO copies, q4+zstd with error feedback) its own
@@ -135,8 +134,7 @@ def test_clip_contains_a_blown_up_model_that_the_mean_spreads(compression):
     acc = {rule: {n: [r["global_accuracy"] for r in recs] for n, recs in by.items()} for rule, by in runs.items()}
     others = ["node01", "node02", "node03"]
     assert all(a[2] > 0.3 for a in acc["mean"].values()), acc  # round 3, before the blow-up: every node learns
-    assert max(acc["mean"][n][-1] for n in others) < 0.5, acc  # spread, and stuck there
-    assert min(runs["mean"][n][-1]["diverged"] for n in others) >= 10  # undone round after round
+    assert max(acc["mean"][n][-1] for n in others) < 0.3, acc  # spread: chance is 0.1
     assert min(acc["clip"][n][-1] for n in others) > 0.75, acc
     assert [runs["clip"][n][-1]["diverged"] for n in others] == [0, 0, 0]  # their training never saw it
     assert acc["clip"]["node00"][-1] > 0.75, acc
