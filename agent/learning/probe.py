@@ -172,9 +172,10 @@ def _loss(h: torch.Tensor, target: torch.Tensor, w: torch.Tensor, b: torch.Tenso
 
 
 def _fit(h: torch.Tensor, target: torch.Tensor, w0: torch.Tensor, b0: torch.Tensor | None,
-         lr: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+         lr: float, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:data:`STEPS` full-batch gradient steps with momentum on the cross-entropy of
-    ``h wᵀ + b`` in ``(w, b)`` from ``(w0, b0)``; the new ``(w, b)``, detached."""
+    ``h wᵀ + b`` in ``(w, b)`` from ``(w0, b0)``; the new ``(w, b)``, detached.  ``rows``, a
+    ``(K,)`` bool mask, fits only those classes' rows (the others keep ``w0``'s, ``b0``'s)."""
     w = w0.clone().requires_grad_(True)
     b = None if b0 is None else b0.clone().requires_grad_(True)
     params = [w] if b is None else [w, b]
@@ -182,5 +183,8 @@ def _fit(h: torch.Tensor, target: torch.Tensor, w0: torch.Tensor, b0: torch.Tens
     for _ in range(STEPS):
         opt.zero_grad()
         nn.functional.cross_entropy(h @ w.T + (0 if b is None else b), target).backward()
+        if rows is not None:
+            for p in params:
+                p.grad[~rows] = 0  # type: ignore[index]
         opt.step()
     return w.detach(), None if b is None else b.detach()

@@ -10,7 +10,7 @@ import dataclasses
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import numpy as np
 
@@ -212,6 +212,27 @@ def ramped(base: TrainConfig, factor: float) -> TrainConfig:
     return dataclasses.replace(base, lr=base.lr * factor, lr_scale=factor)
 
 
+@overload
+def blow_up_limit(factor: float, first_loss: float, classes: int) -> float: ...
+@overload
+def blow_up_limit(factor: float, first_loss: torch.Tensor, classes: int) -> torch.Tensor: ...
+def blow_up_limit(factor: float, first_loss: float | torch.Tensor, classes: int) -> float | torch.Tensor:
+    """The loss above which a round of local training has blown up
+    (:class:`TrainConfig`.divergence_factor): ``factor x max(first_loss, ln K)``, ``ln K``
+    being a uniform guess's cross-entropy over ``classes`` = K classes (at least 2).
+
+    Args:
+        factor: ``divergence_factor`` (> 1; 0, the check off, is the caller's to skip).
+        first_loss: the round's first mini-batch loss, a float or a ``(G,)`` tensor (one
+            per member of a batched group; the limit is then ``(G,)`` too).
+        classes: K, the model's output width.
+    """
+    floor = math.log(max(int(classes), 2))
+    if isinstance(first_loss, float | int):
+        return factor * max(float(first_loss), floor)
+    return factor * first_loss.clamp(min=floor)
+
+
 def autocast_for(device: str | torch.device, enabled: bool) -> tuple[bool, str, torch.dtype]:
     """``(use autocast, device type, dtype)`` for mixed precision on ``device``.
 
@@ -322,7 +343,7 @@ def train_local(
             non_finite = True
             break
         if count == 0 and cfg.divergence_factor > 0 and math.isfinite(value):
-            limit = cfg.divergence_factor * max(value, math.log(max(int(logits.shape[-1]), 2)))
+            limit = blow_up_limit(cfg.divergence_factor, value, int(logits.shape[-1]))
         elif value > limit and math.isfinite(value):  # a finite blow-up: undone below, as a non-finite one
             exploded = True
             total, count = total + value, count + 1

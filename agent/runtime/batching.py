@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from dfl_agent.learning.training import TrainConfig, evaluate, round_batches, sgd_step, train_local
+from dfl_agent.learning.training import TrainConfig, blow_up_limit, evaluate, round_batches, sgd_step, train_local
 
 log = logging.getLogger(__name__)
 
@@ -358,7 +358,7 @@ class _BlowUpWatch:
         self.limit = torch.full((g,), math.inf, dtype=torch.float64, device=self.dev)
         if factor > 0:
             with torch.no_grad():
-                self.floor = math.log(max(int(base(xs[0, :1]).shape[-1]), 2))  # ln K: a uniform guess's loss
+                self.classes = int(base(xs[0, :1]).shape[-1])  # K (the logits of one window)
 
     def step(self, s: int, loss: Any) -> Any:
         """Record step ``s``'s ``(G,)`` losses; returns the part to add to each member's sum
@@ -368,7 +368,7 @@ class _BlowUpWatch:
         if self.factor <= 0:
             return loss
         if s == 0:
-            self.limit = self.factor * torch.clamp(loss, min=self.floor)
+            self.limit = blow_up_limit(self.factor, loss, self.classes)
             return loss
         counted = torch.where(self.blown, torch.zeros_like(loss), loss)
         now = ~self.blown & torch.isfinite(loss) & (loss > self.limit)

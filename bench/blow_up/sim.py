@@ -27,20 +27,20 @@ from dfl_agent.learning.training import TrainConfig, train_local
 from dfl_agent.runtime.simulator import SimConfig, round_records
 
 
-def _wild_in_round_4(fed) -> None:
-    """node00's local training of round 4 runs at a learning rate of 5."""
-    node0 = fed.nodes[0].algorithm
-    real, calls = node0._train, [0]
+def wild_in_round(algorithm, wild: int, lr: float = 5.0) -> None:
+    """Make ``algorithm``'s (a simulated node's) local training of round ``wild`` run at
+    learning rate ``lr``; its other rounds train as configured."""
+    real, calls = algorithm._train, [0]
 
     async def wild_train() -> dict:
         calls[0] += 1
-        if calls[0] != 4:
+        if calls[0] != wild:
             return await real()
-        ctx = node0.ctx
-        return await ctx.compute(train_local, node0.model, ctx.data.train_x, ctx.data.train_y,
-                                 dataclasses.replace(ctx.train, lr=5.0), ctx.rng, ctx.device)
+        ctx = algorithm.ctx
+        return await ctx.compute(train_local, algorithm.model, ctx.data.train_x, ctx.data.train_y,
+                                 dataclasses.replace(ctx.train, lr=lr), ctx.rng, ctx.device)
 
-    node0._train = wild_train
+    algorithm._train = wild_train
 
 
 def healthy(seed: int, factor: float, rounds: int) -> dict:
@@ -57,7 +57,7 @@ def wild(seed: int, factor: float, rounds: int) -> dict:
     cfg = SimConfig(algorithm="fedavg", nodes=4, rounds=rounds, dataset="digits", partition="iid", seed=seed,
                     model_size="small", straggler="quorum", train=TrainConfig(epochs=1, lr=0.05,
                                                                              divergence_factor=factor))
-    by = round_records(cfg, _wild_in_round_4)
+    by = round_records(cfg, lambda fed: wild_in_round(fed.nodes[0].algorithm, 4))
     others = [n for n in by if n != "node00"]
     return {"others_final_min": min(by[n][-1]["global_accuracy"] for n in others),
             "node00_final": by["node00"][-1]["global_accuracy"],

@@ -53,17 +53,11 @@ def fit_rows(model: nn.Module, x: np.ndarray, y: np.ndarray) -> dict[str, np.nda
     rows[unlearned] = True
     best = None
     for lr in (P.LR, P.step_size(h)):
-        w, b = w0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
-        opt = torch.optim.SGD([w, b], lr=lr, momentum=P.MOMENTUM)
-        for _ in range(P.STEPS):
-            opt.zero_grad()
-            nn.functional.cross_entropy(h @ w.T + b, target).backward()
-            w.grad[~rows] = 0  # type: ignore[index]
-            b.grad[~rows] = 0  # type: ignore[index]
-            opt.step()
-        loss = P._loss(h, target, w.detach(), b.detach())
+        w, b = P._fit(h, target, w0, b0, lr, rows)
+        assert b is not None
+        loss = P._loss(h, target, w, b)
         if best is None or loss < best[0]:
-            best = (loss, w.detach(), b.detach())
+            best = (loss, w, b)
     assert best is not None
     return {f"{name}.weight": best[1].numpy(), f"{name}.bias": best[2].numpy()}
 

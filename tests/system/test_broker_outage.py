@@ -85,30 +85,18 @@ def test_a_broker_outage_in_the_production_configuration(tmp_path):
     required, and the shipped compression (q4+zstd with error feedback): after the broker's
     restart the signed, compressed updates go on (keyframes for the gaps the outage left),
     no round closes alone, and nothing is dropped as unsigned or undecodable."""
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from tests.system.test_production_combination import BAD, IDS, _tls_broker, run_broker, start_agents, stop_all
 
-    from dfl_agent.runtime.config import config_from_dict, dump_toml
-    from dfl_agent.security.keys import enroll_local, public_key_b64
-    from tests.system.test_production_combination import BAD, IDS, _tls_broker, run_broker, stop_all
-
-    ids, fed, fed_key = IDS[:2], f"outage-prod-{int(time.time() * 1000) % 100000}", Ed25519PrivateKey.generate()
+    ids = IDS[:2]
     broker, port, passwords = _tls_broker(tmp_path)
-    procs = []
+    procs: list = []
     try:
-        for i, nid in enumerate(ids):
-            enroll_local(fed_key, fed, nid, tmp_path / nid)
-            cfg = config_from_dict({
-                "federation": fed, "node_id": nid, "state_dir": str(tmp_path / nid),
-                "algorithm": {"name": "fedavg", "rounds": ROUNDS, "options": {"round_timeout": 3.0, "poll_interval": 0.2}},
-                "data": {"dataset": "digits", "partition": "iid", "num_nodes": 2, "node_index": i},
-                "model": {"size": "small"}, "training": {"steps": 2},
-                "mqtt": {"broker": f"127.0.0.1:{port}", "tls_ca": str(tmp_path / "ca.crt"), "username": nid,
-                         "password": passwords[nid], "heartbeat_interval": 0.5, "keepalive": 2},
-                "discovery": {"mdns": False, "min_peers": 1, "heartbeat_timeout": 3.0},
-                "security": {"require_signatures": True, "federation_key": public_key_b64(fed_key)},
-            })
-            (tmp_path / f"{nid}.toml").write_text(dump_toml(cfg))
-            procs.append(_start(tmp_path, nid, tmp_path / f"{nid}.toml", "--once"))
+        start_agents(procs, tmp_path, port, passwords, ROUNDS, lambda nid: {
+            "algorithm": {"options": {"round_timeout": 3.0, "poll_interval": 0.2}},
+            "data": {"dataset": "digits", "num_nodes": 2}, "model": {"size": "small"}, "training": {"steps": 2},
+            "mqtt": {"heartbeat_interval": 0.5, "keepalive": 2},
+            "discovery": {"mdns": False, "heartbeat_timeout": 3.0},
+            "runtime": {"eval_every": 1, "checkpoint": True}}, ids=ids)  # a log line and a checkpoint a round
         logs = [tmp_path / f"{nid}.log" for nid in ids]
         _wait(lambda: all(re.search(r"round 2 done", p.read_text()) for p in logs), 120, logs,
               "two rounds on both agents")
@@ -119,7 +107,7 @@ def test_a_broker_outage_in_the_production_configuration(tmp_path):
         assert [p.wait(120) for p in procs] == [0, 0], "\n".join(p.read_text()[-3000:] for p in logs)
     finally:
         stop_all(procs, broker)
-    _check_the_outage(tmp_path, ids, logs)
+    _check_the_outage(tmp_path, ids, logs, lambda nid: tmp_path / f"{nid}.jsonl")
     for log in logs:  # no update dropped as unsigned, forged or undecodable (a last will, unsigned, is counted
         text = log.read_text()  # as presence_unsigned, and a retained status seen again as status_replay)
         assert [r for r in (*BAD, "unsigned", "unknown_sender") if re.search(rf"dropped message from \S+: {r}", text)] \

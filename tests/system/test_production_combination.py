@@ -93,18 +93,18 @@ def run_broker(d: Path, port: int) -> subprocess.Popen:
 
 
 def start_agents(procs: list[subprocess.Popen], d: Path, port: int, passwords: dict[str, str], rounds: int,
-                 extra: Callable[[str], dict]) -> None:
+                 extra: Callable[[str], dict], ids: tuple[str, ...] = IDS) -> None:
     """Start one ``dfl-agent run --once`` per node of :data:`IDS` in the production
     configuration: a fresh federation key with signatures required, the shipped default
     compression, TLS with the node's password against :func:`_tls_broker`'s broker, fedavg
-    with the default ``quorum``; ``extra(nid)`` adds or replaces sections (e.g. ``training``).
-    Each process is appended to ``procs`` as it starts (for :func:`stop_all`)."""
+    with the default ``quorum``; ``extra(nid)`` adds sections (e.g. ``training``) and keys of
+    the sections here (e.g. ``{"mqtt": {"keepalive": 2}}``).  Each process is appended to ``procs`` as it starts (for :func:`stop_all`)."""
     fed = "prod-" + str(int(time.time() * 1000) % 100000)
     fed_key = Ed25519PrivateKey.generate()
-    for i, nid in enumerate(IDS):
+    for i, nid in enumerate(ids):
         state = d / nid
         enroll_local(fed_key, fed, nid, state)
-        cfg = config_from_dict({
+        base = {
             "federation": fed, "node_id": nid, "state_dir": str(state),
             "algorithm": {"name": "fedavg", "rounds": rounds, "options": {"round_timeout": 60.0}},
             # the HAR default model on a small iid share (~200 windows each)
@@ -112,12 +112,14 @@ def start_agents(procs: list[subprocess.Popen], d: Path, port: int, passwords: d
             # no [compression] section: the shipped default (auto: q4+zstd gossip, error feedback on)
             "mqtt": {"broker": f"127.0.0.1:{port}", "tls_ca": str(d / "ca.crt"),
                      "username": nid, "password": passwords[nid], "heartbeat_interval": 1.0},
-            "discovery": {"min_peers": len(IDS) - 1, "start_timeout": 90.0, "mdns": True,
+            "discovery": {"min_peers": len(ids) - 1, "start_timeout": 90.0, "mdns": True,
                           "interfaces": ["127.0.0.1"]},
             "security": {"require_signatures": True, "federation_key": public_key_b64(fed_key)},
             "runtime": {"checkpoint": False, "eval_every": rounds, "metrics_file": str(d / f"{nid}.jsonl")},
-            **extra(nid),
-        })
+        }
+        for key, value in extra(nid).items():
+            base[key] = {**base[key], **value} if isinstance(base.get(key), dict) else value
+        cfg = config_from_dict(base)
         path = d / f"{nid}.toml"
         path.write_text(dump_toml(cfg))
         procs.append(subprocess.Popen(

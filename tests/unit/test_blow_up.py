@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.blow_up.sim import wild_in_round
 from dfl_agent.learning.training import TrainConfig, evaluate, train_local
 from dfl_agent.runtime.batching import train_group
 from dfl_agent.runtime.config import ConfigError, config_from_dict
@@ -96,22 +97,7 @@ def _wild_federation(factor: float) -> dict[str, list[dict]]:
 
     cfg = SimConfig(algorithm="fedavg", nodes=4, rounds=12, dataset="digits", partition="iid", model_size="small",
                     straggler="quorum", train=TrainConfig(epochs=1, lr=0.05, divergence_factor=factor))
-    return round_records(cfg, lambda fed: _wild_in_round(fed.nodes[0].algorithm, 4))
-
-
-def _wild_in_round(algorithm, wild: int) -> None:
-    """Make ``algorithm``'s local training of round ``wild`` run at a learning rate of 5."""
-    real, calls = algorithm._train, [0]
-
-    async def train():
-        calls[0] += 1
-        if calls[0] != wild:
-            return await real()
-        ctx = algorithm.ctx
-        return await ctx.compute(train_local, algorithm.model, ctx.data.train_x, ctx.data.train_y,
-                                 dataclasses.replace(ctx.train, lr=5.0), ctx.rng, ctx.device)
-
-    algorithm._train = train
+    return round_records(cfg, lambda fed: wild_in_round(fed.nodes[0].algorithm, 4))
 
 
 def test_the_plain_mean_no_longer_passes_a_blown_up_model_on(caplog):
