@@ -32,33 +32,29 @@ def _json(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def _first_round(metrics: Path) -> dict[str, Any] | None:
-    """The round-1 record of a run's metrics.jsonl (None: the run has none)."""
-    if not metrics.exists():
-        return None
-    for line in metrics.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("round") == 1 and "local_accuracy" in rec:
-            return rec
-    return None
-
-
-def _last_rounds(metrics: Path, n: int = 10) -> list[float]:
-    """``local_accuracy`` of the last ``n`` round records of a run's metrics.jsonl."""
+def _records(metrics: Path) -> list[dict[str, Any]]:
+    """The round records of a run's metrics.jsonl that carry ``local_accuracy`` (none: no file)."""
     if not metrics.exists():
         return []
-    accs = []
+    out = []
     for line in metrics.read_text(encoding="utf-8").splitlines():
         try:
             rec = json.loads(line)
         except ValueError:
             continue
         if isinstance(rec, dict) and isinstance(rec.get("local_accuracy"), (int, float)):
-            accs.append(float(rec["local_accuracy"]))
-    return accs[-n:]
+            out.append(rec)
+    return out
+
+
+def _first_round(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The round-1 record (None: the run has none)."""
+    return next((r for r in records if r.get("round") == 1), None)
+
+
+def _last_rounds(records: list[dict[str, Any]], n: int = 10) -> list[float]:
+    """``local_accuracy`` of the last ``n`` round records."""
+    return [float(r["local_accuracy"]) for r in records[-n:]]
 
 
 def _manifests(state: Path) -> dict[str, dict[str, Any]]:
@@ -108,9 +104,10 @@ def device_rows(state: Path, tolerance: float, share: float = 0.2) -> tuple[list
     runs = sorted(entries, key=lambda r: float(entries[r].get("time", 0)) if isinstance(entries[r], dict) else 0.0)
     mans = _manifests(state)
     by_version = {int(m["version"]): m for m in mans.values() if isinstance(m.get("version"), int)}
+    records = {rid: _records(state / "runs" / rid / "metrics.jsonl") for rid in runs}  # each file read once
     rows = []
     for rid in runs:
-        first = _first_round(state / "runs" / rid / "metrics.jsonl")
+        first = _first_round(records[rid])
         if first is None:
             continue  # declined or never trained here
         row: dict[str, Any] = {"run": rid, "init": first.get("init"), "first_round_accuracy": first["local_accuracy"],
@@ -129,7 +126,7 @@ def device_rows(state: Path, tolerance: float, share: float = 0.2) -> tuple[list
             same_slice = mans.get(rid, {}).get("deployed_accuracy")
             row["started_from_on_this_slice"] = same_slice
             # how much the accuracy moved from round to round at the end of the run that deployed it
-            last = _last_rounds(state / "runs" / str(base.get("run_id")) / "metrics.jsonl")
+            last = _last_rounds(records.get(str(base.get("run_id")), []))
             row["started_from_run_last_10"] = [min(last), max(last)] if last else None
             ref = float(same_slice if isinstance(same_slice, (int, float)) else base.get("accuracy", 0.0))
             row["ok"] = row["first_round_accuracy"] >= ref - tolerance
