@@ -7,7 +7,10 @@ The points: right after the ledger says ``admitted``, ``training`` or ``deployin
 deployed), in the middle of the deployment (the new version's files written under
 ``models/.tmp-*``, not yet moved into place), right after the version is installed but
 before the ledger says ``deployed``, and before the ledger says ``finished``.  ``tests/unit/test_run_crash.py`` covers every
-state boundary in-process with the same run manager, ledger and deployment."""
+state boundary in-process with the same run manager, ledger and deployment.
+
+And a federation's member killed mid-run, back after the others finished the run: it deploys
+the model of its checkpoint."""
 
 from __future__ import annotations
 
@@ -99,3 +102,111 @@ def test_agent_killed_during_deployment_deploys_its_model_once_after_restart(tmp
             assert "resumes from state" not in text and "run process" in text
         else:
             assert f"resumes from state {recorded}" in text
+
+
+@needs_mosquitto
+@pytest.mark.timeout(420)
+def test_a_member_killed_mid_run_deploys_its_checkpoint_model_once_the_others_finished(tmp_path):
+    """Three always-on agents on their sample stores, signatures required (the run signed by
+    an operator, every status signed), the default compression and ``quorum``.  s2 is
+    SIGKILLed with its run process in round 3 or later of a fedavg run; s0 and s1 finish it
+    without s2 and deploy.  Restarted after that, s2 restores its checkpoint, sees most of the
+    run's members report it finished, and deploys the model of its checkpoint through the
+    deploy gate: one version, of this run and of the round it had reached, recorded
+    ``finished``.  Before, such a member ended with nothing deployed."""
+    import re
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from dfl_agent.deploy import ModelStore, verify_folder
+    from dfl_agent.runtime.descriptor import operator_certificate
+    from dfl_agent.security.keys import enroll_local, public_key_b64, save_certificate, save_private_key
+
+    ids, fed, fed_key = ("s0", "s1", "s2"), f"killdeploy{os.getpid()}", Ed25519PrivateKey.generate()
+    states = {n: tmp_path / n for n in ids}
+    logs = {n: tmp_path / f"{n}.log" for n in ids}
+    op, key = tmp_path / "operator", Ed25519PrivateKey.generate()
+    op.mkdir()
+    save_private_key(key, op / "operator_key.pem")
+    save_certificate(operator_certificate(fed_key, fed, "alice", public_key_b64(key)), op / "operator_cert.json")
+    procs: dict[str, subprocess.Popen] = {}
+
+    def wait_until(cond, what, timeout):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if cond():
+                return
+            time.sleep(0.3)
+        raise AssertionError(f"timed out waiting for {what}\n" + "\n".join(
+            f"--- {n}\n{logs[n].read_text()[-2500:]}" for n in ids))
+
+    def rounds(n, rid):
+        p = states[n] / "runs" / rid / "metrics.jsonl"
+        return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+
+    with start_broker("mosquitto") as broker:
+        try:
+            for j, n in enumerate(ids):
+                enroll_local(fed_key, fed, n, states[n])
+                text = dump_toml(config_from_dict({
+                    "federation": fed, "node_id": n, "state_dir": str(states[n]),
+                    "training": {"epochs": 1, "batch_size": 32, "threads": 1},
+                    "data": {"dataset": "store", "input_shape": list(SHAPE), "num_classes": 4, "spool_interval": 0.2},
+                    "model": {"size": "small"}, "deploy": {"tolerance": 1.0, "onnx": False},
+                    "mqtt": {"broker": broker.endpoint, "heartbeat_interval": 0.5},
+                    "discovery": {"mdns": False, "min_peers": 2, "start_timeout": 60, "heartbeat_timeout": 3.0},
+                    "security": {"require_signatures": True, "federation_key": public_key_b64(fed_key)},
+                }))
+                (tmp_path / f"{n}.toml").write_text(re.sub(r"\[algorithm\]\n(?:[^\[\n].*\n)*", "", text + "\n"))
+                for k in range(3):
+                    drop(states[n] / "spool", f"a{k}.npz", 60, 10 * j + k)
+                procs[n] = _agent(tmp_path / f"{n}.toml", open(logs[n], "ab"))
+            wait_until(lambda: all(_samples(states[n]) == 180 for n in ids), "every store filled", 120)
+            rid = subprocess.run(
+                [sys.executable, "-m", "dfl_agent.cli.dflctl", "run", "submit", "--broker", broker.endpoint,
+                 "--federation", fed, "--operator-dir", str(op), "--algorithm", "fedavg", "--rounds", "30",
+                 "--model-size", "small", "--min-members", "3", "--option", "round_timeout=4",
+                 "--training", "steps=40"], capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+            wait_until(lambda: len(rounds("s2", rid)) >= 3, "s2 in round 3", 180)
+            os.killpg(procs["s2"].pid, signal.SIGKILL)  # the agent and its run process: a power cut
+            procs["s2"].wait(30)
+            assert _ledger(states["s2"])[rid]["state"] == "training"
+            wait_until(lambda: all(_ledger(states[n]).get(rid, {}).get("state") == "finished" for n in ("s0", "s1")),
+                       "s0 and s1 finish the run without s2", 240)
+            reached = max(r["round"] for r in rounds("s2", rid))
+            assert reached < 30
+            procs["s2"] = _agent(tmp_path / "s2.toml", open(logs["s2"], "ab"))
+            wait_until(lambda: _ledger(states["s2"]).get(rid, {}).get("state") == "finished", "s2 records it finished",
+                       120)
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in procs.values():
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+    for n in ids:  # one version each, of this run
+        models = ModelStore(states[n])
+        assert models.versions() == [1] and verify_folder(models.folder(1))["run_id"] == rid, logs[n].read_text()[-3000:]
+    text = logs["s2"].read_text()
+    assert "most of the run's members report it finished" in text, text[-3000:]
+    assert len(re.findall(rf"deployed model v1 \(run {rid}, round", text)) == 1, text[-3000:]
+    man = verify_folder(ModelStore(states["s2"]).folder(1))
+    assert reached - 1 <= man["round"] <= reached, (man["round"], reached)  # its checkpoint's model, not round 30
+    assert max(r["round"] for r in rounds("s2", rid)) == reached  # no round trained alone after its return
+
+
+def _samples(state) -> int:
+    """The samples in a device's store (0 before it exists)."""
+    from dfl_agent.store.sqlite import SampleStore, StoreError
+
+    try:
+        store = SampleStore(state, create=False)
+    except StoreError:
+        return 0
+    try:
+        return len(store.load(store.snapshot())[0])
+    finally:
+        store.close()
