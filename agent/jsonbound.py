@@ -24,6 +24,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from itertools import accumulate, repeat
 from typing import Any
 
@@ -148,11 +149,46 @@ def loads(data: bytes | bytearray | memoryview | str, kind: str | None = None, *
         raise JSONBoundError("malformed", str(exc)[:200]) from None
 
 
+class LogLimit:
+    """How often a recurring event is logged, per key: the first ``burst`` events of a key
+    are logged, then at most one per ``every`` seconds, each saying how many were held back
+    since the last.  Thread-safe; at most ``max_keys`` keys are kept (all are forgotten
+    past that, so that keys taken from unverified input stay bounded).
+
+    Args:
+        every: seconds between two logged events of a key once ``burst`` were logged.
+        burst: events of a key logged before the limit applies.
+        max_keys: keys kept before all are forgotten.
+        clock: monotonic seconds (default: ``time.monotonic``, looked up at each event).
+    """
+
+    def __init__(self, every: float = 60.0, burst: int = 5, max_keys: int = 1024,
+                 clock: Callable[[], float] | None = None):
+        self.every, self.burst, self.max_keys, self.clock = every, burst, max_keys, clock
+        self._lock = threading.Lock()
+        #: key -> (when last logged, events logged, events held back since)
+        self._keys: dict[Any, tuple[float, int, int]] = {}
+
+    def check(self, key: Any = None) -> tuple[bool, int, bool]:
+        """Count an event of ``key``: ``(log it, events held back since the last logged,
+        within the burst)``."""
+        now = time.monotonic() if self.clock is None else self.clock()
+        with self._lock:
+            if len(self._keys) > self.max_keys:
+                self._keys.clear()
+            last, logged, held = self._keys.get(key, (-math.inf, 0, 0))
+            if logged < self.burst or now - last >= self.every:
+                self._keys[key] = (now, logged + 1, 0)
+                return True, held, logged < self.burst
+            self._keys[key] = (last, logged, held + 1)
+            return False, held + 1, False
+
+
 class RateLimitedLog:
     """Logs the errors of a long-lived message loop without flooding the log: the first
     ``burst`` with their traceback, then at most one line per ``every`` seconds saying how
-    many were not logged.  Used where a handler's exception is caught, counted and the
-    loop goes on (``handler_error``).
+    many were not logged (:class:`LogLimit`).  Used where a handler's exception is caught,
+    counted and the loop goes on (``handler_error``).
 
     Args:
         logger: where to log.
@@ -161,27 +197,14 @@ class RateLimitedLog:
     """
 
     def __init__(self, logger: logging.Logger, every: float = 60.0, burst: int = 5):
-        self.logger, self.every, self.burst = logger, every, burst
-        self._lock = threading.Lock()
-        self._logged = 0
-        self._suppressed = 0
-        self._last = -math.inf
+        self.logger = logger
+        self.limit = LogLimit(every, burst)
 
     def exception(self, msg: str, *args: Any) -> None:
         """Log ``msg % args`` at error level with the current exception, rate-limited."""
-        now = time.monotonic()
-        with self._lock:
-            if self._logged < self.burst:
-                self._logged += 1
-                self._last = now
-                suppressed, tb = 0, True
-            elif now - self._last >= self.every:
-                self._last = now
-                suppressed, tb = self._suppressed, False
-                self._suppressed = 0
-            else:
-                self._suppressed += 1
-                return
+        log_it, suppressed, tb = self.limit.check()
+        if not log_it:
+            return
         if tb:
             self.logger.error(msg, *args, exc_info=True)
         else:  # one line: the exception, and how many were left out since the last line

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dfl_agent.algorithms.context import Message
+from dfl_agent.jsonbound import LogLimit
 from dfl_agent.transport import wire
 
 if TYPE_CHECKING:
@@ -77,8 +78,9 @@ class Inbox:
         self.arrival_checks: dict[str, Callable[[Message], str | None]] = {}
         self.bytes_received_by_kind: collections.Counter[str] = collections.Counter()
         self.round_received: collections.Counter[str] = collections.Counter()
-        #: (sender, reason) -> (when last logged, lines logged, drops not logged since)
-        self.drop_log: dict[tuple[str, str], tuple[float, int, int]] = {}
+        #: how often each (sender, reason)'s drops are logged (senders are not verified yet
+        #: when dropped: the keys are bounded)
+        self.drop_log = LogLimit(DROP_LOG_EVERY, DROP_LOG_BURST)
 
     def drop(self, reason: str, detail: str, sender: str = "?") -> None:
         """Count a dropped message under ``reason`` and log it (WARNING): the first
@@ -86,16 +88,10 @@ class Inbox:
         :data:`DROP_LOG_EVERY` seconds with the number not logged, so that a flood of bad
         messages never floods the log."""
         self.ctx.rejected[reason] += 1
-        if len(self.drop_log) > 1024:  # senders are not verified yet here: bounded
-            self.drop_log.clear()
-        last, logged, unlogged = self.drop_log.get((sender, reason), (-float("inf"), 0, 0))
-        now = time.monotonic()
-        if logged < DROP_LOG_BURST or now - last >= DROP_LOG_EVERY:
+        log_it, unlogged, _ = self.drop_log.check((sender, reason))
+        if log_it:
             more = f" ({unlogged} more from {sender} not logged)" if unlogged else ""
-            self.drop_log[(sender, reason)] = (now, logged + 1, 0)
             log.warning("dropped message from %s: %s %s%s", sender, reason, detail, more)
-        else:
-            self.drop_log[(sender, reason)] = (last, logged, unlogged + 1)
 
     def prepare_frame(self, frame: bytes, wire_bytes: int) -> PreparedFrame:
         """Decode ``frame`` and check its signature; safe to call on another thread than
