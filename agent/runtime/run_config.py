@@ -14,7 +14,8 @@ from typing import Any
 
 from dfl_agent.fsutil import atomic_write
 from dfl_agent.runtime.assembly import StartupError
-from dfl_agent.runtime.config import ConfigError, NodeConfig, _from_dict, _validate
+from dfl_agent.runtime.config import ConfigError, NodeConfig, _from_dict
+from dfl_agent.runtime.config_checks import validate
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -69,7 +70,7 @@ def run_config_for(cfg: NodeConfig, run: Any) -> NodeConfig:
             checked = _from_dict(type(target), values, section)  # unknown keys and wrong types: ConfigError
             for k in values:
                 setattr(target, k, getattr(checked, k))
-        _validate(new)
+        validate(new)
     except ConfigError as exc:
         raise StartupError(f"run {run.run_id}: {exc}") from None
     new.runtime.rejoin = True
