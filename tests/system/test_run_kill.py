@@ -26,6 +26,7 @@ import pytest
 from dfl_agent.cli.broker import start_broker
 from dfl_agent.runtime.config import config_from_dict, dump_toml
 from tests.system.conftest import needs_mosquitto
+from tests.system.test_agent_logs import _wait
 from tests.system.test_store_agent import SHAPE, drop
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -132,13 +133,7 @@ def test_a_member_killed_mid_run_deploys_its_checkpoint_model_once_the_others_fi
     procs: dict[str, subprocess.Popen] = {}
 
     def wait_until(cond, what, timeout):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if cond():
-                return
-            time.sleep(0.3)
-        raise AssertionError(f"timed out waiting for {what}\n" + "\n".join(
-            f"--- {n}\n{logs[n].read_text()[-2500:]}" for n in ids))
+        _wait(cond, timeout, list(logs.values()), what)
 
     def rounds(n, rid):
         p = states[n] / "runs" / rid / "metrics.jsonl"
