@@ -49,6 +49,7 @@ from dfl_agent.runtime.assembly import (
     straggler_policy,
 )
 from dfl_agent.runtime.config import NodeConfig
+from dfl_agent.runtime.degraded import degraded_fields
 from dfl_agent.runtime.deployment import deploy_after_run
 from dfl_agent.runtime.dp_run import dp_sink, with_privacy
 from dfl_agent.runtime.liveness import cancel_and_wait
@@ -56,9 +57,11 @@ from dfl_agent.runtime.metrics import end_torn_line
 from dfl_agent.runtime.node import RunStopped, init_seed_for
 from dfl_agent.runtime.onnx_publisher import OnnxPublisher
 from dfl_agent.runtime.operations import AgentOperations
+from dfl_agent.runtime.pipe import End, RunCounters, StateReport, StatusReport
 from dfl_agent.runtime.preflight import load_data
 from dfl_agent.runtime.rejoin import RunMembers
 from dfl_agent.runtime.run_config import node_id_from_state
+from dfl_agent.runtime.run_host import RunHost
 from dfl_agent.runtime.sample_store import open_store, seed_store, snapshot_from_checkpoint, spool_loop, store_data
 from dfl_agent.runtime.systemd import Notifier
 from dfl_agent.runtime.warm_start import begin_run
@@ -90,8 +93,15 @@ class Agent(RunMembers, AgentOperations):
     def __init__(self, cfg: NodeConfig, config_path: str | None = None, psutil_mod: Any = None, *,
                  run: Any = None, run_dir: Path | None = None, serving: bool = False,
                  should_stop: Any = None, wanted_peers: Any = None, members: Any = None,
-                 on_state: Callable[[str], None] | None = None):
+                 on_state: Callable[..., None] | None = None, host: RunHost | None = None):
         self.cfg = cfg
+        #: the service around the run (:class:`~dfl_agent.runtime.run_host.RunHost`; a run process's
+        #: :class:`~dfl_agent.runtime.run_process.RunChannel`), None in one process: the host then
+        #: publishes the node's presence and status, records the run's states after its rounds,
+        #: keeps ingesting the sample store, switches ``current`` and announces the deployment
+        self.host = host
+        if host is not None:
+            wanted_peers, members = host.may_join, host.members()
         #: told the run's states after its rounds: ``trained``, ``deploying``, ``deployed``
         #: or ``kept`` (the run manager's transitions; None with ``--once``)
         self.on_state = on_state
@@ -136,10 +146,6 @@ class Agent(RunMembers, AgentOperations):
         #: ``() -> dict``: the always-on service's fields of the run's status (its refusal and
         #: drop counters, :class:`~dfl_agent.runtime.service_counters.ServiceCounters`); None with ``--once``
         self.service_status: Callable[[], dict[str, Any]] | None = None
-        #: a run process's :class:`~dfl_agent.runtime.run_process.RunChannel` to its supervisor
-        #: (None in one process): the supervisor then publishes the node's presence and status,
-        #: keeps ingesting the sample store, switches ``current`` and announces the deployment
-        self.relay: Any = None
 
     async def run(self, stop: asyncio.Event) -> int:
         """Train this node's run until its last round or ``stop`` (then leave cleanly).
@@ -241,7 +247,7 @@ class Agent(RunMembers, AgentOperations):
             on_heartbeat=on_heartbeat,
             tls_ca=cfg.mqtt.tls_ca, tls_cert=cfg.mqtt.tls_cert, tls_key=cfg.mqtt.tls_key,
             max_transfers=cfg.mqtt.max_transfers, control=s.guard,
-            relay=self.relay.relay if self.relay is not None else None,
+            relay=self._relay if self.host is not None else None,
         )
         return transport, mdns_descriptor
 
@@ -311,7 +317,7 @@ class Agent(RunMembers, AgentOperations):
         cfg, node = self.cfg, self.node
         deployed = None  # with the store and deployment: the deployed version only
         if self.store is not None and cfg.deploy.enabled:
-            if self.relay is not None:
+            if self.host is not None:
                 return
             from dfl_agent.deploy import ModelStore
 
@@ -361,7 +367,7 @@ class Agent(RunMembers, AgentOperations):
                                       descriptor=mdns_descriptor, interfaces=list(cfg.discovery.interfaces))
             stack.push_async_callback(self.mdns.stop)
             await self.mdns.start()
-        if self.store is not None and self.relay is None:  # a run process: the supervisor ingests
+        if self.store is not None and self.host is None:  # a run process: the supervisor ingests
             stack.push_async_callback(cancel_and_wait, asyncio.ensure_future(spool_loop(self.store, cfg.data.spool_interval)))
         return True
 
@@ -453,7 +459,7 @@ class Agent(RunMembers, AgentOperations):
         saved with the checkpoint being resumed), and split it."""
         d = self.cfg.data
         self.store = store = open_store(self.cfg)
-        if self.relay is None:  # a run process: the supervisor seeds and ingests the store
+        if self.host is None:  # a run process: the supervisor seeds and ingests the store
             seed_store(store, d.path)
             store.ingest_spool()
         ids = snapshot_from_checkpoint(self.run_dir or self.state_dir, self.cfg.algorithm.rounds) if self.cfg.runtime.checkpoint else None
@@ -485,10 +491,54 @@ class Agent(RunMembers, AgentOperations):
                 log.warning("could not send the deployed model to inference members: %s", exc)
 
     def _tell(self, state: str, **info: Any) -> None:
-        """Tell the run manager (``on_state``) the run's state after its rounds (``info``:
-        ``version`` for ``deployed``)."""
-        if self.on_state is not None:
+        """Tell the host (or, in one process, the run manager's ``on_state``) the run's state
+        after its rounds (``info``: ``version`` for ``deployed``, ``start`` for ``trained``);
+        the host returns once it recorded it.
+
+        Raises:
+            HostGone: the host did not record it.
+        """
+        if self.host is not None:
+            st = self.node.status() if self.node is not None else {}
+            snap = self.snapshot
+            self.host.record_state(StateReport(
+                state, 0, round=int(st.get("round", 0)), snapshot_last_id=int(snap.max()) if snap is not None
+                and len(snap) else None, version=info.get("version"), start=info.get("start") or None,
+                degraded=degraded_fields(st) if "rounds_alone" in st else {}))
+        elif self.on_state is not None:
             self.on_state(state, **info)
+
+    def _relay(self, kind: str, doc: dict[str, Any]) -> None:
+        """The presence's relay in a run process: the host publishes the node's presence
+        (``kind`` ``presence``: ``doc`` is its descriptor) and status (``status``)."""
+        assert self.host is not None
+        if kind == "presence":
+            self.host.publish_presence(doc)
+        else:
+            self.host.publish_status(self.status_report(doc))
+
+    def status_report(self, status: dict[str, Any]) -> StatusReport:
+        """``status`` with the node's counters, live peers and last checkpoint's round, for the host."""
+        node = self.node
+        counters: RunCounters | None = None
+        peers: tuple[str, ...] | None = None
+        if node is not None:
+            c = node.ctx.counters()
+            counters = RunCounters(int(c["bytes_sent"]), int(c["bytes_received"]), dict(c["dropped"]),
+                                   int(c.get("diverged", 0)))
+            peers = tuple(node.ctx.live_peers())
+        saved = self.checkpointer.last_saved if self.checkpointer is not None else 0
+        return StatusReport(dict(status), counters, peers, int(saved or 0))
+
+    def end_report(self) -> End:
+        """How the run ended here (the host's last message from the run process)."""
+        from dfl_agent.runtime.service_counters import run_drops
+
+        node, snap = self.node, self.snapshot
+        shape = list(self.data_shape) if self.data_shape is not None else None
+        return End(self.outcome, int(node.status().get("round", 0)) if node is not None else 0,
+                   node.last_round() if node is not None else 0, shape,
+                   int(snap.max()) if snap is not None and len(snap) else None, run_drops(node))
 
     async def _warm_up(self, node: Any, data: Any) -> float:
         """Torch's one-time start-up work on a copy of the model (see

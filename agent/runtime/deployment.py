@@ -23,7 +23,7 @@ async def deploy_after_run(agent: Any, spec: dict[str, Any], input_shape: Sequen
     ``dfl/{fed}/node/{id}/model`` announcement (:func:`dfl_agent.deploy.gate.announcement`).
     A run whose model an earlier, killed deployment already installed or staged
     (:meth:`~dfl_agent.deploy.versions.ModelStore.run_outcome`) is not deployed again.
-    In a run process (``agent.relay`` set) the version is installed without switching
+    In a run process (``agent.host`` set) the version is installed without switching
     ``current`` and nothing is announced: the supervisor does both
     (:mod:`dfl_agent.runtime.supervisor`).
 
@@ -34,7 +34,7 @@ async def deploy_after_run(agent: Any, spec: dict[str, Any], input_shape: Sequen
     models = ModelStore(agent.state_dir, keep=cfg.deploy.keep)
     run = getattr(agent, "run_desc", None)
     run_id = run.run_id if run is not None else agent.run_id
-    supervised = getattr(agent, "relay", None) is not None  # a run process: the supervisor switches, announces
+    supervised = agent.host is not None  # a run process: the supervisor switches, announces
     res = await asyncio.to_thread(models.run_outcome, run_id, not supervised) if run is not None else None
     if res is not None:  # a restart after a kill mid-deployment: never a second version
         what = f"deployed as v{res['version']}" if res["deployed"] else "kept out by the gate (candidate staged)"

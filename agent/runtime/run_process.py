@@ -10,21 +10,13 @@ the run's descriptor (saved at admission).  The child imports torch, trains the 
 with a training :class:`~dfl_agent.runtime.agent.Agent` over its own data-plane MQTT session,
 writes checkpoints, metrics and the candidate model (with its ONNX export), and exits.
 
-It talks to the supervisor in JSON lines, one object per line:
-
-* child -> supervisor, on the child's standard output (the child's own ``print`` output goes
-  to standard error): ``{"type": "presence", "descriptor": {...}}`` and ``{"type": "status",
-  "status": {...}, "counters": {...}, "checkpoint_round": n}`` (the supervisor signs and
-  publishes them: the child publishes no presence, no status and no last will),
-  ``{"type": "state", "state": S, "seq": n, ...}`` for the run's states after its rounds
-  (``trained``, ``deploying``, ``deployed`` with ``version``, ``kept``; the child waits for
-  the supervisor's ``ack``, which comes after the run ledger recorded the state - and after
-  the supervisor switched ``current`` for ``deployed``), ``{"type": "error", "kind":
-  "startup"|"crash", "message": ...}``, and last ``{"type": "end", ...}`` (outcome, round,
-  data shape, snapshot's newest sample id, drop counters).
-* supervisor -> child, on the child's standard input: ``{"type": "start", "members": [...],
-  "may_join": n}`` first, then ``{"type": "ack", "seq": n}`` and ``{"type": "may_join", "n": n}``.
-  End of input means the supervisor is gone: the child stops at once.
+It talks to the supervisor only through :class:`RunChannel`, its
+:class:`~dfl_agent.runtime.run_host.RunHost`: typed messages over a pipe
+(:mod:`dfl_agent.runtime.pipe`), on the child's original standard output (the child's own
+``print`` output goes to standard error) and its standard input.  It publishes no presence,
+no status and no last will: the supervisor signs and publishes them.  Each state after the
+run's rounds waits until the supervisor recorded it in the run ledger.  End of input means
+the supervisor is gone: the child stops at once.
 
 A stop (the supervisor stopping, or an operator's cancel) is SIGTERM: the run leaves cleanly
 after the round in progress is abandoned; the supervisor sends SIGKILL after its grace period.
@@ -37,16 +29,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import dataclasses
 import logging
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from dfl_agent.runtime.degraded import degraded_fields
+from dfl_agent.runtime import pipe
+from dfl_agent.runtime.run_host import HostGone
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -54,12 +48,9 @@ log = logging.getLogger("dfl_agent.daemon")
 ACK_TIMEOUT_S = 60.0
 
 
-class SupervisorGone(RuntimeError):
-    """The supervisor closed the pipe (it stopped or was killed): the run process stops."""
-
-
 class RunChannel:
-    """The child's end of the pipe to its supervisor (see the module docstring).
+    """The run process's :class:`~dfl_agent.runtime.run_host.RunHost`: its end of the typed
+    pipe (:mod:`dfl_agent.runtime.pipe`) to its supervisor.
 
     Args:
         out: the binary stream of messages to the supervisor (the child's original stdout).
@@ -72,17 +63,17 @@ class RunChannel:
         self._acks: dict[int, threading.Event] = {}
         self._seq = 0
         self._lock = threading.Lock()
-        self.may_join_n: int = sys.maxsize
-        self.members: list[str] = []
+        self._may_join: int = pipe.UNBOUNDED
+        self._members: tuple[str, ...] = ()
         self.gone = threading.Event()
         #: called once when the supervisor is gone (the child sets its stop event)
-        self.on_gone: Any = None
-        #: the agent whose counters and checkpoint round go with every status
-        self.agent: Any = None
+        self.on_gone: Callable[[], object] | None = None
+        #: lines of the supervisor that were not pipe messages (dropped)
+        self.dropped = 0
 
-    def send(self, doc: dict[str, Any]) -> None:
+    def send(self, msg: pipe.FromRun) -> None:
         """Write one message (thread-safe); a closed pipe marks the supervisor gone."""
-        line = (json.dumps(doc, sort_keys=True, default=float) + "\n").encode()
+        line = pipe.to_line(msg)
         with self._write_lock:
             try:
                 self.out.write(line)
@@ -90,34 +81,39 @@ class RunChannel:
             except (BrokenPipeError, OSError, ValueError):
                 self._set_gone()
 
-    def read_start(self) -> dict[str, Any]:
-        """The supervisor's first message (``start``), then read the rest on a thread.
+    def read_start(self) -> pipe.Start:
+        """The supervisor's first message (:class:`~dfl_agent.runtime.pipe.Start`), then read
+        the rest on a thread.
 
         Raises:
-            SupervisorGone: the input ended before it.
+            HostGone: the input ended before it.
+            PipeError: the first line is not a start message.
         """
         line = self.inp.readline()
         if not line:
-            raise SupervisorGone("the supervisor closed the pipe before the start message")
-        doc = json.loads(line)
-        self.members = [str(m) for m in doc.get("members") or ()]
-        self.may_join_n = int(doc.get("may_join", sys.maxsize))
+            raise HostGone("the supervisor closed the pipe before the start message")
+        start = pipe.from_line(line)
+        if not isinstance(start, pipe.Start):
+            raise pipe.PipeError(f"the first message is {start.type}, not start")
+        self._members, self._may_join = start.members, start.may_join
         threading.Thread(target=self._reader, name="dfl-run-pipe", daemon=True).start()
-        return dict(doc)
+        return start
 
     def _reader(self) -> None:
         for line in self.inp:
             try:
-                doc = json.loads(line)
-            except ValueError:
+                msg = pipe.from_line(line)
+            except pipe.PipeError as exc:
+                self.dropped += 1
+                log.warning("run process: dropped a line from the supervisor: %s", exc)
                 continue
-            if doc.get("type") == "ack":
+            if isinstance(msg, pipe.Ack):
                 with self._lock:
-                    ev = self._acks.get(int(doc.get("seq", -1)))
+                    ev = self._acks.get(msg.seq)
                 if ev is not None:
                     ev.set()
-            elif doc.get("type") == "may_join":
-                self.may_join_n = int(doc.get("n", sys.maxsize))
+            elif isinstance(msg, pipe.MayJoin):
+                self._may_join = msg.n
         self._set_gone()
 
     def _set_gone(self) -> None:
@@ -129,69 +125,32 @@ class RunChannel:
             if self.on_gone is not None:
                 self.on_gone()
 
+    # -- the RunHost interface ------------------------------------------------------------------
+    def members(self) -> tuple[str, ...]:
+        return self._members
+
     def may_join(self) -> int:
-        """How many other nodes may still join the run (the supervisor's lobby tells)."""
-        return self.may_join_n
+        return self._may_join
 
-    def relay(self, kind: str, doc: dict[str, Any]) -> None:
-        """The presence's relay: the supervisor signs and publishes ``doc``."""
-        if kind == "presence":
-            self.send({"type": "presence", "descriptor": doc})
-            return
-        msg: dict[str, Any] = {"type": "status", "status": doc}
-        agent = self.agent
-        node = getattr(agent, "node", None)
-        if node is not None and getattr(node, "ctx", None) is not None:
-            try:
-                counters = node.ctx.counters()
-                msg["counters"] = {k: counters.get(k) for k in ("bytes_sent", "bytes_received", "dropped",
-                                                                 "diverged")}
-                msg["live_peers"] = list(node.ctx.live_peers())
-            except Exception:  # noqa: BLE001 - the status goes without them
-                pass
-        msg["checkpoint_round"] = int(getattr(getattr(agent, "checkpointer", None), "last_saved", 0) or 0)
-        self.send(msg)
+    def publish_presence(self, descriptor: Mapping[str, Any]) -> None:
+        self.send(pipe.Presence(dict(descriptor)))
 
-    def state(self, state: str, **info: Any) -> None:
-        """Tell the supervisor the run's state ``state`` and wait until its ledger recorded it.
+    def publish_status(self, report: pipe.StatusReport) -> None:
+        self.send(report)
 
-        Raises:
-            SupervisorGone: no acknowledgement (the supervisor is gone).
-        """
+    def record_state(self, report: pipe.StateReport) -> None:
         with self._lock:
             if self.gone.is_set():
-                raise SupervisorGone(f"the supervisor is gone; the run's state {state} is not recorded")
+                raise HostGone(f"the supervisor is gone; the run's state {report.state} is not recorded")
             self._seq += 1
             seq = self._seq
             ev = self._acks[seq] = threading.Event()
-        node = getattr(self.agent, "node", None)
-        st = node.status() if node is not None else {}
-        extra: dict[str, Any] = {"round": int(st.get("round", 0))}
-        if "rounds_alone" in st:  # a degraded run: its ledger entry says so
-            extra.update(degraded_fields(st))
-        snap = getattr(self.agent, "snapshot", None)
-        if snap is not None and len(snap):
-            extra["snapshot_last_id"] = int(snap.max())
-        self.send({"type": "state", "state": state, "seq": seq, **extra, **info})
+        self.send(dataclasses.replace(report, seq=seq))
         ok = ev.wait(ACK_TIMEOUT_S)
         with self._lock:
             self._acks.pop(seq, None)
         if not ok or self.gone.is_set():
-            raise SupervisorGone(f"the supervisor did not record the run's state {state}")
-
-
-def _end_doc(agent: Any) -> dict[str, Any]:
-    """The ``end`` message: how the run ended here."""
-    from dfl_agent.runtime.service_counters import run_drops
-
-    node = agent.node
-    snap = agent.snapshot
-    return {"type": "end", "outcome": agent.outcome,
-            "round": int(node.status().get("round", 0)) if node is not None else 0,
-            "last_round": int(node.last_round()) if node is not None else 0,
-            "data_shape": agent.data_shape,
-            "snapshot_last_id": int(snap.max()) if snap is not None and len(snap) else None,
-            "drops": run_drops(node) if node is not None else {}}
+            raise HostGone(f"the supervisor did not record the run's state {report.state}")
 
 
 def run_child(config: str, run_dir: str, channel: RunChannel) -> int:
@@ -204,7 +163,7 @@ def run_child(config: str, run_dir: str, channel: RunChannel) -> int:
     except ModuleNotFoundError as exc:  # the base wheel: no torch, so no run can train here
         from dfl_agent.extras import missing_torch
 
-        channel.send({"type": "error", "kind": "startup", "message": missing_torch(exc) or str(exc)})
+        channel.send(pipe.Failure("startup", missing_torch(exc) or str(exc)))
         return 2
     from dfl_agent.runtime.config import ConfigError, load_config
     from dfl_agent.runtime.descriptor import RunDescriptor
@@ -214,15 +173,12 @@ def run_child(config: str, run_dir: str, channel: RunChannel) -> int:
         raw = bounded_loads((Path(run_dir) / "descriptor.json").read_bytes(), "state")
         d = RunDescriptor.from_dict({k: v for k, v in raw.items() if k != "schema_version"})
     except (ConfigError, OSError, ValueError) as exc:
-        channel.send({"type": "error", "kind": "startup", "message": str(exc)})
+        channel.send(pipe.Failure("startup", str(exc)))
         return 2
     from dfl_agent.runtime.daemon import _setup_logging
 
     _setup_logging(cfg.runtime.log_level, cfg.runtime.log_format)
-    agent = Agent(cfg, None, run=d, run_dir=Path(run_dir), serving=True, wanted_peers=channel.may_join,
-                  members=channel.members, on_state=channel.state)
-    agent.relay = channel
-    channel.agent = agent
+    agent = Agent(cfg, None, run=d, run_dir=Path(run_dir), serving=True, host=channel)
 
     async def main() -> int:
         stop = asyncio.Event()
@@ -237,16 +193,16 @@ def run_child(config: str, run_dir: str, channel: RunChannel) -> int:
     try:
         rc = asyncio.run(main())
     except StartupError as exc:
-        channel.send({"type": "error", "kind": "startup", "message": str(exc)})
+        channel.send(pipe.Failure("startup", str(exc)))
         return 2
-    except SupervisorGone as exc:
+    except HostGone as exc:
         log.error("run %s: %s; the run process stops", d.run_id, exc)
         return 1
     except Exception as exc:  # the algorithm crashed: the supervisor records it and may retry
         log.exception("run %s crashed", d.run_id)
-        channel.send({"type": "error", "kind": "crash", "message": f"{type(exc).__name__}: {exc}"})
+        channel.send(pipe.Failure("crash", f"{type(exc).__name__}: {exc}"))
         return 1
-    channel.send(_end_doc(agent))
+    channel.send(agent.end_report())
     return rc
 
 
@@ -263,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     channel = RunChannel(out, sys.stdin)
     try:
         channel.read_start()
-    except (SupervisorGone, ValueError) as exc:
+    except (HostGone, pipe.PipeError) as exc:
         print(f"dfl-agent run process: {exc}", file=sys.stderr)
         return 1
     return run_child(args.config, args.run_dir, channel)

@@ -10,7 +10,7 @@ makes a :class:`ChildRun`, which
   (:class:`~dfl_agent.runtime.cgroup.RunCgroup`; unlimited, with one WARNING, where no cgroup
   can be made), without the systemd notification socket (only the supervisor talks to systemd),
   and so that the kernel kills it when the supervisor dies;
-* follows it over the pipe (JSON lines): it signs and publishes the presence and the status
+* follows it over the typed pipe (:mod:`dfl_agent.runtime.pipe`): it signs and publishes the presence and the status
   heartbeats the child relays (with the service's refusal and drop counters), records the
   run's states after its rounds in the run ledger through the run manager before it lets the
   child go on, switches ``current`` to the version the child installed and announces it;
@@ -41,9 +41,9 @@ from typing import Any
 
 import numpy as np
 
+from dfl_agent.runtime import pipe
 from dfl_agent.runtime.assembly import StartupError
 from dfl_agent.runtime.cgroup import RunCgroup, classify_exit
-from dfl_agent.runtime.degraded import FIELDS as DEGRADED_FIELDS
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -87,14 +87,13 @@ class RelayedNode:
     def last_round(self) -> int:
         return int(self.st.get("round") or 0)
 
-    def update(self, doc: dict[str, Any]) -> None:
-        """Take a ``status`` message of the run process."""
-        if isinstance(doc.get("status"), dict):
-            self.st = dict(doc["status"])
-        if isinstance(doc.get("counters"), dict):
-            self.ctx.figures.update({k: v for k, v in doc["counters"].items() if v is not None})
-        if isinstance(doc.get("live_peers"), list):
-            self.ctx.peers = [str(p) for p in doc["live_peers"]]
+    def update(self, msg: pipe.StatusReport) -> None:
+        """Take a status report of the run process."""
+        self.st = dict(msg.status)
+        if msg.counters is not None:
+            self.ctx.figures.update(msg.counters.to_json())
+        if msg.live_peers is not None:
+            self.ctx.peers = list(msg.live_peers)
 
 
 class _Checkpointed:
@@ -196,7 +195,7 @@ class ChildRun:
             self.proc = proc = await self._spawn(run_toml, env, None)
         log.info("run %s: run process %d started (attempt %d%s)", self.run_desc.run_id, proc.pid, self.attempt,
                  f", memory limit {self.memory_mb} MiB" if cgroup is not None and self.memory_mb else "")
-        self._send({"type": "start", "members": self.members, "may_join": self._wanted()})
+        self._send(pipe.Start(tuple(self.members), self._wanted()))
         tasks = [asyncio.ensure_future(self._tick()), asyncio.ensure_future(self._stop_on(stop))]
         try:
             await self._read()
@@ -239,7 +238,8 @@ class ChildRun:
         return 0
 
     async def _read(self) -> None:
-        """Handle the run process's messages until its output ends."""
+        """Handle the run process's messages until its output ends; a line that is not a
+        pipe message is dropped (logged)."""
         assert self.proc is not None and self.proc.stdout is not None
         while True:
             try:
@@ -250,50 +250,50 @@ class ChildRun:
             if not line:
                 return
             try:
-                doc = json.loads(line)
-                if isinstance(doc, dict):
-                    await self._handle(doc)
+                await self._handle(pipe.from_line(line))
+            except pipe.PipeError as exc:
+                log.warning("run %s: dropped a message of the run process: %s", self.run_desc.run_id, exc)
             except Exception:  # noqa: BLE001 - one bad message never ends the run's follow-up
                 log.exception("run %s: could not handle a message of the run process", self.run_desc.run_id)
 
-    async def _handle(self, doc: dict[str, Any]) -> None:
-        kind, node = doc.get("type"), self.node
+    async def _handle(self, msg: pipe.Message) -> None:
+        node = self.node
         assert node is not None
-        if kind == "presence" and isinstance(doc.get("descriptor"), dict):
+        if isinstance(msg, pipe.Presence):
             self._presence = True
-            self.lobby.publish_presence(doc["descriptor"])
-        elif kind == "status":
-            node.update(doc)
-            self.checkpointer.last_saved = int(doc.get("checkpoint_round") or 0)
+            self.lobby.publish_presence(msg.descriptor)
+        elif isinstance(msg, pipe.StatusReport):
+            node.update(msg)
+            self.checkpointer.last_saved = msg.checkpoint_round
             self.lobby.publish_run_status(node.status(), self.service_status() if self.service_status else None)
-        elif kind == "state":
-            await self._state(doc)
-        elif kind == "error":
-            self.error = str(doc.get("message", ""))
-        elif kind == "end":
-            self.outcome = str(doc.get("outcome", "stopped"))
-            self.data_shape = doc.get("data_shape")
-            node.st["round"] = doc.get("round", node.last_round())
-            node.ctx.figures["dropped"] = dict(doc.get("drops") or {})
-            if doc.get("snapshot_last_id") is not None:
-                self.snapshot = np.array([int(doc["snapshot_last_id"])])
+        elif isinstance(msg, pipe.StateReport):
+            await self._state(msg)
+        elif isinstance(msg, pipe.Failure):
+            self.error = msg.message
+        elif isinstance(msg, pipe.End):
+            self.outcome = msg.outcome
+            self.data_shape = msg.data_shape
+            node.st["round"] = msg.round
+            node.ctx.figures["dropped"] = dict(msg.drops)
+            if msg.snapshot_last_id is not None:
+                self.snapshot = np.array([msg.snapshot_last_id])
 
-    async def _state(self, doc: dict[str, Any]) -> None:
+    async def _state(self, msg: pipe.StateReport) -> None:
         """A state of the run after its rounds: the run manager records it (the ledger),
         then, for ``deployed``, ``current`` is switched and announced; then the child goes on."""
-        state, node = str(doc.get("state")), self.node
+        node = self.node
         assert node is not None
-        node.st["round"] = doc.get("round", node.last_round())
-        node.st.update({k: doc[k] for k in DEGRADED_FIELDS if k in doc})  # the run manager's ledger entry
-        if doc.get("snapshot_last_id") is not None:
-            self.snapshot = np.array([int(doc["snapshot_last_id"])])
-        if state == "trained":
+        node.st["round"] = msg.round
+        node.st.update(msg.degraded)  # the run manager's ledger entry
+        if msg.snapshot_last_id is not None:
+            self.snapshot = np.array([msg.snapshot_last_id])
+        if msg.state == "trained":
             self.outcome = "finished"
         if self.on_state is not None:  # "trained" carries the run's start (warm start) for the ledger
-            self.on_state(state, **({"start": doc["start"]} if isinstance(doc.get("start"), dict) else {}))
-        if state == "deployed" and doc.get("version") is not None:
-            await asyncio.to_thread(self._switch, int(doc["version"]))
-        self._send({"type": "ack", "seq": doc.get("seq")})
+            self.on_state(msg.state, **({"start": msg.start} if msg.start is not None else {}))
+        if msg.state == "deployed" and msg.version is not None:
+            await asyncio.to_thread(self._switch, msg.version)
+        self._send(pipe.Ack(msg.seq))
 
     def _switch(self, version: int) -> None:
         """Point ``current`` at the version the run process installed, prune, announce."""
@@ -306,11 +306,11 @@ class ChildRun:
         announce(self.lobby, models)
 
     # -- talking to the run process ----------------------------------------------------------
-    def _send(self, doc: dict[str, Any]) -> None:
+    def _send(self, msg: pipe.ToRun) -> None:
         stdin = self.proc.stdin if self.proc is not None else None
         if stdin is None or stdin.is_closing():
             return
-        stdin.write((json.dumps(doc) + "\n").encode())
+        stdin.write(pipe.to_line(msg))
 
     def _wanted(self) -> int:
         return int(self.wanted_peers()) if self.wanted_peers is not None else sys.maxsize
@@ -324,7 +324,7 @@ class ChildRun:
             wanted = self._wanted()
             if wanted != self._may_join:
                 self._may_join = wanted
-                self._send({"type": "may_join", "n": wanted})
+                self._send(pipe.MayJoin(wanted))
             if n is not None:
                 if interval:
                     n.watchdog()

@@ -206,29 +206,30 @@ def test_dflctl_status_run_list_and_run_show_show_degraded():
 def test_a_run_process_tells_its_supervisor_the_degraded_counts_with_trained():
     """The run process's ``trained`` message carries them; the supervisor's view of the node
     (what the run manager reads for the ledger) takes them."""
-    import os
-    import threading
+    from dfl_agent.runtime import pipe
+    from dfl_agent.runtime.agent import Agent
+    from dfl_agent.runtime.supervisor import ChildRun, RelayedNode
 
-    from dfl_agent.runtime.run_process import RunChannel
-    from dfl_agent.runtime.supervisor import RelayedNode
+    class Host:
+        def __init__(self):
+            self.reports = []
 
-    r_out, w_out = os.pipe()
-    r_in, w_in = os.pipe()
-    ch = RunChannel(os.fdopen(w_out, "wb", buffering=0), os.fdopen(r_in, "r"))
-    to_child = os.fdopen(w_in, "w")
-    to_child.write(json.dumps({"type": "start", "members": [], "may_join": 0}) + "\n")
-    to_child.flush()
-    ch.read_start()
+        def members(self):
+            return ()
+
+        def may_join(self):
+            return 0
+
+        def record_state(self, report):
+            self.reports.append(report)
+
+    host = Host()
+    agent = Agent(config_from_dict({"federation": "f"}), host=host)
     st = {"round": 20, "rounds_alone": 15, "exchange_rounds": 20, "degraded": True}
-    ch.agent = SimpleNamespace(node=SimpleNamespace(status=lambda: st), snapshot=None)
-    t = threading.Thread(target=ch.state, args=("trained",))
-    t.start()
-    msg = json.loads(os.fdopen(r_out, "r").readline())
-    to_child.write(json.dumps({"type": "ack", "seq": msg["seq"]}) + "\n")
-    to_child.flush()
-    t.join(5)
-    assert (msg["degraded"], msg["rounds_alone"], msg["exchange_rounds"]) == (True, 15, 20)
-    from dfl_agent.runtime.supervisor import ChildRun
+    agent.node = SimpleNamespace(status=lambda: st)
+    agent._tell("trained")
+    msg = pipe.from_line(pipe.to_line(host.reports[0]))  # as it crosses the pipe
+    assert (msg.degraded["degraded"], msg.degraded["rounds_alone"], msg.degraded["exchange_rounds"]) == (True, 15, 20)
 
     told = []
     child = ChildRun(config_from_dict({"federation": "f"}), run=SimpleNamespace(run_id="r"), run_dir=Path("."),

@@ -36,6 +36,7 @@ class DeployingAgent:
     the model files, the versions folder."""
 
     trainings = 0
+    host = None  # one process: no supervisor
 
     def __init__(self, cfg, config_path, *, run, run_dir, on_state, **kw):
         from dfl_agent.models import build_model, default_spec

@@ -7,13 +7,17 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from dfl_agent.discovery.presence import MqttPresence
+from dfl_agent.runtime import pipe
 from dfl_agent.runtime.assembly import StartupError
-from dfl_agent.runtime.run_process import RunChannel, SupervisorGone
+from dfl_agent.runtime.pipe import StateReport
+from dfl_agent.runtime.run_host import HostGone
+from dfl_agent.runtime.run_process import RunChannel
 from dfl_agent.runtime.supervisor import ChildRun, RelayedNode
 
 
@@ -29,10 +33,9 @@ def test_state_waits_for_the_supervisors_ack_and_carries_the_round():
     to_child.write(json.dumps({"type": "start", "members": ["b"], "may_join": 2}) + "\n")
     to_child.flush()
     ch.read_start()
-    assert ch.members == ["b"] and ch.may_join() == 2
-    ch.agent = SimpleNamespace(node=SimpleNamespace(status=lambda: {"round": 3}), snapshot=None)
+    assert ch.members() == ("b",) and ch.may_join() == 2
     done = threading.Event()
-    t = threading.Thread(target=lambda: (ch.state("trained"), done.set()))
+    t = threading.Thread(target=lambda: (ch.record_state(StateReport("trained", 0, round=3)), done.set()))
     t.start()
     msg = json.loads(from_child.readline())
     assert msg == {"type": "state", "state": "trained", "seq": 1, "round": 3}
@@ -44,6 +47,35 @@ def test_state_waits_for_the_supervisors_ack_and_carries_the_round():
     assert ch.may_join() == 0
 
 
+def test_a_line_that_is_no_pipe_message_is_dropped_and_the_pipe_goes_on():
+    ch, from_child, to_child = _channel()
+    to_child.write(json.dumps({"type": "start"}) + "\n")
+    to_child.flush()
+    ch.read_start()
+    to_child.write("{not json\n" + json.dumps({"type": "what"}) + "\n" + json.dumps({"type": "may_join", "n": "x"})
+                   + "\n" + json.dumps({"type": "may_join", "n": 1}) + "\n")
+    to_child.flush()
+    deadline = time.monotonic() + 5
+    while ch.may_join() != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ch.may_join() == 1 and ch.dropped == 3 and not ch.gone.is_set()
+
+
+def test_every_pipe_message_reads_back_as_it_was_written():
+    msgs = [pipe.Start(("a", "b"), 3), pipe.Ack(7), pipe.MayJoin(0), pipe.Presence({"algorithm": "fedavg"}),
+            pipe.StatusReport({"round": 2}, pipe.RunCounters(1, 2, {"replay": 3}, 0), ("p",), 2),
+            pipe.StatusReport({"round": 0}),
+            StateReport("deployed", 4, round=5, snapshot_last_id=9, version=2, start={"init": "warm"},
+                        degraded={"degraded": True, "rounds_alone": 1, "exchange_rounds": 5}),
+            pipe.Failure("startup", "data.path: no such folder"),
+            pipe.End("finished", 5, 5, [[3, 32], 6], 9, {"replay": 1})]
+    for m in msgs:
+        assert pipe.from_line(pipe.to_line(m)) == m
+    for bad in (b"[1]", b'{"type": "state", "state": "sleeping", "seq": 1}', b'{"type": "ack"}', b"\xff"):
+        with pytest.raises(pipe.PipeError):
+            pipe.from_line(bad)
+
+
 def test_a_closed_pipe_means_the_supervisor_is_gone():
     ch, from_child, to_child = _channel()
     to_child.write(json.dumps({"type": "start"}) + "\n")
@@ -53,8 +85,8 @@ def test_a_closed_pipe_means_the_supervisor_is_gone():
     ch.read_start()
     to_child.close()
     assert gone.wait(5)
-    with pytest.raises(SupervisorGone):
-        ch.state("deploying")
+    with pytest.raises(HostGone):
+        ch.record_state(StateReport("deploying", 0))
 
 
 def test_a_run_process_presence_relays_and_sets_no_will():
