@@ -51,8 +51,8 @@ from dfl_agent.runtime.assembly import (
 from dfl_agent.runtime.config import NodeConfig
 from dfl_agent.runtime.degraded import degraded_fields
 from dfl_agent.runtime.deployment import deploy_after_run
+from dfl_agent.runtime.descriptor import RunDescriptor
 from dfl_agent.runtime.dp_run import dp_sink, with_privacy
-from dfl_agent.runtime.liveness import cancel_and_wait
 from dfl_agent.runtime.metrics import end_torn_line
 from dfl_agent.runtime.node import RunStopped, init_seed_for
 from dfl_agent.runtime.onnx_publisher import OnnxPublisher
@@ -62,8 +62,7 @@ from dfl_agent.runtime.preflight import load_data
 from dfl_agent.runtime.rejoin import RunMembers
 from dfl_agent.runtime.run_config import node_id_from_state
 from dfl_agent.runtime.run_host import RunHost
-from dfl_agent.runtime.sample_store import open_store, seed_store, snapshot_from_checkpoint, spool_loop, store_data
-from dfl_agent.runtime.systemd import Notifier
+from dfl_agent.runtime.sample_store import open_store, snapshot_from_checkpoint, store_data
 from dfl_agent.runtime.warm_start import begin_run
 
 log = logging.getLogger("dfl_agent.daemon")
@@ -91,35 +90,25 @@ class Agent(RunMembers, AgentOperations):
     """One running daemon: wires config, data, transport, discovery and the algorithm."""
 
     def __init__(self, cfg: NodeConfig, config_path: str | None = None, psutil_mod: Any = None, *,
-                 run: Any = None, run_dir: Path | None = None, serving: bool = False,
-                 should_stop: Any = None, wanted_peers: Any = None, members: Any = None,
-                 on_state: Callable[..., None] | None = None, host: RunHost | None = None):
+                 host: RunHost, run: RunDescriptor | None = None, run_id: str | None = None,
+                 run_dir: Path | None = None):
         self.cfg = cfg
-        #: the service around the run (:class:`~dfl_agent.runtime.run_host.RunHost`; a run process's
-        #: :class:`~dfl_agent.runtime.run_process.RunChannel`), None in one process: the host then
-        #: publishes the node's presence and status, records the run's states after its rounds,
-        #: keeps ingesting the sample store, switches ``current`` and announces the deployment
+        #: the service around the run (:class:`~dfl_agent.runtime.run_host.RunHost`; in a run process
+        #: its :class:`~dfl_agent.runtime.run_process.RunChannel`): it publishes the node's presence
+        #: and status, records the run's states after its rounds, ingests the sample store,
+        #: switches ``current`` and announces the deployment
         self.host = host
-        if host is not None:
-            wanted_peers, members = host.may_join, host.members()
-        #: told the run's states after its rounds: ``trained``, ``deploying``, ``deployed``
-        #: or ``kept`` (the run manager's transitions; None with ``--once``)
-        self.on_state = on_state
-        #: the run trained (runs.RunDescriptor; None with ``--once``), its folder, and
-        #: whether an always-on ``serve`` loop owns the process (no systemd STOPPING)
+        #: the run trained (None: ``dfl-agent run --once``'s run, whose files stay in the state
+        #: directory: ``checkpoints/``, ``runtime.metrics_file``) and its folder
         self.run_desc = run
         self.run_dir = run_dir
-        self.serving = serving
-        #: extra stop condition checked after every round (``() -> bool``; runs: cancelled)
-        self.should_stop = should_stop
-        #: ``() -> int``: at most this many peers can still come (runs: the others that did
-        #: not decline the run); the wait for ``discovery.min_peers`` never waits for more
-        self.wanted_peers = wanted_peers
+        #: the run's id: the descriptor's, else the one its supervisor gave (``--once``)
+        self.run_id = run.run_id if run is not None else run_id or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         #: the run's members besides this node, whose majority may say that the run is
-        #: finished: the admitted members given here (runs: verified statuses that
-        #: accepted it), those recorded in ``members.json`` of the run's folder, and the
-        #: live verified neighbours when the node starts its rounds (see :meth:`_members`)
-        self.members: set[str] = {str(m) for m in (members or ())}
+        #: finished: the admitted members the host names, those recorded in ``members.json``
+        #: of the run's folder, and the live verified neighbours when the node starts its
+        #: rounds (see :meth:`_members`)
+        self.members: set[str] = set(host.members())
         self.outcome = "starting"
         self.psutil = psutil_mod  # None = the real psutil (tests pass a stand-in for battery etc.)
         self.state_dir = Path(cfg.state_dir)
@@ -127,9 +116,8 @@ class Agent(RunMembers, AgentOperations):
         self.node: Any = None
         self.mdns: Any = None
         self.ctx: Any = None
-        # -- operations: systemd notification, checkpoints, SIGHUP reload
+        # -- operations: checkpoints, SIGHUP reload (config_path: node.toml)
         self.config_path = config_path
-        self.notifier = Notifier()
         self.checkpointer: Any = None
         self.metrics_path: Path | None = None  # the metrics file of the run (read on resume)
         self.metrics_run: str | None = None
@@ -140,12 +128,13 @@ class Agent(RunMembers, AgentOperations):
         self.deployed: Any = None  # the last deploy result
         self.start: dict[str, Any] = {}  # the run's start (runtime.warm_start): init, started_from, reason
         self.publisher: Any = None  # sends the model to inference-only members (runtime.onnx_publisher)
-        self.run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())  # until runs have their own ids
         #: the data's (input shape, number of classes), once loaded (runs: accept-time memory check)
         self.data_shape: tuple[Any, int | None] | None = None
-        #: ``() -> dict``: the always-on service's fields of the run's status (its refusal and
-        #: drop counters, :class:`~dfl_agent.runtime.service_counters.ServiceCounters`); None with ``--once``
-        self.service_status: Callable[[], dict[str, Any]] | None = None
+
+    def wanted_peers(self) -> int:
+        """At most this many peers can still come (the others that did not decline the run,
+        as the host says); the wait for ``discovery.min_peers`` never waits for more."""
+        return self.host.may_join()
 
     async def run(self, stop: asyncio.Event) -> int:
         """Train this node's run until its last round or ``stop`` (then leave cleanly).
@@ -247,7 +236,7 @@ class Agent(RunMembers, AgentOperations):
             on_heartbeat=on_heartbeat,
             tls_ca=cfg.mqtt.tls_ca, tls_cert=cfg.mqtt.tls_cert, tls_key=cfg.mqtt.tls_key,
             max_transfers=cfg.mqtt.max_transfers, control=s.guard,
-            relay=self._relay if self.host is not None else None,
+            relay=self._relay,
         )
         return transport, mdns_descriptor
 
@@ -306,23 +295,16 @@ class Agent(RunMembers, AgentOperations):
             node.accuracy_source = "local validation"
         if self.metrics_run is not None:
             node.run_info = {"id": self.metrics_run, "state": "accepted", "reason": ""}
-        node.service_status, node.lr_ramp = self.service_status, cfg.training.warm_start_ramp  # a warm start's ramp
+        node.lr_ramp = cfg.training.warm_start_ramp  # a warm start's ramp
 
     def _attach_publisher(self, s: _Setup) -> None:
-        """With ONNX available: send the deployable model to inference-only members after
-        every round (with the store and deployment: the deployed version only; a run process
-        sends nothing, its supervisor delivers, :mod:`dfl_agent.runtime.member_delivery`)."""
-        if not onnx_available():
+        """With ONNX available and no deployment: send the deployable model to inference-only
+        members after every round that improved it (with the store and deployment the
+        supervisor delivers the deployed version, :mod:`dfl_agent.runtime.member_delivery`)."""
+        if not onnx_available() or (self.store is not None and self.cfg.deploy.enabled):
             return
-        cfg, node = self.cfg, self.node
-        deployed = None  # with the store and deployment: the deployed version only
-        if self.store is not None and cfg.deploy.enabled:
-            if self.host is not None:
-                return
-            from dfl_agent.deploy import ModelStore
-
-            deployed = ModelStore(self.state_dir, keep=cfg.deploy.keep)
-        self.publisher = OnnxPublisher(self.ctx, node.algorithm, s.bundle.pool.input_shape, s.spec, models=deployed)
+        node = self.node
+        self.publisher = OnnxPublisher(self.ctx, node.algorithm, s.bundle.pool.input_shape, s.spec)
         self.publisher.model_source = node.reported_model  # the evaluated model of the record
         node.after_round.append(self.publisher)
 
@@ -335,27 +317,23 @@ class Agent(RunMembers, AgentOperations):
         async with contextlib.AsyncExitStack() as stack:
             stack.callback(metrics_file.close)
             stack.push_async_callback(self.ctx.stop)
-            try:
-                if not await self._start_services(stack, mdns_descriptor):
-                    return 3
-                start_round = await self._setup(stack, spec)
-                resumed = start_round is None or start_round > 1
-                if start_round is not None:
-                    start_round = await self._join(stop, start_round)
-                if start_round is None:  # all rounds done before a restart, or the members ended the run
-                    if resumed and self.outcome == "finished" and self.run_desc is not None:
-                        self._tell("trained", start=self.start)  # it ends with its checkpoint's model,
-                        await self._after_run(spec, input_shape)  # deployed or kept once
-                    return 0
-                await self._run_rounds(stop, start_round, spec, input_shape)
+            if not await self._start_services(stack, mdns_descriptor):
+                return 3
+            start_round = await self._setup(stack, spec)
+            resumed = start_round is None or start_round > 1
+            if start_round is not None:
+                start_round = await self._join(stop, start_round)
+            if start_round is None:  # all rounds done before a restart, or the members ended the run
+                if resumed and self.outcome == "finished" and self.run_desc is not None:
+                    self._tell("trained", start=self.start)  # it ends with its checkpoint's model,
+                    await self._after_run(spec, input_shape)  # deployed or kept once
                 return 0
-            finally:
-                if not self.serving:
-                    self.notifier.stopping()
+            await self._run_rounds(stop, start_round, spec, input_shape)
+            return 0
 
     async def _start_services(self, stack: contextlib.AsyncExitStack, mdns_descriptor: dict[str, Any]) -> bool:
-        """Connect to the broker, advertise on mDNS, keep ingesting the spool (each stopped
-        by ``stack``).  False when the broker is unreachable."""
+        """Connect to the broker and advertise on mDNS (each stopped by ``stack``).  False when
+        the broker is unreachable."""
         try:
             await self.ctx.start()
         except ConnectionError as exc:
@@ -367,14 +345,11 @@ class Agent(RunMembers, AgentOperations):
                                       descriptor=mdns_descriptor, interfaces=list(cfg.discovery.interfaces))
             stack.push_async_callback(self.mdns.stop)
             await self.mdns.start()
-        if self.store is not None and self.host is None:  # a run process: the supervisor ingests
-            stack.push_async_callback(cancel_and_wait, asyncio.ensure_future(spool_loop(self.store, cfg.data.spool_interval)))
         return True
 
     async def _setup(self, stack: contextlib.AsyncExitStack, spec: dict[str, Any]) -> int | None:
-        """Set the algorithm up, restore the checkpoint, start the systemd watchdog and the
-        Prometheus endpoint.  Returns the first round to run, None when the checkpoint says
-        every round is done."""
+        """Set the algorithm up and restore the checkpoint.  Returns the first round to run,
+        None when the checkpoint says every round is done."""
         from dfl_agent.models import spec_hash
 
         node, rounds, cfg, t = self.node, self.cfg.algorithm.rounds, self.cfg, self.cfg.training
@@ -384,10 +359,6 @@ class Agent(RunMembers, AgentOperations):
                                                 start_round > 1, t.warm_start_probe, t.warm_start_ramp)  # warm start
         self.members |= self._load_members(resumed=start_round > 1)
         await node.publish_status()
-        if (watchdog := self._start_systemd()) is not None:
-            stack.callback(watchdog.cancel)
-        if (exporter := self._start_prometheus()) is not None:
-            stack.callback(exporter.stop)
         if start_round > rounds:
             log.info("the checkpoint says all %d rounds are done; %s", rounds,
                      "nothing to run" if self.run_desc is None else "the run goes on with its deployment")
@@ -423,9 +394,8 @@ class Agent(RunMembers, AgentOperations):
         """The rounds from ``start_round``, until the last one (then deploy) or a stop or
         cancel (the completed rounds' records are written first)."""
         node, ctx, rounds = self.node, self.ctx, self.cfg.algorithm.rounds
-        should_stop = self.should_stop
-        # checked after every round (a stop or cancel mid-round also cancels the round in progress, below)
-        node.stop_check = lambda: stop.is_set() or bool(should_stop is not None and should_stop())
+        # checked after every round (a stop, or a cancel's SIGTERM, mid-round also cancels the round in progress)
+        node.stop_check = stop.is_set
         node.finish_check = self._federation_finished if self.cfg.runtime.rejoin and node.algorithm.communicates else None
         run = asyncio.ensure_future(node.run(rounds, start_round))
         stopper = asyncio.ensure_future(stop.wait())
@@ -459,9 +429,6 @@ class Agent(RunMembers, AgentOperations):
         saved with the checkpoint being resumed), and split it."""
         d = self.cfg.data
         self.store = store = open_store(self.cfg)
-        if self.host is None:  # a run process: the supervisor seeds and ingests the store
-            seed_store(store, d.path)
-            store.ingest_spool()
         ids = snapshot_from_checkpoint(self.run_dir or self.state_dir, self.cfg.algorithm.rounds) if self.cfg.runtime.checkpoint else None
         if ids is None:
             ids = store.snapshot()
@@ -484,34 +451,24 @@ class Agent(RunMembers, AgentOperations):
             log.error("deployment failed: %s", exc)
             return
         self._tell("deployed" if self.deployed.get("deployed") else "kept", version=self.deployed.get("version"))
-        if self.publisher is not None and self.deployed.get("deployed"):  # inference members: this version
-            try:
-                await self.publisher.deliver(self.node.history[-1]["round"] if self.node.history else 0)
-            except Exception as exc:  # noqa: BLE001 - delivery is best effort, the files are deployed
-                log.warning("could not send the deployed model to inference members: %s", exc)
 
     def _tell(self, state: str, **info: Any) -> None:
-        """Tell the host (or, in one process, the run manager's ``on_state``) the run's state
-        after its rounds (``info``: ``version`` for ``deployed``, ``start`` for ``trained``);
-        the host returns once it recorded it.
+        """Tell the host the run's state after its rounds (``info``: ``version`` for ``deployed``,
+        ``start`` for ``trained``); the host returns once it recorded it.
 
         Raises:
             HostGone: the host did not record it.
         """
-        if self.host is not None:
-            st = self.node.status() if self.node is not None else {}
-            snap = self.snapshot
-            self.host.record_state(StateReport(
-                state, 0, round=int(st.get("round", 0)), snapshot_last_id=int(snap.max()) if snap is not None
-                and len(snap) else None, version=info.get("version"), start=info.get("start") or None,
-                degraded=degraded_fields(st) if "rounds_alone" in st else {}))
-        elif self.on_state is not None:
-            self.on_state(state, **info)
+        st = self.node.status() if self.node is not None else {}
+        snap = self.snapshot
+        self.host.record_state(StateReport(
+            state, 0, round=int(st.get("round", 0)), snapshot_last_id=int(snap.max()) if snap is not None
+            and len(snap) else None, version=info.get("version"), start=info.get("start") or None,
+            degraded=degraded_fields(st) if "rounds_alone" in st else {}))
 
     def _relay(self, kind: str, doc: dict[str, Any]) -> None:
         """The presence's relay in a run process: the host publishes the node's presence
         (``kind`` ``presence``: ``doc`` is its descriptor) and status (``status``)."""
-        assert self.host is not None
         if kind == "presence":
             self.host.publish_presence(doc)
         else:
@@ -567,7 +524,7 @@ class Agent(RunMembers, AgentOperations):
             return self.cfg.runtime.rejoin and self.node.algorithm.communicates and self._federation_finished()
 
         def wanted() -> int:
-            return want if self.wanted_peers is None else min(want, int(self.wanted_peers()))
+            return min(want, int(self.wanted_peers()))
 
         while len(self.ctx.live_peers()) < wanted() and loop.time() < deadline and not finished():
             if stop.is_set():

@@ -26,6 +26,7 @@ import logging
 import shutil
 import signal
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,20 +83,23 @@ def _start_service_prometheus(cfg: NodeConfig, node_id: str, manager: RunManager
 
 
 async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
-                hooks: RunHooks | None = None) -> int:
-    """The always-on agent: stay a member of the federation and train in runs.
+                hooks: RunHooks | None = None, *, once: bool = False) -> int:
+    """The agent: stay a member of the federation and train in runs.
 
     Builds the :class:`~dfl_agent.runtime.run_manager.RunManager`
     (:func:`~dfl_agent.runtime.run_manager.build_run_manager`) and lets it run the node's
     default run (``[algorithm]``; recurring with ``algorithm.every``) and the published
     runs, one at a time, in queue order, until ``stop`` is set, with the lobby connected
     and the Prometheus endpoint up; both are torn down in reverse order (an
-    :class:`contextlib.AsyncExitStack`).  Its long-lived parts are watched
-    (:class:`~dfl_agent.runtime.liveness.Liveness`: the run listener's thread, the run
-    manager's loop with the status heartbeat and the spool ingestion): the systemd
-    watchdog is fed only while all are alive, a dead listener is restarted (counted as
+    :class:`contextlib.AsyncExitStack`).  With ``once`` (``dfl-agent run --once``) it runs the
+    ``[algorithm]`` run alone, the same way, and returns its exit code
+    (:meth:`~dfl_agent.runtime.run_manager.RunManager.run_once`).  Its long-lived parts are
+    watched (:class:`~dfl_agent.runtime.liveness.Liveness`: the run listener's thread, the run
+    manager's loop with the status heartbeat and the spool ingestion): the systemd watchdog
+    is fed only while all are alive, a dead listener is restarted (counted as
     ``task_restarts`` in the status), and a part that cannot be restarted stops the agent
-    with exit code 1.  Returns the exit code (0 when stopped, 1 when a part failed).
+    with exit code 1.  SIGHUP reloads (:meth:`~dfl_agent.runtime.run_manager.RunManager.reload`).
+    Returns the exit code (0 when stopped, 1 when a part failed).
 
     Raises:
         StartupError: the default run cannot start (bad configuration: exit code 2).
@@ -103,10 +107,16 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
     from dfl_agent.runtime.cgroup import remove_leftovers
     from dfl_agent.runtime.run_manager import build_run_manager
 
-    manager = build_run_manager(cfg, config_path, hooks=hooks)
+    if once:  # --once trains now: without torch it cannot (one line naming the extra, exit code 2)
+        from dfl_agent.extras import require_torch
+
+        require_torch()
+    manager = build_run_manager(cfg, config_path, hooks=hooks, once=once)
     remove_leftovers(manager.node_id)  # the run cgroups of a supervisor killed before it removed them
+    with contextlib.suppress(NotImplementedError, RuntimeError):  # not in the main thread (tests): no SIGHUP
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, manager.reload)
     liveness = Liveness()
-    manager.notifier.alive = liveness.alive  # the training agent shares this notifier
+    manager.notifier.alive = liveness.alive  # the run processes' watchdog pings follow it
     manager.counters.fields["task_restarts"] = liveness.status  # in every status, idle and training
     async with contextlib.AsyncExitStack() as stack:
         manager.lobby.start()
@@ -125,15 +135,17 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
             stack.push_async_callback(cancel_and_wait, asyncio.ensure_future(MemberDelivery(cfg, manager.lobby).run(stop)))
         stack.callback(manager.notifier.stopping)
         log.info("node %s of federation %s serving: %s", manager.node_id, cfg.federation,
+                 "its [algorithm] run, then exits" if once else
                  "default run + runs from operators" if manager.has_default else "waiting for runs")
-        return await _serve_watched(manager, liveness, stop)
+        work = manager.run_once(stop) if once else manager.serve(stop)
+        return await _serve_watched(work, liveness, stop)
 
 
-async def _serve_watched(manager: RunManager, liveness: Liveness, stop: asyncio.Event) -> int:
-    """``manager.serve(stop)`` while ``liveness`` watches the agent's parts; when a part
-    fails for good, stop the runs (as SIGTERM does) and return 1.  An exception of the run
+async def _serve_watched(work: Coroutine[Any, Any, int], liveness: Liveness, stop: asyncio.Event) -> int:
+    """``work`` (the run manager's loop) while ``liveness`` watches the agent's parts; when a
+    part fails for good, stop the runs (as SIGTERM does) and return 1.  An exception of the run
     manager's loop (its status heartbeat, ingestion and runs) propagates: exit code 1."""
-    serving = asyncio.ensure_future(manager.serve(stop))
+    serving = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(liveness.wait_failed())
     try:
         await asyncio.wait({serving, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -147,7 +159,7 @@ async def _serve_watched(manager: RunManager, liveness: Liveness, stop: asyncio.
 
 
 def run_agent(cfg: NodeConfig, config_path: str | None = None, once: bool = True) -> int:
-    """Run the daemon until it finishes or gets SIGTERM/SIGINT (SIGHUP reloads the
+    """Run the agent until it finishes (``once``) or gets SIGTERM/SIGINT (SIGHUP reloads the
     configuration from ``config_path``).  Returns the exit code: 130 after SIGINT (Ctrl-C),
     else the agent's."""
 
@@ -165,22 +177,7 @@ def run_agent(cfg: NodeConfig, config_path: str | None = None, once: bool = True
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
-        if not once:
-            loop.add_signal_handler(signal.SIGHUP, lambda: log.info("SIGHUP: a run reads node.toml when it starts"))
-            return await serve(cfg, config_path, stop)
-        from dfl_agent.runtime.agent import Agent
-        from dfl_agent.runtime.degraded import once_exit_code
-        from dfl_agent.runtime.privacy_budget import OnceBudget
-
-        agent = Agent(cfg, config_path)
-        budget = OnceBudget(cfg, agent.run_id)  # privacy.dp: the run against the lifetime budget
-        budget.admit()  # declined: StartupError (exit code 2), else its plan is reserved in the privacy ledger
-        loop.add_signal_handler(signal.SIGHUP, agent.reload)
-        try:
-            rc = await agent.run(stop)
-        finally:
-            budget.end(agent.outcome)  # settled with the DP steps its round records count
-        return once_exit_code(rc, agent, cfg.runtime.allow_alone)  # 4: trained mostly alone
+        return await serve(cfg, config_path, stop, once=once)
 
     rc = asyncio.run(main())
     if got:

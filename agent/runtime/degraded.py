@@ -67,20 +67,17 @@ def warn_alone(t: int, alone: int, rounds: int, expected: list[str], last_warned
     return t
 
 
-def once_exit_code(rc: int, agent: Any, allow_alone: bool) -> int:
-    """``dfl-agent run --once``'s exit code after ``agent`` ran with exit code ``rc``:
-    :data:`EXIT_DEGRADED` when its finished run was closed alone in more than half its
-    exchange rounds and ``runtime.allow_alone`` is off, else ``rc``."""
-    node = getattr(agent, "node", None)
-    if rc != 0 or getattr(agent, "outcome", "") != "finished" or node is None:
-        return rc
-    fields = degraded_fields(node.status())
+def once_exit_code(fields: Mapping[str, Any], allow_alone: bool) -> int:
+    """``dfl-agent run --once``'s exit code for its finished run, from the run's ledger entry
+    (``fields``: :func:`degraded_fields`): :data:`EXIT_DEGRADED` when it was closed alone in more
+    than half its exchange rounds and ``runtime.allow_alone`` is off, else 0."""
+    fields = degraded_fields(fields)
     if not fields["degraded"]:
-        return rc
+        return 0
     if allow_alone or not mostly_alone(fields):
         log.warning("the run was degraded: %d of %d rounds closed alone", fields["rounds_alone"],
                     fields["exchange_rounds"])
-        return rc
+        return 0
     log.error("the run was degraded: %d of %d rounds closed alone (no peer update); exit code %d "
               "(runtime.allow_alone = true accepts it)", fields["rounds_alone"], fields["exchange_rounds"],
               EXIT_DEGRADED)

@@ -1,40 +1,34 @@
-"""The agent's operations: its checkpoints, its line in ``systemctl status``, the systemd
-watchdog, the Prometheus endpoint and SIGHUP reload (:class:`AgentOperations`, a part of
-:class:`~dfl_agent.runtime.agent.Agent`)."""
+"""The training agent's operations: its checkpoints and SIGHUP reload (:class:`AgentOperations`,
+a part of :class:`~dfl_agent.runtime.agent.Agent`).  systemd and the Prometheus endpoint are the
+service's (:mod:`dfl_agent.runtime.daemon`, :mod:`dfl_agent.runtime.supervisor`)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
 from dfl_agent.runtime.checkpoint import CheckpointStore, NodeCheckpointer
 from dfl_agent.runtime.degraded import recount
 from dfl_agent.runtime.metrics import written_rounds
-from dfl_agent.runtime.prometheus import PrometheusExporter
 from dfl_agent.runtime.reload import reload_config
-from dfl_agent.runtime.systemd import status_loop, watchdog_loop
 
 log = logging.getLogger("dfl_agent.daemon")
 
 
 class AgentOperations:
-    """Checkpoints, systemd and Prometheus for :class:`~dfl_agent.runtime.agent.Agent`
-    (which sets the attributes used here: ``cfg``, ``node``, ``ctx``, ``notifier``,
-    ``run_desc``, ``run_dir``, ``state_dir``, ``metrics_path``, ``metrics_run``,
-    ``node_id``, ``serving``, ``checkpointer``)."""
+    """Checkpoints and reload for :class:`~dfl_agent.runtime.agent.Agent` (which sets the
+    attributes used here: ``cfg``, ``node``, ``ctx``, ``run_desc``, ``run_dir``, ``state_dir``,
+    ``metrics_path``, ``metrics_run``, ``node_id``, ``checkpointer``)."""
 
     cfg: Any
     node: Any
     ctx: Any
-    notifier: Any
     run_desc: Any
     run_dir: Any
     state_dir: Any
     metrics_path: Any
     metrics_run: Any
     node_id: str
-    serving: bool
     checkpointer: Any
 
     def _resume(self, model_hash: str) -> int:
@@ -59,34 +53,6 @@ class AgentOperations:
                 self.metrics_path, self.node_id, self.metrics_run, restored)
         self.node.checkpoint = ck.save_async
         return restored + 1
-
-    def status_line(self) -> str:
-        """One line for ``systemctl status`` (STATUS=): round, role, peers."""
-        st = self.node.status() if self.node is not None else {}
-        prefix = f"run {self.run_desc.run_id} " if self.run_desc is not None else ""
-        return (f"{prefix}{st.get('state', 'starting')}: round {st.get('round', 0)}/{st.get('rounds', 0)}, "
-                f"role {st.get('role', 'peer')}, {len(st.get('live_peers', []))} peers")
-
-    def _start_systemd(self) -> asyncio.Task[None] | None:
-        """READY=1 with a STATUS, then WATCHDOG pings from the event loop."""
-        n = self.notifier
-        n.ready(self.status_line())
-        interval = n.watchdog_interval()
-        if not n.enabled:
-            return None
-        return asyncio.ensure_future(watchdog_loop(n, interval or 5.0, self.status_line)) if interval else \
-            asyncio.ensure_future(status_loop(n, self.status_line))
-
-    def _start_prometheus(self) -> Any:
-        port = self.cfg.runtime.prometheus_port
-        if not port or self.serving:  # an always-on agent serves one endpoint for its whole life
-            return None
-        try:
-            return PrometheusExporter(self.node, port, self.cfg.runtime.prometheus_address,
-                                      checkpoint_round=lambda: getattr(self.checkpointer, "last_saved", 0)).start()
-        except (ImportError, OSError) as exc:
-            log.error("Prometheus endpoint disabled: %s", exc)
-            return None
 
     def reload(self) -> list[str]:
         """SIGHUP: re-read the configuration file and apply what can change while running

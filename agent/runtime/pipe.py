@@ -13,7 +13,8 @@ Supervisor -> run process (the run process's standard input):
   nodes may still join it;
 * :class:`Ack` once the supervisor recorded a :class:`StateReport` (and, for ``deployed``,
   switched ``current`` to the installed version);
-* :class:`MayJoin` whenever the number of nodes that may still join changes.
+* :class:`MayJoin` whenever the number of nodes that may still join changes;
+* :class:`Reload` after a SIGHUP (the run re-reads what can change while it runs).
 
 Run process -> supervisor (the run process's original standard output):
 
@@ -133,6 +134,21 @@ class MayJoin:
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> MayJoin:
         return cls(_int(doc, "n", UNBOUNDED))
+
+
+@dataclasses.dataclass(frozen=True)
+class Reload:
+    """SIGHUP: the supervisor checked ``node.toml`` again; the run applies what can change while
+    it runs (:func:`~dfl_agent.runtime.reload.reload_config`)."""
+
+    type: ClassVar[str] = "reload"
+
+    def to_json(self) -> JSON:
+        return {}
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Reload:
+        return cls()
 
 
 # -- run process -> supervisor ------------------------------------------------------------
@@ -297,11 +313,11 @@ class End:
                    {str(k): int(v) for k, v in drops.items() if isinstance(v, int) and not isinstance(v, bool)})
 
 
-ToRun = Start | Ack | MayJoin
+ToRun = Start | Ack | MayJoin | Reload
 FromRun = Presence | StatusReport | StateReport | Failure | End
 Message = ToRun | FromRun
 
-_KINDS: dict[str, type[Message]] = {c.type: c for c in (Start, Ack, MayJoin, Presence, StatusReport, StateReport, Failure, End)}
+_KINDS: dict[str, type[Message]] = {c.type: c for c in (Start, Ack, MayJoin, Reload, Presence, StatusReport, StateReport, Failure, End)}
 
 
 def to_line(msg: Message) -> bytes:

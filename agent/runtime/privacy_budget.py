@@ -19,7 +19,7 @@ over the run's round records (``RUN_DIR/metrics.jsonl``).  A run that ended earl
 cancelled) also counts one more round's steps for a round that may have been sent but not
 recorded, at most the plan; a run whose records carry no ``dp_steps`` keeps the plan's steps; a run
 that never started training releases its reservation.
-``dfl-agent run --once`` has no run manager: :class:`OnceBudget` does the same for its one run.
+``dfl-agent run --once`` goes through the same run manager, with its one run.
 A decline reason is published in the status: it names no figure that reveals N (:func:`public_reason`).
 
 **N**, the number of training samples: the sample store's snapshot less its validation slice
@@ -399,72 +399,3 @@ def deployment_privacy(cfg: Any, state_dir: str | Path, run_id: str) -> dict[str
     except (sqlite3.Error, OSError) as exc:
         log.warning("privacy ledger unreadable for the manifest: %s", exc)
         return None
-
-
-class OnceBudget:
-    """``dfl-agent run --once``: the privacy budget of its one run, without a run manager.
-
-    :meth:`admit` declines the run (a :class:`~dfl_agent.runtime.assembly.StartupError`, exit
-    code 2) or reserves its plan; :meth:`end` settles it from the round records the run appended
-    to the node's metrics file.  Nothing happens without ``privacy.dp``.
-
-    Raises:
-        StartupError: an invalid ``[privacy]``, an unusable profile or sample store.
-    """
-
-    def __init__(self, cfg: Any, run_id: str):
-        from dfl_agent.profiles import resolve_profile
-        from dfl_agent.runtime.assembly import StartupError
-
-        self.cfg, self.run_id, self.budget = cfg, run_id, None
-        try:
-            profile = resolve_profile(cfg.profile, cfg.profile_overrides)[0]
-            if device_privacy(cfg, profile).dp is None:
-                return
-        except (ValueError, LookupError) as exc:
-            raise StartupError(str(exc)) from None
-        self.metrics = Path(cfg.runtime.metrics_file or Path(cfg.state_dir) / "metrics.jsonl")
-        self.offset = self.metrics.stat().st_size if self.metrics.exists() else 0
-        store = None
-        if cfg.data.dataset == "store":  # N: the store as the run will find it (seeded, spool ingested)
-            from dfl_agent.runtime.sample_store import open_store, seed_store
-
-            try:
-                store = open_store(cfg)
-                seed_store(store, cfg.data.path)
-                waited = store.ingest_spool()
-                # spool files younger than the store's settle time are left for a later pass; the
-                # run finds them, so N counts them: wait for them to settle (a live feed: bounded)
-                until = time.monotonic() + float(getattr(store, "settle_seconds", 1.0)) + 1.0
-                while waited.get("waiting") and time.monotonic() < until:
-                    time.sleep(0.2)
-                    waited = store.ingest_spool()
-            except (OSError, ValueError) as exc:
-                raise StartupError(str(exc)) from None
-        self.store = store
-        self.budget = PrivacyBudget(cfg, profile, store)
-
-    def admit(self) -> None:
-        """Reserve the run's plan, or decline it.
-
-        Raises:
-            StartupError: ``run ID declined: privacy budget: ...`` (one line).
-        """
-        from dfl_agent.runtime.assembly import StartupError
-
-        if self.budget is None:
-            return
-        try:
-            reason = self.budget.admit_config(self.run_id, self.cfg)
-        finally:
-            if self.store is not None:
-                self.store.close()
-        if reason:
-            raise StartupError(f"run {self.run_id} declined: {reason}")
-        self.budget.on_state(self.run_id, "training", Path(self.cfg.state_dir))
-
-    def end(self, outcome: str) -> None:
-        """Settle the run (``outcome``: the agent's, ``finished`` or another)."""
-        if self.budget is not None:
-            self.budget.on_state(self.run_id, "finished" if outcome == "finished" else "failed",
-                                 Path(self.cfg.state_dir), metrics=self.metrics, offset=self.offset)

@@ -1,4 +1,6 @@
-"""SIGHUP: apply a changed configuration file to a running training agent.
+"""SIGHUP: apply a changed configuration file to a running training agent (the supervisor
+checks the file, tells systemd, and has its run process apply it: :meth:`RunManager.reload
+<dfl_agent.runtime.run_manager.RunManager.reload>`).
 
 What can change while running is applied (``runtime.log_level``,
 ``discovery.static_peers``, ``discovery.heartbeat_timeout``); other changes are logged
@@ -24,12 +26,10 @@ def reload_config(agent: Any) -> list[str]:
     logged as needing a restart.  A bad file changes nothing.  Returns the keys applied."""
     if not agent.config_path:
         return []
-    agent.notifier.reloading()
     try:
         new = load_config(agent.config_path)
     except ConfigError as exc:
         log.error("reload: configuration error, keeping the running one: %s", exc)
-        agent.notifier.ready(agent.status_line())
         return []
     old, applied = agent.cfg, []
     if new.runtime.log_level != old.runtime.log_level:
@@ -54,7 +54,6 @@ def reload_config(agent: Any) -> list[str]:
         setattr(agent.cfg, sec, getattr(new, sec))
     log.info("reloaded %s: applied %s%s", agent.config_path, ", ".join(applied) or "nothing",
              f"; needs a restart: {', '.join(later)}" if later else "")
-    agent.notifier.ready(agent.status_line())
     return applied
 
 

@@ -37,17 +37,17 @@ from pathlib import Path
 from typing import Any
 
 from dfl_agent.fsutil import atomic_write, crash_point
-from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.profiles import resolve_profile
 from dfl_agent.runtime.admission import admit
 from dfl_agent.runtime.assembly import StartupError, build_security
 from dfl_agent.runtime.config import NodeConfig
 from dfl_agent.runtime.degraded import degraded_fields
 from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier
-from dfl_agent.runtime.ledger import RunLedger, default_descriptor
+from dfl_agent.runtime.ledger import RunLedger
 from dfl_agent.runtime.lobby import RunLobby
 from dfl_agent.runtime.privacy_budget import PrivacyBudget
 from dfl_agent.runtime.run_config import RunHooks, _CancelWatch, _relay, node_id_from_state, run_config_for
+from dfl_agent.runtime.run_loop import RunLoop
 from dfl_agent.runtime.sample_store import open_store, seed_store
 from dfl_agent.runtime.service_counters import ServiceCounters
 from dfl_agent.runtime.systemd import Notifier
@@ -72,23 +72,16 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
     "cancelled": ("idle",),
     "failed": ("idle",),
 }
-#: a run on the sample store starts once the store holds this many samples (until then it
-#: waits in the queue while the spool is ingested)
-MIN_STORE_SAMPLES = 20
 #: the reason recorded for a run cancelled by the operator
 CANCELLED = "cancelled by the operator"
 #: the ledger's name of a state where it differs (``finished``: the ledger's terminal name)
 LEDGER_NAME = {"recorded": "finished"}
-#: states recorded after a run's training: a restart finishes the run from there
-AFTER_TRAINING = ("trained", "deploying", "deployed", "kept")
-#: states recorded before a run's training ended (an operator's cancel still stops the run)
-BEFORE_TRAINED = (None, "admitted", "waiting_for_members", "training")
 
 class IllegalTransition(RuntimeError):
     """A transition the run manager's state machine does not have (a programming error)."""
 
 
-class RunManager:
+class RunManager(RunLoop):
     """One node's runs, one at a time, as a state machine (see the module docstring).
 
     Args:
@@ -110,11 +103,18 @@ class RunManager:
 
     def __init__(self, cfg: NodeConfig, config_path: str | None, *, node_id: str, profile: Any, ledger: RunLedger,
                  lobby: Any, agent_factory: Callable[..., Any], notifier: Any, hooks: RunHooks | None = None,
-                 store: Any = None):
+                 store: Any = None, once: bool = False):
         self.cfg, self.config_path, self.node_id, self.profile = cfg, config_path, node_id, profile
         self.ledger, self.lobby, self.agent_factory, self.notifier = ledger, lobby, agent_factory, notifier
         self.hooks = hooks if hooks is not None else RunHooks()
         self.store = store
+        #: ``dfl-agent run --once``: one run (:meth:`run_once`), whose files stay in the state directory
+        self.once = once
+        #: the exit code of the last run process (0, 1, 2, 3), for :meth:`run_once`
+        self.last_rc = 0
+        #: ``--once``: the metrics file its run appends to, and its size before the run (the privacy
+        #: ledger settles the run from the round records after it)
+        self.once_metrics: tuple[Path, int] | None = None
         self.state = "idle"
         #: the run shown in the status: ``{id, state, round, reason}`` of the current or last run
         self.info: dict[str, Any] | None = None
@@ -156,7 +156,9 @@ class RunManager:
         """Write ``run_id``'s ledger entry (earlier fields but state, round, reason, time kept); its status view."""
         before = self.ledger.entries.get(run_id) or {}
         kept = {k: v for k, v in before.items() if k not in ("state", "round", "reason", "time")}
-        extra = {**dict(extra or {}), **self.privacy.on_state(run_id, state, self.ledger.run_dir(run_id))}
+        metrics, offset = self.once_metrics or (None, 0)  # --once: its records in the node's metrics file
+        extra = {**dict(extra or {}), **self.privacy.on_state(run_id, state, self.ledger.run_dir(run_id),
+                                                              metrics=metrics, offset=offset)}
         self.ledger.set(run_id, state, rnd, reason, {**kept, **extra})
         if state in ("declined", "failed"):
             log.warning("run %s %s: %s", run_id, state, reason)
@@ -284,6 +286,8 @@ class RunManager:
     def publish(self, state: str = "idle", force: bool = False) -> None:
         """This node's status through the lobby (at most once per heartbeat interval unless
         ``force``), the systemd STATUS line, and a WATCHDOG ping."""
+        if self.once and state == "idle":  # --once: the run's last status stays its node's ("finished")
+            return
         if force or time.monotonic() - self.last_pub >= min(self.cfg.mqtt.heartbeat_interval, self.interval or 1e9):
             self.lobby.publish_status(self.info, state, self.ledger.entries)
             info = self.info
@@ -297,131 +301,6 @@ class RunManager:
         """The agent's own figures for the Prometheus endpoint while no run trains."""
         return {"state": "idle" if self.agent is None else "training", "run": self.info,
                 **self.counters.view()}
-
-    # -- the loop ---------------------------------------------------------------------
-    async def serve(self, stop: asyncio.Event) -> int:
-        """Run the default run and the queued runs, one at a time, until ``stop`` is set.
-        Returns 0.
-
-        Raises:
-            StartupError: the default run cannot start (bad configuration).
-        """
-        while not stop.is_set():
-            d = self.next_run()
-            if d is None:
-                await self.idle_pass(stop)
-                continue
-            if self.ledger.state(d.run_id) in AFTER_TRAINING:  # a kill came after its training
-                if not await self.resume(d, stop):
-                    break
-                continue
-            if not self.admit(d):
-                self.idle()
-                continue
-            if d.min_members > 1:
-                ok = await self.wait_for_members(d, stop)
-                if ok is None:
-                    break
-                if not ok:
-                    continue
-            if not await self.train(d, stop):
-                break
-        return 0
-
-    def next_run(self) -> RunDescriptor | None:
-        """The run to take next: the default run when due and not done, else the first
-        runnable queued run (runs cancelled before they ran here are recorded).  None when
-        there is none, this node is not a member (declined), or the sample store holds too
-        few samples (the run waits)."""
-        if (d := self._unfinished()) is not None:
-            return d
-        store, ledger, lobby = self.store, self.ledger, self.lobby
-        if self.has_default:
-            dd = default_descriptor(self.cfg, ledger=ledger, new_samples=store.count_since if store is not None else None)
-            if dd is not None and not ledger.is_done(dd.run_id):
-                d = dd
-        if d is None:
-            with lobby.lock:
-                for r in lobby.queue.ordered():  # cancelled, or past its not_after, before it ran here
-                    if r.cancelled and ledger.state(r.run_id) in BEFORE_TRAINED:
-                        self.cancel_unstarted(r.run_id)
-                    elif not r.cancelled and r.expired(time.time()) and not ledger.started(r.run_id):
-                        self.expire_unstarted(r.run_id)
-                d = lobby.queue.next_runnable(ledger.is_done)
-        if d is not None and not d.is_for(self.node_id, self.profile.name):
-            self.decline(d.run_id, "not a member of this run")
-            self.idle()
-            d = None
-        if d is not None and store is not None and store.count() < MIN_STORE_SAMPLES:
-            if not self.waiting_for_data:  # the run waits in the queue until the application adds samples
-                log.info("run %s waits: the sample store holds %d samples (needs %d); add .npz files to %s",
-                         d.run_id, store.count(), MIN_STORE_SAMPLES, store.spool_dir)
-            self.waiting_for_data = True
-            d = None
-        else:
-            self.waiting_for_data = False
-        return d
-
-    def _unfinished(self) -> RunDescriptor | None:
-        """A run killed after its training (:data:`AFTER_TRAINING`; its descriptor saved at
-        admission), finished before any other; one whose descriptor is unreadable fails."""
-        for rid, e in list(self.ledger.entries.items()):
-            if e.get("state") not in AFTER_TRAINING:
-                continue
-            try:
-                raw = bounded_loads((self.ledger.run_dir(rid) / "descriptor.json").read_bytes(), "state")
-                return RunDescriptor.from_dict({k: v for k, v in raw.items() if k != "schema_version"})
-            except (OSError, ValueError, AttributeError) as exc:
-                self.ledger.set(rid, "failed", int(e.get("round") or 0), f"cannot resume after a restart: {exc}")
-                log.warning("run %s failed: cannot resume after a restart: %s", rid, exc)
-        return None
-
-    async def resume(self, d: RunDescriptor, stop: asyncio.Event) -> bool:
-        """``idle ->`` the state recorded before a kill: ``deployed``/``kept`` is recorded finished;
-        ``trained``/``deploying`` runs the agent, which restores its final checkpoint and deploys
-        (:meth:`~dfl_agent.deploy.versions.ModelStore.run_outcome`: once).  False: ``stop`` came."""
-        state = str(self.ledger.state(d.run_id))
-        log.info("run %s resumes from state %s, recorded before a restart", d.run_id, state)
-        self.info = {"id": d.run_id, "state": "training", "round": d.rounds, "reason": ""}
-        if state in ("trained", "deploying"):
-            return await self.train(d, stop, resume=state)
-        if state == "deployed":  # a kill may have come between the ledger and the switch of current
-            from dfl_agent.runtime.supervisor import switch_deployed
-
-            await asyncio.to_thread(switch_deployed, self.cfg, self.lobby, d.run_id)
-        self._to(state, d.run_id)
-        self.finish(d, None, None)
-        self.idle()
-        self.publish(force=True)
-        return True
-
-    async def ingest_due(self) -> None:
-        """A spool ingestion of the sample store when one is due (idle, and while a run
-        process trains: the supervisor is the store's only writer)."""
-        store = self.store
-        if store is not None and time.monotonic() >= self.next_spool:
-            self.next_spool = time.monotonic() + self.cfg.data.spool_interval
-            try:
-                await asyncio.to_thread(store.ingest_spool)
-            except Exception as exc:  # noqa: BLE001 - ingestion never stops the agent
-                log.error("spool pass failed: %s", exc)
-
-    async def _ingest_loop(self) -> None:
-        """The spool ingestion while a run trains in a run process."""
-        while True:
-            await self.ingest_due()
-            await asyncio.sleep(0.5)
-
-    async def idle_pass(self, stop: asyncio.Event) -> None:
-        """One pass of the idle loop: the status heartbeat, a spool ingestion when due,
-        then wait up to 0.5 s for ``stop``."""
-        self.publish()
-        await self.ingest_due()
-        self.lobby.changed.clear()
-        try:
-            await asyncio.wait_for(stop.wait(), 0.5)
-        except asyncio.TimeoutError:
-            pass
 
     def is_cancelled(self, run_id: str) -> bool:
         """Whether the newest known descriptor of ``run_id`` is a cancel."""
@@ -439,7 +318,7 @@ class RunManager:
         """
         self._to(resume or "training", d.run_id)
         try:  # a published run's settings that the configuration rules refuse fail that run only
-            run_cfg = run_config_for(self.cfg, d)
+            run_cfg = self.cfg if self.once else run_config_for(self.cfg, d)
         except StartupError as exc:
             return self._cannot_start(d, exc)
         run_stop = asyncio.Event()
@@ -499,7 +378,7 @@ class RunManager:
             run_cfg, self.config_path, run=d, run_dir=run_dir, serving=True,
             should_stop=lambda: self.is_cancelled(d.run_id), wanted_peers=lambda: self.lobby.may_join(d.run_id),
             members=self.lobby.accepted_by(d.run_id) - {self.node_id},  # the admitted members so far
-            on_state=self.on_agent_state)
+            on_state=self.on_agent_state, **({"once": True} if self.once else {}))
         agent.attempt = attempt
         agent.service_status = self.counters.view  # the run's status carries the service's counters
         agent.notifier = self.notifier  # one systemd notifier: its watchdog follows the service's liveness
@@ -534,6 +413,7 @@ class RunManager:
     async def _ended(self, d: RunDescriptor, agent: Any, rc: int, cancel_round: dict[str, int],
                      stop: asyncio.Event) -> bool:
         """Record how the run that ``agent`` trained ended (``rc``: its exit code)."""
+        self.last_rc = rc
         cancelled = d.run_id in cancel_round or (agent.outcome != "finished" and self.is_cancelled(d.run_id))
         if agent.data_shape is not None:
             self.data_shape = agent.data_shape
@@ -550,9 +430,10 @@ class RunManager:
         elif stop.is_set():
             self.idle()
             return False  # interrupted: a restart rejoins it
-        elif rc == 3:  # broker unreachable: try again shortly
+        elif rc == 3:  # broker unreachable: try again shortly (--once: exit code 3)
             self.idle()
-            await asyncio.sleep(5.0)
+            if not self.once:
+                await asyncio.sleep(5.0)
         else:
             self.fail(d.run_id, f"exit code {rc}", rnd)
         if self.state != "idle":
@@ -562,7 +443,7 @@ class RunManager:
 
 
 def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHooks | None = None,
-                      agent_factory: Callable[..., Any] | None = None) -> RunManager:
+                      agent_factory: Callable[..., Any] | None = None, once: bool = False) -> RunManager:
     """The always-on agent's run manager: this node's id (``state_dir/node_id``), its
     device profile, the run ledger, the node's security guard (it signs idle statuses
     and verifies peers' ones and run descriptors), the lobby (not connected yet), the
@@ -597,4 +478,4 @@ def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHoo
         agent_factory = functools.partial(ChildRun, lobby=lobby, memory_mb=profile.compute.memory_budget_mb,
                                           stop_grace=cfg.runtime.run_stop_grace)
     return RunManager(cfg, config_path, node_id=nid, profile=profile, ledger=ledger, lobby=lobby,
-                      agent_factory=agent_factory, notifier=Notifier(), hooks=hooks, store=store)
+                      agent_factory=agent_factory, notifier=Notifier(), hooks=hooks, store=store, once=once)

@@ -68,6 +68,8 @@ class RunChannel:
         self.gone = threading.Event()
         #: called once when the supervisor is gone (the child sets its stop event)
         self.on_gone: Callable[[], object] | None = None
+        #: called (on the pipe's thread) when the supervisor says reload (SIGHUP)
+        self.on_reload: Callable[[], object] | None = None
         #: lines of the supervisor that were not pipe messages (dropped)
         self.dropped = 0
 
@@ -114,6 +116,8 @@ class RunChannel:
                     ev.set()
             elif isinstance(msg, pipe.MayJoin):
                 self._may_join = msg.n
+            elif isinstance(msg, pipe.Reload) and self.on_reload is not None:
+                self.on_reload()
         self._set_gone()
 
     def _set_gone(self) -> None:
@@ -153,8 +157,11 @@ class RunChannel:
             raise HostGone(f"the supervisor did not record the run's state {report.state}")
 
 
-def run_child(config: str, run_dir: str, channel: RunChannel) -> int:
-    """Train the run of ``run_dir`` with the configuration ``config``; returns the exit code."""
+def run_child(config: str, run_dir: str, channel: RunChannel, *, once: bool = False,
+              node_config: str | None = None) -> int:
+    """Train the run of ``run_dir`` with the configuration ``config``; returns the exit code.
+    ``once``: ``dfl-agent run --once``'s run, whose checkpoints and metrics stay in the state
+    directory; ``node_config``: node.toml, re-read on the supervisor's :class:`~dfl_agent.runtime.pipe.Reload`."""
     from dfl_agent.jsonbound import loads as bounded_loads
     from dfl_agent.runtime.assembly import StartupError
 
@@ -178,7 +185,8 @@ def run_child(config: str, run_dir: str, channel: RunChannel) -> int:
     from dfl_agent.runtime.daemon import _setup_logging
 
     _setup_logging(cfg.runtime.log_level, cfg.runtime.log_format)
-    agent = Agent(cfg, None, run=d, run_dir=Path(run_dir), serving=True, host=channel)
+    agent = Agent(cfg, node_config, host=channel, run=None if once else d, run_id=d.run_id,
+                  run_dir=None if once else Path(run_dir))
 
     async def main() -> int:
         stop = asyncio.Event()
@@ -186,6 +194,7 @@ def run_child(config: str, run_dir: str, channel: RunChannel) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         channel.on_gone = lambda: loop.call_soon_threadsafe(stop.set)
+        channel.on_reload = lambda: loop.call_soon_threadsafe(agent.reload)
         if channel.gone.is_set():
             stop.set()
         return await agent.run(stop)
@@ -212,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
                                 "(started by the agent itself; not meant to be run by hand)")
     p.add_argument("--config", required=True, help="the run's configuration (TOML)")
     p.add_argument("--run-dir", required=True, help="the run's folder (descriptor.json, checkpoints)")
+    p.add_argument("--once", action="store_true", help="dfl-agent run --once's run: its checkpoints and metrics "
+                   "stay in the state directory")
+    p.add_argument("--node-config", help="node.toml, re-read on SIGHUP (what can change while the run trains)")
     args = p.parse_args(argv)
     out = os.fdopen(os.dup(1), "wb", buffering=0)  # the pipe to the supervisor ...
     os.dup2(2, 1)  # ... and every other output of this process goes to standard error
@@ -222,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     except (HostGone, pipe.PipeError) as exc:
         print(f"dfl-agent run process: {exc}", file=sys.stderr)
         return 1
-    return run_child(args.config, args.run_dir, channel)
+    return run_child(args.config, args.run_dir, channel, once=args.once, node_config=args.node_config)
 
 
 if __name__ == "__main__":

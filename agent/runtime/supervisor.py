@@ -124,7 +124,7 @@ class ChildRun:
 
     Args:
         cfg: the run's configuration (:func:`~dfl_agent.runtime.run_config.run_config_for`).
-        config_path: node.toml (unused: the child reads ``run.toml``).
+        config_path: node.toml (the child reads ``run.toml``, and node.toml again on SIGHUP).
         run: the run's descriptor; run_dir: its folder (``descriptor.json`` saved at admission).
         members: the run's admitted members besides this node.
         wanted_peers: ``() -> int``: how many others may still join (the lobby's count).
@@ -133,6 +133,7 @@ class ChildRun:
         memory_mb: the run process's memory limit (MiB; None: unlimited).
         stop_grace: seconds between SIGTERM and SIGKILL.
         attempt: 1 for the first run process of the run, 2.. for its retries.
+        once: ``dfl-agent run --once``'s run (its checkpoints and metrics stay in the state directory).
     """
 
     #: the run manager keeps ingesting the sample store while it trains (the store's only writer)
@@ -140,8 +141,10 @@ class ChildRun:
 
     def __init__(self, cfg: Any, config_path: str | None = None, *, run: Any, run_dir: Path, lobby: Any,
                  serving: bool = True, should_stop: Any = None, wanted_peers: Any = None, members: Any = None,
-                 on_state: Any = None, memory_mb: int | None = None, stop_grace: float = 30.0, attempt: int = 1):
+                 on_state: Any = None, memory_mb: int | None = None, stop_grace: float = 30.0, attempt: int = 1,
+                 once: bool = False):
         self.cfg, self.run_desc, self.run_dir, self.lobby = cfg, run, Path(run_dir), lobby
+        self.config_path, self.once = config_path, once
         self.wanted_peers, self.on_state = wanted_peers, on_state
         self.members = sorted(str(m) for m in (members or ()))
         self.memory_mb, self.stop_grace, self.attempt = memory_mb, float(stop_grace), attempt
@@ -216,10 +219,11 @@ class ChildRun:
         return self._ended(rc, bool(oom))
 
     async def _spawn(self, run_toml: Path, env: dict[str, str], cgroup: Any) -> Any:
+        args = ["--config", str(run_toml), "--run-dir", str(self.run_dir), *(["--once"] if self.once else []),
+                *(["--node-config", str(self.config_path)] if self.config_path else [])]
         return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "dfl_agent.runtime.run_process", "--config", str(run_toml),
-            "--run-dir", str(self.run_dir), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            env=env, preexec_fn=_preexec(cgroup), limit=2 ** 22)
+            sys.executable, "-m", "dfl_agent.runtime.run_process", *args, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, env=env, preexec_fn=_preexec(cgroup), limit=pipe.MAX_LINE_BYTES)
 
     def _ended(self, rc: int, oom: bool) -> int:
         """How the run process ended: sets :attr:`crash`; returns the run's exit code."""
@@ -311,6 +315,10 @@ class ChildRun:
         if stdin is None or stdin.is_closing():
             return
         stdin.write(pipe.to_line(msg))
+
+    def reload(self) -> None:
+        """SIGHUP: the run process applies what can change while it trains (node.toml)."""
+        self._send(pipe.Reload())
 
     def _wanted(self) -> int:
         return int(self.wanted_peers()) if self.wanted_peers is not None else sys.maxsize

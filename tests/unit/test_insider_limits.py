@@ -25,6 +25,7 @@ from dfl_agent.runtime.context import RuntimeContext
 from dfl_agent.security import SecurityGuard, TrustStore
 from dfl_agent.security.keys import public_key_b64
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
+from tests.host import LobbyHost
 
 GOOD = {"x": np.ones(2, np.float32)}
 
@@ -138,7 +139,7 @@ def _starting_agent(tmp_path, statuses, live=("a", "b"), members=None, resumed=F
     runs with the peers live; its result is returned."""
     cfg = config_from_dict({"federation": "f", "node_id": "me", "state_dir": str(tmp_path),
                             "algorithm": {"name": "fedavg", "rounds": ROUNDS}})
-    agent = Agent(cfg) if members is None else Agent(cfg, members=members)
+    agent = Agent(cfg, host=LobbyHost(members=members or (), publish=False))
     net = MemoryNetwork()
     ctxs = {n: _ctx(net, n) for n in ("me", *live)}
     agent.node_id, agent.ctx = "me", ctxs["me"]

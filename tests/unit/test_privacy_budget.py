@@ -11,7 +11,9 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -174,30 +176,58 @@ def test_admission_loads_no_torch(tmp_path: Path) -> None:
     assert PrivacyLedger(tmp_path).get("a")["state"] == "reserved"
 
 
+class _OnceAgent:
+    """The run process of ``--once``'s run, cut to what the privacy budget sees: it appends five
+    round records of 4 DP steps each to the node's metrics file and finishes."""
+
+    def __init__(self, cfg, config_path, *, on_state, **kw):
+        self.cfg, self.on_state = cfg, on_state
+        self.outcome, self.snapshot, self.data_shape, self.crash, self.error = "starting", None, None, None, ""
+        self.node = SimpleNamespace(status=lambda: {"round": 5}, last_round=lambda: 5,
+                                    ctx=SimpleNamespace(counters=lambda: {"dropped": {}}))
+
+    async def run(self, stop):
+        with (Path(self.cfg.state_dir) / "metrics.jsonl").open("a") as f:
+            f.write("".join(json.dumps({"round": t, "dp_steps": 4}) + "\n" for t in range(1, 6)))
+        self.outcome = "finished"
+        self.on_state("trained")
+        return 0
+
+
 def test_run_once_is_admitted_reserved_and_settled(tmp_path: Path) -> None:
-    """``dfl-agent run --once`` has no run manager: :class:`OnceBudget` reserves its plan (or
-    declines it: exit code 2) and settles it from the records it appended to the metrics file."""
+    """``dfl-agent run --once`` goes through the run manager (a queue of one run): admission
+    reserves its plan (or declines it: exit code 2), and the ledger settles it from the records
+    it appended to the node's metrics file."""
+    import asyncio
+
     from dfl_agent.runtime.assembly import StartupError
-    from dfl_agent.runtime.privacy_budget import OnceBudget
+    from dfl_agent.runtime.run_manager import build_run_manager
 
     cfg, store = _store_cfg(tmp_path, {"lifetime_epsilon": 6.0, "dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0}})
     store.close()
+    cfg.model.spec = {"type": "mlp", "input_shape": [3, 4], "hidden": [8], "num_classes": 2}  # fits the (3, 4) windows
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text(json.dumps({"round": 9, "dp_steps": 99}) + "\n")  # an earlier run's record
-    once = OnceBudget(cfg, "once-1")
-    once.admit()
-    assert PrivacyLedger(tmp_path).get("once-1")["state"] == "reserved"
-    with metrics.open("a") as f:
-        f.write("".join(json.dumps({"round": t, "dp_steps": 4}) + "\n" for t in range(1, 6)))
-    once.end("finished")
-    row = PrivacyLedger(tmp_path).get("once-1")
+
+    def once() -> str:
+        m = build_run_manager(cfg, None, once=True, agent_factory=_OnceAgent)
+        assert asyncio.run(m.run_once(asyncio.Event())) == 0
+        (rid,) = [r for r in m.ledger.entries if r not in seen]
+        seen.add(rid)
+        return rid
+
+    seen: set[str] = set()
+    rid = once()
+    row = PrivacyLedger(tmp_path).get(rid)
     assert (row["state"], row["steps"]) == ("spent", 20)
-    with pytest.raises(StartupError, match=r"^run once-\d declined: privacy budget: the run would spend"):
-        for i in range(2, 9):
-            OnceBudget(cfg, f"once-{i}").admit()
-    off = config_from_dict({"state_dir": str(tmp_path / "off")})
-    OnceBudget(off, "x").admit()  # no DP: nothing opened, nothing written
-    assert not (tmp_path / "off" / "privacy").exists()
+    with pytest.raises(StartupError, match=r"^run \S+ declined: privacy budget: the run would spend"):
+        for _ in range(2, 9):
+            time.sleep(1.0)  # --once's run ids are its start's second
+            once()
+    off = config_from_dict({"state_dir": str(tmp_path / "off"), "algorithm": {"name": "local", "rounds": 5},
+                            "data": {"dataset": "digits"}})
+    assert asyncio.run(build_run_manager(off, None, once=True, agent_factory=_OnceAgent).run_once(asyncio.Event())) == 0
+    assert not (tmp_path / "off" / "privacy").exists()  # no DP: nothing opened, nothing written
 
 
 @pytest.mark.parametrize("at", ["admitted:after", "training:after", "trained:after", "recorded:before"])
@@ -249,17 +279,20 @@ def test_a_crash_mid_run_never_under_counts(tmp_path: Path, at: str) -> None:
 def test_run_once_counts_spool_files_that_are_still_settling(tmp_path: Path) -> None:
     """A spool file younger than the store's settle time is left for a later pass, but the run
     finds it: ``run --once`` admitted right after the feed dropped its files (N = 0 then)
-    declined with "no samples to train on". It now waits for them to settle and counts them."""
-    from dfl_agent.runtime.privacy_budget import OnceBudget
+    declined with "no samples to train on". It waits for them to settle and counts them."""
+    import asyncio
+
+    from dfl_agent.runtime.run_manager import build_run_manager
     from tests.system.test_store_agent import SHAPE, drop
 
     cfg = config_from_dict({
         "federation": "f", "node_id": "dev1", "state_dir": str(tmp_path), "algorithm": {"name": "local", "rounds": 2},
-        "data": {"dataset": "store", "input_shape": list(SHAPE), "num_classes": 4},
+        "data": {"dataset": "store", "input_shape": list(SHAPE), "num_classes": 4}, "model": {"size": "small"},
         "privacy": {"dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0}},
     })
     for i in range(3):
         drop(tmp_path / "spool", f"a{i}.npz", 60, i)  # just written: younger than the settle time
-    OnceBudget(cfg, "once-1").admit()  # before: StartupError "... no samples to train on (N = 0)"
-    row = PrivacyLedger(tmp_path).get("once-1")
-    assert row["state"] == "reserved" and 0 < row["sample_rate"] < 1
+    m = build_run_manager(cfg, None, once=True, agent_factory=_OnceAgent)
+    assert asyncio.run(m.run_once(asyncio.Event())) == 0  # before: "... no samples to train on (N = 0)"
+    (row,) = PrivacyLedger(tmp_path).entries()
+    assert row["state"] == "spent" and 0 < row["sample_rate"] < 1
