@@ -166,6 +166,9 @@ class Node:
         self._wall_started = time.time()
         ctx.set_hooks(round_hook=self._on_round, gate_hook=self._on_gate, status_hook=self.publish_status)
         self.state = "starting"
+        #: whether :meth:`setup` set the algorithm up: before that (the broker was down, the
+        #: start failed) the status carries no algorithm state (:meth:`status`)
+        self.set_up = False
         #: the run this node trains in (runs.py): ``{"id", "state", "reason"}``; None with ``--once``
         self.run_info: dict[str, Any] | None = None
         #: ``() -> dict``: fields of the always-on service that every status carries, over this
@@ -213,7 +216,9 @@ class Node:
             raise NodeKilled(next_round)
 
     async def setup(self) -> None:
+        """Set the algorithm up (models, state), then the local-only baseline's copy."""
         await self.algorithm.setup()
+        self.set_up = True
         if self.baseline_local:
             # same architecture and initial weights as the deployable model, but trainable
             # (a deployable model may be frozen, like DFML's peak model)
@@ -528,7 +533,10 @@ class Node:
     def status(self) -> dict[str, Any]:
         """The status document published on ``dfl/{fed}/node/{id}/status``: under
         differential privacy without the accuracies and sample counts
-        (:func:`~dfl_agent.privacy.policy.redact_status`)."""
+        (:func:`~dfl_agent.privacy.policy.redact_status`).  Safe at any time: the
+        algorithm's own fields (:meth:`Algorithm.status <dfl_agent.algorithms.base.Algorithm.status>`,
+        which reads the state :meth:`setup` creates) only once it was set up, so a node that
+        never connected (its run's end report) still has a status."""
         evaluated = [r for r in self.history if "global_accuracy" in r]
         last = {**(evaluated[-1] if evaluated else {}), **(self.history[-1] if self.history else {})}
         counters = self.ctx.counters()
@@ -567,7 +575,7 @@ class Node:
             **{k: v for k, v in self.ctx.byte_accounting().items()
                if k in ("bytes_sent_by_kind", "compression_ratio", "round_bytes_sent", "round_bytes_sent_by_kind")},
             **{k: v for k, v in last.items() if k.endswith("_global_accuracy")},  # e.g. DFML's regular model
-            **self.algorithm.status(),
+            **(self.algorithm.status() if self.set_up else {}),
             **self._profile_status(),
             **({"run": {**self.run_info, "round": last.get("round", 0),
                         "state": {"running": "training", "finished": "finished"}.get(self.state,
