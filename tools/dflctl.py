@@ -6,6 +6,10 @@ Exit codes: 0 ok, 1 a failed check, 2 usage or configuration error, 3 broker unr
 
 from __future__ import annotations
 
+from dfl_agent.interrupt import during_startup, end_startup
+
+during_startup("dflctl", __name__)  # first: a Ctrl-C while the modules below load is one line, exit 130
+
 import argparse
 import difflib
 import json
@@ -450,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # name the command's own usage, not the top level's
         chosen.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        end_startup()  # from here on Ctrl-C raises KeyboardInterrupt, handled below
         return int(args.func(args) or 0)
     except ConnectionError as exc:  # the broker cannot be used (the line says why)
         print(f"dflctl: {exc}", file=sys.stderr)
