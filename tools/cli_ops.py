@@ -277,8 +277,8 @@ def cmd_watch(a: argparse.Namespace) -> int:
             while a.count is None or n < a.count:
                 statuses, presence = obs.snapshot()
                 print(json_doc({"time": time.time(), "peers": peer_rows(statuses, presence),
-                                  "status": status_rows(statuses), "runs": run_rows(observed_runs(obs, obs.target)[0],
-                                                                                     statuses)}, indent=None),
+                                "status": status_rows(statuses, presence=presence),
+                                "runs": run_rows(observed_runs(obs, obs.target)[0], statuses)}, indent=None),
                       flush=True)
                 n += 1
                 if a.count is None or n < a.count:
@@ -291,7 +291,7 @@ def cmd_watch(a: argparse.Namespace) -> int:
             statuses, presence = obs.snapshot()
             return Group(render_table(f"peers ({time.strftime('%H:%M:%S')})", peer_rows(statuses, presence),
                                       PEER_COLUMNS),
-                         render_table("status", status_rows(statuses), STATUS_COLUMNS),
+                         render_table("status", status_rows(statuses, presence=presence), STATUS_COLUMNS),
                          render_table("runs", run_rows(observed_runs(obs, obs.target)[0], statuses), RUN_COLUMNS))
 
         if not sys.stdout.isatty():  # no terminal: one printed frame per refresh (Live would print the last only)

@@ -6,6 +6,10 @@ Exit codes: 0 ok, 1 a failed check, 2 usage or configuration error, 3 broker unr
 
 from __future__ import annotations
 
+from dfl_agent.interrupt import during_startup, end_startup
+
+during_startup("dflctl", __name__)  # first: a Ctrl-C while the modules below load is one line, exit 130
+
 import argparse
 import difflib
 import json
@@ -215,7 +219,7 @@ def cmd_peers(a: argparse.Namespace) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    statuses, _ = _observe(a)
+    statuses, presence = _observe(a)
     if a.node:
         if a.node not in statuses:
             print(f"dflctl: no status for node {a.node!r}", file=sys.stderr)
@@ -225,7 +229,7 @@ def cmd_status(a: argparse.Namespace) -> int:
         print(json_doc({"nodes": statuses}, sort_keys=True))
         return 0
     con = console()
-    con.print(render_table("status", status_rows(statuses), STATUS_COLUMNS))
+    con.print(render_table("status", status_rows(statuses, presence=presence), STATUS_COLUMNS))
     if a.node:  # one node: every field of its status document
         for k, v in sorted(statuses[a.node].items()):
             con.print(f"  {k}: {fmt_cell(v) if not isinstance(v, (list, dict)) else json.dumps(v, sort_keys=True)}")
@@ -450,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # name the command's own usage, not the top level's
         chosen.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        end_startup()  # from here on Ctrl-C raises KeyboardInterrupt, handled below
         return int(args.func(args) or 0)
     except ConnectionError as exc:  # the broker cannot be used (the line says why)
         print(f"dflctl: {exc}", file=sys.stderr)

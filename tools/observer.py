@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from dfl_agent.cli.fleet import observer_guard  # noqa: F401 - its home was here
 from dfl_agent.jsonbound import JSONBoundError, RateLimitedLog
 from dfl_agent.jsonbound import loads as bounded_loads
+from dfl_agent.security.trust import is_will
 from dfl_agent.transport.endpoint import parse_endpoint
 
 if TYPE_CHECKING:
@@ -115,16 +116,27 @@ class Observer:
             return
         doc = {**doc, "trust": trust, "verified": trust in ("device", "operator")}
         with self._lock:
+            if leaf == "presence" and is_will(doc) and self._stale_will(node, doc):
+                self.dropped["presence_stale_will"] += 1  # of an earlier connection: the node is back
+                return
             if leaf == "presence" and "descriptor" not in doc and node in self.presence:
                 # keep what the node advertised while online (address, profile) after it leaves
                 doc = {**doc, "descriptor": self.presence[node].get("descriptor")}
             (self.statuses if leaf == "status" else self.presence)[node] = doc
             self.updated = time.monotonic()
 
+    def _stale_will(self, node: str, will: dict[str, Any]) -> bool:
+        """Whether ``node``'s last will ``will`` is of an earlier connection than the one its
+        current online presence names (a late or replayed will; the caller holds the lock)."""
+        p = self.presence.get(node) or {}
+        return p.get("state") == "online" and isinstance(p.get("session"), str) and p["session"] != will["session"]
+
     def _open(self, leaf: str, node: str, payload: bytes) -> tuple[dict[str, Any] | None, str]:
         """A presence/status document and its trust: ``"device"``/``"operator"`` when its
         signature verified with :attr:`guard` (a SecurityGuard from ``--config``),
-        ``"unverified"`` without trust material, ``"untrusted: REASON"`` when it failed."""
+        ``"unverified"`` without trust material, ``"untrusted: REASON"`` when it failed.
+        A last will (:func:`~dfl_agent.security.trust.is_will`) is verified as one
+        (:meth:`~dfl_agent.security.SecurityGuard.verify_will`)."""
         if not payload:
             return {"state": "offline"}, "unverified"
         try:  # bounded: 64 KiB, nesting depth 32
@@ -142,7 +154,10 @@ class Observer:
         from dfl_agent.security.trust import ControlRejected
 
         try:
-            _sender, role, _p = guard.verify_control(payload, leaf, node)
+            if leaf == "presence" and is_will(inner):
+                _sender, role, _p = guard.verify_will(payload, node)
+            else:
+                _sender, role, _p = guard.verify_control(payload, leaf, node)
         except ControlRejected as exc:
             if exc.reason == "duplicate":
                 return inner, guard.role_of(node)

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from dfl_agent.runtime.degraded import alone_text, degraded_fields
+from dfl_agent.security.trust import is_will
 from dfl_agent.transport.base import CONTROL_DROP_PREFIXES
 
 PEER_COLUMNS = ("node_id", "trust", "state", "address", "profile", "algorithm", "model", "round", "last_seen_s",
@@ -28,10 +29,11 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
               stale_after: float = 30.0) -> list[dict[str, Any]]:
     """One row per node seen in retained presence or status.
 
-    ``state``: ``online``/``offline`` from presence (the last will sets offline); for a
-    node with a status but no presence, or whose status is newer than the "offline" its
-    supervisor published when a run ended (an always-on node between runs), the status's own
-    state (``idle``); ``stale`` when not offline but nothing heard for ``stale_after`` s.  ``address``
+    ``state``: from presence (:func:`presence_state`): ``online``, ``offline``, ``offline (last
+    will)``; for a node with a status but no presence, or whose status is newer than the
+    "offline" its supervisor published when a run ended (an always-on node between runs), or
+    that connected again since its last will, the status's own state (``idle``); ``stale`` when
+    not offline but nothing heard for ``stale_after`` s.  ``address``
     is the device's own address when its descriptor advertises one, else ``-`` (never the
     broker's address: that is ``broker``).  ``compatibility`` is shown
     when the node's descriptor or status carries it."""
@@ -45,14 +47,9 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
         p, s = presence.get(nid, {}) or {}, statuses.get(nid, {}) or {}
         d = p.get("descriptor", {}) or {}
         seen = max([x for x in (s.get("time"), p.get("time")) if isinstance(x, (int, float))], default=0)
-        # an always-on node that trains no run publishes a status ("idle"); its presence, if any, is
-        # the "offline" that ended its last run: the newer of the two says what the node is doing
-        state = p.get("state") or s.get("state") or "unknown"
-        if state == "offline" and p.get("reason") == "run ended" and s.get("state") and _newer(s.get("time"),
-                                                                                              p.get("time")):
-            state = str(s["state"])  # (a last will's time is when the connection opened: it stays offline)
+        state = presence_state(p, s) or s.get("state") or "unknown"
         last = _age(seen, now)
-        if state != "offline" and state != "unknown" and last is not None and last > stale_after:
+        if not state.startswith("offline") and state != "unknown" and last is not None and last > stale_after:
             state = "stale"
         compat = d.get("compatibility", s.get("compatibility", ""))
         compat = compat if isinstance(compat, str) else json.dumps(compat, sort_keys=True)
@@ -73,27 +70,55 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
     return rows
 
 
+def presence_state(p: dict[str, Any], s: dict[str, Any]) -> str | None:
+    """What a node's presence ``p`` says it is doing, given its status ``s`` (either may be
+    empty): ``"online"``, ``"offline"``, ``"offline (last will)"`` (the broker published its
+    last will: its connection broke - crashed, killed or cut off), or None when the presence
+    says nothing the status does not supersede: no presence; the "offline" an always-on node's
+    supervisor published when a run ended, with a newer status (the node between runs); a last
+    will older than a status of another connection (the node connected again since; a will's
+    time is when its connection opened)."""
+    state = p.get("state")
+    if not isinstance(state, str):
+        return None
+    if state == "offline" and s.get("state") and _newer(s.get("time"), p.get("time")):
+        if p.get("reason") == "run ended":
+            return None
+        if is_will(p) and isinstance(s.get("session"), str) and s["session"] != p["session"]:
+            return None
+    return f"{state} (last will)" if is_will(p) else state
+
+
 def _newer(a: Any, b: Any) -> bool:
     """Whether time ``a`` (unix s) is later than time ``b`` (False when either is missing)."""
     return isinstance(a, (int, float)) and isinstance(b, (int, float)) and a > b
 
 
-def status_rows(statuses: dict[str, Any], now: float | None = None) -> list[dict[str, Any]]:
+def status_rows(statuses: dict[str, Any], now: float | None = None,
+                presence: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One summary row per status document: round, role, α or threshold state, last
     synchronization, accuracy, bytes, errors, the fault counters ``rounds_skipped``
     and ``paused_disconnected_s`` (missing fields are None), and ``degraded``: the rounds
-    closed alone in the current run or, on an idle node, its last run (``"12/20 alone"``)."""
+    closed alone in the current run or, on an idle node, its last run (``"12/20 alone"``).
+    ``state`` is the status's, but ``offline`` or ``offline (last will)`` for a node whose
+    presence (``presence``: node id -> presence document) says it went offline after it
+    (:func:`presence_state`), unless the status itself says it ``stopped`` or ``finished``:
+    a retained status is the last one a node sent, not what it is doing now."""
     now = time.time() if now is None else now
     rows = []
     for nid in sorted(statuses):
         s = statuses[nid] or {}
+        state = s.get("state")
+        gone = presence_state((presence or {}).get(nid) or {}, s)
+        if gone is not None and gone.startswith("offline") and state not in ("stopped", "finished"):
+            state = gone
         sync = {k: s[k] for k in ("alpha_n", "alpha_last", "threshold", "theta", "hessian_sent") if k in s}
         errors = s.get("errors") if isinstance(s.get("errors"), dict) else {}
         control = {k: v for k, v in errors.items() if k.startswith(CONTROL_PREFIXES)}
         if isinstance(s.get("control_dropped"), dict):  # an idle node (run lobby)
             control.update(s["control_dropped"])
         rows.append({
-            "node_id": nid, "state": s.get("state"), "round": s.get("round"), "rounds": s.get("rounds"),
+            "node_id": nid, "state": state, "round": s.get("round"), "rounds": s.get("rounds"),
             # runs: "idle", or the run id with its state and round
             "run": _run_cell(s.get("run")),
             # an age in seconds; a value that is no Unix time (an older agent's monotonic
@@ -250,7 +275,7 @@ class FitTable:
             head, _, wraps = COLUMN_INFO.get(col, (col, 3, False))
             t.add_column(head if short else col, no_wrap=not wraps, overflow="fold")
         for r in self.rows:
-            style = "red" if r.get("state") in ("offline", "stale") else None
+            style = "red" if str(r.get("state")).startswith(("offline", "stale")) else None
             t.add_row(*((_fmt_bytes(r.get(c)) if short and c in BYTE_COLUMNS else fmt_cell(r.get(c))) for c in shown),
                       style=style)
         return t

@@ -311,7 +311,9 @@ class Algorithm:
         return {}
 
     def status(self) -> dict[str, Any]:
-        """Algorithm-specific state for the status topic (e.g. α, threshold state)."""
+        """Algorithm-specific state for the status topic (e.g. α, threshold state).  Called
+        only after :meth:`setup` (:meth:`dfl_agent.runtime.node.Node.status` leaves it out
+        before), so it may read the state that :meth:`setup` creates."""
         return {}
 
     # -- checkpoints (dfl_agent.runtime.checkpoint) ---------------------------------------

@@ -41,7 +41,7 @@ FOUND_VIA = (*SOURCES, "bridged-presence")
 #: how a peer's presence went offline (:meth:`PeerTable.note_departure`) -> the log level and
 #: the words of its departure line: ``goodbye`` its verified goodbye, ``run_end`` a goodbye
 #: that ends its run (its status said its rounds were finished, or the goodbye names the
-#: run's end as its reason), ``will`` its unsigned last will, ``cleared`` its retained
+#: run's end as its reason), ``will`` its last will, ``cleared`` its retained
 #: presence was removed
 DEPARTURES: dict[str, tuple[int, str]] = {
     "goodbye": (logging.INFO, "left (goodbye)"),

@@ -4,13 +4,15 @@ rides on the home session of :class:`~dfl_agent.transport.mqtt.MqttTransport`.
 Topics of a federation ``{fed}`` (``{id}`` = node id)::
 
     dfl/{fed}/node/{id}/presence  retained JSON, QoS 1
-        online:  {"state": "online", "node_id": id, "descriptor": {...}, "time": unix s}
-        offline: {"state": "offline", "node_id": id, "time": unix s}
-                 (the MQTT last will, and published when the transport stops);
+        online:  {"state": "online", "node_id": id, "descriptor": {...}, "time": unix s,
+                  "session": this connection's id}
+        offline: {"state": "offline", "node_id": id, "time": unix s} (published when the
+                 transport stops), or the MQTT last will: {"state": "offline", "node_id": id,
+                 "time": when the connection opened, "reason": "last will", "session": its id};
         an empty retained payload (cleared) also means offline.
     dfl/{fed}/node/{id}/status    retained JSON, QoS 1: the dict given to
-        ``publish_status`` plus "node_id", "time" (unix s) and "heartbeat" (a counter);
-        republished every ``heartbeat_interval`` seconds, so it is also the heartbeat.
+        ``publish_status`` plus "node_id", "time" (unix s), "heartbeat" (a counter) and
+        "session"; republished every ``heartbeat_interval`` seconds, so it is also the heartbeat.
 
 :class:`MqttPresence` is the transport's :class:`~dfl_agent.transport.mqtt.ControlChannel`:
 the transport sets its last will on the home connection before connecting, subscribes
@@ -31,24 +33,29 @@ presence and status payloads are the JSON above wrapped in a signed control enve
 one goes through :meth:`~dfl_agent.security.SecurityGuard.verify_control`: a rejected
 one is dropped and counted as ``presence_{reason}`` / ``status_{reason}`` (reasons in
 :data:`~dfl_agent.security.trust.CONTROL_REJECT_REASONS`), never handed on.  The MQTT
-last will cannot be signed at disconnect time, so it stays a bare unsigned "offline":
-with ``require_signatures`` an unsigned "offline" is only a hint (counted as
-``presence_unsigned``); the node stays a member until its status heartbeats stop for
-``discovery.heartbeat_timeout`` - a forged "offline" cannot remove a live node.
-Stopping publishes a signed "offline", which is obeyed at once.
+last will is signed when the home connection opens (before every connection attempt, with a
+new ``session`` id: :func:`~dfl_agent.security.trust.will_payload`) and checked with
+:meth:`~dfl_agent.security.SecurityGuard.verify_will`; a will whose ``session`` is not the
+one of the node's newest presence or status (a late or replayed will of an earlier
+connection) is dropped as ``presence_stale_will``.  With ``require_signatures`` a last will,
+verified or an older agent's bare one (counted as ``presence_unsigned``), is only a hint: the
+node stays a member until its status heartbeats stop for ``discovery.heartbeat_timeout`` (a
+connection that breaks for a moment does not end a membership).  Without it a will is
+obeyed at once.  Stopping publishes a signed "offline", which is obeyed at once.
 
 Drop counters (in the transport's ``stats.dropped``): ``bad_presence``, ``bad_status``,
 ``presence_oversized`` / ``status_oversized`` (over 64 KiB), ``presence_too_deep`` /
 ``status_too_deep`` (nested deeper than 32 levels; every presence and status is parsed
 by :func:`dfl_agent.jsonbound.loads` before any other use), ``presence_self_forged`` /
 ``status_self_forged`` (something this node did not sign on its own topics),
-``presence_unsigned`` / ``status_unsigned``, ``status_not_member``.
+``presence_unsigned`` / ``status_unsigned``, ``status_not_member``, ``presence_stale_will``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +63,7 @@ from typing import Any
 
 from dfl_agent.jsonbound import JSONBoundError
 from dfl_agent.jsonbound import loads as bounded_loads
+from dfl_agent.security.trust import is_will, will_payload
 from dfl_agent.transport.mqtt import ControlChannel, MqttTransport, topic
 
 #: the transport's logger: the log lines of presence and status keep their logger name
@@ -110,6 +118,12 @@ class MqttPresence(ControlChannel):
         self.relay = relay
         #: latest status dict of every other node heard (node id -> status)
         self.statuses: dict[str, dict[str, Any]] = {}
+        #: this node's home connection (a random id, new before every connection attempt:
+        #: :meth:`will`), in its presence, statuses and last will
+        self.session = secrets.token_hex(8)
+        #: the newest connection of every other node, from its presence and statuses
+        #: (node id -> session): a last will of another one is stale
+        self.sessions: dict[str, str] = {}
         self._transport: MqttTransport | None = None
         self._lock = threading.RLock()
         self._status: dict[str, Any] | None = None
@@ -129,10 +143,15 @@ class MqttPresence(ControlChannel):
         return self._transport
 
     def will(self) -> tuple[str, bytes] | None:
+        """The last will of the next connection attempt of the home connection, for a new
+        session id, signed now (called before every attempt)."""
         if self.relay is not None:  # a run process: the supervisor's session holds the will
             return None
-        # unsigned by necessity (see the module docstring): a hint for signed receivers
-        return self._t_presence, self._presence_payload(False, signed=False)
+        self.session = secrets.token_hex(8)
+        doc = will_payload(self.node_id, self.session)
+        if self.control is not None:
+            return self._t_presence, self.control.sign_control("presence", doc, self.federation)
+        return self._t_presence, json.dumps(doc).encode()
 
     def announce(self, client: Any) -> None:
         self._say_online(client)
@@ -175,6 +194,7 @@ class MqttPresence(ControlChannel):
         msg: dict[str, Any] = {"state": "online" if online else "offline", "node_id": self.node_id}
         if online:
             msg["descriptor"] = self.descriptor
+            msg["session"] = self.session
         msg["time"] = time.time()
         if signed and self.control is not None:
             return self.control.sign_control("presence", msg, self.federation)
@@ -184,16 +204,18 @@ class MqttPresence(ControlChannel):
         with self._lock:
             self._heartbeat_seq += 1
             status = dict(self._status or {})
-            status.update(node_id=self.node_id, time=time.time(), heartbeat=self._heartbeat_seq)
+            status.update(node_id=self.node_id, time=time.time(), heartbeat=self._heartbeat_seq, session=self.session)
             self._last_status_pub = time.monotonic()
             if self.control is not None:
                 return self.control.sign_control("status", status, self.federation)
         return json.dumps(status).encode()
 
-    def _open_control(self, leaf: str, node_id: str, payload: bytes) -> tuple[dict[str, Any], str] | None:
+    def _open_control(self, leaf: str, node_id: str, payload: bytes,
+                      will: bool = False) -> tuple[dict[str, Any], str] | None:
         """The payload dict of a received presence/status and its sender's role, or
         None when dropped (counted as ``{leaf}_{reason}``).  Without ``control`` the
-        payload is bare JSON (role "unverified")."""
+        payload is bare JSON (role "unverified").  ``will``: the presence is a last will
+        (:meth:`~dfl_agent.security.SecurityGuard.verify_will`)."""
         count = self._t().count
         if self.control is None:
             try:  # bounded: 64 KiB, nesting depth 32
@@ -211,7 +233,10 @@ class MqttPresence(ControlChannel):
         from dfl_agent.security.trust import ControlRejected
 
         try:
-            _sender, role, msg = self.control.verify_control(payload, leaf, node_id)
+            if will:
+                _sender, role, msg = self.control.verify_will(payload, node_id)
+            else:
+                _sender, role, msg = self.control.verify_control(payload, leaf, node_id)
         except ControlRejected as exc:
             if exc.reason == "duplicate":
                 return None  # a retained message delivered again (reconnect): not a drop
@@ -268,21 +293,23 @@ class MqttPresence(ControlChannel):
                 note(node_id, "cleared")
         else:
             if signed_only and self._is_bare_offline(payload):
-                # the MQTT last will is unsigned by necessity: a hint only, liveness decides
-                t.count("presence_unsigned")
-                is_live = getattr(t.peers, "is_live", None)
-                if is_live is not None and is_live(node_id):  # not a retained will of long ago
-                    log.warning("%s: peer %s lost its connection (its unsigned last will: crashed or cut off); "
-                                "a member until its heartbeats stop", self.node_id, node_id)
-                    lost = getattr(t.peers, "note_session_lost", None)
-                    if lost is not None:  # back within its heartbeat timeout, it may have missed messages
-                        lost(node_id)
-                else:
-                    log.debug("%s: unsigned offline of peer %s ignored (not live)", self.node_id, node_id)
+                t.count("presence_unsigned")  # an older agent's unsigned last will: a hint only
+                self._will_hint(node_id, "unsigned")
                 return
-            opened = self._open_control("presence", node_id, payload)
+            will = self._is_will(payload)
+            opened = self._open_control("presence", node_id, payload, will=will)
             if opened is None:
                 return
+            if will:
+                if node_id in self.sessions and opened[0].get("session") != self.sessions[node_id]:
+                    t.count("presence_stale_will")  # of an earlier connection: the node is back
+                    log.debug("%s: stale last will of peer %s ignored", self.node_id, node_id)
+                    return
+                if signed_only:  # verified, yet a hint only: liveness decides (a short break ends no membership)
+                    self._will_hint(node_id, "signed")
+                    return
+            elif isinstance(opened[0].get("session"), str):
+                self.sessions[node_id] = opened[0]["session"]
             try:
                 descriptor = self._descriptor_of(opened[0], node_id)
             except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError included
@@ -293,15 +320,33 @@ class MqttPresence(ControlChannel):
                 note(node_id, self._departure(node_id, opened[0], payload))
         t.dispatch(t.presence_handler, node_id, descriptor)
 
+    def _will_hint(self, node_id: str, how: str) -> None:
+        """A last will of ``node_id`` (``how``: "signed" or "unsigned") under
+        ``require_signatures``: a hint only.  A live peer lost its connection (it may have
+        missed messages: ``note_session_lost``); its heartbeats decide when it leaves."""
+        peers = self._t().peers
+        is_live = getattr(peers, "is_live", None)
+        if is_live is not None and is_live(node_id):  # not a retained will of long ago
+            log.warning("%s: peer %s lost its connection (its %s last will: crashed or cut off); "
+                        "a member until its heartbeats stop", self.node_id, node_id, how)
+            lost = getattr(peers, "note_session_lost", None)
+            if lost is not None:  # back within its heartbeat timeout, it may have missed messages
+                lost(node_id)
+        else:
+            log.debug("%s: %s last will of peer %s ignored (not live)", self.node_id, how, node_id)
+
     def _departure(self, node_id: str, msg: dict[str, Any], payload: bytes) -> str:
         """How ``node_id``'s presence went offline (a :data:`dfl_agent.discovery.peers.DEPARTURES`
-        key): ``"will"`` for its last will - bare JSON where this node signs (every agent signs
-        its goodbye), or, without signing, an "offline" older than the peer's last status (the
-        will is written when its connection opens); ``"goodbye"`` when it stopped before its
+        key): ``"will"`` for its last will - one that names its connection, or an older agent's
+        bare JSON where this node signs (every agent signs its goodbye), or, without signing, an
+        "offline" older than the peer's last status (the will is written when its connection
+        opens); ``"goodbye"`` when it stopped before its
         run's end (its status said ``stopped``, or the goodbye's reason is ``stopping``);
         ``"run_end"`` after its status said ``finished``, or for a goodbye that names another
         reason (the supervisor's ``run ended``); else ``"goodbye"``."""
         last = self.statuses.get(node_id) or {}
+        if is_will(msg):
+            return "will"
         if self._is_bare_offline(payload):
             if self.control is not None:
                 return "will"
@@ -335,6 +380,15 @@ class MqttPresence(ControlChannel):
         raise ValueError(f"unknown state {state!r}")
 
     @staticmethod
+    def _is_will(payload: bytes) -> bool:
+        """Whether a presence payload (signed or bare) is a last will that names its connection."""
+        try:
+            msg = bounded_loads(payload, "presence")
+        except ValueError:
+            return False
+        return isinstance(msg, dict) and is_will(msg.get("payload") if "ctl" in msg else msg)
+
+    @staticmethod
     def _is_bare_offline(payload: bytes) -> bool:
         try:
             msg = bounded_loads(payload, "presence")
@@ -358,6 +412,8 @@ class MqttPresence(ControlChannel):
             t.count("status_not_member")  # e.g. an operator's key: statuses come from members
             return
         self.statuses[node_id] = status
+        if isinstance(status.get("session"), str):
+            self.sessions[node_id] = status["session"]
         t.dispatch(self.on_heartbeat, node_id, status)
 
     # ----------------------------------------------------------------- status

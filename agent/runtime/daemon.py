@@ -19,6 +19,12 @@ than half the rounds closed alone, :mod:`dfl_agent.runtime.degraded`), 130 inter
 
 from __future__ import annotations
 
+from dfl_agent.interrupt import during_startup
+
+# first: a Ctrl-C while the modules below load, or while the configuration is checked, is one
+# line and exit 130; run_agent's event loop then takes SIGINT over (a clean stop)
+during_startup("dfl-agent", __name__)
+
 import argparse
 import asyncio
 import contextlib

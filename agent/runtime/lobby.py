@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -111,13 +112,14 @@ class RunLobby:
         #: (republished after a reconnection)
         self.run_presence: dict[str, Any] | None = None
         self.run_status: tuple[dict[str, Any], dict[str, Any]] | None = None
+        #: this session's connection (a random id, new before every connection attempt), in
+        #: the node's last will, presence and statuses: a will of an earlier one is stale
+        self.session = secrets.token_hex(8)
 
     def start(self) -> None:
         """Connect (non-blocking; paho reconnects on its own)."""
-        import secrets
-
         from dfl_agent.transport.endpoint import parse_endpoint
-        from dfl_agent.transport.mqtt import mqtt_session, topic
+        from dfl_agent.transport.mqtt import mqtt_session
         from dfl_agent.transport.outage import BrokerOutage
 
         m = self.cfg.mqtt
@@ -126,10 +128,9 @@ class RunLobby:
         c = mqtt_session(f"dfl-{self.cfg.federation}-{self.node_id}-runs-{secrets.token_hex(3)}",
                          protocol=m.protocol, username=m.username, password=m.password,
                          tls_ca=m.tls_ca, tls_cert=m.tls_cert, tls_key=m.tls_key)
-        # the node's last will (the run process sets none: the supervisor speaks for the node);
-        # unsigned by necessity, a hint only for signed receivers (liveness decides)
-        c.will_set(topic(self.cfg.federation, self.node_id, "presence"), json.dumps(
-            {"state": "offline", "node_id": self.node_id, "time": time.time()}), qos=1, retain=True)
+        # the node's last will (the run process sets none: the supervisor speaks for the node),
+        # signed for each connection attempt (discovery.presence: a session id binds it)
+        c.on_pre_connect = self._on_pre_connect
         c.on_connect = self._on_connect
         c.on_connect_fail = self._on_connect_fail
         c.on_disconnect = self._on_disconnect
@@ -147,6 +148,16 @@ class RunLobby:
         if self.client is not None:
             self.client.disconnect()
             self.client.loop_stop()
+
+    def _on_pre_connect(self, client: Any, userdata: Any) -> None:
+        """paho, before each connection attempt: a new session id, and the node's last will for
+        it (a presence "offline" that names the session, signed now)."""
+        from dfl_agent.security.trust import will_payload
+        from dfl_agent.transport.mqtt import topic
+
+        self.session = secrets.token_hex(8)
+        client.will_set(topic(self.cfg.federation, self.node_id, "presence"),
+                        self._signed("presence", will_payload(self.node_id, self.session)), qos=1, retain=True)
 
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
         if getattr(reason_code, "is_failure", False):
@@ -388,7 +399,7 @@ class RunLobby:
 
         doc: dict[str, Any] = {"state": "online" if descriptor is not None else "offline", "node_id": self.node_id}
         if descriptor is not None:
-            doc["descriptor"] = dict(descriptor)
+            doc.update(descriptor=dict(descriptor), session=self.session)
         elif reason:
             doc["reason"] = reason
         doc["time"] = time.time()
@@ -409,7 +420,7 @@ class RunLobby:
         with self.lock:
             self.heartbeat += 1
             st = {**dict(status), **dict(service or {}), "node_id": self.node_id, "time": time.time(),
-                  "heartbeat": self.heartbeat}
+                  "heartbeat": self.heartbeat, "session": self.session}
             self.run_status = dict(status), dict(service or {})
         if self.client is not None:
             self.client.publish(topic(self.cfg.federation, self.node_id, "status"), self._signed("status", st),
@@ -434,7 +445,7 @@ class RunLobby:
             return
         self.heartbeat += 1
         st = {"node_id": self.node_id, "state": state, "time": time.time(), "heartbeat": self.heartbeat,
-              "run": run, "runs_refused": dict(self.verifier.refused), "algorithm": None, "round": 0,
+              "session": self.session, "run": run, "runs_refused": dict(self.verifier.refused), "algorithm": None, "round": 0,
               "run_history": {k: {f: v.get(f) for f in ("state", "round", "reason", "started_from", "privacy",
                                                          *(DEGRADED_FIELDS if v.get("degraded") else ()))}
                               for k, v in sorted((history or {}).items(), key=lambda kv: kv[1].get("time", 0))[-20:]}}

@@ -169,7 +169,7 @@ class Membership:
         """A peer's status document arrived (heartbeat): remember whether it is gated, and
         count a restart of the peer (its ``heartbeat`` counter went back) in :attr:`rejoins`:
         a peer killed and restarted within the heartbeat timeout never looked offline (with
-        signatures required its unsigned last will is only a hint), yet it lost its copies;
+        signatures required its last will is only a hint), yet it lost its copies;
         and a peer whose session broke meanwhile (:meth:`_lost`), which may have missed them."""
         if isinstance(status, dict):
             beat = status.get("heartbeat")

@@ -148,9 +148,8 @@ class Node:
         self.eval_background = eval_background
         #: start-up work done before round 1 (e.g. ``warm_up_s``), added to round 1's record
         self.startup: dict[str, float] = {}
-        #: the run's start (:mod:`dfl_agent.runtime.warm_start`: ``init``, ``started_from``,
-        #: ``reason``), added to the first round record of this process as ``init``, ``started_from``
-        #: and ``init_reason``
+        #: the run's start (:mod:`dfl_agent.runtime.warm_start`: ``init``, ``started_from``, ``reason``),
+        #: added to the first round record of this process as ``init``, ``started_from`` and ``init_reason``
         self.run_start: dict[str, Any] = {}
         self.lr_ramp = 0  #: ``training.warm_start_ramp`` (:func:`dfl_agent.runtime.warm_start.ramp_factor`)
         self._full_rate: Any = None  # a warm-started run's full-rate TrainConfig, while it ramps
@@ -166,6 +165,7 @@ class Node:
         self._wall_started = time.time()
         ctx.set_hooks(round_hook=self._on_round, gate_hook=self._on_gate, status_hook=self.publish_status)
         self.state = "starting"
+        self.set_up = False  #: whether :meth:`setup` ran: before, the status has no algorithm fields
         #: the run this node trains in (runs.py): ``{"id", "state", "reason"}``; None with ``--once``
         self.run_info: dict[str, Any] | None = None
         #: ``() -> dict``: fields of the always-on service that every status carries, over this
@@ -174,8 +174,7 @@ class Node:
         # device profiles: a gated node republishes its status with the reason at once
         # (_on_gate); after_round hooks get (round, metrics record), e.g. the ONNX publisher
         self.after_round: list[Callable[[int, dict[str, Any]], Any]] = []
-        # -- operations (issue 10): called with t after each round's record, before the
-        # status is published; the daemon saves a crash-safe checkpoint here.
+        # called with t after each round's record, before the status: the daemon saves a checkpoint here
         self.checkpoint: Callable[[int], Awaitable[None]] | None = None
         self.checkpoint_errors = 0
         #: round -> its record while it is not yet written (evaluation running, or its
@@ -214,6 +213,7 @@ class Node:
 
     async def setup(self) -> None:
         await self.algorithm.setup()
+        self.set_up = True
         if self.baseline_local:
             # same architecture and initial weights as the deployable model, but trainable
             # (a deployable model may be frozen, like DFML's peak model)
@@ -528,7 +528,7 @@ class Node:
     def status(self) -> dict[str, Any]:
         """The status document published on ``dfl/{fed}/node/{id}/status``: under
         differential privacy without the accuracies and sample counts
-        (:func:`~dfl_agent.privacy.policy.redact_status`)."""
+        (:func:`~dfl_agent.privacy.policy.redact_status`); the algorithm's own once it was set up."""
         evaluated = [r for r in self.history if "global_accuracy" in r]
         last = {**(evaluated[-1] if evaluated else {}), **(self.history[-1] if self.history else {})}
         counters = self.ctx.counters()
@@ -567,7 +567,7 @@ class Node:
             **{k: v for k, v in self.ctx.byte_accounting().items()
                if k in ("bytes_sent_by_kind", "compression_ratio", "round_bytes_sent", "round_bytes_sent_by_kind")},
             **{k: v for k, v in last.items() if k.endswith("_global_accuracy")},  # e.g. DFML's regular model
-            **self.algorithm.status(),
+            **(self.algorithm.status() if self.set_up else {}),
             **self._profile_status(),
             **({"run": {**self.run_info, "round": last.get("round", 0),
                         "state": {"running": "training", "finished": "finished"}.get(self.state,

@@ -47,6 +47,16 @@ e.g. retained, after a reconnect; not a drop), ``replay`` (a ``seq`` at or below
 that sender and kind: a retained message is valid however old as long as its ``seq``
 is the newest seen; ``time`` is used for liveness only).
 
+The MQTT last will is the broker's message, published when a node's connection breaks; its
+node signs it when it connects (:func:`will_payload`): a presence "offline" whose payload's
+``reason`` is :data:`WILL_REASON` and whose ``session`` names that connection (a random id per
+connection, also in the node's "online" presence and statuses of that connection).  Signed
+before the presence messages of its connection, its ``seq`` is lower than theirs:
+:meth:`SecurityGuard.verify_will` checks it as :meth:`~SecurityGuard.verify_control` does but
+for the sequence rule, and the receiver binds it to the node's current connection instead: a
+will whose ``session`` is not the one of the node's newest presence or status is stale (a
+replayed or late will of an earlier connection) and is ignored.
+
 Unsigned payloads (``sig`` null, or no envelope at all - an older wire version) are
 returned with role ``"unverified"`` when ``require_signatures`` is off and raise
 ``unsigned`` when it is on.  :meth:`SecurityGuard.role_of` says ``"device"``,
@@ -103,6 +113,24 @@ CONTROL_VERSION = 1
 SEQ_FILE = "control_seq.json"
 #: largest control envelope accepted (bytes), checked before parsing
 MAX_CONTROL_BYTES = LIMITS["control"]
+
+
+#: the ``reason`` of a presence "offline" that is a node's MQTT last will
+WILL_REASON = "last will"
+
+
+def is_will(doc: Any) -> bool:
+    """Whether the presence payload ``doc`` (a dict, after the envelope) is a last will that
+    names its connection (:data:`WILL_REASON` and a ``session``).  An older agent's bare will
+    has neither."""
+    return (isinstance(doc, dict) and doc.get("state") == "offline" and doc.get("reason") == WILL_REASON
+            and isinstance(doc.get("session"), str))
+
+
+def will_payload(node_id: str, session: str) -> dict[str, Any]:
+    """The presence payload of ``node_id``'s last will for its connection ``session``, made
+    (and signed) when the connection opens: its ``time`` is then."""
+    return {"state": "offline", "node_id": node_id, "time": time.time(), "reason": WILL_REASON, "session": session}
 
 
 def control_limit(kind: str | None) -> int:
@@ -359,7 +387,26 @@ class SecurityGuard:
                 self.control_dropped[exc.reason] += 1
             raise
 
-    def _verify_control(self, frame: bytes, kind: str | None, sender: str | None) -> tuple[str, str, dict[str, Any]]:
+    def verify_will(self, frame: bytes, sender: str | None = None) -> tuple[str, str, dict[str, Any]]:
+        """Check a received last will (see the module docstring): every check of
+        :meth:`verify_control` for a ``"presence"`` on ``sender``'s topic but the sequence
+        rule, and the payload must be a will (:func:`is_will`, else ``malformed``); the very
+        will again is a ``duplicate``.  Binding it to the sender's current connection (its
+        ``session``) is the caller's part.
+
+        Raises:
+            ControlRejected: with ``reason`` in :data:`CONTROL_REJECT_REASONS`.
+        """
+        try:
+            snd, role, payload = self._verify_control(frame, "presence", sender, will=True)
+        except ControlRejected as exc:
+            if exc.reason != "duplicate":
+                self.control_dropped[exc.reason] += 1
+            raise
+        return snd, role, payload
+
+    def _verify_control(self, frame: bytes, kind: str | None, sender: str | None,
+                        will: bool = False) -> tuple[str, str, dict[str, Any]]:
         try:  # bounded: size by kind (64 KiB for presence, status, run descriptors), depth 32
             env = bounded_loads(frame, max_bytes=control_limit(kind))
         except JSONBoundError as exc:  # oversized, too_deep, malformed
@@ -405,6 +452,13 @@ class SecurityGuard:
                        canonical({k: v for k, v in env.items() if k != "sig"}))
         except (binascii.Error, ValueError, InvalidSignature):
             raise ControlRejected("bad_signature", f"{knd} of {snd}") from None
+        if will:  # no sequence rule: the caller binds the will to the sender's connection
+            if not is_will(payload):
+                raise ControlRejected("malformed", f"{knd} of {snd} is not a last will")
+            if self._control_sig.get((snd, "will")) == sig:
+                raise ControlRejected("duplicate", f"the last will of {snd} again")
+            self._control_sig[(snd, "will")] = sig
+            return snd, self.trust.role_of(snd) or "unverified", payload
         last = self._control_seq.get((snd, knd))
         if last is not None and seq <= last:
             if seq == last and self._control_sig.get((snd, knd)) == sig:

@@ -202,7 +202,8 @@ class ControlChannel(abc.ABC):
 
     @abc.abstractmethod
     def will(self) -> tuple[str, bytes] | None:
-        """The home connection's last will, ``(topic, payload)`` (retained, QoS 1), or None."""
+        """The home connection's last will, ``(topic, payload)`` (retained, QoS 1), or None;
+        called before every connection attempt (paho's ``on_pre_connect``)."""
 
     @abc.abstractmethod
     def announce(self, client: mqtt.Client) -> None:
@@ -515,9 +516,8 @@ class MqttTransport(Transport):
             client = mqtt_session(f"dfl-{self.federation}-{self.node_id}-{secrets.token_hex(4)}",
                                   protocol=self.protocol, username=self.username, password=self.password,
                                   tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key, userdata=conn)
-            will = self.channel.will() if home and self.channel is not None else None
-            if will is not None:
-                client.will_set(will[0], will[1], qos=1, retain=True)
+            if home and self.channel is not None:  # a fresh last will before every connection attempt
+                client.on_pre_connect = self._on_pre_connect
             client.on_connect = self._on_connect
             client.on_connect_fail = self._on_connect_fail
             client.on_disconnect = self._on_disconnect
@@ -533,6 +533,12 @@ class MqttTransport(Transport):
             log.info("%s: connecting to %sbroker %s (MQTT %s)", self.node_id,
                      "home " if home else "", endpoint, self.protocol)
             return conn
+
+    def _on_pre_connect(self, client, conn: _Conn) -> None:
+        """paho, before each attempt of the home connection: the channel's last will for it."""
+        will = self.channel.will() if self.channel is not None else None
+        if will is not None:
+            client.will_set(will[0], will[1], qos=1, retain=True)
 
     def _on_connect(self, client, conn: _Conn, flags, reason_code, properties) -> None:
         try:

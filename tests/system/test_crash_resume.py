@@ -143,7 +143,7 @@ def test_sigkill_at_random_moments_never_corrupts_state_and_resumes(tmp_path, ca
                     assert ck.round == store.rounds()[0] or ck.round == store.rounds()[1]
                     expected = (ck.round, ck.manifest["state_digest"])
                 if k < 3 or k == KILLS - 1:  # the last will (waiting for it every time costs 3 s)
-                    gone = _wait(lambda: any(r["node_id"] == "victim" and r["state"] == "offline"
+                    gone = _wait(lambda: any(r["node_id"] == "victim" and r["state"] == "offline (last will)"
                                              for r in peer_rows(*obs.snapshot())) and time.monotonic(), 15)
                     assert gone, peer_rows(*obs.snapshot())
                     offline.append(gone - killed)
@@ -153,7 +153,7 @@ def test_sigkill_at_random_moments_never_corrupts_state_and_resumes(tmp_path, ca
         capsys.readouterr()
         assert dflctl(["peers", "--json", "--broker", broker.endpoint, "--federation", fed]) == 0
         rows = json.loads(capsys.readouterr().out)["peers"]
-    assert [r["state"] for r in rows if r["node_id"] == "victim"] == ["offline"]
+    assert [r["state"] for r in rows if r["node_id"] == "victim"] == ["offline (last will)"]
     assert expected is not None and expected[0] >= 1
     assert max(listed) <= 5.0, listed
     assert max(offline) <= 1.5 * KEEPALIVE + 1.0, offline

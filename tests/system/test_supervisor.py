@@ -311,3 +311,35 @@ def test_killed_while_waiting_for_members_trains_the_run_after_restart(tmp_path)
         for n in paths:  # both trained both rounds with the other's model
             records = [json.loads(x) for x in (tmp_path / n / "runs" / rid / "metrics.jsonl").read_text().splitlines()]
             assert [r["round"] for r in records if "neighbour_ids" in r] == [1, 2], (n, records)
+
+
+def test_a_run_process_started_while_the_broker_is_down_reports_its_end_without_a_traceback(tmp_path):
+    """The run process as the supervisor starts it, with nothing listening on the broker's port:
+    it says the broker is unreachable, sends its ``end`` report and exits 3 (at 75535c2 the end
+    report raised ``AttributeError: 'FedAvg' object has no attribute 'market'``: a traceback and
+    exit 1, read by the supervisor as a crash)."""
+    import socket
+
+    from dfl_agent.runtime.descriptor import RunDescriptor
+
+    with socket.socket() as s:  # a free port: the broker is down
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = run_dir / "run.toml"
+    config.write_text(dump_toml(config_from_dict({
+        "federation": "down", "node_id": "dev1", "state_dir": str(tmp_path / "state"),
+        "algorithm": {"name": "fedavg", "rounds": 2}, "data": {"dataset": "iris", "partition": "iid", "num_nodes": 2},
+        "model": {"size": "small"}, "deploy": {"onnx": False}, "mqtt": {"broker": f"127.0.0.1:{port}"},
+        "discovery": {"mdns": False}})))
+    d = RunDescriptor(run_id="r1", federation="down", algorithm="fedavg", rounds=2)
+    (run_dir / "descriptor.json").write_text(json.dumps(d.to_dict()))
+    proc = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.run_process", "--config", str(config),
+                           "--run-dir", str(run_dir)], input=json.dumps({"type": "start"}) + "\n",
+                          capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "could not connect to MQTT broker" in proc.stderr
+    docs = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert docs[-1]["type"] == "end" and docs[-1]["round"] == 0 and docs[-1]["last_round"] == 0, docs

@@ -4,7 +4,7 @@ A module may import only from its own layer or from the layers listed before
 it (docs/explanation/architecture.md, "Layers"):
 
 1. ``fsutil``, ``tomlcheck``, ``resources``, ``jsonbound``, ``extras``, ``onnx_model``,
-   ``durations``;
+   ``durations``, ``interrupt``;
 2. ``learning``, ``data``, ``models``, ``security``, ``privacy``;
 3. ``algorithms``;
 4. ``transport``; then ``discovery``, which may import transport but not the
@@ -41,6 +41,7 @@ RANK: dict[str, float] = {
     "extras": 1,
     "onnx_model": 1,
     "durations": 1,
+    "interrupt": 1,
     "learning": 2,
     "data": 2,
     "models": 2,

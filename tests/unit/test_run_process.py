@@ -124,3 +124,49 @@ def test_exit_of_a_run_process_read_as_the_supervisor_records_it():
     c.error = "data.path: no such folder"
     with pytest.raises(StartupError, match="data.path"):
         c._ended(2, oom=False)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    from dfl_agent.data import load_dataset
+
+    return load_dataset("digits")
+
+
+def _never_set_up(name: str, bundle):
+    """A node of algorithm ``name`` as a run process holds it when its start failed (the
+    broker was down): built, never set up."""
+    import numpy as np
+
+    from dfl_agent.algorithms.base import get_algorithm
+    from dfl_agent.data import node_data_for
+    from dfl_agent.discovery.peers import PeerTable
+    from dfl_agent.learning.training import TrainConfig
+    from dfl_agent.models import default_spec
+    from dfl_agent.runtime.context import RuntimeContext
+    from dfl_agent.runtime.node import Node
+    from dfl_agent.transport.memory import MemoryNetwork
+
+    ctx = RuntimeContext(node_id="me", federation="f", transport=MemoryNetwork().transport("me", "f", {}),
+                         peers=PeerTable("me", "f"), data=node_data_for(bundle, 2, 0, "iid", seed=0),
+                         model_spec=default_spec(bundle.pool.input_shape, bundle.pool.num_classes, "small"),
+                         train=TrainConfig(steps=1), init_seed=1, rng=np.random.default_rng(0))
+    cls = get_algorithm(name)
+    return Node(ctx, cls(ctx, cls.Options()), bundle.test.x[:20], bundle.test.y[:20])
+
+
+def test_the_end_report_of_a_run_whose_node_was_never_set_up(digits):
+    """The broker was down when the run started: the node exists but its algorithm was never set
+    up.  Its status and the run's ``end`` message still work, for every registered algorithm (at
+    75535c2: ``AttributeError: 'FedAvg' object has no attribute 'market'`` from the end report, a
+    traceback in the run process, and the same for 12 of the 18 algorithms)."""
+    from dfl_agent.algorithms.base import available
+    from dfl_agent.runtime.run_process import _end_doc
+
+    for name in available():
+        node = _never_set_up(name, digits)
+        st = node.status()
+        assert st["round"] == 0 and st["algorithm"] == name and st["state"] == "starting", name
+        doc = _end_doc(SimpleNamespace(node=node, outcome="stopped", snapshot=None, data_shape=None))
+        assert doc["type"] == "end" and doc["round"] == 0 and doc["last_round"] == 0, name
+        json.dumps(doc)  # it goes down the pipe as one JSON line
