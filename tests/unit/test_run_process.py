@@ -161,12 +161,15 @@ def test_the_end_report_of_a_run_whose_node_was_never_set_up(digits):
     75535c2: ``AttributeError: 'FedAvg' object has no attribute 'market'`` from the end report, a
     traceback in the run process, and the same for 12 of the 18 algorithms)."""
     from dfl_agent.algorithms.base import available
-    from dfl_agent.runtime.run_process import _end_doc
+    from dfl_agent.runtime.agent import Agent
+    from dfl_agent.runtime.config import config_from_dict
+    from tests.host import LobbyHost
 
     for name in available():
         node = _never_set_up(name, digits)
         st = node.status()
         assert st["round"] == 0 and st["algorithm"] == name and st["state"] == "starting", name
-        doc = _end_doc(SimpleNamespace(node=node, outcome="stopped", snapshot=None, data_shape=None))
+        agent = Agent(config_from_dict({"federation": "f"}), host=LobbyHost(publish=False))
+        agent.node, agent.outcome = node, "stopped"
+        doc = json.loads(pipe.to_line(agent.end_report()))  # it goes down the pipe as one JSON line
         assert doc["type"] == "end" and doc["round"] == 0 and doc["last_round"] == 0, name
-        json.dumps(doc)  # it goes down the pipe as one JSON line
