@@ -10,9 +10,10 @@ delivered that: :meth:`Observer.settle` waits for the subscription's acknowledge
 then for the acknowledgement of a *barrier*, an UNSUBSCRIBE sent right after the SUBSCRIBE.
 A broker answers one client's packets in order and sends a subscription's retained messages
 right after its SUBACK, so once the barrier's UNSUBACK is in, every retained message of the
-subscribed topics has arrived (mosquitto: 500 retained statuses of 2 KB, all before the
-barrier in every trial).  A broker that does not answer the barrier is waited for until no
-message arrived for a quiet period.  Nothing is timed from before the connection is up.
+subscribed topics has arrived (``tests/integration/test_fleet_settle.py`` checks it on
+mosquitto with 203 retained statuses).  A broker that does not answer the barrier is waited
+for until no message arrived for a quiet period.  Nothing is timed from before the connection
+is up.
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.integration
 NODES = ("n0", "n1", "n2")
 
 
-def _retain(endpoint: str, fed: str) -> str:
-    """Retained presence and status of three nodes and one run (unsigned federation); the run id."""
+def _retain(endpoint: str, fed: str, extra: int = 0) -> str:
+    """Retained presence and status of three nodes and one run (unsigned federation), and the
+    statuses of ``extra`` more nodes of 2 KB each; the run id."""
     host, port = endpoint.rsplit(":", 1)
     c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
     c.connect(host, int(port))
@@ -34,6 +35,8 @@ def _retain(endpoint: str, fed: str) -> str:
                  (f"dfl/{fed}/node/{n}/status", json.dumps({"node_id": n, "state": "idle", "time": now, "round": 0,
                                                             "run": {"id": d.run_id, "state": "finished", "round": 2,
                                                                     "reason": ""}}))]
+    msgs += [(f"dfl/{fed}/node/x{i:03d}/status", json.dumps({"node_id": f"x{i:03d}", "pad": "x" * 2000}))
+             for i in range(extra)]
     for topic, payload in msgs:
         c.publish(topic, payload, qos=1, retain=True).wait_for_publish(5)
     c.disconnect()
@@ -69,15 +72,17 @@ def test_queries_see_the_retained_fleet_after_a_slow_connection(mosquitto_broker
 
 
 def test_settle_ends_on_the_barrier_with_every_retained_message(mosquitto_broker, federation):
-    _retain(mosquitto_broker.endpoint, federation)
+    _retain(mosquitto_broker.endpoint, federation, extra=200)
     obs = Observer(mosquitto_broker.endpoint, federation)
     time.sleep(0.6)  # constructed long before it connects
     obs.start()
     try:
         t0 = time.monotonic()
-        assert obs.settle() is True  # the broker answered the barrier: every retained message is in
+        assert obs._synced.wait(5)  # the broker answered the barrier: every retained message is in already
+        assert len(obs.snapshot()[0]) == 203
+        assert obs.settle() is True
         assert time.monotonic() - t0 < 2.0
         statuses, presence = obs.snapshot()
-        assert sorted(statuses) == sorted(presence) == list(NODES) and list(obs.runs) == ["r-settle"]
+        assert len(statuses) == 203 and sorted(presence) == list(NODES) and list(obs.runs) == ["r-settle"]
     finally:
         obs.stop()
