@@ -37,8 +37,8 @@ def _retain(endpoint: str, fed: str, extra: int = 0) -> str:
                                                                     "reason": ""}}))]
     msgs += [(f"dfl/{fed}/node/x{i:03d}/status", json.dumps({"node_id": f"x{i:03d}", "pad": "x" * 2000}))
              for i in range(extra)]
-    for topic, payload in msgs:
-        c.publish(topic, payload, qos=1, retain=True).wait_for_publish(5)
+    for info in [c.publish(topic, payload, qos=1, retain=True) for topic, payload in msgs]:
+        info.wait_for_publish(5)
     c.disconnect()
     c.loop_stop()
     return d.run_id
