@@ -38,6 +38,12 @@ class BrokerError(ConnectionError):
     """The broker cannot be used; the message is one line saying why (``dflctl`` exits 3)."""
 
 
+class PublishRefused(Exception):
+    """The broker answered a publish with a failure reason code (MQTT 5 PUBACK, e.g. 0x87 not
+    authorized: its ACL denies the topic to this user); the message says so in one line
+    (``dflctl`` exits 1)."""
+
+
 class FederationAbsent(Exception):
     """A fleet query heard nothing from its federation; the message (:func:`absent`) names the
     federations the broker does carry (``dflctl`` prints it and exits 1)."""

@@ -1,8 +1,19 @@
 """A read-only MQTT observer of a federation: retained presence and status topics.
 
 Used by ``dflctl demo`` (live progress) and the fleet commands (``peers``, ``status``,
-``watch``, ``run list|show``), which connect it with their :class:`~dfl_agent.cli.fleet.FleetTarget`
-(credentials, TLS).  It announces nothing and publishes nothing.
+``watch``, ``run list|show|submit|cancel``), which connect it with their
+:class:`~dfl_agent.cli.fleet.FleetTarget` (credentials, TLS).  It announces nothing and
+publishes nothing.
+
+A query answers from what the broker holds retained, so it must know when the broker has
+delivered that: :meth:`Observer.settle` waits for the subscription's acknowledgement (SUBACK),
+then for the acknowledgement of a *barrier*, an UNSUBSCRIBE sent right after the SUBSCRIBE.
+A broker answers one client's packets in order and sends a subscription's retained messages
+right after its SUBACK, so once the barrier's UNSUBACK is in, every retained message of the
+subscribed topics has arrived (``tests/integration/test_fleet_settle.py`` checks it on
+mosquitto with 203 retained statuses).  A broker that does not answer the barrier is waited
+for until no message arrived for a quiet period.  Nothing is timed from before the connection
+is up.
 """
 
 from __future__ import annotations
@@ -62,20 +73,45 @@ class Observer:
         #: messages dropped by reason (``handler_error``: handling one raised)
         self.dropped: collections.Counter[str] = collections.Counter()
         self._errors = RateLimitedLog(log)
-        self.updated = time.monotonic()
+        #: monotonic time of the last retained message, or of the SUBACK (None before it)
+        self.updated: float | None = None
         self._lock = threading.Lock()
         self._connected = threading.Event()
+        self._subscribed = threading.Event()  # SUBACK of the subscriptions
+        self._synced = threading.Event()  # UNSUBACK of the barrier: the retained messages are in
+        self._sub_mid: int | None = None
+        self._barrier_mid: int | None = None
         #: SecurityGuard verifying presence/status (set before start; None: all "unverified")
         self.guard: Any = None
         self._client = self.target.session("dflctl")
         self._client.on_connect = self._on_connect
         self._client.on_message = self._on_message
+        self._client.on_subscribe = self._on_subscribe
+        self._client.on_unsubscribe = self._on_unsubscribe
 
     def _on_connect(self, client, userdata, flags, reason_code, properties=None) -> None:
         base = f"dfl/{self.federation}/node/+/"
-        client.subscribe([(base + "status", 0), (base + "presence", 0), (f"dfl/{self.federation}/run/+", 0),
-                          (f"dfl/{self.federation}/run/+/cancel", 0)])
+        self._subscribed.clear()
+        self._synced.clear()
+        self._sub_mid = client.subscribe([(base + "status", 0), (base + "presence", 0),
+                                          (f"dfl/{self.federation}/run/+", 0),
+                                          (f"dfl/{self.federation}/run/+/cancel", 0)])[1]
+        # the barrier (see the module docstring): a topic nobody publishes on and this client
+        # never subscribed to, so its UNSUBACK carries no message and needs no ACL grant
+        self._barrier_mid = client.unsubscribe(f"dfl/{self.federation}/dflctl/barrier")[1]
         self._connected.set()
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes=None, properties=None) -> None:
+        if mid == self._sub_mid:
+            with self._lock:
+                self.updated = time.monotonic()
+            self._subscribed.set()
+
+    def _on_unsubscribe(self, client, userdata, mid, reason_codes=None, properties=None) -> None:
+        if mid == self._barrier_mid:
+            with self._lock:  # the quiet period after the barrier starts at its acknowledgement
+                self.updated = time.monotonic()
+            self._synced.set()
 
     def _on_message(self, client, userdata, msg) -> None:
         try:
@@ -173,16 +209,41 @@ class Observer:
         with self._lock:
             return bool(self.presence or self.statuses or self.runs)
 
-    def settle(self, quiet: float = 0.5, limit: float = 3.0) -> None:
-        """Wait until no retained message arrived for ``quiet`` s (at most ``limit`` s)."""
+    def settle(self, quiet: float = 0.1, fallback: float = 0.5, limit: float = 5.0) -> bool:
+        """Wait until the broker has delivered the retained messages of the subscribed topics
+        (call after :meth:`start`).
+
+        The wait starts when the broker acknowledged the subscription (SUBACK), never
+        before the connection is up; it ends ``quiet`` s after the barrier's acknowledgement
+        (see the module docstring) with no message since, or, with a broker that does
+        not answer the barrier, once no message arrived for ``fallback`` s after the SUBACK;
+        at most ``limit`` s in all.
+
+        Returns:
+            True when the barrier was acknowledged (every retained message is in), False
+            when the wait ended on the quiet period or on ``limit``.
+        """
         end = time.monotonic() + limit
-        while time.monotonic() < end and time.monotonic() - self.updated < quiet:
-            time.sleep(0.05)
+        if not self._subscribed.wait(limit):
+            return False
+        synced = False
+        while time.monotonic() < end:
+            synced = synced or self._synced.is_set()
+            with self._lock:
+                since = time.monotonic() - (self.updated or 0.0)
+            if since >= (quiet if synced else fallback):
+                return synced
+            if synced:
+                time.sleep(0.02)
+            else:
+                self._synced.wait(0.02)
+        return synced
 
     def snapshot(self) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
         with self._lock:
             return dict(self.statuses), dict(self.presence)
 
     def stop(self) -> None:
-        self._client.loop_stop()
+        """Disconnect and stop the network loop (the DISCONNECT wakes the loop at once)."""
         self._client.disconnect()
+        self._client.loop_stop()

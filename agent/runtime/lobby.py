@@ -326,6 +326,13 @@ class RunLobby:
             return False
         return st
 
+    def queued(self, done: Callable[[str], bool], limit: int = 20) -> list[str]:
+        """The ids of the runs queued here, in queue order (at most ``limit``): known, not
+        cancelled and not ``done`` (the ledger's terminal states); the run in training, if
+        any, is among them.  In every status as ``runs_queued``."""
+        with self.lock:
+            return [d.run_id for d in self.queue.ordered() if not d.cancelled and not done(d.run_id)][:limit]
+
     def run(self, run_id: str) -> RunDescriptor | None:
         """The newest known descriptor of ``run_id``."""
         with self.lock:

@@ -97,18 +97,36 @@ def node_id_from_state(state_dir: Path, configured: str | None) -> str:
 class _CancelWatch:
     """The lobby's cancel hook for the run in training: notes the round the cancel
     reached this node after and stops the round in progress (called on the lobby's MQTT
-    thread; the round loop also checks before each round)."""
+    thread; the round loop also checks before each round).
 
-    def __init__(self, run_id: str, agent: Any, run_stop: asyncio.Event, loop: asyncio.AbstractEventLoop):
+    A cancel that arrives once this node's training of the run ended (``ended()`` true:
+    its last round done, the model being deployed) is refused here: the run is not stopped,
+    the model is deployed as usual and the run is recorded finished, with the refusal
+    (:data:`CANCEL_LATE`) as its reason; :attr:`late` holds the run id then."""
+
+    def __init__(self, run_id: str, agent: Any, run_stop: asyncio.Event, loop: asyncio.AbstractEventLoop,
+                 ended: Any = None):
         self.run_id, self.agent, self.run_stop, self.loop = run_id, agent, run_stop, loop
+        self.ended = ended if ended is not None else (lambda: False)
         #: run id -> the last round this node had completed when the cancel reached it
         self.rounds: dict[str, int] = {}
+        #: run ids whose cancel arrived after this node's training ended (refused)
+        self.late: set[str] = set()
 
     def __call__(self, run_id: str) -> None:
-        if run_id != self.run_id:
+        if run_id != self.run_id or run_id in self.late:
+            return
+        if run_id not in self.rounds and self.ended():
+            self.late.add(run_id)
+            log.info("run %s: the operator's cancel arrived after this node's last round; refused here: the "
+                     "model is deployed and the run recorded finished", run_id)
             return
         self.rounds.setdefault(run_id, self.agent.node.last_round() if self.agent.node is not None else 0)
         self.loop.call_soon_threadsafe(self.run_stop.set)
+
+
+#: the reason a run finished here records when the operator's cancel came after its last round
+CANCEL_LATE = "cancel refused: it arrived after this node's last round"
 
 
 async def _relay(stop: asyncio.Event, run_stop: asyncio.Event) -> None:

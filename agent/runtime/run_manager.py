@@ -14,6 +14,11 @@ run through these states, one method per transition::
     training             --cancelled | fail--> cancelled | failed
     recorded | declined | cancelled | failed --idle--> idle
 
+An operator's cancel stops a run here until its last round is done; one that arrives after
+(``trained``, ``deploying``: the model is being deployed) is refused here: the model is deployed
+and the run recorded ``finished`` with the refusal as its reason (``CANCEL_LATE``), so the
+ledger, the status and ``dflctl run show`` say the same.
+
 Each state is written to the run ledger (:class:`~dfl_agent.runtime.ledger.RunLedger`) before it
 takes effect (``recorded`` as ``finished``): a run that ended here is never rerun, and a restart
 resumes a run from the state recorded (:meth:`RunManager.resume`; a model is deployed or kept
@@ -46,8 +51,15 @@ from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier
 from dfl_agent.runtime.ledger import RunLedger
 from dfl_agent.runtime.lobby import RunLobby
 from dfl_agent.runtime.privacy_budget import PrivacyBudget
-from dfl_agent.runtime.run_config import RunHooks, _CancelWatch, _relay, node_id_from_state, run_config_for
-from dfl_agent.runtime.run_loop import RunLoop
+from dfl_agent.runtime.run_config import (
+    CANCEL_LATE,
+    RunHooks,
+    _CancelWatch,
+    _relay,
+    node_id_from_state,
+    run_config_for,
+)
+from dfl_agent.runtime.run_loop import AFTER_TRAINING, RunLoop
 from dfl_agent.runtime.sample_store import open_store, seed_store
 from dfl_agent.runtime.service_counters import ServiceCounters
 from dfl_agent.runtime.systemd import Notifier
@@ -131,6 +143,11 @@ class RunManager(RunLoop):
         #: refusal and drop counters over restarts: every status (idle, training) and Prometheus
         self.counters = ServiceCounters(cfg.state_dir, lobby, lambda: self.agent.node if self.agent is not None else None)
         lobby.counters = self.counters
+        # in every status, idle and training: whether this node takes only operator-signed runs
+        # (dflctl refuses to submit unsigned then), and the runs queued here (a submission's answer)
+        self.counters.fields["signatures_required"] = lambda: bool(getattr(lobby.verifier, "require_signatures",
+                                                                           False))
+        self.counters.fields["runs_queued"] = lambda: lobby.queued(self.ledger.is_done)
         self.privacy = PrivacyBudget(cfg, profile, store, self.counters)  # admission against the privacy budget
 
     # -- the state machine ------------------------------------------------------------
@@ -263,14 +280,15 @@ class RunManager(RunLoop):
                          "init_reason": start.get("reason", "")}
         self._to(state, self.info["id"] if self.info else None, rnd=rnd, extra=extra)
 
-    def finish(self, d: RunDescriptor, agent: Any, extra: dict[str, Any] | None) -> None:
+    def finish(self, d: RunDescriptor, agent: Any, extra: dict[str, Any] | None, reason: str = "") -> None:
         """``trained | deployed | kept | deploying -> recorded``: the run finished here
-        (recorded with its snapshot's newest sample id), then the finish hooks (``node``
+        (recorded with its snapshot's newest sample id, and ``reason``: :data:`CANCEL_LATE` when
+        the operator's cancel came after its last round), then the finish hooks (``node``
         None when the run resumed after its model was deployed)."""
         if self.state == "training":  # an agent that does not report its states
             self._to("trained", d.run_id, rnd=d.rounds, extra=extra)
-        self._to("recorded", d.run_id, "", d.rounds, extra)
-        self.info = {"id": d.run_id, "state": "finished", "round": d.rounds, "reason": ""}
+        self._to("recorded", d.run_id, reason, d.rounds, extra)
+        self.info = {"id": d.run_id, "state": "finished", "round": d.rounds, "reason": reason}
         log.info("run %s finished", d.run_id)
         self.hooks.fire_finished(d, agent.node if agent is not None else None)
 
@@ -358,7 +376,7 @@ class RunManager(RunLoop):
                 if task is not None:
                     task.cancel()
             await asyncio.gather(*(t for t in (watcher, ingest) if t is not None), return_exceptions=True)
-        return await self._ended(d, agent, rc, watch.rounds, stop)
+        return await self._ended(d, agent, rc, watch, stop)
 
     def _cannot_start(self, d: RunDescriptor, exc: StartupError) -> bool:
         """Run ``d`` cannot start (its settings or data): a published run fails here (True: the
@@ -382,7 +400,8 @@ class RunManager(RunLoop):
         agent.attempt = attempt
         agent.service_status = self.counters.view  # the run's status carries the service's counters
         agent.notifier = self.notifier  # one systemd notifier: its watchdog follows the service's liveness
-        watch = _CancelWatch(d.run_id, agent, run_stop, asyncio.get_running_loop())
+        watch = _CancelWatch(d.run_id, agent, run_stop, asyncio.get_running_loop(),
+                             ended=lambda: self.state in AFTER_TRAINING or agent.outcome == "finished")
         self.lobby.on_cancel = watch
         if self.is_cancelled(d.run_id):  # cancelled between the queue pick and here
             watch(d.run_id)
@@ -410,18 +429,21 @@ class RunManager(RunLoop):
         self.info = {"id": d.run_id, "state": "training", "round": rnd, "reason": f"retry {attempt}"}
         return True
 
-    async def _ended(self, d: RunDescriptor, agent: Any, rc: int, cancel_round: dict[str, int],
+    async def _ended(self, d: RunDescriptor, agent: Any, rc: int, watch: _CancelWatch,
                      stop: asyncio.Event) -> bool:
-        """Record how the run that ``agent`` trained ended (``rc``: its exit code)."""
+        """Record how the run that ``agent`` trained ended (``rc``: its exit code; ``watch``:
+        its cancel hook, which knows the round a cancel came after, or that it came too late)."""
         self.last_rc = rc
+        cancel_round = watch.rounds
         cancelled = d.run_id in cancel_round or (agent.outcome != "finished" and self.is_cancelled(d.run_id))
         if agent.data_shape is not None:
             self.data_shape = agent.data_shape
         rnd = agent.node.status().get("round", 0) if agent.node is not None else 0
         snap = agent.snapshot  # a run on the sample store: the newest sample id of its data
         extra = {"snapshot_last_id": int(snap.max())} if snap is not None and len(snap) else None
-        if agent.outcome == "finished":
-            self.finish(d, agent, extra)
+        if agent.outcome == "finished":  # a cancel that came after the last round is refused here
+            late = d.run_id in watch.late or self.is_cancelled(d.run_id)
+            self.finish(d, agent, extra, CANCEL_LATE if late else "")
         elif cancelled:
             at = cancel_round.get(d.run_id, rnd)
             log.info("run %s cancelled by the operator: the cancel arrived after round %d, the last round "

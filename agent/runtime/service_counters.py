@@ -98,9 +98,9 @@ class ServiceCounters:
         self._task: asyncio.Future[None] | None = None
         #: more fields of every status, by name, not saved (the service's ``task_restarts``:
         #: :meth:`dfl_agent.runtime.liveness.Liveness.status`)
-        self.fields: dict[str, Callable[[], dict[str, int]]] = {}
+        self.fields: dict[str, Callable[[], Any]] = {}
 
-    def view(self) -> dict[str, dict[str, int]]:
+    def view(self) -> dict[str, Any]:
         """``{"runs_refused": {reason: n}, "control_dropped": {reason: n}}``: the totals over
         this node's life (both present, ``{}`` when nothing was refused or dropped), and the
         :attr:`fields`."""

@@ -217,7 +217,8 @@ def test_declined_and_cancelled_survive_a_kill_at_that_state(tmp_path, at):
                                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             _wait(lambda: "waiting for runs" in log_path.read_text(), 60, proc, log_path)
             if at == "declined:after":
-                rid = dflctl("run", "submit", *b, "--algorithm", "fedavg", "--rounds", "2", "--members", "other")
+                rid = dflctl("run", "submit", *b, "--algorithm", "fedavg", "--rounds", "2", "--members", "other",
+                             "--no-wait")  # killed right after it records its decline: it will not answer
             else:
                 rid = dflctl("run", "submit", *b, "--algorithm", "fedavg", "--rounds", "2", "--min-members", "2")
                 _wait(lambda: _ledger(state).get(rid, {}).get("state") == "waiting_for_members", 60, proc, log_path)

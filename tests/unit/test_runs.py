@@ -382,3 +382,49 @@ def test_a_run_its_members_train_past_round_one_is_too_late_to_join():
     lobby.statuses["d"] = {"run": {"id": "r-1", "state": "training", "round": True}}  # not a round
     assert lobby.training_round("r-1") == 150
     assert lobby.late_for("r-1") == "the run was at round 150 on its members"
+
+
+def _node(state, rnd, reason=""):
+    return {"state": "idle", "run": {"id": "r1", "state": state, "round": rnd, "reason": reason}}
+
+
+def test_run_show_says_what_the_members_ledgers_say_also_after_a_late_cancel():
+    from dfl_agent.cli.cli_runs import already_finished, run_view
+    from dfl_agent.runtime.run_config import CANCEL_LATE
+
+    msg = {"descriptor": {"run_id": "r1", "algorithm": "fedavg", "rounds": 40}, "cancel_record": True}
+    # the cancel reached every member after its last round: each refused it, deployed, recorded finished
+    statuses = {n: _node("finished", 40, CANCEL_LATE) for n in ("a", "b", "c")}
+    v = run_view("r1", msg, statuses)
+    assert v["state"] == "finished" and v["cancel_record"] is True
+    assert {n: (x["state"], x["round"], x["reason"]) for n, x in v["nodes"].items()} == \
+        {n: ("finished", 40, CANCEL_LATE) for n in "abc"}
+    assert already_finished(v) == "already finished on every member (a: finished round 40, b: finished round 40, " \
+                                  "c: finished round 40)"
+    statuses["c"] = _node("cancelled", 38, "cancelled by the operator")  # one member was still training
+    v = run_view("r1", msg, statuses)
+    assert v["state"] == "cancelled" and already_finished(v).startswith("already ended on every member")
+    statuses["c"] = _node("training", 39)  # still running somewhere: a cancel may stop it
+    assert already_finished(run_view("r1", {**msg, "cancel_record": False}, statuses)) is None
+    assert already_finished(run_view("r1", msg, {})) is None  # no member has it yet
+
+
+def test_run_submit_reads_each_devices_answer_from_its_status():
+    from dfl_agent.cli.cli_runs import run_answers
+
+    before = {n: {"unsigned": 1} for n in "abcdef"}
+    statuses = {
+        "a": _node("accepted", 0),
+        "b": {"state": "training", "run": {"id": "r0", "state": "training", "round": 3}, "runs_queued": ["r0", "r1"]},
+        "c": _node("declined", 0, "algorithm cfa not allowed by profile generic-x86"),
+        "d": {"state": "idle", "run": None, "runs_refused": {"unsigned": 1, "unknown_key": 1}},
+        "e": _node("declined", 0, "not a member of this run"),
+        "f": {"state": "idle", "run": None, "runs_refused": {"unsigned": 1}},  # not yet
+        "g": {"state": "idle", "run": None, "runs_refused": {"unknown_key": 4}},  # no baseline: unknown
+        "h": {"state": "idle", "run_history": {"r1": {"state": "finished", "round": 2}}},
+    }
+    assert run_answers("r1", statuses, before) == {
+        "a": {"answer": "accepted", "reason": ""}, "b": {"answer": "queued", "reason": "behind run r0"},
+        "c": {"answer": "declined", "reason": "algorithm cfa not allowed by profile generic-x86"},
+        "d": {"answer": "refused", "reason": "unknown_key"}, "e": {"answer": "not a member", "reason": ""},
+        "h": {"answer": "accepted", "reason": ""}}

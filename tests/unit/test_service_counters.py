@@ -110,7 +110,8 @@ def test_the_counters_are_in_every_status_and_survive_a_restart(tmp_path):
     seen = m.counters.view()
     assert seen == {"runs_refused": {"malformed": 1},
                     "control_dropped": {"presence_bad_signature": 2, "status_malformed": 1},
-                    "privacy": {"dp": False}}  # the privacy budget's field: no DP here
+                    "privacy": {"dp": False},  # the privacy budget's field: no DP here
+                    "signatures_required": False, "runs_queued": []}  # the lobby's: unsigned, nothing queued
     m.publish(force=True)
     after = m.lobby.client.sent[-1]
     assert after["runs_refused"] == seen["runs_refused"] and after["control_dropped"] == seen["control_dropped"]

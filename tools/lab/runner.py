@@ -412,7 +412,8 @@ class LabRun:
         members = r.min_members or len([d for d in self.sc.training() if d.start_s <= r.at_s])
         argv = ["run", "submit", "--config", str(self.op_config), "--operator-dir", str(self.op_dir),
                 "--algorithm", r.algorithm, "--rounds", str(r.rounds), "--min-members", str(members),
-                "--start-timeout", str(r.start_timeout), "--name", f"{self.sc.name} run {i}"]
+                "--start-timeout", str(r.start_timeout), "--name", f"{self.sc.name} run {i}",
+                "--no-wait"]  # the schedule goes on at once; the report follows each device's run
         if r.models:
             argv += ["--models", r.models]
         for k, v in r.options.items():
