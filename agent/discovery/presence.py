@@ -19,10 +19,10 @@ the transport sets its last will on the home connection before connecting, subsc
 to ``+/presence`` and ``+/status`` on every broker connection, calls :meth:`MqttPresence.announce`
 on every (re)connection of the home broker (presence "online", then the status), hands it
 every message on those topics, ticks it from its maintenance thread (the heartbeat) and
-lets it say goodbye (a signed "offline") when it stops.  In a run process (``relay`` set,
-:mod:`dfl_agent.runtime.run_process`) it publishes none of these itself: it hands its
-presence descriptor and statuses to ``relay`` and the supervisor signs and publishes them
-(the supervisor's session also holds the node's last will).  If this node sees its own
+lets it say goodbye (a signed "offline") when it stops.  A run process's presence
+(:class:`~dfl_agent.runtime.hosted_presence.HostedPresence`) publishes none of these itself:
+it hands its presence descriptor and statuses to its host and the supervisor signs and
+publishes them (the supervisor's session also holds the node's last will).  If this node sees its own
 presence turn "offline" while it runs (the late last will of an earlier run of the same
 node id), it republishes "online".  :func:`node_transport` builds the two together.
 
@@ -93,7 +93,7 @@ class MqttPresence(ControlChannel):
 
     def __init__(self, node_id: str, federation: str, *, descriptor: dict[str, Any],
                  heartbeat_interval: float = 5.0, on_heartbeat: HeartbeatHandler | None = None,
-                 control: Any = None, relay: Callable[[str, dict[str, Any]], None] | None = None):
+                 control: Any = None):
         if not isinstance(descriptor, dict):
             raise ValueError("descriptor: must be a dict")
         try:
@@ -112,10 +112,6 @@ class MqttPresence(ControlChannel):
         self.on_heartbeat = on_heartbeat
         #: signs outgoing and verifies incoming presence/status (SecurityGuard or None)
         self.control = control
-        #: a run process's channel to its supervisor: ``relay(kind, doc)`` with kind
-        #: ``"presence"`` (doc: the descriptor) or ``"status"``; then this node publishes no
-        #: presence, no status and no last will itself - the supervisor speaks for the node
-        self.relay = relay
         #: latest status dict of every other node heard (node id -> status)
         self.statuses: dict[str, dict[str, Any]] = {}
         #: this node's home connection (a random id, new before every connection attempt:
@@ -145,8 +141,6 @@ class MqttPresence(ControlChannel):
     def will(self) -> tuple[str, bytes] | None:
         """The last will of the next connection attempt of the home connection, for a new
         session id, signed now (called before every attempt)."""
-        if self.relay is not None:  # a run process: the supervisor's session holds the will
-            return None
         self.session = secrets.token_hex(8)
         doc = will_payload(self.node_id, self.session)
         if self.control is not None:
@@ -156,16 +150,10 @@ class MqttPresence(ControlChannel):
     def announce(self, client: Any) -> None:
         self._say_online(client)
         if self._status is not None:
-            if self.relay is not None:
-                self._publish_status_now()
-            else:
-                client.publish(self._t_status, self._status_payload(), qos=1, retain=True)
+            self._publish_status_now(client)
 
     def _say_online(self, client: Any) -> None:
-        """Presence "online" (retained), or through the relay of a run process."""
-        if self.relay is not None:
-            self.relay("presence", dict(self.descriptor))
-            return
+        """Presence "online" (retained) on ``client``."""
         client.publish(self._t_presence, self._presence_payload(True), qos=1, retain=True)
 
     def started(self) -> None:
@@ -176,8 +164,6 @@ class MqttPresence(ControlChannel):
             self._publish_status_now()
 
     def goodbye(self, client: Any) -> Any:
-        if self.relay is not None:  # the supervisor says when the node leaves
-            return None
         return client.publish(self._t_presence, self._presence_payload(False), qos=1, retain=True)
 
     def on_message(self, home: bool, client: Any, sender: str, leaf: str, payload: bytes) -> None:
@@ -418,20 +404,16 @@ class MqttPresence(ControlChannel):
 
     # ----------------------------------------------------------------- status
 
-    def _publish_status_now(self) -> None:
-        if self.relay is not None:
-            with self._lock:
-                status = dict(self._status or {})
-                self._last_status_pub = time.monotonic()
-            self.relay("status", status)
-            return
-        session = self._t().home_session()
-        if session is None:
-            return
-        client, connected = session
-        if not connected:
-            self._last_status_pub = time.monotonic()  # republished on reconnect anyway
-            return
+    def _publish_status_now(self, client: Any = None) -> None:
+        """The status now, on ``client`` (None: the home session, when connected)."""
+        if client is None:
+            session = self._t().home_session()
+            if session is None:
+                return
+            client, connected = session
+            if not connected:
+                self._last_status_pub = time.monotonic()  # republished on reconnect anyway
+                return
         client.publish(self._t_status, self._status_payload(), qos=1, retain=True)
 
     async def publish_status(self, status: dict[str, Any]) -> None:
@@ -457,12 +439,11 @@ class MqttPresence(ControlChannel):
 
 def node_transport(node_id: str, federation: str, *, descriptor: dict[str, Any], heartbeat_interval: float = 5.0,
                    on_heartbeat: HeartbeatHandler | None = None, control: Any = None,
-                   relay: Callable[[str, dict[str, Any]], None] | None = None,
                    **transport_args: Any) -> MqttTransport:
     """A node's MQTT transport with its presence and status (:class:`MqttPresence`).
 
-    ``descriptor``, ``heartbeat_interval``, ``on_heartbeat``, ``control`` and ``relay`` (a
-    run process: the supervisor publishes its presence and status) go to the presence; every other argument (``broker``, ``peers``, ``protocol``, TLS, ...) to
+    ``descriptor``, ``heartbeat_interval``, ``on_heartbeat`` and ``control`` go to the presence;
+    every other argument (``broker``, ``peers``, ``protocol``, TLS, ...) to
     :class:`~dfl_agent.transport.mqtt.MqttTransport`.  The presence is the transport's
     ``channel``.
 
@@ -470,5 +451,5 @@ def node_transport(node_id: str, federation: str, *, descriptor: dict[str, Any],
         ValueError: an invalid argument (the message names it).
     """
     presence = MqttPresence(node_id, federation, descriptor=descriptor, heartbeat_interval=heartbeat_interval,
-                            on_heartbeat=on_heartbeat, control=control, relay=relay)
+                            on_heartbeat=on_heartbeat, control=control)
     return MqttTransport(node_id, federation, channel=presence, **transport_args)

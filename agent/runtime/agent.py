@@ -31,7 +31,6 @@ import numpy as np
 from dfl_agent import WIRE_VERSION, __version__
 from dfl_agent.data import node_data_for
 from dfl_agent.discovery.mdns import MdnsDiscovery
-from dfl_agent.discovery.presence import node_transport
 from dfl_agent.discovery.static import load_static_peers
 from dfl_agent.learning.training import DEFAULT_LR, TrainConfig, warm_up
 from dfl_agent.onnx_model import onnx_available
@@ -53,6 +52,7 @@ from dfl_agent.runtime.degraded import degraded_fields
 from dfl_agent.runtime.deployment import deploy_after_run
 from dfl_agent.runtime.descriptor import RunDescriptor
 from dfl_agent.runtime.dp_run import dp_sink, with_privacy
+from dfl_agent.runtime.hosted_presence import HostedPresence
 from dfl_agent.runtime.metrics import end_torn_line
 from dfl_agent.runtime.node import RunStopped, init_seed_for
 from dfl_agent.runtime.onnx_publisher import OnnxPublisher
@@ -64,6 +64,7 @@ from dfl_agent.runtime.run_config import node_id_from_state
 from dfl_agent.runtime.run_host import RunHost
 from dfl_agent.runtime.sample_store import open_store, snapshot_from_checkpoint, store_data
 from dfl_agent.runtime.warm_start import begin_run
+from dfl_agent.transport.mqtt import MqttTransport
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -228,15 +229,14 @@ class Agent(RunMembers, AgentOperations):
             if self.ctx:
                 self.ctx.note_status(peer, status)
 
-        transport = node_transport(
-            nid, fed, broker=cfg.mqtt.broker, peers=peers, descriptor=descriptor, protocol=cfg.mqtt.protocol,
+        presence = HostedPresence(nid, fed, descriptor=descriptor, heartbeat_interval=cfg.mqtt.heartbeat_interval,
+                                  on_heartbeat=on_heartbeat, control=s.guard, host=self.host, report=self.status_report)
+        transport = MqttTransport(
+            nid, fed, channel=presence, broker=cfg.mqtt.broker, peers=peers, protocol=cfg.mqtt.protocol,
             max_frame_bytes=cfg.mqtt.max_frame_bytes, **s.link.transport_args(),
-            heartbeat_interval=cfg.mqtt.heartbeat_interval,
             username=cfg.mqtt.username, password=cfg.mqtt.password,
-            on_heartbeat=on_heartbeat,
             tls_ca=cfg.mqtt.tls_ca, tls_cert=cfg.mqtt.tls_cert, tls_key=cfg.mqtt.tls_key,
-            max_transfers=cfg.mqtt.max_transfers, control=s.guard,
-            relay=self._relay,
+            max_transfers=cfg.mqtt.max_transfers,
         )
         return transport, mdns_descriptor
 
@@ -466,14 +466,6 @@ class Agent(RunMembers, AgentOperations):
             and len(snap) else None, version=info.get("version"), start=info.get("start") or None,
             degraded=degraded_fields(st) if "rounds_alone" in st else {}))
 
-    def _relay(self, kind: str, doc: dict[str, Any]) -> None:
-        """The presence's relay in a run process: the host publishes the node's presence
-        (``kind`` ``presence``: ``doc`` is its descriptor) and status (``status``)."""
-        if kind == "presence":
-            self.host.publish_presence(doc)
-        else:
-            self.host.publish_status(self.status_report(doc))
-
     def status_report(self, status: dict[str, Any]) -> StatusReport:
         """``status`` with the node's counters, live peers and last checkpoint's round, for the host."""
         node = self.node
@@ -495,7 +487,8 @@ class Agent(RunMembers, AgentOperations):
         shape = list(self.data_shape) if self.data_shape is not None else None
         return End(self.outcome, int(node.status().get("round", 0)) if node is not None else 0,
                    node.last_round() if node is not None else 0, shape,
-                   int(snap.max()) if snap is not None and len(snap) else None, run_drops(node))
+                   int(snap.max()) if snap is not None and len(snap) else None,
+                   run_drops(node.ctx.counters()["dropped"] if node is not None else None))
 
     async def _warm_up(self, node: Any, data: Any) -> float:
         """Torch's one-time start-up work on a copy of the model (see

@@ -74,15 +74,11 @@ def _start_service_prometheus(cfg: NodeConfig, node_id: str, manager: RunManager
     from dfl_agent.runtime.prometheus import PrometheusExporter, ServiceCollector
 
     def current() -> Any:
-        return manager.agent.node if manager.agent is not None else None
-
-    def checkpoint_round() -> int:
-        agent = manager.agent
-        return int(getattr(agent.checkpointer, "last_saved", 0) or 0) if agent is not None else 0
+        return manager.agent.progress if manager.agent is not None else None
 
     try:
-        return PrometheusExporter(None, port, cfg.runtime.prometheus_address, collector=ServiceCollector(
-            node_id, cfg.federation, current, manager.service_status, checkpoint_round)).start()
+        return PrometheusExporter(port, cfg.runtime.prometheus_address, ServiceCollector(
+            node_id, cfg.federation, current, manager.service_status)).start()
     except (ImportError, OSError) as exc:
         log.error("Prometheus endpoint disabled: %s", exc)
         return None

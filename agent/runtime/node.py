@@ -168,9 +168,6 @@ class Node:
         self.set_up = False  #: whether :meth:`setup` ran: before, the status has no algorithm fields
         #: the run this node trains in (runs.py): ``{"id", "state", "reason"}``; None with ``--once``
         self.run_info: dict[str, Any] | None = None
-        #: ``() -> dict``: fields of the always-on service that every status carries, over this
-        #: node's own (``runs_refused``, ``control_dropped``: the service's totals); None with ``--once``
-        self.service_status: Callable[[], dict[str, Any]] | None = None
         # device profiles: a gated node republishes its status with the reason at once
         # (_on_gate); after_round hooks get (round, metrics record), e.g. the ONNX publisher
         self.after_round: list[Callable[[int, dict[str, Any]], Any]] = []
@@ -553,6 +550,7 @@ class Node:
             "bytes_received": counters["bytes_received"],
             "errors": counters["dropped"],
             "diverged": int(counters.get("diverged", 0)),  # restored non-finite steps
+            "checkpoint_errors": self.checkpoint_errors,
             # the control plane's share of them: forged, unsigned, replayed presence/status
             "control_dropped": {k: v for k, v in counters["dropped"].items() if k.startswith(CONTROL_DROP_PREFIXES)},
             "rounds_skipped": self.ctx.caught_up,  # catching up with the neighbours (runtime.rejoin)
@@ -573,7 +571,6 @@ class Node:
                         "state": {"running": "training", "finished": "finished"}.get(self.state,
                                                                                      self.run_info["state"])}}
                if self.run_info else {}),
-            **(self.service_status() if self.service_status is not None else {}),
         }
         return redact_status(st) if getattr(self.algorithm, "private", bool)() else st
 

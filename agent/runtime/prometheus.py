@@ -1,9 +1,9 @@
 """Optional Prometheus endpoint of the daemon (``runtime.prometheus_port``).
 
-Needs the ``metrics`` extra (``prometheus_client``).  The values are read from the
-running :class:`~dfl_agent.runtime.node.Node` at scrape time by a custom collector, so
-nothing has to be updated on the learning path and a scrape always sees one
-consistent view.  Metrics (all labelled by nothing but what is listed):
+Needs the ``metrics`` extra (``prometheus_client``).  The service serves it; the values are
+read at scrape time by a custom collector from what the service knows of the run's node (its
+last reported status and counters, :class:`~dfl_agent.runtime.supervisor.RunProgress`), so
+nothing has to be updated on the learning path and a scrape always sees one consistent view.  Metrics (all labelled by nothing but what is listed):
 
 - ``dfl_node_info{node,federation,algorithm}`` = 1
 - ``dfl_round`` (gauge): last completed round; ``dfl_rounds_planned`` (gauge)
@@ -26,58 +26,45 @@ node as above plus ``dfl_run_info{run,state}``; while idle ``dfl_node_info`` has
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 
-class NodeCollector:
-    """A ``prometheus_client`` collector over a node's status.
+def node_metrics(node_id: str, federation: str, st: Mapping[str, Any], counters: Any,
+                 live_peers: int, checkpoint_round: int) -> Iterable[Any]:
+    """The metrics of a run's node (see the module docstring) from its status ``st``, its
+    ``counters`` (:class:`~dfl_agent.runtime.pipe.RunCounters`), its number of live peers and
+    the round of its last checkpoint."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
-    Args:
-        node: object with ``status() -> dict`` and ``ctx`` (``node_id``, ``federation``,
-            ``counters()``, ``live_peers()``).
-        checkpoint_round: returns the round of the last checkpoint written (0 = none).
-    """
-
-    def __init__(self, node: Any, checkpoint_round: Callable[[], int] | None = None):
-        self.node = node
-        self.checkpoint_round = checkpoint_round or (lambda: 0)
-
-    def collect(self) -> Iterable[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
-
-        node, ctx = self.node, self.node.ctx
-        st = node.status()
-        counters = ctx.counters()
-        yield InfoMetricFamily("dfl_node", "this node", value={
-            "node": str(ctx.node_id), "federation": str(getattr(ctx, "federation", "")),
-            "algorithm": str(st.get("algorithm", "")), "state": str(st.get("state", ""))})
-        yield GaugeMetricFamily("dfl_round", "last completed round", value=float(st.get("round") or 0))
-        yield GaugeMetricFamily("dfl_rounds_planned", "rounds planned", value=float(st.get("rounds") or 0))
-        yield CounterMetricFamily("dfl_bytes_sent", "bytes sent on the wire", value=float(counters["bytes_sent"]))
-        yield CounterMetricFamily("dfl_bytes_received", "bytes received on the wire",
-                                  value=float(counters["bytes_received"]))
-        acc = GaugeMetricFamily("dfl_accuracy", "accuracy of the deployable model (fraction)", labels=["split"])
-        for split in ("global", "local"):
-            v = st.get(f"{split}_accuracy")
-            if isinstance(v, (int, float)):
-                acc.add_metric([split], float(v))
-        yield acc
-        dropped = CounterMetricFamily("dfl_dropped_messages", "messages dropped, by reason", labels=["reason"])
-        for reason, n in sorted(dict(counters.get("dropped", {})).items()):
-            dropped.add_metric([str(reason)], float(n))
-        yield dropped
-        yield CounterMetricFamily("dfl_diverged_steps", "aggregation, mutual-learning or transfer steps that left "
-                                  "a non-finite model (restored)", value=float(counters.get("diverged", 0)))
-        yield CounterMetricFamily("dfl_rounds_alone", "rounds closed with no peer update although "
-                                  "neighbours were expected or needed", value=float(st.get("rounds_alone") or 0))
-        yield GaugeMetricFamily("dfl_peers_live", "live peers", value=float(len(ctx.live_peers())))
-        yield GaugeMetricFamily("dfl_checkpoint_round", "round of the last checkpoint written",
-                                value=float(self.checkpoint_round()))
-        yield CounterMetricFamily("dfl_checkpoint_errors", "failed checkpoint writes",
-                                  value=float(getattr(node, "checkpoint_errors", 0)))
+    yield InfoMetricFamily("dfl_node", "this node", value={
+        "node": str(node_id), "federation": str(federation),
+        "algorithm": str(st.get("algorithm", "")), "state": str(st.get("state", ""))})
+    yield GaugeMetricFamily("dfl_round", "last completed round", value=float(st.get("round") or 0))
+    yield GaugeMetricFamily("dfl_rounds_planned", "rounds planned", value=float(st.get("rounds") or 0))
+    yield CounterMetricFamily("dfl_bytes_sent", "bytes sent on the wire", value=float(counters.bytes_sent))
+    yield CounterMetricFamily("dfl_bytes_received", "bytes received on the wire", value=float(counters.bytes_received))
+    acc = GaugeMetricFamily("dfl_accuracy", "accuracy of the deployable model (fraction)", labels=["split"])
+    for split in ("global", "local"):
+        v = st.get(f"{split}_accuracy")
+        if isinstance(v, (int, float)):
+            acc.add_metric([split], float(v))
+    yield acc
+    dropped = CounterMetricFamily("dfl_dropped_messages", "messages dropped, by reason", labels=["reason"])
+    for reason, n in sorted(dict(counters.dropped).items()):
+        dropped.add_metric([str(reason)], float(n))
+    yield dropped
+    yield CounterMetricFamily("dfl_diverged_steps", "aggregation, mutual-learning or transfer steps that left "
+                              "a non-finite model (restored)", value=float(counters.diverged))
+    yield CounterMetricFamily("dfl_rounds_alone", "rounds closed with no peer update although "
+                              "neighbours were expected or needed", value=float(st.get("rounds_alone") or 0))
+    yield GaugeMetricFamily("dfl_peers_live", "live peers", value=float(live_peers))
+    yield GaugeMetricFamily("dfl_checkpoint_round", "round of the last checkpoint written",
+                            value=float(checkpoint_round))
+    yield CounterMetricFamily("dfl_checkpoint_errors", "failed checkpoint writes",
+                              value=float(st.get("checkpoint_errors") or 0))
 
 
 class ServiceCollector:
@@ -86,18 +73,15 @@ class ServiceCollector:
 
     Args:
         node_id, federation: this node.
-        current: returns the :class:`~dfl_agent.runtime.node.Node` of the run in training,
-            or None while idle.
+        current: returns what the service knows of the node of the run in training
+            (:class:`~dfl_agent.runtime.supervisor.RunProgress`), or None while idle.
         service: returns the idle view, ``{"state": str, "run": {id, state, round, reason}
             | None, "runs_refused": {reason: n}}``.
-        checkpoint_round: the round of the running run's last checkpoint.
     """
 
-    def __init__(self, node_id: str, federation: str, current: Callable[[], Any], service: Callable[[], dict[str, Any]],
-                 checkpoint_round: Callable[[], int] | None = None):
+    def __init__(self, node_id: str, federation: str, current: Callable[[], Any], service: Callable[[], dict[str, Any]]):
         self.node_id, self.federation = node_id, federation
         self.current, self.service = current, service
-        self.checkpoint_round = checkpoint_round
 
     def collect(self) -> Iterable[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
@@ -105,8 +89,9 @@ class ServiceCollector:
         view = self.service()
         node = self.current()
         run = view.get("run") if isinstance(view.get("run"), dict) else None
-        if node is not None and getattr(node, "ctx", None) is not None:
-            yield from NodeCollector(node, self.checkpoint_round).collect()
+        if node is not None:
+            yield from node_metrics(node.node_id, node.federation, node.status, node.counters, len(node.live_peers),
+                                    node.checkpoint_round)
         else:
             yield InfoMetricFamily("dfl_node", "this node", value={
                 "node": self.node_id, "federation": self.federation, "algorithm": "",
@@ -122,17 +107,15 @@ class ServiceCollector:
 
 
 class PrometheusExporter:
-    """Serves ``/metrics`` for one node on ``address:port`` (own registry, own thread);
-    ``collector`` replaces the default :class:`NodeCollector` over ``node`` (e.g. a
-    :class:`ServiceCollector`).
+    """Serves ``/metrics`` for one node on ``address:port`` (own registry, own thread) from
+    ``collector`` (a :class:`ServiceCollector`).
 
     Raises:
         ImportError: ``prometheus_client`` is not installed (see :func:`dfl_agent.extras.extra_hint`).
         OSError: the port is taken.
     """
 
-    def __init__(self, node: Any, port: int, address: str = "127.0.0.1",
-                 checkpoint_round: Callable[[], int] | None = None, collector: Any = None):
+    def __init__(self, port: int, address: str, collector: Any):
         try:
             from prometheus_client import CollectorRegistry
         except ImportError:
@@ -140,7 +123,7 @@ class PrometheusExporter:
 
             raise ImportError(f"runtime.prometheus_port needs prometheus_client: {extra_hint('metrics')}") from None
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(collector if collector is not None else NodeCollector(node, checkpoint_round))
+        self.registry.register(collector)
         self.port, self.address = port, address
         self._server: Any = None
 

@@ -23,11 +23,11 @@ RunHook = Callable[[Any, Any], Any]
 
 
 class RunHooks:
-    """Callbacks around runs.  ``on_run_finished(run, node)`` is called after a run
-    ends on this node with state ``finished`` (``node`` is the :class:`~dfl_agent.runtime.node.Node`
-    that trained it, whose algorithm holds the final model; for a run trained in a run process, a
-    :class:`~dfl_agent.runtime.supervisor.RelayedNode` with its last status and counters only).
-    A hook that raises is logged; it never stops the agent."""
+    """Callbacks around runs.  ``on_run_finished(run, progress)`` is called after a run ends on
+    this node with state ``finished`` (``progress``: what the service knows of the node that
+    trained it, :class:`~dfl_agent.runtime.supervisor.RunProgress`: its last status, counters and
+    live peers; None when the run resumed after its model was deployed).  A hook that raises is
+    logged; it never stops the agent."""
 
     def __init__(self) -> None:
         self.finished: list[RunHook] = []
@@ -121,7 +121,7 @@ class _CancelWatch:
             log.info("run %s: the operator's cancel arrived after this node's last round; refused here: the "
                      "model is deployed and the run recorded finished", run_id)
             return
-        self.rounds.setdefault(run_id, self.agent.node.last_round() if self.agent.node is not None else 0)
+        self.rounds.setdefault(run_id, self.agent.progress.last_round() if self.agent.progress is not None else 0)
         self.loop.call_soon_threadsafe(self.run_stop.set)
 
 
@@ -129,7 +129,7 @@ class _CancelWatch:
 CANCEL_LATE = "cancel refused: it arrived after this node's last round"
 
 
-async def _relay(stop: asyncio.Event, run_stop: asyncio.Event) -> None:
+async def _forward_stop(stop: asyncio.Event, run_stop: asyncio.Event) -> None:
     """Set ``run_stop`` once ``stop`` is set (the agent's stop also stops the run)."""
     await stop.wait()
     run_stop.set()

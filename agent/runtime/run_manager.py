@@ -55,7 +55,7 @@ from dfl_agent.runtime.run_config import (
     CANCEL_LATE,
     RunHooks,
     _CancelWatch,
-    _relay,
+    _forward_stop,
     node_id_from_state,
     run_config_for,
 )
@@ -141,7 +141,7 @@ class RunManager(RunLoop):
         self.next_spool = 0.0
         self.waiting_for_data = False
         #: refusal and drop counters over restarts: every status (idle, training) and Prometheus
-        self.counters = ServiceCounters(cfg.state_dir, lobby, lambda: self.agent.node if self.agent is not None else None)
+        self.counters = ServiceCounters(cfg.state_dir, lobby, lambda: self.agent.progress if self.agent is not None else None)
         lobby.counters = self.counters
         # in every status, idle and training: whether this node takes only operator-signed runs
         # (dflctl refuses to submit unsigned then), and the runs queued here (a submission's answer)
@@ -271,7 +271,7 @@ class RunManager(RunLoop):
         rnd, agent = 0, self.agent
         extra: dict[str, Any] | None = None
         if agent is not None and state == "trained":  # kept in the ledger: a resumed run records it
-            st = agent.node.status() if agent.node is not None else {}
+            st = dict(agent.progress.status) if agent.progress is not None else {}
             rnd, snap = st.get("round", 0), agent.snapshot
             extra = {"snapshot_last_id": int(snap.max())} if snap is not None and len(snap) else {}
             extra.update(degraded_fields(st))  # trained alone: degraded, with its count
@@ -290,7 +290,7 @@ class RunManager(RunLoop):
         self._to("recorded", d.run_id, reason, d.rounds, extra)
         self.info = {"id": d.run_id, "state": "finished", "round": d.rounds, "reason": reason}
         log.info("run %s finished", d.run_id)
-        self.hooks.fire_finished(d, agent.node if agent is not None else None)
+        self.hooks.fire_finished(d, agent.progress if agent is not None else None)
 
     def fail(self, run_id: str, reason: str, rnd: int = 0) -> None:
         """``-> failed`` (recorded)."""
@@ -340,7 +340,7 @@ class RunManager(RunLoop):
         except StartupError as exc:
             return self._cannot_start(d, exc)
         run_stop = asyncio.Event()
-        watcher = asyncio.ensure_future(_relay(stop, run_stop))
+        watcher = asyncio.ensure_future(_forward_stop(stop, run_stop))
         ingest: asyncio.Future[None] | None = None
         attempt = 1
         try:
@@ -359,14 +359,14 @@ class RunManager(RunLoop):
                     self.idle()
                     return True
                 finally:
-                    node, self.agent = agent.node, None
+                    node, self.agent = agent.progress, None
                     self.counters.run_ended(node)
                     self.lobby.on_cancel = None
                 if getattr(agent, "crash", None) is None or run_stop.is_set() or self.is_cancelled(d.run_id):
                     break
                 if not self._retry(d, agent, attempt):
                     self.fail(d.run_id, f"run process {agent.error} (attempt {attempt}; no retries left)",
-                              agent.node.last_round() if agent.node is not None else 0)
+                              agent.progress.last_round() if agent.progress is not None else 0)
                     self.idle()
                     self.publish(force=True)
                     return True
@@ -420,7 +420,7 @@ class RunManager(RunLoop):
             return False
         state = str(self.ledger.state(d.run_id))
         again = state if state in ("trained", "deploying") else "training"
-        rnd = agent.node.last_round() if agent.node is not None else 0
+        rnd = agent.progress.last_round() if agent.progress is not None else 0
         log.warning("run %s: retry %d of %d from its last checkpoint (the run process %s)", d.run_id, attempt,
                     allowed, agent.error)
         crash_point(again, "before")
@@ -438,7 +438,7 @@ class RunManager(RunLoop):
         cancelled = d.run_id in cancel_round or (agent.outcome != "finished" and self.is_cancelled(d.run_id))
         if agent.data_shape is not None:
             self.data_shape = agent.data_shape
-        rnd = agent.node.status().get("round", 0) if agent.node is not None else 0
+        rnd = agent.progress.status.get("round", 0) if agent.progress is not None else 0
         snap = agent.snapshot  # a run on the sample store: the newest sample id of its data
         extra = {"snapshot_last_id": int(snap.max())} if snap is not None and len(snap) else None
         if agent.outcome == "finished":  # a cancel that came after the last round is refused here

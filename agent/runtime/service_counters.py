@@ -51,12 +51,14 @@ def _total(*parts: Mapping[str, Any] | None) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def run_drops(node: Any) -> dict[str, int]:
-    """The drops of a run's node that the service keeps (:data:`RUN_KEEPS`), ``{}`` for None."""
-    if node is None:
-        return {}
-    dropped = node.ctx.counters().get("dropped", {})
-    return {k: int(v) for k, v in dict(dropped).items() if k.startswith(RUN_KEEPS)}
+def run_drops(dropped: Mapping[str, int] | None) -> dict[str, int]:
+    """The drops of a run's node (``dropped``: reason -> count) that the service keeps
+    (:data:`RUN_KEEPS`), ``{}`` for None."""
+    return {k: int(v) for k, v in dict(dropped or {}).items() if k.startswith(RUN_KEEPS)}
+
+
+def _dropped(progress: Any) -> Mapping[str, int] | None:
+    return progress.counters.dropped if progress is not None else None
 
 
 def load_counters(path: Path) -> dict[str, dict[str, int]]:
@@ -82,7 +84,8 @@ class ServiceCounters:
     Args:
         state_dir: the state directory (``counters.json`` goes there).
         lobby: the run lobby (``verifier.refused`` and ``dropped``: its counts since this start).
-        run_node: ``() -> node``: the node of the run in training, or None while idle.
+        run_node: ``() -> progress``: what the service knows of the node of the run in training
+            (:class:`~dfl_agent.runtime.supervisor.RunProgress`), or None while idle.
     """
 
     def __init__(self, state_dir: str | Path, lobby: Any, run_node: Callable[[], Any] = lambda: None):
@@ -112,11 +115,12 @@ class ServiceCounters:
             ended = dict(self.ended)
         return {"runs_refused": _total(self.base["runs_refused"], getattr(lobby.verifier, "refused", None)),
                 "control_dropped": _total(self.base["control_dropped"], getattr(lobby, "dropped", None), ended,
-                                          run_drops(self.run_node()))}
+                                          run_drops(_dropped(self.run_node())))}
 
     def run_ended(self, node: Any) -> None:
-        """Keep the drops of ``node``, whose run ended (call before it is let go)."""
-        drops = run_drops(node)
+        """Keep the drops of ``node`` (a :class:`~dfl_agent.runtime.supervisor.RunProgress`), whose
+        run ended (call before it is let go)."""
+        drops = run_drops(_dropped(node))
         with self._lock:
             self.ended = _total(self.ended, drops)
 

@@ -22,14 +22,15 @@ makes a :class:`ChildRun`, which
   ``"killed"`` (another signal) or ``"crashed"`` (an exception; :attr:`ChildRun.error`).
 
 It has the training :class:`~dfl_agent.runtime.agent.Agent`'s interface as the run manager sees
-it (``run``, ``node``, ``outcome``, ``snapshot``, ``data_shape``, ``checkpointer``), with a
-:class:`RelayedNode` standing for the child's node.  Torch-free.
+it (``run``, ``progress``, ``outcome``, ``snapshot``, ``data_shape``), :class:`RunProgress` being
+what its reports say of the child's node.  Torch-free.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -55,51 +56,41 @@ EXIT_STARTUP = 2
 EXIT_BROKER = 3
 
 
-class _RelayedContext:
-    """The parts of a node's context that the service's status and metrics read, from the
-    run process's relayed figures."""
+@dataclasses.dataclass
+class RunProgress:
+    """What the service knows of a run process's node, from its reports over the typed pipe:
+    its last status, its counters and live peers, the round of its last checkpoint.  The run
+    manager, the service's counters, the metrics endpoint and the ``on_run_finished`` hooks
+    read it.
 
-    def __init__(self, node_id: str, federation: str):
-        self.node_id, self.federation = node_id, federation
-        self.figures: dict[str, Any] = {"bytes_sent": 0, "bytes_received": 0, "dropped": {}, "diverged": 0}
-        self.peers: list[str] = []
+    Attributes:
+        node_id, federation: the node.
+        status: the node's last status (:meth:`~dfl_agent.runtime.node.Node.status`), with the
+            round and the degraded counts of the run's last state report.
+        counters: its byte and drop counters.
+        live_peers: its live peers.
+        checkpoint_round: the round of its last checkpoint (0: none yet).
+    """
 
-    def counters(self) -> dict[str, Any]:
-        return dict(self.figures)
-
-    def live_peers(self) -> list[str]:
-        return list(self.peers)
-
-
-class RelayedNode:
-    """What the supervisor knows of the run process's node: its last relayed status
-    (:meth:`status`), counters and live peers (``ctx``)."""
-
-    checkpoint_errors = 0
-
-    def __init__(self, node_id: str, federation: str):
-        self.st: dict[str, Any] = {}
-        self.ctx = _RelayedContext(node_id, federation)
-
-    def status(self) -> dict[str, Any]:
-        return dict(self.st)
+    node_id: str
+    federation: str
+    status: dict[str, Any] = dataclasses.field(default_factory=dict)
+    counters: pipe.RunCounters = dataclasses.field(default_factory=pipe.RunCounters)
+    live_peers: tuple[str, ...] = ()
+    checkpoint_round: int = 0
 
     def last_round(self) -> int:
-        return int(self.st.get("round") or 0)
+        """The round of the node's last status (0 before the first)."""
+        return int(self.status.get("round") or 0)
 
     def update(self, msg: pipe.StatusReport) -> None:
         """Take a status report of the run process."""
-        self.st = dict(msg.status)
+        self.status = dict(msg.status)
         if msg.counters is not None:
-            self.ctx.figures.update(msg.counters.to_json())
+            self.counters = msg.counters
         if msg.live_peers is not None:
-            self.ctx.peers = list(msg.live_peers)
-
-
-class _Checkpointed:
-    """``last_saved``: the round of the run process's last checkpoint (the metrics endpoint)."""
-
-    last_saved = 0
+            self.live_peers = msg.live_peers
+        self.checkpoint_round = msg.checkpoint_round
 
 
 def _preexec(cgroup: Any) -> Any:
@@ -148,11 +139,11 @@ class ChildRun:
         self.wanted_peers, self.on_state = wanted_peers, on_state
         self.members = sorted(str(m) for m in (members or ()))
         self.memory_mb, self.stop_grace, self.attempt = memory_mb, float(stop_grace), attempt
-        self.node: RelayedNode | None = None
+        #: what the supervisor knows of the run process's node (None before it starts)
+        self.progress: RunProgress | None = None
         self.outcome = "starting"
         self.snapshot: np.ndarray | None = None
         self.data_shape: Any = None
-        self.checkpointer = _Checkpointed()
         #: None: the run process exited by itself; else "oom", "killed" or "crashed"
         self.crash: str | None = None
         #: the run process's error message (``error`` line), if it sent one
@@ -178,7 +169,7 @@ class ChildRun:
         from dfl_agent.runtime.config import dump_toml
 
         node_id = self.lobby.node_id
-        self.node = RelayedNode(node_id, self.cfg.federation)
+        self.progress = RunProgress(node_id, self.cfg.federation)
         run_toml = self.run_dir / "run.toml"
         fd = os.open(run_toml, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the broker password
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -261,15 +252,14 @@ class ChildRun:
                 log.exception("run %s: could not handle a message of the run process", self.run_desc.run_id)
 
     async def _handle(self, msg: pipe.Message) -> None:
-        node = self.node
+        node = self.progress
         assert node is not None
         if isinstance(msg, pipe.Presence):
             self._presence = True
             self.lobby.publish_presence(msg.descriptor)
         elif isinstance(msg, pipe.StatusReport):
             node.update(msg)
-            self.checkpointer.last_saved = msg.checkpoint_round
-            self.lobby.publish_run_status(node.status(), self.service_status() if self.service_status else None)
+            self.lobby.publish_run_status(node.status, self.service_status() if self.service_status else None)
         elif isinstance(msg, pipe.StateReport):
             await self._state(msg)
         elif isinstance(msg, pipe.Failure):
@@ -277,18 +267,18 @@ class ChildRun:
         elif isinstance(msg, pipe.End):
             self.outcome = msg.outcome
             self.data_shape = msg.data_shape
-            node.st["round"] = msg.round
-            node.ctx.figures["dropped"] = dict(msg.drops)
+            node.status["round"] = msg.round
+            node.counters = dataclasses.replace(node.counters, dropped=dict(msg.drops))
             if msg.snapshot_last_id is not None:
                 self.snapshot = np.array([msg.snapshot_last_id])
 
     async def _state(self, msg: pipe.StateReport) -> None:
         """A state of the run after its rounds: the run manager records it (the ledger),
         then, for ``deployed``, ``current`` is switched and announced; then the child goes on."""
-        node = self.node
+        node = self.progress
         assert node is not None
-        node.st["round"] = msg.round
-        node.st.update(msg.degraded)  # the run manager's ledger entry
+        node.status["round"] = msg.round
+        node.status.update(msg.degraded)  # the run manager's ledger entry
         if msg.snapshot_last_id is not None:
             self.snapshot = np.array([msg.snapshot_last_id])
         if msg.state == "trained":
@@ -300,14 +290,7 @@ class ChildRun:
         self._send(pipe.Ack(msg.seq))
 
     def _switch(self, version: int) -> None:
-        """Point ``current`` at the version the run process installed, prune, announce."""
-        from dfl_agent.deploy.versions import ModelStore
-
-        models = ModelStore(self.cfg.state_dir, keep=self.cfg.deploy.keep)
-        models.switch(version)
-        models.prune()
-        log.info("run %s: model v%d is now current", self.run_desc.run_id, version)
-        announce(self.lobby, models)
+        switch_current(self.cfg, self.lobby, self.run_desc.run_id, version)
 
     # -- talking to the run process ----------------------------------------------------------
     def _send(self, msg: pipe.ToRun) -> None:
@@ -357,7 +340,7 @@ class ChildRun:
 
     def status_line(self) -> str:
         """One line for ``systemctl status`` (STATUS=): run, round, peers."""
-        st = self.node.status() if self.node is not None else {}
+        st = self.progress.status if self.progress is not None else {}
         return (f"run {self.run_desc.run_id} {st.get('state', 'starting')}: round {st.get('round', 0)}/"
                 f"{st.get('rounds', 0)}, {len(st.get('live_peers', []) or [])} peers")
 
@@ -369,14 +352,28 @@ def announce(lobby: Any, models: Any) -> None:
     from dfl_agent.privacy.policy import dp_enabled
     from dfl_agent.transport.mqtt import topic
 
+    if lobby is None or lobby.client is None:
+        return
     doc = announcement(models, lobby.node_id, lobby.cfg.federation, lobby.guard, private=dp_enabled(lobby.cfg))
-    if doc is None or lobby.client is None:
+    if doc is None:
         return
     try:
         lobby.client.publish(topic(lobby.cfg.federation, lobby.node_id, "model"), json.dumps(doc, sort_keys=True), qos=1,
                              retain=True)
     except Exception as exc:  # noqa: BLE001 - the files are the contract; MQTT is a convenience
         log.warning("could not publish the model announcement: %s", exc)
+
+
+def switch_current(cfg: Any, lobby: Any, run_id: str, version: int) -> None:
+    """Point ``current`` at ``version``, which run ``run_id``'s run process installed, prune the
+    old versions and announce it (the service's side of a deployment)."""
+    from dfl_agent.deploy.versions import ModelStore
+
+    models = ModelStore(cfg.state_dir, keep=cfg.deploy.keep)
+    models.switch(version)
+    models.prune()
+    log.info("run %s: model v%d is now current", run_id, version)
+    announce(lobby, models)
 
 
 def switch_deployed(cfg: Any, lobby: Any, run_id: str) -> None:

@@ -22,6 +22,7 @@ from dfl_agent.runtime.descriptor import RunDescriptor
 from dfl_agent.runtime.lobby import RunLobby
 from dfl_agent.runtime.node import round_alone
 from dfl_agent.runtime.run_manager import RunManager
+from dfl_agent.runtime.supervisor import RunProgress
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 from tests.unit import test_run_manager as rm
 
@@ -140,8 +141,7 @@ class _AloneAgent(rm.Agent):
 
     async def run(self, stop):
         st = {"round": 20, "rounds_alone": 15, "exchange_rounds": 20}
-        self.node = SimpleNamespace(status=lambda: st, last_round=lambda: 20,
-                                    ctx=SimpleNamespace(counters=lambda: {"dropped": {}}))
+        self.progress = RunProgress("n", "f", st)
         return await super().run(stop)
 
 
@@ -200,7 +200,7 @@ def test_a_run_process_tells_its_supervisor_the_degraded_counts_with_trained():
     (what the run manager reads for the ledger) takes them."""
     from dfl_agent.runtime import pipe
     from dfl_agent.runtime.agent import Agent
-    from dfl_agent.runtime.supervisor import ChildRun, RelayedNode
+    from dfl_agent.runtime.supervisor import ChildRun, RunProgress
 
     class Host:
         def __init__(self):
@@ -225,7 +225,7 @@ def test_a_run_process_tells_its_supervisor_the_degraded_counts_with_trained():
 
     told = []
     child = ChildRun(config_from_dict({"federation": "f"}), run=SimpleNamespace(run_id="r"), run_dir=Path("."),
-                     lobby=None, on_state=lambda state, **kw: told.append(degraded_fields(child.node.status())))
-    child.node, child._send = RelayedNode("n", "f"), lambda doc: None
+                     lobby=None, on_state=lambda state, **kw: told.append(degraded_fields(child.progress.status)))
+    child.progress, child._send = RunProgress("n", "f"), lambda doc: None
     asyncio.run(child._state(msg))
     assert told == [{"degraded": True, "rounds_alone": 15, "exchange_rounds": 20}]

@@ -13,7 +13,6 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ from dfl_agent.privacy.plan import RunPlan
 from dfl_agent.runtime.config import config_from_dict
 from dfl_agent.runtime.descriptor import RunDescriptor
 from dfl_agent.runtime.privacy_budget import PrivacyBudget, PrivacyLedger, deployment_privacy
+from dfl_agent.runtime.supervisor import RunProgress
 
 
 def _plan(sigma: float, q: float, steps: int) -> RunPlan:
@@ -183,8 +183,7 @@ class _OnceAgent:
     def __init__(self, cfg, config_path, *, on_state, **kw):
         self.cfg, self.on_state = cfg, on_state
         self.outcome, self.snapshot, self.data_shape, self.crash, self.error = "starting", None, None, None, ""
-        self.node = SimpleNamespace(status=lambda: {"round": 5}, last_round=lambda: 5,
-                                    ctx=SimpleNamespace(counters=lambda: {"dropped": {}}))
+        self.progress = RunProgress("n", "f", {"round": 5})
 
     async def run(self, stop):
         with (Path(self.cfg.state_dir) / "metrics.jsonl").open("a") as f:

@@ -15,6 +15,7 @@ import pytest
 
 from dfl_agent.deploy import ModelStore
 from dfl_agent.runtime.descriptor import RunDescriptor
+from dfl_agent.runtime.supervisor import RunProgress, switch_current
 from tests.unit.test_run_manager import Lobby, manager
 
 torch = pytest.importorskip("torch")
@@ -55,6 +56,7 @@ class DeployingAgent:
                                                               name="fedavg"),
                                     history=[{"round": 1}], status=lambda: {"round": 1}, ctx=self.ctx,
                                     last_round=lambda: 1)
+        self.progress = RunProgress("n", "f", {"round": 1})  # what the supervisor knows of it
 
     async def run(self, stop):
         from dfl_agent.fsutil import atomic_write
@@ -69,6 +71,8 @@ class DeployingAgent:
         self.on_state("deploying")
         res = await deploy_after_run(self, self.spec, (3, 16))
         self.on_state("deployed" if res["deployed"] else "kept")
+        if res["deployed"]:  # the supervisor's part once the ledger recorded it: switch current
+            switch_current(self.cfg, None, self.run_desc.run_id, res["version"])
         return 0
 
 

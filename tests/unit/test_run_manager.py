@@ -24,6 +24,7 @@ class Lobby:
         self.on_cancel = None
         self.verifier = SimpleNamespace(refused={})
         self.published = []
+        self.client = None  # not connected: the announcement of a deployed model is skipped
 
     def run(self, run_id):
         return self.queue.runs.get(run_id)
@@ -59,7 +60,7 @@ class Agent:
 
     def __init__(self, cfg, config_path, *, on_state, deployed=True, **kw):
         self.cfg, self.on_state, self.kw = cfg, on_state, kw
-        self.outcome, self.node, self.snapshot, self.data_shape = "starting", None, None, None
+        self.outcome, self.progress, self.snapshot, self.data_shape = "starting", None, None, None
         self.deployed = deployed
 
     async def run(self, stop):

@@ -18,7 +18,7 @@ from dfl_agent.runtime.assembly import StartupError
 from dfl_agent.runtime.pipe import StateReport
 from dfl_agent.runtime.run_host import HostGone
 from dfl_agent.runtime.run_process import RunChannel
-from dfl_agent.runtime.supervisor import ChildRun, RelayedNode
+from dfl_agent.runtime.supervisor import ChildRun, RunProgress
 
 
 def _channel():
@@ -89,21 +89,28 @@ def test_a_closed_pipe_means_the_supervisor_is_gone():
         ch.record_state(StateReport("deploying", 0))
 
 
-def test_a_run_process_presence_relays_and_sets_no_will():
+def test_a_run_process_presence_speaks_through_its_host_and_sets_no_will():
+    from dfl_agent.runtime.hosted_presence import HostedPresence
+    from tests.host import LobbyHost
+
+    host = LobbyHost(publish=False)
     sent = []
-    p = MqttPresence("n1", "fed", descriptor={"algorithm": "fedavg"}, relay=lambda k, d: sent.append((k, d)))
+    host.publish_presence = lambda d: sent.append(("presence", dict(d)))
+    p = HostedPresence("n1", "fed", descriptor={"algorithm": "fedavg"}, host=host,
+                       report=lambda st: pipe.StatusReport(st, checkpoint_round=1))
     assert p.will() is None and p.goodbye(None) is None
     p._status = {"state": "training", "round": 2}
     p.announce(None)
-    assert sent == [("presence", {"algorithm": "fedavg"}), ("status", {"state": "training", "round": 2})]
+    assert sent == [("presence", {"algorithm": "fedavg"})]
+    assert host.statuses == [pipe.StatusReport({"state": "training", "round": 2}, checkpoint_round=1)]
     plain = MqttPresence("n1", "fed", descriptor={})
-    assert plain.will() is not None  # one process: the node's own last will
+    assert plain.will() is not None  # a node that speaks for itself (dfl-infer): its own last will
 
 
 def _child(**kw):
     c = ChildRun(SimpleNamespace(federation="fed"), run=SimpleNamespace(run_id="r1"), run_dir=".", lobby=None,
                  memory_mb=96, **kw)
-    c.node = RelayedNode("n1", "fed")
+    c.progress = RunProgress("n1", "fed")
     return c
 
 

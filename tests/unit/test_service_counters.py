@@ -16,8 +16,10 @@ from dfl_agent.runtime.config import config_from_dict
 from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier
 from dfl_agent.runtime.ledger import RunLedger
 from dfl_agent.runtime.lobby import RunLobby
+from dfl_agent.runtime.pipe import RunCounters
 from dfl_agent.runtime.run_manager import RunHooks, RunManager
 from dfl_agent.runtime.service_counters import COUNTERS_FILE, ServiceCounters, load_counters
+from dfl_agent.runtime.supervisor import RunProgress
 
 
 class Client:
@@ -62,18 +64,22 @@ def real_node():
 
 
 class TrainingAgent:
-    """Its run's node is a real one; while it "trains", the node's status is taken."""
+    """Its run's node is a real one; while it "trains", its status is reported to the
+    supervisor, which publishes it with the service's counters (as ChildRun does)."""
 
-    def __init__(self, cfg, config_path, *, on_state, **kw):
+    def __init__(self, cfg, config_path, *, on_state, lobby=None, **kw):
         self.on_state, self.outcome, self.snapshot, self.data_shape = on_state, "starting", None, None
-        self.node, self.service_status, self.seen = None, None, None
+        self.progress, self.service_status, self.seen, self.lobby = None, None, None, lobby
 
     async def run(self, stop):
-        self.node = node = real_node()
+        node = real_node()
         await node.setup()
-        node.service_status = self.service_status  # as the daemon's Agent hands it to its node
         node.ctx.rejected["presence_bad_signature"] += 2  # the run's transport dropped forged presences
-        self.seen = node.status()
+        c = node.ctx.counters()
+        self.progress = RunProgress("n", "f", node.status(), RunCounters(dropped=c["dropped"]))
+        if self.lobby is not None:  # the supervisor publishes the run's status with the service's counters
+            self.lobby.publish_run_status(self.progress.status, self.service_status())
+            self.seen = self.lobby.client.sent[-1]
         self.outcome = "finished"
         self.on_state("trained")
         return 0
@@ -131,7 +137,7 @@ def test_the_run_node_status_carries_the_counters_while_training(tmp_path):
     agents = []
 
     def factory(*a, **kw):
-        agents.append(TrainingAgent(*a, **kw))
+        agents.append(TrainingAgent(*a, lobby=m.lobby, **kw))
         return agents[-1]
 
     m = manager(tmp_path, factory)
