@@ -3,8 +3,9 @@
 It connects to its MQTT broker like any node (presence with the descriptor
 ``{"profile": "inference-only", "algorithm": "inference"}``, retained status, last
 will), optionally advertises itself over mDNS, and waits for ``onnx.model`` messages
-that training peers send it (:class:`dfl_agent.runtime.onnx_publisher.OnnxPublisher`): the
-sender's deployable model exported to ONNX whenever its accuracy improved.  Each
+that training peers' services send it (:class:`dfl_agent.runtime.member_delivery.MemberDelivery`):
+the sender's deployed model, or, where it deploys none, its deployable model exported to ONNX
+whenever its accuracy improved.  Each
 accepted model is written atomically to ``state_dir/model.onnx`` and described by one JSON
 line appended to ``state_dir/models.jsonl`` (``time``, ``version``, ``round``, ``source``,
 ``accuracy``, and ``run_id``/``sha256`` when sent); when a window file is configured, the

@@ -53,9 +53,9 @@ from dfl_agent.runtime.deployment import deploy_after_run
 from dfl_agent.runtime.descriptor import RunDescriptor
 from dfl_agent.runtime.dp_run import dp_sink, with_privacy
 from dfl_agent.runtime.hosted_presence import HostedPresence
+from dfl_agent.runtime.live_export import LiveExport
 from dfl_agent.runtime.metrics import end_torn_line
 from dfl_agent.runtime.node import RunStopped, init_seed_for
-from dfl_agent.runtime.onnx_publisher import OnnxPublisher
 from dfl_agent.runtime.operations import AgentOperations
 from dfl_agent.runtime.pipe import End, RunCounters, StateReport, StatusReport
 from dfl_agent.runtime.preflight import load_data
@@ -128,7 +128,7 @@ class Agent(RunMembers, AgentOperations):
         self.snapshot: Any = None
         self.deployed: Any = None  # the last deploy result
         self.start: dict[str, Any] = {}  # the run's start (runtime.warm_start): init, started_from, reason
-        self.publisher: Any = None  # sends the model to inference-only members (runtime.onnx_publisher)
+        self.publisher: LiveExport | None = None  # exports the model for inference-only members
         #: the data's (input shape, number of classes), once loaded (runs: accept-time memory check)
         self.data_shape: tuple[Any, int | None] | None = None
 
@@ -298,14 +298,14 @@ class Agent(RunMembers, AgentOperations):
         node.lr_ramp = cfg.training.warm_start_ramp  # a warm start's ramp
 
     def _attach_publisher(self, s: _Setup) -> None:
-        """With ONNX available and no deployment: send the deployable model to inference-only
-        members after every round that improved it (with the store and deployment the
-        supervisor delivers the deployed version, :mod:`dfl_agent.runtime.member_delivery`)."""
-        if not onnx_available() or (self.store is not None and self.cfg.deploy.enabled):
+        """With ONNX available and no deployment: export the deployable model after every round
+        that improved it while inference-only members are live (:mod:`dfl_agent.runtime.live_export`);
+        the service sends it to them (with deployment, it sends the deployed version)."""
+        if not onnx_available() or self.cfg.deploys:
             return
         node = self.node
-        self.publisher = OnnxPublisher(self.ctx, node.algorithm, s.bundle.pool.input_shape, s.spec)
-        self.publisher.model_source = node.reported_model  # the evaluated model of the record
+        self.publisher = LiveExport(self.state_dir, self.peers, node.reported_model, s.bundle.pool.input_shape, s.spec,
+                                    self.run_id, self.ctx.compute_ungated, private=node.algorithm.private())
         node.after_round.append(self.publisher)
 
     # -- the node's life: start, join, rounds, teardown ---------------------------------------
@@ -442,7 +442,7 @@ class Agent(RunMembers, AgentOperations):
 
     async def _after_run(self, spec: dict[str, Any], input_shape: Any) -> None:
         """After a run's last round: deploy the model when the gate lets it (dfl_agent.deploy)."""
-        if self.store is None or not self.cfg.deploy.enabled:
+        if not self.cfg.deploys:
             return
         self._tell("deploying")
         try:

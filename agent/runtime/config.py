@@ -317,6 +317,12 @@ class NodeConfig:
     deploy: DeploySection = described(default_factory=DeploySection, help="`[deploy]` section")
     privacy: PrivacySection = described(default_factory=PrivacySection, help="`[privacy]` section")
 
+    @property
+    def deploys(self) -> bool:
+        """Whether a run deploys its model (``deploy.enabled`` and the sample store): then
+        inference members get the deployed version, else the run's live model."""
+        return self.deploy.enabled and self.data.dataset == "store"
+
 
 def _from_dict(cls: type, raw: Mapping[str, Any], prefix: str = "") -> Any:
     return build(cls, raw, prefix, error=ConfigError, sort_known=True)

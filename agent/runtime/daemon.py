@@ -131,10 +131,10 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
         exporter = _start_service_prometheus(cfg, manager.node_id, manager)
         if exporter is not None:
             stack.callback(exporter.stop)
-        if cfg.deploy.enabled:  # inference members get models/current, also after a lost copy
-            from dfl_agent.runtime.member_delivery import MemberDelivery
+        # inference members get models/current (else the run's live model), also after a lost copy
+        from dfl_agent.runtime.member_delivery import MemberDelivery
 
-            stack.push_async_callback(cancel_and_wait, asyncio.ensure_future(MemberDelivery(cfg, manager.lobby).run(stop)))
+        stack.push_async_callback(cancel_and_wait, asyncio.ensure_future(MemberDelivery(cfg, manager.lobby).run(stop)))
         stack.callback(manager.notifier.stopping)
         log.info("node %s of federation %s serving: %s", manager.node_id, cfg.federation,
                  "its [algorithm] run, then exits" if once else

@@ -1,8 +1,10 @@
-"""The always-on delivery of the deployed model to inference-only members.
+"""The delivery of this node's model to inference-only members: one owner, the service.
 
 The supervisor (torch-free) sends this device's deployed version (``models/current``, as
-:func:`~dfl_agent.runtime.onnx_publisher.deployed_onnx` reads it) to every inference member
-whose status shows that it holds an older deployment, or none.  The member's retained status
+:func:`deployed_onnx` reads it) to every inference member whose status shows that it holds an
+older deployment, or none.  A node that trains without deployment sends the run's best model so
+far instead (``live_model/``, which the run writes: :mod:`dfl_agent.runtime.live_export`;
+:func:`live_onnx`) to every member whose status shows another model.  The member's retained status
 (``dfl/{fed}/node/{id}/status``, verified by the run lobby like every status) names what it
 holds: ``model_sha256`` and ``model_deployed_at``
 (:class:`dfl_agent.inference.member.InferenceMember`).  So a member gets the model after each
@@ -31,12 +33,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dfl_agent.jsonbound import RateLimitedLog
+from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.onnx_model import deployment_order
+from dfl_agent.runtime.live_export import LIVE_DIR
 
 log = logging.getLogger("dfl_agent.daemon")
 _ERRORS = RateLimitedLog(log)
@@ -62,10 +67,12 @@ def holding(status: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def lacks(status: dict[str, Any], meta: dict[str, Any]) -> bool:
-    """Whether an inference member's ``status`` shows it lacks the deployment ``meta``
-    describes: it holds nothing, another model deployed no later, or a model that was not
-    deployed.  A member that holds a newer deployment (another device's, of a later run)
-    does not lack it.  ``meta``: :func:`~dfl_agent.runtime.onnx_publisher.deployed_onnx`'s."""
+    """Whether an inference member's ``status`` shows it lacks the model ``meta`` describes.
+    A deployment (:func:`deployed_onnx`'s): it holds nothing, another model deployed no later, or
+    a model that was not deployed; a member that holds a newer deployment (another device's, of a
+    later run) does not lack it.  A live model (:func:`live_onnx`'s): it holds another model."""
+    if not meta.get("deployed"):
+        return status.get("model_sha256") != meta["sha256"]
     return deployment_order(meta["deployed_at"], meta["sha256"], status.get("model_deployed_at"),
                             status.get("model_sha256")) == "newer"
 
@@ -90,7 +97,9 @@ class MemberDelivery:
         from dfl_agent.transport.link_rate import derive
 
         self.cfg, self.lobby = cfg, lobby
-        self.models = ModelStore(cfg.state_dir, keep=cfg.deploy.keep)
+        #: the deployed versions (:attr:`~dfl_agent.runtime.config.NodeConfig.deploys`), else None:
+        #: the run's live model is sent
+        self.models = ModelStore(cfg.state_dir, keep=cfg.deploy.keep) if cfg.deploys else None
         self.private = dp_enabled(cfg)
         m = cfg.mqtt
         self.chunk_size = derive(m.link_rate, chunk_size=m.chunk_size, keepalive=m.keepalive).chunk_size
@@ -98,13 +107,17 @@ class MemberDelivery:
         self.sent: dict[str, _Sent] = {}
         #: copies sent, by member
         self.copies: dict[str, int] = {}
-        self._cached: tuple[int | None, tuple[int, bytes, dict[str, Any]] | None] = (None, None)
+        self._cached: tuple[Any, tuple[int, bytes, dict[str, Any]] | None] = (None, None)
 
     def current(self) -> tuple[int, bytes, dict[str, Any]] | None:
-        """The deployed version's ``(version, model.onnx, meta)``, read (and its files'
-        hashes checked) once per version; None when it has no ``model.onnx``."""
-        from dfl_agent.runtime.onnx_publisher import deployed_onnx
-
+        """The model to send, ``(version, model.onnx, meta)``: the deployed version (its files'
+        hashes checked), else the run's live model; read once per version; None when there is
+        none (or it has no ``model.onnx``)."""
+        if self.models is None:
+            key: Any = _stamp(Path(self.cfg.state_dir) / LIVE_DIR / "manifest.json")
+            if key is not None and self._cached[0] != key:
+                self._cached = (key, live_onnx(self.cfg.state_dir))
+            return self._cached[1] if key is not None else None
         v = self.models.current_version()
         if v is None:
             return None
@@ -143,24 +156,22 @@ class MemberDelivery:
         for node in members:
             self._send(node, data, meta)
         if members:
-            log.info("sent deployed model v%d (run %s) to inference member(s) %s", v, meta["run_id"],
-                     ", ".join(members))
+            log.info("sent %s model v%d (run %s) to inference member(s) %s",
+                     "deployed" if meta.get("deployed") else "live", v, meta["run_id"], ", ".join(members))
         return len(members)
 
     def _send(self, node: str, data: bytes, meta: dict[str, Any]) -> None:
         from dfl_agent.algorithms.context import Message
         from dfl_agent.onnx_model import ONNX_KIND
-        from dfl_agent.transport import wire
+        from dfl_agent.runtime.framing import frame
         from dfl_agent.transport.chunking import iter_chunks
         from dfl_agent.transport.mqtt import topic
 
-        guard = self.lobby.guard
-        signing = {"sign": guard.sign, "cert": guard.certificate} if guard is not None and guard.key is not None else {}
         msg = Message(ONNX_KIND, int(meta["round"]), {"onnx": np.frombuffer(data, np.uint8)}, dict(meta),
                       recipient=node)
-        frame = wire.encode(msg, federation=self.cfg.federation, sender=self.lobby.node_id, **signing)
+        data = frame(msg, federation=self.cfg.federation, sender=self.lobby.node_id, security=self.lobby.guard)
         name = topic(self.cfg.federation, node, "inbox")
-        for chunk in list(iter_chunks(frame, self.chunk_size)):
+        for chunk in list(iter_chunks(data, self.chunk_size)):
             self.lobby.client.publish(name, chunk, qos=1)
         last = self.sent.get(node)
         with self.lobby.lock:
@@ -182,3 +193,65 @@ class MemberDelivery:
                 await asyncio.wait_for(stop.wait(), period)
             except asyncio.TimeoutError:
                 pass
+
+
+def deployed_onnx(models: Any, spec: dict[str, Any] | None = None, *,
+                  private: bool = False) -> tuple[int, bytes, dict[str, Any]] | None:
+    """The deployed version (``models/current`` of ``models``, a
+    :class:`dfl_agent.deploy.ModelStore`) as an ``onnx.model`` message's parts:
+    ``(version, model.onnx bytes, meta)``.  Meta: ``version`` (the deployed version number),
+    ``round``, ``accuracy`` (its validation accuracy; None when ``private``: differential
+    privacy), ``run_id``, ``sha256`` of ``model.onnx``, ``spec_hash``, ``deployed: true`` and
+    ``deployed_at`` (the manifest's ``time``, unix s: inference members keep the newest
+    deployment).  None when nothing is deployed, the version has no ``model.onnx`` (no onnx
+    extra) or it fails its hash check (logged).  Torch-free."""
+    from dfl_agent.deploy.versions import DeployError, verify_folder
+    from dfl_agent.models import spec_hash
+
+    v = models.current_version()
+    if v is None:
+        return None
+    folder = models.folder(v)
+    try:
+        manifest = verify_folder(folder)
+        if "model.onnx" not in manifest.get("files", {}):
+            return None
+        data = (folder / "model.onnx").read_bytes()
+        held_spec = bounded_loads((folder / "spec.json").read_bytes(), "manifest").get("spec", spec)
+        held_hash = spec_hash(held_spec or {})
+    except (DeployError, OSError, ValueError) as exc:  # ValueError: also a SpecError
+        log.error("cannot send deployed model v%d to inference members: %s", v, exc)
+        return None
+    meta = {"version": v, "round": int(manifest.get("round") or 0),
+            "accuracy": None if private else manifest.get("accuracy"),
+            "run_id": manifest.get("run_id"), "sha256": manifest["files"]["model.onnx"]["sha256"],
+            "spec_hash": held_hash, "deployed": True,
+            "deployed_at": float(manifest.get("time") or 0.0)}
+    return v, data, meta
+
+
+def live_onnx(state_dir: str | Path) -> tuple[int, bytes, dict[str, Any]] | None:
+    """The run's live model (``STATE_DIR/live_model/``, :mod:`dfl_agent.runtime.live_export`) as
+    an ``onnx.model`` message's parts ``(version, model.onnx bytes, meta)``; None when there is
+    none, or its file does not match its manifest's SHA-256 (being rewritten).  Torch-free."""
+    import hashlib
+
+    folder = Path(state_dir) / LIVE_DIR
+    try:
+        meta = bounded_loads((folder / "manifest.json").read_bytes(), "manifest")
+        data = (folder / "model.onnx").read_bytes()
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or hashlib.sha256(data).hexdigest() != meta.get("sha256"):
+        return None
+    meta = {k: meta.get(k) for k in ("version", "round", "accuracy", "run_id", "sha256", "spec_hash", "deployed")}
+    return int(meta["version"] or 0), data, meta
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """``(mtime_ns, size)`` of ``path``, None when it is missing: a new export changes it."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size

@@ -1,4 +1,5 @@
-"""The outbox of a node: encode, compress (with error feedback), sign and account bytes.
+"""The outbox of a node: compress (with error feedback), frame and sign
+(:func:`~dfl_agent.runtime.framing.frame`), and account bytes.
 
 Plain messages are compressed on send with the context's
 :class:`~dfl_agent.learning.compression.CompressionPolicy` (``message_spec(kind)``), with an
@@ -18,7 +19,8 @@ import numpy as np
 
 from dfl_agent.algorithms.context import Message
 from dfl_agent.learning.error_feedback import ChocoGossip, ErrorFeedback
-from dfl_agent.transport import codec, wire
+from dfl_agent.runtime.framing import frame
+from dfl_agent.transport import codec
 
 if TYPE_CHECKING:
     from dfl_agent.runtime.context import RuntimeContext
@@ -79,8 +81,8 @@ class Outbox:
         compressed again: error feedback is not applied twice): a new message id, send
         time and signature, so that a peer that has it already drops the copy as a
         duplicate or stale round, never as a replay."""
-        return wire.encode(dataclasses.replace(message, msg_id=""), federation=self.ctx.federation,
-                           sender=self.ctx.node_id, **self._signing())
+        return frame(dataclasses.replace(message, msg_id=""), federation=self.ctx.federation,
+                     sender=self.ctx.node_id, security=self.ctx.security)
 
     def encode(self, message: Message) -> tuple[bytes, int]:
         """Compress (per the context's ``compression``) and frame ``message``.
@@ -105,20 +107,14 @@ class Outbox:
                 else:
                     wire_tensors, desc, _ = codec.encode_tensors(message.tensors, spec, self.compression_rng)
                 out = dataclasses.replace(message, tensors=wire_tensors, encoding=desc)
-        frame = wire.encode(out, federation=ctx.federation, sender=ctx.node_id, **self._signing())
+        data = frame(out, federation=ctx.federation, sender=ctx.node_id, security=ctx.security)
         self.last_encoded = out
         if out is not orig:
             orig.msg_id, orig.time, orig.sender, orig.wire_bytes = out.msg_id, out.time, out.sender, out.wire_bytes
         reference = 0
         if out.encoding is not None and codec.BLOB in out.tensors:
             reference = codec.float32_bytes_of(out.encoding) - int(np.asarray(out.tensors[codec.BLOB]).nbytes)
-        return frame, reference
-
-    def _signing(self) -> dict[str, Any]:
-        sec = self.ctx.security
-        if sec is None or sec.key is None:
-            return {}
-        return {"sign": sec.sign, "cert": sec.certificate}
+        return data, reference
 
     def account(self, kind: str, n: int, reference: int) -> None:
         """``n`` wire bytes of a ``kind`` message went out (``reference``: see :meth:`encode`)."""
