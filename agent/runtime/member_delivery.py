@@ -71,7 +71,7 @@ def lacks(status: dict[str, Any], meta: dict[str, Any]) -> bool:
     A deployment (:func:`deployed_onnx`'s): it holds nothing, another model deployed no later, or
     a model that was not deployed; a member that holds a newer deployment (another device's, of a
     later run) does not lack it.  A live model (:func:`live_onnx`'s): it holds another model."""
-    if not meta.get("deployed"):
+    if meta.get("deployed") is False:  # the run's live model
         return status.get("model_sha256") != meta["sha256"]
     return deployment_order(meta["deployed_at"], meta["sha256"], status.get("model_deployed_at"),
                             status.get("model_sha256")) == "newer"
@@ -157,7 +157,7 @@ class MemberDelivery:
             self._send(node, data, meta)
         if members:
             log.info("sent %s model v%d (run %s) to inference member(s) %s",
-                     "deployed" if meta.get("deployed") else "live", v, meta["run_id"], ", ".join(members))
+                     "live" if meta.get("deployed") is False else "deployed", v, meta["run_id"], ", ".join(members))
         return len(members)
 
     def _send(self, node: str, data: bytes, meta: dict[str, Any]) -> None:
