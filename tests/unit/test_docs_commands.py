@@ -211,5 +211,5 @@ def test_install_blocks_stop_at_the_first_error() -> None:
             found += 1
             if cmds[0] != "set -euo pipefail":
                 bad.append(f"{page.relative_to(ROOT)}: {cmds[:2]}")
-    assert found >= 4, found  # the install page's blocks and the tutorials' install blocks
     assert not bad, "install blocks that go on after a failed line:\n" + "\n".join(bad)
+    assert found >= 4, found  # the install page's blocks and the tutorials' install blocks
