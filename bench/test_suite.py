@@ -4,9 +4,9 @@
     .venv/bin/python bench/test_suite.py                        # count: pytest --collect-only
     .venv/bin/python bench/test_suite.py --junit report.xml     # ... plus the durations of that run
 
-The count collects the suite three times with ``pytest --collect-only -q``: every test, the
-unit tests (``-m "not slow and not integration"``, the README's fast subset) and the slow ones
-(``-m slow``). ``--junit`` reads the report ``pytest --junitxml=report.xml`` wrote of a full
+The count collects the suite four times with ``pytest --collect-only -q``: every test, the
+unit tests (``-m "not slow and not integration"``, the README's fast subset), the integration
+tests that are not slow and the slow ones (``-m slow``). ``--junit`` reads the report ``pytest --junitxml=report.xml`` wrote of a full
 run (on the machine and at the commit this file then names) and adds its wall time, the time per
 test folder and the slowest tests.
 """
@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "test_suite.md"
 #: the line of the generated file that holds the count (the README's figure is checked against it)
 COUNT_LINE = re.compile(r"^\| every test \| ([0-9,]+) \|", re.M)
-SUBSETS = (("every test", ""), ("unit tests", "not slow and not integration"), ("slow tests", "slow"))
+SUBSETS = (("every test", ""), ("unit tests", "not slow and not integration"),
+           ("integration tests, not slow", "integration and not slow"), ("slow tests", "slow"))
 
 
 def collect(marker: str) -> int:
