@@ -7,8 +7,10 @@ from the example in ``docs/data-and-models.md``, using the model the live tutori
 ``HOME`` is a fresh folder under ``--work`` (the tutorials' ``~/dfl-venv`` lies there); pip keeps
 this machine's configuration and cache (``XDG_CONFIG_HOME``, ``XDG_CACHE_HOME``). The blocks run in
 one bash script (``set -euo pipefail``), in order, in the clone's root, as one reader's shell: a
-failing block stops the walk there. Each step's start is stamped with the time and the load
-average; the results file holds every step's wall time and the whole output's tail.
+failing block stops there, and the walk goes on with the next block in the folder and with the
+``PATH`` the shell had (as a reader who reads the error and carries on). Each step's start is
+stamped with the time and the load average; the results file holds every step's wall time, the
+steps that failed with their last lines, and the output's tail.
 Reading the pages is not timed: the figures are the machine's part of the walk.
 """
 
@@ -71,7 +73,6 @@ def main() -> int:
     subprocess.run(["git", "clone", "-q", "--branch", branch, repo, str(clone)], check=True)
     commit = subprocess.run(["git", "-C", str(clone), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=True).stdout.strip()
-    steps = [("clone", t0, load0[0])]
     ff, live = blocks(clone / "docs/tutorials/first-federation.md"), blocks(clone / "docs/tutorials/live-data.md")
     app = app_source(clone)
     plan = [(f"first-federation {i + 1}", b) for i, b in enumerate(ff)]
@@ -79,38 +80,52 @@ def main() -> int:
     # the reader writes app.py in the live tutorial's folder (the shell is there after its blocks)
     plan += [("app.py (onnxruntime)", f"cat > app.py <<'PY'\n{app}PY\npython3 app.py\n"),
              (f"live-data {len(live) - 1} (stop)", live[-1])]
-    script = ["set -euo pipefail"]
-    for label, block in plan:
-        script.append(f'echo "@@ {label}|$(date +%s.%N)|$(cut -d" " -f1 /proc/loadavg)"')
-        script.append(block)
-    script.append('echo "@@ end|$(date +%s.%N)|$(cut -d" " -f1 /proc/loadavg)"')
-    proc = subprocess.run(["bash", "-c", "\n".join(script)], cwd=clone, env=user_env(home), capture_output=True,
-                          text=True, start_new_session=True)
-    out = proc.stdout
-    marks = [(m.group(1), float(m.group(2)), float(m.group(3))) for m in re.finditer(r"^@@ (.*?)\|([\d.]+)\|([\d.]+)$",
-                                                                                    out, flags=re.M)]
-    steps += marks
-    rows = []
-    for (label, start, load), nxt in zip(steps, steps[1:] + [("", time.time(), 0.0)]):
-        if label == "end":
+    env, cwd, start, runs = user_env(home), clone, 0, []
+    state = a.work / "shell-state"
+    while start < len(plan):  # a failed block: the reader reads its error and goes on with the next one
+        script = ["set -euo pipefail"]
+        for k, (label, block) in enumerate(plan[start:], start):
+            script.append(f'printf "%s\\n%s" "$PWD" "$PATH" > {shlex.quote(str(state))}')
+            script.append(f'echo "@@ {k}|{label}|$(date +%s.%N)|$(cut -d" " -f1 /proc/loadavg)"')
+            script.append(block)
+        script.append('echo "@@ end|end|$(date +%s.%N)|$(cut -d" " -f1 /proc/loadavg)"')
+        proc = subprocess.run(["bash", "-c", "\n".join(script)], cwd=cwd, env=env, capture_output=True, text=True,
+                              start_new_session=True)
+        marks = [(int(m.group(1)) if m.group(1) != "end" else None, m.group(2), float(m.group(3)), float(m.group(4)))
+                 for m in re.finditer(r"^@@ (\w+)\|(.*?)\|([\d.]+)\|([\d.]+)$", proc.stdout, flags=re.M)]
+        runs.append({"from_step": plan[start][0], "exit_code": proc.returncode, "marks": marks,
+                     "stdout": proc.stdout, "stderr": proc.stderr})
+        if proc.returncode == 0 or not marks or marks[-1][0] is None:
             break
-        rows.append({"step": label, "wall_s": round(nxt[1] - start, 1), "load_at_start": load})
-    app_out = re.search(r"^@@ app\.py.*?\n(.*?)^@@ ", out, flags=re.M | re.S)
+        failed = marks[-1][0]
+        cwd_s, path = state.read_text().split("\n", 1)
+        cwd, env = Path(cwd_s), {**env, "PATH": path}
+        start = failed + 1
+    end_t = time.time()
+    flat = [m for r in runs for m in r["marks"]]
+    failed_steps = {r["marks"][-1][1]: r["stderr"].strip().splitlines()[-3:] for r in runs
+                    if r["exit_code"] and r["marks"] and r["marks"][-1][0] is not None}
+    rows = []
+    for (k, label, t, load), nxt in zip([(None, "clone", t0, load0[0]), *flat], [*flat, (None, "", end_t, 0.0)]):
+        if label == "end":
+            continue
+        rows.append({"step": label, "wall_s": round(nxt[2] - t, 1), "load_at_start": round(load, 2),
+                     "failed": failed_steps.get(label)})
+    out = "".join(r["stdout"] for r in runs)
+    app_out = re.search(r"^@@ \d+\|app\.py.*?\n(.*?)^@@ ", out, flags=re.M | re.S)
+    stop_t = next((m[2] for m in flat if "(stop)" in m[1]), end_t)
     res = {"command": shlex.join([os.path.relpath(sys.executable), *sys.argv]), "branch": branch, "commit": commit,
-           "machine": f"{os.uname().machine}, {os.cpu_count()} cores", "exit_code": proc.returncode,
-           "clone_to_app_s": round(next((s[1] for s in steps if s[0].startswith("live-data") and "stop" in s[0]),
-                                        time.time()) - t0, 1),
-           "steps": rows, "app": app, "app_note": APP_NOTE,
+           "machine": f"{os.uname().machine}, {os.cpu_count()} cores", "exit_code": runs[-1]["exit_code"],
+           "clone_to_app_s": round(stop_t - t0, 1), "steps": rows, "app": app, "app_note": APP_NOTE,
            "app_output": app_out.group(1).strip() if app_out else None,
-           "stdout_tail": out[-6000:], "stderr_tail": proc.stderr[-6000:]}
+           "stdout_tail": out[-8000:], "stderr_tails": [r["stderr"][-3000:] for r in runs]}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=1))
     for r in rows:
-        print(f"{r['step']:<32} {r['wall_s']:>7.1f} s   load {r['load_at_start']}")
-    print(f"exit {proc.returncode}; clone to the app's output: {res['clone_to_app_s']} s")
-    if proc.returncode:
-        print(proc.stderr[-3000:])
-    return proc.returncode
+        print(f"{r['step']:<32} {r['wall_s']:>7.1f} s   load {r['load_at_start']}"
+              + (f"   FAILED: {r['failed'][-1]}" if r["failed"] else ""))
+    print(f"clone to the app's output: {res['clone_to_app_s']} s; app printed: {res['app_output']}")
+    return 1 if failed_steps or res["exit_code"] else 0
 
 
 if __name__ == "__main__":
