@@ -85,8 +85,9 @@ def _wait(pred, timeout: float, proc: subprocess.Popen, log_path: Path) -> None:
 
 @needs_mosquitto
 def test_idle_always_on_agent_imports_no_torch(tmp_path):
-    """The supervisor serving, idle (no run): no torch and no training agent in its process
-    (the algorithm registry's torch-free modules, which admission reads, are allowed)."""
+    """The supervisor serving, idle (no run): no torch, no SciPy (the privacy accountant's, which
+    the `train` extra does not bring) and no training agent in its process (the algorithm
+    registry's torch-free modules, which admission reads, are allowed)."""
     with start_broker("mosquitto") as broker:
         path = _config(tmp_path, broker.endpoint, algorithm=None)
         assert "[algorithm]" not in path.read_text()
@@ -103,8 +104,9 @@ def test_idle_always_on_agent_imports_no_torch(tmp_path):
             c.connect(host, int(port)); c.loop_start()
             def watch():
                 seen.wait(120)
-                mods = sorted(m for m in sys.modules if m in ("torch", "dfl_agent.runtime.agent",
-                              "dfl_agent.runtime.node", "dfl_agent.runtime.run_process") or m.startswith("torch."))
+                mods = sorted(m for m in sys.modules if m in ("torch", "scipy", "dfl_agent.runtime.agent",
+                              "dfl_agent.runtime.node", "dfl_agent.runtime.run_process")
+                              or m.startswith(("torch.", "scipy.")))
                 open({str(out)!r}, "w").write(json.dumps({{"status": seen.is_set(), "modules": mods}}))
                 os.kill(os.getpid(), signal.SIGTERM)
             threading.Thread(target=watch, daemon=True).start()
@@ -114,7 +116,7 @@ def test_idle_always_on_agent_imports_no_torch(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         doc = json.loads(out.read_text())
         assert doc["status"], proc.stderr[-3000:]  # it was serving: its idle status was on the broker
-        assert doc["modules"] == [], doc  # and it had imported no torch and no training agent
+        assert doc["modules"] == [], doc  # and it had imported no torch, no scipy and no training agent
         assert "stopping (SIGTERM)" in proc.stderr and "stopped" in proc.stderr
 
 

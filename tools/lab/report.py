@@ -417,7 +417,9 @@ def _plots(run: Any, rep: dict[str, Any], recs: dict[str, Any], col: dict[str, A
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        rep["notes"].append("no plots: matplotlib is not installed (pip install 'dfl-agent[plots]')")
+        from dfl_agent.extras import extra_hint
+
+        rep["notes"].append(f"no plots: matplotlib is not installed ({extra_hint('plot')})")
         return []
     made = []
     for name, ylabel in (("accuracy.png", "held-out accuracy (lines: rounds, o: deployed)"),
