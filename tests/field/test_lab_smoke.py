@@ -140,13 +140,13 @@ name = "a"
 name = "pi"
 cpu = 0.5
 memory_mb = 512
-agent = { profile_overrides = { behaviour = { algorithms = ["local"] } } }
+agent = { profile_overrides = { behaviour = { algorithms = ["fedavg"] } } }
 [[device]]
 class = "pi"
 count = 2
 [[run]]
 at_s = 1
-algorithm = "fedavg"
+algorithm = "dfedavg"
 rounds = 1
 [[event]]
 at_s = 1
@@ -175,7 +175,7 @@ def test_failed_checks_exit_1_naming_them(tmp_path):
     rep = json.loads((out / "report.json").read_text())
     assert rep["passed"] is False and [f.split(":")[0] for f in rep["failed_checks"]] == [
         "all_runs_deployed", "runs_trained", "min_final_accuracy"]
-    assert f"runs_trained: run {rep['runs'][0]['run_id']} (fedavg) declined on every device" in r.stderr
+    assert f"runs_trained: run {rep['runs'][0]['run_id']} (dfedavg) declined on every device" in r.stderr
     assert rep["runs"][0]["state"] == "declined" and rep["runs"][0]["members"] == []
     assert any("not done: partition pi-0" in n for n in rep["notes"]), rep["notes"]
     assert rep["events"][0]["started_s"] is None
