@@ -115,6 +115,9 @@ def test_the_smoke_scenario(tmp_path):
         assert rep["runs"][0]["state"] == "finished" and "mdns" in rep["discovery"]["via"]
         assert rep["discovery"]["mdns_missing"] == []  # every pair found each other through mDNS
         assert all(d["rounds_alone"] == 0 and d["deployed_versions"] for d in train)
+        # the scenario is sized so that both faults fall inside the run, which recovers from each
+        for e in rep["events"]:
+            assert e["started_s"] is not None and not e["no_run_after"] and e["recovered_after_s"] is not None, e
         # the inference member received the run's deployed models over TLS, signed (inference_received)
         assert {g["run_id"] for g in cam["received"]} == {rep["runs"][0]["run_id"]} and cam["accuracy"] is not None
         # the deployed model is the last round's: its held-out accuracy, measured both ways
