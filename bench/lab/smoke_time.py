@@ -5,8 +5,8 @@ Runs ``python -m pytest -q -p no:cacheprovider tests/field/test_lab_smoke.py`` (
 and each test's) ``--runs`` times, one after the other, as root. For each run it records the
 wall time of pytest, the result line, each test's duration, the smoke lab run's own time
 (``(lab run took N s)``), the 1-minute load average before, after and sampled every 5 s during
-the run (mean and max), the run's state, rounds and failed checks from its report, and the lab
-network namespaces (``dfl-lab-*``) left afterwards, which must be none. The smoke report of run
+the run (mean and max), the run's state, rounds and failed checks from its report, the lab's timeline lines, and the
+lab network namespaces (``dfl-lab-*``) left afterwards, which must be none. The smoke report of run
 ``i`` is copied to ``report-<i>.md``.
 
 Usage (as root, from the repository root)::
@@ -91,6 +91,9 @@ def one_run(i: int, out: Path) -> dict[str, Any]:
         "load1_during_mean": round(statistics.mean(samples), 2) if samples else None,
         "load1_during_max": max(samples) if samples else None,
         "namespaces_left": _namespaces(),
+        # the smoke lab's own timeline, as the test prints it: when the run trained everywhere,
+        # the events, and whether every run ended or the scenario's duration ran out
+        "timeline": re.findall(r"^\[ *[\d.]+ s\] .*$", text, re.M)[:20],
     }
     report = base / "test_the_smoke_scenario0" / "smoke"
     if (report / "report.json").exists():

@@ -117,7 +117,8 @@ def test_the_smoke_scenario(tmp_path):
         assert all(d["rounds_alone"] == 0 and d["deployed_versions"] for d in train)
         # the scenario is sized so that both faults fall inside the run, which recovers from each
         for e in rep["events"]:
-            assert e["started_s"] is not None and not e["no_run_after"] and e["recovered_after_s"] is not None, e
+            assert e["started_s"] is not None and not e["no_run_after"] and e["recovered_after_s"] is not None, (
+                f"{e['kind']} was not inside the run (the run ended first: smoke.toml needs more rounds here): {e}")
         # the inference member received the run's deployed models over TLS, signed (inference_received)
         assert {g["run_id"] for g in cam["received"]} == {rep["runs"][0]["run_id"]} and cam["accuracy"] is not None
         # the deployed model is the last round's: its held-out accuracy, measured both ways
