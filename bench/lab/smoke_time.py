@@ -5,7 +5,8 @@ Runs ``python -m pytest -q -p no:cacheprovider tests/field/test_lab_smoke.py`` (
 and each test's) ``--runs`` times, one after the other, as root. For each run it records the
 wall time of pytest, the result line, each test's duration, the smoke lab run's own time
 (``(lab run took N s)``), the 1-minute load average before, after and sampled every 5 s during
-the run (mean and max), the run's state, rounds and failed checks from its report, the lab's timeline lines, and the
+the run (mean and max), the run's state, rounds and failed checks from its report, the median wall time of the training
+devices' rounds (``round_wall_s`` of their round records), the lab's timeline lines, and the
 lab network namespaces (``dfl-lab-*``) left afterwards, which must be none. The smoke report of run
 ``i`` is copied to ``report-<i>.md``.
 
@@ -105,6 +106,10 @@ def one_run(i: int, out: Path) -> dict[str, Any]:
                    events=[{k: e.get(k) for k in ("kind", "started_s", "ended_s", "recovered_after_s")}
                            for e in rep.get("events", [])])
         shutil.copyfile(report / "report.md", out / f"report-{i}.md")
+        walls = [json.loads(line).get("round_wall_s") for m in sorted((report / "metrics").glob("pi-*/*.jsonl"))
+                 for line in m.read_text().splitlines() if line.strip()]
+        walls = [w for w in walls if isinstance(w, (int, float))]
+        row["round_wall_s_median"] = round(statistics.median(walls), 3) if walls else None  # every device's rounds
     if p.returncode != 0:
         (out / f"pytest-{i}.log").write_text(text[-20000:])
     shutil.rmtree(base, ignore_errors=True)
@@ -117,13 +122,13 @@ def table(doc: dict[str, Any]) -> str:
              f"{doc['machine']['cpu']}, {doc['machine']['cores']} cores, {doc['machine']['memory_gib']} GiB; "
              f"command: `{doc['command']}`", "",
              "| run | result | pytest wall (s) | smoke lab run (s) | smoke test (s) | declined-run test (s) | "
-             "rounds | load before | load during (mean / max) | load after | namespaces left |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "rounds | round (s, median) | load before | load during (mean / max) | load after | namespaces left |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["runs"]:
         c = r["test_call_s"]
         lines.append(f"| {r['run']} | {r['result']} | {r['pytest_wall_s']} | {r['lab_run_s']} | "
                      f"{c.get('test_the_smoke_scenario', '')} | {c.get('test_failed_checks_exit_1_naming_them', '')} | "
-                     f"{r.get('rounds')} | {r['load1_before']} | {r['load1_during_mean']} / {r['load1_during_max']} | "
+                     f"{r.get('rounds')} | {r.get('round_wall_s_median')} | {r['load1_before']} | {r['load1_during_mean']} / {r['load1_during_max']} | "
                      f"{r['load1_after']} | {len(r['namespaces_left'])} |")
     walls = [r["pytest_wall_s"] for r in doc["runs"]]
     lines += ["", f"pytest wall time: median {statistics.median(walls):.0f} s, range {min(walls):.0f}–{max(walls):.0f} s "
