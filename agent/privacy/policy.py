@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = ["DPSupport", "DP_SUPPORT", "COMMON", "TREATMENTS", "SENT_SAMPLES", "check_dp_combination", "dp_enabled",
-           "parse_checked",
+           "check_lifetime", "parse_checked",
            "redact_status", "REDACTED_STATUS_KEYS"]
 
 #: How a sent value is handled under DP (see the module docstring).
@@ -156,20 +156,46 @@ def dp_enabled(cfg: Any) -> bool:
 
 def parse_checked(table: Any, algorithm: str, options: Any = None, where: str = "privacy") -> Any:
     """:func:`~dfl_agent.privacy.config.parse_privacy` of ``table``, and under DP
-    :func:`check_dp_combination` of the configured algorithm: the configuration's check.
+    :func:`check_dp_combination` of the configured algorithm and :func:`check_lifetime`: the
+    configuration's check.
 
     Returns:
         the :class:`~dfl_agent.privacy.config.PrivacyConfig`.
 
     Raises:
-        ValueError: one line (a bad key, or an algorithm that cannot run under DP).
+        ValueError: one line (a bad key, an algorithm that cannot run under DP, or a per-run
+            target ε above the lifetime budget).
     """
     from dfl_agent.privacy.config import parse_privacy
 
     privacy = parse_privacy(table, where)
     if privacy.dp is not None:
         check_dp_combination(algorithm, options)
+        check_lifetime(privacy, where)
     return privacy
+
+
+def check_lifetime(privacy: Any, where: str = "privacy") -> None:
+    """The privacy admission's static rule: a run planned for ``privacy.dp.target_epsilon``
+    spends up to that ε on its own (:func:`~dfl_agent.privacy.plan.plan_run` picks the noise for
+    it), so a target above ``privacy.lifetime_epsilon`` takes the device past its lifetime budget
+    with its first run, and admission declines every run
+    (:meth:`~dfl_agent.runtime.privacy_budget.PrivacyBudget.admit_config` applies this rule
+    first).  With ``noise_multiplier`` given instead, a run's ε depends on the device's samples
+    and the run's rounds: admission alone decides.
+
+    Args:
+        privacy: a :class:`~dfl_agent.privacy.config.PrivacyConfig` (``dp`` None: nothing to check).
+        where: the section's dotted key, named in the error.
+
+    Raises:
+        ValueError: one line, ``privacy.dp.target_epsilon: 12 is above privacy.lifetime_epsilon 10 ...``.
+    """
+    dp = privacy.dp
+    if dp is not None and dp.target_epsilon is not None and dp.target_epsilon > privacy.lifetime_epsilon:
+        raise ValueError(f"{where}.dp.target_epsilon: {dp.target_epsilon:g} is above {where}.lifetime_epsilon "
+                         f"{privacy.lifetime_epsilon:g}: every run would be declined (a run alone spends up to "
+                         f"its target epsilon)")
 
 
 def check_dp_combination(algorithm: str, options: Any = None) -> None:

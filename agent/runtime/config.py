@@ -17,7 +17,7 @@ from typing import Any
 
 from dfl_agent.learning.training import DEFAULT_ADAM_LR, DEFAULT_DIVERGENCE_FACTOR, DEFAULT_LR
 from dfl_agent.privacy.config import PrivacySection, section_table
-from dfl_agent.tomlcheck import build
+from dfl_agent.tomlcheck import TomlFileError, build, read_toml
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -356,15 +356,18 @@ def load_config(path: str | os.PathLike[str]) -> NodeConfig:
     """Read and validate a TOML configuration file.
 
     Raises:
-        ConfigError: unreadable file, TOML syntax error, or an invalid key (named).
+        ConfigError: unreadable file, TOML syntax error, not UTF-8 or nested too deeply
+            (:func:`~dfl_agent.tomlcheck.read_toml`), or an invalid key (named).
     """
     p = Path(path)
     try:
-        raw = tomllib.loads(p.read_text(encoding="utf-8"))
+        raw = read_toml(p)  # bounded in size and nesting; a byte that is not UTF-8 named by its key
     except OSError as exc:
         raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: TOML syntax error: {exc}") from None
+    except TomlFileError as exc:
+        raise ConfigError(str(exc)) from None
     return config_from_dict(raw)
 
 

@@ -294,6 +294,12 @@ class PrivacyBudget:
         """:meth:`admit` of run ``run_id`` with the effective configuration ``run_cfg``."""
         if self.config.dp is None:
             return None
+        from dfl_agent.privacy.policy import check_lifetime
+
+        try:  # the static rule, which the configuration's checks apply too
+            check_lifetime(self.config)
+        except ValueError as exc:
+            return f"privacy budget: {exc}"
         try:
             plan = self.plan(run_cfg)
         except (ValueError, OSError) as exc:

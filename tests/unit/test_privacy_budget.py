@@ -295,3 +295,41 @@ def test_run_once_counts_spool_files_that_are_still_settling(tmp_path: Path) -> 
     assert asyncio.run(m.run_once(asyncio.Event())) == 0  # before: "... no samples to train on (N = 0)"
     (row,) = PrivacyLedger(tmp_path).entries()
     assert row["state"] == "spent" and 0 < row["sample_rate"] < 1
+
+@pytest.mark.parametrize("privacy, profile_privacy", [
+    ({"lifetime_epsilon": 10.0, "dp": {"max_grad_norm": 1.0, "target_epsilon": 12.0}}, None),
+    ({"dp": {"max_grad_norm": 1.0, "target_epsilon": 5.0}}, {"lifetime_epsilon": 4.0}),  # the profile's budget
+])
+def test_check_config_refuses_a_target_epsilon_above_the_lifetime_budget(tmp_path: Path, capsys, privacy,
+                                                                         profile_privacy) -> None:
+    """A per-run target ε above the lifetime budget: every run would be declined at admission,
+    so check-config (and run) exit 2 naming the key, in the admission's own words."""
+    import tomli_w
+
+    from dfl_agent.privacy.config import DPConfig, PrivacyConfig
+    from dfl_agent.profiles import get_profile
+    from dfl_agent.runtime.daemon import main
+
+    raw = {"federation": "f", "state_dir": str(tmp_path / "state"), "algorithm": {"name": "local", "rounds": 5},
+           "data": {"dataset": "store", "input_shape": [3, 4], "num_classes": 2}, "privacy": privacy}
+    if profile_privacy:
+        raw["profile_overrides"] = {"privacy": profile_privacy}
+    path = tmp_path / "node.toml"
+    path.write_text(tomli_w.dumps(raw))
+    assert main(["check-config", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "privacy.dp.target_epsilon: " in err and "every run would be declined" in err, err
+    assert not (tmp_path / "state").exists()
+    # admission applies the same rule, and says the same
+    cfg, store = _store_cfg(tmp_path, {"dp": {"max_grad_norm": 1.0, "target_epsilon": 2.0}})
+    budget = PrivacyBudget(cfg, get_profile("generic-x86"), store)
+    life = profile_privacy["lifetime_epsilon"] if profile_privacy else privacy["lifetime_epsilon"]
+    budget.config = PrivacyConfig(DPConfig(max_grad_norm=1.0, target_epsilon=privacy["dp"]["target_epsilon"]), life)
+    reason = budget.admit(_run("a"))
+    assert reason is not None and reason.startswith("privacy budget: privacy.dp.target_epsilon: ")
+    assert reason.removeprefix("privacy budget: ") in err and budget.ledger.get("a") is None
+    # at the budget, check-config passes (a first run can fit)
+    raw["privacy"] = {"lifetime_epsilon": 5.0, "dp": {"max_grad_norm": 1.0, "target_epsilon": 5.0}}
+    raw.pop("profile_overrides", None)
+    path.write_text(tomli_w.dumps(raw))
+    assert main(["check-config", "--config", str(path)]) == 0

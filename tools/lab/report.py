@@ -160,6 +160,13 @@ def evaluate_checks(sc: Scenario, rep: dict[str, Any]) -> list[str]:
                           f"{', '.join(via) or 'nothing'}"
                           + (f"; not through mdns on the lab address: {', '.join(missing)}" if missing else "")
                           + ")")
+    if c.get("runs_trained"):  # on by default: a run declined everywhere, or that trained no round, is no pass
+        for i, r in enumerate(rep["runs"]):
+            if r["members"] and r["rounds"]:
+                continue
+            what = ("was not submitted" if r["state"] == "not submitted" else f"{r['state']} on every device"
+                    if not r["members"] else f"trained no round ({r['state']})")
+            failed.append(f"runs_trained: run {r['run_id'] or i} ({r['algorithm']}) {what}")
     from dfl_agent.cli.lab.members import member_checks
 
     failed += member_checks(c, rep)  # inference_received
