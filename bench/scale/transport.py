@@ -25,6 +25,15 @@ Paths:
 * ``compressed``: ``signed`` with the tensors compressed (``--codec``, default ``q8+zstd``)
   on node a and decompressed on node b; its ratio is still to ``raw`` carrying the
   uncompressed tensors, so the codec's work is in it and fewer bytes travel.
+* ``floor_signed``: the least work any signed design does, on raw paho: the sender hashes the
+  payload (BLAKE3, the wire format's hash), signs the 64 hex digits with Ed25519
+  (cryptography, as the agents do) and sends digest, signature and payload in ``raw``'s
+  chunks; the receiver reassembles them as ``raw`` does, hashes the payload, compares and
+  verifies the signature on paho's network thread, and stamps the receipt there.
+* ``floor_signed_loop``: ``floor_signed``, then the checked message is handed to the
+  receiver's asyncio event loop (``call_soon_threadsafe``) and the receipt is stamped by the
+  coroutine it wakes - the handover of any asyncio agent whose MQTT client has its own
+  network thread.
 
 Every message of every path is paired with the ``raw`` message sent next to it: per size,
 ``--n`` rounds each send one message of every path, in an order that rotates from round to
@@ -66,7 +75,8 @@ import numpy as np
 
 SIZES = (55_000, 1 << 20, 10 << 20)
 FED = "bench"
-PATHS = ("raw", "signed", "unsigned", "compressed")
+PATHS = ("raw", "signed", "unsigned", "compressed", "floor_signed", "floor_signed_loop")
+FLOOR = ("floor_signed", "floor_signed_loop")
 #: the agent's default ``mqtt.chunk_size``: largest MQTT payload it sends
 CHUNK_SIZE = 256 * 1024
 #: the documented chunk header: magic, version, transfer id, index, count, total length
@@ -124,6 +134,47 @@ class RawAssembler:
         self.got += 1
         if self.got == count:
             self.report(self.buf)
+
+
+class FloorSigner:
+    """The sending end of the floor paths: ``frame(payload)`` is the payload's BLAKE3 digest
+    (64 hex digits), their Ed25519 signature (64 bytes) and the payload, joined."""
+
+    def __init__(self, key: bytes):
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        self.key = Ed25519PrivateKey.from_private_bytes(key)
+
+    def frame(self, payload: bytes) -> bytes:
+        import blake3
+
+        digest = blake3.blake3(payload).hexdigest().encode()
+        return b"".join((digest, self.key.sign(digest), payload))
+
+
+class FloorChecker:
+    """The receiving end of the floor paths (``key``: the sender's raw private key, whose
+    public half verifies): :meth:`check` is True when the reassembled frame's payload hash
+    matches its digest and the digest's signature verifies."""
+
+    def __init__(self, key: bytes):
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        self.pub = Ed25519PrivateKey.from_private_bytes(key).public_key()
+
+    def check(self, frame: bytearray) -> bool:
+        import blake3
+        from cryptography.exceptions import InvalidSignature
+
+        view = memoryview(frame)
+        digest = bytes(view[:64])
+        if len(frame) < 128 or blake3.blake3(view[128:]).hexdigest().encode() != digest:
+            return False
+        try:
+            self.pub.verify(bytes(view[64:128]), digest)
+        except InvalidSignature:
+            return False
+        return True
 
 
 def model_of(nbytes: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -237,16 +288,49 @@ def _receiver(endpoint: str, keys: tuple[bytes, bytes], conn: Any, paths: tuple[
     sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="raw-sub", protocol=mqtt.MQTTv5)
     subscribed = threading.Event()
     sub.on_subscribe = lambda *a: subscribed.set()
-    sub.on_connect = lambda c, *a: c.subscribe([(RAW_TOPIC, 1)])
+    sub.on_connect = lambda c, *a: c.subscribe([(RAW_TOPIC, 1)] + [(f"bench/{p}", 1) for p in FLOOR if p in paths])
     sub.on_message = RawAssembler(raw_done, chunk_size).on_message
+    checker = FloorChecker(keys[0])
+    loop_box: list[asyncio.AbstractEventLoop] = []
+    waiter: list[asyncio.Future[int]] = []
+
+    def wake(n: int) -> None:
+        if waiter and not waiter[0].done():
+            waiter[0].set_result(n)
+
+    def floor_done(path: str) -> Callable[[bytearray], None]:
+        def done(buf: bytearray) -> None:
+            if not checker.check(buf):
+                return  # not reported: the sender times out and says so
+            if path == "floor_signed":
+                t = time.perf_counter()
+                with lock:
+                    conn.send((path, len(buf), t))
+            else:
+                loop_box[0].call_soon_threadsafe(wake, len(buf))
+        return done
+
+    for fp in FLOOR:
+        if fp in paths:
+            sub.message_callback_add(f"bench/{fp}", RawAssembler(floor_done(fp), chunk_size).on_message)
     sub.connect(host, int(port))
     sub.loop_start()
 
+    async def floor_loop() -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            waiter[:] = [loop.create_future()]
+            n = await waiter[0]
+            report("floor_signed_loop", n)
+
     async def main() -> None:
-        nodes = [Ours(endpoint, p, "b", keys, codec) for p in paths if p != "raw"]
+        loop_box.append(asyncio.get_running_loop())
+        nodes = [Ours(endpoint, p, "b", keys, codec) for p in paths if p != "raw" and p not in FLOOR]
         for o in nodes:
             await o.start()
         tasks = [asyncio.create_task(o.listen(report)) for o in nodes]
+        if "floor_signed_loop" in paths:
+            tasks.append(asyncio.create_task(floor_loop()))
         subscribed.wait(10)
         conn.send(("ready", 0, 0.0))
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # "stop"
@@ -283,7 +367,9 @@ class Sender:
         self.pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="raw-pub", protocol=mqtt.MQTTv5)
         self.pub.connect(host, int(port))
         self.pub.loop_start()
-        self.ours = {p: Ours(self.endpoint, p, "a", self.keys, self.codec) for p in self.paths if p != "raw"}
+        self.ours = {p: Ours(self.endpoint, p, "a", self.keys, self.codec) for p in self.paths
+                     if p != "raw" and p not in FLOOR}
+        self.signer = FloorSigner(self.keys[0])
         for o in self.ours.values():
             await o.start()
         if not self.conn.poll(60) or self.conn.recv()[0] != "ready":
@@ -297,6 +383,11 @@ class Sender:
             for piece in pieces(payload, self.chunk_size):  # all built, then published
                 self.pub.publish(RAW_TOPIC, piece, qos=1)
             expect = len(payload)
+        elif path in FLOOR:
+            frame = self.signer.frame(payload)
+            for piece in pieces(frame, self.chunk_size):
+                self.pub.publish(f"bench/{path}", piece, qos=1)
+            expect = len(frame)
         else:
             expect = await self.ours[path].send(tensors)
         # wait here, blocking this thread: nothing of the sender's event loop is left to run
