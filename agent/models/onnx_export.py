@@ -103,9 +103,12 @@ def _export_torchscript(m: nn.Module, example: torch.Tensor) -> bytes:
         # torch deprecates this exporter in favour of dynamo's (see the module docstring)
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", FutureWarning)
-        torch.onnx.export(m, (example,), buf, dynamo=False, input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-                          dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}}, opset_version=OPSET,
-                          verbose=False)
+        # a file object is fine here (the exporter writes through torch.serialization._open_file_like)
+        torch.onnx.export(
+            m, (example,), buf,  # type: ignore[arg-type]
+            dynamo=False, input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+            dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}}, opset_version=OPSET, verbose=False,
+        )
     return buf.getvalue()
 
 
