@@ -438,6 +438,10 @@ def stages(size: int, reps: int) -> dict[str, float]:
     sframe = enc(True)
     header = wire.raw_header(sframe)
     body = header.signed_bytes  # type: ignore[attr-defined]
+    import base64
+
+    raw_sig = base64.b64decode(header["sig"].split(":", 1)[1])
+    pub = ga.key.public_key()
     chunks = chunking.split(sframe, CHUNK_SIZE)
 
     def reasm() -> Any:
@@ -453,15 +457,20 @@ def stages(size: int, reps: int) -> dict[str, float]:
         h = wire.raw_header(sframe)
         gb.check(h, signed_bytes=h.signed_bytes)
 
+    import hashlib
+
     return {
         "blake3_payload": _time(lambda: wire.payload_digest(raw), reps),
+        "sha256_payload": _time(lambda: hashlib.sha256(raw).digest(), reps),
         "ed25519_sign": _time(lambda: ga.sign(body), reps),
+        "ed25519_sign_cryptography": _time(lambda: ga.key.sign(body), reps),
         "wire_encode": _time(lambda: enc(False), reps),
         "wire_encode_signed": _time(lambda: enc(True), reps),
         "chunk_split": _time(lambda: chunking.split(sframe, CHUNK_SIZE), reps),
         "reassemble": _time(reasm, reps),
         "wire_decode": _time(lambda: wire.decode(sframe, federation=FED), reps),
         "signature_trust_replay_check": _time(verify, reps),
+        "ed25519_verify_cryptography": _time(lambda: pub.verify(raw_sig, body), reps),
         "frame_bytes": len(sframe),
     }
 
@@ -578,7 +587,8 @@ def report(path: Path) -> str:
         load = r["load_before"], r["load_after"]
         lines += [f"## {r['label']}", "",
                   f"- command: `{r['command']}`",
-                  f"- commit: `{r['commit']}`; {r['time']}",
+                  f"- commit: `{r['commit']}`; {r['time']}"
+                  + (f"; the agents' code: the package at PYTHONPATH={r['pythonpath']}" if r.get("pythonpath") else ""),
                   f"- machine: {r['machine']}",
                   f"- load average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load[0])}; "
                   f"after: {', '.join(f'{x:.2f}' for x in load[1])} (other jobs share the cores; the "
@@ -631,11 +641,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import logging
 
+    import dfl_agent
+
     logging.basicConfig(level=logging.ERROR)
     paths = ("raw",) + tuple(x for x in PATHS if x in a.paths and x != "raw")
     record: dict[str, Any] = {
         "label": a.label, "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": _commit(),
         "machine": machine(), "versions": _versions(), "command": invocation(),
+        "package": str(Path(dfl_agent.__file__).parent), "pythonpath": os.environ.get("PYTHONPATH"),
         "load_before": list(os.getloadavg()), "n": a.n, "warmup": a.warmup, "paths": list(paths),
         "codec": a.codec, "chunk_size": a.chunk_size,
     }
