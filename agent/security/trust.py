@@ -96,6 +96,8 @@ from dfl_agent.security.keys import (
     certificate_role,
     parse_public_key,
     public_key_b64,
+    signer,
+    verifier,
     verify_certificate,
 )
 
@@ -243,13 +245,15 @@ class TrustStore:
         self.federation = federation
         self._clock = clock
         self._keys: dict[str, Ed25519PublicKey] = {}
+        #: node_id -> ``verify(signature, data)`` of its key (:func:`~dfl_agent.security.keys.verifier`)
+        self._verifiers: dict[str, Callable[[bytes, bytes], None]] = {}
         self._pinned: set[str] = set()
         self._b64: dict[str, str] = {}
         self._roles: dict[str, str] = {}
         for role, table in (("device", pinned), ("operator", operators)):
             for node_id, text in (table or {}).items():
                 try:
-                    self._keys[node_id] = parse_public_key(str(text))
+                    self._set_key(node_id, parse_public_key(str(text)))
                 except SecurityError as exc:
                     raise SecurityError(f"{node_id}: {exc}") from None
                 self._pinned.add(node_id)
@@ -257,9 +261,18 @@ class TrustStore:
                 self._roles[node_id] = role
         self.federation_key = parse_public_key(federation_key) if federation_key else None
 
+    def _set_key(self, node_id: str, key: Ed25519PublicKey) -> None:
+        self._verifiers[node_id] = verifier(key)
+        self._keys[node_id] = key
+
     def key_for(self, node_id: str) -> Ed25519PublicKey | None:
         """The trusted key of ``node_id``, or ``None``."""
         return self._keys.get(node_id)
+
+    def verifier_for(self, node_id: str) -> Callable[[bytes, bytes], None] | None:
+        """``verify(signature, data)`` with the trusted key of ``node_id`` (raises
+        ``InvalidSignature``; see :func:`~dfl_agent.security.keys.verifier`), or ``None``."""
+        return self._verifiers.get(node_id)
 
     def is_trusted(self, node_id: str) -> bool:
         """Whether ``node_id`` has a trusted key (a device or an operator)."""
@@ -290,7 +303,7 @@ class TrustStore:
         if node_id in self._pinned and self._roles.get(node_id) != role:
             raise SecurityError(f"certificate for {node_id} gives role {role}, its pin another")
         if self._b64.get(node_id) != b64 or self._roles.get(node_id) != role:
-            self._keys[node_id] = parse_public_key(b64)
+            self._set_key(node_id, parse_public_key(b64))
             self._b64[node_id] = b64
             self._roles[node_id] = role
             log.info("trusted %s (%s) by its federation certificate", node_id, role)
@@ -322,6 +335,7 @@ class SecurityGuard:
             raise ValueError("replay_window must be > 0 seconds")
         self.node_id = node_id
         self.key = key
+        self._sign = signer(key) if key is not None else None
         self.trust = trust
         self.require_signatures = require_signatures
         self.certificate = certificate
@@ -347,9 +361,9 @@ class SecurityGuard:
         Raises:
             RuntimeError: no private key.
         """
-        if self.key is None:
+        if self._sign is None:
             raise RuntimeError("no private key to sign with")
-        return SIG_PREFIX + base64.b64encode(self.key.sign(body)).decode()
+        return SIG_PREFIX + base64.b64encode(self._sign(body)).decode()
 
     def sign_control(self, kind: str, payload: dict[str, Any], federation: str | None = None) -> bytes:
         """A control envelope (see the module docstring) for ``payload`` of ``kind``
@@ -433,12 +447,12 @@ class SecurityGuard:
             if self.require_signatures:
                 raise ControlRejected("unsigned", f"{knd} of {snd}")
             return snd, "unverified", payload
-        pub = self.trust.key_for(snd)
+        pub = self.trust.verifier_for(snd)
         cert = env.get("cert")
         if pub is None and isinstance(cert, dict) and self.trust.federation_key is not None:
             try:
                 if self.trust.add_certificate(cert) == snd:
-                    pub = self.trust.key_for(snd)
+                    pub = self.trust.verifier_for(snd)
             except SecurityError as exc:
                 log.debug("certificate in a control message from %s rejected: %s", snd, exc)
         if pub is None:
@@ -448,8 +462,8 @@ class SecurityGuard:
         try:
             if not isinstance(sig, str) or not sig.startswith(SIG_PREFIX):
                 raise ValueError("no ed25519 prefix")
-            pub.verify(base64.b64decode(sig[len(SIG_PREFIX):], validate=True),
-                       canonical({k: v for k, v in env.items() if k != "sig"}))
+            pub(base64.b64decode(sig[len(SIG_PREFIX):], validate=True),
+                canonical({k: v for k, v in env.items() if k != "sig"}))
         except (binascii.Error, ValueError, InvalidSignature):
             raise ControlRejected("bad_signature", f"{knd} of {snd}") from None
         if will:  # no sequence rule: the caller binds the will to the sender's connection
@@ -533,12 +547,12 @@ class SecurityGuard:
         sender = header.get("sender")
         if sig is None:
             return "unsigned" if self.require_signatures else PASS
-        pub = self.trust.key_for(sender) if isinstance(sender, str) else None
+        pub = self.trust.verifier_for(sender) if isinstance(sender, str) else None
         cert = header.get("cert")
         if pub is None and cert is not None and self.trust.federation_key is not None:
             try:
                 if self.trust.add_certificate(cert) == sender:
-                    pub = self.trust.key_for(sender)
+                    pub = self.trust.verifier_for(sender)
             except SecurityError as exc:
                 log.debug("certificate in an envelope from %s rejected: %s", sender, exc)
         if pub is None:
@@ -550,9 +564,9 @@ class SecurityGuard:
             try:
                 if signed_bytes is None:
                     raise InvalidSignature
-                pub.verify(raw, signed_bytes)
+                pub(raw, signed_bytes)
             except InvalidSignature:
-                pub.verify(raw, canonical({k: v for k, v in header.items() if k != "sig"}))
+                pub(raw, canonical({k: v for k, v in header.items() if k != "sig"}))
         except (binascii.Error, ValueError, InvalidSignature):
             return "bad_signature"
         return VERIFIED
