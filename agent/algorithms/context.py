@@ -180,5 +180,10 @@ class NodeContext(Protocol):
         """Tell the runtime a round finished (metrics, status, checkpoint)."""
         ...
 
+    def keep_late_updates(self, rounds: int) -> None:
+        """The algorithm takes updates up to ``rounds`` rounds late (an update market's
+        ``max_staleness``): the runtime keeps them that long instead of dropping them as stale."""
+        ...
+
 
 AwaitableFactory = Callable[[], Awaitable[None]]

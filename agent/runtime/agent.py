@@ -55,7 +55,8 @@ from dfl_agent.runtime.dp_run import dp_sink, with_privacy
 from dfl_agent.runtime.hosted_presence import HostedPresence
 from dfl_agent.runtime.live_export import LiveExport
 from dfl_agent.runtime.metrics import end_torn_line
-from dfl_agent.runtime.node import RunStopped, init_seed_for
+from dfl_agent.runtime.node import init_seed_for
+from dfl_agent.runtime.node_hooks import AfterRound, NodeHooks, RunStopped
 from dfl_agent.runtime.operations import AgentOperations
 from dfl_agent.runtime.pipe import End, RunCounters, StateReport, StatusReport
 from dfl_agent.runtime.preflight import load_data
@@ -129,6 +130,8 @@ class Agent(RunMembers, AgentOperations):
         self.deployed: Any = None  # the last deploy result
         self.start: dict[str, Any] = {}  # the run's start (runtime.warm_start): init, started_from, reason
         self.publisher: LiveExport | None = None  # exports the model for inference-only members
+        #: the node's after-round hooks (:class:`~dfl_agent.runtime.node_hooks.NodeHooks`)
+        self.after_round: list[AfterRound] = []
         #: the data's (input shape, number of classes), once loaded (runs: accept-time memory check)
         self.data_shape: tuple[Any, int | None] | None = None
 
@@ -148,7 +151,7 @@ class Agent(RunMembers, AgentOperations):
         s = self._prepare()
         transport, mdns_descriptor = self._transport(s)
         metrics_file, sink = self._open_metrics()
-        self._build(s, transport, dp_sink(sink, s.train))  # round records count their DP steps
+        self._build(s, transport, dp_sink(sink, s.train), stop)  # round records count their DP steps
         self._attach_publisher(s)
         return await self._lifecycle(stop, s.spec, s.bundle.pool.input_shape, mdns_descriptor, metrics_file)
 
@@ -262,9 +265,10 @@ class Agent(RunMembers, AgentOperations):
 
         return metrics_file, sink
 
-    def _build(self, s: _Setup, transport: Any, sink: Callable[[dict[str, Any]], None]) -> None:
+    def _build(self, s: _Setup, transport: Any, sink: Callable[[dict[str, Any]], None], stop: asyncio.Event) -> None:
         """The node (:func:`~dfl_agent.runtime.assembly.build_node`): its context over
-        ``transport``, its algorithm, evaluation and metrics ``sink``."""
+        ``transport``, its algorithm, evaluation and metrics ``sink``, and every hook it calls
+        (``stop``: the run's stop, checked after every round)."""
         cfg, d = self.cfg, self.cfg.data
         profile, behaviour = s.profile, s.behaviour
         persistent: dict[str, Any] = {}
@@ -286,16 +290,28 @@ class Agent(RunMembers, AgentOperations):
             gate=ResourceGate(profile.limits, profile.training.windows, psutil_mod=self.psutil),
             gate_poll=profile.limits.poll_interval_s, pause_when_disconnected=cfg.runtime.pause_when_disconnected,
             max_catch_up_rounds=cfg.runtime.max_catch_up_rounds, final_round=cfg.algorithm.rounds,
-            persistent_state=persistent)
+            persistent_state=persistent,
+            straggler=straggler_policy(cfg),  # runtime.straggler: quorum, adaptive deadlines
+            alone_waits=self._alone_waits,  # no racing ahead alone while members are away
+            hooks=NodeHooks(needs_peers=lambda: cfg.discovery.min_peers > 0 or bool(self.members),  # else alone is
+                            stop_check=stop.is_set,  # no failure; checked after every round (a stop, a cancel)
+                            finish_check=self._finished_by_members, checkpoint=self._checkpoint,
+                            after_round=self.after_round),
+            # no global test set with the sample store: "global" accuracy is the validation slice's
+            accuracy_source="local validation" if self.store is not None else None,
+            run_info={"id": self.metrics_run, "state": "accepted", "reason": ""} if self.metrics_run is not None else None,
+            lr_ramp=cfg.training.warm_start_ramp)  # a warm start's ramp
         self.ctx = node.ctx
-        node.ctx.alone_waits = self._alone_waits  # no racing ahead alone while members are away
-        node.needs_peers = lambda: cfg.discovery.min_peers > 0 or bool(self.members)  # else alone is no failure
-        node.ctx.straggler = straggler_policy(cfg)  # runtime.straggler: quorum, adaptive deadlines
-        if self.store is not None:  # no global test set: "global" accuracy is the validation slice's
-            node.accuracy_source = "local validation"
-        if self.metrics_run is not None:
-            node.run_info = {"id": self.metrics_run, "state": "accepted", "reason": ""}
-        node.lr_ramp = cfg.training.warm_start_ramp  # a warm start's ramp
+
+    def _finished_by_members(self) -> bool:
+        """Checked after every round but the last: most of the run's members report it
+        finished (``runtime.rejoin`` and an algorithm that communicates)."""
+        return self.cfg.runtime.rejoin and self.node.algorithm.communicates and self._federation_finished()
+
+    async def _checkpoint(self, t: int) -> None:
+        """Round ``t``'s crash-safe checkpoint (``runtime.checkpoint``; see :meth:`_resume`)."""
+        if self.checkpointer is not None:
+            await self.checkpointer.save_async(t)
 
     def _attach_publisher(self, s: _Setup) -> None:
         """With ONNX available and no deployment: export the deployable model after every round
@@ -306,7 +322,7 @@ class Agent(RunMembers, AgentOperations):
         node = self.node
         self.publisher = LiveExport(self.state_dir, self.peers, node.reported_model, s.bundle.pool.input_shape, s.spec,
                                     self.run_id, self.ctx.compute_ungated, private=node.algorithm.private())
-        node.after_round.append(self.publisher)
+        self.after_round.append(self.publisher)
 
     # -- the node's life: start, join, rounds, teardown ---------------------------------------
     async def _lifecycle(self, stop: asyncio.Event, spec: dict[str, Any], input_shape: Any,
@@ -355,14 +371,15 @@ class Agent(RunMembers, AgentOperations):
         node, rounds, cfg, t = self.node, self.cfg.algorithm.rounds, self.cfg, self.cfg.training
         await node.setup()
         start_round = self._resume(spec_hash(spec))  # operations: crash-safe state
-        self.start = node.run_start = begin_run(node.algorithm, self.state_dir, self.run_dir, cfg.runtime.run_init,
-                                                start_round > 1, t.warm_start_probe, t.warm_start_ramp)  # warm start
+        self.start = begin_run(node.algorithm, self.state_dir, self.run_dir, cfg.runtime.run_init,
+                               start_round > 1, t.warm_start_probe, t.warm_start_ramp)  # warm start
+        node.start_from(self.start)
         self.members |= self._load_members(resumed=start_round > 1)
         await node.publish_status()
         if start_round > rounds:
             log.info("the checkpoint says all %d rounds are done; %s", rounds,
                      "nothing to run" if self.run_desc is None else "the run goes on with its deployment")
-            node.state = "finished"
+            node.set_state("finished")
             self.outcome = "finished"
             await node.publish_status()
             return None
@@ -378,7 +395,7 @@ class Agent(RunMembers, AgentOperations):
         if not await self._wait_for_peers(stop):
             warm.cancel()
             return None
-        node.startup["warm_up_s"] = await warm
+        node.note_startup("warm_up_s", await warm)
         if cfg.runtime.rejoin and node.algorithm.communicates:  # fault tolerance: behind the federation
             if self._federation_finished():  # a majority of the run's members, never one device
                 log.info("most of the run's members report it finished (%d rounds)", cfg.algorithm.rounds)
@@ -394,9 +411,7 @@ class Agent(RunMembers, AgentOperations):
         """The rounds from ``start_round``, until the last one (then deploy) or a stop or
         cancel (the completed rounds' records are written first)."""
         node, ctx, rounds = self.node, self.ctx, self.cfg.algorithm.rounds
-        # checked after every round (a stop, or a cancel's SIGTERM, mid-round also cancels the round in progress)
-        node.stop_check = stop.is_set
-        node.finish_check = self._federation_finished if self.cfg.runtime.rejoin and node.algorithm.communicates else None
+        # (a stop, or a cancel's SIGTERM, mid-round also cancels the round in progress)
         run = asyncio.ensure_future(node.run(rounds, start_round))
         stopper = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait({run, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -419,7 +434,7 @@ class Agent(RunMembers, AgentOperations):
         stopper.cancel()
         run.cancel()
         await asyncio.gather(run, stopper, drainer, return_exceptions=True)
-        node.state = "stopped"
+        node.set_state("stopped")
         self.outcome = "stopped"
         await node.publish_status()
 
@@ -512,7 +527,7 @@ class Agent(RunMembers, AgentOperations):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.discovery.start_timeout
         node = self.node
-        node.state = "waiting_for_peers"
+        node.set_state("waiting_for_peers")
         def finished() -> bool:  # runtime.rejoin: most members already finished, nobody to wait for
             return self.cfg.runtime.rejoin and self.node.algorithm.communicates and self._federation_finished()
 

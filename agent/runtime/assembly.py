@@ -29,6 +29,7 @@ from dfl_agent.runtime.config import ConfigError, NodeConfig
 if TYPE_CHECKING:
     from dfl_agent.algorithms.base import Algorithm
     from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node_hooks import NodeHooks
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -312,7 +313,8 @@ def build_security(cfg: NodeConfig, state_dir: Path, node_id: str) -> Any:
 
 def build_node(algo_cls: type[Algorithm], options: Any, *, model_spec: dict[str, Any], test_x: Any, test_y: Any,
                baseline_local: bool = False, sink: Any = None, rounds: int = 0, eval_every: int = 1,
-               eval_background: bool = False, **context: Any) -> Node:
+               eval_background: bool = False, hooks: NodeHooks | None = None, accuracy_source: str | None = None,
+               run_info: dict[str, Any] | None = None, lr_ramp: int = 0, **context: Any) -> Node:
     """One node: its complete :class:`~dfl_agent.runtime.context.RuntimeContext` (built
     with every setting, nothing assigned afterwards), the algorithm bound to it, and the
     :class:`~dfl_agent.runtime.node.Node` that runs and reports it.
@@ -325,8 +327,8 @@ def build_node(algo_cls: type[Algorithm], options: Any, *, model_spec: dict[str,
         algo_cls, options: from :func:`resolve_algorithm` (or the simulator's registry lookup).
         model_spec: the node's model (:func:`choose_model_specs`).
         test_x, test_y: the global test set (float32 ``(N, *shape)``, int64 ``(N,)``).
-        baseline_local, sink, rounds, eval_every, eval_background: the
-            :class:`~dfl_agent.runtime.node.Node`'s.
+        baseline_local, sink, rounds, eval_every, eval_background, hooks, accuracy_source,
+            run_info, lr_ramp: the :class:`~dfl_agent.runtime.node.Node`'s.
         context: the :class:`~dfl_agent.runtime.context.RuntimeContext`'s keyword arguments
             (``node_id``, ``federation``, ``transport``, ``peers``, ``data``, ``train``, ...).
 
@@ -341,4 +343,5 @@ def build_node(algo_cls: type[Algorithm], options: Any, *, model_spec: dict[str,
     ctx = RuntimeContext(model_spec=model_spec, compatibility=peer_incompatibility(algo_cls.name, spec_hash(model_spec)),
                          **context)
     return Node(ctx, algo_cls(ctx, options), test_x, test_y, baseline_local=baseline_local, sink=sink,
-                rounds=rounds, eval_every=eval_every, eval_background=eval_background)
+                rounds=rounds, eval_every=eval_every, eval_background=eval_background, hooks=hooks,
+                accuracy_source=accuracy_source, run_info=run_info, lr_ramp=lr_ramp)

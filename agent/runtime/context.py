@@ -122,6 +122,10 @@ class RuntimeContext:
             :meth:`enable_catch_up` turns catch-up on later).
         persistent_state: initial entries of :attr:`persistent_state` (e.g. the data
             snapshot saved with every checkpoint).
+        straggler: ``runtime.straggler``'s policy (None: the papers' lock step).
+        alone_waits: ``() -> bool``: whether a round with no live neighbour waits for its
+            deadline (the run has members that are away); None: it does not.
+        virtual_train_s: the simulator's ``--speeds``: virtual seconds each training call takes.
 
     Attributes beside the arguments: ``timing``, real seconds spent this round
     (perf_counter): ``train_s`` in :meth:`compute`, ``encode_s`` encoding outgoing
@@ -137,17 +141,9 @@ class RuntimeContext:
     raises ``AttributeError`` (a typo cannot silently add a setting nobody reads).
     """
 
-    #: set by the agent: whether a round with no live neighbour waits for its deadline
-    #: (:func:`~dfl_agent.algorithms.protocols.synchronization.waits_alone`); None: it does not
-    alone_waits: Callable[[], bool] | None = None
-    #: ``runtime.straggler`` (:class:`~dfl_agent.algorithms.protocols.stragglers.StragglerPolicy`);
-    #: None: the papers' lock step
-    straggler: Any = None
     #: rounds an update may lag beyond the previous round before the inbox drops it as
-    #: stale (set by an algorithm whose update market keeps late updates: ``max_staleness``)
+    #: stale (an algorithm whose update market keeps late updates says so: :meth:`keep_late_updates`)
     max_staleness: int = 0
-    #: the simulator's ``--speeds``: virtual seconds each training call takes (0: none)
-    virtual_train_s: float = 0.0
 
     def __init__(
         self,
@@ -179,21 +175,15 @@ class RuntimeContext:
         final_round: int | None = None,
         catch_up: bool = False,
         persistent_state: Mapping[str, Any] | None = None,
+        straggler: Any = None,
+        alone_waits: Callable[[], bool] | None = None,
+        virtual_train_s: float = 0.0,
     ):
-        self.node_id = node_id
-        self.federation = federation
-        self.transport = transport
-        self.peers = peers
-        self.data = data
-        self.model_spec = dict(model_spec)
-        self.train = train
-        self.init_seed = init_seed
-        self.seed = seed
-        self.rng = rng
-        self.device = device
+        self.node_id, self.federation, self.transport, self.peers = node_id, federation, transport, peers
+        self.data, self.model_spec, self.train = data, dict(model_spec), train
+        self.init_seed, self.seed, self.rng, self.device = init_seed, seed, rng, device
         self.clock = LoopClock()
-        self.compute_in_thread = compute_in_thread
-        self.max_frame_bytes = max_frame_bytes
+        self.compute_in_thread, self.max_frame_bytes = compute_in_thread, max_frame_bytes
         self.graph_neighbours = None if graph_neighbours is None else sorted(set(graph_neighbours) - {node_id})
         self.round_hook: RoundHook | None = None
         self.gate_hook: Callable[[str | None], Awaitable[None]] | None = None  # on a change of the gating reason
@@ -201,6 +191,8 @@ class RuntimeContext:
         self.current_round = 0
         self.rejected: collections.Counter[str] = collections.Counter()
         self.persistent_state: dict[str, Any] = dict(persistent_state or {})
+        # the straggler policy (None: lock step), whether a round alone waits, the simulator's --speeds
+        self.straggler, self.alone_waits, self.virtual_train_s = straggler, alone_waits, virtual_train_s
         self._started = False
         self.behaviour: Any = behaviour
         self.compatibility: Callable[[Any], str | None] | None = compatibility
@@ -254,6 +246,16 @@ class RuntimeContext:
         if "_sealed" in self.__dict__ and not hasattr(self, name):
             raise AttributeError(f"RuntimeContext has no attribute {name!r}: pass settings to its constructor")
         object.__setattr__(self, name, value)
+
+    def use_train(self, train: Any) -> None:
+        """Train with ``train`` (a :class:`~dfl_agent.learning.training.TrainConfig`) from now on
+        (a warm start's learning-rate ramp changes it round by round)."""
+        self.train = train
+
+    def keep_late_updates(self, rounds: int) -> None:
+        """The algorithm takes updates up to ``rounds`` rounds late (its update market's
+        ``max_staleness``): the inbox keeps them that long instead of dropping them as stale."""
+        self.max_staleness = rounds
 
     def set_hooks(self, *, round_hook: RoundHook | None = None,
                   gate_hook: Callable[[str | None], Awaitable[None]] | None = None,

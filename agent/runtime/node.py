@@ -28,7 +28,7 @@ import asyncio
 import copy
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,6 +38,7 @@ from dfl_agent.learning.training import evaluate, train_local
 from dfl_agent.privacy.policy import redact_status
 from dfl_agent.runtime.context import RuntimeContext
 from dfl_agent.runtime.degraded import degraded_fields, warn_alone
+from dfl_agent.runtime.node_hooks import FederationFinished, NodeHooks, NodeKilled, RunStopped
 from dfl_agent.transport.base import CONTROL_DROP_PREFIXES
 
 if TYPE_CHECKING:
@@ -46,34 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MetricsSink = Callable[[dict[str, Any]], None]
-
-
-class RunStopped(Exception):
-    """Raised out of the round loop when :attr:`Node.stop_check` says stop after round
-    ``round`` (a cancelled run, a stop request): the next round never starts."""
-
-    def __init__(self, round: int):
-        super().__init__(f"stopped after round {round}")
-        self.round = round
-
-
-class FederationFinished(Exception):
-    """Raised out of the round loop when :attr:`Node.finish_check` says that most of the
-    run's members finished it after round ``round``: a node left behind (it was cut off,
-    or slow) ends its run there instead of closing the remaining rounds alone."""
-
-    def __init__(self, round: int):
-        super().__init__(f"most of the run's members finished it; this node stopped after round {round}")
-        self.round = round
-
-
-class NodeKilled(Exception):
-    """Raised out of the round loop when a node reaches the round of its
-    :meth:`Node.kill_at` (the simulator's fault injection): it crashes there."""
-
-    def __init__(self, round: int):
-        super().__init__(f"killed at the start of round {round}")
-        self.round = round
 
 
 def peer_updates_used(info: dict[str, Any]) -> int | None:
@@ -137,8 +110,14 @@ class Node:
         rounds: int = 0,
         eval_every: int = 1,
         eval_background: bool = False,
+        hooks: NodeHooks | None = None,
+        accuracy_source: str | None = None,
+        run_info: dict[str, Any] | None = None,
+        lr_ramp: int = 0,
     ):
         self.ctx = ctx
+        #: its owner's hooks (:class:`~dfl_agent.runtime.node_hooks.NodeHooks`)
+        self.hooks = hooks if hooks is not None else NodeHooks()
         self.algorithm = algorithm
         self.test_x, self.test_y = test_x, test_y
         self.baseline_local = baseline_local
@@ -151,7 +130,7 @@ class Node:
         #: the run's start (:mod:`dfl_agent.runtime.warm_start`: ``init``, ``started_from``, ``reason``),
         #: added to the first round record of this process as ``init``, ``started_from`` and ``init_reason``
         self.run_start: dict[str, Any] = {}
-        self.lr_ramp = 0  #: ``training.warm_start_ramp`` (:func:`dfl_agent.runtime.warm_start.ramp_factor`)
+        self.lr_ramp = lr_ramp  #: ``training.warm_start_ramp`` (:func:`dfl_agent.runtime.warm_start.ramp_factor`)
         self._full_rate: Any = None  # a warm-started run's full-rate TrainConfig, while it ramps
         #: the reporting of the latest round (evaluation, record, hooks) while it runs in the background
         self._report_task: asyncio.Task[None] | None = None
@@ -167,25 +146,14 @@ class Node:
         self.state = "starting"
         self.set_up = False  #: whether :meth:`setup` ran: before, the status has no algorithm fields
         #: the run this node trains in (runs.py): ``{"id", "state", "reason"}``; None with ``--once``
-        self.run_info: dict[str, Any] | None = None
-        # device profiles: a gated node republishes its status with the reason at once
-        # (_on_gate); after_round hooks get (round, metrics record), e.g. the ONNX publisher
-        self.after_round: list[Callable[[int, dict[str, Any]], Any]] = []
-        # called with t after each round's record, before the status: the daemon saves a checkpoint here
-        self.checkpoint: Callable[[int], Awaitable[None]] | None = None
+        self.run_info = run_info
         self.checkpoint_errors = 0
         #: round -> its record while it is not yet written (evaluation running, or its
         #: checkpoint not yet saved); saved with every checkpoint (pending_records)
         self._pending: dict[int, dict[str, Any]] = {}
         #: what "global accuracy" measures when there is no global test set (the sample
         #: store: "local validation"); shown in the status as ``global_accuracy_source``
-        self.accuracy_source: str | None = None
-        #: checked after every round, before the next one starts: when it returns True the
-        #: round loop ends with :class:`RunStopped` (e.g. the operator cancelled the run)
-        self.stop_check: Callable[[], bool] | None = None
-        #: checked after every round but the last: when it returns True (most of the run's
-        #: members report it finished) the round loop ends as finished (:class:`FederationFinished`)
-        self.finish_check: Callable[[], bool] | None = None
+        self.accuracy_source = accuracy_source
         #: fault injection (:meth:`kill_at`): (round, called when the node crashes)
         self._kill: tuple[int, Callable[[], None]] | None = None
         #: rounds this node closed alone (:func:`round_alone`), status ``rounds_alone``, of
@@ -193,9 +161,28 @@ class Node:
         self.rounds_alone = 0
         self.exchange_rounds = 0
         self._alone_warned: int | None = None
-        #: ``() -> bool``: whether the node needs peers (:func:`round_alone`); None: only
-        #: the neighbours expected in a round count (the simulator)
-        self.needs_peers: Callable[[], bool] | None = None
+
+    def set_state(self, state: str) -> None:
+        """The node's state as its owner sees it outside the round loop (``waiting_for_peers``,
+        ``finished``, ``stopped``, ``killed``): its status says so."""
+        self.state = state
+
+    def start_from(self, run_start: dict[str, Any]) -> None:
+        """The run's start (:mod:`dfl_agent.runtime.warm_start`: ``init``, ``started_from``,
+        ``reason``): added to this process's first round record."""
+        self.run_start = dict(run_start)
+
+    def note_startup(self, name: str, seconds: float) -> None:
+        """Start-up work done before round 1 (e.g. ``warm_up_s``): added to round 1's record."""
+        self.startup[name] = seconds
+
+    def resumed_at(self, restored: int, rounds_alone: int, exchange_rounds: int) -> None:
+        """After a restart from the checkpoint of round ``restored``: its history says so, and the
+        rounds closed alone, of those meant to use a peer update, are the metrics file's (a
+        degraded run stays degraded)."""
+        self.history.append({"node": self.ctx.node_id, "round": restored, "time": self.ctx.clock.now(),
+                             "resumed": True})
+        self.rounds_alone, self.exchange_rounds = rounds_alone, exchange_rounds
 
     def kill_at(self, round: int, on_kill: Callable[[], None]) -> None:
         """Crash this node when it is about to start round ``round`` (or a later one):
@@ -249,7 +236,7 @@ class Node:
             from dfl_agent.learning.training import ramped
             from dfl_agent.runtime.warm_start import ramp_scale
 
-            self.ctx.train = ramped(self._full_rate, ramp_scale(self.lr_ramp, t))
+            self.ctx.use_train(ramped(self._full_rate, ramp_scale(self.lr_ramp, t)))
 
     async def drain(self) -> None:
         """Wait until every round's background evaluation and record are done."""
@@ -334,7 +321,7 @@ class Node:
                                                             ("train_s", "encode_s", "send_s", "receive_s"))), 6)
         counters = self.ctx.counters()
         talks = self.algorithm.communicates  # a deliberate `local` run is never alone
-        needs = bool(self.needs_peers is not None and self.needs_peers())  # discovery.min_peers, run members
+        needs = bool(self.hooks.needs_peers is not None and self.hooks.needs_peers())  # discovery.min_peers, run members
         record = {
             "node": self.ctx.node_id,
             "round": t,
@@ -370,7 +357,7 @@ class Node:
         self._pending[t] = record
         # a record is written only once its round's checkpoint is saved: a kill in between
         # never leaves a record whose round the resumed node runs again
-        saved = asyncio.Event() if self.checkpoint is not None else None
+        saved = asyncio.Event() if self.hooks.checkpoint is not None else None
         if self.eval_background:
             # evaluation never delays the federation: copies are evaluated while the next round
             # runs; at most one evaluation waits at a time (a round that ends while the previous
@@ -386,9 +373,9 @@ class Node:
             await self._checkpoint(t, saved)
             await self._report(t, record, due, None, None)
         await self.publish_status()
-        if self.stop_check is not None and self.stop_check():
+        if self.hooks.stop_check is not None and self.hooks.stop_check():
             raise RunStopped(t)
-        if t < self.rounds and self.finish_check is not None and self.finish_check():
+        if t < self.rounds and self.hooks.finish_check is not None and self.hooks.finish_check():
             raise FederationFinished(t)
         self._round_started = self.ctx.clock.now()
         self._round_started_wall = time.perf_counter()
@@ -414,10 +401,10 @@ class Node:
     async def _checkpoint(self, t: int, saved: asyncio.Event | None) -> None:
         """Save round ``t``'s checkpoint (operations: crash-safe state after every round),
         then set ``saved`` (also when saving failed or was cancelled)."""
-        if self.checkpoint is None:
+        if self.hooks.checkpoint is None:
             return
         try:
-            await self.checkpoint(t)
+            await self.hooks.checkpoint(t)
         except Exception as exc:  # a full disk must not stop the federation
             self.checkpoint_errors += 1
             log.error("checkpoint of round %d failed: %s", t, exc)
@@ -498,7 +485,7 @@ class Node:
             self._pending.pop(t, None)
             self._reported_model = models[""] if models else None
             try:
-                for hook in self.after_round:
+                for hook in self.hooks.after_round:
                     try:
                         await hook(t, record)
                     except Exception as exc:  # a hook never stops the round loop

@@ -46,12 +46,9 @@ class AgentOperations:
                 int(r["round"]) for r in ck.restored_pending))
             self.node.recover_records(restored, ck.restored_pending, written)
         if restored:
-            self.node.history.append({"node": self.node_id, "round": restored, "time": self.ctx.clock.now(),
-                                      "resumed": True})
             log.info("resuming at round %d (restored state digest %s)", restored + 1, ck.restored_digest)
-            self.node.rounds_alone, self.node.exchange_rounds = recount(  # a degraded run stays degraded
-                self.metrics_path, self.node_id, self.metrics_run, restored)
-        self.node.checkpoint = ck.save_async
+            self.node.resumed_at(restored, *recount(  # a degraded run stays degraded
+                self.metrics_path, self.node_id, self.metrics_run, restored))
         return restored + 1
 
     def reload(self) -> list[str]:

@@ -30,7 +30,8 @@ from dfl_agent.models import spec_hash
 from dfl_agent.runtime import metrics
 from dfl_agent.runtime.assembly import build_node, check_algorithm_models, choose_compression, choose_model_specs
 from dfl_agent.runtime.batching import BatchTrainer
-from dfl_agent.runtime.node import Node, NodeKilled, init_seed_for
+from dfl_agent.runtime.node import Node, init_seed_for
+from dfl_agent.runtime.node_hooks import NodeKilled
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 log = logging.getLogger(__name__)
@@ -324,11 +325,10 @@ def _assemble(cfg: SimConfig, device: str, sink: Callable[[dict[str, Any]], None
             graph_neighbours=None if cfg.topology == "full" else graph[nid], seed=cfg.seed,
             # no simulation-wide compression: the profile's (whole-model exchanges), if any
             compression=choose_compression(policy, behaviour, cfg.algorithm, error_feedback=cfg.error_feedback),
-            behaviour=behaviour, batcher=batcher,
+            behaviour=behaviour, batcher=batcher, straggler=straggler,
+            # --speeds: a slow node's training takes more virtual time
+            virtual_train_s=cfg.train_seconds / cfg.speeds[i % len(cfg.speeds)] if cfg.speeds else 0.0,
         )
-        node.ctx.straggler = straggler
-        if cfg.speeds:  # --speeds: a slow node's training takes more virtual time
-            node.ctx.virtual_train_s = cfg.train_seconds / cfg.speeds[i % len(cfg.speeds)]
         if i in cfg.kill:  # fault injection: the node crashes when it starts that round
             node.kill_at(cfg.kill[i], functools.partial(network.kill, nid))
         nodes.append(node)
@@ -381,7 +381,7 @@ def _run(cfg: SimConfig, fed: _Federation, device: str, progress: Callable[[int,
         try:
             await node.run(cfg.rounds)
         except NodeKilled:
-            node.state = "killed"
+            node.set_state("killed")
 
     async def main() -> None:
         import asyncio

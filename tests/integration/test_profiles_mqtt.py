@@ -134,7 +134,7 @@ def test_dechw_excludes_peer_with_other_architecture(mosquitto_broker, federatio
             await asyncio.sleep(0)
         if c.node is None:
             await runs[0]  # c failed to start: its error
-        c.node.after_round.append(hold)
+        c.node.hooks.after_round.append(hold)
         while c.node.state != "running" and not runs[0].done():
             await asyncio.sleep(0.02)
         runs += [asyncio.ensure_future(x.run(stop)) for x in (a, b)]

@@ -20,10 +20,9 @@ X = {"x": np.ones(2, np.float32)}
 
 
 def _ctx(net, nid, alone_waits=None):
-    ctx = RuntimeContext(node_id=nid, federation="f", transport=net.transport(nid, "f"), peers=PeerTable(nid, "f"),
-                         data=None, model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0))
-    ctx.alone_waits = alone_waits
-    return ctx
+    return RuntimeContext(node_id=nid, federation="f", transport=net.transport(nid, "f"), peers=PeerTable(nid, "f"),
+                          data=None, model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0),
+                          alone_waits=alone_waits)
 
 
 def _collect(kind, ctx, deadline):

@@ -139,7 +139,7 @@ def test_algorithm_state_restores_bit_identical(tmp_path, name):
         async def save(t):
             await ck.save_async(t)
             saved[node.ctx.node_id] = t
-        node.checkpoint = save
+        node.hooks.checkpoint = save
 
     async def main():
         for nd in nodes:

@@ -49,10 +49,10 @@ def _lone_node(algorithm: str, rounds: int, needs_peers: bool | None, finish_aft
     records: list[dict] = []
     node = Node(me, cls(me, opts), bundle.test.x[:20], bundle.test.y[:20], sink=records.append, eval_every=100)
     if needs_peers is not None:
-        node.needs_peers = lambda: needs_peers
+        node.hooks.needs_peers = lambda: needs_peers
     if finish_after is not None:  # what the agent's check says: most members finished the run
         checks = iter(range(1, rounds + 1))  # called once after every round but the last
-        node.finish_check = lambda: next(checks) >= finish_after
+        node.hooks.finish_check = lambda: next(checks) >= finish_after
     out = {}
 
     async def main():

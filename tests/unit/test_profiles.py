@@ -302,7 +302,7 @@ def test_battery_drop_stops_training_within_one_round_and_status_says_why():
         async def drain_battery(t, record):
             if t == 2:
                 battery.battery = (10, False)
-        nodes[1].after_round.append(drain_battery)
+        nodes[1].hooks.after_round.append(drain_battery)
 
         async def watch():
             while nodes[1].ctx.gated is None:

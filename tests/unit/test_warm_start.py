@@ -291,7 +291,8 @@ def test_a_warm_started_node_takes_small_steps_first(ramp):
     moved, records = {}, {}
     for start in ({"init": "deployed", "started_from": 1, "reason": ""}, {"init": "fresh", "started_from": None}):
         node = _node("local")
-        node.lr_ramp, node.run_start = ramp, dict(start)
+        node.lr_ramp = ramp
+        node.start_from(start)
         before = _flat(node.algorithm.model)
         trained = []
 

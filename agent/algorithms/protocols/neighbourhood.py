@@ -250,8 +250,7 @@ class NeighbourhoodAlgorithm(Algorithm):
         self.market.fresh_quorum = self.options.sync == "one_from_min_percent" and adaptive_deadline(self.ctx) is not None
         if self.choco is not None:  # an update dropped as stale still moves its sender's CHOCO copy
             self.market.on_drop = self._copy_dropped
-        if hasattr(self.ctx, "max_staleness"):  # the runtime's inbox keeps the late updates the market takes
-            self.ctx.max_staleness = self.market.max_staleness
+        self.ctx.keep_late_updates(self.market.max_staleness)  # the inbox keeps the late updates it takes
         self.deadlines = adaptive_deadline(self.ctx)  # runtime.straggler = "quorum"; None: the paper's deadline
         if self.choco is not None and self.options.participation:
             raise ValueError("algorithm.options.participation: partial participation cannot be combined with "
