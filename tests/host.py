@@ -72,6 +72,10 @@ class LobbyHost:
         if self.publish:
             self._lobby().publish_presence(dict(descriptor))
 
+    def leave(self) -> None:
+        if self.publish and self.lobby is not None:
+            self.lobby.publish_presence(None, "run ended")
+
     def publish_status(self, report: StatusReport) -> None:
         self.statuses.append(report)
         if self.publish:

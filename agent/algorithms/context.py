@@ -64,6 +64,26 @@ class Clock(Protocol):
     async def sleep(self, seconds: float) -> None: ...
 
 
+@dataclasses.dataclass
+class Collected:
+    """What a round's wait took.
+
+    Attributes:
+        updates: sender -> its update (decoded; a late one staleness-weighted: its
+            ``meta["samples"]`` scaled and ``meta["staleness_weight"]`` set).
+        missing: neighbours that sent nothing usable in time.
+        late: senders whose update is of an earlier round than the one waited for.
+        info: the round's wait for its record: the market's (``sync_waited``,
+            ``sync_deadline_hit``, ``updates_taken``, ``update_bytes_taken``), ``late_dropped``
+            (updates dropped as too old) and ``deadline_s`` (this round's deadline, seconds).
+    """
+
+    updates: dict[str, Message]
+    missing: list[str]
+    late: set[str]
+    info: dict[str, Any]
+
+
 @runtime_checkable
 class NodeContext(Protocol):
     """The interface between one node's algorithm and the runtime.
@@ -178,6 +198,22 @@ class NodeContext(Protocol):
 
     async def end_round(self, round: int, **info: Any) -> None:
         """Tell the runtime a round finished (metrics, status, checkpoint)."""
+        ...
+
+    async def collect(self, kind: str, t: int, *, market: Any, round_timeout: float, poll: float,
+                      accept: Callable[[Message], str | None],
+                      decode: Callable[[dict[str, Message]], dict[str, Message]]) -> Collected:
+        """The round-``t`` updates of ``kind`` from the neighbours, as the runtime's waiting
+        policy decides (deadlines fixed or adaptive, quorum, the broker-outage hold, keyframe
+        retries, staleness weights) over the algorithm's update ``market``
+        (:class:`~dfl_agent.algorithms.protocols.synchronization.UpdateMarket`); ``accept(msg)``
+        says why an update cannot be used (None: it can), ``decode`` turns the taken updates
+        into usable ones (leaving out those it cannot)."""
+        ...
+
+    @property
+    def quorum(self) -> bool:
+        """Whether the node runs under ``runtime.straggler = "quorum"`` (else the papers' lock step)."""
         ...
 
     def keep_late_updates(self, rounds: int) -> None:

@@ -23,13 +23,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from dfl_agent.algorithms.context import BROADCAST, Message
-from dfl_agent.algorithms.protocols.synchronization import evidence_quorum
+from dfl_agent.algorithms.protocols.synchronization import UpdateMarket, evidence_quorum
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.compression import CompressionPolicy
 from dfl_agent.runtime.compute_gate import ComputeGate
 from dfl_agent.runtime.inbox import Inbox, PreparedFrame
 from dfl_agent.runtime.membership import Membership, catch_up_target
 from dfl_agent.runtime.outbox import Outbox
+from dfl_agent.runtime.waiting import Collected, RoundWaiting
 from dfl_agent.transport import wire
 from dfl_agent.transport.base import Transport
 
@@ -220,6 +221,7 @@ class RuntimeContext:
         self.outbox = Outbox(self, init_seed)
         self.membership = Membership(self)
         self.gate_part = ComputeGate(self)
+        self._waiting: dict[str, RoundWaiting] = {}  # the round's waiting policy, by kind (collect)
         self._sealed = True  # from here on, only declared attributes may be set (__setattr__)
 
     # -- the parts' state, under the names algorithms, the node and tests read ------------
@@ -246,6 +248,23 @@ class RuntimeContext:
         if "_sealed" in self.__dict__ and not hasattr(self, name):
             raise AttributeError(f"RuntimeContext has no attribute {name!r}: pass settings to its constructor")
         object.__setattr__(self, name, value)
+
+    async def collect(self, kind: str, t: int, *, market: UpdateMarket, round_timeout: float, poll: float,
+                      accept: Callable[[Message], str | None],
+                      decode: Callable[[dict[str, Message]], dict[str, Message]]) -> Collected:
+        """The round-``t`` updates of ``kind`` from the neighbours, as the round's waiting policy
+        decides (:class:`~dfl_agent.runtime.waiting.RoundWaiting`: deadlines fixed or adaptive,
+        quorum, the broker-outage hold, keyframe retries, staleness weights) over the
+        algorithm's update ``market`` (the first call of a kind fixes its market, deadline and poll)."""
+        waiting = self._waiting.get(kind)
+        if waiting is None:
+            waiting = self._waiting[kind] = RoundWaiting(self, market, round_timeout, poll)
+        return await waiting.collect(kind, t, accept=accept, decode=decode)
+
+    @property
+    def quorum(self) -> bool:
+        """Whether the node runs under ``runtime.straggler = "quorum"`` (else the papers' lock step)."""
+        return self.straggler is not None and bool(self.straggler.quorum)
 
     def use_train(self, train: Any) -> None:
         """Train with ``train`` (a :class:`~dfl_agent.learning.training.TrainConfig`) from now on

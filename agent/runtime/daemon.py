@@ -213,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args.config)
-        # every check of the start before the network; check-config loads the data too
-        # (run loads it right after, as it starts)
-        check_startup(cfg, load=args.cmd == "check-config")
+        # every check of the start before the network; check-config and run --once load the data too
+        # (a run process loads it again as it starts)
+        check_startup(cfg, load=args.cmd == "check-config" or (args.cmd == "run" and args.once))
     except ConfigError as exc:
         print(f"dfl-agent: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     state_dir = Path(cfg.state_dir)
     existed = state_dir.exists()
     try:
-        return run_agent(cfg, args.config, once=args.once)
+        return run_agent(cfg, args.config, once=args.cmd == "run" and args.once)
     except ModuleNotFoundError as exc:
         from dfl_agent.extras import missing_torch
 

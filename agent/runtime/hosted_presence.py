@@ -44,4 +44,5 @@ class HostedPresence(MqttPresence):
         self.host.publish_status(self.report(status))
 
     def goodbye(self, client: Any) -> Any:
-        return None  # the supervisor says when the node leaves
+        self.host.leave()  # the supervisor says "offline" for the node, at once
+        return None

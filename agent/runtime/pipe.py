@@ -20,6 +20,7 @@ Run process -> supervisor (the run process's original standard output):
 
 * :class:`Presence`: the node's presence descriptor, which the supervisor signs and
   publishes (the run process publishes no presence, no status and no last will);
+* :class:`Goodbye`: the node leaves the run's rounds (the supervisor says "offline" at once);
 * :class:`StatusReport`: the node's status with its counters, live peers and the round of
   its last checkpoint (the supervisor signs and publishes the status, with the service's
   counters);
@@ -169,6 +170,21 @@ class Presence:
 
 
 @dataclasses.dataclass(frozen=True)
+class Goodbye:
+    """The node leaves the run's rounds now (its transport stops): the supervisor publishes its
+    presence "offline" at once, so that its peers hear it while they still listen."""
+
+    type: ClassVar[str] = "goodbye"
+
+    def to_json(self) -> JSON:
+        return {}
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Goodbye:
+        return cls()
+
+
+@dataclasses.dataclass(frozen=True)
 class RunCounters:
     """The run's node's byte and drop counters that the service shows: wire bytes sent and
     received, dropped messages by reason, and steps whose non-finite result was restored."""
@@ -314,10 +330,10 @@ class End:
 
 
 ToRun = Start | Ack | MayJoin | Reload
-FromRun = Presence | StatusReport | StateReport | Failure | End
+FromRun = Presence | Goodbye | StatusReport | StateReport | Failure | End
 Message = ToRun | FromRun
 
-_KINDS: dict[str, type[Message]] = {c.type: c for c in (Start, Ack, MayJoin, Reload, Presence, StatusReport, StateReport, Failure, End)}
+_KINDS: dict[str, type[Message]] = {c.type: c for c in (Start, Ack, MayJoin, Reload, Presence, Goodbye, StatusReport, StateReport, Failure, End)}
 
 
 def to_line(msg: Message) -> bytes:

@@ -43,6 +43,10 @@ class RunHost(Protocol):
         """Say that the node takes part in the run's rounds, with its presence ``descriptor``."""
         ...
 
+    def leave(self) -> None:
+        """Say that the node leaves the run's rounds now (its transport stops)."""
+        ...
+
     def publish_status(self, report: StatusReport) -> None:
         """Publish the node's status (with its counters; the service adds its own)."""
         ...

@@ -139,6 +139,9 @@ class RunChannel:
     def publish_presence(self, descriptor: Mapping[str, Any]) -> None:
         self.send(pipe.Presence(dict(descriptor)))
 
+    def leave(self) -> None:
+        self.send(pipe.Goodbye())
+
     def publish_status(self, report: pipe.StatusReport) -> None:
         self.send(report)
 
@@ -234,7 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     except (HostGone, pipe.PipeError) as exc:
         print(f"dfl-agent run process: {exc}", file=sys.stderr)
         return 1
-    return run_child(args.config, args.run_dir, channel, once=args.once, node_config=args.node_config)
+    rc = run_child(args.config, args.run_dir, channel, once=args.once, node_config=args.node_config)
+    # the run's files are written and closed, its end reported: leave without the interpreter's
+    # teardown (torch's and zeroconf's threads took 10-20 s under load before the process ended)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 if __name__ == "__main__":

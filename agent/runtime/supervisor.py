@@ -202,8 +202,7 @@ class ChildRun:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
-            if self._presence:  # the node leaves the run's rounds (the child published no goodbye)
-                self.lobby.publish_presence(None, "stopping" if self.stopping() else "run ended")
+            self._say_goodbye()  # the node leaves the run's rounds (if the child did not say so)
             oom = classify_exit(proc.returncode, cgroup) == "oom"
             if cgroup is not None:
                 cgroup.remove()
@@ -257,6 +256,8 @@ class ChildRun:
         if isinstance(msg, pipe.Presence):
             self._presence = True
             self.lobby.publish_presence(msg.descriptor)
+        elif isinstance(msg, pipe.Goodbye):
+            self._say_goodbye()
         elif isinstance(msg, pipe.StatusReport):
             node.update(msg)
             self.lobby.publish_run_status(node.status, self.service_status() if self.service_status else None)
@@ -298,6 +299,13 @@ class ChildRun:
         if stdin is None or stdin.is_closing():
             return
         stdin.write(pipe.to_line(msg))
+
+    def _say_goodbye(self) -> None:
+        """The node's presence "offline" (once per run process): ``stopping`` when the service
+        stops, else ``run ended``."""
+        if self._presence:
+            self._presence = False
+            self.lobby.publish_presence(None, "stopping" if self.stopping() else "run ended")
 
     def reload(self) -> None:
         """SIGHUP: the run process applies what can change while it trains (node.toml)."""
