@@ -17,6 +17,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+from dfl_agent.algorithms.protocols.synchronization import majority
 from dfl_agent.fsutil import atomic_write
 from dfl_agent.runtime.context import catch_up_target
 
@@ -34,7 +35,7 @@ def finished_by_members(statuses: Mapping[str, Any], members: Collection[str]) -
     non-members count for nothing; with fewer than two other members it is never true.
     """
     done = sum(1 for m in set(members) if isinstance(st := statuses.get(m), Mapping) and st.get("state") == "finished")
-    return done >= 2 and done > len(set(members)) // 2
+    return majority(done, len(set(members)), lone=False)  # the one majority rule: never one member's say
 
 
 def _as_round(value: Any) -> int:

@@ -68,17 +68,32 @@ STRATEGIES = (
 EMPTY_KEY = "empty"
 
 
-def evidence_quorum(live: int) -> int:
-    """How many of ``live`` verified neighbours must show a round before a node acts on
-    it: more than half, and at least two distinct senders when two or more are live
-    (one sender with one live neighbour; 0 for none, which nothing can satisfy).
+def evidence_quorum(members: int, *, lone: bool = True) -> int:
+    """The one majority rule: how many of ``members`` (distinct, verified) must say the same
+    before a node acts on it: more than half of them, and at least two where two or more
+    exist.  Catch-up evidence (:func:`quorum_shown`, the quorum's take-ahead) and a run
+    finished by its members' say (:func:`~dfl_agent.runtime.rejoin.finished_by_members`)
+    both use it; they differ only where a node has a single member to listen to: its word
+    counts for catch-up (``lone``: a node with one neighbour follows it, by at most
+    ``runtime.max_catch_up_rounds``), never for ending the node's run (``lone=False``: 2,
+    which one member cannot meet).  No member: 0, which nothing satisfies.
 
     >>> [evidence_quorum(n) for n in range(6)]
     [0, 1, 2, 2, 3, 3]
+    >>> [evidence_quorum(n, lone=False) for n in range(6)]
+    [0, 2, 2, 2, 3, 3]
     """
-    if live <= 0:
+    if members <= 0:
         return 0
-    return max(live // 2 + 1, min(2, live))
+    if members == 1:
+        return 1 if lone else 2
+    return max(members // 2 + 1, 2)
+
+
+def majority(agreeing: int, members: int, *, lone: bool = True) -> bool:
+    """Whether ``agreeing`` of ``members`` meet :func:`evidence_quorum` (never with no member)."""
+    need = evidence_quorum(members, lone=lone)
+    return need > 0 and agreeing >= need
 
 
 def quorum_shown(shown: Mapping[str, int], live: int) -> int | None:
