@@ -58,16 +58,14 @@ def _model_specs(value: str | None) -> list[dict[str, Any]] | None:
 def _dechw_hint(algorithm: str, raw_options: dict[str, Any], init: str, partition: str | None) -> None:
     """Prints DecHW's common-initialisation hint (one line, stderr) when it applies;
     bad options are left to the run, which reports them."""
-    if algorithm != "dechw":
-        return
     from dfl_agent.algorithms.base import get_algorithm, parse_options
-    from dfl_agent.algorithms.dechw import common_init_hint
 
     try:
-        options = parse_options(get_algorithm(algorithm), raw_options)
+        cls = get_algorithm(algorithm)
+        options = parse_options(cls, raw_options)
     except (KeyError, ValueError):
         return
-    hint = common_init_hint(algorithm, options, init, partition)
+    hint = cls.common_init_hint(options, init, partition)
     if hint:
         print(hint, file=sys.stderr)
 

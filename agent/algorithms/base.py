@@ -21,6 +21,8 @@ import numpy as np
 
 from dfl_agent.algorithms.context import NodeContext
 from dfl_agent.learning.training import snapshot
+from dfl_agent.privacy.plan import steps_per_round
+from dfl_agent.privacy.policy import DPSupport
 
 if TYPE_CHECKING:
     import torch
@@ -143,6 +145,8 @@ class Traits:
             participant's model: the profile's ``aggregator`` role is kept only if the
             memory budget holds them.
         default_model: one of :data:`DEFAULT_MODELS`.
+        dp: what it sends under differential privacy and how each value is protected
+            (:class:`~dfl_agent.privacy.policy.DPSupport`); None: it never trains under DP.
     """
 
     family: str
@@ -153,6 +157,7 @@ class Traits:
     models_held: tuple[float, float] = (3.0, 1.0)
     aggregator_holds_all: bool = False
     default_model: str = "tier"
+    dp: DPSupport | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -187,6 +192,26 @@ class Algorithm:
     #: False for the local baselines, which exchange nothing: a node running one never
     #: skips rounds to "rejoin" its peers (their progress says nothing about its model)
     communicates: ClassVar[bool] = True
+
+    @classmethod
+    def dp_steps_per_round(cls, options: Any, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
+        """The most DP steps one round takes on ``n_samples`` samples (a DP plan's
+        ``steps_per_round``): its local step, ``training.steps`` when > 0, else
+        ``epochs·⌈N / batch_size⌉`` (:func:`dfl_agent.privacy.plan.steps_per_round`).  An
+        algorithm whose round trains otherwise says so (DFedAvg: one epoch; DFML: and its mutual
+        learning; FedPer, local Adam: ``adam_epochs``; the pair protocols: the sender's ``M``).
+
+        Args:
+            options: its parsed ``Options`` (read by attribute; None: defaults).
+        """
+        return steps_per_round(n_samples, batch_size, epochs, steps)
+
+    @classmethod
+    def common_init_hint(cls, options: Any, init: str, partition: str | None) -> str | None:
+        """A one-line hint when this algorithm, with ``options``, a common initialisation
+        (``init``) and ``partition``, is known to need tuning (``dflctl simulate`` prints it, the
+        daemon logs it); None: nothing to say (DecHW says something)."""
+        return None
 
     def __init__(self, ctx: NodeContext, options: Any = None):
         self.ctx = ctx
@@ -448,6 +473,45 @@ def traits_of(name: str) -> Traits:
         KeyError: unknown name.
     """
     return get_algorithm(name).traits
+
+
+def check_dp_combination(algorithm: str, options: Any = None) -> None:
+    """Refuse the registered ``algorithm`` with ``options`` under DP unless its class declares
+    how it sends what it sends (:func:`dfl_agent.privacy.policy.check_dp_combination` of its
+    ``traits.dp``).
+
+    Raises:
+        ValueError: one line naming the algorithm and why (also for an unknown name).
+    """
+    from dfl_agent.privacy.policy import check_dp_combination as check
+
+    try:
+        support = get_algorithm(algorithm).traits.dp
+    except KeyError:
+        support = None
+    check(algorithm, support, options)
+
+
+def dp_steps_per_round(algorithm: str, options: Any, *, n_samples: int, batch_size: int, epochs: int,
+                       steps: int) -> int:
+    """:meth:`Algorithm.dp_steps_per_round` of the registered ``algorithm`` (0 without samples).
+
+    Raises:
+        KeyError: an unknown algorithm.
+    """
+    if n_samples <= 0 or batch_size <= 0:
+        return 0
+    return get_algorithm(algorithm).dp_steps_per_round(options, n_samples=n_samples, batch_size=batch_size,
+                                                       epochs=epochs, steps=steps)
+
+
+def common_init_hint(algorithm: str, options: Any, init: str, partition: str | None) -> str | None:
+    """:meth:`Algorithm.common_init_hint` of the registered ``algorithm`` (None for an unknown one)."""
+    try:
+        cls = get_algorithm(algorithm)
+    except KeyError:
+        return None
+    return cls.common_init_hint(options, init, partition)
 
 
 def available() -> list[str]:

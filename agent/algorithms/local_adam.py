@@ -5,11 +5,13 @@ the local floor for FedD2S/FedPer comparisons.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dfl_agent.algorithms.base import Algorithm, Traits, register
 from dfl_agent.algorithms.protocols.rotating import draw_round
 from dfl_agent.learning.training import adam_lr, train_adam
+from dfl_agent.privacy import policy as dp_policy
 
 if TYPE_CHECKING:
     from torch import nn
@@ -46,9 +48,15 @@ class LocalAdam(Algorithm):
     baselines (Adam, lr 0.01) — the local floor for FedD2S/FedPer comparisons."""
 
     name = "local_adam"
-    traits = Traits("local", required_roles=("trainer",), models_held=(4.0, 0.0))  # Adam: 2 moments
+    traits = Traits("local", required_roles=("trainer",), models_held=(4.0, 0.0),  # Adam: 2 moments
+                    dp=dp_policy.DPSupport({}))
     communicates = False
     Options = LocalAdamOptions
+
+    @classmethod
+    def dp_steps_per_round(cls, options: Any, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
+        """``adam_epochs`` epochs of DP-Adam."""
+        return int(getattr(options, "adam_epochs", 1)) * math.ceil(n_samples / batch_size)
 
     async def setup(self) -> None:
         self.model = self.new_model()

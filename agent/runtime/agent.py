@@ -190,9 +190,7 @@ class Agent(RunMembers, AgentOperations):
             raise StartupError(str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)) from None
         if behaviour.reasons:  # one line (the full table: dflctl profile show)
             log.info("profile %s: %s", profile.name, "; ".join(behaviour.reasons))
-        from dfl_agent.algorithms.dechw import common_init_hint
-
-        if hint := common_init_hint(algo_cls.name, options, cfg.runtime.init, d.partition):
+        if hint := algo_cls.common_init_hint(options, cfg.runtime.init, d.partition):
             log.warning("%s", hint)
         t = cfg.training
         train = TrainConfig(epochs=t.epochs, steps=t.steps, batch_size=behaviour.batch_size, momentum=t.momentum,

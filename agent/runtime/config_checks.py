@@ -8,7 +8,7 @@ import os
 import re
 
 from dfl_agent.privacy.config import merge_privacy
-from dfl_agent.privacy.policy import parse_checked
+from dfl_agent.privacy.policy import DPSupport, parse_checked
 from dfl_agent.runtime.config import MODEL_FAMILIES, ConfigError, NodeConfig
 
 
@@ -222,6 +222,17 @@ def _validate_profile(cfg: NodeConfig) -> None:
         raise ConfigError(f"profile: {exc}") from None
     try:  # [privacy]: the node's keys over the profile's, validated together; under DP, the algorithm's messages
         parse_checked(merge_privacy(with_overrides(base, cfg.profile_overrides).privacy, cfg.privacy),
-                      cfg.algorithm.name, cfg.algorithm.options)
+                      cfg.algorithm.name, _dp_support(cfg.algorithm.name), cfg.algorithm.options)
     except ValueError as exc:  # ProfileError too
         raise ConfigError(str(exc)) from None
+
+
+def _dp_support(algorithm: str) -> DPSupport | None:
+    """The registered ``algorithm``'s DP declaration (``traits.dp``; None for an unknown name,
+    which the algorithm's own check reports)."""
+    from dfl_agent.algorithms.base import get_algorithm
+
+    try:
+        return get_algorithm(algorithm).traits.dp
+    except KeyError:
+        return None

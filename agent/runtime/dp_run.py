@@ -6,7 +6,7 @@ bound C and DP steps.  A run without a reservation (``dfl-agent run --once``) pl
 (:func:`dfl_agent.privacy.plan.plan_run`) on the data it trains on: σ (given, or the smallest
 that keeps the whole run's spend within ``target_epsilon``), ``q = batch_size / N`` and
 ``rounds`` times the most DP steps one round of the algorithm takes
-(:func:`dfl_agent.learning.dp.dp_steps_per_round`), and reserves it when it is a run of the
+(:meth:`dfl_agent.algorithms.base.Algorithm.dp_steps_per_round`), and reserves it when it is a run of the
 service.  The training configuration then carries the plan (``TrainConfig.dp``): every training step of the run is a DP-SGD step with that σ, C and
 q, and the run never takes more steps than the plan (a resumed run: less those its round
 records already count).  Each round record carries ``dp_steps``, the steps taken since the
@@ -22,11 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dfl_agent.learning.dp import DPSteps, dp_steps_per_round, require_opacus, training_for
+from dfl_agent.algorithms.base import check_dp_combination, dp_steps_per_round
+from dfl_agent.learning.dp import DPSteps, require_opacus, training_for
 from dfl_agent.learning.training import TrainConfig
 from dfl_agent.privacy.config import merge_privacy, parse_privacy
 from dfl_agent.privacy.plan import RunPlan, plan_run
-from dfl_agent.privacy.policy import check_dp_combination
 
 log = logging.getLogger("dfl_agent.daemon")
 

@@ -10,7 +10,7 @@ composed ε is :func:`~dfl_agent.privacy.accountant.rdp_epsilon` of every reserv
 
 **Reserve, then settle.**  Admission (:meth:`PrivacyBudget.admit`) plans the run
 (:func:`~dfl_agent.privacy.plan.plan_run`: σ, ``q = batch_size / N``, ``rounds`` times the most DP steps
-a round of the algorithm takes, :func:`~dfl_agent.learning.dp.dp_steps_per_round`, as the run process plans it)
+a round of the algorithm takes, :meth:`~dfl_agent.algorithms.base.Algorithm.dp_steps_per_round`, as the run process plans it)
 and declines it when the plan would take the composed ε past ``privacy.lifetime_epsilon``;
 otherwise it RESERVES the plan's spend before the run is admitted, so a crash during the run never
 under-counts.  When the run ends (:meth:`PrivacyBudget.on_state`, called for every state the run
@@ -260,7 +260,7 @@ class PrivacyBudget:
         Raises:
             ValueError: one line (delta not below 1/N, no samples, an unreachable target ε).
         """
-        from dfl_agent.learning.dp import dp_steps_per_round  # torch-free: the run process's own count
+        from dfl_agent.algorithms.base import dp_steps_per_round  # torch-free: the run process's own count
 
         assert self.config.dp is not None
         t, a = run_cfg.training, run_cfg.algorithm
@@ -276,7 +276,7 @@ class PrivacyBudget:
         reason: the plan is impossible, or it would take the composed ε past the lifetime budget."""
         if self.config.dp is None:
             return None
-        from dfl_agent.privacy.policy import check_dp_combination
+        from dfl_agent.algorithms.base import check_dp_combination
         from dfl_agent.runtime.assembly import StartupError
         from dfl_agent.runtime.run_config import run_config_for
 

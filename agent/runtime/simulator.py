@@ -169,9 +169,9 @@ class SimConfig:
         """
         if self.dp_epsilon is None:
             return None
+        from dfl_agent.algorithms.base import check_dp_combination
         from dfl_agent.learning.dp import require_opacus
         from dfl_agent.privacy.config import parse_privacy
-        from dfl_agent.privacy.policy import check_dp_combination
 
         dp = parse_privacy({"dp": {"target_epsilon": self.dp_epsilon, "max_grad_norm": self.dp_max_grad_norm,
                                    "delta": self.dp_delta}}).dp
@@ -341,7 +341,8 @@ def _node_train(cfg: SimConfig, options: Any, data: Any) -> TrainConfig:
     dp = cfg.privacy()
     if dp is None:
         return cfg.train
-    from dfl_agent.learning.dp import dp_steps_per_round, training_for
+    from dfl_agent.algorithms.base import dp_steps_per_round
+    from dfl_agent.learning.dp import training_for
     from dfl_agent.privacy.plan import plan_run
 
     t, n = cfg.train, int(data.num_train)

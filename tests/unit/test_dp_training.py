@@ -16,7 +16,8 @@ pytest.importorskip("opacus")
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-from dfl_agent.learning.dp import DPBudgetExceeded, DPSteps, DPTraining, check_model, dp_steps_per_round  # noqa: E402
+from dfl_agent.algorithms.base import dp_steps_per_round  # noqa: E402
+from dfl_agent.learning.dp import DPBudgetExceeded, DPSteps, DPTraining, check_model  # noqa: E402
 from dfl_agent.learning.mutual import mutual_learning  # noqa: E402
 from dfl_agent.learning.training import TrainConfig, train_adam, train_local  # noqa: E402
 

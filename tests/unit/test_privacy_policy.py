@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from dfl_agent.privacy.policy import DP_SUPPORT, TREATMENTS, check_dp_combination, dp_enabled, redact_status
+from dfl_agent.algorithms.base import available, check_dp_combination, get_algorithm
+from dfl_agent.privacy.policy import TREATMENTS, dp_enabled, redact_status
+
+#: every registered algorithm's DP declaration (Traits.dp)
+DP_SUPPORT = {name: get_algorithm(name).traits.dp for name in available()}
 
 
-def test_every_registered_algorithm_is_in_the_table():
-    from dfl_agent.algorithms.base import available
-
-    assert set(available()) == set(DP_SUPPORT), "add the algorithm to dfl_agent.privacy.policy.DP_SUPPORT"
+def test_every_registered_algorithm_declares_its_dp_support():
+    missing = [name for name, support in DP_SUPPORT.items() if support is None]
+    assert missing == [], "declare Traits(dp=...) on the algorithm's class"
     for support in DP_SUPPORT.values():
         assert all(t in TREATMENTS for t, _ in support.messages.values())
 
