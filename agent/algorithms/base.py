@@ -284,18 +284,14 @@ class Algorithm:
                 for a, v in state.items():
                     setattr(self, a, v)
                 result.diverged, result.detail = True, where
-                note = getattr(self.ctx, "note_diverged", None)
-                if callable(note):
-                    note(step, where)
-                else:  # a minimal context (tests): log only
-                    log.warning("%s step left non-finite parameters (%s); restored the model from before it",
-                                step, where)
+                self.ctx.note_diverged(step, where)
 
     def private(self) -> bool:
         """Whether this node trains under differential privacy (``ctx.train.dp`` set):
         then it sends no value derived from its data that DP-SGD does not protect
         (:mod:`dfl_agent.privacy.policy`)."""
-        return getattr(getattr(self.ctx, "train", None), "dp", None) is not None  # a minimal context: no DP
+        train = self.ctx.train
+        return train is not None and train.dp is not None  # a context without training settings: no DP
 
     def sample_count(self) -> int:
         """|D_i| as this node sends it and weighs its own model with: the size of its

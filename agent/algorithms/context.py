@@ -94,6 +94,12 @@ class NodeContext(Protocol):
 
     node_id: str
     rng: np.random.Generator  # this node's seeded stream (batch order, selections)
+    compression: Any  # dfl_agent.learning.compression.CompressionPolicy, or None: nothing compressed
+    straggler: Any  # runtime.straggler's StragglerPolicy (quorum, adaptive deadlines), or None: lock step
+    #: whether a round with no live neighbour waits for its deadline (members away), or None: it does not
+    alone_waits: Callable[[], bool] | None
+    gate: Callable[[], str | None] | None  # resource gating: the reason training is not allowed now, or None
+    reconnect_grace: float  # after a broker outage, the longest wait for the expected neighbours (s)
     data: Any  # dfl_agent.data.NodeData: train_x/train_y/val_x/val_y, num_classes
     init_seed: int  # torch seed for this node's initial weights
     seed: int  # the federation's seed, the same on every node (shared schedules)
@@ -214,6 +220,21 @@ class NodeContext(Protocol):
     @property
     def quorum(self) -> bool:
         """Whether the node runs under ``runtime.straggler = "quorum"`` (else the papers' lock step)."""
+        ...
+
+    def may_aggregate(self, peer: str) -> bool:
+        """Whether ``peer`` (or this node) may lead a rotating round (its roles include ``aggregator``)."""
+        ...
+
+    async def hold_round(self, kinds: str | tuple[str, ...] = ()) -> float:
+        """Hold a round that waits for peers' ``kinds`` messages while the broker is away;
+        returns the seconds held (0.0 when connected)."""
+        ...
+
+    def track_stream(self, stream: Any) -> None:
+        """A compressed gossip stream (a :class:`~dfl_agent.learning.error_feedback.ChocoGossip`)
+        the runtime follows: it asks for the keyframes a neighbour's copy lost, and sends one to a
+        peer that came back (a context that does neither leaves it alone)."""
         ...
 
     def keep_late_updates(self, rounds: int) -> None:

@@ -130,7 +130,7 @@ class FedPer(GlobalModelRotation):
         d, o = self.ctx.data, self.options
         return train_adam(self.model, d.train_x, d.train_y, epochs=o.adam_epochs, batch_size=self.batch_size,
                           lr=adam_lr(o.adam_lr, self.ctx.train), rng=self.ctx.rng, device=self.ctx.device,
-                          dp=getattr(self.ctx.train, "dp", None))  # DP-Adam under privacy.dp
+                          dp=self.ctx.train.dp)  # DP-Adam under privacy.dp
 
     async def local_update(self, t: int) -> dict[str, Any]:
         assert self._theta_in is not None

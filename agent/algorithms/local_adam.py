@@ -66,7 +66,7 @@ class LocalAdam(Algorithm):
         return train_adam(self.model, d.train_x, d.train_y, epochs=o.adam_epochs,
                           batch_size=o.adam_batch_size or self.ctx.train.batch_size,
                           lr=adam_lr(o.adam_lr, self.ctx.train), rng=self.ctx.rng, device=self.ctx.device,
-                          dp=getattr(self.ctx.train, "dp", None))  # DP-Adam under privacy.dp
+                          dp=self.ctx.train.dp)  # DP-Adam under privacy.dp
 
     async def round(self, t: int) -> dict[str, Any]:
         """Round ``t`` of the local Adam baseline of seed 002 §IV-A: train with Adam, in the

@@ -271,6 +271,14 @@ class RuntimeContext:
         (a warm start's learning-rate ramp changes it round by round)."""
         self.train = train
 
+    def track_stream(self, stream: Any) -> None:
+        """Follow a CHOCO gossip stream: ask for the keyframes its copies lost
+        (:meth:`request_keyframes`), and send a keyframe to a peer that came back (its epoch
+        moves with :attr:`Membership.rejoins`)."""
+        membership = self.membership
+        membership.streams.append(stream)
+        stream.epoch_source = lambda: (membership.rejoins, stream.gaps)
+
     def keep_late_updates(self, rounds: int) -> None:
         """The algorithm takes updates up to ``rounds`` rounds late (its update market's
         ``max_staleness``): the inbox keeps them that long instead of dropping them as stale."""

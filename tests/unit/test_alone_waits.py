@@ -5,6 +5,7 @@ trained with them again in that run).  ``ctx.alone_waits`` (the agent's: the run
 members, who have not finished it) turns the wait on; the simulator has none."""
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -78,7 +79,7 @@ def test_waits_alone_needs_an_empty_neighbourhood_and_the_contexts_say():
         alone_waits = staticmethod(lambda: True)
 
     assert waits_alone(C(), []) and not waits_alone(C(), ["p"])
-    assert not waits_alone(object(), [])  # no alone_waits: the simulator's contexts
+    assert not waits_alone(SimpleNamespace(alone_waits=None), [])  # no alone_waits: the simulator's contexts
     C.alone_waits = staticmethod(lambda: False)  # the members finished the run: go on
     assert not waits_alone(C(), [])
 

@@ -115,7 +115,7 @@ def _bare_dechw():
     ctx = types.SimpleNamespace(
         init_seed=1, model_spec=spec, device="cpu", data=types.SimpleNamespace(train_y=np.zeros(10)),
         reject=lambda msg, reason: rejected.append(reason), check_on_arrival=lambda kind, check: None,
-        keep_late_updates=lambda rounds: None,
+        keep_late_updates=lambda rounds: None, train=None, note_diverged=lambda step, detail: None, compression=None,
     )
     alg = get_algorithm("dechw")(ctx)
     asyncio.run(alg.setup())

@@ -149,6 +149,15 @@ def test_the_deadline_is_suspended_not_dropped():
     assert 23.0 + 4.0 <= out["closed_at"] <= 23.0 + 4.5  # resumed at 23 s, then the whole 4 s budget
 
 
+class _NeverHolds:
+    """A context whose rounds are never held (no broker to lose)."""
+
+    reconnect_grace = 5.0
+
+    async def hold_round(self, kinds=()):
+        return 0.0
+
+
 def test_suspend_deadline_is_a_no_op_when_connected_or_off():
     net = MemoryNetwork()
     on, off = _ctx(net, "on"), _ctx(net, "off", pause=False)
@@ -160,7 +169,7 @@ def test_suspend_deadline_is_a_no_op_when_connected_or_off():
         out["connected"] = await suspend_deadline(on, 12.5, 5.0)
         net.kill("off")
         out["off"] = await suspend_deadline(off, 12.5, 5.0)
-        out["none"] = await suspend_deadline(object(), 12.5, 5.0)  # a context without hold_round
+        out["none"] = await suspend_deadline(_NeverHolds(), 12.5, 5.0)  # a context that never holds
 
     run_virtual(main())
     assert out == {"connected": 12.5, "off": 12.5, "none": 12.5}

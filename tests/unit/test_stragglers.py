@@ -175,7 +175,8 @@ def _stream(tmp_seed: int = 0):
     from dfl_agent.algorithms.gossip_compression import choco_for
     from dfl_agent.learning.compression import CompressionPolicy
 
-    ctx = types.SimpleNamespace(compression=CompressionPolicy.from_config("q4+zstd", {}), init_seed=tmp_seed)
+    ctx = types.SimpleNamespace(compression=CompressionPolicy.from_config("q4+zstd", {}), init_seed=tmp_seed,
+                                track_stream=lambda stream: None)
     x = {"w": np.linspace(-1, 1, 64, dtype=np.float32)}
     return choco_for(ctx, "model"), x
 

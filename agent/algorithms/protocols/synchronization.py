@@ -127,11 +127,10 @@ async def suspend_deadline(ctx: Any, deadline: float, budget: float, kind: str |
     moves by that time, and at least ``min(budget, ctx.reconnect_grace)`` seconds
     remain after resuming (``budget``: the round's whole timeout).  Unchanged when
     nothing was held."""
-    hold = getattr(ctx, "hold_round", None)
-    held = await hold(kind) if hold is not None else 0.0
+    held = await ctx.hold_round(kind)
     if not held:
         return deadline
-    grace = float(getattr(ctx, "reconnect_grace", budget))
+    grace = float(ctx.reconnect_grace)
     return max(deadline + held, ctx.clock.now() + min(budget, grace))
 
 
@@ -142,7 +141,7 @@ def waits_alone(ctx: Any, peers: Collection[str]) -> bool:
     emptied because a WAN outage or a partition outlasted the heartbeat timeout must not
     make the node race through its rounds alone, ahead of the members it will meet again.
     The simulator's contexts have no ``alone_waits``: a node without neighbours goes on."""
-    check = getattr(ctx, "alone_waits", None)
+    check = ctx.alone_waits
     return not peers and check is not None and bool(check())
 
 
