@@ -97,9 +97,8 @@ class MemberDelivery:
         from dfl_agent.transport.link_rate import derive
 
         self.cfg, self.lobby = cfg, lobby
-        #: the deployed versions (:attr:`~dfl_agent.runtime.config.NodeConfig.deploys`), else None:
-        #: the run's live model is sent
-        self.models = ModelStore(cfg.state_dir, keep=cfg.deploy.keep) if cfg.deploys else None
+        #: the deployed versions (``deploy.enabled``; installed by the runs, or by hand), else None
+        self.models = ModelStore(cfg.state_dir, keep=cfg.deploy.keep) if cfg.deploy.enabled else None
         self.private = dp_enabled(cfg)
         m = cfg.mqtt
         self.chunk_size = derive(m.link_rate, chunk_size=m.chunk_size, keepalive=m.keepalive).chunk_size
@@ -110,19 +109,22 @@ class MemberDelivery:
         self._cached: tuple[Any, tuple[int, bytes, dict[str, Any]] | None] = (None, None)
 
     def current(self) -> tuple[int, bytes, dict[str, Any]] | None:
-        """The model to send, ``(version, model.onnx, meta)``: the deployed version (its files'
-        hashes checked), else the run's live model; read once per version; None when there is
-        none (or it has no ``model.onnx``)."""
-        if self.models is None:
-            key: Any = _stamp(Path(self.cfg.state_dir) / LIVE_DIR / "manifest.json")
-            if key is not None and self._cached[0] != key:
-                self._cached = (key, live_onnx(self.cfg.state_dir))
-            return self._cached[1] if key is not None else None
-        v = self.models.current_version()
-        if v is None:
+        """The model to send, ``(version, model.onnx, meta)``: the deployed version
+        (``models/current``, its files' hashes checked), else, on a node whose runs deploy
+        nothing, the run's live model; read once per version; None when there is none (or it has
+        no ``model.onnx``)."""
+        v = self.models.current_version() if self.models is not None else None
+        if v is not None:
+            if self._cached[0] != v:
+                self._cached = (v, deployed_onnx(self.models, private=self.private))
+            return self._cached[1]
+        if self.cfg.deploys:
+            return None  # the runs deploy: members get deployed versions only
+        key: Any = _stamp(Path(self.cfg.state_dir) / LIVE_DIR / "manifest.json")
+        if key is None:
             return None
-        if self._cached[0] != v:
-            self._cached = (v, deployed_onnx(self.models, private=self.private))
+        if self._cached[0] != key:
+            self._cached = (key, live_onnx(self.cfg.state_dir))
         return self._cached[1]
 
     def due(self, meta: dict[str, Any]) -> list[str]:
