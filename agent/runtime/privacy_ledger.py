@@ -1,0 +1,766 @@
+"""The privacy ledger: the device's DP history, append-only and hash-chained, that fails closed.
+Torch-free.
+
+**What it holds.**  ``STATE_DIR/privacy/ledger.sqlite`` (SQLite, WAL journal, ``synchronous =
+FULL``) holds one row per run that trained under DP (table ``runs``: noise multiplier, sampling
+rate, DP steps, δ, clipping bound, the ε of the run alone and a state, ``reserved``, ``spent`` or
+``released``; :mod:`dfl_agent.runtime.privacy_budget` reserves and settles them).  The device's
+composed ε is :func:`~dfl_agent.privacy.accountant.rdp_epsilon` over every reserved and spent row,
+plus any amount carried over by a recovery (below).
+
+**Settling appends; nothing is rewritten.**  Every change is an *event* appended to table
+``events`` (``seq`` 1, 2, 3, ...): ``reserve`` (a run's plan), ``replan`` (the run process's own
+plan for a reservation not yet settled), ``trained``, ``settle`` (``spent`` with the steps taken,
+or ``released``), ``migrated`` (a row of an older release's ledger, taken over as it was) and
+``opening`` (an amount an operator stated as already spent: :func:`recover`).  The state of each
+run is the *fold* of its events in order (:func:`apply`); table ``runs`` is that fold, written in
+the same transaction as the event for readers with the ``sqlite3`` shell, and checked against it.
+
+**The hash chain.**  Each event stores ``hash = SHA-256(canonical JSON of [previous hash, seq,
+run_id, kind, body])`` (canonical: sorted keys, no spaces, ASCII, floats as Python's shortest
+round-trip repr); the first event's "previous hash" is the ledger's random chain id (table
+``meta``).  So changing an event's content or the state it leads to, removing an event or
+reordering events breaks the chain at that event; editing table ``runs`` makes it disagree with
+the fold.
+
+**The head marker** ``STATE_DIR/privacy-head.json`` (outside ``privacy/``, so that deleting or
+restoring that folder alone does not take the marker with it) records the chain id, how many
+events the ledger holds, the last event's hash, and the composed ε at the newest row's δ.  A chain
+alone cannot tell that its last rows were cut off, or that the file was emptied or deleted; the
+marker can.  It is written atomically and durably (temporary file, fsync, rename, fsync of the
+folder) *after* each commit, and once *before* a ledger is first created or migrated, so at every
+instant the ledger holds at least the marker's events: a power cut between a commit and the
+marker's write leaves the ledger one event ahead, which is accepted (and the marker caught up).
+Writers take an exclusive ``flock`` on the ``privacy/`` folder around commit and marker write;
+readers read the marker first, then the ledger.
+
+**Checks.**  :meth:`PrivacyLedger.state` (at start, at every admission, and for every read;
+cached while the files' size, time and inode stay the same) refuses, with :class:`LedgerDamaged`
+(one line naming the file, what is wrong and the recovery command), a ledger that is 0 bytes,
+missing while the marker records events, not a readable SQLite database or failing its
+integrity check, whose chain is broken (an event changed, removed or reordered), whose table
+``runs`` disagrees with its events, that holds fewer events than the marker or another chain, or
+whose marker is missing or unreadable.  DP runs are then declined with that line; nothing is
+written to a damaged ledger.
+
+**Migration.**  A ledger of an older release (table ``runs`` and no ``events``) is chained on its
+first open: a consistent copy goes to ``privacy/ledger.pre-chain.sqlite`` (SQLite's backup,
+fsynced), then one transaction appends a ``migrated`` event per row (oldest first); the ε is the
+same before and after.  Logged at INFO.
+
+**Recovery** (``dflctl privacy recover``, :func:`recover`): the damaged files are moved aside to
+``privacy/damaged-TIME/`` and a new chain opens with an ``opening`` event that records the ε the
+operator states as already spent (at least what the device's own records still show: the marker's
+ε and whatever rows can still be read).  The accountant adds it to the composed ε of the runs after
+it (basic composition: ε and δ add, a conservative bound), so a recovery never lowers the budget
+spent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from dfl_agent.fsutil import atomic_write, crash_point, fsync_dir, rename
+from dfl_agent.privacy.accountant import rdp_epsilon
+
+log = logging.getLogger("dfl_agent.daemon")
+
+#: the ledger's file under the state directory
+LEDGER_FILE = Path("privacy") / "ledger.sqlite"
+#: the head marker under the state directory (see the module docstring)
+HEAD_FILE = Path("privacy-head.json")
+#: the copy of an older release's ledger taken before it is chained
+PRE_CHAIN_FILE = Path("privacy") / "ledger.pre-chain.sqlite"
+#: the ledger's format (table ``meta``, key ``format``): 2 is the chained ledger
+FORMAT = 2
+#: the row states: ``reserved`` at admission, ``spent`` once settled, ``released`` (never trained)
+ROW_STATES = ("reserved", "spent", "released")
+#: the event kinds (see the module docstring)
+EVENT_KINDS = ("reserve", "replan", "trained", "settle", "migrated", "opening")
+
+_RUNS = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    time REAL NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('reserved', 'spent', 'released')),
+    noise_multiplier REAL NOT NULL,
+    sample_rate REAL NOT NULL,
+    steps INTEGER NOT NULL,
+    planned_steps INTEGER NOT NULL,
+    steps_per_round INTEGER NOT NULL,
+    delta REAL NOT NULL,
+    max_grad_norm REAL NOT NULL,
+    epsilon REAL NOT NULL,
+    trained INTEGER NOT NULL DEFAULT 0,
+    settled REAL
+)"""
+_EVENTS = """
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    body TEXT NOT NULL,
+    hash TEXT NOT NULL
+)"""
+_META = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
+COLUMNS = ("run_id", "time", "state", "noise_multiplier", "sample_rate", "steps", "planned_steps",
+           "steps_per_round", "delta", "max_grad_norm", "epsilon", "trained", "settled")
+_PLAN = ("noise_multiplier", "sample_rate", "steps", "planned_steps", "steps_per_round", "delta", "max_grad_norm",
+         "epsilon")
+
+
+class LedgerDamaged(ValueError):
+    """The privacy ledger cannot be trusted: one line naming the file, what is wrong and the
+    recovery command (``str(exc)``); :attr:`what` is the middle part alone."""
+
+    def __init__(self, state_dir: str | Path, what: str):
+        self.state_dir, self.what = Path(state_dir), what
+        super().__init__(f"privacy ledger {Path(state_dir) / LEDGER_FILE}: {what}; DP runs are refused until an "
+                         f"operator runs: dflctl privacy recover --state-dir {state_dir} --spent-epsilon E "
+                         "(E: the epsilon this device has spent, from your records)")
+
+
+def canonical(obj: Any) -> str:
+    """The canonical JSON text of ``obj`` (sorted keys, no spaces, ASCII; NaN refused)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def link_hash(prev: str, seq: int, run_id: str, kind: str, body: str) -> str:
+    """The hash of event ``seq``: SHA-256 (hex) of the canonical JSON of
+    ``[prev, seq, run_id, kind, body]``, ``body`` being the event's stored canonical text."""
+    return hashlib.sha256(canonical([prev, seq, run_id, kind, body]).encode("ascii")).hexdigest()
+
+
+@dataclasses.dataclass
+class LedgerState:
+    """A verified ledger: the fold of its events.
+
+    Attributes:
+        rows: run id -> row (the :data:`COLUMNS`), in the order the runs were first recorded.
+        carried: the ``opening`` events' bodies (``epsilon``, ``delta``, ``time``, ``reason``):
+            amounts an operator stated as already spent.
+        events: how many events the chain holds.
+        head: the last event's hash (the chain id when there is none).
+        chain: the chain id.
+        migrated: how many rows were chained on this open (an older release's ledger).
+    """
+
+    rows: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    carried: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    events: int = 0
+    head: str = ""
+    chain: str = ""
+    migrated: int = 0
+
+    def history(self, exclude: str | None = None) -> list[tuple[float, float, int]]:
+        """``(noise_multiplier, sample_rate, steps)`` of every reserved or spent row (but ``exclude``)."""
+        return [(r["noise_multiplier"], r["sample_rate"], r["steps"]) for r in self.rows.values()
+                if r["state"] != "released" and r["steps"] > 0 and r["run_id"] != exclude]
+
+    def epsilon(self, delta: float, exclude: str | None = None,
+                plus: Sequence[tuple[float, float, int]] = ()) -> float:
+        """The composed ε at ``delta`` of the history (but ``exclude``) and ``plus``: RDP over
+        the rows, plus the carried amounts (basic composition)."""
+        return sum(float(c["epsilon"]) for c in self.carried) + rdp_epsilon([*self.history(exclude), *plus], delta)
+
+    def newest_delta(self) -> float | None:
+        """The δ of the newest row (else of the newest carried amount), None for an empty ledger."""
+        if self.rows:
+            return float(list(self.rows.values())[-1]["delta"])
+        return float(self.carried[-1]["delta"]) if self.carried else None
+
+
+def apply(state: LedgerState, run_id: str, kind: str, body: dict[str, Any]) -> None:
+    """Fold one event into ``state`` (see the module docstring).
+
+    Raises:
+        ValueError: the event does not follow from the events before it (one line).
+    """
+    rows = state.rows
+    row = rows.get(run_id)
+    if kind == "reserve" and row is None:
+        rows[run_id] = {"run_id": run_id, "time": body["time"], "state": "reserved",
+                        **{k: body[k] for k in _PLAN}, "trained": 0, "settled": None}
+    elif kind == "replan" and row is not None and row["state"] == "reserved":
+        row.update({k: body[k] for k in _PLAN})
+    elif kind == "trained" and row is not None:
+        row["trained"] = 1
+    elif kind == "settle" and row is not None and row["state"] == "reserved" and body["state"] in ("spent", "released"):
+        row.update({"state": body["state"], "steps": body["steps"], "epsilon": body["epsilon"],
+                    "settled": body["settled"]})
+    elif kind == "migrated" and row is None:
+        rows[run_id] = {k: body[k] for k in COLUMNS}
+    elif kind == "opening":
+        state.carried.append(dict(body))
+    else:
+        raise ValueError(f"a {kind!r} event for run {run_id!r} does not follow from the events before it")
+
+
+def read_head(state_dir: str | Path) -> dict[str, Any] | None:
+    """The head marker (None when there is none).
+
+    Raises:
+        LedgerDamaged: the marker is unreadable or not a marker.
+    """
+    path = Path(state_dir) / HEAD_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise LedgerDamaged(state_dir, f"its head marker {path} is unreadable ({exc.strerror or exc})") from None
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        doc = None
+    if not (isinstance(doc, dict) and isinstance(doc.get("events"), int) and isinstance(doc.get("chain"), str)
+            and isinstance(doc.get("head"), str)):
+        raise LedgerDamaged(state_dir, f"its head marker {path} is not a head marker ({len(raw)} bytes)")
+    return doc
+
+
+def write_head(state_dir: str | Path, state: LedgerState) -> None:
+    """Write the head marker for ``state`` (atomically and durably)."""
+    delta = state.newest_delta()
+    doc = {"format": FORMAT, "chain": state.chain, "events": state.events, "head": state.head, "time": time.time(),
+           "delta": delta, "epsilon": round(state.epsilon(delta), 6) if delta is not None else 0.0}
+    atomic_write(Path(state_dir) / HEAD_FILE, json.dumps(doc, sort_keys=True) + "\n")
+
+
+def _stat(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class PrivacyLedger:
+    """The device's DP history (see the module docstring), one SQLite file and its head marker;
+    safe to use from the supervisor and the run process at once (each call is its own
+    connection and transaction; writers lock the ``privacy/`` folder).
+
+    Args:
+        state_dir: the state directory.
+
+    Every read and write checks the ledger first and raises :class:`LedgerDamaged` (a
+    ``ValueError``, one line) when it cannot be trusted; writes also raise ``sqlite3.Error`` or
+    ``OSError`` when the disk refuses (nothing half-written).
+    """
+
+    def __init__(self, state_dir: str | Path):
+        self.state_dir = Path(state_dir)
+        self.path = self.state_dir / LEDGER_FILE
+        self._cache: tuple[Any, LedgerState | LedgerDamaged] | None = None
+        self._cache_lock = threading.Lock()
+
+    # -- opening and checking ---------------------------------------------------------
+    def _damaged(self, what: str) -> LedgerDamaged:
+        return LedgerDamaged(self.state_dir, what)
+
+    def _key(self) -> tuple[Any, ...]:
+        p = self.path
+        return (_stat(self.state_dir / HEAD_FILE), _stat(p), _stat(p.with_name(p.name + "-wal")))
+
+    def exists(self) -> bool:
+        """Whether there is a ledger or a head marker (a device with a DP history)."""
+        return self.path.exists() or (self.state_dir / HEAD_FILE).exists()
+
+    def state(self) -> LedgerState:
+        """The verified ledger (an empty one when there is neither a ledger nor a marker); an
+        older release's ledger is chained first (migration, see the module docstring).
+
+        Raises:
+            LedgerDamaged: see the module docstring.
+            sqlite3.OperationalError: the database is busy (locked past the timeout).
+        """
+        key = self._key()
+        with self._cache_lock:
+            if self._cache is not None and self._cache[0] == key:
+                cached = self._cache[1]
+                if isinstance(cached, LedgerDamaged):
+                    raise cached
+                return cached
+        try:
+            try:
+                st = self._load()
+            except _Unchained:
+                with self._locked():
+                    migrated = self._ensure_chained()
+                st = self._load()
+                st.migrated = migrated
+                key = self._key()
+        except LedgerDamaged as exc:
+            with self._cache_lock:
+                self._cache = (key, exc)
+            raise
+        with self._cache_lock:
+            self._cache = (key, st)
+        return st
+
+    def check(self) -> tuple[str, LedgerState | None]:
+        """A read-only check (``dflctl privacy verify``): ``("ok", state)``, ``("unchained",
+        None)`` for an older release's ledger not yet chained (the agent chains it when it next
+        opens it), ``("empty", state)`` with neither ledger nor marker.
+
+        Raises:
+            LedgerDamaged: see the module docstring.
+        """
+        if not self.exists():
+            return "empty", LedgerState()
+        try:
+            return "ok", self._load()
+        except _Unchained:
+            return "unchained", None
+
+    def at_start(self) -> LedgerState | None:
+        """The service's check at start: chain an older release's ledger, catch the marker up
+        after a power cut between a commit and its marker, and log a damaged ledger at ERROR (one
+        line).  Returns the state, None when damaged or when the device has no DP history."""
+        if not self.exists():
+            return None
+        try:
+            st = self.state()
+            head = read_head(self.state_dir)
+            if head is None or head.get("events") != st.events or head.get("head") != st.head:
+                with self._locked():
+                    write_head(self.state_dir, self._load())
+        except LedgerDamaged as exc:
+            log.error("%s", exc)
+            return None
+        except (sqlite3.Error, OSError) as exc:
+            log.error("privacy ledger %s: %s", self.path, exc)
+            return None
+        return st
+
+    def _connect(self, create: bool = False) -> sqlite3.Connection:
+        """A connection; the file is never created unless ``create``."""
+        mode = "rwc" if create else "rw"
+        con = sqlite3.connect(f"file:{self.path}?mode={mode}", uri=True, timeout=30.0, isolation_level=None)
+        con.execute("PRAGMA synchronous = FULL")
+        return con
+
+    def _empty_file(self) -> bool:
+        """Whether the ledger's file is 0 bytes (and no journal holds its pages)."""
+        wal = self.path.with_name(self.path.name + "-wal")
+        return self.path.stat().st_size == 0 and not (wal.exists() and wal.stat().st_size > 0)
+
+    def _load(self, con: sqlite3.Connection | None = None) -> LedgerState:
+        """Read and verify the ledger (a new connection unless ``con``, in whose transaction the
+        caller reads).  Raises :class:`LedgerDamaged`, or :class:`_Unchained` for an older
+        release's ledger."""
+        head = read_head(self.state_dir)  # the marker first: the ledger is at least as new
+        recorded = head["events"] if head is not None else 0
+        if not self.path.exists():
+            if recorded > 0:
+                raise self._damaged(f"is missing, but its head marker {self.state_dir / HEAD_FILE} records "
+                                    f"{recorded} rows")
+            return LedgerState(chain=head["chain"] if head else "")
+        if self._empty_file():
+            if head is not None and recorded == 0:
+                return LedgerState(chain=head["chain"])  # created, nothing committed yet (a power cut)
+            raise self._damaged("is 0 bytes (truncated)" + (f"; its head marker records {recorded} rows"
+                                                            if recorded else ""))
+        try:
+            if con is not None:
+                return self._verify(con, head)
+            con = self._connect()
+            try:
+                con.execute("BEGIN")  # one consistent snapshot
+                return self._verify(con, head)
+            finally:
+                con.close()
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                raise
+            raise self._damaged(f"is not a readable SQLite database ({exc})") from None
+        except sqlite3.DatabaseError as exc:
+            raise self._damaged(f"is not a readable SQLite database ({exc})") from None
+
+    def _verify(self, con: sqlite3.Connection, head: dict[str, Any] | None) -> LedgerState:
+        recorded = head["events"] if head is not None else 0
+        check = con.execute("PRAGMA quick_check").fetchall()
+        if [tuple(r) for r in check] != [("ok",)]:
+            first = " ".join(str(check[0][0]).split())[:160]
+            raise self._damaged(f"fails SQLite's integrity check ({first})")
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if "events" not in tables:
+            if "runs" not in tables:  # a database without a ledger in it
+                if recorded > 0:
+                    raise self._damaged(f"holds no ledger, but its head marker records {recorded} rows")
+                return LedgerState(chain=head["chain"] if head else "")
+            if recorded > 0:
+                raise self._damaged(f"has no hash chain (an older release's format), but its head marker records "
+                                    f"{recorded} rows")
+            raise _Unchained()
+        if head is None:
+            raise self._damaged(f"its head marker {self.state_dir / HEAD_FILE} is missing")
+        meta = dict(con.execute("SELECT key, value FROM meta").fetchall()) if "meta" in tables else {}
+        chain = meta.get("chain", "")
+        if meta.get("format") != str(FORMAT) or not chain:
+            raise self._damaged("has no chain id (table meta)")
+        if recorded > 0 and head["chain"] != chain:
+            raise self._damaged(f"is another ledger than the one its head marker records (chain {chain[:12]}, "
+                                f"marker {head['chain'][:12]})")
+        st = LedgerState(chain=chain, head=chain)
+        prev = chain
+        for seq, run_id, kind, body, digest in con.execute("SELECT seq, run_id, kind, body, hash FROM events "
+                                                           "ORDER BY seq"):
+            if seq != st.events + 1:
+                raise self._damaged(f"row {st.events + 1} of its history is missing (the rows go on at {seq})")
+            if not (isinstance(run_id, str) and isinstance(kind, str) and isinstance(body, str)) or \
+                    link_hash(prev, seq, run_id, kind, body) != digest:
+                raise self._damaged(f"row {seq} of its history (run {run_id}, {kind}) was changed: its hash does "
+                                    "not match")
+            try:
+                apply(st, run_id, kind, json.loads(body))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise self._damaged(f"row {seq} of its history: {exc}") from None
+            st.events, st.head, prev = seq, digest, digest
+            if seq == recorded and digest != head["head"]:
+                raise self._damaged(f"row {seq} of its history is not the one its head marker records")
+        if st.events < recorded:
+            raise self._damaged(f"holds {st.events} rows of history, but its head marker records {recorded}: rows "
+                                "were removed")
+        table = {r[0]: dict(zip(COLUMNS, r)) for r in con.execute(f"SELECT {', '.join(COLUMNS)} FROM runs")}
+        for run_id in sorted(set(table) | set(st.rows)):
+            a, b = table.get(run_id), st.rows.get(run_id)
+            if a is None or b is None:
+                raise self._damaged(f"table runs {'lacks' if a is None else 'has an extra row for'} run {run_id} "
+                                    "(its history says otherwise)")
+            for col in COLUMNS:
+                if a[col] != b[col]:
+                    raise self._damaged(f"table runs disagrees with its history at run {run_id}: {col} {a[col]!r}, "
+                                        f"the history says {b[col]!r}")
+        return st
+
+    # -- writing ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """An exclusive ``flock`` on the ``privacy/`` folder (writers: commit and marker together)."""
+        folder = self.path.parent
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _create(self, chain: str) -> None:
+        """A new, empty chained ledger with chain id ``chain`` (the marker is written first)."""
+        write_head(self.state_dir, LedgerState(chain=chain, head=chain))
+        for suffix in ("", "-wal", "-shm"):  # a 0-byte file of a power cut at creation
+            self.path.with_name(self.path.name + suffix).unlink(missing_ok=True)
+        con = self._connect(create=True)
+        try:
+            con.execute("PRAGMA journal_mode = WAL")
+            con.execute("BEGIN IMMEDIATE")
+            for ddl in (_RUNS, _EVENTS, _META):
+                con.execute(ddl)
+            con.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", [("format", str(FORMAT)),
+                                                                             ("chain", chain)])
+            con.execute("COMMIT")
+        finally:
+            con.close()
+        fsync_dir(self.path.parent)
+
+    def _ensure_chained(self) -> int:
+        """Chain an older release's ledger (see the module docstring; the caller holds the lock
+        and another process may have chained it since).  Returns the rows chained (0: nothing to do)."""
+        if not self.path.exists() or self._empty_file():
+            return 0
+        try:
+            con = self._connect()
+            try:
+                tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            finally:
+                con.close()
+        except sqlite3.DatabaseError:
+            return 0  # the check that follows names what is wrong
+        head = read_head(self.state_dir)
+        if "events" in tables or "runs" not in tables or (head is not None and head["events"] > 0):
+            return 0
+        backup = self.state_dir / PRE_CHAIN_FILE
+        if backup.exists():
+            backup = backup.with_name(f"ledger.pre-chain-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.sqlite")
+        tmp = backup.with_name(f".{backup.name}.tmp{os.getpid()}")
+        src, dst = self._connect(), sqlite3.connect(tmp)
+        try:
+            src.backup(dst)  # a consistent copy, whatever the journal holds
+        finally:
+            dst.close()
+            src.close()
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        rename(tmp, backup)
+        chain = secrets.token_hex(16)
+        write_head(self.state_dir, LedgerState(chain=chain, head=chain))  # 0 events: a crash here chains again
+        con = self._connect()
+        try:
+            con.execute("PRAGMA journal_mode = WAL")
+            con.execute("BEGIN IMMEDIATE")
+            rows = [dict(zip(COLUMNS, r)) for r in con.execute(f"SELECT {', '.join(COLUMNS)} FROM runs "
+                                                                "ORDER BY time, run_id")]
+            for ddl in (_EVENTS, _META):
+                con.execute(ddl)
+            con.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", [("format", str(FORMAT)),
+                                                                             ("chain", chain)])
+            st = LedgerState(chain=chain, head=chain)
+            for row in rows:
+                self._append(con, st, row["run_id"], "migrated", row)
+            crash_point("privacy-ledger", "before-commit")
+            con.execute("COMMIT")
+        except BaseException:
+            if con.in_transaction:
+                con.execute("ROLLBACK")
+            raise
+        finally:
+            con.close()
+        write_head(self.state_dir, st)
+        log.info("privacy ledger %s: chained its %d rows (written by an older release); a copy of the file before "
+                 "is kept as %s", self.path, len(rows), backup)
+        return max(1, len(rows))
+
+    def _append(self, con: sqlite3.Connection, st: LedgerState, run_id: str, kind: str,
+                body: dict[str, Any]) -> None:
+        """Append one event in the caller's transaction, fold it into ``st`` and write its row of
+        table ``runs``."""
+        text = canonical(body)
+        seq = st.events + 1
+        digest = link_hash(st.head, seq, run_id, kind, text)
+        apply(st, run_id, kind, json.loads(text))
+        con.execute("INSERT INTO events (seq, run_id, kind, body, hash) VALUES (?, ?, ?, ?, ?)",
+                    (seq, run_id, kind, text, digest))
+        if kind != "opening":
+            row = st.rows[run_id]
+            con.execute(f"INSERT OR REPLACE INTO runs ({', '.join(COLUMNS)}) VALUES "
+                        f"({', '.join('?' * len(COLUMNS))})", tuple(row[c] for c in COLUMNS))
+        st.events, st.head = seq, digest
+
+    def _write(self, events: Callable[[LedgerState], list[tuple[str, str, dict[str, Any]]]]) -> LedgerState:
+        """Append the events ``events(state)`` returns (``(run_id, kind, body)``; none: nothing
+        written) in one transaction, then the marker.
+
+        Raises:
+            LedgerDamaged: the ledger cannot be trusted (nothing written).
+        """
+        with self._locked():
+            if not self.path.exists() or self._empty_file():
+                head = self._load()  # raises when the marker says a ledger existed
+                self._create(head.chain or secrets.token_hex(16))
+            self._ensure_chained()
+            self._load()  # a damaged ledger is named here, before anything is written
+            con = self._connect()
+            try:
+                con.execute("BEGIN IMMEDIATE")
+                try:
+                    st = self._load(con)
+                except _Unchained:  # pragma: no cover - chained just above
+                    raise self._damaged("could not be chained") from None
+                todo = events(st)
+                for run_id, kind, body in todo:
+                    self._append(con, st, run_id, kind, body)
+                if todo:
+                    crash_point("privacy-ledger", "before-commit")
+                con.execute("COMMIT")
+            except BaseException:
+                if con.in_transaction:
+                    con.execute("ROLLBACK")
+                raise
+            finally:
+                con.close()
+            if todo:
+                crash_point("privacy-ledger", "committed")
+                write_head(self.state_dir, st)
+                crash_point("privacy-ledger", "marked")
+        with self._cache_lock:
+            self._cache = None
+        return st
+
+    # -- the ledger's operations (privacy_budget, dp_run) -------------------------------
+    def entries(self) -> list[dict[str, Any]]:
+        """Every row, oldest first (``[]`` when the ledger does not exist yet).
+
+        Raises:
+            LedgerDamaged: the ledger cannot be trusted.
+        """
+        rows = self.state().rows.values()
+        return [dict(r) for r in sorted(rows, key=lambda r: (r["time"], r["run_id"]))]
+
+    def get(self, run_id: str) -> dict[str, Any] | None:
+        """``run_id``'s row, or None.
+
+        Raises:
+            LedgerDamaged: the ledger cannot be trusted.
+        """
+        row = self.state().rows.get(run_id)
+        return dict(row) if row is not None else None
+
+    def reserve(self, run_id: str, plan: Any, rounds: int, *, replace: bool = False) -> None:
+        """Reserve ``plan``'s spend (a :class:`~dfl_agent.privacy.plan.RunPlan`) for ``run_id``
+        (state ``reserved``).  A run that holds a row keeps it (a restart admits its run again),
+        unless ``replace`` and the row is still reserved (the run process's own plan, with the N it
+        trains on: a ``replan`` event).
+
+        Raises:
+            LedgerDamaged: the ledger cannot be trusted (nothing reserved).
+        """
+        per_round = plan.steps // rounds if rounds > 0 else plan.steps
+        body = {"noise_multiplier": float(plan.noise_multiplier), "sample_rate": float(plan.sample_rate),
+                "steps": int(plan.steps), "planned_steps": int(plan.steps), "steps_per_round": int(per_round),
+                "delta": float(plan.delta), "max_grad_norm": float(plan.max_grad_norm), "epsilon": float(plan.epsilon)}
+
+        def events(st: LedgerState) -> list[tuple[str, str, dict[str, Any]]]:
+            row = st.rows.get(run_id)
+            if row is None:
+                return [(run_id, "reserve", {**body, "time": time.time()})]
+            if replace and row["state"] == "reserved" and any(row[k] != body[k] for k in _PLAN):
+                return [(run_id, "replan", body)]
+            return []
+
+        self._write(events)
+
+    def mark_trained(self, run_id: str) -> None:
+        """Note that ``run_id`` started training here (its reservation is no longer released)."""
+        self._write(lambda st: [(run_id, "trained", {})] if run_id in st.rows and not st.rows[run_id]["trained"]
+                    else [])
+
+    def settle(self, run_id: str, steps: int) -> dict[str, Any] | None:
+        """A reserved run ended: ``spent`` with the ``steps`` it took (0: ``released``); its ε is
+        recomputed for them.  Returns the row (None without one; a settled row is left as it is)."""
+        steps = max(0, int(steps))
+
+        def events(st: LedgerState) -> list[tuple[str, str, dict[str, Any]]]:
+            row = st.rows.get(run_id)
+            if row is None or row["state"] != "reserved":
+                return []
+            eps = rdp_epsilon([(row["noise_multiplier"], row["sample_rate"], steps)], row["delta"])
+            return [(run_id, "settle", {"state": "spent" if steps else "released", "steps": steps,
+                                        "epsilon": float(eps), "settled": time.time()})]
+
+        row = self._write(events).rows.get(run_id)
+        return dict(row) if row is not None else None
+
+    def history(self, exclude: str | None = None) -> list[tuple[float, float, int]]:
+        """``(noise_multiplier, sample_rate, steps)`` of every reserved or spent row (but ``exclude``)."""
+        return self.state().history(exclude)
+
+    def epsilon(self, delta: float, exclude: str | None = None,
+                plus: Sequence[tuple[float, float, int]] = ()) -> float:
+        """The composed ε at ``delta`` over the device's history (but ``exclude``) and ``plus``,
+        with any amount a recovery carried over (:meth:`LedgerState.epsilon`)."""
+        return self.state().epsilon(delta, exclude, plus)
+
+
+class _Unchained(Exception):
+    """An older release's ledger, read without migrating it."""
+
+
+
+
+# -- recovery ---------------------------------------------------------------------------
+def salvage(state_dir: str | Path, delta: float) -> list[tuple[str, float]]:
+    """What the device's records still show of its spent ε at ``delta``, whatever the ledger's
+    damage: ``(source, epsilon)`` for the head marker (at its own δ), table ``runs`` and the
+    events that still parse (their hashes unchecked).  Sources that cannot be read are left out."""
+    out: list[tuple[str, float]] = []
+    sd = Path(state_dir)
+    with contextlib.suppress(LedgerDamaged):
+        head = read_head(sd)
+        if head is not None and isinstance(head.get("epsilon"), (int, float)) and head.get("events", 0) > 0:
+            out.append((f"its head marker {sd / HEAD_FILE} (delta {head.get('delta')})", float(head["epsilon"])))
+    path = sd / LEDGER_FILE
+    if not path.exists() or path.stat().st_size == 0:
+        return out
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
+    except sqlite3.Error:
+        return out
+    try:
+        with contextlib.suppress(sqlite3.Error, ValueError, TypeError, KeyError):
+            rows = [dict(zip(COLUMNS, r)) for r in con.execute(f"SELECT {', '.join(COLUMNS)} FROM runs")]
+            st = LedgerState(rows={r["run_id"]: r for r in rows})
+            out.append(("its table runs", st.epsilon(delta)))
+        with contextlib.suppress(sqlite3.Error):
+            st = LedgerState()
+            for run_id, kind, body in con.execute("SELECT run_id, kind, body FROM events ORDER BY seq"):
+                with contextlib.suppress(ValueError, TypeError, KeyError):
+                    apply(st, run_id, kind, json.loads(body))
+            if st.rows or st.carried:
+                out.append(("the rows of its history that still read", st.epsilon(delta)))
+    finally:
+        con.close()
+    return [(s, e) for s, e in out if math.isfinite(e)]
+
+
+def recover(state_dir: str | Path, spent_epsilon: float, delta: float, reason: str = "") -> Path | None:
+    """Start a new chain for a damaged ledger: its files move to ``privacy/damaged-TIME/``, and
+    the new ledger opens with ``spent_epsilon`` at ``delta`` recorded as already spent (an
+    ``opening`` event).  Returns the folder the damaged files went to (None: there were none).
+
+    Raises:
+        ValueError: the ledger verifies (nothing to recover), or ``spent_epsilon`` is below what
+            the device's records still show (:func:`salvage`); one line.
+    """
+    sd = Path(state_dir)
+    ledger = PrivacyLedger(sd)
+    if not (spent_epsilon >= 0 and math.isfinite(spent_epsilon)):
+        raise ValueError(f"--spent-epsilon must be a number >= 0, got {spent_epsilon}")
+    if not 0 < delta < 1:
+        raise ValueError(f"--delta must be in (0, 1), got {delta}")
+    with ledger._locked():
+        try:
+            status, _ = ledger.check()
+        except LedgerDamaged as exc:
+            what = exc.what
+        else:
+            raise ValueError(f"privacy ledger {ledger.path}: {status}, nothing to recover (dflctl privacy verify "
+                             "shows it)")
+        floor = max(salvage(sd, delta), key=lambda se: se[1], default=None)
+        if floor is not None and spent_epsilon < floor[1] - 1e-9:
+            raise ValueError(f"--spent-epsilon {spent_epsilon:g} is below what this device's records still show: "
+                             f"epsilon {floor[1]:.6g} from {floor[0]}; a recovery never lowers a spent budget")
+        moved = None
+        files = [ledger.path.with_name(ledger.path.name + s) for s in ("", "-wal", "-shm")]
+        if any(f.exists() for f in files):
+            stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
+            moved = ledger.path.parent / f"damaged-{stamp}"
+            n = 1
+            while moved.exists():
+                n += 1
+                moved = ledger.path.parent / f"damaged-{stamp}-{n}"
+            moved.mkdir()
+            for f in files:
+                if f.exists():
+                    rename(f, moved / f.name)
+        chain = secrets.token_hex(16)
+        ledger._create(chain)
+        con = ledger._connect()
+        try:
+            con.execute("BEGIN IMMEDIATE")
+            st = LedgerState(chain=chain, head=chain)
+            body = {"epsilon": float(spent_epsilon), "delta": float(delta), "time": time.time(),
+                    "reason": reason or what, "damaged_files": str(moved) if moved else None}
+            ledger._append(con, st, "", "opening", body)
+            con.execute("COMMIT")
+        finally:
+            con.close()
+        write_head(sd, st)
+    log.info("privacy ledger %s: recovered: a new chain opens with epsilon %g spent at delta %g (was: %s)",
+             ledger.path, spent_epsilon, delta, what)
+    return moved
