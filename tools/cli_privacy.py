@@ -53,7 +53,8 @@ def _when(t: Any) -> str:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    from dfl_agent.runtime.privacy_ledger import HEAD_FILE, LedgerDamaged, PrivacyLedger, read_head, salvage
+    from dfl_agent.runtime.privacy_ledger import HEAD_FILE, LedgerDamaged, PrivacyLedger, read_head
+    from dfl_agent.runtime.privacy_recovery import salvage
 
     sd, cfg = resolve(a)
     delta = _delta(a, sd, cfg)
@@ -110,12 +111,12 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_recover(a: argparse.Namespace) -> int:
-    from dfl_agent.runtime.privacy_ledger import recover
+    from dfl_agent.runtime.privacy_recovery import recover
 
     sd, cfg = resolve(a)
     delta = _delta(a, sd, cfg)
-    moved = recover(sd, float(a.spent_epsilon), delta)
-    print(f"privacy ledger {sd / 'privacy' / 'ledger.sqlite'}: a new chain opens with epsilon {a.spent_epsilon:g} "
+    eps, moved = recover(sd, float(a.spent_epsilon), delta)
+    print(f"privacy ledger {sd / 'privacy' / 'ledger.sqlite'}: a new chain opens with epsilon {eps:.6g} "
           f"spent at delta {delta:g}; the agent admits DP runs against it from its next admission")
     if moved is not None:
         print(f"the damaged files are kept in {moved}")

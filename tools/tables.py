@@ -179,7 +179,7 @@ def _number(v: Any) -> bool:
 
 def privacy_down(statuses: dict[str, Any], seen: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """The devices whose reported privacy ε went down: node id -> ``{"was", "now", "by"}``, from
-    the ``privacy_decreased`` of the other nodes' statuses (each agent watches its peers; an
+    the ``privacy.peers_decreased`` of the other nodes' statuses (each agent watches its peers; an
     untrusted status is not taken) and ``seen`` (this observer's own watch, ``by`` "dflctl").  A
     device whose status now reports at least ``was`` again (a recovery) is not flagged."""
     out: dict[str, dict[str, Any]] = {}
@@ -191,7 +191,7 @@ def privacy_down(statuses: dict[str, Any], seen: dict[str, Any] | None = None) -
             cur["by"].append(by)
 
     for reporter, st in sorted(statuses.items()):
-        flags = (st or {}).get("privacy_decreased")
+        flags = ((st or {}).get("privacy") or {}).get("peers_decreased")
         if isinstance(flags, dict) and not str((st or {}).get("trust", "")).startswith("untrusted"):
             for node, flag in flags.items():
                 take(node, flag, reporter)

@@ -28,8 +28,8 @@ A decline reason is published in the status: it names no figure that reveals N (
 **A budget that goes down** is what a reset ledger looks like from outside: :class:`PrivacyWatch`
 keeps, per device, the highest ε it saw in a status with no reservation outstanding (that value can
 only grow: settled runs stay counted), and flags a device whose reported ``epsilon_spent`` falls
-below it.  The run lobby watches its peers' statuses (the flags go out in this node's status as
-``privacy_decreased``) and so does ``dflctl``'s observer.
+below it.  The run lobby watches its peers' statuses (the flags go out in this node's status, in
+``privacy.peers_decreased``) and so does ``dflctl``'s observer.
 
 **N**, the number of training samples: the sample store's snapshot less its validation slice
 (``data.dataset = "store"``), else the node's partition of ``data.dataset`` (loaded without torch,
@@ -136,6 +136,8 @@ class PrivacyBudget:
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         self.ledger = PrivacyLedger(cfg.state_dir)
+        #: the run lobby's watch of its peers' reported budgets (``peers_decreased`` in :meth:`status`)
+        self.watch: PrivacyWatch | None = None
         self.ledger.at_start()  # chains an older release's ledger; a damaged one is logged (ERROR, one line)
         self._lock = threading.Lock()
         self._view: tuple[Any, dict[str, Any]] | None = None
@@ -144,7 +146,7 @@ class PrivacyBudget:
             counters.fields["privacy"] = self.status
             watch = getattr(getattr(counters, "lobby", None), "privacy_watch", None)
             if isinstance(watch, PrivacyWatch):  # peers whose reported budget went down
-                counters.fields["privacy_decreased"] = watch.view
+                self.watch = watch
 
     @property
     def delta(self) -> float:
@@ -215,9 +217,8 @@ class PrivacyBudget:
         except ValueError as exc:
             return f"privacy budget: {exc}"
         try:  # the ledger checked: a damaged one declines the run with its one line
-            ledger = self.ledger.state()
-        except LedgerDamaged as exc:
-            log.error("run %s: %s", run_id, exc)
+            ledger = self.ledger.state(fresh=True)
+        except LedgerDamaged as exc:  # the run manager logs the decline with it
             return str(exc)
         except (sqlite3.Error, OSError) as exc:
             log.error("run %s: privacy ledger %s: %s", run_id, self.ledger.path, exc)
@@ -265,7 +266,10 @@ class PrivacyBudget:
                 log.info("run %s: privacy ledger settled: %d DP steps, epsilon %.3g", run_id, row["steps"],
                          row["epsilon"])
             return {"privacy": row_view(row)}
-        except (LedgerDamaged, sqlite3.Error, OSError) as exc:  # the reservation stands; the next state settles it
+        except LedgerDamaged as exc:  # logged at start and with every declined run; a reservation stays counted
+            log.debug("run %s: privacy ledger not read for %s: %s", run_id, state, exc.what)
+            return {}
+        except (sqlite3.Error, OSError) as exc:  # the reservation stands; the next state settles it
             log.error("run %s: privacy ledger not settled for %s: %s", run_id, state, exc)
             return {}
 
@@ -285,7 +289,14 @@ class PrivacyBudget:
 
     def status(self) -> dict[str, Any]:
         """The status field ``privacy``: ``{"dp": false}`` without DP and without a history, else the
-        composed ε spent (reservations included), what remains of ``lifetime_epsilon``, and δ."""
+        composed ε spent (reservations included), what remains of ``lifetime_epsilon``, and δ;
+        ``{"ledger": "damaged", "error": ...}`` when the ledger fails its check; with
+        ``peers_decreased`` (:class:`PrivacyWatch`) when a peer's reported ε went down."""
+        view = self._status()
+        down = self.watch.view() if self.watch is not None else None
+        return {**view, "peers_decreased": down} if down else view
+
+    def _status(self) -> dict[str, Any]:
         try:
             ledger = self.ledger.state()
             entries = self.ledger.entries()

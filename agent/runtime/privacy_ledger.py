@@ -6,65 +6,34 @@ FULL``) holds one row per run that trained under DP (table ``runs``: noise multi
 rate, DP steps, δ, clipping bound, the ε of the run alone and a state, ``reserved``, ``spent`` or
 ``released``; :mod:`dfl_agent.runtime.privacy_budget` reserves and settles them).  The device's
 composed ε is :func:`~dfl_agent.privacy.accountant.rdp_epsilon` over every reserved and spent row,
-plus any amount carried over by a recovery (below).
-
-**Settling appends; nothing is rewritten.**  Every change is an *event* appended to table
-``events`` (``seq`` 1, 2, 3, ...): ``reserve`` (a run's plan), ``replan`` (the run process's own
-plan for a reservation not yet settled), ``trained``, ``settle`` (``spent`` with the steps taken,
-or ``released``), ``migrated`` (a row of an older release's ledger, taken over as it was) and
-``opening`` (an amount an operator stated as already spent: :func:`recover`).  The state of each
-run is the *fold* of its events in order (:func:`apply`); table ``runs`` is that fold, written in
-the same transaction as the event for readers with the ``sqlite3`` shell, and checked against it.
-
-**The hash chain.**  Each event stores ``hash = SHA-256(canonical JSON of [previous hash, seq,
-run_id, kind, body])`` (canonical: sorted keys, no spaces, ASCII, floats as Python's shortest
-round-trip repr); the first event's "previous hash" is the ledger's random chain id (table
-``meta``).  So changing an event's content or the state it leads to, removing an event or
-reordering events breaks the chain at that event; editing table ``runs`` makes it disagree with
-the fold.
-
-**The head marker** ``STATE_DIR/privacy-head.json`` (outside ``privacy/``, so that deleting or
-restoring that folder alone does not take the marker with it) records the chain id, how many
-events the ledger holds, the last event's hash, and the composed ε at the newest row's δ.  A chain
-alone cannot tell that its last rows were cut off, or that the file was emptied or deleted; the
-marker can.  It is written atomically and durably (temporary file, fsync, rename, fsync of the
-folder) *after* each commit, and once *before* a ledger is first created or migrated, so at every
-instant the ledger holds at least the marker's events: a power cut between a commit and the
-marker's write leaves the ledger one event ahead, which is accepted (and the marker caught up).
-Writers take an exclusive ``flock`` on the ``privacy/`` folder around commit and marker write;
-readers read the marker first, then the ledger.
+plus any amount carried over by a recovery (:mod:`dfl_agent.runtime.privacy_recovery`).  Every
+change appends an event to a hash chain, and a head marker beside the state folder's ``privacy/``
+records the chain's length and head (:mod:`dfl_agent.runtime.privacy_chain`: the format).  Writers
+take an exclusive ``flock`` on the ``privacy/`` folder around commit and marker write; readers read
+the marker first, then the ledger.
 
 **Checks.**  :meth:`PrivacyLedger.state` (at start, at every admission, and for every read;
 cached while the files' size, time and inode stay the same) refuses, with :class:`LedgerDamaged`
 (one line naming the file, what is wrong and the recovery command), a ledger that is 0 bytes,
-missing while the marker records events, not a readable SQLite database or failing its
-integrity check, whose chain is broken (an event changed, removed or reordered), whose table
-``runs`` disagrees with its events, that holds fewer events than the marker or another chain, or
-whose marker is missing or unreadable.  DP runs are then declined with that line; nothing is
-written to a damaged ledger.
+shorter than its own header says, missing while the marker records events, not a readable SQLite
+database or failing its integrity check, whose chain is broken (an event changed, removed or
+reordered), whose table ``runs`` disagrees with its events, that holds fewer events than the
+marker or another chain, or whose marker is missing or unreadable.  DP runs are then declined with
+that line; nothing is written to a damaged ledger.
 
 **Migration.**  A ledger of an older release (table ``runs`` and no ``events``) is chained on its
 first open: a consistent copy goes to ``privacy/ledger.pre-chain.sqlite`` (SQLite's backup,
 fsynced), then one transaction appends a ``migrated`` event per row (oldest first); the ε is the
 same before and after.  Logged at INFO.
-
-**Recovery** (``dflctl privacy recover``, :func:`recover`): the damaged files are moved aside to
-``privacy/damaged-TIME/`` and a new chain opens with an ``opening`` event that records the ε the
-operator states as already spent (at least what the device's own records still show: the marker's
-ε and whatever rows can still be read).  The accountant adds it to the composed ε of the runs after
-it (basic composition: ε and δ add, a conservative bound), so a recovery never lowers the budget
-spent.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import copy
 import fcntl
-import hashlib
 import json
 import logging
-import math
 import os
 import secrets
 import sqlite3
@@ -74,179 +43,34 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from dfl_agent.fsutil import atomic_write, crash_point, fsync_dir, rename
+from dfl_agent.fsutil import crash_point, fsync_dir, rename
 from dfl_agent.privacy.accountant import rdp_epsilon
+from dfl_agent.runtime.privacy_chain import (
+    COLUMNS,
+    EVENTS_DDL,
+    FORMAT,
+    HEAD_FILE,
+    LEDGER_FILE,
+    META_DDL,
+    PLAN_FIELDS,
+    PRE_CHAIN_FILE,
+    ROW_STATES,
+    RUNS_DDL,
+    LedgerDamaged,
+    LedgerState,
+    canonical,
+    file_stat,
+    link_hash,
+    read_head,
+    sqlite_uri,
+    write_head,
+)
+from dfl_agent.runtime.privacy_chain import apply as apply_event
 
 log = logging.getLogger("dfl_agent.daemon")
 
-#: the ledger's file under the state directory
-LEDGER_FILE = Path("privacy") / "ledger.sqlite"
-#: the head marker under the state directory (see the module docstring)
-HEAD_FILE = Path("privacy-head.json")
-#: the copy of an older release's ledger taken before it is chained
-PRE_CHAIN_FILE = Path("privacy") / "ledger.pre-chain.sqlite"
-#: the ledger's format (table ``meta``, key ``format``): 2 is the chained ledger
-FORMAT = 2
-#: the row states: ``reserved`` at admission, ``spent`` once settled, ``released`` (never trained)
-ROW_STATES = ("reserved", "spent", "released")
-#: the event kinds (see the module docstring)
-EVENT_KINDS = ("reserve", "replan", "trained", "settle", "migrated", "opening")
-
-_RUNS = """
-CREATE TABLE IF NOT EXISTS runs (
-    run_id TEXT PRIMARY KEY,
-    time REAL NOT NULL,
-    state TEXT NOT NULL CHECK (state IN ('reserved', 'spent', 'released')),
-    noise_multiplier REAL NOT NULL,
-    sample_rate REAL NOT NULL,
-    steps INTEGER NOT NULL,
-    planned_steps INTEGER NOT NULL,
-    steps_per_round INTEGER NOT NULL,
-    delta REAL NOT NULL,
-    max_grad_norm REAL NOT NULL,
-    epsilon REAL NOT NULL,
-    trained INTEGER NOT NULL DEFAULT 0,
-    settled REAL
-)"""
-_EVENTS = """
-CREATE TABLE IF NOT EXISTS events (
-    seq INTEGER PRIMARY KEY,
-    run_id TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    body TEXT NOT NULL,
-    hash TEXT NOT NULL
-)"""
-_META = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
-COLUMNS = ("run_id", "time", "state", "noise_multiplier", "sample_rate", "steps", "planned_steps",
-           "steps_per_round", "delta", "max_grad_norm", "epsilon", "trained", "settled")
-_PLAN = ("noise_multiplier", "sample_rate", "steps", "planned_steps", "steps_per_round", "delta", "max_grad_norm",
-         "epsilon")
-
-
-class LedgerDamaged(ValueError):
-    """The privacy ledger cannot be trusted: one line naming the file, what is wrong and the
-    recovery command (``str(exc)``); :attr:`what` is the middle part alone."""
-
-    def __init__(self, state_dir: str | Path, what: str):
-        self.state_dir, self.what = Path(state_dir), what
-        super().__init__(f"privacy ledger {Path(state_dir) / LEDGER_FILE}: {what}; DP runs are refused until an "
-                         f"operator runs: dflctl privacy recover --state-dir {state_dir} --spent-epsilon E "
-                         "(E: the epsilon this device has spent, from your records)")
-
-
-def canonical(obj: Any) -> str:
-    """The canonical JSON text of ``obj`` (sorted keys, no spaces, ASCII; NaN refused)."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-
-
-def link_hash(prev: str, seq: int, run_id: str, kind: str, body: str) -> str:
-    """The hash of event ``seq``: SHA-256 (hex) of the canonical JSON of
-    ``[prev, seq, run_id, kind, body]``, ``body`` being the event's stored canonical text."""
-    return hashlib.sha256(canonical([prev, seq, run_id, kind, body]).encode("ascii")).hexdigest()
-
-
-@dataclasses.dataclass
-class LedgerState:
-    """A verified ledger: the fold of its events.
-
-    Attributes:
-        rows: run id -> row (the :data:`COLUMNS`), in the order the runs were first recorded.
-        carried: the ``opening`` events' bodies (``epsilon``, ``delta``, ``time``, ``reason``):
-            amounts an operator stated as already spent.
-        events: how many events the chain holds.
-        head: the last event's hash (the chain id when there is none).
-        chain: the chain id.
-        migrated: how many rows were chained on this open (an older release's ledger).
-    """
-
-    rows: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    carried: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    events: int = 0
-    head: str = ""
-    chain: str = ""
-    migrated: int = 0
-
-    def history(self, exclude: str | None = None) -> list[tuple[float, float, int]]:
-        """``(noise_multiplier, sample_rate, steps)`` of every reserved or spent row (but ``exclude``)."""
-        return [(r["noise_multiplier"], r["sample_rate"], r["steps"]) for r in self.rows.values()
-                if r["state"] != "released" and r["steps"] > 0 and r["run_id"] != exclude]
-
-    def epsilon(self, delta: float, exclude: str | None = None,
-                plus: Sequence[tuple[float, float, int]] = ()) -> float:
-        """The composed ε at ``delta`` of the history (but ``exclude``) and ``plus``: RDP over
-        the rows, plus the carried amounts (basic composition)."""
-        return sum(float(c["epsilon"]) for c in self.carried) + rdp_epsilon([*self.history(exclude), *plus], delta)
-
-    def newest_delta(self) -> float | None:
-        """The δ of the newest row (else of the newest carried amount), None for an empty ledger."""
-        if self.rows:
-            return float(list(self.rows.values())[-1]["delta"])
-        return float(self.carried[-1]["delta"]) if self.carried else None
-
-
-def apply(state: LedgerState, run_id: str, kind: str, body: dict[str, Any]) -> None:
-    """Fold one event into ``state`` (see the module docstring).
-
-    Raises:
-        ValueError: the event does not follow from the events before it (one line).
-    """
-    rows = state.rows
-    row = rows.get(run_id)
-    if kind == "reserve" and row is None:
-        rows[run_id] = {"run_id": run_id, "time": body["time"], "state": "reserved",
-                        **{k: body[k] for k in _PLAN}, "trained": 0, "settled": None}
-    elif kind == "replan" and row is not None and row["state"] == "reserved":
-        row.update({k: body[k] for k in _PLAN})
-    elif kind == "trained" and row is not None:
-        row["trained"] = 1
-    elif kind == "settle" and row is not None and row["state"] == "reserved" and body["state"] in ("spent", "released"):
-        row.update({"state": body["state"], "steps": body["steps"], "epsilon": body["epsilon"],
-                    "settled": body["settled"]})
-    elif kind == "migrated" and row is None:
-        rows[run_id] = {k: body[k] for k in COLUMNS}
-    elif kind == "opening":
-        state.carried.append(dict(body))
-    else:
-        raise ValueError(f"a {kind!r} event for run {run_id!r} does not follow from the events before it")
-
-
-def read_head(state_dir: str | Path) -> dict[str, Any] | None:
-    """The head marker (None when there is none).
-
-    Raises:
-        LedgerDamaged: the marker is unreadable or not a marker.
-    """
-    path = Path(state_dir) / HEAD_FILE
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise LedgerDamaged(state_dir, f"its head marker {path} is unreadable ({exc.strerror or exc})") from None
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        doc = None
-    if not (isinstance(doc, dict) and isinstance(doc.get("events"), int) and isinstance(doc.get("chain"), str)
-            and isinstance(doc.get("head"), str)):
-        raise LedgerDamaged(state_dir, f"its head marker {path} is not a head marker ({len(raw)} bytes)")
-    return doc
-
-
-def write_head(state_dir: str | Path, state: LedgerState) -> None:
-    """Write the head marker for ``state`` (atomically and durably)."""
-    delta = state.newest_delta()
-    doc = {"format": FORMAT, "chain": state.chain, "events": state.events, "head": state.head, "time": time.time(),
-           "delta": delta, "epsilon": round(state.epsilon(delta), 6) if delta is not None else 0.0}
-    atomic_write(Path(state_dir) / HEAD_FILE, json.dumps(doc, sort_keys=True) + "\n")
-
-
-def _stat(path: Path) -> tuple[int, int, int] | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
+__all__ = ["HEAD_FILE", "LEDGER_FILE", "PRE_CHAIN_FILE", "ROW_STATES", "LedgerDamaged", "LedgerState",
+           "PrivacyLedger", "read_head"]
 
 
 class PrivacyLedger:
@@ -274,15 +98,17 @@ class PrivacyLedger:
 
     def _key(self) -> tuple[Any, ...]:
         p = self.path
-        return (_stat(self.state_dir / HEAD_FILE), _stat(p), _stat(p.with_name(p.name + "-wal")))
+        return (file_stat(self.state_dir / HEAD_FILE), file_stat(p), file_stat(p.with_name(p.name + "-wal")))
 
     def exists(self) -> bool:
         """Whether there is a ledger or a head marker (a device with a DP history)."""
         return self.path.exists() or (self.state_dir / HEAD_FILE).exists()
 
-    def state(self) -> LedgerState:
+    def state(self, fresh: bool = False) -> LedgerState:
         """The verified ledger (an empty one when there is neither a ledger nor a marker); an
-        older release's ledger is chained first (migration, see the module docstring).
+        older release's ledger is chained first (migration, see the module docstring).  The
+        result is kept while the files' inode, size and modification time stay the same; with
+        ``fresh`` the whole chain is checked again (admission).  Do not change what it returns.
 
         Raises:
             LedgerDamaged: see the module docstring.
@@ -290,7 +116,7 @@ class PrivacyLedger:
         """
         key = self._key()
         with self._cache_lock:
-            if self._cache is not None and self._cache[0] == key:
+            if not fresh and self._cache is not None and self._cache[0] == key:
                 cached = self._cache[1]
                 if isinstance(cached, LedgerDamaged):
                     raise cached
@@ -349,8 +175,8 @@ class PrivacyLedger:
 
     def _connect(self, create: bool = False) -> sqlite3.Connection:
         """A connection; the file is never created unless ``create``."""
-        mode = "rwc" if create else "rw"
-        con = sqlite3.connect(f"file:{self.path}?mode={mode}", uri=True, timeout=30.0, isolation_level=None)
+        con = sqlite3.connect(sqlite_uri(self.path, "rwc" if create else "rw"), uri=True, timeout=30.0,
+                              isolation_level=None)
         con.execute("PRAGMA synchronous = FULL")
         return con
 
@@ -358,6 +184,27 @@ class PrivacyLedger:
         """Whether the ledger's file is 0 bytes (and no journal holds its pages)."""
         wal = self.path.with_name(self.path.name + "-wal")
         return self.path.stat().st_size == 0 and not (wal.exists() and wal.stat().st_size > 0)
+
+    def _truncated(self) -> str | None:
+        """What says the file was cut short, from its size and its header (SQLite's own format:
+        page size at byte 16, page count at 28, valid while bytes 92 and 24 agree); None when
+        nothing does, or while the journal holds pages not yet folded into the file."""
+        wal = self.path.with_name(self.path.name + "-wal")
+        if wal.exists() and wal.stat().st_size > 0:
+            return None
+        with open(self.path, "rb") as f:
+            hdr = f.read(100)
+        if len(hdr) < 100 or not hdr.startswith(b"SQLite format 3\0"):
+            return None  # SQLite names what it is not
+        size = self.path.stat().st_size
+        page = int.from_bytes(hdr[16:18], "big")
+        page = 65536 if page == 1 else page
+        if page < 512 or size % page:
+            return f"is {size} bytes, not a whole number of its {page}-byte pages (truncated)"
+        pages = int.from_bytes(hdr[28:32], "big")
+        if hdr[92:96] == hdr[24:28] and pages * page > size:
+            return f"is {size} bytes, but its header counts {pages} pages of {page} bytes (truncated)"
+        return None
 
     def _load(self, con: sqlite3.Connection | None = None) -> LedgerState:
         """Read and verify the ledger (a new connection unless ``con``, in whose transaction the
@@ -375,6 +222,8 @@ class PrivacyLedger:
                 return LedgerState(chain=head["chain"])  # created, nothing committed yet (a power cut)
             raise self._damaged("is 0 bytes (truncated)" + (f"; its head marker records {recorded} rows"
                                                             if recorded else ""))
+        if (cut := self._truncated()) is not None:
+            raise self._damaged(cut)
         try:
             if con is not None:
                 return self._verify(con, head)
@@ -427,7 +276,7 @@ class PrivacyLedger:
                 raise self._damaged(f"row {seq} of its history (run {run_id}, {kind}) was changed: its hash does "
                                     "not match")
             try:
-                apply(st, run_id, kind, json.loads(body))
+                apply_event(st, run_id, kind, json.loads(body))
             except (ValueError, KeyError, TypeError) as exc:
                 raise self._damaged(f"row {seq} of its history: {exc}") from None
             st.events, st.head, prev = seq, digest, digest
@@ -463,6 +312,7 @@ class PrivacyLedger:
 
     def _create(self, chain: str) -> None:
         """A new, empty chained ledger with chain id ``chain`` (the marker is written first)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         write_head(self.state_dir, LedgerState(chain=chain, head=chain))
         for suffix in ("", "-wal", "-shm"):  # a 0-byte file of a power cut at creation
             self.path.with_name(self.path.name + suffix).unlink(missing_ok=True)
@@ -470,7 +320,7 @@ class PrivacyLedger:
         try:
             con.execute("PRAGMA journal_mode = WAL")
             con.execute("BEGIN IMMEDIATE")
-            for ddl in (_RUNS, _EVENTS, _META):
+            for ddl in (RUNS_DDL, EVENTS_DDL, META_DDL):
                 con.execute(ddl)
             con.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", [("format", str(FORMAT)),
                                                                              ("chain", chain)])
@@ -516,7 +366,7 @@ class PrivacyLedger:
             con.execute("BEGIN IMMEDIATE")
             rows = [dict(zip(COLUMNS, r)) for r in con.execute(f"SELECT {', '.join(COLUMNS)} FROM runs "
                                                                 "ORDER BY time, run_id")]
-            for ddl in (_EVENTS, _META):
+            for ddl in (EVENTS_DDL, META_DDL):
                 con.execute(ddl)
             con.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", [("format", str(FORMAT)),
                                                                              ("chain", chain)])
@@ -543,7 +393,7 @@ class PrivacyLedger:
         text = canonical(body)
         seq = st.events + 1
         digest = link_hash(st.head, seq, run_id, kind, text)
-        apply(st, run_id, kind, json.loads(text))
+        apply_event(st, run_id, kind, json.loads(text))
         con.execute("INSERT INTO events (seq, run_id, kind, body, hash) VALUES (?, ?, ?, ?, ?)",
                     (seq, run_id, kind, text, digest))
         if kind != "opening":
@@ -564,20 +414,29 @@ class PrivacyLedger:
                 head = self._load()  # raises when the marker says a ledger existed
                 self._create(head.chain or secrets.token_hex(16))
             self._ensure_chained()
-            self._load()  # a damaged ledger is named here, before anything is written
+            self.state()  # a damaged ledger is named here, before anything is written
             con = self._connect()
             try:
                 con.execute("BEGIN IMMEDIATE")
-                try:
-                    st = self._load(con)
-                except _Unchained:  # pragma: no cover - chained just above
-                    raise self._damaged("could not be chained") from None
+                key = self._key()
+                with self._cache_lock:  # unchanged since it was checked: no other writer can change it now
+                    cached = self._cache[1] if self._cache is not None and self._cache[0] == key else None
+                if isinstance(cached, LedgerState):
+                    st = copy.deepcopy(cached)
+                    st.migrated = 0
+                else:
+                    try:
+                        st = self._load(con)
+                    except _Unchained:  # pragma: no cover - chained just above
+                        raise self._damaged("could not be chained") from None
                 todo = events(st)
                 for run_id, kind, body in todo:
                     self._append(con, st, run_id, kind, body)
                 if todo:
                     crash_point("privacy-ledger", "before-commit")
                 con.execute("COMMIT")
+                if todo:  # committed, its journal not yet folded into the file, no marker yet
+                    crash_point("privacy-ledger", "committed")
             except BaseException:
                 if con.in_transaction:
                     con.execute("ROLLBACK")
@@ -585,12 +444,11 @@ class PrivacyLedger:
             finally:
                 con.close()
             if todo:
-                crash_point("privacy-ledger", "committed")
                 write_head(self.state_dir, st)
                 crash_point("privacy-ledger", "marked")
-        with self._cache_lock:
-            self._cache = None
-        return st
+            with self._cache_lock:  # what was just written, as the files now are
+                self._cache = (self._key(), st)
+        return copy.deepcopy(st)
 
     # -- the ledger's operations (privacy_budget, dp_run) -------------------------------
     def entries(self) -> list[dict[str, Any]]:
@@ -629,7 +487,7 @@ class PrivacyLedger:
             row = st.rows.get(run_id)
             if row is None:
                 return [(run_id, "reserve", {**body, "time": time.time()})]
-            if replace and row["state"] == "reserved" and any(row[k] != body[k] for k in _PLAN):
+            if replace and row["state"] == "reserved" and any(row[k] != body[k] for k in PLAN_FIELDS):
                 return [(run_id, "replan", body)]
             return []
 
@@ -669,98 +527,3 @@ class PrivacyLedger:
 
 class _Unchained(Exception):
     """An older release's ledger, read without migrating it."""
-
-
-
-
-# -- recovery ---------------------------------------------------------------------------
-def salvage(state_dir: str | Path, delta: float) -> list[tuple[str, float]]:
-    """What the device's records still show of its spent ε at ``delta``, whatever the ledger's
-    damage: ``(source, epsilon)`` for the head marker (at its own δ), table ``runs`` and the
-    events that still parse (their hashes unchecked).  Sources that cannot be read are left out."""
-    out: list[tuple[str, float]] = []
-    sd = Path(state_dir)
-    with contextlib.suppress(LedgerDamaged):
-        head = read_head(sd)
-        if head is not None and isinstance(head.get("epsilon"), (int, float)) and head.get("events", 0) > 0:
-            out.append((f"its head marker {sd / HEAD_FILE} (delta {head.get('delta')})", float(head["epsilon"])))
-    path = sd / LEDGER_FILE
-    if not path.exists() or path.stat().st_size == 0:
-        return out
-    try:
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
-    except sqlite3.Error:
-        return out
-    try:
-        with contextlib.suppress(sqlite3.Error, ValueError, TypeError, KeyError):
-            rows = [dict(zip(COLUMNS, r)) for r in con.execute(f"SELECT {', '.join(COLUMNS)} FROM runs")]
-            st = LedgerState(rows={r["run_id"]: r for r in rows})
-            out.append(("its table runs", st.epsilon(delta)))
-        with contextlib.suppress(sqlite3.Error):
-            st = LedgerState()
-            for run_id, kind, body in con.execute("SELECT run_id, kind, body FROM events ORDER BY seq"):
-                with contextlib.suppress(ValueError, TypeError, KeyError):
-                    apply(st, run_id, kind, json.loads(body))
-            if st.rows or st.carried:
-                out.append(("the rows of its history that still read", st.epsilon(delta)))
-    finally:
-        con.close()
-    return [(s, e) for s, e in out if math.isfinite(e)]
-
-
-def recover(state_dir: str | Path, spent_epsilon: float, delta: float, reason: str = "") -> Path | None:
-    """Start a new chain for a damaged ledger: its files move to ``privacy/damaged-TIME/``, and
-    the new ledger opens with ``spent_epsilon`` at ``delta`` recorded as already spent (an
-    ``opening`` event).  Returns the folder the damaged files went to (None: there were none).
-
-    Raises:
-        ValueError: the ledger verifies (nothing to recover), or ``spent_epsilon`` is below what
-            the device's records still show (:func:`salvage`); one line.
-    """
-    sd = Path(state_dir)
-    ledger = PrivacyLedger(sd)
-    if not (spent_epsilon >= 0 and math.isfinite(spent_epsilon)):
-        raise ValueError(f"--spent-epsilon must be a number >= 0, got {spent_epsilon}")
-    if not 0 < delta < 1:
-        raise ValueError(f"--delta must be in (0, 1), got {delta}")
-    with ledger._locked():
-        try:
-            status, _ = ledger.check()
-        except LedgerDamaged as exc:
-            what = exc.what
-        else:
-            raise ValueError(f"privacy ledger {ledger.path}: {status}, nothing to recover (dflctl privacy verify "
-                             "shows it)")
-        floor = max(salvage(sd, delta), key=lambda se: se[1], default=None)
-        if floor is not None and spent_epsilon < floor[1] - 1e-9:
-            raise ValueError(f"--spent-epsilon {spent_epsilon:g} is below what this device's records still show: "
-                             f"epsilon {floor[1]:.6g} from {floor[0]}; a recovery never lowers a spent budget")
-        moved = None
-        files = [ledger.path.with_name(ledger.path.name + s) for s in ("", "-wal", "-shm")]
-        if any(f.exists() for f in files):
-            stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
-            moved = ledger.path.parent / f"damaged-{stamp}"
-            n = 1
-            while moved.exists():
-                n += 1
-                moved = ledger.path.parent / f"damaged-{stamp}-{n}"
-            moved.mkdir()
-            for f in files:
-                if f.exists():
-                    rename(f, moved / f.name)
-        chain = secrets.token_hex(16)
-        ledger._create(chain)
-        con = ledger._connect()
-        try:
-            con.execute("BEGIN IMMEDIATE")
-            st = LedgerState(chain=chain, head=chain)
-            body = {"epsilon": float(spent_epsilon), "delta": float(delta), "time": time.time(),
-                    "reason": reason or what, "damaged_files": str(moved) if moved else None}
-            ledger._append(con, st, "", "opening", body)
-            con.execute("COMMIT")
-        finally:
-            con.close()
-        write_head(sd, st)
-    log.info("privacy ledger %s: recovered: a new chain opens with epsilon %g spent at delta %g (was: %s)",
-             ledger.path, spent_epsilon, delta, what)
-    return moved
