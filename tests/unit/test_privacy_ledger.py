@@ -99,15 +99,16 @@ def test_a_damaged_ledger_declines_dp_runs_with_one_line(tmp_path: Path, damage:
     before = ledger.read_bytes() if ledger.exists() else None
     with caplog.at_level(logging.ERROR, logger="dfl_agent.daemon"):
         budget = _budget(tmp_path, store)  # the agent restarted
-    assert any(r.getMessage().startswith(f"privacy ledger {ledger}: ") for r in caplog.records), caplog.text
+    at_start = [r.getMessage() for r in caplog.records]
     reason = budget.admit(_run("c"))
-    assert reason is not None, "a damaged ledger admitted a DP run"
+    assert reason is not None, f"a damaged ledger admitted a DP run: {budget.status()}"
     assert "\n" not in reason and reason.startswith(f"privacy ledger {ledger}: "), reason
     import re
 
     assert re.search(says, reason), reason
     assert f"dflctl privacy recover --state-dir {tmp_path} --spent-epsilon E" in reason
     assert (ledger.read_bytes() if ledger.exists() else None) == before  # nothing reserved, nothing written
+    assert at_start == [reason]  # said at start, at ERROR, in the same words
     st = budget.status()
     assert st["ledger"] == "damaged" and "epsilon_spent" not in st and privacy_text(st) == "ledger damaged"
     assert budget.admit(_run("d")) == reason  # every DP run, until an operator recovers it
@@ -223,7 +224,6 @@ def test_a_ledger_of_release_0_1_0_is_chained_on_its_first_open(tmp_path: Path, 
     first open copies it, chains its rows in one transaction and says so at INFO; the rows and the
     composed ε are those 0.1.0 read; from then on an edit is detected."""
     from dfl_agent.cli.dflctl import main
-    from dfl_agent.runtime.privacy_ledger import HEAD_FILE, PRE_CHAIN_FILE, LedgerDamaged
 
     state = tmp_path / "state"
     (state / "privacy").mkdir(parents=True)
@@ -235,13 +235,18 @@ def test_a_ledger_of_release_0_1_0_is_chained_on_its_first_open(tmp_path: Path, 
     history = [(r["noise_multiplier"], r["sample_rate"], r["steps"]) for r in old
                if r["state"] != "released" and r["steps"] > 0]
     assert len(old) == 5 and {r["state"] for r in old} == {"spent", "released", "reserved"}
-    assert main(["privacy", "verify", "--state-dir", str(state)]) == 0  # read-only: not chained by verify
-    assert not (state / HEAD_FILE).exists()
     with caplog.at_level(logging.INFO, logger="dfl_agent.daemon"):
         led = PrivacyLedger(state)
         assert led.entries() == old
     assert f"privacy ledger {state / 'privacy' / 'ledger.sqlite'}: chained its 5 rows" in caplog.text
     assert led.epsilon(1e-5) == rdp_epsilon(history, 1e-5)  # the accountant's figure is unchanged
+    from dfl_agent.runtime.privacy_ledger import HEAD_FILE, PRE_CHAIN_FILE, LedgerDamaged
+
+    verified = tmp_path / "verified"  # dflctl privacy verify reads an unchained ledger and leaves it so
+    (verified / "privacy").mkdir(parents=True)
+    shutil.copyfile(FIXTURE, verified / "privacy" / "ledger.sqlite")
+    assert main(["privacy", "verify", "--state-dir", str(verified)]) == 0
+    assert not (verified / HEAD_FILE).exists() and not (verified / PRE_CHAIN_FILE).exists()
     backup = sqlite3.connect(state / PRE_CHAIN_FILE)
     assert [dict(zip(cols, r)) for r in backup.execute("SELECT * FROM runs ORDER BY time, run_id")] == old
     backup.close()
@@ -256,7 +261,7 @@ def test_a_ledger_of_release_0_1_0_is_chained_on_its_first_open(tmp_path: Path, 
 _WRITER = textwrap.dedent("""
     import sys
     from dfl_agent.privacy.plan import RunPlan
-    from dfl_agent.runtime.privacy_ledger import PrivacyLedger
+    from dfl_agent.runtime.privacy_budget import PrivacyLedger
     plan = RunPlan(noise_multiplier=1.0, sample_rate=0.05, steps=200, epsilon=5.0, delta=1e-5, max_grad_norm=1.0)
     PrivacyLedger(sys.argv[1]).reserve("r2", plan, 5)
 """)
@@ -270,14 +275,12 @@ def test_a_power_cut_mid_write_is_rolled_back_or_detected(tmp_path: Path) -> Non
     commit is torn at every length (a power cut during its write): SQLite rolls the commit back,
     which the marker (not yet written) accepts; had the marker already counted it (a write the
     card acknowledged and lost), the ledger is refused.  A truncated database file is refused."""
-    from dfl_agent.runtime.privacy_ledger import HEAD_FILE, LedgerDamaged
-
     base = tmp_path / "base"
     led = PrivacyLedger(base)
     led.reserve("r1", _plan(1.1, 0.02, 400), rounds=10)
     led.mark_trained("r1")
     led.settle("r1", 400)
-    eps0, n0 = led.epsilon(1e-5), led.state().events
+    eps0 = led.epsilon(1e-5)
     states = {}
     for at in ("before-commit", "committed", "marked"):
         d = tmp_path / at
@@ -292,7 +295,9 @@ def test_a_power_cut_mid_write_is_rolled_back_or_detected(tmp_path: Path) -> Non
         st = PrivacyLedger(d).state()
         states[at] = (st.events, "r2" in st.rows)
         assert PrivacyLedger(d).epsilon(1e-5) >= eps0
+    n0 = PrivacyLedger(base).state().events
     assert states == {"before-commit": (n0, False), "committed": (n0 + 1, True), "marked": (n0 + 1, True)}
+    from dfl_agent.runtime.privacy_ledger import HEAD_FILE, LedgerDamaged
 
     src = tmp_path / "torn-source"
     size = (src / "privacy" / "ledger.sqlite-wal").stat().st_size
