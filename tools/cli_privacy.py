@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
     doc: dict[str, Any] = {"ledger": str(ledger.path), "head_marker": str(sd / HEAD_FILE), "delta": delta}
     try:
         state, st = ledger.check()
+    except sqlite3.OperationalError as exc:  # busy, no permission: one line, exit 2
+        raise ValueError(f"privacy ledger {ledger.path}: cannot be read ({exc})") from None
     except LedgerDamaged as exc:
         records = salvage(sd, delta)
         doc.update(state="damaged", error=exc.what, message=str(exc),
@@ -115,7 +118,10 @@ def cmd_recover(a: argparse.Namespace) -> int:
 
     sd, cfg = resolve(a)
     delta = _delta(a, sd, cfg)
-    eps, moved = recover(sd, float(a.spent_epsilon), delta)
+    try:
+        eps, moved = recover(sd, float(a.spent_epsilon), delta)
+    except (sqlite3.Error, OSError) as exc:
+        raise ValueError(f"privacy ledger {sd / 'privacy' / 'ledger.sqlite'}: cannot be recovered ({exc})") from None
     print(f"privacy ledger {sd / 'privacy' / 'ledger.sqlite'}: a new chain opens with epsilon {eps:.6g} "
           f"spent at delta {delta:g}; the agent admits DP runs against it from its next admission")
     if moved is not None:

@@ -112,7 +112,8 @@ class PrivacyLedger:
 
         Raises:
             LedgerDamaged: see the module docstring.
-            sqlite3.OperationalError: the database is busy (locked past the timeout).
+            sqlite3.OperationalError: the database cannot be read now (busy past the timeout, no
+                permission, an I/O error).
         """
         key = self._key()
         with self._cache_lock:
@@ -233,11 +234,9 @@ class PrivacyLedger:
                 return self._verify(con, head)
             finally:
                 con.close()
-        except sqlite3.OperationalError as exc:
-            if "locked" in str(exc) or "busy" in str(exc):
-                raise
-            raise self._damaged(f"is not a readable SQLite database ({exc})") from None
-        except sqlite3.DatabaseError as exc:
+        except sqlite3.OperationalError:  # busy, locked, no permission, an I/O error: not the file's content
+            raise
+        except sqlite3.DatabaseError as exc:  # not a database, malformed
             raise self._damaged(f"is not a readable SQLite database ({exc})") from None
 
     def _verify(self, con: sqlite3.Connection, head: dict[str, Any] | None) -> LedgerState:
