@@ -228,7 +228,8 @@ def test_a_ledger_of_release_0_1_0_is_chained_on_its_first_open(tmp_path: Path, 
     state = tmp_path / "state"
     (state / "privacy").mkdir(parents=True)
     shutil.copyfile(FIXTURE, state / "privacy" / "ledger.sqlite")
-    con = sqlite3.connect(f"file:{FIXTURE}?mode=ro", uri=True)
+    shutil.copyfile(FIXTURE, tmp_path / "fixture.sqlite")  # read a copy: SQLite adds files beside what it opens
+    con = sqlite3.connect(tmp_path / "fixture.sqlite")
     cols = [c[1] for c in con.execute("PRAGMA table_info(runs)")]
     old = [dict(zip(cols, r)) for r in con.execute("SELECT * FROM runs ORDER BY time, run_id")]
     con.close()
