@@ -276,8 +276,9 @@ def cmd_watch(a: argparse.Namespace) -> int:
         if a.json:
             while a.count is None or n < a.count:
                 statuses, presence = obs.snapshot()
-                print(json_doc({"time": time.time(), "peers": peer_rows(statuses, presence),
-                                "status": status_rows(statuses, presence=presence),
+                seen = obs.privacy_watch.view()  # devices whose reported epsilon went down while watched
+                print(json_doc({"time": time.time(), "peers": peer_rows(statuses, presence, privacy_seen=seen),
+                                "status": status_rows(statuses, presence=presence, privacy_seen=seen),
                                 "runs": run_rows(observed_runs(obs, obs.target)[0], statuses)}, indent=None),
                       flush=True)
                 n += 1
@@ -289,9 +290,11 @@ def cmd_watch(a: argparse.Namespace) -> int:
 
         def view():
             statuses, presence = obs.snapshot()
-            return Group(render_table(f"peers ({time.strftime('%H:%M:%S')})", peer_rows(statuses, presence),
-                                      PEER_COLUMNS),
-                         render_table("status", status_rows(statuses, presence=presence), STATUS_COLUMNS),
+            seen = obs.privacy_watch.view()
+            return Group(render_table(f"peers ({time.strftime('%H:%M:%S')})",
+                                      peer_rows(statuses, presence, privacy_seen=seen), PEER_COLUMNS),
+                         render_table("status", status_rows(statuses, presence=presence, privacy_seen=seen),
+                                      STATUS_COLUMNS),
                          render_table("runs", run_rows(observed_runs(obs, obs.target)[0], statuses), RUN_COLUMNS))
 
         if not sys.stdout.isatty():  # no terminal: one printed frame per refresh (Live would print the last only)

@@ -202,12 +202,12 @@ def _observe(a: argparse.Namespace):
     obs.stop()
     if not statuses and not presence:
         raise fleet.FederationAbsent(fleet.absent(t))
-    return statuses, presence
+    return statuses, presence, obs.privacy_watch.view()
 
 
 def cmd_peers(a: argparse.Namespace) -> int:
-    statuses, presence = _observe(a)
-    rows = peer_rows(statuses, presence, stale_after=a.stale_after)
+    statuses, presence, seen = _observe(a)
+    rows = peer_rows(statuses, presence, stale_after=a.stale_after, privacy_seen=seen)
     if a.json:
         print(json_doc(rows, key="peers"))
         return 0
@@ -217,7 +217,7 @@ def cmd_peers(a: argparse.Namespace) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    statuses, presence = _observe(a)
+    statuses, presence, seen = _observe(a)
     if a.node:
         if a.node not in statuses:
             print(f"dflctl: no status for node {a.node!r}", file=sys.stderr)
@@ -227,7 +227,7 @@ def cmd_status(a: argparse.Namespace) -> int:
         print(json_doc({"nodes": statuses}, sort_keys=True))
         return 0
     con = console()
-    con.print(render_table("status", status_rows(statuses, presence=presence), STATUS_COLUMNS))
+    con.print(render_table("status", status_rows(statuses, presence=presence, privacy_seen=seen), STATUS_COLUMNS))
     if a.node:  # one node: every field of its status document
         for k, v in sorted(statuses[a.node].items()):
             con.print(f"  {k}: {fmt_cell(v) if not isinstance(v, (list, dict)) else json.dumps(v, sort_keys=True)}")

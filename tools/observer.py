@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from dfl_agent.cli.fleet import observer_guard  # noqa: F401 - its home was here
 from dfl_agent.jsonbound import JSONBoundError, RateLimitedLog
 from dfl_agent.jsonbound import loads as bounded_loads
+from dfl_agent.runtime.privacy_budget import PrivacyWatch
 from dfl_agent.security.trust import is_will
 from dfl_agent.transport.endpoint import parse_endpoint
 
@@ -70,6 +71,8 @@ class Observer:
         self.run_payloads: dict[str, bytes] = {}
         #: run id -> the raw retained cancel record on ``dfl/{fed}/run/{id}/cancel`` (not verified)
         self.run_cancels: dict[str, bytes] = {}
+        #: devices whose reported privacy epsilon went down while this observer ran
+        self.privacy_watch = PrivacyWatch()
         #: messages dropped by reason (``handler_error``: handling one raised)
         self.dropped: collections.Counter[str] = collections.Counter()
         self._errors = RateLimitedLog(log)
@@ -160,6 +163,8 @@ class Observer:
                 doc = {**doc, "descriptor": self.presence[node].get("descriptor")}
             (self.statuses if leaf == "status" else self.presence)[node] = doc
             self.updated = time.monotonic()
+        if leaf == "status" and not trust.startswith("untrusted"):
+            self.privacy_watch.observe(node, doc.get("privacy"))
 
     def _stale_will(self, node: str, will: dict[str, Any]) -> bool:
         """Whether ``node``'s last will ``will`` is of an earlier connection than the one its

@@ -26,7 +26,7 @@ def _age(t: Any, now: float) -> float | None:
 
 
 def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | None = None,
-              stale_after: float = 30.0) -> list[dict[str, Any]]:
+              stale_after: float = 30.0, privacy_seen: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One row per node seen in retained presence or status.
 
     ``state``: from presence (:func:`presence_state`): ``online``, ``offline``, ``offline (last
@@ -36,8 +36,11 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
     not offline but nothing heard for ``stale_after`` s.  ``address``
     is the device's own address when its descriptor advertises one, else ``-`` (never the
     broker's address: that is ``broker``).  ``compatibility`` is shown
-    when the node's descriptor or status carries it."""
+    when the node's descriptor or status carries it.  ``privacy``: the node's budget, flagged when
+    its reported ε went down (:func:`privacy_down`; ``privacy_seen``: the observer's own
+    :meth:`~dfl_agent.runtime.privacy_budget.PrivacyWatch.view`)."""
     now = time.time() if now is None else now
+    down = privacy_down(statuses, privacy_seen)
     excluded_by: dict[str, list[str]] = {}  # device profiles: who excludes whom, and why
     for nid, st in statuses.items():
         for peer, why in ((st or {}).get("excluded_peers") or {}).items():
@@ -65,7 +68,7 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
             "version": d.get("version", ""), "round": s.get("round"), "last_seen_s": last,
             "compatibility": "; ".join(x for x in (compat, note) if x),
             "gated": s.get("gated"), "excluded_by": excluded_by.get(nid, []), "note": note,
-            "privacy": privacy_text(s.get("privacy")),
+            "privacy": privacy_text(s.get("privacy"), down.get(nid)), "privacy_decreased": down.get(nid),
         })
     return rows
 
@@ -95,7 +98,8 @@ def _newer(a: Any, b: Any) -> bool:
 
 
 def status_rows(statuses: dict[str, Any], now: float | None = None,
-                presence: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+                presence: dict[str, Any] | None = None,
+                privacy_seen: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One summary row per status document: round, role, α or threshold state, last
     synchronization, accuracy, bytes, errors, the fault counters ``rounds_skipped``
     and ``paused_disconnected_s`` (missing fields are None), and ``degraded``: the rounds
@@ -103,8 +107,10 @@ def status_rows(statuses: dict[str, Any], now: float | None = None,
     ``state`` is the status's, but ``offline`` or ``offline (last will)`` for a node whose
     presence (``presence``: node id -> presence document) says it went offline after it
     (:func:`presence_state`), unless the status itself says it ``stopped`` or ``finished``:
-    a retained status is the last one a node sent, not what it is doing now."""
+    a retained status is the last one a node sent, not what it is doing now.  ``privacy``
+    as in :func:`peer_rows`."""
     now = time.time() if now is None else now
+    down = privacy_down(statuses, privacy_seen)
     rows = []
     for nid in sorted(statuses):
         s = statuses[nid] or {}
@@ -134,8 +140,9 @@ def status_rows(statuses: dict[str, Any], now: float | None = None,
             # dropped presence/status messages by reason (forged, unsigned, replayed, ...)
             "control_dropped": control,
             "degraded": _degraded(s),
-            # the device's privacy budget: epsilon spent of its lifetime budget ("off": no DP)
-            "privacy": privacy_text(s.get("privacy")),
+            # the device's privacy budget: epsilon spent of its lifetime budget ("off": no DP),
+            # flagged when it went down (a reset ledger)
+            "privacy": privacy_text(s.get("privacy"), down.get(nid)), "privacy_decreased": down.get(nid),
         })
     return rows
 
@@ -148,17 +155,55 @@ def _run_cell(run: Any) -> str | None:
     return f"{cell}: {run['reason']}" if run.get("state") in ("declined", "failed") and run.get("reason") else cell
 
 
-def privacy_text(p: Any) -> str:
+def privacy_text(p: Any, down: dict[str, Any] | None = None) -> str:
     """A status's ``privacy`` field as a cell: ``"eps 2.41/10 (7.59 left)"``, ``"off"`` without DP
-    (and without a DP history), ``""`` for an agent that does not report one."""
+    (and without a DP history), ``"ledger damaged"`` when the device's privacy ledger failed its
+    check, ``""`` for an agent that does not report one; with ``down`` (:func:`privacy_down`'s
+    entry) ``"eps 0/10 (10 left) DOWN from 8 (seen by dev2)"``."""
     if not isinstance(p, dict):
         return ""
+    suffix = f" DOWN from {down['was']:.4g} (seen by {', '.join(down['by'])})" if down else ""
+    if p.get("ledger") == "damaged":
+        return "ledger damaged" + suffix
     spent, life = p.get("epsilon_spent"), p.get("lifetime_epsilon")
     if not isinstance(spent, (int, float)) or not isinstance(life, (int, float)):
-        return "off" if p.get("dp") is False else ""
+        return ("off" if p.get("dp") is False else "") + suffix
     left = p.get("epsilon_remaining")
     text = f"eps {spent:.3g}/{life:g}" + (f" ({left:.3g} left)" if isinstance(left, (int, float)) else "")
-    return text if p.get("dp") is not False else f"off, {text}"
+    return (text if p.get("dp") is not False else f"off, {text}") + suffix
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def privacy_down(statuses: dict[str, Any], seen: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """The devices whose reported privacy ε went down: node id -> ``{"was", "now", "by"}``, from
+    the ``privacy.peers_decreased`` of the other nodes' statuses (each agent watches its peers; an
+    untrusted status is not taken) and ``seen`` (this observer's own watch, ``by`` "dflctl").  A
+    device whose status now reports at least ``was`` again (a recovery) is not flagged."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def take(node: Any, flag: Any, by: str) -> None:
+        if isinstance(node, str) and isinstance(flag, dict) and _number(flag.get("was")) and _number(flag.get("now")):
+            cur = out.setdefault(node, {"was": flag["was"], "now": flag["now"], "by": []})
+            cur["was"] = max(cur["was"], flag["was"])
+            cur["by"].append(by)
+
+    for reporter, st in sorted(statuses.items()):
+        flags = ((st or {}).get("privacy") or {}).get("peers_decreased")
+        if isinstance(flags, dict) and not str((st or {}).get("trust", "")).startswith("untrusted"):
+            for node, flag in flags.items():
+                take(node, flag, reporter)
+    for node, flag in (seen or {}).items():
+        take(node, flag, "dflctl")
+    for node in list(out):
+        now = ((statuses.get(node) or {}).get("privacy") or {}).get("epsilon_spent")
+        if _number(now) and now >= out[node]["was"] - 1e-3:
+            del out[node]
+        elif _number(now):
+            out[node]["now"] = now
+    return out
 
 
 def _degraded(s: dict[str, Any]) -> str:
@@ -218,8 +263,8 @@ def _priority(col: str, rows: list[dict[str, Any]]) -> int:
         return 1
     if col == "degraded" and any(values):  # a node trained alone: always shown
         return 1
-    if col == "privacy" and any("(0 left)" in v for v in values):  # a device with its budget spent
-        return 1
+    if col == "privacy" and any("(0 left)" in v or " DOWN " in v or "damaged" in v for v in values):
+        return 1  # a device with its budget spent, reset or damaged
     if base >= 2 and len(rows) > 1 and len(set(values)) == 1:
         return base + 3
     return base

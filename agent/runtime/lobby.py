@@ -22,6 +22,7 @@ from dfl_agent.jsonbound import JSONBoundError, RateLimitedLog
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.runtime.degraded import FIELDS as DEGRADED_FIELDS
 from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier, cancel_topic, run_topic
+from dfl_agent.runtime.privacy_budget import PrivacyWatch
 
 #: a run's states on a node after its training there (a late joiner no longer joins it)
 AFTER_TRAINED = ("trained", "deploying", "deployed", "kept", "recorded", "finished")
@@ -115,6 +116,8 @@ class RunLobby:
         #: this session's connection (a random id, new before every connection attempt), in
         #: the node's last will, presence and statuses: a will of an earlier one is stale
         self.session = secrets.token_hex(8)
+        #: peers whose reported privacy budget went down (a reset ledger), in this node's status
+        self.privacy_watch = PrivacyWatch()
 
     def start(self) -> None:
         """Connect (non-blocking; paho reconnects on its own)."""
@@ -245,6 +248,9 @@ class RunLobby:
                     self.statuses[parts[3]] = st
                 else:
                     self.statuses.pop(parts[3], None)
+            if isinstance(st, dict) and (flag := self.privacy_watch.observe(parts[3], st.get("privacy"))):
+                log.warning("node %s reports privacy epsilon %g, below the %g it reported before (its privacy "
+                            "ledger was reset?)", parts[3], flag["now"], flag["was"])
 
     def is_cancelled(self, run_id: str) -> bool:
         """Whether an operator cancelled ``run_id``: a verified cancel record, or the ledger."""

@@ -1,12 +1,15 @@
 """The device's privacy budget: the privacy ledger, admission against ``privacy.lifetime_epsilon``,
 and what the status, the run's record and the deployment manifest say about it.  Torch-free.
 
-**The privacy ledger** (:class:`PrivacyLedger`, ``STATE_DIR/privacy/ledger.sqlite``) holds one row
-per run that trained under DP: its noise multiplier, sampling rate and DP steps (with the run id,
-the time, the δ, the clipping bound, the ε of the run alone and a state, ``reserved``, ``spent`` or
-``released``).  Each change is one SQLite transaction (``synchronous = FULL``): a crash leaves the
-row as it was before or after, never half-written, and the rows survive restarts.  The device's
-composed ε is :func:`~dfl_agent.privacy.accountant.rdp_epsilon` of every reserved and spent row.
+**The privacy ledger** (:class:`~dfl_agent.runtime.privacy_ledger.PrivacyLedger`,
+``STATE_DIR/privacy/ledger.sqlite``) holds one row per run that trained under DP: its noise
+multiplier, sampling rate and DP steps (with the run id, the time, the δ, the clipping bound, the ε
+of the run alone and a state, ``reserved``, ``spent`` or ``released``).  Every change is appended to
+a hash chain in one SQLite transaction, and the ledger is checked at start and at every admission:
+a ledger that cannot be trusted (0 bytes, truncated, edited, removed) declines every DP run with one
+line naming the file and the recovery command (``dflctl privacy recover``); see that module.  The
+device's composed ε is :func:`~dfl_agent.privacy.accountant.rdp_epsilon` of every reserved and spent
+row (plus an amount a recovery carried over).
 
 **Reserve, then settle.**  Admission (:meth:`PrivacyBudget.admit`) plans the run
 (:func:`~dfl_agent.privacy.plan.plan_run`: σ, ``q = batch_size / N``, ``rounds`` times the most DP steps
@@ -22,6 +25,12 @@ that never started training releases its reservation.
 ``dfl-agent run --once`` goes through the same run manager, with its one run.
 A decline reason is published in the status: it names no figure that reveals N (:func:`public_reason`).
 
+**A budget that goes down** is what a reset ledger looks like from outside: :class:`PrivacyWatch`
+keeps, per device, the highest ε it saw in a status with no reservation outstanding (that value can
+only grow: settled runs stay counted), and flags a device whose reported ``epsilon_spent`` falls
+below it.  The run lobby watches its peers' statuses (the flags go out in this node's status, in
+``privacy.peers_decreased``) and so does ``dflctl``'s observer.
+
 **N**, the number of training samples: the sample store's snapshot less its validation slice
 (``data.dataset = "store"``), else the node's partition of ``data.dataset`` (loaded without torch,
 once per data section).  ``privacy.dp.delta`` must be below ``1/N``.
@@ -36,121 +45,22 @@ import re
 import sqlite3
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from dfl_agent.privacy.accountant import rdp_epsilon
 from dfl_agent.privacy.config import DEFAULT_DELTA, PrivacyConfig, merge_privacy, parse_privacy
 from dfl_agent.privacy.plan import RunPlan, plan_run
+from dfl_agent.runtime.privacy_ledger import LEDGER_FILE, ROW_STATES, LedgerDamaged, PrivacyLedger
+
+__all__ = ["LEDGER_FILE", "ROW_STATES", "TERMINAL", "LedgerDamaged", "PrivacyBudget", "PrivacyLedger",
+           "PrivacyWatch", "deployment_privacy", "device_privacy", "public_reason", "row_view"]
 
 log = logging.getLogger("dfl_agent.daemon")
 
-#: the ledger's file under the state directory
-LEDGER_FILE = Path("privacy") / "ledger.sqlite"
-#: the row states: ``reserved`` at admission, ``spent`` once settled, ``released`` (never trained)
-ROW_STATES = ("reserved", "spent", "released")
 #: run ledger states after which a run's reservation is settled
 TERMINAL = ("finished", "failed", "cancelled", "declined")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS runs (
-    run_id TEXT PRIMARY KEY,
-    time REAL NOT NULL,
-    state TEXT NOT NULL CHECK (state IN ('reserved', 'spent', 'released')),
-    noise_multiplier REAL NOT NULL,
-    sample_rate REAL NOT NULL,
-    steps INTEGER NOT NULL,
-    planned_steps INTEGER NOT NULL,
-    steps_per_round INTEGER NOT NULL,
-    delta REAL NOT NULL,
-    max_grad_norm REAL NOT NULL,
-    epsilon REAL NOT NULL,
-    trained INTEGER NOT NULL DEFAULT 0,
-    settled REAL
-)"""
-_COLUMNS = ("run_id", "time", "state", "noise_multiplier", "sample_rate", "steps", "planned_steps",
-            "steps_per_round", "delta", "max_grad_norm", "epsilon", "trained", "settled")
-
-
-class PrivacyLedger:
-    """The device's DP history (see the module docstring), one SQLite file; safe to open from the
-    supervisor and the run process at once (each call is its own connection and transaction)."""
-
-    def __init__(self, state_dir: str | Path):
-        self.path = Path(state_dir) / LEDGER_FILE
-
-    def _connect(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        con = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
-        con.execute("PRAGMA journal_mode = WAL")
-        con.execute("PRAGMA synchronous = FULL")
-        con.execute(_SCHEMA)
-        return con
-
-    def _write(self, sql: str, args: tuple[Any, ...]) -> int:
-        con = self._connect()
-        try:
-            with con:  # one transaction: committed whole or not at all
-                return int(con.execute(sql, args).rowcount)
-        finally:
-            con.close()
-
-    def entries(self) -> list[dict[str, Any]]:
-        """Every row, oldest first (``[]`` when the ledger does not exist yet)."""
-        if not self.path.exists():
-            return []
-        con = self._connect()
-        try:
-            rows = con.execute(f"SELECT {', '.join(_COLUMNS)} FROM runs ORDER BY time, run_id").fetchall()
-        finally:
-            con.close()
-        return [dict(zip(_COLUMNS, r)) for r in rows]
-
-    def get(self, run_id: str) -> dict[str, Any] | None:
-        """``run_id``'s row, or None."""
-        return next((e for e in self.entries() if e["run_id"] == run_id), None)
-
-    def reserve(self, run_id: str, plan: RunPlan, rounds: int, *, replace: bool = False) -> None:
-        """Reserve ``plan``'s spend for ``run_id`` (state ``reserved``).  A run that holds a row
-        keeps it (a restart admits its run again), unless ``replace`` and the row is still
-        reserved (the run process's own plan, with the N it trains on)."""
-        per_round = plan.steps // rounds if rounds > 0 else plan.steps
-        values = (run_id, time.time(), "reserved", plan.noise_multiplier, plan.sample_rate, plan.steps, plan.steps,
-                  per_round, plan.delta, plan.max_grad_norm, plan.epsilon)
-        conflict = ("DO UPDATE SET noise_multiplier = excluded.noise_multiplier, sample_rate = excluded.sample_rate, "
-                    "steps = excluded.steps, planned_steps = excluded.planned_steps, steps_per_round = "
-                    "excluded.steps_per_round, delta = excluded.delta, max_grad_norm = excluded.max_grad_norm, "
-                    "epsilon = excluded.epsilon WHERE runs.state = 'reserved'") if replace else "DO NOTHING"
-        self._write("INSERT INTO runs (run_id, time, state, noise_multiplier, sample_rate, steps, planned_steps, "
-                    "steps_per_round, delta, max_grad_norm, epsilon) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-                    f"ON CONFLICT (run_id) {conflict}", values)
-
-    def mark_trained(self, run_id: str) -> None:
-        """Note that ``run_id`` started training here (its reservation is no longer released)."""
-        self._write("UPDATE runs SET trained = 1 WHERE run_id = ? AND trained = 0", (run_id,))
-
-    def settle(self, run_id: str, steps: int) -> dict[str, Any] | None:
-        """A reserved run ended: ``spent`` with the ``steps`` it took (0: ``released``); its ε is
-        recomputed for them.  Returns the row (None without one; a settled row is left as it is)."""
-        row = self.get(run_id)
-        if row is None or row["state"] != "reserved":
-            return row
-        steps = max(0, int(steps))
-        eps = rdp_epsilon([(row["noise_multiplier"], row["sample_rate"], steps)], row["delta"])
-        self._write("UPDATE runs SET state = ?, steps = ?, epsilon = ?, settled = ? WHERE run_id = ? AND "
-                    "state = 'reserved'", ("spent" if steps else "released", steps, eps, time.time(), run_id))
-        return self.get(run_id)
-
-    def history(self, exclude: str | None = None) -> list[tuple[float, float, int]]:
-        """``(noise_multiplier, sample_rate, steps)`` of every reserved or spent row (but ``exclude``)."""
-        return [(e["noise_multiplier"], e["sample_rate"], e["steps"]) for e in self.entries()
-                if e["state"] != "released" and e["steps"] > 0 and e["run_id"] != exclude]
-
-    def epsilon(self, delta: float, exclude: str | None = None) -> float:
-        """The composed ε at ``delta`` over the device's history (:meth:`history`)."""
-        return rdp_epsilon(self.history(exclude), delta)
-
 
 def _round_dp_steps(metrics: Path, offset: int = 0) -> list[int] | None:
     """The ``dp_steps`` of each round record in the metrics file ``metrics`` (from byte ``offset``:
@@ -226,11 +136,17 @@ class PrivacyBudget:
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         self.ledger = PrivacyLedger(cfg.state_dir)
+        #: the run lobby's watch of its peers' reported budgets (``peers_decreased`` in :meth:`status`)
+        self.watch: PrivacyWatch | None = None
+        self.ledger.at_start()  # chains an older release's ledger; a damaged one is logged (ERROR, one line)
         self._lock = threading.Lock()
         self._view: tuple[Any, dict[str, Any]] | None = None
         self._n_cache: tuple[Any, int] | None = None
         if counters is not None:
             counters.fields["privacy"] = self.status
+            watch = getattr(getattr(counters, "lobby", None), "privacy_watch", None)
+            if isinstance(watch, PrivacyWatch):  # peers whose reported budget went down
+                self.watch = watch
 
     @property
     def delta(self) -> float:
@@ -300,22 +216,34 @@ class PrivacyBudget:
             check_lifetime(self.config)
         except ValueError as exc:
             return f"privacy budget: {exc}"
+        try:  # the ledger checked: a damaged one declines the run with its one line
+            ledger = self.ledger.state(fresh=True)
+        except LedgerDamaged as exc:  # the run manager logs the decline with it
+            return str(exc)
+        except (sqlite3.Error, OSError) as exc:
+            log.error("run %s: privacy ledger %s: %s", run_id, self.ledger.path, exc)
+            return f"privacy ledger {self.ledger.path}: cannot be read now ({exc}); the run is declined"
         try:
             plan = self.plan(run_cfg)
         except (ValueError, OSError) as exc:
             log.warning("run %s: %s", run_id, exc)  # the details stay in the device's log
             return f"privacy: {public_reason(str(exc))}"
         life = self.config.lifetime_epsilon
-        before = self.ledger.epsilon(plan.delta, exclude=run_id)
-        after = rdp_epsilon([*self.ledger.history(exclude=run_id),
-                             (plan.noise_multiplier, plan.sample_rate, plan.steps)], plan.delta)
+        before = ledger.epsilon(plan.delta, exclude=run_id)
+        after = ledger.epsilon(plan.delta, exclude=run_id,
+                               plus=[(plan.noise_multiplier, plan.sample_rate, plan.steps)])
         if after > life:  # the reason is published: no figure of the plan that reveals N (q, steps)
             log.info("run %s: its plan: %d DP steps, noise multiplier %.4g, sampling rate %.4g", run_id, plan.steps,
                      plan.noise_multiplier, plan.sample_rate)
             return (f"privacy budget: the run would spend epsilon {plan.epsilon:.3g} and take this device's "
                     f"lifetime epsilon from {before:.3g} to {after:.3g}, past privacy.lifetime_epsilon {life:g} "
                     f"(delta {plan.delta:g})")
-        self.ledger.reserve(run_id, plan, run_cfg.algorithm.rounds)
+        try:
+            self.ledger.reserve(run_id, plan, run_cfg.algorithm.rounds)
+        except (LedgerDamaged, sqlite3.Error, OSError) as exc:  # nothing reserved: the run does not start
+            log.error("run %s: %s", run_id, exc)
+            return str(exc) if isinstance(exc, LedgerDamaged) else \
+                f"privacy ledger {self.ledger.path}: cannot be written ({exc}); the run is declined"
         log.info("run %s: privacy budget reserved: epsilon %.3g for %d DP steps (lifetime %.3g of %g)",
                  run_id, plan.epsilon, plan.steps, after, life)
         return None
@@ -338,8 +266,11 @@ class PrivacyBudget:
                 log.info("run %s: privacy ledger settled: %d DP steps, epsilon %.3g", run_id, row["steps"],
                          row["epsilon"])
             return {"privacy": row_view(row)}
+        except LedgerDamaged as exc:  # logged at start and with every declined run; a reservation stays counted
+            log.debug("run %s: privacy ledger not read for %s: %s", run_id, state, exc.what)
+            return {}
         except (sqlite3.Error, OSError) as exc:  # the reservation stands; the next state settles it
-            log.error("privacy ledger: %s", exc)
+            log.error("run %s: privacy ledger not settled for %s: %s", run_id, state, exc)
             return {}
 
     @staticmethod
@@ -358,29 +289,88 @@ class PrivacyBudget:
 
     def status(self) -> dict[str, Any]:
         """The status field ``privacy``: ``{"dp": false}`` without DP and without a history, else the
-        composed ε spent (reservations included), what remains of ``lifetime_epsilon``, and δ."""
+        composed ε spent (reservations included), what remains of ``lifetime_epsilon``, and δ;
+        ``{"ledger": "damaged", "error": ...}`` when the ledger fails its check; with
+        ``peers_decreased`` (:class:`PrivacyWatch`) when a peer's reported ε went down."""
+        view = self._status()
+        down = self.watch.view() if self.watch is not None else None
+        return {**view, "peers_decreased": down} if down else view
+
+    def _status(self) -> dict[str, Any]:
         try:
+            ledger = self.ledger.state()
             entries = self.ledger.entries()
+        except LedgerDamaged as exc:  # no figures: the device cannot say what it spent
+            return {"dp": self.config.dp is not None, "ledger": "damaged", "error": exc.what}
         except (sqlite3.Error, OSError) as exc:
             return {"dp": self.config.dp is not None, "error": str(exc)}
-        key = tuple((e["run_id"], e["state"], e["steps"]) for e in entries)
+        key = (tuple((e["run_id"], e["state"], e["steps"]) for e in entries), len(ledger.carried))
         with self._lock:
             if self._view is not None and self._view[0] == key:
                 return self._view[1]
-        if self.config.dp is None and not entries:
+        if self.config.dp is None and not entries and not ledger.carried:
             view: dict[str, Any] = {"dp": False}
         else:
-            spent = rdp_epsilon([(e["noise_multiplier"], e["sample_rate"], e["steps"]) for e in entries
-                                 if e["state"] != "released" and e["steps"] > 0], self.delta)
+            spent = ledger.epsilon(self.delta)
             life = self.config.lifetime_epsilon
             view = {"dp": self.config.dp is not None, "epsilon_spent": round(spent, 4),
                     "epsilon_remaining": round(max(0.0, life - spent), 4) if math.isfinite(spent) else 0.0,
                     "lifetime_epsilon": life, "delta": self.delta,
                     "runs": sum(1 for e in entries if e["state"] != "released"),
                     "reserved": sum(1 for e in entries if e["state"] == "reserved")}
+            if ledger.carried:  # a recovery: the amount an operator stated as spent before it
+                view["epsilon_carried"] = round(sum(float(c["epsilon"]) for c in ledger.carried), 4)
         with self._lock:
             self._view = (key, view)
         return view
+
+
+class PrivacyWatch:
+    """The highest ε each device reported, and the devices whose reported ε went down since
+    (see the module docstring).  Thread-safe.
+
+    A device's floor is the largest ``epsilon_spent`` of its statuses with ``reserved == 0`` (no
+    reservation that a release could take back: the settled runs alone, which never go away);
+    a later status at the same δ whose ``epsilon_spent`` is below the floor (by more than the
+    status's rounding) flags the device until it reports the floor again.
+    """
+
+    #: the reported figures are rounded to 4 decimals
+    TOLERANCE = 1e-3
+
+    def __init__(self) -> None:
+        self._floor: dict[str, tuple[float, Any, float]] = {}  # node -> (epsilon, delta, time)
+        self._down: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, node: str, privacy: Any, now: float | None = None) -> dict[str, Any] | None:
+        """Take one status's ``privacy`` field of ``node``; returns the flag when this status puts
+        (or keeps, with another figure) ``node`` below its floor (``{"was": ε, "now": ε, "since":
+        unix time}``), else None (:meth:`view` has every flag)."""
+        if not isinstance(privacy, Mapping):
+            return None
+        spent, delta = privacy.get("epsilon_spent"), privacy.get("delta")
+        if not isinstance(spent, (int, float)) or isinstance(spent, bool) or not math.isfinite(spent):
+            return None
+        now = time.time() if now is None else now
+        with self._lock:
+            floor = self._floor.get(node)
+            if floor is not None and floor[1] == delta and spent < floor[0] - self.TOLERANCE:
+                flag = self._down.get(node)
+                if flag is not None and flag["now"] == spent:
+                    return None
+                self._down[node] = flag = {"was": floor[0], "now": float(spent),
+                                           "since": flag["since"] if flag else now}
+                return dict(flag)
+            self._down.pop(node, None)
+            if privacy.get("reserved") == 0 and (floor is None or floor[1] != delta or spent > floor[0]):
+                self._floor[node] = (float(spent), delta, now)
+        return None
+
+    def view(self) -> dict[str, dict[str, Any]]:
+        """The flagged devices: node id -> ``{"was", "now", "since"}``."""
+        with self._lock:
+            return {k: dict(v) for k, v in sorted(self._down.items())}
 
 
 def deployment_privacy(cfg: Any, state_dir: str | Path, run_id: str) -> dict[str, Any] | None:
@@ -402,6 +392,6 @@ def deployment_privacy(cfg: Any, state_dir: str | Path, run_id: str) -> dict[str
         return {"epsilon_run": round(float(row["epsilon"]), 4), "epsilon_lifetime": round(ledger.epsilon(delta), 4),
                 "lifetime_epsilon": life, "delta": delta, "noise_multiplier": row["noise_multiplier"],
                 "sample_rate": row["sample_rate"], "steps": int(row["steps"]), "max_grad_norm": row["max_grad_norm"]}
-    except (sqlite3.Error, OSError) as exc:
+    except (LedgerDamaged, sqlite3.Error, OSError) as exc:
         log.warning("privacy ledger unreadable for the manifest: %s", exc)
         return None
