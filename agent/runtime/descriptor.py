@@ -39,7 +39,7 @@ from typing import Any
 
 from dfl_agent.jsonbound import JSONBoundError
 from dfl_agent.jsonbound import loads as bounded_loads
-from dfl_agent.security.keys import issue_certificate
+from dfl_agent.security.keys import DEFAULT_VALID_DAYS, issue_certificate
 from dfl_agent.security.trust import ControlRejected, SecurityGuard, SeqCounter, TrustStore
 
 SCHEMA_VERSION = 1
@@ -221,9 +221,9 @@ def sample_run_id(default_id: str, index: int) -> str:
 
 # -- signing ---------------------------------------------------------------------
 def operator_certificate(federation_key: Any, federation: str, name: str, public_b64: str,
-                         valid_days: float | None = None) -> dict[str, Any]:
+                         valid_days: float | None = DEFAULT_VALID_DAYS) -> dict[str, Any]:
     """An operator certificate (version 2, ``role = "operator"``) signed by the federation key
-    (what ``dflctl keys enroll NAME --role operator`` writes)."""
+    (what ``dflctl keys enroll NAME --role operator`` writes), valid ``valid_days`` days (None: never expires)."""
     return issue_certificate(federation_key, federation, name, public_b64, valid_days=valid_days, role="operator")
 
 
