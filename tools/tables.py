@@ -74,6 +74,32 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
     return rows
 
 
+def certificate_warnings(statuses: dict[str, Any], now: float | None = None) -> list[str]:
+    """One line per node whose status says its certificate (``certificate_expires``) expired or
+    expires within :data:`~dfl_agent.security.keys.EXPIRY_WARNING_DAYS` days, naming the node
+    and the date; and one per node the federation revoked."""
+    from dfl_agent.security.keys import EXPIRY_WARNING_DAYS, utc_date
+
+    now = time.time() if now is None else now
+    lines = []
+    for nid in sorted(statuses):
+        s = statuses[nid] or {}
+        if s.get("trust") == "revoked":
+            lines.append(f"node {nid} is revoked ({s.get('revoked') or 'revocation list'}): its peers ignore it")
+            continue
+        exp = s.get("certificate_expires")
+        if not isinstance(exp, (int, float)) or isinstance(exp, bool):
+            continue
+        left = (exp - now) / 86400.0
+        if left < 0:
+            lines.append(f"the certificate of node {nid} expired on {utc_date(exp)}: its peers refuse it "
+                         f"(dflctl keys renew {nid})")
+        elif left <= EXPIRY_WARNING_DAYS:
+            lines.append(f"the certificate of node {nid} expires on {utc_date(exp)} (in {left:.0f} days): "
+                         f"dflctl keys renew {nid}")
+    return lines
+
+
 def presence_state(p: dict[str, Any], s: dict[str, Any]) -> str | None:
     """What a node's presence ``p`` says it is doing, given its status ``s`` (either may be
     empty): ``"online"``, ``"offline"``, ``"offline (last will)"`` (the broker published its

@@ -149,7 +149,7 @@ class RunManager(RunLoop):
                                                                            False))
         self.counters.fields["runs_queued"] = lambda: lobby.queued(self.ledger.is_done)
         # the revocation list held, the nodes it revokes, this node's certificate's expiry
-        for name in ("revocation_list", "revoked", "certificate_expires"):
+        for name in ("revocation_list", "revoked", "certificate_expires") if getattr(lobby, "guard", None) else ():
             self.counters.fields[name] = functools.partial(lambda n: lobby.security_status().get(n), name)
         self.privacy = PrivacyBudget(cfg, profile, store, self.counters)  # admission against the privacy budget
 

@@ -386,7 +386,7 @@ class TrustStore:
         self.revocations.refresh()
         if self.revocations.revoked(node_id) is not None:
             return True
-        keys = self._nodes.get(node_id)
+        keys = self._nodes.get(node_id) or []
         return bool(keys) and all(self.revocations.revoked(node_id, k.b64) is not None for k in keys)
 
     def _newest(self, node_id: str) -> _Key | None:
