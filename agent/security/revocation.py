@@ -273,8 +273,8 @@ class Revocations:
         self._changed(new)
         return None
 
-    def _changed(self, new: RevocationList) -> None:
-        log.warning("revocation list %d of federation %s: %s", new.number, self.federation,
+    def _changed(self, new: RevocationList, level: int = logging.WARNING) -> None:
+        log.log(level, "revocation list %d of federation %s: %s", new.number, self.federation,
                     "; ".join(f"{e.node_id}{'' if e.public_key is None else ' key ' + e.public_key[:8]} "
                               f"revoked ({e.reason})" for e in new.entries) or "nothing revoked")
         for fn in list(self.on_change):
@@ -326,8 +326,8 @@ class Revocations:
             if cur is not None and new.number <= cur.number:
                 return
             self.current = new
-        if not initial:
-            self._changed(new)
+        if not initial:  # what another process of this node accepted (and logged) from the broker
+            self._changed(new, logging.INFO)
         else:
             log.info("revocation list %d from %s: %d entr%s", new.number, self.path, len(new.entries),
                      "y" if len(new.entries) == 1 else "ies")
