@@ -463,6 +463,34 @@ def _credential_lines(d: Path, node: str) -> tuple[list[str], list[str]]:
     return pw, acl
 
 
+def blocks_without_revocations(acl_file: Path) -> list[str]:
+    """The device and operator users of ``acl_file`` whose block lacks its revocation-list line
+    (``topic read dfl/+/revocations``, ``topic write`` for operators): accounts enrolled before
+    revocation lists existed, which never hear of a revocation until the line is added."""
+    try:
+        lines = acl_file.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    blocks: dict[str, list[str]] = {}
+    user = None
+    for ln in lines:
+        words = ln.split()
+        if words[:1] == ["user"] and len(words) == 2:
+            user = words[1]
+            blocks[user] = []
+        elif user is not None and words[:1] == ["topic"]:
+            blocks[user].append(" ".join(words))
+    out = []
+    for u, b in blocks.items():
+        if "topic write dfl/+/run/+" in b:  # an operator publishes the list
+            if "topic write dfl/+/revocations" not in b and "topic readwrite dfl/+/revocations" not in b:
+                out.append(u)
+        elif any(t.startswith("topic read dfl/+/node/") for t in b):  # a device reads it
+            if not {"topic read dfl/+/revocations", "topic read dfl/#"} & set(b):
+                out.append(u)
+    return out
+
+
 def cmd_revoke(a: argparse.Namespace) -> int:
     """``keys revoke NODE --reason TEXT``: the next revocation list, signed, saved, published."""
     from dfl_agent.security.revocation import RevocationRejected, Revoked, sign_revocations, verify_revocations
@@ -509,6 +537,11 @@ def cmd_revoke(a: argparse.Namespace) -> int:
         what = (f"key {fingerprint(key)}" if key is not None else
                 f"every key ({', '.join(sorted({k['fingerprint'] for k in keys})) or 'none recorded here'})")
         print(f"revoked {a.device}, {what}: revocation list {rev.number} in {d / REVOCATIONS_FILE}")
+    stale = blocks_without_revocations(d / "dfl.acl")
+    if stale:
+        print(f"warning: in {d / 'dfl.acl'} the blocks of {', '.join(stale)} lack 'topic read dfl/+/revocations' "
+              "(enrolled before revocation lists existed): add it to each, install the ACL on the broker and reload "
+              "it, or those nodes never hear of a revocation")
     rc = 0
     if not a.no_publish:
         rc = _publish_revocations(a, rev)

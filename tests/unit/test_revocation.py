@@ -352,3 +352,14 @@ def test_dflctl_keys_revoke_prints_the_broker_lines_to_remove(tmp_path, capsys):
     assert "    user dev1\n    topic write dfl/+/node/+/inbox\n" in out
     assert "    topic read dfl/+/revocations\n" in out
     assert "sudo mosquitto_passwd -D /etc/mosquitto/dfl.passwd dev1" in out
+
+
+def test_acl_blocks_enrolled_before_revocation_lists_are_named(tmp_path):
+    from dfl_agent.cli.cli_security import add_acl_user, blocks_without_revocations
+
+    acl = tmp_path / "dfl.acl"
+    add_acl_user(acl, "new-dev")
+    add_acl_user(acl, "ops", "operator")
+    acl.write_text(acl.read_text() + "\nuser old-dev\ntopic write dfl/+/node/+/inbox\ntopic read dfl/+/node/+/out\n"
+                   "\nuser old-ops\ntopic write dfl/+/run/+\ntopic write dfl/+/run/+/cancel\ntopic read dfl/#\n")
+    assert blocks_without_revocations(acl) == ["old-dev", "old-ops"]
