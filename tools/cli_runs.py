@@ -249,6 +249,8 @@ def observed_runs(obs: Any, t: Any) -> tuple[dict[str, dict[str, Any]], collecti
     guard = None
     if t.config is not None and (t.config.security.federation_key or t.config.security.operators):
         guard = fleet.trust_guard(t)  # trust material for operators
+        if guard is not None and getattr(obs, "revocations_payload", None):  # a revoked operator's runs: hidden
+            guard.trust.revocations.offer(obs.revocations_payload, count=False)
     with obs._lock:
         runs, payloads, cancels = dict(obs.runs), dict(obs.run_payloads), dict(obs.run_cancels)
     return verify_runs(runs, payloads, t.federation, guard, cancels)

@@ -84,6 +84,8 @@ class Observer:
         #: SecurityGuard verifying presence/status (set before start; None: all "unverified"); it
         #: also verifies the federation's revocation list (``dfl/{fed}/revocations``)
         self.guard: Any = None
+        #: the retained revocation list as received (not verified), or None
+        self.revocations_payload: bytes | None = None
         #: (leaf, node id) -> the public key its newest presence/status certificate names
         self._keys: dict[tuple[str, str], str | None] = {}
         self._client = self.target.session("dflctl")
@@ -128,6 +130,7 @@ class Observer:
     def _handle(self, msg: Any) -> None:
         parts = msg.topic.split("/")
         if len(parts) == 3 and parts[2] == "revocations":
+            self.revocations_payload = bytes(msg.payload) if msg.payload else None
             guard = getattr(self, "guard", None)
             if msg.payload and guard is not None:  # verified with the federation key, newest kept
                 why = guard.trust.revocations.offer(bytes(msg.payload), count=False)
