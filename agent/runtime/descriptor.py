@@ -49,7 +49,8 @@ NODE_STATES = ("queued", "accepted", "declined", "training", "finished", "failed
 TERMINAL = ("finished", "failed", "cancelled", "declined")
 #: reasons a run descriptor message is refused (counters ``run_refused_<reason>``)
 REFUSE_REASONS = ("malformed", "oversized", "too_deep", "unsigned", "unknown_key", "not_operator", "bad_signature",
-                  "wrong_federation", "replay", "cancelled", "expired")
+                  "wrong_federation", "replay", "cancelled", "expired", "revoked", "certificate_expired",
+                  "certificate_not_yet_valid")
 #: a cancel record that may not be used is counted as ``cancel_<reason>`` (reasons as above)
 CANCEL_PREFIX = "cancel_"
 #: ``dflctl run submit``'s default ``not_after``: this long after ``submitted_at``, in seconds
@@ -294,7 +295,9 @@ def open_run_message(payload: bytes | str | Mapping[str, Any]) -> dict[str, Any]
 
 
 #: control-envelope rejection reasons -> run refusal reasons (:data:`REFUSE_REASONS`)
-_REFUSAL = {"unknown_sender": "unknown_key", "wrong_kind": "malformed", "wrong_sender": "malformed"}
+_REFUSAL = {"unknown_sender": "unknown_key", "wrong_kind": "malformed", "wrong_sender": "malformed",
+            # the signer's certificate (``expired`` alone means a run past its ``not_after``)
+            "expired": "certificate_expired", "not_yet_valid": "certificate_not_yet_valid"}
 
 
 class RunVerifier:

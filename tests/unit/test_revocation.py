@@ -363,3 +363,20 @@ def test_acl_blocks_enrolled_before_revocation_lists_are_named(tmp_path):
     acl.write_text(acl.read_text() + "\nuser old-dev\ntopic write dfl/+/node/+/inbox\ntopic read dfl/+/node/+/out\n"
                    "\nuser old-ops\ntopic write dfl/+/run/+\ntopic write dfl/+/run/+/cancel\ntopic read dfl/#\n")
     assert blocks_without_revocations(acl) == ["old-dev", "old-ops"]
+
+
+def test_a_revoked_operators_runs_are_refused_as_revoked():
+    from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier, operator_certificate, sign_descriptor
+    from dfl_agent.security.revocation import Revoked, sign_revocations
+
+    f = _fleet()
+    kop = Ed25519PrivateKey.generate()
+    cert = operator_certificate(f.fed, FED, "alice", public_key_b64(kop))
+    verifier = RunVerifier(FED, require_signatures=True, guard=f.b)
+    d = RunDescriptor(run_id="r-1", federation=FED, algorithm="fedavg", rounds=2)
+    assert verifier.check(sign_descriptor(d, kop, "alice", cert))[1] is None
+    rev = sign_revocations(f.fed, FED, 1, [Revoked("alice", None, "left the company", T0)])
+    assert f.b.trust.revocations.offer(rev.payload()) is None
+    d2 = RunDescriptor(run_id="r-2", federation=FED, algorithm="fedavg", rounds=2)
+    assert verifier.check(sign_descriptor(d2, kop, "alice", cert))[1] == "revoked"
+    assert verifier.refused == {"revoked": 1}
