@@ -380,3 +380,15 @@ def test_a_revoked_operators_runs_are_refused_as_revoked():
     d2 = RunDescriptor(run_id="r-2", federation=FED, algorithm="fedavg", rounds=2)
     assert verifier.check(sign_descriptor(d2, kop, "alice", cert))[1] == "revoked"
     assert verifier.refused == {"revoked": 1}
+
+
+def test_the_agents_log_warns_30_days_before_its_certificate_expires(caplog):
+    from dfl_agent.runtime.assembly import warn_expiry
+
+    cert = {"node_id": "dev1", "expires": T0 + 20 * DAY}
+    with caplog.at_level(logging.WARNING):
+        line = warn_expiry(cert, now=T0)
+    assert line == ("the certificate of node dev1 expires on 2027-02-04 08:00 UTC (in 20 days): renew it with "
+                    "dflctl keys renew dev1")
+    assert line in caplog.text
+    assert warn_expiry(cert, now=T0 - 20 * DAY) is None and warn_expiry({"expires": None}, now=T0) is None
