@@ -220,15 +220,15 @@ def test_the_agent_refuses_to_start_with_its_own_expired_certificate(tmp_path):
 def test_a_clock_behind_the_certificate_is_a_clock_problem_not_a_forgery(tmp_path):
     """On 75535c2 a certificate issued after the receiver's clock reading was accepted as if
     valid, and ``doctor`` said nothing about it."""
-    from dfl_agent.cli.cli_ops import check_certificate
-    from dfl_agent.runtime.config import config_from_dict
-    from dfl_agent.security.keys import save_certificate
-
     clock = Clock(T0 - 3 * DAY)  # a device without a real-time clock, 3 days behind
     f = _fleet(clock)
     assert _verdict(f.b, _frame(f.ka, "a", f.cert_a)) == "not_yet_valid"
     forged = issue_certificate(Ed25519PrivateKey.generate(), FED, "a", public_key_b64(f.ka), now=T0)
     assert _verdict(f.b, _frame(f.ka, "a", forged)) == "unknown_sender"  # a forged certificate is no clock problem
+    from dfl_agent.cli.cli_ops import check_certificate
+    from dfl_agent.runtime.config import config_from_dict
+    from dfl_agent.security.keys import save_certificate
+
     # doctor, on the device: its own certificate "not yet valid" is reported as the clock
     save_certificate(f.cert_a, tmp_path / "node_cert.json")
     cfg = config_from_dict({"federation": FED, "node_id": "a", "state_dir": str(tmp_path),
