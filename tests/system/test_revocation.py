@@ -24,7 +24,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.cli.broker import mosquitto_path
-from dfl_agent.cli.fleet import FleetTarget, PublishRefused, observer_guard
+from dfl_agent.cli.fleet import FleetTarget, observer_guard
 from dfl_agent.cli.observer import Observer
 from dfl_agent.runtime.config import load_config
 from dfl_agent.security.keys import save_private_key
@@ -119,6 +119,7 @@ def test_a_revoked_device_is_dropped_within_a_heartbeat_and_trains_with_nobody(t
         assert peers["p0"]["trust"] == peers["p1"]["trust"] == "device"
         # p2, still connected, cannot clear the list: the shipped ACL lets only the operator write it
         from dfl_agent.cli.cli_runs import fetch_retained, publish_retained
+        from dfl_agent.cli.fleet import PublishRefused
 
         p2 = FleetTarget(broker=f"127.0.0.1:{port}", federation=fed, username="p2", password=passwords["p2"],
                          tls_ca=str(tmp_path / "ca.crt"))
