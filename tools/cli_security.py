@@ -607,7 +607,7 @@ def cmd_show(a: argparse.Namespace) -> int:
             if fed_pub:
                 try:
                     verify_certificate(cert, parse_public_key(fed_pub), str(cert.get("fed")))
-                    state = "valid"
+                    state = f"valid ({_validity(cert)})"
                 except SecurityError as exc:
                     state = f"INVALID: {exc}"
             doc["certificate"] = {"node_id": cert.get("node_id"), "federation": cert.get("fed"), "state": state}

@@ -32,7 +32,7 @@ from tests.system.conftest import needs_mosquitto
 from tests.system.test_production_combination import IDS, _tls_broker, start_agents, stop_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(180)]
-ROUNDS = 200  # more than the test lets them train: it stops them
+ROUNDS = 5000  # more than the test lets them train: it stops them mid-run
 HEARTBEAT = 1.0  # mqtt.heartbeat_interval of the agents (s)
 
 
@@ -74,7 +74,7 @@ def test_a_revoked_device_is_dropped_within_a_heartbeat_and_trains_with_nobody(t
         fed = start_agents(procs, tmp_path, port, passwords, ROUNDS, lambda nid: {
             # small and fast: the digits data set, a small model, two steps a round
             "data": {"dataset": "digits", "num_nodes": len(IDS)}, "model": {"size": "small"},
-            "training": {"steps": 2}, "mqtt": {"heartbeat_interval": HEARTBEAT}},
+            "training": {"steps": 10}, "mqtt": {"heartbeat_interval": HEARTBEAT}},
             fed_key=fed_key, once=False)
         cfg0 = load_config(tmp_path / "p0.toml")
         obs = Observer(FleetTarget(broker=f"127.0.0.1:{port}", federation=fed, username="operator",
