@@ -388,6 +388,60 @@ def check_clock() -> dict[str, str]:
     return _check("clock", "warn", f"cannot tell whether the clock is synchronized (now {time.ctime()})")
 
 
+def check_certificate(cfg: Any, state_dir: str, now: float | None = None) -> list[dict[str, str]]:
+    """The node's certificate (``security.certificate``, else ``STATE_DIR/node_cert.json``;
+    none: no check): verified with ``security.federation_key`` when set; ``fail`` when it
+    expired (the node and the date named) or the node's saved revocation list revokes it,
+    ``warn`` within :data:`~dfl_agent.security.keys.EXPIRY_WARNING_DAYS` days of its expiry.  A
+    certificate not yet valid by this device's clock is a clock problem (a device without a
+    real-time clock), reported as a failed ``clock`` check, not as a bad certificate."""
+    from dfl_agent.security.keys import (
+        CERT_FILE,
+        EXPIRY_WARNING_DAYS,
+        CertificateExpired,
+        CertificateNotYetValid,
+        SecurityError,
+        load_certificate,
+        parse_public_key,
+        utc_date,
+        verify_certificate,
+    )
+    from dfl_agent.security.revocation import REVOCATIONS_FILE, Revocations
+
+    sec = cfg.security
+    path = Path(sec.certificate) if sec.certificate else Path(state_dir) / CERT_FILE
+    if not path.exists():
+        return []
+    now = time.time() if now is None else now
+    try:
+        cert = load_certificate(path)
+        node = str(cert.get("node_id"))
+        if sec.federation_key:
+            fed_pub = parse_public_key(sec.federation_key)
+            verify_certificate(cert, fed_pub, cfg.federation, now)
+            rev = Revocations(cfg.federation, fed_pub, Path(state_dir) / REVOCATIONS_FILE, persist=False)
+            hit = rev.revoked(node, cert.get("public_key"))
+            if hit is not None:
+                return [_check("certificate", "fail", f"node {node} is revoked by the federation's revocation list "
+                                                      f"{rev.number}: {hit.reason}")]
+    except CertificateNotYetValid as exc:
+        return [_check("clock", "fail", f"{exc} (a clock problem, not an attack: peers' certificates and messages "
+                                        "look wrong to this device too)"),
+                _check("certificate", "warn", f"node {exc.node_id}: not yet valid by this device's clock (see clock)")]
+    except CertificateExpired as exc:
+        return [_check("certificate", "fail", f"{exc}: renew it with dflctl keys renew {exc.node_id}")]
+    except SecurityError as exc:
+        return [_check("certificate", "fail", f"{path}: {exc}")]
+    exp = cert.get("expires")
+    if not isinstance(exp, (int, float)):
+        return [_check("certificate", "ok", f"node {node}: never expires")]
+    left = (exp - now) / 86400.0
+    if left <= EXPIRY_WARNING_DAYS:
+        return [_check("certificate", "warn", f"the certificate of node {node} expires on {utc_date(exp)} "
+                                              f"(in {left:.0f} days): renew it with dflctl keys renew {node}")]
+    return [_check("certificate", "ok", f"node {node}: valid until {utc_date(exp)}")]
+
+
 def check_disk(state_dir: str, warn_bytes: int = 1 << 30, fail_bytes: int = 200 << 20) -> dict[str, str]:
     p = Path(state_dir)
     while not p.exists() and p != p.parent:
@@ -453,6 +507,10 @@ def cmd_doctor(a: argparse.Namespace) -> int:
         for iface in ([a.interface] if a.interface else cfg.discovery.interfaces):
             results.append(check_mdns(iface, a.timeout))
     results.append(check_clock())
+    cert_checks = check_certificate(cfg, state_dir)
+    if any(r["check"] == "clock" for r in cert_checks):  # the clock is behind the certificate: say it once
+        results = [r for r in results if r["check"] != "clock"]
+    results.extend(cert_checks)
     results.append(check_disk(state_dir))
     results.append(check_permissions(state_dir, a.config, bool(cfg.mqtt.password)))
     results.append(check_checkpoint(state_dir))
@@ -485,7 +543,7 @@ def register(sub: Any) -> None:
     from dfl_agent.cli.fleet import add_options as fleet_options
 
     for name, fn, helptext in (("watch", cmd_watch, "live view of a federation's nodes"),
-                               ("doctor", cmd_doctor, "check broker, mDNS, clock, disk, permissions")):
+                               ("doctor", cmd_doctor, "check broker, mDNS, clock, certificate, disk, permissions")):
         c = sub.add_parser(name, help=helptext)
         fleet_options(c)
         c.add_argument("--json", action="store_true", help="machine-readable output (schema_version 1)")

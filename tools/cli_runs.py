@@ -121,7 +121,7 @@ def publish_retained(broker: str | FleetTarget, topic: str, payload: bytes, time
         info = c.publish(topic, payload, qos=1, retain=True)
         info.wait_for_publish(timeout)
         if not info.is_published():
-            raise fleet.BrokerError(f"broker {t.broker} did not acknowledge the run within {timeout:.0f}s")
+            raise fleet.BrokerError(f"broker {t.broker} did not acknowledge the publish on {topic} within {timeout:.0f}s")
         reason = reasons.get(info.mid)
         if reason is not None and getattr(reason, "is_failure", False):
             raise fleet.PublishRefused(_refused_text(t, topic, reason))
@@ -249,6 +249,8 @@ def observed_runs(obs: Any, t: Any) -> tuple[dict[str, dict[str, Any]], collecti
     guard = None
     if t.config is not None and (t.config.security.federation_key or t.config.security.operators):
         guard = fleet.trust_guard(t)  # trust material for operators
+        if guard is not None and getattr(obs, "revocations_payload", None):  # a revoked operator's runs: hidden
+            guard.trust.revocations.offer(obs.revocations_payload, count=False)
     with obs._lock:
         runs, payloads, cancels = dict(obs.runs), dict(obs.run_payloads), dict(obs.run_cancels)
     return verify_runs(runs, payloads, t.federation, guard, cancels)
@@ -824,5 +826,9 @@ def register(sub: Any) -> None:
     e.add_argument("--dir", required=True, help="folder holding the federation key (dflctl keys federation-init)")
     e.add_argument("--federation", required=True, help="federation name")
     e.add_argument("--out", required=True, help="folder to write operator_key.pem and operator_cert.json to")
-    e.add_argument("--valid-days", type=float, default=None, help="certificate lifetime in days (default: no expiry)")
+    from dfl_agent.cli.cli_security import valid_days
+    from dfl_agent.security.keys import DEFAULT_VALID_DAYS
+
+    e.add_argument("--valid-days", type=valid_days, default=DEFAULT_VALID_DAYS, metavar="DAYS",
+                   help=f"certificate lifetime in days (default {DEFAULT_VALID_DAYS:g}; 0: never expires)")
     e.set_defaults(func=cmd_enroll_operator)

@@ -21,7 +21,15 @@ from typing import Any
 from dfl_agent import __version__
 from dfl_agent.cli.fleet import FederationAbsent
 from dfl_agent.cli.output import console, json_doc
-from dfl_agent.cli.tables import PEER_COLUMNS, STATUS_COLUMNS, fmt_cell, peer_rows, render_table, status_rows
+from dfl_agent.cli.tables import (
+    PEER_COLUMNS,
+    STATUS_COLUMNS,
+    certificate_warnings,
+    fmt_cell,
+    peer_rows,
+    render_table,
+    status_rows,
+)
 
 # the architecture modes of dfl_agent.models.families.FAMILIES, named here so that building the
 # parser does not import torch (tests/unit/test_cli_startup.py checks they agree)
@@ -228,6 +236,8 @@ def cmd_status(a: argparse.Namespace) -> int:
         return 0
     con = console()
     con.print(render_table("status", status_rows(statuses, presence=presence, privacy_seen=seen), STATUS_COLUMNS))
+    for line in certificate_warnings(statuses):  # expiring certificates, revoked nodes
+        con.print(f"warning: {line}", markup=False)
     if a.node:  # one node: every field of its status document
         for k, v in sorted(statuses[a.node].items()):
             con.print(f"  {k}: {fmt_cell(v) if not isinstance(v, (list, dict)) else json.dumps(v, sort_keys=True)}")

@@ -84,8 +84,13 @@ class Observer:
         self._synced = threading.Event()  # UNSUBACK of the barrier: the retained messages are in
         self._sub_mid: int | None = None
         self._barrier_mid: int | None = None
-        #: SecurityGuard verifying presence/status (set before start; None: all "unverified")
+        #: SecurityGuard verifying presence/status (set before start; None: all "unverified"); it
+        #: also verifies the federation's revocation list (``dfl/{fed}/revocations``)
         self.guard: Any = None
+        #: the retained revocation list as received (not verified), or None
+        self.revocations_payload: bytes | None = None
+        #: (leaf, node id) -> the public key its newest presence/status certificate names
+        self._keys: dict[tuple[str, str], str | None] = {}
         self._client = self.target.session("dflctl")
         self._client.on_connect = self._on_connect
         self._client.on_message = self._on_message
@@ -96,7 +101,8 @@ class Observer:
         base = f"dfl/{self.federation}/node/+/"
         self._subscribed.clear()
         self._synced.clear()
-        self._sub_mid = client.subscribe([(base + "status", 0), (base + "presence", 0),
+        self._sub_mid = client.subscribe([(f"dfl/{self.federation}/revocations", 0),
+                                          (base + "status", 0), (base + "presence", 0),
                                           (f"dfl/{self.federation}/run/+", 0),
                                           (f"dfl/{self.federation}/run/+/cancel", 0)])[1]
         # the barrier (see the module docstring): a topic nobody publishes on and this client
@@ -126,6 +132,17 @@ class Observer:
 
     def _handle(self, msg: Any) -> None:
         parts = msg.topic.split("/")
+        if len(parts) == 3 and parts[2] == "revocations":
+            self.revocations_payload = bytes(msg.payload) if msg.payload else None
+            guard = getattr(self, "guard", None)
+            if msg.payload and guard is not None:  # verified with the federation key, newest kept
+                why = guard.trust.revocations.offer(bytes(msg.payload), count=False)
+                if why not in (None, "duplicate"):
+                    with self._lock:
+                        self.dropped[f"revocations_{why}"] += 1
+            with self._lock:
+                self.updated = time.monotonic()
+            return
         if len(parts) == 4 and parts[2] == "run":
             from dfl_agent.runtime.descriptor import open_run_message
 
@@ -154,7 +171,9 @@ class Observer:
         if doc is None:
             return
         doc = {**doc, "trust": trust, "verified": trust in ("device", "operator")}
+        key = self._signing_key(msg.payload)
         with self._lock:
+            self._keys[(leaf, node)] = key
             if leaf == "presence" and is_will(doc) and self._stale_will(node, doc):
                 self.dropped["presence_stale_will"] += 1  # of an earlier connection: the node is back
                 return
@@ -166,6 +185,30 @@ class Observer:
         if leaf == "status" and not trust.startswith("untrusted"):
             self.privacy_watch.observe(node, doc.get("privacy"))
 
+    @staticmethod
+    def _signing_key(payload: bytes) -> str | None:
+        """The public key named by the certificate of a signed presence/status (None: none)."""
+        try:
+            env = bounded_loads(payload, "status")
+        except JSONBoundError:
+            return None
+        cert = env.get("cert") if isinstance(env, dict) else None
+        key = cert.get("public_key") if isinstance(cert, dict) else None
+        return key if isinstance(key, str) else None
+
+    def _mark_revoked(self, leaf: str, docs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """``docs`` with ``trust = "revoked"`` (and the entry's ``revoked`` reason) for every node
+        the verified revocation list names, or whose signing key it names, whatever arrived first
+        (the caller holds the lock)."""
+        guard = getattr(self, "guard", None)
+        if guard is None or guard.trust.revocations.current is None:
+            return dict(docs)
+        out = {}
+        for node, doc in docs.items():
+            hit = guard.trust.revocations.revoked(node, self._keys.get((leaf, node)))
+            out[node] = {**doc, "trust": "revoked", "verified": False, "revoked": hit.reason} if hit else doc
+        return out
+
     def _stale_will(self, node: str, will: dict[str, Any]) -> bool:
         """Whether ``node``'s last will ``will`` is of an earlier connection than the one its
         current online presence names (a late or replayed will; the caller holds the lock)."""
@@ -175,7 +218,8 @@ class Observer:
     def _open(self, leaf: str, node: str, payload: bytes) -> tuple[dict[str, Any] | None, str]:
         """A presence/status document and its trust: ``"device"``/``"operator"`` when its
         signature verified with :attr:`guard` (a SecurityGuard from ``--config``),
-        ``"unverified"`` without trust material, ``"untrusted: REASON"`` when it failed.
+        ``"unverified"`` without trust material, ``"revoked"`` when the federation's revocation
+        list names the sender or its key, ``"untrusted: REASON"`` when it failed otherwise.
         A last will (:func:`~dfl_agent.security.trust.is_will`) is verified as one
         (:meth:`~dfl_agent.security.SecurityGuard.verify_will`)."""
         if not payload:
@@ -202,7 +246,7 @@ class Observer:
         except ControlRejected as exc:
             if exc.reason == "duplicate":
                 return inner, guard.role_of(node)
-            return inner, f"untrusted: {exc.reason}"
+            return inner, "revoked" if exc.reason == "revoked" else f"untrusted: {exc.reason}"
         return inner, role
 
     def start(self, timeout: float = 10.0) -> Observer:
@@ -245,8 +289,10 @@ class Observer:
         return synced
 
     def snapshot(self) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+        """``(statuses, presence)``: node id -> document (see the class), each with its ``trust``:
+        ``"revoked"`` for a node the federation's verified revocation list names."""
         with self._lock:
-            return dict(self.statuses), dict(self.presence)
+            return self._mark_revoked("status", self.statuses), self._mark_revoked("presence", self.presence)
 
     def stop(self) -> None:
         """Disconnect and stop the network loop (the DISCONNECT wakes the loop at once)."""

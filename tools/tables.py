@@ -33,7 +33,8 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
     will)``; for a node with a status but no presence, or whose status is newer than the
     "offline" its supervisor published when a run ended (an always-on node between runs), or
     that connected again since its last will, the status's own state (``idle``); ``stale`` when
-    not offline but nothing heard for ``stale_after`` s.  ``address``
+    not offline but nothing heard for ``stale_after`` s; ``revoked`` (``trust`` too, and
+    ``revoked`` holds the reason) for a node the federation's revocation list names.  ``address``
     is the device's own address when its descriptor advertises one, else ``-`` (never the
     broker's address: that is ``broker``).  ``compatibility`` is shown
     when the node's descriptor or status carries it.  ``privacy``: the node's budget, flagged when
@@ -54,23 +55,52 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
         last = _age(seen, now)
         if not state.startswith("offline") and state != "unknown" and last is not None and last > stale_after:
             state = "stale"
+        revoked = next((x.get("revoked", "") for x in (p, s) if x.get("trust") == "revoked"), None)
         compat = d.get("compatibility", s.get("compatibility", ""))
         compat = compat if isinstance(compat, str) else json.dumps(compat, sort_keys=True)
         note = "; ".join(([f"gated: {s['gated']}"] if s.get("gated") else []) + excluded_by.get(nid, []))
         # trust: the weakest of its presence and status ("unverified" without --config)
         trusts = [x.get("trust", "unverified") for x in (p, s) if x]
-        trust = next((t for t in trusts if t.startswith("untrusted")), None) or next(
-            (t for t in trusts if t == "unverified"), None) or (trusts[0] if trusts else "unverified")
+        trust = "revoked" if revoked is not None else next((t for t in trusts if t.startswith("untrusted")), None) \
+            or next((t for t in trusts if t == "unverified"), None) or (trusts[0] if trusts else "unverified")
         rows.append({
-            "node_id": nid, "trust": trust, "verified": trust in ("device", "operator"), "state": state, "address": d.get("address") or "-",
+            # a node the federation revoked is shown "revoked" whatever it says of itself
+            "node_id": nid, "trust": trust, "verified": trust in ("device", "operator"),
+            "state": "revoked" if revoked is not None else state, "address": d.get("address") or "-",
             "broker": d.get("broker", ""), "profile": d.get("profile", "") or s.get("profile", ""),
             "algorithm": d.get("algorithm", "") or s.get("algorithm", ""), "model": d.get("model_hash", ""),
             "version": d.get("version", ""), "round": s.get("round"), "last_seen_s": last,
-            "compatibility": "; ".join(x for x in (compat, note) if x),
+            "compatibility": "; ".join(x for x in (compat, note) if x), "revoked": revoked,
             "gated": s.get("gated"), "excluded_by": excluded_by.get(nid, []), "note": note,
             "privacy": privacy_text(s.get("privacy"), down.get(nid)), "privacy_decreased": down.get(nid),
         })
     return rows
+
+
+def certificate_warnings(statuses: dict[str, Any], now: float | None = None) -> list[str]:
+    """One line per node whose status says its certificate (``certificate_expires``) expired or
+    expires within :data:`~dfl_agent.security.keys.EXPIRY_WARNING_DAYS` days, naming the node
+    and the date; and one per node the federation revoked."""
+    from dfl_agent.security.keys import EXPIRY_WARNING_DAYS, utc_date
+
+    now = time.time() if now is None else now
+    lines = []
+    for nid in sorted(statuses):
+        s = statuses[nid] or {}
+        if s.get("trust") == "revoked":
+            lines.append(f"node {nid} is revoked ({s.get('revoked') or 'revocation list'}): its peers ignore it")
+            continue
+        exp = s.get("certificate_expires")
+        if not isinstance(exp, (int, float)) or isinstance(exp, bool):
+            continue
+        left = (exp - now) / 86400.0
+        if left < 0:
+            lines.append(f"the certificate of node {nid} expired on {utc_date(exp)}: its peers refuse it "
+                         f"(dflctl keys renew {nid})")
+        elif left <= EXPIRY_WARNING_DAYS:
+            lines.append(f"the certificate of node {nid} expires on {utc_date(exp)} (in {left:.0f} days): "
+                         f"dflctl keys renew {nid}")
+    return lines
 
 
 def presence_state(p: dict[str, Any], s: dict[str, Any]) -> str | None:
@@ -118,6 +148,8 @@ def status_rows(statuses: dict[str, Any], now: float | None = None,
         gone = presence_state((presence or {}).get(nid) or {}, s)
         if gone is not None and gone.startswith("offline") and state not in ("stopped", "finished"):
             state = gone
+        if s.get("trust") == "revoked":  # the federation's revocation list names it
+            state = "revoked"
         sync = {k: s[k] for k in ("alpha_n", "alpha_last", "threshold", "theta", "hessian_sent") if k in s}
         errors = s.get("errors") if isinstance(s.get("errors"), dict) else {}
         control = {k: v for k, v in errors.items() if k.startswith(CONTROL_PREFIXES)}

@@ -61,7 +61,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dfl_agent.jsonbound import JSONBoundError
+from dfl_agent.jsonbound import JSONBoundError, LogLimit
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.security.trust import is_will, will_payload
 from dfl_agent.transport.mqtt import ControlChannel, MqttTransport, topic
@@ -127,6 +127,7 @@ class MqttPresence(ControlChannel):
         self._last_status_pub = 0.0
         self._t_presence = topic(federation, node_id, "presence")
         self._t_status = topic(federation, node_id, "status")
+        self._drop_log = LogLimit(60.0, 5)  # dropped presence/status lines per (leaf, node, reason)
 
     # ----------------------------------------------------------- the channel
 
@@ -228,9 +229,16 @@ class MqttPresence(ControlChannel):
                 return None  # a retained message delivered again (reconnect): not a drop
             count(f"{leaf}_{exc.reason}")
             # a replay is most often an older copy queued for this session during a disconnect
-            # (QoS 1), delivered after the newest: counted, and logged at debug level only
-            (log.debug if exc.reason == "replay" else log.warning)(
-                "%s: dropped %s on the topic of %r: %s", self.node_id, leaf, node_id, exc)
+            # (QoS 1), delivered after the newest: counted, and logged at debug level only.  Others
+            # (a revoked node still connected, a forger) are logged 5 times per node and reason,
+            # then once a minute: every heartbeat of theirs would flood the log
+            if exc.reason == "replay":
+                log.debug("%s: dropped %s on the topic of %r: %s", self.node_id, leaf, node_id, exc)
+                return None
+            log_it, held, _ = self._drop_log.check((leaf, node_id, exc.reason))
+            if log_it:
+                log.warning("%s: dropped %s on the topic of %r: %s%s", self.node_id, leaf, node_id, exc,
+                            f" ({held} more not logged)" if held else "")
             return None
         return msg, role
 

@@ -288,27 +288,69 @@ def build_security(cfg: NodeConfig, state_dir: Path, node_id: str) -> Any:
         StartupError: unreadable key or certificate, a certificate for another node.
     """
     from dfl_agent.security import SecurityError, SecurityGuard, SeqCounter, TrustStore
-    from dfl_agent.security.keys import CERT_FILE, load_certificate, load_or_create_key, public_key_b64
-    from dfl_agent.security.trust import SEQ_FILE
+    from dfl_agent.security.keys import (
+        CERT_FILE,
+        CertificateExpired,
+        CertificateNotYetValid,
+        load_certificate,
+        load_or_create_key,
+        parse_public_key,
+        public_key_b64,
+    )
+    from dfl_agent.security.revocation import REVOCATIONS_FILE, Revocations
+    from dfl_agent.security.trust import SEQ_FILE, KeyRevoked
 
     sec = cfg.security
     try:
         key = load_or_create_key(state_dir, sec.key_file)
         pinned = {k: str(v) for k, v in sec.trusted_keys.items()}
         pinned.setdefault(node_id, public_key_b64(key))
+        # the newest revocation list this node verified (its supervisor keeps it up to date)
+        revocations = Revocations(cfg.federation, parse_public_key(sec.federation_key) if sec.federation_key else None,
+                                  state_dir / REVOCATIONS_FILE)
         trust = TrustStore(cfg.federation, pinned, sec.federation_key,
-                           operators={k: str(v) for k, v in getattr(sec, "operators", {}).items()})
+                           operators={k: str(v) for k, v in getattr(sec, "operators", {}).items()},
+                           revocations=revocations)
         cert_path = sec.certificate or (state_dir / CERT_FILE if (state_dir / CERT_FILE).exists() else None)
         cert = load_certificate(cert_path) if cert_path else None
         if cert is not None and trust.federation_key is not None:
-            if trust.add_certificate(cert) != node_id:
+            if cert.get("node_id") != node_id:
                 raise SecurityError(f"certificate {cert_path} is for node {cert.get('node_id')!r}, not {node_id!r}")
+            try:
+                trust.add_certificate(cert)
+            except CertificateExpired as exc:
+                raise SecurityError(f"{exc} (renew it: dflctl keys renew {node_id})") from None
+            except CertificateNotYetValid as exc:  # no real-time clock: NTP may still set it
+                log.warning("%s; peers may refuse this node's messages until it is set", exc)
+            except KeyRevoked as exc:
+                log.error("this node's own certificate is refused: %s; its peers ignore it", exc)
+            warn_expiry(cert)
     except SecurityError as exc:
         raise StartupError(f"security: {exc}") from None
     log.info("node key %s (public %s); signatures %s", sec.key_file or state_dir / "node_key.pem",
              public_key_b64(key), "required" if sec.require_signatures else "optional")
     return SecurityGuard(node_id, key, trust, require_signatures=sec.require_signatures, certificate=cert,
                          replay_window=sec.replay_window, seq=SeqCounter(state_dir / SEQ_FILE))
+
+
+def warn_expiry(cert: Any, now: float | None = None) -> str | None:
+    """Log (WARNING) and return the line saying that this node's certificate ``cert`` expires
+    within :data:`~dfl_agent.security.keys.EXPIRY_WARNING_DAYS` days, or None."""
+    import time as _time
+
+    from dfl_agent.security.keys import EXPIRY_WARNING_DAYS, utc_date
+
+    exp = cert.get("expires") if isinstance(cert, dict) else None
+    if not isinstance(exp, (int, float)) or isinstance(exp, bool):
+        return None
+    left = (exp - (_time.time() if now is None else now)) / 86400.0
+    if left > EXPIRY_WARNING_DAYS or left < 0:
+        return None
+    node = cert.get("node_id")
+    line = (f"the certificate of node {node} expires on {utc_date(exp)} (in {left:.0f} days): "
+            f"renew it with dflctl keys renew {node}")
+    log.warning("%s", line)
+    return line
 
 
 def build_node(algo_cls: type[Algorithm], options: Any, *, model_spec: dict[str, Any], test_x: Any, test_y: Any,

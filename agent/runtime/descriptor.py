@@ -39,7 +39,7 @@ from typing import Any
 
 from dfl_agent.jsonbound import JSONBoundError
 from dfl_agent.jsonbound import loads as bounded_loads
-from dfl_agent.security.keys import issue_certificate
+from dfl_agent.security.keys import DEFAULT_VALID_DAYS, issue_certificate
 from dfl_agent.security.trust import ControlRejected, SecurityGuard, SeqCounter, TrustStore
 
 SCHEMA_VERSION = 1
@@ -49,7 +49,8 @@ NODE_STATES = ("queued", "accepted", "declined", "training", "finished", "failed
 TERMINAL = ("finished", "failed", "cancelled", "declined")
 #: reasons a run descriptor message is refused (counters ``run_refused_<reason>``)
 REFUSE_REASONS = ("malformed", "oversized", "too_deep", "unsigned", "unknown_key", "not_operator", "bad_signature",
-                  "wrong_federation", "replay", "cancelled", "expired")
+                  "wrong_federation", "replay", "cancelled", "expired", "revoked", "certificate_expired",
+                  "certificate_not_yet_valid")
 #: a cancel record that may not be used is counted as ``cancel_<reason>`` (reasons as above)
 CANCEL_PREFIX = "cancel_"
 #: ``dflctl run submit``'s default ``not_after``: this long after ``submitted_at``, in seconds
@@ -221,9 +222,9 @@ def sample_run_id(default_id: str, index: int) -> str:
 
 # -- signing ---------------------------------------------------------------------
 def operator_certificate(federation_key: Any, federation: str, name: str, public_b64: str,
-                         valid_days: float | None = None) -> dict[str, Any]:
+                         valid_days: float | None = DEFAULT_VALID_DAYS) -> dict[str, Any]:
     """An operator certificate (version 2, ``role = "operator"``) signed by the federation key
-    (what ``dflctl keys enroll NAME --role operator`` writes)."""
+    (what ``dflctl keys enroll NAME --role operator`` writes), valid ``valid_days`` days (None: never expires)."""
     return issue_certificate(federation_key, federation, name, public_b64, valid_days=valid_days, role="operator")
 
 
@@ -294,7 +295,9 @@ def open_run_message(payload: bytes | str | Mapping[str, Any]) -> dict[str, Any]
 
 
 #: control-envelope rejection reasons -> run refusal reasons (:data:`REFUSE_REASONS`)
-_REFUSAL = {"unknown_sender": "unknown_key", "wrong_kind": "malformed", "wrong_sender": "malformed"}
+_REFUSAL = {"unknown_sender": "unknown_key", "wrong_kind": "malformed", "wrong_sender": "malformed",
+            # the signer's certificate (``expired`` alone means a run past its ``not_after``)
+            "expired": "certificate_expired", "not_yet_valid": "certificate_not_yet_valid"}
 
 
 class RunVerifier:

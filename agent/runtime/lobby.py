@@ -118,6 +118,7 @@ class RunLobby:
         self.session = secrets.token_hex(8)
         #: peers whose reported privacy budget went down (a reset ledger), in this node's status
         self.privacy_watch = PrivacyWatch()
+        self._expiry_logged = time.time()  # build_security logged it at start: the next a day later
 
     def start(self) -> None:
         """Connect (non-blocking; paho reconnects on its own)."""
@@ -170,8 +171,14 @@ class RunLobby:
             return
         self._up = True
         self.outage.connected()  # after an outage: "broker ... back after ..." (INFO)
-        # the cancel records first: their retained copies arrive before any descriptor
-        self._sub_mid = client.subscribe(cancel_topic(self.cfg.federation), 1)[1]
+        # the cancel records first: their retained copies arrive before any descriptor; with them
+        # the federation's revocation list (retained), before any status is verified
+        first = [(cancel_topic(self.cfg.federation), 1)]
+        if self.guard is not None:
+            from dfl_agent.security.revocation import revocation_topic
+
+            first.append((revocation_topic(self.cfg.federation), 1))
+        self._sub_mid = client.subscribe(first)[1]
         self._republish_run()
 
     def up(self) -> bool:
@@ -208,7 +215,9 @@ class RunLobby:
 
     def _handle_message(self, msg: Any) -> None:
         parts = msg.topic.split("/")
-        if len(parts) == 5 and parts[2] == "run" and parts[4] == "cancel":
+        if len(parts) == 3 and parts[2] == "revocations":
+            self._revocation_list(msg.payload)
+        elif len(parts) == 5 and parts[2] == "run" and parts[4] == "cancel":
             self._cancel_record(parts[3], msg.payload)
         elif len(parts) == 4 and parts[2] == "run":
             if not msg.payload:
@@ -251,6 +260,51 @@ class RunLobby:
             if isinstance(st, dict) and (flag := self.privacy_watch.observe(parts[3], st.get("privacy"))):
                 log.warning("node %s reports privacy epsilon %g, below the %g it reported before (its privacy "
                             "ledger was reset?)", parts[3], flag["now"], flag["was"])
+
+    def _revocation_list(self, payload: bytes) -> None:
+        """The federation's retained revocation list: kept (and saved in the state directory,
+        where the run process reads it) when it verifies with the federation key and is newer
+        than the one held; else ignored and counted (``revocations_{reason}``).  An empty
+        payload (a cleared topic) revokes nothing back."""
+        from dfl_agent.security.revocation import IGNORE_REASONS
+
+        if not payload or self.guard is None:
+            return
+        why = self.guard.trust.revocations.offer(bytes(payload), count=False)
+        if why in IGNORE_REASONS:
+            key = f"revocations_{why}"
+            with self.lock:
+                self.dropped[key] = self.dropped.get(key, 0) + 1
+            log.warning("ignored the revocation list on the broker: %s (this node holds number %d)", why,
+                        self.guard.trust.revocations.number)
+        elif why is None:
+            if self.guard.trust.revoked(self.node_id):
+                log.error("this node (%s) is revoked by the federation's revocation list %d: its peers ignore it",
+                          self.node_id, self.guard.trust.revocations.number)
+            with self.lock:  # statuses of revoked nodes no longer count
+                for n in [n for n in self.statuses if self.guard.trust.revoked(n)]:
+                    self.statuses.pop(n, None)
+            self.changed.set()
+
+    def security_status(self) -> dict[str, Any]:
+        """The status fields of this node's trust material: ``revocation_list`` (the number of
+        the newest verified list, 0: none), ``revoked`` (the node ids it revokes) and
+        ``certificate_expires`` (this node's certificate's expiry, unix s, or None).  Logs the
+        expiry warning (:func:`~dfl_agent.runtime.assembly.warn_expiry`) at most once a day."""
+        guard = self.guard
+        if guard is None:
+            return {}
+        rev = guard.trust.revocations.current
+        cert = guard.certificate if isinstance(guard.certificate, dict) else {}
+        now = time.time()
+        if now >= self._expiry_logged + 86400.0:
+            from dfl_agent.runtime.assembly import warn_expiry
+
+            self._expiry_logged = now
+            warn_expiry(cert, now)
+        return {"revocation_list": rev.number if rev is not None else 0,
+                "revoked": sorted(rev.nodes()) if rev is not None else [],
+                "certificate_expires": cert.get("expires")}
 
     def is_cancelled(self, run_id: str) -> bool:
         """Whether an operator cancelled ``run_id``: a verified cancel record, or the ledger."""

@@ -148,6 +148,9 @@ class RunManager(RunLoop):
         self.counters.fields["signatures_required"] = lambda: bool(getattr(lobby.verifier, "require_signatures",
                                                                            False))
         self.counters.fields["runs_queued"] = lambda: lobby.queued(self.ledger.is_done)
+        # the revocation list held, the nodes it revokes, this node's certificate's expiry
+        for name in ("revocation_list", "revoked", "certificate_expires") if getattr(lobby, "guard", None) else ():
+            self.counters.fields[name] = functools.partial(lambda n: lobby.security_status().get(n), name)
         self.privacy = PrivacyBudget(cfg, profile, store, self.counters)  # admission against the privacy budget
 
     # -- the state machine ------------------------------------------------------------
