@@ -13,7 +13,6 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from dfl_agent.algorithms.protocols.stragglers import in_quorum_mode
 from dfl_agent.algorithms.protocols.synchronization import quorum_shown
 
 if TYPE_CHECKING:
@@ -236,19 +235,17 @@ class Membership:
             return next_round
         live = ctx.neighbours()
         shown = {p: latest_round[p] - 1 for p in live if p in latest_round}
-        # runtime.straggler = "quorum": the federation does not wait for a node behind it, so a
-        # node that may skip only max_catch_up_rounds per round it closes never catches up;
-        # it joins the quorum's round at once (still on the evidence of most live neighbours)
-        quorum = in_quorum_mode(ctx)
-        cap = (ctx.final_round or 10**9) if quorum else ctx.max_catch_up_rounds
-        target = catch_up_target(next_round, shown, len(live), cap)
+        # the cap holds under every runtime.straggler policy: under "quorum" the federation does
+        # not wait for a node behind it, and such a node closes each round it is in as soon as it
+        # has waited its adaptive deadline, with its neighbours' newest updates (UpdateMarket.ahead_round),
+        # so it rejoins them over several skips; no evidence moves it more than the cap at once
+        target = catch_up_target(next_round, shown, len(live), ctx.max_catch_up_rounds)
         if ctx.final_round is not None:
             target = max(next_round, min(target, ctx.final_round))
         if target == next_round:
             return next_round
         self.caught_up += target - next_round
         log.warning("%s: most live neighbours completed later rounds without this node; skipping rounds %d-%d "
-                    "to rejoin them (%s)", ctx.node_id, next_round, target - 1,
-                    "runtime.straggler = quorum: to their round" if quorum else
-                    f"at most runtime.max_catch_up_rounds = {ctx.max_catch_up_rounds} at once")
+                    "to rejoin them (at most runtime.max_catch_up_rounds = %d at once; a node further behind "
+                    "skips again after its next round)", ctx.node_id, next_round, target - 1, ctx.max_catch_up_rounds)
         return target
