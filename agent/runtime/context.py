@@ -542,6 +542,7 @@ class RuntimeContext:
         s = self.transport.stats
         dropped = collections.Counter(s.dropped)
         dropped.update(self.rejected)
+        dropped.update(getattr(self.peers, "dropped", {}))  # discovery input (an untrusted mDNS broker)
         return {
             "bytes_sent": s.bytes_sent,
             "bytes_received": s.bytes_received,
