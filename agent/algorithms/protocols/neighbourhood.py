@@ -351,9 +351,9 @@ class NeighbourhoodAlgorithm(Algorithm):
             return start + self.options.round_timeout + getattr(ctx, "disconnected_seconds", 0.0) - paused
 
         try:
-            got, missing = await collect_round(
-                ctx, MODEL_KIND, collect, start + timeout, self.options.poll_interval, own,
-                extra_tensors=self.extra_names(), market=self.market,
+            got, missing = await collect_round(  # a node left behind by a capped catch-up takes
+                ctx, MODEL_KIND, collect, start + timeout, self.options.poll_interval, own,  # the newest at once
+                extra_tensors=self.extra_names(), market=self.market, take_ahead=getattr(ctx, "catching_up", False),
             )
             if not got and missing and timeout < self.options.round_timeout:  # nothing by the adaptive deadline
                 # (a partition, a slow link): never close alone early; wait on up to round_timeout
