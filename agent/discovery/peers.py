@@ -30,7 +30,8 @@ or one named in a presence signed by an enrolled member (:meth:`PeerTable.trust_
 Any other is ignored, logged once per peer and broker, and counted in :attr:`PeerTable.dropped`
 as ``mdns_broker_untrusted`` (the node's status ``errors``); the record still vouches for
 the peer, as every mDNS record does (a hint: with signatures required only a trusted key makes
-a member).
+a member).  Nor does an mDNS record change what a presence said of a peer (its algorithm,
+model hash, roles, compression, broker): it adds only its address.
 """
 
 from __future__ import annotations
@@ -166,6 +167,8 @@ class PeerTable:
         self._trusted_brokers: set[str] = set()
         #: peer -> the untrusted broker its mDNS record named (ignored until it is trusted)
         self._mdns_broker: dict[str, str] = {}
+        #: peers that a presence described (mDNS records no longer change their descriptor fields)
+        self._described: set[str] = set()
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(event, node_id, info)`` on added/updated/removed."""
@@ -205,11 +208,18 @@ class PeerTable:
             if info is None:
                 info = PeerInfo(node_id=node_id)
                 self._peers[node_id] = info
+            # a peer that a presence (signed where signatures are required) described keeps that
+            # description: an mDNS record adds its address and its vouching only
+            keep = source == "mdns" and node_id in self._described
             for key, value in fields.items():
+                if keep and key != "address":
+                    continue
                 if key in _FIELDS and value:
                     setattr(info, key, str(value))
                 elif key not in _FIELDS and value is not None:
                     info.extra[key] = value
+            if source == "presence":
+                self._described.add(node_id)
             info.sources = _sources(info.sources | {source})
             if source == "presence":
                 info.offline = False

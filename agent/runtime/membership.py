@@ -171,6 +171,8 @@ class Membership:
         reason = ctx.compatibility(info) if info is not None else None
         if reason is None:
             return True
+        if info is not None and info.sources == {"mdns"}:  # an unsigned record's word only: not
+            return False  # excluded for good (the peer's presence, when it comes, describes it)
         self.excluded[peer] = reason
         if not reason.startswith("inference-only"):
             ctx.rejected["incompatible_peer"] += 1

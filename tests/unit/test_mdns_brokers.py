@@ -85,3 +85,37 @@ def test_only_a_presence_signed_by_an_enrolled_member_trusts_a_broker():
     assert not table.broker_trusted(THIRD) and dropped == {}
     table.upsert("ghost", "mdns", federation="fed", broker=THIRD)
     assert table.broker_of("ghost") == "" and table.dropped == {"mdns_broker_untrusted": 1}
+
+
+def test_an_mdns_record_does_not_change_a_members_description_nor_exclude_it():
+    """A made-up mDNS record for member b saying it runs another algorithm: b's presence said
+    fedavg, so the record changes nothing (before, b was excluded from this node's run for
+    good: ``excluding peer b: runs dechw``).  A record that comes before b's presence keeps b
+    out only until the presence describes it."""
+    import numpy as np
+
+    from dfl_agent.profiles import peer_incompatibility
+    from dfl_agent.runtime.context import RuntimeContext
+    from dfl_agent.transport.memory import MemoryNetwork
+
+    def ctx() -> RuntimeContext:
+        return RuntimeContext(node_id="me", federation="fed", transport=MemoryNetwork().transport("me", "fed"),
+                              peers=PeerTable("me", "fed", home_broker=HOME), data=None, model_spec={}, train=None,
+                              init_seed=0, rng=np.random.default_rng(0),
+                              compatibility=peer_incompatibility("fedavg", "h1"))
+
+    me = ctx()
+    me.peers.upsert("b", "presence", federation="fed", algorithm="fedavg", model_hash="h1", broker=HOME)
+    assert me.live_peers() == ["b"]
+    me.peers.upsert("b", "mdns", federation="fed", algorithm="dechw", model_hash="h2", address="10.6.6.6:1")
+    info = me.peers.get("b")
+    assert (info.algorithm, info.model_hash, info.address) == ("fedavg", "h1", "10.6.6.6:1")
+    assert me.live_peers() == ["b"] and me.membership.excluded == {}
+    me = ctx()  # the record first
+    me.peers.upsert("b", "mdns", federation="fed", algorithm="dechw")
+    assert me.live_peers() == [] and me.membership.excluded == {} and me.rejected["incompatible_peer"] == 0
+    me.peers.upsert("b", "presence", federation="fed", algorithm="fedavg", model_hash="h1")
+    assert me.live_peers() == ["b"]
+    # a peer whose own presence says it is incompatible is excluded, as before
+    me.peers.upsert("c", "presence", federation="fed", algorithm="dechw")
+    assert me.live_peers() == ["b"] and "c" in me.membership.excluded
