@@ -64,6 +64,7 @@ from typing import Any
 from dfl_agent.jsonbound import JSONBoundError, LogLimit
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.security.trust import is_will, will_payload
+from dfl_agent.transport.endpoint import valid_endpoint
 from dfl_agent.transport.mqtt import ControlChannel, MqttTransport, topic
 
 #: the transport's logger: the log lines of presence and status keep their logger name
@@ -312,6 +313,10 @@ class MqttPresence(ControlChannel):
                 return
             if descriptor is None and note is not None:
                 note(node_id, self._departure(node_id, opened[0], payload))
+            trust = getattr(t.peers, "trust_broker", None)
+            broker = descriptor.get("broker") if descriptor is not None else None
+            if opened[1] == "device" and trust is not None and isinstance(broker, str) and valid_endpoint(broker):
+                trust(broker)  # signed by an enrolled member: mDNS records may name this broker
         t.dispatch(t.presence_handler, node_id, descriptor)
 
     def _will_hint(self, node_id: str, how: str) -> None:

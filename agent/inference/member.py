@@ -90,7 +90,7 @@ class InferenceMember:
         self.node_id, self.federation = node_id, federation
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.peers = peers or PeerTable(node_id, federation, heartbeat_timeout=30.0)
+        self.peers = peers or PeerTable(node_id, federation, heartbeat_timeout=30.0, home_broker=broker)
         self.descriptor: dict[str, Any] = {**DESCRIPTOR, "broker": broker, "version": f"{__version__}/w{WIRE_VERSION}"}
         if address:
             self.descriptor["address"] = address

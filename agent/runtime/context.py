@@ -461,6 +461,14 @@ class RuntimeContext:
         roles include ``aggregator`` (no roles advertised = yes)."""
         return self.membership.may_aggregate(peer)
 
+    @property
+    def catching_up(self) -> bool:
+        """Whether this node's last catch-up was capped (``runtime.max_catch_up_rounds``) and
+        left it behind most of its live neighbours: its next round need not wait its deadline
+        for updates of a round they have left; it takes their newest ones as soon as a quorum
+        of them is there (``take_ahead`` of :meth:`UpdateMarket.collect`), then skips again."""
+        return self.membership.behind
+
     def catch_up_round(self, next_round: int) -> int:
         """The round to run after ``next_round - 1`` (see :func:`catch_up_target`).
 
@@ -571,6 +579,7 @@ class RuntimeContext:
         s = self.transport.stats
         dropped = collections.Counter(s.dropped)
         dropped.update(self.rejected)
+        dropped.update(getattr(self.peers, "dropped", {}))  # discovery input (an untrusted mDNS broker)
         return {
             "bytes_sent": s.bytes_sent,
             "bytes_received": s.bytes_received,

@@ -13,7 +13,6 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from dfl_agent.algorithms.protocols.stragglers import in_quorum_mode
 from dfl_agent.algorithms.protocols.synchronization import quorum_shown
 
 if TYPE_CHECKING:
@@ -46,6 +45,14 @@ def catch_up_target(next_round: int, shown: Mapping[str, int], live: int, cap: i
     return min(ahead + 1, next_round + cap)
 
 
+def still_behind(shown: Mapping[str, int], live: int, target: int) -> bool:
+    """Whether a node that runs round ``target`` next is still behind the rounds that
+    :func:`evidence_quorum` of its ``live`` neighbours showed completed (``shown``, as for
+    :func:`catch_up_target`): its catch-up was capped (``runtime.max_catch_up_rounds``)."""
+    ahead = quorum_shown(shown, live)
+    return ahead is not None and ahead + 1 > target
+
+
 class Membership:
     """Live peers, neighbours, exclusions and peers' gating for one node.
 
@@ -58,6 +65,11 @@ class Membership:
         self.excluded: dict[str, str] = {}  # peer -> why it is excluded (incompatible)
         self.peer_gated: dict[str, str] = {}  # peer -> its gating reason (from its status)
         self.caught_up = 0  # rounds skipped to catch up with the neighbours
+        #: the last catch-up (in the run, or at a restart) was capped and left the node behind
+        #: most of its live neighbours: its next round takes their newest updates as soon as a
+        #: quorum of them is there, instead of waiting its deadline for updates of a round they
+        #: have left (:meth:`RuntimeContext.catching_up`), and then skips again
+        self.behind = False
         #: peers that came (back) into this node's presence view: a first sighting, or a return
         #: after "offline" (a restart, a power cut, a partition healed).  A CHOCO stream sends
         #: its next message as a keyframe when it grows (:mod:`dfl_agent.algorithms.gossip_compression`),
@@ -159,6 +171,8 @@ class Membership:
         reason = ctx.compatibility(info) if info is not None else None
         if reason is None:
             return True
+        if info is not None and info.sources == {"mdns"}:  # an unsigned record's word only: not
+            return False  # excluded for good (the peer's presence, when it comes, describes it)
         self.excluded[peer] = reason
         if not reason.startswith("inference-only"):
             ctx.rejected["incompatible_peer"] += 1
@@ -233,22 +247,22 @@ class Membership:
         """The round to run after ``next_round - 1`` (see :meth:`RuntimeContext.catch_up_round`)."""
         ctx = self.ctx
         if not ctx.catch_up:
+            self.behind = False
             return next_round
         live = ctx.neighbours()
         shown = {p: latest_round[p] - 1 for p in live if p in latest_round}
-        # runtime.straggler = "quorum": the federation does not wait for a node behind it, so a
-        # node that may skip only max_catch_up_rounds per round it closes never catches up;
-        # it joins the quorum's round at once (still on the evidence of most live neighbours)
-        quorum = in_quorum_mode(ctx)
-        cap = (ctx.final_round or 10**9) if quorum else ctx.max_catch_up_rounds
-        target = catch_up_target(next_round, shown, len(live), cap)
+        # the cap holds under every runtime.straggler policy: no evidence moves a node more than
+        # max_catch_up_rounds at once.  A node left behind by a capped skip (under "quorum" the
+        # federation does not wait for it) closes its next round as soon as a quorum of its
+        # neighbours' newest updates is there (behind: UpdateMarket.ahead_round) and skips again
+        target = catch_up_target(next_round, shown, len(live), ctx.max_catch_up_rounds)
         if ctx.final_round is not None:
             target = max(next_round, min(target, ctx.final_round))
+        self.behind = target < (ctx.final_round or target + 1) and still_behind(shown, len(live), target)
         if target == next_round:
             return next_round
         self.caught_up += target - next_round
         log.warning("%s: most live neighbours completed later rounds without this node; skipping rounds %d-%d "
-                    "to rejoin them (%s)", ctx.node_id, next_round, target - 1,
-                    "runtime.straggler = quorum: to their round" if quorum else
-                    f"at most runtime.max_catch_up_rounds = {ctx.max_catch_up_rounds} at once")
+                    "to rejoin them (at most runtime.max_catch_up_rounds = %d at once; a node further behind "
+                    "skips again after its next round)", ctx.node_id, next_round, target - 1, ctx.max_catch_up_rounds)
         return target

@@ -74,7 +74,8 @@ class RoundWaiting:
             return start + self.round_timeout + ctx.disconnected_seconds - paused
 
         try:
-            raw, missing = await self._take(kind, t, start + timeout, accept)
+            # a node left behind by a capped catch-up (ctx.catching_up) takes its neighbours' newest at once
+            raw, missing = await self._take(kind, t, start + timeout, accept, take_ahead=ctx.catching_up)
             if not raw and missing and timeout < self.round_timeout:  # nothing by the adaptive deadline
                 # (a partition, a slow link): never close alone early; wait on up to round_timeout,
                 raw, missing = await self._take(kind, t, until(), accept, take_ahead=True)  # unless behind

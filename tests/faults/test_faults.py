@@ -112,7 +112,7 @@ def test_packet_loss_in_lab_namespaces(tmp_path):
     for nid in ids:
         recs = [json.loads(line) for line in (tmp_path / nid / "metrics.jsonl").read_text().splitlines()]
         rounds = [r["round"] for r in recs]
-        # the agent's default, runtime.straggler = "quorum": a node that fell behind skips to its
+        # the agent's default, runtime.straggler = "quorum": a node that fell behind skips towards its
         # neighbours' round, and ends its run after the round it is in once most have finished
         assert rounds == sorted(set(rounds)) and rounds[0] == 1 and rounds[-1] <= ROUNDS, (nid, rounds)
         complete += rounds[-1] == ROUNDS

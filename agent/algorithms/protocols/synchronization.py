@@ -425,8 +425,8 @@ class UpdateMarket:
         satisfied for round ``t`` or ``deadline`` (absolute clock time) passes, then take.
         With ``take_ahead``, under :attr:`fresh_quorum`, a node behind its neighbours
         (:meth:`ahead_round`) stops waiting at once and takes each one's newest update, of
-        any round (counted ``behind``; the caller's catch-up then moves it to the quorum's
-        round; an update of a later round stays queued for that round, see :meth:`take`).  Callers ask for it only once a round has waited its adaptive deadline: a
+        any round (counted ``behind``; the caller's catch-up then moves it towards the quorum's
+        round, by at most ``runtime.max_catch_up_rounds``; an update of a later round stays queued for that round, see :meth:`take`).  Callers ask for it only once a round has waited its adaptive deadline: a
         node that closed its rounds as soon as it saw later ones would never work through
         the backlog of a slow device, whose updates would then carry rounds too old to use.
 
