@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dfl_agent.cli.fleet import publish_retained
 from dfl_agent.runtime.degraded import alone_text, degraded_fields
 
 if TYPE_CHECKING:
@@ -95,89 +96,6 @@ def operator_seq(d: str | None) -> Any:
     if d is not None and os.access(d, os.W_OK):
         return SeqCounter(Path(d) / OPERATOR_SEQ_FILE)
     return SeqCounter(None)
-
-
-def publish_retained(broker: str | FleetTarget, topic: str, payload: bytes, timeout: float = 10.0) -> None:
-    """Publish ``payload`` retained (QoS 1) and wait until the broker has it.
-
-    Args:
-        broker: a :class:`~dfl_agent.cli.fleet.FleetTarget` (credentials, TLS) or a ``host:port``.
-
-    Raises:
-        ConnectionError: the broker cannot be used (:class:`~dfl_agent.cli.fleet.BrokerError`,
-            saying why), or does not acknowledge in ``timeout`` s.
-        dfl_agent.cli.fleet.PublishRefused: the broker's PUBACK carries a failure reason code
-            (MQTT 5; e.g. 0x87 not authorized: its ACL denies the topic to this user).  Under
-            MQTT 3.1.1 a broker acknowledges a publish it drops, without a word.
-    """
-    from dfl_agent.cli import fleet
-
-    t = fleet.as_target(broker)
-    reasons: dict[int, Any] = {}
-    c = t.session("dflctl-run")
-    c.on_publish = lambda cl, ud, mid, reason=None, props=None: reasons.__setitem__(mid, reason)
-    t.connect(c, timeout)
-    try:
-        info = c.publish(topic, payload, qos=1, retain=True)
-        info.wait_for_publish(timeout)
-        if not info.is_published():
-            raise fleet.BrokerError(f"broker {t.broker} did not acknowledge the publish on {topic} within {timeout:.0f}s")
-        reason = reasons.get(info.mid)
-        if reason is not None and getattr(reason, "is_failure", False):
-            raise fleet.PublishRefused(_refused_text(t, topic, reason))
-    finally:
-        fleet.close(c)
-
-
-def _refused_text(t: FleetTarget, topic: str, reason: Any) -> str:
-    """One line for a publish the broker refused: its reason (name and code) and, for "not
-    authorized", whom the broker's ACL denies the topic."""
-    code = getattr(reason, "value", None)
-    text = f"{reason}" + (f" (MQTT reason code 0x{code:02x})" if isinstance(code, int) else "")
-    line = f"broker {t.broker} refused the publish on {topic}: {text}"
-    if code == 0x87:
-        who = f"user {t.username!r}" if t.username else "an anonymous client"
-        line += (f"; its ACL does not let {who} publish runs: use an operator's broker account (the operator's "
-                 "credentials as --config, or -u and --password-file)")
-    return line
-
-
-def fetch_retained(broker: str | FleetTarget, topic: str, timeout: float = 10.0,
-                   absent_after: float = 2.0) -> bytes | None:
-    """The retained message on ``topic`` (None when there is none: nothing arrived within
-    ``absent_after`` s of the subscription being acknowledged).
-
-    Args:
-        broker: a :class:`~dfl_agent.cli.fleet.FleetTarget` (credentials, TLS) or a ``host:port``.
-
-    Raises:
-        ConnectionError: the broker cannot be used (saying why) or does not answer in ``timeout`` s.
-    """
-    import threading
-
-    from dfl_agent.cli import fleet
-
-    t = fleet.as_target(broker)
-    got: list[bytes] = []
-    subscribed, arrived = threading.Event(), threading.Event()
-    c = t.session("dflctl-get")
-    c.on_connect = lambda cl, *_: cl.subscribe(topic, qos=1)
-    c.on_subscribe = lambda *_: subscribed.set()
-
-    def on_message(cl: Any, ud: Any, msg: Any) -> None:
-        if msg.payload and not got:
-            got.append(bytes(msg.payload))
-            arrived.set()
-
-    c.on_message = on_message
-    t.connect(c, timeout)
-    try:
-        if not subscribed.wait(timeout):
-            raise fleet.BrokerError(f"no answer from MQTT broker {t.broker} within {timeout:.0f}s")
-        arrived.wait(absent_after)  # a retained message follows the subscription at once
-        return got[0] if got else None
-    finally:
-        fleet.close(c)
 
 
 def verify_runs(runs: dict[str, dict[str, Any]], payloads: dict[str, bytes], federation: str,

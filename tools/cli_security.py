@@ -420,7 +420,7 @@ def _publish_revocations(a: argparse.Namespace, rev: Any) -> int:
     import sys
 
     from dfl_agent.cli import fleet
-    from dfl_agent.cli.cli_runs import publish_retained
+    from dfl_agent.cli.fleet import publish_retained
     from dfl_agent.security.revocation import revocation_topic
 
     t = fleet.target(a)
@@ -508,7 +508,7 @@ def cmd_revoke(a: argparse.Namespace) -> int:
     base = _revocation_list(d, fed_key, federation)
     if not a.no_publish:  # the broker may hold a newer list (made from a copy of this folder)
         from dfl_agent.cli import fleet
-        from dfl_agent.cli.cli_runs import fetch_retained
+        from dfl_agent.cli.fleet import fetch_retained
         from dfl_agent.security.revocation import revocation_topic
 
         held = fetch_retained(fleet.target(a), revocation_topic(federation), timeout=a.timeout)

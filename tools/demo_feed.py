@@ -289,8 +289,8 @@ def feed_federation(opts: FeedOptions, on_tick: Any = None) -> dict[str, Any]:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from dfl_agent.cli.broker import start_broker
-    from dfl_agent.cli.cli_runs import publish_retained
     from dfl_agent.cli.demo import INTERRUPT_GRACE, stop_processes
+    from dfl_agent.cli.fleet import publish_retained
     from dfl_agent.cli.observer import Observer
     from dfl_agent.runtime.descriptor import (
         RunDescriptor,
