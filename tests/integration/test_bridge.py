@@ -79,11 +79,11 @@ def test_agents_on_two_bridged_brokers_learn_together(tmp_path, mosquitto_broker
             w = asyncio.ensure_future(watch())
             try:
                 codes = await asyncio.wait_for(asyncio.gather(*(a.run(stop) for a in agents)), 180)
+                await asyncio.sleep(1.0)  # the "offline" presences cross the bridge
             finally:
                 for a in agents:
                     if a.host.lobby is not None:
                         a.host.lobby.stop()
-            await asyncio.sleep(1.0)  # the "offline" presences cross the bridge
             w.cancel()
             return codes
 
