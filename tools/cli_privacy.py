@@ -33,7 +33,7 @@ def _delta(a: argparse.Namespace, sd: Path, cfg: Any) -> float:
         return float(a.delta)
     if cfg is not None:
         from dfl_agent.profiles import resolve_profile
-        from dfl_agent.runtime.privacy_budget import device_privacy
+        from dfl_agent.runtime.privacy_ledger import device_privacy
 
         dp = device_privacy(cfg, resolve_profile(cfg.profile, cfg.profile_overrides)[0]).dp
         if dp is not None:

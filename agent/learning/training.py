@@ -512,3 +512,15 @@ def train_adam(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, b
 
 
 train_adam.restores_itself = True  # type: ignore[attr-defined]
+
+
+#: a warm-started run's learning rates in its first round, as a share of the full rates
+RAMP_START = 0.1
+
+
+def ramp_scale(ramp_rounds: int, t: int) -> float:
+    """The ramp of :func:`~dfl_agent.runtime.warm_start.ramp_factor` for a run known to be warm-started: ``RAMP_START``
+    in round 1, rising linearly to 1 in round ``ramp_rounds + 1`` (1 for ``ramp_rounds`` 0)."""
+    if ramp_rounds <= 0:
+        return 1.0
+    return min(1.0, RAMP_START + (1.0 - RAMP_START) * max(0, t - 1) / ramp_rounds)

@@ -14,30 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from dfl_agent.models import param_count
 from dfl_agent.runtime.descriptor import RunDescriptor
-
-
-def spec_params(spec: Mapping[str, Any]) -> int:
-    """Φ, the trainable parameters of the model ``spec`` describes, counted without
-    allocating them: from the spec alone where it tells (``cnn1d``, ``mlp``, ``cnn``: no
-    torch, :func:`dfl_agent.models.spec_param_count`), else by building the model on
-    PyTorch's ``meta`` device, so a huge spec costs no memory.
-
-    Raises:
-        ValueError: an invalid spec.
-    """
-    from dfl_agent.models import spec_param_count, validate_spec
-
-    s = validate_spec(dict(spec))
-    n = spec_param_count(s)
-    if n is not None:
-        return int(n)
-    import torch
-
-    from dfl_agent.models import build_model, count_trainable
-
-    with torch.device("meta"):
-        return int(count_trainable(build_model(s)))
 
 
 def run_model_params(d: RunDescriptor, profile: Any, *, input_shape: Any = None, num_classes: int | None = None,
@@ -57,7 +35,7 @@ def run_model_params(d: RunDescriptor, profile: Any, *, input_shape: Any = None,
 
     model = dict(d.model) if d.model else {k: v for k, v in (node_model or {}).items() if v is not None}
     if model.get("spec"):
-        return spec_params(model["spec"]), "the run's model spec" if d.model else "model.spec"
+        return param_count(model["spec"]), "the run's model spec" if d.model else "model.spec"
     try:
         tier = str(model.get("size") or (profile.model.size if model.get("family") else model_tier(profile, d.algorithm)))
     except KeyError:
@@ -67,12 +45,12 @@ def run_model_params(d: RunDescriptor, profile: Any, *, input_shape: Any = None,
     if model.get("family"):
         from dfl_agent.models.families import family_member
 
-        return spec_params(family_member(str(model["family"]), input_shape, num_classes, tier)), \
+        return param_count(family_member(str(model["family"]), input_shape, num_classes, tier)), \
             f"{model['family']} member for {tier}"
     from dfl_agent.algorithms.base import traits_of
     from dfl_agent.models.defaults import default_model_spec
 
-    return spec_params(default_model_spec(traits_of(d.algorithm).default_model, input_shape, num_classes, tier)), f"default {tier} model"
+    return param_count(default_model_spec(traits_of(d.algorithm).default_model, input_shape, num_classes, tier)), f"default {tier} model"
 
 
 def admit(d: RunDescriptor, profile: Any, *, node_id: str, model_params: int | None = None,

@@ -38,7 +38,6 @@ from dfl_agent.profiles import ResourceGate
 from dfl_agent.runtime.assembly import (
     StartupError,
     apply_profile,
-    build_node,
     build_security,
     check_node_model,
     choose_compression,
@@ -47,6 +46,8 @@ from dfl_agent.runtime.assembly import (
     resolve_algorithm,
     straggler_policy,
 )
+from dfl_agent.runtime.build import build_node
+from dfl_agent.runtime.checkpoint import snapshot_from_checkpoint
 from dfl_agent.runtime.config import NodeConfig
 from dfl_agent.runtime.degraded import degraded_fields
 from dfl_agent.runtime.deployment import deploy_after_run
@@ -63,7 +64,7 @@ from dfl_agent.runtime.preflight import load_data
 from dfl_agent.runtime.rejoin import RunMembers
 from dfl_agent.runtime.run_config import node_id_from_state
 from dfl_agent.runtime.run_host import RunHost
-from dfl_agent.runtime.sample_store import open_store, snapshot_from_checkpoint, store_data
+from dfl_agent.runtime.sample_store import open_store, store_data
 from dfl_agent.runtime.warm_start import begin_run
 from dfl_agent.transport.mqtt import MqttTransport
 
@@ -494,7 +495,7 @@ class Agent(RunMembers, AgentOperations):
 
     def end_report(self) -> End:
         """How the run ended here (the host's last message from the run process)."""
-        from dfl_agent.runtime.service_counters import run_drops
+        from dfl_agent.runtime.pipe import run_drops
 
         node, snap = self.node, self.snapshot
         shape = list(self.data_shape) if self.data_shape is not None else None

@@ -11,8 +11,8 @@ the start-up checks (:mod:`dfl_agent.runtime.preflight`) all go through this mod
 - :func:`choose_compression` — the node's compression policy;
 - :func:`link_settings` — transport settings, round deadline and heartbeat timeout for ``mqtt.link_rate``;
 - :func:`build_security` — the node's key, certificate and trust store;
-- :func:`build_node` — a complete :class:`~dfl_agent.runtime.context.RuntimeContext`
-  and its :class:`~dfl_agent.runtime.node.Node`.
+The node itself is assembled by :func:`~dfl_agent.runtime.build.build_node` (a complete
+:class:`~dfl_agent.runtime.context.RuntimeContext` and its :class:`~dfl_agent.runtime.node.Node`).
 
 Nothing here imports torch at module level.
 """
@@ -28,13 +28,11 @@ from dfl_agent.runtime.config import ConfigError, NodeConfig
 
 if TYPE_CHECKING:
     from dfl_agent.algorithms.base import Algorithm
-    from dfl_agent.runtime.node import Node
-    from dfl_agent.runtime.node_hooks import NodeHooks
 
 log = logging.getLogger("dfl_agent.daemon")
 
 __all__ = ["StartupError", "resolve_algorithm", "apply_profile", "choose_model_specs", "model_spec_for",
-           "check_node_model", "choose_compression", "link_settings", "build_security", "build_node"]
+           "check_node_model", "choose_compression", "link_settings", "build_security"]
 
 
 class StartupError(RuntimeError):
@@ -95,9 +93,9 @@ def apply_profile(cfg: NodeConfig, algorithm: str, spec: dict[str, Any] | None =
         raise ValueError(f"profile {profile.name!r} is inference-only: run 'dfl-infer run', not the training agent")
     params = None
     if spec is not None:  # from the spec where it tells (no torch), else from a meta-device model
-        from dfl_agent.runtime.admission import spec_params
+        from dfl_agent.models import param_count
 
-        params = spec_params(spec)
+        params = param_count(spec)
     t = cfg.training
     return profile, select_behaviour(
         profile, algorithm, config_model_size=cfg.model.size, config_model_spec=bool(cfg.model.spec),
@@ -257,14 +255,14 @@ def link_settings(cfg: NodeConfig, options: Any, spec: dict[str, Any]) -> tuple[
     """
     import dataclasses
 
-    from dfl_agent.runtime.admission import spec_params
+    from dfl_agent.models import param_count
     from dfl_agent.transport.link_rate import derive, model_waits
 
     m, disc = cfg.mqtt, cfg.discovery
     timings = derive(m.link_rate, chunk_size=m.chunk_size, keepalive=m.keepalive)
     if timings.rate_bps is None:
         return timings, options, disc.heartbeat_timeout
-    model_bytes = 4 * spec_params(spec)
+    model_bytes = 4 * param_count(spec)
     neighbours = len(cfg.algorithm.neighbours) if cfg.algorithm.neighbours else max(1, disc.min_peers)
     waits = {k: timings.round_timeout(v, model_bytes, neighbours)
              for k, v in model_waits(options).items() if k not in cfg.algorithm.options}
@@ -351,39 +349,3 @@ def warn_expiry(cert: Any, now: float | None = None) -> str | None:
             f"renew it with dflctl keys renew {node}")
     log.warning("%s", line)
     return line
-
-
-def build_node(algo_cls: type[Algorithm], options: Any, *, model_spec: dict[str, Any], test_x: Any, test_y: Any,
-               baseline_local: bool = False, sink: Any = None, rounds: int = 0, eval_every: int = 1,
-               eval_background: bool = False, hooks: NodeHooks | None = None, accuracy_source: str | None = None,
-               run_info: dict[str, Any] | None = None, lr_ramp: int = 0, **context: Any) -> Node:
-    """One node: its complete :class:`~dfl_agent.runtime.context.RuntimeContext` (built
-    with every setting, nothing assigned afterwards), the algorithm bound to it, and the
-    :class:`~dfl_agent.runtime.node.Node` that runs and reports it.
-
-    The peer-compatibility rule (which peers' models can take part) comes from the
-    algorithm and ``model_spec`` (:func:`dfl_agent.profiles.peer_incompatibility`), the
-    same in both worlds.
-
-    Args:
-        algo_cls, options: from :func:`resolve_algorithm` (or the simulator's registry lookup).
-        model_spec: the node's model (:func:`choose_model_specs`).
-        test_x, test_y: the global test set (float32 ``(N, *shape)``, int64 ``(N,)``).
-        baseline_local, sink, rounds, eval_every, eval_background, hooks, accuracy_source,
-            run_info, lr_ramp: the :class:`~dfl_agent.runtime.node.Node`'s.
-        context: the :class:`~dfl_agent.runtime.context.RuntimeContext`'s keyword arguments
-            (``node_id``, ``federation``, ``transport``, ``peers``, ``data``, ``train``, ...).
-
-    Raises:
-        ValueError: from the algorithm's constructor (options it cannot run with).
-    """
-    from dfl_agent.models import spec_hash
-    from dfl_agent.profiles import peer_incompatibility
-    from dfl_agent.runtime.context import RuntimeContext
-    from dfl_agent.runtime.node import Node
-
-    ctx = RuntimeContext(model_spec=model_spec, compatibility=peer_incompatibility(algo_cls.name, spec_hash(model_spec)),
-                         **context)
-    return Node(ctx, algo_cls(ctx, options), test_x, test_y, baseline_local=baseline_local, sink=sink,
-                rounds=rounds, eval_every=eval_every, eval_background=eval_background, hooks=hooks,
-                accuracy_source=accuracy_source, run_info=run_info, lr_ramp=lr_ramp)

@@ -39,6 +39,7 @@ import numpy as np
 
 from dfl_agent.fsutil import atomic_write as _atomic_write
 from dfl_agent.jsonbound import loads as bounded_loads
+from dfl_agent.runtime.sample_store import SNAPSHOT_KEY
 
 log = logging.getLogger(__name__)
 
@@ -377,3 +378,19 @@ class NodeCheckpointer:
                      self.restored_digest[:16])
             return ck.round
         return 0
+
+
+def snapshot_from_checkpoint(state_dir: str | Path, rounds: int | None = None) -> np.ndarray | None:
+    """The snapshot saved with the newest usable checkpoint (a resumed run trains on the same
+    data), or None; with ``rounds``, only from a checkpoint of an unfinished run (round < rounds)."""
+    try:
+        ck = CheckpointStore(Path(state_dir) / "checkpoints").load_latest()
+    except Exception as exc:  # noqa: BLE001 - an unusable checkpoint means a fresh snapshot
+        log.warning("cannot read the checkpoint's data snapshot: %s", exc)
+        return None
+    if ck is None or (rounds is not None and ck.round >= rounds):
+        return None
+    ids = ck.persistent.get(SNAPSHOT_KEY)
+    if ids is None:
+        ids = ck.persistent.get(PERSISTENT_PREFIX + SNAPSHOT_KEY)
+    return None if ids is None else np.asarray(ids, dtype=np.int64)

@@ -40,28 +40,13 @@ from dfl_agent import WIRE_VERSION, __version__
 from dfl_agent.runtime.assembly import StartupError
 from dfl_agent.runtime.config import ConfigError, NodeConfig, load_config
 from dfl_agent.runtime.liveness import Liveness, cancel_and_wait, paho_loop_alive, restart_paho_loop
+from dfl_agent.runtime.logs import setup_logging
 from dfl_agent.runtime.preflight import check_startup
-from dfl_agent.runtime.systemd import JournalFormatter, under_journald
 
 if TYPE_CHECKING:  # imported where they run: check-config starts none of them
     from dfl_agent.runtime.run_manager import RunHooks, RunManager
 
 log = logging.getLogger("dfl_agent.daemon")
-
-
-def _setup_logging(level: str, fmt: str = "auto") -> None:
-    """Log to stderr at ``level``; with journald (``fmt`` ``journal``, or ``auto`` under
-    journald) with its priorities; noisy libraries at WARNING."""
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    if fmt == "journal" or (fmt == "auto" and under_journald()):  # operations: journald priorities
-        for handler in logging.getLogger().handlers:
-            handler.setFormatter(JournalFormatter())
-    for noisy in ("zeroconf", "paho", "matplotlib", "PIL", "onnx_ir", "onnxscript"):  # ONNX export passes
-        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def _start_service_prometheus(cfg: NodeConfig, node_id: str, manager: RunManager) -> Any:
@@ -222,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "check-config":
         print("configuration OK")
         return 0
-    _setup_logging(cfg.runtime.log_level, cfg.runtime.log_format)
+    setup_logging(cfg.runtime.log_level, cfg.runtime.log_format)
     state_dir = Path(cfg.state_dir)
     existed = state_dir.exists()
     try:
@@ -252,14 +237,6 @@ def _remove_new_state_dir(state_dir: Path) -> None:
     except OSError as exc:
         log.warning("could not remove the state directory %s of the failed start: %s", state_dir, exc)
 
-
-def __getattr__(name: str) -> Any:
-    """``Agent``, imported on first use (``dfl-agent check-config`` never needs it)."""
-    if name == "Agent":
-        from dfl_agent.runtime.agent import Agent
-
-        return Agent
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

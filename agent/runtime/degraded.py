@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
-
-from dfl_agent.jsonbound import loads as bounded_loads
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -82,32 +79,3 @@ def once_exit_code(fields: Mapping[str, Any], allow_alone: bool) -> int:
               "(runtime.allow_alone = true accepts it)", fields["rounds_alone"], fields["exchange_rounds"],
               EXIT_DEGRADED)
     return EXIT_DEGRADED
-
-
-def recount(path: Path | None, node_id: str, run_id: str | None, upto: int,
-            max_bytes: int = 64 << 20) -> tuple[int, int]:
-    """``(rounds_alone, exchange_rounds)`` of ``node_id``'s records of rounds ``<= upto`` in
-    run ``run_id`` (None: outside runs) in the metrics file ``path``: what a resumed node
-    counted before its restart.  Torn, foreign and repeated lines count once or not at all."""
-    from dfl_agent.runtime.node import peer_updates_used
-
-    alone: set[int] = set()
-    exchange: set[int] = set()
-    try:
-        with open(path or "", "rb") as f:
-            lines = f.read(max_bytes).splitlines()
-    except OSError:
-        return 0, 0
-    for line in lines:
-        try:
-            rec = bounded_loads(line, max_bytes=max_bytes)
-        except ValueError:
-            continue
-        if not (isinstance(rec, dict) and rec.get("node") == node_id and rec.get("run") == run_id
-                and isinstance(t := rec.get("round"), int) and 1 <= t <= upto):
-            continue
-        if rec.get("alone") is True:
-            alone.add(t)
-        if rec.get("alone") is True or peer_updates_used(rec) is not None:
-            exchange.add(t)
-    return len(alone), len(exchange)

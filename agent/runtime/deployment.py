@@ -11,7 +11,7 @@ from typing import Any
 
 from dfl_agent.deploy.gate import deploy_model
 from dfl_agent.deploy.versions import ModelStore
-from dfl_agent.runtime.privacy_budget import deployment_privacy
+from dfl_agent.runtime.privacy_ledger import deployment_privacy
 
 log = logging.getLogger(__name__)
 

@@ -84,7 +84,7 @@ def _with_privacy(cfg: Any, profile: Any, algorithm: str, options: Any, n_sample
         raise ValueError("privacy.dp: runtime.baseline_local cannot run under DP (its local-only copy would "
                          "train on the same data outside the run's privacy plan)")
     require_opacus()
-    from dfl_agent.runtime.privacy_budget import PrivacyLedger
+    from dfl_agent.runtime.privacy_ledger import PrivacyLedger
 
     rounds = int(cfg.algorithm.rounds)
     ledger = PrivacyLedger(cfg.state_dir) if run_dir is not None else None

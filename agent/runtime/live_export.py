@@ -22,12 +22,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from dfl_agent.deploy.versions import LIVE_DIR
 from dfl_agent.fsutil import atomic_write
 
 log = logging.getLogger(__name__)
 
-#: the live model's folder under the state directory
-LIVE_DIR = "live_model"
 
 
 class LiveExport:

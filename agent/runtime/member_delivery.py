@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
+from dfl_agent.deploy.versions import LIVE_DIR
 from dfl_agent.jsonbound import RateLimitedLog
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.onnx_model import deployment_order
-from dfl_agent.runtime.live_export import LIVE_DIR
 
 log = logging.getLogger("dfl_agent.daemon")
 _ERRORS = RateLimitedLog(log)

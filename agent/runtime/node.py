@@ -233,8 +233,7 @@ class Node:
     def _set_lr_ramp(self, t: int) -> None:
         """Round ``t``'s learning rates (``ctx.train``): the full rates once past the ramp."""
         if self._full_rate is not None:
-            from dfl_agent.learning.training import ramped
-            from dfl_agent.runtime.warm_start import ramp_scale
+            from dfl_agent.learning.training import ramp_scale, ramped
 
             self.ctx.use_train(ramped(self._full_rate, ramp_scale(self.lr_ramp, t)))
 

@@ -5,11 +5,13 @@ service's (:mod:`dfl_agent.runtime.daemon`, :mod:`dfl_agent.runtime.supervisor`)
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
+from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.runtime.checkpoint import CheckpointStore, NodeCheckpointer
-from dfl_agent.runtime.degraded import recount
 from dfl_agent.runtime.metrics import written_rounds
+from dfl_agent.runtime.node import peer_updates_used
 from dfl_agent.runtime.reload import reload_config
 
 log = logging.getLogger("dfl_agent.daemon")
@@ -55,3 +57,30 @@ class AgentOperations:
         """SIGHUP: re-read the configuration file and apply what can change while running
         (:func:`~dfl_agent.runtime.reload.reload_config`).  Returns the keys applied."""
         return reload_config(self)
+
+
+def recount(path: Path | None, node_id: str, run_id: str | None, upto: int,
+            max_bytes: int = 64 << 20) -> tuple[int, int]:
+    """``(rounds_alone, exchange_rounds)`` of ``node_id``'s records of rounds ``<= upto`` in
+    run ``run_id`` (None: outside runs) in the metrics file ``path``: what a resumed node
+    counted before its restart.  Torn, foreign and repeated lines count once or not at all."""
+    alone: set[int] = set()
+    exchange: set[int] = set()
+    try:
+        with open(path or "", "rb") as f:
+            lines = f.read(max_bytes).splitlines()
+    except OSError:
+        return 0, 0
+    for line in lines:
+        try:
+            rec = bounded_loads(line, max_bytes=max_bytes)
+        except ValueError:
+            continue
+        if not (isinstance(rec, dict) and rec.get("node") == node_id and rec.get("run") == run_id
+                and isinstance(t := rec.get("round"), int) and 1 <= t <= upto):
+            continue
+        if rec.get("alone") is True:
+            alone.add(t)
+        if rec.get("alone") is True or peer_updates_used(rec) is not None:
+            exchange.add(t)
+    return len(alone), len(exchange)

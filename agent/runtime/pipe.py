@@ -58,6 +58,14 @@ FAILURES = ("startup", "crash")
 DEGRADED_KEYS = ("degraded", "rounds_alone", "exchange_rounds")
 
 JSON = dict[str, Any]
+#: a run node's drop counters that the service keeps (the lobby counts the statuses itself)
+RUN_KEEPS = ("presence_", "bad_presence")
+
+
+def run_drops(dropped: Mapping[str, int] | None) -> dict[str, int]:
+    """The drops of a run's node (``dropped``: reason -> count) that the service keeps
+    (:data:`RUN_KEEPS`), ``{}`` for None."""
+    return {k: int(v) for k, v in dict(dropped or {}).items() if k.startswith(RUN_KEEPS)}
 
 
 class PipeError(ValueError):

@@ -50,9 +50,16 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from dfl_agent.privacy.config import DEFAULT_DELTA, PrivacyConfig, merge_privacy, parse_privacy
+from dfl_agent.privacy.config import DEFAULT_DELTA
 from dfl_agent.privacy.plan import RunPlan, plan_run
-from dfl_agent.runtime.privacy_ledger import LEDGER_FILE, ROW_STATES, LedgerDamaged, PrivacyLedger
+from dfl_agent.runtime.privacy_ledger import (
+    LEDGER_FILE,
+    ROW_STATES,
+    LedgerDamaged,
+    PrivacyLedger,
+    deployment_privacy,
+    device_privacy,
+)
 
 __all__ = ["LEDGER_FILE", "ROW_STATES", "TERMINAL", "LedgerDamaged", "PrivacyBudget", "PrivacyLedger",
            "PrivacyWatch", "deployment_privacy", "device_privacy", "public_reason", "row_view"]
@@ -94,15 +101,6 @@ def public_reason(message: str) -> str:
     message = re.sub(r" = [0-9.e+-]+ for the \d+ samples of this device", " for this device's training samples",
                      message)
     return re.sub(r" \(\d+ steps at sampling rate [^)]*\)", "", message)
-
-
-def device_privacy(cfg: Any, profile: Any) -> PrivacyConfig:
-    """The device's privacy settings: the node's ``[privacy]`` over the profile's.
-
-    Raises:
-        ValueError: one line naming the key.
-    """
-    return parse_privacy(merge_privacy(getattr(profile, "privacy", None), cfg.privacy), "privacy")
 
 
 def row_view(row: dict[str, Any]) -> dict[str, Any]:
@@ -373,25 +371,3 @@ class PrivacyWatch:
             return {k: dict(v) for k, v in sorted(self._down.items())}
 
 
-def deployment_privacy(cfg: Any, state_dir: str | Path, run_id: str) -> dict[str, Any] | None:
-    """The deployment manifest's ``privacy``: the ε of the run that trained the model (its
-    reservation) and the device's composed lifetime ε at deployment, with δ; None when the run
-    has no row in the privacy ledger (no DP)."""
-    ledger = PrivacyLedger(state_dir)
-    try:
-        row = ledger.get(run_id)
-        if row is None:
-            return None
-        try:
-            from dfl_agent.profiles import resolve_profile
-
-            life = device_privacy(cfg, resolve_profile(cfg.profile, cfg.profile_overrides)[0]).lifetime_epsilon
-        except (ValueError, LookupError, OSError):
-            life = None
-        delta = float(row["delta"])
-        return {"epsilon_run": round(float(row["epsilon"]), 4), "epsilon_lifetime": round(ledger.epsilon(delta), 4),
-                "lifetime_epsilon": life, "delta": delta, "noise_multiplier": row["noise_multiplier"],
-                "sample_rate": row["sample_rate"], "steps": int(row["steps"]), "max_grad_norm": row["max_grad_norm"]}
-    except (LedgerDamaged, sqlite3.Error, OSError) as exc:
-        log.warning("privacy ledger unreadable for the manifest: %s", exc)
-        return None

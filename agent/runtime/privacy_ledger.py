@@ -45,6 +45,7 @@ from typing import Any
 
 from dfl_agent.fsutil import crash_point, fsync_dir, rename
 from dfl_agent.privacy.accountant import rdp_epsilon
+from dfl_agent.privacy.config import PrivacyConfig, merge_privacy, parse_privacy
 from dfl_agent.runtime.privacy_chain import (
     COLUMNS,
     EVENTS_DDL,
@@ -526,3 +527,36 @@ class PrivacyLedger:
 
 class _Unchained(Exception):
     """An older release's ledger, read without migrating it."""
+
+
+def device_privacy(cfg: Any, profile: Any) -> PrivacyConfig:
+    """The device's privacy settings: the node's ``[privacy]`` over the profile's.
+
+    Raises:
+        ValueError: one line naming the key.
+    """
+    return parse_privacy(merge_privacy(getattr(profile, "privacy", None), cfg.privacy), "privacy")
+
+
+def deployment_privacy(cfg: Any, state_dir: str | Path, run_id: str) -> dict[str, Any] | None:
+    """The deployment manifest's ``privacy``: the ε of the run that trained the model (its
+    reservation) and the device's composed lifetime ε at deployment, with δ; None when the run
+    has no row in the privacy ledger (no DP)."""
+    ledger = PrivacyLedger(state_dir)
+    try:
+        row = ledger.get(run_id)
+        if row is None:
+            return None
+        try:
+            from dfl_agent.profiles import resolve_profile
+
+            life = device_privacy(cfg, resolve_profile(cfg.profile, cfg.profile_overrides)[0]).lifetime_epsilon
+        except (ValueError, LookupError, OSError):
+            life = None
+        delta = float(row["delta"])
+        return {"epsilon_run": round(float(row["epsilon"]), 4), "epsilon_lifetime": round(ledger.epsilon(delta), 4),
+                "lifetime_epsilon": life, "delta": delta, "noise_multiplier": row["noise_multiplier"],
+                "sample_rate": row["sample_rate"], "steps": int(row["steps"]), "max_grad_norm": row["max_grad_norm"]}
+    except (LedgerDamaged, sqlite3.Error, OSError) as exc:
+        log.warning("privacy ledger unreadable for the manifest: %s", exc)
+        return None

@@ -185,9 +185,9 @@ def run_child(config: str, run_dir: str, channel: RunChannel, *, once: bool = Fa
     except (ConfigError, OSError, ValueError) as exc:
         channel.send(pipe.Failure("startup", str(exc)))
         return 2
-    from dfl_agent.runtime.daemon import _setup_logging
+    from dfl_agent.runtime.logs import setup_logging
 
-    _setup_logging(cfg.runtime.log_level, cfg.runtime.log_format)
+    setup_logging(cfg.runtime.log_level, cfg.runtime.log_format)
     agent = Agent(cfg, node_config, host=channel, run=None if once else d, run_id=d.run_id,
                   run_dir=None if once else Path(run_dir))
 

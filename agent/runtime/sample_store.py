@@ -3,7 +3,6 @@ run snapshots, the training/validation split, and the periodic spool pass.  Torc
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 from typing import Any
@@ -127,34 +126,3 @@ def store_data(store: SampleStore, ids: np.ndarray, validation_share: float) -> 
                     input_shape=s.input_shape, class_names=list(s.class_names),
                     groups=sorted(int(u) for u in np.unique(g) if u >= 0))
     return DatasetBundle(pool=train, test=test), data
-
-
-def snapshot_from_checkpoint(state_dir: str | Path, rounds: int | None = None) -> np.ndarray | None:
-    """The snapshot saved with the newest usable checkpoint (a resumed run trains on the same
-    data), or None; with ``rounds``, only from a checkpoint of an unfinished run (round < rounds)."""
-    from dfl_agent.runtime.checkpoint import PERSISTENT_PREFIX, CheckpointStore
-
-    try:
-        ck = CheckpointStore(Path(state_dir) / "checkpoints").load_latest()
-    except Exception as exc:  # noqa: BLE001 - an unusable checkpoint means a fresh snapshot
-        log.warning("cannot read the checkpoint's data snapshot: %s", exc)
-        return None
-    if ck is None or (rounds is not None and ck.round >= rounds):
-        return None
-    ids = ck.persistent.get(SNAPSHOT_KEY)
-    if ids is None:
-        ids = ck.persistent.get(PERSISTENT_PREFIX + SNAPSHOT_KEY)
-    return None if ids is None else np.asarray(ids, dtype=np.int64)
-
-
-async def spool_loop(store: SampleStore, interval: float) -> None:
-    """Ingest the spool every ``interval`` seconds (in a worker thread) until cancelled."""
-    while True:
-        try:
-            res = await asyncio.to_thread(store.ingest_spool)
-            if res["ingested"] or res["rejected"]:
-                log.info("spool: %d files (%d samples) ingested, %d rejected; store holds %d samples",
-                         res["ingested"], res["samples"], res["rejected"], store.count())
-        except Exception as exc:  # noqa: BLE001 - ingestion never stops the agent
-            log.error("spool pass failed: %s", exc)
-        await asyncio.sleep(interval)

@@ -30,6 +30,7 @@ from typing import Any
 
 from dfl_agent.fsutil import atomic_write
 from dfl_agent.jsonbound import loads as bounded_loads
+from dfl_agent.runtime.pipe import run_drops
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -37,8 +38,6 @@ log = logging.getLogger("dfl_agent.daemon")
 COUNTERS_FILE = "counters.json"
 #: the counter groups, each ``{reason: n}``
 GROUPS = ("runs_refused", "control_dropped")
-#: a run node's drop counters that the service keeps (the lobby counts the statuses itself)
-RUN_KEEPS = ("presence_", "bad_presence")
 
 
 def _total(*parts: Mapping[str, Any] | None) -> dict[str, int]:
@@ -49,12 +48,6 @@ def _total(*parts: Mapping[str, Any] | None) -> dict[str, int]:
             if isinstance(v, int) and not isinstance(v, bool):
                 out[str(k)] = out.get(str(k), 0) + v
     return dict(sorted(out.items()))
-
-
-def run_drops(dropped: Mapping[str, int] | None) -> dict[str, int]:
-    """The drops of a run's node (``dropped``: reason -> count) that the service keeps
-    (:data:`RUN_KEEPS`), ``{}`` for None."""
-    return {k: int(v) for k, v in dict(dropped or {}).items() if k.startswith(RUN_KEEPS)}
 
 
 def _dropped(progress: Any) -> Mapping[str, int] | None:

@@ -28,8 +28,9 @@ from dfl_agent.learning.compression import CompressionPolicy
 from dfl_agent.learning.training import TrainConfig
 from dfl_agent.models import spec_hash
 from dfl_agent.runtime import metrics
-from dfl_agent.runtime.assembly import build_node, check_algorithm_models, choose_compression, choose_model_specs
+from dfl_agent.runtime.assembly import check_algorithm_models, choose_compression, choose_model_specs
 from dfl_agent.runtime.batching import BatchTrainer
+from dfl_agent.runtime.build import build_node
 from dfl_agent.runtime.node import Node, init_seed_for
 from dfl_agent.runtime.node_hooks import NodeKilled
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual

@@ -22,7 +22,6 @@ import asyncio
 import logging
 import os
 import socket
-import sys
 from collections.abc import Callable, Mapping
 
 log = logging.getLogger(__name__)
@@ -139,7 +138,6 @@ async def watchdog_loop(notifier: Notifier, interval: float, status: Callable[[]
 
 # -- logging ----------------------------------------------------------------------------
 
-_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
 
 async def status_loop(notifier: Notifier, status: Callable[[], str], interval: float = 5.0) -> None:
@@ -151,32 +149,3 @@ async def status_loop(notifier: Notifier, status: Callable[[], str], interval: f
             notifier.status(text)
             last = text
         await asyncio.sleep(interval)
-
-
-class JournalFormatter(logging.Formatter):
-    """``<priority>logger: message`` lines: journald reads the ``<N>`` prefix as the
-    syslog priority (``SyslogLevelPrefix=yes``, the default) and adds its own time
-    stamp, so ``journalctl -p warning -u dfl-agent`` filters by level.  Tracebacks are
-    folded into the same entry (newlines become `` | ``)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        prio = _PRIORITY.get(record.levelno, 6 if record.levelno < logging.WARNING else 3)
-        text = f"{record.name}: {record.getMessage()}"
-        if record.exc_info:
-            text += " | " + self.formatException(record.exc_info).replace("\n", " | ")
-        return f"<{prio}>{text.replace(chr(10), ' | ')}"
-
-
-def under_journald(env: Mapping[str, str] | None = None) -> bool:
-    """True when stderr is connected to the journal (systemd sets ``$JOURNAL_STREAM``
-    to the device:inode of that stream)."""
-    env = os.environ if env is None else env
-    stream = env.get("JOURNAL_STREAM", "")
-    if not stream or ":" not in stream:
-        return False
-    try:
-        st = os.fstat(sys.stderr.fileno())
-    except (OSError, ValueError, AttributeError):
-        return False
-    dev, ino = stream.split(":", 1)
-    return dev == str(st.st_dev) and ino == str(st.st_ino)

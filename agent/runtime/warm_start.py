@@ -35,12 +35,11 @@ from typing import Any
 
 from dfl_agent.fsutil import atomic_write
 from dfl_agent.jsonbound import loads as bounded_loads
+from dfl_agent.learning.training import ramp_scale
 
 log = logging.getLogger("dfl_agent.daemon")
 
 START_FILE = "start.json"
-#: a warm-started run's learning rates in its first round, as a share of the full rates
-RAMP_START = 0.1
 #: why a warm start without the ramp does not fit the output layer
 RAMPLESS = "training.warm_start_ramp = 0: the fit needs the ramp"
 
@@ -55,14 +54,6 @@ def ramp_factor(start: dict[str, Any], ramp_rounds: int, t: int) -> float:
     if start.get("started_from") is None:
         return 1.0
     return ramp_scale(ramp_rounds, t)
-
-
-def ramp_scale(ramp_rounds: int, t: int) -> float:
-    """The ramp of :func:`ramp_factor` for a run known to be warm-started: ``RAMP_START``
-    in round 1, rising linearly to 1 in round ``ramp_rounds + 1`` (1 for ``ramp_rounds`` 0)."""
-    if ramp_rounds <= 0:
-        return 1.0
-    return min(1.0, RAMP_START + (1.0 - RAMP_START) * max(0, t - 1) / ramp_rounds)
 
 
 def deployed_state(state_dir: str | Path) -> tuple[int | None, dict[str, Any] | None, str]:

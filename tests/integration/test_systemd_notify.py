@@ -15,7 +15,8 @@ import time
 import pytest
 
 from dfl_agent.runtime.config import config_from_dict, dump_toml
-from dfl_agent.runtime.systemd import JournalFormatter, Notifier, watchdog_loop
+from dfl_agent.runtime.logs import JournalFormatter
+from dfl_agent.runtime.systemd import Notifier, watchdog_loop
 
 pytestmark = pytest.mark.integration
 

@@ -91,7 +91,7 @@ def test_two_runs_on_a_growing_store_deploy_one_version_each(tmp_path):
             m = verify_folder(models.folder(v))
             assert m["round"] == 2 and m["algorithm"] == "local" and m["accuracy"] > 0.5
         # the snapshot is saved with the run's checkpoint
-        from dfl_agent.runtime.sample_store import snapshot_from_checkpoint
+        from dfl_agent.runtime.checkpoint import snapshot_from_checkpoint
 
         ids = snapshot_from_checkpoint(state)
         assert ids is not None and len(ids) == 480

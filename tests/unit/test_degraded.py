@@ -17,7 +17,8 @@ from dfl_agent.cli.cli_runs import run_rows, run_view
 from dfl_agent.cli.tables import STATUS_COLUMNS, render_table, status_rows
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.runtime.config import config_from_dict
-from dfl_agent.runtime.degraded import EXIT_DEGRADED, degraded_fields, once_exit_code, recount
+from dfl_agent.runtime.degraded import EXIT_DEGRADED, degraded_fields, once_exit_code
+from dfl_agent.runtime.operations import recount
 from dfl_agent.runtime.descriptor import RunDescriptor
 from dfl_agent.runtime.lobby import RunLobby
 from dfl_agent.runtime.node import round_alone
