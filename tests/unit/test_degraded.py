@@ -18,10 +18,10 @@ from dfl_agent.cli.tables import STATUS_COLUMNS, render_table, status_rows
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.runtime.config import config_from_dict
 from dfl_agent.runtime.degraded import EXIT_DEGRADED, degraded_fields, once_exit_code
-from dfl_agent.runtime.operations import recount
 from dfl_agent.runtime.descriptor import RunDescriptor
 from dfl_agent.runtime.lobby import RunLobby
 from dfl_agent.runtime.node import round_alone
+from dfl_agent.runtime.operations import recount
 from dfl_agent.runtime.run_manager import RunManager
 from dfl_agent.runtime.supervisor import RunProgress
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual

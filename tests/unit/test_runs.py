@@ -165,8 +165,8 @@ def test_descriptor_overrides_node_toml_and_members():
 
 def test_admit_counts_the_models_parameters_against_memory_budget_mb():
     from dfl_agent.models import build_model, count_trainable, default_spec
-    from dfl_agent.profiles import resolve_profile
     from dfl_agent.models import param_count as spec_params
+    from dfl_agent.profiles import resolve_profile
     from dfl_agent.runtime.admission import run_model_params
 
     spec = default_spec([9, 128], 6, "medium")
