@@ -1,6 +1,6 @@
 """Typed reading of parsed TOML tables into dataclasses: the one type checker.
 
-Both the node configuration (:mod:`dfl_agent.runtime.config`) and the device profiles
+Both the node configuration (:mod:`dfl_agent.runtime.shared.config`) and the device profiles
 (:mod:`dfl_agent.profiles.schema`) describe their files as nested dataclasses and read a
 parsed TOML table into them with :func:`build`.  Every error is one line that starts with
 the dotted key (``mqtt.chunk_size: expected int, got 'big'``); the caller chooses the

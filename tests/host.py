@@ -1,8 +1,8 @@
-"""An in-process :class:`~dfl_agent.runtime.run_host.RunHost` for tests that drive a training
-:class:`~dfl_agent.runtime.agent.Agent` in the test's own process (no run process, no pipe).
+"""An in-process :class:`~dfl_agent.runtime.shared.run_host.RunHost` for tests that drive a training
+:class:`~dfl_agent.runtime.run.agent.Agent` in the test's own process (no run process, no pipe).
 
 :class:`LobbyHost` is what the supervisor is to a run process, cut to what a test needs: the
-service's own :class:`~dfl_agent.runtime.lobby.RunLobby` signs and publishes the node's
+service's own :class:`~dfl_agent.runtime.service.lobby.RunLobby` signs and publishes the node's
 presence and status on its own MQTT session (so peers find and verify the node as they find a
 supervised one), and the run's states after its rounds are recorded in :attr:`LobbyHost.states`.
 Without a broker (``publish=False``) nothing is published: a unit test that never connects.
@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dfl_agent.runtime.pipe import StateReport, StatusReport
+from dfl_agent.runtime.shared.pipe import StateReport, StatusReport
 
 
 class LobbyHost:
-    """A test's :class:`~dfl_agent.runtime.run_host.RunHost`.
+    """A test's :class:`~dfl_agent.runtime.shared.run_host.RunHost`.
 
     Args:
         cfg: the node's configuration (its broker, keys and federation).
@@ -39,10 +39,10 @@ class LobbyHost:
     def _lobby(self) -> Any:
         """The lobby, started on first use (the node id and keys exist by then)."""
         if self.lobby is None:
-            from dfl_agent.runtime.assembly import build_security
-            from dfl_agent.runtime.descriptor import RunVerifier
-            from dfl_agent.runtime.lobby import RunLobby
-            from dfl_agent.runtime.run_config import node_id_from_state
+            from dfl_agent.runtime.service.lobby import RunLobby
+            from dfl_agent.runtime.shared.assembly import build_security
+            from dfl_agent.runtime.shared.descriptor import RunVerifier
+            from dfl_agent.runtime.shared.run_config import node_id_from_state
 
             cfg = self.cfg
             nid = node_id_from_state(Path(cfg.state_dir), cfg.node_id)

@@ -134,7 +134,7 @@ def build_plan(a: argparse.Namespace) -> Plan:
     Raises:
         ValueError: bad instance name, config or profile.
     """
-    from dfl_agent.runtime.config import ConfigError, load_config
+    from dfl_agent.runtime.shared.config import ConfigError, load_config
     from dfl_agent.transport.wire import valid_id
 
     src = _source_dir()
@@ -470,7 +470,7 @@ def check_permissions(state_dir: str, config: str | None, has_secret: bool) -> d
 
 
 def check_checkpoint(state_dir: str) -> dict[str, str]:
-    from dfl_agent.runtime.checkpoint import CheckpointStore
+    from dfl_agent.runtime.node.checkpoint import CheckpointStore
 
     store = CheckpointStore(Path(state_dir) / "checkpoints")
     rounds = store.rounds()
@@ -486,7 +486,7 @@ def check_checkpoint(state_dir: str) -> dict[str, str]:
 
 def cmd_doctor(a: argparse.Namespace) -> int:
     from dfl_agent.cli import fleet
-    from dfl_agent.runtime.config import ConfigError, NodeConfig, load_config
+    from dfl_agent.runtime.shared.config import ConfigError, NodeConfig, load_config
 
     results = []
     cfg = NodeConfig()

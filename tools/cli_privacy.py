@@ -27,13 +27,13 @@ def _delta(a: argparse.Namespace, sd: Path, cfg: Any) -> float:
     """``--delta``, else the device's ``privacy.dp.delta`` (``--config``), else the head marker's,
     else the default δ."""
     from dfl_agent.privacy.config import DEFAULT_DELTA
-    from dfl_agent.runtime.privacy_ledger import LedgerDamaged, read_head
+    from dfl_agent.runtime.shared.privacy_ledger import LedgerDamaged, read_head
 
     if a.delta is not None:
         return float(a.delta)
     if cfg is not None:
         from dfl_agent.profiles import resolve_profile
-        from dfl_agent.runtime.privacy_ledger import device_privacy
+        from dfl_agent.runtime.shared.privacy_ledger import device_privacy
 
         dp = device_privacy(cfg, resolve_profile(cfg.profile, cfg.profile_overrides)[0]).dp
         if dp is not None:
@@ -54,8 +54,8 @@ def _when(t: Any) -> str:
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-    from dfl_agent.runtime.privacy_ledger import HEAD_FILE, LedgerDamaged, PrivacyLedger, read_head
-    from dfl_agent.runtime.privacy_recovery import salvage
+    from dfl_agent.runtime.service.privacy_recovery import salvage
+    from dfl_agent.runtime.shared.privacy_ledger import HEAD_FILE, LedgerDamaged, PrivacyLedger, read_head
 
     sd, cfg = resolve(a)
     delta = _delta(a, sd, cfg)
@@ -114,7 +114,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_recover(a: argparse.Namespace) -> int:
-    from dfl_agent.runtime.privacy_recovery import recover
+    from dfl_agent.runtime.service.privacy_recovery import recover
 
     sd, cfg = resolve(a)
     delta = _delta(a, sd, cfg)

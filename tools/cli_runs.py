@@ -1,7 +1,7 @@
 """``dflctl run``: submit, list, show and cancel the runs of a federation.
 
 A run is a signed, retained descriptor on ``dfl/{fed}/run/{run_id}`` (see
-:mod:`dfl_agent.runtime.descriptor`).  ``submit`` and ``cancel`` sign it with the operator's
+:mod:`dfl_agent.runtime.shared.descriptor`).  ``submit`` and ``cancel`` sign it with the operator's
 key and certificate (``--operator-dir DIR`` holding ``*.pem`` and ``*cert*.json``, as
 ``dflctl keys`` writes them); ``list`` and ``show`` read the descriptors and the
 nodes' statuses (each carries ``run = {id, state, round, reason}``).  ``cancel`` also
@@ -11,7 +11,7 @@ stays cancelled even when an old copy of its submission is published again; ``li
 
 Trust: with ``--config`` (a node.toml's ``[security]`` trust material) ``list`` and
 ``show`` verify every descriptor as an agent with ``require_signatures`` does
-(:class:`~dfl_agent.runtime.descriptor.RunVerifier`) and show only those an operator signed
+(:class:`~dfl_agent.runtime.shared.descriptor.RunVerifier`) and show only those an operator signed
 (``trust = "operator"``); the others are hidden and counted on one line of stderr.
 Without it every entry is marked ``trust = "unverified"``, as ``dflctl peers`` does.
 
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dfl_agent.cli.fleet import publish_retained
-from dfl_agent.runtime.degraded import alone_text, degraded_fields
+from dfl_agent.runtime.shared.degraded import alone_text, degraded_fields
 
 if TYPE_CHECKING:
     from dfl_agent.cli.fleet import FleetTarget
@@ -107,7 +107,7 @@ def verify_runs(runs: dict[str, dict[str, Any]], payloads: dict[str, bytes], fed
     operators) every run is kept with ``trust = "unverified"``.
     With ``guard`` (a verifying-only SecurityGuard, :func:`dfl_agent.cli.fleet.observer_guard`)
     each raw retained message in ``payloads`` goes through a
-    :class:`~dfl_agent.runtime.descriptor.RunVerifier` with ``require_signatures``, as an agent
+    :class:`~dfl_agent.runtime.shared.descriptor.RunVerifier` with ``require_signatures``, as an agent
     checks it: only descriptors signed by an operator of the federation (a pinned
     operator key, or an operator certificate from the federation key), for this
     federation, whose run id matches their topic, are kept (``trust = "operator"``); the
@@ -120,7 +120,7 @@ def verify_runs(runs: dict[str, dict[str, Any]], payloads: dict[str, bytes], fed
     cancels = cancels or {}
     if guard is None:
         return {rid: {**m, "trust": "unverified", "cancel_record": rid in cancels} for rid, m in runs.items()}, hidden
-    from dfl_agent.runtime.descriptor import RunVerifier
+    from dfl_agent.runtime.shared.descriptor import RunVerifier
 
     verifier = RunVerifier(federation, require_signatures=True, guard=guard)
     shown: dict[str, dict[str, Any]] = {}
@@ -389,7 +389,7 @@ def _submit(a: argparse.Namespace, sub: _Submission) -> int:
     from dfl_agent.cli import fleet
     from dfl_agent.cli.observer import Observer
     from dfl_agent.durations import parse_duration
-    from dfl_agent.runtime.descriptor import RunDescriptor, new_run_id, run_topic, sign_descriptor
+    from dfl_agent.runtime.shared.descriptor import RunDescriptor, new_run_id, run_topic, sign_descriptor
 
     t = _target(a)
     fed = t.federation
@@ -565,7 +565,7 @@ def already_finished(view: dict[str, Any]) -> str | None:
 def cmd_cancel(a: argparse.Namespace) -> int:
     from dfl_agent.cli import fleet
     from dfl_agent.cli.observer import Observer
-    from dfl_agent.runtime.descriptor import RunDescriptor, cancel_topic, run_topic, sign_cancel, sign_descriptor
+    from dfl_agent.runtime.shared.descriptor import RunDescriptor, cancel_topic, run_topic, sign_cancel, sign_descriptor
 
     t = _target(a)
     fed = t.federation
@@ -656,7 +656,7 @@ def cmd_show(a: argparse.Namespace) -> int:
 
 def cmd_enroll_operator(a: argparse.Namespace) -> int:
     from dfl_agent.cli.cli_security import _fed_key
-    from dfl_agent.runtime.descriptor import operator_certificate
+    from dfl_agent.runtime.shared.descriptor import operator_certificate
     from dfl_agent.security.keys import load_or_create_key, public_key_b64, save_certificate
 
     try:

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from dfl_agent.algorithms.protocols.stragglers import REPRODUCTION_MODE
-from dfl_agent.runtime.config import (
+from dfl_agent.runtime.shared.config import (
     AlgorithmSection,
     DataSection,
     DeploySection,
@@ -201,8 +201,8 @@ def _store_count(state: Path) -> int:
 
 def _terminal_runs(state: Path) -> list[str]:
     """Run ids that reached a terminal state on this agent, in the order they did."""
-    from dfl_agent.runtime.descriptor import TERMINAL
-    from dfl_agent.runtime.ledger import RunLedger
+    from dfl_agent.runtime.service.ledger import RunLedger
+    from dfl_agent.runtime.shared.descriptor import TERMINAL
 
     e = RunLedger(state).entries
     return [r for r, v in sorted(e.items(), key=lambda kv: kv[1].get("time", 0)) if v.get("state") in TERMINAL]
@@ -292,14 +292,14 @@ def feed_federation(opts: FeedOptions, on_tick: Any = None) -> dict[str, Any]:
     from dfl_agent.cli.demo import INTERRUPT_GRACE, stop_processes
     from dfl_agent.cli.fleet import publish_retained
     from dfl_agent.cli.observer import Observer
-    from dfl_agent.runtime.descriptor import (
+    from dfl_agent.runtime.service.ledger import RunLedger
+    from dfl_agent.runtime.shared.descriptor import (
         RunDescriptor,
         new_run_id,
         operator_certificate,
         run_topic,
         sign_descriptor,
     )
-    from dfl_agent.runtime.ledger import RunLedger
     from dfl_agent.security.keys import FEDERATION_KEY_FILE, enroll_local, load_or_create_key, public_key_b64
 
     started = time.time()
@@ -332,7 +332,7 @@ def feed_federation(opts: FeedOptions, on_tick: Any = None) -> dict[str, Any]:
             path = states[nid] / "node.toml"
             path.write_text(dump_toml(cfg), encoding="utf-8")
             logs[nid] = open(out / "logs" / f"{nid}.log", "w", encoding="utf-8")
-            procs[nid] = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config",
+            procs[nid] = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config",
                                            str(path)], stdout=logs[nid], stderr=subprocess.STDOUT, env=env)
         observer = Observer(broker.endpoint, fed).start()
         feeder.start()
@@ -409,7 +409,7 @@ def feed_federation(opts: FeedOptions, on_tick: Any = None) -> dict[str, Any]:
                "complete": not interrupted, "interrupted": interrupted,
                "reported": {n: {"run": (seen.get(n, {}).get("run") or {}).get("id"),
                                 "round": int(seen.get(n, {}).get("round") or 0)} for n in ids}}
-    from dfl_agent.runtime.metrics import atomic_write_text
+    from dfl_agent.runtime.node.metrics import atomic_write_text
 
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=float) + "\n")
     if interrupted:

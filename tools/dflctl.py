@@ -81,7 +81,7 @@ def _dechw_hint(algorithm: str, raw_options: dict[str, Any], init: str, partitio
 def cmd_simulate(a: argparse.Namespace) -> int:
     from dfl_agent.cli.progress import simulate_with_progress
     from dfl_agent.learning.training import DEFAULT_LR, TrainConfig
-    from dfl_agent.runtime.simulator import SimConfig
+    from dfl_agent.runtime.node.simulator import SimConfig
 
     cfg = SimConfig(
         algorithm=a.algorithm, nodes=a.nodes, rounds=a.rounds, dataset=a.dataset, dataset_path=a.dataset_path,

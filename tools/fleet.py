@@ -241,7 +241,7 @@ def target(a: argparse.Namespace) -> FleetTarget:
     """
     cfg = None
     if getattr(a, "config", None):
-        from dfl_agent.runtime.config import load_config
+        from dfl_agent.runtime.shared.config import load_config
 
         cfg = load_config(a.config)
     m = cfg.mqtt if cfg is not None else None

@@ -64,7 +64,7 @@ def _settings(a: argparse.Namespace) -> dict[str, Any]:
 
     Raises:
         ValueError: an invalid configuration or option (the message names it).
-        dfl_agent.runtime.config.ConfigError, StartupError: from the configuration or its keys.
+        dfl_agent.runtime.shared.config.ConfigError, StartupError: from the configuration or its keys.
     """
     from dfl_agent.cli.fleet import target
 
@@ -110,7 +110,7 @@ async def _run(a: argparse.Namespace, s: dict[str, Any]) -> int:
     nid = s["node_id"]
     cfg = s["target"].config
     if cfg is not None:  # its key, certificate and trust store: signs, and verifies every model
-        from dfl_agent.runtime.assembly import build_security
+        from dfl_agent.runtime.shared.assembly import build_security
 
         Path(s["state_dir"]).mkdir(parents=True, exist_ok=True)
         s["member"]["guard"] = build_security(cfg, Path(s["state_dir"]), nid)
@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dfl-infer`` console script; returns the exit code."""
-    from dfl_agent.runtime.assembly import StartupError
+    from dfl_agent.runtime.shared.assembly import StartupError
 
     a = build_parser().parse_args(argv)
     try:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from dfl_agent.cli.fleet import observer_guard  # noqa: F401 - its home was here
 from dfl_agent.jsonbound import JSONBoundError, RateLimitedLog
 from dfl_agent.jsonbound import loads as bounded_loads
-from dfl_agent.runtime.privacy_budget import PrivacyWatch
+from dfl_agent.runtime.service.privacy_budget import PrivacyWatch
 from dfl_agent.security.trust import is_will
 from dfl_agent.transport.endpoint import parse_endpoint
 
@@ -144,7 +144,7 @@ class Observer:
                 self.updated = time.monotonic()
             return
         if len(parts) == 4 and parts[2] == "run":
-            from dfl_agent.runtime.descriptor import open_run_message
+            from dfl_agent.runtime.shared.descriptor import open_run_message
 
             run = open_run_message(msg.payload) if msg.payload else None
             with self._lock:

@@ -9,7 +9,7 @@ import json
 import time
 from typing import Any
 
-from dfl_agent.runtime.degraded import alone_text, degraded_fields
+from dfl_agent.runtime.shared.degraded import alone_text, degraded_fields
 from dfl_agent.security.trust import is_will
 from dfl_agent.transport.base import CONTROL_DROP_PREFIXES
 
@@ -39,7 +39,7 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
     broker's address: that is ``broker``).  ``compatibility`` is shown
     when the node's descriptor or status carries it.  ``privacy``: the node's budget, flagged when
     its reported ε went down (:func:`privacy_down`; ``privacy_seen``: the observer's own
-    :meth:`~dfl_agent.runtime.privacy_budget.PrivacyWatch.view`)."""
+    :meth:`~dfl_agent.runtime.service.privacy_budget.PrivacyWatch.view`)."""
     now = time.time() if now is None else now
     down = privacy_down(statuses, privacy_seen)
     excluded_by: dict[str, list[str]] = {}  # device profiles: who excludes whom, and why

@@ -216,7 +216,7 @@ class Algorithm:
     def __init__(self, ctx: NodeContext, options: Any = None):
         self.ctx = ctx
         self.options = options if options is not None else self.Options()
-        #: set by the warm start (:mod:`dfl_agent.runtime.warm_start`) when the run was meant
+        #: set by the warm start (:mod:`dfl_agent.runtime.run.warm_start`) when the run was meant
         #: to start from the deployed model but this node has none that fits: it starts cold.
         #: Algorithms of the neighbourhood family then flag their first model as ``cold`` and
         #: adopt their warm neighbours' models in their first aggregation
@@ -314,7 +314,7 @@ class Algorithm:
 
     def warm_start(self, state: Mapping[str, np.ndarray]) -> str:
         """Start the run from a deployed model's weights ``state`` (``state_dict`` names ->
-        arrays; :mod:`dfl_agent.runtime.warm_start`): called after :meth:`setup`, before round 1,
+        arrays; :mod:`dfl_agent.runtime.run.warm_start`): called after :meth:`setup`, before round 1,
         never on a resumed run.  The default loads them into :meth:`deployable_model`; an
         algorithm that trains another model, or derives state from its model in :meth:`setup`,
         overrides it.  Returns which model(s) it loaded, for the log.
@@ -333,11 +333,11 @@ class Algorithm:
 
     def status(self) -> dict[str, Any]:
         """Algorithm-specific state for the status topic (e.g. α, threshold state).  Called
-        only after :meth:`setup` (:meth:`dfl_agent.runtime.node.Node.status` leaves it out
+        only after :meth:`setup` (:meth:`dfl_agent.runtime.node.node.Node.status` leaves it out
         before), so it may read the state that :meth:`setup` creates."""
         return {}
 
-    # -- checkpoints (dfl_agent.runtime.checkpoint) ---------------------------------------
+    # -- checkpoints (dfl_agent.runtime.node.checkpoint) ---------------------------------------
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """This node's learning state for a crash-safe checkpoint: ``(tensors, meta)``.
 

@@ -88,7 +88,7 @@ class Collected:
 class NodeContext(Protocol):
     """The interface between one node's algorithm and the runtime.
 
-    Implemented by :class:`dfl_agent.runtime.context.RuntimeContext` over either the
+    Implemented by :class:`dfl_agent.runtime.node.context.RuntimeContext` over either the
     in-memory transport (simulator, tests) or MQTT (daemon).
     """
 

@@ -20,7 +20,7 @@ to ``+/presence`` and ``+/status`` on every broker connection, calls :meth:`Mqtt
 on every (re)connection of the home broker (presence "online", then the status), hands it
 every message on those topics, ticks it from its maintenance thread (the heartbeat) and
 lets it say goodbye (a signed "offline") when it stops.  A run process's presence
-(:class:`~dfl_agent.runtime.hosted_presence.HostedPresence`) publishes none of these itself:
+(:class:`~dfl_agent.runtime.run.hosted_presence.HostedPresence`) publishes none of these itself:
 it hands its presence descriptor and statuses to its host and the supervisor signs and
 publishes them (the supervisor's session also holds the node's last will).  If this node sees its own
 presence turn "offline" while it runs (the late last will of an earlier run of the same

@@ -7,8 +7,8 @@
   MQTT, receives the current model as ONNX (message kind ``onnx.model``) from a
   training peer, predicts on its own windows, publishes presence and status.
 - the training side: a run exports its deployable model when it improves
-  (:mod:`dfl_agent.runtime.live_export`, imports torch lazily) or deploys it, and the node's
-  service sends it to the inference members (:mod:`dfl_agent.runtime.member_delivery`).
+  (:mod:`dfl_agent.runtime.run.live_export`, imports torch lazily) or deploys it, and the node's
+  service sends it to the inference members (:mod:`dfl_agent.runtime.service.member_delivery`).
 - ``dfl-infer`` (:mod:`dfl_agent.cli.infer`): ``run`` (the member) and ``predict``.
 
 Nothing in this package imports torch (the export, in the runtime, imports it inside its

@@ -3,7 +3,7 @@
 It connects to its MQTT broker like any node (presence with the descriptor
 ``{"profile": "inference-only", "algorithm": "inference"}``, retained status, last
 will), optionally advertises itself over mDNS, and waits for ``onnx.model`` messages
-that training peers' services send it (:class:`dfl_agent.runtime.member_delivery.MemberDelivery`):
+that training peers' services send it (:class:`dfl_agent.runtime.service.member_delivery.MemberDelivery`):
 the sender's deployed model, or, where it deploys none, its deployable model exported to ONNX
 whenever its accuracy improved.  Each
 accepted model is written atomically to ``state_dir/model.onnx`` and described by one JSON
@@ -21,7 +21,7 @@ that is older than the one held (:meth:`InferenceMember.stale`: deployed earlier
 lower round), is rejected and counted; the member keeps the old one.  The status names the
 held deployment (``model_run_id``, ``model_sha256``, ``model_deployed_at``): an agent's
 supervisor sends its deployed version to members whose status lacks it
-(:mod:`dfl_agent.runtime.member_delivery`).
+(:mod:`dfl_agent.runtime.service.member_delivery`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.inference.windows import load_windows, predictions_document
 from dfl_agent.jsonbound import RateLimitedLog
 from dfl_agent.onnx_model import ONNX_KIND, InferenceError, OnnxModel, deployment_order
-from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.runtime.node.context import RuntimeContext
 
 log = logging.getLogger(__name__)
 #: rate-limited log of the exceptions caught per model message (``handler_error``)
@@ -73,7 +73,7 @@ class InferenceMember:
             first start; ``node_cert.json`` there is sent along), as training nodes do,
             so that federations with ``require_signatures`` trust them.
         guard: the node's :class:`~dfl_agent.security.SecurityGuard` from its ``[security]``
-            (:func:`dfl_agent.runtime.assembly.build_security`): it signs presence and status
+            (:func:`dfl_agent.runtime.shared.assembly.build_security`): it signs presence and status
             and also verifies every model message; with ``require_signatures`` a model is
             taken only from an enrolled device (unsigned, unknown or badly signed frames are
             dropped and counted in the status's ``errors``).  None: ``sign`` decides.

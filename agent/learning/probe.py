@@ -1,6 +1,6 @@
 """Linear probing: fit a model's output layer to a data set on its frozen features.
 
-A warm-started run (:mod:`dfl_agent.runtime.warm_start`) whose store holds a class the
+A warm-started run (:mod:`dfl_agent.runtime.run.warm_start`) whose store holds a class the
 deployed model predicts for none of its windows fits that model's output layer to the store
 before round 1, then trains the whole model as usual: linear
 probing then fine-tuning (LP-FT; Kumar et al. 2022, "Fine-Tuning can Distort Pretrained

@@ -100,7 +100,7 @@ def sgd_step(params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tenso
     ``d = g + wd·p``; momentum buffer ``b = d`` on the first step (no entry in ``bufs``),
     else ``b = m·b + d``; ``p -= lr·b`` (``p -= lr·d`` without momentum).  Every operation
     is elementwise, so ``params`` may stack the parameters of G models along a leading
-    axis (the simulator's batched training, :mod:`dfl_agent.runtime.batching`): one call
+    axis (the simulator's batched training, :mod:`dfl_agent.runtime.node.batching`): one call
     steps all of them, each exactly as its own ``torch.optim.SGD`` would.
 
     Args:
@@ -202,7 +202,7 @@ def ramped(base: TrainConfig, factor: float) -> TrainConfig:
     """``base`` with every learning rate multiplied by ``factor`` (``lr`` and
     ``lr_scale``; ``base.lr_scale`` must be 1): one round of a learning-rate warm-up
     (gradual warm-up, Goyal et al. 2017, section 2.2), which
-    :mod:`dfl_agent.runtime.warm_start` applies to a run started from the deployed model.
+    :mod:`dfl_agent.runtime.run.warm_start` applies to a run started from the deployed model.
 
     Raises:
         ValueError: ``factor`` is not in (0, 1].
@@ -519,7 +519,7 @@ RAMP_START = 0.1
 
 
 def ramp_scale(ramp_rounds: int, t: int) -> float:
-    """The ramp of :func:`~dfl_agent.runtime.warm_start.ramp_factor` for a run known to be warm-started: ``RAMP_START``
+    """The ramp of :func:`~dfl_agent.runtime.run.warm_start.ramp_factor` for a run known to be warm-started: ``RAMP_START``
     in round 1, rising linearly to 1 in round ``ramp_rounds + 1`` (1 for ``ramp_rounds`` 0)."""
     if ramp_rounds <= 0:
         return 1.0

@@ -140,7 +140,7 @@ def check_lifetime(privacy: Any, where: str = "privacy") -> None:
     spends up to that ε on its own (:func:`~dfl_agent.privacy.plan.plan_run` picks the noise for
     it), so a target above ``privacy.lifetime_epsilon`` takes the device past its lifetime budget
     with its first run, and admission declines every run
-    (:meth:`~dfl_agent.runtime.privacy_budget.PrivacyBudget.admit_config` applies this rule
+    (:meth:`~dfl_agent.runtime.service.privacy_budget.PrivacyBudget.admit_config` applies this rule
     first).  With ``noise_multiplier`` given instead, a run's ε depends on the device's samples
     and the run's rounds: admission alone decides.
 

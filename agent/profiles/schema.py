@@ -91,7 +91,7 @@ class ComputeSection:
         threads: torch intra-op threads; 0 = every CPU core.
         memory_budget_mb: memory the agent may use for models and training (MiB);
             decides whether the device may aggregate (see the decision table), and
-            limits each run's process (its memory cgroup, :mod:`dfl_agent.runtime.cgroup`).
+            limits each run's process (its memory cgroup, :mod:`dfl_agent.runtime.service.cgroup`).
         mixed_precision: train with ``torch.autocast`` (float16 on CUDA; ignored on cpu).
     """
 

@@ -35,8 +35,8 @@ from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.params import model_to_numpy
 from dfl_agent.learning.training import TrainConfig
 from dfl_agent.models import default_spec
-from dfl_agent.runtime.context import RuntimeContext
-from dfl_agent.runtime.node import Node
+from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.node.node import Node
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 AHEAD, FINAL, PERIOD, CAP, ROUND_TIMEOUT = 50, 120, 1.0, 10, 10.0

@@ -1,4 +1,4 @@
-"""The privacy ledger's size on disk and the cost of its checks (``agent/runtime/privacy_ledger.py``).
+"""The privacy ledger's size on disk and the cost of its checks (``agent/runtime/shared/privacy_ledger.py``).
 
     .venv/bin/python bench/privacy/ledger.py --out bench/privacy/results/ledger.md
 
@@ -54,7 +54,7 @@ def _old_ledger_class(tmp: Path):
 
 
 def real_writes(runs: int, tmp: Path) -> dict[str, float]:
-    from dfl_agent.runtime.privacy_ledger import PrivacyLedger
+    from dfl_agent.runtime.shared.privacy_ledger import PrivacyLedger
 
     old_cls = _old_ledger_class(tmp)
     plan = _plan()
@@ -76,8 +76,8 @@ def real_writes(runs: int, tmp: Path) -> dict[str, float]:
 
 
 def long_life(runs: int, tmp: Path) -> dict[str, float]:
-    from dfl_agent.runtime.privacy_chain import LedgerState, write_head
-    from dfl_agent.runtime.privacy_ledger import PrivacyLedger
+    from dfl_agent.runtime.shared.privacy_chain import LedgerState, write_head
+    from dfl_agent.runtime.shared.privacy_ledger import PrivacyLedger
 
     d = tmp / f"life-{runs}"
     led = PrivacyLedger(d)

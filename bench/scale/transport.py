@@ -229,7 +229,7 @@ class Ours:
         from dfl_agent.discovery.peers import PeerTable
         from dfl_agent.discovery.presence import node_transport
         from dfl_agent.learning.compression import CompressionPolicy
-        from dfl_agent.runtime.context import RuntimeContext
+        from dfl_agent.runtime.node.context import RuntimeContext
 
         guard = None
         if self.path != "unsigned":  # the trust store's federation is the transport's

@@ -42,7 +42,7 @@ STEPS = ("enc0", "enc1", "pub1", "onmsg", "disp", "onframe", "decoded", "onframe
 
 def _patch() -> None:
     """Wrap the steps of the path so that each records its time in ``EV[fed:step]``."""
-    from dfl_agent.runtime import context
+    from dfl_agent.runtime.node import context
     from dfl_agent.transport import mqtt, wire
 
     pc = time.perf_counter

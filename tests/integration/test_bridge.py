@@ -13,8 +13,8 @@ import pytest
 from dfl_agent.cli.broker import BrokerHandle, free_port, mosquitto_path
 from dfl_agent.cli.observer import Observer
 from dfl_agent.cli.tables import peer_rows
-from dfl_agent.runtime.agent import Agent
-from dfl_agent.runtime.config import config_from_dict
+from dfl_agent.runtime.run.agent import Agent
+from dfl_agent.runtime.shared.config import config_from_dict
 from tests.host import LobbyHost
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow,

@@ -130,7 +130,7 @@ def test_a_device_account_neither_submits_nor_cancels_and_is_told_why(site, caps
     with the broker's reason, and the run does not exist; a cancel likewise."""
     from dfl_agent.cli import fleet
     from dfl_agent.cli.cli_runs import fetch_retained
-    from dfl_agent.runtime.descriptor import cancel_topic
+    from dfl_agent.runtime.shared.descriptor import cancel_topic
 
     d, op, op_dir = site["dir"], str(site["op"]), str(site["dir"] / "state-op")
     n1 = d / "n1.toml"

@@ -14,7 +14,7 @@ import pytest
 from dfl_agent.cli import fleet
 from dfl_agent.cli.dflctl import main as dflctl
 from dfl_agent.cli.observer import Observer
-from dfl_agent.runtime.descriptor import RunDescriptor, run_topic, sign_descriptor
+from dfl_agent.runtime.shared.descriptor import RunDescriptor, run_topic, sign_descriptor
 
 pytestmark = pytest.mark.integration
 NODES = ("n0", "n1", "n2")

@@ -24,11 +24,11 @@ def test_inference_member_receives_only_deployed_versions(mosquitto_broker, fede
     from dfl_agent.deploy import ModelStore
     from dfl_agent.deploy.gate import deploy_model
     from dfl_agent.models import build_model
-    from dfl_agent.runtime.config import config_from_dict
-    from dfl_agent.runtime.descriptor import RunVerifier
-    from dfl_agent.runtime.live_export import LIVE_DIR
-    from dfl_agent.runtime.lobby import RunLobby
-    from dfl_agent.runtime.member_delivery import MemberDelivery
+    from dfl_agent.runtime.run.live_export import LIVE_DIR
+    from dfl_agent.runtime.service.lobby import RunLobby
+    from dfl_agent.runtime.service.member_delivery import MemberDelivery
+    from dfl_agent.runtime.shared.config import config_from_dict
+    from dfl_agent.runtime.shared.descriptor import RunVerifier
 
     broker = mosquitto_broker.endpoint
     spec = {"type": "cnn1d", "in_channels": 3, "length": 32, "channels": [4, 8], "kernel": 5, "num_classes": 4}

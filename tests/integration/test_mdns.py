@@ -280,7 +280,7 @@ async def test_an_mdns_record_naming_another_broker_makes_no_connection(stype, f
     ``mdns_broker_untrusted`` in the node's status ``errors``.  A record naming the
     configured broker is used; once a signed presence names the other broker it is used too
     (the listener then sees the connection: the test can tell)."""
-    from dfl_agent.runtime.context import RuntimeContext
+    from dfl_agent.runtime.node.context import RuntimeContext
     from dfl_agent.transport.mqtt import MqttTransport
 
     listener = socket.socket()

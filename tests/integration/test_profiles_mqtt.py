@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from dfl_agent.runtime.agent import Agent
-from dfl_agent.runtime.config import (
+from dfl_agent.runtime.run.agent import Agent
+from dfl_agent.runtime.shared.config import (
     AlgorithmSection,
     DataSection,
     DiscoverySection,
@@ -161,11 +161,11 @@ def test_inference_member_without_torch_gets_onnx_model(mosquitto_broker, federa
     from dfl_agent.discovery.peers import PeerTable
     from dfl_agent.discovery.presence import node_transport
     from dfl_agent.models import build_model
-    from dfl_agent.runtime.context import RuntimeContext
-    from dfl_agent.runtime.descriptor import RunVerifier
-    from dfl_agent.runtime.live_export import LiveExport
-    from dfl_agent.runtime.lobby import RunLobby
-    from dfl_agent.runtime.member_delivery import MemberDelivery
+    from dfl_agent.runtime.node.context import RuntimeContext
+    from dfl_agent.runtime.run.live_export import LiveExport
+    from dfl_agent.runtime.service.lobby import RunLobby
+    from dfl_agent.runtime.service.member_delivery import MemberDelivery
+    from dfl_agent.runtime.shared.descriptor import RunVerifier
 
     broker = mosquitto_broker.endpoint
     spec = {"type": "cnn1d", "in_channels": 3, "length": 32, "channels": [4, 8], "kernel": 5, "num_classes": 4}

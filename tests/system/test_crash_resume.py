@@ -28,8 +28,8 @@ from dfl_agent.cli.broker import start_broker
 from dfl_agent.cli.dflctl import main as dflctl
 from dfl_agent.cli.observer import Observer
 from dfl_agent.cli.tables import peer_rows
-from dfl_agent.runtime.checkpoint import CheckpointStore
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.node.checkpoint import CheckpointStore
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from tests.system.conftest import needs_mosquitto
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -91,7 +91,7 @@ def test_sigkill_at_random_moments_never_corrupts_state_and_resumes(tmp_path, ca
         try:
             for k in range(KILLS):
                 log_path = tmp_path / f"run{k}.log"
-                proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
+                proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--once", "--config", str(path)],
                                         stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
                 try:
                     # the node connects: dflctl peers must list it online within 5 s
@@ -164,7 +164,7 @@ def test_sigkill_at_random_moments_never_corrupts_state_and_resumes(tmp_path, ca
 
 WRITER = """
 import sys, numpy as np
-from dfl_agent.runtime.checkpoint import CheckpointStore
+from dfl_agent.runtime.node.checkpoint import CheckpointStore
 store = CheckpointStore(sys.argv[1])
 ck = store.load_latest()
 t = ck.round if ck else 0

@@ -20,7 +20,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.cli.broker import mosquitto_path
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from dfl_agent.security.keys import enroll_local, public_key_b64
 from tests.system.conftest import needs_mosquitto
 from tests.system.test_production_combination import _tls_broker
@@ -53,7 +53,7 @@ def _configs(d: Path, port: int, passwords: dict[str, str], ids: tuple[str, ...]
 
 
 def _start(path: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                             stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -81,7 +81,7 @@ def test_ctrl_c_stops_the_demos_agents_within_5_s_and_leaves_a_partial_report(tm
 
         _wait(a_round_each, 120, "a round on each agent", out, err)
         agents = [p.pid for p in psutil.Process(proc.pid).children()
-                  if "dfl_agent.runtime.daemon" in " ".join(p.cmdline())]
+                  if "dfl_agent.runtime.service.daemon" in " ".join(p.cmdline())]
         assert len(agents) == 2
         os.killpg(proc.pid, signal.SIGINT)
         sent = time.monotonic()
@@ -207,13 +207,13 @@ def test_ctrl_c_while_dfl_agent_or_dfl_infer_starts_is_one_line_and_exit_130(tmp
     configuration before its event loop takes SIGINT over) and the inference member (``dfl-infer
     run``, also while it waits for the broker's answer: at 75535c2 that wait went on until its
     timeout, then a traceback)."""
-    from dfl_agent.runtime.config import config_from_dict, dump_toml
+    from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 
     config = tmp_path / "node.toml"
     config.write_text(dump_toml(config_from_dict({
         "federation": "x", "node_id": "dev1", "state_dir": str(tmp_path / "state"),
         "mqtt": {"broker": silent_broker}, "discovery": {"mdns": False}})))
-    agent = [*_program("dfl-agent", "dfl_agent.runtime.daemon"), "run", "--config", str(config)]
+    agent = [*_program("dfl-agent", "dfl_agent.runtime.service.daemon"), "run", "--config", str(config)]
     infer = [*_program("dfl-infer", "dfl_agent.cli.infer"), "run", "--broker", silent_broker, "--timeout", "60",
              "--state-dir", str(tmp_path / "infer")]
     for delay in STARTUP_DELAYS[:4]:

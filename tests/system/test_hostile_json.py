@@ -26,7 +26,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.cli.broker import start_broker
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from dfl_agent.security.keys import public_key_b64
 from tests.system.conftest import needs_mosquitto
 
@@ -73,7 +73,7 @@ def test_deep_retained_values_are_dropped_and_runs_still_start_and_finish(tmp_pa
         path = tmp_path / "a0.toml"  # no [algorithm]: no default run, the agent waits for runs
         path.write_text(re.sub(r"\[algorithm\]\n(?:[^\[\n].*\n)*", "", dump_toml(cfg) + "\n"))
         log = tmp_path / "a0.log"
-        proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+        proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                                 stdout=open(log, "w"), stderr=subprocess.STDOUT)
         try:
             def idle_status() -> dict:

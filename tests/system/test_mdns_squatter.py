@@ -24,7 +24,7 @@ from dfl_agent import WIRE_VERSION
 from dfl_agent.cli.broker import start_broker
 from dfl_agent.discovery.mdns import DEFAULT_SERVICE_TYPE, MdnsDiscovery
 from dfl_agent.discovery.peers import PeerTable
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from dfl_agent.security.keys import enroll_local, public_key_b64
 from tests.integration.test_mdns import register_raw
 from tests.system.conftest import needs_mosquitto
@@ -63,7 +63,7 @@ def test_a_squatted_instance_name_does_not_stop_the_agent_and_its_peer_finds_it(
         try:
             await register_raw(squatter, DEFAULT_SERVICE_TYPE, f"{fed}--s0",
                                {"id": "s0", "fed": fed, "wire": str(WIRE_VERSION)}, address=SQUATTER)
-            proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config",
+            proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--once", "--config",
                                      str(_config(tmp_path, fed, broker))],
                                     stdout=open(log, "w"), stderr=subprocess.STDOUT)
             await peer.start()

@@ -30,7 +30,7 @@ from cryptography.x509.oid import NameOID
 
 from dfl_agent.cli.broker import free_port, mosquitto_path
 from dfl_agent.cli.cli_security import add_acl_user, add_mosquitto_password
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from dfl_agent.security.keys import enroll_local, public_key_b64
 from tests.integration.test_tls_acl import _cert, _pem, make_ca
 from tests.system.conftest import needs_mosquitto
@@ -128,7 +128,7 @@ def start_agents(procs: list[subprocess.Popen], d: Path, port: int, passwords: d
         path = d / f"{nid}.toml"
         path.write_text(dump_toml(cfg))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", *(["--once"] if once else []),
+            [sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", *(["--once"] if once else []),
              "--config", str(path)],
             stdout=open(d / f"{nid}.log", "w"), stderr=subprocess.STDOUT))
     return fed

@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from dfl_agent.cli.broker import mosquitto_path
 from dfl_agent.cli.fleet import FleetTarget, observer_guard
 from dfl_agent.cli.observer import Observer
-from dfl_agent.runtime.config import load_config
+from dfl_agent.runtime.shared.config import load_config
 from dfl_agent.security.keys import save_private_key
 from tests.system.conftest import needs_mosquitto
 from tests.system.test_production_combination import IDS, _tls_broker, start_agents, stop_all

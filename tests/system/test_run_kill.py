@@ -24,7 +24,7 @@ import time
 import pytest
 
 from dfl_agent.cli.broker import start_broker
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from tests.system.conftest import needs_mosquitto
 from tests.system.test_agent_logs import _wait
 from tests.system.test_store_agent import SHAPE, drop
@@ -43,7 +43,7 @@ def _agent(path, log, crash_at=None):
     env = {k: v for k, v in os.environ.items() if k != "DFL_TEST_CRASH_AT"}
     if crash_at:
         env["DFL_TEST_CRASH_AT"] = crash_at
-    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
@@ -120,7 +120,7 @@ def test_a_member_killed_mid_run_deploys_its_checkpoint_model_once_the_others_fi
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from dfl_agent.deploy import ModelStore, verify_folder
-    from dfl_agent.runtime.descriptor import operator_certificate
+    from dfl_agent.runtime.shared.descriptor import operator_certificate
     from dfl_agent.security.keys import enroll_local, public_key_b64, save_certificate, save_private_key
 
     ids, fed, fed_key = ("s0", "s1", "s2"), f"killdeploy{os.getpid()}", Ed25519PrivateKey.generate()

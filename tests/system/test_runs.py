@@ -38,8 +38,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from dfl_agent.cli.broker import start_broker
 from dfl_agent.cli.cli_runs import fetch_retained, publish_retained
 from dfl_agent.cli.observer import Observer
-from dfl_agent.runtime.config import config_from_dict, dump_toml
-from dfl_agent.runtime.descriptor import (
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.descriptor import (
     RunDescriptor,
     cancel_topic,
     operator_certificate,
@@ -87,7 +87,7 @@ def _config(tmp: Path, fed: str, nid: str, i: int, broker: str, fed_key: Ed25519
 
 
 def _start(tmp: Path, nid: str, path: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                             stdout=open(tmp / f"{nid}.log", "a"), stderr=subprocess.STDOUT)
 
 

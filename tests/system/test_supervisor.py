@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from dfl_agent.cli.broker import start_broker
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from tests.system.conftest import needs_mosquitto
 from tests.system.test_store_agent import SHAPE, drop
 
@@ -56,7 +56,7 @@ def _config(tmp_path: Path, broker: str, **over) -> Path:
 
 def _start(path: Path, log) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "DFL_TEST_CRASH_AT"}
-    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
@@ -64,7 +64,7 @@ def _operator(tmp_path: Path, fed: str) -> tuple:
     """A federation key and an operator folder (key and certificate of operator "alice")."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from dfl_agent.runtime.descriptor import operator_certificate
+    from dfl_agent.runtime.shared.descriptor import operator_certificate
     from dfl_agent.security.keys import public_key_b64, save_certificate, save_private_key
 
     fed_key, key = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
@@ -95,7 +95,7 @@ def test_idle_always_on_agent_imports_no_torch(tmp_path):
         script = textwrap.dedent(f"""
             import json, os, signal, sys, threading
             import paho.mqtt.client as mqtt
-            from dfl_agent.runtime import daemon
+            from dfl_agent.runtime.service import daemon
             seen = threading.Event()
             c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
             c.on_connect = lambda c, *a: c.subscribe("dfl/+/node/dev1/status")
@@ -104,8 +104,8 @@ def test_idle_always_on_agent_imports_no_torch(tmp_path):
             c.connect(host, int(port)); c.loop_start()
             def watch():
                 seen.wait(120)
-                mods = sorted(m for m in sys.modules if m in ("torch", "scipy", "dfl_agent.runtime.agent",
-                              "dfl_agent.runtime.node", "dfl_agent.runtime.run_process")
+                mods = sorted(m for m in sys.modules if m in ("torch", "scipy", "dfl_agent.runtime.run.agent",
+                              "dfl_agent.runtime.node.node", "dfl_agent.runtime.run.run_process")
                               or m.startswith(("torch.", "scipy.")))
                 open({str(out)!r}, "w").write(json.dumps({{"status": seen.is_set(), "modules": mods}}))
                 os.kill(os.getpid(), signal.SIGTERM)
@@ -157,7 +157,7 @@ def test_oom_killed_run_process_is_retried_once_then_failed_and_the_supervisor_s
     """A run process over its memory limit (``compute.memory_budget_mb``) is killed by the
     kernel in its cgroup: retried once with the same limit, then the run is ``failed``; the
     supervisor stays up and its status heartbeat goes on."""
-    from dfl_agent.runtime.cgroup import RunCgroup
+    from dfl_agent.runtime.service.cgroup import RunCgroup
 
     probe = RunCgroup.create(f"probe-{os.getpid()}", 64)
     if probe is None:
@@ -215,7 +215,7 @@ def test_declined_and_cancelled_survive_a_kill_at_that_state(tmp_path, at):
         b = ["--broker", broker.endpoint, "--federation", fed, "--operator-dir", str(op)]
         env = {**os.environ, "DFL_TEST_CRASH_AT": at}
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+            proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             _wait(lambda: "waiting for runs" in log_path.read_text(), 60, proc, log_path)
             if at == "declined:after":
@@ -257,7 +257,7 @@ def test_killed_before_kept_keeps_the_current_model_once_after_restart(tmp_path)
         log_path = tmp_path / "agent.log"
         env = {**os.environ, "DFL_TEST_CRASH_AT": "kept:before"}
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+            proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             assert proc.wait(180) == -signal.SIGKILL, log_path.read_text()[-3000:]
             (run_id, entry), = _ledger(state).items()
@@ -292,7 +292,7 @@ def test_killed_while_waiting_for_members_trains_the_run_after_restart(tmp_path)
         logs = {n: tmp_path / f"{n}.log" for n in paths}
         files = {n: open(logs[n], "ab") for n in paths}
         env = {**os.environ, "DFL_TEST_CRASH_AT": "waiting_for_members:after"}
-        a0 = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(paths["a0"])],
+        a0 = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(paths["a0"])],
                               stdout=files["a0"], stderr=subprocess.STDOUT, env=env, start_new_session=True)
         a1 = _start(paths["a1"], files["a1"])
         procs = [a1]
@@ -323,7 +323,7 @@ def test_a_run_process_started_while_the_broker_is_down_reports_its_end_without_
     exit 1, read by the supervisor as a crash)."""
     import socket
 
-    from dfl_agent.runtime.descriptor import RunDescriptor
+    from dfl_agent.runtime.shared.descriptor import RunDescriptor
 
     with socket.socket() as s:  # a free port: the broker is down
         s.bind(("127.0.0.1", 0))
@@ -338,7 +338,7 @@ def test_a_run_process_started_while_the_broker_is_down_reports_its_end_without_
         "discovery": {"mdns": False}})))
     d = RunDescriptor(run_id="r1", federation="down", algorithm="fedavg", rounds=2)
     (run_dir / "descriptor.json").write_text(json.dumps(d.to_dict()))
-    proc = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.run_process", "--config", str(config),
+    proc = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.run.run_process", "--config", str(config),
                            "--run-dir", str(run_dir)], input=json.dumps({"type": "start"}) + "\n",
                           capture_output=True, text=True, timeout=120)
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

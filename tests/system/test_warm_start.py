@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from tests.system.conftest import needs_mosquitto
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, needs_mosquitto]
@@ -36,7 +36,7 @@ def _seed_data(path):
 def test_two_runs_on_the_same_data_accumulate_from_the_deployed_model(tmp_path):
     from dfl_agent.cli.broker import start_broker
     from dfl_agent.deploy import ModelStore, verify_folder
-    from dfl_agent.runtime.ledger import RunLedger
+    from dfl_agent.runtime.service.ledger import RunLedger
 
     state = tmp_path / "state"
     _seed_data(tmp_path / "seed")
@@ -54,7 +54,7 @@ def test_two_runs_on_the_same_data_accumulate_from_the_deployed_model(tmp_path):
         path = tmp_path / "node.toml"
         path.write_text(dump_toml(cfg))
         log = tmp_path / "agent.log"
-        proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+        proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                                 stdout=open(log, "w"), stderr=subprocess.STDOUT)
         models = ModelStore(state)
         try:

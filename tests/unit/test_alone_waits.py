@@ -14,7 +14,7 @@ from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.neighbourhood import collect_round
 from dfl_agent.algorithms.protocols.synchronization import UpdateMarket, waits_alone
 from dfl_agent.discovery.peers import PeerTable
-from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.runtime.node.context import RuntimeContext
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 X = {"x": np.ones(2, np.float32)}

@@ -33,7 +33,7 @@ def _load(rel: str) -> ModuleType:
 
 def test_pieces_carry_the_payload_in_the_agents_chunks() -> None:
     t = _load("bench/scale/transport.py")
-    from dfl_agent.runtime.config import MqttSection
+    from dfl_agent.runtime.shared.config import MqttSection
     from dfl_agent.transport import chunking
     from dfl_agent.transport.link_rate import derive
 

@@ -12,7 +12,7 @@ from dfl_agent.algorithms.base import Algorithm
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.neighbourhood import arrival_check
 from dfl_agent.discovery.peers import PeerTable
-from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.runtime.node.context import RuntimeContext
 from dfl_agent.security import SecurityGuard, TrustStore
 from dfl_agent.security.keys import public_key_b64
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
@@ -95,7 +95,7 @@ def test_run_follows_catch_up_round():
 
 
 def test_malformed_status_rounds_count_as_zero():
-    from dfl_agent.runtime.rejoin import _as_float, _as_round
+    from dfl_agent.runtime.run.rejoin import _as_float, _as_round
 
     assert [_as_round(v) for v in (7, "7", None, "x", [1], -3)] == [7, 7, 0, 0, 0, 0]
     assert [_as_float(v) for v in (1.5, "2", None, "x", {})] == [1.5, 2.0, 0.0, 0.0, 0.0]
@@ -282,7 +282,7 @@ def test_under_quorum_a_node_far_behind_catches_up_over_capped_skips_with_its_ne
     from dfl_agent.algorithms.base import get_algorithm
     from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy, quorum_options
     from dfl_agent.learning.params import model_to_numpy
-    from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node.node import Node
     from tests.unit.test_outage_pause import _trainer
 
     net = MemoryNetwork()

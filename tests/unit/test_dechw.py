@@ -12,8 +12,8 @@ from dfl_agent.algorithms.dechw import HESSIAN_PREFIX
 from dfl_agent.learning.consensus import consensus_step
 from dfl_agent.learning.hessian import data_size_weights, hessian_weighted_average
 from dfl_agent.learning.training import TrainConfig
-from dfl_agent.runtime.metrics import read_jsonl
-from dfl_agent.runtime.simulator import SimConfig, simulate
+from dfl_agent.runtime.node.metrics import read_jsonl
+from dfl_agent.runtime.node.simulator import SimConfig, simulate
 
 # -- Eq. 6-8 on hand-made tensors ---------------------------------------------------
 

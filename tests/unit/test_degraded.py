@@ -1,4 +1,4 @@
-"""Alone is a state, not a success (dfl_agent.runtime.degraded): a node that closes rounds with
+"""Alone is a state, not a success (dfl_agent.runtime.shared.degraded): a node that closes rounds with
 no peer update although it needs peers flags its run ``degraded`` with a count (status, ledger
 entry, ``dflctl status``, ``run list``, ``run show``), warns at most once every 10 rounds, and
 ``dfl-agent run --once`` exits 4 when more than half the rounds were alone (``runtime.allow_alone``
@@ -16,14 +16,14 @@ import pytest
 from dfl_agent.cli.cli_runs import run_rows, run_view
 from dfl_agent.cli.tables import STATUS_COLUMNS, render_table, status_rows
 from dfl_agent.discovery.peers import PeerTable
-from dfl_agent.runtime.config import config_from_dict
-from dfl_agent.runtime.degraded import EXIT_DEGRADED, degraded_fields, once_exit_code
-from dfl_agent.runtime.descriptor import RunDescriptor
-from dfl_agent.runtime.lobby import RunLobby
-from dfl_agent.runtime.node import round_alone
-from dfl_agent.runtime.operations import recount
-from dfl_agent.runtime.run_manager import RunManager
-from dfl_agent.runtime.supervisor import RunProgress
+from dfl_agent.runtime.node.node import round_alone
+from dfl_agent.runtime.run.operations import recount
+from dfl_agent.runtime.service.lobby import RunLobby
+from dfl_agent.runtime.service.run_manager import RunManager
+from dfl_agent.runtime.service.supervisor import RunProgress
+from dfl_agent.runtime.shared.config import config_from_dict
+from dfl_agent.runtime.shared.degraded import EXIT_DEGRADED, degraded_fields, once_exit_code
+from dfl_agent.runtime.shared.descriptor import RunDescriptor
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 from tests.unit import test_run_manager as rm
 
@@ -36,8 +36,8 @@ def _lone_node(algorithm: str, rounds: int, needs_peers: bool | None, finish_aft
     from dfl_agent.data import load_dataset, node_data_for
     from dfl_agent.learning.training import TrainConfig
     from dfl_agent.models import default_spec
-    from dfl_agent.runtime.context import RuntimeContext
-    from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node.context import RuntimeContext
+    from dfl_agent.runtime.node.node import Node
 
     bundle = load_dataset("digits")
     net = MemoryNetwork()
@@ -199,9 +199,9 @@ def test_dflctl_status_run_list_and_run_show_show_degraded():
 def test_a_run_process_tells_its_supervisor_the_degraded_counts_with_trained():
     """The run process's ``trained`` message carries them; the supervisor's view of the node
     (what the run manager reads for the ledger) takes them."""
-    from dfl_agent.runtime import pipe
-    from dfl_agent.runtime.agent import Agent
-    from dfl_agent.runtime.supervisor import ChildRun, RunProgress
+    from dfl_agent.runtime.run.agent import Agent
+    from dfl_agent.runtime.service.supervisor import ChildRun, RunProgress
+    from dfl_agent.runtime.shared import pipe
 
     class Host:
         def __init__(self):

@@ -168,7 +168,7 @@ def test_documented_configurations_are_valid() -> None:
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib  # type: ignore[no-redef]
 
-    from dfl_agent.runtime.config import ConfigError, config_from_dict
+    from dfl_agent.runtime.shared.config import ConfigError, config_from_dict
 
     snippets = config_snippets()
     pages = {p for p, _ in snippets}

@@ -20,9 +20,9 @@ from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.neighbourhood import arrival_check
 from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
 from dfl_agent.discovery.peers import PeerTable
-from dfl_agent.runtime.agent import Agent
-from dfl_agent.runtime.config import ConfigError, config_from_dict
-from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.run.agent import Agent
+from dfl_agent.runtime.shared.config import ConfigError, config_from_dict
 from dfl_agent.security import SecurityGuard, TrustStore
 from dfl_agent.security.keys import public_key_b64
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
@@ -133,7 +133,7 @@ def test_skip_never_passes_the_runs_last_round():
 
 
 def test_quorum_and_target_rules():
-    from dfl_agent.runtime.context import catch_up_target, evidence_quorum
+    from dfl_agent.runtime.node.context import catch_up_target, evidence_quorum
 
     assert [evidence_quorum(n) for n in range(6)] == [0, 1, 2, 2, 3, 3]
     assert catch_up_target(5, {"a": 100}, live=1, cap=10) == 15  # one live neighbour: it is the majority
@@ -234,7 +234,7 @@ def test_members_are_recorded_as_the_rounds_start(tmp_path):
 
 
 def test_finished_by_members_rule():
-    from dfl_agent.runtime.rejoin import finished_by_members
+    from dfl_agent.runtime.run.rejoin import finished_by_members
 
     fin = {"state": "finished"}
     assert not finished_by_members({"a": fin}, {"a"})  # one device, even the only other member

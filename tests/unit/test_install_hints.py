@@ -66,7 +66,7 @@ def test_extra_hint_names_this_versions_wheel_and_the_setup_script():
 def test_the_onnx_and_plot_hints_users_see_name_the_wheel(monkeypatch):
     pytest.importorskip("torch")
     from dfl_agent.models.onnx_export import OnnxExportError, export_onnx
-    from dfl_agent.runtime.metrics import PLOT_HINT
+    from dfl_agent.runtime.node.metrics import PLOT_HINT
 
     assert ".whl[plot]" in PLOT_HINT and "dfl-agent[" not in PLOT_HINT
     import torch

@@ -29,7 +29,7 @@ def test_only_the_program_being_run_gets_the_start_up_handler(monkeypatch):
     assert signal.getsignal(signal.SIGINT) is interrupt._exit_interrupted
     interrupt.end_startup()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    interrupt.during_startup("dfl-agent", "__main__")  # python -m dfl_agent.runtime.daemon
+    interrupt.during_startup("dfl-agent", "__main__")  # python -m dfl_agent.runtime.service.daemon
     assert signal.getsignal(signal.SIGINT) is interrupt._exit_interrupted
 
 

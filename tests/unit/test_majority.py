@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dfl_agent.algorithms.protocols.synchronization import evidence_quorum, majority, quorum_shown
-from dfl_agent.runtime.rejoin import finished_by_members
+from dfl_agent.runtime.run.rejoin import finished_by_members
 
 
 @pytest.mark.parametrize("members,lone,need", [

@@ -95,7 +95,7 @@ def test_an_mdns_record_does_not_change_a_members_description_nor_exclude_it():
     import numpy as np
 
     from dfl_agent.profiles import peer_incompatibility
-    from dfl_agent.runtime.context import RuntimeContext
+    from dfl_agent.runtime.node.context import RuntimeContext
     from dfl_agent.transport.memory import MemoryNetwork
 
     def ctx() -> RuntimeContext:

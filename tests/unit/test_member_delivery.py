@@ -15,7 +15,7 @@ import pytest
 from dfl_agent.algorithms.context import Message
 from dfl_agent.deploy.versions import ModelStore
 from dfl_agent.onnx_model import ONNX_KIND
-from dfl_agent.runtime.member_delivery import MemberDelivery, lacks
+from dfl_agent.runtime.service.member_delivery import MemberDelivery, lacks
 from dfl_agent.transport import wire
 from dfl_agent.transport.chunking import Reassembler
 
@@ -99,7 +99,7 @@ def _frames(client: _Client, topic: str) -> list[Message]:
 
 
 def test_delivery_sends_to_members_that_lack_the_deployment_with_a_growing_wait(tmp_path):
-    from dfl_agent.runtime.config import config_from_dict
+    from dfl_agent.runtime.shared.config import config_from_dict
 
     cfg = config_from_dict({"federation": "fed", "state_dir": str(tmp_path), "mqtt": {"chunk_size": 1024},
                             "data": STORE})  # a node that deploys
@@ -150,7 +150,7 @@ def test_delivery_sends_to_members_that_lack_the_deployment_with_a_growing_wait(
 
 
 def test_delivery_without_a_deployment_or_broker_sends_nothing(tmp_path):
-    from dfl_agent.runtime.config import config_from_dict
+    from dfl_agent.runtime.shared.config import config_from_dict
 
     cfg = config_from_dict({"federation": "fed", "state_dir": str(tmp_path), "data": STORE})
     lobby = _lobby({"inf": {"role": "inference", "state": "waiting_for_model"}})
@@ -168,7 +168,7 @@ def test_the_member_and_the_supervisor_order_deployments_by_one_rule():
     a member shown to lack a deployment takes it, and one shown to hold a newer one neither
     gets it nor would take it."""
     from dfl_agent.onnx_model import deployment_order
-    from dfl_agent.runtime.member_delivery import lacks
+    from dfl_agent.runtime.service.member_delivery import lacks
 
     assert deployment_order(200.0, "b", None, None) == "newer"  # the member holds nothing deployed
     assert deployment_order(200.0, "b", 100.0, "a") == "newer"
@@ -190,8 +190,8 @@ def test_a_node_that_deploys_nothing_sends_the_runs_improved_model(tmp_path):
     whose status shows another model; the run itself sends nothing."""
     import asyncio
 
-    from dfl_agent.runtime.config import config_from_dict
-    from dfl_agent.runtime.live_export import LiveExport
+    from dfl_agent.runtime.run.live_export import LiveExport
+    from dfl_agent.runtime.shared.config import config_from_dict
 
     cfg = config_from_dict({"federation": "fed", "state_dir": str(tmp_path)})  # a data set: nothing deploys
     assert not cfg.deploys

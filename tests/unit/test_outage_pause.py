@@ -14,8 +14,8 @@ from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.neighbourhood import collect_round
 from dfl_agent.algorithms.protocols.synchronization import UpdateMarket, suspend_deadline
 from dfl_agent.discovery.peers import PeerTable
-from dfl_agent.runtime.context import RuntimeContext
-from dfl_agent.runtime.node import peer_updates_used, round_alone
+from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.node.node import peer_updates_used, round_alone
 from dfl_agent.security import SecurityGuard, TrustStore
 from dfl_agent.security.keys import public_key_b64
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
@@ -312,7 +312,7 @@ def test_the_status_says_paused_while_the_broker_is_away_and_counts_rounds_alone
     ends), ``rounds_alone`` and the records' ``alone`` after a round that used no update
     although its peer was expected."""
     from dfl_agent.algorithms.base import get_algorithm
-    from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node.node import Node
 
     net = MemoryNetwork()
     bundle, me = _trainer(net)
@@ -424,7 +424,7 @@ def test_the_adaptive_deadline_does_not_learn_a_broker_outage():
     from dfl_agent.algorithms.base import get_algorithm
     from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
     from dfl_agent.learning.params import model_to_numpy
-    from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node.node import Node
 
     net = MemoryNetwork()
     bundle, me = _trainer(net)
@@ -467,7 +467,7 @@ def test_a_gap_after_a_broker_outage_longer_than_round_timeout_waits_for_the_key
     from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
     from dfl_agent.learning.compression import CompressionPolicy
     from dfl_agent.learning.params import model_to_numpy
-    from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node.node import Node
 
     net = MemoryNetwork()
     bundle, me = _trainer(net)
@@ -516,7 +516,7 @@ def test_an_update_taken_ahead_that_cannot_be_decoded_is_not_taken_again():
     from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy, quorum_options
     from dfl_agent.learning.compression import CompressionPolicy
     from dfl_agent.learning.params import model_to_numpy
-    from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node.node import Node
 
     net = MemoryNetwork()
     bundle, me = _trainer(net)

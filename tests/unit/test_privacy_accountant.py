@@ -119,8 +119,8 @@ def test_importing_the_accountant_and_plan_loads_no_torch() -> None:
 _NO_SCIPY = """
 import sys
 sys.modules["scipy"] = None
-import dfl_agent.runtime.daemon, dfl_agent.runtime.supervisor, dfl_agent.runtime.run_manager
-import dfl_agent.runtime.agent, dfl_agent.runtime.deployment, dfl_agent.runtime.privacy_budget
+import dfl_agent.runtime.service.daemon, dfl_agent.runtime.service.supervisor, dfl_agent.runtime.service.run_manager
+import dfl_agent.runtime.run.agent, dfl_agent.runtime.run.deployment, dfl_agent.runtime.service.privacy_budget
 from dfl_agent.privacy.accountant import rdp_epsilon
 assert rdp_epsilon([], 1e-5) == 0.0 and rdp_epsilon([(1.0, 0.0, 100), (1.0, 0.1, 0)], 1e-5) == 0.0
 try:

@@ -19,10 +19,10 @@ import pytest
 
 from dfl_agent.privacy.accountant import rdp_epsilon
 from dfl_agent.privacy.plan import RunPlan
-from dfl_agent.runtime.config import config_from_dict
-from dfl_agent.runtime.descriptor import RunDescriptor
-from dfl_agent.runtime.privacy_budget import PrivacyBudget, PrivacyLedger, deployment_privacy
-from dfl_agent.runtime.supervisor import RunProgress
+from dfl_agent.runtime.service.privacy_budget import PrivacyBudget, PrivacyLedger, deployment_privacy
+from dfl_agent.runtime.service.supervisor import RunProgress
+from dfl_agent.runtime.shared.config import config_from_dict
+from dfl_agent.runtime.shared.descriptor import RunDescriptor
 
 
 def _plan(sigma: float, q: float, steps: int) -> RunPlan:
@@ -57,7 +57,7 @@ def test_ledger_reserves_settles_and_survives_a_reopen(tmp_path: Path) -> None:
 
 
 def _store_cfg(tmp_path: Path, privacy: dict, n: int = 400, rounds: int = 5):
-    from dfl_agent.runtime.sample_store import open_store
+    from dfl_agent.runtime.shared.sample_store import open_store
 
     cfg = config_from_dict({"state_dir": str(tmp_path), "algorithm": {"name": "local", "rounds": rounds},
                             "training": {"batch_size": 20, "steps": 4},
@@ -131,7 +131,7 @@ def test_delta_not_below_one_over_n_is_declined(tmp_path: Path) -> None:
     cfg, store = _store_cfg(tmp_path, {"dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0, "delta": 0.05}}, n=60)
     reason = PrivacyBudget(cfg, get_profile("generic-x86"), store).admit(_run("a"))
     assert reason == "privacy: privacy.dp.delta: 0.05 is not below 1/N for this device's training samples"
-    from dfl_agent.runtime.privacy_budget import public_reason
+    from dfl_agent.runtime.service.privacy_budget import public_reason
 
     assert public_reason("privacy.dp.target_epsilon: no noise multiplier up to 1000 keeps the run's epsilon at or "
                          "below 0.01 (100 steps at sampling rate 0.1, delta 1e-05)") == \
@@ -161,8 +161,8 @@ def test_admission_loads_no_torch(tmp_path: Path) -> None:
         from pathlib import Path
         from test_privacy_budget import _run, _store_cfg
         from dfl_agent.profiles import get_profile
-        from dfl_agent.runtime.admission import admit
-        from dfl_agent.runtime.privacy_budget import PrivacyBudget
+        from dfl_agent.runtime.service.admission import admit
+        from dfl_agent.runtime.service.privacy_budget import PrivacyBudget
         cfg, store = _store_cfg(Path({str(tmp_path)!r}), {{"dp": {{"max_grad_norm": 1.0, "target_epsilon": 2.0}}}})
         profile = get_profile("generic-x86")
         d = _run("a")
@@ -199,8 +199,8 @@ def test_run_once_is_admitted_reserved_and_settled(tmp_path: Path) -> None:
     it appended to the node's metrics file."""
     import asyncio
 
-    from dfl_agent.runtime.assembly import StartupError
-    from dfl_agent.runtime.run_manager import build_run_manager
+    from dfl_agent.runtime.service.run_manager import build_run_manager
+    from dfl_agent.runtime.shared.assembly import StartupError
 
     cfg, store = _store_cfg(tmp_path, {"lifetime_epsilon": 6.0, "dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0}})
     store.close()
@@ -237,7 +237,7 @@ def test_a_crash_mid_run_never_under_counts(tmp_path: Path, at: str) -> None:
     plan's steps)."""
     import asyncio
 
-    from dfl_agent.runtime.descriptor import RunDescriptor as Run
+    from dfl_agent.runtime.shared.descriptor import RunDescriptor as Run
     from tests.unit import test_run_crash as rc
     from tests.unit.test_run_manager import manager
 
@@ -256,7 +256,7 @@ def test_a_crash_mid_run_never_under_counts(tmp_path: Path, at: str) -> None:
 
     d = Run(run_id="r1", federation="f", algorithm="fedavg", rounds=2, min_members=2)
     with pytest.MonkeyPatch.context() as mp:
-        import dfl_agent.runtime.run_manager as rm
+        import dfl_agent.runtime.service.run_manager as rm
 
         mp.setattr(rm, "crash_point", point)
         m = make()
@@ -281,7 +281,7 @@ def test_run_once_counts_spool_files_that_are_still_settling(tmp_path: Path) -> 
     declined with "no samples to train on". It waits for them to settle and counts them."""
     import asyncio
 
-    from dfl_agent.runtime.run_manager import build_run_manager
+    from dfl_agent.runtime.service.run_manager import build_run_manager
     from tests.system.test_store_agent import SHAPE, drop
 
     cfg = config_from_dict({
@@ -308,7 +308,7 @@ def test_check_config_refuses_a_target_epsilon_above_the_lifetime_budget(tmp_pat
 
     from dfl_agent.privacy.config import DPConfig, PrivacyConfig
     from dfl_agent.profiles import get_profile
-    from dfl_agent.runtime.daemon import main
+    from dfl_agent.runtime.service.daemon import main
 
     raw = {"federation": "f", "state_dir": str(tmp_path / "state"), "algorithm": {"name": "local", "rounds": 5},
            "data": {"dataset": "store", "input_shape": [3, 4], "num_classes": 2}, "privacy": privacy}

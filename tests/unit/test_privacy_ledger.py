@@ -26,8 +26,8 @@ from types import SimpleNamespace
 import pytest
 
 from dfl_agent.privacy.accountant import rdp_epsilon
-from dfl_agent.runtime.config import config_from_dict, dump_toml
-from dfl_agent.runtime.privacy_budget import PrivacyBudget, PrivacyLedger
+from dfl_agent.runtime.service.privacy_budget import PrivacyBudget, PrivacyLedger
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from tests.unit.test_privacy_budget import _plan, _run, _store_cfg
 
 DP = {"lifetime_epsilon": 10.0, "dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0}}
@@ -117,7 +117,7 @@ def test_a_damaged_ledger_declines_dp_runs_with_one_line(tmp_path: Path, damage:
 def test_edits_that_keep_the_table_consistent_break_the_chain(tmp_path: Path) -> None:
     """Someone who edits the history too: a settlement removed with its row put back to
     ``reserved``, rows swapped, a row's steps changed, the head marker deleted."""
-    from dfl_agent.runtime.privacy_ledger import HEAD_FILE, LedgerDamaged
+    from dfl_agent.runtime.shared.privacy_ledger import HEAD_FILE, LedgerDamaged
 
     led = PrivacyLedger(tmp_path / "s")
     for rid in ("a", "b"):
@@ -208,7 +208,7 @@ def test_run_once_with_a_corrupt_ledger_exits_2_with_one_line(tmp_path: Path) ->
            "mqtt": {"broker": "127.0.0.1:9"}, "discovery": {"mdns": False}, "privacy": DP}
     path = tmp_path / "node.toml"
     path.write_text(dump_toml(config_from_dict(raw)))
-    r = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
+    r = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--once", "--config", str(path)],
                        capture_output=True, text=True, timeout=120)
     out = r.stdout + r.stderr
     assert r.returncode == 2, out[-3000:]
@@ -241,7 +241,7 @@ def test_a_ledger_of_release_0_1_0_is_chained_on_its_first_open(tmp_path: Path, 
         assert led.entries() == old
     assert f"privacy ledger {state / 'privacy' / 'ledger.sqlite'}: chained its 5 rows" in caplog.text
     assert led.epsilon(1e-5) == rdp_epsilon(history, 1e-5)  # the accountant's figure is unchanged
-    from dfl_agent.runtime.privacy_ledger import HEAD_FILE, PRE_CHAIN_FILE, LedgerDamaged
+    from dfl_agent.runtime.shared.privacy_ledger import HEAD_FILE, PRE_CHAIN_FILE, LedgerDamaged
 
     verified = tmp_path / "verified"  # dflctl privacy verify reads an unchained ledger and leaves it so
     (verified / "privacy").mkdir(parents=True)
@@ -262,7 +262,7 @@ def test_a_ledger_of_release_0_1_0_is_chained_on_its_first_open(tmp_path: Path, 
 _WRITER = textwrap.dedent("""
     import sys
     from dfl_agent.privacy.plan import RunPlan
-    from dfl_agent.runtime.privacy_budget import PrivacyLedger
+    from dfl_agent.runtime.service.privacy_budget import PrivacyLedger
     plan = RunPlan(noise_multiplier=1.0, sample_rate=0.05, steps=200, epsilon=5.0, delta=1e-5, max_grad_norm=1.0)
     PrivacyLedger(sys.argv[1]).reserve("r2", plan, 5)
 """)
@@ -298,7 +298,7 @@ def test_a_power_cut_mid_write_is_rolled_back_or_detected(tmp_path: Path) -> Non
         assert PrivacyLedger(d).epsilon(1e-5) >= eps0
     n0 = PrivacyLedger(base).state().events
     assert states == {"before-commit": (n0, False), "committed": (n0 + 1, True), "marked": (n0 + 1, True)}
-    from dfl_agent.runtime.privacy_ledger import HEAD_FILE, LedgerDamaged
+    from dfl_agent.runtime.shared.privacy_ledger import HEAD_FILE, LedgerDamaged
 
     src = tmp_path / "torn-source"
     size = (src / "privacy" / "ledger.sqlite-wal").stat().st_size
@@ -341,8 +341,8 @@ def test_a_device_whose_reported_epsilon_goes_down_is_flagged(tmp_path: Path) ->
     reservation released (ε down from a status with a reservation) is not flagged."""
     from dfl_agent.cli.observer import Observer
     from dfl_agent.cli.tables import peer_rows, status_rows
-    from dfl_agent.runtime.lobby import RunLobby
-    from dfl_agent.runtime.service_counters import ServiceCounters
+    from dfl_agent.runtime.service.lobby import RunLobby
+    from dfl_agent.runtime.service.service_counters import ServiceCounters
 
     def status(eps: float, reserved: int = 0) -> dict:
         return {"node_id": "dev1", "state": "idle", "privacy": {
@@ -390,7 +390,7 @@ def test_the_service_declines_dp_runs_and_serves_the_others(tmp_path: Path) -> N
     import asyncio
 
     from dfl_agent.cli.tables import privacy_text
-    from dfl_agent.runtime.descriptor import RunDescriptor
+    from dfl_agent.runtime.shared.descriptor import RunDescriptor
     from tests.unit.test_run_manager import manager
 
     data = {"dataset": "digits", "partition": "iid", "num_nodes": 4}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 
-from dfl_agent.runtime.agent import Agent
-from dfl_agent.runtime.config import config_from_dict
+from dfl_agent.runtime.run.agent import Agent
+from dfl_agent.runtime.shared.config import config_from_dict
 from tests.host import LobbyHost
 
 

@@ -13,11 +13,11 @@ from dfl_agent.data import load_dataset, node_data_for  # noqa: E402
 from dfl_agent.discovery.peers import PeerTable  # noqa: E402
 from dfl_agent.learning.training import TrainConfig  # noqa: E402
 from dfl_agent.models import default_spec  # noqa: E402
-from dfl_agent.runtime.context import RuntimeContext  # noqa: E402
-from dfl_agent.runtime.node import Node  # noqa: E402
-from dfl_agent.runtime.pipe import RunCounters  # noqa: E402
-from dfl_agent.runtime.prometheus import PrometheusExporter, ServiceCollector  # noqa: E402
-from dfl_agent.runtime.supervisor import RunProgress  # noqa: E402
+from dfl_agent.runtime.node.context import RuntimeContext  # noqa: E402
+from dfl_agent.runtime.node.node import Node  # noqa: E402
+from dfl_agent.runtime.service.prometheus import PrometheusExporter, ServiceCollector  # noqa: E402
+from dfl_agent.runtime.service.supervisor import RunProgress  # noqa: E402
+from dfl_agent.runtime.shared.pipe import RunCounters  # noqa: E402
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual  # noqa: E402
 
 

@@ -18,11 +18,11 @@ from dfl_agent.data import load_dataset, node_data_for
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.training import TrainConfig
 from dfl_agent.models import default_spec, spec_hash
-from dfl_agent.runtime.checkpoint import CheckpointStore, NodeCheckpointer
-from dfl_agent.runtime.context import RuntimeContext
-from dfl_agent.runtime.metrics import end_torn_line as _end_torn_line
-from dfl_agent.runtime.metrics import written_rounds
-from dfl_agent.runtime.node import Node
+from dfl_agent.runtime.node.checkpoint import CheckpointStore, NodeCheckpointer
+from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.node.metrics import end_torn_line as _end_torn_line
+from dfl_agent.runtime.node.metrics import written_rounds
+from dfl_agent.runtime.node.node import Node
 from dfl_agent.transport.memory import MemoryNetwork
 
 ROUNDS = 3

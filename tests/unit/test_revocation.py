@@ -201,8 +201,8 @@ def test_an_expired_certificate_is_refused_with_one_line_naming_the_node_and_the
 
 
 def test_the_agent_refuses_to_start_with_its_own_expired_certificate(tmp_path):
-    from dfl_agent.runtime.assembly import StartupError, build_security
-    from dfl_agent.runtime.config import config_from_dict
+    from dfl_agent.runtime.shared.assembly import StartupError, build_security
+    from dfl_agent.runtime.shared.config import config_from_dict
     from dfl_agent.security.keys import enroll_local
 
     fed = Ed25519PrivateKey.generate()
@@ -226,7 +226,7 @@ def test_a_clock_behind_the_certificate_is_a_clock_problem_not_a_forgery(tmp_pat
     forged = issue_certificate(Ed25519PrivateKey.generate(), FED, "a", public_key_b64(f.ka), now=T0)
     assert _verdict(f.b, _frame(f.ka, "a", forged)) == "unknown_sender"  # a forged certificate is no clock problem
     from dfl_agent.cli.cli_ops import check_certificate
-    from dfl_agent.runtime.config import config_from_dict
+    from dfl_agent.runtime.shared.config import config_from_dict
     from dfl_agent.security.keys import save_certificate
 
     # doctor, on the device: its own certificate "not yet valid" is reported as the clock
@@ -244,10 +244,10 @@ def test_a_clock_behind_the_certificate_is_a_clock_problem_not_a_forgery(tmp_pat
 
 
 def test_the_lobby_follows_the_broker_list_and_counts_what_it_ignores(tmp_path):
-    from dfl_agent.runtime.assembly import build_security
-    from dfl_agent.runtime.config import config_from_dict
-    from dfl_agent.runtime.descriptor import RunVerifier
-    from dfl_agent.runtime.lobby import RunLobby
+    from dfl_agent.runtime.service.lobby import RunLobby
+    from dfl_agent.runtime.shared.assembly import build_security
+    from dfl_agent.runtime.shared.config import config_from_dict
+    from dfl_agent.runtime.shared.descriptor import RunVerifier
     from dfl_agent.security.keys import enroll_local
     from dfl_agent.security.revocation import Revoked, sign_revocations
 
@@ -366,7 +366,7 @@ def test_acl_blocks_enrolled_before_revocation_lists_are_named(tmp_path):
 
 
 def test_a_revoked_operators_runs_are_refused_as_revoked():
-    from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier, operator_certificate, sign_descriptor
+    from dfl_agent.runtime.shared.descriptor import RunDescriptor, RunVerifier, operator_certificate, sign_descriptor
     from dfl_agent.security.revocation import Revoked, sign_revocations
 
     f = _fleet()
@@ -383,7 +383,7 @@ def test_a_revoked_operators_runs_are_refused_as_revoked():
 
 
 def test_the_agents_log_warns_30_days_before_its_certificate_expires(caplog):
-    from dfl_agent.runtime.assembly import warn_expiry
+    from dfl_agent.runtime.shared.assembly import warn_expiry
 
     cert = {"node_id": "dev1", "expires": T0 + 20 * DAY}
     with caplog.at_level(logging.WARNING):

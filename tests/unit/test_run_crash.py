@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from dfl_agent.deploy import ModelStore
-from dfl_agent.runtime.descriptor import RunDescriptor
-from dfl_agent.runtime.supervisor import RunProgress, switch_current
+from dfl_agent.runtime.service.supervisor import RunProgress, switch_current
+from dfl_agent.runtime.shared.descriptor import RunDescriptor
 from tests.unit.test_run_manager import Lobby, manager
 
 torch = pytest.importorskip("torch")
@@ -33,7 +33,7 @@ class MembersLobby(Lobby):
 class DeployingAgent:
     """Trains nothing (a marker file in the run folder stands for the final checkpoint, the
     trainings are counted), then deploys a real model through the real deployment step
-    (:func:`dfl_agent.runtime.deployment.deploy_after_run`): the gate on a validation slice,
+    (:func:`dfl_agent.runtime.run.deployment.deploy_after_run`): the gate on a validation slice,
     the model files, the versions folder."""
 
     trainings = 0
@@ -60,7 +60,7 @@ class DeployingAgent:
 
     async def run(self, stop):
         from dfl_agent.fsutil import atomic_write
-        from dfl_agent.runtime.deployment import deploy_after_run
+        from dfl_agent.runtime.run.deployment import deploy_after_run
 
         done = self.run_dir / "trained.marker"
         if not done.exists():  # the rounds (the checkpoint says all are done after a restart)
@@ -80,7 +80,7 @@ class DeployingAgent:
 def crash_at(monkeypatch):
     """``crash_at("deploying:mid")``: the crash switch raises :class:`Crash` at that point."""
     import dfl_agent.deploy.versions as versions
-    import dfl_agent.runtime.run_manager as rm
+    import dfl_agent.runtime.service.run_manager as rm
 
     target = {"at": None}
 
@@ -173,7 +173,7 @@ def test_a_crash_as_a_run_is_declined_or_cancelled_leaves_it_so(tmp_path, crash_
 def test_every_state_is_in_the_ledger_before_it_takes_effect(tmp_path, monkeypatch):
     """At each crash point "before", the manager is still in the previous state; "after", the
     ledger already holds the new one while the manager has not moved yet."""
-    import dfl_agent.runtime.run_manager as rm
+    import dfl_agent.runtime.service.run_manager as rm
 
     seen = []
     m = _manager(tmp_path)

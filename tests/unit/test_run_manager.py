@@ -1,4 +1,4 @@
-"""The run manager (dfl_agent.runtime.run_manager): its states, one method per transition,
+"""The run manager (dfl_agent.runtime.service.run_manager): its states, one method per transition,
 and what each end of a run writes to the ledger - driven step by step with a stand-in lobby
 and agent (no MQTT, no torch)."""
 
@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from dfl_agent.runtime.config import config_from_dict
-from dfl_agent.runtime.descriptor import RunDescriptor
-from dfl_agent.runtime.ledger import RunLedger
-from dfl_agent.runtime.lobby import RunQueue
-from dfl_agent.runtime.run_config import CANCEL_LATE
-from dfl_agent.runtime.run_manager import STATES, TRANSITIONS, IllegalTransition, RunHooks, RunManager
+from dfl_agent.runtime.service.ledger import RunLedger
+from dfl_agent.runtime.service.lobby import RunQueue
+from dfl_agent.runtime.service.run_manager import STATES, TRANSITIONS, IllegalTransition, RunHooks, RunManager
+from dfl_agent.runtime.shared.config import config_from_dict
+from dfl_agent.runtime.shared.descriptor import RunDescriptor
+from dfl_agent.runtime.shared.run_config import CANCEL_LATE
 
 
 class Lobby:
@@ -161,7 +161,7 @@ def test_a_published_run_with_a_bad_setting_fails_and_the_agent_stays_up(tmp_pat
 
 
 def test_the_default_run_with_a_bad_setting_still_stops_the_agent(tmp_path):
-    from dfl_agent.runtime.assembly import StartupError
+    from dfl_agent.runtime.shared.assembly import StartupError
 
     m = manager(tmp_path)
     d = RunDescriptor(run_id="d-1", federation="f", algorithm="fedavg", rounds=1, training={"no_such_key": 1},

@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 
 from dfl_agent.discovery.presence import MqttPresence
-from dfl_agent.runtime import pipe
-from dfl_agent.runtime.assembly import StartupError
-from dfl_agent.runtime.pipe import StateReport
-from dfl_agent.runtime.run_host import HostGone
-from dfl_agent.runtime.run_process import RunChannel
-from dfl_agent.runtime.supervisor import ChildRun, RunProgress
+from dfl_agent.runtime.run.run_process import RunChannel
+from dfl_agent.runtime.service.supervisor import ChildRun, RunProgress
+from dfl_agent.runtime.shared import pipe
+from dfl_agent.runtime.shared.assembly import StartupError
+from dfl_agent.runtime.shared.pipe import StateReport
+from dfl_agent.runtime.shared.run_host import HostGone
 
 
 def _channel():
@@ -90,7 +90,7 @@ def test_a_closed_pipe_means_the_supervisor_is_gone():
 
 
 def test_a_run_process_presence_speaks_through_its_host_and_sets_no_will():
-    from dfl_agent.runtime.hosted_presence import HostedPresence
+    from dfl_agent.runtime.run.hosted_presence import HostedPresence
     from tests.host import LobbyHost
 
     host = LobbyHost(publish=False)
@@ -150,8 +150,8 @@ def _never_set_up(name: str, bundle):
     from dfl_agent.discovery.peers import PeerTable
     from dfl_agent.learning.training import TrainConfig
     from dfl_agent.models import default_spec
-    from dfl_agent.runtime.context import RuntimeContext
-    from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node.context import RuntimeContext
+    from dfl_agent.runtime.node.node import Node
     from dfl_agent.transport.memory import MemoryNetwork
 
     ctx = RuntimeContext(node_id="me", federation="f", transport=MemoryNetwork().transport("me", "f", {}),
@@ -168,8 +168,8 @@ def test_the_end_report_of_a_run_whose_node_was_never_set_up(digits):
     75535c2: ``AttributeError: 'FedAvg' object has no attribute 'market'`` from the end report, a
     traceback in the run process, and the same for 12 of the 18 algorithms)."""
     from dfl_agent.algorithms.base import available
-    from dfl_agent.runtime.agent import Agent
-    from dfl_agent.runtime.config import config_from_dict
+    from dfl_agent.runtime.run.agent import Agent
+    from dfl_agent.runtime.shared.config import config_from_dict
     from tests.host import LobbyHost
 
     for name in available():

@@ -1,4 +1,4 @@
-"""Runs (dfl_agent.runtime.descriptor, ledger, lobby, admission): queue order, recurrence, the ledger across restarts,
+"""Runs (dfl_agent.runtime.shared.descriptor, ledger, lobby, admission): queue order, recurrence, the ledger across restarts,
 who may submit, descriptor precedence over node.toml."""
 
 import json
@@ -7,17 +7,17 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.durations import parse_duration
-from dfl_agent.runtime.admission import admit
-from dfl_agent.runtime.config import config_from_dict
-from dfl_agent.runtime.descriptor import (
+from dfl_agent.runtime.service.admission import admit
+from dfl_agent.runtime.service.ledger import RunLedger, default_descriptor, next_recurring
+from dfl_agent.runtime.service.lobby import RunQueue
+from dfl_agent.runtime.shared.config import config_from_dict
+from dfl_agent.runtime.shared.descriptor import (
     RunDescriptor,
     RunVerifier,
     operator_certificate,
     recurring_run_id,
     sign_descriptor,
 )
-from dfl_agent.runtime.ledger import RunLedger, default_descriptor, next_recurring
-from dfl_agent.runtime.lobby import RunQueue
 from dfl_agent.security.keys import issue_certificate, public_key_b64
 
 
@@ -147,7 +147,7 @@ def test_admit_declines_with_the_reason():
 
 
 def test_descriptor_overrides_node_toml_and_members():
-    from dfl_agent.runtime.run_manager import StartupError, run_config_for
+    from dfl_agent.runtime.service.run_manager import StartupError, run_config_for
 
     cfg = config_from_dict({"training": {"lr": 0.1}, "algorithm": {"rounds": 5}})
     run = RunDescriptor(run_id="r", federation="default", algorithm="dechw", rounds=2, options={"round_timeout": 3},
@@ -167,7 +167,7 @@ def test_admit_counts_the_models_parameters_against_memory_budget_mb():
     from dfl_agent.models import build_model, count_trainable, default_spec
     from dfl_agent.models import param_count as spec_params
     from dfl_agent.profiles import resolve_profile
-    from dfl_agent.runtime.admission import run_model_params
+    from dfl_agent.runtime.service.admission import run_model_params
 
     spec = default_spec([9, 128], 6, "medium")
     assert spec_params(spec) == count_trainable(build_model(spec))  # counted on the meta device, same figure
@@ -199,9 +199,9 @@ def test_admit_counts_the_models_parameters_against_memory_budget_mb():
 
 def test_run_model_family_reaches_the_model_build():
     from dfl_agent.models.families import FAMILIES, family_member, family_specs
-    from dfl_agent.runtime.assembly import model_spec_for
-    from dfl_agent.runtime.config import MODEL_FAMILIES, ConfigError
-    from dfl_agent.runtime.run_manager import StartupError, run_config_for
+    from dfl_agent.runtime.service.run_manager import StartupError, run_config_for
+    from dfl_agent.runtime.shared.assembly import model_spec_for
+    from dfl_agent.runtime.shared.config import MODEL_FAMILIES, ConfigError
 
     assert tuple(FAMILIES) == MODEL_FAMILIES
     cfg = config_from_dict({"model": {"size": "small"}, "algorithm": {"rounds": 5}})
@@ -225,10 +225,10 @@ def test_run_model_family_reaches_the_model_build():
 def test_default_run_recurs_when_k_new_samples_arrived_and_never_overlaps(tmp_path):
     import numpy as np
 
-    from dfl_agent.runtime.config import ConfigError
-    from dfl_agent.runtime.descriptor import sample_run_id
-    from dfl_agent.runtime.ledger import next_sample_triggered
-    from dfl_agent.runtime.sample_store import open_store
+    from dfl_agent.runtime.service.ledger import next_sample_triggered
+    from dfl_agent.runtime.shared.config import ConfigError
+    from dfl_agent.runtime.shared.descriptor import sample_run_id
+    from dfl_agent.runtime.shared.sample_store import open_store
 
     cfg = config_from_dict({"state_dir": str(tmp_path), "algorithm": {"rounds": 2, "every_samples": 50},
                             "data": {"dataset": "store", "input_shape": [3, 4], "num_classes": 2}})
@@ -345,7 +345,7 @@ def test_adam_training_stops_mid_round_when_its_run_is_stopped():
 def test_nodes_that_declined_a_run_are_not_waited_for():
     import sys
 
-    from dfl_agent.runtime.lobby import RunLobby
+    from dfl_agent.runtime.service.lobby import RunLobby
 
     lobby = RunLobby(config_from_dict({}), "me", RunVerifier("default", require_signatures=False))
     lobby.statuses = {"a": {"run": {"id": "r-1", "state": "accepted"}}, "b": {"state": "idle", "run": None}}
@@ -357,7 +357,7 @@ def test_nodes_that_declined_a_run_are_not_waited_for():
 
 
 def test_nodes_where_a_run_ended_after_training_are_known_to_a_late_joiner():
-    from dfl_agent.runtime.lobby import RunLobby
+    from dfl_agent.runtime.service.lobby import RunLobby
 
     lobby = RunLobby(config_from_dict({}), "me", RunVerifier("default", require_signatures=False))
     lobby.statuses = {"a": {"run": {"id": "r-1", "state": "deployed"}},
@@ -373,7 +373,7 @@ def test_nodes_where_a_run_ended_after_training_are_known_to_a_late_joiner():
 def test_a_run_its_members_train_past_round_one_is_too_late_to_join():
     # found in the field lab: a device started while run 0 was at round ~150 joined it from
     # round 1; every member then waited each round's whole deadline (30 s) for its updates
-    from dfl_agent.runtime.lobby import RunLobby
+    from dfl_agent.runtime.service.lobby import RunLobby
 
     lobby = RunLobby(config_from_dict({}), "me", RunVerifier("default", require_signatures=False))
     lobby.statuses = {"a": {"run": {"id": "r-1", "state": "training", "round": 1}},
@@ -391,7 +391,7 @@ def _node(state, rnd, reason=""):
 
 def test_run_show_says_what_the_members_ledgers_say_also_after_a_late_cancel():
     from dfl_agent.cli.cli_runs import already_finished, run_view
-    from dfl_agent.runtime.run_config import CANCEL_LATE
+    from dfl_agent.runtime.shared.run_config import CANCEL_LATE
 
     msg = {"descriptor": {"run_id": "r1", "algorithm": "fedavg", "rounds": 40}, "cancel_record": True}
     # the cancel reached every member after its last round: each refused it, deployed, recorded finished

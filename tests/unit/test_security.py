@@ -8,7 +8,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.algorithms.context import Message
-from dfl_agent.runtime.config import ConfigError, config_from_dict
+from dfl_agent.runtime.shared.config import ConfigError, config_from_dict
 from dfl_agent.security import SecurityError, SecurityGuard, TrustStore
 from dfl_agent.security.keys import (
     issue_certificate,
@@ -234,8 +234,8 @@ def _memory_federation(n, intruder):
     from dfl_agent.discovery.peers import PeerTable
     from dfl_agent.learning.params import model_to_numpy
     from dfl_agent.learning.training import TrainConfig
-    from dfl_agent.runtime.context import RuntimeContext
-    from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node.context import RuntimeContext
+    from dfl_agent.runtime.node.node import Node
     from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
     spec = {"type": "mlp", "input_shape": [4], "hidden": [8], "num_classes": 2}
@@ -352,7 +352,7 @@ def test_frames_prepared_off_the_loop_keep_every_rule():
     import threading
 
     from dfl_agent.discovery.peers import PeerTable
-    from dfl_agent.runtime.context import PreparedFrame, RuntimeContext
+    from dfl_agent.runtime.node.context import PreparedFrame, RuntimeContext
     from dfl_agent.transport.memory import MemoryNetwork
 
     ka, kb, kx = (Ed25519PrivateKey.generate() for _ in range(3))

@@ -1,4 +1,4 @@
-"""The always-on agent's refusal and drop counters (dfl_agent.runtime.service_counters):
+"""The always-on agent's refusal and drop counters (dfl_agent.runtime.service.service_counters):
 in the status idle and while a run trains, and the same after a restart - with the real
 run manager, run lobby, verifier, node and state directory (no broker: the lobby's client
 records what it publishes)."""
@@ -12,14 +12,14 @@ from types import SimpleNamespace
 import numpy as np
 
 from dfl_agent.profiles import resolve_profile
-from dfl_agent.runtime.config import config_from_dict
-from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier
-from dfl_agent.runtime.ledger import RunLedger
-from dfl_agent.runtime.lobby import RunLobby
-from dfl_agent.runtime.pipe import RunCounters
-from dfl_agent.runtime.run_manager import RunHooks, RunManager
-from dfl_agent.runtime.service_counters import COUNTERS_FILE, ServiceCounters, load_counters
-from dfl_agent.runtime.supervisor import RunProgress
+from dfl_agent.runtime.service.ledger import RunLedger
+from dfl_agent.runtime.service.lobby import RunLobby
+from dfl_agent.runtime.service.run_manager import RunHooks, RunManager
+from dfl_agent.runtime.service.service_counters import COUNTERS_FILE, ServiceCounters, load_counters
+from dfl_agent.runtime.service.supervisor import RunProgress
+from dfl_agent.runtime.shared.config import config_from_dict
+from dfl_agent.runtime.shared.descriptor import RunDescriptor, RunVerifier
+from dfl_agent.runtime.shared.pipe import RunCounters
 
 
 class Client:
@@ -49,8 +49,8 @@ def real_node():
     from dfl_agent.discovery.peers import PeerTable
     from dfl_agent.learning.training import TrainConfig
     from dfl_agent.models import default_spec
-    from dfl_agent.runtime.context import RuntimeContext
-    from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node.context import RuntimeContext
+    from dfl_agent.runtime.node.node import Node
     from dfl_agent.transport.memory import MemoryNetwork
 
     rng = np.random.default_rng(0)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from dfl_agent.profiles import ProfileError, profile_from_dict
-from dfl_agent.runtime.config import ConfigError, config_from_dict
+from dfl_agent.runtime.shared.config import ConfigError, config_from_dict
 from dfl_agent.tomlcheck import build
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,7 +67,7 @@ def test_config_and_profiles_use_the_shared_checker():
     with pytest.raises(ProfileError, match=r"^training\.epochs: expected int, got 'x'$"):
         profile_from_dict({"name": "p", "training": {"epochs": "x"}})
     # no second copy of the checker: neither module inspects type annotations itself
-    for rel in ("agent/runtime/config.py", "agent/profiles/schema.py"):
+    for rel in ("agent/runtime/shared/config.py", "agent/profiles/schema.py"):
         text = (REPO / rel).read_text(encoding="utf-8")
         assert "get_type_hints" not in text and "get_origin" not in text, rel
 
@@ -115,7 +115,7 @@ def test_read_toml_reads_what_is_within_its_bounds(tmp_path):
 
 def test_check_config_names_the_key_of_a_deep_or_non_utf8_config(tmp_path, capsys):
     """dfl-agent check-config: one line, exit 2 (a RecursionError thousands of lines long on 75535c2)."""
-    from dfl_agent.runtime.daemon import main
+    from dfl_agent.runtime.service.daemon import main
 
     path = tmp_path / "node.toml"
     for data, words in ((b'federation = "f"\n[algorithm]\noptions = { x = ' + b"[" * 2000 + b"]" * 2000 + b" }\n",

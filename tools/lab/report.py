@@ -211,7 +211,7 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
     from dfl_agent.cli.demo_feed import collect
     from dfl_agent.cli.lab.accuracy import accuracy_curve, measure_lab, time_to_accuracy
     from dfl_agent.cli.lab.traffic import summarize
-    from dfl_agent.runtime.ledger import RunLedger
+    from dfl_agent.runtime.service.ledger import RunLedger
 
     sc: Scenario = run.sc
     copy_logs(run)

@@ -72,7 +72,7 @@ def evidence_quorum(members: int, *, lone: bool = True) -> int:
     """The one majority rule: how many of ``members`` (distinct, verified) must say the same
     before a node acts on it: more than half of them, and at least two where two or more
     exist.  Catch-up evidence (:func:`quorum_shown`, the quorum's take-ahead) and a run
-    finished by its members' say (:func:`~dfl_agent.runtime.rejoin.finished_by_members`)
+    finished by its members' say (:func:`~dfl_agent.runtime.run.rejoin.finished_by_members`)
     both use it; they differ only where a node has a single member to listen to: its word
     counts for catch-up (``lone``: a node with one neighbour follows it, by at most
     ``runtime.max_catch_up_rounds``), never for ending the node's run (``lone=False``: 2,
