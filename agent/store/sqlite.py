@@ -702,10 +702,13 @@ class SampleStore:
             for start in range(0, n, 900):
                 chunk = want[start:start + 900].tolist()
                 q = f"SELECT id, y, grp, x FROM samples WHERE id IN ({','.join('?' * len(chunk))}) ORDER BY id"
-                for sid, label, grp, blob in self.db.execute(q, chunk):
-                    got[k], y[k], g[k] = sid, label, grp
-                    x[k] = np.frombuffer(blob, dtype=np.float32).reshape(shape)
-                    k += 1
+                rows = self.db.execute(q, chunk).fetchall()
+                if not rows:
+                    continue
+                m = len(rows)
+                got[k:k + m], y[k:k + m], g[k:k + m] = zip(*((r[0], r[1], r[2]) for r in rows))
+                x[k:k + m] = np.frombuffer(b"".join(r[3] for r in rows), dtype=np.float32).reshape((m, *shape))
+                k += m
         return got[:k], x[:k], y[:k], g[:k]  # rows past k were never written (nor made resident)
 
     def status(self) -> dict[str, Any]:
