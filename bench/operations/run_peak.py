@@ -5,20 +5,22 @@ Starts mosquitto, ``--nodes`` signed always-on ``dfl-agent run`` processes (no
 ``[algorithm]``: they wait for runs; ``data.dataset = "store"`` with HAR windows, 3 x 128,
 6 classes, the default model and profile, mDNS off) and one inference member
 (``dfl-infer run``, enrolled, signing), each agent's spool holding the windows of its share
-of the HAR pool's users.  Once every agent is idle and sees the member, it submits one fedavg
-run of ``--rounds`` rounds to all of them with ``dflctl run submit`` and an operator key.  A
-sampler thread reads, every ``--every`` seconds, the RSS of every process under each
-supervisor (psutil): the run process, and any process it starts.  Each mode starts fresh
-agents:
+of the HAR pool's users.  Once every agent is idle and sees the member, it submits ``--runs``
+fedavg runs of ``--rounds`` rounds to all of them, one after the other, with ``dflctl run submit``
+and an operator key.  A sampler thread reads, every ``--every`` seconds, the RSS of every
+process under each supervisor (psutil): the run process, and any process it starts.  Each mode
+starts fresh agents:
 
 * ``live``: ``deploy.enabled = false``: the run exports its improved model to ONNX after
   each evaluated round that improved it while the member is live (the live export);
 * ``deploy``: deployment on, with ONNX: the run exports the deployed candidate after its
-  last round (and the supervisor delivers it to the member).
+  last round (and the supervisor delivers it to the member); the second run starts from the
+  deployed model (the warm start, with its probe fit).
 
-For each run process: its peak RSS (and its process tree's), when it happened, the agent's
-last log line before it (the phase), the supervisor's peak, and the ``peak_rss_mb`` the run
-recorded in its ledger entry where the package records one.  Writes ``--name`` (JSON).
+For each run and node: the run process's peak RSS, when it happened, the agent's last log line
+before it (the phase), and the ``peak_rss_mb`` the run recorded in its ledger entry (where the
+package records one); per node the supervisor's peak and the peak of its process tree.
+Writes ``--name`` (JSON) in ``--out``.
 
     nice -n 10 .venv/bin/python bench/operations/run_peak.py --out bench/operations
 
@@ -190,18 +192,21 @@ def one_mode(mode: str, a: argparse.Namespace, shares: list) -> dict[str, Any]:
             # every window ingested before the run (its snapshot is the whole share)
             wait(lambda: all(not any((tmp / n / "spool").glob("*.npz")) for n in ids), 120, "spools ingested")
             sampler.start()
-            load0 = os.getloadavg()
-            rid = submit(broker.endpoint, fed, op, "--algorithm", "fedavg", "--rounds", str(a.rounds),
-                         "--min-members", str(a.nodes), "--name", f"peak-{mode}")
-            t0 = time.time()
-            wait(lambda: all(ledger(tmp / n).get(rid, {}).get("state") in ("finished", "failed", "cancelled")
-                             for n in ids), a.timeout, "run ended")
-            wait(lambda: not any(psutil.Process(p.pid).children() for p in procs.values()), 120,
-                 "run processes exited")
-            time.sleep(1.0)
+            runs: list[dict[str, Any]] = []
+            for k in range(1, a.runs + 1):
+                load0 = os.getloadavg()
+                t0 = time.time()
+                rid = submit(broker.endpoint, fed, op, "--algorithm", "fedavg", "--rounds", str(a.rounds),
+                             "--min-members", str(a.nodes), "--name", f"peak-{mode}-{k}")
+                wait(lambda: all(ledger(tmp / n).get(rid, {}).get("state") in ("finished", "failed", "cancelled")
+                                 for n in ids), a.timeout, f"run {k} ended")
+                wait(lambda: not any(psutil.Process(p.pid).children() for p in procs.values()), 120,
+                     "run processes exited")
+                runs.append({"run": k, "run_id": rid, "started": t0, "wall_s": round(time.time() - t0, 1),
+                             "load_average": [round(x, 1) for x in (*load0, *os.getloadavg())], "nodes": {}})
+                time.sleep(1.0)
             sampler.halt.set()
             sampler.join()
-            load1 = os.getloadavg()
         finally:
             obs.stop()
             for p in (*procs.values(), member):
@@ -211,35 +216,38 @@ def one_mode(mode: str, a: argparse.Namespace, shares: list) -> dict[str, Any]:
                     p.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     p.kill()
-    got_model = (member_state / "model.onnx").exists()
-    out |= {"run_id": rid, "run_wall_s": round(time.time() - t0, 1), "samples": sampler.samples,
-            "load_average_during": [round(x, 1) for x in (*load0, *load1)],
-            "member_holds_a_model": got_model, "state_dir": str(tmp)}
+    out |= {"runs": runs, "samples": sampler.samples, "member_holds_a_model": (member_state / "model.onnx").exists(),
+            "state_dir": str(tmp)}
     for nid in ids:
         lines = log_lines(logs[nid])
-        entry = ledger(tmp / nid).get(rid, {})
-        runs = [p for p in sampler.procs.values() if p["node"] == nid]
-        rp = [p for p in runs if p["kind"] == "run process"]
-        others = [p for p in runs if p["kind"] != "run process"]
-        node = out["nodes"][nid]
-        node |= {"ledger_state": entry.get("state"), "ledger_peak_rss_mb": entry.get("peak_rss_mb"),
-                 "supervisor_peak_rss_mb": round(sampler.sup_peak[nid], 1),
-                 "tree_peak_rss_mb": round(sampler.tree_peak[nid], 1),
-                 "exports": sum("to ONNX" in t or "exported" in t for _, t in lines),
-                 "other_processes": [{k: p[k] for k in ("kind", "pid", "peak_rss_mb")} for p in others]}
-        if rp:
-            p = max(rp, key=lambda r: r["peak_rss_mb"])
-            node |= {"run_process_peak_rss_mb": round(p["peak_rss_mb"], 1),
-                     "peak_after_start_s": round(p["peak_at"] - p["started"], 2),
-                     "phase_at_peak": phase(lines, p["peak_at"]), "timeline": p["timeline"]}
-        print(json.dumps({k: v for k, v in node.items() if k != "timeline"}), flush=True)
+        mine = sorted((p for p in sampler.procs.values() if p["node"] == nid), key=lambda p: p["started"])
+        rps = [p for p in mine if p["kind"] == "run process"]
+        out["nodes"][nid] |= {"supervisor_peak_rss_mb": round(sampler.sup_peak[nid], 1),
+                              "tree_peak_rss_mb": round(sampler.tree_peak[nid], 1),
+                              "other_processes": [{k: p[k] for k in ("kind", "pid", "peak_rss_mb")}
+                                                  for p in mine if p["kind"] != "run process"]}
+        for run in runs:  # a run's run process: the first one started after its submission
+            entry = ledger(tmp / nid).get(run["run_id"], {})
+            p = next((p for p in rps if p["started"] >= run["started"] - 1.0), None)
+            node: dict[str, Any] = {"ledger_state": entry.get("state"), "ledger_peak_rss_mb": entry.get("peak_rss_mb"),
+                                    "started_from": entry.get("started_from")}
+            if p is not None:
+                rps.remove(p)
+                node |= {"run_process_peak_rss_mb": round(p["peak_rss_mb"], 1),
+                         "peak_after_start_s": round(p["peak_at"] - p["started"], 2),
+                         "phase_at_peak": phase(lines, p["peak_at"]), "timeline": p["timeline"]}
+            run["nodes"][nid] = node
+            print(json.dumps({"mode": mode, "run": run["run"], "node": nid,
+                              **{k: v for k, v in node.items() if k != "timeline"}}), flush=True)
     return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=2, help="always-on agents (the HAR pool's users dealt among them)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of the run")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of each run")
+    p.add_argument("--runs", type=int, default=2, help="runs one after the other (the second starts from the "
+                   "model the first deployed, in mode deploy)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
     p.add_argument("--every", type=float, default=0.05, help="seconds between RSS samples")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds the run may take")
@@ -255,7 +263,7 @@ def main() -> int:
                            "target": "run process peak RSS at most 400 MB (MB = 2^20 bytes)", "modes": []}
     for mode in a.modes.split(","):
         res["modes"].append(one_mode(mode.strip(), a, shares))
-    peaks = [n.get("run_process_peak_rss_mb", 0) for m in res["modes"] for n in m["nodes"].values()]
+    peaks = [n.get("run_process_peak_rss_mb", 0) for m in res["modes"] for r in m["runs"] for n in r["nodes"].values()]
     res["max_run_process_peak_rss_mb"] = max(peaks) if peaks else None
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
