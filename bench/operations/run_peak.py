@@ -23,6 +23,7 @@ package records one); per node the supervisor's peak and the peak of its process
 Writes ``--name`` (JSON) in ``--out``.
 
     nice -n 10 .venv/bin/python bench/operations/run_peak.py --out bench/operations
+    python bench/operations/run_peak.py --report bench/operations/run_peak*.json > bench/operations/run_peak.md
 
 ``--agent-pythonpath DIR`` runs the agents and the member from another copy of the package
 (an earlier commit laid out as installed, ``DIR/dfl_agent``; see README.md).
@@ -242,7 +243,35 @@ def one_mode(mode: str, a: argparse.Namespace, shares: list) -> dict[str, Any]:
     return out
 
 
+def report(paths: list[str]) -> str:
+    """Markdown tables of result files: one row per file, mode, run and node."""
+    lines = []
+    for path in paths:
+        res = json.loads(Path(path).read_text())
+        lines += [f"`{Path(path).name}` ({res['label'] or 'no label'}): commit {res['commit']}, "
+                  f"agents from {res['agent_pythonpath'] or 'the checkout'}, {res['machine']}, {res['time']}", "",
+                  "    " + res["command"], "",
+                  "| mode | run | node | windows | run process peak RSS (sampled) | `peak_rss_mb` recorded "
+                  "| at (s after its start) | what the agent logged last before the peak | load average |",
+                  "|" + "---|" * 9]
+        for m in res["modes"]:
+            for r in m["runs"]:
+                for nid, n in r["nodes"].items():
+                    rec = n.get("ledger_peak_rss_mb")
+                    lines.append(f"| {m['mode']} | {r['run']} | {nid} | {m['nodes'][nid]['windows']} "
+                                 f"| {n.get('run_process_peak_rss_mb')} MB | {'-' if rec is None else f'{rec} MB'} "
+                                 f"| {n.get('peak_after_start_s')} | {n.get('phase_at_peak', '')[:110]} "
+                                 f"| {' '.join(map(str, r['load_average'][:1] + r['load_average'][3:4]))} |")
+        sups = [n["supervisor_peak_rss_mb"] for m in res["modes"] for n in m["nodes"].values()]
+        lines += ["", f"Largest run process peak: **{res['max_run_process_peak_rss_mb']} MB**; supervisors "
+                      f"{min(sups)}-{max(sups)} MB (MB = 2^20 bytes).", ""]
+    return "\n".join(lines)
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--report"]:
+        print(report(sys.argv[2:]))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=2, help="always-on agents (the HAR pool's users dealt among them)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of each run")
