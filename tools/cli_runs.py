@@ -183,9 +183,10 @@ def _say_hidden(cmd: str, hidden: collections.Counter[str]) -> None:
 
 def run_view(run_id: str, msg: dict[str, Any], statuses: dict[str, Any]) -> dict[str, Any]:
     """The JSON of ``dflctl run show``: descriptor fields plus each node's view of the run
-    (``nodes: {id: {state, round, reason, started_from, epsilon, degraded, rounds_alone,
+    (``nodes: {id: {state, round, reason, started_from, epsilon, peak_rss_mb, degraded, rounds_alone,
     exchange_rounds}}``, ``started_from`` the deployed version the node's run started from:
     its warm start; ``epsilon`` the run's privacy spend on the node under DP (None without);
+    ``peak_rss_mb`` the peak resident memory of the node's run process (MiB; None until it ended);
     ``degraded`` when the node closed rounds of it alone) and an overall ``state``."""
     d = msg.get("descriptor") or {}
     nodes: dict[str, dict[str, Any]] = {}
@@ -201,7 +202,7 @@ def run_view(run_id: str, msg: dict[str, Any], statuses: dict[str, Any]) -> dict
             nodes[nid] = {"state": r.get("state", ""), "round": r.get("round", 0) or 0,
                           "reason": r.get("reason", "") or "", "started_from": r.get("started_from"),
                           "epsilon": ((entry or {}).get("privacy") or r.get("privacy") or {}).get("epsilon"),
-                          **degraded_fields(counts)}
+                          "peak_rss_mb": (entry or {}).get("peak_rss_mb"), **degraded_fields(counts)}
     states = {n["state"] for n in nodes.values()}
     if states and states <= {"finished", "declined"} and "finished" in states:
         state = "finished"  # what the members' ledgers say, also when a cancel came after they finished
@@ -650,7 +651,9 @@ def cmd_show(a: argparse.Namespace) -> int:
         start = "" if n.get("started_from") is None else f"  started from v{n['started_from']}"
         alone = f"  degraded: {alone_text(n)} (rounds with no peer update)" if n.get("degraded") else ""
         eps = "" if n.get("epsilon") is None else f"  epsilon {n['epsilon']:.3g}"
-        print(f"  {nid}: {n['state']} round {n['round']}{start}{eps}{alone}{'  ' + n['reason'] if n['reason'] else ''}")
+        mem = "" if n.get("peak_rss_mb") is None else f"  peak memory {n['peak_rss_mb']:.0f} MiB"
+        print(f"  {nid}: {n['state']} round {n['round']}{start}{eps}{mem}{alone}"
+              f"{'  ' + n['reason'] if n['reason'] else ''}")
     return 0
 
 

@@ -16,7 +16,7 @@ from dfl_agent.transport.base import CONTROL_DROP_PREFIXES
 PEER_COLUMNS = ("node_id", "trust", "state", "address", "profile", "algorithm", "model", "round", "last_seen_s",
                 "privacy", "compatibility")
 STATUS_COLUMNS = ("node_id", "state", "run", "round", "degraded", "privacy", "role", "sync_state", "last_sync_s",
-                  "accuracy", "bytes_sent", "bytes_received", "errors", "control_dropped")
+                  "accuracy", "bytes_sent", "bytes_received", "errors", "control_dropped", "run_peak_mb")
 #: drop-counter key prefixes of the control plane (presence and status messages)
 CONTROL_PREFIXES = CONTROL_DROP_PREFIXES
 
@@ -175,6 +175,8 @@ def status_rows(statuses: dict[str, Any], now: float | None = None,
             # the device's privacy budget: epsilon spent of its lifetime budget ("off": no DP),
             # flagged when it went down (a reset ledger)
             "privacy": privacy_text(s.get("privacy"), down.get(nid)), "privacy_decreased": down.get(nid),
+            # an idle node: the peak resident memory of its last run's run process (MiB)
+            "run_peak_mb": _run_peak_mb(s),
         })
     return rows
 
@@ -238,12 +240,26 @@ def privacy_down(statuses: dict[str, Any], seen: dict[str, Any] | None = None) -
     return out
 
 
+def _last_run(s: dict[str, Any]) -> Any:
+    """An idle node's last run's ledger entry (its ``run_history`` entry of its ``run``), or None."""
+    if isinstance(s.get("run"), dict) and isinstance(s.get("run_history"), dict):
+        return s["run_history"].get(s["run"].get("id"))
+    return None
+
+
 def _degraded(s: dict[str, Any]) -> str:
     """``"12/20 alone"`` when the node's run (training, or an idle node's last run in its
     ``run_history``) was degraded, else ``""``."""
     if "rounds_alone" not in s and isinstance(s.get("run"), dict) and isinstance(s.get("run_history"), dict):
-        s = s["run_history"].get(s["run"].get("id")) or {}  # an idle node: its last run's ledger entry
+        s = _last_run(s) or {}  # an idle node: its last run's ledger entry
     return alone_text(degraded_fields(s)) if isinstance(s, dict) else ""
+
+
+def _run_peak_mb(s: dict[str, Any]) -> int | None:
+    """An idle node's last run's peak resident memory of its run process (whole MiB), else None."""
+    entry = _last_run(s)
+    mb = entry.get("peak_rss_mb") if isinstance(entry, dict) else None
+    return round(mb) if isinstance(mb, (int, float)) and not isinstance(mb, bool) else None
 
 
 def fmt_cell(v: Any) -> str:
@@ -268,7 +284,7 @@ COLUMN_INFO: dict[str, tuple[str, int, bool]] = {
     "run": ("run", 2, True), "role": ("role", 2, False), "accuracy": ("acc", 1, False),
     "last_sync_s": ("sync_s", 3, False), "errors": ("err", 3, False), "sync_state": ("sync", 4, True),
     "bytes_sent": ("sent", 4, False), "bytes_received": ("recv", 4, False), "control_dropped": ("ctl_drop", 5, True),
-    "degraded": ("degraded", 6, False), "privacy": ("privacy", 3, False),
+    "degraded": ("degraded", 6, False), "privacy": ("privacy", 3, False), "run_peak_mb": ("run_MB", 5, False),
 }
 #: columns shown in bytes: compact (``12.3M``) when the table has to fit a terminal
 BYTE_COLUMNS = ("bytes_sent", "bytes_received")

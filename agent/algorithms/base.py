@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from dfl_agent.algorithms.context import NodeContext
-from dfl_agent.learning.training import snapshot
+from dfl_agent.learning.training import PlainSGD, snapshot
 from dfl_agent.privacy.plan import steps_per_round
 from dfl_agent.privacy.policy import DPSupport
 
@@ -343,7 +343,8 @@ class Algorithm:
 
         The default covers every ``nn.Module`` attribute (``model``; DFML's ``regular``
         and ``peak``; ...) as ``"{attr}.{state_dict key}"`` arrays, every
-        ``torch.optim.Optimizer`` attribute (tensor state as ``"{attr}.state.{i}.{key}"``,
+        optimizer attribute (``torch.optim.Optimizer`` or
+        :class:`~dfl_agent.learning.training.PlainSGD`; tensor state as ``"{attr}.state.{i}.{key}"``,
         the rest in ``meta``), and the attributes named in :attr:`checkpoint_attrs`
         (JSON values) in ``meta``.  Subclasses with richer state (schedules, Hessian
         accumulators, the token) extend both and call ``super()``.  Transient protocol
@@ -360,7 +361,7 @@ class Algorithm:
             if isinstance(value, nn.Module):
                 for k, v in value.state_dict().items():
                     tensors[f"{attr}.{k}"] = np.ascontiguousarray(v.detach().cpu().numpy()).copy()
-            elif isinstance(value, torch.optim.Optimizer):
+            elif isinstance(value, (torch.optim.Optimizer, PlainSGD)):
                 sd = value.state_dict()
                 other: dict[str, Any] = {}
                 for idx, st in sd["state"].items():
@@ -392,7 +393,7 @@ class Algorithm:
                 except RuntimeError as exc:
                     raise ValueError(f"checkpoint does not fit {attr}: {exc}") from None
                 used.update(prefix + k for k in sd)
-            elif isinstance(value, torch.optim.Optimizer):
+            elif isinstance(value, (torch.optim.Optimizer, PlainSGD)):
                 saved = meta.get(f"{attr}.optimizer")
                 if not isinstance(saved, Mapping):
                     raise ValueError(f"checkpoint has no state for optimizer {attr}")

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from dfl_agent.learning.training import make_optimizer
+
 #: full-batch gradient steps of the fit
 STEPS = 200
 #: the fit's step size and momentum (features of the models here are O(1))
@@ -179,7 +181,7 @@ def _fit(h: torch.Tensor, target: torch.Tensor, w0: torch.Tensor, b0: torch.Tens
     w = w0.clone().requires_grad_(True)
     b = None if b0 is None else b0.clone().requires_grad_(True)
     params = [w] if b is None else [w, b]
-    opt = torch.optim.SGD(params, lr=lr, momentum=MOMENTUM)
+    opt = make_optimizer(params, lr=lr, momentum=MOMENTUM)
     for _ in range(STEPS):
         opt.zero_grad()
         nn.functional.cross_entropy(h @ w.T + (0 if b is None else b), target).backward()

@@ -92,6 +92,12 @@ def test_the_smoke_scenario(tmp_path):
         assert d["address"].startswith("198.18.") and d["memory_limit_mb"] == 1024
         assert d["samples_fed"] > 0 and (out / "logs" / f"{d['id']}.log").stat().st_size > 0
     assert len(rep["runs"]) == 1 and set(rep["runs"][0]) >= RUN_KEYS
+    # each member's run process recorded its peak memory in its run ledger: the report shows it
+    run0 = rep["runs"][0]
+    assert set(run0["peak_rss_mb"]) == set(run0["members"])
+    for d in train:
+        if d["id"] in run0["members"]:
+            assert 0 < d["run_peak_rss_mb"][run0["run_id"]] == run0["peak_rss_mb"][d["id"]] < d["memory_limit_mb"]
     assert [e["kind"] for e in rep["events"]] == ["partition", "broker_outage"]
     assert all(set(e) >= EVENT_KEYS for e in rep["events"])
     assert {"seconds_to_full_membership", "via"} <= set(rep["discovery"])

@@ -38,6 +38,7 @@ def test_state_waits_for_the_supervisors_ack_and_carries_the_round():
     t = threading.Thread(target=lambda: (ch.record_state(StateReport("trained", 0, round=3)), done.set()))
     t.start()
     msg = json.loads(from_child.readline())
+    assert msg.pop("peak_rss_mb") > 10  # this process's own peak (MiB), measured when it sends the state
     assert msg == {"type": "state", "state": "trained", "seq": 1, "round": 3}
     assert not done.wait(0.2)  # not before the supervisor recorded it
     to_child.write(json.dumps({"type": "ack", "seq": 1}) + "\n" + json.dumps({"type": "may_join", "n": 0}) + "\n")
@@ -66,14 +67,20 @@ def test_every_pipe_message_reads_back_as_it_was_written():
             pipe.StatusReport({"round": 2}, pipe.RunCounters(1, 2, {"replay": 3}, 0), ("p",), 2),
             pipe.StatusReport({"round": 0}),
             StateReport("deployed", 4, round=5, snapshot_last_id=9, version=2, start={"init": "warm"},
-                        degraded={"degraded": True, "rounds_alone": 1, "exchange_rounds": 5}),
+                        degraded={"degraded": True, "rounds_alone": 1, "exchange_rounds": 5}, peak_rss_mb=301.5),
             pipe.Failure("startup", "data.path: no such folder"),
-            pipe.End("finished", 5, 5, [[3, 32], 6], 9, {"replay": 1})]
+            pipe.End("finished", 5, 5, [[3, 32], 6], 9, {"replay": 1}),
+            pipe.End("finished", 5, 5, None, None, {}, 352.3)]
     for m in msgs:
         assert pipe.from_line(pipe.to_line(m)) == m
-    for bad in (b"[1]", b'{"type": "state", "state": "sleeping", "seq": 1}', b'{"type": "ack"}', b"\xff"):
+    for bad in (b"[1]", b'{"type": "state", "state": "sleeping", "seq": 1}', b'{"type": "ack"}', b"\xff",
+                b'{"type": "end", "outcome": "finished", "peak_rss_mb": "a lot"}',
+                b'{"type": "state", "state": "trained", "seq": 1, "peak_rss_mb": -1}'):
         with pytest.raises(pipe.PipeError):
             pipe.from_line(bad)
+    # an earlier release's lines, without the peak, read as before
+    assert pipe.from_line(b'{"type": "end", "outcome": "finished", "round": 3}').peak_rss_mb is None
+    assert pipe.from_line(b'{"type": "state", "state": "trained", "seq": 2}').peak_rss_mb is None
 
 
 def test_a_closed_pipe_means_the_supervisor_is_gone():

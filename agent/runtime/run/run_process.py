@@ -8,7 +8,9 @@ The supervisor (:mod:`dfl_agent.runtime.service.supervisor`) starts it as::
 settings, :func:`~dfl_agent.runtime.shared.run_config.run_config_for`), ``RUN_DIR/descriptor.json``
 the run's descriptor (saved at admission).  The child imports torch, trains the run's rounds
 with a training :class:`~dfl_agent.runtime.run.agent.Agent` over its own data-plane MQTT session,
-writes checkpoints, metrics and the candidate model (with its ONNX export), and exits.
+writes checkpoints, metrics and the candidate model (with its ONNX export), and exits.  Its
+states and its end carry its peak resident memory (:func:`peak_rss_mb`), which the supervisor
+records in the run's ledger entry.
 
 It talks to the supervisor only through :class:`RunChannel`, its
 :class:`~dfl_agent.runtime.shared.run_host.RunHost`: typed messages over a pipe
@@ -46,6 +48,18 @@ log = logging.getLogger("dfl_agent.daemon")
 
 #: seconds the child waits for the supervisor's acknowledgement of a state
 ACK_TIMEOUT_S = 60.0
+
+
+def peak_rss_mb() -> float | None:
+    """This process's peak resident set size so far, in MiB (``getrusage``'s ``ru_maxrss``:
+    KiB on Linux, bytes on macOS), rounded to 0.1; None where the platform has no ``getrusage``.
+    The run reports it with its states and its end (the ledger entry's ``peak_rss_mb``)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not a Unix
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
 
 
 class RunChannel:
@@ -152,7 +166,7 @@ class RunChannel:
             self._seq += 1
             seq = self._seq
             ev = self._acks[seq] = threading.Event()
-        self.send(dataclasses.replace(report, seq=seq))
+        self.send(dataclasses.replace(report, seq=seq, peak_rss_mb=peak_rss_mb()))
         ok = ev.wait(ACK_TIMEOUT_S)
         with self._lock:
             self._acks.pop(seq, None)
@@ -214,7 +228,7 @@ def run_child(config: str, run_dir: str, channel: RunChannel, *, once: bool = Fa
         log.exception("run %s crashed", d.run_id)
         channel.send(pipe.Failure("crash", f"{type(exc).__name__}: {exc}"))
         return 1
-    channel.send(agent.end_report())
+    channel.send(dataclasses.replace(agent.end_report(), peak_rss_mb=peak_rss_mb()))
     return rc
 
 

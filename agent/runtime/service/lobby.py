@@ -513,7 +513,7 @@ class RunLobby:
         self.heartbeat += 1
         st = {"node_id": self.node_id, "state": state, "time": time.time(), "heartbeat": self.heartbeat,
               "session": self.session, "run": run, "runs_refused": dict(self.verifier.refused), "algorithm": None, "round": 0,
-              "run_history": {k: {f: v.get(f) for f in ("state", "round", "reason", "started_from", "privacy",
+              "run_history": {k: {f: v.get(f) for f in ("state", "round", "reason", "started_from", "privacy", "peak_rss_mb",
                                                          *(DEGRADED_FIELDS if v.get("degraded") else ()))}
                               for k, v in sorted((history or {}).items(), key=lambda kv: kv[1].get("time", 0))[-20:]}}
         # the refusal and drop counters, always present: with counters, the totals over restarts

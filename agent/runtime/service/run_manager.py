@@ -260,9 +260,10 @@ class RunManager(RunLoop):
         self._to("idle")
         return False
 
-    def _ended_as(self, run_id: str, state: str, reason: str, rnd: int = 0) -> dict[str, Any]:
-        """``-> state`` (``failed``, ``cancelled``; recorded); returns the status view."""
-        self._to(state, run_id, reason, rnd)
+    def _ended_as(self, run_id: str, state: str, reason: str, rnd: int = 0,
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``-> state`` (``failed``, ``cancelled``; recorded with ``extra``); returns the status view."""
+        self._to(state, run_id, reason, rnd, extra)
         return {"id": run_id, "state": state, "round": rnd, "reason": reason}
 
     def on_agent_state(self, state: str, **_info: Any) -> None:
@@ -272,11 +273,12 @@ class RunManager(RunLoop):
         if state == self.state or (state == "trained" and self.state == "deploying"):
             return
         rnd, agent = 0, self.agent
-        extra: dict[str, Any] | None = None
+        extra: dict[str, Any] | None = _peak(agent) or None  # the run process's memory so far
         if agent is not None and state == "trained":  # kept in the ledger: a resumed run records it
             st = dict(agent.progress.status) if agent.progress is not None else {}
             rnd, snap = st.get("round", 0), agent.snapshot
             extra = {"snapshot_last_id": int(snap.max())} if snap is not None and len(snap) else {}
+            extra.update(_peak(agent))
             extra.update(degraded_fields(st))  # trained alone: degraded, with its count
             if isinstance(start := _info.get("start"), dict):  # the warm start: kept in the run's entry
                 extra = {**(extra or {}), "init": start.get("init"), "started_from": start.get("started_from"),
@@ -295,13 +297,13 @@ class RunManager(RunLoop):
         log.info("run %s finished", d.run_id)
         self.hooks.fire_finished(d, agent.progress if agent is not None else None)
 
-    def fail(self, run_id: str, reason: str, rnd: int = 0) -> None:
-        """``-> failed`` (recorded)."""
-        self.info = self._ended_as(run_id, "failed", reason, rnd)
+    def fail(self, run_id: str, reason: str, rnd: int = 0, extra: dict[str, Any] | None = None) -> None:
+        """``-> failed`` (recorded, with ``extra``)."""
+        self.info = self._ended_as(run_id, "failed", reason, rnd, extra)
 
-    def cancelled(self, run_id: str, at: int) -> None:
-        """``training -> cancelled`` (recorded with the round the cancel arrived after)."""
-        self.info = self._ended_as(run_id, "cancelled", CANCELLED, at)
+    def cancelled(self, run_id: str, at: int, extra: dict[str, Any] | None = None) -> None:
+        """``training -> cancelled`` (recorded with the round the cancel arrived after, and ``extra``)."""
+        self.info = self._ended_as(run_id, "cancelled", CANCELLED, at, extra)
 
     # -- status -------------------------------------------------------------------------
     def publish(self, state: str = "idle", force: bool = False) -> None:
@@ -369,7 +371,7 @@ class RunManager(RunLoop):
                     break
                 if not self._retry(d, agent, attempt):
                     self.fail(d.run_id, f"run process {agent.error} (attempt {attempt}; no retries left)",
-                              agent.progress.last_round() if agent.progress is not None else 0)
+                              agent.progress.last_round() if agent.progress is not None else 0, _peak(agent) or None)
                     self.idle()
                     self.publish(force=True)
                     return True
@@ -443,7 +445,8 @@ class RunManager(RunLoop):
             self.data_shape = agent.data_shape
         rnd = agent.progress.status.get("round", 0) if agent.progress is not None else 0
         snap = agent.snapshot  # a run on the sample store: the newest sample id of its data
-        extra = {"snapshot_last_id": int(snap.max())} if snap is not None and len(snap) else None
+        snapshot = {"snapshot_last_id": int(snap.max())} if snap is not None and len(snap) else {}
+        extra = {**snapshot, **_peak(agent)} or None  # with the run process's peak memory over its life
         if agent.outcome == "finished":  # a cancel that came after the last round is refused here
             late = d.run_id in watch.late or self.is_cancelled(d.run_id)
             self.finish(d, agent, extra, CANCEL_LATE if late else "")
@@ -451,7 +454,7 @@ class RunManager(RunLoop):
             at = cancel_round.get(d.run_id, rnd)
             log.info("run %s cancelled by the operator: the cancel arrived after round %d, the last round "
                      "trained here is %d", d.run_id, at, rnd)
-            self.cancelled(d.run_id, at)
+            self.cancelled(d.run_id, at, extra)
         elif stop.is_set():
             self.idle()
             return False  # interrupted: a restart rejoins it
@@ -460,11 +463,18 @@ class RunManager(RunLoop):
             if not self.once:
                 await asyncio.sleep(5.0)
         else:
-            self.fail(d.run_id, f"exit code {rc}", rnd)
+            self.fail(d.run_id, f"exit code {rc}", rnd, extra)
         if self.state != "idle":
             self.idle()
         self.publish(force=True)
         return True
+
+
+def _peak(agent: Any) -> dict[str, Any]:
+    """``{"peak_rss_mb": MiB}``: the run process's peak resident memory as it reported it (the
+    run's ledger entry keeps the last one), or ``{}`` (none reported, or an in-process agent)."""
+    mb = getattr(agent, "peak_rss_mb", None)
+    return {"peak_rss_mb": mb} if isinstance(mb, (int, float)) and not isinstance(mb, bool) else {}
 
 
 def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHooks | None = None,

@@ -22,7 +22,7 @@ makes a :class:`ChildRun`, which
   ``"killed"`` (another signal) or ``"crashed"`` (an exception; :attr:`ChildRun.error`).
 
 It has the training :class:`~dfl_agent.runtime.run.agent.Agent`'s interface as the run manager sees
-it (``run``, ``progress``, ``outcome``, ``snapshot``, ``data_shape``), :class:`RunProgress` being
+it (``run``, ``progress``, ``outcome``, ``snapshot``, ``data_shape``, ``peak_rss_mb``), :class:`RunProgress` being
 what its reports say of the child's node.  Torch-free.
 """
 
@@ -149,6 +149,9 @@ class ChildRun:
         #: the run process's error message (``error`` line), if it sent one
         self.error = ""
         self.returncode: int | None = None
+        #: the run process's peak resident memory (MiB) as its last state or end report said
+        #: (None before one, or from an earlier release's run process): the ledger entry's ``peak_rss_mb``
+        self.peak_rss_mb: float | None = None
         self.service_status: Any = None
         self.notifier: Any = None
         #: ``() -> bool``: whether the service itself is stopping (its presence then says
@@ -267,6 +270,7 @@ class ChildRun:
             self.error = msg.message
         elif isinstance(msg, pipe.End):
             self.outcome = msg.outcome
+            self._peak(msg.peak_rss_mb)
             self.data_shape = msg.data_shape
             node.status["round"] = msg.round
             node.counters = dataclasses.replace(node.counters, dropped=dict(msg.drops))
@@ -280,6 +284,7 @@ class ChildRun:
         assert node is not None
         node.status["round"] = msg.round
         node.status.update(msg.degraded)  # the run manager's ledger entry
+        self._peak(msg.peak_rss_mb)
         if msg.snapshot_last_id is not None:
             self.snapshot = np.array([msg.snapshot_last_id])
         if msg.state == "trained":
@@ -289,6 +294,11 @@ class ChildRun:
         if msg.state == "deployed" and msg.version is not None:
             await asyncio.to_thread(self._switch, msg.version)
         self._send(pipe.Ack(msg.seq))
+
+    def _peak(self, mb: float | None) -> None:
+        """Take the run process's peak resident memory from a report (it only grows)."""
+        if mb is not None:
+            self.peak_rss_mb = max(mb, self.peak_rss_mb or 0.0)
 
     def _switch(self, version: int) -> None:
         switch_current(self.cfg, self.lobby, self.run_desc.run_id, version)

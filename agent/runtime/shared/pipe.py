@@ -83,6 +83,16 @@ def _opt_int(doc: Mapping[str, Any], key: str) -> int | None:
     return None if doc.get(key) is None else _int(doc, key)
 
 
+def _opt_mb(doc: Mapping[str, Any], key: str) -> float | None:
+    """A size in MiB (a non-negative finite number), or None where the line has none."""
+    v = doc.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+        raise PipeError(f"{key}: a size in MiB expected, got {v!r}")
+    return float(v)
+
+
 def _dict(doc: Mapping[str, Any], key: str, default: JSON | None = None) -> JSON:
     v = doc.get(key, default)
     if not isinstance(v, dict):
@@ -253,6 +263,8 @@ class StateReport:
         version: for ``deployed``, the model version the run process installed (not yet current).
         start: for ``trained``, the run's start (warm start: ``init``, ``started_from``, ``reason``).
         degraded: for a run closed alone in some rounds, :func:`~dfl_agent.runtime.shared.degraded.degraded_fields`.
+        peak_rss_mb: the run process's peak resident memory so far (MiB), or None (a line
+            without it: an earlier release's run process).
     """
 
     type: ClassVar[str] = "state"
@@ -263,10 +275,11 @@ class StateReport:
     version: int | None = None
     start: JSON | None = None
     degraded: JSON = dataclasses.field(default_factory=dict)
+    peak_rss_mb: float | None = None
 
     def to_json(self) -> JSON:
         out: JSON = {"state": self.state, "seq": self.seq, "round": self.round, **self.degraded}
-        for k in ("snapshot_last_id", "version", "start"):
+        for k in ("snapshot_last_id", "version", "start", "peak_rss_mb"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         return out
@@ -279,7 +292,7 @@ class StateReport:
         start = doc.get("start")
         return cls(str(state), _int(doc, "seq"), _int(doc, "round", 0), _opt_int(doc, "snapshot_last_id"),
                    _opt_int(doc, "version"), dict(start) if isinstance(start, dict) else None,
-                   {k: doc[k] for k in DEGRADED_KEYS if k in doc})
+                   {k: doc[k] for k in DEGRADED_KEYS if k in doc}, _opt_mb(doc, "peak_rss_mb"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,7 +324,9 @@ class End:
         round: the round of the node's last status; last_round: the last round completed.
         data_shape: the data's ``[input shape, number of classes]`` once loaded, or None.
         snapshot_last_id: the newest sample id of the run's data snapshot, or None.
-        drops: the run's drops that the service keeps (:func:`~dfl_agent.runtime.service.service_counters.run_drops`).
+        drops: the run's drops that the service keeps (:func:`~dfl_agent.runtime.shared.pipe.run_drops`).
+        peak_rss_mb: the run process's peak resident memory over its life (MiB), or None (a
+            line without it: an earlier release's run process).
     """
 
     type: ClassVar[str] = "end"
@@ -321,10 +336,15 @@ class End:
     data_shape: list[Any] | None = None
     snapshot_last_id: int | None = None
     drops: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    peak_rss_mb: float | None = None
 
     def to_json(self) -> JSON:
-        return {"outcome": self.outcome, "round": self.round, "last_round": self.last_round,
-                "data_shape": self.data_shape, "snapshot_last_id": self.snapshot_last_id, "drops": dict(self.drops)}
+        out: JSON = {"outcome": self.outcome, "round": self.round, "last_round": self.last_round,
+                     "data_shape": self.data_shape, "snapshot_last_id": self.snapshot_last_id,
+                     "drops": dict(self.drops)}
+        if self.peak_rss_mb is not None:
+            out["peak_rss_mb"] = self.peak_rss_mb
+        return out
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> End:
@@ -334,7 +354,8 @@ class End:
             raise PipeError("drops: an object expected")
         return cls(str(doc.get("outcome", "stopped")), _int(doc, "round", 0), _int(doc, "last_round", 0),
                    list(shape) if isinstance(shape, list) else None, _opt_int(doc, "snapshot_last_id"),
-                   {str(k): int(v) for k, v in drops.items() if isinstance(v, int) and not isinstance(v, bool)})
+                   {str(k): int(v) for k, v in drops.items() if isinstance(v, int) and not isinstance(v, bool)},
+                   _opt_mb(doc, "peak_rss_mb"))
 
 
 ToRun = Start | Ack | MayJoin | Reload

@@ -110,19 +110,19 @@ def store_data(store: SampleStore, ids: np.ndarray, validation_share: float) -> 
     """
     from dfl_agent.data.dataset import Dataset, DatasetBundle, NodeData
 
-    sid, x, y, g = store.load(ids)
-    val = validation_mask(sid, validation_share)
-    if (~val).sum() == 0:
-        raise StoreError(f"the sample store holds no training samples ({len(sid)} in the snapshot); "
-                         f"add .npz files to {store.spool_dir} or run 'dflctl data add'")
+    ids = np.unique(np.asarray(ids, dtype=np.int64).reshape(-1))
+    val = validation_mask(ids, validation_share)  # per id: the slice does not depend on what was evicted
     s = store.schema
 
-    def ds(mask: np.ndarray) -> Dataset:
-        return Dataset("store", np.ascontiguousarray(x[mask]), y[mask], g[mask], s.num_classes,
-                       list(s.class_names), s.input_shape)
+    def ds(part: np.ndarray) -> Dataset:  # each split loaded into its own array: no copy of the whole snapshot
+        _, x, y, g = store.load(part)
+        return Dataset("store", x, y, g, s.num_classes, list(s.class_names), s.input_shape)
 
-    train, test = ds(~val), ds(val)
+    train, test = ds(ids[~val]), ds(ids[val])
+    if len(train.y) == 0:
+        raise StoreError(f"the sample store holds no training samples ({len(train.y) + len(test.y)} in the "
+                         f"snapshot); add .npz files to {store.spool_dir} or run 'dflctl data add'")
     data = NodeData(train_x=train.x, train_y=train.y, val_x=test.x, val_y=test.y, num_classes=s.num_classes,
                     input_shape=s.input_shape, class_names=list(s.class_names),
-                    groups=sorted(int(u) for u in np.unique(g) if u >= 0))
+                    groups=sorted(int(u) for u in np.unique(np.concatenate([train.groups, test.groups])) if u >= 0))
     return DatasetBundle(pool=train, test=test), data
