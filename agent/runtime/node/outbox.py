@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,6 +24,10 @@ from dfl_agent.transport import codec
 
 if TYPE_CHECKING:
     from dfl_agent.runtime.node.context import RuntimeContext
+
+#: a message as it went on the wire: ``(peer, or None for a broadcast; its audience, None: every
+#: member; the message)``
+Sent = tuple[str | None, list[str] | None, Message]
 
 
 class Outbox:
@@ -46,17 +50,17 @@ class Outbox:
         #: with ``pause_when_disconnected``: the messages sent this round and the round
         #: before, as they went on the wire, ``(peer or None for a broadcast, audience,
         #: message)``, which a node sends again after a broker outage (:meth:`reframe`)
-        self.round_sent_messages: list[tuple[str | None, Any, Message]] = []
-        self.previous_sent_messages: list[tuple[str | None, Any, Message]] = []
+        self.round_sent_messages: list[Sent] = []
+        self.previous_sent_messages: list[Sent] = []
 
-    def keep(self, peer: str | None, audience: Any, message: Message | None) -> None:
+    def keep(self, peer: str | None, audience: list[str] | None, message: Message | None) -> None:
         """Remember a sent message (:attr:`last_encoded` right after its :meth:`encode`)
         for :meth:`recent`, only where the node pauses for a lost broker (elsewhere
         nothing sends them again)."""
         if self.ctx.pause_when_disconnected and message is not None:
             self.round_sent_messages.append((peer, audience, message))
 
-    def recent(self) -> list[tuple[str | None, Any, Message]]:
+    def recent(self) -> list[Sent]:
         """The messages sent this round and the round before, oldest first."""
         return [*self.previous_sent_messages, *self.round_sent_messages]
 
