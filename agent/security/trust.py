@@ -535,7 +535,7 @@ class SecurityGuard:
         env["sig"] = self.sign(canonical(env)) if self.key is not None else None
         return json.dumps(env, separators=(",", ":")).encode()
 
-    def verify_control(self, frame: bytes, kind: str | None = None,
+    def verify_control(self, frame: bytes | bytearray, kind: str | None = None,
                        sender: str | None = None) -> tuple[str, str, dict[str, Any]]:
         """Check a received control message; return ``(sender, role, payload)``.
 
@@ -555,7 +555,7 @@ class SecurityGuard:
                 self.control_dropped[exc.reason] += 1
             raise
 
-    def verify_will(self, frame: bytes, sender: str | None = None) -> tuple[str, str, dict[str, Any]]:
+    def verify_will(self, frame: bytes | bytearray, sender: str | None = None) -> tuple[str, str, dict[str, Any]]:
         """Check a received last will (see the module docstring): every check of
         :meth:`verify_control` for a ``"presence"`` on ``sender``'s topic but the sequence
         rule, and the payload must be a will (:func:`is_will`, else ``malformed``); the very
@@ -573,7 +573,7 @@ class SecurityGuard:
             raise
         return snd, role, payload
 
-    def _verify_control(self, frame: bytes, kind: str | None, sender: str | None,
+    def _verify_control(self, frame: bytes | bytearray, kind: str | None, sender: str | None,
                         will: bool = False) -> tuple[str, str, dict[str, Any]]:
         try:  # bounded: size by kind (64 KiB for presence, status, run descriptors), depth 32
             env = bounded_loads(frame, max_bytes=control_limit(kind))

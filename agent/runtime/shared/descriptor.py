@@ -326,7 +326,7 @@ class RunVerifier:
         self.guard = guard
         self.refused: dict[str, int] = {}
 
-    def check(self, payload: bytes) -> tuple[RunDescriptor | None, str | None]:
+    def check(self, payload: bytes | bytearray) -> tuple[RunDescriptor | None, str | None]:
         """``(descriptor, None)`` when usable, else ``(None, reason)`` with the reason one
         of :data:`REFUSE_REASONS` (counted in :attr:`refused`), or ``"duplicate"`` for the
         very message accepted last, delivered again (not counted)."""
@@ -335,7 +335,7 @@ class RunVerifier:
             self.refused[why] = self.refused.get(why, 0) + 1
         return d, why
 
-    def _check(self, payload: bytes) -> tuple[RunDescriptor | None, str | None]:
+    def _check(self, payload: bytes | bytearray) -> tuple[RunDescriptor | None, str | None]:
         try:  # bounded first: 64 KiB, nesting depth 32
             env = bounded_loads(payload, "descriptor")
             kind = env.get("kind") if isinstance(env, dict) else None
@@ -364,7 +364,7 @@ class RunVerifier:
             d.submitter = sender  # the verified operator, whatever the descriptor says
         return d, None
 
-    def check_cancel(self, payload: bytes, run_id: str) -> str | None:
+    def check_cancel(self, payload: bytes | bytearray, run_id: str) -> str | None:
         """None when ``payload`` is a usable cancel record of run ``run_id`` (from
         :func:`cancel_topic`): the control envelope of kind :func:`cancel_kind` verified as
         a descriptor is (with ``require_signatures`` an operator's signature), for this
@@ -377,7 +377,7 @@ class RunVerifier:
             self.refused[key] = self.refused.get(key, 0) + 1
         return why
 
-    def _check_cancel(self, payload: bytes, run_id: str) -> str | None:
+    def _check_cancel(self, payload: bytes | bytearray, run_id: str) -> str | None:
         try:
             sender, role, body = self.guard.verify_control(payload, cancel_kind(run_id))
         except ControlRejected as exc:
