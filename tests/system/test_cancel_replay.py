@@ -15,7 +15,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.cli.broker import start_broker
-from dfl_agent.cli.cli_runs import fetch_retained, publish_retained
+from dfl_agent.cli.fleet import fetch_retained, publish_retained
 from dfl_agent.cli.observer import Observer
 from dfl_agent.runtime.shared.descriptor import cancel_topic, operator_certificate, run_topic
 from dfl_agent.security.keys import public_key_b64, save_certificate, save_private_key

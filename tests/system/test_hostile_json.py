@@ -38,7 +38,7 @@ DEEP_60K = b"[" * 30_000 + b"]" * 30_000  # under it, nested far deeper than 32
 
 def _retained(broker: str, topic: str, timeout: float = 5.0) -> bytes | None:
     """The retained message on ``topic``, read by a fresh client (nothing cached)."""
-    from dfl_agent.cli.cli_runs import fetch_retained
+    from dfl_agent.cli.fleet import fetch_retained
 
     return fetch_retained(broker, topic, timeout=timeout, absent_after=1.0)
 

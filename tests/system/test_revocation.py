@@ -118,8 +118,7 @@ def test_a_revoked_device_is_dropped_within_a_heartbeat_and_trains_with_nobody(t
                                                                                         "stolen"), peers["p2"]
         assert peers["p0"]["trust"] == peers["p1"]["trust"] == "device"
         # p2, still connected, cannot clear the list: the shipped ACL lets only the operator write it
-        from dfl_agent.cli.cli_runs import fetch_retained, publish_retained
-        from dfl_agent.cli.fleet import PublishRefused
+        from dfl_agent.cli.fleet import PublishRefused, fetch_retained, publish_retained
 
         p2 = FleetTarget(broker=f"127.0.0.1:{port}", federation=fed, username="p2", password=passwords["p2"],
                          tls_ca=str(tmp_path / "ca.crt"))
