@@ -180,6 +180,42 @@ def _time(entry: Mapping[str, Any]) -> float:
     return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else 0.0
 
 
+def read_entries(state_dir: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """Every run's entry in the run ledger of ``state_dir``, read-only (for a program beside the
+    agent: nothing is created, checked or taken over): ``runs/ledger.sqlite``, else an earlier
+    release's ``runs/ledger.json``; {} when neither can be read."""
+    runs = Path(state_dir) / "runs"
+    path = runs / LEDGER_FILE
+    if path.is_file():
+        try:
+            con = sqlite3.connect(sqlite_uri(path, "ro"), uri=True, timeout=30.0)
+            try:
+                rows = con.execute("SELECT run_id, entry FROM runs ORDER BY time, run_id").fetchall()
+            finally:
+                con.close()
+            return {rid: json.loads(text) for rid, text in rows}
+        except (sqlite3.Error, ValueError):
+            return {}
+    try:
+        raw = bounded_loads((runs / LEGACY_LEDGER).read_bytes(), "state")
+    except (OSError, ValueError):
+        return {}
+    return {str(k): v for k, v in raw.items() if isinstance(v, dict)} if isinstance(raw, dict) else {}
+
+
+def read_cancelled(state_dir: str | os.PathLike[str]) -> set[str]:
+    """The cancelled run ids in the run ledger of ``state_dir``, read-only (see :func:`read_entries`)."""
+    path = Path(state_dir) / "runs" / LEDGER_FILE
+    try:
+        con = sqlite3.connect(sqlite_uri(path, "ro"), uri=True, timeout=30.0)
+        try:
+            return {r[0] for r in con.execute("SELECT run_id FROM cancelled")}
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return set()
+
+
 class _Entries(Mapping[str, dict[str, Any]]):
     """``RunLedger.entries``: every run's entry, read from the ledger (a read-only view; the
     recent runs' entries come from memory)."""
