@@ -74,6 +74,8 @@ FORMAT = "1"
 SUMMARY_FIELDS = ("state", "round", "reason", "time", "snapshot_last_id")
 #: the longest reason a compact entry keeps (characters)
 SUMMARY_REASON = 200
+#: the bytes the write-ahead log is cut back to after a checkpoint (``journal_size_limit``)
+WAL_LIMIT = 1 << 20
 #: the run folder's files whose presence shows that a run ran here (a missing ledger is then refused)
 RUN_EVIDENCE = ("ended.json", "metrics.jsonl", "metrics.jsonl.gz", "checkpoints")
 SCHEMA = (
@@ -81,7 +83,6 @@ SCHEMA = (
     "CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, state TEXT NOT NULL, time REAL NOT NULL, "
     "compact INTEGER NOT NULL DEFAULT 0, entry TEXT NOT NULL)",
     "CREATE INDEX IF NOT EXISTS runs_time ON runs (time)",
-    "CREATE INDEX IF NOT EXISTS runs_state ON runs (state)",
     "CREATE TABLE IF NOT EXISTS cancelled (run_id TEXT PRIMARY KEY, time REAL NOT NULL)",
 )
 TABLES = frozenset({"meta", "runs", "cancelled"})
@@ -169,6 +170,7 @@ def write_new_ledger(path: Path, rows: Mapping[str, Mapping[str, Any]], cancelle
             con.close()
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        crash_point("write", path.name)  # the crash tests: the new ledger complete under its temporary name
         rename(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -354,6 +356,7 @@ class RunLedger:
         try:
             con.execute("PRAGMA synchronous = FULL")
             con.execute("PRAGMA journal_mode = WAL")
+            con.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT}")
             check = con.execute("PRAGMA quick_check").fetchall()
             if [tuple(r) for r in check] != [("ok",)]:
                 raise self._damaged(f"fails SQLite's integrity check ({' '.join(str(check[0][0]).split())[:160]})")
@@ -433,7 +436,13 @@ class RunLedger:
         return {rid: json.loads(text) for rid, text in rows}
 
     def in_states(self, states: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-        """The entries of the runs whose state is one of ``states``."""
+        """The entries of the runs whose state is one of ``states``, oldest change first (a state
+        that is not an end is answered from memory: only ended runs' entries are ever compact)."""
+        if not set(states) & set(TERMINAL):
+            with self._lock:
+                found = [(e.get("time", 0.0), rid, dict(e)) for rid, e in self._recent.items()
+                         if e.get("state") in states]
+            return {rid: e for _t, rid, e in sorted(found, key=lambda x: (x[0], x[1]))}
         return self._select(f"state IN ({', '.join('?' * len(states))})", tuple(states), "ORDER BY time, run_id")
 
     def with_prefix(self, prefix: str) -> dict[str, dict[str, Any]]:
@@ -522,6 +531,12 @@ class RunLedger:
                         "compact = 0, entry = excluded.entry",
                         (run_id, state, entry["time"], json.dumps(entry, sort_keys=True)))
             self._recent[run_id] = entry
+
+    def checkpoint(self) -> None:
+        """Fold the write-ahead log into the file and empty it (after a run ended: the log stays
+        small between runs)."""
+        with self._lock:
+            self._con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def compact_older(self, keep: int) -> list[str]:
         """Keep the newest ``keep`` ended runs' entries whole and make every older ended run's

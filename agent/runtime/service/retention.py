@@ -146,6 +146,7 @@ def prune_runs(ledger: RunLedger, keep_runs: int) -> list[str]:
     their compact entry (the ledger's one-line summary) and lose their folder.  Runs the ledger
     has not recorded ended are never touched.  Returns the run ids whose folders were removed."""
     ledger.compact_older(keep_runs)
+    ledger.checkpoint()
     removed = []
     for folder in _run_folders(ledger.dir):
         if ledger.is_summary(folder.name):

@@ -50,7 +50,7 @@ class StateFile:
         path: its path under the state directory (``{run}``: a run's id).
         holds: what it holds.
         written: ``atomic``, ``sqlite``, ``folder`` or ``append`` (see the module docstring).
-        writer: the module that writes it (``dfl_agent.`` left out).
+        writer: the modules that write it (``dfl_agent.`` left out; comma-separated).
         bound: its size bound.
         damaged: what the agent does when the file is unreadable, truncated, zeroed or fails its check.
     """
@@ -123,12 +123,13 @@ STATE_FILES: tuple[StateFile, ...] = (
               "as a damaged current version"),
     StateFile("models/candidate/", "the model the deploy gate refused last", "folder", "deploy.versions",
               "one model", "removed (WARNING); a stale one (a newer version is deployed) is removed too (INFO)"),
-    StateFile("models/.last_version", "the highest version number used", "atomic", "deploy.versions", "one number",
+    StateFile("models/.last_version", "the highest version number used", "atomic",
+              "deploy.versions, runtime.service.state_files", "one number",
               "written again from the versions present (WARNING)"),
     StateFile("live_model/", "the run's live model for inference members (model.onnx, manifest.json)", "atomic",
               "runtime.run.live_export", "one model", "replaced at the next export; a member checks its hash"),
     StateFile("privacy/ledger.sqlite", "the privacy ledger (hash-chained)", "sqlite",
-              "runtime.shared.privacy_ledger", "about 0.7 kB per DP run", "DP runs declined with one line: "
+              "runtime.shared.privacy_ledger, runtime.service.privacy_recovery", "about 0.7 kB per DP run", "DP runs declined with one line: "
               "`dflctl privacy recover`"),
     StateFile("privacy-head.json", "the privacy ledger's head marker", "atomic", "runtime.shared.privacy_chain",
               "one small document", "as the privacy ledger"),
