@@ -140,7 +140,7 @@ def main() -> int:
     p.add_argument("--out", default="bench/operations", help="folder for state_size.json")
     p.add_argument("--keep-tmp", action="store_true", help="keep the agents' state directories and logs")
     a = p.parse_args()
-    host = machine()
+    host, at = machine(), commit()  # the code measured: its commit when the measurement starts
     tmp = Path(tempfile.mkdtemp(prefix="dfl-state-size-"))
     try:
         ledger = ledger_per_run(a.ledger_runs, tmp)
@@ -149,7 +149,7 @@ def main() -> int:
     finally:
         if not a.keep_tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    res = {"command": invocation(), "commit": commit(), "machine": host,
+    res = {"command": invocation(), "commit": at, "machine": host,
            "load_end": " ".join(f"{x:.1f}" for x in os.getloadavg()), "keep_runs": a.keep_runs,
            "ledger": ledger, "models": models}
     out = Path(a.out)
