@@ -87,6 +87,8 @@ STATE_FILES: tuple[StateFile, ...] = (
     StateFile("runs/ledger.json.migrated", "an earlier release's run ledger and cancel records "
               "(`cancelled.json.migrated`), as they were when the ledger took them over", "atomic",
               "runtime.service.ledger", "as they were", "not read again"),
+    StateFile("runs/damaged-{time}/", "the files `dflctl state recover` moved aside", "folder",
+              "runtime.service.ledger_recovery", "as those files", "not read again"),
     StateFile("runs/{run}/descriptor.json", "the run's descriptor, for a restart that resumes it", "atomic",
               "runtime.service.run_manager", "under 64 kB", "a run killed after its training is recorded "
               "`failed` (WARNING, cannot resume); before it, admission writes the file again"),
@@ -128,16 +130,35 @@ STATE_FILES: tuple[StateFile, ...] = (
               "written again from the versions present (WARNING)"),
     StateFile("live_model/", "the run's live model for inference members (model.onnx, manifest.json)", "atomic",
               "runtime.run.live_export", "one model", "replaced at the next export; a member checks its hash"),
-    StateFile("privacy/ledger.sqlite", "the privacy ledger (hash-chained)", "sqlite",
-              "runtime.shared.privacy_ledger, runtime.service.privacy_recovery", "about 0.7 kB per DP run", "DP runs declined with one line: "
+    StateFile("privacy/ledger.sqlite", "the privacy ledger: one row per DP run and the hash-chained history of "
+              "every change", "sqlite", "runtime.shared.privacy_ledger, runtime.service.privacy_recovery",
+              "about 0.7 kB per DP run (`bench/privacy/results/ledger.md`), never pruned",
+              "DP runs declined with one line naming the file (non-DP runs go on; `dfl-agent run --once` exits 2): "
               "`dflctl privacy recover`"),
-    StateFile("privacy-head.json", "the privacy ledger's head marker", "atomic", "runtime.shared.privacy_chain",
-              "one small document", "as the privacy ledger"),
+    StateFile("privacy/ledger.pre-chain.sqlite", "release 0.1.0's privacy ledger as it was before it was chained",
+              "atomic", "runtime.shared.privacy_ledger", "as that ledger", "not read again"),
+    StateFile("privacy/damaged-{time}/", "the files `dflctl privacy recover` moved aside", "folder",
+              "runtime.service.privacy_recovery", "as those files", "not read again"),
+    StateFile("privacy-head.json", "the privacy ledger's head marker: the chain's length and last hash, the composed "
+              "ε", "atomic", "runtime.shared.privacy_chain", "one small document",
+              "as the privacy ledger: a ledger without its marker, or a marker without its ledger, is refused"),
     StateFile("store/samples.sqlite", "the sample store", "sqlite", "store.sqlite", "`data.store_max_samples` samples",
               "refuses to start (exit 2) naming the file: move `store/` aside to start with an empty store"),
     StateFile("spool/rejected/{file}.reason", "why a spool file was rejected", "atomic", "store.sqlite",
               "one line per rejected file", "informational only"),
 )
+
+#: how each way of writing reads in the docs' table
+WRITTEN = {"atomic": "atomic", "sqlite": "SQLite transaction", "folder": "folder renamed into place",
+           "append": "appended line"}
+
+
+def markdown_table() -> str:
+    """The table of :data:`STATE_FILES` as ``docs/operations.md`` shows it (Markdown)."""
+    rows = ["| file | holds | written | size | when damaged |", "|---|---|---|---|---|"]
+    rows += [f"| `{f.path}` | {f.holds} | {WRITTEN[f.written]} | {f.bound} | {f.damaged} |" for f in STATE_FILES]
+    return "\n".join(rows) + "\n"
+
 
 #: the temporary names the atomic writes leave behind when a kill comes before their rename
 #: (:func:`dfl_agent.fsutil.atomic_writer`, ``.NAME.tmpPID-HEX`` and ``.NAME.linkPID-HEX``; the
