@@ -12,7 +12,6 @@ shipped default compression.  The operator runs ``dflctl keys revoke p2`` while 
 
 from __future__ import annotations
 
-import glob
 import json
 import signal
 import subprocess
@@ -37,9 +36,11 @@ HEARTBEAT = 1.0  # mqtt.heartbeat_interval of the agents (s)
 
 
 def _records(d: Path, nid: str) -> list[dict]:
+    from dfl_agent.runtime.service.retention import read_records
+
     out = []
-    for path in glob.glob(str(d / nid / "runs" / "*" / "metrics.jsonl")):
-        out += [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    for path in sorted((d / nid / "runs").glob("*/")):  # metrics.jsonl, gzipped once the run ended
+        out += read_records(path)
     return [r for r in out if "neighbour_ids" in r]
 
 

@@ -136,8 +136,9 @@ class Fleet:
                 if isinstance(s.get("run"), dict) and s["run"].get("id") == run_id}
 
     def metrics(self, nid: str, run_id: str) -> list[dict]:
-        p = self.tmp / nid / "runs" / run_id / "metrics.jsonl"
-        return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+        from dfl_agent.runtime.service.retention import read_records
+
+        return read_records(self.tmp / nid / "runs" / run_id)  # gzipped once the run ended
 
     def trained(self, nid: str, run_id: str) -> list[dict]:
         """Rounds trained with neighbours (records with ``neighbour_ids``)."""
