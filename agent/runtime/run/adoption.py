@@ -202,10 +202,10 @@ async def adopt(agent: Any, spec: dict[str, Any], input_shape: Any, *, bps: floa
     done = await asyncio.to_thread(models.run_outcome, run_id, False)
     if done is not None:  # a restart after a kill mid-adoption: never a second version
         if not done["deployed"]:
-            return Adoption("kept", None, {}, "kept by the deploy gate before a restart")
+            return Adoption("kept", None, None, "kept by the deploy gate before a restart")
         src = models.manifest(done["version"]).get("adopted_from")
-        return Adoption("adopted" if isinstance(src, dict) else "deployed", done["version"],
-                        src if isinstance(src, dict) else None, "installed before a restart")
+        return Adoption("adopted", done["version"], src if isinstance(src, dict) else None,
+                        "installed before a restart")
     expected = 4 * param_count(spec) + (1 << 16)
     members = agent._members()
     asked, answers = candidates(agent._run_statuses(), members, run_id,

@@ -496,6 +496,8 @@ class Agent(RunMembers, AgentOperations):
         got = await adopt(self, spec, input_shape, bps=self.link_bps, heartbeat_timeout=self.heartbeat_timeout)
         if got.state != "missed":
             self._tell(got.state, version=got.version, source=got.source, reason=got.reason)
+            self.node.set_state("finished")
+            await self.node.publish_status()
             return
         if resumed:
             log.warning("run %s: %s; the model of this node's checkpoint goes to the deploy gate",

@@ -36,8 +36,9 @@ _ERRORS = RateLimitedLog(log)
 PERIOD_S = 0.5
 #: a request in a status sent longer ago than this (s) is not answered (the requester is gone)
 MAX_AGE_S = 120.0
-#: seconds between two answers to one requester, at least
-MIN_INTERVAL_S = 5.0
+#: seconds between two answers to one requester, at least (as between two copies of a model to an
+#: inference member: :mod:`~dfl_agent.runtime.service.member_delivery`)
+MIN_INTERVAL_S = 15.0
 
 
 class ModelHandover:
