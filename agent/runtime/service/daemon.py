@@ -120,6 +120,10 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
         from dfl_agent.runtime.service.member_delivery import MemberDelivery
 
         stack.push_async_callback(cancel_and_wait, asyncio.ensure_future(MemberDelivery(cfg, manager.lobby).run(stop)))
+        # members that missed a run's end get its model from this node's deployed versions
+        from dfl_agent.runtime.service.model_handover import ModelHandover
+
+        stack.push_async_callback(cancel_and_wait, asyncio.ensure_future(ModelHandover(cfg, manager.lobby).run(stop)))
         stack.callback(manager.notifier.stopping)
         log.info("node %s of federation %s serving: %s", manager.node_id, cfg.federation,
                  "its [algorithm] run, then exits" if once else

@@ -70,8 +70,9 @@ LEGACY_LEDGER, LEGACY_CANCELLED = "ledger.json", "cancelled.json"
 MIGRATED = ".migrated"
 #: the ledger's format (table ``meta``, key ``format``)
 FORMAT = "1"
-#: the fields an older ended run's compact entry keeps (its one-line summary)
-SUMMARY_FIELDS = ("state", "round", "reason", "time", "snapshot_last_id")
+#: the fields an older ended run's compact entry keeps (its one-line summary: how it ended, and how its model
+#: ended here: ``model``, ``version``, ``adopted_from``)
+SUMMARY_FIELDS = ("state", "round", "reason", "time", "snapshot_last_id", "model", "version", "adopted_from")
 #: the longest reason a compact entry keeps (characters)
 SUMMARY_REASON = 200
 #: the bytes the write-ahead log is cut back to after a checkpoint (``journal_size_limit``)

@@ -25,7 +25,7 @@ from dfl_agent.runtime.shared.degraded import FIELDS as DEGRADED_FIELDS
 from dfl_agent.runtime.shared.descriptor import RunDescriptor, RunVerifier, cancel_topic, run_topic
 
 #: a run's states on a node after its training there (a late joiner no longer joins it)
-AFTER_TRAINED = ("trained", "deploying", "deployed", "kept", "recorded", "finished")
+AFTER_TRAINED = ("trained", "deploying", "deployed", "kept", "adopted", "recorded", "finished")
 log = logging.getLogger("dfl_agent.runs")
 
 
@@ -505,7 +505,9 @@ class RunLobby:
     def publish_status(self, run: dict[str, Any] | None, state: str = "idle",
                        history: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         """Publish this node's status (retained) while no run trains; ``history`` (run id
-        -> ledger entry, the newest 20 kept) lets ``dflctl run list`` show finished runs."""
+        -> ledger entry, the newest 20 kept) lets ``dflctl run list`` show finished runs, and a
+        member that missed a run's end find the members that deployed its model (``model``:
+        ``deployed``, ``adopted`` or ``kept``; ``version``; ``adopted_from``)."""
         from dfl_agent.transport.mqtt import topic
 
         if self.client is None:
@@ -514,6 +516,7 @@ class RunLobby:
         st = {"node_id": self.node_id, "state": state, "time": time.time(), "heartbeat": self.heartbeat,
               "session": self.session, "run": run, "runs_refused": dict(self.verifier.refused), "algorithm": None, "round": 0,
               "run_history": {k: {f: v.get(f) for f in ("state", "round", "reason", "started_from", "privacy", "peak_rss_mb",
+                                                         "model", "version", "adopted_from",
                                                          *(DEGRADED_FIELDS if v.get("degraded") else ()))}
                               for k, v in sorted((history or {}).items(), key=lambda kv: kv[1].get("time", 0))[-20:]}}
         # the refusal and drop counters, always present: with counters, the totals over restarts
