@@ -168,10 +168,14 @@ class MemberDelivery:
         from dfl_agent.runtime.shared.framing import frame
         from dfl_agent.transport.chunking import iter_chunks
         from dfl_agent.transport.mqtt import topic
+        from dfl_agent.transport.versions import negotiate, versions_of
 
         msg = Message(ONNX_KIND, int(meta["round"]), {"onnx": np.frombuffer(data, np.uint8)}, dict(meta),
                       recipient=node)
-        data = frame(msg, federation=self.cfg.federation, sender=self.lobby.node_id, security=self.lobby.guard)
+        with self.lobby.lock:  # the wire version the member reads: the one its status announces
+            wires = versions_of((self.lobby.statuses.get(node) or {}).get("wires"))
+        data = frame(msg, federation=self.cfg.federation, sender=self.lobby.node_id, security=self.lobby.guard,
+                     version=negotiate([wires]))
         name = topic(self.cfg.federation, node, "inbox")
         for chunk in list(iter_chunks(data, self.chunk_size)):
             self.lobby.client.publish(name, chunk, qos=1)
