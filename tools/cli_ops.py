@@ -443,12 +443,20 @@ def check_certificate(cfg: Any, state_dir: str, now: float | None = None) -> lis
 
 
 def check_disk(state_dir: str, warn_bytes: int = 1 << 30, fail_bytes: int = 200 << 20) -> dict[str, str]:
-    p = Path(state_dir)
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    du = shutil.disk_usage(p)
-    text = f"{du.free / 2**30:.1f} GiB free of {du.total / 2**30:.1f} GiB at {p}"
-    return _check("disk", "fail" if du.free < fail_bytes else "warn" if du.free < warn_bytes else "ok", text)
+    """The state directory's size (its parts: store, models, runs, privacy, other) and the free
+    space under it: ``warn`` below ``warn_bytes`` (``runtime.disk_warn_mb``), ``fail`` below
+    ``fail_bytes``."""
+    from dfl_agent.runtime.service.retention import free_space, usage
+
+    free, total, p = free_space(state_dir)
+    text = f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB at {p}"
+    if Path(state_dir).is_dir():
+        use = usage(state_dir)
+        parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in use.items() if k != "total" and v)
+        text = f"state dir {use['total'] / 2**20:.1f} MiB{f' ({parts})' if parts else ''}; {text}"
+    if warn_bytes and free < warn_bytes:
+        text += f" (below {warn_bytes / 2**20:.0f} MiB: runtime.disk_warn_mb)"
+    return _check("disk", "fail" if free < fail_bytes else "warn" if warn_bytes and free < warn_bytes else "ok", text)
 
 
 def check_permissions(state_dir: str, config: str | None, has_secret: bool) -> dict[str, str]:
@@ -511,7 +519,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     if any(r["check"] == "clock" for r in cert_checks):  # the clock is behind the certificate: say it once
         results = [r for r in results if r["check"] != "clock"]
     results.extend(cert_checks)
-    results.append(check_disk(state_dir))
+    results.append(check_disk(state_dir, warn_bytes=cfg.runtime.disk_warn_mb * 2**20))
     results.append(check_permissions(state_dir, a.config, bool(cfg.mqtt.password)))
     results.append(check_checkpoint(state_dir))
     if a.json:

@@ -234,6 +234,7 @@ def collect(states: dict[str, Path], run_ids: list[str], test: Any = None) -> di
     its accuracy on the validation slice after round 1.
     """
     from dfl_agent.deploy import ModelStore
+    from dfl_agent.runtime.service.retention import read_records
 
     nodes: dict[str, Any] = {}
     deployments = []
@@ -242,8 +243,9 @@ def collect(states: dict[str, Path], run_ids: list[str], test: Any = None) -> di
         manifests = {v: models.manifest(v) for v in models.versions()}
         runs = []
         for rid in run_ids:
-            mpath = state / "runs" / rid / "metrics.jsonl"
-            recs = [json.loads(line) for line in mpath.read_text().splitlines()] if mpath.exists() else []
+            recs = read_records(state / "runs" / rid)  # metrics.jsonl, gzipped once the run ended
+            mpath = next((p for p in (state / "runs" / rid / n for n in ("metrics.jsonl", "metrics.jsonl.gz"))
+                          if p.exists()), state / "runs" / rid / "metrics.jsonl")
             entry: dict[str, Any] = {
                 "run_id": rid, "train_samples": recs[0].get("train_samples") if recs else None,
                 "validation_samples": recs[0].get("validation_samples") if recs else None,

@@ -73,7 +73,7 @@ from typing import Any
 
 import numpy as np
 
-from dfl_agent.fsutil import atomic_writer, rename
+from dfl_agent.fsutil import atomic_write, atomic_writer, rename
 from dfl_agent.jsonbound import loads as bounded_loads
 
 log = logging.getLogger(__name__)
@@ -743,13 +743,9 @@ class SampleStore:
 
 
 def _write_reason(path: Path, reason: str) -> None:
-    """Write ``reason`` and a newline to ``path``, never through a symbolic link (an entry
-    already there is replaced)."""
-    if os.path.lexists(path):
-        os.unlink(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o660)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(reason + "\n")
+    """Write ``reason`` and a newline to ``path`` atomically, never through a symbolic link (an
+    entry already there is replaced: the rename replaces the entry, not what it points to)."""
+    atomic_write(path, reason + "\n", mode=0o660)
 
 
 def _entry_type(mode: int) -> str:

@@ -129,7 +129,7 @@ def test_a_device_account_neither_submits_nor_cancels_and_is_told_why(site, caps
     shipped ACL refuses the publish and mosquitto says so in its MQTT 5 PUBACK (0x87): exit 1
     with the broker's reason, and the run does not exist; a cancel likewise."""
     from dfl_agent.cli import fleet
-    from dfl_agent.cli.cli_runs import fetch_retained
+    from dfl_agent.cli.fleet import fetch_retained
     from dfl_agent.runtime.shared.descriptor import cancel_topic
 
     d, op, op_dir = site["dir"], str(site["op"]), str(site["dir"] / "state-op")

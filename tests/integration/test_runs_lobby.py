@@ -11,7 +11,7 @@ import time
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dfl_agent.cli.cli_runs import publish_retained
+from dfl_agent.cli.fleet import publish_retained
 from dfl_agent.cli.observer import Observer
 from dfl_agent.runtime.service.ledger import RunLedger
 from dfl_agent.runtime.service.lobby import RunLobby

@@ -17,7 +17,7 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 
-from dfl_agent.cli.cli_runs import fetch_retained
+from dfl_agent.cli.fleet import fetch_retained
 from dfl_agent.runtime.shared.descriptor import run_topic
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -100,15 +100,15 @@ def dflctl(*args: str) -> str:
 
 
 def _ledger(tmp: Path, nid: str) -> dict[str, dict]:
-    try:
-        return json.loads((tmp / nid / "runs" / "ledger.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    from dfl_agent.runtime.service.ledger import read_entries
+
+    return read_entries(tmp / nid)
 
 
 def _metrics(tmp: Path, nid: str, run_id: str) -> list[dict]:
-    p = tmp / nid / "runs" / run_id / "metrics.jsonl"
-    return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+    from dfl_agent.runtime.service.retention import read_records
+
+    return read_records(tmp / nid / "runs" / run_id)  # gzipped once the run ended
 
 
 def _by_round(records: list[dict]) -> dict[int, dict]:

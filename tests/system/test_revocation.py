@@ -12,7 +12,6 @@ shipped default compression.  The operator runs ``dflctl keys revoke p2`` while 
 
 from __future__ import annotations
 
-import glob
 import json
 import signal
 import subprocess
@@ -37,9 +36,11 @@ HEARTBEAT = 1.0  # mqtt.heartbeat_interval of the agents (s)
 
 
 def _records(d: Path, nid: str) -> list[dict]:
+    from dfl_agent.runtime.service.retention import read_records
+
     out = []
-    for path in glob.glob(str(d / nid / "runs" / "*" / "metrics.jsonl")):
-        out += [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    for path in sorted((d / nid / "runs").glob("*/")):  # metrics.jsonl, gzipped once the run ended
+        out += read_records(path)
     return [r for r in out if "neighbour_ids" in r]
 
 
@@ -118,8 +119,7 @@ def test_a_revoked_device_is_dropped_within_a_heartbeat_and_trains_with_nobody(t
                                                                                         "stolen"), peers["p2"]
         assert peers["p0"]["trust"] == peers["p1"]["trust"] == "device"
         # p2, still connected, cannot clear the list: the shipped ACL lets only the operator write it
-        from dfl_agent.cli.cli_runs import fetch_retained, publish_retained
-        from dfl_agent.cli.fleet import PublishRefused
+        from dfl_agent.cli.fleet import PublishRefused, fetch_retained, publish_retained
 
         p2 = FleetTarget(broker=f"127.0.0.1:{port}", federation=fed, username="p2", password=passwords["p2"],
                          tls_ca=str(tmp_path / "ca.crt"))

@@ -14,7 +14,6 @@ the model of its checkpoint."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -33,10 +32,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
 def _ledger(state):
-    try:
-        return json.loads((state / "runs" / "ledger.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    from dfl_agent.runtime.service.ledger import read_entries
+
+    return read_entries(state)
 
 
 def _agent(path, log, crash_at=None):
@@ -136,8 +134,9 @@ def test_a_member_killed_mid_run_deploys_its_checkpoint_model_once_the_others_fi
         _wait(cond, timeout, list(logs.values()), what)
 
     def rounds(n, rid):
-        p = states[n] / "runs" / rid / "metrics.jsonl"
-        return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+        from dfl_agent.runtime.service.retention import read_records
+
+        return read_records(states[n] / "runs" / rid)  # gzipped once the run ended
 
     with start_broker("mosquitto") as broker:
         try:

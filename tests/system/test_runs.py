@@ -36,7 +36,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.cli.broker import start_broker
-from dfl_agent.cli.cli_runs import fetch_retained, publish_retained
+from dfl_agent.cli.fleet import fetch_retained, publish_retained
 from dfl_agent.cli.observer import Observer
 from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from dfl_agent.runtime.shared.descriptor import (
@@ -136,8 +136,9 @@ class Fleet:
                 if isinstance(s.get("run"), dict) and s["run"].get("id") == run_id}
 
     def metrics(self, nid: str, run_id: str) -> list[dict]:
-        p = self.tmp / nid / "runs" / run_id / "metrics.jsonl"
-        return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+        from dfl_agent.runtime.service.retention import read_records
+
+        return read_records(self.tmp / nid / "runs" / run_id)  # gzipped once the run ended
 
     def trained(self, nid: str, run_id: str) -> list[dict]:
         """Rounds trained with neighbours (records with ``neighbour_ids``)."""

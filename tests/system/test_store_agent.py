@@ -193,10 +193,11 @@ def _data_status(state):
 
 def _run_metrics(state):
     """``{run_id: [records]}`` from the per-run metrics files."""
+    from dfl_agent.runtime.service.retention import read_records
+
     out: dict[str, list] = {}
-    for f in sorted((state / "runs").glob("*/metrics.jsonl")):
-        for line in f.read_text().splitlines():
-            rec = json.loads(line)
+    for f in sorted((state / "runs").glob("*/")):  # metrics.jsonl, gzipped once the run ended
+        for rec in read_records(f):
             out.setdefault(rec["run"], []).append(rec)
     return out
 

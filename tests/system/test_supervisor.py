@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from dfl_agent.cli.broker import start_broker
+from dfl_agent.runtime.service.retention import read_records
 from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from tests.system.conftest import needs_mosquitto
 from tests.system.test_store_agent import SHAPE, drop
@@ -26,10 +27,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
 def _ledger(state: Path) -> dict:
-    try:
-        return json.loads((state / "runs" / "ledger.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    from dfl_agent.runtime.service.ledger import read_entries
+
+    return read_entries(state)
 
 
 def _config(tmp_path: Path, broker: str, **over) -> Path:
@@ -312,7 +312,7 @@ def test_killed_while_waiting_for_members_trains_the_run_after_restart(tmp_path)
             rcs = [p.wait(60) for p in procs]
         assert rcs == [0, 0], [logs[n].read_text()[-2000:] for n in logs]
         for n in paths:  # both trained both rounds with the other's model
-            records = [json.loads(x) for x in (tmp_path / n / "runs" / rid / "metrics.jsonl").read_text().splitlines()]
+            records = read_records(tmp_path / n / "runs" / rid)  # gzipped once the run ended
             assert [r["round"] for r in records if "neighbour_ids" in r] == [1, 2], (n, records)
 
 

@@ -72,8 +72,11 @@ def test_finished_run_is_not_rerun_after_restart(tmp_path):
     RunLedger(tmp_path).set(a.run_id, "finished", 3)
     again = RunLedger(tmp_path)  # a "reboot": the ledger is read back from disk
     assert again.is_done(a.run_id) and again.entries[a.run_id]["round"] == 3
-    assert not (tmp_path / "runs" / "ledger.tmp").exists()
-    assert json.loads((tmp_path / "runs" / "ledger.json").read_text())[a.run_id]["state"] == "finished"
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "runs" / "ledger.sqlite") as con:  # on disk, in the ledger's own file
+        state, entry = con.execute("SELECT state, entry FROM runs WHERE run_id = ?", (a.run_id,)).fetchone()
+    assert state == "finished" and json.loads(entry)["round"] == 3
 
 
 def test_config_without_algorithm_section_has_no_default_run(tmp_path):

@@ -256,7 +256,9 @@ class LabRun:
             "compression": {"spec": lab_compression(), "error_feedback": True},
             "security": dict(creds.get("security", {}), require_signatures=True),
             "runtime": {"pause_when_disconnected": True,  # every round's checkpoint: the report measures them
-                        "checkpoint_keep": checkpoints_to_keep(r.rounds for r in self.sc.runs)},
+                        "checkpoint_keep": checkpoints_to_keep(r.rounds for r in self.sc.runs),
+                        # and they stay after the run, with every run's folder and plain round records
+                        "keep_run_files": True, "keep_runs": max(20, len(self.sc.runs) + 1)},
         }
         raw = _merge(_merge(raw, self.sc.agent), d.cls.agent)
         self.compression[d.id] = str(raw.get("compression", {}).get("spec", ""))

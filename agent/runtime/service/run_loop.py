@@ -198,9 +198,7 @@ class RunLoop:
     def _unfinished(self) -> RunDescriptor | None:
         """A run killed after its training (:data:`AFTER_TRAINING`; its descriptor saved at
         admission), finished before any other; one whose descriptor is unreadable fails."""
-        for rid, e in list(self.ledger.entries.items()):
-            if e.get("state") not in AFTER_TRAINING:
-                continue
+        for rid, e in self.ledger.in_states(AFTER_TRAINING).items():
             try:
                 raw = bounded_loads((self.ledger.run_dir(rid) / "descriptor.json").read_bytes(), "state")
                 return RunDescriptor.from_dict({k: v for k, v in raw.items() if k != "schema_version"})

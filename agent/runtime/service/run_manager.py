@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import json
 import logging
+import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,13 +48,20 @@ from dfl_agent.runtime.service.admission import admit
 from dfl_agent.runtime.service.ledger import RunLedger
 from dfl_agent.runtime.service.lobby import RunLobby
 from dfl_agent.runtime.service.privacy_budget import PrivacyBudget
+from dfl_agent.runtime.service.retention import (
+    low_space,
+    prune_runs,
+    remove_stale_candidate,
+    settle_all,
+    settle_run,
+)
 from dfl_agent.runtime.service.run_loop import AFTER_TRAINING, RunLoop
 from dfl_agent.runtime.service.service_counters import ServiceCounters
 from dfl_agent.runtime.service.systemd import Notifier
 from dfl_agent.runtime.shared.assembly import StartupError, build_security
 from dfl_agent.runtime.shared.config import NodeConfig
 from dfl_agent.runtime.shared.degraded import degraded_fields
-from dfl_agent.runtime.shared.descriptor import RunDescriptor, RunVerifier
+from dfl_agent.runtime.shared.descriptor import TERMINAL, RunDescriptor, RunVerifier
 from dfl_agent.runtime.shared.run_config import (
     CANCEL_LATE,
     RunHooks,
@@ -85,6 +93,8 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
     "cancelled": ("idle",),
     "failed": ("idle",),
 }
+#: the runs an idle status's ``run_history`` shows (the ledger's newest)
+HISTORY = 20
 #: the reason recorded for a run cancelled by the operator
 CANCELLED = "cancelled by the operator"
 #: the ledger's name of a state where it differs (``finished``: the ledger's terminal name)
@@ -183,7 +193,23 @@ class RunManager(RunLoop):
         self.ledger.set(run_id, state, rnd, reason, {**kept, **extra})
         if state in ("declined", "failed"):
             log.warning("run %s %s: %s", run_id, state, reason)
+        if state in TERMINAL:
+            self._after_ended(run_id)
         return {"id": run_id, "state": state, "round": rnd, "reason": reason}
+
+    def _after_ended(self, run_id: str) -> None:
+        """Once the ledger records ``run_id`` ended: settle its folder, keep the newest
+        ``runtime.keep_runs`` runs' folders, remove a stale candidate, warn on low disk space
+        (:mod:`~dfl_agent.runtime.service.retention`; a failure is logged, the run stays recorded)."""
+        rt = self.cfg.runtime
+        try:
+            settle_run(self.ledger.run_dir(run_id), self.ledger.entry(run_id) or {}, rt.keep_run_files)
+            prune_runs(self.ledger, rt.keep_runs)
+            remove_stale_candidate(self.cfg.state_dir)
+            if (line := low_space(self.cfg.state_dir, rt.disk_warn_mb)) is not None:
+                log.warning("%s", line)
+        except OSError as exc:
+            log.warning("run %s: could not remove the files of ended runs: %s", run_id, exc)
 
     def idle(self) -> None:
         """Back to ``idle`` after a run ended (or was interrupted)."""
@@ -313,7 +339,7 @@ class RunManager(RunLoop):
         if self.once and state == "idle":  # --once: the run's last status stays its node's ("finished")
             return
         if force or time.monotonic() - self.last_pub >= min(self.cfg.mqtt.heartbeat_interval, self.interval or 1e9):
-            self.lobby.publish_status(self.info, state, self.ledger.entries)
+            self.lobby.publish_status(self.info, state, self.ledger.recent(HISTORY))
             info = self.info
             line = "idle" if info is None or state == "idle" else f"run {info['id']}: {info['state']}"
             self.notifier.ready(line) if self.last_pub == 0.0 else self.notifier.status(line)
@@ -478,6 +504,31 @@ def _peak(agent: Any) -> dict[str, Any]:
     return {"peak_rss_mb": mb} if isinstance(mb, (int, float)) and not isinstance(mb, bool) else {}
 
 
+def open_state(cfg: NodeConfig) -> RunLedger:
+    """The service's state at start: the run ledger opened (and checked, an earlier release's
+    taken over), every state file checked (:func:`~dfl_agent.runtime.service.state_files.check_state`:
+    one WARNING line per file recovered), the ended runs' folders settled and pruned, a stale
+    candidate removed, and a WARNING when the disk is short of space.
+
+    Raises:
+        StartupError: a state file the agent must not start without (its one line: exit code 2).
+    """
+    from dfl_agent.runtime.service.state_files import check_state
+
+    ledger = RunLedger(cfg.state_dir)
+    for finding in check_state(cfg, ledger):
+        log.warning("%s", finding.line)
+    rt = cfg.runtime
+    try:
+        settle_all(ledger, rt.keep_run_files)
+        prune_runs(ledger, rt.keep_runs)
+    except OSError as exc:
+        log.warning("could not remove the files of ended runs under %s: %s", ledger.dir, exc)
+    if (line := low_space(cfg.state_dir, rt.disk_warn_mb)) is not None:
+        log.warning("%s", line)
+    return ledger
+
+
 def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHooks | None = None,
                       agent_factory: Callable[..., Any] | None = None, once: bool = False) -> RunManager:
     """The always-on agent's run manager: this node's id (``state_dir/node_id``), its
@@ -499,8 +550,8 @@ def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHoo
         profile = resolve_profile(cfg.profile, cfg.profile_overrides)[0]
     except (OSError, ValueError, LookupError) as exc:
         raise StartupError(str(exc)) from None
+    ledger = open_state(cfg)
     nid = node_id_from_state(state_dir, cfg.node_id)
-    ledger = RunLedger(state_dir)
     guard = build_security(cfg, state_dir, nid)
     lobby = RunLobby(cfg, nid, RunVerifier(cfg.federation, require_signatures=cfg.security.require_signatures,
                                            guard=guard))
@@ -513,6 +564,11 @@ def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHoo
             seed_store(store, cfg.data.path)  # data.path/train.npz, once in the store's life
         except (OSError, ValueError) as exc:
             raise StartupError(str(exc)) from None
+        except sqlite3.DatabaseError as exc:  # the store's file is damaged
+            from dfl_agent.runtime.service.state_files import store_damaged
+
+            raise StartupError(store_damaged(state_dir / "store" / "samples.sqlite",
+                                             f"is not a readable SQLite database ({exc})")) from None
     if agent_factory is None:  # each run in a run process (runtime.supervisor)
         from dfl_agent.runtime.service.supervisor import ChildRun
 

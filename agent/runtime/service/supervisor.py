@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from dfl_agent.fsutil import atomic_write
 from dfl_agent.runtime.service.cgroup import RunCgroup, classify_exit
 from dfl_agent.runtime.shared import pipe
 from dfl_agent.runtime.shared.assembly import StartupError
@@ -174,9 +175,7 @@ class ChildRun:
         node_id = self.lobby.node_id
         self.progress = RunProgress(node_id, self.cfg.federation)
         run_toml = self.run_dir / "run.toml"
-        fd = os.open(run_toml, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the broker password
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(dump_toml(self.cfg))
+        atomic_write(run_toml, dump_toml(self.cfg), mode=0o600)  # it holds the broker password
         # None where no cgroup can be made (logged once): the run process runs unlimited
         cgroup = RunCgroup.create(f"{node_id}-{self.run_desc.run_id}-{self.attempt}", self.memory_mb)
         env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ENV}

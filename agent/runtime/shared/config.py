@@ -214,6 +214,13 @@ class RuntimeSection:
     run_stop_grace: float = described(30.0, help="seconds a run process has to stop after SIGTERM before SIGKILL")
     run_init: str = described("deployed", help="`deployed`: a run starts from the deployed model when its "
                               "architecture matches (else fresh, logged why); `fresh`; `run submit --init` overrides")
+    keep_runs: int = described(20, help="ended runs whose folders (round records gzipped, how each ended) are "
+                               "kept, newest first; an older run keeps a one-line summary in the run ledger")
+    keep_run_files: bool = described(False, help="keep an ended run's checkpoints, `run.toml` and plain round "
+                                     "records as the run left them (measurements on them: the field lab); `false`: "
+                                     "deleted, and the round records gzipped, once the run ledger records the run ended")
+    disk_warn_mb: int = described(1024, help="the agent's log (at start and after each run) and `dflctl doctor` warn "
+                                  "when the disk under `state_dir` has less free space than this (MiB); 0 = never")
     straggler: str = described("quorum", help="`quorum`: rounds close without the slowest neighbours, adaptive "
                                "deadlines, late updates weighted; `paper`: lock step (how-to: choose an algorithm)")
     min_round_timeout: float = described(2.0, help="quorum: the adaptive round deadline's lower bound (s)")

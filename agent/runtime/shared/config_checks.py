@@ -191,7 +191,8 @@ def _validate_runtime(cfg: NodeConfig) -> None:
     _need(cfg.runtime.checkpoint_keep >= 1, "runtime.checkpoint_keep", "must be >= 1 (2 keeps a fallback)")
     _need(cfg.runtime.log_format in ("auto", "text", "journal"), "runtime.log_format", "must be auto, text or journal")
     _need(0 <= cfg.runtime.prometheus_port <= 65535, "runtime.prometheus_port", "must be in [0, 65535] (0 = off)")
-    for key, low in (("max_catch_up_rounds", 0), ("run_retries", 0), ("eval_every", 1)):
+    for key, low in (("max_catch_up_rounds", 0), ("run_retries", 0), ("eval_every", 1), ("keep_runs", 1),
+                     ("disk_warn_mb", 0)):
         v = getattr(cfg.runtime, key)
         _need(isinstance(v, int) and not isinstance(v, bool) and v >= low, f"runtime.{key}", f"must be an integer >= {low}")
     _need(cfg.runtime.run_stop_grace > 0, "runtime.run_stop_grace", "must be > 0 seconds")
