@@ -17,10 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from dfl_agent.runtime.service import ledger as run_ledger  # registers its part of schema 2
 from dfl_agent.runtime.shared import state_version as sv
 from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 
-PRIVACY_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "compat" / "0.1.0" / "privacy" / "ledger.sqlite"
+COMPAT = Path(__file__).resolve().parents[1] / "fixtures" / "compat" / "0.1.0"
+PRIVACY_FIXTURE = COMPAT / "privacy" / "ledger.sqlite"
 
 
 def _rows(db: Path) -> list[tuple]:
@@ -76,12 +78,11 @@ def test_an_old_folder_is_migrated_once_with_a_backup(tmp_path: Path) -> None:
 
 def test_steps_run_in_order_and_a_failed_step_leaves_the_last_schema(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """The registry is how later migrations (the run ledger's, ...) join: a step to schema 3
-    registered beside the one to 2 runs after it; one that fails leaves the folder at schema 2,
-    its files copied aside, and runs again at the next start."""
+    """The registry is how later migrations join: a step to schema 3 registered beside the one to 2
+    runs after it; one that fails leaves the folder at schema 2, its files copied aside, and runs
+    again at the next start."""
     d = _old_folder(tmp_path / "state")
-    (d / "runs").mkdir()
-    (d / "runs" / "ledger.json").write_text('{"r1": {"state": "finished"}}\n')
+    (d / "later.json").write_text('{"r1": {"state": "finished"}}\n')
     calls: list[str] = []
     fail = [True]
 
@@ -89,14 +90,14 @@ def test_steps_run_in_order_and_a_failed_step_leaves_the_last_schema(tmp_path: P
         calls.append("3")
         if fail[0]:
             raise OSError("disk full")
-        (state_dir / "runs" / "ledger.json").write_text('{"format": 3}\n')
-        return "run ledger rewritten"
+        (state_dir / "later.json").write_text('{"format": 3}\n')
+        return "later.json rewritten"
 
-    monkeypatch.setattr(sv, "MIGRATIONS", dict(sv.MIGRATIONS))
+    monkeypatch.setattr(sv, "MIGRATIONS", {k: list(v) for k, v in sv.MIGRATIONS.items()})
     monkeypatch.setattr(sv, "STATE_VERSION", 3)
-    sv.register(sv.Migration(3, "test step", ("runs/ledger.json",), to_3))
-    with pytest.raises(ValueError):  # one step per schema
-        sv.register(sv.Migration(3, "twice", (), to_3))
+    sv.register(sv.Migration(3, "test step", ("later.json",), to_3))
+    with pytest.raises(ValueError):  # one part of a name per schema
+        sv.register(sv.Migration(3, "test step", (), to_3))
     with pytest.raises(sv.StartupError, match=r"migration to schema 3 \(test step\) failed: OSError: disk full; "
                                               r"it stays at schema 2"):
         sv.open_state(d)
@@ -105,11 +106,30 @@ def test_steps_run_in_order_and_a_failed_step_leaves_the_last_schema(tmp_path: P
     info = sv.open_state(d)
     assert info.found == 2 and [m["to"] for m in info.migrated] == [3] and calls == ["3", "3"]
     backups = sorted(p.name for p in (d / sv.BACKUP_DIR).iterdir())
-    assert len(backups) == 3  # schema 1's privacy folder, and schema 2's run ledger (twice: one per try)
-    kept = [d / sv.BACKUP_DIR / b / "runs" / "ledger.json" for b in backups if b.startswith("schema-2-")]
+    assert len(backups) == 3  # schema 1's privacy folder, and schema 2's later.json (twice: one per try)
+    kept = [d / sv.BACKUP_DIR / b / "later.json" for b in backups if b.startswith("schema-2-")]
     assert kept and all(k.read_text() == '{"r1": {"state": "finished"}}\n' for k in kept)
     doc = json.loads((d / sv.STATE_FILE).read_text())
     assert [(m["from"], m["to"]) for m in doc["migrations"]] == [(1, 2), (2, 3)]
+
+
+def test_release_0_1_0s_run_ledger_is_taken_over_by_the_migration_with_a_backup(tmp_path: Path) -> None:
+    """Schema 2's run-ledger part: 0.1.0's runs/ledger.json and cancelled.json (the committed
+    fixture) copied to state-backup/ first, then taken over into runs/ledger.sqlite."""
+    d = _old_folder(tmp_path / "state")
+    shutil.copytree(COMPAT / "runs", d / "runs", ignore=shutil.ignore_patterns("*.py"))
+    before = {n: (d / "runs" / n).read_bytes() for n in ("ledger.json", "cancelled.json")}
+    info = sv.open_state(d, clock=lambda: 1796200000.0)
+    step = info.migrated[0]
+    assert step["name"] == "the privacy ledger is hash-chained; the run ledger moves to SQLite"
+    legacy = json.loads(before["ledger.json"])
+    assert f"run ledger moved to SQLite ({len(legacy)} runs, " in step["did"]
+    backup = d / step["backup"]
+    assert {n: (backup / "runs" / n).read_bytes() for n in before} == before
+    assert not (d / "runs" / "ledger.json").exists() and (d / "runs" / "ledger.json.migrated").exists()
+    entries = run_ledger.read_entries(d)
+    assert set(entries) == set(legacy) and all(entries[r]["state"] == legacy[r]["state"] for r in legacy)
+    assert run_ledger.read_cancelled(d) == set(json.loads(before["cancelled.json"]))
 
 
 def test_a_newer_folder_is_refused_and_left_alone(tmp_path: Path) -> None:

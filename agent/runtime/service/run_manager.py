@@ -71,7 +71,7 @@ from dfl_agent.runtime.shared.run_config import (
     run_config_for,
 )
 from dfl_agent.runtime.shared.sample_store import open_store, seed_store
-from dfl_agent.runtime.shared.state_version import open_state
+from dfl_agent.runtime.shared.state_version import open_state as migrate_state
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -537,7 +537,8 @@ def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHoo
     sample store with ``data.dataset = "store"``, the systemd notifier, and ``hooks``.
 
     The state folder's schema is checked first, and an older one migrated
-    (:func:`~dfl_agent.runtime.shared.state_version.open_state`).
+    (:func:`~dfl_agent.runtime.shared.state_version.open_state`; an earlier release's run ledger
+    is taken over there); then :func:`open_state` opens the run ledger and checks every state file.
 
     Raises:
         StateVersionError: the state folder was written by a newer release (a StartupError).
@@ -545,7 +546,7 @@ def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHoo
     """
     state_dir = Path(cfg.state_dir)
     try:
-        open_state(state_dir)
+        migrate_state(state_dir)  # first: the checks below read the folder in this release's schema
         state_dir.mkdir(parents=True, exist_ok=True)
         profile = resolve_profile(cfg.profile, cfg.profile_overrides)[0]
     except (OSError, ValueError, LookupError) as exc:

@@ -26,10 +26,20 @@ anything else reads the folder:
 
 Adding a migration: write the step (``apply(state_dir) -> str | None``: what it did, or None
 when there was nothing to do), :func:`register` it with ``to = STATE_VERSION + 1`` and the
-paths it may rewrite, and raise :data:`STATE_VERSION` by one.  Torch-free.
+paths it may rewrite, and raise :data:`STATE_VERSION` by one.  A schema's step may have several
+parts, registered by the modules that own the files (a service file's part by the service
+module, since this module is shared and imports no service code): their files are copied to one
+backup first, then the parts run in the order registered.  Torch-free.
 
 Schemas: 1: release 0.1.0.  2: release 0.2.0: the privacy ledger is hash-chained
-(:mod:`dfl_agent.runtime.shared.privacy_ledger`).
+(:mod:`dfl_agent.runtime.shared.privacy_ledger`, registered here) and the run ledger moves from
+``runs/ledger.json`` and ``runs/cancelled.json`` to ``runs/ledger.sqlite``
+(:mod:`dfl_agent.runtime.service.ledger`, registered there).
+
+Order at the agent's start: this migration first, then the run ledger opens and every state
+file is checked (:func:`dfl_agent.runtime.service.run_manager.open_state`,
+:mod:`dfl_agent.runtime.service.state_files`), so the checks see the folder in this release's
+schema.
 """
 
 from __future__ import annotations
@@ -91,19 +101,22 @@ class Migration:
     apply: Callable[[Path], str | None]
 
 
-#: the registered steps, keyed by the schema each produces (``2`` migrates schema 1 to 2)
-MIGRATIONS: dict[int, Migration] = {}
+#: the registered steps, keyed by the schema each produces (``2`` migrates schema 1 to 2): the
+#: parts of each step, in the order they run
+MIGRATIONS: dict[int, list[Migration]] = {}
 
 
 def register(migration: Migration) -> Migration:
-    """Add ``migration`` to :data:`MIGRATIONS`.
+    """Add ``migration`` to :data:`MIGRATIONS` (a part of the step to ``migration.to``).
 
     Raises:
-        ValueError: a step to the same schema is registered already, or ``to`` is below 2.
+        ValueError: a part of that name is registered already for that schema, or ``to`` is below 2.
     """
-    if migration.to < FIRST_SCHEMA + 1 or migration.to in MIGRATIONS:
-        raise ValueError(f"a state migration to schema {migration.to} is registered already or impossible")
-    MIGRATIONS[migration.to] = migration
+    parts = MIGRATIONS.setdefault(migration.to, []) if migration.to > FIRST_SCHEMA else None
+    if parts is None or any(m.name == migration.name for m in parts):
+        raise ValueError(f"the state migration to schema {migration.to} ({migration.name}) is registered already "
+                         f"or impossible")
+    parts.append(migration)
     return migration
 
 
@@ -181,21 +194,28 @@ def open_state(state_dir: str | os.PathLike[str], *, clock: Callable[[], float] 
             f"restore the copy its migration kept in {d / BACKUP_DIR} (docs: operations, roll back an upgrade)")
     history = list(doc.get("migrations") or []) if isinstance(doc.get("migrations"), list) else []
     for to in range(found + 1, STATE_VERSION + 1):
-        step = MIGRATIONS[to]
-        backup = _backup(d, step, to - 1, clock())
-        try:
-            did = step.apply(d)
-        except Exception as exc:
-            raise StartupError(f"the state folder {d}: migration to schema {to} ({step.name}) failed: "
-                               f"{type(exc).__name__}: {exc}; it stays at schema {to - 1}"
-                               + (f" (a copy of its files before is in {backup})" if backup else "")) from exc
-        entry = {"from": to - 1, "to": to, "name": step.name, "release": __version__, "time": round(clock(), 3),
-                 "backup": str(backup.relative_to(d)) if backup is not None else None, "did": did}
+        parts = MIGRATIONS.get(to, [])
+        backup = _backup(d, [rel for m in parts for rel in m.rewrites], to - 1, clock())
+        done: list[str] = []
+        for step in parts:
+            try:
+                did = step.apply(d)
+            except StartupError:  # the part's own one line, naming its recovery; the schema is not raised
+                raise
+            except Exception as exc:
+                raise StartupError(f"the state folder {d}: migration to schema {to} ({step.name}) failed: "
+                                   f"{type(exc).__name__}: {exc}; it stays at schema {to - 1}"
+                                   + (f" (a copy of its files before is in {backup})" if backup else "")) from exc
+            if did:
+                done.append(did)
+        entry = {"from": to - 1, "to": to, "name": "; ".join(m.name for m in parts), "release": __version__,
+                 "time": round(clock(), 3), "backup": str(backup.relative_to(d)) if backup is not None else None,
+                 "did": "; ".join(done) or None}
         history = (history + [entry])[-MAX_HISTORY:]
         _write(d, {"schema": to, "release": __version__, "migrations": history})
         info.migrated.append(entry)
-        log.info("state folder %s: schema %d -> %d (%s)%s%s", d, to - 1, to, step.name,
-                 f": {did}" if did else ": nothing to change",
+        log.info("state folder %s: schema %d -> %d (%s)%s%s", d, to - 1, to, entry["name"],
+                 f": {entry['did']}" if entry["did"] else ": nothing to change",
                  f"; the files before are kept in {backup}" if backup is not None else "")
     return info
 
@@ -204,10 +224,10 @@ def _write(d: Path, doc: dict[str, Any]) -> None:
     atomic_write(d / STATE_FILE, json.dumps(doc, sort_keys=True, indent=1) + "\n")
 
 
-def _backup(d: Path, step: Migration, schema: int, now: float) -> Path | None:
-    """Copy the files ``step`` may rewrite to ``STATE_DIR/state-backup/schema-{schema}-TIME/`` (built
-    under a hidden name, fsynced, then renamed into place); None when none of them exists."""
-    present = [rel for rel in step.rewrites if (d / rel).exists()]
+def _backup(d: Path, rewrites: list[str], schema: int, now: float) -> Path | None:
+    """Copy the files a step may rewrite (``rewrites``) to ``STATE_DIR/state-backup/schema-{schema}-TIME/``
+    (built under a hidden name, fsynced, then renamed into place); None when none of them exists."""
+    present = [rel for rel in rewrites if (d / rel).exists()]
     if not present:
         return None
     root = d / BACKUP_DIR
