@@ -191,6 +191,7 @@ def test_release_0_1_0_and_this_release_federate_and_the_old_state_folder_migrat
 
             # -- the upgrade: this release's always-on agent on 0.1.0's state folder ----------------
             before = {p.relative_to(states["old2"]).as_posix() for p in states["old2"].rglob("*")}
+            old_ledger = (states["old2"] / "runs" / "ledger.json").read_bytes()
             with open(logs["upgraded"], "wb") as out:
                 procs["upgraded"] = subprocess.Popen([sys.executable, "-m", NEW_DAEMON, "run", "--config",
                                                       str(cfgs["old2"])], stdout=out, stderr=subprocess.STDOUT)
@@ -216,11 +217,19 @@ def test_release_0_1_0_and_this_release_federate_and_the_old_state_folder_migrat
     verifier = SecurityGuard("observer", None, TrustStore(fed, {"old2": public_key_b64(key)}), require_signatures=True)
     assert verifier.verify_control(raw, "status", "old2")[0] == "old2"  # signed with the key 0.1.0 made
     assert (states["old2"] / "models" / "current").resolve().name == "v1"
-    assert json.loads((states["old2"] / "runs" / "ledger.json").read_text())[run_id]["state"] == "finished"
+    from dfl_agent.runtime.service.ledger import read_entries
+
+    assert read_entries(states["old2"])[run_id]["state"] == "finished"  # taken over into runs/ledger.sqlite
     doc = json.loads((states["old2"] / STATE_FILE).read_text())
     assert doc["schema"] == STATE_VERSION and [(m["from"], m["to"]) for m in doc["migrations"]] == [(1, 2)]
+    assert (states["old2"] / doc["migrations"][0]["backup"] / "runs" / "ledger.json").read_bytes() == old_ledger
     after = {p.relative_to(states["old2"]).as_posix() for p in states["old2"].rglob("*")}
-    assert not {p for p in before - after if not p.startswith(("spool", "checkpoints"))}, before - after
+    # gone: what the spool and the store ingested, the ended run's resumption files (settled), and
+    # 0.1.0's ledger files (kept as runs/*.json.migrated and in state-backup/)
+    settled = ("checkpoints", "run.toml", "members.json", "start.json", "metrics.jsonl")  # this one gzipped
+    assert not {p for p in before - after if not p.startswith(("spool", "checkpoints"))
+                and p not in ("runs/ledger.json", "runs/cancelled.json")
+                and not (p.startswith("runs/") and any(part in settled for part in p.split("/")))}, before - after
     log = _tail(logs["upgraded"])
     assert "schema 1 -> 2" in log and "Traceback" not in log, log
     shutil.rmtree(tmp_path / "v0.1.0", ignore_errors=True)
