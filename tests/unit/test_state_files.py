@@ -218,7 +218,7 @@ def test_the_agent_refuses_to_start_on_a_damaged_run_ledger(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
-    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if "run ledger" in ln]
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if "run ledger" in ln and " INFO " not in ln]
     assert len(lines) == 1 and "holds only zero bytes" not in lines[0], lines
     assert f"run ledger {state / 'runs' / 'ledger.sqlite'}: begins with zero bytes" in lines[0]
     assert f"dflctl state recover --state-dir {state}" in lines[0]

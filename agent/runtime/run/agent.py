@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from dfl_agent import WIRE_VERSION, __version__
 from dfl_agent.data import node_data_for
 from dfl_agent.discovery.mdns import MdnsDiscovery
 from dfl_agent.discovery.static import load_static_peers
@@ -68,6 +67,7 @@ from dfl_agent.runtime.shared.run_config import node_id_from_state
 from dfl_agent.runtime.shared.run_host import RunHost
 from dfl_agent.runtime.shared.sample_store import open_store, store_data
 from dfl_agent.transport.mqtt import MqttTransport
+from dfl_agent.transport.versions import descriptor_versions
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -229,10 +229,11 @@ class Agent(RunMembers, AgentOperations):
         peers.home_broker = cfg.mqtt.broker  # a presence from another site's broker is a bridged one
         descriptor = {
             "broker": cfg.mqtt.broker, "profile": cfg.profile, "model_hash": spec_hash(s.spec),
-            "algorithm": s.algo_cls.name, "version": f"{__version__}/w{WIRE_VERSION}",
+            "algorithm": s.algo_cls.name, "version": descriptor_versions()["version"],
             "roles": ",".join(s.behaviour.roles), "compression": s.behaviour.compression,
         }
-        mdns_descriptor = dict(descriptor)  # mDNS advertises the address itself
+        mdns_descriptor = dict(descriptor)  # mDNS advertises the address and the wire versions itself
+        descriptor["wires"] = descriptor_versions()["wires"]  # what peers write to this node in (negotiate)
         if cfg.discovery.interfaces:  # the device's own address (dflctl peers), as mDNS advertises it
             descriptor["address"] = str(cfg.discovery.interfaces[0])
         if s.guard.certificate is not None:

@@ -192,8 +192,9 @@ class MemberDelivery:
 
 def send_frame(lobby: Any, federation: str, node: str, msg: Any, chunk_size: int) -> int:
     """Frame ``msg`` (a :class:`~dfl_agent.algorithms.context.Message`) for ``node`` of ``federation``, signed with
-    the node's key (``lobby.guard``), and publish it to ``node``'s inbox on the lobby's session,
-    in chunks of ``chunk_size`` bytes (QoS 1).  Returns the frame's bytes.
+    the node's key (``lobby.guard``), in the wire version ``node`` reads (the highest that its
+    status announces, :func:`dfl_agent.transport.versions.negotiate`), and publish it to ``node``'s
+    inbox on the lobby's session, in chunks of ``chunk_size`` bytes (QoS 1).  Returns the frame's bytes.
 
     Raises:
         WireError: the message cannot be framed.
@@ -201,9 +202,12 @@ def send_frame(lobby: Any, federation: str, node: str, msg: Any, chunk_size: int
     from dfl_agent.runtime.shared.framing import frame
     from dfl_agent.transport.chunking import iter_chunks
     from dfl_agent.transport.mqtt import topic
+    from dfl_agent.transport.versions import negotiate, versions_of
 
     msg.recipient = node
-    data = frame(msg, federation=federation, sender=lobby.node_id, security=lobby.guard)
+    with lobby.lock:  # the wire version the member reads: the one its status announces
+        wires = versions_of((lobby.statuses.get(node) or {}).get("wires"))
+    data = frame(msg, federation=federation, sender=lobby.node_id, security=lobby.guard, version=negotiate([wires]))
     name = topic(federation, node, "inbox")
     for chunk in list(iter_chunks(data, chunk_size)):
         lobby.client.publish(name, chunk, qos=1)

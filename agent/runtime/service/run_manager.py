@@ -80,6 +80,7 @@ from dfl_agent.runtime.shared.run_config import (
     run_config_for,
 )
 from dfl_agent.runtime.shared.sample_store import open_store, seed_store
+from dfl_agent.runtime.shared.state_version import open_state as migrate_state
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -571,11 +572,17 @@ def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHoo
     and verifies peers' ones and run descriptors), the lobby (not connected yet), the
     sample store with ``data.dataset = "store"``, the systemd notifier, and ``hooks``.
 
+    The state folder's schema is checked first, and an older one migrated
+    (:func:`~dfl_agent.runtime.shared.state_version.open_state`; an earlier release's run ledger
+    is taken over there); then :func:`open_state` opens the run ledger and checks every state file.
+
     Raises:
+        StateVersionError: the state folder was written by a newer release (a StartupError).
         StartupError: the state directory, the profile, the keys or the store are unusable.
     """
     state_dir = Path(cfg.state_dir)
     try:
+        migrate_state(state_dir)  # first: the checks below read the folder in this release's schema
         state_dir.mkdir(parents=True, exist_ok=True)
         profile = resolve_profile(cfg.profile, cfg.profile_overrides)[0]
     except (OSError, ValueError, LookupError) as exc:
