@@ -44,6 +44,7 @@ from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.onnx_model import deployment_order
 
 if TYPE_CHECKING:
+    from dfl_agent.algorithms.context import Message
     from dfl_agent.deploy.versions import ModelStore
     from dfl_agent.runtime.service.lobby import RunLobby
     from dfl_agent.runtime.shared.config import NodeConfig
@@ -171,17 +172,9 @@ class MemberDelivery:
     def _send(self, node: str, data: bytes, meta: dict[str, Any]) -> None:
         from dfl_agent.algorithms.context import Message
         from dfl_agent.onnx_model import ONNX_KIND
-        from dfl_agent.runtime.shared.framing import frame
-        from dfl_agent.transport.chunking import iter_chunks
-        from dfl_agent.transport.mqtt import topic
 
-        msg = Message(ONNX_KIND, int(meta["round"]), {"onnx": np.frombuffer(data, np.uint8)}, dict(meta),
-                      recipient=node)
-        data = frame(msg, federation=self.cfg.federation, sender=self.lobby.node_id, security=self.lobby.guard)
-        name, client = topic(self.cfg.federation, node, "inbox"), self.lobby.client
-        assert client is not None  # tick() sends only while the lobby's session is up
-        for chunk in list(iter_chunks(data, self.chunk_size)):
-            client.publish(name, chunk, qos=1)
+        msg = Message(ONNX_KIND, int(meta["round"]), {"onnx": np.frombuffer(data, np.uint8)}, dict(meta))
+        send_frame(self.lobby, self.cfg.federation, node, msg, self.chunk_size)
         last = self.sent.get(node)
         with self.lobby.lock:
             held = holding(self.lobby.statuses.get(node) or {})
@@ -202,6 +195,31 @@ class MemberDelivery:
                 await asyncio.wait_for(stop.wait(), period)
             except asyncio.TimeoutError:
                 pass
+
+
+def send_frame(lobby: RunLobby, federation: str, node: str, msg: Message, chunk_size: int) -> int:
+    """Frame ``msg`` (a :class:`~dfl_agent.algorithms.context.Message`) for ``node`` of ``federation``, signed with
+    the node's key (``lobby.guard``), in the wire version ``node`` reads (the highest that its
+    status announces, :func:`dfl_agent.transport.versions.negotiate`), and publish it to ``node``'s
+    inbox on the lobby's session, in chunks of ``chunk_size`` bytes (QoS 1).  Returns the frame's bytes.
+
+    Raises:
+        WireError: the message cannot be framed.
+    """
+    from dfl_agent.runtime.shared.framing import frame
+    from dfl_agent.transport.chunking import iter_chunks
+    from dfl_agent.transport.mqtt import topic
+    from dfl_agent.transport.versions import negotiate, versions_of
+
+    msg.recipient = node
+    with lobby.lock:  # the wire version the member reads: the one its status announces
+        wires = versions_of((lobby.statuses.get(node) or {}).get("wires"))
+    data = frame(msg, federation=federation, sender=lobby.node_id, security=lobby.guard, version=negotiate([wires]))
+    name, client = topic(federation, node, "inbox"), lobby.client
+    assert client is not None  # its callers send only while the lobby's session is up
+    for chunk in list(iter_chunks(data, chunk_size)):
+        client.publish(name, chunk, qos=1)
+    return len(data)
 
 
 def deployed_onnx(models: ModelStore, spec: dict[str, Any] | None = None, *,
