@@ -206,19 +206,14 @@ class RuntimeContext:
         # the straggler policy (None: lock step), whether a round alone waits, the simulator's --speeds
         self.straggler, self.alone_waits, self.virtual_train_s = straggler, alone_waits, virtual_train_s
         self._started = False
-        self.behaviour = behaviour
-        self.compatibility = compatibility
+        self.behaviour, self.compatibility, self.batcher = behaviour, compatibility, batcher
         self.gate: Callable[[], str | None] | None = gate  # None = may train, else the reason
         self.gate_poll = gate_poll  # seconds between gate checks while gated
-        self.pause_when_disconnected = pause_when_disconnected
-        self.batcher = batcher
-        self.catch_up = catch_up
-        self.max_catch_up_rounds = max_catch_up_rounds
-        self.final_round: int | None = final_round
+        self.catch_up, self.max_catch_up_rounds = catch_up, max_catch_up_rounds
+        self.pause_when_disconnected, self.final_round = pause_when_disconnected, final_round
         self.diverged = 0  # non-finite steps restored (Algorithm.divergence_guard): note_diverged
         self._diverged_warned = -1  # the round of the last WARNING about it
-        self.compression = compression
-        self.security = security
+        self.compression, self.security = compression, security
         self.last_round_bytes: dict[str, Any] = {}
         self.timing: dict[str, float] = dict.fromkeys(TIMING_KEYS, 0.0)
         self.last_round_timing: dict[str, float] = dict.fromkeys(TIMING_KEYS, 0.0)
