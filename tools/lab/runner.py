@@ -22,9 +22,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tomllib
@@ -32,6 +33,9 @@ import tomllib
 from dfl_agent.cli.lab.members import received
 from dfl_agent.cli.lab.net import LabNet
 from dfl_agent.cli.lab.scenario import Device, Event, Scenario
+
+if TYPE_CHECKING:
+    from dfl_agent.cli.lab.traffic import TrafficSampler
 
 PY = sys.executable
 PORT = 8883
@@ -132,7 +136,7 @@ class Happened:
 class LabRun:
     """One ``dflctl lab run``: :meth:`run` returns the report (also written to ``out``)."""
 
-    def __init__(self, scenario: Scenario, out: Path, *, say: Any = None):
+    def __init__(self, scenario: Scenario, out: Path, *, say: Callable[[str], None] | None = None):
         self.sc = scenario
         self.out = out
         self.say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -154,7 +158,7 @@ class LabRun:
         #: site -> its bridge user's login lines (every site but the first, the hub)
         self.bridges: dict[str, str] = {}
         #: the links' byte counters, sampled about once a second (traffic.TrafficSampler)
-        self.traffic: Any = None
+        self.traffic: TrafficSampler | None = None
 
     # ---- helpers ------------------------------------------------------------------
     def now(self) -> float:
@@ -324,10 +328,10 @@ class LabRun:
             a.proc = None
 
     # ---- the timeline -------------------------------------------------------------
-    def _actions(self) -> list[tuple[float, int | None, str, Any]]:
+    def _actions(self) -> list[tuple[float, int | None, str, Callable[[], None]]]:
         """The timeline: ``(at_s, after_run, what, do)`` (``after_run``: at_s counts from when
         that run trains on every device)."""
-        acts: list[tuple[float, int | None, str, Any]] = []
+        acts: list[tuple[float, int | None, str, Callable[[], None]]] = []
         for d in self.sc.devices:
             if d.start_s > 0:
                 acts.append((d.start_s, None, f"late joiner {d.id} enrolled and started", lambda d=d: self._late(d)))
@@ -339,16 +343,16 @@ class LabRun:
             acts += [(at, e.after_run, what, fn) for at, what, fn in self._event_actions(h)]
         return sorted(acts, key=lambda a: a[0])
 
-    def _event_actions(self, h: Happened) -> list[tuple[float, str, Any]]:
+    def _event_actions(self, h: Happened) -> list[tuple[float, str, Callable[[], None]]]:
         e, lab = h.event, self.lab
 
-        def begin(fn: Any) -> Any:
+        def begin(fn: Callable[[], object]) -> Callable[[], None]:
             def go() -> None:
                 h.start = time.monotonic()
                 fn()
             return go
 
-        def finish(fn: Any) -> Any:
+        def finish(fn: Callable[[], object]) -> Callable[[], None]:
             def go() -> None:
                 fn()
                 h.end = time.monotonic()
