@@ -417,6 +417,13 @@ class RuntimeContext:
         on those: a thousand nodes asking several times a round stay O(N) each."""
         return self.membership.live_peers()
 
+    def live_peer_count(self) -> int:
+        """How many peers are live and take part: ``len(live_peers())``, or, where the
+        transport keeps presence for this node's graph neighbours only (the simulator on
+        a sparse graph), the federation's count from the transport
+        (:meth:`Membership.live_count`)."""
+        return self.membership.live_count()
+
     def neighbours(self) -> list[str]:
         return self.membership.neighbours()
 

@@ -141,6 +141,17 @@ class Membership:
             self._live_cache = ((changes, len(self.excluded), self._gated_changes), list(live))
         return live
 
+    def live_count(self) -> int:
+        """``len(live_peers())``; where the transport says how many members are online
+        because this node hears the presence of its graph neighbours only
+        (``members_online()``: the simulator's memory network with a presence graph), that
+        count.  The simulator scopes presence only when no peer can be excluded, gated or
+        untrusted (same algorithm and model everywhere, no security, no status), so both
+        count the same peers."""
+        members = getattr(self.ctx.transport, "members_online", None)
+        n = members() if members is not None else None
+        return len(self.live_peers()) if n is None else n
+
     def _participates(self, peer: str) -> bool:
         if self.peer_gated.get(peer):
             return False

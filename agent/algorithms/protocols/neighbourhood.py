@@ -302,7 +302,8 @@ class NeighbourhoodAlgorithm(Algorithm):
             return
         mode = self.options.delivery
         if mode == "auto":
-            mode = "broadcast" if set(neighbours) == set(ctx.live_peers()) else "unicast"
+            # the neighbours (live peers in the graph) are all the live peers
+            mode = "broadcast" if len(neighbours) == ctx.live_peer_count() else "unicast"
         msg = gc.model_message(self.choco, MODEL_KIND, t, tensors, meta)  # once: CHOCO copies agree
         if mode == "broadcast":
             await ctx.broadcast(msg, neighbours_only=True)
