@@ -81,6 +81,8 @@ class Inbox:
         #: how often each (sender, reason)'s drops are logged (senders are not verified yet
         #: when dropped: the keys are bounded)
         self.drop_log = LogLimit(DROP_LOG_EVERY, DROP_LOG_BURST)
+        #: whether the frame :meth:`_decode` decoded last was a shared broadcast
+        self.last_shared = False
 
     def drop(self, reason: str, detail: str, sender: str = "?") -> None:
         """Count a dropped message under ``reason`` and log it (WARNING): the first
@@ -130,7 +132,9 @@ class Inbox:
 
     def _decode(self, frame: bytes | PreparedFrame) -> tuple[Message, dict[str, Any] | None, str | None] | None:
         """``(message, parsed envelope or None, signature verdict or None)``, or None
-        (dropped and counted) when the frame does not decode."""
+        (dropped and counted) when the frame does not decode.  A shared broadcast of the
+        memory transport is marked in :attr:`last_shared`."""
+        self.last_shared = False
         ctx = self.ctx
         if isinstance(frame, PreparedFrame):
             if frame.error is not None or frame.msg is None:
@@ -142,6 +146,7 @@ class Inbox:
             shared = ctx.transport.decode_shared(frame, federation=ctx.federation, recipient=ctx.node_id,
                                                  max_frame_bytes=ctx.max_frame_bytes)
             if shared is not None:  # a shared broadcast (memory transport), decoded once
+                self.last_shared = True
                 return shared, None, None
             msg, parsed = wire.decode_with_header(frame, federation=ctx.federation, recipient=ctx.node_id,
                                                   max_frame_bytes=ctx.max_frame_bytes)
@@ -173,15 +178,21 @@ class Inbox:
             return False, header
         return True, header
 
-    def _fresh(self, msg: Message) -> bool:
-        """Not a duplicate (remembers its id) and not stale."""
+    def _fresh(self, msg: Message, remember: bool = True) -> bool:
+        """Not a duplicate (remembers its id, unless ``remember`` is False) and not stale.
+
+        A shared broadcast of the memory transport is not remembered: the network hands it
+        to each of its receivers once (a receiver list holds each node once, and a frame
+        sent again is a new frame with a new id), so its id can never come back, and a node
+        that hears a thousand neighbours keeps no thousands of ids per round."""
         if msg.msg_id in self.seen_ids:
             self.ctx.rejected["duplicate"] += 1
             return False
-        self.seen_ids.add(msg.msg_id)
-        self.seen_order.append(msg.msg_id)
-        if len(self.seen_order) > SEEN_IDS:
-            self.seen_ids.discard(self.seen_order.popleft())
+        if remember:
+            self.seen_ids.add(msg.msg_id)
+            self.seen_order.append(msg.msg_id)
+            if len(self.seen_order) > SEEN_IDS:
+                self.seen_ids.discard(self.seen_order.popleft())
         # older rounds: no algorithm takes them.  An algorithm that takes late updates drops old
         # ones itself (its update market), where a compressed stream's copy still follows them
         oldest = self.ctx.current_round - 1
@@ -206,7 +217,7 @@ class Inbox:
             self.drop("incompatible_peer", excluded[msg.sender], msg.sender)
             return
         passed, header = self._security_check(frame, msg, parsed, verdict)
-        if not passed or not self._fresh(msg):
+        if not passed or not self._fresh(msg, remember=not self.last_shared):
             return
         msg.wire_bytes = wire_bytes
         self.bytes_received_by_kind[msg.kind] += wire_bytes

@@ -107,3 +107,39 @@ def test_pinned_fedavg_figures_on_an_erdos_renyi_graph():
         n: [pytest.approx(a, abs=1e-12) for a in accs] for n, accs in FEDAVG_ER.items()}
     assert {r["live_peers"] for rs in recs.values() for r in rs} == {7}
     assert all("peers_found" not in r for rs in recs.values() for r in rs)  # nothing to find in a simulation
+
+
+def test_a_shared_broadcast_leaves_no_per_message_state_behind():
+    """A receiver keeps no id of a shared broadcast (the memory network hands it to each
+    receiver once) and a sender no copy of its last message; a raw frame's id is still
+    remembered, and its copy dropped as a duplicate."""
+    import asyncio
+
+    import numpy as np
+
+    from dfl_agent.algorithms.context import Message
+    from dfl_agent.discovery.peers import PeerTable
+    from dfl_agent.runtime.context import RuntimeContext
+    from dfl_agent.transport import wire
+    from dfl_agent.transport.memory import MemoryNetwork
+
+    net = MemoryNetwork()
+    a, b, c = (RuntimeContext(node_id=n, federation="f", transport=net.transport(n, "f"), peers=PeerTable(n, "f"),
+                              data=None, model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0))
+               for n in "abc")
+
+    async def main():
+        for ctx in (a, b, c):
+            await ctx.start()
+        await a.broadcast(Message("model", 1, {"w": np.ones(3, np.float32)}))
+        assert a.outbox.last_encoded is None
+        got = [await ctx.receive("model", round=1, deadline=1.0) for ctx in (b, c)]
+        assert [m.sender for m in got] == ["a", "a"] and len(b.inbox.seen_ids) == len(c.inbox.seen_ids) == 0
+        raw = wire.encode(Message("model", 2, {"w": np.ones(3, np.float32)}), federation="f", sender="a")
+        for _ in range(2):
+            net.deliver_raw("b", raw)
+        await asyncio.sleep(0)
+        assert b.inbox.seen_ids == {wire.decode(raw, federation="f").msg_id}
+        assert b.rejected["duplicate"] == 1 and (await b.receive("model", round=2, deadline=2.0)).round == 2
+
+    run_virtual(main())
