@@ -394,6 +394,9 @@ class NeighbourhoodAlgorithm(Algorithm):
         used = [] if guard.diverged else sorted(got)
         if not self.train_first:
             stats = await self._train_and_send(t)  # Alg. 1 lines 9-11
+        # the round's updates are let go with it: the market's last collection would otherwise
+        # hold every neighbour's message (and its frame) until the next round's collection
+        self.market.last = None
         return {"train_loss": stats["loss"], "neighbours": len(used), "neighbour_ids": used,
                 "missing": missing, **info, **(last.info() if last is not None else {}),
                 "participants_expected": len(set(got) | set(missing)), "participants_used": len(used),
