@@ -32,13 +32,15 @@ HERE = Path(__file__).resolve().parent
 
 
 def run_cell(nodes: int, topology: str, algorithm: str, rounds: int, extra: list[str], timeout: int = 0,
-             topology_options: list[str] | None = None, rss_limit_mb: float = 0) -> dict:
+             topology_options: list[str] | None = None, rss_limit_mb: float = 0,
+             pythonpath: str | None = None, commit: str | None = None) -> dict:
     """Run one simulation; returns its measured cell (wall s, peak RSS MB, node-rounds/s),
     with the machine and its load average before and after.
 
     ``topology_options``: ``KEY=VALUE`` items (default ``p=0.05`` for ``erdos_renyi``).
     ``rss_limit_mb``: stop the run (``rc`` -9, ``stopped`` = ``rss_limit``) once the
-    simulation's resident memory exceeds this (0: no limit)."""
+    simulation's resident memory exceeds this (0: no limit).  ``pythonpath``: run another
+    copy of the package (laid out as installed) whose ``commit`` is recorded."""
     dflctl = shutil.which("dflctl") or str(Path(sys.executable).parent / "dflctl")
     cmd = [dflctl, "simulate", "--algorithm", algorithm, "--dataset", "digits", "--partition", "iid",
            "--rounds", str(rounds), "--nodes", str(nodes)]
@@ -49,13 +51,14 @@ def run_cell(nodes: int, topology: str, algorithm: str, rounds: int, extra: list
         for option in topology_options or []:
             cmd += ["--topology-option", option]
     cmd += extra
-    commit = _code_commit()
+    commit = commit or _code_commit()
+    env = {**os.environ, "PYTHONPATH": pythonpath} if pythonpath else None
     load_before = os.getloadavg()
     t0 = time.time()
     # the child's per-round progress lines (stderr, no terminal) are passed on as they come
     limit = ["timeout", str(timeout)] if timeout else []  # exit 124 when it runs out
     p = subprocess.Popen(["/usr/bin/time", "-v", *limit, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+                         text=True, env=env)
     assert p.stdout is not None and p.stderr is not None
     stopped: list[str] = []
     if rss_limit_mb:
