@@ -197,12 +197,16 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=0, help="seconds before a cell is stopped (rc 124); 0: none")
     ap.add_argument("--label", default="", help="series label of the cells (a separate row and exponent)")
     ap.add_argument("--note", default="", help="a note on the cells, listed under the table")
+    ap.add_argument("--pythonpath", default=None, help="run another copy of the package (laid out as installed, "
+                    "e.g. by regression.py) through PYTHONPATH")
+    ap.add_argument("--commit", default=None, help="with --pythonpath: the commit of that package, recorded")
     a = ap.parse_args()
     if a.report:
         report()
         return
     for n in a.nodes:
-        cell = run_cell(n, a.topology, a.algorithm, a.rounds, a.extra.split(), a.timeout, a.topology_option)
+        cell = run_cell(n, a.topology, a.algorithm, a.rounds, a.extra.split(), a.timeout, a.topology_option,
+                        pythonpath=a.pythonpath, commit=a.commit)
         if a.label:
             cell["label"] = a.label
         if a.note:
