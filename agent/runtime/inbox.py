@@ -81,8 +81,6 @@ class Inbox:
         #: how often each (sender, reason)'s drops are logged (senders are not verified yet
         #: when dropped: the keys are bounded)
         self.drop_log = LogLimit(DROP_LOG_EVERY, DROP_LOG_BURST)
-        #: whether the frame :meth:`_decode` decoded last was a shared broadcast
-        self.last_shared = False
 
     def drop(self, reason: str, detail: str, sender: str = "?") -> None:
         """Count a dropped message under ``reason`` and log it (WARNING): the first
@@ -130,27 +128,25 @@ class Inbox:
             self.ctx.timing["receive_s"] += time.perf_counter() - t0 + (
                 frame.seconds if isinstance(frame, PreparedFrame) else 0.0)
 
-    def _decode(self, frame: bytes | PreparedFrame) -> tuple[Message, dict[str, Any] | None, str | None] | None:
-        """``(message, parsed envelope or None, signature verdict or None)``, or None
-        (dropped and counted) when the frame does not decode.  A shared broadcast of the
-        memory transport is marked in :attr:`last_shared`."""
-        self.last_shared = False
+    def _decode(self, frame: bytes | PreparedFrame) -> tuple[Message, dict[str, Any] | None, str | None, bool] | None:
+        """``(message, parsed envelope or None, signature verdict or None, shared)``, or None
+        (dropped and counted) when the frame does not decode; ``shared``: a shared
+        broadcast of the memory transport, decoded once for all its receivers."""
         ctx = self.ctx
         if isinstance(frame, PreparedFrame):
             if frame.error is not None or frame.msg is None:
                 reason, detail = frame.error or ("malformed", "no message")
                 self.drop(reason, detail)
                 return None
-            return frame.msg, frame.header, frame.verdict
+            return frame.msg, frame.header, frame.verdict, False
         try:
             shared = ctx.transport.decode_shared(frame, federation=ctx.federation, recipient=ctx.node_id,
                                                  max_frame_bytes=ctx.max_frame_bytes)
             if shared is not None:  # a shared broadcast (memory transport), decoded once
-                self.last_shared = True
-                return shared, None, None
+                return shared, None, None, True
             msg, parsed = wire.decode_with_header(frame, federation=ctx.federation, recipient=ctx.node_id,
                                                   max_frame_bytes=ctx.max_frame_bytes)
-            return msg, parsed, None
+            return msg, parsed, None, False
         except wire.WireError as exc:
             self.drop(exc.reason, exc.detail)
         except Exception as exc:  # never let bad input kill the node
@@ -206,7 +202,7 @@ class Inbox:
         decoded = self._decode(frame)
         if decoded is None:
             return
-        msg, parsed, verdict = decoded
+        msg, parsed, verdict, shared = decoded
         if msg.sender == ctx.node_id:
             # no transport hands a node its own frames (MQTT skips its own "out" topic, the
             # memory network its sender): this one was forged or replayed in our name
@@ -217,7 +213,7 @@ class Inbox:
             self.drop("incompatible_peer", excluded[msg.sender], msg.sender)
             return
         passed, header = self._security_check(frame, msg, parsed, verdict)
-        if not passed or not self._fresh(msg, remember=not self.last_shared):
+        if not passed or not self._fresh(msg, remember=not shared):
             return
         msg.wire_bytes = wire_bytes
         self.bytes_received_by_kind[msg.kind] += wire_bytes
