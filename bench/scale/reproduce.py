@@ -45,7 +45,16 @@ CASES: dict[str, dict[str, Any]] = {
     "dfml_ring": dict(algorithm="dfml", nodes=6, rounds=3, dataset="digits", partition="iid", topology="ring"),
     "defkt_er": dict(algorithm="defkt", nodes=10, rounds=3, dataset="digits", partition="iid",
                      topology="erdos_renyi", topology_options={"p": 0.4}),
+    # the committed bench/results/simulate_fedavg_har_10x20.json's command (bench/simulate_fedavg_har.sh)
+    "fedavg_har_10x20": dict(algorithm="fedavg", nodes=10, rounds=20, dataset="har", partition="by-user", seed=0),
+    # bench/dechw's setting (digits, Dirichlet 0.2, independent init, Erdos-Renyi p = 0.2), 10 rounds
+    "dechw_bench_digits": dict(algorithm="dechw", nodes=20, rounds=10, dataset="digits", partition="dirichlet",
+                               beta=0.2, init="independent", topology="erdos_renyi", topology_options={"p": 0.2},
+                               train={"epochs": 5, "batch_size": 32, "lr": 0.05, "momentum": 0.5},
+                               model_size="medium"),
 }
+#: the default cases (the two benchmark settings take a few minutes: ``--cases`` adds them)
+DEFAULT = [c for c in CASES if c not in ("fedavg_har_10x20", "dechw_bench_digits")]
 #: real-time measurements in records and summaries (not results)
 TIMING = {"wall", "wall_seconds", "round_wall_s", "wait_s", "train_s", "encode_s", "send_s", "receive_s", "eval_s"}
 
@@ -60,8 +69,15 @@ def _clean(o: Any) -> Any:
 
 def run(names: list[str]) -> dict[str, Any]:
     """Every case's records and summary (timings left out)."""
+    from dfl_agent.learning.training import TrainConfig
     from dfl_agent.runtime.simulator import SimConfig, round_records, simulate
     from dfl_agent.transport import wire
+
+    def config(name: str) -> Any:
+        kw = dict(CASES[name])
+        if "train" in kw:
+            kw["train"] = TrainConfig(**kw["train"])
+        return SimConfig(**kw)
 
     ids = [itertools.count()]
     wire.time = types.SimpleNamespace(time=lambda: 1.7e9, perf_counter=time.perf_counter,  # type: ignore[attr-defined]
@@ -71,9 +87,9 @@ def run(names: list[str]) -> dict[str, Any]:
     out = {}
     for name in names:
         ids[0] = itertools.count()
-        records = round_records(SimConfig(**CASES[name]))
+        records = round_records(config(name))
         ids[0] = itertools.count()
-        summary = simulate(SimConfig(**CASES[name]))
+        summary = simulate(config(name))
         out[name] = _clean({"records": records, "summary": summary})
         digest = hashlib.sha256(json.dumps(out[name], sort_keys=True, default=str).encode()).hexdigest()[:16]
         print(name, digest, flush=True)
@@ -119,7 +135,7 @@ def compare(old: dict[str, Any], new: dict[str, Any], ignore: set[str]) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the cases' outputs to this JSON file")
-    ap.add_argument("--cases", nargs="*", default=list(CASES), help="case names (default: all)")
+    ap.add_argument("--cases", nargs="*", default=DEFAULT, help=f"case names (default: {', '.join(DEFAULT)})")
     ap.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"), help="compare two outputs")
     ap.add_argument("--ignore", nargs="*", default=[], help="--compare: field names to leave out")
     a = ap.parse_args()
