@@ -73,6 +73,7 @@ def atomic_writer(path: str | os.PathLike[str], mode: int | None = None) -> Iter
             os.fsync(f.fileno())
         if mode is not None:
             os.chmod(tmp, mode)
+        crash_point("write", p.name)  # the crash tests: a kill with the new content still under its temporary name
         os.replace(tmp, p)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -171,7 +172,9 @@ def crash_point(state: str, when: str) -> None:
     The run manager calls it around each ledger write (``when`` ``before`` and ``after``:
     the ledger does not yet, or already, record ``state``); the deployment calls it with
     ``deploying:mid`` once a new version's files are written under ``models/.tmp-*``, before
-    they are moved into place.  A process that leads its process group (the tests start the
+    they are moved into place; every atomic write with ``write:{file name}`` once the new
+    content is fsynced under its temporary name, before the rename; the run ledger with
+    ``run-ledger:before-commit`` inside each transaction.  A process that leads its process group (the tests start the
     always-on agent so) is killed with its group, its run process included, and so is a run
     process whose parent leads its group.  Unset (always, outside the tests) it does nothing.
     """

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Every measured figure in the user documentation names where it comes from.
 
-Scans ``README.md`` and ``docs/*.md`` for figures: numbers with a unit of time, size, rate,
+Scans ``README.md``, ``docs/*.md`` and ``docs/tutorials/*.md`` for figures: numbers with a unit of time, size, rate,
 share or ratio (``2.5 minutes``, ``49.6 MB``, ``0.25 ms``, ``93 %``, ``0.61×``). Each block
 (a paragraph, a list, a table) that holds one must name a committed file under ``bench/``
 (the benchmark that measured it or its results), or a block next to it in the same section
@@ -121,7 +121,8 @@ def names_source(text: str, files: set[str]) -> bool:
 
 
 def pages(root: Path) -> list[Path]:
-    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    """README.md, the pages of docs/ and the tutorials (a reader reproduces their figures step by step)."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted((root / "docs" / "tutorials").glob("*.md"))]
 
 
 def check(root: Path, allowed: list[tuple[str, str, str]] | None = None) -> list[str]:

@@ -9,9 +9,12 @@
 # 2. venv A: a CPU torch (the local wheel when pip's find-links has one, as setup.sh),
 #    then WHEEL[train,har]; from /tmp: dfl-agent check-config on the README's minimal
 #    config (paths under a temporary folder), dflctl profile detect --json,
-#    dflctl install-service --dry-run, a 2-node 1-round dflctl simulate.
+#    dflctl install-service --dry-run, a 2-node 1-round dflctl simulate, and
+#    dfl-agent run --once on a sample store fed by dflctl data add, against a mosquitto
+#    started here: it starts, trains and deploys a model with [train,har] alone (no SciPy);
+#    then the privacy extra: DP check-config and a DP simulate.
 # 3. venv B: WHEEL[inference] without torch (import torch must fail); dfl-infer run
-#    against a mosquitto started here must publish its retained presence.
+#    against the same mosquitto must publish its retained presence.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -46,6 +49,14 @@ for need in dfl_agent/share/device_profiles/generic-x86.toml dfl_agent/share/sys
             dfl_agent/share/mosquitto/mosquitto.conf dfl_agent/cli/dflctl.py; do
   grep -qx "$need" "$WORK/wheel.txt" || fail "the wheel lacks $need"
 done
+
+# a broker for the agent of venv A and the inference member of venv B
+MOSQ=$(command -v mosquitto || echo /usr/sbin/mosquitto)
+[[ -x "$MOSQ" ]] || fail "mosquitto not found"
+PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+printf 'listener %s 127.0.0.1\nallow_anonymous true\n' "$PORT" >"$WORK/mosquitto.conf"
+"$MOSQ" -c "$WORK/mosquitto.conf" >"$WORK/mosquitto.log" 2>&1 &
+MOSQ_PID=$!
 
 # -- venv A: a training node ------------------------------------------------------------
 step "venv A: CPU torch + WHEEL[train,har]"
@@ -96,6 +107,34 @@ step "dflctl simulate (2 nodes, 1 round)"
 "$A/dflctl" simulate --algorithm fedavg --nodes 2 --rounds 1 --dataset har --partition iid --steps 5 \
   --model-size small --out "$WORK/sim" || fail "dflctl simulate"
 [[ -s "$WORK/sim/summary.json" ]] || fail "simulate wrote no summary.json"
+# an always-on node's run with [train,har] alone: start, train on the store, deploy
+step "dfl-agent run --once on a sample store, without SciPy (1 round, deployed)"
+if "$A/python" -c 'import scipy' >/dev/null 2>&1; then fail "SciPy is installed in venv A: [train,har] alone is checked here"; fi
+"$A/python" -c 'import numpy as np, sys; r = np.random.default_rng(0)
+np.savez(sys.argv[1], x=r.normal(size=(120, 3, 128)).astype(np.float32), y=r.integers(0, 6, 120))' "$WORK/samples.npz"
+cat >"$WORK/once.toml" <<TOML
+federation = "checkinstall"
+node_id = "once"
+state_dir = "$WORK/once"
+[algorithm]
+name = "local"
+rounds = 1
+[training]
+steps = 5
+[data]
+dataset = "store"
+input_shape = [3, 128]
+num_classes = 6
+[mqtt]
+broker = "127.0.0.1:$PORT"
+[discovery]
+mdns = false
+TOML
+"$A/dflctl" data add --state-dir "$WORK/once" "$WORK/samples.npz" >/dev/null || fail "dflctl data add"
+"$A/dfl-agent" run --once --config "$WORK/once.toml" >"$WORK/once.log" 2>&1 \
+  || { tail -30 "$WORK/once.log"; fail "dfl-agent run --once"; }
+grep -q "deployed model v1" "$WORK/once.log" && [[ -s "$WORK/once/models/current/manifest.json" ]] \
+  || { tail -30 "$WORK/once.log"; fail "dfl-agent run --once deployed no model"; }
 # differential privacy: without the privacy extra a DP configuration stops in one line naming it
 printf '[privacy.dp]\nmax_grad_norm = 1.0\nnoise_multiplier = 1.0\n' | cat "$WORK/node.toml" - >"$WORK/dp.toml"
 step "dfl-agent check-config with privacy.dp, without the privacy extra"
@@ -121,12 +160,6 @@ pipq "$B/pip" install -q "$WHEEL[inference]"
 if "$B/python" -c 'import torch' >/dev/null 2>&1; then fail "torch is importable in the inference venv"; fi
 "$B/dfl-infer" --version
 "$B/dflctl" --version
-MOSQ=$(command -v mosquitto || echo /usr/sbin/mosquitto)
-[[ -x "$MOSQ" ]] || fail "mosquitto not found"
-PORT=$("$B/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-printf 'listener %s 127.0.0.1\nallow_anonymous true\n' "$PORT" >"$WORK/mosquitto.conf"
-"$MOSQ" -c "$WORK/mosquitto.conf" >"$WORK/mosquitto.log" 2>&1 &
-MOSQ_PID=$!
 cd /tmp
 step "dfl-infer run against 127.0.0.1:$PORT"
 "$B/dfl-infer" run --broker "127.0.0.1:$PORT" --federation checkinstall --node-id infer-check \

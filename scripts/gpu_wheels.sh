@@ -5,7 +5,7 @@
 #
 # Builds the project's wheel into DIR, then `pip download`s, as binary wheels for that
 # Python on x86-64 Linux (manylinux), every dependency of the wheel and of its `test`,
-# `broker`, `digits` and `onnx` extras: paho-mqtt, zeroconf and ifaddr, cryptography with
+# `broker`, `digits` and `onnx` extras: paho-mqtt, zeroconf and ifaddr, cryptography and pynacl with
 # cffi and pycparser, blake3, zstandard, lz4, tomli-w, platformdirs, scikit-learn,
 # pytest-asyncio, amqtt and its dependencies, onnx, onnxruntime, onnxscript, ...
 # torch is not among them: the GPU machine brings its own CUDA build.  A dependency

@@ -40,8 +40,8 @@ from typing import Any
 
 from dfl_agent.algorithms.protocols.stragglers import REPRODUCTION_MODE
 from dfl_agent.cli.demo import stop_processes
-from dfl_agent.runtime import metrics
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.node import metrics
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 
 
 @dataclasses.dataclass
@@ -205,7 +205,7 @@ def run_chaos(o: ChaosOptions, log=print) -> dict[str, Any]:
                 paths[nid] = path
 
             def launch(nid: str) -> None:
-                cmd = [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(paths[nid])]
+                cmd = [sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--once", "--config", str(paths[nid])]
                 if netns:
                     cmd = ["ip", "netns", "exec", netns.names[ids.index(nid)], *cmd]
                 logf = open(out / "logs" / f"{nid}.log", "a")

@@ -21,7 +21,7 @@ def resolve(a: argparse.Namespace) -> tuple[Path, Any]:
     """(state_dir, config or None) from ``--state-dir`` / ``--config``."""
     cfg = None
     if a.config:
-        from dfl_agent.runtime.config import load_config
+        from dfl_agent.runtime.shared.config import load_config
 
         cfg = load_config(a.config)
     sd = a.state_dir or (cfg.state_dir if cfg else None) or os.environ.get("DFL_STATE_DIR") or "/var/lib/dfl-agent"

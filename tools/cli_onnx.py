@@ -3,8 +3,9 @@
   dflctl export --onnx OUT.onnx [--dataset har] [--model-size small|--spec JSON]
                 [--weights STATE.safetensors] [--train-epochs N] [--windows-out W.npz] [--json]
       build the model (weights from a safetensors state dict, or trained N epochs on
-      the dataset's pool, or freshly initialised), export it with torch.onnx (dynamo,
-      one file), check onnxruntime against torch on test windows (max |Δlogit| <= 1e-4)
+      the dataset's pool, or freshly initialised), export it with torch.onnx (one file;
+      see dfl_agent.models.onnx_export), check onnxruntime against torch on test windows
+      (max |Δlogit| <= 1e-4); one torch thread (the export is small: more threads only spin)
   dflctl predict --model M.onnx --windows FILE.npz|FILE.csv [--json]
       onnxruntime predictions on a window file (the same as ``dfl-infer predict``)
 """
@@ -27,6 +28,7 @@ def cmd_export(a: argparse.Namespace) -> int:
 
     if not a.onnx:
         raise ValueError("export: --onnx OUT.onnx is required (the only export format)")
+    torch.set_num_threads(1)
     bundle = load_dataset(a.dataset, path=a.dataset_path)
     shape = list(bundle.pool.input_shape)
     spec = validate_spec(json.loads(a.spec)) if a.spec else default_spec(shape, bundle.pool.num_classes, a.model_size)
@@ -39,7 +41,6 @@ def cmd_export(a: argparse.Namespace) -> int:
         model.load_state_dict(load_file(a.weights))
         source = f"weights {a.weights}"
     elif a.train_epochs > 0:
-        torch.set_num_threads(1)
         train_local(model, bundle.pool.x, bundle.pool.y, TrainConfig(epochs=a.train_epochs), np.random.default_rng(a.seed))
         source = f"trained {a.train_epochs} epoch(s) on the {a.dataset} pool"
     test_x = bundle.test.x[: a.check_windows]

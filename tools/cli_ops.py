@@ -134,7 +134,7 @@ def build_plan(a: argparse.Namespace) -> Plan:
     Raises:
         ValueError: bad instance name, config or profile.
     """
-    from dfl_agent.runtime.config import ConfigError, load_config
+    from dfl_agent.runtime.shared.config import ConfigError, load_config
     from dfl_agent.transport.wire import valid_id
 
     src = _source_dir()
@@ -276,9 +276,10 @@ def cmd_watch(a: argparse.Namespace) -> int:
         if a.json:
             while a.count is None or n < a.count:
                 statuses, presence = obs.snapshot()
-                print(json_doc({"time": time.time(), "peers": peer_rows(statuses, presence),
-                                  "status": status_rows(statuses), "runs": run_rows(observed_runs(obs, obs.target)[0],
-                                                                                     statuses)}, indent=None),
+                seen = obs.privacy_watch.view()  # devices whose reported epsilon went down while watched
+                print(json_doc({"time": time.time(), "peers": peer_rows(statuses, presence, privacy_seen=seen),
+                                "status": status_rows(statuses, presence=presence, privacy_seen=seen),
+                                "runs": run_rows(observed_runs(obs, obs.target)[0], statuses)}, indent=None),
                       flush=True)
                 n += 1
                 if a.count is None or n < a.count:
@@ -289,9 +290,11 @@ def cmd_watch(a: argparse.Namespace) -> int:
 
         def view():
             statuses, presence = obs.snapshot()
-            return Group(render_table(f"peers ({time.strftime('%H:%M:%S')})", peer_rows(statuses, presence),
-                                      PEER_COLUMNS),
-                         render_table("status", status_rows(statuses), STATUS_COLUMNS),
+            seen = obs.privacy_watch.view()
+            return Group(render_table(f"peers ({time.strftime('%H:%M:%S')})",
+                                      peer_rows(statuses, presence, privacy_seen=seen), PEER_COLUMNS),
+                         render_table("status", status_rows(statuses, presence=presence, privacy_seen=seen),
+                                      STATUS_COLUMNS),
                          render_table("runs", run_rows(observed_runs(obs, obs.target)[0], statuses), RUN_COLUMNS))
 
         if not sys.stdout.isatty():  # no terminal: one printed frame per refresh (Live would print the last only)
@@ -385,13 +388,75 @@ def check_clock() -> dict[str, str]:
     return _check("clock", "warn", f"cannot tell whether the clock is synchronized (now {time.ctime()})")
 
 
+def check_certificate(cfg: Any, state_dir: str, now: float | None = None) -> list[dict[str, str]]:
+    """The node's certificate (``security.certificate``, else ``STATE_DIR/node_cert.json``;
+    none: no check): verified with ``security.federation_key`` when set; ``fail`` when it
+    expired (the node and the date named) or the node's saved revocation list revokes it,
+    ``warn`` within :data:`~dfl_agent.security.keys.EXPIRY_WARNING_DAYS` days of its expiry.  A
+    certificate not yet valid by this device's clock is a clock problem (a device without a
+    real-time clock), reported as a failed ``clock`` check, not as a bad certificate."""
+    from dfl_agent.security.keys import (
+        CERT_FILE,
+        EXPIRY_WARNING_DAYS,
+        CertificateExpired,
+        CertificateNotYetValid,
+        SecurityError,
+        load_certificate,
+        parse_public_key,
+        utc_date,
+        verify_certificate,
+    )
+    from dfl_agent.security.revocation import REVOCATIONS_FILE, Revocations
+
+    sec = cfg.security
+    path = Path(sec.certificate) if sec.certificate else Path(state_dir) / CERT_FILE
+    if not path.exists():
+        return []
+    now = time.time() if now is None else now
+    try:
+        cert = load_certificate(path)
+        node = str(cert.get("node_id"))
+        if sec.federation_key:
+            fed_pub = parse_public_key(sec.federation_key)
+            verify_certificate(cert, fed_pub, cfg.federation, now)
+            rev = Revocations(cfg.federation, fed_pub, Path(state_dir) / REVOCATIONS_FILE, persist=False)
+            hit = rev.revoked(node, cert.get("public_key"))
+            if hit is not None:
+                return [_check("certificate", "fail", f"node {node} is revoked by the federation's revocation list "
+                                                      f"{rev.number}: {hit.reason}")]
+    except CertificateNotYetValid as exc:
+        return [_check("clock", "fail", f"{exc} (a clock problem, not an attack: peers' certificates and messages "
+                                        "look wrong to this device too)"),
+                _check("certificate", "warn", f"node {exc.node_id}: not yet valid by this device's clock (see clock)")]
+    except CertificateExpired as exc:
+        return [_check("certificate", "fail", f"{exc}: renew it with dflctl keys renew {exc.node_id}")]
+    except SecurityError as exc:
+        return [_check("certificate", "fail", f"{path}: {exc}")]
+    exp = cert.get("expires")
+    if not isinstance(exp, (int, float)):
+        return [_check("certificate", "ok", f"node {node}: never expires")]
+    left = (exp - now) / 86400.0
+    if left <= EXPIRY_WARNING_DAYS:
+        return [_check("certificate", "warn", f"the certificate of node {node} expires on {utc_date(exp)} "
+                                              f"(in {left:.0f} days): renew it with dflctl keys renew {node}")]
+    return [_check("certificate", "ok", f"node {node}: valid until {utc_date(exp)}")]
+
+
 def check_disk(state_dir: str, warn_bytes: int = 1 << 30, fail_bytes: int = 200 << 20) -> dict[str, str]:
-    p = Path(state_dir)
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    du = shutil.disk_usage(p)
-    text = f"{du.free / 2**30:.1f} GiB free of {du.total / 2**30:.1f} GiB at {p}"
-    return _check("disk", "fail" if du.free < fail_bytes else "warn" if du.free < warn_bytes else "ok", text)
+    """The state directory's size (its parts: store, models, runs, privacy, other) and the free
+    space under it: ``warn`` below ``warn_bytes`` (``runtime.disk_warn_mb``), ``fail`` below
+    ``fail_bytes``."""
+    from dfl_agent.runtime.service.retention import free_space, usage
+
+    free, total, p = free_space(state_dir)
+    text = f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB at {p}"
+    if Path(state_dir).is_dir():
+        use = usage(state_dir)
+        parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in use.items() if k != "total" and v)
+        text = f"state dir {use['total'] / 2**20:.1f} MiB{f' ({parts})' if parts else ''}; {text}"
+    if warn_bytes and free < warn_bytes:
+        text += f" (below {warn_bytes / 2**20:.0f} MiB: runtime.disk_warn_mb)"
+    return _check("disk", "fail" if free < fail_bytes else "warn" if warn_bytes and free < warn_bytes else "ok", text)
 
 
 def check_permissions(state_dir: str, config: str | None, has_secret: bool) -> dict[str, str]:
@@ -413,7 +478,7 @@ def check_permissions(state_dir: str, config: str | None, has_secret: bool) -> d
 
 
 def check_checkpoint(state_dir: str) -> dict[str, str]:
-    from dfl_agent.runtime.checkpoint import CheckpointStore
+    from dfl_agent.runtime.node.checkpoint import CheckpointStore
 
     store = CheckpointStore(Path(state_dir) / "checkpoints")
     rounds = store.rounds()
@@ -429,7 +494,7 @@ def check_checkpoint(state_dir: str) -> dict[str, str]:
 
 def cmd_doctor(a: argparse.Namespace) -> int:
     from dfl_agent.cli import fleet
-    from dfl_agent.runtime.config import ConfigError, NodeConfig, load_config
+    from dfl_agent.runtime.shared.config import ConfigError, NodeConfig, load_config
 
     results = []
     cfg = NodeConfig()
@@ -450,7 +515,11 @@ def cmd_doctor(a: argparse.Namespace) -> int:
         for iface in ([a.interface] if a.interface else cfg.discovery.interfaces):
             results.append(check_mdns(iface, a.timeout))
     results.append(check_clock())
-    results.append(check_disk(state_dir))
+    cert_checks = check_certificate(cfg, state_dir)
+    if any(r["check"] == "clock" for r in cert_checks):  # the clock is behind the certificate: say it once
+        results = [r for r in results if r["check"] != "clock"]
+    results.extend(cert_checks)
+    results.append(check_disk(state_dir, warn_bytes=cfg.runtime.disk_warn_mb * 2**20))
     results.append(check_permissions(state_dir, a.config, bool(cfg.mqtt.password)))
     results.append(check_checkpoint(state_dir))
     if a.json:
@@ -482,7 +551,7 @@ def register(sub: Any) -> None:
     from dfl_agent.cli.fleet import add_options as fleet_options
 
     for name, fn, helptext in (("watch", cmd_watch, "live view of a federation's nodes"),
-                               ("doctor", cmd_doctor, "check broker, mDNS, clock, disk, permissions")):
+                               ("doctor", cmd_doctor, "check broker, mDNS, clock, certificate, disk, permissions")):
         c = sub.add_parser(name, help=helptext)
         fleet_options(c)
         c.add_argument("--json", action="store_true", help="machine-readable output (schema_version 1)")

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from dfl_agent.algorithms.protocols.stragglers import REPRODUCTION_MODE
-from dfl_agent.runtime import metrics
-from dfl_agent.runtime.config import (
+from dfl_agent.runtime.node import metrics
+from dfl_agent.runtime.shared.config import (
     AlgorithmSection,
     CompressionSection,
     DataSection,
@@ -314,7 +314,7 @@ def run_demo(opts: DemoOptions) -> int:
                 path.write_text(dump_toml(cfg), encoding="utf-8")
                 logs[nid] = open(out / "logs" / f"{nid}.log", "w", encoding="utf-8")
                 procs[nid] = subprocess.Popen(
-                    [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
+                    [sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--once", "--config", str(path)],
                     stdout=logs[nid], stderr=subprocess.STDOUT, env=env,
                 )
             observer = Observer(broker.endpoint, fed, protocol=opts.protocol).start()

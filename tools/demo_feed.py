@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from dfl_agent.algorithms.protocols.stragglers import REPRODUCTION_MODE
-from dfl_agent.runtime.config import (
+from dfl_agent.runtime.shared.config import (
     AlgorithmSection,
     DataSection,
     DeploySection,
@@ -201,8 +201,8 @@ def _store_count(state: Path) -> int:
 
 def _terminal_runs(state: Path) -> list[str]:
     """Run ids that reached a terminal state on this agent, in the order they did."""
-    from dfl_agent.runtime.descriptor import TERMINAL
-    from dfl_agent.runtime.ledger import RunLedger
+    from dfl_agent.runtime.service.ledger import RunLedger
+    from dfl_agent.runtime.shared.descriptor import TERMINAL
 
     e = RunLedger(state).entries
     return [r for r, v in sorted(e.items(), key=lambda kv: kv[1].get("time", 0)) if v.get("state") in TERMINAL]
@@ -234,6 +234,7 @@ def collect(states: dict[str, Path], run_ids: list[str], test: Any = None) -> di
     its accuracy on the validation slice after round 1.
     """
     from dfl_agent.deploy import ModelStore
+    from dfl_agent.runtime.service.retention import read_records
 
     nodes: dict[str, Any] = {}
     deployments = []
@@ -242,8 +243,9 @@ def collect(states: dict[str, Path], run_ids: list[str], test: Any = None) -> di
         manifests = {v: models.manifest(v) for v in models.versions()}
         runs = []
         for rid in run_ids:
-            mpath = state / "runs" / rid / "metrics.jsonl"
-            recs = [json.loads(line) for line in mpath.read_text().splitlines()] if mpath.exists() else []
+            recs = read_records(state / "runs" / rid)  # metrics.jsonl, gzipped once the run ended
+            mpath = next((p for p in (state / "runs" / rid / n for n in ("metrics.jsonl", "metrics.jsonl.gz"))
+                          if p.exists()), state / "runs" / rid / "metrics.jsonl")
             entry: dict[str, Any] = {
                 "run_id": rid, "train_samples": recs[0].get("train_samples") if recs else None,
                 "validation_samples": recs[0].get("validation_samples") if recs else None,
@@ -289,17 +291,17 @@ def feed_federation(opts: FeedOptions, on_tick: Any = None) -> dict[str, Any]:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from dfl_agent.cli.broker import start_broker
-    from dfl_agent.cli.cli_runs import publish_retained
     from dfl_agent.cli.demo import INTERRUPT_GRACE, stop_processes
+    from dfl_agent.cli.fleet import publish_retained
     from dfl_agent.cli.observer import Observer
-    from dfl_agent.runtime.descriptor import (
+    from dfl_agent.runtime.service.ledger import RunLedger
+    from dfl_agent.runtime.shared.descriptor import (
         RunDescriptor,
         new_run_id,
         operator_certificate,
         run_topic,
         sign_descriptor,
     )
-    from dfl_agent.runtime.ledger import RunLedger
     from dfl_agent.security.keys import FEDERATION_KEY_FILE, enroll_local, load_or_create_key, public_key_b64
 
     started = time.time()
@@ -332,7 +334,7 @@ def feed_federation(opts: FeedOptions, on_tick: Any = None) -> dict[str, Any]:
             path = states[nid] / "node.toml"
             path.write_text(dump_toml(cfg), encoding="utf-8")
             logs[nid] = open(out / "logs" / f"{nid}.log", "w", encoding="utf-8")
-            procs[nid] = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config",
+            procs[nid] = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config",
                                            str(path)], stdout=logs[nid], stderr=subprocess.STDOUT, env=env)
         observer = Observer(broker.endpoint, fed).start()
         feeder.start()
@@ -409,7 +411,7 @@ def feed_federation(opts: FeedOptions, on_tick: Any = None) -> dict[str, Any]:
                "complete": not interrupted, "interrupted": interrupted,
                "reported": {n: {"run": (seen.get(n, {}).get("run") or {}).get("id"),
                                 "round": int(seen.get(n, {}).get("round") or 0)} for n in ids}}
-    from dfl_agent.runtime.metrics import atomic_write_text
+    from dfl_agent.runtime.node.metrics import atomic_write_text
 
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2, default=float) + "\n")
     if interrupted:

@@ -6,6 +6,10 @@ Exit codes: 0 ok, 1 a failed check, 2 usage or configuration error, 3 broker unr
 
 from __future__ import annotations
 
+from dfl_agent.interrupt import during_startup, end_startup
+
+during_startup("dflctl", __name__)  # first: a Ctrl-C while the modules below load is one line, exit 130
+
 import argparse
 import difflib
 import json
@@ -17,7 +21,15 @@ from typing import Any
 from dfl_agent import __version__
 from dfl_agent.cli.fleet import FederationAbsent
 from dfl_agent.cli.output import console, json_doc
-from dfl_agent.cli.tables import PEER_COLUMNS, STATUS_COLUMNS, fmt_cell, peer_rows, render_table, status_rows
+from dfl_agent.cli.tables import (
+    PEER_COLUMNS,
+    STATUS_COLUMNS,
+    certificate_warnings,
+    fmt_cell,
+    peer_rows,
+    render_table,
+    status_rows,
+)
 
 # the architecture modes of dfl_agent.models.families.FAMILIES, named here so that building the
 # parser does not import torch (tests/unit/test_cli_startup.py checks they agree)
@@ -54,16 +66,14 @@ def _model_specs(value: str | None) -> list[dict[str, Any]] | None:
 def _dechw_hint(algorithm: str, raw_options: dict[str, Any], init: str, partition: str | None) -> None:
     """Prints DecHW's common-initialisation hint (one line, stderr) when it applies;
     bad options are left to the run, which reports them."""
-    if algorithm != "dechw":
-        return
     from dfl_agent.algorithms.base import get_algorithm, parse_options
-    from dfl_agent.algorithms.dechw import common_init_hint
 
     try:
-        options = parse_options(get_algorithm(algorithm), raw_options)
+        cls = get_algorithm(algorithm)
+        options = parse_options(cls, raw_options)
     except (KeyError, ValueError):
         return
-    hint = common_init_hint(algorithm, options, init, partition)
+    hint = cls.common_init_hint(options, init, partition)
     if hint:
         print(hint, file=sys.stderr)
 
@@ -71,7 +81,7 @@ def _dechw_hint(algorithm: str, raw_options: dict[str, Any], init: str, partitio
 def cmd_simulate(a: argparse.Namespace) -> int:
     from dfl_agent.cli.progress import simulate_with_progress
     from dfl_agent.learning.training import DEFAULT_LR, TrainConfig
-    from dfl_agent.runtime.simulator import SimConfig
+    from dfl_agent.runtime.node.simulator import SimConfig
 
     cfg = SimConfig(
         algorithm=a.algorithm, nodes=a.nodes, rounds=a.rounds, dataset=a.dataset, dataset_path=a.dataset_path,
@@ -200,12 +210,12 @@ def _observe(a: argparse.Namespace):
     obs.stop()
     if not statuses and not presence:
         raise fleet.FederationAbsent(fleet.absent(t))
-    return statuses, presence
+    return statuses, presence, obs.privacy_watch.view()
 
 
 def cmd_peers(a: argparse.Namespace) -> int:
-    statuses, presence = _observe(a)
-    rows = peer_rows(statuses, presence, stale_after=a.stale_after)
+    statuses, presence, seen = _observe(a)
+    rows = peer_rows(statuses, presence, stale_after=a.stale_after, privacy_seen=seen)
     if a.json:
         print(json_doc(rows, key="peers"))
         return 0
@@ -215,7 +225,7 @@ def cmd_peers(a: argparse.Namespace) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    statuses, _ = _observe(a)
+    statuses, presence, seen = _observe(a)
     if a.node:
         if a.node not in statuses:
             print(f"dflctl: no status for node {a.node!r}", file=sys.stderr)
@@ -225,7 +235,9 @@ def cmd_status(a: argparse.Namespace) -> int:
         print(json_doc({"nodes": statuses}, sort_keys=True))
         return 0
     con = console()
-    con.print(render_table("status", status_rows(statuses), STATUS_COLUMNS))
+    con.print(render_table("status", status_rows(statuses, presence=presence, privacy_seen=seen), STATUS_COLUMNS))
+    for line in certificate_warnings(statuses):  # expiring certificates, revoked nodes
+        con.print(f"warning: {line}", markup=False)
     if a.node:  # one node: every field of its status document
         for k, v in sorted(statuses[a.node].items()):
             con.print(f"  {k}: {fmt_cell(v) if not isinstance(v, (list, dict)) else json.dumps(v, sort_keys=True)}")
@@ -450,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # name the command's own usage, not the top level's
         chosen.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        end_startup()  # from here on Ctrl-C raises KeyboardInterrupt, handled below
         return int(args.func(args) or 0)
     except ConnectionError as exc:  # the broker cannot be used (the line says why)
         print(f"dflctl: {exc}", file=sys.stderr)

@@ -38,6 +38,12 @@ class BrokerError(ConnectionError):
     """The broker cannot be used; the message is one line saying why (``dflctl`` exits 3)."""
 
 
+class PublishRefused(Exception):
+    """The broker answered a publish with a failure reason code (MQTT 5 PUBACK, e.g. 0x87 not
+    authorized: its ACL denies the topic to this user); the message says so in one line
+    (``dflctl`` exits 1)."""
+
+
 class FederationAbsent(Exception):
     """A fleet query heard nothing from its federation; the message (:func:`absent`) names the
     federations the broker does carry (``dflctl`` prints it and exits 1)."""
@@ -235,7 +241,7 @@ def target(a: argparse.Namespace) -> FleetTarget:
     """
     cfg = None
     if getattr(a, "config", None):
-        from dfl_agent.runtime.config import load_config
+        from dfl_agent.runtime.shared.config import load_config
 
         cfg = load_config(a.config)
     m = cfg.mqtt if cfg is not None else None
@@ -366,3 +372,80 @@ def absent(t: FleetTarget, what: str = "presence or status", seen: dict[str, set
     listed = ", ".join(f"{f} ({len(seen[f])} node{'s' if len(seen[f]) != 1 else ''})" for f in names)
     hint = f"; did you mean --federation {near[0]}?" if near else ""
     return f"{line}; federations seen there: {listed}{hint}"
+
+
+def publish_retained(broker: str | FleetTarget, topic: str, payload: bytes, timeout: float = 10.0) -> None:
+    """Publish ``payload`` retained (QoS 1) and wait until the broker has it.
+
+    Args:
+        broker: a :class:`~dfl_agent.cli.fleet.FleetTarget` (credentials, TLS) or a ``host:port``.
+
+    Raises:
+        ConnectionError: the broker cannot be used (:class:`~dfl_agent.cli.BrokerError`,
+            saying why), or does not acknowledge in ``timeout`` s.
+        dfl_agent.cli.PublishRefused: the broker's PUBACK carries a failure reason code
+            (MQTT 5; e.g. 0x87 not authorized: its ACL denies the topic to this user).  Under
+            MQTT 3.1.1 a broker acknowledges a publish it drops, without a word.
+    """
+    t = as_target(broker)
+    reasons: dict[int, Any] = {}
+    c = t.session("dflctl-run")
+    c.on_publish = lambda cl, ud, mid, reason=None, props=None: reasons.__setitem__(mid, reason)
+    t.connect(c, timeout)
+    try:
+        info = c.publish(topic, payload, qos=1, retain=True)
+        info.wait_for_publish(timeout)
+        if not info.is_published():
+            raise BrokerError(f"broker {t.broker} did not acknowledge the publish on {topic} within {timeout:.0f}s")
+        reason = reasons.get(info.mid)
+        if reason is not None and getattr(reason, "is_failure", False):
+            raise PublishRefused(_refused_text(t, topic, reason))
+    finally:
+        close(c)
+
+
+def _refused_text(t: FleetTarget, topic: str, reason: Any) -> str:
+    """One line for a publish the broker refused: its reason (name and code) and, for "not
+    authorized", whom the broker's ACL denies the topic."""
+    code = getattr(reason, "value", None)
+    text = f"{reason}" + (f" (MQTT reason code 0x{code:02x})" if isinstance(code, int) else "")
+    line = f"broker {t.broker} refused the publish on {topic}: {text}"
+    if code == 0x87:
+        who = f"user {t.username!r}" if t.username else "an anonymous client"
+        line += (f"; its ACL does not let {who} publish runs: use an operator's broker account (the operator's "
+                 "credentials as --config, or -u and --password-file)")
+    return line
+
+
+def fetch_retained(broker: str | FleetTarget, topic: str, timeout: float = 10.0,
+                   absent_after: float = 2.0) -> bytes | None:
+    """The retained message on ``topic`` (None when there is none: nothing arrived within
+    ``absent_after`` s of the subscription being acknowledged).
+
+    Args:
+        broker: a :class:`~dfl_agent.cli.fleet.FleetTarget` (credentials, TLS) or a ``host:port``.
+
+    Raises:
+        ConnectionError: the broker cannot be used (saying why) or does not answer in ``timeout`` s.
+    """
+    t = as_target(broker)
+    got: list[bytes] = []
+    subscribed, arrived = threading.Event(), threading.Event()
+    c = t.session("dflctl-get")
+    c.on_connect = lambda cl, *_: cl.subscribe(topic, qos=1)
+    c.on_subscribe = lambda *_: subscribed.set()
+
+    def on_message(cl: Any, ud: Any, msg: Any) -> None:
+        if msg.payload and not got:
+            got.append(bytes(msg.payload))
+            arrived.set()
+
+    c.on_message = on_message
+    t.connect(c, timeout)
+    try:
+        if not subscribed.wait(timeout):
+            raise BrokerError(f"no answer from MQTT broker {t.broker} within {timeout:.0f}s")
+        arrived.wait(absent_after)  # a retained message follows the subscription at once
+        return got[0] if got else None
+    finally:
+        close(c)

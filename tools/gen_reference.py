@@ -3,7 +3,7 @@
 ``python -m dfl_agent.cli.gen_reference [--out docs/reference]`` writes
 
 - ``config.md``: every configuration key with its TOML type, default and meaning, taken
-  from the field metadata of :mod:`dfl_agent.runtime.config` (``described(...)``);
+  from the field metadata of :mod:`dfl_agent.runtime.shared.config` (``described(...)``);
 - ``cli.md``: every command, sub-command, option and positional argument of ``dflctl``,
   ``dfl-agent`` and ``dfl-infer``, walked from their argparse parsers.
 
@@ -27,7 +27,7 @@ from typing import Any, Union
 #: the console scripts, with the function that builds each one's parser
 PROGRAMS: tuple[tuple[str, str], ...] = (
     ("dflctl", "dfl_agent.cli.dflctl:build_parser"),
-    ("dfl-agent", "dfl_agent.runtime.daemon:build_parser"),
+    ("dfl-agent", "dfl_agent.runtime.service.daemon:build_parser"),
     ("dfl-infer", "dfl_agent.cli.infer:build_parser"),
 )
 
@@ -87,8 +87,8 @@ def _toml_key(k: str) -> str:
 
 
 def config_fields() -> list[ConfigKey]:
-    """Every key of :class:`~dfl_agent.runtime.config.NodeConfig`, sections expanded, in order."""
-    from dfl_agent.runtime.config import NodeConfig
+    """Every key of :class:`~dfl_agent.runtime.shared.config.NodeConfig`, sections expanded, in order."""
+    from dfl_agent.runtime.shared.config import NodeConfig
 
     out: list[ConfigKey] = []
 
@@ -113,7 +113,7 @@ def config_fields() -> list[ConfigKey]:
 
 
 def _section_doc(name: str) -> str:
-    from dfl_agent.runtime import config
+    from dfl_agent.runtime.shared import config
 
     if not name:
         return "Top-level keys of the node's TOML file."
@@ -252,7 +252,7 @@ def missing_config_help(cls: Any = None) -> list[str]:
     """Every field of the configuration dataclass ``cls`` (default: ``NodeConfig``) and of its
     sections, section fields included, without ``metadata["help"]``."""
     if cls is None:
-        from dfl_agent.runtime.config import NodeConfig as cls
+        from dfl_agent.runtime.shared.config import NodeConfig as cls
     bad = []
 
     def walk(c: Any, prefix: str) -> None:

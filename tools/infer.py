@@ -14,6 +14,10 @@ Exit codes: 0 ok, 2 bad input (message names it), 3 broker unreachable.
 
 from __future__ import annotations
 
+from dfl_agent.interrupt import EXIT_INTERRUPTED, during_startup, end_startup
+
+during_startup("dfl-infer", __name__)  # first: a Ctrl-C while the modules below load is one line, exit 130
+
 import argparse
 import asyncio
 import logging
@@ -60,7 +64,7 @@ def _settings(a: argparse.Namespace) -> dict[str, Any]:
 
     Raises:
         ValueError: an invalid configuration or option (the message names it).
-        dfl_agent.runtime.config.ConfigError, StartupError: from the configuration or its keys.
+        dfl_agent.runtime.shared.config.ConfigError, StartupError: from the configuration or its keys.
     """
     from dfl_agent.cli.fleet import target
 
@@ -86,20 +90,27 @@ def _settings(a: argparse.Namespace) -> dict[str, Any]:
             "mdns": mdns}
 
 
-async def _run(a: argparse.Namespace) -> int:
+def _check_broker(a: argparse.Namespace, s: dict[str, Any]) -> bool:
+    """dflctl's connection check, in the main thread (Ctrl-C ends its wait at once): False,
+    after one line saying why, when the broker cannot be used (refused login, TLS, address)."""
     from dfl_agent.cli.fleet import BrokerError, close
-    from dfl_agent.inference.member import InferenceMember
 
-    s = _settings(a)
-    nid = s["node_id"]
-    try:  # a refused login, a TLS or address problem: one line at once (dflctl's connection check)
-        close(await asyncio.to_thread(s["target"].open, "dfl-infer", a.timeout))
+    try:
+        close(s["target"].open("dfl-infer", a.timeout))
     except BrokerError as exc:
         print(f"dfl-infer: {exc}", file=sys.stderr)
-        return 3
+        return False
+    return True
+
+
+async def _run(a: argparse.Namespace, s: dict[str, Any]) -> int:
+    """``run``: the member with settings ``s`` (:func:`_settings`) until SIGTERM or SIGINT."""
+    from dfl_agent.inference.member import InferenceMember
+
+    nid = s["node_id"]
     cfg = s["target"].config
     if cfg is not None:  # its key, certificate and trust store: signs, and verifies every model
-        from dfl_agent.runtime.assembly import build_security
+        from dfl_agent.runtime.shared.assembly import build_security
 
         Path(s["state_dir"]).mkdir(parents=True, exist_ok=True)
         s["member"]["guard"] = build_security(cfg, Path(s["state_dir"]), nid)
@@ -166,21 +177,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dfl-infer`` console script; returns the exit code."""
-    from dfl_agent.runtime.assembly import StartupError
+    from dfl_agent.runtime.shared.assembly import StartupError
 
     a = build_parser().parse_args(argv)
     try:
+        end_startup()  # from here on Ctrl-C raises KeyboardInterrupt, handled below
         if a.cmd == "predict":
             return predict_command(a.model, a.windows, as_json=a.json, label_column=a.label_column, threads=a.threads)
         logging.basicConfig(level=getattr(logging, a.log_level.upper()), stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        return asyncio.run(_run(a))
+        s = _settings(a)
+        if not _check_broker(a, s):
+            return 3
+        return asyncio.run(_run(a, s))
     except InferenceError as exc:
         print(f"dfl-infer: {exc}", file=sys.stderr)
         return 2
     except (ValueError, StartupError) as exc:  # a bad configuration, option or key file (names it)
         print(f"dfl-infer: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the member's own handler (run), or during predict
+        print("dfl-infer: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

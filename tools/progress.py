@@ -125,14 +125,14 @@ def round_progress(total: int, label: str, *, file: TextIO | None = None, enable
 
 def simulate_with_progress(cfg: Any, label: str | None = None, *, enabled: bool = True,
                            file: TextIO | None = None) -> dict[str, Any]:
-    """:func:`dfl_agent.runtime.simulator.simulate` with a :func:`round_progress` display on stderr.
+    """:func:`dfl_agent.runtime.node.simulator.simulate` with a :func:`round_progress` display on stderr.
 
     A drop-in for ``simulate(cfg)`` in scripts and benchmarks; returns its summary.
 
     Raises:
         whatever ``simulate`` raises.
     """
-    from dfl_agent.runtime.simulator import simulate
+    from dfl_agent.runtime.node.simulator import simulate
 
     name = label or f"simulate {cfg.algorithm} ({cfg.nodes} nodes)"
     with round_progress(cfg.rounds, name, enabled=enabled, file=file) as tick:

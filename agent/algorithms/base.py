@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from dfl_agent.algorithms.context import NodeContext
-from dfl_agent.learning.training import snapshot
+from dfl_agent.learning.training import PlainSGD, snapshot
+from dfl_agent.privacy.plan import steps_per_round
+from dfl_agent.privacy.policy import DPSupport
 
 if TYPE_CHECKING:
     import torch
@@ -143,6 +145,8 @@ class Traits:
             participant's model: the profile's ``aggregator`` role is kept only if the
             memory budget holds them.
         default_model: one of :data:`DEFAULT_MODELS`.
+        dp: what it sends under differential privacy and how each value is protected
+            (:class:`~dfl_agent.privacy.policy.DPSupport`); None: it never trains under DP.
     """
 
     family: str
@@ -153,6 +157,7 @@ class Traits:
     models_held: tuple[float, float] = (3.0, 1.0)
     aggregator_holds_all: bool = False
     default_model: str = "tier"
+    dp: DPSupport | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -188,10 +193,30 @@ class Algorithm:
     #: skips rounds to "rejoin" its peers (their progress says nothing about its model)
     communicates: ClassVar[bool] = True
 
+    @classmethod
+    def dp_steps_per_round(cls, options: Any, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
+        """The most DP steps one round takes on ``n_samples`` samples (a DP plan's
+        ``steps_per_round``): its local step, ``training.steps`` when > 0, else
+        ``epochs·⌈N / batch_size⌉`` (:func:`dfl_agent.privacy.plan.steps_per_round`).  An
+        algorithm whose round trains otherwise says so (DFedAvg: one epoch; DFML: and its mutual
+        learning; FedPer, local Adam: ``adam_epochs``; the pair protocols: the sender's ``M``).
+
+        Args:
+            options: its parsed ``Options`` (read by attribute; None: defaults).
+        """
+        return steps_per_round(n_samples, batch_size, epochs, steps)
+
+    @classmethod
+    def common_init_hint(cls, options: Any, init: str, partition: str | None) -> str | None:
+        """A one-line hint when this algorithm, with ``options``, a common initialisation
+        (``init``) and ``partition``, is known to need tuning (``dflctl simulate`` prints it, the
+        daemon logs it); None: nothing to say (DecHW says something)."""
+        return None
+
     def __init__(self, ctx: NodeContext, options: Any = None):
         self.ctx = ctx
         self.options = options if options is not None else self.Options()
-        #: set by the warm start (:mod:`dfl_agent.runtime.warm_start`) when the run was meant
+        #: set by the warm start (:mod:`dfl_agent.runtime.run.warm_start`) when the run was meant
         #: to start from the deployed model but this node has none that fits: it starts cold.
         #: Algorithms of the neighbourhood family then flag their first model as ``cold`` and
         #: adopt their warm neighbours' models in their first aggregation
@@ -259,18 +284,14 @@ class Algorithm:
                 for a, v in state.items():
                     setattr(self, a, v)
                 result.diverged, result.detail = True, where
-                note = getattr(self.ctx, "note_diverged", None)
-                if callable(note):
-                    note(step, where)
-                else:  # a minimal context (tests): log only
-                    log.warning("%s step left non-finite parameters (%s); restored the model from before it",
-                                step, where)
+                self.ctx.note_diverged(step, where)
 
     def private(self) -> bool:
         """Whether this node trains under differential privacy (``ctx.train.dp`` set):
         then it sends no value derived from its data that DP-SGD does not protect
         (:mod:`dfl_agent.privacy.policy`)."""
-        return getattr(getattr(self.ctx, "train", None), "dp", None) is not None  # a minimal context: no DP
+        train = self.ctx.train
+        return train is not None and train.dp is not None  # a context without training settings: no DP
 
     def sample_count(self) -> int:
         """|D_i| as this node sends it and weighs its own model with: the size of its
@@ -293,7 +314,7 @@ class Algorithm:
 
     def warm_start(self, state: Mapping[str, np.ndarray]) -> str:
         """Start the run from a deployed model's weights ``state`` (``state_dict`` names ->
-        arrays; :mod:`dfl_agent.runtime.warm_start`): called after :meth:`setup`, before round 1,
+        arrays; :mod:`dfl_agent.runtime.run.warm_start`): called after :meth:`setup`, before round 1,
         never on a resumed run.  The default loads them into :meth:`deployable_model`; an
         algorithm that trains another model, or derives state from its model in :meth:`setup`,
         overrides it.  Returns which model(s) it loaded, for the log.
@@ -311,16 +332,19 @@ class Algorithm:
         return {}
 
     def status(self) -> dict[str, Any]:
-        """Algorithm-specific state for the status topic (e.g. α, threshold state)."""
+        """Algorithm-specific state for the status topic (e.g. α, threshold state).  Called
+        only after :meth:`setup` (:meth:`dfl_agent.runtime.node.node.Node.status` leaves it out
+        before), so it may read the state that :meth:`setup` creates."""
         return {}
 
-    # -- checkpoints (dfl_agent.runtime.checkpoint) ---------------------------------------
+    # -- checkpoints (dfl_agent.runtime.node.checkpoint) ---------------------------------------
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """This node's learning state for a crash-safe checkpoint: ``(tensors, meta)``.
 
         The default covers every ``nn.Module`` attribute (``model``; DFML's ``regular``
         and ``peak``; ...) as ``"{attr}.{state_dict key}"`` arrays, every
-        ``torch.optim.Optimizer`` attribute (tensor state as ``"{attr}.state.{i}.{key}"``,
+        optimizer attribute (``torch.optim.Optimizer`` or
+        :class:`~dfl_agent.learning.training.PlainSGD`; tensor state as ``"{attr}.state.{i}.{key}"``,
         the rest in ``meta``), and the attributes named in :attr:`checkpoint_attrs`
         (JSON values) in ``meta``.  Subclasses with richer state (schedules, Hessian
         accumulators, the token) extend both and call ``super()``.  Transient protocol
@@ -337,7 +361,7 @@ class Algorithm:
             if isinstance(value, nn.Module):
                 for k, v in value.state_dict().items():
                     tensors[f"{attr}.{k}"] = np.ascontiguousarray(v.detach().cpu().numpy()).copy()
-            elif isinstance(value, torch.optim.Optimizer):
+            elif isinstance(value, (torch.optim.Optimizer, PlainSGD)):
                 sd = value.state_dict()
                 other: dict[str, Any] = {}
                 for idx, st in sd["state"].items():
@@ -369,7 +393,7 @@ class Algorithm:
                 except RuntimeError as exc:
                     raise ValueError(f"checkpoint does not fit {attr}: {exc}") from None
                 used.update(prefix + k for k in sd)
-            elif isinstance(value, torch.optim.Optimizer):
+            elif isinstance(value, (torch.optim.Optimizer, PlainSGD)):
                 saved = meta.get(f"{attr}.optimizer")
                 if not isinstance(saved, Mapping):
                     raise ValueError(f"checkpoint has no state for optimizer {attr}")
@@ -446,6 +470,45 @@ def traits_of(name: str) -> Traits:
         KeyError: unknown name.
     """
     return get_algorithm(name).traits
+
+
+def check_dp_combination(algorithm: str, options: Any = None) -> None:
+    """Refuse the registered ``algorithm`` with ``options`` under DP unless its class declares
+    how it sends what it sends (:func:`dfl_agent.privacy.policy.check_dp_combination` of its
+    ``traits.dp``).
+
+    Raises:
+        ValueError: one line naming the algorithm and why (also for an unknown name).
+    """
+    from dfl_agent.privacy.policy import check_dp_combination as check
+
+    try:
+        support = get_algorithm(algorithm).traits.dp
+    except KeyError:
+        support = None
+    check(algorithm, support, options)
+
+
+def dp_steps_per_round(algorithm: str, options: Any, *, n_samples: int, batch_size: int, epochs: int,
+                       steps: int) -> int:
+    """:meth:`Algorithm.dp_steps_per_round` of the registered ``algorithm`` (0 without samples).
+
+    Raises:
+        KeyError: an unknown algorithm.
+    """
+    if n_samples <= 0 or batch_size <= 0:
+        return 0
+    return get_algorithm(algorithm).dp_steps_per_round(options, n_samples=n_samples, batch_size=batch_size,
+                                                       epochs=epochs, steps=steps)
+
+
+def common_init_hint(algorithm: str, options: Any, init: str, partition: str | None) -> str | None:
+    """:meth:`Algorithm.common_init_hint` of the registered ``algorithm`` (None for an unknown one)."""
+    try:
+        cls = get_algorithm(algorithm)
+    except KeyError:
+        return None
+    return cls.common_init_hint(options, init, partition)
 
 
 def available() -> list[str]:

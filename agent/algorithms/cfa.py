@@ -24,6 +24,7 @@ from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.neighbourhood import NeighbourhoodAlgorithm, NeighbourhoodOptions
 from dfl_agent.learning.consensus import consensus_step
 from dfl_agent.learning.robust import clip_updates, robust_aggregate
+from dfl_agent.privacy import policy as dp_policy
 
 
 @dataclasses.dataclass
@@ -53,7 +54,8 @@ class CFA(NeighbourhoodAlgorithm):
     """Consensus-based federated averaging over the neighbourhood."""
 
     name = "cfa"
-    traits = Traits("neighbourhood", same_architecture=True, choco_gossip=True)
+    traits = Traits("neighbourhood", same_architecture=True, choco_gossip=True,
+                    dp=dp_policy.DPSupport({"model": dp_policy.MODEL, "model samples": dp_policy.SAMPLES}))
     Options = CFAOptions
 
     def aggregate(self, t: int, own: dict[str, np.ndarray], got: list[Message]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

@@ -25,6 +25,7 @@ from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.pairs import PairAlgorithm, PairOptions
 from dfl_agent.learning.params import load_numpy, model_to_numpy
 from dfl_agent.learning.transfer import average_segment, flatten_segment
+from dfl_agent.privacy import policy as dp_policy
 
 
 @register
@@ -32,7 +33,9 @@ class Combo(PairAlgorithm):
     """Combo (seed 004 Algorithm 3); deployable model = the local model."""
 
     name = "combo"
-    traits = Traits("pairs", same_architecture=True)
+    traits = Traits("pairs", same_architecture=True, dp=dp_policy.DPSupport({
+        "defkt.model": ("dp-sgd", "segments of a DP-trained model"), "defkt.model samples": dp_policy.SAMPLES,
+        "defkt.model schedule": ("public", "fingerprint of the shared pair schedule")}))
     Options = PairOptions
 
     def _check_segment(self, msg: Message, expected: int) -> str | None:

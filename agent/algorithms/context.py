@@ -64,16 +64,42 @@ class Clock(Protocol):
     async def sleep(self, seconds: float) -> None: ...
 
 
+@dataclasses.dataclass
+class Collected:
+    """What a round's wait took.
+
+    Attributes:
+        updates: sender -> its update (decoded; a late one staleness-weighted: its
+            ``meta["samples"]`` scaled and ``meta["staleness_weight"]`` set).
+        missing: neighbours that sent nothing usable in time.
+        late: senders whose update is of an earlier round than the one waited for.
+        info: the round's wait for its record: the market's (``sync_waited``,
+            ``sync_deadline_hit``, ``updates_taken``, ``update_bytes_taken``), ``late_dropped``
+            (updates dropped as too old) and ``deadline_s`` (this round's deadline, seconds).
+    """
+
+    updates: dict[str, Message]
+    missing: list[str]
+    late: set[str]
+    info: dict[str, Any]
+
+
 @runtime_checkable
 class NodeContext(Protocol):
     """The interface between one node's algorithm and the runtime.
 
-    Implemented by :class:`dfl_agent.runtime.context.RuntimeContext` over either the
+    Implemented by :class:`dfl_agent.runtime.node.context.RuntimeContext` over either the
     in-memory transport (simulator, tests) or MQTT (daemon).
     """
 
     node_id: str
     rng: np.random.Generator  # this node's seeded stream (batch order, selections)
+    compression: Any  # dfl_agent.learning.compression.CompressionPolicy, or None: nothing compressed
+    straggler: Any  # runtime.straggler's StragglerPolicy (quorum, adaptive deadlines), or None: lock step
+    #: whether a round with no live neighbour waits for its deadline (members away), or None: it does not
+    alone_waits: Callable[[], bool] | None
+    gate: Callable[[], str | None] | None  # resource gating: the reason training is not allowed now, or None
+    reconnect_grace: float  # after a broker outage, the longest wait for the expected neighbours (s)
     data: Any  # dfl_agent.data.NodeData: train_x/train_y/val_x/val_y, num_classes
     init_seed: int  # torch seed for this node's initial weights
     seed: int  # the federation's seed, the same on every node (shared schedules)
@@ -183,6 +209,42 @@ class NodeContext(Protocol):
 
     async def end_round(self, round: int, **info: Any) -> None:
         """Tell the runtime a round finished (metrics, status, checkpoint)."""
+        ...
+
+    async def collect(self, kind: str, t: int, *, market: Any, round_timeout: float, poll: float,
+                      accept: Callable[[Message], str | None],
+                      decode: Callable[[dict[str, Message]], dict[str, Message]]) -> Collected:
+        """The round-``t`` updates of ``kind`` from the neighbours, as the runtime's waiting
+        policy decides (deadlines fixed or adaptive, quorum, the broker-outage hold, keyframe
+        retries, staleness weights) over the algorithm's update ``market``
+        (:class:`~dfl_agent.algorithms.protocols.synchronization.UpdateMarket`); ``accept(msg)``
+        says why an update cannot be used (None: it can), ``decode`` turns the taken updates
+        into usable ones (leaving out those it cannot)."""
+        ...
+
+    @property
+    def quorum(self) -> bool:
+        """Whether the node runs under ``runtime.straggler = "quorum"`` (else the papers' lock step)."""
+        ...
+
+    def may_aggregate(self, peer: str) -> bool:
+        """Whether ``peer`` (or this node) may lead a rotating round (its roles include ``aggregator``)."""
+        ...
+
+    async def hold_round(self, kinds: str | tuple[str, ...] = ()) -> float:
+        """Hold a round that waits for peers' ``kinds`` messages while the broker is away;
+        returns the seconds held (0.0 when connected)."""
+        ...
+
+    def track_stream(self, stream: Any) -> None:
+        """A compressed gossip stream (a :class:`~dfl_agent.learning.error_feedback.ChocoGossip`)
+        the runtime follows: it asks for the keyframes a neighbour's copy lost, and sends one to a
+        peer that came back (a context that does neither leaves it alone)."""
+        ...
+
+    def keep_late_updates(self, rounds: int) -> None:
+        """The algorithm takes updates up to ``rounds`` rounds late (an update market's
+        ``max_staleness``): the runtime keeps them that long instead of dropping them as stale."""
         ...
 
 

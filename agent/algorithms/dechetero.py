@@ -19,6 +19,7 @@ from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.neighbourhood import NeighbourhoodAlgorithm, NeighbourhoodOptions
 from dfl_agent.learning.robust import robust_aggregate
+from dfl_agent.privacy import policy as dp_policy
 
 
 @register
@@ -26,7 +27,8 @@ class DecHetero(NeighbourhoodAlgorithm):
     """Data-size weighted neighbourhood averaging (Eq. 3)."""
 
     name = "dechetero"
-    traits = Traits("neighbourhood", same_architecture=True, choco_gossip=True)
+    traits = Traits("neighbourhood", same_architecture=True, choco_gossip=True,
+                    dp=dp_policy.DPSupport({"model": dp_policy.MODEL, "model samples": dp_policy.SAMPLES}))
     Options = NeighbourhoodOptions
 
     def aggregate(self, t: int, own: dict[str, np.ndarray], got: list[Message]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

@@ -42,6 +42,7 @@ from dfl_agent.learning import hessian as hess
 from dfl_agent.learning.aggregation import weighted_average
 from dfl_agent.learning.error_feedback import ChocoGossip
 from dfl_agent.learning.robust import clip_updates, robust_aggregate
+from dfl_agent.privacy import policy as dp_policy
 
 HESSIAN_PREFIX = "hessian/"
 
@@ -102,39 +103,16 @@ class DecHWOptions(NeighbourhoodOptions):
 LABEL_SKEWED = frozenset({"dirichlet", "shards"})
 
 
-def common_init_hint(algorithm: str, options: Any, init: str, partition: str | None) -> str | None:
-    """A one-line hint for a DecHW run the common-initialisation benchmark says to tune.
-
-    With every node starting from the same weights (``init = "common"``), DecHW with
-    Hessian weights in every round (``theta = inf``, with or without ``size_weighting``)
-    trailed DecHetero on label-skewed HAR and diverged on one seed of three, while the
-    DecHW† cut-off ``theta = 3`` matched DecHetero on all three (bench/dechw/README.md,
-    "Common initialisation"; docs/algorithms-on-devices.md).  ``dflctl simulate`` prints
-    the hint and the daemon logs it as a warning; the run itself is unchanged (the
-    defaults stay the paper's, ALGORITHMS.md).
-
-    Args:
-        algorithm: the algorithm's registry name; only ``"dechw"`` can get a hint.
-        options: the parsed :class:`DecHWOptions` (or anything with a ``theta`` attribute).
-        init: ``"common"`` or ``"independent"`` (``runtime.init`` / ``--init``).
-        partition: the data partition (``--partition`` / ``data.partition``).  Only the
-            label-skewed ones, ``dirichlet`` and ``shards``, get the hint: the benchmark
-            measured Dirichlet label skew, and on HAR's ``by-user`` split (every user
-            does every activity) DecHW at its defaults was level with DecHetero and
-            ``theta = 3``.
-
-    Returns:
-        The hint, or None when DecHW runs with independent initialisation (the paper's
-        setting, where DecHW led), with a finite ``theta`` (DecHW†), on a partition
-        without label skew, or when the algorithm is not DecHW.
-    """
-    if algorithm != "dechw" or init != "common" or partition not in LABEL_SKEWED:
-        return None
-    if not math.isinf(float(getattr(options, "theta", math.inf))):
-        return None
-    return ("hint: dechw with a common initialisation on label-skewed data trailed dechetero and diverged on 1 "
-            "benchmark seed of 3; the option theta=3 (Hessian weights for 3 rounds, then data-size weights) "
-            "matched dechetero (docs/algorithms-on-devices.md, 'DecHW with a common initialisation')")
+def _hessians_sent(options: Any) -> str | None:
+    """Why DecHW cannot train under DP with ``options`` (its Hessian diagonals are computed from
+    the device's data without clipping or noise), None with ``theta = 0`` (never sent)."""
+    theta = dp_policy.option(options, "theta", math.inf)
+    try:
+        off = float(theta) == 0
+    except (TypeError, ValueError):
+        off = False
+    return None if off else ("it sends Hessian diagonals computed from the device's data without clipping or "
+                             "noise; set algorithm.options.theta = 0 (never send them) or use dechetero")
 
 
 @register
@@ -145,9 +123,46 @@ class DecHW(NeighbourhoodAlgorithm):
     traits = Traits("neighbourhood", same_architecture=True, choco_gossip=True,
                     # + its own Hessian diagonal (1) + the estimator's float64 accumulator (2);
                     # a Hessian diagonal per neighbour's model
-                    models_held=(6.0, 2.0))
+                    models_held=(6.0, 2.0),
+                    dp=dp_policy.DPSupport({"model": dp_policy.MODEL, "model samples": dp_policy.SAMPLES,
+                                            "model Hessian diagonals": ("dp-sgd", "never sent: refused unless theta = 0")},
+                                           refuse_when=_hessians_sent))
     Options = DecHWOptions
     nonnegative = (HESSIAN_PREFIX,)
+
+    @classmethod
+    def common_init_hint(cls, options: Any, init: str, partition: str | None) -> str | None:
+        """A one-line hint for a DecHW run the common-initialisation benchmark says to tune.
+
+        With every node starting from the same weights (``init = "common"``), DecHW with
+        Hessian weights in every round (``theta = inf``, with or without ``size_weighting``)
+        trailed DecHetero on label-skewed HAR and diverged on one seed of three, while the
+        DecHW† cut-off ``theta = 3`` matched DecHetero on all three (bench/dechw/README.md,
+        "Common initialisation"; docs/algorithms-on-devices.md).  ``dflctl simulate`` prints
+        the hint and the daemon logs it as a warning; the run itself is unchanged (the
+        defaults stay the paper's, ALGORITHMS.md).
+
+        Args:
+            options: the parsed :class:`DecHWOptions` (or anything with a ``theta`` attribute).
+            init: ``"common"`` or ``"independent"`` (``runtime.init`` / ``--init``).
+            partition: the data partition (``--partition`` / ``data.partition``).  Only the
+                label-skewed ones, ``dirichlet`` and ``shards`` (:data:`LABEL_SKEWED`), get the
+                hint: the benchmark measured Dirichlet label skew, and on HAR's ``by-user`` split
+                (every user does every activity) DecHW at its defaults was level with DecHetero
+                and ``theta = 3``.
+
+        Returns:
+            The hint, or None when DecHW runs with independent initialisation (the paper's
+            setting, where DecHW led), with a finite ``theta`` (DecHW†), or on a partition
+            without label skew.
+        """
+        if init != "common" or partition not in LABEL_SKEWED:
+            return None
+        if not math.isinf(float(dp_policy.option(options, "theta", math.inf))):
+            return None
+        return ("hint: dechw with a common initialisation on label-skewed data trailed dechetero and diverged on 1 "
+                "benchmark seed of 3; the option theta=3 (Hessian weights for 3 rounds, then data-size weights) "
+                "matched dechetero (docs/algorithms-on-devices.md, 'DecHW with a common initialisation')")
 
     async def setup(self) -> None:
         await super().setup()

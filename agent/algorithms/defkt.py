@@ -47,6 +47,7 @@ from dfl_agent.algorithms.protocols.pairs import PushAlgorithm, PushOptions
 from dfl_agent.learning.params import load_numpy
 from dfl_agent.learning.training import TrainConfig
 from dfl_agent.learning.transfer import mutual_transfer
+from dfl_agent.privacy import policy as dp_policy
 
 
 @dataclasses.dataclass
@@ -91,7 +92,8 @@ class DefKT(PushAlgorithm):
     """Def-KT (seed 004 Algorithm 1); deployable model = the local model."""
 
     name = "defkt"
-    traits = Traits("pairs", same_architecture=True, models_held=(7.0, 0.0))  # a receiver trains two models
+    traits = Traits("pairs", same_architecture=True, models_held=(7.0, 0.0),  # a receiver trains two models
+                    dp=dp_policy.DPSupport({}, refused="its transfer step is not covered by DP-SGD"))
     Options = DefKTOptions
     fuse_step = "transfer"
 

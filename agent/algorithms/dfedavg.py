@@ -27,6 +27,8 @@ from dfl_agent.learning.aggregation import weighted_average
 from dfl_agent.learning.losses import weighted_softmax_ce
 from dfl_agent.learning.params import IncompatibleUpdate, load_numpy, model_to_numpy
 from dfl_agent.learning.training import train_local
+from dfl_agent.privacy import policy as dp_policy
+from dfl_agent.privacy.plan import steps_per_round
 
 if TYPE_CHECKING:
     import torch
@@ -53,8 +55,13 @@ class DFedAvg(RotatingAggregator):
 
     name = "dfedavg"
     traits = Traits("rotating", mixes_architectures=True, required_roles=("trainer", "sender"),
-                    models_held=(6.0, 6.0), aggregator_holds_all=True)
+                    models_held=(6.0, 6.0), aggregator_holds_all=True, dp=dp_policy.rotating())
     Options = DFedAvgOptions
+
+    @classmethod
+    def dp_steps_per_round(cls, options: Any, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
+        """Its local step trains one epoch (:meth:`local_step`), whatever ``training.epochs``."""
+        return steps_per_round(n_samples, batch_size, 1, steps)
 
     async def setup(self) -> None:
         from dfl_agent.models import spec_hash, validate_spec

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,6 +37,8 @@ from dfl_agent.learning.mutual import mutual_learning
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
 from dfl_agent.learning.schedules import AlphaState, CyclicAlpha
 from dfl_agent.learning.training import train_local
+from dfl_agent.privacy import policy as dp_policy
+from dfl_agent.privacy.plan import steps_per_round
 
 if TYPE_CHECKING:
     import torch
@@ -140,8 +143,20 @@ class DFML(RotatingAggregator):
 
     name = "dfml"
     traits = Traits("rotating", mixes_architectures=True, required_roles=("trainer", "sender"),
-                    models_held=(6.0, 6.0), aggregator_holds_all=True)
+                    models_held=(6.0, 6.0), aggregator_holds_all=True, dp=dp_policy.rotating(**{
+                        "{alg}.model phi": ("public", "the model's parameter count (architecture)"),
+                        "{alg}.update": ("dp-sgd", "peers' models after mutual learning on the aggregator's data, "
+                                                   "clipped and noised per sample like the local step; α from the "
+                                                   "schedule"),
+                        "class proportions (WSM loss)": ("data-independent", "uniform under DP: the supervised loss is "
+                                                                             "plain cross-entropy")}))
     Options = DFMLOptions
+
+    @classmethod
+    def dp_steps_per_round(cls, options: Any, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
+        """One local epoch, and, in a round it aggregates, ``mutual_epochs`` epochs of mutual learning."""
+        return steps_per_round(n_samples, batch_size, 1, steps) + \
+            int(getattr(options, "mutual_epochs", 10)) * math.ceil(n_samples / batch_size)
     #: checkpointed besides the regular and peak models and the rotation/token state
     checkpoint_attrs = ("alpha_n", "last_alpha")
 

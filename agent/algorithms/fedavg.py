@@ -22,6 +22,7 @@ from dfl_agent.algorithms.protocols.neighbourhood import MODEL_KIND, GossipOptio
 from dfl_agent.algorithms.protocols.synchronization import send_with_participation
 from dfl_agent.learning.params import model_to_numpy
 from dfl_agent.learning.robust import robust_aggregate
+from dfl_agent.privacy import policy as dp_policy
 
 
 @dataclasses.dataclass
@@ -34,7 +35,8 @@ class FedAvg(NeighbourhoodAlgorithm):
     """Decentralized FedAvg gossip over the neighbourhood (all live peers without a graph)."""
 
     name = "fedavg"
-    traits = Traits("neighbourhood", same_architecture=True, choco_gossip=True)
+    traits = Traits("neighbourhood", same_architecture=True, choco_gossip=True,
+                    dp=dp_policy.DPSupport({"model": dp_policy.MODEL, "model samples": dp_policy.SAMPLES}))
     Options = FedAvgOptions
     train_first = True
 

@@ -55,6 +55,7 @@ from dfl_agent.algorithms.protocols.rotating import GlobalModelRotation, Rotatio
 from dfl_agent.learning import d2s
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
 from dfl_agent.learning.training import adam_lr
+from dfl_agent.privacy import policy as dp_policy
 
 if TYPE_CHECKING:
     from torch import nn
@@ -132,7 +133,8 @@ class FedD2S(GlobalModelRotation):
     """One FedD2S node: a personal model, a participation count Z_n; token holder in turn."""
 
     name = "fedd2s"
-    traits = Traits("rotating", default_model="layered")
+    traits = Traits("rotating", default_model="layered",
+                    dp=dp_policy.DPSupport({}, refused="its distillation steps are not covered by DP-SGD"))
     Options = FedD2SOptions
     checkpoint_attrs = ("z", "l", "distillations")  # Z_n, l_n and the S2C count survive a restart
 

@@ -15,6 +15,7 @@ everything: FedAvg with partial participation on the same protocol.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -25,6 +26,7 @@ from dfl_agent.algorithms.protocols.rotating import GlobalModelRotation, Rotatio
 from dfl_agent.learning.aggregation import weighted_average
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, model_to_numpy
 from dfl_agent.learning.training import adam_lr, train_adam
+from dfl_agent.privacy import policy as dp_policy
 
 if TYPE_CHECKING:
     import torch
@@ -87,8 +89,15 @@ class FedPer(GlobalModelRotation):
     """One FedPer node: base shared through the rotating token holder, head kept local."""
 
     name = "fedper"
-    traits = Traits("rotating")
+    traits = Traits("rotating", dp=dp_policy.DPSupport({
+        "{alg}.model": ("dp-sgd", "base layers trained with DP-Adam"), "{alg}.model samples": dp_policy.SAMPLES,
+        "{alg}.update": dp_policy.AVERAGE, **dp_policy.ROTATION}))
     Options = FedPerOptions
+
+    @classmethod
+    def dp_steps_per_round(cls, options: Any, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
+        """``adam_epochs`` epochs of DP-Adam."""
+        return int(getattr(options, "adam_epochs", 1)) * math.ceil(n_samples / batch_size)
 
     async def setup(self) -> None:
         from dfl_agent.models import validate_spec
@@ -121,7 +130,7 @@ class FedPer(GlobalModelRotation):
         d, o = self.ctx.data, self.options
         return train_adam(self.model, d.train_x, d.train_y, epochs=o.adam_epochs, batch_size=self.batch_size,
                           lr=adam_lr(o.adam_lr, self.ctx.train), rng=self.ctx.rng, device=self.ctx.device,
-                          dp=getattr(self.ctx.train, "dp", None))  # DP-Adam under privacy.dp
+                          dp=self.ctx.train.dp)  # DP-Adam under privacy.dp
 
     async def local_update(self, t: int) -> dict[str, Any]:
         assert self._theta_in is not None

@@ -25,6 +25,7 @@ from dfl_agent.algorithms.protocols.pairs import PushAlgorithm, PushOptions
 from dfl_agent.learning.aggregation import weighted_average
 from dfl_agent.learning.params import load_numpy, model_to_numpy
 from dfl_agent.learning.training import train_local
+from dfl_agent.privacy import policy as dp_policy
 
 
 @dataclasses.dataclass
@@ -52,7 +53,9 @@ class FullAvg(PushAlgorithm):
     """FullAvg (seed 004 Algorithm 2); deployable model = the local model."""
 
     name = "fullavg"
-    traits = Traits("pairs", same_architecture=True)
+    traits = Traits("pairs", same_architecture=True, dp=dp_policy.DPSupport({
+        "defkt.model": dp_policy.MODEL, "defkt.model samples": dp_policy.SAMPLES,
+        "defkt.model schedule": ("public", "fingerprint of the shared pair schedule")}))
     Options = FullAvgOptions
     fuse_step = "aggregation"
 

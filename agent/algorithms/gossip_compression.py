@@ -30,16 +30,16 @@ from typing import Any
 
 import numpy as np
 
-from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.context import Message, NodeContext
 from dfl_agent.learning.compression import WIRE_BLOB
 from dfl_agent.learning.error_feedback import ChocoGossip
 
 Tensors = dict[str, np.ndarray]
 
 
-def choco_for(ctx: Any, kind: str) -> ChocoGossip | None:
+def choco_for(ctx: NodeContext, kind: str) -> ChocoGossip | None:
     """CHOCO state for the gossip stream ``kind``, or ``None`` when it is not compressed."""
-    policy = getattr(ctx, "compression", None)
+    policy = ctx.compression
     if policy is None:
         return None
     spec = policy.stream_spec(kind)
@@ -50,13 +50,8 @@ def choco_for(ctx: Any, kind: str) -> ChocoGossip | None:
         keyframe_every=policy.keyframe_every, consensus_step=policy.consensus_step,
     )
     gossip.kind = kind  # the resend of a keyframe to a restarted peer finds the stream by it
-    membership = getattr(ctx, "membership", None)
-    if membership is not None and hasattr(membership, "streams"):  # the daemon: it asks for keyframes it lacks
-        membership.streams.append(gossip)
-    if membership is not None and hasattr(membership, "rejoins"):  # the daemon: a returning peer gets a keyframe
-        gossip.epoch_source = lambda: (membership.rejoins, gossip.gaps)
-    else:
-        gossip.epoch_source = lambda: gossip.gaps
+    gossip.epoch_source = lambda: gossip.gaps
+    ctx.track_stream(gossip)  # the runtime: keyframes it lacks asked for, a returning peer gets one
     # a gap in a neighbour's stream (it was cut off, restarted, or its rounds went on without this
     # node) means it probably missed this node's messages too: the next one is a keyframe
     return gossip

@@ -49,6 +49,7 @@ import numpy as np
 from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.protocols.lockstep import LockStepAlgorithm, LockStepOptions
 from dfl_agent.learning import thresholding as th
+from dfl_agent.privacy import policy as dp_policy
 
 
 @dataclasses.dataclass
@@ -87,7 +88,9 @@ class GradientThresholding(LockStepAlgorithm):
     """Gradient Thresholding (seed 003 §5.3, Eq. 5.1-5.3, Alg. 1-4) with one-bit votes."""
 
     name = "gt"
-    traits = Traits("lockstep")
+    traits = Traits("lockstep", dp=dp_policy.DPSupport({
+        "gt.vote": ("dp-sgd", "one bit computed from the accumulated gradient of DP-SGD steps"),
+        "gt.sync": ("dp-sgd", "accumulated gradient (M_R - M_i)/η of DP-SGD steps")}))
     Options = GTOptions
     votes = True
 

@@ -18,6 +18,7 @@ from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.dfedavg import DFedAvg
 from dfl_agent.learning.params import IncompatibleUpdate, model_to_numpy
 from dfl_agent.learning.partial import aggregate_partial, check_sub_model
+from dfl_agent.privacy import policy as dp_policy
 
 
 class PartialTraining(DFedAvg):
@@ -58,5 +59,6 @@ class HeteroFL(PartialTraining):
 
     name = "heterofl"
     traits = Traits("rotating", mixes_architectures=True, required_roles=("trainer", "sender"),
-                    models_held=(6.0, 6.0), aggregator_holds_all=True, default_model="width-scaled")
+                    models_held=(6.0, 6.0), aggregator_holds_all=True, default_model="width-scaled",
+                    dp=dp_policy.rotating())
     scheme = "heterofl"

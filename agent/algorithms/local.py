@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from dfl_agent.algorithms.base import Algorithm, Traits, register
 from dfl_agent.learning.training import train_local
+from dfl_agent.privacy import policy as dp_policy
 
 if TYPE_CHECKING:
     from torch import nn
@@ -18,7 +19,8 @@ class Local(Algorithm):
     """Train the node's model on its own data each round; never send anything."""
 
     name = "local"
-    traits = Traits("local", mixes_architectures=True, required_roles=("trainer",), models_held=(3.0, 0.0))
+    traits = Traits("local", mixes_architectures=True, required_roles=("trainer",), models_held=(3.0, 0.0),
+                    dp=dp_policy.DPSupport({}))
     communicates = False
 
     async def setup(self) -> None:

@@ -5,11 +5,13 @@ the local floor for FedD2S/FedPer comparisons.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dfl_agent.algorithms.base import Algorithm, Traits, register
 from dfl_agent.algorithms.protocols.rotating import draw_round
 from dfl_agent.learning.training import adam_lr, train_adam
+from dfl_agent.privacy import policy as dp_policy
 
 if TYPE_CHECKING:
     from torch import nn
@@ -46,9 +48,15 @@ class LocalAdam(Algorithm):
     baselines (Adam, lr 0.01) — the local floor for FedD2S/FedPer comparisons."""
 
     name = "local_adam"
-    traits = Traits("local", required_roles=("trainer",), models_held=(4.0, 0.0))  # Adam: 2 moments
+    traits = Traits("local", required_roles=("trainer",), models_held=(4.0, 0.0),  # Adam: 2 moments
+                    dp=dp_policy.DPSupport({}))
     communicates = False
     Options = LocalAdamOptions
+
+    @classmethod
+    def dp_steps_per_round(cls, options: Any, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
+        """``adam_epochs`` epochs of DP-Adam."""
+        return int(getattr(options, "adam_epochs", 1)) * math.ceil(n_samples / batch_size)
 
     async def setup(self) -> None:
         self.model = self.new_model()
@@ -58,7 +66,7 @@ class LocalAdam(Algorithm):
         return train_adam(self.model, d.train_x, d.train_y, epochs=o.adam_epochs,
                           batch_size=o.adam_batch_size or self.ctx.train.batch_size,
                           lr=adam_lr(o.adam_lr, self.ctx.train), rng=self.ctx.rng, device=self.ctx.device,
-                          dp=getattr(self.ctx.train, "dp", None))  # DP-Adam under privacy.dp
+                          dp=self.ctx.train.dp)  # DP-Adam under privacy.dp
 
     async def round(self, t: int) -> dict[str, Any]:
         """Round ``t`` of the local Adam baseline of seed 002 §IV-A: train with Adam, in the

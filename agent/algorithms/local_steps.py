@@ -12,6 +12,7 @@ import numpy as np
 
 from dfl_agent.algorithms.base import Traits, register
 from dfl_agent.algorithms.protocols.lockstep import LockStepAlgorithm, LockStepOptions
+from dfl_agent.privacy import policy as dp_policy
 
 
 @dataclasses.dataclass
@@ -35,7 +36,8 @@ class LocalSteps(LockStepAlgorithm):
     """Local computation baseline BL1-BL4 (seed 003 §5.4.2): synchronize every τ epochs."""
 
     name = "local-steps"
-    traits = Traits("lockstep")
+    traits = Traits("lockstep", dp=dp_policy.DPSupport({
+        "gt.sync": ("dp-sgd", "accumulated gradient (M_R - M_i)/η of DP-SGD steps")}))
     Options = LocalStepsOptions
 
     def wants_sync(self, t: int, grad: dict[str, np.ndarray]) -> tuple[bool, dict[str, Any]]:

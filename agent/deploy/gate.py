@@ -2,7 +2,7 @@
 write ``model.safetensors``, ``spec.json`` and ``model.onnx``, and the announcement document.
 
 Pure files, no network: the runtime publishes the announcement
-(:func:`dfl_agent.runtime.deployment.deploy_after_run`).  torch is imported inside the
+(:func:`dfl_agent.runtime.run.deployment.deploy_after_run`).  torch is imported inside the
 functions; :mod:`dfl_agent.deploy.versions` is torch-free.
 """
 

@@ -31,6 +31,9 @@ from dfl_agent.fsutil import atomic_symlink, atomic_write, crash_point, fsync_di
 from dfl_agent.jsonbound import loads as bounded_loads
 
 SCHEMA_VERSION = 1
+#: where a node that deploys nothing keeps its run's live model for inference members (under the
+#: state directory, beside ``models/``: :mod:`dfl_agent.runtime.run.live_export`)
+LIVE_DIR = "live_model"
 _VERSION = re.compile(r"^v(\d+)$")
 FILE_MODE, DIR_MODE = 0o640, 0o750
 

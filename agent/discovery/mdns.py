@@ -32,6 +32,10 @@ What is accepted
     wrong federation, id not matching the instance name, unknown wire version, bad
     broker endpoint) are ignored; failures are logged and counted in ``errors``
     (a :class:`collections.Counter`), never raised out of zeroconf's callbacks.
+    The identity is the TXT record's ``id``, not the instance name: an instance renamed
+    after a name conflict (``{federation}--{node_id}-2``, zeroconf's renaming) is the
+    node ``id`` names.  A broker that the TXT record names is a hint too: the peer table
+    uses it only if it is trusted (:meth:`~dfl_agent.discovery.peers.PeerTable.broker_trusted`).
     A resolved peer is ``table.upsert(id, "mdns", ...)``; a goodbye (or an expired
     record) is ``table.withdraw(id, "mdns")``.  A peer that crashes sends no goodbye:
     its records live until their TTL runs out (zeroconf's defaults: 120 s for
@@ -52,10 +56,14 @@ Interfaces and loopback
     unaffected).
 
 Name conflicts
-    python-zeroconf's probe only notices an owner whose records it already cached,
-    so :meth:`MdnsDiscovery.start` first asks for its own instance name
-    (``name_check_timeout``, 1 s) and raises :class:`MdnsNameConflict` on an answer.
-    Two twins started at the same instant can still both succeed.
+    An instance name is only a name: anyone on the link can answer for it, so a conflict
+    never stops a node.  python-zeroconf's probe only notices an owner whose records it
+    already cached, so :meth:`MdnsDiscovery.start` first asks for its own instance name
+    (``name_check_timeout``, 1 s); when another responder answers, or zeroconf's probe
+    meets one, the node advertises itself as ``{federation}--{node_id}-2`` (``-3``, ...:
+    zeroconf's renaming scheme of ``allow_name_change``, applied here so that the host name
+    follows the instance name) and logs one WARNING naming the responder's address (the
+    address its records give).  Peers find it by its TXT ``id``.
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ import asyncio
 import collections
 import ipaddress
 import logging
+import re
 from typing import Any
 
 from zeroconf import DNSQuestionType, IPVersion, NonUniqueNameException, ServiceStateChange
@@ -92,10 +101,10 @@ _SEPARATOR = "--"
 RESOLVE_TIMEOUT_S = 3.0
 NAME_CHECK_TIMEOUT_S = 1.0
 STOP_STEP_TIMEOUT_S = 3.0
-
-
-class MdnsNameConflict(RuntimeError):
-    """Another responder on the network already owns this node's instance name."""
+#: instance names :meth:`MdnsDiscovery.start` tries after a conflict before leaving the rest
+#: to zeroconf's probe (a responder that answers for every name cannot keep a node from starting)
+RENAME_TRIES = 4
+_RENAMED = re.compile(r"(.+)-([0-9]+)")
 
 
 class MdnsDiscovery:
@@ -168,12 +177,17 @@ class MdnsDiscovery:
         self.host_address = str(addr)
         self.resolve_timeout = resolve_timeout
         self.name_check_timeout = name_check_timeout
-        self.instance = f"{federation}{_SEPARATOR}{node_id}"
+        #: the instance name this node asks for, and the one it advertises (after a conflict,
+        #: ``{base}-2``, ...: :meth:`start`)
+        self.base_instance = self.instance = f"{federation}{_SEPARATOR}{node_id}"
         if len(self.instance.encode()) > 63:
             raise ValueError(
                 f"instance name {self.instance!r} exceeds 63 bytes; shorten the federation or node id"
             )
         self.name = f"{self.instance}.{service_type}"
+        #: lower-cased service names another responder answered for at start (their records
+        #: with this node's id are counted as ``duplicate_id``; the conflict was logged once)
+        self.conflicts: set[str] = set()
         self._prefix = f"{federation}{_SEPARATOR}".lower()
         self._properties = self._txt(descriptor)
         self.errors: collections.Counter[str] = collections.Counter()
@@ -219,16 +233,19 @@ class MdnsDiscovery:
         )
 
     async def start(self) -> None:
-        """Browse for peers, check that nobody owns this instance name, then register.
+        """Browse for peers, pick an instance name nobody answers for, then register.
 
         python-zeroconf's probe detects a conflict only from records already in its
         cache, so :meth:`start` first asks for its own instance name for up to
-        ``name_check_timeout`` seconds (an answer means a twin is running), then
-        registers (probe and announce, about 1.7 s with zeroconf 0.154).
+        ``name_check_timeout`` seconds; when another responder answers (a second device
+        with this node id, or anyone's made-up record), it tries ``{instance}-2``,
+        ``-3``, ... (a second each), then registers (probe and announce, about 1.7 s
+        with zeroconf 0.154); a conflict the probe meets moves on to the next name too.
+        After :data:`RENAME_TRIES` names taken, zeroconf's probe picks one
+        (``allow_name_change``).  A conflict is one WARNING naming the other responder's
+        address, never an error: peers know this node by its TXT ``id``.
 
         Raises:
-            MdnsNameConflict: another responder already owns this instance name
-                (the same node id running twice in this federation).
             RuntimeError: started twice, or after :meth:`stop`.
             OSError: the mDNS sockets could not be opened.
         """
@@ -246,35 +263,68 @@ class MdnsDiscovery:
             handlers=[self._on_service_state_change],
             question_type=DNSQuestionType.QM,
         )
-        info = self._service_info()
         try:
-            if self.name_check_timeout > 0 and await self._name_taken():
-                raise NonUniqueNameException
-            announced = await self._aiozc.async_register_service(info, allow_name_change=False)
+            owners: list[str] = []  # the addresses of the responders that answered for our names
+            for n in range(2, 2 + RENAME_TRIES):
+                owner = await self._owner_of(self.name) if self.name_check_timeout > 0 else None
+                if owner is None:
+                    info = self._service_info()  # the host name follows the instance name
+                    try:
+                        announced = await self._aiozc.async_register_service(info, allow_name_change=False)
+                        break
+                    except NonUniqueNameException:  # zeroconf's probe met an owner our question missed
+                        owner = self._cached_owner(self.name)
+                owners.append(owner)
+                self.conflicts.add(self.name.lower())
+                self._rename(n)
+            else:  # a responder answers for every name tried: zeroconf's probe picks one (-N)
+                info = self._service_info()
+                announced = await self._aiozc.async_register_service(info, allow_name_change=True)
+                if info.name != self.name:
+                    self.conflicts.add(self.name.lower())
+                    self.instance, self.name = info.name[: -len("." + self.service_type)], info.name
             self._info = info
             await announced
-        except NonUniqueNameException:
-            await self._shutdown()
-            raise MdnsNameConflict(
-                f"mDNS name {self.name!r} is already in use: is node {self.node_id!r} "
-                f"of federation {self.federation!r} running elsewhere?"
-            ) from None
         except BaseException:
             await self._shutdown()
             raise
+        if owners:
+            self.errors["name_conflict"] += 1
+            log.warning("mdns: another responder, at %s, answers for %s (a second device with node id %r, or a "
+                        "made-up record); this node advertises itself as %s: peers know it by its id, not its name",
+                        ", ".join(dict.fromkeys(owners)), self.base_instance, self.node_id, self.instance)
         if info.decoded_properties != self._properties:  # update() during the probe
             await self.update(self._properties)
         log.info("mdns: advertising %s at %s:%d on %s", self.name, self.host_address, self.port, self._interfaces)
 
-    async def _name_taken(self) -> bool:
-        """True when another responder answers for this node's instance name."""
+    def _rename(self, n: int) -> None:
+        """Advertise as ``{base_instance}-{n}`` (zeroconf's renaming; the base is cut short
+        to keep the instance within one 63-byte DNS label)."""
+        suffix = f"-{n}"
+        self.instance = self.base_instance[: 63 - len(suffix)] + suffix
+        self.name = f"{self.instance}.{self.service_type}"
+
+    async def _owner_of(self, name: str) -> str | None:
+        """The address of another responder that answers for service ``name`` within
+        ``name_check_timeout`` (``"an unknown address"`` when its records give none), or
+        None when nobody answers."""
         assert self._aiozc is not None
-        probe = AsyncServiceInfo(self.service_type, self.name)
+        probe = AsyncServiceInfo(self.service_type, name)
         # QM: a unicast (QU) answer may land on another zeroconf instance's socket
         # when several share port 5353 on one host (SO_REUSEPORT).
-        return await probe.async_request(
+        answered = await probe.async_request(
             self._aiozc.zeroconf, self.name_check_timeout * 1000.0, question_type=DNSQuestionType.QM
         )
+        if not answered and probe.server is None:
+            return None
+        return _address_of(probe)
+
+    def _cached_owner(self, name: str) -> str:
+        """The address that zeroconf's cache holds for service ``name`` (another responder's)."""
+        assert self._aiozc is not None
+        probe = AsyncServiceInfo(self.service_type, name)
+        probe.load_from_cache(self._aiozc.zeroconf)
+        return _address_of(probe)
 
     async def update(self, descriptor: dict[str, str]) -> None:
         """Replace the advertised descriptor (TXT record) and announce it.
@@ -364,15 +414,19 @@ class MdnsDiscovery:
         key = name.lower()
         if key == self.name.lower():
             return
-        instance_id = self._node_id_from_name(name)
-        if instance_id is None:  # other federation or another service's naming
+        instance = self._instance_of(name)
+        if instance is None:  # other federation or another service's naming
             log.debug("mdns: ignoring %s", name)
             return
         if state_change is ServiceStateChange.Removed:
             pending = self._tasks.pop(key, None)
             if pending is not None:
                 pending.cancel()
-            node_id = self._names.pop(key, instance_id)
+            node_id = self._names.pop(key, None)
+            if node_id is None:  # never resolved: the id its name gives, if any
+                node_id = instance if valid_id(instance) else None
+            if node_id is None or node_id in self._names.values():  # another record of it stays
+                return
             log.info("mdns: %s said goodbye", node_id)
             self.table.withdraw(node_id, "mdns")
             return
@@ -383,16 +437,31 @@ class MdnsDiscovery:
         task = asyncio.get_running_loop().create_task(self._resolve(name, key))
         self._tasks[key] = task
 
-    def _node_id_from_name(self, name: str) -> str | None:
-        """The node id in ``{federation}--{node_id}.{service_type}``; None if not ours."""
+    def _instance_of(self, name: str) -> str | None:
+        """What follows ``{federation}--`` in the instance name of ``name`` (the node id,
+        or the id renamed after a conflict: ``{node_id}-2``); None when not of this
+        federation (or empty)."""
         suffix = "." + self.service_type
         if not name.lower().endswith(suffix.lower()):
             return None
         instance = name[: -len(suffix)]
         if not instance.lower().startswith(self._prefix):
             return None
-        node_id = instance[len(self._prefix) :]
-        return node_id if valid_id(node_id) else None
+        return instance[len(self._prefix) :] or None
+
+    def _names_node(self, name: str, node_id: str) -> bool:
+        """Whether service ``name`` is ``node_id``'s instance: ``{federation}--{node_id}``, or
+        that renamed after a conflict (``-2``, ``-3``, ..., the id cut short where the
+        63-byte label needed it)."""
+        rest = (self._instance_of(name) or "").lower()
+        node_id = node_id.lower()
+        if rest == node_id:
+            return True
+        m = _RENAMED.fullmatch(rest)
+        if m is None:
+            return False
+        full = len(self._prefix) + len(rest) == 63
+        return m.group(1) == node_id or (full and node_id.startswith(m.group(1)))
 
     async def _resolve(self, name: str, key: str) -> None:
         try:
@@ -443,10 +512,13 @@ class MdnsDiscovery:
         if txt.get("fed", "") != self.federation:
             reject("malformed_txt", f"TXT federation {txt.get('fed')!r} does not match its name")
             return None
-        if node_id.lower() != (self._node_id_from_name(name) or "").lower():
+        if not self._names_node(name, node_id):
             reject("malformed_txt", f"TXT id {node_id!r} does not match the instance name")
             return None
         if node_id == self.node_id:
+            if self._info is None or name.lower() in self.conflicts:  # start() logs a name conflict once
+                self.errors["duplicate_id"] += 1
+                return None
             reject("duplicate_id", f"another node advertises this node's id {node_id!r}")
             return None
         if txt.get("wire", "") != str(WIRE_VERSION):
@@ -474,6 +546,16 @@ class MdnsDiscovery:
             "compression": txt.get("comp", ""),
             "address": address,
         }
+
+
+def _address_of(info: AsyncServiceInfo) -> str:
+    """``host:port`` (or the host alone) that a resolved service's records give."""
+    addresses = info.parsed_addresses()
+    if not addresses:
+        return "an unknown address"
+    host = addresses[0]
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{info.port}" if info.port else host
 
 
 def _check_interfaces(interfaces: list[str], ip_version: IPVersion) -> list[str]:

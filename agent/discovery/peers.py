@@ -21,10 +21,22 @@ happened (:data:`DEPARTURES`: the presence tells the table how a peer went offli
 
 A peer that comes back is logged once more (``peer B is back``: INFO, DEBUG after the end of
 its run).
+
+Brokers learnt from mDNS: an mDNS record is unsigned, so the broker its TXT record names
+becomes a peer's broker (where this node sends its frames, and which the transport connects
+to) only when it is a trusted broker (:meth:`PeerTable.broker_trusted`): this node's own
+(:attr:`PeerTable.home_broker`, ``mqtt.broker``), one a static peer names (configuration),
+or one named in a presence signed by an enrolled member (:meth:`PeerTable.trust_broker`).
+Any other is ignored, logged once per peer and broker, and counted in :attr:`PeerTable.dropped`
+as ``mdns_broker_untrusted`` (the node's status ``errors``); the record still vouches for
+the peer, as every mDNS record does (a hint: with signatures required only a trusted key makes
+a member).  Nor does an mDNS record change what a presence said of a peer (its algorithm,
+model hash, roles, compression, broker): it adds only its address.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -41,7 +53,7 @@ FOUND_VIA = (*SOURCES, "bridged-presence")
 #: how a peer's presence went offline (:meth:`PeerTable.note_departure`) -> the log level and
 #: the words of its departure line: ``goodbye`` its verified goodbye, ``run_end`` a goodbye
 #: that ends its run (its status said its rounds were finished, or the goodbye names the
-#: run's end as its reason), ``will`` its unsigned last will, ``cleared`` its retained
+#: run's end as its reason), ``will`` its last will, ``cleared`` its retained
 #: presence was removed
 DEPARTURES: dict[str, tuple[int, str]] = {
     "goodbye": (logging.INFO, "left (goodbye)"),
@@ -155,6 +167,15 @@ class PeerTable:
         #: (peer, how) found since :meth:`take_found` last ran
         self._found_new: list[tuple[str, str]] = []
         self.record_findings = record_findings
+        #: dropped discovery input by reason (in the node's status ``errors``):
+        #: ``mdns_broker_untrusted``, an mDNS record naming a broker that is not trusted
+        self.dropped: collections.Counter[str] = collections.Counter()
+        #: brokers that static peers or presences signed by enrolled members named
+        self._trusted_brokers: set[str] = set()
+        #: peer -> the untrusted broker its mDNS record named (ignored until it is trusted)
+        self._mdns_broker: dict[str, str] = {}
+        #: peers that a presence described (mDNS records no longer change their descriptor fields)
+        self._described: set[str] = set()
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(event, node_id, info)`` on added/updated/removed."""
@@ -176,17 +197,36 @@ class PeerTable:
         fed = fields.get("federation", "")
         if node_id == self.self_id or (self.federation and fed and fed != self.federation):
             return None
+        broker = str(fields.get("broker") or "")
+        untrusted = False
         with self._lock:
+            if source == "static" and broker:
+                self._trusted_brokers.add(broker)  # configuration
+            elif source == "mdns":
+                if broker and not self.broker_trusted(broker):
+                    fields = {k: v for k, v in fields.items() if k != "broker"}
+                    self.dropped["mdns_broker_untrusted"] += 1
+                    untrusted = self._mdns_broker.get(node_id) != broker  # logged once per peer and broker
+                    self._mdns_broker[node_id] = broker
+                else:
+                    self._mdns_broker.pop(node_id, None)
             info = self._peers.get(node_id)
             was_live = info is not None and self._is_live(info)
             if info is None:
                 info = PeerInfo(node_id=node_id)
                 self._peers[node_id] = info
+            # a peer that a presence (signed where signatures are required) described keeps that
+            # description: an mDNS record adds its address and its vouching only
+            keep = source == "mdns" and node_id in self._described
             for key, value in fields.items():
+                if keep and key != "address":
+                    continue
                 if key in _FIELDS and value:
                     setattr(info, key, str(value))
                 elif key not in _FIELDS and value is not None:
                     info.extra[key] = value
+            if source == "presence":
+                self._described.add(node_id)
             info.sources = _sources(info.sources | {source})
             if source == "presence":
                 info.offline = False
@@ -199,10 +239,45 @@ class PeerTable:
                     self._found_new.append((node_id, how))
             self.changes += 1
             back = self._back(info)
+        if untrusted:
+            log.warning("%s: ignored broker %s named by the mDNS record of %s: neither mqtt.broker, a static "
+                        "peer's nor in a presence signed by an enrolled member (mdns_broker_untrusted)",
+                        self.self_id, broker, node_id)
         if back is not None:
             log.log(back, "%s: peer %s is back", self.self_id, node_id)
         self._emit("updated" if was_live else "added", info)
         return info
+
+    def broker_trusted(self, endpoint: str) -> bool:
+        """Whether a broker (``"host:port"``) that an mDNS record names may be used: this
+        node's own (:attr:`home_broker`), or one that a static peer or a presence signed by
+        an enrolled member named (:meth:`trust_broker`).  Spellings are compared as they are
+        (``localhost:1883`` is not ``127.0.0.1:1883``)."""
+        with self._lock:
+            return bool(endpoint) and (endpoint == self.home_broker or endpoint in self._trusted_brokers)
+
+    def trust_broker(self, endpoint: str) -> None:
+        """A presence signed by an enrolled member named broker ``endpoint``: mDNS records may
+        name it from now on, and the peers whose record named it before, with no broker of
+        their own yet, get it (an ``updated`` event each: the transport connects to it)."""
+        if not endpoint:
+            return
+        with self._lock:
+            if endpoint in self._trusted_brokers:
+                return
+            self._trusted_brokers.add(endpoint)
+            promoted = []
+            for node_id, named in list(self._mdns_broker.items()):
+                if named != endpoint:
+                    continue
+                del self._mdns_broker[node_id]
+                info = self._peers.get(node_id)
+                if info is not None and not info.broker:
+                    info.broker = endpoint
+                    self.changes += 1
+                    promoted.append(info)
+        for info in promoted:
+            self._emit("updated", info)
 
     def found_how(self, source: str, info: PeerInfo) -> str:
         """The :data:`FOUND_VIA` word for ``source`` vouching for ``info`` (here: the source)."""

@@ -4,23 +4,25 @@ rides on the home session of :class:`~dfl_agent.transport.mqtt.MqttTransport`.
 Topics of a federation ``{fed}`` (``{id}`` = node id)::
 
     dfl/{fed}/node/{id}/presence  retained JSON, QoS 1
-        online:  {"state": "online", "node_id": id, "descriptor": {...}, "time": unix s}
-        offline: {"state": "offline", "node_id": id, "time": unix s}
-                 (the MQTT last will, and published when the transport stops);
+        online:  {"state": "online", "node_id": id, "descriptor": {...}, "time": unix s,
+                  "session": this connection's id}
+        offline: {"state": "offline", "node_id": id, "time": unix s} (published when the
+                 transport stops), or the MQTT last will: {"state": "offline", "node_id": id,
+                 "time": when the connection opened, "reason": "last will", "session": its id};
         an empty retained payload (cleared) also means offline.
     dfl/{fed}/node/{id}/status    retained JSON, QoS 1: the dict given to
-        ``publish_status`` plus "node_id", "time" (unix s) and "heartbeat" (a counter);
-        republished every ``heartbeat_interval`` seconds, so it is also the heartbeat.
+        ``publish_status`` plus "node_id", "time" (unix s), "heartbeat" (a counter) and
+        "session"; republished every ``heartbeat_interval`` seconds, so it is also the heartbeat.
 
 :class:`MqttPresence` is the transport's :class:`~dfl_agent.transport.mqtt.ControlChannel`:
 the transport sets its last will on the home connection before connecting, subscribes
 to ``+/presence`` and ``+/status`` on every broker connection, calls :meth:`MqttPresence.announce`
 on every (re)connection of the home broker (presence "online", then the status), hands it
 every message on those topics, ticks it from its maintenance thread (the heartbeat) and
-lets it say goodbye (a signed "offline") when it stops.  In a run process (``relay`` set,
-:mod:`dfl_agent.runtime.run_process`) it publishes none of these itself: it hands its
-presence descriptor and statuses to ``relay`` and the supervisor signs and publishes them
-(the supervisor's session also holds the node's last will).  If this node sees its own
+lets it say goodbye (a signed "offline") when it stops.  A run process's presence
+(:class:`~dfl_agent.runtime.run.hosted_presence.HostedPresence`) publishes none of these itself:
+it hands its presence descriptor and statuses to its host and the supervisor signs and
+publishes them (the supervisor's session also holds the node's last will).  If this node sees its own
 presence turn "offline" while it runs (the late last will of an earlier run of the same
 node id), it republishes "online".  :func:`node_transport` builds the two together.
 
@@ -31,31 +33,38 @@ presence and status payloads are the JSON above wrapped in a signed control enve
 one goes through :meth:`~dfl_agent.security.SecurityGuard.verify_control`: a rejected
 one is dropped and counted as ``presence_{reason}`` / ``status_{reason}`` (reasons in
 :data:`~dfl_agent.security.trust.CONTROL_REJECT_REASONS`), never handed on.  The MQTT
-last will cannot be signed at disconnect time, so it stays a bare unsigned "offline":
-with ``require_signatures`` an unsigned "offline" is only a hint (counted as
-``presence_unsigned``); the node stays a member until its status heartbeats stop for
-``discovery.heartbeat_timeout`` - a forged "offline" cannot remove a live node.
-Stopping publishes a signed "offline", which is obeyed at once.
+last will is signed when the home connection opens (before every connection attempt, with a
+new ``session`` id: :func:`~dfl_agent.security.trust.will_payload`) and checked with
+:meth:`~dfl_agent.security.SecurityGuard.verify_will`; a will whose ``session`` is not the
+one of the node's newest presence or status (a late or replayed will of an earlier
+connection) is dropped as ``presence_stale_will``.  With ``require_signatures`` a last will,
+verified or an older agent's bare one (counted as ``presence_unsigned``), is only a hint: the
+node stays a member until its status heartbeats stop for ``discovery.heartbeat_timeout`` (a
+connection that breaks for a moment does not end a membership).  Without it a will is
+obeyed at once.  Stopping publishes a signed "offline", which is obeyed at once.
 
 Drop counters (in the transport's ``stats.dropped``): ``bad_presence``, ``bad_status``,
 ``presence_oversized`` / ``status_oversized`` (over 64 KiB), ``presence_too_deep`` /
 ``status_too_deep`` (nested deeper than 32 levels; every presence and status is parsed
 by :func:`dfl_agent.jsonbound.loads` before any other use), ``presence_self_forged`` /
 ``status_self_forged`` (something this node did not sign on its own topics),
-``presence_unsigned`` / ``status_unsigned``, ``status_not_member``.
+``presence_unsigned`` / ``status_unsigned``, ``status_not_member``, ``presence_stale_will``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from dfl_agent.jsonbound import JSONBoundError
+from dfl_agent.jsonbound import JSONBoundError, LogLimit
 from dfl_agent.jsonbound import loads as bounded_loads
+from dfl_agent.security.trust import is_will, will_payload
+from dfl_agent.transport.endpoint import valid_endpoint
 from dfl_agent.transport.mqtt import ControlChannel, MqttTransport, topic
 
 #: the transport's logger: the log lines of presence and status keep their logger name
@@ -85,7 +94,7 @@ class MqttPresence(ControlChannel):
 
     def __init__(self, node_id: str, federation: str, *, descriptor: dict[str, Any],
                  heartbeat_interval: float = 5.0, on_heartbeat: HeartbeatHandler | None = None,
-                 control: Any = None, relay: Callable[[str, dict[str, Any]], None] | None = None):
+                 control: Any = None):
         if not isinstance(descriptor, dict):
             raise ValueError("descriptor: must be a dict")
         try:
@@ -104,12 +113,14 @@ class MqttPresence(ControlChannel):
         self.on_heartbeat = on_heartbeat
         #: signs outgoing and verifies incoming presence/status (SecurityGuard or None)
         self.control = control
-        #: a run process's channel to its supervisor: ``relay(kind, doc)`` with kind
-        #: ``"presence"`` (doc: the descriptor) or ``"status"``; then this node publishes no
-        #: presence, no status and no last will itself - the supervisor speaks for the node
-        self.relay = relay
         #: latest status dict of every other node heard (node id -> status)
         self.statuses: dict[str, dict[str, Any]] = {}
+        #: this node's home connection (a random id, new before every connection attempt:
+        #: :meth:`will`), in its presence, statuses and last will
+        self.session = secrets.token_hex(8)
+        #: the newest connection of every other node, from its presence and statuses
+        #: (node id -> session): a last will of another one is stale
+        self.sessions: dict[str, str] = {}
         self._transport: MqttTransport | None = None
         self._lock = threading.RLock()
         self._status: dict[str, Any] | None = None
@@ -117,6 +128,7 @@ class MqttPresence(ControlChannel):
         self._last_status_pub = 0.0
         self._t_presence = topic(federation, node_id, "presence")
         self._t_status = topic(federation, node_id, "status")
+        self._drop_log = LogLimit(60.0, 5)  # dropped presence/status lines per (leaf, node, reason)
 
     # ----------------------------------------------------------- the channel
 
@@ -129,24 +141,21 @@ class MqttPresence(ControlChannel):
         return self._transport
 
     def will(self) -> tuple[str, bytes] | None:
-        if self.relay is not None:  # a run process: the supervisor's session holds the will
-            return None
-        # unsigned by necessity (see the module docstring): a hint for signed receivers
-        return self._t_presence, self._presence_payload(False, signed=False)
+        """The last will of the next connection attempt of the home connection, for a new
+        session id, signed now (called before every attempt)."""
+        self.session = secrets.token_hex(8)
+        doc = will_payload(self.node_id, self.session)
+        if self.control is not None:
+            return self._t_presence, self.control.sign_control("presence", doc, self.federation)
+        return self._t_presence, json.dumps(doc).encode()
 
     def announce(self, client: Any) -> None:
         self._say_online(client)
         if self._status is not None:
-            if self.relay is not None:
-                self._publish_status_now()
-            else:
-                client.publish(self._t_status, self._status_payload(), qos=1, retain=True)
+            self._publish_status_now(client)
 
     def _say_online(self, client: Any) -> None:
-        """Presence "online" (retained), or through the relay of a run process."""
-        if self.relay is not None:
-            self.relay("presence", dict(self.descriptor))
-            return
+        """Presence "online" (retained) on ``client``."""
         client.publish(self._t_presence, self._presence_payload(True), qos=1, retain=True)
 
     def started(self) -> None:
@@ -157,8 +166,6 @@ class MqttPresence(ControlChannel):
             self._publish_status_now()
 
     def goodbye(self, client: Any) -> Any:
-        if self.relay is not None:  # the supervisor says when the node leaves
-            return None
         return client.publish(self._t_presence, self._presence_payload(False), qos=1, retain=True)
 
     def on_message(self, home: bool, client: Any, sender: str, leaf: str, payload: bytes) -> None:
@@ -175,6 +182,7 @@ class MqttPresence(ControlChannel):
         msg: dict[str, Any] = {"state": "online" if online else "offline", "node_id": self.node_id}
         if online:
             msg["descriptor"] = self.descriptor
+            msg["session"] = self.session
         msg["time"] = time.time()
         if signed and self.control is not None:
             return self.control.sign_control("presence", msg, self.federation)
@@ -184,16 +192,18 @@ class MqttPresence(ControlChannel):
         with self._lock:
             self._heartbeat_seq += 1
             status = dict(self._status or {})
-            status.update(node_id=self.node_id, time=time.time(), heartbeat=self._heartbeat_seq)
+            status.update(node_id=self.node_id, time=time.time(), heartbeat=self._heartbeat_seq, session=self.session)
             self._last_status_pub = time.monotonic()
             if self.control is not None:
                 return self.control.sign_control("status", status, self.federation)
         return json.dumps(status).encode()
 
-    def _open_control(self, leaf: str, node_id: str, payload: bytes) -> tuple[dict[str, Any], str] | None:
+    def _open_control(self, leaf: str, node_id: str, payload: bytes,
+                      will: bool = False) -> tuple[dict[str, Any], str] | None:
         """The payload dict of a received presence/status and its sender's role, or
         None when dropped (counted as ``{leaf}_{reason}``).  Without ``control`` the
-        payload is bare JSON (role "unverified")."""
+        payload is bare JSON (role "unverified").  ``will``: the presence is a last will
+        (:meth:`~dfl_agent.security.SecurityGuard.verify_will`)."""
         count = self._t().count
         if self.control is None:
             try:  # bounded: 64 KiB, nesting depth 32
@@ -211,15 +221,25 @@ class MqttPresence(ControlChannel):
         from dfl_agent.security.trust import ControlRejected
 
         try:
-            _sender, role, msg = self.control.verify_control(payload, leaf, node_id)
+            if will:
+                _sender, role, msg = self.control.verify_will(payload, node_id)
+            else:
+                _sender, role, msg = self.control.verify_control(payload, leaf, node_id)
         except ControlRejected as exc:
             if exc.reason == "duplicate":
                 return None  # a retained message delivered again (reconnect): not a drop
             count(f"{leaf}_{exc.reason}")
             # a replay is most often an older copy queued for this session during a disconnect
-            # (QoS 1), delivered after the newest: counted, and logged at debug level only
-            (log.debug if exc.reason == "replay" else log.warning)(
-                "%s: dropped %s on the topic of %r: %s", self.node_id, leaf, node_id, exc)
+            # (QoS 1), delivered after the newest: counted, and logged at debug level only.  Others
+            # (a revoked node still connected, a forger) are logged 5 times per node and reason,
+            # then once a minute: every heartbeat of theirs would flood the log
+            if exc.reason == "replay":
+                log.debug("%s: dropped %s on the topic of %r: %s", self.node_id, leaf, node_id, exc)
+                return None
+            log_it, held, _ = self._drop_log.check((leaf, node_id, exc.reason))
+            if log_it:
+                log.warning("%s: dropped %s on the topic of %r: %s%s", self.node_id, leaf, node_id, exc,
+                            f" ({held} more not logged)" if held else "")
             return None
         return msg, role
 
@@ -268,21 +288,23 @@ class MqttPresence(ControlChannel):
                 note(node_id, "cleared")
         else:
             if signed_only and self._is_bare_offline(payload):
-                # the MQTT last will is unsigned by necessity: a hint only, liveness decides
-                t.count("presence_unsigned")
-                is_live = getattr(t.peers, "is_live", None)
-                if is_live is not None and is_live(node_id):  # not a retained will of long ago
-                    log.warning("%s: peer %s lost its connection (its unsigned last will: crashed or cut off); "
-                                "a member until its heartbeats stop", self.node_id, node_id)
-                    lost = getattr(t.peers, "note_session_lost", None)
-                    if lost is not None:  # back within its heartbeat timeout, it may have missed messages
-                        lost(node_id)
-                else:
-                    log.debug("%s: unsigned offline of peer %s ignored (not live)", self.node_id, node_id)
+                t.count("presence_unsigned")  # an older agent's unsigned last will: a hint only
+                self._will_hint(node_id, "unsigned")
                 return
-            opened = self._open_control("presence", node_id, payload)
+            will = self._is_will(payload)
+            opened = self._open_control("presence", node_id, payload, will=will)
             if opened is None:
                 return
+            if will:
+                if node_id in self.sessions and opened[0].get("session") != self.sessions[node_id]:
+                    t.count("presence_stale_will")  # of an earlier connection: the node is back
+                    log.debug("%s: stale last will of peer %s ignored", self.node_id, node_id)
+                    return
+                if signed_only:  # verified, yet a hint only: liveness decides (a short break ends no membership)
+                    self._will_hint(node_id, "signed")
+                    return
+            elif isinstance(opened[0].get("session"), str):
+                self.sessions[node_id] = opened[0]["session"]
             try:
                 descriptor = self._descriptor_of(opened[0], node_id)
             except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError included
@@ -291,17 +313,39 @@ class MqttPresence(ControlChannel):
                 return
             if descriptor is None and note is not None:
                 note(node_id, self._departure(node_id, opened[0], payload))
+            trust = getattr(t.peers, "trust_broker", None)
+            broker = descriptor.get("broker") if descriptor is not None else None
+            if opened[1] == "device" and trust is not None and isinstance(broker, str) and valid_endpoint(broker):
+                trust(broker)  # signed by an enrolled member: mDNS records may name this broker
         t.dispatch(t.presence_handler, node_id, descriptor)
+
+    def _will_hint(self, node_id: str, how: str) -> None:
+        """A last will of ``node_id`` (``how``: "signed" or "unsigned") under
+        ``require_signatures``: a hint only.  A live peer lost its connection (it may have
+        missed messages: ``note_session_lost``); its heartbeats decide when it leaves."""
+        peers = self._t().peers
+        is_live = getattr(peers, "is_live", None)
+        if is_live is not None and is_live(node_id):  # not a retained will of long ago
+            log.warning("%s: peer %s lost its connection (its %s last will: crashed or cut off); "
+                        "a member until its heartbeats stop", self.node_id, node_id, how)
+            lost = getattr(peers, "note_session_lost", None)
+            if lost is not None:  # back within its heartbeat timeout, it may have missed messages
+                lost(node_id)
+        else:
+            log.debug("%s: %s last will of peer %s ignored (not live)", self.node_id, how, node_id)
 
     def _departure(self, node_id: str, msg: dict[str, Any], payload: bytes) -> str:
         """How ``node_id``'s presence went offline (a :data:`dfl_agent.discovery.peers.DEPARTURES`
-        key): ``"will"`` for its last will - bare JSON where this node signs (every agent signs
-        its goodbye), or, without signing, an "offline" older than the peer's last status (the
-        will is written when its connection opens); ``"goodbye"`` when it stopped before its
+        key): ``"will"`` for its last will - one that names its connection, or an older agent's
+        bare JSON where this node signs (every agent signs its goodbye), or, without signing, an
+        "offline" older than the peer's last status (the will is written when its connection
+        opens); ``"goodbye"`` when it stopped before its
         run's end (its status said ``stopped``, or the goodbye's reason is ``stopping``);
         ``"run_end"`` after its status said ``finished``, or for a goodbye that names another
         reason (the supervisor's ``run ended``); else ``"goodbye"``."""
         last = self.statuses.get(node_id) or {}
+        if is_will(msg):
+            return "will"
         if self._is_bare_offline(payload):
             if self.control is not None:
                 return "will"
@@ -335,6 +379,15 @@ class MqttPresence(ControlChannel):
         raise ValueError(f"unknown state {state!r}")
 
     @staticmethod
+    def _is_will(payload: bytes) -> bool:
+        """Whether a presence payload (signed or bare) is a last will that names its connection."""
+        try:
+            msg = bounded_loads(payload, "presence")
+        except ValueError:
+            return False
+        return isinstance(msg, dict) and is_will(msg.get("payload") if "ctl" in msg else msg)
+
+    @staticmethod
     def _is_bare_offline(payload: bytes) -> bool:
         try:
             msg = bounded_loads(payload, "presence")
@@ -358,24 +411,22 @@ class MqttPresence(ControlChannel):
             t.count("status_not_member")  # e.g. an operator's key: statuses come from members
             return
         self.statuses[node_id] = status
+        if isinstance(status.get("session"), str):
+            self.sessions[node_id] = status["session"]
         t.dispatch(self.on_heartbeat, node_id, status)
 
     # ----------------------------------------------------------------- status
 
-    def _publish_status_now(self) -> None:
-        if self.relay is not None:
-            with self._lock:
-                status = dict(self._status or {})
-                self._last_status_pub = time.monotonic()
-            self.relay("status", status)
-            return
-        session = self._t().home_session()
-        if session is None:
-            return
-        client, connected = session
-        if not connected:
-            self._last_status_pub = time.monotonic()  # republished on reconnect anyway
-            return
+    def _publish_status_now(self, client: Any = None) -> None:
+        """The status now, on ``client`` (None: the home session, when connected)."""
+        if client is None:
+            session = self._t().home_session()
+            if session is None:
+                return
+            client, connected = session
+            if not connected:
+                self._last_status_pub = time.monotonic()  # republished on reconnect anyway
+                return
         client.publish(self._t_status, self._status_payload(), qos=1, retain=True)
 
     async def publish_status(self, status: dict[str, Any]) -> None:
@@ -401,12 +452,11 @@ class MqttPresence(ControlChannel):
 
 def node_transport(node_id: str, federation: str, *, descriptor: dict[str, Any], heartbeat_interval: float = 5.0,
                    on_heartbeat: HeartbeatHandler | None = None, control: Any = None,
-                   relay: Callable[[str, dict[str, Any]], None] | None = None,
                    **transport_args: Any) -> MqttTransport:
     """A node's MQTT transport with its presence and status (:class:`MqttPresence`).
 
-    ``descriptor``, ``heartbeat_interval``, ``on_heartbeat``, ``control`` and ``relay`` (a
-    run process: the supervisor publishes its presence and status) go to the presence; every other argument (``broker``, ``peers``, ``protocol``, TLS, ...) to
+    ``descriptor``, ``heartbeat_interval``, ``on_heartbeat`` and ``control`` go to the presence;
+    every other argument (``broker``, ``peers``, ``protocol``, TLS, ...) to
     :class:`~dfl_agent.transport.mqtt.MqttTransport`.  The presence is the transport's
     ``channel``.
 
@@ -414,5 +464,5 @@ def node_transport(node_id: str, federation: str, *, descriptor: dict[str, Any],
         ValueError: an invalid argument (the message names it).
     """
     presence = MqttPresence(node_id, federation, descriptor=descriptor, heartbeat_interval=heartbeat_interval,
-                            on_heartbeat=on_heartbeat, control=control, relay=relay)
+                            on_heartbeat=on_heartbeat, control=control)
     return MqttTransport(node_id, federation, channel=presence, **transport_args)

@@ -3,8 +3,9 @@
 It connects to its MQTT broker like any node (presence with the descriptor
 ``{"profile": "inference-only", "algorithm": "inference"}``, retained status, last
 will), optionally advertises itself over mDNS, and waits for ``onnx.model`` messages
-that training peers send it (:class:`dfl_agent.runtime.onnx_publisher.OnnxPublisher`): the
-sender's deployable model exported to ONNX whenever its accuracy improved.  Each
+that training peers' services send it (:class:`dfl_agent.runtime.service.member_delivery.MemberDelivery`):
+the sender's deployed model, or, where it deploys none, its deployable model exported to ONNX
+whenever its accuracy improved.  Each
 accepted model is written atomically to ``state_dir/model.onnx`` and described by one JSON
 line appended to ``state_dir/models.jsonl`` (``time``, ``version``, ``round``, ``source``,
 ``accuracy``, and ``run_id``/``sha256`` when sent); when a window file is configured, the
@@ -20,7 +21,7 @@ that is older than the one held (:meth:`InferenceMember.stale`: deployed earlier
 lower round), is rejected and counted; the member keeps the old one.  The status names the
 held deployment (``model_run_id``, ``model_sha256``, ``model_deployed_at``): an agent's
 supervisor sends its deployed version to members whose status lacks it
-(:mod:`dfl_agent.runtime.member_delivery`).
+(:mod:`dfl_agent.runtime.service.member_delivery`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.inference.windows import load_windows, predictions_document
 from dfl_agent.jsonbound import RateLimitedLog
 from dfl_agent.onnx_model import ONNX_KIND, InferenceError, OnnxModel, deployment_order
-from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.runtime.node.context import RuntimeContext
 
 log = logging.getLogger(__name__)
 #: rate-limited log of the exceptions caught per model message (``handler_error``)
@@ -72,7 +73,7 @@ class InferenceMember:
             first start; ``node_cert.json`` there is sent along), as training nodes do,
             so that federations with ``require_signatures`` trust them.
         guard: the node's :class:`~dfl_agent.security.SecurityGuard` from its ``[security]``
-            (:func:`dfl_agent.runtime.assembly.build_security`): it signs presence and status
+            (:func:`dfl_agent.runtime.shared.assembly.build_security`): it signs presence and status
             and also verifies every model message; with ``require_signatures`` a model is
             taken only from an enrolled device (unsigned, unknown or badly signed frames are
             dropped and counted in the status's ``errors``).  None: ``sign`` decides.
@@ -89,7 +90,7 @@ class InferenceMember:
         self.node_id, self.federation = node_id, federation
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.peers = peers or PeerTable(node_id, federation, heartbeat_timeout=30.0)
+        self.peers = peers or PeerTable(node_id, federation, heartbeat_timeout=30.0, home_broker=broker)
         self.descriptor: dict[str, Any] = {**DESCRIPTOR, "broker": broker, "version": f"{__version__}/w{WIRE_VERSION}"}
         if address:
             self.descriptor["address"] = address

@@ -118,39 +118,6 @@ def require_opacus() -> None:
                                   name="opacus")
 
 
-def dp_steps_per_round(algorithm: str, options: Any, *, n_samples: int, batch_size: int, epochs: int,
-                       steps: int) -> int:
-    """The most DP steps one round of ``algorithm`` takes on ``n_samples`` samples (the plan's
-    ``steps_per_round``): what its local step trains, and DFML's mutual learning.
-
-    - most algorithms: their local step, ``training.steps`` when > 0, else
-      ``epochs·⌈N / batch_size⌉`` (:func:`dfl_agent.privacy.plan.steps_per_round`);
-    - ``dfedavg``: one epoch (its local step trains one); ``dfml``: one epoch plus, in a round
-      it aggregates, ``mutual_epochs`` epochs of mutual learning;
-    - ``fedper``, ``local_adam``: ``adam_epochs`` epochs; pair protocols (``combo``): the
-      sender's ``M`` epochs.
-
-    Args:
-        options: the algorithm's parsed ``Options`` (read by attribute; None: defaults).
-    """
-    if n_samples <= 0 or batch_size <= 0:
-        return 0
-    per_pass = math.ceil(n_samples / batch_size)
-
-    def local(e: int) -> int:
-        return int(steps) if steps > 0 else int(e) * per_pass
-
-    if algorithm == "dfml":
-        return local(1) + int(getattr(options, "mutual_epochs", 10)) * per_pass
-    if algorithm == "dfedavg":
-        return local(1)
-    if algorithm in ("fedper", "local_adam"):
-        return int(getattr(options, "adam_epochs", 1)) * per_pass
-    if options is not None and hasattr(options, "M"):
-        return local(int(options.M))
-    return local(epochs)
-
-
 def check_model(model: nn.Module) -> None:
     """Raise when Opacus cannot compute per-sample gradients for ``model``.
 

@@ -103,14 +103,15 @@ def mutual_learning(
     if dp is not None:
         return _private(models, w, x, y, alpha=alpha, epochs=epochs, lr=lr, rng=rng, momentum=momentum,
                         weight_decay=weight_decay, beta=beta, temperature=temperature, device=device, dp=dp)
-    opts = [make_optimizer(m.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay) for m in models]
+    amp, kind, dtype = autocast_for(device, mixed_precision)
+    opts = [make_optimizer(m.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay, torch_api=amp)
+            for m in models]  # the AMP gradient scaler takes only a torch.optim.Optimizer
     for m in models:
         m.to(device).train()
     beta_t = None if beta is None else torch.as_tensor(beta, dtype=torch.float32, device=device)
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
     total, count = 0.0, 0
-    amp, kind, dtype = autocast_for(device, mixed_precision)
     scaler = torch.amp.GradScaler(kind) if amp else None
     for _ in range(epochs):
         for idx in batches(len(x), batch_size, rng):
@@ -124,6 +125,7 @@ def mutual_learning(
             if scaler is not None:
                 scaler.scale(loss).backward()
                 for o in opts:
+                    assert isinstance(o, torch.optim.Optimizer)  # torch_api=amp
                     scaler.step(o)
                 scaler.update()
             else:
@@ -160,7 +162,7 @@ def _private(models: Sequence[nn.Module], w: torch.Tensor, x: np.ndarray, y: np.
     for m in models:
         m.to(device).train()
     params = [p for m in models for p in m.parameters()]
-    opt = make_optimizer(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    opt = make_optimizer(params, lr=lr, momentum=momentum, weight_decay=weight_decay, torch_api=True)  # Opacus's
     beta_t = None if beta is None else torch.as_tensor(beta, dtype=torch.float32, device=device)
 
     def batch_loss(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Linear probing: fit a model's output layer to a data set on its frozen features.
 
-A warm-started run (:mod:`dfl_agent.runtime.warm_start`) whose store holds a class the
+A warm-started run (:mod:`dfl_agent.runtime.run.warm_start`) whose store holds a class the
 deployed model predicts for none of its windows fits that model's output layer to the store
 before round 1, then trains the whole model as usual: linear
 probing then fine-tuning (LP-FT; Kumar et al. 2022, "Fine-Tuning can Distort Pretrained
@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from dfl_agent.learning.training import make_optimizer
 
 #: full-batch gradient steps of the fit
 STEPS = 200
@@ -179,7 +181,7 @@ def _fit(h: torch.Tensor, target: torch.Tensor, w0: torch.Tensor, b0: torch.Tens
     w = w0.clone().requires_grad_(True)
     b = None if b0 is None else b0.clone().requires_grad_(True)
     params = [w] if b is None else [w, b]
-    opt = torch.optim.SGD(params, lr=lr, momentum=MOMENTUM)
+    opt = make_optimizer(params, lr=lr, momentum=MOMENTUM)
     for _ in range(STEPS):
         opt.zero_grad()
         nn.functional.cross_entropy(h @ w.T + (0 if b is None else b), target).backward()

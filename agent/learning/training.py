@@ -10,7 +10,7 @@ import dataclasses
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import numpy as np
 
@@ -32,6 +32,7 @@ class TrainingAborted(Exception):
 
 
 _abort = threading.local()
+_K = TypeVar("_K")
 
 
 @contextlib.contextmanager
@@ -66,23 +67,41 @@ DEFAULT_DIVERGENCE_FACTOR = 10.0
 OPTIMIZERS = ("sgd", "adam")
 
 
+@overload
 def make_optimizer(params: Iterable[torch.Tensor], kind: str = "sgd", *, lr: float, momentum: float = 0.0,
-                   weight_decay: float = 0.0) -> torch.optim.Optimizer:
+                   weight_decay: float = 0.0, torch_api: Literal[False] = False) -> torch.optim.Optimizer | PlainSGD: ...
+
+
+@overload
+def make_optimizer(params: Iterable[torch.Tensor], kind: str = "sgd", *, lr: float, momentum: float = 0.0,
+                   weight_decay: float = 0.0, torch_api: Literal[True]) -> torch.optim.Optimizer: ...
+
+
+@overload
+def make_optimizer(params: Iterable[torch.Tensor], kind: str = "sgd", *, lr: float, momentum: float = 0.0,
+                   weight_decay: float = 0.0, torch_api: bool) -> torch.optim.Optimizer | PlainSGD: ...
+
+
+def make_optimizer(params: Iterable[torch.Tensor], kind: str = "sgd", *, lr: float, momentum: float = 0.0,
+                   weight_decay: float = 0.0, torch_api: bool = False) -> torch.optim.Optimizer | PlainSGD:
     """The one place a fresh optimizer is built (local training, mutual learning, the
-    Def-KT transfer, FedD2S's distillations, the Adam baselines).
+    Def-KT transfer, FedD2S's distillations, the Adam baselines, the warm start's probe).
 
     Args:
         params: the parameters to optimise.
-        kind: ``sgd`` (``torch.optim.SGD``, no dampening, no Nesterov) or ``adam``
+        kind: ``sgd`` (``torch.optim.SGD``'s update, no dampening, no Nesterov: a
+            :class:`PlainSGD`, or ``torch.optim.SGD`` itself with ``torch_api``) or ``adam``
             (``torch.optim.Adam`` with its default betas and eps, the seed 002 baselines').
         lr: learning rate (the settings are validated where they are configured:
             :class:`TrainConfig`, the algorithms' ``Options``).
         momentum: SGD momentum (``adam``: must be 0, Adam has its own moments).
         weight_decay: L2 penalty coefficient.
+        torch_api: a ``torch.optim.Optimizer`` is needed (Opacus's DP optimizer and torch's
+            AMP gradient scaler take only those): ``sgd`` is then ``torch.optim.SGD``.
 
     Raises:
-        ValueError: unknown ``kind``, momentum given for ``adam``, or a setting torch
-            rejects (negative learning rate, momentum or weight decay).
+        ValueError: unknown ``kind``, momentum given for ``adam``, or a negative learning
+            rate, momentum or weight decay.
     """
     if kind not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {kind!r}")
@@ -90,17 +109,96 @@ def make_optimizer(params: Iterable[torch.Tensor], kind: str = "sgd", *, lr: flo
         raise ValueError(f"adam takes no momentum, got {momentum!r}")
     if kind == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if torch_api:
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    return PlainSGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
 
 
-def sgd_step(params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor], bufs: dict[str, torch.Tensor],
+class PlainSGD:
+    """``torch.optim.SGD``'s update (no dampening, no Nesterov), without ``torch.optim.Optimizer``.
+
+    Each :meth:`step` is :func:`sgd_step` over the parameters that have a gradient:
+    ``d = g + wd·p``; momentum buffer ``b = d`` on the first step, else ``b = m·b + d``;
+    ``p -= lr·b`` (``p -= lr·d`` without momentum): the same operations, in the same order, as
+    ``torch.optim.SGD``'s single-tensor step, so the parameters are bit for bit the same.
+
+    Why not torch's own: every ``torch.optim.Optimizer`` imports TorchDynamo, and with it
+    SymPy, when it is built or first steps (``torch._dynamo.graph_break()`` in ``step``, the
+    ``_disable_dynamo`` wrappers), which adds about 75 MB to the resident memory of a process
+    that never compiles anything (a device's run process: ``bench/operations/run_peak.md``).
+
+    :meth:`state_dict` and :meth:`load_state_dict` use ``torch.optim.SGD``'s layout
+    (``{"state": {i: {"momentum_buffer": tensor}}, "param_groups": [{...}]}``).
+
+    Args:
+        params: the parameters (tensors with ``requires_grad``); their order numbers the state.
+        lr, momentum, weight_decay: as ``torch.optim.SGD``'s.
+
+    Raises:
+        ValueError: no parameters, or a negative learning rate, momentum or weight decay.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], *, lr: float, momentum: float = 0.0,
+                 weight_decay: float = 0.0):
+        for name, v in (("learning rate", lr), ("momentum value", momentum), ("weight_decay value", weight_decay)):
+            if not v >= 0.0:
+                raise ValueError(f"Invalid {name}: {v}")
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("optimizer got an empty parameter list")
+        self.lr, self.momentum, self.weight_decay = float(lr), float(momentum), float(weight_decay)
+        #: parameter index -> momentum buffer (from the first step with momentum)
+        self.bufs: dict[int, torch.Tensor] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients (``set_to_none``), or zero them in place."""
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad = p.grad.detach()
+                p.grad.zero_()
+
+    def step(self) -> None:
+        """One SGD step on every parameter that has a gradient (in place)."""
+        live = {i: p for i, p in enumerate(self.params) if p.grad is not None}
+        sgd_step(live, {i: p.grad for i, p in live.items() if p.grad is not None}, self.bufs,
+                 lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The momentum buffers and settings in ``torch.optim.SGD.state_dict()``'s layout."""
+        return {"state": {i: {"momentum_buffer": b} for i, b in sorted(self.bufs.items())},
+                "param_groups": [{"lr": self.lr, "momentum": self.momentum, "dampening": 0,
+                                  "weight_decay": self.weight_decay, "nesterov": False, "maximize": False,
+                                  "params": list(range(len(self.params)))}]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` (or ``torch.optim.SGD.state_dict()``) returned.
+
+        Raises:
+            KeyError, ValueError: not one group over this optimizer's parameters, or Nesterov or dampening set.
+        """
+        (group,) = state["param_groups"]
+        if len(group["params"]) != len(self.params):
+            raise ValueError(f"the state has {len(group['params'])} parameters, the optimizer {len(self.params)}")
+        if group.get("nesterov") or group.get("dampening"):
+            raise ValueError("PlainSGD has no Nesterov momentum and no dampening")
+        self.lr, self.momentum, self.weight_decay = float(group["lr"]), float(group["momentum"]), \
+            float(group["weight_decay"])
+        self.bufs = {int(i): st["momentum_buffer"].to(self.params[int(i)]).clone()
+                     for i, st in state["state"].items() if st.get("momentum_buffer") is not None}
+
+
+def sgd_step(params: Mapping[_K, torch.Tensor], grads: Mapping[_K, torch.Tensor], bufs: dict[_K, torch.Tensor],
              *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
     """One step of ``torch.optim.SGD`` (no dampening, no Nesterov) on plain tensors, in place.
 
     ``d = g + wd·p``; momentum buffer ``b = d`` on the first step (no entry in ``bufs``),
     else ``b = m·b + d``; ``p -= lr·b`` (``p -= lr·d`` without momentum).  Every operation
     is elementwise, so ``params`` may stack the parameters of G models along a leading
-    axis (the simulator's batched training, :mod:`dfl_agent.runtime.batching`): one call
+    axis (the simulator's batched training, :mod:`dfl_agent.runtime.node.batching`): one call
     steps all of them, each exactly as its own ``torch.optim.SGD`` would.
 
     Args:
@@ -204,7 +302,7 @@ def ramped(base: TrainConfig, factor: float) -> TrainConfig:
     """``base`` with every learning rate multiplied by ``factor`` (``lr`` and
     ``lr_scale``; ``base.lr_scale`` must be 1): one round of a learning-rate warm-up
     (gradual warm-up, Goyal et al. 2017, section 2.2), which
-    :mod:`dfl_agent.runtime.warm_start` applies to a run started from the deployed model.
+    :mod:`dfl_agent.runtime.run.warm_start` applies to a run started from the deployed model.
 
     Raises:
         ValueError: ``factor`` is not in (0, 1].
@@ -311,10 +409,12 @@ def train_local(
         raise ValueError(f"training data must be non-empty with matching lengths, got {len(x)} and {len(y)}")
     model.to(device).train()
     before = snapshot(model)
-    opt = make_optimizer(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    if cfg.dp is not None:
+    amp, kind, dtype = autocast_for(device, getattr(cfg, "mixed_precision", False))
+    if cfg.dp is not None:  # Opacus's DP optimizer takes only a torch.optim.Optimizer
         loss_of = loss_fn or F.cross_entropy
-        stats = private_loop([model], opt, cfg.dp, x, y, cfg.dp.steps_for(cfg.epochs, cfg.steps), rng,
+        dp_opt = make_optimizer(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                                torch_api=True)
+        stats = private_loop([model], dp_opt, cfg.dp, x, y, cfg.dp.steps_for(cfg.epochs, cfg.steps), rng,
                              lambda xb, yb: loss_of(model(xb), yb), device=device,
                              extra=None if regularizer is None else (lambda: regularizer(model)),
                              before_step=_check_abort)
@@ -323,8 +423,10 @@ def train_local(
                 "dp_steps": stats["dp_steps"]}
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     yt = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
+    # the AMP gradient scaler takes only a torch.optim.Optimizer
+    opt = make_optimizer(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                         torch_api=amp)
     total, count, samples = 0.0, 0, 0
-    amp, kind, dtype = autocast_for(device, getattr(cfg, "mixed_precision", False))
     scaler = torch.amp.GradScaler(kind) if amp else None
     non_finite = exploded = False
     limit = math.inf  # the blow-up limit, set by the first batch (TrainConfig.divergence_factor)
@@ -351,6 +453,7 @@ def train_local(
             total, count = total + value, count + 1
             break
         if scaler is not None:
+            assert isinstance(opt, torch.optim.Optimizer)  # torch_api=amp
             scaler.scale(loss).backward()
             if cfg.clip_grad_norm > 0:  # the true gradients' norm: unscaled first
                 scaler.unscale_(opt)
@@ -486,7 +589,7 @@ def train_adam(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, b
             mini-batch, as :func:`train_local` does)."""
     model.to(device).train()
     before = snapshot(model)
-    opt = make_optimizer(model.parameters(), "adam", lr=lr)
+    opt = make_optimizer(model.parameters(), "adam", lr=lr, torch_api=True)
     if dp is not None:
         stats = private_loop([model], opt, dp, x, y, dp.steps_for(epochs), rng,
                              lambda xb, yb: F.cross_entropy(model(xb), yb), device=device, before_step=_check_abort)
@@ -514,3 +617,15 @@ def train_adam(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, b
 
 
 train_adam.restores_itself = True  # type: ignore[attr-defined]
+
+
+#: a warm-started run's learning rates in its first round, as a share of the full rates
+RAMP_START = 0.1
+
+
+def ramp_scale(ramp_rounds: int, t: int) -> float:
+    """The ramp of :func:`~dfl_agent.runtime.run.warm_start.ramp_factor` for a run known to be warm-started: ``RAMP_START``
+    in round 1, rising linearly to 1 in round ``ramp_rounds + 1`` (1 for ``ramp_rounds`` 0)."""
+    if ramp_rounds <= 0:
+        return 1.0
+    return min(1.0, RAMP_START + (1.0 - RAMP_START) * max(0, t - 1) / ramp_rounds)

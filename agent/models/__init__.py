@@ -232,6 +232,25 @@ def count_trainable(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def param_count(spec: Mapping[str, Any]) -> int:
+    """Φ, the trainable parameters of the model ``spec`` describes, counted without
+    allocating them: from the spec alone where it tells (``cnn1d``, ``mlp``, ``cnn``: no
+    torch, :func:`dfl_agent.models.spec_param_count`), else by building the model on
+    PyTorch's ``meta`` device, so a huge spec costs no memory.
+
+    Raises:
+        ValueError: an invalid spec.
+    """
+    s = validate_spec(dict(spec))
+    n = spec_param_count(s)
+    if n is not None:
+        return int(n)
+    import torch
+
+    with torch.device("meta"):
+        return int(count_trainable(build_model(s)))
+
+
 def __getattr__(name: str) -> Any:
     """The torch modules (:mod:`dfl_agent.models.nets`), imported on first use, so that
     reading specs (:func:`validate_spec`, :func:`default_spec`, :func:`spec_hash`)

@@ -11,8 +11,10 @@ the bound of Balle et al., "Hypothesis Testing Interpretations and Rényi Differ
 (2020, theorem 21), minimised over the orders.  The orders and the conversion are those of
 Opacus's ``RDPAccountant``, so both give the same ε for the same history.
 
-Importing this module imports numpy and scipy only (never torch): admission runs in the
-torch-free supervisor.
+Importing this module imports numpy only (never torch): admission runs in the torch-free
+supervisor.  SciPy's special functions are imported when a history with noise is first
+accounted, so a device without DP (and an idle supervisor) never loads SciPy; it comes with the
+``privacy`` extra.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from types import ModuleType
 
 import numpy as np
-from scipy import special
 
 #: The Rényi orders searched for the best conversion (Opacus's RDPAccountant uses the same).
 ORDERS: tuple[float, ...] = tuple([1.0 + k / 10.0 for k in range(1, 100)] + [float(a) for a in range(12, 64)])
@@ -33,8 +35,25 @@ MAX_NOISE = 1000.0
 _TAIL = -30.0  # a fractional order's series stops once both terms fall below e^-30
 
 
+def _special() -> ModuleType:
+    """``scipy.special``, imported on first use (only DP accounting needs it).
+
+    Raises:
+        ModuleNotFoundError: SciPy is not installed; one line naming the ``privacy`` extra.
+    """
+    try:
+        from scipy import special
+    except ModuleNotFoundError as exc:
+        from dfl_agent.extras import extra_hint
+
+        raise ModuleNotFoundError(f"the privacy accountant needs SciPy, which is not installed: "
+                                  f"{extra_hint('privacy')}", name="scipy") from exc
+    return special
+
+
 def _log_terms_int(q: float, sigma: float, alpha: int) -> float:
     """log A_α for an integer order: log Σ_k C(α,k) q^k (1-q)^(α-k) exp((k²-k)/(2σ²))."""
+    special = _special()
     k = np.arange(alpha + 1, dtype=float)
     log_binom = special.gammaln(alpha + 1.0) - special.gammaln(k + 1.0) - special.gammaln(alpha - k + 1.0)
     terms = log_binom + k * math.log(q) + (alpha - k) * math.log1p(-q) + (k * k - k) / (2.0 * sigma * sigma)
@@ -46,6 +65,7 @@ def _log_terms_frac(q: float, sigma: float, alpha: float) -> float:
 
     The generalised binomial coefficients change sign past ``k > α``; the sum is taken in log
     space with signs (``scipy.special.logsumexp`` with ``b``)."""
+    special = _special()
     z0 = sigma * sigma * math.log(1.0 / q - 1.0) + 0.5
     log_q, log_1q = math.log(q), math.log1p(-q)
     two_s2 = 2.0 * sigma * sigma

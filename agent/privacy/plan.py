@@ -1,7 +1,7 @@
 """A run's DP plan: noise multiplier, sampling rate, steps and the run's ε, before it trains.
 
-The plan is made at admission (the torch-free supervisor: this module imports the accountant,
-numpy and scipy only) and is what the run's local training then follows: Poisson batches with
+The plan is made at admission (the torch-free supervisor: this module imports the accountant and
+numpy, and SciPy once a plan is computed) and is what the run's local training then follows: Poisson batches with
 rate ``q = batch_size / N``, ``steps`` DP steps over the whole run, noise ``σ·max_grad_norm``.
 The privacy ledger reserves the plan's spend before the run trains.
 """

@@ -17,20 +17,20 @@ the guarantee.  A device sends other values derived from its data too; under DP 
   ``ValueError`` at configuration time (the node configuration, a run's descriptor and
   ``dflctl simulate``).
 
-:data:`DP_SUPPORT` is the table, one :class:`DPSupport` per registered algorithm; an
-algorithm missing from it is refused.  Torch-free: the supervisor checks a configuration
-with it.
+Each algorithm declares its :class:`DPSupport` on its class (its
+:class:`~dfl_agent.algorithms.base.Traits`' ``dp``); an algorithm that declares none is refused.
+Torch-free: the supervisor checks a configuration with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["DPSupport", "DP_SUPPORT", "COMMON", "TREATMENTS", "SENT_SAMPLES", "check_dp_combination", "dp_enabled",
-           "parse_checked",
+__all__ = ["DPSupport", "COMMON", "TREATMENTS", "SENT_SAMPLES", "SAMPLES", "MODEL", "SPEC", "AVERAGE", "ROTATION",
+           "rotating", "option", "check_dp_combination", "dp_enabled",
+           "check_lifetime", "parse_checked",
            "redact_status", "REDACTED_STATUS_KEYS"]
 
 #: How a sent value is handled under DP (see the module docstring).
@@ -73,8 +73,24 @@ class DPSupport:
                 raise ValueError(f"{what}: treatment must be one of {TREATMENTS}, got {treatment!r}")
 
 
-def _option(options: Any, key: str, default: Any) -> Any:
-    """``options[key]`` of a config table, or ``options.key`` of parsed options."""
+#: treatments the algorithms' :class:`DPSupport` declarations share
+SAMPLES = ("data-independent", "sample count sent as 1: uniform aggregation weights")
+MODEL = ("dp-sgd", "parameters trained with DP-SGD")
+SPEC = ("public", "architecture spec (configuration)")
+AVERAGE = ("dp-sgd", "average of DP-trained models")
+ROTATION = {"{alg}.invite, {alg}.decline, {alg}.done": ("public", "round, token and schedule; completion times "
+                                                                    "(timing, see presence)")}
+
+
+def rotating(**extra: tuple[str, str]) -> DPSupport:
+    """The :class:`DPSupport` of a rotating-aggregator algorithm (its model, spec, samples,
+    average and the rotation's messages), with ``extra`` messages."""
+    return DPSupport({"{alg}.model": MODEL, "{alg}.model spec": SPEC, "{alg}.model samples": SAMPLES,
+                      "{alg}.update": AVERAGE, **ROTATION, **extra})
+
+
+def option(options: Any, key: str, default: Any) -> Any:
+    """``options[key]`` of a config table, or ``options.key`` of parsed options (None: ``default``)."""
     if options is None:
         return default
     if isinstance(options, Mapping):
@@ -82,63 +98,6 @@ def _option(options: Any, key: str, default: Any) -> Any:
     return getattr(options, key, default)
 
 
-def _dechw_hessian(options: Any) -> str | None:
-    theta = _option(options, "theta", math.inf)
-    try:
-        off = float(theta) == 0
-    except (TypeError, ValueError):
-        off = False
-    return None if off else ("it sends Hessian diagonals computed from the device's data without clipping or "
-                             "noise; set algorithm.options.theta = 0 (never send them) or use dechetero")
-
-
-_SAMPLES = ("data-independent", "sample count sent as 1: uniform aggregation weights")
-_MODEL = ("dp-sgd", "parameters trained with DP-SGD")
-_SPEC = ("public", "architecture spec (configuration)")
-_AVERAGE = ("dp-sgd", "average of DP-trained models")
-_ROTATION = {"{alg}.invite, {alg}.decline, {alg}.done": ("public", "round, token and schedule; completion times "
-                                                                     "(timing, see presence)")}
-
-
-def _rotating(**extra: tuple[str, str]) -> DPSupport:
-    return DPSupport({"{alg}.model": _MODEL, "{alg}.model spec": _SPEC, "{alg}.model samples": _SAMPLES,
-                      "{alg}.update": _AVERAGE, **_ROTATION, **extra})
-
-
-#: Every registered algorithm under DP (``dflctl algorithms`` lists the registry).
-DP_SUPPORT: dict[str, DPSupport] = {
-    "local": DPSupport({}),
-    "local_adam": DPSupport({}),
-    "fedavg": DPSupport({"model": _MODEL, "model samples": _SAMPLES}),
-    "dechetero": DPSupport({"model": _MODEL, "model samples": _SAMPLES}),
-    "cfa": DPSupport({"model": _MODEL, "model samples": _SAMPLES}),
-    "dechw": DPSupport({"model": _MODEL, "model samples": _SAMPLES,
-                        "model Hessian diagonals": ("dp-sgd", "never sent: refused unless theta = 0")},
-                       refuse_when=_dechw_hessian),
-    "gt": DPSupport({"gt.vote": ("dp-sgd", "one bit computed from the accumulated gradient of DP-SGD steps"),
-                     "gt.sync": ("dp-sgd", "accumulated gradient (M_R - M_i)/η of DP-SGD steps")}),
-    "local-steps": DPSupport({"gt.sync": ("dp-sgd", "accumulated gradient (M_R - M_i)/η of DP-SGD steps")}),
-    "dfedavg": _rotating(),
-    "dfedprox": _rotating(),
-    "heterofl": _rotating(),
-    "fedrolex": _rotating(),
-    "fedper": DPSupport({"{alg}.model": ("dp-sgd", "base layers trained with DP-Adam"),
-                         "{alg}.model samples": _SAMPLES, "{alg}.update": _AVERAGE, **_ROTATION}),
-    "dfml": _rotating(**{
-        "{alg}.model phi": ("public", "the model's parameter count (architecture)"),
-        "{alg}.update": ("dp-sgd", "peers' models after mutual learning on the aggregator's data, clipped and "
-                                   "noised per sample like the local step; α from the schedule"),
-        "class proportions (WSM loss)": ("data-independent", "uniform under DP: the supervised loss is plain "
-                                                             "cross-entropy"),
-    }),
-    "fullavg": DPSupport({"defkt.model": _MODEL, "defkt.model samples": _SAMPLES,
-                          "defkt.model schedule": ("public", "fingerprint of the shared pair schedule")}),
-    "combo": DPSupport({"defkt.model": ("dp-sgd", "segments of a DP-trained model"),
-                        "defkt.model samples": _SAMPLES,
-                        "defkt.model schedule": ("public", "fingerprint of the shared pair schedule")}),
-    "defkt": DPSupport({}, refused="its transfer step is not covered by DP-SGD"),
-    "fedd2s": DPSupport({}, refused="its distillation steps are not covered by DP-SGD"),
-}
 
 
 def dp_enabled(cfg: Any) -> bool:
@@ -154,39 +113,67 @@ def dp_enabled(cfg: Any) -> bool:
     return isinstance(dp, Mapping) and bool(section_table(dp)) and section_table(dp).get("enabled") is not False
 
 
-def parse_checked(table: Any, algorithm: str, options: Any = None, where: str = "privacy") -> Any:
+def parse_checked(table: Any, algorithm: str, support: DPSupport | None, options: Any = None,
+                  where: str = "privacy") -> Any:
     """:func:`~dfl_agent.privacy.config.parse_privacy` of ``table``, and under DP
-    :func:`check_dp_combination` of the configured algorithm: the configuration's check.
+    :func:`check_dp_combination` of the configured algorithm and :func:`check_lifetime`: the
+    configuration's check.
 
     Returns:
         the :class:`~dfl_agent.privacy.config.PrivacyConfig`.
 
     Raises:
-        ValueError: one line (a bad key, or an algorithm that cannot run under DP).
+        ValueError: one line (a bad key, an algorithm that cannot run under DP, or a per-run
+            target ε above the lifetime budget).
     """
     from dfl_agent.privacy.config import parse_privacy
 
     privacy = parse_privacy(table, where)
     if privacy.dp is not None:
-        check_dp_combination(algorithm, options)
+        check_dp_combination(algorithm, support, options)
+        check_lifetime(privacy, where)
     return privacy
 
 
-def check_dp_combination(algorithm: str, options: Any = None) -> None:
-    """Refuse ``algorithm`` with ``options`` under DP when it would send a value derived from
-    the device's data that DP does not protect (:data:`DP_SUPPORT`; an algorithm missing
-    from the table is refused).  Call it only when ``privacy.dp`` is set.
+def check_lifetime(privacy: Any, where: str = "privacy") -> None:
+    """The privacy admission's static rule: a run planned for ``privacy.dp.target_epsilon``
+    spends up to that ε on its own (:func:`~dfl_agent.privacy.plan.plan_run` picks the noise for
+    it), so a target above ``privacy.lifetime_epsilon`` takes the device past its lifetime budget
+    with its first run, and admission declines every run
+    (:meth:`~dfl_agent.runtime.service.privacy_budget.PrivacyBudget.admit_config` applies this rule
+    first).  With ``noise_multiplier`` given instead, a run's ε depends on the device's samples
+    and the run's rounds: admission alone decides.
 
     Args:
-        algorithm: the registry name (``algorithm.name``).
+        privacy: a :class:`~dfl_agent.privacy.config.PrivacyConfig` (``dp`` None: nothing to check).
+        where: the section's dotted key, named in the error.
+
+    Raises:
+        ValueError: one line, ``privacy.dp.target_epsilon: 12 is above privacy.lifetime_epsilon 10 ...``.
+    """
+    dp = privacy.dp
+    if dp is not None and dp.target_epsilon is not None and dp.target_epsilon > privacy.lifetime_epsilon:
+        raise ValueError(f"{where}.dp.target_epsilon: {dp.target_epsilon:g} is above {where}.lifetime_epsilon "
+                         f"{privacy.lifetime_epsilon:g}: every run would be declined (a run alone spends up to "
+                         f"its target epsilon)")
+
+
+def check_dp_combination(algorithm: str, support: DPSupport | None, options: Any = None) -> None:
+    """Refuse ``algorithm`` with ``options`` under DP when it would send a value derived from
+    the device's data that DP does not protect (``support``: what its class declares, its
+    :class:`~dfl_agent.algorithms.base.Traits`' ``dp``; an algorithm that declares none is
+    refused).  Call it only when ``privacy.dp`` is set.
+
+    Args:
+        algorithm: the registry name (``algorithm.name``), for the message.
+        support: the algorithm's DP declaration (None: it declares none).
         options: ``algorithm.options`` (a mapping) or the parsed options; None: defaults.
 
     Raises:
         ValueError: one line, ``privacy.dp: algorithm X cannot run under differential
             privacy: <reason>``.
     """
-    support = DP_SUPPORT.get(algorithm)
-    reason = ("it is not in the privacy policy (dfl_agent.privacy.policy.DP_SUPPORT)" if support is None
+    reason = ("it is not in the privacy policy (its class declares no Traits(dp=...))" if support is None
               else support.refused or (support.refuse_when(options) if support.refuse_when else None))
     if reason:
         raise ValueError(f"privacy.dp: algorithm {algorithm!r} cannot run under differential privacy: {reason}")

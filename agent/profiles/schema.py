@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dfl_agent.privacy.config import PrivacySection, parse_privacy
-from dfl_agent.tomlcheck import build
+from dfl_agent.tomlcheck import TomlFileError, build, read_toml
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -91,7 +91,7 @@ class ComputeSection:
         threads: torch intra-op threads; 0 = every CPU core.
         memory_budget_mb: memory the agent may use for models and training (MiB);
             decides whether the device may aggregate (see the decision table), and
-            limits each run's process (its memory cgroup, :mod:`dfl_agent.runtime.cgroup`).
+            limits each run's process (its memory cgroup, :mod:`dfl_agent.runtime.service.cgroup`).
         mixed_precision: train with ``torch.autocast`` (float16 on CUDA; ignored on cpu).
     """
 
@@ -426,11 +426,13 @@ def load_profile_file(path: str | os.PathLike[str]) -> DeviceProfile:
     """
     p = Path(path)
     try:
-        raw = tomllib.loads(p.read_text(encoding="utf-8"))
+        raw = read_toml(p)  # bounded in size and nesting; a byte that is not UTF-8 named by its key
     except OSError as exc:
         raise ProfileError(f"cannot read profile {p}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(f"{p}: TOML syntax error: {exc}") from None
+    except TomlFileError as exc:
+        raise ProfileError(str(exc)) from None
     prof = profile_from_dict(raw, prefix=f"{p.name}: ")
     if prof.name != p.stem:
         raise ProfileError(f"{p.name}: name: {prof.name!r} must equal the file name {p.stem!r}")

@@ -16,6 +16,15 @@
 ``unknown_sender``
     signed, but the sender has no trusted key (no pin, no valid certificate for this
     federation; with ``require_signatures`` off such a message is accepted as if unsigned);
+``revoked``
+    the federation's revocation list (:mod:`dfl_agent.security.revocation`) names the
+    sender or the key its message is signed with - refused also where signatures are not
+    required;
+``expired``
+    the sender's certificate expired (the log names the node and the date, once);
+``not_yet_valid``
+    the sender's certificate was issued after this device's clock reading: this device's
+    clock is behind (a clock problem, counted apart from forgeries; ``dflctl doctor`` says so);
 ``bad_signature``
     the Ed25519 signature over the canonical header (which holds the payload's SHA-256)
     does not verify with the sender's key;
@@ -42,10 +51,20 @@ by one per message of that (sender, kind) and survives restarts (:class:`SeqCoun
 
 ``malformed`` (not a control envelope), ``wrong_federation``, ``wrong_kind``,
 ``wrong_sender`` (the topic names another node), ``unsigned``, ``unknown_sender``,
-``bad_signature``, ``duplicate`` (the very message verified last, delivered again -
+``revoked``, ``expired``, ``not_yet_valid`` (as above), ``bad_signature``, ``duplicate`` (the very message verified last, delivered again -
 e.g. retained, after a reconnect; not a drop), ``replay`` (a ``seq`` at or below the newest one verified for
 that sender and kind: a retained message is valid however old as long as its ``seq``
 is the newest seen; ``time`` is used for liveness only).
+
+The MQTT last will is the broker's message, published when a node's connection breaks; its
+node signs it when it connects (:func:`will_payload`): a presence "offline" whose payload's
+``reason`` is :data:`WILL_REASON` and whose ``session`` names that connection (a random id per
+connection, also in the node's "online" presence and statuses of that connection).  Signed
+before the presence messages of its connection, its ``seq`` is lower than theirs:
+:meth:`SecurityGuard.verify_will` checks it as :meth:`~SecurityGuard.verify_control` does but
+for the sequence rule, and the receiver binds it to the node's current connection instead: a
+will whose ``session`` is not the one of the node's newest presence or status is stale (a
+replayed or late will of an earlier connection) and is ignored.
 
 Unsigned payloads (``sig`` null, or no envelope at all - an older wire version) are
 returned with role ``"unverified"`` when ``require_signatures`` is off and raise
@@ -63,6 +82,7 @@ from __future__ import annotations
 import base64
 import binascii
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -81,20 +101,32 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 from dfl_agent.jsonbound import LIMITS, JSONBoundError
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.security.keys import (
+    CertificateExpired,
+    CertificateNotYetValid,
     SecurityError,
     canonical,
     certificate_role,
     parse_public_key,
     public_key_b64,
+    signer,
+    verifier,
     verify_certificate,
 )
+from dfl_agent.security.revocation import Revocations
 
 log = logging.getLogger(__name__)
 
-REJECT_REASONS = ("unsigned", "unknown_sender", "bad_signature", "replay")
+REJECT_REASONS = ("unsigned", "unknown_sender", "revoked", "expired", "not_yet_valid", "bad_signature", "replay")
 #: reasons :meth:`SecurityGuard.verify_control` raises (counter keys)
 CONTROL_REJECT_REASONS = ("malformed", "oversized", "too_deep", "wrong_federation", "wrong_kind", "wrong_sender",
-                          "unsigned", "unknown_sender", "bad_signature", "duplicate", "replay")
+                          "unsigned", "unknown_sender", "revoked", "expired", "not_yet_valid", "bad_signature",
+                          "duplicate", "replay")
+#: most keys kept per node (a renewal with a new key adds one; the oldest beyond are forgotten)
+MAX_KEYS_PER_NODE = 4
+
+
+class KeyRevoked(SecurityError):
+    """A certificate whose node or key the federation's revocation list names."""
 SIG_PREFIX = "ed25519:"
 #: :meth:`SecurityGuard.verify` verdicts that are not rejections: signature verified, or
 #: accepted without one (signatures not required)
@@ -103,6 +135,24 @@ CONTROL_VERSION = 1
 SEQ_FILE = "control_seq.json"
 #: largest control envelope accepted (bytes), checked before parsing
 MAX_CONTROL_BYTES = LIMITS["control"]
+
+
+#: the ``reason`` of a presence "offline" that is a node's MQTT last will
+WILL_REASON = "last will"
+
+
+def is_will(doc: Any) -> bool:
+    """Whether the presence payload ``doc`` (a dict, after the envelope) is a last will that
+    names its connection (:data:`WILL_REASON` and a ``session``).  An older agent's bare will
+    has neither."""
+    return (isinstance(doc, dict) and doc.get("state") == "offline" and doc.get("reason") == WILL_REASON
+            and isinstance(doc.get("session"), str))
+
+
+def will_payload(node_id: str, session: str) -> dict[str, Any]:
+    """The presence payload of ``node_id``'s last will for its connection ``session``, made
+    (and signed) when the connection opens: its ``time`` is then."""
+    return {"state": "offline", "node_id": node_id, "time": time.time(), "reason": WILL_REASON, "session": session}
 
 
 def control_limit(kind: str | None) -> int:
@@ -194,15 +244,40 @@ class SeqCounter:
             log.warning("could not save %s: %s", self.path, exc)
 
 
+@dataclasses.dataclass(slots=True)
+class _Key:
+    """One trusted key of a node: pinned in the configuration, or from a certificate."""
+
+    b64: str
+    pub: Ed25519PublicKey
+    verify: Callable[[bytes, bytes], None]
+    role: str
+    pinned: bool
+    expires: float | None = None  # unix s; None: never (a pin, or a certificate without expiry)
+    issued: float = 0.0  # the certificate's issued time (a newer certificate of the key replaces it)
+    cert_sig: str | None = None  # the signature of the certificate it came from (already verified)
+
+
 class TrustStore:
-    """Public keys of the federation's members.
+    """Public keys of the federation's members, and the federation's revocation list.
+
+    A node may hold more than one key at a time: a renewal with a new key
+    (``dflctl keys renew NODE --new-key``) gives it a second certificate, and both keys verify
+    until the old one's certificate expires or is revoked (at most :data:`MAX_KEYS_PER_NODE`
+    keys per node, the newest kept).  A certificate of a key already trusted that was issued
+    later (a renewal with the same key) replaces its validity.  Every use of a key checks it
+    (:meth:`resolve`): not revoked (:attr:`revocations`), not expired.
 
     Args:
         federation: the federation id certificates must name.
-        pinned: ``node_id -> base64 public key`` (trusted unconditionally).
-        federation_key: base64 public key that signs device certificates (``None``:
-            certificates are not accepted).
-        clock: unix time source (certificate expiry).
+        pinned: ``node_id -> base64 public key`` (trusted unconditionally; a revocation list
+            still revokes it).
+        federation_key: base64 public key that signs device certificates and revocation lists
+            (``None``: certificates are not accepted, no revocation list verifies).
+        clock: unix time source (certificate validity).
+        operators: ``node_id -> base64 public key`` of pinned operators.
+        revocations: the node's :class:`~dfl_agent.security.revocation.Revocations` (None: one
+            in memory only).
 
     Raises:
         SecurityError: a pinned key or the federation key is not a valid public key
@@ -211,61 +286,181 @@ class TrustStore:
 
     def __init__(self, federation: str, pinned: Mapping[str, str] | None = None,
                  federation_key: str | None = None, clock: Callable[[], float] = time.time,
-                 operators: Mapping[str, str] | None = None):
+                 operators: Mapping[str, str] | None = None, revocations: Revocations | None = None):
         self.federation = federation
         self._clock = clock
-        self._keys: dict[str, Ed25519PublicKey] = {}
+        #: node_id -> its keys, newest first
+        self._nodes: dict[str, list[_Key]] = {}
         self._pinned: set[str] = set()
-        self._b64: dict[str, str] = {}
-        self._roles: dict[str, str] = {}
         for role, table in (("device", pinned), ("operator", operators)):
             for node_id, text in (table or {}).items():
                 try:
-                    self._keys[node_id] = parse_public_key(str(text))
+                    pub = parse_public_key(str(text))
                 except SecurityError as exc:
                     raise SecurityError(f"{node_id}: {exc}") from None
+                self._nodes[node_id] = [_Key(str(text).strip(), pub, verifier(pub), role, pinned=True)]
                 self._pinned.add(node_id)
-                self._b64[node_id] = str(text).strip()
-                self._roles[node_id] = role
         self.federation_key = parse_public_key(federation_key) if federation_key else None
+        #: the federation's newest verified revocation list
+        self.revocations = revocations if revocations is not None else Revocations(federation, self.federation_key)
+        self._noted: set[tuple[str, str, float]] = set()
+        #: (certificate signature, revocation list number) -> why it was refused (expired, revoked)
+        self._refused: dict[tuple[str, int], str] = {}
 
+    # -- the one check every verifying path makes --------------------------------------
+    def resolve(self, node_id: str, cert: Any = None) -> tuple[Callable[[bytes, bytes], None] | None, str | None]:
+        """The key to check a signature of ``node_id`` with, given the certificate its message
+        carries (``cert``, may be None): the certificate's key when it is one of the node's
+        (learnt now when the certificate is valid and new), else the node's newest key.
+
+        Returns:
+            ``(verify, None)``, or ``(None, reason)``: ``"revoked"`` (the revocation list names
+            the node or that key), ``"expired"`` (its certificate expired; logged once per
+            node and date, naming both), ``"not_yet_valid"`` (issued after this device's clock
+            reading: a clock problem, logged once), ``"unknown_sender"`` (no key at all).
+        """
+        self.revocations.refresh()
+        key: _Key | None = None
+        if isinstance(cert, dict) and cert.get("node_id") == node_id and self.federation_key is not None:
+            key = self._key(node_id, cert.get("public_key"))
+            sig = cert.get("sig")
+            if (key is None or (not key.pinned and key.cert_sig != sig)) and isinstance(sig, str):
+                memo = (sig, self.revocations.number)
+                why = self._refused.get(memo)
+                if why is None:
+                    why = self._learn(node_id, cert)
+                    if why in ("expired", "revoked") and len(self._refused) < 1024:
+                        self._refused[memo] = why  # the same certificate again: no second check
+                if why not in (None, "unknown_sender") and key is None:  # a known key may be valid by a newer one
+                    return None, why
+                key = self._key(node_id, cert.get("public_key"))
+        if key is None:
+            keys = self._nodes.get(node_id)
+            if not keys:
+                return None, ("revoked" if self.revocations.revoked(node_id) else "unknown_sender")
+            key = keys[0]
+        return self._usable(node_id, key)
+
+    def _learn(self, node_id: str, cert: dict[str, Any]) -> str | None:
+        """:meth:`add_certificate` for :meth:`resolve`: None when learnt, else the reason it was refused."""
+        try:
+            self.add_certificate(cert)
+        except CertificateExpired as exc:
+            self._note("expired", exc)
+            return "expired"
+        except CertificateNotYetValid as exc:
+            self._note("not_yet_valid", exc)
+            return "not_yet_valid"
+        except KeyRevoked:
+            return "revoked"
+        except SecurityError as exc:
+            log.debug("certificate in a message from %s rejected: %s", node_id, exc)
+            return "unknown_sender"
+        return None
+
+    def _key(self, node_id: str, b64: Any) -> _Key | None:
+        return next((k for k in self._nodes.get(node_id, ()) if k.b64 == b64), None)
+
+    def _usable(self, node_id: str, key: _Key) -> tuple[Callable[[bytes, bytes], None] | None, str | None]:
+        if self.revocations.revoked(node_id, key.b64) is not None:
+            return None, "revoked"
+        if key.expires is not None and self._clock() > key.expires:
+            self._note("expired", CertificateExpired(node_id, key.expires))
+            return None, "expired"
+        return key.verify, None
+
+    def _note(self, what: str, exc: CertificateExpired | CertificateNotYetValid) -> None:
+        """Log a refused certificate once per node, kind and date (one line naming both)."""
+        mark = (exc.node_id, what, exc.expires if isinstance(exc, CertificateExpired) else exc.issued)
+        if mark in self._noted or len(self._noted) > 4096:
+            return
+        self._noted.add(mark)
+        log.warning("refused %s: %s", "a certificate" if what == "expired" else "a certificate (clock problem)", exc)
+
+    def usable_keys(self, node_id: str) -> list[str]:
+        """The base64 keys of ``node_id`` that verify now (not expired, not revoked), newest first."""
+        return [k.b64 for k in self._nodes.get(node_id, ()) if self._usable(node_id, k)[0] is not None]
+
+    def revoked(self, node_id: str) -> bool:
+        """Whether the revocation list revokes ``node_id`` as a whole, or every key it had."""
+        self.revocations.refresh()
+        if self.revocations.revoked(node_id) is not None:
+            return True
+        keys = self._nodes.get(node_id) or []
+        return bool(keys) and all(self.revocations.revoked(node_id, k.b64) is not None for k in keys)
+
+    def _newest(self, node_id: str) -> _Key | None:
+        self.revocations.refresh()
+        return next((k for k in self._nodes.get(node_id, ()) if self._usable(node_id, k)[0] is not None), None)
+
+    # -- queries ---------------------------------------------------------------------------
     def key_for(self, node_id: str) -> Ed25519PublicKey | None:
-        """The trusted key of ``node_id``, or ``None``."""
-        return self._keys.get(node_id)
+        """The newest usable key of ``node_id`` (not expired, not revoked), or ``None``."""
+        k = self._newest(node_id)
+        return k.pub if k is not None else None
+
+    def verifier_for(self, node_id: str) -> Callable[[bytes, bytes], None] | None:
+        """``verify(signature, data)`` with the newest usable key of ``node_id`` (raises
+        ``InvalidSignature``; see :func:`~dfl_agent.security.keys.verifier`), or ``None``."""
+        k = self._newest(node_id)
+        return k.verify if k is not None else None
 
     def is_trusted(self, node_id: str) -> bool:
-        """Whether ``node_id`` has a trusted key (a device or an operator)."""
-        return node_id in self._keys
+        """Whether ``node_id`` has a usable key (a device or an operator)."""
+        return self._newest(node_id) is not None
 
     def role_of(self, node_id: str) -> str | None:
         """``"device"``, ``"operator"`` (pinned in ``security.operators`` or by an
-        operator certificate), or ``None`` for an untrusted id."""
-        return self._roles.get(node_id) if node_id in self._keys else None
+        operator certificate), or ``None`` for an untrusted, expired or revoked id."""
+        k = self._newest(node_id)
+        return k.role if k is not None else None
 
     def trusted(self) -> dict[str, str]:
-        """``node_id -> base64 public key`` of every trusted node."""
-        return dict(self._b64)
+        """``node_id -> base64 public key`` (the newest usable one) of every trusted node."""
+        return {n: k.b64 for n in list(self._nodes) if (k := self._newest(n)) is not None}
 
     def add_certificate(self, cert: Any) -> str:
-        """Trust the node named by a valid device certificate; return its node id.
+        """Trust the node named by a valid certificate; return its node id.  A new key of a
+        known node is added beside its others (renewal with a new key); a certificate of a
+        known key issued later than the one known replaces its validity (renewal).
 
         Raises:
+            CertificateExpired, CertificateNotYetValid: outside its validity (the message
+                names the node and the date).
+            KeyRevoked: the revocation list names the node or its key.
             SecurityError: no federation key configured, an invalid certificate, or a
                 certificate that contradicts a pinned key.
         """
         if self.federation_key is None:
             raise SecurityError("no federation key configured; certificates are not accepted")
         node_id, b64 = verify_certificate(cert, self.federation_key, self.federation, self._clock())
-        if node_id in self._pinned and self._b64[node_id] != b64:
-            raise SecurityError(f"certificate for {node_id} contradicts its pinned key")
+        hit = self.revocations.revoked(node_id, b64)
+        if hit is not None:
+            raise KeyRevoked(f"node {node_id}{'' if hit.public_key is None else ' (this key)'} is revoked "
+                             f"by revocation list {self.revocations.number}: {hit.reason}")
         role = certificate_role(cert)
-        if node_id in self._pinned and self._roles.get(node_id) != role:
-            raise SecurityError(f"certificate for {node_id} gives role {role}, its pin another")
-        if self._b64.get(node_id) != b64 or self._roles.get(node_id) != role:
-            self._keys[node_id] = parse_public_key(b64)
-            self._b64[node_id] = b64
-            self._roles[node_id] = role
-            log.info("trusted %s (%s) by its federation certificate", node_id, role)
+        if node_id in self._pinned:
+            pin = self._nodes[node_id][-1]
+            if pin.b64 != b64:
+                raise SecurityError(f"certificate for {node_id} contradicts its pinned key")
+            if pin.role != role:
+                raise SecurityError(f"certificate for {node_id} gives role {role}, its pin another")
+            return node_id
+        keys = list(self._nodes.get(node_id, ()))  # replaced, never changed in place: other threads read it
+        old = self._key(node_id, b64)
+        issued = float(cert["issued"])
+        if old is not None:
+            if issued > old.issued or (issued == old.issued and old.cert_sig is None):
+                old.role, old.expires, old.issued, old.cert_sig = role, cert["expires"], issued, cert["sig"]
+                log.info("renewed trust in %s (%s) by a newer certificate", node_id, role)
+            return node_id
+        pub = parse_public_key(b64)
+        keys.append(_Key(b64, pub, verifier(pub), role, pinned=False, expires=cert["expires"], issued=issued,
+                         cert_sig=cert["sig"]))
+        keys = sorted(keys, key=lambda k: k.issued, reverse=True)[:MAX_KEYS_PER_NODE]
+        self._nodes[node_id] = keys
+        log.info("trusted %s (%s) by its federation certificate%s", node_id, role,
+                 f" ({len(keys)} keys)" if len(keys) > 1 else "")
         return node_id
 
 
@@ -294,6 +489,7 @@ class SecurityGuard:
             raise ValueError("replay_window must be > 0 seconds")
         self.node_id = node_id
         self.key = key
+        self._sign = signer(key) if key is not None else None
         self.trust = trust
         self.require_signatures = require_signatures
         self.certificate = certificate
@@ -319,9 +515,9 @@ class SecurityGuard:
         Raises:
             RuntimeError: no private key.
         """
-        if self.key is None:
+        if self._sign is None:
             raise RuntimeError("no private key to sign with")
-        return SIG_PREFIX + base64.b64encode(self.key.sign(body)).decode()
+        return SIG_PREFIX + base64.b64encode(self._sign(body)).decode()
 
     def sign_control(self, kind: str, payload: dict[str, Any], federation: str | None = None) -> bytes:
         """A control envelope (see the module docstring) for ``payload`` of ``kind``
@@ -359,7 +555,26 @@ class SecurityGuard:
                 self.control_dropped[exc.reason] += 1
             raise
 
-    def _verify_control(self, frame: bytes, kind: str | None, sender: str | None) -> tuple[str, str, dict[str, Any]]:
+    def verify_will(self, frame: bytes, sender: str | None = None) -> tuple[str, str, dict[str, Any]]:
+        """Check a received last will (see the module docstring): every check of
+        :meth:`verify_control` for a ``"presence"`` on ``sender``'s topic but the sequence
+        rule, and the payload must be a will (:func:`is_will`, else ``malformed``); the very
+        will again is a ``duplicate``.  Binding it to the sender's current connection (its
+        ``session``) is the caller's part.
+
+        Raises:
+            ControlRejected: with ``reason`` in :data:`CONTROL_REJECT_REASONS`.
+        """
+        try:
+            snd, role, payload = self._verify_control(frame, "presence", sender, will=True)
+        except ControlRejected as exc:
+            if exc.reason != "duplicate":
+                self.control_dropped[exc.reason] += 1
+            raise
+        return snd, role, payload
+
+    def _verify_control(self, frame: bytes, kind: str | None, sender: str | None,
+                        will: bool = False) -> tuple[str, str, dict[str, Any]]:
         try:  # bounded: size by kind (64 KiB for presence, status, run descriptors), depth 32
             env = bounded_loads(frame, max_bytes=control_limit(kind))
         except JSONBoundError as exc:  # oversized, too_deep, malformed
@@ -386,25 +601,25 @@ class SecurityGuard:
             if self.require_signatures:
                 raise ControlRejected("unsigned", f"{knd} of {snd}")
             return snd, "unverified", payload
-        pub = self.trust.key_for(snd)
-        cert = env.get("cert")
-        if pub is None and isinstance(cert, dict) and self.trust.federation_key is not None:
-            try:
-                if self.trust.add_certificate(cert) == snd:
-                    pub = self.trust.key_for(snd)
-            except SecurityError as exc:
-                log.debug("certificate in a control message from %s rejected: %s", snd, exc)
+        pub, why = self.trust.resolve(snd, env.get("cert"))
         if pub is None:
-            if self.require_signatures:
-                raise ControlRejected("unknown_sender", f"{knd} of {snd}")
+            if why == "revoked" or self.require_signatures:
+                raise ControlRejected(why or "unknown_sender", f"{knd} of {snd}")
             return snd, "unverified", payload
         try:
             if not isinstance(sig, str) or not sig.startswith(SIG_PREFIX):
                 raise ValueError("no ed25519 prefix")
-            pub.verify(base64.b64decode(sig[len(SIG_PREFIX):], validate=True),
-                       canonical({k: v for k, v in env.items() if k != "sig"}))
+            pub(base64.b64decode(sig[len(SIG_PREFIX):], validate=True),
+                canonical({k: v for k, v in env.items() if k != "sig"}))
         except (binascii.Error, ValueError, InvalidSignature):
             raise ControlRejected("bad_signature", f"{knd} of {snd}") from None
+        if will:  # no sequence rule: the caller binds the will to the sender's connection
+            if not is_will(payload):
+                raise ControlRejected("malformed", f"{knd} of {snd} is not a last will")
+            if self._control_sig.get((snd, "will")) == sig:
+                raise ControlRejected("duplicate", f"the last will of {snd} again")
+            self._control_sig[(snd, "will")] = sig
+            return snd, self.trust.role_of(snd) or "unverified", payload
         last = self._control_seq.get((snd, knd))
         if last is not None and seq <= last:
             if seq == last and self._control_sig.get((snd, knd)) == sig:
@@ -479,16 +694,9 @@ class SecurityGuard:
         sender = header.get("sender")
         if sig is None:
             return "unsigned" if self.require_signatures else PASS
-        pub = self.trust.key_for(sender) if isinstance(sender, str) else None
-        cert = header.get("cert")
-        if pub is None and cert is not None and self.trust.federation_key is not None:
-            try:
-                if self.trust.add_certificate(cert) == sender:
-                    pub = self.trust.key_for(sender)
-            except SecurityError as exc:
-                log.debug("certificate in an envelope from %s rejected: %s", sender, exc)
-        if pub is None:
-            return "unknown_sender" if self.require_signatures else PASS
+        pub, why = self.trust.resolve(sender, header.get("cert")) if isinstance(sender, str) else (None, None)
+        if pub is None:  # a revoked key is refused also where signatures are not required
+            return (why or "unknown_sender") if why == "revoked" or self.require_signatures else PASS
         if not isinstance(sig, str) or not sig.startswith(SIG_PREFIX):
             return "bad_signature"
         try:
@@ -496,9 +704,9 @@ class SecurityGuard:
             try:
                 if signed_bytes is None:
                     raise InvalidSignature
-                pub.verify(raw, signed_bytes)
+                pub(raw, signed_bytes)
             except InvalidSignature:
-                pub.verify(raw, canonical({k: v for k, v in header.items() if k != "sig"}))
+                pub(raw, canonical({k: v for k, v in header.items() if k != "sig"}))
         except (binascii.Error, ValueError, InvalidSignature):
             return "bad_signature"
         return VERIFIED

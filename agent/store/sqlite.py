@@ -73,7 +73,7 @@ from typing import Any
 
 import numpy as np
 
-from dfl_agent.fsutil import atomic_writer, rename
+from dfl_agent.fsutil import atomic_write, atomic_writer, rename
 from dfl_agent.jsonbound import loads as bounded_loads
 
 log = logging.getLogger(__name__)
@@ -687,24 +687,29 @@ class SampleStore:
         return np.asarray([r[0] for r in rows], dtype=np.int64)
 
     def load(self, ids: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``(ids, x, y, groups)`` for the requested ids still present (evicted ones are skipped):
-        int64 ``(n,)``, float32 ``(n, *input_shape)``, int64 ``(n,)``, int64 ``(n,)``, ordered by id."""
-        want = np.asarray(ids, dtype=np.int64).reshape(-1)
-        got_ids, ys, gs, xs = [], [], [], []
+        """``(ids, x, y, groups)`` for the requested ids still present, each once (evicted ones are skipped):
+        int64 ``(n,)``, float32 ``(n, *input_shape)``, int64 ``(n,)``, int64 ``(n,)``, ordered by id.
+
+        The windows are copied from the database straight into one preallocated array, a chunk of
+        rows at a time, so loading takes little more memory than the result (not three times it)."""
+        want = np.unique(np.asarray(ids, dtype=np.int64).reshape(-1))  # sorted: the chunks come in id order
+        shape = tuple(self.schema.input_shape)
+        n = len(want)
+        got, x = np.empty(n, np.int64), np.empty((n, *shape), np.float32)
+        y, g = np.empty(n, np.int64), np.empty(n, np.int64)
+        k = 0
         with self._lock:
-            for start in range(0, len(want), 900):
+            for start in range(0, n, 900):
                 chunk = want[start:start + 900].tolist()
                 q = f"SELECT id, y, grp, x FROM samples WHERE id IN ({','.join('?' * len(chunk))}) ORDER BY id"
-                for sid, y, g, x in self.db.execute(q, chunk):
-                    got_ids.append(sid)
-                    ys.append(y)
-                    gs.append(g)
-                    xs.append(x)
-        order = np.argsort(np.asarray(got_ids, dtype=np.int64), kind="stable")
-        shape = (len(xs), *self.schema.input_shape)
-        x = np.frombuffer(b"".join(xs), dtype=np.float32).reshape(shape) if xs else np.zeros(shape, np.float32)
-        return (np.asarray(got_ids, np.int64)[order], np.ascontiguousarray(x[order]),
-                np.asarray(ys, np.int64)[order], np.asarray(gs, np.int64)[order])
+                rows = self.db.execute(q, chunk).fetchall()
+                if not rows:
+                    continue
+                m = len(rows)
+                got[k:k + m], y[k:k + m], g[k:k + m] = zip(*((r[0], r[1], r[2]) for r in rows))
+                x[k:k + m] = np.frombuffer(b"".join(r[3] for r in rows), dtype=np.float32).reshape((m, *shape))
+                k += m
+        return got[:k], x[:k], y[:k], g[:k]  # rows past k were never written (nor made resident)
 
     def status(self) -> dict[str, Any]:
         """The ``dflctl data status --json`` document (see the docs)."""
@@ -738,13 +743,9 @@ class SampleStore:
 
 
 def _write_reason(path: Path, reason: str) -> None:
-    """Write ``reason`` and a newline to ``path``, never through a symbolic link (an entry
-    already there is replaced)."""
-    if os.path.lexists(path):
-        os.unlink(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o660)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(reason + "\n")
+    """Write ``reason`` and a newline to ``path`` atomically, never through a symbolic link (an
+    entry already there is replaced: the rename replaces the entry, not what it points to)."""
+    atomic_write(path, reason + "\n", mode=0o660)
 
 
 def _entry_type(mode: int) -> str:

@@ -2,7 +2,7 @@
 
 A transport moves opaque *frames* (bytes, see :mod:`dfl_agent.transport.wire`) between
 nodes of one federation and reports peers' presence.  Decoding, validation and
-buffering of messages happen above it, in :class:`dfl_agent.runtime.context.RuntimeContext`,
+buffering of messages happen above it, in :class:`dfl_agent.runtime.node.context.RuntimeContext`,
 so both implementations behave the same for the algorithms.
 """
 

@@ -24,7 +24,7 @@ import statistics
 import torch
 
 from dfl_agent.learning.training import TrainConfig, train_local
-from dfl_agent.runtime.simulator import SimConfig, round_records
+from dfl_agent.runtime.node.simulator import SimConfig, round_records
 
 
 def wild_in_round(algorithm, wild: int, lr: float = 5.0) -> None:

@@ -36,7 +36,7 @@ REPORT = HERE / "results" / "default_choice.md"
 COMMAND = ["simulate", "--nodes", "8", "--rounds", "20", "--dataset", "har", "--partition", "by-user", "--seed", "1"]
 MAX_LOSS_PT = 2.0  # points of final accuracy below `none`
 MIN_FACTOR = 10.0  # bytes of `none` / bytes of the candidate
-#: the shipped default of [compression] spec (agent/runtime/config.py); the report marks its row
+#: the shipped default of [compression] spec (agent/runtime/shared/config.py); the report marks its row
 CHOSEN = ("auto", True, 0.0)
 
 #: (spec, error feedback, consensus step; 0 = automatic), on fedavg (averaging gossip: CHOCO differences)

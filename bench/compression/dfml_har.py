@@ -24,7 +24,7 @@ def main(argv: list[str]) -> None:
 
     from dfl_agent.cli.progress import simulate_with_progress as simulate  # progress on stderr
     from dfl_agent.learning.training import TrainConfig
-    from dfl_agent.runtime.simulator import SimConfig
+    from dfl_agent.runtime.node.simulator import SimConfig
 
     torch.set_num_threads(1)
     lr = float(argv[0])

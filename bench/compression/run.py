@@ -66,7 +66,7 @@ def grid(only: str | None = None, seeds=SEEDS, algs=None, specs=None) -> list[tu
 
 def run_all(only: str | None, **filters) -> None:
     from dfl_agent.cli.progress import simulate_with_progress as simulate  # progress on stderr
-    from dfl_agent.runtime.simulator import SimConfig
+    from dfl_agent.runtime.node.simulator import SimConfig
 
     RUNS.mkdir(parents=True, exist_ok=True)
     for name, kw in grid(only, **filters):

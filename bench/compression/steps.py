@@ -61,7 +61,7 @@ def run(setting: str, spec: str, ef: bool, gamma: float, seed: int, rounds: int 
     """One simulator run (skipped when its file exists); returns the saved record."""
     from dfl_agent.cli.progress import simulate_with_progress as simulate  # progress on stderr
     from dfl_agent.learning.training import TrainConfig
-    from dfl_agent.runtime.simulator import SimConfig
+    from dfl_agent.runtime.node.simulator import SimConfig
     from dfl_agent.transport import wire
 
     # these runs started before envelope headers were zstd-compressed: keep plain JSON

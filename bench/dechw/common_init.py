@@ -37,7 +37,7 @@ import numpy as np
 
 from dfl_agent.learning import hessian as hess
 from dfl_agent.learning.training import TrainConfig
-from dfl_agent.runtime.simulator import SimConfig, simulate
+from dfl_agent.runtime.node.simulator import SimConfig, simulate
 
 VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
     # name: (algorithm, options, init)

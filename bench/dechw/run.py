@@ -3,7 +3,7 @@
 Reproduces the *shape* of the DecHW paper's Tables I, II and V and Fig. 4 at a scale that
 fits a small CPU machine: Erdős–Rényi p = 0.2 graphs, Dirichlet label skew
 α ∈ {1, 0.5, 0.2}, independent initialisations, datasets HAR and digits, several
-seeds.  Every run is one ``dfl_agent.runtime.simulator.simulate`` call.
+seeds.  Every run is one ``dfl_agent.runtime.node.simulator.simulate`` call.
 
 Writes (``--out``, default ``bench/dechw/results``):
 
@@ -43,8 +43,8 @@ import torch  # noqa: E402
 
 from dfl_agent.cli.progress import simulate_with_progress as simulate  # noqa: E402  (progress on stderr)
 from dfl_agent.learning.training import TrainConfig  # noqa: E402
-from dfl_agent.runtime.metrics import read_jsonl  # noqa: E402
-from dfl_agent.runtime.simulator import SimConfig  # noqa: E402
+from dfl_agent.runtime.node.metrics import read_jsonl  # noqa: E402
+from dfl_agent.runtime.node.simulator import SimConfig  # noqa: E402
 
 METHODS = ("dechw", "dechetero", "cfa", "dechw_dagger")
 LABELS = {"dechw": "DecHW", "dechetero": "DecHetero", "cfa": "CFA", "dechw_dagger": "DecHW†"}

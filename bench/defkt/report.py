@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from dfl_agent.runtime.metrics import read_jsonl
+from dfl_agent.runtime.node.metrics import read_jsonl
 
 LABEL = {"defkt": "Def-KT", "fullavg": "FullAvg", "combo": "Combo"}
 COLOR = {"defkt": "tab:red", "fullavg": "tab:blue", "combo": "tab:green"}

@@ -1,6 +1,6 @@
 """Def-KT benchmark: Def-KT vs FullAvg vs Combo in the paper's setting at a smaller scale.
 
-Runs the simulator (:func:`dfl_agent.runtime.simulator.simulate`, virtual time, one torch
+Runs the simulator (:func:`dfl_agent.runtime.node.simulator.simulate`, virtual time, one torch
 thread) one configuration at a time and appends one JSON line per run to
 ``<out>/runs.jsonl`` (resumable: runs already there are skipped).  Then
 ``bench/defkt/report.py`` turns that file into tables and plots.
@@ -41,8 +41,8 @@ import torch
 
 from dfl_agent.cli.progress import simulate_with_progress as simulate  # progress on stderr
 from dfl_agent.learning.training import TrainConfig
-from dfl_agent.runtime.metrics import read_jsonl
-from dfl_agent.runtime.simulator import SimConfig
+from dfl_agent.runtime.node.metrics import read_jsonl
+from dfl_agent.runtime.node.simulator import SimConfig
 
 SEEDS = (0, 1, 2)
 ALGORITHMS = ("defkt", "fullavg", "combo")

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.dechw.run import har_dir  # noqa: E402
-from dfl_agent.runtime.simulator import SimConfig, simulate  # noqa: E402
+from dfl_agent.runtime.node.simulator import SimConfig, simulate  # noqa: E402
 
 OLD = {"transfer_momentum": 0.9}  # the transfer with the training optimiser (before the option)
 #: (label, algorithm, rounds, options, seeds)

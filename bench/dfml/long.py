@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dfl_agent.cli.progress import simulate_with_progress as simulate  # noqa: E402  (progress on stderr)
 from dfl_agent.learning.training import TrainConfig  # noqa: E402
-from dfl_agent.runtime.simulator import SimConfig  # noqa: E402
+from dfl_agent.runtime.node.simulator import SimConfig  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "long"
 OUT.mkdir(parents=True, exist_ok=True)

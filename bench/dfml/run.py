@@ -149,7 +149,7 @@ def resnet_runs() -> list[tuple[str, dict]]:
 def run_all(runs: list[tuple[str, dict]], only: str | None) -> None:
     from dfl_agent.cli.progress import simulate_with_progress as simulate  # progress on stderr
     from dfl_agent.learning.training import TrainConfig
-    from dfl_agent.runtime.simulator import SimConfig
+    from dfl_agent.runtime.node.simulator import SimConfig
 
     RUNS.mkdir(parents=True, exist_ok=True)
     for name, kw in runs:

@@ -144,15 +144,15 @@ def run_reference(datas: Mapping[str, NodeData], spec: Mapping[str, Any], option
 
 
 def simulate_reference(cfg: Any) -> dict[str, Any]:
-    """The reference on a :class:`dfl_agent.runtime.simulator.SimConfig` (same data, seeds and
+    """The reference on a :class:`dfl_agent.runtime.node.simulator.SimConfig` (same data, seeds and
     model as ``simulate(cfg)`` with ``algorithm = "fedd2s"``); returns a small summary with
-    ``user_accuracy`` (see :func:`dfl_agent.runtime.metrics.user_accuracy`)."""
+    ``user_accuracy`` (see :func:`dfl_agent.runtime.node.metrics.user_accuracy`)."""
     from dfl_agent.algorithms.base import get_algorithm, parse_options
     from dfl_agent.data import load_dataset, make_node_data, partition
     from dfl_agent.models import validate_spec
-    from dfl_agent.runtime import metrics
-    from dfl_agent.runtime.node import init_seed_for
-    from dfl_agent.runtime.simulator import node_name
+    from dfl_agent.runtime.node import metrics
+    from dfl_agent.runtime.node.node import init_seed_for
+    from dfl_agent.runtime.node.simulator import node_name
 
     started = time.time()
     options = parse_options(get_algorithm("fedd2s"), cfg.options)

@@ -3,7 +3,7 @@
 Scaled to a shared 2-core CPU (see results/README.md for the exact scale): 20 nodes,
 participation ρ = 0.2, Dirichlet label skew α ∈ {0.1, 0.5, 1}, digits and HAR, the seed's
 M1 model C(8,16,32)+F(32,16,classes) (``convdense``; the 1-D variant for HAR).  Every run
-is one ``dfl_agent.runtime.simulator.simulate`` call; the metric is the user accuracy UA
+is one ``dfl_agent.runtime.node.simulator.simulate`` call; the metric is the user accuracy UA
 (each node's deployed model on its own held-out 20 % split, mean over the evaluated rounds
 among the last 10, then over nodes; ``summary.json["user_accuracy"]``).
 
@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from dfl_agent.cli.progress import simulate_with_progress as simulate  # noqa: E402  (progress on stderr)
 from dfl_agent.learning.training import TrainConfig  # noqa: E402
-from dfl_agent.runtime.simulator import SimConfig  # noqa: E402
+from dfl_agent.runtime.node.simulator import SimConfig  # noqa: E402
 
 OUT = ROOT / "bench" / "fedd2s" / "results"
 Z0 = {0.1: 3, 0.5: 5, 1.0: 7}

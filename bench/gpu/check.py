@@ -120,9 +120,9 @@ def part_batch(device: str, groups: int) -> dict[str, Any]:
     from dfl_agent.data import load_dataset
     from dfl_agent.learning.training import TrainConfig, round_batches, train_local
     from dfl_agent.models import build_model
-    from dfl_agent.runtime.assembly import algorithm_default_spec
-    from dfl_agent.runtime.batching import train_group
-    from dfl_agent.runtime.simulator import sampled_parts
+    from dfl_agent.runtime.node.batching import train_group
+    from dfl_agent.runtime.node.simulator import sampled_parts
+    from dfl_agent.runtime.shared.assembly import algorithm_default_spec
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -185,7 +185,7 @@ def part_federation(cuda: bool, work: Path, rounds: int = 3) -> dict[str, Any]:
     ``cpu`` on cpu.  Both must finish every round having aggregated the other's model."""
     from dfl_agent.cli.broker import start_broker
     from dfl_agent.cli.observer import Observer
-    from dfl_agent.runtime.config import (
+    from dfl_agent.runtime.shared.config import (
         AlgorithmSection,
         DataSection,
         DiscoverySection,
@@ -226,7 +226,7 @@ def part_federation(cuda: bool, work: Path, rounds: int = 3) -> dict[str, Any]:
             (node_dir / "node.toml").write_text(dump_toml(cfg), encoding="utf-8")
             logs[nid] = open(work / f"{nid}.log", "w", encoding="utf-8")
             procs[nid] = subprocess.Popen(
-                [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config",
+                [sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--once", "--config",
                  str(node_dir / "node.toml")], stdout=logs[nid], stderr=subprocess.STDOUT, env=env)
         observer = Observer(broker.endpoint, fed, protocol="3.1.1").start()
         devices: dict[str, Any] = {}

@@ -41,7 +41,7 @@ from dfl_agent.data.dataset import split_indices, stream_rng
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.params import model_to_numpy
 from dfl_agent.learning.training import TrainConfig, evaluate
-from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.runtime.node.context import RuntimeContext
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -27,24 +27,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dfl_agent.runtime.service.ledger import read_entries
+from dfl_agent.runtime.service.retention import read_records
+
 
 def _json(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def _records(metrics: Path) -> list[dict[str, Any]]:
-    """The round records of a run's metrics.jsonl that carry ``local_accuracy`` (none: no file)."""
-    if not metrics.exists():
-        return []
-    out = []
-    for line in metrics.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("local_accuracy"), (int, float)):
-            out.append(rec)
-    return out
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    """The round records of a run (``metrics.jsonl``, gzipped once the run ended) that carry
+    ``local_accuracy`` (none: no file)."""
+    return [r for r in read_records(run_dir) if isinstance(r.get("local_accuracy"), (int, float))]
 
 
 def _first_round(records: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -98,13 +92,12 @@ def final_slice_accuracy(state: Path, versions: list[int], share: float) -> dict
 
 def device_rows(state: Path, tolerance: float, share: float = 0.2) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The per-run rows of one device and its first-vs-last summary."""
-    ledger = _json(state / "runs" / "ledger.json")
-    entries = ledger if isinstance(ledger, dict) else {}
+    entries = read_entries(state)  # runs/ledger.sqlite (an earlier release's runs/ledger.json)
     # in the order they ended (an entry's time is its last change)
     runs = sorted(entries, key=lambda r: float(entries[r].get("time", 0)) if isinstance(entries[r], dict) else 0.0)
     mans = _manifests(state)
     by_version = {int(m["version"]): m for m in mans.values() if isinstance(m.get("version"), int)}
-    records = {rid: _records(state / "runs" / rid / "metrics.jsonl") for rid in runs}  # each file read once
+    records = {rid: _records(state / "runs" / rid) for rid in runs}  # each file read once
     rows = []
     for rid in runs:
         first = _first_round(records[rid])
@@ -153,9 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--validation-share", type=float, default=0.2, help="the agents' data.validation_share")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
     a = ap.parse_args(argv)
-    devices = sorted(p for p in (a.dir / "devices").glob("*") if (p / "state" / "runs" / "ledger.json").exists())
+    devices = sorted(p for p in (a.dir / "devices").glob("*") if any((p / "state" / "runs" / n).exists()
+                                                                      for n in ("ledger.sqlite", "ledger.json")))
     if not devices:
-        print(f"accumulation: {a.dir} has no devices/*/state/runs/ledger.json (no lab output folder)", file=sys.stderr)
+        print(f"accumulation: {a.dir} has no devices/*/state/runs/ledger.sqlite (no lab output folder)",
+              file=sys.stderr)
         return 2
     out: dict[str, Any] = {"tolerance": a.tolerance, "devices": {}}
     ok = True

@@ -58,7 +58,7 @@ def run(nodes: int, rounds: int, extra: dict[str, Any]) -> dict[str, Any]:
     """Run the federation; returns per-agent records (lists of dicts)."""
     from dfl_agent.cli.broker import start_broker
     from dfl_agent.cli.demo import DemoOptions, _config, stop_processes
-    from dfl_agent.runtime.config import config_from_dict, dump_toml
+    from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 
     tmp = Path(tempfile.mkdtemp(prefix="dfl-share-"))
     opts = DemoOptions(nodes=nodes, rounds=rounds, algorithm="fedavg")
@@ -77,7 +77,7 @@ def run(nodes: int, rounds: int, extra: dict[str, Any]) -> dict[str, Any]:
             config_from_dict(__import__("tomllib").loads(text))  # the keys exist and validate
             path.write_text(text, encoding="utf-8")
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
+                [sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--once", "--config", str(path)],
                 stdout=open(tmp / f"{nid}.log", "w"), stderr=subprocess.STDOUT))
         t0 = time.monotonic()
         try:

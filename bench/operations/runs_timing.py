@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.cli.broker import start_broker
 from dfl_agent.cli.observer import Observer
-from dfl_agent.runtime.descriptor import operator_certificate
+from dfl_agent.runtime.shared.descriptor import operator_certificate
 from dfl_agent.security.keys import enroll_local, public_key_b64, save_certificate, save_private_key
 
 
@@ -76,7 +76,7 @@ def start_agent(path: Path, log: Path, pythonpath: str | None = None) -> subproc
     """``dfl-agent run --config path`` (always-on), stdout and stderr to ``log``; with
     ``pythonpath``, the agent's ``PYTHONPATH`` (another version of the package)."""
     env = None if pythonpath is None else {**os.environ, "PYTHONPATH": pythonpath}
-    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
 

@@ -112,7 +112,7 @@ def main() -> int:
     cpu = [s["cpu_s"] for s in starts]
     wall = [s["wall_s"] for s in starts]
     res = {"command": invocation(), "machine": host, "agent_pythonpath": a.agent_pythonpath,
-           "agent": "python -m dfl_agent.runtime.daemon run --config node.toml",
+           "agent": "python -m dfl_agent.runtime.service.daemon run --config node.toml",
            "ready_line": READY, "repeats": a.repeats,
            "cpu_s_median": statistics.median(cpu), "cpu_s_max": max(cpu),
            "wall_s_median": statistics.median(wall), "wall_s_max": max(wall),

@@ -28,7 +28,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from dfl_agent.models import build_model, default_spec
     from dfl_agent.models.families import family_specs
-    from dfl_agent.runtime.checkpoint import CheckpointStore
+    from dfl_agent.runtime.node.checkpoint import CheckpointStore
 
     specs = {f"har/{s}": default_spec((9, 128), 6, s) for s in ("small", "medium", "large")}
     specs.update({f"H2/{i}": s for i, s in enumerate(family_specs("H2", (9, 128), 6))})

@@ -27,7 +27,7 @@ def run(nodes: int, rounds: int, seed: int, batch: bool, extra: dict, label: str
     """One simulation; returns its measured cell (``label``: the code version measured)."""
     import torch
 
-    from dfl_agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.runtime.node.simulator import SimConfig, simulate
 
     torch.set_num_threads(1)
     if not batch and "batch" not in SimConfig.__dataclass_fields__:  # a simulator from before batching

@@ -70,7 +70,7 @@ def _clean(o: Any) -> Any:
 def run(names: list[str]) -> dict[str, Any]:
     """Every case's records and summary (timings left out)."""
     from dfl_agent.learning.training import TrainConfig
-    from dfl_agent.runtime.simulator import SimConfig, round_records, simulate
+    from dfl_agent.runtime.node.simulator import SimConfig, round_records, simulate
     from dfl_agent.transport import wire
 
     def config(name: str) -> Any:

@@ -1,7 +1,7 @@
 """Where the time of one message goes on the live path (two processes, one loopback mosquitto).
 
-Runs the same sender/receiver pair as ``transport.py`` (raw paho, ours, signed; QoS 1; one
-message in flight) and stamps every message with ``time.perf_counter`` (the system-wide
+Runs the same sender/receiver pair as ``transport.py`` (its raw paho baseline, the agents'
+path unsigned and signed; QoS 1; one message in flight) and stamps every message with ``time.perf_counter`` (the system-wide
 monotonic clock, comparable between the two processes) at each step of our path:
 
 sender: ``enc0`` broadcast called, ``enc1`` frame encoded (and signed), ``pub1`` handed to
@@ -27,7 +27,6 @@ import asyncio
 import collections
 import json
 import os
-import shlex
 import statistics
 import sys
 import tempfile
@@ -43,7 +42,7 @@ STEPS = ("enc0", "enc1", "pub1", "onmsg", "disp", "onframe", "decoded", "onframe
 
 def _patch() -> None:
     """Wrap the steps of the path so that each records its time in ``EV[fed:step]``."""
-    from dfl_agent.runtime import context
+    from dfl_agent.runtime.node import context
     from dfl_agent.transport import mqtt, wire
 
     pc = time.perf_counter
@@ -109,24 +108,28 @@ def _patch() -> None:
     context.RuntimeContext._take = take  # type: ignore[method-assign]
 
 
+PATHS = ("unsigned", "signed")
+
+
 class _Reporter:
-    """The receiver's pipe end, recording every receipt of ours/signed as ``report``."""
+    """The receiver's pipe end, recording every receipt of the agents' paths as ``report``."""
 
     def __init__(self, conn: Any):
         self.conn = conn
 
     def send(self, x: Any) -> None:
-        if x[0] in ("ours", "signed"):
-            EV[(T.FED if x[0] == "ours" else T.FED + "-s") + ":report"].append(x[1])
+        if x[0] in PATHS:
+            EV[f"{T.FED}-{x[0]}:report"].append(x[2])
         self.conn.send(x)
 
     def recv(self) -> Any:
         return self.conn.recv()
 
 
-def _receiver(endpoint: str, keys: tuple[bytes, bytes], conn: Any, out: str) -> None:
+def _receiver(endpoint: str, keys: tuple[bytes, bytes], conn: Any, paths: tuple[str, ...], codec: str,
+              chunk_size: int, out: str) -> None:
     _patch()
-    T._receiver(endpoint, keys, _Reporter(conn))
+    T._receiver(endpoint, keys, _Reporter(conn), paths, codec, chunk_size)
     with open(out, "w") as f:
         json.dump(EV, f)
 
@@ -138,15 +141,17 @@ async def _run(size: int, n: int, recv_out: str) -> dict[str, Any]:
 
     _patch()
     with start_broker("mosquitto") as broker:
-        two = T.TwoProcesses(broker.endpoint)
-        two.proc = mp.get_context("spawn").Process(target=_receiver, daemon=True,
-                                                   args=(broker.endpoint, two.keys, two.proc._args[2], recv_out))  # type: ignore[attr-defined]
+        paths = ("raw", *PATHS)
+        two = T.Sender(broker.endpoint, paths, "none")
+        two.proc = mp.get_context("spawn").Process(
+            target=_receiver, daemon=True,
+            args=(broker.endpoint, two.keys, two.proc._args[2], paths, "none", T.CHUNK_SIZE, recv_out))  # type: ignore[attr-defined]
         await two.start()
         tensors = T.model_of(size)
         payload = b"".join(a.tobytes() for a in tensors.values())
         raw = []
         for i in range(n + 2):
-            for p in ("raw", "ours", "signed"):
+            for p in paths:
                 d = await two.once(p, tensors, payload)
                 if p == "raw" and i >= 2:
                     raw.append(d)
@@ -154,7 +159,8 @@ async def _run(size: int, n: int, recv_out: str) -> dict[str, Any]:
     with open(recv_out) as f:
         recv = json.load(f)
     rows: dict[str, Any] = {"raw_median_us": 1e6 * statistics.median(raw)}
-    for fed, path in ((T.FED, "ours"), (T.FED + "-s", "signed")):
+    for path in PATHS:
+        fed = f"{T.FED}-{path}"
         series = {s: (EV if s in ("enc0", "enc1", "pub1") else recv).get(f"{fed}:{s}", [])[-n:] for s in STEPS}
         if any(len(v) != n for v in series.values()):
             rows[path] = {s: len(v) for s, v in series.items()}  # counts, to see what is missing
@@ -183,13 +189,14 @@ def main(argv: list[str] | None = None) -> int:
         rows = asyncio.run(_run(a.size, a.n, os.path.join(tmp, "recv.json")))
     lines = [f"## {a.size} bytes, {a.n} messages per path ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
              f"load average {os.getloadavg()[0]:.1f})", "",
-             f"Command: `nice -n 10 python bench/scale/transport_trace.py {shlex.join(sys.argv[1:])}`", "",
-             f"Raw paho, publish to receipt: median {rows['raw_median_us']:.0f} us.", "",
-             "| step | ours: step us | ours: from start us | signed: step us | signed: from start us |",
+             f"Command: `{T.invocation()}`", "",
+             f"Commit `{T._commit()}`; {T.machine()}.", "",
+             f"Raw paho (36-byte chunk header, reassembled), publish to receipt: median {rows['raw_median_us']:.0f} us.",
+             "", "| step | unsigned: step us | unsigned: from start us | signed: step us | signed: from start us |",
              "|---|---|---|---|---|"]
-    for s in rows["ours"] if isinstance(rows["ours"].get("enc0"), tuple) else STEPS:
+    for s in rows["unsigned"] if isinstance(rows["unsigned"].get("enc0"), tuple) else STEPS:
         cells = []
-        for path in ("ours", "signed"):
+        for path in PATHS:
             v = rows[path].get(s)
             cells += [f"{v[0]:.0f}", f"{v[1]:.0f}"] if isinstance(v, tuple) else ["?", "?"]
         lines.append(f"| {s} | " + " | ".join(cells) + " |")

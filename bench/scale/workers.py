@@ -8,7 +8,7 @@ data split, initialisation and per-node batch order).
 One round of one node group (:class:`Group`), as the simulator does it for fedavg:
 
 1. train every node of the group in one vectorised step
-   (:func:`dfl_agent.runtime.batching.train_group`, batch order from each node's own
+   (:func:`dfl_agent.runtime.node.batching.train_group`, batch order from each node's own
    generator, as ``BatchTrainer`` draws it);
 2. encode each node's model as a broadcast wire frame (:func:`dfl_agent.transport.wire.encode`);
 3. decode each received broadcast once (the simulator shares one decoded copy among
@@ -80,9 +80,9 @@ class Group:
         from dfl_agent.data import load_dataset, make_node_data, partition
         from dfl_agent.learning.training import TrainConfig
         from dfl_agent.models import build_model
-        from dfl_agent.runtime.assembly import simulator_default_specs
-        from dfl_agent.runtime.node import init_seed_for
-        from dfl_agent.runtime.simulator import node_name
+        from dfl_agent.runtime.node.node import init_seed_for
+        from dfl_agent.runtime.node.simulator import node_name
+        from dfl_agent.runtime.shared.assembly import simulator_default_specs
 
         torch.set_num_threads(1)
         bundle = load_dataset("digits")
@@ -107,7 +107,7 @@ class Group:
         from dfl_agent.algorithms.context import Message
         from dfl_agent.learning.params import model_to_numpy
         from dfl_agent.learning.training import round_batches
-        from dfl_agent.runtime.batching import train_group
+        from dfl_agent.runtime.node.batching import train_group
         from dfl_agent.transport import wire
 
         members = [(m, d.train_x, d.train_y, round_batches(len(d.train_x), self.cfg, rng))

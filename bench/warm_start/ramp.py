@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from dfl_agent.learning.probe import linear_probe
     from dfl_agent.learning.training import ramped
     from dfl_agent.models import build_model
-    from dfl_agent.runtime.warm_start import ramp_factor
+    from dfl_agent.runtime.run.warm_start import ramp_factor
 
     har = har_devices()
     data, spec, base = har.data, har.spec, har.base

@@ -23,7 +23,7 @@ import time
 import pytest
 
 from dfl_agent.cli.chaos import ChaosOptions, run_chaos
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from tests.system.conftest import needs_mosquitto
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(400)]
@@ -95,7 +95,7 @@ def test_packet_loss_in_lab_namespaces(tmp_path):
                    "runtime": {"metrics_file": str(state / "metrics.jsonl")}}
             path = tmp_path / f"{nid}.toml"
             path.write_text(dump_toml(config_from_dict(raw)))
-            procs[nid] = lab.popen(nid, [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once",
+            procs[nid] = lab.popen(nid, [sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--once",
                                          "--config", str(path)],
                                    stdout=open(tmp_path / f"{nid}.log", "w"), stderr=subprocess.STDOUT, env=env)
         end = time.monotonic() + 240
@@ -112,7 +112,7 @@ def test_packet_loss_in_lab_namespaces(tmp_path):
     for nid in ids:
         recs = [json.loads(line) for line in (tmp_path / nid / "metrics.jsonl").read_text().splitlines()]
         rounds = [r["round"] for r in recs]
-        # the agent's default, runtime.straggler = "quorum": a node that fell behind skips to its
+        # the agent's default, runtime.straggler = "quorum": a node that fell behind skips towards its
         # neighbours' round, and ends its run after the round it is in once most have finished
         assert rounds == sorted(set(rounds)) and rounds[0] == 1 and rounds[-1] <= ROUNDS, (nid, rounds)
         complete += rounds[-1] == ROUNDS

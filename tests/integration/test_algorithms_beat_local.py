@@ -49,7 +49,7 @@ import pytest
 pytest.importorskip("torch")
 
 from dfl_agent.algorithms.base import available  # noqa: E402
-from dfl_agent.runtime.simulator import SimConfig, simulate  # noqa: E402
+from dfl_agent.runtime.node.simulator import SimConfig, simulate  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

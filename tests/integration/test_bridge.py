@@ -13,8 +13,9 @@ import pytest
 from dfl_agent.cli.broker import BrokerHandle, free_port, mosquitto_path
 from dfl_agent.cli.observer import Observer
 from dfl_agent.cli.tables import peer_rows
-from dfl_agent.runtime.agent import Agent
-from dfl_agent.runtime.config import config_from_dict
+from dfl_agent.runtime.run.agent import Agent
+from dfl_agent.runtime.shared.config import config_from_dict
+from tests.host import LobbyHost
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow,
               pytest.mark.skipif(mosquitto_path() is None, reason="mosquitto is not installed")]
@@ -59,8 +60,9 @@ def test_agents_on_two_bridged_brokers_learn_together(tmp_path, mosquitto_broker
     site_a = mosquitto_broker
     site_b = BridgedMosquitto(site_a.endpoint).start()
     try:
-        agents = [Agent(_cfg(tmp_path, federation, "alpha", 0, site_a.endpoint)),
-                  Agent(_cfg(tmp_path, federation, "bravo", 1, site_b.endpoint))]
+        cfgs = [_cfg(tmp_path, federation, "alpha", 0, site_a.endpoint), _cfg(tmp_path, federation, "bravo", 1,
+                                                                         site_b.endpoint)]
+        agents = [Agent(c, host=LobbyHost(c)) for c in cfgs]  # each with its service's session
         observers = {s.endpoint: Observer(s.endpoint, federation).start() for s in (site_a, site_b)}
         online: dict[str, list] = {}
 
@@ -75,8 +77,13 @@ def test_agents_on_two_bridged_brokers_learn_together(tmp_path, mosquitto_broker
         async def main():
             stop = asyncio.Event()
             w = asyncio.ensure_future(watch())
-            codes = await asyncio.wait_for(asyncio.gather(*(a.run(stop) for a in agents)), 180)
-            await asyncio.sleep(1.0)  # the "offline" presences cross the bridge
+            try:
+                codes = await asyncio.wait_for(asyncio.gather(*(a.run(stop) for a in agents)), 180)
+                await asyncio.sleep(1.0)  # the "offline" presences cross the bridge
+            finally:
+                for a in agents:
+                    if a.host.lobby is not None:
+                        a.host.lobby.stop()
             w.cancel()
             return codes
 

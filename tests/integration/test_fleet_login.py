@@ -7,6 +7,7 @@ federation names the real one, exit 1; an unsigned federation shows ``unverified
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -100,7 +101,8 @@ def test_peers_status_and_runs_with_the_operators_config(site, capsys):
     rc, out, err = _run(capsys, "status", "--config", cfg)
     assert rc == 0 and "n1" in out and "idle" in out, err
     rc, out, err = _run(capsys, "run", "submit", "--config", cfg, "--operator-dir", str(site["dir"] / "state-op"),
-                        "--algorithm", "fedavg", "--rounds", "2", "--min-members", "1", "--name", NAME)
+                        "--algorithm", "fedavg", "--rounds", "2", "--min-members", "1", "--name", NAME,
+                        "--no-wait")  # n1's status is a fixture: it never answers
     assert rc == 0, err
     rid = out.strip()
     assert rid.startswith("r-") and "\n" not in rid  # the id alone on stdout, for RID=$(dflctl run submit ...)
@@ -118,6 +120,41 @@ def test_peers_status_and_runs_with_the_operators_config(site, capsys):
     assert rc == 0, err
     watched = {r["run_id"]: r for r in json.loads(out)["runs"]}
     assert watched[rid]["trust"] == "operator" and watched[rid]["submitter"] == "op", watched
+
+
+def test_a_device_account_neither_submits_nor_cancels_and_is_told_why(site, capsys):
+    """``--config`` of a device (its credentials snippet from ``keys enroll``, whose
+    ``[security]`` requires signatures): unsigned, nothing is sent (exit 2, naming
+    --operator-dir); signed by the operator but sent on the device's broker account, the
+    shipped ACL refuses the publish and mosquitto says so in its MQTT 5 PUBACK (0x87): exit 1
+    with the broker's reason, and the run does not exist; a cancel likewise."""
+    from dfl_agent.cli import fleet
+    from dfl_agent.cli.fleet import fetch_retained
+    from dfl_agent.runtime.shared.descriptor import cancel_topic
+
+    d, op, op_dir = site["dir"], str(site["op"]), str(site["dir"] / "state-op")
+    n1 = d / "n1.toml"
+    n1.write_text((d / "credentials" / "n1.toml").read_text().replace(
+        "[mqtt]\n", f'[mqtt]\nbroker = "{site["endpoint"]}"\n'))
+    submit = ("run", "submit", "--config", str(n1), "--algorithm", "fedavg", "--rounds", "1", "--run-id", "r-dev")
+    rc, out, err = _run(capsys, *submit)
+    assert rc == 2 and out == "", err
+    assert "refuse unsigned runs (security.require_signatures of --config is on); nothing was sent: give " \
+           "--operator-dir" in err, err
+    rc, out, err = _run(capsys, *submit, "--operator-dir", op_dir)
+    assert rc == 1 and out == "", err
+    assert f"broker {site['endpoint']} refused the publish on dfl/{FED}/run/r-dev: Not authorized (MQTT reason " \
+           "code 0x87); its ACL does not let user 'n1' publish runs" in err, err
+    assert err.rstrip().endswith("run r-dev was not published"), err
+    rc, out, err = _run(capsys, "run", "list", "--config", op, "--json")
+    assert rc == 0 and "r-dev" not in [r["run_id"] for r in json.loads(out)["runs"]], out
+    rc, out, err = _run(capsys, "run", "submit", "--config", op, "--operator-dir", op_dir, "--algorithm", "fedavg",
+                        "--rounds", "1", "--no-wait")
+    assert rc == 0, err
+    rid = out.strip()
+    rc, out, err = _run(capsys, "run", "cancel", rid, "--config", str(n1), "--operator-dir", op_dir)
+    assert rc == 1 and "(MQTT reason code 0x87)" in err and f"run {rid} was not cancelled" in err, err
+    assert fetch_retained(fleet.target(argparse.Namespace(config=op)), cancel_topic(FED, rid), absent_after=0.5) is None
 
 
 def test_wrong_password_is_one_line_naming_not_authorised(site, tmp_path):

@@ -1,5 +1,6 @@
 """Inference-only members of an agent that deploys (the sample store) receive the deployed
-version only: an improvement during a run is not sent, each deployment is, unchanged."""
+version only: an improvement during a run is not sent (the run exports nothing), each
+deployment is, unchanged, by the service's delivery."""
 
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ def test_inference_member_receives_only_deployed_versions(mosquitto_broker, fede
 
     from dfl_agent.deploy import ModelStore
     from dfl_agent.deploy.gate import deploy_model
-    from dfl_agent.discovery.peers import PeerTable
-    from dfl_agent.discovery.presence import node_transport
     from dfl_agent.models import build_model
-    from dfl_agent.runtime.context import RuntimeContext
-    from dfl_agent.runtime.onnx_publisher import OnnxPublisher
+    from dfl_agent.runtime.run.live_export import LIVE_DIR
+    from dfl_agent.runtime.service.lobby import RunLobby
+    from dfl_agent.runtime.service.member_delivery import MemberDelivery
+    from dfl_agent.runtime.shared.config import config_from_dict
+    from dfl_agent.runtime.shared.descriptor import RunVerifier
 
     broker = mosquitto_broker.endpoint
     spec = {"type": "cnn1d", "in_channels": 3, "length": 32, "channels": [4, 8], "kernel": 5, "num_classes": 4}
@@ -42,11 +44,10 @@ def test_inference_member_receives_only_deployed_versions(mosquitto_broker, fede
             f"'--state-dir', {str(inf)!r}, '--windows', {str(tmp_path / 'windows.npz')!r}, "
             "'--log-level', 'warning']))")
     member = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    cfg = config_from_dict({"federation": federation, "node_id": "t", "state_dir": str(tmp_path / "agent"),
+                            "mqtt": {"broker": broker},
+                            "data": {"dataset": "store", "input_shape": [3, 32], "num_classes": 4}})
     models = ModelStore(tmp_path / "agent")
-
-    class Holder:  # the algorithm: its deployable model changes during the run
-        def deployable_model(self):
-            return model
 
     def predictions(version, deadline):
         out = inf / "predictions.json"
@@ -58,41 +59,42 @@ def test_inference_member_receives_only_deployed_versions(mosquitto_broker, fede
             time.sleep(0.2)
         raise AssertionError(f"the member never served v{version}")
 
+    def deliver_until(delivery, n, deadline):
+        """Tick the service's delivery until it sent ``n`` copies in all."""
+        while sum(delivery.copies.values()) < n and time.monotonic() < deadline:
+            delivery.tick()
+            time.sleep(0.2)
+        return sum(delivery.copies.values())
+
     async def main():
-        peers = PeerTable("t", federation)
-        tr = node_transport("t", federation, broker=broker, peers=peers, descriptor={"algorithm": "fedavg"})
-        ctx = RuntimeContext(node_id="t", federation=federation, transport=tr, peers=peers, data=None,
-                             model_spec=spec, train=None, init_seed=0, rng=np.random.default_rng(0))
-        await ctx.start()
+        lobby = RunLobby(cfg, "t", RunVerifier(federation, require_signatures=False))
+        lobby.start()
         try:
             deadline = time.monotonic() + 90
-            while "inf" not in peers.live_peers() and time.monotonic() < deadline:
+            delivery = MemberDelivery(cfg, lobby, retry_s=3600.0)
+            while not any(st.get("algorithm") == "inference" for st in dict(lobby.statuses).values()) \
+                    and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
-            pub = OnnxPublisher(ctx, Holder(), (3, 32), spec, models=models)
-            assert pub.members() == ["inf"]
-            await pub(1, {"local_accuracy": 0.5})  # an improvement, nothing deployed: nothing sent
-            assert pub.sent == {} and pub.data is None
-            # the run ends: the deploy gate installs v1, the agent delivers it
+            assert delivery.tick() == 0  # nothing deployed yet: nothing sent
+            assert not (tmp_path / "agent" / LIVE_DIR).exists()  # a node that deploys exports no live model
+            # the run ends: the deploy gate installs v1, the service switches current and delivers it
             deploy_model(models, model, spec, (3, 32), list("abcd"), x, y, run_id="run-1", round=2,
                          algorithm="fedavg")
-            assert await pub.deliver(2) == 1 and pub.sent == {"inf": 1}
+            assert await asyncio.to_thread(deliver_until, delivery, 1, deadline) == 1
             doc1 = await asyncio.to_thread(predictions, 1, deadline)
             # the next run improves its model round after round: the member keeps v1
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(0.05)
-            for t, acc in ((1, 0.7), (2, 0.9)):
-                await pub(t, {"local_accuracy": acc})
-            assert pub.sent == {"inf": 1}
-            assert await pub.deliver(2) == 0  # the member holds the deployed version already
+            await asyncio.sleep(1.0)  # the member's status, holding v1, reaches the lobby
+            assert delivery.tick() == 0  # the member holds the deployed version already
             deploy_model(models, model, spec, (3, 32), list("abcd"), x, y, run_id="run-2", round=2,
                          algorithm="fedavg", force=True)
-            await pub(1, {"local_accuracy": 0.95})  # the round hook delivers the new deployed version too
-            assert pub.sent == {"inf": 2}
+            assert await asyncio.to_thread(deliver_until, delivery, 2, deadline) == 2
             doc2 = await asyncio.to_thread(predictions, 2, deadline)
             return doc1, doc2
         finally:
-            await ctx.stop()
+            lobby.stop()
 
     try:
         doc1, doc2 = asyncio.run(main())

@@ -7,15 +7,19 @@ the same machine cannot see or conflict with each other.
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 import time
 import uuid
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 from zeroconf import IPVersion
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-from dfl_agent.discovery.mdns import MdnsDiscovery, MdnsNameConflict
+from dfl_agent import WIRE_VERSION
+from dfl_agent.discovery.mdns import MdnsDiscovery
 from dfl_agent.discovery.peers import PeerTable
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -43,9 +47,14 @@ def fed() -> str:
     return f"fed{uuid.uuid4().hex[:8]}"
 
 
+#: the federation's broker (every table's ``home_broker``, as the agent sets it from mqtt.broker):
+#: a broker that an mDNS record names is used only when it is trusted (test_mdns_brokers.py)
+HOME = "127.0.0.1:1883"
+
+
 def descriptor(node_id: str, **over: str) -> dict[str, str]:
     d = {
-        "broker": f"127.0.0.1:{1883 + ord(node_id[-1]) % 10}",
+        "broker": HOME,
         "profile": "rpi4",
         "model_hash": f"hash-{node_id}",
         "algorithm": "dfml",
@@ -56,7 +65,7 @@ def descriptor(node_id: str, **over: str) -> dict[str, str]:
 
 
 def make(node_id: str, federation: str, stype: str, port: int = 0) -> MdnsDiscovery:
-    table = PeerTable(node_id, federation=federation)
+    table = PeerTable(node_id, federation=federation, home_broker=HOME)
     return MdnsDiscovery(
         table,
         node_id=node_id,
@@ -68,12 +77,15 @@ def make(node_id: str, federation: str, stype: str, port: int = 0) -> MdnsDiscov
     )
 
 
-async def register_raw(zc: AsyncZeroconf, stype: str, instance: str, props: dict[str, str]) -> None:
+async def register_raw(zc: AsyncZeroconf, stype: str, instance: str, props: dict[str, str],
+                       address: str = "127.0.0.1") -> None:
+    """Register a made-up record (no probe for conflicts: a responder that answers for
+    whatever it likes); its A record gives ``address``."""
     info = AsyncServiceInfo(
         stype, f"{instance}.{stype}", port=1, properties=props,
-        server=f"{instance}.local.", parsed_addresses=["127.0.0.1"],
+        server=f"{instance}.local.", parsed_addresses=[address],
     )
-    await (await zc.async_register_service(info))
+    await (await zc.async_register_service(info, cooperating_responders=True))
 
 
 async def test_discover_update_goodbye(stype, fed):
@@ -163,16 +175,28 @@ async def test_discover_update_goodbye(stype, fed):
         assert time.monotonic() - t4 < 8
 
 
-async def test_name_conflict_is_a_clear_error(stype, fed):
-    first = make("node-a", fed, stype)
-    await first.start()
+async def test_a_name_conflict_renames_the_node_and_its_peer_still_finds_it(stype, fed, caplog):
+    """A responder that answers for the node's instance name before it starts (a made-up
+    record: the node's id, another address): the node starts anyway, advertised as
+    ``{fed}--node-a-2``, with one WARNING naming the responder's address, and its peer
+    finds it by its TXT id (the same with a real agent: tests/system/test_mdns_squatter.py)."""
+    raw = AsyncZeroconf(interfaces=LOOPBACK, ip_version=IPVersion.V4Only)
+    a = make("node-a", fed, stype, port=7001)
+    b = make("node-b", fed, stype)
     try:
-        twin = make("node-a", fed, stype)
-        with pytest.raises(MdnsNameConflict, match="already in use"):
-            await twin.start()
-        await twin.stop()  # harmless after a failed start
+        await register_raw(raw, stype, f"{fed}--node-a", {"id": "node-a", "fed": fed, "wire": str(WIRE_VERSION)},
+                           address="127.0.0.77")
+        with caplog.at_level(logging.INFO, logger="dfl_agent.discovery.mdns"):
+            await asyncio.gather(a.start(), b.start())
+            await eventually(lambda: b._names.get(a.name.lower()) == "node-a" and "node-a" in b.table.live_peers(),
+                             what="B finds A under its new name")
+        assert a.instance == f"{fed}--node-a-2" and a.conflicts == {f"{fed}--node-a.{stype}".lower()}
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and "127.0.0.77:1" in warnings[0] and a.instance in warnings[0], warnings
+        assert a.errors["name_conflict"] == 1 and a.errors["handler_error"] == 0
     finally:
-        await first.stop()
+        await asyncio.gather(a.stop(), b.stop())
+        await raw.async_close()
 
 
 async def test_stop_without_start_is_a_noop(stype, fed):
@@ -234,3 +258,61 @@ def test_handlers_never_raise_and_goodbye_maps_to_node_id(stype, fed):
     assert d.table.get("node-b").sources == {"static"}  # only mdns withdrawn
     assert d.table.live_peers() == ["node-b"]
     assert d.errors["handler_error"] == 0
+
+
+def _accepted(listener: socket.socket) -> int:
+    """How many connections ``listener`` (non-blocking) has taken since the last call."""
+    n = 0
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except BlockingIOError:
+            return n
+        conn.close()
+        n += 1
+
+
+async def test_an_mdns_record_naming_another_broker_makes_no_connection(stype, fed, mosquitto_broker):
+    """A made-up node's mDNS record names a broker that is neither ``mqtt.broker`` nor named in
+    a presence signed by an enrolled member (a TCP listener standing in for an attacker's
+    broker): the node's MQTT transport never connects to it, the peer table keeps no broker
+    for that node (its frames would go to the home broker) and the drop is counted as
+    ``mdns_broker_untrusted`` in the node's status ``errors``.  A record naming the
+    configured broker is used; once a signed presence names the other broker it is used too
+    (the listener then sees the connection: the test can tell)."""
+    from dfl_agent.runtime.node.context import RuntimeContext
+    from dfl_agent.transport.mqtt import MqttTransport
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
+    other = f"127.0.0.1:{listener.getsockname()[1]}"
+    home = mosquitto_broker.endpoint
+    table = PeerTable("node-a", federation=fed, home_broker=home)
+    transport = MqttTransport("node-a", fed, broker=home, peers=table)
+    ctx = RuntimeContext(node_id="node-a", federation=fed, transport=transport, peers=table, data=None,
+                         model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0))
+    a = MdnsDiscovery(table, node_id="node-a", federation=fed, descriptor=descriptor("node-a", broker=home),
+                      interfaces=LOOPBACK, service_type=stype)
+    raw = AsyncZeroconf(interfaces=LOOPBACK, ip_version=IPVersion.V4Only)
+    txt = {"fed": fed, "wire": str(WIRE_VERSION)}
+    try:
+        await ctx.start()
+        await a.start()
+        await asyncio.gather(register_raw(raw, stype, f"{fed}--ghost", {**txt, "id": "ghost", "broker": other}),
+                             register_raw(raw, stype, f"{fed}--good", {**txt, "id": "good", "broker": home}))
+        await eventually(lambda: {"ghost", "good"} <= set(table.live_peers()), what="A resolves both records")
+        await asyncio.sleep(1.0)  # time for a connection to the named broker (a loopback connect takes ms)
+        assert _accepted(listener) == 0, f"the node connected to {other}, named by an unsigned mDNS record"
+        assert table.broker_of("ghost") == "" and table.broker_of("good") == home
+        assert ctx.counters()["dropped"].get("mdns_broker_untrusted", 0) >= 1, ctx.counters()["dropped"]
+        # a presence signed by an enrolled member names it (MqttPresence calls trust_broker): now used
+        table.trust_broker(other)
+        assert table.broker_of("ghost") == other
+        await eventually(lambda: _accepted(listener) > 0, what="the transport connects to the trusted broker")
+    finally:
+        await a.stop()
+        await raw.async_close()
+        await ctx.stop()
+        listener.close()

@@ -13,7 +13,7 @@ import pytest
 from dfl_agent.cli.cli_ops import default_exec
 from dfl_agent.cli.dflctl import main as dflctl
 from dfl_agent.cli.tables import peer_rows, status_rows
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,7 +80,7 @@ def test_install_service_stages_user_config_and_dry_run_writes_nothing(tmp_path,
     root = _stage(tmp_path, "--instance", "greenhouse")
     cfg = root / "etc/dfl-agent/greenhouse.toml"
     assert cfg.stat().st_mode & 0o777 == 0o640  # holds the MQTT password
-    from dfl_agent.runtime.config import load_config
+    from dfl_agent.runtime.shared.config import load_config
 
     assert cfg.read_bytes() == USER_CONFIG.encode()  # as written: comments kept, no dump of defaults
     installed = load_config(cfg)

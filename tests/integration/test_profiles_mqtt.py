@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from dfl_agent.runtime.agent import Agent
-from dfl_agent.runtime.config import (
+from dfl_agent.runtime.run.agent import Agent
+from dfl_agent.runtime.shared.config import (
     AlgorithmSection,
     DataSection,
     DiscoverySection,
@@ -24,7 +24,9 @@ from dfl_agent.runtime.config import (
     NodeConfig,
     RuntimeSection,
     TrainingSection,
+    config_from_dict,
 )
+from tests.host import LobbyHost
 from tests.unit.test_profiles import FakePsutil
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -65,9 +67,8 @@ def test_battery_gating_on_daemons(mosquitto_broker, federation, tmp_path):
     # rounds to spare: under load a may run ahead of b before b's gating shows (a test that waited
     # for a round past a's last one hung until pytest-timeout); stop ends both runs early
     rounds = 30
-    agents = [Agent(node_cfg(tmp_path, federation, broker, n, i, ids, "fedavg", rounds, timeout=3.0),
-                    psutil_mod=battery if n == "b"
-                    else FakePsutil()) for i, n in enumerate(ids)]
+    cfgs = [node_cfg(tmp_path, federation, broker, n, i, ids, "fedavg", rounds, timeout=3.0) for i, n in enumerate(ids)]
+    agents = [Agent(c, psutil_mod=battery if c.node_id == "b" else FakePsutil(), host=LobbyHost(c)) for c in cfgs]
     seen = {}
 
     async def main():
@@ -89,6 +90,8 @@ def test_battery_gating_on_daemons(mosquitto_broker, federation, tmp_path):
         seen["peers"] = await asyncio.to_thread(peers_json, broker, federation)
         stop.set()
         await asyncio.gather(*runs)
+        for x in agents:
+            x.host.stop()
 
     asyncio.run(main())
     assert seen["a_went_on"]
@@ -106,7 +109,7 @@ def test_dechw_excludes_peer_with_other_architecture(mosquitto_broker, federatio
                      min_peers=0 if n == "c" else 1)  # c has no compatible peer to wait for
             for i, n in enumerate(ids)]
     cfgs[2].runtime.eval_background = False  # c's after-round hook (hold) runs before its next round
-    agents = [Agent(c, psutil_mod=FakePsutil()) for c in cfgs]
+    agents = [Agent(c, psutil_mod=FakePsutil(), host=LobbyHost(c)) for c in cfgs]
     a, b, c = agents
 
     def all_seen() -> bool:  # each of the three has seen the others' descriptors (model hashes)
@@ -131,12 +134,16 @@ def test_dechw_excludes_peer_with_other_architecture(mosquitto_broker, federatio
             await asyncio.sleep(0)
         if c.node is None:
             await runs[0]  # c failed to start: its error
-        c.node.after_round.append(hold)
+        c.node.hooks.after_round.append(hold)
         while c.node.state != "running" and not runs[0].done():
             await asyncio.sleep(0.02)
         runs += [asyncio.ensure_future(x.run(stop)) for x in (a, b)]
         await asyncio.gather(*runs)
-        return await asyncio.to_thread(peers_json, broker, federation)
+        try:
+            return await asyncio.to_thread(peers_json, broker, federation)
+        finally:
+            for x in agents:
+                x.host.stop()
 
     peers = asyncio.run(main())
     assert "c" in a.ctx.excluded and "dechw averages parameters" in a.ctx.excluded["c"]
@@ -154,8 +161,11 @@ def test_inference_member_without_torch_gets_onnx_model(mosquitto_broker, federa
     from dfl_agent.discovery.peers import PeerTable
     from dfl_agent.discovery.presence import node_transport
     from dfl_agent.models import build_model
-    from dfl_agent.runtime.context import RuntimeContext
-    from dfl_agent.runtime.onnx_publisher import OnnxPublisher
+    from dfl_agent.runtime.node.context import RuntimeContext
+    from dfl_agent.runtime.run.live_export import LiveExport
+    from dfl_agent.runtime.service.lobby import RunLobby
+    from dfl_agent.runtime.service.member_delivery import MemberDelivery
+    from dfl_agent.runtime.shared.descriptor import RunVerifier
 
     broker = mosquitto_broker.endpoint
     spec = {"type": "cnn1d", "in_channels": 3, "length": 32, "channels": [4, 8], "kernel": 5, "num_classes": 4}
@@ -171,9 +181,8 @@ def test_inference_member_without_torch_gets_onnx_model(mosquitto_broker, federa
             "'--log-level', 'warning']))")
     member = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
 
-    class Holder:
-        def deployable_model(self):
-            return model
+    cfg = config_from_dict({"federation": federation, "node_id": "t", "state_dir": str(tmp_path / "t"),
+                            "mqtt": {"broker": broker}})
 
     async def main():
         peers = PeerTable("t", federation)
@@ -181,18 +190,23 @@ def test_inference_member_without_torch_gets_onnx_model(mosquitto_broker, federa
         ctx = RuntimeContext(node_id="t", federation=federation, transport=tr, peers=peers, data=None,
                              model_spec=spec, train=None, init_seed=0, rng=np.random.default_rng(0))
         await ctx.start()
+        lobby = RunLobby(cfg, "t", RunVerifier(federation, require_signatures=False))  # the service's session, which delivers
+        lobby.start()
         try:
             deadline = time.monotonic() + 60
             while "inf" not in peers.live_peers() and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
-            pub = OnnxPublisher(ctx, Holder(), (3, 32), spec)
-            assert pub.members() == ["inf"]
-            await pub(1, {"local_accuracy": 0.5})
+            export = LiveExport(cfg.state_dir, peers, lambda: model, (3, 32), spec, "run-1", ctx.compute_ungated)
+            assert export.members() == ["inf"]
+            await export(1, {"local_accuracy": 0.5})  # the run: an improved model, exported
+            delivery = MemberDelivery(cfg, lobby)  # the service: sends it to the member that lacks it
             out = tmp_path / "inf" / "predictions.json"
             while not out.exists() and time.monotonic() < deadline:
+                await asyncio.to_thread(delivery.tick)
                 await asyncio.sleep(0.2)
             return json.loads(out.read_text())
         finally:
+            lobby.stop()
             await ctx.stop()
 
     try:

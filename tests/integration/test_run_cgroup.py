@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from dfl_agent.runtime.cgroup import RunCgroup, classify_exit
+from dfl_agent.runtime.service.cgroup import RunCgroup, classify_exit
 
 #: touch every page, so that the memory is really used (a fresh bytearray may be lazily zeroed)
 ALLOC = "import sys; b = bytearray(int(sys.argv[1]) << 20); b[::4096] = b'x' * len(b[::4096]); print('done')"
@@ -24,7 +24,7 @@ def _probe() -> str | None:
         return "needs root (outside a systemd service with Delegate=yes)"
     cg = RunCgroup.create(f"probe-{os.getpid()}", 64)
     if cg is None:
-        return "no memory cgroup can be made here (see the WARNING of dfl_agent.runtime.cgroup)"
+        return "no memory cgroup can be made here (see the WARNING of dfl_agent.runtime.service.cgroup)"
     cg.remove()
     return None
 
@@ -104,7 +104,7 @@ def test_a_supervisor_removes_the_empty_run_cgroups_an_earlier_one_left(cgroups)
     """A supervisor killed with SIGKILL leaves its run's cgroup behind (its run process died
     with it).  The next one removes the empty cgroups of its node when it starts; a cgroup
     that still holds a process, and another node's, are left alone."""
-    from dfl_agent.runtime.cgroup import remove_leftovers
+    from dfl_agent.runtime.service.cgroup import remove_leftovers
 
     node = f"test-{os.getpid()}-n1"
     left = cgroups("n1-r-abc-1", None)  # its name: run-test-<pid>-n1-r-abc-1

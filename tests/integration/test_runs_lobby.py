@@ -11,18 +11,18 @@ import time
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dfl_agent.cli.cli_runs import publish_retained
+from dfl_agent.cli.fleet import publish_retained
 from dfl_agent.cli.observer import Observer
-from dfl_agent.runtime.config import config_from_dict
-from dfl_agent.runtime.descriptor import (
+from dfl_agent.runtime.service.ledger import RunLedger
+from dfl_agent.runtime.service.lobby import RunLobby
+from dfl_agent.runtime.shared.config import config_from_dict
+from dfl_agent.runtime.shared.descriptor import (
     RunDescriptor,
     RunVerifier,
     operator_certificate,
     run_topic,
     sign_descriptor,
 )
-from dfl_agent.runtime.ledger import RunLedger
-from dfl_agent.runtime.lobby import RunLobby
 from dfl_agent.security.keys import public_key_b64
 
 pytestmark = pytest.mark.integration
@@ -56,7 +56,7 @@ def test_late_booter_picks_up_the_retained_run(mosquitto_broker, federation, tmp
 
 
 def test_run_fails_when_min_members_do_not_accept_within_start_timeout(mosquitto_broker, federation, tmp_path):
-    from dfl_agent.runtime.daemon import serve
+    from dfl_agent.runtime.service.daemon import serve
 
     fed_key = Ed25519PrivateKey.generate()
     d, payload = _signed(federation, fed_key, run_id="r-min", min_members=2, start_timeout=2.0)
@@ -95,7 +95,7 @@ def test_prometheus_endpoint_answers_while_idle(mosquitto_broker, federation, tm
     import urllib.request
 
     from dfl_agent.cli.broker import free_port
-    from dfl_agent.runtime.daemon import serve
+    from dfl_agent.runtime.service.daemon import serve
 
     fed_key = Ed25519PrivateKey.generate()
     port = free_port()
@@ -185,7 +185,7 @@ def test_default_run_recurs_after_k_new_samples_arrive(mosquitto_broker, federat
     arrived (the ledger keeps each run's snapshot; the second run's data is bigger)."""
     import numpy as np
 
-    from dfl_agent.runtime.daemon import serve
+    from dfl_agent.runtime.service.daemon import serve
 
     cfg = config_from_dict({
         "federation": federation, "node_id": "solo", "state_dir": str(tmp_path / "state"),

@@ -14,8 +14,9 @@ import time
 
 import pytest
 
-from dfl_agent.runtime.config import config_from_dict, dump_toml
-from dfl_agent.runtime.systemd import JournalFormatter, Notifier, watchdog_loop
+from dfl_agent.runtime.service.systemd import Notifier, watchdog_loop
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.logs import JournalFormatter
 
 pytestmark = pytest.mark.integration
 
@@ -106,7 +107,7 @@ def test_journal_formatter_priorities():
 
 
 #: how a test starts an agent process (a meta-test swaps in a deliberately broken agent)
-AGENT = [sys.executable, "-m", "dfl_agent.runtime.daemon"]
+AGENT = [sys.executable, "-m", "dfl_agent.runtime.service.daemon"]
 
 
 def _wait(cond, timeout: float) -> bool:
@@ -186,14 +187,14 @@ def test_agent_process_notifies_ready_status_watchdog_and_reloads(tmp_path, mosq
 # (as an unexpected error in the listener did); everything else is the real agent
 _KILLABLE_LISTENER = """
 import sys
-from dfl_agent.runtime import lobby
+from dfl_agent.runtime.service import lobby
 real = lobby.RunLobby._on_message
 def on_message(self, client, userdata, msg):
     if msg.topic.endswith("/run/kill-listener"):
         raise RuntimeError("the test ends the run listener's thread")
     return real(self, client, userdata, msg)
 lobby.RunLobby._on_message = on_message
-from dfl_agent.runtime.daemon import main
+from dfl_agent.runtime.service.daemon import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 
 @pytest.mark.slow
 def test_robust_check_fails_when_the_aggregation_option_is_ignored(monkeypatch):
-    import dfl_agent.runtime.simulator as simulator
+    import dfl_agent.runtime.node.simulator as simulator
     from tests.unit import test_robust
 
     real = simulator.parse_options
@@ -106,10 +106,10 @@ def test_amqtt_demo_check_fails_when_agents_ignore_the_protocol(monkeypatch, tmp
 def test_reload_check_fails_when_sighup_applies_nothing(monkeypatch, tmp_path, mosquitto_broker, federation):
     from tests.integration import test_systemd_notify
 
-    code = ("import sys\nfrom dfl_agent.runtime import daemon\n"
-            "def reload(self):  # says RELOADING and READY, applies nothing\n"
-            "    self.notifier.reloading()\n    self.notifier.ready(self.status_line())\n    return []\n"
-            "daemon.Agent.reload = reload\nsys.exit(daemon.main())\n")
+    code = ("import sys\nfrom dfl_agent.runtime.service import daemon, run_manager\n"
+            "def reload(self):  # says RELOADING and READY, applies nothing (the run is not told)\n"
+            "    self.notifier.reloading()\n    self.notifier.ready('idle')\n"
+            "run_manager.RunManager.reload = reload\nsys.exit(daemon.main())\n")
     monkeypatch.setattr(test_systemd_notify, "AGENT", [sys.executable, "-c", code])
     with pytest.raises(AssertionError, match="applied runtime.log_level|DEBUG|assert False"):
         test_systemd_notify.test_agent_process_notifies_ready_status_watchdog_and_reloads(

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from dfl_agent.cli.broker import start_broker
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from tests.system.conftest import needs_mosquitto
 from tests.system.test_store_agent import SHAPE, drop
 
@@ -25,7 +25,7 @@ FILES, PER_FILE = 150, 8
 
 
 def _agent(path, log):
-    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
+    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--once", "--config", str(path)],
                             stdout=log, stderr=subprocess.STDOUT)
 
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from dfl_agent.cli.broker import start_broker
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from tests.system.conftest import needs_mosquitto
 
 pytestmark = [pytest.mark.integration, needs_mosquitto]
 
-AGENT = [sys.executable, "-m", "dfl_agent.runtime.daemon", "run"]
+AGENT = [sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run"]
 #: a line of the agent's text log that says a peer left, died or went away
 DEPARTURE = re.compile(r"peer \S+ (left|lost its connection|not heard from)")
 

@@ -39,8 +39,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.cli.broker import start_broker
 from dfl_agent.cli.dflctl import main as dflctl_main
-from dfl_agent.runtime.config import config_from_dict, dump_toml
-from dfl_agent.runtime.descriptor import operator_certificate
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.descriptor import operator_certificate
 from dfl_agent.security.keys import enroll_local, public_key_b64, save_certificate, save_private_key
 from tests.system.conftest import needs_mosquitto
 
@@ -100,15 +100,15 @@ def dflctl(*args: str) -> str:
 
 
 def _ledger(tmp: Path, nid: str) -> dict[str, dict]:
-    try:
-        return json.loads((tmp / nid / "runs" / "ledger.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    from dfl_agent.runtime.service.ledger import read_entries
+
+    return read_entries(tmp / nid)
 
 
 def _metrics(tmp: Path, nid: str, run_id: str) -> list[dict]:
-    p = tmp / nid / "runs" / run_id / "metrics.jsonl"
-    return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+    from dfl_agent.runtime.service.retention import read_records
+
+    return read_records(tmp / nid / "runs" / run_id)  # gzipped once the run ended
 
 
 def _by_round(records: list[dict]) -> dict[int, dict]:
@@ -220,7 +220,7 @@ def test_every_algorithm_runs_on_three_always_on_agents(tmp_path):
             for i, nid in enumerate(IDS):
                 path = _config(tmp_path, fed, nid, i, broker.endpoint, fed_key)
                 procs[nid] = subprocess.Popen(
-                    [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+                    [sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                     stdout=open(tmp_path / f"{nid}.log", "a"), stderr=subprocess.STDOUT)
             runs: dict[str, str] = {}
             for algorithm in algorithms:  # queued in submission order

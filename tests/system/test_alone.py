@@ -19,7 +19,7 @@ from tests.system.test_agent_logs import _config
 
 pytestmark = [pytest.mark.integration, needs_mosquitto]
 
-AGENT = [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config"]
+AGENT = [sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--once", "--config"]
 
 
 def _lone(tmp: Path, fed: str, broker: str, **runtime) -> Path:

@@ -12,7 +12,7 @@ import pytest
 from dfl_agent.algorithms.context import Message
 from dfl_agent.cli.broker import start_broker
 from dfl_agent.cli.observer import Observer
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from dfl_agent.transport import wire
 from tests.system.conftest import needs_mosquitto
 
@@ -35,7 +35,7 @@ def test_bad_payloads_are_counted_and_the_agent_keeps_running(tmp_path):
             path = tmp_path / f"a{i}.toml"
             path.write_text(dump_toml(cfg))
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
+                [sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--once", "--config", str(path)],
                 stdout=open(tmp_path / f"a{i}.log", "w"), stderr=subprocess.STDOUT))
         obs = Observer(broker.endpoint, fed).start()
         deadline = time.monotonic() + 90
@@ -112,7 +112,7 @@ def test_bad_start_input_is_one_line_exit_2_and_no_state_dir(tmp_path, case, com
                     '[mqtt]\nbroker = "127.0.0.1:1"\n' + extra.format(tmp=tmp_path)
                     + ("" if "[data]" in extra else '[data]\ndataset = "digits"\n'))
     args = [command, "--config", str(path)] + (["--once"] if command == "run" else [])
-    p = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.daemon", *args],
+    p = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.service.daemon", *args],
                        capture_output=True, text=True, timeout=180)
     lines = [x for x in p.stderr.splitlines() if x.strip()]
     assert p.returncode == 2, p.stdout + p.stderr

@@ -15,9 +15,10 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.cli.broker import start_broker
-from dfl_agent.cli.cli_runs import fetch_retained, publish_retained
+from dfl_agent.cli.fleet import fetch_retained, publish_retained
 from dfl_agent.cli.observer import Observer
-from dfl_agent.runtime.descriptor import cancel_topic, operator_certificate, run_topic
+from dfl_agent.runtime.service.ledger import read_cancelled
+from dfl_agent.runtime.shared.descriptor import cancel_topic, operator_certificate, run_topic
 from dfl_agent.security.keys import public_key_b64, save_certificate, save_private_key
 from tests.system.conftest import needs_mosquitto
 from tests.system.test_runs import _config, _start, dflctl
@@ -66,7 +67,7 @@ def test_a_replayed_submission_after_a_cancel_is_refused_by_a_node_enrolled_late
             assert f"refused run descriptor on {run_topic(fed, rid)}: cancelled" in text, text
             assert f"run {rid} (fedavg" not in text, text  # never queued
             assert not (tmp_path / "late" / "runs" / rid).exists()  # never started
-            assert rid in json.loads((tmp_path / "late" / "runs" / "cancelled.json").read_text())
+            assert rid in read_cancelled(tmp_path / "late")  # remembered in its run ledger
             listed = json.loads(dflctl("run", "list", *b, "--json"))["runs"]
             assert [(r["run_id"], r["state"], r["cancel_record"]) for r in listed] == [(rid, "cancelled", True)]
         finally:

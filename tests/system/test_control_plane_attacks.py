@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.algorithms.context import Message
 from dfl_agent.cli.broker import start_broker
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from dfl_agent.security import SecurityGuard, TrustStore
 from dfl_agent.security.keys import enroll_local, load_or_create_key, public_key_b64
 from dfl_agent.transport import wire
@@ -77,7 +77,7 @@ def test_outsider_cannot_steer_the_control_plane(tmp_path):
             path.write_text(dump_toml(cfg))
             paths.append(path)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
+                [sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--once", "--config", str(path)],
                 stdout=open(tmp_path / f"a{i}.log", "w"), stderr=subprocess.STDOUT))
 
         # capture a1's genuine (signed) presence to replay it later

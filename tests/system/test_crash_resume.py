@@ -28,8 +28,8 @@ from dfl_agent.cli.broker import start_broker
 from dfl_agent.cli.dflctl import main as dflctl
 from dfl_agent.cli.observer import Observer
 from dfl_agent.cli.tables import peer_rows
-from dfl_agent.runtime.checkpoint import CheckpointStore
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.node.checkpoint import CheckpointStore
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from tests.system.conftest import needs_mosquitto
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -91,7 +91,7 @@ def test_sigkill_at_random_moments_never_corrupts_state_and_resumes(tmp_path, ca
         try:
             for k in range(KILLS):
                 log_path = tmp_path / f"run{k}.log"
-                proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
+                proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--once", "--config", str(path)],
                                         stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
                 try:
                     # the node connects: dflctl peers must list it online within 5 s
@@ -143,7 +143,7 @@ def test_sigkill_at_random_moments_never_corrupts_state_and_resumes(tmp_path, ca
                     assert ck.round == store.rounds()[0] or ck.round == store.rounds()[1]
                     expected = (ck.round, ck.manifest["state_digest"])
                 if k < 3 or k == KILLS - 1:  # the last will (waiting for it every time costs 3 s)
-                    gone = _wait(lambda: any(r["node_id"] == "victim" and r["state"] == "offline"
+                    gone = _wait(lambda: any(r["node_id"] == "victim" and r["state"] == "offline (last will)"
                                              for r in peer_rows(*obs.snapshot())) and time.monotonic(), 15)
                     assert gone, peer_rows(*obs.snapshot())
                     offline.append(gone - killed)
@@ -153,7 +153,7 @@ def test_sigkill_at_random_moments_never_corrupts_state_and_resumes(tmp_path, ca
         capsys.readouterr()
         assert dflctl(["peers", "--json", "--broker", broker.endpoint, "--federation", fed]) == 0
         rows = json.loads(capsys.readouterr().out)["peers"]
-    assert [r["state"] for r in rows if r["node_id"] == "victim"] == ["offline"]
+    assert [r["state"] for r in rows if r["node_id"] == "victim"] == ["offline (last will)"]
     assert expected is not None and expected[0] >= 1
     assert max(listed) <= 5.0, listed
     assert max(offline) <= 1.5 * KEEPALIVE + 1.0, offline
@@ -164,7 +164,7 @@ def test_sigkill_at_random_moments_never_corrupts_state_and_resumes(tmp_path, ca
 
 WRITER = """
 import sys, numpy as np
-from dfl_agent.runtime.checkpoint import CheckpointStore
+from dfl_agent.runtime.node.checkpoint import CheckpointStore
 store = CheckpointStore(sys.argv[1])
 ck = store.load_latest()
 t = ck.round if ck else 0

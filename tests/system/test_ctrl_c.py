@@ -1,4 +1,5 @@
-"""Ctrl-C: every ``dflctl`` command exits 130 after one line "interrupted" on stderr; ``dflctl
+"""Ctrl-C: every ``dflctl`` command exits 130 after one line "interrupted" on stderr, also while
+it starts (its modules still loading), and so do ``dfl-agent`` and ``dfl-infer``; ``dflctl
 demo`` stops its agents within 5 s and still writes its report, marked incomplete.
 
 SIGINT goes to the command's whole process group, as a terminal's Ctrl-C does (the demo's
@@ -9,9 +10,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -77,7 +81,7 @@ def test_ctrl_c_stops_the_demos_agents_within_5_s_and_leaves_a_partial_report(tm
 
         _wait(a_round_each, 120, "a round on each agent", out, err)
         agents = [p.pid for p in psutil.Process(proc.pid).children()
-                  if "dfl_agent.runtime.daemon" in " ".join(p.cmdline())]
+                  if "dfl_agent.runtime.service.daemon" in " ".join(p.cmdline())]
         assert len(agents) == 2
         os.killpg(proc.pid, signal.SIGINT)
         sent = time.monotonic()
@@ -129,3 +133,94 @@ def test_ctrl_c_stops_the_feed_demos_agents_and_run_processes_within_5_s(tmp_pat
     summary = json.loads((report / "summary.json").read_text())
     assert summary["complete"] is False and summary["interrupted"] is True and len(summary["reported"]) == 2
     assert "partial report (incomplete: interrupted)" in out.read_text()
+
+
+def _program(script: str, module: str) -> list[str]:
+    """The console script ``script`` of this environment (what a user runs), else ``python -m``."""
+    path = Path(sys.executable).parent / script
+    return [str(path)] if path.exists() else [sys.executable, "-m", module]
+
+
+def _interrupt(cmd: list[str], anchor: str, delay: float) -> tuple[int, list[str]]:
+    """Start ``cmd`` with Python's import-time report on stderr (``PYTHONPROFILEIMPORTTIME``) and
+    send SIGINT to its process group, as a terminal's Ctrl-C does, ``delay`` s after the import of
+    module ``anchor`` completed.  Returns the exit code and the stderr lines that are not the
+    import-time report."""
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if not line.startswith("import time:"):
+                lines.append(line.rstrip("\n"))
+            elif line.rsplit("|", 1)[-1].strip() == anchor:
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(60), f"{anchor} never imported: {lines[-20:]}"
+        time.sleep(delay)
+        assert proc.poll() is None, f"{cmd[-3:]} ended by itself before the SIGINT: {lines[-20:]}"
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(10)
+    return rc, lines
+
+
+#: when the SIGINT comes, after the first module of the program's own imports (argparse, which
+#: each entry module imports first) loaded: within its start-up, until its command is running
+STARTUP_DELAYS = (0.0, 0.03, 0.08, 0.15, 0.3, 0.6)
+
+
+@pytest.fixture
+def silent_broker():
+    """A port that accepts TCP connections and never answers: a command waits on it until stopped."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+        yield f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_ctrl_c_while_dflctl_starts_is_one_line_and_exit_130(silent_broker):
+    """``dflctl peers`` interrupted at moments from its first import until it waits for the broker:
+    every time exactly the line ``dflctl: interrupted`` and exit code 130 (at 75535c2 a Ctrl-C
+    while the modules loaded printed a 20-36 line traceback ending in ``KeyboardInterrupt``)."""
+    peers = ["peers", "--broker", silent_broker, "--federation", "x", "--timeout", "60"]
+    probes = [(_program("dflctl", "dfl_agent.cli.dflctl"), "argparse", d) for d in STARTUP_DELAYS]
+    probes.append((DFLCTL, "argparse", 0.05))  # python -m dfl_agent.cli.dflctl
+    probes.append((_program("dflctl", "dfl_agent.cli.dflctl"), "dfl_agent.cli.observer", 0.0))  # peers running
+    for cmd, anchor, delay in probes:
+        rc, lines = _interrupt([*cmd, *peers], anchor, delay)
+        assert (rc, lines) == (130, ["dflctl: interrupted"]), (cmd[-1], anchor, delay, rc, lines)
+
+
+def test_ctrl_c_while_dfl_agent_or_dfl_infer_starts_is_one_line_and_exit_130(tmp_path, silent_broker):
+    """The same for the agent (``dfl-agent run``: its start-up loads modules and checks the
+    configuration before its event loop takes SIGINT over) and the inference member (``dfl-infer
+    run``, also while it waits for the broker's answer: at 75535c2 that wait went on until its
+    timeout, then a traceback)."""
+    from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
+
+    config = tmp_path / "node.toml"
+    config.write_text(dump_toml(config_from_dict({
+        "federation": "x", "node_id": "dev1", "state_dir": str(tmp_path / "state"),
+        "mqtt": {"broker": silent_broker}, "discovery": {"mdns": False}})))
+    agent = [*_program("dfl-agent", "dfl_agent.runtime.service.daemon"), "run", "--config", str(config)]
+    infer = [*_program("dfl-infer", "dfl_agent.cli.infer"), "run", "--broker", silent_broker, "--timeout", "60",
+             "--state-dir", str(tmp_path / "infer")]
+    for delay in STARTUP_DELAYS[:4]:
+        rc, lines = _interrupt(agent, "argparse", delay)
+        # once its event loop runs, the agent logs its stop before the line
+        assert rc == 130 and lines[-1] == "dfl-agent: interrupted", (delay, rc, lines)
+        assert not any("Traceback" in x for x in lines), (delay, lines)
+    for delay in STARTUP_DELAYS:
+        rc, lines = _interrupt(infer, "argparse", delay)
+        assert (rc, lines) == (130, ["dfl-infer: interrupted"]), (delay, rc, lines)

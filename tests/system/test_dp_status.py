@@ -14,7 +14,7 @@ import time
 import pytest
 
 from dfl_agent.cli.broker import start_broker
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from tests.system.conftest import needs_mosquitto
 from tests.system.test_store_agent import SHAPE, drop
 
@@ -75,7 +75,7 @@ def test_a_dp_device_publishes_no_accuracy_and_no_sample_count(tmp_path):
         c.loop_start()
         try:
             with open(tmp_path / "run.log", "w") as out:
-                rc = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config",
+                rc = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--once", "--config",
                                      str(path)], stdout=out, stderr=subprocess.STDOUT, timeout=240).returncode
             assert rc == 0, (tmp_path / "run.log").read_text()[-3000:]
             deadline = time.time() + 10

@@ -26,7 +26,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.cli.broker import start_broker
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.service.retention import read_records
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from dfl_agent.security.keys import public_key_b64
 from tests.system.conftest import needs_mosquitto
 
@@ -38,16 +39,15 @@ DEEP_60K = b"[" * 30_000 + b"]" * 30_000  # under it, nested far deeper than 32
 
 def _retained(broker: str, topic: str, timeout: float = 5.0) -> bytes | None:
     """The retained message on ``topic``, read by a fresh client (nothing cached)."""
-    from dfl_agent.cli.cli_runs import fetch_retained
+    from dfl_agent.cli.fleet import fetch_retained
 
     return fetch_retained(broker, topic, timeout=timeout, absent_after=1.0)
 
 
 def _ledger(state: Path) -> dict:
-    try:
-        return json.loads((state / "runs" / "ledger.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    from dfl_agent.runtime.service.ledger import read_entries
+
+    return read_entries(state)
 
 
 def test_deep_retained_values_are_dropped_and_runs_still_start_and_finish(tmp_path):
@@ -73,7 +73,7 @@ def test_deep_retained_values_are_dropped_and_runs_still_start_and_finish(tmp_pa
         path = tmp_path / "a0.toml"  # no [algorithm]: no default run, the agent waits for runs
         path.write_text(re.sub(r"\[algorithm\]\n(?:[^\[\n].*\n)*", "", dump_toml(cfg) + "\n"))
         log = tmp_path / "a0.log"
-        proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+        proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                                 stdout=open(log, "w"), stderr=subprocess.STDOUT)
         try:
             def idle_status() -> dict:
@@ -103,7 +103,7 @@ def test_deep_retained_values_are_dropped_and_runs_still_start_and_finish(tmp_pa
                     f"run {rid} did not finish: ledger {_ledger(state)}, status {idle_status()}\n"
                     + log.read_text()[-3000:])
                 time.sleep(0.3)
-            assert (state / "runs" / rid / "metrics.jsonl").exists()  # it trained
+            assert read_records(state / "runs" / rid)  # it trained (its round records, gzipped once it ended)
 
             deadline = time.monotonic() + 10
             while ((st := idle_status()).get("state"), (st.get("run") or {}).get("state")) != ("idle", "finished") \

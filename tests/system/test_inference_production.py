@@ -101,9 +101,9 @@ def test_inference_member_takes_only_signed_models_over_tls(tmp_path):
     from dfl_agent.discovery.peers import PeerTable
     from dfl_agent.discovery.presence import node_transport
     from dfl_agent.onnx_model import ONNX_KIND
-    from dfl_agent.runtime.assembly import build_security
-    from dfl_agent.runtime.config import config_from_dict, dump_toml
-    from dfl_agent.runtime.context import RuntimeContext
+    from dfl_agent.runtime.node.context import RuntimeContext
+    from dfl_agent.runtime.shared.assembly import build_security
+    from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
     from dfl_agent.security.keys import enroll_local, load_or_create_key
     from dfl_agent.transport import wire
     from dfl_agent.transport.chunking import iter_chunks
@@ -143,7 +143,7 @@ def test_inference_member_takes_only_signed_models_over_tls(tmp_path):
 
         member = subprocess.Popen([sys.executable, "-c", NO_TORCH.format(argv=[
             "run", "--config", str(inf_cfg), "--log-level", "warning"])], stderr=subprocess.PIPE, text=True)
-        from dfl_agent.runtime.config import load_config
+        from dfl_agent.runtime.shared.config import load_config
 
         tc = load_config(t_cfg)
         statuses: list[dict] = []
@@ -259,7 +259,7 @@ def test_the_supervisor_delivers_the_deployment_a_member_lacks(tmp_path):
     deployment (round 100 after round 300: the member keeps the newest deployment), and again
     after a copy was lost while the member was down (its status still showed the old model)."""
     pytest.importorskip("onnx")
-    from dfl_agent.runtime.config import config_from_dict, dump_toml
+    from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 
     fed_dir = tmp_path / "federation"
     _dflctl("keys", "federation-init", "--dir", str(fed_dir))
@@ -289,7 +289,7 @@ def test_the_supervisor_delivers_the_deployment_a_member_lacks(tmp_path):
 
     first = _deploy(tmp_path / "t", 1.0, "run-1", 300)
     log_path = tmp_path / "agent.log"
-    agent = subprocess.Popen([sys.executable, "-c", "import sys; from dfl_agent.runtime import daemon; "
+    agent = subprocess.Popen([sys.executable, "-c", "import sys; from dfl_agent.runtime.service import daemon; "
                               f"sys.exit(daemon.main(['run', '--config', {str(t_cfg)!r}]))"],
                              stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
     member = start_member()

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from dfl_agent.privacy.accountant import rdp_epsilon
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from tests.system.conftest import needs_mosquitto
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, needs_mosquitto]
@@ -56,9 +56,9 @@ def _wait(cond, timeout: float, what: str, log) -> None:
 def test_a_device_with_its_budget_spent_declines_the_next_run(tmp_path):
     pytest.importorskip("opacus")
     from dfl_agent.cli.broker import start_broker
-    from dfl_agent.runtime.ledger import RunLedger
-    from dfl_agent.runtime.privacy_budget import PrivacyLedger
-    from dfl_agent.runtime.sample_store import open_store, seed_store
+    from dfl_agent.runtime.service.ledger import RunLedger
+    from dfl_agent.runtime.service.privacy_budget import PrivacyLedger
+    from dfl_agent.runtime.shared.sample_store import open_store, seed_store
     from dfl_agent.store.sqlite import validation_mask
 
     state, fed = tmp_path / "state", f"privacy{os.getpid()}"
@@ -87,7 +87,7 @@ def test_a_device_with_its_budget_spent_declines_the_next_run(tmp_path):
         b = ["--broker", broker.endpoint, "--federation", fed]
 
         def start() -> subprocess.Popen:
-            return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+            return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                                     stdout=open(log, "a"), stderr=subprocess.STDOUT)
 
         def states() -> dict[str, str]:

@@ -30,7 +30,7 @@ from cryptography.x509.oid import NameOID
 
 from dfl_agent.cli.broker import free_port, mosquitto_path
 from dfl_agent.cli.cli_security import add_acl_user, add_mosquitto_password
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from dfl_agent.security.keys import enroll_local, public_key_b64
 from tests.integration.test_tls_acl import _cert, _pem, make_ca
 from tests.system.conftest import needs_mosquitto
@@ -42,8 +42,9 @@ BAD = ("bad_encoding", "bad_signature", "non_finite")
 RATIO = 8.0  # float32 bytes / bytes sent, at least, with the shipped default compression
 
 
-def _tls_broker(d: Path) -> tuple[subprocess.Popen, int, dict[str, str]]:
-    """mosquitto with TLS (a CA made here), a password per node and the shipped ACL."""
+def _tls_broker(d: Path, users: tuple[str, ...] = ()) -> tuple[subprocess.Popen, int, dict[str, str]]:
+    """mosquitto with TLS (a CA made here), a password per node and the shipped ACL; ``users``
+    (e.g. ``operator``, whose block the shipped ACL has) get a password too."""
     ca_key, ca = make_ca(d, "ca")
     skey = ec.generate_private_key(ec.SECP256R1())
     server = _cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]), ca_key, ca.subject, skey,
@@ -51,10 +52,11 @@ def _tls_broker(d: Path) -> tuple[subprocess.Popen, int, dict[str, str]]:
     _pem(server, d / "server.crt")
     _pem(skey, d / "server.key")
     passwords = {}
-    for nid in IDS:
+    for nid in (*IDS, *users):
         passwords[nid] = f"pw-{nid}-{os.urandom(4).hex()}"
         add_mosquitto_password(d / "passwd", nid, passwords[nid])
-        add_acl_user(d / "dfl.acl", nid)  # the shipped ACL + the device's block, as keys enroll writes it
+        if nid in IDS:
+            add_acl_user(d / "dfl.acl", nid)  # the shipped ACL + the device's block, as keys enroll writes it
     if (d / "passwd").read_text().startswith(f"{IDS[0]}:pw-"):
         pytest.skip("mosquitto_passwd not installed: the password file would be in clear")
     port = free_port()
@@ -93,14 +95,17 @@ def run_broker(d: Path, port: int) -> subprocess.Popen:
 
 
 def start_agents(procs: list[subprocess.Popen], d: Path, port: int, passwords: dict[str, str], rounds: int,
-                 extra: Callable[[str], dict], ids: tuple[str, ...] = IDS) -> None:
+                 extra: Callable[[str], dict], ids: tuple[str, ...] = IDS,
+                 fed_key: Ed25519PrivateKey | None = None, once: bool = True) -> str:
     """Start one ``dfl-agent run --once`` per node of :data:`IDS` in the production
     configuration: a fresh federation key with signatures required, the shipped default
     compression, TLS with the node's password against :func:`_tls_broker`'s broker, fedavg
     with the default ``quorum``; ``extra(nid)`` adds sections (e.g. ``training``) and keys of
-    the sections here (e.g. ``{"mqtt": {"keepalive": 2}}``).  Each process is appended to ``procs`` as it starts (for :func:`stop_all`)."""
+    the sections here (e.g. ``{"mqtt": {"keepalive": 2}}``).  Each process is appended to ``procs`` as it starts (for :func:`stop_all`).
+    ``fed_key``: the federation key (default: a new one); ``once`` False: always-on agents
+    (``dfl-agent run``, the configuration's run as their default run).  Returns the federation id."""
     fed = "prod-" + str(int(time.time() * 1000) % 100000)
-    fed_key = Ed25519PrivateKey.generate()
+    fed_key = fed_key or Ed25519PrivateKey.generate()
     for i, nid in enumerate(ids):
         state = d / nid
         enroll_local(fed_key, fed, nid, state)
@@ -123,8 +128,10 @@ def start_agents(procs: list[subprocess.Popen], d: Path, port: int, passwords: d
         path = d / f"{nid}.toml"
         path.write_text(dump_toml(cfg))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
+            [sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", *(["--once"] if once else []),
+             "--config", str(path)],
             stdout=open(d / f"{nid}.log", "w"), stderr=subprocess.STDOUT))
+    return fed
 
 
 @needs_mosquitto

@@ -14,7 +14,6 @@ the model of its checkpoint."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -24,7 +23,7 @@ import time
 import pytest
 
 from dfl_agent.cli.broker import start_broker
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from tests.system.conftest import needs_mosquitto
 from tests.system.test_agent_logs import _wait
 from tests.system.test_store_agent import SHAPE, drop
@@ -33,17 +32,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
 def _ledger(state):
-    try:
-        return json.loads((state / "runs" / "ledger.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    from dfl_agent.runtime.service.ledger import read_entries
+
+    return read_entries(state)
 
 
 def _agent(path, log, crash_at=None):
     env = {k: v for k, v in os.environ.items() if k != "DFL_TEST_CRASH_AT"}
     if crash_at:
         env["DFL_TEST_CRASH_AT"] = crash_at
-    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
@@ -120,7 +118,7 @@ def test_a_member_killed_mid_run_deploys_its_checkpoint_model_once_the_others_fi
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from dfl_agent.deploy import ModelStore, verify_folder
-    from dfl_agent.runtime.descriptor import operator_certificate
+    from dfl_agent.runtime.shared.descriptor import operator_certificate
     from dfl_agent.security.keys import enroll_local, public_key_b64, save_certificate, save_private_key
 
     ids, fed, fed_key = ("s0", "s1", "s2"), f"killdeploy{os.getpid()}", Ed25519PrivateKey.generate()
@@ -136,8 +134,9 @@ def test_a_member_killed_mid_run_deploys_its_checkpoint_model_once_the_others_fi
         _wait(cond, timeout, list(logs.values()), what)
 
     def rounds(n, rid):
-        p = states[n] / "runs" / rid / "metrics.jsonl"
-        return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+        from dfl_agent.runtime.service.retention import read_records
+
+        return read_records(states[n] / "runs" / rid)  # gzipped once the run ended
 
     with start_broker("mosquitto") as broker:
         try:

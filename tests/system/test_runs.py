@@ -4,14 +4,18 @@
 One broker and one fleet of three long-lived agents (no ``[algorithm]`` section, signatures
 required) serve every test of this module, in order, as an operator would use them:
 
-* descriptors signed by a device key, an unknown key, or unsigned are refused by every
+* ``dflctl run submit`` sends nothing unsigned or signed by a device to agents that require
+  signed runs (exit 2); a key no agent trusts is refused by every agent and submit says so
+  (exit 1); descriptors signed by a device key, an unknown key, or unsigned are refused by every
   agent (counted in status) and nothing trains;
 * two runs submitted one after the other (fedavg with ``--models H1``, then dechw with
   ``--init fresh``) finish on all three, each round aggregated the other agents' models
   (neighbour ids in the per-run metrics), the family's model was built, each run's ``init``
   reached the agents (round 1's record), and the agents are idle and running afterwards;
+  cancelling a finished run is refused (exit 1, no cancel record);
 * a run whose algorithm a device's profile does not allow (a2 lists fedavg, dechw, dfedavg and
-  heterofl, not cfa) is declined there with that reason while the other two run it;
+  heterofl, not cfa) is declined there with that reason while the other two run it, and
+  ``run submit`` prints each device's answer;
 * an agent SIGKILLed mid-run is restarted and rejoins the run at the federation's round
   from its checkpoint; ``dflctl run cancel`` stops training within one round of the round
   each agent had completed when the cancel reached it.
@@ -32,10 +36,26 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.cli.broker import start_broker
+from dfl_agent.cli.fleet import fetch_retained, publish_retained
 from dfl_agent.cli.observer import Observer
-from dfl_agent.runtime.config import config_from_dict, dump_toml
-from dfl_agent.runtime.descriptor import operator_certificate
-from dfl_agent.security.keys import enroll_local, public_key_b64, save_certificate, save_private_key
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.descriptor import (
+    RunDescriptor,
+    cancel_topic,
+    operator_certificate,
+    run_topic,
+    sign_descriptor,
+)
+from dfl_agent.security.keys import (
+    CERT_FILE,
+    KEY_FILE,
+    enroll_local,
+    load_certificate,
+    load_private_key,
+    public_key_b64,
+    save_certificate,
+    save_private_key,
+)
 from tests.system.conftest import needs_mosquitto
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, needs_mosquitto]
@@ -67,13 +87,17 @@ def _config(tmp: Path, fed: str, nid: str, i: int, broker: str, fed_key: Ed25519
 
 
 def _start(tmp: Path, nid: str, path: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                             stdout=open(tmp / f"{nid}.log", "a"), stderr=subprocess.STDOUT)
 
 
+def run_dflctl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dfl_agent.cli.dflctl", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
 def dflctl(*args: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "dfl_agent.cli.dflctl", *args], capture_output=True, text=True,
-                       timeout=120)
+    r = run_dflctl(*args)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()
 
@@ -88,6 +112,7 @@ class Fleet:
     procs: dict[str, subprocess.Popen]
     obs: Observer
     logs: list[Path] = field(default_factory=list)
+    said: str = ""
 
     @property
     def b(self) -> list[str]:
@@ -111,15 +136,21 @@ class Fleet:
                 if isinstance(s.get("run"), dict) and s["run"].get("id") == run_id}
 
     def metrics(self, nid: str, run_id: str) -> list[dict]:
-        p = self.tmp / nid / "runs" / run_id / "metrics.jsonl"
-        return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+        from dfl_agent.runtime.service.retention import read_records
+
+        return read_records(self.tmp / nid / "runs" / run_id)  # gzipped once the run ended
 
     def trained(self, nid: str, run_id: str) -> list[dict]:
         """Rounds trained with neighbours (records with ``neighbour_ids``)."""
         return [r for r in self.metrics(nid, run_id) if "neighbour_ids" in r]
 
     def submit(self, *args: str) -> str:
-        return dflctl("run", "submit", *self.b, "--operator-dir", str(self.operator), *args)
+        """``dflctl run submit`` as the operator: the run id (its stderr, with the devices'
+        answers, in :attr:`said`)."""
+        r = run_dflctl("run", "submit", *self.b, "--operator-dir", str(self.operator), *args)
+        assert r.returncode == 0, r.stderr
+        self.said = r.stderr
+        return r.stdout.strip()
 
     def all_idle(self) -> bool:
         return all(self.status(n).get("state") == "idle" for n in IDS)
@@ -156,15 +187,31 @@ def fleet(tmp_path_factory):
         assert "Traceback" not in log.read_text()
 
 
-def test_non_operator_runs_are_refused_by_every_agent(fleet: Fleet, tmp_path):
+def test_non_operator_runs_are_refused_by_dflctl_and_by_every_agent(fleet: Fleet, tmp_path):
     stranger = tmp_path / "stranger"
     stranger.mkdir()
     save_private_key(Ed25519PrivateKey.generate(), stranger / "key.pem")
     b = fleet.b
-    bad = [dflctl("run", "submit", *b, "--operator-dir", str(fleet.tmp / "a0"), "--algorithm", "fedavg",
-                  "--rounds", "2"),  # a device key and certificate
-           dflctl("run", "submit", *b, "--operator-dir", str(stranger), "--algorithm", "fedavg", "--rounds", "2"),
-           dflctl("run", "submit", *b, "--algorithm", "fedavg", "--rounds", "2")]  # unsigned
+    # dflctl sends nothing unsigned, nor signed by a device, to agents whose statuses say they require signed runs
+    for extra in ([], ["--operator-dir", str(fleet.tmp / "a0")]):  # unsigned; a0's key and device certificate
+        r = run_dflctl("run", "submit", *b, *extra, "--algorithm", "fedavg", "--rounds", "2", "--run-id", "r-unsent")
+        assert r.returncode == 2 and "--operator-dir" in r.stderr and "nothing was sent" in r.stderr, r.stderr
+        assert "3 of its 3 device(s) require signed runs" in r.stderr, r.stderr
+    assert fetch_retained(fleet.broker, run_topic(fleet.fed, "r-unsent"), absent_after=0.5) is None
+    # a key that no agent trusts: sent, refused by every agent, and submit says so
+    r = run_dflctl("run", "submit", *b, "--operator-dir", str(stranger), "--algorithm", "fedavg", "--rounds", "2")
+    assert r.returncode == 1, r.stderr
+    assert all(f"  {n}: refused: unknown_key" in r.stderr for n in IDS), r.stderr
+    assert f"every device that answered refused run {r.stdout.strip()}" in r.stderr
+    bad = [r.stdout.strip()]
+    # the other two published as anyone on the broker may, without dflctl: refused by every agent
+    a0 = fleet.tmp / "a0"
+    for rid, key, signer, cert in (("r-device", load_private_key(a0 / KEY_FILE), "a0", load_certificate(a0 / CERT_FILE)),
+                                   ("r-unsigned", None, "", None)):
+        d = RunDescriptor(run_id=rid, federation=fleet.fed, algorithm="fedavg", rounds=2, submitted_at=time.time(),
+                          not_after=time.time() + 3600)
+        publish_retained(fleet.broker, run_topic(fleet.fed, rid), sign_descriptor(d, key, signer, cert))
+        bad.append(rid)
     fleet.wait(lambda: all(sum(fleet.status(n).get("runs_refused", {}).values()) >= 3 for n in IDS), 60,
                "three refusals on every agent")
     for n in IDS:
@@ -205,6 +252,11 @@ def test_agents_stay_up_across_two_submitted_runs(fleet: Fleet):
     listed = json.loads(dflctl("run", "list", *fleet.b, "--json"))["runs"]
     assert {r["run_id"]: r["state"] for r in listed if r["run_id"] in rids.values()} == \
         {rid: "finished" for rid in rids.values()}
+    # cancelling a run that every member finished: refused, and no cancel record is written
+    r = run_dflctl("run", "cancel", rids["fedavg"], *fleet.b, "--operator-dir", str(fleet.operator))
+    assert r.returncode == 1 and f"run {rids['fedavg']} already finished on every member" in r.stderr, r.stderr
+    assert fetch_retained(fleet.broker, cancel_topic(fleet.fed, rids["fedavg"]), absent_after=0.5) is None
+    assert json.loads(dflctl("run", "show", rids["fedavg"], *fleet.b, "--json"))["state"] == "finished"
 
 
 def test_a_member_back_after_its_run_ended_elsewhere_finishes_it_at_once(fleet: Fleet):
@@ -232,6 +284,8 @@ def test_a_member_back_after_its_run_ended_elsewhere_finishes_it_at_once(fleet: 
 
 def test_profile_disallowed_algorithm_is_declined_while_others_run_it(fleet: Fleet):
     rid = fleet.submit("--algorithm", "cfa", "--rounds", "2", "--option", "round_timeout=10")
+    for answer in ("a0: accepted", "a1: accepted", "a2: declined: algorithm cfa not allowed by profile generic-x86"):
+        assert f"  {answer}\n" in fleet.said + "\n", fleet.said  # run submit's answers (exit 0: two accepted)
     fleet.wait(lambda: {n: r.get("state") for n, r in fleet.run_states(rid).items()}
                == {"a0": "finished", "a1": "finished", "a2": "declined"}, 180, "a0, a1 finish; a2 declines")
     show = json.loads(dflctl("run", "show", rid, *fleet.b, "--json"))
@@ -270,6 +324,10 @@ def test_killed_agent_rejoins_its_run_and_cancel_stops_within_a_round(fleet: Fle
     fed_round = max(r["round"] for r in fleet.trained("a0", rid))
     assert first["round"] > killed_at  # never restarted at round 1
     assert set(first["neighbour_ids"]) == {"a0", "a1"} and first["round"] >= fed_round - 3  # rejoined them
+    # an unsigned cancel is not sent to agents that require signed runs
+    r = run_dflctl("run", "cancel", rid, *fleet.b)
+    assert r.returncode == 2 and "nothing was sent: give --operator-dir" in r.stderr, r.stderr
+    assert fetch_retained(fleet.broker, cancel_topic(fleet.fed, rid), absent_after=0.5) is None
     # cancel: every member stops within one round of the round it had completed when the cancel reached it
     dflctl("run", "cancel", rid, *fleet.b, "--operator-dir", str(fleet.operator))
     fleet.wait(lambda: {n: r.get("state") for n, r in fleet.run_states(rid).items()}

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dfl_agent.cli.broker import start_broker
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from tests.system.conftest import needs_mosquitto
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -72,7 +72,7 @@ def test_a_restarted_agent_keeps_its_seed_once_and_its_counters(tmp_path):
             started = time.time()
             log = tmp_path / f"agent{start}.log"
             logs.append(log)
-            proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+            proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                                     stdout=open(log, "w"), stderr=subprocess.STDOUT)
             try:
                 _wait(lambda: "waiting for runs" in log.read_text(), 60, proc, log, "the agent to serve")

@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from dfl_agent.algorithms.context import Message
 from dfl_agent.cli.broker import start_broker
 from dfl_agent.cli.observer import Observer
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from dfl_agent.security import SecurityGuard, TrustStore
 from dfl_agent.security.keys import enroll_local, public_key_b64
 from dfl_agent.transport import wire
@@ -46,7 +46,7 @@ def test_unsigned_wrongly_signed_and_replayed_updates_are_rejected(tmp_path):
             path = tmp_path / f"a{i}.toml"
             path.write_text(dump_toml(cfg))
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
+                [sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--once", "--config", str(path)],
                 stdout=open(tmp_path / f"a{i}.log", "w"), stderr=subprocess.STDOUT))
 
         # the intruder: capture a1's genuine broadcast, then attack a0's inbox

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dfl_agent.cli.broker import start_broker
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from tests.system.conftest import needs_mosquitto
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -42,7 +42,7 @@ def drop(spool, name, n, seed):
 
 def run_agent(path, log):
     with open(log, "w") as out:
-        return subprocess.run([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--once", "--config", str(path)],
+        return subprocess.run([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--once", "--config", str(path)],
                               stdout=out, stderr=subprocess.STDOUT, timeout=240, check=False).returncode
 
 
@@ -91,7 +91,7 @@ def test_two_runs_on_a_growing_store_deploy_one_version_each(tmp_path):
             m = verify_folder(models.folder(v))
             assert m["round"] == 2 and m["algorithm"] == "local" and m["accuracy"] > 0.5
         # the snapshot is saved with the run's checkpoint
-        from dfl_agent.runtime.sample_store import snapshot_from_checkpoint
+        from dfl_agent.runtime.node.checkpoint import snapshot_from_checkpoint
 
         ids = snapshot_from_checkpoint(state)
         assert ids is not None and len(ids) == 480
@@ -144,7 +144,7 @@ def test_always_on_agent_waits_for_data_then_runs_and_deploys(tmp_path):
         path = tmp_path / "node.toml"
         path.write_text(dump_toml(cfg))
         log = tmp_path / "agent.log"
-        proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+        proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                                 stdout=open(log, "w"), stderr=subprocess.STDOUT)
         try:
             deadline = time.time() + 90
@@ -193,10 +193,11 @@ def _data_status(state):
 
 def _run_metrics(state):
     """``{run_id: [records]}`` from the per-run metrics files."""
+    from dfl_agent.runtime.service.retention import read_records
+
     out: dict[str, list] = {}
-    for f in sorted((state / "runs").glob("*/metrics.jsonl")):
-        for line in f.read_text().splitlines():
-            rec = json.loads(line)
+    for f in sorted((state / "runs").glob("*/")):  # metrics.jsonl, gzipped once the run ended
+        for rec in read_records(f):
             out.setdefault(rec["run"], []).append(rec)
     return out
 
@@ -246,7 +247,7 @@ def test_three_agents_two_runs_growing_stores_one_deployment_per_run(tmp_path):
                 path = tmp_path / f"{n}.toml"
                 path.write_text(dump_toml(cfg))
                 drop(states[n] / "spool", "seed.npz", 60, j)  # little data to start with
-                procs[n] = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config",
+                procs[n] = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config",
                                              str(path)], stdout=open(logs[n], "w"), stderr=subprocess.STDOUT)
             models = {n: ModelStore(states[n]) for n in ids}
             # run 1: the default run, on the 60 seed samples

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from dfl_agent.cli.broker import start_broker
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.service.retention import read_records
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from tests.system.conftest import needs_mosquitto
 from tests.system.test_store_agent import SHAPE, drop
 
@@ -26,10 +27,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
 def _ledger(state: Path) -> dict:
-    try:
-        return json.loads((state / "runs" / "ledger.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    from dfl_agent.runtime.service.ledger import read_entries
+
+    return read_entries(state)
 
 
 def _config(tmp_path: Path, broker: str, **over) -> Path:
@@ -56,7 +56,7 @@ def _config(tmp_path: Path, broker: str, **over) -> Path:
 
 def _start(path: Path, log) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "DFL_TEST_CRASH_AT"}
-    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+    return subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
@@ -64,7 +64,7 @@ def _operator(tmp_path: Path, fed: str) -> tuple:
     """A federation key and an operator folder (key and certificate of operator "alice")."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from dfl_agent.runtime.descriptor import operator_certificate
+    from dfl_agent.runtime.shared.descriptor import operator_certificate
     from dfl_agent.security.keys import public_key_b64, save_certificate, save_private_key
 
     fed_key, key = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
@@ -85,8 +85,9 @@ def _wait(pred, timeout: float, proc: subprocess.Popen, log_path: Path) -> None:
 
 @needs_mosquitto
 def test_idle_always_on_agent_imports_no_torch(tmp_path):
-    """The supervisor serving, idle (no run): no torch and no training agent in its process
-    (the algorithm registry's torch-free modules, which admission reads, are allowed)."""
+    """The supervisor serving, idle (no run): no torch, no SciPy (the privacy accountant's, which
+    the `train` extra does not bring) and no training agent in its process (the algorithm
+    registry's torch-free modules, which admission reads, are allowed)."""
     with start_broker("mosquitto") as broker:
         path = _config(tmp_path, broker.endpoint, algorithm=None)
         assert "[algorithm]" not in path.read_text()
@@ -94,7 +95,7 @@ def test_idle_always_on_agent_imports_no_torch(tmp_path):
         script = textwrap.dedent(f"""
             import json, os, signal, sys, threading
             import paho.mqtt.client as mqtt
-            from dfl_agent.runtime import daemon
+            from dfl_agent.runtime.service import daemon
             seen = threading.Event()
             c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
             c.on_connect = lambda c, *a: c.subscribe("dfl/+/node/dev1/status")
@@ -103,8 +104,9 @@ def test_idle_always_on_agent_imports_no_torch(tmp_path):
             c.connect(host, int(port)); c.loop_start()
             def watch():
                 seen.wait(120)
-                mods = sorted(m for m in sys.modules if m in ("torch", "dfl_agent.runtime.agent",
-                              "dfl_agent.runtime.node", "dfl_agent.runtime.run_process") or m.startswith("torch."))
+                mods = sorted(m for m in sys.modules if m in ("torch", "scipy", "dfl_agent.runtime.run.agent",
+                              "dfl_agent.runtime.node.node", "dfl_agent.runtime.run.run_process")
+                              or m.startswith(("torch.", "scipy.")))
                 open({str(out)!r}, "w").write(json.dumps({{"status": seen.is_set(), "modules": mods}}))
                 os.kill(os.getpid(), signal.SIGTERM)
             threading.Thread(target=watch, daemon=True).start()
@@ -114,7 +116,7 @@ def test_idle_always_on_agent_imports_no_torch(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         doc = json.loads(out.read_text())
         assert doc["status"], proc.stderr[-3000:]  # it was serving: its idle status was on the broker
-        assert doc["modules"] == [], doc  # and it had imported no torch and no training agent
+        assert doc["modules"] == [], doc  # and it had imported no torch, no scipy and no training agent
         assert "stopping (SIGTERM)" in proc.stderr and "stopped" in proc.stderr
 
 
@@ -155,7 +157,7 @@ def test_oom_killed_run_process_is_retried_once_then_failed_and_the_supervisor_s
     """A run process over its memory limit (``compute.memory_budget_mb``) is killed by the
     kernel in its cgroup: retried once with the same limit, then the run is ``failed``; the
     supervisor stays up and its status heartbeat goes on."""
-    from dfl_agent.runtime.cgroup import RunCgroup
+    from dfl_agent.runtime.service.cgroup import RunCgroup
 
     probe = RunCgroup.create(f"probe-{os.getpid()}", 64)
     if probe is None:
@@ -213,11 +215,12 @@ def test_declined_and_cancelled_survive_a_kill_at_that_state(tmp_path, at):
         b = ["--broker", broker.endpoint, "--federation", fed, "--operator-dir", str(op)]
         env = {**os.environ, "DFL_TEST_CRASH_AT": at}
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+            proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             _wait(lambda: "waiting for runs" in log_path.read_text(), 60, proc, log_path)
             if at == "declined:after":
-                rid = dflctl("run", "submit", *b, "--algorithm", "fedavg", "--rounds", "2", "--members", "other")
+                rid = dflctl("run", "submit", *b, "--algorithm", "fedavg", "--rounds", "2", "--members", "other",
+                             "--no-wait")  # killed right after it records its decline: it will not answer
             else:
                 rid = dflctl("run", "submit", *b, "--algorithm", "fedavg", "--rounds", "2", "--min-members", "2")
                 _wait(lambda: _ledger(state).get(rid, {}).get("state") == "waiting_for_members", 60, proc, log_path)
@@ -254,7 +257,7 @@ def test_killed_before_kept_keeps_the_current_model_once_after_restart(tmp_path)
         log_path = tmp_path / "agent.log"
         env = {**os.environ, "DFL_TEST_CRASH_AT": "kept:before"}
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+            proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             assert proc.wait(180) == -signal.SIGKILL, log_path.read_text()[-3000:]
             (run_id, entry), = _ledger(state).items()
@@ -289,7 +292,7 @@ def test_killed_while_waiting_for_members_trains_the_run_after_restart(tmp_path)
         logs = {n: tmp_path / f"{n}.log" for n in paths}
         files = {n: open(logs[n], "ab") for n in paths}
         env = {**os.environ, "DFL_TEST_CRASH_AT": "waiting_for_members:after"}
-        a0 = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(paths["a0"])],
+        a0 = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(paths["a0"])],
                               stdout=files["a0"], stderr=subprocess.STDOUT, env=env, start_new_session=True)
         a1 = _start(paths["a1"], files["a1"])
         procs = [a1]
@@ -309,5 +312,37 @@ def test_killed_while_waiting_for_members_trains_the_run_after_restart(tmp_path)
             rcs = [p.wait(60) for p in procs]
         assert rcs == [0, 0], [logs[n].read_text()[-2000:] for n in logs]
         for n in paths:  # both trained both rounds with the other's model
-            records = [json.loads(x) for x in (tmp_path / n / "runs" / rid / "metrics.jsonl").read_text().splitlines()]
+            records = read_records(tmp_path / n / "runs" / rid)  # gzipped once the run ended
             assert [r["round"] for r in records if "neighbour_ids" in r] == [1, 2], (n, records)
+
+
+def test_a_run_process_started_while_the_broker_is_down_reports_its_end_without_a_traceback(tmp_path):
+    """The run process as the supervisor starts it, with nothing listening on the broker's port:
+    it says the broker is unreachable, sends its ``end`` report and exits 3 (at 75535c2 the end
+    report raised ``AttributeError: 'FedAvg' object has no attribute 'market'``: a traceback and
+    exit 1, read by the supervisor as a crash)."""
+    import socket
+
+    from dfl_agent.runtime.shared.descriptor import RunDescriptor
+
+    with socket.socket() as s:  # a free port: the broker is down
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = run_dir / "run.toml"
+    config.write_text(dump_toml(config_from_dict({
+        "federation": "down", "node_id": "dev1", "state_dir": str(tmp_path / "state"),
+        "algorithm": {"name": "fedavg", "rounds": 2}, "data": {"dataset": "iris", "partition": "iid", "num_nodes": 2},
+        "model": {"size": "small"}, "deploy": {"onnx": False}, "mqtt": {"broker": f"127.0.0.1:{port}"},
+        "discovery": {"mdns": False}})))
+    d = RunDescriptor(run_id="r1", federation="down", algorithm="fedavg", rounds=2)
+    (run_dir / "descriptor.json").write_text(json.dumps(d.to_dict()))
+    proc = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.run.run_process", "--config", str(config),
+                           "--run-dir", str(run_dir)], input=json.dumps({"type": "start"}) + "\n",
+                          capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "could not connect to MQTT broker" in proc.stderr
+    docs = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert docs[-1]["type"] == "end" and docs[-1]["round"] == 0 and docs[-1]["last_round"] == 0, docs

@@ -6,7 +6,6 @@ deployed bit-identical models) and its manifest and ledger entry say it started 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,7 +15,8 @@ import time
 import numpy as np
 import pytest
 
-from dfl_agent.runtime.config import config_from_dict, dump_toml
+from dfl_agent.runtime.service.retention import read_records
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from tests.system.conftest import needs_mosquitto
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, needs_mosquitto]
@@ -36,7 +36,7 @@ def _seed_data(path):
 def test_two_runs_on_the_same_data_accumulate_from_the_deployed_model(tmp_path):
     from dfl_agent.cli.broker import start_broker
     from dfl_agent.deploy import ModelStore, verify_folder
-    from dfl_agent.runtime.ledger import RunLedger
+    from dfl_agent.runtime.service.ledger import RunLedger
 
     state = tmp_path / "state"
     _seed_data(tmp_path / "seed")
@@ -54,7 +54,7 @@ def test_two_runs_on_the_same_data_accumulate_from_the_deployed_model(tmp_path):
         path = tmp_path / "node.toml"
         path.write_text(dump_toml(cfg))
         log = tmp_path / "agent.log"
-        proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(path)],
+        proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                                 stdout=open(log, "w"), stderr=subprocess.STDOUT)
         models = ModelStore(state)
         try:
@@ -78,7 +78,7 @@ def test_two_runs_on_the_same_data_accumulate_from_the_deployed_model(tmp_path):
     second = entries[m2["run_id"]]
     assert second["state"] == "finished" and second["started_from"] == 1 and second["init"] == "deployed", second
     assert entries[m1["run_id"]]["started_from"] is None
-    first_round = json.loads((state / "runs" / m2["run_id"] / "metrics.jsonl").read_text().splitlines()[0])
+    first_round = read_records(state / "runs" / m2["run_id"])[0]  # gzipped once the run ended
     assert first_round["started_from"] == 1 and first_round["init"] == "deployed"
     # its learning rates start at a tenth (training.warm_start_ramp); the fresh first run's do not
     assert first_round["lr_scale"] == 0.1, first_round
@@ -86,4 +86,4 @@ def test_two_runs_on_the_same_data_accumulate_from_the_deployed_model(tmp_path):
     probe = first_round["linear_probe"]
     assert "skipped" not in probe and probe["loss_after"] < probe["loss_before"], probe
     assert f"warm start: fitted the output layer {probe['layer']} to {probe['samples']} windows" in text
-    assert "lr_scale" not in json.loads((state / "runs" / m1["run_id"] / "metrics.jsonl").read_text().splitlines()[0])
+    assert "lr_scale" not in read_records(state / "runs" / m1["run_id"])[0]

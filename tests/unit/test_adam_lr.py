@@ -13,9 +13,9 @@ from dfl_agent.data import NodeData
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning import d2s, training
 from dfl_agent.learning.training import DEFAULT_ADAM_LR, DEFAULT_LR, TrainConfig, adam_lr
-from dfl_agent.runtime.config import config_from_dict, dump_toml, load_config
-from dfl_agent.runtime.context import RuntimeContext
-from dfl_agent.runtime.node import Node
+from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.node.node import Node
+from dfl_agent.runtime.shared.config import config_from_dict, dump_toml, load_config
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 SPEC = {"type": "convdense", "input_shape": [1, 8, 8], "conv": [4, 8, 8], "dense": [8, 8], "num_classes": 4}

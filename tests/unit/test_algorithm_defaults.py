@@ -11,7 +11,7 @@ pytest.importorskip("torch")
 
 from dfl_agent.algorithms.base import available  # noqa: E402
 from dfl_agent.cli.dflctl import main  # noqa: E402
-from dfl_agent.runtime.assembly import algorithm_default_spec, check_algorithm_models  # noqa: E402
+from dfl_agent.runtime.shared.assembly import algorithm_default_spec, check_algorithm_models  # noqa: E402
 
 
 @pytest.mark.parametrize("algorithm", available())

@@ -5,6 +5,7 @@ trained with them again in that run).  ``ctx.alone_waits`` (the agent's: the run
 members, who have not finished it) turns the wait on; the simulator has none."""
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,17 +14,16 @@ from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.neighbourhood import collect_round
 from dfl_agent.algorithms.protocols.synchronization import UpdateMarket, waits_alone
 from dfl_agent.discovery.peers import PeerTable
-from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.runtime.node.context import RuntimeContext
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 X = {"x": np.ones(2, np.float32)}
 
 
 def _ctx(net, nid, alone_waits=None):
-    ctx = RuntimeContext(node_id=nid, federation="f", transport=net.transport(nid, "f"), peers=PeerTable(nid, "f"),
-                         data=None, model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0))
-    ctx.alone_waits = alone_waits
-    return ctx
+    return RuntimeContext(node_id=nid, federation="f", transport=net.transport(nid, "f"), peers=PeerTable(nid, "f"),
+                          data=None, model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0),
+                          alone_waits=alone_waits)
 
 
 def _collect(kind, ctx, deadline):
@@ -79,7 +79,7 @@ def test_waits_alone_needs_an_empty_neighbourhood_and_the_contexts_say():
         alone_waits = staticmethod(lambda: True)
 
     assert waits_alone(C(), []) and not waits_alone(C(), ["p"])
-    assert not waits_alone(object(), [])  # no alone_waits: the simulator's contexts
+    assert not waits_alone(SimpleNamespace(alone_waits=None), [])  # no alone_waits: the simulator's contexts
     C.alone_waits = staticmethod(lambda: False)  # the members finished the run: go on
     assert not waits_alone(C(), [])
 

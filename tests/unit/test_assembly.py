@@ -1,4 +1,4 @@
-"""Node assembly (dfl_agent.runtime.assembly): one model-spec rule for the daemon and the
+"""Node assembly (dfl_agent.runtime.shared.assembly): one model-spec rule for the daemon and the
 simulator, a RuntimeContext complete at construction, and the simulator's kill hook."""
 
 import numpy as np
@@ -9,14 +9,14 @@ pytest.importorskip("torch")
 from dfl_agent.discovery.peers import PeerTable  # noqa: E402
 from dfl_agent.learning.training import TrainConfig  # noqa: E402
 from dfl_agent.models.families import family_member, family_specs  # noqa: E402
-from dfl_agent.runtime.assembly import (  # noqa: E402
+from dfl_agent.runtime.node.context import RuntimeContext  # noqa: E402
+from dfl_agent.runtime.shared.assembly import (  # noqa: E402
     algorithm_default_spec,
     choose_model_specs,
     model_spec_for,
     simulator_default_specs,
 )
-from dfl_agent.runtime.config import config_from_dict  # noqa: E402
-from dfl_agent.runtime.context import RuntimeContext  # noqa: E402
+from dfl_agent.runtime.shared.config import config_from_dict  # noqa: E402
 from dfl_agent.transport.memory import MemoryNetwork  # noqa: E402
 from tests.unit.toy import SPEC, toy_data  # noqa: E402
 
@@ -67,7 +67,7 @@ def test_one_spec_rule_for_both_worlds():
 
 
 def test_simulator_kill_hook_ends_the_node_before_its_round():
-    from dfl_agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.runtime.node.simulator import SimConfig, simulate
 
     s = simulate(SimConfig(nodes=3, rounds=3, dataset="iris", partition="iid", kill={1: 2}, model_size="small",
                            train=TrainConfig(batch_size=16)))
@@ -78,7 +78,7 @@ def test_simulator_kill_hook_ends_the_node_before_its_round():
 def test_kill_also_ends_a_rotating_aggregator_node():
     """DFML's rounds run in the rotating-aggregator protocol, not through ``round()``: the
     simulator's kill (once a patch of ``round``) used to leave such a node running."""
-    from dfl_agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.runtime.node.simulator import SimConfig, simulate
 
     s = simulate(SimConfig(algorithm="dfml", nodes=3, rounds=4, dataset="iris", partition="iid", kill={1: 2},
                            model_size="small", train=TrainConfig(batch_size=16)))

@@ -1,4 +1,4 @@
-"""Batched simulator training (dfl_agent.runtime.batching): a vectorised group equals the
+"""Batched simulator training (dfl_agent.runtime.node.batching): a vectorised group equals the
 per-node ``train_local`` loop within float tolerance, for the same seeds."""
 
 import copy
@@ -10,7 +10,7 @@ import torch
 
 from dfl_agent.learning.training import TrainConfig, train_local
 from dfl_agent.models import build_model
-from dfl_agent.runtime.batching import BatchTrainer
+from dfl_agent.runtime.node.batching import BatchTrainer
 from dfl_agent.transport.memory import run_virtual
 
 SPEC = {"type": "mlp", "input_shape": [1, 4, 4], "hidden": [16, 8], "num_classes": 3}
@@ -91,7 +91,7 @@ def test_unqualified_calls_are_left_to_the_caller():
 
 
 def test_simulator_batches_by_default_and_matches_no_batch():
-    from dfl_agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.runtime.node.simulator import SimConfig, simulate
 
     base = dict(algorithm="fedavg", nodes=4, rounds=2, dataset="har", partition="by-user",
                 train=TrainConfig(batch_size=64))
@@ -114,7 +114,7 @@ def test_batched_evaluation_equals_per_node_evaluate():
     (stacked), chunked: per-node accuracy exact, loss within float tolerance; the models'
     train/eval mode is left as it was."""
     from dfl_agent.learning.training import evaluate
-    from dfl_agent.runtime.batching import evaluate_group
+    from dfl_agent.runtime.node.batching import evaluate_group
 
     torch.set_num_threads(1)
     models = _models(6)

@@ -1,8 +1,9 @@
 """The transport and round-share benchmarks record the command exactly as it was run, and the
-transport benchmark's chunked raw-paho baseline carries the same bytes in the agent's chunk size.
+transport benchmark's raw-paho baseline carries the same bytes in the agent's chunks, with the
+documented chunk header, and reassembles them.
 
-The transport run is real: a one-message run of ``bench/scale/transport.py`` over a real
-mosquitto, started under ``nice -n 3`` and without nice; its record must say so.
+The transport run is real: a short run of ``bench/scale/transport.py`` over a real mosquitto,
+started under ``nice -n 3``; its record must say so.
 """
 
 from __future__ import annotations
@@ -30,20 +31,33 @@ def _load(rel: str) -> ModuleType:
     return mod
 
 
-def test_pieces_carry_the_payload_in_the_agents_chunk_size() -> None:
+def test_pieces_carry_the_payload_in_the_agents_chunks() -> None:
     t = _load("bench/scale/transport.py")
-    from dfl_agent.runtime.config import MqttSection
+    from dfl_agent.runtime.shared.config import MqttSection
+    from dfl_agent.transport import chunking
     from dfl_agent.transport.link_rate import derive
 
     m = MqttSection()  # the agent's chunk size on a fast network (no link_rate)
     assert derive(m.link_rate, chunk_size=m.chunk_size).chunk_size == t.CHUNK_SIZE
     payload = bytes(range(256)) * 4096 + b"tail"  # 1 MiB + 4 bytes
-    parts = t.pieces(payload)
-    assert all(len(p) <= t.CHUNK_SIZE for p in parts) and len(parts) == 5
-    assert b"".join(p[t.PIECE_HEADER:] for p in parts) == payload
-    assert [int.from_bytes(p[:4], "big") for p in parts] == list(range(5))
-    assert {int.from_bytes(p[4:8], "big") for p in parts} == {5}
-    assert len(t.pieces(b"x" * 1000)) == 1
+    tid = bytes(range(16))
+    parts = t.pieces(payload, transfer_id=tid)
+    # byte for byte the chunks the agent's transport makes of the same bytes (the documented header)
+    assert parts == chunking.split(payload, t.CHUNK_SIZE, transfer_id=tid)
+    assert t.PIECE_HEADER == chunking.HEADER_LEN == 36
+
+    got: list[bytes] = []
+    rx = t.RawAssembler(lambda buf: got.append(bytes(buf)))
+    for part in parts:
+        rx.on_message(None, None, type("Msg", (), {"payload": part})())
+    assert got == [payload]  # reassembled into one buffer, reported once, at the last piece
+    one = t.pieces(b"x" * 1000)
+    assert len(one) == 1 and len(one[0]) == 1036
+
+
+def test_ratio_summary_is_median_min_max_of_the_messages() -> None:
+    t = _load("bench/scale/transport.py")
+    assert t.ratio_summary([3.0, 1.0, 2.0, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0, "n": 4}
 
 
 @pytest.mark.parametrize("rel", ["bench/scale/transport.py", "bench/operations/round_share.py"])
@@ -64,20 +78,22 @@ def test_invocation_is_the_command_as_run(rel: str) -> None:
 
 @pytest.mark.skipif(shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists(),
                     reason="needs mosquitto")
-def test_transport_run_records_its_command_and_the_chunked_ratio(tmp_path: Path) -> None:
+def test_transport_run_records_its_command_and_the_paired_ratios(tmp_path: Path) -> None:
     out = tmp_path / "t.jsonl"
-    args = ["bench/scale/transport.py", "--sizes", "600000", "--n", "2", "--repeats", "1", "--processes", "1",
-            "--paths", "raw", "ours", "--label", "test run", "--out", str(out)]
+    args = ["bench/scale/transport.py", "--sizes", "600000", "--n", "3", "--warmup", "1",
+            "--paths", "signed", "--label", "test run", "--out", str(out)]
     subprocess.run(["nice", "-n", "3", sys.executable, *args], cwd=ROOT, check=True, capture_output=True, timeout=120)
     rec = json.loads(out.read_text().splitlines()[-1])
     exe = os.path.relpath(sys.executable, ROOT)
     exe = exe if not exe.startswith("..") else sys.executable
     assert rec["command"] == f"nice -n {os.nice(0) + 3} " + shlex.join([exe, *args])
+    assert rec["paths"] == ["raw", "signed"] and rec["chunk_size"] == 256 * 1024
+    assert len(rec["load_before"]) == 3 and rec["commit"] and rec["machine"]
     row = rec["results"]["600000"]
-    assert rec["paths"] == ["raw", "raw_chunked", "ours"] and rec["chunk_size"] == 256 * 1024
-    assert row["raw_chunked"]["median"] > 0 and row["ours_ratio_chunked"] > 0
-    assert row["ours_ratio_chunked"] == pytest.approx(max(
-        a / b for a, b in zip(row["ours"]["medians"], row["raw_chunked"]["medians"], strict=True)))
+    # each signed message over the raw message of its round; median, min and max of those
+    ratios = [a / b for a, b in zip(row["signed"]["samples"], row["raw"]["samples"], strict=True)]
+    assert len(ratios) == 3 and row["signed"]["ratios"] == pytest.approx(ratios)
+    assert row["signed"]["ratio"]["max"] == pytest.approx(max(ratios))
     report = subprocess.run([sys.executable, "bench/scale/transport.py", "--report", str(out)], cwd=ROOT,
                             check=True, capture_output=True, text=True).stdout
-    assert "ratio to chunked raw paho" in report and "| raw_chunked |" in report
+    assert "ratio to raw: median" in report and "| raw |" in report and "| signed |" in report

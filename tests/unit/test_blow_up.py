@@ -17,8 +17,8 @@ import torch
 
 from bench.blow_up.sim import wild_in_round
 from dfl_agent.learning.training import TrainConfig, evaluate, train_local
-from dfl_agent.runtime.batching import train_group
-from dfl_agent.runtime.config import ConfigError, config_from_dict
+from dfl_agent.runtime.node.batching import train_group
+from dfl_agent.runtime.shared.config import ConfigError, config_from_dict
 
 
 def _digits() -> tuple[np.ndarray, np.ndarray]:
@@ -93,7 +93,7 @@ def _wild_federation(factor: float) -> dict[str, list[dict]]:
     """Four fedavg nodes under ``quorum`` with the default compression and the plain mean;
     node00's local training of round 4 runs at a learning rate of 5 (its loss goes from
     about 2 to 10^1-10^2, finite).  Each node's round records, in round order."""
-    from dfl_agent.runtime.simulator import SimConfig, round_records
+    from dfl_agent.runtime.node.simulator import SimConfig, round_records
 
     cfg = SimConfig(algorithm="fedavg", nodes=4, rounds=12, dataset="digits", partition="iid", model_size="small",
                     straggler="quorum", train=TrainConfig(epochs=1, lr=0.05, divergence_factor=factor))

@@ -12,7 +12,7 @@ from dfl_agent.algorithms.base import Algorithm
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.neighbourhood import arrival_check
 from dfl_agent.discovery.peers import PeerTable
-from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.runtime.node.context import RuntimeContext
 from dfl_agent.security import SecurityGuard, TrustStore
 from dfl_agent.security.keys import public_key_b64
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
@@ -95,7 +95,7 @@ def test_run_follows_catch_up_round():
 
 
 def test_malformed_status_rounds_count_as_zero():
-    from dfl_agent.runtime.rejoin import _as_float, _as_round
+    from dfl_agent.runtime.run.rejoin import _as_float, _as_round
 
     assert [_as_round(v) for v in (7, "7", None, "x", [1], -3)] == [7, 7, 0, 0, 0, 0]
     assert [_as_float(v) for v in (1.5, "2", None, "x", {})] == [1.5, 2.0, 0.0, 0.0, 0.0]
@@ -245,14 +245,14 @@ def test_bad_signed_frame_does_not_make_genuine_frames_replays():
     assert got is not None and got.round == 3 and me.latest_round == {"a": 3}
 
 
-def test_under_quorum_a_node_behind_joins_the_quorums_round_at_once():
-    """``runtime.straggler = "quorum"``: the federation does not wait for a node behind it, so
-    the cap of ``max_catch_up_rounds`` per round would leave it behind for good (each of its
-    rounds waits a deadline while the others run many); it skips to the neighbours' round
-    at once.  With ``paper`` the cap holds."""
+def test_under_quorum_a_node_behind_rejoins_the_quorums_round_over_capped_skips():
+    """``runtime.straggler = "quorum"``: the federation does not wait for a node behind it;
+    the node skips towards the neighbours' round by ``max_catch_up_rounds`` per round it
+    closes (each of those rounds closes with their newest updates once it has waited its
+    adaptive deadline), as under ``paper``: no evidence moves it further at once."""
     from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
 
-    def target(mode):
+    def targets(mode):
         net = MemoryNetwork()
         me, ahead = _ctx(net, "me"), _ctx(net, "ahead")
         me.catch_up, me.max_catch_up_rounds = True, 10
@@ -264,9 +264,60 @@ def test_under_quorum_a_node_behind_joins_the_quorums_round_at_once():
             await ahead.start()
             await ahead.send("me", Message("model", 150, {"x": np.ones(2, np.float32)}, meta={"samples": 1}))
             await asyncio.sleep(0.05)
-            return me.catch_up_round(50)
+            return me.catch_up_round(50), me.catch_up_round(61), me.catch_up_round(145)
 
         return run_virtual(main())
 
-    assert target("quorum") == 150
-    assert target("paper") == 60
+    assert targets("quorum") == targets("paper") == (60, 71, 150)
+
+
+def test_under_quorum_a_node_far_behind_catches_up_over_capped_skips_with_its_neighbours():
+    """FedAvg under ``runtime.straggler = "quorum"``: a node starts 30 rounds behind two
+    neighbours that close a round a second without it (virtual time).  Its first round waits its
+    deadline (no completion time learnt yet) and closes alone; then each skip moves it at most
+    ``max_catch_up_rounds`` (10), and each round it runs while still behind closes at once with
+    the neighbours' newest updates (``catching_up``), so it is with them three rounds later.
+    Without that, each capped round waited its whole deadline (10 s) for updates of a round the
+    neighbours had left and closed alone, and the node never caught up."""
+    from dfl_agent.algorithms.base import get_algorithm
+    from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy, quorum_options
+    from dfl_agent.learning.params import model_to_numpy
+    from dfl_agent.runtime.node.node import Node
+    from tests.unit.test_outage_pause import _trainer
+
+    net = MemoryNetwork()
+    bundle, me = _trainer(net)
+    me.straggler = StragglerPolicy("quorum")
+    me.catch_up, me.max_catch_up_rounds, me.final_round = True, 10, 45
+    peers = [_ctx(net, n) for n in ("a", "b")]
+    fedavg = get_algorithm("fedavg")
+    records: list[dict] = []
+    node = Node(me, fedavg(me, quorum_options(fedavg.Options(round_timeout=10.0), me.straggler)),
+                bundle.test.x[:50], bundle.test.y[:50], sink=records.append)
+
+    async def main():
+        for c in (me, *peers):
+            await c.start()
+        await node.setup()
+        model = model_to_numpy(node.algorithm.model)
+        me.check_on_arrival("model", arrival_check(model))
+        node.state = "running"
+
+        async def federation():  # rounds 31..45, one a second, whatever this node does
+            for r in range(31, 46):
+                for p in peers:
+                    await p.send("me", Message("model", r, dict(model), meta={"samples": 10}))
+                await asyncio.sleep(1.0)
+
+        task = asyncio.ensure_future(federation())
+        await node.run(45)
+        await task
+
+    run_virtual(main())
+    seen = [(r["round"], r["neighbours"], round(r["round_seconds"], 1)) for r in records]
+    rounds = [r for r, _, _ in seen]
+    assert rounds[:4] == [1, 12, 23, 34] and rounds[-1] == 45, seen  # skips of 10 at most
+    assert all(b - a <= 11 for a, b in zip(rounds, rounds[1:], strict=False)), seen
+    assert seen[0][1] == 0 and all(n == 2 for _, n, _ in seen[1:]), seen  # only the first round alone
+    assert all(s < 1.0 for _, _, s in seen[1:4]), seen  # no deadline waited while behind
+    assert me.caught_up == 45 - len(rounds), seen

@@ -1,4 +1,4 @@
-"""``dfl_agent.runtime.cgroup``: where a run process's memory cgroup goes and what is
+"""``dfl_agent.runtime.service.cgroup``: where a run process's memory cgroup goes and what is
 written into it, on cgroup v2 and v1 layouts laid out in a temporary folder with the
 files the kernel would show (the real kernel's behaviour: tests/integration/test_run_cgroup.py).
 No process is signalled here: the fake cgroups hold no process ids."""
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dfl_agent.runtime import cgroup
-from dfl_agent.runtime.cgroup import RunCgroup, classify_exit
+from dfl_agent.runtime.service import cgroup
+from dfl_agent.runtime.service.cgroup import RunCgroup, classify_exit
 
 MIB = 1024 * 1024
 
@@ -130,7 +130,7 @@ def test_v2_under_systemd_moves_the_service_into_a_leaf_first(tmp_path, _fresh_m
 
 def test_without_a_memory_controller_the_run_is_unlimited_and_says_so_once(tmp_path, caplog):
     root = v2_root(tmp_path, controllers="cpu io pids")
-    caplog.set_level(logging.DEBUG, logger="dfl_agent.runtime.cgroup")
+    caplog.set_level(logging.DEBUG, logger="dfl_agent.runtime.service.cgroup")
     assert RunCgroup.create("a", 64, root=str(root)) is None
     assert RunCgroup.create("b", 64, root=str(root)) is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -11,7 +11,7 @@ CASES = [
 ]
 
 
-#: the sample store's schema: one check (dfl_agent.runtime.sample_store.check_schema) for check-config and run
+#: the sample store's schema: one check (dfl_agent.runtime.shared.sample_store.check_schema) for check-config and run
 STORE_CASES = [
     ('[data]\ndataset = "store"\ninput_shape = [3, -1]\nnum_classes = 2\n', "data.input_shape"),
     ('[data]\ndataset = "store"\ninput_shape = [3, 4]\nnum_classes = 3\nclass_names = ["a", "b"]\n',
@@ -26,7 +26,7 @@ def test_config_error_is_one_line_exit_2_and_leaves_no_state(tmp_path, extra, ke
     path = tmp_path / "node.toml"
     path.write_text(f'federation = "f"\nstate_dir = "{state}"\n{extra}')
     args = [command, "--config", str(path)] + (["--once"] if command == "run" else [])
-    p = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.daemon", *args],
+    p = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.service.daemon", *args],
                        capture_output=True, text=True, timeout=120)
     lines = [x for x in (p.stdout + p.stderr).splitlines() if x.strip()]
     assert p.returncode == 2, p.stdout + p.stderr
@@ -38,7 +38,7 @@ def test_config_error_is_one_line_exit_2_and_leaves_no_state(tmp_path, extra, ke
 # -- tests/system/test_bad_input.py) ----------------------------------------------------
 
 def _cfg(tmp_path, **sections):
-    from dfl_agent.runtime.config import config_from_dict
+    from dfl_agent.runtime.shared.config import config_from_dict
 
     raw = {"federation": "f", "node_id": "n0", "state_dir": str(tmp_path / "state"),
            "data": {"dataset": "digits"}, "mqtt": {"broker": "127.0.0.1:1"}}
@@ -61,8 +61,8 @@ def _cfg(tmp_path, **sections):
 def test_check_startup_names_the_key_and_writes_nothing(tmp_path, sections, message):
     import numpy as np
 
-    from dfl_agent.runtime.config import ConfigError
-    from dfl_agent.runtime.preflight import check_startup
+    from dfl_agent.runtime.shared.config import ConfigError
+    from dfl_agent.runtime.shared.preflight import check_startup
 
     (tmp_path / "a_file").write_text("x")
     (tmp_path / "random").mkdir()
@@ -77,7 +77,7 @@ def test_check_startup_names_the_key_and_writes_nothing(tmp_path, sections, mess
 
 
 def test_check_startup_passes_a_good_config_and_writes_nothing(tmp_path):
-    from dfl_agent.runtime.preflight import check_startup
+    from dfl_agent.runtime.shared.preflight import check_startup
 
     check_startup(_cfg(tmp_path, algorithm={"options": {"round_timeout": 5.0}}))
     assert not (tmp_path / "state").exists()
@@ -91,9 +91,9 @@ def test_check_startup_passes_a_good_config_and_writes_nothing(tmp_path):
 def test_store_schema_one_check_for_check_config_and_run(tmp_path, data, message):
     """check_startup (check-config and run) and open_store (run's start) raise the same
     ConfigError from the one schema check, and nothing is written."""
-    import dfl_agent.runtime.sample_store as store_runtime
-    from dfl_agent.runtime.config import ConfigError
-    from dfl_agent.runtime.preflight import check_startup
+    import dfl_agent.runtime.shared.sample_store as store_runtime
+    from dfl_agent.runtime.shared.config import ConfigError
+    from dfl_agent.runtime.shared.preflight import check_startup
 
     cfg = _cfg(tmp_path, data={"dataset": "store", **data})
     for check in (check_startup, lambda c: check_startup(c, load=False),  # check-config, run

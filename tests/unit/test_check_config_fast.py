@@ -11,7 +11,7 @@ import pytest
 _NO_TORCH = """
 import sys
 sys.modules["torch"] = None
-from dfl_agent.runtime.daemon import main
+from dfl_agent.runtime.service.daemon import main
 code = main(["check-config", "--config", sys.argv[1]])
 assert sys.modules.get("torch", "absent") is None, "torch was imported"
 assert not [m for m in sys.modules if m.startswith("torch.")], "a torch submodule was imported"

@@ -12,9 +12,9 @@ from dfl_agent.data import load_dataset, node_data_for
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.training import TrainConfig
 from dfl_agent.models import default_spec, spec_hash
-from dfl_agent.runtime.checkpoint import CheckpointStore, NodeCheckpointer, state_digest
-from dfl_agent.runtime.context import RuntimeContext
-from dfl_agent.runtime.node import Node
+from dfl_agent.runtime.node.checkpoint import CheckpointStore, NodeCheckpointer, state_digest
+from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.node.node import Node
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 
@@ -62,7 +62,7 @@ def test_corrupt_or_partial_checkpoint_falls_back_to_previous(tmp_path, damage, 
         doc = json.loads(j.read_text())
         doc["format"] = "something-else"
         j.write_text(json.dumps(doc))
-    with caplog.at_level(logging.WARNING, logger="dfl_agent.runtime.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dfl_agent.runtime.node.checkpoint"):
         ck = store.load_latest()
     assert ck is not None and ck.round == 1 and ck.meta == {"r": 1}
     assert np.array_equal(ck.tensors["model.w"], _arrays(1)["model.w"])
@@ -139,7 +139,7 @@ def test_algorithm_state_restores_bit_identical(tmp_path, name):
         async def save(t):
             await ck.save_async(t)
             saved[node.ctx.node_id] = t
-        node.checkpoint = save
+        node.hooks.checkpoint = save
 
     async def main():
         for nd in nodes:

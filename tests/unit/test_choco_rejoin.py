@@ -11,7 +11,7 @@ import numpy as np
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.compression import parse_spec
 from dfl_agent.learning.error_feedback import ChocoGossip
-from dfl_agent.runtime.membership import Membership
+from dfl_agent.runtime.node.membership import Membership
 
 
 def _stream(epoch: list[int] | None = None) -> ChocoGossip:
@@ -133,7 +133,7 @@ def test_a_node_waiting_within_a_round_asks_for_keyframes_at_once() -> None:
     status when the list changed, else at most once a second, and not at all when empty."""
     import asyncio
 
-    from dfl_agent.runtime.context import RuntimeContext
+    from dfl_agent.runtime.node.context import RuntimeContext
     from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
     net = MemoryNetwork()

@@ -16,9 +16,9 @@ from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning import compression as C
 from dfl_agent.learning.error_feedback import ChocoGossip, ErrorFeedback
 from dfl_agent.learning.training import TrainConfig
-from dfl_agent.runtime.config import ConfigError, config_from_dict, dump_toml
-from dfl_agent.runtime.context import RuntimeContext
-from dfl_agent.runtime.node import Node
+from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.node.node import Node
+from dfl_agent.runtime.shared.config import ConfigError, config_from_dict, dump_toml
 from dfl_agent.transport import codec, wire
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 from tests.unit.toy import toy_data as _data

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from dfl_agent.runtime.config import ConfigError, NodeConfig, config_from_dict, dump_toml, load_config
+from dfl_agent.runtime.shared.config import ConfigError, NodeConfig, config_from_dict, dump_toml, load_config
 
 
 def test_defaults_are_valid():
@@ -73,7 +73,7 @@ def test_toml_syntax_error_and_missing_file(tmp_path):
 def test_daemon_refuses_bad_config_with_exit_code_2(tmp_path):
     p = tmp_path / "n.toml"
     p.write_text("[mqtt]\nchunk_size = 5\n")
-    r = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.daemon", "run", "--config", str(p)],
+    r = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(p)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "mqtt.chunk_size" in r.stderr

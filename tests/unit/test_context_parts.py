@@ -8,11 +8,11 @@ import numpy as np
 
 from dfl_agent.algorithms.context import Message
 from dfl_agent.discovery.peers import PeerTable
-from dfl_agent.runtime.compute_gate import ComputeGate
-from dfl_agent.runtime.context import RuntimeContext
-from dfl_agent.runtime.inbox import Inbox, PreparedFrame
-from dfl_agent.runtime.membership import Membership
-from dfl_agent.runtime.outbox import Outbox
+from dfl_agent.runtime.node.compute_gate import ComputeGate
+from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.node.inbox import Inbox, PreparedFrame
+from dfl_agent.runtime.node.membership import Membership
+from dfl_agent.runtime.node.outbox import Outbox
 from dfl_agent.transport import wire
 from dfl_agent.transport.memory import MemoryNetwork
 
@@ -61,12 +61,12 @@ def test_a_flood_of_bad_messages_is_counted_exactly_and_logged_a_few_times(caplo
     minute one more line that says how many were not logged; another sender is logged anew."""
     import logging
 
-    from dfl_agent.runtime import inbox as inbox_module
+    from dfl_agent.runtime.node import inbox as inbox_module
 
     ctx = _ctx()
     now = [100.0]
     monkeypatch.setattr(inbox_module.time, "monotonic", lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="dfl_agent.runtime.context"):
+    with caplog.at_level(logging.WARNING, logger="dfl_agent.runtime.node.context"):
         for _ in range(1000):
             ctx.inbox.drop("choco_gap", "out of sequence", sender="a")
         assert ctx.rejected["choco_gap"] == 1000

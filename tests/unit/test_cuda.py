@@ -25,10 +25,10 @@ from dfl_agent.data import load_dataset, node_data_for  # noqa: E402
 from dfl_agent.discovery.peers import PeerTable  # noqa: E402
 from dfl_agent.learning.training import TrainConfig, autocast_for, evaluate, round_batches, train_local  # noqa: E402
 from dfl_agent.models import build_model, default_spec, spec_hash  # noqa: E402
-from dfl_agent.runtime.batching import evaluate_group, train_group  # noqa: E402
-from dfl_agent.runtime.checkpoint import CheckpointStore, NodeCheckpointer  # noqa: E402
-from dfl_agent.runtime.context import RuntimeContext  # noqa: E402
-from dfl_agent.runtime.node import Node  # noqa: E402
+from dfl_agent.runtime.node.batching import evaluate_group, train_group  # noqa: E402
+from dfl_agent.runtime.node.checkpoint import CheckpointStore, NodeCheckpointer  # noqa: E402
+from dfl_agent.runtime.node.context import RuntimeContext  # noqa: E402
+from dfl_agent.runtime.node.node import Node  # noqa: E402
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual  # noqa: E402
 
 ON_CPU = os.environ.get("DFL_CUDA_TESTS_ON_CPU") == "1"
@@ -91,7 +91,7 @@ def _assert_params_close(got, want, rtol=RTOL):
 def test_device_selection_on_the_real_gpu():
     from dfl_agent.profiles import get_profile, resolve_device, select_behaviour
     from dfl_agent.profiles.detect import cuda_devices, detect
-    from dfl_agent.runtime.simulator import check_device
+    from dfl_agent.runtime.node.simulator import check_device
 
     n = torch.cuda.device_count()
     assert resolve_device("auto")[0] == "cuda:0"
@@ -304,7 +304,7 @@ def test_onnx_export_of_a_model_trained_on_cuda(digits, tmp_path):
 # -- the simulator ----------------------------------------------------------------------------
 
 def test_simulator_on_cuda_agrees_with_cpu():
-    from dfl_agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.runtime.node.simulator import SimConfig, simulate
 
     base = dict(algorithm="fedavg", dataset="digits", partition="iid", nodes=8, rounds=3, seed=0,
                 train=TrainConfig(epochs=3, batch_size=16), topology="ring")

@@ -12,8 +12,8 @@ from dfl_agent.algorithms.dechw import HESSIAN_PREFIX
 from dfl_agent.learning.consensus import consensus_step
 from dfl_agent.learning.hessian import data_size_weights, hessian_weighted_average
 from dfl_agent.learning.training import TrainConfig
-from dfl_agent.runtime.metrics import read_jsonl
-from dfl_agent.runtime.simulator import SimConfig, simulate
+from dfl_agent.runtime.node.metrics import read_jsonl
+from dfl_agent.runtime.node.simulator import SimConfig, simulate
 
 # -- Eq. 6-8 on hand-made tensors ---------------------------------------------------
 
@@ -115,6 +115,7 @@ def _bare_dechw():
     ctx = types.SimpleNamespace(
         init_seed=1, model_spec=spec, device="cpu", data=types.SimpleNamespace(train_y=np.zeros(10)),
         reject=lambda msg, reason: rejected.append(reason), check_on_arrival=lambda kind, check: None,
+        keep_late_updates=lambda rounds: None, train=None, note_diverged=lambda step, detail: None, compression=None,
     )
     alg = get_algorithm("dechw")(ctx)
     asyncio.run(alg.setup())

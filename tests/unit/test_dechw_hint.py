@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dfl_agent.algorithms.base import get_algorithm, parse_options
-from dfl_agent.algorithms.dechw import common_init_hint
+from dfl_agent.algorithms.base import common_init_hint, get_algorithm, parse_options
 from dfl_agent.cli.dflctl import _dechw_hint
 
 

@@ -10,7 +10,7 @@ import pytest
 from bench.compression import default_choice as bench
 from dfl_agent.cli.dflctl import build_parser, main
 from dfl_agent.learning.compression import CompressionPolicy, parse_spec
-from dfl_agent.runtime.config import NodeConfig
+from dfl_agent.runtime.shared.config import NodeConfig
 
 
 def test_the_shipped_default_is_the_measured_choice_and_meets_the_target() -> None:

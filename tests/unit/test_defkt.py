@@ -17,9 +17,9 @@ from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.params import load_numpy, model_to_numpy
 from dfl_agent.learning.training import TrainConfig, evaluate
 from dfl_agent.learning.transfer import flatten_segment, mutual_transfer
-from dfl_agent.runtime.context import RuntimeContext
-from dfl_agent.runtime.node import Node
-from dfl_agent.runtime.simulator import SimConfig, simulate
+from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.node.node import Node
+from dfl_agent.runtime.node.simulator import SimConfig, simulate
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 from tests.unit.toy import SPEC
 from tests.unit.toy import toy_data as _data
@@ -439,7 +439,7 @@ def test_fullavg_all_sends_n_models_per_round_and_defkt_q():
 
 
 def test_schedule_uses_the_federation_seed_even_with_independent_initialisation():
-    from dfl_agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.runtime.node.simulator import SimConfig, simulate
 
     s = simulate(SimConfig(algorithm="defkt", nodes=4, rounds=3, dataset="digits", partition="iid",
                            init="independent", seed=2, train=TrainConfig(batch_size=64)))

@@ -1,4 +1,4 @@
-"""Alone is a state, not a success (dfl_agent.runtime.degraded): a node that closes rounds with
+"""Alone is a state, not a success (dfl_agent.runtime.shared.degraded): a node that closes rounds with
 no peer update although it needs peers flags its run ``degraded`` with a count (status, ledger
 entry, ``dflctl status``, ``run list``, ``run show``), warns at most once every 10 rounds, and
 ``dfl-agent run --once`` exits 4 when more than half the rounds were alone (``runtime.allow_alone``
@@ -16,12 +16,14 @@ import pytest
 from dfl_agent.cli.cli_runs import run_rows, run_view
 from dfl_agent.cli.tables import STATUS_COLUMNS, render_table, status_rows
 from dfl_agent.discovery.peers import PeerTable
-from dfl_agent.runtime.config import config_from_dict
-from dfl_agent.runtime.degraded import EXIT_DEGRADED, degraded_fields, once_exit_code, recount
-from dfl_agent.runtime.descriptor import RunDescriptor
-from dfl_agent.runtime.lobby import RunLobby
-from dfl_agent.runtime.node import round_alone
-from dfl_agent.runtime.run_manager import RunManager
+from dfl_agent.runtime.node.node import round_alone
+from dfl_agent.runtime.run.operations import recount
+from dfl_agent.runtime.service.lobby import RunLobby
+from dfl_agent.runtime.service.run_manager import RunManager
+from dfl_agent.runtime.service.supervisor import RunProgress
+from dfl_agent.runtime.shared.config import config_from_dict
+from dfl_agent.runtime.shared.degraded import EXIT_DEGRADED, degraded_fields, once_exit_code
+from dfl_agent.runtime.shared.descriptor import RunDescriptor
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 from tests.unit import test_run_manager as rm
 
@@ -34,8 +36,8 @@ def _lone_node(algorithm: str, rounds: int, needs_peers: bool | None, finish_aft
     from dfl_agent.data import load_dataset, node_data_for
     from dfl_agent.learning.training import TrainConfig
     from dfl_agent.models import default_spec
-    from dfl_agent.runtime.context import RuntimeContext
-    from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node.context import RuntimeContext
+    from dfl_agent.runtime.node.node import Node
 
     bundle = load_dataset("digits")
     net = MemoryNetwork()
@@ -48,10 +50,10 @@ def _lone_node(algorithm: str, rounds: int, needs_peers: bool | None, finish_aft
     records: list[dict] = []
     node = Node(me, cls(me, opts), bundle.test.x[:20], bundle.test.y[:20], sink=records.append, eval_every=100)
     if needs_peers is not None:
-        node.needs_peers = lambda: needs_peers
+        node.hooks.needs_peers = lambda: needs_peers
     if finish_after is not None:  # what the agent's check says: most members finished the run
         checks = iter(range(1, rounds + 1))  # called once after every round but the last
-        node.finish_check = lambda: next(checks) >= finish_after
+        node.hooks.finish_check = lambda: next(checks) >= finish_after
     out = {}
 
     async def main():
@@ -106,25 +108,17 @@ def test_round_alone_counts_a_node_that_needs_peers():
     assert not round_alone({"role": "idle", "neighbours": 0}, [], needs_peers=True)  # not meant to exchange
 
 
-def _agent(alone: int, rounds: int, outcome: str = "finished"):
-    st = {"round": rounds, "rounds_alone": alone, "exchange_rounds": rounds}
-    return SimpleNamespace(outcome=outcome, node=SimpleNamespace(status=lambda: st))
-
-
-@pytest.mark.parametrize("alone,rounds,allow,rc,want", [
-    (20, 20, False, 0, EXIT_DEGRADED),  # the lone node
-    (11, 20, False, 0, EXIT_DEGRADED),  # more than half
-    (10, 20, False, 0, 0),  # half: degraded, but the run exits 0
-    (20, 20, True, 0, 0),  # runtime.allow_alone
-    (0, 20, False, 0, 0),
-    (20, 20, False, 3, 3),  # broker unreachable stays 3
+@pytest.mark.parametrize("alone,rounds,allow,want", [
+    (20, 20, False, EXIT_DEGRADED),  # the lone node
+    (11, 20, False, EXIT_DEGRADED),  # more than half
+    (10, 20, False, 0),  # half: degraded, but the run exits 0
+    (20, 20, True, 0),  # runtime.allow_alone
+    (0, 20, False, 0),
 ])
-def test_once_exits_4_when_more_than_half_the_rounds_were_alone(alone, rounds, allow, rc, want):
-    assert once_exit_code(rc, _agent(alone, rounds), allow) == want
-
-
-def test_a_stopped_run_keeps_its_exit_code():
-    assert once_exit_code(0, _agent(20, 20, outcome="stopped"), False) == 0
+def test_once_exits_4_when_more_than_half_the_rounds_were_alone(alone, rounds, allow, want):
+    """From the finished run's ledger entry (the run manager recorded the degraded counts)."""
+    entry = {"state": "finished", "rounds_alone": alone, "exchange_rounds": rounds}
+    assert once_exit_code(entry, allow) == want
 
 
 def test_allow_alone_is_a_runtime_key_off_by_default():
@@ -148,8 +142,7 @@ class _AloneAgent(rm.Agent):
 
     async def run(self, stop):
         st = {"round": 20, "rounds_alone": 15, "exchange_rounds": 20}
-        self.node = SimpleNamespace(status=lambda: st, last_round=lambda: 20,
-                                    ctx=SimpleNamespace(counters=lambda: {"dropped": {}}))
+        self.progress = RunProgress("n", "f", st)
         return await super().run(stop)
 
 
@@ -206,33 +199,34 @@ def test_dflctl_status_run_list_and_run_show_show_degraded():
 def test_a_run_process_tells_its_supervisor_the_degraded_counts_with_trained():
     """The run process's ``trained`` message carries them; the supervisor's view of the node
     (what the run manager reads for the ledger) takes them."""
-    import os
-    import threading
+    from dfl_agent.runtime.run.agent import Agent
+    from dfl_agent.runtime.service.supervisor import ChildRun, RunProgress
+    from dfl_agent.runtime.shared import pipe
 
-    from dfl_agent.runtime.run_process import RunChannel
-    from dfl_agent.runtime.supervisor import RelayedNode
+    class Host:
+        def __init__(self):
+            self.reports = []
 
-    r_out, w_out = os.pipe()
-    r_in, w_in = os.pipe()
-    ch = RunChannel(os.fdopen(w_out, "wb", buffering=0), os.fdopen(r_in, "r"))
-    to_child = os.fdopen(w_in, "w")
-    to_child.write(json.dumps({"type": "start", "members": [], "may_join": 0}) + "\n")
-    to_child.flush()
-    ch.read_start()
+        def members(self):
+            return ()
+
+        def may_join(self):
+            return 0
+
+        def record_state(self, report):
+            self.reports.append(report)
+
+    host = Host()
+    agent = Agent(config_from_dict({"federation": "f"}), host=host)
     st = {"round": 20, "rounds_alone": 15, "exchange_rounds": 20, "degraded": True}
-    ch.agent = SimpleNamespace(node=SimpleNamespace(status=lambda: st), snapshot=None)
-    t = threading.Thread(target=ch.state, args=("trained",))
-    t.start()
-    msg = json.loads(os.fdopen(r_out, "r").readline())
-    to_child.write(json.dumps({"type": "ack", "seq": msg["seq"]}) + "\n")
-    to_child.flush()
-    t.join(5)
-    assert (msg["degraded"], msg["rounds_alone"], msg["exchange_rounds"]) == (True, 15, 20)
-    from dfl_agent.runtime.supervisor import ChildRun
+    agent.node = SimpleNamespace(status=lambda: st)
+    agent._tell("trained")
+    msg = pipe.from_line(pipe.to_line(host.reports[0]))  # as it crosses the pipe
+    assert (msg.degraded["degraded"], msg.degraded["rounds_alone"], msg.degraded["exchange_rounds"]) == (True, 15, 20)
 
     told = []
     child = ChildRun(config_from_dict({"federation": "f"}), run=SimpleNamespace(run_id="r"), run_dir=Path("."),
-                     lobby=None, on_state=lambda state, **kw: told.append(degraded_fields(child.node.status())))
-    child.node, child._send = RelayedNode("n", "f"), lambda doc: None
+                     lobby=None, on_state=lambda state, **kw: told.append(degraded_fields(child.progress.status)))
+    child.progress, child._send = RunProgress("n", "f"), lambda doc: None
     asyncio.run(child._state(msg))
     assert told == [{"degraded": True, "rounds_alone": 15, "exchange_rounds": 20}]

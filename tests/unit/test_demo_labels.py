@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from dfl_agent.cli.demo import PEAK_NOTE, _final_table, _table, progress_line
-from dfl_agent.runtime import metrics
+from dfl_agent.runtime.node import metrics
 
 
 def _render(renderable) -> str:
@@ -84,9 +84,9 @@ def test_dfml_plot_is_written_with_regular_and_participation(tmp_path):
 
 def test_dfml_round_log_says_whether_the_node_took_part(caplog):
     pytest.importorskip("torch")
-    from dfl_agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.runtime.node.simulator import SimConfig, simulate
 
-    caplog.set_level("INFO", logger="dfl_agent.runtime.node")
+    caplog.set_level("INFO", logger="dfl_agent.runtime.node.node")
     s = simulate(SimConfig(algorithm="dfml", nodes=4, rounds=3, dataset="iris", partition="iid", model_size="small",
                            options={"sender_ratio": 0.34}))
     assert s["rounds_completed"] == 3

@@ -19,8 +19,8 @@ from dfl_agent.learning.params import IncompatibleUpdate, model_to_numpy
 from dfl_agent.learning.schedules import AlphaState, CyclicAlpha
 from dfl_agent.learning.training import TrainConfig
 from dfl_agent.models import build_model
-from dfl_agent.runtime.context import RuntimeContext
-from dfl_agent.runtime.node import Node
+from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.node.node import Node
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 SPECS = [
@@ -264,7 +264,7 @@ def test_cluster_wise_baselines_average_only_identical_architectures(algorithm):
 
 
 def test_dfml_in_the_simulator_with_the_h2_family():
-    from dfl_agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.runtime.node.simulator import SimConfig, simulate
 
     # on 8x8 digits the two deepest H2 members are cut to 3 layers, so 4 nodes hold 3 architectures
     s = simulate(SimConfig(algorithm="dfml", nodes=4, rounds=2, dataset="digits", partition="iid",

@@ -24,8 +24,8 @@ from dfl_agent.algorithms.context import Message
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.params import model_to_numpy
 from dfl_agent.learning.training import TrainConfig
-from dfl_agent.runtime.context import RuntimeContext
-from dfl_agent.runtime.node import Node
+from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.node.node import Node
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 from tests.unit.toy import SPEC
 
@@ -248,7 +248,7 @@ def test_guard_restores_replaced_models_and_guarded_state_and_warns_once_per_rou
     before = model_to_numpy(old)
     extra = nn.Linear(2, 2)
     extra_before = model_to_numpy(extra)
-    with caplog.at_level(logging.WARNING, logger="dfl_agent.runtime.context"):
+    with caplog.at_level(logging.WARNING, logger="dfl_agent.runtime.node.context"):
         with alg.divergence_guard("transfer", extra) as g:
             replacement = nn.Linear(1, 1)
             with torch.no_grad():
@@ -352,7 +352,7 @@ def test_the_runtime_counts_a_training_round_that_diverged(caplog):
     net, nodes = _federation("fedavg")
     poison_outgoing(nodes[0].ctx)
     checks: list[str] = []
-    with caplog.at_level(logging.WARNING, logger="dfl_agent.runtime.context"):
+    with caplog.at_level(logging.WARNING, logger="dfl_agent.runtime.node.context"):
         _run(nodes, 2, checks)
     honest = nodes[1].ctx
     assert honest.counters()["diverged"] >= 1

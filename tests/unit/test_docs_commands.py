@@ -168,7 +168,7 @@ def test_documented_configurations_are_valid() -> None:
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib  # type: ignore[no-redef]
 
-    from dfl_agent.runtime.config import ConfigError, config_from_dict
+    from dfl_agent.runtime.shared.config import ConfigError, config_from_dict
 
     snippets = config_snippets()
     pages = {p for p, _ in snippets}
@@ -191,3 +191,25 @@ def test_documented_configurations_are_valid() -> None:
         except tomllib.TOMLDecodeError as exc:
             bad.append(f"{page}: not TOML: {exc}")
     assert bad == [], "\n".join(bad)
+
+
+def _commands(block: str) -> list[str]:
+    """The command lines of a shell block: continuations joined, no comments, no subshell parentheses."""
+    lines = [ln.split(" #", 1)[0].strip() for ln in block.replace("\\\n", " ").splitlines()]
+    return [ln for ln in lines if ln and not ln.startswith("#") and ln not in ("(", ")")]
+
+
+def test_install_blocks_stop_at_the_first_error() -> None:
+    """A block of several commands that installs with pip runs under ``set -euo pipefail``: when
+    the torch line fails, the next line must not go on to pull a CUDA build from the default index."""
+    found, bad = 0, []
+    for page in doc_pages():
+        for block in bash_blocks(page):
+            cmds = _commands(block)
+            if len(cmds) < 2 or not any(re.search(r"\bpip3? install\b", c) for c in cmds):
+                continue
+            found += 1
+            if cmds[0] != "set -euo pipefail":
+                bad.append(f"{page.relative_to(ROOT)}: {cmds[:2]}")
+    assert not bad, "install blocks that go on after a failed line:\n" + "\n".join(bad)
+    assert found >= 4, found  # the install page's blocks and the tutorials' install blocks

@@ -16,7 +16,8 @@ pytest.importorskip("opacus")
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-from dfl_agent.learning.dp import DPBudgetExceeded, DPSteps, DPTraining, check_model, dp_steps_per_round  # noqa: E402
+from dfl_agent.algorithms.base import dp_steps_per_round  # noqa: E402
+from dfl_agent.learning.dp import DPBudgetExceeded, DPSteps, DPTraining, check_model  # noqa: E402
 from dfl_agent.learning.mutual import mutual_learning  # noqa: E402
 from dfl_agent.learning.training import TrainConfig, train_adam, train_local  # noqa: E402
 
@@ -199,7 +200,7 @@ def test_simulate_dp_epsilon_reports_what_each_node_spent(tmp_path, capsys) -> N
 
 
 def test_simulate_refuses_what_cannot_train_under_dp() -> None:
-    from dfl_agent.runtime.simulator import SimConfig
+    from dfl_agent.runtime.node.simulator import SimConfig
 
     with pytest.raises(ValueError, match="fedd2s"):
         SimConfig(algorithm="fedd2s", dataset="digits", dp_epsilon=8.0)
@@ -224,13 +225,13 @@ def test_dp_without_opacus_is_a_one_line_config_error(monkeypatch) -> None:
 
 
 def test_the_run_trains_under_its_plan_and_records_its_steps(tmp_path) -> None:
-    """The training process's side (runtime/dp_run.py): privacy.dp -> the plan -> TrainConfig.dp
+    """The training process's side (runtime/run/dp_run.py): privacy.dp -> the plan -> TrainConfig.dp
     (σ, q; steps capped at the plan's less those a resumed run's records count); every round
     record carries the DP steps taken since the record before."""
     from types import SimpleNamespace
 
-    from dfl_agent.runtime.assembly import StartupError
-    from dfl_agent.runtime.dp_run import dp_sink, recorded_dp_steps, with_privacy
+    from dfl_agent.runtime.run.dp_run import dp_sink, recorded_dp_steps, with_privacy
+    from dfl_agent.runtime.shared.assembly import StartupError
 
     cfg = SimpleNamespace(privacy={"dp": {"max_grad_norm": 0.5, "noise_multiplier": 1.1}}, state_dir=tmp_path,
                           runtime=SimpleNamespace(baseline_local=False), algorithm=SimpleNamespace(rounds=4))
@@ -244,7 +245,7 @@ def test_the_run_trains_under_its_plan_and_records_its_steps(tmp_path) -> None:
     assert recorded_dp_steps(run_dir) == 40
     assert with_privacy(cfg, None, "fedavg", None, 95, train, run_dir).dp.counter.limit == 40  # resumed
     from dfl_agent.privacy.plan import RunPlan
-    from dfl_agent.runtime.privacy_budget import PrivacyLedger
+    from dfl_agent.runtime.service.privacy_budget import PrivacyLedger
 
     ledger = PrivacyLedger(tmp_path)
     assert ledger.get("r1")["planned_steps"] == 80  # a run of the service without reservation reserves its plan
@@ -270,7 +271,7 @@ def test_the_run_trains_under_its_plan_and_records_its_steps(tmp_path) -> None:
 def test_dfml_aggregator_runs_its_mutual_learning_under_dp() -> None:
     """In a DFML federation under DP the aggregator's mutual learning takes DP steps too: the
     nodes take more than their local steps, and no more than planned."""
-    from dfl_agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.runtime.node.simulator import SimConfig, simulate
 
     s = simulate(SimConfig(algorithm="dfml", nodes=2, rounds=2, dataset="digits", partition="iid",
                            options={"mutual_epochs": 1}, train=TrainConfig(batch_size=64), dp_epsilon=8.0))

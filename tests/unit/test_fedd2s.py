@@ -17,9 +17,9 @@ from dfl_agent.learning import d2s
 from dfl_agent.learning.params import model_to_numpy
 from dfl_agent.learning.training import TrainConfig
 from dfl_agent.models import SpecError, build_model, validate_spec
-from dfl_agent.runtime import metrics
-from dfl_agent.runtime.context import RuntimeContext
-from dfl_agent.runtime.node import Node
+from dfl_agent.runtime.node import metrics
+from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.node.node import Node
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 SPEC = {"type": "convdense", "input_shape": [1, 8, 8], "conv": [4, 8, 8], "dense": [8, 8], "num_classes": 4}

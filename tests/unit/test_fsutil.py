@@ -34,7 +34,7 @@ def test_failed_write_keeps_the_old_file(tmp_path: Path) -> None:
 def test_the_former_copies_use_the_helper() -> None:
     """metrics, the daemon's node id, checkpoints, keys, the inference member and the ONNX
     export each had its own temp-file-and-rename; they now call dfl_agent.fsutil."""
-    for rel in ("agent/runtime/metrics.py", "agent/runtime/run_config.py", "agent/runtime/checkpoint.py",
+    for rel in ("agent/runtime/node/metrics.py", "agent/runtime/shared/run_config.py", "agent/runtime/node/checkpoint.py",
                 "agent/security/keys.py", "agent/inference/member.py", "agent/models/onnx_export.py"):
         text = (ROOT / rel).read_text(encoding="utf-8")
         assert "dfl_agent.fsutil" in text, rel

@@ -14,7 +14,7 @@ from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning import thresholding as th
 from dfl_agent.learning.params import model_to_numpy
 from dfl_agent.learning.training import TrainConfig
-from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.runtime.node.context import RuntimeContext
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 # forecast G̃: layer "w" = [1, 0] (median |G̃| = 0.5 -> W = [1, 2]), layer "b" = [0] (W = 1e12-capped)

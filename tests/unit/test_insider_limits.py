@@ -18,13 +18,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.neighbourhood import arrival_check
+from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
 from dfl_agent.discovery.peers import PeerTable
-from dfl_agent.runtime.agent import Agent
-from dfl_agent.runtime.config import ConfigError, config_from_dict
-from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.run.agent import Agent
+from dfl_agent.runtime.shared.config import ConfigError, config_from_dict
 from dfl_agent.security import SecurityGuard, TrustStore
 from dfl_agent.security.keys import public_key_b64
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
+from tests.host import LobbyHost
 
 GOOD = {"x": np.ones(2, np.float32)}
 
@@ -36,10 +38,12 @@ def _ctx(net, nid):
     )
 
 
-def _signed_skip(sends, neighbours=("a", "b"), cap=None):
+def _signed_skip(sends, neighbours=("a", "b"), cap=None, straggler="paper", final_round=None, at=(16,)):
     """``me`` and its member neighbours, every node signing, ``me`` requiring signatures;
     ``sends`` = [(sender, round)] model updates that fit (signed by the sender's own key)
-    delivered to ``me``.  Returns (catch_up_round(16), me)."""
+    delivered to ``me``, which runs under ``runtime.straggler = straggler``.  Returns
+    (catch_up_round(16), me); with several rounds in ``at``, the list of
+    ``catch_up_round(r)`` for each of them, in order."""
     net = MemoryNetwork()
     keys = {n: Ed25519PrivateKey.generate() for n in ("me", *neighbours)}
     pinned = {n: public_key_b64(k) for n, k in keys.items()}
@@ -49,7 +53,8 @@ def _signed_skip(sends, neighbours=("a", "b"), cap=None):
         ctx.security = SecurityGuard(nid, key, TrustStore("f", pinned), require_signatures=nid == "me")
         ctxs[nid] = ctx
     me = ctxs["me"]
-    me.catch_up = True
+    me.catch_up, me.final_round = True, final_round
+    me.straggler = StragglerPolicy(mode=straggler)
     if cap is not None:
         me.max_catch_up_rounds = cap
     me.check_on_arrival("model", arrival_check(GOOD))
@@ -61,7 +66,8 @@ def _signed_skip(sends, neighbours=("a", "b"), cap=None):
             await ctxs[sender].send("me", Message("model", rnd, dict(GOOD), meta={"samples": 1}))
         await asyncio.sleep(0.05)
         assert sorted(me.neighbours()) == sorted(neighbours)  # all live and verified
-        return me.catch_up_round(16)
+        got = [me.catch_up_round(r) for r in at]
+        return got if len(at) > 1 else got[0]
 
     return run_virtual(main()), me
 
@@ -92,6 +98,23 @@ def test_majority_of_distinct_senders_skips_capped_at_max_catch_up_rounds():
     assert _signed_skip([("a", 90), ("b", 90)], cap=0)[0] == 16
 
 
+def test_two_insiders_far_ahead_under_quorum_move_a_node_at_most_the_cap_per_catch_up():
+    """Two live neighbours' signed, well-formed frames of round + 1000 under the agent's
+    default ``runtime.straggler = "quorum"`` (a majority of two: evidence enough to skip),
+    in a run of 120 rounds: each catch-up moves the node by at most
+    ``runtime.max_catch_up_rounds`` (10), as under ``paper``; it never jumps to their round
+    (on 75535c2 quorum mode lifted the cap: rounds 43-119 skipped at once)."""
+    for mode in ("quorum", "paper"):
+        nxt, me = _signed_skip([("a", 43 + 1000), ("b", 43 + 1000)], straggler=mode, final_round=120, at=(43,))
+        assert me.straggler.quorum == (mode == "quorum")
+        assert nxt == 53 and me.caught_up == 10, (mode, nxt)
+    # every later catch-up is capped too (one per round the node closes), up to the last round
+    starts = (43, 54, 65, 109, 120)
+    got, me = _signed_skip([("a", 1043), ("b", 1043)], straggler="quorum", final_round=120, at=starts)
+    assert got == [53, 64, 75, 119, 120]
+    assert all(t - s <= 10 for s, t in zip(starts, got, strict=True)) and me.caught_up == 10 + 10 + 10 + 10
+
+
 def test_skip_never_passes_the_runs_last_round():
     net = MemoryNetwork()
     ctxs = {n: _ctx(net, n) for n in ("me", "a")}
@@ -110,7 +133,7 @@ def test_skip_never_passes_the_runs_last_round():
 
 
 def test_quorum_and_target_rules():
-    from dfl_agent.runtime.context import catch_up_target, evidence_quorum
+    from dfl_agent.runtime.node.context import catch_up_target, evidence_quorum
 
     assert [evidence_quorum(n) for n in range(6)] == [0, 1, 2, 2, 3, 3]
     assert catch_up_target(5, {"a": 100}, live=1, cap=10) == 15  # one live neighbour: it is the majority
@@ -138,7 +161,7 @@ def _starting_agent(tmp_path, statuses, live=("a", "b"), members=None, resumed=F
     runs with the peers live; its result is returned."""
     cfg = config_from_dict({"federation": "f", "node_id": "me", "state_dir": str(tmp_path),
                             "algorithm": {"name": "fedavg", "rounds": ROUNDS}})
-    agent = Agent(cfg) if members is None else Agent(cfg, members=members)
+    agent = Agent(cfg, host=LobbyHost(members=members or (), publish=False))
     net = MemoryNetwork()
     ctxs = {n: _ctx(net, n) for n in ("me", *live)}
     agent.node_id, agent.ctx = "me", ctxs["me"]
@@ -211,7 +234,7 @@ def test_members_are_recorded_as_the_rounds_start(tmp_path):
 
 
 def test_finished_by_members_rule():
-    from dfl_agent.runtime.rejoin import finished_by_members
+    from dfl_agent.runtime.run.rejoin import finished_by_members
 
     fin = {"state": "finished"}
     assert not finished_by_members({"a": fin}, {"a"})  # one device, even the only other member

@@ -17,8 +17,11 @@ _BARE = re.compile(r"""(?:pip3? install|reinstall)\s+(?:--?[\w-]+\s+)*['"]?dfl[-
 
 
 def _sources() -> list[Path]:
-    pkg = Path(dfl_agent.__file__).parent  # the imported package: dfl_agent and dfl_agent.cli
-    files = sorted(pkg.rglob("*.py")) + sorted(pkg.rglob("*.md"))
+    import dfl_agent.cli
+
+    files = []
+    for pkg in (Path(dfl_agent.__file__).parent, Path(dfl_agent.cli.__file__).parent):  # agent/ and tools/
+        files += sorted(pkg.rglob("*.py")) + sorted(pkg.rglob("*.md"))
     files += sorted((ROOT / "docs").rglob("*.md")) + sorted((ROOT / "bench").rglob("*.py"))
     return files + [ROOT / "README.md"]
 
@@ -30,6 +33,19 @@ def test_no_hint_names_a_bare_package_install():
     for p in _sources():
         if p.suffix == ".py":
             assert "dfl-agent[" not in p.read_text(encoding="utf-8"), p
+
+
+#: an extra named in a hint or a doc: ``WHEEL[a,b]``, ``dfl-agent[a]``, ``'.[a]'``, ``extra_hint("a")``
+_EXTRA = re.compile(r"""(?:\.whl|dfl[-_]agent)\[([\w,-]+)\]|['"]\.\[([\w,-]+)\]|extra_hint\(['"]([\w-]+)['"]\)""")
+
+
+def test_every_extra_a_hint_or_page_names_exists():
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    named = {(p.relative_to(ROOT).as_posix() if p.is_relative_to(ROOT) else str(p), e)
+             for p in _sources() for m in _EXTRA.finditer(p.read_text(encoding="utf-8"))
+             for e in ",".join(g for g in m.groups() if g).split(",")}
+    assert {e for _, e in named} >= {"train", "plot", "onnx", "privacy"}  # the pattern finds them
+    assert not [n for n in named if n[1] not in extras], sorted(n for n in named if n[1] not in extras)
 
 
 def test_extra_hint_names_this_versions_wheel_and_the_setup_script():
@@ -50,7 +66,7 @@ def test_extra_hint_names_this_versions_wheel_and_the_setup_script():
 def test_the_onnx_and_plot_hints_users_see_name_the_wheel(monkeypatch):
     pytest.importorskip("torch")
     from dfl_agent.models.onnx_export import OnnxExportError, export_onnx
-    from dfl_agent.runtime.metrics import PLOT_HINT
+    from dfl_agent.runtime.node.metrics import PLOT_HINT
 
     assert ".whl[plot]" in PLOT_HINT and "dfl-agent[" not in PLOT_HINT
     import torch

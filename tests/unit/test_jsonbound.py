@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dfl_agent.runtime.config import config_from_dict
-from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier, open_run_message, sign_descriptor
-from dfl_agent.runtime.lobby import RunLobby
+from dfl_agent.runtime.service.lobby import RunLobby
+from dfl_agent.runtime.shared.config import config_from_dict
+from dfl_agent.runtime.shared.descriptor import RunDescriptor, RunVerifier, open_run_message, sign_descriptor
 from dfl_agent.security import ControlRejected, SecurityGuard, TrustStore
 from dfl_agent.security.keys import public_key_b64
 
@@ -111,7 +111,7 @@ def test_malformed_inputs():
 def _operator():
     fed_key = Ed25519PrivateKey.generate()
     op_key = Ed25519PrivateKey.generate()
-    from dfl_agent.runtime.descriptor import operator_certificate
+    from dfl_agent.runtime.shared.descriptor import operator_certificate
 
     cert = operator_certificate(fed_key, FED, "alice", public_key_b64(op_key))
     return fed_key, op_key, cert

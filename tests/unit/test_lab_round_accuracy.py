@@ -54,7 +54,7 @@ def torch():
 def _run_dir(tmp_path: Path) -> tuple[Path, dict]:
     """A run folder as the agent leaves it: run.toml (a HAR-shaped store, fedavg, size small)."""
     from dfl_agent.cli.lab.accuracy import _spec
-    from dfl_agent.runtime.config import config_from_dict, dump_toml
+    from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 
     run_dir = tmp_path / "runs" / "r-1"
     run_dir.mkdir(parents=True)
@@ -70,7 +70,7 @@ def _save(torch, run_dir: Path, t: int, model, spec: dict) -> None:
     optimizer, Algorithm.state_dict) in the agent's CheckpointStore, keeping everything."""
     from dfl_agent.algorithms.base import Algorithm
     from dfl_agent.models import spec_hash
-    from dfl_agent.runtime.checkpoint import CheckpointStore
+    from dfl_agent.runtime.node.checkpoint import CheckpointStore
 
     alg = Algorithm.__new__(Algorithm)
     alg.model = model

@@ -169,7 +169,8 @@ def _report(**over) -> dict:
     dev = {"id": "pi-0", "role": "train", "samples_lost": 0, "oom_kills": 0, "rounds_alone": 0}
     rep = {"devices": [dev], "events": [{"kind": "partition", "target": "pi-0", "at_s": 10.0,
                                          "recovered_after_s": 5.0}],
-           "runs": [{"run_id": "r-1", "state": "finished", "members": ["pi-0"], "deployed_on": ["pi-0"]}],
+           "runs": [{"run_id": "r-1", "algorithm": "fedavg", "state": "finished", "members": ["pi-0"], "rounds": 3,
+                     "deployed_on": ["pi-0"]}],
            "discovery": {"seconds_to_full_membership": 3.0, "via": ["mdns"]}, "final_accuracy_mean": 0.6}
     for k, v in over.items():
         if k in dev:
@@ -190,14 +191,16 @@ def test_every_check_can_fail():
         "max_rounds_alone": _report(rounds_alone=2),
         "max_recovery_s": _report(events=[{"kind": "broker_outage", "target": "a", "at_s": 16.0,
                                            "recovered_after_s": None}]),
-        "all_runs_deployed": _report(runs=[{"run_id": "r-1", "state": "finished", "members": ["pi-0", "pi-1"],
-                                            "deployed_on": ["pi-0"]}]),
+        "all_runs_deployed": _report(runs=[{"run_id": "r-1", "algorithm": "fedavg", "state": "finished", "rounds": 3,
+                                            "members": ["pi-0", "pi-1"], "deployed_on": ["pi-0"]}]),
         "discovery_via": _report(discovery={"seconds_to_full_membership": None, "via": []}),
         "min_final_accuracy": _report(final_accuracy_mean=0.2),
         "inference_received": _report(devices=[{"id": "pi-0", "role": "train", "samples_lost": 0, "oom_kills": 0,
                                                 "rounds_alone": 0},
                                                {"id": "cam-0", "role": "inference", "deployed_versions": [],
                                                 "received": []}]),
+        "runs_trained": _report(runs=[{"run_id": "r-1", "algorithm": "fedavg", "state": "finished",
+                                       "members": ["pi-0"], "rounds": 0, "deployed_on": ["pi-0"]}]),
     }
     for check, rep in cases.items():
         failed = evaluate_checks(s, rep)
@@ -206,8 +209,8 @@ def test_every_check_can_fail():
     assert "broker_outage a at 16 s never recovered" in evaluate_checks(s, cases["max_recovery_s"])[0]
     assert "not deployed on pi-1" in evaluate_checks(s, cases["all_runs_deployed"])[0]
     # a device whose deploy gate kept its deployed model ends the run with a deployed model
-    kept = _report(runs=[{"run_id": "r-1", "state": "finished", "members": ["pi-0", "pi-1"], "deployed_on": ["pi-0"],
-                          "kept_on": ["pi-1"]}])
+    kept = _report(runs=[{"run_id": "r-1", "algorithm": "fedavg", "state": "finished", "rounds": 3,
+                          "members": ["pi-0", "pi-1"], "deployed_on": ["pi-0"], "kept_on": ["pi-1"]}])
     assert not [f for f in evaluate_checks(s, kept) if f.startswith("all_runs_deployed")]
     assert evaluate_checks(s, _report(final_accuracy_mean=None))[0].startswith("min_final_accuracy: final deployed "
                                                                               "accuracy none")
@@ -287,3 +290,73 @@ def test_recovery_is_judged_per_affected_device_against_its_own_runs():
     alone = {"pi-1": {"r": rounds(63.0, 64.0, peers=0)}}  # rounds after the event, none with a peer
     assert event_recovery(60.0, ["pi-1"], spans, alone) == (None, False)  # never recovered
     assert event_recovery(None, ["pi-1"], spans, recs) == (None, False)  # the event never ended
+
+
+# ---- checks that agree with the run: what no device would run is refused before anything is built
+
+@pytest.mark.parametrize("run, key, words", [
+    ('algorithm = "no-such-algorithm"', "run[1].algorithm", "unknown algorithm 'no-such-algorithm'; known: "),
+    ('algorithm = "fedavg"\noptions = { bogus = 1 }', "run[1].options.bogus", "unknown option for algorithm 'fedavg'"),
+    ('algorithm = "fedavg"\noptions = { round_timeout = "long" }', "run[1].options.round_timeout", "expected float"),
+    ('algorithm = "fedavg"\noptions = { round_timeout = 0 }', "run[1].options.round_timeout", "must be > 0"),
+    ('algorithm = "fedavg"\nmodels = "H9"', "run[1].models", "a model family (H0, "),
+])
+def test_a_run_no_device_would_accept_exits_2_before_building(tmp_path, capsys, run, key, words):
+    """Every device declines a run whose algorithm the registry lacks, or whose options or model
+    family it refuses: ``lab run`` says so in one line naming the file and the key, exit 2,
+    before it builds anything (on 75535c2 it built the lab and reported a pass)."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text(BASE + f"[[run]]\nat_s = 5\nrounds = 2\n{run}\n")
+    with pytest.raises(ScenarioError) as e:
+        load(bad)
+    assert e.value.key == key and words in str(e.value), str(e.value)
+    assert dflctl(["lab", "run", str(bad), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(bad) in err and f"{key}: " in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("text, key, words", [
+    (BASE.replace("count = 2", "count = 100000000"), "device[0].count", "at most 200 devices in a scenario"),
+    (BASE + "[[device]]\nclass = \"pi\"\ncount = 197\n", "device[3].count", "after 4: at most 200 devices"),
+    (BASE + "[[run]]\nat_s = 5\nrounds = 2\nalgorithm = \"fedavg\"\noptions = { x = " + "[" * 5000 + "]" * 5000
+     + " }\n", "run[1].options", "nested deeper than 32 levels"),
+    (BASE + "[agent]\ntraining = " + "{ a = " * 40 + "1" + " }" * 40 + "\n", "agent.training",
+     "nested deeper than 32 levels"),
+    (BASE + "[agent." + ".".join(["t"] * 40) + "]\nx = 1\n", "agent" + ".t" * 31, "nested deeper than 32 levels"),
+    (BASE.replace('name = "gate"', 'name = "g\udce9te"'), "class[1].name", "not UTF-8 text: byte 0xe9 at line 13"),
+    ("# r\udce9sum\u00e9\n" + BASE, "line 1", "not UTF-8 text: byte 0xe9 at line 1, column 4"),
+])
+def test_a_file_too_large_too_deep_or_not_utf8_exits_2_naming_file_and_key(tmp_path, capsys, text, key, words):
+    """``count = 100000000`` (it hung), thousands of nested arrays (a RecursionError thousands of
+    lines long), tables nested deeper than 32 levels, a byte that is not UTF-8 (named neither the
+    file nor the key): one line naming the file and the key, exit 2, at once."""
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(ScenarioError) as e:
+        load(bad)
+    assert e.value.key == key and words in str(e.value), str(e.value)
+    assert dflctl(["lab", "run", str(bad), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(bad) in err and f"{key}: " in err and words in err, err[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_declined_everywhere_or_that_trained_no_round_fails_the_report():
+    """On by default (``runs_trained``): a run every device declined, one that trained no round,
+    and one never submitted each fail the report, whatever else the scenario checks; a file
+    may turn the check off."""
+    from dfl_agent.cli.lab.report import evaluate_checks
+
+    s = parse(_doc())  # checks nothing else
+    assert s.checks == {"runs_trained": True} and evaluate_checks(s, _report()) == []
+    declined = {"run_id": "r-1", "algorithm": "fedavg", "state": "declined", "members": [], "rounds": 0,
+                "deployed_on": []}
+    assert evaluate_checks(s, _report(runs=[declined])) == ["runs_trained: run r-1 (fedavg) declined on every device"]
+    idle = dict(declined, state="failed", members=["pi-0", "pi-1"])
+    assert evaluate_checks(s, _report(runs=[idle])) == ["runs_trained: run r-1 (fedavg) trained no round (failed)"]
+    unsent = dict(declined, run_id=None, state="not submitted")
+    assert evaluate_checks(s, _report(runs=[unsent])) == ["runs_trained: run 0 (fedavg) was not submitted"]
+    off = parse(_doc("[checks]\nruns_trained = false\n"))
+    assert evaluate_checks(off, _report(runs=[declined])) == []

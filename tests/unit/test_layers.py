@@ -4,7 +4,7 @@ A module may import only from its own layer or from the layers listed before
 it (docs/explanation/architecture.md, "Layers"):
 
 1. ``fsutil``, ``tomlcheck``, ``resources``, ``jsonbound``, ``extras``, ``onnx_model``,
-   ``durations``;
+   ``durations``, ``interrupt``;
 2. ``learning``, ``data``, ``models``, ``security``, ``privacy``;
 3. ``algorithms``;
 4. ``transport``; then ``discovery``, which may import transport but not the
@@ -25,6 +25,7 @@ program's entry point, run and never imported (``python -m dfl_agent.inference``
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,7 @@ RANK: dict[str, float] = {
     "extras": 1,
     "onnx_model": 1,
     "durations": 1,
+    "interrupt": 1,
     "learning": 2,
     "data": 2,
     "models": 2,
@@ -204,3 +206,52 @@ def test_command_line_modules_import_no_loop() -> None:
 
     for m in sorted(graph):
         visit(m, [])
+
+
+# -- the runtime's three lifetimes (docs/explanation/architecture.md, "Inside the runtime") ------
+#: what each part of ``dfl_agent.runtime`` may import of the others: a round (``node``), a run
+#: (``run``), the service (``service``) and what the service and a run share (``shared``)
+RUNTIME_MAY_IMPORT = {"shared": {"shared"}, "node": {"shared", "node"}, "run": {"shared", "node", "run"},
+                      "service": {"shared", "service"}}
+#: parts that must never import torch, anywhere in their modules (function-local imports included)
+TORCH_FREE = {"service", "shared"}
+
+
+def runtime_violations() -> list[str]:
+    """Imports across the runtime's cut that its lifetimes forbid: the service imports no node,
+    run or torch; run and service share only the ``shared`` part (the typed pipe, the run host
+    interface and the configuration)."""
+    found: list[str] = []
+    for module, path in _modules():
+        bits = module.split(".")
+        if bits[:2] != ["dfl_agent", "runtime"] or len(bits) < 4:
+            continue
+        own = bits[2]
+        for line, target in _imports(module, path):
+            t = target.split(".")
+            if t[:2] == ["dfl_agent", "runtime"] and len(t) >= 3 and t[2] in RUNTIME_MAY_IMPORT \
+                    and t[2] not in RUNTIME_MAY_IMPORT[own]:
+                found.append(f"{path.relative_to(ROOT)}:{line}: {own} imports {target}")
+            if own in TORCH_FREE and (t[0] == "torch" or target.startswith("dfl_agent.learning.lazy")):
+                found.append(f"{path.relative_to(ROOT)}:{line}: {own} imports {target}")
+    return found
+
+
+def test_every_runtime_module_lives_in_one_lifetime() -> None:
+    runtime = ROOT / "agent" / "runtime"
+    assert sorted(p.name for p in runtime.glob("*.py")) == ["__init__.py"]  # no module outside the cut
+    assert {p.name for p in runtime.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(RUNTIME_MAY_IMPORT)
+
+
+def test_the_runtime_imports_follow_its_lifetimes() -> None:
+    assert runtime_violations() == []
+
+
+def test_the_lifetime_check_catches_a_forbidden_import(tmp_path, monkeypatch) -> None:
+    service = tmp_path / "agent" / "runtime" / "service"
+    service.mkdir(parents=True)
+    (service / "bad.py").write_text("import torch\nfrom dfl_agent.runtime.node.node import Node\n"
+                                    "from dfl_agent.runtime.run import agent\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "tools").mkdir()
+    assert len(runtime_violations()) == 3

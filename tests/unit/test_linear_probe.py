@@ -5,7 +5,7 @@ the frozen features, and loads the fitted layer into every model the warm start 
 import numpy as np
 import pytest
 
-from dfl_agent.runtime.config import ConfigError, config_from_dict
+from dfl_agent.runtime.shared.config import ConfigError, config_from_dict
 from tests.unit.test_warm_start import WARM, _deploy, _flat, _node, _other_weights, _same
 
 torch = pytest.importorskip("torch")
@@ -19,7 +19,7 @@ def _head(model):
 
 @pytest.mark.parametrize("algorithm", sorted(WARM))
 def test_a_warm_start_fits_the_output_layer_into_every_model_it_loads(tmp_path, algorithm):
-    from dfl_agent.runtime.warm_start import warm_start
+    from dfl_agent.runtime.run.warm_start import warm_start
 
     node = _node(algorithm)
     algo = node.algorithm
@@ -50,7 +50,7 @@ def test_the_probe_lets_a_warm_start_predict_a_class_the_deployed_model_never_sa
     Loaded as it is, it never predicts the third; with the probe, it does, and scores higher
     on the store before any training step."""
     from dfl_agent.learning.training import TrainConfig, train_local
-    from dfl_agent.runtime.warm_start import warm_start
+    from dfl_agent.runtime.run.warm_start import warm_start
 
     node = _node("local")
     algo, d = node.algorithm, node.ctx.data
@@ -76,7 +76,7 @@ def test_the_probe_lets_a_warm_start_predict_a_class_the_deployed_model_never_sa
 
 
 def test_the_probe_is_skipped_under_dp_without_the_ramp_and_when_turned_off(tmp_path):
-    from dfl_agent.runtime.warm_start import RAMPLESS, warm_start
+    from dfl_agent.runtime.run.warm_start import RAMPLESS, warm_start
 
     node = _node("local")
     algo = node.algorithm
@@ -133,7 +133,7 @@ def test_warm_start_probe_config():
 
 def test_a_failing_fit_never_fails_the_run_and_a_large_store_is_sampled(tmp_path, monkeypatch, caplog):
     from dfl_agent.learning import probe
-    from dfl_agent.runtime.warm_start import warm_start
+    from dfl_agent.runtime.run.warm_start import warm_start
 
     node = _node("local")
     algo = node.algorithm

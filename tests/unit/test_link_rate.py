@@ -5,8 +5,8 @@ import logging
 import pytest
 
 from dfl_agent.algorithms.base import get_algorithm, parse_options
-from dfl_agent.runtime.assembly import link_settings
-from dfl_agent.runtime.config import ConfigError, config_from_dict
+from dfl_agent.runtime.shared.assembly import link_settings
+from dfl_agent.runtime.shared.config import ConfigError, config_from_dict
 from dfl_agent.transport.link_rate import (
     FAST_CHUNK,
     FAST_KEEPALIVE,

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from dfl_agent.runtime.liveness import Liveness
-from dfl_agent.runtime.systemd import Notifier, watchdog_loop
+from dfl_agent.runtime.service.liveness import Liveness
+from dfl_agent.runtime.service.systemd import Notifier, watchdog_loop
 
 
 class NotifySocket:
@@ -177,10 +177,10 @@ def test_without_a_watchdog_the_probes_cost_nothing():
 
 
 def _counters(tmp_path):
-    from dfl_agent.runtime.config import config_from_dict
-    from dfl_agent.runtime.descriptor import RunVerifier
-    from dfl_agent.runtime.lobby import RunLobby
-    from dfl_agent.runtime.service_counters import ServiceCounters
+    from dfl_agent.runtime.service.lobby import RunLobby
+    from dfl_agent.runtime.service.service_counters import ServiceCounters
+    from dfl_agent.runtime.shared.config import config_from_dict
+    from dfl_agent.runtime.shared.descriptor import RunVerifier
 
     cfg = config_from_dict({"federation": "f", "node_id": "n0", "state_dir": str(tmp_path)})
     return ServiceCounters(tmp_path, RunLobby(cfg, "n0", RunVerifier("f", require_signatures=False)))
@@ -191,7 +191,7 @@ def test_task_restarts_are_in_the_status_and_not_saved(tmp_path):
     training: the run node's), but counters.json keeps only the refusal and drop counters."""
     import json
 
-    from dfl_agent.runtime.service_counters import COUNTERS_FILE
+    from dfl_agent.runtime.service.service_counters import COUNTERS_FILE
 
     counters, liveness = _counters(tmp_path), Liveness()
     worker = Worker()

@@ -14,7 +14,7 @@ from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.synchronization import STRATEGIES, UpdateMarket, select_participants
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.training import TrainConfig
-from dfl_agent.runtime.context import RuntimeContext
+from dfl_agent.runtime.node.context import RuntimeContext
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
 START, SLOW_AT, DEADLINE = 0.1, 3.0, 10.0
@@ -271,7 +271,7 @@ def test_an_update_from_a_neighbour_that_left_never_makes_the_quorum_harder():
 
     from dfl_agent.algorithms.context import Message
     from dfl_agent.discovery.peers import PeerTable
-    from dfl_agent.runtime.context import RuntimeContext
+    from dfl_agent.runtime.node.context import RuntimeContext
     from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
     net = MemoryNetwork()

@@ -15,11 +15,14 @@ import pytest
 from dfl_agent.algorithms.context import Message
 from dfl_agent.deploy.versions import ModelStore
 from dfl_agent.onnx_model import ONNX_KIND
-from dfl_agent.runtime.member_delivery import MemberDelivery, lacks
+from dfl_agent.runtime.service.member_delivery import MemberDelivery, lacks
 from dfl_agent.transport import wire
 from dfl_agent.transport.chunking import Reassembler
 
 pytest.importorskip("onnx")
+
+#: the sample store: a node whose runs deploy (NodeConfig.deploys)
+STORE = {"dataset": "store", "input_shape": [4], "num_classes": 2}
 
 
 def _onnx(weight: float) -> bytes:
@@ -96,9 +99,10 @@ def _frames(client: _Client, topic: str) -> list[Message]:
 
 
 def test_delivery_sends_to_members_that_lack_the_deployment_with_a_growing_wait(tmp_path):
-    from dfl_agent.runtime.config import config_from_dict
+    from dfl_agent.runtime.shared.config import config_from_dict
 
-    cfg = config_from_dict({"federation": "fed", "state_dir": str(tmp_path), "mqtt": {"chunk_size": 1024}})
+    cfg = config_from_dict({"federation": "fed", "state_dir": str(tmp_path), "mqtt": {"chunk_size": 1024},
+                            "data": STORE})  # a node that deploys
     models = ModelStore(tmp_path)
     v = _install(models, 1.0, "run-1", 300, 1000.0)
     sha = models.manifest(v)["files"]["model.onnx"]["sha256"]
@@ -146,9 +150,9 @@ def test_delivery_sends_to_members_that_lack_the_deployment_with_a_growing_wait(
 
 
 def test_delivery_without_a_deployment_or_broker_sends_nothing(tmp_path):
-    from dfl_agent.runtime.config import config_from_dict
+    from dfl_agent.runtime.shared.config import config_from_dict
 
-    cfg = config_from_dict({"federation": "fed", "state_dir": str(tmp_path)})
+    cfg = config_from_dict({"federation": "fed", "state_dir": str(tmp_path), "data": STORE})
     lobby = _lobby({"inf": {"role": "inference", "state": "waiting_for_model"}})
     d = MemberDelivery(cfg, lobby)
     assert d.tick() == 0 and lobby.client.published == []
@@ -164,7 +168,7 @@ def test_the_member_and_the_supervisor_order_deployments_by_one_rule():
     a member shown to lack a deployment takes it, and one shown to hold a newer one neither
     gets it nor would take it."""
     from dfl_agent.onnx_model import deployment_order
-    from dfl_agent.runtime.member_delivery import lacks
+    from dfl_agent.runtime.service.member_delivery import lacks
 
     assert deployment_order(200.0, "b", None, None) == "newer"  # the member holds nothing deployed
     assert deployment_order(200.0, "b", 100.0, "a") == "newer"
@@ -178,3 +182,47 @@ def test_the_member_and_the_supervisor_order_deployments_by_one_rule():
         assert lacks(status, meta) == (deployment_order(200.0, "b", held_at, held_sha) == "newer")
     assert [lacks({"model_deployed_at": h, "model_sha256": s}, {"deployed_at": 200.0, "sha256": "b"})
             for h, s in ((None, None), (100.0, "a"), (300.0, "c"), (200.0, "b"))] == [True, True, False, False]
+
+
+def test_a_node_that_deploys_nothing_sends_the_runs_improved_model(tmp_path):
+    """No deployment (no sample store): the run exports its model when it improved while an
+    inference member is live (LiveExport), and the service sends that export to the members
+    whose status shows another model; the run itself sends nothing."""
+    import asyncio
+
+    from dfl_agent.runtime.run.live_export import LiveExport
+    from dfl_agent.runtime.shared.config import config_from_dict
+
+    cfg = config_from_dict({"federation": "fed", "state_dir": str(tmp_path)})  # a data set: nothing deploys
+    assert not cfg.deploys
+    members = {"inf": SimpleNamespace(algorithm="inference"), "p": SimpleNamespace(algorithm="fedavg")}
+    peers = SimpleNamespace(live_peers=lambda: sorted(members), get=members.get)
+    exports = []
+
+    async def compute(fn, model, shape, spec):  # export_onnx, in the node's compute thread
+        exports.append(fn.__name__)
+        return _onnx(float(len(exports)))
+
+    spec = {"type": "mlp", "input_shape": [4], "hidden": [], "num_classes": 2}
+    export = LiveExport(tmp_path, peers, lambda: SimpleNamespace(to=lambda dev: "model"), [4], spec,
+                        "run-1", compute)
+    statuses = {"inf": {"role": "inference", "state": "waiting_for_model"}}
+    lobby = _lobby(statuses)
+    d = MemberDelivery(cfg, lobby)
+    assert d.tick() == 0  # nothing exported yet
+    asyncio.run(export(1, {"local_accuracy": 0.5}))
+    asyncio.run(export(2, {"local_accuracy": 0.4}))  # no better: not exported again
+    assert exports == ["export_onnx"]
+    assert d.tick() == 1
+    [msg] = _frames(lobby.client, "dfl/fed/node/inf/inbox")
+    assert msg.meta["deployed"] is False and msg.meta["round"] == 1 and msg.meta["run_id"] == "run-1"
+    assert hashlib.sha256(msg.tensors["onnx"].tobytes()).hexdigest() == msg.meta["sha256"]
+    statuses["inf"] = {"role": "inference", "state": "serving", "model_sha256": msg.meta["sha256"]}
+    assert d.tick() == 0  # it holds it
+    del members["inf"]
+    asyncio.run(export(3, {"local_accuracy": 0.9}))  # better, but no member is live: no export
+    assert exports == ["export_onnx"]
+    members["inf"] = SimpleNamespace(algorithm="inference")
+    asyncio.run(export(4, {"local_accuracy": 0.8}))  # a member again: the round-3 model goes
+    assert exports == ["export_onnx", "export_onnx"] and d.tick() == 1
+    assert _frames(lobby.client, "dfl/fed/node/inf/inbox")[-1].meta["round"] == 3

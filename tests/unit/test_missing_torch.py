@@ -31,7 +31,7 @@ NO_TORCH = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("argv", [["dfl_agent.runtime.daemon", "run", "--once", "--config", "CFG"],
+@pytest.mark.parametrize("argv", [["dfl_agent.runtime.service.daemon", "run", "--once", "--config", "CFG"],
                                   ["dfl_agent.cli.dflctl", "demo", "--nodes", "2"]])
 def test_commands_that_train_say_torch_is_missing(tmp_path, argv) -> None:
     cfg = tmp_path / "node.toml"

@@ -1,6 +1,6 @@
 """Adding an algorithm touches one new module only: a throwaway algorithm, registered from a
 temporary module that declares only its traits, reaches the device profiles (the shipped
-``algorithms = ["*"]``), the runtime's default model (``runtime/assembly.py``) and
+``algorithms = ["*"]``), the runtime's default model (``runtime/shared/assembly.py``) and
 ``dflctl algorithms`` without any other file changed."""
 
 import importlib.util
@@ -63,7 +63,7 @@ def test_profiles_list_a_new_algorithm_where_the_rule_allows_it(throwaway):
 
 def test_assembly_reads_the_new_algorithms_default_model(throwaway):
     from dfl_agent.models.defaults import default_model_spec
-    from dfl_agent.runtime.assembly import algorithm_default_spec
+    from dfl_agent.runtime.shared.assembly import algorithm_default_spec
 
     spec = algorithm_default_spec(throwaway, [9, 128], 6)
     assert spec == default_model_spec("layered", [9, 128], 6)

@@ -1,5 +1,6 @@
-"""ONNX export (torch.onnx dynamo) against onnxruntime, window files, and the
-torch-free inference path (a subprocess where ``import torch`` fails)."""
+"""ONNX export (torch.onnx, the TorchScript-based exporter, the dynamo one where that fails)
+against onnxruntime, window files, and the torch-free inference path (a subprocess where
+``import torch`` fails)."""
 
 from __future__ import annotations
 
@@ -102,3 +103,39 @@ def test_dflctl_predict_and_bad_file(exported, capsys):
     assert main(["predict", "--model", str(d / "m.onnx"), "--windows", str(d / "w.npz")]) == 0
     assert "50 windows, accuracy" in capsys.readouterr().out
     assert main(["predict", "--model", str(d / "m.onnx"), "--windows", str(d / "nope.npz")]) == 2
+
+
+def test_export_skips_dynamo_and_onnxscript():
+    """The export traces with the TorchScript-based exporter: neither TorchDynamo nor onnxscript
+    is imported (the CPU time of ``dflctl export``; bench/operations/export_cpu.md)."""
+    code = ("import sys, json; from dfl_agent.models import build_model; "
+            "from dfl_agent.models.onnx_export import export_onnx; "
+            f"export_onnx(build_model({SPEC!r}), (3, 32), spec={SPEC!r}); "
+            "print(json.dumps([m for m in ('torch._dynamo', 'onnxscript', 'torch.export._trace') if m in sys.modules]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[-1]) == []
+    assert "DeprecationWarning" not in r.stderr
+
+
+def test_dynamo_exporter_where_torchscript_fails(exported, monkeypatch):
+    """Where torch has no TorchScript-based exporter any more (or it fails on a model), the dynamo
+    exporter makes the same model: the same operators, the same logits in onnxruntime."""
+    import onnx
+
+    from dfl_agent.models import onnx_export
+
+    d, model, data, x, _, want = exported
+
+    def gone(*a, **k):
+        raise RuntimeError("no TorchScript-based exporter in this torch")
+
+    monkeypatch.setattr(onnx_export, "_export_torchscript", gone)
+    other = export_onnx(model, (3, 32), spec=SPEC)
+    ops = [[n.op_type for n in onnx.load_model_from_string(b).graph.node if n.op_type != "Constant"]
+           for b in (data, other)]
+    assert ops[0] == ops[1]
+    for b in (data, other):
+        m = OnnxModel(b)
+        assert m.input_shape == [3, 32] and json.loads(m.metadata["dfl.spec"]) == SPEC
+        assert np.abs(m.predict_logits(x) - want).max() <= 1e-4

@@ -14,8 +14,8 @@ from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.neighbourhood import collect_round
 from dfl_agent.algorithms.protocols.synchronization import UpdateMarket, suspend_deadline
 from dfl_agent.discovery.peers import PeerTable
-from dfl_agent.runtime.context import RuntimeContext
-from dfl_agent.runtime.node import peer_updates_used, round_alone
+from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.node.node import peer_updates_used, round_alone
 from dfl_agent.security import SecurityGuard, TrustStore
 from dfl_agent.security.keys import public_key_b64
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
@@ -149,6 +149,15 @@ def test_the_deadline_is_suspended_not_dropped():
     assert 23.0 + 4.0 <= out["closed_at"] <= 23.0 + 4.5  # resumed at 23 s, then the whole 4 s budget
 
 
+class _NeverHolds:
+    """A context whose rounds are never held (no broker to lose)."""
+
+    reconnect_grace = 5.0
+
+    async def hold_round(self, kinds=()):
+        return 0.0
+
+
 def test_suspend_deadline_is_a_no_op_when_connected_or_off():
     net = MemoryNetwork()
     on, off = _ctx(net, "on"), _ctx(net, "off", pause=False)
@@ -160,7 +169,7 @@ def test_suspend_deadline_is_a_no_op_when_connected_or_off():
         out["connected"] = await suspend_deadline(on, 12.5, 5.0)
         net.kill("off")
         out["off"] = await suspend_deadline(off, 12.5, 5.0)
-        out["none"] = await suspend_deadline(object(), 12.5, 5.0)  # a context without hold_round
+        out["none"] = await suspend_deadline(_NeverHolds(), 12.5, 5.0)  # a context that never holds
 
     run_virtual(main())
     assert out == {"connected": 12.5, "off": 12.5, "none": 12.5}
@@ -303,7 +312,7 @@ def test_the_status_says_paused_while_the_broker_is_away_and_counts_rounds_alone
     ends), ``rounds_alone`` and the records' ``alone`` after a round that used no update
     although its peer was expected."""
     from dfl_agent.algorithms.base import get_algorithm
-    from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node.node import Node
 
     net = MemoryNetwork()
     bundle, me = _trainer(net)
@@ -415,7 +424,7 @@ def test_the_adaptive_deadline_does_not_learn_a_broker_outage():
     from dfl_agent.algorithms.base import get_algorithm
     from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
     from dfl_agent.learning.params import model_to_numpy
-    from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node.node import Node
 
     net = MemoryNetwork()
     bundle, me = _trainer(net)
@@ -458,7 +467,7 @@ def test_a_gap_after_a_broker_outage_longer_than_round_timeout_waits_for_the_key
     from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
     from dfl_agent.learning.compression import CompressionPolicy
     from dfl_agent.learning.params import model_to_numpy
-    from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node.node import Node
 
     net = MemoryNetwork()
     bundle, me = _trainer(net)
@@ -507,7 +516,7 @@ def test_an_update_taken_ahead_that_cannot_be_decoded_is_not_taken_again():
     from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy, quorum_options
     from dfl_agent.learning.compression import CompressionPolicy
     from dfl_agent.learning.params import model_to_numpy
-    from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node.node import Node
 
     net = MemoryNetwork()
     bundle, me = _trainer(net)

@@ -54,7 +54,7 @@ def test_models_of_another_family_are_rejected():
 @pytest.mark.parametrize("algorithm", ["heterofl", "fedrolex"])
 def test_h1_federation_in_the_simulator(algorithm):
     from dfl_agent.learning.training import TrainConfig
-    from dfl_agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.runtime.node.simulator import SimConfig, simulate
 
     s = simulate(SimConfig(algorithm=algorithm, nodes=5, rounds=3, dataset="digits", partition="iid",
                            model_family="H1", train=TrainConfig(batch_size=64)))

@@ -29,7 +29,8 @@ class Recorder:
 
 @pytest.fixture
 def table() -> PeerTable:
-    return PeerTable("self", federation="fed")
+    # the broker mDNS records name here is this node's own (others: test_mdns_brokers.py)
+    return PeerTable("self", federation="fed", home_broker="10.0.0.2:1883")
 
 
 @pytest.fixture

@@ -111,3 +111,31 @@ def test_importing_the_accountant_and_plan_loads_no_torch() -> None:
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'opacus'))))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert r.stdout.strip() == "[]", r.stdout
+
+
+# SciPy made unimportable (None in sys.modules), as in an install of `[train]` alone: the agent's
+# modules (the supervisor, the run manager, the training agent and its deployment) must import, a
+# device without DP must account nothing, and the accountant names the `privacy` extra once used.
+_NO_SCIPY = """
+import sys
+sys.modules["scipy"] = None
+import dfl_agent.runtime.service.daemon, dfl_agent.runtime.service.supervisor, dfl_agent.runtime.service.run_manager
+import dfl_agent.runtime.run.agent, dfl_agent.runtime.run.deployment, dfl_agent.runtime.service.privacy_budget
+from dfl_agent.privacy.accountant import rdp_epsilon
+assert rdp_epsilon([], 1e-5) == 0.0 and rdp_epsilon([(1.0, 0.0, 100), (1.0, 0.1, 0)], 1e-5) == 0.0
+try:
+    rdp_epsilon([(1.0, 0.01, 100)], 1e-5)
+except ModuleNotFoundError as exc:
+    print(exc)
+leaked = sorted(m for m in sys.modules if m.startswith("scipy.") or (m == "scipy" and sys.modules[m] is not None))
+print("leaked:", leaked)
+"""
+
+
+def test_the_agent_imports_and_runs_without_scipy_until_dp_is_accounted() -> None:
+    r = subprocess.run([sys.executable, "-c", _NO_SCIPY], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert lines[-1] == "leaked: []", r.stdout
+    assert lines[0].startswith("the privacy accountant needs SciPy, which is not installed: pip install '")
+    assert "[privacy]'" in lines[0], lines[0]

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +19,10 @@ import pytest
 
 from dfl_agent.privacy.accountant import rdp_epsilon
 from dfl_agent.privacy.plan import RunPlan
-from dfl_agent.runtime.config import config_from_dict
-from dfl_agent.runtime.descriptor import RunDescriptor
-from dfl_agent.runtime.privacy_budget import PrivacyBudget, PrivacyLedger, deployment_privacy
+from dfl_agent.runtime.service.privacy_budget import PrivacyBudget, PrivacyLedger, deployment_privacy
+from dfl_agent.runtime.service.supervisor import RunProgress
+from dfl_agent.runtime.shared.config import config_from_dict
+from dfl_agent.runtime.shared.descriptor import RunDescriptor
 
 
 def _plan(sigma: float, q: float, steps: int) -> RunPlan:
@@ -55,7 +57,7 @@ def test_ledger_reserves_settles_and_survives_a_reopen(tmp_path: Path) -> None:
 
 
 def _store_cfg(tmp_path: Path, privacy: dict, n: int = 400, rounds: int = 5):
-    from dfl_agent.runtime.sample_store import open_store
+    from dfl_agent.runtime.shared.sample_store import open_store
 
     cfg = config_from_dict({"state_dir": str(tmp_path), "algorithm": {"name": "local", "rounds": rounds},
                             "training": {"batch_size": 20, "steps": 4},
@@ -129,7 +131,7 @@ def test_delta_not_below_one_over_n_is_declined(tmp_path: Path) -> None:
     cfg, store = _store_cfg(tmp_path, {"dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0, "delta": 0.05}}, n=60)
     reason = PrivacyBudget(cfg, get_profile("generic-x86"), store).admit(_run("a"))
     assert reason == "privacy: privacy.dp.delta: 0.05 is not below 1/N for this device's training samples"
-    from dfl_agent.runtime.privacy_budget import public_reason
+    from dfl_agent.runtime.service.privacy_budget import public_reason
 
     assert public_reason("privacy.dp.target_epsilon: no noise multiplier up to 1000 keeps the run's epsilon at or "
                          "below 0.01 (100 steps at sampling rate 0.1, delta 1e-05)") == \
@@ -159,8 +161,8 @@ def test_admission_loads_no_torch(tmp_path: Path) -> None:
         from pathlib import Path
         from test_privacy_budget import _run, _store_cfg
         from dfl_agent.profiles import get_profile
-        from dfl_agent.runtime.admission import admit
-        from dfl_agent.runtime.privacy_budget import PrivacyBudget
+        from dfl_agent.runtime.service.admission import admit
+        from dfl_agent.runtime.service.privacy_budget import PrivacyBudget
         cfg, store = _store_cfg(Path({str(tmp_path)!r}), {{"dp": {{"max_grad_norm": 1.0, "target_epsilon": 2.0}}}})
         profile = get_profile("generic-x86")
         d = _run("a")
@@ -174,30 +176,57 @@ def test_admission_loads_no_torch(tmp_path: Path) -> None:
     assert PrivacyLedger(tmp_path).get("a")["state"] == "reserved"
 
 
+class _OnceAgent:
+    """The run process of ``--once``'s run, cut to what the privacy budget sees: it appends five
+    round records of 4 DP steps each to the node's metrics file and finishes."""
+
+    def __init__(self, cfg, config_path, *, on_state, **kw):
+        self.cfg, self.on_state = cfg, on_state
+        self.outcome, self.snapshot, self.data_shape, self.crash, self.error = "starting", None, None, None, ""
+        self.progress = RunProgress("n", "f", {"round": 5})
+
+    async def run(self, stop):
+        with (Path(self.cfg.state_dir) / "metrics.jsonl").open("a") as f:
+            f.write("".join(json.dumps({"round": t, "dp_steps": 4}) + "\n" for t in range(1, 6)))
+        self.outcome = "finished"
+        self.on_state("trained")
+        return 0
+
+
 def test_run_once_is_admitted_reserved_and_settled(tmp_path: Path) -> None:
-    """``dfl-agent run --once`` has no run manager: :class:`OnceBudget` reserves its plan (or
-    declines it: exit code 2) and settles it from the records it appended to the metrics file."""
-    from dfl_agent.runtime.assembly import StartupError
-    from dfl_agent.runtime.privacy_budget import OnceBudget
+    """``dfl-agent run --once`` goes through the run manager (a queue of one run): admission
+    reserves its plan (or declines it: exit code 2), and the ledger settles it from the records
+    it appended to the node's metrics file."""
+    import asyncio
+
+    from dfl_agent.runtime.service.run_manager import build_run_manager
+    from dfl_agent.runtime.shared.assembly import StartupError
 
     cfg, store = _store_cfg(tmp_path, {"lifetime_epsilon": 6.0, "dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0}})
     store.close()
+    cfg.model.spec = {"type": "mlp", "input_shape": [3, 4], "hidden": [8], "num_classes": 2}  # fits the (3, 4) windows
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text(json.dumps({"round": 9, "dp_steps": 99}) + "\n")  # an earlier run's record
-    once = OnceBudget(cfg, "once-1")
-    once.admit()
-    assert PrivacyLedger(tmp_path).get("once-1")["state"] == "reserved"
-    with metrics.open("a") as f:
-        f.write("".join(json.dumps({"round": t, "dp_steps": 4}) + "\n" for t in range(1, 6)))
-    once.end("finished")
-    row = PrivacyLedger(tmp_path).get("once-1")
+
+    def once() -> str:
+        m = build_run_manager(cfg, None, once=True, agent_factory=_OnceAgent)
+        assert asyncio.run(m.run_once(asyncio.Event())) == 0
+        (rid,) = [r for r in m.ledger.entries if r not in seen]
+        seen.add(rid)
+        return rid
+
+    seen: set[str] = set()
+    rid = once()
+    row = PrivacyLedger(tmp_path).get(rid)
     assert (row["state"], row["steps"]) == ("spent", 20)
-    with pytest.raises(StartupError, match=r"^run once-\d declined: privacy budget: the run would spend"):
-        for i in range(2, 9):
-            OnceBudget(cfg, f"once-{i}").admit()
-    off = config_from_dict({"state_dir": str(tmp_path / "off")})
-    OnceBudget(off, "x").admit()  # no DP: nothing opened, nothing written
-    assert not (tmp_path / "off" / "privacy").exists()
+    with pytest.raises(StartupError, match=r"^run \S+ declined: privacy budget: the run would spend"):
+        for _ in range(2, 9):
+            time.sleep(1.0)  # --once's run ids are its start's second
+            once()
+    off = config_from_dict({"state_dir": str(tmp_path / "off"), "algorithm": {"name": "local", "rounds": 5},
+                            "data": {"dataset": "digits"}})
+    assert asyncio.run(build_run_manager(off, None, once=True, agent_factory=_OnceAgent).run_once(asyncio.Event())) == 0
+    assert not (tmp_path / "off" / "privacy").exists()  # no DP: nothing opened, nothing written
 
 
 @pytest.mark.parametrize("at", ["admitted:after", "training:after", "trained:after", "recorded:before"])
@@ -208,7 +237,7 @@ def test_a_crash_mid_run_never_under_counts(tmp_path: Path, at: str) -> None:
     plan's steps)."""
     import asyncio
 
-    from dfl_agent.runtime.descriptor import RunDescriptor as Run
+    from dfl_agent.runtime.shared.descriptor import RunDescriptor as Run
     from tests.unit import test_run_crash as rc
     from tests.unit.test_run_manager import manager
 
@@ -227,7 +256,7 @@ def test_a_crash_mid_run_never_under_counts(tmp_path: Path, at: str) -> None:
 
     d = Run(run_id="r1", federation="f", algorithm="fedavg", rounds=2, min_members=2)
     with pytest.MonkeyPatch.context() as mp:
-        import dfl_agent.runtime.run_manager as rm
+        import dfl_agent.runtime.service.run_manager as rm
 
         mp.setattr(rm, "crash_point", point)
         m = make()
@@ -249,17 +278,58 @@ def test_a_crash_mid_run_never_under_counts(tmp_path: Path, at: str) -> None:
 def test_run_once_counts_spool_files_that_are_still_settling(tmp_path: Path) -> None:
     """A spool file younger than the store's settle time is left for a later pass, but the run
     finds it: ``run --once`` admitted right after the feed dropped its files (N = 0 then)
-    declined with "no samples to train on". It now waits for them to settle and counts them."""
-    from dfl_agent.runtime.privacy_budget import OnceBudget
+    declined with "no samples to train on". It waits for them to settle and counts them."""
+    import asyncio
+
+    from dfl_agent.runtime.service.run_manager import build_run_manager
     from tests.system.test_store_agent import SHAPE, drop
 
     cfg = config_from_dict({
         "federation": "f", "node_id": "dev1", "state_dir": str(tmp_path), "algorithm": {"name": "local", "rounds": 2},
-        "data": {"dataset": "store", "input_shape": list(SHAPE), "num_classes": 4},
+        "data": {"dataset": "store", "input_shape": list(SHAPE), "num_classes": 4}, "model": {"size": "small"},
         "privacy": {"dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0}},
     })
     for i in range(3):
         drop(tmp_path / "spool", f"a{i}.npz", 60, i)  # just written: younger than the settle time
-    OnceBudget(cfg, "once-1").admit()  # before: StartupError "... no samples to train on (N = 0)"
-    row = PrivacyLedger(tmp_path).get("once-1")
-    assert row["state"] == "reserved" and 0 < row["sample_rate"] < 1
+    m = build_run_manager(cfg, None, once=True, agent_factory=_OnceAgent)
+    assert asyncio.run(m.run_once(asyncio.Event())) == 0  # before: "... no samples to train on (N = 0)"
+    (row,) = PrivacyLedger(tmp_path).entries()
+    assert row["state"] == "spent" and 0 < row["sample_rate"] < 1
+
+@pytest.mark.parametrize("privacy, profile_privacy", [
+    ({"lifetime_epsilon": 10.0, "dp": {"max_grad_norm": 1.0, "target_epsilon": 12.0}}, None),
+    ({"dp": {"max_grad_norm": 1.0, "target_epsilon": 5.0}}, {"lifetime_epsilon": 4.0}),  # the profile's budget
+])
+def test_check_config_refuses_a_target_epsilon_above_the_lifetime_budget(tmp_path: Path, capsys, privacy,
+                                                                         profile_privacy) -> None:
+    """A per-run target ε above the lifetime budget: every run would be declined at admission,
+    so check-config (and run) exit 2 naming the key, in the admission's own words."""
+    import tomli_w
+
+    from dfl_agent.privacy.config import DPConfig, PrivacyConfig
+    from dfl_agent.profiles import get_profile
+    from dfl_agent.runtime.service.daemon import main
+
+    raw = {"federation": "f", "state_dir": str(tmp_path / "state"), "algorithm": {"name": "local", "rounds": 5},
+           "data": {"dataset": "store", "input_shape": [3, 4], "num_classes": 2}, "privacy": privacy}
+    if profile_privacy:
+        raw["profile_overrides"] = {"privacy": profile_privacy}
+    path = tmp_path / "node.toml"
+    path.write_text(tomli_w.dumps(raw))
+    assert main(["check-config", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "privacy.dp.target_epsilon: " in err and "every run would be declined" in err, err
+    assert not (tmp_path / "state").exists()
+    # admission applies the same rule, and says the same
+    cfg, store = _store_cfg(tmp_path, {"dp": {"max_grad_norm": 1.0, "target_epsilon": 2.0}})
+    budget = PrivacyBudget(cfg, get_profile("generic-x86"), store)
+    life = profile_privacy["lifetime_epsilon"] if profile_privacy else privacy["lifetime_epsilon"]
+    budget.config = PrivacyConfig(DPConfig(max_grad_norm=1.0, target_epsilon=privacy["dp"]["target_epsilon"]), life)
+    reason = budget.admit(_run("a"))
+    assert reason is not None and reason.startswith("privacy budget: privacy.dp.target_epsilon: ")
+    assert reason.removeprefix("privacy budget: ") in err and budget.ledger.get("a") is None
+    # at the budget, check-config passes (a first run can fit)
+    raw["privacy"] = {"lifetime_epsilon": 5.0, "dp": {"max_grad_norm": 1.0, "target_epsilon": 5.0}}
+    raw.pop("profile_overrides", None)
+    path.write_text(tomli_w.dumps(raw))
+    assert main(["check-config", "--config", str(path)]) == 0

@@ -70,7 +70,7 @@ def test_node_config_wins_key_by_key() -> None:
 
 # -- the node configuration and the device profile ------------------------------------------------
 def test_node_config_validates_privacy_with_the_profile() -> None:
-    from dfl_agent.runtime.config import ConfigError, config_from_dict, dump_toml
+    from dfl_agent.runtime.shared.config import ConfigError, config_from_dict, dump_toml
 
     cfg = config_from_dict({"privacy": {"lifetime_epsilon": 6, "dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.1}}})
     assert parse_privacy(cfg.privacy, "privacy") == PrivacyConfig(DPConfig(1.0, noise_multiplier=1.1), 6.0)
@@ -106,7 +106,7 @@ def test_bad_privacy_config_exits_2_naming_the_key(tmp_path) -> None:
 
     cfg = tmp_path / "node.toml"
     cfg.write_text(f'state_dir = "{tmp_path}"\n[privacy.dp]\nmax_grad_norm = 0\nnoise_multiplier = 1.0\n')
-    r = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.daemon", "check-config", "--config", str(cfg)],
+    r = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "check-config", "--config", str(cfg)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert "privacy.dp.max_grad_norm: must be > 0, got 0" in r.stderr and "Traceback" not in r.stderr

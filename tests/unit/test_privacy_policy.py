@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from dfl_agent.privacy.policy import DP_SUPPORT, TREATMENTS, check_dp_combination, dp_enabled, redact_status
+from dfl_agent.algorithms.base import available, check_dp_combination, get_algorithm
+from dfl_agent.privacy.policy import TREATMENTS, dp_enabled, redact_status
+
+#: every registered algorithm's DP declaration (Traits.dp)
+DP_SUPPORT = {name: get_algorithm(name).traits.dp for name in available()}
 
 
-def test_every_registered_algorithm_is_in_the_table():
-    from dfl_agent.algorithms.base import available
-
-    assert set(available()) == set(DP_SUPPORT), "add the algorithm to dfl_agent.privacy.policy.DP_SUPPORT"
+def test_every_registered_algorithm_declares_its_dp_support():
+    missing = [name for name, support in DP_SUPPORT.items() if support is None]
+    assert missing == [], "declare Traits(dp=...) on the algorithm's class"
     for support in DP_SUPPORT.values():
         assert all(t in TREATMENTS for t, _ in support.messages.values())
 
@@ -85,8 +88,8 @@ def _federation(algorithm, dp, n=3, **options):
     from dfl_agent.algorithms.base import get_algorithm, parse_options
     from dfl_agent.discovery.peers import PeerTable
     from dfl_agent.learning.training import TrainConfig
-    from dfl_agent.runtime.context import RuntimeContext
-    from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node.context import RuntimeContext
+    from dfl_agent.runtime.node.node import Node
     from dfl_agent.transport.memory import MemoryNetwork
     from tests.unit.toy import SPEC, toy_data
 
@@ -166,7 +169,7 @@ def test_dfml_under_dp_uses_uniform_class_proportions():
 
 
 def test_node_config_refuses_an_uncovered_algorithm_under_dp_in_one_line():
-    from dfl_agent.runtime.config import ConfigError, config_from_dict
+    from dfl_agent.runtime.shared.config import ConfigError, config_from_dict
 
     dp = {"dp": {"max_grad_norm": 1.0, "target_epsilon": 8.0}}
     with pytest.raises(ConfigError) as err:
@@ -218,10 +221,10 @@ def test_admission_declines_a_run_of_an_uncovered_algorithm_under_dp(tmp_path):
     import numpy as np
 
     from dfl_agent.profiles import get_profile
-    from dfl_agent.runtime.config import config_from_dict
-    from dfl_agent.runtime.descriptor import RunDescriptor
-    from dfl_agent.runtime.privacy_budget import PrivacyBudget
-    from dfl_agent.runtime.sample_store import open_store
+    from dfl_agent.runtime.service.privacy_budget import PrivacyBudget
+    from dfl_agent.runtime.shared.config import config_from_dict
+    from dfl_agent.runtime.shared.descriptor import RunDescriptor
+    from dfl_agent.runtime.shared.sample_store import open_store
 
     cfg = config_from_dict({"state_dir": str(tmp_path), "algorithm": {"name": "local", "rounds": 2},
                             "training": {"batch_size": 20, "steps": 4},

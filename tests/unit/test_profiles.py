@@ -24,7 +24,7 @@ from dfl_agent.profiles import (
 )
 from dfl_agent.profiles.detect import Facts
 from dfl_agent.profiles.gating import in_windows
-from dfl_agent.runtime.config import ConfigError, config_from_dict
+from dfl_agent.runtime.shared.config import ConfigError, config_from_dict
 
 # -- fakes at the hardware edge -----------------------------------------------------------
 
@@ -272,8 +272,8 @@ def test_battery_drop_stops_training_within_one_round_and_status_says_why():
     from dfl_agent.discovery.peers import PeerTable
     from dfl_agent.learning.training import TrainConfig
     from dfl_agent.models import default_spec
-    from dfl_agent.runtime.context import RuntimeContext
-    from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node.context import RuntimeContext
+    from dfl_agent.runtime.node.node import Node
     from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
     bundle = load_dataset("digits")
@@ -302,7 +302,7 @@ def test_battery_drop_stops_training_within_one_round_and_status_says_why():
         async def drain_battery(t, record):
             if t == 2:
                 battery.battery = (10, False)
-        nodes[1].after_round.append(drain_battery)
+        nodes[1].hooks.after_round.append(drain_battery)
 
         async def watch():
             while nodes[1].ctx.gated is None:
@@ -341,7 +341,7 @@ def test_config_pins_profiles_and_names_bad_keys():
 
 
 def test_daemon_applies_profile():
-    from dfl_agent.runtime.assembly import apply_profile
+    from dfl_agent.runtime.shared.assembly import apply_profile
 
     cfg = config_from_dict({"profile": "raspberry-pi-4", "algorithm": {"name": "dfml"}})
     prof, beh = apply_profile(cfg, "dfml")
@@ -371,7 +371,7 @@ def test_sensor_gateway_sends_but_never_aggregates(tmp_path):
     import json
 
     from dfl_agent.learning.training import TrainConfig
-    from dfl_agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.runtime.node.simulator import SimConfig, simulate
 
     s = simulate(SimConfig(algorithm="dfml", nodes=3, rounds=2, dataset="digits", partition="iid",
                            profiles=["sensor-gateway", "x86-cpu"], options={"mutual_epochs": 1},

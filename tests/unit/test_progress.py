@@ -72,7 +72,7 @@ def test_simulate_json_stdout_stays_clean_and_progress_goes_to_stderr(capsys):
 
 def test_killed_nodes_do_not_stall_progress():
     pytest.importorskip("torch")
-    from dfl_agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.runtime.node.simulator import SimConfig, simulate
 
     ticks: list[tuple[int, float | None]] = []
     simulate(SimConfig(nodes=3, rounds=3, dataset="iris", partition="iid", kill={1: 2}, model_size="small"),

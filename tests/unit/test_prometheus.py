@@ -13,9 +13,11 @@ from dfl_agent.data import load_dataset, node_data_for  # noqa: E402
 from dfl_agent.discovery.peers import PeerTable  # noqa: E402
 from dfl_agent.learning.training import TrainConfig  # noqa: E402
 from dfl_agent.models import default_spec  # noqa: E402
-from dfl_agent.runtime.context import RuntimeContext  # noqa: E402
-from dfl_agent.runtime.node import Node  # noqa: E402
-from dfl_agent.runtime.prometheus import PrometheusExporter  # noqa: E402
+from dfl_agent.runtime.node.context import RuntimeContext  # noqa: E402
+from dfl_agent.runtime.node.node import Node  # noqa: E402
+from dfl_agent.runtime.service.prometheus import PrometheusExporter, ServiceCollector  # noqa: E402
+from dfl_agent.runtime.service.supervisor import RunProgress  # noqa: E402
+from dfl_agent.runtime.shared.pipe import RunCounters  # noqa: E402
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual  # noqa: E402
 
 
@@ -36,7 +38,12 @@ def test_metrics_endpoint():
         await ctx.stop()
 
     run_virtual(main())
-    exp = PrometheusExporter(node, 0, "127.0.0.1", checkpoint_round=lambda: 2).start()
+    # what the service knows of the node from its run process's status report
+    c = ctx.counters()
+    progress = RunProgress("p0", "f", node.status(), RunCounters(c["bytes_sent"], c["bytes_received"], c["dropped"],
+                                                                 c["diverged"]), tuple(ctx.live_peers()), 2)
+    collector = ServiceCollector("p0", "f", lambda: progress, lambda: {"state": "training", "run": None})
+    exp = PrometheusExporter(0, "127.0.0.1", collector).start()
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{exp.port}/metrics", timeout=10).read().decode()
     finally:

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from dfl_agent.cli import gen_reference as g
-from dfl_agent.runtime import config as cfgmod
+from dfl_agent.runtime.shared import config as cfgmod
 
 
 def test_every_config_field_has_a_description() -> None:

@@ -101,7 +101,7 @@ def test_width_scaled_members_are_slices_of_the_largest():
 
 
 def test_dfml_mixes_the_resnet_widths_in_the_simulator():
-    from dfl_agent.runtime.simulator import SimConfig, simulate
+    from dfl_agent.runtime.node.simulator import SimConfig, simulate
 
     # 3 nodes hold the width rates 1/4, 1/8, 1/16 (the larger ones are covered above);
     # 2 rounds, K = 1 to keep it short

@@ -18,11 +18,11 @@ from dfl_agent.data import load_dataset, node_data_for
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.training import TrainConfig
 from dfl_agent.models import default_spec, spec_hash
-from dfl_agent.runtime.checkpoint import CheckpointStore, NodeCheckpointer
-from dfl_agent.runtime.context import RuntimeContext
-from dfl_agent.runtime.metrics import end_torn_line as _end_torn_line
-from dfl_agent.runtime.metrics import written_rounds
-from dfl_agent.runtime.node import Node
+from dfl_agent.runtime.node.checkpoint import CheckpointStore, NodeCheckpointer
+from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.node.metrics import end_torn_line as _end_torn_line
+from dfl_agent.runtime.node.metrics import written_rounds
+from dfl_agent.runtime.node.node import Node
 from dfl_agent.transport.memory import MemoryNetwork
 
 ROUNDS = 3
@@ -47,7 +47,7 @@ def _node(tmp_path, metrics, background=True):
                 rounds=ROUNDS, sink=sink, eval_background=background)
     ck = NodeCheckpointer(CheckpointStore(tmp_path / "checkpoints"), node.algorithm, ctx, spec_hash(spec),
                           pending=node.pending_records)
-    node.checkpoint = ck.save_async
+    node.hooks.checkpoint = ck.save_async
     return node, ck
 
 
@@ -60,7 +60,7 @@ def test_a_record_lost_after_its_checkpoint_is_written_at_resume(tmp_path, backg
     metrics = tmp_path / "metrics.jsonl"
     node, ck = _node(tmp_path, metrics, background)
     order = []  # (event, round): checkpoints saved and records written, in order
-    save = node.checkpoint
+    save = node.hooks.checkpoint
 
     async def checkpoint(t):
         await save(t)
@@ -72,7 +72,7 @@ def test_a_record_lost_after_its_checkpoint_is_written_at_resume(tmp_path, backg
         order.append(("record", record["round"]))
         inner_sink(record)
 
-    node.checkpoint, node.sink = checkpoint, sink
+    node.hooks.checkpoint, node.sink = checkpoint, sink
 
     async def main():
         await node.ctx.start()

@@ -13,7 +13,7 @@ from dfl_agent.learning.robust import (
     trimmed_mean,
 )
 from dfl_agent.learning.training import TrainConfig
-from dfl_agent.runtime.simulator import SimConfig, simulate
+from dfl_agent.runtime.node.simulator import SimConfig, simulate
 
 
 def _m(*vals, dtype=np.float32):
@@ -99,7 +99,7 @@ def _blown_up(aggregation: str, compression: str) -> dict[str, list[dict]]:
     round records, in round order."""
     import torch
 
-    from dfl_agent.runtime.simulator import round_records
+    from dfl_agent.runtime.node.simulator import round_records
 
     cfg = SimConfig(algorithm="fedavg", nodes=4, rounds=16, dataset="digits", partition="iid", model_size="small",
                     straggler="quorum", compression=compression, options={"aggregation": aggregation},

@@ -12,9 +12,9 @@ from dfl_agent.data import load_dataset, node_data_for
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.training import TrainConfig
 from dfl_agent.models import default_spec
-from dfl_agent.runtime.config import ConfigError, config_from_dict
-from dfl_agent.runtime.context import RuntimeContext
-from dfl_agent.runtime.node import Node
+from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.node.node import Node
+from dfl_agent.runtime.shared.config import ConfigError, config_from_dict
 from dfl_agent.transport.memory import MemoryNetwork
 
 SLOW_EVAL = 1.5  # seconds every evaluation is made to take

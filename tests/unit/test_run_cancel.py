@@ -1,4 +1,4 @@
-"""Cancel stays cancelled, and runs expire (dfl_agent.runtime.descriptor, ledger, lobby,
+"""Cancel stays cancelled, and runs expire (dfl_agent.runtime.shared.descriptor, ledger, lobby,
 run_manager): operator-signed cancel records, the ledger's cancelled ids, a replayed
 submission refused, ``not_after`` - a real lobby, verifier, ledger and run manager,
 fed the messages a broker would deliver (no MQTT connection)."""
@@ -11,8 +11,11 @@ from types import SimpleNamespace
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.profiles import resolve_profile
-from dfl_agent.runtime.config import config_from_dict
-from dfl_agent.runtime.descriptor import (
+from dfl_agent.runtime.service.ledger import RunLedger
+from dfl_agent.runtime.service.lobby import RunLobby
+from dfl_agent.runtime.service.run_manager import RunManager
+from dfl_agent.runtime.shared.config import config_from_dict
+from dfl_agent.runtime.shared.descriptor import (
     RunDescriptor,
     RunVerifier,
     cancel_topic,
@@ -21,9 +24,6 @@ from dfl_agent.runtime.descriptor import (
     sign_cancel,
     sign_descriptor,
 )
-from dfl_agent.runtime.ledger import RunLedger
-from dfl_agent.runtime.lobby import RunLobby
-from dfl_agent.runtime.run_manager import RunManager
 from dfl_agent.security.keys import issue_certificate, public_key_b64
 from dfl_agent.security.trust import SeqCounter
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from dfl_agent.deploy import ModelStore
-from dfl_agent.runtime.descriptor import RunDescriptor
+from dfl_agent.runtime.service.supervisor import RunProgress, switch_current
+from dfl_agent.runtime.shared.descriptor import RunDescriptor
 from tests.unit.test_run_manager import Lobby, manager
 
 torch = pytest.importorskip("torch")
@@ -32,10 +33,11 @@ class MembersLobby(Lobby):
 class DeployingAgent:
     """Trains nothing (a marker file in the run folder stands for the final checkpoint, the
     trainings are counted), then deploys a real model through the real deployment step
-    (:func:`dfl_agent.runtime.deployment.deploy_after_run`): the gate on a validation slice,
+    (:func:`dfl_agent.runtime.run.deployment.deploy_after_run`): the gate on a validation slice,
     the model files, the versions folder."""
 
     trainings = 0
+    host = None  # one process: no supervisor
 
     def __init__(self, cfg, config_path, *, run, run_dir, on_state, **kw):
         from dfl_agent.models import build_model, default_spec
@@ -54,10 +56,11 @@ class DeployingAgent:
                                                               name="fedavg"),
                                     history=[{"round": 1}], status=lambda: {"round": 1}, ctx=self.ctx,
                                     last_round=lambda: 1)
+        self.progress = RunProgress("n", "f", {"round": 1})  # what the supervisor knows of it
 
     async def run(self, stop):
         from dfl_agent.fsutil import atomic_write
-        from dfl_agent.runtime.deployment import deploy_after_run
+        from dfl_agent.runtime.run.deployment import deploy_after_run
 
         done = self.run_dir / "trained.marker"
         if not done.exists():  # the rounds (the checkpoint says all are done after a restart)
@@ -68,6 +71,8 @@ class DeployingAgent:
         self.on_state("deploying")
         res = await deploy_after_run(self, self.spec, (3, 16))
         self.on_state("deployed" if res["deployed"] else "kept")
+        if res["deployed"]:  # the supervisor's part once the ledger recorded it: switch current
+            switch_current(self.cfg, None, self.run_desc.run_id, res["version"])
         return 0
 
 
@@ -75,7 +80,7 @@ class DeployingAgent:
 def crash_at(monkeypatch):
     """``crash_at("deploying:mid")``: the crash switch raises :class:`Crash` at that point."""
     import dfl_agent.deploy.versions as versions
-    import dfl_agent.runtime.run_manager as rm
+    import dfl_agent.runtime.service.run_manager as rm
 
     target = {"at": None}
 
@@ -168,7 +173,7 @@ def test_a_crash_as_a_run_is_declined_or_cancelled_leaves_it_so(tmp_path, crash_
 def test_every_state_is_in_the_ledger_before_it_takes_effect(tmp_path, monkeypatch):
     """At each crash point "before", the manager is still in the previous state; "after", the
     ledger already holds the new one while the manager has not moved yet."""
-    import dfl_agent.runtime.run_manager as rm
+    import dfl_agent.runtime.service.run_manager as rm
 
     seen = []
     m = _manager(tmp_path)

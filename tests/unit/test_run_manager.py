@@ -1,4 +1,4 @@
-"""The run manager (dfl_agent.runtime.run_manager): its states, one method per transition,
+"""The run manager (dfl_agent.runtime.service.run_manager): its states, one method per transition,
 and what each end of a run writes to the ledger - driven step by step with a stand-in lobby
 and agent (no MQTT, no torch)."""
 
@@ -8,11 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from dfl_agent.runtime.config import config_from_dict
-from dfl_agent.runtime.descriptor import RunDescriptor
-from dfl_agent.runtime.ledger import RunLedger
-from dfl_agent.runtime.lobby import RunQueue
-from dfl_agent.runtime.run_manager import STATES, TRANSITIONS, IllegalTransition, RunHooks, RunManager
+from dfl_agent.runtime.service.ledger import RunLedger
+from dfl_agent.runtime.service.lobby import RunQueue
+from dfl_agent.runtime.service.run_manager import STATES, TRANSITIONS, IllegalTransition, RunHooks, RunManager
+from dfl_agent.runtime.shared.config import config_from_dict
+from dfl_agent.runtime.shared.descriptor import RunDescriptor
+from dfl_agent.runtime.shared.run_config import CANCEL_LATE
 
 
 class Lobby:
@@ -23,6 +24,7 @@ class Lobby:
         self.on_cancel = None
         self.verifier = SimpleNamespace(refused={})
         self.published = []
+        self.client = None  # not connected: the announcement of a deployed model is skipped
 
     def run(self, run_id):
         return self.queue.runs.get(run_id)
@@ -58,7 +60,7 @@ class Agent:
 
     def __init__(self, cfg, config_path, *, on_state, deployed=True, **kw):
         self.cfg, self.on_state, self.kw = cfg, on_state, kw
-        self.outcome, self.node, self.snapshot, self.data_shape = "starting", None, None, None
+        self.outcome, self.progress, self.snapshot, self.data_shape = "starting", None, None, None
         self.deployed = deployed
 
     async def run(self, stop):
@@ -159,7 +161,7 @@ def test_a_published_run_with_a_bad_setting_fails_and_the_agent_stays_up(tmp_pat
 
 
 def test_the_default_run_with_a_bad_setting_still_stops_the_agent(tmp_path):
-    from dfl_agent.runtime.assembly import StartupError
+    from dfl_agent.runtime.shared.assembly import StartupError
 
     m = manager(tmp_path)
     d = RunDescriptor(run_id="d-1", federation="f", algorithm="fedavg", rounds=1, training={"no_such_key": 1},
@@ -218,3 +220,64 @@ def test_a_member_back_from_a_power_cut_finishes_a_run_its_members_ended(tmp_pat
     (m.ledger.run_dir("r1") / "metrics.jsonl").write_text('{"round": 1}\n')
     assert asyncio.run(m.wait_for_members(d, asyncio.Event())) is False
     assert m.ledger.entries["r1"]["state"] == "failed"
+
+
+class CancelledAt(Agent):
+    """Reports its states like :class:`Agent`; the operator's cancel reaches the node (the
+    lobby's cancel hook, as a cancel record does) after ``at``: ``"round"`` (a round in
+    progress) or ``"deploying"`` (its last round done, the model being deployed)."""
+
+    at = "deploying"
+
+    def __init__(self, *a, lobby, **kw):
+        super().__init__(*a, **kw)
+        self.lobby, self.stopped = lobby, None
+
+    async def cancel(self, stop):
+        d = self.lobby.queue.runs["r9"]
+        self.lobby.queue.runs["r9"] = RunDescriptor(**{**d.__dict__, "cancelled": True})
+        self.lobby.on_cancel("r9")  # on the lobby's MQTT thread in the agent
+        await asyncio.sleep(0.05)
+        self.stopped = stop.is_set()  # the supervisor SIGTERMs a run process on it
+
+    async def run(self, stop):
+        if self.at == "round":
+            await self.cancel(stop)
+            self.outcome = "stopped"  # the run process left its rounds
+            return 0
+        self.outcome = "finished"
+        self.on_state("trained")
+        self.on_state("deploying")
+        await self.cancel(stop)
+        if stop.is_set():  # a run process killed while it deploys: no model
+            return 0
+        self.on_state("deployed")
+        return 0
+
+
+def test_a_cancel_after_the_last_round_is_refused_and_the_run_deployed_and_recorded_finished(tmp_path):
+    agents = []
+    m = manager(tmp_path)
+    m.agent_factory = lambda *a, **kw: agents.append(CancelledAt(*a, lobby=m.lobby, **kw)) or agents[-1]
+    d = RunDescriptor(run_id="r9", federation="f", algorithm="fedavg", rounds=40)
+    m.lobby.queue.offer(d)
+    assert m.admit(d) and asyncio.run(m.train(d, asyncio.Event())) is True
+    assert agents[0].stopped is False  # not stopped: the model is deployed
+    entry = m.ledger.entries["r9"]
+    assert (entry["state"], entry["round"], entry["reason"]) == ("finished", 40, CANCEL_LATE)
+    assert m.info == {"id": "r9", "state": "finished", "round": 40, "reason": CANCEL_LATE}  # what its status says
+
+
+def test_a_cancel_during_a_round_stops_the_run_and_records_it_cancelled(tmp_path):
+    agents = []
+    m = manager(tmp_path)
+    m.agent_factory = lambda *a, **kw: agents.append(CancelledAt(*a, lobby=m.lobby, **kw)) or agents[-1]
+    CancelledAt.at = "round"
+    try:
+        d = RunDescriptor(run_id="r9", federation="f", algorithm="fedavg", rounds=40)
+        m.lobby.queue.offer(d)
+        assert m.admit(d) and asyncio.run(m.train(d, asyncio.Event())) is True
+    finally:
+        CancelledAt.at = "deploying"
+    assert agents[0].stopped is True
+    assert m.ledger.state("r9") == "cancelled" and m.info["state"] == "cancelled"

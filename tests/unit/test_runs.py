@@ -1,4 +1,4 @@
-"""Runs (dfl_agent.runtime.descriptor, ledger, lobby, admission): queue order, recurrence, the ledger across restarts,
+"""Runs (dfl_agent.runtime.shared.descriptor, ledger, lobby, admission): queue order, recurrence, the ledger across restarts,
 who may submit, descriptor precedence over node.toml."""
 
 import json
@@ -7,17 +7,17 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.durations import parse_duration
-from dfl_agent.runtime.admission import admit
-from dfl_agent.runtime.config import config_from_dict
-from dfl_agent.runtime.descriptor import (
+from dfl_agent.runtime.service.admission import admit
+from dfl_agent.runtime.service.ledger import RunLedger, default_descriptor, next_recurring
+from dfl_agent.runtime.service.lobby import RunQueue
+from dfl_agent.runtime.shared.config import config_from_dict
+from dfl_agent.runtime.shared.descriptor import (
     RunDescriptor,
     RunVerifier,
     operator_certificate,
     recurring_run_id,
     sign_descriptor,
 )
-from dfl_agent.runtime.ledger import RunLedger, default_descriptor, next_recurring
-from dfl_agent.runtime.lobby import RunQueue
 from dfl_agent.security.keys import issue_certificate, public_key_b64
 
 
@@ -72,8 +72,11 @@ def test_finished_run_is_not_rerun_after_restart(tmp_path):
     RunLedger(tmp_path).set(a.run_id, "finished", 3)
     again = RunLedger(tmp_path)  # a "reboot": the ledger is read back from disk
     assert again.is_done(a.run_id) and again.entries[a.run_id]["round"] == 3
-    assert not (tmp_path / "runs" / "ledger.tmp").exists()
-    assert json.loads((tmp_path / "runs" / "ledger.json").read_text())[a.run_id]["state"] == "finished"
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "runs" / "ledger.sqlite") as con:  # on disk, in the ledger's own file
+        state, entry = con.execute("SELECT state, entry FROM runs WHERE run_id = ?", (a.run_id,)).fetchone()
+    assert state == "finished" and json.loads(entry)["round"] == 3
 
 
 def test_config_without_algorithm_section_has_no_default_run(tmp_path):
@@ -147,7 +150,7 @@ def test_admit_declines_with_the_reason():
 
 
 def test_descriptor_overrides_node_toml_and_members():
-    from dfl_agent.runtime.run_manager import StartupError, run_config_for
+    from dfl_agent.runtime.service.run_manager import StartupError, run_config_for
 
     cfg = config_from_dict({"training": {"lr": 0.1}, "algorithm": {"rounds": 5}})
     run = RunDescriptor(run_id="r", federation="default", algorithm="dechw", rounds=2, options={"round_timeout": 3},
@@ -165,8 +168,9 @@ def test_descriptor_overrides_node_toml_and_members():
 
 def test_admit_counts_the_models_parameters_against_memory_budget_mb():
     from dfl_agent.models import build_model, count_trainable, default_spec
+    from dfl_agent.models import param_count as spec_params
     from dfl_agent.profiles import resolve_profile
-    from dfl_agent.runtime.admission import run_model_params, spec_params
+    from dfl_agent.runtime.service.admission import run_model_params
 
     spec = default_spec([9, 128], 6, "medium")
     assert spec_params(spec) == count_trainable(build_model(spec))  # counted on the meta device, same figure
@@ -198,9 +202,9 @@ def test_admit_counts_the_models_parameters_against_memory_budget_mb():
 
 def test_run_model_family_reaches_the_model_build():
     from dfl_agent.models.families import FAMILIES, family_member, family_specs
-    from dfl_agent.runtime.assembly import model_spec_for
-    from dfl_agent.runtime.config import MODEL_FAMILIES, ConfigError
-    from dfl_agent.runtime.run_manager import StartupError, run_config_for
+    from dfl_agent.runtime.service.run_manager import StartupError, run_config_for
+    from dfl_agent.runtime.shared.assembly import model_spec_for
+    from dfl_agent.runtime.shared.config import MODEL_FAMILIES, ConfigError
 
     assert tuple(FAMILIES) == MODEL_FAMILIES
     cfg = config_from_dict({"model": {"size": "small"}, "algorithm": {"rounds": 5}})
@@ -224,10 +228,10 @@ def test_run_model_family_reaches_the_model_build():
 def test_default_run_recurs_when_k_new_samples_arrived_and_never_overlaps(tmp_path):
     import numpy as np
 
-    from dfl_agent.runtime.config import ConfigError
-    from dfl_agent.runtime.descriptor import sample_run_id
-    from dfl_agent.runtime.ledger import next_sample_triggered
-    from dfl_agent.runtime.sample_store import open_store
+    from dfl_agent.runtime.service.ledger import next_sample_triggered
+    from dfl_agent.runtime.shared.config import ConfigError
+    from dfl_agent.runtime.shared.descriptor import sample_run_id
+    from dfl_agent.runtime.shared.sample_store import open_store
 
     cfg = config_from_dict({"state_dir": str(tmp_path), "algorithm": {"rounds": 2, "every_samples": 50},
                             "data": {"dataset": "store", "input_shape": [3, 4], "num_classes": 2}})
@@ -344,7 +348,7 @@ def test_adam_training_stops_mid_round_when_its_run_is_stopped():
 def test_nodes_that_declined_a_run_are_not_waited_for():
     import sys
 
-    from dfl_agent.runtime.lobby import RunLobby
+    from dfl_agent.runtime.service.lobby import RunLobby
 
     lobby = RunLobby(config_from_dict({}), "me", RunVerifier("default", require_signatures=False))
     lobby.statuses = {"a": {"run": {"id": "r-1", "state": "accepted"}}, "b": {"state": "idle", "run": None}}
@@ -356,7 +360,7 @@ def test_nodes_that_declined_a_run_are_not_waited_for():
 
 
 def test_nodes_where_a_run_ended_after_training_are_known_to_a_late_joiner():
-    from dfl_agent.runtime.lobby import RunLobby
+    from dfl_agent.runtime.service.lobby import RunLobby
 
     lobby = RunLobby(config_from_dict({}), "me", RunVerifier("default", require_signatures=False))
     lobby.statuses = {"a": {"run": {"id": "r-1", "state": "deployed"}},
@@ -372,7 +376,7 @@ def test_nodes_where_a_run_ended_after_training_are_known_to_a_late_joiner():
 def test_a_run_its_members_train_past_round_one_is_too_late_to_join():
     # found in the field lab: a device started while run 0 was at round ~150 joined it from
     # round 1; every member then waited each round's whole deadline (30 s) for its updates
-    from dfl_agent.runtime.lobby import RunLobby
+    from dfl_agent.runtime.service.lobby import RunLobby
 
     lobby = RunLobby(config_from_dict({}), "me", RunVerifier("default", require_signatures=False))
     lobby.statuses = {"a": {"run": {"id": "r-1", "state": "training", "round": 1}},
@@ -382,3 +386,49 @@ def test_a_run_its_members_train_past_round_one_is_too_late_to_join():
     lobby.statuses["d"] = {"run": {"id": "r-1", "state": "training", "round": True}}  # not a round
     assert lobby.training_round("r-1") == 150
     assert lobby.late_for("r-1") == "the run was at round 150 on its members"
+
+
+def _node(state, rnd, reason=""):
+    return {"state": "idle", "run": {"id": "r1", "state": state, "round": rnd, "reason": reason}}
+
+
+def test_run_show_says_what_the_members_ledgers_say_also_after_a_late_cancel():
+    from dfl_agent.cli.cli_runs import already_finished, run_view
+    from dfl_agent.runtime.shared.run_config import CANCEL_LATE
+
+    msg = {"descriptor": {"run_id": "r1", "algorithm": "fedavg", "rounds": 40}, "cancel_record": True}
+    # the cancel reached every member after its last round: each refused it, deployed, recorded finished
+    statuses = {n: _node("finished", 40, CANCEL_LATE) for n in ("a", "b", "c")}
+    v = run_view("r1", msg, statuses)
+    assert v["state"] == "finished" and v["cancel_record"] is True
+    assert {n: (x["state"], x["round"], x["reason"]) for n, x in v["nodes"].items()} == \
+        {n: ("finished", 40, CANCEL_LATE) for n in "abc"}
+    assert already_finished(v) == "already finished on every member (a: finished round 40, b: finished round 40, " \
+                                  "c: finished round 40)"
+    statuses["c"] = _node("cancelled", 38, "cancelled by the operator")  # one member was still training
+    v = run_view("r1", msg, statuses)
+    assert v["state"] == "cancelled" and already_finished(v).startswith("already ended on every member")
+    statuses["c"] = _node("training", 39)  # still running somewhere: a cancel may stop it
+    assert already_finished(run_view("r1", {**msg, "cancel_record": False}, statuses)) is None
+    assert already_finished(run_view("r1", msg, {})) is None  # no member has it yet
+
+
+def test_run_submit_reads_each_devices_answer_from_its_status():
+    from dfl_agent.cli.cli_runs import run_answers
+
+    before = {n: {"unsigned": 1} for n in "abcdef"}
+    statuses = {
+        "a": _node("accepted", 0),
+        "b": {"state": "training", "run": {"id": "r0", "state": "training", "round": 3}, "runs_queued": ["r0", "r1"]},
+        "c": _node("declined", 0, "algorithm cfa not allowed by profile generic-x86"),
+        "d": {"state": "idle", "run": None, "runs_refused": {"unsigned": 1, "unknown_key": 1}},
+        "e": _node("declined", 0, "not a member of this run"),
+        "f": {"state": "idle", "run": None, "runs_refused": {"unsigned": 1}},  # not yet
+        "g": {"state": "idle", "run": None, "runs_refused": {"unknown_key": 4}},  # no baseline: unknown
+        "h": {"state": "idle", "run_history": {"r1": {"state": "finished", "round": 2}}},
+    }
+    assert run_answers("r1", statuses, before) == {
+        "a": {"answer": "accepted", "reason": ""}, "b": {"answer": "queued", "reason": "behind run r0"},
+        "c": {"answer": "declined", "reason": "algorithm cfa not allowed by profile generic-x86"},
+        "d": {"answer": "refused", "reason": "unknown_key"}, "e": {"answer": "not a member", "reason": ""},
+        "h": {"answer": "accepted", "reason": ""}}

@@ -11,8 +11,8 @@ from dfl_agent.algorithms.context import Message
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.params import model_to_numpy
 from dfl_agent.learning.training import TrainConfig
-from dfl_agent.runtime.context import RuntimeContext
-from dfl_agent.runtime.node import Node
+from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.node.node import Node
 from dfl_agent.transport import wire
 from dfl_agent.transport.memory import MemoryNetwork, SimulationDeadlock, run_virtual
 from tests.unit.toy import SPEC

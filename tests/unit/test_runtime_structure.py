@@ -13,7 +13,7 @@ MAX_FUNCTION_LINES = 80
 
 
 def _modules() -> list[Path]:
-    return sorted(RUNTIME.glob("*.py"))
+    return sorted(RUNTIME.rglob("*.py"))
 
 
 def _long_functions(path: Path) -> list[str]:

@@ -8,7 +8,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.algorithms.context import Message
-from dfl_agent.runtime.config import ConfigError, config_from_dict
+from dfl_agent.runtime.shared.config import ConfigError, config_from_dict
 from dfl_agent.security import SecurityError, SecurityGuard, TrustStore
 from dfl_agent.security.keys import (
     issue_certificate,
@@ -234,8 +234,8 @@ def _memory_federation(n, intruder):
     from dfl_agent.discovery.peers import PeerTable
     from dfl_agent.learning.params import model_to_numpy
     from dfl_agent.learning.training import TrainConfig
-    from dfl_agent.runtime.context import RuntimeContext
-    from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node.context import RuntimeContext
+    from dfl_agent.runtime.node.node import Node
     from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
     spec = {"type": "mlp", "input_shape": [4], "hidden": [8], "num_classes": 2}
@@ -352,7 +352,7 @@ def test_frames_prepared_off_the_loop_keep_every_rule():
     import threading
 
     from dfl_agent.discovery.peers import PeerTable
-    from dfl_agent.runtime.context import PreparedFrame, RuntimeContext
+    from dfl_agent.runtime.node.context import PreparedFrame, RuntimeContext
     from dfl_agent.transport.memory import MemoryNetwork
 
     ka, kb, kx = (Ed25519PrivateKey.generate() for _ in range(3))
@@ -394,3 +394,34 @@ def test_frames_prepared_off_the_loop_keep_every_rule():
         assert ctx._take("model", None, None) is None  # nothing else was buffered
 
     asyncio.run(main())
+
+
+def test_libsodium_signatures_are_cryptographys_and_both_verify(monkeypatch):
+    """The per-message signature engine (libsodium through PyNaCl) makes byte for byte the
+    signature cryptography (OpenSSL) makes, each verifies the other's, and a changed byte,
+    a changed key or a truncated signature fails - also through the guard."""
+    from cryptography.exceptions import InvalidSignature
+
+    from dfl_agent.security import keys
+
+    assert keys._sodium is not None  # PyNaCl is a dependency: the fast engine is the one in use
+    k, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    data = b'{"fed":"fedsec","round":7}'
+    sig = keys.signer(k)(data)
+    assert sig == k.sign(data)  # Ed25519 is deterministic: the same bytes
+    k.public_key().verify(sig, data)  # OpenSSL accepts libsodium's signature
+    verify = keys.verifier(k.public_key())
+    verify(k.sign(data), data)  # and libsodium OpenSSL's
+    for bad_sig, bad_data in ((sig, data.replace(b"7", b"8")), (sig[:63], data), (b"\0" * 64, data),
+                              (other.sign(data), data)):
+        with pytest.raises(InvalidSignature):
+            verify(bad_sig, bad_data)
+    trust = TrustStore(FED, {"a": public_key_b64(k), "o": public_key_b64(other)})
+    a, b = _guard("a", k, trust), _guard("b", other, trust, require_signatures=True)
+    monkeypatch.setattr(wire, "COMPRESS_HEADERS", False)  # to change one byte of the envelope
+    frame = _signed(a, rnd=3)
+    forged = frame.replace(b'"round":3', b'"round":4')
+    assert forged != frame and _check(b, forged) == "bad_signature"
+    assert _check(b, frame) is None
+    env = a.sign_control("status", {"state": "idle"})
+    assert b.verify_control(env, "status", "a")[0] == "a"

@@ -1,4 +1,4 @@
-"""The always-on agent's refusal and drop counters (dfl_agent.runtime.service_counters):
+"""The always-on agent's refusal and drop counters (dfl_agent.runtime.service.service_counters):
 in the status idle and while a run trains, and the same after a restart - with the real
 run manager, run lobby, verifier, node and state directory (no broker: the lobby's client
 records what it publishes)."""
@@ -12,12 +12,14 @@ from types import SimpleNamespace
 import numpy as np
 
 from dfl_agent.profiles import resolve_profile
-from dfl_agent.runtime.config import config_from_dict
-from dfl_agent.runtime.descriptor import RunDescriptor, RunVerifier
-from dfl_agent.runtime.ledger import RunLedger
-from dfl_agent.runtime.lobby import RunLobby
-from dfl_agent.runtime.run_manager import RunHooks, RunManager
-from dfl_agent.runtime.service_counters import COUNTERS_FILE, ServiceCounters, load_counters
+from dfl_agent.runtime.service.ledger import RunLedger
+from dfl_agent.runtime.service.lobby import RunLobby
+from dfl_agent.runtime.service.run_manager import RunHooks, RunManager
+from dfl_agent.runtime.service.service_counters import COUNTERS_FILE, ServiceCounters, load_counters
+from dfl_agent.runtime.service.supervisor import RunProgress
+from dfl_agent.runtime.shared.config import config_from_dict
+from dfl_agent.runtime.shared.descriptor import RunDescriptor, RunVerifier
+from dfl_agent.runtime.shared.pipe import RunCounters
 
 
 class Client:
@@ -47,8 +49,8 @@ def real_node():
     from dfl_agent.discovery.peers import PeerTable
     from dfl_agent.learning.training import TrainConfig
     from dfl_agent.models import default_spec
-    from dfl_agent.runtime.context import RuntimeContext
-    from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node.context import RuntimeContext
+    from dfl_agent.runtime.node.node import Node
     from dfl_agent.transport.memory import MemoryNetwork
 
     rng = np.random.default_rng(0)
@@ -62,18 +64,22 @@ def real_node():
 
 
 class TrainingAgent:
-    """Its run's node is a real one; while it "trains", the node's status is taken."""
+    """Its run's node is a real one; while it "trains", its status is reported to the
+    supervisor, which publishes it with the service's counters (as ChildRun does)."""
 
-    def __init__(self, cfg, config_path, *, on_state, **kw):
+    def __init__(self, cfg, config_path, *, on_state, lobby=None, **kw):
         self.on_state, self.outcome, self.snapshot, self.data_shape = on_state, "starting", None, None
-        self.node, self.service_status, self.seen = None, None, None
+        self.progress, self.service_status, self.seen, self.lobby = None, None, None, lobby
 
     async def run(self, stop):
-        self.node = node = real_node()
+        node = real_node()
         await node.setup()
-        node.service_status = self.service_status  # as the daemon's Agent hands it to its node
         node.ctx.rejected["presence_bad_signature"] += 2  # the run's transport dropped forged presences
-        self.seen = node.status()
+        c = node.ctx.counters()
+        self.progress = RunProgress("n", "f", node.status(), RunCounters(dropped=c["dropped"]))
+        if self.lobby is not None:  # the supervisor publishes the run's status with the service's counters
+            self.lobby.publish_run_status(self.progress.status, self.service_status())
+            self.seen = self.lobby.client.sent[-1]
         self.outcome = "finished"
         self.on_state("trained")
         return 0
@@ -110,7 +116,8 @@ def test_the_counters_are_in_every_status_and_survive_a_restart(tmp_path):
     seen = m.counters.view()
     assert seen == {"runs_refused": {"malformed": 1},
                     "control_dropped": {"presence_bad_signature": 2, "status_malformed": 1},
-                    "privacy": {"dp": False}}  # the privacy budget's field: no DP here
+                    "privacy": {"dp": False},  # the privacy budget's field: no DP here
+                    "signatures_required": False, "runs_queued": []}  # the lobby's: unsigned, nothing queued
     m.publish(force=True)
     after = m.lobby.client.sent[-1]
     assert after["runs_refused"] == seen["runs_refused"] and after["control_dropped"] == seen["control_dropped"]
@@ -130,7 +137,7 @@ def test_the_run_node_status_carries_the_counters_while_training(tmp_path):
     agents = []
 
     def factory(*a, **kw):
-        agents.append(TrainingAgent(*a, **kw))
+        agents.append(TrainingAgent(*a, lobby=m.lobby, **kw))
         return agents[-1]
 
     m = manager(tmp_path, factory)

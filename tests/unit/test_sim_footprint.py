@@ -12,8 +12,8 @@ to each neighbour while a non-neighbour lives, one broadcast once none does).
 
 import pytest
 
-from dfl_agent.runtime import simulator
-from dfl_agent.runtime.simulator import SimConfig, round_records
+from dfl_agent.runtime.node import simulator
+from dfl_agent.runtime.node.simulator import SimConfig, round_records
 from dfl_agent.transport.memory import run_virtual
 
 
@@ -119,7 +119,7 @@ def test_a_shared_broadcast_leaves_no_per_message_state_behind():
 
     from dfl_agent.algorithms.context import Message
     from dfl_agent.discovery.peers import PeerTable
-    from dfl_agent.runtime.context import RuntimeContext
+    from dfl_agent.runtime.node.context import RuntimeContext
     from dfl_agent.transport import wire
     from dfl_agent.transport.memory import MemoryNetwork
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dfl_agent.learning.training import TrainConfig
-from dfl_agent.runtime.simulator import SimConfig, simulate
+from dfl_agent.runtime.node.simulator import SimConfig, simulate
 
 KEYS = {"algorithm", "nodes", "rounds_completed", "global_accuracy", "local_accuracy", "bytes_sent",
         "bytes_received", "wall_seconds"}
@@ -62,7 +62,7 @@ def test_unknown_algorithm_and_bad_option():
 
 def test_samples_per_node_draws_fixed_count_per_node():
     """Growth figures: every node gets k distinct samples, nodes may share samples."""
-    from dfl_agent.runtime.simulator import sampled_parts
+    from dfl_agent.runtime.node.simulator import sampled_parts
 
     parts = sampled_parts(50, 200, 10, seed=3)
     assert len(parts) == 200 and all(len(p) == 10 and len(set(p.tolist())) == 10 for p in parts)

@@ -22,9 +22,9 @@ from dfl_agent.algorithms.topology import build_topology
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.params import model_to_numpy
 from dfl_agent.learning.training import TrainConfig
-from dfl_agent.runtime.context import RuntimeContext
-from dfl_agent.runtime.node import Node
-from dfl_agent.runtime.simulator import SimConfig, simulate
+from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.node.node import Node
+from dfl_agent.runtime.node.simulator import SimConfig, simulate
 from dfl_agent.transport.memory import SHARED_STATS, MemoryNetwork, run_virtual
 from tests.unit.toy import SPEC
 from tests.unit.toy import toy_data as _data

@@ -91,8 +91,8 @@ def test_ingest_limit_is_configurable_and_counts_every_read_array(tmp_path):
 
 
 def test_open_store_takes_the_limit_from_the_configuration(tmp_path):
-    from dfl_agent.runtime.config import ConfigError, config_from_dict
-    from dfl_agent.runtime.sample_store import open_store
+    from dfl_agent.runtime.shared.config import ConfigError, config_from_dict
+    from dfl_agent.runtime.shared.sample_store import open_store
 
     raw = {"federation": "f", "state_dir": str(tmp_path), "data": {
         "dataset": "store", "input_shape": [3, 32], "num_classes": 4, "store_max_ingest_bytes": 4096}}

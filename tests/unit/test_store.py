@@ -53,6 +53,23 @@ def snapshot_state(store: SampleStore):
     return ids.tolist(), x.tobytes(), y.tolist()
 
 
+def test_load_returns_present_ids_once_in_id_order_across_chunks(tmp_path):
+    """Ids in any order, repeated, or no longer in the store: the rows present, each once, by id,
+    also past the 900 ids of one query (the windows go straight into one array)."""
+    s = SampleStore(tmp_path, SCHEMA)
+    data = good(1000, seed=3)
+    drop(s.spool_dir, "a.npz", npz_bytes(**data))
+    s.ingest_spool()
+    ids = s.snapshot()
+    ask = np.concatenate([ids[::-1], ids[:5], [int(ids.max()) + 100]])
+    got, x, y, _ = s.load(ask)
+    assert got.tolist() == ids.tolist() and x.flags.c_contiguous and x.dtype == np.float32
+    np.testing.assert_array_equal(x, data["x"])
+    np.testing.assert_array_equal(y, data["y"])
+    empty = s.load([])
+    assert [len(a) for a in empty] == [0, 0, 0, 0] and empty[1].shape == (0, 3, 8)
+
+
 def test_ingest_and_exactly_once(tmp_path):
     s = SampleStore(tmp_path, SCHEMA)
     data = npz_bytes(**good(10))

@@ -12,8 +12,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from dfl_agent.runtime.config import config_from_dict
-from dfl_agent.runtime.sample_store import open_store, seed_store
+from dfl_agent.runtime.shared.config import config_from_dict
+from dfl_agent.runtime.shared.sample_store import open_store, seed_store
 from dfl_agent.store import SampleStore, Schema, StoreError
 
 SCHEMA = Schema((3, 8), 4)

@@ -23,8 +23,8 @@ from dfl_agent.algorithms.protocols.stragglers import (
     staleness_weight,
     weigh_late,
 )
-from dfl_agent.runtime.config import ConfigError, config_from_dict
-from dfl_agent.runtime.simulator import SimConfig, simulate
+from dfl_agent.runtime.node.simulator import SimConfig, simulate
+from dfl_agent.runtime.shared.config import ConfigError, config_from_dict
 
 
 # -- the rules ----------------------------------------------------------------------------
@@ -74,7 +74,7 @@ def test_config_keys() -> None:
         config_from_dict({"federation": "f", "runtime": {"straggler": "fast"}})
     with pytest.raises(ConfigError, match="runtime.min_round_timeout"):
         config_from_dict({"federation": "f", "runtime": {"min_round_timeout": 50.0, "max_round_timeout": 10.0}})
-    from dfl_agent.runtime.assembly import resolve_algorithm
+    from dfl_agent.runtime.shared.assembly import resolve_algorithm
 
     _, opts = resolve_algorithm(config_from_dict(
         {"federation": "f", "algorithm": {"name": "fedavg"}, "runtime": {"straggler": "quorum"}}))
@@ -175,7 +175,8 @@ def _stream(tmp_seed: int = 0):
     from dfl_agent.algorithms.gossip_compression import choco_for
     from dfl_agent.learning.compression import CompressionPolicy
 
-    ctx = types.SimpleNamespace(compression=CompressionPolicy.from_config("q4+zstd", {}), init_seed=tmp_seed)
+    ctx = types.SimpleNamespace(compression=CompressionPolicy.from_config("q4+zstd", {}), init_seed=tmp_seed,
+                                track_stream=lambda stream: None)
     x = {"w": np.linspace(-1, 1, 64, dtype=np.float32)}
     return choco_for(ctx, "model"), x
 
@@ -253,7 +254,7 @@ def test_a_node_behind_the_quorum_takes_their_newest_updates_at_once(fresh_quoru
 
     from dfl_agent.algorithms.protocols.synchronization import UpdateMarket
     from dfl_agent.discovery.peers import PeerTable
-    from dfl_agent.runtime.context import RuntimeContext
+    from dfl_agent.runtime.node.context import RuntimeContext
     from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 
     net = MemoryNetwork()
@@ -317,8 +318,8 @@ def test_one_lost_update_does_not_cost_a_deadline_in_every_later_round(compressi
     from dfl_agent.discovery.peers import PeerTable
     from dfl_agent.learning.compression import CompressionPolicy
     from dfl_agent.learning.params import model_to_numpy
-    from dfl_agent.runtime.context import RuntimeContext
-    from dfl_agent.runtime.node import Node
+    from dfl_agent.runtime.node.context import RuntimeContext
+    from dfl_agent.runtime.node.node import Node
     from dfl_agent.transport.memory import MemoryNetwork
     from tests.unit.test_outage_pause import _run_with_peers, _trainer
 

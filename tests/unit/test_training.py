@@ -60,7 +60,7 @@ def test_clip_grad_norm_bounds_every_step(clip):
 
 
 def test_clip_grad_norm_in_the_configuration():
-    from dfl_agent.runtime.config import ConfigError, config_from_dict
+    from dfl_agent.runtime.shared.config import ConfigError, config_from_dict
 
     base = {"federation": "f", "algorithm": {"name": "local", "rounds": 1}}
     assert config_from_dict(base).training.clip_grad_norm == 0.0

@@ -1,4 +1,4 @@
-"""Warm start (dfl_agent.runtime.warm_start): a run starts from the device's deployed model
+"""Warm start (dfl_agent.runtime.run.warm_start): a run starts from the device's deployed model
 when its architecture matches, fresh otherwise (saying why), as the descriptor's ``init`` or
 ``runtime.run_init`` says; the start is recorded in the run's records and the manifest."""
 
@@ -9,9 +9,9 @@ import types
 import numpy as np
 import pytest
 
-from dfl_agent.runtime.config import ConfigError, config_from_dict
-from dfl_agent.runtime.descriptor import RunDescriptor
-from dfl_agent.runtime.run_config import run_config_for
+from dfl_agent.runtime.shared.config import ConfigError, config_from_dict
+from dfl_agent.runtime.shared.descriptor import RunDescriptor
+from dfl_agent.runtime.shared.run_config import run_config_for
 
 torch = pytest.importorskip("torch")
 
@@ -26,7 +26,7 @@ def _same(a, b):
 
 def _node(algorithm, **kw):
     """One node of a two-node simulated federation (iris), set up: its models exist, round 1 not run."""
-    from dfl_agent.runtime.simulator import SimConfig, _assemble
+    from dfl_agent.runtime.node.simulator import SimConfig, _assemble
 
     kw.setdefault("dataset", "digits" if algorithm == "fedd2s" else "iris")  # fedd2s: a layered conv model
     kw.setdefault("model_size", "small")
@@ -66,7 +66,7 @@ WARM = {"local": ["model"], "fedavg": ["model"], "dfedavg": ["model"], "defkt": 
 
 @pytest.mark.parametrize("algorithm", sorted(WARM))
 def test_warm_start_loads_exactly_the_deployed_weights_and_fresh_does_not(tmp_path, algorithm):
-    from dfl_agent.runtime.warm_start import warm_start
+    from dfl_agent.runtime.run.warm_start import warm_start
 
     node = _node(algorithm)
     algo = node.algorithm
@@ -89,7 +89,7 @@ def test_warm_start_loads_exactly_the_deployed_weights_and_fresh_does_not(tmp_pa
 def test_fedavg_rotation_warm_starts_its_global_base(tmp_path):
     """FedPer in FedAvg mode (head_layers 0) deploys the global model: the rotation's initial
     global model is the deployed one."""
-    from dfl_agent.runtime.warm_start import warm_start
+    from dfl_agent.runtime.run.warm_start import warm_start
 
     node = _node("fedper", options={"head_layers": 0})
     algo = node.algorithm
@@ -101,7 +101,7 @@ def test_fedavg_rotation_warm_starts_its_global_base(tmp_path):
 
 def test_another_architecture_starts_fresh_with_the_reason(tmp_path, caplog):
     from dfl_agent.models import build_model
-    from dfl_agent.runtime.warm_start import warm_start
+    from dfl_agent.runtime.run.warm_start import warm_start
 
     node = _node("local")
     algo = node.algorithm
@@ -120,7 +120,7 @@ def test_another_architecture_starts_fresh_with_the_reason(tmp_path, caplog):
 
 def test_nothing_deployed_or_a_corrupt_version_starts_fresh(tmp_path):
     from dfl_agent.deploy import ModelStore
-    from dfl_agent.runtime.warm_start import warm_start
+    from dfl_agent.runtime.run.warm_start import warm_start
 
     node = _node("local")
     assert warm_start(node.algorithm, tmp_path, "deployed")["reason"] == "no model is deployed on this device yet"
@@ -135,7 +135,7 @@ def test_a_deployed_file_that_is_not_safetensors_starts_fresh(tmp_path):
     # model.safetensors that is no safetensors file raised SafetensorError (no OSError or
     # ValueError) out of the run's set-up: the run process crashed three times and the run failed
     from dfl_agent.deploy import ModelStore
-    from dfl_agent.runtime.warm_start import warm_start
+    from dfl_agent.runtime.run.warm_start import warm_start
 
     node = _node("local")
     ModelStore(tmp_path).install({"spec.json": b"{}", "model.safetensors": b"x"}, {"run_id": "earlier", "round": 1})
@@ -144,7 +144,7 @@ def test_a_deployed_file_that_is_not_safetensors_starts_fresh(tmp_path):
 
 
 def test_a_resumed_run_reports_the_start_it_saved(tmp_path):
-    from dfl_agent.runtime.warm_start import begin_run
+    from dfl_agent.runtime.run.warm_start import begin_run
 
     node = _node("local")
     v = _deploy(tmp_path / "state", _other_weights(node.algorithm.model), node.ctx.model_spec, node)
@@ -210,8 +210,8 @@ def test_a_cold_member_adopts_its_warm_neighbours_and_they_leave_it_out(compress
     (``cold_excluded``) and it adopts their mean (``cold_start = adopted``); round 1 is not
     alone for anyone.  With CHOCO gossip the copies stay exact: the cold node's next message
     is a keyframe."""
-    from dfl_agent.runtime.node import round_alone
-    from dfl_agent.runtime.simulator import SimConfig, _assemble
+    from dfl_agent.runtime.node.node import round_alone
+    from dfl_agent.runtime.node.simulator import SimConfig, _assemble
     from dfl_agent.transport.memory import run_virtual
 
     fed = _assemble(SimConfig(algorithm="fedavg", nodes=3, rounds=2, partition="iid", dataset="iris",
@@ -251,7 +251,7 @@ def test_the_learning_rate_ramp_of_a_warm_start():
     """A run that started from a deployed model ramps its learning rates up from a tenth over
     ``training.warm_start_ramp`` rounds; a fresh start, or a ramp of 0, runs at the full rate."""
     from dfl_agent.learning.training import DEFAULT_ADAM_LR, TrainConfig, adam_lr, ramped
-    from dfl_agent.runtime.warm_start import ramp_factor
+    from dfl_agent.runtime.run.warm_start import ramp_factor
 
     warm, fresh = {"started_from": 3}, {"started_from": None}
     assert [round(ramp_factor(warm, 5, t), 2) for t in range(1, 8)] == [0.1, 0.28, 0.46, 0.64, 0.82, 1.0, 1.0]
@@ -291,7 +291,8 @@ def test_a_warm_started_node_takes_small_steps_first(ramp):
     moved, records = {}, {}
     for start in ({"init": "deployed", "started_from": 1, "reason": ""}, {"init": "fresh", "started_from": None}):
         node = _node("local")
-        node.lr_ramp, node.run_start = ramp, dict(start)
+        node.lr_ramp = ramp
+        node.start_from(start)
         before = _flat(node.algorithm.model)
         trained = []
 

@@ -70,9 +70,9 @@ def time_to_accuracy(curve: Sequence[Sequence[float]], since_s: float | None,
 
 def _spec(run_dir: Path) -> dict[str, Any]:
     """The model spec the device trained in this run, by the agent's own rule
-    (:func:`dfl_agent.runtime.assembly.model_spec_for` on the run's ``run.toml``)."""
-    from dfl_agent.runtime.assembly import apply_profile, model_spec_for, resolve_algorithm
-    from dfl_agent.runtime.config import load_config
+    (:func:`dfl_agent.runtime.shared.assembly.model_spec_for` on the run's ``run.toml``)."""
+    from dfl_agent.runtime.shared.assembly import apply_profile, model_spec_for, resolve_algorithm
+    from dfl_agent.runtime.shared.config import load_config
 
     cfg = load_config(run_dir / "run.toml")
     algo_cls, _ = resolve_algorithm(cfg)
@@ -109,7 +109,7 @@ def measure_run(run_dir: Path, times: Mapping[int, float], test: Any, *, cap: in
     import torch
 
     from dfl_agent.models import build_model, spec_hash
-    from dfl_agent.runtime.checkpoint import CheckpointError, CheckpointStore
+    from dfl_agent.runtime.node.checkpoint import CheckpointError, CheckpointStore
 
     store = CheckpointStore(run_dir / "checkpoints")
     have = [r for r in store.rounds() if r in times]

@@ -2,7 +2,7 @@
 v1 (a folder in the ``cpu`` and one in the ``memory`` hierarchy) or v2 (one folder).
 
 Folders: ``<hierarchy>/dfl-lab/<run id>/<host>``. The memory side is the agent's own
-:class:`dfl_agent.runtime.cgroup.RunCgroup` (limit with swap closed, OOM-kill counter,
+:class:`dfl_agent.runtime.service.cgroup.RunCgroup` (limit with swap closed, OOM-kill counter,
 peak), so the lab detects an OOM kill exactly as the agent does.
 """
 
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dfl_agent.runtime import cgroup as runcg
+from dfl_agent.runtime.service import cgroup as runcg
 
 #: the lab's folder below each hierarchy's root
 BASE = "dfl-lab"

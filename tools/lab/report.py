@@ -160,6 +160,13 @@ def evaluate_checks(sc: Scenario, rep: dict[str, Any]) -> list[str]:
                           f"{', '.join(via) or 'nothing'}"
                           + (f"; not through mdns on the lab address: {', '.join(missing)}" if missing else "")
                           + ")")
+    if c.get("runs_trained"):  # on by default: a run declined everywhere, or that trained no round, is no pass
+        for i, r in enumerate(rep["runs"]):
+            if r["members"] and r["rounds"]:
+                continue
+            what = ("was not submitted" if r["state"] == "not submitted" else f"{r['state']} on every device"
+                    if not r["members"] else f"trained no round ({r['state']})")
+            failed.append(f"runs_trained: run {r['run_id'] or i} ({r['algorithm']}) {what}")
     from dfl_agent.cli.lab.members import member_checks
 
     failed += member_checks(c, rep)  # inference_received
@@ -199,12 +206,22 @@ def run_membership(entries: dict[str, Any]) -> tuple[list[str], list[str], set[s
     return members, late, states
 
 
+def run_peaks(state_dir: Path) -> dict[str, float]:
+    """run id -> the peak resident memory of the device's run process for it (MiB), as the
+    device's run ledger recorded it (``peak_rss_mb``; runs without one are left out)."""
+    from dfl_agent.runtime.service.ledger import RunLedger
+
+    return {rid: float(e["peak_rss_mb"]) for rid, e in RunLedger(state_dir).entries.items()
+            if isinstance(e, dict) and isinstance(e.get("peak_rss_mb"), (int, float))
+            and not isinstance(e.get("peak_rss_mb"), bool)}
+
+
 def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str, Any]:
     """Everything measurable from the run's folders, the checks, and the files."""
     from dfl_agent.cli.demo_feed import collect
     from dfl_agent.cli.lab.accuracy import accuracy_curve, measure_lab, time_to_accuracy
     from dfl_agent.cli.lab.traffic import summarize
-    from dfl_agent.runtime.ledger import RunLedger
+    from dfl_agent.runtime.service.ledger import RunLedger
 
     sc: Scenario = run.sc
     copy_logs(run)
@@ -249,6 +266,8 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
         devices.append({
             "id": d.id, "class": d.cls.name, "role": d.role, "site": d.site, "address": run.lab_hosts[d.id],
             "start_s": d.start_s, "peak_rss_mb": round(a.peak_rss_mb, 1) if a else None,
+            # each run's run process, as the device recorded it in its run ledger
+            "run_peak_rss_mb": run_peaks(a.state) if a else {},
             "cgroup_peak_mb": cg.get("peak_mb"), "memory_limit_mb": cg.get("limit_mb"),
             "oom_killed": bool(cg.get("oom_kills")), "oom_kills": cg.get("oom_kills", 0),
             "samples_fed": fed, "samples_stored": stored, "samples_evicted": evicted,
@@ -291,8 +310,10 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
                 if acc is not None:
                     accs.append(acc)
         state = ",".join(sorted(s for s in states_seen if s)) or "unknown"  # "finished" where all finished
+        peaks = {d["id"]: d["run_peak_rss_mb"][rid] for d in devices if rid in d.get("run_peak_rss_mb", {})}
         runs.append({"run_id": rid, "algorithm": sc.runs[i].algorithm, "state": state, "members": sorted(members),
                      "rounds": rounds, "deployed_on": sorted(deployed), "kept_on": sorted(kept),
+                     "peak_rss_mb": dict(sorted(peaks.items())),
                      "declined_late": sorted(late),
                      "final_accuracy_mean": round(sum(accs) / len(accs), 4) if accs else None,
                      "submitted_s": round(run.run_submitted[i] - run.t0, 1)})
@@ -417,7 +438,9 @@ def _plots(run: Any, rep: dict[str, Any], recs: dict[str, Any], col: dict[str, A
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        rep["notes"].append("no plots: matplotlib is not installed (pip install 'dfl-agent[plots]')")
+        from dfl_agent.extras import extra_hint
+
+        rep["notes"].append(f"no plots: matplotlib is not installed ({extra_hint('plot')})")
         return []
     made = []
     for name, ylabel in (("accuracy.png", "held-out accuracy (lines: rounds, o: deployed)"),
@@ -496,17 +519,22 @@ def markdown(rep: dict[str, Any]) -> str:
     for f in rep["failed_checks"]:
         lines.append(f"- failed: {f}")
     lines += ["", "Mechanisms: " + ", ".join(f"{k} {v}" for k, v in rep["mechanisms"].items()), "",
-              "| device | class | address | peak RSS MB | limit MB | OOM | fed | stored | evicted | rejected "
-              "| rounds | alone | deployed |", "|" + "---|" * 13]
+              "| device | class | address | peak RSS MB | run peak MB | limit MB | OOM | fed | stored | evicted "
+              "| rejected | rounds | alone | deployed |", "|" + "---|" * 14]
     for d in rep["devices"]:
-        lines.append(f"| {d['id']} | {d['class']} | {d['address']} | {d['peak_rss_mb']} | {d['memory_limit_mb']} "
+        runs_mb = d.get("run_peak_rss_mb") or {}
+        run_peak = f"{max(runs_mb.values()):.0f}" if runs_mb else "-"
+        lines.append(f"| {d['id']} | {d['class']} | {d['address']} | {d['peak_rss_mb']} | {run_peak} "
+                     f"| {d['memory_limit_mb']} "
                      f"| {d['oom_kills']} | {d['samples_fed']} | {d['samples_stored']} | {d['samples_evicted']} "
                      f"| {d['samples_rejected']} | {d['rounds_trained']} | {d['rounds_alone']} "
                      f"| {', '.join(map(str, d['deployed_versions'])) or '-'} |")
-    lines += ["", "| run | algorithm | state | members | rounds | deployed on | accuracy |", "|" + "---|" * 7]
+    lines += ["", "| run | algorithm | state | members | rounds | deployed on | accuracy | run process peak MB |",
+              "|" + "---|" * 8]
     for r in rep["runs"]:
+        peaks = ", ".join(f"{n} {mb:.0f}" for n, mb in (r.get("peak_rss_mb") or {}).items()) or "-"
         lines.append(f"| {r['run_id']} | {r['algorithm']} | {r['state']} | {', '.join(r['members'])} | {r['rounds']} "
-                     f"| {', '.join(r['deployed_on'])} | {r['final_accuracy_mean']} |")
+                     f"| {', '.join(r['deployed_on'])} | {r['final_accuracy_mean']} | {peaks} |")
     lines += ["", "| event | target | at s | duration s | recovered after s |", "|" + "---|" * 5]
     for e in rep["events"]:
         rec = "no run after it" if e.get("no_run_after") else e["recovered_after_s"]

@@ -41,7 +41,7 @@ COMPRESSION = "topk:0.01+q8"
 def lab_compression() -> str:
     """The agent's shipped default compression spec, or :data:`COMPRESSION` where that
     default is ``none`` (the lab runs the production configuration: compressed updates)."""
-    from dfl_agent.runtime.config import CompressionSection
+    from dfl_agent.runtime.shared.config import CompressionSection
 
     spec = CompressionSection().spec
     return spec if spec != "none" else COMPRESSION
@@ -235,7 +235,7 @@ class LabRun:
     # ---- agents -------------------------------------------------------------------
     def make_agent(self, d: Device, creds: dict[str, Any], store_meta: dict[str, Any]) -> Agent:
         from dfl_agent.cli.lab.accuracy import checkpoints_to_keep
-        from dfl_agent.runtime.config import config_from_dict, dump_toml
+        from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 
         state = self.out / "devices" / d.id / "state"
         host = self.lab.hosts[d.id]
@@ -256,7 +256,9 @@ class LabRun:
             "compression": {"spec": lab_compression(), "error_feedback": True},
             "security": dict(creds.get("security", {}), require_signatures=True),
             "runtime": {"pause_when_disconnected": True,  # every round's checkpoint: the report measures them
-                        "checkpoint_keep": checkpoints_to_keep(r.rounds for r in self.sc.runs)},
+                        "checkpoint_keep": checkpoints_to_keep(r.rounds for r in self.sc.runs),
+                        # and they stay after the run, with every run's folder and plain round records
+                        "keep_run_files": True, "keep_runs": max(20, len(self.sc.runs) + 1)},
         }
         raw = _merge(_merge(raw, self.sc.agent), d.cls.agent)
         self.compression[d.id] = str(raw.get("compression", {}).get("spec", ""))
@@ -273,7 +275,7 @@ class LabRun:
         """An inference member's node configuration (``dfl-infer run --config``): its enrolled
         credentials and key, TLS to its site's broker, signatures required, mDNS on its lab
         address."""
-        from dfl_agent.runtime.config import config_from_dict, dump_toml
+        from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 
         state = self.out / "devices" / d.id / "state"
         broker = self.lab.hosts[f"broker-{d.site}"].address
@@ -295,7 +297,7 @@ class LabRun:
 
     def start_agent(self, a: Agent) -> None:
         with open(a.log, "a") as f:
-            a.proc = self.lab.popen(a.device.id, [PY, "-m", "dfl_agent.runtime.daemon", "run", "--config",
+            a.proc = self.lab.popen(a.device.id, [PY, "-m", "dfl_agent.runtime.service.daemon", "run", "--config",
                                                   str(a.config)], stdout=f, stderr=subprocess.STDOUT, env=self.env,
                                     start_new_session=True)
         a.starts.append(time.monotonic())
@@ -412,7 +414,8 @@ class LabRun:
         members = r.min_members or len([d for d in self.sc.training() if d.start_s <= r.at_s])
         argv = ["run", "submit", "--config", str(self.op_config), "--operator-dir", str(self.op_dir),
                 "--algorithm", r.algorithm, "--rounds", str(r.rounds), "--min-members", str(members),
-                "--start-timeout", str(r.start_timeout), "--name", f"{self.sc.name} run {i}"]
+                "--start-timeout", str(r.start_timeout), "--name", f"{self.sc.name} run {i}",
+                "--no-wait"]  # the schedule goes on at once; the report follows each device's run
         if r.models:
             argv += ["--models", r.models]
         for k, v in r.options.items():
@@ -429,8 +432,8 @@ class LabRun:
 
     # ---- run ----------------------------------------------------------------------
     def _run_ended(self, i: int) -> bool:
-        from dfl_agent.runtime.descriptor import TERMINAL
-        from dfl_agent.runtime.ledger import RunLedger
+        from dfl_agent.runtime.service.ledger import RunLedger
+        from dfl_agent.runtime.shared.descriptor import TERMINAL
 
         rid = self.run_ids[i]
         if i in self.run_failed:
@@ -438,8 +441,8 @@ class LabRun:
         return bool(rid) and all(RunLedger(a.state).state(rid) in TERMINAL for a in self.agents.values() if a.proc)
 
     def _runs_done(self) -> bool:
-        from dfl_agent.runtime.descriptor import TERMINAL
-        from dfl_agent.runtime.ledger import RunLedger
+        from dfl_agent.runtime.service.ledger import RunLedger
+        from dfl_agent.runtime.shared.descriptor import TERMINAL
 
         if any(r is None and i not in self.run_failed for i, r in enumerate(self.run_ids)):
             return False
@@ -501,7 +504,7 @@ class LabRun:
             op = self.enroll("operator", self.op_dir, role="operator")
             op_mqtt = dict(op["mqtt"], broker=f"{lab.hosts['broker-' + sc.sites[0]].address}:{PORT}",
                            tls_ca=str(self.ca.cafile))
-            from dfl_agent.runtime.config import config_from_dict, dump_toml
+            from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 
             self.op_config = self.op_dir / "operator.toml"
             self.op_config.write_text(dump_toml(config_from_dict(

@@ -7,17 +7,21 @@ The format (every table and key is optional unless said otherwise)::
     [[site]]    name                                      (at least one)
     [[class]]   name, cpu, memory_mb, rate, loss, profile, agent = {...}
     [[device]]  class, site, count, role ("train", or "inference": a dfl-infer member), start_s
+                (at most MAX_DEVICES devices in all)
     [wan]       rate, loss                                (two or more sites only)
     [[run]]     at_s, algorithm, rounds, models, options = {...}, min_members, start_timeout
+                (algorithm, options and models checked against the registry before anything is built)
     [[event]]   at_s, kind, target, duration_s, value, period_s, down_s,
                 after_run (at_s counts from when that run's first round closed on every member)
     [checks]    samples_lost, oom_kills, max_recovery_s, max_rounds_alone,
-                all_runs_deployed, discovery_via, min_final_accuracy, inference_received
+                all_runs_deployed, discovery_via, min_final_accuracy, inference_received,
+                runs_trained (on unless set false: every run trained a round on some device)
     [agent]     a node-configuration fragment for every agent
 
 Device ids are ``<class>-<n>``, n counted from 0 per class across the whole file, in the
 order of the ``[[device]]`` tables. A file that breaks the format raises
-:class:`ScenarioError` naming the key (``dflctl lab run`` exits 2 with it).
+:class:`ScenarioError` naming the key (``dflctl lab run`` exits 2 with it); so does one that is
+not UTF-8 or nests tables and arrays deeper than :data:`~dfl_agent.tomlcheck.MAX_DEPTH` levels.
 """
 
 from __future__ import annotations
@@ -30,10 +34,14 @@ from typing import Any
 import tomllib
 
 from dfl_agent.cli.lab.net import parse_rate
+from dfl_agent.tomlcheck import TomlFileError, read_toml
 
 EVENT_KINDS = ("partition", "flap", "wan_down", "broker_outage", "power_cut", "loss", "rate")
 CHECKS = ("samples_lost", "oom_kills", "max_recovery_s", "max_rounds_alone", "all_runs_deployed",
-          "discovery_via", "min_final_accuracy", "inference_received")
+          "discovery_via", "min_final_accuracy", "inference_received", "runs_trained")
+#: the most devices a scenario may have (each is a network namespace with its own agent; a site's
+#: /24 has room for 240 hosts)
+MAX_DEVICES = 200
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,15}$")
 #: host names the lab uses for itself (a class may not be called so)
 RESERVED = ("broker", "operator", "sw", "gw", "router", "probe", "check")
@@ -173,6 +181,30 @@ def _loss(where: str, v: Any) -> float:
     return v
 
 
+def _check_algorithm(where: str, name: str, options: dict[str, Any], models: str | None) -> None:
+    """A run's algorithm and options as every device will check them when the run comes: the
+    algorithm registry (:func:`~dfl_agent.algorithms.base.get_algorithm`,
+    :func:`~dfl_agent.algorithms.base.parse_options`), and its model family.
+
+    Raises:
+        ScenarioError: ``run[i].algorithm``, ``run[i].options.KEY`` or ``run[i].models``.
+    """
+    from dfl_agent.algorithms.base import get_algorithm, parse_options
+    from dfl_agent.models.families import FAMILIES
+
+    try:
+        cls = get_algorithm(name)
+    except KeyError as e:
+        raise ScenarioError(f"{where}.algorithm", str(e.args[0] if e.args else e)) from None
+    try:
+        parse_options(cls, options, prefix=f"{where}.options")
+    except ValueError as e:
+        key, _, why = str(e).partition(": ")
+        raise ScenarioError(key, why) from None
+    if models is not None and models not in FAMILIES:
+        raise ScenarioError(f"{where}.models", f"a model family ({', '.join(FAMILIES)}), not {models!r}")
+
+
 def load(path: str | Path, *, perfect: bool = False) -> Scenario:
     """Read and check a scenario file; ``perfect``: as if its ``[lab]`` said ``perfect = true``
     (no limits, no loss, no events: the comparison run, ``dflctl lab run --perfect``).
@@ -183,11 +215,13 @@ def load(path: str | Path, *, perfect: bool = False) -> Scenario:
     """
     p = Path(path)
     try:
-        doc = tomllib.loads(p.read_text(encoding="utf-8"))
+        doc = read_toml(p)  # bounded in size and nesting; a byte that is not UTF-8 named by its key
     except OSError as e:
         raise ScenarioError(str(p), f"cannot read it: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ScenarioError(str(p), f"not TOML: {e}") from None
+    except TomlFileError as e:
+        raise ScenarioError(e.key or str(p), e.reason) from None
     if perfect and isinstance(doc.get("lab"), dict):
         doc["lab"]["perfect"] = True
     return parse(doc, str(p))
@@ -255,6 +289,9 @@ def parse(doc: dict[str, Any], path: str = "scenario.toml") -> Scenario:
             raise ScenarioError(f"{w}.role", f"\"train\" or \"inference\", not {role!r}")
         if d.get("count", 1) < 1:
             raise ScenarioError(f"{w}.count", f"at least 1, not {d['count']!r}")
+        if len(s.devices) + d.get("count", 1) > MAX_DEVICES:
+            raise ScenarioError(f"{w}.count", f"{d['count']!r} more device(s) after {len(s.devices)}: at most "
+                                              f"{MAX_DEVICES} devices in a scenario")
         _nonneg(f"{w}.start_s", d.get("start_s"))
         for _ in range(d.get("count", 1)):
             n = counts.get(d["class"], 0)
@@ -278,6 +315,7 @@ def parse(doc: dict[str, Any], path: str = "scenario.toml") -> Scenario:
             raise ScenarioError(f"{w}.rounds", f"at least 1, not {r['rounds']!r}")
         if "min_members" in r and not 1 <= r["min_members"] <= len(s.training()):
             raise ScenarioError(f"{w}.min_members", f"between 1 and the training devices, not {r['min_members']}")
+        _check_algorithm(w, r["algorithm"], r.get("options", {}), r.get("models"))
         s.runs.append(Run(float(r["at_s"]), r["algorithm"], r["rounds"], r.get("models"), dict(r.get("options", {})),
                           r.get("min_members"), float(r.get("start_timeout", 120.0))))
 
@@ -325,11 +363,11 @@ def parse(doc: dict[str, Any], path: str = "scenario.toml") -> Scenario:
     checks = _take(top.get("checks", {}), "checks", {
         "samples_lost": (int,), "oom_kills": (int,), "max_recovery_s": NUM, "max_rounds_alone": (int,),
         "all_runs_deployed": (bool,), "discovery_via": (str,), "min_final_accuracy": NUM,
-        "inference_received": (bool,)})
+        "inference_received": (bool,), "runs_trained": (bool,)})
     if "discovery_via" in checks and checks["discovery_via"] not in ("mdns", "presence", "static"):
         raise ScenarioError("checks.discovery_via", f"\"mdns\", \"presence\" or \"static\", not "
                                                     f"{checks['discovery_via']!r}")
-    s.checks = checks
+    s.checks = {"runs_trained": True, **checks}  # on unless the file turns it off
     if s.perfect:  # no limits, no loss, no events
         for c in s.classes.values():
             c.cpu = c.memory_mb = c.rate = None

@@ -34,7 +34,6 @@ import numpy as np
 from dfl_agent.algorithms import gossip_compression as gc
 from dfl_agent.algorithms.base import Algorithm
 from dfl_agent.algorithms.context import Message
-from dfl_agent.algorithms.protocols.stragglers import adaptive_deadline, weigh_late
 from dfl_agent.algorithms.protocols.synchronization import (
     SyncOptions,
     UpdateMarket,
@@ -136,17 +135,13 @@ def arrival_check(template: Mapping[str, np.ndarray], extra_tensors: Callable[[]
 
 async def collect_round(
     ctx, kind: str, t: int, deadline: float, poll: float, template, extra_tensors: frozenset[str] = frozenset(),
-    market: UpdateMarket | None = None, take_ahead: bool = False,
 ) -> tuple[dict, list[str]]:
     """Receive round-``t`` messages of ``kind`` from every live neighbour
-    (``ctx.neighbours()``) until ``deadline``; messages of non-neighbours are rejected
-    and counted (``not_neighbour``).  An update that arrived from a neighbour which has
-    left since (``ctx.is_neighbour``: it sent its last round and went offline) counts.
-
-    With a ``market`` (:mod:`dfl_agent.algorithms.protocols.synchronization`), its synchronization strategy
-    decides when the round proceeds and which queued updates it takes; the newest
-    taken update of each sender is returned (empty partial-participation updates are
-    left out, and their senders are not missing).  Without one: ``one_from_each``.
+    (``ctx.neighbours()``) until ``deadline`` (``one_from_each``, without an update market:
+    the rounds of the neighbourhood family wait through ``ctx.collect``); messages of
+    non-neighbours are rejected and counted (``not_neighbour``).  An update that arrived from
+    a neighbour which has left since (``ctx.is_neighbour``: it sent its last round and went
+    offline) counts.
 
     Messages whose tensors do not match ``template`` (names/shapes/dtypes; names in
     ``extra_tensors`` may come in addition and are not checked here) or whose
@@ -155,12 +150,6 @@ async def collect_round(
     Returns:
         ``({sender: message}, missing_peer_ids)``.
     """
-    if market is not None:
-        res = await market.collect(
-            ctx, kind, t, deadline=deadline, poll=poll,
-            validate=lambda m: update_problem(m, template, extra_tensors), take_ahead=take_ahead,
-        )
-        return res.latest(), res.missing
     got: dict[str, Message] = {}
 
     def intake(msg: Message) -> None:
@@ -245,14 +234,11 @@ class NeighbourhoodAlgorithm(Algorithm):
         self.ctx.check_on_arrival(MODEL_KIND, self.update_check)
         self.samples = self.sample_count()  # 1 under DP (dfl_agent.privacy.policy)
         self._bootstrapped = False
-        self.market = UpdateMarket.from_options(self.options)
+        self.market = UpdateMarket.from_options(self.options)  # the round's wait: ctx.collect
         self.choco = gc.choco_for(self.ctx, MODEL_KIND)  # compressed gossip, None = raw models
-        self.market.fresh_quorum = self.options.sync == "one_from_min_percent" and adaptive_deadline(self.ctx) is not None
         if self.choco is not None:  # an update dropped as stale still moves its sender's CHOCO copy
             self.market.on_drop = self._copy_dropped
-        if hasattr(self.ctx, "max_staleness"):  # the runtime's inbox keeps the late updates the market takes
-            self.ctx.max_staleness = self.market.max_staleness
-        self.deadlines = adaptive_deadline(self.ctx)  # runtime.straggler = "quorum"; None: the paper's deadline
+        self.ctx.keep_late_updates(self.market.max_staleness)  # the inbox keeps the late updates it takes
         if self.choco is not None and self.options.participation:
             raise ValueError("algorithm.options.participation: partial participation cannot be combined with "
                              "compressed gossip (CHOCO needs every neighbour to receive every difference)")
@@ -330,87 +316,38 @@ class NeighbourhoodAlgorithm(Algorithm):
         """Round ``t`` of seed 001 Algorithm 1 (lines 6-11: collect, aggregate with
         :meth:`aggregate`, train, send), or of FedAvg gossip with :attr:`train_first`
         (train, send, collect round ``t``, aggregate).  Returns the round's info (train
-        loss, neighbours used, missing neighbours, the aggregation's and the market's info)."""
-        ctx = self.ctx
+        loss, neighbours used, missing neighbours, the aggregation's and the wait's info)."""
         if self.train_first:
             stats = await self._train_and_send(t)
-            collect = t
-        else:
-            if not self._bootstrapped:  # Alg. 1 lines 2-4: train, Ĥ⁽⁰⁾, send (as round t-1)
-                self._bootstrapped = True
-                await self._train_and_send(t - 1)
-            collect = t - 1
+        elif not self._bootstrapped:  # Alg. 1 lines 2-4: train, Ĥ⁽⁰⁾, send (as round t-1)
+            self._bootstrapped = True
+            await self._train_and_send(t - 1)
+        collect = t if self.train_first else t - 1
         own = model_to_numpy(self.model)
-        timeout, strategy = self.options.round_timeout, self.market.strategy
-        if self.deadlines is not None:  # adaptive: the algorithm's round_timeout is the upper bound
-            timeout = self.deadlines.timeout(timeout)
-            if not self.deadlines.times:  # the first round waits for every member still starting (loading,
-                self.market.strategy = "one_from_each"  # warming up), so that none is left behind from the start
-        start, paused = ctx.clock.now(), getattr(ctx, "disconnected_seconds", 0.0)
-
-        def until() -> float:  # round_timeout from the start, not counting what a broker outage held
-            return start + self.options.round_timeout + getattr(ctx, "disconnected_seconds", 0.0) - paused
-
-        try:
-            got, missing = await collect_round(
-                ctx, MODEL_KIND, collect, start + timeout, self.options.poll_interval, own,
-                extra_tensors=self.extra_names(), market=self.market,
-            )
-            if not got and missing and timeout < self.options.round_timeout:  # nothing by the adaptive deadline
-                # (a partition, a slow link): never close alone early; wait on up to round_timeout
-                got, missing = await collect_round(  # ... unless it is behind its neighbours
-                    ctx, MODEL_KIND, collect, until(), self.options.poll_interval, own,
-                    extra_tensors=self.extra_names(), market=self.market, take_ahead=True,
-                )
-        finally:
-            self.market.strategy = strategy
-        last = self.market.last
-        if self.deadlines is not None and last is not None and getattr(ctx, "disconnected_seconds", 0.0) == paused:
-            # (a round held by a broker outage measured the outage, not its peers: not learnt)
-            self.deadlines.observe([last.arrivals[s] for s, m in got.items() if m.round == collect])
-        raw, got = got, self._decoded(got)
-        while raw and not got and self.deadlines is not None and ctx.clock.now() < until():
-            # quorum: none of the updates taken decoded (CHOCO copies that lost their sequence wait
-            # for the keyframes a gap asks for) while the neighbours go on: take their next ones,
-            # up to round_timeout (and what an outage held), instead of closing alone; ask for the keyframes now
-            if (ask := getattr(ctx, "request_keyframes", None)) is not None:
-                await ask()
-            raw, missing = await collect_round(
-                ctx, MODEL_KIND, collect, until(), self.options.poll_interval, own,
-                extra_tensors=self.extra_names(), market=self.market, take_ahead=True)
-            got = self._decoded(raw)
-        last = self.market.last
-        late = {s for s, m in got.items() if m.round < collect}
-        if late and self.deadlines is not None:  # FedAsync's staleness weight on a late update's samples
-            got = weigh_late(got, collect)
-        got, cold = self._cold_start(got, own)
-        msgs = [got[s] for s in sorted(got)]
+        c = await self.ctx.collect(MODEL_KIND, collect, market=self.market, round_timeout=self.options.round_timeout,
+                                   poll=self.options.poll_interval, accept=self.update_check, decode=self._decode)
+        got, cold = self._cold_start(c.updates, own)
         with self.divergence_guard("aggregation") as guard:  # a non-finite aggregate is undone
             info: dict[str, Any] = {}
             if not cold.get("adopted"):
-                tensors, info = self.aggregate(t, gc.own_for_mixing(self.choco, own), msgs)
+                tensors, info = self.aggregate(t, gc.own_for_mixing(self.choco, own), [got[s] for s in sorted(got)])
                 load_numpy(self.model, gc.finish_mixing(self.choco, own, tensors))
-        info = {**info, **{k: v for k, v in cold.items() if k != "adopted"}}
         used = [] if guard.diverged else sorted(got)
         if not self.train_first:
             stats = await self._train_and_send(t)  # Alg. 1 lines 9-11
         # the round's updates are let go with it: the market's last collection would otherwise
         # hold every neighbour's message (and its frame) until the next round's collection
         self.market.last = None
-        return {"train_loss": stats["loss"], "neighbours": len(used), "neighbour_ids": used,
-                "missing": missing, **info, **(last.info() if last is not None else {}),
-                "participants_expected": len(set(got) | set(missing)), "participants_used": len(used),
-                "late_used": sum(1 for s in used if s in late), "late_dropped": last.stale if last is not None else 0,
+        return {"train_loss": stats["loss"], "neighbours": len(used), "neighbour_ids": used, "missing": c.missing,
+                **info, **{k: v for k, v in cold.items() if k != "adopted"}, **c.info,
+                "participants_expected": len(set(got) | set(c.missing)), "participants_used": len(used),
+                "late_used": sum(1 for s in used if s in c.late),
                 "late_weights": [[s, round(got[s].meta["staleness_weight"], 4)] for s in used
-                                 if s in late and "staleness_weight" in got[s].meta],
-                "deadline_s": round(timeout, 3)}
+                                 if s in c.late and "staleness_weight" in got[s].meta]}
 
-    def _decoded(self, raw: dict[str, Message]) -> dict[str, Message]:
-        """The taken updates as the neighbours' models (CHOCO copies, :func:`gc.received_copies`);
-        those that cannot be decoded are also dropped from the market, never to be taken again."""
-        got = gc.received_copies(self.ctx, self.choco, raw, nonnegative=self.nonnegative)
-        self.market.discard(m for s, m in raw.items() if s not in got)
-        return got
+    def _decode(self, raw: dict[str, Message]) -> dict[str, Message]:
+        """The taken updates as the neighbours' models (CHOCO copies, :func:`gc.received_copies`)."""
+        return gc.received_copies(self.ctx, self.choco, raw, nonnegative=self.nonnegative)
 
     def _cold_start(self, got: dict[str, Message], own: Mapping[str, np.ndarray]) -> tuple[dict[str, Message], dict]:
         """Warm start across the federation: a model flagged ``cold`` (fresh weights in a
@@ -459,7 +396,7 @@ class NeighbourhoodAlgorithm(Algorithm):
         behind its neighbours gets nothing from them, so it skips to their round; under
         ``runtime.straggler = "quorum"`` a slow node skips too, so that its updates reach
         the others within ``max_staleness`` rounds."""
-        return self.market.max_staleness == 0 or self.deadlines is not None
+        return self.market.max_staleness == 0 or self.ctx.quorum
 
     def deployable_model(self) -> nn.Module:
         return self.model

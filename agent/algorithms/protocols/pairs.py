@@ -74,6 +74,7 @@ from dfl_agent.algorithms.protocols.neighbourhood import update_problem
 from dfl_agent.algorithms.protocols.stragglers import in_quorum_mode
 from dfl_agent.learning.params import model_to_numpy
 from dfl_agent.learning.training import train_local
+from dfl_agent.privacy.plan import steps_per_round
 
 if TYPE_CHECKING:
     from torch import nn
@@ -220,6 +221,12 @@ class PairAlgorithm(Algorithm):
     """
 
     Options = PairOptions
+
+    @classmethod
+    def dp_steps_per_round(cls, options: Any, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
+        """The sender's ``M`` local epochs (``training.steps`` when > 0)."""
+        m = getattr(options, "M", None)
+        return steps_per_round(n_samples, batch_size, epochs if m is None else int(m), steps)
 
     # message kinds, prefixed with the algorithm's name ("defkt.model", ...)
     def kind(self, what: str) -> str:

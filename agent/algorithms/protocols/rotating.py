@@ -225,8 +225,7 @@ class RotatingAggregator(Algorithm):
 
     def _may_aggregate(self, node: str) -> bool:
         """Device profiles: a node without the aggregator role never leads (default: all may)."""
-        check = getattr(self.ctx, "may_aggregate", None)
-        return True if check is None else bool(check(node))
+        return self.ctx.may_aggregate(node)
 
     def _lowest_live(self) -> str:
         nodes = [self.ctx.node_id, *self.ctx.live_peers()]
@@ -333,7 +332,7 @@ class RotatingAggregator(Algorithm):
 
     async def _participate(self, invite: Message) -> None:
         t, agg = invite.round, invite.sender
-        gate = getattr(self.ctx, "gate", None)  # device profiles: a gated node declines at once
+        gate = self.ctx.gate  # device profiles: a gated node declines at once
         if t <= self.completed or t <= self.applied or t in self._participated or (gate is not None and gate()):
             await self.ctx.send(agg, Message(self.K_DECLINE, t))
             return

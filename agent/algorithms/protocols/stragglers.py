@@ -138,7 +138,7 @@ class AdaptiveDeadline:
 def in_quorum_mode(ctx: Any) -> bool:
     """Whether the node runs under ``runtime.straggler = "quorum"`` (``ctx.straggler``; a
     context without a policy, the simulator's default, runs the papers' lock step)."""
-    return bool(getattr(getattr(ctx, "straggler", None), "quorum", False))
+    return ctx.straggler is not None and bool(ctx.straggler.quorum)
 
 
 def adaptive_deadline(ctx: Any) -> AdaptiveDeadline | None:

@@ -68,17 +68,32 @@ STRATEGIES = (
 EMPTY_KEY = "empty"
 
 
-def evidence_quorum(live: int) -> int:
-    """How many of ``live`` verified neighbours must show a round before a node acts on
-    it: more than half, and at least two distinct senders when two or more are live
-    (one sender with one live neighbour; 0 for none, which nothing can satisfy).
+def evidence_quorum(members: int, *, lone: bool = True) -> int:
+    """The one majority rule: how many of ``members`` (distinct, verified) must say the same
+    before a node acts on it: more than half of them, and at least two where two or more
+    exist.  Catch-up evidence (:func:`quorum_shown`, the quorum's take-ahead) and a run
+    finished by its members' say (:func:`~dfl_agent.runtime.run.rejoin.finished_by_members`)
+    both use it; they differ only where a node has a single member to listen to: its word
+    counts for catch-up (``lone``: a node with one neighbour follows it, by at most
+    ``runtime.max_catch_up_rounds``), never for ending the node's run (``lone=False``: 2,
+    which one member cannot meet).  No member: 0, which nothing satisfies.
 
     >>> [evidence_quorum(n) for n in range(6)]
     [0, 1, 2, 2, 3, 3]
+    >>> [evidence_quorum(n, lone=False) for n in range(6)]
+    [0, 2, 2, 2, 3, 3]
     """
-    if live <= 0:
+    if members <= 0:
         return 0
-    return max(live // 2 + 1, min(2, live))
+    if members == 1:
+        return 1 if lone else 2
+    return max(members // 2 + 1, 2)
+
+
+def majority(agreeing: int, members: int, *, lone: bool = True) -> bool:
+    """Whether ``agreeing`` of ``members`` meet :func:`evidence_quorum` (never with no member)."""
+    need = evidence_quorum(members, lone=lone)
+    return need > 0 and agreeing >= need
 
 
 def quorum_shown(shown: Mapping[str, int], live: int) -> int | None:
@@ -112,11 +127,10 @@ async def suspend_deadline(ctx: Any, deadline: float, budget: float, kind: str |
     moves by that time, and at least ``min(budget, ctx.reconnect_grace)`` seconds
     remain after resuming (``budget``: the round's whole timeout).  Unchanged when
     nothing was held."""
-    hold = getattr(ctx, "hold_round", None)
-    held = await hold(kind) if hold is not None else 0.0
+    held = await ctx.hold_round(kind)
     if not held:
         return deadline
-    grace = float(getattr(ctx, "reconnect_grace", budget))
+    grace = float(ctx.reconnect_grace)
     return max(deadline + held, ctx.clock.now() + min(budget, grace))
 
 
@@ -127,7 +141,7 @@ def waits_alone(ctx: Any, peers: Collection[str]) -> bool:
     emptied because a WAN outage or a partition outlasted the heartbeat timeout must not
     make the node race through its rounds alone, ahead of the members it will meet again.
     The simulator's contexts have no ``alone_waits``: a node without neighbours goes on."""
-    check = getattr(ctx, "alone_waits", None)
+    check = ctx.alone_waits
     return not peers and check is not None and bool(check())
 
 
@@ -411,8 +425,8 @@ class UpdateMarket:
         satisfied for round ``t`` or ``deadline`` (absolute clock time) passes, then take.
         With ``take_ahead``, under :attr:`fresh_quorum`, a node behind its neighbours
         (:meth:`ahead_round`) stops waiting at once and takes each one's newest update, of
-        any round (counted ``behind``; the caller's catch-up then moves it to the quorum's
-        round; an update of a later round stays queued for that round, see :meth:`take`).  Callers ask for it only once a round has waited its adaptive deadline: a
+        any round (counted ``behind``; the caller's catch-up then moves it towards the quorum's
+        round, by at most ``runtime.max_catch_up_rounds``; an update of a later round stays queued for that round, see :meth:`take`).  Callers ask for it only once a round has waited its adaptive deadline: a
         node that closed its rounds as soon as it saw later ones would never work through
         the backlog of a slow device, whose updates would then carry rounds too old to use.
 

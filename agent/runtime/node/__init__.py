@@ -1,0 +1,1 @@
+"""One node's rounds, the same in the simulator and on a device: the context and its parts (inbox, outbox, membership, compute gate), the round's waiting policy, ``Node`` and ``build_node``, checkpoints, metrics, batching and the simulator."""

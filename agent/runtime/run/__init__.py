@@ -1,0 +1,1 @@
+"""One run on a device, always in a child process (:mod:`dfl_agent.runtime.run.run_process`): the training agent, its operations, members and rejoin, deployment of its model, differential privacy, warm start and reload.  It talks to its surroundings only through :class:`~dfl_agent.runtime.shared.run_host.RunHost`."""

@@ -1,0 +1,1 @@
+"""The always-on service, torch-free: the process (:mod:`~dfl_agent.runtime.service.daemon`), the run manager and its loop, the ledger, lobby and admission, the privacy budget, member delivery, the supervisor of run processes, cgroups, systemd, Prometheus and the service counters: the only owner of each service concern."""

@@ -1,0 +1,1 @@
+"""What the service and a run share, torch-free: the configuration and its checks, a run's configuration, start-up checks and planning, the typed pipe and the run host interface, run descriptors, the degraded-run fields, framing, the sample store's wiring, logging, and the privacy ledger's format."""
