@@ -134,9 +134,10 @@ def _code_commit() -> str | None:
 
 
 def exponent(cells: list[dict], lo: int = 100, hi: int = 1000) -> float | None:
-    """Slope of log(peak RSS) on log(N) over cells with ``lo <= N <= hi`` (None: < 2 cells)."""
+    """Slope of log(peak RSS) on log(N) over cells with ``lo <= N <= hi`` (None: fewer than two
+    node counts)."""
     pts = [(math.log(c["nodes"]), math.log(c["peak_rss_mb"])) for c in cells if lo <= c["nodes"] <= hi and c["rc"] == 0]
-    if len(pts) < 2:
+    if len({x for x, _ in pts}) < 2:
         return None
     mx = sum(x for x, _ in pts) / len(pts)
     my = sum(y for _, y in pts) / len(pts)
