@@ -469,6 +469,12 @@ class RuntimeContext:
         of them is there (``take_ahead`` of :meth:`UpdateMarket.collect`), then skips again."""
         return self.membership.behind
 
+    def note_rejoin(self, target: int, shown: Mapping[str, int], live: int, final_round: int) -> None:
+        """A (re)start that rejoins the federation at round ``target``, from the rounds its
+        ``live`` neighbours' statuses showed completed (``shown``): :attr:`catching_up` when
+        that capped skip left it behind most of them (:meth:`Membership.note_rejoin`)."""
+        self.membership.note_rejoin(target, shown, live, final_round)
+
     def catch_up_round(self, next_round: int) -> int:
         """The round to run after ``next_round - 1`` (see :func:`catch_up_target`).
 

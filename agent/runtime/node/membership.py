@@ -243,6 +243,14 @@ class Membership:
             return False
         return ctx.security is None or ctx.security.is_member(peer)
 
+    def note_rejoin(self, target: int, shown: Mapping[str, int], live: int, final_round: int) -> None:
+        """A (re)start that rejoins a running federation at round ``target`` (from its live
+        neighbours' statuses ``shown``, neighbour -> completed round, as for
+        :func:`catch_up_target`): still behind most of them after that capped skip, the node
+        is :attr:`behind`, as after a capped catch-up in the run, so that its first round takes
+        their newest updates instead of waiting its deadline for a round they have left."""
+        self.behind = target < final_round and still_behind(shown, live, target)
+
     def catch_up_round(self, next_round: int, latest_round: Mapping[str, int]) -> int:
         """The round to run after ``next_round - 1`` (see :meth:`RuntimeContext.catch_up_round`)."""
         ctx = self.ctx
