@@ -382,7 +382,7 @@ def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str
         e = h.event
         if h.event.kind == "broker_outage":
             affected = [d.id for d in sc.training() if d.site == e.target]
-        elif e.kind == "wan_down":
+        elif e.kind == "wan_down" or (e.kind == "upgrade" and e.target == "all"):
             affected = [d.id for d in sc.training()]
         else:
             affected = [e.target]
