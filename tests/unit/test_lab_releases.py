@@ -221,3 +221,15 @@ def test_all_upgraded_fails_for_each_way_an_upgrade_can_go_wrong(tmp_path):
         "all_upgraded: pi-2 closed no round with a peer after its upgrade to current"]
     assert evaluate_checks(s, rep([dict(ok[0], running_before=False), *ok[1:]])) == [
         "all_upgraded: pi-0 was not running when its upgrade came"]
+
+
+def test_a_release_folder_runs_as_it_is(tmp_path):
+    """A folder holding ``dfl_agent`` (as an unpacked wheel, or a release laid out from git)
+    is used in place; without a dist-info its agent's entry point is found by its modules."""
+    site = tmp_path / "site"
+    (site / "dfl_agent" / "runtime").mkdir(parents=True)
+    (site / "dfl_agent" / "__init__.py").write_text("")
+    (site / "dfl_agent" / "runtime" / "daemon.py").write_text("")
+    rel = prepare("old", site, tmp_path / "releases")
+    assert rel.site == site and rel.entry == "dfl_agent.runtime.daemon:main"
+    assert not (tmp_path / "releases").exists()
