@@ -45,6 +45,8 @@ ALLOWED: list[tuple[str, str, str]] = [
     ("docs/operations.md", "(default 600 s)", "a default of dflctl run submit"),
     ("docs/operations.md", "does not fit `compute.memory_budget_mb`", "worked example of a decline message"),
     ("docs/operations.md", "kind is `run:{run_id}`", "the control envelope's size limit"),
+    ("docs/operations.md", "at most one answer every 15 s", "the model hand-over's answer interval and wait (model_handover)"),
+    ("docs/operations.md", "(1024 MiB by default)", "the default of runtime.disk_warn_mb"),
     ("docs/results.md", "24 GB of memory", "the machine the page was measured on"),
     ("docs/security.md", "larger than 64 KiB", "the control documents' size limit"),
     ("docs/security.md", "checked for size and nesting depth", "the JSON size limits"),

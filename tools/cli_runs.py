@@ -183,8 +183,10 @@ def _say_hidden(cmd: str, hidden: collections.Counter[str]) -> None:
 
 def run_view(run_id: str, msg: dict[str, Any], statuses: dict[str, Any]) -> dict[str, Any]:
     """The JSON of ``dflctl run show``: descriptor fields plus each node's view of the run
-    (``nodes: {id: {state, round, reason, started_from, epsilon, peak_rss_mb, degraded, rounds_alone,
-    exchange_rounds}}``, ``started_from`` the deployed version the node's run started from:
+    (``nodes: {id: {state, round, reason, started_from, epsilon, peak_rss_mb, model, version,
+    adopted_from, degraded, rounds_alone, exchange_rounds}}``, ``model`` how the run's model ended
+    on the node (``deployed``, ``adopted`` from the member ``adopted_from``, ``kept``; None: not
+    said), ``version`` the version it installed, ``started_from`` the deployed version the node's run started from:
     its warm start; ``epsilon`` the run's privacy spend on the node under DP (None without);
     ``peak_rss_mb`` the peak resident memory of the node's run process (MiB; None until it ended);
     ``degraded`` when the node closed rounds of it alone) and an overall ``state``."""
@@ -202,9 +204,11 @@ def run_view(run_id: str, msg: dict[str, Any], statuses: dict[str, Any]) -> dict
             nodes[nid] = {"state": r.get("state", ""), "round": r.get("round", 0) or 0,
                           "reason": r.get("reason", "") or "", "started_from": r.get("started_from"),
                           "epsilon": ((entry or {}).get("privacy") or r.get("privacy") or {}).get("epsilon"),
-                          "peak_rss_mb": (entry or {}).get("peak_rss_mb"), **degraded_fields(counts)}
+                          "peak_rss_mb": (entry or {}).get("peak_rss_mb"),
+                          **{k: r.get(k, (entry or {}).get(k)) for k in ("model", "version", "adopted_from")},
+                          **degraded_fields(counts)}
     states = {n["state"] for n in nodes.values()}
-    if states and states <= {"finished", "declined"} and "finished" in states:
+    if states and states <= {"finished", "declined", "missed"} and "finished" in states:
         state = "finished"  # what the members' ledgers say, also when a cancel came after they finished
     elif d.get("cancelled") or msg.get("cancel_record"):
         state = "cancelled"
@@ -222,6 +226,17 @@ def run_view(run_id: str, msg: dict[str, Any], statuses: dict[str, Any]) -> dict
             "submitted_at": d.get("submitted_at"), "not_after": d.get("not_after"), "init": d.get("init"),
             "cancel_record": bool(msg.get("cancel_record")), "signed": msg.get("sig") is not None,
             "trust": msg.get("trust", "unverified"), "verified": msg.get("trust") == "operator", "nodes": nodes}
+
+
+def model_text(node: dict[str, Any]) -> str:
+    """How the run's model ended on a node, for ``dflctl run show`` (``""`` when its status does
+    not say): ``  model v3 deployed``, ``  model v3 adopted from p1``, ``  model kept``."""
+    how, v = node.get("model"), node.get("version")
+    if how not in ("deployed", "adopted", "kept"):
+        return ""
+    ver = f" v{v}" if isinstance(v, int) and not isinstance(v, bool) and how != "kept" else ""
+    src = f" from {node['adopted_from']}" if how == "adopted" and node.get("adopted_from") else ""
+    return f"  model{ver} {how}{src}"
 
 
 def run_rows(runs: dict[str, Any], statuses: dict[str, Any]) -> list[dict[str, Any]]:
@@ -297,7 +312,7 @@ def operator_refusal(cmd: str, why: str | None, key: Any, cert: dict[str, Any] |
 #: a node's answer to a submitted run, from its status: run state -> answer
 _ANSWER = {"accepted": "accepted", "waiting_for_members": "accepted", "training": "accepted",
            "trained": "accepted", "deploying": "accepted", "finished": "accepted", "declined": "declined",
-           "failed": "failed", "cancelled": "cancelled"}
+           "failed": "failed", "cancelled": "cancelled", "missed": "accepted"}
 #: answers that mean the node will not run it (every answering member so: exit 1)
 REFUSALS = ("declined", "failed", "refused")
 #: a node's decline of a run it is not a member of (not counted as a refusal)
@@ -547,7 +562,7 @@ def _say_submitted(a: argparse.Namespace, t: FleetTarget, d: Any, signed: bool, 
 
 
 #: node run states after which nothing is left to cancel there
-ENDED = ("finished", "declined", "failed", "cancelled")
+ENDED = ("finished", "declined", "failed", "cancelled", "missed")
 
 
 def already_finished(view: dict[str, Any]) -> str | None:
@@ -652,7 +667,7 @@ def cmd_show(a: argparse.Namespace) -> int:
         alone = f"  degraded: {alone_text(n)} (rounds with no peer update)" if n.get("degraded") else ""
         eps = "" if n.get("epsilon") is None else f"  epsilon {n['epsilon']:.3g}"
         mem = "" if n.get("peak_rss_mb") is None else f"  peak memory {n['peak_rss_mb']:.0f} MiB"
-        print(f"  {nid}: {n['state']} round {n['round']}{start}{eps}{mem}{alone}"
+        print(f"  {nid}: {n['state']} round {n['round']}{model_text(n)}{start}{eps}{mem}{alone}"
               f"{'  ' + n['reason'] if n['reason'] else ''}")
     return 0
 

@@ -13,8 +13,8 @@ from dfl_agent.runtime.shared.degraded import alone_text, degraded_fields
 from dfl_agent.security.trust import is_will
 from dfl_agent.transport.base import CONTROL_DROP_PREFIXES
 
-PEER_COLUMNS = ("node_id", "trust", "state", "address", "profile", "algorithm", "model", "round", "last_seen_s",
-                "privacy", "compatibility")
+PEER_COLUMNS = ("node_id", "trust", "state", "address", "profile", "algorithm", "model", "version", "wire", "round",
+                "last_seen_s", "privacy", "compatibility")
 STATUS_COLUMNS = ("node_id", "state", "run", "round", "degraded", "privacy", "role", "sync_state", "last_sync_s",
                   "accuracy", "bytes_sent", "bytes_received", "errors", "control_dropped", "run_peak_mb")
 #: drop-counter key prefixes of the control plane (presence and status messages)
@@ -34,7 +34,8 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
     "offline" its supervisor published when a run ended (an always-on node between runs), or
     that connected again since its last will, the status's own state (``idle``); ``stale`` when
     not offline but nothing heard for ``stale_after`` s; ``revoked`` (``trust`` too, and
-    ``revoked`` holds the reason) for a node the federation's revocation list names.  ``address``
+    ``revoked`` holds the reason) for a node the federation's revocation list names.  ``version``
+    and ``wire``: the node's release and the wire versions it speaks (:func:`node_versions`).  ``address``
     is the device's own address when its descriptor advertises one, else ``-`` (never the
     broker's address: that is ``broker``).  ``compatibility`` is shown
     when the node's descriptor or status carries it.  ``privacy``: the node's budget, flagged when
@@ -69,12 +70,27 @@ def peer_rows(statuses: dict[str, Any], presence: dict[str, Any], now: float | N
             "state": "revoked" if revoked is not None else state, "address": d.get("address") or "-",
             "broker": d.get("broker", ""), "profile": d.get("profile", "") or s.get("profile", ""),
             "algorithm": d.get("algorithm", "") or s.get("algorithm", ""), "model": d.get("model_hash", ""),
-            "version": d.get("version", ""), "round": s.get("round"), "last_seen_s": last,
+            **node_versions(d, s), "round": s.get("round"), "last_seen_s": last,
             "compatibility": "; ".join(x for x in (compat, note) if x), "revoked": revoked,
             "gated": s.get("gated"), "excluded_by": excluded_by.get(nid, []), "note": note,
             "privacy": privacy_text(s.get("privacy"), down.get(nid)), "privacy_decreased": down.get(nid),
         })
     return rows
+
+
+def node_versions(descriptor: dict[str, Any], status: dict[str, Any]) -> dict[str, str]:
+    """A node's ``version`` (its release, ``"0.2.0"``) and ``wire`` (the wire versions it speaks,
+    ``"5"`` or ``"5,6"``) from its presence descriptor (``version = "0.2.0/w5"``, ``wires``) or its
+    status (``agent_version``, ``wires``: an always-on agent between runs has no presence); an
+    agent of 0.1.0 announces only ``"0.1.0/w5"``.  Empty when the node says nothing."""
+    from dfl_agent.transport.versions import versions_of
+
+    announced = descriptor.get("version")
+    package = announced.rsplit("/w", 1)[0] if isinstance(announced, str) else ""
+    if not package and isinstance(status.get("agent_version"), str):
+        package = status["agent_version"]
+    wires = versions_of(descriptor.get("wires")) or versions_of(status.get("wires")) or versions_of(None, announced)
+    return {"version": package, "wire": ",".join(map(str, wires))}
 
 
 def certificate_warnings(statuses: dict[str, Any], now: float | None = None) -> list[str]:
@@ -280,7 +296,7 @@ COLUMN_INFO: dict[str, tuple[str, int, bool]] = {
     "node_id": ("node", 0, False), "state": ("state", 0, False), "round": ("round", 1, False),
     "last_seen_s": ("seen_s", 1, False), "trust": ("trust", 2, True), "algorithm": ("algo", 2, False),
     "address": ("address", 3, True), "profile": ("profile", 3, False), "model": ("model", 5, False),
-    "compatibility": ("compat", 4, True),
+    "compatibility": ("compat", 4, True), "version": ("version", 2, False), "wire": ("wire", 3, False),
     "run": ("run", 2, True), "role": ("role", 2, False), "accuracy": ("acc", 1, False),
     "last_sync_s": ("sync_s", 3, False), "errors": ("err", 3, False), "sync_state": ("sync", 4, True),
     "bytes_sent": ("sent", 4, False), "bytes_received": ("recv", 4, False), "control_dropped": ("ctl_drop", 5, True),

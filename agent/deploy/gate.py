@@ -79,7 +79,8 @@ def deploy_model(models: ModelStore, model: Any, spec: dict[str, Any], input_sha
                  class_names: Sequence[str], val_x: np.ndarray, val_y: np.ndarray, *, run_id: str,
                  round: int, algorithm: str, tolerance: float = 0.01, min_validation: int = 20,
                  force: bool = False, onnx: bool | None = None, switch: bool = True,
-                 started_from: int | None = None, privacy: dict[str, Any] | None = None) -> dict[str, Any]:
+                 started_from: int | None = None, privacy: dict[str, Any] | None = None,
+                 adopted_from: dict[str, Any] | None = None) -> dict[str, Any]:
     """The deploy gate, then install or stage.
 
     Evaluates ``model`` and the deployed model on today's validation slice ``(val_x, val_y)``.
@@ -92,7 +93,9 @@ def deploy_model(models: ModelStore, model: Any, spec: dict[str, Any], input_sha
     ``started_from``: the version the run started from (its warm start; None: fresh weights),
     recorded in the manifest.  ``privacy``: the model's differential privacy (the ε of the run that
     trained it and the device's lifetime ε at deployment, with δ), recorded in the manifest; None
-    without DP.
+    without DP.  ``adopted_from``: for a model another member of the run deployed and this node
+    adopted (it missed the run's end), ``{"node", "version", "sha256", "round"}`` of that member's
+    version, recorded in the manifest.
 
     Returns:
         ``{"deployed": bool, "version": int|None, "accuracy": float, "deployed_accuracy":
@@ -123,7 +126,8 @@ def deploy_model(models: ModelStore, model: Any, spec: dict[str, Any], input_sha
     info = {"run_id": run_id, "round": int(round), "algorithm": algorithm,
             "accuracy": None if math.isnan(acc) else acc, "validation_samples": n,
             "deployed_accuracy": dep_acc, "forced": bool(force), "note": note, "time": time.time(),
-            "started_from": started_from, "privacy": privacy}
+            "started_from": started_from, "privacy": privacy,
+            **({"adopted_from": dict(adopted_from)} if adopted_from is not None else {})}
     files = model_files(model, spec, input_shape, class_names, val_x, onnx=onnx)
     if ok:
         version = models.install(files, info, switch=switch)

@@ -128,7 +128,7 @@ class ModelStore:
             m = self.manifest(v)
             entry = {k: m.get(k) for k in ("version", "run_id", "round", "algorithm", "accuracy", "sha256",
                                            "time", "validation_samples", "forced", "note", "onnx", "started_from",
-                                           "privacy")}
+                                           "privacy", "adopted_from")}
             entry["current"] = v == cur
             out["versions"].append(entry)
             if v == cur:

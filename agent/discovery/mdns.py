@@ -17,8 +17,9 @@ What is advertised
     profile  device profile name
     model    model spec hash
     alg      algorithm name
-    ver      agent version
-    wire     wire format version (``"1"``)
+    ver      agent version (``"0.2.0/w5"``: the release and its newest wire version)
+    wire     the oldest wire version it speaks (``"5"``; what agents of 0.1.0 compare with their own)
+    wires    every wire version it speaks, comma-separated (``"5"``, ``"5,6"``)
     roles    roles this node may take (device profile), comma-separated
     comp     compression spec of its updates (device profile)
     ======== ==========================================================
@@ -29,8 +30,8 @@ What is advertised
 What is accepted
     Instances of other federations (by instance name, before any resolution), this
     node's own instance, and records whose TXT is malformed (missing or invalid id,
-    wrong federation, id not matching the instance name, unknown wire version, bad
-    broker endpoint) are ignored; failures are logged and counted in ``errors``
+    wrong federation, id not matching the instance name, no wire version in common (its
+    ``wires``, else its ``wire``: an agent of 0.1.0), bad broker endpoint) are ignored; failures are logged and counted in ``errors``
     (a :class:`collections.Counter`), never raised out of zeroconf's callbacks.
     The identity is the TXT record's ``id``, not the instance name: an instance renamed
     after a name conflict (``{federation}--{node_id}-2``, zeroconf's renaming) is the
@@ -78,9 +79,11 @@ from typing import Any
 from zeroconf import DNSQuestionType, IPVersion, NonUniqueNameException, ServiceStateChange
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
-from dfl_agent import WIRE_VERSION
+from dfl_agent import WIRE_VERSIONS
 from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.transport import versions
 from dfl_agent.transport.endpoint import valid_endpoint
+from dfl_agent.transport.versions import versions_of
 from dfl_agent.transport.wire import valid_id
 
 log = logging.getLogger(__name__)
@@ -213,7 +216,8 @@ class MdnsDiscovery:
             if not isinstance(value, str):
                 raise ValueError(f"descriptor {key!r} must be a string, got {type(value).__name__}")
             props[txt_key] = value
-        props["wire"] = str(WIRE_VERSION)
+        props["wire"] = str(WIRE_VERSIONS[0])  # an agent of 0.1.0 takes only its own version (5) here
+        props["wires"] = ",".join(str(v) for v in WIRE_VERSIONS)
         if props["broker"] and not valid_endpoint(props["broker"]):
             raise ValueError(f"descriptor broker {props['broker']!r} is not 'host:port'")
         for key, value in props.items():
@@ -521,8 +525,10 @@ class MdnsDiscovery:
                 return None
             reject("duplicate_id", f"another node advertises this node's id {node_id!r}")
             return None
-        if txt.get("wire", "") != str(WIRE_VERSION):
-            reject("wire_version", f"wire version {txt.get('wire')!r}, expected {WIRE_VERSION}")
+        wires = versions_of(txt.get("wires")) or versions_of(txt.get("wire"))
+        if not set(wires) & set(versions.SPOKEN):
+            reject("wire_version", f"wire versions {txt.get('wires') or txt.get('wire')!r}, this node speaks "
+                                   f"{','.join(map(str, versions.SPOKEN))}")
             return None
         broker = txt.get("broker", "")
         if broker and not valid_endpoint(broker):
@@ -545,6 +551,7 @@ class MdnsDiscovery:
             "roles": txt.get("roles", ""),
             "compression": txt.get("comp", ""),
             "address": address,
+            "wires": ",".join(map(str, wires)),
         }
 
 

@@ -44,6 +44,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dfl_agent.transport.versions import versions_of
+
 SOURCES = ("static", "mdns", "presence")
 #: how a peer was found (:meth:`PeerTable.found_via`): a source, or ``bridged-presence``, a
 #: presence that crossed a bridge from a peer on another site's broker
@@ -74,7 +76,10 @@ class PeerInfo:
         federation: federation id it belongs to.
         broker: ``"host:port"`` of the MQTT broker where its topics live ("" = unknown,
             use the default broker).
-        profile, algorithm, model_hash, version: advertised descriptor fields.
+        profile, algorithm, model_hash, version: advertised descriptor fields (``version``:
+            ``"PACKAGE/wN"``, its release and newest wire version).
+        wires: the wire versions it announced it speaks, ascending (descriptor or TXT ``wires``;
+            ``()``: none announced, see :meth:`wire_versions`).
         address: network address it was seen at (mDNS), informational.
         sources: which sources currently vouch for it (an immutable set: one shared
             object per combination, so that a thousand-node table stays small).
@@ -93,6 +98,12 @@ class PeerInfo:
     last_seen: float = 0.0
     offline: bool = False
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    wires: tuple[int, ...] = ()
+
+    def wire_versions(self) -> tuple[int, ...]:
+        """The wire versions this peer speaks, ascending: those it announced (``wires``), else the
+        one its ``version`` names (``"0.1.0/w5"``: an agent of 0.1.0), else ``()`` (unknown)."""
+        return self.wires or versions_of(None, self.version)
 
     def descriptor(self) -> dict[str, Any]:
         """JSON-friendly view (for presence payloads, ``dflctl peers``)."""
@@ -214,7 +225,9 @@ class PeerTable:
             for key, value in fields.items():
                 if keep and key != "address":
                     continue
-                if key in _FIELDS and value:
+                if key == "wires":  # a list (presence) or "5,6" (mDNS): parsed once, here
+                    info.wires = versions_of(value) or info.wires
+                elif key in _FIELDS and value:
                     setattr(info, key, str(value))
                 elif key not in _FIELDS and value is not None:
                     info.extra[key] = value

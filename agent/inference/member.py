@@ -36,13 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from dfl_agent import WIRE_VERSION, __version__
 from dfl_agent.algorithms.context import Message
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.inference.windows import load_windows, predictions_document
 from dfl_agent.jsonbound import RateLimitedLog
 from dfl_agent.onnx_model import ONNX_KIND, InferenceError, OnnxModel, deployment_order
 from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.transport.versions import descriptor_versions, status_versions
 
 log = logging.getLogger(__name__)
 #: rate-limited log of the exceptions caught per model message (``handler_error``)
@@ -91,7 +91,7 @@ class InferenceMember:
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.peers = peers or PeerTable(node_id, federation, heartbeat_timeout=30.0, home_broker=broker)
-        self.descriptor: dict[str, Any] = {**DESCRIPTOR, "broker": broker, "version": f"{__version__}/w{WIRE_VERSION}"}
+        self.descriptor: dict[str, Any] = {**DESCRIPTOR, "broker": broker, **descriptor_versions()}
         if address:
             self.descriptor["address"] = address
         #: verifies model messages too (a guard from the node's ``[security]``), else None
@@ -157,7 +157,7 @@ class InferenceMember:
             "predictions": p.get("n"),
             "prediction_accuracy": p.get("accuracy"), "global_accuracy": None, "gated": None,
             "bytes_sent": c["bytes_sent"], "bytes_received": c["bytes_received"], "errors": c["dropped"],
-            "live_peers": self.peers.live_peers(), "time": time.time(),
+            "live_peers": self.peers.live_peers(), "time": time.time(), **status_versions(),
         }
 
     async def publish_status(self) -> None:

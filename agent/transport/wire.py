@@ -1,4 +1,4 @@
-"""Wire format v5: a versioned JSON envelope followed by the tensors' raw bytes.
+"""Wire format (v5): a versioned JSON envelope followed by the tensors' raw bytes.
 
 Frame layout (all integers big-endian)::
 
@@ -44,8 +44,16 @@ binds the payload through it.
 Every check failure raises :class:`WireError` with a short ``reason`` used as a
 counter key (``malformed``, ``oversized``, ``version``, ``wrong_federation``,
 ``wrong_recipient``, ``hash_mismatch``, ``bad_tensor``, ``non_finite``,
-``bad_encoding``).  A frame of another wire version (e.g. v4 of older agents) is
-rejected as ``version``.
+``bad_encoding``).  A frame of a wire version this release does not speak (e.g. v4 of
+older agents) is rejected as ``version``.
+
+Versions: this release reads and writes every version in
+:data:`dfl_agent.transport.versions.SPOKEN` (:data:`dfl_agent.WIRE_VERSIONS`: the previous
+release's and its own), and :func:`encode` writes the one it is given.  Agents announce the versions they speak (presence descriptor ``wires``,
+mDNS TXT ``wires``; an agent of 0.1.0 only ``version = "0.1.0/w5"`` and TXT ``wire=5``:
+:func:`versions_of` reads all three), and a sender writes each frame in the highest version its
+receivers all speak (:func:`negotiate`): the recipient's for a message to one node, the lowest
+of the live members' highest for a broadcast.
 
 Wire v5 changed one thing against v4: a codec blob's sections follow the sorted tensor
 names (see :mod:`dfl_agent.transport.codec`).  In v4 they followed the sender's
@@ -98,10 +106,14 @@ from dfl_agent.jsonbound import JSONBoundError
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.learning.compression import CompressionError, zstd_inflate
 from dfl_agent.transport import codec as _codec
+from dfl_agent.transport import versions as _versions
+from dfl_agent.transport.versions import negotiate, versions_of
 
-#: the frame format's version byte and the envelope's ``"v"``: the protocol version as a whole
-#: (:data:`dfl_agent.WIRE_VERSION`, announced in presence and mDNS)
-WIRE_VERSION = 5
+__all__ = ["negotiate", "versions_of"]  # re-exported: the version negotiation (dfl_agent.transport.versions)
+
+#: the newest wire version this release speaks (:data:`dfl_agent.WIRE_VERSION`); every version it
+#: reads and writes is in :data:`dfl_agent.transport.versions.SPOKEN`
+WIRE_VERSION = _versions.SPOKEN[-1]
 MAGIC = b"DFL"
 _PREFIX = struct.Struct(">3sBI")
 PREFIX_LEN = _PREFIX.size
@@ -136,8 +148,6 @@ _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), allow_nan=F
 #: (then padding spaces), everything before being the signed canonical JSON
 _SIG_TAIL = b',"sig":"ed25519:'
 _SIG_CHARS = re.compile(rb"[A-Za-z0-9+/=]{1,200}")
-
-
 class Header(dict[str, Any]):
     """A parsed envelope (a plain ``dict`` to its readers).
 
@@ -242,8 +252,11 @@ def _expand_codec(desc: dict[str, Any]) -> dict[str, Any]:
 
 
 def encode(message: Message, *, federation: str, sender: str,
-           sign: Callable[[bytes], str] | None = None, cert: dict[str, Any] | None = None) -> bytes:
-    """Serialise ``message`` into one v5 frame.
+           sign: Callable[[bytes], str] | None = None, cert: dict[str, Any] | None = None,
+           version: int | None = None) -> bytes:
+    """Serialise ``message`` into one frame of wire ``version`` (one of
+    :data:`~dfl_agent.transport.versions.SPOKEN`; None: the newest), chosen for its receivers by
+    :func:`~dfl_agent.transport.versions.negotiate`.
 
     The tensors' bytes are hashed in place and copied once, into the frame.
 
@@ -255,9 +268,13 @@ def encode(message: Message, *, federation: str, sender: str,
 
     Raises:
         ValueError: a tensor has a dtype outside :data:`ALLOWED_DTYPES` (or is not
-            little-endian), the kind or an id is invalid, or ``meta`` is not
-            JSON-serialisable.
+            little-endian), the kind or an id is invalid, ``meta`` is not
+            JSON-serialisable, or ``version`` is not one this release speaks.
     """
+    spoken = _versions.SPOKEN
+    v = spoken[-1] if version is None else version
+    if v not in spoken:
+        raise ValueError(f"wire version {version!r} is not one this release speaks {list(spoken)}")
     if not _KIND_RE.match(message.kind):
         raise ValueError(f"invalid message kind {message.kind!r}")
     if not valid_id(federation) or not valid_id(sender):
@@ -292,7 +309,7 @@ def encode(message: Message, *, federation: str, sender: str,
     message.time = time.time()
     message.sender = sender
     header: dict[str, Any] = {
-        "v": WIRE_VERSION,
+        "v": v,
         "fed": federation,
         "sender": sender,
         "recipient": message.recipient,
@@ -330,11 +347,11 @@ def encode(message: Message, *, federation: str, sender: str,
         hbytes = _JSON.encode(header).encode()
     if len(hbytes) > MAX_HEADER_BYTES:
         raise ValueError(f"envelope too large ({len(hbytes)} bytes)")
-    version = WIRE_VERSION
+    version = v
     if COMPRESS_HEADERS and len(hbytes) >= HEADER_ZSTD_MIN_SHARE * (len(hbytes) + plen):
         packed = zstandard.ZstdCompressor(level=_HEADER_ZSTD_LEVEL).compress(hbytes)
         if len(packed) < len(hbytes):
-            hbytes, version = packed, WIRE_VERSION | HEADER_ZSTD
+            hbytes, version = packed, v | HEADER_ZSTD
     if not version & HEADER_ZSTD:  # pad the JSON so that the payload starts aligned
         hbytes += b" " * (-(PREFIX_LEN + len(hbytes)) % ALIGN)
     frame = b"".join([_PREFIX.pack(MAGIC, version, len(hbytes)), hbytes, *pieces])
@@ -353,14 +370,14 @@ def signed_body(header: dict[str, Any]) -> bytes:
 
 def payload_offset(first: bytes | memoryview) -> int | None:
     """Where the payload starts in a frame whose first bytes are ``first`` (at least its
-    prefix), or ``None`` when they are not a v5 frame's prefix.  A chunk reassembler
+    prefix), or ``None`` when they are not the prefix of a frame of a version in :data:`~dfl_agent.transport.versions.SPOKEN`.  A chunk reassembler
     hashes the payload from there while the chunks arrive
     (:class:`dfl_agent.transport.chunking.Reassembler`'s ``hash_from``); :func:`decode`
     uses that hash when it covers exactly the payload it finds."""
     if len(first) < PREFIX_LEN:
         return None
     magic, version, hlen = _PREFIX.unpack_from(first, 0)
-    if magic != MAGIC or version & ~HEADER_ZSTD != WIRE_VERSION or hlen > MAX_HEADER_BYTES:
+    if magic != MAGIC or version & ~HEADER_ZSTD not in _versions.SPOKEN or hlen > MAX_HEADER_BYTES:
         return None
     return PREFIX_LEN + int(hlen)
 
@@ -453,13 +470,13 @@ def _decode_envelope(frame: bytes, *, max_frame_bytes: int) -> tuple[Envelope, d
     magic, version, hlen = _PREFIX.unpack_from(frame, 0)
     if magic != MAGIC:
         raise WireError("malformed", "bad magic")
-    if version & ~HEADER_ZSTD != WIRE_VERSION:
+    if version & ~HEADER_ZSTD not in _versions.SPOKEN:
         raise WireError("version", f"unsupported wire version {version & ~HEADER_ZSTD}")
     if hlen > MAX_HEADER_BYTES or PREFIX_LEN + hlen > len(frame):
         raise WireError("malformed", "header length out of range")
     header = _parse_header(frame, version, hlen)
-    if _req(header, "v", int) != WIRE_VERSION:
-        raise WireError("version", f"envelope version {header['v']}")
+    if _req(header, "v", int) != version & ~HEADER_ZSTD:
+        raise WireError("version", f"envelope version {header['v']} in a frame of version {version & ~HEADER_ZSTD}")
     fed = _req(header, "fed", str)
     sender = _req(header, "sender", str)
     recipient = _req(header, "recipient", str)

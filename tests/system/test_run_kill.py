@@ -9,8 +9,8 @@ deployed), in the middle of the deployment (the new version's files written unde
 before the ledger says ``deployed``, and before the ledger says ``finished``.  ``tests/unit/test_run_crash.py`` covers every
 state boundary in-process with the same run manager, ledger and deployment.
 
-And a federation's member killed mid-run, back after the others finished the run: it deploys
-the model of its checkpoint."""
+And a federation's member killed mid-run, back after the others finished the run: it adopts
+the run's final model from a member that deployed it."""
 
 from __future__ import annotations
 
@@ -105,14 +105,15 @@ def test_agent_killed_during_deployment_deploys_its_model_once_after_restart(tmp
 
 @needs_mosquitto
 @pytest.mark.timeout(420)
-def test_a_member_killed_mid_run_deploys_its_checkpoint_model_once_the_others_finished(tmp_path):
+def test_a_member_killed_mid_run_adopts_the_runs_final_model_once_the_others_finished(tmp_path):
     """Three always-on agents on their sample stores, signatures required (the run signed by
     an operator, every status signed), the default compression and ``quorum``.  s2 is
     SIGKILLed with its run process in round 3 or later of a fedavg run; s0 and s1 finish it
     without s2 and deploy.  Restarted after that, s2 restores its checkpoint, sees most of the
-    run's members report it finished, and deploys the model of its checkpoint through the
-    deploy gate: one version, of this run and of the round it had reached, recorded
-    ``finished``.  Before, such a member ended with nothing deployed."""
+    run's members report it finished, trains no more round of it, and adopts the run's final
+    model (round 30) from a member that deployed it, through its deploy gate: one version, of
+    this run, recorded ``finished`` with ``model = adopted``.  Before, such a member ended with
+    nothing deployed, and then with the model of its checkpoint (the round it had reached)."""
     import re
 
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -186,9 +187,13 @@ def test_a_member_killed_mid_run_deploys_its_checkpoint_model_once_the_others_fi
         assert models.versions() == [1] and verify_folder(models.folder(1))["run_id"] == rid, logs[n].read_text()[-3000:]
     text = logs["s2"].read_text()
     assert "most of the run's members report it finished" in text, text[-3000:]
-    assert len(re.findall(rf"deployed model v1 \(run {rid}, round", text)) == 1, text[-3000:]
+    assert len(re.findall(rf"deployed model v1 \(run {rid}, round 30\)", text)) == 1, text[-3000:]
     man = verify_folder(ModelStore(states["s2"]).folder(1))
-    assert reached - 1 <= man["round"] <= reached, (man["round"], reached)  # its checkpoint's model, not round 30
+    assert man["round"] == 30 and man["adopted_from"]["node"] in ("s0", "s1"), man  # the run's final model
+    src = verify_folder(ModelStore(states[man["adopted_from"]["node"]]).folder(1))
+    assert man["files"]["model.safetensors"]["sha256"] == src["files"]["model.safetensors"]["sha256"]
+    entry = _ledger(states["s2"])[rid]
+    assert (entry["model"], entry["adopted_from"], entry["version"]) == ("adopted", man["adopted_from"]["node"], 1)
     assert max(r["round"] for r in rounds("s2", rid)) == reached  # no round trained alone after its return
 
 

@@ -129,13 +129,15 @@ def test_run_process_killed_mid_run_is_retried_from_its_checkpoint(tmp_path):
     from dfl_agent.deploy import ModelStore
 
     with start_broker("mosquitto") as broker:
-        path = _config(tmp_path, broker.endpoint, algorithm={"rounds": 40}, training={"steps": 40, "epochs": 1})
+        # 400 rounds of about 0.1 s: the run is still training when it is killed (with 40 rounds it
+        # could end before the kill on a fast machine, and nothing was left to resume)
+        path = _config(tmp_path, broker.endpoint, algorithm={"rounds": 400}, training={"steps": 40, "epochs": 1})
         state = tmp_path / "state"
         log_path = tmp_path / "agent.log"
         with open(log_path, "ab") as log:
             proc = _start(path, log)
             try:
-                _wait(lambda: list((state / "runs").glob("*/checkpoints/*")), 180, proc, log_path)
+                _wait(lambda: list((state / "runs").glob("*/checkpoints/*")) and _ledger(state), 180, proc, log_path)
                 pid = int(re.findall(r"run process (\d+) started", log_path.read_text())[-1])
                 os.kill(pid, signal.SIGKILL)
                 (run_id,) = _ledger(state)

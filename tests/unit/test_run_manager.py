@@ -82,11 +82,50 @@ def manager(tmp_path, agent=Agent, **cfg):
 
 def test_the_states_are_exactly_those_of_the_architecture():
     assert set(STATES) == {"idle", "admitted", "waiting_for_members", "training", "trained", "deploying",
-                           "deployed", "kept", "recorded", "declined", "cancelled", "failed"}
+                           "deployed", "kept", "adopted", "recorded", "declined", "cancelled", "failed", "missed"}
     assert set(TRANSITIONS) == set(STATES)
     assert all(set(nxt) <= set(STATES) for nxt in TRANSITIONS.values())
-    for end in ("recorded", "declined", "cancelled", "failed"):  # every end goes back to idle
+    for end in ("recorded", "declined", "cancelled", "failed", "missed"):  # every end goes back to idle
         assert TRANSITIONS[end] == ("idle",)
+
+
+class Adopter(Agent):
+    """Missed the run's end: reports the model it adopted from member ``b`` (or kept, or none)."""
+
+    def __init__(self, *a, how="adopted", **kw):
+        super().__init__(*a, **kw)
+        self.how, self.reason = how, ""
+
+    async def run(self, stop):
+        if self.how == "missed":
+            self.outcome, self.reason = "missed", "no member could provide the run's model (b: deployment is off)"
+            return 0
+        self.outcome = "finished"
+        self.on_state(self.how, version=4 if self.how == "adopted" else None,
+                      source={"node": "b", "version": 2, "sha256": "ab" * 32, "round": 3}, reason="accuracy 0.9")
+        return 0
+
+
+@pytest.mark.parametrize("how", ["adopted", "kept", "missed"])
+def test_a_node_that_missed_the_runs_end_records_how_its_model_ended(tmp_path, how):
+    """adopted: training -> adopted -> recorded, the ledger names the member and its version;
+    kept: training -> kept -> recorded; missed: training -> missed (terminal, with each member's
+    answer), and the status shows it."""
+    m = manager(tmp_path, agent=lambda *a, **kw: Adopter(*a, how=how, **kw))
+    seen = []
+    m._to = (lambda to, *a, orig=m._to, **kw: (seen.append(to), orig(to, *a, **kw))[1])  # type: ignore[method-assign]
+    d = RunDescriptor(run_id="r9", federation="f", algorithm="fedavg", rounds=3)
+    assert m.admit(d) and asyncio.run(m.train(d, asyncio.Event()))
+    e = m.ledger.entries["r9"]
+    if how == "missed":
+        assert seen == ["admitted", "training", "missed", "idle"]
+        assert e["state"] == "missed" and "b: deployment is off" in e["reason"] and "model" not in e
+        assert m.ledger.is_done("r9") and m.lobby.published[-1][0]["state"] == "missed"
+        return
+    assert seen == ["admitted", "training", how, "recorded", "idle"]
+    assert e["state"] == "finished" and e["model"] == how and e["adopted_from"] == "b" and e["adopted_version"] == 2
+    assert e["adopted_sha256"] == "ab" * 32 and e["model_note"] == "accuracy 0.9"
+    assert (e.get("version") == 4) is (how == "adopted")
 
 
 def test_a_finished_run_passes_training_trained_deploying_deployed_recorded(tmp_path):

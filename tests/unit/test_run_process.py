@@ -70,17 +70,23 @@ def test_every_pipe_message_reads_back_as_it_was_written():
                         degraded={"degraded": True, "rounds_alone": 1, "exchange_rounds": 5}, peak_rss_mb=301.5),
             pipe.Failure("startup", "data.path: no such folder"),
             pipe.End("finished", 5, 5, [[3, 32], 6], 9, {"replay": 1}),
-            pipe.End("finished", 5, 5, None, None, {}, 352.3)]
+            pipe.End("finished", 5, 5, None, None, {}, 352.3),
+            StateReport("adopted", 3, round=0, version=4, source={"node": "b", "version": 2, "sha256": "ab"},
+                        reason="accuracy 0.9 vs none"),
+            pipe.End("missed", 0, 0, None, None, {"model_files_bad_hash": 1}, 300.0, "b: deployment is off")]
     for m in msgs:
         assert pipe.from_line(pipe.to_line(m)) == m
     for bad in (b"[1]", b'{"type": "state", "state": "sleeping", "seq": 1}', b'{"type": "ack"}', b"\xff",
                 b'{"type": "end", "outcome": "finished", "peak_rss_mb": "a lot"}',
-                b'{"type": "state", "state": "trained", "seq": 1, "peak_rss_mb": -1}'):
+                b'{"type": "state", "state": "trained", "seq": 1, "peak_rss_mb": -1}',
+                b'{"type": "state", "state": "kept", "seq": 1, "reason": 3}'):
         with pytest.raises(pipe.PipeError):
             pipe.from_line(bad)
     # an earlier release's lines, without the peak, read as before
     assert pipe.from_line(b'{"type": "end", "outcome": "finished", "round": 3}').peak_rss_mb is None
     assert pipe.from_line(b'{"type": "state", "state": "trained", "seq": 2}').peak_rss_mb is None
+    old = pipe.from_line(b'{"type": "state", "state": "deployed", "seq": 2, "version": 3}')
+    assert (old.source, old.reason, pipe.from_line(b'{"type": "end", "outcome": "finished"}').reason) == (None, None, None)
 
 
 def test_a_closed_pipe_means_the_supervisor_is_gone():

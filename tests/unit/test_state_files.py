@@ -85,7 +85,8 @@ def _folders(state: Path) -> list[str]:
 def test_runs_folder_is_bounded_by_keep_runs_and_ended_runs_lose_their_checkpoints(tmp_path):
     """Eight recorded runs with ``runtime.keep_runs = 3``: three run folders (the newest), each
     without checkpoints, run.toml, members.json and start.json, its round records gzipped; the
-    ledger still knows all eight as finished, the five older ones as one-line summaries."""
+    ledger still knows all eight as finished, the five older ones as one-line summaries (how the
+    run and its model ended)."""
     m = _manager(_config(tmp_path, keep_runs=3))
     ids = [f"r{i}" for i in range(8)]
     for rid in ids:
@@ -101,7 +102,9 @@ def test_runs_folder_is_bounded_by_keep_runs_and_ended_runs_lose_their_checkpoin
     again = RunLedger(tmp_path)  # a restart: the ledger knows every run, never reruns one
     assert [again.state(r) for r in ids] == ["finished"] * 8 and all(again.is_done(r) for r in ids)
     assert [again.is_summary(r) for r in ids] == [True] * 5 + [False] * 3
-    assert set(again.entries["r0"]) <= {"state", "round", "reason", "time", "snapshot_last_id"}
+    summary = again.entries["r0"]  # how the run ended, and how its model ended here
+    assert set(summary) <= {"state", "round", "reason", "time", "snapshot_last_id", "model", "version",
+                            "adopted_from"} and summary["model"] == again.entries["r7"]["model"], summary
     assert again.entries["r7"]["round"] == 2 and len(again.entries) == 8
 
 
@@ -215,7 +218,7 @@ def test_the_agent_refuses_to_start_on_a_damaged_run_ledger(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dfl_agent.runtime.service.daemon", "run", "--config", str(path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
-    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if "run ledger" in ln]
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if "run ledger" in ln and " INFO " not in ln]
     assert len(lines) == 1 and "holds only zero bytes" not in lines[0], lines
     assert f"run ledger {state / 'runs' / 'ledger.sqlite'}: begins with zero bytes" in lines[0]
     assert f"dflctl state recover --state-dir {state}" in lines[0]

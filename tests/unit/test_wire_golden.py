@@ -2,7 +2,7 @@
 signatures still verify, and today's encoder writes the same bytes from the same message, key
 and send time.
 
-The fixtures in ``tests/fixtures/`` were written by 75535c2's ``dfl_agent`` package: a signed
+The fixtures in ``tests/fixtures/compat/0.1.0/wire/`` were written by 75535c2's ``dfl_agent`` package: a signed
 frame of three tensors (float32 and int64), the same split into 300-byte chunks, a signed
 ``q8+zstd`` compressed frame, and an unsigned frame; ``wire_v5_tensors.npz`` holds the tensors.
 """
@@ -21,7 +21,7 @@ from dfl_agent.security import SecurityGuard, TrustStore
 from dfl_agent.security.keys import public_key_b64
 from dfl_agent.transport import chunking, codec, wire
 
-FIX = Path(__file__).resolve().parents[1] / "fixtures"
+FIX = Path(__file__).resolve().parents[1] / "fixtures" / "compat" / "0.1.0" / "wire"
 T0 = 1764633600.25  # the send time the fixtures were written with
 KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
 

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import tomllib
 
+from dfl_agent.cli.lab.members import received
 from dfl_agent.cli.lab.net import LabNet
 from dfl_agent.cli.lab.releases import CURRENT, Release, ledger_entries, ledger_state, prepare, write_config
 from dfl_agent.cli.lab.scenario import Device, Event, Scenario, upgrade_steps
@@ -649,6 +650,7 @@ class LabRun:
                 feeder.stop()
                 feeder.join(5)
                 self._settle_spools()
+                self._settle_deliveries()
                 for a in [*self.agents.values(), *self.members.values()]:
                     self.stop_agent(a)
                 self.cgroups = {n: {"peak_mb": h.cgroup.peak_mb(), "oom_kills": h.cgroup.oom_kills(),
@@ -732,6 +734,22 @@ class LabRun:
                 return
             time.sleep(0.5)
 
+    def _settle_deliveries(self, timeout: float = 30.0) -> None:
+        """Give the devices' services a moment to send each deployed run's model to the
+        inference members still running (they send it from the service, every few seconds,
+        after the run process has ended): until every member's ``models.jsonl`` names every run
+        deployed on some device, or ``timeout`` seconds.  What is still missing then is what the
+        ``inference_received`` check reports."""
+        members = [m for m in self.members.values() if m.proc is not None and m.proc.poll() is None]
+        if not members:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            deployed = {rid for a in self.agents.values() for rid in _deployed_runs(a.state)}
+            if all(deployed <= {g.get("run_id") for g in received(m.state)} for m in members):
+                return
+            time.sleep(0.5)
+
     def _settle_spools(self, timeout: float = 10.0) -> None:
         """Give the agents a moment to ingest what was fed last."""
         deadline = time.monotonic() + timeout
@@ -739,3 +757,16 @@ class LabRun:
             if all(not [p for p in (a.state / "spool").glob("*.npz")] for a in self.agents.values() if a.proc):
                 return
             time.sleep(0.5)
+
+
+def _deployed_runs(state: Path) -> set[str]:
+    """The runs whose model a device deployed (its ``models/v*/manifest.json``'s ``run_id``)."""
+    out = set()
+    for m in (state / "models").glob("v*/manifest.json"):
+        try:
+            rid = json.loads(m.read_text(encoding="utf-8")).get("run_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(rid, str):
+            out.add(rid)
+    return out

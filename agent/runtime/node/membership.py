@@ -104,6 +104,8 @@ class Membership:
                 ctx.security.learn(node_id, descriptor["cert"])  # a hint; trust needs a valid certificate
             fields = {k: v for k, v in descriptor.items() if isinstance(v, (str, int, float))}
             fields.pop("node_id", None)
+            if "wires" in descriptor:  # the wire versions it speaks (a list): what this node writes to it
+                fields["wires"] = descriptor["wires"]
             is_live = getattr(ctx.peers, "is_live", None)
             offline = is_live is not None and not is_live(node_id)
             if node_id != ctx.node_id and (offline or self._lost(node_id)):

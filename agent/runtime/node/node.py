@@ -164,7 +164,8 @@ class Node:
 
     def set_state(self, state: str) -> None:
         """The node's state as its owner sees it outside the round loop (``waiting_for_peers``,
-        ``finished``, ``stopped``, ``killed``): its status says so."""
+        ``finished``, ``stopped``, ``killed``, ``adopting``: taking the run's model from a member
+        after it missed the run's end): its status says so."""
         self.state = state
 
     def start_from(self, run_start: dict[str, Any]) -> None:
@@ -554,7 +555,7 @@ class Node:
             **(self.algorithm.status() if self.set_up else {}),
             **self._profile_status(),
             **({"run": {**self.run_info, "round": last.get("round", 0),
-                        "state": {"running": "training", "finished": "finished"}.get(self.state,
+                        "state": {"running": "training", "finished": "finished", "adopting": "adopting"}.get(self.state,
                                                                                      self.run_info["state"])}}
                if self.run_info else {}),
         }

@@ -1,6 +1,10 @@
 """The outbox of a node: compress (with error feedback), frame and sign
 (:func:`~dfl_agent.runtime.shared.framing.frame`), and account bytes.
 
+Each frame is written in the wire version its receivers all speak (:meth:`Outbox.wire_version`:
+the recipient's, or for a broadcast the live members'; :func:`~dfl_agent.transport.versions.negotiate`),
+so that a node of the previous release reads it.
+
 Plain messages are compressed on send with the context's
 :class:`~dfl_agent.learning.compression.CompressionPolicy` (``message_spec(kind)``), with an
 error-feedback residual per stream for sparsified kinds; messages an algorithm already
@@ -17,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.context import BROADCAST, Message
 from dfl_agent.learning.error_feedback import ChocoGossip, ErrorFeedback
 from dfl_agent.runtime.shared.framing import frame
 from dfl_agent.transport import codec
+from dfl_agent.transport.versions import negotiate
 
 if TYPE_CHECKING:
     from dfl_agent.runtime.node.context import RuntimeContext
@@ -48,6 +53,27 @@ class Outbox:
         #: message)``, which a node sends again after a broker outage (:meth:`reframe`)
         self.round_sent_messages: list[tuple[str | None, Any, Message]] = []
         self.previous_sent_messages: list[tuple[str | None, Any, Message]] = []
+        #: the broadcast's wire version, and the peer table's change count it was chosen at (kept
+        #: only where liveness changes with the table alone: no heartbeat expiry, the simulator)
+        self._broadcast_version: tuple[int, int] | None = None
+
+    def wire_version(self, recipient: str) -> int:
+        """The wire version of a frame to ``recipient`` (:data:`~dfl_agent.algorithms.context.BROADCAST`:
+        to every live member): the highest version they all announced (:meth:`PeerInfo.wire_versions
+        <dfl_agent.discovery.peers.PeerInfo.wire_versions>`; a peer not described yet counts as speaking
+        the oldest version this release speaks), by :func:`~dfl_agent.transport.versions.negotiate`."""
+        peers = self.ctx.peers
+        if recipient != BROADCAST:
+            info = peers.get(recipient)
+            return negotiate([info.wire_versions() if info is not None else ()])
+        cached = self._broadcast_version
+        if cached is not None and peers.heartbeat_timeout is None and cached[0] == peers.changes:
+            return cached[1]
+        changes = peers.changes
+        version = negotiate(info.wire_versions() for n in peers.live_peers()
+                                 if (info := peers.get(n)) is not None)
+        self._broadcast_version = (changes, version)
+        return version
 
     def keep(self, peer: str | None, audience: Any, message: Message | None) -> None:
         """Remember a sent message (:attr:`last_encoded` right after its :meth:`encode`)
@@ -82,7 +108,8 @@ class Outbox:
         time and signature, so that a peer that has it already drops the copy as a
         duplicate or stale round, never as a replay."""
         return frame(dataclasses.replace(message, msg_id=""), federation=self.ctx.federation,
-                     sender=self.ctx.node_id, security=self.ctx.security)
+                     sender=self.ctx.node_id, security=self.ctx.security,
+                     version=self.wire_version(message.recipient))
 
     def encode(self, message: Message) -> tuple[bytes, int]:
         """Compress (per the context's ``compression``) and frame ``message``.
@@ -107,7 +134,8 @@ class Outbox:
                 else:
                     wire_tensors, desc, _ = codec.encode_tensors(message.tensors, spec, self.compression_rng)
                 out = dataclasses.replace(message, tensors=wire_tensors, encoding=desc)
-        data = frame(out, federation=ctx.federation, sender=ctx.node_id, security=ctx.security)
+        data = frame(out, federation=ctx.federation, sender=ctx.node_id, security=ctx.security,
+                     version=self.wire_version(out.recipient))
         self.last_encoded = out
         if out is not orig:
             orig.msg_id, orig.time, orig.sender, orig.wire_bytes = out.msg_id, out.time, out.sender, out.wire_bytes

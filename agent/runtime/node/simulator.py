@@ -34,6 +34,7 @@ from dfl_agent.runtime.node.node import Node, init_seed_for
 from dfl_agent.runtime.node.node_hooks import NodeKilled
 from dfl_agent.runtime.shared.assembly import check_algorithm_models, choose_compression, choose_model_specs
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
+from dfl_agent.transport.versions import SPOKEN
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +314,7 @@ def _assemble(cfg: SimConfig, device: str, sink: Callable[[dict[str, Any]], None
     nodes: list[Node] = []
     for i, nid in enumerate(ids):
         data = make_node_data(bundle, parts[i], seed=cfg.seed)  # same split as the daemon (node_data_for)
-        descriptor = {"algorithm": cfg.algorithm, "model_hash": spec_hash(specs[i])}
+        descriptor = {"algorithm": cfg.algorithm, "model_hash": spec_hash(specs[i]), "wires": list(SPOKEN)}
         behaviour = behaviours[i] if behaviours else None
         if behaviour is not None:
             descriptor.update(profile=behaviour.profile, roles=",".join(behaviour.roles))

@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from dfl_agent import WIRE_VERSION, __version__
 from dfl_agent.data import node_data_for
 from dfl_agent.discovery.mdns import MdnsDiscovery
 from dfl_agent.discovery.static import load_static_peers
@@ -61,12 +60,14 @@ from dfl_agent.runtime.shared.assembly import (
 from dfl_agent.runtime.shared.config import NodeConfig
 from dfl_agent.runtime.shared.degraded import degraded_fields
 from dfl_agent.runtime.shared.descriptor import RunDescriptor
+from dfl_agent.runtime.shared.model_handover import WANTED_FIELD
 from dfl_agent.runtime.shared.pipe import End, RunCounters, StateReport, StatusReport
 from dfl_agent.runtime.shared.preflight import load_data
 from dfl_agent.runtime.shared.run_config import node_id_from_state
 from dfl_agent.runtime.shared.run_host import RunHost
 from dfl_agent.runtime.shared.sample_store import open_store, store_data
 from dfl_agent.transport.mqtt import MqttTransport
+from dfl_agent.transport.versions import descriptor_versions
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -135,6 +136,16 @@ class Agent(RunMembers, AgentOperations):
         self.after_round: list[AfterRound] = []
         #: the data's (input shape, number of classes), once loaded (runs: accept-time memory check)
         self.data_shape: tuple[Any, int | None] | None = None
+        #: the run ended on most of its members before this node trained its last round (it
+        #: takes the run's model from a member: :mod:`dfl_agent.runtime.run.adoption`)
+        self.finished_elsewhere = False
+        #: the request for the run's model in this node's status (``model_wanted``), while it asks
+        self.wanted: dict[str, Any] | None = None
+        #: why the run ended ``missed`` here (no member could provide its model)
+        self.missed_reason = ""
+        #: the link rate (bits/s; None: fast) and the peers' heartbeat timeout (s), from the setup
+        self.link_bps: float | None = None
+        self.heartbeat_timeout = 30.0
 
     def wanted_peers(self) -> int:
         """At most this many peers can still come (the others that did not decline the run,
@@ -150,6 +161,7 @@ class Agent(RunMembers, AgentOperations):
                 or the keys are unusable.
         """
         s = self._prepare()
+        self.link_bps, self.heartbeat_timeout = getattr(s.link, "bps", None), s.heartbeat_timeout
         transport, mdns_descriptor = self._transport(s)
         metrics_file, sink = self._open_metrics()
         self._build(s, transport, dp_sink(sink, s.train), stop)  # round records count their DP steps
@@ -217,10 +229,11 @@ class Agent(RunMembers, AgentOperations):
         peers.home_broker = cfg.mqtt.broker  # a presence from another site's broker is a bridged one
         descriptor = {
             "broker": cfg.mqtt.broker, "profile": cfg.profile, "model_hash": spec_hash(s.spec),
-            "algorithm": s.algo_cls.name, "version": f"{__version__}/w{WIRE_VERSION}",
+            "algorithm": s.algo_cls.name, "version": descriptor_versions()["version"],
             "roles": ",".join(s.behaviour.roles), "compression": s.behaviour.compression,
         }
-        mdns_descriptor = dict(descriptor)  # mDNS advertises the address itself
+        mdns_descriptor = dict(descriptor)  # mDNS advertises the address and the wire versions itself
+        descriptor["wires"] = descriptor_versions()["wires"]  # what peers write to this node in (negotiate)
         if cfg.discovery.interfaces:  # the device's own address (dflctl peers), as mDNS advertises it
             descriptor["address"] = str(cfg.discovery.interfaces[0])
         if s.guard.certificate is not None:
@@ -339,9 +352,12 @@ class Agent(RunMembers, AgentOperations):
             if start_round is not None:
                 start_round = await self._join(stop, start_round)
             if start_round is None:  # all rounds done before a restart, or the members ended the run
-                if resumed and self.outcome == "finished" and self.run_desc is not None:
-                    self._tell("trained", start=self.start)  # it ends with its checkpoint's model,
-                    await self._after_run(spec, input_shape)  # deployed or kept once
+                if self.outcome == "finished" and self.run_desc is not None:
+                    if self.finished_elsewhere and self.cfg.deploys:  # it missed the run's end:
+                        await self._adopt(spec, input_shape, resumed)  # the run's model from a member
+                    elif resumed:
+                        self._tell("trained", start=self.start)  # it ends with its checkpoint's model,
+                        await self._after_run(spec, input_shape)  # deployed or kept once
                 return 0
             await self._run_rounds(stop, start_round, spec, input_shape)
             return 0
@@ -399,6 +415,7 @@ class Agent(RunMembers, AgentOperations):
             if self._federation_finished():  # a majority of the run's members, never one device
                 log.info("most of the run's members report it finished (%d rounds)", cfg.algorithm.rounds)
                 self.outcome = "finished"
+                self.finished_elsewhere = True
                 return None
             start_round = self._rejoin_round(start_round)
             self.ctx.enable_catch_up()  # ... and, while running, behind its neighbours
@@ -454,8 +471,9 @@ class Agent(RunMembers, AgentOperations):
                  len(ids), data.num_train, data.num_val, store.count())
         return bundle, data
 
-    async def _after_run(self, spec: dict[str, Any], input_shape: Any) -> None:
-        """After a run's last round: deploy the model when the gate lets it (dfl_agent.deploy)."""
+    async def _after_run(self, spec: dict[str, Any], input_shape: Any, reason: str = "") -> None:
+        """After a run's last round: deploy the model when the gate lets it (dfl_agent.deploy).
+        ``reason``: why this model and not the run's final one (recorded with the outcome)."""
         if not self.cfg.deploys:
             return
         self._tell("deploying")
@@ -464,11 +482,38 @@ class Agent(RunMembers, AgentOperations):
         except Exception as exc:  # noqa: BLE001 - a failed deployment never crashes the agent
             log.error("deployment failed: %s", exc)
             return
-        self._tell("deployed" if self.deployed.get("deployed") else "kept", version=self.deployed.get("version"))
+        ok = self.deployed.get("deployed")
+        note = "; ".join(x for x in (reason, "" if ok else str(self.deployed.get("note") or "")) if x)
+        self._tell("deployed" if ok else "kept", version=self.deployed.get("version"), reason=note)
+
+    async def _adopt(self, spec: dict[str, Any], input_shape: Any, resumed: bool) -> None:
+        """The run ended on its members while this node was away: take its model from a member
+        that deployed it (:func:`~dfl_agent.runtime.run.adoption.adopt`), through the deploy gate.
+        Where no member can provide it, a node that trained rounds of the run (``resumed``)
+        deploys its checkpoint's model through the gate, as before; one that trained none ends
+        the run ``missed``."""
+        from dfl_agent.runtime.run.adoption import adopt
+
+        got = await adopt(self, spec, input_shape, bps=self.link_bps, heartbeat_timeout=self.heartbeat_timeout)
+        if got.state != "missed":
+            self._tell(got.state, version=got.version, source=got.source, reason=got.reason)
+            self.node.set_state("finished")
+            await self.node.publish_status()
+            return
+        if resumed:
+            log.warning("run %s: %s; the model of this node's checkpoint goes to the deploy gate",
+                        self.run_id, got.reason)
+            self._tell("trained", start=self.start, reason=got.reason)
+            await self._after_run(spec, input_shape, got.reason)
+            return
+        log.warning("run %s missed: it ended on its members while this node was away, and %s", self.run_id,
+                    got.reason)
+        self.outcome, self.missed_reason = "missed", got.reason
 
     def _tell(self, state: str, **info: Any) -> None:
-        """Tell the host the run's state after its rounds (``info``: ``version`` for ``deployed``,
-        ``start`` for ``trained``); the host returns once it recorded it.
+        """Tell the host the run's state after its rounds (``info``: ``version`` for ``deployed``
+        and ``adopted``, ``start`` for ``trained``, ``source`` of an adopted model, ``reason``);
+        the host returns once it recorded it.
 
         Raises:
             HostGone: the host did not record it.
@@ -478,7 +523,8 @@ class Agent(RunMembers, AgentOperations):
         self.host.record_state(StateReport(
             state, 0, round=int(st.get("round", 0)), snapshot_last_id=int(snap.max()) if snap is not None
             and len(snap) else None, version=info.get("version"), start=info.get("start") or None,
-            degraded=degraded_fields(st) if "rounds_alone" in st else {}))
+            degraded=degraded_fields(st) if "rounds_alone" in st else {}, source=info.get("source"),
+            reason=info.get("reason") or None))
 
     def status_report(self, status: dict[str, Any]) -> StatusReport:
         """``status`` with the node's counters, live peers and last checkpoint's round, for the host."""
@@ -491,6 +537,8 @@ class Agent(RunMembers, AgentOperations):
                                    int(c.get("diverged", 0)))
             peers = tuple(node.ctx.live_peers())
         saved = self.checkpointer.last_saved if self.checkpointer is not None else 0
+        if self.wanted is not None:  # asking a member for the run's model (runtime.run.adoption)
+            status = {**status, WANTED_FIELD: dict(self.wanted)}
         return StatusReport(dict(status), counters, peers, int(saved or 0))
 
     def end_report(self) -> End:
@@ -502,7 +550,8 @@ class Agent(RunMembers, AgentOperations):
         return End(self.outcome, int(node.status().get("round", 0)) if node is not None else 0,
                    node.last_round() if node is not None else 0, shape,
                    int(snap.max()) if snap is not None and len(snap) else None,
-                   run_drops(node.ctx.counters()["dropped"] if node is not None else None))
+                   run_drops(node.ctx.counters()["dropped"] if node is not None else None),
+                   reason=self.missed_reason or None)
 
     async def _warm_up(self, node: Any, data: Any) -> float:
         """Torch's one-time start-up work on a copy of the model (see

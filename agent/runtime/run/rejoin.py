@@ -152,14 +152,21 @@ class RunMembers:
 
     def _run_statuses(self) -> dict[str, dict[str, Any]]:
         """Peers' statuses that speak of this node's run (all of them with ``--once``):
-        any decision about "finished" or rejoin is per run id."""
+        any decision about "finished" or rejoin is per run id.  An idle node's status speaks of
+        its last run (``run``) and of the runs it ended before (``run_history``: there only a
+        ``finished`` entry counts); ``model`` says how the node ended the run's model
+        (``deployed``, ``adopted``, ``kept``; None: not said)."""
         statuses = dict(self.ctx.transport.statuses)
         if self.run_desc is None:
             return statuses
         rid, out = self.run_desc.run_id, {}
         for n, s in statuses.items():
-            r = s.get("run")
+            r, hist = s.get("run"), s.get("run_history")
+            e = hist.get(rid) if isinstance(hist, dict) else None
+            e = e if isinstance(e, dict) and e.get("state") == "finished" else {}
+            if not (isinstance(r, dict) and r.get("id") == rid):
+                r = {**e, "id": rid} if e else None
             if isinstance(r, dict) and r.get("id") == rid:  # the run's view (an idle node's status too)
                 state = "running" if r.get("state") == "training" else r.get("state")
-                out[n] = {**s, "state": state, "round": r.get("round", 0)}
+                out[n] = {**s, "state": state, "round": r.get("round", 0), "model": e.get("model")}
         return out

@@ -36,7 +36,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dfl_agent import WIRE_VERSION, __version__
+from dfl_agent import WIRE_VERSION, WIRE_VERSIONS, __version__
 from dfl_agent.runtime.service.liveness import Liveness, cancel_and_wait, paho_loop_alive, restart_paho_loop
 from dfl_agent.runtime.shared.assembly import StartupError
 from dfl_agent.runtime.shared.config import ConfigError, NodeConfig, load_config
@@ -120,6 +120,10 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
         from dfl_agent.runtime.service.member_delivery import MemberDelivery
 
         stack.push_async_callback(cancel_and_wait, asyncio.ensure_future(MemberDelivery(cfg, manager.lobby).run(stop)))
+        # members that missed a run's end get its model from this node's deployed versions
+        from dfl_agent.runtime.service.model_handover import ModelHandover
+
+        stack.push_async_callback(cancel_and_wait, asyncio.ensure_future(ModelHandover(cfg, manager.lobby).run(stop)))
         stack.callback(manager.notifier.stopping)
         log.info("node %s of federation %s serving: %s", manager.node_id, cfg.federation,
                  "its [algorithm] run, then exits" if once else
@@ -178,7 +182,8 @@ def run_agent(cfg: NodeConfig, config_path: str | None = None, once: bool = True
 def build_parser() -> argparse.ArgumentParser:
     """The ``dfl-agent`` argument parser (also walked by ``dfl_agent.cli.gen_reference``)."""
     p = argparse.ArgumentParser(prog="dfl-agent", description="Decentralized federated learning agent")
-    p.add_argument("--version", action="version", version=f"dfl-agent {__version__} (wire v{WIRE_VERSION})")
+    p.add_argument("--version", action="version", version=f"dfl-agent {__version__} (wire v{WIRE_VERSION}; "
+                   f"reads and writes {', '.join(f'v{v}' for v in WIRE_VERSIONS)})")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run the agent")
     r.add_argument("--config", required=True, help="node configuration (TOML)")

@@ -22,8 +22,12 @@ ledger would let it run again a run it already ended.  So is a missing ledger wh
 show that runs ran here.
 
 **Migration.**  A state directory of an earlier release holds ``runs/ledger.json`` and
-``runs/cancelled.json`` (one JSON document each, rewritten whole at every change).  The first
-open takes them over: a new ledger is written under a temporary name, fsynced and renamed into
+``runs/cancelled.json`` (one JSON document each, rewritten whole at every change).  Taking them
+over is a part of the state folder's migration to schema 2
+(:mod:`dfl_agent.runtime.shared.state_version`, registered below): at the agent's start the two
+files are first copied to ``state-backup/schema-1-TIME/runs/``, then the ledger opens.  The
+first open (at that migration, or in a reader such as ``dflctl state check`` on a folder not yet
+migrated) takes them over: a new ledger is written under a temporary name, fsynced and renamed into
 place, then the two files are kept as ``*.json.migrated``; one INFO line says so.  An unreadable
 ``ledger.json`` is refused as above; an unreadable ``cancelled.json`` is taken over without its
 records, at WARNING (the broker's retained cancel records are taken again when the agent
@@ -59,6 +63,7 @@ from dfl_agent.runtime.shared.descriptor import (
     sample_run_id,
 )
 from dfl_agent.runtime.shared.sqlite_file import cut_short
+from dfl_agent.runtime.shared.state_version import Migration, register
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -70,8 +75,9 @@ LEGACY_LEDGER, LEGACY_CANCELLED = "ledger.json", "cancelled.json"
 MIGRATED = ".migrated"
 #: the ledger's format (table ``meta``, key ``format``)
 FORMAT = "1"
-#: the fields an older ended run's compact entry keeps (its one-line summary)
-SUMMARY_FIELDS = ("state", "round", "reason", "time", "snapshot_last_id")
+#: the fields an older ended run's compact entry keeps (its one-line summary: how it ended, and how its model
+#: ended here: ``model``, ``version``, ``adopted_from``)
+SUMMARY_FIELDS = ("state", "round", "reason", "time", "snapshot_last_id", "model", "version", "adopted_from")
 #: the longest reason a compact entry keeps (characters)
 SUMMARY_REASON = 200
 #: the bytes the write-ahead log is cut back to after a checkpoint (``journal_size_limit``)
@@ -642,3 +648,26 @@ def default_descriptor(cfg: Any, now: float | None = None, ledger: RunLedger | N
     return RunDescriptor(run_id=rid, federation=cfg.federation, algorithm=a.name, rounds=a.rounds,
                          name="default", options=dict(a.options), default=True)
 
+
+def _take_over_json_ledger(state_dir: Path) -> str | None:
+    """Schema 2's part for the run ledger: an earlier release's ``runs/ledger.json`` and
+    ``runs/cancelled.json`` taken over into ``runs/ledger.sqlite`` (:meth:`RunLedger._migrate`;
+    atomic: the new ledger gets its name only when complete).  None when there is nothing to take
+    over.
+
+    Raises:
+        RunLedgerDamaged: the earlier release's ledger cannot be read (its one line; the folder
+            stays at schema 1, the agent does not start).
+    """
+    runs = state_dir / "runs"
+    if (runs / LEDGER_FILE).exists() or not ((runs / LEGACY_LEDGER).exists() or (runs / LEGACY_CANCELLED).exists()):
+        return None
+    ledger = RunLedger(state_dir)
+    try:
+        return f"run ledger moved to SQLite ({ledger.count()} runs, {len(ledger.cancelled)} cancel records)"
+    finally:
+        ledger.close()
+
+
+register(Migration(2, "the run ledger moves to SQLite", (f"runs/{LEGACY_LEDGER}", f"runs/{LEGACY_CANCELLED}"),
+                   _take_over_json_ledger))

@@ -23,9 +23,10 @@ from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.runtime.service.privacy_budget import PrivacyWatch
 from dfl_agent.runtime.shared.degraded import FIELDS as DEGRADED_FIELDS
 from dfl_agent.runtime.shared.descriptor import RunDescriptor, RunVerifier, cancel_topic, run_topic
+from dfl_agent.transport.versions import status_versions
 
 #: a run's states on a node after its training there (a late joiner no longer joins it)
-AFTER_TRAINED = ("trained", "deploying", "deployed", "kept", "recorded", "finished")
+AFTER_TRAINED = ("trained", "deploying", "deployed", "kept", "adopted", "recorded", "finished")
 log = logging.getLogger("dfl_agent.runs")
 
 
@@ -487,7 +488,7 @@ class RunLobby:
         with self.lock:
             self.heartbeat += 1
             st = {**dict(status), **dict(service or {}), "node_id": self.node_id, "time": time.time(),
-                  "heartbeat": self.heartbeat, "session": self.session}
+                  "heartbeat": self.heartbeat, "session": self.session, **status_versions()}
             self.run_status = dict(status), dict(service or {})
         if self.client is not None:
             self.client.publish(topic(self.cfg.federation, self.node_id, "status"), self._signed("status", st),
@@ -505,15 +506,18 @@ class RunLobby:
     def publish_status(self, run: dict[str, Any] | None, state: str = "idle",
                        history: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         """Publish this node's status (retained) while no run trains; ``history`` (run id
-        -> ledger entry, the newest 20 kept) lets ``dflctl run list`` show finished runs."""
+        -> ledger entry, the newest 20 kept) lets ``dflctl run list`` show finished runs, and a
+        member that missed a run's end find the members that deployed its model (``model``:
+        ``deployed``, ``adopted`` or ``kept``; ``version``; ``adopted_from``)."""
         from dfl_agent.transport.mqtt import topic
 
         if self.client is None:
             return
         self.heartbeat += 1
         st = {"node_id": self.node_id, "state": state, "time": time.time(), "heartbeat": self.heartbeat,
-              "session": self.session, "run": run, "runs_refused": dict(self.verifier.refused), "algorithm": None, "round": 0,
+              "session": self.session, **status_versions(), "run": run, "runs_refused": dict(self.verifier.refused), "algorithm": None, "round": 0,
               "run_history": {k: {f: v.get(f) for f in ("state", "round", "reason", "started_from", "privacy", "peak_rss_mb",
+                                                         "model", "version", "adopted_from",
                                                          *(DEGRADED_FIELDS if v.get("degraded") else ()))}
                               for k, v in sorted((history or {}).items(), key=lambda kv: kv[1].get("time", 0))[-20:]}}
         # the refusal and drop counters, always present: with counters, the totals over restarts

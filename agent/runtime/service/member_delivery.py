@@ -165,16 +165,9 @@ class MemberDelivery:
     def _send(self, node: str, data: bytes, meta: dict[str, Any]) -> None:
         from dfl_agent.algorithms.context import Message
         from dfl_agent.onnx_model import ONNX_KIND
-        from dfl_agent.runtime.shared.framing import frame
-        from dfl_agent.transport.chunking import iter_chunks
-        from dfl_agent.transport.mqtt import topic
 
-        msg = Message(ONNX_KIND, int(meta["round"]), {"onnx": np.frombuffer(data, np.uint8)}, dict(meta),
-                      recipient=node)
-        data = frame(msg, federation=self.cfg.federation, sender=self.lobby.node_id, security=self.lobby.guard)
-        name = topic(self.cfg.federation, node, "inbox")
-        for chunk in list(iter_chunks(data, self.chunk_size)):
-            self.lobby.client.publish(name, chunk, qos=1)
+        msg = Message(ONNX_KIND, int(meta["round"]), {"onnx": np.frombuffer(data, np.uint8)}, dict(meta))
+        send_frame(self.lobby, self.cfg.federation, node, msg, self.chunk_size)
         last = self.sent.get(node)
         with self.lobby.lock:
             held = holding(self.lobby.statuses.get(node) or {})
@@ -195,6 +188,30 @@ class MemberDelivery:
                 await asyncio.wait_for(stop.wait(), period)
             except asyncio.TimeoutError:
                 pass
+
+
+def send_frame(lobby: Any, federation: str, node: str, msg: Any, chunk_size: int) -> int:
+    """Frame ``msg`` (a :class:`~dfl_agent.algorithms.context.Message`) for ``node`` of ``federation``, signed with
+    the node's key (``lobby.guard``), in the wire version ``node`` reads (the highest that its
+    status announces, :func:`dfl_agent.transport.versions.negotiate`), and publish it to ``node``'s
+    inbox on the lobby's session, in chunks of ``chunk_size`` bytes (QoS 1).  Returns the frame's bytes.
+
+    Raises:
+        WireError: the message cannot be framed.
+    """
+    from dfl_agent.runtime.shared.framing import frame
+    from dfl_agent.transport.chunking import iter_chunks
+    from dfl_agent.transport.mqtt import topic
+    from dfl_agent.transport.versions import negotiate, versions_of
+
+    msg.recipient = node
+    with lobby.lock:  # the wire version the member reads: the one its status announces
+        wires = versions_of((lobby.statuses.get(node) or {}).get("wires"))
+    data = frame(msg, federation=federation, sender=lobby.node_id, security=lobby.guard, version=negotiate([wires]))
+    name = topic(federation, node, "inbox")
+    for chunk in list(iter_chunks(data, chunk_size)):
+        lobby.client.publish(name, chunk, qos=1)
+    return len(data)
 
 
 def deployed_onnx(models: Any, spec: dict[str, Any] | None = None, *,

@@ -67,7 +67,7 @@ __all__ = ["LEDGER_FILE", "ROW_STATES", "TERMINAL", "LedgerDamaged", "PrivacyBud
 log = logging.getLogger("dfl_agent.daemon")
 
 #: run ledger states after which a run's reservation is settled
-TERMINAL = ("finished", "failed", "cancelled", "declined")
+TERMINAL = ("finished", "failed", "cancelled", "declined", "missed")
 
 def _round_dp_steps(metrics: Path, offset: int = 0) -> list[int] | None:
     """The ``dp_steps`` of each round record in the metrics file ``metrics`` (from byte ``offset``:

@@ -4,7 +4,7 @@ directory holds.  Torch-free.
 A device runs recurring runs for months on a small card, so nothing of a run may stay for ever:
 
 * **An ended run's folder is settled** (:func:`settle_run`) once the run ledger records the run
-  ended (``finished``, ``failed``, ``cancelled`` or ``declined``: the ledger's terminal states,
+  ended (``finished``, ``failed``, ``cancelled``, ``declined`` or ``missed``: the ledger's terminal states,
   after which nothing resumes it): its checkpoints, its ``run.toml`` (it holds the broker
   password), ``members.json`` and ``start.json`` are deleted, its round records are kept gzipped
   (``metrics.jsonl.gz``, read by :func:`read_records`), and ``ended.json`` records how it ended (the

@@ -27,7 +27,7 @@ log = logging.getLogger("dfl_agent.daemon")
 #: waits in the queue while the spool is ingested)
 MIN_STORE_SAMPLES = 20
 #: states recorded after a run's training: a restart finishes the run from there
-AFTER_TRAINING = ("trained", "deploying", "deployed", "kept")
+AFTER_TRAINING = ("trained", "deploying", "deployed", "kept", "adopted")
 #: states recorded before a run's training ended (an operator's cancel still stops the run)
 BEFORE_TRAINED = (None, "admitted", "waiting_for_members", "training")
 
@@ -208,7 +208,7 @@ class RunLoop:
         return None
 
     async def resume(self, d: RunDescriptor, stop: asyncio.Event) -> bool:
-        """``idle ->`` the state recorded before a kill: ``deployed``/``kept`` is recorded finished;
+        """``idle ->`` the state recorded before a kill: ``deployed``/``adopted``/``kept`` is recorded finished;
         ``trained``/``deploying`` runs the agent, which restores its final checkpoint and deploys
         (:meth:`~dfl_agent.deploy.versions.ModelStore.run_outcome`: once).  False: ``stop`` came."""
         state = str(self.ledger.state(d.run_id))
@@ -216,7 +216,7 @@ class RunLoop:
         self.info = {"id": d.run_id, "state": "training", "round": d.rounds, "reason": ""}
         if state in ("trained", "deploying"):
             return await self.train(d, stop, resume=state)
-        if state == "deployed":  # a kill may have come between the ledger and the switch of current
+        if state in ("deployed", "adopted"):  # a kill may have come between the ledger and the switch of current
             from dfl_agent.runtime.service.supervisor import switch_deployed
 
             await asyncio.to_thread(switch_deployed, self.cfg, self.lobby, d.run_id)

@@ -10,9 +10,18 @@ run through these states, one method per transition::
     admitted             --wait_for_members--> waiting_for_members --> training | declined | cancelled | failed
     admitted             --train-->            training    (min_members 1)
     training             --on_agent_state-->   trained --> deploying --> deployed | kept
-    trained | deployed | kept --finish-->      recorded
+    training             --on_agent_state-->   adopted | kept   (it missed the run's end: a member's model)
+    trained | deployed | kept | adopted --finish--> recorded
     training             --cancelled | fail--> cancelled | failed
-    recorded | declined | cancelled | failed --idle--> idle
+    training             --missed-->           missed      (it missed the run's end; no member had its model)
+    recorded | declined | cancelled | failed | missed --idle--> idle
+
+A node whose run ended on most of its members while it was away (a power cut) takes the run's
+model from a member that deployed it (:mod:`dfl_agent.runtime.run.adoption`): ``adopted``; its
+ledger entry's ``model`` says how the run's model ended here (``deployed``, ``adopted`` with
+``adopted_from``, ``adopted_version`` and ``adopted_sha256``, ``kept`` with ``model_note``), and
+``version`` the version installed.  Where no member can provide it, the run ends ``missed`` with
+each member's answer as its reason.
 
 An operator's cancel stops a run here until its last round is done; one that arrives after
 (``trained``, ``deploying``: the model is being deployed) is refused here: the model is deployed
@@ -71,22 +80,25 @@ from dfl_agent.runtime.shared.run_config import (
     run_config_for,
 )
 from dfl_agent.runtime.shared.sample_store import open_store, seed_store
+from dfl_agent.runtime.shared.state_version import open_state as migrate_state
 
 log = logging.getLogger("dfl_agent.daemon")
 
 #: the run manager's states (see the module docstring for the transitions)
 STATES = ("idle", "admitted", "waiting_for_members", "training", "trained", "deploying", "deployed", "kept",
-          "recorded", "declined", "cancelled", "failed")
+          "adopted", "recorded", "declined", "cancelled", "failed", "missed")
 #: state -> the states it may move to
 TRANSITIONS: dict[str, tuple[str, ...]] = {
-    "idle": ("idle", "admitted", "declined", "cancelled", "trained", "deploying", "deployed", "kept"),
+    "idle": ("idle", "admitted", "declined", "cancelled", "trained", "deploying", "deployed", "kept", "adopted"),
     "admitted": ("waiting_for_members", "training", "idle"),
     "waiting_for_members": ("training", "declined", "cancelled", "failed", "idle"),
-    "training": ("trained", "cancelled", "failed", "idle"),
+    "training": ("trained", "adopted", "kept", "missed", "cancelled", "failed", "idle"),
     "trained": ("deploying", "recorded", "failed", "cancelled", "idle"),
     "deploying": ("deployed", "kept", "recorded", "failed", "idle"),
     "deployed": ("recorded", "failed"),
     "kept": ("recorded", "failed"),
+    "adopted": ("recorded", "failed"),
+    "missed": ("idle",),
     "recorded": ("idle",),
     "declined": ("idle",),
     "cancelled": ("idle",),
@@ -294,8 +306,10 @@ class RunManager(RunLoop):
 
     def on_agent_state(self, state: str, **_info: Any) -> None:
         """The training agent's say after its rounds: ``trained``, ``deploying``,
-        ``deployed`` or ``kept`` (the deployment gate kept the current model).  A run
-        resumed after its training hears again what it recorded (nothing to do)."""
+        ``deployed`` or ``kept`` (the deployment gate kept the current model), or ``adopted``
+        (it missed the run's end and installed a member's model, ``_info["source"]``).  A run
+        resumed after its training hears again what it recorded (nothing to do).  ``deployed``,
+        ``adopted`` and ``kept`` record how the run's model ended here (:func:`model_fields`)."""
         if state == self.state or (state == "trained" and self.state == "deploying"):
             return
         rnd, agent = 0, self.agent
@@ -309,6 +323,8 @@ class RunManager(RunLoop):
             if isinstance(start := _info.get("start"), dict):  # the warm start: kept in the run's entry
                 extra = {**(extra or {}), "init": start.get("init"), "started_from": start.get("started_from"),
                          "init_reason": start.get("reason", "")}
+        if state in ("deployed", "adopted", "kept"):
+            extra = {**(extra or {}), **model_fields(state, _info)}
         self._to(state, self.info["id"] if self.info else None, rnd=rnd, extra=extra)
 
     def finish(self, d: RunDescriptor, agent: Any, extra: dict[str, Any] | None, reason: str = "") -> None:
@@ -423,10 +439,13 @@ class RunManager(RunLoop):
         """The agent of run ``d``'s ``attempt`` (the factory's), watched for a cancel."""
         run_dir = self.ledger.run_dir(d.run_id)
         run_dir.mkdir(parents=True, exist_ok=True)
+        members = self.lobby.accepted_by(d.run_id)  # the admitted members so far; for a node that trained
+        if (run_dir / "metrics.jsonl").exists():  # in it before (a power cut), those that ended it too
+            members |= self.lobby.finished_by(d.run_id)
         agent = self.agent_factory(
             run_cfg, self.config_path, run=d, run_dir=run_dir, serving=True,
             should_stop=lambda: self.is_cancelled(d.run_id), wanted_peers=lambda: self.lobby.may_join(d.run_id),
-            members=self.lobby.accepted_by(d.run_id) - {self.node_id},  # the admitted members so far
+            members=members - {self.node_id},
             on_state=self.on_agent_state, **({"once": True} if self.once else {}))
         agent.attempt = attempt
         agent.service_status = self.counters.view  # the run's status carries the service's counters
@@ -473,7 +492,9 @@ class RunManager(RunLoop):
         snap = agent.snapshot  # a run on the sample store: the newest sample id of its data
         snapshot = {"snapshot_last_id": int(snap.max())} if snap is not None and len(snap) else {}
         extra = {**snapshot, **_peak(agent)} or None  # with the run process's peak memory over its life
-        if agent.outcome == "finished":  # a cancel that came after the last round is refused here
+        if agent.outcome == "missed":  # it ended on the members while this node was away, no model to take
+            self.info = self._ended_as(d.run_id, "missed", getattr(agent, "reason", "") or "missed", rnd, extra)
+        elif agent.outcome == "finished":  # a cancel that came after the last round is refused here
             late = d.run_id in watch.late or self.is_cancelled(d.run_id)
             self.finish(d, agent, extra, CANCEL_LATE if late else "")
         elif cancelled:
@@ -494,6 +515,22 @@ class RunManager(RunLoop):
             self.idle()
         self.publish(force=True)
         return True
+
+
+def model_fields(state: str, info: dict[str, Any]) -> dict[str, Any]:
+    """The ledger entry's fields that say how a run's model ended on this node, for the run
+    process's ``state`` (``deployed``, ``adopted`` or ``kept``) and its report's ``info``
+    (``version``, ``source``: the member's version a model came from, ``reason``): ``model``,
+    ``version``, ``adopted_from``, ``adopted_version``, ``adopted_sha256``, ``model_note``."""
+    out: dict[str, Any] = {"model": state}
+    if isinstance(v := info.get("version"), int) and not isinstance(v, bool):
+        out["version"] = v
+    src = info.get("source")
+    if isinstance(src, dict) and src.get("node"):
+        out.update(adopted_from=str(src["node"]), adopted_version=src.get("version"), adopted_sha256=src.get("sha256"))
+    if isinstance(note := info.get("reason"), str) and note:
+        out["model_note"] = note[:500]
+    return out
 
 
 def _peak(agent: Any) -> dict[str, Any]:
@@ -535,11 +572,17 @@ def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHoo
     and verifies peers' ones and run descriptors), the lobby (not connected yet), the
     sample store with ``data.dataset = "store"``, the systemd notifier, and ``hooks``.
 
+    The state folder's schema is checked first, and an older one migrated
+    (:func:`~dfl_agent.runtime.shared.state_version.open_state`; an earlier release's run ledger
+    is taken over there); then :func:`open_state` opens the run ledger and checks every state file.
+
     Raises:
+        StateVersionError: the state folder was written by a newer release (a StartupError).
         StartupError: the state directory, the profile, the keys or the store are unusable.
     """
     state_dir = Path(cfg.state_dir)
     try:
+        migrate_state(state_dir)  # first: the checks below read the folder in this release's schema
         state_dir.mkdir(parents=True, exist_ok=True)
         profile = resolve_profile(cfg.profile, cfg.profile_overrides)[0]
     except (OSError, ValueError, LookupError) as exc:

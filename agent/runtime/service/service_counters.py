@@ -6,7 +6,9 @@ The service counts what it refused or dropped on the control plane over its whol
 * ``control_dropped``: control messages dropped, by reason - the statuses and errors of
   the run lobby (``status_{reason}``, ``handler_error``), which listens idle and while a
   run trains, and the presence drops of each run's node (``presence_{reason}``,
-  ``bad_presence``; a run's status drops are the lobby's too and are not counted twice).
+  ``bad_presence``; a run's status drops are the lobby's too and are not counted twice), and
+  the answers to a node's request for a run's model it dropped (``model_files_{reason}``:
+  :mod:`dfl_agent.runtime.run.adoption`).
 
 :class:`ServiceCounters` is the one place that adds them up: the counts saved by earlier
 starts, the lobby's counts since this start, the runs that ended since, and the run in

@@ -65,6 +65,13 @@ class StateFile:
 
 #: the state files (see the module docstring); the docs' table lists the same paths
 STATE_FILES: tuple[StateFile, ...] = (
+    StateFile("state_version", "the state folder's schema, the release that wrote it and the migrations that brought "
+              "it there", "atomic", "runtime.shared.state_version", "one small document (the last 32 migrations)",
+              "refuses to start (exit 2) naming the file: restore it; a newer schema (written by a later release) "
+              "is refused the same way"),
+    StateFile("state-backup/schema-{N}-{time}/", "the files a migration from schema N rewrote, as they were before it",
+              "folder", "runtime.shared.state_version", "as those files", "not read again (copy them back to roll "
+              "back an upgrade)"),
     StateFile("node_id", "the node's id, when node.toml sets none", "atomic", "runtime.shared.run_config",
               "one line", "refuses to start (exit 2): write the device's id back (its certificate names it) or set "
               "`node_id` in node.toml"),

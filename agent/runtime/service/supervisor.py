@@ -149,6 +149,8 @@ class ChildRun:
         self.crash: str | None = None
         #: the run process's error message (``error`` line), if it sent one
         self.error = ""
+        #: why the run ended as its end report says (``missed``: each member's answer), else ""
+        self.reason = ""
         self.returncode: int | None = None
         #: the run process's peak resident memory (MiB) as its last state or end report said
         #: (None before one, or from an earlier release's run process): the ledger entry's ``peak_rss_mb``
@@ -269,6 +271,7 @@ class ChildRun:
             self.error = msg.message
         elif isinstance(msg, pipe.End):
             self.outcome = msg.outcome
+            self.reason = msg.reason or ""
             self._peak(msg.peak_rss_mb)
             self.data_shape = msg.data_shape
             node.status["round"] = msg.round
@@ -286,11 +289,12 @@ class ChildRun:
         self._peak(msg.peak_rss_mb)
         if msg.snapshot_last_id is not None:
             self.snapshot = np.array([msg.snapshot_last_id])
-        if msg.state == "trained":
+        if msg.state in ("trained", "adopted"):
             self.outcome = "finished"
         if self.on_state is not None:  # "trained" carries the run's start (warm start) for the ledger
-            self.on_state(msg.state, **({"start": msg.start} if msg.start is not None else {}))
-        if msg.state == "deployed" and msg.version is not None:
+            info = {k: getattr(msg, k) for k in ("start", "version", "source", "reason") if getattr(msg, k) is not None}
+            self.on_state(msg.state, **info)
+        if msg.state in ("deployed", "adopted") and msg.version is not None:
             await asyncio.to_thread(self._switch, msg.version)
         self._send(pipe.Ack(msg.seq))
 

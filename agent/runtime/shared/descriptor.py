@@ -44,9 +44,9 @@ from dfl_agent.security.trust import ControlRejected, SecurityGuard, SeqCounter,
 
 SCHEMA_VERSION = 1
 #: node-side run states shown in status (``run.state``) and ``dflctl run show``
-NODE_STATES = ("queued", "accepted", "declined", "training", "finished", "failed", "cancelled")
+NODE_STATES = ("queued", "accepted", "declined", "training", "finished", "failed", "cancelled", "missed")
 #: terminal states: a run in one of these is never (re)started on this node
-TERMINAL = ("finished", "failed", "cancelled", "declined")
+TERMINAL = ("finished", "failed", "cancelled", "declined", "missed")
 #: reasons a run descriptor message is refused (counters ``run_refused_<reason>``)
 REFUSE_REASONS = ("malformed", "oversized", "too_deep", "unsigned", "unknown_key", "not_operator", "bad_signature",
                   "wrong_federation", "replay", "cancelled", "expired", "revoked", "certificate_expired",

@@ -15,14 +15,18 @@ from dfl_agent.algorithms.context import Message
 from dfl_agent.transport import wire
 
 
-def frame(message: Message, *, federation: str, sender: str, security: Any = None) -> bytes:
-    """``message`` as one wire frame (:mod:`dfl_agent.transport.wire`), signed with ``security``'s
-    key (a :class:`~dfl_agent.security.SecurityGuard`) when it has one, its device certificate
-    in the envelope.  Sets the message's ``msg_id``, ``time``, ``sender`` and ``wire_bytes``.
+def frame(message: Message, *, federation: str, sender: str, security: Any = None,
+          version: int | None = None) -> bytes:
+    """``message`` as one wire frame (:mod:`dfl_agent.transport.wire`) of wire ``version`` (the one
+    its receivers all speak, :func:`~dfl_agent.transport.wire.negotiate`; None: the newest), signed
+    with ``security``'s key (a :class:`~dfl_agent.security.SecurityGuard`) when it has one, its
+    device certificate in the envelope.  Sets the message's ``msg_id``, ``time``, ``sender`` and
+    ``wire_bytes``.
 
     Raises:
-        WireError: the message cannot be framed (bad ids, tensors, or over the frame limit).
+        ValueError: the message cannot be framed (bad ids or tensors, a version this release
+            does not speak, an envelope over its limit).
     """
     signing = {"sign": security.sign, "cert": security.certificate} if security is not None and \
         security.key is not None else {}
-    return wire.encode(message, federation=federation, sender=sender, **signing)
+    return wire.encode(message, federation=federation, sender=sender, version=version, **signing)

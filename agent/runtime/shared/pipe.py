@@ -25,14 +25,17 @@ Run process -> supervisor (the run process's original standard output):
   its last checkpoint (the supervisor signs and publishes the status, with the service's
   counters);
 * :class:`StateReport`: a state of the run after its rounds (``trained``, ``deploying``,
-  ``deployed`` with the installed version, ``kept``); the run process waits for its
-  :class:`Ack`;
+  ``deployed`` with the installed version, ``kept``; ``adopted`` with the installed version of
+  a model another member deployed, for a node that missed the run's end); the run process
+  waits for its :class:`Ack`;
 * :class:`Failure`: why the run cannot start (``startup``) or crashed (``crash``);
-* :class:`End`, last: how the run ended here.
+* :class:`End`, last: how the run ended here (``missed`` with its reason: the run ended on its
+  members while this node was away, and no member could provide its model).
 
 The JSON of each message is the one the pipe carried before it was typed (``{"type": ...}``
 with the same fields), so a supervisor and a run process of the same release agree by
-construction and the lines stay readable in a log.
+construction and the lines stay readable in a log.  Fields added later are optional: a line
+without them (an earlier release's) reads as before.
 """
 
 from __future__ import annotations
@@ -51,7 +54,10 @@ MAX_LINE_BYTES = 1 << 22
 #: "no limit" for :attr:`Start.may_join` and :class:`MayJoin`
 UNBOUNDED = sys.maxsize
 #: the run's states after its rounds that a :class:`StateReport` carries
-AFTER_ROUNDS = ("trained", "deploying", "deployed", "kept")
+AFTER_ROUNDS = ("trained", "deploying", "deployed", "kept", "adopted")
+#: how a run ends in a run process (:class:`End`): ``missed``: it ended on its members while this
+#: node was away, and no member could provide the run's model
+OUTCOMES = ("finished", "stopped", "missed")
 #: the kinds of :class:`Failure`
 FAILURES = ("startup", "crash")
 #: the degraded-run fields a state report may carry (:mod:`dfl_agent.runtime.shared.degraded`)
@@ -59,7 +65,7 @@ DEGRADED_KEYS = ("degraded", "rounds_alone", "exchange_rounds")
 
 JSON = dict[str, Any]
 #: a run node's drop counters that the service keeps (the lobby counts the statuses itself)
-RUN_KEEPS = ("presence_", "bad_presence")
+RUN_KEEPS = ("presence_", "bad_presence", "model_files_")
 
 
 def run_drops(dropped: Mapping[str, int] | None) -> dict[str, int]:
@@ -91,6 +97,16 @@ def _opt_mb(doc: Mapping[str, Any], key: str) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
         raise PipeError(f"{key}: a size in MiB expected, got {v!r}")
     return float(v)
+
+
+def _opt_str(doc: Mapping[str, Any], key: str) -> str | None:
+    """A text field, or None where the line has none."""
+    v = doc.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise PipeError(f"{key}: a string expected, got {type(v).__name__}")
+    return v
 
 
 def _dict(doc: Mapping[str, Any], key: str, default: JSON | None = None) -> JSON:
@@ -265,6 +281,10 @@ class StateReport:
         degraded: for a run closed alone in some rounds, :func:`~dfl_agent.runtime.shared.degraded.degraded_fields`.
         peak_rss_mb: the run process's peak resident memory so far (MiB), or None (a line
             without it: an earlier release's run process).
+        source: for a model another member deployed (``adopted``, or ``kept`` by this node's
+            gate): ``{"node", "version", "sha256", "round"}`` of the member's version, else None.
+        reason: why the node ended the run so (``kept``: the gate's note; a checkpoint's model
+            deployed because no member could provide the run's final one), or None.
     """
 
     type: ClassVar[str] = "state"
@@ -276,10 +296,12 @@ class StateReport:
     start: JSON | None = None
     degraded: JSON = dataclasses.field(default_factory=dict)
     peak_rss_mb: float | None = None
+    source: JSON | None = None
+    reason: str | None = None
 
     def to_json(self) -> JSON:
         out: JSON = {"state": self.state, "seq": self.seq, "round": self.round, **self.degraded}
-        for k in ("snapshot_last_id", "version", "start", "peak_rss_mb"):
+        for k in ("snapshot_last_id", "version", "start", "peak_rss_mb", "source", "reason"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         return out
@@ -289,10 +311,11 @@ class StateReport:
         state = doc.get("state")
         if state not in AFTER_ROUNDS:
             raise PipeError(f"state: one of {AFTER_ROUNDS} expected, got {state!r}")
-        start = doc.get("start")
+        start, source = doc.get("start"), doc.get("source")
         return cls(str(state), _int(doc, "seq"), _int(doc, "round", 0), _opt_int(doc, "snapshot_last_id"),
                    _opt_int(doc, "version"), dict(start) if isinstance(start, dict) else None,
-                   {k: doc[k] for k in DEGRADED_KEYS if k in doc}, _opt_mb(doc, "peak_rss_mb"))
+                   {k: doc[k] for k in DEGRADED_KEYS if k in doc}, _opt_mb(doc, "peak_rss_mb"),
+                   dict(source) if isinstance(source, dict) else None, _opt_str(doc, "reason"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,13 +343,15 @@ class End:
     """How the run ended in the run process (its last message).
 
     Attributes:
-        outcome: ``finished`` or ``stopped`` (a stop, a cancel, or the broker unreachable).
+        outcome: ``finished``, ``stopped`` (a stop, a cancel, or the broker unreachable) or
+            ``missed`` (:data:`OUTCOMES`).
         round: the round of the node's last status; last_round: the last round completed.
         data_shape: the data's ``[input shape, number of classes]`` once loaded, or None.
         snapshot_last_id: the newest sample id of the run's data snapshot, or None.
         drops: the run's drops that the service keeps (:func:`~dfl_agent.runtime.shared.pipe.run_drops`).
         peak_rss_mb: the run process's peak resident memory over its life (MiB), or None (a
             line without it: an earlier release's run process).
+        reason: for ``missed``, why (each member's answer), else None.
     """
 
     type: ClassVar[str] = "end"
@@ -337,13 +362,15 @@ class End:
     snapshot_last_id: int | None = None
     drops: Mapping[str, int] = dataclasses.field(default_factory=dict)
     peak_rss_mb: float | None = None
+    reason: str | None = None
 
     def to_json(self) -> JSON:
         out: JSON = {"outcome": self.outcome, "round": self.round, "last_round": self.last_round,
                      "data_shape": self.data_shape, "snapshot_last_id": self.snapshot_last_id,
                      "drops": dict(self.drops)}
-        if self.peak_rss_mb is not None:
-            out["peak_rss_mb"] = self.peak_rss_mb
+        for k in ("peak_rss_mb", "reason"):
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
         return out
 
     @classmethod
@@ -355,7 +382,7 @@ class End:
         return cls(str(doc.get("outcome", "stopped")), _int(doc, "round", 0), _int(doc, "last_round", 0),
                    list(shape) if isinstance(shape, list) else None, _opt_int(doc, "snapshot_last_id"),
                    {str(k): int(v) for k, v in drops.items() if isinstance(v, int) and not isinstance(v, bool)},
-                   _opt_mb(doc, "peak_rss_mb"))
+                   _opt_mb(doc, "peak_rss_mb"), _opt_str(doc, "reason"))
 
 
 ToRun = Start | Ack | MayJoin | Reload
