@@ -69,3 +69,24 @@ def test_the_first_round_after_a_capped_rejoin_does_not_close_alone():
     assert seen[0][0] == 11 and seen[0][1] == 2 and seen[0][2] < 1.0, seen  # at once, with both
     assert all(n > 0 for _, n, _ in seen), seen
     assert seen[-1][0] == 60, seen
+
+
+def test_a_rejoined_node_stays_behind_until_it_reaches_the_round_the_statuses_showed():
+    """After a restart the first updates a node receives can be a broker's backlog of the rounds
+    it missed, drained in order: they show no skip (in the lab, an upgraded device's second round
+    then waited round_timeout, 20 s, and closed alone).  The node stays ``catching_up`` until it
+    reaches the round its neighbours' statuses showed at its rejoin."""
+    net = MemoryNetwork()
+    me, a, b = _ctx(net, "me"), _ctx(net, "a"), _ctx(net, "b")
+    me.catch_up, me.max_catch_up_rounds, me.final_round = True, 10, 60
+
+    async def main():
+        for c in (me, a, b):
+            await c.start()
+        me.note_rejoin(11, {"a": 39, "b": 39}, 2, 60)  # both completed 39: the federation runs 40
+        out: list[object] = [me.catching_up]
+        out.append((me.membership.catch_up_round(12, {"a": 12, "b": 12}), me.catching_up))  # the backlog
+        out.append((me.membership.catch_up_round(40, {"a": 12, "b": 12}), me.catching_up))  # there
+        return out
+
+    assert run_virtual(main()) == [True, (12, True), (40, False)]
