@@ -8,7 +8,10 @@ argparse tree (commands, sub-commands and their options); no extra dependency.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dfl_agent.cli.dflctl import DflctlParser
 
 
 def _tree(p: argparse.ArgumentParser, path: str, out: dict[str, list[str]]) -> None:
@@ -68,7 +71,7 @@ def cmd_completion(a: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[DflctlParser]) -> None:
     """Add ``dflctl completion`` to the ``dflctl`` sub-parsers."""
     c = sub.add_parser("completion", help="print a shell-completion script (bash or zsh)")
     c.add_argument("shell", choices=["bash", "zsh"], help="the shell")

@@ -7,7 +7,10 @@ import datetime
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dfl_agent.cli.dflctl import DflctlParser
 
 
 def state_dir_args(p: argparse.ArgumentParser) -> None:
@@ -78,7 +81,7 @@ def cmd_status(a: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[DflctlParser]) -> None:
     """Add ``dflctl data`` to the dflctl sub-parsers."""
     d = sub.add_parser("data", help="the on-device sample store: add files, show its status")
     ds = d.add_subparsers(dest="data_cmd", required=True)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dfl_agent.cli.dflctl import DflctlParser
 
 
 def cmd_lab_check(args: argparse.Namespace) -> int:
@@ -89,7 +92,7 @@ def cmd_lab_run(args: argparse.Namespace) -> int:
     return 1
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[DflctlParser]) -> None:
     """Add ``lab check``, ``lab run`` and ``lab down`` to dflctl's sub-parsers."""
     lab = sub.add_parser("lab", help="the field lab: an emulated site network on this host (Linux, root)")
     lsub = lab.add_subparsers(dest="lab_cmd", required=True, metavar="LAB_COMMAND", title="lab commands")

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dfl_agent.cli.cli_data import resolve, state_dir_args
+
+if TYPE_CHECKING:
+    from dfl_agent.cli.dflctl import DflctlParser
 
 
 def _models(a: argparse.Namespace) -> Any:
@@ -60,7 +63,7 @@ def cmd_deploy(a: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[DflctlParser]) -> None:
     """Add ``dflctl model`` to the dflctl sub-parsers."""
     from dfl_agent.deploy import DeployError  # noqa: F401 - a ValueError: dflctl exits 2 with its message
 

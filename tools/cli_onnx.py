@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dfl_agent.cli.dflctl import DflctlParser
 
 
 def cmd_export(a: argparse.Namespace) -> int:
@@ -70,7 +73,7 @@ def cmd_predict(a: argparse.Namespace) -> int:
     return predict_command(a.model, a.windows, as_json=a.json, label_column=a.label_column, threads=a.threads)
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[DflctlParser]) -> None:
     """Add ``dflctl export`` and ``dflctl predict``."""
     e = sub.add_parser("export", help="export a model to ONNX (for inference-only members)")
     e.add_argument("--onnx", required=True, metavar="OUT.onnx", help="ONNX file to write")

@@ -21,10 +21,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dfl_agent.cli.output import json_doc
 from dfl_agent.extras import extra_hint
+
+if TYPE_CHECKING:
+    from dfl_agent.cli.dflctl import DflctlParser
 
 UNIT_DIR = "etc/systemd/system"
 SYSUSERS_DIR = "etc/sysusers.d"
@@ -531,7 +534,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     return 1 if any(r["status"] == "fail" for r in results) else 0
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[DflctlParser]) -> None:
     """Add ``install-service``, ``watch`` and ``doctor`` to dflctl's sub-parsers."""
     i = sub.add_parser("install-service", help="install the systemd units, user, config and limits")
     i.add_argument("--config", default=None, help="node configuration to install (validated)")

@@ -18,9 +18,12 @@ import datetime
 import json
 import sqlite3
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dfl_agent.cli.cli_data import resolve, state_dir_args
+
+if TYPE_CHECKING:
+    from dfl_agent.cli.dflctl import DflctlParser
 
 
 def _delta(a: argparse.Namespace, sd: Path, cfg: Any) -> float:
@@ -129,7 +132,7 @@ def cmd_recover(a: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[DflctlParser]) -> None:
     """Add ``dflctl privacy`` to the dflctl sub-parsers."""
     p = sub.add_parser("privacy", help="the device's privacy ledger: verify its hash chain, recover a damaged one")
     ps = p.add_subparsers(dest="privacy_cmd", required=True)

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dfl_agent.cli.output import json_doc
+
+if TYPE_CHECKING:
+    from dfl_agent.cli.dflctl import DflctlParser
 
 
 def cmd_detect(a: argparse.Namespace) -> int:
@@ -107,7 +110,7 @@ def cmd_show(a: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[DflctlParser]) -> None:
     """Add ``dflctl profile {detect,list,show}``."""
     p = sub.add_parser("profile", help="device profiles: detect, list, show")
     ps = p.add_subparsers(dest="profile_cmd", required=True)

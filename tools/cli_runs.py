@@ -49,7 +49,14 @@ from dfl_agent.cli.fleet import publish_retained
 from dfl_agent.runtime.shared.degraded import alone_text, degraded_fields
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from dfl_agent.cli.dflctl import DflctlParser
     from dfl_agent.cli.fleet import FleetTarget
+    from dfl_agent.cli.observer import Observer
+    from dfl_agent.runtime.shared.config import NodeConfig
+    from dfl_agent.runtime.shared.descriptor import RunDescriptor
+    from dfl_agent.security.trust import SecurityGuard, SeqCounter
 
 RUN_COLUMNS = ("run_id", "name", "state", "algorithm", "rounds", "submitter", "trust", "nodes")
 
@@ -60,7 +67,7 @@ def _target(a: argparse.Namespace) -> FleetTarget:
     return target(a)
 
 
-def load_operator(d: str | None) -> tuple[Any, dict[str, Any] | None, str]:
+def load_operator(d: str | None) -> tuple[Ed25519PrivateKey | None, dict[str, Any] | None, str]:
     """The operator's ``(private key, certificate or None, name)`` from ``d`` (None: unsigned).
 
     Raises:
@@ -86,7 +93,7 @@ def load_operator(d: str | None) -> tuple[Any, dict[str, Any] | None, str]:
 OPERATOR_SEQ_FILE = "operator_seq.json"
 
 
-def operator_seq(d: str | None) -> Any:
+def operator_seq(d: str | None) -> SeqCounter:
     """The operator's control sequence counter, persisted in ``d/operator_seq.json`` when
     that folder is writable (else counted from the clock, which also grows)."""
     import os
@@ -99,7 +106,7 @@ def operator_seq(d: str | None) -> Any:
 
 
 def verify_runs(runs: dict[str, dict[str, Any]], payloads: dict[str, bytes], federation: str,
-                guard: Any, cancels: dict[str, bytes] | None = None
+                guard: SecurityGuard | None, cancels: dict[str, bytes] | None = None
                 ) -> tuple[dict[str, dict[str, Any]], collections.Counter[str]]:
     """The runs to show, each with its ``trust``, and the hidden ones counted by reason.
 
@@ -158,7 +165,7 @@ def _snapshot(a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], co
     return shown, statuses, hidden
 
 
-def observed_runs(obs: Any, t: Any) -> tuple[dict[str, dict[str, Any]], collections.Counter[str]]:
+def observed_runs(obs: Observer, t: FleetTarget) -> tuple[dict[str, dict[str, Any]], collections.Counter[str]]:
     """The runs an :class:`~dfl_agent.cli.observer.Observer` holds, verified with the trust
     material of ``t``'s ``--config`` (:func:`verify_runs`; unverified without it), and the
     hidden ones counted by reason.  ``run list`` and ``watch`` show the same runs."""
@@ -167,8 +174,9 @@ def observed_runs(obs: Any, t: Any) -> tuple[dict[str, dict[str, Any]], collecti
     guard = None
     if t.config is not None and (t.config.security.federation_key or t.config.security.operators):
         guard = fleet.trust_guard(t)  # trust material for operators
-        if guard is not None and getattr(obs, "revocations_payload", None):  # a revoked operator's runs: hidden
-            guard.trust.revocations.offer(obs.revocations_payload, count=False)
+        revocations = getattr(obs, "revocations_payload", None)
+        if guard is not None and revocations:  # a revoked operator's runs: hidden
+            guard.trust.revocations.offer(revocations, count=False)
     with obs._lock:
         runs, payloads, cancels = dict(obs.runs), dict(obs.run_payloads), dict(obs.run_cancels)
     return verify_runs(runs, payloads, t.federation, guard, cancels)
@@ -267,7 +275,7 @@ def _pairs(items: list[str] | None, flag: str) -> dict[str, Any]:
     return out
 
 
-def signatures_required(statuses: dict[str, Any], cfg: Any = None) -> str | None:
+def signatures_required(statuses: dict[str, Any], cfg: NodeConfig | None = None) -> str | None:
     """Why a run for this federation must be signed by an operator, or None.
 
     The devices' own word comes first: every status of an always-on agent says
@@ -285,7 +293,7 @@ def signatures_required(statuses: dict[str, Any], cfg: Any = None) -> str | None
     return None
 
 
-def operator_refusal(cmd: str, why: str | None, key: Any, cert: dict[str, Any] | None, d: str | None) -> str | None:
+def operator_refusal(cmd: str, why: str | None, key: Ed25519PrivateKey | None, cert: dict[str, Any] | None, d: str | None) -> str | None:
     """The one line (exit 2) when ``dflctl run CMD`` must not send: the federation requires
     signed runs (``why``, :func:`signatures_required`) and ``--operator-dir`` is missing, or
     holds a certificate whose role is not ``operator`` (a device's folder); None otherwise."""
@@ -362,7 +370,7 @@ def _answering(statuses: dict[str, Any], presence: dict[str, Any]) -> list[str]:
             if r["node_id"] in statuses and r["state"] not in ("offline", "stale", "unknown")]
 
 
-def wait_answers(obs: Any, run_id: str, baseline: dict[str, dict[str, int]], expected: list[str],
+def wait_answers(obs: Observer, run_id: str, baseline: dict[str, dict[str, int]], expected: list[str],
                  wait: float) -> tuple[dict[str, dict[str, str]], float]:
     """Poll ``obs`` (a started :class:`~dfl_agent.cli.observer.Observer`) until every node of
     ``expected`` answered run ``run_id`` (:func:`run_answers`) or ``wait`` s passed; returns
@@ -521,7 +529,7 @@ def follow_command(a: argparse.Namespace, run_id: str) -> str:
     return shlex.join(argv)
 
 
-def submitted_view(a: argparse.Namespace, t: FleetTarget, d: Any, signed: bool) -> dict[str, Any]:
+def submitted_view(a: argparse.Namespace, t: FleetTarget, d: RunDescriptor, signed: bool) -> dict[str, Any]:
     """What ``run submit`` published: the run id, where, what, who must take part and until
     when a device may still start it, and the command that follows it."""
     return {"schema_version": 1, "run_id": d.run_id, "federation": t.federation, "broker": t.broker,
@@ -531,7 +539,7 @@ def submitted_view(a: argparse.Namespace, t: FleetTarget, d: Any, signed: bool) 
             "follow": follow_command(a, d.run_id)}
 
 
-def _say_submitted(a: argparse.Namespace, t: FleetTarget, d: Any, signed: bool, heard: bool = True) -> dict[str, Any]:
+def _say_submitted(a: argparse.Namespace, t: FleetTarget, d: RunDescriptor, signed: bool, heard: bool = True) -> dict[str, Any]:
     """``run submit``'s answer once the run is published: the run id alone on stdout
     (``RID=$(dflctl run submit ...)`` keeps working), what was submitted and how to follow it on
     stderr; with ``--json`` nothing yet (the caller prints the document of :func:`submitted_view`,
@@ -691,7 +699,7 @@ def cmd_enroll_operator(a: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[DflctlParser]) -> None:
     """Add ``dflctl run {submit,list,show,cancel}``."""
     r = sub.add_parser("run", help="submit, list, show and cancel runs of a federation")
     rs = r.add_subparsers(dest="run_cmd", required=True)

@@ -50,7 +50,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dfl_agent.security.keys import (
     CERT_FILE,
@@ -73,6 +73,9 @@ from dfl_agent.security.keys import (
     verify_certificate,
 )
 from dfl_agent.transport.wire import valid_id
+
+if TYPE_CHECKING:
+    from dfl_agent.cli.dflctl import DflctlParser
 
 #: the federation folder's record of every certificate issued (one JSON object a line)
 ISSUED_FILE = "issued.jsonl"
@@ -622,7 +625,7 @@ def cmd_show(a: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[DflctlParser]) -> None:
     """Add ``dflctl keys ...`` to the ``dflctl`` sub-parsers."""
     k = sub.add_parser("keys", help="federation key, device enrollment, key inspection")
     ks = k.add_subparsers(dest="keys_cmd", required=True)

@@ -426,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _register_extensions(sub: Any) -> None:
+def _register_extensions(sub: argparse._SubParsersAction[DflctlParser]) -> None:
     """Add the commands of every ``tools/cli_*.py`` module.
 
     Each such module defines ``register(sub)``, which adds its sub-commands to the

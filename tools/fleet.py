@@ -27,8 +27,17 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.properties import Properties
+    from paho.mqtt.reasoncodes import ReasonCode
+
+    from dfl_agent.runtime.shared.config import NodeConfig
+    from dfl_agent.security.trust import SecurityGuard
 
 #: the broker and federation when neither ``--config`` nor an option names them
 DEFAULT_BROKER, DEFAULT_FEDERATION = "127.0.0.1:1883", "default"
@@ -71,9 +80,9 @@ class FleetTarget:
     tls_cert: str | None = None
     tls_key: str | None = None
     protocol: str = "5"
-    config: Any = dataclasses.field(default=None, repr=False, compare=False)
+    config: NodeConfig | None = dataclasses.field(default=None, repr=False, compare=False)
 
-    def session(self, prefix: str = "dflctl", *, userdata: Any = None) -> Any:
+    def session(self, prefix: str = "dflctl", *, userdata: object = None) -> mqtt.Client:
         """A paho client (not connected) with this target's credentials, TLS and protocol,
         client id ``prefix-xxxxxxxx``, no automatic reconnection.
 
@@ -90,7 +99,7 @@ class FleetTarget:
             files = ", ".join(f for f in (self.tls_ca, self.tls_cert, self.tls_key) if f)
             raise ValueError(f"cannot load the TLS files ({files}): {_why(exc)}") from None
 
-    def connect(self, client: Any, timeout: float = 5.0) -> None:
+    def connect(self, client: mqtt.Client, timeout: float = 5.0) -> None:
         """Connect ``client`` (from :meth:`session`), start its network loop and wait until the
         broker accepted the connection.  ``client.on_connect`` (if set) is called as usual once
         the broker accepted; it is not called for a refused login.
@@ -105,9 +114,10 @@ class FleetTarget:
         host, port = parse_endpoint(self.broker)
         done = threading.Event()
         outcome: dict[str, Any] = {}
-        user_on_connect = client.on_connect
+        user_on_connect: Callable[..., object] | None = client.on_connect
 
-        def on_connect(c: Any, userdata: Any, flags: Any, reason: Any, properties: Any = None) -> None:
+        def on_connect(c: mqtt.Client, userdata: object, flags: mqtt.ConnectFlags, reason: ReasonCode,
+                       properties: Properties | None = None) -> None:
             if _is_failure(reason):
                 outcome["refused"] = reason
                 c.disconnect()  # no automatic retry of a refused login
@@ -115,7 +125,8 @@ class FleetTarget:
                 user_on_connect(c, userdata, flags, reason, properties)
             done.set()
 
-        def on_disconnect(c: Any, userdata: Any, flags: Any = None, reason: Any = None, properties: Any = None) -> None:
+        def on_disconnect(c: mqtt.Client, userdata: object, flags: object = None, reason: object = None,
+                          properties: object = None) -> None:
             if not done.is_set():
                 outcome["closed"] = reason
                 done.set()
@@ -149,7 +160,7 @@ class FleetTarget:
             hint = "" if self.tls_ca else " (a TLS listener? give --cafile, or mqtt.tls_ca in --config)"
             raise BrokerError(f"{self.broker} closed the connection before answering{hint}")
 
-    def _refusal(self, reason: Any) -> str:
+    def _refusal(self, reason: object) -> str:
         text = str(reason)
         low = text.lower()
         who = (f"as user {self.username!r}" + ("" if self.password is not None else
@@ -168,14 +179,14 @@ class FleetTarget:
             return f" (is {self.broker} a TLS listener?)"
         return ""
 
-    def open(self, prefix: str = "dflctl", timeout: float = 5.0) -> Any:
+    def open(self, prefix: str = "dflctl", timeout: float = 5.0) -> mqtt.Client:
         """A connected client (:meth:`session` then :meth:`connect`); stop it with :func:`close`."""
         c = self.session(prefix)
         self.connect(c, timeout)
         return c
 
 
-def _is_failure(reason: Any) -> bool:
+def _is_failure(reason: object) -> bool:
     failure = getattr(reason, "is_failure", None)
     if failure is not None:
         return bool(failure)
@@ -193,14 +204,14 @@ def _why(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
-def _stop(client: Any) -> None:
+def _stop(client: mqtt.Client) -> None:
     try:
         client.disconnect()
     finally:
         client.loop_stop()
 
 
-def close(client: Any) -> None:
+def close(client: mqtt.Client) -> None:
     """Disconnect ``client`` and stop its network loop."""
     _stop(client)
 
@@ -276,7 +287,7 @@ def as_target(broker: str | FleetTarget, federation: str = DEFAULT_FEDERATION) -
     return broker if isinstance(broker, FleetTarget) else FleetTarget(broker=broker, federation=federation)
 
 
-def trust_guard(t: FleetTarget) -> Any:
+def trust_guard(t: FleetTarget) -> SecurityGuard | None:
     """A verifying-only guard from ``--config``'s ``[security]`` trust material, or None
     (no ``--config``, or an unsigned federation: no trusted keys, federation key or
     operators and signatures not required), where every entry shows as ``unverified``."""
@@ -289,7 +300,7 @@ def trust_guard(t: FleetTarget) -> Any:
     return observer_guard(cfg)
 
 
-def observer_guard(cfg: Any) -> Any:
+def observer_guard(cfg: NodeConfig) -> SecurityGuard:
     """A verifying-only :class:`~dfl_agent.security.SecurityGuard` from a node config's
     ``[security]`` trust material (pinned keys, operators, federation key); every
     unsigned or untrusted presence/status then shows as ``untrusted: REASON``."""
@@ -321,10 +332,10 @@ def federations_seen(t: FleetTarget, timeout: float = 3.0, quiet: float = 0.4,
     last = [time.monotonic()]
     c = t.session("dflctl-scan")
 
-    def on_connect(cl: Any, *_: Any) -> None:
+    def on_connect(cl: mqtt.Client, *_: object) -> None:
         cl.subscribe([("dfl/+/node/+/presence", 0), ("dfl/+/node/+/status", 0)])
 
-    def on_message(cl: Any, ud: Any, msg: Any) -> None:
+    def on_message(cl: mqtt.Client, ud: object, msg: mqtt.MQTTMessage) -> None:
         parts = msg.topic.split("/")
         if len(parts) == 5 and msg.payload:
             with lock:
@@ -333,7 +344,7 @@ def federations_seen(t: FleetTarget, timeout: float = 3.0, quiet: float = 0.4,
             if parts[1] == stop_at:
                 found.set()
 
-    def on_subscribe(*_: Any) -> None:
+    def on_subscribe(*_: object) -> None:
         last[0] = time.monotonic()
         acked.set()
 
@@ -388,7 +399,7 @@ def publish_retained(broker: str | FleetTarget, topic: str, payload: bytes, time
             MQTT 3.1.1 a broker acknowledges a publish it drops, without a word.
     """
     t = as_target(broker)
-    reasons: dict[int, Any] = {}
+    reasons: dict[int, ReasonCode | None] = {}
     c = t.session("dflctl-run")
     c.on_publish = lambda cl, ud, mid, reason=None, props=None: reasons.__setitem__(mid, reason)
     t.connect(c, timeout)
@@ -404,7 +415,7 @@ def publish_retained(broker: str | FleetTarget, topic: str, payload: bytes, time
         close(c)
 
 
-def _refused_text(t: FleetTarget, topic: str, reason: Any) -> str:
+def _refused_text(t: FleetTarget, topic: str, reason: object) -> str:
     """One line for a publish the broker refused: its reason (name and code) and, for "not
     authorized", whom the broker's ACL denies the topic."""
     code = getattr(reason, "value", None)
@@ -435,7 +446,7 @@ def fetch_retained(broker: str | FleetTarget, topic: str, timeout: float = 10.0,
     c.on_connect = lambda cl, *_: cl.subscribe(topic, qos=1)
     c.on_subscribe = lambda *_: subscribed.set()
 
-    def on_message(cl: Any, ud: Any, msg: Any) -> None:
+    def on_message(cl: mqtt.Client, ud: object, msg: mqtt.MQTTMessage) -> None:
         if msg.payload and not got:
             got.append(bytes(msg.payload))
             arrived.set()

@@ -79,7 +79,7 @@ class GuardResult:
     detail: str = ""
 
 
-def first_nonfinite(value: Any) -> str | None:
+def first_nonfinite(value: object) -> str | None:
     """Where ``value`` holds NaN or Inf: ``None`` when every floating entry is finite,
     else the path of the first non-finite tensor (``""`` for ``value`` itself).
 
@@ -194,7 +194,7 @@ class Algorithm:
     communicates: ClassVar[bool] = True
 
     @classmethod
-    def dp_steps_per_round(cls, options: Any, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
+    def dp_steps_per_round(cls, options: object, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
         """The most DP steps one round takes on ``n_samples`` samples (a DP plan's
         ``steps_per_round``): its local step, ``training.steps`` when > 0, else
         ``epochs·⌈N / batch_size⌉`` (:func:`dfl_agent.privacy.plan.steps_per_round`).  An
@@ -207,7 +207,7 @@ class Algorithm:
         return steps_per_round(n_samples, batch_size, epochs, steps)
 
     @classmethod
-    def common_init_hint(cls, options: Any, init: str, partition: str | None) -> str | None:
+    def common_init_hint(cls, options: object, init: str, partition: str | None) -> str | None:
         """A one-line hint when this algorithm, with ``options``, a common initialisation
         (``init``) and ``partition``, is known to need tuning (``dflctl simulate`` prints it, the
         daemon logs it); None: nothing to say (DecHW says something)."""
@@ -472,7 +472,7 @@ def traits_of(name: str) -> Traits:
     return get_algorithm(name).traits
 
 
-def check_dp_combination(algorithm: str, options: Any = None) -> None:
+def check_dp_combination(algorithm: str, options: object = None) -> None:
     """Refuse the registered ``algorithm`` with ``options`` under DP unless its class declares
     how it sends what it sends (:func:`dfl_agent.privacy.policy.check_dp_combination` of its
     ``traits.dp``).
@@ -489,7 +489,7 @@ def check_dp_combination(algorithm: str, options: Any = None) -> None:
     check(algorithm, support, options)
 
 
-def dp_steps_per_round(algorithm: str, options: Any, *, n_samples: int, batch_size: int, epochs: int,
+def dp_steps_per_round(algorithm: str, options: object, *, n_samples: int, batch_size: int, epochs: int,
                        steps: int) -> int:
     """:meth:`Algorithm.dp_steps_per_round` of the registered ``algorithm`` (0 without samples).
 
@@ -502,7 +502,7 @@ def dp_steps_per_round(algorithm: str, options: Any, *, n_samples: int, batch_si
                                                        epochs=epochs, steps=steps)
 
 
-def common_init_hint(algorithm: str, options: Any, init: str, partition: str | None) -> str | None:
+def common_init_hint(algorithm: str, options: object, init: str, partition: str | None) -> str | None:
     """:meth:`Algorithm.common_init_hint` of the registered ``algorithm`` (None for an unknown one)."""
     try:
         cls = get_algorithm(algorithm)

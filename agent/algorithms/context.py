@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
+    from dfl_agent.algorithms.protocols.synchronization import UpdateMarket
+    from dfl_agent.data import NodeData
+    from dfl_agent.learning.compression import CompressionPolicy
+    from dfl_agent.learning.error_feedback import ChocoGossip
+    from dfl_agent.learning.training import TrainConfig
+
 T = TypeVar("T")
+P = ParamSpec("P")
 
 BROADCAST = "*"
 
@@ -94,16 +103,16 @@ class NodeContext(Protocol):
 
     node_id: str
     rng: np.random.Generator  # this node's seeded stream (batch order, selections)
-    compression: Any  # dfl_agent.learning.compression.CompressionPolicy, or None: nothing compressed
-    straggler: Any  # runtime.straggler's StragglerPolicy (quorum, adaptive deadlines), or None: lock step
+    compression: CompressionPolicy | None  # None: nothing compressed
+    straggler: StragglerPolicy | None  # runtime.straggler's policy (quorum, adaptive deadlines), or None: lock step
     #: whether a round with no live neighbour waits for its deadline (members away), or None: it does not
     alone_waits: Callable[[], bool] | None
     gate: Callable[[], str | None] | None  # resource gating: the reason training is not allowed now, or None
     reconnect_grace: float  # after a broker outage, the longest wait for the expected neighbours (s)
-    data: Any  # dfl_agent.data.NodeData: train_x/train_y/val_x/val_y, num_classes
+    data: NodeData  # train_x/train_y/val_x/val_y, num_classes
     init_seed: int  # torch seed for this node's initial weights
     seed: int  # the federation's seed, the same on every node (shared schedules)
-    train: Any  # dfl_agent.learning.training.TrainConfig
+    train: TrainConfig
     device: str  # torch device for compute ("cpu", "cuda:0")
 
     # read-only members (properties), so that an implementation may narrow their types
@@ -183,7 +192,7 @@ class NodeContext(Protocol):
         (:meth:`check_on_arrival`: envelope, signature, tensors), not the status."""
         ...
 
-    async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def compute(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run CPU/GPU-heavy ``fn`` (training) without blocking messaging.
 
         The daemon runs it in a worker thread; the simulator inline.
@@ -206,7 +215,7 @@ class NodeContext(Protocol):
         """Tell the runtime a round finished (metrics, status, checkpoint)."""
         ...
 
-    async def collect(self, kind: str, t: int, *, market: Any, round_timeout: float, poll: float,
+    async def collect(self, kind: str, t: int, *, market: UpdateMarket, round_timeout: float, poll: float,
                       accept: Callable[[Message], str | None],
                       decode: Callable[[dict[str, Message]], dict[str, Message]]) -> Collected:
         """The round-``t`` updates of ``kind`` from the neighbours, as the runtime's waiting
@@ -231,7 +240,7 @@ class NodeContext(Protocol):
         returns the seconds held (0.0 when connected)."""
         ...
 
-    def track_stream(self, stream: Any) -> None:
+    def track_stream(self, stream: ChocoGossip) -> None:
         """A compressed gossip stream (a :class:`~dfl_agent.learning.error_feedback.ChocoGossip`)
         the runtime follows: it asks for the keyframes a neighbour's copy lost, and sends one to a
         peer that came back (a context that does neither leaves it alone)."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -103,7 +104,7 @@ class DecHWOptions(NeighbourhoodOptions):
 LABEL_SKEWED = frozenset({"dirichlet", "shards"})
 
 
-def _hessians_sent(options: Any) -> str | None:
+def _hessians_sent(options: object) -> str | None:
     """Why DecHW cannot train under DP with ``options`` (its Hessian diagonals are computed from
     the device's data without clipping or noise), None with ``theta = 0`` (never sent)."""
     theta = dp_policy.option(options, "theta", math.inf)
@@ -131,7 +132,7 @@ class DecHW(NeighbourhoodAlgorithm):
     nonnegative = (HESSIAN_PREFIX,)
 
     @classmethod
-    def common_init_hint(cls, options: Any, init: str, partition: str | None) -> str | None:
+    def common_init_hint(cls, options: object, init: str, partition: str | None) -> str | None:
         """A one-line hint for a DecHW run the common-initialisation benchmark says to tune.
 
         With every node starting from the same weights (``init = "common"``), DecHW with
@@ -302,7 +303,7 @@ class DecHW(NeighbourhoodAlgorithm):
         meta["hessian_rounds"] = self.hessian_rounds
         return tensors, meta
 
-    def load_state_dict(self, tensors: Any, meta: Any) -> None:
+    def load_state_dict(self, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
         rest = {k: v for k, v in tensors.items() if not k.startswith("hessian.")}
         h = {k[len("hessian."):]: np.array(v, dtype=np.float32) for k, v in tensors.items() if k.startswith("hessian.")}
         super().load_state_dict(rest, meta)

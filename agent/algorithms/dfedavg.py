@@ -59,7 +59,7 @@ class DFedAvg(RotatingAggregator):
     Options = DFedAvgOptions
 
     @classmethod
-    def dp_steps_per_round(cls, options: Any, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
+    def dp_steps_per_round(cls, options: object, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
         """Its local step trains one epoch (:meth:`local_step`), whatever ``training.epochs``."""
         return steps_per_round(n_samples, batch_size, 1, steps)
 

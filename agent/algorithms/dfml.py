@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -153,7 +154,7 @@ class DFML(RotatingAggregator):
     Options = DFMLOptions
 
     @classmethod
-    def dp_steps_per_round(cls, options: Any, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
+    def dp_steps_per_round(cls, options: object, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
         """One local epoch, and, in a round it aggregates, ``mutual_epochs`` epochs of mutual learning."""
         return steps_per_round(n_samples, batch_size, 1, steps) + \
             int(getattr(options, "mutual_epochs", 10)) * math.ceil(n_samples / batch_size)
@@ -268,7 +269,7 @@ class DFML(RotatingAggregator):
     def deployable_model(self) -> nn.Module:
         return self.peak
 
-    def warm_start(self, state: Any) -> str:
+    def warm_start(self, state: Mapping[str, np.ndarray]) -> str:
         """The deployed model is a peak model: both the peak and the regular model start from it
         (a regular model started fresh would pull the peak back towards random weights)."""
         load_matching(self.peak, state)

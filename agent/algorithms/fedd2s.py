@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
@@ -238,7 +239,7 @@ class FedD2S(GlobalModelRotation):
     def deployable_model(self) -> nn.Module:
         return self.personal
 
-    def warm_start(self, state: Any) -> str:
+    def warm_start(self, state: Mapping[str, np.ndarray]) -> str:
         """The personal model and the initial global model θ^g (the aggregator of round 1
         sends its own)."""
         load_matching(self.personal, state)

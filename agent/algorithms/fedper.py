@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -95,7 +96,7 @@ class FedPer(GlobalModelRotation):
     Options = FedPerOptions
 
     @classmethod
-    def dp_steps_per_round(cls, options: Any, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
+    def dp_steps_per_round(cls, options: object, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
         """``adam_epochs`` epochs of DP-Adam."""
         return int(getattr(options, "adam_epochs", 1)) * math.ceil(n_samples / batch_size)
 
@@ -114,7 +115,7 @@ class FedPer(GlobalModelRotation):
     def initial_global(self) -> Tensors:
         return self._base(self.new_model(seed=global_init_seed(self.ctx.seed)))
 
-    def warm_start(self, state: Any) -> str:
+    def warm_start(self, state: Mapping[str, np.ndarray]) -> str:
         """The local model (shared base and personal head) and the initial global base θ^g:
         the deployed model's base (the aggregator of round 1 sends its own)."""
         load_matching(self.model, state)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
@@ -70,7 +69,7 @@ def model_message(choco: ChocoGossip | None, kind: str, t: int, tensors: Mapping
 
 
 def received_copies(
-    ctx: Any, choco: ChocoGossip | None, got: Mapping[str, Message], nonnegative: tuple[str, ...] = ()
+    ctx: NodeContext, choco: ChocoGossip | None, got: Mapping[str, Message], nonnegative: tuple[str, ...] = ()
 ) -> dict[str, Message]:
     """Replace each neighbour message by one holding that neighbour's copy x̂_j.
 

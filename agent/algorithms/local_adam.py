@@ -54,7 +54,7 @@ class LocalAdam(Algorithm):
     Options = LocalAdamOptions
 
     @classmethod
-    def dp_steps_per_round(cls, options: Any, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
+    def dp_steps_per_round(cls, options: object, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
         """``adam_epochs`` epochs of DP-Adam."""
         return int(getattr(options, "adam_epochs", 1)) * math.ceil(n_samples / batch_size)
 

@@ -32,23 +32,36 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dfl_agent.algorithms.context import Message
+from dfl_agent.data import NodeData
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.inference.windows import load_windows, predictions_document
 from dfl_agent.jsonbound import RateLimitedLog
+from dfl_agent.learning.training import TrainConfig
 from dfl_agent.onnx_model import ONNX_KIND, InferenceError, OnnxModel, deployment_order
 from dfl_agent.runtime.node.context import RuntimeContext
 from dfl_agent.transport.versions import descriptor_versions, status_versions
+
+if TYPE_CHECKING:
+    from dfl_agent.security.trust import SecurityGuard
+    from dfl_agent.transport.base import Transport
 
 log = logging.getLogger(__name__)
 #: rate-limited log of the exceptions caught per model message (``handler_error``)
 _ERRORS = RateLimitedLog(log)
 
 DESCRIPTOR = {"profile": "inference-only", "algorithm": "inference", "model_hash": ""}
+
+
+def _no_data() -> NodeData:
+    """A member's :class:`NodeData`: it holds no training data (it never trains)."""
+    empty = np.empty((0,), np.float32)
+    return NodeData(empty, empty.astype(np.int64), empty, empty.astype(np.int64), num_classes=0, input_shape=(),
+                    class_names=[], groups=[])
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -83,9 +96,9 @@ class InferenceMember:
     """
 
     def __init__(self, node_id: str, federation: str, *, state_dir: str | os.PathLike[str],
-                 transport: Any = None, peers: PeerTable | None = None, broker: str = "127.0.0.1:1883",
+                 transport: Transport | None = None, peers: PeerTable | None = None, broker: str = "127.0.0.1:1883",
                  windows: str | None = None, threads: int = 1, max_frame_bytes: int = 64 * 1024 * 1024,
-                 heartbeat_interval: float = 5.0, protocol: str = "5", sign: bool = True, guard: Any = None,
+                 heartbeat_interval: float = 5.0, protocol: str = "5", sign: bool = True, guard: SecurityGuard | None = None,
                  mqtt: dict[str, Any] | None = None, address: str | None = None):
         self.node_id, self.federation = node_id, federation
         self.state_dir = Path(state_dir)
@@ -108,7 +121,7 @@ class InferenceMember:
                                        on_heartbeat=lambda peer, status: self.peers.touch(peer), control=self.guard,
                                        broadcasts=False, **(mqtt or {}))  # its models come addressed to it
         self.ctx = RuntimeContext(node_id=node_id, federation=federation, transport=transport, peers=self.peers,
-                                  data=None, model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0),
+                                  data=_no_data(), model_spec={}, train=TrainConfig(), init_seed=0, rng=np.random.default_rng(0),
                                   max_frame_bytes=max_frame_bytes, security=self.verifier)
         self.windows = windows
         self.threads = threads
@@ -120,7 +133,7 @@ class InferenceMember:
         #: the drop counts of the last status published (a change is published within a second)
         self.published_errors: dict[str, int] = {}
 
-    def _guard(self, node_id: str, federation: str) -> Any:
+    def _guard(self, node_id: str, federation: str) -> SecurityGuard:
         """A signing :class:`~dfl_agent.security.SecurityGuard` (signatures not required
         of others) with the key and certificate of ``state_dir``."""
         from dfl_agent.security import SecurityGuard, SeqCounter, TrustStore

@@ -259,7 +259,7 @@ def issue_certificate(
     return cert
 
 
-def verify_certificate(cert: Any, federation_public: Ed25519PublicKey, federation: str,
+def verify_certificate(cert: object, federation_public: Ed25519PublicKey, federation: str,
                        now: float | None = None) -> tuple[str, str]:
     """Check a certificate (version 1 or 2); return ``(node_id, public_key_b64)``.
     Its role is :func:`certificate_role` (call it after this check).

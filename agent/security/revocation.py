@@ -150,7 +150,7 @@ def sign_revocations(federation_key: Ed25519PrivateKey, federation: str, number:
     return RevocationList(federation, number, doc["issued"], tuple(entries), doc)
 
 
-def _entry(raw: Any) -> Revoked:
+def _entry(raw: object) -> Revoked:
     if not isinstance(raw, dict) or set(raw) != {"node_id", "public_key", "reason", "time"}:
         raise RevocationRejected("malformed", "an entry is not {node_id, public_key, reason, time}")
     nid, key, reason, t = raw["node_id"], raw["public_key"], raw["reason"], raw["time"]

@@ -141,7 +141,7 @@ MAX_CONTROL_BYTES = LIMITS["control"]
 WILL_REASON = "last will"
 
 
-def is_will(doc: Any) -> bool:
+def is_will(doc: object) -> bool:
     """Whether the presence payload ``doc`` (a dict, after the envelope) is a last will that
     names its connection (:data:`WILL_REASON` and a ``session``).  An older agent's bare will
     has neither."""
@@ -308,7 +308,7 @@ class TrustStore:
         self._refused: dict[tuple[str, int], str] = {}
 
     # -- the one check every verifying path makes --------------------------------------
-    def resolve(self, node_id: str, cert: Any = None) -> tuple[Callable[[bytes, bytes], None] | None, str | None]:
+    def resolve(self, node_id: str, cert: object = None) -> tuple[Callable[[bytes, bytes], None] | None, str | None]:
         """The key to check a signature of ``node_id`` with, given the certificate its message
         carries (``cert``, may be None): the certificate's key when it is one of the node's
         (learnt now when the certificate is valid and new), else the node's newest key.
@@ -358,7 +358,7 @@ class TrustStore:
             return "unknown_sender"
         return None
 
-    def _key(self, node_id: str, b64: Any) -> _Key | None:
+    def _key(self, node_id: str, b64: object) -> _Key | None:
         return next((k for k in self._nodes.get(node_id, ()) if k.b64 == b64), None)
 
     def _usable(self, node_id: str, key: _Key) -> tuple[Callable[[bytes, bytes], None] | None, str | None]:
@@ -535,7 +535,7 @@ class SecurityGuard:
         env["sig"] = self.sign(canonical(env)) if self.key is not None else None
         return json.dumps(env, separators=(",", ":")).encode()
 
-    def verify_control(self, frame: bytes, kind: str | None = None,
+    def verify_control(self, frame: bytes | bytearray, kind: str | None = None,
                        sender: str | None = None) -> tuple[str, str, dict[str, Any]]:
         """Check a received control message; return ``(sender, role, payload)``.
 
@@ -555,7 +555,7 @@ class SecurityGuard:
                 self.control_dropped[exc.reason] += 1
             raise
 
-    def verify_will(self, frame: bytes, sender: str | None = None) -> tuple[str, str, dict[str, Any]]:
+    def verify_will(self, frame: bytes | bytearray, sender: str | None = None) -> tuple[str, str, dict[str, Any]]:
         """Check a received last will (see the module docstring): every check of
         :meth:`verify_control` for a ``"presence"`` on ``sender``'s topic but the sequence
         rule, and the payload must be a will (:func:`is_will`, else ``malformed``); the very
@@ -573,7 +573,7 @@ class SecurityGuard:
             raise
         return snd, role, payload
 
-    def _verify_control(self, frame: bytes, kind: str | None, sender: str | None,
+    def _verify_control(self, frame: bytes | bytearray, kind: str | None, sender: str | None,
                         will: bool = False) -> tuple[str, str, dict[str, Any]]:
         try:  # bounded: size by kind (64 KiB for presence, status, run descriptors), depth 32
             env = bounded_loads(frame, max_bytes=control_limit(kind))
@@ -639,7 +639,7 @@ class SecurityGuard:
         a trusted *device* - operators submit runs, they never train."""
         return not self.require_signatures or self.trust.role_of(node_id) == "device"
 
-    def learn(self, node_id: str, cert: Any) -> bool:
+    def learn(self, node_id: str, cert: object) -> bool:
         """Trust ``node_id`` by a certificate it announced (presence); False when invalid."""
         if cert is None or self.trust.federation_key is None:
             return False

@@ -12,7 +12,10 @@ import abc
 import collections
 import dataclasses
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dfl_agent.algorithms.context import Message
 
 #: drop-counter key prefixes of the control plane (presence and status messages); the
 #: status document's ``control_dropped`` holds the counters that start with one of them
@@ -85,14 +88,14 @@ class Transport(abc.ABC):
         the MQTT home broker, a simulated node killed or stopped)."""
         return True
 
-    def use_prepare_frame(self, prepare: Callable[[bytes, int], Any]) -> bool:
+    def use_prepare_frame(self, prepare: Callable[[bytes, int], object]) -> bool:
         """Have ``prepare(frame, wire_bytes)`` called for every complete frame on the
         transport's network thread, and its result handed to ``on_frame`` instead of
         the frame (the runtime decodes and verifies there).  Returns False where the
         transport has no such thread (frames then reach ``on_frame`` as bytes)."""
         return False
 
-    def decode_shared(self, frame: bytes, *, federation: str, recipient: str, max_frame_bytes: int) -> Any:
+    def decode_shared(self, frame: bytes, *, federation: str, recipient: str, max_frame_bytes: int) -> Message | None:
         """The :class:`~dfl_agent.transport.wire.Message` of ``frame`` for ``recipient``
         where the transport shares one frame among its receivers and decodes it once for
         all of them (the memory transport's broadcasts), or None: an ordinary frame, to

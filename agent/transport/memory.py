@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import selectors
-from collections.abc import Collection
-from typing import Any
+from collections.abc import Awaitable, Collection
+from typing import Any, NoReturn, TypeVar
 
 from dfl_agent.algorithms.context import Message
 from dfl_agent.transport.base import FrameHandler, PresenceHandler, Transport, TransportStats
@@ -26,6 +26,8 @@ from dfl_agent.transport.base import FrameHandler, PresenceHandler, Transport, T
 # decode_once copies a Message field by field: it must name every field
 assert [f.name for f in dataclasses.fields(Message)] == [
     "kind", "round", "tensors", "meta", "sender", "recipient", "msg_id", "time", "wire_bytes", "encoding"]
+
+T = TypeVar("T")
 
 #: how many broadcast buffers and decodes the memory transport made (process-wide,
 #: for tests and benchmarks: one buffer and at most one decode per broadcast)
@@ -37,7 +39,7 @@ class SharedDict(dict[Any, Any]):
     writes raise ``TypeError`` (copy it with ``dict(d)`` to change it).  Copies made
     with ``copy``/``pickle`` are plain dicts."""
 
-    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+    def _read_only(self, *args: object, **kwargs: object) -> NoReturn:
         raise TypeError("a received message's tensors/meta are shared by all its receivers: copy with dict() first")
 
     __setitem__ = __delitem__ = _read_only
@@ -49,7 +51,7 @@ class SharedDict(dict[Any, Any]):
     def __copy__(self) -> dict[Any, Any]:
         return dict(self)
 
-    def __deepcopy__(self, memo: Any) -> dict[Any, Any]:
+    def __deepcopy__(self, memo: dict[int, object]) -> dict[Any, Any]:
         import copy
 
         return copy.deepcopy(dict(self), memo)
@@ -68,7 +70,7 @@ class SharedFrame(bytes):
     has dropped its message.
     """
 
-    def decode_once(self, *, federation: str, recipient: str, max_frame_bytes: int) -> Any:
+    def decode_once(self, *, federation: str, recipient: str, max_frame_bytes: int) -> Message:
         """The decoded message for ``recipient`` (the same checks as ``wire.decode``).
 
         Raises:
@@ -80,10 +82,11 @@ class SharedFrame(bytes):
         cached = self.__dict__.get("_decoded")
         if cached is None or cached[0] != key:
             try:
-                msg: Any = wire.decode(self, federation=federation, max_frame_bytes=max_frame_bytes)
-                for arr in msg.tensors.values():
+                decoded = wire.decode(self, federation=federation, max_frame_bytes=max_frame_bytes)
+                for arr in decoded.tensors.values():
                     arr.setflags(write=False)  # shared by every receiver: nobody may write into it
-                msg.tensors, msg.meta = SharedDict(msg.tensors), SharedDict(msg.meta)
+                decoded.tensors, decoded.meta = SharedDict(decoded.tensors), SharedDict(decoded.meta)
+                msg: Message | Exception = decoded
             except Exception as exc:  # noqa: BLE001 - cached and re-raised for every receiver
                 msg = exc
             SHARED_STATS["decodes"] += 1
@@ -133,7 +136,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         return self._vtime
 
 
-def run_virtual(coro: Any) -> Any:
+def run_virtual(coro: Awaitable[T]) -> T:
     """Run ``coro`` to completion on a fresh :class:`VirtualTimeLoop` and close it."""
     loop = VirtualTimeLoop()
     try:
@@ -252,7 +255,7 @@ class MemoryTransport(Transport):
         """Whether this endpoint is attached (not killed or stopped)."""
         return self.online
 
-    def decode_shared(self, frame: bytes, *, federation: str, recipient: str, max_frame_bytes: int) -> Any:
+    def decode_shared(self, frame: bytes, *, federation: str, recipient: str, max_frame_bytes: int) -> Message | None:
         """A broadcast's :class:`SharedFrame` decoded once for all its receivers
         (:meth:`SharedFrame.decode_once`), None for any other frame.
 

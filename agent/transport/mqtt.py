@@ -81,7 +81,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.subscribeoptions import SubscribeOptions
@@ -93,6 +93,9 @@ from dfl_agent.transport.endpoint import parse_endpoint
 from dfl_agent.transport.link_rate import FAST_CHUNK, FAST_KEEPALIVE
 from dfl_agent.transport.outage import BrokerOutage
 from dfl_agent.transport.wire import payload_offset
+
+if TYPE_CHECKING:
+    from dfl_agent.discovery.peers import PeerInfo, PeerTable
 
 log = logging.getLogger(__name__)
 
@@ -125,14 +128,14 @@ class _PahoLog:
     ``on_log`` callback: two per MQTT message, about 10 us each)."""
 
     @staticmethod
-    def log(level: int, msg: str, *args: Any) -> None:
+    def log(level: int, msg: str, *args: object) -> None:
         _paho_logger.debug(msg, *args)
 
 
 _paho_log = _PahoLog()
 
 
-def refused(reason_code: Any, username: str | None) -> str:
+def refused(reason_code: object, username: str | None) -> str:
     """The line for a connection the broker refused (CONNACK ``reason_code``); a refusal of
     the credentials names the user and the configuration keys to check."""
     text = str(reason_code)
@@ -337,7 +340,7 @@ class MqttTransport(Transport):
         federation: str,
         *,
         broker: str,
-        peers: Any,
+        peers: PeerTable,
         protocol: str = "5",
         chunk_size: int | None = None,
         max_frame_bytes: int = 64 * 1024 * 1024,
@@ -431,7 +434,7 @@ class MqttTransport(Transport):
         #: ``prepare_frame(frame, wire_bytes)``, when set, is called on the network thread
         #: for every complete frame, and its result is handed to ``on_frame`` instead of
         #: the frame (the runtime decodes and verifies there; see RuntimeContext)
-        self.prepare_frame: Callable[[bytes, int], Any] | None = None
+        self.prepare_frame: Callable[[bytes, int], object] | None = None
         self._on_presence: PresenceHandler | None = None
         self._started = False
         self._stopping = False
@@ -462,7 +465,7 @@ class MqttTransport(Transport):
         with self._lock:
             self.stats.dropped[reason] += n
 
-    def use_prepare_frame(self, prepare: Callable[[bytes, int], Any]) -> bool:
+    def use_prepare_frame(self, prepare: Callable[[bytes, int], object]) -> bool:
         """Set :attr:`prepare_frame` (see :meth:`Transport.use_prepare_frame`); True."""
         self.prepare_frame = prepare
         return True
@@ -730,7 +733,7 @@ class MqttTransport(Transport):
             except Exception:  # noqa: BLE001 - keep the maintenance (and the heartbeat) alive
                 log.exception("%s: maintenance failed", self.node_id)
 
-    def _on_peer_event(self, event: str, node_id: str, info: Any) -> None:
+    def _on_peer_event(self, event: str, node_id: str, info: PeerInfo) -> None:
         if event == "removed" or not self._started or self._stopping or not self.connect_peer_brokers:
             return
         try:

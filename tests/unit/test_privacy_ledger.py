@@ -196,8 +196,13 @@ def test_run_once_with_a_corrupt_ledger_exits_2_with_one_line(tmp_path: Path) ->
     """Measured on 0.1.0: a traceback (``sqlite3.DatabaseError`` through admission) and exit 1.
     Now the real ``dfl-agent run --once`` says what is wrong in one line and exits 2."""
     cfg, store = _store_cfg(tmp_path, DP)
+    from dfl_agent.runtime.service.ledger import RunLedger
+
+    runs = RunLedger(tmp_path)  # the run ledger records the run that spent, as on a device
     _spend(_budget(tmp_path, store), tmp_path, "a")
     store.close()
+    runs.set("a", "finished", 5)
+    runs.close()
     ledger = tmp_path / "privacy" / "ledger.sqlite"
     with open(ledger, "r+b") as f:
         f.write(b"this is no database" * 4)  # a corrupt header

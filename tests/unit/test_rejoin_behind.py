@@ -51,7 +51,7 @@ def test_the_first_round_after_a_capped_rejoin_does_not_close_alone():
         await node.setup()
         model = model_to_numpy(node.algorithm.model)
         me.check_on_arrival("model", arrival_check(model))
-        me.note_rejoin(11, {"a": 39, "b": 39}, 2, 60)  # what _rejoin_round tells it from their statuses
+        me.membership.note_rejoin(11, {"a": 39, "b": 39}, 2, 60)  # what _rejoin_round tells it from their statuses
         node.state = "running"
 
         async def federation():  # rounds 40..60, one a second, whatever this node does
@@ -83,7 +83,7 @@ def test_a_rejoined_node_stays_behind_until_it_reaches_the_round_the_statuses_sh
     async def main():
         for c in (me, a, b):
             await c.start()
-        me.note_rejoin(11, {"a": 39, "b": 39}, 2, 60)  # both completed 39: the federation runs 40
+        me.membership.note_rejoin(11, {"a": 39, "b": 39}, 2, 60)  # both completed 39: the federation runs 40
         out: list[object] = [me.catching_up]
         out.append((me.membership.catch_up_round(12, {"a": 12, "b": 12}), me.catching_up))  # the backlog
         out.append((me.membership.catch_up_round(40, {"a": 12, "b": 12}), me.catching_up))  # there

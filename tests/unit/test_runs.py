@@ -8,7 +8,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.durations import parse_duration
 from dfl_agent.runtime.service.admission import admit
-from dfl_agent.runtime.service.ledger import RunLedger, default_descriptor, next_recurring
+from dfl_agent.runtime.service.default_run import default_descriptor, next_recurring
+from dfl_agent.runtime.service.ledger import RunLedger
 from dfl_agent.runtime.service.lobby import RunQueue
 from dfl_agent.runtime.shared.config import config_from_dict
 from dfl_agent.runtime.shared.descriptor import (
@@ -228,7 +229,7 @@ def test_run_model_family_reaches_the_model_build():
 def test_default_run_recurs_when_k_new_samples_arrived_and_never_overlaps(tmp_path):
     import numpy as np
 
-    from dfl_agent.runtime.service.ledger import next_sample_triggered
+    from dfl_agent.runtime.service.default_run import next_sample_triggered
     from dfl_agent.runtime.shared.config import ConfigError
     from dfl_agent.runtime.shared.descriptor import sample_run_id
     from dfl_agent.runtime.shared.sample_store import open_store

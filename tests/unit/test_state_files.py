@@ -119,7 +119,7 @@ def test_keep_run_files_keeps_what_the_run_left(tmp_path):
 def test_a_run_not_recorded_ended_keeps_everything_a_restart_needs(tmp_path):
     """A run the ledger records ``trained`` (a kill after its training) keeps its checkpoints and
     descriptor through a start's retention pass, with keep_runs 1 and ended runs around it."""
-    from dfl_agent.runtime.service.run_manager import open_state
+    from dfl_agent.runtime.service.state_files import open_checked as open_state
 
     cfg = _config(tmp_path, keep_runs=1)
     m = _manager(cfg)
@@ -276,7 +276,7 @@ def test_a_missing_ledger_beside_run_folders_is_refused(tmp_path):
 def test_a_ledger_that_lost_its_last_writes_is_caught_up_from_ended_json(tmp_path, caplog):
     """The ledger's row of an ended run is gone (its journal cut off): the start records it again
     from the run folder's ``ended.json``, at WARNING."""
-    from dfl_agent.runtime.service.run_manager import open_state
+    from dfl_agent.runtime.service.state_files import open_checked as open_state
 
     cfg = _config(tmp_path)
     m = _manager(cfg)
@@ -347,7 +347,7 @@ def test_an_unreadable_0_1_0_ledger_refuses_the_start(tmp_path):
 def test_damaged_members_and_checkpoints_of_an_unfinished_run_are_removed_at_warning(tmp_path, caplog):
     import hashlib
 
-    from dfl_agent.runtime.service.run_manager import open_state
+    from dfl_agent.runtime.service.state_files import open_checked as open_state
 
     cfg = _config(tmp_path)
     led = RunLedger(tmp_path)

@@ -17,7 +17,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dfl_agent.cli.lab.runner import LabRun
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +150,7 @@ def measure_run(run_dir: Path, times: Mapping[int, float], test: Any, *, cap: in
     return out
 
 
-def measure_lab(run: Any, recs: Mapping[str, Mapping[str, list[dict[str, Any]]]], test: Any,
+def measure_lab(run: LabRun, recs: Mapping[str, Mapping[str, list[dict[str, Any]]]], test: Any,
                 cap: int = MAX_ROUNDS) -> dict[str, dict[str, list[list[float]]]]:
     """Every device's round accuracy per run: ``{device: {run_id: [[t_s, round, acc], ...]}}``
     with ``t_s`` in seconds since the lab's agents started (``run.t0``)."""

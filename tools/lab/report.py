@@ -8,9 +8,12 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dfl_agent.cli.lab.scenario import Scenario
+
+if TYPE_CHECKING:
+    from dfl_agent.cli.lab.runner import LabRun
 
 #: events after which the affected devices were cut off themselves (their rounds alone
 #: inside the event's window are not counted in rounds_alone)
@@ -227,7 +230,7 @@ def upgrade_checks(sc: Scenario, rep: dict[str, Any]) -> list[str]:
     return failed
 
 
-def copy_logs(run: Any) -> None:
+def copy_logs(run: LabRun) -> None:
     """Every agent's metrics next to its log (``metrics/<device>/<run>.jsonl``)."""
     for a in run.agents.values():
         for m in (a.state / "runs").glob("*/metrics.jsonl"):
@@ -265,7 +268,7 @@ def run_peaks(state_dir: Path) -> dict[str, float]:
             and not isinstance(e.get("peak_rss_mb"), bool)}
 
 
-def build_report(run: Any, feeder: Any, bundle: Any, started: float) -> dict[str, Any]:
+def build_report(run: LabRun, feeder: Any, bundle: Any, started: float) -> dict[str, Any]:
     """Everything measurable from the run's folders, the checks, and the files."""
     from dfl_agent.cli.demo_feed import collect
     from dfl_agent.cli.lab.accuracy import accuracy_curve, measure_lab, time_to_accuracy
@@ -442,7 +445,7 @@ def _findings(recs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dic
     return out
 
 
-def _discovery(run: Any, recs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+def _discovery(run: LabRun, recs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
     """How the devices found each other, as their agents recorded it: every way each peer was
     found (``via``), the first one per peer, the same-site pairs not found through multicast
     mDNS on the peer's lab address (``mdns_missing``), and when the first run's members had
@@ -485,7 +488,7 @@ def _discovery(run: Any, recs: dict[str, dict[str, list[dict[str, Any]]]]) -> di
             "measured": "the agents' records (peers_found), from the first run's submission"}
 
 
-def _plots(run: Any, rep: dict[str, Any], recs: dict[str, Any], col: dict[str, Any]) -> list[str]:
+def _plots(run: LabRun, rep: dict[str, Any], recs: dict[str, Any], col: dict[str, Any]) -> list[str]:
     try:
         import matplotlib
 
@@ -518,7 +521,7 @@ def _plots(run: Any, rep: dict[str, Any], recs: dict[str, Any], col: dict[str, A
     return made
 
 
-def _accuracy_lines(ax: Any, run: Any, rep: dict[str, Any], col: dict[str, Any]) -> None:
+def _accuracy_lines(ax: Any, run: LabRun, rep: dict[str, Any], col: dict[str, Any]) -> None:
     """accuracy.png: each device's round models (a line) and deployed models (markers)."""
     wall_t0 = time.time() - (time.monotonic() - run.t0)
     for k, d in enumerate(dev for dev in rep["devices"] if dev["id"] in run.agents):
@@ -533,7 +536,7 @@ def _accuracy_lines(ax: Any, run: Any, rep: dict[str, Any], col: dict[str, Any])
                     label=None if rounds else d["id"])
 
 
-def _traffic_lines(ax: Any, run: Any, rep: dict[str, Any], recs: dict[str, Any]) -> None:
+def _traffic_lines(ax: Any, run: LabRun, rep: dict[str, Any], recs: dict[str, Any]) -> None:
     """traffic.png: each link's cumulative bytes to and from its host (the agents' own
     count of bytes sent where no link was sampled)."""
     if not rep.get("links"):

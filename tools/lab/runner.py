@@ -22,10 +22,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tomllib
@@ -34,6 +35,9 @@ from dfl_agent.cli.lab.members import received
 from dfl_agent.cli.lab.net import LabNet
 from dfl_agent.cli.lab.releases import CURRENT, Release, ledger_entries, ledger_state, prepare, write_config
 from dfl_agent.cli.lab.scenario import Device, Event, Scenario, upgrade_steps
+
+if TYPE_CHECKING:
+    from dfl_agent.cli.lab.traffic import TrafficSampler
 
 PY = sys.executable
 PORT = 8883
@@ -138,7 +142,7 @@ class Happened:
 class LabRun:
     """One ``dflctl lab run``: :meth:`run` returns the report (also written to ``out``)."""
 
-    def __init__(self, scenario: Scenario, out: Path, *, say: Any = None):
+    def __init__(self, scenario: Scenario, out: Path, *, say: Callable[[str], None] | None = None):
         self.sc = scenario
         self.out = out
         self.say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -160,7 +164,7 @@ class LabRun:
         #: site -> its bridge user's login lines (every site but the first, the hub)
         self.bridges: dict[str, str] = {}
         #: the links' byte counters, sampled about once a second (traffic.TrafficSampler)
-        self.traffic: Any = None
+        self.traffic: TrafficSampler | None = None
         #: release name -> how its agents run (prepared and probed at the start of run())
         self.releases: dict[str, Release] = {CURRENT: Release(CURRENT)}
         #: every device upgrade as it happened (the report's ``upgrades``)
@@ -349,11 +353,11 @@ class LabRun:
             a.proc = None
 
     # ---- the timeline -------------------------------------------------------------
-    def _actions(self) -> list[tuple[float, Any, str, Any]]:
+    def _actions(self) -> list[tuple[float, Any, str, Callable[[], None]]]:
         """The timeline: ``(at_s, after, what, do)`` (``after``: None, at_s counts from the
         start; a run's index, from when that run trains on every device; a function, from the
         monotonic time it returns once it returns one)."""
-        acts: list[tuple[float, Any, str, Any]] = []
+        acts: list[tuple[float, Any, str, Callable[[], None]]] = []
         for d in self.sc.devices:
             if d.start_s > 0:
                 acts.append((d.start_s, None, f"late joiner {d.id} enrolled and started", lambda d=d: self._late(d)))
@@ -368,16 +372,16 @@ class LabRun:
             acts += [(at, e.after_run, what, fn) for at, what, fn in self._event_actions(h)]
         return sorted(acts, key=lambda a: a[0])
 
-    def _event_actions(self, h: Happened) -> list[tuple[float, str, Any]]:
+    def _event_actions(self, h: Happened) -> list[tuple[float, str, Callable[[], None]]]:
         e, lab = h.event, self.lab
 
-        def begin(fn: Any) -> Any:
+        def begin(fn: Callable[[], object]) -> Callable[[], None]:
             def go() -> None:
                 h.start = time.monotonic()
                 fn()
             return go
 
-        def finish(fn: Any) -> Any:
+        def finish(fn: Callable[[], object]) -> Callable[[], None]:
             def go() -> None:
                 fn()
                 h.end = time.monotonic()
@@ -426,7 +430,7 @@ class LabRun:
             acts.append((e.at_s, f"{what} set", finish(lambda: None)))
         return acts
 
-    def _upgrade_actions(self, h: Happened) -> list[tuple[float, Any, str, Any]]:
+    def _upgrade_actions(self, h: Happened) -> list[tuple[float, Any, str, Callable[[], None]]]:
         """An upgrade event's steps (:func:`~dfl_agent.cli.lab.scenario.upgrade_steps`) as
         timeline actions ``(at_s, after, what, do)``: each device's agent stopped (SIGTERM, as
         ``systemctl stop`` does), switched to the new release (its configuration written by that
@@ -434,7 +438,7 @@ class LabRun:
         before it counts from when that one is back (:meth:`_back_since`)."""
         index = self.sc.events.index(h.event)
         steps = [st for st in upgrade_steps(self.sc) if st.event == index]
-        acts: list[tuple[float, Any, str, Any]] = []
+        acts: list[tuple[float, Any, str, Callable[[], None]]] = []
         for k, st in enumerate(steps):
             rec: dict[str, Any] = {"device": st.device, "to": st.release, "event": index}
             self.upgrades.append(rec)

@@ -20,7 +20,10 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dfl_agent.cli.lab.net import LabNet
 
 #: a link's series in report.json has at most this many points
 MAX_POINTS = 300
@@ -38,7 +41,7 @@ def parse_link_stats(text: str) -> dict[str, tuple[int, int]]:
     return out
 
 
-def link_names(lab: Any) -> dict[str, tuple[str, str]]:
+def link_names(lab: LabNet) -> dict[str, tuple[str, str]]:
     """``{host: (namespace, link)}``: where each link's counters are read (a host's switch
     end in its site's switch; a site's WAN link, ``wan-<site>``, at the router's end)."""
     names = {n: (h.site.switch, h.link) for n, h in lab.hosts.items()}
@@ -91,7 +94,7 @@ class TrafficSampler(threading.Thread):
     """Reads every link's counters every ``interval_s`` seconds until :meth:`stop`; keeps
     the samples (:attr:`samples`) and appends each one to ``path`` as a JSON line."""
 
-    def __init__(self, lab: Any, path: Path | None = None, interval_s: float = 1.0):
+    def __init__(self, lab: LabNet, path: Path | None = None, interval_s: float = 1.0):
         super().__init__(name="lab-traffic", daemon=True)
         self.lab, self.path, self.interval_s = lab, path, interval_s
         self.samples: list[dict[str, Any]] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -181,7 +182,7 @@ class LockStepAlgorithm(Algorithm):
     def deployable_model(self) -> nn.Module:
         return self.model
 
-    def warm_start(self, state: Any) -> str:
+    def warm_start(self, state: Mapping[str, np.ndarray]) -> str:
         """The model, and the reference M_R the thresholds compare against (set to it)."""
         what = super().warm_start(state)
         self.reference = model_to_numpy(self.model)

@@ -65,8 +65,10 @@ import copy
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
 
 from dfl_agent.algorithms.base import Algorithm
 from dfl_agent.algorithms.context import Message
@@ -78,6 +80,8 @@ from dfl_agent.privacy.plan import steps_per_round
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from dfl_agent.learning.training import TrainConfig
 else:
     from dfl_agent.learning.lazy import nn
 
@@ -223,7 +227,7 @@ class PairAlgorithm(Algorithm):
     Options = PairOptions
 
     @classmethod
-    def dp_steps_per_round(cls, options: Any, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
+    def dp_steps_per_round(cls, options: object, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
         """The sender's ``M`` local epochs (``training.steps`` when > 0)."""
         m = getattr(options, "M", None)
         return steps_per_round(n_samples, batch_size, epochs if m is None else int(m), steps)
@@ -244,7 +248,7 @@ class PairAlgorithm(Algorithm):
         self.silent: dict[str, int] = {}  # sender -> the last round it is left out of the pairs
 
     @property
-    def sender_train(self) -> Any:
+    def sender_train(self) -> TrainConfig:
         """The sender's local training (``training`` with ``M`` epochs), read every round:
         a warm-started run's learning-rate ramp changes ``ctx.train``."""
         return dataclasses.replace(self.ctx.train, epochs=self.options.M)
@@ -255,14 +259,14 @@ class PairAlgorithm(Algorithm):
     def status(self) -> dict[str, Any]:
         return {"pair_stats": dict(self.stats)}
 
-    def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """The local model (base class: ``self.model``, whichever w̃ it now is) and the
         pair statistics."""
         tensors, meta = super().state_dict()
         meta["pair_stats"] = dict(self.stats)
         return tensors, meta
 
-    def load_state_dict(self, tensors: Any, meta: Any) -> None:
+    def load_state_dict(self, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
         super().load_state_dict(tensors, meta)
         self.stats = collections.Counter({str(k): int(v) for k, v in dict(meta.get("pair_stats", {})).items()})
 

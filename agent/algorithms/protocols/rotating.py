@@ -34,19 +34,20 @@ import dataclasses
 import inspect
 import logging
 import math
+from collections.abc import Awaitable, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
 
 from dfl_agent.algorithms.base import Algorithm
-from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.context import Message, NodeContext
 from dfl_agent.algorithms.protocols.stragglers import AdaptiveDeadline, adaptive_deadline
 from dfl_agent.learning import d2s
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible
 
 log = logging.getLogger(__name__)
 
-Tensors = dict[str, Any]
+Tensors = dict[str, np.ndarray]
 
 
 @dataclasses.dataclass
@@ -102,7 +103,7 @@ class Done:
     next: str
     token: dict[str, Any]
     info: dict[str, Any]
-    tensors: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)  # see token_tensors
+    tensors: Tensors = dataclasses.field(default_factory=dict, compare=False)  # see token_tensors
 
     def beats(self, other: Done | None) -> bool:
         """Newer round wins; for the same round, the lower aggregator id wins."""
@@ -126,7 +127,7 @@ class RotatingAggregator(Algorithm):
     Options = RotationOptions
     GRACE = 5.0  # s a sender still waits for its update after its aggregator's ``done``
 
-    def __init__(self, ctx: Any, options: Any = None):
+    def __init__(self, ctx: NodeContext, options: Any = None):
         super().__init__(ctx, options)
         p = self.name
         self.K_INVITE, self.K_MODEL, self.K_DECLINE = f"{p}.invite", f"{p}.model", f"{p}.decline"
@@ -206,7 +207,7 @@ class RotatingAggregator(Algorithm):
         """
         raise NotImplementedError
 
-    def apply_update(self, t: int, tensors: Tensors, meta: dict[str, Any]) -> Any:
+    def apply_update(self, t: int, tensors: Tensors, meta: dict[str, Any]) -> Awaitable[None] | None:
         """Apply the aggregator's update for round ``t`` (called at most once per round).
         May be a coroutine function (e.g. FedD2S trains while applying)."""
         raise NotImplementedError
@@ -454,7 +455,7 @@ class RotatingAggregator(Algorithm):
         return {"role": self.role, "round_completed": self.completed, "applied": self.applied}
 
     # -- checkpoints -----------------------------------------------------------------
-    def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Models (base class) plus the rotation state: newest completed and applied
         round, and the best ``done`` seen (its token carries e.g. DFML's α schedule,
         needed to lead a failover round after a restart)."""
@@ -467,7 +468,7 @@ class RotatingAggregator(Algorithm):
         }
         return tensors, meta
 
-    def load_state_dict(self, tensors: Any, meta: Any) -> None:
+    def load_state_dict(self, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
         super().load_state_dict(tensors, meta)
         rot = meta.get("rotation")
         if not isinstance(rot, dict):

@@ -31,10 +31,13 @@ import collections
 import dataclasses
 import math
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
-from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.context import Message, NodeContext
 from dfl_agent.algorithms.protocols.synchronization import SyncOptions
+
+#: an algorithm's parsed ``Options`` (any dataclass)
+O = TypeVar("O")
 
 MODES = ("paper", "quorum")
 #: the mode of the reproduction tools (the simulator, ``dflctl demo``, ``demo --feed``, the chaos
@@ -100,7 +103,7 @@ def weigh_late(got: Mapping[str, Message], t: int, a: float = STALENESS_EXPONENT
     return out
 
 
-def quorum_options(options: Any, policy: StragglerPolicy | None, explicit: Collection[str] = ()) -> Any:
+def quorum_options(options: O, policy: StragglerPolicy | None, explicit: Collection[str] = ()) -> O:
     """``options`` as the policy runs them: under ``quorum``, the averaging gossip family's
     :class:`SyncOptions` get ``one_from_min_percent`` with p = :data:`QUORUM_PERCENT` and
     ``max_staleness`` = :data:`QUORUM_STALENESS`, each unless ``explicit`` (the keys of
@@ -135,15 +138,16 @@ class AdaptiveDeadline:
         return min(hi, max(min(self.low, hi), p90 * FACTOR))
 
 
-def in_quorum_mode(ctx: Any) -> bool:
+def in_quorum_mode(ctx: NodeContext) -> bool:
     """Whether the node runs under ``runtime.straggler = "quorum"`` (``ctx.straggler``; a
     context without a policy, the simulator's default, runs the papers' lock step)."""
     return ctx.straggler is not None and bool(ctx.straggler.quorum)
 
 
-def adaptive_deadline(ctx: Any) -> AdaptiveDeadline | None:
+def adaptive_deadline(ctx: NodeContext) -> AdaptiveDeadline | None:
     """The node's adaptive deadline under ``quorum`` (``ctx.straggler``), else None (the
     algorithm's own fixed deadline, as in its paper)."""
-    if not in_quorum_mode(ctx):
+    policy = ctx.straggler
+    if policy is None or not policy.quorum:  # in_quorum_mode
         return None
-    return AdaptiveDeadline(ctx.straggler.min_round_timeout, ctx.straggler.max_round_timeout)
+    return AdaptiveDeadline(policy.min_round_timeout, policy.max_round_timeout)

@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from dfl_agent.algorithms.context import Message
+from dfl_agent.algorithms.context import Message, NodeContext
 
 STRATEGIES = (
     "one_from_each",
@@ -119,7 +119,7 @@ def quorum_shown(shown: Mapping[str, int], live: int) -> int | None:
     return sorted(shown.values(), reverse=True)[need - 1]
 
 
-async def suspend_deadline(ctx: Any, deadline: float, budget: float, kind: str | tuple[str, ...] = ()) -> float:
+async def suspend_deadline(ctx: NodeContext, deadline: float, budget: float, kind: str | tuple[str, ...] = ()) -> float:
     """``deadline`` (clock time) of a round that waits for its peers' ``kind`` messages,
     suspended for a broker outage: ``ctx.hold_round(kind)`` holds the round while the
     broker is away (a context without it never holds; after the outage the node sends
@@ -134,7 +134,7 @@ async def suspend_deadline(ctx: Any, deadline: float, budget: float, kind: str |
     return max(deadline + held, ctx.clock.now() + min(budget, grace))
 
 
-def waits_alone(ctx: Any, peers: Collection[str]) -> bool:
+def waits_alone(ctx: NodeContext, peers: Collection[str]) -> bool:
     """Whether a round with no live neighbour (``peers`` empty) waits for its deadline
     instead of closing at once: where the node's context says so (``ctx.alone_waits``, the
     agent's: the run has other members, and they have not finished it).  A peer set that
@@ -410,7 +410,7 @@ class UpdateMarket:
     # -- collection from a NodeContext --------------------------------------------------
     async def collect(
         self,
-        ctx: Any,
+        ctx: NodeContext,
         kind: str | tuple[str, ...],
         t: int,
         *,
@@ -493,7 +493,7 @@ class UpdateMarket:
                 self._intake(ctx, msg, t, members, validate, outsider_reason, departed, arrived,
                              clock.now() - start)
 
-    def _intake(self, ctx: Any, msg: Message, t: int, peers: Collection[str], validate, outsider_reason: str,
+    def _intake(self, ctx: NodeContext, msg: Message, t: int, peers: Collection[str], validate, outsider_reason: str,
                 departed: Callable[[str], bool], arrived: dict[str, float] | None = None, at: float = 0.0) -> None:
         if msg.sender not in peers and not departed(msg.sender):
             ctx.reject(msg, outsider_reason)
@@ -536,7 +536,7 @@ def empty_update(kind: str, t: int, meta: dict[str, Any] | None = None) -> Messa
 
 
 async def send_with_participation(
-    ctx: Any, kind: str, t: int, tensors: dict[str, np.ndarray], meta: dict[str, Any], participation: int,
+    ctx: NodeContext, kind: str, t: int, tensors: dict[str, np.ndarray], meta: dict[str, Any], participation: int,
     neighbours: list[str] | None = None,
 ) -> dict[str, int]:
     """Send a model update to ``participation`` random neighbours and an empty update to

@@ -45,11 +45,22 @@ import math
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dfl_agent.learning.training import TrainConfig, blow_up_limit, evaluate, round_batches, sgd_step, train_local
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from dfl_agent.runtime.node.context import RuntimeContext
+
+#: one node's part of a batched training: ``(model, x, y, its mini-batch index arrays)``
+Member = tuple["nn.Module", np.ndarray, np.ndarray, list[np.ndarray]]
+#: a model's architecture identity (:meth:`BatchTrainer._arch_key`), a grouping key
+ArchKey = tuple[object, ...]
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +71,7 @@ _UNBATCHABLE = ("Dropout", "BatchNorm", "InstanceNorm", "GroupNorm")
 class _Request:
     __slots__ = ("batches", "cfg", "ctx", "device", "future", "model", "x", "y")
 
-    def __init__(self, ctx: Any, model: Any, x: np.ndarray, y: np.ndarray, cfg: TrainConfig,
+    def __init__(self, ctx: RuntimeContext, model: nn.Module, x: np.ndarray, y: np.ndarray, cfg: TrainConfig,
                  batches: list[np.ndarray], future: asyncio.Future[dict[str, float]], device: str = "cpu"):
         self.ctx, self.model, self.x, self.y, self.cfg = ctx, model, x, y, cfg
         self.batches, self.future, self.device = batches, future, device
@@ -69,13 +80,13 @@ class _Request:
 class _EvalRequest:
     __slots__ = ("batch_size", "device", "future", "model", "x", "y")
 
-    def __init__(self, model: Any, x: np.ndarray, y: np.ndarray, batch_size: int,
+    def __init__(self, model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int,
                  future: asyncio.Future[dict[str, float]], device: str = "cpu"):
         self.model, self.x, self.y, self.batch_size, self.future = model, x, y, batch_size, future
         self.device = device
 
 
-def _batch_device(device: Any) -> str | None:
+def _batch_device(device: str | torch.device) -> str | None:
     """``device`` as a string when the vectorised paths run there (``cpu``, ``cuda``,
     ``cuda:N``), else None."""
     text = str(device)
@@ -104,7 +115,8 @@ class BatchTrainer:
         self._pending: list[_Request] = []
         self._scheduled = False
         # model -> (training key, evaluation key); weak, so temporary models go
-        self._arch_keys: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+        self._arch_keys: weakref.WeakKeyDictionary[nn.Module, tuple[ArchKey | None, ArchKey | None]] = \
+            weakref.WeakKeyDictionary()
         self.stats = {"batched_nodes": 0, "groups": 0, "single": 0}
         self._pending_eval: list[_EvalRequest] = []
         #: ``evaluated_batched`` (evaluations done in a vectorised group), ``eval_groups``
@@ -113,7 +125,7 @@ class BatchTrainer:
         self.eval_stats = {"evaluated_batched": 0, "eval_groups": 0, "eval_single": 0}
 
     # -- qualification -------------------------------------------------------------
-    def _arch_key(self, model: Any, for_eval: bool = False) -> tuple[Any, ...] | None:
+    def _arch_key(self, model: nn.Module, for_eval: bool = False) -> ArchKey | None:
         """Architecture identity of ``model``, or None when it cannot be batched.  For
         evaluation (``for_eval``) frozen parameters are allowed: only training needs
         every parameter trainable."""
@@ -130,7 +142,7 @@ class BatchTrainer:
             self._arch_keys[model] = keys
         return keys[1] if for_eval else keys[0]
 
-    def submit(self, ctx: Any, fn: Callable[..., Any], args: tuple[Any, ...],
+    def submit(self, ctx: RuntimeContext, fn: Callable[..., object], args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> asyncio.Future[dict[str, float]] | None:
         """Queue ``fn(*args, **kwargs)`` for batching; None when the call does not qualify
         (the caller then runs it itself).  Draws the node's batch order now, from its own
@@ -156,8 +168,8 @@ class BatchTrainer:
         self._schedule(loop)
         return fut
 
-    def submit_eval(self, model: Any, x: np.ndarray, y: np.ndarray, batch_size: int = 512,
-                    device: Any = "cpu") -> asyncio.Future[dict[str, float]] | None:
+    def submit_eval(self, model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int = 512,
+                    device: str | torch.device = "cpu") -> asyncio.Future[dict[str, float]] | None:
         """Queue ``evaluate(model, x, y, batch_size, device)`` for a batched pass; None when
         it does not qualify (another device, an empty set, a model that cannot be batched:
         the caller then evaluates it itself).  The future's result is ``evaluate``'s
@@ -199,7 +211,7 @@ class BatchTrainer:
     def run_eval(self, requests: list[_EvalRequest]) -> None:
         """Evaluate ``requests`` (grouped by architecture, data shape and data identity;
         groups of one per node) and resolve their futures."""
-        groups: dict[tuple[Any, ...], list[_EvalRequest]] = {}
+        groups: dict[tuple[object, ...], list[_EvalRequest]] = {}
         for r in requests:
             key = (self._arch_key(r.model, for_eval=True), r.batch_size, r.x.shape, r.x.dtype, r.y.shape, r.device)
             groups.setdefault(key, []).append(r)
@@ -237,7 +249,7 @@ class BatchTrainer:
 
     def run(self, requests: list[_Request]) -> None:
         """Train ``requests`` (grouped; small groups per node) and resolve their futures."""
-        groups: dict[tuple[Any, ...], list[_Request]] = {}
+        groups: dict[tuple[object, ...], list[_Request]] = {}
         for r in requests:
             key = (self._arch_key(r.model), r.cfg, len(r.batches), r.device)
             groups.setdefault(key, []).append(r)
@@ -263,7 +275,7 @@ class BatchTrainer:
                     r.future.set_result(res)
 
 
-def train_group(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray]]],
+def train_group(members: list[Member],
                 cfg: TrainConfig) -> list[dict[str, float]]:
     """Train G models of one architecture together with SGD, in place.
 
@@ -346,7 +358,7 @@ class _BlowUpWatch:
     does it per node: the first step sets each member's limit (the factor times ``max(first
     batch's loss, ln K)``); a member whose loss exceeds it has blown up at that step."""
 
-    def __init__(self, factor: float, base: Any, xs: Any, n_steps: int):
+    def __init__(self, factor: float, base: nn.Module, xs: torch.Tensor, n_steps: int):
         import torch
 
         g = xs.shape[0]
@@ -360,7 +372,7 @@ class _BlowUpWatch:
             with torch.no_grad():
                 self.classes = int(base(xs[0, :1]).shape[-1])  # K (the logits of one window)
 
-    def step(self, s: int, loss: Any) -> Any:
+    def step(self, s: int, loss: torch.Tensor) -> torch.Tensor:
         """Record step ``s``'s ``(G,)`` losses; returns the part to add to each member's sum
         (0 for a member that blew up before this step)."""
         import torch
@@ -378,7 +390,7 @@ class _BlowUpWatch:
         self.blown |= now
         return counted
 
-    def after(self, loss: Any) -> None:
+    def after(self, loss: torch.Tensor) -> None:
         """The ``(G,)`` losses of the last batch after the last step: a member above its
         limit (or not finite) blew up in that step."""
         import torch
@@ -388,7 +400,7 @@ class _BlowUpWatch:
         self.blown |= now
 
 
-def _stack_data(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray]]], dev: Any) -> tuple[Any, Any]:
+def _stack_data(members: list[Member], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Every member's data in one ``(G, n_max, *shape)`` block on the device (shorter splits
     zero-padded; the padding is never indexed): each step of :func:`train_group` gathers
     the G mini-batches in one indexing operation, not G (the same samples, so the same
@@ -405,8 +417,8 @@ def _stack_data(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
     return torch.from_numpy(x_all).to(dev), torch.from_numpy(y_all).to(dev)
 
 
-def _write_back(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray]]], member_params: list[dict],
-                stacked: dict[str, Any], names: list[str], losses: Any, watch: _BlowUpWatch) -> list[dict[str, float]]:
+def _write_back(members: list[Member], member_params: list[dict[str, nn.Parameter]],
+                stacked: dict[str, torch.Tensor], names: list[str], losses: torch.Tensor, watch: _BlowUpWatch) -> list[dict[str, float]]:
     """Copy each member's trained parameters (row i of ``stacked``) back into its model,
     unless they are non-finite or its loss blew up (then the model keeps its old ones,
     ``diverged`` = 1), and return :func:`train_group`'s per-member results."""
@@ -437,7 +449,7 @@ def _write_back(members: list[tuple[Any, np.ndarray, np.ndarray, list[np.ndarray
     return out
 
 
-def evaluate_group(models: list[Any], xs: list[np.ndarray], ys: list[np.ndarray],
+def evaluate_group(models: list[nn.Module], xs: list[np.ndarray], ys: list[np.ndarray],
                    batch_size: int = 512) -> list[dict[str, float]]:
     """Evaluate G models of one architecture in one vectorised pass per chunk.
 

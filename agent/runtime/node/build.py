@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from dfl_agent.algorithms.base import Algorithm
-from dfl_agent.runtime.node.node import Node
+from dfl_agent.runtime.node.node import MetricsSink, Node
 from dfl_agent.runtime.node.node_hooks import NodeHooks
 
 
-def build_node(algo_cls: type[Algorithm], options: Any, *, model_spec: dict[str, Any], test_x: Any, test_y: Any,
-               baseline_local: bool = False, sink: Any = None, rounds: int = 0, eval_every: int = 1,
+def build_node(algo_cls: type[Algorithm], options: Any, *, model_spec: dict[str, Any], test_x: np.ndarray, test_y: np.ndarray,
+               baseline_local: bool = False, sink: MetricsSink | None = None, rounds: int = 0, eval_every: int = 1,
                eval_background: bool = False, hooks: NodeHooks | None = None, accuracy_source: str | None = None,
                run_info: dict[str, Any] | None = None, lr_ramp: int = 0, **context: Any) -> Node:
     """One node: its complete :class:`~dfl_agent.runtime.node.context.RuntimeContext` (built

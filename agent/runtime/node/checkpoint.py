@@ -33,13 +33,17 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dfl_agent.fsutil import atomic_write as _atomic_write
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.runtime.shared.sample_store import SNAPSHOT_KEY
+
+if TYPE_CHECKING:
+    from dfl_agent.algorithms.base import Algorithm
+    from dfl_agent.runtime.node.context import RuntimeContext
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +260,7 @@ def _restore_peers(peers: Any, directory: Any) -> None:
             peers.withdraw(nid, "static")
 
 
-def _pending_records(value: Any) -> list[dict[str, Any]]:
+def _pending_records(value: object) -> list[dict[str, Any]]:
     """The ``pending_records`` of a manifest (a JSON list of records), [] when absent or bad."""
     if not isinstance(value, str):
         return []
@@ -285,7 +289,7 @@ class NodeCheckpointer:
             and read back by :meth:`restore` into :attr:`restored_pending`.
     """
 
-    def __init__(self, store: CheckpointStore, algorithm: Any, ctx: Any, model_hash: str = "",
+    def __init__(self, store: CheckpointStore, algorithm: Algorithm, ctx: RuntimeContext, model_hash: str = "",
                  pending: Callable[[], list[dict[str, Any]]] | None = None):
         self.store, self.algorithm, self.ctx, self.model_hash = store, algorithm, ctx, model_hash
         self.pending = pending

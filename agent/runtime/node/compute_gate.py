@@ -16,13 +16,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar, cast
 
 if TYPE_CHECKING:
     from dfl_agent.runtime.node.context import RuntimeContext
 
 log = logging.getLogger("dfl_agent.runtime.node.context")
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class ComputeGate:
@@ -167,7 +168,7 @@ class ComputeGate:
         self.note_neighbours()
         return out
 
-    async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def compute(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """``fn(*args, **kwargs)`` once gating allows (``train_s`` of the round's timing)."""
         ctx = self.ctx
         await ctx.wait_until_allowed()  # resource gating: no training while gated
@@ -177,15 +178,15 @@ class ComputeGate:
             # the simulator's batched training: a qualifying call waits for its group's
             # vectorised step (which adds this node's share to timing["train_s"])
             fut = ctx.batcher.submit(ctx, fn, args, kwargs)
-            if fut is not None:
-                return await fut
+            if fut is not None:  # a batched training function's result: its metrics
+                return cast(T, await fut)
         t0 = time.perf_counter()
         try:
             return await ctx.compute_ungated(fn, *args, **kwargs)
         finally:
             ctx.timing["train_s"] += time.perf_counter() - t0
 
-    async def compute_ungated(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def compute_ungated(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """:meth:`compute` without resource gating (evaluation, ONNX export)."""
         if self.ctx.compute_in_thread:
             loop = asyncio.get_running_loop()
@@ -195,8 +196,8 @@ class ComputeGate:
         return fn(*args, **kwargs)
 
 
-def _abortable_call(event: threading.Event, fn: Callable[..., T], args: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> T:
+def _abortable_call(event: threading.Event, fn: Callable[..., T], args: tuple[object, ...],
+                    kwargs: dict[str, object]) -> T:
     """``fn(*args, **kwargs)`` in a worker thread whose local training stops when
     ``event`` is set."""
     from dfl_agent.learning.training import abortable

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -34,11 +34,22 @@ from dfl_agent.runtime.node.waiting import Collected, RoundWaiting
 from dfl_agent.transport import wire
 from dfl_agent.transport.base import Transport
 
+if TYPE_CHECKING:
+    from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
+    from dfl_agent.data import NodeData
+    from dfl_agent.discovery.peers import PeerInfo
+    from dfl_agent.learning.error_feedback import ChocoGossip
+    from dfl_agent.learning.training import TrainConfig
+    from dfl_agent.profiles.behaviour import Behaviour
+    from dfl_agent.runtime.node.batching import BatchTrainer
+    from dfl_agent.security.trust import SecurityGuard
+
 __all__ = ["RuntimeContext", "LoopClock", "PreparedFrame", "evidence_quorum", "catch_up_target",
            "TIMING_KEYS", "MAX_CATCH_UP_ROUNDS"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+P = ParamSpec("P")
 
 #: per-round time accounting keys of :attr:`RuntimeContext.timing` (seconds)
 TIMING_KEYS = ("train_s", "encode_s", "send_s", "receive_s")
@@ -153,9 +164,9 @@ class RuntimeContext:
         federation: str,
         transport: Transport,
         peers: PeerTable,
-        data: Any,
+        data: NodeData,
         model_spec: Mapping[str, Any],
-        train: Any,
+        train: TrainConfig,
         init_seed: int,
         rng: np.random.Generator,
         device: str = "cpu",
@@ -165,10 +176,10 @@ class RuntimeContext:
         graph_neighbours: list[str] | None = None,
         seed: int = 0,
         compression: CompressionPolicy | None = None,
-        security: Any = None,
-        behaviour: Any = None,
-        compatibility: Callable[[Any], str | None] | None = None,
-        batcher: Any = None,
+        security: SecurityGuard | None = None,
+        behaviour: Behaviour | None = None,
+        compatibility: Callable[[PeerInfo], str | None] | None = None,
+        batcher: BatchTrainer | None = None,
         gate: Callable[[], str | None] | None = None,
         gate_poll: float = 5.0,
         pause_when_disconnected: bool = False,
@@ -176,7 +187,7 @@ class RuntimeContext:
         final_round: int | None = None,
         catch_up: bool = False,
         persistent_state: Mapping[str, Any] | None = None,
-        straggler: Any = None,
+        straggler: StragglerPolicy | None = None,
         alone_waits: Callable[[], bool] | None = None,
         virtual_train_s: float = 0.0,
     ):
@@ -195,19 +206,14 @@ class RuntimeContext:
         # the straggler policy (None: lock step), whether a round alone waits, the simulator's --speeds
         self.straggler, self.alone_waits, self.virtual_train_s = straggler, alone_waits, virtual_train_s
         self._started = False
-        self.behaviour: Any = behaviour
-        self.compatibility: Callable[[Any], str | None] | None = compatibility
+        self.behaviour, self.compatibility, self.batcher = behaviour, compatibility, batcher
         self.gate: Callable[[], str | None] | None = gate  # None = may train, else the reason
         self.gate_poll = gate_poll  # seconds between gate checks while gated
-        self.pause_when_disconnected = pause_when_disconnected
-        self.batcher: Any = batcher
-        self.catch_up = catch_up
-        self.max_catch_up_rounds = max_catch_up_rounds
-        self.final_round: int | None = final_round
+        self.catch_up, self.max_catch_up_rounds = catch_up, max_catch_up_rounds
+        self.pause_when_disconnected, self.final_round = pause_when_disconnected, final_round
         self.diverged = 0  # non-finite steps restored (Algorithm.divergence_guard): note_diverged
         self._diverged_warned = -1  # the round of the last WARNING about it
-        self.compression = compression
-        self.security = security
+        self.compression, self.security = compression, security
         self.last_round_bytes: dict[str, Any] = {}
         self.timing: dict[str, float] = dict.fromkeys(TIMING_KEYS, 0.0)
         self.last_round_timing: dict[str, float] = dict.fromkeys(TIMING_KEYS, 0.0)
@@ -266,12 +272,12 @@ class RuntimeContext:
         """Whether the node runs under ``runtime.straggler = "quorum"`` (else the papers' lock step)."""
         return self.straggler is not None and bool(self.straggler.quorum)
 
-    def use_train(self, train: Any) -> None:
+    def use_train(self, train: TrainConfig) -> None:
         """Train with ``train`` (a :class:`~dfl_agent.learning.training.TrainConfig`) from now on
         (a warm start's learning-rate ramp changes it round by round)."""
         self.train = train
 
-    def track_stream(self, stream: Any) -> None:
+    def track_stream(self, stream: ChocoGossip) -> None:
         """Follow a CHOCO gossip stream: ask for the keyframes its copies lost
         (:meth:`request_keyframes`), and send a keyframe to a peer that came back (its epoch
         moves with :attr:`Membership.rejoins`)."""
@@ -452,7 +458,7 @@ class RuntimeContext:
     def is_neighbour(self, peer: str) -> bool:
         return self.membership.is_neighbour(peer)
 
-    def note_status(self, peer: str, status: Any) -> None:
+    def note_status(self, peer: str, status: object) -> None:
         """A peer's status document arrived (heartbeat): remember whether it is gated."""
         self.membership.note_status(peer, status)
 
@@ -468,12 +474,6 @@ class RuntimeContext:
         for updates of a round they have left; it takes their newest ones as soon as a quorum
         of them is there (``take_ahead`` of :meth:`UpdateMarket.collect`), then skips again."""
         return self.membership.behind
-
-    def note_rejoin(self, target: int, shown: Mapping[str, int], live: int, final_round: int) -> None:
-        """A (re)start that rejoins the federation at round ``target``, from the rounds its
-        ``live`` neighbours' statuses showed completed (``shown``): :attr:`catching_up` when
-        that capped skip left it behind most of them (:meth:`Membership.note_rejoin`)."""
-        self.membership.note_rejoin(target, shown, live, final_round)
 
     def catch_up_round(self, next_round: int) -> int:
         """The round to run after ``next_round - 1`` (see :func:`catch_up_target`).
@@ -529,7 +529,7 @@ class RuntimeContext:
         :attr:`last_round_expected`)."""
         self.gate_part.note_neighbours()
 
-    async def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def compute(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         result = await self.gate_part.compute(fn, *args, **kwargs)
         # local training undoes a round that blew up itself (train_local, train_adam): count it
         if getattr(fn, "restores_itself", False) and isinstance(result, dict) and result.get("diverged"):
@@ -540,7 +540,7 @@ class RuntimeContext:
                                    f"{self.train.divergence_factor:g} times the round's first", what="blew up")
         return result
 
-    async def compute_ungated(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def compute_ungated(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """:meth:`compute` without resource gating (evaluation, ONNX export)."""
         return await self.gate_part.compute_ungated(fn, *args, **kwargs)
 

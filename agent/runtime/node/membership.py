@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from dfl_agent.algorithms.protocols.synchronization import quorum_shown
 
 if TYPE_CHECKING:
+    from dfl_agent.learning.error_feedback import ChocoGossip
     from dfl_agent.runtime.node.context import RuntimeContext
 
 log = logging.getLogger("dfl_agent.runtime.node.context")
@@ -86,11 +87,11 @@ class Membership:
         self.returned: dict[str, bool] = {}
         #: this node's CHOCO streams (:func:`~dfl_agent.algorithms.gossip_compression.choco_for`):
         #: a neighbour without a copy in one of them is asked for a keyframe (:meth:`keyframe_wanted`)
-        self.streams: list[Any] = []
+        self.streams: list[ChocoGossip] = []
         self._heartbeats: dict[str, int] = {}  # peer -> the last status heartbeat counter seen
         #: live_peers() memo: (key, result); valid while the peer table, the exclusions and
         #: the gated peers are unchanged (only without heartbeat expiry or security)
-        self._live_cache: tuple[tuple[Any, int, int], list[str]] | None = None
+        self._live_cache: tuple[tuple[object, int, int], list[str]] | None = None
         self._gated_changes = 0
         self._graph_src: list[str] | None = None  # the list _graph_set was made from
         self._graph_set: frozenset[str] = frozenset()
@@ -185,7 +186,7 @@ class Membership:
             log.warning("excluding peer %s: %s", peer, reason)
         return False
 
-    def note_status(self, peer: str, status: Any) -> None:
+    def note_status(self, peer: str, status: object) -> None:
         """A peer's status document arrived (heartbeat): remember whether it is gated, and
         count a restart of the peer (its ``heartbeat`` counter went back) in :attr:`rejoins`:
         a peer killed and restarted within the heartbeat timeout never looked offline (with

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dfl_agent.algorithms.base import Algorithm
-from dfl_agent.learning.training import evaluate, train_local
+from dfl_agent.learning.training import TrainConfig, evaluate, train_local
 from dfl_agent.privacy.policy import redact_status
 from dfl_agent.runtime.node.context import RuntimeContext
 from dfl_agent.runtime.node.node_hooks import FederationFinished, NodeHooks, NodeKilled, RunStopped
@@ -131,11 +131,11 @@ class Node:
         #: added to the first round record of this process as ``init``, ``started_from`` and ``init_reason``
         self.run_start: dict[str, Any] = {}
         self.lr_ramp = lr_ramp  #: ``training.warm_start_ramp`` (:func:`dfl_agent.runtime.run.warm_start.ramp_factor`)
-        self._full_rate: Any = None  # a warm-started run's full-rate TrainConfig, while it ramps
+        self._full_rate: TrainConfig | None = None  # a warm-started run's full-rate training, while it ramps
         #: the reporting of the latest round (evaluation, record, hooks) while it runs in the background
         self._report_task: asyncio.Task[None] | None = None
         #: the deployable model of the record being reported (a copy in background mode)
-        self._reported_model: Any = None
+        self._reported_model: nn.Module | None = None
         self.history: list[dict[str, Any]] = []
         self.shadow: nn.Module | None = None
         self._shadow_rng: np.random.Generator | None = None
@@ -244,18 +244,18 @@ class Node:
         if task is not None:
             await asyncio.gather(task, return_exceptions=True)
 
-    def reported_model(self) -> Any:
+    def reported_model(self) -> nn.Module:
         """The deployable model of the round record being reported (after-round hooks,
         e.g. the ONNX publisher): the evaluated copy with ``eval_background``, else the
         live model."""
         return self._reported_model if self._reported_model is not None else self.algorithm.deployable_model()
 
-    def _snapshot(self) -> dict[str, Any]:
+    def _snapshot(self) -> dict[str, nn.Module]:
         """Copies of the models a round's evaluation reads (the algorithm moves on)."""
         models = {"": self.algorithm.deployable_model(), **self.algorithm.evaluation_models()}
         return {name: copy.deepcopy(m) for name, m in models.items()}
 
-    def _evaluate(self, models: dict[str, Any] | None = None, baseline: bool = True) -> dict[str, Any]:
+    def _evaluate(self, models: dict[str, nn.Module] | None = None, baseline: bool = True) -> dict[str, Any]:
         d, dev = self.ctx.data, self.ctx.device
         if models is None:
             models = {"": self.algorithm.deployable_model(), **self.algorithm.evaluation_models()}
@@ -272,7 +272,7 @@ class Node:
             out["local_only_local_accuracy"] = evaluate(self.shadow, d.val_x, d.val_y, device=dev)["accuracy"]
         return out
 
-    async def _evaluate_now(self, models: dict[str, Any] | None) -> dict[str, Any]:
+    async def _evaluate_now(self, models: dict[str, nn.Module] | None) -> dict[str, Any]:
         """:meth:`_evaluate` through the context; in the simulator with batching, each
         evaluation joins the batcher's vectorised pass over the nodes evaluating in the
         same instant (:meth:`~dfl_agent.runtime.node.batching.BatchTrainer.submit_eval`), and
@@ -284,7 +284,7 @@ class Node:
         if models is None:
             models = {"": self.algorithm.deployable_model(), **self.algorithm.evaluation_models()}
         model = models[""]
-        jobs: dict[str, tuple[Any, np.ndarray, np.ndarray]] = {
+        jobs: dict[str, tuple[nn.Module, np.ndarray, np.ndarray]] = {
             "global_accuracy": (model, self.test_x, self.test_y),
             "local_accuracy": (model, d.val_x, d.val_y),
         }
@@ -453,7 +453,7 @@ class Node:
             log.info("wrote the records of rounds %s, saved with the checkpoint of round %d", out, restored)
         return out
 
-    async def _report(self, t: int, record: dict[str, Any], due: bool, models: dict[str, Any] | None,
+    async def _report(self, t: int, record: dict[str, Any], due: bool, models: dict[str, nn.Module] | None,
                       previous: asyncio.Task[None] | None, saved: asyncio.Event | None = None) -> None:
         """Evaluate round ``t`` (when ``due``; ``models``: the copies to evaluate, None =
         the live models), complete ``record``, write it (once ``saved`` is set: the

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,6 +29,10 @@ from dfl_agent.transport.versions import negotiate
 
 if TYPE_CHECKING:
     from dfl_agent.runtime.node.context import RuntimeContext
+
+#: a message as it went on the wire: ``(peer, or None for a broadcast; its audience, None: every
+#: member; the message)``
+Sent = tuple[str | None, list[str] | None, Message]
 
 
 class Outbox:
@@ -51,8 +55,8 @@ class Outbox:
         #: with ``pause_when_disconnected``: the messages sent this round and the round
         #: before, as they went on the wire, ``(peer or None for a broadcast, audience,
         #: message)``, which a node sends again after a broker outage (:meth:`reframe`)
-        self.round_sent_messages: list[tuple[str | None, Any, Message]] = []
-        self.previous_sent_messages: list[tuple[str | None, Any, Message]] = []
+        self.round_sent_messages: list[Sent] = []
+        self.previous_sent_messages: list[Sent] = []
         #: the broadcast's wire version, and the peer table's change count it was chosen at (kept
         #: only where liveness changes with the table alone: no heartbeat expiry, the simulator)
         self._broadcast_version: tuple[int, int] | None = None
@@ -75,14 +79,14 @@ class Outbox:
         self._broadcast_version = (changes, version)
         return version
 
-    def keep(self, peer: str | None, audience: Any, message: Message | None) -> None:
+    def keep(self, peer: str | None, audience: list[str] | None, message: Message | None) -> None:
         """Remember a sent message (:attr:`last_encoded` right after its :meth:`encode`)
         for :meth:`recent`, only where the node pauses for a lost broker (elsewhere
         nothing sends them again)."""
         if self.ctx.pause_when_disconnected and message is not None:
             self.round_sent_messages.append((peer, audience, message))
 
-    def recent(self) -> list[tuple[str | None, Any, Message]]:
+    def recent(self) -> list[Sent]:
         """The messages sent this round and the round before, oldest first."""
         return [*self.previous_sent_messages, *self.round_sent_messages]
 

@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,6 +35,12 @@ from dfl_agent.runtime.node.node_hooks import NodeKilled
 from dfl_agent.runtime.shared.assembly import check_algorithm_models, choose_compression, choose_model_specs
 from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 from dfl_agent.transport.versions import SPOKEN
+
+if TYPE_CHECKING:
+    from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
+    from dfl_agent.data import NodeData
+    from dfl_agent.privacy.config import DPConfig
+    from dfl_agent.profiles.behaviour import Behaviour
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +168,7 @@ class SimConfig:
         if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", str(self.device))):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
-    def privacy(self) -> Any:
+    def privacy(self) -> DPConfig | None:
         """The :class:`~dfl_agent.privacy.config.DPConfig` of ``dp_*`` (None: no DP).
 
         Raises:
@@ -184,7 +190,7 @@ class SimConfig:
         require_opacus()
         return dp
 
-    def policy(self) -> Any:
+    def policy(self) -> StragglerPolicy:
         """The :class:`~dfl_agent.algorithms.protocols.stragglers.StragglerPolicy` of the run."""
         from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
 
@@ -250,7 +256,7 @@ def simulate(cfg: SimConfig, progress: Callable[[int, float | None], None] | Non
     return summary
 
 
-def round_records(cfg: SimConfig, prepare: Callable[[Any], None] | None = None) -> dict[str, list[dict[str, Any]]]:
+def round_records(cfg: SimConfig, prepare: Callable[[_Federation], None] | None = None) -> dict[str, list[dict[str, Any]]]:
     """Run ``cfg`` and return every node's round records (what a daemon writes to
     ``metrics.jsonl``) by node id, in round order.  ``prepare(federation)``, when given,
     runs once the nodes are built and before round 1; ``federation.nodes[i].algorithm`` is
@@ -279,7 +285,7 @@ class _Federation:
     ids: list[str]
     spec: dict[str, Any]  # the configured single spec (summary.json's "model_spec", even when unused)
     specs: list[dict[str, Any]]
-    behaviours: list[Any] | None
+    behaviours: list[Behaviour] | None
     policy: CompressionPolicy
     batcher: BatchTrainer | None
 
@@ -337,7 +343,7 @@ def _assemble(cfg: SimConfig, device: str, sink: Callable[[dict[str, Any]], None
     return _Federation(nodes, ids, spec, specs, behaviours, policy, batcher)
 
 
-def _node_train(cfg: SimConfig, options: Any, data: Any) -> TrainConfig:
+def _node_train(cfg: SimConfig, options: Any, data: NodeData) -> TrainConfig:
     """A node's training configuration: ``cfg.train``, and under DP its own plan (σ for
     ``dp_epsilon`` over the whole run on its sample count; its DP steps capped at the plan's)."""
     dp = cfg.privacy()
@@ -364,6 +370,7 @@ def _dp_summary(cfg: SimConfig, nodes: list[Node]) -> dict[str, Any] | None:
     per: dict[str, dict[str, Any]] = {}
     for n in nodes:
         dp = n.ctx.train.dp
+        assert dp is not None  # every node trains under DP when cfg.dp_epsilon is set
         steps = dp.counter.taken
         per[n.ctx.node_id] = {
             "epsilon_spent": rdp_epsilon([(dp.noise_multiplier, dp.sample_rate, steps)], cfg.dp_delta) if steps else 0.0,
@@ -481,7 +488,7 @@ def sampled_parts(pool_size: int, nodes: int, k: int, seed: int) -> list[np.ndar
     return [np.sort(rng.choice(pool_size, size=k, replace=False)) for _ in range(nodes)]
 
 
-def _profile_behaviours(cfg: SimConfig) -> list[Any] | None:
+def _profile_behaviours(cfg: SimConfig) -> list[Behaviour] | None:
     """Each node's behaviour from ``cfg.profiles`` (cycled), or None without profiles.
 
     Raises:
@@ -521,5 +528,5 @@ def _byte_summary(nodes: list[Node], policy: CompressionPolicy) -> dict[str, Any
     }
 
 
-def _jsonable(obj: Any) -> Any:
+def _jsonable(obj: object) -> Any:
     return json.loads(json.dumps(obj, default=str))

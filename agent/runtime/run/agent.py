@@ -136,13 +136,11 @@ class Agent(RunMembers, AgentOperations):
         self.after_round: list[AfterRound] = []
         #: the data's (input shape, number of classes), once loaded (runs: accept-time memory check)
         self.data_shape: tuple[Any, int | None] | None = None
-        #: the run ended on most of its members before this node trained its last round (it
-        #: takes the run's model from a member: :mod:`dfl_agent.runtime.run.adoption`)
+        #: the run ended on most of its members before this node's last round (:mod:`.adoption`)
         self.finished_elsewhere = False
         #: the request for the run's model in this node's status (``model_wanted``), while it asks
         self.wanted: dict[str, Any] | None = None
-        #: why the run ended ``missed`` here (no member could provide its model)
-        self.missed_reason = ""
+        self.missed_reason = ""  # why the run ended ``missed`` here (no member could provide its model)
         #: the link rate (bits/s; None: fast) and the peers' heartbeat timeout (s), from the setup
         self.link_bps: float | None = None
         self.heartbeat_timeout = 30.0
@@ -506,8 +504,7 @@ class Agent(RunMembers, AgentOperations):
             self._tell("trained", start=self.start, reason=got.reason)
             await self._after_run(spec, input_shape, got.reason)
             return
-        log.warning("run %s missed: it ended on its members while this node was away, and %s", self.run_id,
-                    got.reason)
+        log.warning("run %s missed: it ended on its members while this node was away, and %s", self.run_id, got.reason)
         self.outcome, self.missed_reason = "missed", got.reason
 
     def _tell(self, state: str, **info: Any) -> None:

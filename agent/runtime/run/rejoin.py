@@ -88,7 +88,7 @@ class RunMembers:
         # still behind after a capped skip: the first round takes the neighbours' newest updates
         # (as after a capped catch-up in the run) instead of waiting round_timeout for updates of
         # a round they have left and closing it alone
-        self.ctx.note_rejoin(start, shown, len(live), self.cfg.algorithm.rounds)
+        self.ctx.membership.note_rejoin(start, shown, len(live), self.cfg.algorithm.rounds)
         if start > start_round:
             log.info("rejoining the federation at round %d", start)
         return start

@@ -37,7 +37,6 @@ connects, and the runs the ledger recorded cancelled stay cancelled).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import json
 import logging
@@ -45,22 +44,15 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from dfl_agent.durations import parse_duration
 from dfl_agent.fsutil import crash_point, rename
 from dfl_agent.jsonbound import loads as bounded_loads
-from dfl_agent.learning.training import DEFAULT_LR
 from dfl_agent.runtime.shared.assembly import StartupError
 from dfl_agent.runtime.shared.descriptor import (
     TERMINAL,
-    RunDescriptor,
-    default_run_id,
-    period_index,
-    recurring_run_id,
-    sample_run_id,
 )
 from dfl_agent.runtime.shared.sqlite_file import cut_short
 from dfl_agent.runtime.shared.state_version import Migration, register
@@ -570,83 +562,6 @@ class RunLedger:
             for rid, _ in rows:
                 self._recent.pop(rid, None)
         return [rid for rid, _ in rows]
-
-
-def next_recurring(ledger: RunLedger, default_id: str, every_s: float, now: float,
-                   running: str | None = None) -> str | None:
-    """The repeat of a recurring default run that is due at ``now``, or None.
-
-    A recurring run never overlaps itself: while one of its repeats is ``running``
-    nothing is due, and a period whose repeat already ran (or any later one) is not
-    due again.  Missed periods are not made up: only the current period's repeat runs.
-    """
-    if running is not None and running.startswith(default_id + "."):
-        return None
-    rid = recurring_run_id(default_id, period_index(now, every_s))
-    return None if ledger.is_done(rid) else rid
-
-
-
-def next_sample_triggered(ledger: RunLedger, default_id: str, every_samples: int,
-                          new_samples: Callable[[int], int], running: str | None = None) -> str | None:
-    """The repeat of a default run recurring "when at least ``every_samples`` new samples
-    arrived" (``algorithm.every_samples``) that is due now, or None.
-
-    The first repeat (``.s0``) runs at once; repeat ``.s{n}`` is unfinished (a restart
-    resumes it) or, when done, the next one is due once ``new_samples(last_id)`` - the
-    samples the store got after the newest sample id of any repeat's snapshot
-    (``snapshot_last_id`` in the ledger; 0 when none was recorded) - reaches
-    ``every_samples``.  Never overlaps itself: nothing is due while a repeat is ``running``.
-    """
-    prefix = default_id + ".s"
-    if running is not None and running.startswith(prefix):
-        return None
-    index = {int(k[len(prefix):]): e for k, e in ledger.with_prefix(prefix).items()
-             if k.startswith(prefix) and k[len(prefix):].isdigit()}
-    if not index:
-        return sample_run_id(default_id, 0)
-    last = max(index)
-    if not ledger.is_done(sample_run_id(default_id, last)):
-        return sample_run_id(default_id, last)
-    last_id = max((int(e.get("snapshot_last_id") or 0) for e in index.values()), default=0)
-    return sample_run_id(default_id, last + 1) if new_samples(last_id) >= every_samples else None
-
-
-def _training_settings(training: Any) -> dict[str, Any]:
-    """``[training]``'s set keys for the default run's id; an unset ``lr`` counts as the SGD
-    default it stands for, so the id is the one it was when ``lr`` always had a value."""
-    return {k: DEFAULT_LR if k == "lr" and v is None else v
-            for k, v in dataclasses.asdict(training).items() if v is not None or k == "lr"}
-
-
-def default_descriptor(cfg: Any, now: float | None = None, ledger: RunLedger | None = None,
-                       new_samples: Callable[[int], int] | None = None) -> RunDescriptor | None:
-    """The node's default run from its ``[algorithm]`` section (None when it has none, or
-    when a run recurring on new samples is not due).
-
-    Its id is :func:`default_run_id`; with ``algorithm.every`` the current period's
-    :func:`recurring_run_id`; with ``algorithm.every_samples`` the due
-    :func:`next_sample_triggered` repeat (needs ``ledger`` and ``new_samples``, the
-    store's :meth:`~dfl_agent.store.sqlite.SampleStore.count_since`)."""
-    a = getattr(cfg, "algorithm", None)
-    if a is None:
-        return None
-    every_samples = getattr(a, "every_samples", None)
-    settings = {"algorithm": a.name, "options": dict(a.options), "rounds": a.rounds,
-                "model": {k: v for k, v in dataclasses.asdict(cfg.model).items() if v is not None},
-                "training": _training_settings(cfg.training),
-                "compression": {k: v for k, v in dataclasses.asdict(cfg.compression).items() if v is not None}}
-    rid = default_run_id(cfg.federation, settings)
-    every = getattr(a, "every", None)
-    if every:
-        rid = recurring_run_id(rid, period_index(time.time() if now is None else now, parse_duration(every)))
-    elif every_samples and ledger is not None and new_samples is not None:
-        due = next_sample_triggered(ledger, rid, int(every_samples), new_samples)
-        if due is None:
-            return None
-        rid = due
-    return RunDescriptor(run_id=rid, federation=cfg.federation, algorithm=a.name, rounds=a.rounds,
-                         name="default", options=dict(a.options), default=True)
 
 
 def _take_over_json_ledger(state_dir: Path) -> str | None:

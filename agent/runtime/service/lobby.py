@@ -16,7 +16,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dfl_agent.jsonbound import JSONBoundError, RateLimitedLog
 from dfl_agent.jsonbound import loads as bounded_loads
@@ -24,6 +24,16 @@ from dfl_agent.runtime.service.privacy_budget import PrivacyWatch
 from dfl_agent.runtime.shared.degraded import FIELDS as DEGRADED_FIELDS
 from dfl_agent.runtime.shared.descriptor import RunDescriptor, RunVerifier, cancel_topic, run_topic
 from dfl_agent.transport.versions import status_versions
+
+if TYPE_CHECKING:
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.properties import Properties
+    from paho.mqtt.reasoncodes import ReasonCode
+
+    from dfl_agent.runtime.service.ledger import RunLedger
+    from dfl_agent.runtime.service.service_counters import ServiceCounters
+    from dfl_agent.runtime.shared.config import NodeConfig
+    from dfl_agent.security.trust import SecurityGuard
 
 #: a run's states on a node after its training there (a late joiner no longer joins it)
 AFTER_TRAINED = ("trained", "deploying", "deployed", "kept", "adopted", "recorded", "finished")
@@ -77,7 +87,7 @@ class RunLobby:
         verifier: :class:`RunVerifier` for descriptors.
     """
 
-    def __init__(self, cfg: Any, node_id: str, verifier: RunVerifier):
+    def __init__(self, cfg: NodeConfig, node_id: str, verifier: RunVerifier):
         import threading
 
         self.cfg, self.node_id, self.verifier = cfg, node_id, verifier
@@ -85,27 +95,27 @@ class RunLobby:
         self.statuses: dict[str, dict[str, Any]] = {}
         self.lock = threading.Lock()
         self.changed = threading.Event()
-        self.client: Any = None
+        self.client: mqtt.Client | None = None
         self.heartbeat = 0
         self.connected = threading.Event()
         #: SecurityGuard signing this node's statuses and verifying peers' ones (None: bare JSON)
-        self.guard: Any = None
+        self.guard: SecurityGuard | None = None
         #: statuses dropped by reason (``status_{reason}``), and ``handler_error``: messages
         #: whose handling raised (caught, counted, logged; the listener goes on)
         self.dropped: dict[str, int] = {}
         self._errors = RateLimitedLog(log)
         #: the node's :class:`~dfl_agent.runtime.service.service_counters.ServiceCounters` (None: this
         #: lobby's own counts since its start)
-        self.counters: Any = None
+        self.counters: ServiceCounters | None = None
         #: called with the run id, on the MQTT thread, as soon as a cancelled copy of a
         #: run or its cancel record arrives (the agent stops that run's training at once)
         self.on_cancel: Callable[[str], None] | None = None
         #: the node's :class:`~dfl_agent.runtime.service.ledger.RunLedger` (None: cancels are not
         #: remembered across restarts, and ``not_after`` counts every run as not started)
-        self.ledger: Any = None
+        self.ledger: RunLedger | None = None
         #: run ids whose verified cancel record arrived (the ledger remembers them too)
         self.cancels: set[str] = set()
-        self._sub_mid: Any = None
+        self._sub_mid: int | None = None
         #: the log of this session's broker outages (lost, still away, back); set by start()
         self.outage: Any = None
         self._up = False  # connected (CONNACK accepted), no disconnect since
@@ -154,7 +164,7 @@ class RunLobby:
             self.client.disconnect()
             self.client.loop_stop()
 
-    def _on_pre_connect(self, client: Any, userdata: Any) -> None:
+    def _on_pre_connect(self, client: mqtt.Client, userdata: object) -> None:
         """paho, before each connection attempt: a new session id, and the node's last will for
         it (a presence "offline" that names the session, signed now)."""
         from dfl_agent.security.trust import will_payload
@@ -164,7 +174,8 @@ class RunLobby:
         client.will_set(topic(self.cfg.federation, self.node_id, "presence"),
                         self._signed("presence", will_payload(self.node_id, self.session)), qos=1, retain=True)
 
-    def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
+    def _on_connect(self, client: mqtt.Client, userdata: object, flags: mqtt.ConnectFlags, reason_code: ReasonCode,
+                    properties: Properties | None) -> None:
         if getattr(reason_code, "is_failure", False):
             from dfl_agent.transport.mqtt import refused
 
@@ -186,16 +197,17 @@ class RunLobby:
         """Whether the session is connected and subscribed (no disconnect since)."""
         return self._up and self.connected.is_set()
 
-    def _on_connect_fail(self, client: Any, userdata: Any) -> None:
+    def _on_connect_fail(self, client: mqtt.Client, userdata: object) -> None:
         if not self._stopping:
             self.outage.attempt_failed("no connection")  # the first one logged, then throttled
 
-    def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
+    def _on_disconnect(self, client: mqtt.Client, userdata: object, flags: mqtt.DisconnectFlags, reason_code: ReasonCode,
+                       properties: Properties | None) -> None:
         was, self._up = self._up, False
         if was and not self._stopping:
             self.outage.lost(str(reason_code))  # WARNING once; paho reconnects
 
-    def _on_subscribe(self, client: Any, userdata: Any, mid: Any, *args: Any) -> None:
+    def _on_subscribe(self, client: mqtt.Client, userdata: object, mid: int, *args: object) -> None:
         """Once the cancel records are subscribed, the descriptors and the statuses."""
         from dfl_agent.transport.mqtt import topic
 
@@ -204,7 +216,7 @@ class RunLobby:
         client.subscribe([(run_topic(self.cfg.federation), 1), (topic(self.cfg.federation, "+", "status"), 1)])
         self.connected.set()
 
-    def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
+    def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
         """paho's message callback: whatever one message does, the listener thread goes on
         (an exception is counted as ``handler_error`` and logged, rate-limited)."""
         try:
@@ -214,7 +226,7 @@ class RunLobby:
                 self.dropped["handler_error"] = self.dropped.get("handler_error", 0) + 1
             self._errors.exception("run lobby: error handling a message on %s", getattr(msg, "topic", "?"))
 
-    def _handle_message(self, msg: Any) -> None:
+    def _handle_message(self, msg: mqtt.MQTTMessage) -> None:
         parts = msg.topic.split("/")
         if len(parts) == 3 and parts[2] == "revocations":
             self._revocation_list(msg.payload)
@@ -262,7 +274,7 @@ class RunLobby:
                 log.warning("node %s reports privacy epsilon %g, below the %g it reported before (its privacy "
                             "ledger was reset?)", parts[3], flag["now"], flag["was"])
 
-    def _revocation_list(self, payload: bytes) -> None:
+    def _revocation_list(self, payload: bytes | bytearray) -> None:
         """The federation's retained revocation list: kept (and saved in the state directory,
         where the run process reads it) when it verifies with the federation key and is newer
         than the one held; else ignored and counted (``revocations_{reason}``).  An empty
@@ -325,7 +337,7 @@ class RunLobby:
             return "expired"
         return None
 
-    def _cancel_record(self, run_id: str, payload: bytes) -> None:
+    def _cancel_record(self, run_id: str, payload: bytes | bytearray) -> None:
         """A retained cancel record: verified (:meth:`RunVerifier.check_cancel`), remembered
         in the ledger, and the run's queued copy marked cancelled (the cancel hook fires)."""
         if not payload:
@@ -353,7 +365,7 @@ class RunLobby:
             except Exception:
                 log.exception("cancel hook failed")
 
-    def _open_status(self, node: str, payload: bytes) -> Any:
+    def _open_status(self, node: str, payload: bytes | bytearray) -> object:
         """A peer's status dict, None (cleared), or False (dropped and counted): verified
         with :attr:`guard` when set - with ``require_signatures`` only a trusted device's
         signed status counts (``accepted_by`` decides ``min_members`` on it)."""

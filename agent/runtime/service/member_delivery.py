@@ -31,10 +31,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -42,6 +42,12 @@ from dfl_agent.deploy.versions import LIVE_DIR
 from dfl_agent.jsonbound import RateLimitedLog
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.onnx_model import deployment_order
+
+if TYPE_CHECKING:
+    from dfl_agent.algorithms.context import Message
+    from dfl_agent.deploy.versions import ModelStore
+    from dfl_agent.runtime.service.lobby import RunLobby
+    from dfl_agent.runtime.shared.config import NodeConfig
 
 log = logging.getLogger("dfl_agent.daemon")
 _ERRORS = RateLimitedLog(log)
@@ -58,15 +64,15 @@ class _Sent:
     sha256: str
     at: float
     wait: float
-    held: tuple[Any, Any]
+    held: tuple[object, object]
 
 
-def holding(status: dict[str, Any]) -> tuple[Any, Any]:
+def holding(status: Mapping[str, object]) -> tuple[object, object]:
     """A member status's ``(state, model_sha256)``."""
     return status.get("state"), status.get("model_sha256")
 
 
-def lacks(status: dict[str, Any], meta: dict[str, Any]) -> bool:
+def lacks(status: Mapping[str, object], meta: dict[str, Any]) -> bool:
     """Whether an inference member's ``status`` shows it lacks the model ``meta`` describes.
     A deployment (:func:`deployed_onnx`'s): it holds nothing, another model deployed no later, or
     a model that was not deployed; a member that holds a newer deployment (another device's, of a
@@ -90,7 +96,7 @@ class MemberDelivery:
         clock: monotonic seconds (tests).
     """
 
-    def __init__(self, cfg: Any, lobby: Any, *, retry_s: float = 15.0, max_retry_s: float = 3600.0,
+    def __init__(self, cfg: NodeConfig, lobby: RunLobby, *, retry_s: float = 15.0, max_retry_s: float = 3600.0,
                  clock: Callable[[], float] = time.monotonic):
         from dfl_agent.deploy.versions import ModelStore
         from dfl_agent.privacy.policy import dp_enabled
@@ -106,21 +112,22 @@ class MemberDelivery:
         self.sent: dict[str, _Sent] = {}
         #: copies sent, by member
         self.copies: dict[str, int] = {}
-        self._cached: tuple[Any, tuple[int, bytes, dict[str, Any]] | None] = (None, None)
+        self._cached: tuple[object, tuple[int, bytes, dict[str, Any]] | None] = (None, None)
 
     def current(self) -> tuple[int, bytes, dict[str, Any]] | None:
         """The model to send, ``(version, model.onnx, meta)``: the deployed version
         (``models/current``, its files' hashes checked), else, on a node whose runs deploy
         nothing, the run's live model; read once per version; None when there is none (or it has
         no ``model.onnx``)."""
-        v = self.models.current_version() if self.models is not None else None
-        if v is not None:
+        models = self.models
+        v = models.current_version() if models is not None else None
+        if models is not None and v is not None:
             if self._cached[0] != v:
-                self._cached = (v, deployed_onnx(self.models, private=self.private))
+                self._cached = (v, deployed_onnx(models, private=self.private))
             return self._cached[1]
         if self.cfg.deploys:
             return None  # the runs deploy: members get deployed versions only
-        key: Any = _stamp(Path(self.cfg.state_dir) / LIVE_DIR / "manifest.json")
+        key = _stamp(Path(self.cfg.state_dir) / LIVE_DIR / "manifest.json")
         if key is None:
             return None
         if self._cached[0] != key:
@@ -190,7 +197,7 @@ class MemberDelivery:
                 pass
 
 
-def send_frame(lobby: Any, federation: str, node: str, msg: Any, chunk_size: int) -> int:
+def send_frame(lobby: RunLobby, federation: str, node: str, msg: Message, chunk_size: int) -> int:
     """Frame ``msg`` (a :class:`~dfl_agent.algorithms.context.Message`) for ``node`` of ``federation``, signed with
     the node's key (``lobby.guard``), in the wire version ``node`` reads (the highest that its
     status announces, :func:`dfl_agent.transport.versions.negotiate`), and publish it to ``node``'s
@@ -208,13 +215,14 @@ def send_frame(lobby: Any, federation: str, node: str, msg: Any, chunk_size: int
     with lobby.lock:  # the wire version the member reads: the one its status announces
         wires = versions_of((lobby.statuses.get(node) or {}).get("wires"))
     data = frame(msg, federation=federation, sender=lobby.node_id, security=lobby.guard, version=negotiate([wires]))
-    name = topic(federation, node, "inbox")
+    name, client = topic(federation, node, "inbox"), lobby.client
+    assert client is not None  # its callers send only while the lobby's session is up
     for chunk in list(iter_chunks(data, chunk_size)):
-        lobby.client.publish(name, chunk, qos=1)
+        client.publish(name, chunk, qos=1)
     return len(data)
 
 
-def deployed_onnx(models: Any, spec: dict[str, Any] | None = None, *,
+def deployed_onnx(models: ModelStore, spec: dict[str, Any] | None = None, *,
                   private: bool = False) -> tuple[int, bytes, dict[str, Any]] | None:
     """The deployed version (``models/current`` of ``models``, a
     :class:`dfl_agent.deploy.ModelStore`) as an ``onnx.model`` message's parts:

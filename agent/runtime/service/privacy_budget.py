@@ -48,7 +48,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dfl_agent.privacy.config import DEFAULT_DELTA
 from dfl_agent.privacy.plan import RunPlan, plan_run
@@ -60,6 +60,13 @@ from dfl_agent.runtime.shared.privacy_ledger import (
     deployment_privacy,
     device_privacy,
 )
+
+if TYPE_CHECKING:
+    from dfl_agent.profiles.schema import DeviceProfile
+    from dfl_agent.runtime.service.service_counters import ServiceCounters
+    from dfl_agent.runtime.shared.config import NodeConfig
+    from dfl_agent.runtime.shared.descriptor import RunDescriptor
+    from dfl_agent.store.sqlite import SampleStore
 
 __all__ = ["LEDGER_FILE", "ROW_STATES", "TERMINAL", "LedgerDamaged", "PrivacyBudget", "PrivacyLedger",
            "PrivacyWatch", "deployment_privacy", "device_privacy", "public_reason", "row_view"]
@@ -125,7 +132,8 @@ class PrivacyBudget:
         StartupError: an invalid ``[privacy]`` (one line naming the key).
     """
 
-    def __init__(self, cfg: Any, profile: Any, store: Any = None, counters: Any = None):
+    def __init__(self, cfg: NodeConfig, profile: DeviceProfile, store: SampleStore | None = None,
+                 counters: ServiceCounters | None = None):
         self.cfg, self.profile, self.store = cfg, profile, store
         from dfl_agent.runtime.shared.assembly import StartupError
 
@@ -138,8 +146,8 @@ class PrivacyBudget:
         self.watch: PrivacyWatch | None = None
         self.ledger.at_start()  # chains an older release's ledger; a damaged one is logged (ERROR, one line)
         self._lock = threading.Lock()
-        self._view: tuple[Any, dict[str, Any]] | None = None
-        self._n_cache: tuple[Any, int] | None = None
+        self._view: tuple[object, dict[str, Any]] | None = None
+        self._n_cache: tuple[object, int] | None = None
         if counters is not None:
             counters.fields["privacy"] = self.status
             watch = getattr(getattr(counters, "lobby", None), "privacy_watch", None)
@@ -150,7 +158,7 @@ class PrivacyBudget:
     def delta(self) -> float:
         return self.config.dp.delta if self.config.dp is not None else DEFAULT_DELTA
 
-    def n_samples(self, run_cfg: Any) -> int:
+    def n_samples(self, run_cfg: NodeConfig) -> int:
         """N: the training samples the run would train on now (see the module docstring)."""
         d = run_cfg.data
         if self.store is not None:
@@ -168,7 +176,7 @@ class PrivacyBudget:
             self._n_cache = (key, int(data.num_train))
         return self._n_cache[1]
 
-    def plan(self, run_cfg: Any) -> RunPlan:
+    def plan(self, run_cfg: NodeConfig) -> RunPlan:
         """The DP plan of a run with the effective configuration ``run_cfg`` (DP on).
 
         Raises:
@@ -185,7 +193,7 @@ class PrivacyBudget:
         return plan_run(self.config.dp, n_samples=n, batch_size=batch, steps_per_round=per_round,
                         rounds=run_cfg.algorithm.rounds)
 
-    def admit(self, d: Any) -> str | None:
+    def admit(self, d: RunDescriptor) -> str | None:
         """None to admit run ``d`` (its plan's spend reserved in the ledger), else the decline
         reason: the plan is impossible, or it would take the composed ε past the lifetime budget."""
         if self.config.dp is None:
@@ -204,7 +212,7 @@ class PrivacyBudget:
             return None  # the run's settings fail it when it starts, with their own reason
         return self.admit_config(d.run_id, run_cfg)
 
-    def admit_config(self, run_id: str, run_cfg: Any) -> str | None:
+    def admit_config(self, run_id: str, run_cfg: NodeConfig) -> str | None:
         """:meth:`admit` of run ``run_id`` with the effective configuration ``run_cfg``."""
         if self.config.dp is None:
             return None
@@ -337,11 +345,11 @@ class PrivacyWatch:
     TOLERANCE = 1e-3
 
     def __init__(self) -> None:
-        self._floor: dict[str, tuple[float, Any, float]] = {}  # node -> (epsilon, delta, time)
+        self._floor: dict[str, tuple[float, object, float]] = {}  # node -> (epsilon, delta, time)
         self._down: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
-    def observe(self, node: str, privacy: Any, now: float | None = None) -> dict[str, Any] | None:
+    def observe(self, node: str, privacy: object, now: float | None = None) -> dict[str, Any] | None:
         """Take one status's ``privacy`` field of ``node``; returns the flag when this status puts
         (or keeps, with another figure) ``node`` below its floor (``{"was": ε, "now": ε, "since":
         unix time}``), else None (:meth:`view` has every flag)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dfl_agent.jsonbound import loads as bounded_loads
-from dfl_agent.runtime.service.ledger import default_descriptor
+from dfl_agent.runtime.service.default_run import default_descriptor
 from dfl_agent.runtime.shared.assembly import StartupError
 from dfl_agent.runtime.shared.descriptor import RunDescriptor
 

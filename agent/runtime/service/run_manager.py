@@ -61,11 +61,11 @@ from dfl_agent.runtime.service.retention import (
     low_space,
     prune_runs,
     remove_stale_candidate,
-    settle_all,
     settle_run,
 )
 from dfl_agent.runtime.service.run_loop import AFTER_TRAINING, RunLoop
 from dfl_agent.runtime.service.service_counters import ServiceCounters
+from dfl_agent.runtime.service.state_files import open_checked
 from dfl_agent.runtime.service.systemd import Notifier
 from dfl_agent.runtime.shared.assembly import StartupError, build_security
 from dfl_agent.runtime.shared.config import NodeConfig
@@ -540,31 +540,6 @@ def _peak(agent: Any) -> dict[str, Any]:
     return {"peak_rss_mb": mb} if isinstance(mb, (int, float)) and not isinstance(mb, bool) else {}
 
 
-def open_state(cfg: NodeConfig) -> RunLedger:
-    """The service's state at start: the run ledger opened (and checked, an earlier release's
-    taken over), every state file checked (:func:`~dfl_agent.runtime.service.state_files.check_state`:
-    one WARNING line per file recovered), the ended runs' folders settled and pruned, a stale
-    candidate removed, and a WARNING when the disk is short of space.
-
-    Raises:
-        StartupError: a state file the agent must not start without (its one line: exit code 2).
-    """
-    from dfl_agent.runtime.service.state_files import check_state
-
-    ledger = RunLedger(cfg.state_dir)
-    for finding in check_state(cfg, ledger):
-        log.warning("%s", finding.line)
-    rt = cfg.runtime
-    try:
-        settle_all(ledger, rt.keep_run_files)
-        prune_runs(ledger, rt.keep_runs)
-    except OSError as exc:
-        log.warning("could not remove the files of ended runs under %s: %s", ledger.dir, exc)
-    if (line := low_space(cfg.state_dir, rt.disk_warn_mb)) is not None:
-        log.warning("%s", line)
-    return ledger
-
-
 def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHooks | None = None,
                       agent_factory: Callable[..., Any] | None = None, once: bool = False) -> RunManager:
     """The always-on agent's run manager: this node's id (``state_dir/node_id``), its
@@ -574,7 +549,7 @@ def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHoo
 
     The state folder's schema is checked first, and an older one migrated
     (:func:`~dfl_agent.runtime.shared.state_version.open_state`; an earlier release's run ledger
-    is taken over there); then :func:`open_state` opens the run ledger and checks every state file.
+    is taken over there); then :func:`~dfl_agent.runtime.service.state_files.open_checked` opens the run ledger and checks every state file.
 
     Raises:
         StateVersionError: the state folder was written by a newer release (a StartupError).
@@ -587,7 +562,7 @@ def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHoo
         profile = resolve_profile(cfg.profile, cfg.profile_overrides)[0]
     except (OSError, ValueError, LookupError) as exc:
         raise StartupError(str(exc)) from None
-    ledger = open_state(cfg)
+    ledger = open_checked(cfg)
     nid = node_id_from_state(state_dir, cfg.node_id)
     guard = build_security(cfg, state_dir, nid)
     lobby = RunLobby(cfg, nid, RunVerifier(cfg.federation, require_signatures=cfg.security.require_signatures,

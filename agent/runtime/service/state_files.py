@@ -35,7 +35,7 @@ from typing import Any
 from dfl_agent.fsutil import atomic_write, sha256_file
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.runtime.service.ledger import RunLedger
-from dfl_agent.runtime.service.retention import ENDED_FILE, read_ended
+from dfl_agent.runtime.service.retention import ENDED_FILE, low_space, prune_runs, read_ended, settle_all
 from dfl_agent.runtime.shared.assembly import StartupError
 from dfl_agent.runtime.shared.descriptor import TERMINAL
 
@@ -439,3 +439,26 @@ def _check_last_version(root: Path, highest: int, fix: bool) -> list[Finding]:
         atomic_write(path, str(highest), mode=0o640)
     return [Finding(path, f"state file {path}: {what}; {'written again' if fix else 'to write again'} as {highest} "
                           "(new versions are numbered above it)")]
+
+
+def open_checked(cfg: Any) -> RunLedger:
+    """The service's state at start: the run ledger opened (and checked, an earlier release's
+    taken over), every state file checked (:func:`check_state`:
+    one WARNING line per file recovered), the ended runs' folders settled and pruned, a stale
+    candidate removed, and a WARNING when the disk is short of space.
+
+    Raises:
+        StartupError: a state file the agent must not start without (its one line: exit code 2).
+    """
+    ledger = RunLedger(cfg.state_dir)
+    for finding in check_state(cfg, ledger):
+        log.warning("%s", finding.line)
+    rt = cfg.runtime
+    try:
+        settle_all(ledger, rt.keep_run_files)
+        prune_runs(ledger, rt.keep_runs)
+    except OSError as exc:
+        log.warning("could not remove the files of ended runs under %s: %s", ledger.dir, exc)
+    if (line := low_space(cfg.state_dir, rt.disk_warn_mb)) is not None:
+        log.warning("%s", line)
+    return ledger

@@ -28,6 +28,12 @@ from dfl_agent.runtime.shared.config import ConfigError, NodeConfig
 
 if TYPE_CHECKING:
     from dfl_agent.algorithms.base import Algorithm
+    from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
+    from dfl_agent.learning.compression import CompressionPolicy
+    from dfl_agent.profiles.behaviour import Behaviour
+    from dfl_agent.profiles.schema import DeviceProfile
+    from dfl_agent.security.trust import SecurityGuard
+    from dfl_agent.transport.link_rate import LinkTimings
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -63,7 +69,7 @@ def resolve_algorithm(cfg: NodeConfig) -> tuple[type[Algorithm], Any]:
     return algo_cls, quorum_options(options, straggler_policy(cfg), cfg.algorithm.options)
 
 
-def straggler_policy(cfg: NodeConfig) -> Any:
+def straggler_policy(cfg: NodeConfig) -> StragglerPolicy:
     """The node's :class:`~dfl_agent.algorithms.protocols.stragglers.StragglerPolicy`
     (``runtime.straggler``, ``min_round_timeout``, ``max_round_timeout``)."""
     from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
@@ -72,7 +78,7 @@ def straggler_policy(cfg: NodeConfig) -> Any:
     return StragglerPolicy(r.straggler, r.min_round_timeout, r.max_round_timeout)
 
 
-def apply_profile(cfg: NodeConfig, algorithm: str, spec: dict[str, Any] | None = None) -> tuple[Any, Any]:
+def apply_profile(cfg: NodeConfig, algorithm: str, spec: dict[str, Any] | None = None) -> tuple[DeviceProfile, Behaviour]:
     """The node's device profile (pinned or detected, with ``profile_overrides``) and
     its behaviour from the decision table (``dfl_agent.profiles.behaviour``).
 
@@ -197,7 +203,7 @@ def check_algorithm_models(algorithm: str, specs: Sequence[Mapping[str, Any]]) -
     check_models(traits_of(algorithm).default_model, algorithm, specs)
 
 
-def model_spec_for(cfg: NodeConfig, algorithm: str, input_shape: Any, num_classes: int, *,
+def model_spec_for(cfg: NodeConfig, algorithm: str, input_shape: Sequence[int], num_classes: int, *,
                    profile_size: str = "medium", tier: str | None = None) -> dict[str, Any]:
     """The model spec a device trains (:func:`choose_model_specs` for one node):
     ``model.spec``; else the member of ``model.family`` for the node's tier
@@ -224,7 +230,8 @@ def check_node_model(algorithm: str, spec: dict[str, Any], num_classes: int) -> 
         raise ValueError(f"model.spec has {spec['num_classes']} classes, the data {num_classes}")
 
 
-def choose_compression(policy: Any, behaviour: Any, algorithm: str, *, error_feedback: bool = True) -> Any:
+def choose_compression(policy: CompressionPolicy | None, behaviour: Behaviour | None, algorithm: str, *,
+                       error_feedback: bool = True) -> CompressionPolicy | None:
     """The node's :class:`~dfl_agent.learning.compression.CompressionPolicy`: ``policy``
     (the node's or simulation's own) when it compresses anything, else the device
     profile's (:func:`dfl_agent.profiles.behaviour.profile_compression_policy`, None
@@ -242,7 +249,7 @@ def choose_compression(policy: Any, behaviour: Any, algorithm: str, *, error_fee
     return profile_compression_policy(behaviour, algorithm, error_feedback=error_feedback)
 
 
-def link_settings(cfg: NodeConfig, options: Any, spec: dict[str, Any]) -> tuple[Any, Any, float]:
+def link_settings(cfg: NodeConfig, options: Any, spec: dict[str, Any]) -> tuple[LinkTimings, Any, float]:
     """What ``mqtt.link_rate`` changes (the rule: :mod:`dfl_agent.transport.link_rate`): the
     :class:`~dfl_agent.transport.link_rate.LinkTimings` (chunk size, keepalive, ...), the
     algorithm options with every wait for models (:func:`~dfl_agent.transport.link_rate.model_waits`:
@@ -274,7 +281,7 @@ def link_settings(cfg: NodeConfig, options: Any, spec: dict[str, Any]) -> tuple[
     return timings, options, heartbeat
 
 
-def build_security(cfg: NodeConfig, state_dir: Path, node_id: str) -> Any:
+def build_security(cfg: NodeConfig, state_dir: Path, node_id: str) -> SecurityGuard:
     """The node's :class:`dfl_agent.security.SecurityGuard` from ``[security]``.
 
     Loads (or creates, mode 0600) the node key, reads the device certificate
@@ -331,14 +338,16 @@ def build_security(cfg: NodeConfig, state_dir: Path, node_id: str) -> Any:
                          replay_window=sec.replay_window, seq=SeqCounter(state_dir / SEQ_FILE))
 
 
-def warn_expiry(cert: Any, now: float | None = None) -> str | None:
+def warn_expiry(cert: Mapping[str, object] | None, now: float | None = None) -> str | None:
     """Log (WARNING) and return the line saying that this node's certificate ``cert`` expires
     within :data:`~dfl_agent.security.keys.EXPIRY_WARNING_DAYS` days, or None."""
     import time as _time
 
     from dfl_agent.security.keys import EXPIRY_WARNING_DAYS, utc_date
 
-    exp = cert.get("expires") if isinstance(cert, dict) else None
+    if not isinstance(cert, dict):
+        return None
+    exp = cert.get("expires")
     if not isinstance(exp, (int, float)) or isinstance(exp, bool):
         return None
     left = (exp - (_time.time() if now is None else now)) / 86400.0

@@ -13,11 +13,14 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dfl_agent.learning.training import DEFAULT_ADAM_LR, DEFAULT_DIVERGENCE_FACTOR, DEFAULT_LR
 from dfl_agent.privacy.config import PrivacySection, section_table
 from dfl_agent.tomlcheck import TomlFileError, build, read_toml
+
+if TYPE_CHECKING:
+    from dfl_agent.learning.compression import CompressionPolicy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -255,7 +258,7 @@ class CompressionSection:
         0, help="gossip keyframe period in messages (0 = automatic: dense specs first message only, "
                 "sparsified every 100; < 0 = first message only)")
 
-    def policy(self) -> Any:
+    def policy(self) -> CompressionPolicy | None:
         """The :class:`~dfl_agent.learning.compression.CompressionPolicy` (None when off)."""
         from dfl_agent.learning.compression import CompressionPolicy
 
@@ -387,7 +390,7 @@ def dump_toml(cfg: NodeConfig) -> str:
     """
     import tomli_w
 
-    def keep(v: Any) -> bool:
+    def keep(v: object) -> bool:
         return v is not None and not (isinstance(v, dict) and not v)
 
     doc: dict[str, Any] = {}

@@ -35,12 +35,15 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from dfl_agent.jsonbound import JSONBoundError
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.security.keys import DEFAULT_VALID_DAYS, issue_certificate
 from dfl_agent.security.trust import ControlRejected, SecurityGuard, SeqCounter, TrustStore
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 SCHEMA_VERSION = 1
 #: node-side run states shown in status (``run.state``) and ``dflctl run show``
@@ -71,7 +74,7 @@ def cancel_topic(federation: str, run_id: str = "+") -> str:
     return f"dfl/{federation}/run/{run_id}/cancel"
 
 
-def _canonical(obj: Any) -> bytes:
+def _canonical(obj: object) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
@@ -112,7 +115,7 @@ class RunDescriptor:
     model: dict[str, Any] = dataclasses.field(default_factory=dict)
     training: dict[str, Any] = dataclasses.field(default_factory=dict)
     compression: dict[str, Any] = dataclasses.field(default_factory=dict)
-    members: Any = "all"
+    members: Literal["all"] | list[str] | dict[str, list[str]] = "all"  # "all", node ids, or {"profile": [names]}
     min_members: int = 1
     start_at: float | None = None
     start_timeout: float = 600.0
@@ -131,7 +134,7 @@ class RunDescriptor:
         return d
 
     @classmethod
-    def from_dict(cls, raw: Any) -> RunDescriptor:
+    def from_dict(cls, raw: object) -> RunDescriptor:
         """Parse and validate a descriptor dict.
 
         Raises:
@@ -221,7 +224,7 @@ def sample_run_id(default_id: str, index: int) -> str:
 
 
 # -- signing ---------------------------------------------------------------------
-def operator_certificate(federation_key: Any, federation: str, name: str, public_b64: str,
+def operator_certificate(federation_key: Ed25519PrivateKey, federation: str, name: str, public_b64: str,
                          valid_days: float | None = DEFAULT_VALID_DAYS) -> dict[str, Any]:
     """An operator certificate (version 2, ``role = "operator"``) signed by the federation key
     (what ``dflctl keys enroll NAME --role operator`` writes), valid ``valid_days`` days (None: never expires)."""
@@ -237,8 +240,8 @@ def run_kind(run_id: str) -> str:
     return f"run:{run_id}"
 
 
-def sign_descriptor(d: RunDescriptor, key: Any | None, signer: str = "", cert: dict[str, Any] | None = None,
-                    seq: Any = None) -> bytes:
+def sign_descriptor(d: RunDescriptor, key: Ed25519PrivateKey | None, signer: str = "", cert: dict[str, Any] | None = None,
+                    seq: SeqCounter | None = None) -> bytes:
     """The retained message for ``d``: a signed control envelope of kind :func:`run_kind`
     (:meth:`~dfl_agent.security.trust.SecurityGuard.sign_control`, the same envelope as
     presence and status) whose payload is the descriptor, sent by ``signer`` with its
@@ -259,8 +262,8 @@ def cancel_kind(run_id: str) -> str:
     return f"cancel:{run_id}"
 
 
-def sign_cancel(federation: str, run_id: str, key: Any | None, signer: str = "",
-                cert: dict[str, Any] | None = None, seq: Any = None, at: float | None = None) -> bytes:
+def sign_cancel(federation: str, run_id: str, key: Ed25519PrivateKey | None, signer: str = "",
+                cert: dict[str, Any] | None = None, seq: SeqCounter | None = None, at: float | None = None) -> bytes:
     """The retained cancel record of run ``run_id`` (for :func:`cancel_topic`): a signed
     control envelope of kind :func:`cancel_kind` whose payload is ``{"run_id",
     "federation", "cancelled_at"}``; unsigned when ``key`` is None.  ``seq`` as in
@@ -316,7 +319,7 @@ class RunVerifier:
     """
 
     def __init__(self, federation: str, *, require_signatures: bool, federation_key: str | None = None,
-                 operators: Mapping[str, str] | None = None, guard: Any = None):
+                 operators: Mapping[str, str] | None = None, guard: SecurityGuard | None = None):
         self.federation = federation
         self.require_signatures = require_signatures
         if guard is None:
@@ -326,7 +329,7 @@ class RunVerifier:
         self.guard = guard
         self.refused: dict[str, int] = {}
 
-    def check(self, payload: bytes) -> tuple[RunDescriptor | None, str | None]:
+    def check(self, payload: bytes | bytearray) -> tuple[RunDescriptor | None, str | None]:
         """``(descriptor, None)`` when usable, else ``(None, reason)`` with the reason one
         of :data:`REFUSE_REASONS` (counted in :attr:`refused`), or ``"duplicate"`` for the
         very message accepted last, delivered again (not counted)."""
@@ -335,7 +338,7 @@ class RunVerifier:
             self.refused[why] = self.refused.get(why, 0) + 1
         return d, why
 
-    def _check(self, payload: bytes) -> tuple[RunDescriptor | None, str | None]:
+    def _check(self, payload: bytes | bytearray) -> tuple[RunDescriptor | None, str | None]:
         try:  # bounded first: 64 KiB, nesting depth 32
             env = bounded_loads(payload, "descriptor")
             kind = env.get("kind") if isinstance(env, dict) else None
@@ -364,7 +367,7 @@ class RunVerifier:
             d.submitter = sender  # the verified operator, whatever the descriptor says
         return d, None
 
-    def check_cancel(self, payload: bytes, run_id: str) -> str | None:
+    def check_cancel(self, payload: bytes | bytearray, run_id: str) -> str | None:
         """None when ``payload`` is a usable cancel record of run ``run_id`` (from
         :func:`cancel_topic`): the control envelope of kind :func:`cancel_kind` verified as
         a descriptor is (with ``require_signatures`` an operator's signature), for this
@@ -377,7 +380,7 @@ class RunVerifier:
             self.refused[key] = self.refused.get(key, 0) + 1
         return why
 
-    def _check_cancel(self, payload: bytes, run_id: str) -> str | None:
+    def _check_cancel(self, payload: bytes | bytearray, run_id: str) -> str | None:
         try:
             sender, role, body = self.guard.verify_control(payload, cancel_kind(run_id))
         except ControlRejected as exc:

@@ -37,7 +37,7 @@ Schemas: 1: release 0.1.0.  2: release 0.2.0: the privacy ledger is hash-chained
 (:mod:`dfl_agent.runtime.service.ledger`, registered there).
 
 Order at the agent's start: this migration first, then the run ledger opens and every state
-file is checked (:func:`dfl_agent.runtime.service.run_manager.open_state`,
+file is checked (:func:`dfl_agent.runtime.service.state_files.open_checked`,
 :mod:`dfl_agent.runtime.service.state_files`), so the checks see the folder in this release's
 schema.
 """
