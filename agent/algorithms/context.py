@@ -159,6 +159,11 @@ class NodeContext(Protocol):
         """Ids of the peers currently believed alive (sorted, self excluded)."""
         ...
 
+    def live_peer_count(self) -> int:
+        """``len(live_peers())``, also where a node keeps state for its graph neighbours
+        only (the simulator on a sparse graph counts the federation's live members)."""
+        ...
+
     def neighbours(self) -> list[str]:
         """Live peers that are this node's neighbours in the configured communication
         graph (all live peers when no graph is configured). Sorted, self excluded."""

@@ -15,6 +15,21 @@ or ``dflctl simulate --topology NAME --topology-option KEY=VALUE``):
 ``barabasi_albert`` [m = 2] preferential attachment: a complete core of m+1 nodes,
                     then every further node links to m distinct earlier nodes drawn
                     with probability proportional to their degree (always connected).
+``k_regular``       [k = 4, max_tries = 100] a random k-regular graph: every node has
+                    exactly k neighbours (Steger & Wormald's pairing, the algorithm of
+                    networkx's ``random_regular_graph``), redrawn until connected; the
+                    regular graphs of decentralized-learning studies (decentralizepy).
+``watts_strogatz``  [k = 4, p = 0.1, max_tries = 100] small world (Watts & Strogatz
+                    1998): a ring lattice where each node links to its k/2 nearest
+                    neighbours on either side, then each lattice edge (i, i+j) is
+                    rewired with probability p to (i, w), w uniform among the nodes
+                    not yet linked to i; redrawn until connected.  Rewiring keeps the
+                    number of edges, so the mean degree is exactly k.
+``torus``           [rows = 0] a 2-D torus grid (D-PSGD's torus): node r*cols + c links
+                    to its four grid neighbours, wrapping around; N = rows × cols with
+                    ``rows`` = the largest divisor of N up to √N when 0.  Every node has
+                    degree 4 when rows, cols >= 3 (fewer on thinner grids: a 1-row torus
+                    is the ring).
 ``adjacency``       [path] a 0/1 adjacency matrix from a file: CSV or whitespace
                     separated rows, or a JSON list of lists (``.json`` or text starting
                     with ``[``); square, symmetric, one row per node in id order.  The
@@ -22,13 +37,17 @@ or ``dflctl simulate --topology NAME --topology-option KEY=VALUE``):
 
 Node order: row/column ``k`` of every adjacency matrix is ``ids[k]``; the simulator's
 ids are ``node00, node01, ...``.
+
+Memory: the fixed-degree graphs (``ring``, ``k_regular``, ``watts_strogatz``, ``torus``)
+are built from edge lists, O(N·k); ``erdos_renyi``, ``barabasi_albert`` and ``adjacency``
+hold a dense N×N matrix while they are built.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +60,41 @@ Graph = dict[str, list[str]]
 
 def _from_adjacency(ids: Sequence[str], adj: np.ndarray) -> Graph:
     return {a: [ids[int(j)] for j in np.flatnonzero(adj[i]) if j != i] for i, a in enumerate(ids)}
+
+
+def _from_edges(ids: Sequence[str], edges: Iterable[tuple[int, int]]) -> Graph:
+    """The graph of the undirected index pairs ``edges`` (no self-loops, no repeats),
+    each neighbour list in index order, as :func:`_from_adjacency` gives."""
+    nbrs: list[list[int]] = [[] for _ in ids]
+    for i, j in edges:
+        nbrs[i].append(j)
+        nbrs[j].append(i)
+    return {a: [ids[j] for j in sorted(nbrs[i])] for i, a in enumerate(ids)}
+
+
+def _lists_connected(graph: Graph) -> bool:
+    """Whether ``graph`` is connected (breadth-first search over its lists, O(N + edges))."""
+    if len(graph) <= 1:
+        return True
+    start = next(iter(graph))
+    seen = {start}
+    queue = deque([start])
+    while queue:
+        for b in graph[queue.popleft()]:
+            if b not in seen:
+                seen.add(b)
+                queue.append(b)
+    return len(seen) == len(graph)
+
+
+def _positive_int(topology: str, name: str, value: Any, low: int = 1) -> int:
+    """``value`` as an option ``name`` of ``topology`` that must be an integer >= ``low``.
+
+    Raises:
+        ValueError: anything else (the message names the topology and the option)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{topology}: {name} must be an integer >= {low}, got {value!r}")
+    return value
 
 
 def is_connected(adj: np.ndarray) -> bool:
@@ -77,13 +131,9 @@ def full(ids: Sequence[str], rng: np.random.Generator) -> Graph:
 
 
 def ring(ids: Sequence[str], rng: np.random.Generator) -> Graph:
-    """Node i is connected to i-1 and i+1 (mod N)."""
+    """Node i is connected to i-1 and i+1 (mod N) (N = 2: one edge; N = 1: none)."""
     n = len(ids)
-    adj = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        if n > 1:
-            adj[i, (i + 1) % n] = adj[(i + 1) % n, i] = True
-    return _from_adjacency(ids, adj)
+    return _from_edges(ids, {(min(i, (i + 1) % n), max(i, (i + 1) % n)) for i in range(n) if n > 1})
 
 
 def erdos_renyi(ids: Sequence[str], rng: np.random.Generator, p: float = 0.2, max_tries: int = 1000) -> Graph:
@@ -137,6 +187,136 @@ def barabasi_albert(ids: Sequence[str], rng: np.random.Generator, m: int = 2) ->
         targets = rng.choice(k, size=m, replace=False, p=deg / deg.sum())
         adj[k, targets] = adj[targets, k] = True
     return _from_adjacency(ids, adj)
+
+
+def k_regular(ids: Sequence[str], rng: np.random.Generator, k: int = 4, max_tries: int = 100) -> Graph:
+    """A random ``k``-regular graph: every node has exactly ``k`` distinct neighbours,
+    no self-loops; redrawn until connected.
+
+    The pairing of Steger & Wormald (1999), as networkx's ``random_regular_graph``: the
+    N·k stubs (k per node) are shuffled and paired; a pair that would make a self-loop or
+    a repeated edge returns its stubs to the pool, which is shuffled and paired again
+    while a suitable pair remains (else the draw restarts).  For k >= 3 a random
+    k-regular graph is connected with high probability; for k = 2 it is a union of
+    cycles (use ``ring`` for one cycle).  O(N·k) memory.
+
+    Raises:
+        ValueError: ``k`` not an integer in [1, N-1], N·k odd, ``max_tries`` < 1, or no
+            connected draw within ``max_tries``.
+    """
+    n = len(ids)
+    _positive_int("k_regular", "k", k)
+    _positive_int("k_regular", "max_tries", max_tries)
+    if k >= n:
+        raise ValueError(f"k_regular: k must be < N (= {n}), got {k}")
+    if (n * k) % 2:
+        raise ValueError(f"k_regular: N·k must be even (N = {n}, k = {k}): change N or k")
+    for _ in range(max_tries):
+        edges = _regular_pairing(n, k, rng)
+        if edges is not None:
+            graph = _from_edges(ids, sorted(edges))
+            if _lists_connected(graph):
+                return graph
+    raise ValueError(f"k_regular: no connected {k}-regular graph on {n} nodes in {max_tries} draws "
+                     f"(k = 2 is mostly disconnected cycles: use ring, or k >= 3); raise k or max_tries")
+
+
+def _regular_pairing(n: int, k: int, rng: np.random.Generator) -> set[tuple[int, int]] | None:
+    """One attempt of :func:`k_regular`'s pairing: a set of ``n·k/2`` edges ``(i, j)``,
+    ``i < j``, every node in ``k`` of them; None when the remaining stubs cannot be paired."""
+    edges: set[tuple[int, int]] = set()
+    stubs = np.repeat(np.arange(n), k)
+    while len(stubs):
+        rng.shuffle(stubs)
+        left: list[int] = []
+        for s1, s2 in zip(stubs[0::2].tolist(), stubs[1::2].tolist()):
+            a, b = (s1, s2) if s1 < s2 else (s2, s1)
+            if a != b and (a, b) not in edges:
+                edges.add((a, b))
+            else:
+                left += (s1, s2)
+        if not left:
+            return edges
+        # another round can succeed only if some remaining pair is a new edge
+        rest = sorted(set(left))
+        if not any(a < b and (a, b) not in edges for i, a in enumerate(rest) for b in rest[i + 1:]):
+            return None
+        stubs = np.array(left)
+    return edges
+
+
+def watts_strogatz(ids: Sequence[str], rng: np.random.Generator, k: int = 4, p: float = 0.1,
+                   max_tries: int = 100) -> Graph:
+    """Watts–Strogatz small world (Watts & Strogatz 1998, the rewiring of networkx's
+    ``watts_strogatz_graph``), redrawn until connected.
+
+    A ring lattice links node i to i±1, ..., i±k/2 (mod N); then for j = 1..k/2 and each
+    node i in order, the edge (i, i+j) is rewired with probability ``p`` to (i, w), w
+    uniform among the nodes other than i and not yet linked to i (left as it is when i
+    is linked to every node).  The number of edges stays N·k/2: the mean degree is
+    exactly k, the minimum at least k/2.  O(N·k) memory.
+
+    Raises:
+        ValueError: ``k`` not an even integer in [2, N-1], ``p`` outside [0, 1],
+            ``max_tries`` < 1, or no connected draw within ``max_tries``.
+    """
+    n = len(ids)
+    _positive_int("watts_strogatz", "k", k, low=2)
+    _positive_int("watts_strogatz", "max_tries", max_tries)
+    if k % 2 or k >= n:
+        raise ValueError(f"watts_strogatz: k must be even and < N (= {n}), got {k}")
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+        raise ValueError(f"watts_strogatz: p must be a number in [0, 1], got {p!r}")
+    for _ in range(max_tries):
+        nbrs: list[set[int]] = [set() for _ in range(n)]
+        for i in range(n):
+            for j in range(1, k // 2 + 1):
+                nbrs[i].add((i + j) % n)
+                nbrs[(i + j) % n].add(i)
+        for j in range(1, k // 2 + 1):
+            draws = rng.random(n)
+            for i in range(n):
+                v = (i + j) % n
+                if draws[i] < p and v in nbrs[i] and len(nbrs[i]) < n - 1:
+                    w = int(rng.integers(n))
+                    while w == i or w in nbrs[i]:
+                        w = int(rng.integers(n))
+                    nbrs[i].discard(v)
+                    nbrs[v].discard(i)
+                    nbrs[i].add(w)
+                    nbrs[w].add(i)
+        graph = {a: [ids[j] for j in sorted(nbrs[i])] for i, a in enumerate(ids)}
+        if _lists_connected(graph):
+            return graph
+    raise ValueError(f"watts_strogatz: no connected graph on {n} nodes with k = {k}, p = {p} in {max_tries} "
+                     "draws; lower p or raise k or max_tries")
+
+
+def torus(ids: Sequence[str], rng: np.random.Generator, rows: int = 0) -> Graph:
+    """A 2-D torus (wrap-around grid) of ``rows`` × N/rows nodes: node ``r*cols + c``
+    links to ``((r±1) mod rows, c)`` and ``(r, (c±1) mod cols)`` (D-PSGD's torus, Lian et
+    al. 2017).  ``rows`` = 0: the largest divisor of N up to √N (5 × 6 for 30 nodes, 1 ×
+    N for a prime N: the ring).  Degree 4 when rows, cols >= 3.
+
+    Raises:
+        ValueError: ``rows`` not an integer >= 0 or not a divisor of N.
+    """
+    n = len(ids)
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"torus: rows must be an integer >= 0, got {rows!r}")
+    if rows == 0:
+        rows = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0) if n else 1
+    if n % rows:
+        raise ValueError(f"torus: rows = {rows} does not divide N = {n}")
+    cols = n // rows
+    edges = set()
+    for r in range(rows):
+        for c in range(cols):
+            i = r * cols + c
+            for j in (((r + 1) % rows) * cols + c, r * cols + (c + 1) % cols):
+                if j != i:
+                    edges.add((min(i, j), max(i, j)))
+    return _from_edges(ids, sorted(edges))
 
 
 def read_adjacency(path: str | Path) -> np.ndarray:
@@ -213,6 +393,9 @@ TOPOLOGIES: dict[str, Callable[..., Graph]] = {
     "ring": ring,
     "erdos_renyi": erdos_renyi,
     "barabasi_albert": barabasi_albert,
+    "k_regular": k_regular,
+    "watts_strogatz": watts_strogatz,
+    "torus": torus,
     "adjacency": adjacency,
 }
 

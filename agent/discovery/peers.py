@@ -135,6 +135,10 @@ class PeerTable:
             message, a discovery announcement) after which a peer counts as not live
             (``None`` = never).
         clock: monotonic time source (injectable for tests).
+        record_findings: record how and when each peer was first found
+            (:meth:`found_via`, :meth:`take_found`); False: nothing is recorded (the
+            simulator, whose only source is its simulated presence at set-up), so the
+            table holds nothing per peer beyond its entry.
     """
 
     def __init__(
@@ -144,6 +148,8 @@ class PeerTable:
         heartbeat_timeout: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         home_broker: str = "",
+        *,
+        record_findings: bool = True,
     ):
         self.self_id = self_id
         #: ``host:port`` of this node's own broker (tells a bridged presence from a local one)
@@ -171,6 +177,7 @@ class PeerTable:
         self._found: dict[str, dict[str, tuple[float, str]]] = {}
         #: (peer, how) found since :meth:`take_found` last ran
         self._found_new: list[tuple[str, str]] = []
+        self.record_findings = record_findings
         #: dropped discovery input by reason (in the node's status ``errors``):
         #: ``mdns_broker_untrusted``, an mDNS record naming a broker that is not trusted
         self.dropped: collections.Counter[str] = collections.Counter()
@@ -237,11 +244,12 @@ class PeerTable:
             if source == "presence":
                 info.offline = False
             info.last_seen = self._clock()
-            how = self.found_how(source, info)
-            found = self._found.setdefault(node_id, {})
-            if how not in found:
-                found[how] = (info.last_seen, str(fields.get("address") or ""))
-                self._found_new.append((node_id, how))
+            if self.record_findings:
+                how = self.found_how(source, info)
+                found = self._found.setdefault(node_id, {})
+                if how not in found:
+                    found[how] = (info.last_seen, str(fields.get("address") or ""))
+                    self._found_new.append((node_id, how))
             self.changes += 1
             back = self._back(info)
         if untrusted:

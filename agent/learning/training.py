@@ -205,6 +205,8 @@ def sgd_step(params: Mapping[_K, torch.Tensor], grads: Mapping[_K, torch.Tensor]
         params: name -> parameter tensor, updated in place (any shape).
         grads: name -> gradient of the same shape (every name of ``params``).
         bufs: name -> momentum buffer, created on the first step and updated in place.
+            The first step's buffer is the gradient tensor itself when there is no
+            weight decay (no copy): the caller must not use ``grads`` after the call.
         lr, momentum, weight_decay: as :func:`make_optimizer`'s ``sgd``.
     """
     with torch.no_grad():
@@ -214,7 +216,7 @@ def sgd_step(params: Mapping[_K, torch.Tensor], grads: Mapping[_K, torch.Tensor]
                 d = d.add(p, alpha=weight_decay)
             if momentum:
                 if n not in bufs:
-                    bufs[n] = d.clone()
+                    bufs[n] = d  # b = d: the gradient (or d, a new tensor) becomes the buffer
                 else:
                     bufs[n].mul_(momentum).add_(d)
                 d = bufs[n]

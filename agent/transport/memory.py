@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import selectors
-from collections.abc import Awaitable, Collection
+from collections.abc import Awaitable, Collection, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 
 from dfl_agent.algorithms.context import Message
@@ -152,19 +152,31 @@ class MemoryNetwork:
     ``audience``) is delivered to those neighbours only, so that on a sparse graph no
     node receives, decodes and rejects the broadcasts of its non-neighbours.
 
+    Presence (a node coming online, stopping, crashing, coming back) reaches every other
+    node, as retained presence on a broker does, or, with ``presence_graph``, only the
+    node's neighbours in that graph: each node then keeps peer-table entries for its
+    neighbours alone, so that a node's state does not grow with N on a sparse graph (the
+    simulator's choice for algorithms that talk to their graph neighbours only).
+    :meth:`MemoryTransport.members_online` still counts the whole federation.
+
     Args:
         latency: one-way delivery delay in (loop) seconds.
         scoped_broadcasts: False: every broadcast reaches every online node, whatever
             its audience, as a broadcast over MQTT does (the non-neighbours reject it);
             for comparing with the traffic of agents on a broker.
+        presence_graph: ``{node: its neighbours}`` (undirected: each edge listed at both
+            ends) along which presence travels; None: presence reaches every node.
     """
 
-    def __init__(self, latency: float = 0.0, *, scoped_broadcasts: bool = True):
+    def __init__(self, latency: float = 0.0, *, scoped_broadcasts: bool = True,
+                 presence_graph: Mapping[str, Sequence[str]] | None = None):
         if latency < 0:
             raise ValueError("latency must be >= 0")
         self.latency = latency
         self.scoped_broadcasts = scoped_broadcasts
+        self.presence_graph = presence_graph
         self._nodes: dict[str, MemoryTransport] = {}
+        self._online = 0  # how many attached nodes are online
 
     def transport(self, node_id: str, federation: str, descriptor: dict[str, Any] | None = None) -> MemoryTransport:
         """Create the transport of ``node_id`` (not yet started).
@@ -181,11 +193,15 @@ class MemoryNetwork:
     def online(self) -> list[str]:
         return sorted(n for n, t in self._nodes.items() if t.online)
 
+    def online_count(self) -> int:
+        """How many attached nodes are online now (O(1))."""
+        return self._online
+
     def kill(self, node_id: str) -> None:
         """Crash ``node_id``: it stops sending and receiving; peers see its last will."""
         t = self._nodes[node_id]
         if t.online:
-            t.online = False
+            t._set_online(False)
             self._announce(node_id, None)
 
     def reconnect(self, node_id: str) -> None:
@@ -193,21 +209,34 @@ class MemoryNetwork:
         announces itself again and learns who is online, as from retained presence."""
         t = self._nodes[node_id]
         if not t.online and t.on_frame is not None and t.on_presence is not None:
-            t.online = True
+            t._set_online(True)
             self._announce(node_id, t.descriptor)
-            for other_id, other in self._nodes.items():
-                if other_id != node_id and other.online:
-                    t.on_presence(other_id, other.descriptor)
+            self._retained(node_id, t.on_presence)
 
     def deliver_raw(self, node_id: str, frame: bytes) -> None:
         """Inject raw bytes into ``node_id``'s inbox (for tests of bad input)."""
         self._deliver(node_id, frame)
 
     # -- internals -------------------------------------------------------------
+    def _hearers(self, node_id: str) -> list[MemoryTransport]:
+        """The attached nodes that ``node_id``'s presence reaches (and whose presence it
+        learns): its ``presence_graph`` neighbours, or every other node; in attach order."""
+        if self.presence_graph is None:
+            return [t for n, t in self._nodes.items() if n != node_id]
+        nodes = self._nodes
+        return [nodes[n] for n in self.presence_graph.get(node_id, ()) if n != node_id and n in nodes]
+
     def _announce(self, node_id: str, descriptor: dict[str, Any] | None) -> None:
-        for other_id, other in self._nodes.items():
-            if other_id != node_id and other.online and other.on_presence:
+        for other in self._hearers(node_id):
+            if other.online and other.on_presence:
                 other.on_presence(node_id, descriptor)
+
+    def _retained(self, node_id: str, on_presence: PresenceHandler) -> None:
+        """Tell ``node_id`` the presence of the online nodes it hears, as retained
+        presence does when it subscribes."""
+        for other in self._hearers(node_id):
+            if other.online:
+                on_presence(other.node_id, other.descriptor)
 
     def _deliver(self, node_id: str, frame: bytes) -> None:
         self._deliver_many([node_id], frame)
@@ -255,6 +284,20 @@ class MemoryTransport(Transport):
         """Whether this endpoint is attached (not killed or stopped)."""
         return self.online
 
+    def _set_online(self, online: bool) -> None:
+        if online != self.online:
+            self.network._online += 1 if online else -1
+        self.online = online
+
+    def members_online(self) -> int | None:
+        """How many other nodes of the federation are online (O(1)), where presence
+        travels along the network's ``presence_graph`` and this node's peer table
+        therefore holds its neighbours only; None otherwise (the peer table knows every
+        member)."""
+        if self.network.presence_graph is None:
+            return None
+        return self.network.online_count() - (1 if self.online else 0)
+
     def decode_shared(self, frame: bytes, *, federation: str, recipient: str, max_frame_bytes: int) -> Message | None:
         """A broadcast's :class:`SharedFrame` decoded once for all its receivers
         (:meth:`SharedFrame.decode_once`), None for any other frame.
@@ -268,11 +311,9 @@ class MemoryTransport(Transport):
 
     async def start(self, on_frame: FrameHandler, on_presence: PresenceHandler) -> None:
         self.on_frame, self.on_presence = on_frame, on_presence
-        self.online = True
+        self._set_online(True)
         self.network._announce(self.node_id, self.descriptor)
-        for other_id, other in self.network._nodes.items():  # retained presence of those already there
-            if other_id != self.node_id and other.online:
-                on_presence(other_id, other.descriptor)
+        self.network._retained(self.node_id, on_presence)  # retained presence of those already there
 
     async def send(self, peer: str, frame: bytes) -> int:
         if not self.online:
@@ -311,5 +352,5 @@ class MemoryTransport(Transport):
 
     async def stop(self) -> None:
         if self.online:
-            self.online = False
+            self._set_online(False)
             self.network._announce(self.node_id, None)

@@ -96,3 +96,65 @@ def test_unknown_topology_and_option():
     with pytest.raises(ValueError, match="bad options"):
         build_topology("ring", IDS, seed=0, p=0.3)
     assert {"full", "ring", "erdos_renyi", "barabasi_albert", "adjacency"} <= set(TOPOLOGIES)
+
+
+def _edges(g):
+    """The undirected edges of ``g``, each once; asserts no self-loop and no repeated neighbour."""
+    for a, nbrs in g.items():
+        assert a not in nbrs and len(set(nbrs)) == len(nbrs)
+    return {tuple(sorted((a, b))) for a, nbrs in g.items() for b in nbrs}
+
+
+@pytest.mark.parametrize("n,k", [(50, 4), (51, 4), (20, 3), (200, 6), (10, 9)])
+def test_k_regular_every_degree_is_k(n, k):
+    ids = [f"node{i:03d}" for i in range(n)]
+    g = build_topology("k_regular", ids, seed=5, k=k)
+    assert sorted(g) == ids and _symmetric(g) and graph_is_connected(g)
+    assert {len(v) for v in g.values()} == {k}
+    assert len(_edges(g)) == n * k // 2
+    assert g == build_topology("k_regular", ids, seed=5, k=k)
+    if k < n - 1:  # k = N - 1 is the complete graph, whatever the seed
+        assert g != build_topology("k_regular", ids, seed=6, k=k)
+
+
+def test_k_regular_refuses_impossible_degrees():
+    with pytest.raises(ValueError, match="N·k must be even"):
+        build_topology("k_regular", IDS[:5], seed=0, k=3)
+    with pytest.raises(ValueError, match="k must be < N"):
+        build_topology("k_regular", IDS[:5], seed=0, k=5)
+    with pytest.raises(ValueError, match="k must be an integer >= 1"):
+        build_topology("k_regular", IDS, seed=0, k=0)
+    with pytest.raises(ValueError, match="no connected 2-regular graph on 50 nodes in 3 draws"):
+        build_topology("k_regular", IDS, seed=0, k=2, max_tries=3)  # mostly a union of several cycles
+
+
+@pytest.mark.parametrize("k,p", [(4, 0.1), (6, 0.3), (2, 0.0), (4, 1.0)])
+def test_watts_strogatz_keeps_the_mean_degree_k(k, p):
+    g = build_topology("watts_strogatz", IDS, seed=2, k=k, p=p)
+    assert sorted(g) == IDS and _symmetric(g) and graph_is_connected(g)
+    edges = _edges(g)
+    assert len(edges) == 50 * k // 2  # rewiring keeps the edge count: mean degree exactly k
+    lattice = {tuple(sorted((IDS[i], IDS[(i + j) % 50]))) for i in range(50) for j in range(1, k // 2 + 1)}
+    if p == 0:
+        assert edges == lattice  # no rewiring: the ring lattice
+    else:
+        assert min(len(v) for v in g.values()) >= k // 2 and len(edges - lattice) > 0
+
+
+def test_watts_strogatz_options():
+    with pytest.raises(ValueError, match="k must be even"):
+        build_topology("watts_strogatz", IDS, seed=0, k=3)
+    with pytest.raises(ValueError, match="p must be a number in"):
+        build_topology("watts_strogatz", IDS, seed=0, p=1.5)
+
+
+def test_torus_is_a_wrapped_grid():
+    ids = [f"node{i:02d}" for i in range(30)]
+    g = build_topology("torus", ids, seed=0)  # 5 x 6
+    assert _symmetric(g) and graph_is_connected(g) and {len(v) for v in g.values()} == {4}
+    assert g["node00"] == ["node01", "node05", "node06", "node24"]  # right, wrap left, down, wrap up
+    assert {len(v) for v in build_topology("torus", ids, seed=0, rows=3).values()} == {4}
+    assert build_topology("torus", ids[:7], seed=0) == build_topology("ring", ids[:7], seed=0)  # prime N: 1 x N
+    with pytest.raises(ValueError, match="rows = 4 does not divide N = 30"):
+        build_topology("torus", ids, seed=0, rows=4)
+    assert {"k_regular", "watts_strogatz", "torus"} <= set(TOPOLOGIES)

@@ -288,7 +288,8 @@ class NeighbourhoodAlgorithm(Algorithm):
             return
         mode = self.options.delivery
         if mode == "auto":
-            mode = "broadcast" if set(neighbours) == set(ctx.live_peers()) else "unicast"
+            # the neighbours (live peers in the graph) are all the live peers
+            mode = "broadcast" if len(neighbours) == ctx.live_peer_count() else "unicast"
         msg = gc.model_message(self.choco, MODEL_KIND, t, tensors, meta)  # once: CHOCO copies agree
         if mode == "broadcast":
             await ctx.broadcast(msg, neighbours_only=True)
@@ -334,6 +335,9 @@ class NeighbourhoodAlgorithm(Algorithm):
         used = [] if guard.diverged else sorted(got)
         if not self.train_first:
             stats = await self._train_and_send(t)  # Alg. 1 lines 9-11
+        # the round's updates are let go with it: the market's last collection would otherwise
+        # hold every neighbour's message (and its frame) until the next round's collection
+        self.market.last = None
         return {"train_loss": stats["loss"], "neighbours": len(used), "neighbour_ids": used, "missing": c.missing,
                 **info, **{k: v for k, v in cold.items() if k != "adopted"}, **c.info,
                 "participants_expected": len(set(got) | set(c.missing)), "participants_used": len(used),

@@ -309,7 +309,7 @@ def train_group(members: list[Member],
         m.train()
     with torch.no_grad():
         member_params = [dict(m.named_parameters()) for m, *_ in members]
-        stacked = {n: torch.stack([p[n].detach() for p in member_params]).clone() for n in names}
+        stacked = {n: torch.stack([p[n].detach() for p in member_params]) for n in names}  # a new tensor
 
     def loss_of(params: dict[str, torch.Tensor], xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(functional_call(base, params, (xb,)), yb)
@@ -347,6 +347,7 @@ def train_group(members: list[Member],
             grads, loss = masked_step(stacked, *last[1:])
         losses += watch.step(s, loss.detach().double())
         sgd_step(stacked, grads, bufs, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        del grads  # (or the momentum buffer now): not held while the next step's gradients are computed
     if last and watch.factor > 0:  # the last batch once more: did the last step blow a model up?
         with torch.no_grad():
             watch.after(vmap(last[0])(stacked, *last[1:]).double())

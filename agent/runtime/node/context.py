@@ -443,14 +443,14 @@ class RuntimeContext:
 
     # -- membership -----------------------------------------------------------------------
     def live_peers(self) -> list[str]:
-        """Live peers that take part: incompatible peers (``compatibility``) and peers
-        that report themselves gated are left out (and, with security, peers without a
-        trusted key).
-
-        Without heartbeat expiry and without security (the simulator), the answer only
-        changes with the peer table, the exclusions or the gated peers, and is memoised
-        on those: a thousand nodes asking several times a round stay O(N) each."""
+        """Live peers that take part, without incompatible or gated peers (and, with security,
+        peers without a trusted key): :meth:`Membership.live_peers` (memoised in the simulator)."""
         return self.membership.live_peers()
+
+    def live_peer_count(self) -> int:
+        """How many peers are live and take part (:meth:`Membership.live_count`: the transport's
+        count where presence reaches graph neighbours only, the simulator on a sparse graph)."""
+        return self.membership.live_count()
 
     def neighbours(self) -> list[str]:
         return self.membership.neighbours()

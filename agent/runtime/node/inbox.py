@@ -128,24 +128,25 @@ class Inbox:
             self.ctx.timing["receive_s"] += time.perf_counter() - t0 + (
                 frame.seconds if isinstance(frame, PreparedFrame) else 0.0)
 
-    def _decode(self, frame: bytes | PreparedFrame) -> tuple[Message, dict[str, Any] | None, str | None] | None:
-        """``(message, parsed envelope or None, signature verdict or None)``, or None
-        (dropped and counted) when the frame does not decode."""
+    def _decode(self, frame: bytes | PreparedFrame) -> tuple[Message, dict[str, Any] | None, str | None, bool] | None:
+        """``(message, parsed envelope or None, signature verdict or None, shared)``, or None
+        (dropped and counted) when the frame does not decode; ``shared``: a shared
+        broadcast of the memory transport, decoded once for all its receivers."""
         ctx = self.ctx
         if isinstance(frame, PreparedFrame):
             if frame.error is not None or frame.msg is None:
                 reason, detail = frame.error or ("malformed", "no message")
                 self.drop(reason, detail)
                 return None
-            return frame.msg, frame.header, frame.verdict
+            return frame.msg, frame.header, frame.verdict, False
         try:
             shared = ctx.transport.decode_shared(frame, federation=ctx.federation, recipient=ctx.node_id,
                                                  max_frame_bytes=ctx.max_frame_bytes)
             if shared is not None:  # a shared broadcast (memory transport), decoded once
-                return shared, None, None
+                return shared, None, None, True
             msg, parsed = wire.decode_with_header(frame, federation=ctx.federation, recipient=ctx.node_id,
                                                   max_frame_bytes=ctx.max_frame_bytes)
-            return msg, parsed, None
+            return msg, parsed, None, False
         except wire.WireError as exc:
             self.drop(exc.reason, exc.detail)
         except Exception as exc:  # never let bad input kill the node
@@ -173,15 +174,21 @@ class Inbox:
             return False, header
         return True, header
 
-    def _fresh(self, msg: Message) -> bool:
-        """Not a duplicate (remembers its id) and not stale."""
+    def _fresh(self, msg: Message, remember: bool = True) -> bool:
+        """Not a duplicate (remembers its id, unless ``remember`` is False) and not stale.
+
+        A shared broadcast of the memory transport is not remembered: the network hands it
+        to each of its receivers once (a receiver list holds each node once, and a frame
+        sent again is a new frame with a new id), so its id can never come back, and a node
+        that hears a thousand neighbours keeps no thousands of ids per round."""
         if msg.msg_id in self.seen_ids:
             self.ctx.rejected["duplicate"] += 1
             return False
-        self.seen_ids.add(msg.msg_id)
-        self.seen_order.append(msg.msg_id)
-        if len(self.seen_order) > SEEN_IDS:
-            self.seen_ids.discard(self.seen_order.popleft())
+        if remember:
+            self.seen_ids.add(msg.msg_id)
+            self.seen_order.append(msg.msg_id)
+            if len(self.seen_order) > SEEN_IDS:
+                self.seen_ids.discard(self.seen_order.popleft())
         # older rounds: no algorithm takes them.  An algorithm that takes late updates drops old
         # ones itself (its update market), where a compressed stream's copy still follows them
         oldest = self.ctx.current_round - 1
@@ -195,7 +202,7 @@ class Inbox:
         decoded = self._decode(frame)
         if decoded is None:
             return
-        msg, parsed, verdict = decoded
+        msg, parsed, verdict, shared = decoded
         if msg.sender == ctx.node_id:
             # no transport hands a node its own frames (MQTT skips its own "out" topic, the
             # memory network its sender): this one was forged or replayed in our name
@@ -206,7 +213,7 @@ class Inbox:
             self.drop("incompatible_peer", excluded[msg.sender], msg.sender)
             return
         passed, header = self._security_check(frame, msg, parsed, verdict)
-        if not passed or not self._fresh(msg):
+        if not passed or not self._fresh(msg, remember=not shared):
             return
         msg.wire_bytes = wire_bytes
         self.bytes_received_by_kind[msg.kind] += wire_bytes

@@ -144,7 +144,12 @@ class Membership:
         return bool(take is not None and take(peer))
 
     def live_peers(self) -> list[str]:
-        """Live peers that take part (see :meth:`RuntimeContext.live_peers`)."""
+        """Live peers that take part: incompatible peers (``compatibility``) and peers that
+        report themselves gated are left out (and, with security, peers without a trusted key).
+
+        Without heartbeat expiry and without security (the simulator), the answer only
+        changes with the peer table, the exclusions or the gated peers, and is memoised
+        on those: a thousand nodes asking several times a round stay O(N) each."""
         ctx = self.ctx
         peers = ctx.peers
         changes = getattr(peers, "changes", None)
@@ -159,6 +164,17 @@ class Membership:
         if key is not None:  # _participates may have excluded peers: key on the state after
             self._live_cache = ((changes, len(self.excluded), self._gated_changes), list(live))
         return live
+
+    def live_count(self) -> int:
+        """``len(live_peers())``; where the transport says how many members are online
+        because this node hears the presence of its graph neighbours only
+        (``members_online()``: the simulator's memory network with a presence graph), that
+        count.  The simulator scopes presence only when no peer can be excluded, gated or
+        untrusted (same algorithm and model everywhere, no security, no status), so both
+        count the same peers."""
+        members = getattr(self.ctx.transport, "members_online", None)
+        n = members() if members is not None else None
+        return len(self.live_peers()) if n is None else n
 
     def _participates(self, peer: str) -> bool:
         if self.peer_gated.get(peer):

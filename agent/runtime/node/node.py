@@ -334,7 +334,7 @@ class Node:
             "dropped": sum(counters["dropped"].values()),
             # steps whose non-finite result was restored (Algorithm.divergence_guard), so far
             "diverged": int(counters.get("diverged", 0)),
-            "live_peers": len(self.ctx.live_peers()),
+            "live_peers": self.ctx.live_peer_count(),
             # closed with no peer update although neighbours were expected or needed (a degraded run)
             "alone": talks and round_alone(info, self.ctx.last_round_expected, needs),
             # seconds the round was held because the broker was away (runtime.pause_when_disconnected)

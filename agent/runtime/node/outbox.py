@@ -82,7 +82,9 @@ class Outbox:
     def keep(self, peer: str | None, audience: list[str] | None, message: Message | None) -> None:
         """Remember a sent message (:attr:`last_encoded` right after its :meth:`encode`)
         for :meth:`recent`, only where the node pauses for a lost broker (elsewhere
-        nothing sends them again)."""
+        nothing sends them again).  :attr:`last_encoded` is let go: a node holds no copy of
+        its last message's tensors until its next one."""
+        self.last_encoded = None
         if self.ctx.pause_when_disconnected and message is not None:
             self.round_sent_messages.append((peer, audience, message))
 

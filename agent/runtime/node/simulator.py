@@ -313,8 +313,9 @@ def _assemble(cfg: SimConfig, device: str, sink: Callable[[dict[str, Any]], None
         cfg.compression, cfg.compression_kinds, error_feedback=cfg.error_feedback,
         consensus_step=cfg.consensus_step, keyframe_every=cfg.keyframe_every,
     )
-    graph = build_topology(cfg.topology, ids, cfg.seed, **cfg.topology_options)
-    network = MemoryNetwork(latency=cfg.latency)
+    # the full graph is not built: no graph means every peer is a neighbour
+    graph = None if cfg.topology == "full" else build_topology(cfg.topology, ids, cfg.seed, **cfg.topology_options)
+    network = MemoryNetwork(latency=cfg.latency, presence_graph=graph if _presence_on_graph(cfg, graph, specs) else None)
     batcher = BatchTrainer() if cfg.batch else None
     federation = "sim"
     nodes: list[Node] = []
@@ -328,9 +329,10 @@ def _assemble(cfg: SimConfig, device: str, sink: Callable[[dict[str, Any]], None
             algo_cls, options, model_spec=specs[i], test_x=bundle.test.x, test_y=bundle.test.y,
             baseline_local=cfg.baseline_local, sink=sink, rounds=cfg.rounds, eval_every=cfg.eval_every,
             node_id=nid, federation=federation, transport=network.transport(nid, federation, descriptor),
-            peers=PeerTable(nid, federation), data=data, train=_node_train(cfg, options, data),
+            # the simulated presence at set-up is the only way peers are found: nothing to record
+            peers=PeerTable(nid, federation, record_findings=False), data=data, train=_node_train(cfg, options, data),
             init_seed=init_seed_for(cfg.seed, i, cfg.init), rng=np.random.default_rng([cfg.seed, i]), device=device,
-            graph_neighbours=None if cfg.topology == "full" else graph[nid], seed=cfg.seed,
+            graph_neighbours=None if graph is None else graph[nid], seed=cfg.seed,
             # no simulation-wide compression: the profile's (whole-model exchanges), if any
             compression=choose_compression(policy, behaviour, cfg.algorithm, error_feedback=cfg.error_feedback),
             behaviour=behaviour, batcher=batcher, straggler=straggler,
@@ -341,6 +343,25 @@ def _assemble(cfg: SimConfig, device: str, sink: Callable[[dict[str, Any]], None
             node.kill_at(cfg.kill[i], functools.partial(network.kill, nid))
         nodes.append(node)
     return _Federation(nodes, ids, spec, specs, behaviours, policy, batcher)
+
+
+def _presence_on_graph(cfg: SimConfig, graph: dict[str, list[str]] | None, specs: list[dict[str, Any]]) -> bool:
+    """Whether presence travels along the graph only (``MemoryNetwork(presence_graph=...)``),
+    so that each node keeps peer-table entries for its graph neighbours alone and a node's
+    state does not grow with N on a sparse graph.
+
+    Yes for an algorithm of the neighbourhood family (it talks to its graph neighbours
+    only: :func:`~dfl_agent.algorithms.base.traits_of`) on a graph, when every node trains
+    the same model: no peer can then be excluded as incompatible, and the live count the
+    records and the delivery rule use (:meth:`RuntimeContext.live_peer_count`) is the
+    network's.  Other families (rotating aggregators, pairs, lock step) pick peers among
+    all live members, and hear every member's presence as before.
+    """
+    from dfl_agent.algorithms.base import traits_of
+
+    if graph is None or traits_of(cfg.algorithm).family != "neighbourhood":
+        return False
+    return len({spec_hash(s) for s in specs}) == 1
 
 
 def _node_train(cfg: SimConfig, options: Any, data: NodeData) -> TrainConfig:
@@ -457,8 +478,8 @@ def _progress_sink(cfg: SimConfig, records: list[dict[str, Any]],
     counts: dict[int, int] = {}
     shown = [0]
 
-    def expected(t: int) -> int:  # a node killed at round k reports rounds < k
-        return sum(1 for i in range(cfg.nodes) if cfg.kill.get(i, cfg.rounds + 1) > t)
+    def expected(t: int) -> int:  # a node killed at round k reports rounds < k (O(killed), not O(N))
+        return cfg.nodes - sum(1 for i, k in cfg.kill.items() if 0 <= i < cfg.nodes and k <= t)
 
     def sink(record: dict[str, Any]) -> None:
         records.append(record)
