@@ -52,8 +52,15 @@ def cmd_lab_run(args: argparse.Namespace) -> int:
     from dfl_agent.cli.lab import check
     from dfl_agent.cli.lab.scenario import ScenarioError, load
 
+    releases = {}
+    for item in args.release or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            print(f"dflctl lab run: --release {item}: NAME=PATH (a wheel or a release folder)", file=sys.stderr)
+            return 2
+        releases[name] = path
     try:
-        scenario = load(args.scenario, perfect=args.perfect)
+        scenario = load(args.scenario, perfect=args.perfect, releases=releases)
     except ScenarioError as e:
         print(f"dflctl lab run: bad scenario: {args.scenario}: {e}", file=sys.stderr)
         return 2
@@ -97,6 +104,9 @@ def register(sub: argparse._SubParsersAction[DflctlParser]) -> None:
     r.add_argument("--out", required=True, metavar="DIR", help="folder for the report, logs and metrics")
     r.add_argument("--perfect", action="store_true",
                    help="run the scenario as if it said perfect = true: no limits, no loss, no events (the comparison)")
+    r.add_argument("--release", action="append", metavar="NAME=PATH",
+                   help="a release of the scenario's [releases]: a wheel of dfl-agent or a folder holding its "
+                        "dfl_agent package (replaces the file's; repeat for more)")
     r.set_defaults(func=cmd_lab_run)
     d = lsub.add_parser("down", help="remove what a killed lab left behind (only what its state files list)")
     d.add_argument("--force", action="store_true", help="also remove labs whose builder process still runs")

@@ -170,6 +170,8 @@ def evaluate_checks(sc: Scenario, rep: dict[str, Any]) -> list[str]:
             what = ("was not submitted" if r["state"] == "not submitted" else f"{r['state']} on every device"
                     if not r["members"] else f"trained no round ({r['state']})")
             failed.append(f"runs_trained: run {r['run_id'] or i} ({r['algorithm']}) {what}")
+    if c.get("all_upgraded"):
+        failed += upgrade_checks(sc, rep)
     from dfl_agent.cli.lab.members import member_checks
 
     failed += member_checks(c, rep)  # inference_received
@@ -178,6 +180,53 @@ def evaluate_checks(sc: Scenario, rep: dict[str, Any]) -> list[str]:
         if acc is None or acc < c["min_final_accuracy"]:
             failed.append(f"min_final_accuracy: final deployed accuracy "
                           f"{'none' if acc is None else f'{acc:.3f}'} (at least {c['min_final_accuracy']})")
+    return failed
+
+
+def upgrade_rows(upgrades: list[dict[str, Any]], recs: dict[str, dict[str, list[dict[str, Any]]]],
+                 t0: float) -> list[dict[str, Any]]:
+    """The report's ``upgrades``: each device upgrade as it happened, with the seconds since the
+    agents started (``stopped_s``, ``started_s``), its ``dfl-agent --version`` before and after,
+    and ``back_after_s``: from its start on the new release to its first round closed with a
+    peer's update (None: it closed none)."""
+    rows = []
+    for u in upgrades:
+        back = None
+        if u.get("started") is not None:
+            after = [r["time"] for rs in recs.get(u["device"], {}).values() for r in rs
+                     if r.get("time", 0) > u["started"] and _used_peers(r) > 0]
+            back = round(min(after) - u["started"], 1) if after else None
+        rows.append({"device": u["device"], "from": u.get("from"), "to": u["to"],
+                     "version_before": u.get("version_before"), "version_after": u.get("version_after"),
+                     "running_before": u.get("running_before"),
+                     "stopped_s": round(u["stopped"] - t0, 1) if u.get("stopped") else None,
+                     "stop_took_s": u.get("stop_took_s"),
+                     "started_s": round(u["started"] - t0, 1) if u.get("started") else None,
+                     "back_after_s": back})
+    return rows
+
+
+def upgrade_checks(sc: Scenario, rep: dict[str, Any]) -> list[str]:
+    """``all_upgraded = true``: every upgrade of the scenario happened (the device was running,
+    was stopped and started on the new release), the device ends on that release, and it
+    closed a round with a peer's update after its start; the failures, one line each."""
+    from dfl_agent.cli.lab.scenario import upgrade_steps
+
+    failed = []
+    done = {(u["device"], u["to"]): u for u in rep.get("upgrades", [])}
+    last = {st.device: st.release for st in upgrade_steps(sc)}
+    release = {d["id"]: d.get("release") for d in rep["devices"]}
+    for st in upgrade_steps(sc):
+        u = done.get((st.device, st.release))
+        if u is None or u.get("started_s") is None:
+            failed.append(f"all_upgraded: {st.device} was not upgraded to {st.release}")
+        elif not u.get("running_before"):
+            failed.append(f"all_upgraded: {st.device} was not running when its upgrade came")
+        elif u.get("back_after_s") is None:
+            failed.append(f"all_upgraded: {st.device} closed no round with a peer after its upgrade to {st.release}")
+    for dev, rel in last.items():
+        if release.get(dev) != rel:
+            failed.append(f"all_upgraded: {dev} ends on release {release.get(dev)}, not {rel}")
     return failed
 
 
@@ -212,9 +261,9 @@ def run_membership(entries: dict[str, Any]) -> tuple[list[str], list[str], set[s
 def run_peaks(state_dir: Path) -> dict[str, float]:
     """run id -> the peak resident memory of the device's run process for it (MiB), as the
     device's run ledger recorded it (``peak_rss_mb``; runs without one are left out)."""
-    from dfl_agent.runtime.service.ledger import RunLedger
+    from dfl_agent.cli.lab.releases import ledger_entries
 
-    return {rid: float(e["peak_rss_mb"]) for rid, e in RunLedger(state_dir).entries.items()
+    return {rid: float(e["peak_rss_mb"]) for rid, e in ledger_entries(state_dir).items()
             if isinstance(e, dict) and isinstance(e.get("peak_rss_mb"), (int, float))
             and not isinstance(e.get("peak_rss_mb"), bool)}
 
@@ -223,8 +272,8 @@ def build_report(run: LabRun, feeder: Any, bundle: Any, started: float) -> dict[
     """Everything measurable from the run's folders, the checks, and the files."""
     from dfl_agent.cli.demo_feed import collect
     from dfl_agent.cli.lab.accuracy import accuracy_curve, measure_lab, time_to_accuracy
+    from dfl_agent.cli.lab.releases import ledger_entries
     from dfl_agent.cli.lab.traffic import summarize
-    from dfl_agent.runtime.service.ledger import RunLedger
 
     sc: Scenario = run.sc
     copy_logs(run)
@@ -282,6 +331,9 @@ def build_report(run: LabRun, feeder: Any, bundle: Any, started: float) -> dict[
             "rounds_cut_off": sum(1 for r in all_recs if _used_peers(r) == 0) - len(alone),
             "agent_starts": len(a.starts) if a else 0,
             "round_accuracy": sorted(p for s in round_acc.get(d.id, {}).values() for p in s),
+            # the release its agent ran last, and that release's dfl-agent --version
+            "release": a.release if a else d.release,
+            "agent_version": run.releases[a.release].version_line if a and a.release in run.releases else None,
         })
 
     runs = []
@@ -292,7 +344,7 @@ def build_report(run: LabRun, feeder: Any, bundle: Any, started: float) -> dict[
                          "accuracy_curve": [], "time_to_accuracy": time_to_accuracy([], None)})
             continue
         deployed, accs, rounds = [], [], 0
-        members, late, states_seen = run_membership({n: RunLedger(a.state).entries.get(rid)
+        members, late, states_seen = run_membership({n: ledger_entries(a.state).get(rid)
                                                      for n, a in run.agents.items()})
         kept: list[str] = []
         for n in members:
@@ -333,7 +385,7 @@ def build_report(run: LabRun, feeder: Any, bundle: Any, started: float) -> dict[
         e = h.event
         if h.event.kind == "broker_outage":
             affected = [d.id for d in sc.training() if d.site == e.target]
-        elif e.kind == "wan_down":
+        elif e.kind == "wan_down" or (e.kind == "upgrade" and e.target == "all"):
             affected = [d.id for d in sc.training()]
         else:
             affected = [e.target]
@@ -362,6 +414,8 @@ def build_report(run: LabRun, feeder: Any, bundle: Any, started: float) -> dict[
         "bytes_total": bytes_total, "links": summarize(run.traffic.samples, run.t0) if run.traffic else {},
         "final_accuracy_mean": final[-1]["final_accuracy_mean"] if final else None,
         "compression": run.compression, "wall_seconds": round(time.time() - started, 1),
+        "releases": {n: r.as_dict() for n, r in getattr(run, "releases", {}).items()},
+        "upgrades": upgrade_rows(getattr(run, "upgrades", []), recs, run.t0),
         "notes": run.notes,
     }
     rep["failed_checks"] = evaluate_checks(sc, rep)
@@ -521,7 +575,12 @@ def markdown(rep: dict[str, Any]) -> str:
              f"(lab {rep['lab_id']}, {rep['host']['cores']} cores, load {rep['host']['load_avg']})", ""]
     for f in rep["failed_checks"]:
         lines.append(f"- failed: {f}")
-    lines += ["", "Mechanisms: " + ", ".join(f"{k} {v}" for k, v in rep["mechanisms"].items()), "",
+    lines += ["", "Mechanisms: " + ", ".join(f"{k} {v}" for k, v in rep["mechanisms"].items()), ""]
+    rels = [r for r in (rep.get("releases") or {}).values() if r.get("dfl_agent_version")]
+    if rels:
+        lines += ["Releases: " + "; ".join(f"{r['name']} = {r['dfl_agent_version']} ({r['source'] or 'the lab'})"
+                                           for r in rels), ""]
+    lines += [
               "| device | class | address | peak RSS MB | run peak MB | limit MB | OOM | fed | stored | evicted "
               "| rejected | rounds | alone | deployed |", "|" + "---|" * 14]
     for d in rep["devices"]:
@@ -542,6 +601,12 @@ def markdown(rep: dict[str, Any]) -> str:
     for e in rep["events"]:
         rec = "no run after it" if e.get("no_run_after") else e["recovered_after_s"]
         lines.append(f"| {e['kind']} | {e['target']} | {e['at_s']} | {e['duration_s']} | {rec} |")
+    if rep.get("upgrades"):
+        lines += ["", "| upgraded | from | to | stopped at s | started at s | back with a peer after s |",
+                  "|" + "---|" * 6]
+        for u in rep["upgrades"]:
+            lines.append(f"| {u['device']} | {u['from']}: {u['version_before']} | {u['to']}: {u['version_after']} "
+                         f"| {u['stopped_s']} | {u['started_s']} | {u['back_after_s']} |")
     lines += _accuracy_traffic_md(rep)
     disc = rep["discovery"]
     lines += ["", f"Discovery: {', '.join(disc['via']) or 'none'}; full membership after "

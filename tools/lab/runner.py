@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,8 @@ import tomllib
 
 from dfl_agent.cli.lab.members import received
 from dfl_agent.cli.lab.net import LabNet
-from dfl_agent.cli.lab.scenario import Device, Event, Scenario
+from dfl_agent.cli.lab.releases import CURRENT, Release, ledger_entries, ledger_state, prepare, write_config
+from dfl_agent.cli.lab.scenario import Device, Event, Scenario, upgrade_steps
 
 if TYPE_CHECKING:
     from dfl_agent.cli.lab.traffic import TrafficSampler
@@ -122,6 +124,10 @@ class Agent:
     proc: subprocess.Popen[Any] | None = None
     starts: list[float] = field(default_factory=list)
     peak_rss_mb: float = 0.0
+    #: the release its agent runs (a name of the scenario's [releases])
+    release: str = CURRENT
+    #: the node configuration the lab made for it, before a release wrote it (make_agent)
+    raw: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -159,6 +165,10 @@ class LabRun:
         self.bridges: dict[str, str] = {}
         #: the links' byte counters, sampled about once a second (traffic.TrafficSampler)
         self.traffic: TrafficSampler | None = None
+        #: release name -> how its agents run (prepared and probed at the start of run())
+        self.releases: dict[str, Release] = {CURRENT: Release(CURRENT)}
+        #: every device upgrade as it happened (the report's ``upgrades``)
+        self.upgrades: list[dict[str, Any]] = []
 
     # ---- helpers ------------------------------------------------------------------
     def now(self) -> float:
@@ -240,7 +250,6 @@ class LabRun:
     # ---- agents -------------------------------------------------------------------
     def make_agent(self, d: Device, creds: dict[str, Any], store_meta: dict[str, Any]) -> Agent:
         from dfl_agent.cli.lab.accuracy import checkpoints_to_keep
-        from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 
         state = self.out / "devices" / d.id / "state"
         host = self.lab.hosts[d.id]
@@ -267,13 +276,28 @@ class LabRun:
         }
         raw = _merge(_merge(raw, self.sc.agent), d.cls.agent)
         self.compression[d.id] = str(raw.get("compression", {}).get("spec", ""))
-        text = dump_toml(config_from_dict(raw))
-        if "algorithm" not in self.sc.agent and "algorithm" not in d.cls.agent:
+        a = Agent(d, state, self.out / "devices" / d.id / "node.toml", self.out / "logs" / f"{d.id}.log",
+                  release=d.release, raw=raw)
+        self.write_agent_config(a)
+        return a
+
+    def write_agent_config(self, a: Agent) -> None:
+        """The agent's ``node.toml`` as its release writes it: this one in-process, another one
+        by itself (:func:`~dfl_agent.cli.lab.releases.write_config`), leaving out the keys it
+        does not know (a note of the report names them)."""
+        from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
+
+        if a.release == CURRENT:
+            text = dump_toml(config_from_dict(a.raw))
+        else:
+            text, dropped = write_config(self.releases[a.release], a.raw, PY, self.env)
+            if dropped:
+                self.notes.append(f"{a.device.id}: release {a.release} does not know {', '.join(dropped)}: "
+                                  "left out of its configuration")
+        if "algorithm" not in self.sc.agent and "algorithm" not in a.device.cls.agent:
             text = re.sub(r"\[algorithm\]\n(?:[^\[\n].*\n|\n)*", "", text)  # always-on: runs come from the operator
-        path = self.out / "devices" / d.id / "node.toml"
-        path.write_text(text)
-        path.chmod(0o600)
-        return Agent(d, state, path, self.out / "logs" / f"{d.id}.log")
+        a.config.write_text(text)
+        a.config.chmod(0o600)
 
     # ---- inference members ----------------------------------------------------------
     def make_member(self, d: Device, creds: dict[str, Any]) -> Agent:
@@ -301,10 +325,11 @@ class LabRun:
         a.starts.append(time.monotonic())
 
     def start_agent(self, a: Agent) -> None:
+        """``dfl-agent run --config`` of the agent's release, in its namespace and cgroup."""
+        rel = self.releases[a.release]
         with open(a.log, "a") as f:
-            a.proc = self.lab.popen(a.device.id, [PY, "-m", "dfl_agent.runtime.service.daemon", "run", "--config",
-                                                  str(a.config)], stdout=f, stderr=subprocess.STDOUT, env=self.env,
-                                    start_new_session=True)
+            a.proc = self.lab.popen(a.device.id, rel.agent_argv(PY, "run", "--config", str(a.config)), stdout=f,
+                                    stderr=subprocess.STDOUT, env=rel.env(self.env), start_new_session=True)
         a.starts.append(time.monotonic())
 
     def kill_agent(self, a: Agent) -> None:
@@ -328,10 +353,11 @@ class LabRun:
             a.proc = None
 
     # ---- the timeline -------------------------------------------------------------
-    def _actions(self) -> list[tuple[float, int | None, str, Callable[[], None]]]:
-        """The timeline: ``(at_s, after_run, what, do)`` (``after_run``: at_s counts from when
-        that run trains on every device)."""
-        acts: list[tuple[float, int | None, str, Callable[[], None]]] = []
+    def _actions(self) -> list[tuple[float, Any, str, Callable[[], None]]]:
+        """The timeline: ``(at_s, after, what, do)`` (``after``: None, at_s counts from the
+        start; a run's index, from when that run trains on every device; a function, from the
+        monotonic time it returns once it returns one)."""
+        acts: list[tuple[float, Any, str, Callable[[], None]]] = []
         for d in self.sc.devices:
             if d.start_s > 0:
                 acts.append((d.start_s, None, f"late joiner {d.id} enrolled and started", lambda d=d: self._late(d)))
@@ -340,6 +366,9 @@ class LabRun:
         for e in self.sc.events:
             h = Happened(e)
             self.happened.append(h)
+            if e.kind == "upgrade":  # steps that wait for a device, or for the one before
+                acts += self._upgrade_actions(h)
+                continue
             acts += [(at, e.after_run, what, fn) for at, what, fn in self._event_actions(h)]
         return sorted(acts, key=lambda a: a[0])
 
@@ -401,6 +430,61 @@ class LabRun:
             acts.append((e.at_s, f"{what} set", finish(lambda: None)))
         return acts
 
+    def _upgrade_actions(self, h: Happened) -> list[tuple[float, Any, str, Callable[[], None]]]:
+        """An upgrade event's steps (:func:`~dfl_agent.cli.lab.scenario.upgrade_steps`) as
+        timeline actions ``(at_s, after, what, do)``: each device's agent stopped (SIGTERM, as
+        ``systemctl stop`` does), switched to the new release (its configuration written by that
+        release) and started again ``down_s`` after it stopped; a step that waits for the device
+        before it counts from when that one is back (:meth:`_back_since`)."""
+        index = self.sc.events.index(h.event)
+        steps = [st for st in upgrade_steps(self.sc) if st.event == index]
+        acts: list[tuple[float, Any, str, Callable[[], None]]] = []
+        for k, st in enumerate(steps):
+            rec: dict[str, Any] = {"device": st.device, "to": st.release, "event": index}
+            self.upgrades.append(rec)
+
+            def stop(st: Any = st, rec: dict[str, Any] = rec, first: bool = k == 0) -> None:
+                if first:
+                    h.start = time.monotonic()
+                a = self.agents.get(st.device)
+                rec.update({"from": a.release if a else None, "stopped": time.monotonic(),
+                            "version_before": self.releases[a.release].version_line if a else None,
+                            "running_before": bool(a and a.proc is not None and a.proc.poll() is None)})
+                if a is not None:
+                    self.stop_agent(a)
+                    rec["stop_took_s"] = round(time.monotonic() - rec["stopped"], 1)
+
+            def start(st: Any = st, rec: dict[str, Any] = rec, last: bool = k == len(steps) - 1) -> None:
+                a = self.agents.get(st.device)
+                if a is not None:
+                    a.release = st.release
+                    self.write_agent_config(a)
+                    self.start_agent(a)
+                    rec.update({"started": time.monotonic(), "version_after": self.releases[st.release].version_line})
+                if last:
+                    h.end = time.monotonic()
+
+            what = f"upgrade {st.device}"
+            after: Any = st.after_run if st.after_device is None else partial(self._back_since, st.after_device)
+            acts += [(st.delay_s, after, f"{what}: agent stopped (SIGTERM)", stop),
+                     (st.down_s, partial(rec.get, "stopped"), f"{what}: agent started on release {st.release}", start)]
+        return acts
+
+    def _back_since(self, device: str) -> float | None:
+        """When ``device``, upgraded last, closed its first round with a peer's update on its
+        new release (monotonic), or None (not yet, or not upgraded yet)."""
+        rec = next((u for u in reversed(self.upgrades) if u["device"] == device and u.get("started")), None)
+        a = self.agents.get(device)
+        if rec is None or a is None:
+            return None
+        if rec.get("back") is None:
+            from dfl_agent.cli.lab.report import _records, _used_peers
+
+            found = [r["time"] for rs in _records(a.state).values() for r in rs
+                     if r.get("time", 0) > rec["started"] and _used_peers(r) > 0]
+            rec["back"] = min(found) if found else None
+        return rec.get("back")
+
     def _late(self, d: Device) -> None:
         creds = self.enroll(d.id, self.out / "devices" / d.id / "state")
         if d.role == "inference":
@@ -436,17 +520,17 @@ class LabRun:
         self.run_submitted[i] = time.monotonic()
 
     # ---- run ----------------------------------------------------------------------
+    # the devices' ledgers are read without writing them (releases.ledger_entries): an earlier
+    # release's ledger must not be taken over by this one while that release runs
     def _run_ended(self, i: int) -> bool:
-        from dfl_agent.runtime.service.ledger import RunLedger
         from dfl_agent.runtime.shared.descriptor import TERMINAL
 
         rid = self.run_ids[i]
         if i in self.run_failed:
             return True
-        return bool(rid) and all(RunLedger(a.state).state(rid) in TERMINAL for a in self.agents.values() if a.proc)
+        return bool(rid) and all(ledger_state(a.state, rid) in TERMINAL for a in self.agents.values() if a.proc)
 
     def _runs_done(self) -> bool:
-        from dfl_agent.runtime.service.ledger import RunLedger
         from dfl_agent.runtime.shared.descriptor import TERMINAL
 
         if any(r is None and i not in self.run_failed for i, r in enumerate(self.run_ids)):
@@ -454,10 +538,25 @@ class LabRun:
         for a in self.agents.values():
             if a.proc is None and not a.starts:
                 continue
-            ledger = RunLedger(a.state)
-            if any(ledger.state(rid) not in TERMINAL for rid in self.run_ids if rid):
+            entries = ledger_entries(a.state)
+            if any((entries.get(rid) or {}).get("state") not in TERMINAL for rid in self.run_ids if rid):
                 return False
         return True
+
+    def prepare_releases(self) -> None:
+        """Every release the scenario's devices start on or are upgraded to: unpacked into
+        ``OUT/releases/<name>/site`` and probed (``dfl-agent --version``, where ``dfl_agent`` is
+        imported from).
+
+        Raises:
+            ReleaseError: a release that does not start, or is shadowed by another install.
+        """
+        names = {d.release for d in self.sc.training()} | {st.release for st in upgrade_steps(self.sc)}
+        for name in sorted(names):
+            rel = prepare(name, self.sc.releases.get(name), self.out / "releases")
+            rel.probe(PY, self.env)
+            self.releases[name] = rel
+            self.say(f"release {name}: {rel.version_line} ({rel.source or 'this installation'})")
 
     def run(self) -> dict[str, Any]:
         from dfl_agent.cli.demo_feed import Feeder, drop_into_spool
@@ -484,6 +583,7 @@ class LabRun:
             data[d.id] = (x, y)
         store_meta = {"input_shape": list(pool.input_shape), "num_classes": pool.num_classes,
                       "class_names": list(pool.class_names)}
+        self.prepare_releases()
         self.fed_dir = out / "federation"
         self.dflctl("keys", "federation-init", "--dir", str(self.fed_dir))
         self.ca = LabCA(out / "tls")
@@ -601,7 +701,12 @@ class LabRun:
                 if done[k]:
                     continue
                 base = 0.0
-                if after is not None:
+                if callable(after):  # a moment that comes when it comes (an upgraded device is back)
+                    moment = after()
+                    if moment is None:
+                        continue
+                    base = moment - self.t0
+                elif after is not None:
                     since = self._training_since(after)
                     if since is None:
                         if self._run_ended(after):  # it never trained: this step can never come

@@ -6,16 +6,23 @@ The format (every table and key is optional unless said otherwise)::
                 feed_interval_s, feed_chunk, initial_windows, max_windows   (the feeder)
     [[site]]    name                                      (at least one)
     [[class]]   name, cpu, memory_mb, rate, loss, profile, agent = {...}
-    [[device]]  class, site, count, role ("train", or "inference": a dfl-infer member), start_s
+    [[device]]  class, site, count, role ("train", or "inference": a dfl-infer member), start_s,
+                release (a name of [releases]; "current" by default)
                 (at most MAX_DEVICES devices in all)
+    [releases]  name = "path": a wheel of dfl-agent or a folder holding its dfl_agent package,
+                relative to the folder the lab is run from; "current" (the dfl-agent that
+                runs the lab) is always defined
     [wan]       rate, loss                                (two or more sites only)
     [[run]]     at_s, algorithm, rounds, models, options = {...}, min_members, start_timeout
                 (algorithm, options and models checked against the registry before anything is built)
     [[event]]   at_s, kind, target, duration_s, value, period_s, down_s,
-                after_run (at_s counts from when that run's first round closed on every member)
+                after_run (at_s counts from when that run's first round closed on every member);
+                kind "upgrade": target a training device or "all" (one at a time, the next
+                period_s after the one before is back), value the release to switch to
+                ("current"), duration_s the time each agent is down (:func:`upgrade_steps`)
     [checks]    samples_lost, oom_kills, max_recovery_s, max_rounds_alone,
                 all_runs_deployed, discovery_via, min_final_accuracy, inference_received,
-                runs_trained (on unless set false: every run trained a round on some device)
+                all_upgraded, runs_trained (on unless set false: every run trained a round on some device)
     [agent]     a node-configuration fragment for every agent
 
 Device ids are ``<class>-<n>``, n counted from 0 per class across the whole file, in the
@@ -36,13 +43,14 @@ import tomllib
 from dfl_agent.cli.lab.net import parse_rate
 from dfl_agent.tomlcheck import TomlFileError, read_toml
 
-EVENT_KINDS = ("partition", "flap", "wan_down", "broker_outage", "power_cut", "loss", "rate")
+EVENT_KINDS = ("partition", "flap", "wan_down", "broker_outage", "power_cut", "loss", "rate", "upgrade")
 CHECKS = ("samples_lost", "oom_kills", "max_recovery_s", "max_rounds_alone", "all_runs_deployed",
-          "discovery_via", "min_final_accuracy", "inference_received", "runs_trained")
+          "discovery_via", "min_final_accuracy", "inference_received", "runs_trained", "all_upgraded")
 #: the most devices a scenario may have (each is a network namespace with its own agent; a site's
 #: /24 has room for 240 hosts)
 MAX_DEVICES = 200
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,15}$")
+_RELEASE = re.compile(r"^[a-z][a-z0-9_.-]{0,31}$")
 #: host names the lab uses for itself (a class may not be called so)
 RESERVED = ("broker", "operator", "sw", "gw", "router", "probe", "check")
 
@@ -73,6 +81,8 @@ class Device:
     site: str
     role: str = "train"
     start_s: float = 0.0
+    #: the release its agent runs at the start (a name of :attr:`Scenario.releases`)
+    release: str = "current"
 
 
 @dataclass
@@ -122,6 +132,8 @@ class Scenario:
     events: list[Event] = field(default_factory=list)
     checks: dict[str, Any] = field(default_factory=dict)
     agent: dict[str, Any] = field(default_factory=dict)
+    #: release name -> its wheel or folder ("current", the lab's own dfl-agent: None)
+    releases: dict[str, Path | None] = field(default_factory=lambda: {"current": None})
 
     @property
     def name(self) -> str:
@@ -205,9 +217,11 @@ def _check_algorithm(where: str, name: str, options: dict[str, Any], models: str
         raise ScenarioError(f"{where}.models", f"a model family ({', '.join(FAMILIES)}), not {models!r}")
 
 
-def load(path: str | Path, *, perfect: bool = False) -> Scenario:
+def load(path: str | Path, *, perfect: bool = False, releases: dict[str, str] | None = None) -> Scenario:
     """Read and check a scenario file; ``perfect``: as if its ``[lab]`` said ``perfect = true``
-    (no limits, no loss, no events: the comparison run, ``dflctl lab run --perfect``).
+    (no limits, no loss, no events: the comparison run, ``dflctl lab run --perfect``);
+    ``releases``: entries of ``[releases]`` given on the command line (``--release NAME=PATH``),
+    which replace the file's.
 
     Raises:
         ScenarioError: the file cannot be read, is not TOML, or breaks the format (the
@@ -224,6 +238,10 @@ def load(path: str | Path, *, perfect: bool = False) -> Scenario:
         raise ScenarioError(e.key or str(p), e.reason) from None
     if perfect and isinstance(doc.get("lab"), dict):
         doc["lab"]["perfect"] = True
+    if releases:
+        if not isinstance(doc.get("releases", {}), dict):
+            raise ScenarioError("scenario.releases", "must be a table")
+        doc["releases"] = {**doc.get("releases", {}), **releases}
     return parse(doc, str(p))
 
 
@@ -233,7 +251,7 @@ def parse(doc: dict[str, Any], path: str = "scenario.toml") -> Scenario:
         raise ScenarioError("scenario", "must be a table")
     top = _take(doc, "scenario", {"lab": (dict,), "site": (list,), "class": (list,), "device": (list,),
                                   "wan": (dict,), "run": (list,), "event": (list,), "checks": (dict,),
-                                  "agent": (dict,)}, required=("site", "class", "device"))
+                                  "agent": (dict,), "releases": (dict,)}, required=("site", "class", "device"))
     lab = _take(top.get("lab", {}), "lab", {
         "duration_s": NUM, "seed": (int,), "dataset": (str,), "perfect": (bool,), "feed_interval_s": NUM,
         "feed_chunk": (int,), "initial_windows": (int,), "max_windows": (int,)})
@@ -274,11 +292,12 @@ def parse(doc: dict[str, Any], path: str = "scenario.toml") -> Scenario:
                                       loss=_loss(f"{w}.loss", c.get("loss")),
                                       profile=c.get("profile", "generic-x86"), agent=dict(c.get("agent", {})))
 
+    _releases(s, top.get("releases", {}))
     counts: dict[str, int] = {}
     for i, t in enumerate(top["device"]):
         w = f"device[{i}]"
-        d = _take(t, w, {"class": (str,), "site": (str,), "count": (int,), "role": (str,), "start_s": NUM},
-                  required=("class",))
+        d = _take(t, w, {"class": (str,), "site": (str,), "count": (int,), "role": (str,), "start_s": NUM,
+                         "release": (str,)}, required=("class",))
         if d["class"] not in s.classes:
             raise ScenarioError(f"{w}.class", f"no [[class]] named {d['class']!r}")
         site = d.get("site", s.sites[0])
@@ -293,11 +312,15 @@ def parse(doc: dict[str, Any], path: str = "scenario.toml") -> Scenario:
             raise ScenarioError(f"{w}.count", f"{d['count']!r} more device(s) after {len(s.devices)}: at most "
                                               f"{MAX_DEVICES} devices in a scenario")
         _nonneg(f"{w}.start_s", d.get("start_s"))
+        release = d.get("release", "current")
+        _known_release(s, f"{w}.release", release)
+        if role == "inference" and release != "current":
+            raise ScenarioError(f"{w}.release", "an inference member runs the lab's own dfl-infer (\"current\")")
         for _ in range(d.get("count", 1)):
             n = counts.get(d["class"], 0)
             counts[d["class"]] = n + 1
             s.devices.append(Device(f"{d['class']}-{n}", s.classes[d["class"]], site, role,
-                                    float(d.get("start_s", 0.0))))
+                                    float(d.get("start_s", 0.0)), release))
     if not s.training():
         raise ScenarioError("device", "at least one training device")
     wan = _take(top.get("wan", {}), "wan", {"rate": (str, int), "loss": NUM})
@@ -330,7 +353,12 @@ def parse(doc: dict[str, Any], path: str = "scenario.toml") -> Scenario:
         for k in ("at_s", "duration_s", "period_s", "down_s"):
             _nonneg(f"{w}.{k}", e.get(k))
         target = e.get("target", "wan" if kind == "wan_down" else "")
-        if kind == "wan_down":
+        if kind == "upgrade":
+            if target != "all" and target not in {d.id for d in s.training()}:
+                raise ScenarioError(f"{w}.target", f"a training device ({', '.join(d.id for d in s.training())}) "
+                                                   f"or \"all\" for upgrade, not {target!r}")
+            _known_release(s, f"{w}.value", e.get("value", "current"))
+        elif kind == "wan_down":
             if len(s.sites) < 2:
                 raise ScenarioError(f"{w}.kind", "wan_down needs two or more [[site]]s (a WAN between them)")
             if target != "wan":
@@ -344,7 +372,7 @@ def parse(doc: dict[str, Any], path: str = "scenario.toml") -> Scenario:
             raise ScenarioError(f"{w}.target", f"a training device for power_cut, not the inference member {target!r}")
         if kind in ("partition", "flap", "wan_down", "broker_outage", "power_cut") and not e.get("duration_s"):
             raise ScenarioError(f"{w}.duration_s", f"{kind} needs a duration above 0")
-        value = e.get("value", "")
+        value = e.get("value", "current" if kind == "upgrade" else "")
         if kind == "loss":
             _loss(f"{w}.value", value)
         elif kind == "rate":
@@ -359,11 +387,12 @@ def parse(doc: dict[str, Any], path: str = "scenario.toml") -> Scenario:
             raise ScenarioError(f"{w}.after_run", f"the index of a [[run]] (0 to {len(s.runs) - 1}), not {after}")
         s.events.append(Event(float(e["at_s"]), kind, target, float(e.get("duration_s", 0.0)), str(value),
                               float(e.get("period_s", 0.0)), float(e.get("down_s", 0.0)), after))
+    _one_at_a_time(s)
 
     checks = _take(top.get("checks", {}), "checks", {
         "samples_lost": (int,), "oom_kills": (int,), "max_recovery_s": NUM, "max_rounds_alone": (int,),
         "all_runs_deployed": (bool,), "discovery_via": (str,), "min_final_accuracy": NUM,
-        "inference_received": (bool,), "runs_trained": (bool,)})
+        "inference_received": (bool,), "runs_trained": (bool,), "all_upgraded": (bool,)})
     if "discovery_via" in checks and checks["discovery_via"] not in ("mdns", "presence", "static"):
         raise ScenarioError("checks.discovery_via", f"\"mdns\", \"presence\" or \"static\", not "
                                                     f"{checks['discovery_via']!r}")
@@ -375,3 +404,79 @@ def parse(doc: dict[str, Any], path: str = "scenario.toml") -> Scenario:
         s.wan = {"rate": None, "loss": 0.0}
         s.events = []
     return s
+
+
+# ---- releases and upgrades ----------------------------------------------------------------
+def _releases(s: Scenario, table: dict[str, Any]) -> None:
+    """``[releases]``: each name's wheel or folder, checked now (a missing or wrong file is
+    named by its key before anything is built)."""
+    from dfl_agent.cli.lab.releases import CURRENT, ReleaseError, check_release
+
+    for name, path in table.items():
+        w = f"releases.{name}"
+        if name == CURRENT:
+            raise ScenarioError(w, "\"current\" is the dfl-agent that runs the lab; give the release another name")
+        if not _RELEASE.match(name):
+            raise ScenarioError(w, "a short lower-case name (letters, digits, . _ -)")
+        if not isinstance(path, str) or not path:
+            raise ScenarioError(w, f"the path of a wheel or a release folder, not {path!r}")
+        p = Path(path).expanduser().absolute()
+        try:
+            check_release(p)
+        except ReleaseError as e:
+            raise ScenarioError(w, str(e)) from None
+        s.releases[name] = p
+
+
+def _known_release(s: Scenario, where: str, name: Any) -> None:
+    if not isinstance(name, str) or name not in s.releases:
+        raise ScenarioError(where, f"a release of [releases] ({', '.join(s.releases)}), not {name!r}")
+
+
+@dataclass
+class UpgradeStep:
+    """One device's upgrade: its agent stopped ``delay_s`` after its moment, and started on
+    ``release`` ``down_s`` after it stopped.  The moment: with ``after_device``, when that
+    device, upgraded just before, closed its first round with a peer's update on its new
+    release; else the scenario's start, or when run ``after_run`` trained on every device."""
+
+    event: int
+    device: str
+    release: str
+    delay_s: float
+    down_s: float
+    after_run: int | None = None
+    after_device: str | None = None
+
+
+def upgrade_steps(s: Scenario) -> list[UpgradeStep]:
+    """Every device upgrade of the scenario's ``upgrade`` events, event by event.
+
+    An event with ``target = "all"`` upgrades every training device, one at a time in the
+    file's order: the first ``at_s`` after its moment (the start, or ``after_run``), each next
+    one ``period_s`` after the one before it is back (closed a round with a peer's update on
+    its new release); each agent is down ``duration_s``.  A device id target: that device,
+    ``at_s`` after its moment.
+    """
+    steps = []
+    for i, e in enumerate(s.events):
+        if e.kind != "upgrade":
+            continue
+        targets = [d.id for d in s.training()] if e.target == "all" else [e.target]
+        for k, dev in enumerate(targets):
+            steps.append(UpgradeStep(i, dev, e.value or "current", e.at_s if k == 0 else e.period_s, e.duration_s,
+                                     e.after_run if k == 0 else None, targets[k - 1] if k else None))
+    return steps
+
+
+def _one_at_a_time(s: Scenario) -> None:
+    """Upgrades that start from the same moment may not overlap: a device is stopped only
+    after the one before it has been started again.  (Those of one ``target = "all"`` event
+    follow each other by construction.)"""
+    fixed = sorted((st for st in upgrade_steps(s) if st.after_device is None),
+                   key=lambda st: (st.after_run if st.after_run is not None else -1, st.delay_s))
+    for a, b in zip(fixed, fixed[1:]):
+        if a.after_run == b.after_run and b.delay_s <= a.delay_s + a.down_s:
+            raise ScenarioError(f"event[{b.event}].at_s", f"upgrade of {b.device} at {b.delay_s:g} s while {a.device} "
+                                                          f"is down ({a.delay_s:g}-{a.delay_s + a.down_s:g} s): one "
+                                                          "device at a time")

@@ -71,6 +71,10 @@ class Membership:
         #: quorum of them is there, instead of waiting its deadline for updates of a round they
         #: have left (:meth:`RuntimeContext.catching_up`), and then skips again
         self.behind = False
+        #: the round its neighbours' statuses showed the federation at when this node (re)joined
+        #: (:meth:`note_rejoin`): until it gets there it is behind, whatever the updates it has
+        #: received so far show (after a restart the first ones can be a broker's backlog of old rounds)
+        self.rejoin_ahead = 0
         #: peers that came (back) into this node's presence view: a first sighting, or a return
         #: after "offline" (a restart, a power cut, a partition healed).  A CHOCO stream sends
         #: its next message as a keyframe when it grows (:mod:`dfl_agent.algorithms.gossip_compression`),
@@ -262,6 +266,17 @@ class Membership:
             return False
         return ctx.security is None or ctx.security.is_member(peer)
 
+    def note_rejoin(self, target: int, shown: Mapping[str, int], live: int, final_round: int) -> None:
+        """A (re)start that rejoins a running federation at round ``target`` (from its live
+        neighbours' statuses ``shown``, neighbour -> completed round, as for
+        :func:`catch_up_target`): still behind most of them after that capped skip, the node
+        is :attr:`behind`, as after a capped catch-up in the run, so that its first round takes
+        their newest updates instead of waiting its deadline for a round they have left.  It stays
+        behind until it reaches the round those statuses showed (:meth:`catch_up_round`)."""
+        ahead = quorum_shown(shown, live)
+        self.rejoin_ahead = 0 if ahead is None else min(ahead + 1, final_round)
+        self.behind = target < self.rejoin_ahead
+
     def catch_up_round(self, next_round: int, latest_round: Mapping[str, int]) -> int:
         """The round to run after ``next_round - 1`` (see :meth:`RuntimeContext.catch_up_round`)."""
         ctx = self.ctx
@@ -277,7 +292,8 @@ class Membership:
         target = catch_up_target(next_round, shown, len(live), ctx.max_catch_up_rounds)
         if ctx.final_round is not None:
             target = max(next_round, min(target, ctx.final_round))
-        self.behind = target < (ctx.final_round or target + 1) and still_behind(shown, len(live), target)
+        self.behind = target < (ctx.final_round or target + 1) and (
+            still_behind(shown, len(live), target) or target < self.rejoin_ahead)
         if target == next_round:
             return next_round
         self.caught_up += target - next_round

@@ -85,6 +85,10 @@ class RunMembers:
         }
         start = catch_up_target(start_round, shown, len(live), self.cfg.runtime.max_catch_up_rounds)
         start = max(start_round, min(start, self.cfg.algorithm.rounds))
+        # still behind after a capped skip: the first round takes the neighbours' newest updates
+        # (as after a capped catch-up in the run) instead of waiting round_timeout for updates of
+        # a round they have left and closing it alone
+        self.ctx.membership.note_rejoin(start, shown, len(live), self.cfg.algorithm.rounds)
         if start > start_round:
             log.info("rejoining the federation at round %d", start)
         return start
