@@ -169,6 +169,18 @@ def store_counts(state: Path) -> dict[str, Any]:
     return {"rows": rows, "per_file": per_file, "fed_ids": ids}
 
 
+def spool_ids(spool: Path) -> set[float]:
+    """The sample ids of the intact fed files still in the spool (ingested at the next start)."""
+    out: set[float] = set()
+    for f in spool.glob("f*.npz"):
+        try:
+            with np.load(f) as z:
+                out |= set(z["x"][:, 0, 0].astype(np.float64).tolist())
+        except (OSError, ValueError, KeyError):
+            pass
+    return out
+
+
 def privacy(state: Path) -> dict[str, Any]:
     """The privacy ledger's rows and composed ε (read-only); ``error`` when it does not check."""
     try:
@@ -325,8 +337,11 @@ def checks(agents: list[Agent], series: list[dict], cuts: list[dict], a: argpars
         got = np.array(ids, np.float64)
         uniq = np.unique(got)
         fed_per_file = {n: sc["per_file"].get(n) for n in ag.fed}
+        pending = spool_ids(ag.state / "spool")  # fed last, not ingested yet: still there, intact
+        held = set(uniq.tolist()) & set(range(ag.next_id))
         smp[ag.nid] = {"fed": expected, "fed_files": len(ag.fed), "stored_fed_rows": len(ids),
-                       "lost": int(expected - len(set(uniq.tolist()) & set(range(ag.next_id)))),
+                       "pending_in_spool": len(pending - held),
+                       "lost": int(expected - len(held | (pending & set(range(ag.next_id))))),
                        "duplicated": int(len(ids) - len(uniq)),
                        "files_not_ingested": sorted(n for n, c in fed_per_file.items() if c is None)[:20],
                        "files_wrong_count": sorted(n for n, c in fed_per_file.items() if c not in (None, ag.fed[n]))[:20],
@@ -407,7 +422,8 @@ def report(doc: dict[str, Any]) -> str:
                                  for k, v in s["agents"].items()) + " |")
         sm = c["samples"]
         lines.append(f"| 0 samples lost or duplicated | {yes[sm['pass']]} | "
-                     + "; ".join(f"{k}: {v['fed']} fed, {v['lost']} lost, {v['duplicated']} twice"
+                     + "; ".join(f"{k}: {v['fed']} fed, {v['lost']} lost, {v['duplicated']} twice, "
+                                 f"{v['pending_in_spool']} still in the spool"
                                  for k, v in sm["agents"].items()) + " |")
         v = c["versions"]
         lines.append(f"| 0 invalid versions, no run deployed twice | {yes[v['pass']]} | "
