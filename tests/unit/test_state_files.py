@@ -134,6 +134,40 @@ def test_a_run_not_recorded_ended_keeps_everything_a_restart_needs(tmp_path):
     assert _folders(tmp_path) == ["r-killed", "r-new"]
 
 
+def test_a_repeat_a_power_cut_interrupted_in_an_earlier_period_is_recorded_failed(tmp_path):
+    """A power cut during a repeat of the recurring default run (``algorithm.every``), the service
+    back in a later period: the interrupted repeat (ledger ``training``) is recorded ``failed``
+    with why and its folder settled (checkpoints and run.toml removed), so it neither stays
+    ``training`` nor keeps its folder for the device's life; the current period's repeat, also
+    interrupted, is the run taken next (it resumes), and an operator's run is left to its own resume."""
+    from dfl_agent.runtime.service.ledger import default_descriptor
+
+    cfg = config_from_dict({"federation": "f", "state_dir": str(tmp_path),
+                            "algorithm": {"name": "fedavg", "rounds": 2, "every": "30d"}})
+    current = default_descriptor(cfg).run_id
+    base, idx = current.rsplit(".", 1)
+    old = f"{base}.{int(idx) - 1}"
+    ledger = RunLedger(tmp_path)
+    run_dir = tmp_path / "runs" / old
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "round-00000001.safetensors").write_bytes(b"\0" * 4096)
+    (run_dir / "checkpoints" / "round-00000001.json").write_text("{}")
+    (run_dir / "run.toml").write_text("{}")
+    (run_dir / "descriptor.json").write_text("{}")
+    for rid in (old, current, "r-operator"):
+        ledger.set(rid, "training", 1)
+    ledger.close()
+    m = _manager(cfg)  # the restart: the ledger read back from disk
+    d = m.next_run()
+    assert d is not None and d.run_id == current
+    entry = m.ledger.entry(old)
+    assert entry["state"] == "failed" and "its period is over" in entry["reason"], entry
+    assert sorted(p.name for p in run_dir.iterdir()) == ["descriptor.json", "ended.json"]
+    assert m.ledger.state(current) == "training" and m.ledger.state("r-operator") == "training"
+    m.ledger.close()
+    assert RunLedger(tmp_path).state(old) == "failed"
+
+
 def _model_files() -> dict[str, bytes]:
     return {"model.safetensors": b"weights", "spec.json": b"{}"}
 

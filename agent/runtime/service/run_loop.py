@@ -59,6 +59,7 @@ class RunLoop:
         async def wait_for_members(self, d: RunDescriptor, stop: asyncio.Event) -> bool | None: ...
         def cancel_unstarted(self, run_id: str) -> None: ...
         def expire_unstarted(self, run_id: str) -> None: ...
+        def end_interrupted(self, run_id: str, reason: str) -> None: ...
         def decline(self, run_id: str, reason: str) -> None: ...
         def idle(self) -> None: ...
         def _to(self, state: str, run_id: str | None = None, reason: str = "", rnd: int = 0,
@@ -171,6 +172,8 @@ class RunLoop:
         store, ledger, lobby = self.store, self.ledger, self.lobby
         if self.has_default:
             dd = default_descriptor(self.cfg, ledger=ledger, new_samples=store.count_since if store is not None else None)
+            if dd is not None and self.cfg.algorithm.every:
+                self._end_past_repeats(dd.run_id)
             if dd is not None and not ledger.is_done(dd.run_id):
                 d = dd
         if d is None:
@@ -194,6 +197,18 @@ class RunLoop:
         else:
             self.waiting_for_data = False
         return d
+
+    def _end_past_repeats(self, current: str) -> None:
+        """Record ``failed`` every earlier repeat of the recurring default run (``algorithm.every``)
+        that a kill or power cut interrupted before its training ended and whose period is over:
+        a missed period is not made up, so nothing would ever end it, and its entry and folder
+        would stay for the device's life.  A repeat interrupted within its own period is
+        ``current`` and runs again (resuming from its checkpoint)."""
+        prefix = current.rsplit(".", 1)[0] + "."
+        for rid in self.ledger.in_states(BEFORE_TRAINED[1:]):
+            if rid != current and rid.startswith(prefix):
+                self.end_interrupted(rid, "interrupted before its training ended (the service stopped or lost "
+                                          "power), and its period is over: a missed period is not made up")
 
     def _unfinished(self) -> RunDescriptor | None:
         """A run killed after its training (:data:`AFTER_TRAINING`; its descriptor saved at

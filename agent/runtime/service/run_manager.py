@@ -244,6 +244,13 @@ class RunManager(RunLoop):
         self.decline(run_id, "expired: its not_after passed before it started here")
         self._to("idle")
 
+    def end_interrupted(self, run_id: str, reason: str) -> None:
+        """Record ``failed`` (with ``reason``) a run a restart will not resume (an earlier repeat
+        of the recurring default run); the manager's own state is untouched.  Its privacy
+        reservation is settled as for any failed run, and its folder settled like every ended run's."""
+        e = self.ledger.entry(run_id) or {}
+        self._record(run_id, "failed", reason, int(e.get("round") or 0))
+
     def admit(self, d: RunDescriptor) -> bool:
         """``idle -> admitted`` when the run fits this device (:func:`~dfl_agent.runtime.service.admission.admit`),
         else ``idle -> declined``.  Publishes the decision."""
