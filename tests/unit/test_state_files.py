@@ -140,7 +140,7 @@ def test_a_repeat_a_power_cut_interrupted_in_an_earlier_period_is_recorded_faile
     with why and its folder settled (checkpoints and run.toml removed), so it neither stays
     ``training`` nor keeps its folder for the device's life; the current period's repeat, also
     interrupted, is the run taken next (it resumes), and an operator's run is left to its own resume."""
-    from dfl_agent.runtime.service.ledger import default_descriptor
+    from dfl_agent.runtime.service.default_run import default_descriptor
 
     cfg = config_from_dict({"federation": "f", "state_dir": str(tmp_path),
                             "algorithm": {"name": "fedavg", "rounds": 2, "every": "30d"}})
