@@ -19,6 +19,7 @@ new complete one.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import secrets
@@ -185,3 +186,21 @@ def crash_point(state: str, when: str) -> None:
         if group in (os.getpid(), os.getppid()):  # a supervisor that leads its group, or its run process:
             os.killpg(group, signal.SIGKILL)  # both die together, as in a power cut
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``folder`` while the block runs (for example the creation or
+    migration of a ledger there, which another process opening the same state directory may
+    attempt at the same time); the folder is created if missing.
+
+    Raises:
+        OSError: the folder cannot be created or opened.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

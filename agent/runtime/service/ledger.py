@@ -36,8 +36,6 @@ connects, and the runs the ledger recorded cancelled stay cancelled).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -48,7 +46,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from dfl_agent.fsutil import crash_point, rename
+from dfl_agent.fsutil import crash_point, folder_lock, rename
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.runtime.shared.assembly import StartupError
 from dfl_agent.runtime.shared.descriptor import (
@@ -104,19 +102,6 @@ def sqlite_uri(path: Path, mode: str) -> str:
     from urllib.parse import quote
 
     return f"file:{quote(str(path.absolute()))}?mode={mode}"
-
-
-@contextlib.contextmanager
-def folder_lock(folder: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``folder`` (the migration and the creation of the ledger, which
-    another process opening the same state directory may attempt at the same time)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def summary(entry: Mapping[str, Any]) -> dict[str, Any]:

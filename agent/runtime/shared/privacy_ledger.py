@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import fcntl
 import json
 import logging
 import os
@@ -39,11 +38,11 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dfl_agent.fsutil import crash_point, fsync_dir, rename
+from dfl_agent.fsutil import crash_point, folder_lock, fsync_dir, rename
 from dfl_agent.privacy.accountant import rdp_epsilon
 from dfl_agent.privacy.config import PrivacyConfig, merge_privacy, parse_privacy
 from dfl_agent.runtime.shared.privacy_chain import (
@@ -67,6 +66,7 @@ from dfl_agent.runtime.shared.privacy_chain import (
     write_head,
 )
 from dfl_agent.runtime.shared.privacy_chain import apply as apply_event
+from dfl_agent.runtime.shared.sqlite_file import cut_short, journal_holds_pages
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -184,29 +184,7 @@ class PrivacyLedger:
 
     def _empty_file(self) -> bool:
         """Whether the ledger's file is 0 bytes (and no journal holds its pages)."""
-        wal = self.path.with_name(self.path.name + "-wal")
-        return self.path.stat().st_size == 0 and not (wal.exists() and wal.stat().st_size > 0)
-
-    def _truncated(self) -> str | None:
-        """What says the file was cut short, from its size and its header (SQLite's own format:
-        page size at byte 16, page count at 28, valid while bytes 92 and 24 agree); None when
-        nothing does, or while the journal holds pages not yet folded into the file."""
-        wal = self.path.with_name(self.path.name + "-wal")
-        if wal.exists() and wal.stat().st_size > 0:
-            return None
-        with open(self.path, "rb") as f:
-            hdr = f.read(100)
-        if len(hdr) < 100 or not hdr.startswith(b"SQLite format 3\0"):
-            return None  # SQLite names what it is not
-        size = self.path.stat().st_size
-        page = int.from_bytes(hdr[16:18], "big")
-        page = 65536 if page == 1 else page
-        if page < 512 or size % page:
-            return f"is {size} bytes, not a whole number of its {page}-byte pages (truncated)"
-        pages = int.from_bytes(hdr[28:32], "big")
-        if hdr[92:96] == hdr[24:28] and pages * page > size:
-            return f"is {size} bytes, but its header counts {pages} pages of {page} bytes (truncated)"
-        return None
+        return self.path.stat().st_size == 0 and not journal_holds_pages(self.path)
 
     def _load(self, con: sqlite3.Connection | None = None) -> LedgerState:
         """Read and verify the ledger (a new connection unless ``con``, in whose transaction the
@@ -224,7 +202,7 @@ class PrivacyLedger:
                 return LedgerState(chain=head["chain"])  # created, nothing committed yet (a power cut)
             raise self._damaged("is 0 bytes (truncated)" + (f"; its head marker records {recorded} rows"
                                                             if recorded else ""))
-        if (cut := self._truncated()) is not None:
+        if (cut := cut_short(self.path)) is not None:
             raise self._damaged(cut)
         try:
             if con is not None:
@@ -298,17 +276,9 @@ class PrivacyLedger:
         return st
 
     # -- writing ------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self) -> contextlib.AbstractContextManager[None]:
         """An exclusive ``flock`` on the ``privacy/`` folder (writers: commit and marker together)."""
-        folder = self.path.parent
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
+        return folder_lock(self.path.parent)
 
     def _create(self, chain: str) -> None:
         """A new, empty chained ledger with chain id ``chain`` (the marker is written first)."""
