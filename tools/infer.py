@@ -127,9 +127,10 @@ async def _run(a: argparse.Namespace, s: dict[str, Any]) -> int:
         return 3
     mdns = None
     if s["mdns"]:
-        from dfl_agent.discovery.mdns import MdnsDiscovery
+        from dfl_agent.discovery.mdns import DESCRIPTOR_KEYS, MdnsDiscovery
 
-        advertised = {k: v for k, v in member.descriptor.items() if k not in ("address", "cert")}  # presence only
+        # the presence alone carries the address, the certificate and the wire versions (mDNS names them itself)
+        advertised = {k: v for k, v in member.descriptor.items() if k in DESCRIPTOR_KEYS}
         mdns = MdnsDiscovery(member.peers, node_id=nid, federation=s["federation"], descriptor=advertised,
                              interfaces=s["mdns"])
         await mdns.start()
