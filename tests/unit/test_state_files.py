@@ -678,3 +678,20 @@ def test_every_module_that_writes_state_is_in_the_table():
             found.add(rel)
     cgroup = {"runtime/service/cgroup.py"}  # the kernel's cgroup files, not state
     assert found - writers - NOT_STATE - cgroup == set()
+
+
+def test_gzipped_round_records_keep_the_time_of_the_last_round(tmp_path):
+    """Settling an ended run gzips its round records; the archive keeps their modification time
+    (when the run wrote its last round), which readers such as the feed demo's summary take as
+    the run's end (a fresh mtime made a deployment look 0.03 s older than the run's end)."""
+    import os
+
+    from dfl_agent.runtime.service.retention import settle_run
+
+    folder = tmp_path / "runs" / "r1"
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text('{"round": 1}\n')
+    os.utime(folder / "metrics.jsonl", (1_700_000_000, 1_700_000_000))
+    assert settle_run(folder, {"state": "finished"})
+    assert not (folder / "metrics.jsonl").exists()
+    assert (folder / "metrics.jsonl.gz").stat().st_mtime == 1_700_000_000

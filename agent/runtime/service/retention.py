@@ -81,11 +81,14 @@ def read_records(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 def _gzip_metrics(folder: Path) -> None:
     """``metrics.jsonl`` -> ``metrics.jsonl.gz`` (written atomically first, then the plain file
-    deleted: a kill between the two leaves both, and the next settling writes the archive again)."""
+    deleted: a kill between the two leaves both, and the next settling writes the archive again).
+    The archive keeps the records' modification time: when the run wrote its last round."""
     src = folder / METRICS
+    st = src.stat()
     with open(src, "rb") as fin, atomic_writer(folder / METRICS_GZ) as fout, \
             gzip.GzipFile(filename=METRICS, mode="wb", fileobj=fout, mtime=0) as gz:
         shutil.copyfileobj(fin, gz)
+    os.utime(folder / METRICS_GZ, ns=(st.st_atime_ns, st.st_mtime_ns))
     src.unlink()
 
 
