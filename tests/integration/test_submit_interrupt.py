@@ -23,11 +23,18 @@ from dfl_agent.runtime.shared.descriptor import run_topic
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
+def _as_from_a_terminal() -> None:
+    """In the child before exec: SIGINT at its default, as a terminal's foreground process has it
+    (a test run started in the background of a shell ignores SIGINT, and children inherit that;
+    the programs rightly leave an ignored SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _submit(tmp_path: Path, broker: str, fed: str, *extra: str) -> tuple[subprocess.Popen, Path]:
     err = tmp_path / "stderr"
     proc = subprocess.Popen([sys.executable, "-m", "dfl_agent.cli.dflctl", "run", "submit", "--broker", broker,
                              "--federation", fed, "--algorithm", "fedavg", "--rounds", "1", "--run-id", "r-int",
-                             *extra], stdout=subprocess.PIPE, stderr=open(err, "wb"), text=True)
+                             *extra], stdout=subprocess.PIPE, stderr=open(err, "wb"), text=True, preexec_fn=_as_from_a_terminal)
     return proc, err
 
 

@@ -37,6 +37,13 @@ def _wait(cond, timeout: float, what: str, *files) -> None:
     raise AssertionError(f"timed out waiting for {what}\n" + "\n".join(f.read_text()[-2000:] for f in files))
 
 
+def _as_from_a_terminal() -> None:
+    """In the child before exec: SIGINT at its default, as a terminal's foreground process has it
+    (a test run started in the background of a shell ignores SIGINT, and children inherit that;
+    the programs rightly leave an ignored SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -50,7 +57,7 @@ def test_ctrl_c_in_watch_is_one_line_and_exit_130(tmp_path):
     with start_broker("mosquitto") as broker:
         proc = subprocess.Popen([*DFLCTL, "watch", "--broker", broker.endpoint, "--federation", "quiet",
                                  "--interval", "0.2"], stdout=open(out, "w"), stderr=open(err, "w"),
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_as_from_a_terminal)
         try:
             _wait(lambda: "peers" in out.read_text(), 60, "the first frame", out, err)
             os.killpg(proc.pid, signal.SIGINT)
@@ -71,7 +78,7 @@ def test_ctrl_c_stops_the_demos_agents_within_5_s_and_leaves_a_partial_report(tm
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
     proc = subprocess.Popen([*DFLCTL, "demo", "--no-live", "--nodes", "2", "--rounds", "1000", "--algorithm",
                              "fedavg", "--broker", "mosquitto", "--round-timeout", "5", "--out", str(report)],
-                            stdout=open(out, "w"), stderr=open(err, "w"), start_new_session=True)
+                            stdout=open(out, "w"), stderr=open(err, "w"), start_new_session=True, preexec_fn=_as_from_a_terminal)
     try:
         ids: list[str] = []
 
@@ -111,7 +118,7 @@ def test_ctrl_c_stops_the_feed_demos_agents_and_run_processes_within_5_s(tmp_pat
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
     proc = subprocess.Popen([*DFLCTL, "demo", "--feed", "--no-live", "--nodes", "2", "--rounds", "200", "--runs", "2",
                              "--broker", "mosquitto", "--out", str(report)],
-                            stdout=open(out, "w"), stderr=open(err, "w"), start_new_session=True)
+                            stdout=open(out, "w"), stderr=open(err, "w"), start_new_session=True, preexec_fn=_as_from_a_terminal)
     try:
         def agents() -> list[int]:
             return [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
@@ -148,7 +155,7 @@ def _interrupt(cmd: list[str], anchor: str, delay: float) -> tuple[int, list[str
     import-time report."""
     env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
+                            text=True, env=env, start_new_session=True, preexec_fn=_as_from_a_terminal)
     lines: list[str] = []
     seen = threading.Event()
 
