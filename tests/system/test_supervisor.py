@@ -137,7 +137,10 @@ def test_run_process_killed_mid_run_is_retried_from_its_checkpoint(tmp_path):
         with open(log_path, "ab") as log:
             proc = _start(path, log)
             try:
-                _wait(lambda: list((state / "runs").glob("*/checkpoints/*")) and _ledger(state), 180, proc, log_path)
+                # a complete checkpoint: its manifest (round-*.json) is written last; the hidden
+                # temporary file of one being written matched "*" and the kill then left none
+                _wait(lambda: list((state / "runs").glob("*/checkpoints/round-*.json")) and _ledger(state), 180, proc,
+                      log_path)
                 pid = int(re.findall(r"run process (\d+) started", log_path.read_text())[-1])
                 os.kill(pid, signal.SIGKILL)
                 (run_id,) = _ledger(state)
