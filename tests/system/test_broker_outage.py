@@ -29,7 +29,7 @@ from tests.system.test_agent_logs import _config, _start, _wait
 pytestmark = [pytest.mark.integration, needs_mosquitto]
 
 ROUNDS = 40
-#: the plain test's rounds: its rounds take about 0.07 s, and with 40 the run could end before
+#: the outage tests' rounds: a round takes about 0.1 s, and with 40 the run could end before
 #: the broker was stopped after round 2 (then nothing paused: max paused_s 0.0)
 OUTAGE_ROUNDS = 400
 
@@ -94,7 +94,7 @@ def test_a_broker_outage_in_the_production_configuration(tmp_path):
     broker, port, passwords = _tls_broker(tmp_path)
     procs: list = []
     try:
-        start_agents(procs, tmp_path, port, passwords, ROUNDS, lambda nid: {
+        start_agents(procs, tmp_path, port, passwords, OUTAGE_ROUNDS, lambda nid: {
             "algorithm": {"options": {"round_timeout": 3.0, "poll_interval": 0.2}},
             "data": {"dataset": "digits", "num_nodes": 2}, "model": {"size": "small"}, "training": {"steps": 2},
             "mqtt": {"heartbeat_interval": 0.5, "keepalive": 2},
@@ -110,7 +110,7 @@ def test_a_broker_outage_in_the_production_configuration(tmp_path):
         assert [p.wait(120) for p in procs] == [0, 0], "\n".join(p.read_text()[-3000:] for p in logs)
     finally:
         stop_all(procs, broker)
-    _check_the_outage(tmp_path, ids, logs, lambda nid: tmp_path / f"{nid}.jsonl")
+    _check_the_outage(tmp_path, ids, logs, lambda nid: tmp_path / f"{nid}.jsonl", rounds=OUTAGE_ROUNDS)
     for log in logs:  # no update dropped as unsigned, forged or undecodable (a last will, unsigned, is counted
         text = log.read_text()  # as presence_unsigned, and a retained status seen again as status_replay)
         assert [r for r in (*BAD, "unsigned", "unknown_sender") if re.search(rf"dropped message from \S+: {r}", text)] \
