@@ -95,7 +95,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
     carried = sum(float(c["epsilon"]) for c in st.carried)
     eps = st.epsilon(delta)
     head = read_head(sd)
-    doc.update(rows=st.events, runs=len(rows), **counts, head=st.head, chain=st.chain,
+    folded = sum(st.folded.values())
+    doc.update(rows=st.events, runs=len(rows), folded=folded, **counts, head=st.head, chain=st.chain,
                marker_rows=head["events"] if head else None, epsilon=round(eps, 6), epsilon_carried=round(carried, 6),
                recoveries=[{"epsilon": c["epsilon"], "delta": c["delta"], "time": c.get("time"),
                             "reason": c.get("reason")} for c in st.carried])
@@ -108,7 +109,9 @@ def cmd_verify(a: argparse.Namespace) -> int:
     marker = f"its head marker records row {head['events']}" if head else "no head marker yet"
     print(f"privacy ledger {ledger.path}: ok: {st.events} row{'s' if st.events != 1 else ''} of history, "
           f"{len(rows)} run{'s' if len(rows) != 1 else ''} ({counts['spent']} spent, "
-          f"{counts['released']} released, {counts['reserved']} reserved), head {st.head[:12]}, {marker}")
+          f"{counts['released']} released, {counts['reserved']} reserved"
+          f"{f'; {len(st.folded)} of them fold {folded} older runs' if st.folded else ''}), head {st.head[:12]}, "
+          f"{marker}")
     print(f"epsilon spent {eps:.6g} at delta {delta:g}")
     for c in st.carried:
         print(f"  of which {float(c['epsilon']):.6g} (at delta {c['delta']:g}) carried over by a recovery on "

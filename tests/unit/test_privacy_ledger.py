@@ -34,10 +34,11 @@ DP = {"lifetime_epsilon": 10.0, "dp": {"max_grad_norm": 1.0, "noise_multiplier":
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "compat" / "0.1.0" / "privacy" / "ledger.sqlite"
 
 
-def _budget(state: Path, store=None) -> PrivacyBudget:
+def _budget(state: Path, store=None, keep_runs: int = 20) -> PrivacyBudget:
     from dfl_agent.profiles import get_profile
 
     cfg = config_from_dict({"state_dir": str(state), "algorithm": {"name": "local", "rounds": 5},
+                            "runtime": {"keep_runs": keep_runs},
                             "training": {"batch_size": 20, "steps": 4},
                             "data": {"dataset": "store", "input_shape": [3, 4], "num_classes": 2}, "privacy": DP})
     return PrivacyBudget(cfg, get_profile("generic-x86"), store)
@@ -417,3 +418,121 @@ def test_the_service_declines_dp_runs_and_serves_the_others(tmp_path: Path) -> N
     assert plain.admit(d3) and asyncio.run(plain.train(d3, asyncio.Event()))
     assert plain.ledger.state("r3") == "finished"
     assert privacy_text(plain.privacy.status()) == "ledger damaged"
+
+
+_FOLDER = textwrap.dedent("""
+    import sys
+    from dfl_agent.runtime.service.privacy_budget import PrivacyLedger
+    PrivacyLedger(sys.argv[1]).fold(3)
+""")
+
+
+def _recurring(led: PrivacyLedger, n: int, start: int = 0) -> None:
+    """``n`` recurring DP runs at two noise levels; every fifth never trained (released)."""
+    for i in range(start, start + n):
+        rid = f"r{i:03d}"
+        led.reserve(rid, _plan(1.1 if i % 3 else 1.6, 0.02, 40), rounds=4)
+        led.mark_trained(rid)
+        led.settle(rid, 0 if i % 5 == 4 else 40)
+
+
+def test_folding_keeps_the_ledger_bounded_and_the_epsilon_unchanged(tmp_path: Path) -> None:
+    """A device with recurring DP runs appends four events a run; folding (after each settled
+    run, keeping the newest ``keep``) bounds the file while the composed ε, the runs counted, the
+    chain's checks and the marker stay as they were; a reserved run is never folded."""
+    from dfl_agent.runtime.shared.privacy_ledger import HEAD_FILE, LedgerDamaged, read_head
+
+    led = PrivacyLedger(tmp_path / "s")
+    led.reserve("held", _plan(1.1, 0.02, 40), rounds=4)  # reserved (a run still going): never folded
+    sizes, eps = [], []
+    for block in range(12):
+        _recurring(led, 10, 10 * block)
+        before = led.epsilon(1e-5)
+        led.fold(5)
+        st = PrivacyLedger(tmp_path / "s").state(fresh=True)  # a new process's view
+        eps.append((before, st.epsilon(1e-5)))
+        sizes.append(sum(p.stat().st_size for p in (tmp_path / "s" / "privacy").iterdir()))
+    assert all(abs(a - b) <= 1e-9 * a for a, b in eps), eps
+    assert all(b >= a for a, b in zip(eps, eps[1:]))  # the ε spent only grows
+    st = led.state(fresh=True)
+    assert st.base > 0 and st.events == read_head(tmp_path / "s")["events"]
+    assert set(st.folded) == {"folded:1.1/0.02", "folded:1.6/0.02"}
+    assert st.rows["held"]["state"] == "reserved"
+    assert st.runs_spent() == 1 + sum(1 for i in range(120) if i % 5 != 4)
+    assert len(st.rows) <= 2 + 1 + 5 + 5  # folded rows, the reserved run, the newest kept, the unfolded since
+    assert max(sizes[4:]) <= max(sizes[:4]) * 1.5, sizes  # bounded, not one row a run
+    # the fold is in the chain: an edit of it, or a lowered start of the chain, is refused
+    for name, statement, says in (
+            ("fold-edited", "UPDATE events SET body = replace(body, '\"steps\":', '\"steps\":1') "
+                            "WHERE kind = 'fold'", "its hash does not match"),
+            ("base-moved", "UPDATE meta SET value = CAST(value + 1 AS TEXT) WHERE key = 'base_seq'",
+             "start of its history|is missing|follows a fold"),
+    ):
+        d = tmp_path / name
+        shutil.copytree(tmp_path / "s", d)
+        _sql(statement)(d / "privacy" / "ledger.sqlite")
+        with pytest.raises(LedgerDamaged, match=says):
+            PrivacyLedger(d).state()
+    d = tmp_path / "old-marker"  # the marker of before the last fold: the history it names is gone
+    shutil.copytree(tmp_path / "s", d)
+    old_head = json.loads((d / HEAD_FILE).read_text())
+    _recurring(PrivacyLedger(d), 6, 500)
+    assert PrivacyLedger(d).fold(3) > 0
+    assert PrivacyLedger(d).state().base > old_head["events"]
+    (d / HEAD_FILE).write_text(json.dumps(old_head))
+    with pytest.raises(LedgerDamaged):
+        PrivacyLedger(d).state()
+
+
+def test_a_fold_that_lowers_the_epsilon_is_refused() -> None:
+    from dfl_agent.runtime.shared.privacy_chain import LedgerState, apply, fold_body
+
+    st = LedgerState()
+    for i in range(8):
+        apply(st, f"r{i}", "reserve", {"time": float(i), "noise_multiplier": 1.0, "sample_rate": 0.05, "steps": 50,
+                                       "planned_steps": 50, "steps_per_round": 10, "delta": 1e-5,
+                                       "max_grad_norm": 1.0, "epsilon": 1.0})
+        apply(st, f"r{i}", "settle", {"state": "spent", "steps": 50, "epsilon": 1.0, "settled": float(i)})
+    body = fold_body(st, 2)
+    assert body is not None and body["folded"] == {"folded:1.0/0.05": 6}
+    body["rows"][0]["steps"] -= 1
+    with pytest.raises(ValueError, match="a fold lowers the composed epsilon"):
+        apply(st, "", "fold", body)
+
+
+def test_a_power_cut_mid_fold_leaves_a_ledger_that_verifies(tmp_path: Path) -> None:
+    """A process folding the ledger is SIGKILLed before its commit, after it (no marker yet) and
+    after the marker: each leaves a ledger that verifies, folded or not, with the same ε."""
+    base = tmp_path / "base"
+    led = PrivacyLedger(base)
+    _recurring(led, 12)
+    eps0, n0 = led.epsilon(1e-5), led.state().events
+    folded = {}
+    for at in ("before-commit", "committed", "marked"):
+        d = tmp_path / at
+        shutil.copytree(base, d)
+        r = subprocess.run([sys.executable, "-c", _FOLDER, str(d)], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "DFL_TEST_CRASH_AT": f"privacy-ledger:{at}"}, start_new_session=True)
+        assert r.returncode == -signal.SIGKILL, f"{at}: not killed (rc {r.returncode}): {r.stderr[-2000:]}"
+        st = PrivacyLedger(d).state()
+        folded[at] = st.base == n0
+        assert abs(st.epsilon(1e-5) - eps0) <= 1e-9 * eps0
+        assert PrivacyLedger(d).at_start() is not None
+    assert folded == {"before-commit": False, "committed": True, "marked": True}
+
+
+def test_the_service_folds_the_ledger_after_each_run(tmp_path: Path, capsys) -> None:
+    """The service folds the runs older than ``runtime.keep_runs`` after settling each run: the
+    status still counts every run and the same ε, and ``dflctl privacy verify`` says so."""
+    from dfl_agent.cli.dflctl import main as dflctl
+
+    cfg, store = _store_cfg(tmp_path, DP)
+    budget = _budget(tmp_path, store, keep_runs=2)
+    spent = _spend(budget, tmp_path, *[f"r{i}" for i in range(9)])
+    st = PrivacyLedger(tmp_path).state()
+    assert sum(st.folded.values()) >= 4 and len(st.rows) <= 1 + 2 + 3
+    status = budget.status()
+    assert status["runs"] == 9 and status["epsilon_spent"] == spent
+    assert _budget(tmp_path, store).status()["epsilon_spent"] == spent  # a restart reads the same
+    assert dflctl(["privacy", "verify", "--state-dir", str(tmp_path)]) == 0
+    assert f"of them fold {sum(st.folded.values())} older runs" in capsys.readouterr().out

@@ -271,6 +271,7 @@ class PrivacyBudget:
                 row = self.ledger.settle(run_id, self._steps_taken(row, state, rounds)) or row
                 log.info("run %s: privacy ledger settled: %d DP steps, epsilon %.3g", run_id, row["steps"],
                          row["epsilon"])
+                self._fold()
             return {"privacy": row_view(row)}
         except LedgerDamaged as exc:  # logged at start and with every declined run; a reservation stays counted
             log.debug("run %s: privacy ledger not read for %s: %s", run_id, state, exc.what)
@@ -278,6 +279,14 @@ class PrivacyBudget:
         except (sqlite3.Error, OSError) as exc:  # the reservation stands; the next state settles it
             log.error("run %s: privacy ledger not settled for %s: %s", run_id, state, exc)
             return {}
+
+    def _fold(self) -> None:
+        """Fold the runs older than the newest ``runtime.keep_runs`` (the ledger stays bounded; a
+        failure is logged and the ledger left as it is)."""
+        try:
+            self.ledger.fold(self.cfg.runtime.keep_runs)
+        except (LedgerDamaged, sqlite3.Error, OSError) as exc:
+            log.warning("privacy ledger %s: older runs not folded: %s", self.ledger.path, exc)
 
     @staticmethod
     def _steps_taken(row: dict[str, Any], state: str, rounds: list[int] | None) -> int:
@@ -322,7 +331,7 @@ class PrivacyBudget:
             view = {"dp": self.config.dp is not None, "epsilon_spent": round(spent, 4),
                     "epsilon_remaining": round(max(0.0, life - spent), 4) if math.isfinite(spent) else 0.0,
                     "lifetime_epsilon": life, "delta": self.delta,
-                    "runs": sum(1 for e in entries if e["state"] != "released"),
+                    "runs": ledger.runs_spent(),
                     "reserved": sum(1 for e in entries if e["state"] == "reserved")}
             if ledger.carried:  # a recovery: the amount an operator stated as spent before it
                 view["epsilon_carried"] = round(sum(float(c["epsilon"]) for c in ledger.carried), 4)

@@ -7,7 +7,8 @@ it.
 plan for a reservation not yet settled), ``trained``, ``settle`` (``spent`` with the steps taken,
 or ``released``), ``migrated`` (a row of an older release's ledger, taken over as it was) and
 ``opening`` (an amount an operator stated as already spent:
-:func:`~dfl_agent.runtime.service.privacy_recovery.recover`).  The state of each run is the *fold* of its
+:func:`~dfl_agent.runtime.service.privacy_recovery.recover`) and ``fold`` (the whole state at that
+point, older runs folded: see below).  The state of each run is the *fold* of its
 events in order (:func:`apply`); table ``runs`` is that fold, written in the same transaction as the
 event for readers with the ``sqlite3`` shell, and checked against it.
 
@@ -17,6 +18,19 @@ round-trip repr); the first event's "previous hash" is the ledger's random chain
 ``meta``).  So changing an event's content or the state it leads to, removing an event or
 reordering events breaks the chain at that event; editing table ``runs`` makes it disagree with
 the fold.
+
+**Folding keeps the ledger bounded.**  A device with recurring DP runs would otherwise add
+four events a run forever.  Once the ledger holds more than ``keep`` settled runs beyond the newest
+``keep`` (:func:`fold_body`; the service passes ``runtime.keep_runs``), one ``fold`` event is
+appended whose body is the whole state: the newest ``keep`` runs and every reserved run as they
+are; older spent runs folded into one row per ``(noise multiplier, sampling rate)``
+(``folded:SIGMA/Q``, their DP steps summed: RDP composes as a sum over steps, so the composed ε is
+the same up to floating-point rounding); older released runs (which spent nothing) dropped; the
+carried amounts kept.  In the same transaction the events before it are deleted and table
+``meta`` records where the chain now starts (``base_seq``, ``base_head``: the sequence number and
+hash of the last deleted event), so the ``fold`` event still hashes onto the deleted history and
+sequence numbers never restart.  A ``fold`` whose composed ε is below the state it replaces is
+refused (:func:`apply`).
 
 **The head marker** ``STATE_DIR/privacy-head.json`` (outside ``privacy/``, so that deleting or
 restoring that folder alone does not take the marker with it) records the chain id, how many
@@ -56,7 +70,9 @@ ROW_STATES = ("reserved", "spent", "released")
 #: published figures (4 decimals); the records' figure is taken then
 ROUNDING = 1e-4
 #: the event kinds (see the module docstring)
-EVENT_KINDS = ("reserve", "replan", "trained", "settle", "migrated", "opening")
+EVENT_KINDS = ("reserve", "replan", "trained", "settle", "migrated", "opening", "fold")
+#: the run id prefix of a row that folds older spent runs (see the module docstring)
+FOLDED = "folded:"
 
 RUNS_DDL = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -123,6 +139,8 @@ class LedgerState:
         head: the last event's hash (the chain id when there is none).
         chain: the chain id.
         migrated: how many rows were chained on this open (an older release's ledger).
+        folded: run id of a folded row -> how many runs it folds (see the module docstring).
+        base: the sequence number of the last event deleted by a fold (0: none).
     """
 
     rows: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
@@ -131,6 +149,12 @@ class LedgerState:
     head: str = ""
     chain: str = ""
     migrated: int = 0
+    folded: dict[str, int] = dataclasses.field(default_factory=dict)
+    base: int = 0
+
+    def runs_spent(self) -> int:
+        """How many runs are reserved or spent, folded ones included."""
+        return sum(self.folded.get(r["run_id"], 1) for r in self.rows.values() if r["state"] != "released")
 
     def history(self, exclude: str | None = None) -> list[tuple[float, float, int]]:
         """``(noise_multiplier, sample_rate, steps)`` of every reserved or spent row (but ``exclude``)."""
@@ -172,8 +196,53 @@ def apply(state: LedgerState, run_id: str, kind: str, body: dict[str, Any]) -> N
         rows[run_id] = {k: body[k] for k in COLUMNS}
     elif kind == "opening":
         state.carried.append(dict(body))
+    elif kind == "fold" and not run_id:
+        before = state.epsilon(d) if (d := state.newest_delta()) is not None else 0.0
+        new = LedgerState(rows={r["run_id"]: {k: r[k] for k in COLUMNS} for r in body["rows"]},
+                          carried=[dict(c) for c in body["carried"]],
+                          folded={str(k): int(v) for k, v in body["folded"].items()})
+        after = new.epsilon(d) if (d := new.newest_delta()) is not None else 0.0
+        if after < before - 1e-9 * max(1.0, before):
+            raise ValueError(f"a fold lowers the composed epsilon from {before:.6g} to {after:.6g}")
+        state.rows, state.carried, state.folded = new.rows, new.carried, new.folded
     else:
         raise ValueError(f"a {kind!r} event for run {run_id!r} does not follow from the events before it")
+
+
+def fold_body(state: LedgerState, keep: int) -> dict[str, Any] | None:
+    """The body of a ``fold`` event for ``state`` keeping the newest ``keep`` runs (see the
+    module docstring), or None while at most ``keep`` older runs could be folded (so a fold
+    happens once every ``keep`` runs)."""
+    rows = list(state.rows.values())
+    newest = {r["run_id"] for r in rows[-keep:]} if keep > 0 else set()
+    older = [r for r in rows if r["run_id"] not in newest and r["state"] != "reserved"
+             and not r["run_id"].startswith(FOLDED)]
+    if len(older) <= keep:
+        return None
+    groups: dict[str, dict[str, Any]] = {}
+    counts: dict[str, int] = {}
+    for r in [r for r in rows if r["run_id"].startswith(FOLDED)] + older:
+        if r["state"] == "released":
+            continue  # spent nothing
+        key = f"{FOLDED}{float(r['noise_multiplier'])!r}/{float(r['sample_rate'])!r}"
+        n = state.folded.get(r["run_id"], 1)  # a folded row counts the runs it folds
+        g = groups.get(key)
+        if g is None:
+            groups[key] = {**r, "run_id": key, "state": "spent", "steps_per_round": 0, "trained": 1}
+            counts[key] = n
+            continue
+        counts[key] += n
+        g["time"] = min(g["time"], r["time"])
+        g["steps"] += r["steps"]
+        g["planned_steps"] += r["planned_steps"]
+        g["max_grad_norm"] = max(g["max_grad_norm"], r["max_grad_norm"])
+        g["delta"] = r["delta"]
+        g["settled"] = max((x for x in (g["settled"], r["settled"]) if x is not None), default=None)
+    for g in groups.values():
+        g["epsilon"] = float(rdp_epsilon([(g["noise_multiplier"], g["sample_rate"], g["steps"])], g["delta"]))
+    kept = [r for r in rows if r["run_id"] not in {x["run_id"] for x in older} and not r["run_id"].startswith(FOLDED)]
+    return {"rows": [*groups.values(), *kept], "carried": list(state.carried),
+            "folded": counts}
 
 
 def read_head(state_dir: str | Path) -> dict[str, Any] | None:

@@ -60,6 +60,7 @@ from dfl_agent.runtime.shared.privacy_chain import (
     LedgerState,
     canonical,
     file_stat,
+    fold_body,
     link_hash,
     read_head,
     sqlite_uri,
@@ -243,10 +244,21 @@ class PrivacyLedger:
         if recorded > 0 and head["chain"] != chain:
             raise self._damaged(f"is another ledger than the one its head marker records (chain {chain[:12]}, "
                                 f"marker {head['chain'][:12]})")
-        st = LedgerState(chain=chain, head=chain)
-        prev = chain
+        try:
+            base, prev = int(meta.get("base_seq", "0")), str(meta.get("base_head", chain))
+        except ValueError:
+            raise self._damaged(f"has a malformed start of its chain (table meta: base_seq {meta.get('base_seq')!r})") \
+                from None
+        if base and recorded < base:
+            raise self._damaged(f"starts its history after row {base}, but its head marker records only {recorded} "
+                                "rows")
+        if base and recorded == base and head["head"] != prev:
+            raise self._damaged(f"the start of its history (after row {base}) is not the row its head marker records")
+        st = LedgerState(chain=chain, head=prev, events=base, base=base)
         for seq, run_id, kind, body, digest in con.execute("SELECT seq, run_id, kind, body, hash FROM events "
                                                            "ORDER BY seq"):
+            if seq == base + 1 and base and kind != "fold":
+                raise self._damaged(f"row {seq} of its history follows a fold but is no fold")
             if seq != st.events + 1:
                 raise self._damaged(f"row {st.events + 1} of its history is missing (the rows go on at {seq})")
             if not (isinstance(run_id, str) and isinstance(kind, str) and isinstance(body, str)) or \
@@ -366,7 +378,11 @@ class PrivacyLedger:
         apply_event(st, run_id, kind, json.loads(text))
         con.execute("INSERT INTO events (seq, run_id, kind, body, hash) VALUES (?, ?, ?, ?, ?)",
                     (seq, run_id, kind, text, digest))
-        if kind != "opening":
+        if kind == "fold":  # the whole state: table runs is rewritten
+            con.execute("DELETE FROM runs")
+            con.executemany(f"INSERT INTO runs ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
+                            [tuple(r[c] for c in COLUMNS) for r in st.rows.values()])
+        elif kind != "opening":
             row = st.rows[run_id]
             con.execute(f"INSERT OR REPLACE INTO runs ({', '.join(COLUMNS)}) VALUES "
                         f"({', '.join('?' * len(COLUMNS))})", tuple(row[c] for c in COLUMNS))
@@ -419,6 +435,57 @@ class PrivacyLedger:
             with self._cache_lock:  # what was just written, as the files now are
                 self._cache = (self._key(), st)
         return copy.deepcopy(st)
+
+    def fold(self, keep: int) -> int:
+        """Fold the runs older than the newest ``keep`` (see
+        :mod:`~dfl_agent.runtime.shared.privacy_chain`: one ``fold`` event, the events before it
+        deleted, all in one transaction, then the marker), once more than ``keep`` of them could
+        be folded.  Nothing is folded while the marker lags the ledger (a power cut between a
+        commit and its marker: :meth:`at_start` catches it up first).  Returns how many runs were
+        folded or dropped (0: nothing done).
+
+        Raises:
+            LedgerDamaged: the ledger cannot be trusted (nothing written).
+        """
+        with self._locked():
+            if not self.path.exists():
+                return 0
+            st = self.state(fresh=True)
+            head = read_head(self.state_dir)
+            body = fold_body(st, keep)
+            if body is None or head is None or head.get("events") != st.events or head.get("head") != st.head:
+                return 0
+            con = self._connect()
+            try:
+                con.execute("BEGIN IMMEDIATE")
+                st = self._load(con)
+                if (body := fold_body(st, keep)) is None:  # pragma: no cover - under the lock, unchanged
+                    con.execute("ROLLBACK")
+                    return 0
+                before = len(st.rows) - len(st.folded)  # the runs not folded yet
+                base, base_head = st.events, st.head
+                self._append(con, st, "", "fold", body)
+                con.execute("DELETE FROM events WHERE seq <= ?", (base,))
+                con.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                                [("base_seq", str(base)), ("base_head", base_head)])
+                crash_point("privacy-ledger", "before-commit")
+                con.execute("COMMIT")
+                crash_point("privacy-ledger", "committed")
+            except BaseException:
+                if con.in_transaction:
+                    con.execute("ROLLBACK")
+                raise
+            finally:
+                con.close()
+            st.base = base
+            write_head(self.state_dir, st)
+            crash_point("privacy-ledger", "marked")
+            with self._cache_lock:
+                self._cache = (self._key(), st)
+        gone = before - (len(st.rows) - len(st.folded))
+        log.info("privacy ledger %s: folded %d older run(s) into one row per noise multiplier and sampling rate "
+                 "(the newest %d kept as they are; the composed epsilon is unchanged)", self.path, gone, keep)
+        return gone
 
     # -- the ledger's operations (privacy_budget, dp_run) -------------------------------
     def entries(self) -> list[dict[str, Any]]:
