@@ -1,30 +1,24 @@
-"""An earlier release of dfl-agent, laid out as pip installs its wheel, for the compatibility tests
-and the generators of ``tests/fixtures/compat/``.
+"""A release of dfl-agent installed from its wheel, for the compatibility tests and the
+generators of ``tests/fixtures/compat/``.
 
-:func:`install_release` extracts a commit's tree (``git archive``) and lays it out as the wheel
-installs it (``agent/`` -> ``dfl_agent``, ``tools/`` -> ``dfl_agent.cli``, the share folders
-beside; the mapping of ``pyproject.toml``'s ``[tool.setuptools.package-dir]``) in a folder that
-goes first on ``PYTHONPATH``: its modules run on this test environment's dependencies (torch,
-numpy, paho, ...), so no second torch is installed.  :func:`release_env` is that environment;
-:data:`CHECK_ORIGIN` makes a child fail unless ``dfl_agent`` came from the release's folder.
+:func:`install_release` builds a commit's wheel (``bench/lab/release_wheel.py``: ``git archive``
+of the commit, ``pip wheel --no-deps --no-build-isolation``, offline) and installs it as pip does
+a pure wheel, by extracting it into a folder that goes first on ``PYTHONPATH``: its modules run on
+this test environment's dependencies (torch, numpy, paho, ...), so no second torch is installed.
+:func:`release_env` is that environment; :data:`CHECK_ORIGIN` makes a child fail unless
+``dfl_agent`` came from the release's folder.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
-import tarfile
-from io import BytesIO
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the landed release 0.1.0 (tag ``v0.1.0``)
 RELEASE_0_1_0 = "75535c2"
-#: the wheel's folder mapping (pyproject.toml, [tool.setuptools.package-dir])
-LAYOUT = {"agent": "dfl_agent", "tools": "dfl_agent/cli", "device_profiles": "dfl_agent/share/device_profiles",
-          "systemd": "dfl_agent/share/systemd", "deploy/mosquitto": "dfl_agent/share/mosquitto"}
 
 
 class ReleaseUnavailable(RuntimeError):
@@ -32,27 +26,24 @@ class ReleaseUnavailable(RuntimeError):
 
 
 def install_release(commit: str, dest: Path) -> Path:
-    """Lay commit ``commit``'s package out under ``dest`` as its wheel installs it; returns the
-    folder to put first on ``PYTHONPATH`` (``dest/site``).
+    """Build commit ``commit``'s wheel under ``dest/dist`` and install it into ``dest/site``;
+    returns that folder (to put first on ``PYTHONPATH``).
 
     Raises:
-        ReleaseUnavailable: git cannot read ``commit`` here.
+        ReleaseUnavailable: git cannot read ``commit`` here, or its wheel does not build.
     """
+    sys.path.insert(0, str(ROOT / "bench" / "lab"))
     try:
-        tar = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", commit, *LAYOUT],
-                             check=True, capture_output=True).stdout
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = exc.stderr.decode(errors="replace").strip() if isinstance(exc, subprocess.CalledProcessError) else exc
-        raise ReleaseUnavailable(f"cannot read commit {commit} of {ROOT} (a shallow clone? `git fetch --tags "
-                                 f"--unshallow`): {detail}") from None
-    src = dest / "src"
-    src.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=BytesIO(tar)) as t:
-        t.extractall(src, filter="data") if sys.version_info >= (3, 12) else t.extractall(src)  # noqa: S202
+        from release_wheel import build_wheel
+    finally:
+        sys.path.remove(str(ROOT / "bench" / "lab"))
+    try:
+        wheel = build_wheel(commit, dest / "dist")
+    except RuntimeError as exc:
+        raise ReleaseUnavailable(str(exc)) from None
     site = dest / "site"
-    for folder, package in LAYOUT.items():
-        if (src / folder).is_dir():
-            shutil.copytree(src / folder, site / package, dirs_exist_ok=True)
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(site)
     return site
 
 

@@ -1,8 +1,9 @@
 """A held-out check of a rolling upgrade: release 0.1.0 (commit 75535c2, tag ``v0.1.0``) and this
 release in one federation, then this release on the state folder 0.1.0 left.
 
-Release 0.1.0 is laid out from ``git archive`` as its wheel installs it and runs on this test's
-dependencies (:mod:`tests.releases`); this release runs from the test's environment.  Three agents
+Both releases run from their wheels (:mod:`tests.releases`: built from ``git archive`` of
+0.1.0's commit and of this checkout's ``HEAD``, installed into a folder on ``PYTHONPATH``), on
+this test's dependencies.  Three agents
 on one mosquitto, signatures required (device certificates of one federation key), the default
 compression (``auto``: CHOCO-coded q4+zstd differences for the averaging gossip), chunked frames
 (``mqtt.chunk_size`` 1 KiB: every model update in 2 to 3 chunks), real mDNS on 127.0.0.1, each on its own sample store:
@@ -132,10 +133,12 @@ def _records(state: Path) -> list[dict[str, Any]]:
 def test_release_0_1_0_and_this_release_federate_and_the_old_state_folder_migrates(tmp_path: Path) -> None:
     try:
         site = install_release(RELEASE_0_1_0, tmp_path / "v0.1.0")
+        new_site = install_release("HEAD", tmp_path / "this")
     except ReleaseUnavailable as exc:
         pytest.fail(str(exc))
-    old_env = release_env(site)
-    assert subprocess.run([sys.executable, "-c", CHECK_ORIGIN, str(site)], env=old_env).returncode == 0
+    old_env, new_env = release_env(site), release_env(new_site)
+    for where, env in ((site, old_env), (new_site, new_env)):
+        assert subprocess.run([sys.executable, "-c", CHECK_ORIGIN, str(where)], env=env).returncode == 0
     version = subprocess.run([sys.executable, "-m", OLD_DAEMON, "--version"], env=old_env, capture_output=True,
                              text=True, check=True).stdout.strip()
     assert version == "dfl-agent 0.1.0 (wire v5)", version
@@ -157,7 +160,7 @@ def test_release_0_1_0_and_this_release_federate_and_the_old_state_folder_migrat
             cfgs = {n: _config(tmp_path / f"{n}.toml", fed, n, states[n], broker.endpoint,
                                public_key_b64(fed_key)) for n in nodes}
             runs = {"old1": (OLD_DAEMON, ["--once"], old_env), "old2": (OLD_DAEMON, [], old_env),
-                    "new": (NEW_DAEMON, ["--once"], None)}
+                    "new": (NEW_DAEMON, ["--once"], new_env)}
             for n, (module, once, env) in runs.items():
                 with open(logs[n], "wb") as out:
                     procs[n] = subprocess.Popen([sys.executable, "-m", module, "run", "--config", str(cfgs[n]), *once],
@@ -194,7 +197,8 @@ def test_release_0_1_0_and_this_release_federate_and_the_old_state_folder_migrat
             old_ledger = (states["old2"] / "runs" / "ledger.json").read_bytes()
             with open(logs["upgraded"], "wb") as out:
                 procs["upgraded"] = subprocess.Popen([sys.executable, "-m", NEW_DAEMON, "run", "--config",
-                                                      str(cfgs["old2"])], stdout=out, stderr=subprocess.STDOUT)
+                                                      str(cfgs["old2"])], stdout=out, stderr=subprocess.STDOUT,
+                                                     env=new_env)
             st = watch.wait("old2", lambda s: s.get("agent_version") == "0.2.0" and s.get("state") == "idle", 60,
                             "this release's idle status")
             procs["upgraded"].send_signal(signal.SIGTERM)
