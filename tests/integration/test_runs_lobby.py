@@ -235,3 +235,38 @@ def test_default_run_recurs_after_k_new_samples_arrive(mosquitto_broker, federat
     first, second = (entries[i] for i in ids)
     assert first["state"] == second["state"] == "finished"
     assert second["snapshot_last_id"] - first["snapshot_last_id"] == 30  # the new samples it trained on
+
+
+def test_a_stop_leaves_cleanly_and_never_publishes_the_last_will(mosquitto_broker, federation, tmp_path):
+    """Twenty stops right after the "offline: stopping" presence: a subscriber to the node's
+    presence sees that presence every time and never the node's last will (paho's loop_stop
+    does not flush its queue: a stop could close the socket with no DISCONNECT, and the broker
+    then published the will after the goodbye, a crash to the node's peers)."""
+    import paho.mqtt.client as mqtt
+
+    from dfl_agent.transport.endpoint import parse_endpoint
+    from dfl_agent.transport.mqtt import topic
+
+    cfg = config_from_dict({"federation": federation, "mqtt": {"broker": mosquitto_broker.endpoint},
+                            "state_dir": str(tmp_path)})
+    seen: list[dict] = []
+    sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+    sub.on_message = lambda c, u, m: seen.append(json.loads(m.payload)) if m.payload else None
+    sub.connect(*parse_endpoint(mosquitto_broker.endpoint))
+    sub.subscribe(topic(federation, "leaver", "presence"), qos=1)
+    sub.loop_start()
+    try:
+        for _ in range(20):
+            lobby = RunLobby(cfg, "leaver", RunVerifier(federation, require_signatures=False))
+            lobby.start()
+            assert lobby.connected.wait(10)
+            lobby.publish_presence(None, "stopping")
+            lobby.stop()
+        time.sleep(1.5)  # a will would follow the socket's close at once
+    finally:
+        sub.loop_stop()
+        sub.disconnect()
+    from dfl_agent.security.trust import WILL_REASON
+
+    reasons = [d.get("reason") for d in seen if d.get("state") == "offline"]
+    assert reasons.count("stopping") == 20 and WILL_REASON not in reasons, reasons

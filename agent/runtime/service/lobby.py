@@ -10,10 +10,12 @@ before this node started it is refused and counted (``cancelled``, ``expired``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -88,8 +90,6 @@ class RunLobby:
     """
 
     def __init__(self, cfg: NodeConfig, node_id: str, verifier: RunVerifier):
-        import threading
-
         self.cfg, self.node_id, self.verifier = cfg, node_id, verifier
         self.queue = RunQueue()
         self.statuses: dict[str, dict[str, Any]] = {}
@@ -120,6 +120,9 @@ class RunLobby:
         self.outage: Any = None
         self._up = False  # connected (CONNACK accepted), no disconnect since
         self._stopping = False
+        self._gone = threading.Event()  # set by each disconnect (stop waits for its own)
+        #: the last presence published (stop waits for the broker's acknowledgement of it)
+        self._presence_info: mqtt.MQTTMessageInfo | None = None
         #: while a run process trains: the presence descriptor and the last status it relayed
         #: (republished after a reconnection)
         self.run_presence: dict[str, Any] | None = None
@@ -157,12 +160,26 @@ class RunLobby:
         c.loop_start()
         self.client = c
 
-    def stop(self) -> None:
-        """Disconnect."""
+    def stop(self, wait: float = 3.0) -> None:
+        """Leave cleanly: wait (up to ``wait`` seconds each) for the broker to acknowledge the
+        last presence, then for the DISCONNECT to go out, before the network thread stops.  paho's
+        ``loop_stop`` does not flush what is queued: without the waits a stop could close the
+        socket with no DISCONNECT, and the broker then published the node's last will ("offline
+        (last will)", a crash to its peers) after its "offline: stopping" presence."""
         self._stopping = True
-        if self.client is not None:
-            self.client.disconnect()
-            self.client.loop_stop()
+        c = self.client
+        if c is None:
+            return
+        connected = self._up
+        info = self._presence_info
+        if connected and info is not None:
+            with contextlib.suppress(RuntimeError, ValueError):  # not queued / the connection went away
+                info.wait_for_publish(timeout=wait)
+        self._gone.clear()
+        c.disconnect()
+        if connected:
+            self._gone.wait(wait)
+        c.loop_stop()
 
     def _on_pre_connect(self, client: mqtt.Client, userdata: object) -> None:
         """paho, before each connection attempt: a new session id, and the node's last will for
@@ -204,6 +221,7 @@ class RunLobby:
     def _on_disconnect(self, client: mqtt.Client, userdata: object, flags: mqtt.DisconnectFlags, reason_code: ReasonCode,
                        properties: Properties | None) -> None:
         was, self._up = self._up, False
+        self._gone.set()
         if was and not self._stopping:
             self.outage.lost(str(reason_code))  # WARNING once; paho reconnects
 
@@ -488,8 +506,8 @@ class RunLobby:
             if descriptor is None:
                 self.run_status = None
         if self.client is not None:
-            self.client.publish(topic(self.cfg.federation, self.node_id, "presence"), self._signed("presence", doc),
-                                qos=1, retain=True)
+            self._presence_info = self.client.publish(topic(self.cfg.federation, self.node_id, "presence"),
+                                                      self._signed("presence", doc), qos=1, retain=True)
 
     def publish_run_status(self, status: dict[str, Any], service: dict[str, Any] | None = None) -> None:
         """A run process's status (its node's :meth:`~dfl_agent.runtime.node.node.Node.status`), with
