@@ -12,7 +12,12 @@ Two parts, each on a fresh state folder under the system's temporary folder:
 * **A long life**: 1,000 and 10,000 settled runs appended in one transaction (the same events and
   rows the API writes), then the file's size per run and the time of a full check (a new
   ``PrivacyLedger``'s ``state()``: integrity check, hash chain, fold, table ``runs``; three repeats,
-  median), which the agent pays at start and at every admission.
+  median), which the agent pays at start and at every admission: the size a ledger would reach
+  without folding.
+* **Folded** (the service's steady state): ``--folded`` DP runs (default 600) through the API with
+  :meth:`PrivacyLedger.fold` after each settled run, as the service calls it
+  (``runtime.keep_runs`` = 20); the ``privacy/`` folder's bytes (database, journal, shared memory)
+  every 100 runs, and the composed ε against the same history unfolded.
 
 Timings depend on the machine's load (written into the report); sizes do not.
 """
@@ -106,9 +111,31 @@ def long_life(runs: int, tmp: Path) -> dict[str, float]:
     return {"runs": runs, "bytes_per_run": size / runs, "file_kib": size / 1024, "check_s": statistics.median(checks)}
 
 
+def folded_life(runs: int, keep: int, tmp: Path) -> dict:
+    from dfl_agent.privacy.accountant import rdp_epsilon
+    from dfl_agent.runtime.shared.privacy_ledger import PrivacyLedger
+
+    d = tmp / "folded"
+    led = PrivacyLedger(d)
+    plan = _plan()
+    sizes = []
+    for i in range(runs):
+        led.reserve(f"r{i}", plan, 10)
+        led.mark_trained(f"r{i}")
+        led.settle(f"r{i}", 400)
+        led.fold(keep)
+        if (i + 1) % 100 == 0:
+            sizes.append((i + 1, sum(f.stat().st_size for f in (d / "privacy").iterdir())))
+    eps = PrivacyLedger(d).epsilon(plan.delta)
+    unfolded = rdp_epsilon([(plan.noise_multiplier, plan.sample_rate, 400)] * runs, plan.delta)
+    return {"runs": runs, "keep": keep, "sizes": sizes, "epsilon": eps, "epsilon_unfolded": unfolded,
+            "rows": len(PrivacyLedger(d).state().rows)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=300, help="DP runs written through the API (real writes)")
+    ap.add_argument("--folded", type=int, default=600, help="DP runs written with folding (the service's way)")
     ap.add_argument("--out", default=None, help="write the report (markdown) here")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="ledger-bench-"))
@@ -116,6 +143,7 @@ def main() -> int:
         load0 = os.getloadavg()
         real = real_writes(a.runs, tmp)
         lives = [long_life(n, tmp) for n in (1000, 10000)]
+        folded = folded_life(a.folded, 20, tmp)
         load1 = os.getloadavg()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -124,7 +152,8 @@ def main() -> int:
     lines = [
         "# The privacy ledger: size and checks",
         "",
-        f"    .venv/bin/python bench/privacy/ledger.py --runs {a.runs} --out bench/privacy/results/ledger.md",
+        f"    .venv/bin/python bench/privacy/ledger.py --runs {a.runs} --folded {a.folded} "
+        "--out bench/privacy/results/ledger.md",
         "",
         f"Commit {commit} (the working tree it ran in), {platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}, SQLite {__import__('sqlite3').sqlite_version}; load average "
@@ -141,7 +170,7 @@ def main() -> int:
         "A change of the chained ledger is one SQLite transaction (synchronous = FULL) plus the head "
         "marker's atomic write (two more fsyncs).",
         "",
-        "## A long life (settled runs written in one transaction)",
+        "## A long life without folding (settled runs written in one transaction)",
         "",
         "| DP runs | file | bytes per run | full check (median of 3) |",
         "|---|---|---|---|",
@@ -150,6 +179,15 @@ def main() -> int:
         "",
         "The full check runs at start and at every admission; the status heartbeat and the writes "
         "reuse it while the files' size, time and inode stay the same.",
+        "",
+        f"## Folded, as the service keeps it ({folded['runs']} DP runs, `runtime.keep_runs` = {folded['keep']})",
+        "",
+        "| DP runs | `privacy/` folder |",
+        "|---|---|",
+        *[f"| {n:,} | {b / 1024:.0f} KiB |" for n, b in folded["sizes"]],
+        "",
+        f"After {folded['runs']} runs the ledger holds {folded['rows']} rows; composed epsilon "
+        f"{folded['epsilon']:.9g}, against {folded['epsilon_unfolded']:.9g} for the same history unfolded.",
         "",
     ]
     text = "\n".join(lines)
