@@ -255,6 +255,7 @@ class _Conn:
         self.client: mqtt.Client | None = None
         self.connected = False  # CONNACK success seen, no disconnect since
         self.ready = threading.Event()  # connected and SUBACK for our subscriptions
+        self.gone = threading.Event()  # set by each disconnect (a close waits for its own)
         self.ever_ready = False
         self.sub_mid: int | None = None
         self.error = ""  # last connection/subscription problem, for messages
@@ -584,6 +585,7 @@ class MqttTransport(Transport):
         was = conn.connected
         conn.connected = False
         conn.ready.clear()
+        conn.gone.set()
         if was and not self._stopping:
             conn.outage.lost(str(reason_code))  # WARNING; the attempts that follow are throttled
 
@@ -615,11 +617,16 @@ class MqttTransport(Transport):
         client = conn.client
         if client is None:
             return
+        connected = conn.connected
+        conn.gone.clear()
         try:
             client.disconnect()
         except Exception:  # noqa: BLE001
             pass
-        await asyncio.get_running_loop().run_in_executor(None, client.loop_stop)
+        loop = asyncio.get_running_loop()
+        if connected:  # paho's loop_stop does not flush: without the DISCONNECT written the broker
+            await loop.run_in_executor(None, conn.gone.wait, 3.0)  # would publish the last will
+        await loop.run_in_executor(None, client.loop_stop)
 
     # ------------------------------------------------------------- receiving
 

@@ -134,7 +134,24 @@ def _killed_and_stopped(tmp_path):
 def test_the_end_of_a_run_logs_no_departure(tmp_path):
     """Two agents finish a 2-round run: neither logs that the other left (at 0c2393f every
     agent logged "peer X left (offline)" for its peers at the end of every run); the goodbye
-    was heard and logged at DEBUG as the end of the peer's run."""
+    was heard and logged at DEBUG as the end of the peer's run.  When both finish within a few
+    milliseconds, neither is still listening when the other's goodbye arrives (nothing to log):
+    the run is repeated, up to three times, until one of them heard it."""
+    heard = False
+    for attempt in range(3):
+        texts = _two_finish(tmp_path / f"try{attempt}")
+        for text in texts.values():
+            assert "finished 2 rounds" in text, text[-3000:]
+            assert not DEPARTURE.search(text), DEPARTURE.search(text)
+        heard = any(re.search(r"DEBUG dfl_agent.peers: n\d: peer n\d ended its run", t) for t in texts.values())
+        if heard:
+            break
+    assert heard
+
+
+def _two_finish(tmp_path):
+    """One attempt: two ``--once`` agents run 2 rounds; their logs."""
+    tmp_path.mkdir(parents=True)
     with start_broker("mosquitto") as broker:
         ids = ("n0", "n1")
         procs = [_start(tmp_path, nid, _config(tmp_path, "runend", nid, broker.endpoint,
@@ -149,8 +166,4 @@ def test_the_end_of_a_run_logs_no_departure(tmp_path):
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-    texts = {nid: (tmp_path / f"{nid}.log").read_text() for nid in ids}
-    for text in texts.values():
-        assert "finished 2 rounds" in text, text[-3000:]
-        assert not DEPARTURE.search(text), DEPARTURE.search(text)
-    assert any(re.search(r"DEBUG dfl_agent.peers: n\d: peer n\d ended its run", t) for t in texts.values())
+    return {nid: (tmp_path / f"{nid}.log").read_text() for nid in ids}
