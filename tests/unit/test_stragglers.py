@@ -352,3 +352,39 @@ def test_one_lost_update_does_not_cost_a_deadline_in_every_later_round(compressi
     assert records[2]["round_seconds"] >= 2.0  # round 3 waited its adaptive deadline
     slow = [(r["round"], round(r["round_seconds"], 1)) for r in records[3:] if r["round_seconds"] >= 1.0]
     assert slow == [], slow
+
+
+def test_an_update_taken_ahead_is_decoded_once_and_used_again_in_its_own_round() -> None:
+    """A node behind its neighbours takes a round-7 update while in round 5 (the market keeps it
+    queued for round 7).  Decoding a CHOCO difference twice is out of sequence: without the
+    decoded copy kept, round 7 dropped the update it had already received and waited its whole
+    deadline (a rolling upgrade in the field lab closed that round alone)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from dfl_agent.algorithms.protocols.synchronization import UpdateMarket
+    from dfl_agent.runtime.node.waiting import RoundWaiting
+
+    applied: list[int] = []
+
+    def decode(raw):  # a CHOCO stream: each difference applies once, a repeat is out of sequence
+        out = {}
+        for s, m in raw.items():
+            if m.meta["seq"] in applied:
+                continue
+            applied.append(m.meta["seq"])
+            out[s] = Message(m.kind, m.round, {"x": m.tensors["x"] + 100}, sender=s, meta=dict(m.meta))
+        return out
+
+    market = UpdateMarket("one_from_min_percent", percent=0.5, max_staleness=64)
+    waiting = RoundWaiting(SimpleNamespace(straggler=None), market, round_timeout=20.0, poll=0.5)
+    ahead = Message("model", 7, {"x": np.full(2, 7.0, np.float32)}, sender="a", meta={"seq": 1})
+    market.put(ahead)
+    got5 = waiting._decoded({"a": ahead}, decode, 5)  # taken ahead in round 5
+    assert got5["a"].tensors["x"].tolist() == [107.0, 107.0]
+    got5["a"].tensors["x"][:] = 0  # what the algorithm does with it in round 5 does not reach round 7
+    got7 = waiting._decoded({"a": ahead}, decode, 7)  # the same update, taken again in its own round
+    assert applied == [1] and got7["a"].tensors["x"].tolist() == [107.0, 107.0]
+    assert market.queues.get("a") == [ahead]  # not discarded as undecodable
+    assert waiting.ahead == {}  # used: forgotten

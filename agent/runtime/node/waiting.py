@@ -20,13 +20,21 @@ runtime's, in one place, the same in the simulator and on a device:
   their stream lost its sequence are dropped from the market, the node asks for keyframes and
   takes the neighbours' next updates, up to ``round_timeout``;
 - **staleness weights**: a late update (an earlier round, within ``max_staleness``) is used
-  with FedAsync's weight (:func:`~dfl_agent.algorithms.protocols.stragglers.weigh_late`).
+  with FedAsync's weight (:func:`~dfl_agent.algorithms.protocols.stragglers.weigh_late`);
+- **an update taken ahead is decoded once**: a node behind its neighbours takes their newest
+  updates at once, and the market keeps one of a later round queued for that round
+  (:meth:`UpdateMarket.take`); what it decoded to is kept with it, so that its own round uses
+  it again instead of decoding a CHOCO difference a second time (out of sequence: dropped, and
+  the round waited its whole deadline for an update it had already received).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from dfl_agent.algorithms.context import Collected, Message
 from dfl_agent.algorithms.protocols.stragglers import AdaptiveDeadline, weigh_late
@@ -57,6 +65,8 @@ class RoundWaiting:
         self.deadlines = AdaptiveDeadline(policy.min_round_timeout, policy.max_round_timeout) \
             if policy is not None and policy.quorum else None
         market.fresh_quorum = market.strategy == "one_from_min_percent" and self.deadlines is not None
+        #: updates taken ahead and kept queued for their own round: id -> (the update, what it decoded to)
+        self.ahead: dict[int, tuple[Message, Message]] = {}
 
     async def collect(self, kind: str, t: int, *, accept: Callable[[Message], str | None],
                       decode: Decode) -> Collected:
@@ -85,14 +95,14 @@ class RoundWaiting:
         if self.deadlines is not None and last is not None and ctx.disconnected_seconds == paused:
             # (a round held by a broker outage measured the outage, not its peers: not learnt)
             self.deadlines.observe([last.arrivals[s] for s, m in raw.items() if m.round == t])
-        got = self._decoded(raw, decode)
+        got = self._decoded(raw, decode, t)
         while raw and not got and self.deadlines is not None and ctx.clock.now() < until():
             # quorum: none of the updates taken decoded (CHOCO copies that lost their sequence wait
             # for the keyframes a gap asks for) while the neighbours go on: take their next ones,
             # up to round_timeout (and what an outage held), instead of closing alone; ask for the keyframes now
             await ctx.request_keyframes()
             raw, missing = await self._take(kind, t, until(), accept, take_ahead=True)
-            got = self._decoded(raw, decode)
+            got = self._decoded(raw, decode, t)
         last = market.last
         late = {s for s, m in got.items() if m.round < t}
         if late and self.deadlines is not None:  # FedAsync's staleness weight on a late update's samples
@@ -107,9 +117,17 @@ class RoundWaiting:
                                         take_ahead=take_ahead)
         return res.latest(), res.missing
 
-    def _decoded(self, raw: dict[str, Message], decode: Decode) -> dict[str, Message]:
+    def _decoded(self, raw: dict[str, Message], decode: Decode, t: int) -> dict[str, Message]:
         """The taken updates as the algorithm can use them; those that cannot be decoded are
-        also dropped from the market, never to be taken again."""
-        got = decode(raw)
-        self.market.discard(m for s, m in raw.items() if s not in got)
+        also dropped from the market, never to be taken again.  An update taken ahead (a round
+        after ``t``) keeps what it decoded to for its own round (see the module docstring)."""
+        reused = {s: self.ahead[id(m)][1] for s, m in raw.items() if id(m) in self.ahead}
+        fresh = {s: m for s, m in raw.items() if s not in reused}
+        got = {**(decode(fresh) if fresh else {}), **reused}
+        self.market.discard(m for s, m in fresh.items() if s not in got)
+        for s, m in fresh.items():
+            if m.round > t and s in got:  # queued again for its own round (UpdateMarket.take, keep_after)
+                copy = {k: np.array(v, copy=True) for k, v in got[s].tensors.items()}
+                self.ahead[id(m)] = (m, dataclasses.replace(got[s], tensors=copy))
+        self.ahead = {k: v for k, v in self.ahead.items() if v[0].round > t}  # used, or its round has passed
         return got
