@@ -274,6 +274,16 @@ _WRITER = textwrap.dedent("""
 """)
 
 
+def _killed_at(at: str, script: str, base: Path, d: Path) -> Path:
+    """A copy ``d`` of state folder ``base`` on which ``script`` was SIGKILLed at crash point
+    ``privacy-ledger:AT`` (``DFL_TEST_CRASH_AT``)."""
+    shutil.copytree(base, d)
+    r = subprocess.run([sys.executable, "-c", script, str(d)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "DFL_TEST_CRASH_AT": f"privacy-ledger:{at}"}, start_new_session=True)
+    assert r.returncode == -signal.SIGKILL, f"{at}: not killed (rc {r.returncode}): {r.stderr[-2000:]}"
+    return d
+
+
 def test_a_power_cut_mid_write_is_rolled_back_or_detected(tmp_path: Path) -> None:
     """A process writing a reservation is SIGKILLed at each point of the write (the
     ``DFL_TEST_CRASH_AT`` switch): before the commit, after it (the journal not yet folded into
@@ -290,11 +300,7 @@ def test_a_power_cut_mid_write_is_rolled_back_or_detected(tmp_path: Path) -> Non
     eps0 = led.epsilon(1e-5)
     states = {}
     for at in ("before-commit", "committed", "marked"):
-        d = tmp_path / at
-        shutil.copytree(base, d)
-        r = subprocess.run([sys.executable, "-c", _WRITER, str(d)], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "DFL_TEST_CRASH_AT": f"privacy-ledger:{at}"}, start_new_session=True)
-        assert r.returncode == -signal.SIGKILL, f"{at}: not killed (rc {r.returncode}): {r.stderr[-2000:]}"
+        d = _killed_at(at, _WRITER, base, tmp_path / at)
         if at == "committed":
             wal = d / "privacy" / "ledger.sqlite-wal"
             assert wal.stat().st_size > 0  # the commit lives in the journal
@@ -509,11 +515,7 @@ def test_a_power_cut_mid_fold_leaves_a_ledger_that_verifies(tmp_path: Path) -> N
     eps0, n0 = led.epsilon(1e-5), led.state().events
     folded = {}
     for at in ("before-commit", "committed", "marked"):
-        d = tmp_path / at
-        shutil.copytree(base, d)
-        r = subprocess.run([sys.executable, "-c", _FOLDER, str(d)], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "DFL_TEST_CRASH_AT": f"privacy-ledger:{at}"}, start_new_session=True)
-        assert r.returncode == -signal.SIGKILL, f"{at}: not killed (rc {r.returncode}): {r.stderr[-2000:]}"
+        d = _killed_at(at, _FOLDER, base, tmp_path / at)
         st = PrivacyLedger(d).state()
         folded[at] = st.base == n0
         assert abs(st.epsilon(1e-5) - eps0) <= 1e-9 * eps0

@@ -388,9 +388,11 @@ class PrivacyLedger:
                         f"({', '.join('?' * len(COLUMNS))})", tuple(row[c] for c in COLUMNS))
         st.events, st.head = seq, digest
 
-    def _write(self, events: Callable[[LedgerState], list[tuple[str, str, dict[str, Any]]]]) -> LedgerState:
+    def _write(self, events: Callable[[LedgerState], list[tuple[str, str, dict[str, Any]]]],
+               after: Callable[[sqlite3.Connection, LedgerState], None] | None = None) -> LedgerState:
         """Append the events ``events(state)`` returns (``(run_id, kind, body)``; none: nothing
-        written) in one transaction, then the marker.
+        written) in one transaction (``after(con, state)`` then runs in it, when there were
+        events), then the marker.
 
         Raises:
             LedgerDamaged: the ledger cannot be trusted (nothing written).
@@ -418,6 +420,8 @@ class PrivacyLedger:
                 todo = events(st)
                 for run_id, kind, body in todo:
                     self._append(con, st, run_id, kind, body)
+                if todo and after is not None:
+                    after(con, st)
                 if todo:
                     crash_point("privacy-ledger", "before-commit")
                 con.execute("COMMIT")
@@ -447,42 +451,32 @@ class PrivacyLedger:
         Raises:
             LedgerDamaged: the ledger cannot be trusted (nothing written).
         """
-        with self._locked():
-            if not self.path.exists():
-                return 0
-            st = self.state(fresh=True)
-            head = read_head(self.state_dir)
+        if not self.path.exists():
+            return 0
+        st, head = self.state(fresh=True), read_head(self.state_dir)
+        if head is None or head.get("events") != st.events or head.get("head") != st.head:
+            return 0
+        before: list[int] = []
+
+        def events(st: LedgerState) -> list[tuple[str, str, dict[str, Any]]]:
             body = fold_body(st, keep)
-            if body is None or head is None or head.get("events") != st.events or head.get("head") != st.head:
-                return 0
-            con = self._connect()
-            try:
-                con.execute("BEGIN IMMEDIATE")
-                st = self._load(con)
-                if (body := fold_body(st, keep)) is None:  # pragma: no cover - under the lock, unchanged
-                    con.execute("ROLLBACK")
-                    return 0
-                before = len(st.rows) - len(st.folded)  # the runs not folded yet
-                base, base_head = st.events, st.head
-                self._append(con, st, "", "fold", body)
-                con.execute("DELETE FROM events WHERE seq <= ?", (base,))
-                con.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
-                                [("base_seq", str(base)), ("base_head", base_head)])
-                crash_point("privacy-ledger", "before-commit")
-                con.execute("COMMIT")
-                crash_point("privacy-ledger", "committed")
-            except BaseException:
-                if con.in_transaction:
-                    con.execute("ROLLBACK")
-                raise
-            finally:
-                con.close()
+            if body is None:
+                return []
+            before.extend((len(st.rows) - len(st.folded), st.events))  # the runs not folded yet; the base
+            return [("", "fold", body)]
+
+        def after(con: sqlite3.Connection, st: LedgerState) -> None:  # in the fold's transaction
+            base = before[1]
+            prev = con.execute("SELECT hash FROM events WHERE seq = ?", (base,)).fetchone()
+            con.execute("DELETE FROM events WHERE seq <= ?", (base,))
+            con.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                            [("base_seq", str(base)), ("base_head", prev[0] if prev else st.chain)])
             st.base = base
-            write_head(self.state_dir, st)
-            crash_point("privacy-ledger", "marked")
-            with self._cache_lock:
-                self._cache = (self._key(), st)
-        gone = before - (len(st.rows) - len(st.folded))
+
+        st = self._write(events, after)
+        if not before:
+            return 0
+        gone = before[0] - (len(st.rows) - len(st.folded))
         log.info("privacy ledger %s: folded %d older run(s) into one row per noise multiplier and sampling rate "
                  "(the newest %d kept as they are; the composed epsilon is unchanged)", self.path, gone, keep)
         return gone
