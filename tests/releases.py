@@ -12,6 +12,7 @@ this test environment's dependencies (torch, numpy, paho, ...), so no second tor
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -58,3 +59,16 @@ def release_env(site: Path, **extra: str) -> dict[str, str]:
 CHECK_ORIGIN = ("import sys, dfl_agent, pathlib; "
                 "sys.exit(0 if pathlib.Path(dfl_agent.__file__).resolve().is_relative_to("
                 "pathlib.Path(sys.argv[1]).resolve()) else 3)")
+
+
+def run_release(commit: str, code: str, *args: str, workdir: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``python -c code ARGS... SITE`` on commit ``commit``'s release, installed under
+    ``workdir`` (:func:`install_release`; ``SITE``, the last argument, is its folder, for the
+    child to check where ``dfl_agent`` came from).
+
+    Raises:
+        ReleaseUnavailable: see :func:`install_release`.
+    """
+    site = install_release(commit, workdir / "release")
+    return subprocess.run([sys.executable, "-c", code, *args, str(site.resolve())], env=release_env(site),
+                          capture_output=True, text=True, cwd=workdir)
