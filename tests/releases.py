@@ -12,8 +12,10 @@ this test environment's dependencies (torch, numpy, paho, ...), so no second tor
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -72,3 +74,24 @@ def run_release(commit: str, code: str, *args: str, workdir: Path) -> subprocess
     site = install_release(commit, workdir / "release")
     return subprocess.run([sys.executable, "-c", code, *args, str(site.resolve())], env=release_env(site),
                           capture_output=True, text=True, cwd=workdir)
+
+
+def write_from_release(commit: str, code: str, outputs: dict[str, Path], what: str) -> int:
+    """A fixture generator's work: run ``code`` on commit ``commit``'s release
+    (:func:`run_release`, a fresh state folder as its first argument), then copy each of
+    ``outputs`` (path in that state folder -> destination; a SQLite file must have no journal
+    left).  Prints what it did; returns the exit code (1: the child failed, its stderr printed)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        t = Path(tmp)
+        state = t / "state"
+        r = run_release(commit, code, str(state), workdir=t)
+        if r.returncode != 0:
+            print(r.stderr, file=sys.stderr)
+            return 1
+        print(f"{commit}'s {what}: {r.stdout.strip()}")
+        for rel, dest in outputs.items():
+            src = state / rel
+            assert not src.with_name(src.name + "-wal").exists(), f"{rel}: its journal was not checkpointed"
+            shutil.copyfile(src, dest)
+            print(f"wrote {dest}")
+    return 0

@@ -33,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
-from run import run_cell  # noqa: E402 - the scale benchmark's cell runner, next to this file
+from run import record, run_cell  # noqa: E402 - the scale benchmark's cell runner, next to this file
 
 RESULTS = HERE / "regression.jsonl"
 #: repository folder -> its place in the installed package (pyproject.toml's package-dir)
@@ -71,12 +71,7 @@ def measure(commit: str, nodes: int, rounds: int, into: Path, label: str = "", t
                     commit=short)
     cell["package"] = f"git archive of {short}, laid out as installed, on PYTHONPATH"
     cell["subject"] = _git("log", "-1", "--format=%s", commit)[:120]
-    if label:
-        cell["label"] = label
-    print(json.dumps(cell), flush=True)
-    with open(RESULTS, "a") as f:
-        f.write(json.dumps(cell) + "\n")
-    return cell
+    return record(cell, RESULTS, label)
 
 
 def bisect(good: str, bad: str, threshold: float, nodes: int, rounds: int, into: Path) -> str:

@@ -31,6 +31,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+def record(cell: dict, results: Path, label: str = "") -> dict:
+    """Label ``cell`` (when ``label``), print it and append it to ``results`` (one JSON line)."""
+    if label:
+        cell["label"] = label
+    print(json.dumps(cell), flush=True)
+    with open(results, "a") as f:
+        f.write(json.dumps(cell) + "\n")
+    return cell
+
+
 def run_cell(nodes: int, topology: str, algorithm: str, rounds: int, extra: list[str], timeout: int = 0,
              topology_options: list[str] | None = None, rss_limit_mb: float = 0,
              pythonpath: str | None = None, commit: str | None = None) -> dict:

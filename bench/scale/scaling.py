@@ -32,7 +32,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from run import run_cell  # noqa: E402 - the scale benchmark's cell runner, next to this file
+from run import record, run_cell  # noqa: E402 - the scale benchmark's cell runner, next to this file
 
 RESULTS = HERE / "scaling.jsonl"
 EXTRA = ["--samples-per-node", "16"]
@@ -42,12 +42,7 @@ def measure(nodes: int, k: int, rounds: int, timeout: int, label: str = "", rss_
     """Run one cell and append it to ``scaling.jsonl``."""
     cell = run_cell(nodes, "k_regular", "fedavg", rounds, EXTRA, timeout, [f"k={k}"], rss_limit_mb=rss_limit_mb)
     cell["k"] = k
-    if label:
-        cell["label"] = label
-    print(json.dumps(cell), flush=True)
-    with open(RESULTS, "a") as f:
-        f.write(json.dumps(cell) + "\n")
-    return cell
+    return record(cell, RESULTS, label)
 
 
 def cells(label: str | None = "") -> list[dict]:

@@ -478,12 +478,16 @@ class RunLedger:
         return self.dir / run_id
 
     # -- writing ---------------------------------------------------------------------------
-    def _write(self, sql: str, args: tuple[Any, ...]) -> None:
-        """One transaction, written through (``synchronous = FULL``) before it returns."""
+    def _write(self, sql: str, args: tuple[Any, ...] | list[tuple[Any, ...]]) -> None:
+        """One transaction, written through (``synchronous = FULL``) before it returns; ``args``
+        a list: the statement once per item."""
         con = self._con
         con.execute("BEGIN IMMEDIATE")
         try:
-            con.execute(sql, args)
+            if isinstance(args, list):
+                con.executemany(sql, args)
+            else:
+                con.execute(sql, args)
             crash_point("run-ledger", "before-commit")
             con.execute("COMMIT")
         except BaseException:
@@ -533,17 +537,8 @@ class RunLedger:
                                      f"time DESC, run_id DESC LIMIT {keep})", (*TERMINAL, *TERMINAL)).fetchall()
             if not rows:
                 return []
-            con = self._con
-            con.execute("BEGIN IMMEDIATE")
-            try:
-                con.executemany("UPDATE runs SET compact = 1, entry = ? WHERE run_id = ?",
-                                [(json.dumps(summary(json.loads(text)), sort_keys=True), rid) for rid, text in rows])
-                crash_point("run-ledger", "before-commit")
-                con.execute("COMMIT")
-            except BaseException:
-                if con.in_transaction:
-                    con.execute("ROLLBACK")
-                raise
+            self._write("UPDATE runs SET compact = 1, entry = ? WHERE run_id = ?",
+                        [(json.dumps(summary(json.loads(text)), sort_keys=True), rid) for rid, text in rows])
             for rid, _ in rows:
                 self._recent.pop(rid, None)
         return [rid for rid, _ in rows]
