@@ -764,12 +764,14 @@ class LabRun:
 
 
 def _deployed_runs(state: Path) -> set[str]:
-    """The runs whose model a device deployed (its ``models/v*/manifest.json``'s ``run_id``)."""
-    out = set()
-    for m in (state / "models").glob("v*/manifest.json"):
+    """The runs whose model a device deployed (its versions' manifests' ``run_id``)."""
+    from dfl_agent.deploy.versions import DeployError, ModelStore
+
+    store, out = ModelStore(state), set()
+    for v in store.versions():
         try:
-            rid = json.loads(m.read_text(encoding="utf-8")).get("run_id")
-        except (OSError, ValueError, AttributeError):
+            rid = store.manifest(v).get("run_id")
+        except (DeployError, AttributeError):
             continue
         if isinstance(rid, str):
             out.add(rid)
