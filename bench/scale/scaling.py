@@ -45,12 +45,14 @@ def measure(nodes: int, k: int, rounds: int, timeout: int, label: str = "", rss_
     return record(cell, RESULTS, label)
 
 
-def cells(label: str | None = "") -> list[dict]:
-    """The finished cells of ``scaling.jsonl`` (rc 0), of one label (None: all)."""
+def cells(label: str | None = "", stopped: bool = False) -> list[dict]:
+    """The finished cells of ``scaling.jsonl`` (rc 0), of one label (None: all); with
+    ``stopped``, also those stopped at ``--limit-gb``."""
     if not RESULTS.exists():
         return []
     out = [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
-    return [c for c in out if c["rc"] == 0 and (label is None or c.get("label", "") == label)]
+    return [c for c in out if (c["rc"] == 0 or (stopped and c.get("stopped")))
+            and (label is None or c.get("label", "") == label)]
 
 
 def fit(cs: list[dict]) -> dict | None:
@@ -126,12 +128,16 @@ def report(commit: str = "") -> None:
         for gb in (8, 20):
             lines.append(f"- predicted largest N within {gb} GB with k = 4: {largest_n(model, gb, 4):,}")
         lines.append("")
-    big = cells("largest")
+    big = cells("largest", stopped=True)
     if big:
         fitted = max((c for c in big if not c.get("stopped")), key=lambda c: c["nodes"], default=None)
         if fitted is not None:
+            over = min((c for c in big if c.get("stopped") and c["nodes"] > fitted["nodes"]),
+                       key=lambda c: c["nodes"], default=None)
             lines += [f"Largest N measured within the limit (`--largest`): **{fitted['nodes']:,}** "
-                      f"({fitted['peak_rss_mb']:,.0f} MB peak RSS).", ""]
+                      f"({fitted['peak_rss_mb']:,.0f} MB peak RSS, {fitted['wall_s']:,.0f} s wall)"
+                      + (f"; {over['nodes']:,} nodes passed the limit and were stopped after "
+                         f"{over['wall_s']:,.0f} s" if over is not None else "") + ".", ""]
     machines = sorted({c.get("machine", "?") for c in cs})
     lines += [f"Machine: {'; '.join(machines)}.", "",
               "Commands: the `command` field of each line of `scaling.jsonl`; one cell at a time, under "
