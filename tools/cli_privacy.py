@@ -95,7 +95,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     carried = sum(float(c["epsilon"]) for c in st.carried)
     eps = st.epsilon(delta)
     head = read_head(sd)
-    folded = sum(st.folded.values())
+    folded = int(st.folded.get("runs", 0))
     doc.update(rows=st.events, runs=len(rows), folded=folded, **counts, head=st.head, chain=st.chain,
                marker_rows=head["events"] if head else None, epsilon=round(eps, 6), epsilon_carried=round(carried, 6),
                recoveries=[{"epsilon": c["epsilon"], "delta": c["delta"], "time": c.get("time"),
@@ -110,7 +110,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     print(f"privacy ledger {ledger.path}: ok: {st.events} row{'s' if st.events != 1 else ''} of history, "
           f"{len(rows)} run{'s' if len(rows) != 1 else ''} ({counts['spent']} spent, "
           f"{counts['released']} released, {counts['reserved']} reserved"
-          f"{f'; {len(st.folded)} of them fold {folded} older runs' if st.folded else ''}), head {st.head[:12]}, "
+          f"{f'; and {folded} older spent runs folded' if folded else ''}), head {st.head[:12]}, "
           f"{marker}")
     print(f"epsilon spent {eps:.6g} at delta {delta:g}")
     for c in st.carried:

@@ -20,6 +20,7 @@ accounted, so a device without DP (and an idle supervisor) never loads SciPy; it
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from collections.abc import Sequence
 from types import ModuleType
@@ -138,6 +139,12 @@ def _step_curve(q: float, sigma: float) -> tuple[float, ...]:
     return tuple(_rdp_one_step(q, sigma, a) for a in ORDERS)
 
 
+def orders_id() -> str:
+    """A short fingerprint of :data:`ORDERS` (an RDP curve stored as numbers is only valid for
+    the orders it was computed at)."""
+    return hashlib.sha256(repr(ORDERS).encode("ascii")).hexdigest()[:16]
+
+
 def epsilon_from_rdp(rdp: np.ndarray, delta: float) -> float:
     """ε at ``delta`` of a composed RDP curve (over :data:`ORDERS`), the best order's.
 
@@ -153,19 +160,22 @@ def epsilon_from_rdp(rdp: np.ndarray, delta: float) -> float:
     return max(0.0, float(np.nanmin(eps)))
 
 
-def rdp_epsilon(history: Sequence[tuple[float, float, int]], delta: float) -> float:
+def rdp_epsilon(history: Sequence[tuple[float, float, int]], delta: float,
+                base: Sequence[float] | None = None) -> float:
     """The composed ε at ``delta`` of a device's whole DP history.
 
     Args:
         history: one ``(noise_multiplier, sampling_rate, steps)`` per run (or per part of a run).
         delta: the δ of the guarantee.
+        base: an RDP curve already composed (over :data:`ORDERS`, one value per order: older
+            runs folded by the privacy ledger), added to the history's.
 
     Returns:
         ε (0.0 for an empty history, ``inf`` where a step had no noise).
     """
-    if not history:
+    if not history and base is None:
         return 0.0
-    total = np.zeros(len(ORDERS))
+    total = np.zeros(len(ORDERS)) if base is None else np.asarray(base, dtype=np.float64)
     for sigma, q, steps in history:
         total = total + rdp_curve(sigma, q, steps)
     if (total == 0.0).all():

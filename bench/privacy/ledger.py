@@ -14,7 +14,8 @@ Two parts, each on a fresh state folder under the system's temporary folder:
   ``PrivacyLedger``'s ``state()``: integrity check, hash chain, fold, table ``runs``; three repeats,
   median), which the agent pays at start and at every admission: the size a ledger would reach
   without folding.
-* **Folded** (the service's steady state): ``--folded`` DP runs (default 600) through the API with
+* **Folded** (the service's steady state): ``--folded`` DP runs (default 600), each with its own
+  noise multiplier and sampling rate (as a device recalibrates them to its growing store), through the API with
   :meth:`PrivacyLedger.fold` after each settled run, as the service calls it
   (``runtime.keep_runs`` = 20); the ``privacy/`` folder's bytes (database, journal, shared memory)
   every 100 runs, and the composed ε against the same history unfolded.
@@ -112,22 +113,27 @@ def long_life(runs: int, tmp: Path) -> dict[str, float]:
 
 
 def folded_life(runs: int, keep: int, tmp: Path) -> dict:
+    import dataclasses
+
     from dfl_agent.privacy.accountant import rdp_epsilon
     from dfl_agent.runtime.shared.privacy_ledger import PrivacyLedger
 
     d = tmp / "folded"
     led = PrivacyLedger(d)
     plan = _plan()
-    sizes = []
-    for i in range(runs):
-        led.reserve(f"r{i}", plan, 10)
+    sizes, history = [], []
+    for i in range(runs):  # each run its own noise multiplier and sampling rate (a device's growing store)
+        run_plan = dataclasses.replace(plan, noise_multiplier=plan.noise_multiplier * (1 + 0.01 * (i % 13)),
+                                       sample_rate=plan.sample_rate * (1 - 0.003 * (i % 17)))
+        history.append((run_plan.noise_multiplier, run_plan.sample_rate, 400))
+        led.reserve(f"r{i}", run_plan, 10)
         led.mark_trained(f"r{i}")
         led.settle(f"r{i}", 400)
         led.fold(keep)
         if (i + 1) % 100 == 0:
             sizes.append((i + 1, sum(f.stat().st_size for f in (d / "privacy").iterdir())))
     eps = PrivacyLedger(d).epsilon(plan.delta)
-    unfolded = rdp_epsilon([(plan.noise_multiplier, plan.sample_rate, 400)] * runs, plan.delta)
+    unfolded = rdp_epsilon(history, plan.delta)
     return {"runs": runs, "keep": keep, "sizes": sizes, "epsilon": eps, "epsilon_unfolded": unfolded,
             "rows": len(PrivacyLedger(d).state().rows)}
 

@@ -138,8 +138,8 @@ STATE_FILES: tuple[StateFile, ...] = (
     StateFile("live_model/", "the run's live model for inference members (model.onnx, manifest.json)", "atomic",
               "runtime.run.live_export", "one model", "replaced at the next export; a member checks its hash"),
     StateFile("privacy/ledger.sqlite", "the privacy ledger: one row per DP run and the hash-chained history of "
-              "every change; runs older than the newest `runtime.keep_runs` folded into one row per noise "
-              "multiplier and sampling rate", "sqlite", "runtime.shared.privacy_ledger, runtime.service.privacy_recovery",
+              "every change; runs older than the newest `runtime.keep_runs` folded into their composed RDP "
+              "curve", "sqlite", "runtime.shared.privacy_ledger, runtime.service.privacy_recovery",
               "bounded: about 52 KiB with `runtime.keep_runs` 20 (`bench/privacy/results/ledger.md`)",
               "DP runs declined with one line naming the file (non-DP runs go on; `dfl-agent run --once` exits 2): "
               "`dflctl privacy recover`"),

@@ -23,14 +23,16 @@ the fold.
 four events a run forever.  Once the ledger holds more than ``keep`` settled runs beyond the newest
 ``keep`` (:func:`fold_body`; the service passes ``runtime.keep_runs``), one ``fold`` event is
 appended whose body is the whole state: the newest ``keep`` runs and every reserved run as they
-are; older spent runs folded into one row per ``(noise multiplier, sampling rate)``
-(``folded:SIGMA/Q``, their DP steps summed: RDP composes as a sum over steps, so the composed ε is
-the same up to floating-point rounding); older released runs (which spent nothing) dropped; the
-carried amounts kept.  In the same transaction the events before it are deleted and table
-``meta`` records where the chain now starts (``base_seq``, ``base_head``: the sequence number and
-hash of the last deleted event), so the ``fold`` event still hashes onto the deleted history and
-sequence numbers never restart.  A ``fold`` whose composed ε is below the state it replaces is
-refused (:func:`apply`).
+are, the carried amounts, and the older spent runs *composed*: their RDP curves summed into one
+(``folded``: the curve over the accountant's orders, a fingerprint of those orders, how many runs
+and DP steps it holds, the newest δ).  Rényi DP composes by adding curves, so the composed ε is the
+same up to floating-point rounding, whatever noise multipliers and sampling rates the runs had.
+Older released runs (which spent nothing) are dropped.  In the same transaction the events before
+it are deleted and table ``meta`` records where the chain now starts (``base_seq``,
+``base_head``: the sequence number and hash of the last deleted event), so the ``fold`` event
+still hashes onto the deleted history and sequence numbers never restart.  A ``fold`` whose
+composed ε is below the state it replaces, or whose curve was computed at other orders than this
+release's accountant uses, is refused (:func:`apply`).
 
 **The head marker** ``STATE_DIR/privacy-head.json`` (outside ``privacy/``, so that deleting or
 restoring that folder alone does not take the marker with it) records the chain id, how many
@@ -53,8 +55,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dfl_agent.fsutil import atomic_write
-from dfl_agent.privacy.accountant import rdp_epsilon
+from dfl_agent.privacy.accountant import ORDERS, orders_id, rdp_curve, rdp_epsilon
 
 #: the ledger's file under the state directory
 LEDGER_FILE = Path("privacy") / "ledger.sqlite"
@@ -71,8 +75,6 @@ ROW_STATES = ("reserved", "spent", "released")
 ROUNDING = 1e-4
 #: the event kinds (see the module docstring)
 EVENT_KINDS = ("reserve", "replan", "trained", "settle", "migrated", "opening", "fold")
-#: the run id prefix of a row that folds older spent runs (see the module docstring)
-FOLDED = "folded:"
 
 RUNS_DDL = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -139,7 +141,9 @@ class LedgerState:
         head: the last event's hash (the chain id when there is none).
         chain: the chain id.
         migrated: how many rows were chained on this open (an older release's ledger).
-        folded: run id of a folded row -> how many runs it folds (see the module docstring).
+        folded: the older runs a fold composed (see the module docstring): ``rdp`` (their
+            summed RDP curve), ``orders`` (:func:`~dfl_agent.privacy.accountant.orders_id`),
+            ``runs``, ``steps``, ``delta``; empty when none.
         base: the sequence number of the last event deleted by a fold (0: none).
     """
 
@@ -149,12 +153,12 @@ class LedgerState:
     head: str = ""
     chain: str = ""
     migrated: int = 0
-    folded: dict[str, int] = dataclasses.field(default_factory=dict)
+    folded: dict[str, Any] = dataclasses.field(default_factory=dict)
     base: int = 0
 
     def runs_spent(self) -> int:
         """How many runs are reserved or spent, folded ones included."""
-        return sum(self.folded.get(r["run_id"], 1) for r in self.rows.values() if r["state"] != "released")
+        return int(self.folded.get("runs", 0)) + sum(1 for r in self.rows.values() if r["state"] != "released")
 
     def history(self, exclude: str | None = None) -> list[tuple[float, float, int]]:
         """``(noise_multiplier, sample_rate, steps)`` of every reserved or spent row (but ``exclude``)."""
@@ -165,13 +169,16 @@ class LedgerState:
                 plus: Sequence[tuple[float, float, int]] = ()) -> float:
         """The composed ε at ``delta`` of the history (but ``exclude``) and ``plus``: RDP over
         the rows, plus the carried amounts (basic composition)."""
-        return sum(float(c["epsilon"]) for c in self.carried) + rdp_epsilon([*self.history(exclude), *plus], delta)
+        return sum(float(c["epsilon"]) for c in self.carried) + rdp_epsilon(
+            [*self.history(exclude), *plus], delta, self.folded.get("rdp"))
 
     def newest_delta(self) -> float | None:
         """The δ of the newest row (else of the newest carried amount), None for an empty ledger."""
         if self.rows:
             return float(list(self.rows.values())[-1]["delta"])
-        return float(self.carried[-1]["delta"]) if self.carried else None
+        if self.carried:
+            return float(self.carried[-1]["delta"])
+        return float(self.folded["delta"]) if self.folded else None
 
 
 def apply(state: LedgerState, run_id: str, kind: str, body: dict[str, Any]) -> None:
@@ -198,9 +205,11 @@ def apply(state: LedgerState, run_id: str, kind: str, body: dict[str, Any]) -> N
         state.carried.append(dict(body))
     elif kind == "fold" and not run_id:
         before = state.epsilon(d) if (d := state.newest_delta()) is not None else 0.0
+        folded = dict(body["folded"])
+        if folded and folded.get("orders") != orders_id():
+            raise ValueError("a fold composed at other RDP orders than this release's accountant uses")
         new = LedgerState(rows={r["run_id"]: {k: r[k] for k in COLUMNS} for r in body["rows"]},
-                          carried=[dict(c) for c in body["carried"]],
-                          folded={str(k): int(v) for k, v in body["folded"].items()})
+                          carried=[dict(c) for c in body["carried"]], folded=folded)
         after = new.epsilon(d) if (d := new.newest_delta()) is not None else 0.0
         if after < before - 1e-9 * max(1.0, before):
             raise ValueError(f"a fold lowers the composed epsilon from {before:.6g} to {after:.6g}")
@@ -215,34 +224,21 @@ def fold_body(state: LedgerState, keep: int) -> dict[str, Any] | None:
     happens once every ``keep`` runs)."""
     rows = list(state.rows.values())
     newest = {r["run_id"] for r in rows[-keep:]} if keep > 0 else set()
-    older = [r for r in rows if r["run_id"] not in newest and r["state"] != "reserved"
-             and not r["run_id"].startswith(FOLDED)]
+    older = [r for r in rows if r["run_id"] not in newest and r["state"] != "reserved"]
     if len(older) <= keep:
         return None
-    groups: dict[str, dict[str, Any]] = {}
-    counts: dict[str, int] = {}
-    for r in [r for r in rows if r["run_id"].startswith(FOLDED)] + older:
-        if r["state"] == "released":
-            continue  # spent nothing
-        key = f"{FOLDED}{float(r['noise_multiplier'])!r}/{float(r['sample_rate'])!r}"
-        n = state.folded.get(r["run_id"], 1)  # a folded row counts the runs it folds
-        g = groups.get(key)
-        if g is None:
-            groups[key] = {**r, "run_id": key, "state": "spent", "steps_per_round": 0, "trained": 1}
-            counts[key] = n
-            continue
-        counts[key] += n
-        g["time"] = min(g["time"], r["time"])
-        g["steps"] += r["steps"]
-        g["planned_steps"] += r["planned_steps"]
-        g["max_grad_norm"] = max(g["max_grad_norm"], r["max_grad_norm"])
-        g["delta"] = r["delta"]
-        g["settled"] = max((x for x in (g["settled"], r["settled"]) if x is not None), default=None)
-    for g in groups.values():
-        g["epsilon"] = float(rdp_epsilon([(g["noise_multiplier"], g["sample_rate"], g["steps"])], g["delta"]))
-    kept = [r for r in rows if r["run_id"] not in {x["run_id"] for x in older} and not r["run_id"].startswith(FOLDED)]
-    return {"rows": [*groups.values(), *kept], "carried": list(state.carried),
-            "folded": counts}
+    spent = [r for r in older if r["state"] == "spent"]
+    folded = dict(state.folded) or {"rdp": [0.0] * len(ORDERS), "orders": orders_id(), "runs": 0, "steps": 0,
+                                    "delta": None}
+    total = np.asarray(folded["rdp"], dtype=np.float64)
+    for r in spent:
+        total = total + rdp_curve(r["noise_multiplier"], r["sample_rate"], r["steps"])
+    if spent:
+        folded.update(rdp=[float(x) for x in total], runs=int(folded["runs"]) + len(spent),
+                      steps=int(folded["steps"]) + sum(int(r["steps"]) for r in spent), delta=float(spent[-1]["delta"]))
+    gone = {r["run_id"] for r in older}
+    return {"rows": [r for r in rows if r["run_id"] not in gone], "carried": list(state.carried),
+            "folded": folded if folded["runs"] else {}}
 
 
 def read_head(state_dir: str | Path) -> dict[str, Any] | None:

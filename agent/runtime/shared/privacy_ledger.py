@@ -462,7 +462,7 @@ class PrivacyLedger:
             body = fold_body(st, keep)
             if body is None:
                 return []
-            before.extend((len(st.rows) - len(st.folded), st.events))  # the runs not folded yet; the base
+            before.extend((len(st.rows), st.events))  # the runs not folded yet; the base
             return [("", "fold", body)]
 
         def after(con: sqlite3.Connection, st: LedgerState) -> None:  # in the fold's transaction
@@ -476,9 +476,9 @@ class PrivacyLedger:
         st = self._write(events, after)
         if not before:
             return 0
-        gone = before[0] - (len(st.rows) - len(st.folded))
-        log.info("privacy ledger %s: folded %d older run(s) into one row per noise multiplier and sampling rate "
-                 "(the newest %d kept as they are; the composed epsilon is unchanged)", self.path, gone, keep)
+        gone = before[0] - len(st.rows)
+        log.info("privacy ledger %s: folded %d older run(s) into the composed RDP curve (the newest %d kept as they "
+                 "are; the composed epsilon is unchanged)", self.path, gone, keep)
         return gone
 
     # -- the ledger's operations (privacy_budget, dp_run) -------------------------------
