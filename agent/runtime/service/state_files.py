@@ -140,7 +140,7 @@ STATE_FILES: tuple[StateFile, ...] = (
     StateFile("privacy/ledger.sqlite", "the privacy ledger: one row per DP run and the hash-chained history of "
               "every change; runs older than the newest `runtime.keep_runs` folded into their composed RDP "
               "curve", "sqlite", "runtime.shared.privacy_ledger, runtime.service.privacy_recovery",
-              "bounded: about 52 KiB with `runtime.keep_runs` 20 (`bench/privacy/results/ledger.md`)",
+              "bounded: about 56 KiB with `runtime.keep_runs` 20 (`bench/privacy/results/ledger.md`)",
               "DP runs declined with one line naming the file (non-DP runs go on; `dfl-agent run --once` exits 2): "
               "`dflctl privacy recover`"),
     StateFile("privacy/ledger.pre-chain.sqlite", "release 0.1.0's privacy ledger as it was before it was chained",
