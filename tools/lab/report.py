@@ -34,9 +34,12 @@ def _records(state: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 def _used_peers(rec: dict[str, Any]) -> int:
+    """The peers a round heard from, as the node counts them (its ``round_alone``): the
+    neighbours whose updates it used, and those it left out for being cold (a peer whose
+    training diverged sends its model flagged cold; it was heard all the same)."""
     n = rec.get("neighbours")
     if isinstance(n, (int, float)):
-        return int(n)
+        return int(n) + len(rec.get("cold_excluded") or ())
     ids = rec.get("neighbour_ids")
     return len(ids) if isinstance(ids, list) else 0
 
