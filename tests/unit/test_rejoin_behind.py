@@ -90,3 +90,33 @@ def test_a_rejoined_node_stays_behind_until_it_reaches_the_round_the_statuses_sh
         return out
 
     assert run_virtual(main()) == [True, (12, True), (40, False)]
+
+
+def test_the_round_a_rejoined_node_must_reach_moves_on_with_its_peers_statuses():
+    """In the field lab a device rejoined at round 79 while its peers' statuses showed about 220;
+    with rounds of 0.1 s they were near 300 by the time its capped skips reached 221, and its
+    round 222, no longer behind, waited round_timeout (20 s) and closed alone.  The statuses that
+    come after the rejoin (a quorum of the live peers, as every catch-up) move the round to reach;
+    one peer's status alone does not, and a node that never rejoined is not moved by statuses."""
+    net = MemoryNetwork()
+    me, a, b = _ctx(net, "me"), _ctx(net, "a"), _ctx(net, "b")
+    me.catch_up, me.max_catch_up_rounds, me.final_round = True, 10, 1000
+
+    def status(r, beat):
+        return {"state": "running", "round": r, "heartbeat": beat}
+
+    async def main():
+        for c in (me, a, b):
+            await c.start()
+        out: list[object] = []
+        me.note_status("a", status(500, 1))  # no rejoin: statuses move nothing
+        out.append((me.membership.catch_up_round(5, {"a": 5, "b": 5}), me.catching_up))
+        me.membership.note_rejoin(79, {"a": 220, "b": 220}, 2, 1000)
+        me.note_status("a", status(300, 2))  # one peer's say
+        out.append((me.membership.catch_up_round(222, {"a": 222, "b": 222}), me.catching_up))
+        me.note_status("b", status(298, 1))  # a quorum: both at 298 or later
+        out.append((me.membership.catch_up_round(222, {"a": 222, "b": 222}), me.catching_up))
+        out.append((me.membership.catch_up_round(299, {"a": 300, "b": 300}), me.catching_up))  # there
+        return out
+
+    assert run_virtual(main()) == [(5, False), (222, False), (222, True), (300, False)]

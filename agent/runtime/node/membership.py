@@ -75,6 +75,10 @@ class Membership:
         #: (:meth:`note_rejoin`): until it gets there it is behind, whatever the updates it has
         #: received so far show (after a restart the first ones can be a broker's backlog of old rounds)
         self.rejoin_ahead = 0
+        #: after a rejoin: live peer -> the round its newest status showed completed; the round
+        #: the node must reach moves on with them (:meth:`catch_up_round`), since a federation of
+        #: fast rounds goes on while the node works through its capped skips
+        self.status_rounds: dict[str, int] = {}
         #: peers that came (back) into this node's presence view: a first sighting, or a return
         #: after "offline" (a restart, a power cut, a partition healed).  A CHOCO stream sends
         #: its next message as a keyframe when it grows (:mod:`dfl_agent.algorithms.gossip_compression`),
@@ -217,6 +221,10 @@ class Membership:
                     self.rejoins += 1
                     self._note_return(peer, restarted=restarted)
                 self._heartbeats[peer] = beat
+            shown = status.get("round")
+            if self.rejoin_ahead and status.get("state") == "running" and isinstance(shown, int) \
+                    and not isinstance(shown, bool):
+                self.status_rounds[peer] = shown
             wanted = status.get("keyframe_wanted")
             if isinstance(wanted, list) and self.ctx.node_id in wanted:
                 self.rejoins += 1  # the peer lost this node's stream: its next message is a keyframe
@@ -272,7 +280,9 @@ class Membership:
         :func:`catch_up_target`): still behind most of them after that capped skip, the node
         is :attr:`behind`, as after a capped catch-up in the run, so that its first round takes
         their newest updates instead of waiting its deadline for a round they have left.  It stays
-        behind until it reaches the round those statuses showed (:meth:`catch_up_round`)."""
+        behind until it reaches the round those statuses showed, or the round a quorum of the
+        statuses that came since show (:attr:`status_rounds`, :meth:`catch_up_round`): with rounds
+        of a tenth of a second the federation goes on while the node works through its skips."""
         ahead = quorum_shown(shown, live)
         self.rejoin_ahead = 0 if ahead is None else min(ahead + 1, final_round)
         self.behind = target < self.rejoin_ahead
@@ -292,6 +302,11 @@ class Membership:
         target = catch_up_target(next_round, shown, len(live), ctx.max_catch_up_rounds)
         if ctx.final_round is not None:
             target = max(next_round, min(target, ctx.final_round))
+        if self.rejoin_ahead:  # the round to reach moves on with the peers' statuses (a quorum of them)
+            moved = quorum_shown({p: self.status_rounds[p] for p in live if p in self.status_rounds}, len(live))
+            if moved is not None:
+                self.rejoin_ahead = max(self.rejoin_ahead, moved + 1 if ctx.final_round is None
+                                        else min(moved + 1, ctx.final_round))
         self.behind = target < (ctx.final_round or target + 1) and (
             still_behind(shown, len(live), target) or target < self.rejoin_ahead)
         if target == next_round:
