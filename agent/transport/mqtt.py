@@ -146,6 +146,22 @@ def refused(reason_code: object, username: str | None) -> str:
     return f"broker refused the connection: {text}"
 
 
+def close_session(client: Any, gone: threading.Event, connected: bool, wait: float = 3.0) -> None:
+    """End a paho session cleanly (blocking): DISCONNECT, wait up to ``wait`` seconds for it to
+    go out (``gone``: an event the client's ``on_disconnect`` sets) when ``connected``, then stop
+    the network thread.  paho's ``loop_stop`` does not flush its queue: without the wait the
+    socket could close with no DISCONNECT, and the broker then published the session's last
+    will (a crash to the node's peers) after whatever it said last."""
+    gone.clear()
+    try:
+        client.disconnect()
+    except Exception:  # noqa: BLE001 - a session already gone: stop its thread all the same
+        pass
+    if connected:
+        gone.wait(wait)
+    client.loop_stop()
+
+
 def mqtt_session(client_id: str, *, protocol: str = "5", username: str | None = None,
                  password: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, userdata: Any = None,
@@ -617,16 +633,7 @@ class MqttTransport(Transport):
         client = conn.client
         if client is None:
             return
-        connected = conn.connected
-        conn.gone.clear()
-        try:
-            client.disconnect()
-        except Exception:  # noqa: BLE001
-            pass
-        loop = asyncio.get_running_loop()
-        if connected:  # paho's loop_stop does not flush: without the DISCONNECT written the broker
-            await loop.run_in_executor(None, conn.gone.wait, 3.0)  # would publish the last will
-        await loop.run_in_executor(None, client.loop_stop)
+        await asyncio.get_running_loop().run_in_executor(None, close_session, client, conn.gone, conn.connected)
 
     # ------------------------------------------------------------- receiving
 

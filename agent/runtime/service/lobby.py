@@ -175,11 +175,9 @@ class RunLobby:
         if connected and info is not None:
             with contextlib.suppress(RuntimeError, ValueError):  # not queued / the connection went away
                 info.wait_for_publish(timeout=wait)
-        self._gone.clear()
-        c.disconnect()
-        if connected:
-            self._gone.wait(wait)
-        c.loop_stop()
+        from dfl_agent.transport.mqtt import close_session
+
+        close_session(c, self._gone, connected, wait)
 
     def _on_pre_connect(self, client: mqtt.Client, userdata: object) -> None:
         """paho, before each connection attempt: a new session id, and the node's last will for

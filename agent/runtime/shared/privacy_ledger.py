@@ -453,7 +453,7 @@ class PrivacyLedger:
         """
         if not self.path.exists():
             return 0
-        st, head = self.state(fresh=True), read_head(self.state_dir)
+        st, head = self.state(), read_head(self.state_dir)  # checked as the files are (kept while unchanged)
         if head is None or head.get("events") != st.events or head.get("head") != st.head:
             return 0
         before: list[int] = []
