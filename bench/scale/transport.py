@@ -27,7 +27,7 @@ Paths:
   uncompressed tensors, so the codec's work is in it and fewer bytes travel.
 * ``floor_signed``: the least work any signed design does, on raw paho: the sender hashes the
   payload (BLAKE3, the wire format's hash), signs the 64 hex digits with Ed25519
-  (cryptography, as the agents do) and sends digest, signature and payload in ``raw``'s
+  (as the agents sign: libsodium where PyNaCl is installed) and sends digest, signature and payload in ``raw``'s
   chunks; the receiver reassembles them as ``raw`` does, hashes the payload, compares and
   verifies the signature on paho's network thread, and stamps the receipt there.
 * ``floor_signed_loop``: ``floor_signed``, then the checked message is handed to the
@@ -138,29 +138,36 @@ class RawAssembler:
 
 class FloorSigner:
     """The sending end of the floor paths: ``frame(payload)`` is the payload's BLAKE3 digest
-    (64 hex digits), their Ed25519 signature (64 bytes) and the payload, joined."""
+    (64 hex digits), their Ed25519 signature (64 bytes) and the payload, joined. The signature
+    is made as the agents make theirs (:func:`dfl_agent.security.keys.signer`: libsodium where
+    PyNaCl is installed)."""
 
     def __init__(self, key: bytes):
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-        self.key = Ed25519PrivateKey.from_private_bytes(key)
+        from dfl_agent.security.keys import signer
+
+        self.sign = signer(Ed25519PrivateKey.from_private_bytes(key))
 
     def frame(self, payload: bytes) -> bytes:
         import blake3
 
         digest = blake3.blake3(payload).hexdigest().encode()
-        return b"".join((digest, self.key.sign(digest), payload))
+        return b"".join((digest, self.sign(digest), payload))
 
 
 class FloorChecker:
     """The receiving end of the floor paths (``key``: the sender's raw private key, whose
-    public half verifies): :meth:`check` is True when the reassembled frame's payload hash
-    matches its digest and the digest's signature verifies."""
+    public half verifies, as the agents verify: :func:`dfl_agent.security.keys.verifier`):
+    :meth:`check` is True when the reassembled frame's payload hash matches its digest and
+    the digest's signature verifies."""
 
     def __init__(self, key: bytes):
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-        self.pub = Ed25519PrivateKey.from_private_bytes(key).public_key()
+        from dfl_agent.security.keys import verifier
+
+        self.verify = verifier(Ed25519PrivateKey.from_private_bytes(key).public_key())
 
     def check(self, frame: bytearray) -> bool:
         import blake3
@@ -171,7 +178,7 @@ class FloorChecker:
         if len(frame) < 128 or blake3.blake3(view[128:]).hexdigest().encode() != digest:
             return False
         try:
-            self.pub.verify(bytes(view[64:128]), digest)
+            self.verify(bytes(view[64:128]), digest)
         except InvalidSignature:
             return False
         return True
