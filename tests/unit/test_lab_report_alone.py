@@ -4,7 +4,7 @@ updates all came flagged cold (their training diverged) heard them, and is not a
 from __future__ import annotations
 
 from dfl_agent.cli.lab.report import _used_peers
-from dfl_agent.runtime.node.node import peer_updates_used
+from dfl_agent.runtime.shared.degraded import peer_updates_used
 
 
 def test_a_round_with_only_cold_peers_is_not_alone_in_the_lab_either() -> None:

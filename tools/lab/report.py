@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dfl_agent.cli.lab.scenario import Scenario
+from dfl_agent.runtime.shared.degraded import peer_updates_used
 
 if TYPE_CHECKING:
     from dfl_agent.cli.lab.runner import LabRun
@@ -34,14 +35,10 @@ def _records(state: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 def _used_peers(rec: dict[str, Any]) -> int:
-    """The peers a round heard from, as the node counts them (its ``round_alone``): the
-    neighbours whose updates it used, and those it left out for being cold (a peer whose
-    training diverged sends its model flagged cold; it was heard all the same)."""
-    n = rec.get("neighbours")
-    if isinstance(n, (int, float)):
-        return int(n) + len(rec.get("cold_excluded") or ())
-    ids = rec.get("neighbour_ids")
-    return len(ids) if isinstance(ids, list) else 0
+    """The peers a round heard from, by the node's own rule
+    (:func:`~dfl_agent.runtime.shared.degraded.peer_updates_used`, which its ``round_alone``
+    counts): 0 for a round that was not meant to use any."""
+    return peer_updates_used(rec) or 0
 
 
 def recovery_start(end: float, spans: list[tuple[float, float]]) -> float | None:

@@ -38,7 +38,7 @@ from dfl_agent.learning.training import TrainConfig, evaluate, train_local
 from dfl_agent.privacy.policy import redact_status
 from dfl_agent.runtime.node.context import RuntimeContext
 from dfl_agent.runtime.node.node_hooks import FederationFinished, NodeHooks, NodeKilled, RunStopped
-from dfl_agent.runtime.shared.degraded import degraded_fields, warn_alone
+from dfl_agent.runtime.shared.degraded import degraded_fields, peer_updates_used, round_alone, warn_alone
 from dfl_agent.transport.base import CONTROL_DROP_PREFIXES
 
 if TYPE_CHECKING:
@@ -47,33 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MetricsSink = Callable[[dict[str, Any]], None]
-
-
-def peer_updates_used(info: dict[str, Any]) -> int | None:
-    """How many peer updates a round's ``info`` says went into the node's model; None
-    for a round that was not meant to use any: a lock-step epoch without a
-    synchronization, a rotating round the node took no part in, an idle pairs round."""
-    if info.get("role") == "idle" or info.get("participated") is False:
-        return None
-    if "synchronized" in info:  # lock-step (GT, local steps): only synchronizing epochs exchange
-        return len(info.get("neighbour_ids") or ()) if info["synchronized"] else None
-    if isinstance(info.get("neighbours"), int):  # models left out for being cold were heard all the same
-        return int(info["neighbours"]) + len(info.get("cold_excluded") or ())
-    if isinstance(info.get("participants"), int):  # a rotating round: the others' contributions
-        return max(0, int(info["participants"]) - 1)
-    return None
-
-
-def round_alone(info: dict[str, Any], expected: list[str], needs_peers: bool = False) -> bool:
-    """Whether a round was closed *alone*: it used no peer update although the node
-    expected verified neighbours in it (``expected``: live while the node was connected
-    to its broker: at the round's start, while it waited, or as it closed) or needs peers
-    at all (``needs_peers``: ``discovery.min_peers`` >= 1 or a run with other members, and
-    an algorithm that communicates; see :mod:`dfl_agent.runtime.shared.degraded`).  A node that
-    genuinely runs alone (nobody else in the federation, ``min_peers = 0``) expected
-    nobody, and its rounds are not alone in this sense; neither are rounds that were not
-    meant to use a peer update (:func:`peer_updates_used`)."""
-    return (bool(expected) or needs_peers) and peer_updates_used(info) == 0
 
 
 def init_seed_for(seed: int, index: int, init: str) -> int:

@@ -25,7 +25,7 @@ class NodeHooks:
     Attributes:
         needs_peers: ``() -> bool``: whether the node needs peers at all (``discovery.min_peers``
             >= 1, or a run with other members): a round that used no peer update then counts as
-            closed alone (:func:`~dfl_agent.runtime.node.node.round_alone`); None: only the neighbours
+            closed alone (:func:`~dfl_agent.runtime.shared.degraded.round_alone`); None: only the neighbours
             expected in a round count (the simulator).
         stop_check: ``() -> bool``, checked after every round: True ends the round loop with
             :class:`RunStopped` (a stop, a cancel).

@@ -11,8 +11,8 @@ from typing import Any
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.runtime.node.checkpoint import CheckpointStore, NodeCheckpointer
 from dfl_agent.runtime.node.metrics import written_rounds
-from dfl_agent.runtime.node.node import peer_updates_used
 from dfl_agent.runtime.run.reload import reload_config
+from dfl_agent.runtime.shared.degraded import peer_updates_used
 
 log = logging.getLogger("dfl_agent.daemon")
 

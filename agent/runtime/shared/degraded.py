@@ -1,7 +1,7 @@
 """Alone is a state, not a success: a run in which this node closed rounds with no peer
 update is *degraded*.
 
-A round is closed alone (:func:`~dfl_agent.runtime.node.node.round_alone`) when it was meant to
+A round is closed alone (:func:`round_alone`) when it was meant to
 use peer updates and used none although the node expected peers: verified neighbours were
 live in it, or the node needs peers at all (``discovery.min_peers`` >= 1, or a run with
 other members).  A deliberate ``local`` algorithm never trains alone in this sense.
@@ -28,6 +28,33 @@ WARN_EVERY = 10
 EXIT_DEGRADED = 4
 #: the fields of a status or ledger entry that say whether, and how much, a run was degraded
 FIELDS = ("degraded", "rounds_alone", "exchange_rounds")
+
+
+def peer_updates_used(info: dict[str, Any]) -> int | None:
+    """How many peer updates a round's ``info`` says went into the node's model; None
+    for a round that was not meant to use any: a lock-step epoch without a
+    synchronization, a rotating round the node took no part in, an idle pairs round."""
+    if info.get("role") == "idle" or info.get("participated") is False:
+        return None
+    if "synchronized" in info:  # lock-step (GT, local steps): only synchronizing epochs exchange
+        return len(info.get("neighbour_ids") or ()) if info["synchronized"] else None
+    if isinstance(info.get("neighbours"), int):  # models left out for being cold were heard all the same
+        return int(info["neighbours"]) + len(info.get("cold_excluded") or ())
+    if isinstance(info.get("participants"), int):  # a rotating round: the others' contributions
+        return max(0, int(info["participants"]) - 1)
+    return None
+
+
+def round_alone(info: dict[str, Any], expected: list[str], needs_peers: bool = False) -> bool:
+    """Whether a round was closed *alone*: it used no peer update although the node
+    expected verified neighbours in it (``expected``: live while the node was connected
+    to its broker: at the round's start, while it waited, or as it closed) or needs peers
+    at all (``needs_peers``: ``discovery.min_peers`` >= 1 or a run with other members, and
+    an algorithm that communicates; see this module).  A node that
+    genuinely runs alone (nobody else in the federation, ``min_peers = 0``) expected
+    nobody, and its rounds are not alone in this sense; neither are rounds that were not
+    meant to use a peer update (:func:`peer_updates_used`)."""
+    return (bool(expected) or needs_peers) and peer_updates_used(info) == 0
 
 
 def degraded_fields(status: Mapping[str, Any]) -> dict[str, Any]:
