@@ -37,7 +37,7 @@ import functools
 import importlib.util
 import math
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -277,11 +277,3 @@ def training_for(plan: Any) -> DPTraining:
     σ, C and q, and a step counter capped at the plan's steps."""
     return DPTraining(noise_multiplier=float(plan.noise_multiplier), max_grad_norm=float(plan.max_grad_norm),
                       sample_rate=float(plan.sample_rate), counter=DPSteps(limit=int(plan.steps)))
-
-
-def dp_summary(dp: DPTraining | None) -> Mapping[str, Any] | None:
-    """The run's DP figures for a report: σ, C, q and the steps taken (None without DP)."""
-    if dp is None:
-        return None
-    return {"noise_multiplier": dp.noise_multiplier, "max_grad_norm": dp.max_grad_norm,
-            "sample_rate": dp.sample_rate, "steps": dp.counter.taken}

@@ -37,7 +37,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from dfl_agent.algorithms.base import Traits, available, traits_of
+from dfl_agent.algorithms.base import available, traits_of
 from dfl_agent.profiles.schema import DeviceProfile, ProfileError
 
 INFERENCE = "inference"
@@ -247,15 +247,6 @@ REFERENCE_MODEL_PARAMS = {"small": 3574, "medium": 13542, "large": 52678}
 def known_algorithms() -> list[str]:
     """Every registered algorithm (``dflctl algorithms``), sorted."""
     return available()
-
-
-def algorithm_traits(algorithm: str) -> Traits:
-    """The traits ``algorithm`` declares on its class.
-
-    Raises:
-        KeyError: unknown algorithm.
-    """
-    return traits_of(algorithm)
 
 
 def models_held(algorithm: str, participants: int = 5) -> float:

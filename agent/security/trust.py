@@ -394,21 +394,6 @@ class TrustStore:
         return next((k for k in self._nodes.get(node_id, ()) if self._usable(node_id, k)[0] is not None), None)
 
     # -- queries ---------------------------------------------------------------------------
-    def key_for(self, node_id: str) -> Ed25519PublicKey | None:
-        """The newest usable key of ``node_id`` (not expired, not revoked), or ``None``."""
-        k = self._newest(node_id)
-        return k.pub if k is not None else None
-
-    def verifier_for(self, node_id: str) -> Callable[[bytes, bytes], None] | None:
-        """``verify(signature, data)`` with the newest usable key of ``node_id`` (raises
-        ``InvalidSignature``; see :func:`~dfl_agent.security.keys.verifier`), or ``None``."""
-        k = self._newest(node_id)
-        return k.verify if k is not None else None
-
-    def is_trusted(self, node_id: str) -> bool:
-        """Whether ``node_id`` has a usable key (a device or an operator)."""
-        return self._newest(node_id) is not None
-
     def role_of(self, node_id: str) -> str | None:
         """``"device"``, ``"operator"`` (pinned in ``security.operators`` or by an
         operator certificate), or ``None`` for an untrusted, expired or revoked id."""

@@ -79,12 +79,6 @@ def decode_tensors(
     return decompress_dict(blob, description, max_elements=max_elements)
 
 
-def float32_bytes(tensors: Mapping[str, np.ndarray]) -> int:
-    """Bytes of ``tensors`` as float32 (non-float tensors at their own size): the
-    reference of the compression ratio."""
-    return int(sum(4 * a.size if a.dtype.kind == "f" else a.nbytes for a in map(np.asarray, tensors.values())))
-
-
 def float32_bytes_of(description: Mapping[str, Any]) -> int:
     """The float32 size of the tensors a codec description encodes."""
     total = 0

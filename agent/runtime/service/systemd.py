@@ -1,5 +1,4 @@
-"""systemd integration: ``sd_notify`` (READY, STATUS, WATCHDOG, RELOADING, STOPPING)
-and journald-friendly logging.
+"""systemd integration: ``sd_notify`` (READY, STATUS, WATCHDOG, RELOADING, STOPPING).
 
 The notification protocol is one datagram per message on the ``AF_UNIX`` socket named
 by ``$NOTIFY_SOCKET`` (a path, or ``@name`` for the abstract namespace), containing
@@ -135,17 +134,3 @@ async def watchdog_loop(notifier: Notifier, interval: float, status: Callable[[]
                 last = text
         await asyncio.sleep(interval)
 
-
-# -- logging ----------------------------------------------------------------------------
-
-
-
-async def status_loop(notifier: Notifier, status: Callable[[], str], interval: float = 5.0) -> None:
-    """STATUS= updates for systemd when no watchdog is configured."""
-    last = None
-    while True:
-        text = status()
-        if text != last:
-            notifier.status(text)
-            last = text
-        await asyncio.sleep(interval)
