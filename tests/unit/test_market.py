@@ -27,9 +27,10 @@ def _ctx(net, nid):
     )
 
 
-def scenario(strategy, dead="silent", fast_msgs=1, **kw):
+def scenario(strategy, dead="silent", fast_msgs=1, wait_strategy=None, **kw):
     """``me`` collects round-1 updates; ``fast`` sends at 0, ``slow`` at 3 s, ``dead`` never
-    (``silent``: still present; ``killed``: crashed, presence withdrawn).  Deadline 10 s."""
+    (``silent``: still present; ``killed``: crashed, presence withdrawn).  Deadline 10 s.
+    ``wait_strategy``: the strategy of this one wait, where not the market's."""
     net = MemoryNetwork()
     ctxs = {nid: _ctx(net, nid) for nid in ("me", "fast", "slow", "dead")}
 
@@ -46,7 +47,9 @@ def scenario(strategy, dead="silent", fast_msgs=1, **kw):
         senders = [asyncio.ensure_future(send("fast", 0.0, fast_msgs)), asyncio.ensure_future(send("slow", SLOW_AT, 1))]
         await asyncio.sleep(START)
         market = UpdateMarket(strategy, **kw)
-        res = await market.collect(ctxs["me"], "model", 1, deadline=START + DEADLINE, poll=0.5)
+        res = await market.collect(ctxs["me"], "model", 1, deadline=START + DEADLINE, poll=0.5,
+                                   strategy=wait_strategy)
+        assert market.strategy == strategy  # one wait's strategy never changes the market's
         end = asyncio.get_running_loop().time()
         await asyncio.gather(*senders)
         return res, end
@@ -156,6 +159,16 @@ def test_incompatible_peer_first_seen_during_collection_is_excluded(strategy):
     me = ctxs["me"]
     assert me.excluded == {"big": "other architecture"}
     assert me.rejected["incompatible"] == 0
+
+
+def test_one_wait_takes_another_strategy_and_the_market_keeps_its_own():
+    """The quorum's first round waits for every member (``one_from_each``) in a market whose
+    strategy is ``one_from_min_percent``: that wait follows the one it is given."""
+    res, end = scenario("one_from_min_percent", percent=0.3)
+    assert _counts(res) == {"fast": 1} and end == pytest.approx(START)  # ⌈0.9⌉ = 1: the fast one will do
+    res, end = scenario("one_from_min_percent", percent=0.3, wait_strategy="one_from_each")
+    assert _counts(res) == {"fast": 1, "slow": 1} and res.deadline_hit  # every member, till the deadline
+    assert end == pytest.approx(START + DEADLINE)
 
 
 def test_every_strategy_is_covered():

@@ -67,9 +67,9 @@ class TrainingAgent:
     """Its run's node is a real one; while it "trains", its status is reported to the
     supervisor, which publishes it with the service's counters (as ChildRun does)."""
 
-    def __init__(self, cfg, config_path, *, on_state, lobby=None, **kw):
+    def __init__(self, cfg, config_path, *, on_state, lobby=None, service_status, **kw):
         self.on_state, self.outcome, self.snapshot, self.data_shape = on_state, "starting", None, None
-        self.progress, self.service_status, self.seen, self.lobby = None, None, None, lobby
+        self.progress, self.service_status, self.seen, self.lobby = None, service_status, None, lobby
 
     async def run(self, stop):
         node = real_node()

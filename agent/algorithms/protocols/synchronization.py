@@ -333,15 +333,15 @@ class UpdateMarket:
         return max(newest.values()) if ahead is not None and ahead > t else t
 
     # -- the strategies ------------------------------------------------------------------
-    def required(self, peers: list[str]) -> int:
+    def required(self, peers: list[str], strategy: str | None = None) -> int:
         """How many updates (``min_k``) or senders (the others) must be there before the
-        deadline; 0 for ``available``."""
-        n = len(peers)
-        if self.strategy == "available":
+        deadline; 0 for ``available``.  ``strategy``: another than the market's, for one wait."""
+        n, strategy = len(peers), strategy or self.strategy
+        if strategy == "available":
             return 0
-        if self.strategy == "min_k":
+        if strategy == "min_k":
             return min(self.k, n)
-        if self.strategy == "one_from_min_percent":
+        if strategy == "one_from_min_percent":
             return min(n, math.ceil(self.percent * n - 1e-9))
         return n
 
@@ -353,14 +353,16 @@ class UpdateMarket:
             return False
         return any(m.round == t for m in q) if self.fresh_quorum else any(m.round <= t for m in q)
 
-    def ready(self, t: int, peers: list[str]) -> bool:
+    def ready(self, t: int, peers: list[str], strategy: str | None = None) -> bool:
         """Whether the strategy may proceed now for target round ``t`` over ``peers``."""
-        need = self.required(peers)
-        if self.strategy == "min_k" and not self.fresh_quorum:
+        strategy = strategy or self.strategy
+        need = self.required(peers, strategy)
+        if strategy == "min_k" and not self.fresh_quorum:
             return sum(len(self._eligible(p, t)) for p in peers if p in self.queues) >= need
         return sum(1 for p in peers if self._present(p, t)) >= need
 
-    def take(self, t: int, peers: list[str], keep_after: int | None = None) -> dict[str, list[Message]]:
+    def take(self, t: int, peers: list[str], keep_after: int | None = None,
+             strategy: str | None = None) -> dict[str, list[Message]]:
         """``get()``: remove and return what the strategy takes now (does not wait).
 
         ``one_from_each``/``one_from_each_t``/``one_from_min_percent`` take the oldest
@@ -373,7 +375,7 @@ class UpdateMarket:
         neighbour sends no other: taking it away would leave the node one update short in
         every later round, each one closed at its deadline).
         """
-        one = self.strategy in ("one_from_each", "one_from_each_t", "one_from_min_percent")
+        one = (strategy or self.strategy) in ("one_from_each", "one_from_each_t", "one_from_min_percent")
         out: dict[str, list[Message]] = {}
         for p in peers:
             el = self._eligible(p, t)
@@ -420,6 +422,7 @@ class UpdateMarket:
         validate: Callable[[Message], str | None] | None = None,
         outsider_reason: str = "not_neighbour: sender is not a neighbour",
         take_ahead: bool = False,
+        strategy: str | None = None,
     ) -> CollectResult:
         """Pull ``kind`` messages from ``ctx`` into the market until the strategy is
         satisfied for round ``t`` or ``deadline`` (absolute clock time) passes, then take.
@@ -438,6 +441,7 @@ class UpdateMarket:
             validate: returns a rejection reason (``"reason: detail"``) for a bad update;
                 rejected updates are counted by ``ctx.reject`` and never queued.
             outsider_reason: rejection reason for updates from senders not in ``peers``.
+            strategy: the strategy of this wait, where it is not the market's (None: the market's).
 
         Returns:
             :class:`CollectResult` (also kept in :attr:`last`).
@@ -448,7 +452,8 @@ class UpdateMarket:
         # with the default neighbourhood, an update from a neighbour that has left since
         # it sent (its last round) is still taken; a caller's ``peers`` is strict
         departed = (lambda p: False) if peers is not None else ctx.is_neighbour
-        if self.strategy == "one_from_each_t":
+        strategy = strategy or self.strategy
+        if strategy == "one_from_each_t":
             deadline = min(deadline, start + self.timeout)
         budget = deadline - start
         stale0 = self.stats["stale"]
@@ -467,7 +472,7 @@ class UpdateMarket:
                 self._intake(ctx, msg, t, members, validate, outsider_reason, departed, arrived, now - start)
             # a neighbour that sent its update and left since (it finished the run) counts
             left = [p for p in self.queues if p not in members and departed(p) and self._present(p, t)]
-            satisfied = self.ready(t, current + left) and not waits_alone(ctx, current + left)
+            satisfied = self.ready(t, current + left, strategy) and not waits_alone(ctx, current + left)
             # behind the quorum (runtime.straggler = "quorum"): take their newest updates now
             upto = t if satisfied or not take_ahead else self.ahead_round(t, current)
             if satisfied or upto > t or now >= deadline:
@@ -476,7 +481,7 @@ class UpdateMarket:
                     deadline = held
                     continue
                 gone = [p for p in self.queues if p not in members and self._eligible(p, upto) and departed(p)]
-                taken = self.take(upto, current + gone, keep_after=t)
+                taken = self.take(upto, current + gone, keep_after=t, strategy=strategy)
                 self.stats["behind"] += int(upto > t)
                 satisfied = satisfied or upto > t  # not a deadline hit
                 missing = [p for p in current if p not in taken]

@@ -73,24 +73,21 @@ class RoundWaiting:
         """The round-``t`` updates of ``kind`` from the neighbours (``accept(msg)``: why an
         update cannot be used, or None; ``decode``: see :data:`Decode`)."""
         ctx, market = self.ctx, self.market
-        timeout, strategy = self.round_timeout, market.strategy
+        timeout, strategy = self.round_timeout, None
         if self.deadlines is not None:  # adaptive: the algorithm's round_timeout is the upper bound
             timeout = self.deadlines.timeout(timeout)
             if not self.deadlines.times:  # the first round waits for every member still starting (loading,
-                market.strategy = "one_from_each"  # warming up), so that none is left behind from the start
+                strategy = "one_from_each"  # warming up), so that none is left behind from the start
         start, paused = ctx.clock.now(), ctx.disconnected_seconds
 
         def until() -> float:  # round_timeout from the start, not counting what a broker outage held
             return start + self.round_timeout + ctx.disconnected_seconds - paused
 
-        try:
-            # a node left behind by a capped catch-up (ctx.catching_up) takes its neighbours' newest at once
-            raw, missing = await self._take(kind, t, start + timeout, accept, take_ahead=ctx.catching_up)
-            if not raw and missing and timeout < self.round_timeout:  # nothing by the adaptive deadline
-                # (a partition, a slow link): never close alone early; wait on up to round_timeout,
-                raw, missing = await self._take(kind, t, until(), accept, take_ahead=True)  # unless behind
-        finally:
-            market.strategy = strategy
+        # a node left behind by a capped catch-up (ctx.catching_up) takes its neighbours' newest at once
+        raw, missing = await self._take(kind, t, start + timeout, accept, take_ahead=ctx.catching_up, strategy=strategy)
+        if not raw and missing and timeout < self.round_timeout:  # nothing by the adaptive deadline (a
+            # partition, a slow link): never close alone early; wait on up to round_timeout, unless behind
+            raw, missing = await self._take(kind, t, until(), accept, take_ahead=True, strategy=strategy)
         last = market.last
         if self.deadlines is not None and last is not None and ctx.disconnected_seconds == paused:
             # (a round held by a broker outage measured the outage, not its peers: not learnt)
@@ -112,9 +109,9 @@ class RoundWaiting:
         return Collected(got, missing, late, info)
 
     async def _take(self, kind: str, t: int, deadline: float, accept: Callable[[Message], str | None],
-                    take_ahead: bool = False) -> tuple[dict[str, Message], list[str]]:
+                    take_ahead: bool = False, strategy: str | None = None) -> tuple[dict[str, Message], list[str]]:
         res = await self.market.collect(self.ctx, kind, t, deadline=deadline, poll=self.poll, validate=accept,
-                                        take_ahead=take_ahead)
+                                        take_ahead=take_ahead, strategy=strategy)
         return res.latest(), res.missing
 
     def _decoded(self, raw: dict[str, Message], decode: Decode, t: int) -> dict[str, Message]:

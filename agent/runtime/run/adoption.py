@@ -141,7 +141,7 @@ async def fetch(agent: Any, run_id: str, asked: list[str], *, max_bytes: int, wa
     base = copy.deepcopy(node.algorithm.deployable_model()).to("cpu")
     for member in asked:
         request = new_request(run_id, member, agent.cfg.algorithm.rounds)
-        agent.wanted = request
+        agent.want_model(request)
         await node.publish_status()
         log.info("asking %s for the model of run %s (waiting up to %.0f s)", member, run_id, wait_s)
         deadline = loop.time() + wait_s
@@ -172,9 +172,9 @@ async def fetch(agent: Any, run_id: str, asked: list[str], *, max_bytes: int, wa
             meta = msg.meta
             source = {"node": member, "version": meta.get("version"), "sha256": meta.get("sha256"),
                       "round": meta.get("round")}
-            agent.wanted = None
+            agent.want_model(None)
             return model, source, answers
-    agent.wanted = None
+    agent.want_model(None)
     await node.publish_status()
     return None, None, answers
 
@@ -225,7 +225,6 @@ async def adopt(agent: Any, spec: dict[str, Any], input_shape: Any, *, bps: floa
         tolerance=cfg.deploy.tolerance, min_validation=cfg.deploy.min_validation,
         onnx=None if cfg.deploy.onnx else False, switch=False,
         started_from=None, privacy=deployment_privacy(cfg, agent.state_dir, run_id), adopted_from=source)
-    agent.deployed = res
     what = "adopted" if res["deployed"] else "kept"
     log.info("run %s: the model of %s (its v%s) %s: %s", run_id, source["node"], source.get("version"),
              f"adopted as v{res['version']}" if res["deployed"] else "kept out by the deploy gate", res["note"])

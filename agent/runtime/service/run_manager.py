@@ -127,8 +127,8 @@ class RunManager(RunLoop):
         ledger: the run ledger.
         lobby: the :class:`~dfl_agent.runtime.service.lobby.RunLobby` (queue, peers' statuses,
             this node's idle status).
-        agent_factory: ``(cfg, config_path, *, run, run_dir, serving, should_stop,
-            wanted_peers, members, on_state) -> agent`` whose ``await agent.run(stop)``
+        agent_factory: ``(cfg, config_path, *, run, run_dir, serving, should_stop, wanted_peers,
+            members, on_state, attempt, service_status, notifier, stopping) -> agent`` whose ``await agent.run(stop)``
             trains the run and returns an exit code (the daemon's ``Agent``).
         notifier: the systemd notifier (READY, STATUS, WATCHDOG while idle).
         hooks: callbacks around runs (``on_run_finished``).
@@ -399,8 +399,7 @@ class RunManager(RunLoop):
         attempt = 1
         try:
             while True:
-                agent, watch = self._new_agent(d, run_cfg, run_stop, attempt)
-                agent.stopping = stop.is_set  # a run process's last presence: "stopping" or "run ended"
+                agent, watch = self._new_agent(d, run_cfg, run_stop, stop, attempt)
                 if getattr(agent, "supervised", False) and ingest is None and self.store is not None:
                     ingest = asyncio.ensure_future(self._ingest_loop())  # the store's only writer
                 try:
@@ -441,9 +440,10 @@ class RunManager(RunLoop):
         self.idle()
         return True
 
-    def _new_agent(self, d: RunDescriptor, run_cfg: NodeConfig, run_stop: asyncio.Event,
+    def _new_agent(self, d: RunDescriptor, run_cfg: NodeConfig, run_stop: asyncio.Event, stop: asyncio.Event,
                    attempt: int) -> tuple[Any, _CancelWatch]:
-        """The agent of run ``d``'s ``attempt`` (the factory's), watched for a cancel."""
+        """The agent of run ``d``'s ``attempt`` (the factory's), watched for a cancel; ``stop``: the
+        service's own stop (a run process's last presence then says "stopping", not "run ended")."""
         run_dir = self.ledger.run_dir(d.run_id)
         run_dir.mkdir(parents=True, exist_ok=True)
         members = self.lobby.accepted_by(d.run_id)  # the admitted members so far; for a node that trained
@@ -453,10 +453,8 @@ class RunManager(RunLoop):
             run_cfg, self.config_path, run=d, run_dir=run_dir, serving=True,
             should_stop=lambda: self.is_cancelled(d.run_id), wanted_peers=lambda: self.lobby.may_join(d.run_id),
             members=members - {self.node_id},
-            on_state=self.on_agent_state, **({"once": True} if self.once else {}))
-        agent.attempt = attempt
-        agent.service_status = self.counters.view  # the run's status carries the service's counters
-        agent.notifier = self.notifier  # one systemd notifier: its watchdog follows the service's liveness
+            on_state=self.on_agent_state, attempt=attempt, service_status=self.counters.view,
+            notifier=self.notifier, stopping=stop.is_set, **({"once": True} if self.once else {}))
         watch = _CancelWatch(d.run_id, agent, run_stop, asyncio.get_running_loop(),
                              ended=lambda: self.state in AFTER_TRAINING or agent.outcome == "finished")
         self.lobby.on_cancel = watch

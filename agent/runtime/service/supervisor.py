@@ -37,6 +37,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,11 @@ class RunProgress:
             self.live_peers = msg.live_peers
         self.checkpoint_round = msg.checkpoint_round
 
+    def ended(self, msg: pipe.End) -> None:
+        """Take the run process's end report (its last round and the drops the service keeps)."""
+        self.status["round"] = msg.round
+        self.counters = dataclasses.replace(self.counters, dropped=dict(msg.drops))
+
 
 def _preexec(cgroup: Any) -> Any:
     """The run process's set-up between fork and exec: die with the supervisor (Linux
@@ -126,6 +132,10 @@ class ChildRun:
         stop_grace: seconds between SIGTERM and SIGKILL.
         attempt: 1 for the first run process of the run, 2.. for its retries.
         once: ``dfl-agent run --once``'s run (its checkpoints and metrics stay in the state directory).
+        service_status: ``() -> dict``: the service's counters, carried in every status of the run.
+        notifier: the service's systemd notifier (its watchdog follows the service's liveness), or None.
+        stopping: ``() -> bool``: whether the service itself is stopping (its presence then says
+            "stopping", a clean leave for its peers, rather than "run ended").
     """
 
     #: the run manager keeps ingesting the sample store while it trains (the store's only writer)
@@ -134,7 +144,8 @@ class ChildRun:
     def __init__(self, cfg: Any, config_path: str | None = None, *, run: Any, run_dir: Path, lobby: Any,
                  serving: bool = True, should_stop: Any = None, wanted_peers: Any = None, members: Any = None,
                  on_state: Any = None, memory_mb: int | None = None, stop_grace: float = 30.0, attempt: int = 1,
-                 once: bool = False):
+                 once: bool = False, service_status: Callable[[], dict[str, Any]] | None = None, notifier: Any = None,
+                 stopping: Callable[[], bool] = lambda: False):
         self.cfg, self.run_desc, self.run_dir, self.lobby = cfg, run, Path(run_dir), lobby
         self.config_path, self.once = config_path, once
         self.wanted_peers, self.on_state = wanted_peers, on_state
@@ -155,11 +166,7 @@ class ChildRun:
         #: the run process's peak resident memory (MiB) as its last state or end report said
         #: (None before one, or from an earlier release's run process): the ledger entry's ``peak_rss_mb``
         self.peak_rss_mb: float | None = None
-        self.service_status: Any = None
-        self.notifier: Any = None
-        #: ``() -> bool``: whether the service itself is stopping (its presence then says
-        #: "stopping", a clean leave for its peers, rather than "run ended")
-        self.stopping: Any = lambda: False
+        self.service_status, self.notifier, self.stopping = service_status, notifier, stopping
         self.proc: Any = None
         self._presence = False
         self._may_join: int | None = None
@@ -274,8 +281,7 @@ class ChildRun:
             self.reason = msg.reason or ""
             self._peak(msg.peak_rss_mb)
             self.data_shape = msg.data_shape
-            node.status["round"] = msg.round
-            node.counters = dataclasses.replace(node.counters, dropped=dict(msg.drops))
+            node.ended(msg)
             if msg.snapshot_last_id is not None:
                 self.snapshot = np.array([msg.snapshot_last_id])
 
