@@ -48,8 +48,7 @@ class LobbyHost:
             nid = node_id_from_state(Path(cfg.state_dir), cfg.node_id)
             guard = build_security(cfg, Path(cfg.state_dir), nid)
             lobby = RunLobby(cfg, nid, RunVerifier(cfg.federation, require_signatures=cfg.security.require_signatures,
-                                                   guard=guard))
-            lobby.guard = guard
+                                                   guard=guard), guard=guard)
             lobby.start()
             lobby.connected.wait(30)
             self.lobby = lobby

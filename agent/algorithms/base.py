@@ -216,12 +216,16 @@ class Algorithm:
     def __init__(self, ctx: NodeContext, options: Any = None):
         self.ctx = ctx
         self.options = options if options is not None else self.Options()
-        #: set by the warm start (:mod:`dfl_agent.runtime.run.warm_start`) when the run was meant
-        #: to start from the deployed model but this node has none that fits: it starts cold.
-        #: Algorithms of the neighbourhood family then flag their first model as ``cold`` and
-        #: adopt their warm neighbours' models in their first aggregation
-        #: (:class:`~dfl_agent.algorithms.protocols.neighbourhood.NeighbourhoodProtocol`)
+        #: :meth:`join_cold` was called: algorithms of the neighbourhood family then flag their
+        #: first model as ``cold`` and adopt their warm neighbours' models in their first
+        #: aggregation (:class:`~dfl_agent.algorithms.protocols.neighbourhood.NeighbourhoodAlgorithm`)
         self.joins_cold = False
+
+    def join_cold(self) -> None:
+        """The run was meant to start from the deployed model, but this node has none that fits
+        (the warm start, :mod:`dfl_agent.runtime.run.warm_start`): it starts from fresh weights,
+        and its neighbours, which may have started warm, should not average with them."""
+        self.joins_cold = True
 
     # -- helpers -------------------------------------------------------------
     def new_model(self, seed: int | None = None, spec: Mapping[str, Any] | None = None) -> nn.Module:

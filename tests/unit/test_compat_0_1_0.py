@@ -146,8 +146,7 @@ def test_the_messages_of_a_0_1_0_federation_are_taken_by_this_releases_lobby() -
                           require_signatures=True, clock=lambda: now[0])
     cfg = config_from_dict({"federation": fed, "node_id": "c", "mqtt": {"broker": "127.0.0.1:1"},
                             "security": {"require_signatures": True, "federation_key": trust["federation_key"]}})
-    lobby = RunLobby(cfg, "c", RunVerifier(fed, require_signatures=True, guard=guard))
-    lobby.guard = guard
+    lobby = RunLobby(cfg, "c", RunVerifier(fed, require_signatures=True, guard=guard), guard=guard)
     seen: dict[str, dict[str, Any]] = {}
     for m in messages:
         now[0] = m["time"]

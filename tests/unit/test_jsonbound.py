@@ -150,9 +150,8 @@ def _msg(topic: str, payload: bytes):
 
 @pytest.mark.parametrize("signed", [False, True])
 def test_run_lobby_drops_deep_statuses_and_survives_any_message(signed):
-    lobby = RunLobby(config_from_dict({"federation": FED}), "me", RunVerifier(FED, require_signatures=False))
-    if signed:
-        lobby.guard = SecurityGuard("me", None, TrustStore(FED), require_signatures=False)
+    guard = SecurityGuard("me", None, TrustStore(FED), require_signatures=False) if signed else None
+    lobby = RunLobby(config_from_dict({"federation": FED}), "me", RunVerifier(FED, require_signatures=False), guard=guard)
     lobby._on_message(None, None, _msg(f"dfl/{FED}/node/x/status", DEEP_SMALL))  # RecursionError on 0c2393f
     lobby._on_message(None, None, _msg(f"dfl/{FED}/node/y/status", DEEP))
     lobby._on_message(None, None, _msg(f"dfl/{FED}/run/r-9", DEEP_SMALL))

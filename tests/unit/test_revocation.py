@@ -255,8 +255,7 @@ def test_the_lobby_follows_the_broker_list_and_counts_what_it_ignores(tmp_path):
     enroll_local(fed, FED, "n0", tmp_path)
     cfg = config_from_dict({"federation": FED, "node_id": "n0", "state_dir": str(tmp_path),
                             "security": {"require_signatures": True, "federation_key": public_key_b64(fed)}})
-    lobby = RunLobby(cfg, "n0", RunVerifier(FED, require_signatures=True))
-    lobby.guard = build_security(cfg, tmp_path, "n0")
+    lobby = RunLobby(cfg, "n0", RunVerifier(FED, require_signatures=True), guard=build_security(cfg, tmp_path, "n0"))
     lobby.statuses["a"] = {"state": "idle"}
 
     def deliver(payload):

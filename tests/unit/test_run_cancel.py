@@ -47,8 +47,8 @@ class Keys:
 
 def lobby(tmp_path, keys):
     cfg = config_from_dict({"federation": FED, "state_dir": str(tmp_path)})
-    lob = RunLobby(cfg, "n-2", RunVerifier(FED, require_signatures=True, federation_key=public_key_b64(keys.fed)))
-    lob.ledger = RunLedger(tmp_path)
+    lob = RunLobby(cfg, "n-2", RunVerifier(FED, require_signatures=True, federation_key=public_key_b64(keys.fed)),
+                   ledger=RunLedger(tmp_path))
     return lob
 
 

@@ -226,7 +226,7 @@ def test_a_cold_member_adopts_its_warm_neighbours_and_they_leave_it_out(compress
         warm = copy.deepcopy(nodes[0].algorithm.model)  # the deployed model of the warm nodes
         nodes[1].algorithm.model.load_state_dict(warm.state_dict())
         nodes[2].algorithm.model.load_state_dict(_other_weights(warm, seed=3).state_dict())  # fresh weights
-        nodes[2].algorithm.joins_cold = True  # what warm_start sets when nothing deployed fits
+        nodes[2].algorithm.join_cold()  # what warm_start does when nothing deployed fits
         out["warm"], out["cold0"] = _flat(warm), _flat(nodes[2].algorithm.model)
         out["info"] = await asyncio.gather(*(n.algorithm.round(1) for n in nodes))
 

@@ -55,7 +55,7 @@ DELIVERIES = ("auto", "unicast", "broadcast")
 log = logging.getLogger(__name__)
 
 MODEL_KIND = "model"
-#: meta flag of a node's first model when it starts cold in a warm run (:meth:`NeighbourhoodProtocol._cold_start`)
+#: meta flag of a node's first model when it starts cold in a warm run (:meth:`NeighbourhoodAlgorithm._cold_start`)
 COLD_KEY = "cold"
 
 
@@ -234,6 +234,7 @@ class NeighbourhoodAlgorithm(Algorithm):
         self.ctx.check_on_arrival(MODEL_KIND, self.update_check)
         self.samples = self.sample_count()  # 1 under DP (dfl_agent.privacy.policy)
         self._bootstrapped = False
+        self._cold_sent = self._rejoins = False  # this node's cold model sent; it re-joins (_cold_start)
         self.market = UpdateMarket.from_options(self.options)  # the round's wait: ctx.collect
         self.choco = gc.choco_for(self.ctx, MODEL_KIND)  # compressed gossip, None = raw models
         if self.choco is not None:  # an update dropped as stale still moves its sender's CHOCO copy
@@ -300,7 +301,7 @@ class NeighbourhoodAlgorithm(Algorithm):
     def cold_meta(self) -> dict[str, Any]:
         """``{"cold": True}`` for this node's first model when it starts cold in a warm run
         (:meth:`_cold_start`), else nothing: meta for :meth:`send_model`."""
-        if not getattr(self, "joins_cold", False) or getattr(self, "_cold_sent", False):
+        if not self.joins_cold or self._cold_sent:
             return {}
         self._cold_sent = True
         return {COLD_KEY: True}
@@ -370,8 +371,8 @@ class NeighbourhoodAlgorithm(Algorithm):
         """
         cold = sorted(s for s, m in got.items() if m.meta.get(COLD_KEY) is True)
         warm = [s for s in sorted(got) if s not in cold]
-        me_cold, self.joins_cold = getattr(self, "joins_cold", False), False
-        rejoins, self._rejoins = getattr(self, "_rejoins", False), False
+        me_cold, self.joins_cold = self.joins_cold, False
+        rejoins, self._rejoins = self._rejoins, False
         if not me_cold:
             return ({s: got[s] for s in warm}, {"cold_excluded": cold}) if cold else (got, {})
         if not warm:

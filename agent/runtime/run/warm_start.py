@@ -142,7 +142,7 @@ def warm_start(algorithm: Any, state_dir: str | Path, init: str, probe: bool = T
             fit = probe_output_layer(algorithm, state) if ramp > 0 else {"skipped": RAMPLESS}
             return {"init": init, "started_from": v, "reason": "", "probe": fit}
     log.info("warm start: the run starts from fresh weights: %s", why)
-    algorithm.joins_cold = True  # its neighbours started warm, maybe: it adopts their models first
+    algorithm.join_cold()  # its neighbours started warm, maybe: it adopts their models first
     return {"init": init, "started_from": None, "reason": why}
 
 

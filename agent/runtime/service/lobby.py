@@ -80,16 +80,22 @@ class RunLobby:
     retained) and peers' statuses, and publishes this node's status while it is not
     training (``state = "idle"``, ``run = {id, state, round, reason}`` of the last run).
 
-    It uses its own MQTT connection (client id ``dfl-{fed}-{node}-runs-...``) and never
-    publishes presence: an idle node is not a member of any run's rounds.
+    It uses its own MQTT connection (client id ``dfl-{fed}-{node}-runs-...``), which holds the
+    node's last will; it publishes the node's presence only while a run process trains
+    (:meth:`publish_presence`): an idle node is not a member of any run's rounds.
 
     Args:
         cfg: the node's :class:`~dfl_agent.runtime.shared.config.NodeConfig`.
         node_id: this node.
         verifier: :class:`RunVerifier` for descriptors.
+        guard: the :class:`~dfl_agent.security.SecurityGuard` that signs this node's statuses
+            and verifies peers' ones (None: bare JSON).
+        ledger: the node's :class:`~dfl_agent.runtime.service.ledger.RunLedger` (None: cancels
+            are not remembered across restarts, and ``not_after`` counts every run as not started).
     """
 
-    def __init__(self, cfg: NodeConfig, node_id: str, verifier: RunVerifier):
+    def __init__(self, cfg: NodeConfig, node_id: str, verifier: RunVerifier, *, guard: SecurityGuard | None = None,
+                 ledger: RunLedger | None = None):
         self.cfg, self.node_id, self.verifier = cfg, node_id, verifier
         self.queue = RunQueue()
         self.statuses: dict[str, dict[str, Any]] = {}
@@ -98,8 +104,7 @@ class RunLobby:
         self.client: mqtt.Client | None = None
         self.heartbeat = 0
         self.connected = threading.Event()
-        #: SecurityGuard signing this node's statuses and verifying peers' ones (None: bare JSON)
-        self.guard: SecurityGuard | None = None
+        self.guard = guard
         #: statuses dropped by reason (``status_{reason}``), and ``handler_error``: messages
         #: whose handling raised (caught, counted, logged; the listener goes on)
         self.dropped: dict[str, int] = {}
@@ -110,9 +115,7 @@ class RunLobby:
         #: called with the run id, on the MQTT thread, as soon as a cancelled copy of a
         #: run or its cancel record arrives (the agent stops that run's training at once)
         self.on_cancel: Callable[[str], None] | None = None
-        #: the node's :class:`~dfl_agent.runtime.service.ledger.RunLedger` (None: cancels are not
-        #: remembered across restarts, and ``not_after`` counts every run as not started)
-        self.ledger: RunLedger | None = None
+        self.ledger = ledger
         #: run ids whose verified cancel record arrived (the ledger remembers them too)
         self.cancels: set[str] = set()
         self._sub_mid: int | None = None

@@ -571,9 +571,7 @@ def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHoo
     nid = node_id_from_state(state_dir, cfg.node_id)
     guard = build_security(cfg, state_dir, nid)
     lobby = RunLobby(cfg, nid, RunVerifier(cfg.federation, require_signatures=cfg.security.require_signatures,
-                                           guard=guard))
-    lobby.guard = guard
-    lobby.ledger = ledger  # cancelled runs stay cancelled across restarts
+                                           guard=guard), guard=guard, ledger=ledger)  # ledger: cancels last
     store = None
     if cfg.data.dataset == "store":  # ingested between runs (a run ingests on its own)
         try:
