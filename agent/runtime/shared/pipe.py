@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from dfl_agent.jsonbound import JSONBoundError
@@ -78,198 +78,195 @@ class PipeError(ValueError):
     """A line that is not a message of the pipe (its text names why)."""
 
 
-def _int(doc: Mapping[str, Any], key: str, default: int | None = None) -> int:
-    v = doc.get(key, default)
+#: ``read(value, key) -> field``: one field of a message from its value in the line's JSON
+#: object (the field's default where the line has no ``key``; None for a required field);
+#: raises PipeError, naming ``key``, for a wrong value
+Read = Callable[[Any, str], Any]
+
+
+def _int(v: Any, key: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise PipeError(f"{key}: an integer expected, got {v!r}")
     return v
 
 
-def _opt_int(doc: Mapping[str, Any], key: str) -> int | None:
-    return None if doc.get(key) is None else _int(doc, key)
-
-
-def _opt_mb(doc: Mapping[str, Any], key: str) -> float | None:
-    """A size in MiB (a non-negative finite number), or None where the line has none."""
-    v = doc.get(key)
-    if v is None:
-        return None
+def _mb(v: Any, key: str) -> float:
+    """A size in MiB: a non-negative finite number."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
         raise PipeError(f"{key}: a size in MiB expected, got {v!r}")
     return float(v)
 
 
-def _opt_str(doc: Mapping[str, Any], key: str) -> str | None:
-    """A text field, or None where the line has none."""
-    v = doc.get(key)
-    if v is None:
-        return None
+def _str(v: Any, key: str) -> str:
     if not isinstance(v, str):
         raise PipeError(f"{key}: a string expected, got {type(v).__name__}")
     return v
 
 
-def _dict(doc: Mapping[str, Any], key: str, default: JSON | None = None) -> JSON:
-    v = doc.get(key, default)
+def _dict(v: Any, key: str) -> JSON:
     if not isinstance(v, dict):
         raise PipeError(f"{key}: an object expected")
     return dict(v)
 
 
-def _strs(doc: Mapping[str, Any], key: str) -> tuple[str, ...]:
-    v = doc.get(key) or []
-    if not isinstance(v, list):
+def _strs(v: Any, key: str) -> tuple[str, ...]:
+    if not isinstance(v or [], list):
         raise PipeError(f"{key}: a list expected")
-    return tuple(str(x) for x in v)
+    return tuple(str(x) for x in v or [])
+
+
+def _text(v: Any, key: str) -> str:
+    return str(v)
+
+
+def _optional(read: Read) -> Read:
+    """``read``, or None where the line has no value (absent or null)."""
+    return lambda v, key: None if v is None else read(v, key)
+
+
+def _lenient(kind: type) -> Read:
+    """A ``kind`` (an object, a list) as the line has it, or None for anything else."""
+    return lambda v, key: kind(v) if isinstance(v, kind) else None
+
+
+def _one_of(choices: tuple[str, ...]) -> Read:
+    """A text that must be one of ``choices``."""
+    def read(v: Any, key: str) -> str:
+        if v not in choices:
+            raise PipeError(f"{key}: one of {choices} expected, got {v!r}")
+        return str(v)
+    return read
+
+
+def _counts(label: str) -> Read:
+    """Counters by name (an object; ``label`` names it in an error): entries that are not
+    integers are left out."""
+    def read(v: Any, key: str) -> dict[str, int]:
+        if not isinstance(v or {}, dict):
+            raise PipeError(f"{label}: an object expected")
+        return {str(k): int(n) for k, n in (v or {}).items() if isinstance(n, int) and not isinstance(n, bool)}
+    return read
+
+
+def _field(read: Read, default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING,
+           null: bool = False, spread: bool = False) -> Any:
+    """A message field that ``read`` reads from a line.  A None value is left out of the line
+    unless ``null``; a ``spread`` field's entries stand at the line's top level (its ``read``
+    gets the whole object)."""
+    return dataclasses.field(default=default, default_factory=factory,
+                             metadata={"read": read, "null": null, "spread": spread})
+
+
+class _Codec:
+    """A message's JSON object (``to_json``) and the message of one (``from_json``), field by
+    field as its dataclass declares them (:func:`_field`)."""
+
+    def to_json(self) -> JSON:
+        out: JSON = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            if f.metadata["spread"]:
+                out.update(v)
+            elif v is not None or f.metadata["null"]:
+                out[f.name] = v.to_json() if isinstance(v, _Codec) else list(v) if isinstance(v, tuple) \
+                    else dict(v) if isinstance(v, Mapping) else v
+        return out
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Any:
+        """Raises PipeError for a wrong field (the first, in the order the class declares them)."""
+        return cls(**{f.name: f.metadata["read"](doc if f.metadata["spread"] else doc.get(
+            f.name, None if f.default is dataclasses.MISSING else f.default), f.name)
+            for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
+
+
+def _nested(cls: type[_Codec]) -> Read:
+    """A nested message's object, or None where the line has none."""
+    return _optional(lambda v, key: cls.from_json(_dict(v, key)))
+
+
+def _degraded(doc: Mapping[str, Any], key: str) -> JSON:
+    return {k: doc[k] for k in DEGRADED_KEYS if k in doc}
 
 
 # -- supervisor -> run process ------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class Start:
+class Start(_Codec):
     """The first message to a run process: the run's admitted members besides this node and
     how many other nodes may still join (:data:`UNBOUNDED`: statuses may still arrive)."""
 
     type: ClassVar[str] = "start"
-    members: tuple[str, ...] = ()
-    may_join: int = UNBOUNDED
-
-    def to_json(self) -> JSON:
-        return {"members": list(self.members), "may_join": self.may_join}
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> Start:
-        return cls(_strs(doc, "members"), _int(doc, "may_join", UNBOUNDED))
+    members: tuple[str, ...] = _field(_strs, ())
+    may_join: int = _field(_int, UNBOUNDED)
 
 
 @dataclasses.dataclass(frozen=True)
-class Ack:
+class Ack(_Codec):
     """The supervisor recorded the :class:`StateReport` numbered ``seq``."""
 
     type: ClassVar[str] = "ack"
-    seq: int
-
-    def to_json(self) -> JSON:
-        return {"seq": self.seq}
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> Ack:
-        return cls(_int(doc, "seq"))
+    seq: int = _field(_int)
 
 
 @dataclasses.dataclass(frozen=True)
-class MayJoin:
+class MayJoin(_Codec):
     """How many other nodes may still join the run (a node that declined is not waited for)."""
 
     type: ClassVar[str] = "may_join"
-    n: int
-
-    def to_json(self) -> JSON:
-        return {"n": self.n}
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> MayJoin:
-        return cls(_int(doc, "n", UNBOUNDED))
+    n: int = _field(_int, UNBOUNDED)
 
 
 @dataclasses.dataclass(frozen=True)
-class Reload:
+class Reload(_Codec):
     """SIGHUP: the supervisor checked ``node.toml`` again; the run applies what can change while
     it runs (:func:`~dfl_agent.runtime.run.reload.reload_config`)."""
 
     type: ClassVar[str] = "reload"
 
-    def to_json(self) -> JSON:
-        return {}
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> Reload:
-        return cls()
-
 
 # -- run process -> supervisor ------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class Presence:
+class Presence(_Codec):
     """The node's presence descriptor while the run trains (the supervisor signs and
     publishes ``{"state": "online", "descriptor": ...}``)."""
 
     type: ClassVar[str] = "presence"
-    descriptor: JSON
-
-    def to_json(self) -> JSON:
-        return {"descriptor": dict(self.descriptor)}
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> Presence:
-        return cls(_dict(doc, "descriptor"))
+    descriptor: JSON = _field(_dict)
 
 
 @dataclasses.dataclass(frozen=True)
-class Goodbye:
+class Goodbye(_Codec):
     """The node leaves the run's rounds now (its transport stops): the supervisor publishes its
     presence "offline" at once, so that its peers hear it while they still listen."""
 
     type: ClassVar[str] = "goodbye"
 
-    def to_json(self) -> JSON:
-        return {}
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> Goodbye:
-        return cls()
-
 
 @dataclasses.dataclass(frozen=True)
-class RunCounters:
+class RunCounters(_Codec):
     """The run's node's byte and drop counters that the service shows: wire bytes sent and
     received, dropped messages by reason, and steps whose non-finite result was restored."""
 
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    dropped: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    diverged: int = 0
-
-    def to_json(self) -> JSON:
-        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-                "dropped": dict(self.dropped), "diverged": self.diverged}
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> RunCounters:
-        dropped = doc.get("dropped") or {}
-        if not isinstance(dropped, dict):
-            raise PipeError("counters.dropped: an object expected")
-        return cls(_int(doc, "bytes_sent", 0), _int(doc, "bytes_received", 0),
-                   {str(k): int(v) for k, v in dropped.items() if isinstance(v, int) and not isinstance(v, bool)},
-                   _int(doc, "diverged", 0))
+    bytes_sent: int = _field(_int, 0)
+    bytes_received: int = _field(_int, 0)
+    dropped: Mapping[str, int] = _field(_counts("counters.dropped"), factory=dict)
+    diverged: int = _field(_int, 0)
 
 
 @dataclasses.dataclass(frozen=True)
-class StatusReport:
+class StatusReport(_Codec):
     """The node's status (:meth:`~dfl_agent.runtime.node.node.Node.status`), its counters, its
     live peers and the round of its last checkpoint (0: none yet)."""
 
     type: ClassVar[str] = "status"
-    status: JSON
-    counters: RunCounters | None = None
-    live_peers: tuple[str, ...] | None = None
-    checkpoint_round: int = 0
-
-    def to_json(self) -> JSON:
-        out: JSON = {"status": dict(self.status), "checkpoint_round": self.checkpoint_round}
-        if self.counters is not None:
-            out["counters"] = self.counters.to_json()
-        if self.live_peers is not None:
-            out["live_peers"] = list(self.live_peers)
-        return out
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> StatusReport:
-        counters = RunCounters.from_json(_dict(doc, "counters")) if doc.get("counters") is not None else None
-        peers = _strs(doc, "live_peers") if doc.get("live_peers") is not None else None
-        return cls(_dict(doc, "status"), counters, peers, _int(doc, "checkpoint_round", 0))
+    status: JSON = _field(_dict)
+    counters: RunCounters | None = _field(_nested(RunCounters), None)
+    live_peers: tuple[str, ...] | None = _field(_optional(_strs), None)
+    checkpoint_round: int = _field(_int, 0)
 
 
 @dataclasses.dataclass(frozen=True)
-class StateReport:
+class StateReport(_Codec):
     """A state of the run after its rounds (:data:`AFTER_ROUNDS`), numbered ``seq``: the run
     process waits for the supervisor's :class:`Ack` of it.
 
@@ -278,7 +275,8 @@ class StateReport:
         snapshot_last_id: the newest sample id of the run's data snapshot (the sample store), or None.
         version: for ``deployed``, the model version the run process installed (not yet current).
         start: for ``trained``, the run's start (warm start: ``init``, ``started_from``, ``reason``).
-        degraded: for a run closed alone in some rounds, :func:`~dfl_agent.runtime.shared.degraded.degraded_fields`.
+        degraded: for a run closed alone in some rounds, :func:`~dfl_agent.runtime.shared.degraded.degraded_fields`
+            (its entries stand at the line's top level).
         peak_rss_mb: the run process's peak resident memory so far (MiB), or None (a line
             without it: an earlier release's run process).
         source: for a model another member deployed (``adopted``, or ``kept`` by this node's
@@ -288,58 +286,30 @@ class StateReport:
     """
 
     type: ClassVar[str] = "state"
-    state: str
-    seq: int
-    round: int = 0
-    snapshot_last_id: int | None = None
-    version: int | None = None
-    start: JSON | None = None
-    degraded: JSON = dataclasses.field(default_factory=dict)
-    peak_rss_mb: float | None = None
-    source: JSON | None = None
-    reason: str | None = None
-
-    def to_json(self) -> JSON:
-        out: JSON = {"state": self.state, "seq": self.seq, "round": self.round, **self.degraded}
-        for k in ("snapshot_last_id", "version", "start", "peak_rss_mb", "source", "reason"):
-            if getattr(self, k) is not None:
-                out[k] = getattr(self, k)
-        return out
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> StateReport:
-        state = doc.get("state")
-        if state not in AFTER_ROUNDS:
-            raise PipeError(f"state: one of {AFTER_ROUNDS} expected, got {state!r}")
-        start, source = doc.get("start"), doc.get("source")
-        return cls(str(state), _int(doc, "seq"), _int(doc, "round", 0), _opt_int(doc, "snapshot_last_id"),
-                   _opt_int(doc, "version"), dict(start) if isinstance(start, dict) else None,
-                   {k: doc[k] for k in DEGRADED_KEYS if k in doc}, _opt_mb(doc, "peak_rss_mb"),
-                   dict(source) if isinstance(source, dict) else None, _opt_str(doc, "reason"))
+    state: str = _field(_one_of(AFTER_ROUNDS))
+    seq: int = _field(_int)
+    round: int = _field(_int, 0)
+    snapshot_last_id: int | None = _field(_optional(_int), None)
+    version: int | None = _field(_optional(_int), None)
+    start: JSON | None = _field(_lenient(dict), None)
+    degraded: JSON = _field(_degraded, factory=dict, spread=True)
+    peak_rss_mb: float | None = _field(_optional(_mb), None)
+    source: JSON | None = _field(_lenient(dict), None)
+    reason: str | None = _field(_optional(_str), None)
 
 
 @dataclasses.dataclass(frozen=True)
-class Failure:
+class Failure(_Codec):
     """Why the run cannot start (``kind`` ``startup``: a bad configuration or data) or why
     it crashed (``crash``: the exception, one line)."""
 
     type: ClassVar[str] = "error"
-    kind: str
-    message: str
-
-    def to_json(self) -> JSON:
-        return {"kind": self.kind, "message": self.message}
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> Failure:
-        kind = doc.get("kind", "crash")
-        if kind not in FAILURES:
-            raise PipeError(f"kind: one of {FAILURES} expected, got {kind!r}")
-        return cls(str(kind), str(doc.get("message", "")))
+    kind: str = _field(_one_of(FAILURES), "crash")
+    message: str = _field(_text, "")
 
 
 @dataclasses.dataclass(frozen=True)
-class End:
+class End(_Codec):
     """How the run ended in the run process (its last message).
 
     Attributes:
@@ -355,34 +325,14 @@ class End:
     """
 
     type: ClassVar[str] = "end"
-    outcome: str
-    round: int = 0
-    last_round: int = 0
-    data_shape: list[Any] | None = None
-    snapshot_last_id: int | None = None
-    drops: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    peak_rss_mb: float | None = None
-    reason: str | None = None
-
-    def to_json(self) -> JSON:
-        out: JSON = {"outcome": self.outcome, "round": self.round, "last_round": self.last_round,
-                     "data_shape": self.data_shape, "snapshot_last_id": self.snapshot_last_id,
-                     "drops": dict(self.drops)}
-        for k in ("peak_rss_mb", "reason"):
-            if getattr(self, k) is not None:
-                out[k] = getattr(self, k)
-        return out
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> End:
-        shape = doc.get("data_shape")
-        drops = doc.get("drops") or {}
-        if not isinstance(drops, dict):
-            raise PipeError("drops: an object expected")
-        return cls(str(doc.get("outcome", "stopped")), _int(doc, "round", 0), _int(doc, "last_round", 0),
-                   list(shape) if isinstance(shape, list) else None, _opt_int(doc, "snapshot_last_id"),
-                   {str(k): int(v) for k, v in drops.items() if isinstance(v, int) and not isinstance(v, bool)},
-                   _opt_mb(doc, "peak_rss_mb"), _opt_str(doc, "reason"))
+    outcome: str = _field(_text, "stopped")
+    round: int = _field(_int, 0)
+    last_round: int = _field(_int, 0)
+    data_shape: list[Any] | None = _field(_lenient(list), None, null=True)
+    snapshot_last_id: int | None = _field(_optional(_int), None, null=True)
+    drops: Mapping[str, int] = _field(_counts("drops"), factory=dict)
+    peak_rss_mb: float | None = _field(_optional(_mb), None)
+    reason: str | None = _field(_optional(_str), None)
 
 
 ToRun = Start | Ack | MayJoin | Reload
