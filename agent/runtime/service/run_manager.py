@@ -127,8 +127,8 @@ class RunManager(RunLoop):
         ledger: the run ledger.
         lobby: the :class:`~dfl_agent.runtime.service.lobby.RunLobby` (queue, peers' statuses,
             this node's idle status).
-        agent_factory: ``(cfg, config_path, *, run, run_dir, serving, should_stop, wanted_peers,
-            members, on_state, attempt, service_status, notifier, stopping) -> agent`` whose ``await agent.run(stop)``
+        agent_factory: ``(cfg, config_path, *, run, run_dir, wanted_peers, members, on_state,
+            attempt, service_status, notifier, stopping) -> agent`` whose ``await agent.run(stop)``
             trains the run and returns an exit code (the daemon's ``Agent``).
         notifier: the systemd notifier (READY, STATUS, WATCHDOG while idle).
         hooks: callbacks around runs (``on_run_finished``).
@@ -450,8 +450,7 @@ class RunManager(RunLoop):
         if (run_dir / "metrics.jsonl").exists():  # in it before (a power cut), those that ended it too
             members |= self.lobby.finished_by(d.run_id)
         agent = self.agent_factory(
-            run_cfg, self.config_path, run=d, run_dir=run_dir, serving=True,
-            should_stop=lambda: self.is_cancelled(d.run_id), wanted_peers=lambda: self.lobby.may_join(d.run_id),
+            run_cfg, self.config_path, run=d, run_dir=run_dir, wanted_peers=lambda: self.lobby.may_join(d.run_id),
             members=members - {self.node_id},
             on_state=self.on_agent_state, attempt=attempt, service_status=self.counters.view,
             notifier=self.notifier, stopping=stop.is_set, **({"once": True} if self.once else {}))

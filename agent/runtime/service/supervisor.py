@@ -37,9 +37,9 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,6 +47,12 @@ from dfl_agent.fsutil import atomic_write
 from dfl_agent.runtime.service.cgroup import RunCgroup, classify_exit
 from dfl_agent.runtime.shared import pipe
 from dfl_agent.runtime.shared.assembly import StartupError
+
+if TYPE_CHECKING:
+    from dfl_agent.runtime.service.lobby import RunLobby
+    from dfl_agent.runtime.service.systemd import Notifier
+    from dfl_agent.runtime.shared.config import NodeConfig
+    from dfl_agent.runtime.shared.descriptor import RunDescriptor
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -141,15 +147,15 @@ class ChildRun:
     #: the run manager keeps ingesting the sample store while it trains (the store's only writer)
     supervised = True
 
-    def __init__(self, cfg: Any, config_path: str | None = None, *, run: Any, run_dir: Path, lobby: Any,
-                 serving: bool = True, should_stop: Any = None, wanted_peers: Any = None, members: Any = None,
-                 on_state: Any = None, memory_mb: int | None = None, stop_grace: float = 30.0, attempt: int = 1,
-                 once: bool = False, service_status: Callable[[], dict[str, Any]] | None = None, notifier: Any = None,
-                 stopping: Callable[[], bool] = lambda: False):
+    def __init__(self, cfg: NodeConfig, config_path: str | None = None, *, run: RunDescriptor, run_dir: Path,
+                 lobby: RunLobby, wanted_peers: Callable[[], int] | None = None, members: Iterable[str] = (),
+                 on_state: Callable[..., None] | None = None, memory_mb: int | None = None, stop_grace: float = 30.0,
+                 attempt: int = 1, once: bool = False, service_status: Callable[[], dict[str, Any]] | None = None,
+                 notifier: Notifier | None = None, stopping: Callable[[], bool] = lambda: False):
         self.cfg, self.run_desc, self.run_dir, self.lobby = cfg, run, Path(run_dir), lobby
         self.config_path, self.once = config_path, once
         self.wanted_peers, self.on_state = wanted_peers, on_state
-        self.members = sorted(str(m) for m in (members or ()))
+        self.members = sorted(str(m) for m in members)
         self.memory_mb, self.stop_grace, self.attempt = memory_mb, float(stop_grace), attempt
         #: what the supervisor knows of the run process's node (None before it starts)
         self.progress: RunProgress | None = None
