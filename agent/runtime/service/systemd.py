@@ -7,10 +7,12 @@ speak directly; without ``$NOTIFY_SOCKET`` (not started by systemd) every call i
 no-op that returns False.
 
 The watchdog: with ``WatchdogSec=`` systemd sets ``$WATCHDOG_USEC`` (and
-``$WATCHDOG_PID``); :func:`watchdog_loop` runs *on the asyncio event loop* and sends
-``WATCHDOG=1`` every half period, so pings stop as soon as the loop is blocked (a
-stuck callback, a deadlock) and systemd restarts the service after ``WatchdogSec``.
-With :attr:`Notifier.alive` set (the always-on agent's
+``$WATCHDOG_PID``).  The service sends ``WATCHDOG=1`` from its asyncio event loop: the run
+manager with its idle status (at least every half period), and the
+:class:`~dfl_agent.runtime.service.supervisor.ChildRun` of a training run every second, so pings
+stop as soon as the loop is blocked (a stuck callback, a deadlock) or the run manager's loop
+stalls, and systemd restarts the service after ``WatchdogSec``.  :func:`watchdog_loop` pings
+the same way for a program without such a loop.  With :attr:`Notifier.alive` set (the always-on agent's
 :meth:`dfl_agent.runtime.service.liveness.Liveness.alive`), a ping is sent only while every
 long-lived task and thread of the agent is alive.
 """
