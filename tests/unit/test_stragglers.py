@@ -150,8 +150,7 @@ def test_quorum_market_counts_current_updates_and_takes_the_newest() -> None:
 
     from dfl_agent.algorithms.protocols.synchronization import UpdateMarket
 
-    m = UpdateMarket("one_from_min_percent", percent=0.5, max_staleness=8)
-    m.fresh_quorum = True
+    m = UpdateMarket("one_from_min_percent", percent=0.5, max_staleness=8)  # the quorum: asked wait by wait
     dropped: list[Message] = []
     m.on_drop = dropped.append
     w = {"w": np.ones(3, np.float32)}
@@ -159,11 +158,13 @@ def test_quorum_market_counts_current_updates_and_takes_the_newest() -> None:
     for msg in (old, new, again):  # again: a re-sent copy of round 5, after an outage
         m.put(msg)
     m.put(Message("model", 4, dict(w), meta={"samples": 1}, sender="b"))
-    assert not m.ready(6, ["a", "b"])  # late updates alone never make the quorum
-    assert m.ready(5, ["a", "b"])  # one of two senders with a round-5 update: ceil(0.5 * 2) = 1
-    taken = m.take(5, ["a", "b"])
+    assert m.ready(6, ["a", "b"])  # the papers' wait: late updates count
+    assert not m.ready(6, ["a", "b"], fresh_quorum=True)  # late updates alone never make the quorum
+    assert m.ready(5, ["a", "b"], fresh_quorum=True)  # one of two senders with a round-5 update: ceil(0.5 * 2) = 1
+    taken = m.take(5, ["a", "b"], fresh_quorum=True)
     assert taken["a"] == [new] and taken["a"][0] is new and [d.round for d in dropped] == [3, 5]
     assert dropped[1] is again and "a" not in m.queues and m.stats["superseded"] == 2
+    assert not m.fresh_quorum  # the market's own mode is unchanged
 
 
 # -- compressed gossip through a straggler's gaps ---------------------------------------------

@@ -273,7 +273,9 @@ class UpdateMarket:
         #: the quorum of ``runtime.straggler = "quorum"``: only current-round updates count
         #: towards ``required``, and a sender's newest eligible update is taken (its older
         #: ones go to :attr:`on_drop`, counted ``superseded``): a round never closes on late
-        #: updates alone, and a late update is used only where its sender sent nothing newer
+        #: updates alone, and a late update is used only where its sender sent nothing newer.
+        #: The market's own is off; the round's waiting policy asks for it wait by wait
+        #: (``fresh_quorum`` of :meth:`collect`, :meth:`ready`, :meth:`take`, :meth:`ahead_round`)
         self.fresh_quorum = False
         #: called with every update dropped unused (stale or overflow), oldest first: a
         #: compressed stream keeps its sequence (CHOCO copies) through what it drops
@@ -316,7 +318,10 @@ class UpdateMarket:
     def _eligible(self, sender: str, t: int) -> list[Message]:
         return [m for m in self.queues.get(sender, ()) if m.round <= t]
 
-    def ahead_round(self, t: int, peers: list[str]) -> int:
+    def _fresh(self, fresh_quorum: bool | None) -> bool:
+        return self.fresh_quorum if fresh_quorum is None else fresh_quorum
+
+    def ahead_round(self, t: int, peers: list[str], fresh_quorum: bool | None = None) -> int:
         """Under :attr:`fresh_quorum`, the round to take up to: ``t``, or, when
         :func:`evidence_quorum` of ``peers`` have queued updates of a round later than ``t``,
         the newest round any of them queued.
@@ -326,7 +331,7 @@ class UpdateMarket:
         back from a partition, or a restarted one).  Only queued (verified, checked)
         updates count, and one insider's round + 1000 is never enough where two or more
         neighbours are live."""
-        if not self.fresh_quorum:
+        if not self._fresh(fresh_quorum):
             return t
         newest = {p: max(m.round for m in self.queues[p]) for p in set(peers) if self.queues.get(p)}
         ahead = quorum_shown(newest, len(set(peers)))
@@ -345,24 +350,24 @@ class UpdateMarket:
             return min(n, math.ceil(self.percent * n - 1e-9))
         return n
 
-    def _present(self, p: str, t: int) -> bool:
+    def _present(self, p: str, t: int, fresh: bool) -> bool:
         """Whether sender ``p`` has queued what counts towards round ``t``: an update of round
-        ``t`` under :attr:`fresh_quorum`, else an eligible one."""
+        ``t`` under the quorum (``fresh``), else an eligible one."""
         q = self.queues.get(p)
         if not q:
             return False
-        return any(m.round == t for m in q) if self.fresh_quorum else any(m.round <= t for m in q)
+        return any(m.round == t for m in q) if fresh else any(m.round <= t for m in q)
 
-    def ready(self, t: int, peers: list[str], strategy: str | None = None) -> bool:
+    def ready(self, t: int, peers: list[str], strategy: str | None = None, fresh_quorum: bool | None = None) -> bool:
         """Whether the strategy may proceed now for target round ``t`` over ``peers``."""
-        strategy = strategy or self.strategy
+        strategy, fresh = strategy or self.strategy, self._fresh(fresh_quorum)
         need = self.required(peers, strategy)
-        if strategy == "min_k" and not self.fresh_quorum:
+        if strategy == "min_k" and not fresh:
             return sum(len(self._eligible(p, t)) for p in peers if p in self.queues) >= need
-        return sum(1 for p in peers if self._present(p, t)) >= need
+        return sum(1 for p in peers if self._present(p, t, fresh)) >= need
 
     def take(self, t: int, peers: list[str], keep_after: int | None = None,
-             strategy: str | None = None) -> dict[str, list[Message]]:
+             strategy: str | None = None, fresh_quorum: bool | None = None) -> dict[str, list[Message]]:
         """``get()``: remove and return what the strategy takes now (does not wait).
 
         ``one_from_each``/``one_from_each_t``/``one_from_min_percent`` take the oldest
@@ -376,6 +381,7 @@ class UpdateMarket:
         every later round, each one closed at its deadline).
         """
         one = (strategy or self.strategy) in ("one_from_each", "one_from_each_t", "one_from_min_percent")
+        fresh = self._fresh(fresh_quorum)
         out: dict[str, list[Message]] = {}
         for p in peers:
             el = self._eligible(p, t)
@@ -383,15 +389,15 @@ class UpdateMarket:
                 continue
             chosen = el[:1] if one else el
             q = self.queues[p]
-            if self.fresh_quorum:  # the newest (the first of its round: a re-sent copy comes later);
+            if fresh:  # the newest (the first of its round: a re-sent copy comes later);
                 newest = max(m.round for m in el)  # the others go, in order, to on_drop
                 chosen = [next(m for m in el if m.round == newest)]
                 for m in el:
                     if m is not chosen[0]:
                         self.stats["superseded"] += 1
                         self._dropped(m)
-            gone = {id(m) for m in (el if self.fresh_quorum else chosen)}
-            if self.fresh_quorum and keep_after is not None and chosen[0].round > keep_after:
+            gone = {id(m) for m in (el if fresh else chosen)}
+            if fresh and keep_after is not None and chosen[0].round > keep_after:
                 gone.discard(id(chosen[0]))  # taken ahead: used again in its own round
             q[:] = [m for m in q if id(m) not in gone]  # by identity: == compares the tensors
             if not q:
@@ -423,6 +429,7 @@ class UpdateMarket:
         outsider_reason: str = "not_neighbour: sender is not a neighbour",
         take_ahead: bool = False,
         strategy: str | None = None,
+        fresh_quorum: bool | None = None,
     ) -> CollectResult:
         """Pull ``kind`` messages from ``ctx`` into the market until the strategy is
         satisfied for round ``t`` or ``deadline`` (absolute clock time) passes, then take.
@@ -441,7 +448,8 @@ class UpdateMarket:
             validate: returns a rejection reason (``"reason: detail"``) for a bad update;
                 rejected updates are counted by ``ctx.reject`` and never queued.
             outsider_reason: rejection reason for updates from senders not in ``peers``.
-            strategy: the strategy of this wait, where it is not the market's (None: the market's).
+            strategy: the strategy of this wait, where it is not the market's (None: the market's);
+                fresh_quorum: the same for :attr:`fresh_quorum`.
 
         Returns:
             :class:`CollectResult` (also kept in :attr:`last`).
@@ -452,7 +460,7 @@ class UpdateMarket:
         # with the default neighbourhood, an update from a neighbour that has left since
         # it sent (its last round) is still taken; a caller's ``peers`` is strict
         departed = (lambda p: False) if peers is not None else ctx.is_neighbour
-        strategy = strategy or self.strategy
+        strategy, fresh = strategy or self.strategy, self._fresh(fresh_quorum)
         if strategy == "one_from_each_t":
             deadline = min(deadline, start + self.timeout)
         budget = deadline - start
@@ -471,17 +479,17 @@ class UpdateMarket:
                     break
                 self._intake(ctx, msg, t, members, validate, outsider_reason, departed, arrived, now - start)
             # a neighbour that sent its update and left since (it finished the run) counts
-            left = [p for p in self.queues if p not in members and departed(p) and self._present(p, t)]
-            satisfied = self.ready(t, current + left, strategy) and not waits_alone(ctx, current + left)
+            left = [p for p in self.queues if p not in members and departed(p) and self._present(p, t, fresh)]
+            satisfied = self.ready(t, current + left, strategy, fresh) and not waits_alone(ctx, current + left)
             # behind the quorum (runtime.straggler = "quorum"): take their newest updates now
-            upto = t if satisfied or not take_ahead else self.ahead_round(t, current)
+            upto = t if satisfied or not take_ahead else self.ahead_round(t, current, fresh)
             if satisfied or upto > t or now >= deadline:
                 held = await suspend_deadline(ctx, deadline, budget, kind)
                 if held != deadline:  # the broker went away: wait on instead of closing alone
                     deadline = held
                     continue
                 gone = [p for p in self.queues if p not in members and self._eligible(p, upto) and departed(p)]
-                taken = self.take(upto, current + gone, keep_after=t, strategy=strategy)
+                taken = self.take(upto, current + gone, keep_after=t, strategy=strategy, fresh_quorum=fresh)
                 self.stats["behind"] += int(upto > t)
                 satisfied = satisfied or upto > t  # not a deadline hit
                 missing = [p for p in current if p not in taken]

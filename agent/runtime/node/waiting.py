@@ -64,7 +64,8 @@ class RoundWaiting:
         #: the adaptive deadline under ``runtime.straggler = "quorum"``; None: the paper's fixed one
         self.deadlines = AdaptiveDeadline(policy.min_round_timeout, policy.max_round_timeout) \
             if policy is not None and policy.quorum else None
-        market.fresh_quorum = market.strategy == "one_from_min_percent" and self.deadlines is not None
+        #: the quorum's waits count only current-round updates (``UpdateMarket.fresh_quorum``)
+        self.fresh_quorum = market.strategy == "one_from_min_percent" and self.deadlines is not None
         #: updates taken ahead and kept queued for their own round: id -> (the update, what it decoded to)
         self.ahead: dict[int, tuple[Message, Message]] = {}
 
@@ -111,7 +112,7 @@ class RoundWaiting:
     async def _take(self, kind: str, t: int, deadline: float, accept: Callable[[Message], str | None],
                     take_ahead: bool = False, strategy: str | None = None) -> tuple[dict[str, Message], list[str]]:
         res = await self.market.collect(self.ctx, kind, t, deadline=deadline, poll=self.poll, validate=accept,
-                                        take_ahead=take_ahead, strategy=strategy)
+                                        take_ahead=take_ahead, strategy=strategy, fresh_quorum=self.fresh_quorum)
         return res.latest(), res.missing
 
     def _decoded(self, raw: dict[str, Message], decode: Decode, t: int) -> dict[str, Message]:
