@@ -270,7 +270,10 @@ def test_a_member_back_after_its_run_ended_elsewhere_finishes_it_at_once(fleet: 
     procs = fleet.procs
     procs["a2"].send_signal(signal.SIGKILL)
     procs["a2"].wait(timeout=30)
-    trained = max(r["round"] for r in fleet.trained("a2", rid))
+    # what it trained before the kill: its round records, and the newest checkpoint's round (a record
+    # still pending when the kill came is saved with that checkpoint and written when the run resumes)
+    saved = [int(c.stem.split("-")[1]) for c in (fleet.tmp / "a2" / "runs" / rid / "checkpoints").glob("round-*.json")]
+    trained = max([r["round"] for r in fleet.trained("a2", rid)] + saved)
     fleet.wait(lambda: all(fleet.run_states(rid).get(n, {}).get("state") == "finished" for n in ("a0", "a1")), 180,
                "a0 and a1 finish without a2")
     t0 = time.monotonic()
