@@ -292,7 +292,6 @@ def test_an_update_from_a_neighbour_that_left_never_makes_the_quorum_harder():
                                 peers=PeerTable(nid, "f"), data=None, model_spec={}, train=None, init_seed=0,
                                 rng=np.random.default_rng(0)) for nid in ("me", "a", "b", "slow")}
     market = UpdateMarket("one_from_min_percent", percent=0.5, max_staleness=5)
-    market.fresh_quorum = True
     x = {"x": np.ones(2, np.float32)}
     out = {}
 
@@ -307,7 +306,7 @@ def test_an_update_from_a_neighbour_that_left_never_makes_the_quorum_harder():
         me = ctxs["me"]
         out["live"] = sorted(me.neighbours())
         t0 = me.clock.now()
-        res = await market.collect(me, "model", 10, deadline=t0 + 20.0, poll=0.5)
+        res = await market.collect(me, "model", 10, deadline=t0 + 20.0, poll=0.5, fresh_quorum=True)
         out["closed_after"] = me.clock.now() - t0
         out["taken"] = sorted(res.taken)
 

@@ -164,7 +164,6 @@ def test_quorum_market_counts_current_updates_and_takes_the_newest() -> None:
     taken = m.take(5, ["a", "b"], fresh_quorum=True)
     assert taken["a"] == [new] and taken["a"][0] is new and [d.round for d in dropped] == [3, 5]
     assert dropped[1] is again and "a" not in m.queues and m.stats["superseded"] == 2
-    assert not m.fresh_quorum  # the market's own mode is unchanged
 
 
 # -- compressed gossip through a straggler's gaps ---------------------------------------------
@@ -271,8 +270,8 @@ def test_a_node_behind_the_quorum_takes_their_newest_updates_at_once(fresh_quoru
                 await ctxs[nid].send("me", Message("model", r, {"x": np.full(2, r, np.float32)}, meta={"samples": 1}))
         await asyncio.sleep(0.1)
         market = UpdateMarket("one_from_min_percent", percent=0.5, max_staleness=64)
-        market.fresh_quorum = fresh_quorum
-        res = await market.collect(ctxs["me"], "model", 5, deadline=10.1, poll=0.5, take_ahead=take_ahead)
+        res = await market.collect(ctxs["me"], "model", 5, deadline=10.1, poll=0.5, take_ahead=take_ahead,
+                                   fresh_quorum=fresh_quorum)
         return res, asyncio.get_running_loop().time(), market
 
     res, end, market = run_virtual(main())

@@ -239,6 +239,13 @@ class CollectResult:
 class UpdateMarket:
     """Per-sender update queues and one synchronization strategy (seed 003 §3.6.3).
 
+    A wait may ask for another strategy than the market's, and for the quorum's rule of
+    ``runtime.straggler = "quorum"`` (``fresh_quorum``): only current-round updates count
+    towards :meth:`required`, and a sender's newest eligible update is taken (its older
+    ones go to :attr:`on_drop`, counted ``superseded``), so a round never closes on late
+    updates alone and a late update is used only where its sender sent nothing newer.
+    The round's waiting policy asks for both wait by wait; the market keeps none of it.
+
     Args:
         strategy: one of :data:`STRATEGIES`.
         k, percent, timeout: the strategy parameters (see :class:`SyncOptions`).
@@ -270,13 +277,6 @@ class UpdateMarket:
         self.queues: dict[str, list[Message]] = collections.defaultdict(list)
         self.stats: collections.Counter[str] = collections.Counter()
         self.last: CollectResult | None = None
-        #: the quorum of ``runtime.straggler = "quorum"``: only current-round updates count
-        #: towards ``required``, and a sender's newest eligible update is taken (its older
-        #: ones go to :attr:`on_drop`, counted ``superseded``): a round never closes on late
-        #: updates alone, and a late update is used only where its sender sent nothing newer.
-        #: The market's own is off; the round's waiting policy asks for it wait by wait
-        #: (``fresh_quorum`` of :meth:`collect`, :meth:`ready`, :meth:`take`, :meth:`ahead_round`)
-        self.fresh_quorum = False
         #: called with every update dropped unused (stale or overflow), oldest first: a
         #: compressed stream keeps its sequence (CHOCO copies) through what it drops
         self.on_drop: Callable[[Message], None] | None = None
@@ -318,11 +318,8 @@ class UpdateMarket:
     def _eligible(self, sender: str, t: int) -> list[Message]:
         return [m for m in self.queues.get(sender, ()) if m.round <= t]
 
-    def _fresh(self, fresh_quorum: bool | None) -> bool:
-        return self.fresh_quorum if fresh_quorum is None else fresh_quorum
-
-    def ahead_round(self, t: int, peers: list[str], fresh_quorum: bool | None = None) -> int:
-        """Under :attr:`fresh_quorum`, the round to take up to: ``t``, or, when
+    def ahead_round(self, t: int, peers: list[str], fresh_quorum: bool = False) -> int:
+        """Under ``fresh_quorum``, the round to take up to: ``t``, or, when
         :func:`evidence_quorum` of ``peers`` have queued updates of a round later than ``t``,
         the newest round any of them queued.
 
@@ -331,7 +328,7 @@ class UpdateMarket:
         back from a partition, or a restarted one).  Only queued (verified, checked)
         updates count, and one insider's round + 1000 is never enough where two or more
         neighbours are live."""
-        if not self._fresh(fresh_quorum):
+        if not fresh_quorum:
             return t
         newest = {p: max(m.round for m in self.queues[p]) for p in set(peers) if self.queues.get(p)}
         ahead = quorum_shown(newest, len(set(peers)))
@@ -358,30 +355,29 @@ class UpdateMarket:
             return False
         return any(m.round == t for m in q) if fresh else any(m.round <= t for m in q)
 
-    def ready(self, t: int, peers: list[str], strategy: str | None = None, fresh_quorum: bool | None = None) -> bool:
+    def ready(self, t: int, peers: list[str], strategy: str | None = None, fresh_quorum: bool = False) -> bool:
         """Whether the strategy may proceed now for target round ``t`` over ``peers``."""
-        strategy, fresh = strategy or self.strategy, self._fresh(fresh_quorum)
+        strategy = strategy or self.strategy
         need = self.required(peers, strategy)
-        if strategy == "min_k" and not fresh:
+        if strategy == "min_k" and not fresh_quorum:
             return sum(len(self._eligible(p, t)) for p in peers if p in self.queues) >= need
-        return sum(1 for p in peers if self._present(p, t, fresh)) >= need
+        return sum(1 for p in peers if self._present(p, t, fresh_quorum)) >= need
 
     def take(self, t: int, peers: list[str], keep_after: int | None = None,
-             strategy: str | None = None, fresh_quorum: bool | None = None) -> dict[str, list[Message]]:
+             strategy: str | None = None, fresh_quorum: bool = False) -> dict[str, list[Message]]:
         """``get()``: remove and return what the strategy takes now (does not wait).
 
         ``one_from_each``/``one_from_each_t``/``one_from_min_percent`` take the oldest
         eligible update of every neighbour that has one; ``available``,
         ``min_one_from_each`` and ``min_k`` take all eligible updates.
 
-        ``keep_after``: under :attr:`fresh_quorum`, a taken update of a round later than
+        ``keep_after``: under ``fresh_quorum``, a taken update of a round later than
         this one stays queued for its own round (a node behind that takes a neighbour's
         round-``t + 1`` update in round ``t`` uses it again in round ``t + 1``, where that
         neighbour sends no other: taking it away would leave the node one update short in
         every later round, each one closed at its deadline).
         """
         one = (strategy or self.strategy) in ("one_from_each", "one_from_each_t", "one_from_min_percent")
-        fresh = self._fresh(fresh_quorum)
         out: dict[str, list[Message]] = {}
         for p in peers:
             el = self._eligible(p, t)
@@ -389,15 +385,15 @@ class UpdateMarket:
                 continue
             chosen = el[:1] if one else el
             q = self.queues[p]
-            if fresh:  # the newest (the first of its round: a re-sent copy comes later);
+            if fresh_quorum:  # the newest (the first of its round: a re-sent copy comes later);
                 newest = max(m.round for m in el)  # the others go, in order, to on_drop
                 chosen = [next(m for m in el if m.round == newest)]
                 for m in el:
                     if m is not chosen[0]:
                         self.stats["superseded"] += 1
                         self._dropped(m)
-            gone = {id(m) for m in (el if fresh else chosen)}
-            if fresh and keep_after is not None and chosen[0].round > keep_after:
+            gone = {id(m) for m in (el if fresh_quorum else chosen)}
+            if fresh_quorum and keep_after is not None and chosen[0].round > keep_after:
                 gone.discard(id(chosen[0]))  # taken ahead: used again in its own round
             q[:] = [m for m in q if id(m) not in gone]  # by identity: == compares the tensors
             if not q:
@@ -429,11 +425,11 @@ class UpdateMarket:
         outsider_reason: str = "not_neighbour: sender is not a neighbour",
         take_ahead: bool = False,
         strategy: str | None = None,
-        fresh_quorum: bool | None = None,
+        fresh_quorum: bool = False,
     ) -> CollectResult:
         """Pull ``kind`` messages from ``ctx`` into the market until the strategy is
         satisfied for round ``t`` or ``deadline`` (absolute clock time) passes, then take.
-        With ``take_ahead``, under :attr:`fresh_quorum`, a node behind its neighbours
+        With ``take_ahead``, under ``fresh_quorum``, a node behind its neighbours
         (:meth:`ahead_round`) stops waiting at once and takes each one's newest update, of
         any round (counted ``behind``; the caller's catch-up then moves it towards the quorum's
         round, by at most ``runtime.max_catch_up_rounds``; an update of a later round stays queued for that round, see :meth:`take`).  Callers ask for it only once a round has waited its adaptive deadline: a
@@ -449,7 +445,7 @@ class UpdateMarket:
                 rejected updates are counted by ``ctx.reject`` and never queued.
             outsider_reason: rejection reason for updates from senders not in ``peers``.
             strategy: the strategy of this wait, where it is not the market's (None: the market's);
-                fresh_quorum: the same for :attr:`fresh_quorum`.
+            fresh_quorum: this wait follows the quorum's rule (see the class docstring).
 
         Returns:
             :class:`CollectResult` (also kept in :attr:`last`).
@@ -460,7 +456,7 @@ class UpdateMarket:
         # with the default neighbourhood, an update from a neighbour that has left since
         # it sent (its last round) is still taken; a caller's ``peers`` is strict
         departed = (lambda p: False) if peers is not None else ctx.is_neighbour
-        strategy, fresh = strategy or self.strategy, self._fresh(fresh_quorum)
+        strategy, fresh = strategy or self.strategy, fresh_quorum
         if strategy == "one_from_each_t":
             deadline = min(deadline, start + self.timeout)
         budget = deadline - start

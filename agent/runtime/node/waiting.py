@@ -64,7 +64,7 @@ class RoundWaiting:
         #: the adaptive deadline under ``runtime.straggler = "quorum"``; None: the paper's fixed one
         self.deadlines = AdaptiveDeadline(policy.min_round_timeout, policy.max_round_timeout) \
             if policy is not None and policy.quorum else None
-        #: the quorum's waits count only current-round updates (``UpdateMarket.fresh_quorum``)
+        #: the quorum's waits count only current-round updates (``fresh_quorum`` of ``UpdateMarket.collect``)
         self.fresh_quorum = market.strategy == "one_from_min_percent" and self.deadlines is not None
         #: updates taken ahead and kept queued for their own round: id -> (the update, what it decoded to)
         self.ahead: dict[int, tuple[Message, Message]] = {}
