@@ -456,7 +456,7 @@ class UpdateMarket:
         # with the default neighbourhood, an update from a neighbour that has left since
         # it sent (its last round) is still taken; a caller's ``peers`` is strict
         departed = (lambda p: False) if peers is not None else ctx.is_neighbour
-        strategy, fresh = strategy or self.strategy, fresh_quorum
+        strategy = strategy or self.strategy
         if strategy == "one_from_each_t":
             deadline = min(deadline, start + self.timeout)
         budget = deadline - start
@@ -475,17 +475,17 @@ class UpdateMarket:
                     break
                 self._intake(ctx, msg, t, members, validate, outsider_reason, departed, arrived, now - start)
             # a neighbour that sent its update and left since (it finished the run) counts
-            left = [p for p in self.queues if p not in members and departed(p) and self._present(p, t, fresh)]
-            satisfied = self.ready(t, current + left, strategy, fresh) and not waits_alone(ctx, current + left)
+            left = [p for p in self.queues if p not in members and departed(p) and self._present(p, t, fresh_quorum)]
+            satisfied = self.ready(t, current + left, strategy, fresh_quorum) and not waits_alone(ctx, current + left)
             # behind the quorum (runtime.straggler = "quorum"): take their newest updates now
-            upto = t if satisfied or not take_ahead else self.ahead_round(t, current, fresh)
+            upto = t if satisfied or not take_ahead else self.ahead_round(t, current, fresh_quorum)
             if satisfied or upto > t or now >= deadline:
                 held = await suspend_deadline(ctx, deadline, budget, kind)
                 if held != deadline:  # the broker went away: wait on instead of closing alone
                     deadline = held
                     continue
                 gone = [p for p in self.queues if p not in members and self._eligible(p, upto) and departed(p)]
-                taken = self.take(upto, current + gone, keep_after=t, strategy=strategy, fresh_quorum=fresh)
+                taken = self.take(upto, current + gone, keep_after=t, strategy=strategy, fresh_quorum=fresh_quorum)
                 self.stats["behind"] += int(upto > t)
                 satisfied = satisfied or upto > t  # not a deadline hit
                 missing = [p for p in current if p not in taken]
