@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from dfl_agent.runtime.service.cgroup import RunCgroup, classify_exit
+from dfl_agent.runtime.service.cgroup import RunCgroup, agent_stem, classify_exit, remove_leftovers
 
 #: touch every page, so that the memory is really used (a fresh bytearray may be lazily zeroed)
 ALLOC = "import sys; b = bytearray(int(sys.argv[1]) << 20); b[::4096] = b'x' * len(b[::4096]); print('done')"
@@ -100,21 +100,52 @@ def test_remove_kills_what_is_left_and_a_leftover_is_emptied_on_create(cgroups):
                 p.wait()
 
 
-def test_a_supervisor_removes_the_empty_run_cgroups_an_earlier_one_left(cgroups):
+def test_a_supervisor_removes_the_empty_run_cgroups_an_earlier_one_left(cgroups, tmp_path):
     """A supervisor killed with SIGKILL leaves its run's cgroup behind (its run process died
-    with it).  The next one removes the empty cgroups of its node when it starts; a cgroup
-    that still holds a process, and another node's, are left alone."""
-    from dfl_agent.runtime.service.cgroup import remove_leftovers
-
-    node = f"test-{os.getpid()}-n1"
-    left = cgroups("n1-r-abc-1", None)  # its name: run-test-<pid>-n1-r-abc-1
-    other = cgroups("n10-r-abc-1", None)  # another node whose id starts alike
-    busy = cgroups("n1-r-def-1", None)
+    with it).  The next one with the same node id and state folder removes its empty
+    cgroups when it starts; a cgroup that still holds a process, and another node's, are
+    left alone."""
+    stem = agent_stem(f"test-{os.getpid()}-n1", tmp_path)
+    left = RunCgroup.create(f"{stem}-r-abc-1", None)
+    other = RunCgroup.create(f"{agent_stem(f'test-{os.getpid()}-n10', tmp_path)}-r-abc-1", None)  # alike id
+    busy = RunCgroup.create(f"{stem}-r-def-1", None)
+    assert left and other and busy
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=busy.enter)
     try:
-        assert remove_leftovers(node) == [left.path.name]
+        assert remove_leftovers(stem) == [left.path.name]
         assert not left.path.exists() and other.path.exists() and busy.path.exists()
         assert proc.poll() is None  # nothing killed
     finally:
         proc.kill()
         proc.wait()
+        for cg in (left, other, busy):
+            cg.remove()
+
+
+def test_two_agents_with_one_node_id_never_kill_each_others_runs(tmp_path):
+    """Two agents on one host with the same node id, in other federations and state
+    folders, each start a ``--once`` run in the same second, so the run ids match.  Each
+    run process still has a cgroup of its own: the end of one run (its cgroup removed, its
+    processes killed) leaves the other's run process alive, and a starting agent's clean-up
+    of its leftovers leaves the other agent's empty cgroups alone."""
+    node, run = f"test-{os.getpid()}-solo", "20261203T040000Z-1"
+    stem_a, stem_b = agent_stem(node, tmp_path / "a"), agent_stem(node, tmp_path / "b")
+    assert stem_a != stem_b and stem_a == agent_stem(node, tmp_path / "x" / ".." / "a")
+    a, b = RunCgroup.create(f"{stem_a}-{run}", None), RunCgroup.create(f"{stem_b}-{run}", None)
+    assert a and b and a.path != b.path
+    pa = subprocess.Popen(["sleep", "60"], preexec_fn=a.enter)
+    pb = subprocess.Popen(["sleep", "60"], preexec_fn=b.enter)
+    waiting = RunCgroup.create(f"{stem_b}-{run}-2", None)  # made, its process not yet started
+    try:
+        a.remove()
+        assert pa.wait(timeout=5) == -9 and not a.path.exists()
+        assert pb.poll() is None and b.path.exists()  # the other agent's run goes on
+        assert waiting and remove_leftovers(stem_a) == [] and waiting.path.exists()
+    finally:
+        for p in (pa, pb):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for cg in (a, b, waiting):
+            if cg:
+                cg.remove()

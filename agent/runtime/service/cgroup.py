@@ -30,7 +30,7 @@ than it touches. Nothing here imports torch.
 
 Use::
 
-    cg = RunCgroup.create(f"{node_id}-{run_id}", profile.compute.memory_budget_mb)
+    cg = RunCgroup.create(f"{agent_stem(node_id, state_dir)}-{run_id}", profile.compute.memory_budget_mb)
     child = subprocess.Popen(argv, preexec_fn=cg.enter if cg else None)
     rc = child.wait()
     outcome = classify_exit(rc, cg)          # "ok", "oom", "killed" or "failed"
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import hashlib
 import logging
 import os
 import re
@@ -208,6 +209,15 @@ def prepare(root: str | None = None) -> bool:
         log.debug("could not prepare %s for run cgroups: %s", service, e)
         return False
     return True
+
+
+def agent_stem(node_id: str, state_dir: str | os.PathLike[str]) -> str:
+    """The stem of one agent's run cgroup names: ``<node_id>-<tag>``, where ``tag`` is the
+    first 8 hex digits of the SHA-256 of the agent's resolved state folder.  Two agents on
+    one host with the same node id (in different federations or state folders) so never
+    share a run cgroup, whose removal at one run's end would kill the other's run process."""
+    tag = hashlib.sha256(str(Path(state_dir).resolve()).encode()).hexdigest()[:8]
+    return f"{node_id}-{tag}"
 
 
 def _leaf_name(name: str) -> str:
@@ -408,19 +418,20 @@ class RunCgroup:
         return f"RunCgroup({str(self.path)!r}, v{self.version}, limit_mb={self.limit_mb})"
 
 
-def remove_leftovers(node_id: str, *, root: str | None = None) -> list[str]:
-    """Remove the empty run cgroups an earlier supervisor of node ``node_id`` left behind
-    (it was killed, SIGKILL or the OOM killer, before its run process's cgroup was removed):
-    folders ``run-<node_id>-*`` beside the ones :meth:`RunCgroup.create` makes.  A cgroup
-    that still holds a process is left alone (no process is killed here).  Call it when the
-    supervisor starts, before its first run.  Never raises; returns the names removed."""
+def remove_leftovers(stem: str, *, root: str | None = None) -> list[str]:
+    """Remove the empty run cgroups an earlier supervisor of this agent left behind (it was
+    killed, SIGKILL or the OOM killer, before its run process's cgroup was removed):
+    folders ``run-<stem>-*`` beside the ones :meth:`RunCgroup.create` makes, where ``stem``
+    is :func:`agent_stem`.  A cgroup that still holds a process is left alone (no process is
+    killed here).  Call it when the supervisor starts, before its first run.  Never raises;
+    returns the names removed."""
     removed: list[str] = []
     try:
         found = _run_base(root)
         if isinstance(found, str):
             return removed
         _, service, base = found
-        prefix = _leaf_name(f"{node_id}-")
+        prefix = _leaf_name(f"{stem}-")
         for leaf in sorted(base.glob(f"{glob.escape(prefix)}*")) if base.is_dir() else ():
             if not leaf.is_dir() or (_read(leaf / "cgroup.procs") or "").split():
                 continue

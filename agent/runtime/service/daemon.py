@@ -91,7 +91,7 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
     Raises:
         StartupError: the default run cannot start (bad configuration: exit code 2).
     """
-    from dfl_agent.runtime.service.cgroup import remove_leftovers
+    from dfl_agent.runtime.service.cgroup import agent_stem, remove_leftovers
     from dfl_agent.runtime.service.run_manager import build_run_manager
 
     if once:  # --once trains now: without torch it cannot (one line naming the extra, exit code 2)
@@ -99,7 +99,7 @@ async def serve(cfg: NodeConfig, config_path: str | None, stop: asyncio.Event,
 
         require_torch()
     manager = build_run_manager(cfg, config_path, hooks=hooks, once=once)
-    remove_leftovers(manager.node_id)  # the run cgroups of a supervisor killed before it removed them
+    remove_leftovers(agent_stem(manager.node_id, cfg.state_dir))  # the run cgroups of a supervisor killed before it removed them
     with contextlib.suppress(NotImplementedError, RuntimeError):  # not in the main thread (tests): no SIGHUP
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, manager.reload)
     liveness = Liveness()

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dfl_agent.fsutil import atomic_write
-from dfl_agent.runtime.service.cgroup import RunCgroup, classify_exit
+from dfl_agent.runtime.service.cgroup import RunCgroup, agent_stem, classify_exit
 from dfl_agent.runtime.shared import pipe
 from dfl_agent.runtime.shared.assembly import StartupError
 
@@ -192,7 +192,8 @@ class ChildRun:
         run_toml = self.run_dir / "run.toml"
         atomic_write(run_toml, dump_toml(self.cfg), mode=0o600)  # it holds the broker password
         # None where no cgroup can be made (logged once): the run process runs unlimited
-        cgroup = RunCgroup.create(f"{node_id}-{self.run_desc.run_id}-{self.attempt}", self.memory_mb)
+        cgroup = RunCgroup.create(f"{agent_stem(node_id, self.cfg.state_dir)}-{self.run_desc.run_id}-{self.attempt}",
+                                  self.memory_mb)
         env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ENV}
         try:
             self.proc = proc = await self._spawn(run_toml, env, cgroup)
