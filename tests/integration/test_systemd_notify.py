@@ -14,9 +14,10 @@ import time
 
 import pytest
 
-from dfl_agent.runtime.service.systemd import Notifier, watchdog_loop
+from dfl_agent.runtime.service.systemd import Notifier
 from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
 from dfl_agent.runtime.shared.logs import JournalFormatter
+from tests.watchdog import watchdog_loop
 
 pytestmark = pytest.mark.integration
 

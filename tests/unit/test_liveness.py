@@ -11,7 +11,8 @@ import time
 import pytest
 
 from dfl_agent.runtime.service.liveness import Liveness
-from dfl_agent.runtime.service.systemd import Notifier, watchdog_loop
+from dfl_agent.runtime.service.systemd import Notifier
+from tests.watchdog import watchdog_loop
 
 
 class NotifySocket:

@@ -11,15 +11,13 @@ The watchdog: with ``WatchdogSec=`` systemd sets ``$WATCHDOG_USEC`` (and
 manager with its idle status (at least every half period), and the
 :class:`~dfl_agent.runtime.service.supervisor.ChildRun` of a training run every second, so pings
 stop as soon as the loop is blocked (a stuck callback, a deadlock) or the run manager's loop
-stalls, and systemd restarts the service after ``WatchdogSec``.  :func:`watchdog_loop` pings
-the same way for a program without such a loop.  With :attr:`Notifier.alive` set (the always-on agent's
+stalls, and systemd restarts the service after ``WatchdogSec``.  With :attr:`Notifier.alive` set (the always-on agent's
 :meth:`dfl_agent.runtime.service.liveness.Liveness.alive`), a ping is sent only while every
 long-lived task and thread of the agent is alive.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
@@ -115,24 +113,3 @@ class Notifier:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-
-
-async def watchdog_loop(notifier: Notifier, interval: float, status: Callable[[], str] | None = None) -> None:
-    """Ping ``WATCHDOG=1`` every ``interval`` s from the running event loop, until
-    cancelled; with ``status``, also refresh ``STATUS=`` when its text changes.
-
-    Because the pings are loop callbacks, they stop when the loop is blocked."""
-    last: str | None = None
-    while True:
-        notifier.watchdog()
-        if status is not None:
-            text: str | None
-            try:
-                text = status()
-            except Exception:  # status is best effort
-                text = last
-            if text and text != last:
-                notifier.status(text)
-                last = text
-        await asyncio.sleep(interval)
-
