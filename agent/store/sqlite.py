@@ -429,7 +429,6 @@ class SampleStore:
                                  f"{stored.num_classes} classes, the configuration says {list(schema.input_shape)} "
                                  f"with {schema.num_classes}; use another state_dir or delete the store")
             self.schema = stored
-        self._row_bytes = int(np.prod(self.schema.input_shape)) * 4
 
     def close(self) -> None:
         self.db.close()
