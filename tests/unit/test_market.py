@@ -313,3 +313,50 @@ def test_an_update_from_a_neighbour_that_left_never_makes_the_quorum_harder():
     run_virtual(main())
     assert out["live"] == ["a", "b"]
     assert out["closed_after"] < 1.0 and "a" in out["taken"], out
+
+
+@pytest.mark.parametrize("finished, away", [(("a", "b"), False), (("a",), False), (("a", "b"), True)])
+def test_a_node_whose_neighbours_finished_while_it_started_takes_their_final_updates(finished, away):
+    """A node connects late (a lossy link): its neighbours sent their round-1 updates before
+    it subscribed, raced through rounds 2 to 4 under the quorum and finished the run.  In
+    its round 1 only their later updates are queued, and none of them is live.  It takes
+    the newest update each one queued (round 4) at once, as it would have taken their
+    round-1 updates, instead of closing its round alone; a neighbour that sent nothing
+    (``("a",)``: ``b``) stays out.  Where the members are away but have not finished the
+    run (``away``: a partition; ``ctx.alone_waits``), the round waits its deadline and takes
+    nothing: one neighbour's updates of far later rounds never make a node race ahead alone."""
+    net = MemoryNetwork()
+    ctxs = {nid: _ctx(net, nid) for nid in ("a", "b")}
+    ctxs["me"] = RuntimeContext(node_id="me", federation="f", transport=net.transport("me", "f"),
+                                peers=PeerTable("me", "f"), data=None, model_spec={}, train=None, init_seed=0,
+                                rng=np.random.default_rng(0), alone_waits=lambda: away)
+    market = UpdateMarket("one_from_min_percent", percent=0.5, max_staleness=5)
+    out = {}
+
+    async def main():
+        for c in ctxs.values():
+            await c.start()
+        await asyncio.sleep(0.5)
+        for nid in finished:
+            for r in (2, 3, 4):
+                await ctxs[nid].send("me", Message("model", r, {"x": np.full(2, r, np.float32)}, meta={"samples": 1}))
+        for nid in ("a", "b"):
+            net.kill(nid)  # finished: presence withdrawn
+        await asyncio.sleep(0.5)
+        me = ctxs["me"]
+        out["live"] = me.neighbours()
+        t0 = me.clock.now()
+        res = await market.collect(me, "model", 1, deadline=t0 + 30.0, poll=0.5, strategy="one_from_each",
+                                   fresh_quorum=True)
+        out["closed_after"] = me.clock.now() - t0
+        out["taken"] = {p: [m.round for m in ms] for p, ms in res.taken.items()}
+        out["deadline_hit"] = res.deadline_hit
+
+    run_virtual(main())
+    assert out["live"] == [], out
+    if away:
+        assert out["closed_after"] >= 30.0 and out["taken"] == {} and out["deadline_hit"], out
+        return
+    assert out["closed_after"] < 1.0, out
+    assert out["taken"] == {p: [4] for p in finished} and not out["deadline_hit"], out
+    assert market.stats["behind"] == 1

@@ -435,6 +435,10 @@ class UpdateMarket:
         round, by at most ``runtime.max_catch_up_rounds``; an update of a later round stays queued for that round, see :meth:`take`).  Callers ask for it only once a round has waited its adaptive deadline: a
         node that closed its rounds as soon as it saw later ones would never work through
         the backlog of a slow device, whose updates would then carry rounds too old to use.
+        Under ``fresh_quorum``, once no neighbour is live and the run's members finished it
+        (:func:`waits_alone` is False), the newest updates the neighbours that left have
+        queued are taken at once, of any round: a node that connected late missed their
+        round-``t`` updates, and they send no more.
 
         Args:
             ctx: a :class:`~dfl_agent.algorithms.context.NodeContext`.
@@ -479,6 +483,11 @@ class UpdateMarket:
             satisfied = self.ready(t, current + left, strategy, fresh_quorum) and not waits_alone(ctx, current + left)
             # behind the quorum (runtime.straggler = "quorum"): take their newest updates now
             upto = t if satisfied or not take_ahead else self.ahead_round(t, current, fresh_quorum)
+            if not current and upto == t and not waits_alone(ctx, current):  # every neighbour left, and
+                # the run's members finished it (a partition or a crash waits: ctx.alone_waits): take the newest
+                # updates they queued, of later rounds where this node missed their round-t ones while it
+                # started, instead of closing alone (catch-up follows live neighbours only)
+                upto = self.ahead_round(t, [p for p in self.queues if departed(p)], fresh_quorum)
             if satisfied or upto > t or now >= deadline:
                 held = await suspend_deadline(ctx, deadline, budget, kind)
                 if held != deadline:  # the broker went away: wait on instead of closing alone

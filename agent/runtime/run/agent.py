@@ -104,8 +104,7 @@ class Agent(RunMembers, AgentOperations):
         self.host = host
         #: the run trained (None: ``dfl-agent run --once``'s run, whose files stay in the state
         #: directory: ``checkpoints/``, ``runtime.metrics_file``) and its folder
-        self.run_desc = run
-        self.run_dir = run_dir
+        self.run_desc, self.run_dir = run, run_dir
         #: the run's id: the descriptor's, else the one its supervisor gave (``--once``)
         self.run_id = run.run_id if run is not None else run_id or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         #: the run's members besides this node, whose majority may say that the run is
@@ -433,7 +432,8 @@ class Agent(RunMembers, AgentOperations):
         if run in done and not between:
             stopper.cancel()
             run.result()  # re-raise a crash of the algorithm
-            log.info("finished %d rounds", rounds)
+            if node.last_round() >= rounds:  # else the node said after which round it stopped (members finished)
+                log.info("finished %d rounds", rounds)
             self.outcome = "finished"
             self._tell("trained", start=self.start)
             await self._after_run(spec, input_shape)
