@@ -7,6 +7,7 @@ speed 0.05 takes 20 virtual seconds per training call, the others 1.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import numpy as np
@@ -352,6 +353,48 @@ def test_one_lost_update_does_not_cost_a_deadline_in_every_later_round(compressi
     assert records[2]["round_seconds"] >= 2.0  # round 3 waited its adaptive deadline
     slow = [(r["round"], round(r["round_seconds"], 1)) for r in records[3:] if r["round_seconds"] >= 1.0]
     assert slow == [], slow
+
+
+def test_a_late_node_whose_neighbours_finished_ends_with_their_models_not_alone() -> None:
+    """The field lab at 10 % loss: this node's connection came up late, and it missed its two
+    neighbours' round-1 updates; they closed rounds 2 to 4 under the quorum and finished the
+    run (presence withdrawn, statuses ``finished``: the agent's ``alone_waits`` says no wait).
+    Its round 1 takes their newest (round-4) updates at once and averages with them, and the
+    node ends after it, as most members finished the run.  Before, its round 1 closed alone
+    and its ``--once`` run exited 4 (degraded)."""
+    from dfl_agent.algorithms.base import get_algorithm
+    from dfl_agent.discovery.peers import PeerTable
+    from dfl_agent.learning.params import model_to_numpy
+    from dfl_agent.runtime.node.context import RuntimeContext
+    from dfl_agent.runtime.node.node import Node
+    from dfl_agent.transport.memory import MemoryNetwork
+    from tests.unit.test_outage_pause import _run_with_peers, _trainer
+
+    net = MemoryNetwork()
+    bundle, me = _trainer(net)
+    me.straggler = StragglerPolicy("quorum")
+    me.alone_waits = lambda: False  # the run's members finished it
+    peers = [RuntimeContext(node_id=n, federation="f", transport=net.transport(n, "f"), peers=PeerTable(n, "f"),
+                            data=None, model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0))
+             for n in ("a", "b")]
+    records: list[dict] = []
+    fedavg = get_algorithm("fedavg")
+    node = Node(me, fedavg(me, quorum_options(fedavg.Options(round_timeout=10.0), me.straggler)),
+                bundle.test.x[:50], bundle.test.y[:50], sink=records.append)
+    node.hooks.needs_peers = lambda: True
+    node.hooks.finish_check = lambda: True
+
+    async def finished(model) -> None:
+        for p in peers:
+            for t in (2, 3, 4):
+                await p.send("me", Message("model", t, model_to_numpy(model), {"samples": 10}))
+        await asyncio.sleep(0.05)  # delivered (a kill drops what is still on the way)
+        for p in peers:
+            net.kill(p.node_id)
+
+    _run_with_peers(me, peers, node, finished, 4)
+    assert [(r["round"], r["alone"], r["neighbour_ids"]) for r in records] == [(1, False, ["a", "b"])], records
+    assert records[0]["round_seconds"] < 1.0
 
 
 def test_an_update_taken_ahead_is_decoded_once_and_used_again_in_its_own_round() -> None:
