@@ -355,15 +355,18 @@ def test_one_lost_update_does_not_cost_a_deadline_in_every_later_round(compressi
     assert slow == [], slow
 
 
-def test_a_late_node_whose_neighbours_finished_ends_with_their_models_not_alone() -> None:
+@pytest.mark.parametrize("compression", [None, "q4+zstd"])
+def test_a_late_node_whose_neighbours_finished_ends_with_their_models_not_alone(compression) -> None:
     """The field lab at 10 % loss: this node's connection came up late, and it missed its two
     neighbours' round-1 updates; they closed rounds 2 to 4 under the quorum and finished the
     run (presence withdrawn, statuses ``finished``: the agent's ``alone_waits`` says no wait).
     Its round 1 takes their newest (round-4) updates at once and averages with them, and the
     node ends after it, as most members finished the run.  Before, its round 1 closed alone
     and its ``--once`` run exited 4 (degraded)."""
+    from dfl_agent.algorithms import gossip_compression as gc
     from dfl_agent.algorithms.base import get_algorithm
     from dfl_agent.discovery.peers import PeerTable
+    from dfl_agent.learning.compression import CompressionPolicy
     from dfl_agent.learning.params import model_to_numpy
     from dfl_agent.runtime.node.context import RuntimeContext
     from dfl_agent.runtime.node.node import Node
@@ -377,6 +380,11 @@ def test_a_late_node_whose_neighbours_finished_ends_with_their_models_not_alone(
     peers = [RuntimeContext(node_id=n, federation="f", transport=net.transport(n, "f"), peers=PeerTable(n, "f"),
                             data=None, model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0))
              for n in ("a", "b")]
+    if compression:  # CHOCO copies with error feedback, as in production
+        me.compression = CompressionPolicy.from_config(compression)
+        for p in peers:
+            p.compression = me.compression
+    streams = {p.node_id: gc.choco_for(p, "model") for p in peers}
     records: list[dict] = []
     fedavg = get_algorithm("fedavg")
     node = Node(me, fedavg(me, quorum_options(fedavg.Options(round_timeout=10.0), me.straggler)),
@@ -387,7 +395,8 @@ def test_a_late_node_whose_neighbours_finished_ends_with_their_models_not_alone(
     async def finished(model) -> None:
         for p in peers:
             for t in (2, 3, 4):
-                await p.send("me", Message("model", t, model_to_numpy(model), {"samples": 10}))
+                await p.send("me", gc.model_message(streams[p.node_id], "model", t, model_to_numpy(model),
+                                                     {"samples": 10}))
         await asyncio.sleep(0.05)  # delivered (a kill drops what is still on the way)
         for p in peers:
             net.kill(p.node_id)
