@@ -132,9 +132,12 @@ def _payload(m: dict[str, Any]) -> bytes:
     return m["json"].encode() if "json" in m else base64.b64decode(m["base64"])
 
 
-def test_the_messages_of_a_0_1_0_federation_are_taken_by_this_releases_lobby() -> None:
+def test_the_messages_of_a_0_1_0_federation_are_taken_by_this_releases_lobby(monkeypatch: pytest.MonkeyPatch) -> None:
     """Statuses, run descriptors and the cancel record, through :class:`RunLobby`'s own handler
-    (a device ``c`` of this release that knows only the federation key, signatures required)."""
+    (a device ``c`` of this release that knows only the federation key, signatures required).
+    The lobby's clock is each message's own time: the runs' ``not_after`` passed a day after the
+    fixtures were written, and on that day an agent rightly refuses them as ``expired``."""
+    from dfl_agent.runtime.service import lobby as lobby_module
     from dfl_agent.runtime.service.lobby import RunLobby
     from dfl_agent.runtime.shared.config import config_from_dict
     from dfl_agent.runtime.shared.descriptor import RunVerifier
@@ -142,6 +145,7 @@ def test_the_messages_of_a_0_1_0_federation_are_taken_by_this_releases_lobby() -
     trust, messages = _live()
     fed = trust["federation"]
     now = [0.0]
+    monkeypatch.setattr(lobby_module, "time", SimpleNamespace(time=lambda: now[0]))
     guard = SecurityGuard("c", None, TrustStore(fed, {}, federation_key=trust["federation_key"]),
                           require_signatures=True, clock=lambda: now[0])
     cfg = config_from_dict({"federation": fed, "node_id": "c", "mqtt": {"broker": "127.0.0.1:1"},

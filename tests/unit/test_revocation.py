@@ -365,12 +365,13 @@ def test_acl_blocks_enrolled_before_revocation_lists_are_named(tmp_path):
 
 
 def test_a_revoked_operators_runs_are_refused_as_revoked():
-    from dfl_agent.runtime.shared.descriptor import RunDescriptor, RunVerifier, operator_certificate, sign_descriptor
+    from dfl_agent.runtime.shared.descriptor import RunDescriptor, RunVerifier, sign_descriptor
     from dfl_agent.security.revocation import Revoked, sign_revocations
 
     f = _fleet()
     kop = Ed25519PrivateKey.generate()
-    cert = operator_certificate(f.fed, FED, "alice", public_key_b64(kop))
+    # issued at the fleet's clock (T0), as `operator_certificate` issues it at the wall clock's now
+    cert = issue_certificate(f.fed, FED, "alice", public_key_b64(kop), valid_days=365, now=T0, role="operator")
     verifier = RunVerifier(FED, require_signatures=True, guard=f.b)
     d = RunDescriptor(run_id="r-1", federation=FED, algorithm="fedavg", rounds=2)
     assert verifier.check(sign_descriptor(d, kop, "alice", cert))[1] is None
