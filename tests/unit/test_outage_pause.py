@@ -6,6 +6,7 @@ node closed with no peer update although it expected verified neighbours."""
 
 import asyncio
 import dataclasses
+from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -30,9 +31,10 @@ def _ctx(net, nid, pause=True):
     )
 
 
-def _trainer(net):
+def _trainer(net, **context: Any):
     """The digits data set and the context of node ``me``, a node that trains (one step a
-    round) and pauses while its broker is away."""
+    round) and pauses while its broker is away; ``context``: more of
+    :class:`RuntimeContext`'s arguments (a straggler policy, compression)."""
     from dfl_agent.data import load_dataset, node_data_for
     from dfl_agent.learning.training import TrainConfig
     from dfl_agent.models import default_spec
@@ -42,7 +44,8 @@ def _trainer(net):
         node_id="me", federation="f", transport=net.transport("me", "f", {}), peers=PeerTable("me", "f"),
         data=node_data_for(bundle, 2, 0, "iid", seed=0),
         model_spec=default_spec(bundle.pool.input_shape, bundle.pool.num_classes, "small"),
-        train=TrainConfig(steps=1), init_seed=1, rng=np.random.default_rng(0), pause_when_disconnected=True)
+        train=TrainConfig(steps=1), init_seed=1, rng=np.random.default_rng(0), pause_when_disconnected=True,
+        **context)
 
 
 def _run_with_peers(me, peers, node, peers_send, rounds: int) -> None:

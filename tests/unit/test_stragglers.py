@@ -374,16 +374,14 @@ def test_a_late_node_whose_neighbours_finished_ends_with_their_models_not_alone(
     from tests.unit.test_outage_pause import _run_with_peers, _trainer
 
     net = MemoryNetwork()
-    bundle, me = _trainer(net)
-    me.straggler = StragglerPolicy("quorum")
-    me.alone_waits = lambda: False  # the run's members finished it
+    # with compression: CHOCO copies with error feedback, as in production
+    policy = CompressionPolicy.from_config(compression) if compression else None
+    bundle, me = _trainer(net, straggler=StragglerPolicy("quorum"), compression=policy,
+                          alone_waits=lambda: False)  # the run's members finished it
     peers = [RuntimeContext(node_id=n, federation="f", transport=net.transport(n, "f"), peers=PeerTable(n, "f"),
-                            data=None, model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0))
+                            data=None, model_spec={}, train=None, init_seed=0, rng=np.random.default_rng(0),
+                            compression=policy)
              for n in ("a", "b")]
-    if compression:  # CHOCO copies with error feedback, as in production
-        me.compression = CompressionPolicy.from_config(compression)
-        for p in peers:
-            p.compression = me.compression
     streams = {p.node_id: gc.choco_for(p, "model") for p in peers}
     records: list[dict] = []
     fedavg = get_algorithm("fedavg")
