@@ -17,11 +17,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from dfl_agent.cli.broker import start_broker
 from dfl_agent.cli.fleet import fetch_retained, publish_retained
 from dfl_agent.cli.observer import Observer
-from dfl_agent.runtime.service.ledger import read_cancelled
 from dfl_agent.runtime.shared.descriptor import cancel_topic, operator_certificate, run_topic
 from dfl_agent.security.keys import public_key_b64, save_certificate, save_private_key
 from tests.system.conftest import needs_mosquitto
 from tests.system.test_runs import _config, _start, dflctl
+from tests.unit.test_state_version import read_cancelled
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, needs_mosquitto]
 

@@ -228,6 +228,7 @@ def test_0_1_0s_state_folder_is_migrated_by_this_releases_start_with_nothing_los
     from dfl_agent.runtime.shared import state_version as sv
     from dfl_agent.runtime.shared.config import load_config
     from dfl_agent.runtime.shared.privacy_ledger import PrivacyLedger
+    from tests.unit.test_state_version import read_cancelled
 
     state = tmp_path / "state"
     shutil.copytree(COMPAT / "state", state, symlinks=True)
@@ -256,7 +257,7 @@ def test_0_1_0s_state_folder_is_migrated_by_this_releases_start_with_nothing_los
         # its run history: one finished run, one cancelled
         assert {r: e["state"] for r, e in run_ledger.read_entries(state).items()} == {
             "r-compat-1": "finished", "r-compat-2": "cancelled"}
-        assert "r-compat-2" in run_ledger.read_cancelled(state)
+        assert "r-compat-2" in read_cancelled(state)
         # its deployed model, its samples, the spool file that arrived while it was stopped
         assert ModelStore(state).current_version() == 1
         assert (state / "models" / "v1" / "model.onnx").read_bytes() == before["models/v1/model.onnx"]

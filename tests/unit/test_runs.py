@@ -8,7 +8,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dfl_agent.durations import parse_duration
 from dfl_agent.runtime.service.admission import admit
-from dfl_agent.runtime.service.default_run import default_descriptor, next_recurring
+from dfl_agent.runtime.service.default_run import default_descriptor
 from dfl_agent.runtime.service.ledger import RunLedger
 from dfl_agent.runtime.service.lobby import RunQueue
 from dfl_agent.runtime.shared.config import config_from_dict
@@ -16,6 +16,7 @@ from dfl_agent.runtime.shared.descriptor import (
     RunDescriptor,
     RunVerifier,
     operator_certificate,
+    period_index,
     recurring_run_id,
     sign_descriptor,
 )
@@ -46,6 +47,20 @@ def test_queue_keeps_newest_seq_and_start_time_delays():
     q.offer(d("r-2", 2.0, start_at=1000.0))
     assert q.next_runnable(lambda r: False, now=999.0) is None
     assert q.next_runnable(lambda r: False, now=1001.0).run_id == "r-2"
+
+
+def next_recurring(ledger: RunLedger, default_id: str, every_s: float, now: float,
+                   running: str | None = None) -> str | None:
+    """The repeat of a recurring default run that is due at ``now``, or None.
+
+    A recurring run never overlaps itself: while one of its repeats is ``running``
+    nothing is due, and a period whose repeat already ran (or any later one) is not
+    due again.  Missed periods are not made up: only the current period's repeat runs.
+    """
+    if running is not None and running.startswith(default_id + "."):
+        return None
+    rid = recurring_run_id(default_id, period_index(now, every_s))
+    return None if ledger.is_done(rid) else rid
 
 
 def test_recurring_default_run_never_overlaps_itself_and_ids_follow_periods(tmp_path):

@@ -33,6 +33,20 @@ def _rows(db: Path) -> list[tuple]:
         con.close()
 
 
+def read_cancelled(state_dir: Path) -> set[str]:
+    """The cancelled run ids in the run ledger of ``state_dir``, read-only (see
+    :func:`~dfl_agent.runtime.service.ledger.read_entries`)."""
+    path = Path(state_dir) / "runs" / run_ledger.LEDGER_FILE
+    try:
+        con = sqlite3.connect(run_ledger.sqlite_uri(path, "ro"), uri=True, timeout=30.0)
+        try:
+            return {r[0] for r in con.execute("SELECT run_id FROM cancelled")}
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return set()
+
+
 def _old_folder(d: Path) -> Path:
     """A state folder as release 0.1.0 leaves it: no state_version, an unchained privacy ledger."""
     (d / "privacy").mkdir(parents=True)
@@ -129,7 +143,7 @@ def test_release_0_1_0s_run_ledger_is_taken_over_by_the_migration_with_a_backup(
     assert not (d / "runs" / "ledger.json").exists() and (d / "runs" / "ledger.json.migrated").exists()
     entries = run_ledger.read_entries(d)
     assert set(entries) == set(legacy) and all(entries[r]["state"] == legacy[r]["state"] for r in legacy)
-    assert run_ledger.read_cancelled(d) == set(json.loads(before["cancelled.json"]))
+    assert read_cancelled(d) == set(json.loads(before["cancelled.json"]))
 
 
 def test_a_newer_folder_is_refused_and_left_alone(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """The node's default run (its ``[algorithm]`` section): its id, and when a recurring one is due.
 
 A default run's id is a hash of the federation and its settings (:func:`default_run_id`), stable
-across boots; ``algorithm.every`` repeats it once per period (:func:`next_recurring`),
+across boots; ``algorithm.every`` repeats it once per period (:func:`recurring_run_id`),
 ``algorithm.every_samples`` whenever enough new samples arrived (:func:`next_sample_triggered`).
 What already ran is read from the run ledger (:class:`~dfl_agent.runtime.service.ledger.RunLedger`).
 """
@@ -23,21 +23,6 @@ from dfl_agent.runtime.shared.descriptor import (
     recurring_run_id,
     sample_run_id,
 )
-
-
-def next_recurring(ledger: RunLedger, default_id: str, every_s: float, now: float,
-                   running: str | None = None) -> str | None:
-    """The repeat of a recurring default run that is due at ``now``, or None.
-
-    A recurring run never overlaps itself: while one of its repeats is ``running``
-    nothing is due, and a period whose repeat already ran (or any later one) is not
-    due again.  Missed periods are not made up: only the current period's repeat runs.
-    """
-    if running is not None and running.startswith(default_id + "."):
-        return None
-    rid = recurring_run_id(default_id, period_index(now, every_s))
-    return None if ledger.is_done(rid) else rid
-
 
 
 def next_sample_triggered(ledger: RunLedger, default_id: str, every_samples: int,

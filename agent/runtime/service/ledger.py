@@ -3,9 +3,9 @@
 Kept in ``{state_dir}/runs/ledger.sqlite`` (:class:`RunLedger`: SQLite, WAL journal,
 ``synchronous = FULL``, one transaction per change), so a finished run is never rerun, after a
 reboot or a power cut too.  Checkpoints and metrics are per run, under
-``{state_dir}/runs/{run_id}/`` (:mod:`~dfl_agent.runtime.service.retention` bounds them).  Also
-here: which repeat of a recurring default run is due (:func:`next_recurring`,
-:func:`next_sample_triggered`, :func:`default_descriptor`), since that is decided from the ledger.
+``{state_dir}/runs/{run_id}/`` (:mod:`~dfl_agent.runtime.service.retention` bounds them).  Which
+repeat of a recurring default run is due is decided from the ledger
+(:mod:`~dfl_agent.runtime.service.default_run`).
 
 **Tables.**  ``runs``: one row per run (its id, the state the ledger names, the time of its last
 change, ``compact`` and the entry as JSON: ``{"state", "round", "reason", "time", ...}``);
@@ -49,9 +49,7 @@ from typing import Any
 from dfl_agent.fsutil import crash_point, folder_lock, rename
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.runtime.shared.assembly import StartupError
-from dfl_agent.runtime.shared.descriptor import (
-    TERMINAL,
-)
+from dfl_agent.runtime.shared.descriptor import TERMINAL
 from dfl_agent.runtime.shared.sqlite_file import cut_short
 from dfl_agent.runtime.shared.state_version import Migration, register
 
@@ -144,7 +142,7 @@ def write_new_ledger(path: Path, rows: Mapping[str, Mapping[str, Any]], cancelle
             con.executemany("INSERT INTO meta (key, value) VALUES (?, ?)",
                             [("format", FORMAT), *sorted(dict(meta or {}).items())])
             con.executemany("INSERT INTO runs (run_id, state, time, compact, entry) VALUES (?, ?, ?, 0, ?)",
-                            [(rid, str(e.get("state")), _time(e), json.dumps(dict(e), sort_keys=True))
+                            [(rid, str(e.get("state")), doc_time(e), json.dumps(dict(e), sort_keys=True))
                              for rid, e in rows.items()])
             con.executemany("INSERT INTO cancelled (run_id, time) VALUES (?, ?)",
                             [(rid, float(t)) for rid, t in cancelled.items()])
@@ -160,8 +158,9 @@ def write_new_ledger(path: Path, rows: Mapping[str, Mapping[str, Any]], cancelle
         raise
 
 
-def _time(entry: Mapping[str, Any]) -> float:
-    t = entry.get("time")
+def doc_time(doc: Mapping[str, Any]) -> float:
+    """The ``time`` of a ledger entry or a manifest (unix s), 0.0 when it has none."""
+    t = doc.get("time")
     return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else 0.0
 
 
@@ -186,19 +185,6 @@ def read_entries(state_dir: str | os.PathLike[str]) -> dict[str, dict[str, Any]]
     except (OSError, ValueError):
         return {}
     return {str(k): v for k, v in raw.items() if isinstance(v, dict)} if isinstance(raw, dict) else {}
-
-
-def read_cancelled(state_dir: str | os.PathLike[str]) -> set[str]:
-    """The cancelled run ids in the run ledger of ``state_dir``, read-only (see :func:`read_entries`)."""
-    path = Path(state_dir) / "runs" / LEDGER_FILE
-    try:
-        con = sqlite3.connect(sqlite_uri(path, "ro"), uri=True, timeout=30.0)
-        try:
-            return {r[0] for r in con.execute("SELECT run_id FROM cancelled")}
-        finally:
-            con.close()
-    except sqlite3.Error:
-        return set()
 
 
 class _Entries(Mapping[str, dict[str, Any]]):
@@ -331,11 +317,8 @@ class RunLedger:
         """The connection, after the checks of the module docstring."""
         if (cut := cut_short(self.path)) is not None:
             raise self._damaged(cut)
-        try:
-            con = sqlite3.connect(sqlite_uri(self.path, "rw"), uri=True, timeout=30.0, isolation_level=None,
-                                  check_same_thread=False)
-        except sqlite3.OperationalError:
-            raise
+        con = sqlite3.connect(sqlite_uri(self.path, "rw"), uri=True, timeout=30.0, isolation_level=None,
+                              check_same_thread=False)
         try:
             con.execute("PRAGMA synchronous = FULL")
             con.execute("PRAGMA journal_mode = WAL")

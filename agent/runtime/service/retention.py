@@ -41,7 +41,7 @@ from typing import Any
 
 from dfl_agent.fsutil import atomic_write, atomic_writer, rename
 from dfl_agent.jsonbound import loads as bounded_loads
-from dfl_agent.runtime.service.ledger import RunLedger, summary
+from dfl_agent.runtime.service.ledger import RunLedger, doc_time, summary
 from dfl_agent.runtime.shared.descriptor import TERMINAL
 
 log = logging.getLogger("dfl_agent.daemon")
@@ -199,7 +199,7 @@ def remove_stale_candidate(state_dir: str | os.PathLike[str], at_start: bool = F
             deployed = models.manifest(cur) if cur is not None else None
         except DeployError:
             deployed = None
-        if not isinstance(deployed, dict) or _when(deployed) <= _when(staged):
+        if not isinstance(deployed, dict) or doc_time(deployed) <= doc_time(staged):
             return None
         why = (f"the refused model of run {staged.get('run_id')} is older than the deployed v{cur} "
                f"(run {deployed.get('run_id')})")
@@ -207,11 +207,6 @@ def remove_stale_candidate(state_dir: str | os.PathLike[str], at_start: bool = F
     _remove_folder(cand)
     log.log(level, "removed %s%s: %s", cand, " at start" if at_start else "", why)
     return why
-
-
-def _when(manifest: Mapping[str, Any]) -> float:
-    t = manifest.get("time")
-    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else 0.0
 
 
 def usage(state_dir: str | os.PathLike[str]) -> dict[str, int]:
