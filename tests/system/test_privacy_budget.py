@@ -57,7 +57,7 @@ def test_a_device_with_its_budget_spent_declines_the_next_run(tmp_path):
     pytest.importorskip("opacus")
     from dfl_agent.cli.broker import start_broker
     from dfl_agent.runtime.service.ledger import RunLedger
-    from dfl_agent.runtime.service.privacy_budget import PrivacyLedger
+    from dfl_agent.runtime.shared.privacy_ledger import PrivacyLedger
     from dfl_agent.runtime.shared.sample_store import open_store, seed_store
     from dfl_agent.store.sqlite import validation_mask
 

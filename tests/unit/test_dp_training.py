@@ -245,7 +245,7 @@ def test_the_run_trains_under_its_plan_and_records_its_steps(tmp_path) -> None:
     assert recorded_dp_steps(run_dir) == 40
     assert with_privacy(cfg, None, "fedavg", None, 95, train, run_dir).dp.counter.limit == 40  # resumed
     from dfl_agent.privacy.plan import RunPlan
-    from dfl_agent.runtime.service.privacy_budget import PrivacyLedger
+    from dfl_agent.runtime.shared.privacy_ledger import PrivacyLedger
 
     ledger = PrivacyLedger(tmp_path)
     assert ledger.get("r1")["planned_steps"] == 80  # a run of the service without reservation reserves its plan

@@ -19,10 +19,11 @@ import pytest
 
 from dfl_agent.privacy.accountant import rdp_epsilon
 from dfl_agent.privacy.plan import RunPlan
-from dfl_agent.runtime.service.privacy_budget import PrivacyBudget, PrivacyLedger, deployment_privacy
+from dfl_agent.runtime.service.privacy_budget import PrivacyBudget
 from dfl_agent.runtime.service.supervisor import RunProgress
 from dfl_agent.runtime.shared.config import config_from_dict
 from dfl_agent.runtime.shared.descriptor import RunDescriptor
+from dfl_agent.runtime.shared.privacy_ledger import PrivacyLedger, deployment_privacy
 
 
 def _plan(sigma: float, q: float, steps: int) -> RunPlan:

@@ -26,8 +26,9 @@ from types import SimpleNamespace
 import pytest
 
 from dfl_agent.privacy.accountant import rdp_epsilon
-from dfl_agent.runtime.service.privacy_budget import PrivacyBudget, PrivacyLedger
+from dfl_agent.runtime.service.privacy_budget import PrivacyBudget
 from dfl_agent.runtime.shared.config import config_from_dict, dump_toml
+from dfl_agent.runtime.shared.privacy_ledger import PrivacyLedger
 from tests.unit.test_privacy_budget import _plan, _run, _store_cfg
 
 DP = {"lifetime_epsilon": 10.0, "dp": {"max_grad_norm": 1.0, "noise_multiplier": 1.0}}
@@ -268,7 +269,7 @@ def test_a_ledger_of_release_0_1_0_is_chained_on_its_first_open(tmp_path: Path, 
 _WRITER = textwrap.dedent("""
     import sys
     from dfl_agent.privacy.plan import RunPlan
-    from dfl_agent.runtime.service.privacy_budget import PrivacyLedger
+    from dfl_agent.runtime.shared.privacy_ledger import PrivacyLedger
     plan = RunPlan(noise_multiplier=1.0, sample_rate=0.05, steps=200, epsilon=5.0, delta=1e-5, max_grad_norm=1.0)
     PrivacyLedger(sys.argv[1]).reserve("r2", plan, 5)
 """)
@@ -428,7 +429,7 @@ def test_the_service_declines_dp_runs_and_serves_the_others(tmp_path: Path) -> N
 
 _FOLDER = textwrap.dedent("""
     import sys
-    from dfl_agent.runtime.service.privacy_budget import PrivacyLedger
+    from dfl_agent.runtime.shared.privacy_ledger import PrivacyLedger
     PrivacyLedger(sys.argv[1]).fold(3)
 """)
 

@@ -52,14 +52,8 @@ from typing import TYPE_CHECKING, Any
 
 from dfl_agent.privacy.config import DEFAULT_DELTA
 from dfl_agent.privacy.plan import RunPlan, plan_run
-from dfl_agent.runtime.shared.privacy_ledger import (
-    LEDGER_FILE,
-    ROW_STATES,
-    LedgerDamaged,
-    PrivacyLedger,
-    deployment_privacy,
-    device_privacy,
-)
+from dfl_agent.runtime.shared.descriptor import TERMINAL
+from dfl_agent.runtime.shared.privacy_ledger import LedgerDamaged, PrivacyLedger, device_privacy
 
 if TYPE_CHECKING:
     from dfl_agent.profiles.schema import DeviceProfile
@@ -68,13 +62,8 @@ if TYPE_CHECKING:
     from dfl_agent.runtime.shared.descriptor import RunDescriptor
     from dfl_agent.store.sqlite import SampleStore
 
-__all__ = ["LEDGER_FILE", "ROW_STATES", "TERMINAL", "LedgerDamaged", "PrivacyBudget", "PrivacyLedger",
-           "PrivacyWatch", "deployment_privacy", "device_privacy", "public_reason", "row_view"]
-
 log = logging.getLogger("dfl_agent.daemon")
 
-#: run ledger states after which a run's reservation is settled
-TERMINAL = ("finished", "failed", "cancelled", "declined", "missed")
 
 def _round_dp_steps(metrics: Path, offset: int = 0) -> list[int] | None:
     """The ``dp_steps`` of each round record in the metrics file ``metrics`` (from byte ``offset``:
