@@ -646,10 +646,25 @@ def test_checkpoints_survive_a_kill_before_the_manifest_lands_and_a_truncation(t
 
 
 # -- the one list of state files --------------------------------------------------------------
+#: how each way of writing reads in the docs' table
+WRITTEN = {"atomic": "atomic", "sqlite": "SQLite transaction", "folder": "folder renamed into place",
+           "append": "appended line"}
+
+
+def markdown_table() -> str:
+    """The table of :data:`~dfl_agent.runtime.service.state_files.STATE_FILES` as
+    ``docs/operations.md`` shows it (Markdown)."""
+    from dfl_agent.runtime.service.state_files import STATE_FILES
+
+    rows = ["| file | holds | written | size | when damaged |", "|---|---|---|---|---|"]
+    rows += [f"| `{f.path}` | {f.holds} | {WRITTEN[f.written]} | {f.bound} | {f.damaged} |" for f in STATE_FILES]
+    return "\n".join(rows) + "\n"
+
+
 def test_the_docs_table_is_the_table_of_state_files():
     """docs/operations.md shows :data:`STATE_FILES` as they are (regenerate it with
     ``markdown_table()`` after a change)."""
-    from dfl_agent.runtime.service.state_files import STATE_FILES, markdown_table
+    from dfl_agent.runtime.service.state_files import STATE_FILES
 
     assert all(f.written in ("atomic", "sqlite", "folder", "append") for f in STATE_FILES)
     assert markdown_table() in (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")

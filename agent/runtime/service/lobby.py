@@ -241,8 +241,7 @@ class RunLobby:
         try:
             self._handle_message(msg)
         except Exception:  # noqa: BLE001 - never end the run listener thread
-            with self.lock:
-                self.dropped["handler_error"] = self.dropped.get("handler_error", 0) + 1
+            self._drop("handler_error")
             self._errors.exception("run lobby: error handling a message on %s", getattr(msg, "topic", "?"))
 
     def _handle_message(self, msg: mqtt.MQTTMessage) -> None:
@@ -304,9 +303,7 @@ class RunLobby:
             return
         why = self.guard.trust.revocations.offer(bytes(payload), count=False)
         if why in IGNORE_REASONS:
-            key = f"revocations_{why}"
-            with self.lock:
-                self.dropped[key] = self.dropped.get(key, 0) + 1
+            self._drop(f"revocations_{why}")
             log.warning("ignored the revocation list on the broker: %s (this node holds number %d)", why,
                         self.guard.trust.revocations.number)
         elif why is None:
@@ -342,17 +339,15 @@ class RunLobby:
         """Whether an operator cancelled ``run_id``: a verified cancel record, or the ledger."""
         return run_id in self.cancels or (self.ledger is not None and self.ledger.is_cancelled(run_id))
 
-    def started(self, run_id: str) -> bool:
-        """Whether this node started ``run_id`` (the ledger knows it)."""
-        return self.ledger is not None and self.ledger.started(run_id)
-
-    def refusal(self, d: RunDescriptor, now: float | None = None) -> str | None:
+    def refusal(self, d: RunDescriptor) -> str | None:
         """Why a verified descriptor may not be queued, or None: ``"cancelled"`` for a live
         copy of a run an operator cancelled (a replayed submission), ``"expired"`` when its
         ``not_after`` passed and this node has not started it."""
-        if not d.cancelled and self.is_cancelled(d.run_id):
+        if d.cancelled:
+            return None
+        if self.is_cancelled(d.run_id):
             return "cancelled"
-        if not d.cancelled and d.expired(time.time() if now is None else now) and not self.started(d.run_id):
+        if d.expired(time.time()) and not (self.ledger is not None and self.ledger.started(d.run_id)):
             return "expired"
         return None
 
@@ -393,30 +388,31 @@ class RunLobby:
         if node == self.node_id:
             return False
         guard = self.guard
-        if guard is None or not payload:
-            if not payload:
-                return False if guard is not None and guard.require_signatures else None
+        if not payload:
+            return False if guard is not None and guard.require_signatures else None
+        if guard is None:
             try:  # bounded: 64 KiB, nesting depth 32
                 st = bounded_loads(payload, "status")
             except JSONBoundError as exc:
-                key = f"status_{exc.reason}"
-                with self.lock:
-                    self.dropped[key] = self.dropped.get(key, 0) + 1
+                self._drop(f"status_{exc.reason}")
                 return False
             return st.get("payload") if isinstance(st, dict) and "ctl" in st else st
         try:
             _s, role, st = guard.verify_control(payload, "status", node)
         except ControlRejected as exc:
             if exc.reason != "duplicate":
-                key = f"status_{exc.reason}"
-                with self.lock:  # read by the counters' saving thread and the metrics endpoint
-                    self.dropped[key] = self.dropped.get(key, 0) + 1
+                self._drop(f"status_{exc.reason}")
             return False
         if guard.require_signatures and role != "device":
-            with self.lock:
-                self.dropped["status_not_member"] = self.dropped.get("status_not_member", 0) + 1
+            self._drop("status_not_member")
             return False
         return st
+
+    def _drop(self, key: str) -> None:
+        """Count a message dropped for ``key`` in :attr:`dropped` (under the lock: the counters'
+        saving thread and the metrics endpoint read it)."""
+        with self.lock:
+            self.dropped[key] = self.dropped.get(key, 0) + 1
 
     def queued(self, done: Callable[[str], bool], limit: int = 20) -> list[str]:
         """The ids of the runs queued here, in queue order (at most ``limit``): known, not

@@ -194,8 +194,8 @@ class RunManager(RunLoop):
         self.state = state
 
     def _record(self, run_id: str, state: str, reason: str = "", rnd: int = 0,
-                extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Write ``run_id``'s ledger entry (earlier fields but state, round, reason, time kept); its status view."""
+                extra: dict[str, Any] | None = None) -> None:
+        """Write ``run_id``'s ledger entry (earlier fields but state, round, reason, time kept)."""
         before = self.ledger.entries.get(run_id) or {}
         kept = {k: v for k, v in before.items() if k not in ("state", "round", "reason", "time")}
         metrics, offset = self.once_metrics or (None, 0)  # --once: its records in the node's metrics file
@@ -206,7 +206,6 @@ class RunManager(RunLoop):
             log.warning("run %s %s: %s", run_id, state, reason)
         if state in TERMINAL:
             self._after_ended(run_id)
-        return {"id": run_id, "state": state, "round": rnd, "reason": reason}
 
     def _after_ended(self, run_id: str) -> None:
         """Once the ledger records ``run_id`` ended: settle its folder, keep the newest
@@ -282,8 +281,7 @@ class RunManager(RunLoop):
         def members() -> int:
             return len(lobby.accepted_by(d.run_id) | (set() if late else lobby.finished_by(d.run_id)) | {nid})
         while members() < d.min_members and not stop.is_set():
-            cur = lobby.run(d.run_id)
-            if (cur is not None and cur.cancelled) or time.time() > deadline or (late and lobby.late_for(d.run_id)):
+            if self.is_cancelled(d.run_id) or time.time() > deadline or (late and lobby.late_for(d.run_id)):
                 break
             self.publish("accepted")
             await asyncio.sleep(0.3)
@@ -293,10 +291,9 @@ class RunManager(RunLoop):
             return None
         if n >= d.min_members and not why_late:
             return True
-        cur = lobby.run(d.run_id)
         if why_late:
             self.decline(d.run_id, f"late: {why_late} before this node joined")
-        elif cur and cur.cancelled:
+        elif self.is_cancelled(d.run_id):
             self.info = self._ended_as(d.run_id, "cancelled", CANCELLED)
         else:
             self.info = self._ended_as(d.run_id, "failed", f"start_timeout: only {n} of min_members "

@@ -156,18 +156,6 @@ STATE_FILES: tuple[StateFile, ...] = (
               "one line per rejected file", "informational only"),
 )
 
-#: how each way of writing reads in the docs' table
-WRITTEN = {"atomic": "atomic", "sqlite": "SQLite transaction", "folder": "folder renamed into place",
-           "append": "appended line"}
-
-
-def markdown_table() -> str:
-    """The table of :data:`STATE_FILES` as ``docs/operations.md`` shows it (Markdown)."""
-    rows = ["| file | holds | written | size | when damaged |", "|---|---|---|---|---|"]
-    rows += [f"| `{f.path}` | {f.holds} | {WRITTEN[f.written]} | {f.bound} | {f.damaged} |" for f in STATE_FILES]
-    return "\n".join(rows) + "\n"
-
-
 #: the temporary names the atomic writes leave behind when a kill comes before their rename
 #: (:func:`dfl_agent.fsutil.atomic_writer`, ``.NAME.tmpPID-HEX`` and ``.NAME.linkPID-HEX``; the
 #: ledger's ``.ledger.sqlite.newPID``)
@@ -201,14 +189,13 @@ def check_state(cfg: Any, ledger: RunLedger | None, fix: bool = True) -> list[Fi
         return []
     _check_node_id(cfg, state_dir)
     _check_store(state_dir)
+    remove_temporaries(state_dir, fix)
     out: list[Finding] = []
-    out += remove_temporaries(state_dir, fix)
+    unfinished: list[Path] = []
     if ledger is not None:
         out += _check_ledger_against_folders(ledger, fix)
         unfinished = [ledger.run_dir(rid) for rid in ledger.run_ids() if ledger.state(rid) not in TERMINAL
                       and ledger.run_dir(rid).is_dir()]
-    else:
-        unfinished = []
     for folder in [*unfinished, state_dir]:  # a run's folder; --once's files in the state directory
         out += _check_members(folder / "members.json", fix)
         out += _check_checkpoints(folder / "checkpoints", fix)
@@ -254,10 +241,10 @@ def store_damaged(path: Path, what: str) -> str:
             "with an empty store (the samples in it are lost; the spool's files are taken again), or put back a copy")
 
 
-def remove_temporaries(state_dir: Path, fix: bool = True) -> list[Finding]:
+def remove_temporaries(state_dir: Path, fix: bool = True) -> None:
     """Remove what atomic writes killed before their rename left behind (:data:`TEMPORARY`), and
     the deployments' ``models/.tmp-*`` folders, in the folders the service and its run processes
-    write (none is writing at start).  Not a damage: logged at DEBUG, nothing returned."""
+    write (none is writing at start).  Not a damage: logged at DEBUG."""
     folders = [state_dir, state_dir / "checkpoints", state_dir / "runs", state_dir / "models"]
     runs = state_dir / "runs"
     if runs.is_dir():
@@ -275,7 +262,6 @@ def remove_temporaries(state_dir: Path, fix: bool = True) -> list[Finding]:
                     shutil.rmtree(p, ignore_errors=True)
                 else:
                     p.unlink(missing_ok=True)
-    return []
 
 
 def _check_ledger_against_folders(ledger: RunLedger, fix: bool) -> list[Finding]:
@@ -342,14 +328,12 @@ def checkpoint_problem(manifest: Path) -> str | None:
 def _check_checkpoints(folder: Path, fix: bool) -> list[Finding]:
     if not folder.is_dir():
         return []
-    manifests = sorted((p for p in folder.iterdir() if _MANIFEST.match(p.name)), reverse=True)
-    bad = [(p, what) for p in manifests if (what := checkpoint_problem(p)) is not None]
+    rounds = {p: int(m.group(1)) for p in folder.iterdir() if (m := _MANIFEST.match(p.name))}
+    bad = {p: what for p in sorted(rounds, reverse=True) if (what := checkpoint_problem(p)) is not None}
+    good = [r for p, r in rounds.items() if p not in bad]
     out = []
-    good = [int(_MANIFEST.match(p.name).group(1)) for p in manifests  # type: ignore[union-attr]
-            if p not in {b for b, _ in bad}]
-    for p, what in bad:
-        t = int(_MANIFEST.match(p.name).group(1))  # type: ignore[union-attr]
-        older = [g for g in good if g < t]
+    for p, what in bad.items():
+        older = [g for g in good if g < rounds[p]]
         if fix:
             p.unlink(missing_ok=True)
             p.with_name(p.stem + ".safetensors").unlink(missing_ok=True)
