@@ -226,22 +226,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except StartupError as exc:
         log.error("cannot start: %s", exc)
-        if not existed:  # a failed start leaves no half-made state directory behind
-            _remove_new_state_dir(state_dir)
+        if not existed:  # a failed start leaves no half-made state directory (a new node id, key) behind
+            try:
+                shutil.rmtree(state_dir)
+            except OSError as e:
+                log.warning("could not remove the state directory %s of the failed start: %s", state_dir, e)
         return 2
     except Exception:
         log.exception("the agent stopped on an unexpected error")
         return 1
-
-
-def _remove_new_state_dir(state_dir: Path) -> None:
-    """Remove ``state_dir``, which this process created during a start that failed on
-    bad configuration or data (it holds at most a new node id, key and empty files)."""
-    try:
-        shutil.rmtree(state_dir)
-    except OSError as exc:
-        log.warning("could not remove the state directory %s of the failed start: %s", state_dir, exc)
-
 
 
 if __name__ == "__main__":

@@ -185,16 +185,23 @@ class MemberDelivery:
 
     async def run(self, stop: asyncio.Event, period: float = PERIOD_S) -> None:
         """:meth:`tick` every ``period`` seconds until ``stop``; an error is logged (rate-limited)
-        and the loop goes on."""
-        while not stop.is_set():
-            try:
-                await asyncio.to_thread(self.tick)
-            except Exception:  # noqa: BLE001 - delivery is best effort; the files are deployed
-                _ERRORS.exception("could not send the deployed model to inference members")
-            try:
-                await asyncio.wait_for(stop.wait(), period)
-            except asyncio.TimeoutError:
-                pass
+        and the loop goes on (delivery is best effort; the files are deployed)."""
+        await tick_every(self.tick, stop, period, _ERRORS, "could not send the deployed model to inference members")
+
+
+async def tick_every(tick: Callable[[], object], stop: asyncio.Event, period: float, errors: RateLimitedLog,
+                     failed: str) -> None:
+    """``tick()``, in a thread, every ``period`` seconds until ``stop``; an exception is logged
+    through ``errors`` (rate-limited) as ``failed``, and the loop goes on."""
+    while not stop.is_set():
+        try:
+            await asyncio.to_thread(tick)
+        except Exception:  # noqa: BLE001 - the loops are best effort: the next period tries again
+            errors.exception(failed)
+        try:
+            await asyncio.wait_for(stop.wait(), period)
+        except asyncio.TimeoutError:
+            pass
 
 
 def send_frame(lobby: RunLobby, federation: str, node: str, msg: Message, chunk_size: int) -> int:

@@ -26,7 +26,7 @@ from typing import Any
 
 from dfl_agent.jsonbound import RateLimitedLog
 from dfl_agent.jsonbound import loads as bounded_loads
-from dfl_agent.runtime.service.member_delivery import send_frame
+from dfl_agent.runtime.service.member_delivery import send_frame, tick_every
 from dfl_agent.runtime.shared.model_handover import asked, files_message
 
 log = logging.getLogger("dfl_agent.daemon")
@@ -129,13 +129,5 @@ class ModelHandover:
 
     async def run(self, stop: asyncio.Event, period: float = PERIOD_S) -> None:
         """:meth:`tick` every ``period`` seconds until ``stop``; an error is logged (rate-limited)
-        and the loop goes on."""
-        while not stop.is_set():
-            try:
-                await asyncio.to_thread(self.tick)
-            except Exception:  # noqa: BLE001 - an answer is best effort; the requester asks another member
-                _ERRORS.exception("could not answer a request for a run's model")
-            try:
-                await asyncio.wait_for(stop.wait(), period)
-            except asyncio.TimeoutError:
-                pass
+        and the loop goes on (an answer is best effort; the requester asks another member)."""
+        await tick_every(self.tick, stop, period, _ERRORS, "could not answer a request for a run's model")

@@ -121,8 +121,7 @@ class RunLoop:
         if not await self.train(d, stop):
             return 0  # stopped
         entry = self.ledger.entries.get(d.run_id) or {}
-        state = entry.get("state")
-        if state == "finished":
+        if entry.get("state") == "finished":
             return once_exit_code(entry, self.cfg.runtime.allow_alone)
         return 3 if self.last_rc == 3 else 1
 

@@ -65,7 +65,7 @@ from dfl_agent.runtime.service.retention import (
 )
 from dfl_agent.runtime.service.run_loop import AFTER_TRAINING, RunLoop
 from dfl_agent.runtime.service.service_counters import ServiceCounters
-from dfl_agent.runtime.service.state_files import open_checked
+from dfl_agent.runtime.service.state_files import open_checked, store_damaged
 from dfl_agent.runtime.service.systemd import Notifier
 from dfl_agent.runtime.shared.assembly import StartupError, build_security
 from dfl_agent.runtime.shared.config import NodeConfig
@@ -576,8 +576,6 @@ def build_run_manager(cfg: NodeConfig, config_path: str | None, *, hooks: RunHoo
         except (OSError, ValueError) as exc:
             raise StartupError(str(exc)) from None
         except sqlite3.DatabaseError as exc:  # the store's file is damaged
-            from dfl_agent.runtime.service.state_files import store_damaged
-
             raise StartupError(store_damaged(state_dir / "store" / "samples.sqlite",
                                              f"is not a readable SQLite database ({exc})")) from None
     if agent_factory is None:  # each run in a run process (runtime.supervisor)

@@ -308,16 +308,13 @@ class ChildRun:
             info = {k: getattr(msg, k) for k in ("start", "version", "source", "reason") if getattr(msg, k) is not None}
             self.on_state(msg.state, **info)
         if msg.state in ("deployed", "adopted") and msg.version is not None:
-            await asyncio.to_thread(self._switch, msg.version)
+            await asyncio.to_thread(switch_current, self.cfg, self.lobby, self.run_desc.run_id, msg.version)
         self._send(pipe.Ack(msg.seq))
 
     def _peak(self, mb: float | None) -> None:
         """Take the run process's peak resident memory from a report (it only grows)."""
         if mb is not None:
             self.peak_rss_mb = max(mb, self.peak_rss_mb or 0.0)
-
-    def _switch(self, version: int) -> None:
-        switch_current(self.cfg, self.lobby, self.run_desc.run_id, version)
 
     # -- talking to the run process ----------------------------------------------------------
     def _send(self, msg: pipe.ToRun) -> None:
