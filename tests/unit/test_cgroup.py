@@ -16,6 +16,24 @@ from dfl_agent.runtime.service.cgroup import RunCgroup, classify_exit
 MIB = 1024 * 1024
 
 
+def prepare(root: str | None = None) -> bool:
+    """Under systemd on cgroup v2, move the service's processes into their leaf now
+    (``<service>/supervisor``), as the first :meth:`RunCgroup.create` does.  Returns True when
+    the service's cgroup is ready for run cgroups; never raises."""
+    found = cgroup._hierarchy(root)
+    if isinstance(found, str) or found[0] != 2:
+        return False
+    service = cgroup._service_dir(2, found[1])
+    if service is None:
+        return False
+    try:
+        cgroup._prepare_service(service)
+    except OSError as e:
+        cgroup.log.debug("could not prepare %s for run cgroups: %s", service, e)
+        return False
+    return True
+
+
 @pytest.fixture(autouse=True)
 def _fresh_module_state(monkeypatch, tmp_path):
     """Each test starts as a new process would: no warning given, no service prepared,
@@ -125,7 +143,7 @@ def test_v2_under_systemd_moves_the_service_into_a_leaf_first(tmp_path, _fresh_m
     cg2 = RunCgroup.create("run-r2", 256, root=str(root))
     assert cg2 is not None and cg2.path == run2
     assert text(service / "supervisor" / "cgroup.procs") == "4242"
-    assert cgroup.prepare(root=str(root)) is True
+    assert prepare(root=str(root)) is True
 
 
 def test_without_a_memory_controller_the_run_is_unlimited_and_says_so_once(tmp_path, caplog):
@@ -136,7 +154,7 @@ def test_without_a_memory_controller_the_run_is_unlimited_and_says_so_once(tmp_p
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [f"run processes run without a memory limit: the memory controller is not enabled "
                         f"in {root} (cgroup v2)"]
-    assert cgroup.prepare(root=str(root)) is False
+    assert prepare(root=str(root)) is False
 
 
 def test_no_cgroup_file_system(tmp_path, caplog):

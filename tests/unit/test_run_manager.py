@@ -10,7 +10,7 @@ import pytest
 
 from dfl_agent.runtime.service.ledger import RunLedger
 from dfl_agent.runtime.service.lobby import RunQueue
-from dfl_agent.runtime.service.run_manager import STATES, TRANSITIONS, IllegalTransition, RunHooks, RunManager
+from dfl_agent.runtime.service.run_manager import TRANSITIONS, IllegalTransition, RunHooks, RunManager
 from dfl_agent.runtime.shared.config import config_from_dict
 from dfl_agent.runtime.shared.descriptor import RunDescriptor
 from dfl_agent.runtime.shared.run_config import CANCEL_LATE
@@ -78,6 +78,11 @@ def manager(tmp_path, agent=Agent, **cfg):
     prof = resolve_profile("generic-x86", {"behaviour": {"algorithms": ["fedavg"]}})[0]
     return RunManager(config, None, node_id="n", profile=prof, ledger=RunLedger(tmp_path), lobby=Lobby(),
                       agent_factory=agent, notifier=Notifier(), hooks=RunHooks())
+
+
+#: the run manager's states (see its module docstring for the transitions)
+STATES = ("idle", "admitted", "waiting_for_members", "training", "trained", "deploying", "deployed", "kept",
+          "adopted", "recorded", "declined", "cancelled", "failed", "missed")
 
 
 def test_the_states_are_exactly_those_of_the_architecture():

@@ -7,7 +7,7 @@ Where the cgroup goes:
 - **Under systemd** (the process's own cgroup is a ``*.service``; the shipped units set
   ``Delegate=yes``): below the service's own cgroup, ``<service>/run-<name>``. On cgroup
   v2 a cgroup with children may hold no processes, so the first :meth:`RunCgroup.create`
-  (or :func:`prepare`) moves the service's processes into the leaf
+  moves the service's processes into the leaf
   ``<service>/supervisor`` and turns the memory controller on for the service's children.
   On cgroup v1 systemd delegates the memory hierarchy only to a service running as root;
   a service running as an unprivileged user (the shipped units) gets no memory cgroup
@@ -190,25 +190,6 @@ def _prepare_service(service: Path) -> None:
         _enable_memory(service)
         _prepared.add(key)
     log.info("moved the service's processes into %s; run cgroups go beside it", leaf)
-
-
-def prepare(root: str | None = None) -> bool:
-    """Under systemd on cgroup v2, move the service's processes into their leaf now
-    (``<service>/supervisor``), before anything else (``ExecReload=``) runs in the
-    service's cgroup. :meth:`RunCgroup.create` does this too; calling it at start-up is
-    optional. Returns True when the service's cgroup is ready for run cgroups; never raises."""
-    found = _hierarchy(root)
-    if isinstance(found, str) or found[0] != 2:
-        return False
-    service = _service_dir(2, found[1])
-    if service is None:
-        return False
-    try:
-        _prepare_service(service)
-    except OSError as e:
-        log.debug("could not prepare %s for run cgroups: %s", service, e)
-        return False
-    return True
 
 
 def agent_stem(node_id: str, state_dir: str | os.PathLike[str]) -> str:

@@ -25,6 +25,7 @@ import json
 import logging
 import sqlite3
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -166,9 +167,7 @@ def recover(state_dir: str | Path) -> dict[str, Any]:
             if (runs / name).exists():
                 rename(runs / name, moved / name)
         write_new_ledger(runs / LEDGER_FILE, rows, cancelled, {"recovered": stamp})
-    states: dict[str, int] = {}
-    for e in rows.values():
-        states[e["state"]] = states.get(e["state"], 0) + 1
+    states = dict(Counter(e["state"] for e in rows.values()))
     log.info("run ledger %s: rebuilt with %d runs (%d from the damaged ledger, %d from run folders) and %d cancel "
              "records; the damaged files are kept in %s", runs / LEDGER_FILE, len(rows), from_ledger, from_folders,
              len(cancelled), moved)

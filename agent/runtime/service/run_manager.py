@@ -84,10 +84,7 @@ from dfl_agent.runtime.shared.state_version import open_state as migrate_state
 
 log = logging.getLogger("dfl_agent.daemon")
 
-#: the run manager's states (see the module docstring for the transitions)
-STATES = ("idle", "admitted", "waiting_for_members", "training", "trained", "deploying", "deployed", "kept",
-          "adopted", "recorded", "declined", "cancelled", "failed", "missed")
-#: state -> the states it may move to
+#: the run manager's states (see the module docstring): state -> the states it may move to
 TRANSITIONS: dict[str, tuple[str, ...]] = {
     "idle": ("idle", "admitted", "declined", "cancelled", "trained", "deploying", "deployed", "kept", "adopted"),
     "admitted": ("waiting_for_members", "training", "idle"),

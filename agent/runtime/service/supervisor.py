@@ -286,11 +286,9 @@ class ChildRun:
         elif isinstance(msg, pipe.End):
             self.outcome = msg.outcome
             self.reason = msg.reason or ""
-            self._peak(msg.peak_rss_mb)
+            self._take(msg)
             self.data_shape = msg.data_shape
             node.ended(msg)
-            if msg.snapshot_last_id is not None:
-                self.snapshot = np.array([msg.snapshot_last_id])
 
     async def _state(self, msg: pipe.StateReport) -> None:
         """A state of the run after its rounds: the run manager records it (the ledger),
@@ -299,9 +297,7 @@ class ChildRun:
         assert node is not None
         node.status["round"] = msg.round
         node.status.update(msg.degraded)  # the run manager's ledger entry
-        self._peak(msg.peak_rss_mb)
-        if msg.snapshot_last_id is not None:
-            self.snapshot = np.array([msg.snapshot_last_id])
+        self._take(msg)
         if msg.state in ("trained", "adopted"):
             self.outcome = "finished"
         if self.on_state is not None:  # "trained" carries the run's start (warm start) for the ledger
@@ -311,10 +307,13 @@ class ChildRun:
             await asyncio.to_thread(switch_current, self.cfg, self.lobby, self.run_desc.run_id, msg.version)
         self._send(pipe.Ack(msg.seq))
 
-    def _peak(self, mb: float | None) -> None:
-        """Take the run process's peak resident memory from a report (it only grows)."""
-        if mb is not None:
-            self.peak_rss_mb = max(mb, self.peak_rss_mb or 0.0)
+    def _take(self, msg: pipe.StateReport | pipe.End) -> None:
+        """Take the run process's peak resident memory (it only grows) and its data snapshot's
+        newest sample id from a state or end report."""
+        if msg.peak_rss_mb is not None:
+            self.peak_rss_mb = max(msg.peak_rss_mb, self.peak_rss_mb or 0.0)
+        if msg.snapshot_last_id is not None:
+            self.snapshot = np.array([msg.snapshot_last_id])
 
     # -- talking to the run process ----------------------------------------------------------
     def _send(self, msg: pipe.ToRun) -> None:
