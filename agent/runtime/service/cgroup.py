@@ -41,6 +41,7 @@ Use::
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import hashlib
@@ -183,10 +184,8 @@ def _prepare_service(service: Path) -> None:
         leaf = service / SUPERVISOR_LEAF
         leaf.mkdir(exist_ok=True)
         for pid in (_read(service / "cgroup.procs") or "").split():
-            try:
+            with contextlib.suppress(ProcessLookupError):  # gone meanwhile
                 _write(leaf / "cgroup.procs", pid)
-            except ProcessLookupError:
-                pass  # gone meanwhile
         _enable_memory(service)
         _prepared.add(key)
     log.info("moved the service's processes into %s; run cgroups go beside it", leaf)
@@ -219,15 +218,11 @@ def _kill_members(path: Path, version: int, wait_s: float = 2.0) -> bool:
         if time.monotonic() >= deadline:
             return False
         if not killed and version == 2 and (path / "cgroup.kill").exists():
-            try:
+            with contextlib.suppress(OSError):
                 _write(path / "cgroup.kill", "1")
-            except OSError:
-                pass
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         killed = True
         time.sleep(0.02)
 
@@ -388,10 +383,8 @@ class RunCgroup:
             else:
                 log.debug("run cgroup %s stayed busy; left in place", self.path)
             if self._tidy_base is not None:
-                try:
+                with contextlib.suppress(OSError):  # another run's cgroup is in it
                     self._tidy_base.rmdir()
-                except OSError:
-                    pass  # another run's cgroup is in it
         except Exception as e:  # noqa: BLE001 - cleanup never raises
             log.debug("could not remove run cgroup %s: %s", self.path, e)
 
@@ -422,10 +415,8 @@ def remove_leftovers(stem: str, *, root: str | None = None) -> list[str]:
             except OSError as e:
                 log.debug("could not remove the leftover run cgroup %s: %s", leaf, e)
         if service is None and removed:
-            try:
+            with contextlib.suppress(OSError):  # another run's cgroup is in it
                 base.rmdir()
-            except OSError:
-                pass  # another run's cgroup is in it
     except OSError as e:
         log.debug("could not look for leftover run cgroups: %s", e)
     if removed:

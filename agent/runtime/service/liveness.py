@@ -25,6 +25,7 @@ service after ``WatchdogSec`` even if the process cannot end itself.  Torch-free
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -137,10 +138,8 @@ class Liveness:
             self.check()
             if self.failed is not None:
                 break
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(event.wait(), interval)
-            except asyncio.TimeoutError:
-                pass
         return self.failed or ""
 
     def cancel(self) -> None:

@@ -29,6 +29,7 @@ site's broker is reached where the brokers are bridged (``mqtt.bridged``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -198,10 +199,8 @@ async def tick_every(tick: Callable[[], object], stop: asyncio.Event, period: fl
             await asyncio.to_thread(tick)
         except Exception:  # noqa: BLE001 - the loops are best effort: the next period tries again
             errors.exception(failed)
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), period)
-        except asyncio.TimeoutError:
-            pass
 
 
 def send_frame(lobby: RunLobby, federation: str, node: str, msg: Message, chunk_size: int) -> int:

@@ -6,6 +6,7 @@ run, and SIGHUP."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -263,7 +264,5 @@ class RunLoop:
         self.publish()
         await self.ingest_due()
         self.lobby.changed.clear()
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.5)
-        except asyncio.TimeoutError:
-            pass

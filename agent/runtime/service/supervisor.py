@@ -111,12 +111,10 @@ def _preexec(cgroup: Any) -> Any:
     ``PR_SET_PDEATHSIG``), and enter the memory cgroup before anything is allocated."""
 
     def setup() -> None:
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             import ctypes
 
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
         if cgroup is not None:
             cgroup.enter()
 

@@ -108,8 +108,3 @@ class Notifier:
         if not usec.isdigit() or int(usec) == 0 or (pid and pid != str(os.getpid())):
             return None
         return int(usec) / 1e6 / 2
-
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
