@@ -412,9 +412,7 @@ class RunLedger:
         return self._select(f"state IN ({', '.join('?' * len(states))})", tuple(states), "ORDER BY time, run_id")
 
     def with_prefix(self, prefix: str) -> dict[str, dict[str, Any]]:
-        """The entries of the runs whose id starts with ``prefix`` (a recurring run's repeats)."""
-        if not prefix:
-            return dict(self.entries)
+        """The entries of the runs whose id starts with ``prefix`` (a recurring run's repeats; not empty)."""
         upper = prefix[:-1] + chr(ord(prefix[-1]) + 1)
         return self._select("run_id >= ? AND run_id < ?", (prefix, upper))
 

@@ -26,21 +26,22 @@ node as above plus ``dfl_run_info{run,state}``; while idle ``dfl_node_info`` has
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 
-def node_metrics(node_id: str, federation: str, st: Mapping[str, Any], counters: Any,
-                 live_peers: int, checkpoint_round: int) -> Iterable[Any]:
-    """The metrics of a run's node (see the module docstring) from its status ``st``, its
-    ``counters`` (:class:`~dfl_agent.runtime.shared.pipe.RunCounters`), its number of live peers and
-    the round of its last checkpoint."""
+def node_metrics(node: Any) -> Iterable[Any]:
+    """The metrics of a run's node (see the module docstring) from what the service knows of it
+    (:class:`~dfl_agent.runtime.service.supervisor.RunProgress`): its status, its counters
+    (:class:`~dfl_agent.runtime.shared.pipe.RunCounters`), its live peers and the round of its
+    last checkpoint."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
+    st, counters = node.status, node.counters
     yield InfoMetricFamily("dfl_node", "this node", value={
-        "node": str(node_id), "federation": str(federation),
+        "node": str(node.node_id), "federation": str(node.federation),
         "algorithm": str(st.get("algorithm", "")), "state": str(st.get("state", ""))})
     yield GaugeMetricFamily("dfl_round", "last completed round", value=float(st.get("round") or 0))
     yield GaugeMetricFamily("dfl_rounds_planned", "rounds planned", value=float(st.get("rounds") or 0))
@@ -60,9 +61,9 @@ def node_metrics(node_id: str, federation: str, st: Mapping[str, Any], counters:
                               "a non-finite model (restored)", value=float(counters.diverged))
     yield CounterMetricFamily("dfl_rounds_alone", "rounds closed with no peer update although "
                               "neighbours were expected or needed", value=float(st.get("rounds_alone") or 0))
-    yield GaugeMetricFamily("dfl_peers_live", "live peers", value=float(live_peers))
+    yield GaugeMetricFamily("dfl_peers_live", "live peers", value=float(len(node.live_peers)))
     yield GaugeMetricFamily("dfl_checkpoint_round", "round of the last checkpoint written",
-                            value=float(checkpoint_round))
+                            value=float(node.checkpoint_round))
     yield CounterMetricFamily("dfl_checkpoint_errors", "failed checkpoint writes",
                               value=float(st.get("checkpoint_errors") or 0))
 
@@ -90,8 +91,7 @@ class ServiceCollector:
         node = self.current()
         run = view.get("run") if isinstance(view.get("run"), dict) else None
         if node is not None:
-            yield from node_metrics(node.node_id, node.federation, node.status, node.counters, len(node.live_peers),
-                                    node.checkpoint_round)
+            yield from node_metrics(node)
         else:
             yield InfoMetricFamily("dfl_node", "this node", value={
                 "node": self.node_id, "federation": self.federation, "algorithm": "",

@@ -48,7 +48,6 @@ class RunLoop:
     agent: Any
     info: dict[str, Any] | None
     has_default: bool
-    once: bool
     once_metrics: tuple[Path, int] | None
     last_rc: int
     next_spool: float
