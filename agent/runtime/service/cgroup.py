@@ -71,16 +71,6 @@ _warned = False
 _prepared: set[str] = set()
 
 
-def _warn_once(why: str) -> None:
-    global _warned
-    with _state_lock:
-        first, _warned = not _warned, True
-    if first:
-        log.warning("run processes run without a memory limit: %s", why)
-    else:
-        log.debug("no run cgroup: %s", why)
-
-
 def _read(path: Path) -> str | None:
     try:
         return path.read_text(encoding="ascii", errors="replace")
@@ -300,8 +290,13 @@ class RunCgroup:
 
     @staticmethod
     def _none(why: str, limited: bool) -> None:
-        if limited:
-            _warn_once(why)
+        """No run cgroup, because ``why``: at WARNING the first time in the process that a cgroup
+        with a limit (``limited``) could not be made, else at DEBUG."""
+        global _warned
+        with _state_lock:
+            first, _warned = limited and not _warned, _warned or limited
+        if first:
+            log.warning("run processes run without a memory limit: %s", why)
         else:
             log.debug("no run cgroup: %s", why)
         return None

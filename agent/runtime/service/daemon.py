@@ -58,12 +58,9 @@ def _start_service_prometheus(cfg: NodeConfig, node_id: str, manager: RunManager
         return None
     from dfl_agent.runtime.service.prometheus import PrometheusExporter, ServiceCollector
 
-    def current() -> Any:
-        return manager.agent.progress if manager.agent is not None else None
-
-    try:
+    try:  # the run in training's node: the one the service counters read
         return PrometheusExporter(port, cfg.runtime.prometheus_address, ServiceCollector(
-            node_id, cfg.federation, current, manager.service_status)).start()
+            node_id, cfg.federation, manager.counters.run_node, manager.service_status)).start()
     except (ImportError, OSError) as exc:
         log.error("Prometheus endpoint disabled: %s", exc)
         return None

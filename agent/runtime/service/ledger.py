@@ -343,8 +343,7 @@ class RunLedger:
         except RunLedgerDamaged:
             con.close()
             raise
-        if (self.dir / LEGACY_LEDGER).exists() or (self.dir / LEGACY_CANCELLED).exists():
-            self._keep_legacy()  # a crash came between the migration and the files' move
+        self._keep_legacy()  # an earlier release's files left where a crash came before their move
         return con
 
     def _load(self) -> None:

@@ -28,7 +28,6 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -342,13 +341,6 @@ def _check_checkpoints(folder: Path, fix: bool) -> list[Finding]:
     return out
 
 
-def _version_folders(root: Path) -> Iterator[tuple[int, Path]]:
-    for p in root.iterdir():
-        m = re.match(r"^v(\d+)$", p.name)
-        if m and p.is_dir() and not p.is_symlink():
-            yield int(m.group(1)), p
-
-
 def check_models(state_dir: Path, fix: bool = True) -> list[Finding]:
     """The deployed versions (every file against its manifest's SHA-256), ``current``, the
     refused candidate and ``.last_version`` (see :data:`STATE_FILES` for what is done)."""
@@ -360,7 +352,8 @@ def check_models(state_dir: Path, fix: bool = True) -> list[Finding]:
     if not root.is_dir():
         return []
     out: list[Finding] = []
-    versions = dict(_version_folders(root))
+    versions = {int(m.group(1)): p for p in root.iterdir()
+                if (m := re.match(r"^v(\d+)$", p.name)) and p.is_dir() and not p.is_symlink()}
     bad: dict[int, str] = {}
     for v, folder in sorted(versions.items()):
         try:
@@ -392,18 +385,16 @@ def check_models(state_dir: Path, fix: bool = True) -> list[Finding]:
             out.append(Finding(link, f"deployed model {link}: {cur_bad}; no other version checks: the next run that "
                                      "deploys installs a new one (inference should not load it until then)"))
     out += _check_last_version(root, max(versions, default=0), fix)
+    cand = root / "candidate"
     if fix:
         why = remove_stale_candidate(state_dir, at_start=True)
         if why is not None and "fails its check" in why:
-            out.append(Finding(root / "candidate", f"refused candidate {root / 'candidate'}: {why}; removed"))
-    else:
+            out.append(Finding(cand, f"refused candidate {cand}: {why}; removed"))
+    elif cand.is_dir():
         try:
-            cand = root / "candidate"
-            if cand.is_dir():
-                verify_folder(cand)
+            verify_folder(cand)
         except DeployError as exc:
-            out.append(Finding(root / "candidate", f"refused candidate {root / 'candidate'}: it fails its check "
-                                                   f"({exc}); to remove"))
+            out.append(Finding(cand, f"refused candidate {cand}: it fails its check ({exc}); to remove"))
     return out
 
 
