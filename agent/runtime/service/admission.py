@@ -97,4 +97,3 @@ def admit(d: RunDescriptor, profile: Any, *, node_id: str, model_params: int | N
         return (f"model too large for memory_budget_mb: {model_params} parameters ({source}), "
                 f"~{need:.0f} MiB for {copies} of it, budget {budget} MiB")
     return None
-

@@ -65,14 +65,8 @@ class RunQueue:
         """The first run in queue order that is not cancelled, not done here, and whose
         ``start_at`` has passed."""
         now = time.time() if now is None else now
-        for d in self.ordered():
-            if d.cancelled or done(d.run_id):
-                continue
-            if d.start_at is not None and d.start_at > now:
-                continue
-            return d
-        return None
-
+        return next((d for d in self.ordered() if not d.cancelled and not done(d.run_id)
+                     and (d.start_at is None or d.start_at <= now)), None)
 
 
 class RunLobby:

@@ -375,5 +375,3 @@ class PrivacyWatch:
         """The flagged devices: node id -> ``{"was", "now", "since"}``."""
         with self._lock:
             return {k: dict(v) for k, v in sorted(self._down.items())}
-
-
