@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from dfl_agent.fsutil import rename
+from dfl_agent.fsutil import folder_lock, rename
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.runtime.service.ledger import (
     LEDGER_FILE,
@@ -37,7 +37,6 @@ from dfl_agent.runtime.service.ledger import (
     LEGACY_LEDGER,
     RunLedger,
     RunLedgerDamaged,
-    folder_lock,
     sqlite_uri,
     summary,
     write_new_ledger,

@@ -228,8 +228,7 @@ def send_frame(lobby: RunLobby, federation: str, node: str, msg: Message, chunk_
     return len(data)
 
 
-def deployed_onnx(models: ModelStore, spec: dict[str, Any] | None = None, *,
-                  private: bool = False) -> tuple[int, bytes, dict[str, Any]] | None:
+def deployed_onnx(models: ModelStore, *, private: bool = False) -> tuple[int, bytes, dict[str, Any]] | None:
     """The deployed version (``models/current`` of ``models``, a
     :class:`dfl_agent.deploy.ModelStore`) as an ``onnx.model`` message's parts:
     ``(version, model.onnx bytes, meta)``.  Meta: ``version`` (the deployed version number),
@@ -250,7 +249,7 @@ def deployed_onnx(models: ModelStore, spec: dict[str, Any] | None = None, *,
         if "model.onnx" not in manifest.get("files", {}):
             return None
         data = (folder / "model.onnx").read_bytes()
-        held_spec = bounded_loads((folder / "spec.json").read_bytes(), "manifest").get("spec", spec)
+        held_spec = bounded_loads((folder / "spec.json").read_bytes(), "manifest").get("spec")
         held_hash = spec_hash(held_spec or {})
     except (DeployError, OSError, ValueError) as exc:  # ValueError: also a SpecError
         log.error("cannot send deployed model v%d to inference members: %s", v, exc)
