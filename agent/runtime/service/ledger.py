@@ -404,10 +404,8 @@ class RunLedger:
         """The entries of the runs whose state is one of ``states``, oldest change first (a state
         that is not an end is answered from memory: only ended runs' entries are ever compact)."""
         if not set(states) & set(TERMINAL):
-            with self._lock:
-                found = [(e.get("time", 0.0), rid, dict(e)) for rid, e in self._recent.items()
-                         if e.get("state") in states]
-            return {rid: e for _t, rid, e in sorted(found, key=lambda x: (x[0], x[1]))}
+            found = self.recent_entries(states)
+            return dict(sorted(found.items(), key=lambda kv: (kv[1].get("time", 0.0), kv[0])))
         return self._select(f"state IN ({', '.join('?' * len(states))})", tuple(states), "ORDER BY time, run_id")
 
     def with_prefix(self, prefix: str) -> dict[str, dict[str, Any]]:
