@@ -55,10 +55,17 @@ class ComputeGate:
         self.resend_kinds: set[str] = set()
 
     async def wait_until_allowed(self) -> None:
-        """Return when resource gating allows training (see
-        :meth:`RuntimeContext.wait_until_allowed`)."""
+        """Return when resource gating allows training; meanwhile report the reason.
+
+        Checks ``gate`` now and then every ``gate_poll`` seconds; each change of the
+        reason is logged and passed to ``gate_hook`` (the node republishes its status).
+        First, with ``pause_when_disconnected``, waits for a lost broker connection to
+        come back (:meth:`hold_round`): a node cut off from its broker hears nothing from
+        its peers, and without the pause would train and close rounds alone until it
+        reconnects.  The simulator leaves the option off; a transport without a
+        ``connected`` attribute never pauses."""
         ctx = self.ctx
-        await ctx.wait_for_broker()
+        await self.hold_round()
         if ctx.gate is None:
             return
         while True:
@@ -76,11 +83,6 @@ class ComputeGate:
             if reason is None:
                 return
             await ctx.clock.sleep(ctx.gate_poll)
-
-    async def wait_for_broker(self) -> None:
-        """With ``pause_when_disconnected``: return once the transport is connected and
-        the expected neighbours are back (see :meth:`RuntimeContext.wait_for_broker`)."""
-        await self.hold_round()
 
     def note_neighbours(self) -> None:
         """Add the node's live neighbours to :attr:`round_expected` (while connected:
@@ -171,7 +173,7 @@ class ComputeGate:
     async def compute(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """``fn(*args, **kwargs)`` once gating allows (``train_s`` of the round's timing)."""
         ctx = self.ctx
-        await ctx.wait_until_allowed()  # resource gating: no training while gated
+        await self.wait_until_allowed()  # resource gating: no training while gated
         if ctx.virtual_train_s:  # the simulator's per-node speed (--speeds): training takes virtual time
             await asyncio.sleep(ctx.virtual_train_s)
         if ctx.batcher is not None and not ctx.compute_in_thread:

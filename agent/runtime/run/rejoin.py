@@ -19,7 +19,7 @@ from typing import Any
 
 from dfl_agent.algorithms.protocols.synchronization import majority
 from dfl_agent.fsutil import atomic_write
-from dfl_agent.runtime.node.context import catch_up_target
+from dfl_agent.runtime.node.membership import catch_up_target
 
 log = logging.getLogger("dfl_agent.daemon")
 
