@@ -463,7 +463,7 @@ def _summary(cfg: SimConfig, fed: _Federation, device: str, wall: float) -> dict
             # and evaluations done in vectorised passes (evaluated_batched, eval_groups, eval_single)
             "batching": {**batcher.stats, **batcher.eval_stats} if batcher is not None else None,
             "user_accuracy": metrics.user_accuracy(histories),  # UA: personal models on own splits, last 10 rounds
-            "config": _jsonable(dataclasses.asdict(cfg)),
+            "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=str)),  # JSON-safe
             "dp": _dp_summary(cfg, nodes),  # differential privacy: the ε each node's training spent
             **gpu,
         },
@@ -529,25 +529,19 @@ def _profile_behaviours(cfg: SimConfig) -> list[Behaviour] | None:
     return out
 def _byte_summary(nodes: list[Node], policy: CompressionPolicy) -> dict[str, Any]:
     """summary.json's compression and byte-accounting entries (issue 8)."""
+    per_node = {n.ctx.node_id: n.ctx.byte_accounting() for n in nodes}
     by_kind: dict[str, int] = {}
-    f32 = sent = 0
-    for n in nodes:
-        acc = n.ctx.byte_accounting()
+    for acc in per_node.values():
         for k, v in acc["bytes_sent_by_kind"].items():
             by_kind[k] = by_kind.get(k, 0) + v
-        f32 += acc["float32_bytes_sent"]
-        sent += sum(acc["bytes_sent_by_kind"].values())
+    f32, sent = sum(acc["float32_bytes_sent"] for acc in per_node.values()), sum(by_kind.values())
     return {
         "compression": str(policy.default),
         "compression_kinds": {k: str(v) for k, v in policy.kinds.items()},
         "error_feedback": policy.error_feedback,
         "consensus_step": policy.consensus_step,
         "bytes_sent_by_kind": by_kind,
-        "bytes_sent_by_kind_per_node": {n.ctx.node_id: n.ctx.byte_accounting()["bytes_sent_by_kind"] for n in nodes},
+        "bytes_sent_by_kind_per_node": {nid: acc["bytes_sent_by_kind"] for nid, acc in per_node.items()},
         "float32_bytes_sent": f32,
         "compression_ratio": f32 / sent if sent else 1.0,
     }
-
-
-def _jsonable(obj: object) -> Any:
-    return json.loads(json.dumps(obj, default=str))
