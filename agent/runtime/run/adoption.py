@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from dfl_agent.runtime.shared.model_handover import MODEL_FILES_KIND, WANTED_FIELD, check_files, new_request
+from dfl_agent.runtime.shared.model_handover import MODEL_FILES_KIND, check_files, new_request
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -229,6 +229,3 @@ async def adopt(agent: Any, spec: dict[str, Any], input_shape: Any, *, bps: floa
     log.info("run %s: the model of %s (its v%s) %s: %s", run_id, source["node"], source.get("version"),
              f"adopted as v{res['version']}" if res["deployed"] else "kept out by the deploy gate", res["note"])
     return Adoption(what, res["version"], source, res["note"])
-
-
-__all__ = ["Adoption", "WANTED_FIELD", "adopt", "candidates", "fetch", "load_adopted"]

@@ -144,11 +144,6 @@ class Agent(RunMembers, AgentOperations):
         self.link_bps: float | None = None
         self.heartbeat_timeout = 30.0
 
-    def wanted_peers(self) -> int:
-        """At most this many peers can still come (the others that did not decline the run,
-        as the host says); the wait for ``discovery.min_peers`` never waits for more."""
-        return self.host.may_join()
-
     async def run(self, stop: asyncio.Event) -> int:
         """Train this node's run until its last round or ``stop`` (then leave cleanly).
         Returns the exit code: 0, or 3 when the broker is unreachable.
@@ -313,8 +308,8 @@ class Agent(RunMembers, AgentOperations):
         self.ctx = node.ctx
 
     def _finished_by_members(self) -> bool:
-        """Checked after every round but the last: most of the run's members report it
-        finished (``runtime.rejoin`` and an algorithm that communicates)."""
+        """Checked while waiting for peers and after every round but the last: most of the run's
+        members report it finished (``runtime.rejoin`` and an algorithm that communicates)."""
         return self.cfg.runtime.rejoin and self.node.algorithm.communicates and self._federation_finished()
 
     async def _checkpoint(self, t: int) -> None:
@@ -571,15 +566,13 @@ class Agent(RunMembers, AgentOperations):
         want = self.cfg.discovery.min_peers
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.discovery.start_timeout
-        node = self.node
-        node.set_state("waiting_for_peers")
-        def finished() -> bool:  # runtime.rejoin: most members already finished, nobody to wait for
-            return self.cfg.runtime.rejoin and self.node.algorithm.communicates and self._federation_finished()
+        self.node.set_state("waiting_for_peers")
 
-        def wanted() -> int:
-            return min(want, int(self.wanted_peers()))
+        def wanted() -> int:  # at most this many peers can still come (the others that did not decline the run)
+            return min(want, int(self.host.may_join()))
 
-        while len(self.ctx.live_peers()) < wanted() and loop.time() < deadline and not finished():
+        # (runtime.rejoin: most members already finished the run, nobody to wait for)
+        while len(self.ctx.live_peers()) < wanted() and loop.time() < deadline and not self._finished_by_members():
             if stop.is_set():
                 return False
             await asyncio.sleep(0.2)
