@@ -190,11 +190,9 @@ class ComputeGate:
 
     async def compute_ungated(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """:meth:`compute` without resource gating (evaluation, ONNX export)."""
-        if self.ctx.compute_in_thread:
-            loop = asyncio.get_running_loop()
-            if self.abort is None:
-                return await loop.run_in_executor(None, functools.partial(fn, *args, **kwargs))
-            return await loop.run_in_executor(None, functools.partial(_abortable_call, self.abort, fn, args, kwargs))
+        if self.abort is not None:  # compute_in_thread: in a worker thread, which a stopped run aborts
+            call = functools.partial(_abortable_call, self.abort, fn, args, kwargs)
+            return await asyncio.get_running_loop().run_in_executor(None, call)
         return fn(*args, **kwargs)
 
 

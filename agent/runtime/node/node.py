@@ -210,7 +210,7 @@ class Node:
         if self._full_rate is not None:
             from dfl_agent.learning.training import ramp_scale, ramped
 
-            self.ctx.use_train(ramped(self._full_rate, ramp_scale(self.lr_ramp, t)))
+            self.ctx.train = ramped(self._full_rate, ramp_scale(self.lr_ramp, t))
 
     async def drain(self) -> None:
         """Wait until every round's background evaluation and record are done."""
