@@ -138,9 +138,8 @@ class ComputeGate:
                  f" (not back within {self.reconnect_grace:g} s: {', '.join(missing)})" if missing else "")
         if self.resend_kinds:
             await ctx.resend_round(self.resend_kinds)
-            membership = getattr(ctx, "membership", None)
-            returned, streams = getattr(membership, "returned", {}), getattr(membership, "streams", ())
-            for peer in [p for p, restarted in returned.items() if not (restarted and streams)]:
+            returned = ctx.membership.returned
+            for peer in [p for p, restarted in returned.items() if not (restarted and ctx.membership.streams)]:
                 del returned[peer]  # sent to it just now (a restarted one needs CHOCO keyframes)
         return held
 
@@ -153,7 +152,7 @@ class ComputeGate:
         CHOCO stream as an exact keyframe instead (:meth:`Outbox.as_keyframe`): it lost its
         copies.  Returns the wire bytes sent."""
         ctx = self.ctx
-        returned = getattr(getattr(ctx, "membership", None), "returned", None)
+        returned = ctx.membership.returned
         if not returned or not self.resend_kinds or not getattr(ctx.transport, "connected", True):
             return 0
         live, n = set(ctx.neighbours()), 0

@@ -102,15 +102,8 @@ def mean_curve(histories: Mapping[str, list[dict[str, Any]]]) -> dict[str, list[
         if any(vals):
             out[key] = [sum(v) / len(v) if v else float("nan") for v in vals]
     # bytes: each node's counter is cumulative; sum the latest value of every node up to the round
-    last: dict[str, float] = {}
-    sent = []
-    for x in rounds:
-        for n, h in histories.items():
-            for r in h:
-                if r["round"] <= x:
-                    last[n] = r["bytes_sent"]
-        sent.append(float(sum(last.values())))
-    out["bytes_sent"] = sent
+    out["bytes_sent"] = [float(sum(next((r["bytes_sent"] for r in reversed(h) if r["round"] <= x), 0)
+                                   for h in histories.values())) for x in rounds]
     return out
 
 
