@@ -228,7 +228,7 @@ class CheckpointStore:
 
 def _peer_directory(peers: Any) -> list[dict[str, Any]]:
     keys = ("node_id", "broker", "profile", "algorithm", "model_hash", "version", "address")
-    return [{k: getattr(info, k, "") for k in keys} for info in getattr(peers, "all", lambda: [])()]
+    return [{k: getattr(info, k, "") for k in keys} for info in getattr(peers, "all", list)()]
 
 
 def _restore_peers(peers: Any, directory: Any) -> None:

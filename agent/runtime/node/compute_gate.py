@@ -92,18 +92,12 @@ class ComputeGate:
             self.round_expected.update(ctx.neighbours())
 
     async def hold_round(self, kinds: tuple[str, ...] = ()) -> float:
-        """Hold the node while the broker is away; the seconds held (0.0 when connected),
-        by which a caller waiting for its peers extends the round's deadline.
+        """:meth:`RuntimeContext.hold_round`: the seconds held while the broker was away.
 
-        With ``pause_when_disconnected`` and the transport disconnected: the node is
-        ``paused`` (one WARNING, the status republished) until the transport is back,
-        then waits up to :attr:`reconnect_grace` seconds for the neighbours it expected
-        this round (:attr:`round_expected`) to be back in its verified presence, logs one
-        INFO line, and sends again its messages of this round and the one before of the
-        kinds its rounds wait for (``kinds``, remembered in :attr:`resend_kinds`: a peer
-        that reconnected after it did has missed what the broker passed on meanwhile;
-        :meth:`RuntimeContext.resend_round`).  Protocols that never wait through it (pairs,
-        rotating aggregators) have nothing sent again."""
+        The neighbours waited for are :attr:`round_expected`; the messages sent again are
+        this round's and the one before's of the ``kinds`` the rounds wait for (remembered
+        in :attr:`resend_kinds`).  Protocols that never wait through it (pairs, rotating
+        aggregators) have nothing sent again."""
         ctx = self.ctx
         self.resend_kinds.update(kinds)
         self.note_neighbours()

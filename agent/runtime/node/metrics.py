@@ -116,12 +116,9 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Read JSON lines, skipping blank or truncated lines."""
     out = []
     for line in Path(path).read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if not line:
-            continue
         try:
-            out.append(bounded_loads(line, max_bytes=64 << 20))
-        except ValueError:  # JSONBoundError included: a torn or hostile line is skipped
+            out.append(bounded_loads(line.strip(), max_bytes=64 << 20))
+        except ValueError:  # JSONBoundError included: a blank, torn or hostile line is skipped
             continue
     return out
 

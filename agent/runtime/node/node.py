@@ -147,10 +147,6 @@ class Node:
         ``reason``): added to this process's first round record."""
         self.run_start = dict(run_start)
 
-    def note_startup(self, name: str, seconds: float) -> None:
-        """Start-up work done before round 1 (e.g. ``warm_up_s``): added to round 1's record."""
-        self.startup[name] = seconds
-
     def resumed_at(self, restored: int, rounds_alone: int, exchange_rounds: int) -> None:
         """After a restart from the checkpoint of round ``restored``: its history says so, and the
         rounds closed alone, of those meant to use a peer update, are the metrics file's (a
