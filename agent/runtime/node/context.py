@@ -16,6 +16,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import operator
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -68,14 +69,8 @@ class LoopClock:
 
 
 def _part_state(part: str, name: str, doc: str) -> Any:
-    """A façade attribute that reads (and writes) ``self.<part>.<name>``."""
-    def get(self: Any) -> Any:
-        return getattr(getattr(self, part), name)
-
-    def set_(self: Any, value: Any) -> None:
-        setattr(getattr(self, part), name, value)
-
-    return property(get, set_, doc=doc)
+    """A read-only façade attribute: ``self.<part>.<name>``."""
+    return property(operator.attrgetter(f"{part}.{name}"), doc=doc)
 
 
 class RuntimeContext:
