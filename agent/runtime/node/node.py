@@ -36,7 +36,7 @@ import numpy as np
 from dfl_agent.algorithms.base import Algorithm
 from dfl_agent.learning.training import TrainConfig, evaluate, train_local
 from dfl_agent.privacy.policy import redact_status
-from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.node.context import TIMING_KEYS, RuntimeContext
 from dfl_agent.runtime.node.node_hooks import FederationFinished, NodeHooks, NodeKilled, RunStopped
 from dfl_agent.runtime.shared.degraded import degraded_fields, peer_updates_used, round_alone, warn_alone
 from dfl_agent.transport.base import CONTROL_DROP_PREFIXES
@@ -279,8 +279,7 @@ class Node:
         round_wall = time.perf_counter() - self._round_started_wall
         timing = {k: round(v, 6) for k, v in self.ctx.last_round_timing.items()}
         timing["round_wall_s"] = round(round_wall, 6)
-        timing["wait_s"] = round(max(0.0, round_wall - sum(timing.get(k, 0.0) for k in
-                                                            ("train_s", "encode_s", "send_s", "receive_s"))), 6)
+        timing["wait_s"] = round(max(0.0, round_wall - sum(timing.get(k, 0.0) for k in TIMING_KEYS)), 6)
         counters = self.ctx.counters()
         talks = self.algorithm.communicates  # a deliberate `local` run is never alone
         needs = bool(self.hooks.needs_peers is not None and self.hooks.needs_peers())  # discovery.min_peers, run members
