@@ -103,8 +103,7 @@ class Membership:
         else:
             if ctx.security is not None and isinstance(descriptor.get("cert"), dict):
                 ctx.security.learn(node_id, descriptor["cert"])  # a hint; trust needs a valid certificate
-            fields = {k: v for k, v in descriptor.items() if isinstance(v, (str, int, float))}
-            fields.pop("node_id", None)
+            fields = {k: v for k, v in descriptor.items() if k != "node_id" and isinstance(v, (str, int, float))}
             if "wires" in descriptor:  # the wire versions it speaks (a list): what this node writes to it
                 fields["wires"] = descriptor["wires"]
             is_live = getattr(ctx.peers, "is_live", None)
