@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dfl_agent.algorithms.base import Algorithm
-from dfl_agent.learning.training import TrainConfig, evaluate, train_local
+from dfl_agent.learning.training import TrainConfig, TrainingAborted, evaluate, ramp_scale, ramped, train_local
 from dfl_agent.privacy.policy import redact_status
 from dfl_agent.runtime.node.context import TIMING_KEYS, RuntimeContext
 from dfl_agent.runtime.node.node_hooks import FederationFinished, NodeHooks, NodeKilled, RunStopped
@@ -204,8 +204,6 @@ class Node:
     def _set_lr_ramp(self, t: int) -> None:
         """Round ``t``'s learning rates (``ctx.train``): the full rates once past the ramp."""
         if self._full_rate is not None:
-            from dfl_agent.learning.training import ramp_scale, ramped
-
             self.ctx.train = ramped(self._full_rate, ramp_scale(self.lr_ramp, t))
 
     async def drain(self) -> None:
@@ -459,8 +457,6 @@ class Node:
             self._pending.pop(t, None)
             if not self.eval_background:
                 raise
-            from dfl_agent.learning.training import TrainingAborted
-
             if isinstance(exc, TrainingAborted):  # the node is stopping: its evaluation was cut short
                 log.debug("evaluation of round %d stopped: the node is stopping", t)
                 return
