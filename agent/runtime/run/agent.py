@@ -61,11 +61,11 @@ from dfl_agent.runtime.shared.config import NodeConfig
 from dfl_agent.runtime.shared.degraded import degraded_fields
 from dfl_agent.runtime.shared.descriptor import RunDescriptor
 from dfl_agent.runtime.shared.model_handover import WANTED_FIELD
-from dfl_agent.runtime.shared.pipe import End, RunCounters, StateReport, StatusReport
+from dfl_agent.runtime.shared.pipe import End, RunCounters, StateReport, StatusReport, run_drops
 from dfl_agent.runtime.shared.preflight import load_data
 from dfl_agent.runtime.shared.run_config import node_id_from_state
 from dfl_agent.runtime.shared.run_host import RunHost
-from dfl_agent.runtime.shared.sample_store import open_store, store_data
+from dfl_agent.runtime.shared.sample_store import SNAPSHOT_KEY, open_store, store_data
 from dfl_agent.transport.mqtt import MqttTransport
 from dfl_agent.transport.versions import descriptor_versions
 
@@ -277,8 +277,6 @@ class Agent(RunMembers, AgentOperations):
         profile, behaviour = s.profile, s.behaviour
         persistent: dict[str, Any] = {}
         if self.snapshot is not None:  # saved with every checkpoint: a resumed run trains on the same data
-            from dfl_agent.runtime.shared.sample_store import SNAPSHOT_KEY
-
             persistent[SNAPSHOT_KEY] = self.snapshot
         self.node = node = build_node(
             s.algo_cls, s.options, model_spec=s.spec, test_x=s.bundle.test.x, test_y=s.bundle.test.y,
@@ -535,8 +533,6 @@ class Agent(RunMembers, AgentOperations):
 
     def end_report(self) -> End:
         """How the run ended here (the host's last message from the run process)."""
-        from dfl_agent.runtime.shared.pipe import run_drops
-
         node, snap = self.node, self.snapshot
         shape = list(self.data_shape) if self.data_shape is not None else None
         return End(self.outcome, int(node.status().get("round", 0)) if node is not None else 0,
