@@ -156,7 +156,7 @@ def test_algorithm_state_restores_bit_identical(tmp_path, name):
     node = nodes[0]
     node.ctx.persistent_state["ef/n1/w"] = np.full(3, 0.5, np.float32)  # the error-feedback hook
     ck = NodeCheckpointer(CheckpointStore(tmp_path / "n0"), node.algorithm, node.ctx, spec_hash(spec))
-    ck.save(2)
+    run_virtual(ck.save_async(2))
     before_t, before_m = node.algorithm.state_dict()
     before_rng = node.ctx.rng.bit_generator.state
 
@@ -183,7 +183,8 @@ def test_checkpoint_of_another_model_is_skipped(tmp_path, caplog):
     large = default_spec(bundle.pool.input_shape, bundle.pool.num_classes, "large")
     a = _federation("local", 1, bundle, small, tmp_path)[0]
     run_virtual(a.setup())
-    NodeCheckpointer(CheckpointStore(tmp_path / "c"), a.algorithm, a.ctx).save(3)  # no model hash recorded
+    writer = NodeCheckpointer(CheckpointStore(tmp_path / "c"), a.algorithm, a.ctx)  # no model hash recorded
+    run_virtual(writer.save_async(3))
     b = _federation("local", 1, bundle, large, tmp_path)[0]
     run_virtual(b.setup())
     with caplog.at_level(logging.WARNING):

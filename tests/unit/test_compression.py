@@ -268,7 +268,7 @@ def test_runtime_compresses_per_kind_and_counts_bytes():
     # whole-model kind: value coder only (q8, dense); the listed kind: sparsified with a residual
     assert np.count_nonzero(m.tensors["w"]) > 0.9 * w.size and np.abs(m.tensors["w"] - w).max() < 0.1
     assert np.count_nonzero(g.tensors["w"]) <= 200 and n_grad < n_model < w.nbytes
-    assert "b" in a._error_feedback["grad"].residuals
+    assert "b" in a.outbox.error_feedback["grad"].residuals
     acc = a.byte_accounting()
     assert acc["bytes_sent_by_kind"] == {"model": n_model, "grad": n_grad, "vote": n_vote}
     assert acc["round_bytes_sent"] == n_model + n_grad + n_vote

@@ -133,7 +133,8 @@ def test_skip_never_passes_the_runs_last_round():
 
 
 def test_quorum_and_target_rules():
-    from dfl_agent.runtime.node.context import catch_up_target, evidence_quorum
+    from dfl_agent.algorithms.protocols.synchronization import evidence_quorum
+    from dfl_agent.runtime.node.membership import catch_up_target
 
     assert [evidence_quorum(n) for n in range(6)] == [0, 1, 2, 2, 3, 3]
     assert catch_up_target(5, {"a": 100}, live=1, cap=10) == 15  # one live neighbour: it is the majority

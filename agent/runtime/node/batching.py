@@ -486,11 +486,8 @@ def evaluate_group(models: list[nn.Module], xs: list[np.ndarray], ys: list[np.nd
         with torch.no_grad():
             model_params = [dict(m.named_parameters()) for m in models]
             stacked = {name: torch.stack([p[name].detach() for p in model_params]) for name in names}
-
-            def logits_of(params: dict[str, torch.Tensor], xb: torch.Tensor) -> torch.Tensor:
-                return functional_call(base, params, (xb,))
-
-            fwd = vmap(logits_of, in_dims=(0, None) if shared else (0, 0))
+            fwd = vmap(lambda params, xb: functional_call(base, params, (xb,)),  # the logits of every model
+                       in_dims=(0, None) if shared else (0, 0))
             for i in range(0, n, batch_size):
                 if shared:
                     xb = torch.from_numpy(np.ascontiguousarray(xs[0][i:i + batch_size], dtype=np.float32)).to(dev)

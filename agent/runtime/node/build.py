@@ -39,7 +39,6 @@ def build_node(algo_cls: type[Algorithm], options: Any, *, model_spec: dict[str,
     from dfl_agent.models import spec_hash
     from dfl_agent.profiles import peer_incompatibility
     from dfl_agent.runtime.node.context import RuntimeContext
-    from dfl_agent.runtime.node.node import Node
 
     ctx = RuntimeContext(model_spec=model_spec, compatibility=peer_incompatibility(algo_cls.name, spec_hash(model_spec)),
                          **context)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dfl_agent.fsutil import atomic_write as _atomic_write
+from dfl_agent.fsutil import atomic_write
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.runtime.shared.sample_store import SNAPSHOT_KEY
 
@@ -93,16 +93,6 @@ def state_digest(tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> 
         h.update(a.tobytes())
     h.update(json.dumps(meta, sort_keys=True, default=str).encode())
     return h.hexdigest()
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically, readable by the owner only
-    (:func:`dfl_agent.fsutil.atomic_write` with mode 0o600).
-
-    Raises:
-        OSError: the file system refused (disk full, permissions); ``path`` is untouched.
-    """
-    _atomic_write(path, data, 0o600)
 
 
 class CheckpointStore:
@@ -171,8 +161,8 @@ class CheckpointStore:
             "state_digest": state_digest(tensors, meta),
         }
         text = json.dumps(manifest, sort_keys=True, allow_nan=False).encode()
-        atomic_write(tensors_path, blob)
-        atomic_write(manifest_path, text)
+        atomic_write(tensors_path, blob, 0o600)  # readable by the owner only
+        atomic_write(manifest_path, text, 0o600)
         self.prune()
         return manifest_path
 
@@ -237,11 +227,8 @@ class CheckpointStore:
 # -- wiring to a node --------------------------------------------------------------------
 
 def _peer_directory(peers: Any) -> list[dict[str, Any]]:
-    out = []
-    for info in getattr(peers, "all", lambda: [])():
-        out.append({k: getattr(info, k, "") for k in ("node_id", "broker", "profile", "algorithm", "model_hash",
-                                                      "version", "address")})
-    return out
+    keys = ("node_id", "broker", "profile", "algorithm", "model_hash", "version", "address")
+    return [{k: getattr(info, k, "") for k in keys} for info in getattr(peers, "all", list)()]
 
 
 def _restore_peers(peers: Any, directory: Any) -> None:
@@ -318,13 +305,6 @@ class NodeCheckpointer:
             # a JSON string: a record may hold a NaN (a diverged loss), which the manifest refuses
             info["pending_records"] = json.dumps(self.pending(), sort_keys=True, default=float)
         return tensors, meta, persistent, info
-
-    def save(self, t: int) -> Path:
-        """Snapshot and write synchronously (see :meth:`CheckpointStore.save`)."""
-        tensors, meta, persistent, info = self.snapshot(t)
-        path = self.store.save(t, tensors, meta, persistent=persistent, info=info)
-        self.last_saved = t
-        return path
 
     async def save_async(self, t: int) -> None:
         """Snapshot on the loop, write in a worker thread (the loop keeps serving; inline

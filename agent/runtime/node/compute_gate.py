@@ -55,10 +55,17 @@ class ComputeGate:
         self.resend_kinds: set[str] = set()
 
     async def wait_until_allowed(self) -> None:
-        """Return when resource gating allows training (see
-        :meth:`RuntimeContext.wait_until_allowed`)."""
+        """Return when resource gating allows training; meanwhile report the reason.
+
+        Checks ``gate`` now and then every ``gate_poll`` seconds; each change of the
+        reason is logged and passed to ``gate_hook`` (the node republishes its status).
+        First, with ``pause_when_disconnected``, waits for a lost broker connection to
+        come back (:meth:`hold_round`): a node cut off from its broker hears nothing from
+        its peers, and without the pause would train and close rounds alone until it
+        reconnects.  The simulator leaves the option off; a transport without a
+        ``connected`` attribute never pauses."""
         ctx = self.ctx
-        await ctx.wait_for_broker()
+        await self.hold_round()
         if ctx.gate is None:
             return
         while True:
@@ -77,11 +84,6 @@ class ComputeGate:
                 return
             await ctx.clock.sleep(ctx.gate_poll)
 
-    async def wait_for_broker(self) -> None:
-        """With ``pause_when_disconnected``: return once the transport is connected and
-        the expected neighbours are back (see :meth:`RuntimeContext.wait_for_broker`)."""
-        await self.hold_round()
-
     def note_neighbours(self) -> None:
         """Add the node's live neighbours to :attr:`round_expected` (while connected:
         a node cut off from its broker sees its neighbours leave, which says nothing)."""
@@ -90,18 +92,12 @@ class ComputeGate:
             self.round_expected.update(ctx.neighbours())
 
     async def hold_round(self, kinds: tuple[str, ...] = ()) -> float:
-        """Hold the node while the broker is away; the seconds held (0.0 when connected),
-        by which a caller waiting for its peers extends the round's deadline.
+        """:meth:`RuntimeContext.hold_round`: the seconds held while the broker was away.
 
-        With ``pause_when_disconnected`` and the transport disconnected: the node is
-        ``paused`` (one WARNING, the status republished) until the transport is back,
-        then waits up to :attr:`reconnect_grace` seconds for the neighbours it expected
-        this round (:attr:`round_expected`) to be back in its verified presence, logs one
-        INFO line, and sends again its messages of this round and the one before of the
-        kinds its rounds wait for (``kinds``, remembered in :attr:`resend_kinds`: a peer
-        that reconnected after it did has missed what the broker passed on meanwhile;
-        :meth:`RuntimeContext.resend_round`).  Protocols that never wait through it (pairs,
-        rotating aggregators) have nothing sent again."""
+        The neighbours waited for are :attr:`round_expected`; the messages sent again are
+        this round's and the one before's of the ``kinds`` the rounds wait for (remembered
+        in :attr:`resend_kinds`).  Protocols that never wait through it (pairs, rotating
+        aggregators) have nothing sent again."""
         ctx = self.ctx
         self.resend_kinds.update(kinds)
         self.note_neighbours()
@@ -136,9 +132,8 @@ class ComputeGate:
                  f" (not back within {self.reconnect_grace:g} s: {', '.join(missing)})" if missing else "")
         if self.resend_kinds:
             await ctx.resend_round(self.resend_kinds)
-            membership = getattr(ctx, "membership", None)
-            returned, streams = getattr(membership, "returned", {}), getattr(membership, "streams", ())
-            for peer in [p for p, restarted in returned.items() if not (restarted and streams)]:
+            returned = ctx.membership.returned
+            for peer in [p for p, restarted in returned.items() if not (restarted and ctx.membership.streams)]:
                 del returned[peer]  # sent to it just now (a restarted one needs CHOCO keyframes)
         return held
 
@@ -151,7 +146,7 @@ class ComputeGate:
         CHOCO stream as an exact keyframe instead (:meth:`Outbox.as_keyframe`): it lost its
         copies.  Returns the wire bytes sent."""
         ctx = self.ctx
-        returned = getattr(getattr(ctx, "membership", None), "returned", None)
+        returned = ctx.membership.returned
         if not returned or not self.resend_kinds or not getattr(ctx.transport, "connected", True):
             return 0
         live, n = set(ctx.neighbours()), 0
@@ -171,7 +166,7 @@ class ComputeGate:
     async def compute(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """``fn(*args, **kwargs)`` once gating allows (``train_s`` of the round's timing)."""
         ctx = self.ctx
-        await ctx.wait_until_allowed()  # resource gating: no training while gated
+        await self.wait_until_allowed()  # resource gating: no training while gated
         if ctx.virtual_train_s:  # the simulator's per-node speed (--speeds): training takes virtual time
             await asyncio.sleep(ctx.virtual_train_s)
         if ctx.batcher is not None and not ctx.compute_in_thread:
@@ -188,11 +183,9 @@ class ComputeGate:
 
     async def compute_ungated(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """:meth:`compute` without resource gating (evaluation, ONNX export)."""
-        if self.ctx.compute_in_thread:
-            loop = asyncio.get_running_loop()
-            if self.abort is None:
-                return await loop.run_in_executor(None, functools.partial(fn, *args, **kwargs))
-            return await loop.run_in_executor(None, functools.partial(_abortable_call, self.abort, fn, args, kwargs))
+        if self.abort is not None:  # compute_in_thread: in a worker thread, which a stopped run aborts
+            call = functools.partial(_abortable_call, self.abort, fn, args, kwargs)
+            return await asyncio.get_running_loop().run_in_executor(None, call)
         return fn(*args, **kwargs)
 
 

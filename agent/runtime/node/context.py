@@ -16,6 +16,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import operator
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -23,12 +24,12 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 import numpy as np
 
 from dfl_agent.algorithms.context import BROADCAST, Message
-from dfl_agent.algorithms.protocols.synchronization import UpdateMarket, evidence_quorum
+from dfl_agent.algorithms.protocols.synchronization import UpdateMarket
 from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.learning.compression import CompressionPolicy
 from dfl_agent.runtime.node.compute_gate import ComputeGate
 from dfl_agent.runtime.node.inbox import Inbox, PreparedFrame
-from dfl_agent.runtime.node.membership import Membership, catch_up_target
+from dfl_agent.runtime.node.membership import Membership
 from dfl_agent.runtime.node.outbox import Outbox
 from dfl_agent.runtime.node.waiting import Collected, RoundWaiting
 from dfl_agent.transport import wire
@@ -43,9 +44,6 @@ if TYPE_CHECKING:
     from dfl_agent.profiles.behaviour import Behaviour
     from dfl_agent.runtime.node.batching import BatchTrainer
     from dfl_agent.security.trust import SecurityGuard
-
-__all__ = ["RuntimeContext", "LoopClock", "PreparedFrame", "evidence_quorum", "catch_up_target",
-           "TIMING_KEYS", "MAX_CATCH_UP_ROUNDS"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,14 +69,8 @@ class LoopClock:
 
 
 def _part_state(part: str, name: str, doc: str) -> Any:
-    """A façade attribute that reads (and writes) ``self.<part>.<name>``."""
-    def get(self: Any) -> Any:
-        return getattr(getattr(self, part), name)
-
-    def set_(self: Any, value: Any) -> None:
-        setattr(getattr(self, part), name, value)
-
-    return property(get, set_, doc=doc)
+    """A read-only façade attribute: ``self.<part>.<name>``."""
+    return property(operator.attrgetter(f"{part}.{name}"), doc=doc)
 
 
 class RuntimeContext:
@@ -232,15 +224,10 @@ class RuntimeContext:
 
     # -- the parts' state, under the names algorithms, the node and tests read ------------
     excluded = _part_state("membership", "excluded", "peer -> why it is excluded (incompatible model)")
-    peer_gated = _part_state("membership", "peer_gated", "peer -> its gating reason (from its status)")
     caught_up = _part_state("membership", "caught_up", "rounds skipped to catch up with the neighbours")
     latest_round = _part_state("inbox", "latest_round", "catch-up evidence: peer -> highest checked round")
-    max_queued_per_sender = _part_state("inbox", "max_queued_per_sender", "buffered messages kept per sender")
     bytes_received_by_kind = _part_state("inbox", "bytes_received_by_kind", "wire bytes received by kind")
     bytes_sent_by_kind = _part_state("outbox", "bytes_sent_by_kind", "wire bytes sent by kind")
-    float32_bytes_sent = _part_state("outbox", "float32_bytes_sent", "the sent messages' size with float32 tensors")
-    compression_rng = _part_state("outbox", "compression_rng", "randomness of the compression operators")
-    _error_feedback = _part_state("outbox", "error_feedback", "message kind -> its error-feedback streams")
     gated = _part_state("gate_part", "gated", "this node's current gating reason (None: training allowed)")
     disconnected_seconds = _part_state("gate_part", "disconnected_seconds",
                                        "time spent paused for a lost broker connection")
@@ -271,11 +258,6 @@ class RuntimeContext:
     def quorum(self) -> bool:
         """Whether the node runs under ``runtime.straggler = "quorum"`` (else the papers' lock step)."""
         return self.straggler is not None and bool(self.straggler.quorum)
-
-    def use_train(self, train: TrainConfig) -> None:
-        """Train with ``train`` (a :class:`~dfl_agent.learning.training.TrainConfig`) from now on
-        (a warm start's learning-rate ramp changes it round by round)."""
-        self.train = train
 
     def track_stream(self, stream: ChocoGossip) -> None:
         """Follow a CHOCO gossip stream: ask for the keyframes its copies lost
@@ -369,28 +351,23 @@ class RuntimeContext:
     # -- outbound (the outbox) ------------------------------------------------------------
     async def send(self, peer: str, message: Message) -> int:
         message.recipient = peer
-        t0 = time.perf_counter()
-        frame, reference = self.outbox.encode(message)
-        on_wire = self.outbox.last_encoded
-        t1 = time.perf_counter()
-        n = await self.transport.send(peer, frame)
-        self.outbox.keep(peer, None, on_wire)
-        self.timing["encode_s"] += t1 - t0
-        self.timing["send_s"] += time.perf_counter() - t1
-        self.outbox.account(message.kind, n, reference)
-        return n
+        return await self._transmit(message, peer, None)
 
     async def broadcast(self, message: Message, *, neighbours_only: bool = False) -> int:
         message.recipient = BROADCAST
+        # the audience is the configured graph (None: no graph, every member); the
+        # transport delivers to it where it can address receivers (the simulator)
+        return await self._transmit(message, None, self.graph_neighbours if neighbours_only else None)
+
+    async def _transmit(self, message: Message, peer: str | None, audience: list[str] | None) -> int:
+        """Encode ``message``, send it to ``peer`` (None: broadcast to ``audience``), and
+        account its time and bytes; returns the wire bytes."""
         t0 = time.perf_counter()
         frame, reference = self.outbox.encode(message)
         on_wire = self.outbox.last_encoded
         t1 = time.perf_counter()
-        # the audience is the configured graph (None: no graph, every member); the
-        # transport delivers to it where it can address receivers (the simulator)
-        audience = self.graph_neighbours if neighbours_only else None
-        n = await self.transport.broadcast(frame, audience)
-        self.outbox.keep(None, audience, on_wire)
+        n = await (self.transport.send(peer, frame) if peer is not None else self.transport.broadcast(frame, audience))
+        self.outbox.keep(peer, audience, on_wire)
         self.timing["encode_s"] += t1 - t0
         self.timing["send_s"] += time.perf_counter() - t1
         self.outbox.account(message.kind, n, reference)
@@ -476,7 +453,7 @@ class RuntimeContext:
         return self.membership.behind
 
     def catch_up_round(self, next_round: int) -> int:
-        """The round to run after ``next_round - 1`` (see :func:`catch_up_target`).
+        """The round to run after ``next_round - 1`` (see :func:`~dfl_agent.runtime.node.membership.catch_up_target`).
 
         Evidence: updates of later rounds received from live (verified, when signatures
         are on) neighbours that passed every check on arrival, tensors included (a
@@ -488,25 +465,6 @@ class RuntimeContext:
         return self.membership.catch_up_round(next_round, self.inbox.latest_round)
 
     # -- the compute gate -----------------------------------------------------------------
-    async def wait_until_allowed(self) -> None:
-        """Return when resource gating allows training; meanwhile report the reason.
-
-        Checks ``gate`` now and then every ``gate_poll`` seconds; each change of the
-        reason is logged and passed to ``gate_hook`` (the node republishes its status).
-        First, with ``pause_when_disconnected``, waits for a lost broker connection to
-        come back (:meth:`wait_for_broker`)."""
-        await self.gate_part.wait_until_allowed()
-
-    async def wait_for_broker(self) -> None:
-        """With ``pause_when_disconnected``: return once the transport is connected.
-
-        A node cut off from its broker hears nothing from its peers; without the pause it
-        would train and close rounds alone until it reconnects (and then has to catch
-        up).  While paused, :attr:`gated` says why and :attr:`disconnected_seconds`
-        grows (status ``paused_disconnected_s``).  The simulator leaves the option off;
-        a transport without a ``connected`` attribute never pauses."""
-        await self.gate_part.wait_for_broker()
-
     async def hold_round(self, kinds: str | tuple[str, ...] = ()) -> float:
         """Hold a round that waits for its peers' messages of ``kinds`` while the broker is
         away; returns the seconds held (0.0 when connected).
@@ -520,7 +478,7 @@ class RuntimeContext:
         the neighbours it expected this round to be back in its verified presence (their
         agents reconnect at their own pace), sends its own messages of the kinds its
         rounds wait for again (:meth:`resend_round`; also after a pause in
-        :meth:`wait_for_broker`) and logs one INFO line.  The time held counts in
+        :meth:`ComputeGate.wait_until_allowed`) and logs one INFO line.  The time held counts in
         ``paused_s`` of the round's record and in ``disconnected_seconds``."""
         return await self.gate_part.hold_round((kinds,) if isinstance(kinds, str) else tuple(kinds))
 

@@ -303,11 +303,8 @@ class Inbox:
     def end_round(self, round: int) -> dict[str, int]:
         """Forget buffered messages of rounds before ``round`` (they can no longer be
         used); returns the bytes received this round by kind, and starts a new count."""
-        keep = [m for m in self.buffer if m.round >= round]
-        for m in self.buffer:
-            if m.round < round:
-                self.per_sender[m.sender] -= 1
-        self.buffer = keep
+        self.per_sender.subtract(m.sender for m in self.buffer if m.round < round)
+        self.buffer = [m for m in self.buffer if m.round >= round]
         received = dict(self.round_received)
         self.round_received.clear()
         return received

@@ -46,14 +46,6 @@ def catch_up_target(next_round: int, shown: Mapping[str, int], live: int, cap: i
     return min(ahead + 1, next_round + cap)
 
 
-def still_behind(shown: Mapping[str, int], live: int, target: int) -> bool:
-    """Whether a node that runs round ``target`` next is still behind the rounds that
-    :func:`evidence_quorum` of its ``live`` neighbours showed completed (``shown``, as for
-    :func:`catch_up_target`): its catch-up was capped (``runtime.max_catch_up_rounds``)."""
-    ahead = quorum_shown(shown, live)
-    return ahead is not None and ahead + 1 > target
-
-
 class Membership:
     """Live peers, neighbours, exclusions and peers' gating for one node.
 
@@ -111,8 +103,7 @@ class Membership:
         else:
             if ctx.security is not None and isinstance(descriptor.get("cert"), dict):
                 ctx.security.learn(node_id, descriptor["cert"])  # a hint; trust needs a valid certificate
-            fields = {k: v for k, v in descriptor.items() if isinstance(v, (str, int, float))}
-            fields.pop("node_id", None)
+            fields = {k: v for k, v in descriptor.items() if k != "node_id" and isinstance(v, (str, int, float))}
             if "wires" in descriptor:  # the wire versions it speaks (a list): what this node writes to it
                 fields["wires"] = descriptor["wires"]
             is_live = getattr(ctx.peers, "is_live", None)
@@ -162,10 +153,10 @@ class Membership:
         key = (changes, len(self.excluded), self._gated_changes) if cacheable else None
         if key is not None and self._live_cache is not None and self._live_cache[0] == key:
             return list(self._live_cache[1])
-        live = [p for p in peers.live_peers() if self._participates(p)]
+        live = [p for p in peers.live_peers() if not self.peer_gated.get(p) and self.compatible(p)]
         if ctx.security is not None:  # discovery is a hint: members need a trusted key
             live = [p for p in live if ctx.security.is_member(p)]
-        if key is not None:  # _participates may have excluded peers: key on the state after
+        if key is not None:  # compatible() may have excluded peers: key on the state after
             self._live_cache = ((changes, len(self.excluded), self._gated_changes), list(live))
         return live
 
@@ -179,11 +170,6 @@ class Membership:
         members = getattr(self.ctx.transport, "members_online", None)
         n = members() if members is not None else None
         return len(self.live_peers()) if n is None else n
-
-    def _participates(self, peer: str) -> bool:
-        if self.peer_gated.get(peer):
-            return False
-        return self.compatible(peer)
 
     def compatible(self, peer: str) -> bool:
         """Whether ``peer``'s advertised model can take part (the context's
@@ -307,8 +293,10 @@ class Membership:
             if moved is not None:
                 self.rejoin_ahead = max(self.rejoin_ahead, moved + 1 if ctx.final_round is None
                                         else min(moved + 1, ctx.final_round))
+        # still behind what a quorum of them showed (the skip was capped), or the rejoin's round
+        ahead = quorum_shown(shown, len(live))
         self.behind = target < (ctx.final_round or target + 1) and (
-            still_behind(shown, len(live), target) or target < self.rejoin_ahead)
+            (ahead is not None and ahead + 1 > target) or target < self.rejoin_ahead)
         if target == next_round:
             return next_round
         self.caught_up += target - next_round

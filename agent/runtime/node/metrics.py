@@ -81,29 +81,29 @@ def summarize(
 CURVE_KEYS = ("global_accuracy", "local_accuracy", "regular_global_accuracy", "local_only_global_accuracy")
 
 
+def _by_round(histories: Mapping[str, list[dict[str, Any]]], key: str) -> dict[int, list[Any]]:
+    """Round -> the values of ``key`` in the records of that round that have it (every node)."""
+    by_round: dict[int, list[Any]] = {}
+    for h in histories.values():
+        for r in h:
+            if key in r:
+                by_round.setdefault(r["round"], []).append(r[key])
+    return by_round
+
+
 def mean_curve(histories: Mapping[str, list[dict[str, Any]]]) -> dict[str, list[float]]:
     """Per round (evaluated rounds only): the mean over nodes of each accuracy key and
     the cumulative bytes sent by all nodes. ``{"round": [...], key: [...], "bytes_sent": [...]}``."""
     rounds = sorted({r["round"] for h in histories.values() for r in h if "global_accuracy" in r})
     out: dict[str, list[float]] = {"round": [float(x) for x in rounds]}
-    by_round: dict[int, list[dict[str, Any]]] = {}
-    for h in histories.values():
-        for r in h:
-            by_round.setdefault(r["round"], []).append(r)
     for key in CURVE_KEYS:
-        vals = [[r[key] for r in by_round[x] if key in r] for x in rounds]
+        by_round = _by_round(histories, key)
+        vals = [by_round.get(x, []) for x in rounds]
         if any(vals):
             out[key] = [sum(v) / len(v) if v else float("nan") for v in vals]
     # bytes: each node's counter is cumulative; sum the latest value of every node up to the round
-    last: dict[str, float] = {}
-    sent = []
-    for x in rounds:
-        for n, h in histories.items():
-            for r in h:
-                if r["round"] <= x:
-                    last[n] = r["bytes_sent"]
-        sent.append(float(sum(last.values())))
-    out["bytes_sent"] = sent
+    out["bytes_sent"] = [float(sum(next((r["bytes_sent"] for r in reversed(h) if r["round"] <= x), 0)
+                                   for h in histories.values())) for x in rounds]
     return out
 
 
@@ -116,12 +116,9 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Read JSON lines, skipping blank or truncated lines."""
     out = []
     for line in Path(path).read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if not line:
-            continue
         try:
-            out.append(bounded_loads(line, max_bytes=64 << 20))
-        except ValueError:  # JSONBoundError included: a torn or hostile line is skipped
+            out.append(bounded_loads(line.strip(), max_bytes=64 << 20))
+        except ValueError:  # JSONBoundError included: a blank, torn or hostile line is skipped
             continue
     return out
 
@@ -129,12 +126,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 def _plot_means(ax, histories: Mapping[str, list[dict[str, Any]]]) -> None:
     """Bold black lines: mean over nodes per round, federated (solid) and alone (dashed)."""
     for key, style, label in (("global_accuracy", "-", "mean"), ("local_only_global_accuracy", "--", "mean, alone")):
-        by_round: dict[int, list[float]] = {}
-        for hist in histories.values():
-            for r in hist:
-                if key in r:
-                    by_round.setdefault(r["round"], []).append(r[key])
-        if by_round:
+        if by_round := _by_round(histories, key):
             xs = sorted(by_round)
             ax.plot(xs, [sum(by_round[x]) / len(by_round[x]) for x in xs], color="black", linestyle=style,
                     linewidth=2.5, label=label)

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dfl_agent.algorithms.base import Algorithm
-from dfl_agent.learning.training import TrainConfig, evaluate, train_local
+from dfl_agent.learning.training import TrainConfig, TrainingAborted, evaluate, ramp_scale, ramped, train_local
 from dfl_agent.privacy.policy import redact_status
-from dfl_agent.runtime.node.context import RuntimeContext
+from dfl_agent.runtime.node.context import TIMING_KEYS, RuntimeContext
 from dfl_agent.runtime.node.node_hooks import FederationFinished, NodeHooks, NodeKilled, RunStopped
 from dfl_agent.runtime.shared.degraded import degraded_fields, peer_updates_used, round_alone, warn_alone
 from dfl_agent.transport.base import CONTROL_DROP_PREFIXES
@@ -115,7 +115,8 @@ class Node:
         self._round_started = 0.0
         self._round_started_wall = time.perf_counter()
         self._wall_started = time.time()
-        ctx.set_hooks(round_hook=self._on_round, gate_hook=self._on_gate, status_hook=self.publish_status)
+        ctx.set_hooks(round_hook=self._on_round, gate_hook=lambda reason: self.publish_status(),
+                      status_hook=self.publish_status)
         self.state = "starting"
         self.set_up = False  #: whether :meth:`setup` ran: before, the status has no algorithm fields
         #: the run this node trains in (runs.py): ``{"id", "state", "reason"}``; None with ``--once``
@@ -145,10 +146,6 @@ class Node:
         """The run's start (:mod:`dfl_agent.runtime.run.warm_start`: ``init``, ``started_from``,
         ``reason``): added to this process's first round record."""
         self.run_start = dict(run_start)
-
-    def note_startup(self, name: str, seconds: float) -> None:
-        """Start-up work done before round 1 (e.g. ``warm_up_s``): added to round 1's record."""
-        self.startup[name] = seconds
 
     def resumed_at(self, restored: int, rounds_alone: int, exchange_rounds: int) -> None:
         """After a restart from the checkpoint of round ``restored``: its history says so, and the
@@ -207,9 +204,7 @@ class Node:
     def _set_lr_ramp(self, t: int) -> None:
         """Round ``t``'s learning rates (``ctx.train``): the full rates once past the ramp."""
         if self._full_rate is not None:
-            from dfl_agent.learning.training import ramp_scale, ramped
-
-            self.ctx.use_train(ramped(self._full_rate, ramp_scale(self.lr_ramp, t)))
+            self.ctx.train = ramped(self._full_rate, ramp_scale(self.lr_ramp, t))
 
     async def drain(self) -> None:
         """Wait until every round's background evaluation and record are done."""
@@ -228,22 +223,26 @@ class Node:
         models = {"": self.algorithm.deployable_model(), **self.algorithm.evaluation_models()}
         return {name: copy.deepcopy(m) for name, m in models.items()}
 
-    def _evaluate(self, models: dict[str, nn.Module] | None = None, baseline: bool = True) -> dict[str, Any]:
-        d, dev = self.ctx.data, self.ctx.device
+    def _eval_jobs(self, models: dict[str, nn.Module] | None,
+                   baseline: bool) -> dict[str, tuple[nn.Module, np.ndarray, np.ndarray]]:
+        """Record key -> (model, x, y) of a round's evaluation (``models``: the copies to
+        evaluate, None = the live models); with ``baseline``, trains the shadow first."""
+        d = self.ctx.data
         if models is None:
             models = {"": self.algorithm.deployable_model(), **self.algorithm.evaluation_models()}
         model = models[""]
-        out = {
-            "global_accuracy": evaluate(model, self.test_x, self.test_y, device=dev)["accuracy"],
-            "local_accuracy": evaluate(model, d.val_x, d.val_y, device=dev)["accuracy"],
-        }
+        jobs = {"global_accuracy": (model, self.test_x, self.test_y), "local_accuracy": (model, d.val_x, d.val_y)}
         for name, extra in ((n, m) for n, m in models.items() if n):
-            out[f"{name}_global_accuracy"] = evaluate(extra, self.test_x, self.test_y, device=dev)["accuracy"]
+            jobs[f"{name}_global_accuracy"] = (extra, self.test_x, self.test_y)
         if self.shadow is not None and baseline:
             self._train_shadow()
-            out["local_only_global_accuracy"] = evaluate(self.shadow, self.test_x, self.test_y, device=dev)["accuracy"]
-            out["local_only_local_accuracy"] = evaluate(self.shadow, d.val_x, d.val_y, device=dev)["accuracy"]
-        return out
+            jobs["local_only_global_accuracy"] = (self.shadow, self.test_x, self.test_y)
+            jobs["local_only_local_accuracy"] = (self.shadow, d.val_x, d.val_y)
+        return jobs
+
+    def _evaluate(self, models: dict[str, nn.Module] | None = None, baseline: bool = True) -> dict[str, Any]:
+        jobs = self._eval_jobs(models, baseline)
+        return {k: evaluate(m, x, y, device=self.ctx.device)["accuracy"] for k, (m, x, y) in jobs.items()}
 
     async def _evaluate_now(self, models: dict[str, nn.Module] | None) -> dict[str, Any]:
         """:meth:`_evaluate` through the context; in the simulator with batching, each
@@ -253,20 +252,8 @@ class Node:
         batcher = getattr(self.ctx, "batcher", None)
         if batcher is None or getattr(self.ctx, "compute_in_thread", True) or not hasattr(batcher, "submit_eval"):
             return await self.ctx.compute_ungated(self._evaluate, models)
-        d, dev = self.ctx.data, self.ctx.device
-        if models is None:
-            models = {"": self.algorithm.deployable_model(), **self.algorithm.evaluation_models()}
-        model = models[""]
-        jobs: dict[str, tuple[nn.Module, np.ndarray, np.ndarray]] = {
-            "global_accuracy": (model, self.test_x, self.test_y),
-            "local_accuracy": (model, d.val_x, d.val_y),
-        }
-        for name, extra in ((n, m) for n, m in models.items() if n):
-            jobs[f"{name}_global_accuracy"] = (extra, self.test_x, self.test_y)
-        if self.shadow is not None:
-            self._train_shadow()
-            jobs["local_only_global_accuracy"] = (self.shadow, self.test_x, self.test_y)
-            jobs["local_only_local_accuracy"] = (self.shadow, d.val_x, d.val_y)
+        dev = self.ctx.device
+        jobs = self._eval_jobs(models, baseline=True)
         futures = {k: batcher.submit_eval(m, x, y, device=dev) for k, (m, x, y) in jobs.items()}
         out: dict[str, Any] = {}
         for k, (m, x, y) in jobs.items():
@@ -290,8 +277,7 @@ class Node:
         round_wall = time.perf_counter() - self._round_started_wall
         timing = {k: round(v, 6) for k, v in self.ctx.last_round_timing.items()}
         timing["round_wall_s"] = round(round_wall, 6)
-        timing["wait_s"] = round(max(0.0, round_wall - sum(timing.get(k, 0.0) for k in
-                                                            ("train_s", "encode_s", "send_s", "receive_s"))), 6)
+        timing["wait_s"] = round(max(0.0, round_wall - sum(timing.get(k, 0.0) for k in TIMING_KEYS)), 6)
         counters = self.ctx.counters()
         talks = self.algorithm.communicates  # a deliberate `local` run is never alone
         needs = bool(self.hooks.needs_peers is not None and self.hooks.needs_peers())  # discovery.min_peers, run members
@@ -471,8 +457,6 @@ class Node:
             self._pending.pop(t, None)
             if not self.eval_background:
                 raise
-            from dfl_agent.learning.training import TrainingAborted
-
             if isinstance(exc, TrainingAborted):  # the node is stopping: its evaluation was cut short
                 log.debug("evaluation of round %d stopped: the node is stopping", t)
                 return
@@ -546,9 +530,6 @@ class Node:
             b = ctx.behaviour
             out.update(profile=b.profile, roles=b.roles, device=b.device, compression=b.compression)
         return out
-
-    async def _on_gate(self, reason: str | None) -> None:
-        await self.publish_status()
 
     async def publish_status(self) -> None:
         try:

@@ -7,6 +7,7 @@ cost no real time and a run is a pure function of (config, seed).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import json
@@ -19,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dfl_agent.algorithms.base import get_algorithm, parse_options
-from dfl_agent.algorithms.protocols.stragglers import quorum_options
+from dfl_agent.algorithms.base import check_dp_combination, dp_steps_per_round, get_algorithm, parse_options, traits_of
+from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy, quorum_options
 from dfl_agent.algorithms.topology import build_topology
 from dfl_agent.data import load_dataset, make_node_data, partition
 from dfl_agent.discovery.peers import PeerTable
@@ -37,7 +38,6 @@ from dfl_agent.transport.memory import MemoryNetwork, run_virtual
 from dfl_agent.transport.versions import SPOKEN
 
 if TYPE_CHECKING:
-    from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
     from dfl_agent.data import NodeData
     from dfl_agent.privacy.config import DPConfig
     from dfl_agent.profiles.behaviour import Behaviour
@@ -177,7 +177,6 @@ class SimConfig:
         """
         if self.dp_epsilon is None:
             return None
-        from dfl_agent.algorithms.base import check_dp_combination
         from dfl_agent.learning.dp import require_opacus
         from dfl_agent.privacy.config import parse_privacy
 
@@ -192,8 +191,6 @@ class SimConfig:
 
     def policy(self) -> StragglerPolicy:
         """The :class:`~dfl_agent.algorithms.protocols.stragglers.StragglerPolicy` of the run."""
-        from dfl_agent.algorithms.protocols.stragglers import StragglerPolicy
-
         return StragglerPolicy(self.straggler, self.min_round_timeout, self.max_round_timeout)
 
 
@@ -357,8 +354,6 @@ def _presence_on_graph(cfg: SimConfig, graph: dict[str, list[str]] | None, specs
     network's.  Other families (rotating aggregators, pairs, lock step) pick peers among
     all live members, and hear every member's presence as before.
     """
-    from dfl_agent.algorithms.base import traits_of
-
     if graph is None or traits_of(cfg.algorithm).family != "neighbourhood":
         return False
     return len({spec_hash(s) for s in specs}) == 1
@@ -370,7 +365,6 @@ def _node_train(cfg: SimConfig, options: Any, data: NodeData) -> TrainConfig:
     dp = cfg.privacy()
     if dp is None:
         return cfg.train
-    from dfl_agent.algorithms.base import dp_steps_per_round
     from dfl_agent.learning.dp import training_for
     from dfl_agent.privacy.plan import plan_run
 
@@ -415,8 +409,6 @@ def _run(cfg: SimConfig, fed: _Federation, device: str, progress: Callable[[int,
             node.set_state("killed")
 
     async def main() -> None:
-        import asyncio
-
         for node in fed.nodes:
             await node.ctx.start()
         if progress is not None:
@@ -463,7 +455,7 @@ def _summary(cfg: SimConfig, fed: _Federation, device: str, wall: float) -> dict
             # and evaluations done in vectorised passes (evaluated_batched, eval_groups, eval_single)
             "batching": {**batcher.stats, **batcher.eval_stats} if batcher is not None else None,
             "user_accuracy": metrics.user_accuracy(histories),  # UA: personal models on own splits, last 10 rounds
-            "config": _jsonable(dataclasses.asdict(cfg)),
+            "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=str)),  # JSON-safe
             "dp": _dp_summary(cfg, nodes),  # differential privacy: the ε each node's training spent
             **gpu,
         },
@@ -529,25 +521,19 @@ def _profile_behaviours(cfg: SimConfig) -> list[Behaviour] | None:
     return out
 def _byte_summary(nodes: list[Node], policy: CompressionPolicy) -> dict[str, Any]:
     """summary.json's compression and byte-accounting entries (issue 8)."""
+    per_node = {n.ctx.node_id: n.ctx.byte_accounting() for n in nodes}
     by_kind: dict[str, int] = {}
-    f32 = sent = 0
-    for n in nodes:
-        acc = n.ctx.byte_accounting()
+    for acc in per_node.values():
         for k, v in acc["bytes_sent_by_kind"].items():
             by_kind[k] = by_kind.get(k, 0) + v
-        f32 += acc["float32_bytes_sent"]
-        sent += sum(acc["bytes_sent_by_kind"].values())
+    f32, sent = sum(acc["float32_bytes_sent"] for acc in per_node.values()), sum(by_kind.values())
     return {
         "compression": str(policy.default),
         "compression_kinds": {k: str(v) for k, v in policy.kinds.items()},
         "error_feedback": policy.error_feedback,
         "consensus_step": policy.consensus_step,
         "bytes_sent_by_kind": by_kind,
-        "bytes_sent_by_kind_per_node": {n.ctx.node_id: n.ctx.byte_accounting()["bytes_sent_by_kind"] for n in nodes},
+        "bytes_sent_by_kind_per_node": {nid: acc["bytes_sent_by_kind"] for nid, acc in per_node.items()},
         "float32_bytes_sent": f32,
         "compression_ratio": f32 / sent if sent else 1.0,
     }
-
-
-def _jsonable(obj: object) -> Any:
-    return json.loads(json.dumps(obj, default=str))

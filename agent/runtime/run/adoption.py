@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from dfl_agent.runtime.shared.model_handover import MODEL_FILES_KIND, WANTED_FIELD, check_files, new_request
+from dfl_agent.runtime.shared.model_handover import MODEL_FILES_KIND, check_files, new_request
 
 log = logging.getLogger("dfl_agent.daemon")
 
@@ -141,7 +141,7 @@ async def fetch(agent: Any, run_id: str, asked: list[str], *, max_bytes: int, wa
     base = copy.deepcopy(node.algorithm.deployable_model()).to("cpu")
     for member in asked:
         request = new_request(run_id, member, agent.cfg.algorithm.rounds)
-        agent.want_model(request)
+        agent.wanted = request  # carried in this node's statuses (model_wanted) while it asks
         await node.publish_status()
         log.info("asking %s for the model of run %s (waiting up to %.0f s)", member, run_id, wait_s)
         deadline = loop.time() + wait_s
@@ -172,9 +172,9 @@ async def fetch(agent: Any, run_id: str, asked: list[str], *, max_bytes: int, wa
             meta = msg.meta
             source = {"node": member, "version": meta.get("version"), "sha256": meta.get("sha256"),
                       "round": meta.get("round")}
-            agent.want_model(None)
+            agent.wanted = None
             return model, source, answers
-    agent.want_model(None)
+    agent.wanted = None
     await node.publish_status()
     return None, None, answers
 
@@ -229,6 +229,3 @@ async def adopt(agent: Any, spec: dict[str, Any], input_shape: Any, *, bps: floa
     log.info("run %s: the model of %s (its v%s) %s: %s", run_id, source["node"], source.get("version"),
              f"adopted as v{res['version']}" if res["deployed"] else "kept out by the deploy gate", res["note"])
     return Adoption(what, res["version"], source, res["note"])
-
-
-__all__ = ["Adoption", "WANTED_FIELD", "adopt", "candidates", "fetch", "load_adopted"]

@@ -61,11 +61,11 @@ from dfl_agent.runtime.shared.config import NodeConfig
 from dfl_agent.runtime.shared.degraded import degraded_fields
 from dfl_agent.runtime.shared.descriptor import RunDescriptor
 from dfl_agent.runtime.shared.model_handover import WANTED_FIELD
-from dfl_agent.runtime.shared.pipe import End, RunCounters, StateReport, StatusReport
+from dfl_agent.runtime.shared.pipe import End, RunCounters, StateReport, StatusReport, run_drops
 from dfl_agent.runtime.shared.preflight import load_data
 from dfl_agent.runtime.shared.run_config import node_id_from_state
 from dfl_agent.runtime.shared.run_host import RunHost
-from dfl_agent.runtime.shared.sample_store import open_store, store_data
+from dfl_agent.runtime.shared.sample_store import SNAPSHOT_KEY, open_store, store_data
 from dfl_agent.transport.mqtt import MqttTransport
 from dfl_agent.transport.versions import descriptor_versions
 
@@ -143,11 +143,6 @@ class Agent(RunMembers, AgentOperations):
         #: the link rate (bits/s; None: fast) and the peers' heartbeat timeout (s), from the setup
         self.link_bps: float | None = None
         self.heartbeat_timeout = 30.0
-
-    def wanted_peers(self) -> int:
-        """At most this many peers can still come (the others that did not decline the run,
-        as the host says); the wait for ``discovery.min_peers`` never waits for more."""
-        return self.host.may_join()
 
     async def run(self, stop: asyncio.Event) -> int:
         """Train this node's run until its last round or ``stop`` (then leave cleanly).
@@ -282,8 +277,6 @@ class Agent(RunMembers, AgentOperations):
         profile, behaviour = s.profile, s.behaviour
         persistent: dict[str, Any] = {}
         if self.snapshot is not None:  # saved with every checkpoint: a resumed run trains on the same data
-            from dfl_agent.runtime.shared.sample_store import SNAPSHOT_KEY
-
             persistent[SNAPSHOT_KEY] = self.snapshot
         self.node = node = build_node(
             s.algo_cls, s.options, model_spec=s.spec, test_x=s.bundle.test.x, test_y=s.bundle.test.y,
@@ -313,8 +306,8 @@ class Agent(RunMembers, AgentOperations):
         self.ctx = node.ctx
 
     def _finished_by_members(self) -> bool:
-        """Checked after every round but the last: most of the run's members report it
-        finished (``runtime.rejoin`` and an algorithm that communicates)."""
+        """Checked while waiting for peers and after every round but the last: most of the run's
+        members report it finished (``runtime.rejoin`` and an algorithm that communicates)."""
         return self.cfg.runtime.rejoin and self.node.algorithm.communicates and self._federation_finished()
 
     async def _checkpoint(self, t: int) -> None:
@@ -407,7 +400,7 @@ class Agent(RunMembers, AgentOperations):
         if not await self._wait_for_peers(stop):
             warm.cancel()
             return None
-        node.note_startup("warm_up_s", await warm)
+        node.startup["warm_up_s"] = await warm  # start-up work: added to round 1's record
         if cfg.runtime.rejoin and node.algorithm.communicates:  # fault tolerance: behind the federation
             if self._federation_finished():  # a majority of the run's members, never one device
                 log.info("most of the run's members report it finished (%d rounds)", cfg.algorithm.rounds)
@@ -540,8 +533,6 @@ class Agent(RunMembers, AgentOperations):
 
     def end_report(self) -> End:
         """How the run ended here (the host's last message from the run process)."""
-        from dfl_agent.runtime.shared.pipe import run_drops
-
         node, snap = self.node, self.snapshot
         shape = list(self.data_shape) if self.data_shape is not None else None
         return End(self.outcome, int(node.status().get("round", 0)) if node is not None else 0,
@@ -571,15 +562,13 @@ class Agent(RunMembers, AgentOperations):
         want = self.cfg.discovery.min_peers
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.discovery.start_timeout
-        node = self.node
-        node.set_state("waiting_for_peers")
-        def finished() -> bool:  # runtime.rejoin: most members already finished, nobody to wait for
-            return self.cfg.runtime.rejoin and self.node.algorithm.communicates and self._federation_finished()
+        self.node.set_state("waiting_for_peers")
 
-        def wanted() -> int:
-            return min(want, int(self.wanted_peers()))
+        def wanted() -> int:  # at most this many peers can still come (the others that did not decline the run)
+            return min(want, int(self.host.may_join()))
 
-        while len(self.ctx.live_peers()) < wanted() and loop.time() < deadline and not finished():
+        # (runtime.rejoin: most members already finished the run, nobody to wait for)
+        while len(self.ctx.live_peers()) < wanted() and loop.time() < deadline and not self._finished_by_members():
             if stop.is_set():
                 return False
             await asyncio.sleep(0.2)

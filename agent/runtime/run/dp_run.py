@@ -69,45 +69,40 @@ def with_privacy(cfg: Any, profile: Any, algorithm: str, options: Any, n_samples
     from dfl_agent.runtime.shared.assembly import StartupError
 
     try:
-        return _with_privacy(cfg, profile, algorithm, options, n_samples, train, run_dir)
+        privacy = parse_privacy(merge_privacy(getattr(profile, "privacy", None), cfg.privacy), "privacy")
+        if privacy.dp is None:
+            return train
+        check_dp_combination(algorithm, options)
+        if cfg.runtime.baseline_local:
+            raise ValueError("privacy.dp: runtime.baseline_local cannot run under DP (its local-only copy would "
+                             "train on the same data outside the run's privacy plan)")
+        require_opacus()
+        from dfl_agent.runtime.shared.privacy_ledger import PrivacyLedger
+
+        rounds = int(cfg.algorithm.rounds)
+        ledger = PrivacyLedger(cfg.state_dir) if run_dir is not None else None
+        row = ledger.get(Path(run_dir).name) if ledger is not None and run_dir is not None else None
+        if row is not None:  # admitted: the plan reserved in the privacy ledger
+            plan = RunPlan(noise_multiplier=float(row["noise_multiplier"]), sample_rate=float(row["sample_rate"]),
+                           steps=int(row["planned_steps"]), epsilon=float(row["epsilon"]), delta=float(row["delta"]),
+                           max_grad_norm=float(row["max_grad_norm"]))
+            per_round = int(row["steps_per_round"])
+        else:
+            per_round = dp_steps_per_round(algorithm, options, n_samples=n_samples, batch_size=train.batch_size,
+                                           epochs=train.epochs, steps=train.steps)
+            plan = plan_run(privacy.dp, n_samples=n_samples, batch_size=train.batch_size, steps_per_round=per_round,
+                            rounds=rounds)
+            if ledger is not None and run_dir is not None:  # a run of the service: counted from now on
+                ledger.reserve(Path(run_dir).name, plan, rounds)
+        taken = recorded_dp_steps(run_dir)
+        dp = dataclasses.replace(training_for(plan), counter=DPSteps(limit=max(0, plan.steps - taken)))
+        log.info("differential privacy: noise multiplier %.4g, max_grad_norm %g, sampling rate %.4g, %d DP steps "
+                 "(%d a round, %d taken before), epsilon %.4g at delta %g for the run%s", plan.noise_multiplier,
+                 plan.max_grad_norm, plan.sample_rate, plan.steps, per_round, taken, plan.epsilon, plan.delta,
+                 " (reserved at admission)" if row is not None else "")
+        return dataclasses.replace(train, dp=dp)
     except (ValueError, ImportError) as exc:
         raise StartupError(str(exc)) from None
-
-
-def _with_privacy(cfg: Any, profile: Any, algorithm: str, options: Any, n_samples: int, train: TrainConfig,
-                  run_dir: Path | None) -> TrainConfig:
-    privacy = parse_privacy(merge_privacy(getattr(profile, "privacy", None), cfg.privacy), "privacy")
-    if privacy.dp is None:
-        return train
-    check_dp_combination(algorithm, options)
-    if cfg.runtime.baseline_local:
-        raise ValueError("privacy.dp: runtime.baseline_local cannot run under DP (its local-only copy would "
-                         "train on the same data outside the run's privacy plan)")
-    require_opacus()
-    from dfl_agent.runtime.shared.privacy_ledger import PrivacyLedger
-
-    rounds = int(cfg.algorithm.rounds)
-    ledger = PrivacyLedger(cfg.state_dir) if run_dir is not None else None
-    row = ledger.get(Path(run_dir).name) if ledger is not None and run_dir is not None else None
-    if row is not None:  # admitted: the plan reserved in the privacy ledger
-        plan = RunPlan(noise_multiplier=float(row["noise_multiplier"]), sample_rate=float(row["sample_rate"]),
-                       steps=int(row["planned_steps"]), epsilon=float(row["epsilon"]), delta=float(row["delta"]),
-                       max_grad_norm=float(row["max_grad_norm"]))
-        per_round = int(row["steps_per_round"])
-    else:
-        per_round = dp_steps_per_round(algorithm, options, n_samples=n_samples, batch_size=train.batch_size,
-                                       epochs=train.epochs, steps=train.steps)
-        plan = plan_run(privacy.dp, n_samples=n_samples, batch_size=train.batch_size, steps_per_round=per_round,
-                        rounds=rounds)
-        if ledger is not None and run_dir is not None:  # a run of the service: counted from now on
-            ledger.reserve(Path(run_dir).name, plan, rounds)
-    taken = recorded_dp_steps(run_dir)
-    dp = dataclasses.replace(training_for(plan), counter=DPSteps(limit=max(0, plan.steps - taken)))
-    log.info("differential privacy: noise multiplier %.4g, max_grad_norm %g, sampling rate %.4g, %d DP steps "
-             "(%d a round, %d taken before), epsilon %.4g at delta %g for the run%s", plan.noise_multiplier,
-             plan.max_grad_norm, plan.sample_rate, plan.steps, per_round, taken, plan.epsilon, plan.delta,
-             " (reserved at admission)" if row is not None else "")
-    return dataclasses.replace(train, dp=dp)
 
 
 def dp_sink(sink: Callable[[dict[str, Any]], None], train: Any) -> Callable[[dict[str, Any]], None]:

@@ -45,4 +45,3 @@ class HostedPresence(MqttPresence):
 
     def goodbye(self, client: Any) -> Any:
         self.host.leave()  # the supervisor says "offline" for the node, at once
-        return None

@@ -28,7 +28,6 @@ from dfl_agent.fsutil import atomic_write
 log = logging.getLogger(__name__)
 
 
-
 class LiveExport:
     """Export the improved deployable model for inference-only members (see the module).
 

@@ -137,39 +137,29 @@ def warm_start(algorithm: Any, state_dir: str | Path, init: str, probe: bool = T
             why = f"the deployed model v{v} has another architecture: {exc}"
         else:
             log.info("warm start: the run starts from the deployed model v%d (%s)", v, what)
-            if not probe:
-                return {"init": init, "started_from": v, "reason": ""}
-            fit = probe_output_layer(algorithm, state) if ramp > 0 else {"skipped": RAMPLESS}
-            return {"init": init, "started_from": v, "reason": "", "probe": fit}
+            start: dict[str, Any] = {"init": init, "started_from": v, "reason": ""}
+            if probe:
+                start["probe"] = probe_output_layer(algorithm, state) if ramp > 0 else {"skipped": RAMPLESS}
+            return start
     log.info("warm start: the run starts from fresh weights: %s", why)
     algorithm.join_cold()  # its neighbours started warm, maybe: it adopts their models first
     return {"init": init, "started_from": None, "reason": why}
 
 
-def save_start(run_dir: Path | None, start: dict[str, Any]) -> None:
-    """Keep the run's start in ``run_dir/start.json`` (nothing without a run folder)."""
-    if run_dir is not None:
-        atomic_write(Path(run_dir) / START_FILE, json.dumps(start, sort_keys=True))
-
-
-def saved_start(run_dir: Path | None) -> dict[str, Any] | None:
-    """The start a run recorded before a restart (None: none recorded, or unreadable)."""
-    if run_dir is None:
-        return None
-    try:
-        doc = bounded_loads((Path(run_dir) / START_FILE).read_bytes(), "state")
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
 def begin_run(algorithm: Any, state_dir: str | Path, run_dir: Path | None, init: str, resumed: bool,
               probe: bool = True, ramp: int = 5) -> dict[str, Any]:
     """The run's start: a new run (``resumed`` False) warm-starts (:func:`warm_start`, with
-    ``probe`` and ``ramp``) and saves it (:func:`save_start`); a resumed one, restored from
-    its checkpoint, reports the start it saved."""
+    ``probe`` and ``ramp``) and keeps it in ``run_dir/start.json`` (nothing without a run
+    folder); a resumed one, restored from its checkpoint, reports the start it kept there."""
+    path = None if run_dir is None else Path(run_dir) / START_FILE
     if not resumed:
         start = warm_start(algorithm, state_dir, init, probe, ramp)
-        save_start(run_dir, start)
+        if path is not None:
+            atomic_write(path, json.dumps(start, sort_keys=True))
         return start
-    return saved_start(run_dir) or {"init": init, "started_from": None, "reason": "unknown: resumed from a checkpoint"}
+    try:  # none recorded, or unreadable: unknown
+        doc = bounded_loads(path.read_bytes(), "state") if path is not None else None
+    except (OSError, ValueError):
+        doc = None
+    return doc if isinstance(doc, dict) and doc else {"init": init, "started_from": None,
+                                                       "reason": "unknown: resumed from a checkpoint"}
