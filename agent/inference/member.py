@@ -39,6 +39,7 @@ import numpy as np
 from dfl_agent.algorithms.context import Message
 from dfl_agent.data import NodeData
 from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.fsutil import atomic_write
 from dfl_agent.inference.windows import load_windows, predictions_document
 from dfl_agent.jsonbound import RateLimitedLog
 from dfl_agent.learning.training import TrainConfig
@@ -62,12 +63,6 @@ def _no_data() -> NodeData:
     empty = np.empty((0,), np.float32)
     return NodeData(empty, empty.astype(np.int64), empty, empty.astype(np.int64), num_classes=0, input_shape=(),
                     class_names=[], groups=[])
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    from dfl_agent.fsutil import atomic_write
-
-    atomic_write(path, data)
 
 
 class InferenceMember:
@@ -227,7 +222,7 @@ class InferenceMember:
                            "accuracy": msg.meta.get("accuracy"), "spec_hash": msg.meta.get("spec_hash", ""),
                            **{k: msg.meta[k] for k in ("run_id", "sha256", "deployed", "deployed_at")
                               if k in msg.meta}}
-        _atomic_write(self.state_dir / "model.onnx", blob.tobytes())
+        atomic_write(self.state_dir / "model.onnx", blob.tobytes())
         with open(self.state_dir / "models.jsonl", "a", encoding="utf-8") as f:  # every model taken, in order
             f.write(json.dumps({"time": time.time(), **{k: v for k, v in self.model_meta.items()
                                                         if k != "spec_hash"}}, default=str) + "\n")
@@ -237,7 +232,7 @@ class InferenceMember:
             try:
                 x, y = load_windows(self.windows, model.input_shape)
                 self.predictions = predictions_document(model, x, y, {"model": self.model_meta})
-                _atomic_write(self.state_dir / "predictions.json", json.dumps(self.predictions).encode())
+                atomic_write(self.state_dir / "predictions.json", json.dumps(self.predictions))
             except InferenceError as exc:
                 log.error("cannot predict: %s", exc)
                 self.predictions = {"error": str(exc)}
