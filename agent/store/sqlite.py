@@ -58,6 +58,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import shutil
 import sqlite3
@@ -297,10 +298,7 @@ def inspect_archive(data: bytes, max_ingest_bytes: int = DEFAULT_MAX_INGEST_BYTE
                                            "arrays)", "invalid_content")
                 if dtype.hasobject:
                     raise RejectedFile(f"{key}: object array refused (store plain numeric arrays)", "object_array")
-                values = 1
-                for s in shape:
-                    values *= int(s)
-                size = values * (max(dtype.itemsize, 4) if key == "x" else dtype.itemsize)
+                size = math.prod(int(s) for s in shape) * (max(dtype.itemsize, 4) if key == "x" else dtype.itemsize)
                 total += size
                 found[key] = (tuple(shape), dtype)
                 if total > max_ingest_bytes:
@@ -602,7 +600,8 @@ class SampleStore:
         dest = self.rejected_dir / p.name
         if os.path.lexists(dest):
             dest = self.rejected_dir / f"{p.stem}-{sha[:12]}{p.suffix}"
-        _write_reason(self.rejected_dir / (dest.name + ".reason"), reason)
+        # atomic, never through a symbolic link (the rename replaces an entry there, not what it points to)
+        atomic_write(self.rejected_dir / (dest.name + ".reason"), reason + "\n", mode=0o660)
         try:
             rename(p, dest)  # a link, directory or FIFO is moved as it is (rename never follows a link)
         except OSError as exc:
@@ -739,12 +738,6 @@ class SampleStore:
             "max_samples": self.max_samples,
             "seed": self.seeded(),
         }
-
-
-def _write_reason(path: Path, reason: str) -> None:
-    """Write ``reason`` and a newline to ``path`` atomically, never through a symbolic link (an
-    entry already there is replaced: the rename replaces the entry, not what it points to)."""
-    atomic_write(path, reason + "\n", mode=0o660)
 
 
 def _entry_type(mode: int) -> str:
