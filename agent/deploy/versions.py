@@ -195,7 +195,7 @@ class ModelStore:
         tmp = self._write_folder(files, {**dict(info), "version": version})
         crash_point("deploying", "mid")  # the crash tests: a kill with the version under .tmp-*
         rename(tmp, self.folder(version))
-        self._set_last_version(version)
+        atomic_write(self.root / ".last_version", str(version), mode=FILE_MODE)
         if switch:
             self.switch(version)
             self.prune()
@@ -206,9 +206,6 @@ class ModelStore:
             return int((self.root / ".last_version").read_text())
         except (OSError, ValueError):
             return 0
-
-    def _set_last_version(self, v: int) -> None:
-        atomic_write(self.root / ".last_version", str(v), mode=FILE_MODE)
 
     def switch(self, version: int) -> None:
         """Point ``current`` at ``version`` atomically (rename of a temporary symlink).

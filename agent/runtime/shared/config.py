@@ -42,9 +42,7 @@ def described(default: Any = dataclasses.MISSING, *, help: str, default_factory:
     is a placeholder (e.g. ``None`` meaning "from the device profile").
     """
     meta: dict[str, Any] = {"help": help} if default_text is None else {"help": help, "default_text": default_text}
-    if default_factory is not dataclasses.MISSING:
-        return dataclasses.field(default_factory=default_factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)
 
 
 @dataclasses.dataclass

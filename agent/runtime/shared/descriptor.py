@@ -70,10 +70,6 @@ def cancel_topic(federation: str, run_id: str = "+") -> str:
     return f"dfl/{federation}/run/{run_id}/cancel"
 
 
-def _canonical(obj: object) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-
-
 @dataclasses.dataclass
 class RunDescriptor:
     """What a run is: published (signed) on ``dfl/{fed}/run/{run_id}``.
@@ -197,7 +193,8 @@ def default_run_id(federation: str, settings: Mapping[str, Any]) -> str:
     """The default run's id: ``d-`` + 12 hex of a hash of the federation and the
     canonical run settings (algorithm, options, rounds, model, training, compression).
     Never published."""
-    h = hashlib.sha256(federation.encode() + b"|" + _canonical(dict(settings))).hexdigest()
+    canonical = json.dumps(dict(settings), sort_keys=True, separators=(",", ":"), allow_nan=False)
+    h = hashlib.sha256(federation.encode() + b"|" + canonical.encode()).hexdigest()
     return "d-" + h[:12]
 
 

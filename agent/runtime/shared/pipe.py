@@ -179,11 +179,6 @@ class _Codec:
             for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
 
 
-def _nested(cls: type[_Codec]) -> Read:
-    """A nested message's object, or None where the line has none."""
-    return _optional(lambda v, key: cls.from_json(_dict(v, key)))
-
-
 def _degraded(doc: Mapping[str, Any], key: str) -> JSON:
     return {k: doc[k] for k in DEGRADED_FIELDS if k in doc}  # the degraded-run fields a state report may carry
 
@@ -259,7 +254,7 @@ class StatusReport(_Codec):
 
     type: ClassVar[str] = "status"
     status: JSON = _field(_dict)
-    counters: RunCounters | None = _field(_nested(RunCounters), None)
+    counters: RunCounters | None = _field(_optional(lambda v, key: RunCounters.from_json(_dict(v, key))), None)
     live_peers: tuple[str, ...] | None = _field(_optional(_strs), None)
     checkpoint_round: int = _field(_int, 0)
 
