@@ -551,11 +551,8 @@ class SampleStore:
                 data = f.read(st.st_size + 1)
                 if len(data) != st.st_size:
                     raise OSError(f"{p.name} changed size while read ({st.st_size} -> {len(data)}+ bytes)")
-        if rejected is not None:
-            sha = hashlib.sha256(f"{rejected.kind}:{p.name}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}".encode()
-                                 ).hexdigest()
-        else:
-            sha = hashlib.sha256(data).hexdigest()
+        sha = hashlib.sha256(data if rejected is None else
+                             f"{rejected.kind}:{p.name}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
         with self._lock:
             if rejected is None and self.db.execute("SELECT 1 FROM files WHERE sha256=?", (sha,)).fetchone():
                 if remove:

@@ -296,12 +296,7 @@ class PrivacyLedger:
         for suffix in ("", "-wal", "-shm"):  # a 0-byte file of a power cut at creation
             self.path.with_name(self.path.name + suffix).unlink(missing_ok=True)
         with contextlib.closing(self._connect(create=True)) as con:
-            con.execute("PRAGMA journal_mode = WAL")
-            con.execute("BEGIN IMMEDIATE")
-            for ddl in (RUNS_DDL, EVENTS_DDL, META_DDL):
-                con.execute(ddl)
-            con.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", [("format", str(FORMAT)),
-                                                                             ("chain", chain)])
+            _begin_chained(con, chain)
             con.execute("COMMIT")
         fsync_dir(self.path.parent)
 
@@ -331,14 +326,9 @@ class PrivacyLedger:
         write_head(self.state_dir, LedgerState(chain=chain, head=chain))  # 0 events: a crash here chains again
         con = self._connect()
         try:
-            con.execute("PRAGMA journal_mode = WAL")
-            con.execute("BEGIN IMMEDIATE")
+            _begin_chained(con, chain)  # table runs, an older release's, stays as it is
             rows = [dict(zip(COLUMNS, r)) for r in con.execute(f"SELECT {', '.join(COLUMNS)} FROM runs "
                                                                 "ORDER BY time, run_id")]
-            for ddl in (EVENTS_DDL, META_DDL):
-                con.execute(ddl)
-            con.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", [("format", str(FORMAT)),
-                                                                             ("chain", chain)])
             st = LedgerState(chain=chain, head=chain)
             for row in rows:
                 self._append(con, st, row["run_id"], "migrated", row)
@@ -541,6 +531,16 @@ class PrivacyLedger:
         """The composed ε at ``delta`` over the device's history (but ``exclude``) and ``plus``,
         with any amount a recovery carried over (:meth:`LedgerState.epsilon`)."""
         return self.state().epsilon(delta, exclude, plus)
+
+
+def _begin_chained(con: sqlite3.Connection, chain: str) -> None:
+    """Begin ``con``'s write transaction (WAL journal) and make its tables those of a chained ledger
+    (those missing), with chain id ``chain`` in table ``meta``."""
+    con.execute("PRAGMA journal_mode = WAL")
+    con.execute("BEGIN IMMEDIATE")
+    for ddl in (RUNS_DDL, EVENTS_DDL, META_DDL):
+        con.execute(ddl)
+    con.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", [("format", str(FORMAT)), ("chain", chain)])
 
 
 class _Unchained(Exception):
