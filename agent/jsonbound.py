@@ -38,9 +38,7 @@ LIMITS: dict[str, int] = {
     "descriptor": 64 * KIB,     # dfl/{fed}/run/{run_id}
     "announcement": 64 * KIB,   # a deployed model's retained announcement
     "control": 256 * KIB,       # any other signed control envelope
-    "header": 256 * KIB,        # a wire envelope header
     "manifest": 1024 * KIB,     # manifest.json / spec.json of a model version or checkpoint
-    "spool": 4 * 1024 * KIB,    # one spool file of the sample store
     "state": 16 * 1024 * KIB,   # this node's own state files (run ledger, sequence numbers)
 }
 #: the ``reason`` values of :class:`JSONBoundError`

@@ -539,12 +539,10 @@ class SampleStore:
             raise exc
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
-            rejected: RejectedFile | None = None
+            data, rejected = b"", None
             if not stat.S_ISREG(st.st_mode):
-                data = b""
                 rejected = RejectedFile(f"{_entry_type(st.st_mode)}, not a regular file", "not_regular_file")
             elif st.st_size > MAX_FILE_BYTES:
-                data = b""
                 rejected = RejectedFile(f"file of {st.st_size} bytes, above the {MAX_FILE_BYTES >> 20} MiB file "
                                         "limit", "file_too_large")
             else:  # read(n) allocates n bytes up front: ask for the size the file has
