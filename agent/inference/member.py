@@ -58,13 +58,6 @@ _ERRORS = RateLimitedLog(log)
 DESCRIPTOR = {"profile": "inference-only", "algorithm": "inference", "model_hash": ""}
 
 
-def _no_data() -> NodeData:
-    """A member's :class:`NodeData`: it holds no training data (it never trains)."""
-    empty = np.empty((0,), np.float32)
-    return NodeData(empty, empty.astype(np.int64), empty, empty.astype(np.int64), num_classes=0, input_shape=(),
-                    class_names=[], groups=[])
-
-
 class InferenceMember:
     """One inference-only node.
 
@@ -115,8 +108,11 @@ class InferenceMember:
                                        heartbeat_interval=heartbeat_interval,
                                        on_heartbeat=lambda peer, status: self.peers.touch(peer), control=self.guard,
                                        broadcasts=False, **(mqtt or {}))  # its models come addressed to it
+        empty = np.empty((0,), np.float32)  # a member holds no training data (it never trains)
         self.ctx = RuntimeContext(node_id=node_id, federation=federation, transport=transport, peers=self.peers,
-                                  data=_no_data(), model_spec={}, train=TrainConfig(), init_seed=0, rng=np.random.default_rng(0),
+                                  data=NodeData(empty, empty.astype(np.int64), empty, empty.astype(np.int64),
+                                                num_classes=0, input_shape=(), class_names=[], groups=[]),
+                                  model_spec={}, train=TrainConfig(), init_seed=0, rng=np.random.default_rng(0),
                                   max_frame_bytes=max_frame_bytes, security=self.verifier)
         self.windows = windows
         self.threads = threads
