@@ -16,11 +16,6 @@ SETUP_EXTRAS = ("train", "plot", "har", "broker", "digits")
 SETUP_TEST_EXTRAS = ("test", "onnx", "metrics", "lint", "privacy")
 
 
-def wheel_name() -> str:
-    """The file name of this version's wheel, e.g. ``dfl_agent-0.1.0-py3-none-any.whl``."""
-    return f"dfl_agent-{__version__}-py3-none-any.whl"
-
-
 def extra_hint(extra: str) -> str:
     """The install instruction for one optional extra, to end a "not installed" message.
 
@@ -37,7 +32,7 @@ def extra_hint(extra: str) -> str:
         checkout = "scripts/setup.sh --test"
     else:
         checkout = f".venv/bin/pip install -e '.[{extra}]'"
-    return (f"pip install '{wheel_name()}[{extra}]' (the wheel dfl-agent was installed from; "
+    return (f"pip install 'dfl_agent-{__version__}-py3-none-any.whl[{extra}]' (the wheel dfl-agent was installed from; "
             f"in a source checkout: {checkout})")
 
 

@@ -97,12 +97,8 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str, mode: int | No
             the temporary file removed.
         TypeError: ``data`` is neither bytes nor str (nothing is written).
     """
-    raw = data.encode("utf-8") if isinstance(data, str) else data
     with atomic_writer(path, mode) as f:
-        view = memoryview(raw)
-        while view:
-            n = f.write(view)
-            view = view[n:]
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)  # a buffered write writes it all or raises
 
 
 def rename(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, sync: bool = True) -> None:

@@ -38,9 +38,7 @@ LIMITS: dict[str, int] = {
     "descriptor": 64 * KIB,     # dfl/{fed}/run/{run_id}
     "announcement": 64 * KIB,   # a deployed model's retained announcement
     "control": 256 * KIB,       # any other signed control envelope
-    "header": 256 * KIB,        # a wire envelope header
     "manifest": 1024 * KIB,     # manifest.json / spec.json of a model version or checkpoint
-    "spool": 4 * 1024 * KIB,    # one spool file of the sample store
     "state": 16 * 1024 * KIB,   # this node's own state files (run ledger, sequence numbers)
 }
 #: the ``reason`` values of :class:`JSONBoundError`
@@ -96,38 +94,15 @@ def depth(text: str) -> int:
     return max(levels)
 
 
-def check(data: bytes | bytearray | memoryview | str, max_bytes: int, max_depth: int = MAX_DEPTH) -> str:
-    """Check ``data`` against the size and depth limits without parsing it; returns it
-    as text.
-
-    Args:
-        data: JSON as bytes (UTF-8, or UTF-16/32 as :func:`json.loads` accepts) or str.
-        max_bytes: largest size accepted, in bytes (a str counts its UTF-8 bytes).
-        max_depth: deepest nesting of arrays/objects accepted.
-
-    Raises:
-        JSONBoundError: ``oversized``, ``too_deep`` or ``malformed``.
-    """
-    size = len(data) if not isinstance(data, str) else len(data.encode("utf-8", "surrogatepass"))
-    if size > max_bytes:
-        raise JSONBoundError("oversized", f"{size} bytes > {max_bytes}")
-    text = _text(data)
-    # fast path: fewer brackets than the limit cannot nest deeper than it
-    if text.count("[") + text.count("{") > max_depth:
-        d = depth(text)
-        if d > max_depth:
-            raise JSONBoundError("too_deep", f"nested {d} levels > {max_depth}")
-    return text
-
-
 def loads(data: bytes | bytearray | memoryview | str, kind: str | None = None, *, max_bytes: int | None = None,
           max_depth: int = MAX_DEPTH) -> Any:
     """Parse JSON ``data`` received from outside, bounded in size and nesting depth.
 
     Args:
-        data: the JSON text (bytes or str).
+        data: the JSON text: bytes (UTF-8, or UTF-16/32 as :func:`json.loads` accepts) or str.
         kind: a key of :data:`LIMITS` giving the size limit (e.g. ``"status"``: 64 KiB).
-        max_bytes: explicit size limit in bytes (overrides ``kind``); one of the two is needed.
+        max_bytes: explicit size limit in bytes (overrides ``kind``); one of the two is needed
+            (a str counts its UTF-8 bytes).
         max_depth: deepest nesting of arrays/objects accepted (default 32).
 
     Returns:
@@ -142,10 +117,17 @@ def loads(data: bytes | bytearray | memoryview | str, kind: str | None = None, *
         if kind is None:
             raise TypeError("loads() needs kind or max_bytes")
         max_bytes = LIMITS[kind]
-    text = check(data, max_bytes, max_depth)
+    size = len(data) if not isinstance(data, str) else len(data.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise JSONBoundError("oversized", f"{size} bytes > {max_bytes}")
+    text = _text(data)
+    if text.count("[") + text.count("{") > max_depth:  # fewer brackets than the limit cannot nest deeper
+        d = depth(text)
+        if d > max_depth:
+            raise JSONBoundError("too_deep", f"nested {d} levels > {max_depth}")
     try:
         return json.loads(text)
-    except (ValueError, RecursionError) as exc:  # RecursionError: cannot happen after check(); kept as a guard
+    except (ValueError, RecursionError) as exc:  # RecursionError: cannot happen after the depth check; a guard
         raise JSONBoundError("malformed", str(exc)[:200]) from None
 
 

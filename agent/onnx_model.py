@@ -105,9 +105,8 @@ class OnnxModel:
         x = np.ascontiguousarray(x, dtype=np.float32)
         if self.input_shape is not None and list(x.shape[1:]) != self.input_shape:
             raise InferenceError(f"windows have shape {list(x.shape[1:])}, the model wants {self.input_shape}")
-        outs = []
-        for i in range(0, len(x), batch_size):
-            outs.append(self.session.run(None, {self.input_name: x[i : i + batch_size]})[0])
+        outs = [self.session.run(None, {self.input_name: x[i : i + batch_size]})[0]
+                for i in range(0, len(x), batch_size)]
         if not outs:
             return np.zeros((0, 0), np.float32)
         return np.concatenate(outs).astype(np.float32)

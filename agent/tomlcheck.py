@@ -28,7 +28,14 @@ import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar, Union
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
 T = TypeVar("T")
+#: the TOML syntax error :func:`read_toml` raises (``tomllib``'s; ``tomli``'s before Python 3.11)
+TOMLDecodeError = tomllib.TOMLDecodeError
 
 #: deepest nesting of tables and arrays a TOML file may have (its top-level table is depth 1; a
 #: ``[[run]]`` entry is 3, its ``options = {...}`` 4): the bound of :mod:`dfl_agent.jsonbound`
@@ -65,15 +72,10 @@ def read_toml(path: str | os.PathLike[str], *, max_bytes: int = MAX_BYTES, max_d
 
     Raises:
         OSError: the file cannot be read.
-        tomllib.TOMLDecodeError: a TOML syntax error.
+        TOMLDecodeError: a TOML syntax error.
         TomlFileError: larger than ``max_bytes``; not UTF-8 (the line and column, and the key
             whose value holds the byte); nested deeper than ``max_depth`` (the key).
     """
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
-
     name = os.fspath(path)
     with open(path, "rb") as f:
         data = f.read(max_bytes + 1)

@@ -160,20 +160,3 @@ def announcement(models: ModelStore, node_id: str, federation: str, guard: Any =
         doc["sig"] = guard.sign(canonical(doc))
     return doc
 
-
-def verify_announcement(doc: dict[str, Any], public_key: Any) -> bool:
-    """True when ``doc['sig']`` is a valid Ed25519 signature of the rest by ``public_key``."""
-    import base64
-
-    from dfl_agent.security.keys import canonical
-    from dfl_agent.security.trust import SIG_PREFIX
-
-    sig = doc.get("sig")
-    if not isinstance(sig, str) or not sig.startswith(SIG_PREFIX):
-        return False
-    try:
-        public_key.verify(base64.b64decode(sig[len(SIG_PREFIX):]), canonical({k: v for k, v in doc.items()
-                                                                               if k != "sig"}))
-        return True
-    except Exception:  # noqa: BLE001 - InvalidSignature, bad base64
-        return False

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dfl_agent.fsutil import atomic_symlink, atomic_write, crash_point, fsync_dir, rename, sha256_file
+from dfl_agent.fsutil import atomic_symlink, atomic_write, crash_point, rename, sha256_file
 from dfl_agent.jsonbound import loads as bounded_loads
 
 SCHEMA_VERSION = 1
@@ -40,18 +40,6 @@ FILE_MODE, DIR_MODE = 0o640, 0o750
 
 class DeployError(ValueError):
     """No such version, nothing to roll back to, a corrupt version or candidate."""
-
-
-def _write(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.chmod(path, FILE_MODE)
 
 
 def verify_folder(folder: str | os.PathLike[str]) -> dict[str, Any]:
@@ -183,14 +171,14 @@ class ModelStore:
         os.chmod(tmp, DIR_MODE)
         digests = {}
         for name, data in files.items():
-            _write(tmp / name, data)
+            atomic_write(tmp / name, data, mode=FILE_MODE)
             digests[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
         main = "model.onnx" if "model.onnx" in files else "model.safetensors"
         manifest = {**dict(info), "schema_version": SCHEMA_VERSION, "files": digests,
                     "sha256": digests[main]["sha256"], "onnx": "model.onnx" in files,
                     "time": info.get("time", time.time())}
-        _write(tmp / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False).encode())
-        fsync_dir(tmp)
+        atomic_write(tmp / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False),
+                     mode=FILE_MODE)
         return tmp
 
     def install(self, files: Mapping[str, bytes], info: Mapping[str, Any], switch: bool = True) -> int:
@@ -207,7 +195,7 @@ class ModelStore:
         tmp = self._write_folder(files, {**dict(info), "version": version})
         crash_point("deploying", "mid")  # the crash tests: a kill with the version under .tmp-*
         rename(tmp, self.folder(version))
-        self._set_last_version(version)
+        atomic_write(self.root / ".last_version", str(version), mode=FILE_MODE)
         if switch:
             self.switch(version)
             self.prune()
@@ -218,9 +206,6 @@ class ModelStore:
             return int((self.root / ".last_version").read_text())
         except (OSError, ValueError):
             return 0
-
-    def _set_last_version(self, v: int) -> None:
-        atomic_write(self.root / ".last_version", str(v), mode=FILE_MODE)
 
     def switch(self, version: int) -> None:
         """Point ``current`` at ``version`` atomically (rename of a temporary symlink).

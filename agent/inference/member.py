@@ -39,6 +39,7 @@ import numpy as np
 from dfl_agent.algorithms.context import Message
 from dfl_agent.data import NodeData
 from dfl_agent.discovery.peers import PeerTable
+from dfl_agent.fsutil import atomic_write
 from dfl_agent.inference.windows import load_windows, predictions_document
 from dfl_agent.jsonbound import RateLimitedLog
 from dfl_agent.learning.training import TrainConfig
@@ -55,19 +56,6 @@ log = logging.getLogger(__name__)
 _ERRORS = RateLimitedLog(log)
 
 DESCRIPTOR = {"profile": "inference-only", "algorithm": "inference", "model_hash": ""}
-
-
-def _no_data() -> NodeData:
-    """A member's :class:`NodeData`: it holds no training data (it never trains)."""
-    empty = np.empty((0,), np.float32)
-    return NodeData(empty, empty.astype(np.int64), empty, empty.astype(np.int64), num_classes=0, input_shape=(),
-                    class_names=[], groups=[])
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    from dfl_agent.fsutil import atomic_write
-
-    atomic_write(path, data)
 
 
 class InferenceMember:
@@ -120,8 +108,11 @@ class InferenceMember:
                                        heartbeat_interval=heartbeat_interval,
                                        on_heartbeat=lambda peer, status: self.peers.touch(peer), control=self.guard,
                                        broadcasts=False, **(mqtt or {}))  # its models come addressed to it
+        empty = np.empty((0,), np.float32)  # a member holds no training data (it never trains)
         self.ctx = RuntimeContext(node_id=node_id, federation=federation, transport=transport, peers=self.peers,
-                                  data=_no_data(), model_spec={}, train=TrainConfig(), init_seed=0, rng=np.random.default_rng(0),
+                                  data=NodeData(empty, empty.astype(np.int64), empty, empty.astype(np.int64),
+                                                num_classes=0, input_shape=(), class_names=[], groups=[]),
+                                  model_spec={}, train=TrainConfig(), init_seed=0, rng=np.random.default_rng(0),
                                   max_frame_bytes=max_frame_bytes, security=self.verifier)
         self.windows = windows
         self.threads = threads
@@ -227,7 +218,7 @@ class InferenceMember:
                            "accuracy": msg.meta.get("accuracy"), "spec_hash": msg.meta.get("spec_hash", ""),
                            **{k: msg.meta[k] for k in ("run_id", "sha256", "deployed", "deployed_at")
                               if k in msg.meta}}
-        _atomic_write(self.state_dir / "model.onnx", blob.tobytes())
+        atomic_write(self.state_dir / "model.onnx", blob.tobytes())
         with open(self.state_dir / "models.jsonl", "a", encoding="utf-8") as f:  # every model taken, in order
             f.write(json.dumps({"time": time.time(), **{k: v for k, v in self.model_meta.items()
                                                         if k != "spec_hash"}}, default=str) + "\n")
@@ -237,7 +228,7 @@ class InferenceMember:
             try:
                 x, y = load_windows(self.windows, model.input_shape)
                 self.predictions = predictions_document(model, x, y, {"model": self.model_meta})
-                _atomic_write(self.state_dir / "predictions.json", json.dumps(self.predictions).encode())
+                atomic_write(self.state_dir / "predictions.json", json.dumps(self.predictions))
             except InferenceError as exc:
                 log.error("cannot predict: %s", exc)
                 self.predictions = {"error": str(exc)}

@@ -58,6 +58,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import shutil
 import sqlite3
@@ -297,10 +298,7 @@ def inspect_archive(data: bytes, max_ingest_bytes: int = DEFAULT_MAX_INGEST_BYTE
                                            "arrays)", "invalid_content")
                 if dtype.hasobject:
                     raise RejectedFile(f"{key}: object array refused (store plain numeric arrays)", "object_array")
-                values = 1
-                for s in shape:
-                    values *= int(s)
-                size = values * (max(dtype.itemsize, 4) if key == "x" else dtype.itemsize)
+                size = math.prod(int(s) for s in shape) * (max(dtype.itemsize, 4) if key == "x" else dtype.itemsize)
                 total += size
                 found[key] = (tuple(shape), dtype)
                 if total > max_ingest_bytes:
@@ -541,23 +539,18 @@ class SampleStore:
             raise exc
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
-            rejected: RejectedFile | None = None
+            data, rejected = b"", None
             if not stat.S_ISREG(st.st_mode):
-                data = b""
                 rejected = RejectedFile(f"{_entry_type(st.st_mode)}, not a regular file", "not_regular_file")
             elif st.st_size > MAX_FILE_BYTES:
-                data = b""
                 rejected = RejectedFile(f"file of {st.st_size} bytes, above the {MAX_FILE_BYTES >> 20} MiB file "
                                         "limit", "file_too_large")
             else:  # read(n) allocates n bytes up front: ask for the size the file has
                 data = f.read(st.st_size + 1)
                 if len(data) != st.st_size:
                     raise OSError(f"{p.name} changed size while read ({st.st_size} -> {len(data)}+ bytes)")
-        if rejected is not None:
-            sha = hashlib.sha256(f"{rejected.kind}:{p.name}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}".encode()
-                                 ).hexdigest()
-        else:
-            sha = hashlib.sha256(data).hexdigest()
+        sha = hashlib.sha256(data if rejected is None else
+                             f"{rejected.kind}:{p.name}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
         with self._lock:
             if rejected is None and self.db.execute("SELECT 1 FROM files WHERE sha256=?", (sha,)).fetchone():
                 if remove:
@@ -602,7 +595,8 @@ class SampleStore:
         dest = self.rejected_dir / p.name
         if os.path.lexists(dest):
             dest = self.rejected_dir / f"{p.stem}-{sha[:12]}{p.suffix}"
-        _write_reason(self.rejected_dir / (dest.name + ".reason"), reason)
+        # atomic, never through a symbolic link (the rename replaces an entry there, not what it points to)
+        atomic_write(self.rejected_dir / (dest.name + ".reason"), reason + "\n", mode=0o660)
         try:
             rename(p, dest)  # a link, directory or FIFO is moved as it is (rename never follows a link)
         except OSError as exc:
@@ -739,12 +733,6 @@ class SampleStore:
             "max_samples": self.max_samples,
             "seed": self.seeded(),
         }
-
-
-def _write_reason(path: Path, reason: str) -> None:
-    """Write ``reason`` and a newline to ``path`` atomically, never through a symbolic link (an
-    entry already there is replaced: the rename replaces the entry, not what it points to)."""
-    atomic_write(path, reason + "\n", mode=0o660)
 
 
 def _entry_type(mode: int) -> str:

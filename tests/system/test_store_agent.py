@@ -52,8 +52,8 @@ def test_two_runs_on_a_growing_store_deploy_one_version_each(tmp_path):
 
     from dfl_agent.cli.dflctl import main as dflctl
     from dfl_agent.deploy import ModelStore, verify_folder
-    from dfl_agent.deploy.gate import verify_announcement
     from dfl_agent.security.keys import load_private_key
+    from tests.unit.test_deploy import verify_announcement
 
     state = tmp_path / "state"
     fed = f"store{os.getpid()}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +16,6 @@ from dfl_agent.deploy.gate import (
     announcement,
     deploy_model,
     load_torch,
-    verify_announcement,
 )
 from dfl_agent.models import build_model, default_spec
 from dfl_agent.onnx_model import onnx_available
@@ -34,6 +34,24 @@ def labelled_by(model, n, seed=0):
     with torch.no_grad():
         y = model(torch.from_numpy(x)).argmax(1).numpy().astype(np.int64)
     return x, y
+
+
+def verify_announcement(doc: dict[str, Any], public_key: Any) -> bool:
+    """True when ``doc['sig']`` is a valid Ed25519 signature of the rest by ``public_key``."""
+    import base64
+
+    from dfl_agent.security.keys import canonical
+    from dfl_agent.security.trust import SIG_PREFIX
+
+    sig = doc.get("sig")
+    if not isinstance(sig, str) or not sig.startswith(SIG_PREFIX):
+        return False
+    try:
+        public_key.verify(base64.b64decode(sig[len(SIG_PREFIX):]), canonical({k: v for k, v in doc.items()
+                                                                               if k != "sig"}))
+        return True
+    except Exception:  # noqa: BLE001 - InvalidSignature, bad base64
+        return False
 
 
 def go(models, model, spec, x, y, **kw):

@@ -37,9 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dfl_agent.daemon")
 
-__all__ = ["StartupError", "resolve_algorithm", "apply_profile", "choose_model_specs", "model_spec_for",
-           "check_node_model", "choose_compression", "link_settings", "build_security"]
-
 
 class StartupError(RuntimeError):
     """The agent cannot start: unknown algorithm or option, unusable data or model spec."""

@@ -10,22 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dfl_agent.learning.training import DEFAULT_ADAM_LR, DEFAULT_DIVERGENCE_FACTOR, DEFAULT_LR
 from dfl_agent.privacy.config import PrivacySection, section_table
-from dfl_agent.tomlcheck import TomlFileError, build, read_toml
+from dfl_agent.tomlcheck import TOMLDecodeError, TomlFileError, build, read_toml
 
 if TYPE_CHECKING:
     from dfl_agent.learning.compression import CompressionPolicy
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 class ConfigError(ValueError):
@@ -42,9 +36,7 @@ def described(default: Any = dataclasses.MISSING, *, help: str, default_factory:
     is a placeholder (e.g. ``None`` meaning "from the device profile").
     """
     meta: dict[str, Any] = {"help": help} if default_text is None else {"help": help, "default_text": default_text}
-    if default_factory is not dataclasses.MISSING:
-        return dataclasses.field(default_factory=default_factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)
 
 
 @dataclasses.dataclass
@@ -374,7 +366,7 @@ def load_config(path: str | os.PathLike[str]) -> NodeConfig:
         raw = read_toml(p)  # bounded in size and nesting; a byte that is not UTF-8 named by its key
     except OSError as exc:
         raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
+    except TOMLDecodeError as exc:
         raise ConfigError(f"{p}: TOML syntax error: {exc}") from None
     except TomlFileError as exc:
         raise ConfigError(str(exc)) from None

@@ -26,11 +26,7 @@ def validate(cfg: NodeConfig) -> None:
 
 
 def _validate_run(cfg: NodeConfig) -> None:
-    """Run: ids, rounds and the recurrence of the default run.
-
-    Raises:
-        ConfigError: naming the first offending key.
-    """
+    """Ids, rounds and the recurrence of the default run (ConfigError naming the first offending key)."""
     from dfl_agent.transport.wire import valid_id
 
     _need(valid_id(cfg.federation), "federation", "must match [A-Za-z0-9_.-]{1,64}")
@@ -51,7 +47,7 @@ def _validate_run(cfg: NodeConfig) -> None:
 
 
 def _validate_training(cfg: NodeConfig) -> None:
-    """``[training]``.  Raises ConfigError naming the first offending key."""
+    """``[training]`` (ConfigError naming the first offending key)."""
     t = cfg.training
     _need(t.epochs >= 1, "training.epochs", "must be >= 1")
     _need(isinstance(t.steps, int) and t.steps >= 0, "training.steps", "must be an integer >= 0 (0: use epochs)")
@@ -68,11 +64,7 @@ def _validate_training(cfg: NodeConfig) -> None:
 
 
 def _validate_data(cfg: NodeConfig) -> None:
-    """``[data]`` and the sample store.
-
-    Raises:
-        ConfigError: naming the first offending key.
-    """
+    """``[data]`` and the sample store (ConfigError naming the first offending key)."""
     d = cfg.data
     _need(d.num_nodes >= 1, "data.num_nodes", "must be >= 1")
     _need(0 <= d.node_index < d.num_nodes, "data.node_index", f"must be in [0, data.num_nodes={d.num_nodes})")
@@ -96,11 +88,7 @@ def _validate_data(cfg: NodeConfig) -> None:
 
 
 def _validate_model(cfg: NodeConfig) -> None:
-    """``[deploy]``, ``[model]`` and the device profile.
-
-    Raises:
-        ConfigError: naming the first offending key.
-    """
+    """``[deploy]``, ``[model]`` and the device profile (ConfigError naming the first offending key)."""
     _need(cfg.deploy.tolerance >= 0, "deploy.tolerance", "must be >= 0 (accuracy as a fraction)")
     _need(cfg.deploy.keep >= 1, "deploy.keep", "must be >= 1")
     _need(cfg.deploy.min_validation >= 0, "deploy.min_validation", "must be >= 0")
@@ -180,11 +168,7 @@ def _validate_security(cfg: NodeConfig) -> None:
 
 
 def _validate_runtime(cfg: NodeConfig) -> None:
-    """``[runtime]`` and ``[compression]``.
-
-    Raises:
-        ConfigError: naming the first offending key.
-    """
+    """``[runtime]`` and ``[compression]`` (ConfigError naming the first offending key)."""
     _need(cfg.runtime.init in ("common", "independent"), "runtime.init", "must be 'common' or 'independent'")
     _need(cfg.runtime.log_level.lower() in ("debug", "info", "warning", "error"), "runtime.log_level",
          "must be debug, info, warning or error")

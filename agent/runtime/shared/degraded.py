@@ -68,11 +68,6 @@ def _count(v: Any) -> int:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else 0
 
 
-def mostly_alone(fields: Mapping[str, Any]) -> bool:
-    """Whether more than half of the rounds meant to use a peer update were closed alone."""
-    return 2 * _count(fields.get("rounds_alone")) > _count(fields.get("exchange_rounds"))
-
-
 def alone_text(fields: Mapping[str, Any]) -> str:
     """``"12/20 alone"`` for a degraded run, ``""`` otherwise (``dflctl`` tables)."""
     if not fields.get("degraded"):
@@ -98,7 +93,7 @@ def once_exit_code(fields: Mapping[str, Any], allow_alone: bool) -> int:
     fields = degraded_fields(fields)
     if not fields["degraded"]:
         return 0
-    if allow_alone or not mostly_alone(fields):
+    if allow_alone or 2 * fields["rounds_alone"] <= fields["exchange_rounds"]:  # alone in at most half
         log.warning("the run was degraded: %d of %d rounds closed alone", fields["rounds_alone"],
                     fields["exchange_rounds"])
         return 0

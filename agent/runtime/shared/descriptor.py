@@ -46,8 +46,6 @@ if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 SCHEMA_VERSION = 1
-#: node-side run states shown in status (``run.state``) and ``dflctl run show``
-NODE_STATES = ("queued", "accepted", "declined", "training", "finished", "failed", "cancelled", "missed")
 #: terminal states: a run in one of these is never (re)started on this node
 TERMINAL = ("finished", "failed", "cancelled", "declined", "missed")
 #: reasons a run descriptor message is refused (counters ``run_refused_<reason>``)
@@ -56,8 +54,6 @@ REFUSE_REASONS = ("malformed", "oversized", "too_deep", "unsigned", "unknown_key
                   "certificate_not_yet_valid")
 #: a cancel record that may not be used is counted as ``cancel_<reason>`` (reasons as above)
 CANCEL_PREFIX = "cancel_"
-#: ``dflctl run submit``'s default ``not_after``: this long after ``submitted_at``, in seconds
-DEFAULT_NOT_AFTER_S = 24 * 3600.0
 SIG_PREFIX = "ed25519:"
 #: a run's ``init``: start from the deployed model (warm start) or from fresh weights
 INIT_MODES = ("deployed", "fresh")
@@ -72,10 +68,6 @@ def run_topic(federation: str, run_id: str = "+") -> str:
 def cancel_topic(federation: str, run_id: str = "+") -> str:
     """The retained topic of a run's cancel record: ``dfl/{fed}/run/{run_id}/cancel``."""
     return f"dfl/{federation}/run/{run_id}/cancel"
-
-
-def _canonical(obj: object) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
 @dataclasses.dataclass
@@ -201,7 +193,8 @@ def default_run_id(federation: str, settings: Mapping[str, Any]) -> str:
     """The default run's id: ``d-`` + 12 hex of a hash of the federation and the
     canonical run settings (algorithm, options, rounds, model, training, compression).
     Never published."""
-    h = hashlib.sha256(federation.encode() + b"|" + _canonical(dict(settings))).hexdigest()
+    canonical = json.dumps(dict(settings), sort_keys=True, separators=(",", ":"), allow_nan=False)
+    h = hashlib.sha256(federation.encode() + b"|" + canonical.encode()).hexdigest()
     return "d-" + h[:12]
 
 
@@ -216,11 +209,9 @@ def period_index(now: float, every_s: float, epoch: float = 0.0) -> int:
     return int((now - epoch) // every_s)
 
 
-
 def sample_run_id(default_id: str, index: int) -> str:
     """The id of the ``index``-th run of a default run recurring on new samples."""
     return f"{default_id}.s{int(index)}"
-
 
 
 # -- signing ---------------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping
 
 #: syslog priorities of the logging levels (journald's ``<N>`` prefix)
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
@@ -41,11 +40,10 @@ class JournalFormatter(logging.Formatter):
         return f"<{prio}>{text.replace(chr(10), ' | ')}"
 
 
-def under_journald(env: Mapping[str, str] | None = None) -> bool:
+def under_journald() -> bool:
     """True when stderr is connected to the journal (systemd sets ``$JOURNAL_STREAM``
     to the device:inode of that stream)."""
-    env = os.environ if env is None else env
-    stream = env.get("JOURNAL_STREAM", "")
+    stream = os.environ.get("JOURNAL_STREAM", "")
     if not stream or ":" not in stream:
         return False
     try:

@@ -26,6 +26,7 @@ matching the SHA-256 the answer names.  Torch-free.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import secrets
 from collections.abc import Mapping
@@ -74,11 +75,9 @@ def version_of_run(models: Any, run_id: str) -> int | None:
 
     found = None
     for v in models.versions():
-        try:
+        with contextlib.suppress(DeployError):  # an unreadable manifest: not that run's
             if models.manifest(v).get("run_id") == run_id:
                 found = v
-        except DeployError:
-            continue
     return found
 
 

@@ -48,6 +48,7 @@ from typing import Any, ClassVar
 
 from dfl_agent.jsonbound import JSONBoundError
 from dfl_agent.jsonbound import loads as bounded_loads
+from dfl_agent.runtime.shared.degraded import FIELDS as DEGRADED_FIELDS
 
 #: the longest line either side reads (bytes); a longer one is dropped by the reader
 MAX_LINE_BYTES = 1 << 22
@@ -60,8 +61,6 @@ AFTER_ROUNDS = ("trained", "deploying", "deployed", "kept", "adopted")
 OUTCOMES = ("finished", "stopped", "missed")
 #: the kinds of :class:`Failure`
 FAILURES = ("startup", "crash")
-#: the degraded-run fields a state report may carry (:mod:`dfl_agent.runtime.shared.degraded`)
-DEGRADED_KEYS = ("degraded", "rounds_alone", "exchange_rounds")
 
 JSON = dict[str, Any]
 #: a run node's drop counters that the service keeps (the lobby counts the statuses itself)
@@ -180,13 +179,8 @@ class _Codec:
             for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
 
 
-def _nested(cls: type[_Codec]) -> Read:
-    """A nested message's object, or None where the line has none."""
-    return _optional(lambda v, key: cls.from_json(_dict(v, key)))
-
-
 def _degraded(doc: Mapping[str, Any], key: str) -> JSON:
-    return {k: doc[k] for k in DEGRADED_KEYS if k in doc}
+    return {k: doc[k] for k in DEGRADED_FIELDS if k in doc}  # the degraded-run fields a state report may carry
 
 
 # -- supervisor -> run process ------------------------------------------------------------
@@ -260,7 +254,7 @@ class StatusReport(_Codec):
 
     type: ClassVar[str] = "status"
     status: JSON = _field(_dict)
-    counters: RunCounters | None = _field(_nested(RunCounters), None)
+    counters: RunCounters | None = _field(_optional(lambda v, key: RunCounters.from_json(_dict(v, key))), None)
     live_peers: tuple[str, ...] | None = _field(_optional(_strs), None)
     checkpoint_round: int = _field(_int, 0)
 

@@ -11,16 +11,11 @@ fails the same way, as one line naming the key (:class:`ConfigError`), in both.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 from dfl_agent.runtime.shared.assembly import apply_profile, check_node_model, model_spec_for, resolve_algorithm
 from dfl_agent.runtime.shared.config import ConfigError, NodeConfig
-
-log = logging.getLogger("dfl_agent.preflight")
-
-__all__ = ["check_startup", "resolve_algorithm", "check_data_path", "load_data", "data_shape"]
 
 
 def check_data_path(cfg: NodeConfig) -> None:

@@ -73,8 +73,6 @@ ROW_STATES = ("reserved", "spent", "released")
 #: how far below the device's records an operator's stated ε may be: the rounding of the
 #: published figures (4 decimals); the records' figure is taken then
 ROUNDING = 1e-4
-#: the event kinds (see the module docstring)
-EVENT_KINDS = ("reserve", "replan", "trained", "settle", "migrated", "opening", "fold")
 
 RUNS_DDL = """
 CREATE TABLE IF NOT EXISTS runs (

@@ -208,12 +208,9 @@ class PrivacyLedger:
         try:
             if con is not None:
                 return self._verify(con, head)
-            con = self._connect()
-            try:
+            with contextlib.closing(self._connect()) as con:
                 con.execute("BEGIN")  # one consistent snapshot
                 return self._verify(con, head)
-            finally:
-                con.close()
         except sqlite3.OperationalError:  # busy, locked, no permission, an I/O error: not the file's content
             raise
         except sqlite3.DatabaseError as exc:  # not a database, malformed
@@ -298,17 +295,9 @@ class PrivacyLedger:
         write_head(self.state_dir, LedgerState(chain=chain, head=chain))
         for suffix in ("", "-wal", "-shm"):  # a 0-byte file of a power cut at creation
             self.path.with_name(self.path.name + suffix).unlink(missing_ok=True)
-        con = self._connect(create=True)
-        try:
-            con.execute("PRAGMA journal_mode = WAL")
-            con.execute("BEGIN IMMEDIATE")
-            for ddl in (RUNS_DDL, EVENTS_DDL, META_DDL):
-                con.execute(ddl)
-            con.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", [("format", str(FORMAT)),
-                                                                             ("chain", chain)])
+        with contextlib.closing(self._connect(create=True)) as con:
+            _begin_chained(con, chain)
             con.execute("COMMIT")
-        finally:
-            con.close()
         fsync_dir(self.path.parent)
 
     def _ensure_chained(self) -> int:
@@ -317,11 +306,8 @@ class PrivacyLedger:
         if not self.path.exists() or self._empty_file():
             return 0
         try:
-            con = self._connect()
-            try:
+            with contextlib.closing(self._connect()) as con:
                 tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            finally:
-                con.close()
         except sqlite3.DatabaseError:
             return 0  # the check that follows names what is wrong
         head = read_head(self.state_dir)
@@ -331,12 +317,8 @@ class PrivacyLedger:
         if backup.exists():
             backup = backup.with_name(f"ledger.pre-chain-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.sqlite")
         tmp = backup.with_name(f".{backup.name}.tmp{os.getpid()}")
-        src, dst = self._connect(), sqlite3.connect(tmp)
-        try:
+        with contextlib.closing(self._connect()) as src, contextlib.closing(sqlite3.connect(tmp)) as dst:
             src.backup(dst)  # a consistent copy, whatever the journal holds
-        finally:
-            dst.close()
-            src.close()
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         rename(tmp, backup)
@@ -344,14 +326,9 @@ class PrivacyLedger:
         write_head(self.state_dir, LedgerState(chain=chain, head=chain))  # 0 events: a crash here chains again
         con = self._connect()
         try:
-            con.execute("PRAGMA journal_mode = WAL")
-            con.execute("BEGIN IMMEDIATE")
+            _begin_chained(con, chain)  # table runs, an older release's, stays as it is
             rows = [dict(zip(COLUMNS, r)) for r in con.execute(f"SELECT {', '.join(COLUMNS)} FROM runs "
                                                                 "ORDER BY time, run_id")]
-            for ddl in (EVENTS_DDL, META_DDL):
-                con.execute(ddl)
-            con.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", [("format", str(FORMAT)),
-                                                                             ("chain", chain)])
             st = LedgerState(chain=chain, head=chain)
             for row in rows:
                 self._append(con, st, row["run_id"], "migrated", row)
@@ -554,6 +531,16 @@ class PrivacyLedger:
         """The composed ε at ``delta`` over the device's history (but ``exclude``) and ``plus``,
         with any amount a recovery carried over (:meth:`LedgerState.epsilon`)."""
         return self.state().epsilon(delta, exclude, plus)
+
+
+def _begin_chained(con: sqlite3.Connection, chain: str) -> None:
+    """Begin ``con``'s write transaction (WAL journal) and make its tables those of a chained ledger
+    (those missing), with chain id ``chain`` in table ``meta``."""
+    con.execute("PRAGMA journal_mode = WAL")
+    con.execute("BEGIN IMMEDIATE")
+    for ddl in (RUNS_DDL, EVENTS_DDL, META_DDL):
+        con.execute(ddl)
+    con.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", [("format", str(FORMAT)), ("chain", chain)])
 
 
 class _Unchained(Exception):

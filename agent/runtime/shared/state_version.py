@@ -44,6 +44,7 @@ schema.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -265,15 +266,9 @@ def _copy_file(src: str, dst: str) -> str:
         return dst
     if src.endswith((".sqlite", ".db")):
         try:
-            source = sqlite3.connect(f"file:{src}?mode=ro", uri=True)
-            try:
-                target = sqlite3.connect(dst)
-                try:
-                    source.backup(target)
-                finally:
-                    target.close()
-            finally:
-                source.close()
+            with contextlib.closing(sqlite3.connect(f"file:{src}?mode=ro", uri=True)) as source, \
+                    contextlib.closing(sqlite3.connect(dst)) as target:
+                source.backup(target)
             return dst
         except sqlite3.DatabaseError:
             pass  # not a readable database: copied byte for byte, as it is
