@@ -44,6 +44,7 @@ from dfl_agent.algorithms.protocols.synchronization import (
 )
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
 from dfl_agent.learning.robust import check_options as check_robust_options
+from dfl_agent.learning.robust import robust_aggregate
 from dfl_agent.learning.training import train_local
 
 if TYPE_CHECKING:
@@ -215,7 +216,7 @@ class NeighbourhoodOptions(GossipOptions):
 class NeighbourhoodAlgorithm(Algorithm):
     """Algorithm 1 of seed 001 with a pluggable aggregation rule.
 
-    Subclasses implement :meth:`aggregate` and may override :meth:`after_training`
+    Subclasses may override :meth:`aggregate` (default: the sample-weighted mean), :meth:`after_training`
     (extra tensors to send), :meth:`extra_names` (the names those may have) and
     :meth:`send_model` (how the model reaches the neighbours).
     """
@@ -266,11 +267,19 @@ class NeighbourhoodAlgorithm(Algorithm):
         return {}
 
     def aggregate(self, t: int, own: dict[str, np.ndarray], got: list[Message]) -> tuple[dict[str, np.ndarray], dict]:
-        """The aggregation of round ``t`` (seed 001 Alg. 1 line 7, the rule of each subclass)
-        from the own model and the neighbours' messages (sorted by sender; round t-1, or
-        round t with :attr:`train_first`).  Returns ``(tensors, info)``: the new model's
-        tensors (names and shapes of ``own``) and JSON-friendly round info."""
-        raise NotImplementedError
+        """The aggregation of round ``t`` (seed 001 Alg. 1 line 7) from the own model and the
+        neighbours' messages (sorted by sender; round t-1, or round t with :attr:`train_first`).
+        Returns ``(tensors, info)``: the new model's tensors (names and shapes of ``own``) and
+        JSON-friendly round info.
+
+        This default (``fedavg``, ``dechetero``) is the sample-weighted mean over N_i ∪ {i}
+        (DecHW seed 001 Eq. 3: ``w_i = Σ_j τ_j w_j``, ``τ_j = |D_j| / Σ_k |D_k|``; FedAvg's
+        rule, McMahan et al. 2017, seed 004 Eq. 9) with ``|D_j|`` = the sender's ``samples``,
+        or the robust rule of the option ``aggregation`` (:mod:`dfl_agent.learning.robust`)."""
+        o = self.options
+        tensors, _ = robust_aggregate(own, [m.tensors for m in got], [self.samples] + [m.meta["samples"] for m in got],
+                                      o.aggregation, clip_norm=o.clip_norm, trim_ratio=o.trim_ratio)
+        return tensors, {}
 
     # -- protocol -------------------------------------------------------------------
     async def _train(self) -> dict[str, float]:

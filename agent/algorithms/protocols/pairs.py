@@ -291,9 +291,6 @@ class PairAlgorithm(Algorithm):
         """Round ``t`` of seed 004 Algorithms 1–3 (rounds mode): compute the pairs, train and
         send (sender) or receive and fuse (receiver, :meth:`fuse`), then wait for the
         receivers' ``done``.  Returns the round's info."""
-        return await self.pair_round(t)
-
-    async def pair_round(self, t: int) -> dict[str, Any]:
         ctx, me = self.ctx, self.ctx.node_id
         t0 = ctx.clock.now()
         pairs = self.schedule(t)
@@ -438,13 +435,11 @@ class PushAlgorithm(PairAlgorithm):
         model to one random live peer.  Returns the round's info."""
         if self.options.mode == "gossip":
             return await self.gossip_step(t)
-        return await self.pair_round(t)
+        return await super().round(t)
 
     async def run(self, rounds: int, start_round: int = 1) -> None:
         if self.options.mode != "gossip":
             return await super().run(rounds, start_round)
-        import asyncio
-
         self._server = asyncio.ensure_future(self._serve_inbox())
         try:
             await super().run(rounds, start_round)
