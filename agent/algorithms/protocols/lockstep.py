@@ -90,8 +90,7 @@ class LockStepAlgorithm(Algorithm):
         live = set(self.ctx.live_peers())
         if self.group is None:
             self.group = set(live)
-        for p in self.group - live:  # presence went away
-            self.dropped.add(p)
+        self.dropped |= self.group - live  # presence went away
         self.group &= live
         self.group -= self.dropped
         return sorted(self.group)
@@ -114,7 +113,7 @@ class LockStepAlgorithm(Algorithm):
         sent = await ctx.broadcast(msg) if peers else 0
         res = await self._markets[kind].collect(
             ctx, kind, t, deadline=ctx.clock.now() + timeout, poll=self.options.poll_interval,
-            peers=lambda: [p for p in self.members()], validate=validate,
+            peers=self.members, validate=validate,
             outsider_reason="not_in_group: sender is not in the synchronization group",
         )
         if res.missing:

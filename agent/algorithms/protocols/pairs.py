@@ -73,7 +73,6 @@ import numpy as np
 from dfl_agent.algorithms.base import Algorithm
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.neighbourhood import update_problem
-from dfl_agent.algorithms.protocols.stragglers import in_quorum_mode
 from dfl_agent.learning.params import model_to_numpy
 from dfl_agent.learning.training import train_local
 from dfl_agent.privacy.plan import steps_per_round
@@ -244,7 +243,7 @@ class PairAlgorithm(Algorithm):
         self.fingerprint = seed_fingerprint(self.schedule_seed)
         self.stats: collections.Counter[str] = collections.Counter()
         #: ``runtime.straggler = "quorum"``: re-pair away from a silent sender (:meth:`schedule`)
-        self.repairs = in_quorum_mode(self.ctx)
+        self.repairs = self.ctx.quorum
         self.silent: dict[str, int] = {}  # sender -> the last round it is left out of the pairs
 
     @property
