@@ -2,8 +2,8 @@
 
 An algorithm is one node's behaviour, written against :class:`NodeContext` only.
 Subclasses set ``name``, an ``Options`` dataclass (validated from the config's
-``[algorithm.options]`` table) and implement :meth:`Algorithm.round` and
-:meth:`Algorithm.deployable_model`.  Register them with :func:`register`.
+``[algorithm.options]`` table) and implement :meth:`Algorithm.round` (and
+:meth:`Algorithm.deployable_model` where it is not ``self.model``).  Register them with :func:`register`.
 """
 
 from __future__ import annotations
@@ -192,6 +192,8 @@ class Algorithm:
     #: False for the local baselines, which exchange nothing: a node running one never
     #: skips rounds to "rejoin" its peers (their progress says nothing about its model)
     communicates: ClassVar[bool] = True
+    #: the node's model, where the algorithm keeps one (set in :meth:`setup`)
+    model: nn.Module
 
     @classmethod
     def dp_steps_per_round(cls, options: object, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
@@ -313,8 +315,9 @@ class Algorithm:
         raise NotImplementedError
 
     def deployable_model(self) -> nn.Module:
-        """The model this node would deploy now (evaluated as 'global accuracy')."""
-        raise NotImplementedError
+        """The model this node would deploy now (evaluated as 'global accuracy'); default:
+        :attr:`model`."""
+        return self.model
 
     def warm_start(self, state: Mapping[str, np.ndarray]) -> str:
         """Start the run from a deployed model's weights ``state`` (``state_dict`` names ->

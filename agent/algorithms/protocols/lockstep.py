@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -20,11 +20,6 @@ from dfl_agent.algorithms.protocols.synchronization import UpdateMarket
 from dfl_agent.learning import thresholding as th
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
 from dfl_agent.learning.training import train_local
-
-if TYPE_CHECKING:
-    from torch import nn
-else:
-    from dfl_agent.learning.lazy import nn
 
 VOTE_KIND = "gt.vote"
 SYNC_KIND = "gt.sync"
@@ -177,9 +172,6 @@ class LockStepAlgorithm(Algorithm):
         """η of the accumulated gradient (``training.lr``), read every round: a warm-started
         run's learning-rate ramp changes it, and a round's gradient and update use the same η."""
         return float(self.ctx.train.lr)
-
-    def deployable_model(self) -> nn.Module:
-        return self.model
 
     def warm_start(self, state: Mapping[str, np.ndarray]) -> str:
         """The model, and the reference M_R the thresholds compare against (set to it)."""

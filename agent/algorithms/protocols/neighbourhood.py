@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -46,11 +46,6 @@ from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load
 from dfl_agent.learning.robust import check_options as check_robust_options
 from dfl_agent.learning.robust import robust_aggregate
 from dfl_agent.learning.training import train_local
-
-if TYPE_CHECKING:
-    from torch import nn
-else:
-    from dfl_agent.learning.lazy import nn
 
 DELIVERIES = ("auto", "unicast", "broadcast")
 log = logging.getLogger(__name__)
@@ -407,9 +402,6 @@ class NeighbourhoodAlgorithm(Algorithm):
         ``runtime.straggler = "quorum"`` a slow node skips too, so that its updates reach
         the others within ``max_staleness`` rounds."""
         return self.market.max_staleness == 0 or self.ctx.quorum
-
-    def deployable_model(self) -> nn.Module:
-        return self.model
 
     def status(self) -> dict[str, Any]:
         return self.market.status()

@@ -252,9 +252,6 @@ class PairAlgorithm(Algorithm):
         a warm-started run's learning-rate ramp changes ``ctx.train``."""
         return dataclasses.replace(self.ctx.train, epochs=self.options.M)
 
-    def deployable_model(self) -> nn.Module:
-        return self.model
-
     def status(self) -> dict[str, Any]:
         return {"pair_stats": dict(self.stats)}
 
