@@ -311,14 +311,6 @@ class RotatingAggregator(Algorithm):
         b = self.best
         return b is not None and (b.round > t or (b.round == t and b.aggregator < aggregator))
 
-    async def _drain_done(self) -> None:
-        """Process every ``done`` already buffered (without waiting)."""
-        while True:
-            msg = await self.ctx.receive(self.K_DONE, deadline=self._now())
-            if msg is None:
-                return
-            await self._on_done(msg)
-
     async def _participate(self, invite: Message) -> None:
         t, agg = invite.round, invite.sender
         gate = self.ctx.gate  # device profiles: a gated node declines at once
@@ -416,7 +408,8 @@ class RotatingAggregator(Algorithm):
                 contributions[msg.sender] = msg
         with self.divergence_guard("aggregation"):  # the aggregator's own models stay finite
             updates, info = await self.aggregate(t, token, contributions)
-        await self._drain_done()
+        while (msg := await ctx.receive(self.K_DONE, deadline=self._now())) is not None:  # every done buffered
+            await self._on_done(msg)
         if self._beaten(ctx.node_id, t):
             log.info("%s: round %d was completed elsewhere; abandoning it", ctx.node_id, t)
             return
