@@ -93,7 +93,6 @@ def option(options: Any, key: str, default: Any) -> Any:
     return getattr(options, key, default)
 
 
-
 def dp_enabled(cfg: Any) -> bool:
     """Whether the node configuration ``cfg`` asks for DP: its ``privacy`` is a
     :class:`~dfl_agent.privacy.config.PrivacyConfig` with ``dp`` set, or a ``[privacy]``
