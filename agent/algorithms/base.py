@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from dfl_agent.algorithms.context import NodeContext
+from dfl_agent.learning.params import model_to_numpy
 from dfl_agent.learning.training import PlainSGD, snapshot
 from dfl_agent.privacy.plan import steps_per_round
 from dfl_agent.privacy.policy import DPSupport
@@ -366,8 +367,7 @@ class Algorithm:
         meta: dict[str, Any] = {}
         for attr, value in sorted(vars(self).items()):
             if isinstance(value, nn.Module):
-                for k, v in value.state_dict().items():
-                    tensors[f"{attr}.{k}"] = np.ascontiguousarray(v.detach().cpu().numpy()).copy()
+                tensors.update({f"{attr}.{k}": v for k, v in model_to_numpy(value).items()})
             elif isinstance(value, (torch.optim.Optimizer, PlainSGD)):
                 sd = value.state_dict()
                 other: dict[str, Any] = {}

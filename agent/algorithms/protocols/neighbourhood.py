@@ -85,10 +85,9 @@ class GossipOptions(SyncOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.round_timeout > 0:
-            raise ValueError(f"round_timeout must be > 0, got {self.round_timeout}")
-        if not self.poll_interval > 0:
-            raise ValueError(f"poll_interval must be > 0, got {self.poll_interval}")
+        for key in ("round_timeout", "poll_interval"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
         check_robust_options(self.aggregation, self.clip_norm, self.trim_ratio)
 
 
