@@ -2,8 +2,8 @@
 
 An algorithm is one node's behaviour, written against :class:`NodeContext` only.
 Subclasses set ``name``, an ``Options`` dataclass (validated from the config's
-``[algorithm.options]`` table) and implement :meth:`Algorithm.round` and
-:meth:`Algorithm.deployable_model`.  Register them with :func:`register`.
+``[algorithm.options]`` table) and implement :meth:`Algorithm.round` (and
+:meth:`Algorithm.deployable_model` where it is not ``self.model``).  Register them with :func:`register`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from dfl_agent.algorithms.context import NodeContext
+from dfl_agent.learning.params import model_to_numpy
 from dfl_agent.learning.training import PlainSGD, snapshot
 from dfl_agent.privacy.plan import steps_per_round
 from dfl_agent.privacy.policy import DPSupport
@@ -192,6 +193,8 @@ class Algorithm:
     #: False for the local baselines, which exchange nothing: a node running one never
     #: skips rounds to "rejoin" its peers (their progress says nothing about its model)
     communicates: ClassVar[bool] = True
+    #: the node's model, where the algorithm keeps one (set in :meth:`setup`)
+    model: nn.Module
 
     @classmethod
     def dp_steps_per_round(cls, options: object, *, n_samples: int, batch_size: int, epochs: int, steps: int) -> int:
@@ -313,8 +316,9 @@ class Algorithm:
         raise NotImplementedError
 
     def deployable_model(self) -> nn.Module:
-        """The model this node would deploy now (evaluated as 'global accuracy')."""
-        raise NotImplementedError
+        """The model this node would deploy now (evaluated as 'global accuracy'); default:
+        :attr:`model`."""
+        return self.model
 
     def warm_start(self, state: Mapping[str, np.ndarray]) -> str:
         """Start the run from a deployed model's weights ``state`` (``state_dict`` names ->
@@ -363,8 +367,7 @@ class Algorithm:
         meta: dict[str, Any] = {}
         for attr, value in sorted(vars(self).items()):
             if isinstance(value, nn.Module):
-                for k, v in value.state_dict().items():
-                    tensors[f"{attr}.{k}"] = np.ascontiguousarray(v.detach().cpu().numpy()).copy()
+                tensors.update({f"{attr}.{k}": v for k, v in model_to_numpy(value).items()})
             elif isinstance(value, (torch.optim.Optimizer, PlainSGD)):
                 sd = value.state_dict()
                 other: dict[str, Any] = {}

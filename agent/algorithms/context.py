@@ -8,7 +8,7 @@ queue, nor whether the clock is the wall clock or the simulator's virtual clock.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
@@ -256,5 +256,3 @@ class NodeContext(Protocol):
         ``max_staleness``): the runtime keeps them that long instead of dropping them as stale."""
         ...
 
-
-AwaitableFactory = Callable[[], Awaitable[None]]

@@ -11,31 +11,17 @@ and no Hessian in the messages.
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
-
 from dfl_agent.algorithms.base import Traits, register
-from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.neighbourhood import NeighbourhoodAlgorithm, NeighbourhoodOptions
-from dfl_agent.learning.robust import robust_aggregate
 from dfl_agent.privacy import policy as dp_policy
 
 
 @register
 class DecHetero(NeighbourhoodAlgorithm):
-    """Data-size weighted neighbourhood averaging (Eq. 3)."""
+    """Data-size weighted neighbourhood averaging (Eq. 3:
+    :meth:`NeighbourhoodAlgorithm.aggregate`, or its robust rule ``aggregation``)."""
 
     name = "dechetero"
     traits = Traits("neighbourhood", same_architecture=True, choco_gossip=True,
                     dp=dp_policy.DPSupport({"model": dp_policy.MODEL, "model samples": dp_policy.SAMPLES}))
     Options = NeighbourhoodOptions
-
-    def aggregate(self, t: int, own: dict[str, np.ndarray], got: list[Message]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        """DecHW seed 001 Eq. 3: ``w_i = Σ_{j∈N_i∪{i}} τ_j w_j``, ``τ_j = |D_j| / Σ_k |D_k|``
-        (or the robust rule of the option ``aggregation``).  Returns ``(tensors, info)``."""
-        samples = [self.samples] + [m.meta["samples"] for m in got]
-        o = self.options  # aggregation "mean" = Eq. 3; others: dfl_agent.learning.robust
-        tensors, _ = robust_aggregate(own, [m.tensors for m in got], samples, o.aggregation,
-                                      clip_norm=o.clip_norm, trim_ratio=o.trim_ratio)
-        return tensors, {}

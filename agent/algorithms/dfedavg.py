@@ -32,9 +32,8 @@ from dfl_agent.privacy.plan import steps_per_round
 
 if TYPE_CHECKING:
     import torch
-    from torch import nn
 else:
-    from dfl_agent.learning.lazy import nn, torch
+    from dfl_agent.learning.lazy import torch
 
 
 @dataclasses.dataclass
@@ -116,6 +115,3 @@ class DFedAvg(RotatingAggregator):
         """Seed 000 Algorithm 2: replace the model by the aggregate of round ``t`` sent by
         the aggregator."""
         load_numpy(self.model, tensors)
-
-    def deployable_model(self) -> nn.Module:
-        return self.model

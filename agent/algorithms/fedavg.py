@@ -17,11 +17,9 @@ import numpy as np
 
 from dfl_agent.algorithms import gossip_compression as gc
 from dfl_agent.algorithms.base import Traits, register
-from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.neighbourhood import MODEL_KIND, GossipOptions, NeighbourhoodAlgorithm
 from dfl_agent.algorithms.protocols.synchronization import send_with_participation
 from dfl_agent.learning.params import model_to_numpy
-from dfl_agent.learning.robust import robust_aggregate
 from dfl_agent.privacy import policy as dp_policy
 
 
@@ -32,7 +30,9 @@ class FedAvgOptions(GossipOptions):
 
 @register
 class FedAvg(NeighbourhoodAlgorithm):
-    """Decentralized FedAvg gossip over the neighbourhood (all live peers without a graph)."""
+    """Decentralized FedAvg gossip over the neighbourhood (all live peers without a graph);
+    aggregation: FedAvg's sample-weighted mean (McMahan et al. 2017; seed 004 Eq. 9 over
+    N_i ∪ {i}), :meth:`NeighbourhoodAlgorithm.aggregate`."""
 
     name = "fedavg"
     traits = Traits("neighbourhood", same_architecture=True, choco_gossip=True,
@@ -50,13 +50,3 @@ class FedAvg(NeighbourhoodAlgorithm):
             await send_with_participation(ctx, MODEL_KIND, t, own, meta, self.options.participation)
         else:
             await ctx.broadcast(gc.model_message(self.choco, MODEL_KIND, t, own, meta), neighbours_only=True)
-
-    def aggregate(self, t: int, own: dict[str, np.ndarray], got: list[Message]) -> tuple[dict[str, np.ndarray], dict]:
-        """FedAvg's sample-weighted mean (McMahan et al. 2017; seed 004 Eq. 9 over N_i ∪ {i}):
-        ``w_i ← Σ_j n_j w_j / Σ_j n_j`` with ``n_j`` = the sender's ``samples``, or the
-        robust rule of the option ``aggregation`` (:mod:`dfl_agent.learning.robust`)."""
-        o = self.options
-        avg, _ = robust_aggregate(own, [m.tensors for m in got],
-                                  [self.samples] + [m.meta["samples"] for m in got],
-                                  o.aggregation, clip_norm=o.clip_norm, trim_ratio=o.trim_ratio)
-        return avg, {}

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dfl_agent.algorithms.base import Algorithm, Traits, register
 from dfl_agent.learning.training import train_local
 from dfl_agent.privacy import policy as dp_policy
-
-if TYPE_CHECKING:
-    from torch import nn
-else:
-    from dfl_agent.learning.lazy import nn
 
 
 @register
@@ -34,6 +29,3 @@ class Local(Algorithm):
             train_local, self.model, d.train_x, d.train_y, self.ctx.train, self.ctx.rng, self.ctx.device
         )
         return {"train_loss": stats["loss"], "neighbours": 0}
-
-    def deployable_model(self) -> nn.Module:
-        return self.model

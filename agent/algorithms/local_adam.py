@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from dfl_agent.algorithms.base import Algorithm, Traits, register
 from dfl_agent.algorithms.protocols.rotating import draw_round
 from dfl_agent.learning.training import adam_lr, train_adam
 from dfl_agent.privacy import policy as dp_policy
-
-if TYPE_CHECKING:
-    from torch import nn
 
 
 @dataclasses.dataclass
@@ -78,6 +75,3 @@ class LocalAdam(Algorithm):
                 return {"neighbours": 0, "trained": False}
         stats = await self.ctx.compute(self._train)
         return {"train_loss": stats["loss"], "neighbours": 0}
-
-    def deployable_model(self) -> nn.Module:
-        return self.model

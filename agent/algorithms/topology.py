@@ -72,8 +72,9 @@ def _from_edges(ids: Sequence[str], edges: Iterable[tuple[int, int]]) -> Graph:
     return {a: [ids[j] for j in sorted(nbrs[i])] for i, a in enumerate(ids)}
 
 
-def _lists_connected(graph: Graph) -> bool:
-    """Whether ``graph`` is connected (breadth-first search over its lists, O(N + edges))."""
+def graph_is_connected(graph: Graph) -> bool:
+    """Whether a :data:`Graph` (``{node: neighbours}``) is connected (breadth-first search
+    over its lists, O(N + edges); the empty and the 1-node graph are connected)."""
     if len(graph) <= 1:
         return True
     start = next(iter(graph))
@@ -95,34 +96,6 @@ def _positive_int(topology: str, name: str, value: Any, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{topology}: {name} must be an integer >= {low}, got {value!r}")
     return value
-
-
-def is_connected(adj: np.ndarray) -> bool:
-    """Whether the undirected graph of the boolean ``(N, N)`` matrix ``adj`` is connected
-    (breadth-first search from node 0; the empty and the 1-node graph are connected)."""
-    n = adj.shape[0]
-    if n <= 1:
-        return True
-    seen = np.zeros(n, dtype=bool)
-    seen[0] = True
-    queue = deque([0])
-    while queue:
-        i = queue.popleft()
-        for j in np.flatnonzero(adj[i] & ~seen):
-            seen[j] = True
-            queue.append(int(j))
-    return bool(seen.all())
-
-
-def graph_is_connected(graph: Graph) -> bool:
-    """Whether a :data:`Graph` (``{node: neighbours}``) is connected."""
-    ids = sorted(graph)
-    index = {a: i for i, a in enumerate(ids)}
-    adj = np.zeros((len(ids), len(ids)), dtype=bool)
-    for a, nbrs in graph.items():
-        for b in nbrs:
-            adj[index[a], index[b]] = adj[index[b], index[a]] = True
-    return is_connected(adj)
 
 
 def full(ids: Sequence[str], rng: np.random.Generator) -> Graph:
@@ -156,8 +129,9 @@ def erdos_renyi(ids: Sequence[str], rng: np.random.Generator, p: float = 0.2, ma
         adj = np.zeros((n, n), dtype=bool)
         adj[iu] = rng.random(len(iu[0])) < p
         adj |= adj.T
-        if is_connected(adj):
-            return _from_adjacency(ids, adj)
+        graph = _from_adjacency(ids, adj)
+        if graph_is_connected(graph):
+            return graph
     threshold = math.log(n) / n if n > 1 else 0.0
     raise ValueError(
         f"erdos_renyi: no connected graph in {max_tries} draws with N={n}, p={p} "
@@ -215,7 +189,7 @@ def k_regular(ids: Sequence[str], rng: np.random.Generator, k: int = 4, max_trie
         edges = _regular_pairing(n, k, rng)
         if edges is not None:
             graph = _from_edges(ids, sorted(edges))
-            if _lists_connected(graph):
+            if graph_is_connected(graph):
                 return graph
     raise ValueError(f"k_regular: no connected {k}-regular graph on {n} nodes in {max_tries} draws "
                      f"(k = 2 is mostly disconnected cycles: use ring, or k >= 3); raise k or max_tries")
@@ -286,7 +260,7 @@ def watts_strogatz(ids: Sequence[str], rng: np.random.Generator, k: int = 4, p: 
                     nbrs[i].add(w)
                     nbrs[w].add(i)
         graph = {a: [ids[j] for j in sorted(nbrs[i])] for i, a in enumerate(ids)}
-        if _lists_connected(graph):
+        if graph_is_connected(graph):
             return graph
     raise ValueError(f"watts_strogatz: no connected graph on {n} nodes with k = {k}, p = {p} in {max_tries} "
                      "draws; lower p or raise k or max_tries")

@@ -46,17 +46,11 @@ def weighted_average(
     if (w < 0).any() or not np.isfinite(w).all() or w.sum() <= 0:
         raise ValueError(f"weights must be finite, non-negative, with a positive sum: {weights}")
     w = w / w.sum()
-    names = models[0].keys()
-    for m in models[1:]:
-        if m.keys() != names:
-            raise ValueError("models to average have different tensor names")
+    check_same_layout(models)
     out: dict[str, np.ndarray] = {}
     for name, first in models[0].items():
         shape = first.shape
         column = [m[name] for m in models]
-        # check_same_layout's shape check, on the arrays the average reads
-        if any(a.shape != shape for a in column):
-            raise ValueError(f"models to average disagree on the shape of {name!r}")
         if first.dtype.kind != "f":
             out[name] = np.array(first, copy=True)
             continue

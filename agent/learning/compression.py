@@ -110,10 +110,6 @@ class CompressionSpec:
     def sparse(self) -> bool:
         return self.sparsifier is not None
 
-    @property
-    def lossless(self) -> bool:
-        return self.sparsifier is None and self.value == "fp32"
-
     def value_only(self) -> CompressionSpec:
         """The same spec without its sparsifier (for whole-model exchanges)."""
         return dataclasses.replace(self, sparsifier=None, k=0.0)
@@ -303,12 +299,6 @@ def unpack_levels(data: bytes | np.ndarray, bits: int, n: int) -> np.ndarray:
     return out[:n].astype(np.uint8)
 
 
-def packed_len(n: int, bits: int) -> int:
-    """Bytes of ``n`` packed ``bits``-bit levels."""
-    per = 8 // bits
-    return -(-n // per)
-
-
 # -- casts ------------------------------------------------------------------------
 def cast_fp16(x: np.ndarray) -> np.ndarray:
     """float32 -> float16 (values beyond ±65504 are clipped, not turned into inf)."""
@@ -427,8 +417,8 @@ def _value_len(coder: str, kept: int, block: int) -> int:
         return 2 * kept
     if coder == "fp32":
         return 4 * kept
-    bits = int(coder[1:])
-    return 8 * _blocks(kept, block) + packed_len(kept, bits)
+    per = 8 // int(coder[1:])  # levels packed per byte (pack_levels)
+    return 8 * _blocks(kept, block) + -(-kept // per)
 
 
 def compress_tensor(
@@ -452,7 +442,7 @@ def compress_tensor(
     entry: dict[str, Any] = {"s": shape}
     if dtype != "float32":
         entry["d"] = dtype
-    if a.dtype.kind != "f" or not np.isfinite(a).all() or (spec.lossless and spec.value == "fp32"):
+    if a.dtype.kind != "f" or not np.isfinite(a).all() or (spec.sparsifier is None and spec.value == "fp32"):
         if dtype not in _LOSSLESS_DTYPES:
             raise CompressionError(f"dtype {dtype} cannot travel")
         data = np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes()

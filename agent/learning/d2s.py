@@ -35,11 +35,6 @@ if TYPE_CHECKING:
 else:
     from dfl_agent.learning.lazy import F, nn, torch
 
-__all__ = [
-    "num_layers", "distillation_layer", "features", "head", "fixed_batches", "extract_features",
-    "c2s_distill", "global_soft_targets", "s2c_distill", "average_states", "ceil_count",
-]
-
 Batch = tuple["torch.Tensor", "torch.Tensor"]
 
 

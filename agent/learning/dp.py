@@ -98,13 +98,10 @@ class DPTraining:
         if not 0 < self.sample_rate <= 1:
             raise ValueError(f"privacy.dp: sample rate must be in (0, 1], got {self.sample_rate!r}")
 
-    def steps_per_pass(self) -> int:
-        """DP steps that stand for one pass over the data: ``⌈1/q⌉`` (``⌈N / batch_size⌉``)."""
-        return max(1, math.ceil(1.0 / self.sample_rate - 1e-9))
-
     def steps_for(self, epochs: int, steps: int = 0) -> int:
-        """The DP steps of one training call: ``steps`` when > 0, else ``epochs·⌈1/q⌉``."""
-        return int(steps) if steps > 0 else int(epochs) * self.steps_per_pass()
+        """The DP steps of one training call: ``steps`` when > 0, else ``epochs·⌈1/q⌉`` (``⌈1/q⌉`` =
+        ``⌈N / batch_size⌉`` stands for one pass over the data)."""
+        return int(steps) if steps > 0 else int(epochs) * max(1, math.ceil(1.0 / self.sample_rate - 1e-9))
 
 
 def require_opacus() -> None:

@@ -32,9 +32,6 @@ class LazyModule(types.ModuleType):
         ImportError: the module cannot be imported (torch not installed, or blocked).
     """
 
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-
     def __getattr__(self, attr: str) -> Any:
         module = importlib.import_module(self.__name__)
         # copy the namespace once: later reads no longer come through __getattr__

@@ -49,22 +49,6 @@ Tensors = Mapping[str, np.ndarray]
 #: readings of Eq. 5.3 when a layer's median |G̃| is 0 (see the module docstring)
 ZERO_MEDIAN_MODES = ("floor", "skip_lateral")
 
-__all__ = [
-    "ZERO_MEDIAN_MODES",
-    "ThresholdResult",
-    "dot",
-    "norm",
-    "weighted_norm",
-    "distance_weights",
-    "threshold_extent",
-    "threshold_test",
-    "forecast_update",
-    "zero_median_layers",
-    "accumulated_gradient",
-    "apply_gradient",
-    "mean_gradient",
-]
-
 
 def _f64(tensors: Tensors) -> dict[str, np.ndarray]:
     return {k: np.asarray(v, dtype=np.float64) for k, v in tensors.items()}
@@ -151,9 +135,6 @@ class ThresholdResult:
     lateral: float
     lateral_max: float
     lateral_skipped: bool = False
-
-    def as_dict(self) -> dict[str, float | bool | str]:
-        return dataclasses.asdict(self)
 
 
 def zero_median_layers(forecast: Tensors) -> list[str]:

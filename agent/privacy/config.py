@@ -88,10 +88,6 @@ class PrivacyConfig:
     dp: DPConfig | None = None
     lifetime_epsilon: float = DEFAULT_LIFETIME_EPSILON
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON view (the plan and the status carry it)."""
-        return {"dp": dataclasses.asdict(self.dp) if self.dp else None, "lifetime_epsilon": self.lifetime_epsilon}
-
 
 def section_table(section: Any) -> dict[str, Any]:
     """The keys set (not None) of a section dataclass, nested tables included (empty ones left out)."""

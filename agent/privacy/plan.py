@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 from dfl_agent.privacy.accountant import noise_for_epsilon, rdp_epsilon
 from dfl_agent.privacy.config import DPConfig
@@ -26,10 +25,6 @@ class RunPlan:
     epsilon: float
     delta: float
     max_grad_norm: float
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON view."""
-        return dataclasses.asdict(self)
 
 
 def steps_per_round(n_samples: int, batch_size: int, epochs: int, steps: int) -> int:

@@ -28,11 +28,6 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["DPSupport", "COMMON", "TREATMENTS", "SENT_SAMPLES", "SAMPLES", "MODEL", "SPEC", "AVERAGE", "ROTATION",
-           "rotating", "option", "check_dp_combination", "dp_enabled",
-           "check_lifetime", "parse_checked",
-           "redact_status", "REDACTED_STATUS_KEYS"]
-
 #: How a sent value is handled under DP (see the module docstring).
 TREATMENTS = ("dp-sgd", "data-independent", "public", "leak")
 
@@ -96,8 +91,6 @@ def option(options: Any, key: str, default: Any) -> Any:
     if isinstance(options, Mapping):
         return options.get(key, default)
     return getattr(options, key, default)
-
-
 
 
 def dp_enabled(cfg: Any) -> bool:

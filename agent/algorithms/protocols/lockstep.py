@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -20,11 +20,6 @@ from dfl_agent.algorithms.protocols.synchronization import UpdateMarket
 from dfl_agent.learning import thresholding as th
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
 from dfl_agent.learning.training import train_local
-
-if TYPE_CHECKING:
-    from torch import nn
-else:
-    from dfl_agent.learning.lazy import nn
 
 VOTE_KIND = "gt.vote"
 SYNC_KIND = "gt.sync"
@@ -90,8 +85,7 @@ class LockStepAlgorithm(Algorithm):
         live = set(self.ctx.live_peers())
         if self.group is None:
             self.group = set(live)
-        for p in self.group - live:  # presence went away
-            self.dropped.add(p)
+        self.dropped |= self.group - live  # presence went away
         self.group &= live
         self.group -= self.dropped
         return sorted(self.group)
@@ -114,7 +108,7 @@ class LockStepAlgorithm(Algorithm):
         sent = await ctx.broadcast(msg) if peers else 0
         res = await self._markets[kind].collect(
             ctx, kind, t, deadline=ctx.clock.now() + timeout, poll=self.options.poll_interval,
-            peers=lambda: [p for p in self.members()], validate=validate,
+            peers=self.members, validate=validate,
             outsider_reason="not_in_group: sender is not in the synchronization group",
         )
         if res.missing:
@@ -178,9 +172,6 @@ class LockStepAlgorithm(Algorithm):
         """η of the accumulated gradient (``training.lr``), read every round: a warm-started
         run's learning-rate ramp changes it, and a round's gradient and update use the same η."""
         return float(self.ctx.train.lr)
-
-    def deployable_model(self) -> nn.Module:
-        return self.model
 
     def warm_start(self, state: Mapping[str, np.ndarray]) -> str:
         """The model, and the reference M_R the thresholds compare against (set to it)."""

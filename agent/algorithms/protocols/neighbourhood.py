@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -44,12 +44,8 @@ from dfl_agent.algorithms.protocols.synchronization import (
 )
 from dfl_agent.learning.params import IncompatibleUpdate, check_compatible, load_numpy, model_to_numpy
 from dfl_agent.learning.robust import check_options as check_robust_options
+from dfl_agent.learning.robust import robust_aggregate
 from dfl_agent.learning.training import train_local
-
-if TYPE_CHECKING:
-    from torch import nn
-else:
-    from dfl_agent.learning.lazy import nn
 
 DELIVERIES = ("auto", "unicast", "broadcast")
 log = logging.getLogger(__name__)
@@ -89,10 +85,9 @@ class GossipOptions(SyncOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.round_timeout > 0:
-            raise ValueError(f"round_timeout must be > 0, got {self.round_timeout}")
-        if not self.poll_interval > 0:
-            raise ValueError(f"poll_interval must be > 0, got {self.poll_interval}")
+        for key in ("round_timeout", "poll_interval"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
         check_robust_options(self.aggregation, self.clip_norm, self.trim_ratio)
 
 
@@ -215,7 +210,7 @@ class NeighbourhoodOptions(GossipOptions):
 class NeighbourhoodAlgorithm(Algorithm):
     """Algorithm 1 of seed 001 with a pluggable aggregation rule.
 
-    Subclasses implement :meth:`aggregate` and may override :meth:`after_training`
+    Subclasses may override :meth:`aggregate` (default: the sample-weighted mean), :meth:`after_training`
     (extra tensors to send), :meth:`extra_names` (the names those may have) and
     :meth:`send_model` (how the model reaches the neighbours).
     """
@@ -266,11 +261,19 @@ class NeighbourhoodAlgorithm(Algorithm):
         return {}
 
     def aggregate(self, t: int, own: dict[str, np.ndarray], got: list[Message]) -> tuple[dict[str, np.ndarray], dict]:
-        """The aggregation of round ``t`` (seed 001 Alg. 1 line 7, the rule of each subclass)
-        from the own model and the neighbours' messages (sorted by sender; round t-1, or
-        round t with :attr:`train_first`).  Returns ``(tensors, info)``: the new model's
-        tensors (names and shapes of ``own``) and JSON-friendly round info."""
-        raise NotImplementedError
+        """The aggregation of round ``t`` (seed 001 Alg. 1 line 7) from the own model and the
+        neighbours' messages (sorted by sender; round t-1, or round t with :attr:`train_first`).
+        Returns ``(tensors, info)``: the new model's tensors (names and shapes of ``own``) and
+        JSON-friendly round info.
+
+        This default (``fedavg``, ``dechetero``) is the sample-weighted mean over N_i ∪ {i}
+        (DecHW seed 001 Eq. 3: ``w_i = Σ_j τ_j w_j``, ``τ_j = |D_j| / Σ_k |D_k|``; FedAvg's
+        rule, McMahan et al. 2017, seed 004 Eq. 9) with ``|D_j|`` = the sender's ``samples``,
+        or the robust rule of the option ``aggregation`` (:mod:`dfl_agent.learning.robust`)."""
+        o = self.options
+        tensors, _ = robust_aggregate(own, [m.tensors for m in got], [self.samples] + [m.meta["samples"] for m in got],
+                                      o.aggregation, clip_norm=o.clip_norm, trim_ratio=o.trim_ratio)
+        return tensors, {}
 
     # -- protocol -------------------------------------------------------------------
     async def _train(self) -> dict[str, float]:
@@ -398,9 +401,6 @@ class NeighbourhoodAlgorithm(Algorithm):
         ``runtime.straggler = "quorum"`` a slow node skips too, so that its updates reach
         the others within ``max_staleness`` rounds."""
         return self.market.max_staleness == 0 or self.ctx.quorum
-
-    def deployable_model(self) -> nn.Module:
-        return self.model
 
     def status(self) -> dict[str, Any]:
         return self.market.status()

@@ -73,7 +73,6 @@ import numpy as np
 from dfl_agent.algorithms.base import Algorithm
 from dfl_agent.algorithms.context import Message
 from dfl_agent.algorithms.protocols.neighbourhood import update_problem
-from dfl_agent.algorithms.protocols.stragglers import in_quorum_mode
 from dfl_agent.learning.params import model_to_numpy
 from dfl_agent.learning.training import train_local
 from dfl_agent.privacy.plan import steps_per_round
@@ -244,7 +243,7 @@ class PairAlgorithm(Algorithm):
         self.fingerprint = seed_fingerprint(self.schedule_seed)
         self.stats: collections.Counter[str] = collections.Counter()
         #: ``runtime.straggler = "quorum"``: re-pair away from a silent sender (:meth:`schedule`)
-        self.repairs = in_quorum_mode(self.ctx)
+        self.repairs = self.ctx.quorum
         self.silent: dict[str, int] = {}  # sender -> the last round it is left out of the pairs
 
     @property
@@ -252,9 +251,6 @@ class PairAlgorithm(Algorithm):
         """The sender's local training (``training`` with ``M`` epochs), read every round:
         a warm-started run's learning-rate ramp changes ``ctx.train``."""
         return dataclasses.replace(self.ctx.train, epochs=self.options.M)
-
-    def deployable_model(self) -> nn.Module:
-        return self.model
 
     def status(self) -> dict[str, Any]:
         return {"pair_stats": dict(self.stats)}
@@ -291,9 +287,6 @@ class PairAlgorithm(Algorithm):
         """Round ``t`` of seed 004 Algorithms 1–3 (rounds mode): compute the pairs, train and
         send (sender) or receive and fuse (receiver, :meth:`fuse`), then wait for the
         receivers' ``done``.  Returns the round's info."""
-        return await self.pair_round(t)
-
-    async def pair_round(self, t: int) -> dict[str, Any]:
         ctx, me = self.ctx, self.ctx.node_id
         t0 = ctx.clock.now()
         pairs = self.schedule(t)
@@ -438,13 +431,11 @@ class PushAlgorithm(PairAlgorithm):
         model to one random live peer.  Returns the round's info."""
         if self.options.mode == "gossip":
             return await self.gossip_step(t)
-        return await self.pair_round(t)
+        return await super().round(t)
 
     async def run(self, rounds: int, start_round: int = 1) -> None:
         if self.options.mode != "gossip":
             return await super().run(rounds, start_round)
-        import asyncio
-
         self._server = asyncio.ensure_future(self._serve_inbox())
         try:
             await super().run(rounds, start_round)

@@ -77,11 +77,8 @@ class RotationOptions:
 
 def _json_scalars(info: dict[str, Any]) -> dict[str, Any]:
     """The finite JSON scalars of ``info`` (NaN/Inf would make the envelope invalid)."""
-    out: dict[str, Any] = {}
-    for k, v in info.items():
-        if isinstance(v, (str, bool, int)) or (isinstance(v, float) and math.isfinite(v)):
-            out[k] = v
-    return out
+    return {k: v for k, v in info.items()
+            if isinstance(v, (str, bool, int)) or (isinstance(v, float) and math.isfinite(v))}
 
 
 def _completion_times(info: dict[str, Any]) -> list[float]:
@@ -266,20 +263,14 @@ class RotatingAggregator(Algorithm):
                         self.ctx.node_id, self.options.token_timeout, self.completed + 1, self.ctx.live_peers())
             self._lead_next = (self.completed + 1, token)
 
-    def _parse_done(self, msg: Message) -> Done | None:
+    async def _on_done(self, msg: Message) -> None:
         m = msg.meta
         if not (isinstance(m.get("next"), str) and isinstance(m.get("token"), dict)):
             self.ctx.reject(msg, "bad_meta: done")
-            return None
+            return
         info = m.get("info")
-        if not isinstance(info, dict):
-            info = {}
-        return Done(msg.round, msg.sender, m["next"], m["token"], info, dict(msg.tensors))
-
-    async def _on_done(self, msg: Message) -> None:
-        done = self._parse_done(msg)
-        if done is not None:
-            await self._record(done)
+        await self._record(Done(msg.round, msg.sender, m["next"], m["token"], info if isinstance(info, dict) else {},
+                                dict(msg.tensors)))
 
     async def _record(self, done: Done) -> None:
         if done.beats(self.best):
@@ -319,17 +310,6 @@ class RotatingAggregator(Algorithm):
         """True when ``aggregator``'s round ``t`` loses to the best ``done`` seen."""
         b = self.best
         return b is not None and (b.round > t or (b.round == t and b.aggregator < aggregator))
-
-    def _lost(self, t: int) -> bool:
-        return self._beaten(self.ctx.node_id, t)
-
-    async def _drain_done(self) -> None:
-        """Process every ``done`` already buffered (without waiting)."""
-        while True:
-            msg = await self.ctx.receive(self.K_DONE, deadline=self._now())
-            if msg is None:
-                return
-            await self._on_done(msg)
 
     async def _participate(self, invite: Message) -> None:
         t, agg = invite.round, invite.sender
@@ -410,7 +390,7 @@ class RotatingAggregator(Algorithm):
                 break
             if msg.kind == self.K_DONE:
                 await self._on_done(msg)
-                if self._lost(t):
+                if self._beaten(ctx.node_id, t):
                     log.info("%s: round %d was completed elsewhere; abandoning it", ctx.node_id, t)
                     return
                 continue
@@ -428,8 +408,9 @@ class RotatingAggregator(Algorithm):
                 contributions[msg.sender] = msg
         with self.divergence_guard("aggregation"):  # the aggregator's own models stay finite
             updates, info = await self.aggregate(t, token, contributions)
-        await self._drain_done()
-        if self._lost(t):
+        while (msg := await ctx.receive(self.K_DONE, deadline=self._now())) is not None:  # every done buffered
+            await self._on_done(msg)
+        if self._beaten(ctx.node_id, t):
             log.info("%s: round %d was completed elsewhere; abandoning it", ctx.node_id, t)
             return
         for s in contributions:

@@ -138,16 +138,10 @@ class AdaptiveDeadline:
         return min(hi, max(min(self.low, hi), p90 * FACTOR))
 
 
-def in_quorum_mode(ctx: NodeContext) -> bool:
-    """Whether the node runs under ``runtime.straggler = "quorum"`` (``ctx.straggler``; a
-    context without a policy, the simulator's default, runs the papers' lock step)."""
-    return ctx.straggler is not None and bool(ctx.straggler.quorum)
-
-
 def adaptive_deadline(ctx: NodeContext) -> AdaptiveDeadline | None:
     """The node's adaptive deadline under ``quorum`` (``ctx.straggler``), else None (the
     algorithm's own fixed deadline, as in its paper)."""
     policy = ctx.straggler
-    if policy is None or not policy.quorum:  # in_quorum_mode
+    if policy is None or not policy.quorum:
         return None
     return AdaptiveDeadline(policy.min_round_timeout, policy.max_round_timeout)

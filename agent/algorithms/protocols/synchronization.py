@@ -548,11 +548,6 @@ def select_participants(neighbours: list[str], k: int, rng: np.random.Generator)
     return sorted(neighbours[int(i)] for i in idx)
 
 
-def empty_update(kind: str, t: int, meta: dict[str, Any] | None = None) -> Message:
-    """The placeholder a non-selected neighbour receives under partial participation."""
-    return Message(kind, t, {}, meta={**(meta or {}), EMPTY_KEY: True})
-
-
 async def send_with_participation(
     ctx: NodeContext, kind: str, t: int, tensors: dict[str, np.ndarray], meta: dict[str, Any], participation: int,
     neighbours: list[str] | None = None,
@@ -570,5 +565,5 @@ async def send_with_participation(
         if p in chosen:
             sent += await ctx.send(p, Message(kind, t, tensors, meta=dict(meta)))
         else:
-            sent += await ctx.send(p, empty_update(kind, t, meta))
+            sent += await ctx.send(p, Message(kind, t, {}, meta={**meta, EMPTY_KEY: True}))  # the placeholder
     return {"participants": len(chosen), "pdp_bytes": sent}
