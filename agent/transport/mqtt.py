@@ -478,10 +478,6 @@ class MqttTransport(Transport):
         with self._lock:
             return {ep: c.ready.is_set() for ep, c in self._conns.items()}
 
-    def _count(self, reason: str, n: int = 1) -> None:
-        with self._lock:
-            self.stats.dropped[reason] += n
-
     def use_prepare_frame(self, prepare: Callable[[bytes, int], object]) -> bool:
         """Set :attr:`prepare_frame` (see :meth:`Transport.use_prepare_frame`); True."""
         self.prepare_frame = prepare
@@ -489,7 +485,8 @@ class MqttTransport(Transport):
 
     def count(self, reason: str, n: int = 1) -> None:
         """Count ``n`` dropped messages under ``reason`` (``stats.dropped``; thread-safe)."""
-        self._count(reason, n)
+        with self._lock:
+            self.stats.dropped[reason] += n
 
     @property
     def running(self) -> bool:
@@ -652,7 +649,7 @@ class MqttTransport(Transport):
         try:
             fn(*args)
         except Exception:  # noqa: BLE001 - a handler bug must not stop the transport
-            self._count("handler_error")
+            self.count("handler_error")
             self._errors.exception("%s: handler %r failed", self.node_id, fn)
 
     def _on_message(self, client, conn: _Conn, msg) -> None:
@@ -671,7 +668,7 @@ class MqttTransport(Transport):
             elif self.channel is not None and leaf in self.channel.leaves:
                 self.channel.on_message(conn.home, conn.client, sender, leaf, payload)
         except Exception:  # noqa: BLE001 - never kill paho's thread
-            self._count("handler_error")
+            self.count("handler_error")
             self._errors.exception("%s: error handling a message on %s", self.node_id, getattr(msg, "topic", "?"))
 
     def _handle_frame(self, conn: _Conn, topic_name: str, payload: bytes) -> None:
@@ -679,14 +676,14 @@ class MqttTransport(Transport):
             self.stats.bytes_received += len(payload)
         limit = self.max_frame_bytes + (HEADER_LEN if is_chunk(payload) else 0)
         if len(payload) > limit:
-            self._count("oversized")
+            self.count("oversized")
             log.warning("%s: dropped a %d-byte payload on %s (oversized)", self.node_id, len(payload), topic_name)
             return
         with conn.reasm_lock:
             if is_chunk(payload):
                 held = sum(r.held_bytes for r in conn.reassemblers.values())
                 if held + len(payload) > self._max_reassembly_bytes:
-                    self._count("too_many_transfers")
+                    self.count("too_many_transfers")
                     log.warning("%s: dropped a chunk on %s: %d bytes of incomplete transfers held",
                                 self.node_id, topic_name, held)
                     return
@@ -694,7 +691,7 @@ class MqttTransport(Transport):
                 in_flight = sum(r.pending for r in conn.reassemblers.values())
                 mine = conn.reassemblers.get(topic_name)
                 if in_flight >= self.max_transfers and (mine is None or not mine.holds(payload)):
-                    self._count("too_many_transfers")
+                    self.count("too_many_transfers")
                     log.warning("%s: dropped a chunk on %s: %d transfers in flight",
                                 self.node_id, topic_name, in_flight)
                     return
@@ -707,7 +704,7 @@ class MqttTransport(Transport):
             try:
                 result = reassembler.feed_with_size(payload)
             except ChunkError as exc:
-                self._count(exc.reason)
+                self.count(exc.reason)
                 log.warning("%s: dropped a chunk on %s: %s", self.node_id, topic_name, exc)
                 return
         if result is None:
@@ -740,7 +737,7 @@ class MqttTransport(Transport):
                                 del conn.reassemblers[name]
                     conn.prune()
                 if expired:
-                    self._count("incomplete_transfer", expired)
+                    self.count("incomplete_transfer", expired)
                     log.warning("%s: dropped %d incomplete transfer(s)", self.node_id, expired)
                 if self.channel is not None:
                     self.channel.tick()
@@ -816,13 +813,10 @@ class MqttTransport(Transport):
         self._stopped = True
         await asyncio.gather(*(self._close_conn(c) for c in list(self._conns.values())))
 
-    def _check_started(self) -> None:
-        if not self._started and not self._stopped:
-            raise RuntimeError("MqttTransport used before start()")
-
     def check_started(self) -> None:
         """Raises RuntimeError before ``start()`` (fine after ``stop()``)."""
-        self._check_started()
+        if not self._started and not self._stopped:
+            raise RuntimeError("MqttTransport used before start()")
 
     async def send(self, peer: str, frame: bytes) -> int:
         """Publish ``frame`` to ``peer``'s inbox on the peer's broker (pooled connection).
@@ -837,11 +831,11 @@ class MqttTransport(Transport):
             ValueError: ``peer`` is not a valid node id, or the frame is larger than
                 ``max_frame_bytes``.
         """
-        self._check_started()
+        self.check_started()
         if not isinstance(peer, str) or not _ID_RE.match(peer):
             raise ValueError(f"peer: not a valid node id: {peer!r}")
         if self._stopping:
-            self._count("not_connected")
+            self.count("not_connected")
             return 0
         conn = self._get_conn(self._endpoint_for(peer))
         if not conn.ever_ready:
@@ -858,9 +852,9 @@ class MqttTransport(Transport):
         nodes outside a configured graph reject it as ``not_neighbour``).  Returns and
         raises like :meth:`send`.
         """
-        self._check_started()
+        self.check_started()
         if self._stopping:
-            self._count("not_connected")
+            self.count("not_connected")
             return 0
         return await self._publish_frame(self._conns[self.broker], self._t_out, frame)
 
@@ -876,24 +870,24 @@ class MqttTransport(Transport):
 
     def _publish_chunks(self, conn: _Conn, topic_name: str, frame: bytes) -> int:
         if self.qos == 0 and not conn.connected:
-            self._count("not_connected")
+            self.count("not_connected")
             return 0
         size = chunked_size(frame, self.chunk_size)
         if conn.prune() + size > self.max_pending_bytes:
-            self._count("queue_full")
+            self.count("queue_full")
             log.warning("%s: dropped a %d-byte frame for %s: more than %d bytes queued for %s",
                         self.node_id, len(frame), topic_name, self.max_pending_bytes, conn.endpoint)
             return 0
         client = conn.client
         if client is None:  # not connecting yet
-            self._count("not_connected")
+            self.count("not_connected")
             return 0
         # all chunks built first, then queued in one go: building one while paho writes the
         # previous makes the two threads trade the GIL (measured slower on a loaded 2-core VM)
         for chunk in list(iter_chunks(frame, self.chunk_size)):
             info = client.publish(topic_name, chunk, qos=self.qos)
             if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
-                self._count("publish_error")
+                self.count("publish_error")
                 log.warning("%s: publish to %s failed: %s", self.node_id, topic_name, mqtt.error_string(info.rc))
                 return 0
             conn.track(info, len(chunk))
@@ -910,7 +904,7 @@ class MqttTransport(Transport):
             RuntimeError: before ``start()``, or without a channel.
             ValueError: ``status`` is not a JSON-serialisable dict.
         """
-        self._check_started()
+        self.check_started()
         if self.channel is None:
             raise RuntimeError("this MqttTransport has no presence/status channel")
         await self.channel.publish_status(status)
@@ -922,7 +916,7 @@ class MqttTransport(Transport):
         Raises:
             RuntimeError: before ``start()`` or while disconnected.
         """
-        self._check_started()
+        self.check_started()
         conn = self._conns.get(self.broker)
         if conn is None or conn.client is None or not conn.connected:
             raise RuntimeError("not connected to the broker")
