@@ -86,7 +86,6 @@ CLASS_NAMES = ["walking", "walking_upstairs", "walking_downstairs",
 """Activities 1..6 of HAPT, as classes 0..5."""
 TEST_USERS = (2, 4, 9, 10, 12, 13, 18, 20, 24)
 """Users held out as the global test set (the official UCI HAR test split)."""
-NUM_USERS = 30
 WINDOW = 128
 """Samples per window (2.56 s at 50 Hz)."""
 STEP = 64

@@ -219,18 +219,15 @@ class SeqCounter:
     def next(self, kind: str) -> int:
         """The next sequence number of ``kind`` (> every earlier one, also across restarts)."""
         with self._lock:
-            return self._next_locked(kind)
-
-    def _next_locked(self, kind: str) -> int:
-        if kind not in self._next:
-            # unknown kind (or lost file): start above anything a sane earlier run sent
-            self._next[kind] = max(self._reserved.get(kind, 0), int(time.time() * 1000))
-        n = self._next[kind] + 1
-        self._next[kind] = n
-        if n >= self._reserved.get(kind, 0):
-            self._reserved[kind] = n + self.block
-            self._save()
-        return n
+            if kind not in self._next:
+                # unknown kind (or lost file): start above anything a sane earlier run sent
+                self._next[kind] = max(self._reserved.get(kind, 0), int(time.time() * 1000))
+            n = self._next[kind] + 1
+            self._next[kind] = n
+            if n >= self._reserved.get(kind, 0):
+                self._reserved[kind] = n + self.block
+                self._save()
+            return n
 
     def _save(self) -> None:
         if self.path is None:

@@ -89,6 +89,7 @@ parsed once.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -359,15 +360,6 @@ def encode(message: Message, *, federation: str, sender: str,
     return frame
 
 
-def signed_body(header: dict[str, Any]) -> bytes:
-    """The bytes a signature covers: canonical JSON of ``header`` without ``sig``.
-
-    Raises:
-        ValueError: the header holds NaN/Inf or non-JSON values.
-    """
-    return _CANONICAL.encode({k: v for k, v in header.items() if k != "sig"}).encode()
-
-
 def payload_offset(first: bytes | memoryview) -> int | None:
     """Where the payload starts in a frame whose first bytes are ``first`` (at least its
     prefix), or ``None`` when they are not the prefix of a frame of a version in :data:`~dfl_agent.transport.versions.SPOKEN`.  A chunk reassembler
@@ -604,15 +596,12 @@ def decode_with_header(
     if fmt == "raw" or fmt == "codec":
         if fmt == "codec":
             desc = {_codec.BLOB: {"dtype": "uint8", "shape": [env.payload_len]}}
-        names = sorted(desc)
         table = []  # (name, dtype, offset, elements, shape)
         off = 0
         dtypes = set()
-        for name in names:
+        for name in sorted(desc):
             d = desc[name]
-            n = 1
-            for s in d["shape"]:
-                n *= s
+            n = math.prod(d["shape"])
             dt = _DTYPE_OF[d["dtype"]]
             dtypes.add(dt)
             off = -(-off // ALIGN) * ALIGN
