@@ -98,6 +98,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
+from dfl_agent.fsutil import atomic_write
 from dfl_agent.jsonbound import LIMITS, JSONBoundError
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.security.keys import (
@@ -232,8 +233,6 @@ class SeqCounter:
     def _save(self) -> None:
         if self.path is None:
             return
-        from dfl_agent.fsutil import atomic_write
-
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(self.path, json.dumps(self._reserved))
