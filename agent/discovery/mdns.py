@@ -210,9 +210,7 @@ class MdnsDiscovery:
             raise ValueError(f"unknown descriptor keys {sorted(unknown)} (allowed: {list(DESCRIPTOR_KEYS)})")
         props = {"id": self.node_id, "fed": self.federation}
         for key, txt_key in _TXT_KEYS.items():
-            value = descriptor.get(key, "")
-            if value is None:
-                value = ""
+            value = "" if descriptor.get(key) is None else descriptor[key]
             if not isinstance(value, str):
                 raise ValueError(f"descriptor {key!r} must be a string, got {type(value).__name__}")
             props[txt_key] = value
