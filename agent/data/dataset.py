@@ -23,14 +23,6 @@ from typing import Any
 
 import numpy as np
 
-__all__ = [
-    "Dataset",
-    "DatasetBundle",
-    "NodeData",
-    "stream_rng",
-    "split_indices",
-]
-
 
 def stream_rng(seed: int, stream: str) -> np.random.Generator:
     """A generator for one named purpose, derived from an integer seed.

@@ -58,22 +58,6 @@ from dfl_agent.data.cache import atomic_savez, read_npy_headers, read_npz, resol
 from dfl_agent.data.dataset import Dataset, DatasetBundle
 from dfl_agent.extras import extra_hint
 
-__all__ = [
-    "inspect_har",
-    "CACHE_FORMAT_VERSION",
-    "CACHE_FILE",
-    "CLASS_NAMES",
-    "TEST_USERS",
-    "WINDOW",
-    "STEP",
-    "HAPTUnpickler",
-    "find_hapt_file",
-    "read_hapt_pickle",
-    "sliding_windows",
-    "convert_hapt",
-    "load_har",
-]
-
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT_VERSION = 1
