@@ -190,9 +190,7 @@ def mqtt_session(client_id: str, *, protocol: str = "5", username: str | None = 
     Raises:
         KeyError: ``protocol`` is not in :data:`PROTOCOLS`.
     """
-    kwargs: dict[str, Any] = {}
-    if protocol == "3.1.1":
-        kwargs["clean_session"] = True
+    kwargs: dict[str, Any] = {"clean_session": True} if protocol == "3.1.1" else {}
     client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=PROTOCOLS[protocol],
                          userdata=userdata, reconnect_on_failure=True, **kwargs)
     client.enable_logger(_paho_log)  # type: ignore[arg-type]  # paho's own messages, at debug level only
@@ -376,47 +374,44 @@ class MqttTransport(Transport):
         channel: ControlChannel | None = None,
         broadcasts: bool = True,
     ):
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name}: {why}")
-
         chunk_size = FAST_CHUNK if chunk_size is None else chunk_size
         keepalive = FAST_KEEPALIVE if keepalive is None else keepalive
 
         if not isinstance(node_id, str) or not _ID_RE.match(node_id):
-            raise bad("node_id", f"must match [A-Za-z0-9_.-]{{1,64}}, got {node_id!r}")
+            raise ValueError(f"node_id: must match [A-Za-z0-9_.-]{{1,64}}, got {node_id!r}")
         if not isinstance(federation, str) or not _ID_RE.match(federation):
-            raise bad("federation", f"must match [A-Za-z0-9_.-]{{1,64}}, got {federation!r}")
+            raise ValueError(f"federation: must match [A-Za-z0-9_.-]{{1,64}}, got {federation!r}")
         try:
             parse_endpoint(broker)
         except ValueError as exc:
-            raise bad("broker", str(exc)) from None
+            raise ValueError(f"broker: {exc}") from None
         if peers is None or not callable(getattr(peers, "broker_of", None)):
-            raise bad("peers", "must be a PeerTable (with broker_of)")
+            raise ValueError("peers: must be a PeerTable (with broker_of)")
         if protocol not in PROTOCOLS:
-            raise bad("protocol", f"must be one of {sorted(PROTOCOLS)}, got {protocol!r}")
+            raise ValueError(f"protocol: must be one of {sorted(PROTOCOLS)}, got {protocol!r}")
         if not isinstance(chunk_size, int) or not HEADER_LEN + 1 < chunk_size <= MAX_CHUNK_SIZE:
-            raise bad("chunk_size", f"must be an int in {HEADER_LEN + 2}..{MAX_CHUNK_SIZE}, got {chunk_size!r}")
+            raise ValueError(f"chunk_size: must be an int in {HEADER_LEN + 2}..{MAX_CHUNK_SIZE}, got {chunk_size!r}")
         if not isinstance(max_frame_bytes, int) or max_frame_bytes < 1:
-            raise bad("max_frame_bytes", f"must be a positive int, got {max_frame_bytes!r}")
+            raise ValueError(f"max_frame_bytes: must be a positive int, got {max_frame_bytes!r}")
         if not isinstance(reassembly_timeout, (int, float)) or not reassembly_timeout > 0:
-            raise bad("reassembly_timeout", f"must be > 0 seconds, got {reassembly_timeout!r}")
+            raise ValueError(f"reassembly_timeout: must be > 0 seconds, got {reassembly_timeout!r}")
         if not isinstance(keepalive, int) or not 1 <= keepalive <= 65535:
-            raise bad("keepalive", f"must be an int in 1..65535 seconds, got {keepalive!r}")
+            raise ValueError(f"keepalive: must be an int in 1..65535 seconds, got {keepalive!r}")
         if username is not None and not isinstance(username, str):
-            raise bad("username", "must be a str or None")
+            raise ValueError("username: must be a str or None")
         if password is not None and (not isinstance(password, str) or username is None):
-            raise bad("password", "must be a str, and needs a username")
+            raise ValueError("password: must be a str, and needs a username")
         if qos not in (0, 1, 2):
-            raise bad("qos", f"must be 0, 1 or 2, got {qos!r}")
+            raise ValueError(f"qos: must be 0, 1 or 2, got {qos!r}")
         if not isinstance(connect_timeout, (int, float)) or not connect_timeout > 0:
-            raise bad("connect_timeout", f"must be > 0 seconds, got {connect_timeout!r}")
+            raise ValueError(f"connect_timeout: must be > 0 seconds, got {connect_timeout!r}")
         if not isinstance(max_pending_bytes, int) or max_pending_bytes < chunk_size:
-            raise bad("max_pending_bytes", f"must be an int >= chunk_size, got {max_pending_bytes!r}")
+            raise ValueError(f"max_pending_bytes: must be an int >= chunk_size, got {max_pending_bytes!r}")
 
         if tls_cert is not None and (tls_ca is None or tls_key is None):
-            raise bad("tls_cert", "needs tls_ca and tls_key")
+            raise ValueError("tls_cert: needs tls_ca and tls_key")
         if not isinstance(max_transfers, int) or max_transfers < 1:
-            raise bad("max_transfers", f"must be a positive int, got {max_transfers!r}")
+            raise ValueError(f"max_transfers: must be a positive int, got {max_transfers!r}")
         #: the node's presence and status riding on the home session (or None)
         self.channel = channel
         self.tls_ca, self.tls_cert, self.tls_key = tls_ca, tls_cert, tls_key
@@ -551,9 +546,7 @@ class MqttTransport(Transport):
             client.on_message = self._on_message
             conn.client = client
             self._conns[endpoint] = conn
-            connect_kwargs: dict[str, Any] = {}
-            if self.protocol == "5":
-                connect_kwargs["clean_start"] = True
+            connect_kwargs: dict[str, Any] = {"clean_start": True} if self.protocol == "5" else {}
             client.connect_async(conn.host, conn.port, keepalive=self.keepalive, **connect_kwargs)
             client.loop_start()
             log.info("%s: connecting to %sbroker %s (MQTT %s)", self.node_id,
