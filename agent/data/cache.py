@@ -18,8 +18,6 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CACHE_ENV", "resolve_cache_dir", "atomic_savez", "read_npz", "read_npy_headers"]
-
 CACHE_ENV = "DFL_CACHE_DIR"
 
 

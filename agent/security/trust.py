@@ -547,12 +547,11 @@ class SecurityGuard:
             ControlRejected: with ``reason`` in :data:`CONTROL_REJECT_REASONS`.
         """
         try:
-            snd, role, payload = self._verify_control(frame, "presence", sender, will=True)
+            return self._verify_control(frame, "presence", sender, will=True)
         except ControlRejected as exc:
             if exc.reason != "duplicate":
                 self.control_dropped[exc.reason] += 1
             raise
-        return snd, role, payload
 
     def _verify_control(self, frame: bytes | bytearray, kind: str | None, sender: str | None,
                         will: bool = False) -> tuple[str, str, dict[str, Any]]:
