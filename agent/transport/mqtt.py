@@ -74,7 +74,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
-import json
 import logging
 import re
 import secrets
@@ -901,20 +900,6 @@ class MqttTransport(Transport):
         if self.channel is None:
             raise RuntimeError("this MqttTransport has no presence/status channel")
         await self.channel.publish_status(status)
-
-    async def publish_retained(self, leaf: str, document: dict[str, Any]) -> None:
-        """Publish ``document`` (JSON) retained, QoS 1, on ``dfl/{fed}/node/{id}/{leaf}``
-        (e.g. ``model``: the deployed-model announcement).
-
-        Raises:
-            RuntimeError: before ``start()`` or while disconnected.
-        """
-        self.check_started()
-        conn = self._conns.get(self.broker)
-        if conn is None or conn.client is None or not conn.connected:
-            raise RuntimeError("not connected to the broker")
-        conn.client.publish(topic(self.federation, self.node_id, leaf), json.dumps(document, sort_keys=True),
-                            qos=1, retain=True)
 
     async def stop(self) -> None:
         """Let the channel say goodbye ("offline", retained) and queued frames go out
