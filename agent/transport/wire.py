@@ -375,10 +375,10 @@ def payload_offset(first: bytes | memoryview) -> int | None:
 
 
 def raw_header(frame: bytes) -> dict[str, Any]:
-    """The header of a frame that :func:`decode_envelope` accepted, as a plain dict.
+    """The header of a frame that :func:`decode` accepted, as a plain dict.
 
     Raises:
-        WireError: ``malformed`` (call :func:`decode_envelope` first for full checks).
+        WireError: ``malformed`` (call :func:`decode` first for full checks).
     """
     if len(frame) < PREFIX_LEN:
         raise WireError("malformed", "frame shorter than its prefix")
@@ -441,15 +441,6 @@ def _req(header: dict[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise WireError("malformed", f"envelope field {key!r} has type {type(value).__name__}")
     return value
-
-
-def decode_envelope(frame: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Envelope:
-    """Parse and validate the header of ``frame`` without touching the payload.
-
-    Raises:
-        WireError: ``oversized``, ``malformed`` or ``version``.
-    """
-    return _decode_envelope(frame, max_frame_bytes=max_frame_bytes)[0]
 
 
 def _decode_envelope(frame: bytes, *, max_frame_bytes: int) -> tuple[Envelope, dict[str, Any]]:
