@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dfl_agent.fsutil import atomic_writer
+
 CACHE_ENV = "DFL_CACHE_DIR"
 
 
@@ -46,8 +48,6 @@ def atomic_savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
     Raises:
         OSError: the directory cannot be created or written.
     """
-    from dfl_agent.fsutil import atomic_writer
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_writer(path) as f:
