@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CACHE_ENV", "resolve_cache_dir", "atomic_savez", "read_npz", "read_npy_headers"]
+from dfl_agent.fsutil import atomic_writer
 
 CACHE_ENV = "DFL_CACHE_DIR"
 
@@ -48,8 +48,6 @@ def atomic_savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
     Raises:
         OSError: the directory cannot be created or written.
     """
-    from dfl_agent.fsutil import atomic_writer
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_writer(path) as f:

@@ -18,18 +18,10 @@ reproducible streams from one integer seed.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
-
-__all__ = [
-    "Dataset",
-    "DatasetBundle",
-    "NodeData",
-    "stream_rng",
-    "split_indices",
-]
 
 
 def stream_rng(seed: int, stream: str) -> np.random.Generator:
@@ -129,16 +121,8 @@ class Dataset:
         if idx.dtype.kind not in "iu" and not (idx.size == 0 and idx.dtype.kind == "f"):
             raise TypeError(f"subset indices must be integers, got dtype {idx.dtype}")
         idx = idx.astype(np.int64, copy=False).reshape(-1)
-        return Dataset(
-            name=self.name,
-            x=np.ascontiguousarray(self.x[idx]),
-            y=self.y[idx],
-            groups=self.groups[idx],
-            num_classes=self.num_classes,
-            class_names=list(self.class_names),
-            input_shape=self.input_shape,
-            meta=dict(self.meta),
-        )
+        return replace(self, x=np.ascontiguousarray(self.x[idx]), y=self.y[idx], groups=self.groups[idx],
+                       class_names=list(self.class_names), meta=dict(self.meta))
 
 
 @dataclass(eq=False)

@@ -58,22 +58,6 @@ from dfl_agent.data.cache import atomic_savez, read_npy_headers, read_npz, resol
 from dfl_agent.data.dataset import Dataset, DatasetBundle
 from dfl_agent.extras import extra_hint
 
-__all__ = [
-    "inspect_har",
-    "CACHE_FORMAT_VERSION",
-    "CACHE_FILE",
-    "CLASS_NAMES",
-    "TEST_USERS",
-    "WINDOW",
-    "STEP",
-    "HAPTUnpickler",
-    "find_hapt_file",
-    "read_hapt_pickle",
-    "sliding_windows",
-    "convert_hapt",
-    "load_har",
-]
-
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT_VERSION = 1
@@ -86,7 +70,6 @@ CLASS_NAMES = ["walking", "walking_upstairs", "walking_downstairs",
 """Activities 1..6 of HAPT, as classes 0..5."""
 TEST_USERS = (2, 4, 9, 10, 12, 13, 18, 20, 24)
 """Users held out as the global test set (the official UCI HAR test split)."""
-NUM_USERS = 30
 WINDOW = 128
 """Samples per window (2.56 s at 50 Hz)."""
 STEP = 64

@@ -28,8 +28,6 @@ import numpy as np
 
 from dfl_agent.data.dataset import Dataset, DatasetBundle
 
-__all__ = ["read_idx", "find_idx_file", "load_idx"]
-
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 

@@ -31,7 +31,7 @@ def load_dataset(name: str, *, path: str | os.PathLike[str] | None = None,
             ``har`` (UCI HAPT from the installed package, cached as npz in
             ``cache_dir``; see :mod:`dfl_agent.data.har`),
             ``digits`` (scikit-learn; :mod:`dfl_agent.data.digits`),
-            ``iris`` (scikit-learn; :mod:`dfl_agent.data.iris`),
+            ``iris`` (scikit-learn; :mod:`dfl_agent.data.digits`),
             ``idx`` (MNIST-format files in directory ``path``;
             :mod:`dfl_agent.data.idx`),
             ``npz`` (device data directory ``path``; :mod:`dfl_agent.data.npzdir`).
@@ -56,12 +56,9 @@ def load_dataset(name: str, *, path: str | os.PathLike[str] | None = None,
     if name == "har":
         from dfl_agent.data.har import load_har
         return load_har(cache_dir)
-    if name == "digits":
-        from dfl_agent.data.digits import load_digits
-        return load_digits()
-    if name == "iris":
-        from dfl_agent.data.iris import load_iris
-        return load_iris()
+    if name in ("digits", "iris"):
+        from dfl_agent.data import digits
+        return digits.load_digits() if name == "digits" else digits.load_iris()
     if name == "idx":
         from dfl_agent.data.idx import load_idx
         return load_idx(path)  # type: ignore[arg-type]

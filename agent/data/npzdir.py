@@ -39,8 +39,6 @@ from dfl_agent.data.cache import read_npz
 from dfl_agent.data.dataset import Dataset, DatasetBundle, split_indices, stream_rng
 from dfl_agent.jsonbound import loads as bounded_loads
 
-__all__ = ["load_npz_dir", "TEST_FRACTION", "SPLIT_SEED"]
-
 TEST_FRACTION = 0.2
 SPLIT_SEED = 0
 

@@ -29,9 +29,6 @@ import numpy as np
 
 from dfl_agent.data.dataset import Dataset, stream_rng
 
-__all__ = ["PARTITIONS", "partition", "partition_iid", "partition_dirichlet",
-           "partition_shards", "partition_by_user"]
-
 PARTITIONS: tuple[str, ...] = ("iid", "dirichlet", "shards", "by-user")
 
 

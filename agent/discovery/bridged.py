@@ -29,7 +29,3 @@ class HomeRoutedPeerTable(PeerTable):
         if source == "presence" and self.home_broker and info.broker and info.broker != self.home_broker:
             return "bridged-presence"
         return source
-
-    def advertised_broker(self, node_id: str) -> str:
-        """The broker the peer advertises (its site's), for display."""
-        return super().broker_of(node_id)

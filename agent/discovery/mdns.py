@@ -210,9 +210,7 @@ class MdnsDiscovery:
             raise ValueError(f"unknown descriptor keys {sorted(unknown)} (allowed: {list(DESCRIPTOR_KEYS)})")
         props = {"id": self.node_id, "fed": self.federation}
         for key, txt_key in _TXT_KEYS.items():
-            value = descriptor.get(key, "")
-            if value is None:
-                value = ""
+            value = "" if descriptor.get(key) is None else descriptor[key]
             if not isinstance(value, str):
                 raise ValueError(f"descriptor {key!r} must be a string, got {type(value).__name__}")
             props[txt_key] = value
@@ -290,7 +288,7 @@ class MdnsDiscovery:
             self._info = info
             await announced
         except BaseException:
-            await self._shutdown()
+            await self.stop()
             raise
         if owners:
             self.errors["name_conflict"] += 1
@@ -349,9 +347,6 @@ class MdnsDiscovery:
 
         Idempotent; each step is bounded by a timeout, so it never hangs.
         """
-        await self._shutdown()
-
-    async def _shutdown(self) -> None:
         if self._stopped:
             return
         self._stopped = True
@@ -422,10 +417,10 @@ class MdnsDiscovery:
         if instance is None:  # other federation or another service's naming
             log.debug("mdns: ignoring %s", name)
             return
+        pending = self._tasks.pop(key, None)  # a newer event supersedes a pending resolution
+        if pending is not None:
+            pending.cancel()
         if state_change is ServiceStateChange.Removed:
-            pending = self._tasks.pop(key, None)
-            if pending is not None:
-                pending.cancel()
             node_id = self._names.pop(key, None)
             if node_id is None:  # never resolved: the id its name gives, if any
                 node_id = instance if valid_id(instance) else None
@@ -434,12 +429,8 @@ class MdnsDiscovery:
             log.info("mdns: %s said goodbye", node_id)
             self.table.withdraw(node_id, "mdns")
             return
-        # Added or Updated: (re)resolve; a newer event supersedes a pending one.
-        pending = self._tasks.pop(key, None)
-        if pending is not None:
-            pending.cancel()
-        task = asyncio.get_running_loop().create_task(self._resolve(name, key))
-        self._tasks[key] = task
+        # Added or Updated: (re)resolve
+        self._tasks[key] = asyncio.get_running_loop().create_task(self._resolve(name, key))
 
     def _instance_of(self, name: str) -> str | None:
         """What follows ``{federation}--`` in the instance name of ``name`` (the node id,

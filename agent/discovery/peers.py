@@ -240,9 +240,8 @@ class PeerTable:
                     info.extra[key] = value
             if source == "presence":
                 self._described.add(node_id)
-            info.sources = _sources(info.sources | {source})
-            if source == "presence":
                 info.offline = False
+            info.sources = _sources(info.sources | {source})
             info.last_seen = self._clock()
             if self.record_findings:
                 how = self.found_how(source, info)
@@ -303,10 +302,7 @@ class PeerTable:
 
     def found_counts(self) -> dict[str, int]:
         """How many peers each way found first (``{"mdns": 2, "bridged-presence": 3}``)."""
-        counts: dict[str, int] = {}
-        for how in self.found_via().values():
-            counts[how] = counts.get(how, 0) + 1
-        return counts
+        return dict(collections.Counter(self.found_via().values()))
 
     def take_found(self) -> dict[str, dict[str, dict[str, Any]]]:
         """The findings since the last call: peer -> {how: {"t": clock time, "address": the
@@ -364,10 +360,9 @@ class PeerTable:
     def take_session_lost(self, node_id: str) -> bool:
         """Whether ``node_id``'s session broke since the last call (see :meth:`note_session_lost`)."""
         with self._lock:
-            if node_id in self._session_lost:
-                self._session_lost.discard(node_id)
-                return True
-            return False
+            lost = node_id in self._session_lost
+            self._session_lost.discard(node_id)
+            return lost
 
     def is_live(self, node_id: str) -> bool:
         """Whether ``node_id`` is a live peer now (no departure is logged by this query)."""
@@ -403,9 +398,7 @@ class PeerTable:
     def _is_live(self, info: PeerInfo) -> bool:
         if not info.sources or info.offline:
             return False
-        if self.heartbeat_timeout is not None:
-            return self._clock() - info.last_seen <= self.heartbeat_timeout
-        return True
+        return self.heartbeat_timeout is None or self._clock() - info.last_seen <= self.heartbeat_timeout
 
     def get(self, node_id: str) -> PeerInfo | None:
         with self._lock:

@@ -49,9 +49,7 @@ def parse_peer(entry: str | dict[str, Any]) -> dict[str, str]:
                 raise ValueError("missing 'id'")
             fields = {"node_id": entry["id"]}
             for key in ("broker", "profile", "algorithm"):
-                value = entry.get(key, "")
-                if value is None:
-                    value = ""
+                value = "" if entry.get(key) is None else entry[key]
                 if not isinstance(value, str):
                     raise ValueError(f"{key!r} must be a string")
                 fields[key] = value.strip()

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -147,10 +148,7 @@ def build_model(spec: Mapping[str, Any]) -> nn.Module:
         return CNN1d(s["in_channels"], s["length"], s["channels"], s["kernel"], s["num_classes"],
                      s.get("norm", "none"))
     if s["type"] == "mlp":
-        n = 1
-        for d in s["input_shape"]:
-            n *= d
-        return MLP(n, s["hidden"], s["num_classes"])
+        return MLP(math.prod(s["input_shape"]), s["hidden"], s["num_classes"])
     if s["type"] == "resnet":
         from dfl_agent.models.resnet import PreActResNet
 
@@ -210,9 +208,7 @@ def spec_param_count(spec: Mapping[str, Any]) -> int | None:
             c = w
         return total + c * k + k
     if s["type"] == "mlp":
-        f, total = 1, 0
-        for d in s["input_shape"]:
-            f *= d
+        f, total = math.prod(s["input_shape"]), 0
         for h in s["hidden"]:
             total += f * h + h
             f = h

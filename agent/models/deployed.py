@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dfl_agent.fsutil import sha256_file
 from dfl_agent.jsonbound import loads as bounded_loads
 
 __all__ = ["DeployedModelError", "load_deployed"]
@@ -40,8 +41,6 @@ def _resolve(path: str | os.PathLike[str]) -> Path:
 
 def _check_manifest(folder: Path, names: tuple[str, ...]) -> None:
     """Each of ``names`` matches its SHA-256 in ``manifest.json`` (when the folder has one)."""
-    from dfl_agent.fsutil import sha256_file
-
     if not (folder / "manifest.json").exists():
         return
     try:

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from dfl_agent.fsutil import atomic_write
+
 INPUT_NAME = "x"
 OUTPUT_NAME = "logits"
 #: the ONNX opset of every export (the dynamo exporter's default in torch 2.13)
@@ -86,8 +88,6 @@ def export_onnx(
     onnx.helper.set_model_props(proto, props)
     data = proto.SerializeToString()
     if path is not None:
-        from dfl_agent.fsutil import atomic_write
-
         atomic_write(Path(path), data)
     return data
 

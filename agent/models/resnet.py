@@ -117,8 +117,3 @@ def validate_resnet(spec: Mapping[str, Any], int_list, error: type[Exception]) -
     if norm not in NORMS:
         raise error(f"model spec key 'norm' must be one of {NORMS}, got {norm!r}")
     return {"input_shape": list(shape), "widths": widths, "blocks": list(blocks), "norm": norm}
-
-
-def scaled_widths(widths: Sequence[int], rate: float) -> list[int]:
-    """Width-scaled stage widths ``max(1, round(w · rate))`` (seed 000 H1 model rates)."""
-    return [max(1, int(round(w * rate))) for w in widths]

@@ -244,11 +244,6 @@ def profile_compression_policy(behaviour: Behaviour | None, algorithm: str, *, e
 #: tests/unit/test_profiles.py checks these against the built models.
 REFERENCE_MODEL_PARAMS = {"small": 3574, "medium": 13542, "large": 52678}
 
-def known_algorithms() -> list[str]:
-    """Every registered algorithm (``dflctl algorithms``), sorted."""
-    return available()
-
-
 def models_held(algorithm: str, participants: int = 5) -> float:
     """Copies of the model's parameter vector (float32) ``algorithm`` holds at once on one node
     (its trait ``models_held``, :meth:`~dfl_agent.algorithms.base.Traits.copies`).

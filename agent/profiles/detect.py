@@ -185,9 +185,7 @@ class Match:
 
 def _tegra_field(release: str | None) -> str:
     # "# R32 (release), REVISION: 7.1, ..." -> "R32"
-    if not release:
-        return ""
-    text = release.lstrip("#").strip()
+    text = (release or "").lstrip("#").strip()
     return text.split()[0] if text else ""
 
 

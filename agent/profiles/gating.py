@@ -36,11 +36,8 @@ def in_windows(windows: Sequence[str], now: datetime.datetime) -> bool:
     if not windows:
         return True
     t = now.hour * 60 + now.minute
-    for w in windows:
-        a, b = (_minutes(x) for x in w.split("-"))
-        if (a <= t < b) if a <= b else (t >= a or t < b):
-            return True
-    return False
+    spans = ((_minutes(x) for x in w.split("-")) for w in windows)
+    return any((a <= t < b) if a <= b else (t >= a or t < b) for a, b in spans)
 
 
 class ResourceGate:

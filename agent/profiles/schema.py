@@ -273,10 +273,6 @@ class DeviceProfile:
 
 
 # -- validation -------------------------------------------------------------------------
-def _build(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
-    return build(cls, raw, prefix, error=ProfileError)
-
-
 def validate(p: DeviceProfile) -> DeviceProfile:
     """Check ranges and vocabularies of a built profile; returns it.
 
@@ -310,10 +306,9 @@ def validate(p: DeviceProfile) -> DeviceProfile:
 
     try:
         parse_spec(b.compression)
-        ok, why = True, ""
     except CompressionError as exc:
-        ok, why = False, str(exc)
-    need(ok, "behaviour.compression", f"must be a compression spec such as 'none', 'q8', 'topk:0.01+q8' ({why})")
+        raise ProfileError("behaviour.compression: must be a compression spec such as 'none', 'q8', "
+                           f"'topk:0.01+q8' ({exc})") from None
     t = p.training
     need(1 <= t.batch_size <= 65536, "training.batch_size", "must be in [1, 65536]")
     need(1 <= t.epochs <= 1000, "training.epochs", "must be in [1, 1000]")
@@ -327,10 +322,8 @@ def validate(p: DeviceProfile) -> DeviceProfile:
     res = p.resources
     try:
         mib = memory_max_mib(res.memory_max)
-        ok, why = True, ""
     except ValueError as exc:
-        mib, ok, why = None, False, str(exc)
-    need(ok, "resources.memory_max", why)
+        raise ProfileError(f"resources.memory_max: {exc}") from None
     need(mib is None or mib >= c.memory_budget_mb, "resources.memory_max",
          f"{res.memory_max} is below compute.memory_budget_mb ({c.memory_budget_mb} MiB): "
          "the service's limit must hold the agent's budget")
@@ -365,7 +358,7 @@ def profile_from_dict(raw: Mapping[str, Any], prefix: str = "") -> DeviceProfile
     from dfl_agent.profiles.behaviour import expand_algorithms
 
     try:
-        return expand_algorithms(validate(_build(DeviceProfile, raw, "")))
+        return expand_algorithms(validate(build(DeviceProfile, raw, "", error=ProfileError)))
     except ProfileError as exc:
         raise ProfileError(f"{prefix}{exc}") from None
 
@@ -390,12 +383,7 @@ def with_overrides(profile: DeviceProfile, overrides: Mapping[str, Any] | None,
             merged[section] = {**merged[section], **table}
         else:
             merged[section] = table
-    from dfl_agent.profiles.behaviour import expand_algorithms
-
-    try:
-        return expand_algorithms(validate(_build(DeviceProfile, merged, "")))
-    except ProfileError as exc:
-        raise ProfileError(f"{prefix}{exc}") from None
+    return profile_from_dict(merged, prefix)
 
 
 # -- files ------------------------------------------------------------------------------

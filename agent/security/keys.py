@@ -57,6 +57,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
+from dfl_agent.fsutil import atomic_write
+from dfl_agent.jsonbound import JSONBoundError, loads
+
 _sodium: Any
 try:  # libsodium: the same Ed25519 signatures as OpenSSL's, made and checked faster
     import nacl.bindings as _sodium
@@ -183,12 +186,6 @@ def fingerprint(public_b64: str) -> str:
     return hashlib.sha256(public_b64.encode()).hexdigest()[:16]
 
 
-def _atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
-    from dfl_agent.fsutil import atomic_write
-
-    atomic_write(path, data, mode)
-
-
 def load_private_key(path: Path) -> Ed25519PrivateKey:
     """Read a PEM Ed25519 private key.
 
@@ -208,7 +205,7 @@ def save_private_key(key: Ed25519PrivateKey, path: Path) -> None:
     """Write ``key`` as PKCS#8 PEM with mode 0600 (atomic)."""
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())
-    _atomic_write(Path(path), pem, 0o600)
+    atomic_write(Path(path), pem, 0o600)
 
 
 def load_or_create_key(state_dir: str | os.PathLike[str], key_file: str | None = None) -> Ed25519PrivateKey:
@@ -321,8 +318,6 @@ def load_certificate(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise SecurityError(f"cannot read certificate {p}: {exc.strerror}") from None
     if len(data) > MAX_CERT_BYTES:
         raise SecurityError(f"certificate {p} is larger than {MAX_CERT_BYTES} bytes")
-    from dfl_agent.jsonbound import JSONBoundError, loads
-
     try:
         cert = loads(data, max_bytes=MAX_CERT_BYTES)
     except JSONBoundError as exc:
@@ -334,7 +329,7 @@ def load_certificate(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def save_certificate(cert: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Write a certificate (atomic, mode 0644: it is public)."""
-    _atomic_write(Path(path), (json.dumps(cert, indent=1, sort_keys=True) + "\n").encode(), 0o644)
+    atomic_write(Path(path), (json.dumps(cert, indent=1, sort_keys=True) + "\n").encode(), 0o644)
 
 
 FEDERATION_KEY_FILE = "federation_key.pem"

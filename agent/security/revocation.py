@@ -45,6 +45,7 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from dfl_agent.fsutil import atomic_write
 from dfl_agent.jsonbound import JSONBoundError
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.security.keys import SecurityError, canonical, parse_public_key
@@ -284,8 +285,6 @@ class Revocations:
                 log.exception("revocation listener failed")
 
     def _save(self, new: RevocationList) -> None:
-        from dfl_agent.fsutil import atomic_write
-
         assert self.path is not None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -98,6 +98,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
+from dfl_agent.fsutil import atomic_write
 from dfl_agent.jsonbound import LIMITS, JSONBoundError
 from dfl_agent.jsonbound import loads as bounded_loads
 from dfl_agent.security.keys import (
@@ -219,24 +220,19 @@ class SeqCounter:
     def next(self, kind: str) -> int:
         """The next sequence number of ``kind`` (> every earlier one, also across restarts)."""
         with self._lock:
-            return self._next_locked(kind)
-
-    def _next_locked(self, kind: str) -> int:
-        if kind not in self._next:
-            # unknown kind (or lost file): start above anything a sane earlier run sent
-            self._next[kind] = max(self._reserved.get(kind, 0), int(time.time() * 1000))
-        n = self._next[kind] + 1
-        self._next[kind] = n
-        if n >= self._reserved.get(kind, 0):
-            self._reserved[kind] = n + self.block
-            self._save()
-        return n
+            if kind not in self._next:
+                # unknown kind (or lost file): start above anything a sane earlier run sent
+                self._next[kind] = max(self._reserved.get(kind, 0), int(time.time() * 1000))
+            n = self._next[kind] + 1
+            self._next[kind] = n
+            if n >= self._reserved.get(kind, 0):
+                self._reserved[kind] = n + self.block
+                self._save()
+            return n
 
     def _save(self) -> None:
         if self.path is None:
             return
-        from dfl_agent.fsutil import atomic_write
-
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(self.path, json.dumps(self._reserved))
@@ -551,12 +547,11 @@ class SecurityGuard:
             ControlRejected: with ``reason`` in :data:`CONTROL_REJECT_REASONS`.
         """
         try:
-            snd, role, payload = self._verify_control(frame, "presence", sender, will=True)
+            return self._verify_control(frame, "presence", sender, will=True)
         except ControlRejected as exc:
             if exc.reason != "duplicate":
                 self.control_dropped[exc.reason] += 1
             raise
-        return snd, role, payload
 
     def _verify_control(self, frame: bytes | bytearray, kind: str | None, sender: str | None,
                         will: bool = False) -> tuple[str, str, dict[str, Any]]:

@@ -40,13 +40,7 @@ class TransportStats:
     dropped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "bytes_sent": self.bytes_sent,
-            "bytes_received": self.bytes_received,
-            "frames_sent": self.frames_sent,
-            "frames_received": self.frames_received,
-            "dropped": dict(self.dropped),
-        }
+        return {**dataclasses.asdict(self), "dropped": dict(self.dropped)}
 
 
 class Transport(abc.ABC):

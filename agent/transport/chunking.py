@@ -284,9 +284,6 @@ class Reassembler:
             return data, len(data)
         if len(data) < HEADER_LEN + 1:
             raise ChunkError("bad_chunk", f"chunk of {len(data)} bytes is shorter than its header + 1")
-        version = data[3]
-        if version != CHUNK_VERSION:
-            raise ChunkError("bad_chunk", f"unknown chunk version {version}")
         _, version, tid, index, count, total = _HEADER.unpack_from(data)
         if version != CHUNK_VERSION:
             raise ChunkError("bad_chunk", f"unknown chunk version {version}")

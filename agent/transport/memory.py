@@ -215,7 +215,7 @@ class MemoryNetwork:
 
     def deliver_raw(self, node_id: str, frame: bytes) -> None:
         """Inject raw bytes into ``node_id``'s inbox (for tests of bad input)."""
-        self._deliver(node_id, frame)
+        self._deliver_many([node_id], frame)
 
     # -- internals -------------------------------------------------------------
     def _hearers(self, node_id: str) -> list[MemoryTransport]:
@@ -237,9 +237,6 @@ class MemoryNetwork:
         for other in self._hearers(node_id):
             if other.online:
                 on_presence(other.node_id, other.descriptor)
-
-    def _deliver(self, node_id: str, frame: bytes) -> None:
-        self._deliver_many([node_id], frame)
 
     def _deliver_many(self, node_ids: list[str], frame: bytes) -> None:
         """Deliver ``frame`` to each of ``node_ids`` in that order, after ``latency``.
@@ -321,7 +318,7 @@ class MemoryTransport(Transport):
             return 0
         self.stats.bytes_sent += len(frame)
         self.stats.frames_sent += 1
-        self.network._deliver(peer, frame)
+        self.network._deliver_many([peer], frame)
         return len(frame)
 
     async def broadcast(self, frame: bytes, audience: Collection[str] | None = None) -> int:

@@ -74,7 +74,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
-import json
 import logging
 import re
 import secrets
@@ -190,9 +189,7 @@ def mqtt_session(client_id: str, *, protocol: str = "5", username: str | None = 
     Raises:
         KeyError: ``protocol`` is not in :data:`PROTOCOLS`.
     """
-    kwargs: dict[str, Any] = {}
-    if protocol == "3.1.1":
-        kwargs["clean_session"] = True
+    kwargs: dict[str, Any] = {"clean_session": True} if protocol == "3.1.1" else {}
     client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=PROTOCOLS[protocol],
                          userdata=userdata, reconnect_on_failure=True, **kwargs)
     client.enable_logger(_paho_log)  # type: ignore[arg-type]  # paho's own messages, at debug level only
@@ -376,47 +373,44 @@ class MqttTransport(Transport):
         channel: ControlChannel | None = None,
         broadcasts: bool = True,
     ):
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name}: {why}")
-
         chunk_size = FAST_CHUNK if chunk_size is None else chunk_size
         keepalive = FAST_KEEPALIVE if keepalive is None else keepalive
 
         if not isinstance(node_id, str) or not _ID_RE.match(node_id):
-            raise bad("node_id", f"must match [A-Za-z0-9_.-]{{1,64}}, got {node_id!r}")
+            raise ValueError(f"node_id: must match [A-Za-z0-9_.-]{{1,64}}, got {node_id!r}")
         if not isinstance(federation, str) or not _ID_RE.match(federation):
-            raise bad("federation", f"must match [A-Za-z0-9_.-]{{1,64}}, got {federation!r}")
+            raise ValueError(f"federation: must match [A-Za-z0-9_.-]{{1,64}}, got {federation!r}")
         try:
             parse_endpoint(broker)
         except ValueError as exc:
-            raise bad("broker", str(exc)) from None
+            raise ValueError(f"broker: {exc}") from None
         if peers is None or not callable(getattr(peers, "broker_of", None)):
-            raise bad("peers", "must be a PeerTable (with broker_of)")
+            raise ValueError("peers: must be a PeerTable (with broker_of)")
         if protocol not in PROTOCOLS:
-            raise bad("protocol", f"must be one of {sorted(PROTOCOLS)}, got {protocol!r}")
+            raise ValueError(f"protocol: must be one of {sorted(PROTOCOLS)}, got {protocol!r}")
         if not isinstance(chunk_size, int) or not HEADER_LEN + 1 < chunk_size <= MAX_CHUNK_SIZE:
-            raise bad("chunk_size", f"must be an int in {HEADER_LEN + 2}..{MAX_CHUNK_SIZE}, got {chunk_size!r}")
+            raise ValueError(f"chunk_size: must be an int in {HEADER_LEN + 2}..{MAX_CHUNK_SIZE}, got {chunk_size!r}")
         if not isinstance(max_frame_bytes, int) or max_frame_bytes < 1:
-            raise bad("max_frame_bytes", f"must be a positive int, got {max_frame_bytes!r}")
+            raise ValueError(f"max_frame_bytes: must be a positive int, got {max_frame_bytes!r}")
         if not isinstance(reassembly_timeout, (int, float)) or not reassembly_timeout > 0:
-            raise bad("reassembly_timeout", f"must be > 0 seconds, got {reassembly_timeout!r}")
+            raise ValueError(f"reassembly_timeout: must be > 0 seconds, got {reassembly_timeout!r}")
         if not isinstance(keepalive, int) or not 1 <= keepalive <= 65535:
-            raise bad("keepalive", f"must be an int in 1..65535 seconds, got {keepalive!r}")
+            raise ValueError(f"keepalive: must be an int in 1..65535 seconds, got {keepalive!r}")
         if username is not None and not isinstance(username, str):
-            raise bad("username", "must be a str or None")
+            raise ValueError("username: must be a str or None")
         if password is not None and (not isinstance(password, str) or username is None):
-            raise bad("password", "must be a str, and needs a username")
+            raise ValueError("password: must be a str, and needs a username")
         if qos not in (0, 1, 2):
-            raise bad("qos", f"must be 0, 1 or 2, got {qos!r}")
+            raise ValueError(f"qos: must be 0, 1 or 2, got {qos!r}")
         if not isinstance(connect_timeout, (int, float)) or not connect_timeout > 0:
-            raise bad("connect_timeout", f"must be > 0 seconds, got {connect_timeout!r}")
+            raise ValueError(f"connect_timeout: must be > 0 seconds, got {connect_timeout!r}")
         if not isinstance(max_pending_bytes, int) or max_pending_bytes < chunk_size:
-            raise bad("max_pending_bytes", f"must be an int >= chunk_size, got {max_pending_bytes!r}")
+            raise ValueError(f"max_pending_bytes: must be an int >= chunk_size, got {max_pending_bytes!r}")
 
         if tls_cert is not None and (tls_ca is None or tls_key is None):
-            raise bad("tls_cert", "needs tls_ca and tls_key")
+            raise ValueError("tls_cert: needs tls_ca and tls_key")
         if not isinstance(max_transfers, int) or max_transfers < 1:
-            raise bad("max_transfers", f"must be a positive int, got {max_transfers!r}")
+            raise ValueError(f"max_transfers: must be a positive int, got {max_transfers!r}")
         #: the node's presence and status riding on the home session (or None)
         self.channel = channel
         self.tls_ca, self.tls_cert, self.tls_key = tls_ca, tls_cert, tls_key
@@ -478,10 +472,6 @@ class MqttTransport(Transport):
         with self._lock:
             return {ep: c.ready.is_set() for ep, c in self._conns.items()}
 
-    def _count(self, reason: str, n: int = 1) -> None:
-        with self._lock:
-            self.stats.dropped[reason] += n
-
     def use_prepare_frame(self, prepare: Callable[[bytes, int], object]) -> bool:
         """Set :attr:`prepare_frame` (see :meth:`Transport.use_prepare_frame`); True."""
         self.prepare_frame = prepare
@@ -489,7 +479,8 @@ class MqttTransport(Transport):
 
     def count(self, reason: str, n: int = 1) -> None:
         """Count ``n`` dropped messages under ``reason`` (``stats.dropped``; thread-safe)."""
-        self._count(reason, n)
+        with self._lock:
+            self.stats.dropped[reason] += n
 
     @property
     def running(self) -> bool:
@@ -554,9 +545,7 @@ class MqttTransport(Transport):
             client.on_message = self._on_message
             conn.client = client
             self._conns[endpoint] = conn
-            connect_kwargs: dict[str, Any] = {}
-            if self.protocol == "5":
-                connect_kwargs["clean_start"] = True
+            connect_kwargs: dict[str, Any] = {"clean_start": True} if self.protocol == "5" else {}
             client.connect_async(conn.host, conn.port, keepalive=self.keepalive, **connect_kwargs)
             client.loop_start()
             log.info("%s: connecting to %sbroker %s (MQTT %s)", self.node_id,
@@ -652,7 +641,7 @@ class MqttTransport(Transport):
         try:
             fn(*args)
         except Exception:  # noqa: BLE001 - a handler bug must not stop the transport
-            self._count("handler_error")
+            self.count("handler_error")
             self._errors.exception("%s: handler %r failed", self.node_id, fn)
 
     def _on_message(self, client, conn: _Conn, msg) -> None:
@@ -671,7 +660,7 @@ class MqttTransport(Transport):
             elif self.channel is not None and leaf in self.channel.leaves:
                 self.channel.on_message(conn.home, conn.client, sender, leaf, payload)
         except Exception:  # noqa: BLE001 - never kill paho's thread
-            self._count("handler_error")
+            self.count("handler_error")
             self._errors.exception("%s: error handling a message on %s", self.node_id, getattr(msg, "topic", "?"))
 
     def _handle_frame(self, conn: _Conn, topic_name: str, payload: bytes) -> None:
@@ -679,14 +668,14 @@ class MqttTransport(Transport):
             self.stats.bytes_received += len(payload)
         limit = self.max_frame_bytes + (HEADER_LEN if is_chunk(payload) else 0)
         if len(payload) > limit:
-            self._count("oversized")
+            self.count("oversized")
             log.warning("%s: dropped a %d-byte payload on %s (oversized)", self.node_id, len(payload), topic_name)
             return
         with conn.reasm_lock:
             if is_chunk(payload):
                 held = sum(r.held_bytes for r in conn.reassemblers.values())
                 if held + len(payload) > self._max_reassembly_bytes:
-                    self._count("too_many_transfers")
+                    self.count("too_many_transfers")
                     log.warning("%s: dropped a chunk on %s: %d bytes of incomplete transfers held",
                                 self.node_id, topic_name, held)
                     return
@@ -694,7 +683,7 @@ class MqttTransport(Transport):
                 in_flight = sum(r.pending for r in conn.reassemblers.values())
                 mine = conn.reassemblers.get(topic_name)
                 if in_flight >= self.max_transfers and (mine is None or not mine.holds(payload)):
-                    self._count("too_many_transfers")
+                    self.count("too_many_transfers")
                     log.warning("%s: dropped a chunk on %s: %d transfers in flight",
                                 self.node_id, topic_name, in_flight)
                     return
@@ -707,7 +696,7 @@ class MqttTransport(Transport):
             try:
                 result = reassembler.feed_with_size(payload)
             except ChunkError as exc:
-                self._count(exc.reason)
+                self.count(exc.reason)
                 log.warning("%s: dropped a chunk on %s: %s", self.node_id, topic_name, exc)
                 return
         if result is None:
@@ -740,7 +729,7 @@ class MqttTransport(Transport):
                                 del conn.reassemblers[name]
                     conn.prune()
                 if expired:
-                    self._count("incomplete_transfer", expired)
+                    self.count("incomplete_transfer", expired)
                     log.warning("%s: dropped %d incomplete transfer(s)", self.node_id, expired)
                 if self.channel is not None:
                     self.channel.tick()
@@ -816,13 +805,10 @@ class MqttTransport(Transport):
         self._stopped = True
         await asyncio.gather(*(self._close_conn(c) for c in list(self._conns.values())))
 
-    def _check_started(self) -> None:
-        if not self._started and not self._stopped:
-            raise RuntimeError("MqttTransport used before start()")
-
     def check_started(self) -> None:
         """Raises RuntimeError before ``start()`` (fine after ``stop()``)."""
-        self._check_started()
+        if not self._started and not self._stopped:
+            raise RuntimeError("MqttTransport used before start()")
 
     async def send(self, peer: str, frame: bytes) -> int:
         """Publish ``frame`` to ``peer``'s inbox on the peer's broker (pooled connection).
@@ -837,11 +823,11 @@ class MqttTransport(Transport):
             ValueError: ``peer`` is not a valid node id, or the frame is larger than
                 ``max_frame_bytes``.
         """
-        self._check_started()
+        self.check_started()
         if not isinstance(peer, str) or not _ID_RE.match(peer):
             raise ValueError(f"peer: not a valid node id: {peer!r}")
         if self._stopping:
-            self._count("not_connected")
+            self.count("not_connected")
             return 0
         conn = self._get_conn(self._endpoint_for(peer))
         if not conn.ever_ready:
@@ -858,9 +844,9 @@ class MqttTransport(Transport):
         nodes outside a configured graph reject it as ``not_neighbour``).  Returns and
         raises like :meth:`send`.
         """
-        self._check_started()
+        self.check_started()
         if self._stopping:
-            self._count("not_connected")
+            self.count("not_connected")
             return 0
         return await self._publish_frame(self._conns[self.broker], self._t_out, frame)
 
@@ -876,24 +862,24 @@ class MqttTransport(Transport):
 
     def _publish_chunks(self, conn: _Conn, topic_name: str, frame: bytes) -> int:
         if self.qos == 0 and not conn.connected:
-            self._count("not_connected")
+            self.count("not_connected")
             return 0
         size = chunked_size(frame, self.chunk_size)
         if conn.prune() + size > self.max_pending_bytes:
-            self._count("queue_full")
+            self.count("queue_full")
             log.warning("%s: dropped a %d-byte frame for %s: more than %d bytes queued for %s",
                         self.node_id, len(frame), topic_name, self.max_pending_bytes, conn.endpoint)
             return 0
         client = conn.client
         if client is None:  # not connecting yet
-            self._count("not_connected")
+            self.count("not_connected")
             return 0
         # all chunks built first, then queued in one go: building one while paho writes the
         # previous makes the two threads trade the GIL (measured slower on a loaded 2-core VM)
         for chunk in list(iter_chunks(frame, self.chunk_size)):
             info = client.publish(topic_name, chunk, qos=self.qos)
             if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
-                self._count("publish_error")
+                self.count("publish_error")
                 log.warning("%s: publish to %s failed: %s", self.node_id, topic_name, mqtt.error_string(info.rc))
                 return 0
             conn.track(info, len(chunk))
@@ -910,24 +896,10 @@ class MqttTransport(Transport):
             RuntimeError: before ``start()``, or without a channel.
             ValueError: ``status`` is not a JSON-serialisable dict.
         """
-        self._check_started()
+        self.check_started()
         if self.channel is None:
             raise RuntimeError("this MqttTransport has no presence/status channel")
         await self.channel.publish_status(status)
-
-    async def publish_retained(self, leaf: str, document: dict[str, Any]) -> None:
-        """Publish ``document`` (JSON) retained, QoS 1, on ``dfl/{fed}/node/{id}/{leaf}``
-        (e.g. ``model``: the deployed-model announcement).
-
-        Raises:
-            RuntimeError: before ``start()`` or while disconnected.
-        """
-        self._check_started()
-        conn = self._conns.get(self.broker)
-        if conn is None or conn.client is None or not conn.connected:
-            raise RuntimeError("not connected to the broker")
-        conn.client.publish(topic(self.federation, self.node_id, leaf), json.dumps(document, sort_keys=True),
-                            qos=1, retain=True)
 
     async def stop(self) -> None:
         """Let the channel say goodbye ("offline", retained) and queued frames go out

@@ -89,6 +89,7 @@ parsed once.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -359,15 +360,6 @@ def encode(message: Message, *, federation: str, sender: str,
     return frame
 
 
-def signed_body(header: dict[str, Any]) -> bytes:
-    """The bytes a signature covers: canonical JSON of ``header`` without ``sig``.
-
-    Raises:
-        ValueError: the header holds NaN/Inf or non-JSON values.
-    """
-    return _CANONICAL.encode({k: v for k, v in header.items() if k != "sig"}).encode()
-
-
 def payload_offset(first: bytes | memoryview) -> int | None:
     """Where the payload starts in a frame whose first bytes are ``first`` (at least its
     prefix), or ``None`` when they are not the prefix of a frame of a version in :data:`~dfl_agent.transport.versions.SPOKEN`.  A chunk reassembler
@@ -383,10 +375,10 @@ def payload_offset(first: bytes | memoryview) -> int | None:
 
 
 def raw_header(frame: bytes) -> dict[str, Any]:
-    """The header of a frame that :func:`decode_envelope` accepted, as a plain dict.
+    """The header of a frame that :func:`decode` accepted, as a plain dict.
 
     Raises:
-        WireError: ``malformed`` (call :func:`decode_envelope` first for full checks).
+        WireError: ``malformed`` (call :func:`decode` first for full checks).
     """
     if len(frame) < PREFIX_LEN:
         raise WireError("malformed", "frame shorter than its prefix")
@@ -449,15 +441,6 @@ def _req(header: dict[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise WireError("malformed", f"envelope field {key!r} has type {type(value).__name__}")
     return value
-
-
-def decode_envelope(frame: bytes, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Envelope:
-    """Parse and validate the header of ``frame`` without touching the payload.
-
-    Raises:
-        WireError: ``oversized``, ``malformed`` or ``version``.
-    """
-    return _decode_envelope(frame, max_frame_bytes=max_frame_bytes)[0]
 
 
 def _decode_envelope(frame: bytes, *, max_frame_bytes: int) -> tuple[Envelope, dict[str, Any]]:
@@ -604,15 +587,12 @@ def decode_with_header(
     if fmt == "raw" or fmt == "codec":
         if fmt == "codec":
             desc = {_codec.BLOB: {"dtype": "uint8", "shape": [env.payload_len]}}
-        names = sorted(desc)
         table = []  # (name, dtype, offset, elements, shape)
         off = 0
         dtypes = set()
-        for name in names:
+        for name in sorted(desc):
             d = desc[name]
-            n = 1
-            for s in d["shape"]:
-                n *= s
+            n = math.prod(d["shape"])
             dt = _DTYPE_OF[d["dtype"]]
             dtypes.add(dt)
             off = -(-off // ALIGN) * ALIGN

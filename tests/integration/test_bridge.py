@@ -13,6 +13,7 @@ import pytest
 from dfl_agent.cli.broker import BrokerHandle, free_port, mosquitto_path
 from dfl_agent.cli.observer import Observer
 from dfl_agent.cli.tables import peer_rows
+from dfl_agent.discovery.peers import PeerTable
 from dfl_agent.runtime.run.agent import Agent
 from dfl_agent.runtime.shared.config import config_from_dict
 from tests.host import LobbyHost
@@ -106,7 +107,7 @@ def test_agents_on_two_bridged_brokers_learn_together(tmp_path, mosquitto_broker
         assert all(r["neighbours"] == 1 for r in hist), [(a.node_id, r["round"], r["neighbours"], r.get("missing"), r.get("round_seconds")) for r in hist]  # the other site's model arrived every round
         assert set(a.ctx.transport.connections()) == {a.cfg.mqtt.broker}  # home broker only
         other = "bravo" if a.node_id == "alpha" else "alpha"
-        assert a.peers.advertised_broker(other) == (site_b.endpoint if other == "bravo" else site_a.endpoint)
+        assert PeerTable.broker_of(a.peers, other) == (site_b.endpoint if other == "bravo" else site_a.endpoint)
         # how the other site's node was found: its presence, over the bridge (the first record says so)
         assert a.peers.found_via() == {other: "bridged-presence"}
         assert hist[0]["peers_found"] == {other: {"bridged-presence": {"t": pytest.approx(0, abs=1e6),

@@ -50,7 +50,7 @@ def test_an_mdns_record_names_only_a_trusted_broker(caplog):
     # a bridged site's table applies the same rule (it routes everything home anyway)
     bridged = HomeRoutedPeerTable("me", "fed", home_broker=HOME)
     bridged.upsert("ghost", "mdns", federation="fed", broker=OTHER)
-    assert bridged.advertised_broker("ghost") == "" and bridged.dropped == {"mdns_broker_untrusted": 1}
+    assert PeerTable.broker_of(bridged, "ghost") == "" and bridged.dropped == {"mdns_broker_untrusted": 1}
 
 
 def _presences(messages: list[tuple[str, bytes]], require: bool) -> tuple[PeerTable, dict[str, int]]:

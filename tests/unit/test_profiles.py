@@ -386,9 +386,10 @@ def test_sensor_gateway_sends_but_never_aggregates(tmp_path):
 
 # -- the profile rule: which algorithms each shipped profile allows ---------------------------
 def test_every_shipped_profile_lists_exactly_what_the_rule_allows():
-    from dfl_agent.profiles.behaviour import allowed_algorithms, known_algorithms
+    from dfl_agent.algorithms.base import available
+    from dfl_agent.profiles.behaviour import allowed_algorithms
 
-    KNOWN_ALGORITHMS = known_algorithms()
+    KNOWN_ALGORITHMS = available()
     for prof in list_profiles():
         rule = allowed_algorithms(prof)
         allowed = {a for a, why in rule.items() if why is None}

@@ -11,9 +11,13 @@ from dfl_agent.learning.partial import aggregate_partial, check_sub_model
 from dfl_agent.learning.training import TrainConfig
 from dfl_agent.models import SpecError, build_model, count_trainable, spec_hash, validate_spec
 from dfl_agent.models.families import FAMILIES, family_specs
-from dfl_agent.models.resnet import scaled_widths
 
 RATES = (1, 1 / 2, 1 / 4, 1 / 8, 1 / 16)
+
+
+def scaled_widths(widths, rate: float) -> list[int]:
+    """Width-scaled stage widths ``max(1, round(w · rate))`` (seed 000 H1 model rates)."""
+    return [max(1, int(round(w * rate))) for w in widths]
 
 
 def expected_params(c_in: int, widths, blocks, num_classes: int, dims: int, norm: bool = True) -> int:

@@ -11,6 +11,7 @@ from dfl_agent.algorithms.context import Message
 from dfl_agent.runtime.shared.config import ConfigError, config_from_dict
 from dfl_agent.security import SecurityError, SecurityGuard, TrustStore
 from dfl_agent.security.keys import (
+    canonical,
     issue_certificate,
     load_or_create_key,
     public_key_b64,
@@ -19,6 +20,11 @@ from dfl_agent.security.keys import (
 from dfl_agent.transport import wire
 
 FED = "fedsec"
+
+
+def _signed_body(header):
+    """The bytes a signature covers: canonical JSON of ``header`` without ``sig``."""
+    return canonical({k: v for k, v in header.items() if k != "sig"})
 
 
 def _msg(rnd=1, kind="model"):
@@ -135,7 +141,7 @@ def test_time_window_and_monotonic_rounds():
         # re-sign with a chosen send time
         header = wire.raw_header(frame)
         header["time"] = t
-        header["sig"] = a.sign(wire.signed_body(header))
+        header["sig"] = a.sign(_signed_body(header))
         return header
 
     assert b.check(at(1000.0, 5)) is None
@@ -321,7 +327,7 @@ def test_signature_verified_over_the_bytes_as_received(monkeypatch):
     frame2 = _signed(a, rnd=9)
     monkeypatch.setattr(wire, "COMPRESS_HEADERS", wire_compress)
     header = wire.raw_header(frame)
-    assert header.signed_bytes == wire.signed_body(header)  # the canonical bytes, as received
+    assert header.signed_bytes == _signed_body(header)  # the canonical bytes, as received
     hlen = struct.unpack_from(">I", frame, 4)[0]
     raw = frame[8:8 + hlen].rstrip(b" ")
     assert raw == header.signed_bytes[:-1] + b',"sig":' + json.dumps(header["sig"]).encode() + b"}"
