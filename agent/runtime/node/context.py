@@ -259,6 +259,11 @@ class RuntimeContext:
         """Whether the node runs under ``runtime.straggler = "quorum"`` (else the papers' lock step)."""
         return self.straggler is not None and bool(self.straggler.quorum)
 
+    def use_train(self, train: TrainConfig) -> None:
+        """Train with ``train`` (a :class:`~dfl_agent.learning.training.TrainConfig`) from now on
+        (a warm start's learning-rate ramp changes it round by round)."""
+        self.train = train
+
     def track_stream(self, stream: ChocoGossip) -> None:
         """Follow a CHOCO gossip stream: ask for the keyframes its copies lost
         (:meth:`request_keyframes`), and send a keyframe to a peer that came back (its epoch

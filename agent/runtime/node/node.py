@@ -147,6 +147,10 @@ class Node:
         ``reason``): added to this process's first round record."""
         self.run_start = dict(run_start)
 
+    def note_startup(self, name: str, seconds: float) -> None:
+        """Start-up work done before round 1 (e.g. ``warm_up_s``): added to round 1's record."""
+        self.startup[name] = seconds
+
     def resumed_at(self, restored: int, rounds_alone: int, exchange_rounds: int) -> None:
         """After a restart from the checkpoint of round ``restored``: its history says so, and the
         rounds closed alone, of those meant to use a peer update, are the metrics file's (a
@@ -204,7 +208,7 @@ class Node:
     def _set_lr_ramp(self, t: int) -> None:
         """Round ``t``'s learning rates (``ctx.train``): the full rates once past the ramp."""
         if self._full_rate is not None:
-            self.ctx.train = ramped(self._full_rate, ramp_scale(self.lr_ramp, t))
+            self.ctx.use_train(ramped(self._full_rate, ramp_scale(self.lr_ramp, t)))
 
     async def drain(self) -> None:
         """Wait until every round's background evaluation and record are done."""

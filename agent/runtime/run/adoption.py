@@ -141,7 +141,7 @@ async def fetch(agent: Any, run_id: str, asked: list[str], *, max_bytes: int, wa
     base = copy.deepcopy(node.algorithm.deployable_model()).to("cpu")
     for member in asked:
         request = new_request(run_id, member, agent.cfg.algorithm.rounds)
-        agent.wanted = request  # carried in this node's statuses (model_wanted) while it asks
+        agent.want_model(request)
         await node.publish_status()
         log.info("asking %s for the model of run %s (waiting up to %.0f s)", member, run_id, wait_s)
         deadline = loop.time() + wait_s
@@ -172,9 +172,9 @@ async def fetch(agent: Any, run_id: str, asked: list[str], *, max_bytes: int, wa
             meta = msg.meta
             source = {"node": member, "version": meta.get("version"), "sha256": meta.get("sha256"),
                       "round": meta.get("round")}
-            agent.wanted = None
+            agent.want_model(None)
             return model, source, answers
-    agent.wanted = None
+    agent.want_model(None)
     await node.publish_status()
     return None, None, answers
 

@@ -400,7 +400,7 @@ class Agent(RunMembers, AgentOperations):
         if not await self._wait_for_peers(stop):
             warm.cancel()
             return None
-        node.startup["warm_up_s"] = await warm  # start-up work: added to round 1's record
+        node.note_startup("warm_up_s", await warm)
         if cfg.runtime.rejoin and node.algorithm.communicates:  # fault tolerance: behind the federation
             if self._federation_finished():  # a majority of the run's members, never one device
                 log.info("most of the run's members report it finished (%d rounds)", cfg.algorithm.rounds)

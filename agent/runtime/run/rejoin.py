@@ -56,7 +56,7 @@ def _as_float(value: Any) -> float:
 class RunMembers:
     """The members side of the training agent (:class:`~dfl_agent.runtime.run.agent.Agent`
     mixes it in): it reads ``cfg``, ``ctx``, ``node_id``, ``members``, ``run_desc``,
-    ``run_dir`` and ``state_dir`` of the agent."""
+    ``run_dir`` and ``state_dir`` of the agent, and sets its ``wanted``."""
 
     cfg: Any
     ctx: Any
@@ -65,6 +65,12 @@ class RunMembers:
     run_desc: Any
     run_dir: Path | None
     state_dir: Path
+    wanted: dict[str, Any] | None
+
+    def want_model(self, request: dict[str, Any] | None) -> None:
+        """Carry ``request`` for the run's model in this node's statuses (``model_wanted``, while
+        :mod:`~dfl_agent.runtime.run.adoption` asks a member for it; None: ask no more)."""
+        self.wanted = request
 
     def _rejoin_round(self, start_round: int = 1) -> int:
         """Fault tolerance (``runtime.rejoin``): the round to start at when (re)joining a
